@@ -1,0 +1,92 @@
+//! Presence of `libcuda` and the driver version, checked before any cudarc call.
+//!
+//! cudarc panics when libcuda is absent and when a symbol an older driver lacks is first called.
+//! Everything in gpudirect that touches CUDA calls [`driver`] first, and [`require_symbols`] for
+//! entry points newer than the oldest supported driver.
+
+use crate::loader::{self, LoadError, Opened};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Candidate file names for the CUDA driver library, in the order tried. cudarc's own list contains
+/// both, so whatever opens here also opens there.
+pub const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+
+/// Environment variable naming an explicit path to `libcuda.so`, tried first.
+pub const PATH_ENV: &str = "GPUDIRECT_LIBCUDA_PATH";
+
+/// The CUDA driver library, opened by our own loader.
+#[derive(Debug)]
+pub struct Driver {
+    opened: Opened,
+    version: i32,
+    symbols: Mutex<HashMap<&'static str, bool>>,
+}
+
+impl Driver {
+    /// Where the library was loaded from.
+    pub fn path(&self) -> &str {
+        &self.opened.path
+    }
+
+    /// `cuDriverGetVersion`: the driver's CUDA version as `1000 * major + 10 * minor`
+    /// (13000 for CUDA 13.0).
+    #[doc(alias = "cuDriverGetVersion")]
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// Whether the driver exports `symbol`.
+    pub fn has_symbol(&self, symbol: &'static str) -> bool {
+        let mut cache = self.symbols.lock().unwrap_or_else(|e| e.into_inner());
+        *cache.entry(symbol).or_insert_with(|| {
+            // SAFETY: only presence is checked; the pointer is never called through this type.
+            unsafe { loader::symbol::<*const ()>("libcuda", &self.opened, symbol) }.is_ok()
+        })
+    }
+}
+
+/// `cuDriverGetVersion(int*)`.
+type DriverGetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+
+/// Open libcuda once and read its version. Never panics.
+pub fn driver() -> Result<&'static Driver, LoadError> {
+    static DRIVER: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: the system's CUDA driver library is sound to load.
+            let opened = unsafe { loader::open("libcuda", CANDIDATES, Some(PATH_ENV)) }?;
+            // SAFETY: cuDriverGetVersion has this signature in every CUDA version.
+            let get: DriverGetVersion =
+                unsafe { loader::symbol("libcuda", &opened, "cuDriverGetVersion") }?;
+            let mut version = 0;
+            // SAFETY: one valid out-pointer; the call needs no cuInit.
+            let rc = unsafe { get(&mut version) };
+            if rc != 0 {
+                version = 0;
+            }
+            Ok(Driver {
+                opened,
+                version,
+                symbols: Mutex::new(HashMap::new()),
+            })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Check that every symbol in `symbols` is exported, so that calling it through cudarc cannot
+/// panic. Returns the first missing one as [`LoadError::SymbolNotFound`].
+pub fn require_symbols(symbols: &[&'static str]) -> Result<&'static Driver, LoadError> {
+    let d = driver()?;
+    for s in symbols {
+        if !d.has_symbol(s) {
+            return Err(LoadError::SymbolNotFound {
+                library: "libcuda",
+                path: d.path().to_string(),
+                symbol: s,
+            });
+        }
+    }
+    Ok(d)
+}

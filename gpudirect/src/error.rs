@@ -1,0 +1,170 @@
+//! The one error type of the crate.
+
+use gpudirect_sys::LoadError;
+use std::time::Duration;
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in gpudirect. Each variant names the C call or the argument.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A library or symbol is missing (libcuda, libcufile, libibverbs, librdmacm).
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// A CUDA driver call failed.
+    #[error("{call} failed: {name} ({code})")]
+    Cuda {
+        /// The C function, such as `cuMemAlloc_v2`.
+        call: &'static str,
+        /// The `CUresult` value.
+        code: u32,
+        /// Its name, such as `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
+        name: String,
+    },
+    /// A system or verbs call failed with an errno.
+    #[error("{call} failed: {source}")]
+    Os {
+        /// The C function, such as `ibv_reg_mr`.
+        call: &'static str,
+        /// The errno, as an `io::Error` (its `raw_os_error` is the errno).
+        #[source]
+        source: std::io::Error,
+    },
+    /// An argument broke a rule; nothing was submitted.
+    #[error("invalid argument `{arg}` = {value}: {rule}")]
+    InvalidArgument {
+        /// The argument's name.
+        arg: &'static str,
+        /// Its value, rendered.
+        value: String,
+        /// The rule it broke.
+        rule: String,
+    },
+    /// The node lacks a feature this call needs.
+    #[error("{what} is not supported: {reason}")]
+    Unsupported {
+        /// The feature, such as `dma-buf memory registration`.
+        what: String,
+        /// Why, as observed.
+        reason: String,
+    },
+    /// No device of a kind is present.
+    #[error("no {what}: {reason}")]
+    NoDevice {
+        /// The kind of device: `CUDA device`, `verbs device`.
+        what: &'static str,
+        /// Why, as observed.
+        reason: String,
+    },
+    /// The CUDA driver is older than this library needs.
+    #[error(
+        "CUDA driver {found} is older than the required {required} (versions as 1000*major+10*minor)"
+    )]
+    DriverTooOld {
+        /// `cuDriverGetVersion`.
+        found: i32,
+        /// The minimum.
+        required: i32,
+    },
+    /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        after: Duration,
+    },
+}
+
+impl Error {
+    /// An [`Error::InvalidArgument`].
+    pub fn invalid(
+        arg: &'static str,
+        value: impl std::fmt::Display,
+        rule: impl Into<String>,
+    ) -> Self {
+        Error::InvalidArgument {
+            arg,
+            value: value.to_string(),
+            rule: rule.into(),
+        }
+    }
+
+    /// An [`Error::Os`] from the calling thread's errno.
+    pub fn last_os(call: &'static str) -> Self {
+        Error::Os {
+            call,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    /// An [`Error::Os`] from an errno value.
+    pub fn errno(call: &'static str, errno: i32) -> Self {
+        Error::Os {
+            call,
+            source: std::io::Error::from_raw_os_error(errno),
+        }
+    }
+
+    /// The CUDA code name, when this is a CUDA error.
+    pub fn cuda_name(&self) -> Option<&str> {
+        match self {
+            Error::Cuda { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+}
+
+/// Turn a `CUresult` from `call` into a `Result`.
+pub fn cu(call: &'static str, r: cudarc::driver::sys::CUresult) -> Result<()> {
+    if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda {
+            call,
+            code: r as u32,
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+/// Turn a cudarc `DriverError` from `call` into an [`Error::Cuda`].
+pub fn from_driver(call: &'static str, e: cudarc::driver::DriverError) -> Error {
+    Error::Cuda {
+        call,
+        code: e.0 as u32,
+        name: format!("{:?}", e.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn cuda_error_carries_code_and_name() {
+        let e = cu(
+            "cuCtxEnablePeerAccess",
+            CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+        )
+        .unwrap_err();
+        assert_eq!(e.cuda_name(), Some("CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"));
+        assert_eq!(
+            e.to_string(),
+            "cuCtxEnablePeerAccess failed: CUDA_ERROR_PEER_ACCESS_UNSUPPORTED (217)"
+        );
+        assert!(cu("cuInit", CUresult::CUDA_SUCCESS).is_ok());
+    }
+
+    #[test]
+    fn invalid_argument_says_which_and_why() {
+        let e = Error::invalid("len", 4097, "must be a multiple of 4096");
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `len` = 4097: must be a multiple of 4096"
+        );
+    }
+}

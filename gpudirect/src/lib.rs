@@ -1,0 +1,20 @@
+//! Safe Rust bindings for NVIDIA's GPUDirect stack.
+//!
+//! | path | module | what |
+//! | --- | --- | --- |
+//! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
+//!
+//! Everything is loaded at run time: a program built with gpudirect starts on a machine without
+//! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
+#![deny(missing_docs, unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod cuda;
+pub mod error;
+pub mod memory;
+pub mod testing;
+
+/// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.
+pub use cudarc;
+pub use error::{Error, Result};
+pub use gpudirect_sys as sys;

@@ -1,0 +1,1 @@
+//! Host package for the workspace examples, integration tests and benches.
