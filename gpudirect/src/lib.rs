@@ -10,9 +10,11 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod cuda;
+pub mod device;
 pub mod error;
 pub mod memory;
 pub mod testing;
+pub mod topology;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.
 pub use cudarc;

@@ -1,0 +1,139 @@
+//! CUDA devices and their GPUDirect attributes, read without creating a context.
+
+use crate::cuda;
+use crate::error::{Result, cu};
+use cudarc::driver::sys::{self, CUdevice_attribute as A};
+use serde::{Deserialize, Serialize};
+
+/// What one CUDA device offers GPUDirect.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// The CUDA ordinal.
+    pub ordinal: usize,
+    /// `cuDeviceGetName`.
+    pub name: String,
+    /// `cuDeviceGetPCIBusId`, such as `0000:00:06.0` (lower case, as sysfs spells it).
+    pub pci_bus_id: String,
+    /// `cuDeviceTotalMem`, in bytes.
+    pub total_memory_bytes: u64,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+    /// Copy engines (`CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT`).
+    pub copy_engines: i32,
+    /// dma-buf export of device memory (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`).
+    pub dma_buf: bool,
+    /// GPUDirect RDMA (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`).
+    pub gpudirect_rdma: bool,
+    /// GPUDirect RDMA on VMM allocations (`..._GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`).
+    pub gpudirect_rdma_vmm: bool,
+    /// `cuFlushGPUDirectRDMAWrites` options (`..._GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS`, a bit mask).
+    pub rdma_flush_writes_options: i32,
+    /// Ordering of GPUDirect RDMA writes (`..._GPU_DIRECT_RDMA_WRITES_ORDERING`: 0 none, 100
+    /// owner, 200 all devices).
+    pub rdma_writes_ordering: i32,
+    /// 32-bit stream memory operations through the `_v2` entry points (`cuStreamWaitValue32_v2`
+    /// and friends): part of every CUDA 12+ driver, so true whenever the driver is supported.
+    pub stream_mem_ops: bool,
+    /// 64-bit `_v2` stream memory operations (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`,
+    /// attribute 122 in CUDA 12+).
+    pub stream_mem_ops_64: bool,
+    /// `CU_STREAM_WAIT_VALUE_NOR` in `_v2` waits (`..._CAN_USE_STREAM_WAIT_VALUE_NOR`, 123).
+    pub stream_wait_value_nor: bool,
+    /// Stream-ordered memory pools (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
+    pub memory_pools: bool,
+    /// POSIX fd shareable handles for VMM memory (`..._HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`).
+    pub posix_fd_handles: bool,
+    /// `cuMemHostRegister` support (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`).
+    pub host_register: bool,
+    /// `CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES`.
+    pub can_flush_remote_writes: bool,
+}
+
+// In CUDA 12+ headers the unsuffixed names are the `_v2` attributes (122, 123).
+const MEM_OPS_64_V2: A = A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+const WAIT_NOR_V2: A = A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR;
+
+fn attr(dev: sys::CUdevice, a: A) -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: driver initialised by the caller; one valid out-pointer.
+    cu("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut v, a, dev)
+    })?;
+    Ok(v)
+}
+
+fn c_string(buf: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+impl DeviceInfo {
+    /// Query device `ordinal`.
+    #[doc(alias = "cuDeviceGetAttribute")]
+    pub fn query(ordinal: usize) -> Result<DeviceInfo> {
+        cuda::init()?;
+        let mut dev = 0;
+        // SAFETY: driver initialised; one valid out-pointer.
+        cu("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal as i32)
+        })?;
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer is 256 bytes long, as passed.
+        cu("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev)
+        })?;
+        let mut bus = [0 as std::ffi::c_char; 64];
+        // SAFETY: the buffer is 64 bytes long, as passed.
+        cu("cuDeviceGetPCIBusId", unsafe {
+            sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev)
+        })?;
+        let mut mem = 0usize;
+        // SAFETY: one valid out-pointer.
+        cu("cuDeviceTotalMem_v2", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut mem, dev)
+        })?;
+        let flag = |a| attr(dev, a).map(|v| v != 0);
+        Ok(DeviceInfo {
+            ordinal,
+            name: c_string(&name),
+            pci_bus_id: c_string(&bus).to_ascii_lowercase(),
+            total_memory_bytes: mem as u64,
+            compute_capability: (
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            copy_engines: attr(dev, A::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)?,
+            dma_buf: flag(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)?,
+            gpudirect_rdma: flag(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)?,
+            gpudirect_rdma_vmm: flag(
+                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            )?,
+            rdma_flush_writes_options: attr(
+                dev,
+                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS,
+            )?,
+            rdma_writes_ordering: attr(
+                dev,
+                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING,
+            )?,
+            stream_mem_ops: gpudirect_sys::cuda::driver()?.has_symbol("cuStreamWaitValue32_v2"),
+            stream_mem_ops_64: flag(MEM_OPS_64_V2)?,
+            stream_wait_value_nor: flag(WAIT_NOR_V2)?,
+            memory_pools: flag(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?,
+            posix_fd_handles: flag(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )?,
+            host_register: flag(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED)?,
+            can_flush_remote_writes: flag(A::CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES)?,
+        })
+    }
+
+    /// Every visible device.
+    pub fn all() -> Result<Vec<DeviceInfo>> {
+        (0..cuda::device_count()?).map(DeviceInfo::query).collect()
+    }
+}
