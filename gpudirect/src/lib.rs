@@ -11,6 +11,7 @@
 
 pub mod cuda;
 pub mod device;
+pub mod dmabuf;
 pub mod error;
 pub mod memory;
 pub mod testing;
