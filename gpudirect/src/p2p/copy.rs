@@ -4,8 +4,8 @@ use super::access::{self, Refusal};
 use super::staging::Stager;
 use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, Fence, InFlight, MemoryKind, Tracker};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, EventFence, InFlight, MemoryKind, Tracker};
+use cudarc::driver::{CudaContext, CudaStream, sys};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -94,11 +94,15 @@ impl Default for CopyOptions {
     }
 }
 
+/// What an asynchronous peer copy returns: both buffers (and the staging buffers), owned until
+/// the event recorded after the copy's last step has completed.
+pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, EventFence>;
+
 /// A finished copy: the buffers back, the path that ran, the bytes moved.
 pub struct Copied<S, D> {
     /// The source buffer.
     pub src: S,
-    /// The destination buffer, now holding the source's bytes in its first `bytes` bytes.
+    /// The destination buffer, now holding the source's bytes.
     pub dst: D,
     /// The path that ran.
     pub path: CopyPath,
@@ -133,17 +137,6 @@ impl<S, D> Copied<S, D> {
     /// The buffers.
     pub fn into_parts(self) -> (S, D) {
         (self.src, self.dst)
-    }
-}
-
-/// Completion of a copy: a CUDA event recorded after its last step.
-struct EventFence(Arc<CudaEvent>);
-
-impl Fence for EventFence {
-    fn is_complete(&self) -> bool {
-        // An error other than NOT_READY means the context is lost: no further device work runs,
-        // so nothing can still touch the buffers.
-        self.0.try_is_complete().unwrap_or(true)
     }
 }
 
@@ -260,31 +253,24 @@ impl Copier {
         self.dst
     }
 
-    /// Copy all of `src` into the start of `dst` and wait for it.
+    /// Copy all of `src` into `dst` (equal lengths, in elements) and wait for it.
     ///
     /// # Errors
     ///
-    /// As [`copy_async`](Self::copy_async); a failed wait is [`Error::Cuda`]
-    /// (`cuEventSynchronize`), with the buffers parked until the work completes.
+    /// As [`copy_async`](Self::copy_async).
     #[doc(alias = "cuMemcpyPeer")]
     pub fn copy<S, D>(&self, src: S, dst: D) -> Result<Copied<S, D>>
     where
         S: DeviceMemory,
-        D: DeviceMemory<Elem = S::Elem>,
+        D: DeviceMemoryMut<Elem = S::Elem>,
     {
         let start = Instant::now();
-        let (op, event) = self.submit(src, dst)?;
-        let sync = event.as_ref().map(|e| e.synchronize());
-        if let Some(Err(e)) = sync {
-            drop(op); // waits (bounded), then parks: never freed early
-            return Err(from_driver("cuEventSynchronize", e));
-        }
-        let mut done = op.wait()?;
+        let mut done = self.submit(src, dst)?.wait()?;
         done.elapsed = start.elapsed();
         Ok(done)
     }
 
-    /// Enqueue a copy of all of `src` into the start of `dst`; the returned [`InFlight`] owns
+    /// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); the returned [`InFlight`] owns
     /// both buffers (and the staging buffers) until the copy completes.
     ///
     /// Work already enqueued on other streams that writes `src` or uses `dst` must be complete
@@ -294,16 +280,16 @@ impl Copier {
     ///
     /// Before any work is enqueued (the buffers are dropped, nothing touched them):
     /// [`Error::InvalidArgument`] when a buffer is not device memory, lives on another device than
-    /// the copier's, or `dst` is shorter than `src`. After a failed enqueue, [`Error::Cuda`]; what
+    /// the copier's, or `dst` holds a different number of elements than `src`. After a failed enqueue, [`Error::Cuda`]; what
     /// was enqueued keeps the buffers parked in the [`Tracker`] until it completes.
     #[doc(alias = "cuMemcpyPeerAsync")]
     #[doc(alias = "cuMemcpyDtoDAsync")]
-    pub fn copy_async<S, D>(&self, src: S, dst: D) -> Result<InFlight<Copied<S, D>>>
+    pub fn copy_async<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
     where
         S: DeviceMemory,
-        D: DeviceMemory<Elem = S::Elem>,
+        D: DeviceMemoryMut<Elem = S::Elem>,
     {
-        self.submit(src, dst).map(|(op, _)| op)
+        self.submit(src, dst)
     }
 
     fn validate<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> Result<()> {
@@ -326,11 +312,11 @@ impl Copier {
                 ));
             }
         }
-        if dst.len() < src.len() {
+        if dst.len() != src.len() {
             return Err(Error::invalid(
                 "dst",
                 format!("{} elements", dst.len()),
-                format!("must hold the source's {} elements", src.len()),
+                format!("must hold exactly as many elements as src ({})", src.len()),
             ));
         }
         Ok(())
@@ -381,10 +367,10 @@ impl Copier {
         &self,
         src: S,
         dst: D,
-    ) -> Result<(InFlight<Copied<S, D>>, Option<Arc<CudaEvent>>)>
+    ) -> Result<PeerCopyInFlight<S, D>>
     where
         S: DeviceMemory,
-        D: DeviceMemory<Elem = S::Elem>,
+        D: DeviceMemoryMut<Elem = S::Elem>,
     {
         self.validate(&src, &dst)?;
         let bytes = src.byte_len();
@@ -408,7 +394,7 @@ impl Copier {
                 }
                 (CopyPath::SameDevice, _) => {
                     bind(&inner.src_ctx)?;
-                    // SAFETY: ranges validated (dst ≥ src) and owned until completion; the stream
+                    // SAFETY: ranges validated (equal lengths) and owned until completion; the stream
                     // belongs to the current context.
                     cu("cuMemcpyDtoDAsync_v2", unsafe {
                         sys::cuMemcpyDtoDAsync_v2(d, s, bytes, inner.stream.cu_stream())
@@ -443,13 +429,13 @@ impl Copier {
             _keep: Some(self.inner.clone()),
         };
         match (enqueued, event) {
-            (Ok(()), Ok(ev)) => {
-                let ev = Arc::new(ev);
-                let fence: Box<dyn Fence> = Box::new(EventFence(ev.clone()));
-                Ok((InFlight::new("peer copy", fence, done), Some(ev)))
-            }
+            (Ok(()), Ok(ev)) => Ok(InFlight::new(
+                "peer copy",
+                EventFence::from_event(ev),
+                done,
+            )),
             (Err(e), Ok(ev)) => {
-                Tracker::global().park(EventFence(Arc::new(ev)), done);
+                Tracker::global().park(EventFence::from_event(ev), done);
                 Err(e)
             }
             (res, Err(ev_err)) => {
@@ -466,7 +452,7 @@ fn bind(ctx: &CudaContext) -> Result<()> {
         .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }
 
-/// Copy all of `src` into the start of `dst` (devices taken from the buffers) and wait.
+/// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.
 ///
 /// A one-off [`Copier`] with default options: peer when possible, staged otherwise, same-device
 /// copy when both live on one device. Reuse a `Copier` for repeated copies.
@@ -478,21 +464,21 @@ fn bind(ctx: &CudaContext) -> Result<()> {
 pub fn copy<S, D>(src: S, dst: D) -> Result<Copied<S, D>>
 where
     S: DeviceMemory,
-    D: DeviceMemory<Elem = S::Elem>,
+    D: DeviceMemoryMut<Elem = S::Elem>,
 {
     Copier::new(src.ordinal(), dst.ordinal(), CopyOptions::default())?.copy(src, dst)
 }
 
-/// Enqueue a copy of all of `src` into the start of `dst`; see [`Copier::copy_async`].
+/// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); see [`Copier::copy_async`].
 ///
 /// # Errors
 ///
 /// As [`Copier::new`] and [`Copier::copy_async`].
 #[doc(alias = "cuMemcpyPeerAsync")]
-pub fn copy_async<S, D>(src: S, dst: D) -> Result<InFlight<Copied<S, D>>>
+pub fn copy_async<S, D>(src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
 where
     S: DeviceMemory,
-    D: DeviceMemory<Elem = S::Elem>,
+    D: DeviceMemoryMut<Elem = S::Elem>,
 {
     Copier::new(src.ordinal(), dst.ordinal(), CopyOptions::default())?.copy_async(src, dst)
 }

@@ -35,5 +35,7 @@ pub use access::{
     grant_pool_access, grant_vmm_access, is_peer_access_enabled,
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
-pub use copy::{Copied, Copier, CopyOptions, CopyPath, PathChoice, copy, copy_async};
+pub use copy::{
+    Copied, Copier, CopyOptions, CopyPath, PathChoice, PeerCopyInFlight, copy, copy_async,
+};
 pub use link::{DeviceInfo, Interconnect, Link, LinkMatrix};
