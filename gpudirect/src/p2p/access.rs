@@ -85,7 +85,9 @@ pub(crate) fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
     }
     let mut d = 0;
     // SAFETY: driver initialised (device_count); one valid out-pointer; ordinal in range.
-    cu("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut d, ordinal as i32) })?;
+    cu("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut d, ordinal as i32)
+    })?;
     Ok(d)
 }
 
@@ -321,10 +323,7 @@ mod tests {
             enable_result(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED).unwrap(),
             Enabled::Already
         );
-        assert_eq!(
-            enable_result(CUresult::CUDA_SUCCESS).unwrap(),
-            Enabled::Now
-        );
+        assert_eq!(enable_result(CUresult::CUDA_SUCCESS).unwrap(), Enabled::Now);
     }
 
     #[test]

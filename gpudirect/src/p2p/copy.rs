@@ -308,7 +308,10 @@ impl Copier {
                 return Err(Error::invalid(
                     arg,
                     format!("memory of device {ord}"),
-                    format!("this copier copies from device {} to {}", self.src, self.dst),
+                    format!(
+                        "this copier copies from device {} to {}",
+                        self.src, self.dst
+                    ),
                 ));
             }
         }
@@ -363,11 +366,7 @@ impl Copier {
         }
     }
 
-    fn submit<S, D>(
-        &self,
-        src: S,
-        dst: D,
-    ) -> Result<PeerCopyInFlight<S, D>>
+    fn submit<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
     where
         S: DeviceMemory,
         D: DeviceMemoryMut<Elem = S::Elem>,
@@ -429,11 +428,7 @@ impl Copier {
             _keep: Some(self.inner.clone()),
         };
         match (enqueued, event) {
-            (Ok(()), Ok(ev)) => Ok(InFlight::new(
-                "peer copy",
-                EventFence::from_event(ev),
-                done,
-            )),
+            (Ok(()), Ok(ev)) => Ok(InFlight::new("peer copy", EventFence::from_event(ev), done)),
             (Err(e), Ok(ev)) => {
                 Tracker::global().park(EventFence::from_event(ev), done);
                 Err(e)
