@@ -6,7 +6,7 @@
 //! | [`access`] | can-access query, idempotent enable, pool and VMM grants | `cuDeviceCanAccessPeer`, `cuCtxEnablePeerAccess`, `cuMemPoolSetAccess`, `cuMemSetAccess` |
 //! | [`attributes`] | performance rank, access, native atomics, CUDA array access | `cuDeviceGetP2PAttribute` |
 //! | [`link`] | every ordered pair: access, rank, atomics, NVLink (links) or PCIe | NVML `nvmlDeviceGetNvLinkState`, `nvmlDeviceGetNvLinkRemotePciInfo_v2` |
-//! | [`copy`] | typed copies, blocking and in flight, on the path that really ran | `cuMemcpyPeerAsync`, `cuMemcpyDtoDAsync`, `cuMemcpyDtoHAsync`/`cuMemcpyHtoDAsync` |
+//! | [`copy`](mod@copy) | typed copies, blocking and in flight, on the path that really ran | `cuMemcpyPeerAsync`, `cuMemcpyDtoDAsync`, `cuMemcpyDtoHAsync`/`cuMemcpyHtoDAsync` |
 //! | [`ipc`] | memory and event handles for other processes | `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`, `cuIpcGetEventHandle`, `cuMemExportToShareableHandle` |
 //!
 //! Peer access is process-global: it is enabled on demand and never disabled (least of all by a
