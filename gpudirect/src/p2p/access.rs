@@ -5,9 +5,10 @@
 
 use crate::cuda;
 use crate::error::{Error, Result, cu};
+use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUresult};
-use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The `CUresult` code of `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED` (217).
 pub const PEER_ACCESS_UNSUPPORTED: u32 = CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED as u32;
@@ -109,9 +110,13 @@ pub(crate) fn enable_result(r: CUresult) -> Result<Enabled> {
     }
 }
 
-fn enabled_pairs() -> &'static Mutex<HashSet<(usize, usize)>> {
-    static PAIRS: OnceLock<Mutex<HashSet<(usize, usize)>>> = OnceLock::new();
-    PAIRS.get_or_init(|| Mutex::new(HashSet::new()))
+/// Pairs enabled in this process, with both primary contexts retained for the life of the
+/// process: a primary context whose last user lets go is destroyed, and its peer mappings with it.
+type Pairs = HashMap<(usize, usize), (Arc<CudaContext>, Arc<CudaContext>)>;
+
+fn enabled_pairs() -> &'static Mutex<Pairs> {
+    static PAIRS: OnceLock<Mutex<Pairs>> = OnceLock::new();
+    PAIRS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 /// `cuCtxEnablePeerAccess`—let device `device` (its primary context) access memory of device
@@ -121,7 +126,9 @@ fn enabled_pairs() -> &'static Mutex<HashSet<(usize, usize)>> {
 /// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED` is consumed (the driver API keeps no sticky error for
 /// it), and calls are serialised on a process-wide lock. Access is one-directional: enable
 /// `(a, b)` and `(b, a)` for copies both ways. It is never disabled by gpudirect (peer access is
-/// process-global; a destructor that disabled it would break every other user in the process).
+/// process-global; a destructor that disabled it would break every other user in the process),
+/// and both primary contexts stay retained for the life of the process so that the mapping does
+/// not vanish with the last user of a context.
 ///
 /// # Errors
 ///
@@ -144,7 +151,7 @@ pub fn enable_peer_access(device: usize, peer: usize) -> Result<Enabled> {
         return Err(unsupported("cuCtxEnablePeerAccess"));
     }
     let mut pairs = enabled_pairs().lock().unwrap_or_else(|e| e.into_inner());
-    if pairs.contains(&(device, peer)) {
+    if pairs.contains_key(&(device, peer)) {
         return Ok(Enabled::Already);
     }
     let ctx = cuda::context(device)?;
@@ -155,7 +162,7 @@ pub fn enable_peer_access(device: usize, peer: usize) -> Result<Enabled> {
     // live primary context retained for the duration of the call; flags must be 0.
     let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.cu_ctx(), 0) };
     let out = enable_result(r)?;
-    pairs.insert((device, peer));
+    pairs.insert((device, peer), (ctx, peer_ctx));
     Ok(out)
 }
 
@@ -164,7 +171,7 @@ pub fn is_peer_access_enabled(device: usize, peer: usize) -> bool {
     enabled_pairs()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .contains(&(device, peer))
+        .contains_key(&(device, peer))
 }
 
 /// Enable peer access both ways between `a` and `b`; see [`enable_peer_access`].

@@ -296,15 +296,31 @@ fn classify(
 struct Nvml(nvml_wrapper::Nvml);
 
 impl Nvml {
+    /// `GPUDIRECT_NVML_PATH` when set, then [`NVML_LIB`] by the loader's search, then the same
+    /// file beside the libcuda that was loaded (driver directories are not always on the path).
     fn open() -> std::result::Result<Nvml, String> {
-        let path = std::env::var_os("GPUDIRECT_NVML_PATH")
-            .filter(|p| !p.is_empty())
-            .unwrap_or_else(|| NVML_LIB.into());
-        nvml_wrapper::Nvml::builder()
-            .lib_path(OsStr::new(&path))
-            .init()
-            .map(Nvml)
-            .map_err(|e| format!("NVML ({}): {e}", path.to_string_lossy()))
+        let mut tried: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(p) = std::env::var_os("GPUDIRECT_NVML_PATH").filter(|p| !p.is_empty()) {
+            tried.push(p);
+        }
+        tried.push(NVML_LIB.into());
+        if let Ok(d) = gpudirect_sys::cuda::driver()
+            && let Some(dir) = std::path::Path::new(d.path()).parent()
+            && dir.is_absolute()
+        {
+            tried.push(dir.join(NVML_LIB).into_os_string());
+        }
+        let mut last = String::new();
+        for path in &tried {
+            match nvml_wrapper::Nvml::builder()
+                .lib_path(OsStr::new(path))
+                .init()
+            {
+                Ok(n) => return Ok(Nvml(n)),
+                Err(e) => last = format!("{}: {e}", path.to_string_lossy()),
+            }
+        }
+        Err(format!("NVML not usable (last tried {last})"))
     }
 
     fn handle(
