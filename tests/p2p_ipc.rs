@@ -8,8 +8,8 @@ mod common;
 use common::{assert_same, poisoned, random_u32, stream};
 use gpudirect::memory::{DeviceBuffer, VmmBuffer};
 use gpudirect::p2p::ipc::{
-    IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, VmmHandle, VmmImport, export_vmm,
-    recv_fd, send_fd,
+    IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolImport,
+    PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
 use gpudirect::require;
 use gpudirect::testing::Hardware;
@@ -163,6 +163,81 @@ fn vmm_child(job: VmmJob) {
     let s = stream(d);
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
     assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported VMM source");
+    println!("child: ok");
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PoolJob {
+    src: PoolPtrHandle,
+    dst: PoolPtrHandle,
+}
+
+#[test]
+fn ipc_pool_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return pool_child(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, common::gpus());
+    let seed = common::seed();
+    let data = random_u32(N, seed);
+    let s = stream(0);
+    let pool = IpcPool::new(0).unwrap();
+    let src = pool.alloc::<u32>(N, &s).unwrap();
+    let src = gpudirect::p2p::copy(DeviceBuffer::from_slice(&s, &data).unwrap(), src)
+        .unwrap()
+        .dst;
+    let dst = pool.alloc::<u32>(N, &s).unwrap();
+    let dst = gpudirect::p2p::copy(poisoned(0, N), dst).unwrap().dst;
+    let path = std::env::temp_dir().join(format!("gpudirect-pool-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let job = VmmJob {
+        socket: path.display().to_string(),
+        seed,
+        device: child_device(n),
+    };
+    let mut child = spawn_child(
+        "ipc_pool_two_processes",
+        serde_json::to_string(&job).unwrap(),
+    );
+    let (sock, _) = listener.accept().unwrap();
+    let payload = PoolJob {
+        src: src.export().unwrap(),
+        dst: dst.export().unwrap(),
+    };
+    let fd = pool.export_fd().unwrap();
+    send_fd(&sock, fd.as_fd(), &serde_json::to_vec(&payload).unwrap()).unwrap();
+    let status = child.wait().unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "child failed: {status:?}");
+    let back = gpudirect::p2p::copy(dst, poisoned(0, N)).unwrap().dst;
+    assert_same(
+        &back.to_vec(&s).unwrap(),
+        &data,
+        "child's copy into our pool memory",
+    );
+}
+
+fn pool_child(job: VmmJob) {
+    let d = job.device;
+    let data = random_u32(N, job.seed);
+    let sock = UnixStream::connect(&job.socket).unwrap();
+    let mut buf = [0u8; 2048];
+    let (fd, len) = recv_fd(&sock, &mut buf).unwrap();
+    let handles: PoolJob = serde_json::from_slice(&buf[..len]).unwrap();
+    let pool = IpcPool::import(fd.as_fd(), handles.src.device as usize, d).unwrap();
+    let src = PoolImport::<u32>::open(&pool, &handles.src).unwrap();
+    let dst = PoolImport::<u32>::open(&pool, &handles.dst).unwrap();
+    let done = gpudirect::p2p::copy(src, dst).unwrap();
+    println!("child on device {d}: pool copy path {}", done.path);
+    let (src, _dst) = done.into_parts();
+    let s = stream(d);
+    let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_same(
+        &local.dst.to_vec(&s).unwrap(),
+        &data,
+        "imported pool source",
+    );
     println!("child: ok");
 }
 

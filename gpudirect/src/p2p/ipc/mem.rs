@@ -89,7 +89,8 @@ impl<B: DeviceMemory> IpcExport<B> {
                 return Err(Error::Unsupported {
                     what: "IPC export of pool memory".into(),
                     reason: "cuMemPoolExportPointer needs a pool created with a shareable handle \
-                             type; the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none"
+                             type; the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
+                             from a p2p::ipc::IpcPool"
                         .into(),
                 });
             }

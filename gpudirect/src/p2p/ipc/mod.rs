@@ -5,11 +5,12 @@
 //! | --- | --- | --- | --- |
 //! | `cuMemAlloc` ([`crate::memory::DeviceBuffer`]) | [`IpcExport::new`] (`cuIpcGetMemHandle`) | [`IpcMemory::open`] (`cuIpcOpenMemHandle`) | [`IpcMemHandle`], serde |
 //! | VMM ([`crate::memory::VmmBuffer`]) | [`export_vmm`] (`cuMemExportToShareableHandle`, POSIX fd) | [`VmmImport::open`] (`cuMemImportFromShareableHandle`, `cuMemMap`) | [`VmmHandle`], serde, plus the fd sent with [`send_fd`] (SCM_RIGHTS) |
+//! | pool memory from an [`IpcPool`] | [`PoolAlloc::export`] (`cuMemPoolExportPointer`) after [`IpcPool::export_fd`] | [`PoolImport::open`] (`cuMemPoolImportPointer`) after [`IpcPool::import`] | [`PoolPtrHandle`], serde, plus the pool's fd |
 //! | events | [`IpcEvent::new`] (`cuIpcGetEventHandle`) | [`IpcEvent::open`] (`cuIpcOpenEventHandle`) | [`IpcEventHandle`], serde |
 //!
-//! Stream-ordered pool memory (cudarc's `CudaSlice`) comes from the device's default pool, which
-//! is not exportable: [`IpcExport::new`] answers [`crate::Error::Unsupported`] for it, naming
-//! `cuMemPoolExportPointer` and the exportable pool it would need.
+//! Stream-ordered pool memory from the device's default pool (cudarc's `CudaSlice`) is not
+//! exportable: [`IpcExport::new`] answers [`crate::Error::Unsupported`] for it, naming
+//! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead.
 //!
 //! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
 //! any serde format. Imported mappings own their mapping; dropping one waits for the importing
@@ -19,11 +20,13 @@
 mod event;
 mod fd;
 mod mem;
+mod pool;
 mod vmm;
 
 pub use event::{IpcEvent, IpcEventHandle};
 pub use fd::{recv_fd, send_fd};
 pub use mem::{IpcExport, IpcMemHandle, IpcMemory};
+pub use pool::{IpcPool, PoolAlloc, PoolImport, PoolPtrHandle};
 pub use vmm::{VmmHandle, VmmImport, export_vmm};
 
 /// 64 opaque handle bytes serialized as 128 lower-case hex digits.
