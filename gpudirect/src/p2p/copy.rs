@@ -4,8 +4,8 @@ use super::access::{self, Refusal};
 use super::staging::Stager;
 use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, EventFence, InFlight, MemoryKind, Tracker};
-use cudarc::driver::{CudaContext, CudaStream, sys};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, Fence, InFlight, MemoryKind, Tracker};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -96,7 +96,7 @@ impl Default for CopyOptions {
 
 /// What an asynchronous peer copy returns: both buffers (and the staging buffers), owned until
 /// the event recorded after the copy's last step has completed.
-pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, EventFence>;
+pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, CopyFence>;
 
 /// A finished copy: the buffers back, the path that ran, the bytes moved.
 pub struct Copied<S, D> {
@@ -145,6 +145,65 @@ struct Inner {
     dst_ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     stager: Option<Stager>,
+    /// Completed events for reuse (one `cuEventCreate`/`cuEventDestroy` less per copy).
+    spare: Mutex<Vec<CudaEvent>>,
+}
+
+/// Completion of one copy: an event recorded after the copy's last step (`cuEventQuery`, or
+/// `cuEventSynchronize` for long waits). A query error other than not-ready is "not complete":
+/// the buffers are kept, never freed early. The event goes back to its copier for reuse once the
+/// fence is dropped (after completion was observed, or never when leaked).
+pub struct CopyFence {
+    event: Option<CudaEvent>,
+    home: Arc<Inner>,
+}
+
+impl Fence for CopyFence {
+    fn is_complete(&self) -> bool {
+        self.event
+            .as_ref()
+            .is_none_or(|e| matches!(e.try_is_complete(), Ok(true)))
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        let Some(e) = &self.event else { return true };
+        if timeout >= Duration::from_secs(3600) {
+            return e.synchronize().is_ok() && self.is_complete();
+        }
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(1);
+        loop {
+            if self.is_complete() {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for CopyFence {
+    fn drop(&mut self) {
+        let Some(e) = self.event.take() else { return };
+        // Only a completed event is reused; an errored one is destroyed.
+        if matches!(e.try_is_complete(), Ok(true)) {
+            let mut spare = self.home.spare.lock().unwrap_or_else(|p| p.into_inner());
+            if spare.len() < 64 {
+                spare.push(e);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for CopyFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyFence")
+            .field("complete", &self.is_complete())
+            .finish()
+    }
 }
 
 /// Copies from device `src` to device `dst`, with the path chosen once (peer access enabled,
@@ -232,6 +291,7 @@ impl Copier {
                 dst_ctx,
                 stream,
                 stager,
+                spare: Mutex::new(Vec::new()),
             }),
             submit: Mutex::new(()),
         })
@@ -415,10 +475,15 @@ impl Copier {
                 }
             }
         })();
-        let event = ctx
-            .new_event(None)
+        let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let event = spare
+            .map_or_else(|| ctx.new_event(None), Ok)
             .and_then(|e| e.record(&stream).map(|()| e))
             .map_err(|e| from_driver("cuEventRecord", e));
+        let fence = |ev| CopyFence {
+            event: Some(ev),
+            home: self.inner.clone(),
+        };
         let done = Copied {
             src,
             dst,
@@ -428,9 +493,9 @@ impl Copier {
             _keep: Some(self.inner.clone()),
         };
         match (enqueued, event) {
-            (Ok(()), Ok(ev)) => Ok(InFlight::new("peer copy", EventFence::from_event(ev), done)),
+            (Ok(()), Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
             (Err(e), Ok(ev)) => {
-                Tracker::global().park(EventFence::from_event(ev), done);
+                Tracker::global().park(fence(ev), done);
                 Err(e)
             }
             (res, Err(ev_err)) => {

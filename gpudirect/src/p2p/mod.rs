@@ -36,6 +36,7 @@ pub use access::{
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
 pub use copy::{
-    Copied, Copier, CopyOptions, CopyPath, PathChoice, PeerCopyInFlight, copy, copy_async,
+    Copied, Copier, CopyFence, CopyOptions, CopyPath, PathChoice, PeerCopyInFlight, copy,
+    copy_async,
 };
 pub use link::{DeviceInfo, Interconnect, Link, LinkMatrix};

@@ -23,6 +23,9 @@ pub struct IpcPool {
     /// The device the pool's memory lives on (exporter's numbering).
     device: usize,
     imported: bool,
+    /// The pool's own descriptor, exported when the pool is created: allocations can be shared
+    /// only once the pool has been exported.
+    fd: Option<OwnedFd>,
     pid: u32,
 }
 
@@ -32,7 +35,9 @@ unsafe impl Send for IpcPool {}
 unsafe impl Sync for IpcPool {}
 
 impl IpcPool {
-    /// `cuMemPoolCreate` on device `ordinal` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+    /// `cuMemPoolCreate` on device `ordinal` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
+    /// then `cuMemPoolExportToShareableHandle` right away (the driver shares allocations of a pool
+    /// only after the pool itself has been exported).
     ///
     /// # Errors
     ///
@@ -56,36 +61,49 @@ impl IpcPool {
         cu("cuMemPoolCreate", unsafe {
             sys::cuMemPoolCreate(&mut pool, &props)
         })?;
-        Ok(Arc::new(IpcPool {
+        let mut out = IpcPool {
             pool,
             ctx,
             device: ordinal,
             imported: false,
+            fd: None,
             pid: std::process::id(),
-        }))
-    }
-
-    /// `cuMemPoolExportToShareableHandle`: a descriptor for the pool, to send with
-    /// [`super::send_fd`].
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Cuda`] from the driver.
-    #[doc(alias = "cuMemPoolExportToShareableHandle")]
-    pub fn export_fd(&self) -> Result<OwnedFd> {
-        bind(&self.ctx)?;
+        };
         let mut fd: libc::c_int = -1;
-        // SAFETY: the POSIX fd handle type writes an int; a live pool.
+        // SAFETY: the POSIX fd handle type writes an int; a live pool (destroyed by `out`'s drop
+        // on error).
         cu("cuMemPoolExportToShareableHandle", unsafe {
             sys::cuMemPoolExportToShareableHandle(
                 (&mut fd as *mut libc::c_int).cast(),
-                self.pool,
+                pool,
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                 0,
             )
         })?;
-        // SAFETY: a new descriptor owned by the caller.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // SAFETY: a new descriptor owned by us.
+        out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+        Ok(Arc::new(out))
+    }
+
+    /// A descriptor for the pool (a `dup` of the one exported at creation with
+    /// `cuMemPoolExportToShareableHandle`), to send with [`super::send_fd`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an imported pool; [`Error::Os`] when `dup` fails.
+    #[doc(alias = "cuMemPoolExportToShareableHandle")]
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        let fd = self.fd.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "self",
+                "an imported pool",
+                "only the creating process exports",
+            )
+        })?;
+        fd.try_clone().map_err(|source| Error::Os {
+            call: "dup",
+            source,
+        })
     }
 
     /// `cuMemPoolImportFromShareableHandle`: the pool another process exported (resident on its
@@ -114,6 +132,7 @@ impl IpcPool {
             ctx,
             device: pool_device,
             imported: true,
+            fd: None,
             pid: std::process::id(),
         });
         if ordinal != pool_device {
