@@ -192,3 +192,64 @@ fn a16_pool_memory_peer_copy_is_granted_and_reported() {
     println!("with grant: {} {:.1} GB/s", done.path, done.gb_per_s());
     assert_eq!(done.path, CopyPath::Peer);
 }
+
+#[test]
+fn one_copier_shared_by_threads_keeps_every_copy_exact() {
+    let _ = require!(Hardware::Gpu, common::gpus());
+    let copier = std::sync::Arc::new(Copier::new(0, 0, staged()).unwrap());
+    let seed = common::seed();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let copier = copier.clone();
+            std::thread::spawn(move || {
+                let s = stream(0);
+                for i in 0..3u64 {
+                    let n = N - (t * 3 + i) as usize;
+                    let data = random_u32(n, seed ^ (t << 8 | i));
+                    let src = DeviceBuffer::from_slice(&s, &data).unwrap();
+                    let done = copier
+                        .copy_async(src, poisoned(0, n))
+                        .unwrap()
+                        .wait()
+                        .unwrap();
+                    assert_same(
+                        &done.dst.to_vec(&s).unwrap(),
+                        &data,
+                        &format!("thread {t} copy {i}"),
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn dropping_an_in_flight_copy_waits_instead_of_freeing_early() {
+    let _ = require!(Hardware::Gpu, common::gpus());
+    let s = stream(0);
+    let copier = Copier::new(0, 0, staged()).unwrap();
+    let data = random_u32(N, 3);
+    // Dropped while (likely) still running: the drop waits for the event, then frees.
+    drop(
+        copier
+            .copy_async(DeviceBuffer::from_slice(&s, &data).unwrap(), poisoned(0, N))
+            .unwrap(),
+    );
+    // Forgotten: the buffers leak (safe), and the copier keeps working.
+    std::mem::forget(
+        copier
+            .copy_async(DeviceBuffer::from_slice(&s, &data).unwrap(), poisoned(0, N))
+            .unwrap(),
+    );
+    let done = copier
+        .copy(DeviceBuffer::from_slice(&s, &data).unwrap(), poisoned(0, N))
+        .unwrap();
+    assert_same(
+        &done.dst.to_vec(&s).unwrap(),
+        &data,
+        "after drop and forget",
+    );
+}
