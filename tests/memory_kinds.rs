@@ -285,10 +285,9 @@ fn undecidable_drop_parks_and_reap_frees_after_completion() {
     let src = DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap();
     let flags = gate(&ctx, &stream);
     let op = copy_async(&stream, src, dst).unwrap();
-    let parked_before = Tracker::global().parked();
     drop(op); // cannot complete: waits DROP_WAIT, then parks
     assert_eq!(drops.load(Ordering::SeqCst), 0, "freed while in flight");
-    assert!(Tracker::global().parked() > parked_before);
+    assert!(Tracker::global().parked() >= 1);
     flags.store_u32(0, 1).unwrap();
     stream.synchronize().unwrap();
     let t = Instant::now();

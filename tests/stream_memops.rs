@@ -81,12 +81,13 @@ fn a18_batch_of_300_is_split_into_legal_batches() {
                 value: 1000 + i as u32,
             }));
         }
-        // a wait in the middle of the batch, on a word written earlier in the same batch
+        // a wait in the middle of the batch, on a word the host has already set
+        flags.store_u32(300, 42).unwrap();
         ops.insert(
             200,
             MemOp::Wait32 {
-                slot: 5,
-                value: 1005,
+                slot: 300,
+                value: 42,
                 cond: WaitCondition::Eq,
             },
         );
