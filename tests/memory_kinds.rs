@@ -17,6 +17,15 @@ use std::time::{Duration, Instant};
 
 const POISON: u32 = 0xDEAD_BEEF;
 
+/// These tests block streams on host flags ("gates"). `cuMemFree`/`cuMemFreeHost` synchronize
+/// the device, so a free on any thread while a gate is closed waits for that gate: the tests run
+/// one at a time and allocate before closing their gate.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn random(n: usize) -> Vec<u32> {
     let mut rng = rand::rng();
     (0..n).map(|_| rng.random()).collect()
@@ -58,6 +67,7 @@ impl<M> Drop for Counted<M> {
 
 #[test]
 fn every_kind_answers_its_pointer_attributes() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let n = 1 << 20;
@@ -119,6 +129,7 @@ fn every_kind_answers_its_pointer_attributes() {
 
 #[test]
 fn copies_between_every_kind_are_exact() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let n = (3 << 20) + 17; // not a power of two
@@ -203,6 +214,7 @@ fn copies_between_every_kind_are_exact() {
 
 #[test]
 fn lengths_and_devices_are_checked_before_ffi() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let d = DeviceBuffer::<u32>::alloc(&ctx, 16).unwrap();
@@ -234,6 +246,7 @@ fn gate(ctx: &Arc<gpudirect::cudarc::driver::CudaContext>, stream: &Stream) -> A
 
 #[test]
 fn drop_while_in_flight_blocks_until_complete_and_frees_once() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let n = 1 << 20;
@@ -275,6 +288,7 @@ fn drop_while_in_flight_blocks_until_complete_and_frees_once() {
 
 #[test]
 fn undecidable_drop_parks_and_reap_frees_after_completion() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let drops = Arc::new(AtomicUsize::new(0));
@@ -304,6 +318,7 @@ fn undecidable_drop_parks_and_reap_frees_after_completion() {
 
 #[test]
 fn forgotten_in_flight_leaks_never_frees() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let drops = Arc::new(AtomicUsize::new(0));
@@ -322,9 +337,15 @@ fn forgotten_in_flight_leaks_never_frees() {
 
 #[test]
 fn host_callbacks_run_in_order_catch_panics_and_free_on_reap() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let ran = Arc::new(AtomicUsize::new(0));
+    let drops = Arc::new(AtomicUsize::new(0));
+    let captured = Counted {
+        inner: DeviceBuffer::<u8>::alloc(&ctx, 4096).unwrap(),
+        drops: drops.clone(),
+    };
     let flags = gate(&ctx, &stream);
     let r = ran.clone();
     let f1 = stream
@@ -335,11 +356,6 @@ fn host_callbacks_run_in_order_catch_panics_and_free_on_reap() {
     let f2 = stream
         .launch_host_fn(|| panic!("caught by the trampoline"))
         .unwrap();
-    let drops = Arc::new(AtomicUsize::new(0));
-    let captured = Counted {
-        inner: DeviceBuffer::<u8>::alloc(&ctx, 4096).unwrap(),
-        drops: drops.clone(),
-    };
     let f3 = stream
         .launch_host_fn(move || {
             let _ = captured.len();
@@ -365,6 +381,7 @@ fn host_callbacks_run_in_order_catch_panics_and_free_on_reap() {
 
 #[test]
 fn events_order_work_across_streams() {
+    let _serial = serial();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let a = Stream::new(&ctx).unwrap();
     let b = Stream::new(&ctx).unwrap();
@@ -372,13 +389,12 @@ fn events_order_work_across_streams() {
     let data = random(n);
     // a: blocked on the gate, then an H2D copy from a shared pinned source, then a marker.
     let src = Arc::new(PinnedHostBuffer::from_slice(&ctx, &data, HostAllocFlags::empty()).unwrap());
-    let flags = gate(&ctx, &a);
-    let first = copy_async(
-        &a,
-        src.clone(),
+    let (dst1, dst2) = (
         DeviceBuffer::<u32>::alloc(&ctx, n).unwrap(),
-    )
-    .unwrap();
+        DeviceBuffer::<u32>::alloc(&ctx, n).unwrap(),
+    );
+    let flags = gate(&ctx, &a);
+    let first = copy_async(&a, src.clone(), dst1).unwrap();
     let marker = Arc::new(AtomicUsize::new(0));
     let m = marker.clone();
     a.launch_host_fn(move || {
@@ -394,12 +410,7 @@ fn events_order_work_across_streams() {
             s.store(m.load(Ordering::SeqCst), Ordering::SeqCst);
         })
         .unwrap();
-    let second = copy_async(
-        &b,
-        src.clone(),
-        DeviceBuffer::<u32>::alloc(&ctx, n).unwrap(),
-    )
-    .unwrap();
+    let second = copy_async(&b, src.clone(), dst2).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     assert!(!second.is_complete(), "b ran ahead of a");
     flags.store_u32(0, 1).unwrap();
