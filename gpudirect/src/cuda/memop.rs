@@ -15,6 +15,12 @@
 //! Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
 //! [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
 //! waits (bounded) for them and leaks the memory when it cannot prove they completed.
+//!
+//! Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
+//! synchronize the device. While a stream waits on a word that thread T will set, T must not free
+//! CUDA memory (drop a buffer, or let [`crate::memory::Tracker::reap`] or an allocation reap
+//! one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
+//! free after setting the word.
 
 use super::Stream;
 use crate::error::{Error, Result, cu, from_driver};

@@ -476,17 +476,16 @@ impl Fence for StreamFence {
             return true;
         }
         if timeout >= LONG_WAIT {
-            let (done, ev) = self.timeline.poll(self.epoch);
-            if done {
-                return true;
-            }
-            if let Some(ev) = ev {
-                // The event is owned by the timeline, which this fence keeps alive; a recycled
-                // event is only ever re-recorded later on the same stream, so waiting on it
-                // still waits for this epoch.
-                if self.timeline.stream.context().bind_to_thread().is_ok() {
-                    // SAFETY: a live event of the stream's context, current on this thread.
-                    let _ = unsafe { sys::cuEventSynchronize(ev) };
+            // Unbounded wait: one cuStreamSynchronize (what a hand-written loop would do) covers
+            // every epoch issued before it, including this one.
+            let covered = self.timeline.issued.load(Ordering::Acquire);
+            let tl = &self.timeline;
+            if tl.stream.context().bind_to_thread().is_ok() {
+                // SAFETY: a live stream (the timeline holds it), its context current.
+                let r = unsafe { sys::cuStreamSynchronize(tl.stream.cu_stream()) };
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    tl.completed.fetch_max(covered, Ordering::AcqRel);
+                    return true;
                 }
             }
         }
