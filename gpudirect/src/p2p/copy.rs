@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 pub enum CopyPath {
     /// Source and destination on one device: `cuMemcpyDtoDAsync`.
     SameDevice,
-    /// `cuMemcpyPeerAsync` over an enabled peer mapping (NVLink or PCIe P2P), with every pool or
-    /// VMM buffer involved granted to the other device.
+    /// Device to device over an enabled peer mapping (NVLink or PCIe P2P): `cuMemcpyPeerAsync`
+    /// between two devices, with every pool or VMM buffer involved granted to the other device;
+    /// or a copy on one device's stream where a buffer is another device's memory mapped here
+    /// (CUDA IPC imports).
     Peer,
     /// gpudirect's own pipeline through pinned host bounce buffers (two streams, chunked).
     Staged {
@@ -215,6 +217,8 @@ pub struct Copier {
     dst: usize,
     path: CopyPath,
     opts: CopyOptions,
+    /// More than one device is visible (memory may live on another device than it is mapped on).
+    multi_gpu: bool,
     inner: Arc<Inner>,
     submit: Mutex<()>,
 }
@@ -286,6 +290,7 @@ impl Copier {
             dst,
             path,
             opts,
+            multi_gpu: cuda::device_count()? > 1,
             inner: Arc::new(Inner {
                 src_ctx,
                 dst_ctx,
@@ -387,6 +392,17 @@ impl Copier {
 
     /// The true path for these buffers: grants (or checks) pool and VMM access on the peer path.
     fn path_for<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> CopyPath {
+        if self.path == CopyPath::SameDevice && self.multi_gpu {
+            // Memory mapped from another device (CUDA IPC imports open with lazy peer access) is
+            // addressed through this device but lives elsewhere: the copy crosses a peer mapping.
+            for ptr in [src.device_ptr(), dst.device_ptr()] {
+                if let Some(home) = resident_device(ptr)
+                    && home != self.src
+                {
+                    return CopyPath::Peer;
+                }
+            }
+        }
         if self.path != CopyPath::Peer {
             return self.path.clone();
         }
@@ -505,6 +521,21 @@ impl Copier {
             }
         }
     }
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device whose memory `ptr` is; `None` when the
+/// driver cannot say.
+fn resident_device(ptr: u64) -> Option<usize> {
+    let mut dev: i32 = -1;
+    // SAFETY: the out-pointer has the attribute's type (an int); the driver validates `ptr`.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut dev as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
 }
 
 fn bind(ctx: &CudaContext) -> Result<()> {
