@@ -3,6 +3,7 @@
 //! | path | module | what |
 //! | --- | --- | --- |
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
+//! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -14,6 +15,7 @@ pub mod device;
 pub mod dmabuf;
 pub mod error;
 pub mod memory;
+pub mod p2p;
 pub mod testing;
 pub mod topology;
 

@@ -1,0 +1,220 @@
+//! P2P smoke test: the link matrix, then a verified copy for every ordered device pair (each device
+//! with itself too) with GB/s and the path that ran; with one GPU also the staged path to itself;
+//! then CUDA IPC between two processes (this binary re-executed as the importer).
+//!
+//! ```text
+//! cargo run --release --example p2p_copy [-- --json] [-- --mib 256]
+//! ```
+//!
+//! Without a GPU it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE` has `gpu`).
+
+use gpudirect::cuda::Stream;
+use gpudirect::memory::DeviceBuffer;
+use gpudirect::p2p::ipc::{IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory};
+use gpudirect::p2p::{self, Copier, CopyOptions, CopyPath, LinkMatrix, PathChoice};
+use gpudirect::testing::{Hardware, skip_example};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use std::process::Command;
+
+const CHILD: &str = "P2P_COPY_IPC_CHILD";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Job {
+    src: IpcMemHandle,
+    ready: IpcEventHandle,
+    seed: u64,
+    device: usize,
+}
+
+#[derive(serde::Serialize)]
+struct Measured {
+    src: usize,
+    dst: usize,
+    bytes: usize,
+    path: CopyPath,
+    gb_per_s: f64,
+    verified: bool,
+}
+
+fn random(n: usize, seed: u64) -> Vec<u32> {
+    let mut r = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| r.random()).collect()
+}
+
+fn main() {
+    if let Ok(job) = std::env::var(CHILD) {
+        std::process::exit(match ipc_child(&job) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("IPC child failed: {e}");
+                1
+            }
+        });
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let mib: usize = args
+        .iter()
+        .position(|a| a == "--mib")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(256);
+    let n = match gpudirect::cuda::device_count() {
+        Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
+        Ok(n) => n,
+        Err(e) => skip_example(Hardware::Gpu, e),
+    };
+    if let Err(e) = run(n, mib, json) {
+        eprintln!("FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(n: usize, mib: usize, json: bool) -> gpudirect::Result<()> {
+    let matrix = LinkMatrix::probe()?;
+    if !json {
+        println!("== link matrix ({n} GPU{})", if n == 1 { "" } else { "s" });
+        print!("{}", matrix.table());
+        println!("== copies of {mib} MiB, verified byte for byte");
+    }
+    let words = (mib << 20) / 4;
+    let mut results = Vec::new();
+    for a in 0..n {
+        for b in 0..n {
+            let mut choices = vec![PathChoice::Auto];
+            if a == b {
+                choices.push(PathChoice::Staged); // the staged path to itself (A7's fallback)
+            }
+            for choice in choices {
+                let m = measure(a, b, words, choice)?;
+                if !json {
+                    println!(
+                        "{a}->{b}  {:>7.1} GB/s  {}  {}",
+                        m.gb_per_s,
+                        m.path,
+                        if m.verified { "verified" } else { "MISMATCH" }
+                    );
+                }
+                if !m.verified {
+                    return Err(gpudirect::Error::invalid(
+                        "copy",
+                        format!("{a}->{b}"),
+                        "destination differs from source",
+                    ));
+                }
+                results.push(m);
+            }
+        }
+    }
+    let ipc = ipc_parent(n)?;
+    if json {
+        let out = serde_json::json!({ "matrix": matrix, "copies": results, "ipc": ipc });
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+    } else {
+        println!("== IPC between two processes: {ipc}");
+    }
+    Ok(())
+}
+
+/// One warm-up copy, then the best of three timed ones; verify the last one's bytes.
+fn measure(a: usize, b: usize, words: usize, choice: PathChoice) -> gpudirect::Result<Measured> {
+    let opts = CopyOptions {
+        path: choice,
+        ..Default::default()
+    };
+    let copier = Copier::new(a, b, opts)?;
+    let sa = Stream::new(&gpudirect::cuda::context(a)?)?;
+    let sb = Stream::new(&gpudirect::cuda::context(b)?)?;
+    let data = random(words, (a * 131 + b) as u64);
+    let mut src = DeviceBuffer::from_slice(&sa, &data)?;
+    let mut dst = DeviceBuffer::from_slice(&sb, &vec![0xDEAD_BEEFu32; words])?;
+    let mut best: f64 = 0.0;
+    let mut path = copier.path().clone();
+    for i in 0..4 {
+        let done = copier.copy(src, dst)?;
+        if i > 0 {
+            best = best.max(done.gb_per_s());
+        }
+        path = done.path.clone();
+        (src, dst) = done.into_parts();
+    }
+    let verified = dst.to_vec(&sb)? == data;
+    Ok(Measured {
+        src: a,
+        dst: b,
+        bytes: words * 4,
+        path,
+        gb_per_s: best,
+        verified,
+    })
+}
+
+/// Export 64 MiB, let a second process import, copy and verify it; returns a summary.
+fn ipc_parent(n: usize) -> gpudirect::Result<String> {
+    let words = (64 << 20) / 4;
+    let seed = 0x1bc;
+    let s = Stream::new(&gpudirect::cuda::context(0)?)?;
+    let src = IpcExport::new(DeviceBuffer::from_slice(&s, &random(words, seed))?)?;
+    let ready = IpcEvent::new(0)?;
+    ready.record(&s)?;
+    let device = if n > 1 { 1 } else { 0 };
+    let job = Job {
+        src: src.handle().clone(),
+        ready: ready.handle().clone(),
+        seed,
+        device,
+    };
+    let exe = std::env::current_exe().map_err(|e| gpudirect::Error::Os {
+        call: "current_exe",
+        source: e,
+    })?;
+    let out = Command::new(exe)
+        .env(CHILD, serde_json::to_string(&job).unwrap_or_default())
+        .output()
+        .map_err(|e| gpudirect::Error::Os {
+            call: "fork/exec",
+            source: e,
+        })?;
+    let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() {
+        return Err(gpudirect::Error::invalid(
+            "ipc child",
+            format!("{:?}", out.status),
+            format!(
+                "the importing process failed: {said} {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ));
+    }
+    drop(src); // the child has closed its mapping (it exited)
+    Ok(format!("device 0 -> process 2 on device {device}: {said}"))
+}
+
+fn ipc_child(job: &str) -> gpudirect::Result<()> {
+    let job: Job = serde_json::from_str(job)
+        .map_err(|e| gpudirect::Error::invalid("job", e, "JSON from the parent"))?;
+    let d = job.device;
+    let s = Stream::new(&gpudirect::cuda::context(d)?)?;
+    IpcEvent::open(&job.ready, d)?.wait_on(&s)?;
+    let src = IpcMemory::<u32>::open(&job.src, d)?;
+    let words = gpudirect::memory::DeviceMemory::len(&src);
+    let dst = DeviceBuffer::from_slice(&s, &vec![0u32; words])?;
+    let done = p2p::copy(src, dst)?;
+    let ok = done.dst.to_vec(&s)? == random(words, job.seed);
+    println!(
+        "imported {} MiB, copied at {:.1} GB/s ({}), {}",
+        done.bytes >> 20,
+        done.gb_per_s(),
+        done.path,
+        if ok { "verified" } else { "MISMATCH" }
+    );
+    if ok {
+        Ok(())
+    } else {
+        Err(gpudirect::Error::invalid(
+            "imported bytes",
+            "differ",
+            "must equal the exporter's",
+        ))
+    }
+}

@@ -1,0 +1,615 @@
+//! Typed peer copies between device buffers, blocking and asynchronous, on the true path.
+
+use super::access::{self, Refusal};
+use super::staging::Stager;
+use crate::cuda;
+use crate::error::{Error, Result, cu, from_driver};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, Fence, InFlight, MemoryKind, Tracker};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Which path a copy took. Reported truthfully: a copy the driver stages is never called `Peer`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "path", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum CopyPath {
+    /// Source and destination on one device: `cuMemcpyDtoDAsync`.
+    SameDevice,
+    /// Device to device over an enabled peer mapping (NVLink or PCIe P2P): `cuMemcpyPeerAsync`
+    /// between two devices, with every pool or VMM buffer involved granted to the other device;
+    /// or a copy on one device's stream where a buffer is another device's memory mapped here
+    /// (CUDA IPC imports).
+    Peer,
+    /// gpudirect's own pipeline through pinned host bounce buffers (two streams, chunked).
+    Staged {
+        /// Why: the driver's refusal (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, ...) or `requested`.
+        reason: String,
+    },
+    /// `cuMemcpyPeerAsync` between peers where a buffer lacks its own grant (pool memory without
+    /// `cuMemPoolSetAccess`, VMM memory without `cuMemSetAccess`): the driver stages the copy
+    /// internally, well below peer speed.
+    DriverStaged {
+        /// Which buffer lacks which grant.
+        reason: String,
+    },
+}
+
+impl CopyPath {
+    /// A short name: `same_device`, `peer`, `staged`, `driver_staged`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CopyPath::SameDevice => "same_device",
+            CopyPath::Peer => "peer",
+            CopyPath::Staged { .. } => "staged",
+            CopyPath::DriverStaged { .. } => "driver_staged",
+        }
+    }
+}
+
+impl std::fmt::Display for CopyPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CopyPath::Staged { reason } | CopyPath::DriverStaged { reason } => {
+                write!(f, "{} ({reason})", self.name())
+            }
+            _ => f.write_str(self.name()),
+        }
+    }
+}
+
+/// Which path to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum PathChoice {
+    /// Same device when it is one; peer when peer access can be enabled; staged otherwise.
+    #[default]
+    Auto,
+    /// Always gpudirect's staged pipeline (to measure it, or to avoid peer mappings).
+    Staged,
+    /// Peer or fail with the driver's refusal (never a silent fallback).
+    Peer,
+}
+
+/// How a [`Copier`] copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CopyOptions {
+    /// Path selection.
+    pub path: PathChoice,
+    /// Staged path: bytes per chunk (and per pinned bounce buffer). Default 8 MiB.
+    pub chunk_bytes: usize,
+    /// Staged path: bounce buffers in the ring. Default 4.
+    pub slots: usize,
+    /// Peer path: grant the other device access to pool and VMM buffers
+    /// (`cuMemPoolSetAccess`/`cuMemSetAccess`) so the copy really runs peer to peer. Default
+    /// `true`; with `false` such copies are reported as [`CopyPath::DriverStaged`].
+    pub grant_access: bool,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            path: PathChoice::Auto,
+            chunk_bytes: 8 << 20,
+            slots: 4,
+            grant_access: true,
+        }
+    }
+}
+
+/// What an asynchronous peer copy returns: both buffers (and the staging buffers), owned until
+/// the event recorded after the copy's last step has completed.
+pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, CopyFence>;
+
+/// A finished copy: the buffers back, the path that ran, the bytes moved.
+pub struct Copied<S, D> {
+    /// The source buffer.
+    pub src: S,
+    /// The destination buffer, now holding the source's bytes.
+    pub dst: D,
+    /// The path that ran.
+    pub path: CopyPath,
+    /// Bytes copied.
+    pub bytes: usize,
+    /// Host-measured time from enqueue to completion (blocking copies; zero for async ones).
+    pub elapsed: Duration,
+    _keep: Option<Arc<Inner>>,
+}
+
+impl<S, D> std::fmt::Debug for Copied<S, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Copied")
+            .field("path", &self.path)
+            .field("bytes", &self.bytes)
+            .field("elapsed", &self.elapsed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, D> Copied<S, D> {
+    /// Host-measured throughput in GB/s (10⁹ bytes per second); 0 when not measured.
+    pub fn gb_per_s(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// The buffers.
+    pub fn into_parts(self) -> (S, D) {
+        (self.src, self.dst)
+    }
+}
+
+struct Inner {
+    src_ctx: Arc<CudaContext>,
+    dst_ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    stager: Option<Stager>,
+    /// Completed events for reuse (one `cuEventCreate`/`cuEventDestroy` less per copy).
+    spare: Mutex<Vec<CudaEvent>>,
+}
+
+/// Completion of one copy: an event recorded after the copy's last step (`cuEventQuery`, or
+/// `cuEventSynchronize` for long waits). A query error other than not-ready is "not complete":
+/// the buffers are kept, never freed early. The event goes back to its copier for reuse once the
+/// fence is dropped (after completion was observed, or never when leaked).
+pub struct CopyFence {
+    event: Option<CudaEvent>,
+    home: Arc<Inner>,
+}
+
+impl Fence for CopyFence {
+    fn is_complete(&self) -> bool {
+        self.event
+            .as_ref()
+            .is_none_or(|e| matches!(e.try_is_complete(), Ok(true)))
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        let Some(e) = &self.event else { return true };
+        if timeout >= Duration::from_secs(3600) {
+            return e.synchronize().is_ok() && self.is_complete();
+        }
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(1);
+        loop {
+            if self.is_complete() {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for CopyFence {
+    fn drop(&mut self) {
+        let Some(e) = self.event.take() else { return };
+        // Only a completed event is reused; an errored one is destroyed.
+        if matches!(e.try_is_complete(), Ok(true)) {
+            let mut spare = self.home.spare.lock().unwrap_or_else(|p| p.into_inner());
+            if spare.len() < 64 {
+                spare.push(e);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for CopyFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyFence")
+            .field("complete", &self.is_complete())
+            .finish()
+    }
+}
+
+/// Copies from device `src` to device `dst`, with the path chosen once (peer access enabled,
+/// staging buffers allocated) and reused by every copy.
+///
+/// Copies through one `Copier` run in submission order.
+pub struct Copier {
+    src: usize,
+    dst: usize,
+    path: CopyPath,
+    opts: CopyOptions,
+    /// More than one device is visible (memory may live on another device than it is mapped on).
+    multi_gpu: bool,
+    inner: Arc<Inner>,
+    submit: Mutex<()>,
+}
+
+impl std::fmt::Debug for Copier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Copier")
+            .field("src", &self.src)
+            .field("dst", &self.dst)
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl Copier {
+    /// Prepare copies from device `src` to device `dst`.
+    ///
+    /// With [`PathChoice::Auto`] this enables peer access both ways
+    /// ([`enable_peer_access`](super::enable_peer_access)); a refusal (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, also for
+    /// `src == dst` when staging is requested, or `CUDA_ERROR_TOO_MANY_PEERS`) selects the staged
+    /// path with that reason.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoDevice`] or [`Error::Load`] without the devices; the refusal itself with
+    /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for a zero `chunk_bytes` or `slots`;
+    /// [`Error::Cuda`] when creating streams, events or pinned buffers fails.
+    #[doc(alias = "cuMemcpyPeerAsync")]
+    pub fn new(src: usize, dst: usize, opts: CopyOptions) -> Result<Copier> {
+        if opts.chunk_bytes == 0 {
+            return Err(Error::invalid("chunk_bytes", 0, "must be at least 1 byte"));
+        }
+        if opts.slots == 0 {
+            return Err(Error::invalid("slots", 0, "at least one bounce buffer"));
+        }
+        let src_ctx = cuda::context(src)?;
+        let dst_ctx = cuda::context(dst)?;
+        let path = match opts.path {
+            PathChoice::Staged => CopyPath::Staged {
+                reason: "requested".into(),
+            },
+            PathChoice::Auto if src == dst => CopyPath::SameDevice,
+            PathChoice::Auto => match access::enable_peer_access_both(src, dst) {
+                Ok(_) => CopyPath::Peer,
+                Err(e) if Refusal::of(&e).is_some() => CopyPath::Staged {
+                    reason: e.cuda_name().unwrap_or("refused").to_string(),
+                },
+                Err(e) => return Err(e),
+            },
+            PathChoice::Peer => {
+                access::enable_peer_access_both(src, dst)?;
+                CopyPath::Peer
+            }
+        };
+        let stream = src_ctx
+            .new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))?;
+        let stager = match path {
+            CopyPath::Staged { .. } => Some(Stager::new(
+                src_ctx.clone(),
+                dst_ctx.clone(),
+                opts.chunk_bytes,
+                opts.slots,
+            )?),
+            _ => None,
+        };
+        Ok(Copier {
+            src,
+            dst,
+            path,
+            opts,
+            multi_gpu: cuda::device_count()? > 1,
+            inner: Arc::new(Inner {
+                src_ctx,
+                dst_ctx,
+                stream,
+                stager,
+                spare: Mutex::new(Vec::new()),
+            }),
+            submit: Mutex::new(()),
+        })
+    }
+
+    /// The planned path (a copy of pool or VMM memory without grants reports
+    /// [`CopyPath::DriverStaged`] instead of `Peer`; see [`Copied::path`]).
+    pub fn path(&self) -> &CopyPath {
+        &self.path
+    }
+
+    /// Source device ordinal.
+    pub fn src(&self) -> usize {
+        self.src
+    }
+
+    /// Destination device ordinal.
+    pub fn dst(&self) -> usize {
+        self.dst
+    }
+
+    /// Copy all of `src` into `dst` (equal lengths, in elements) and wait for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_async`](Self::copy_async).
+    #[doc(alias = "cuMemcpyPeer")]
+    pub fn copy<S, D>(&self, src: S, dst: D) -> Result<Copied<S, D>>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        let start = Instant::now();
+        let mut done = self.submit(src, dst)?.wait()?;
+        done.elapsed = start.elapsed();
+        Ok(done)
+    }
+
+    /// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); the returned [`InFlight`] owns
+    /// both buffers (and the staging buffers) until the copy completes.
+    ///
+    /// Work already enqueued on other streams that writes `src` or uses `dst` must be complete
+    /// (or synchronised) first: the copy runs on the copier's own streams.
+    ///
+    /// # Errors
+    ///
+    /// Before any work is enqueued (the buffers are dropped, nothing touched them):
+    /// [`Error::InvalidArgument`] when a buffer is not device memory, lives on another device than
+    /// the copier's, or `dst` holds a different number of elements than `src`. After a failed enqueue, [`Error::Cuda`]; what
+    /// was enqueued keeps the buffers parked in the [`Tracker`] until it completes.
+    #[doc(alias = "cuMemcpyPeerAsync")]
+    #[doc(alias = "cuMemcpyDtoDAsync")]
+    pub fn copy_async<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        self.submit(src, dst)
+    }
+
+    fn validate<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> Result<()> {
+        for (arg, kind, ord, want) in [
+            ("src", src.kind(), src.ordinal(), self.src),
+            ("dst", dst.kind(), dst.ordinal(), self.dst),
+        ] {
+            if !kind.is_device() {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{kind:?} memory"),
+                    "peer copies take device memory (Device, Vmm or Pool)",
+                ));
+            }
+            if ord != want {
+                return Err(Error::invalid(
+                    arg,
+                    format!("memory of device {ord}"),
+                    format!(
+                        "this copier copies from device {} to {}",
+                        self.src, self.dst
+                    ),
+                ));
+            }
+        }
+        if dst.len() != src.len() {
+            return Err(Error::invalid(
+                "dst",
+                format!("{} elements", dst.len()),
+                format!("must hold exactly as many elements as src ({})", src.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The true path for these buffers: grants (or checks) pool and VMM access on the peer path.
+    fn path_for<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> CopyPath {
+        if self.path == CopyPath::SameDevice && self.multi_gpu {
+            // Memory mapped from another device (CUDA IPC imports open with lazy peer access) is
+            // addressed through this device but lives elsewhere: the copy crosses a peer mapping.
+            for ptr in [src.device_ptr(), dst.device_ptr()] {
+                if let Some(home) = resident_device(ptr)
+                    && home != self.src
+                {
+                    return CopyPath::Peer;
+                }
+            }
+        }
+        if self.path != CopyPath::Peer {
+            return self.path.clone();
+        }
+        let mut missing = Vec::new();
+        for (arg, ptr, kind, other) in [
+            ("src", src.device_ptr(), src.kind(), self.dst),
+            ("dst", dst.device_ptr(), dst.kind(), self.src),
+        ] {
+            let ok = match kind {
+                MemoryKind::Pool if self.opts.grant_access => {
+                    access::grant_pool_access(ptr, other).is_ok()
+                }
+                MemoryKind::Pool => access::pool_access(ptr, other) == Some(true),
+                MemoryKind::Vmm if self.opts.grant_access => {
+                    access::grant_vmm_access(ptr, other).is_ok()
+                }
+                MemoryKind::Vmm => access::vmm_access(ptr, other) == Some(true),
+                _ => true,
+            };
+            if !ok {
+                let grant = if kind == MemoryKind::Pool {
+                    "cuMemPoolSetAccess"
+                } else {
+                    "cuMemSetAccess"
+                };
+                missing.push(format!(
+                    "{arg} is {kind:?} memory without {grant} for device {other}"
+                ));
+            }
+        }
+        if missing.is_empty() {
+            CopyPath::Peer
+        } else {
+            CopyPath::DriverStaged {
+                reason: missing.join("; "),
+            }
+        }
+    }
+
+    fn submit<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        self.validate(&src, &dst)?;
+        let bytes = src.byte_len();
+        let path = self.path_for(&src, &dst);
+        let (s, d) = (src.device_ptr(), dst.device_ptr());
+        let _guard = self.submit.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = &self.inner;
+        let (stream, ctx) = match &inner.stager {
+            Some(st) => (st.final_stream().clone(), inner.dst_ctx.clone()),
+            None => (inner.stream.clone(), inner.src_ctx.clone()),
+        };
+        let enqueued: Result<()> = (|| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            match (&path, &inner.stager) {
+                (CopyPath::Staged { .. }, Some(st)) => {
+                    // SAFETY: both ranges are owned by `src`/`dst`, which go into the InFlight
+                    // (or the tracker) with the stager's Arc until the final event completes.
+                    unsafe { st.enqueue(d, s, bytes) }
+                }
+                (CopyPath::SameDevice, _) => {
+                    bind(&inner.src_ctx)?;
+                    // SAFETY: ranges validated (equal lengths) and owned until completion; the stream
+                    // belongs to the current context.
+                    cu("cuMemcpyDtoDAsync_v2", unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(d, s, bytes, inner.stream.cu_stream())
+                    })
+                }
+                _ => {
+                    bind(&inner.src_ctx)?;
+                    // SAFETY: as above; both contexts are live primary contexts.
+                    cu("cuMemcpyPeerAsync", unsafe {
+                        sys::cuMemcpyPeerAsync(
+                            d,
+                            inner.dst_ctx.cu_ctx(),
+                            s,
+                            inner.src_ctx.cu_ctx(),
+                            bytes,
+                            inner.stream.cu_stream(),
+                        )
+                    })
+                }
+            }
+        })();
+        let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let event = spare
+            .map_or_else(|| ctx.new_event(None), Ok)
+            .and_then(|e| e.record(&stream).map(|()| e))
+            .map_err(|e| from_driver("cuEventRecord", e));
+        let fence = |ev| CopyFence {
+            event: Some(ev),
+            home: self.inner.clone(),
+        };
+        let done = Copied {
+            src,
+            dst,
+            path,
+            bytes,
+            elapsed: Duration::ZERO,
+            _keep: Some(self.inner.clone()),
+        };
+        match (enqueued, event) {
+            (Ok(()), Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
+            (Err(e), Ok(ev)) => {
+                Tracker::global().park(fence(ev), done);
+                Err(e)
+            }
+            (res, Err(ev_err)) => {
+                // No way to observe completion: leak, never free early.
+                std::mem::forget(done);
+                Err(res.err().unwrap_or(ev_err))
+            }
+        }
+    }
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device whose memory `ptr` is; `None` when the
+/// driver cannot say.
+fn resident_device(ptr: u64) -> Option<usize> {
+    let mut dev: i32 = -1;
+    // SAFETY: the out-pointer has the attribute's type (an int); the driver validates `ptr`.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut dev as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
+}
+
+fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(|e| from_driver("cuCtxSetCurrent", e))
+}
+
+/// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.
+///
+/// A one-off [`Copier`] with default options: peer when possible, staged otherwise, same-device
+/// copy when both live on one device. Reuse a `Copier` for repeated copies.
+///
+/// # Errors
+///
+/// As [`Copier::new`] and [`Copier::copy`].
+#[doc(alias = "cuMemcpyPeer")]
+pub fn copy<S, D>(src: S, dst: D) -> Result<Copied<S, D>>
+where
+    S: DeviceMemory,
+    D: DeviceMemoryMut<Elem = S::Elem>,
+{
+    Copier::new(src.ordinal(), dst.ordinal(), CopyOptions::default())?.copy(src, dst)
+}
+
+/// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); see [`Copier::copy_async`].
+///
+/// # Errors
+///
+/// As [`Copier::new`] and [`Copier::copy_async`].
+#[doc(alias = "cuMemcpyPeerAsync")]
+pub fn copy_async<S, D>(src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
+where
+    S: DeviceMemory,
+    D: DeviceMemoryMut<Elem = S::Elem>,
+{
+    Copier::new(src.ordinal(), dst.ordinal(), CopyOptions::default())?.copy_async(src, dst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_serializes_and_names() {
+        let p = CopyPath::Staged {
+            reason: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED".into(),
+        };
+        let j = serde_json::to_string(&p).unwrap();
+        assert_eq!(
+            j,
+            r#"{"path":"staged","reason":"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"}"#
+        );
+        assert_eq!(serde_json::from_str::<CopyPath>(&j).unwrap(), p);
+        assert_eq!(p.to_string(), "staged (CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)");
+        assert_eq!(CopyPath::Peer.to_string(), "peer");
+    }
+
+    #[test]
+    fn zero_chunk_is_rejected_before_cuda() {
+        let e = Copier::new(
+            0,
+            0,
+            CopyOptions {
+                chunk_bytes: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "chunk_bytes",
+                ..
+            }
+        ));
+    }
+}

@@ -1,0 +1,252 @@
+//! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
+
+use super::{hex64, to_bytes, to_chars};
+use crate::cuda;
+use crate::error::{Error, Result, cu, from_driver};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
+use cudarc::driver::{CudaContext, sys};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// What another process needs to map an exported buffer: the driver's handle to the enclosing
+/// allocation, the buffer's offset in it, and its size. Plain data; serialize it for the peer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct IpcMemHandle {
+    /// `CUipcMemHandle`'s 64 bytes (128 hex digits when serialized).
+    #[serde(with = "hex64")]
+    handle: [u8; 64],
+    /// Bytes from the allocation's base to the buffer.
+    pub offset: u64,
+    /// The buffer's size in bytes.
+    pub bytes: u64,
+    /// `size_of` the element type, checked by the importer.
+    pub elem_size: u32,
+    /// The exporting device's ordinal (in the exporter's numbering).
+    pub device: u32,
+}
+
+impl IpcMemHandle {
+    /// A handle from its parts (for tests and custom transports).
+    pub fn from_parts(
+        handle: [u8; 64],
+        offset: u64,
+        bytes: u64,
+        elem_size: u32,
+        device: u32,
+    ) -> Self {
+        IpcMemHandle {
+            handle,
+            offset,
+            bytes,
+            elem_size,
+            device,
+        }
+    }
+
+    /// The raw `CUipcMemHandle` bytes.
+    pub fn bytes_raw(&self) -> &[u8; 64] {
+        &self.handle
+    }
+}
+
+/// A buffer exported for other processes: it owns the buffer, so the memory stays allocated while
+/// the export exists.
+///
+/// Other processes' mappings do not keep the memory alive: keep the export until they have closed
+/// their mappings (a protocol-level acknowledgement), then take the buffer back with
+/// [`into_inner`](Self::into_inner) or drop it.
+#[derive(Debug)]
+pub struct IpcExport<B> {
+    buf: B,
+    handle: IpcMemHandle,
+}
+
+impl<B: DeviceMemory> IpcExport<B> {
+    /// `cuIpcGetMemHandle` for `buf` (`cuMemAlloc` memory), with `cuMemGetAddressRange` for its
+    /// offset in the allocation.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for other memory kinds: VMM memory is shared by file descriptor
+    /// ([`super::export_vmm`]); default-pool memory (cudarc's `CudaSlice`) is not exportable
+    /// (`cuMemPoolExportPointer` needs a pool created with a shareable handle type); host memory
+    /// is not device memory. [`Error::Cuda`] from the driver.
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+    #[doc(alias = "cuIpcGetMemHandle")]
+    pub fn new(buf: B) -> Result<Self> {
+        match buf.kind() {
+            MemoryKind::Device => {}
+            MemoryKind::Vmm => {
+                return Err(Error::Unsupported {
+                    what: "cuIpcGetMemHandle on VMM memory".into(),
+                    reason: "VMM memory is shared as a POSIX fd: use p2p::ipc::export_vmm".into(),
+                });
+            }
+            MemoryKind::Pool => {
+                return Err(Error::Unsupported {
+                    what: "IPC export of pool memory".into(),
+                    reason: "cuMemPoolExportPointer needs a pool created with a shareable handle \
+                             type; the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
+                             from a p2p::ipc::IpcPool"
+                        .into(),
+                });
+            }
+            other => {
+                return Err(Error::Unsupported {
+                    what: format!("IPC export of {other:?} memory"),
+                    reason: "only device memory is exported".into(),
+                });
+            }
+        }
+        let ctx = cuda::context(buf.ordinal())?;
+        ctx.bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        let ptr = buf.device_ptr();
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: context current; valid out-pointers; `ptr` is live device memory owned by `buf`.
+        cu("cuMemGetAddressRange_v2", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        // SAFETY: all-zero is a valid CUipcMemHandle (plain bytes).
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer; `base` is the start of a cuMemAlloc allocation.
+        cu("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut h, base)
+        })?;
+        let handle = IpcMemHandle {
+            handle: to_bytes(&h.reserved),
+            offset: ptr - base,
+            bytes: buf.byte_len() as u64,
+            elem_size: std::mem::size_of::<B::Elem>() as u32,
+            device: buf.ordinal() as u32,
+        };
+        Ok(IpcExport { buf, handle })
+    }
+
+    /// The handle to send to the importing process.
+    pub fn handle(&self) -> &IpcMemHandle {
+        &self.handle
+    }
+
+    /// The exported buffer (for this process's own use; it stays exported).
+    pub fn buffer(&self) -> &B {
+        &self.buf
+    }
+
+    /// End the export and take the buffer back. Importers must have closed their mappings.
+    pub fn into_inner(self) -> B {
+        self.buf
+    }
+}
+
+/// Device memory of another process, mapped with `cuIpcOpenMemHandle`; `len` elements of `T`.
+///
+/// It is a data-path buffer like any other ([`DeviceMemory`], [`DeviceMemoryMut`]: copies into it
+/// write the exporter's memory). Dropping it synchronizes the importing context
+/// (`cuCtxSynchronize`, so no work still uses the mapping) and then calls `cuIpcCloseMemHandle`.
+#[derive(Debug)]
+pub struct IpcMemory<T: Pod> {
+    base: u64,
+    ptr: u64,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    pid: u32,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Pod> IpcMemory<T> {
+    /// `cuIpcOpenMemHandle_v2` on device `ordinal` (with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, so
+    /// a handle from another device maps over peer access when the pair allows it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the handle's element size differs from `size_of::<T>()`
+    /// or its size is not a whole number of elements; [`Error::Cuda`] from the driver
+    /// (`CUDA_ERROR_INVALID_CONTEXT` or `CUDA_ERROR_INVALID_VALUE` for a handle opened in the
+    /// process that exported it, `CUDA_ERROR_MAP_FAILED` when the exporter has freed it);
+    /// [`Error::NoDevice`] for an ordinal past the device count.
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuIpcOpenMemHandle_v2")]
+    pub fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Self> {
+        let size = std::mem::size_of::<T>() as u64;
+        if handle.elem_size as u64 != size {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                handle.elem_size,
+                format!("must equal size_of::<T>() = {size}"),
+            ));
+        }
+        if size == 0 || !handle.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.bytes",
+                handle.bytes,
+                format!("must be a whole number of {size}-byte elements"),
+            ));
+        }
+        let ctx = cuda::context(ordinal)?;
+        ctx.bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        let h = sys::CUipcMemHandle {
+            reserved: to_chars(&handle.handle),
+        };
+        let mut base = 0;
+        // SAFETY: context current; valid out-pointer; the handle is plain bytes the driver checks.
+        cu("cuIpcOpenMemHandle_v2", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(IpcMemory {
+            base,
+            ptr: base + handle.offset,
+            len: (handle.bytes / size) as usize,
+            ctx,
+            pid: std::process::id(),
+            _elem: PhantomData,
+        })
+    }
+}
+
+// SAFETY: the mapping stays open until drop, at a fixed address, covering `offset + bytes` of
+// the exporter's allocation on this context's device.
+unsafe impl<T: Pod> DeviceMemory for IpcMemory<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+}
+
+// SAFETY: no Rust reference to the mapped bytes is ever handed out.
+unsafe impl<T: Pod> DeviceMemoryMut for IpcMemory<T> {}
+
+impl<T: Pod> Drop for IpcMemory<T> {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
+            return; // forked child or dead context: leave the mapping
+        }
+        // SAFETY: context current. Work that may still use the mapping finishes first.
+        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
+            return; // cannot prove completion: keep the mapping (leak)
+        }
+        // SAFETY: `base` came from cuIpcOpenMemHandle_v2 and is closed once.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+    }
+}

@@ -1,0 +1,373 @@
+//! Pool memory shared with other processes: a pool created with a POSIX-fd handle type
+//! (`cuMemPoolCreate`), exported as a descriptor (`cuMemPoolExportToShareableHandle`), and its
+//! allocations exported pointer by pointer (`cuMemPoolExportPointer`/`cuMemPoolImportPointer`).
+//!
+//! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
+//! type. Allocate what you share from an [`IpcPool`].
+
+use super::hex64;
+use crate::cuda::{self, Stream};
+use crate::error::{Error, Result, cu, from_driver};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
+use crate::p2p::access::device_location;
+use cudarc::driver::{CudaContext, sys};
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// A stream-ordered memory pool on one device that other processes can import.
+#[derive(Debug)]
+pub struct IpcPool {
+    pool: sys::CUmemoryPool,
+    ctx: Arc<CudaContext>,
+    /// The device the pool's memory lives on (exporter's numbering).
+    device: usize,
+    imported: bool,
+    /// The pool's own descriptor, exported when the pool is created: allocations can be shared
+    /// only once the pool has been exported.
+    fd: Option<OwnedFd>,
+    pid: u32,
+}
+
+// SAFETY: a CUmemoryPool is a driver handle usable from any thread.
+unsafe impl Send for IpcPool {}
+// SAFETY: as above; the driver synchronizes pool calls.
+unsafe impl Sync for IpcPool {}
+
+impl IpcPool {
+    /// `cuMemPoolCreate` on device `ordinal` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
+    /// then `cuMemPoolExportToShareableHandle` right away (the driver shares allocations of a pool
+    /// only after the pool itself has been exported).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from the driver; [`Error::NoDevice`]/[`Error::Load`] without the device.
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html>
+    #[doc(alias = "cuMemPoolCreate")]
+    pub fn new(ordinal: usize) -> Result<Arc<IpcPool>> {
+        let ctx = cuda::context(ordinal)?;
+        bind(&ctx)?;
+        // SAFETY: all-zero is a valid CUmemPoolProps (no handle types, invalid type; set below).
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        props.location = device_location(ordinal);
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: context current; valid props and out-pointer.
+        cu("cuMemPoolCreate", unsafe {
+            sys::cuMemPoolCreate(&mut pool, &props)
+        })?;
+        let mut out = IpcPool {
+            pool,
+            ctx,
+            device: ordinal,
+            imported: false,
+            fd: None,
+            pid: std::process::id(),
+        };
+        let mut fd: libc::c_int = -1;
+        // SAFETY: the POSIX fd handle type writes an int; a live pool (destroyed by `out`'s drop
+        // on error).
+        cu("cuMemPoolExportToShareableHandle", unsafe {
+            sys::cuMemPoolExportToShareableHandle(
+                (&mut fd as *mut libc::c_int).cast(),
+                pool,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: a new descriptor owned by us.
+        out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+        Ok(Arc::new(out))
+    }
+
+    /// A descriptor for the pool (a `dup` of the one exported at creation with
+    /// `cuMemPoolExportToShareableHandle`), to send with [`super::send_fd`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an imported pool; [`Error::Os`] when `dup` fails.
+    #[doc(alias = "cuMemPoolExportToShareableHandle")]
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        let fd = self.fd.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "self",
+                "an imported pool",
+                "only the creating process exports",
+            )
+        })?;
+        fd.try_clone().map_err(|source| Error::Os {
+            call: "dup",
+            source,
+        })
+    }
+
+    /// `cuMemPoolImportFromShareableHandle`: the pool another process exported (resident on its
+    /// device `pool_device`), usable from device `ordinal` (granted with `cuMemPoolSetAccess` when
+    /// that is another device).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from the driver.
+    #[doc(alias = "cuMemPoolImportFromShareableHandle")]
+    pub fn import(fd: BorrowedFd<'_>, pool_device: usize, ordinal: usize) -> Result<Arc<IpcPool>> {
+        let ctx = cuda::context(ordinal)?;
+        bind(&ctx)?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: for the POSIX fd type the handle argument carries the descriptor's value.
+        cu("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                &mut pool,
+                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        let out = Arc::new(IpcPool {
+            pool,
+            ctx,
+            device: pool_device,
+            imported: true,
+            fd: None,
+            pid: std::process::id(),
+        });
+        if ordinal != pool_device {
+            let desc = sys::CUmemAccessDesc {
+                location: device_location(ordinal),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: a live pool; one descriptor.
+            cu("cuMemPoolSetAccess", unsafe {
+                sys::cuMemPoolSetAccess(pool, &desc, 1)
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// `cuMemAllocFromPoolAsync` of `len` elements on `stream` (its device must be the pool's),
+    /// then `cuStreamSynchronize` so the memory is usable from any stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for `len == 0`, an imported pool (imported pools cannot
+    /// allocate) or a stream of another device; [`Error::Cuda`] from the driver.
+    #[doc(alias = "cuMemAllocFromPoolAsync")]
+    pub fn alloc<T: Pod>(self: &Arc<Self>, len: usize, stream: &Stream) -> Result<PoolAlloc<T>> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| Error::invalid("len", len, "at least one byte, no overflow"))?;
+        if self.imported {
+            return Err(Error::invalid(
+                "self",
+                "an imported pool",
+                "imported pools cannot allocate; import pointers with PoolImport::open",
+            ));
+        }
+        if stream.context().ordinal() != self.device {
+            return Err(Error::invalid(
+                "stream",
+                format!("a stream of device {}", stream.context().ordinal()),
+                format!("the pool lives on device {}", self.device),
+            ));
+        }
+        bind(&self.ctx)?;
+        let mut ptr = 0;
+        // SAFETY: context current; a live pool and stream; valid out-pointer.
+        cu("cuMemAllocFromPoolAsync", unsafe {
+            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, stream.cu_stream())
+        })?;
+        let out = PoolAlloc {
+            ptr,
+            len,
+            pool: self.clone(),
+            _elem: PhantomData,
+        };
+        stream.synchronize()?;
+        Ok(out)
+    }
+}
+
+impl Drop for IpcPool {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid || bind(&self.ctx).is_err() {
+            return;
+        }
+        // SAFETY: every allocation and import holds an Arc of the pool, so none is left.
+        let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+    }
+}
+
+/// What another process needs to map one pool allocation: `CUmemPoolPtrExportData` and sizes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolPtrHandle {
+    #[serde(with = "hex64")]
+    data: [u8; 64],
+    /// The allocation's size in bytes.
+    pub bytes: u64,
+    /// `size_of` the element type.
+    pub elem_size: u32,
+    /// The pool's device (exporter's numbering).
+    pub device: u32,
+}
+
+/// An allocation from an [`IpcPool`]; freed with `cuMemFree` on drop (importers must have freed
+/// their imports first: keep it until they acknowledge).
+#[derive(Debug)]
+pub struct PoolAlloc<T: Pod> {
+    ptr: u64,
+    len: usize,
+    pool: Arc<IpcPool>,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Pod> PoolAlloc<T> {
+    /// `cuMemPoolExportPointer`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from the driver.
+    #[doc(alias = "cuMemPoolExportPointer")]
+    pub fn export(&self) -> Result<PoolPtrHandle> {
+        bind(&self.pool.ctx)?;
+        // SAFETY: all-zero is a valid export-data struct (plain bytes).
+        let mut d: sys::CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer; `ptr` is a live allocation of an exportable pool.
+        cu("cuMemPoolExportPointer", unsafe {
+            sys::cuMemPoolExportPointer(&mut d, self.ptr)
+        })?;
+        Ok(PoolPtrHandle {
+            data: d.reserved,
+            bytes: (self.len * std::mem::size_of::<T>()) as u64,
+            elem_size: std::mem::size_of::<T>() as u32,
+            device: self.pool.device as u32,
+        })
+    }
+}
+
+// SAFETY: the allocation lives until drop at a fixed address; `len` elements.
+unsafe impl<T: Pod> DeviceMemory for PoolAlloc<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.pool.ctx.ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pool
+    }
+}
+
+// SAFETY: no Rust reference to the bytes is handed out.
+unsafe impl<T: Pod> DeviceMemoryMut for PoolAlloc<T> {}
+
+impl<T: Pod> Drop for PoolAlloc<T> {
+    fn drop(&mut self) {
+        if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
+            return;
+        }
+        // SAFETY: allocated from the pool, freed once; in-flight work owns `self`, so none is
+        // pending (cuMemFree also synchronizes).
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Another process's pool allocation, imported with `cuMemPoolImportPointer` into an imported
+/// [`IpcPool`]. Dropping it synchronizes the importing context, then frees the import
+/// (`cuMemFree`), which the exporter's free must follow.
+#[derive(Debug)]
+pub struct PoolImport<T: Pod> {
+    ptr: u64,
+    len: usize,
+    pool: Arc<IpcPool>,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Pod> PoolImport<T> {
+    /// `cuMemPoolImportPointer` from `pool` (imported with [`IpcPool::import`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an element-size mismatch or a pool that was not imported;
+    /// [`Error::Cuda`] from the driver.
+    #[doc(alias = "cuMemPoolImportPointer")]
+    pub fn open(pool: &Arc<IpcPool>, handle: &PoolPtrHandle) -> Result<Self> {
+        let size = std::mem::size_of::<T>() as u64;
+        if handle.elem_size as u64 != size || size == 0 || !handle.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                handle.elem_size,
+                format!("must equal size_of::<T>() = {size}, with whole elements"),
+            ));
+        }
+        if !pool.imported {
+            return Err(Error::invalid(
+                "pool",
+                "a pool created in this process",
+                "import pointers into a pool imported with IpcPool::import",
+            ));
+        }
+        bind(&pool.ctx)?;
+        let mut d = sys::CUmemPoolPtrExportData {
+            reserved: handle.data,
+        };
+        let mut ptr = 0;
+        // SAFETY: a live imported pool; valid in/out pointers.
+        cu("cuMemPoolImportPointer", unsafe {
+            sys::cuMemPoolImportPointer(&mut ptr, pool.pool, &mut d)
+        })?;
+        Ok(PoolImport {
+            ptr,
+            len: (handle.bytes / size) as usize,
+            pool: pool.clone(),
+            _elem: PhantomData,
+        })
+    }
+}
+
+// SAFETY: mapped until drop at a fixed address; `len` elements.
+unsafe impl<T: Pod> DeviceMemory for PoolImport<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.pool.ctx.ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pool
+    }
+}
+
+// SAFETY: no Rust reference to the bytes is handed out.
+unsafe impl<T: Pod> DeviceMemoryMut for PoolImport<T> {}
+
+impl<T: Pod> Drop for PoolImport<T> {
+    fn drop(&mut self) {
+        if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
+            return;
+        }
+        // SAFETY: context current; finish work that may use the import first.
+        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
+            return;
+        }
+        // SAFETY: imported once, freed once.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(|e| from_driver("cuCtxSetCurrent", e))
+}

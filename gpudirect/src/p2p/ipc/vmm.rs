@@ -1,0 +1,208 @@
+//! VMM memory shared by POSIX file descriptor: `cuMemExportToShareableHandle` and
+//! `cuMemImportFromShareableHandle`, the descriptor passed with [`super::send_fd`].
+
+use crate::cuda;
+use crate::error::{Error, Result, cu, from_driver};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, VmmBuffer};
+use crate::p2p::access::device_location as access_location;
+use cudarc::driver::{CudaContext, sys};
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// What the importer needs besides the descriptor: sizes and the element size. Plain data.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmmHandle {
+    /// The buffer's size in bytes.
+    pub bytes: u64,
+    /// The physical allocation's size (a multiple of the allocation granularity).
+    pub mapped_bytes: u64,
+    /// `size_of` the element type.
+    pub elem_size: u32,
+    /// The exporting device's ordinal (in the exporter's numbering).
+    pub device: u32,
+}
+
+/// `cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)`: a descriptor for `buf`'s physical
+/// allocation and the sizes to map it with.
+///
+/// The descriptor keeps the allocation alive in whoever imports it; send it with
+/// [`super::send_fd`] and the [`VmmHandle`] (serialized) as the payload.
+///
+/// # Errors
+///
+/// [`Error::Cuda`] from the driver (`CUDA_ERROR_NOT_SUPPORTED` when the allocation was not made
+/// with the POSIX fd handle type; [`VmmBuffer`] always requests it).
+///
+/// # C function
+///
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+#[doc(alias = "cuMemExportToShareableHandle")]
+pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
+    buf.context()
+        .bind_to_thread()
+        .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+    let mut fd: libc::c_int = -1;
+    // SAFETY: context current; the out-pointer is an int, as the POSIX fd handle type writes;
+    // the handle is the buffer's live allocation.
+    cu("cuMemExportToShareableHandle", unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut libc::c_int).cast(),
+            buf.handle(),
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    // SAFETY: the driver returned a new descriptor owned by the caller.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok((
+        fd,
+        VmmHandle {
+            bytes: buf.byte_len() as u64,
+            mapped_bytes: buf.mapped_bytes() as u64,
+            elem_size: std::mem::size_of::<T>() as u32,
+            device: buf.ordinal() as u32,
+        },
+    ))
+}
+
+/// VMM memory of another process, imported from a descriptor and mapped read-write for device
+/// `ordinal`; `len` elements of `T`.
+///
+/// Dropping it synchronizes the importing context (`cuCtxSynchronize`), then unmaps, frees the
+/// address range and releases the imported handle.
+#[derive(Debug)]
+pub struct VmmImport<T: Pod> {
+    ptr: u64,
+    size: usize,
+    len: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+    ctx: Arc<CudaContext>,
+    pid: u32,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Pod> VmmImport<T> {
+    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`.
+    /// The descriptor may be closed afterwards.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the element size differs from `size_of::<T>()` or the
+    /// sizes are inconsistent; [`Error::Cuda`] from any step (after undoing the earlier ones).
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    pub fn open(fd: BorrowedFd<'_>, handle: &VmmHandle, ordinal: usize) -> Result<Self> {
+        let size = std::mem::size_of::<T>() as u64;
+        if handle.elem_size as u64 != size {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                handle.elem_size,
+                format!("must equal size_of::<T>() = {size}"),
+            ));
+        }
+        if size == 0 || !handle.bytes.is_multiple_of(size) || handle.bytes > handle.mapped_bytes {
+            return Err(Error::invalid(
+                "handle.bytes",
+                handle.bytes,
+                format!(
+                    "must be whole {size}-byte elements within mapped_bytes = {}",
+                    handle.mapped_bytes
+                ),
+            ));
+        }
+        let ctx = cuda::context(ordinal)?;
+        ctx.bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        let mapped = handle.mapped_bytes as usize;
+        let mut h = 0;
+        // SAFETY: context current; for the POSIX fd type the "pointer" argument carries the
+        // descriptor's value; valid out-pointer.
+        cu("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; default alignment; no fixed address.
+        if let Err(e) = cu("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, mapped, 0, 0, 0)
+        }) {
+            // SAFETY: the handle imported above, unmapped.
+            unsafe { sys::cuMemRelease(h) };
+            return Err(e);
+        }
+        // SAFETY: the range and the allocation are both `mapped` bytes.
+        if let Err(e) = cu("cuMemMap", unsafe { sys::cuMemMap(ptr, mapped, 0, h, 0) }) {
+            // SAFETY: undo the reservation and the import.
+            unsafe {
+                sys::cuMemAddressFree(ptr, mapped);
+                sys::cuMemRelease(h);
+            }
+            return Err(e);
+        }
+        let out = VmmImport {
+            ptr,
+            size: mapped,
+            len: (handle.bytes / size) as usize,
+            handle: h,
+            ctx,
+            pid: std::process::id(),
+            _elem: PhantomData,
+        };
+        let desc = sys::CUmemAccessDesc {
+            location: access_location(ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the mapping made above; one descriptor. On error, `out`'s drop undoes it.
+        cu("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, mapped, &desc, 1)
+        })?;
+        Ok(out)
+    }
+}
+
+// SAFETY: mapped until drop at a fixed address; `len * size_of::<T>() <= size`.
+unsafe impl<T: Pod> DeviceMemory for VmmImport<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Vmm
+    }
+}
+
+// SAFETY: no Rust reference to the mapped bytes is handed out.
+unsafe impl<T: Pod> DeviceMemoryMut for VmmImport<T> {}
+
+impl<T: Pod> Drop for VmmImport<T> {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: context current; finish work that may use the mapping first.
+        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
+            return; // cannot prove completion: leak the mapping
+        }
+        // SAFETY: the mapping, range and handle made in `open`, undone once.
+        unsafe {
+            if sys::cuMemUnmap(self.ptr, self.size) != sys::CUresult::CUDA_SUCCESS {
+                return;
+            }
+            sys::cuMemAddressFree(self.ptr, self.size);
+            sys::cuMemRelease(self.handle);
+        }
+    }
+}

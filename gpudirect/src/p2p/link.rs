@@ -1,0 +1,454 @@
+//! The link matrix: for every ordered device pair, peer access, P2P attributes and the physical
+//! interconnect (NVLink with its link count, or PCIe) as NVML reports it.
+
+use super::access::{can_access_peer, cu_device};
+use super::attributes::{P2pAttributes, p2p_attributes};
+use crate::cuda;
+use crate::error::{Result, cu};
+use cudarc::driver::sys;
+use std::ffi::OsStr;
+
+/// The file name NVML is opened as (driver-only nodes have it; no development package needed).
+pub const NVML_LIB: &str = "libnvidia-ml.so.1";
+
+/// NVML's maximum NVLink count per GPU (`NVML_NVLINK_MAX_LINKS`).
+const NVML_NVLINK_MAX_LINKS: u32 = 18;
+
+/// One CUDA device, as the matrix names it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceInfo {
+    /// The CUDA ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    /// `cuDeviceGetName`.
+    pub name: String,
+    /// `cuDeviceGetPCIBusId`, such as `0000:19:00.0`.
+    pub pci_bus_id: String,
+}
+
+/// How two devices are wired, as NVML reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Interconnect {
+    /// The same device.
+    SameDevice,
+    /// NVLink: `links` active links join the pair (directly, or through NVSwitches when
+    /// `via_switch`, where `links` is the smaller of the two devices' switch link counts).
+    Nvlink {
+        /// Active links.
+        links: u32,
+        /// Through NVSwitch rather than GPU to GPU.
+        via_switch: bool,
+    },
+    /// PCIe; `common_ancestor` is NVML's topology level (`single`, `multiple`, `hostbridge`,
+    /// `node`, `system`), when known.
+    Pcie {
+        /// `nvmlDeviceGetTopologyCommonAncestor`, lower-case.
+        common_ancestor: Option<String>,
+    },
+    /// NVML is absent or could not say; `reason` says why.
+    Unknown {
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// One ordered pair of the matrix.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Link {
+    /// The accessing device.
+    pub src: usize,
+    /// The device whose memory is accessed.
+    pub dst: usize,
+    /// `cuDeviceCanAccessPeer(src, dst)`.
+    pub can_access: bool,
+    /// `cuDeviceGetP2PAttribute`.
+    pub attributes: P2pAttributes,
+    /// NVML's view of the wiring.
+    pub interconnect: Interconnect,
+}
+
+/// Peer access and wiring of every ordered device pair, including each device with itself.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkMatrix {
+    /// The devices, by ordinal.
+    pub devices: Vec<DeviceInfo>,
+    /// `devices.len()²` pairs, row-major: `links[src * n + dst]`.
+    pub links: Vec<Link>,
+    /// Where NVML was loaded from, or why not (`None` when it loaded).
+    pub nvml_unavailable: Option<String>,
+}
+
+impl LinkMatrix {
+    /// Probe every ordered pair of visible devices.
+    ///
+    /// NVML (opened as [`NVML_LIB`]) supplies the interconnect; without it every pair's
+    /// interconnect is [`Interconnect::Unknown`], which is not an error.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::Load`] without libcuda, [`crate::Error::Cuda`] when a CUDA query fails.
+    #[doc(alias = "cuDeviceGetP2PAttribute")]
+    #[doc(alias = "nvmlDeviceGetNvLinkState")]
+    pub fn probe() -> Result<LinkMatrix> {
+        let n = cuda::device_count()?;
+        let devices = (0..n).map(device_info).collect::<Result<Vec<_>>>()?;
+        let nvml = Nvml::open();
+        let nvml_unavailable = nvml.as_ref().err().cloned();
+        let wiring = match &nvml {
+            Ok(nv) => nv.wiring(&devices),
+            Err(reason) => Wiring::unknown(n, reason),
+        };
+        let mut links = Vec::with_capacity(n * n);
+        for src in 0..n {
+            for dst in 0..n {
+                links.push(Link {
+                    src,
+                    dst,
+                    can_access: src != dst && can_access_peer(src, dst)?,
+                    attributes: p2p_attributes(src, dst)?,
+                    interconnect: wiring.pair(src, dst),
+                });
+            }
+        }
+        Ok(LinkMatrix {
+            devices,
+            links,
+            nvml_unavailable,
+        })
+    }
+
+    /// The pair `src → dst`.
+    pub fn link(&self, src: usize, dst: usize) -> Option<&Link> {
+        let n = self.devices.len();
+        (src < n && dst < n).then(|| &self.links[src * n + dst])
+    }
+
+    /// A compact text table: one row per ordered pair.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        for d in &self.devices {
+            s += &format!("GPU{} {} [{}]\n", d.ordinal, d.name, d.pci_bus_id);
+        }
+        if let Some(why) = &self.nvml_unavailable {
+            s += &format!("NVML unavailable: {why}\n");
+        }
+        s += &format!(
+            "{:<8} {:<6} {:<5} {:<7} {:<6} {}\n",
+            "pair", "access", "rank", "atomics", "array", "interconnect"
+        );
+        for l in &self.links {
+            s += &format!(
+                "{:<8} {:<6} {:<5} {:<7} {:<6} {}\n",
+                format!("{}->{}", l.src, l.dst),
+                yes(l.can_access),
+                l.attributes.performance_rank,
+                yes(l.attributes.native_atomics),
+                yes(l.attributes.cuda_array_access),
+                l.interconnect
+            );
+        }
+        s
+    }
+}
+
+fn yes(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+impl std::fmt::Display for Interconnect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Interconnect::SameDevice => f.write_str("same device"),
+            Interconnect::Nvlink {
+                links,
+                via_switch: false,
+            } => write!(f, "NV{links}"),
+            Interconnect::Nvlink {
+                links,
+                via_switch: true,
+            } => write!(f, "NV{links} (NVSwitch)"),
+            Interconnect::Pcie {
+                common_ancestor: Some(a),
+            } => write!(f, "PCIe ({a})"),
+            Interconnect::Pcie {
+                common_ancestor: None,
+            } => f.write_str("PCIe"),
+            Interconnect::Unknown { reason } => write!(f, "unknown ({reason})"),
+        }
+    }
+}
+
+fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+    let d = cu_device(ordinal)?;
+    let mut name = [0 as std::ffi::c_char; 256];
+    // SAFETY: valid buffer of the given length; valid device.
+    cu("cuDeviceGetName", unsafe {
+        sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, d)
+    })?;
+    let mut bus = [0 as std::ffi::c_char; 64];
+    // SAFETY: valid buffer of the given length; valid device.
+    cu("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, d)
+    })?;
+    Ok(DeviceInfo {
+        ordinal,
+        name: c_string(&name),
+        pci_bus_id: c_string(&bus),
+    })
+}
+
+fn c_string(buf: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A PCI address as `(domain, bus, device)`, parsed from `dddd:bb:dd.f` or `dddddddd:bb:dd.f`.
+pub(crate) fn parse_bus_id(s: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = s.trim().split(':');
+    let (dom, bus, rest) = (parts.next()?, parts.next()?, parts.next()?);
+    let dev = rest.split('.').next()?;
+    Some((
+        u32::from_str_radix(dom, 16).ok()?,
+        u32::from_str_radix(bus, 16).ok()?,
+        u32::from_str_radix(dev, 16).ok()?,
+    ))
+}
+
+/// Per device: NVML's view of its active links.
+#[derive(Debug, Clone, Default)]
+struct DeviceLinks {
+    /// PCI addresses at the far end of each active link.
+    remotes: Vec<(u32, u32, u32)>,
+    /// NVML's common-ancestor level to each other device.
+    ancestors: Vec<Option<String>>,
+}
+
+/// Wiring of all devices, or why it is unknown.
+enum Wiring {
+    Known {
+        addrs: Vec<Option<(u32, u32, u32)>>,
+        links: Vec<Result<DeviceLinks, String>>,
+    },
+    Unknown(String),
+}
+
+impl Wiring {
+    fn unknown(_n: usize, reason: &str) -> Wiring {
+        Wiring::Unknown(reason.to_string())
+    }
+
+    fn pair(&self, src: usize, dst: usize) -> Interconnect {
+        if src == dst {
+            return Interconnect::SameDevice;
+        }
+        match self {
+            Wiring::Unknown(reason) => Interconnect::Unknown {
+                reason: reason.clone(),
+            },
+            Wiring::Known { addrs, links } => classify(addrs, links, src, dst),
+        }
+    }
+}
+
+/// Classify the pair from each device's link remotes: direct links to the other device's address,
+/// or links to something that is no GPU of this node on both sides (NVSwitch).
+fn classify(
+    addrs: &[Option<(u32, u32, u32)>],
+    links: &[Result<DeviceLinks, String>],
+    src: usize,
+    dst: usize,
+) -> Interconnect {
+    let (a, b) = match (&links[src], &links[dst]) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            return Interconnect::Unknown { reason: e.clone() };
+        }
+    };
+    if let Some(dst_addr) = addrs[dst] {
+        let direct = a.remotes.iter().filter(|r| **r == dst_addr).count() as u32;
+        if direct > 0 {
+            return Interconnect::Nvlink {
+                links: direct,
+                via_switch: false,
+            };
+        }
+    }
+    let is_gpu = |r: &(u32, u32, u32)| addrs.iter().any(|x| x.as_ref() == Some(r));
+    let switch_a = a.remotes.iter().filter(|r| !is_gpu(r)).count() as u32;
+    let switch_b = b.remotes.iter().filter(|r| !is_gpu(r)).count() as u32;
+    if switch_a > 0 && switch_b > 0 {
+        return Interconnect::Nvlink {
+            links: switch_a.min(switch_b),
+            via_switch: true,
+        };
+    }
+    Interconnect::Pcie {
+        common_ancestor: a.ancestors.get(dst).cloned().flatten(),
+    }
+}
+
+/// NVML, opened through nvml-wrapper as [`NVML_LIB`].
+struct Nvml(nvml_wrapper::Nvml);
+
+impl Nvml {
+    /// `GPUDIRECT_NVML_PATH` when set, then [`NVML_LIB`] by the loader's search, then the same
+    /// file beside the libcuda that was loaded (driver directories are not always on the path).
+    fn open() -> std::result::Result<Nvml, String> {
+        let mut tried: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(p) = std::env::var_os("GPUDIRECT_NVML_PATH").filter(|p| !p.is_empty()) {
+            tried.push(p);
+        }
+        tried.push(NVML_LIB.into());
+        if let Ok(d) = gpudirect_sys::cuda::driver()
+            && let Some(dir) = std::path::Path::new(d.path()).parent()
+            && dir.is_absolute()
+        {
+            tried.push(dir.join(NVML_LIB).into_os_string());
+        }
+        let mut last = String::new();
+        for path in &tried {
+            match nvml_wrapper::Nvml::builder()
+                .lib_path(OsStr::new(path))
+                .init()
+            {
+                Ok(n) => return Ok(Nvml(n)),
+                Err(e) => last = format!("{}: {e}", path.to_string_lossy()),
+            }
+        }
+        Err(format!("NVML not usable (last tried {last})"))
+    }
+
+    fn handle(
+        &self,
+        addr: Option<(u32, u32, u32)>,
+    ) -> std::result::Result<nvml_wrapper::Device<'_>, String> {
+        let (dom, bus, dev) = addr.ok_or("unparsable PCI bus id")?;
+        self.0
+            .device_by_pci_bus_id(format!("{dom:08x}:{bus:02x}:{dev:02x}.0"))
+            .map_err(|e| format!("nvmlDeviceGetHandleByPciBusId: {e}"))
+    }
+
+    fn wiring(&self, devices: &[DeviceInfo]) -> Wiring {
+        let addrs: Vec<_> = devices
+            .iter()
+            .map(|d| parse_bus_id(&d.pci_bus_id))
+            .collect();
+        let links = addrs
+            .iter()
+            .map(|&a| {
+                let h = self.handle(a)?;
+                let mut remotes = Vec::new();
+                for l in 0..NVML_NVLINK_MAX_LINKS {
+                    let link = h.link_wrapper_for(l);
+                    if link.is_active().unwrap_or(false)
+                        && let Ok(pci) = link.remote_pci_info()
+                    {
+                        remotes.push((pci.domain, pci.bus, pci.device));
+                    }
+                }
+                let ancestors = addrs
+                    .iter()
+                    .map(|&o| {
+                        let other = self.handle(o).ok()?;
+                        h.topology_common_ancestor(other)
+                            .ok()
+                            .map(|t| format!("{t:?}").to_lowercase())
+                    })
+                    .collect();
+                Ok(DeviceLinks { remotes, ancestors })
+            })
+            .collect();
+        Wiring::Known { addrs, links }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_both_bus_id_forms() {
+        assert_eq!(parse_bus_id("0000:19:00.0"), Some((0, 0x19, 0)));
+        assert_eq!(parse_bus_id("00000001:AB:1f.0"), Some((1, 0xab, 0x1f)));
+        assert_eq!(parse_bus_id("garbage"), None);
+    }
+
+    fn dl(remotes: &[(u32, u32, u32)]) -> Result<DeviceLinks, String> {
+        Ok(DeviceLinks {
+            remotes: remotes.to_vec(),
+            ancestors: vec![None, Some("system".into())],
+        })
+    }
+
+    #[test]
+    fn classifies_direct_switch_and_pcie() {
+        let addrs = vec![Some((0, 1, 0)), Some((0, 2, 0))];
+        // Direct: four links from GPU0 land on GPU1.
+        let direct = vec![dl(&[(0, 2, 0); 4]), dl(&[(0, 1, 0); 4])];
+        assert_eq!(
+            classify(&addrs, &direct, 0, 1),
+            Interconnect::Nvlink {
+                links: 4,
+                via_switch: false
+            }
+        );
+        // NVSwitch: 18 links each to addresses that are no GPU.
+        let sw = vec![dl(&[(0, 9, 0); 18]), dl(&[(0, 10, 0); 18])];
+        assert_eq!(
+            classify(&addrs, &sw, 0, 1),
+            Interconnect::Nvlink {
+                links: 18,
+                via_switch: true
+            }
+        );
+        let none = vec![dl(&[]), dl(&[])];
+        assert_eq!(
+            classify(&addrs, &none, 0, 1),
+            Interconnect::Pcie {
+                common_ancestor: Some("system".into())
+            }
+        );
+        let err = vec![Err("no handle".to_string()), dl(&[])];
+        assert!(matches!(
+            classify(&addrs, &err, 0, 1),
+            Interconnect::Unknown { .. }
+        ));
+    }
+
+    #[test]
+    fn matrix_serializes() {
+        let m = LinkMatrix {
+            devices: vec![DeviceInfo {
+                ordinal: 0,
+                name: "GPU".into(),
+                pci_bus_id: "0000:01:00.0".into(),
+            }],
+            links: vec![Link {
+                src: 0,
+                dst: 0,
+                can_access: false,
+                attributes: P2pAttributes::default(),
+                interconnect: Interconnect::SameDevice,
+            }],
+            nvml_unavailable: None,
+        };
+        let j = serde_json::to_string(&m).unwrap();
+        assert!(j.contains("\"kind\":\"same_device\""), "{j}");
+        let back: LinkMatrix = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, m);
+        assert!(m.table().contains("0->0"));
+        assert_eq!(
+            Interconnect::Nvlink {
+                links: 18,
+                via_switch: false
+            }
+            .to_string(),
+            "NV18"
+        );
+    }
+}

@@ -1,0 +1,187 @@
+//! The staged path: device → pinned host bounce buffers → device, chunked and pipelined over two
+//! streams, for pairs without peer access.
+//!
+//! Chunk `k` goes through slot `k % slots`: the source device's stream copies it into the slot's
+//! pinned buffer and records the slot's `d2h` event; the destination device's stream waits for that
+//! event, copies the slot out and records the slot's `h2d` event; before chunk `k + slots` reuses
+//! the slot, the source stream waits for that `h2d` event. Nothing blocks the host, and the two
+//! directions run on the two devices' copy engines at once.
+
+use crate::error::{Result, cu, from_driver};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use std::sync::Arc;
+
+/// A pinned host buffer (`cuMemHostAlloc`, portable to every context) used only as a bounce
+/// buffer by device copies; never exposed as a Rust reference.
+struct Bounce {
+    ptr: *mut std::ffi::c_void,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+    pid: u32,
+}
+
+// SAFETY: the buffer is plain pinned host memory addressed only by the driver's copies; the
+// pointer is never dereferenced by Rust.
+unsafe impl Send for Bounce {}
+// SAFETY: as above; no Rust access to the bytes.
+unsafe impl Sync for Bounce {}
+
+impl Bounce {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Bounce> {
+        ctx.bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: a context is current; valid out-pointer; PORTABLE makes the memory pinned for
+        // every context, so both devices' streams may copy through it.
+        cu("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut ptr, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(Bounce {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+            pid: std::process::id(),
+        })
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        // Dropped only when the last copy through it has completed: the stager is owned by every
+        // in-flight copy that uses it. In a forked child, leak (no FFI frees after fork).
+        if std::process::id() != self.pid || self.ptr.is_null() {
+            return;
+        }
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc above and not freed before; no copy uses it now.
+        let _ = unsafe { sys::cuMemFreeHost(self.ptr) };
+    }
+}
+
+struct Slot {
+    host: Bounce,
+    d2h: CudaEvent,
+    h2d: CudaEvent,
+}
+
+/// Bounce buffers, streams and events of one ordered device pair's staged path.
+pub(crate) struct Stager {
+    src_ctx: Arc<CudaContext>,
+    dst_ctx: Arc<CudaContext>,
+    src_stream: Arc<CudaStream>,
+    dst_stream: Arc<CudaStream>,
+    slots: Vec<Slot>,
+    chunk: usize,
+}
+
+impl Stager {
+    /// `slots` pinned buffers of `chunk` bytes each, and one stream per device.
+    pub(crate) fn new(
+        src_ctx: Arc<CudaContext>,
+        dst_ctx: Arc<CudaContext>,
+        chunk: usize,
+        slots: usize,
+    ) -> Result<Stager> {
+        let src_stream = src_ctx
+            .new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))?;
+        let dst_stream = dst_ctx
+            .new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))?;
+        let slots = (0..slots)
+            .map(|_| {
+                Ok(Slot {
+                    host: Bounce::new(&src_ctx, chunk)?,
+                    d2h: src_ctx
+                        .new_event(None)
+                        .map_err(|e| from_driver("cuEventCreate", e))?,
+                    h2d: dst_ctx
+                        .new_event(None)
+                        .map_err(|e| from_driver("cuEventCreate", e))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Stager {
+            src_ctx,
+            dst_ctx,
+            src_stream,
+            dst_stream,
+            slots,
+            chunk,
+        })
+    }
+
+    /// The stream the last step of every staged copy runs on (record the completion event here).
+    pub(crate) fn final_stream(&self) -> &Arc<CudaStream> {
+        &self.dst_stream
+    }
+
+    /// Enqueue `bytes` from device address `src` to device address `dst`.
+    ///
+    /// # Safety
+    ///
+    /// `src..src + bytes` must be readable by the source device and `dst..dst + bytes` writable by
+    /// the destination device until the work completes (the caller owns both until an event
+    /// recorded on [`final_stream`](Self::final_stream) afterwards completes), and `self` must be
+    /// kept alive as long.
+    pub(crate) unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let n = self.slots.len();
+        let mut off = 0usize;
+        let mut k = 0usize;
+        while off < bytes {
+            let len = self.chunk.min(bytes - off);
+            let slot = &self.slots[k % n];
+            debug_assert!(len <= slot.host.bytes);
+            self.src_ctx
+                .bind_to_thread()
+                .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+            // SAFETY: events and streams are live; waiting on a never-recorded event is a no-op.
+            // The slot's previous H2D (chunk k - n) must finish before the slot is overwritten.
+            unsafe {
+                cu(
+                    "cuStreamWaitEvent",
+                    sys::cuStreamWaitEvent(self.src_stream.cu_stream(), slot.h2d.cu_event(), 0),
+                )?;
+                cu(
+                    "cuMemcpyDtoHAsync_v2",
+                    sys::cuMemcpyDtoHAsync_v2(
+                        slot.host.ptr,
+                        src + off as u64,
+                        len,
+                        self.src_stream.cu_stream(),
+                    ),
+                )?;
+                cu(
+                    "cuEventRecord",
+                    sys::cuEventRecord(slot.d2h.cu_event(), self.src_stream.cu_stream()),
+                )?;
+            }
+            self.dst_ctx
+                .bind_to_thread()
+                .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+            // SAFETY: as above; the H2D reads the slot only after its D2H (event wait).
+            unsafe {
+                cu(
+                    "cuStreamWaitEvent",
+                    sys::cuStreamWaitEvent(self.dst_stream.cu_stream(), slot.d2h.cu_event(), 0),
+                )?;
+                cu(
+                    "cuMemcpyHtoDAsync_v2",
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dst + off as u64,
+                        slot.host.ptr,
+                        len,
+                        self.dst_stream.cu_stream(),
+                    ),
+                )?;
+                cu(
+                    "cuEventRecord",
+                    sys::cuEventRecord(slot.h2d.cu_event(), self.dst_stream.cu_stream()),
+                )?;
+            }
+            off += len;
+            k += 1;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,269 @@
+//! CUDA IPC between two processes: the test re-executes its own binary as the importing child
+//! (`P2P_IPC_CHILD` set), which maps the parent's buffers, waits on the parent's IPC event, copies
+//! source to destination on the GPU and checks the source's exact bytes; the parent then checks the
+//! destination's exact bytes. With two GPUs the child imports on the other GPU.
+
+mod common;
+
+use common::{assert_same, poisoned, random_u32, stream};
+use gpudirect::memory::{DeviceBuffer, VmmBuffer};
+use gpudirect::p2p::ipc::{
+    IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolImport,
+    PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
+};
+use gpudirect::require;
+use gpudirect::testing::Hardware;
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::Command;
+
+const CHILD: &str = "P2P_IPC_CHILD";
+const N: usize = (3 << 20) / 4 + 7;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MemJob {
+    src: IpcMemHandle,
+    dst: IpcMemHandle,
+    ready: IpcEventHandle,
+    seed: u64,
+    device: usize,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct VmmJob {
+    socket: String,
+    seed: u64,
+    device: usize,
+}
+
+/// Run this test's own binary as the child for `test`, with `job` in the environment.
+fn spawn_child(test: &str, job: String) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, job)
+        .spawn()
+        .unwrap()
+}
+
+fn child_device(n: usize) -> usize {
+    if n > 1 { 1 } else { 0 }
+}
+
+#[test]
+fn ipc_mem_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return mem_child(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, common::gpus());
+    let seed = common::seed();
+    let data = random_u32(N, seed);
+    let s = stream(0);
+    let src = IpcExport::new(DeviceBuffer::from_slice(&s, &data).unwrap()).unwrap();
+    let dst = IpcExport::new(poisoned(0, N)).unwrap();
+    let ready = IpcEvent::new(0).unwrap();
+    ready.record(&s).unwrap();
+    let job = MemJob {
+        src: src.handle().clone(),
+        dst: dst.handle().clone(),
+        ready: ready.handle().clone(),
+        seed,
+        device: child_device(n),
+    };
+    // Opening one's own handle is refused by the driver: a typed error, no panic.
+    let own = IpcMemory::<u32>::open(src.handle(), 0).unwrap_err();
+    println!("opening our own handle: {own}");
+    assert!(own.cuda_name().is_some(), "{own}");
+    let status = spawn_child(
+        "ipc_mem_two_processes",
+        serde_json::to_string(&job).unwrap(),
+    )
+    .wait()
+    .unwrap();
+    assert!(status.success(), "child failed: {status:?}");
+    let got = dst.into_inner().to_vec(&s).unwrap();
+    assert_same(&got, &data, "child's copy into our buffer");
+    drop(src);
+}
+
+fn mem_child(job: MemJob) {
+    let d = job.device;
+    let data = random_u32(N, job.seed);
+    let ready = IpcEvent::open(&job.ready, d).unwrap();
+    let s = stream(d);
+    ready.wait_on(&s).unwrap();
+    s.synchronize().unwrap();
+    let src = IpcMemory::<u32>::open(&job.src, d).unwrap();
+    let dst = IpcMemory::<u32>::open(&job.dst, d).unwrap();
+    let done = gpudirect::p2p::copy(src, dst).unwrap();
+    println!("child on device {d}: copy path {}", done.path);
+    let (src, dst) = done.into_parts();
+    // Read the mapping back through a local buffer (exact bytes of the parent's source).
+    let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported source");
+    drop(dst); // synchronizes, then cuIpcCloseMemHandle
+    println!("child: ok");
+}
+
+#[test]
+fn ipc_vmm_fd_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return vmm_child(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, common::gpus());
+    let seed = common::seed();
+    let data = random_u32(N, seed);
+    let s = stream(0);
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let src = VmmBuffer::<u32>::alloc(&ctx, N).unwrap();
+    let src = gpudirect::p2p::copy(DeviceBuffer::from_slice(&s, &data).unwrap(), src)
+        .unwrap()
+        .dst;
+    let dst = VmmBuffer::<u32>::alloc(&ctx, N).unwrap();
+    let dst = gpudirect::p2p::copy(poisoned(0, N), dst).unwrap().dst;
+    let path = std::env::temp_dir().join(format!("gpudirect-vmm-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let job = VmmJob {
+        socket: path.display().to_string(),
+        seed,
+        device: child_device(n),
+    };
+    let mut child = spawn_child(
+        "ipc_vmm_fd_two_processes",
+        serde_json::to_string(&job).unwrap(),
+    );
+    let (sock, _) = listener.accept().unwrap();
+    for buf in [&src, &dst] {
+        let (fd, handle) = export_vmm(buf).unwrap();
+        send_fd(&sock, fd.as_fd(), &serde_json::to_vec(&handle).unwrap()).unwrap();
+    }
+    let status = child.wait().unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "child failed: {status:?}");
+    let got = dst.to_vec(&s).unwrap();
+    assert_same(&got, &data, "child's copy into our VMM buffer");
+}
+
+fn vmm_child(job: VmmJob) {
+    let d = job.device;
+    let data = random_u32(N, job.seed);
+    let sock = UnixStream::connect(&job.socket).unwrap();
+    let mut imports = Vec::new();
+    for _ in 0..2 {
+        let mut buf = [0u8; 512];
+        let (fd, len) = recv_fd(&sock, &mut buf).unwrap();
+        let handle: VmmHandle = serde_json::from_slice(&buf[..len]).unwrap();
+        imports.push(VmmImport::<u32>::open(fd.as_fd(), &handle, d).unwrap());
+    }
+    let dst = imports.pop().unwrap();
+    let src = imports.pop().unwrap();
+    let done = gpudirect::p2p::copy(src, dst).unwrap();
+    println!("child on device {d}: VMM copy path {}", done.path);
+    let (src, _dst) = done.into_parts();
+    let s = stream(d);
+    let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported VMM source");
+    println!("child: ok");
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PoolJob {
+    src: PoolPtrHandle,
+    dst: PoolPtrHandle,
+}
+
+#[test]
+fn ipc_pool_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return pool_child(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, common::gpus());
+    let seed = common::seed();
+    let data = random_u32(N, seed);
+    let s = stream(0);
+    let pool = IpcPool::new(0).unwrap();
+    let src = pool.alloc::<u32>(N, &s).unwrap();
+    let src = gpudirect::p2p::copy(DeviceBuffer::from_slice(&s, &data).unwrap(), src)
+        .unwrap()
+        .dst;
+    let dst = pool.alloc::<u32>(N, &s).unwrap();
+    let dst = gpudirect::p2p::copy(poisoned(0, N), dst).unwrap().dst;
+    let path = std::env::temp_dir().join(format!("gpudirect-pool-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let job = VmmJob {
+        socket: path.display().to_string(),
+        seed,
+        device: child_device(n),
+    };
+    let mut child = spawn_child(
+        "ipc_pool_two_processes",
+        serde_json::to_string(&job).unwrap(),
+    );
+    let (sock, _) = listener.accept().unwrap();
+    let payload = PoolJob {
+        src: src.export().unwrap(),
+        dst: dst.export().unwrap(),
+    };
+    let fd = pool.export_fd().unwrap();
+    send_fd(&sock, fd.as_fd(), &serde_json::to_vec(&payload).unwrap()).unwrap();
+    let status = child.wait().unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "child failed: {status:?}");
+    let back = gpudirect::p2p::copy(dst, poisoned(0, N)).unwrap().dst;
+    assert_same(
+        &back.to_vec(&s).unwrap(),
+        &data,
+        "child's copy into our pool memory",
+    );
+}
+
+fn pool_child(job: VmmJob) {
+    let d = job.device;
+    let data = random_u32(N, job.seed);
+    let sock = UnixStream::connect(&job.socket).unwrap();
+    let mut buf = [0u8; 2048];
+    let (fd, len) = recv_fd(&sock, &mut buf).unwrap();
+    let handles: PoolJob = serde_json::from_slice(&buf[..len]).unwrap();
+    let pool = IpcPool::import(fd.as_fd(), handles.src.device as usize, d).unwrap();
+    let src = PoolImport::<u32>::open(&pool, &handles.src).unwrap();
+    let dst = PoolImport::<u32>::open(&pool, &handles.dst).unwrap();
+    let done = gpudirect::p2p::copy(src, dst).unwrap();
+    println!("child on device {d}: pool copy path {}", done.path);
+    let (src, _dst) = done.into_parts();
+    let s = stream(d);
+    let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_same(
+        &local.dst.to_vec(&s).unwrap(),
+        &data,
+        "imported pool source",
+    );
+    println!("child: ok");
+}
+
+#[test]
+fn pool_memory_export_is_typed_unsupported() {
+    let _ = require!(Hardware::Gpu, common::gpus());
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let slice = ctx.default_stream().alloc_zeros::<u32>(16).unwrap();
+    let pool = gpudirect::memory::PoolBuffer::new(slice).unwrap();
+    let e = IpcExport::new(pool).unwrap_err();
+    assert!(matches!(e, gpudirect::Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("cuMemPoolExportPointer"), "{e}");
+}
+
+#[test]
+fn handles_serialize_for_out_of_band_exchange() {
+    let h = IpcMemHandle::from_parts([7; 64], 40, 4096, 4, 0);
+    let j = serde_json::to_string(&h).unwrap();
+    assert!(j.contains(&"07".repeat(64)), "{j}");
+    assert_eq!(serde_json::from_str::<IpcMemHandle>(&j).unwrap(), h);
+    let v = VmmHandle {
+        bytes: 12,
+        mapped_bytes: 2 << 20,
+        elem_size: 4,
+        device: 0,
+    };
+    let j = serde_json::to_string(&v).unwrap();
+    assert_eq!(serde_json::from_str::<VmmHandle>(&j).unwrap(), v);
+}
