@@ -34,6 +34,9 @@ pub const BINDINGS_VERSION: i32 = if cfg!(feature = "cuda-13000") {
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
+    // The tracker records this process's id before any CUDA work, so that a forked child
+    // recognises itself (and leaks rather than frees) even if it first touches the tracker.
+    crate::memory::Tracker::global();
     let d = gpudirect_sys::cuda::driver()?;
     if d.version() < MIN_DRIVER_VERSION {
         return Err(Error::DriverTooOld {

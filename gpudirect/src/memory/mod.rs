@@ -16,6 +16,39 @@
 //! values implementing [`DeviceMemory`] (or `Arc`s of them, for memory they only read); memory they
 //! write must implement [`DeviceMemoryMut`], which `Arc` does not.
 //!
+//! # For data paths (storage, P2P, RDMA)
+//!
+//! Take buffers as `M: DeviceMemory` (read) or `M: DeviceMemoryMut` (written), by value; the
+//! address range is `m.device_ptr()..m.device_ptr() + m.byte_len()` (bytes), on device
+//! `m.ordinal()`, of kind `m.kind()`. Queue the work, then hand everything it may still touch to
+//! an [`InFlight`] with a fence from the stream:
+//!
+//! ```no_run
+//! use gpudirect::cuda::Stream;
+//! use gpudirect::memory::{DeviceBuffer, DeviceMemoryMut, InFlight, StreamFence};
+//!
+//! fn start_read<M: DeviceMemoryMut>(stream: &Stream, buf: M) -> gpudirect::Result<InFlight<M, StreamFence>> {
+//!     let (ptr, bytes) = (buf.device_ptr(), buf.byte_len());
+//!     // ... queue driver work on `stream.cu_stream()` writing `ptr..ptr + bytes` ...
+//!     # let _ = (ptr, bytes);
+//!     Ok(InFlight::new("my read", stream.fence(), buf))
+//! }
+//!
+//! # fn main() -> gpudirect::Result<()> {
+//! let ctx = gpudirect::cuda::context(0)?;
+//! let stream = Stream::new(&ctx)?;
+//! let op = start_read(&stream, DeviceBuffer::<u8>::alloc(&ctx, 1 << 20)?)?;
+//! let buf = op.wait()?; // readable again only now
+//! # drop(buf);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Other fences: [`crate::cuda::Stream::event_fence`] ([`EventFence`], one `cuEventRecord`
+//! now), [`crate::cuda::Stream::host_fence`] ([`HostFnFence`], a `cuLaunchHostFunc` callback),
+//! [`CompletionFlag`] (set by whoever observes completion: a polled work completion, an I/O
+//! thread).
+//!
 //! # Fork safety
 //!
 //! Every allocation records the process id that made it. A value dropped in a forked child frees

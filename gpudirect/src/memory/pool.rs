@@ -3,6 +3,7 @@
 use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
 use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaSlice, DevicePtr};
+use std::mem::ManuallyDrop;
 
 /// A cudarc [`CudaSlice`] (pool memory from `cuMemAllocAsync`) handed to gpudirect's data paths.
 ///
@@ -11,11 +12,13 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 /// tracks read/write events; [`new`](Self::new) waits once for the work cudarc queued on it, so
 /// gpudirect's work on any stream sees its contents. The slice goes back through
 /// [`into_inner`](Self::into_inner) (after in-flight work has completed, since that work owns
-/// this wrapper), and cudarc then frees it on its stream as usual.
+/// this wrapper), and cudarc then frees it on its stream as usual. Dropped in a forked child,
+/// it leaks.
 #[derive(Debug)]
 pub struct PoolBuffer<T: Pod> {
-    slice: CudaSlice<T>,
+    slice: ManuallyDrop<CudaSlice<T>>,
     ptr: u64,
+    pid: u32,
 }
 
 impl<T: Pod> PoolBuffer<T> {
@@ -34,7 +37,11 @@ impl<T: Pod> PoolBuffer<T> {
         stream
             .synchronize()
             .map_err(|e| from_driver("cuStreamSynchronize", e))?;
-        Ok(PoolBuffer { slice, ptr })
+        Ok(PoolBuffer {
+            slice: ManuallyDrop::new(slice),
+            ptr,
+            pid: std::process::id(),
+        })
     }
 
     /// The cudarc slice, for reading with cudarc.
@@ -44,7 +51,9 @@ impl<T: Pod> PoolBuffer<T> {
 
     /// The cudarc slice back.
     pub fn into_inner(self) -> CudaSlice<T> {
-        self.slice
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped, so the slice is taken out exactly once.
+        unsafe { ManuallyDrop::take(&mut me.slice) }
     }
 }
 
@@ -68,3 +77,13 @@ unsafe impl<T: Pod> DeviceMemory for PoolBuffer<T> {
 
 // SAFETY: only `&CudaSlice` is handed out, through which cudarc's safe API only reads.
 unsafe impl<T: Pod> DeviceMemoryMut for PoolBuffer<T> {}
+
+impl<T: Pod> Drop for PoolBuffer<T> {
+    fn drop(&mut self) {
+        if super::forked(self.pid) {
+            return; // leak: cudarc's free would call the driver in a forked child
+        }
+        // SAFETY: dropped exactly once, here.
+        unsafe { ManuallyDrop::drop(&mut self.slice) }
+    }
+}

@@ -118,33 +118,35 @@ impl Tracker {
 
     /// Keep `resources` until `fence` completes and a later [`reap`](Self::reap) sees it.
     pub fn park<F: Fence, R: Send + 'static>(&self, fence: F, resources: R) {
-        let mut g = self.lock();
-        g.push((Box::new(fence), Box::new(resources)));
-        self.count.store(g.len(), Ordering::Release);
+        let entry: Parked = (Box::new(fence), Box::new(resources));
+        self.count.fetch_add(1, Ordering::AcqRel);
+        self.lock().push(entry);
     }
 
     /// Drop parked resources whose fence has completed; returns how many were released. In a
     /// forked child nothing is released (no FFI frees after fork).
+    ///
+    /// Fences are polled outside the lock (polling may call the driver), so a host callback
+    /// parking what it owned never waits behind a driver call.
     pub fn reap(&self) -> usize {
         if self.in_forked_child() || self.count.load(Ordering::Acquire) == 0 {
             return 0;
         }
-        let done: Vec<Parked> = {
-            let mut g = self.lock();
-            let (done, keep): (Vec<_>, Vec<_>) = g.drain(..).partition(|(f, _)| f.is_complete());
-            *g = keep;
-            self.count.store(g.len(), Ordering::Release);
-            done
-        };
-        // Dropped outside the lock: resources' destructors may call into CUDA or verbs.
+        let taken = std::mem::take(&mut *self.lock());
+        let (done, keep): (Vec<Parked>, Vec<Parked>) =
+            taken.into_iter().partition(|(f, _)| f.is_complete());
+        self.lock().extend(keep);
         let n = done.len();
+        self.count.fetch_sub(n, Ordering::AcqRel);
+        // Dropped outside the lock: resources' destructors may call into CUDA or verbs.
         drop(done);
         n
     }
 
-    /// How many entries are parked.
+    /// How many entries are parked (including any a concurrent [`reap`](Self::reap) is
+    /// examining).
     pub fn parked(&self) -> usize {
-        self.lock().len()
+        self.count.load(Ordering::Acquire)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Parked>> {
@@ -534,6 +536,64 @@ mod tests {
         let op = InFlight::new("forgotten", CompletionFlag::new(), Counted(drops.clone()));
         std::mem::forget(op);
         assert_eq!(drops.load(Ordering::SeqCst), 0);
+    }
+
+    /// A fence that parks something in the global tracker when polled (as a host callback
+    /// finishing during a reap would).
+    struct ParksWhenPolled(Arc<AtomicBool>);
+    impl Fence for ParksWhenPolled {
+        fn is_complete(&self) -> bool {
+            if !self.0.swap(true, Ordering::SeqCst) {
+                Tracker::global().park(Done, ());
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn reap_polls_fences_outside_the_lock() {
+        let t = Tracker::global();
+        let drops = Arc::new(AtomicUsize::new(0));
+        t.park(
+            ParksWhenPolled(Arc::new(AtomicBool::new(false))),
+            Counted(drops.clone()),
+        );
+        // Would deadlock if fences were polled under the tracker's lock.
+        while drops.load(Ordering::SeqCst) == 0 {
+            t.reap();
+        }
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn in_flight_dropped_in_a_forked_child_leaks() {
+        let _ = Tracker::global(); // created in the parent, as crate::cuda::init does
+        let drops = Arc::new(AtomicUsize::new(0));
+        let op = InFlight::new("fork test", Done, Counted(drops.clone()));
+        // SAFETY: the child only drops `op` (no locks, no allocation on the leak path) and
+        // calls `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            drop(op);
+            let code = if drops.load(Ordering::SeqCst) == 0 {
+                0
+            } else {
+                1
+            };
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(r, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "child freed"
+        );
+        drop(op); // the parent frees normally
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
     }
 
     #[test]
