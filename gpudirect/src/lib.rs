@@ -3,6 +3,7 @@
 //! | path | module | what |
 //! | --- | --- | --- |
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
+//! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -12,6 +13,7 @@
 pub mod cuda;
 pub mod error;
 pub mod memory;
+pub mod storage;
 pub mod testing;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.

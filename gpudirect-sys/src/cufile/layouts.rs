@@ -62,7 +62,11 @@ mod tests {
     #[test]
     fn io_structs_are_the_same_in_1_14_1_15_1_20() {
         same_layout!(CUfileError_t { err, cu_err });
-        same_layout!(CUfileDescr_t { type_, handle, fs_ops });
+        same_layout!(CUfileDescr_t {
+            type_,
+            handle,
+            fs_ops
+        });
         same_layout!(CUfileIOParams_t {
             mode,
             u.batch.devPtr_base,
@@ -73,7 +77,11 @@ mod tests {
             opcode,
             cookie,
         });
-        same_layout!(CUfileIOEvents_t { cookie, status, ret });
+        same_layout!(CUfileIOEvents_t {
+            cookie,
+            status,
+            ret
+        });
         assert_eq!(size_of::<b15::CUfileError_t>(), 8);
         assert_eq!(size_of::<b15::CUfileIOParams_t>(), 64);
         assert_eq!(size_of::<b15::CUfileIOEvents_t>(), 24);

@@ -33,7 +33,7 @@
 //! `cuFileDriverClose` is a macro for `cuFileDriverClose_v2` in every header: the table holds the
 //! `_v2` symbol.
 
-#![allow(non_snake_case)]
+#![allow(non_snake_case, non_camel_case_types)]
 
 pub mod bindings;
 mod errors;
@@ -65,12 +65,18 @@ pub const NEWEST_KNOWN_VERSION: i32 = 1200;
 
 /// The name of a `CUfileOpError` code (`CU_FILE_INVALID_VALUE`), if the headers know it.
 pub fn op_error_name(code: u32) -> Option<&'static str> {
-    OP_ERRORS.iter().find(|(c, ..)| *c == code).map(|(_, n, _)| *n)
+    OP_ERRORS
+        .iter()
+        .find(|(c, ..)| *c == code)
+        .map(|(_, n, _)| *n)
 }
 
 /// The header's description of a `CUfileOpError` code.
 pub fn op_error_description(code: u32) -> Option<&'static str> {
-    OP_ERRORS.iter().find(|(c, ..)| *c == code).map(|(.., d)| *d)
+    OP_ERRORS
+        .iter()
+        .find(|(c, ..)| *c == code)
+        .map(|(.., d)| *d)
 }
 
 macro_rules! cufile_table {
@@ -225,7 +231,11 @@ mod tests {
         assert_eq!(op_error_name(4999), None);
         assert_eq!(CU_FILE_INVALID_VALUE, 5022);
         assert_eq!(CU_FILE_CUDA_DRIVER_ERROR, 5011);
-        assert!(op_error_description(5007).unwrap().contains("not supported"));
+        assert!(
+            op_error_description(5007)
+                .unwrap()
+                .contains("not supported")
+        );
     }
 
     #[test]
