@@ -13,7 +13,7 @@
 //!
 //! Every call that touches CUDA checks libcuda first ([`crate::cuda::init`]), so the driver can be
 //! the first CUDA-touching call of a program (acceptance case A13), and a missing libcuda or
-//! libcufile is an [`Error::Load`](crate::Error::Load), never a panic or a hang (the 1.20 library
+//! libcufile is an [`crate::Error::Load`], never a panic or a hang (the 1.20 library
 //! hangs in `cuFileDriverOpen` when libcuda is absent; we never call it then).
 
 mod async_io;
@@ -99,13 +99,12 @@ fn cuda_error_name(code: i32) -> Option<String> {
         let mut p = std::ptr::null();
         // SAFETY: one valid out-pointer; unknown codes answer CUDA_ERROR_INVALID_VALUE.
         let r = unsafe { f(code, &mut p) };
-        (r == 0 && !p.is_null())
+        (r == 0 && !p.is_null()).then(|| {
             // SAFETY: libcuda returns a static NUL-terminated string.
-            .then(|| {
-                unsafe { std::ffi::CStr::from_ptr(p) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .into_owned()
+        })
     };
     // SAFETY: balances the dlopen above (the library stays loaded: it was loaded before).
     unsafe { libc::dlclose(h) };
