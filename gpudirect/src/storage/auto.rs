@@ -305,12 +305,12 @@ impl File {
                 reason: PathReason::GdsDirect,
                 direct: h.is_direct(),
             },
-            (Mode::Auto, Some(_)) => {
-                self.posix_taken(PathReason::CompatModeSlower, self.direct.is_some())
-            }
+            // Writes go through the page cache (as KvikIO's POSIX path does): many writer
+            // threads fill it faster than direct I/O, and durability needs fsync either way.
+            (Mode::Auto, Some(_)) => self.posix_taken(PathReason::CompatModeSlower, false),
             _ => self.posix_taken(
                 self.no_cufile.clone().unwrap_or(PathReason::Requested),
-                self.direct.is_some(),
+                false,
             ),
         }
     }
