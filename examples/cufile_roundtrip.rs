@@ -3,7 +3,8 @@
 //!
 //! `cargo run --release --example cufile_roundtrip` (size: `GPUDIRECT_EXAMPLE_MIB`, default 256;
 //! directory: `GPUDIRECT_TEST_DIR`, default `target/gpudirect-storage-test`). Exits 0 with
-//! `SKIPPED: reason` without a GPU; exits 1 if any path delivers wrong bytes.
+//! `SKIPPED: reason` without a GPU; exits 1 if any path delivers wrong bytes. Each path runs twice
+//! (the first run also allocates bounce buffers) and the faster run is reported.
 
 #[path = "../tests/support/devbuf.rs"]
 mod devbuf;
@@ -50,10 +51,15 @@ fn main() {
         Ok((d, h))
     }) {
         Ok((d, h)) => {
+            let mut secs = f64::MAX;
             let mut dst = DevBuf::new(0, len, 0xCD);
-            let t = Instant::now();
-            let n = h.read(&mut dst, 0, 0, len).expect("cuFileRead");
-            let secs = t.elapsed().as_secs_f64();
+            let mut n = 0;
+            for _ in 0..2 {
+                dst = DevBuf::new(0, len, 0xCD);
+                let t = Instant::now();
+                n = h.read(&mut dst, 0, 0, len).expect("cuFileRead");
+                secs = secs.min(t.elapsed().as_secs_f64());
+            }
             assert_eq!(n, len);
             let p = d.properties().ok();
             let mode = match p {
@@ -72,10 +78,17 @@ fn main() {
 
     for (name, mode) in [("posix", Mode::Posix), ("auto", Mode::Auto)] {
         let f = File::open(&path, &OpenOptions::read_only(), mode).expect("open");
+        // Best of two: the first transfer also allocates the pinned bounce buffers.
+        let mut secs = f64::MAX;
         let mut dst = DevBuf::new(0, len, 0xCD);
-        let t = Instant::now();
-        let tr = f.read_to_device(&mut dst, 0, 0, len).expect("read");
-        let secs = t.elapsed().as_secs_f64();
+        let mut tr = None;
+        for _ in 0..2 {
+            dst = DevBuf::new(0, len, 0xCD);
+            let t = Instant::now();
+            tr = Some(f.read_to_device(&mut dst, 0, 0, len).expect("read"));
+            secs = secs.min(t.elapsed().as_secs_f64());
+        }
+        let tr = tr.expect("ran");
         assert_eq!(tr.bytes, len);
         report(
             name,

@@ -24,6 +24,8 @@ impl DevBuf {
         unsafe {
             ck("cuMemAlloc_v2", sys::cuMemAlloc_v2(&mut ptr, len.max(1)));
             ck("cuMemsetD8_v2", sys::cuMemsetD8_v2(ptr, poison, len.max(1)));
+            // The memset runs on the legacy stream: finish it before work on other streams.
+            ck("cuCtxSynchronize", sys::cuCtxSynchronize());
         }
         DevBuf { ptr, len, ordinal }
     }

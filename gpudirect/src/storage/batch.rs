@@ -206,7 +206,8 @@ impl<M: DeviceMemory> Batch<M> {
                     BatchOp::Read => sys::CUFILE_READ,
                     BatchOp::Write => sys::CUFILE_WRITE,
                 };
-                p.cookie = i as *mut libc::c_void;
+                // Cookies are 1-based: a NULL cookie is never handed to the library.
+                p.cookie = (i + 1) as *mut libc::c_void;
                 p
             })
             .collect();
@@ -270,7 +271,7 @@ impl<M: DeviceMemory> Batch<M> {
         })?;
         let mut finished = 0;
         for ev in events.iter().take(nr as usize) {
-            let i = ev.cookie as usize;
+            let i = (ev.cookie as usize).wrapping_sub(1);
             let status = BatchStatus::from_raw(ev.status);
             if i < self.outcome.len() && self.outcome[i].is_none() && status.is_final() {
                 self.outcome[i] = Some((status, ev.ret));
@@ -303,8 +304,26 @@ impl<M: DeviceMemory> Batch<M> {
     /// [`Error::CuFile`] from `cuFileBatchIOGetStatus`; the batch is then dropped (cancel and a
     /// bounded wait, else leak).
     #[doc(alias = "cuFileBatchIODestroy")]
-    pub fn wait(mut self) -> Result<Vec<BatchResult<M>>> {
+    pub fn wait(self) -> Result<Vec<BatchResult<M>>> {
+        self.wait_timeout(Duration::MAX)
+    }
+
+    /// As [`wait`](Self::wait), giving up after `timeout`: then [`Error::Timeout`], and the batch
+    /// is dropped (cancel, a bounded wait, else its buffers are leaked).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::CuFile`] from `cuFileBatchIOGetStatus`.
+    #[doc(alias = "cuFileBatchIODestroy")]
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<Vec<BatchResult<M>>> {
+        let start = Instant::now();
         while self.outstanding > 0 {
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: "cuFile batch requests",
+                    after: timeout,
+                });
+            }
             self.poll(1, Duration::from_millis(100))?;
         }
         let out = std::mem::take(&mut self.outcome);
@@ -356,28 +375,26 @@ impl<M: DeviceMemory> Drop for Batch<M> {
 }
 
 /// Run any number of requests as batches of at most the driver's `max_batch_io_size` (A18: 200
-/// requests become 128 + 72), all submitted before any is waited for; results in order.
+/// requests become 128 + 72), one batch at a time (the limit may be per process), each waited up
+/// to `timeout`; results in order.
 ///
 /// # Errors
 ///
-/// The first set-up, submit or poll error; batches already submitted are dropped (cancel, bounded
-/// wait, else leak).
+/// The first set-up, submit or poll error, or [`Error::Timeout`]; the batch in flight is then
+/// dropped (cancel, bounded wait, else leak), later requests are dropped unsubmitted.
 pub fn run_batched<M: DeviceMemory>(
     driver: &Driver,
     requests: Vec<BatchRequest<M>>,
+    timeout: Duration,
 ) -> Result<Vec<BatchResult<M>>> {
     let limit = driver.max_batch_entries();
-    let mut batches = Vec::new();
+    let mut out = Vec::new();
     let mut it = requests.into_iter().peekable();
     while it.peek().is_some() {
         let chunk: Vec<_> = it.by_ref().take(limit).collect();
         let mut b = Batch::new(driver, chunk.len())?;
         b.submit(chunk)?;
-        batches.push(b);
-    }
-    let mut out = Vec::new();
-    for b in batches {
-        out.extend(b.wait()?);
+        out.extend(b.wait_timeout(timeout)?);
     }
     Ok(out)
 }

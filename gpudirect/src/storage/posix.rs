@@ -25,21 +25,25 @@ pub struct PosixConfig {
     pub chunk: usize,
     /// Bounce buffers per thread (2 = double, 3 = triple buffering).
     pub depth: usize,
+    /// Reader threads for `O_DIRECT` (page-cache-cold) reads, which are bound by the device's
+    /// queue rather than by memory copies.
+    pub direct_threads: usize,
 }
 
 impl Default for PosixConfig {
     fn default() -> Self {
         PosixConfig {
             threads: 8,
-            chunk: 8 << 20,
+            chunk: 16 << 20,
             depth: 3,
+            direct_threads: 4,
         }
     }
 }
 
 impl PosixConfig {
     fn validate(&self) -> Result<()> {
-        if self.threads == 0 || self.depth == 0 {
+        if self.threads == 0 || self.depth == 0 || self.direct_threads == 0 {
             return Err(Error::invalid(
                 "config",
                 format!("{self:?}"),
@@ -285,6 +289,14 @@ pub fn read_to_device<E: Engines>(
         return Ok(0);
     }
     let short_at = AtomicU64::new(u64::MAX);
+    let cfg = &PosixConfig {
+        threads: if file.direct.is_some() {
+            cfg.direct_threads
+        } else {
+            cfg.threads
+        },
+        ..*cfg
+    };
     run(engines, cfg, len, |eng, slot, off, clen| {
         let start = file_offset + off as u64;
         let (skip, got) = read_chunk(file, eng.bounce(slot), start, clen)?;
@@ -735,6 +747,7 @@ mod tests {
                 threads,
                 chunk,
                 depth,
+                direct_threads: threads,
             };
             for direct in [DirectIo::Off, DirectIo::Try] {
                 // A11: 4097 bytes at file offset 3 into device offset 1.
@@ -755,6 +768,7 @@ mod tests {
             threads: 2,
             chunk: 16384,
             depth: 3,
+            direct_threads: 2,
         };
         read_case(&bytes, cfg, DirectIo::Off, 0, 0, 1 << 20);
     }
@@ -767,6 +781,7 @@ mod tests {
                 threads,
                 chunk,
                 depth,
+                direct_threads: threads,
             };
             let p = temp(&format!("w{threads}-{chunk}"), &[]);
             let (buf, _) = OpenOptions::read_write()
@@ -805,6 +820,7 @@ mod tests {
             threads: 1,
             chunk: 1000,
             depth: 1,
+            direct_threads: 1,
         };
         let e = read_to_device(&engines, &cfg, &file, 10, 0, 0, 10).unwrap_err();
         assert!(
