@@ -52,8 +52,9 @@ gen "$hdrs/cufile-1.15.h" "$out/bindings.rs" \
 
 mkdir -p "$out/layouts"
 structs='CUfileDrvProps_t|CUfileDescr_t|CUfileIOParams_t|CUfileIOEvents_t|CUfileError_t|CUfileFSOps_t'
+structs+='|CUFile(SizeT|Bool|String)ConfigParameter_t'
 for v in 1.14 1.20; do
-  gen "$hdrs/cufile-$v.h" "$out/layouts/v${v/./_}.rs" "$structs" 'CUFILEOP_BASE_ERR'
+  gen "$hdrs/cufile-$v.h" "$out/layouts/v${v/./_}.rs" "$structs" 'CUFILEOP_BASE_ERR|CUFILE_PARAM_.*'
 done
 # The error-code table (name and description per code) from the newest header's CUFILE_OP list.
 python3 - "$hdrs/cufile-1.20.h" "$out/errors.rs" <<'PY'

@@ -84,6 +84,9 @@ fn child() {
     println!("LOADED {} version {:?}", lib.path(), lib.version());
     let batch = gpudirect::storage::SizeParam::IoBatchSize.get();
     println!("PARAM io_batchsize {batch:?}");
+    // A 1.20 parameter: refused (typed) by 1.14, answered by 1.20.
+    let newer = gpudirect::storage::BoolParam::GdsFallbackIo.get();
+    println!("PARAM gds_fallback_io {newer:?}");
     match gpudirect::storage::Driver::open() {
         Ok(d) => println!("OPENED {:?} (this machine has a GPU)", d.version()),
         Err(e) => println!("TYPED_ERROR {e:?} :: {e}"),
@@ -152,6 +155,15 @@ fn wheel_library_loads_and_driver_open_is_a_typed_error() {
             "{stdout}"
         );
         assert!(stdout.contains("PARAM io_batchsize Ok("), "{stdout}");
+        if stdout.contains("version Some(1140)") {
+            assert!(
+                stdout.contains("PARAM gds_fallback_io Err(Unsupported"),
+                "{stdout}"
+            );
+        }
+        if stdout.contains("version Some(1200)") {
+            assert!(stdout.contains("PARAM gds_fallback_io Ok("), "{stdout}");
+        }
         if gpudirect::sys::cuda::driver().is_err() {
             // No libcuda here: the typed load error names libcuda and the files tried.
             assert!(

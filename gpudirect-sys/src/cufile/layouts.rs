@@ -88,6 +88,43 @@ mod tests {
     }
 
     #[test]
+    fn parameter_values_agree_across_versions() {
+        for (a, b, c) in [
+            (
+                b14::CUFILE_PARAM_PROPERTIES_IO_BATCHSIZE,
+                b15::CUFILE_PARAM_PROPERTIES_IO_BATCHSIZE,
+                b20::CUFILE_PARAM_PROPERTIES_IO_BATCHSIZE,
+            ),
+            (
+                b14::CUFILE_PARAM_PROPERTIES_BATCH_IO_TIMEOUT_MS,
+                b15::CUFILE_PARAM_PROPERTIES_BATCH_IO_TIMEOUT_MS,
+                b20::CUFILE_PARAM_PROPERTIES_BATCH_IO_TIMEOUT_MS,
+            ),
+            (
+                b14::CUFILE_PARAM_STREAM_MEMOPS_BYPASS,
+                b15::CUFILE_PARAM_STREAM_MEMOPS_BYPASS,
+                b20::CUFILE_PARAM_STREAM_MEMOPS_BYPASS,
+            ),
+            (
+                b14::CUFILE_PARAM_FORCE_COMPAT_MODE,
+                b15::CUFILE_PARAM_FORCE_COMPAT_MODE,
+                b20::CUFILE_PARAM_FORCE_COMPAT_MODE,
+            ),
+            (
+                b14::CUFILE_PARAM_LOG_DIR,
+                b15::CUFILE_PARAM_LOG_DIR,
+                b20::CUFILE_PARAM_LOG_DIR,
+            ),
+        ] {
+            assert_eq!((a, b), (c, c));
+        }
+        // New in 1.20, past the end of 1.15's enums.
+        assert_eq!(b20::CUFILE_PARAM_PROPERTIES_POSIX_IO_MODE, 12);
+        assert_eq!(b20::CUFILE_PARAM_GDS_FALLBACK_IO, 13);
+        assert_eq!(b20::CUFILE_PARAM_RDMA_TRANSPORT, 3);
+    }
+
+    #[test]
     fn parameter_enums_only_grew() {
         // Appended in 1.20; the numbering of older entries is unchanged.
         assert_eq!(b15::CUFILE_PARAM_STREAM_MEMOPS_BYPASS, 11);

@@ -41,6 +41,12 @@ pub mod layouts;
 
 pub use bindings::*;
 pub use errors::OP_ERRORS;
+/// Parameters first seen in the 1.20 header (appended to their enums; refuse them on older
+/// libraries, where the numbers are out of range).
+pub use layouts::v1_20::{
+    CUFILE_PARAM_GDS_FALLBACK_IO, CUFILE_PARAM_PROPERTIES_POSIX_IO_MODE,
+    CUFILE_PARAM_RDMA_TRANSPORT,
+};
 
 use crate::loader::{self, LoadError, Opened};
 use core::ffi::{c_char, c_int, c_long, c_uint, c_void};

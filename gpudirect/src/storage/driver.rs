@@ -316,6 +316,10 @@ params!(
         ForceODirectMode = CUFILE_PARAM_FORCE_ODIRECT_MODE since 1140,
         SkipTopologyDetection = CUFILE_PARAM_SKIP_TOPOLOGY_DETECTION since 1140,
         StreamMemopsBypass = CUFILE_PARAM_STREAM_MEMOPS_BYPASS since 1140,
+        /// Vanilla POSIX I/O mode (1.20).
+        PosixIoMode = CUFILE_PARAM_PROPERTIES_POSIX_IO_MODE since 1200,
+        /// Fall back to POSIX I/O where GDS fails (1.20).
+        GdsFallbackIo = CUFILE_PARAM_GDS_FALLBACK_IO since 1200,
     }
 );
 
@@ -325,6 +329,8 @@ params!(
         LoggingLevel = CUFILE_PARAM_LOGGING_LEVEL since 1140,
         LogfilePath = CUFILE_PARAM_ENV_LOGFILE_PATH since 1140,
         LogDir = CUFILE_PARAM_LOG_DIR since 1140,
+        /// RDMA transport selection (1.20).
+        RdmaTransport = CUFILE_PARAM_RDMA_TRANSPORT since 1200,
     }
 );
 
@@ -464,6 +470,14 @@ mod tests {
             SizeParam::MaxDirectIoKib.c_name(),
             "CUFILE_PARAM_PROPERTIES_MAX_DIRECT_IO_SIZE_KB"
         );
+    }
+
+    #[test]
+    fn newer_parameters_say_their_version() {
+        assert_eq!(BoolParam::GdsFallbackIo.since(), 1200);
+        assert_eq!(BoolParam::GdsFallbackIo.raw(), 13);
+        assert_eq!(StringParam::RdmaTransport.raw(), 3);
+        assert_eq!(SizeParam::IoBatchSize.since(), 1140);
     }
 
     #[test]
