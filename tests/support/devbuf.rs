@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use gpudirect::cudarc::driver::sys;
-use gpudirect::memory::{DeviceMemory, MemoryKind};
+use gpudirect::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 
 /// `cuMemAlloc_v2` memory, freed on drop.
 pub struct DevBuf {
@@ -110,3 +110,6 @@ pub fn test_dir() -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+// SAFETY: a DevBuf is an owned allocation; the tests hand out no host references to its bytes.
+unsafe impl DeviceMemoryMut for DevBuf {}

@@ -1,12 +1,49 @@
-//! Memory kinds and the completion tracker.
+//! Memory kinds, pointer attributes, typed copies and the completion tracker.
 //!
 //! Not all device memory is equal for GPUDirect, and the type says which it is (see
-//! [`MemoryKind`]). Whatever a copy engine, a NIC or cuFile may still touch is owned by an
-//! [`tracker::InFlight`] (or parked in the [`tracker::Tracker`]) until completion is observed.
+//! [`MemoryKind`]):
+//!
+//! | type | C allocator | kind |
+//! | --- | --- | --- |
+//! | [`DeviceBuffer`] | `cuMemAlloc` | [`MemoryKind::Device`] |
+//! | [`VmmBuffer`] | `cuMemCreate` + `cuMemMap` (GPUDirect RDMA flag) | [`MemoryKind::Vmm`] |
+//! | [`PoolBuffer`] | `cuMemAllocAsync` (cudarc's `CudaSlice`) | [`MemoryKind::Pool`] |
+//! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
+//! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
+//!
+//! Whatever a copy engine, a NIC or cuFile may still touch is owned by an [`tracker::InFlight`]
+//! (or parked in the [`tracker::Tracker`]) until completion is observed. Data paths take owned
+//! values implementing [`DeviceMemory`] (or `Arc`s of them, for memory they only read); memory they
+//! write must implement [`DeviceMemoryMut`], which `Arc` does not.
+//!
+//! # Fork safety
+//!
+//! Every allocation records the process id that made it. A value dropped in a forked child frees
+//! nothing through the driver (the child's CUDA state is unusable); it leaks instead.
 
+mod attributes;
+pub mod copy;
+mod device;
+mod host;
+mod pod;
+mod pool;
+mod registered;
 pub mod tracker;
+mod vmm;
 
-pub use tracker::{CompletionFlag, Fence, InFlight, Tracker};
+pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
+pub use copy::{copy, copy_async, copy_from_host, copy_to_host};
+pub use device::DeviceBuffer;
+pub use host::{HostAllocFlags, PinnedHostBuffer};
+pub use pod::Pod;
+pub use pool::PoolBuffer;
+pub use registered::{HostRegisterFlags, RegisteredHost};
+pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
+pub use vmm::VmmBuffer;
+
+use crate::error::{Result, from_driver};
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
 
 /// How a buffer was allocated, which decides what GPUDirect can do with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -40,12 +77,15 @@ impl MemoryKind {
 ///
 /// This is the contract between memory kinds and the data paths (copies, cuFile, verbs): they
 /// take owned values (or `Arc`s) implementing it, so in-flight memory is owned by the tracker.
+/// Storage and RDMA get the address range as `device_ptr()..device_ptr() + byte_len()`.
 ///
 /// # Safety
 ///
 /// Implementors guarantee that `device_ptr()..device_ptr() + byte_len()` is memory of
 /// [`kind`](DeviceMemory::kind), addressable by device [`ordinal`](DeviceMemory::ordinal), valid
 /// and not freed or remapped while `self` is alive; and that moving `self` does not move it.
+/// [`host_ptr`](DeviceMemory::host_ptr), when `Some`, points at the same bytes in the host's
+/// address space.
 pub unsafe trait DeviceMemory: Send + 'static {
     /// The element type.
     type Elem: Copy + Send + 'static;
@@ -73,4 +113,94 @@ pub unsafe trait DeviceMemory: Send + 'static {
 
     /// How it was allocated.
     fn kind(&self) -> MemoryKind;
+
+    /// For host kinds, the host address of the first element; `None` for device memory.
+    fn host_ptr(&self) -> Option<*mut u8> {
+        None
+    }
+
+    /// `cuPointerGetAttributes` on [`device_ptr`](DeviceMemory::device_ptr).
+    #[doc(alias = "cuPointerGetAttributes")]
+    fn attributes(&self) -> Result<PointerAttributes> {
+        pointer_attributes(self.device_ptr())
+    }
+}
+
+/// Memory that nobody else can read or reference while the holder owns it, so a data path may
+/// write into it: every owned buffer type, never an `Arc`.
+///
+/// # Safety
+///
+/// While a value is owned by a data path, no Rust reference to its bytes may exist elsewhere.
+pub unsafe trait DeviceMemoryMut: DeviceMemory {}
+
+// SAFETY: the Arc keeps the inner value (and so its memory) alive and does not move it; shared
+// holders can only read, so an Arc is never `DeviceMemoryMut`.
+unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
+    type Elem = M::Elem;
+    fn device_ptr(&self) -> u64 {
+        (**self).device_ptr()
+    }
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn ordinal(&self) -> usize {
+        (**self).ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        (**self).kind()
+    }
+    fn host_ptr(&self) -> Option<*mut u8> {
+        (**self).host_ptr()
+    }
+}
+
+/// Make `ctx` current on the calling thread.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(|e| from_driver("cuCtxSetCurrent", e))
+}
+
+/// Whether this process is not the one with id `pid` (a forked child): no driver frees then.
+pub(crate) fn forked(pid: u32) -> bool {
+    std::process::id() != pid
+}
+
+/// `len * size_of::<T>()`, or an [`crate::Error::InvalidArgument`] on overflow or zero.
+pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
+    let bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| crate::Error::invalid("len", len, "len * size_of::<T>() overflows usize"))?;
+    if bytes == 0 {
+        return Err(crate::Error::invalid(
+            "len",
+            len,
+            "allocations must hold at least one byte (len > 0 and T not zero-sized)",
+        ));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_know_where_they_live() {
+        assert!(MemoryKind::Device.is_device());
+        assert!(MemoryKind::Vmm.is_device());
+        assert!(MemoryKind::Pool.is_device());
+        assert!(!MemoryKind::PinnedHost.is_device());
+        assert!(!MemoryKind::RegisteredHost.is_device());
+    }
+
+    #[test]
+    fn byte_size_checks_before_ffi() {
+        assert_eq!(byte_size::<u32>(4).unwrap(), 16);
+        assert!(matches!(
+            byte_size::<u32>(0),
+            Err(crate::Error::InvalidArgument { arg: "len", .. })
+        ));
+        assert!(byte_size::<u64>(usize::MAX / 4).is_err());
+    }
 }

@@ -5,10 +5,23 @@
 //! Dropping an `InFlight` waits a bounded time; if completion still cannot be proven the resources
 //! are parked in the process-wide [`Tracker`] and freed by a later [`Tracker::reap`] after the fence
 //! completes, or never. `mem::forget` of an `InFlight` leaks the resources, which is safe.
+//!
+//! Fences for CUDA work:
+//! - [`StreamFence`] (from [`crate::cuda::Stream::fence`]): amortised per-stream epochs. Issuing
+//!   costs one atomic increment; a CUDA event is recorded only when someone asks whether the work
+//!   is done, and one event answers for every earlier epoch of that stream.
+//! - [`EventFence`]: one CUDA event recorded now (`cuEventRecord`), polled with `cuEventQuery`.
+//! - [`HostFnFence`]: a host callback (`cuLaunchHostFunc`) that sets a [`CompletionFlag`]; the
+//!   callback makes no CUDA calls and frees nothing (what it owned is freed by [`Tracker::reap`]).
+//!
+//! Fork safety: the tracker records the pid that created it; in a forked child an `InFlight`
+//! dropped or reaped leaks what it owns (no driver calls, no frees).
 
 use crate::error::{Error, Result};
+use cudarc::driver::{CudaEvent, CudaStream, sys};
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -79,6 +92,7 @@ type Parked = (Box<dyn Fence>, Box<dyn Any + Send>);
 /// Resources whose operations could not be proven complete when their owner let go.
 pub struct Tracker {
     parked: Mutex<Vec<Parked>>,
+    count: AtomicUsize,
     pid: u32,
 }
 
@@ -86,27 +100,40 @@ impl Tracker {
     /// The process-wide tracker.
     pub fn global() -> &'static Tracker {
         static T: OnceLock<Tracker> = OnceLock::new();
-        T.get_or_init(|| Tracker {
+        T.get_or_init(Tracker::new)
+    }
+
+    fn new() -> Tracker {
+        Tracker {
             parked: Mutex::new(Vec::new()),
+            count: AtomicUsize::new(0),
             pid: std::process::id(),
-        })
+        }
+    }
+
+    /// Whether this is a forked child of the process that created the tracker.
+    pub fn in_forked_child(&self) -> bool {
+        std::process::id() != self.pid
     }
 
     /// Keep `resources` until `fence` completes and a later [`reap`](Self::reap) sees it.
     pub fn park<F: Fence, R: Send + 'static>(&self, fence: F, resources: R) {
-        self.lock().push((Box::new(fence), Box::new(resources)));
+        let mut g = self.lock();
+        g.push((Box::new(fence), Box::new(resources)));
+        self.count.store(g.len(), Ordering::Release);
     }
 
     /// Drop parked resources whose fence has completed; returns how many were released. In a
     /// forked child nothing is released (no FFI frees after fork).
     pub fn reap(&self) -> usize {
-        if std::process::id() != self.pid {
+        if self.in_forked_child() || self.count.load(Ordering::Acquire) == 0 {
             return 0;
         }
         let done: Vec<Parked> = {
             let mut g = self.lock();
             let (done, keep): (Vec<_>, Vec<_>) = g.drain(..).partition(|(f, _)| f.is_complete());
             *g = keep;
+            self.count.store(g.len(), Ordering::Release);
             done
         };
         // Dropped outside the lock: resources' destructors may call into CUDA or verbs.
@@ -157,8 +184,9 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
         self.fence.as_ref().is_none_or(Fence::is_complete)
     }
 
-    /// Wait for completion and take the resources back.
+    /// Wait for completion and take the resources back. Also reaps the [`Tracker`].
     pub fn wait(self) -> Result<R> {
+        Tracker::global().reap();
         // Duration::MAX never runs out; if it did, dropping the op parks it.
         self.wait_timeout(Duration::MAX).map_err(|(e, _op)| e)
     }
@@ -204,6 +232,12 @@ impl<R: Send + 'static, F: Fence> Drop for InFlight<R, F> {
         let (Some(fence), Some(res)) = (self.fence.take(), self.resources.take()) else {
             return;
         };
+        if Tracker::global().in_forked_child() {
+            // No driver calls and no frees in a forked child: leak both.
+            std::mem::forget(fence);
+            std::mem::forget(res);
+            return;
+        }
         if fence.wait_timeout(DROP_WAIT) {
             drop(res);
         } else {
@@ -218,6 +252,244 @@ impl<R: Send + 'static, F: Fence> std::fmt::Debug for InFlight<R, F> {
             .field("what", &self.what)
             .field("complete", &self.is_complete())
             .finish()
+    }
+}
+
+/// A fence on one CUDA event, recorded when the fence is made (`cuEventRecord`) and polled with
+/// `cuEventQuery`. For many small operations on one stream prefer [`StreamFence`].
+#[derive(Debug)]
+pub struct EventFence(CudaEvent);
+
+impl EventFence {
+    /// `cuEventRecord` a new event (timing disabled) on `stream`: complete once the work queued
+    /// on `stream` so far has finished.
+    #[doc(alias = "cuEventRecord")]
+    pub fn record(stream: &CudaStream) -> Result<Self> {
+        let ev = stream
+            .record_event(None)
+            .map_err(|e| crate::error::from_driver("cuEventRecord", e))?;
+        Ok(EventFence(ev))
+    }
+
+    /// Wrap an event already recorded after the work to track.
+    pub fn from_event(event: CudaEvent) -> Self {
+        EventFence(event)
+    }
+
+    /// The event.
+    pub fn event(&self) -> &CudaEvent {
+        &self.0
+    }
+}
+
+impl Fence for EventFence {
+    fn is_complete(&self) -> bool {
+        // A query error (a sticky context error) is "not complete": the resources are kept.
+        matches!(self.0.try_is_complete(), Ok(true))
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        if timeout >= LONG_WAIT {
+            return self.0.synchronize().is_ok() && self.is_complete();
+        }
+        poll_until(|| self.is_complete(), timeout)
+    }
+}
+
+/// Waits at least this long block in the driver (`cuEventSynchronize`) instead of polling.
+const LONG_WAIT: Duration = Duration::from_secs(3600);
+
+fn poll_until(done: impl Fn() -> bool, timeout: Duration) -> bool {
+    let start = Instant::now();
+    let mut nap = Duration::from_micros(1);
+    loop {
+        if done() {
+            return true;
+        }
+        if start.elapsed() >= timeout {
+            return false;
+        }
+        if nap < Duration::from_micros(50) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(nap);
+        }
+        nap = (nap * 2).min(Duration::from_millis(1));
+    }
+}
+
+/// A fence set by a host callback (`cuLaunchHostFunc`) once the stream reaches it, made by
+/// [`crate::cuda::Stream::launch_host_fn`] or [`crate::cuda::Stream::host_fence`].
+#[derive(Debug, Clone, Default)]
+pub struct HostFnFence {
+    flag: CompletionFlag,
+    panicked: Arc<AtomicBool>,
+}
+
+impl HostFnFence {
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn complete(&self, panicked: bool) {
+        if panicked {
+            self.panicked.store(true, Ordering::Relaxed);
+        }
+        self.flag.set();
+    }
+
+    /// Whether the callback's function panicked (the panic was caught; the fence is complete).
+    pub fn panicked(&self) -> bool {
+        self.panicked.load(Ordering::Relaxed)
+    }
+}
+
+impl Fence for HostFnFence {
+    fn is_complete(&self) -> bool {
+        self.flag.is_complete()
+    }
+}
+
+/// Completion state of one stream, shared by its [`StreamFence`]s.
+///
+/// Every operation issued on the stream takes the next epoch ([`Timeline::issue`], one atomic
+/// add). Nothing is recorded per operation: when a fence is polled and no recorded event covers
+/// its epoch yet, one event is recorded then, covering every epoch issued so far (stream order
+/// makes a later event complete only after all earlier work). Events are recycled.
+#[derive(Debug)]
+pub struct Timeline {
+    stream: Arc<CudaStream>,
+    issued: AtomicU64,
+    completed: AtomicU64,
+    events: Mutex<Events>,
+}
+
+#[derive(Debug, Default)]
+struct Events {
+    /// Recorded events and the last epoch each covers, oldest first.
+    pending: VecDeque<(u64, CudaEvent)>,
+    /// Completed events, ready to be recorded again.
+    free: Vec<CudaEvent>,
+}
+
+impl Timeline {
+    /// A timeline for `stream`.
+    pub fn new(stream: Arc<CudaStream>) -> Arc<Self> {
+        Arc::new(Timeline {
+            stream,
+            issued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            events: Mutex::new(Events::default()),
+        })
+    }
+
+    /// The stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// A fence for everything queued on the stream so far. Call it after queueing the work.
+    pub fn issue(self: &Arc<Self>) -> StreamFence {
+        let epoch = self.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        StreamFence {
+            timeline: self.clone(),
+            epoch,
+        }
+    }
+
+    /// The highest epoch known complete.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Acquire)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Retire completed events; make sure one covers `epoch`. Returns whether `epoch` is done,
+    /// and otherwise the raw event that covers it.
+    fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
+        let mut g = self.lock();
+        while let Some((covered, ev)) = g.pending.front() {
+            match ev.try_is_complete() {
+                Ok(true) => {
+                    self.completed.fetch_max(*covered, Ordering::AcqRel);
+                    let (_, ev) = g.pending.pop_front().expect("front exists");
+                    g.free.push(ev);
+                }
+                _ => break,
+            }
+        }
+        if self.completed() >= epoch {
+            return (true, None);
+        }
+        if let Some((_, ev)) = g.pending.iter().find(|(c, _)| *c >= epoch) {
+            return (false, Some(ev.cu_event()));
+        }
+        // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
+        // handed out after their work is queued, so this record comes after that work.
+        let covered = self.issued.load(Ordering::Acquire);
+        let ev = match g.free.pop() {
+            Some(ev) => ev,
+            None => match self.stream.context().new_event(None) {
+                Ok(ev) => ev,
+                Err(_) => return (false, None),
+            },
+        };
+        if ev.record(&self.stream).is_err() {
+            g.free.push(ev);
+            return (false, None);
+        }
+        let raw = ev.cu_event();
+        g.pending.push_back((covered, ev));
+        (false, Some(raw))
+    }
+}
+
+/// A fence on an epoch of a stream's [`Timeline`]: complete once all work queued on the stream
+/// before the fence was made has finished. Cheap to make (no driver call) and to clone.
+#[derive(Debug, Clone)]
+pub struct StreamFence {
+    timeline: Arc<Timeline>,
+    epoch: u64,
+}
+
+impl StreamFence {
+    /// The epoch this fence waits for.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The stream's timeline.
+    pub fn timeline(&self) -> &Arc<Timeline> {
+        &self.timeline
+    }
+}
+
+impl Fence for StreamFence {
+    fn is_complete(&self) -> bool {
+        self.timeline.completed() >= self.epoch || self.timeline.poll(self.epoch).0
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        if self.timeline.completed() >= self.epoch {
+            return true;
+        }
+        if timeout >= LONG_WAIT {
+            // Unbounded wait: one cuStreamSynchronize (what a hand-written loop would do) covers
+            // every epoch issued before it, including this one.
+            let covered = self.timeline.issued.load(Ordering::Acquire);
+            let tl = &self.timeline;
+            if tl.stream.context().bind_to_thread().is_ok() {
+                // SAFETY: a live stream (the timeline holds it), its context current.
+                let r = unsafe { sys::cuStreamSynchronize(tl.stream.cu_stream()) };
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    tl.completed.fetch_max(covered, Ordering::AcqRel);
+                    return true;
+                }
+            }
+        }
+        poll_until(|| self.is_complete(), timeout)
     }
 }
 
@@ -266,10 +538,7 @@ mod tests {
 
     #[test]
     fn parked_resources_freed_by_reap_after_completion() {
-        let t = Tracker {
-            parked: Mutex::new(Vec::new()),
-            pid: std::process::id(),
-        };
+        let t = Tracker::new();
         let flag = CompletionFlag::new();
         let drops = Arc::new(AtomicUsize::new(0));
         t.park(flag.clone(), Counted(drops.clone()));

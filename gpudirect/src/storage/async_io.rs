@@ -2,8 +2,9 @@
 //! tracker until a host callback on the stream has run.
 
 use super::{FileHandle, check, check_file_range, check_range, io_error};
+use crate::cuda::Stream;
 use crate::error::{Error, Result, cu};
-use crate::memory::{CompletionFlag, DeviceMemory, InFlight};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight};
 use cudarc::driver::{CudaStream, sys as cu_sys};
 use std::sync::Arc;
 
@@ -67,7 +68,7 @@ impl<M: DeviceMemory> AsyncResources<M> {
 /// `mem::forget` leaks it, which is safe.
 #[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
 pub struct AsyncIo<M: DeviceMemory> {
-    op: InFlight<AsyncResources<M>, CompletionFlag>,
+    op: InFlight<AsyncResources<M>, HostFnFence>,
 }
 
 impl<M: DeviceMemory> std::fmt::Debug for AsyncIo<M> {
@@ -105,32 +106,22 @@ impl<M: DeviceMemory> AsyncIo<M> {
     }
 }
 
-unsafe extern "C" fn on_stream_passed(user: *mut libc::c_void) {
-    // Host callbacks make no CUDA calls and must not unwind into the driver.
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: `user` is the Box<CompletionFlag> leaked by `enqueue_fence`, consumed once.
-        let flag = unsafe { Box::from_raw(user.cast::<CompletionFlag>()) };
-        flag.set();
-    });
-}
-
-/// Enqueue a host callback on `stream` that sets a fresh flag once the stream passes this point.
-/// On failure, synchronizes the stream instead (so the flag is still truthful) or errs.
-pub(crate) fn enqueue_fence(stream: &CudaStream) -> Result<CompletionFlag> {
-    let flag = CompletionFlag::new();
-    let user = Box::into_raw(Box::new(flag.clone())).cast::<libc::c_void>();
-    // SAFETY: a valid stream; the callback consumes `user` exactly once.
-    let r = unsafe { cu_sys::cuLaunchHostFunc(stream.cu_stream(), Some(on_stream_passed), user) };
-    if r != cu_sys::CUresult::CUDA_SUCCESS {
-        // SAFETY: the callback was not enqueued, so `user` is still ours.
-        drop(unsafe { Box::from_raw(user.cast::<CompletionFlag>()) });
-        // SAFETY: a valid stream.
-        cu("cuStreamSynchronize", unsafe {
-            cu_sys::cuStreamSynchronize(stream.cu_stream())
-        })?;
-        flag.set();
+/// The host-callback fence (the memory module's [`HostFnFence`]) after the operation just queued
+/// on `stream`; where the callback cannot be queued, the stream is synchronized instead so that
+/// the fence is still truthful.
+fn fence_after(stream: &Arc<CudaStream>) -> Result<HostFnFence> {
+    match Stream::wrap(stream.clone()).host_fence() {
+        Ok(f) => Ok(f),
+        Err(_) => {
+            // SAFETY: a valid stream.
+            cu("cuStreamSynchronize", unsafe {
+                cu_sys::cuStreamSynchronize(stream.cu_stream())
+            })?;
+            let f = HostFnFence::new();
+            f.complete(false);
+            Ok(f)
+        }
     }
-    Ok(flag)
 }
 
 impl FileHandle {
@@ -150,7 +141,7 @@ impl FileHandle {
     ///
     /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufilereadasync>
     #[doc(alias = "cuFileReadAsync")]
-    pub fn read_async<M: DeviceMemory>(
+    pub fn read_async<M: DeviceMemoryMut>(
         &self,
         stream: &Arc<CudaStream>,
         dst: M,
@@ -238,7 +229,7 @@ impl FileHandle {
             params,
             call,
         };
-        match enqueue_fence(stream) {
+        match fence_after(stream) {
             Ok(flag) => Ok(AsyncIo {
                 op: InFlight::new(call, flag, resources),
             }),

@@ -4,7 +4,7 @@
 use super::posix::{self, GpuEngines, PosixConfig, PosixFile};
 use super::{DirectIo, Driver, FileHandle, OpenOptions, check_file_range, check_range};
 use crate::error::{Error, Result};
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 /// Which path a [`File`] may use.
@@ -264,7 +264,7 @@ impl File {
     /// error.
     #[doc(alias = "cuFileRead")]
     #[doc(alias = "pread")]
-    pub fn read_to_device<M: DeviceMemory>(
+    pub fn read_to_device<M: DeviceMemoryMut>(
         &self,
         dst: &mut M,
         dst_offset: usize,

@@ -2,7 +2,7 @@
 
 use super::{Driver, FileHandle, check, check_file_range, check_range, io_error, sys};
 use crate::error::{Error, Result};
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::time::{Duration, Instant};
 
 /// Read or write.
@@ -15,8 +15,9 @@ pub enum BatchOp {
 }
 
 /// One request of a batch, owning its buffer (and a clone of its file handle) until its result.
+/// Buffers are [`DeviceMemoryMut`] (owned, never an `Arc`): a batch may read into any of them.
 #[derive(Debug)]
-pub struct BatchRequest<M: DeviceMemory> {
+pub struct BatchRequest<M: DeviceMemoryMut> {
     /// Read or write.
     pub op: BatchOp,
     /// The registered file.
@@ -91,7 +92,7 @@ pub struct BatchResult<M: DeviceMemory> {
 /// final status. Dropping a batch with requests outstanding cancels it and polls for a bounded
 /// time; if they still have not finished, the buffers, handles and the batch are leaked (never
 /// freed under the library's feet).
-pub struct Batch<M: DeviceMemory> {
+pub struct Batch<M: DeviceMemoryMut> {
     driver: Driver,
     handle: sys::CUfileBatchHandle_t,
     capacity: usize,
@@ -102,9 +103,9 @@ pub struct Batch<M: DeviceMemory> {
 }
 
 // SAFETY: the batch handle may be used from any thread; all access goes through &mut self.
-unsafe impl<M: DeviceMemory> Send for Batch<M> {}
+unsafe impl<M: DeviceMemoryMut> Send for Batch<M> {}
 
-impl<M: DeviceMemory> std::fmt::Debug for Batch<M> {
+impl<M: DeviceMemoryMut> std::fmt::Debug for Batch<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Batch")
             .field("capacity", &self.capacity)
@@ -114,7 +115,7 @@ impl<M: DeviceMemory> std::fmt::Debug for Batch<M> {
     }
 }
 
-impl<M: DeviceMemory> Batch<M> {
+impl<M: DeviceMemoryMut> Batch<M> {
     /// `cuFileBatchIOSetUp(&batch, capacity)`—A batch for up to `capacity` requests.
     ///
     /// # Errors
@@ -352,7 +353,7 @@ impl<M: DeviceMemory> Batch<M> {
     }
 }
 
-impl<M: DeviceMemory> Drop for Batch<M> {
+impl<M: DeviceMemoryMut> Drop for Batch<M> {
     fn drop(&mut self) {
         if self.outstanding > 0 {
             let _ = self.cancel();
@@ -382,7 +383,7 @@ impl<M: DeviceMemory> Drop for Batch<M> {
 ///
 /// The first set-up, submit or poll error, or [`Error::Timeout`]; the batch in flight is then
 /// dropped (cancel, bounded wait, else leak), later requests are dropped unsubmitted.
-pub fn run_batched<M: DeviceMemory>(
+pub fn run_batched<M: DeviceMemoryMut>(
     driver: &Driver,
     requests: Vec<BatchRequest<M>>,
     timeout: Duration,

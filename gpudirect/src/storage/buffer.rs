@@ -2,7 +2,7 @@
 
 use super::{Driver, check, check_range};
 use crate::error::Result;
-use crate::memory::{DeviceMemory, MemoryKind};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 
 /// A device buffer range registered with cuFile (`cuFileBufRegister`), owning the buffer so that it
 /// cannot be freed while registered. Deregistered on drop, or by [`into_inner`](Self::into_inner).
@@ -158,3 +158,7 @@ unsafe impl<M: DeviceMemory> DeviceMemory for BufRegistration<M> {
         self.buffer().kind()
     }
 }
+
+// SAFETY: the registration owns `mem`, which no one else references while it is owned (it is
+// itself DeviceMemoryMut).
+unsafe impl<M: DeviceMemoryMut> DeviceMemoryMut for BufRegistration<M> {}

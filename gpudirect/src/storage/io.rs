@@ -2,7 +2,7 @@
 
 use super::{FileHandle, check_file_range, check_range, io_error};
 use crate::error::Result;
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, DeviceMemoryMut};
 
 /// The most bytes one `cuFileRead`/`cuFileWrite` call is asked to move. Larger requests are
 /// looped, and so are short counts (compatibility mode returns short counts near 2 GiB, A17).
@@ -58,7 +58,7 @@ impl FileHandle {
     ///
     /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufileread>
     #[doc(alias = "cuFileRead")]
-    pub fn read<M: DeviceMemory>(
+    pub fn read<M: DeviceMemoryMut>(
         &self,
         dst: &mut M,
         dst_offset: usize,

@@ -2,6 +2,16 @@
 //!
 //! Call [`init`] (or anything that calls it) before any cudarc API: it checks that libcuda exists
 //! and is new enough, so a missing or old driver is an [`Error`], never a cudarc panic.
+//!
+//! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::memory::tracker::Timeline)
+//! (amortised fences), cross-stream event waits, host callbacks ([`Stream::launch_host_fn`]) and
+//! stream memory operations ([`memop`]: wait on and write 32/64-bit values, batches).
+
+pub mod memop;
+mod stream;
+
+pub use memop::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, WaitCondition};
+pub use stream::Stream;
 
 use crate::error::{Error, Result, cu, from_driver};
 use cudarc::driver::{CudaContext, sys};

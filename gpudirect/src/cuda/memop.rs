@@ -1,0 +1,648 @@
+//! Stream memory operations: wait on and write 32- and 64-bit values from a stream
+//! (`cuStreamWaitValue32_v2`, `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`, ...).
+//!
+//! The words live in a [`MemopFlags`]: pinned host memory mapped for the device
+//! (`cuMemHostAlloc` with `DEVICEMAP`), which the host reads and writes atomically, or device
+//! memory (`cuMemAlloc`). The words are never exposed as `&`/`&mut`: the host uses
+//! [`MemopFlags::load_u32`]/[`MemopFlags::store_u32`] and friends (atomics on host memory).
+//!
+//! The `_v2` entry points are used (the legacy ones answer `CUDA_ERROR_NOT_SUPPORTED` on recent
+//! GPUs); they are checked for with our own loader before cudarc calls them. 32-bit operations
+//! are always available with the v2 API on CUDA 12 drivers; 64-bit ones are gated on
+//! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, [`WaitCondition::Nor`] on
+//! `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
+//!
+//! Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
+//! [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
+//! waits (bounded) for them and leaks the memory when it cannot prove they completed.
+//!
+//! Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
+//! synchronize the device. While a stream waits on a word that thread T will set, T must not free
+//! CUDA memory (drop a buffer, or let [`crate::memory::Tracker::reap`] or an allocation reap
+//! one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
+//! free after setting the word.
+
+use super::Stream;
+use crate::error::{Error, Result, cu, from_driver};
+use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
+use crate::memory::{bind, forked};
+use cudarc::driver::{CudaContext, sys};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The most operations one `cuStreamBatchMemOp_v2` call takes (the limit seen on the H200);
+/// longer batches are split into calls of at most this many, queued in order on the stream.
+pub const MAX_BATCH_MEM_OPS: usize = 255;
+
+/// The symbols the memory operations need.
+pub const SYMBOLS: &[&str] = &[
+    "cuStreamWaitValue32_v2",
+    "cuStreamWaitValue64_v2",
+    "cuStreamWriteValue32_v2",
+    "cuStreamWriteValue64_v2",
+    "cuStreamBatchMemOp_v2",
+];
+
+/// When a wait operation lets the stream go on (`CUstreamWaitValue_flags`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WaitCondition {
+    /// `CU_STREAM_WAIT_VALUE_GEQ`: `(int32_t)(*addr - value) >= 0` (wrap-around aware).
+    Geq = 0,
+    /// `CU_STREAM_WAIT_VALUE_EQ`: `*addr == value`.
+    Eq = 1,
+    /// `CU_STREAM_WAIT_VALUE_AND`: `(*addr & value) != 0`.
+    And = 2,
+    /// `CU_STREAM_WAIT_VALUE_NOR`: `~(*addr | value) != 0`.
+    Nor = 3,
+}
+
+/// One operation of a batch ([`Stream::batch_mem_ops`]). `slot` indexes the 64-bit slots of a
+/// [`MemopFlags`]; 32-bit operations use the slot's first 4 bytes (its low half).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemOp {
+    /// Wait until the 32-bit word satisfies `cond` against `value`.
+    Wait32 {
+        /// Slot index.
+        slot: usize,
+        /// Operand.
+        value: u32,
+        /// Condition.
+        cond: WaitCondition,
+    },
+    /// Write a 32-bit value.
+    Write32 {
+        /// Slot index.
+        slot: usize,
+        /// Value.
+        value: u32,
+    },
+    /// Wait until the 64-bit word satisfies `cond` against `value`.
+    Wait64 {
+        /// Slot index.
+        slot: usize,
+        /// Operand.
+        value: u64,
+        /// Condition.
+        cond: WaitCondition,
+    },
+    /// Write a 64-bit value.
+    Write64 {
+        /// Slot index.
+        slot: usize,
+        /// Value.
+        value: u64,
+    },
+}
+
+impl MemOp {
+    fn slot(&self) -> usize {
+        match *self {
+            MemOp::Wait32 { slot, .. }
+            | MemOp::Write32 { slot, .. }
+            | MemOp::Wait64 { slot, .. }
+            | MemOp::Write64 { slot, .. } => slot,
+        }
+    }
+    fn is_64(&self) -> bool {
+        matches!(self, MemOp::Wait64 { .. } | MemOp::Write64 { .. })
+    }
+    fn cond(&self) -> Option<WaitCondition> {
+        match *self {
+            MemOp::Wait32 { cond, .. } | MemOp::Wait64 { cond, .. } => Some(cond),
+            _ => None,
+        }
+    }
+
+    fn params(&self, base: u64) -> sys::CUstreamBatchMemOpParams {
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as Wait;
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as WaitV;
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as Write;
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as WriteV;
+        use sys::CUstreamBatchMemOpType as T;
+        let address = base + 8 * self.slot() as u64;
+        let wait = |operation, cond: WaitCondition, v| Wait {
+            operation,
+            address,
+            __bindgen_anon_1: v,
+            flags: cond as u32,
+            alias: 0,
+        };
+        let write = |operation, v| Write {
+            operation,
+            address,
+            __bindgen_anon_1: v,
+            flags: 0,
+            alias: 0,
+        };
+        // The union's unused bytes stay zero.
+        let mut p = std::mem::MaybeUninit::<sys::CUstreamBatchMemOpParams>::zeroed();
+        let u = p.as_mut_ptr();
+        // SAFETY: writing one member of a zeroed C union through a valid pointer; a union of
+        // plain C data is initialised by any member write.
+        unsafe {
+            match *self {
+                MemOp::Wait32 { value, cond, .. } => {
+                    (*u).waitValue = wait(
+                        T::CU_STREAM_MEM_OP_WAIT_VALUE_32,
+                        cond,
+                        WaitV {
+                            value64: value as u64,
+                        },
+                    )
+                }
+                MemOp::Wait64 { value, cond, .. } => {
+                    (*u).waitValue = wait(
+                        T::CU_STREAM_MEM_OP_WAIT_VALUE_64,
+                        cond,
+                        WaitV { value64: value },
+                    )
+                }
+                MemOp::Write32 { value, .. } => {
+                    (*u).writeValue = write(
+                        T::CU_STREAM_MEM_OP_WRITE_VALUE_32,
+                        WriteV {
+                            value64: value as u64,
+                        },
+                    )
+                }
+                MemOp::Write64 { value, .. } => {
+                    (*u).writeValue = write(
+                        T::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+                        WriteV { value64: value },
+                    )
+                }
+            }
+            p.assume_init()
+        }
+    }
+}
+
+/// Split `n` operations into driver calls of at most [`MAX_BATCH_MEM_OPS`]: the chunk sizes.
+pub fn batch_chunks(n: usize) -> impl Iterator<Item = usize> {
+    (0..n)
+        .step_by(MAX_BATCH_MEM_OPS)
+        .map(move |start| (n - start).min(MAX_BATCH_MEM_OPS))
+}
+
+#[derive(Debug)]
+enum Backing {
+    Host(*mut u64),
+    Device,
+}
+
+/// 64-bit words for stream memory operations, in pinned device-mapped host memory or device
+/// memory. Never exposed as references: the host reads and writes them through atomic
+/// ([`load_u64`](Self::load_u64), ...) or copy accessors.
+#[derive(Debug)]
+pub struct MemopFlags {
+    backing: Backing,
+    dptr: u64,
+    slots: usize,
+    ctx: Arc<CudaContext>,
+    pid: u32,
+    can_64: bool,
+    can_nor: bool,
+    users: Mutex<Vec<StreamFence>>,
+}
+
+// SAFETY: the words are only accessed atomically or through the driver.
+unsafe impl Send for MemopFlags {}
+// SAFETY: as above.
+unsafe impl Sync for MemopFlags {}
+
+impl MemopFlags {
+    fn check(ctx: &Arc<CudaContext>, slots: usize) -> Result<(usize, bool, bool)> {
+        if slots == 0 {
+            return Err(Error::invalid("slots", slots, "must be at least 1"));
+        }
+        let bytes = slots
+            .checked_mul(8)
+            .ok_or_else(|| Error::invalid("slots", slots, "slots * 8 overflows"))?;
+        crate::cuda::init()?;
+        gpudirect_sys::cuda::require_symbols(SYMBOLS)?;
+        use sys::CUdevice_attribute as A;
+        let a = |attr| {
+            ctx.attribute(attr)
+                .map_err(|e| from_driver("cuDeviceGetAttribute", e))
+        };
+        let can_64 = a(A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)? != 0;
+        let can_nor = a(A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR)? != 0;
+        Ok((bytes, can_64, can_nor))
+    }
+
+    /// `slots` zeroed 64-bit words in pinned host memory mapped for the device
+    /// (`cuMemHostAlloc(PORTABLE | DEVICEMAP)`): the host polls and sets them atomically.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Load`] when the driver lacks the `_v2` memop symbols; [`Error::Cuda`].
+    #[doc(alias = "cuMemHostAlloc")]
+    pub fn pinned_host(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
+        let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
+        bind(ctx)?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: context current, valid out-pointer.
+        cu("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, flags)
+        })?;
+        // SAFETY: fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+        let mut dptr = 0;
+        // SAFETY: mapped pinned memory; valid out-pointer.
+        let r = cu("cuMemHostGetDevicePointer_v2", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0)
+        });
+        if let Err(e) = r {
+            // SAFETY: allocated above, unused.
+            unsafe { sys::cuMemFreeHost(p) };
+            return Err(e);
+        }
+        Ok(MemopFlags {
+            backing: Backing::Host(p.cast()),
+            dptr,
+            slots,
+            ctx: ctx.clone(),
+            pid: std::process::id(),
+            can_64,
+            can_nor,
+            users: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// `slots` zeroed 64-bit words in device memory (`cuMemAlloc`).
+    #[doc(alias = "cuMemAlloc_v2")]
+    pub fn device(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
+        let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
+        bind(ctx)?;
+        let mut dptr = 0;
+        // SAFETY: context current; valid out-pointer.
+        cu("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut dptr, bytes)
+        })?;
+        let flags = MemopFlags {
+            backing: Backing::Device,
+            dptr,
+            slots,
+            ctx: ctx.clone(),
+            pid: std::process::id(),
+            can_64,
+            can_nor,
+            users: Mutex::new(Vec::new()),
+        };
+        // SAFETY: the allocation above.
+        cu("cuMemsetD8_v2", unsafe {
+            sys::cuMemsetD8_v2(dptr, 0, bytes)
+        })?;
+        // SAFETY: context current.
+        cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        Ok(flags)
+    }
+
+    /// Number of 64-bit slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Whether the words are host memory.
+    pub fn is_host(&self) -> bool {
+        matches!(self.backing, Backing::Host(_))
+    }
+
+    /// Whether 64-bit operations are available on this device.
+    pub fn supports_64_bit(&self) -> bool {
+        self.can_64
+    }
+
+    /// The device address of `slot`.
+    pub fn device_ptr(&self, slot: usize) -> Result<u64> {
+        self.check_slot(slot)?;
+        Ok(self.dptr + 8 * slot as u64)
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots {
+            return Err(Error::invalid(
+                "slot",
+                slot,
+                format!("must be below the {} slots", self.slots),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read slot `slot` as 64 bits (Acquire on host memory; a blocking copy on device memory).
+    pub fn load_u64(&self, slot: usize) -> Result<u64> {
+        self.check_slot(slot)?;
+        match self.backing {
+            Backing::Host(p) => {
+                // SAFETY: in bounds, 8-byte aligned (page-aligned base), live while `self` is;
+                // every access to the word is atomic (host) or by the device.
+                let a = unsafe { AtomicU64::from_ptr(p.add(slot)) };
+                Ok(a.load(Ordering::Acquire))
+            }
+            Backing::Device => {
+                let mut v = 0u64;
+                bind(&self.ctx)?;
+                // SAFETY: 8 bytes in bounds of the allocation into a local.
+                cu("cuMemcpyDtoH_v2", unsafe {
+                    sys::cuMemcpyDtoH_v2(
+                        (&mut v as *mut u64).cast(),
+                        self.dptr + 8 * slot as u64,
+                        8,
+                    )
+                })?;
+                Ok(v)
+            }
+        }
+    }
+
+    /// Write slot `slot` as 64 bits (Release on host memory; a blocking copy on device memory).
+    pub fn store_u64(&self, slot: usize, value: u64) -> Result<()> {
+        self.check_slot(slot)?;
+        match self.backing {
+            Backing::Host(p) => {
+                // SAFETY: as in `load_u64`.
+                let a = unsafe { AtomicU64::from_ptr(p.add(slot)) };
+                a.store(value, Ordering::Release);
+                Ok(())
+            }
+            Backing::Device => {
+                bind(&self.ctx)?;
+                // SAFETY: 8 bytes in bounds of the allocation, from a local.
+                cu("cuMemcpyHtoD_v2", unsafe {
+                    sys::cuMemcpyHtoD_v2(
+                        self.dptr + 8 * slot as u64,
+                        (&value as *const u64).cast(),
+                        8,
+                    )
+                })?;
+                // SAFETY: context current; makes the write visible before returning.
+                cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+            }
+        }
+    }
+
+    /// Read the low 32 bits of slot `slot` (the word 32-bit operations use).
+    pub fn load_u32(&self, slot: usize) -> Result<u32> {
+        self.check_slot(slot)?;
+        match self.backing {
+            Backing::Host(p) => {
+                // SAFETY: the slot's first 4 bytes: in bounds, 4-byte aligned; atomic access only.
+                let a = unsafe { AtomicU32::from_ptr(p.add(slot).cast::<u32>()) };
+                Ok(a.load(Ordering::Acquire))
+            }
+            Backing::Device => Ok(self.load_u64(slot)? as u32),
+        }
+    }
+
+    /// Write the low 32 bits of slot `slot`.
+    pub fn store_u32(&self, slot: usize, value: u32) -> Result<()> {
+        self.check_slot(slot)?;
+        match self.backing {
+            Backing::Host(p) => {
+                // SAFETY: as in `load_u32`.
+                let a = unsafe { AtomicU32::from_ptr(p.add(slot).cast::<u32>()) };
+                a.store(value, Ordering::Release);
+                Ok(())
+            }
+            Backing::Device => {
+                bind(&self.ctx)?;
+                // SAFETY: 4 bytes in bounds, from a local.
+                cu("cuMemcpyHtoD_v2", unsafe {
+                    sys::cuMemcpyHtoD_v2(
+                        self.dptr + 8 * slot as u64,
+                        (&value as *const u32).cast(),
+                        4,
+                    )
+                })?;
+                // SAFETY: context current.
+                cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+            }
+        }
+    }
+
+    fn validate(&self, stream: &Stream, ops: &[MemOp]) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() && !self.is_host() {
+            return Err(Error::invalid(
+                "stream",
+                format!("device {}", stream.context().ordinal()),
+                format!("must be on the flags' device {}", self.ctx.ordinal()),
+            ));
+        }
+        for op in ops {
+            self.check_slot(op.slot())?;
+            if op.is_64() && !self.can_64 {
+                return Err(Error::Unsupported {
+                    what: "64-bit stream memory operations".into(),
+                    reason: "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0".into(),
+                });
+            }
+            if op.cond() == Some(WaitCondition::Nor) && !self.can_nor {
+                return Err(Error::Unsupported {
+                    what: "CU_STREAM_WAIT_VALUE_NOR".into(),
+                    reason: "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR is 0".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Remember that `stream` has used the words up to now.
+    fn used_by(&self, stream: &Stream) {
+        let fence = stream.fence();
+        let mut g = self.users.lock().unwrap_or_else(|e| e.into_inner());
+        match g
+            .iter_mut()
+            .find(|f| Arc::ptr_eq(f.timeline(), fence.timeline()))
+        {
+            Some(f) => *f = fence,
+            None => g.push(fence),
+        }
+    }
+}
+
+impl Drop for MemopFlags {
+    fn drop(&mut self) {
+        if forked(self.pid) {
+            return;
+        }
+        let users = std::mem::take(self.users.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if !users.iter().all(|f| f.wait_timeout(DROP_WAIT)) {
+            return; // a stream may still wait on or write the words: leak them
+        }
+        if bind(&self.ctx).is_err() {
+            return;
+        }
+        // SAFETY: allocated by `pinned_host`/`device`; every stream that used it has passed it.
+        unsafe {
+            match self.backing {
+                Backing::Host(p) => {
+                    sys::cuMemFreeHost(p.cast());
+                }
+                Backing::Device => {
+                    sys::cuMemFree_v2(self.dptr);
+                }
+            }
+        }
+    }
+}
+
+impl Stream {
+    fn one_op(&self, flags: &MemopFlags, op: MemOp) -> Result<()> {
+        flags.validate(self, std::slice::from_ref(&op))?;
+        let addr = flags.dptr + 8 * op.slot() as u64;
+        bind(self.context())?;
+        let s = self.cu_stream();
+        // SAFETY: symbols checked in MemopFlags::check; `addr` is a live, aligned word of
+        // `flags`, which outlives the operation (its drop waits for this stream's fence).
+        let r = unsafe {
+            match op {
+                MemOp::Wait32 { value, cond, .. } => cu(
+                    "cuStreamWaitValue32_v2",
+                    sys::cuStreamWaitValue32_v2(s, addr, value, cond as u32),
+                ),
+                MemOp::Write32 { value, .. } => cu(
+                    "cuStreamWriteValue32_v2",
+                    sys::cuStreamWriteValue32_v2(s, addr, value, 0),
+                ),
+                MemOp::Wait64 { value, cond, .. } => cu(
+                    "cuStreamWaitValue64_v2",
+                    sys::cuStreamWaitValue64_v2(s, addr, value, cond as u32),
+                ),
+                MemOp::Write64 { value, .. } => cu(
+                    "cuStreamWriteValue64_v2",
+                    sys::cuStreamWriteValue64_v2(s, addr, value, 0),
+                ),
+            }
+        };
+        flags.used_by(self);
+        r
+    }
+
+    /// `cuStreamWaitValue32_v2`: later work on this stream waits until the low 32 bits of
+    /// `slot` satisfy `cond` against `value`.
+    #[doc(alias = "cuStreamWaitValue32_v2")]
+    pub fn wait_value32(
+        &self,
+        flags: &MemopFlags,
+        slot: usize,
+        value: u32,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        self.one_op(flags, MemOp::Wait32 { slot, value, cond })
+    }
+
+    /// `cuStreamWaitValue64_v2`: later work waits until `slot` satisfies `cond` against `value`.
+    #[doc(alias = "cuStreamWaitValue64_v2")]
+    pub fn wait_value64(
+        &self,
+        flags: &MemopFlags,
+        slot: usize,
+        value: u64,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        self.one_op(flags, MemOp::Wait64 { slot, value, cond })
+    }
+
+    /// `cuStreamWriteValue32_v2`: write `value` to the low 32 bits of `slot` once the stream
+    /// gets there.
+    #[doc(alias = "cuStreamWriteValue32_v2")]
+    pub fn write_value32(&self, flags: &MemopFlags, slot: usize, value: u32) -> Result<()> {
+        self.one_op(flags, MemOp::Write32 { slot, value })
+    }
+
+    /// `cuStreamWriteValue64_v2`: write `value` to `slot` once the stream gets there.
+    #[doc(alias = "cuStreamWriteValue64_v2")]
+    pub fn write_value64(&self, flags: &MemopFlags, slot: usize, value: u64) -> Result<()> {
+        self.one_op(flags, MemOp::Write64 { slot, value })
+    }
+
+    /// `cuStreamBatchMemOp_v2`: queue `ops` in order. Batches longer than
+    /// [`MAX_BATCH_MEM_OPS`] are split into several calls (A18); returns the number of driver
+    /// calls made. Everything is validated before the first call.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a slot out of range; [`Error::Unsupported`] for 64-bit or
+    /// NOR operations the device lacks; [`Error::Cuda`] from the driver (operations of earlier
+    /// chunks stay queued).
+    #[doc(alias = "cuStreamBatchMemOp_v2")]
+    pub fn batch_mem_ops(&self, flags: &MemopFlags, ops: &[MemOp]) -> Result<usize> {
+        flags.validate(self, ops)?;
+        if ops.is_empty() {
+            return Ok(0);
+        }
+        let mut params: Vec<sys::CUstreamBatchMemOpParams> =
+            ops.iter().map(|op| op.params(flags.dptr)).collect();
+        bind(self.context())?;
+        let mut calls = 0;
+        let mut start = 0;
+        let mut result = Ok(());
+        for n in batch_chunks(params.len()) {
+            // SAFETY: symbols checked; `n <= MAX_BATCH_MEM_OPS` valid params addressing live
+            // words of `flags` (which outlives the operations: see `used_by`).
+            let r = unsafe {
+                sys::cuStreamBatchMemOp_v2(
+                    self.cu_stream(),
+                    n as u32,
+                    params[start..].as_mut_ptr(),
+                    0,
+                )
+            };
+            if let Err(e) = cu("cuStreamBatchMemOp_v2", r) {
+                result = Err(e);
+                break;
+            }
+            calls += 1;
+            start += n;
+        }
+        flags.used_by(self);
+        result.map(|()| calls)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_split_at_the_driver_limit() {
+        assert_eq!(batch_chunks(0).count(), 0);
+        assert_eq!(batch_chunks(255).collect::<Vec<_>>(), vec![255]);
+        assert_eq!(batch_chunks(300).collect::<Vec<_>>(), vec![255, 45]);
+        assert_eq!(batch_chunks(511).collect::<Vec<_>>(), vec![255, 255, 1]);
+    }
+
+    #[test]
+    fn params_encode_ops() {
+        let base = 0x1000;
+        let p = MemOp::Write64 {
+            slot: 2,
+            value: 0xdead_beef_0000_0001,
+        }
+        .params(base);
+        // SAFETY: written as writeValue just above.
+        let w = unsafe { p.writeValue };
+        assert_eq!(w.address, 0x1010);
+        // SAFETY: value64 written.
+        assert_eq!(unsafe { w.__bindgen_anon_1.value64 }, 0xdead_beef_0000_0001);
+        assert_eq!(
+            w.operation,
+            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64
+        );
+        let p = MemOp::Wait32 {
+            slot: 1,
+            value: 7,
+            cond: WaitCondition::Eq,
+        }
+        .params(base);
+        // SAFETY: written as waitValue.
+        let w = unsafe { p.waitValue };
+        assert_eq!(w.address, 0x1008);
+        assert_eq!(w.flags, 1);
+        // SAFETY: value written.
+        assert_eq!(unsafe { w.__bindgen_anon_1.value }, 7);
+    }
+}

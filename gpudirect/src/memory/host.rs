@@ -1,0 +1,179 @@
+//! `cuMemHostAlloc` pinned host memory.
+
+use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
+use crate::error::{Result, cu};
+use cudarc::driver::{CudaContext, sys};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+bitflags::bitflags! {
+    /// Flags of `cuMemHostAlloc`.
+    #[repr(transparent)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct HostAllocFlags: u32 {
+        /// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every context, not only the allocating one.
+        const PORTABLE = sys::CU_MEMHOSTALLOC_PORTABLE;
+        /// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device address space
+        /// (`cuMemHostGetDevicePointer`); stream memory operations on host words need it.
+        const DEVICEMAP = sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        /// `CU_MEMHOSTALLOC_WRITECOMBINED`: write-combined (fast host writes, very slow host
+        /// reads).
+        const WRITECOMBINED = sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+    }
+}
+
+/// Pinned (page-locked) host memory from `cuMemHostAlloc`: `len` elements of `T`, zeroed.
+///
+/// The host reads and writes it through [`as_slice`](Self::as_slice) and
+/// [`as_mut_slice`](Self::as_mut_slice); while a copy uses it, the copy owns it, so no reference
+/// can exist. Pinned memory has no stream-ordered free: it is freed (`cuMemFreeHost`) only when
+/// dropped, which in-flight work prevents. In a forked child it leaks.
+#[derive(Debug)]
+#[doc(alias = "cuMemHostAlloc")]
+pub struct PinnedHostBuffer<T: Pod> {
+    ptr: *mut T,
+    dptr: u64,
+    len: usize,
+    flags: HostAllocFlags,
+    ctx: Arc<CudaContext>,
+    pid: u32,
+    _elem: PhantomData<T>,
+}
+
+// SAFETY: the buffer owns its allocation exclusively; `T: Pod` is Send + Sync.
+unsafe impl<T: Pod> Send for PinnedHostBuffer<T> {}
+// SAFETY: shared access only reads through `&[T]`.
+unsafe impl<T: Pod> Sync for PinnedHostBuffer<T> {}
+
+impl<T: Pod> PinnedHostBuffer<T> {
+    /// `cuMemHostAlloc(len * size_of::<T>(), flags)` in `ctx`, zero-filled. `len` is in elements.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::InvalidArgument`] for `len == 0`; [`crate::Error::Cuda`] from the driver.
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+    #[doc(alias = "cuMemHostAlloc")]
+    pub fn alloc(ctx: &Arc<CudaContext>, len: usize, flags: HostAllocFlags) -> Result<Self> {
+        let bytes = byte_size::<T>(len)?;
+        crate::cuda::init()?;
+        super::Tracker::global().reap();
+        bind(ctx)?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: context current; one valid out-pointer; flags are cuMemHostAlloc flags.
+        cu("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, flags.bits())
+        })?;
+        // SAFETY: `p` is a fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+        let mut dptr = 0;
+        // SAFETY: `p` is pinned memory of this context; one valid out-pointer.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // Without a mapping (no DEVICEMAP on a device without unified addressing), the
+            // host address is what copies use.
+            dptr = p as u64;
+        }
+        Ok(PinnedHostBuffer {
+            ptr: p.cast(),
+            dptr,
+            len,
+            flags,
+            ctx: ctx.clone(),
+            pid: std::process::id(),
+            _elem: PhantomData,
+        })
+    }
+
+    /// A pinned copy of `data`.
+    pub fn from_slice(ctx: &Arc<CudaContext>, data: &[T], flags: HostAllocFlags) -> Result<Self> {
+        let mut b = Self::alloc(ctx, data.len(), flags)?;
+        b.as_mut_slice().copy_from_slice(data);
+        Ok(b)
+    }
+
+    /// The elements.
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `len` initialised elements (zero-filled at allocation, `T: Pod`); no device
+        // work can be writing them while `self` is borrowed (device work owns the buffer).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The elements, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The flags it was allocated with.
+    pub fn flags(&self) -> HostAllocFlags {
+        self.flags
+    }
+
+    /// The context it was allocated in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl<T: Pod> std::ops::Deref for PinnedHostBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.as_slice()
+    }
+}
+
+impl<T: Pod> std::ops::DerefMut for PinnedHostBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.as_mut_slice()
+    }
+}
+
+// SAFETY: the pinned allocation lives until drop and never moves; `dptr` is its device mapping
+// (or, with unified addressing, its host address, which the driver accepts as well).
+unsafe impl<T: Pod> DeviceMemory for PinnedHostBuffer<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::PinnedHost
+    }
+    fn host_ptr(&self) -> Option<*mut u8> {
+        Some(self.ptr.cast())
+    }
+}
+
+// SAFETY: references to the bytes only come from `&self`/`&mut self`, which an owner that holds
+// the buffer by value (a data path) excludes.
+unsafe impl<T: Pod> DeviceMemoryMut for PinnedHostBuffer<T> {}
+
+impl<T: Pod> Drop for PinnedHostBuffer<T> {
+    fn drop(&mut self) {
+        if forked(self.pid) || bind(&self.ctx).is_err() {
+            return; // leak
+        }
+        // SAFETY: from cuMemHostAlloc; nothing in flight uses it (in-flight work owns it).
+        let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_are_the_c_values() {
+        assert_eq!(HostAllocFlags::PORTABLE.bits(), 1);
+        assert_eq!(HostAllocFlags::DEVICEMAP.bits(), 2);
+        assert_eq!(HostAllocFlags::WRITECOMBINED.bits(), 4);
+    }
+}
