@@ -68,6 +68,33 @@ pub enum Error {
         /// The minimum.
         required: i32,
     },
+    /// A cuFile call failed with a `CUfileOpError` (and, for `CU_FILE_CUDA_DRIVER_ERROR`, a CUDA
+    /// cause).
+    #[error("{call} failed: {name} ({code}){}", cuda_cause(*cu_err, cu_name))]
+    CuFile {
+        /// The C function, such as `cuFileHandleRegister`.
+        call: &'static str,
+        /// The `CUfileOpError` value (5000 and up; 5027 is `CU_FILE_HANDLE_NOT_REGISTERED`).
+        code: u32,
+        /// Its name from cufile.h, such as `CU_FILE_INVALID_VALUE` (`CU_FILE_UNKNOWN_ERROR` for a
+        /// code the headers do not list).
+        name: &'static str,
+        /// The `CUresult` cuFile reported with it (`cu_err`), 0 when none.
+        cu_err: i32,
+        /// The name of `cu_err` (`CUDA_ERROR_INVALID_VALUE`), when libcuda can say.
+        cu_name: Option<String>,
+    },
+    /// A cuFile request would exceed a limit of the library (a batch larger than
+    /// `max_batch_io_size`).
+    #[error("{what}: {requested} requested, the limit is {limit}")]
+    LimitExceeded {
+        /// What was limited, such as `cuFile batch entries`.
+        what: &'static str,
+        /// How many were asked for.
+        requested: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {
@@ -114,6 +141,14 @@ impl Error {
             Error::Cuda { name, .. } => Some(name),
             _ => None,
         }
+    }
+}
+
+fn cuda_cause(cu_err: i32, cu_name: &Option<String>) -> String {
+    match (cu_err, cu_name) {
+        (0, _) => String::new(),
+        (c, Some(n)) => format!(", CUDA cause {n} ({c})"),
+        (c, None) => format!(", CUDA cause {c}"),
     }
 }
 

@@ -4,6 +4,7 @@
 //! | --- | --- | --- |
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
+//! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -16,6 +17,7 @@ pub mod dmabuf;
 pub mod error;
 pub mod memory;
 pub mod p2p;
+pub mod storage;
 pub mod testing;
 pub mod topology;
 

@@ -1,0 +1,243 @@
+//! Stream-ordered cuFile I/O (`cuFileReadAsync`/`cuFileWriteAsync`), owned by the completion
+//! tracker until a host callback on the stream has run.
+
+use super::{FileHandle, check, check_file_range, check_range, io_error};
+use crate::cuda::Stream;
+use crate::error::{Error, Result, cu};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight};
+use cudarc::driver::{CudaStream, sys as cu_sys};
+use std::sync::Arc;
+
+/// The size/offset/bytes-done block cuFile reads and writes when the stream reaches the
+/// operation. Boxed: its address is handed to cuFile and must not move.
+#[derive(Debug)]
+#[repr(C)]
+struct Params {
+    size: usize,
+    file_offset: libc::off_t,
+    buf_offset: libc::off_t,
+    bytes: isize,
+}
+
+/// What a stream-ordered I/O owns until the stream has passed it: the buffer, the file handle
+/// (so it cannot be deregistered early), the stream and the argument block.
+pub struct AsyncResources<M: DeviceMemory> {
+    /// The device buffer (or [`BufRegistration`](super::BufRegistration)).
+    pub buffer: M,
+    handle: FileHandle,
+    stream: Arc<CudaStream>,
+    params: Box<Params>,
+    call: &'static str,
+}
+
+impl<M: DeviceMemory> std::fmt::Debug for AsyncResources<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncResources")
+            .field("call", &self.call)
+            .field("params", &self.params)
+            .finish()
+    }
+}
+
+impl<M: DeviceMemory> AsyncResources<M> {
+    /// The bytes moved, as cuFile reported them when the stream ran the operation.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] or [`Error::CuFile`] when cuFile reported a negative count.
+    pub fn bytes(&self) -> Result<usize> {
+        // SAFETY: the operation has completed (resources are only handed out then); cuFile
+        // wrote the field from another thread, ordered before our host callback's Release store.
+        let b = unsafe { std::ptr::read_volatile(&self.params.bytes) };
+        if b < 0 {
+            Err(io_error(self.call, b))
+        } else {
+            Ok(b as usize)
+        }
+    }
+
+    /// The file handle, stream and buffer back.
+    pub fn into_parts(self) -> (M, FileHandle, Arc<CudaStream>) {
+        (self.buffer, self.handle, self.stream)
+    }
+}
+
+/// A stream-ordered cuFile I/O in flight. [`wait`](Self::wait) returns the buffer and the byte
+/// count. Dropping it waits a bounded time, then parks everything in the
+/// [`Tracker`](crate::memory::Tracker) until the host callback has run (freed by a later `reap`);
+/// `mem::forget` leaks it, which is safe.
+#[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
+pub struct AsyncIo<M: DeviceMemory> {
+    op: InFlight<AsyncResources<M>, HostFnFence>,
+}
+
+impl<M: DeviceMemory> std::fmt::Debug for AsyncIo<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.op.fmt(f)
+    }
+}
+
+impl<M: DeviceMemory> AsyncIo<M> {
+    /// Whether the stream has passed the operation.
+    pub fn is_complete(&self) -> bool {
+        self.op.is_complete()
+    }
+
+    /// Wait for the stream to pass the operation; the buffer and the bytes moved.
+    ///
+    /// # Errors
+    ///
+    /// The operation's error ([`AsyncResources::bytes`]); the buffer is then dropped (the
+    /// operation is complete, so that is safe). Use [`wait_resources`](Self::wait_resources) to
+    /// keep it.
+    pub fn wait(self) -> Result<(M, usize)> {
+        let r = self.wait_resources()?;
+        let n = r.bytes()?;
+        Ok((r.buffer, n))
+    }
+
+    /// Wait and take everything back, whatever the outcome.
+    ///
+    /// # Errors
+    ///
+    /// Only a time-out, which cannot happen with an unbounded wait.
+    pub fn wait_resources(self) -> Result<AsyncResources<M>> {
+        self.op.wait()
+    }
+}
+
+/// The host-callback fence (the memory module's [`HostFnFence`]) after the operation just queued
+/// on `stream`; where the callback cannot be queued, the stream is synchronized instead so that
+/// the fence is still truthful.
+fn fence_after(stream: &Arc<CudaStream>) -> Result<HostFnFence> {
+    match Stream::wrap(stream.clone()).host_fence() {
+        Ok(f) => Ok(f),
+        Err(_) => {
+            // SAFETY: a valid stream.
+            cu("cuStreamSynchronize", unsafe {
+                cu_sys::cuStreamSynchronize(stream.cu_stream())
+            })?;
+            let f = HostFnFence::new();
+            f.complete(false);
+            Ok(f)
+        }
+    }
+}
+
+impl FileHandle {
+    /// `cuFileReadAsync(fh, buf, &size, &file_offset, &buf_offset, &bytes, stream)`—Read `len`
+    /// bytes at `file_offset` into `dst` at `dst_offset` when `stream` reaches this point. The
+    /// handle, buffer, stream and argument block are owned by the returned [`AsyncIo`] until a
+    /// host callback enqueued after the read has run.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a range outside `dst` or the file;
+    /// [`Error::CuFile`] from `cuFileReadAsync` (nothing was enqueued; `dst` is dropped);
+    /// [`Error::Cuda`] when neither a host callback nor a stream synchronization works (the
+    /// resources are then leaked, never freed early).
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufilereadasync>
+    #[doc(alias = "cuFileReadAsync")]
+    pub fn read_async<M: DeviceMemoryMut>(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: M,
+        dst_offset: usize,
+        file_offset: u64,
+        len: usize,
+    ) -> Result<AsyncIo<M>> {
+        self.submit_async(true, stream, dst, dst_offset, file_offset, len)
+    }
+
+    /// `cuFileWriteAsync(...)`—Write `len` bytes of `src` from `src_offset` to `file_offset`
+    /// when `stream` reaches this point: the write sees all earlier work on `stream` (A12).
+    /// Ownership as [`read_async`](Self::read_async).
+    ///
+    /// # Errors
+    ///
+    /// As [`read_async`](Self::read_async), from `cuFileWriteAsync`.
+    #[doc(alias = "cuFileWriteAsync")]
+    pub fn write_async<M: DeviceMemory>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: M,
+        src_offset: usize,
+        file_offset: u64,
+        len: usize,
+    ) -> Result<AsyncIo<M>> {
+        self.submit_async(false, stream, src, src_offset, file_offset, len)
+    }
+
+    fn submit_async<M: DeviceMemory>(
+        &self,
+        read: bool,
+        stream: &Arc<CudaStream>,
+        buf: M,
+        buf_offset: usize,
+        file_offset: u64,
+        len: usize,
+    ) -> Result<AsyncIo<M>> {
+        check_range("buf_offset", buf_offset, len, buf.byte_len())?;
+        check_file_range(file_offset, len)?;
+        if stream.context().ordinal() != buf.ordinal() {
+            return Err(Error::invalid(
+                "stream",
+                format!("device {}", stream.context().ordinal()),
+                format!("must be on the buffer's device {}", buf.ordinal()),
+            ));
+        }
+        super::bind_device(buf.ordinal())?;
+        let mut params = Box::new(Params {
+            size: len,
+            file_offset: file_offset as libc::off_t,
+            buf_offset: buf_offset as libc::off_t,
+            bytes: 0,
+        });
+        let lib = self.inner.driver.lib();
+        let base = buf.device_ptr() as *mut libc::c_void;
+        let call = if read {
+            "cuFileReadAsync"
+        } else {
+            "cuFileWriteAsync"
+        };
+        let p: *mut Params = &mut *params;
+        let f = if read {
+            lib.cuFileReadAsync
+        } else {
+            lib.cuFileWriteAsync
+        };
+        // SAFETY: every pointer is into the boxed block or the owned buffer, both moved into the
+        // tracker below and kept until the host callback after this operation has run.
+        check(call, unsafe {
+            f(
+                self.inner.handle,
+                base,
+                &raw mut (*p).size,
+                &raw mut (*p).file_offset,
+                &raw mut (*p).buf_offset,
+                &raw mut (*p).bytes,
+                stream.cu_stream().cast(),
+            )
+        })?;
+        let resources = AsyncResources {
+            buffer: buf,
+            handle: self.clone(),
+            stream: stream.clone(),
+            params,
+            call,
+        };
+        match fence_after(stream) {
+            Ok(flag) => Ok(AsyncIo {
+                op: InFlight::new(call, flag, resources),
+            }),
+            Err(e) => {
+                // Completion cannot be proven: leak, never free early.
+                std::mem::forget(resources);
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,415 @@
+//! The cuFile batch API: set up, submit, poll, cancel, destroy.
+
+use super::{Driver, FileHandle, check, check_file_range, check_range, io_error, sys};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceMemory, DeviceMemoryMut};
+use std::time::{Duration, Instant};
+
+/// Read or write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOp {
+    /// `CUFILE_READ`: file to buffer.
+    Read,
+    /// `CUFILE_WRITE`: buffer to file.
+    Write,
+}
+
+/// One request of a batch, owning its buffer (and a clone of its file handle) until its result.
+/// Buffers are [`DeviceMemoryMut`] (owned, never an `Arc`): a batch may read into any of them.
+#[derive(Debug)]
+pub struct BatchRequest<M: DeviceMemoryMut> {
+    /// Read or write.
+    pub op: BatchOp,
+    /// The registered file.
+    pub handle: FileHandle,
+    /// The device buffer.
+    pub buffer: M,
+    /// Byte offset in the buffer.
+    pub buf_offset: usize,
+    /// Byte offset in the file.
+    pub file_offset: u64,
+    /// Bytes to move.
+    pub len: usize,
+}
+
+/// `CUfileStatus_t`, typed; unknown values are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BatchStatus {
+    /// `CUFILE_WAITING`.
+    Waiting,
+    /// `CUFILE_PENDING`.
+    Pending,
+    /// `CUFILE_INVALID`: ill-formed or not enqueued.
+    Invalid,
+    /// `CUFILE_CANCELED`.
+    Canceled,
+    /// `CUFILE_COMPLETE`.
+    Complete,
+    /// `CUFILE_TIMEOUT`.
+    Timeout,
+    /// `CUFILE_FAILED`.
+    Failed,
+    /// A value this crate does not know.
+    Unknown(u32),
+}
+
+impl BatchStatus {
+    /// From the C value (never transmuted).
+    pub fn from_raw(v: u32) -> Self {
+        match v {
+            sys::CUFILE_WAITING => BatchStatus::Waiting,
+            sys::CUFILE_PENDING => BatchStatus::Pending,
+            sys::CUFILE_INVALID => BatchStatus::Invalid,
+            sys::CUFILE_CANCELED => BatchStatus::Canceled,
+            sys::CUFILE_COMPLETE => BatchStatus::Complete,
+            sys::CUFILE_TIMEOUT => BatchStatus::Timeout,
+            sys::CUFILE_FAILED => BatchStatus::Failed,
+            other => BatchStatus::Unknown(other),
+        }
+    }
+
+    /// Whether the request will not change any more.
+    pub fn is_final(self) -> bool {
+        !matches!(self, BatchStatus::Waiting | BatchStatus::Pending)
+    }
+}
+
+/// The outcome of one request, with its buffer back.
+#[derive(Debug)]
+pub struct BatchResult<M: DeviceMemory> {
+    /// The request's buffer.
+    pub buffer: M,
+    /// Its final status.
+    pub status: BatchStatus,
+    /// Bytes moved, or the error (`ret` negative, or a status other than complete).
+    pub bytes: Result<usize>,
+}
+
+/// A cuFile batch (`cuFileBatchIOSetUp`) of up to `capacity` requests, submitted once.
+///
+/// The requests' buffers and handles stay owned by the batch until every request has reached a
+/// final status. Dropping a batch with requests outstanding cancels it and polls for a bounded
+/// time; if they still have not finished, the buffers, handles and the batch are leaked (never
+/// freed under the library's feet).
+pub struct Batch<M: DeviceMemoryMut> {
+    driver: Driver,
+    handle: sys::CUfileBatchHandle_t,
+    capacity: usize,
+    requests: Vec<Option<BatchRequest<M>>>,
+    params: Vec<sys::CUfileIOParams_t>,
+    outcome: Vec<Option<(BatchStatus, usize)>>,
+    outstanding: usize,
+}
+
+// SAFETY: the batch handle may be used from any thread; all access goes through &mut self.
+unsafe impl<M: DeviceMemoryMut> Send for Batch<M> {}
+
+impl<M: DeviceMemoryMut> std::fmt::Debug for Batch<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("capacity", &self.capacity)
+            .field("requests", &self.requests.len())
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl<M: DeviceMemoryMut> Batch<M> {
+    /// `cuFileBatchIOSetUp(&batch, capacity)`—A batch for up to `capacity` requests.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size` (128 on
+    /// the H200; A18) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufilebatchiosetup>
+    #[doc(alias = "cuFileBatchIOSetUp")]
+    pub fn new(driver: &Driver, capacity: usize) -> Result<Self> {
+        let limit = driver.max_batch_entries();
+        if capacity == 0 || capacity > limit {
+            return Err(Error::LimitExceeded {
+                what: "cuFile batch entries",
+                requested: capacity,
+                limit,
+            });
+        }
+        let mut handle: sys::CUfileBatchHandle_t = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; capacity within the limit.
+        check("cuFileBatchIOSetUp", unsafe {
+            (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32)
+        })?;
+        Ok(Batch {
+            driver: driver.clone(),
+            handle,
+            capacity,
+            requests: Vec::new(),
+            params: Vec::new(),
+            outcome: Vec::new(),
+            outstanding: 0,
+        })
+    }
+
+    /// `cuFileBatchIOSubmit(batch, n, params, 0)`—Submit `requests` (at most `capacity`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LimitExceeded`] over capacity; [`Error::InvalidArgument`] for a second submit, a
+    /// range outside a buffer, or buffers on different devices; [`Error::CuFile`] from
+    /// `cuFileBatchIOSubmit` (the requests are then dropped: nothing was enqueued).
+    #[doc(alias = "cuFileBatchIOSubmit")]
+    pub fn submit(&mut self, requests: Vec<BatchRequest<M>>) -> Result<()> {
+        if !self.requests.is_empty() {
+            return Err(Error::invalid(
+                "requests",
+                "a second submission",
+                "a Batch is submitted once",
+            ));
+        }
+        if requests.len() > self.capacity {
+            return Err(Error::LimitExceeded {
+                what: "cuFile batch entries",
+                requested: requests.len(),
+                limit: self.capacity,
+            });
+        }
+        let Some(first) = requests.first() else {
+            return Ok(());
+        };
+        let ordinal = first.buffer.ordinal();
+        for r in &requests {
+            check_range("buf_offset", r.buf_offset, r.len, r.buffer.byte_len())?;
+            check_file_range(r.file_offset, r.len)?;
+            if r.buffer.ordinal() != ordinal {
+                return Err(Error::invalid(
+                    "buffer",
+                    format!("device {}", r.buffer.ordinal()),
+                    format!("every buffer of a batch is on one device ({ordinal})"),
+                ));
+            }
+        }
+        super::bind_device(ordinal)?;
+        let params: Vec<sys::CUfileIOParams_t> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                // SAFETY: all-zero is valid for this plain struct; fields set below.
+                let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
+                p.mode = sys::CUFILE_BATCH;
+                p.u.batch.devPtr_base = r.buffer.device_ptr() as *mut libc::c_void;
+                p.u.batch.file_offset = r.file_offset as sys::off_t;
+                p.u.batch.devPtr_offset = r.buf_offset as sys::off_t;
+                p.u.batch.size = r.len;
+                p.fh = r.handle.as_raw();
+                p.opcode = match r.op {
+                    BatchOp::Read => sys::CUFILE_READ,
+                    BatchOp::Write => sys::CUFILE_WRITE,
+                };
+                // Cookies are 1-based: a NULL cookie is never handed to the library.
+                p.cookie = (i + 1) as *mut libc::c_void;
+                p
+            })
+            .collect();
+        self.params = params;
+        let n = requests.len();
+        self.requests = requests.into_iter().map(Some).collect();
+        self.outcome = (0..n).map(|_| None).collect();
+        // SAFETY: `params` and every buffer and handle stay owned by `self` until each request
+        // reaches a final status.
+        let r = check("cuFileBatchIOSubmit", unsafe {
+            (self.driver.lib().cuFileBatchIOSubmit)(
+                self.handle,
+                n as u32,
+                self.params.as_mut_ptr(),
+                0,
+            )
+        });
+        if let Err(e) = r {
+            self.requests.clear();
+            self.outcome.clear();
+            return Err(e);
+        }
+        self.outstanding = n;
+        Ok(())
+    }
+
+    /// Requests not yet in a final status.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// `cuFileBatchIOGetStatus(batch, min, &nr, events, timeout)`—Collect completions, waiting up
+    /// to `timeout` for at least `min` of them; returns how many requests finished in this call.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CuFile`] from `cuFileBatchIOGetStatus`.
+    #[doc(alias = "cuFileBatchIOGetStatus")]
+    pub fn poll(&mut self, min: usize, timeout: Duration) -> Result<usize> {
+        if self.outstanding == 0 {
+            return Ok(0);
+        }
+        let mut events: Vec<sys::CUfileIOEvents_t> = (0..self.requests.len())
+            // SAFETY: all-zero is valid for this plain struct.
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        let mut nr = events.len() as u32;
+        let mut ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `events` holds `nr` entries; valid timespec.
+        check("cuFileBatchIOGetStatus", unsafe {
+            (self.driver.lib().cuFileBatchIOGetStatus)(
+                self.handle,
+                min.min(self.outstanding) as u32,
+                &mut nr,
+                events.as_mut_ptr(),
+                &mut ts,
+            )
+        })?;
+        let mut finished = 0;
+        for ev in events.iter().take(nr as usize) {
+            let i = (ev.cookie as usize).wrapping_sub(1);
+            let status = BatchStatus::from_raw(ev.status);
+            if i < self.outcome.len() && self.outcome[i].is_none() && status.is_final() {
+                self.outcome[i] = Some((status, ev.ret));
+                self.outstanding -= 1;
+                finished += 1;
+            }
+        }
+        Ok(finished)
+    }
+
+    /// `cuFileBatchIOCancel(batch)`—Ask the library to cancel outstanding requests; poll or wait
+    /// to learn which were canceled.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CuFile`] from `cuFileBatchIOCancel`.
+    #[doc(alias = "cuFileBatchIOCancel")]
+    pub fn cancel(&mut self) -> Result<()> {
+        // SAFETY: a live batch handle.
+        check("cuFileBatchIOCancel", unsafe {
+            (self.driver.lib().cuFileBatchIOCancel)(self.handle)
+        })
+    }
+
+    /// Wait until every request is final; the per-request results, in submission order. The
+    /// batch is destroyed (`cuFileBatchIODestroy`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CuFile`] from `cuFileBatchIOGetStatus`; the batch is then dropped (cancel and a
+    /// bounded wait, else leak).
+    #[doc(alias = "cuFileBatchIODestroy")]
+    pub fn wait(self) -> Result<Vec<BatchResult<M>>> {
+        self.wait_timeout(Duration::MAX)
+    }
+
+    /// As [`wait`](Self::wait), giving up after `timeout`: then [`Error::Timeout`], and the batch
+    /// is dropped (cancel, a bounded wait, else its buffers are leaked).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::CuFile`] from `cuFileBatchIOGetStatus`.
+    #[doc(alias = "cuFileBatchIODestroy")]
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<Vec<BatchResult<M>>> {
+        let start = Instant::now();
+        while self.outstanding > 0 {
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: "cuFile batch requests",
+                    after: timeout,
+                });
+            }
+            self.poll(1, Duration::from_millis(100))?;
+        }
+        let out = std::mem::take(&mut self.outcome);
+        let reqs = std::mem::take(&mut self.requests);
+        Ok(reqs
+            .into_iter()
+            .zip(out)
+            .map(|(r, o)| {
+                let r = r.expect("present until wait");
+                let (status, ret) = o.expect("final");
+                let bytes = match status {
+                    BatchStatus::Complete if (ret as isize) >= 0 => Ok(ret),
+                    BatchStatus::Complete => Err(io_error("cuFileBatchIOSubmit", ret as isize)),
+                    other => Err(Error::Unsupported {
+                        what: "cuFile batch request".into(),
+                        reason: format!("ended {other:?} (ret {})", ret as isize),
+                    }),
+                };
+                BatchResult {
+                    buffer: r.buffer,
+                    status,
+                    bytes,
+                }
+            })
+            .collect())
+    }
+}
+
+impl<M: DeviceMemoryMut> Drop for Batch<M> {
+    fn drop(&mut self) {
+        if self.outstanding > 0 {
+            let _ = self.cancel();
+            let start = Instant::now();
+            while self.outstanding > 0 && start.elapsed() < crate::memory::tracker::DROP_WAIT {
+                if self.poll(1, Duration::from_millis(50)).is_err() {
+                    break;
+                }
+            }
+            if self.outstanding > 0 {
+                // Completion unproven: leak the buffers, handles and the batch itself.
+                std::mem::forget(std::mem::take(&mut self.requests));
+                std::mem::forget(std::mem::take(&mut self.params));
+                return;
+            }
+        }
+        // SAFETY: no request is outstanding; destroyed once.
+        unsafe { (self.driver.lib().cuFileBatchIODestroy)(self.handle) };
+    }
+}
+
+/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (A18: 200
+/// requests become 128 + 72), one batch at a time (the limit may be per process), each waited up
+/// to `timeout`; results in order.
+///
+/// # Errors
+///
+/// The first set-up, submit or poll error, or [`Error::Timeout`]; the batch in flight is then
+/// dropped (cancel, bounded wait, else leak), later requests are dropped unsubmitted.
+pub fn run_batched<M: DeviceMemoryMut>(
+    driver: &Driver,
+    requests: Vec<BatchRequest<M>>,
+    timeout: Duration,
+) -> Result<Vec<BatchResult<M>>> {
+    let limit = driver.max_batch_entries();
+    let mut out = Vec::new();
+    let mut it = requests.into_iter().peekable();
+    while it.peek().is_some() {
+        let chunk: Vec<_> = it.by_ref().take(limit).collect();
+        let mut b = Batch::new(driver, chunk.len())?;
+        b.submit(chunk)?;
+        out.extend(b.wait_timeout(timeout)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_typed_without_transmute() {
+        assert_eq!(BatchStatus::from_raw(0x10), BatchStatus::Complete);
+        assert_eq!(BatchStatus::from_raw(0x2), BatchStatus::Pending);
+        assert_eq!(BatchStatus::from_raw(0x400), BatchStatus::Unknown(0x400));
+        assert!(!BatchStatus::Pending.is_final());
+        assert!(BatchStatus::Failed.is_final());
+    }
+}
