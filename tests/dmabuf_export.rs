@@ -7,8 +7,10 @@ use gpudirect::memory::{DeviceMemory, MemoryKind};
 use gpudirect::require;
 use gpudirect::testing::Hardware;
 use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
 
 /// A bare `cuMemAlloc` allocation, so this test needs nothing but the driver.
+#[derive(Debug)]
 struct RawAlloc {
     ptr: u64,
     len: usize,
@@ -71,14 +73,14 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
         gpudirect::testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
     }
-    let mem = RawAlloc::new(4 << 20);
+    let mem = Arc::new(RawAlloc::new(4 << 20));
     assert_eq!(mem.ptr % 4096, 0, "cuMemAlloc returns page-aligned memory");
     // Whole buffer.
-    let whole = dmabuf::export(&mem, 0, mem.len).unwrap();
+    let whole = dmabuf::export(mem.clone(), 0, mem.len).unwrap();
     assert_eq!(whole.size_from_kernel().unwrap(), 4 << 20);
     assert_eq!(whole.range().offset, 0);
     // A5: 65544 bytes starting 40 bytes in.
-    let sub = dmabuf::export(&mem, 40, 65544).unwrap();
+    let sub = dmabuf::export(mem.clone(), 40, 65544).unwrap();
     let r = sub.range();
     assert_eq!(
         (r.export_base, r.offset, r.len, r.iova),
@@ -87,13 +89,17 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     assert_eq!(r.export_len, 17 * 4096);
     assert_eq!(sub.size_from_kernel().unwrap(), 17 * 4096);
     // Two 40-byte buffers in one page: one export page each, distinct offsets.
-    let a = dmabuf::export(&mem, 8192 + 100, 40).unwrap();
-    let b = dmabuf::export(&mem, 8192 + 200, 40).unwrap();
+    let a = dmabuf::export(mem.clone(), 8192 + 100, 40).unwrap();
+    let b = dmabuf::export(mem.clone(), 8192 + 200, 40).unwrap();
     assert_eq!(a.size_from_kernel().unwrap(), 4096);
     assert_eq!((a.range().offset, b.range().offset), (100, 200));
     assert!(a.as_fd().as_raw_fd() >= 0 && a.as_fd().as_raw_fd() != b.as_fd().as_raw_fd());
+    // The exports own the memory: it outlives them.
+    assert_eq!(Arc::strong_count(&mem), 5);
+    drop((whole, a, b));
+    assert_eq!(Arc::strong_count(&mem), 2);
     // Out of bounds is refused before any FFI call.
-    let e = dmabuf::export(&mem, mem.len - 10, 11).unwrap_err();
+    let e = dmabuf::export(mem.clone(), mem.len - 10, 11).unwrap_err();
     assert!(matches!(e, gpudirect::Error::InvalidArgument { .. }), "{e}");
     println!(
         "dma-buf export ok: whole {} bytes, sub-range offset {} iova {:#x}",

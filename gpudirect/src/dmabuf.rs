@@ -9,14 +9,23 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// A dma-buf file descriptor over a page-aligned range of device memory, with the numbers a
 /// registration needs ([`DmaBufRange`]: offset and IOVA of the requested bytes inside it).
+///
+/// It owns the exported memory `M` (pass an `Arc` to share it), so the memory outlives every
+/// importer that holds this value; the fd is closed before `M` is dropped.
 #[derive(Debug)]
-pub struct DmaBuf {
+pub struct DmaBuf<M> {
     fd: OwnedFd,
     range: DmaBufRange,
     ordinal: usize,
+    mem: M,
 }
 
-impl DmaBuf {
+impl<M> DmaBuf<M> {
+    /// The exported memory.
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
     /// The export's geometry: `export_base`/`export_len` (page-aligned), and `offset`, `len`,
     /// `iova` of the requested bytes.
     pub fn range(&self) -> DmaBufRange {
@@ -37,30 +46,17 @@ impl DmaBuf {
         }
         Ok(end as u64)
     }
-
-    /// Take the fd out.
-    pub fn into_fd(self) -> OwnedFd {
-        self.fd
-    }
 }
 
-impl AsFd for DmaBuf {
+impl<M> AsFd for DmaBuf<M> {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 }
 
-/// `cuMemGetHandleForAddressRange(.., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)`—Export the page-aligned
-/// range enclosing `len` bytes at `ptr` on device `ordinal` as a dma-buf.
-///
-/// # Errors
-///
-/// [`Error::InvalidArgument`] for an empty or overflowing range; [`Error::Load`] if the driver lacks
-/// the entry point; [`Error::Cuda`] from the driver (for example `CUDA_ERROR_INVALID_VALUE` for a
-/// range that is not device memory of one allocation, `CUDA_ERROR_NOT_SUPPORTED` where dma-buf is
-/// not supported).
-#[doc(alias = "cuMemGetHandleForAddressRange")]
-pub fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<DmaBuf> {
+/// Export the page-aligned range enclosing `len` bytes at `ptr` on device `ordinal`. Private: the
+/// caller keeps the memory alive for as long as the fd ([`export`] does, by owning it).
+fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedFd, DmaBufRange)> {
     let range = DmaBufRange::new(ptr, len).ok_or_else(|| {
         Error::invalid(
             "len",
@@ -90,16 +86,21 @@ pub fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<DmaBuf> {
             reason: format!("cuMemGetHandleForAddressRange returned fd {fd}"),
         });
     }
-    Ok(DmaBuf {
-        // SAFETY: the driver returned a new fd that nothing else owns.
-        fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        range,
-        ordinal,
-    })
+    // SAFETY: the driver returned a new fd that nothing else owns.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, range))
 }
 
-/// Export `len` bytes at `byte_offset` inside `mem` (see [`export_range`]), after checking bounds.
-pub fn export<M: DeviceMemory>(mem: &M, byte_offset: usize, len: usize) -> Result<DmaBuf> {
+/// `cuMemGetHandleForAddressRange(.., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)`—Export `len` bytes at
+/// `byte_offset` inside `mem` as a dma-buf: the fd covers the enclosing 4 KiB-aligned range, and
+/// [`DmaBuf::range`] says where the requested bytes are (offset, IOVA). The result owns `mem`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for host memory or an empty or out-of-bounds range (checked before any
+/// FFI call); [`Error::Load`] if the driver lacks the entry point; [`Error::Cuda`] from the driver
+/// (`CUDA_ERROR_NOT_SUPPORTED` where dma-buf is not supported).
+#[doc(alias = "cuMemGetHandleForAddressRange")]
+pub fn export<M: DeviceMemory>(mem: M, byte_offset: usize, len: usize) -> Result<DmaBuf<M>> {
     if !mem.kind().is_device() {
         return Err(Error::invalid(
             "mem",
@@ -118,11 +119,14 @@ pub fn export<M: DeviceMemory>(mem: &M, byte_offset: usize, len: usize) -> Resul
             ),
         ));
     }
-    export_range(
-        mem.ordinal(),
-        mem.device_ptr() + byte_offset as u64,
-        len as u64,
-    )
+    let ordinal = mem.ordinal();
+    let (fd, range) = export_range(ordinal, mem.device_ptr() + byte_offset as u64, len as u64)?;
+    Ok(DmaBuf {
+        fd,
+        range,
+        ordinal,
+        mem,
+    })
 }
 
 #[cfg(test)]
