@@ -569,8 +569,9 @@ unsafe impl Engines for GpuEngines {
 pub(crate) struct HostEngines {
     /// The stand-in device memory.
     pub device: Arc<Mutex<Vec<u8>>>,
-    /// The most copies one engine had in flight at once (≥ 2 shows pipelining).
-    pub max_in_flight: AtomicU64,
+    /// The most copies one engine had in flight at once (≥ 2 shows pipelining). Shared with the
+    /// engines (not reached through a pointer back to `self`, which a move would leave dangling).
+    pub max_in_flight: Arc<AtomicU64>,
     /// Engines created (pooling keeps this at the thread count).
     pub created: AtomicU64,
     pool: Mutex<Vec<HostEngine>>,
@@ -582,7 +583,7 @@ impl HostEngines {
     pub fn new(len: usize, fill: u8) -> Self {
         HostEngines {
             device: Arc::new(Mutex::new(vec![fill; len])),
-            max_in_flight: AtomicU64::new(0),
+            max_in_flight: Arc::new(AtomicU64::new(0)),
             created: AtomicU64::new(0),
             pool: Mutex::new(Vec::new()),
         }
@@ -596,13 +597,8 @@ pub(crate) struct HostEngine {
     bufs: Vec<Vec<u8>>,
     pending: Vec<Option<(bool, usize, usize, u64)>>,
     device: Arc<Mutex<Vec<u8>>>,
-    stats: *const HostEngines,
+    max_in_flight: Arc<AtomicU64>,
 }
-
-// SAFETY: `stats` points at the HostEngines that outlives every engine it hands out (engines are
-// released to it before `run` returns); everything else is owned.
-#[cfg(test)]
-unsafe impl Send for HostEngine {}
 
 #[cfg(test)]
 impl HostEngine {
@@ -629,10 +625,7 @@ unsafe impl CopyEngine for HostEngine {
     fn start_h2d(&mut self, slot: usize, offset: usize, len: usize, dst: u64) -> Result<()> {
         self.pending[slot] = Some((true, offset, len, dst));
         let n = self.in_flight();
-        // SAFETY: see the Send impl.
-        unsafe { &*self.stats }
-            .max_in_flight
-            .fetch_max(n, Ordering::Relaxed);
+        self.max_in_flight.fetch_max(n, Ordering::Relaxed);
         Ok(())
     }
     fn start_d2h(&mut self, slot: usize, offset: usize, len: usize, src: u64) -> Result<()> {
@@ -675,7 +668,7 @@ unsafe impl Engines for HostEngines {
                 .collect(),
             pending: vec![None; depth],
             device: self.device.clone(),
-            stats: self,
+            max_in_flight: self.max_in_flight.clone(),
         })
     }
     fn release(&self, engine: HostEngine) {
@@ -848,6 +841,21 @@ mod tests {
             assert_eq!(&back[5..], &src[1..200_001]);
             std::fs::remove_file(&p).unwrap();
         }
+    }
+
+    #[test]
+    fn host_engine_stats_survive_moving_the_engines() {
+        // An engine used to reach its HostEngines through a raw pointer taken at `acquire`:
+        // moving the HostEngines afterwards left it dangling.
+        let engines = HostEngines::new(64, 0);
+        let mut eng = engines.acquire(DIRECT_ALIGN, 2).unwrap();
+        let moved = Box::new(engines);
+        eng.start_h2d(0, 0, 8, 0).unwrap();
+        eng.start_h2d(1, 0, 8, 8).unwrap();
+        assert_eq!(moved.max_in_flight.load(Ordering::Relaxed), 2);
+        eng.wait_slot(0).unwrap();
+        eng.wait_slot(1).unwrap();
+        moved.release(eng);
     }
 
     #[test]
