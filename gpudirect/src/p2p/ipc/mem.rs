@@ -1,6 +1,6 @@
 //! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
 
-use super::{hex64, to_bytes, to_chars};
+use super::{address_range, check_import_range, hex64, to_bytes, to_chars};
 use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
@@ -163,8 +163,10 @@ impl<T: Pod> IpcMemory<T> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when the handle's element size differs from `size_of::<T>()`
-    /// or its size is not a whole number of elements; [`Error::Cuda`] from the driver
+    /// [`Error::InvalidArgument`] when the handle's element size differs from `size_of::<T>()`,
+    /// its size is not a whole number of elements, or its `offset..offset + bytes` does not lie
+    /// (element-aligned) within the allocation mapped (checked with `cuMemGetAddressRange`; the
+    /// mapping is closed again); [`Error::Cuda`] from the driver
     /// (`CUDA_ERROR_INVALID_CONTEXT` or `CUDA_ERROR_INVALID_VALUE` for a handle opened in the
     /// process that exported it, `CUDA_ERROR_MAP_FAILED` when the exporter has freed it);
     /// [`Error::NoDevice`] for an ordinal past the device count.
@@ -205,8 +207,23 @@ impl<T: Pod> IpcMemory<T> {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         })?;
+        // The offset and size are the peer's word: check them against what was mapped.
+        if let Err(e) = address_range(base).and_then(|(_, mapped)| {
+            check_import_range(
+                "handle.offset",
+                handle.offset,
+                handle.bytes,
+                mapped,
+                std::mem::align_of::<T>() as u64,
+            )
+        }) {
+            // SAFETY: opened above, not yet used by anything; closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(e);
+        }
         Ok(IpcMemory {
             base,
+            // In bounds of the mapping (checked above), so no overflow.
             ptr: base + handle.offset,
             len: (handle.bytes / size) as usize,
             ctx,

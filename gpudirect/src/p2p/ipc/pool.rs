@@ -5,7 +5,7 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::hex64;
+use super::{address_range, check_import_range, hex64};
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
@@ -296,8 +296,9 @@ impl<T: Pod> PoolImport<T> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for an element-size mismatch or a pool that was not imported;
-    /// [`Error::Cuda`] from the driver.
+    /// [`Error::InvalidArgument`] for an element-size mismatch, a pool that was not imported, or
+    /// a handle whose `bytes` exceed the allocation imported (checked with
+    /// `cuMemGetAddressRange`; the import is freed again); [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolImportPointer")]
     pub fn open(pool: &Arc<IpcPool>, handle: &PoolPtrHandle) -> Result<Self> {
         let size = std::mem::size_of::<T>() as u64;
@@ -324,6 +325,20 @@ impl<T: Pod> PoolImport<T> {
         cu("cuMemPoolImportPointer", unsafe {
             sys::cuMemPoolImportPointer(&mut ptr, pool.pool, &mut d)
         })?;
+        // `bytes` is the peer's word: check it against the allocation imported.
+        if let Err(e) = address_range(ptr).and_then(|(base, mapped)| {
+            check_import_range(
+                "handle.bytes",
+                ptr.wrapping_sub(base),
+                handle.bytes,
+                mapped,
+                std::mem::align_of::<T>() as u64,
+            )
+        }) {
+            // SAFETY: imported above, not yet used by anything; freed once.
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e);
+        }
         Ok(PoolImport {
             ptr,
             len: (handle.bytes / size) as usize,
