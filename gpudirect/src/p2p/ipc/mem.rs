@@ -145,8 +145,9 @@ impl<B: DeviceMemory> IpcExport<B> {
 /// Device memory of another process, mapped with `cuIpcOpenMemHandle`; `len` elements of `T`.
 ///
 /// It is a data-path buffer like any other ([`DeviceMemory`], [`DeviceMemoryMut`]: copies into it
-/// write the exporter's memory). Dropping it synchronizes the importing context
-/// (`cuCtxSynchronize`, so no work still uses the mapping) and then calls `cuIpcCloseMemHandle`.
+/// write the exporter's memory). Dropping it calls `cuIpcCloseMemHandle` without synchronizing:
+/// work that uses it owns it (in an [`InFlight`](crate::memory::InFlight) or the tracker) until
+/// that work has completed, so nothing of ours still uses the mapping when it is dropped.
 #[derive(Debug)]
 pub struct IpcMemory<T: Pod> {
     base: u64,
@@ -259,10 +260,11 @@ impl<T: Pod> Drop for IpcMemory<T> {
         if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
             return; // forked child or dead context: leave the mapping
         }
-        // SAFETY: context current. Work that may still use the mapping finishes first.
-        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
-            return; // cannot prove completion: keep the mapping (leak)
-        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
+        // caller's own unsafe code is the caller's to finish first.
         // SAFETY: `base` came from cuIpcOpenMemHandle_v2 and is closed once.
         let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
     }

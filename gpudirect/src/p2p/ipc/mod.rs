@@ -13,9 +13,9 @@
 //! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead.
 //!
 //! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
-//! any serde format. Imported mappings own their mapping; dropping one waits for the importing
-//! device's work (`cuCtxSynchronize`) before unmapping, and data paths hold it in their
-//! [`crate::memory::InFlight`] until their work completes.
+//! any serde format. Imported mappings own their mapping, and data paths hold it in their
+//! [`crate::memory::InFlight`] until their work completes; so dropping one unmaps at once, without
+//! synchronizing the device (no unbounded `cuCtxSynchronize` in a destructor).
 
 mod event;
 mod fd;

@@ -281,8 +281,8 @@ impl<T: Pod> Drop for PoolAlloc<T> {
 }
 
 /// Another process's pool allocation, imported with `cuMemPoolImportPointer` into an imported
-/// [`IpcPool`]. Dropping it synchronizes the importing context, then frees the import
-/// (`cuMemFree`), which the exporter's free must follow.
+/// [`IpcPool`]. Dropping it frees the import (`cuMemFree`), which the exporter's free must follow;
+/// it does not synchronize: work that uses it owns it until that work has completed.
 #[derive(Debug)]
 pub struct PoolImport<T: Pod> {
     ptr: u64,
@@ -373,10 +373,11 @@ impl<T: Pod> Drop for PoolImport<T> {
         if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
             return;
         }
-        // SAFETY: context current; finish work that may use the import first.
-        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
-            return;
-        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
+        // caller's own unsafe code is the caller's to finish first.
         // SAFETY: imported once, freed once.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }
