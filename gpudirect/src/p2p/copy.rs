@@ -190,6 +190,11 @@ impl Fence for CopyFence {
 impl Drop for CopyFence {
     fn drop(&mut self) {
         let Some(e) = self.event.take() else { return };
+        if Tracker::global().in_forked_child() {
+            // No CUDA calls in a forked child (not even the event's destroy): leak it.
+            std::mem::forget(e);
+            return;
+        }
         // Only a completed event is reused; an errored one is destroyed.
         if matches!(e.try_is_complete(), Ok(true)) {
             let mut spare = self.home.spare.lock().unwrap_or_else(|p| p.into_inner());

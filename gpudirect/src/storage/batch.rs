@@ -355,6 +355,12 @@ impl<M: DeviceMemoryMut> Batch<M> {
 
 impl<M: DeviceMemoryMut> Drop for Batch<M> {
     fn drop(&mut self) {
+        if crate::memory::Tracker::global().in_forked_child() {
+            // No cuFile calls and no frees in a forked child: leak the batch and its buffers.
+            std::mem::forget(std::mem::take(&mut self.requests));
+            std::mem::forget(std::mem::take(&mut self.params));
+            return;
+        }
         if self.outstanding > 0 {
             let _ = self.cancel();
             let start = Instant::now();
