@@ -267,10 +267,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
         let mut nr = events.len() as u32;
-        let mut ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
+        let mut ts = timespec_of(timeout);
         // SAFETY: `events` holds `nr` entries; valid timespec.
         check("cuFileBatchIOGetStatus", unsafe {
             (self.driver.lib().cuFileBatchIOGetStatus)(
@@ -364,6 +361,15 @@ impl<M: DeviceMemoryMut> Batch<M> {
     }
 }
 
+/// `timeout` as a `timespec`, the seconds clamped to `time_t::MAX` (a plain cast of
+/// `Duration::MAX`'s seconds would be negative).
+fn timespec_of(timeout: Duration) -> libc::timespec {
+    libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    }
+}
+
 impl<M: DeviceMemoryMut> Batch<M> {
     /// Cancel outstanding requests and poll for a bounded time ([`DROP_WAIT`]); `true` when none
     /// is outstanding any more. Otherwise completion is unproven: the buffers, handles and params
@@ -437,6 +443,17 @@ pub fn run_batched<M: DeviceMemoryMut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_timeouts_clamp_instead_of_going_negative() {
+        let ts = timespec_of(Duration::MAX);
+        assert_eq!(ts.tv_sec, libc::time_t::MAX);
+        assert!(ts.tv_nsec >= 0 && ts.tv_nsec < 1_000_000_000);
+        let ts = timespec_of(Duration::from_secs(u64::MAX / 2 + 1));
+        assert_eq!(ts.tv_sec, libc::time_t::MAX);
+        let ts = timespec_of(Duration::new(3, 500));
+        assert_eq!((ts.tv_sec, ts.tv_nsec), (3, 500));
+    }
 
     #[test]
     fn statuses_are_typed_without_transmute() {
