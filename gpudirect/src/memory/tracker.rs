@@ -187,9 +187,16 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     }
 
     /// Wait for completion and take the resources back. Also reaps the [`Tracker`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when the fence can never prove completion (a [`StreamFence`] or
+    /// [`EventFence`] whose synchronization failed: a sticky error); the resources are then
+    /// parked in the [`Tracker`], never freed early.
     pub fn wait(self) -> Result<R> {
         Tracker::global().reap();
-        // Duration::MAX never runs out; if it did, dropping the op parks it.
+        // Duration::MAX never runs out; the wait ends early only when the fence cannot prove
+        // completion, and then dropping the op parks it.
         self.wait_timeout(Duration::MAX).map_err(|(e, _op)| e)
     }
 
