@@ -92,6 +92,29 @@ fn mem_child(job: MemJob) {
     let s = stream(d);
     ready.wait_on(&s).unwrap();
     s.synchronize().unwrap();
+    // The peer's offset and size are checked against the allocation mapped: past its end (or
+    // overflowing) or misaligned for the element type is refused, and the mapping closed again.
+    for (offset, bytes) in [
+        (1u64 << 40, job.src.bytes),
+        (u64::MAX - 3, job.src.bytes),
+        (job.src.offset, job.src.bytes + (1 << 40)),
+        (job.src.offset + 2, 4),
+    ] {
+        let mut bad = job.src.clone();
+        bad.offset = offset;
+        bad.bytes = bytes;
+        let e = IpcMemory::<u32>::open(&bad, d).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                gpudirect::Error::InvalidArgument {
+                    arg: "handle.offset",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
     let src = IpcMemory::<u32>::open(&job.src, d).unwrap();
     let dst = IpcMemory::<u32>::open(&job.dst, d).unwrap();
     let done = gpudirect::p2p::copy(src, dst).unwrap();
@@ -100,7 +123,25 @@ fn mem_child(job: MemJob) {
     // Read the mapping back through a local buffer (exact bytes of the parent's source).
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
     assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported source");
-    drop(dst); // synchronizes, then cuIpcCloseMemHandle
+    // Dropping an import does not synchronize the context: a stream of it blocked in a wait
+    // (here on a word nobody writes until after the drop) does not hold the drop up.
+    let flags = gpudirect::cuda::MemopFlags::pinned_host(s.context(), 1).unwrap();
+    let blocked = gpudirect::cuda::Stream::new(s.context()).unwrap();
+    blocked
+        .wait_value32(&flags, 0, 1, gpudirect::cuda::WaitCondition::Eq)
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(dst); // cuIpcCloseMemHandle, no cuCtxSynchronize
+        let _ = tx.send(());
+    });
+    let dropped = rx.recv_timeout(std::time::Duration::from_secs(10)).is_ok();
+    flags.store_u32(0, 1).unwrap();
+    blocked.synchronize().unwrap();
+    assert!(
+        dropped,
+        "dropping an IpcMemory waited for an unrelated blocked stream"
+    );
     println!("child: ok");
 }
 
@@ -226,6 +267,20 @@ fn pool_child(job: VmmJob) {
     let (fd, len) = recv_fd(&sock, &mut buf).unwrap();
     let handles: PoolJob = serde_json::from_slice(&buf[..len]).unwrap();
     let pool = IpcPool::import(fd.as_fd(), handles.src.device as usize, d).unwrap();
+    // The peer's size is checked against the allocation imported (the import is freed again).
+    let mut bad = handles.src.clone();
+    bad.bytes += 1 << 40;
+    let e = PoolImport::<u32>::open(&pool, &bad).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            gpudirect::Error::InvalidArgument {
+                arg: "handle.bytes",
+                ..
+            }
+        ),
+        "{e}"
+    );
     let src = PoolImport::<u32>::open(&pool, &handles.src).unwrap();
     let dst = PoolImport::<u32>::open(&pool, &handles.dst).unwrap();
     let done = gpudirect::p2p::copy(src, dst).unwrap();

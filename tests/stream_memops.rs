@@ -165,3 +165,58 @@ fn round_trip_host_gpu_host() {
         rtts[rtts.len() / 2]
     );
 }
+
+/// Run `f` on a helper thread; `false` if it has not returned within `timeout` (a deadlock).
+fn returns_within(timeout: Duration, f: impl FnOnce() + Send + 'static) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(timeout).is_ok()
+}
+
+#[test]
+fn host_stores_to_device_words_release_a_waiting_stream() {
+    // A stream blocked in cuStreamWaitValue on a device word: blocking host-side helpers must
+    // not wait for it (cuCtxSynchronize would, and deadlock until the store they are making).
+    let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
+    let stream = Stream::new(&ctx).unwrap();
+    let flags = Arc::new(MemopFlags::device(&ctx, 4).unwrap());
+    stream
+        .wait_value32(&flags, 0, 5, WaitCondition::Eq)
+        .unwrap();
+    stream.write_value32(&flags, 1, 0x600D).unwrap();
+    let c = ctx.clone();
+    assert!(
+        returns_within(Duration::from_secs(10), move || {
+            let _ = gpudirect::memory::DeviceBuffer::<u8>::zeroed(&c, 4096).unwrap();
+            let _ = MemopFlags::device(&c, 2).unwrap();
+        }),
+        "zeroed/device allocation waited for the blocked stream"
+    );
+    assert_eq!(flags.load_u32(1).unwrap(), 0, "write ran before the wait");
+    let f = flags.clone();
+    assert!(
+        returns_within(Duration::from_secs(10), move || f.store_u32(0, 5).unwrap()),
+        "store_u32 on a device word waited for the stream it releases"
+    );
+    assert!(spin_until(Duration::from_secs(5), || flags
+        .load_u32(1)
+        .unwrap()
+        == 0x600D));
+    if flags.supports_64_bit() {
+        stream
+            .wait_value64(&flags, 2, 1 << 40, WaitCondition::Eq)
+            .unwrap();
+        let f = flags.clone();
+        assert!(
+            returns_within(Duration::from_secs(10), move || f
+                .store_u64(2, 1 << 40)
+                .unwrap()),
+            "store_u64 on a device word waited for the stream it releases"
+        );
+    }
+    let fence = stream.fence();
+    assert!(fence.wait_timeout(Duration::from_secs(5)));
+}

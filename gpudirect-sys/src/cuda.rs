@@ -12,7 +12,9 @@ use std::sync::{Mutex, OnceLock};
 /// both, so whatever opens here also opens there.
 pub const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
-/// Environment variable naming an explicit path to `libcuda.so`, tried first.
+/// Environment variable naming an explicit path to `libcuda.so`, tried first. cudarc opens
+/// libcuda by file name only, so the override is meaningful only where cudarc finds the same
+/// library (`gpudirect::cuda::init` refuses the case where cudarc finds none).
 pub const PATH_ENV: &str = "GPUDIRECT_LIBCUDA_PATH";
 
 /// The CUDA driver library, opened by our own loader.

@@ -25,7 +25,7 @@
 use super::Stream;
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
-use crate::memory::{bind, forked};
+use crate::memory::{bind, forked, on_private_stream};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -291,12 +291,13 @@ impl MemopFlags {
             can_nor,
             users: Mutex::new(Vec::new()),
         };
-        // SAFETY: the allocation above.
-        cu("cuMemsetD8_v2", unsafe {
-            sys::cuMemsetD8_v2(dptr, 0, bytes)
+        // Not cuCtxSynchronize: that would wait for every stream of the context.
+        on_private_stream(ctx, |stream| {
+            // SAFETY: the allocation above; a live stream.
+            cu("cuMemsetD8Async", unsafe {
+                sys::cuMemsetD8Async(dptr, 0, bytes, stream)
+            })
         })?;
-        // SAFETY: context current.
-        cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         Ok(flags)
     }
 
@@ -332,7 +333,8 @@ impl MemopFlags {
         Ok(())
     }
 
-    /// Read slot `slot` as 64 bits (Acquire on host memory; a blocking copy on device memory).
+    /// Read slot `slot` as 64 bits (Acquire on host memory; on device memory a copy on a private
+    /// non-blocking stream, synchronized: it never waits for the context's other streams).
     pub fn load_u64(&self, slot: usize) -> Result<u64> {
         self.check_slot(slot)?;
         match self.backing {
@@ -344,21 +346,26 @@ impl MemopFlags {
             }
             Backing::Device => {
                 let mut v = 0u64;
-                bind(&self.ctx)?;
-                // SAFETY: 8 bytes in bounds of the allocation into a local.
-                cu("cuMemcpyDtoH_v2", unsafe {
-                    sys::cuMemcpyDtoH_v2(
-                        (&mut v as *mut u64).cast(),
-                        self.dptr + 8 * slot as u64,
-                        8,
-                    )
+                on_private_stream(&self.ctx, |stream| {
+                    // SAFETY: 8 bytes in bounds of the allocation into a local, which outlives
+                    // the copy (the stream is synchronized before `on_private_stream` returns).
+                    cu("cuMemcpyDtoHAsync_v2", unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            (&mut v as *mut u64).cast(),
+                            self.dptr + 8 * slot as u64,
+                            8,
+                            stream,
+                        )
+                    })
                 })?;
                 Ok(v)
             }
         }
     }
 
-    /// Write slot `slot` as 64 bits (Release on host memory; a blocking copy on device memory).
+    /// Write slot `slot` as 64 bits (Release on host memory; on device memory a copy on a private
+    /// non-blocking stream, synchronized: it never waits for the context's other streams, one of
+    /// which may be blocked in a wait this store releases).
     pub fn store_u64(&self, slot: usize, value: u64) -> Result<()> {
         self.check_slot(slot)?;
         match self.backing {
@@ -369,17 +376,21 @@ impl MemopFlags {
                 Ok(())
             }
             Backing::Device => {
-                bind(&self.ctx)?;
-                // SAFETY: 8 bytes in bounds of the allocation, from a local.
-                cu("cuMemcpyHtoD_v2", unsafe {
-                    sys::cuMemcpyHtoD_v2(
-                        self.dptr + 8 * slot as u64,
-                        (&value as *const u64).cast(),
-                        8,
-                    )
-                })?;
-                // SAFETY: context current; makes the write visible before returning.
-                cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+                // On a private non-blocking stream, synchronized: the write is visible when this
+                // returns, without waiting for the context's other streams (one of them may be
+                // blocked in a wait that this write releases).
+                on_private_stream(&self.ctx, |stream| {
+                    // SAFETY: 8 bytes in bounds of the allocation, from a local that outlives
+                    // the copy (the stream is synchronized before `on_private_stream` returns).
+                    cu("cuMemcpyHtoDAsync_v2", unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            self.dptr + 8 * slot as u64,
+                            (&value as *const u64).cast(),
+                            8,
+                            stream,
+                        )
+                    })
+                })
             }
         }
     }
@@ -408,17 +419,18 @@ impl MemopFlags {
                 Ok(())
             }
             Backing::Device => {
-                bind(&self.ctx)?;
-                // SAFETY: 4 bytes in bounds, from a local.
-                cu("cuMemcpyHtoD_v2", unsafe {
-                    sys::cuMemcpyHtoD_v2(
-                        self.dptr + 8 * slot as u64,
-                        (&value as *const u32).cast(),
-                        4,
-                    )
-                })?;
-                // SAFETY: context current.
-                cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+                // As in `store_u64`: a private non-blocking stream, never cuCtxSynchronize.
+                on_private_stream(&self.ctx, |stream| {
+                    // SAFETY: 4 bytes in bounds, from a local that outlives the copy.
+                    cu("cuMemcpyHtoDAsync_v2", unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            self.dptr + 8 * slot as u64,
+                            (&value as *const u32).cast(),
+                            4,
+                            stream,
+                        )
+                    })
+                })
             }
         }
     }

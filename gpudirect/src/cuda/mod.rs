@@ -31,6 +31,12 @@ pub const BINDINGS_VERSION: i32 = if cfg!(feature = "cuda-13000") {
 };
 
 /// Check libcuda and its version, then `cuInit(0)` once. Never panics.
+///
+/// libcuda must also be found by cudarc's own loader (which opens it by file name only, from
+/// its candidate list): a library found only through `GPUDIRECT_LIBCUDA_PATH` would pass our
+/// checks and then make cudarc panic, so that case is an [`Error::Load`] naming cudarc's
+/// candidates. The override is meaningful only where cudarc finds the same library (put its
+/// directory on `LD_LIBRARY_PATH`).
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
@@ -38,6 +44,11 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     // recognises itself (and leaks rather than frees) even if it first touches the tracker.
     crate::memory::Tracker::global();
     let d = gpudirect_sys::cuda::driver()?;
+    static CUDARC_FINDS_IT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: dlopens cudarc's libcuda candidates; the system's CUDA driver library is sound to
+    // load (our own loader has just loaded one).
+    let present = *CUDARC_FINDS_IT.get_or_init(|| unsafe { sys::is_culib_present() });
+    cudarc_loader_check(present, d.path())?;
     if d.version() < MIN_DRIVER_VERSION {
         return Err(Error::DriverTooOld {
             found: d.version(),
@@ -60,6 +71,26 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
         name,
     })?;
     Ok(d)
+}
+
+/// `Ok` when cudarc's loader finds libcuda too (`present`); else the [`Error::Load`] that says
+/// cudarc would not, naming its candidates and the library our loader opened at `ours`.
+fn cudarc_loader_check(present: bool, ours: &str) -> Result<()> {
+    if present {
+        return Ok(());
+    }
+    let tried = ["cuda", "nvcuda"]
+        .iter()
+        .flat_map(|l| cudarc::get_lib_name_candidates(l))
+        .collect();
+    Err(Error::Load(gpudirect_sys::LoadError::LibraryNotFound {
+        library: "libcuda (cudarc's loader)",
+        tried,
+        detail: format!(
+            "gpudirect opened {ours} (via {} or its own candidates), but cudarc opens libcuda              by file name only and would panic: put that library's directory on LD_LIBRARY_PATH",
+            gpudirect_sys::cuda::PATH_ENV
+        ),
+    }))
 }
 
 /// `cuDeviceGetCount`: how many CUDA devices are visible.
@@ -88,4 +119,23 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         });
     }
     CudaContext::new(ordinal).map_err(|e| from_driver("cuDevicePrimaryCtxRetain", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libcuda_cudarc_cannot_find_is_a_load_error_naming_its_candidates() {
+        assert!(cudarc_loader_check(true, "/opt/x/libcuda.so.1").is_ok());
+        let e = cudarc_loader_check(false, "/opt/x/libcuda.so.1").unwrap_err();
+        match &e {
+            Error::Load(gpudirect_sys::LoadError::LibraryNotFound { tried, detail, .. }) => {
+                assert!(tried.iter().any(|t| t == "libcuda.so.1"), "{tried:?}");
+                assert!(detail.contains("/opt/x/libcuda.so.1"), "{detail}");
+                assert!(detail.contains("GPUDIRECT_LIBCUDA_PATH"), "{detail}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
 }

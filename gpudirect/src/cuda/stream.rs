@@ -100,10 +100,14 @@ impl Stream {
 
     /// `cuLaunchHostFunc`: run `f` on a driver thread once the stream reaches this point.
     ///
-    /// `f` must not call CUDA (the driver forbids it in host functions). A panic in `f` is
-    /// caught and reported by [`HostFnFence::panicked`]. `f` itself (and whatever it captured) is
-    /// not dropped in the callback: it is handed to the [`Tracker`] and dropped by a later
-    /// [`Tracker::reap`] on an ordinary thread, so a capture that frees CUDA memory is safe.
+    /// `f` must make no CUDA calls (the driver forbids them in host functions, and they may
+    /// deadlock): that includes dropping, inside `f`, a value that owns CUDA resources (a buffer,
+    /// an event, a stream, e.g. one taken out of a `Mutex` or `Option` it captured). A panic in
+    /// `f` is caught and reported by [`HostFnFence::panicked`]; its payload is leaked, never
+    /// dropped in the callback (a payload's destructor could panic there, which would abort).
+    /// `f` itself (and whatever it captured) is not dropped in the callback: it is handed to the
+    /// [`Tracker`] and dropped by a later [`Tracker::reap`] on an ordinary thread, so a capture
+    /// that frees CUDA memory is safe.
     ///
     /// # Errors
     ///
@@ -148,8 +152,15 @@ struct HostFnPayload {
 unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
     // SAFETY: `user` is the Box leaked by `launch_host_fn`, handed to us exactly once.
     let payload = unsafe { Box::from_raw(user.cast::<HostFnPayload>()) };
-    let panicked =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (payload.f)())).is_err();
+    let panicked = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (payload.f)())) {
+        Ok(()) => false,
+        Err(p) => {
+            // Dropping the payload here could run a destructor that panics, and unwinding out
+            // of this extern "C" function aborts: leak it (the fence records the panic).
+            std::mem::forget(p);
+            true
+        }
+    };
     let fence = payload.fence.clone();
     // Whatever `f` captured is dropped by `Tracker::reap` on an ordinary thread. The boxes
     // themselves are plain heap memory.
@@ -166,6 +177,26 @@ impl From<Arc<CudaStream>> for Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn trampoline_leaks_a_panic_payload_instead_of_dropping_it() {
+        struct PanicsOnDrop;
+        impl Drop for PanicsOnDrop {
+            fn drop(&mut self) {
+                panic!("panic payload dropped inside the host callback");
+            }
+        }
+        let fence = HostFnFence::new();
+        let raw = Box::into_raw(Box::new(HostFnPayload {
+            f: Box::new(|| std::panic::panic_any(PanicsOnDrop)),
+            fence: fence.clone(),
+        }));
+        // SAFETY: a leaked payload box, handed over once, as cuLaunchHostFunc would. Dropping
+        // the payload in there would abort the test process (a panic out of extern "C").
+        unsafe { host_fn_trampoline(raw.cast()) };
+        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(fence.panicked());
+    }
 
     #[test]
     fn streams_are_send_and_sync() {

@@ -56,16 +56,17 @@ impl<T: Pod> DeviceBuffer<T> {
         })
     }
 
-    /// [`alloc`](Self::alloc), then `cuMemsetD8` to zero (blocking).
+    /// [`alloc`](Self::alloc), then `cuMemsetD8Async` to zero on a private non-blocking stream,
+    /// synchronized (blocking, but not waiting for the context's other streams).
     #[doc(alias = "cuMemsetD8_v2")]
     pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let b = Self::alloc(ctx, len)?;
-        // SAFETY: context current (alloc bound it); the range is this allocation.
-        cu("cuMemsetD8_v2", unsafe {
-            sys::cuMemsetD8_v2(b.ptr, 0, b.byte_len())
+        super::on_private_stream(ctx, |stream| {
+            // SAFETY: context current; the range is this allocation; a live stream.
+            cu("cuMemsetD8Async", unsafe {
+                sys::cuMemsetD8Async(b.ptr, 0, b.byte_len(), stream)
+            })
         })?;
-        // SAFETY: context current.
-        cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         Ok(b)
     }
 

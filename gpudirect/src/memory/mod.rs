@@ -194,6 +194,38 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
         .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }
 
+/// Run `f` on a new private stream of `ctx` created with `CU_STREAM_NON_BLOCKING`, then
+/// `cuStreamSynchronize` that stream only, and destroy it.
+///
+/// For small blocking writes and reads that another stream may be waiting for: unlike
+/// `cuCtxSynchronize` (which waits for every stream of the context) or a synchronous copy on the
+/// legacy default stream (which waits for every blocking stream), this never waits behind a stream
+/// blocked in `cuStreamWaitValue` until this very write lands.
+pub(crate) fn on_private_stream(
+    ctx: &CudaContext,
+    f: impl FnOnce(cudarc::driver::sys::CUstream) -> Result<()>,
+) -> Result<()> {
+    use cudarc::driver::sys;
+    bind(ctx)?;
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: context current; valid out-pointer.
+    crate::error::cu("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(
+            &mut stream,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+        )
+    })?;
+    let queued = f(stream);
+    // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
+    // SAFETY: the stream created above.
+    let synced = crate::error::cu("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream)
+    });
+    // SAFETY: created above, destroyed once (the driver defers it past any pending work).
+    unsafe { sys::cuStreamDestroy_v2(stream) };
+    queued.and(synced)
+}
+
 /// Whether this process is not the one with id `pid` (a forked child): no driver frees then.
 pub(crate) fn forked(pid: u32) -> bool {
     std::process::id() != pid

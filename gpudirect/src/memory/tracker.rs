@@ -187,9 +187,16 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     }
 
     /// Wait for completion and take the resources back. Also reaps the [`Tracker`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when the fence can never prove completion (a [`StreamFence`] or
+    /// [`EventFence`] whose synchronization failed: a sticky error); the resources are then
+    /// parked in the [`Tracker`], never freed early.
     pub fn wait(self) -> Result<R> {
         Tracker::global().reap();
-        // Duration::MAX never runs out; if it did, dropping the op parks it.
+        // Duration::MAX never runs out; the wait ends early only when the fence cannot prove
+        // completion, and then dropping the op parks it.
         self.wait_timeout(Duration::MAX).map_err(|(e, _op)| e)
     }
 
@@ -212,6 +219,40 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
                 },
                 self,
             ))
+        }
+    }
+
+    /// Wait without a time limit, but give up when `failed` reports an error (it is asked after
+    /// every `slice` of waiting, e.g. `cuStreamQuery` on the stream a host callback waits on,
+    /// whose callback never runs once the stream has failed). Giving up parks the operation in the
+    /// [`Tracker`] (its resources are never freed early) and returns that error.
+    pub(crate) fn wait_unless(
+        mut self,
+        slice: Duration,
+        failed: impl Fn() -> Result<()>,
+    ) -> Result<R> {
+        Tracker::global().reap();
+        loop {
+            match self.wait_timeout(slice) {
+                Ok(r) => return Ok(r),
+                Err((_, op)) => self = op,
+            }
+            if let Err(e) = failed() {
+                return match self.try_take() {
+                    Ok(r) => Ok(r),
+                    Err(mut op) => {
+                        if let (Some(f), Some(r)) = (op.fence.take(), op.resources.take()) {
+                            if Tracker::global().in_forked_child() {
+                                std::mem::forget(f);
+                                std::mem::forget(r);
+                            } else {
+                                Tracker::global().park(f, r);
+                            }
+                        }
+                        Err(e)
+                    }
+                };
+            }
         }
     }
 
@@ -480,16 +521,21 @@ impl Fence for StreamFence {
         if timeout >= LONG_WAIT {
             // Unbounded wait: one cuStreamSynchronize (what a hand-written loop would do) covers
             // every epoch issued before it, including this one.
+            // If it fails (a sticky error), completion cannot be proven and never will be:
+            // answer `false` (the caller gets an error, the resources stay parked) instead of
+            // polling forever.
             let covered = self.timeline.issued.load(Ordering::Acquire);
             let tl = &self.timeline;
-            if tl.stream.context().bind_to_thread().is_ok() {
-                // SAFETY: a live stream (the timeline holds it), its context current.
-                let r = unsafe { sys::cuStreamSynchronize(tl.stream.cu_stream()) };
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    tl.completed.fetch_max(covered, Ordering::AcqRel);
-                    return true;
-                }
+            if tl.stream.context().bind_to_thread().is_err() {
+                return tl.completed() >= self.epoch;
             }
+            // SAFETY: a live stream (the timeline holds it), its context current.
+            let r = unsafe { sys::cuStreamSynchronize(tl.stream.cu_stream()) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                tl.completed.fetch_max(covered, Ordering::AcqRel);
+                return true;
+            }
+            return tl.completed() >= self.epoch;
         }
         poll_until(|| self.is_complete(), timeout)
     }
@@ -528,6 +574,39 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 0);
         drop(r);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn wait_unless_gives_up_on_error_and_parks() {
+        let flag = CompletionFlag::new();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let op = InFlight::new("never completes", flag.clone(), Counted(drops.clone()));
+        let asked = AtomicUsize::new(0);
+        let e = op
+            .wait_unless(Duration::from_millis(1), || {
+                if asked.fetch_add(1, Ordering::SeqCst) < 2 {
+                    Ok(())
+                } else {
+                    Err(Error::invalid("stream", "failed", "test"))
+                }
+            })
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { arg: "stream", .. }));
+        assert_eq!(asked.load(Ordering::SeqCst), 3);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "parked, not freed");
+        // Parked: freed by a reap once the fence completes.
+        flag.set();
+        while drops.load(Ordering::SeqCst) == 0 {
+            Tracker::global().reap();
+        }
+        // Completed before the error check: the resources come back.
+        let flag = CompletionFlag::new();
+        flag.set();
+        let op = InFlight::new("done", flag, 7u32);
+        assert_eq!(
+            op.wait_unless(Duration::from_millis(1), || Ok(())).unwrap(),
+            7
+        );
     }
 
     #[test]

@@ -190,6 +190,11 @@ impl Fence for CopyFence {
 impl Drop for CopyFence {
     fn drop(&mut self) {
         let Some(e) = self.event.take() else { return };
+        if Tracker::global().in_forked_child() {
+            // No CUDA calls in a forked child (not even the event's destroy): leak it.
+            std::mem::forget(e);
+            return;
+        }
         // Only a completed event is reused; an errored one is destroyed.
         if matches!(e.try_is_complete(), Ok(true)) {
             let mut spare = self.home.spare.lock().unwrap_or_else(|p| p.into_inner());
@@ -491,6 +496,13 @@ impl Copier {
                 }
             }
         })();
+        // A staged enqueue that failed midway may have left a D2H on the source stream with no
+        // H2D after it: the final event must cover the source stream too. If joining fails, no
+        // event can prove the D2H done, so nothing is freed (below).
+        let joined = match (&enqueued, &inner.stager) {
+            (Err(_), Some(st)) => st.join(),
+            _ => Ok(()),
+        };
         let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let event = spare
             .map_or_else(|| ctx.new_event(None), Ok)
@@ -508,13 +520,18 @@ impl Copier {
             elapsed: Duration::ZERO,
             _keep: Some(self.inner.clone()),
         };
-        match (enqueued, event) {
-            (Ok(()), Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
-            (Err(e), Ok(ev)) => {
+        match (enqueued, joined, event) {
+            (Ok(()), _, Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
+            (Err(e), Ok(()), Ok(ev)) => {
                 Tracker::global().park(fence(ev), done);
                 Err(e)
             }
-            (res, Err(ev_err)) => {
+            (Err(e), Err(_), _) => {
+                // The final event would not cover the source stream: leak, never free early.
+                std::mem::forget(done);
+                Err(e)
+            }
+            (res, _, Err(ev_err)) => {
                 // No way to observe completion: leak, never free early.
                 std::mem::forget(done);
                 Err(res.err().unwrap_or(ev_err))
@@ -591,6 +608,45 @@ mod tests {
         assert_eq!(serde_json::from_str::<CopyPath>(&j).unwrap(), p);
         assert_eq!(p.to_string(), "staged (CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)");
         assert_eq!(CopyPath::Peer.to_string(), "peer");
+    }
+
+    #[test]
+    fn failed_staged_enqueue_fences_the_orphaned_d2h() {
+        use crate::memory::DeviceBuffer;
+        use crate::testing::Hardware;
+        let ctx = crate::require!(Hardware::Gpu, crate::cuda::context(0));
+        let chunk = 64 << 20;
+        let copier = Copier::new(
+            0,
+            0,
+            CopyOptions {
+                path: PathChoice::Staged,
+                chunk_bytes: chunk,
+                slots: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let src = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
+        let dst = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
+        // Chunk 0's D2H (64 MiB, milliseconds) is queued, its H2D never is: nothing else is on
+        // the final stream, so without the join its event would complete at once.
+        super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(Some(0)));
+        let r = copier.copy_async(src, dst);
+        super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(None));
+        assert!(r.is_err(), "the injected failure is reported");
+        // The final stream's last event (the parked fence) must cover the source stream: once
+        // the final stream is idle, so is the source stream (the orphaned D2H has finished).
+        let (src_stream, dst_stream) = copier.inner.stager.as_ref().unwrap().streams();
+        dst_stream.synchronize().unwrap();
+        // SAFETY: a live stream.
+        let q = unsafe { sys::cuStreamQuery(src_stream.cu_stream()) };
+        assert_eq!(
+            q,
+            sys::CUresult::CUDA_SUCCESS,
+            "D2H still running past the fence"
+        );
+        Tracker::global().reap();
     }
 
     #[test]

@@ -11,6 +11,13 @@ use crate::error::{Result, cu, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: make `enqueue` fail right after queueing chunk `k`'s D2H, before its H2D.
+    pub(crate) static FAIL_AFTER_D2H: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
+}
+
 /// A pinned host buffer (`cuMemHostAlloc`, portable to every context) used only as a bounce
 /// buffer by device copies; never exposed as a Rust reference.
 struct Bounce {
@@ -71,6 +78,8 @@ pub(crate) struct Stager {
     src_stream: Arc<CudaStream>,
     dst_stream: Arc<CudaStream>,
     slots: Vec<Slot>,
+    /// Recorded on the source stream and waited on by the destination stream by [`join`](Self::join).
+    join: CudaEvent,
     chunk: usize,
 }
 
@@ -101,12 +110,16 @@ impl Stager {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let join = src_ctx
+            .new_event(None)
+            .map_err(|e| from_driver("cuEventCreate", e))?;
         Ok(Stager {
             src_ctx,
             dst_ctx,
             src_stream,
             dst_stream,
             slots,
+            join,
             chunk,
         })
     }
@@ -116,6 +129,33 @@ impl Stager {
         &self.dst_stream
     }
 
+    /// Tests: the source and destination streams.
+    #[cfg(test)]
+    pub(crate) fn streams(&self) -> (&Arc<CudaStream>, &Arc<CudaStream>) {
+        (&self.src_stream, &self.dst_stream)
+    }
+
+    /// Make the final stream wait for everything queued on the source stream so far, so that an
+    /// event recorded on [`final_stream`](Self::final_stream) afterwards also covers a D2H whose
+    /// H2D half was never queued (an [`enqueue`](Self::enqueue) that failed midway). If this
+    /// fails, such an event proves nothing about the source stream.
+    pub(crate) fn join(&self) -> Result<()> {
+        self.src_ctx
+            .bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        // SAFETY: a live event and stream of the current context.
+        cu("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.join.cu_event(), self.src_stream.cu_stream())
+        })?;
+        self.dst_ctx
+            .bind_to_thread()
+            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
+        // SAFETY: a live stream and event; the wait captures the event's state now.
+        cu("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.dst_stream.cu_stream(), self.join.cu_event(), 0)
+        })
+    }
+
     /// Enqueue `bytes` from device address `src` to device address `dst`.
     ///
     /// # Safety
@@ -123,7 +163,8 @@ impl Stager {
     /// `src..src + bytes` must be readable by the source device and `dst..dst + bytes` writable by
     /// the destination device until the work completes (the caller owns both until an event
     /// recorded on [`final_stream`](Self::final_stream) afterwards completes), and `self` must be
-    /// kept alive as long.
+    /// kept alive as long. On `Err`, a D2H may be queued with no H2D after it: call
+    /// [`join`](Self::join) before recording that event.
     pub(crate) unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         let n = self.slots.len();
         let mut off = 0usize;
@@ -155,6 +196,14 @@ impl Stager {
                     "cuEventRecord",
                     sys::cuEventRecord(slot.d2h.cu_event(), self.src_stream.cu_stream()),
                 )?;
+            }
+            #[cfg(test)]
+            if FAIL_AFTER_D2H.with(|f| f.get()) == Some(k) {
+                return Err(crate::Error::invalid(
+                    "test",
+                    k,
+                    "injected failure after a D2H",
+                ));
             }
             self.dst_ctx
                 .bind_to_thread()

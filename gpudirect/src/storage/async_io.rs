@@ -7,6 +7,7 @@ use crate::error::{Error, Result, cu};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight};
 use cudarc::driver::{CudaStream, sys as cu_sys};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The size/offset/bytes-done block cuFile reads and writes when the stream reaches the
 /// operation. Boxed: its address is handed to cuFile and must not move.
@@ -69,6 +70,8 @@ impl<M: DeviceMemory> AsyncResources<M> {
 #[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
 pub struct AsyncIo<M: DeviceMemory> {
     op: InFlight<AsyncResources<M>, HostFnFence>,
+    /// The stream the operation is queued on (also owned by `op`), to notice a failed stream.
+    stream: Arc<CudaStream>,
 }
 
 impl<M: DeviceMemory> std::fmt::Debug for AsyncIo<M> {
@@ -100,9 +103,24 @@ impl<M: DeviceMemory> AsyncIo<M> {
     ///
     /// # Errors
     ///
-    /// Only a time-out, which cannot happen with an unbounded wait.
+    /// [`Error::Cuda`] from `cuStreamQuery` (or `cuCtxSetCurrent`) when the stream has failed
+    /// (a sticky error) before passing the operation: its host callback will never run, so the
+    /// wait gives up and the resources stay parked in the [`Tracker`](crate::memory::Tracker)
+    /// (never freed early; in practice leaked).
     pub fn wait_resources(self) -> Result<AsyncResources<M>> {
-        self.op.wait()
+        let stream = self.stream;
+        self.op
+            .wait_unless(Duration::from_millis(50), || stream_failed(&stream))
+    }
+}
+
+/// `Err` when `stream` has failed (`cuStreamQuery` answers neither success nor not-ready).
+fn stream_failed(stream: &CudaStream) -> Result<()> {
+    crate::memory::bind(stream.context())?;
+    // SAFETY: a live stream of the current context.
+    match unsafe { cu_sys::cuStreamQuery(stream.cu_stream()) } {
+        cu_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+        r => cu("cuStreamQuery", r),
     }
 }
 
@@ -232,6 +250,7 @@ impl FileHandle {
         match fence_after(stream) {
             Ok(flag) => Ok(AsyncIo {
                 op: InFlight::new(call, flag, resources),
+                stream: stream.clone(),
             }),
             Err(e) => {
                 // Completion cannot be proven: leak, never free early.

@@ -278,15 +278,19 @@ impl File {
             (Path::CuFile, Some(h)) => h.read(dst, dst_offset, file_offset, len)?,
             _ => {
                 let engines = GpuEngines::for_device(dst.ordinal())?;
-                posix::read_to_device(
-                    engines,
-                    &self.posix,
-                    &self.posix_file(path.direct),
-                    self.len()?,
-                    file_offset,
-                    dst.device_ptr() + dst_offset as u64,
-                    len,
-                )?
+                // SAFETY: `check_range` put `dst_offset..+len` inside `dst`, live device memory of
+                // that ordinal borrowed mutably (so nothing else touches it) until this returns.
+                unsafe {
+                    posix::read_to_device(
+                        engines,
+                        &self.posix,
+                        &self.posix_file(path.direct),
+                        self.len()?,
+                        file_offset,
+                        dst.device_ptr() + dst_offset as u64,
+                        len,
+                    )
+                }?
             }
         };
         Ok(Transfer { bytes, path })
@@ -337,14 +341,19 @@ impl File {
             (Path::CuFile, Some(h)) => h.write(src, src_offset, file_offset, len)?,
             _ => {
                 let engines = GpuEngines::for_device(src.ordinal())?;
-                posix::write_from_device(
-                    engines,
-                    &self.posix,
-                    &self.posix_file(path.direct),
-                    file_offset,
-                    src.device_ptr() + src_offset as u64,
-                    len,
-                )?
+                // SAFETY: `check_range` put `src_offset..+len` inside `src`, live device memory of
+                // that ordinal, borrowed (so not freed) until this returns; the caller's contract
+                // is that device work writing it is complete.
+                unsafe {
+                    posix::write_from_device(
+                        engines,
+                        &self.posix,
+                        &self.posix_file(path.direct),
+                        file_offset,
+                        src.device_ptr() + src_offset as u64,
+                        len,
+                    )
+                }?
             }
         };
         Ok(Transfer { bytes, path })

@@ -100,6 +100,9 @@ pub struct Batch<M: DeviceMemoryMut> {
     params: Vec<sys::CUfileIOParams_t>,
     outcome: Vec<Option<(BatchStatus, usize)>>,
     outstanding: usize,
+    /// Requests could not be proven final within the bounded wait: their buffers, handles and
+    /// params were leaked, and the batch is never destroyed or reused.
+    leaked: bool,
 }
 
 // SAFETY: the batch handle may be used from any thread; all access goes through &mut self.
@@ -149,6 +152,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             params: Vec::new(),
             outcome: Vec::new(),
             outstanding: 0,
+            leaked: false,
         })
     }
 
@@ -158,10 +162,12 @@ impl<M: DeviceMemoryMut> Batch<M> {
     ///
     /// [`Error::LimitExceeded`] over capacity; [`Error::InvalidArgument`] for a second submit, a
     /// range outside a buffer, or buffers on different devices; [`Error::CuFile`] from
-    /// `cuFileBatchIOSubmit` (the requests are then dropped: nothing was enqueued).
+    /// `cuFileBatchIOSubmit`. cuFile does not promise that a failed submit enqueued nothing, so
+    /// the batch is then canceled and polled for a bounded time (as on drop): the requests are
+    /// dropped only if every one is proven final, else they are leaked with the batch.
     #[doc(alias = "cuFileBatchIOSubmit")]
     pub fn submit(&mut self, requests: Vec<BatchRequest<M>>) -> Result<()> {
-        if !self.requests.is_empty() {
+        if !self.requests.is_empty() || self.leaked {
             return Err(Error::invalid(
                 "requests",
                 "a second submission",
@@ -227,8 +233,13 @@ impl<M: DeviceMemoryMut> Batch<M> {
             )
         });
         if let Err(e) = r {
-            self.requests.clear();
-            self.outcome.clear();
+            // Some requests may have been enqueued all the same: settle them before anything
+            // they use is freed.
+            self.outstanding = n;
+            if self.settle() {
+                self.requests.clear();
+                self.outcome.clear();
+            }
             return Err(e);
         }
         self.outstanding = n;
@@ -256,10 +267,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             .map(|_| unsafe { std::mem::zeroed() })
             .collect();
         let mut nr = events.len() as u32;
-        let mut ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
+        let mut ts = timespec_of(timeout);
         // SAFETY: `events` holds `nr` entries; valid timespec.
         check("cuFileBatchIOGetStatus", unsafe {
             (self.driver.lib().cuFileBatchIOGetStatus)(
@@ -353,8 +361,25 @@ impl<M: DeviceMemoryMut> Batch<M> {
     }
 }
 
-impl<M: DeviceMemoryMut> Drop for Batch<M> {
-    fn drop(&mut self) {
+/// `timeout` as a `timespec`, the seconds clamped to `time_t::MAX` (a plain cast of
+/// `Duration::MAX`'s seconds would be negative).
+fn timespec_of(timeout: Duration) -> libc::timespec {
+    libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    }
+}
+
+impl<M: DeviceMemoryMut> Batch<M> {
+    /// Cancel outstanding requests and poll for a bounded time ([`DROP_WAIT`]); `true` when none
+    /// is outstanding any more. Otherwise completion is unproven: the buffers, handles and params
+    /// are leaked (never freed under the library's feet) and the batch is marked leaked.
+    ///
+    /// [`DROP_WAIT`]: crate::memory::tracker::DROP_WAIT
+    fn settle(&mut self) -> bool {
+        if self.leaked {
+            return false;
+        }
         if self.outstanding > 0 {
             let _ = self.cancel();
             let start = Instant::now();
@@ -364,11 +389,26 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
                 }
             }
             if self.outstanding > 0 {
-                // Completion unproven: leak the buffers, handles and the batch itself.
                 std::mem::forget(std::mem::take(&mut self.requests));
                 std::mem::forget(std::mem::take(&mut self.params));
-                return;
+                self.leaked = true;
+                return false;
             }
+        }
+        true
+    }
+}
+
+impl<M: DeviceMemoryMut> Drop for Batch<M> {
+    fn drop(&mut self) {
+        if crate::memory::Tracker::global().in_forked_child() {
+            // No cuFile calls and no frees in a forked child: leak the batch and its buffers.
+            std::mem::forget(std::mem::take(&mut self.requests));
+            std::mem::forget(std::mem::take(&mut self.params));
+            return;
+        }
+        if !self.settle() {
+            return; // completion unproven: the buffers, handles and the batch itself are leaked
         }
         // SAFETY: no request is outstanding; destroyed once.
         unsafe { (self.driver.lib().cuFileBatchIODestroy)(self.handle) };
@@ -403,6 +443,17 @@ pub fn run_batched<M: DeviceMemoryMut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_timeouts_clamp_instead_of_going_negative() {
+        let ts = timespec_of(Duration::MAX);
+        assert_eq!(ts.tv_sec, libc::time_t::MAX);
+        assert!(ts.tv_nsec >= 0 && ts.tv_nsec < 1_000_000_000);
+        let ts = timespec_of(Duration::from_secs(u64::MAX / 2 + 1));
+        assert_eq!(ts.tv_sec, libc::time_t::MAX);
+        let ts = timespec_of(Duration::new(3, 500));
+        assert_eq!((ts.tv_sec, ts.tv_nsec), (3, 500));
+    }
 
     #[test]
     fn statuses_are_typed_without_transmute() {

@@ -129,6 +129,13 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
         if self.mem.is_none() {
             return;
         }
+        if crate::memory::Tracker::global().in_forked_child() {
+            // No cuFile calls and no frees in a forked child: leak the registration and memory.
+            if let Some(m) = self.mem.take() {
+                std::mem::forget(m);
+            }
+            return;
+        }
         let base = self.base();
         // SAFETY: registered and not yet deregistered; any I/O using it held `&self` or owned it.
         let r = unsafe { (self.driver.lib().cuFileBufDeregister)(base) };

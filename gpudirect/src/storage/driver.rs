@@ -11,6 +11,9 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if crate::memory::Tracker::global().in_forked_child() {
+            return; // no cuFile calls in a forked child
+        }
         // Every FileHandle, registration and in-flight operation holds a Driver, so nothing is
         // outstanding here. Errors cannot be reported from a drop and are ignored.
         // SAFETY: the driver was opened by Driver::open and nothing uses it any more.

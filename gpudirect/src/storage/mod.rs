@@ -9,7 +9,7 @@
 //! | [`AsyncIo`] | an I/O ordered on a stream, owning what it touches | `cuFileReadAsync` |
 //! | [`Batch`] | up to `max_batch_io_size` requests at once | `cuFileBatchIOSubmit` |
 //! | [`File`] | the automatic path: cuFile or our POSIX path, reporting which ran | – |
-//! | [`posix`] | the POSIX path: reader threads, pinned bounce buffers, pipelined copies | `pread` |
+//! | [`posix`] | the POSIX path's configuration: reader threads, pinned bounce buffers, pipelined copies | `pread` |
 //!
 //! Every call that touches CUDA checks libcuda first ([`crate::cuda::init`]), so the driver can be
 //! the first CUDA-touching call of a program (acceptance case A13), and a missing libcuda or

@@ -4,14 +4,18 @@
 //! `pwrite`). `O_DIRECT` is used where the file allows it, with aligned bounce buffers and aligned
 //! reads around unaligned requests; a refusal falls back to the buffered descriptor.
 //!
-//! The copy to or from the device is behind [`CopyEngine`], so the chunking and pipelining are
-//! tested on host memory ([`HostEngines`]) without a GPU.
+//! The copy to or from the device is behind a crate-private `CopyEngine` trait, so the chunking
+//! and pipelining are tested on host memory (a test-only engine) without a GPU. The entry points
+//! that take raw device addresses are crate-private and `unsafe`: the public way in is
+//! [`File`](super::File), which checks the device range first.
 
 use crate::error::{Error, Result, cu};
 use cudarc::driver::sys as cu_sys;
 use std::os::fd::{AsRawFd, BorrowedFd};
+#[cfg(test)]
+use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 /// Alignment of `O_DIRECT` offsets, lengths and buffers.
 pub const DIRECT_ALIGN: usize = 4096;
@@ -67,7 +71,15 @@ impl PosixConfig {
 }
 
 /// One thread's copy engine: `depth` bounce buffers, each with an asynchronous copy slot.
-pub trait CopyEngine: Send {
+///
+/// # Safety
+///
+/// [`bounce`](Self::bounce) must return a pointer to at least the `bounce_len` bytes the engine
+/// was acquired with, writable and not accessed by anything else (no copy in flight on it) until
+/// the slot is started again; `start_*` must copy only within `bounce(slot) + offset .. + len` and
+/// the given device range, and [`wait_slot`](Self::wait_slot) returning `Ok` must mean the slot's
+/// copy has finished. The POSIX path writes through `bounce`'s pointer with `pread`.
+pub(crate) unsafe trait CopyEngine: Send {
     /// The host address of bounce buffer `slot` ([`PosixConfig::bounce_len`] bytes,
     /// [`DIRECT_ALIGN`]-aligned). Valid until the engine is released; only touched while the
     /// slot's copy is not in flight.
@@ -81,7 +93,12 @@ pub trait CopyEngine: Send {
 }
 
 /// Hands out engines (pooled: pinned buffers are expensive to allocate).
-pub trait Engines: Sync {
+///
+/// # Safety
+///
+/// [`acquire`](Self::acquire) must return an engine whose every slot is idle, with `depth` bounce
+/// buffers of at least `bounce_len` bytes each (the [`CopyEngine`] contract).
+pub(crate) unsafe trait Engines: Sync {
     /// The engine type.
     type Engine: CopyEngine;
     /// An engine with `depth` bounce buffers of `bounce_len` bytes, bound to the calling thread.
@@ -267,15 +284,20 @@ fn run<E: Engines>(
     Ok(())
 }
 
-/// Read `len` bytes at `file_offset` to device address `dst` (the caller checked the range);
-/// returns bytes read (short only at end of file, as of `file_len` or a file shrinking meanwhile).
+/// Read `len` bytes at `file_offset` to device address `dst`; returns bytes read (short only at
+/// end of file, as of `file_len` or a file shrinking meanwhile).
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad `cfg`; [`Error::Os`] from `pread`; the engine's errors.
 /// Every copy started has finished when this returns.
+///
+/// # Safety
+///
+/// `dst..dst + len` must be device memory (of the engines' device) that is live, writable and not
+/// accessed by anything else until this returns.
 #[doc(alias = "pread")]
-pub fn read_to_device<E: Engines>(
+pub(crate) unsafe fn read_to_device<E: Engines>(
     engines: &E,
     cfg: &PosixConfig,
     file: &PosixFile<'_>,
@@ -321,8 +343,13 @@ pub fn read_to_device<E: Engines>(
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for a bad `cfg`; [`Error::Os`] from `pwrite`; the engine's errors.
+///
+/// # Safety
+///
+/// `src..src + len` must be device memory (of the engines' device) that is live and not written
+/// by anything else until this returns.
 #[doc(alias = "pwrite")]
-pub fn write_from_device<E: Engines>(
+pub(crate) unsafe fn write_from_device<E: Engines>(
     engines: &E,
     cfg: &PosixConfig,
     file: &PosixFile<'_>,
@@ -355,7 +382,7 @@ pub fn write_from_device<E: Engines>(
 
 /// Engines on a CUDA device: a stream, `depth` pinned buffers (`cuMemHostAlloc`) and events per
 /// engine, pooled per device for the life of the process.
-pub struct GpuEngines {
+pub(crate) struct GpuEngines {
     ordinal: usize,
     pool: Mutex<Vec<GpuEngine>>,
 }
@@ -374,7 +401,7 @@ impl GpuEngines {
     /// # Errors
     ///
     /// As [`crate::cuda::context`].
-    pub fn for_device(ordinal: usize) -> Result<&'static GpuEngines> {
+    pub(crate) fn for_device(ordinal: usize) -> Result<&'static GpuEngines> {
         static ALL: Mutex<Vec<&'static GpuEngines>> = Mutex::new(Vec::new());
         super::bind_device(ordinal)?;
         let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
@@ -391,7 +418,7 @@ impl GpuEngines {
 }
 
 /// One thread's engine on a CUDA device.
-pub struct GpuEngine {
+pub(crate) struct GpuEngine {
     stream: cu_sys::CUstream,
     events: Vec<cu_sys::CUevent>,
     bufs: Vec<*mut u8>,
@@ -458,7 +485,9 @@ impl Drop for GpuEngine {
     }
 }
 
-impl CopyEngine for GpuEngine {
+// SAFETY: `bufs[slot]` are pinned allocations of `bounce_len` bytes owned by the engine; a slot's
+// event is recorded after its copy and `wait_slot` synchronizes on it.
+unsafe impl CopyEngine for GpuEngine {
     fn bounce(&mut self, slot: usize) -> *mut u8 {
         self.bufs[slot]
     }
@@ -509,7 +538,8 @@ impl CopyEngine for GpuEngine {
     }
 }
 
-impl Engines for GpuEngines {
+// SAFETY: pooled engines are released only after every slot was waited; new ones are idle.
+unsafe impl Engines for GpuEngines {
     type Engine = GpuEngine;
     fn acquire(&self, bounce_len: usize, depth: usize) -> Result<GpuEngine> {
         super::bind_device(self.ordinal)?;
@@ -534,23 +564,26 @@ impl Engines for GpuEngines {
 /// Host-memory engines for tests and for checking the pipeline: "device addresses" are offsets
 /// into one shared host buffer, and a copy runs when its slot is waited (so an engine that reused
 /// a bounce buffer early would corrupt the data).
+#[cfg(test)]
 #[derive(Debug)]
-pub struct HostEngines {
+pub(crate) struct HostEngines {
     /// The stand-in device memory.
     pub device: Arc<Mutex<Vec<u8>>>,
-    /// The most copies one engine had in flight at once (≥ 2 shows pipelining).
-    pub max_in_flight: AtomicU64,
+    /// The most copies one engine had in flight at once (≥ 2 shows pipelining). Shared with the
+    /// engines (not reached through a pointer back to `self`, which a move would leave dangling).
+    pub max_in_flight: Arc<AtomicU64>,
     /// Engines created (pooling keeps this at the thread count).
     pub created: AtomicU64,
     pool: Mutex<Vec<HostEngine>>,
 }
 
+#[cfg(test)]
 impl HostEngines {
     /// Engines over a stand-in device buffer of `len` bytes filled with `fill`.
     pub fn new(len: usize, fill: u8) -> Self {
         HostEngines {
             device: Arc::new(Mutex::new(vec![fill; len])),
-            max_in_flight: AtomicU64::new(0),
+            max_in_flight: Arc::new(AtomicU64::new(0)),
             created: AtomicU64::new(0),
             pool: Mutex::new(Vec::new()),
         }
@@ -558,25 +591,27 @@ impl HostEngines {
 }
 
 /// A host-memory engine (see [`HostEngines`]).
+#[cfg(test)]
 #[derive(Debug)]
-pub struct HostEngine {
+pub(crate) struct HostEngine {
     bufs: Vec<Vec<u8>>,
     pending: Vec<Option<(bool, usize, usize, u64)>>,
     device: Arc<Mutex<Vec<u8>>>,
-    stats: *const HostEngines,
+    max_in_flight: Arc<AtomicU64>,
 }
 
-// SAFETY: `stats` points at the HostEngines that outlives every engine it hands out (engines are
-// released to it before `run` returns); everything else is owned.
-unsafe impl Send for HostEngine {}
-
+#[cfg(test)]
 impl HostEngine {
     fn in_flight(&self) -> u64 {
         self.pending.iter().filter(|p| p.is_some()).count() as u64
     }
 }
 
-impl CopyEngine for HostEngine {
+// SAFETY: `bounce` points into an owned buffer over-allocated by DIRECT_ALIGN (so
+// `bounce_len` bytes remain after aligning) and refuses a slot with a copy pending; copies run
+// in `wait_slot`.
+#[cfg(test)]
+unsafe impl CopyEngine for HostEngine {
     fn bounce(&mut self, slot: usize) -> *mut u8 {
         assert!(
             self.pending[slot].is_none(),
@@ -590,10 +625,7 @@ impl CopyEngine for HostEngine {
     fn start_h2d(&mut self, slot: usize, offset: usize, len: usize, dst: u64) -> Result<()> {
         self.pending[slot] = Some((true, offset, len, dst));
         let n = self.in_flight();
-        // SAFETY: see the Send impl.
-        unsafe { &*self.stats }
-            .max_in_flight
-            .fetch_max(n, Ordering::Relaxed);
+        self.max_in_flight.fetch_max(n, Ordering::Relaxed);
         Ok(())
     }
     fn start_d2h(&mut self, slot: usize, offset: usize, len: usize, src: u64) -> Result<()> {
@@ -618,7 +650,9 @@ impl CopyEngine for HostEngine {
     }
 }
 
-impl Engines for HostEngines {
+// SAFETY: engines are handed out with no copy pending and buffers of `bounce_len + DIRECT_ALIGN`.
+#[cfg(test)]
+unsafe impl Engines for HostEngines {
     type Engine = HostEngine;
     fn acquire(&self, bounce_len: usize, depth: usize) -> Result<HostEngine> {
         if let Some(e) = self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop()
@@ -634,7 +668,7 @@ impl Engines for HostEngines {
                 .collect(),
             pending: vec![None; depth],
             device: self.device.clone(),
-            stats: self,
+            max_in_flight: self.max_in_flight.clone(),
         })
     }
     fn release(&self, engine: HostEngine) {
@@ -697,15 +731,19 @@ mod tests {
             buffered: buf.as_fd(),
             direct: dfd.as_ref().map(|d| d.as_fd()),
         };
-        let n = read_to_device(
-            &engines,
-            &cfg,
-            &file,
-            file_bytes.len() as u64,
-            fo,
-            dst_off as u64,
-            len,
-        )
+        // SAFETY: host engines: "device addresses" are offsets into `engines.device`, which
+        // covers `dst_off + len`.
+        let n = unsafe {
+            read_to_device(
+                &engines,
+                &cfg,
+                &file,
+                file_bytes.len() as u64,
+                fo,
+                dst_off as u64,
+                len,
+            )
+        }
         .unwrap();
         let expect_n = len.min(file_bytes.len().saturating_sub(fo as usize));
         assert_eq!(n, expect_n, "{cfg:?} fo={fo} len={len}");
@@ -795,13 +833,29 @@ mod tests {
                 buffered: buf.as_fd(),
                 direct: is_direct.then(|| dfd.as_fd()),
             };
-            let n = write_from_device(&engines, &cfg, &file, 5, 1, 200_000).unwrap();
+            // SAFETY: host engines; `engines.device` covers `1..200_001`.
+            let n = unsafe { write_from_device(&engines, &cfg, &file, 5, 1, 200_000) }.unwrap();
             assert_eq!(n, 200_000);
             let back = std::fs::read(&p).unwrap();
             assert_eq!(back.len(), 200_005);
             assert_eq!(&back[5..], &src[1..200_001]);
             std::fs::remove_file(&p).unwrap();
         }
+    }
+
+    #[test]
+    fn host_engine_stats_survive_moving_the_engines() {
+        // An engine used to reach its HostEngines through a raw pointer taken at `acquire`:
+        // moving the HostEngines afterwards left it dangling.
+        let engines = HostEngines::new(64, 0);
+        let mut eng = engines.acquire(DIRECT_ALIGN, 2).unwrap();
+        let moved = Box::new(engines);
+        eng.start_h2d(0, 0, 8, 0).unwrap();
+        eng.start_h2d(1, 0, 8, 8).unwrap();
+        assert_eq!(moved.max_in_flight.load(Ordering::Relaxed), 2);
+        eng.wait_slot(0).unwrap();
+        eng.wait_slot(1).unwrap();
+        moved.release(eng);
     }
 
     #[test]
@@ -822,7 +876,8 @@ mod tests {
             depth: 1,
             direct_threads: 1,
         };
-        let e = read_to_device(&engines, &cfg, &file, 10, 0, 0, 10).unwrap_err();
+        // SAFETY: host engines over 10 bytes.
+        let e = unsafe { read_to_device(&engines, &cfg, &file, 10, 0, 0, 10) }.unwrap_err();
         assert!(
             matches!(
                 e,

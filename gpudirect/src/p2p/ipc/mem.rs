@@ -1,6 +1,6 @@
 //! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
 
-use super::{hex64, to_bytes, to_chars};
+use super::{address_range, check_import_range, hex64, to_bytes, to_chars};
 use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
@@ -145,8 +145,9 @@ impl<B: DeviceMemory> IpcExport<B> {
 /// Device memory of another process, mapped with `cuIpcOpenMemHandle`; `len` elements of `T`.
 ///
 /// It is a data-path buffer like any other ([`DeviceMemory`], [`DeviceMemoryMut`]: copies into it
-/// write the exporter's memory). Dropping it synchronizes the importing context
-/// (`cuCtxSynchronize`, so no work still uses the mapping) and then calls `cuIpcCloseMemHandle`.
+/// write the exporter's memory). Dropping it calls `cuIpcCloseMemHandle` without synchronizing:
+/// work that uses it owns it (in an [`InFlight`](crate::memory::InFlight) or the tracker) until
+/// that work has completed, so nothing of ours still uses the mapping when it is dropped.
 #[derive(Debug)]
 pub struct IpcMemory<T: Pod> {
     base: u64,
@@ -163,8 +164,10 @@ impl<T: Pod> IpcMemory<T> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when the handle's element size differs from `size_of::<T>()`
-    /// or its size is not a whole number of elements; [`Error::Cuda`] from the driver
+    /// [`Error::InvalidArgument`] when the handle's element size differs from `size_of::<T>()`,
+    /// its size is not a whole number of elements, or its `offset..offset + bytes` does not lie
+    /// (element-aligned) within the allocation mapped (checked with `cuMemGetAddressRange`; the
+    /// mapping is closed again); [`Error::Cuda`] from the driver
     /// (`CUDA_ERROR_INVALID_CONTEXT` or `CUDA_ERROR_INVALID_VALUE` for a handle opened in the
     /// process that exported it, `CUDA_ERROR_MAP_FAILED` when the exporter has freed it);
     /// [`Error::NoDevice`] for an ordinal past the device count.
@@ -205,8 +208,23 @@ impl<T: Pod> IpcMemory<T> {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         })?;
+        // The offset and size are the peer's word: check them against what was mapped.
+        if let Err(e) = address_range(base).and_then(|(_, mapped)| {
+            check_import_range(
+                "handle.offset",
+                handle.offset,
+                handle.bytes,
+                mapped,
+                std::mem::align_of::<T>() as u64,
+            )
+        }) {
+            // SAFETY: opened above, not yet used by anything; closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(e);
+        }
         Ok(IpcMemory {
             base,
+            // In bounds of the mapping (checked above), so no overflow.
             ptr: base + handle.offset,
             len: (handle.bytes / size) as usize,
             ctx,
@@ -242,10 +260,11 @@ impl<T: Pod> Drop for IpcMemory<T> {
         if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
             return; // forked child or dead context: leave the mapping
         }
-        // SAFETY: context current. Work that may still use the mapping finishes first.
-        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
-            return; // cannot prove completion: keep the mapping (leak)
-        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
+        // caller's own unsafe code is the caller's to finish first.
         // SAFETY: `base` came from cuIpcOpenMemHandle_v2 and is closed once.
         let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
     }

@@ -13,9 +13,9 @@
 //! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead.
 //!
 //! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
-//! any serde format. Imported mappings own their mapping; dropping one waits for the importing
-//! device's work (`cuCtxSynchronize`) before unmapping, and data paths hold it in their
-//! [`crate::memory::InFlight`] until their work completes.
+//! any serde format. Imported mappings own their mapping, and data paths hold it in their
+//! [`crate::memory::InFlight`] until their work completes; so dropping one unmaps at once, without
+//! synchronizing the device (no unbounded `cuCtxSynchronize` in a destructor).
 
 mod event;
 mod fd;
@@ -82,9 +82,77 @@ pub(crate) fn to_chars(bytes: &[u8; 64]) -> [std::ffi::c_char; 64] {
     out
 }
 
+/// Check a peer-supplied buffer range against the allocation actually mapped: the buffer
+/// `offset..offset + bytes` (bytes from the mapping's base) must lie within the `size` bytes the
+/// driver reports (`cuMemGetAddressRange`) and start on an `align`-byte boundary. The offset and
+/// size come from another process (deserialized), so nothing about them is trusted.
+pub(crate) fn check_import_range(
+    offset_arg: &'static str,
+    offset: u64,
+    bytes: u64,
+    size: u64,
+    align: u64,
+) -> crate::Result<()> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= size => {}
+        _ => {
+            return Err(crate::Error::invalid(
+                offset_arg,
+                format!("{offset}..{offset}+{bytes}"),
+                format!("must lie within the {size}-byte allocation mapped"),
+            ));
+        }
+    }
+    if align > 1 && !offset.is_multiple_of(align) {
+        return Err(crate::Error::invalid(
+            offset_arg,
+            offset,
+            format!("must be a multiple of the element alignment {align}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `cuMemGetAddressRange_v2` for `ptr`: the base and size of the allocation containing it.
+pub(crate) fn address_range(ptr: u64) -> crate::Result<(u64, u64)> {
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: valid out-pointers; the driver checks `ptr` (a context is current at every caller).
+    crate::error::cu("cuMemGetAddressRange_v2", unsafe {
+        cudarc::driver::sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    })?;
+    Ok((base, size as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn imported_ranges_must_lie_within_the_mapped_allocation() {
+        let ok = |o, b, s, a| check_import_range("handle.offset", o, b, s, a).is_ok();
+        assert!(ok(0, 4096, 4096, 4));
+        assert!(ok(256, 3840, 4096, 4));
+        assert!(ok(4096, 0, 4096, 4));
+        // Past the end, by a byte or by overflow.
+        assert!(!ok(256, 3841, 4096, 4));
+        assert!(!ok(4097, 0, 4096, 4));
+        assert!(!ok(u64::MAX, 2, 4096, 1));
+        assert!(!ok(8, u64::MAX - 4, u64::MAX, 1));
+        // Misaligned for the element type.
+        assert!(!ok(2, 4, 4096, 4));
+        assert!(ok(2, 4, 4096, 2));
+        let e = check_import_range("handle.offset", 4000, 200, 4096, 8).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                crate::Error::InvalidArgument {
+                    arg: "handle.offset",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
 
     #[test]
     fn handle_bytes_round_trip_through_hex_and_chars() {

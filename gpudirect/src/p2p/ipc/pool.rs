@@ -5,7 +5,7 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::hex64;
+use super::{address_range, check_import_range, hex64};
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
@@ -281,8 +281,8 @@ impl<T: Pod> Drop for PoolAlloc<T> {
 }
 
 /// Another process's pool allocation, imported with `cuMemPoolImportPointer` into an imported
-/// [`IpcPool`]. Dropping it synchronizes the importing context, then frees the import
-/// (`cuMemFree`), which the exporter's free must follow.
+/// [`IpcPool`]. Dropping it frees the import (`cuMemFree`), which the exporter's free must follow;
+/// it does not synchronize: work that uses it owns it until that work has completed.
 #[derive(Debug)]
 pub struct PoolImport<T: Pod> {
     ptr: u64,
@@ -296,8 +296,9 @@ impl<T: Pod> PoolImport<T> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for an element-size mismatch or a pool that was not imported;
-    /// [`Error::Cuda`] from the driver.
+    /// [`Error::InvalidArgument`] for an element-size mismatch, a pool that was not imported, or
+    /// a handle whose `bytes` exceed the allocation imported (checked with
+    /// `cuMemGetAddressRange`; the import is freed again); [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolImportPointer")]
     pub fn open(pool: &Arc<IpcPool>, handle: &PoolPtrHandle) -> Result<Self> {
         let size = std::mem::size_of::<T>() as u64;
@@ -324,6 +325,20 @@ impl<T: Pod> PoolImport<T> {
         cu("cuMemPoolImportPointer", unsafe {
             sys::cuMemPoolImportPointer(&mut ptr, pool.pool, &mut d)
         })?;
+        // `bytes` is the peer's word: check it against the allocation imported.
+        if let Err(e) = address_range(ptr).and_then(|(base, mapped)| {
+            check_import_range(
+                "handle.bytes",
+                ptr.wrapping_sub(base),
+                handle.bytes,
+                mapped,
+                std::mem::align_of::<T>() as u64,
+            )
+        }) {
+            // SAFETY: imported above, not yet used by anything; freed once.
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e);
+        }
         Ok(PoolImport {
             ptr,
             len: (handle.bytes / size) as usize,
@@ -358,10 +373,11 @@ impl<T: Pod> Drop for PoolImport<T> {
         if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
             return;
         }
-        // SAFETY: context current; finish work that may use the import first.
-        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
-            return;
-        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
+        // caller's own unsafe code is the caller's to finish first.
         // SAFETY: imported once, freed once.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }

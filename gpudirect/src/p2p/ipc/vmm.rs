@@ -69,8 +69,8 @@ pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
 /// VMM memory of another process, imported from a descriptor and mapped read-write for device
 /// `ordinal`; `len` elements of `T`.
 ///
-/// Dropping it synchronizes the importing context (`cuCtxSynchronize`), then unmaps, frees the
-/// address range and releases the imported handle.
+/// Dropping it unmaps, frees the address range and releases the imported handle, without
+/// synchronizing: work that uses it owns it until that work has completed.
 #[derive(Debug)]
 pub struct VmmImport<T: Pod> {
     ptr: u64,
@@ -192,10 +192,11 @@ impl<T: Pod> Drop for VmmImport<T> {
         if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
             return;
         }
-        // SAFETY: context current; finish work that may use the mapping first.
-        if unsafe { sys::cuCtxSynchronize() } != sys::CUresult::CUDA_SUCCESS {
-            return; // cannot prove completion: leak the mapping
-        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
+        // caller's own unsafe code is the caller's to finish first.
         // SAFETY: the mapping, range and handle made in `open`, undone once.
         unsafe {
             if sys::cuMemUnmap(self.ptr, self.size) != sys::CUresult::CUDA_SUCCESS {
