@@ -123,25 +123,9 @@ fn mem_child(job: MemJob) {
     // Read the mapping back through a local buffer (exact bytes of the parent's source).
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
     assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported source");
-    // Dropping an import does not synchronize the context: a stream of it blocked in a wait
-    // (here on a word nobody writes until after the drop) does not hold the drop up.
-    let flags = gpudirect::cuda::MemopFlags::pinned_host(s.context(), 1).unwrap();
-    let blocked = gpudirect::cuda::Stream::new(s.context()).unwrap();
-    blocked
-        .wait_value32(&flags, 0, 1, gpudirect::cuda::WaitCondition::Eq)
-        .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        drop(dst); // cuIpcCloseMemHandle, no cuCtxSynchronize
-        let _ = tx.send(());
-    });
-    let dropped = rx.recv_timeout(std::time::Duration::from_secs(10)).is_ok();
-    flags.store_u32(0, 1).unwrap();
-    blocked.synchronize().unwrap();
-    assert!(
-        dropped,
-        "dropping an IpcMemory waited for an unrelated blocked stream"
-    );
+    // Closing the import (cuIpcCloseMemHandle) unmaps it; in-flight work on it is owned by its
+    // InFlight, so the drop adds no synchronization of its own.
+    drop(dst);
     println!("child: ok");
 }
 

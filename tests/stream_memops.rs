@@ -167,13 +167,16 @@ fn round_trip_host_gpu_host() {
 }
 
 /// Run `f` on a helper thread; `false` if it has not returned within `timeout` (a deadlock).
-fn returns_within(timeout: Duration, f: impl FnOnce() + Send + 'static) -> bool {
+/// Run `f` on another thread; its result if it returns within `timeout`.
+fn returns_within<T: Send + 'static>(
+    timeout: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
+        let _ = tx.send(f());
     });
-    rx.recv_timeout(timeout).is_ok()
+    rx.recv_timeout(timeout).ok()
 }
 
 #[test]
@@ -188,17 +191,19 @@ fn host_stores_to_device_words_release_a_waiting_stream() {
         .unwrap();
     stream.write_value32(&flags, 1, 0x600D).unwrap();
     let c = ctx.clone();
-    assert!(
-        returns_within(Duration::from_secs(10), move || {
-            let _ = gpudirect::memory::DeviceBuffer::<u8>::zeroed(&c, 4096).unwrap();
-            let _ = MemopFlags::device(&c, 2).unwrap();
-        }),
-        "zeroed/device allocation waited for the blocked stream"
-    );
+    // The allocations are kept until the stream is released: freeing device memory
+    // (cuMemFree) synchronizes the device, which would wait for the blocked stream.
+    let keep = returns_within(Duration::from_secs(10), move || {
+        (
+            gpudirect::memory::DeviceBuffer::<u8>::zeroed(&c, 4096).unwrap(),
+            MemopFlags::device(&c, 2).unwrap(),
+        )
+    })
+    .expect("zeroed/device allocation waited for the blocked stream");
     assert_eq!(flags.load_u32(1).unwrap(), 0, "write ran before the wait");
     let f = flags.clone();
     assert!(
-        returns_within(Duration::from_secs(10), move || f.store_u32(0, 5).unwrap()),
+        returns_within(Duration::from_secs(10), move || f.store_u32(0, 5).unwrap()).is_some(),
         "store_u32 on a device word waited for the stream it releases"
     );
     assert!(spin_until(Duration::from_secs(5), || flags
@@ -213,10 +218,12 @@ fn host_stores_to_device_words_release_a_waiting_stream() {
         assert!(
             returns_within(Duration::from_secs(10), move || f
                 .store_u64(2, 1 << 40)
-                .unwrap()),
+                .unwrap())
+            .is_some(),
             "store_u64 on a device word waited for the stream it releases"
         );
     }
     let fence = stream.fence();
     assert!(fence.wait_timeout(Duration::from_secs(5)));
+    drop(keep);
 }

@@ -147,7 +147,9 @@ impl<B: DeviceMemory> IpcExport<B> {
 /// It is a data-path buffer like any other ([`DeviceMemory`], [`DeviceMemoryMut`]: copies into it
 /// write the exporter's memory). Dropping it calls `cuIpcCloseMemHandle` without synchronizing:
 /// work that uses it owns it (in an [`InFlight`](crate::memory::InFlight) or the tracker) until
-/// that work has completed, so nothing of ours still uses the mapping when it is dropped.
+/// that work has completed, so nothing of ours still uses the mapping when it is dropped. The
+/// driver's unmap itself waits for the device like `cuMemFree` does (seen on an H200): do not drop
+/// an import while a stream of the same context is blocked on something only this thread releases.
 #[derive(Debug)]
 pub struct IpcMemory<T: Pod> {
     base: u64,
