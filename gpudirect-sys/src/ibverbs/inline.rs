@@ -216,8 +216,9 @@ mod tests {
         assert_eq!(offset_of!(ibv_qp, context), 0);
         assert_eq!(offset_of!(ibv_cq, context), 0);
         assert_eq!(offset_of!(ibv_srq, context), 0);
-        assert_eq!(offset_of!(ibv_mr, lkey), 32);
-        assert_eq!(offset_of!(ibv_mr, rkey), 36);
+        assert_eq!(offset_of!(ibv_mr, handle), 32);
+        assert_eq!(offset_of!(ibv_mr, lkey), 36);
+        assert_eq!(offset_of!(ibv_mr, rkey), 40);
         assert_eq!(size_of::<ibv_port_attr>(), 52);
         assert_eq!(size_of::<ibv_gid>(), 16);
         // verbs_context ends with the ibv_context it wraps.
