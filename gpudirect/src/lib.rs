@@ -3,6 +3,7 @@
 //! | path | module | what |
 //! | --- | --- | --- |
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
+//! | RDMA | [`rdma`] | verbs on host memory: devices, PDs, MRs, CQs, QPs, work requests, rdma_cm |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -12,6 +13,7 @@
 pub mod cuda;
 pub mod error;
 pub mod memory;
+pub mod rdma;
 pub mod testing;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.

@@ -54,6 +54,7 @@ crate::table::fn_table! {
         rdma_get_cm_event: fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
         rdma_ack_cm_event: fn(*mut rdma_cm_event) -> c_int;
         rdma_event_str: fn(rdma_cm_event_type) -> *const c_char;
+        rdma_migrate_id: fn(*mut rdma_cm_id, *mut rdma_event_channel) -> c_int;
     }
     optional {
         /// rdma-core 20+: completes a connection whose QP the application moves to RTS itself.

@@ -1,0 +1,1 @@
+//! rdma_cm connections (placeholder)
