@@ -54,7 +54,7 @@ pub use mr::{
     RemoteMemory, RemoteSlice,
 };
 pub use pd::ProtectionDomain;
-pub use qp::{Init, QpCaps, QueuePair, Reset, Rtr, RtrAttr, Rts, RtsAttr};
+pub use qp::{Endpoint, Init, QpCaps, QueuePair, Reset, Rtr, RtrAttr, Rts, RtsAttr};
 pub use srq::SharedReceiveQueue;
 pub use wr::{RecvRequest, WorkRequest};
 
