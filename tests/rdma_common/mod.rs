@@ -31,13 +31,19 @@ pub fn pair_with(srq: Option<&SharedReceiveQueue>) -> Result<Pair> {
 }
 
 pub fn pair_on(ctx: Context, pd: ProtectionDomain, srq: Option<&SharedReceiveQueue>) -> Result<Pair> {
+    pair_opts(ctx, pd, srq, false)
+}
+
+/// With `shared_cq`, both QPs report to `cq_a` (and `cq_b` stays empty).
+pub fn pair_opts(ctx: Context, pd: ProtectionDomain, srq: Option<&SharedReceiveQueue>, shared_cq: bool) -> Result<Pair> {
     let port = ctx.query_port(1)?;
     let gid = ctx.preferred_gid(1)?;
     let cq_a = ctx.create_cq(256, None)?;
     let cq_b = ctx.create_cq(256, None)?;
     let all = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
     let a = QueuePair::create(&pd, &cq_a, &cq_a, srq, caps())?.to_init(1, all)?;
-    let b = QueuePair::create(&pd, &cq_b, &cq_b, srq, caps())?.to_init(1, all)?;
+    let cq = if shared_cq { &cq_a } else { &cq_b };
+    let b = QueuePair::create(&pd, cq, cq, srq, caps())?.to_init(1, all)?;
     let (psn_a, psn_b) = (rand::random::<u32>() & 0xffffff, rand::random::<u32>() & 0xffffff);
     let ep = |qp_num, psn| Endpoint { qp_num, psn, gid: gid.gid, gid_index: gid.index as u8, lid: port.lid };
     let (ea, eb) = (ep(a.qp_num(), psn_a), ep(b.qp_num(), psn_b));

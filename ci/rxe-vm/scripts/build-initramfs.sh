@@ -35,7 +35,7 @@ done
 # KROOT/lib/modules/$KV must have had depmod run (done by run.sh).
 # ib_uverbs is needed by user space but is not a hard dep of rdma_rxe on newer kernels;
 # crc32_generic only exists (and is needed: rxe asks the crypto API for "crc32") on 6.x kernels.
-MODS="rdma_rxe ib_uverbs dummy"
+MODS="rdma_rxe ib_uverbs rdma_ucm dummy"   # rdma_ucm: /dev/infiniband/rdma_cm for librdmacm
 [ -n "$(find "$KROOT/lib/modules/$KV" -name 'crc32_generic.ko*' | head -1)" ] && MODS="crc32_generic $MODS"
 : > "$R/etc/rxe-modules"
 for m in $MODS; do
