@@ -56,7 +56,7 @@ impl Setup {
         let (mut posted, mut done) = (0u64, 0u64);
         let t0 = Instant::now();
         while done < iters {
-            let room = (DEPTH as u64).saturating_sub(self.a.outstanding() as u64).min(iters - posted).min(16);
+            let room = (DEPTH as u64).saturating_sub(self.a.send_outstanding() as u64).min(iters - posted).min(16);
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
@@ -86,12 +86,13 @@ impl Setup {
         let t0 = Instant::now();
         for i in 1..=iters {
             let v = (base + i).to_ne_bytes();
-            let sig = |w: WorkRequest<'_>| if i % 32 == 0 { w } else { w.unsignaled() };
-            self.a.post_send([sig(WorkRequest::write_inline(&v, rb))]).unwrap();
+            let w = WorkRequest::write_inline(&v, rb);
+            self.a.post_send([if i % 32 == 0 { w } else { w.unsignaled() }]).unwrap();
             while self.remote.read_u64(0).unwrap() != base + i {
                 std::hint::spin_loop();
             }
-            self.b.post_send([sig(WorkRequest::write_inline(&v, ra))]).unwrap();
+            let w = WorkRequest::write_inline(&v, ra);
+            self.b.post_send([if i % 32 == 0 { w } else { w.unsignaled() }]).unwrap();
             while self.local.read_u64(0).unwrap() != base + i {
                 std::hint::spin_loop();
             }

@@ -92,6 +92,8 @@ fn pattern(seed: u64, n: usize) -> Vec<u8> {
 /// region.
 struct Side {
     c: Connection,
+    /// Receive completions polled but not yet consumed: (result, slot, imm).
+    rx: std::collections::VecDeque<(gpudirect::Result<()>, u64, Option<u32>)>,
     data: MemoryRegion<Remote>,
     ctl: MemoryRegion<Local>,
     peer: RemoteMemory,
@@ -102,7 +104,7 @@ fn setup(c: Connection) -> gpudirect::Result<Side> {
     let data = c.pd().register_remote(HostBuffer::zeroed(MAX_MSG)?, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)?;
     let ctl = c.pd().register(HostBuffer::zeroed(64 * 32)?, AccessFlags::LOCAL_WRITE)?;
     let peer = c.exchange(data.remote(), TIMEOUT)?;
-    let mut s = Side { c, data, ctl, peer };
+    let mut s = Side { c, rx: Default::default(), data, ctl, peer };
     for i in 0..16 {
         s.post_ctl_recv(i)?;
     }
@@ -145,8 +147,9 @@ impl Side {
     fn recv_ctl(&mut self) -> gpudirect::Result<([u64; 3], Option<u32>)> {
         let deadline = Instant::now() + TIMEOUT;
         loop {
-            let got = self.c.recv_cq().poll()?.next().map(|w| (w.result(), w.tag(), w.imm()));
-            if let Some((r, slot, imm)) = got {
+            let polled: Vec<_> = self.c.recv_cq().poll()?.map(|w| (w.result(), w.tag(), w.imm())).collect();
+            self.rx.extend(polled);
+            if let Some((r, slot, imm)) = self.rx.pop_front() {
                 r?;
                 let mut b = [0u8; 24];
                 self.ctl.read_at(64 + slot as usize * 64, &mut b)?;
@@ -170,7 +173,7 @@ impl Side {
         let (mut posted, mut done) = (0usize, 0usize);
         let t0 = Instant::now();
         while done < iters {
-            let room = (DEPTH as usize).saturating_sub(self.c.qp().outstanding()).min(iters - posted).min(16);
+            let room = (DEPTH as usize).saturating_sub(self.c.qp().send_outstanding()).min(iters - posted).min(16);
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
@@ -233,7 +236,7 @@ impl Side {
                 wait_for(&self.data, base + i)?;
             }
         }
-        while self.c.qp().outstanding() > 0 {
+        while self.c.qp().send_outstanding() > 0 {
             for w in self.c.send_cq().poll()? {
                 w.result()?;
             }

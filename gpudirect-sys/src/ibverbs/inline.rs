@@ -144,11 +144,9 @@ pub unsafe fn ibv_query_port(ctx: *mut ibv_context, port_num: u8, port_attr: *mu
         let need = size_of::<verbs_context>() - offset_of!(verbs_context, query_port);
         // SAFETY: `vctx` is the provider's verbs_context; `sz` and `query_port` are in it.
         let (sz, op) = unsafe { ((*vctx).sz, (*vctx).query_port) };
-        if sz >= need {
-            if let Some(f) = op {
-                // SAFETY: the provider's extended op, with the size of our struct.
-                return unsafe { f(ctx, port_num, port_attr, size_of::<ibv_port_attr>()) };
-            }
+        if let (true, Some(f)) = (sz >= need, op) {
+            // SAFETY: the provider's extended op, with the size of our struct.
+            return unsafe { f(ctx, port_num, port_attr, size_of::<ibv_port_attr>()) };
         }
     }
     // SAFETY: writable per the caller.
@@ -247,12 +245,9 @@ mod tests {
         let mut ctx: ibv_context = Default::default();
         ctx.ops.post_send = Some(post_send);
         ctx.ops.poll_cq = Some(poll_cq);
-        let mut qp: ibv_qp = Default::default();
-        qp.context = &mut ctx;
-        let mut cq: ibv_cq = Default::default();
-        cq.context = &mut ctx;
-        let mut wr: ibv_send_wr = Default::default();
-        wr.wr_id = 5;
+        let mut qp = ibv_qp { context: &mut ctx, ..Default::default() };
+        let mut cq = ibv_cq { context: &mut ctx, ..Default::default() };
+        let mut wr = ibv_send_wr { wr_id: 5, ..Default::default() };
         let mut bad = core::ptr::null_mut();
         // SAFETY: fake objects that live for the call.
         assert_eq!(unsafe { ibv_post_send(&mut qp, &mut wr, &mut bad) }, 5);

@@ -104,7 +104,7 @@ impl Channel {
         // SAFETY: acknowledges that event once.
         unsafe { (l.rdma_ack_cm_event)(ev) };
         if e.kind != expected {
-            if e.kind == cm::RDMA_CM_EVENT_CONNECT_REQUEST && e.listen_id.is_null() == false {
+            if e.kind == cm::RDMA_CM_EVENT_CONNECT_REQUEST && !e.listen_id.is_null() {
                 // A request we do not take: refuse it so the peer does not wait.
                 // SAFETY: the new id from the event; rejected and destroyed once.
                 unsafe {
@@ -514,11 +514,9 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        if !super::in_forked_child() {
-            if let Ok(l) = cm::lib() {
-                // SAFETY: a live, connected id. Errors (already disconnected) are ignored.
-                unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
-            }
+        if let (false, Ok(l)) = (super::in_forked_child(), cm::lib()) {
+            // SAFETY: a live, connected id. Errors (already disconnected) are ignored.
+            unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
         }
         // The QP goes first (error state, drain, destroy), then CQs, regions, PD, the id and its
         // channel, in field order.

@@ -203,7 +203,11 @@ impl QpShared {
     }
 
     fn outstanding(&self) -> usize {
-        lock(&self.sq).entries.len() + lock(&self.rq).live() as usize
+        self.send_outstanding() + lock(&self.rq).live() as usize
+    }
+
+    fn send_outstanding(&self) -> usize {
+        lock(&self.sq).entries.len()
     }
 }
 
@@ -531,6 +535,12 @@ impl<S: QpState> QueuePair<S> {
     /// Requests posted whose completions have not been polled yet (send and receive queue).
     pub fn outstanding(&self) -> usize {
         self.inner.shared.outstanding()
+    }
+
+    /// Send-queue requests not yet known complete: the queue's occupancy, as posting sees it
+    /// (unsignaled requests count until a later signaled completion is polled).
+    pub fn send_outstanding(&self) -> usize {
+        self.inner.shared.send_outstanding()
     }
 
     /// `ibv_modify_qp` with attributes from elsewhere (rdma_cm's `rdma_init_qp_attr`), into the

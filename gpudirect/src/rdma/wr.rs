@@ -190,14 +190,13 @@ impl<'a> WorkRequest<'a> {
             return Err(Error::invalid("sg_list", format!("{n} entries"), format!("the QP allows {max_sge}")));
         }
         let need_local_write = matches!(self.kind, Kind::Read(_) | Kind::CompareSwap { .. } | Kind::FetchAdd { .. });
-        if need_local_write {
-            if let Some(s) = self.sg.slices().iter().find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE)) {
-                return Err(Error::invalid(
-                    "local",
-                    format!("{s:?} with {:?}", s.access()),
-                    "RDMA read and atomic results need a region with LOCAL_WRITE",
-                ));
-            }
+        let lacking = self.sg.slices().iter().find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE));
+        if let (true, Some(s)) = (need_local_write, lacking) {
+            return Err(Error::invalid(
+                "local",
+                format!("{s:?} with {:?}", s.access()),
+                "RDMA read and atomic results need a region with LOCAL_WRITE",
+            ));
         }
         match self.kind {
             Kind::SendInline(d) | Kind::WriteInline(d, _) if d.len() as u64 > max_inline as u64 => {
