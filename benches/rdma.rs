@@ -31,19 +31,41 @@ fn setup() -> gpudirect::Result<Setup> {
     let gid = ctx.preferred_gid(1)?;
     let cq = ctx.create_cq(2 * DEPTH, None)?;
     let cq_b = ctx.create_cq(2 * DEPTH, None)?;
-    let caps = QpCaps { max_send_wr: DEPTH, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: INLINE, signal_every: 32 };
+    let caps = QpCaps {
+        max_send_wr: DEPTH,
+        max_recv_wr: 16,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: INLINE,
+        signal_every: 32,
+    };
     let acc = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
     let a = QueuePair::create(&pd, &cq, &cq, None, caps)?.to_init(1, acc)?;
     let b = QueuePair::create(&pd, &cq_b, &cq_b, None, caps)?.to_init(1, acc)?;
-    let ep = |q| Endpoint { qp_num: q, psn: 0, gid: gid.gid, gid_index: gid.index as u8, lid: port.lid };
+    let ep = |q| Endpoint {
+        qp_num: q,
+        psn: 0,
+        gid: gid.gid,
+        gid_index: gid.index as u8,
+        lid: port.lid,
+    };
     let (ea, eb) = (ep(a.qp_num()), ep(b.qp_num()));
-    let rtr = |e: &Endpoint| RtrAttr::from_endpoint(e, port.active_mtu, gid.index as u8).max_dest_rd_atomic(16);
+    let rtr = |e: &Endpoint| {
+        RtrAttr::from_endpoint(e, port.active_mtu, gid.index as u8).max_dest_rd_atomic(16)
+    };
     let rts = RtsAttr::new(0).max_rd_atomic(16);
     let a = a.to_rtr(&rtr(&eb))?.to_rts(&rts)?;
     let b = b.to_rtr(&rtr(&ea))?.to_rts(&rts)?;
     let local = pd.register_remote(HostBuffer::zeroed(2 * MAX)?, acc)?;
     let remote = pd.register_remote(HostBuffer::zeroed(2 * MAX)?, acc)?;
-    Ok(Setup { cq, cq_b, a, b, local, remote })
+    Ok(Setup {
+        cq,
+        cq_b,
+        a,
+        b,
+        local,
+        remote,
+    })
 }
 
 impl Setup {
@@ -56,7 +78,10 @@ impl Setup {
         let (mut posted, mut done) = (0u64, 0u64);
         let t0 = Instant::now();
         while done < iters {
-            let room = (DEPTH as u64).saturating_sub(self.a.send_outstanding() as u64).min(iters - posted).min(16);
+            let room = (DEPTH as u64)
+                .saturating_sub(self.a.send_outstanding() as u64)
+                .min(iters - posted)
+                .min(16);
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
@@ -81,18 +106,25 @@ impl Setup {
 
     /// Round trips of an 8-byte RDMA write ping-pong between the two QPs; returns half the time.
     fn pingpong(&mut self, iters: u64) -> Duration {
-        let (ra, rb) = (self.local.remote().slice(0, 8).unwrap(), self.remote.remote().slice(0, 8).unwrap());
+        let (ra, rb) = (
+            self.local.remote().slice(0, 8).unwrap(),
+            self.remote.remote().slice(0, 8).unwrap(),
+        );
         let base = rand_base();
         let t0 = Instant::now();
         for i in 1..=iters {
             let v = (base + i).to_ne_bytes();
             let w = WorkRequest::write_inline(&v, rb);
-            self.a.post_send([if i % 32 == 0 { w } else { w.unsignaled() }]).unwrap();
+            self.a
+                .post_send([if i % 32 == 0 { w } else { w.unsignaled() }])
+                .unwrap();
             while self.remote.read_u64(0).unwrap() != base + i {
                 std::hint::spin_loop();
             }
             let w = WorkRequest::write_inline(&v, ra);
-            self.b.post_send([if i % 32 == 0 { w } else { w.unsignaled() }]).unwrap();
+            self.b
+                .post_send([if i % 32 == 0 { w } else { w.unsignaled() }])
+                .unwrap();
             while self.local.read_u64(0).unwrap() != base + i {
                 std::hint::spin_loop();
             }
@@ -112,7 +144,10 @@ fn main() {
         Ok(s) => s,
         Err(e) => skip_example(Hardware::Rdma, e),
     };
-    let mut c = Criterion::default().configure_from_args().sample_size(10).warm_up_time(Duration::from_millis(200));
+    let mut c = Criterion::default()
+        .configure_from_args()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(200));
     for (name, read) in [("rdma_write_bw", false), ("rdma_read_bw", true)] {
         let mut g = c.benchmark_group(name);
         for p in (3..=20).step_by(1) {

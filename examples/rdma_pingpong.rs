@@ -40,10 +40,21 @@ struct Args {
 }
 
 fn parse() -> Args {
-    let mut a = Args { server: false, connect: None, port: 7471, size: 65536, iters: 2000, report: false, addr: None };
+    let mut a = Args {
+        server: false,
+        connect: None,
+        port: 7471,
+        size: 65536,
+        iters: 2000,
+        report: false,
+        addr: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(s) = it.next() {
-        let mut val = || it.next().unwrap_or_else(|| usage(&format!("{s} needs a value")));
+        let mut val = || {
+            it.next()
+                .unwrap_or_else(|| usage(&format!("{s} needs a value")))
+        };
         match s.as_str() {
             "--server" => a.server = true,
             "--connect" => a.connect = Some(val()),
@@ -63,13 +74,22 @@ fn parse() -> Args {
 }
 
 fn usage(msg: &str) -> ! {
-    eprintln!("{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report]");
+    eprintln!(
+        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report]"
+    );
     std::process::exit(2)
 }
 
 fn opts() -> ConnectOptions {
     ConnectOptions {
-        caps: QpCaps { max_send_wr: DEPTH, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: INLINE, signal_every: SIGNAL_EVERY },
+        caps: QpCaps {
+            max_send_wr: DEPTH,
+            max_recv_wr: 64,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: INLINE,
+            signal_every: SIGNAL_EVERY,
+        },
         timeout: TIMEOUT,
         ..Default::default()
     }
@@ -101,10 +121,21 @@ struct Side {
 
 fn setup(c: Connection) -> gpudirect::Result<Side> {
     let mut c = c;
-    let data = c.pd().register_remote(HostBuffer::zeroed(MAX_MSG)?, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)?;
-    let ctl = c.pd().register(HostBuffer::zeroed(64 * 32)?, AccessFlags::LOCAL_WRITE)?;
+    let data = c.pd().register_remote(
+        HostBuffer::zeroed(MAX_MSG)?,
+        AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+    )?;
+    let ctl = c
+        .pd()
+        .register(HostBuffer::zeroed(64 * 32)?, AccessFlags::LOCAL_WRITE)?;
     let peer = c.exchange(data.remote(), TIMEOUT)?;
-    let mut s = Side { c, rx: Default::default(), data, ctl, peer };
+    let mut s = Side {
+        c,
+        rx: Default::default(),
+        data,
+        ctl,
+        peer,
+    };
     for i in 0..16 {
         s.post_ctl_recv(i)?;
     }
@@ -114,7 +145,9 @@ fn setup(c: Connection) -> gpudirect::Result<Side> {
 impl Side {
     fn post_ctl_recv(&mut self, i: usize) -> gpudirect::Result<()> {
         let sl = self.ctl.slice(64 + i * 64..64 + (i + 1) * 64)?;
-        self.c.qp().post_recv([RecvRequest::new(sl).tag(i as u64)])?;
+        self.c
+            .qp()
+            .post_recv([RecvRequest::new(sl).tag(i as u64)])?;
         Ok(())
     }
 
@@ -123,7 +156,9 @@ impl Side {
         for (i, v) in msg.iter().enumerate() {
             b[i * 8..(i + 1) * 8].copy_from_slice(&v.to_le_bytes());
         }
-        self.c.qp().post_send([WorkRequest::send_inline(&b).tag(u64::MAX)])?;
+        self.c
+            .qp()
+            .post_send([WorkRequest::send_inline(&b).tag(u64::MAX)])?;
         self.wait_send(u64::MAX)
     }
 
@@ -138,7 +173,10 @@ impl Side {
                 }
             }
             if Instant::now() > deadline {
-                return Err(gpudirect::Error::Timeout { what: "send completion", after: TIMEOUT });
+                return Err(gpudirect::Error::Timeout {
+                    what: "send completion",
+                    after: TIMEOUT,
+                });
             }
         }
     }
@@ -147,7 +185,12 @@ impl Side {
     fn recv_ctl(&mut self) -> gpudirect::Result<([u64; 3], Option<u32>)> {
         let deadline = Instant::now() + TIMEOUT;
         loop {
-            let polled: Vec<_> = self.c.recv_cq().poll()?.map(|w| (w.result(), w.tag(), w.imm())).collect();
+            let polled: Vec<_> = self
+                .c
+                .recv_cq()
+                .poll()?
+                .map(|w| (w.result(), w.tag(), w.imm()))
+                .collect();
             self.rx.extend(polled);
             if let Some((r, slot, imm)) = self.rx.pop_front() {
                 r?;
@@ -158,7 +201,10 @@ impl Side {
                 return Ok(([m(0), m(1), m(2)], imm));
             }
             if Instant::now() > deadline {
-                return Err(gpudirect::Error::Timeout { what: "control message", after: TIMEOUT });
+                return Err(gpudirect::Error::Timeout {
+                    what: "control message",
+                    after: TIMEOUT,
+                });
             }
         }
     }
@@ -169,11 +215,18 @@ impl Side {
         let remote = self.peer.slice(0, size as u32)?;
         let local = self.data.slice(..size)?;
         let inline = !read && size <= INLINE as usize;
-        let payload = if inline { pattern(size as u64, size) } else { Vec::new() };
+        let payload = if inline {
+            pattern(size as u64, size)
+        } else {
+            Vec::new()
+        };
         let (mut posted, mut done) = (0usize, 0usize);
         let t0 = Instant::now();
         while done < iters {
-            let room = (DEPTH as usize).saturating_sub(self.c.qp().send_outstanding()).min(iters - posted).min(16);
+            let room = (DEPTH as usize)
+                .saturating_sub(self.c.qp().send_outstanding())
+                .min(iters - posted)
+                .min(16);
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
@@ -199,7 +252,13 @@ impl Side {
     /// Write ping-pong: each side writes `size` bytes whose last 8 hold the iteration number and
     /// spins on its own region for the peer's. Returns the average one-way latency in µs.
     /// Flag values are `base + i`, so stale bytes from earlier runs never match.
-    fn latency(&mut self, size: usize, iters: u64, base: u64, initiator: bool) -> gpudirect::Result<f64> {
+    fn latency(
+        &mut self,
+        size: usize,
+        iters: u64,
+        base: u64,
+        initiator: bool,
+    ) -> gpudirect::Result<f64> {
         let size = size.max(8);
         let off = size - 8;
         let remote = self.peer.slice(0, size as u32)?;
@@ -209,7 +268,10 @@ impl Side {
             let deadline = Instant::now() + TIMEOUT;
             while data.read_u64(off)? != n {
                 if Instant::now() > deadline {
-                    return Err(gpudirect::Error::Timeout { what: "latency ping", after: TIMEOUT });
+                    return Err(gpudirect::Error::Timeout {
+                        what: "latency ping",
+                        after: TIMEOUT,
+                    });
                 }
                 std::hint::spin_loop();
             }
@@ -227,7 +289,11 @@ impl Side {
                 WorkRequest::write(self.data.slice(size..2 * size)?, remote)
             };
             let w = w.tag(i);
-            let w = if i % SIGNAL_EVERY as u64 == 0 || i == iters { w } else { w.unsignaled() };
+            let w = if i % SIGNAL_EVERY as u64 == 0 || i == iters {
+                w
+            } else {
+                w.unsignaled()
+            };
             self.c.qp().post_send([w])?;
             for w in self.c.send_cq().poll()? {
                 w.result()?;
@@ -259,13 +325,22 @@ fn serve(listener: Listener) -> gpudirect::Result<()> {
             let mut got = vec![0u8; want.len()];
             s.data.read_at(0, &mut got)?;
             let ok = got == want;
-            println!("server: RDMA write of {} bytes {}", want.len(), if ok { "verified" } else { "CORRUPT" });
+            println!(
+                "server: RDMA write of {} bytes {}",
+                want.len(),
+                if ok { "verified" } else { "CORRUPT" }
+            );
             s.send_ctl([OP_VERIFY, ok as u64, 0])?;
             continue;
         }
         match m[0] {
             OP_LAT => {
-                s.latency(m[1] as usize, m[2] & 0xffff_ffff, m[2] & !0xffff_ffff, false)?;
+                s.latency(
+                    m[1] as usize,
+                    m[2] & 0xffff_ffff,
+                    m[2] & !0xffff_ffff,
+                    false,
+                )?;
             }
             OP_QUIT => return Ok(()),
             o => eprintln!("server: unknown op {o}"),
@@ -282,33 +357,63 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     let (echo, _) = s.recv_ctl()?;
     let good = echo == [0xfeed, seed, seed.rotate_left(17)];
     ok &= good;
-    println!("send/recv: 24-byte message echoed {}", if good { "exactly" } else { "WRONG" });
+    println!(
+        "send/recv: 24-byte message echoed {}",
+        if good { "exactly" } else { "WRONG" }
+    );
     // 2. RDMA write with immediate (seed), verified by the server from the seed.
     let size = args.size;
     let seed = rand::random::<u32>();
     let data = pattern(seed as u64, size);
     s.data.write_at(0, &data)?;
-    s.c.qp().post_send([WorkRequest::write(s.data.slice(..size)?, s.peer.slice(0, size as u32)?).with_imm(seed).tag(1)])?;
+    s.c.qp().post_send([WorkRequest::write(
+        s.data.slice(..size)?,
+        s.peer.slice(0, size as u32)?,
+    )
+    .with_imm(seed)
+    .tag(1)])?;
     s.wait_send(1)?;
     // The server's verdict arrives as a control message; the write-with-imm also needs a receive
     // at the server, which the control receives provide.
     s.send_ctl([0, size as u64, 0])?; // carries the size for the verification
     let (v, _) = s.recv_ctl()?;
     ok &= v == [OP_VERIFY, 1, 0];
-    println!("RDMA write: {size} bytes {}", if v[1] == 1 { "verified by the peer" } else { "CORRUPT at the peer" });
+    println!(
+        "RDMA write: {size} bytes {}",
+        if v[1] == 1 {
+            "verified by the peer"
+        } else {
+            "CORRUPT at the peer"
+        }
+    );
     // 3. RDMA read them back into a poisoned local buffer.
     s.data.fill(0, size, 0xA5)?;
-    s.c.qp().post_send([WorkRequest::read(s.data.slice(..size)?, s.peer.slice(0, size as u32)?).tag(2)])?;
+    s.c.qp().post_send([WorkRequest::read(
+        s.data.slice(..size)?,
+        s.peer.slice(0, size as u32)?,
+    )
+    .tag(2)])?;
     s.wait_send(2)?;
     let mut back = vec![0u8; size];
     s.data.read_at(0, &mut back)?;
     let good = back == data;
     ok &= good;
-    println!("RDMA read: {size} bytes {}", if good { "verified" } else { "WRONG" });
+    println!(
+        "RDMA read: {size} bytes {}",
+        if good { "verified" } else { "WRONG" }
+    );
     // 4. Performance.
-    let sizes: Vec<usize> = if args.report { (3..=20).step_by(1).map(|p| 1usize << p).collect() } else { vec![size] };
+    let sizes: Vec<usize> = if args.report {
+        (3..=20).step_by(1).map(|p| 1usize << p).collect()
+    } else {
+        vec![size]
+    };
     for &sz in &sizes {
-        let iters = if args.report { (args.iters * 65536 / sz.max(4096)).clamp(200, 20000) } else { args.iters };
+        let iters = if args.report {
+            (args.iters * 65536 / sz.max(4096)).clamp(200, 20000)
+        } else {
+            args.iters
+        };
         let w = s.bandwidth(false, sz, iters)?;
         let r = s.bandwidth(true, sz, iters)?;
         if args.report {
@@ -318,9 +423,17 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
             println!("bandwidth: {sz} B x {iters}: RDMA write {w:.1} MB/s, RDMA read {r:.1} MB/s");
         }
     }
-    let lat_sizes: Vec<usize> = if args.report { vec![8, 64, 1024, 4096] } else { vec![8] };
+    let lat_sizes: Vec<usize> = if args.report {
+        vec![8, 64, 1024, 4096]
+    } else {
+        vec![8]
+    };
     for &sz in &lat_sizes {
-        let iters = if args.report { 2000 } else { args.iters.min(2000) };
+        let iters = if args.report {
+            2000
+        } else {
+            args.iters.min(2000)
+        };
         let base = (rand::random::<u32>() as u64 | 1) << 32;
         s.send_ctl([OP_LAT, sz as u64, iters as u64 | base])?;
         let l = s.latency(sz, iters as u64, base, true)?;
@@ -384,13 +497,18 @@ fn main() {
             return Ok(true);
         }
         if let Some(host) = &args.connect {
-            let ip: IpAddr = host.parse().map_err(|_| gpudirect::Error::invalid("--connect", host, "an IP address"))?;
+            let ip: IpAddr = host
+                .parse()
+                .map_err(|_| gpudirect::Error::invalid("--connect", host, "an IP address"))?;
             return client(SocketAddr::new(ip, args.port), &args);
         }
         // Loopback: server and client in one process.
         let ip = match args.addr.or_else(|| rdma_ipv4().map(IpAddr::V4)) {
             Some(ip) => ip,
-            None => skip_example(Hardware::Rdma, "no IPv4 address on a net device of a verbs device (rdma_cm needs one)"),
+            None => skip_example(
+                Hardware::Rdma,
+                "no IPv4 address on a net device of a verbs device (rdma_cm needs one)",
+            ),
         };
         let l = Listener::bind(SocketAddr::new(ip, 0))?;
         let port = l.port();

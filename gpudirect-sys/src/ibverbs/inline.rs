@@ -137,7 +137,11 @@ pub unsafe fn verbs_get_ctx(ctx: *mut ibv_context) -> Option<*mut verbs_context>
 /// # Safety
 ///
 /// `ctx` is a live context; `port_attr` is writable.
-pub unsafe fn ibv_query_port(ctx: *mut ibv_context, port_num: u8, port_attr: *mut ibv_port_attr) -> c_int {
+pub unsafe fn ibv_query_port(
+    ctx: *mut ibv_context,
+    port_num: u8,
+    port_attr: *mut ibv_port_attr,
+) -> c_int {
     // SAFETY: live context per the caller.
     if let Some(vctx) = unsafe { verbs_get_ctx(ctx) } {
         // verbs_get_ctx_op: the op exists only if the provider's struct is large enough.
@@ -245,9 +249,18 @@ mod tests {
         let mut ctx: ibv_context = Default::default();
         ctx.ops.post_send = Some(post_send);
         ctx.ops.poll_cq = Some(poll_cq);
-        let mut qp = ibv_qp { context: &mut ctx, ..Default::default() };
-        let mut cq = ibv_cq { context: &mut ctx, ..Default::default() };
-        let mut wr = ibv_send_wr { wr_id: 5, ..Default::default() };
+        let mut qp = ibv_qp {
+            context: &mut ctx,
+            ..Default::default()
+        };
+        let mut cq = ibv_cq {
+            context: &mut ctx,
+            ..Default::default()
+        };
+        let mut wr = ibv_send_wr {
+            wr_id: 5,
+            ..Default::default()
+        };
         let mut bad = core::ptr::null_mut();
         // SAFETY: fake objects that live for the call.
         assert_eq!(unsafe { ibv_post_send(&mut qp, &mut wr, &mut bad) }, 5);
@@ -257,7 +270,10 @@ mod tests {
         assert_eq!(wc[0].wr_id, 77);
         // No op: ENOSYS, never a call through NULL.
         // SAFETY: as above.
-        assert_eq!(unsafe { ibv_post_recv(&mut qp, core::ptr::null_mut(), core::ptr::null_mut()) }, ENOSYS);
+        assert_eq!(
+            unsafe { ibv_post_recv(&mut qp, core::ptr::null_mut(), core::ptr::null_mut()) },
+            ENOSYS
+        );
         // SAFETY: as above.
         assert_eq!(unsafe { ibv_req_notify_cq(&mut cq, 0) }, ENOSYS);
     }

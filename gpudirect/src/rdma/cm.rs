@@ -45,7 +45,9 @@ impl Default for ConnectOptions {
         ConnectOptions {
             caps: QpCaps::default(),
             cq_depth: 0,
-            access: AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC,
+            access: AccessFlags::REMOTE_READ
+                | AccessFlags::REMOTE_WRITE
+                | AccessFlags::REMOTE_ATOMIC,
             rd_atomic: 16,
             timeout: Duration::from_secs(10),
         }
@@ -63,18 +65,30 @@ impl Channel {
     fn new() -> Result<Channel> {
         let l = cmlib()?;
         // SAFETY: no arguments.
-        super::nonnull("rdma_create_event_channel", unsafe { (l.rdma_create_event_channel)() }).map(Channel)
+        super::nonnull("rdma_create_event_channel", unsafe {
+            (l.rdma_create_event_channel)()
+        })
+        .map(Channel)
     }
 
     /// The next event, within `timeout`, acknowledged; it must be `expected`.
-    fn wait(&self, call: &'static str, expected: cm::rdma_cm_event_type, timeout: Duration) -> Result<Event> {
+    fn wait(
+        &self,
+        call: &'static str,
+        expected: cm::rdma_cm_event_type,
+        timeout: Duration,
+    ) -> Result<Event> {
         let l = cmlib()?;
         let deadline = Instant::now() + timeout;
         // SAFETY: a live channel.
         let fd = unsafe { self.0.as_ref().fd };
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: one valid pollfd.
             let r = unsafe { libc::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as i32) };
             if r < 0 {
@@ -82,16 +96,24 @@ impl Channel {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(Error::Os { call: "poll", source: e });
+                return Err(Error::Os {
+                    call: "poll",
+                    source: e,
+                });
             }
             if r == 0 {
-                return Err(Error::Timeout { what: call, after: timeout });
+                return Err(Error::Timeout {
+                    what: call,
+                    after: timeout,
+                });
             }
             break;
         }
         let mut ev = std::ptr::null_mut();
         // SAFETY: a live channel and an out-pointer.
-        super::rc("rdma_get_cm_event", unsafe { (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev) })?;
+        super::rc("rdma_get_cm_event", unsafe {
+            (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
+        })?;
         // SAFETY: an event just returned, read before the ack below.
         let e = unsafe {
             Event {
@@ -112,10 +134,20 @@ impl Channel {
                     (l.rdma_destroy_id)(e.id);
                 }
             }
-            return Err(Error::CmEvent { call, expected: event_name(expected), got: event_name(e.kind).to_string(), status: e.status });
+            return Err(Error::CmEvent {
+                call,
+                expected: event_name(expected),
+                got: event_name(e.kind).to_string(),
+                status: e.status,
+            });
         }
         if e.status != 0 {
-            return Err(Error::CmEvent { call, expected: event_name(expected), got: format!("{} with an error", event_name(e.kind)), status: e.status });
+            return Err(Error::CmEvent {
+                call,
+                expected: event_name(expected),
+                got: format!("{} with an error", event_name(e.kind)),
+                status: e.status,
+            });
         }
         Ok(e)
     }
@@ -184,7 +216,14 @@ impl Id {
         let l = cmlib()?;
         let mut id = std::ptr::null_mut();
         // SAFETY: a live channel and an out-pointer.
-        super::rc("rdma_create_id", unsafe { (l.rdma_create_id)(ch.0.as_ptr(), &mut id, std::ptr::null_mut(), cm::RDMA_PS_TCP) })?;
+        super::rc("rdma_create_id", unsafe {
+            (l.rdma_create_id)(
+                ch.0.as_ptr(),
+                &mut id,
+                std::ptr::null_mut(),
+                cm::RDMA_PS_TCP,
+            )
+        })?;
         super::nonnull("rdma_create_id", id).map(Id)
     }
 
@@ -194,7 +233,10 @@ impl Id {
         // SAFETY: a live id; `verbs` is set once the address is resolved or a request arrived.
         let ctx = unsafe { self.0.as_ref().verbs };
         if ctx.is_null() {
-            return Err(Error::NoDevice { what: "verbs device", reason: "rdma_cm bound no device to the connection".into() });
+            return Err(Error::NoDevice {
+                what: "verbs device",
+                reason: "rdma_cm bound no device to the connection".into(),
+            });
         }
         // SAFETY: a live context owned by librdmacm; the name is NUL-terminated.
         let name = unsafe { CStr::from_ptr((l.ibv_get_device_name)((*ctx).device)) };
@@ -203,10 +245,15 @@ impl Id {
 
     fn qp_attr(&self, state: u32) -> Result<(ibv::ibv_qp_attr, i32)> {
         let l = cmlib()?;
-        let mut a = ibv::ibv_qp_attr { qp_state: state, ..Default::default() };
+        let mut a = ibv::ibv_qp_attr {
+            qp_state: state,
+            ..Default::default()
+        };
         let mut mask = 0;
         // SAFETY: a live id and valid out-structs.
-        super::rc("rdma_init_qp_attr", unsafe { (l.rdma_init_qp_attr)(self.0.as_ptr(), &mut a, &mut mask) })?;
+        super::rc("rdma_init_qp_attr", unsafe {
+            (l.rdma_init_qp_attr)(self.0.as_ptr(), &mut a, &mut mask)
+        })?;
         Ok((a, mask))
     }
 }
@@ -219,7 +266,9 @@ fn sockaddr(addr: &SocketAddr) -> libc::sockaddr_storage {
             let sin = libc::sockaddr_in {
                 sin_family: libc::AF_INET as u16,
                 sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
                 sin_zero: [0; 8],
             };
             // SAFETY: sockaddr_in fits in sockaddr_storage.
@@ -230,7 +279,9 @@ fn sockaddr(addr: &SocketAddr) -> libc::sockaddr_storage {
                 sin6_family: libc::AF_INET6 as u16,
                 sin6_port: a.port().to_be(),
                 sin6_flowinfo: 0,
-                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
                 sin6_scope_id: a.scope_id(),
             };
             // SAFETY: sockaddr_in6 fits in sockaddr_storage.
@@ -262,7 +313,12 @@ impl Listener {
         let id = Id::new(&ch)?;
         let mut ss = sockaddr(&addr);
         // SAFETY: a live id and a valid address.
-        super::rc("rdma_bind_addr", unsafe { (l.rdma_bind_addr)(id.0.as_ptr(), (&mut ss as *mut libc::sockaddr_storage).cast()) })?;
+        super::rc("rdma_bind_addr", unsafe {
+            (l.rdma_bind_addr)(
+                id.0.as_ptr(),
+                (&mut ss as *mut libc::sockaddr_storage).cast(),
+            )
+        })?;
         // SAFETY: a bound id.
         super::rc("rdma_listen", unsafe { (l.rdma_listen)(id.0.as_ptr(), 16) })?;
         Ok(Listener { id, ch })
@@ -273,7 +329,8 @@ impl Listener {
         // The source address is the first member of `route.addr`: a sockaddr_in or sockaddr_in6,
         // whose port field is at the same offset.
         // SAFETY: a bound id; only the address of the field is taken.
-        let sin = unsafe { std::ptr::addr_of!((*self.id.0.as_ptr()).route.addr) }.cast::<libc::sockaddr_in>();
+        let sin = unsafe { std::ptr::addr_of!((*self.id.0.as_ptr()).route.addr) }
+            .cast::<libc::sockaddr_in>();
         // SAFETY: as above.
         u16::from_be(unsafe { (*sin).sin_port })
     }
@@ -288,11 +345,17 @@ impl Listener {
     #[doc(alias = "rdma_accept")]
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
         let l = cmlib()?;
-        let ev = self.ch.wait("rdma_listen", cm::RDMA_CM_EVENT_CONNECT_REQUEST, opts.timeout)?;
+        let ev = self.ch.wait(
+            "rdma_listen",
+            cm::RDMA_CM_EVENT_CONNECT_REQUEST,
+            opts.timeout,
+        )?;
         let ch = Channel::new()?;
         let id = Id(super::nonnull("rdma_get_cm_event", ev.id)?);
         // SAFETY: a new id whose events were acknowledged; moved to its own channel.
-        super::rc("rdma_migrate_id", unsafe { (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr()) })?;
+        super::rc("rdma_migrate_id", unsafe {
+            (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr())
+        })?;
         let mut parts = Parts::new(&id, opts)?;
         let qp = parts.qp.take().expect("created");
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
@@ -305,7 +368,9 @@ impl Listener {
         let qp = qp.modify_raw::<Rts>(&mut a, m)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
-        super::rc("rdma_accept", unsafe { (l.rdma_accept)(id.0.as_ptr(), &mut param) })?;
+        super::rc("rdma_accept", unsafe {
+            (l.rdma_accept)(id.0.as_ptr(), &mut param)
+        })?;
         ch.wait("rdma_accept", cm::RDMA_CM_EVENT_ESTABLISHED, opts.timeout)?;
         Ok(parts.finish(qp, id, ch))
     }
@@ -313,7 +378,9 @@ impl Listener {
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener").field("port", &self.port()).finish()
+        f.debug_struct("Listener")
+            .field("port", &self.port())
+            .finish()
     }
 }
 
@@ -337,13 +404,28 @@ impl Parts {
         let ctx = Context::open(&list.find(&name)?)?;
         let dev = ctx.query_device()?;
         let pd = ctx.alloc_pd()?;
-        let depth = if opts.cq_depth == 0 { opts.caps.max_send_wr + opts.caps.max_recv_wr } else { opts.cq_depth };
+        let depth = if opts.cq_depth == 0 {
+            opts.caps.max_send_wr + opts.caps.max_recv_wr
+        } else {
+            opts.cq_depth
+        };
         let send_cq = ctx.create_cq(depth, None)?;
         let recv_cq = ctx.create_cq(depth, None)?;
         let qp = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
         let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
-        let rd_atomic = (opts.rd_atomic as u32).min(dev.max_qp_rd_atom).min(dev.max_qp_init_rd_atom).max(1) as u8;
-        Ok(Parts { ctx, pd, send_cq, recv_cq, qp: Some(qp), hs, rd_atomic })
+        let rd_atomic = (opts.rd_atomic as u32)
+            .min(dev.max_qp_rd_atom)
+            .min(dev.max_qp_init_rd_atom)
+            .max(1) as u8;
+        Ok(Parts {
+            ctx,
+            pd,
+            send_cq,
+            recv_cq,
+            qp: Some(qp),
+            hs,
+            rd_atomic,
+        })
     }
 
     fn conn_param(&self, qp_num: u32) -> cm::rdma_conn_param {
@@ -401,18 +483,38 @@ impl Connection {
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
             what: "rdma_cm with an application-created QP".into(),
-            reason: format!("{} has no rdma_establish (rdma-core older than 20)", l.path()),
+            reason: format!(
+                "{} has no rdma_establish (rdma-core older than 20)",
+                l.path()
+            ),
         })?;
         let ch = Channel::new()?;
         let id = Id::new(&ch)?;
         let mut dst = sockaddr(&addr);
         let ms = opts.timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: a live id and a valid destination.
-        super::rc("rdma_resolve_addr", unsafe { (l.rdma_resolve_addr)(id.0.as_ptr(), std::ptr::null_mut(), (&mut dst as *mut libc::sockaddr_storage).cast(), ms) })?;
-        ch.wait("rdma_resolve_addr", cm::RDMA_CM_EVENT_ADDR_RESOLVED, opts.timeout)?;
+        super::rc("rdma_resolve_addr", unsafe {
+            (l.rdma_resolve_addr)(
+                id.0.as_ptr(),
+                std::ptr::null_mut(),
+                (&mut dst as *mut libc::sockaddr_storage).cast(),
+                ms,
+            )
+        })?;
+        ch.wait(
+            "rdma_resolve_addr",
+            cm::RDMA_CM_EVENT_ADDR_RESOLVED,
+            opts.timeout,
+        )?;
         // SAFETY: an id with a resolved address.
-        super::rc("rdma_resolve_route", unsafe { (l.rdma_resolve_route)(id.0.as_ptr(), ms) })?;
-        ch.wait("rdma_resolve_route", cm::RDMA_CM_EVENT_ROUTE_RESOLVED, opts.timeout)?;
+        super::rc("rdma_resolve_route", unsafe {
+            (l.rdma_resolve_route)(id.0.as_ptr(), ms)
+        })?;
+        ch.wait(
+            "rdma_resolve_route",
+            cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            opts.timeout,
+        )?;
         let mut parts = Parts::new(&id, opts)?;
         let qp = parts.qp.take().expect("created");
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
@@ -421,8 +523,14 @@ impl Connection {
         qp.post_recv([RecvRequest::new(parts.hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id with a resolved route and a valid parameter struct.
-        super::rc("rdma_connect", unsafe { (l.rdma_connect)(id.0.as_ptr(), &mut param) })?;
-        ch.wait("rdma_connect", cm::RDMA_CM_EVENT_CONNECT_RESPONSE, opts.timeout)?;
+        super::rc("rdma_connect", unsafe {
+            (l.rdma_connect)(id.0.as_ptr(), &mut param)
+        })?;
+        ch.wait(
+            "rdma_connect",
+            cm::RDMA_CM_EVENT_CONNECT_RESPONSE,
+            opts.timeout,
+        )?;
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTR)?;
         let qp = qp.modify_raw::<super::Rtr>(&mut a, m)?;
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTS)?;
@@ -448,8 +556,18 @@ impl Connection {
     }
 
     /// Split borrows: the QP and both CQs at once.
-    pub fn parts(&mut self) -> (&mut QueuePair<Rts>, &mut CompletionQueue, &mut CompletionQueue) {
-        (self.qp.as_mut().expect("present until drop"), &mut self.send_cq, &mut self.recv_cq)
+    pub fn parts(
+        &mut self,
+    ) -> (
+        &mut QueuePair<Rts>,
+        &mut CompletionQueue,
+        &mut CompletionQueue,
+    ) {
+        (
+            self.qp.as_mut().expect("present until drop"),
+            &mut self.send_cq,
+            &mut self.recv_cq,
+        )
     }
 
     /// The protection domain: register memory here to use it on this connection.
@@ -471,19 +589,29 @@ impl Connection {
     /// [`Error::WorkCompletion`] when the send or receive fails.
     pub fn exchange(&mut self, mine: RemoteMemory, timeout: Duration) -> Result<RemoteMemory> {
         if !self.hs_pending {
-            return Err(Error::invalid("exchange", "second call", "descriptors are exchanged once per connection"));
+            return Err(Error::invalid(
+                "exchange",
+                "second call",
+                "descriptors are exchanged once per connection",
+            ));
         }
         self.hs_pending = false;
         self.hs.write_at(HS_HALF, &mine.to_bytes())?;
         let s = self.hs.slice(HS_HALF..HS_HALF + RemoteMemory::WIRE_LEN)?;
-        self.qp.as_mut().expect("present").post_send([WorkRequest::send(s).tag(HS_TAG)])?;
+        self.qp
+            .as_mut()
+            .expect("present")
+            .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
         let deadline = Instant::now() + timeout;
         let (mut sent, mut got) = (false, None);
         let mut others: Vec<WorkCompletion> = Vec::new();
         let res = (|| {
             while !(sent && got.is_some()) {
                 if Instant::now() >= deadline {
-                    return Err(Error::Timeout { what: "descriptor exchange", after: timeout });
+                    return Err(Error::Timeout {
+                        what: "descriptor exchange",
+                        after: timeout,
+                    });
                 }
                 for (cq, is_send) in [(&mut self.send_cq, true), (&mut self.recv_cq, false)] {
                     for w in cq.poll()? {
@@ -526,6 +654,9 @@ impl Drop for Connection {
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection").field("device", &self.ctx.name()).field("qp", &self.qp).finish()
+        f.debug_struct("Connection")
+            .field("device", &self.ctx.name())
+            .field("qp", &self.qp)
+            .finish()
     }
 }

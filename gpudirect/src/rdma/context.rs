@@ -53,7 +53,9 @@ impl Context {
     pub fn open(dev: &Device<'_>) -> Result<Context> {
         let l = verbs()?;
         // SAFETY: a device of a live list.
-        let ctx = nonnull("ibv_open_device", unsafe { (l.ibv_open_device)(dev.as_ptr()) })?;
+        let ctx = nonnull("ibv_open_device", unsafe {
+            (l.ibv_open_device)(dev.as_ptr())
+        })?;
         Ok(Context {
             inner: Arc::new(CtxInner {
                 ctx,
@@ -95,7 +97,9 @@ impl Context {
         let l = verbs()?;
         let mut a = ibv::ibv_device_attr::default();
         // SAFETY: a live context and a valid out-struct.
-        rc("ibv_query_device", unsafe { (l.ibv_query_device)(self.as_raw(), &mut a) })?;
+        rc("ibv_query_device", unsafe {
+            (l.ibv_query_device)(self.as_raw(), &mut a)
+        })?;
         let fw = a
             .fw_ver
             .iter()
@@ -133,7 +137,9 @@ impl Context {
         verbs()?;
         let mut a = ibv::ibv_port_attr::default();
         // SAFETY: a live context and a valid out-struct (the inline verb's semantics).
-        rc("ibv_query_port", unsafe { ibv::ibv_query_port(self.as_raw(), port, &mut a) })?;
+        rc("ibv_query_port", unsafe {
+            ibv::ibv_query_port(self.as_raw(), port, &mut a)
+        })?;
         Ok(PortAttr {
             state: PortState::from_raw(a.state),
             max_mtu: Mtu::from_raw(a.max_mtu),
@@ -161,7 +167,9 @@ impl Context {
         let l = verbs()?;
         let mut g = ibv::ibv_gid::default();
         // SAFETY: a live context and a valid out-union.
-        rc("ibv_query_gid", unsafe { (l.ibv_query_gid)(self.as_raw(), port, index as i32, &mut g) })?;
+        rc("ibv_query_gid", unsafe {
+            (l.ibv_query_gid)(self.as_raw(), port, index as i32, &mut g)
+        })?;
         // SAFETY: every bit pattern of the union is a valid byte array.
         Ok(Gid(unsafe { g.raw }))
     }
@@ -181,7 +189,14 @@ impl Context {
             let mut e = ibv::ibv_gid_entry::default();
             // SAFETY: a live context and a valid out-struct of the size passed.
             let r = unsafe {
-                q(self.as_raw(), port as u32, index, &mut e, 0, size_of::<ibv::ibv_gid_entry>())
+                q(
+                    self.as_raw(),
+                    port as u32,
+                    index,
+                    &mut e,
+                    0,
+                    size_of::<ibv::ibv_gid_entry>(),
+                )
             };
             rc("ibv_query_gid_ex", r)?;
             return Ok(GidEntry {
@@ -202,7 +217,10 @@ impl Context {
         if gid.is_zero() {
             return Err(Error::errno("ibv_query_gid", libc::ENODATA));
         }
-        let path = format!("/sys/class/infiniband/{}/ports/{port}/gid_attrs/types/{index}", self.name());
+        let path = format!(
+            "/sys/class/infiniband/{}/ports/{port}/gid_attrs/types/{index}",
+            self.name()
+        );
         let gid_type = match std::fs::read_to_string(path).unwrap_or_default().trim() {
             "RoCE v2" => GidType::RoceV2,
             "IB/RoCE v1" => match self.query_port(port).map(|p| p.link_layer) {
@@ -211,7 +229,13 @@ impl Context {
             },
             _ => GidType::Unknown,
         };
-        Ok(GidEntry { index, port, gid, gid_type, ndev_ifindex: 0 })
+        Ok(GidEntry {
+            index,
+            port,
+            gid,
+            gid_type,
+            ndev_ifindex: 0,
+        })
     }
 
     /// Every populated GID of `port`, in index order (empty entries skipped).
@@ -273,7 +297,11 @@ impl Context {
     ///
     /// [`Error::InvalidArgument`] for `cqe` 0; [`Error::Os`] naming `ibv_create_cq`.
     #[doc(alias = "ibv_create_cq")]
-    pub fn create_cq(&self, cqe: u32, channel: Option<&CompletionChannel>) -> Result<CompletionQueue> {
+    pub fn create_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<CompletionQueue> {
         CompletionQueue::new(self, cqe, channel)
     }
 
@@ -306,7 +334,9 @@ impl Context {
         let l = verbs()?;
         let mut ev = ibv::ibv_async_event::default();
         // SAFETY: a live context and a valid out-struct.
-        rc("ibv_get_async_event", unsafe { (l.ibv_get_async_event)(self.as_raw(), &mut ev) })?;
+        rc("ibv_get_async_event", unsafe {
+            (l.ibv_get_async_event)(self.as_raw(), &mut ev)
+        })?;
         let kind = AsyncEventKind::from_raw(ev.event_type);
         // SAFETY: the union member read matches the event type, as the man page lists; the object
         // is alive until the ack below.
@@ -319,7 +349,12 @@ impl Context {
         };
         // SAFETY: acknowledges the event just read, once.
         unsafe { (l.ibv_ack_async_event)(&mut ev) };
-        Ok(AsyncEvent { kind, raw: ev.event_type, port, qp_num })
+        Ok(AsyncEvent {
+            kind,
+            raw: ev.event_type,
+            port,
+            qp_num,
+        })
     }
 }
 
@@ -330,7 +365,11 @@ pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> Result<(
     if flags < 0 {
         return Err(Error::last_os("fcntl"));
     }
-    let new = if nonblocking { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
+    let new = if nonblocking {
+        flags | libc::O_NONBLOCK
+    } else {
+        flags & !libc::O_NONBLOCK
+    };
     // SAFETY: as above.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, new) } < 0 {
         return Err(Error::last_os("fcntl"));
@@ -340,7 +379,9 @@ pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> Result<(
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context").field("name", &self.name()).finish()
+        f.debug_struct("Context")
+            .field("name", &self.name())
+            .finish()
     }
 }
 
@@ -678,7 +719,10 @@ mod tests {
         g.0[12..].copy_from_slice(&[10, 0, 0, 1]);
         assert!(g.is_ipv4_mapped());
         assert_eq!(g.to_string(), "0000:0000:0000:0000:0000:ffff:0a00:0001");
-        assert_eq!(g.to_ipv6().to_ipv4_mapped(), Some(std::net::Ipv4Addr::new(10, 0, 0, 1)));
+        assert_eq!(
+            g.to_ipv6().to_ipv4_mapped(),
+            Some(std::net::Ipv4Addr::new(10, 0, 0, 1))
+        );
     }
 
     #[test]
@@ -690,8 +734,14 @@ mod tests {
 
     #[test]
     fn event_kinds_map() {
-        assert_eq!(AsyncEventKind::from_raw(ibv::IBV_EVENT_QP_FATAL), AsyncEventKind::QpFatal);
-        assert_eq!(AsyncEventKind::from_raw(ibv::IBV_EVENT_PORT_ERR), AsyncEventKind::PortErr);
+        assert_eq!(
+            AsyncEventKind::from_raw(ibv::IBV_EVENT_QP_FATAL),
+            AsyncEventKind::QpFatal
+        );
+        assert_eq!(
+            AsyncEventKind::from_raw(ibv::IBV_EVENT_PORT_ERR),
+            AsyncEventKind::PortErr
+        );
         assert_eq!(AsyncEventKind::from_raw(9999), AsyncEventKind::Other);
     }
 }

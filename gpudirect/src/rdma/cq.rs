@@ -108,7 +108,9 @@ impl AsFd for CompletionChannel {
 
 impl fmt::Debug for CompletionChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionChannel").field("fd", &self.as_fd()).finish()
+        f.debug_struct("CompletionChannel")
+            .field("fd", &self.as_fd())
+            .finish()
     }
 }
 
@@ -211,15 +213,29 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    pub(crate) fn new(ctx: &Context, cqe: u32, channel: Option<&CompletionChannel>) -> Result<Self> {
+    pub(crate) fn new(
+        ctx: &Context,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<Self> {
         if cqe == 0 {
-            return Err(Error::invalid("cqe", 0, "a completion queue needs at least one entry"));
+            return Err(Error::invalid(
+                "cqe",
+                0,
+                "a completion queue needs at least one entry",
+            ));
         }
         let l = verbs()?;
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.inner.ch.as_ptr());
         // SAFETY: a live context, and a live channel of it or NULL.
         let p = unsafe {
-            (l.ibv_create_cq)(ctx.as_raw(), cqe.min(i32::MAX as u32) as i32, std::ptr::null_mut(), ch, 0)
+            (l.ibv_create_cq)(
+                ctx.as_raw(),
+                cqe.min(i32::MAX as u32) as i32,
+                std::ptr::null_mut(),
+                ch,
+                0,
+            )
         };
         let cq = nonnull("ibv_create_cq", p)?;
         // SAFETY: a CQ just created.
@@ -288,7 +304,9 @@ impl CompletionQueue {
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionQueue").field("cqe", &self.cqe).finish()
+        f.debug_struct("CompletionQueue")
+            .field("cqe", &self.cqe)
+            .finish()
     }
 }
 
@@ -572,9 +590,16 @@ mod tests {
             assert!(!matches!(s, WcStatus::Other(_)), "{v}");
             assert_eq!(status_raw(s), v);
         }
-        assert_eq!(WcStatus::from_raw(ibv::IBV_WC_WR_FLUSH_ERR), WcStatus::Flushed);
+        assert_eq!(
+            WcStatus::from_raw(ibv::IBV_WC_WR_FLUSH_ERR),
+            WcStatus::Flushed
+        );
         assert_eq!(WcStatus::RemoteAccess.c_name(), "IBV_WC_REM_ACCESS_ERR");
-        assert!(WcStatus::RetryExceeded.to_string().contains("IBV_WC_RETRY_EXC_ERR"));
+        assert!(
+            WcStatus::RetryExceeded
+                .to_string()
+                .contains("IBV_WC_RETRY_EXC_ERR")
+        );
     }
 
     #[test]
@@ -587,6 +612,16 @@ mod tests {
         w.wc.status = ibv::IBV_WC_REM_ACCESS_ERR;
         w.wc.qp_num = 7;
         let e = w.result().unwrap_err();
-        assert!(matches!(e, Error::WorkCompletion { status: WcStatus::RemoteAccess, qp_num: 7, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::WorkCompletion {
+                    status: WcStatus::RemoteAccess,
+                    qp_num: 7,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -46,8 +46,9 @@ impl DeviceList {
         if list.is_empty() {
             return Err(Error::NoDevice {
                 what: "verbs device",
-                reason: "ibv_get_device_list returned no devices (no RDMA NIC, rdma_rxe or siw link)"
-                    .into(),
+                reason:
+                    "ibv_get_device_list returned no devices (no RDMA NIC, rdma_rxe or siw link)"
+                        .into(),
             });
         }
         Ok(list)
@@ -78,13 +79,15 @@ impl DeviceList {
     ///
     /// [`Error::NoDevice`] naming the devices present.
     pub fn find(&self, name: &str) -> Result<Device<'_>> {
-        self.iter().find(|d| d.name() == name).ok_or_else(|| Error::NoDevice {
-            what: "verbs device",
-            reason: format!(
-                "no device named {name} (present: {})",
-                self.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
-            ),
-        })
+        self.iter()
+            .find(|d| d.name() == name)
+            .ok_or_else(|| Error::NoDevice {
+                what: "verbs device",
+                reason: format!(
+                    "no device named {name} (present: {})",
+                    self.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+                ),
+            })
     }
 }
 

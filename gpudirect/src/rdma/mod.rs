@@ -178,6 +178,12 @@ mod tests {
     fn return_codes_are_errnos() {
         assert!(rc("ibv_modify_qp", 0).is_ok());
         let e = rc("ibv_modify_qp", libc::EINVAL).unwrap_err();
-        assert_eq!(e.to_string(), format!("ibv_modify_qp failed: {}", std::io::Error::from_raw_os_error(libc::EINVAL)));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "ibv_modify_qp failed: {}",
+                std::io::Error::from_raw_os_error(libc::EINVAL)
+            )
+        );
     }
 }

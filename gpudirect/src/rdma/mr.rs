@@ -106,7 +106,11 @@ impl HostBuffer {
     /// [`Error::InvalidArgument`] for `len` 0; [`Error::Os`] (`ENOMEM`) when allocation fails.
     pub fn zeroed(len: usize) -> Result<HostBuffer> {
         if len == 0 {
-            return Err(Error::invalid("len", 0, "a buffer must hold at least one byte"));
+            return Err(Error::invalid(
+                "len",
+                0,
+                "a buffer must hold at least one byte",
+            ));
         }
         let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN)
             .map_err(|_| Error::invalid("len", len, "too large for one allocation"))?;
@@ -142,7 +146,8 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len, Self::ALIGN).expect("checked at allocation");
+        let layout = std::alloc::Layout::from_size_align(self.len, Self::ALIGN)
+            .expect("checked at allocation");
         // SAFETY: allocated in `zeroed` with this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
     }
@@ -160,7 +165,9 @@ unsafe impl HostMemory for HostBuffer {
 
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostBuffer").field("len", &self.len).finish()
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -252,7 +259,11 @@ impl<M: MrMode> MemoryRegion<M> {
         }
         let len = mem.len();
         if len == 0 {
-            return Err(Error::invalid("buf", "0 bytes", "a region must hold at least one byte"));
+            return Err(Error::invalid(
+                "buf",
+                "0 bytes",
+                "a region must hold at least one byte",
+            ));
         }
         let l = verbs()?;
         let addr = mem.as_mut_ptr();
@@ -347,7 +358,9 @@ impl<M: MrMode> MemoryRegion<M> {
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range(offset, dst.len(), self.len())?;
         // SAFETY: in bounds of memory owned by the region; no reference to it exists (raw copy).
-        unsafe { std::ptr::copy_nonoverlapping(self.inner.addr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.inner.addr.add(offset), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 
@@ -359,7 +372,9 @@ impl<M: MrMode> MemoryRegion<M> {
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         check_range(offset, src.len(), self.len())?;
         // SAFETY: in bounds; raw copy into memory no reference covers.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.addr.add(offset), src.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.addr.add(offset), src.len())
+        };
         Ok(())
     }
 
@@ -392,7 +407,11 @@ impl<M: MrMode> MemoryRegion<M> {
         // SAFETY: in bounds.
         let p = unsafe { self.inner.addr.add(offset) };
         if !(p as usize).is_multiple_of(8) {
-            return Err(Error::invalid("offset", offset, "an 8-byte word must be 8-byte aligned"));
+            return Err(Error::invalid(
+                "offset",
+                offset,
+                "an 8-byte word must be 8-byte aligned",
+            ));
         }
         // SAFETY: aligned, in bounds, raw volatile read.
         Ok(unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
@@ -449,7 +468,11 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> 
         ));
     }
     if end - start > 1 << 31 {
-        return Err(Error::invalid("range", format!("{start}..{end}"), "a message is at most 2 GiB"));
+        return Err(Error::invalid(
+            "range",
+            format!("{start}..{end}"),
+            "a message is at most 2 GiB",
+        ));
     }
     Ok((start, end))
 }
@@ -554,7 +577,11 @@ impl RemoteMemory {
     /// [`Error::InvalidArgument`] when `b` is shorter than 20 bytes.
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
         if b.len() < Self::WIRE_LEN {
-            return Err(Error::invalid("bytes", b.len(), "a RemoteMemory descriptor is 20 bytes"));
+            return Err(Error::invalid(
+                "bytes",
+                b.len(),
+                "a RemoteMemory descriptor is 20 bytes",
+            ));
         }
         Ok(RemoteMemory {
             addr: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
@@ -569,11 +596,15 @@ impl RemoteMemory {
     ///
     /// [`Error::InvalidArgument`] when empty, out of bounds or over 2 GiB.
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
-        if len == 0 || offset.checked_add(len as u64).is_none_or(|e| e > self.len) || len > 1 << 31 {
+        if len == 0 || offset.checked_add(len as u64).is_none_or(|e| e > self.len) || len > 1 << 31
+        {
             return Err(Error::invalid(
                 "offset",
                 format!("{offset} (+{len} bytes)"),
-                format!("must be a non-empty range within the remote region's {} bytes", self.len),
+                format!(
+                    "must be a non-empty range within the remote region's {} bytes",
+                    self.len
+                ),
             ));
         }
         Ok(RemoteSlice {
@@ -601,9 +632,18 @@ mod tests {
 
     #[test]
     fn remote_access_implies_local_write() {
-        assert_eq!(AccessFlags::REMOTE_WRITE.normalized(), AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE);
-        assert_eq!(AccessFlags::REMOTE_ATOMIC.normalized(), AccessFlags::REMOTE_ATOMIC | AccessFlags::LOCAL_WRITE);
-        assert_eq!(AccessFlags::REMOTE_READ.normalized(), AccessFlags::REMOTE_READ);
+        assert_eq!(
+            AccessFlags::REMOTE_WRITE.normalized(),
+            AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE
+        );
+        assert_eq!(
+            AccessFlags::REMOTE_ATOMIC.normalized(),
+            AccessFlags::REMOTE_ATOMIC | AccessFlags::LOCAL_WRITE
+        );
+        assert_eq!(
+            AccessFlags::REMOTE_READ.normalized(),
+            AccessFlags::REMOTE_READ
+        );
         assert_eq!(AccessFlags::default(), AccessFlags::empty());
         assert_eq!(AccessFlags::LOCAL_WRITE.bits(), 1);
         assert_eq!(AccessFlags::REMOTE_WRITE.bits(), 2);
@@ -613,7 +653,11 @@ mod tests {
 
     #[test]
     fn remote_memory_round_trips() {
-        let r = RemoteMemory { addr: 0x7f00_1234_5678, rkey: 0xdead_beef, len: 1 << 20 };
+        let r = RemoteMemory {
+            addr: 0x7f00_1234_5678,
+            rkey: 0xdead_beef,
+            len: 1 << 20,
+        };
         assert_eq!(RemoteMemory::from_bytes(&r.to_bytes()).unwrap(), r);
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RemoteMemory>(&json).unwrap(), r);

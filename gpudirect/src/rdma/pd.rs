@@ -78,7 +78,11 @@ impl ProtectionDomain {
     /// locked-memory limit, `EINVAL` for flags the device refuses); [`Error::Os`] naming
     /// `ibv_fork_init` when fork support could not be set up.
     #[doc(alias = "ibv_reg_mr")]
-    pub fn register<B: HostMemory>(&self, buf: B, access: AccessFlags) -> Result<MemoryRegion<Local>> {
+    pub fn register<B: HostMemory>(
+        &self,
+        buf: B,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion<Local>> {
         MemoryRegion::<Local>::new(self, Box::new(buf), access)
     }
 
@@ -105,6 +109,8 @@ impl ProtectionDomain {
 
 impl std::fmt::Debug for ProtectionDomain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProtectionDomain").field("pd", &self.inner.pd).finish()
+        f.debug_struct("ProtectionDomain")
+            .field("pd", &self.inner.pd)
+            .finish()
     }
 }

@@ -83,7 +83,12 @@ pub(crate) struct RecvTable {
 
 impl RecvTable {
     pub(crate) fn new(depth: u32) -> Self {
-        RecvTable { slots: Vec::new(), free: Vec::new(), live: 0, depth }
+        RecvTable {
+            slots: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            depth,
+        }
     }
 
     pub(crate) fn insert(&mut self, e: Entry) -> u32 {
@@ -113,7 +118,12 @@ impl RecvTable {
 
     /// Remove an entry that was never posted (the post failed): dropped, not released.
     pub(crate) fn unpost(&mut self, slot: u32) {
-        if self.slots.get_mut(slot as usize).and_then(Option::take).is_some() {
+        if self
+            .slots
+            .get_mut(slot as usize)
+            .and_then(Option::take)
+            .is_some()
+        {
             self.live -= 1;
             self.free.push(slot);
         }
@@ -138,7 +148,10 @@ impl RecvTable {
             return Ok(0);
         }
         if self.live as usize + n > self.depth as usize {
-            return Err(Error::QueueFull { queue, depth: self.depth });
+            return Err(Error::QueueFull {
+                queue,
+                depth: self.depth,
+            });
         }
         let total_sge: usize = reqs.iter().map(|r| r.sg.slices().len()).sum();
         let mut sges: Vec<ibv::ibv_sge> = Vec::with_capacity(total_sge);
@@ -148,7 +161,11 @@ impl RecvTable {
             let start = sges.len();
             sges.extend(r.sg.slices().iter().map(|s| s.sge()));
             let cnt = sges.len() - start;
-            let slot = self.insert(Entry { tag: r.tag, sg: r.sg, flag: r.flag });
+            let slot = self.insert(Entry {
+                tag: r.tag,
+                sg: r.sg,
+                flag: r.flag,
+            });
             slots.push(slot);
             wrs.push(ibv::ibv_recv_wr {
                 wr_id: (kind << KIND_SHIFT) | slot as u64,
@@ -160,7 +177,11 @@ impl RecvTable {
         let base = sges.as_mut_ptr();
         for i in 0..n {
             // SAFETY: `start` offsets are within `sges`, which no longer grows.
-            wrs[i].sg_list = if wrs[i].num_sge == 0 { std::ptr::null_mut() } else { unsafe { base.add(wrs[i].sg_list as usize) } };
+            wrs[i].sg_list = if wrs[i].num_sge == 0 {
+                std::ptr::null_mut()
+            } else {
+                unsafe { base.add(wrs[i].sg_list as usize) }
+            };
             if i + 1 < n {
                 wrs[i].next = &mut wrs[i + 1];
             }
@@ -169,7 +190,11 @@ impl RecvTable {
         let r = post(wrs.as_mut_ptr(), &mut bad);
         if r != 0 {
             // Requests from `bad` on were not posted: drop their entries (never seen by the NIC).
-            let first_bad = if bad.is_null() { 0 } else { (bad as usize - wrs.as_ptr() as usize) / size_of::<ibv::ibv_recv_wr>() };
+            let first_bad = if bad.is_null() {
+                0
+            } else {
+                (bad as usize - wrs.as_ptr() as usize) / size_of::<ibv::ibv_recv_wr>()
+            };
             for &slot in &slots[first_bad.min(n)..] {
                 self.unpost(slot);
             }
@@ -231,7 +256,14 @@ pub struct QpCaps {
 
 impl Default for QpCaps {
     fn default() -> Self {
-        QpCaps { max_send_wr: 128, max_recv_wr: 128, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64, signal_every: 0 }
+        QpCaps {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+            signal_every: 0,
+        }
     }
 }
 
@@ -300,9 +332,13 @@ impl Drop for QpInner {
         }
         let Ok(l) = ibv::lib() else { return };
         // 1. Error state: the NIC stops and flushes every outstanding request.
-        let mut attr = ibv::ibv_qp_attr { qp_state: ibv::IBV_QPS_ERR, ..Default::default() };
+        let mut attr = ibv::ibv_qp_attr {
+            qp_state: ibv::IBV_QPS_ERR,
+            ..Default::default()
+        };
         // SAFETY: a live QP and a valid attribute struct.
-        let to_err = unsafe { (l.ibv_modify_qp)(self.qp.as_ptr(), &mut attr, ibv::IBV_QP_STATE as i32) };
+        let to_err =
+            unsafe { (l.ibv_modify_qp)(self.qp.as_ptr(), &mut attr, ibv::IBV_QP_STATE as i32) };
         // 2. Drain (bounded) until every posted request's completion has been seen.
         let drained = to_err == 0 && self.drain(DRAIN_TIMEOUT);
         // 3. Destroy, or leak everything the NIC might still touch.
@@ -313,7 +349,15 @@ impl Drop for QpInner {
         } else {
             // The QP stays registered with its CQs, so completions polled later still release
             // its requests' memory; the QP itself, its CQs and PD are never freed.
-            Tracker::global().park(Never, (self.send_cq.clone(), self.recv_cq.clone(), self.pd.clone(), self.shared.clone()));
+            Tracker::global().park(
+                Never,
+                (
+                    self.send_cq.clone(),
+                    self.recv_cq.clone(),
+                    self.pd.clone(),
+                    self.shared.clone(),
+                ),
+            );
         }
     }
 }
@@ -331,7 +375,9 @@ impl QpInner {
             }
             let mut any = false;
             for cq in [&self.send_cq, &self.recv_cq] {
-                let Ok(n) = cq.poll_into(&mut buf) else { continue };
+                let Ok(n) = cq.poll_into(&mut buf) else {
+                    continue;
+                };
                 any |= n > 0;
                 for w in &buf[..n] {
                     if w.qp_num() != self.qp_num {
@@ -381,7 +427,11 @@ impl QueuePair<Reset> {
         caps: QpCaps,
     ) -> Result<Self> {
         if caps.max_send_wr == 0 || (srq.is_none() && caps.max_recv_wr == 0) {
-            return Err(Error::invalid("caps", format!("{caps:?}"), "queue depths must be at least 1"));
+            return Err(Error::invalid(
+                "caps",
+                format!("{caps:?}"),
+                "queue depths must be at least 1",
+            ));
         }
         let l = verbs()?;
         let mut init = ibv::ibv_qp_init_attr {
@@ -400,7 +450,9 @@ impl QueuePair<Reset> {
             ..Default::default()
         };
         // SAFETY: live PD, CQs and SRQ; a valid init struct the provider updates with the caps.
-        let qp = nonnull("ibv_create_qp", unsafe { (l.ibv_create_qp)(pd.as_raw(), &mut init) })?;
+        let qp = nonnull("ibv_create_qp", unsafe {
+            (l.ibv_create_qp)(pd.as_raw(), &mut init)
+        })?;
         // SAFETY: a QP just created.
         let qp_num = unsafe { qp.as_ref().qp_num };
         let c = init.cap;
@@ -410,7 +462,11 @@ impl QueuePair<Reset> {
             max_send_sge: c.max_send_sge,
             max_recv_sge: c.max_recv_sge,
             max_inline_data: c.max_inline_data,
-            signal_every: if caps.signal_every == 0 { (c.max_send_wr / 2).max(1) } else { caps.signal_every.min(c.max_send_wr).max(1) },
+            signal_every: if caps.signal_every == 0 {
+                (c.max_send_wr / 2).max(1)
+            } else {
+                caps.signal_every.min(c.max_send_wr).max(1)
+            },
         };
         let shared = Arc::new(QpShared {
             sq: Mutex::new(SendTable {
@@ -457,7 +513,13 @@ impl QueuePair<Reset> {
             qp_access_flags: (access - AccessFlags::LOCAL_WRITE).bits(),
             ..Default::default()
         };
-        let mut qp = self.modify(&mut a, ibv::IBV_QP_STATE | ibv::IBV_QP_PKEY_INDEX | ibv::IBV_QP_PORT | ibv::IBV_QP_ACCESS_FLAGS)?;
+        let mut qp = self.modify(
+            &mut a,
+            ibv::IBV_QP_STATE
+                | ibv::IBV_QP_PKEY_INDEX
+                | ibv::IBV_QP_PORT
+                | ibv::IBV_QP_ACCESS_FLAGS,
+        )?;
         qp.inner.port = port;
         Ok(qp)
     }
@@ -490,7 +552,13 @@ impl QueuePair<Init> {
         }
         self.modify(
             &mut a,
-            ibv::IBV_QP_STATE | ibv::IBV_QP_AV | ibv::IBV_QP_PATH_MTU | ibv::IBV_QP_DEST_QPN | ibv::IBV_QP_RQ_PSN | ibv::IBV_QP_MAX_DEST_RD_ATOMIC | ibv::IBV_QP_MIN_RNR_TIMER,
+            ibv::IBV_QP_STATE
+                | ibv::IBV_QP_AV
+                | ibv::IBV_QP_PATH_MTU
+                | ibv::IBV_QP_DEST_QPN
+                | ibv::IBV_QP_RQ_PSN
+                | ibv::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ibv::IBV_QP_MIN_RNR_TIMER,
         )
     }
 }
@@ -512,7 +580,15 @@ impl QueuePair<Rtr> {
             max_rd_atomic: attr.max_rd_atomic,
             ..Default::default()
         };
-        self.modify(&mut a, ibv::IBV_QP_STATE | ibv::IBV_QP_SQ_PSN | ibv::IBV_QP_TIMEOUT | ibv::IBV_QP_RETRY_CNT | ibv::IBV_QP_RNR_RETRY | ibv::IBV_QP_MAX_QP_RD_ATOMIC)
+        self.modify(
+            &mut a,
+            ibv::IBV_QP_STATE
+                | ibv::IBV_QP_SQ_PSN
+                | ibv::IBV_QP_TIMEOUT
+                | ibv::IBV_QP_RETRY_CNT
+                | ibv::IBV_QP_RNR_RETRY
+                | ibv::IBV_QP_MAX_QP_RD_ATOMIC,
+        )
     }
 }
 
@@ -545,15 +621,24 @@ impl<S: QpState> QueuePair<S> {
 
     /// `ibv_modify_qp` with attributes from elsewhere (rdma_cm's `rdma_init_qp_attr`), into the
     /// state `T` the attributes name.
-    pub(crate) fn modify_raw<T: QpState>(self, attr: &mut ibv::ibv_qp_attr, mask: i32) -> Result<QueuePair<T>> {
+    pub(crate) fn modify_raw<T: QpState>(
+        self,
+        attr: &mut ibv::ibv_qp_attr,
+        mask: i32,
+    ) -> Result<QueuePair<T>> {
         self.modify(attr, mask as u32)
     }
 
     fn modify<T: QpState>(self, attr: &mut ibv::ibv_qp_attr, mask: u32) -> Result<QueuePair<T>> {
         let l = verbs()?;
         // SAFETY: a live QP and a valid attribute struct with `mask` naming its valid fields.
-        rc("ibv_modify_qp", unsafe { (l.ibv_modify_qp)(self.inner.qp.as_ptr(), attr, mask as i32) })?;
-        Ok(QueuePair { inner: self.inner, _state: PhantomData })
+        rc("ibv_modify_qp", unsafe {
+            (l.ibv_modify_qp)(self.inner.qp.as_ptr(), attr, mask as i32)
+        })?;
+        Ok(QueuePair {
+            inner: self.inner,
+            _state: PhantomData,
+        })
     }
 
     /// Move to the error state: every outstanding request completes with
@@ -564,7 +649,10 @@ impl<S: QpState> QueuePair<S> {
     /// [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_ERR")]
     pub fn into_error(self) -> Result<QueuePair<Reset>> {
-        let mut a = ibv::ibv_qp_attr { qp_state: ibv::IBV_QPS_ERR, ..Default::default() };
+        let mut a = ibv::ibv_qp_attr {
+            qp_state: ibv::IBV_QPS_ERR,
+            ..Default::default()
+        };
         // Typed as Reset: only destruction (or the drop's drain) is useful from here.
         self.modify(&mut a, ibv::IBV_QP_STATE)
     }
@@ -583,7 +671,11 @@ impl<S: CanRecv> QueuePair<S> {
     pub fn post_recv(&mut self, reqs: impl IntoIterator<Item = RecvRequest>) -> Result<usize> {
         verbs()?;
         if self.inner.shared.srq.is_some() {
-            return Err(Error::invalid("qp", self.qp_num(), "receives of a QP with an SRQ go to the SRQ"));
+            return Err(Error::invalid(
+                "qp",
+                self.qp_num(),
+                "receives of a QP with an SRQ go to the SRQ",
+            ));
         }
         let reqs: Vec<RecvRequest> = reqs.into_iter().collect();
         let pd = self.inner.pd.pd.as_ptr();
@@ -593,17 +685,27 @@ impl<S: CanRecv> QueuePair<S> {
         }
         let qp = self.inner.qp.as_ptr();
         let mut t = lock(&self.inner.shared.rq);
-        t.post(reqs, KIND_RECV, "receive queue", "ibv_post_recv", |wr, bad| {
-            // SAFETY: a live QP; the chain and its SGEs live for the call, and the memory they
-            // reference is owned by the table until the completions are polled.
-            unsafe { ibv::ibv_post_recv(qp, wr, bad) }
-        })
+        t.post(
+            reqs,
+            KIND_RECV,
+            "receive queue",
+            "ibv_post_recv",
+            |wr, bad| {
+                // SAFETY: a live QP; the chain and its SGEs live for the call, and the memory they
+                // reference is owned by the table until the completions are polled.
+                unsafe { ibv::ibv_post_recv(qp, wr, bad) }
+            },
+        )
     }
 }
 
 fn check_pd(slices: &[super::MrSlice], pd: *mut ibv::ibv_pd) -> Result<()> {
     match slices.iter().find(|s| s.pd_ptr() != pd) {
-        Some(s) => Err(Error::invalid("local", format!("{s:?}"), "the region belongs to another protection domain than the QP")),
+        Some(s) => Err(Error::invalid(
+            "local",
+            format!("{s:?}"),
+            "the region belongs to another protection domain than the QP",
+        )),
         None => Ok(()),
     }
 }
@@ -618,7 +720,10 @@ impl QueuePair<Rts> {
     /// [`Error::QueueFull`] when the send queue has no room for the whole chain; [`Error::Os`]
     /// naming `ibv_post_send` (requests before the failing one were posted).
     #[doc(alias = "ibv_post_send")]
-    pub fn post_send<'a>(&mut self, wrs: impl IntoIterator<Item = WorkRequest<'a>>) -> Result<usize> {
+    pub fn post_send<'a>(
+        &mut self,
+        wrs: impl IntoIterator<Item = WorkRequest<'a>>,
+    ) -> Result<usize> {
         let inner = &mut *self.inner;
         let caps = inner.caps;
         let pd = inner.pd.pd.as_ptr();
@@ -634,7 +739,10 @@ impl QueuePair<Rts> {
         }
         let mut t = lock(&inner.shared.sq);
         if t.entries.len() + n > t.depth as usize {
-            return Err(Error::QueueFull { queue: "send queue", depth: t.depth });
+            return Err(Error::QueueFull {
+                queue: "send queue",
+                depth: t.depth,
+            });
         }
         inner.wr_scratch.clear();
         inner.sge_scratch.clear();
@@ -647,13 +755,22 @@ impl QueuePair<Rts> {
                 signaled = true;
             }
             t.unsignaled_run = if signaled { 0 } else { t.unsignaled_run + 1 };
-            let mut wr = ibv::ibv_send_wr { wr_id: (KIND_SEND << KIND_SHIFT) | (first_seq + i as u64), ..Default::default() };
+            let mut wr = ibv::ibv_send_wr {
+                wr_id: (KIND_SEND << KIND_SHIFT) | (first_seq + i as u64),
+                ..Default::default()
+            };
             w.fill(&mut wr, signaled);
             let start = inner.sge_scratch.len();
             if let Some(d) = w.inline_data() {
-                inner.sge_scratch.push(ibv::ibv_sge { addr: d.as_ptr() as u64, length: d.len() as u32, lkey: 0 });
+                inner.sge_scratch.push(ibv::ibv_sge {
+                    addr: d.as_ptr() as u64,
+                    length: d.len() as u32,
+                    lkey: 0,
+                });
             } else {
-                inner.sge_scratch.extend(w.sg.slices().iter().map(|s| s.sge()));
+                inner
+                    .sge_scratch
+                    .extend(w.sg.slices().iter().map(|s| s.sge()));
             }
             wr.num_sge = (inner.sge_scratch.len() - start) as i32;
             wr.sg_list = start as *mut ibv::ibv_sge; // patched below
@@ -665,12 +782,27 @@ impl QueuePair<Rts> {
             // SAFETY: indices within the scratch vectors, which no longer grow.
             unsafe {
                 let wr = &mut *wrp.add(i);
-                wr.sg_list = if wr.num_sge == 0 { std::ptr::null_mut() } else { base.add(wr.sg_list as usize) };
-                wr.next = if i + 1 < n { wrp.add(i + 1) } else { std::ptr::null_mut() };
+                wr.sg_list = if wr.num_sge == 0 {
+                    std::ptr::null_mut()
+                } else {
+                    base.add(wr.sg_list as usize)
+                };
+                wr.next = if i + 1 < n {
+                    wrp.add(i + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
             }
         }
         for (i, w) in reqs.into_iter().enumerate() {
-            t.entries.push_back((first_seq + i as u64, Entry { tag: w.tag, sg: w.sg, flag: w.flag }));
+            t.entries.push_back((
+                first_seq + i as u64,
+                Entry {
+                    tag: w.tag,
+                    sg: w.sg,
+                    flag: w.flag,
+                },
+            ));
         }
         t.next_seq += n as u64;
         let mut bad = std::ptr::null_mut();
@@ -678,7 +810,11 @@ impl QueuePair<Rts> {
         // memory non-inline SGEs reference is owned by the table until completion.
         let r = unsafe { ibv::ibv_post_send(inner.qp.as_ptr(), wrp, &mut bad) };
         if r != 0 {
-            let first_bad = if bad.is_null() { 0 } else { (bad as usize - wrp as usize) / size_of::<ibv::ibv_send_wr>() };
+            let first_bad = if bad.is_null() {
+                0
+            } else {
+                (bad as usize - wrp as usize) / size_of::<ibv::ibv_send_wr>()
+            };
             // Not posted: dropped, never seen by the NIC.
             for _ in first_bad.min(n)..n {
                 t.entries.pop_back();
@@ -694,7 +830,13 @@ impl<S: QpState> std::fmt::Debug for QueuePair<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueuePair")
             .field("qp_num", &self.inner.qp_num)
-            .field("state", &std::any::type_name::<S>().rsplit("::").next().unwrap_or("?"))
+            .field(
+                "state",
+                &std::any::type_name::<S>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("?"),
+            )
             .field("outstanding", &self.outstanding())
             .finish()
     }
@@ -718,7 +860,17 @@ impl RtrAttr {
     /// The peer's QP number, the PSN its first request will carry, and the path MTU (at most both
     /// ports' active MTU).
     pub fn new(dest_qp_num: u32, rq_psn: u32, mtu: Mtu) -> Self {
-        RtrAttr { dest_qp_num, rq_psn, mtu, dgid: None, sgid_index: 0, hop_limit: 64, dlid: 0, max_dest_rd_atomic: 1, min_rnr_timer: 12 }
+        RtrAttr {
+            dest_qp_num,
+            rq_psn,
+            mtu,
+            dgid: None,
+            sgid_index: 0,
+            hop_limit: 64,
+            dlid: 0,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 12,
+        }
     }
 
     /// Route by GID (required on RoCE): the peer's GID and our GID table index.
@@ -760,7 +912,13 @@ pub struct RtsAttr {
 impl RtsAttr {
     /// The PSN of our first request (the peer's `rq_psn`).
     pub fn new(sq_psn: u32) -> Self {
-        RtsAttr { sq_psn, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1 }
+        RtsAttr {
+            sq_psn,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            max_rd_atomic: 1,
+        }
     }
 
     /// Local ACK timeout code: 4.096 µs × 2^code (default 14: about 67 ms).
@@ -808,7 +966,11 @@ impl RtrAttr {
     /// Attributes to reach `peer` with our GID index `sgid_index`.
     pub fn from_endpoint(peer: &Endpoint, mtu: Mtu, sgid_index: u8) -> Self {
         let a = RtrAttr::new(peer.qp_num, peer.psn, mtu).lid(peer.lid);
-        if peer.gid.is_zero() { a } else { a.gid(peer.gid, sgid_index) }
+        if peer.gid.is_zero() {
+            a
+        } else {
+            a.gid(peer.gid, sgid_index)
+        }
     }
 }
 
@@ -866,15 +1028,26 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn entry(tag: u64, flag: Option<CompletionFlag>) -> Entry {
-        Entry { tag, sg: Sg::None, flag }
+        Entry {
+            tag,
+            sg: Sg::None,
+            flag,
+        }
     }
 
     #[test]
     fn a_signaled_completion_releases_every_earlier_request() {
-        let mut t = SendTable { next_seq: 0, entries: VecDeque::new(), depth: 8, unsignaled_run: 0, signal_every: 4 };
+        let mut t = SendTable {
+            next_seq: 0,
+            entries: VecDeque::new(),
+            depth: 8,
+            unsignaled_run: 0,
+            signal_every: 4,
+        };
         let flags: Vec<CompletionFlag> = (0..5).map(|_| CompletionFlag::new()).collect();
         for (i, f) in flags.iter().enumerate() {
-            t.entries.push_back((i as u64, entry(100 + i as u64, Some(f.clone()))));
+            t.entries
+                .push_back((i as u64, entry(100 + i as u64, Some(f.clone()))));
         }
         assert_eq!(t.complete_through(2), 102);
         assert_eq!(t.entries.len(), 2);
@@ -900,16 +1073,28 @@ mod tests {
 
     #[test]
     fn wr_ids_encode_the_queue() {
-        let wc = |id: u64| ibv::ibv_wc { wr_id: id, ..Default::default() };
+        let wc = |id: u64| ibv::ibv_wc {
+            wr_id: id,
+            ..Default::default()
+        };
         let shared = QpShared {
-            sq: Mutex::new(SendTable { next_seq: 0, entries: VecDeque::new(), depth: 4, unsignaled_run: 0, signal_every: 2 }),
+            sq: Mutex::new(SendTable {
+                next_seq: 0,
+                entries: VecDeque::new(),
+                depth: 4,
+                unsignaled_run: 0,
+                signal_every: 2,
+            }),
             rq: Mutex::new(RecvTable::new(4)),
             srq: None,
         };
         lock(&shared.sq).entries.push_back((0, entry(7, None)));
         let slot = lock(&shared.rq).insert(entry(9, None));
         assert_eq!(shared.outstanding(), 2);
-        assert_eq!(shared.complete(&wc((KIND_RECV << KIND_SHIFT) | slot as u64)), 9);
+        assert_eq!(
+            shared.complete(&wc((KIND_RECV << KIND_SHIFT) | slot as u64)),
+            9
+        );
         assert_eq!(shared.complete(&wc(KIND_SEND << KIND_SHIFT)), 7);
         assert_eq!(shared.outstanding(), 0);
     }
@@ -923,7 +1108,10 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         }
         assert_eq!(s.len(), 6);
-        assert_eq!(s.iter().copied().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(
+            s.iter().copied().collect::<Vec<_>>(),
+            vec![0, 1, 2, 3, 4, 5]
+        );
         assert_eq!(s.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
     }
 }

@@ -63,15 +63,25 @@ impl SharedReceiveQueue {
     #[doc(alias = "ibv_create_srq")]
     pub fn new(pd: &ProtectionDomain, max_wr: u32, max_sge: u32) -> Result<Self> {
         if max_wr == 0 {
-            return Err(Error::invalid("max_wr", 0, "an SRQ needs at least one entry"));
+            return Err(Error::invalid(
+                "max_wr",
+                0,
+                "an SRQ needs at least one entry",
+            ));
         }
         let l = verbs()?;
         let mut a = ibv::ibv_srq_init_attr {
-            attr: ibv::ibv_srq_attr { max_wr, max_sge: max_sge.max(1), srq_limit: 0 },
+            attr: ibv::ibv_srq_attr {
+                max_wr,
+                max_sge: max_sge.max(1),
+                srq_limit: 0,
+            },
             ..Default::default()
         };
         // SAFETY: a live PD and a valid init struct, updated with the granted sizes.
-        let srq = nonnull("ibv_create_srq", unsafe { (l.ibv_create_srq)(pd.as_raw(), &mut a) })?;
+        let srq = nonnull("ibv_create_srq", unsafe {
+            (l.ibv_create_srq)(pd.as_raw(), &mut a)
+        })?;
         Ok(SharedReceiveQueue {
             inner: Arc::new(SrqInner {
                 srq,
@@ -106,20 +116,32 @@ impl SharedReceiveQueue {
         for r in &reqs {
             r.validate(self.inner.max_sge)?;
             if let Some(s) = r.sg.slices().iter().find(|s| s.pd_ptr() != pd) {
-                return Err(Error::invalid("local", format!("{s:?}"), "the region belongs to another protection domain than the SRQ"));
+                return Err(Error::invalid(
+                    "local",
+                    format!("{s:?}"),
+                    "the region belongs to another protection domain than the SRQ",
+                ));
             }
         }
         let srq = self.inner.srq.as_ptr();
-        self.inner.table().post(reqs, KIND_SRQ, "shared receive queue", "ibv_post_srq_recv", |wr, bad| {
-            // SAFETY: a live SRQ; the chain lives for the call and the memory it references is
-            // owned by the table until completion.
-            unsafe { ibv::ibv_post_srq_recv(srq, wr, bad) }
-        })
+        self.inner.table().post(
+            reqs,
+            KIND_SRQ,
+            "shared receive queue",
+            "ibv_post_srq_recv",
+            |wr, bad| {
+                // SAFETY: a live SRQ; the chain lives for the call and the memory it references is
+                // owned by the table until completion.
+                unsafe { ibv::ibv_post_srq_recv(srq, wr, bad) }
+            },
+        )
     }
 }
 
 impl std::fmt::Debug for SharedReceiveQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedReceiveQueue").field("outstanding", &self.outstanding()).finish()
+        f.debug_struct("SharedReceiveQueue")
+            .field("outstanding", &self.outstanding())
+            .finish()
     }
 }

@@ -43,8 +43,15 @@ pub(crate) enum Kind<'a> {
     Write(RemoteSlice),
     WriteInline(&'a [u8], RemoteSlice),
     Read(RemoteSlice),
-    CompareSwap { remote: RemoteSlice, compare: u64, swap: u64 },
-    FetchAdd { remote: RemoteSlice, add: u64 },
+    CompareSwap {
+        remote: RemoteSlice,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAdd {
+        remote: RemoteSlice,
+        add: u64,
+    },
 }
 
 /// `struct ibv_send_wr`—one send-queue request, owning the slices it uses. Build one with a
@@ -70,7 +77,16 @@ pub struct WorkRequest<'a> {
 
 impl<'a> WorkRequest<'a> {
     fn new(kind: Kind<'a>, sg: Sg) -> Self {
-        WorkRequest { kind, sg, imm: None, signaled: true, solicited: false, fence: false, tag: 0, flag: None }
+        WorkRequest {
+            kind,
+            sg,
+            imm: None,
+            signaled: true,
+            solicited: false,
+            fence: false,
+            tag: 0,
+            flag: None,
+        }
     }
 
     /// `IBV_WR_SEND`: send `local` to the peer's next posted receive.
@@ -124,7 +140,14 @@ impl<'a> WorkRequest<'a> {
     /// must be 8-byte aligned.
     #[doc(alias = "IBV_WR_ATOMIC_CMP_AND_SWP")]
     pub fn compare_swap(local: MrSlice, remote: RemoteSlice, compare: u64, swap: u64) -> Self {
-        Self::new(Kind::CompareSwap { remote, compare, swap }, Sg::One(local))
+        Self::new(
+            Kind::CompareSwap {
+                remote,
+                compare,
+                swap,
+            },
+            Sg::One(local),
+        )
     }
 
     /// `IBV_WR_ATOMIC_FETCH_AND_ADD`: add `add` to the peer's 8-byte word at `remote`; the old value
@@ -187,10 +210,21 @@ impl<'a> WorkRequest<'a> {
     pub(crate) fn validate(&self, max_sge: u32, max_inline: u32) -> Result<()> {
         let n = self.sg.slices().len() as u32;
         if n > max_sge {
-            return Err(Error::invalid("sg_list", format!("{n} entries"), format!("the QP allows {max_sge}")));
+            return Err(Error::invalid(
+                "sg_list",
+                format!("{n} entries"),
+                format!("the QP allows {max_sge}"),
+            ));
         }
-        let need_local_write = matches!(self.kind, Kind::Read(_) | Kind::CompareSwap { .. } | Kind::FetchAdd { .. });
-        let lacking = self.sg.slices().iter().find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE));
+        let need_local_write = matches!(
+            self.kind,
+            Kind::Read(_) | Kind::CompareSwap { .. } | Kind::FetchAdd { .. }
+        );
+        let lacking = self
+            .sg
+            .slices()
+            .iter()
+            .find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE));
         if let (true, Some(s)) = (need_local_write, lacking) {
             return Err(Error::invalid(
                 "local",
@@ -200,10 +234,18 @@ impl<'a> WorkRequest<'a> {
         }
         match self.kind {
             Kind::SendInline(d) | Kind::WriteInline(d, _) if d.len() as u64 > max_inline as u64 => {
-                return Err(Error::invalid("data", format!("{} bytes", d.len()), format!("inline data is at most {max_inline} bytes on this QP")));
+                return Err(Error::invalid(
+                    "data",
+                    format!("{} bytes", d.len()),
+                    format!("inline data is at most {max_inline} bytes on this QP"),
+                ));
             }
             Kind::Send | Kind::Write(_) | Kind::Read(_) if n == 0 => {
-                return Err(Error::invalid("sg_list", "empty", "needs at least one slice"));
+                return Err(Error::invalid(
+                    "sg_list",
+                    "empty",
+                    "needs at least one slice",
+                ));
             }
             _ => {}
         }
@@ -216,7 +258,11 @@ impl<'a> WorkRequest<'a> {
                 ));
             }
             Kind::WriteInline(d, r) if d.len() as u64 > r.len as u64 => {
-                return Err(Error::invalid("remote", format!("{} bytes", r.len), format!("shorter than the {} bytes of data", d.len())));
+                return Err(Error::invalid(
+                    "remote",
+                    format!("{} bytes", r.len),
+                    format!("shorter than the {} bytes of data", d.len()),
+                ));
             }
             Kind::CompareSwap { remote, .. } | Kind::FetchAdd { remote, .. } => {
                 if !remote.addr.is_multiple_of(8) || remote.len < 8 {
@@ -227,13 +273,26 @@ impl<'a> WorkRequest<'a> {
                     ));
                 }
                 if self.sg.total_len() != 8 || n != 1 {
-                    return Err(Error::invalid("local", format!("{} bytes", self.sg.total_len()), "an atomic result slot is exactly 8 bytes"));
+                    return Err(Error::invalid(
+                        "local",
+                        format!("{} bytes", self.sg.total_len()),
+                        "an atomic result slot is exactly 8 bytes",
+                    ));
                 }
             }
             _ => {}
         }
-        if self.imm.is_some() && !matches!(self.kind, Kind::Send | Kind::SendInline(_) | Kind::Write(_) | Kind::WriteInline(..)) {
-            return Err(Error::invalid("imm", "set", "immediate data goes with sends and RDMA writes only"));
+        if self.imm.is_some()
+            && !matches!(
+                self.kind,
+                Kind::Send | Kind::SendInline(_) | Kind::Write(_) | Kind::WriteInline(..)
+            )
+        {
+            return Err(Error::invalid(
+                "imm",
+                "set",
+                "immediate data goes with sends and RDMA writes only",
+            ));
         }
         Ok(())
     }
@@ -254,27 +313,42 @@ impl<'a> WorkRequest<'a> {
             wr.__bindgen_anon_1.imm_data = imm.to_be();
         }
         let rdma = |wr: &mut ibv::ibv_send_wr, r: RemoteSlice| {
-            wr.wr.rdma = ibv::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr: r.addr, rkey: r.rkey };
+            wr.wr.rdma = ibv::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+                remote_addr: r.addr,
+                rkey: r.rkey,
+            };
         };
         wr.opcode = match self.kind {
             Kind::Send | Kind::SendInline(_) => {
                 if matches!(self.kind, Kind::SendInline(_)) {
                     flags |= ibv::IBV_SEND_INLINE;
                 }
-                if self.imm.is_some() { ibv::IBV_WR_SEND_WITH_IMM } else { ibv::IBV_WR_SEND }
+                if self.imm.is_some() {
+                    ibv::IBV_WR_SEND_WITH_IMM
+                } else {
+                    ibv::IBV_WR_SEND
+                }
             }
             Kind::Write(r) | Kind::WriteInline(_, r) => {
                 if matches!(self.kind, Kind::WriteInline(..)) {
                     flags |= ibv::IBV_SEND_INLINE;
                 }
                 rdma(wr, r);
-                if self.imm.is_some() { ibv::IBV_WR_RDMA_WRITE_WITH_IMM } else { ibv::IBV_WR_RDMA_WRITE }
+                if self.imm.is_some() {
+                    ibv::IBV_WR_RDMA_WRITE_WITH_IMM
+                } else {
+                    ibv::IBV_WR_RDMA_WRITE
+                }
             }
             Kind::Read(r) => {
                 rdma(wr, r);
                 ibv::IBV_WR_RDMA_READ
             }
-            Kind::CompareSwap { remote, compare, swap } => {
+            Kind::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => {
                 wr.wr.atomic = ibv::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
                     remote_addr: remote.addr,
                     compare_add: compare,
@@ -319,17 +393,29 @@ pub struct RecvRequest {
 impl RecvRequest {
     /// Receive into `local`.
     pub fn new(local: MrSlice) -> Self {
-        RecvRequest { sg: Sg::One(local), tag: 0, flag: None }
+        RecvRequest {
+            sg: Sg::One(local),
+            tag: 0,
+            flag: None,
+        }
     }
 
     /// Receive scattered over several slices.
     pub fn sg(local: Vec<MrSlice>) -> Self {
-        RecvRequest { sg: Sg::from_vec(local), tag: 0, flag: None }
+        RecvRequest {
+            sg: Sg::from_vec(local),
+            tag: 0,
+            flag: None,
+        }
     }
 
     /// No buffer: only for RDMA writes with immediate (which carry no payload to this queue).
     pub fn empty() -> Self {
-        RecvRequest { sg: Sg::None, tag: 0, flag: None }
+        RecvRequest {
+            sg: Sg::None,
+            tag: 0,
+            flag: None,
+        }
     }
 
     /// A value reported back by [`WorkCompletion::tag`](super::WorkCompletion::tag).
@@ -347,10 +433,23 @@ impl RecvRequest {
     pub(crate) fn validate(&self, max_sge: u32) -> Result<()> {
         let n = self.sg.slices().len() as u32;
         if n > max_sge {
-            return Err(Error::invalid("sg_list", format!("{n} entries"), format!("the queue allows {max_sge}")));
+            return Err(Error::invalid(
+                "sg_list",
+                format!("{n} entries"),
+                format!("the queue allows {max_sge}"),
+            ));
         }
-        if let Some(s) = self.sg.slices().iter().find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE)) {
-            return Err(Error::invalid("local", format!("{s:?} with {:?}", s.access()), "a receive buffer needs a region with LOCAL_WRITE"));
+        if let Some(s) = self
+            .sg
+            .slices()
+            .iter()
+            .find(|s| !s.access().contains(AccessFlags::LOCAL_WRITE))
+        {
+            return Err(Error::invalid(
+                "local",
+                format!("{s:?} with {:?}", s.access()),
+                "a receive buffer needs a region with LOCAL_WRITE",
+            ));
         }
         Ok(())
     }
