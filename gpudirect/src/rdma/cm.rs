@@ -6,7 +6,7 @@
 //! picked) and moves it through INIT, RTR and RTS with the attributes `rdma_init_qp_attr` gives,
 //! so the result is an ordinary [`QueuePair<Rts>`].
 
-use super::cq::{CompletionQueue, WorkCompletion};
+use super::cq::{CompletionChannel, CompletionQueue, WorkCompletion};
 use super::mr::{AccessFlags, HostBuffer, Local, MemoryRegion, RemoteMemory};
 use super::pd::ProtectionDomain;
 use super::qp::{QpCaps, QueuePair, Rts};
@@ -38,6 +38,9 @@ pub struct ConnectOptions {
     pub rd_atomic: u8,
     /// Bound on each connection step.
     pub timeout: Duration,
+    /// Give the receive CQ a completion channel, so [`Connection::wait_recv`] can block instead
+    /// of spinning.
+    pub recv_channel: bool,
 }
 
 impl Default for ConnectOptions {
@@ -50,6 +53,7 @@ impl Default for ConnectOptions {
                 | AccessFlags::REMOTE_ATOMIC,
             rd_atomic: 16,
             timeout: Duration::from_secs(10),
+            recv_channel: false,
         }
     }
 }
@@ -392,6 +396,7 @@ struct Parts {
     pd: ProtectionDomain,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
+    channel: Option<CompletionChannel>,
     qp: Option<QueuePair<super::Reset>>,
     hs: MemoryRegion<Local>,
     rd_atomic: u8,
@@ -409,8 +414,13 @@ impl Parts {
         } else {
             opts.cq_depth
         };
+        let channel = if opts.recv_channel {
+            Some(ctx.create_comp_channel()?)
+        } else {
+            None
+        };
         let send_cq = ctx.create_cq(depth, None)?;
-        let recv_cq = ctx.create_cq(depth, None)?;
+        let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
         let qp = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
         let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
         let rd_atomic = (opts.rd_atomic as u32)
@@ -422,6 +432,7 @@ impl Parts {
             pd,
             send_cq,
             recv_cq,
+            channel,
             qp: Some(qp),
             hs,
             rd_atomic,
@@ -444,6 +455,7 @@ impl Parts {
             qp: Some(qp),
             send_cq: self.send_cq,
             recv_cq: self.recv_cq,
+            channel: self.channel,
             hs: self.hs,
             hs_pending: true,
             pd: self.pd,
@@ -460,6 +472,7 @@ pub struct Connection {
     qp: Option<QueuePair<Rts>>,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
+    channel: Option<CompletionChannel>,
     hs: MemoryRegion<Local>,
     hs_pending: bool,
     pd: ProtectionDomain,
@@ -568,6 +581,51 @@ impl Connection {
             &mut self.send_cq,
             &mut self.recv_cq,
         )
+    }
+
+    /// Block until the receive CQ has something to poll, or `timeout` passes: arms the CQ
+    /// (`ibv_req_notify_cq`), re-checks it, then waits on its completion channel. Returns whether
+    /// a completion is ready. Needs [`ConnectOptions::recv_channel`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] without a channel; [`Error::Os`] naming `ibv_req_notify_cq`,
+    /// `poll` or `ibv_get_cq_event`.
+    pub fn wait_recv(&mut self, timeout: Duration) -> Result<bool> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let Some(ch) = &self.channel else {
+            return Err(Error::invalid(
+                "recv_channel",
+                false,
+                "wait_recv needs ConnectOptions::recv_channel",
+            ));
+        };
+        self.recv_cq.req_notify(false)?;
+        // A completion that arrived before arming raises no event: look once more, keeping what
+        // is found for the caller's next poll.
+        let mut buf = [WorkCompletion::default(); 4];
+        let n = self.recv_cq.inner.poll_into(&mut buf)?;
+        if n > 0 {
+            for w in &buf[..n] {
+                self.recv_cq.inner.hold(*w);
+            }
+            return Ok(true);
+        }
+        let mut p = libc::pollfd {
+            fd: ch.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
+        if r < 0 {
+            return Err(Error::last_os("poll"));
+        }
+        if r == 0 {
+            return Ok(false);
+        }
+        ch.get_event()?;
+        Ok(true)
     }
 
     /// The protection domain: register memory here to use it on this connection.

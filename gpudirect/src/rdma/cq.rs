@@ -178,21 +178,22 @@ impl CqInner {
             }
         }
         if n < out.len() {
-            let mut raw = [ibv::ibv_wc::default(); POLL_BATCH];
-            let want = (out.len() - n).min(POLL_BATCH);
+            let want = (out.len() - n).min(i32::MAX as usize);
+            // WorkCompletion is a transparent ibv_wc: the provider writes straight into `out`.
+            let dst = out[n..].as_mut_ptr().cast::<ibv::ibv_wc>();
             // SAFETY: a live CQ and room for `want` entries.
-            let got = unsafe { ibv::ibv_poll_cq(self.cq.as_ptr(), want as i32, raw.as_mut_ptr()) };
+            let got = unsafe { ibv::ibv_poll_cq(self.cq.as_ptr(), want as i32, dst) };
             if got < 0 {
                 return Err(Error::errno("ibv_poll_cq", -got));
             }
-            for wc in &raw[..got as usize] {
-                let tag = match st.qps.get(&wc.qp_num) {
-                    Some(shared) => shared.complete(wc),
+            for w in &mut out[n..n + got as usize] {
+                // The library's wr_id becomes the caller's tag once the request is released.
+                w.0.wr_id = match st.qps.get(&w.0.qp_num) {
+                    Some(shared) => shared.complete(&w.0),
                     None => 0,
                 };
-                out[n] = WorkCompletion { wc: *wc, tag };
-                n += 1;
             }
+            n += got as usize;
         }
         Ok(n)
     }
@@ -328,29 +329,28 @@ impl<'cq> Iterator for Completions<'cq> {
 
 impl ExactSizeIterator for Completions<'_> {}
 
-/// `struct ibv_wc`: one work completion.
+/// `struct ibv_wc`: one work completion. Its `wr_id` holds the request's tag (the library's own
+/// `wr_id` is resolved and replaced when the completion is polled).
 #[derive(Clone, Copy, Default)]
+#[repr(transparent)]
 #[doc(alias = "ibv_wc")]
-pub struct WorkCompletion {
-    wc: ibv::ibv_wc,
-    tag: u64,
-}
+pub struct WorkCompletion(ibv::ibv_wc);
 
 impl WorkCompletion {
     /// The tag given to the request ([`WorkRequest::tag`](super::WorkRequest::tag),
     /// [`RecvRequest::tag`](super::RecvRequest::tag)); 0 by default.
     pub fn tag(&self) -> u64 {
-        self.tag
+        self.0.wr_id
     }
 
     /// The status.
     pub fn status(&self) -> WcStatus {
-        WcStatus::from_raw(self.wc.status)
+        WcStatus::from_raw(self.0.status)
     }
 
     /// Whether it succeeded.
     pub fn is_ok(&self) -> bool {
-        self.wc.status == ibv::IBV_WC_SUCCESS
+        self.0.status == ibv::IBV_WC_SUCCESS
     }
 
     /// `Ok` on success, else [`Error::WorkCompletion`] with the status and vendor error.
@@ -364,27 +364,27 @@ impl WorkCompletion {
         } else {
             Err(Error::WorkCompletion {
                 status: self.status(),
-                vendor_err: self.wc.vendor_err,
-                qp_num: self.wc.qp_num,
+                vendor_err: self.0.vendor_err,
+                qp_num: self.0.qp_num,
             })
         }
     }
 
     /// What completed (valid only on success: flushed completions carry no opcode).
     pub fn opcode(&self) -> WcOpcode {
-        WcOpcode::from_raw(self.wc.opcode)
+        WcOpcode::from_raw(self.0.opcode)
     }
 
     /// Bytes received (receives), or read/atomic results.
     pub fn byte_len(&self) -> u32 {
-        self.wc.byte_len
+        self.0.byte_len
     }
 
     /// The immediate data of a send or RDMA write with immediate (converted from wire big-endian).
     pub fn imm(&self) -> Option<u32> {
-        if self.wc.wc_flags & ibv::IBV_WC_WITH_IMM != 0 {
+        if self.0.wc_flags & ibv::IBV_WC_WITH_IMM != 0 {
             // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set.
-            Some(u32::from_be(unsafe { self.wc.__bindgen_anon_1.imm_data }))
+            Some(u32::from_be(unsafe { self.0.__bindgen_anon_1.imm_data }))
         } else {
             None
         }
@@ -392,29 +392,29 @@ impl WorkCompletion {
 
     /// The local QP number.
     pub fn qp_num(&self) -> u32 {
-        self.wc.qp_num
+        self.0.qp_num
     }
 
     /// The remote QP number (UD), or the local one's peer where the provider reports it.
     pub fn src_qp(&self) -> u32 {
-        self.wc.src_qp
+        self.0.src_qp
     }
 
     /// Vendor-specific error syndrome.
     pub fn vendor_err(&self) -> u32 {
-        self.wc.vendor_err
+        self.0.vendor_err
     }
 }
 
 impl fmt::Debug for WorkCompletion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("WorkCompletion")
-            .field("tag", &self.tag)
+            .field("tag", &self.tag())
             .field("status", &self.status())
             .field("opcode", &self.opcode())
-            .field("byte_len", &self.wc.byte_len)
+            .field("byte_len", &self.0.byte_len)
             .field("imm", &self.imm())
-            .field("qp_num", &self.wc.qp_num)
+            .field("qp_num", &self.0.qp_num)
             .finish()
     }
 }
@@ -606,11 +606,11 @@ mod tests {
     fn immediate_is_big_endian_on_the_wire() {
         let mut w = WorkCompletion::default();
         assert_eq!(w.imm(), None);
-        w.wc.wc_flags = ibv::IBV_WC_WITH_IMM;
-        w.wc.__bindgen_anon_1.imm_data = 0x1234_5678u32.to_be();
+        w.0.wc_flags = ibv::IBV_WC_WITH_IMM;
+        w.0.__bindgen_anon_1.imm_data = 0x1234_5678u32.to_be();
         assert_eq!(w.imm(), Some(0x1234_5678));
-        w.wc.status = ibv::IBV_WC_REM_ACCESS_ERR;
-        w.wc.qp_num = 7;
+        w.0.status = ibv::IBV_WC_REM_ACCESS_ERR;
+        w.0.qp_num = 7;
         let e = w.result().unwrap_err();
         assert!(
             matches!(
