@@ -6,6 +6,7 @@
 //! cargo run --release --example rdma_pingpong -- --connect HOST [--port 7471]
 //! cargo run --release --example rdma_pingpong                # server + client in one process
 //! cargo run --release --example rdma_pingpong -- --report    # bench report (loopback), 8 B..1 MiB
+//! cargo run --release --example rdma_pingpong -- --only 65536 # the report for one size
 //! ```
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
@@ -36,6 +37,7 @@ struct Args {
     size: usize,
     iters: usize,
     report: bool,
+    only: Option<usize>,
     addr: Option<IpAddr>,
 }
 
@@ -47,6 +49,7 @@ fn parse() -> Args {
         size: 65536,
         iters: 2000,
         report: false,
+        only: None,
         addr: None,
     };
     let mut it = std::env::args().skip(1);
@@ -63,6 +66,10 @@ fn parse() -> Args {
             "--iters" => a.iters = val().parse().unwrap_or_else(|_| usage("bad --iters")),
             "--addr" => a.addr = Some(val().parse().unwrap_or_else(|_| usage("bad --addr"))),
             "--report" => a.report = true,
+            "--only" => {
+                a.report = true;
+                a.only = Some(val().parse().unwrap_or_else(|_| usage("bad --only")));
+            }
             "-h" | "--help" => usage(""),
             o => usage(&format!("unknown argument {o}")),
         }
@@ -75,7 +82,7 @@ fn parse() -> Args {
 
 fn usage(msg: &str) -> ! {
     eprintln!(
-        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report]"
+        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report | --only B]"
     );
     std::process::exit(2)
 }
@@ -410,7 +417,9 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
         if good { "verified" } else { "WRONG" }
     );
     // 4. Performance.
-    let sizes: Vec<usize> = if args.report {
+    let sizes: Vec<usize> = if let Some(o) = args.only {
+        vec![o]
+    } else if args.report {
         (3..=20).step_by(1).map(|p| 1usize << p).collect()
     } else {
         vec![size]
@@ -432,7 +441,9 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
             println!("bandwidth: {sz} B x {iters}: RDMA write {w:.1} MB/s, RDMA read {r:.1} MB/s");
         }
     }
-    let lat_sizes: Vec<usize> = if args.report {
+    let lat_sizes: Vec<usize> = if let Some(o) = args.only {
+        vec![o.max(8)]
+    } else if args.report {
         vec![8, 64, 1024, 4096]
     } else {
         vec![8]

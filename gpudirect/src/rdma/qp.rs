@@ -176,10 +176,10 @@ impl RecvTable {
         }
         let base = sges.as_mut_ptr();
         for i in 0..n {
-            // SAFETY: `start` offsets are within `sges`, which no longer grows.
             wrs[i].sg_list = if wrs[i].num_sge == 0 {
                 std::ptr::null_mut()
             } else {
+                // SAFETY: `start` offsets are within `sges`, which no longer grows.
                 unsafe { base.add(wrs[i].sg_list as usize) }
             };
             if i + 1 < n {
