@@ -49,7 +49,7 @@ crate::table::fn_table! {
         ibv_close_device: fn(*mut ibv_context) -> c_int;
         ibv_query_device: fn(*mut ibv_context, *mut ibv_device_attr) -> c_int;
         /// The exported (compat) symbol: it fills the leading `_compat_ibv_port_attr` part of an
-        /// `ibv_port_attr`. Use [`ibv_query_port`](super::ibv_query_port), which prefers the
+        /// `ibv_port_attr`. Use [`crate::ibverbs::ibv_query_port`], which prefers the
         /// extended op.
         ibv_query_port: fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int;
         ibv_query_gid: fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int;

@@ -3,7 +3,7 @@
 //! [`cm`] connections through rdma_cm.
 //!
 //! libibverbs and librdmacm are opened at run time: without them every entry point answers
-//! [`Error::Load`](crate::Error::Load); without a device, [`Error::NoDevice`](crate::Error::NoDevice).
+//! [`Error::Load`]; without a device, [`Error::NoDevice`].
 //!
 //! # Ownership of posted memory
 //!
@@ -46,7 +46,8 @@ pub use context::{
     PortAttr, PortState,
 };
 pub use cq::{
-    CompletionChannel, CompletionQueue, Completions, CqEvent, WcOpcode, WcStatus, WorkCompletion,
+    CompletionChannel, CompletionQueue, Completions, CqEvent, POLL_BATCH, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 pub use device::{Device, DeviceList};
 pub use mr::{

@@ -75,7 +75,7 @@ impl ProtectionDomain {
     ///
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for remote write or atomic flags, or
     /// an empty buffer; [`Error::Os`](crate::Error::Os) naming `ibv_reg_mr` (`ENOMEM` over the
-    /// locked-memory limit, `EINVAL` for flags the device refuses); [`Error::Os`] naming
+    /// locked-memory limit, `EINVAL` for flags the device refuses); [`Error::Os`](crate::Error::Os) naming
     /// `ibv_fork_init` when fork support could not be set up.
     #[doc(alias = "ibv_reg_mr")]
     pub fn register<B: HostMemory>(
@@ -91,8 +91,8 @@ impl ProtectionDomain {
     /// write, which verbs require for both, is added.
     ///
     /// Such a region never hands out `&`/`&mut` to its bytes: copy them with
-    /// [`MemoryRegion::read_at`] / [`MemoryRegion::write_at`], or take the memory back with
-    /// [`MemoryRegion::deregister`].
+    /// [`MemoryRegion::read_at`] / [`MemoryRegion::write_at`] (and [`MemoryRegion::read_u64`] for
+    /// atomic targets).
     ///
     /// # Errors
     ///
