@@ -281,7 +281,7 @@ impl Side {
             let mut spins = 0u32;
             while data.read_u64(off)? != n {
                 spins = spins.wrapping_add(1);
-                if spins % 65536 == 0 && Instant::now() > deadline {
+                if spins.is_multiple_of(65536) && Instant::now() > deadline {
                     return Err(gpudirect::Error::Timeout {
                         what: "latency ping",
                         after: TIMEOUT,

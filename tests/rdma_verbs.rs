@@ -548,3 +548,36 @@ fn a15_dropped_qp_drains_before_freeing() {
     );
     drop(a);
 }
+
+/// A3: `ibv_reg_dmabuf_mr` answering EOPNOTSUPP (Soft-RoCE) is a typed `Unsupported` that says
+/// dma-buf. A memfd stands in for the dma-buf: rxe refuses before looking at it; a device that
+/// supports dma-bufs refuses the memfd with an `Os` error instead.
+#[test]
+fn a3_dmabuf_unsupported_is_typed() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let ctx = require!(Hardware::Rdma, Context::open_by_name(None));
+    let pd = ctx.alloc_pd().unwrap();
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned below.
+    let raw = unsafe { libc::memfd_create(c"gpudirect-a3".as_ptr(), 0) };
+    assert!(raw >= 0);
+    // SAFETY: a fresh fd owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: a valid fd.
+    assert_eq!(unsafe { libc::ftruncate(raw, 1 << 16) }, 0);
+    match pd.register_dmabuf(fd, 0, 1 << 16, 0, AccessFlags::LOCAL_WRITE) {
+        Err(Error::Unsupported { what, reason }) => {
+            assert!(what.contains("dma-buf"), "{what}");
+            println!("typed: {what}: {reason}");
+        }
+        Err(Error::Os {
+            call: "ibv_reg_dmabuf_mr",
+            source,
+        }) => {
+            assert!(
+                !ctx.name().starts_with("rxe"),
+                "rxe must answer Unsupported, got {source}"
+            );
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}

@@ -51,8 +51,8 @@ pub use cq::{
 };
 pub use device::{Device, DeviceList};
 pub use mr::{
-    AccessFlags, HostBuffer, HostMemory, Local, MemoryRegion, MrMode, MrSlice, Remote,
-    RemoteMemory, RemoteSlice,
+    AccessFlags, DmabufRegion, HostBuffer, HostMemory, Local, MemoryRegion, MrMode, MrSlice,
+    Remote, RemoteMemory, RemoteSlice,
 };
 pub use pd::ProtectionDomain;
 pub use qp::{Endpoint, Init, QpCaps, QueuePair, Reset, Rtr, RtrAttr, Rts, RtsAttr};

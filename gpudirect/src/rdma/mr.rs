@@ -626,6 +626,135 @@ pub struct RemoteSlice {
     pub len: u32,
 }
 
+/// `ibv_reg_dmabuf_mr`—a region over a dma-buf (GPU or other device memory exported as an fd).
+/// It keeps the fd, and so the dma-buf, until it is deregistered on drop.
+#[doc(alias = "ibv_reg_dmabuf_mr")]
+pub struct DmabufRegion {
+    mr: NonNull<ibv::ibv_mr>,
+    lkey: u32,
+    rkey: u32,
+    len: usize,
+    iova: u64,
+    fd: ManuallyDrop<std::os::fd::OwnedFd>,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: a registration handle; no memory is accessed through it.
+unsafe impl Send for DmabufRegion {}
+// SAFETY: as above.
+unsafe impl Sync for DmabufRegion {}
+
+impl DmabufRegion {
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        fd: std::os::fd::OwnedFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        const WHAT: &str = "dma-buf memory registration (ibv_reg_dmabuf_mr)";
+        if len == 0 {
+            return Err(Error::invalid(
+                "len",
+                0,
+                "a region must hold at least one byte",
+            ));
+        }
+        let l = verbs()?;
+        let Some(reg) = l.ibv_reg_dmabuf_mr else {
+            return Err(Error::Unsupported {
+                what: WHAT.into(),
+                reason: format!(
+                    "{} has no ibv_reg_dmabuf_mr (rdma-core older than 34)",
+                    l.path()
+                ),
+            });
+        };
+        let access = access.normalized();
+        // SAFETY: a live PD and an open fd; the kernel takes its own reference to the dma-buf.
+        let p = unsafe {
+            reg(
+                pd.as_raw(),
+                offset,
+                len,
+                iova,
+                fd.as_raw_fd(),
+                access.bits() as i32,
+            )
+        };
+        let mr = nonnull("ibv_reg_dmabuf_mr", p).map_err(|e| match e {
+            Error::Os { source, .. }
+                if matches!(source.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT)) =>
+            {
+                Error::Unsupported {
+                    what: WHAT.into(),
+                    reason: format!(
+                        "device {} answered {source} (Soft-RoCE and kernels before 5.12 cannot register dma-bufs)",
+                        pd.context().name()
+                    ),
+                }
+            }
+            e => e,
+        })?;
+        // SAFETY: a registered MR returned by the call.
+        let (lkey, rkey) = unsafe { ((*p).lkey, (*p).rkey) };
+        Ok(DmabufRegion {
+            mr,
+            lkey,
+            rkey,
+            len,
+            iova,
+            fd: ManuallyDrop::new(fd),
+            _pd: pd.inner.clone(),
+        })
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// The descriptor peers use: the address is the IOVA given at registration.
+    pub fn remote(&self) -> RemoteMemory {
+        RemoteMemory {
+            addr: self.iova,
+            rkey: self.rkey,
+            len: self.len as u64,
+        }
+    }
+}
+
+impl Drop for DmabufRegion {
+    fn drop(&mut self) {
+        if in_forked_child() {
+            return;
+        }
+        let Ok(l) = ibv::lib() else { return };
+        // SAFETY: registered once, deregistered once; only after success may the fd close.
+        if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
+            // SAFETY: taken once, here.
+            drop(unsafe { ManuallyDrop::take(&mut self.fd) });
+        }
+    }
+}
+
+impl std::fmt::Debug for DmabufRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmabufRegion")
+            .field("iova", &format_args!("{:#x}", self.iova))
+            .field("len", &self.len)
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,7 @@
 //! Protection domains.
 
 use super::context::{Context, CtxInner};
-use super::mr::{AccessFlags, HostMemory, Local, MemoryRegion, Remote};
+use super::mr::{AccessFlags, DmabufRegion, HostMemory, Local, MemoryRegion, Remote};
 use super::{in_forked_child, nonnull, verbs};
 use crate::error::Result;
 use gpudirect_sys::ibverbs as ibv;
@@ -104,6 +104,29 @@ impl ProtectionDomain {
         access: AccessFlags,
     ) -> Result<MemoryRegion<Remote>> {
         MemoryRegion::<Remote>::new(self, Box::new(buf), access)
+    }
+}
+
+impl ProtectionDomain {
+    /// `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd, access)`—register `len` bytes at `offset`
+    /// of the dma-buf `fd`; peers address them from `iova`. The region keeps `fd`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`](crate::Error::Unsupported) saying dma-buf when libibverbs lacks the
+    /// call or the device answers `EOPNOTSUPP` (Soft-RoCE, kernels before 5.12): the caller's
+    /// automatic mode then tries the next path; [`Error::Os`](crate::Error::Os) naming
+    /// `ibv_reg_dmabuf_mr` otherwise (`EINVAL` for an fd that is no dma-buf).
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub fn register_dmabuf(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<DmabufRegion> {
+        DmabufRegion::new(self, fd, offset, len, iova, access)
     }
 }
 
