@@ -20,10 +20,17 @@ done < /etc/gpudirect-tests
 echo "=== bench: rdma_pingpong --report"
 timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
 cat /tmp/ours.log; result rdma_pingpong-report $rc
+# perftest uses the GID rdma_cm picks for 10.77.0.1 (the IPv4-mapped RoCE v2 one), so both sides
+# take the same network path through rxe.
+GIDX=0
+for g in 0 1 2 3 4 5 6 7; do
+  grep -q 'ffff:0a4d:0001' /sys/class/infiniband/rxe0/ports/1/gids/$g 2>/dev/null && { GIDX=$g; break; }
+done
+echo "perftest GID index $GIDX"
 pt() {  # pt TOOL SIZE ITERS  -> prints the average MB/s (bw) or t_avg usec (lat)
-  $1 -d rxe0 -x 0 -s $2 -n $3 -F $4 > /tmp/srv.log 2>&1 &
+  $1 -d rxe0 -x $GIDX -s $2 -n $3 -F $4 > /tmp/srv.log 2>&1 &
   sleep 1
-  $1 -d rxe0 -x 0 -s $2 -n $3 -F $4 127.0.0.1 > /tmp/cli.log 2>&1; r=$?
+  $1 -d rxe0 -x $GIDX -s $2 -n $3 -F $4 127.0.0.1 > /tmp/cli.log 2>&1; r=$?
   wait
   [ $r = 0 ] || { cat /tmp/cli.log /tmp/srv.log; return 1; }
   case $1 in
