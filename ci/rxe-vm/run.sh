@@ -25,20 +25,18 @@ t0=$(date +%s.%N); stamp() { printf 'HOST: %-28s %6.1fs\n' "$1" "$(echo "$(date 
 die() { echo "HOST: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
 command -v cargo >/dev/null || die "cargo not found"
 command -v bc >/dev/null || die "bc not found"
+command -v apt-get >/dev/null && command -v dpkg >/dev/null || die "apt-get and dpkg are needed"
 
 # --- 1. project binaries (release)
 cd "$ROOT"
 BIN=$W/bin; rm -rf "$BIN"; mkdir -p "$BIN"
 : > "$W/tests.list"
-cargo test --release --no-run --message-format=json --test 'rdma_*' 2>"$W/build.log" \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("rdma_"):
-        print(m["target"]["name"], m["executable"])
-' > "$W/tests.raw" || { tail -30 "$W/build.log"; die "building the tests failed"; }
+cargo test --release --no-run --message-format=json --test 'rdma_*' > "$W/build.json" 2>"$W/build.log" \
+  || { tail -30 "$W/build.log"; die "building the tests failed"; }
+# "name executable" of each test executable (cargo's JSON lines, read without jq or python).
+grep '"reason":"compiler-artifact"' "$W/build.json" | grep '"executable":"/' \
+  | sed -e 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/' \
+  | grep '^rdma_' > "$W/tests.raw" || true
 while read -r name exe; do cp "$exe" "$BIN/$name"; echo "test $name" >> "$W/tests.list"; done < "$W/tests.raw"
 for ex in examples/rdma_*.rs; do
   name=$(basename "$ex" .rs)
