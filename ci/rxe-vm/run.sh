@@ -3,7 +3,8 @@
 #
 #   bash ci/rxe-vm/run.sh
 #
-# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs and examples/rdma_*.rs
+# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs and
+#    the criterion bench benches/rdma.rs
 #    (they dlopen libibverbs/librdmacm: `ldd` must not list them).
 # 2. Fetches qemu, a Debian kernel with rdma_rxe and the guest's user space (rdma-core, perftest)
 #    through a private APT config made from this machine's own apt sources, unpacked with dpkg -x
@@ -43,6 +44,12 @@ for ex in examples/rdma_*.rs; do
   cargo build --release --example "$name" 2>>"$W/build.log" || { tail -30 "$W/build.log"; die "building $name failed"; }
   cp "target/release/examples/$name" "$BIN/$name"; echo "example $name" >> "$W/tests.list"
 done
+# The criterion bench, run once per benchmark (`--test`) in the VM: proves it works on a device.
+cargo bench --no-run --message-format=json --bench rdma > "$W/bench.json" 2>>"$W/build.log" \
+  || { tail -30 "$W/build.log"; die "building the rdma bench failed"; }
+exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"/' \
+  | sed -e 's/.*"executable":"\([^"]*\)".*/\1/' | tail -1)
+[ -n "$exe" ] && cp "$exe" "$BIN/rdma_bench" && echo "bench rdma_bench" >> "$W/tests.list"
 for b in "$BIN"/*; do
   if ldd "$b" | grep -qE 'libibverbs|librdmacm'; then die "$(basename "$b") links rdma-core at build time"; fi
 done

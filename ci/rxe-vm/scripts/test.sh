@@ -13,6 +13,7 @@ while read -r kind name; do
   case $kind in
     test) timeout 600 /usr/bin/$name --test-threads=1 --nocapture; result "$name" $? ;;
     example) timeout 600 /usr/bin/$name; result "$name" $? ;;
+    bench) timeout 600 /usr/bin/$name --test; result "$name" $? ;;
   esac
 done < /etc/gpudirect-tests
 
