@@ -11,6 +11,7 @@
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
 //! names `rdma`). Options: `--size BYTES` (bandwidth message, default 65536), `--iters N`,
+//! `--bytes TOTAL` (bytes per report run, default 8 MiB; bandwidth in MB/s of 2^20 bytes, as perftest),
 //! `--addr IP` (loopback address; default: an IPv4 address of the RDMA device's net device).
 
 use gpudirect::rdma::cm::{ConnectOptions, Connection, Listener};
@@ -38,6 +39,7 @@ struct Args {
     iters: usize,
     report: bool,
     only: Option<usize>,
+    bytes: usize,
     addr: Option<IpAddr>,
 }
 
@@ -50,6 +52,7 @@ fn parse() -> Args {
         iters: 2000,
         report: false,
         only: None,
+        bytes: 8 << 20,
         addr: None,
     };
     let mut it = std::env::args().skip(1);
@@ -66,6 +69,7 @@ fn parse() -> Args {
             "--iters" => a.iters = val().parse().unwrap_or_else(|_| usage("bad --iters")),
             "--addr" => a.addr = Some(val().parse().unwrap_or_else(|_| usage("bad --addr"))),
             "--report" => a.report = true,
+            "--bytes" => a.bytes = val().parse().unwrap_or_else(|_| usage("bad --bytes")),
             "--only" => {
                 a.report = true;
                 a.only = Some(val().parse().unwrap_or_else(|_| usage("bad --only")));
@@ -82,7 +86,7 @@ fn parse() -> Args {
 
 fn usage(msg: &str) -> ! {
     eprintln!(
-        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report | --only B]"
+        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report | --only B] [--bytes TOTAL]"
     );
     std::process::exit(2)
 }
@@ -222,7 +226,7 @@ impl Side {
     }
 
     /// `iters` RDMA writes (or reads) of `size` bytes, `DEPTH` in flight, mostly unsignaled.
-    /// Returns MB/s (10^6 bytes per second, as perftest reports).
+    /// Returns MB/s with perftest's MB: 2^20 bytes.
     fn bandwidth(&mut self, read: bool, size: usize, iters: usize) -> gpudirect::Result<f64> {
         let remote = self.peer.slice(0, size as u32)?;
         let local = self.data.slice(..size)?;
@@ -258,7 +262,7 @@ impl Side {
                 done = done.max(w.tag() as usize + 1);
             }
         }
-        Ok((size * iters) as f64 / t0.elapsed().as_secs_f64() / 1e6)
+        Ok((size * iters) as f64 / t0.elapsed().as_secs_f64() / 1048576.0)
     }
 
     /// Write ping-pong: each side writes `size` bytes whose last 8 hold the iteration number and
@@ -424,13 +428,14 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
         vec![size]
     };
     for &sz in &sizes {
-        // The same counts as perftest gets in ci/rxe-vm/scripts/test.sh: 8 MiB per run, 20..2000.
+        // The same counts as perftest gets in ci/rxe-vm/scripts/test.sh: `--bytes` per run
+        // (default 8 MiB), 20..5000 iterations.
         let iters = if args.report {
-            (8 << 20) / sz
+            args.bytes / sz
         } else {
             args.iters
         }
-        .clamp(20, 2000);
+        .clamp(20, 5000);
         let w = s.bandwidth(false, sz, iters)?;
         let r = s.bandwidth(true, sz, iters)?;
         if args.report {

@@ -42,15 +42,16 @@ pt() {  # pt TOOL SIZE ITERS  -> prints the average MB/s (bw) or t_avg usec (lat
 ptok=0
 best() { awk -v a="$1" -v b="$2" -v m="$3" 'BEGIN{ if (a=="") {print b; exit} if (b=="") {print a; exit} if ((m=="max") == (a+0 > b+0)) print a; else print b }'; }
 ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($5,a,"="); print a[2]; exit}' /tmp/one.log; }
-# Compared sizes: perftest and the library alternate, twice each, best of two (the host is shared
-# and TCG is noisy); the same iteration counts on both sides (8 MiB per run, 20..2000).
+# Compared sizes: perftest and the library alternate, three times each, best of three (the host
+# is shared and TCG is noisy); the same iteration counts on both sides (32 MiB per run, 20..5000).
+# Both report MB/s of 2^20 bytes.
 for sz in 8 4096 65536 1048576; do
-  it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<20)i=20; if(i>2000)i=2000; print i}')
+  it=$(awk -v s=$sz 'BEGIN{i=int(33554432/s); if(i<20)i=20; if(i>5000)i=5000; print i}')
   pw=; pr=; ow=; orr=; pl=; ol=
-  for rep in 1 2; do
+  for rep in 1 2 3; do
     v=$(pt ib_write_bw $sz $it "") || ptok=1; pw=$(best "$pw" "$v" max)
     v=$(pt ib_read_bw $sz $it "") || ptok=1; pr=$(best "$pr" "$v" max)
-    timeout 300 /usr/bin/rdma_pingpong --only $sz > /tmp/one.log 2>&1 || { cat /tmp/one.log; ptok=1; }
+    timeout 300 /usr/bin/rdma_pingpong --only $sz --bytes 33554432 > /tmp/one.log 2>&1 || { cat /tmp/one.log; ptok=1; }
     ow=$(best "$ow" "$(ours_get write_bw $sz)" max); orr=$(best "$orr" "$(ours_get read_bw $sz)" max)
     if [ $sz = 8 ]; then
       ol=$(best "$ol" "$(ours_get write_lat 8)" min)
