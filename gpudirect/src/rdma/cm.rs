@@ -662,7 +662,8 @@ impl Connection {
             .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
         let deadline = Instant::now() + timeout;
         let (mut sent, mut got) = (false, None);
-        let mut others: Vec<WorkCompletion> = Vec::new();
+        // Completions that are not the handshake's go back to their own CQ afterwards.
+        let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
         let res = (|| {
             while !(sent && got.is_some()) {
                 if Instant::now() >= deadline {
@@ -674,7 +675,7 @@ impl Connection {
                 for (cq, is_send) in [(&mut self.send_cq, true), (&mut self.recv_cq, false)] {
                     for w in cq.poll()? {
                         if w.tag() != HS_TAG {
-                            others.push(*w);
+                            others.push((is_send, *w));
                             continue;
                         }
                         w.result()?;
@@ -688,8 +689,13 @@ impl Connection {
             }
             Ok(())
         })();
-        for w in others {
-            self.send_cq.inner.hold(w);
+        for (is_send, w) in others {
+            let cq = if is_send {
+                &self.send_cq
+            } else {
+                &self.recv_cq
+            };
+            cq.inner.hold(w);
         }
         res?;
         let mut b = [0u8; RemoteMemory::WIRE_LEN];
