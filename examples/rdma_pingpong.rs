@@ -285,6 +285,11 @@ impl Side {
             let mut spins = 0u32;
             while data.read_u64(off)? != n {
                 spins = spins.wrapping_add(1);
+                // Both loopback threads spin: if the scheduler put them on one CPU, give way now
+                // and then (the peer, or Soft-RoCE's kernel work, needs it to answer).
+                if spins.is_multiple_of(1024) {
+                    std::thread::yield_now();
+                }
                 if spins.is_multiple_of(65536) && Instant::now() > deadline {
                     return Err(gpudirect::Error::Timeout {
                         what: "latency ping",
