@@ -95,6 +95,37 @@ pub enum Error {
         /// The limit.
         limit: usize,
     },
+    /// A verbs work request completed with an error status (remote access, retry exceeded,
+    /// flushed, ...).
+    #[error("work completion on QP {qp_num:#x} failed: {status} (vendor error {vendor_err:#x})")]
+    WorkCompletion {
+        /// The typed `ibv_wc_status`.
+        status: crate::rdma::WcStatus,
+        /// The provider's vendor syndrome.
+        vendor_err: u32,
+        /// The local QP number.
+        qp_num: u32,
+    },
+    /// A work queue is full: completions must be polled before more requests are posted.
+    #[error("{queue} is full ({depth} requests outstanding): poll completions first")]
+    QueueFull {
+        /// Which queue: `send queue`, `receive queue`, `shared receive queue`.
+        queue: &'static str,
+        /// Its depth.
+        depth: u32,
+    },
+    /// rdma_cm delivered an event other than the one the connection step waits for.
+    #[error("{call}: expected {expected}, got {got} (status {status})")]
+    CmEvent {
+        /// The step, such as `rdma_resolve_addr`.
+        call: &'static str,
+        /// The event waited for, such as `RDMA_CM_EVENT_ADDR_RESOLVED`.
+        expected: &'static str,
+        /// The event received (its name).
+        got: String,
+        /// The event's status (a negative errno, or a reject reason).
+        status: i32,
+    },
     /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

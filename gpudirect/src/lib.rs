@@ -5,6 +5,7 @@
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
+//! | RDMA | [`rdma`] | verbs on host memory: devices, PDs, MRs, CQs, QPs, work requests, rdma_cm |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -18,6 +19,7 @@ pub mod error;
 pub mod memory;
 pub mod p2p;
 pub mod storage;
+pub mod rdma;
 pub mod testing;
 pub mod topology;
 

@@ -1,0 +1,145 @@
+#!/bin/bash
+# Tier 1 CI: the project's RDMA tests and examples against Soft-RoCE (rdma_rxe) in a qemu VM.
+#
+#   bash ci/rxe-vm/run.sh
+#
+# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs and
+#    the criterion bench benches/rdma.rs
+#    (they dlopen libibverbs/librdmacm: `ldd` must not list them).
+# 2. Fetches qemu, a Debian kernel with rdma_rxe and the guest's user space (rdma-core, perftest)
+#    through a private APT config made from this machine's own apt sources, unpacked with dpkg -x
+#    under the work dir; nothing is installed on the host.
+# 3. Boots the VM (TCG: KVM here is PVM), creates rxe0 on dummy0 (10.77.0.1), runs each binary
+#    with GPUDIRECT_REQUIRE=rdma, then perftest (ib_write_bw, ib_read_bw, ib_write_lat) beside
+#    `rdma_pingpong --report` in the same boot, printing the ratios.
+# Exit 0 only if every binary and the baselines passed; the last line is "N passed, N failed".
+#
+# Env: W (work dir, cached between runs; default <repo>/.vm/w), VM_TIMEOUT (s, default 1500),
+#      ACCEL=auto|kvm|tcg, SMP (default 2), MEM (default 2G).
+# Adapted from shared/reference/rxe-vm (which documents what was learned getting rxe to run here).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+W=${W:-$ROOT/.vm/w}; mkdir -p "$W"; export W
+KERNEL=${KERNEL:-6.12}
+t0=$(date +%s.%N); stamp() { printf 'HOST: %-28s %6.1fs\n' "$1" "$(echo "$(date +%s.%N) - $t0" | bc)"; }
+die() { echo "HOST: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
+command -v cargo >/dev/null || die "cargo not found"
+command -v bc >/dev/null || die "bc not found"
+command -v apt-get >/dev/null && command -v dpkg >/dev/null || die "apt-get and dpkg are needed"
+
+# --- 1. project binaries (release)
+cd "$ROOT"
+BIN=$W/bin; rm -rf "$BIN"; mkdir -p "$BIN"
+: > "$W/tests.list"
+cargo test --release --no-run --message-format=json --test 'rdma_*' > "$W/build.json" 2>"$W/build.log" \
+  || { tail -30 "$W/build.log"; die "building the tests failed"; }
+# "name executable" of each test executable (cargo's JSON lines, read without jq or python).
+grep '"reason":"compiler-artifact"' "$W/build.json" | grep '"executable":"/' \
+  | sed -e 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/' \
+  | grep '^rdma_' > "$W/tests.raw" || true
+while read -r name exe; do cp "$exe" "$BIN/$name"; echo "test $name" >> "$W/tests.list"; done < "$W/tests.raw"
+for ex in examples/rdma_*.rs; do
+  name=$(basename "$ex" .rs)
+  cargo build --release --example "$name" 2>>"$W/build.log" || { tail -30 "$W/build.log"; die "building $name failed"; }
+  cp "target/release/examples/$name" "$BIN/$name"; echo "example $name" >> "$W/tests.list"
+done
+# The criterion bench, run once per benchmark (`--test`) in the VM: proves it works on a device.
+cargo bench --no-run --message-format=json --bench rdma > "$W/bench.json" 2>>"$W/build.log" \
+  || { tail -30 "$W/build.log"; die "building the rdma bench failed"; }
+exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"/' \
+  | sed -e 's/.*"executable":"\([^"]*\)".*/\1/' | tail -1)
+[ -n "$exe" ] && cp "$exe" "$BIN/rdma_bench" && echo "bench rdma_bench" >> "$W/tests.list"
+for b in "$BIN"/*; do
+  if ldd "$b" | grep -qE 'libibverbs|librdmacm'; then die "$(basename "$b") links rdma-core at build time"; fi
+done
+[ -s "$W/tests.list" ] || die "no rdma test binaries found"
+echo "HOST: binaries: $(awk '{print $2}' "$W/tests.list" | tr '\n' ' ')"
+stamp "project built"
+cd "$W"
+
+# --- 2. private APT configs (bookworm family for user space + qemu; kernel suite separately)
+mkapt() {  # mkapt DIR "suite..."  -- mirrors are taken from this machine's own apt sources
+  mkdir -p "$1"/lists/partial "$1"/archives/partial "$1"/cache
+  : > "$1/sources.list"
+  main_uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+  sec_uri=$(awk '/^URIs:/{u=$2} /^Suites:.*-security/{print u; exit}' /etc/apt/sources.list.d/debian.sources)
+  for s in $2; do
+    case $s in *-security) u=$sec_uri;; *) u=$main_uri;; esac
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $u $s main" >> "$1/sources.list"
+  done
+  printf 'Dir::Etc::SourceList "%s/sources.list";\nDir::Etc::SourceParts "/dev/null";\nDir::State::Lists "%s/lists";\nDir::Cache "%s/cache";\nDir::Cache::Archives "%s/archives";\nAPT::Sandbox::User "root";\n' "$1" "$1" "$1" "$1" > "$1/apt.conf"
+  # Cached lists younger than a day are reused.
+  if [ -z "$(find "$1/lists" -name '*Packages*' -mmin -1440 2>/dev/null | head -1)" ]; then
+    APT_CONFIG=$1/apt.conf apt-get -qq update
+  fi
+}
+mkapt "$W/apt" "bookworm bookworm-updates bookworm-security bookworm-backports"
+case $KERNEL in
+  6.12) KSUITE=bookworm-backports;;
+  7*)   KSUITE=trixie-backports;;
+  *) die "unknown KERNEL=$KERNEL";;
+esac
+KAPT=$W/apt-k-$KSUITE; mkapt "$KAPT" "$KSUITE"
+stamp "apt lists"
+
+# --- 3. host tools: qemu-system-x86 and cpio, unpacked under $W/host
+if [ ! -x "$W/host/usr/bin/qemu-system-x86_64" ]; then
+  APT_CONFIG=$W/apt/apt.conf apt-get -qq install -d -y --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null
+  mkdir -p debs/hosttools && (cd debs/hosttools && APT_CONFIG=$W/apt/apt.conf apt-get -qq download cpio)
+  mkdir -p host && for d in apt/archives/*.deb debs/hosttools/*.deb; do dpkg -x "$d" host; done
+fi
+stamp "qemu ready"
+
+# --- 4. guest user space
+if [ ! -x "$W/gpkgs/usr/bin/ib_write_lat" ]; then
+  mkdir -p debs/guest && (cd debs/guest && APT_CONFIG=$W/apt/apt.conf apt-get -qq download \
+     busybox-static kmod iproute2 ibverbs-utils ibverbs-providers libibverbs1 libibverbs-dev \
+     libnl-3-200 libnl-route-3-200 librdmacm1 perftest libpci3)
+  mkdir -p gpkgs && for d in debs/guest/*.deb; do dpkg -x "$d" gpkgs; done
+fi
+mkdir -p tools; for t in depmod modprobe modinfo; do ln -sf ../gpkgs/bin/kmod tools/$t; done
+stamp "guest packages ready"
+
+# --- 5. kernel (vmlinuz + modules only; never installed on the host)
+KMETA=$(APT_CONFIG=$KAPT/apt.conf apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-/{print $2; exit}')
+KV=${KMETA#linux-image-}
+KDIR=$W/kernel-$KV
+if [ ! -d "$KDIR" ]; then
+  mkdir -p debs/kernel-$KV && cd debs/kernel-$KV
+  APT_CONFIG=$KAPT/apt.conf apt-get -qq download "$KMETA"
+  if [ "$(dpkg -c "$KMETA"_*.deb | grep -c vmlinuz)" = 0 ]; then
+    APT_CONFIG=$KAPT/apt.conf apt-get -qq download "linux-binary-$KV" "linux-modules-$KV" "linux-base-$KV"
+  fi
+  mkdir -p "$KDIR"; for d in *.deb; do dpkg -x "$d" "$KDIR"; done
+  cd "$W"
+fi
+if [ -d "$KDIR/usr/lib/modules/$KV" ]; then KROOT=$KDIR/usr; else KROOT=$KDIR; fi
+for VMLINUZ in "$KDIR/boot/vmlinuz-$KV" "$KROOT/lib/modules/$KV/vmlinuz"; do [ -f "$VMLINUZ" ] && break; done
+tools/depmod -b "$KROOT" "$KV"
+stamp "kernel $KV ready"
+
+# --- 6. initramfs with the project binaries
+CPIO=$W/host/bin/cpio KV=$KV KROOT=$KROOT TEST_SH=$HERE/scripts/test.sh HERE=$HERE \
+  TEST_LIST=$W/tests.list EXTRA_BINS="$(ls -d "$BIN"/* | tr '\n' ' ')" \
+  "$HERE/scripts/build-initramfs.sh" >/dev/null
+stamp "initramfs built"
+
+# --- 7. boot and run
+ACCEL=${ACCEL:-auto}
+if [ "$ACCEL" = auto ]; then
+  if [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; else ACCEL=tcg; fi
+fi
+LOG=$W/vm-$KV-$ACCEL.log
+VM_TIMEOUT=${VM_TIMEOUT:-1500} MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG \
+  "$HERE/scripts/boot-vm.sh" > /dev/null 2>&1 || true
+stamp "vm finished"
+grep -a -E '^(RXE-|GID\[|test |running |SKIPPED|FAILED|REPORT|thread |rdma_pingpong|loopback|send/recv|RDMA |bandwidth|latency|server:)|panicked|test result' "$LOG" || true
+echo "HOST: full log: $LOG"
+summary=$(grep -a -E '^[0-9]+ passed, [0-9]+ failed' "$LOG" | tail -1 | tr -d '\r')
+if [ -z "$summary" ]; then
+  echo "HOST: the VM did not finish the test script (timeout or crash)"
+  n=$(wc -l < "$W/tests.list"); echo "0 passed, $((n + 2)) failed"; exit 1
+fi
+echo "$summary"
+case $summary in *" 0 failed") exit 0;; *) exit 1;; esac

@@ -1,0 +1,726 @@
+//! Connections through rdma_cm: a [`Listener`] and [`Connection::connect`] return connected
+//! queue pairs, and [`Connection::exchange`] swaps [`RemoteMemory`] descriptors in a first message
+//! over the new connection (connect private data holds only 56 bytes, so it is not used).
+//!
+//! The library creates the queue pair itself (on its own [`Context`] for the device rdma_cm
+//! picked) and moves it through INIT, RTR and RTS with the attributes `rdma_init_qp_attr` gives,
+//! so the result is an ordinary [`QueuePair<Rts>`].
+
+use super::cq::{CompletionChannel, CompletionQueue, WorkCompletion};
+use super::mr::{AccessFlags, HostBuffer, Local, MemoryRegion, RemoteMemory};
+use super::pd::ProtectionDomain;
+use super::qp::{QpCaps, QueuePair, Rts};
+use super::wr::{RecvRequest, WorkRequest};
+use super::{Context, DeviceList};
+use crate::error::{Error, Result};
+use gpudirect_sys::ibverbs as ibv;
+use gpudirect_sys::rdmacm as cm;
+use std::ffi::CStr;
+use std::net::SocketAddr;
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+fn cmlib() -> Result<&'static cm::Lib> {
+    super::verbs()?;
+    Ok(cm::lib()?)
+}
+
+/// Options for [`Listener::accept`] and [`Connection::connect`].
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectOptions {
+    /// Queue sizes of the new QP.
+    pub caps: QpCaps,
+    /// Entries of each of its two CQs (0: send depth + receive depth).
+    pub cq_depth: u32,
+    /// What the peer may do through this QP (remote read, write, atomic).
+    pub access: AccessFlags,
+    /// RDMA reads and atomics outstanding in each direction (capped by the device).
+    pub rd_atomic: u8,
+    /// Bound on each connection step.
+    pub timeout: Duration,
+    /// Give the receive CQ a completion channel, so [`Connection::wait_recv`] can block instead
+    /// of spinning.
+    pub recv_channel: bool,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            caps: QpCaps::default(),
+            cq_depth: 0,
+            access: AccessFlags::REMOTE_READ
+                | AccessFlags::REMOTE_WRITE
+                | AccessFlags::REMOTE_ATOMIC,
+            rd_atomic: 16,
+            timeout: Duration::from_secs(10),
+            recv_channel: false,
+        }
+    }
+}
+
+struct Channel(NonNull<cm::rdma_event_channel>);
+
+// SAFETY: librdmacm event channels are used through thread-safe calls.
+unsafe impl Send for Channel {}
+// SAFETY: as above.
+unsafe impl Sync for Channel {}
+
+impl Channel {
+    fn new() -> Result<Channel> {
+        let l = cmlib()?;
+        // SAFETY: no arguments.
+        super::nonnull("rdma_create_event_channel", unsafe {
+            (l.rdma_create_event_channel)()
+        })
+        .map(Channel)
+    }
+
+    /// The next event, within `timeout`, acknowledged; it must be `expected`.
+    fn wait(
+        &self,
+        call: &'static str,
+        expected: cm::rdma_cm_event_type,
+        timeout: Duration,
+    ) -> Result<Event> {
+        let l = cmlib()?;
+        let deadline = Instant::now() + timeout;
+        // SAFETY: a live channel.
+        let fd = unsafe { self.0.as_ref().fd };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let r = unsafe { libc::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::Os {
+                    call: "poll",
+                    source: e,
+                });
+            }
+            if r == 0 {
+                return Err(Error::Timeout {
+                    what: call,
+                    after: timeout,
+                });
+            }
+            break;
+        }
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: a live channel and an out-pointer.
+        super::rc("rdma_get_cm_event", unsafe {
+            (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
+        })?;
+        // SAFETY: an event just returned, read before the ack below.
+        let e = unsafe {
+            Event {
+                kind: (*ev).event,
+                status: (*ev).status,
+                id: (*ev).id,
+                listen_id: (*ev).listen_id,
+            }
+        };
+        // SAFETY: acknowledges that event once.
+        unsafe { (l.rdma_ack_cm_event)(ev) };
+        if e.kind != expected {
+            if e.kind == cm::RDMA_CM_EVENT_CONNECT_REQUEST && !e.listen_id.is_null() {
+                // A request we do not take: refuse it so the peer does not wait.
+                // SAFETY: the new id from the event; rejected and destroyed once.
+                unsafe {
+                    (l.rdma_reject)(e.id, std::ptr::null(), 0);
+                    (l.rdma_destroy_id)(e.id);
+                }
+            }
+            return Err(Error::CmEvent {
+                call,
+                expected: event_name(expected),
+                got: event_name(e.kind).to_string(),
+                status: e.status,
+            });
+        }
+        if e.status != 0 {
+            return Err(Error::CmEvent {
+                call,
+                expected: event_name(expected),
+                got: format!("{} with an error", event_name(e.kind)),
+                status: e.status,
+            });
+        }
+        Ok(e)
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        if super::in_forked_child() {
+            return;
+        }
+        if let Ok(l) = cm::lib() {
+            // SAFETY: every id on the channel was destroyed before (field order).
+            unsafe { (l.rdma_destroy_event_channel)(self.0.as_ptr()) };
+        }
+    }
+}
+
+struct Event {
+    kind: cm::rdma_cm_event_type,
+    status: i32,
+    id: *mut cm::rdma_cm_id,
+    listen_id: *mut cm::rdma_cm_id,
+}
+
+fn event_name(t: cm::rdma_cm_event_type) -> &'static str {
+    match t {
+        cm::RDMA_CM_EVENT_ADDR_RESOLVED => "RDMA_CM_EVENT_ADDR_RESOLVED",
+        cm::RDMA_CM_EVENT_ADDR_ERROR => "RDMA_CM_EVENT_ADDR_ERROR",
+        cm::RDMA_CM_EVENT_ROUTE_RESOLVED => "RDMA_CM_EVENT_ROUTE_RESOLVED",
+        cm::RDMA_CM_EVENT_ROUTE_ERROR => "RDMA_CM_EVENT_ROUTE_ERROR",
+        cm::RDMA_CM_EVENT_CONNECT_REQUEST => "RDMA_CM_EVENT_CONNECT_REQUEST",
+        cm::RDMA_CM_EVENT_CONNECT_RESPONSE => "RDMA_CM_EVENT_CONNECT_RESPONSE",
+        cm::RDMA_CM_EVENT_CONNECT_ERROR => "RDMA_CM_EVENT_CONNECT_ERROR",
+        cm::RDMA_CM_EVENT_UNREACHABLE => "RDMA_CM_EVENT_UNREACHABLE",
+        cm::RDMA_CM_EVENT_REJECTED => "RDMA_CM_EVENT_REJECTED",
+        cm::RDMA_CM_EVENT_ESTABLISHED => "RDMA_CM_EVENT_ESTABLISHED",
+        cm::RDMA_CM_EVENT_DISCONNECTED => "RDMA_CM_EVENT_DISCONNECTED",
+        cm::RDMA_CM_EVENT_DEVICE_REMOVAL => "RDMA_CM_EVENT_DEVICE_REMOVAL",
+        cm::RDMA_CM_EVENT_TIMEWAIT_EXIT => "RDMA_CM_EVENT_TIMEWAIT_EXIT",
+        _ => "another rdma_cm event",
+    }
+}
+
+struct Id(NonNull<cm::rdma_cm_id>);
+
+// SAFETY: librdmacm ids are used through thread-safe calls.
+unsafe impl Send for Id {}
+// SAFETY: as above.
+unsafe impl Sync for Id {}
+
+impl Drop for Id {
+    fn drop(&mut self) {
+        if super::in_forked_child() {
+            return;
+        }
+        if let Ok(l) = cm::lib() {
+            // SAFETY: created by rdma_create_id (or a connect request), destroyed once, after its
+            // QP (ours, not rdma_cm's) was destroyed.
+            unsafe { (l.rdma_destroy_id)(self.0.as_ptr()) };
+        }
+    }
+}
+
+impl Id {
+    fn new(ch: &Channel) -> Result<Id> {
+        let l = cmlib()?;
+        let mut id = std::ptr::null_mut();
+        // SAFETY: a live channel and an out-pointer.
+        super::rc("rdma_create_id", unsafe {
+            (l.rdma_create_id)(
+                ch.0.as_ptr(),
+                &mut id,
+                std::ptr::null_mut(),
+                cm::RDMA_PS_TCP,
+            )
+        })?;
+        super::nonnull("rdma_create_id", id).map(Id)
+    }
+
+    /// The verbs device rdma_cm bound the id to.
+    fn device_name(&self) -> Result<String> {
+        let l = super::verbs()?;
+        // SAFETY: a live id; `verbs` is set once the address is resolved or a request arrived.
+        let ctx = unsafe { self.0.as_ref().verbs };
+        if ctx.is_null() {
+            return Err(Error::NoDevice {
+                what: "verbs device",
+                reason: "rdma_cm bound no device to the connection".into(),
+            });
+        }
+        // SAFETY: a live context owned by librdmacm; the name is NUL-terminated.
+        let name = unsafe { CStr::from_ptr((l.ibv_get_device_name)((*ctx).device)) };
+        Ok(name.to_string_lossy().into_owned())
+    }
+
+    fn qp_attr(&self, state: u32) -> Result<(ibv::ibv_qp_attr, i32)> {
+        let l = cmlib()?;
+        let mut a = ibv::ibv_qp_attr {
+            qp_state: state,
+            ..Default::default()
+        };
+        let mut mask = 0;
+        // SAFETY: a live id and valid out-structs.
+        super::rc("rdma_init_qp_attr", unsafe {
+            (l.rdma_init_qp_attr)(self.0.as_ptr(), &mut a, &mut mask)
+        })?;
+        Ok((a, mask))
+    }
+}
+
+fn sockaddr(addr: &SocketAddr) -> libc::sockaddr_storage {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as u16,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_in fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as u16,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_in6 fits in sockaddr_storage.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+        }
+    }
+    ss
+}
+
+/// `rdma_listen`—a bound, listening rdma_cm id.
+#[doc(alias = "rdma_listen")]
+pub struct Listener {
+    id: Id,
+    ch: Channel,
+}
+
+impl Listener {
+    /// `rdma_create_id` + `rdma_bind_addr(addr)` + `rdma_listen`. Port 0 picks a free port
+    /// ([`Listener::port`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Load`] without librdmacm; [`Error::Os`] naming the call (`EADDRINUSE`,
+    /// `EADDRNOTAVAIL` when no RDMA device has that address).
+    #[doc(alias = "rdma_bind_addr")]
+    pub fn bind(addr: SocketAddr) -> Result<Listener> {
+        let l = cmlib()?;
+        let ch = Channel::new()?;
+        let id = Id::new(&ch)?;
+        let mut ss = sockaddr(&addr);
+        // SAFETY: a live id and a valid address.
+        super::rc("rdma_bind_addr", unsafe {
+            (l.rdma_bind_addr)(
+                id.0.as_ptr(),
+                (&mut ss as *mut libc::sockaddr_storage).cast(),
+            )
+        })?;
+        // SAFETY: a bound id.
+        super::rc("rdma_listen", unsafe { (l.rdma_listen)(id.0.as_ptr(), 16) })?;
+        Ok(Listener { id, ch })
+    }
+
+    /// The port listened on (host order).
+    pub fn port(&self) -> u16 {
+        // The source address is the first member of `route.addr`: a sockaddr_in or sockaddr_in6,
+        // whose port field is at the same offset.
+        // SAFETY: a bound id; only the address of the field is taken.
+        let sin = unsafe { std::ptr::addr_of!((*self.id.0.as_ptr()).route.addr) }
+            .cast::<libc::sockaddr_in>();
+        // SAFETY: as above.
+        u16::from_be(unsafe { (*sin).sin_port })
+    }
+
+    /// Wait for a connection request and accept it: a connected QP in RTS, with one receive
+    /// already posted for [`Connection::exchange`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::CmEvent`] for an unexpected event; any error of creating the
+    /// PD, CQs or QP, or of the transitions.
+    #[doc(alias = "rdma_accept")]
+    pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
+        let l = cmlib()?;
+        let ev = self.ch.wait(
+            "rdma_listen",
+            cm::RDMA_CM_EVENT_CONNECT_REQUEST,
+            opts.timeout,
+        )?;
+        let ch = Channel::new()?;
+        let id = Id(super::nonnull("rdma_get_cm_event", ev.id)?);
+        // SAFETY: a new id whose events were acknowledged; moved to its own channel.
+        super::rc("rdma_migrate_id", unsafe {
+            (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr())
+        })?;
+        let mut parts = Parts::new(&id, opts)?;
+        let qp = parts.qp.take().expect("created");
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
+        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        let mut qp = qp.modify_raw::<super::Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
+        qp.post_recv([RecvRequest::new(parts.hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTR)?;
+        let qp = qp.modify_raw::<super::Rtr>(&mut a, m)?;
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTS)?;
+        let qp = qp.modify_raw::<Rts>(&mut a, m)?;
+        let mut param = parts.conn_param(qp.qp_num());
+        // SAFETY: a live id and a valid parameter struct.
+        super::rc("rdma_accept", unsafe {
+            (l.rdma_accept)(id.0.as_ptr(), &mut param)
+        })?;
+        ch.wait("rdma_accept", cm::RDMA_CM_EVENT_ESTABLISHED, opts.timeout)?;
+        Ok(parts.finish(qp, id, ch))
+    }
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("port", &self.port())
+            .finish()
+    }
+}
+
+const HS_TAG: u64 = u64::MAX - 1;
+const HS_HALF: usize = 64;
+
+struct Parts {
+    ctx: Context,
+    pd: ProtectionDomain,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    channel: Option<CompletionChannel>,
+    qp: Option<QueuePair<super::Reset>>,
+    hs: MemoryRegion<Local>,
+    rd_atomic: u8,
+}
+
+impl Parts {
+    fn new(id: &Id, opts: &ConnectOptions) -> Result<Parts> {
+        let name = id.device_name()?;
+        let list = DeviceList::non_empty()?;
+        let ctx = Context::open(&list.find(&name)?)?;
+        let dev = ctx.query_device()?;
+        let pd = ctx.alloc_pd()?;
+        let depth = if opts.cq_depth == 0 {
+            opts.caps.max_send_wr + opts.caps.max_recv_wr
+        } else {
+            opts.cq_depth
+        };
+        let channel = if opts.recv_channel {
+            Some(ctx.create_comp_channel()?)
+        } else {
+            None
+        };
+        let send_cq = ctx.create_cq(depth, None)?;
+        let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
+        let qp = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
+        let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
+        let rd_atomic = (opts.rd_atomic as u32)
+            .min(dev.max_qp_rd_atom)
+            .min(dev.max_qp_init_rd_atom)
+            .max(1) as u8;
+        Ok(Parts {
+            ctx,
+            pd,
+            send_cq,
+            recv_cq,
+            channel,
+            qp: Some(qp),
+            hs,
+            rd_atomic,
+        })
+    }
+
+    fn conn_param(&self, qp_num: u32) -> cm::rdma_conn_param {
+        cm::rdma_conn_param {
+            responder_resources: self.rd_atomic,
+            initiator_depth: self.rd_atomic,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            qp_num,
+            ..Default::default()
+        }
+    }
+
+    fn finish(self, qp: QueuePair<Rts>, id: Id, ch: Channel) -> Connection {
+        Connection {
+            qp: Some(qp),
+            send_cq: self.send_cq,
+            recv_cq: self.recv_cq,
+            channel: self.channel,
+            hs: self.hs,
+            hs_pending: true,
+            pd: self.pd,
+            ctx: self.ctx,
+            id,
+            _ch: ch,
+        }
+    }
+}
+
+/// A connected RC queue pair with its two CQs, from [`Listener::accept`] or
+/// [`Connection::connect`]. Dropping it disconnects, then drops the QP (which drains).
+pub struct Connection {
+    qp: Option<QueuePair<Rts>>,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    channel: Option<CompletionChannel>,
+    hs: MemoryRegion<Local>,
+    hs_pending: bool,
+    pd: ProtectionDomain,
+    ctx: Context,
+    id: Id,
+    _ch: Channel,
+}
+
+impl Connection {
+    /// `rdma_resolve_addr` + `rdma_resolve_route` + `rdma_connect` to `addr`, then
+    /// `rdma_establish`: a connected QP in RTS, with one receive posted for
+    /// [`Connection::exchange`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::CmEvent`] (for example `RDMA_CM_EVENT_REJECTED` or
+    /// `RDMA_CM_EVENT_UNREACHABLE`); [`Error::Unsupported`] when librdmacm lacks `rdma_establish`.
+    #[doc(alias = "rdma_connect")]
+    #[doc(alias = "rdma_resolve_addr")]
+    pub fn connect(addr: SocketAddr, opts: &ConnectOptions) -> Result<Connection> {
+        let l = cmlib()?;
+        let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
+            what: "rdma_cm with an application-created QP".into(),
+            reason: format!(
+                "{} has no rdma_establish (rdma-core older than 20)",
+                l.path()
+            ),
+        })?;
+        let ch = Channel::new()?;
+        let id = Id::new(&ch)?;
+        let mut dst = sockaddr(&addr);
+        let ms = opts.timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: a live id and a valid destination.
+        super::rc("rdma_resolve_addr", unsafe {
+            (l.rdma_resolve_addr)(
+                id.0.as_ptr(),
+                std::ptr::null_mut(),
+                (&mut dst as *mut libc::sockaddr_storage).cast(),
+                ms,
+            )
+        })?;
+        ch.wait(
+            "rdma_resolve_addr",
+            cm::RDMA_CM_EVENT_ADDR_RESOLVED,
+            opts.timeout,
+        )?;
+        // SAFETY: an id with a resolved address.
+        super::rc("rdma_resolve_route", unsafe {
+            (l.rdma_resolve_route)(id.0.as_ptr(), ms)
+        })?;
+        ch.wait(
+            "rdma_resolve_route",
+            cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            opts.timeout,
+        )?;
+        let mut parts = Parts::new(&id, opts)?;
+        let qp = parts.qp.take().expect("created");
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
+        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        let mut qp = qp.modify_raw::<super::Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
+        qp.post_recv([RecvRequest::new(parts.hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
+        let mut param = parts.conn_param(qp.qp_num());
+        // SAFETY: a live id with a resolved route and a valid parameter struct.
+        super::rc("rdma_connect", unsafe {
+            (l.rdma_connect)(id.0.as_ptr(), &mut param)
+        })?;
+        ch.wait(
+            "rdma_connect",
+            cm::RDMA_CM_EVENT_CONNECT_RESPONSE,
+            opts.timeout,
+        )?;
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTR)?;
+        let qp = qp.modify_raw::<super::Rtr>(&mut a, m)?;
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTS)?;
+        let qp = qp.modify_raw::<Rts>(&mut a, m)?;
+        // SAFETY: a live id whose QP is in RTS: sends the RTU.
+        super::rc("rdma_establish", unsafe { establish(id.0.as_ptr()) })?;
+        Ok(parts.finish(qp, id, ch))
+    }
+
+    /// The queue pair.
+    pub fn qp(&mut self) -> &mut QueuePair<Rts> {
+        self.qp.as_mut().expect("present until drop")
+    }
+
+    /// The CQ of sends, RDMA and atomics.
+    pub fn send_cq(&mut self) -> &mut CompletionQueue {
+        &mut self.send_cq
+    }
+
+    /// The CQ of receives.
+    pub fn recv_cq(&mut self) -> &mut CompletionQueue {
+        &mut self.recv_cq
+    }
+
+    /// Split borrows: the QP and both CQs at once.
+    pub fn parts(
+        &mut self,
+    ) -> (
+        &mut QueuePair<Rts>,
+        &mut CompletionQueue,
+        &mut CompletionQueue,
+    ) {
+        (
+            self.qp.as_mut().expect("present until drop"),
+            &mut self.send_cq,
+            &mut self.recv_cq,
+        )
+    }
+
+    /// Block until the receive CQ has something to poll, or `timeout` passes: arms the CQ
+    /// (`ibv_req_notify_cq`), re-checks it, then waits on its completion channel. Returns whether
+    /// a completion is ready. Needs [`ConnectOptions::recv_channel`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] without a channel; [`Error::Os`] naming `ibv_req_notify_cq`,
+    /// `poll` or `ibv_get_cq_event`.
+    pub fn wait_recv(&mut self, timeout: Duration) -> Result<bool> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let Some(ch) = &self.channel else {
+            return Err(Error::invalid(
+                "recv_channel",
+                false,
+                "wait_recv needs ConnectOptions::recv_channel",
+            ));
+        };
+        self.recv_cq.req_notify(false)?;
+        // A completion that arrived before arming raises no event: look once more, keeping what
+        // is found for the caller's next poll.
+        let mut buf = [WorkCompletion::default(); 4];
+        let n = self.recv_cq.inner.poll_into(&mut buf)?;
+        if n > 0 {
+            for w in &buf[..n] {
+                self.recv_cq.inner.hold(*w);
+            }
+            return Ok(true);
+        }
+        let mut p = libc::pollfd {
+            fd: ch.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
+        if r < 0 {
+            return Err(Error::last_os("poll"));
+        }
+        if r == 0 {
+            return Ok(false);
+        }
+        ch.get_event()?;
+        Ok(true)
+    }
+
+    /// The protection domain: register memory here to use it on this connection.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Send `mine` to the peer as the first message and return the peer's. Both sides call it
+    /// once, right after connecting and before posting anything else.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when called twice; [`Error::Timeout`] after `timeout`;
+    /// [`Error::WorkCompletion`] when the send or receive fails.
+    pub fn exchange(&mut self, mine: RemoteMemory, timeout: Duration) -> Result<RemoteMemory> {
+        if !self.hs_pending {
+            return Err(Error::invalid(
+                "exchange",
+                "second call",
+                "descriptors are exchanged once per connection",
+            ));
+        }
+        self.hs_pending = false;
+        self.hs.write_at(HS_HALF, &mine.to_bytes())?;
+        let s = self.hs.slice(HS_HALF..HS_HALF + RemoteMemory::WIRE_LEN)?;
+        self.qp
+            .as_mut()
+            .expect("present")
+            .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
+        let deadline = Instant::now() + timeout;
+        let (mut sent, mut got) = (false, None);
+        // Completions that are not the handshake's go back to their own CQ afterwards.
+        let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
+        let res = (|| {
+            while !(sent && got.is_some()) {
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        what: "descriptor exchange",
+                        after: timeout,
+                    });
+                }
+                for (cq, is_send) in [(&mut self.send_cq, true), (&mut self.recv_cq, false)] {
+                    for w in cq.poll()? {
+                        if w.tag() != HS_TAG {
+                            others.push((is_send, *w));
+                            continue;
+                        }
+                        w.result()?;
+                        if is_send {
+                            sent = true;
+                        } else {
+                            got = Some(w.byte_len());
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        for (is_send, w) in others {
+            let cq = if is_send {
+                &self.send_cq
+            } else {
+                &self.recv_cq
+            };
+            cq.inner.hold(w);
+        }
+        res?;
+        let mut b = [0u8; RemoteMemory::WIRE_LEN];
+        self.hs.read_at(0, &mut b)?;
+        RemoteMemory::from_bytes(&b[..got.unwrap_or(0).min(RemoteMemory::WIRE_LEN as u32) as usize])
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if let (false, Ok(l)) = (super::in_forked_child(), cm::lib()) {
+            // SAFETY: a live, connected id. Errors (already disconnected) are ignored.
+            unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
+        }
+        // The QP goes first (error state, drain, destroy), then CQs, regions, PD, the id and its
+        // channel, in field order.
+        drop(self.qp.take());
+    }
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("device", &self.ctx.name())
+            .field("qp", &self.qp)
+            .finish()
+    }
+}

@@ -1,0 +1,627 @@
+//! Completion queues, the lending poll cursor, completion channels, and work completions.
+
+use super::context::{Context, CtxInner, set_nonblocking};
+use super::qp::QpShared;
+use super::{in_forked_child, nonnull, rc, verbs};
+use crate::error::{Error, Result};
+use gpudirect_sys::ibverbs as ibv;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::CStr;
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How many completions one [`CompletionQueue::poll`] fetches at most.
+pub const POLL_BATCH: usize = 32;
+
+pub(crate) struct ChannelInner {
+    ch: NonNull<ibv::ibv_comp_channel>,
+    _ctx: Arc<CtxInner>,
+}
+
+// SAFETY: completion channels are used through thread-safe libibverbs calls.
+unsafe impl Send for ChannelInner {}
+// SAFETY: as above.
+unsafe impl Sync for ChannelInner {}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        if in_forked_child() {
+            return;
+        }
+        if let Ok(l) = ibv::lib() {
+            // SAFETY: every CQ using the channel holds an Arc to it, so none is alive.
+            unsafe { (l.ibv_destroy_comp_channel)(self.ch.as_ptr()) };
+        }
+    }
+}
+
+/// `ibv_create_comp_channel`—an fd that becomes readable when an armed CQ gets a completion.
+/// Cheap to clone.
+#[derive(Clone)]
+#[doc(alias = "ibv_comp_channel")]
+pub struct CompletionChannel {
+    inner: Arc<ChannelInner>,
+}
+
+/// One completion event, already acknowledged (`ibv_ack_cq_events`). Say which CQ it was for with
+/// [`CompletionQueue::is_event_for`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CqEvent {
+    cq: usize,
+}
+
+impl CompletionChannel {
+    pub(crate) fn new(ctx: &Context) -> Result<Self> {
+        let l = verbs()?;
+        // SAFETY: a live context.
+        let ch = nonnull("ibv_create_comp_channel", unsafe {
+            (l.ibv_create_comp_channel)(ctx.as_raw())
+        })?;
+        Ok(CompletionChannel {
+            inner: Arc::new(ChannelInner {
+                ch,
+                _ctx: ctx.inner.clone(),
+            }),
+        })
+    }
+
+    /// Make [`get_event`](Self::get_event) answer `EAGAIN` instead of blocking (or block again).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `fcntl`.
+    pub fn set_nonblocking(&self, nonblocking: bool) -> Result<()> {
+        set_nonblocking(self.as_fd(), nonblocking)
+    }
+
+    /// `ibv_get_cq_event` then `ibv_ack_cq_events(cq, 1)`—wait for the next event of any CQ on
+    /// this channel. Every event is acknowledged before this returns, so destroying a CQ never
+    /// waits on unacknowledged events. Re-arm with [`CompletionQueue::req_notify`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_get_cq_event` (`EAGAIN` when non-blocking and none is ready).
+    #[doc(alias = "ibv_get_cq_event")]
+    #[doc(alias = "ibv_ack_cq_events")]
+    pub fn get_event(&self) -> Result<CqEvent> {
+        let l = verbs()?;
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: a live channel and two out-pointers.
+        rc("ibv_get_cq_event", unsafe {
+            (l.ibv_get_cq_event)(self.inner.ch.as_ptr(), &mut cq, &mut ctx)
+        })?;
+        // SAFETY: the CQ the event reported; ibv_destroy_cq waits for this ack, so it is live.
+        unsafe { (l.ibv_ack_cq_events)(cq, 1) };
+        Ok(CqEvent { cq: cq as usize })
+    }
+}
+
+impl AsFd for CompletionChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the channel owns its fd for as long as it lives; the borrow is tied to `self`.
+        unsafe { BorrowedFd::borrow_raw((*self.inner.ch.as_ptr()).fd) }
+    }
+}
+
+impl fmt::Debug for CompletionChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionChannel")
+            .field("fd", &self.as_fd())
+            .finish()
+    }
+}
+
+struct CqState {
+    /// Queue pairs using this CQ, by QP number: their posted-request tables.
+    qps: HashMap<u32, Arc<QpShared>>,
+    /// Completions polled on behalf of someone else (a dropped QP's drain), not yet returned.
+    pending: VecDeque<WorkCompletion>,
+}
+
+pub(crate) struct CqInner {
+    cq: NonNull<ibv::ibv_cq>,
+    _channel: Option<Arc<ChannelInner>>,
+    _ctx: Arc<CtxInner>,
+    state: Mutex<CqState>,
+}
+
+// SAFETY: ibv_poll_cq is thread-safe in rdma-core providers; our state is behind a Mutex.
+unsafe impl Send for CqInner {}
+// SAFETY: as above.
+unsafe impl Sync for CqInner {}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        if in_forked_child() {
+            return;
+        }
+        if let Ok(l) = ibv::lib() {
+            // SAFETY: every QP using the CQ holds an Arc to it, so none is alive; all events were
+            // acknowledged when they were read. Failure leaks the CQ.
+            unsafe { (l.ibv_destroy_cq)(self.cq.as_ptr()) };
+        }
+    }
+}
+
+impl CqInner {
+    fn lock(&self) -> MutexGuard<'_, CqState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn register(&self, qp_num: u32, shared: Arc<QpShared>) {
+        self.lock().qps.insert(qp_num, shared);
+    }
+
+    pub(crate) fn unregister(&self, qp_num: u32) {
+        self.lock().qps.remove(&qp_num);
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut ibv::ibv_cq {
+        self.cq.as_ptr()
+    }
+
+    /// Poll up to `out.len()` completions: first those held back, then the CQ's. Each one's
+    /// posted resources are released (its request's slices dropped) before it is returned.
+    pub(crate) fn poll_into(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut st = self.lock();
+        let mut n = 0;
+        while n < out.len() {
+            match st.pending.pop_front() {
+                Some(w) => {
+                    out[n] = w;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        if n < out.len() {
+            let want = (out.len() - n).min(i32::MAX as usize);
+            // WorkCompletion is a transparent ibv_wc: the provider writes straight into `out`.
+            let dst = out[n..].as_mut_ptr().cast::<ibv::ibv_wc>();
+            // SAFETY: a live CQ and room for `want` entries.
+            let got = unsafe { ibv::ibv_poll_cq(self.cq.as_ptr(), want as i32, dst) };
+            if got < 0 {
+                return Err(Error::errno("ibv_poll_cq", -got));
+            }
+            for w in &mut out[n..n + got as usize] {
+                // The library's wr_id becomes the caller's tag once the request is released.
+                w.0.wr_id = match st.qps.get(&w.0.qp_num) {
+                    Some(shared) => shared.complete(&w.0),
+                    None => 0,
+                };
+            }
+            n += got as usize;
+        }
+        Ok(n)
+    }
+
+    /// Hold back completions polled for someone else.
+    pub(crate) fn hold(&self, w: WorkCompletion) {
+        self.lock().pending.push_back(w);
+    }
+}
+
+/// `ibv_create_cq`—a completion queue. Poll it with [`CompletionQueue::poll`], which lends its
+/// completions until the next poll. Queue pairs using it keep it alive.
+#[doc(alias = "ibv_cq")]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+    buf: Box<[WorkCompletion; POLL_BATCH]>,
+    cqe: u32,
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(
+        ctx: &Context,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<Self> {
+        if cqe == 0 {
+            return Err(Error::invalid(
+                "cqe",
+                0,
+                "a completion queue needs at least one entry",
+            ));
+        }
+        let l = verbs()?;
+        let ch = channel.map_or(std::ptr::null_mut(), |c| c.inner.ch.as_ptr());
+        // SAFETY: a live context, and a live channel of it or NULL.
+        let p = unsafe {
+            (l.ibv_create_cq)(
+                ctx.as_raw(),
+                cqe.min(i32::MAX as u32) as i32,
+                std::ptr::null_mut(),
+                ch,
+                0,
+            )
+        };
+        let cq = nonnull("ibv_create_cq", p)?;
+        // SAFETY: a CQ just created.
+        let actual = unsafe { (*p).cqe }.max(0) as u32;
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                cq,
+                _channel: channel.map(|c| c.inner.clone()),
+                _ctx: ctx.inner.clone(),
+                state: Mutex::new(CqState {
+                    qps: HashMap::new(),
+                    pending: VecDeque::new(),
+                }),
+            }),
+            buf: Box::new([WorkCompletion::default(); POLL_BATCH]),
+            cqe: actual,
+        })
+    }
+
+    /// Entries, as the provider rounded them up.
+    pub fn capacity(&self) -> u32 {
+        self.cqe
+    }
+
+    /// The raw `ibv_cq`, valid while `self` is.
+    pub fn as_raw(&self) -> *mut ibv::ibv_cq {
+        self.inner.as_ptr()
+    }
+
+    /// `ibv_poll_cq`—fetch up to [`POLL_BATCH`] completions. They are lent: each borrows the CQ
+    /// and is gone at the next poll. Each completion's request has released what it held (its
+    /// slices) by the time it is seen, and its [`CompletionFlag`](crate::memory::CompletionFlag),
+    /// if any, is set.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_poll_cq` when the provider reports an error.
+    #[doc(alias = "ibv_poll_cq")]
+    pub fn poll(&mut self) -> Result<Completions<'_>> {
+        let n = self.inner.poll_into(&mut self.buf[..])?;
+        Ok(Completions {
+            items: self.buf[..n].iter(),
+        })
+    }
+
+    /// `ibv_req_notify_cq`—arm the channel: the next completion (or next solicited one) makes it
+    /// readable. Poll after arming to catch completions that raced with it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_req_notify_cq`.
+    #[doc(alias = "ibv_req_notify_cq")]
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        verbs()?;
+        // SAFETY: a live CQ.
+        rc("ibv_req_notify_cq", unsafe {
+            ibv::ibv_req_notify_cq(self.inner.as_ptr(), solicited_only as i32)
+        })
+    }
+
+    /// Whether `ev` was reported for this CQ.
+    pub fn is_event_for(&self, ev: &CqEvent) -> bool {
+        ev.cq == self.inner.as_ptr() as usize
+    }
+}
+
+impl fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("cqe", &self.cqe)
+            .finish()
+    }
+}
+
+/// The completions of one [`CompletionQueue::poll`]; each borrows the CQ.
+#[derive(Debug)]
+pub struct Completions<'cq> {
+    items: std::slice::Iter<'cq, WorkCompletion>,
+}
+
+impl<'cq> Iterator for Completions<'cq> {
+    type Item = &'cq WorkCompletion;
+    fn next(&mut self) -> Option<Self::Item> {
+        self.items.next()
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.items.size_hint()
+    }
+}
+
+impl ExactSizeIterator for Completions<'_> {}
+
+/// `struct ibv_wc`: one work completion. Its `wr_id` holds the request's tag (the library's own
+/// `wr_id` is resolved and replaced when the completion is polled).
+#[derive(Clone, Copy, Default)]
+#[repr(transparent)]
+#[doc(alias = "ibv_wc")]
+pub struct WorkCompletion(ibv::ibv_wc);
+
+impl WorkCompletion {
+    /// The tag given to the request ([`WorkRequest::tag`](super::WorkRequest::tag),
+    /// [`RecvRequest::tag`](super::RecvRequest::tag)); 0 by default.
+    pub fn tag(&self) -> u64 {
+        self.0.wr_id
+    }
+
+    /// The status.
+    pub fn status(&self) -> WcStatus {
+        WcStatus::from_raw(self.0.status)
+    }
+
+    /// Whether it succeeded.
+    pub fn is_ok(&self) -> bool {
+        self.0.status == ibv::IBV_WC_SUCCESS
+    }
+
+    /// `Ok` on success, else [`Error::WorkCompletion`] with the status and vendor error.
+    ///
+    /// # Errors
+    ///
+    /// As above.
+    pub fn result(&self) -> Result<()> {
+        if self.is_ok() {
+            Ok(())
+        } else {
+            Err(Error::WorkCompletion {
+                status: self.status(),
+                vendor_err: self.0.vendor_err,
+                qp_num: self.0.qp_num,
+            })
+        }
+    }
+
+    /// What completed (valid only on success: flushed completions carry no opcode).
+    pub fn opcode(&self) -> WcOpcode {
+        WcOpcode::from_raw(self.0.opcode)
+    }
+
+    /// Bytes received (receives), or read/atomic results.
+    pub fn byte_len(&self) -> u32 {
+        self.0.byte_len
+    }
+
+    /// The immediate data of a send or RDMA write with immediate (converted from wire big-endian).
+    pub fn imm(&self) -> Option<u32> {
+        if self.0.wc_flags & ibv::IBV_WC_WITH_IMM != 0 {
+            // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set.
+            Some(u32::from_be(unsafe { self.0.__bindgen_anon_1.imm_data }))
+        } else {
+            None
+        }
+    }
+
+    /// The local QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.0.qp_num
+    }
+
+    /// The remote QP number (UD), or the local one's peer where the provider reports it.
+    pub fn src_qp(&self) -> u32 {
+        self.0.src_qp
+    }
+
+    /// Vendor-specific error syndrome.
+    pub fn vendor_err(&self) -> u32 {
+        self.0.vendor_err
+    }
+}
+
+impl fmt::Debug for WorkCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkCompletion")
+            .field("tag", &self.tag())
+            .field("status", &self.status())
+            .field("opcode", &self.opcode())
+            .field("byte_len", &self.0.byte_len)
+            .field("imm", &self.imm())
+            .field("qp_num", &self.0.qp_num)
+            .finish()
+    }
+}
+
+/// `enum ibv_wc_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[allow(missing_docs)]
+pub enum WcStatus {
+    Success,
+    LocalLength,
+    LocalQpOperation,
+    LocalEecOperation,
+    LocalProtection,
+    /// The QP went to the error state: the request was flushed, not executed.
+    Flushed,
+    MemoryWindowBind,
+    BadResponse,
+    LocalAccess,
+    RemoteInvalidRequest,
+    /// The peer refused the access (bad rkey, bounds, or permissions).
+    RemoteAccess,
+    RemoteOperation,
+    /// Transport retries ran out: the peer did not answer.
+    RetryExceeded,
+    /// Receiver-not-ready retries ran out: the peer posted no receive.
+    RnrRetryExceeded,
+    LocalRddViolation,
+    RemoteInvalidRdRequest,
+    RemoteAborted,
+    InvalidEecn,
+    InvalidEecState,
+    Fatal,
+    ResponseTimeout,
+    General,
+    TagMatching,
+    TagMatchingRndvIncomplete,
+    /// A value this crate does not know.
+    Other(u32),
+}
+
+impl WcStatus {
+    /// From the raw `enum ibv_wc_status` value.
+    pub fn from_raw(v: u32) -> Self {
+        use WcStatus::*;
+        match v {
+            ibv::IBV_WC_SUCCESS => Success,
+            ibv::IBV_WC_LOC_LEN_ERR => LocalLength,
+            ibv::IBV_WC_LOC_QP_OP_ERR => LocalQpOperation,
+            ibv::IBV_WC_LOC_EEC_OP_ERR => LocalEecOperation,
+            ibv::IBV_WC_LOC_PROT_ERR => LocalProtection,
+            ibv::IBV_WC_WR_FLUSH_ERR => Flushed,
+            ibv::IBV_WC_MW_BIND_ERR => MemoryWindowBind,
+            ibv::IBV_WC_BAD_RESP_ERR => BadResponse,
+            ibv::IBV_WC_LOC_ACCESS_ERR => LocalAccess,
+            ibv::IBV_WC_REM_INV_REQ_ERR => RemoteInvalidRequest,
+            ibv::IBV_WC_REM_ACCESS_ERR => RemoteAccess,
+            ibv::IBV_WC_REM_OP_ERR => RemoteOperation,
+            ibv::IBV_WC_RETRY_EXC_ERR => RetryExceeded,
+            ibv::IBV_WC_RNR_RETRY_EXC_ERR => RnrRetryExceeded,
+            ibv::IBV_WC_LOC_RDD_VIOL_ERR => LocalRddViolation,
+            ibv::IBV_WC_REM_INV_RD_REQ_ERR => RemoteInvalidRdRequest,
+            ibv::IBV_WC_REM_ABORT_ERR => RemoteAborted,
+            ibv::IBV_WC_INV_EECN_ERR => InvalidEecn,
+            ibv::IBV_WC_INV_EEC_STATE_ERR => InvalidEecState,
+            ibv::IBV_WC_FATAL_ERR => Fatal,
+            ibv::IBV_WC_RESP_TIMEOUT_ERR => ResponseTimeout,
+            ibv::IBV_WC_GENERAL_ERR => General,
+            ibv::IBV_WC_TM_ERR => TagMatching,
+            ibv::IBV_WC_TM_RNDV_INCOMPLETE => TagMatchingRndvIncomplete,
+            o => Other(o),
+        }
+    }
+
+    /// The C name, such as `IBV_WC_REM_ACCESS_ERR`.
+    pub fn c_name(self) -> &'static str {
+        use WcStatus::*;
+        match self {
+            Success => "IBV_WC_SUCCESS",
+            LocalLength => "IBV_WC_LOC_LEN_ERR",
+            LocalQpOperation => "IBV_WC_LOC_QP_OP_ERR",
+            LocalEecOperation => "IBV_WC_LOC_EEC_OP_ERR",
+            LocalProtection => "IBV_WC_LOC_PROT_ERR",
+            Flushed => "IBV_WC_WR_FLUSH_ERR",
+            MemoryWindowBind => "IBV_WC_MW_BIND_ERR",
+            BadResponse => "IBV_WC_BAD_RESP_ERR",
+            LocalAccess => "IBV_WC_LOC_ACCESS_ERR",
+            RemoteInvalidRequest => "IBV_WC_REM_INV_REQ_ERR",
+            RemoteAccess => "IBV_WC_REM_ACCESS_ERR",
+            RemoteOperation => "IBV_WC_REM_OP_ERR",
+            RetryExceeded => "IBV_WC_RETRY_EXC_ERR",
+            RnrRetryExceeded => "IBV_WC_RNR_RETRY_EXC_ERR",
+            LocalRddViolation => "IBV_WC_LOC_RDD_VIOL_ERR",
+            RemoteInvalidRdRequest => "IBV_WC_REM_INV_RD_REQ_ERR",
+            RemoteAborted => "IBV_WC_REM_ABORT_ERR",
+            InvalidEecn => "IBV_WC_INV_EECN_ERR",
+            InvalidEecState => "IBV_WC_INV_EEC_STATE_ERR",
+            Fatal => "IBV_WC_FATAL_ERR",
+            ResponseTimeout => "IBV_WC_RESP_TIMEOUT_ERR",
+            General => "IBV_WC_GENERAL_ERR",
+            TagMatching => "IBV_WC_TM_ERR",
+            TagMatchingRndvIncomplete => "IBV_WC_TM_RNDV_INCOMPLETE",
+            Other(_) => "IBV_WC_?",
+        }
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let raw = match self {
+            WcStatus::Other(v) => Some(*v),
+            _ => None,
+        };
+        let text = ibv::lib().ok().and_then(|l| {
+            let v = raw.unwrap_or_else(|| status_raw(*self));
+            // SAFETY: returns a static string for any value.
+            let p = unsafe { (l.ibv_wc_status_str)(v) };
+            // SAFETY: non-NULL static NUL-terminated string.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        });
+        match (text, raw) {
+            (Some(t), _) => write!(f, "{t} ({})", self.c_name()),
+            (None, Some(v)) => write!(f, "status {v}"),
+            (None, None) => f.write_str(self.c_name()),
+        }
+    }
+}
+
+fn status_raw(s: WcStatus) -> u32 {
+    (0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE)
+        .find(|v| WcStatus::from_raw(*v) == s)
+        .unwrap_or(u32::MAX)
+}
+
+/// `enum ibv_wc_opcode`: what a successful completion was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+#[allow(missing_docs)]
+pub enum WcOpcode {
+    Send,
+    RdmaWrite,
+    RdmaRead,
+    CompareSwap,
+    FetchAdd,
+    Recv,
+    RecvRdmaWithImm,
+    Other(u32),
+}
+
+impl WcOpcode {
+    fn from_raw(v: u32) -> Self {
+        match v {
+            ibv::IBV_WC_SEND => WcOpcode::Send,
+            ibv::IBV_WC_RDMA_WRITE => WcOpcode::RdmaWrite,
+            ibv::IBV_WC_RDMA_READ => WcOpcode::RdmaRead,
+            ibv::IBV_WC_COMP_SWAP => WcOpcode::CompareSwap,
+            ibv::IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
+            ibv::IBV_WC_RECV => WcOpcode::Recv,
+            ibv::IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
+            o => WcOpcode::Other(o),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_round_trip_and_name_themselves() {
+        for v in 0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE {
+            let s = WcStatus::from_raw(v);
+            assert!(!matches!(s, WcStatus::Other(_)), "{v}");
+            assert_eq!(status_raw(s), v);
+        }
+        assert_eq!(
+            WcStatus::from_raw(ibv::IBV_WC_WR_FLUSH_ERR),
+            WcStatus::Flushed
+        );
+        assert_eq!(WcStatus::RemoteAccess.c_name(), "IBV_WC_REM_ACCESS_ERR");
+        assert!(
+            WcStatus::RetryExceeded
+                .to_string()
+                .contains("IBV_WC_RETRY_EXC_ERR")
+        );
+    }
+
+    #[test]
+    fn immediate_is_big_endian_on_the_wire() {
+        let mut w = WorkCompletion::default();
+        assert_eq!(w.imm(), None);
+        w.0.wc_flags = ibv::IBV_WC_WITH_IMM;
+        w.0.__bindgen_anon_1.imm_data = 0x1234_5678u32.to_be();
+        assert_eq!(w.imm(), Some(0x1234_5678));
+        w.0.status = ibv::IBV_WC_REM_ACCESS_ERR;
+        w.0.qp_num = 7;
+        let e = w.result().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::WorkCompletion {
+                    status: WcStatus::RemoteAccess,
+                    qp_num: 7,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,190 @@
+//! RDMA verbs on host memory: devices, contexts, protection domains, memory regions, completion
+//! queues and channels, shared receive queues, reliable-connected queue pairs, work requests, and
+//! [`cm`] connections through rdma_cm.
+//!
+//! libibverbs and librdmacm are opened at run time: without them every entry point answers
+//! [`Error::Load`]; without a device, [`Error::NoDevice`].
+//!
+//! # Ownership of posted memory
+//!
+//! Work requests take [`MrSlice`]s by value: a slice keeps its [`MemoryRegion`] (registration and
+//! memory) alive. A posted request's slices are kept by its queue pair, keyed by a `wr_id` the
+//! library chooses, until its completion is polled (or flushed); only then are they released. A
+//! dropped queue pair is moved to the error state and its flushed completions drained for a bounded
+//! time ([`qp::DRAIN_TIMEOUT`]); if they do not all arrive, the QP and everything it holds are
+//! leaked, never freed early. Memory a NIC may write (remote-writable regions, receive and RDMA-read
+//! targets) is never handed out as a Rust reference while it can be written: see [`MemoryRegion`].
+//!
+//! ```no_run
+//! use gpudirect::rdma::{AccessFlags, Context, DeviceList, HostBuffer};
+//! # fn main() -> gpudirect::Result<()> {
+//! let list = DeviceList::get()?;
+//! let dev = list.iter().next().expect("a verbs device");
+//! let ctx = Context::open(&dev)?;
+//! let pd = ctx.alloc_pd()?;
+//! let mr = pd.register(HostBuffer::zeroed(4096)?, AccessFlags::LOCAL_WRITE)?;
+//! println!("lkey {:#x}", mr.lkey());
+//! # Ok(()) }
+//! ```
+
+use crate::error::{Error, Result};
+use gpudirect_sys::ibverbs as ibv;
+use std::sync::OnceLock;
+
+pub mod cm;
+mod context;
+mod cq;
+mod device;
+mod mr;
+mod pd;
+pub mod qp;
+mod srq;
+mod wr;
+
+pub use context::{
+    AsyncEvent, AsyncEventKind, Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu,
+    PortAttr, PortState,
+};
+pub use cq::{
+    CompletionChannel, CompletionQueue, Completions, CqEvent, POLL_BATCH, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+pub use device::{Device, DeviceList};
+pub use mr::{
+    AccessFlags, DmabufRegion, HostBuffer, HostMemory, Local, MemoryRegion, MrMode, MrSlice,
+    Remote, RemoteMemory, RemoteSlice,
+};
+pub use pd::ProtectionDomain;
+pub use qp::{Endpoint, Init, QpCaps, QueuePair, Reset, Rtr, RtrAttr, Rts, RtsAttr};
+pub use srq::SharedReceiveQueue;
+pub use wr::{RecvRequest, WorkRequest};
+
+/// libibverbs, loaded, with fork support checked ([`fork_status`]).
+pub(crate) fn verbs() -> Result<&'static ibv::Lib> {
+    let l = ibv::lib()?;
+    fork_status()?;
+    Ok(l)
+}
+
+/// Process that first loaded verbs: FFI frees are skipped in a forked child (DESIGN.md).
+fn creator_pid() -> u32 {
+    static PID: OnceLock<u32> = OnceLock::new();
+    *PID.get_or_init(std::process::id)
+}
+
+/// Whether this is a child forked after verbs were first used: destructors then leak instead of
+/// calling into libibverbs.
+pub(crate) fn in_forked_child() -> bool {
+    std::process::id() != creator_pid()
+}
+
+/// Fork support, as `ibv_is_fork_initialized` reports it after this library made sure of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForkStatus {
+    /// `ibv_fork_init` has run (by us or by the application, or `RDMAV_FORK_SAFE` was set).
+    Enabled,
+    /// The kernel keeps registered pages across `fork` by itself (Linux 5.13+); nothing to do.
+    Unneeded,
+    /// The library is too old to say (no `ibv_is_fork_initialized`); `ibv_fork_init` was called.
+    Assumed,
+}
+
+/// `ibv_is_fork_initialized`, then `ibv_fork_init` when it answers "disabled". Runs once, before
+/// the first registration; every verbs entry point calls it.
+///
+/// # Errors
+///
+/// [`Error::Os`] naming `ibv_fork_init` when it fails (typically `EINVAL`: memory was already
+/// registered by other code in this process before fork support could be enabled).
+#[doc(alias = "ibv_fork_init")]
+#[doc(alias = "ibv_is_fork_initialized")]
+pub fn fork_status() -> Result<ForkStatus> {
+    static STATUS: OnceLock<std::result::Result<ForkStatus, i32>> = OnceLock::new();
+    let l = ibv::lib()?;
+    creator_pid();
+    let r = STATUS.get_or_init(|| {
+        if let Some(is_init) = l.ibv_is_fork_initialized {
+            // SAFETY: no arguments; reads library state.
+            match unsafe { is_init() } {
+                ibv::IBV_FORK_ENABLED => return Ok(ForkStatus::Enabled),
+                ibv::IBV_FORK_UNNEEDED => return Ok(ForkStatus::Unneeded),
+                _ => {}
+            }
+        }
+        // SAFETY: no arguments; called before any registration made by this library.
+        match unsafe { (l.ibv_fork_init)() } {
+            0 if l.ibv_is_fork_initialized.is_some() => Ok(ForkStatus::Enabled),
+            0 => Ok(ForkStatus::Assumed),
+            e => Err(e),
+        }
+    });
+    r.map_err(|e| Error::errno("ibv_fork_init", e))
+}
+
+/// An `Err` from a verbs return code: positive values are errnos (the modern convention), negative
+/// ones mean "see errno".
+pub(crate) fn rc(call: &'static str, rc: i32) -> Result<()> {
+    match rc {
+        0 => Ok(()),
+        e if e > 0 => Err(Error::errno(call, e)),
+        _ => {
+            let os = std::io::Error::last_os_error();
+            match os.raw_os_error() {
+                Some(0) | None => Err(Error::errno(call, -rc)),
+                _ => Err(Error::Os { call, source: os }),
+            }
+        }
+    }
+}
+
+/// A non-NULL pointer, or the errno the call left (A2: no handle ever wraps NULL).
+pub(crate) fn nonnull<T>(call: &'static str, p: *mut T) -> Result<std::ptr::NonNull<T>> {
+    match std::ptr::NonNull::new(p) {
+        Some(p) => Ok(p),
+        None => {
+            let os = std::io::Error::last_os_error();
+            // Some providers fail without setting errno; say so rather than "Success".
+            let source = match os.raw_os_error() {
+                Some(0) | None => std::io::Error::other("returned NULL without setting errno"),
+                _ => os,
+            };
+            Err(Error::Os { call, source })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn null_is_an_error_with_errno_never_a_handle() {
+        // SAFETY: sets the calling thread's errno, as a failing verb would.
+        unsafe { *libc::__errno_location() = libc::ENOMEM };
+        let e = nonnull::<u8>("ibv_reg_mr", std::ptr::null_mut()).unwrap_err();
+        match &e {
+            Error::Os { call, source } => {
+                assert_eq!(*call, "ibv_reg_mr");
+                assert_eq!(source.raw_os_error(), Some(libc::ENOMEM));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // SAFETY: as above.
+        unsafe { *libc::__errno_location() = 0 };
+        let e = nonnull::<u8>("ibv_alloc_pd", std::ptr::null_mut()).unwrap_err();
+        assert!(e.to_string().contains("without setting errno"), "{e}");
+    }
+
+    #[test]
+    fn return_codes_are_errnos() {
+        assert!(rc("ibv_modify_qp", 0).is_ok());
+        let e = rc("ibv_modify_qp", libc::EINVAL).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "ibv_modify_qp failed: {}",
+                std::io::Error::from_raw_os_error(libc::EINVAL)
+            )
+        );
+    }
+}

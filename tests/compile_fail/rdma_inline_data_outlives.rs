@@ -1,0 +1,13 @@
+// Inline data is borrowed until the request is posted: it cannot be dropped before.
+use gpudirect::rdma::{QueuePair, Rts, WorkRequest};
+
+fn f(qp: &mut QueuePair<Rts>) {
+    let wr;
+    {
+        let data = vec![1u8; 8];
+        wr = WorkRequest::send_inline(&data);
+    }
+    qp.post_send([wr]).unwrap();
+}
+
+fn main() {}

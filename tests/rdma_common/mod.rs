@@ -1,0 +1,133 @@
+//! Helpers shared by the RDMA integration tests: a loopback pair of connected RC queue pairs on
+//! the first verbs device, and bounded completion waits.
+#![allow(dead_code)]
+
+use gpudirect::Result;
+use gpudirect::rdma::*;
+use std::time::{Duration, Instant};
+
+pub struct Pair {
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub cq_a: CompletionQueue,
+    pub cq_b: CompletionQueue,
+    pub a: QueuePair<Rts>,
+    pub b: QueuePair<Rts>,
+}
+
+pub fn caps() -> QpCaps {
+    QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: 64,
+        signal_every: 8,
+    }
+}
+
+/// Two RC QPs on the first device's port 1, connected to each other with typed transitions.
+pub fn pair() -> Result<Pair> {
+    pair_with(None)
+}
+
+pub fn pair_with(srq: Option<&SharedReceiveQueue>) -> Result<Pair> {
+    let ctx = Context::open_by_name(None)?;
+    let pd = ctx.alloc_pd()?;
+    pair_on(ctx, pd, srq)
+}
+
+pub fn pair_on(
+    ctx: Context,
+    pd: ProtectionDomain,
+    srq: Option<&SharedReceiveQueue>,
+) -> Result<Pair> {
+    pair_opts(ctx, pd, srq, false)
+}
+
+/// With `shared_cq`, both QPs report to `cq_a` (and `cq_b` stays empty).
+pub fn pair_opts(
+    ctx: Context,
+    pd: ProtectionDomain,
+    srq: Option<&SharedReceiveQueue>,
+    shared_cq: bool,
+) -> Result<Pair> {
+    let port = ctx.query_port(1)?;
+    let gid = ctx.preferred_gid(1)?;
+    let cq_a = ctx.create_cq(256, None)?;
+    let cq_b = ctx.create_cq(256, None)?;
+    let all = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+    let a = QueuePair::create(&pd, &cq_a, &cq_a, srq, caps())?.to_init(1, all)?;
+    let cq = if shared_cq { &cq_a } else { &cq_b };
+    let b = QueuePair::create(&pd, cq, cq, srq, caps())?.to_init(1, all)?;
+    let (psn_a, psn_b) = (
+        rand::random::<u32>() & 0xffffff,
+        rand::random::<u32>() & 0xffffff,
+    );
+    let ep = |qp_num, psn| Endpoint {
+        qp_num,
+        psn,
+        gid: gid.gid,
+        gid_index: gid.index as u8,
+        lid: port.lid,
+    };
+    let (ea, eb) = (ep(a.qp_num(), psn_a), ep(b.qp_num(), psn_b));
+    let a = a
+        .to_rtr(
+            &RtrAttr::from_endpoint(&eb, port.active_mtu, gid.index as u8).max_dest_rd_atomic(4),
+        )?
+        .to_rts(&RtsAttr::new(psn_a).max_rd_atomic(4).timeout(12))?;
+    let b = b
+        .to_rtr(
+            &RtrAttr::from_endpoint(&ea, port.active_mtu, gid.index as u8).max_dest_rd_atomic(4),
+        )?
+        .to_rts(&RtsAttr::new(psn_b).max_rd_atomic(4).timeout(12))?;
+    Ok(Pair {
+        ctx,
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    })
+}
+
+/// One polled completion, copied out of the lending cursor.
+#[derive(Debug, Clone, Copy)]
+pub struct Done {
+    pub tag: u64,
+    pub status: WcStatus,
+    pub opcode: WcOpcode,
+    pub byte_len: u32,
+    pub imm: Option<u32>,
+}
+
+/// Poll until `n` completions arrived (10 s bound).
+pub fn wait(cq: &mut CompletionQueue, n: usize) -> Vec<Done> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {} of {n} completions: {out:?}",
+            out.len()
+        );
+        for w in cq.poll().expect("ibv_poll_cq") {
+            out.push(Done {
+                tag: w.tag(),
+                status: w.status(),
+                opcode: w.opcode(),
+                byte_len: w.byte_len(),
+                imm: w.imm(),
+            });
+        }
+    }
+    out
+}
+
+/// `n` random bytes.
+pub fn random_bytes(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rand::Rng::fill(&mut rand::rng(), &mut v[..]);
+    v
+}
