@@ -19,10 +19,9 @@
 
 pub mod cuda;
 pub mod cufile;
-pub mod loader;
-pub mod peermem;
 pub mod ibverbs;
 pub mod loader;
+pub mod peermem;
 pub mod rdmacm;
 mod table;
 

@@ -18,8 +18,8 @@ pub mod dmabuf;
 pub mod error;
 pub mod memory;
 pub mod p2p;
-pub mod storage;
 pub mod rdma;
+pub mod storage;
 pub mod testing;
 pub mod topology;
 
