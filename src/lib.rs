@@ -1,1 +1,3 @@
-//! Host package for the workspace examples, integration tests and benches.
+//! Host package for the workspace's examples, integration tests and benches. Its docs are the
+//! README, so the README's code blocks are compiled as doctests.
+#![doc = include_str!("../README.md")]
