@@ -14,7 +14,7 @@
 #    `rdma_pingpong --report` in the same boot, printing the ratios.
 # Exit 0 only if every binary and the baselines passed; the last line is "N passed, N failed".
 #
-# Env: W (work dir, cached between runs; default <repo>/.vm/w), VM_TIMEOUT (s, default 1500),
+# Env: W (work dir, cached between runs; default <repo>/.vm/w), VM_TIMEOUT (s, default 900),
 #      ACCEL=auto|kvm|tcg, SMP (default 2), MEM (default 2G).
 # Adapted from shared/reference/rxe-vm (which documents what was learned getting rxe to run here).
 set -euo pipefail
@@ -131,7 +131,7 @@ if [ "$ACCEL" = auto ]; then
   if [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; else ACCEL=tcg; fi
 fi
 LOG=$W/vm-$KV-$ACCEL.log
-VM_TIMEOUT=${VM_TIMEOUT:-1500} MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG \
+VM_TIMEOUT=${VM_TIMEOUT:-900} MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG \
   "$HERE/scripts/boot-vm.sh" > /dev/null 2>&1 || true
 stamp "vm finished"
 grep -a -E '^(RXE-|GID\[|test |running |SKIPPED|FAILED|REPORT|thread |rdma_pingpong|loopback|send/recv|RDMA |bandwidth|latency|server:)|panicked|test result' "$LOG" || true
