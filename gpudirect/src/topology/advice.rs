@@ -359,16 +359,107 @@ pub(crate) fn async_verdict(s: &AsyncSection) -> String {
     if let Some(r) = &s.absent_reason {
         return format!("SKIPPED: {r}");
     }
-    let all = |f: fn(&super::GpuAsync) -> bool| s.gpus.iter().all(f);
+    let n = s.gpus.len();
+    let count = |f: fn(&super::GpuAsync) -> bool| match s.gpus.iter().filter(|g| f(g)).count() {
+        k if k == n => "yes".to_string(),
+        0 => "no".to_string(),
+        k => format!("on {k} of {n}"),
+    };
     format!(
-        "stream mem ops v2 {}, memory pools {}, flush remote writes {} on all {} GPU(s)",
-        yes(all(|g| g.stream_mem_ops_v2)),
-        yes(all(|g| g.memory_pools)),
-        yes(all(|g| g.can_flush_remote_writes)),
-        s.gpus.len()
+        "{n} GPU(s): stream mem ops v2 {}, memory pools {}, flush remote writes {}",
+        count(|g| g.stream_mem_ops_v2),
+        count(|g| g.memory_pools),
+        count(|g| g.can_flush_remote_writes),
     )
 }
 
-fn yes(b: bool) -> &'static str {
-    if b { "yes" } else { "no" }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::{CopyMeasurement, GpuAsync, P2pPair, StorageRead};
+
+    fn pair(src: usize, dst: usize, nvl: bool, verified: bool) -> P2pPair {
+        P2pPair {
+            src,
+            dst,
+            can_access: true,
+            performance_rank: 0,
+            native_atomics: true,
+            interconnect: "nvlink".into(),
+            nvlink_links: nvl.then_some(18),
+            interconnect_detail: "NV18".into(),
+            copy: Some(CopyMeasurement {
+                bytes: 1,
+                gb_per_s: 1.0,
+                path: "peer".into(),
+                reason: None,
+                verified,
+            }),
+        }
+    }
+
+    #[test]
+    fn verdicts_are_one_line_and_honest() {
+        let mut p = P2pSection {
+            pairs: vec![pair(0, 1, true, true), pair(1, 0, true, false)],
+            nvml_unavailable: None,
+            absent_reason: None,
+            verdict: String::new(),
+        };
+        assert_eq!(
+            p2p_verdict(&p),
+            "1 of 1 GPU pairs have peer access, 1 over NVLink; 1 copies FAILED verification"
+        );
+        p.absent_reason = Some("one GPU: no pair to connect".into());
+        assert_eq!(p2p_verdict(&p), "SKIPPED: one GPU: no pair to connect");
+
+        let mut st = StorageSection {
+            cufile_version: Some("1.15".into()),
+            properties: None,
+            mode: "compatibility".into(),
+            mode_reason: "nvidia-fs is not loaded".into(),
+            nvidia_fs_version: None,
+            read: Some(StorageRead {
+                file: "f".into(),
+                bytes: 1,
+                gb_per_s: 2.5,
+                path: "posix".into(),
+                reason: "cuFile in compatibility mode is slower".into(),
+                direct: true,
+                verified: true,
+            }),
+            absent_reason: None,
+            verdict: String::new(),
+        };
+        assert_eq!(
+            storage_verdict(&st),
+            "cuFile in compatibility mode; Auto read 2.50 GB/s via posix (cuFile in compatibility mode is slower), verified"
+        );
+        st.read = None;
+        st.mode = "unavailable".into();
+        st.mode_reason = "libcufile is not loaded".into();
+        st.absent_reason = Some("no GPU visible".into());
+        assert_eq!(
+            storage_verdict(&st),
+            "SKIPPED: no GPU visible; libcufile is not loaded"
+        );
+
+        let a = AsyncSection {
+            gpus: vec![GpuAsync {
+                gpu: 0,
+                stream_mem_ops_v2: true,
+                stream_mem_ops_64: true,
+                memory_pools: true,
+                copy_engines: 7,
+                can_flush_remote_writes: false,
+                flush_rdma_writes_options: 1,
+            }],
+            absent_reason: None,
+            verdict: String::new(),
+        };
+        assert_eq!(
+            async_verdict(&a),
+            "1 GPU(s): stream mem ops v2 yes, memory pools yes, flush remote writes no"
+        );
+    }
 }

@@ -504,8 +504,14 @@ fn storage_section(cuda: &CudaSection, opts: &GatherOptions) -> StorageSection {
         s.absent_reason = Some(no_gpu(cuda));
         return s;
     }
+    // Held through the read, so the Auto path's own open shares it.
+    let mut _driver = None;
     if s.cufile_version.is_some() || s.mode_reason.is_empty() {
-        match storage::Driver::open().and_then(|d| d.properties()) {
+        match storage::Driver::open().and_then(|d| {
+            let p = d.properties()?;
+            _driver = Some(d);
+            Ok(p)
+        }) {
             Ok(p) => {
                 s.mode = if p.has_nvidia_fs() {
                     "gds"
