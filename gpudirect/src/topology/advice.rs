@@ -199,7 +199,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             );
         }
     }
-    if !r.rdma.devices.is_empty() && !r.rdma.devices.iter().any(|d| has_active(d)) {
+    if !r.rdma.devices.is_empty() && !r.rdma.devices.iter().any(has_active) {
         say(
             &mut out,
             "rdma",
