@@ -176,11 +176,12 @@ pub fn nvidia_fs_version(sysfs: &Path) -> Option<String> {
     )
 }
 
-/// The version in a resolved library file name: `libibverbs.so.1.14.50.0` → `1.14.50.0`.
+/// The version in a resolved library file name: `libibverbs.so.1.14.50.0` → `1.14.50.0`; `None`
+/// for a bare soname (`libibverbs.so.1`), whose number is only the ABI major.
 pub fn version_from_file_name(path: &str) -> Option<String> {
     let file = path.rsplit('/').next()?;
     let (_, v) = file.split_once(".so.")?;
-    (!v.is_empty()).then(|| v.to_string())
+    v.contains('.').then(|| v.to_string())
 }
 
 #[cfg(test)]
@@ -203,5 +204,6 @@ mod tests {
             Some("1.14.50.0")
         );
         assert_eq!(version_from_file_name("libibverbs.so"), None);
+        assert_eq!(version_from_file_name("/lib/libibverbs.so.1"), None);
     }
 }
