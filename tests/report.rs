@@ -470,6 +470,21 @@ fn advice_follows_the_decision_rules() {
     );
     assert!(has(&a, "rdma", "across the CPU interconnect"), "{a:#?}");
 
+    // NVML unknown: peer access, link unknown; no NIC: no RDMA staging advice.
+    let mut r = sample();
+    let mut p = pair(0, 1, None, true);
+    p.interconnect = "unknown".into();
+    r.p2p.pairs = vec![p];
+    r.rdma.devices.clear();
+    r.rdma.gpus[0].registration = "none".into();
+    let a = advise(&r);
+    assert!(
+        has(&a, "p2p", "pairs 0-1 have peer access over an unknown link"),
+        "{a:#?}"
+    );
+    assert!(!has(&a, "p2p", "without NVLink"));
+    assert!(!has(&a, "rdma", "staged path"), "{a:#?}");
+
     // No GPU at all.
     let mut r = sample();
     r.cuda.devices.clear();

@@ -102,9 +102,26 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
         .p2p
         .pairs
         .iter()
-        .filter(|p| p.src < p.dst && p.can_access && p.nvlink_links.is_none())
+        .filter(|p| p.src < p.dst && p.can_access && p.interconnect == "pcie")
         .map(|p| format!("{}-{}", p.src, p.dst))
         .collect();
+    let unknown_peer: Vec<String> = r
+        .p2p
+        .pairs
+        .iter()
+        .filter(|p| p.src < p.dst && p.can_access && p.interconnect == "unknown")
+        .map(|p| format!("{}-{}", p.src, p.dst))
+        .collect();
+    if !unknown_peer.is_empty() {
+        say(
+            &mut out,
+            "p2p",
+            format!(
+                "GPU pairs {} have peer access over an unknown link (NVML could not say): use P2P copies and check the measured GB/s.",
+                unknown_peer.join(", ")
+            ),
+        );
+    }
     if !pcie_peer.is_empty() {
         say(
             &mut out,
@@ -180,7 +197,8 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
         };
         say(&mut out, "rdma", text);
     }
-    for g in &r.rdma.gpus {
+    // Without a NIC there is nothing to register for.
+    for g in r.rdma.gpus.iter().filter(|_| !r.rdma.devices.is_empty()) {
         if g.registration == "none" {
             let why = if !g.gpudirect_rdma {
                 "the GPU does not support GPUDirect RDMA".to_string()

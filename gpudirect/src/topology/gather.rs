@@ -346,7 +346,15 @@ fn verbs_device(
                 p.max_mtu = a.max_mtu.bytes();
                 let coded = sysfs::port_speed(a.active_width, a.active_speed);
                 p.speed_gbps = coded.as_ref().map(|c| c.0);
-                p.speed = sysfs::port_rate(sysfs_root, ctx.name(), port).or(coded.map(|c| c.1));
+                let rate = sysfs::port_rate(sysfs_root, ctx.name(), port);
+                // Newer speeds (NDR, XDR) have codes this crate does not read: use sysfs' figure.
+                if p.speed_gbps.is_none() {
+                    p.speed_gbps = rate
+                        .as_deref()
+                        .and_then(|r| r.split_whitespace().next())
+                        .and_then(|n| n.parse().ok());
+                }
+                p.speed = rate.or(coded.map(|c| c.1));
                 match ctx.gid_table(port) {
                     Ok(t) => {
                         p.gids = t
