@@ -4,8 +4,7 @@
 #   bash ci/rxe-vm/run.sh
 #
 # 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs, the
-#    probe example and
-#    the criterion bench benches/rdma.rs
+#    probe example (its RDMA section is filled from rxe0) and the criterion bench benches/rdma.rs
 #    (they dlopen libibverbs/librdmacm: `ldd` must not list them).
 # 2. Fetches qemu, a Debian kernel with rdma_rxe and the guest's user space (rdma-core, perftest)
 #    through a private APT config made from this machine's own apt sources, unpacked with dpkg -x
