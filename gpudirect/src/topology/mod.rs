@@ -1,14 +1,34 @@
-//! What this node offers GPUDirect: libraries, GPUs and their attributes, verbs devices.
+//! What this node offers each GPUDirect path, how its GPUs and NICs are wired, and what to do
+//! about it: the report `cargo run --release --example probe` prints.
 //!
-//! [`NodeReport::gather`] never fails: whatever is absent is recorded with the reason.
+//! [`NodeReport::gather`] never fails and never panics: every step is fallible and what is absent
+//! is recorded with the reason. The report uses gpudirect's typed APIs only ([`crate::p2p`],
+//! [`crate::rdma`], [`crate::storage`], [`crate::memory`]); the sysfs placement logic is in
+//! [`sysfs`] (pure functions over a sysfs root), the decision rules in [`advise`].
+//!
+//! # JSON schema (version 2)
+//!
+//! `--json` prints a [`NodeReport`]; every field is documented on its type, and
+//! `docs/probe-schema.md` gives the whole tree. Top-level keys: `schema_version`, `measured`,
+//! `libraries`, `cuda`, `p2p`, `rdma`, `storage`, `async`, `advice`, `settings`. Each path
+//! section carries a one-line `verdict` and an `absent_reason` (`null` when the path is there).
+//! Optional values are `null` when unknown. [`SCHEMA_VERSION`] is bumped on any incompatible
+//! change.
 
+mod advice;
+mod gather;
 mod render;
+pub mod sysfs;
+
+pub use advice::{Advice, EnvSetting, advise, settings_from_env};
+pub use gather::{GatherOptions, best_nic, gpu_affinity};
+pub use sysfs::Affinity;
 
 use crate::device::DeviceInfo;
 use serde::{Deserialize, Serialize};
 
 /// The JSON schema version of [`NodeReport`]; bumped on any incompatible change.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// A run-time library and whether it loaded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,7 +39,7 @@ pub struct LibraryStatus {
     pub loaded: bool,
     /// The file it loaded from.
     pub path: Option<String>,
-    /// Its version, where the library reports one.
+    /// Its version, where the library reports one (or its file name carries one).
     pub version: Option<String>,
     /// Why it did not load (names the files tried).
     pub error: Option<String>,
@@ -49,7 +69,7 @@ impl LibraryStatus {
     }
 }
 
-/// The CUDA section.
+/// The GPUs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaSection {
     /// `cuDriverGetVersion` (1000*major + 10*minor), when libcuda loaded.
@@ -62,8 +82,70 @@ pub struct CudaSection {
     pub absent_reason: Option<String>,
 }
 
-/// One port of a verbs device.
+/// One ordered GPU pair of the link matrix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct P2pPair {
+    /// The accessing (source) GPU.
+    pub src: usize,
+    /// The GPU whose memory is accessed (destination).
+    pub dst: usize,
+    /// `cuDeviceCanAccessPeer`.
+    pub can_access: bool,
+    /// `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK` (0 is best).
+    pub performance_rank: i32,
+    /// Native atomics over the link.
+    pub native_atomics: bool,
+    /// `nvlink`, `nvswitch`, `pcie` or `unknown` (NVML's view).
+    pub interconnect: String,
+    /// Active NVLinks joining the pair (NVLink and NVSwitch only).
+    pub nvlink_links: Option<u32>,
+    /// The interconnect in words (`NV18`, `PCIe (hostbridge)`, `unknown (reason)`).
+    pub interconnect_detail: String,
+    /// The quick copy, when measured.
+    pub copy: Option<CopyMeasurement>,
+}
+
+/// A measured copy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CopyMeasurement {
+    /// Bytes per copy.
+    pub bytes: u64,
+    /// Host-timed throughput, GB/s (10⁹ bytes per second); 0 when the copy failed.
+    pub gb_per_s: f64,
+    /// The path that really ran: `peer`, `staged`, `driver_staged`, `same_device`, or `failed`.
+    pub path: String,
+    /// Why that path (the driver's refusal, a missing grant), or the error.
+    pub reason: Option<String>,
+    /// The destination held the source's bytes afterwards.
+    pub verified: bool,
+}
+
+/// The P2P section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct P2pSection {
+    /// Every ordered pair of distinct GPUs.
+    pub pairs: Vec<P2pPair>,
+    /// Why NVML could not say how GPUs are wired, when it could not.
+    pub nvml_unavailable: Option<String>,
+    /// Why there is no matrix (fewer than two GPUs, no driver).
+    pub absent_reason: Option<String>,
+    /// One line.
+    pub verdict: String,
+}
+
+/// One GID table entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GidSummary {
+    /// Index in the port's table.
+    pub index: u32,
+    /// The GID, sysfs' form (eight groups of four hex digits).
+    pub gid: String,
+    /// `IB`, `RoCE v1`, `RoCE v2` or `unknown`.
+    pub gid_type: String,
+}
+
+/// One port of a verbs device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PortSummary {
     /// Port number (from 1).
     pub port: u8,
@@ -73,83 +155,222 @@ pub struct PortSummary {
     pub link_layer: String,
     /// Active MTU in bytes.
     pub active_mtu: u32,
+    /// Largest MTU the port supports, in bytes.
+    pub max_mtu: u32,
+    /// Link speed in Gb/s, when known.
+    pub speed_gbps: Option<f64>,
+    /// Link speed in words (`4X EDR`, or sysfs' `rate`), when known.
+    pub speed: Option<String>,
+    /// Populated GID entries.
+    pub gids: Vec<GidSummary>,
+    /// Why the port or its GID table could not be read, when it could not.
+    pub error: Option<String>,
 }
 
 /// One verbs (RDMA) device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VerbsDeviceSummary {
     /// Device name, such as `mlx5_0` or `rxe0`.
     pub name: String,
+    /// Firmware version, when the device could be queried.
+    pub fw_ver: Option<String>,
+    /// Its PCI address from sysfs; `null` for software devices (rxe, siw).
+    pub pci_bus_id: Option<String>,
+    /// Its NUMA node from sysfs, when known.
+    pub numa_node: Option<i32>,
     /// Its ports.
     pub ports: Vec<PortSummary>,
+    /// Why the device could not be opened or queried, when it could not.
+    pub error: Option<String>,
+}
+
+/// Whether one GPU can take part in GPUDirect RDMA, and by which registration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuRdmaReadiness {
+    /// CUDA ordinal.
+    pub gpu: usize,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`.
+    pub gpudirect_rdma: bool,
+    /// dma-buf export of device memory (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`).
+    pub dma_buf: bool,
+    /// libibverbs has `ibv_reg_dmabuf_mr` (rdma-core 34+).
+    pub verbs_dmabuf: bool,
+    /// The loaded peer-memory module (`nvidia_peermem 1.x`), if any.
+    pub peermem: Option<String>,
+    /// GPUDirect RDMA on VMM allocations.
+    pub vmm_rdma: bool,
+    /// How GPU memory would be registered: `dma-buf`, `nvidia-peermem`, or `none`.
+    pub registration: String,
+}
+
+/// One NIC as seen from one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicPlacement {
+    /// Verbs device name.
+    pub nic: String,
+    /// Placement relative to the GPU.
+    pub affinity: Affinity,
+    /// At least one port is ACTIVE.
+    pub active: bool,
+}
+
+/// Which NIC each GPU should use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuNicAffinity {
+    /// CUDA ordinal.
+    pub gpu: usize,
+    /// The GPU's PCI address.
+    pub gpu_pci_bus_id: String,
+    /// Every verbs device, relative to this GPU.
+    pub nics: Vec<NicPlacement>,
+    /// The NIC to use: the closest with an active port (else the closest); `null` without NICs.
+    pub best: Option<String>,
 }
 
 /// The RDMA section.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RdmaSection {
     /// Verbs devices.
     pub devices: Vec<VerbsDeviceSummary>,
-    /// Why there are no devices, when there are none.
+    /// Per GPU: GPUDirect RDMA readiness.
+    pub gpus: Vec<GpuRdmaReadiness>,
+    /// Per GPU: NIC placement and the NIC to use.
+    pub affinity: Vec<GpuNicAffinity>,
+    /// Why there are no verbs devices, when there are none.
     pub absent_reason: Option<String>,
+    /// One line.
+    pub verdict: String,
+}
+
+/// The quick verified read through [`crate::storage::File`] in `Mode::Auto`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StorageRead {
+    /// The temporary file read (removed afterwards).
+    pub file: String,
+    /// Bytes read.
+    pub bytes: u64,
+    /// Host-timed throughput, GB/s.
+    pub gb_per_s: f64,
+    /// `cufile` or `posix`: the path that ran.
+    pub path: String,
+    /// Why that path (the `PathReason`, in words).
+    pub reason: String,
+    /// Whether the file was read with `O_DIRECT`.
+    pub direct: bool,
+    /// The device buffer held the file's bytes afterwards.
+    pub verified: bool,
+}
+
+/// `cuFileDriverGetProperties`, the parts worth showing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CufileProperties {
+    /// nvidia-fs version the driver reports (`0.0` without it).
+    pub nvfs_version: String,
+    /// File systems and devices supported directly (`FsSupport` flag names).
+    pub fs_support: Vec<String>,
+    /// Compatibility mode allowed.
+    pub allow_compat_mode: bool,
+    /// Batch I/O supported.
+    pub batch_io: bool,
+    /// Stream-ordered I/O supported.
+    pub streams: bool,
+    /// Poll mode on.
+    pub poll_mode: bool,
+    /// Largest direct I/O, KiB.
+    pub max_direct_io_kib: u64,
+    /// Most memory `cuFileBufRegister` may pin per GPU, KiB.
+    pub max_device_pinned_mem_kib: u64,
+    /// Entries per batch.
+    pub max_batch_io_size: u32,
+}
+
+/// The Storage section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StorageSection {
+    /// `cuFileGetVersion` (`1.15`), when libcufile loaded.
+    pub cufile_version: Option<String>,
+    /// Driver properties, when the driver opened.
+    pub properties: Option<CufileProperties>,
+    /// `gds` (nvidia-fs loaded), `compatibility` (cuFile's POSIX mode), or `unavailable`.
+    pub mode: String,
+    /// Why that mode.
+    pub mode_reason: String,
+    /// nvidia-fs kernel module version (sysfs), when loaded.
+    pub nvidia_fs_version: Option<String>,
+    /// The quick read, when measured.
+    pub read: Option<StorageRead>,
+    /// Why there is no read or no driver (no GPU, no libcufile, the read failed).
+    pub absent_reason: Option<String>,
+    /// One line.
+    pub verdict: String,
+}
+
+/// One GPU's stream-ordering features.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuAsync {
+    /// CUDA ordinal.
+    pub gpu: usize,
+    /// 32-bit stream memory ops (`cuStreamWaitValue32_v2`).
+    pub stream_mem_ops_v2: bool,
+    /// 64-bit stream memory ops.
+    pub stream_mem_ops_64: bool,
+    /// Stream-ordered memory pools.
+    pub memory_pools: bool,
+    /// Copy engines.
+    pub copy_engines: i32,
+    /// `CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES`.
+    pub can_flush_remote_writes: bool,
+    /// `cuFlushGPUDirectRDMAWrites` options (bit mask; 0: none).
+    pub flush_rdma_writes_options: i32,
+}
+
+/// The Async section.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AsyncSection {
+    /// Per GPU.
+    pub gpus: Vec<GpuAsync>,
+    /// Why there are none.
+    pub absent_reason: Option<String>,
+    /// One line.
+    pub verdict: String,
 }
 
 /// Everything the probe prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeReport {
     /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
+    /// Whether the quick measurements ran (`--no-measure` turns them off).
+    pub measured: bool,
     /// libcuda, libcufile, libibverbs, librdmacm.
     pub libraries: Vec<LibraryStatus>,
     /// GPUs.
     pub cuda: CudaSection,
-    /// Verbs devices.
+    /// GPU to GPU.
+    pub p2p: P2pSection,
+    /// Verbs devices and GPUDirect RDMA.
     pub rdma: RdmaSection,
+    /// GPUDirect Storage.
+    pub storage: StorageSection,
+    /// Stream ordering (key `async`).
+    #[serde(rename = "async")]
+    pub async_: AsyncSection,
+    /// What to do, in plain words.
+    pub advice: Vec<Advice>,
+    /// Environment settings worth checking, with their current values.
+    pub settings: Vec<EnvSetting>,
 }
 
 impl NodeReport {
-    /// Look at this node. Never fails and never panics: absences are recorded with reasons.
+    /// Look at this node, measuring. Never fails and never panics: absences are recorded with
+    /// reasons.
     pub fn gather() -> NodeReport {
-        let mut libraries = Vec::new();
-        let driver = crate::cuda::init();
-        let cuda = match gpudirect_sys::cuda::driver() {
-            Ok(d) => {
-                libraries.push(LibraryStatus::loaded(
-                    "libcuda",
-                    d.path(),
-                    Some(format_cuda_version(d.version())),
-                ));
-                let (devices, absent_reason) = match driver.and_then(|_| DeviceInfo::all()) {
-                    Ok(v) if v.is_empty() => (v, Some("the driver reports 0 CUDA devices".into())),
-                    Ok(v) => (v, None),
-                    Err(e) => (Vec::new(), Some(e.to_string())),
-                };
-                CudaSection {
-                    driver_version: Some(d.version()),
-                    bindings_version: crate::cuda::BINDINGS_VERSION,
-                    devices,
-                    absent_reason,
-                }
-            }
-            Err(e) => {
-                libraries.push(LibraryStatus::missing("libcuda", &e));
-                CudaSection {
-                    driver_version: None,
-                    bindings_version: crate::cuda::BINDINGS_VERSION,
-                    devices: Vec::new(),
-                    absent_reason: Some(format!("no CUDA driver: {e}")),
-                }
-            }
-        };
-        let rdma = RdmaSection {
-            devices: Vec::new(),
-            absent_reason: Some("verbs support is not built in yet".into()),
-        };
-        NodeReport {
-            schema_version: SCHEMA_VERSION,
-            libraries,
-            cuda,
-            rdma,
-        }
+        Self::gather_with(&GatherOptions::default())
+    }
+
+    /// Look at this node with `opts`.
+    pub fn gather_with(opts: &GatherOptions) -> NodeReport {
+        gather::gather(opts)
     }
 }
 

@@ -1,4 +1,5 @@
-//! The human-readable rendering of a [`NodeReport`].
+//! The human-readable rendering of a [`NodeReport`]: one section per path, each opening with its
+//! one-line verdict.
 
 use super::{NodeReport, format_cuda_version};
 use std::fmt::{self, Write};
@@ -7,10 +8,47 @@ fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
 
+fn or_dash(v: Option<impl fmt::Display>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
+}
+
 impl fmt::Display for NodeReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut s = String::new();
-        writeln!(s, "gpudirect node report")?;
+        writeln!(
+            s,
+            "gpudirect node report (schema {}, quick measurements {})",
+            self.schema_version,
+            if self.measured { "on" } else { "off" }
+        )?;
+        self.libraries_and_gpus(&mut s)?;
+        self.p2p_text(&mut s)?;
+        self.rdma_text(&mut s)?;
+        self.storage_text(&mut s)?;
+        self.async_text(&mut s)?;
+        writeln!(s, "\n== Advice")?;
+        if self.advice.is_empty() {
+            writeln!(s, "  nothing to add")?;
+        }
+        for a in &self.advice {
+            writeln!(s, "  - [{}] {}", a.topic, a.text)?;
+        }
+        writeln!(s, "\n== Settings worth checking")?;
+        for e in &self.settings {
+            writeln!(
+                s,
+                "  {:<28} {:<8} {}",
+                e.name,
+                e.value.as_deref().unwrap_or("(unset)"),
+                e.what
+            )?;
+        }
+        f.write_str(&s)
+    }
+}
+
+impl NodeReport {
+    fn libraries_and_gpus(&self, s: &mut String) -> fmt::Result {
         writeln!(s, "\n== Libraries")?;
         for l in &self.libraries {
             if l.loaded {
@@ -69,29 +107,196 @@ impl fmt::Display for NodeReport {
                 yes(d.stream_mem_ops_64),
                 yes(d.memory_pools)
             )?;
+        }
+        Ok(())
+    }
+
+    fn p2p_text(&self, s: &mut String) -> fmt::Result {
+        let p = &self.p2p;
+        writeln!(s, "\n== P2P\n  verdict: {}", p.verdict)?;
+        if let Some(why) = &p.nvml_unavailable {
+            writeln!(s, "  NVML unavailable: {why}")?;
+        }
+        if p.pairs.is_empty() {
+            return Ok(());
+        }
+        writeln!(
+            s,
+            "  {:<6} {:<6} {:<4} {:<7} {:<20} copy",
+            "pair", "access", "rank", "atomics", "interconnect"
+        )?;
+        for x in &p.pairs {
+            let copy = match &x.copy {
+                None => "not measured".to_string(),
+                Some(c) => format!(
+                    "{:.1} GB/s  {}{}  {}",
+                    c.gb_per_s,
+                    c.path,
+                    c.reason
+                        .as_deref()
+                        .map(|r| format!(" ({r})"))
+                        .unwrap_or_default(),
+                    if c.verified {
+                        "verified"
+                    } else {
+                        "NOT verified"
+                    }
+                ),
+            };
             writeln!(
                 s,
-                "    flush RDMA writes options {:#x}  RDMA writes ordering {}  host register {}  POSIX fd handles {}",
-                d.rdma_flush_writes_options,
-                d.rdma_writes_ordering,
-                yes(d.host_register),
-                yes(d.posix_fd_handles)
+                "  {:<6} {:<6} {:<4} {:<7} {:<20} {copy}",
+                format!("{}->{}", x.src, x.dst),
+                yes(x.can_access),
+                x.performance_rank,
+                yes(x.native_atomics),
+                x.interconnect_detail
             )?;
         }
-        writeln!(s, "\n== RDMA (verbs)")?;
-        if let Some(r) = &self.rdma.absent_reason {
-            writeln!(s, "  no verbs device: {r}")?;
-        }
-        for d in &self.rdma.devices {
-            writeln!(s, "  {}", d.name)?;
+        Ok(())
+    }
+
+    fn rdma_text(&self, s: &mut String) -> fmt::Result {
+        let r = &self.rdma;
+        writeln!(s, "\n== RDMA (verbs)\n  verdict: {}", r.verdict)?;
+        for d in &r.devices {
+            writeln!(
+                s,
+                "  {}  fw {}  pci {}  numa {}",
+                d.name,
+                or_dash(d.fw_ver.as_deref()),
+                d.pci_bus_id.as_deref().unwrap_or("- (no PCI device)"),
+                or_dash(d.numa_node)
+            )?;
+            if let Some(e) = &d.error {
+                writeln!(s, "    error: {e}")?;
+            }
             for p in &d.ports {
                 writeln!(
                     s,
-                    "    port {}: {}  {}  MTU {}",
-                    p.port, p.state, p.link_layer, p.active_mtu
+                    "    port {}: {}  {}  MTU {} (max {})  speed {}",
+                    p.port,
+                    p.state,
+                    p.link_layer,
+                    p.active_mtu,
+                    p.max_mtu,
+                    or_dash(p.speed.as_deref())
                 )?;
+                if let Some(e) = &p.error {
+                    writeln!(s, "      error: {e}")?;
+                }
+                for g in &p.gids {
+                    writeln!(s, "      GID[{}] {}  {}", g.index, g.gid, g.gid_type)?;
+                }
             }
         }
-        f.write_str(&s)
+        for g in &r.gpus {
+            writeln!(
+                s,
+                "  GPU {} GPUDirect RDMA {}  dma-buf {} (ibv_reg_dmabuf_mr {})  nvidia-peermem {}  VMM RDMA {}  -> registration: {}",
+                g.gpu,
+                yes(g.gpudirect_rdma),
+                yes(g.dma_buf),
+                yes(g.verbs_dmabuf),
+                g.peermem.as_deref().unwrap_or("no"),
+                yes(g.vmm_rdma),
+                g.registration
+            )?;
+        }
+        for a in &r.affinity {
+            let nics: Vec<String> = a
+                .nics
+                .iter()
+                .map(|n| {
+                    format!(
+                        "{} {}{}",
+                        n.nic,
+                        n.affinity.describe(),
+                        if n.active { "" } else { " (no active port)" }
+                    )
+                })
+                .collect();
+            writeln!(
+                s,
+                "  GPU {} [{}] NICs: {}  -> use {}",
+                a.gpu,
+                a.gpu_pci_bus_id,
+                if nics.is_empty() {
+                    "none".to_string()
+                } else {
+                    nics.join(", ")
+                },
+                a.best.as_deref().unwrap_or("none")
+            )?;
+        }
+        Ok(())
+    }
+
+    fn storage_text(&self, s: &mut String) -> fmt::Result {
+        let st = &self.storage;
+        writeln!(s, "\n== Storage (cuFile)\n  verdict: {}", st.verdict)?;
+        writeln!(
+            s,
+            "  cuFile {}  mode {}: {}  nvidia-fs module {}",
+            or_dash(st.cufile_version.as_deref()),
+            st.mode,
+            st.mode_reason,
+            st.nvidia_fs_version.as_deref().unwrap_or("not loaded")
+        )?;
+        if let Some(p) = &st.properties {
+            writeln!(
+                s,
+                "  driver: nvfs {}  compat allowed {}  batch {} (max {})  streams {}  poll {}  max direct I/O {} KiB  pinned {} KiB  fs: {}",
+                p.nvfs_version,
+                yes(p.allow_compat_mode),
+                yes(p.batch_io),
+                p.max_batch_io_size,
+                yes(p.streams),
+                yes(p.poll_mode),
+                p.max_direct_io_kib,
+                p.max_device_pinned_mem_kib,
+                if p.fs_support.is_empty() {
+                    "-".to_string()
+                } else {
+                    p.fs_support.join(" ")
+                }
+            )?;
+        }
+        if let Some(r) = &st.read {
+            writeln!(
+                s,
+                "  read {} MiB: {:.2} GB/s via {} ({}), O_DIRECT {}, {}",
+                r.bytes >> 20,
+                r.gb_per_s,
+                r.path,
+                r.reason,
+                yes(r.direct),
+                if r.verified {
+                    "verified"
+                } else {
+                    "WRONG BYTES"
+                }
+            )?;
+        }
+        Ok(())
+    }
+
+    fn async_text(&self, s: &mut String) -> fmt::Result {
+        let a = &self.async_;
+        writeln!(s, "\n== Async\n  verdict: {}", a.verdict)?;
+        for g in &a.gpus {
+            writeln!(
+                s,
+                "  GPU {}: stream mem ops v2 {} (64-bit {})  memory pools {}  copy engines {}  flush remote writes {} (options {:#x})",
+                g.gpu,
+                yes(g.stream_mem_ops_v2),
+                yes(g.stream_mem_ops_64),
+                yes(g.memory_pools),
+                g.copy_engines,
+                yes(g.can_flush_remote_writes),
+                g.flush_rdma_writes_options
+            )?;
+        }
+        Ok(())
     }
 }
