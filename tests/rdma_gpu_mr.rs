@@ -337,7 +337,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
     );
 
     // And out of the region: an RDMA write from its slice into a host region.
-    let mut dst =
+    let dst =
         p.pd.register_remote(HostBuffer::zeroed(len).unwrap(), AccessFlags::REMOTE_WRITE)
             .unwrap();
     let dst_remote = dst.remote();

@@ -490,13 +490,46 @@ pub struct GpuMemoryRegion<S> {
     inner: Arc<MrInner>,
     path: GpuMrPath,
     attempts: GpuMrAttempts,
-    _src: PhantomData<fn() -> S>,
+    dmabuf_offset: Option<u64>,
+    /// The source, inside the owner `inner` keeps (a stable heap address until `inner` drops).
+    src: std::ptr::NonNull<S>,
+    _src: PhantomData<S>,
+}
+
+// SAFETY: the region owns `S` (through `inner`); moving the region moves ownership, which `S:
+// Send` allows. The verbs handle is thread-safe.
+unsafe impl<S: Send> Send for GpuMemoryRegion<S> {}
+// SAFETY: shared access hands out `&S` only (`memory`), which `S: Sync` allows.
+unsafe impl<S: Sync> Sync for GpuMemoryRegion<S> {}
+
+/// A registration made by one path: the region, the source inside its owner, and the dma-buf
+/// offset when the path was dma-buf.
+struct Registered<S> {
+    inner: Arc<MrInner>,
+    src: std::ptr::NonNull<S>,
+    dmabuf_offset: Option<u64>,
 }
 
 impl<S> GpuMemoryRegion<S> {
     /// The path that registered it.
     pub fn path(&self) -> GpuMrPath {
         self.path
+    }
+
+    /// The memory registered. A shared reference to the buffer value, never to its bytes: device
+    /// bytes are only reached through copies (which see whatever the NIC has written so far; copy
+    /// after the completion that wrote them, and after [`flush_gpudirect_rdma_writes`] where the
+    /// device needs it).
+    pub fn memory(&self) -> &S {
+        // SAFETY: `src` points into the owner `inner` keeps alive as long as `self`; only shared
+        // references to it are ever made.
+        unsafe { self.src.as_ref() }
+    }
+
+    /// For a dma-buf region, the `offset` passed to `ibv_reg_dmabuf_mr`: where the first byte sits
+    /// inside the exported (4 KiB-aligned) range.
+    pub fn dmabuf_offset(&self) -> Option<u64> {
+        self.dmabuf_offset
     }
 
     /// The paths refused before [`path`](Self::path) was taken (empty when the first one worked).
@@ -566,6 +599,7 @@ impl<S> fmt::Debug for GpuMemoryRegion<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GpuMemoryRegion")
             .field("path", &self.path)
+            .field("dmabuf_offset", &self.dmabuf_offset)
             .field("addr", &format_args!("{:#x}", self.addr()))
             .field("len", &self.len())
             .field("lkey", &format_args!("{:#x}", self.lkey()))
@@ -613,10 +647,12 @@ impl ProtectionDomain {
             GpuMrPath::Peermem => self.try_peermem(l, s, access),
         });
         match r {
-            Ok((inner, path)) => Ok(GpuMemoryRegion {
-                inner,
+            Ok((reg, path)) => Ok(GpuMemoryRegion {
+                inner: reg.inner,
                 path,
                 attempts,
+                dmabuf_offset: reg.dmabuf_offset,
+                src: reg.src,
                 _src: PhantomData,
             }),
             Err(_src) if how != GpuRegistration::Auto => {
@@ -664,7 +700,7 @@ impl ProtectionDomain {
         l: &ibv::Lib,
         s: S,
         access: AccessFlags,
-    ) -> Result<Arc<MrInner>, (S, Refusal)> {
+    ) -> Result<Registered<S>, (S, Refusal)> {
         let (fd, offset) = match s.export_dmabuf() {
             Ok(x) => x,
             Err(r) => return Err((s, r)),
@@ -676,9 +712,10 @@ impl ProtectionDomain {
         match self.reg_dmabuf(l, std::os::fd::AsFd::as_fd(&fd), args) {
             Ok(mr) => {
                 let owner = Box::new(DmabufOwner { _fd: fd, _src: s });
+                let src = std::ptr::NonNull::from(&owner._src);
                 // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed
                 // from `args.iova`; the owner keeps the fd and the memory until after dereg.
-                Ok(unsafe {
+                let inner = unsafe {
                     MrInner::registered(
                         mr,
                         args.iova,
@@ -687,6 +724,11 @@ impl ProtectionDomain {
                         self.inner.clone(),
                         owner,
                     )
+                };
+                Ok(Registered {
+                    inner,
+                    src,
+                    dmabuf_offset: Some(args.offset),
                 })
             }
             Err(e @ Error::Unsupported { .. }) => Err((s, Refusal::Unsupported(e))),
@@ -699,7 +741,7 @@ impl ProtectionDomain {
         l: &ibv::Lib,
         s: S,
         access: AccessFlags,
-    ) -> Result<Arc<MrInner>, (S, Refusal)> {
+    ) -> Result<Registered<S>, (S, Refusal)> {
         if let Err(r) = s.peermem() {
             return Err((s, r));
         }
@@ -715,10 +757,20 @@ impl ProtectionDomain {
             )
         };
         match nonnull("ibv_reg_mr", p) {
-            // SAFETY: registered just now in this PD over exactly these bytes; `s` is the owner.
-            Ok(mr) => Ok(unsafe {
-                MrInner::registered(mr, addr, len, access, self.inner.clone(), Box::new(s))
-            }),
+            Ok(mr) => {
+                let owner = Box::new(s);
+                let src = std::ptr::NonNull::from(&*owner);
+                // SAFETY: registered just now in this PD over exactly these bytes; `owner` holds
+                // the memory until after dereg.
+                let inner = unsafe {
+                    MrInner::registered(mr, addr, len, access, self.inner.clone(), owner)
+                };
+                Ok(Registered {
+                    inner,
+                    src,
+                    dmabuf_offset: None,
+                })
+            }
             Err(e) => Err((s, Refusal::Failed(e))),
         }
     }
