@@ -3,7 +3,7 @@
 #
 #   bash ci/rxe-vm/run.sh
 #
-# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs and
+# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs, examples/gpu_rdma_*.rs and
 #    the criterion bench benches/rdma.rs
 #    (they dlopen libibverbs/librdmacm: `ldd` must not list them).
 # 2. Fetches qemu, a Debian kernel with rdma_rxe and the guest's user space (rdma-core, perftest)
@@ -39,7 +39,7 @@ grep '"reason":"compiler-artifact"' "$W/build.json" | grep '"executable":"/' \
   | sed -e 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/' \
   | grep '^rdma_' > "$W/tests.raw" || true
 while read -r name exe; do cp "$exe" "$BIN/$name"; echo "test $name" >> "$W/tests.list"; done < "$W/tests.raw"
-for ex in examples/rdma_*.rs; do
+for ex in examples/rdma_*.rs examples/gpu_rdma_*.rs; do
   name=$(basename "$ex" .rs)
   cargo build --release --example "$name" 2>>"$W/build.log" || { tail -30 "$W/build.log"; die "building $name failed"; }
   cp "target/release/examples/$name" "$BIN/$name"; echo "example $name" >> "$W/tests.list"
