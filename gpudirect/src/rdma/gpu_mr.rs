@@ -953,6 +953,15 @@ mod tests {
     }
 
     #[test]
+    fn errors_and_regions_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Error>();
+        send_sync::<GpuMrAttempts>();
+        send_sync::<GpuMemoryRegion<crate::memory::DeviceBuffer<u8>>>();
+        send_sync::<GpuMemoryRegion<crate::memory::VmmBuffer<u32>>>();
+    }
+
+    #[test]
     fn auto_order_is_dmabuf_then_peermem() {
         assert_eq!(
             GpuRegistration::Auto.order(),
