@@ -3,8 +3,9 @@
 #
 #   bash ci/rxe-vm/run.sh
 #
-# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs, the
-#    probe example (its RDMA section is filled from rxe0) and the criterion bench benches/rdma.rs
+# 1. Builds here, in release mode: every test binary of tests/rdma_*.rs, examples/rdma_*.rs,
+#    examples/gpu_rdma_*.rs (it skips without a GPU), the probe example (its RDMA section is filled
+#    from rxe0) and the criterion bench benches/rdma.rs
 #    (they dlopen libibverbs/librdmacm: `ldd` must not list them).
 # 2. Fetches qemu, a Debian kernel with rdma_rxe and the guest's user space (rdma-core, perftest)
 #    through a private APT config made from this machine's own apt sources, unpacked with dpkg -x
@@ -39,7 +40,7 @@ grep '"reason":"compiler-artifact"' "$W/build.json" | grep '"executable":"/' \
   | sed -e 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/' \
   | grep '^rdma_' > "$W/tests.raw" || true
 while read -r name exe; do cp "$exe" "$BIN/$name"; echo "test $name" >> "$W/tests.list"; done < "$W/tests.raw"
-for ex in examples/rdma_*.rs examples/probe.rs; do
+for ex in examples/rdma_*.rs examples/gpu_rdma_*.rs examples/probe.rs; do
   name=$(basename "$ex" .rs)
   cargo build --release --example "$name" 2>>"$W/build.log" || { tail -30 "$W/build.log"; die "building $name failed"; }
   cp "target/release/examples/$name" "$BIN/$name"; echo "example $name" >> "$W/tests.list"

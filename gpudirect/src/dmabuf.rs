@@ -56,7 +56,7 @@ impl<M> AsFd for DmaBuf<M> {
 
 /// Export the page-aligned range enclosing `len` bytes at `ptr` on device `ordinal`. Private: the
 /// caller keeps the memory alive for as long as the fd ([`export`] does, by owning it).
-fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedFd, DmaBufRange)> {
+pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedFd, DmaBufRange)> {
     let range = DmaBufRange::new(ptr, len).ok_or_else(|| {
         Error::invalid(
             "len",

@@ -126,6 +126,24 @@ pub enum Error {
         /// The event's status (a negative errno, or a reject reason).
         status: i32,
     },
+    /// Memory a NIC cannot reach through GPUDirect RDMA (pool memory from `cuMemAllocAsync`, such
+    /// as cudarc's `CudaSlice`, or memory whose `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`
+    /// is 0). Refused before any verbs call.
+    #[error("memory at {ptr:#x} ({kind:?}) is not GPUDirect RDMA capable: {reason}")]
+    NotRdmaCapable {
+        /// The device pointer.
+        ptr: u64,
+        /// Its kind.
+        kind: crate::memory::MemoryKind,
+        /// What said so.
+        reason: String,
+    },
+    /// Every GPU memory registration path was refused (automatic mode); each path with why.
+    #[error("no GPU memory registration path worked: {attempts}")]
+    NoGpuRegistrationPath {
+        /// The paths tried, in order, and why each was refused.
+        attempts: crate::rdma::GpuMrAttempts,
+    },
     /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

@@ -1,6 +1,7 @@
 //! RDMA verbs on host memory: devices, contexts, protection domains, memory regions, completion
 //! queues and channels, shared receive queues, reliable-connected queue pairs, work requests, and
-//! [`cm`] connections through rdma_cm.
+//! [`cm`] connections through rdma_cm; and GPUDirect RDMA regions over GPU memory ([`gpu_mr`]:
+//! dma-buf or nvidia-peermem, [`ProtectionDomain::register_gpu`]).
 //!
 //! libibverbs and librdmacm are opened at run time: without them every entry point answers
 //! [`Error::Load`]; without a device, [`Error::NoDevice`].
@@ -35,6 +36,7 @@ pub mod cm;
 mod context;
 mod cq;
 mod device;
+pub mod gpu_mr;
 mod mr;
 mod pd;
 pub mod qp;
@@ -50,6 +52,10 @@ pub use cq::{
     WorkCompletion,
 };
 pub use device::{Device, DeviceList};
+pub use gpu_mr::{
+    FlushOutcome, FlushScope, GpuMemoryRegion, GpuMrAttempts, GpuMrPath, GpuMrSource,
+    GpuRegistration, Refusal, flush_gpudirect_rdma_writes,
+};
 pub use mr::{
     AccessFlags, DmabufRegion, HostBuffer, HostMemory, Local, MemoryRegion, MrMode, MrSlice,
     Remote, RemoteMemory, RemoteSlice,

@@ -199,17 +199,78 @@ impl MrMode for Remote {
 
 pub(crate) struct MrInner {
     mr: NonNull<ibv::ibv_mr>,
+    /// The first byte's address in the region's address space: the host pointer for host regions
+    /// (which `MemoryRegion` dereferences), the IOVA for GPU regions (never dereferenced).
     addr: *mut u8,
     len: usize,
     lkey: u32,
     rkey: u32,
     access: AccessFlags,
     pub(crate) pd: Arc<PdInner>,
-    mem: ManuallyDrop<Box<dyn HostMemory>>,
+    /// Everything the NIC may reach through the registration (the memory, a dma-buf fd): dropped
+    /// only after `ibv_dereg_mr` succeeded.
+    mem: ManuallyDrop<Box<dyn Send>>,
+}
+
+impl MrInner {
+    /// A region registered elsewhere in this crate (GPU memory). `addr` is the address work
+    /// requests and peers use for the first byte (the IOVA); `owner` holds everything the NIC may
+    /// reach and is dropped only after `ibv_dereg_mr` succeeds (leaked otherwise).
+    ///
+    /// # Safety
+    ///
+    /// `mr` is a live registration of `len` bytes at `addr` in `pd`, returned by a verbs call and
+    /// deregistered by nobody else; what it covers stays valid while `owner` lives.
+    pub(crate) unsafe fn registered(
+        mr: NonNull<ibv::ibv_mr>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        pd: Arc<PdInner>,
+        owner: Box<dyn Send>,
+    ) -> Arc<MrInner> {
+        // SAFETY: a live MR (the caller's contract).
+        let (lkey, rkey) = unsafe { ((*mr.as_ptr()).lkey, (*mr.as_ptr()).rkey) };
+        Arc::new(MrInner {
+            mr,
+            addr: addr as *mut u8,
+            len,
+            lkey,
+            rkey,
+            access,
+            pd,
+            mem: ManuallyDrop::new(owner),
+        })
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr as u64
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn access(&self) -> AccessFlags {
+        self.access
+    }
+
+    pub(crate) fn as_raw(&self) -> *mut ibv::ibv_mr {
+        self.mr.as_ptr()
+    }
 }
 
 // SAFETY: the raw pointers are to memory owned by `mem` and to the verbs MR; the bytes are only
-// accessed through raw copies or under `&mut MemoryRegion` with no other owner.
+// accessed through raw copies or under `&mut MemoryRegion` with no other owner. `mem` (Send) is
+// never accessed through a shared reference, only dropped, so sharing `MrInner` is sound.
 unsafe impl Send for MrInner {}
 // SAFETY: as above.
 unsafe impl Sync for MrInner {}
@@ -282,7 +343,7 @@ impl<M: MrMode> MemoryRegion<M> {
                 rkey,
                 access,
                 pd: pd.inner.clone(),
-                mem: ManuallyDrop::new(mem),
+                mem: ManuallyDrop::new(Box::new(mem)),
             }),
             _mode: PhantomData,
         })
@@ -340,12 +401,7 @@ impl<M: MrMode> MemoryRegion<M> {
     /// [`Error::InvalidArgument`] when the range is empty, out of bounds, or longer than 2^31
     /// bytes (the largest verbs message).
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
-        let (start, end) = bounds(range, self.len())?;
-        Ok(MrSlice {
-            mr: self.inner.clone(),
-            offset: start,
-            len: (end - start) as u32,
-        })
+        MrSlice::of(&self.inner, range)
     }
 
     /// Copy `dst.len()` bytes starting at `offset` out of the region. A plain copy from memory the
@@ -498,6 +554,16 @@ pub struct MrSlice {
 }
 
 impl MrSlice {
+    /// `range` of the region `mr` (checked: non-empty, in bounds, at most 2 GiB).
+    pub(crate) fn of(mr: &Arc<MrInner>, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+        let (start, end) = bounds(range, mr.len)?;
+        Ok(MrSlice {
+            mr: mr.clone(),
+            offset: start,
+            len: (end - start) as u32,
+        })
+    }
+
     /// Offset in the region, in bytes.
     pub fn offset(&self) -> usize {
         self.offset

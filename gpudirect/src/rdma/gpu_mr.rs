@@ -1,0 +1,1104 @@
+//! GPUDirect RDMA: memory regions over GPU memory, registered by dma-buf or nvidia-peermem.
+//!
+//! [`ProtectionDomain::register_gpu`] registers device memory with the NIC one of two ways, or
+//! picks one ([`GpuRegistration::Auto`]):
+//!
+//! 1. **dma-buf** ([`GpuMrPath::DmaBuf`]): the enclosing 4 KiB-aligned range is exported with
+//!    `cuMemGetHandleForAddressRange`, then `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd,
+//!    access)` with `offset` = pointer − exported base, `len` = the requested bytes and `iova` =
+//!    the pointer. The region's bounds are exactly the requested bytes, and
+//!    [`GpuMemoryRegion::remote`] advertises `addr = iova`, the address the NIC expects.
+//!    Needs the device's `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` and a NIC driver that imports
+//!    dma-bufs (Linux 5.12+, rdma-core 34+; not Soft-RoCE, which answers `EOPNOTSUPP`).
+//! 2. **nvidia-peermem** ([`GpuMrPath::Peermem`]): only when the `nvidia_peermem` (or older
+//!    `nv_peer_mem`) kernel module is loaded; plain `ibv_reg_mr` on the device pointer. The
+//!    module pins whole 64 KiB GPU pages ([`gpudirect_sys::peermem::GPU_PAGE`]); the region's
+//!    bounds are still the requested bytes.
+//!
+//! **Automatic order**: dma-buf first, then nvidia-peermem. A path is skipped with a recorded
+//! [`Refusal`] when its precondition is missing (the device reports no dma-buf support; no
+//! peer-memory module is loaded) or when its registration fails; the next path is tried. The
+//! successful region keeps the refusals of the paths tried before it
+//! ([`GpuMemoryRegion::attempts`]); when every path is refused the error is
+//! [`Error::NoGpuRegistrationPath`] carrying all of them. Failures happen at registration,
+//! never at the first transfer, and no region ever wraps a NULL `ibv_mr`.
+//!
+//! Before any verbs call, memory that is not GPUDirect RDMA capable is refused with
+//! [`Error::NotRdmaCapable`]: stream-ordered pool memory (`cuMemAllocAsync`, cudarc's
+//! `CudaSlice`, [`PoolBuffer`](crate::memory::PoolBuffer)) reports
+//! `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0`. Registration also sets
+//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the memory, so synchronous CUDA copies to and from it
+//! complete before they return (what a NIC reading or writing it next relies on).
+//!
+//! A consumer on the GPU that reads what a NIC wrote may need
+//! [`flush_gpudirect_rdma_writes`] first.
+//!
+//! # Ownership
+//!
+//! The region owns the memory and, for dma-buf, the exported fd: `ibv_dereg_mr` runs when the
+//! region and every [`MrSlice`] of it (work requests hold slices until completion) are gone, and
+//! only after it succeeds are the fd closed and the memory freed. If it fails, both are leaked
+//! (DESIGN.md, verbs teardown).
+
+use super::mr::{AccessFlags, MrInner, MrSlice, RemoteMemory};
+use super::pd::ProtectionDomain;
+use super::{nonnull, verbs};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, PointerAttributes};
+use gpudirect_sys::ibverbs as ibv;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::RangeBounds;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+/// How [`ProtectionDomain::register_gpu`] registers GPU memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GpuRegistration {
+    /// Try dma-buf, then nvidia-peermem, recording why each path was refused (the default).
+    #[default]
+    Auto,
+    /// Only dma-buf (`cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`).
+    DmaBuf,
+    /// Only nvidia-peermem (`ibv_reg_mr` on the device pointer), when the module is loaded.
+    Peermem,
+}
+
+impl GpuRegistration {
+    /// The paths this mode tries, in order.
+    pub fn order(self) -> &'static [GpuMrPath] {
+        match self {
+            GpuRegistration::Auto => &[GpuMrPath::DmaBuf, GpuMrPath::Peermem],
+            GpuRegistration::DmaBuf => &[GpuMrPath::DmaBuf],
+            GpuRegistration::Peermem => &[GpuMrPath::Peermem],
+        }
+    }
+}
+
+/// One way of handing GPU memory to a NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GpuMrPath {
+    /// `ibv_reg_dmabuf_mr` over a dma-buf export of the memory.
+    DmaBuf,
+    /// `ibv_reg_mr` on the device pointer, resolved by the nvidia-peermem kernel module.
+    Peermem,
+}
+
+impl fmt::Display for GpuMrPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GpuMrPath::DmaBuf => "dma-buf",
+            GpuMrPath::Peermem => "nvidia-peermem",
+        })
+    }
+}
+
+/// Why a registration path was not taken.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The CUDA device reports `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0`: nothing was tried.
+    NoDmaBufSupport {
+        /// The CUDA device ordinal.
+        ordinal: usize,
+    },
+    /// Neither `nvidia_peermem` nor `nv_peer_mem` is loaded (`/sys/module`): nothing was tried.
+    NoPeermemModule,
+    /// The path was tried and the stack cannot do it: [`Error::Unsupported`] (for dma-buf:
+    /// `ibv_reg_dmabuf_mr` answered `EOPNOTSUPP`, or libibverbs lacks it), or the driver's
+    /// `CUDA_ERROR_NOT_SUPPORTED` from the export.
+    Unsupported(Error),
+    /// The path was tried and failed otherwise (export or registration error, with its errno or
+    /// CUDA code).
+    Failed(Error),
+}
+
+impl Refusal {
+    /// The error this refusal stands for, when the path was the only one asked for.
+    pub fn into_error(self, path: GpuMrPath) -> Error {
+        match self {
+            Refusal::NoDmaBufSupport { ordinal } => Error::Unsupported {
+                what: format!("{path} memory registration"),
+                reason: format!(
+                    "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
+                ),
+            },
+            Refusal::NoPeermemModule => Error::Unsupported {
+                what: format!("{path} memory registration"),
+                reason: "neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)".into(),
+            },
+            Refusal::Unsupported(e) | Refusal::Failed(e) => e,
+        }
+    }
+
+    /// The underlying error, when the path was tried.
+    pub fn error(&self) -> Option<&Error> {
+        match self {
+            Refusal::Unsupported(e) | Refusal::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::NoDmaBufSupport { ordinal } => write!(
+                f,
+                "not tried: CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
+            ),
+            Refusal::NoPeermemModule => f.write_str(
+                "not tried: neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)",
+            ),
+            Refusal::Unsupported(e) => write!(f, "unsupported: {e}"),
+            Refusal::Failed(e) => write!(f, "failed: {e}"),
+        }
+    }
+}
+
+/// The paths refused during one registration, in the order tried, with why. Printable: one
+/// `path: refusal` per entry, separated by `; `.
+#[derive(Debug, Default)]
+pub struct GpuMrAttempts(pub Vec<(GpuMrPath, Refusal)>);
+
+impl GpuMrAttempts {
+    /// The entries.
+    pub fn as_slice(&self) -> &[(GpuMrPath, Refusal)] {
+        &self.0
+    }
+
+    /// The refusal recorded for `path`, if it was refused.
+    pub fn refusal(&self, path: GpuMrPath) -> Option<&Refusal> {
+        self.0.iter().find(|(p, _)| *p == path).map(|(_, r)| r)
+    }
+
+    /// Whether no path was refused.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Display for GpuMrAttempts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no path refused");
+        }
+        for (i, (p, r)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{p}: {r}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Memory the GPU registration paths can hand to a NIC: every owned device buffer
+/// ([`DeviceMemoryMut`]: [`DeviceBuffer`](crate::memory::DeviceBuffer),
+/// [`VmmBuffer`](crate::memory::VmmBuffer); [`PoolBuffer`](crate::memory::PoolBuffer) is refused
+/// by [`prepare`](Self::prepare)), and other dma-buf exporters (a udmabuf in the Soft-RoCE tests,
+/// which drive the same path machinery with host memory).
+///
+/// # Safety
+///
+/// `nic_addr()..nic_addr() + nic_len()` must stay valid memory, not freed, moved or remapped, while
+/// the value lives; registering it with `ibv_reg_mr` (the peer-memory step, when
+/// [`peermem`](Self::peermem) says `Ok`) must pin exactly that memory. A dma-buf returned by
+/// [`export_dmabuf`](Self::export_dmabuf) must hold the same `nic_len()` bytes at the returned
+/// offset, and the memory behind it must stay valid while the value lives (the region keeps both,
+/// and closes the fd before dropping the value).
+pub unsafe trait GpuMrSource: Send + 'static {
+    /// The address of the first byte, as the NIC will be told (the IOVA of a dma-buf region, the
+    /// address `ibv_reg_mr` registers on the peer-memory path).
+    fn nic_addr(&self) -> u64;
+
+    /// The length in bytes.
+    fn nic_len(&self) -> usize;
+
+    /// Checks and settings that come before any verbs call (GPUDirect RDMA capability, the
+    /// `SYNC_MEMOPS` attribute).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotRdmaCapable`] for memory a NIC cannot reach; whatever the checks' driver calls
+    /// answer.
+    fn prepare(&self) -> Result<()>;
+
+    /// The dma-buf step's export: an fd and the byte offset of the first byte inside it.
+    ///
+    /// # Errors
+    ///
+    /// A [`Refusal`] saying why this path cannot be taken.
+    fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal>;
+
+    /// Whether the peer-memory step may register [`nic_addr`](Self::nic_addr) with `ibv_reg_mr`.
+    ///
+    /// # Errors
+    ///
+    /// A [`Refusal`] saying why not ([`Refusal::NoPeermemModule`] for device memory without the
+    /// module).
+    fn peermem(&self) -> Result<(), Refusal>;
+}
+
+/// Check that `mem` is device memory a NIC can reach through GPUDirect RDMA: a device kind other
+/// than pool memory, and `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 1`. The checks
+/// [`ProtectionDomain::register_gpu`] runs before any verbs call; usable without a NIC.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for host memory kinds (register those with
+/// [`ProtectionDomain::register`]) or an empty buffer, before any FFI call;
+/// [`Error::NotRdmaCapable`] for pool memory or memory whose attribute is 0; [`Error::Cuda`] /
+/// [`Error::Load`] when the attributes cannot be read.
+#[doc(alias = "CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE")]
+pub fn check_rdma_capable<M: DeviceMemory>(mem: &M) -> Result<PointerAttributes> {
+    let kind = mem.kind();
+    if !kind.is_device() {
+        return Err(Error::invalid(
+            "mem",
+            format!("{kind:?}"),
+            "GPU registration needs device memory; register host memory with ProtectionDomain::register",
+        ));
+    }
+    if mem.byte_len() == 0 {
+        return Err(Error::invalid(
+            "mem",
+            "0 bytes",
+            "a region must hold at least one byte",
+        ));
+    }
+    let ptr = mem.device_ptr();
+    let attrs = crate::memory::pointer_attributes(ptr);
+    if kind == MemoryKind::Pool {
+        let attr = match &attrs {
+            Ok(a) => format!(
+                "CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = {}",
+                a.gpu_direct_rdma_capable as u8
+            ),
+            Err(e) => format!("attributes unreadable: {e}"),
+        };
+        return Err(Error::NotRdmaCapable {
+            ptr,
+            kind,
+            reason: format!(
+                "stream-ordered pool memory (cuMemAllocAsync, cudarc's CudaSlice) is not GPUDirect RDMA capable ({attr}); allocate a DeviceBuffer or VmmBuffer"
+            ),
+        });
+    }
+    let attrs = attrs?;
+    if !attrs.gpu_direct_rdma_capable {
+        return Err(Error::NotRdmaCapable {
+            ptr,
+            kind,
+            reason: "CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0".into(),
+        });
+    }
+    Ok(attrs)
+}
+
+/// `cuPointerSetAttribute(1, CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, ptr)`: synchronous memory
+/// operations on the allocation holding `ptr` always synchronize (blocks until pending ones
+/// complete). Device `ordinal`'s primary context is made current first.
+///
+/// # Errors
+///
+/// [`Error::Cuda`] naming `cuPointerSetAttribute`; [`Error::Load`] / [`Error::NoDevice`] from
+/// the context.
+#[doc(alias = "cuPointerSetAttribute")]
+#[doc(alias = "CU_POINTER_ATTRIBUTE_SYNC_MEMOPS")]
+pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
+    use cudarc::driver::sys;
+    let ctx = crate::cuda::context(ordinal)?;
+    crate::memory::bind(&ctx)?;
+    let one: u32 = 1;
+    // SAFETY: the attribute's value is an unsigned int read through the pointer during the call;
+    // the driver validates `ptr`.
+    crate::error::cu("cuPointerSetAttribute", unsafe {
+        sys::cuPointerSetAttribute(
+            (&one as *const u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+            ptr,
+        )
+    })
+}
+
+fn device_attr(ordinal: usize, a: cudarc::driver::sys::CUdevice_attribute) -> Result<i32> {
+    let ctx = crate::cuda::context(ordinal)?;
+    ctx.attribute(a)
+        .map_err(|e| crate::error::from_driver("cuDeviceGetAttribute", e))
+}
+
+// SAFETY: an owned device buffer's range stays valid and unmoved while it lives (the
+// `DeviceMemory` contract); the dma-buf export covers the same bytes at `DmaBufRange::offset`;
+// `ibv_reg_mr` is only reached when a peer-memory module resolves device pointers.
+unsafe impl<M: DeviceMemoryMut> GpuMrSource for M {
+    fn nic_addr(&self) -> u64 {
+        self.device_ptr()
+    }
+
+    fn nic_len(&self) -> usize {
+        self.byte_len()
+    }
+
+    fn prepare(&self) -> Result<()> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        check_rdma_capable(self)?;
+        let ordinal = self.ordinal();
+        if device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? == 0 {
+            return Err(Error::Unsupported {
+                what: "GPUDirect RDMA".into(),
+                reason: format!(
+                    "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED = 0"
+                ),
+            });
+        }
+        match set_sync_memops(ordinal, self.device_ptr()) {
+            // VMM mappings may not take the attribute; their copies are not deferred the way
+            // cuMemAlloc memory's can be, so a refusal there is not an error.
+            Err(Error::Cuda { .. }) if self.kind() == MemoryKind::Vmm => Ok(()),
+            r => r,
+        }
+    }
+
+    fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let ordinal = self.ordinal();
+        match device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) {
+            Ok(0) => return Err(Refusal::NoDmaBufSupport { ordinal }),
+            Ok(_) => {}
+            Err(e) => return Err(Refusal::Failed(e)),
+        }
+        match crate::dmabuf::export_range(ordinal, self.device_ptr(), self.byte_len() as u64) {
+            Ok((fd, range)) => Ok((fd, range.offset)),
+            Err(e @ (Error::Load(_) | Error::Unsupported { .. })) => Err(Refusal::Unsupported(e)),
+            Err(e) if e.cuda_name() == Some("CUDA_ERROR_NOT_SUPPORTED") => {
+                Err(Refusal::Unsupported(e))
+            }
+            Err(e) => Err(Refusal::Failed(e)),
+        }
+    }
+
+    fn peermem(&self) -> Result<(), Refusal> {
+        match gpudirect_sys::peermem::peermem_module() {
+            Some(_) => Ok(()),
+            None => Err(Refusal::NoPeermemModule),
+        }
+    }
+}
+
+/// The arguments of one `ibv_reg_dmabuf_mr` call, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmabufRegArgs {
+    /// Byte offset of the first registered byte inside the dma-buf.
+    pub offset: u64,
+    /// Bytes registered: exactly the requested length.
+    pub len: usize,
+    /// The address peers and work requests use for the first byte.
+    pub iova: u64,
+    /// The access flags passed (normalized: local write added where verbs require it).
+    pub access: AccessFlags,
+}
+
+impl DmabufRegArgs {
+    /// `len` bytes at `offset` of a dma-buf, addressed from `iova`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an empty range or one whose end overflows (offset or IOVA).
+    pub fn new(offset: u64, len: usize, iova: u64, access: AccessFlags) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::invalid(
+                "len",
+                0,
+                "a region must hold at least one byte",
+            ));
+        }
+        if offset.checked_add(len as u64).is_none() || iova.checked_add(len as u64).is_none() {
+            return Err(Error::invalid(
+                "len",
+                len,
+                format!("offset {offset:#x} / iova {iova:#x} + len overflows 64 bits"),
+            ));
+        }
+        Ok(DmabufRegArgs {
+            offset,
+            len,
+            iova,
+            access: access.normalized(),
+        })
+    }
+}
+
+/// An `ibv_reg_dmabuf_mr` failure as the typed error: `EOPNOTSUPP` (and `ENOSYS`,
+/// `EPROTONOSUPPORT`) become [`Error::Unsupported`] saying dma-buf; anything else stays
+/// [`Error::Os`].
+pub(crate) fn dmabuf_error(e: Error, device: &str) -> Error {
+    match e {
+        Error::Os { source, .. }
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT)
+            ) =>
+        {
+            Error::Unsupported {
+                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
+                reason: format!(
+                    "device {device} answered {source} (Soft-RoCE and kernels before 5.12 cannot register dma-bufs)"
+                ),
+            }
+        }
+        e => e,
+    }
+}
+
+/// Try `order`'s paths one after the other with `attempt`, which gives the source back with a
+/// [`Refusal`] when its path is not taken. Returns the first success with its path, and every
+/// refusal before it; or the source back with all refusals.
+#[allow(clippy::type_complexity)]
+pub(crate) fn run_paths<S, T>(
+    order: &[GpuMrPath],
+    src: S,
+    mut attempt: impl FnMut(GpuMrPath, S) -> Result<T, (S, Refusal)>,
+) -> (Result<(T, GpuMrPath), S>, GpuMrAttempts) {
+    let mut refused = Vec::new();
+    let mut src = src;
+    for &path in order {
+        match attempt(path, src) {
+            Ok(t) => return (Ok((t, path)), GpuMrAttempts(refused)),
+            Err((s, r)) => {
+                refused.push((path, r));
+                src = s;
+            }
+        }
+    }
+    (Err(src), GpuMrAttempts(refused))
+}
+
+/// What the NIC may reach through a dma-buf region: the fd is declared first so it is closed
+/// before the memory is dropped.
+struct DmabufOwner<S> {
+    _fd: OwnedFd,
+    _src: S,
+}
+
+/// A memory region over GPU memory (or another [`GpuMrSource`]), registered by
+/// [`ProtectionDomain::register_gpu`]. It owns the memory (and the dma-buf fd); slices of it go
+/// into work requests like host regions' slices. Its bytes are never handed out on the host.
+#[doc(alias = "ibv_reg_dmabuf_mr")]
+#[doc(alias = "ibv_reg_mr")]
+pub struct GpuMemoryRegion<S> {
+    inner: Arc<MrInner>,
+    path: GpuMrPath,
+    attempts: GpuMrAttempts,
+    dmabuf_offset: Option<u64>,
+    /// The source, inside the owner `inner` keeps (a stable heap address until `inner` drops).
+    src: std::ptr::NonNull<S>,
+    _src: PhantomData<S>,
+}
+
+// SAFETY: the region owns `S` (through `inner`); moving the region moves ownership, which `S:
+// Send` allows. The verbs handle is thread-safe.
+unsafe impl<S: Send> Send for GpuMemoryRegion<S> {}
+// SAFETY: shared access hands out `&S` only (`memory`), which `S: Sync` allows.
+unsafe impl<S: Sync> Sync for GpuMemoryRegion<S> {}
+
+/// A registration made by one path: the region, the source inside its owner, and the dma-buf
+/// offset when the path was dma-buf.
+struct Registered<S> {
+    inner: Arc<MrInner>,
+    src: std::ptr::NonNull<S>,
+    dmabuf_offset: Option<u64>,
+}
+
+impl<S> GpuMemoryRegion<S> {
+    /// The path that registered it.
+    pub fn path(&self) -> GpuMrPath {
+        self.path
+    }
+
+    /// The memory registered. A shared reference to the buffer value, never to its bytes: device
+    /// bytes are only reached through copies (which see whatever the NIC has written so far; copy
+    /// after the completion that wrote them, and after [`flush_gpudirect_rdma_writes`] where the
+    /// device needs it).
+    pub fn memory(&self) -> &S {
+        // SAFETY: `src` points into the owner `inner` keeps alive as long as `self`; only shared
+        // references to it are ever made.
+        unsafe { self.src.as_ref() }
+    }
+
+    /// For a dma-buf region, the `offset` passed to `ibv_reg_dmabuf_mr`: where the first byte sits
+    /// inside the exported (4 KiB-aligned) range.
+    pub fn dmabuf_offset(&self) -> Option<u64> {
+        self.dmabuf_offset
+    }
+
+    /// The paths refused before [`path`](Self::path) was taken (empty when the first one worked).
+    pub fn attempts(&self) -> &GpuMrAttempts {
+        &self.attempts
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey()
+    }
+
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey()
+    }
+
+    /// The address of the first byte as work requests and peers use it: the IOVA of a dma-buf
+    /// region (the device pointer), the device pointer on the peer-memory path.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    /// Length in bytes: exactly the bytes registered.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len() == 0
+    }
+
+    /// The access granted (normalized).
+    pub fn access(&self) -> AccessFlags {
+        self.inner.access()
+    }
+
+    /// The raw `ibv_mr`, valid while `self` is.
+    pub fn as_raw(&self) -> *mut ibv::ibv_mr {
+        self.inner.as_raw()
+    }
+
+    /// The descriptor a peer needs: `addr` = [`addr`](Self::addr) (the IOVA), the rkey, the
+    /// length in bytes.
+    pub fn remote(&self) -> RemoteMemory {
+        RemoteMemory {
+            addr: self.addr(),
+            rkey: self.rkey(),
+            len: self.len() as u64,
+        }
+    }
+
+    /// A slice for a work request (`..` for all of it); it keeps the region registered and the
+    /// memory alive until the request completes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the range is empty, out of bounds, or longer than 2^31
+    /// bytes.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+        MrSlice::of(&self.inner, range)
+    }
+}
+
+impl<S> fmt::Debug for GpuMemoryRegion<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuMemoryRegion")
+            .field("path", &self.path)
+            .field("dmabuf_offset", &self.dmabuf_offset)
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("access", &self.access())
+            .field("refused", &format_args!("{}", self.attempts))
+            .finish()
+    }
+}
+
+impl ProtectionDomain {
+    /// Register GPU memory with the NIC by dma-buf or nvidia-peermem (see the
+    /// [module](crate::rdma::gpu_mr) for both paths and the automatic order). The region owns
+    /// `src`; `access` may include remote write and atomics (GPU bytes are never borrowed on the
+    /// host).
+    ///
+    /// Order of checks: the length and access (no FFI), then [`GpuMrSource::prepare`] (pool
+    /// memory refused, `SYNC_MEMOPS` set), then libibverbs, then the paths.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an empty or overflowing range or host memory;
+    /// [`Error::NotRdmaCapable`] for pool memory (cudarc's `CudaSlice`); [`Error::Load`] without
+    /// libibverbs. With [`GpuRegistration::Auto`]: [`Error::NoGpuRegistrationPath`] listing each
+    /// path and its [`Refusal`]. With one path: that path's error ([`Error::Unsupported`] saying
+    /// dma-buf when `ibv_reg_dmabuf_mr` answers `EOPNOTSUPP`, or naming nvidia-peermem when the
+    /// module is absent; [`Error::Os`] with the errno of a failed `ibv_reg_mr` /
+    /// `ibv_reg_dmabuf_mr`; [`Error::Cuda`] from the export).
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    #[doc(alias = "cuMemGetHandleForAddressRange")]
+    pub fn register_gpu<S: GpuMrSource>(
+        &self,
+        src: S,
+        access: AccessFlags,
+        how: GpuRegistration,
+    ) -> Result<GpuMemoryRegion<S>> {
+        let (addr, len) = (src.nic_addr(), src.nic_len());
+        // Checked before any FFI call: the same arithmetic the dma-buf step uses.
+        let _ = DmabufRegArgs::new(0, len, addr, access)?;
+        let access = access.normalized();
+        src.prepare()?;
+        let l = verbs()?;
+        let (r, attempts) = run_paths(how.order(), src, |path, s| match path {
+            GpuMrPath::DmaBuf => self.try_dmabuf(l, s, access),
+            GpuMrPath::Peermem => self.try_peermem(l, s, access),
+        });
+        match r {
+            Ok((reg, path)) => Ok(GpuMemoryRegion {
+                inner: reg.inner,
+                path,
+                attempts,
+                dmabuf_offset: reg.dmabuf_offset,
+                src: reg.src,
+                _src: PhantomData,
+            }),
+            Err(_src) if how != GpuRegistration::Auto => {
+                let (path, refusal) = attempts.0.into_iter().next().expect("one path tried");
+                Err(refusal.into_error(path))
+            }
+            Err(_src) => Err(Error::NoGpuRegistrationPath { attempts }),
+        }
+    }
+
+    /// The dma-buf step on an fd: `ibv_reg_dmabuf_mr(pd, args.offset, args.len, args.iova, fd,
+    /// args.access)`, with `EOPNOTSUPP` mapped to [`Error::Unsupported`].
+    fn reg_dmabuf(
+        &self,
+        l: &ibv::Lib,
+        fd: BorrowedFd<'_>,
+        args: DmabufRegArgs,
+    ) -> Result<std::ptr::NonNull<ibv::ibv_mr>> {
+        let Some(reg) = l.ibv_reg_dmabuf_mr else {
+            return Err(Error::Unsupported {
+                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
+                reason: format!(
+                    "{} has no ibv_reg_dmabuf_mr (rdma-core older than 34)",
+                    l.path()
+                ),
+            });
+        };
+        // SAFETY: a live PD and an open fd; the kernel takes its own reference to the dma-buf
+        // and validates offset/len against it.
+        let p = unsafe {
+            reg(
+                self.as_raw(),
+                args.offset,
+                args.len,
+                args.iova,
+                fd.as_raw_fd(),
+                args.access.bits() as i32,
+            )
+        };
+        nonnull("ibv_reg_dmabuf_mr", p).map_err(|e| dmabuf_error(e, self.context().name()))
+    }
+
+    fn try_dmabuf<S: GpuMrSource>(
+        &self,
+        l: &ibv::Lib,
+        s: S,
+        access: AccessFlags,
+    ) -> Result<Registered<S>, (S, Refusal)> {
+        let (fd, offset) = match s.export_dmabuf() {
+            Ok(x) => x,
+            Err(r) => return Err((s, r)),
+        };
+        let args = match DmabufRegArgs::new(offset, s.nic_len(), s.nic_addr(), access) {
+            Ok(a) => a,
+            Err(e) => return Err((s, Refusal::Failed(e))),
+        };
+        match self.reg_dmabuf(l, std::os::fd::AsFd::as_fd(&fd), args) {
+            Ok(mr) => {
+                let owner = Box::new(DmabufOwner { _fd: fd, _src: s });
+                let src = std::ptr::NonNull::from(&owner._src);
+                // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed
+                // from `args.iova`; the owner keeps the fd and the memory until after dereg.
+                let inner = unsafe {
+                    MrInner::registered(
+                        mr,
+                        args.iova,
+                        args.len,
+                        args.access,
+                        self.inner.clone(),
+                        owner,
+                    )
+                };
+                Ok(Registered {
+                    inner,
+                    src,
+                    dmabuf_offset: Some(args.offset),
+                })
+            }
+            Err(e @ Error::Unsupported { .. }) => Err((s, Refusal::Unsupported(e))),
+            Err(e) => Err((s, Refusal::Failed(e))),
+        }
+    }
+
+    fn try_peermem<S: GpuMrSource>(
+        &self,
+        l: &ibv::Lib,
+        s: S,
+        access: AccessFlags,
+    ) -> Result<Registered<S>, (S, Refusal)> {
+        if let Err(r) = s.peermem() {
+            return Err((s, r));
+        }
+        let (addr, len) = (s.nic_addr(), s.nic_len());
+        // SAFETY: `addr..addr+len` is memory `s` keeps valid (GpuMrSource contract), which the
+        // region owns until after ibv_dereg_mr; the PD is live.
+        let p = unsafe {
+            (l.ibv_reg_mr)(
+                self.as_raw(),
+                addr as *mut std::ffi::c_void,
+                len,
+                access.bits() as i32,
+            )
+        };
+        match nonnull("ibv_reg_mr", p) {
+            Ok(mr) => {
+                let owner = Box::new(s);
+                let src = std::ptr::NonNull::from(&*owner);
+                // SAFETY: registered just now in this PD over exactly these bytes; `owner` holds
+                // the memory until after dereg.
+                let inner = unsafe {
+                    MrInner::registered(mr, addr, len, access, self.inner.clone(), owner)
+                };
+                Ok(Registered {
+                    inner,
+                    src,
+                    dmabuf_offset: None,
+                })
+            }
+            Err(e) => Err((s, Refusal::Failed(e))),
+        }
+    }
+}
+
+/// The scope of [`flush_gpudirect_rdma_writes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlushScope {
+    /// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER` (100): visible to the context owning the data.
+    Owner,
+    /// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES` (200): visible to every device context.
+    AllDevices,
+}
+
+impl FlushScope {
+    /// The C value (100 or 200), comparable with `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`.
+    pub fn raw(self) -> i32 {
+        match self {
+            FlushScope::Owner => 100,
+            FlushScope::AllDevices => 200,
+        }
+    }
+}
+
+/// What [`flush_gpudirect_rdma_writes`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlushOutcome {
+    /// `cuFlushGPUDirectRDMAWrites` ran and returned.
+    Flushed,
+    /// The device already orders GPUDirect RDMA writes at this scope
+    /// (`..._GPU_DIRECT_RDMA_WRITES_ORDERING` ≥ the scope): the call is a no-op and was skipped.
+    AlreadyOrdered,
+}
+
+/// Decide a flush from the device's `..._GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS` bit mask and
+/// `..._GPU_DIRECT_RDMA_WRITES_ORDERING` value.
+///
+/// # Errors
+///
+/// [`Error::Unsupported`] when the options lack `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST` (1).
+pub fn flush_plan(
+    ordinal: usize,
+    options: i32,
+    ordering: i32,
+    scope: FlushScope,
+) -> Result<FlushOutcome> {
+    if options & 1 == 0 {
+        return Err(Error::Unsupported {
+            what: "cuFlushGPUDirectRDMAWrites".into(),
+            reason: format!(
+                "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS = {options} (no HOST bit)"
+            ),
+        });
+    }
+    Ok(if ordering >= scope.raw() {
+        FlushOutcome::AlreadyOrdered
+    } else {
+        FlushOutcome::Flushed
+    })
+}
+
+/// `cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, scope)` on
+/// `ctx` (made current): blocks until GPUDirect RDMA writes a NIC made to this device's memory are
+/// visible at `scope`. Call it before a GPU consumer reads what a NIC wrote, when the device's
+/// write ordering does not already cover the scope (then nothing is called:
+/// [`FlushOutcome::AlreadyOrdered`]).
+///
+/// # Errors
+///
+/// [`Error::Unsupported`] when the device's flush options lack the host flush bit;
+/// [`Error::Load`] when the driver lacks the entry point; [`Error::Cuda`] from the call.
+#[doc(alias = "cuFlushGPUDirectRDMAWrites")]
+pub fn flush_gpudirect_rdma_writes(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    scope: FlushScope,
+) -> Result<FlushOutcome> {
+    use cudarc::driver::sys;
+    use sys::CUdevice_attribute as A;
+    crate::cuda::init()?;
+    gpudirect_sys::cuda::require_symbols(&["cuFlushGPUDirectRDMAWrites"])?;
+    let ordinal = ctx.ordinal();
+    let attr = |a| {
+        ctx.attribute(a)
+            .map_err(|e| crate::error::from_driver("cuDeviceGetAttribute", e))
+    };
+    let plan = flush_plan(
+        ordinal,
+        attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING)?,
+        scope,
+    )?;
+    if plan == FlushOutcome::AlreadyOrdered {
+        return Ok(plan);
+    }
+    crate::memory::bind(ctx)?;
+    let s = match scope {
+        FlushScope::Owner => {
+            sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
+        }
+        FlushScope::AllDevices => {
+            sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES
+        }
+    };
+    // SAFETY: the symbol exists (checked); a context is current; plain enum arguments.
+    crate::error::cu("cuFlushGPUDirectRDMAWrites", unsafe {
+        sys::cuFlushGPUDirectRDMAWrites(
+            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+            s,
+        )
+    })?;
+    Ok(FlushOutcome::Flushed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpudirect_sys::peermem::DmaBufRange;
+
+    #[test]
+    fn a5_dmabuf_arguments_are_exact() {
+        // 65544 bytes starting 40 bytes into a 2 MiB-aligned allocation.
+        let ptr = 0x7f00_0020_0000u64 + 40;
+        let r = DmaBufRange::new(ptr, 65544).unwrap();
+        let a =
+            DmabufRegArgs::new(r.offset, r.len as usize, ptr, AccessFlags::REMOTE_WRITE).unwrap();
+        assert_eq!((a.offset, a.len, a.iova), (40, 65544, ptr));
+        assert_eq!(
+            a.access,
+            AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE
+        );
+        assert_eq!(a.access.bits(), 3);
+        // The registered bytes lie inside the export.
+        assert!(r.offset + a.len as u64 <= r.export_len);
+        // Two 40-byte buffers in one page: distinct, non-overlapping registrations.
+        let page = 0x10_0000u64;
+        let (x, y) = (
+            DmaBufRange::new(page + 100, 40).unwrap(),
+            DmaBufRange::new(page + 200, 40).unwrap(),
+        );
+        let ax = DmabufRegArgs::new(x.offset, 40, x.iova, AccessFlags::REMOTE_READ).unwrap();
+        let ay = DmabufRegArgs::new(y.offset, 40, y.iova, AccessFlags::REMOTE_READ).unwrap();
+        assert_eq!((ax.offset, ax.iova), (100, page + 100));
+        assert_eq!((ay.offset, ay.iova), (200, page + 200));
+        assert!(ax.iova + ax.len as u64 <= ay.iova);
+        assert_eq!(ax.access, AccessFlags::REMOTE_READ);
+    }
+
+    #[test]
+    fn dmabuf_arguments_are_checked_before_ffi() {
+        assert!(matches!(
+            DmabufRegArgs::new(0, 0, 0x1000, AccessFlags::empty()),
+            Err(Error::InvalidArgument { arg: "len", .. })
+        ));
+        assert!(DmabufRegArgs::new(u64::MAX - 4, 8, 0, AccessFlags::empty()).is_err());
+        assert!(DmabufRegArgs::new(0, 8, u64::MAX - 4, AccessFlags::empty()).is_err());
+        let a = DmabufRegArgs::new(4095, 2, 0x2fff, AccessFlags::REMOTE_ATOMIC).unwrap();
+        assert_eq!(a.access.bits(), 9);
+    }
+
+    #[test]
+    fn a3_eopnotsupp_is_unsupported_saying_dmabuf() {
+        for errno in [libc::EOPNOTSUPP, libc::ENOSYS, libc::EPROTONOSUPPORT] {
+            let e = dmabuf_error(Error::errno("ibv_reg_dmabuf_mr", errno), "rxe0");
+            match &e {
+                Error::Unsupported { what, reason } => {
+                    assert!(what.contains("dma-buf"), "{what}");
+                    assert!(reason.contains("rxe0"), "{reason}");
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let e = dmabuf_error(Error::errno("ibv_reg_dmabuf_mr", libc::EINVAL), "rxe0");
+        match e {
+            Error::Os { call, source } => {
+                assert_eq!(call, "ibv_reg_dmabuf_mr");
+                assert_eq!(source.raw_os_error(), Some(libc::EINVAL));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn errors_and_regions_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Error>();
+        send_sync::<GpuMrAttempts>();
+        send_sync::<GpuMemoryRegion<crate::memory::DeviceBuffer<u8>>>();
+        send_sync::<GpuMemoryRegion<crate::memory::VmmBuffer<u32>>>();
+    }
+
+    #[test]
+    fn auto_order_is_dmabuf_then_peermem() {
+        assert_eq!(
+            GpuRegistration::Auto.order(),
+            &[GpuMrPath::DmaBuf, GpuMrPath::Peermem]
+        );
+        assert_eq!(GpuRegistration::default(), GpuRegistration::Auto);
+        assert_eq!(GpuRegistration::DmaBuf.order(), &[GpuMrPath::DmaBuf]);
+        assert_eq!(GpuRegistration::Peermem.order(), &[GpuMrPath::Peermem]);
+    }
+
+    #[test]
+    fn paths_fall_through_and_record_why() {
+        let mut tried = Vec::new();
+        let (r, attempts) = run_paths(GpuRegistration::Auto.order(), "mem", |p, s| {
+            tried.push(p);
+            match p {
+                GpuMrPath::DmaBuf => Err((
+                    s,
+                    Refusal::Unsupported(dmabuf_error(
+                        Error::errno("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP),
+                        "rxe0",
+                    )),
+                )),
+                GpuMrPath::Peermem => Ok(7),
+            }
+        });
+        assert_eq!(tried, [GpuMrPath::DmaBuf, GpuMrPath::Peermem]);
+        assert_eq!(r.unwrap(), (7, GpuMrPath::Peermem));
+        assert_eq!(attempts.as_slice().len(), 1);
+        assert!(matches!(
+            attempts.refusal(GpuMrPath::DmaBuf),
+            Some(Refusal::Unsupported(Error::Unsupported { .. }))
+        ));
+        let text = attempts.to_string();
+        assert!(text.starts_with("dma-buf: unsupported:"), "{text}");
+
+        // Everything refused: the source comes back with both reasons.
+        let (r, attempts) = run_paths::<_, ()>(GpuRegistration::Auto.order(), 5u8, |p, s| {
+            Err((
+                s,
+                match p {
+                    GpuMrPath::DmaBuf => Refusal::NoDmaBufSupport { ordinal: 0 },
+                    GpuMrPath::Peermem => Refusal::NoPeermemModule,
+                },
+            ))
+        });
+        assert_eq!(r.unwrap_err(), 5);
+        let e = Error::NoGpuRegistrationPath { attempts };
+        let text = e.to_string();
+        assert!(
+            text.contains("dma-buf: not tried: CUDA device 0 reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("nvidia-peermem: not tried: neither nvidia_peermem nor nv_peer_mem"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn single_path_refusals_become_typed_errors() {
+        let e = Refusal::NoPeermemModule.into_error(GpuMrPath::Peermem);
+        assert!(
+            matches!(&e, Error::Unsupported { what, .. } if what.contains("nvidia-peermem")),
+            "{e}"
+        );
+        let e = Refusal::NoDmaBufSupport { ordinal: 1 }.into_error(GpuMrPath::DmaBuf);
+        assert!(
+            matches!(&e, Error::Unsupported { what, .. } if what.contains("dma-buf")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn flush_needs_the_host_option_and_skips_when_ordered() {
+        assert!(matches!(
+            flush_plan(0, 0, 0, FlushScope::Owner),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            flush_plan(0, 2, 0, FlushScope::Owner),
+            Err(Error::Unsupported { .. })
+        ));
+        assert_eq!(
+            flush_plan(0, 1, 0, FlushScope::Owner).unwrap(),
+            FlushOutcome::Flushed
+        );
+        assert_eq!(
+            flush_plan(0, 3, 100, FlushScope::Owner).unwrap(),
+            FlushOutcome::AlreadyOrdered
+        );
+        assert_eq!(
+            flush_plan(0, 3, 100, FlushScope::AllDevices).unwrap(),
+            FlushOutcome::Flushed
+        );
+        assert_eq!(
+            flush_plan(0, 1, 200, FlushScope::AllDevices).unwrap(),
+            FlushOutcome::AlreadyOrdered
+        );
+    }
+
+    #[test]
+    fn host_kinds_and_empty_buffers_are_refused_before_ffi() {
+        struct Fake(MemoryKind, usize);
+        // SAFETY: never dereferenced: the checks refuse it before any FFI call.
+        unsafe impl DeviceMemory for Fake {
+            type Elem = u8;
+            fn device_ptr(&self) -> u64 {
+                0x1000
+            }
+            fn len(&self) -> usize {
+                self.1
+            }
+            fn ordinal(&self) -> usize {
+                0
+            }
+            fn kind(&self) -> MemoryKind {
+                self.0
+            }
+        }
+        for k in [MemoryKind::PinnedHost, MemoryKind::RegisteredHost] {
+            assert!(matches!(
+                check_rdma_capable(&Fake(k, 64)),
+                Err(Error::InvalidArgument { arg: "mem", .. })
+            ));
+        }
+        assert!(matches!(
+            check_rdma_capable(&Fake(MemoryKind::Device, 0)),
+            Err(Error::InvalidArgument { arg: "mem", .. })
+        ));
+        // Pool memory is refused as such, whether or not a driver can be asked.
+        match check_rdma_capable(&Fake(MemoryKind::Pool, 64)) {
+            Err(Error::NotRdmaCapable { kind, reason, .. }) => {
+                assert_eq!(kind, MemoryKind::Pool);
+                assert!(reason.contains("not GPUDirect RDMA capable"), "{reason}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
