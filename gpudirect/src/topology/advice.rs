@@ -244,7 +244,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
         say(
             &mut out,
             "storage",
-            "cuFile could not register the file (5027: no udev data, common in containers): see DESIGN.md for the udev entry.".into(),
+            "cuFile could not register the file (5027: no udev data, common in containers): as root, write the udev entry /run/udev/data/b<major>:<minor> holding E:ID_FS_USAGE=filesystem (scripts/cufile-udev.sh in the gpudirect repository does it).".into(),
         );
     }
     // Async.
