@@ -1,11 +1,10 @@
 //! The link matrix: for every ordered device pair, peer access, P2P attributes and the physical
 //! interconnect (NVLink with its link count, or PCIe) as NVML reports it.
 
-use super::access::{can_access_peer, cu_device};
+use super::access::can_access_peer;
 use super::attributes::{P2pAttributes, p2p_attributes};
 use crate::cuda;
-use crate::error::{Result, cu};
-use cudarc::driver::sys;
+use crate::error::Result;
 use std::ffi::OsStr;
 
 /// The file name NVML is opened as (driver-only nodes have it; no development package needed).
@@ -21,7 +20,7 @@ pub struct DeviceInfo {
     pub ordinal: usize,
     /// `cuDeviceGetName`.
     pub name: String,
-    /// `cuDeviceGetPCIBusId`, such as `0000:19:00.0`.
+    /// `cuDeviceGetPCIBusId`, lower case as sysfs spells it, such as `0000:19:00.0`.
     pub pci_bus_id: String,
 }
 
@@ -180,31 +179,12 @@ impl std::fmt::Display for Interconnect {
 }
 
 fn device_info(ordinal: usize) -> Result<DeviceInfo> {
-    let d = cu_device(ordinal)?;
-    let mut name = [0 as std::ffi::c_char; 256];
-    // SAFETY: valid buffer of the given length; valid device.
-    cu("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, d)
-    })?;
-    let mut bus = [0 as std::ffi::c_char; 64];
-    // SAFETY: valid buffer of the given length; valid device.
-    cu("cuDeviceGetPCIBusId", unsafe {
-        sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, d)
-    })?;
+    let d = crate::device::DeviceInfo::query(ordinal)?;
     Ok(DeviceInfo {
         ordinal,
-        name: c_string(&name),
-        pci_bus_id: c_string(&bus),
+        name: d.name,
+        pci_bus_id: d.pci_bus_id,
     })
-}
-
-fn c_string(buf: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = buf
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// A PCI address as `(domain, bus, device)`, parsed from `dddd:bb:dd.f` or `dddddddd:bb:dd.f`.
