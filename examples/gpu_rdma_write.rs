@@ -17,10 +17,16 @@ use gpudirect::testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
 
 fn main() {
-    let n: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse().expect("BYTES must be a number"))
-        .unwrap_or(1 << 20);
+    let n: usize = match std::env::args().nth(1).map(|s| s.parse::<usize>()) {
+        None => 1 << 20,
+        Some(Ok(n)) if n > 0 => n,
+        Some(_) => {
+            eprintln!(
+                "usage: gpu_rdma_write [BYTES]   (a positive number of bytes; default 1048576)"
+            );
+            std::process::exit(2);
+        }
+    };
     if let Err(e) = run(n) {
         eprintln!("FAILED: {e}");
         std::process::exit(1);

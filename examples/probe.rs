@@ -10,6 +10,13 @@ use std::io::Write;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(bad) = args
+        .iter()
+        .find(|a| !["--json", "--no-measure"].contains(&a.as_str()))
+    {
+        eprintln!("probe: unknown argument {bad:?}\nusage: probe [--json] [--no-measure]");
+        std::process::exit(2);
+    }
     let json = args.iter().any(|a| a == "--json");
     let opts = GatherOptions {
         measure: !args.iter().any(|a| a == "--no-measure"),

@@ -367,7 +367,7 @@ fn json_shape_is_pinned() {
 fn text_rendering_has_a_section_and_verdict_per_path() {
     let text = sample().to_string();
     for needle in [
-        "gpudirect node report (schema 2, quick measurements on)",
+        "gpudirect node report (schema 2, quick measurements requested)",
         "libcuda     loaded   /usr/lib/libcuda.so.1 (version 13.0)",
         "libibverbs  MISSING  libibverbs not found (tried libibverbs.so.1)",
         "driver: CUDA 13.0   bindings: CUDA 12.8",

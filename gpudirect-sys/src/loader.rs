@@ -13,7 +13,7 @@ pub enum LoadError {
         library: &'static str,
         /// Every file name or path tried, in order.
         tried: Vec<String>,
-        /// What the dynamic loader said for the last candidate.
+        /// What the dynamic loader said for each candidate, joined with `; `.
         detail: String,
     },
     /// The library loaded but lacks a symbol (an older version).
@@ -54,7 +54,7 @@ pub unsafe fn open(
         tried.push(PathBuf::from(p).display().to_string());
     }
     tried.extend(candidates.iter().map(|c| c.to_string()));
-    let mut detail = String::from("no candidates");
+    let mut errors = Vec::new();
     for cand in &tried {
         // SAFETY: the caller vouches for the library's initialisers.
         match unsafe { libloading::Library::new(cand) } {
@@ -64,9 +64,16 @@ pub unsafe fn open(
                     path: resolved_path(cand),
                 });
             }
-            Err(e) => detail = e.to_string(),
+            // dlerror names the file itself; keep every candidate's reason (an explicit path
+            // may fail for a different reason than "not found").
+            Err(e) => errors.push(e.to_string()),
         }
     }
+    let detail = if errors.is_empty() {
+        String::from("no candidates")
+    } else {
+        errors.join("; ")
+    };
     Err(LoadError::LibraryNotFound {
         library,
         tried,

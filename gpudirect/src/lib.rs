@@ -5,7 +5,10 @@
 //! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
-//! | RDMA | [`rdma`] | verbs on host memory: devices, PDs, MRs, CQs, QPs, work requests, rdma_cm |
+//! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
+//! | RDMA | [`dmabuf`] | dma-buf export of device memory |
+//! | all | [`device`], [`topology`] | GPU attributes; the node report the `probe` example prints |
+//! | tests | [`testing`] | `SKIPPED: reason`, or a failure where `GPUDIRECT_REQUIRE` names the hardware |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].

@@ -36,13 +36,38 @@ impl fmt::Display for Hardware {
     }
 }
 
-/// Whether `GPUDIRECT_REQUIRE` names `hw`.
+const ALL: [Hardware; 4] = [
+    Hardware::Gpu,
+    Hardware::Cufile,
+    Hardware::Rdma,
+    Hardware::MultiGpu,
+];
+
+/// Whether `GPUDIRECT_REQUIRE` names `hw` (names are case-insensitive).
+///
+/// # Panics
+///
+/// When `GPUDIRECT_REQUIRE` holds a name that is not one of `gpu`, `cufile`, `rdma`,
+/// `multi-gpu`: a misspelled requirement must not turn into a silent skip.
+#[track_caller]
 pub fn required(hw: Hardware) -> bool {
-    required_in(&std::env::var("GPUDIRECT_REQUIRE").unwrap_or_default(), hw)
+    match required_in(&std::env::var("GPUDIRECT_REQUIRE").unwrap_or_default(), hw) {
+        Ok(r) => r,
+        Err(unknown) => panic!(
+            "GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu"
+        ),
+    }
 }
 
-fn required_in(list: &str, hw: Hardware) -> bool {
-    list.split(',').map(str::trim).any(|s| s == hw.name())
+fn required_in(list: &str, hw: Hardware) -> Result<bool, String> {
+    let mut found = false;
+    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match ALL.iter().find(|h| h.name().eq_ignore_ascii_case(name)) {
+            Some(h) => found |= *h == hw,
+            None => return Err(name.to_string()),
+        }
+    }
+    Ok(found)
 }
 
 /// In a test: print `SKIPPED: reason` and return, or panic when `hw` is required.
@@ -54,9 +79,17 @@ pub fn skip(hw: Hardware, reason: impl fmt::Display) {
     println!("SKIPPED: {reason}");
 }
 
-/// In an example: print `SKIPPED: reason` and exit 0, or exit 1 when `hw` is required.
+/// In an example: print `SKIPPED: reason` and exit 0, or exit 1 when `hw` is required (2 when
+/// `GPUDIRECT_REQUIRE` names unknown hardware).
 pub fn skip_example(hw: Hardware, reason: impl fmt::Display) -> ! {
-    if required(hw) {
+    let list = std::env::var("GPUDIRECT_REQUIRE").unwrap_or_default();
+    let required = required_in(&list, hw).unwrap_or_else(|unknown| {
+        eprintln!(
+            "FAILED: GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu"
+        );
+        std::process::exit(2);
+    });
+    if required {
         eprintln!("FAILED: GPUDIRECT_REQUIRE names {hw}, but it is absent: {reason}");
         std::process::exit(1);
     }
@@ -84,10 +117,16 @@ mod tests {
 
     #[test]
     fn parses_the_require_list() {
-        assert!(required_in("gpu,cufile", Hardware::Cufile));
-        assert!(required_in(" rdma , gpu", Hardware::Rdma));
-        assert!(!required_in("gpu", Hardware::MultiGpu));
-        assert!(!required_in("", Hardware::Gpu));
-        assert!(required_in("gpu,multi-gpu", Hardware::MultiGpu));
+        assert_eq!(required_in("gpu,cufile", Hardware::Cufile), Ok(true));
+        assert_eq!(required_in(" rdma , gpu", Hardware::Rdma), Ok(true));
+        assert_eq!(required_in("gpu", Hardware::MultiGpu), Ok(false));
+        assert_eq!(required_in("", Hardware::Gpu), Ok(false));
+        assert_eq!(required_in("gpu,multi-gpu", Hardware::MultiGpu), Ok(true));
+        assert_eq!(required_in("GPU", Hardware::Gpu), Ok(true));
+        assert_eq!(required_in("gpu,,", Hardware::Gpu), Ok(true));
+        assert_eq!(
+            required_in("gpu,cuda", Hardware::Gpu),
+            Err("cuda".to_string())
+        );
     }
 }

@@ -26,14 +26,25 @@ impl DeviceList {
     ///
     /// # Errors
     ///
-    /// [`Error::Load`] without libibverbs; [`Error::Os`] when the call fails (for example `ENOSYS`
-    /// without kernel RDMA support).
+    /// [`Error::Load`] without libibverbs; [`Error::NoDevice`] without kernel RDMA support
+    /// (libibverbs answers `ENOSYS`); [`Error::Os`] when the call fails otherwise.
     pub fn get() -> Result<DeviceList> {
         let l = verbs()?;
         let mut n = 0;
         // SAFETY: one valid out-pointer.
         let p = unsafe { (l.ibv_get_device_list)(&mut n) };
-        let list = nonnull("ibv_get_device_list", p)?;
+        let list = match nonnull("ibv_get_device_list", p) {
+            Ok(list) => list,
+            // libibverbs answers ENOSYS when the kernel has no RDMA support at all.
+            Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOSYS) => {
+                return Err(Error::NoDevice {
+                    what: "verbs device",
+                    reason: "no RDMA driver in this kernel (ibv_get_device_list answered ENOSYS)"
+                        .into(),
+                });
+            }
+            Err(e) => return Err(e),
+        };
         Ok(DeviceList {
             list,
             len: n.max(0) as usize,

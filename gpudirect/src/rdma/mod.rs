@@ -17,11 +17,9 @@
 //! targets) is never handed out as a Rust reference while it can be written: see [`MemoryRegion`].
 //!
 //! ```no_run
-//! use gpudirect::rdma::{AccessFlags, Context, DeviceList, HostBuffer};
+//! use gpudirect::rdma::{AccessFlags, Context, HostBuffer};
 //! # fn main() -> gpudirect::Result<()> {
-//! let list = DeviceList::get()?;
-//! let dev = list.iter().next().expect("a verbs device");
-//! let ctx = Context::open(&dev)?;
+//! let ctx = Context::open_by_name(None)?; // the first verbs device, or Error::NoDevice
 //! let pd = ctx.alloc_pd()?;
 //! let mr = pd.register(HostBuffer::zeroed(4096)?, AccessFlags::LOCAL_WRITE)?;
 //! println!("lkey {:#x}", mr.lkey());

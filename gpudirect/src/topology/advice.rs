@@ -68,11 +68,16 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             &mut out,
             "gpu",
             format!(
-                "No GPU here{}: P2P, GPUDirect RDMA, Storage and Async need one; only host-memory RDMA applies.",
+                "No GPU here{}: P2P, GPUDirect RDMA, Storage and Async need one{}",
                 if r.cuda.driver_version.is_none() {
                     " (no CUDA driver)"
                 } else {
                     ""
+                },
+                if r.rdma.devices.is_empty() {
+                    "; with no verbs device either, no GPUDirect path applies."
+                } else {
+                    "; only host-memory RDMA applies."
                 }
             ),
         );

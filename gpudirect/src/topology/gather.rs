@@ -415,12 +415,14 @@ fn rdma_section(cuda: &CudaSection, opts: &GatherOptions) -> RdmaSection {
             }
         }
         Err(e) => {
-            let hint = if root.join("class/infiniband").is_dir() {
-                ""
-            } else {
-                " (/sys/class/infiniband is absent: no RDMA driver is loaded in this kernel)"
-            };
-            s.absent_reason = Some(format!("no verbs device: {e}{hint}"))
+            s.absent_reason = Some(match e {
+                // Displays as "no verbs device: <why>" already.
+                e @ crate::Error::NoDevice { .. } => e.to_string(),
+                e if !root.join("class/infiniband").is_dir() => format!(
+                    "no verbs device: {e} (/sys/class/infiniband is absent: no RDMA driver is loaded in this kernel)"
+                ),
+                e => format!("no verbs device: {e}"),
+            })
         }
     }
     let peermem = gpudirect_sys::peermem::peermem_module().map(|m| match m.version {

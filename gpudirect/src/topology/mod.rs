@@ -340,7 +340,8 @@ pub struct AsyncSection {
 pub struct NodeReport {
     /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
-    /// Whether the quick measurements ran (`--no-measure` turns them off).
+    /// Whether quick measurements were requested (`--no-measure` turns them off); each copy or
+    /// read that ran has its own figures, and a path that is absent measures nothing.
     pub measured: bool,
     /// libcuda, libcufile, libibverbs, librdmacm.
     pub libraries: Vec<LibraryStatus>,

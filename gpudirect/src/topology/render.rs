@@ -19,7 +19,7 @@ impl fmt::Display for NodeReport {
             s,
             "gpudirect node report (schema {}, quick measurements {})",
             self.schema_version,
-            if self.measured { "on" } else { "off" }
+            if self.measured { "requested" } else { "off" }
         )?;
         self.libraries_and_gpus(&mut s)?;
         self.p2p_text(&mut s)?;
