@@ -51,14 +51,24 @@ fn main() {
             }
         });
     }
-    let args: Vec<String> = std::env::args().collect();
-    let json = args.iter().any(|a| a == "--json");
-    let mib: usize = args
-        .iter()
-        .position(|a| a == "--mib")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(256);
+    let usage = || -> ! {
+        eprintln!(
+            "usage: p2p_copy [--json] [--mib N]   (N: a positive number of MiB, default 256)"
+        );
+        std::process::exit(2);
+    };
+    let (mut json, mut mib) = (false, 256usize);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--json" => json = true,
+            "--mib" => match args.next().map(|s| s.parse::<usize>()) {
+                Some(Ok(n)) if n > 0 => mib = n,
+                _ => usage(),
+            },
+            _ => usage(),
+        }
+    }
     let n = match gpudirect::cuda::device_count() {
         Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
         Ok(n) => n,
