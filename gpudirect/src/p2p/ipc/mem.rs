@@ -259,7 +259,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for IpcMemory<T> {}
 
 impl<T: Pod> Drop for IpcMemory<T> {
     fn drop(&mut self) {
-        if std::process::id() != self.pid || self.ctx.bind_to_thread().is_err() {
+        if crate::memory::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
             return; // forked child or dead context: leave the mapping
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one

@@ -194,7 +194,7 @@ impl IpcPool {
 
 impl Drop for IpcPool {
     fn drop(&mut self) {
-        if std::process::id() != self.pid || bind(&self.ctx).is_err() {
+        if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
         // SAFETY: every allocation and import holds an Arc of the pool, so none is left.
@@ -271,7 +271,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for PoolAlloc<T> {}
 
 impl<T: Pod> Drop for PoolAlloc<T> {
     fn drop(&mut self) {
-        if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
+        if crate::memory::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
             return;
         }
         // SAFETY: allocated from the pool, freed once; in-flight work owns `self`, so none is
@@ -370,7 +370,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for PoolImport<T> {}
 
 impl<T: Pod> Drop for PoolImport<T> {
     fn drop(&mut self) {
-        if std::process::id() != self.pool.pid || bind(&self.pool.ctx).is_err() {
+        if crate::memory::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
             return;
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
