@@ -15,6 +15,37 @@
 //! the first CUDA-touching call of a program, and a missing libcuda or
 //! libcufile is an [`crate::Error::Load`], never a panic or a hang (the 1.20 library
 //! hangs in `cuFileDriverOpen` when libcuda is absent; we never call it then).
+//!
+//! # End of file
+//!
+//! Every read path (blocking, stream-ordered, batch, the POSIX path, and so [`File`] whichever
+//! path it picks) follows one rule: a read is first limited to the file's size (`fstat`, or the
+//! device size for a block device), taken when the blocking call or batch submission starts, or
+//! when the stream reaches a stream-ordered read (so earlier writes on that stream count). The
+//! count returned is then `min(len, size - file_offset)` (0 at or past the end), and no byte of
+//! the destination outside the bytes read changes. cuFile is never asked to read past the end of
+//! a file: asked that, it changes destination bytes past the count (blocking and batch reads in
+//! compatibility mode) or fails with `EIO` (`cuFileReadAsync`).
+//!
+//! A file that shrinks while a read runs is an [`crate::Error::FileShrank`] on every path, never
+//! a silent short count: destination bytes past the size taken at the start are still unchanged,
+//! but bytes between what was read and that size may have changed (cuFile may have written
+//! them). A file that grows meanwhile is read up to the size taken at the start.
+//!
+//! # Threads
+//!
+//! [`Driver`] values may be opened, cloned and dropped from any number of threads: the
+//! process-wide `cuFileDriverOpen`, `cuFileDriverClose_v2` and the staged parameters run under one
+//! lock, and every handle, registration, batch and stream-ordered operation holds a [`Driver`],
+//! so the driver is never closed under them.
+//!
+//! # Arguments
+//!
+//! Offsets, lengths and configurations are checked before any library call, in release builds as
+//! in debug ones: a buffer range lies within its buffer, a file range and a buffer offset end at
+//! or below `i64::MAX` (`off_t`), and a [`posix::PosixConfig`] stays within the bounds
+//! [`posix::PosixConfig::validate`] lists. A violation is an
+//! [`crate::Error::InvalidArgument`] naming the argument.
 
 mod async_io;
 mod auto;
