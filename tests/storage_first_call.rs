@@ -1,15 +1,15 @@
-//! A13: the cuFile driver opened before anything else has touched CUDA. One test in its own
+//! The cuFile driver opened before anything else has touched CUDA. One test in its own
 //! binary, so nothing ran before it.
 
 use gpudirect::storage::Driver;
 use gpudirect::testing::Hardware;
 
 #[test]
-fn driver_open_is_the_first_cuda_call_a13() {
+fn driver_open_is_the_first_cuda_call() {
     let d = gpudirect::require!(Hardware::Cufile, Driver::open());
     let p = d.properties().expect("properties after a first-call open");
     println!(
-        "A13: cuFile {:?} opened first; nvidia-fs {:?}, compat allowed {}",
+        "cuFile {:?} opened first; nvidia-fs {:?}, compat allowed {}",
         d.version(),
         p.nvfs_version,
         p.allow_compat_mode

@@ -2,7 +2,7 @@
 //! libcufile; `GPUDIRECT_REQUIRE=gpu,cufile` turns those skips into failures.
 //!
 //! Where the node has no udev data, `cuFileHandleRegister` answers 5027: the cuFile-path tests then
-//! check that typed error and say so, and the fallback tests check the POSIX path took over (A9).
+//! check that typed error and say so, and the fallback tests check the POSIX path took over.
 
 mod support;
 
@@ -83,7 +83,7 @@ fn sync_roundtrip_unaligned_and_eof() {
     let Some(h) = register(&d, &p, &OpenOptions::read_write()) else {
         return;
     };
-    // A11: 4097 bytes at file offset 3 into device offset 1, poisoned destination.
+    // Unaligned: 4097 bytes at file offset 3 into device offset 1, poisoned destination.
     let mut dst = DevBuf::new(0, 8192, 0xCD);
     let n = h.read(&mut dst, 1, 3, 4097).unwrap();
     assert_eq!(n, 4097);
@@ -121,9 +121,9 @@ fn sync_roundtrip_unaligned_and_eof() {
 }
 
 #[test]
-fn async_write_sees_prior_stream_work_a12() {
+fn async_write_sees_prior_stream_work() {
     let Some((ctx, d)) = setup() else { return };
-    let p = write_file("a12", &[0u8; 65536]);
+    let p = write_file("async-order", &[0u8; 65536]);
     let Some(h) = register(&d, &p, &OpenOptions::read_write()) else {
         return;
     };
@@ -160,7 +160,7 @@ fn async_write_sees_prior_stream_work_a12() {
 }
 
 #[test]
-fn batches_split_at_the_limit_a18() {
+fn batches_split_at_the_limit() {
     let Some((_ctx, d)) = setup() else { return };
     let limit = d.max_batch_entries();
     println!("max_batch_io_size = {limit}");
@@ -239,7 +239,7 @@ fn batches_split_at_the_limit_a18() {
 }
 
 #[test]
-fn auto_path_reads_correctly_and_says_why_a9() {
+fn auto_path_reads_correctly_and_says_why() {
     let Some((_ctx, _d)) = setup() else { return };
     let data = pattern(40 << 20, 9);
     let p = write_file("auto", &data);
@@ -289,7 +289,7 @@ fn auto_path_reads_correctly_and_says_why_a9() {
 }
 
 #[test]
-fn tmpfs_falls_back_to_posix_a9_a10() {
+fn tmpfs_falls_back_to_posix() {
     let Some((_ctx, d)) = setup() else { return };
     if !std::path::Path::new("/dev/shm").is_dir() {
         println!("SKIPPED: no /dev/shm");
@@ -298,7 +298,7 @@ fn tmpfs_falls_back_to_posix_a9_a10() {
     let data = pattern(3 << 20, 4);
     let p = std::path::PathBuf::from(format!("/dev/shm/gpudirect-tmpfs-{}", std::process::id()));
     std::fs::write(&p, &data).unwrap();
-    // A10: where tmpfs refuses O_DIRECT (kernels before 6.6), the open falls back to buffered;
+    // Where tmpfs refuses O_DIRECT (kernels before 6.6), the open falls back to buffered;
     // newer kernels accept it. Either way the data below must be right.
     let (_, direct) = OpenOptions::read_only().open(&p).unwrap();
     let required = OpenOptions::read_only().direct(DirectIo::Require).open(&p);
@@ -308,7 +308,7 @@ fn tmpfs_falls_back_to_posix_a9_a10() {
         "Try and Require agree on O_DIRECT"
     );
     println!("tmpfs O_DIRECT accepted: {direct}");
-    // A9: cuFile refuses tmpfs; the automatic mode falls back and says why.
+    // cuFile refuses tmpfs; the automatic mode falls back and says why.
     let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let mut dst = DevBuf::new(0, 3 << 20, 0xCD);
     let t = f.read_to_device(&mut dst, 0, 0, 3 << 20).unwrap();
@@ -334,14 +334,14 @@ fn tmpfs_falls_back_to_posix_a9_a10() {
 }
 
 #[test]
-fn three_gib_read_arrives_whole_a17() {
+fn three_gib_read_arrives_whole() {
     let Some((_ctx, d)) = setup() else { return };
     if std::env::var_os("GPUDIRECT_BIG_TESTS").is_none() {
-        println!("SKIPPED: set GPUDIRECT_BIG_TESTS=1 for the 3 GiB read (A17)");
+        println!("SKIPPED: set GPUDIRECT_BIG_TESTS=1 for the 3 GiB read");
         return;
     }
     let len: usize = 3 << 30;
-    let p = test_dir().join(format!("a17-{}", std::process::id()));
+    let p = test_dir().join(format!("three-gib-{}", std::process::id()));
     {
         use std::io::Write;
         let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&p).unwrap());
@@ -368,7 +368,7 @@ fn three_gib_read_arrives_whole_a17() {
     let mut dst = DevBuf::new(0, len, 0xCD);
     let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let t = f.read_to_device(&mut dst, 0, 0, len).unwrap();
-    println!("A17 auto: {t:?}");
+    println!("3 GiB auto: {t:?}");
     assert_eq!(t.bytes, len);
     check(&dst.to_host(), "auto");
     std::fs::remove_file(&p).unwrap();

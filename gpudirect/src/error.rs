@@ -144,6 +144,22 @@ pub enum Error {
         /// The paths tried, in order, and why each was refused.
         attempts: crate::rdma::GpuMrAttempts,
     },
+    /// A file shrank while it was being read: the read had been limited to the `expected` bytes
+    /// the file held at `file_offset` when it started, and stopped after `got`. Destination bytes
+    /// past `expected` are unchanged; those between `got` and `expected` may have changed.
+    #[error(
+        "{call}: the file shrank during the read: {got} of the {expected} bytes at file offset {file_offset} were read"
+    )]
+    FileShrank {
+        /// The read, such as `cuFileRead` or `pread`.
+        call: &'static str,
+        /// Where the read started in the file.
+        file_offset: u64,
+        /// The bytes the file held from `file_offset` (up to the requested length) at the start.
+        expected: usize,
+        /// The bytes read (0 when the library reported an error instead of a count).
+        got: usize,
+    },
     /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

@@ -1,16 +1,18 @@
 //! Stream-ordered cuFile I/O (`cuFileReadAsync`/`cuFileWriteAsync`), owned by the completion
 //! tracker until a host callback on the stream has run.
 
-use super::{FileHandle, check, check_file_range, check_range, io_error};
+use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
 use crate::cuda::Stream;
 use crate::error::{Error, Result, cu};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight};
 use cudarc::driver::{CudaStream, sys as cu_sys};
+use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// The size/offset/bytes-done block cuFile reads and writes when the stream reaches the
-/// operation. Boxed: its address is handed to cuFile and must not move.
+/// operation. Its address is handed to cuFile and must not move.
 #[derive(Debug)]
 #[repr(C)]
 struct Params {
@@ -20,6 +22,55 @@ struct Params {
     bytes: isize,
 }
 
+/// Not yet limited to the file's size (a write, or a read whose limiting callback has not run).
+const NOT_CLAMPED: usize = usize::MAX;
+
+/// The argument block, shared by the operation's owner and the read's limiting callback (so it
+/// outlives whichever runs last), with what that callback found.
+struct Block {
+    params: std::cell::UnsafeCell<Params>,
+    /// The read's length after limiting it to the file's size when the stream reached it.
+    clamped: AtomicUsize,
+    /// The errno of that callback's `fstat`, 0 when none.
+    clamp_errno: AtomicI32,
+}
+
+// SAFETY: `params` is written by cuFile and by the limiting callback only in stream order (the
+// callback runs before the read, the read before the completion callback), and read by the
+// owner only after completion; the other fields are atomics.
+unsafe impl Send for Block {}
+// SAFETY: as above.
+unsafe impl Sync for Block {}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("clamped", &self.clamped.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Block {
+    /// The read's limiting callback: set `size` to what the file holds from `file_offset`.
+    fn clamp(&self, handle: &FileHandle, file_offset: u64, len: usize) {
+        let want = match super::file_size(handle.as_fd()) {
+            Ok(size) => clamp_read(file_offset, len, size),
+            Err(e) => {
+                let errno = match &e {
+                    Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+                    _ => libc::EIO,
+                };
+                self.clamp_errno.store(errno, Ordering::Relaxed);
+                0
+            }
+        };
+        // SAFETY: the stream runs this callback before the read that takes `size`; nothing else
+        // touches the field meanwhile.
+        unsafe { std::ptr::write_volatile(&raw mut (*self.params.get()).size, want) };
+        self.clamped.store(want, Ordering::Release);
+    }
+}
+
 /// What a stream-ordered I/O owns until the stream has passed it: the buffer, the file handle
 /// (so it cannot be deregistered early), the stream and the argument block.
 pub struct AsyncResources<M: DeviceMemory> {
@@ -27,8 +78,10 @@ pub struct AsyncResources<M: DeviceMemory> {
     pub buffer: M,
     handle: FileHandle,
     stream: Arc<CudaStream>,
-    params: Box<Params>,
+    params: Arc<Block>,
     call: &'static str,
+    /// Where the operation starts in the file.
+    file_offset: u64,
 }
 
 impl<M: DeviceMemory> std::fmt::Debug for AsyncResources<M> {
@@ -49,12 +102,36 @@ impl<M: DeviceMemory> AsyncResources<M> {
     pub fn bytes(&self) -> Result<usize> {
         // SAFETY: the operation has completed (resources are only handed out then); cuFile
         // wrote the field from another thread, ordered before our host callback's Release store.
-        let b = unsafe { std::ptr::read_volatile(&self.params.bytes) };
-        if b < 0 {
-            Err(io_error(self.call, b))
-        } else {
-            Ok(b as usize)
+        let b = unsafe { std::ptr::read_volatile(&raw const (*self.params.params.get()).bytes) };
+        let clamped = self.params.clamped.load(Ordering::Acquire);
+        if clamped == NOT_CLAMPED {
+            // A write.
+            return if b < 0 {
+                Err(io_error(self.call, b))
+            } else {
+                Ok(b.unsigned_abs())
+            };
         }
+        match self.params.clamp_errno.load(Ordering::Relaxed) {
+            0 => {}
+            errno => return Err(Error::errno("fstat", errno)),
+        }
+        if clamped == 0 {
+            // At or past the end of file: nothing was asked for, whatever cuFile says of it.
+            return Ok(0);
+        }
+        let got = if b < 0 {
+            // Asked only for bytes the file held: an error after the file shrank is that.
+            let now = super::file_size(self.handle.as_fd()).ok().flatten();
+            if clamp_read(self.file_offset, clamped, now) < clamped {
+                Ok(0)
+            } else {
+                Err(io_error(self.call, b))
+            }
+        } else {
+            Ok(b.unsigned_abs())
+        };
+        read_outcome(self.call, self.file_offset, clamped, got)
     }
 
     /// The file handle, stream and buffer back.
@@ -148,10 +225,16 @@ impl FileHandle {
     /// handle, buffer, stream and argument block are owned by the returned [`AsyncIo`] until a
     /// host callback enqueued after the read has run.
     ///
+    /// End of file: a host callback enqueued just before the read limits it to the file's size
+    /// when the stream reaches it (so earlier writes on the stream count), and the count is the
+    /// bytes up to the end of file with every byte of `dst` past them unchanged, as for
+    /// [`read`](Self::read).
+    ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a range outside `dst` or the file;
     /// [`Error::CuFile`] from `cuFileReadAsync` (nothing was enqueued; `dst` is dropped);
+    /// [`Error::Cuda`] when the limiting callback cannot be queued (nothing was enqueued);
     /// [`Error::Cuda`] when neither a host callback nor a stream synchronization works (the
     /// resources are then leaked, never freed early).
     ///
@@ -171,7 +254,7 @@ impl FileHandle {
     }
 
     /// `cuFileWriteAsync(...)`—Write `len` bytes of `src` from `src_offset` to `file_offset`
-    /// when `stream` reaches this point: the write sees all earlier work on `stream` (A12).
+    /// when `stream` reaches this point: the write sees all earlier work on `stream`.
     /// Ownership as [`read_async`](Self::read_async).
     ///
     /// # Errors
@@ -198,8 +281,7 @@ impl FileHandle {
         file_offset: u64,
         len: usize,
     ) -> Result<AsyncIo<M>> {
-        check_range("buf_offset", buf_offset, len, buf.byte_len())?;
-        check_file_range(file_offset, len)?;
+        check_io("buf_offset", buf_offset, file_offset, len, buf.byte_len())?;
         if stream.context().ordinal() != buf.ordinal() {
             return Err(Error::invalid(
                 "stream",
@@ -208,12 +290,25 @@ impl FileHandle {
             ));
         }
         super::bind_device(buf.ordinal())?;
-        let mut params = Box::new(Params {
-            size: len,
-            file_offset: file_offset as libc::off_t,
-            buf_offset: buf_offset as libc::off_t,
-            bytes: 0,
+        // check_io: both offsets and both ends are at most i64::MAX.
+        let params = Arc::new(Block {
+            params: std::cell::UnsafeCell::new(Params {
+                size: len,
+                file_offset: file_offset as libc::off_t,
+                buf_offset: buf_offset as libc::off_t,
+                bytes: 0,
+            }),
+            clamped: AtomicUsize::new(NOT_CLAMPED),
+            clamp_errno: AtomicI32::new(0),
         });
+        if read {
+            // Limit the read to the file's size when the stream reaches it. The callback owns a
+            // clone of the block and of the handle, so both outlive it even if the read below
+            // cannot be enqueued.
+            let (block, handle) = (params.clone(), self.clone());
+            Stream::wrap(stream.clone())
+                .launch_host_fn(move || block.clamp(&handle, file_offset, len))?;
+        }
         let lib = self.inner.driver.lib();
         let base = buf.device_ptr() as *mut libc::c_void;
         let call = if read {
@@ -221,7 +316,7 @@ impl FileHandle {
         } else {
             "cuFileWriteAsync"
         };
-        let p: *mut Params = &mut *params;
+        let p: *mut Params = params.params.get();
         let f = if read {
             lib.cuFileReadAsync
         } else {
@@ -246,6 +341,7 @@ impl FileHandle {
             stream: stream.clone(),
             params,
             call,
+            file_offset,
         };
         match fence_after(stream) {
             Ok(flag) => Ok(AsyncIo {

@@ -2,7 +2,7 @@
 //! register the file, or would be slower; every transfer says which path ran and why.
 
 use super::posix::{self, GpuEngines, PosixConfig, PosixFile};
-use super::{DirectIo, Driver, FileHandle, OpenOptions, check_file_range, check_range};
+use super::{DirectIo, Driver, FileHandle, OpenOptions, check_io};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -38,7 +38,7 @@ pub enum PathReason {
     /// cuFile could not be opened (the library or the driver is missing); the error, rendered.
     CufileUnavailable(String),
     /// `cuFileHandleRegister` refused the file (5027 without udev data, tmpfs, an unsupported
-    /// file system: A9).
+    /// file system).
     RegistrationFailed {
         /// The cuFile code (0 for a non-cuFile error).
         code: u32,
@@ -90,7 +90,7 @@ pub struct File {
 
 impl File {
     /// Open `path` for `mode`. `options.direct` governs the `O_DIRECT` descriptor ([`DirectIo::Try`]
-    /// falls back to buffered only where refused, A10).
+    /// falls back to buffered only where refused).
     ///
     /// # Errors
     ///
@@ -166,8 +166,20 @@ impl File {
     }
 
     /// Set how the POSIX path splits and overlaps transfers.
-    pub fn set_posix_config(&mut self, cfg: PosixConfig) {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] from [`PosixConfig::validate`]; the configuration in use is
+    /// then kept.
+    pub fn set_posix_config(&mut self, cfg: PosixConfig) -> Result<()> {
+        cfg.validate()?;
         self.posix = cfg;
+        Ok(())
+    }
+
+    /// How the POSIX path splits and overlaps transfers.
+    pub fn posix_config(&self) -> &PosixConfig {
+        &self.posix
     }
 
     /// The cuFile registration, when there is one.
@@ -255,13 +267,17 @@ impl File {
     }
 
     /// Read `len` bytes at `file_offset` into `dst` at byte `dst_offset`, blocking, by the path
-    /// [`path_for_read`](Self::path_for_read) picks. Returns the bytes read (short only at end of
-    /// file) and the path taken. Device work writing `dst` must be complete.
+    /// [`path_for_read`](Self::path_for_read) picks. Returns the bytes read and the path taken.
+    /// Device work writing `dst` must be complete.
+    ///
+    /// Whichever path runs, the result is the same: the read is limited to the file's size when
+    /// it starts, so it is short only at end of file and every byte of `dst` past the count is
+    /// left unchanged.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for ranges outside `dst` or `off_t`; the path's I/O or CUDA
-    /// error.
+    /// [`Error::InvalidArgument`] for ranges outside `dst` or `off_t`;
+    /// [`Error::FileShrank`] when the file shrank during the read; the path's I/O or CUDA error.
     #[doc(alias = "cuFileRead")]
     #[doc(alias = "pread")]
     pub fn read_to_device<M: DeviceMemoryMut>(
@@ -271,23 +287,22 @@ impl File {
         file_offset: u64,
         len: usize,
     ) -> Result<Transfer> {
-        check_range("dst_offset", dst_offset, len, dst.byte_len())?;
-        check_file_range(file_offset, len)?;
+        check_io("dst_offset", dst_offset, file_offset, len, dst.byte_len())?;
         let path = self.path_for_read(file_offset, len);
         let bytes = match (path.path, &self.cufile) {
             (Path::CuFile, Some(h)) => h.read(dst, dst_offset, file_offset, len)?,
             _ => {
                 let engines = GpuEngines::for_device(dst.ordinal())?;
-                // SAFETY: `check_range` put `dst_offset..+len` inside `dst`, live device memory of
-                // that ordinal borrowed mutably (so nothing else touches it) until this returns.
+                // SAFETY: `check_io` put `dst_offset..+len` inside `dst`, live device memory of
+                // that ordinal (so the address sum does not wrap) borrowed mutably (so nothing else touches it) until this returns.
                 unsafe {
                     posix::read_to_device(
                         engines,
                         &self.posix,
                         &self.posix_file(path.direct),
-                        self.len()?,
+                        super::file_size(self.buffered.as_fd())?,
                         file_offset,
-                        dst.device_ptr() + dst_offset as u64,
+                        dst.device_ptr().wrapping_add(dst_offset as u64),
                         len,
                     )
                 }?
@@ -320,7 +335,7 @@ impl File {
     }
 
     /// Write `len` bytes of `src` from byte `src_offset` to the file at `file_offset`, blocking.
-    /// Device work writing `src` must be complete (A12: synchronize its stream first).
+    /// Device work writing `src` must be complete (synchronize its stream first).
     ///
     /// # Errors
     ///
@@ -334,15 +349,14 @@ impl File {
         file_offset: u64,
         len: usize,
     ) -> Result<Transfer> {
-        check_range("src_offset", src_offset, len, src.byte_len())?;
-        check_file_range(file_offset, len)?;
+        check_io("src_offset", src_offset, file_offset, len, src.byte_len())?;
         let path = self.path_for_write();
         let bytes = match (path.path, &self.cufile) {
             (Path::CuFile, Some(h)) => h.write(src, src_offset, file_offset, len)?,
             _ => {
                 let engines = GpuEngines::for_device(src.ordinal())?;
-                // SAFETY: `check_range` put `src_offset..+len` inside `src`, live device memory of
-                // that ordinal, borrowed (so not freed) until this returns; the caller's contract
+                // SAFETY: `check_io` put `src_offset..+len` inside `src`, live device memory of
+                // that ordinal (so the address sum does not wrap), borrowed (so not freed) until this returns; the caller's contract
                 // is that device work writing it is complete.
                 unsafe {
                     posix::write_from_device(
@@ -350,7 +364,7 @@ impl File {
                         &self.posix,
                         &self.posix_file(path.direct),
                         file_offset,
-                        src.device_ptr() + src_offset as u64,
+                        src.device_ptr().wrapping_add(src_offset as u64),
                         len,
                     )
                 }?
@@ -360,19 +374,35 @@ impl File {
     }
 }
 
+/// The page-aligned span of the file to look at for `offset..offset + len` of a file of
+/// `file_len` bytes: its start and length, or `None` when empty or past `off_t`.
+pub(crate) fn cache_span(
+    offset: u64,
+    len: usize,
+    file_len: u64,
+    page: u64,
+) -> Option<(u64, usize)> {
+    if page == 0 || offset > super::OFF_MAX {
+        return None;
+    }
+    let start = offset - offset % page;
+    let end = offset.saturating_add(len as u64).min(file_len);
+    if end <= start {
+        return None;
+    }
+    Some((start, usize::try_from(end - start).ok()?))
+}
+
 /// The fraction of `offset..offset+len` of the file in the page cache (`mincore`); 0 when unknown.
 pub(crate) fn page_cache_fraction(fd: &OwnedFd, offset: u64, len: usize) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-    let start = offset / page * page;
     let Ok(file_len) = super::file::fd_len(fd.as_fd()) else {
         return 0.0;
     };
-    let end = (offset + len as u64).min(file_len);
-    if end <= start {
+    let Some((start, map_len)) = cache_span(offset, len, file_len, page) else {
         return 0.0;
-    }
-    let map_len = (end - start) as usize;
+    };
     // SAFETY: a read-only shared mapping of an open file; only mincore looks at it.
     let p = unsafe {
         libc::mmap(
@@ -381,7 +411,7 @@ pub(crate) fn page_cache_fraction(fd: &OwnedFd, offset: u64, len: usize) -> f64 
             libc::PROT_READ,
             libc::MAP_SHARED,
             fd.as_raw_fd(),
-            start as libc::off_t,
+            start as libc::off_t, // cache_span: at most i64::MAX
         )
     };
     if p == libc::MAP_FAILED {
@@ -421,6 +451,87 @@ mod tests {
         assert!(!t.direct);
         assert!(page_cache_fraction(&f.buffered, 0, 10000) > 0.5);
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Never dereferenced: every use below is refused before any access.
+    struct Fake(usize);
+    // SAFETY: never dereferenced or handed to any library (the checks refuse it first).
+    unsafe impl DeviceMemory for Fake {
+        type Elem = u8;
+        fn device_ptr(&self) -> u64 {
+            0x1000
+        }
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn kind(&self) -> crate::memory::MemoryKind {
+            crate::memory::MemoryKind::Device
+        }
+    }
+    // SAFETY: as above.
+    unsafe impl DeviceMemoryMut for Fake {}
+
+    #[test]
+    fn bad_ranges_and_configs_are_refused_before_any_call() {
+        let p = temp("auto-ranges", &[5u8; 4096]);
+        let mut f = File::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+        let mut dst = Fake(64);
+        for (off, fo, len) in [
+            (8, 0, 57),
+            (usize::MAX, 0, 2),
+            (0, i64::MAX as u64, 2),
+            (0, u64::MAX, 1),
+        ] {
+            let e = f.read_to_device(&mut dst, off, fo, len).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+            let e = f.write_from_device(&dst, off, fo, len).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        }
+        // Choosing a path for any range never panics or wraps.
+        for (fo, len) in [
+            (u64::MAX, usize::MAX),
+            (i64::MAX as u64, usize::MAX),
+            (0, usize::MAX),
+        ] {
+            assert_eq!(f.path_for_read(fo, len).path, Path::Posix);
+        }
+        // The wrapping chunk of the POSIX path is refused, and the configuration kept.
+        let bad = PosixConfig {
+            chunk: usize::MAX - 4095,
+            ..PosixConfig::default()
+        };
+        let e = f.set_posix_config(bad).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "config.chunk",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(*f.posix_config(), PosixConfig::default());
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cache_spans_stay_in_the_file(
+            offset: u64,
+            len: usize,
+            file_len in proptest::prop_oneof![proptest::prelude::any::<u64>(), 0u64..1 << 20],
+            page in proptest::prop_oneof![proptest::prelude::Just(4096u64), 0u64..70_000],
+        ) {
+            if let Some((start, n)) = cache_span(offset, len, file_len, page) {
+                proptest::prop_assert!(page > 0 && start % page == 0 && start <= offset);
+                proptest::prop_assert!(start <= i64::MAX as u64);
+                proptest::prop_assert!(n > 0 && start as u128 + n as u128 <= file_len as u128);
+            }
+        }
     }
 
     #[test]

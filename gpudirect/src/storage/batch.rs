@@ -1,9 +1,62 @@
 //! The cuFile batch API: set up, submit, poll, cancel, destroy.
 
-use super::{Driver, FileHandle, check, check_file_range, check_range, io_error, sys};
+use super::{Driver, FileHandle, check, check_io, clamp_read, io_error, read_outcome, sys};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
+
+/// Check a batch capacity against the driver's limit (`max_batch_io_size`, itself a `u32`).
+pub(crate) fn check_capacity(capacity: usize, limit: usize) -> Result<()> {
+    let limit = limit.min(u32::MAX as usize);
+    if capacity == 0 || capacity > limit {
+        return Err(Error::LimitExceeded {
+            what: "cuFile batch entries",
+            requested: capacity,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// The shape of one request, for [`check_requests`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub(crate) buf_len: usize,
+    pub(crate) buf_offset: usize,
+    pub(crate) file_offset: u64,
+    pub(crate) len: usize,
+    pub(crate) ordinal: usize,
+}
+
+/// Check the requests of one submission: at most `capacity`, every range inside its buffer and
+/// within `off_t`, every buffer on one device.
+pub(crate) fn check_requests(capacity: usize, shapes: &[Shape]) -> Result<()> {
+    if shapes.len() > capacity {
+        return Err(Error::LimitExceeded {
+            what: "cuFile batch entries",
+            requested: shapes.len(),
+            limit: capacity,
+        });
+    }
+    let Some(first) = shapes.first() else {
+        return Ok(());
+    };
+    for r in shapes {
+        check_io("buf_offset", r.buf_offset, r.file_offset, r.len, r.buf_len)?;
+        if r.ordinal != first.ordinal {
+            return Err(Error::invalid(
+                "buffer",
+                format!("device {}", r.ordinal),
+                format!(
+                    "every buffer of a batch is on one device ({})",
+                    first.ordinal
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Read or write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +135,8 @@ pub struct BatchResult<M: DeviceMemory> {
     pub buffer: M,
     /// Its final status.
     pub status: BatchStatus,
-    /// Bytes moved, or the error (`ret` negative, or a status other than complete).
+    /// Bytes moved, or the error (`ret` negative, or a status other than complete;
+    /// [`Error::FileShrank`] when a read's file shrank while it ran).
     pub bytes: Result<usize>,
 }
 
@@ -99,6 +153,8 @@ pub struct Batch<M: DeviceMemoryMut> {
     requests: Vec<Option<BatchRequest<M>>>,
     params: Vec<sys::CUfileIOParams_t>,
     outcome: Vec<Option<(BatchStatus, usize)>>,
+    /// Per request, the bytes asked of cuFile: a read's length limited to the file's size.
+    expected: Vec<usize>,
     outstanding: usize,
     /// Requests could not be proven final within the bounded wait: their buffers, handles and
     /// params were leaked, and the batch is never destroyed or reused.
@@ -124,21 +180,14 @@ impl<M: DeviceMemoryMut> Batch<M> {
     /// # Errors
     ///
     /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size` (128 on
-    /// the H200; A18) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
+    /// the H200) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
     ///
     /// # C function
     ///
     /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufilebatchiosetup>
     #[doc(alias = "cuFileBatchIOSetUp")]
     pub fn new(driver: &Driver, capacity: usize) -> Result<Self> {
-        let limit = driver.max_batch_entries();
-        if capacity == 0 || capacity > limit {
-            return Err(Error::LimitExceeded {
-                what: "cuFile batch entries",
-                requested: capacity,
-                limit,
-            });
-        }
+        check_capacity(capacity, driver.max_batch_entries())?;
         let mut handle: sys::CUfileBatchHandle_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; capacity within the limit.
         check("cuFileBatchIOSetUp", unsafe {
@@ -151,6 +200,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             requests: Vec::new(),
             params: Vec::new(),
             outcome: Vec::new(),
+            expected: Vec::new(),
             outstanding: 0,
             leaked: false,
         })
@@ -158,11 +208,16 @@ impl<M: DeviceMemoryMut> Batch<M> {
 
     /// `cuFileBatchIOSubmit(batch, n, params, 0)`—Submit `requests` (at most `capacity`).
     ///
+    /// End of file: each read is first limited to its file's size (`fstat`), so a read crossing
+    /// the end moves the bytes up to it and leaves every byte of its buffer past them unchanged
+    /// (as every read path of this module does); a read at or past the end is not submitted and
+    /// completes with 0 bytes.
+    ///
     /// # Errors
     ///
     /// [`Error::LimitExceeded`] over capacity; [`Error::InvalidArgument`] for a second submit, a
-    /// range outside a buffer, or buffers on different devices; [`Error::CuFile`] from
-    /// `cuFileBatchIOSubmit`. cuFile does not promise that a failed submit enqueued nothing, so
+    /// range outside a buffer or past `off_t`, or buffers on different devices; [`Error::Os`]
+    /// from `fstat`; [`Error::CuFile`] from `cuFileBatchIOSubmit`. cuFile does not promise that a failed submit enqueued nothing, so
     /// the batch is then canceled and polled for a bounded time (as on drop): the requests are
     /// dropped only if every one is proven final, else they are leaked with the batch.
     #[doc(alias = "cuFileBatchIOSubmit")]
@@ -174,60 +229,74 @@ impl<M: DeviceMemoryMut> Batch<M> {
                 "a Batch is submitted once",
             ));
         }
-        if requests.len() > self.capacity {
-            return Err(Error::LimitExceeded {
-                what: "cuFile batch entries",
-                requested: requests.len(),
-                limit: self.capacity,
-            });
-        }
-        let Some(first) = requests.first() else {
+        let shapes: Vec<Shape> = requests
+            .iter()
+            .map(|r| Shape {
+                buf_len: r.buffer.byte_len(),
+                buf_offset: r.buf_offset,
+                file_offset: r.file_offset,
+                len: r.len,
+                ordinal: r.buffer.ordinal(),
+            })
+            .collect();
+        check_requests(self.capacity, &shapes)?;
+        let Some(first) = shapes.first() else {
             return Ok(());
         };
-        let ordinal = first.buffer.ordinal();
-        for r in &requests {
-            check_range("buf_offset", r.buf_offset, r.len, r.buffer.byte_len())?;
-            check_file_range(r.file_offset, r.len)?;
-            if r.buffer.ordinal() != ordinal {
-                return Err(Error::invalid(
-                    "buffer",
-                    format!("device {}", r.buffer.ordinal()),
-                    format!("every buffer of a batch is on one device ({ordinal})"),
-                ));
-            }
-        }
-        super::bind_device(ordinal)?;
+        // Reads are limited to the file's size now, so that cuFile is never asked past the end
+        // of the file; a request left with nothing to move completes at once, unsubmitted.
+        let expected = requests
+            .iter()
+            .map(|r| match r.op {
+                BatchOp::Read => {
+                    let size = super::file_size(r.handle.as_fd())?;
+                    Ok(clamp_read(r.file_offset, r.len, size))
+                }
+                BatchOp::Write => Ok(r.len),
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        super::bind_device(first.ordinal)?;
         let params: Vec<sys::CUfileIOParams_t> = requests
             .iter()
+            .zip(&expected)
             .enumerate()
-            .map(|(i, r)| {
+            .filter(|(_, (_, want))| **want > 0)
+            .map(|(i, (r, &want))| {
                 // SAFETY: all-zero is valid for this plain struct; fields set below.
                 let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
                 p.mode = sys::CUFILE_BATCH;
                 p.u.batch.devPtr_base = r.buffer.device_ptr() as *mut libc::c_void;
+                // check_requests: both offsets and both ends are at most i64::MAX.
                 p.u.batch.file_offset = r.file_offset as sys::off_t;
                 p.u.batch.devPtr_offset = r.buf_offset as sys::off_t;
-                p.u.batch.size = r.len;
+                p.u.batch.size = want;
                 p.fh = r.handle.as_raw();
                 p.opcode = match r.op {
                     BatchOp::Read => sys::CUFILE_READ,
                     BatchOp::Write => sys::CUFILE_WRITE,
                 };
-                // Cookies are 1-based: a NULL cookie is never handed to the library.
+                // Cookies are 1-based request indices: a NULL cookie is never handed over.
                 p.cookie = (i + 1) as *mut libc::c_void;
                 p
             })
             .collect();
+        let n = params.len();
+        self.outcome = expected
+            .iter()
+            .map(|&want| (want == 0).then_some((BatchStatus::Complete, 0)))
+            .collect();
+        self.expected = expected;
         self.params = params;
-        let n = requests.len();
         self.requests = requests.into_iter().map(Some).collect();
-        self.outcome = (0..n).map(|_| None).collect();
+        if n == 0 {
+            return Ok(());
+        }
         // SAFETY: `params` and every buffer and handle stay owned by `self` until each request
         // reaches a final status.
         let r = check("cuFileBatchIOSubmit", unsafe {
             (self.driver.lib().cuFileBatchIOSubmit)(
                 self.handle,
-                n as u32,
+                n as u32, // n <= capacity <= u32::MAX (check_capacity)
                 self.params.as_mut_ptr(),
                 0,
             )
@@ -239,6 +308,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             if self.settle() {
                 self.requests.clear();
                 self.outcome.clear();
+                self.expected.clear();
             }
             return Err(e);
         }
@@ -337,19 +407,33 @@ impl<M: DeviceMemoryMut> Batch<M> {
         }
         let out = std::mem::take(&mut self.outcome);
         let reqs = std::mem::take(&mut self.requests);
+        let expected = std::mem::take(&mut self.expected);
         Ok(reqs
             .into_iter()
             .zip(out)
-            .map(|(r, o)| {
-                let r = r.expect("present until wait");
-                let (status, ret) = o.expect("final");
+            .zip(expected)
+            .filter_map(|((r, o), want)| Some((r?, o?, want)))
+            .map(|(r, (status, ret), want)| {
+                let ret = ret as isize; // `ret` is an ssize_t carried in a size_t
                 let bytes = match status {
-                    BatchStatus::Complete if (ret as isize) >= 0 => Ok(ret),
-                    BatchStatus::Complete => Err(io_error("cuFileBatchIOSubmit", ret as isize)),
+                    BatchStatus::Complete if ret >= 0 => Ok(ret.unsigned_abs()),
+                    BatchStatus::Complete => Err(io_error("cuFileBatchIOSubmit", ret)),
                     other => Err(Error::Unsupported {
                         what: "cuFile batch request".into(),
-                        reason: format!("ended {other:?} (ret {})", ret as isize),
+                        reason: format!("ended {other:?} (ret {ret})"),
                     }),
+                };
+                let bytes = match r.op {
+                    BatchOp::Read if want == 0 => Ok(0),
+                    BatchOp::Read => {
+                        let bytes = match bytes {
+                            // Asked only for bytes the file held: an error after it shrank is that.
+                            Err(_) if shrank(&r.handle, r.file_offset, want) => Ok(0),
+                            b => b,
+                        };
+                        read_outcome("cuFileBatchIOSubmit", r.file_offset, want, bytes)
+                    }
+                    BatchOp::Write => bytes,
                 };
                 BatchResult {
                     buffer: r.buffer,
@@ -359,6 +443,12 @@ impl<M: DeviceMemoryMut> Batch<M> {
             })
             .collect())
     }
+}
+
+/// Whether the file behind `handle` now holds fewer than `want` bytes from `file_offset`.
+fn shrank(handle: &FileHandle, file_offset: u64, want: usize) -> bool {
+    let now = super::file_size(handle.as_fd()).ok().flatten();
+    clamp_read(file_offset, want, now) < want
 }
 
 /// `timeout` as a `timespec`, the seconds clamped to `time_t::MAX` (a plain cast of
@@ -415,8 +505,8 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
     }
 }
 
-/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (A18: 200
-/// requests become 128 + 72), one batch at a time (the limit may be per process), each waited up
+/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (200
+/// requests become 128 + 72 on the H200), one batch at a time (the limit may be per process), each waited up
 /// to `timeout`; results in order.
 ///
 /// # Errors
@@ -453,6 +543,46 @@ mod tests {
         assert_eq!(ts.tv_sec, libc::time_t::MAX);
         let ts = timespec_of(Duration::new(3, 500));
         assert_eq!((ts.tv_sec, ts.tv_nsec), (3, 500));
+    }
+
+    use proptest::prelude::*;
+
+    fn shape() -> impl Strategy<Value = Shape> {
+        (
+            prop_oneof![any::<usize>(), 0usize..1 << 16],
+            prop_oneof![any::<usize>(), 0usize..1 << 16],
+            prop_oneof![any::<u64>(), 0u64..1 << 16],
+            prop_oneof![any::<usize>(), 0usize..1 << 16],
+            0usize..2,
+        )
+            .prop_map(|(buf_len, buf_offset, file_offset, len, ordinal)| Shape {
+                buf_len,
+                buf_offset,
+                file_offset,
+                len,
+                ordinal,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn capacities_are_bounded(capacity: usize, limit: usize) {
+            let ok = capacity >= 1 && capacity <= limit && capacity <= u32::MAX as usize;
+            prop_assert_eq!(check_capacity(capacity, limit).is_ok(), ok);
+        }
+
+        #[test]
+        fn requests_are_checked_one_by_one(
+            capacity in 0usize..8,
+            shapes in proptest::collection::vec(shape(), 0..10),
+        ) {
+            let each_ok = shapes.iter().all(|r| {
+                check_io("buf_offset", r.buf_offset, r.file_offset, r.len, r.buf_len).is_ok()
+            });
+            let one_device = shapes.iter().all(|r| r.ordinal == shapes[0].ordinal);
+            let ok = shapes.len() <= capacity && each_ok && one_device;
+            prop_assert_eq!(check_requests(capacity, &shapes).is_ok(), ok);
+        }
     }
 
     #[test]

@@ -1,8 +1,35 @@
 //! `cuFileBufRegister`: an owned registration over a device buffer range.
 
 use super::{Driver, check, check_range};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
+
+/// Check a registration of `len` bytes at byte `offset` of a buffer of `byte_len` bytes at device
+/// address `ptr`: not empty, inside the buffer, and not wrapping the address space. The range's
+/// device address.
+pub(crate) fn registration_start(
+    ptr: u64,
+    byte_len: usize,
+    offset: usize,
+    len: usize,
+) -> Result<u64> {
+    if len == 0 {
+        return Err(Error::invalid(
+            "len",
+            0,
+            "a registration covers at least one byte",
+        ));
+    }
+    check_range("offset", offset, len, byte_len)?;
+    match ptr.checked_add(offset as u64) {
+        Some(start) if start.checked_add(len as u64).is_some() => Ok(start),
+        _ => Err(Error::invalid(
+            "offset",
+            format!("{ptr:#x}+{offset}+{len}"),
+            "the registered range must not wrap the address space",
+        )),
+    }
+}
 
 /// A device buffer range registered with cuFile (`cuFileBufRegister`), owning the buffer so that it
 /// cannot be freed while registered. Deregistered on drop, or by [`into_inner`](Self::into_inner).
@@ -57,19 +84,14 @@ impl<M: DeviceMemory> BufRegistration<M> {
         offset: usize,
         len: usize,
     ) -> std::result::Result<Self, (crate::Error, M)> {
-        if len == 0 {
-            return Err((
-                crate::Error::invalid("len", 0, "a registration covers at least one byte"),
-                mem,
-            ));
-        }
-        if let Err(e) = check_range("offset", offset, len, mem.byte_len()) {
-            return Err((e, mem));
-        }
+        let start = match registration_start(mem.device_ptr(), mem.byte_len(), offset, len) {
+            Ok(start) => start,
+            Err(e) => return Err((e, mem)),
+        };
         if let Err(e) = super::bind_device(mem.ordinal()) {
             return Err((e, mem));
         }
-        let ptr = (mem.device_ptr() + offset as u64) as *const libc::c_void;
+        let ptr = start as *const libc::c_void;
         // SAFETY: the range lies within `mem`, which we own (so it stays allocated) until the
         // registration is dropped.
         let r = check("cuFileBufRegister", unsafe {
@@ -97,7 +119,8 @@ impl<M: DeviceMemory> BufRegistration<M> {
     }
 
     fn base(&self) -> *const libc::c_void {
-        (self.buffer().device_ptr() + self.offset as u64) as *const libc::c_void
+        // Checked at registration: the sum does not wrap.
+        self.buffer().device_ptr().wrapping_add(self.offset as u64) as *const libc::c_void
     }
 
     /// `cuFileBufDeregister`—Deregister and give the buffer back.
@@ -153,7 +176,8 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
 unsafe impl<M: DeviceMemory> DeviceMemory for BufRegistration<M> {
     type Elem = u8;
     fn device_ptr(&self) -> u64 {
-        self.buffer().device_ptr() + self.offset as u64
+        // Checked at registration: the sum does not wrap.
+        self.buffer().device_ptr().wrapping_add(self.offset as u64)
     }
     fn len(&self) -> usize {
         self.len
@@ -169,3 +193,46 @@ unsafe impl<M: DeviceMemory> DeviceMemory for BufRegistration<M> {
 // SAFETY: the registration owns `mem`, which no one else references while it is owned (it is
 // itself DeviceMemoryMut).
 unsafe impl<M: DeviceMemoryMut> DeviceMemoryMut for BufRegistration<M> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn empty_outside_and_wrapping_registrations_are_refused() {
+        assert_eq!(registration_start(0x1000, 64, 8, 56).unwrap(), 0x1008);
+        let e = registration_start(0x1000, 64, 8, 0).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "len", .. }),
+            "{e}"
+        );
+        let e = registration_start(0x1000, 64, 8, 57).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "offset", .. }),
+            "{e}"
+        );
+        let e = registration_start(u64::MAX - 3, 64, 8, 4).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "offset", .. }),
+            "{e}"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn registration_ranges_are_exact(ptr: u64, byte_len: usize, offset: usize, len: usize) {
+            let end = ptr as u128 + offset as u128 + len as u128;
+            let ok = len > 0
+                && offset as u128 + len as u128 <= byte_len as u128
+                && end <= u64::MAX as u128;
+            match registration_start(ptr, byte_len, offset, len) {
+                Ok(start) => prop_assert!(ok && start as u128 == ptr as u128 + offset as u128),
+                Err(e) => {
+                    let is_invalid = matches!(e, Error::InvalidArgument { .. });
+                    prop_assert!(!ok && is_invalid)
+                }
+            }
+        }
+    }
+}

@@ -3,8 +3,74 @@
 use super::{check, sys};
 use crate::error::{Error, Result};
 use std::ffi::CString;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+/// A process-wide open count: the first reference opens, dropping the last one closes, and both
+/// run under the one lock that every open, close and staged-parameter call takes, so that no two
+/// of them overlap (a close running beside an open corrupts cuFile's state).
+pub(crate) struct OpenCount {
+    count: Mutex<usize>,
+}
+
+impl OpenCount {
+    pub(crate) const fn new() -> Self {
+        OpenCount {
+            count: Mutex::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, usize> {
+        self.count.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Take one reference, running `open` first (under the lock) when there was none. On error
+    /// nothing is taken.
+    pub(crate) fn acquire(&self, open: impl FnOnce() -> Result<()>) -> Result<()> {
+        let mut n = self.lock();
+        let Some(next) = n.checked_add(1) else {
+            return Err(Error::LimitExceeded {
+                what: "open cuFile driver references",
+                requested: usize::MAX,
+                limit: usize::MAX - 1,
+            });
+        };
+        if *n == 0 {
+            open()?;
+        }
+        *n = next;
+        Ok(())
+    }
+
+    /// Give one reference back, running `close` (under the lock) when it was the last.
+    pub(crate) fn release(&self, close: impl FnOnce()) {
+        let mut n = self.lock();
+        match *n {
+            0 => {} // never taken: nothing to close
+            1 => {
+                close();
+                *n = 0;
+            }
+            _ => *n -= 1,
+        }
+    }
+
+    /// Run `f` under the lock, with the current count (no open or close can run meanwhile).
+    pub(crate) fn with_lock<R>(&self, f: impl FnOnce(usize) -> R) -> R {
+        let n = self.lock();
+        f(*n)
+    }
+
+    /// The current count.
+    #[cfg(test)]
+    pub(crate) fn count(&self) -> usize {
+        *self.lock()
+    }
+}
+
+/// The cuFile driver's open count; also serializes the staged parameters with open and close.
+static DRIVER: OpenCount = OpenCount::new();
+
+/// One reference to the open driver (each [`Driver::open`] takes one; clones share it).
 struct Inner {
     lib: &'static sys::Lib,
 }
@@ -12,18 +78,24 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         if crate::memory::Tracker::global().in_forked_child() {
-            return; // no cuFile calls in a forked child
+            return; // no cuFile calls in a forked child (nor a lock a parent thread may hold)
         }
-        // Every FileHandle, registration and in-flight operation holds a Driver, so nothing is
-        // outstanding here. Errors cannot be reported from a drop and are ignored.
-        // SAFETY: the driver was opened by Driver::open and nothing uses it any more.
-        let _ = unsafe { (self.lib.cuFileDriverClose_v2)() };
+        // Every FileHandle, registration, batch and in-flight operation holds a Driver, so when
+        // the last reference goes nothing is outstanding. Errors cannot be reported from a drop
+        // and are ignored.
+        DRIVER.release(|| {
+            // SAFETY: the driver was opened by Driver::open, nothing uses it any more, and the
+            // lock keeps any open or parameter call from running beside the close.
+            let _ = unsafe { (self.lib.cuFileDriverClose_v2)() };
+        });
     }
 }
 
 /// The cuFile driver, reference-counted: the first [`Driver::open`] of the process calls
 /// `cuFileDriverOpen`, dropping the last clone (and every handle, registration and operation that
-/// holds one) calls `cuFileDriverClose_v2`.
+/// holds one) calls `cuFileDriverClose_v2`. Opens, closes and the staged parameters
+/// ([`SizeParam`], [`BoolParam`], [`StringParam`]) run under one process-wide lock, so any number
+/// of threads may open and drop drivers at once.
 #[derive(Clone)]
 pub struct Driver {
     inner: Arc<Inner>,
@@ -42,7 +114,7 @@ impl Driver {
     /// `cuFileDriverOpen()`—Open the cuFile driver, or share the one already open.
     ///
     /// Checks libcuda first (and runs `cuInit`), so this works as a program's first CUDA call
-    /// (A13) and a missing libcuda is a typed error rather than a hang inside libcufile.
+    /// and a missing libcuda is a typed error rather than a hang inside libcufile.
     ///
     /// # Errors
     ///
@@ -56,7 +128,6 @@ impl Driver {
     /// <https://docs.nvidia.com/gpudirect-storage/api-reference-guide/index.html#cufiledriveropen>
     #[doc(alias = "cuFileDriverOpen")]
     pub fn open() -> Result<Driver> {
-        static CURRENT: Mutex<Weak<Inner>> = Mutex::new(Weak::new());
         let lib = sys::lib()?;
         crate::cuda::init()?;
         if crate::cuda::device_count()? == 0 {
@@ -65,15 +136,14 @@ impl Driver {
                 reason: "cuDeviceGetCount reports 0 devices".into(),
             });
         }
-        let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(inner) = cur.upgrade() {
-            return Ok(Driver { inner });
-        }
-        // SAFETY: libcuda is present and initialised; no arguments.
-        check("cuFileDriverOpen", unsafe { (lib.cuFileDriverOpen)() })?;
-        let inner = Arc::new(Inner { lib });
-        *cur = Arc::downgrade(&inner);
-        Ok(Driver { inner })
+        DRIVER.acquire(|| {
+            // SAFETY: libcuda is present and initialised; no arguments; the lock keeps any close
+            // from running beside it.
+            check("cuFileDriverOpen", unsafe { (lib.cuFileDriverOpen)() })
+        })?;
+        Ok(Driver {
+            inner: Arc::new(Inner { lib }),
+        })
     }
 
     pub(crate) fn lib(&self) -> &'static sys::Lib {
@@ -132,9 +202,11 @@ impl Driver {
     ///
     /// # Errors
     ///
+    /// [`Error::InvalidArgument`] when `threshold_kib` KiB is not representable in bytes;
     /// [`Error::CuFile`].
     #[doc(alias = "cuFileDriverSetPollMode")]
     pub fn set_poll_mode(&self, poll: bool, threshold_kib: usize) -> Result<()> {
+        check_kib("threshold_kib", threshold_kib, KIB_AS_BYTES_MAX)?;
         // SAFETY: plain values.
         check("cuFileDriverSetPollMode", unsafe {
             (self.inner.lib.cuFileDriverSetPollMode)(poll, threshold_kib)
@@ -145,9 +217,10 @@ impl Driver {
     ///
     /// # Errors
     ///
-    /// [`Error::CuFile`] (`CU_FILE_DRIVER_UNSUPPORTED_LIMIT` out of range).
+    /// [`Error::InvalidArgument`] when `kib` KiB is not representable in bytes; [`Error::CuFile`] (`CU_FILE_DRIVER_UNSUPPORTED_LIMIT` out of range).
     #[doc(alias = "cuFileDriverSetMaxDirectIOSize")]
     pub fn set_max_direct_io_kib(&self, kib: usize) -> Result<()> {
+        check_kib("kib", kib, KIB_AS_BYTES_MAX)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxDirectIOSize", unsafe {
             (self.inner.lib.cuFileDriverSetMaxDirectIOSize)(kib)
@@ -158,9 +231,11 @@ impl Driver {
     ///
     /// # Errors
     ///
+    /// [`Error::InvalidArgument`] over `u32::MAX` (the driver keeps it as 32 bits);
     /// [`Error::CuFile`].
     #[doc(alias = "cuFileDriverSetMaxCacheSize")]
     pub fn set_max_cache_kib(&self, kib: usize) -> Result<()> {
+        check_kib("kib", kib, u32::MAX as usize)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxCacheSize", unsafe {
             (self.inner.lib.cuFileDriverSetMaxCacheSize)(kib)
@@ -171,9 +246,11 @@ impl Driver {
     ///
     /// # Errors
     ///
+    /// [`Error::InvalidArgument`] over `u32::MAX` (the driver keeps it as 32 bits);
     /// [`Error::CuFile`].
     #[doc(alias = "cuFileDriverSetMaxPinnedMemSize")]
     pub fn set_max_pinned_mem_kib(&self, kib: usize) -> Result<()> {
+        check_kib("kib", kib, u32::MAX as usize)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxPinnedMemSize", unsafe {
             (self.inner.lib.cuFileDriverSetMaxPinnedMemSize)(kib)
@@ -188,6 +265,17 @@ impl Driver {
             _ => 128,
         }
     }
+}
+
+/// The most KiB whose byte count fits a `usize`.
+const KIB_AS_BYTES_MAX: usize = usize::MAX / 1024;
+
+/// Check a size argument `arg` of `kib` KiB against `max`.
+pub(crate) fn check_kib(arg: &'static str, kib: usize, max: usize) -> Result<()> {
+    if kib > max {
+        return Err(Error::invalid(arg, kib, format!("must be at most {max}")));
+    }
+    Ok(())
 }
 
 bitflags::bitflags! {
@@ -350,6 +438,18 @@ fn gate(lib: &sys::Lib, name: &'static str, since: i32) -> Result<()> {
 }
 
 impl SizeParam {
+    /// The largest value [`set`](Self::set) accepts: the byte count of a KiB size must fit a
+    /// `usize`, and values the driver keeps as 32 bits (counts, cache and pinned sizes, the batch
+    /// size and time-out) must fit a `u32`.
+    pub fn max_value(self) -> usize {
+        match self {
+            SizeParam::MinIoThresholdKib
+            | SizeParam::MaxDirectIoKib
+            | SizeParam::PollThresholdKib => KIB_AS_BYTES_MAX,
+            _ => u32::MAX as usize,
+        }
+    }
+
     /// `cuFileGetParameterSizeT(param, &value)`: the current value (or the staged one before
     /// the driver is opened). Needs no open driver.
     ///
@@ -362,9 +462,11 @@ impl SizeParam {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
         let mut v = 0usize;
-        // SAFETY: a known parameter and one valid out-pointer.
-        check("cuFileGetParameterSizeT", unsafe {
-            (lib.cuFileGetParameterSizeT)(self.raw(), &mut v)
+        DRIVER.with_lock(|_| {
+            // SAFETY: a known parameter and one valid out-pointer; no open or close runs beside.
+            check("cuFileGetParameterSizeT", unsafe {
+                (lib.cuFileGetParameterSizeT)(self.raw(), &mut v)
+            })
         })?;
         Ok(v)
     }
@@ -374,14 +476,18 @@ impl SizeParam {
     ///
     /// # Errors
     ///
-    /// As [`get`](Self::get); `CU_FILE_DRIVER_ALREADY_OPEN` once the driver is open.
+    /// [`Error::InvalidArgument`] over [`max_value`](Self::max_value) (checked first); as
+    /// [`get`](Self::get); `CU_FILE_DRIVER_ALREADY_OPEN` once the driver is open.
     #[doc(alias = "cuFileSetParameterSizeT")]
     pub fn set(self, value: usize) -> Result<()> {
+        check_kib("value", value, self.max_value())?;
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
-        // SAFETY: plain values.
-        check("cuFileSetParameterSizeT", unsafe {
-            (lib.cuFileSetParameterSizeT)(self.raw(), value)
+        DRIVER.with_lock(|_| {
+            // SAFETY: plain values; no open or close runs beside.
+            check("cuFileSetParameterSizeT", unsafe {
+                (lib.cuFileSetParameterSizeT)(self.raw(), value)
+            })
         })
     }
 }
@@ -397,9 +503,11 @@ impl BoolParam {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
         let mut v = false;
-        // SAFETY: a known parameter and one valid out-pointer.
-        check("cuFileGetParameterBool", unsafe {
-            (lib.cuFileGetParameterBool)(self.raw(), &mut v)
+        DRIVER.with_lock(|_| {
+            // SAFETY: a known parameter and one valid out-pointer; no open or close runs beside.
+            check("cuFileGetParameterBool", unsafe {
+                (lib.cuFileGetParameterBool)(self.raw(), &mut v)
+            })
         })?;
         Ok(v)
     }
@@ -413,9 +521,11 @@ impl BoolParam {
     pub fn set(self, value: bool) -> Result<()> {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
-        // SAFETY: plain values.
-        check("cuFileSetParameterBool", unsafe {
-            (lib.cuFileSetParameterBool)(self.raw(), value)
+        DRIVER.with_lock(|_| {
+            // SAFETY: plain values; no open or close runs beside.
+            check("cuFileSetParameterBool", unsafe {
+                (lib.cuFileSetParameterBool)(self.raw(), value)
+            })
         })
     }
 }
@@ -430,10 +540,13 @@ impl StringParam {
     pub fn get(self) -> Result<String> {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
-        let mut buf = vec![0 as libc::c_char; 4096];
-        // SAFETY: the buffer holds `len` bytes.
-        check("cuFileGetParameterString", unsafe {
-            (lib.cuFileGetParameterString)(self.raw(), buf.as_mut_ptr(), buf.len() as i32)
+        const LEN: usize = 4096;
+        let mut buf = vec![0 as libc::c_char; LEN];
+        DRIVER.with_lock(|_| {
+            // SAFETY: the buffer holds LEN (< i32::MAX) bytes; no open or close runs beside.
+            check("cuFileGetParameterString", unsafe {
+                (lib.cuFileGetParameterString)(self.raw(), buf.as_mut_ptr(), LEN as i32)
+            })
         })?;
         *buf.last_mut().expect("non-empty") = 0;
         // SAFETY: NUL-terminated above.
@@ -453,9 +566,11 @@ impl StringParam {
         gate(lib, self.c_name(), self.since())?;
         let c = CString::new(value)
             .map_err(|_| Error::invalid("value", value, "must not contain NUL"))?;
-        // SAFETY: a NUL-terminated string valid for the call.
-        check("cuFileSetParameterString", unsafe {
-            (lib.cuFileSetParameterString)(self.raw(), c.as_ptr())
+        DRIVER.with_lock(|_| {
+            // SAFETY: a NUL-terminated string valid for the call; no open or close runs beside.
+            check("cuFileSetParameterString", unsafe {
+                (lib.cuFileSetParameterString)(self.raw(), c.as_ptr())
+            })
         })
     }
 }
@@ -463,6 +578,8 @@ impl StringParam {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
 
     #[test]
     fn parameters_map_to_the_header_values() {
@@ -481,6 +598,180 @@ mod tests {
         assert_eq!(BoolParam::GdsFallbackIo.raw(), 13);
         assert_eq!(StringParam::RdmaTransport.raw(), 3);
         assert_eq!(SizeParam::IoBatchSize.since(), 1140);
+    }
+
+    /// A fake driver: open and close check that they never overlap each other and that a
+    /// close never finds a holder still using the driver.
+    #[derive(Default)]
+    struct Fake {
+        busy: AtomicBool,
+        open: AtomicBool,
+        opens: AtomicUsize,
+        closes: AtomicUsize,
+    }
+
+    impl Fake {
+        fn open(&self) -> Result<()> {
+            assert!(
+                !self.busy.swap(true, SeqCst),
+                "open overlapped an open or close"
+            );
+            assert!(!self.open.load(SeqCst), "opened twice");
+            std::thread::yield_now();
+            self.open.store(true, SeqCst);
+            self.opens.fetch_add(1, SeqCst);
+            self.busy.store(false, SeqCst);
+            Ok(())
+        }
+        fn close(&self) {
+            assert!(
+                !self.busy.swap(true, SeqCst),
+                "close overlapped an open or close"
+            );
+            assert!(self.open.load(SeqCst), "closed while not open");
+            std::thread::yield_now();
+            self.open.store(false, SeqCst);
+            self.closes.fetch_add(1, SeqCst);
+            self.busy.store(false, SeqCst);
+        }
+        /// A registration or handle: the driver must be open while it is used.
+        fn use_it(&self) {
+            assert!(self.open.load(SeqCst), "used while closed");
+        }
+    }
+
+    #[test]
+    fn eight_threads_open_register_and_close_without_overlap() {
+        let count = OpenCount::new();
+        let fake = Fake::default();
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let (count, fake) = (&count, &fake);
+                s.spawn(move || {
+                    for i in 0..200 {
+                        // The driver.
+                        count.acquire(|| fake.open()).unwrap();
+                        fake.use_it();
+                        // A registration holds its own reference to the driver ...
+                        count.acquire(|| fake.open()).unwrap();
+                        fake.use_it();
+                        // ... so dropping the driver first (every other time) leaves it open.
+                        if (t + i) % 2 == 0 {
+                            count.release(|| fake.close());
+                            fake.use_it();
+                            count.release(|| fake.close());
+                        } else {
+                            count.release(|| fake.close());
+                            count.release(|| fake.close());
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(count.count(), 0);
+        assert!(!fake.open.load(SeqCst));
+        assert!(fake.opens.load(SeqCst) >= 1);
+        assert_eq!(fake.opens.load(SeqCst), fake.closes.load(SeqCst));
+    }
+
+    #[test]
+    fn parameters_wait_for_a_running_open() {
+        let count = OpenCount::new();
+        let fake = Fake::default();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        count.acquire(|| fake.open()).unwrap();
+                        count.release(|| fake.close());
+                    }
+                });
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        // A staged parameter: nothing opens or closes meanwhile.
+                        count.with_lock(|n| {
+                            assert!(!fake.busy.load(SeqCst));
+                            assert_eq!(n > 0, fake.open.load(SeqCst));
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(count.count(), 0);
+    }
+
+    #[test]
+    fn a_failed_open_takes_nothing_and_the_next_one_opens() {
+        let count = OpenCount::new();
+        let fake = Fake::default();
+        let e = count
+            .acquire(|| Err(Error::invalid("x", 1, "refused")))
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }));
+        assert_eq!(count.count(), 0);
+        // A release without a reference closes nothing.
+        count.release(|| fake.close());
+        assert_eq!(fake.closes.load(SeqCst), 0);
+        count.acquire(|| fake.open()).unwrap();
+        count.acquire(|| fake.open()).unwrap();
+        assert_eq!((count.count(), fake.opens.load(SeqCst)), (2, 1));
+        count.release(|| fake.close());
+        assert_eq!(fake.closes.load(SeqCst), 0);
+        count.release(|| fake.close());
+        assert_eq!((count.count(), fake.closes.load(SeqCst)), (0, 1));
+    }
+
+    #[test]
+    fn opening_without_the_library_from_many_threads_is_a_typed_error() {
+        if sys::lib().is_ok() {
+            println!("SKIPPED: libcufile is present (the GPU tests cover the real driver)");
+            return;
+        }
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        let e = Driver::open().unwrap_err();
+                        assert!(matches!(e, Error::Load(_)), "{e}");
+                        assert!(SizeParam::IoBatchSize.get().is_err());
+                    }
+                });
+            }
+        });
+        assert_eq!(DRIVER.count(), 0);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn kib_sizes_are_bounded(kib: usize, max: usize) {
+            proptest::prop_assert_eq!(check_kib("kib", kib, max).is_ok(), kib <= max);
+        }
+
+        #[test]
+        fn size_parameters_fit_what_the_driver_keeps(value: usize, which in 0usize..12) {
+            let all = [
+                SizeParam::ProfileStats,
+                SizeParam::MaxIoQueueDepth,
+                SizeParam::MaxIoThreads,
+                SizeParam::MinIoThresholdKib,
+                SizeParam::MaxRequestParallelism,
+                SizeParam::MaxDirectIoKib,
+                SizeParam::MaxDeviceCacheKib,
+                SizeParam::PerBufferCacheKib,
+                SizeParam::MaxDevicePinnedMemKib,
+                SizeParam::IoBatchSize,
+                SizeParam::PollThresholdKib,
+                SizeParam::BatchIoTimeoutMs,
+            ];
+            let p = all[which];
+            let ok = check_kib("value", value, p.max_value()).is_ok();
+            if p.c_name().ends_with("_KB") {
+                // The byte count fits a usize (and a 32-bit field where the driver keeps one).
+                proptest::prop_assert!(!ok || (value as u128) * 1024 <= usize::MAX as u128);
+            }
+            proptest::prop_assert!(!ok || value <= u32::MAX as usize || p.c_name().ends_with("_KB"));
+            proptest::prop_assert_eq!(ok, value <= p.max_value());
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DirectIo {
     /// Try `O_DIRECT`; where the file system refuses it (`EINVAL`: tmpfs, /dev/shm) open
-    /// buffered instead (A10).
+    /// buffered instead.
     #[default]
     Try,
     /// `O_DIRECT` or an error.
@@ -246,11 +246,11 @@ impl FileHandle {
         self.inner.handle
     }
 
-    /// The file's size in bytes (`fstat`).
+    /// The file's size in bytes (`fstat`; a block device's size by `ioctl(BLKGETSIZE64)`).
     ///
     /// # Errors
     ///
-    /// [`Error::Os`] from `fstat`.
+    /// [`Error::Os`] from `fstat` or `ioctl`.
     pub fn len(&self) -> Result<u64> {
         fd_len(self.inner.fd.as_fd())
     }
@@ -271,15 +271,10 @@ impl AsFd for FileHandle {
     }
 }
 
-/// `fstat(fd).st_size`.
+/// The file's size: `st_size` of a regular file, the size of a block device, 0 for anything else
+/// (`fstat`, `ioctl(BLKGETSIZE64)`).
 pub(crate) fn fd_len(fd: BorrowedFd<'_>) -> Result<u64> {
-    // SAFETY: zeroed stat is valid; fstat fills it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid descriptor and out-pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(Error::last_os("fstat"));
-    }
-    Ok(st.st_size as u64)
+    Ok(super::file_size(fd)?.unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -288,7 +283,7 @@ mod tests {
 
     #[test]
     fn o_direct_falls_back_where_refused() {
-        // /dev/shm is tmpfs, which refuses O_DIRECT (A10); the temp dir may or may not.
+        // /dev/shm is tmpfs, which refuses O_DIRECT on older kernels; the temp dir may or may not.
         let dir = if std::path::Path::new("/dev/shm").is_dir() {
             std::path::PathBuf::from("/dev/shm")
         } else {

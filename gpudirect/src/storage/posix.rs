@@ -9,6 +9,7 @@
 //! that take raw device addresses are crate-private and `unsafe`: the public way in is
 //! [`File`](super::File), which checks the device range first.
 
+use super::check_range;
 use crate::error::{Error, Result, cu};
 use cudarc::driver::sys as cu_sys;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -45,29 +46,106 @@ impl Default for PosixConfig {
     }
 }
 
+/// The most reader (or writer) threads a [`PosixConfig`] may ask for.
+pub const MAX_THREADS: usize = 256;
+/// The most bounce buffers per thread.
+pub const MAX_DEPTH: usize = 16;
+/// The largest chunk, in bytes (1 GiB).
+pub const MAX_CHUNK: usize = 1 << 30;
+/// The most pinned host memory one transfer's bounce buffers may take, in bytes (64 GiB).
+pub const MAX_PINNED_BYTES: usize = 64 << 30;
+
 impl PosixConfig {
-    fn validate(&self) -> Result<()> {
-        if self.threads == 0 || self.depth == 0 || self.direct_threads == 0 {
+    /// Check the configuration: at least one thread, direct thread and buffer; a chunk that is a
+    /// non-zero multiple of [`DIRECT_ALIGN`]; every field within its bound ([`MAX_THREADS`],
+    /// [`MAX_DEPTH`], [`MAX_CHUNK`]); and the bounce buffers of the larger thread count within
+    /// [`MAX_PINNED_BYTES`]. Every transfer checks it before anything else.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field and the rule.
+    pub fn validate(&self) -> Result<()> {
+        for (arg, v) in [
+            ("config.threads", self.threads),
+            ("config.direct_threads", self.direct_threads),
+        ] {
+            if v == 0 || v > MAX_THREADS {
+                return Err(Error::invalid(
+                    arg,
+                    v,
+                    format!("must be between 1 and {MAX_THREADS}"),
+                ));
+            }
+        }
+        if self.depth == 0 || self.depth > MAX_DEPTH {
             return Err(Error::invalid(
-                "config",
-                format!("{self:?}"),
-                "threads and depth must be at least 1",
+                "config.depth",
+                self.depth,
+                format!("must be between 1 and {MAX_DEPTH}"),
             ));
         }
-        if self.chunk == 0 || !self.chunk.is_multiple_of(DIRECT_ALIGN) {
+        if self.chunk == 0 || self.chunk > MAX_CHUNK || !self.chunk.is_multiple_of(DIRECT_ALIGN) {
             return Err(Error::invalid(
                 "config.chunk",
                 self.chunk,
-                format!("must be a non-zero multiple of {DIRECT_ALIGN}"),
+                format!("must be a non-zero multiple of {DIRECT_ALIGN} of at most {MAX_CHUNK}"),
             ));
         }
-        Ok(())
+        match self.pinned_bytes() {
+            Some(n) if n <= MAX_PINNED_BYTES => Ok(()),
+            _ => Err(Error::invalid(
+                "config",
+                format!("{self:?}"),
+                format!("threads x depth x bounce length must be at most {MAX_PINNED_BYTES} bytes"),
+            )),
+        }
     }
 
     /// Bytes of each bounce buffer: a chunk plus room to align both ends for `O_DIRECT`.
-    pub fn bounce_len(&self) -> usize {
-        self.chunk + 2 * DIRECT_ALIGN
+    ///
+    /// # Errors
+    ///
+    /// As [`validate`](Self::validate).
+    pub fn bounce_len(&self) -> Result<usize> {
+        self.validate()?;
+        Ok(self.chunk + 2 * DIRECT_ALIGN) // within bounds: chunk <= MAX_CHUNK
     }
+
+    /// The pinned bytes of the bounce buffers when every thread of the larger count is busy, or
+    /// `None` where that overflows.
+    fn pinned_bytes(&self) -> Option<usize> {
+        self.chunk
+            .checked_add(2 * DIRECT_ALIGN)?
+            .checked_mul(self.depth)?
+            .checked_mul(self.threads.max(self.direct_threads))
+    }
+}
+
+/// Chunk `c` of a transfer of `len` bytes cut in `chunk`-byte pieces: its offset and length, or
+/// `None` past the last chunk.
+pub(crate) fn chunk_range(c: usize, chunk: usize, len: usize) -> Option<(usize, usize)> {
+    let off = c.checked_mul(chunk)?;
+    (off < len).then(|| (off, chunk.min(len - off)))
+}
+
+/// The `O_DIRECT` read around `start..start + len`: the aligned start, the aligned length and
+/// where the data begins in it; `None` where the range passes `off_t` or the aligned span does
+/// not fit a bounce buffer of `bounce_len` bytes.
+pub(crate) fn direct_span(
+    start: u64,
+    len: usize,
+    bounce_len: usize,
+) -> Option<(u64, usize, usize)> {
+    let a = DIRECT_ALIGN as u64;
+    let end = start.checked_add(len as u64)?;
+    if end > super::OFF_MAX {
+        return None;
+    }
+    let a_start = start - start % a;
+    let a_end = end.div_ceil(a).checked_mul(a)?;
+    let span = usize::try_from(a_end - a_start).ok()?;
+    let skip = usize::try_from(start - a_start).ok()?;
+    (span <= bounce_len).then_some((a_start, span, skip))
 }
 
 /// One thread's copy engine: `depth` bounce buffers, each with an asynchronous copy slot.
@@ -116,18 +194,26 @@ pub struct PosixFile<'a> {
     pub direct: Option<BorrowedFd<'a>>,
 }
 
+/// `offset + done` as an `off_t`.
+fn off_t_at(call: &'static str, offset: u64, done: usize) -> Result<libc::off_t> {
+    offset
+        .checked_add(done as u64)
+        .and_then(|o| libc::off_t::try_from(o).ok())
+        .ok_or_else(|| {
+            Error::invalid(
+                call,
+                format!("{offset}+{done}"),
+                "file offsets must not exceed i64::MAX",
+            )
+        })
+}
+
 fn pread_full(fd: BorrowedFd<'_>, buf: *mut u8, len: usize, offset: u64) -> Result<usize> {
     let mut done = 0;
     while done < len {
+        let at = off_t_at("pread", offset, done)?;
         // SAFETY: `buf..buf+len` is a bounce buffer owned by this thread's engine.
-        let r = unsafe {
-            libc::pread(
-                fd.as_raw_fd(),
-                buf.add(done).cast(),
-                len - done,
-                (offset + done as u64) as libc::off_t,
-            )
-        };
+        let r = unsafe { libc::pread(fd.as_raw_fd(), buf.add(done).cast(), len - done, at) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EINTR) {
@@ -141,7 +227,7 @@ fn pread_full(fd: BorrowedFd<'_>, buf: *mut u8, len: usize, offset: u64) -> Resu
         if r == 0 {
             break;
         }
-        done += r as usize;
+        done += r.unsigned_abs().min(len - done);
     }
     Ok(done)
 }
@@ -149,15 +235,9 @@ fn pread_full(fd: BorrowedFd<'_>, buf: *mut u8, len: usize, offset: u64) -> Resu
 fn pwrite_full(fd: BorrowedFd<'_>, buf: *const u8, len: usize, offset: u64) -> Result<()> {
     let mut done = 0;
     while done < len {
+        let at = off_t_at("pwrite", offset, done)?;
         // SAFETY: `buf..buf+len` is a bounce buffer the finished copy filled.
-        let r = unsafe {
-            libc::pwrite(
-                fd.as_raw_fd(),
-                buf.add(done).cast(),
-                len - done,
-                (offset + done as u64) as libc::off_t,
-            )
-        };
+        let r = unsafe { libc::pwrite(fd.as_raw_fd(), buf.add(done).cast(), len - done, at) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EINTR) {
@@ -171,26 +251,38 @@ fn pwrite_full(fd: BorrowedFd<'_>, buf: *const u8, len: usize, offset: u64) -> R
         if r == 0 {
             return Err(Error::errno("pwrite", libc::EIO));
         }
-        done += r as usize;
+        done += r.unsigned_abs().min(len - done);
     }
     Ok(())
 }
 
-/// Read `start..start+len` of the file into `bounce`, through `O_DIRECT` (aligned around the
-/// range) when possible; returns (offset of the data in `bounce`, bytes available).
+/// Read `start..start+len` of the file into `bounce` (`bounce_len` bytes), through `O_DIRECT`
+/// (aligned around the range) when possible; returns (offset of the data in `bounce`, bytes
+/// available).
 fn read_chunk(
     file: &PosixFile<'_>,
     bounce: *mut u8,
+    bounce_len: usize,
     start: u64,
     len: usize,
 ) -> Result<(usize, usize)> {
+    if len > bounce_len {
+        return Err(Error::invalid(
+            "len",
+            len,
+            format!("a chunk must fit its {bounce_len}-byte bounce buffer"),
+        ));
+    }
     if let Some(d) = file.direct {
-        let a = DIRECT_ALIGN as u64;
-        let a_start = start / a * a;
-        let a_end = (start + len as u64).div_ceil(a) * a;
-        match pread_full(d, bounce, (a_end - a_start) as usize, a_start) {
+        let Some((a_start, span, skip)) = direct_span(start, len, bounce_len) else {
+            return Err(Error::invalid(
+                "file_offset",
+                format!("{start}+{len}"),
+                "the aligned read must fit the bounce buffer and i64::MAX",
+            ));
+        };
+        match pread_full(d, bounce, span, a_start) {
             Ok(got) => {
-                let skip = (start - a_start) as usize;
                 return Ok((skip, got.saturating_sub(skip).min(len)));
             }
             Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {}
@@ -221,7 +313,7 @@ fn run<E: Engines>(
     len: usize,
     per_chunk: impl Fn(&mut E::Engine, usize, usize, usize) -> Result<()> + Sync,
 ) -> Result<()> {
-    cfg.validate()?;
+    let bounce_len = cfg.bounce_len()?;
     let shared = Shared {
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
@@ -229,16 +321,17 @@ fn run<E: Engines>(
     let n_chunks = len.div_ceil(cfg.chunk);
     let threads = cfg.threads.min(n_chunks).max(1);
     let worker = |t: usize| {
-        let mut eng = match engines.acquire(cfg.bounce_len(), cfg.depth) {
+        let mut eng = match engines.acquire(bounce_len, cfg.depth) {
             Ok(e) => e,
             Err(e) => return shared.fail(e),
         };
         let mut k = 0;
         let mut c = t;
-        while c < n_chunks && !shared.failed.load(Ordering::Relaxed) {
+        while !shared.failed.load(Ordering::Relaxed) {
+            let Some((off, clen)) = chunk_range(c, cfg.chunk, len) else {
+                break;
+            };
             let slot = k % cfg.depth;
-            let off = c * cfg.chunk;
-            let clen = cfg.chunk.min(len - off);
             if let Err(e) = eng
                 .wait_slot(slot)
                 .and_then(|()| per_chunk(&mut eng, slot, off, clen))
@@ -247,7 +340,10 @@ fn run<E: Engines>(
                 break;
             }
             k += 1;
-            c += threads;
+            let Some(next) = c.checked_add(threads) else {
+                break;
+            };
+            c = next;
         }
         let mut ok = true;
         for s in 0..cfg.depth {
@@ -284,13 +380,35 @@ fn run<E: Engines>(
     Ok(())
 }
 
-/// Read `len` bytes at `file_offset` to device address `dst`; returns bytes read (short only at
-/// end of file, as of `file_len` or a file shrinking meanwhile).
+/// Check a transfer of `len` bytes between the file at `file_offset` and device address `addr`
+/// (argument `arg`): both ranges end within their address spaces (`off_t` for the file).
+pub(crate) fn check_transfer(
+    arg: &'static str,
+    addr: u64,
+    file_offset: u64,
+    len: usize,
+) -> Result<()> {
+    super::check_file_range(file_offset, len)?;
+    match addr.checked_add(len as u64) {
+        Some(_) => Ok(()),
+        None => Err(Error::invalid(
+            arg,
+            format!("{addr:#x}+{len}"),
+            "the device range must not wrap the address space",
+        )),
+    }
+}
+
+/// Read `len` bytes at `file_offset` to device address `dst`; returns bytes read. The read is
+/// limited to `file_size` (the file's size when it starts; `None` for a file whose size is not
+/// known, read until `pread` says end of file), so it is short only at end of file and leaves
+/// every device byte past the count unchanged.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a bad `cfg`; [`Error::Os`] from `pread`; the engine's errors.
-/// Every copy started has finished when this returns.
+/// [`Error::InvalidArgument`] for a bad `cfg` or a range past `off_t` or the address space;
+/// [`Error::Os`] from `pread`; [`Error::FileShrank`] when the file shrank below `file_size`
+/// meanwhile; the engine's errors. Every copy started has finished when this returns.
 ///
 /// # Safety
 ///
@@ -301,16 +419,12 @@ pub(crate) unsafe fn read_to_device<E: Engines>(
     engines: &E,
     cfg: &PosixConfig,
     file: &PosixFile<'_>,
-    file_len: u64,
+    file_size: Option<u64>,
     file_offset: u64,
     dst: u64,
     len: usize,
 ) -> Result<usize> {
-    let len = (len as u64).min(file_len.saturating_sub(file_offset)) as usize;
-    if len == 0 {
-        return Ok(0);
-    }
-    let short_at = AtomicU64::new(u64::MAX);
+    check_transfer("dst", dst, file_offset, len)?;
     let cfg = &PosixConfig {
         threads: if file.direct.is_some() {
             cfg.direct_threads
@@ -319,9 +433,16 @@ pub(crate) unsafe fn read_to_device<E: Engines>(
         },
         ..*cfg
     };
-    run(engines, cfg, len, |eng, slot, off, clen| {
+    let bounce_len = cfg.bounce_len()?;
+    let want = super::clamp_read(file_offset, len, file_size);
+    if want == 0 {
+        return Ok(0);
+    }
+    let short_at = AtomicU64::new(u64::MAX);
+    run(engines, cfg, want, |eng, slot, off, clen| {
+        // check_transfer: these sums stay below i64::MAX and the address space's end.
         let start = file_offset + off as u64;
-        let (skip, got) = read_chunk(file, eng.bounce(slot), start, clen)?;
+        let (skip, got) = read_chunk(file, eng.bounce(slot), bounce_len, start, clen)?;
         if got > 0 {
             eng.start_h2d(slot, skip, got, dst + off as u64)?;
         }
@@ -331,18 +452,23 @@ pub(crate) unsafe fn read_to_device<E: Engines>(
         Ok(())
     })?;
     let short = short_at.load(Ordering::Relaxed);
-    Ok(if short == u64::MAX {
-        len
+    let got = if short == u64::MAX {
+        want
     } else {
-        (short.saturating_sub(file_offset) as usize).min(len)
-    })
+        usize::try_from(short.saturating_sub(file_offset)).map_or(want, |n| n.min(want))
+    };
+    match file_size {
+        Some(_) => super::read_outcome("pread", file_offset, want, Ok(got)),
+        None => Ok(got),
+    }
 }
 
 /// Write `len` bytes from device address `src` to the file at `file_offset`; returns `len`.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a bad `cfg`; [`Error::Os`] from `pwrite`; the engine's errors.
+/// [`Error::InvalidArgument`] for a bad `cfg` or a range past `off_t` or the address space;
+/// [`Error::Os`] from `pwrite`; the engine's errors.
 ///
 /// # Safety
 ///
@@ -357,10 +483,13 @@ pub(crate) unsafe fn write_from_device<E: Engines>(
     src: u64,
     len: usize,
 ) -> Result<usize> {
+    check_transfer("src", src, file_offset, len)?;
+    cfg.validate()?;
     if len == 0 {
         return Ok(0);
     }
     run(engines, cfg, len, |eng, slot, off, clen| {
+        // check_transfer: these sums stay below i64::MAX and the address space's end.
         let start = file_offset + off as u64;
         eng.start_d2h(slot, 0, clen, src + off as u64)?;
         eng.wait_slot(slot)?;
@@ -492,7 +621,7 @@ unsafe impl CopyEngine for GpuEngine {
         self.bufs[slot]
     }
     fn start_h2d(&mut self, slot: usize, offset: usize, len: usize, dst: u64) -> Result<()> {
-        debug_assert!(offset + len <= self.bounce_len);
+        check_range("offset", offset, len, self.bounce_len)?;
         // SAFETY: the source lies in our pinned buffer; the caller checked the device range;
         // the buffer is not touched until wait_slot(slot).
         unsafe {
@@ -512,7 +641,7 @@ unsafe impl CopyEngine for GpuEngine {
         }
     }
     fn start_d2h(&mut self, slot: usize, offset: usize, len: usize, src: u64) -> Result<()> {
-        debug_assert!(offset + len <= self.bounce_len);
+        check_range("offset", offset, len, self.bounce_len)?;
         // SAFETY: as start_h2d, the other way.
         unsafe {
             cu(
@@ -738,7 +867,7 @@ mod tests {
                 &engines,
                 &cfg,
                 &file,
-                file_bytes.len() as u64,
+                Some(file_bytes.len() as u64),
                 fo,
                 dst_off as u64,
                 len,
@@ -788,7 +917,7 @@ mod tests {
                 direct_threads: threads,
             };
             for direct in [DirectIo::Off, DirectIo::Try] {
-                // A11: 4097 bytes at file offset 3 into device offset 1.
+                // Unaligned: 4097 bytes at file offset 3 into device offset 1.
                 read_case(&bytes, cfg, direct, 3, 1, 4097);
                 read_case(&bytes, cfg, direct, 0, 0, 300_000);
                 read_case(&bytes, cfg, direct, 4095, 7, 123_457);
@@ -859,6 +988,269 @@ mod tests {
     }
 
     #[test]
+    fn a_read_crossing_the_end_of_file_changes_nothing_past_the_count() {
+        // A file of 22,295 bytes; 8,192 bytes at 18,295 into device offset 100: 4,000 bytes,
+        // and the poison after them intact (checked by read_case).
+        let bytes = data(22_295, 12);
+        let cfg = PosixConfig {
+            threads: 2,
+            chunk: 4096,
+            depth: 2,
+            direct_threads: 2,
+        };
+        for direct in [DirectIo::Off, DirectIo::Try] {
+            read_case(&bytes, cfg, direct, 18_295, 100, 8192);
+            read_case(&bytes, cfg, direct, 22_295, 100, 8192);
+            read_case(&bytes, cfg, direct, 30_000, 100, 8192);
+        }
+    }
+
+    #[test]
+    fn a_file_that_shrank_is_an_error_and_nothing_past_the_limit_changes() {
+        let bytes = data(10_000, 5);
+        let p = temp("shrank", &bytes);
+        let (fd, _) = OpenOptions::read_only()
+            .direct(DirectIo::Off)
+            .open(&p)
+            .unwrap();
+        let file = PosixFile {
+            buffered: fd.as_fd(),
+            direct: None,
+        };
+        let engines = HostEngines::new(40_000, 0xEE);
+        let cfg = PosixConfig {
+            threads: 1,
+            chunk: 4096,
+            depth: 2,
+            direct_threads: 1,
+        };
+        // The size taken when the read started (20,000) is larger than what is there now.
+        // SAFETY: host engines over 40,000 bytes.
+        let e = unsafe { read_to_device(&engines, &cfg, &file, Some(20_000), 0, 0, 30_000) }
+            .unwrap_err();
+        match e {
+            Error::FileShrank {
+                call: "pread",
+                expected: 20_000,
+                got: 10_000,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let dev = engines.device.lock().unwrap();
+        assert_eq!(&dev[..10_000], &bytes[..]);
+        assert!(dev[20_000..].iter().all(|&b| b == 0xEE));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn the_wrapping_chunk_is_refused_before_any_buffer_exists() {
+        let cfg = PosixConfig {
+            chunk: usize::MAX - 4095,
+            ..PosixConfig::default()
+        };
+        let e = cfg.validate().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "config.chunk",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(cfg.bounce_len().is_err());
+        let engines = HostEngines::new(1 << 16, 0);
+        let p = temp("wrap", &[3; 1 << 16]);
+        let (fd, _) = OpenOptions::read_only()
+            .direct(DirectIo::Off)
+            .open(&p)
+            .unwrap();
+        let file = PosixFile {
+            buffered: fd.as_fd(),
+            direct: None,
+        };
+        // SAFETY: host engines over 64 KiB.
+        let e = unsafe { read_to_device(&engines, &cfg, &file, Some(1 << 16), 0, 0, 1 << 16) }
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "config.chunk",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // SAFETY: as above.
+        let e = unsafe { write_from_device(&engines, &cfg, &file, 0, 0, 1 << 16) }.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "config.chunk",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(engines.created.load(Ordering::Relaxed), 0);
+        // A chunk larger than its bounce buffer is refused by the reader itself.
+        let mut buf = vec![0u8; 2 * DIRECT_ALIGN];
+        let e = read_chunk(&file, buf.as_mut_ptr(), DIRECT_ALIGN, 0, DIRECT_ALIGN + 1).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "len", .. }),
+            "{e}"
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn transfers_past_off_t_or_the_address_space_are_refused() {
+        let engines = HostEngines::new(16, 0);
+        let p = temp("range", &[1; 16]);
+        let (fd, _) = OpenOptions::read_only()
+            .direct(DirectIo::Off)
+            .open(&p)
+            .unwrap();
+        let file = PosixFile {
+            buffered: fd.as_fd(),
+            direct: None,
+        };
+        let cfg = PosixConfig::default();
+        // SAFETY: refused before any access.
+        let e = unsafe { read_to_device(&engines, &cfg, &file, None, i64::MAX as u64, 0, 2) }
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "file_offset",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // SAFETY: refused before any access.
+        let e =
+            unsafe { read_to_device(&engines, &cfg, &file, None, 0, u64::MAX - 1, 4) }.unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "dst", .. }),
+            "{e}"
+        );
+        // SAFETY: refused before any access.
+        let e = unsafe { write_from_device(&engines, &cfg, &file, u64::MAX, 0, 1) }.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "file_offset",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    fn config() -> impl Strategy<Value = PosixConfig> {
+        let size = || prop_oneof![any::<usize>(), 0usize..300, Just(usize::MAX)];
+        let chunk = prop_oneof![
+            any::<usize>(),
+            (0usize..=(MAX_CHUNK / DIRECT_ALIGN + 2)).prop_map(|k| k * DIRECT_ALIGN),
+            Just(usize::MAX - 4095),
+        ];
+        (size(), chunk, size(), size()).prop_map(|(threads, chunk, depth, direct_threads)| {
+            PosixConfig {
+                threads,
+                chunk,
+                depth,
+                direct_threads,
+            }
+        })
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn configs_are_bounded(cfg in config()) {
+            let bounce = cfg.chunk as u128 + 2 * DIRECT_ALIGN as u128;
+            let pinned = bounce
+                .checked_mul(cfg.depth as u128)
+                .and_then(|b| b.checked_mul(cfg.threads.max(cfg.direct_threads) as u128))
+                .unwrap_or(u128::MAX);
+            let ok = (1..=MAX_THREADS).contains(&cfg.threads)
+                && (1..=MAX_THREADS).contains(&cfg.direct_threads)
+                && (1..=MAX_DEPTH).contains(&cfg.depth)
+                && cfg.chunk > 0
+                && cfg.chunk <= MAX_CHUNK
+                && cfg.chunk % DIRECT_ALIGN == 0
+                && pinned <= MAX_PINNED_BYTES as u128;
+            prop_assert_eq!(cfg.validate().is_ok(), ok);
+            match cfg.bounce_len() {
+                Ok(b) => prop_assert!(ok && b as u128 == bounce && b > cfg.chunk),
+                Err(_) => prop_assert!(!ok),
+            }
+        }
+
+        #[test]
+        fn chunks_tile_the_transfer(chunk in 1usize..5000, len in 0usize..100_000) {
+            let mut next = 0;
+            let mut c = 0;
+            while let Some((off, clen)) = chunk_range(c, chunk, len) {
+                prop_assert_eq!(off, next);
+                prop_assert!(clen >= 1 && clen <= chunk && off + clen <= len);
+                next = off + clen;
+                c += 1;
+            }
+            prop_assert_eq!(next, len);
+            prop_assert_eq!(c, len.div_ceil(chunk));
+        }
+
+        #[test]
+        fn chunk_ranges_never_wrap(c: usize, chunk: usize, len: usize) {
+            if let Some((off, clen)) = chunk_range(c, chunk, len) {
+                prop_assert!(off < len && clen >= 1 && clen <= chunk);
+                prop_assert!(off as u128 + clen as u128 <= len as u128);
+            }
+        }
+
+        #[test]
+        fn direct_spans_cover_the_range_and_fit_the_buffer(
+            start in prop_oneof![any::<u64>(), 0u64..1 << 20, (i64::MAX as u64 - (1 << 20))..=i64::MAX as u64],
+            len in prop_oneof![any::<usize>(), 0usize..1 << 20],
+            bounce_len in prop_oneof![any::<usize>(), 0usize..1 << 21],
+        ) {
+            let a = DIRECT_ALIGN as u128;
+            let end = start as u128 + len as u128;
+            let a_start = start as u128 / a * a;
+            let a_end = end.div_ceil(a) * a;
+            let ok = end <= i64::MAX as u128 && a_end - a_start <= bounce_len as u128;
+            match direct_span(start, len, bounce_len) {
+                Some((s, span, skip)) => {
+                    prop_assert!(ok);
+                    prop_assert_eq!(s as u128, a_start);
+                    prop_assert_eq!(span as u128, a_end - a_start);
+                    prop_assert_eq!(skip as u128, start as u128 - a_start);
+                    prop_assert!(span <= bounce_len && span % DIRECT_ALIGN == 0);
+                    prop_assert!(skip as u128 + len as u128 <= span as u128);
+                }
+                None => prop_assert!(!ok),
+            }
+        }
+
+        #[test]
+        fn transfers_are_checked(addr: u64, file_offset: u64, len: usize) {
+            let ok = file_offset as u128 + len as u128 <= i64::MAX as u128
+                && addr as u128 + len as u128 <= u64::MAX as u128;
+            prop_assert_eq!(check_transfer("dst", addr, file_offset, len).is_ok(), ok);
+        }
+    }
+
+    #[test]
     fn bad_configs_are_refused() {
         let engines = HostEngines::new(10, 0);
         let p = temp("cfg", &[1; 10]);
@@ -877,7 +1269,7 @@ mod tests {
             direct_threads: 1,
         };
         // SAFETY: host engines over 10 bytes.
-        let e = unsafe { read_to_device(&engines, &cfg, &file, 10, 0, 0, 10) }.unwrap_err();
+        let e = unsafe { read_to_device(&engines, &cfg, &file, Some(10), 0, 0, 10) }.unwrap_err();
         assert!(
             matches!(
                 e,

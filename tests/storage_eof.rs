@@ -1,0 +1,192 @@
+//! Tier 2: one end-of-file rule for every read path. A file of 22,295 random bytes; 8,192 bytes
+//! asked at file offset 18,295 into a poisoned device buffer at byte 100: every path (POSIX,
+//! cuFile blocking into a plain and a registered buffer, stream-ordered, batch, and the
+//! automatic path) returns 4,000 and changes no byte of the buffer outside 100..4,100. Reads at
+//! and past the end return 0 and change nothing; a read inside the file is exact.
+//!
+//! Skips (`SKIPPED: reason`) without a GPU or libcufile; `GPUDIRECT_REQUIRE=gpu,cufile` turns
+//! those skips into failures. Where the node has no udev data, `cuFileHandleRegister` answers 5027
+//! and only the POSIX and automatic paths run (said with a NOTE).
+
+mod support;
+
+use gpudirect::Error;
+use gpudirect::storage::{
+    Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, File, FileHandle, Mode,
+    OpenOptions,
+};
+use gpudirect::testing::Hardware;
+use support::devbuf::{DevBuf, pattern, test_dir};
+
+const FILE_LEN: usize = 22_295;
+const DST_OFFSET: usize = 100;
+const LEN: usize = 8192;
+const BUF_LEN: usize = DST_OFFSET + LEN + 100;
+const POISON: u8 = 0xCD;
+/// File offsets: crossing the end (the reported case), at the end, past it, inside the file.
+const OFFSETS: [u64; 4] = [18_295, 22_295, 30_000, 3];
+
+/// The count and the bytes of a read of `LEN` at `fo` into a poisoned buffer at `DST_OFFSET`.
+fn check(what: &str, fo: u64, got: usize, buf: &DevBuf, data: &[u8]) {
+    let fo = fo as usize;
+    let want = LEN.min(data.len().saturating_sub(fo));
+    assert_eq!(got, want, "{what}: count at file offset {fo}");
+    let host = buf.to_host();
+    assert_eq!(
+        &host[DST_OFFSET..DST_OFFSET + want],
+        &data[fo.min(data.len())..][..want],
+        "{what}: bytes read at file offset {fo}"
+    );
+    for (i, &b) in host.iter().enumerate() {
+        if !(DST_OFFSET..DST_OFFSET + want).contains(&i) {
+            assert_eq!(
+                b, POISON,
+                "{what}: device byte {i} outside the {want} bytes read changed (file offset {fo})"
+            );
+        }
+    }
+    println!("{what}: file offset {fo}: {got} bytes, nothing else changed");
+}
+
+fn setup() -> Option<(
+    std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
+    Driver,
+)> {
+    let ctx = match gpudirect::cuda::context(0) {
+        Ok(c) => c,
+        Err(e) => {
+            gpudirect::testing::skip(Hardware::Gpu, e);
+            return None;
+        }
+    };
+    ctx.bind_to_thread().unwrap();
+    match Driver::open() {
+        Ok(d) => Some((ctx, d)),
+        Err(e) => {
+            gpudirect::testing::skip(Hardware::Cufile, e);
+            None
+        }
+    }
+}
+
+/// Register `path`, or (5027 without udev data) say so and return None.
+fn register(d: &Driver, path: &std::path::Path, direct: DirectIo) -> Option<FileHandle> {
+    match FileHandle::open(d, path, &OpenOptions::read_write().direct(direct)) {
+        Ok(h) => Some(h),
+        Err(Error::CuFile { code, .. }) => {
+            println!("NOTE: cuFileHandleRegister refused the file ({code}): cuFile paths not run");
+            None
+        }
+        Err(e) => panic!("unexpected {e}"),
+    }
+}
+
+#[test]
+fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
+    let Some((ctx, d)) = setup() else { return };
+    let data = pattern(FILE_LEN, 22);
+    let path = test_dir().join(format!("eof-{}", std::process::id()));
+    std::fs::write(&path, &data).unwrap();
+
+    for mode in [Mode::Posix, Mode::Auto, Mode::CuFile] {
+        let f = match File::open(&path, &OpenOptions::read_only(), mode) {
+            Ok(f) => f,
+            Err(e) if mode == Mode::CuFile => {
+                println!("NOTE: Mode::CuFile unavailable: {e}");
+                continue;
+            }
+            Err(e) => panic!("{mode:?}: {e}"),
+        };
+        for fo in OFFSETS {
+            let mut buf = DevBuf::new(0, BUF_LEN, POISON);
+            let t = f.read_to_device(&mut buf, DST_OFFSET, fo, LEN).unwrap();
+            check(
+                &format!("File {mode:?} ({:?})", t.path),
+                fo,
+                t.bytes,
+                &buf,
+                &data,
+            );
+        }
+    }
+
+    for direct in [DirectIo::Try, DirectIo::Off] {
+        let Some(h) = register(&d, &path, direct) else {
+            break;
+        };
+        let what = |p: &str| format!("{p} (O_DIRECT {})", h.is_direct());
+        for fo in OFFSETS {
+            // Blocking, into a plain buffer.
+            let mut buf = DevBuf::new(0, BUF_LEN, POISON);
+            let n = h.read(&mut buf, DST_OFFSET, fo, LEN).unwrap();
+            check(&what("cuFileRead"), fo, n, &buf, &data);
+
+            // Blocking, into a registered buffer.
+            let buf = DevBuf::new(0, BUF_LEN, POISON);
+            let mut reg = BufRegistration::register(&d, buf, 0, BUF_LEN).unwrap();
+            let n = h.read(&mut reg, DST_OFFSET, fo, LEN).unwrap();
+            let buf = reg.into_inner().unwrap();
+            check(&what("cuFileRead, registered"), fo, n, &buf, &data);
+
+            // Stream-ordered.
+            let stream = ctx.new_stream().unwrap();
+            let buf = DevBuf::new(0, BUF_LEN, POISON);
+            let (buf, n) = h
+                .read_async(&stream, buf, DST_OFFSET, fo, LEN)
+                .unwrap()
+                .wait()
+                .unwrap();
+            check(&what("cuFileReadAsync"), fo, n, &buf, &data);
+
+            // Batch.
+            let mut b = Batch::new(&d, 1).unwrap();
+            b.submit(vec![BatchRequest {
+                op: BatchOp::Read,
+                handle: h.clone(),
+                buffer: DevBuf::new(0, BUF_LEN, POISON),
+                buf_offset: DST_OFFSET,
+                file_offset: fo,
+                len: LEN,
+            }])
+            .unwrap();
+            let mut r = b.wait_timeout(std::time::Duration::from_secs(30)).unwrap();
+            let r = r.pop().unwrap();
+            let n = r.bytes.unwrap();
+            check(&what("cuFileBatchIOSubmit"), fo, n, &r.buffer, &data);
+        }
+    }
+    gpudirect::memory::Tracker::global().reap();
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn a_stream_ordered_read_sees_the_size_an_earlier_write_on_the_stream_made() {
+    let Some((ctx, d)) = setup() else { return };
+    let path = test_dir().join(format!("eof-grow-{}", std::process::id()));
+    std::fs::write(&path, b"").unwrap();
+    let Some(h) = register(&d, &path, DirectIo::Try) else {
+        return;
+    };
+    let data = pattern(65_536, 31);
+    let mut src = DevBuf::new(0, data.len(), 0);
+    src.fill_from(&data);
+    let stream = ctx.new_stream().unwrap();
+    // Both queued before either runs: the file is empty when the read is queued, and 64 KiB long
+    // when the stream reaches it.
+    let write = h.write_async(&stream, src, 0, 0, data.len()).unwrap();
+    let dst = DevBuf::new(0, data.len() + 100, POISON);
+    let read = h.read_async(&stream, dst, 0, 0, data.len() + 100).unwrap();
+    let (_, w) = write.wait().unwrap();
+    assert_eq!(w, data.len());
+    let (dst, n) = read.wait().unwrap();
+    assert_eq!(
+        n,
+        data.len(),
+        "the read is limited when the stream reaches it"
+    );
+    let host = dst.to_host();
+    assert_eq!(&host[..data.len()], &data[..]);
+    assert!(host[data.len()..].iter().all(|&b| b == POISON));
+    gpudirect::memory::Tracker::global().reap();
+    std::fs::remove_file(&path).unwrap();
+}
