@@ -2,7 +2,7 @@
 
 use super::access::{self, Refusal};
 use super::staging::Stager;
-use crate::cuda;
+use crate::cuda::{self, capture, capture::Refused};
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, Fence, InFlight, MemoryKind, Tracker};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
@@ -453,16 +453,31 @@ impl Copier {
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
         self.validate(&src, &dst)?;
-        let bytes = src.byte_len();
+        let bytes = src
+            .len()
+            .checked_mul(std::mem::size_of::<S::Elem>())
+            .ok_or_else(|| Error::invalid("src", src.len(), "len * size_of overflows usize"))?;
         let path = self.path_for(&src, &dst);
         let (s, d) = (src.device_ptr(), dst.device_ptr());
+        for (arg, ptr) in [("src", s), ("dst", d)] {
+            if ptr.checked_add(bytes as u64).is_none() {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{ptr:#x} + {bytes} bytes"),
+                    "the range must not pass the end of the address space",
+                ));
+            }
+        }
         let _guard = self.submit.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &self.inner;
         let (stream, ctx) = match &inner.stager {
             Some(st) => (st.final_stream().clone(), inner.dst_ctx.clone()),
             None => (inner.stream.clone(), inner.src_ctx.clone()),
         };
-        let enqueued: Result<()> = (|| {
+        // Every step goes through the capture-checked path. The copier's streams are its own
+        // and never exposed, so they cannot be capturing; if one ever were, what the copy uses
+        // is leaked (below), never freed.
+        let enqueued: Result<(), Refused<()>> = (|| {
             if bytes == 0 {
                 return Ok(());
             }
@@ -473,15 +488,16 @@ impl Copier {
                     unsafe { st.enqueue(d, s, bytes) }
                 }
                 (CopyPath::SameDevice, _) => {
-                    bind(&inner.src_ctx)?;
-                    // SAFETY: ranges validated (equal lengths) and owned until completion; the stream
-                    // belongs to the current context.
-                    cu("cuMemcpyDtoDAsync_v2", unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(d, s, bytes, inner.stream.cu_stream())
+                    capture::enqueue(&inner.stream, "cuMemcpyDtoDAsync_v2", (), |raw, ()| {
+                        // SAFETY: ranges validated (equal lengths) and owned until completion;
+                        // the stream belongs to the current context.
+                        cu("cuMemcpyDtoDAsync_v2", unsafe {
+                            sys::cuMemcpyDtoDAsync_v2(d, s, bytes, raw)
+                        })
                     })
+                    .map(drop)
                 }
-                _ => {
-                    bind(&inner.src_ctx)?;
+                _ => capture::enqueue(&inner.stream, "cuMemcpyPeerAsync", (), |raw, ()| {
                     // SAFETY: as above; both contexts are live primary contexts.
                     cu("cuMemcpyPeerAsync", unsafe {
                         sys::cuMemcpyPeerAsync(
@@ -490,12 +506,29 @@ impl Copier {
                             s,
                             inner.src_ctx.cu_ctx(),
                             bytes,
-                            inner.stream.cu_stream(),
+                            raw,
                         )
                     })
-                }
+                })
+                .map(drop),
             }
         })();
+        let done = Copied {
+            src,
+            dst,
+            path,
+            bytes,
+            elapsed: Duration::ZERO,
+            _keep: Some(self.inner.clone()),
+        };
+        if let Err(r) = &enqueued
+            && r.leaked()
+        {
+            // The work may sit in a graph: leak, never free.
+            std::mem::forget(done);
+            return Err(enqueued.err().expect("an error").error);
+        }
+        let enqueued = enqueued.map_err(|r| r.error);
         // A staged enqueue that failed midway may have left a D2H on the source stream with no
         // H2D after it: the final event must cover the source stream too. If joining fails, no
         // event can prove the D2H done, so nothing is freed (below).
@@ -506,19 +539,18 @@ impl Copier {
         let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let event = spare
             .map_or_else(|| ctx.new_event(None), Ok)
-            .and_then(|e| e.record(&stream).map(|()| e))
-            .map_err(|e| from_driver("cuEventRecord", e));
+            .map_err(|e| from_driver("cuEventCreate", e))
+            .and_then(|e| {
+                capture::enqueue(&stream, "cuEventRecord", (), |_, ()| {
+                    e.record(&stream)
+                        .map_err(|err| from_driver("cuEventRecord", err))
+                })
+                .map(|_| e)
+                .map_err(Error::from)
+            });
         let fence = |ev| CopyFence {
             event: Some(ev),
             home: self.inner.clone(),
-        };
-        let done = Copied {
-            src,
-            dst,
-            path,
-            bytes,
-            elapsed: Duration::ZERO,
-            _keep: Some(self.inner.clone()),
         };
         match (enqueued, joined, event) {
             (Ok(()), _, Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
@@ -553,11 +585,6 @@ fn resident_device(ptr: u64) -> Option<usize> {
         )
     };
     (r == sys::CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
-}
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }
 
 /// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.

@@ -154,7 +154,9 @@ impl IpcPool {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for `len == 0`, an imported pool (imported pools cannot
-    /// allocate) or a stream of another device; [`Error::Cuda`] from the driver.
+    /// allocate) or a stream of another device; [`Error::StreamCapturing`] while `stream`
+    /// captures a CUDA graph (a captured allocation would be made at every launch);
+    /// [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemAllocFromPoolAsync")]
     pub fn alloc<T: Pod>(self: &Arc<Self>, len: usize, stream: &Stream) -> Result<PoolAlloc<T>> {
         let bytes = len
@@ -175,11 +177,14 @@ impl IpcPool {
                 format!("the pool lives on device {}", self.device),
             ));
         }
-        bind(&self.ctx)?;
-        let mut ptr = 0;
-        // SAFETY: context current; a live pool and stream; valid out-pointer.
-        cu("cuMemAllocFromPoolAsync", unsafe {
-            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, stream.cu_stream())
+        let (ptr, ()) = stream.enqueue("cuMemAllocFromPoolAsync", (), |raw, ()| {
+            let mut ptr = 0;
+            // SAFETY: the stream's context (the pool's device) is current; a live pool and
+            // stream; valid out-pointer.
+            cu("cuMemAllocFromPoolAsync", unsafe {
+                sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, raw)
+            })?;
+            Ok(ptr)
         })?;
         let out = PoolAlloc {
             ptr,
