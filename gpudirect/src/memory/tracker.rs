@@ -29,6 +29,13 @@ use std::time::{Duration, Instant};
 pub const DROP_WAIT: Duration = Duration::from_secs(5);
 
 /// Something that can tell whether an operation has finished.
+///
+/// The trait is open: implement it for your own completion sources. The library calls your code
+/// while it decides whether to free what an operation owns, so a panic there is caught and taken
+/// as "never complete": the resources that fence guards are leaked (never freed), and nothing
+/// else the tracker holds is affected. An [`InFlight`] whose fence panicked in
+/// [`InFlight::wait`], [`InFlight::wait_timeout`] or [`InFlight::try_take`] passes the panic on
+/// after leaking its resources.
 pub trait Fence: Send + Sync + 'static {
     /// Whether completion has been observed. Must not block.
     fn is_complete(&self) -> bool;
@@ -785,6 +792,62 @@ mod tests {
         );
         drop(op); // the parent frees normally
         assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    /// A user's fence whose poll panics.
+    struct Panics;
+    impl Fence for Panics {
+        fn is_complete(&self) -> bool {
+            panic!("user fence panics while polled")
+        }
+    }
+
+    #[test]
+    fn a_panicking_fence_frees_nothing_early_in_reap() {
+        let t = Tracker::new();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let pending = CompletionFlag::new();
+        let done = CompletionFlag::new();
+        done.set();
+        // Entries before and after the panicking one, complete and not.
+        t.park(done.clone(), Counted(drops.clone()));
+        t.park(pending.clone(), Counted(drops.clone()));
+        t.park(Panics, Counted(drops.clone()));
+        t.park(pending.clone(), Counted(drops.clone()));
+        t.park(done.clone(), Counted(drops.clone()));
+        assert_eq!(t.parked(), 5);
+        assert_eq!(t.reap(), 2, "the two complete entries");
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        assert_eq!(t.parked(), 2, "the two pending entries stay; the panicking one is leaked");
+        assert_eq!(t.reap(), 0);
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        pending.set();
+        assert_eq!(t.reap(), 2);
+        assert_eq!(drops.load(Ordering::SeqCst), 4, "the panicking entry is never freed");
+        assert_eq!(t.parked(), 0);
+    }
+
+    #[test]
+    fn a_panicking_fence_frees_nothing_through_in_flight() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        // Dropped: the panic is caught, the resources leak.
+        drop(InFlight::new("panics", Panics, Counted(drops.clone())));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        // Waited on: the panic reaches the caller, the resources leak.
+        for how in 0..3 {
+            let op = InFlight::new("panics", Panics, Counted(drops.clone()));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match how {
+                0 => drop(op.wait_timeout(Duration::from_millis(1))),
+                1 => drop(op.try_take()),
+                _ => drop(op.wait()),
+            }));
+            assert!(r.is_err(), "the fence's panic goes on to the caller");
+            assert_eq!(drops.load(Ordering::SeqCst), 0);
+        }
+        // A `Box<dyn Fence>` that panics behaves the same.
+        let boxed: Box<dyn Fence> = Box::new(Panics);
+        drop(InFlight::new("boxed", boxed, Counted(drops.clone())));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
     }
 
     #[test]
