@@ -5,7 +5,6 @@ use gpudirect::dmabuf;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, PoolBuffer};
 use gpudirect::require;
 use gpudirect::testing::Hardware;
-use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 
 #[test]
@@ -37,7 +36,7 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     let b = dmabuf::export(mem.clone(), 8192 + 200, 40).unwrap();
     assert_eq!(a.size_from_kernel().unwrap(), 4096);
     assert_eq!((a.range().offset, b.range().offset), (100, 200));
-    assert!(a.as_fd().as_raw_fd() >= 0 && a.as_fd().as_raw_fd() != b.as_fd().as_raw_fd());
+    assert_eq!(b.size_from_kernel().unwrap(), 4096);
     // The exports own the memory: it outlives them.
     assert_eq!(Arc::strong_count(&mem), 5);
     drop((whole, a, b));

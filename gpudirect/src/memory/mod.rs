@@ -136,8 +136,11 @@ pub unsafe trait DeviceMemory: Send + 'static {
     }
 
     /// Length in bytes.
+    ///
+    /// Saturates at `usize::MAX` rather than wrap, for an implementation whose `len` breaks the
+    /// contract; data paths check their ranges against it before any FFI call.
     fn byte_len(&self) -> usize {
-        self.len() * std::mem::size_of::<Self::Elem>()
+        self.len().saturating_mul(std::mem::size_of::<Self::Elem>())
     }
 
     /// The CUDA device ordinal the memory belongs to (for host kinds: the device it was mapped
@@ -186,6 +189,24 @@ unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
     fn host_ptr(&self) -> Option<*mut u8> {
         (**self).host_ptr()
     }
+}
+
+/// The one typed refusal for stream-ordered pool memory (`cuMemAllocAsync`: cudarc's
+/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::ipc::IpcPool)'s allocations) where
+/// `what` needs GPUDirect RDMA capable memory (a NIC registration, a dma-buf export). Answered
+/// from the kind alone, before any FFI call.
+pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> {
+    if kind == MemoryKind::Pool {
+        return Err(crate::Error::NotRdmaCapable {
+            ptr,
+            kind,
+            reason: format!(
+                "stream-ordered pool memory (cuMemAllocAsync, cudarc's CudaSlice) is not \
+                 GPUDirect RDMA capable, so {what} refuses it; allocate a DeviceBuffer or VmmBuffer"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Make `ctx` current on the calling thread.
