@@ -67,8 +67,9 @@ impl<B: DeviceMemory> IpcExport<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for other memory kinds: VMM memory is shared by file descriptor
-    /// ([`super::export_vmm`]); default-pool memory (cudarc's `CudaSlice`) is not exportable
+    /// [`Error::Unsupported`] for other memory kinds, naming the API that shares them: VMM memory
+    /// is shared by file descriptor ([`super::export_vmm`]); memory of an [`super::IpcPool`] by
+    /// [`super::PoolAlloc::export`]; default-pool memory (cudarc's `CudaSlice`) is not exportable
     /// (`cuMemPoolExportPointer` needs a pool created with a shareable handle type); host memory
     /// is not device memory. [`Error::Cuda`] from the driver.
     ///
@@ -86,13 +87,11 @@ impl<B: DeviceMemory> IpcExport<B> {
                 });
             }
             MemoryKind::Pool => {
-                return Err(Error::Unsupported {
-                    what: "IPC export of pool memory".into(),
-                    reason: "cuMemPoolExportPointer needs a pool created with a shareable handle \
-                             type; the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
-                             from a p2p::ipc::IpcPool"
-                        .into(),
-                });
+                let origin = cuda::context(buf.ordinal())
+                    .ok()
+                    .filter(|ctx| ctx.bind_to_thread().is_ok())
+                    .and_then(|_| super::pool::ipc_pool_of(buf.device_ptr()));
+                return Err(pool_refusal(origin));
             }
             other => {
                 return Err(Error::Unsupported {
@@ -118,7 +117,13 @@ impl<B: DeviceMemory> IpcExport<B> {
         })?;
         let handle = IpcMemHandle {
             handle: to_bytes(&h.reserved),
-            offset: ptr - base,
+            offset: ptr.checked_sub(base).ok_or_else(|| {
+                Error::invalid(
+                    "buf",
+                    format!("{ptr:#x}"),
+                    format!("lies before its allocation's base {base:#x}"),
+                )
+            })?,
             bytes: buf.byte_len() as u64,
             elem_size: std::mem::size_of::<B::Elem>() as u32,
             device: buf.ordinal() as u32,
@@ -139,6 +144,33 @@ impl<B: DeviceMemory> IpcExport<B> {
     /// End the export and take the buffer back. Importers must have closed their mappings.
     pub fn into_inner(self) -> B {
         self.buf
+    }
+}
+
+/// Why [`IpcExport::new`] refuses pool memory, naming the API that does share it: `origin` is
+/// [`super::pool::ipc_pool_of`]'s answer.
+fn pool_refusal(origin: Option<bool>) -> Error {
+    match origin {
+        Some(false) => Error::Unsupported {
+            what: "cuIpcGetMemHandle on IpcPool memory".into(),
+            reason: "memory of an IpcPool is shared pointer by pointer: send the pool's fd \
+                     (IpcPool::export_fd) once and each allocation's PoolAlloc::export handle \
+                     (cuMemPoolExportPointer)"
+                .into(),
+        },
+        Some(true) => Error::Unsupported {
+            what: "IPC export of imported pool memory".into(),
+            reason: "a pointer imported from another process's IpcPool (PoolImport) cannot be \
+                     exported again: the exporting process shares it"
+                .into(),
+        },
+        None => Error::Unsupported {
+            what: "IPC export of pool memory".into(),
+            reason: "cuMemPoolExportPointer needs a pool created with a shareable handle type; \
+                     the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
+                     what you share from a p2p::ipc::IpcPool"
+                .into(),
+        },
     }
 }
 
@@ -269,5 +301,26 @@ impl<T: Pod> Drop for IpcMemory<T> {
         // caller's own unsafe code is the caller's to finish first.
         // SAFETY: `base` came from cuIpcOpenMemHandle_v2 and is closed once.
         let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_refusals_name_the_api_that_shares_the_memory() {
+        let msg = |o| pool_refusal(o).to_string();
+        let own = msg(Some(false));
+        assert!(own.contains("PoolAlloc::export"), "{own}");
+        assert!(!own.contains("allocate"), "IpcPool memory is not told to use an IpcPool: {own}");
+        let imported = msg(Some(true));
+        assert!(imported.contains("PoolImport"), "{imported}");
+        assert!(!imported.contains("allocate"), "{imported}");
+        let default = msg(None);
+        assert!(default.contains("CudaSlice") && default.contains("IpcPool"), "{default}");
+        for o in [Some(false), Some(true), None] {
+            assert!(matches!(pool_refusal(o), Error::Unsupported { .. }));
+        }
     }
 }

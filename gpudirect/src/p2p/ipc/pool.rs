@@ -13,7 +13,8 @@ use crate::p2p::access::device_location;
 use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A stream-ordered memory pool on one device that other processes can import.
 #[derive(Debug)]
@@ -27,6 +28,44 @@ pub struct IpcPool {
     /// only once the pool has been exported.
     fd: Option<OwnedFd>,
     pid: u32,
+}
+
+/// The pools this process made or imported as [`IpcPool`]s (by handle), and whether imported:
+/// what lets [`IpcExport::new`](super::IpcExport::new) name the right export API for their memory.
+fn known_pools() -> &'static Mutex<HashMap<usize, bool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    POOLS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Where pool memory at `ptr` comes from: `Some(false)` for an allocation of an [`IpcPool`] made
+/// here, `Some(true)` for a pointer imported into an imported one, `None` for any other pool
+/// (the device's default pool: cudarc's `CudaSlice`) or when the driver cannot say. The caller
+/// makes a context current.
+pub(crate) fn ipc_pool_of(ptr: u64) -> Option<bool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the out-pointer has the attribute's type (a CUmemoryPool).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut sys::CUmemoryPool).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || pool.is_null() {
+        return None;
+    }
+    known_pools()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(pool as usize))
+        .copied()
+}
+
+fn remember(pool: sys::CUmemoryPool, imported: bool) {
+    known_pools()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(pool as usize, imported);
 }
 
 // SAFETY: a CUmemoryPool is a driver handle usable from any thread.
@@ -82,6 +121,7 @@ impl IpcPool {
         })?;
         // SAFETY: a new descriptor owned by us.
         out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+        remember(pool, false);
         Ok(Arc::new(out))
     }
 
@@ -135,6 +175,7 @@ impl IpcPool {
             fd: None,
             pid: std::process::id(),
         });
+        remember(pool, true);
         if ordinal != pool_device {
             let desc = sys::CUmemAccessDesc {
                 location: device_location(ordinal),
@@ -199,6 +240,10 @@ impl IpcPool {
 
 impl Drop for IpcPool {
     fn drop(&mut self) {
+        known_pools()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(self.pool as usize));
         if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
@@ -247,7 +292,7 @@ impl<T: Pod> PoolAlloc<T> {
         })?;
         Ok(PoolPtrHandle {
             data: d.reserved,
-            bytes: (self.len * std::mem::size_of::<T>()) as u64,
+            bytes: self.byte_len() as u64,
             elem_size: std::mem::size_of::<T>() as u32,
             device: self.pool.device as u32,
         })
