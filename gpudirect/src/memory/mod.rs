@@ -72,7 +72,7 @@ pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
 pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
-pub use vmm::VmmBuffer;
+pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 use crate::error::{Result, from_driver};
 use cudarc::driver::CudaContext;

@@ -411,20 +411,23 @@ impl Copier {
         if self.path != CopyPath::Peer {
             return self.path.clone();
         }
+        // The driver queries below need a current context.
+        let _ = self.inner.src_ctx.bind_to_thread();
         let mut missing = Vec::new();
-        for (arg, ptr, kind, other) in [
-            ("src", src.device_ptr(), src.kind(), self.dst),
-            ("dst", dst.device_ptr(), dst.kind(), self.src),
+        for (arg, ptr, len, kind, other) in [
+            ("src", src.device_ptr(), src.byte_len(), src.kind(), self.dst),
+            ("dst", dst.device_ptr(), dst.byte_len(), dst.kind(), self.src),
         ] {
             let ok = match kind {
                 MemoryKind::Pool if self.opts.grant_access => {
                     access::grant_pool_access(ptr, other).is_ok()
                 }
                 MemoryKind::Pool => access::pool_access(ptr, other) == Some(true),
+                // Every physical chunk of the buffer carries its own access list.
                 MemoryKind::Vmm if self.opts.grant_access => {
-                    access::grant_vmm_access(ptr, other).is_ok()
+                    access::grant_vmm_range(ptr, len, other).is_ok()
                 }
-                MemoryKind::Vmm => access::vmm_access(ptr, other) == Some(true),
+                MemoryKind::Vmm => access::vmm_range_access(ptr, len, other) == Some(true),
                 _ => true,
             };
             if !ok {
