@@ -185,7 +185,7 @@ pub fn batch_chunks(n: usize) -> impl Iterator<Item = usize> {
 }
 
 /// [`batch_chunks`] with each chunk's first index.
-fn batch_spans(n: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(crate) fn batch_spans(n: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n)
         .step_by(MAX_BATCH_MEM_OPS)
         .map(move |start| (start, (n - start).min(MAX_BATCH_MEM_OPS)))
@@ -196,7 +196,7 @@ fn batch_spans(n: usize) -> impl Iterator<Item = (usize, usize)> {
 pub const MAX_FLAG_SLOTS: usize = 1 << 20;
 
 /// The byte size of `slots` words, checked: at least 1 and at most [`MAX_FLAG_SLOTS`].
-fn flag_bytes(slots: usize) -> Result<usize> {
+pub(crate) fn flag_bytes(slots: usize) -> Result<usize> {
     if slots == 0 || slots > MAX_FLAG_SLOTS {
         return Err(Error::invalid(
             "slots",
@@ -208,7 +208,7 @@ fn flag_bytes(slots: usize) -> Result<usize> {
 }
 
 /// The device address of word `slot` of `slots` words at `base`, checked.
-fn slot_addr(base: u64, slots: usize, slot: usize) -> Result<u64> {
+pub(crate) fn slot_addr(base: u64, slots: usize, slot: usize) -> Result<u64> {
     if slot >= slots {
         return Err(Error::invalid(
             "slot",

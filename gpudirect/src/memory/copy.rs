@@ -33,7 +33,7 @@ fn check_device(stream: &Stream, arg: &'static str, m: &impl DeviceMemory) -> Re
     Ok(())
 }
 
-fn check_len(src: usize, dst: usize) -> Result<()> {
+pub(crate) fn check_len(src: usize, dst: usize) -> Result<()> {
     if src != dst {
         return Err(Error::invalid(
             "dst",
@@ -112,7 +112,7 @@ unsafe fn issue<R>(
 
 /// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a
 /// user's [`DeviceMemory`] implementation).
-fn bytes_of<T>(len: usize) -> Result<usize> {
+pub(crate) fn bytes_of<T>(len: usize) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>())
         .ok_or_else(|| Error::invalid("src", len, "len * size_of::<T>() overflows usize"))
 }

@@ -60,6 +60,8 @@ mod device;
 mod host;
 mod pod;
 mod pool;
+#[cfg(test)]
+mod proptests;
 mod registered;
 pub mod tracker;
 mod vmm;

@@ -85,6 +85,47 @@ pub struct CopyOptions {
     pub grant_access: bool,
 }
 
+/// The largest staged chunk (and pinned bounce buffer) a [`CopyOptions`] may ask for: 1 GiB.
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+/// The most bounce buffers a [`CopyOptions`] may ask for.
+pub const MAX_SLOTS: usize = 64;
+/// The most pinned memory one copier's staging ring may hold (`chunk_bytes * slots`): 4 GiB.
+pub const MAX_STAGING_BYTES: usize = 4 << 30;
+
+impl CopyOptions {
+    /// Check the options before anything is allocated: `chunk_bytes` in
+    /// `1..=`[`MAX_CHUNK_BYTES`], `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
+    /// memory of the staging ring) at most [`MAX_STAGING_BYTES`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the option.
+    pub fn validate(&self) -> Result<()> {
+        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES {
+            return Err(Error::invalid(
+                "chunk_bytes",
+                self.chunk_bytes,
+                format!("must be between 1 and {MAX_CHUNK_BYTES} bytes"),
+            ));
+        }
+        if self.slots == 0 || self.slots > MAX_SLOTS {
+            return Err(Error::invalid(
+                "slots",
+                self.slots,
+                format!("must be between 1 and {MAX_SLOTS} bounce buffers"),
+            ));
+        }
+        match self.chunk_bytes.checked_mul(self.slots) {
+            Some(total) if total <= MAX_STAGING_BYTES => Ok(()),
+            _ => Err(Error::invalid(
+                "chunk_bytes * slots",
+                format!("{} * {}", self.chunk_bytes, self.slots),
+                format!("the staging ring may hold at most {MAX_STAGING_BYTES} bytes"),
+            )),
+        }
+    }
+}
+
 impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
@@ -249,16 +290,12 @@ impl Copier {
     /// # Errors
     ///
     /// [`Error::NoDevice`] or [`Error::Load`] without the devices; the refusal itself with
-    /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for a zero `chunk_bytes` or `slots`;
+    /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for options out of bounds
+    /// ([`CopyOptions::validate`]), before any driver call;
     /// [`Error::Cuda`] when creating streams, events or pinned buffers fails.
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub fn new(src: usize, dst: usize, opts: CopyOptions) -> Result<Copier> {
-        if opts.chunk_bytes == 0 {
-            return Err(Error::invalid("chunk_bytes", 0, "must be at least 1 byte"));
-        }
-        if opts.slots == 0 {
-            return Err(Error::invalid("slots", 0, "at least one bounce buffer"));
-        }
+        opts.validate()?;
         let src_ctx = cuda::context(src)?;
         let dst_ctx = cuda::context(dst)?;
         let path = match opts.path {

@@ -47,6 +47,41 @@ impl IpcMemHandle {
     pub fn bytes_raw(&self) -> &[u8; 64] {
         &self.handle
     }
+
+    /// Check the handle's sizes (a peer's word, untrusted) for elements of `elem_size` bytes,
+    /// before any FFI call: the element size matches and is non-zero, `bytes` is whole elements
+    /// whose count fits `usize`, and `offset + bytes` stays within 2^64. Returns the element
+    /// count. (Whether the range lies in the allocation is checked after mapping it.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self, elem_size: usize) -> Result<usize> {
+        let size = elem_size as u64;
+        if self.elem_size as u64 != size || size == 0 {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                self.elem_size,
+                format!("must equal size_of::<T>() = {size} (non-zero)"),
+            ));
+        }
+        if !self.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.bytes",
+                self.bytes,
+                format!("must be a whole number of {size}-byte elements"),
+            ));
+        }
+        if self.offset.checked_add(self.bytes).is_none() {
+            return Err(Error::invalid(
+                "handle.offset",
+                self.offset,
+                "offset + bytes passes 2^64",
+            ));
+        }
+        usize::try_from(self.bytes / size)
+            .map_err(|_| Error::invalid("handle.bytes", self.bytes, "element count must fit usize"))
+    }
 }
 
 /// A buffer exported for other processes: it owns the buffer, so the memory stays allocated while
@@ -212,21 +247,7 @@ impl<T: Pod> IpcMemory<T> {
     #[doc(alias = "cuIpcOpenMemHandle")]
     #[doc(alias = "cuIpcOpenMemHandle_v2")]
     pub fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Self> {
-        let size = std::mem::size_of::<T>() as u64;
-        if handle.elem_size as u64 != size {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                handle.elem_size,
-                format!("must equal size_of::<T>() = {size}"),
-            ));
-        }
-        if size == 0 || !handle.bytes.is_multiple_of(size) {
-            return Err(Error::invalid(
-                "handle.bytes",
-                handle.bytes,
-                format!("must be a whole number of {size}-byte elements"),
-            ));
-        }
+        let len = handle.check(std::mem::size_of::<T>())?;
         let ctx = cuda::context(ordinal)?;
         ctx.bind_to_thread()
             .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
@@ -260,7 +281,7 @@ impl<T: Pod> IpcMemory<T> {
             base,
             // In bounds of the mapping (checked above), so no overflow.
             ptr: base + handle.offset,
-            len: (handle.bytes / size) as usize,
+            len,
             ctx,
             pid: std::process::id(),
             _elem: PhantomData,

@@ -265,6 +265,47 @@ pub struct PoolPtrHandle {
     pub device: u32,
 }
 
+impl PoolPtrHandle {
+    /// A handle with zeroed export data, for the property tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(bytes: u64, elem_size: u32) -> Self {
+        PoolPtrHandle {
+            data: [0; 64],
+            bytes,
+            elem_size,
+            device: 0,
+        }
+    }
+
+    /// Check the handle's sizes (a peer's word, untrusted) for elements of `elem_size` bytes,
+    /// before any FFI call: the element size matches and is non-zero, and `bytes` is a non-zero
+    /// whole number of elements whose count fits `usize`. Returns the element count. (Whether
+    /// `bytes` lies within the allocation is checked after importing it.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self, elem_size: usize) -> Result<usize> {
+        let size = elem_size as u64;
+        if self.elem_size as u64 != size || size == 0 {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                self.elem_size,
+                format!("must equal size_of::<T>() = {size} (non-zero)"),
+            ));
+        }
+        if self.bytes == 0 || !self.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.bytes",
+                self.bytes,
+                format!("must be a non-zero whole number of {size}-byte elements"),
+            ));
+        }
+        usize::try_from(self.bytes / size)
+            .map_err(|_| Error::invalid("handle.bytes", self.bytes, "element count must fit usize"))
+    }
+}
+
 /// An allocation from an [`IpcPool`]; freed with `cuMemFree` on drop (importers must have freed
 /// their imports first: keep it until they acknowledge).
 #[derive(Debug)]
@@ -351,14 +392,7 @@ impl<T: Pod> PoolImport<T> {
     /// `cuMemGetAddressRange`; the import is freed again); [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolImportPointer")]
     pub fn open(pool: &Arc<IpcPool>, handle: &PoolPtrHandle) -> Result<Self> {
-        let size = std::mem::size_of::<T>() as u64;
-        if handle.elem_size as u64 != size || size == 0 || !handle.bytes.is_multiple_of(size) {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                handle.elem_size,
-                format!("must equal size_of::<T>() = {size}, with whole elements"),
-            ));
-        }
+        let len = handle.check(std::mem::size_of::<T>())?;
         if !pool.imported {
             return Err(Error::invalid(
                 "pool",
@@ -391,7 +425,7 @@ impl<T: Pod> PoolImport<T> {
         }
         Ok(PoolImport {
             ptr,
-            len: (handle.bytes / size) as usize,
+            len,
             pool: pool.clone(),
             _elem: PhantomData,
         })
