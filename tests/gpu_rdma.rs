@@ -301,3 +301,30 @@ fn gpu_region_round_trip_over_a_loopback_pair() {
     assert_eq!(&all[40..40 + n], &back[..]);
     assert_eq!(&all[..40], &data[..40], "bytes before the region untouched");
 }
+
+/// The dma-buf step of `register_gpu` on a VMM buffer of several physical chunks covers the
+/// whole range (one export across the chunks), so a NIC registration reaches every chunk.
+#[test]
+fn dmabuf_step_covers_every_chunk_of_a_chunked_vmm_buffer() {
+    let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
+    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    if !info.dma_buf {
+        skip(Hardware::Gpu, "device 0 does not support dma-buf export");
+        return;
+    }
+    let g = match VmmBuffer::<u8>::granularity(&ctx) {
+        Ok(g) => g,
+        Err(e) => {
+            skip(Hardware::Gpu, format!("no VMM with GPUDirect RDMA: {e}"));
+            return;
+        }
+    };
+    let buf = VmmBuffer::<u8>::alloc_chunks(&ctx, &[g, g, 2 * g]).unwrap();
+    check_rdma_capable(&buf).expect("chunked VMM memory is RDMA capable");
+    // SAFETY: `fd` is closed before `buf` is dropped.
+    let (fd, offset) = unsafe { buf.export_dmabuf() }.expect("dma-buf export");
+    assert_eq!(offset, 0);
+    assert_eq!(fd_size(fd.as_raw_fd()), (4 * g) as i64, "one export over all three chunks");
+    drop(fd);
+    drop(buf);
+}
