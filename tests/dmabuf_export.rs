@@ -82,7 +82,13 @@ fn pool_memory_is_refused_typed_like_rdma_registration() {
         other => panic!("dma-buf export of pool memory: {other:?}"),
     }
     assert!(
-        matches!(registration, gpudirect::Error::NotRdmaCapable { kind: MemoryKind::Pool, .. }),
+        matches!(
+            registration,
+            gpudirect::Error::NotRdmaCapable {
+                kind: MemoryKind::Pool,
+                ..
+            }
+        ),
         "the same refusal as registration: {registration}"
     );
 }
@@ -105,7 +111,10 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     assert_eq!(buf.mapped_bytes(), total);
     assert_eq!(buf.byte_len(), total);
     assert_eq!(
-        buf.chunks().iter().map(|c| (c.offset, c.size)).collect::<Vec<_>>(),
+        buf.chunks()
+            .iter()
+            .map(|c| (c.offset, c.size))
+            .collect::<Vec<_>>(),
         vec![(0, g), (g, 2 * g), (3 * g, g)]
     );
     // Bytes across every chunk boundary arrive exactly (copies run over the whole range).
@@ -122,8 +131,14 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     gpudirect::memory::copy_from_host(&stream, &data, &mut buf).unwrap();
     let mut copy = DeviceBuffer::<u32>::from_slice(&stream, &vec![0xDEAD_BEEF; buf.len()]).unwrap();
     gpudirect::memory::copy(&stream, &buf, &mut copy).unwrap();
-    assert!(copy.to_vec(&stream).unwrap() == data, "device copy of the chunked range");
-    assert!(buf.to_vec(&stream).unwrap() == data, "host copy of the chunked range");
+    assert!(
+        copy.to_vec(&stream).unwrap() == data,
+        "device copy of the chunked range"
+    );
+    assert!(
+        buf.to_vec(&stream).unwrap() == data,
+        "host copy of the chunked range"
+    );
 
     let info = gpudirect::device::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
@@ -140,8 +155,14 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     assert_eq!(whole.range().export_base, buf.device_ptr());
     // A range straddling chunks 0 and 1, and one inside chunk 2.
     let mid = dmabuf::export(buf.clone(), g - 100, 200).unwrap();
-    assert_eq!((mid.range().offset, mid.size_from_kernel().unwrap()), (4096 - 100, 8192));
+    assert_eq!(
+        (mid.range().offset, mid.size_from_kernel().unwrap()),
+        (4096 - 100, 8192)
+    );
     let last = dmabuf::export(buf.clone(), 3 * g + 8, 16).unwrap();
     assert_eq!(last.size_from_kernel().unwrap(), 4096);
-    println!("chunked VMM: {} chunks of granularity {g}, dma-buf {total} bytes", sizes.len());
+    println!(
+        "chunked VMM: {} chunks of granularity {g}, dma-buf {total} bytes",
+        sizes.len()
+    );
 }

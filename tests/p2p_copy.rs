@@ -260,7 +260,10 @@ fn dropping_an_in_flight_copy_waits_instead_of_freeing_early() {
 fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
     let n = require!(Hardware::Gpu, common::gpus());
     if n < 2 {
-        skip(Hardware::MultiGpu, "one GPU: the peer copy of a chunked VMM buffer needs two");
+        skip(
+            Hardware::MultiGpu,
+            "one GPU: the peer copy of a chunked VMM buffer needs two",
+        );
         return;
     }
     let ctx0 = gpudirect::cuda::context(0).unwrap();
@@ -281,8 +284,17 @@ fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
     let done = p2p::copy(src, dst).unwrap();
     let can = p2p::can_access_peer(0, 1).unwrap();
     if can {
-        assert_eq!(done.path, CopyPath::Peer, "every chunk granted: {}", done.path);
+        assert_eq!(
+            done.path,
+            CopyPath::Peer,
+            "every chunk granted: {}",
+            done.path
+        );
     }
     println!("chunked VMM 0 -> 1: {}", done.path);
-    assert_same(&done.dst.to_vec(&stream(1)).unwrap(), &data, "chunked VMM peer copy");
+    assert_same(
+        &done.dst.to_vec(&stream(1)).unwrap(),
+        &data,
+        "chunked VMM peer copy",
+    );
 }

@@ -320,7 +320,9 @@ fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
     let s = stream(0);
     let alloc = pool.alloc::<u32>(1024, &s).unwrap();
     // The right API accepts it...
-    let handle = alloc.export().expect("PoolAlloc::export shares IpcPool memory");
+    let handle = alloc
+        .export()
+        .expect("PoolAlloc::export shares IpcPool memory");
     assert_eq!(handle.bytes, 4096);
     // ...and cuIpcGetMemHandle's wrapper names that API, never "allocate from an IpcPool".
     let e = IpcExport::new(alloc).unwrap_err();
@@ -346,7 +348,10 @@ fn a_vmm_buffer_of_several_chunks_is_refused_by_fd_export_naming_the_chunks() {
     let text = e.to_string();
     assert!(matches!(e, gpudirect::Error::Unsupported { .. }), "{e}");
     assert!(text.contains("2 physical chunks"), "{text}");
-    assert!(text.contains(&format!("chunk 1 at bytes {g}..{}", 3 * g)), "{text}");
+    assert!(
+        text.contains(&format!("chunk 1 at bytes {g}..{}", 3 * g)),
+        "{text}"
+    );
     // A one-chunk buffer still exports.
     let one = VmmBuffer::<u32>::alloc_chunks(&ctx, &[g]).unwrap();
     let (_fd, h) = export_vmm(&one).unwrap();

@@ -79,11 +79,21 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     // Copies.
     let b = DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap();
     refused("copy_async", memory::copy_async(&stream, a.clone(), b));
-    assert_eq!(Arc::strong_count(&a), 1, "the refused copy dropped its source clone");
+    assert_eq!(
+        Arc::strong_count(&a),
+        1,
+        "the refused copy dropped its source clone"
+    );
     refused("copy", memory::copy(&stream, &*a, &mut c));
-    refused("copy_from_host", memory::copy_from_host(&stream, &small, &mut c));
+    refused(
+        "copy_from_host",
+        memory::copy_from_host(&stream, &small, &mut c),
+    );
     let mut back = vec![0x5A5A_5A5Au32; 1024];
-    refused("copy_to_host", memory::copy_to_host(&stream, &*a, &mut back));
+    refused(
+        "copy_to_host",
+        memory::copy_to_host(&stream, &*a, &mut back),
+    );
     assert!(back.iter().all(|&w| w == 0x5A5A_5A5A), "nothing written");
     refused(
         "copy_async from pinned host memory",
@@ -94,10 +104,7 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
         ),
     );
     // Stream memory operations.
-    refused(
-        "write_value32",
-        stream.write_value32(&flags_h, 0, 0xAB),
-    );
+    refused("write_value32", stream.write_value32(&flags_h, 0, 0xAB));
     refused(
         "wait_value32",
         stream.wait_value32(&flags_h, 1, 1, WaitCondition::Geq),
@@ -128,7 +135,10 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     refused("record_event", stream.record_event());
     refused("EventFence::record", EventFence::record(stream.cuda()));
     refused("wait", stream.wait(&other_event));
-    refused("wait_for (records on the capturing stream)", other.wait_for(&stream));
+    refused(
+        "wait_for (records on the capturing stream)",
+        other.wait_for(&stream),
+    );
     if let Some(ev) = &ipc_event {
         refused("IpcEvent::record", ev.record(&stream));
         refused("IpcEvent::wait_on", ev.wait_on(&stream));
@@ -147,7 +157,10 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     // while it lasts (no event may be recorded in it), and polling them does not wedge them.
     let fence = stream.fence();
     assert!(!fence.is_complete(), "a fence completed inside the capture");
-    assert!(!during.is_complete(), "an InFlight completed inside the capture");
+    assert!(
+        !during.is_complete(),
+        "an InFlight completed inside the capture"
+    );
     assert!(
         !fence.wait_timeout(Duration::from_millis(20)),
         "a bounded wait proved completion inside the capture"
@@ -163,7 +176,11 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
         g.launch().unwrap();
     }
     stream.synchronize().unwrap();
-    assert_eq!(runs.load(Ordering::SeqCst), 0, "a refused host function ran");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "a refused host function ran"
+    );
     assert_eq!(flags_h.load_u32(0).unwrap(), 0, "a refused memop wrote");
     assert_eq!(flags_d.load_u32(2).unwrap(), 0, "a refused batch wrote");
     assert_eq!(
@@ -175,13 +192,23 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     // The fences taken before and during the capture complete now, with the right bytes.
     assert!(fence.wait_timeout(Duration::from_secs(30)));
     let (_, d) = before.wait().unwrap();
-    assert!(d.to_vec(&stream).unwrap() == data, "copy before the capture");
+    assert!(
+        d.to_vec(&stream).unwrap() == data,
+        "copy before the capture"
+    );
     let (_, d2) = during.wait().unwrap();
-    assert!(d2.to_vec(&stream).unwrap() == data, "copy in flight across the capture");
+    assert!(
+        d2.to_vec(&stream).unwrap() == data,
+        "copy in flight across the capture"
+    );
 
     // The stream works as before.
-    let out = memory::copy_async(&stream, pinned, DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap())
-        .unwrap();
+    let out = memory::copy_async(
+        &stream,
+        pinned,
+        DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap(),
+    )
+    .unwrap();
     let (_, out) = out.wait().unwrap();
     assert_eq!(out.to_vec(&stream).unwrap(), small);
     let r3 = runs.clone();

@@ -268,7 +268,11 @@ mod tests {
         assert!(refused.leaked());
         assert_eq!(p.invalidated.get(), 1);
         drop(refused);
-        assert_eq!(drops.load(Ordering::SeqCst), 0, "what the work uses is never freed");
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "what the work uses is never freed"
+        );
         assert_eq!(made.load(Ordering::SeqCst), 0, "nor what the call made");
         // The same when the queueing call itself failed: part of it may be in the graph.
         let p = Script::new(vec![Ok(false), Ok(true)]);
@@ -304,7 +308,9 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 2);
         // Success: the value and the resources.
         let p = Script::new(vec![Ok(false), Ok(false)]);
-        let (v, k) = enqueue_with(&p, "x", Counted(drops.clone()), |_| Ok(7)).ok().unwrap();
+        let (v, k) = enqueue_with(&p, "x", Counted(drops.clone()), |_| Ok(7))
+            .ok()
+            .unwrap();
         assert_eq!(v, 7);
         assert_eq!(p.invalidated.get(), 0);
         drop(k);

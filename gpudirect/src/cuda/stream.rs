@@ -195,7 +195,10 @@ impl Stream {
                 unsafe { &(*raw).state }.store(LEAKED, Ordering::Release);
                 Err(error)
             }
-            Err(Refused { error, kept: Some(()) }) => {
+            Err(Refused {
+                error,
+                kept: Some(()),
+            }) => {
                 // SAFETY: not queued, so the callback will never see it.
                 drop(unsafe { Box::from_raw(raw) });
                 Err(error)
@@ -344,7 +347,10 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 0, "not freed by the callback");
         // SAFETY: ours now, as `launch_host_fn` would take it.
         drop(unsafe { Box::from_raw(raw) });
-        assert_eq!((runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)), (1, 1));
+        assert_eq!(
+            (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
+            (1, 1)
+        );
     }
 
     #[test]
@@ -375,7 +381,10 @@ mod tests {
             Err(LEAKED)
         );
         assert!(!crate::memory::Fence::is_complete(&fence));
-        assert_eq!((runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)), (0, 0));
+        assert_eq!(
+            (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
+            (0, 0)
+        );
     }
 
     #[test]

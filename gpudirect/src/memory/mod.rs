@@ -240,9 +240,10 @@ pub(crate) fn on_private_stream(
     })?;
     // A stream made here and never shown to anyone cannot be capturing; it is checked like
     // every other stream all the same.
-    let queued = crate::cuda::capture::enqueue_raw(stream, "work on a private stream", (), |s, ()| f(s))
-        .map(drop)
-        .map_err(crate::Error::from);
+    let queued =
+        crate::cuda::capture::enqueue_raw(stream, "work on a private stream", (), |s, ()| f(s))
+            .map(drop)
+            .map_err(crate::Error::from);
     // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
     // SAFETY: the stream created above.
     let synced = crate::error::cu("cuStreamSynchronize", unsafe {

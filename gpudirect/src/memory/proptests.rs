@@ -163,7 +163,7 @@ proptest! {
         let mut next = 0;
         for (start, len) in batch_spans(n) {
             prop_assert_eq!(start, next);
-            prop_assert!(len >= 1 && len <= MAX_BATCH_MEM_OPS);
+            prop_assert!((1..=MAX_BATCH_MEM_OPS).contains(&len));
             next += len;
         }
         prop_assert_eq!(next, n);
@@ -176,7 +176,7 @@ proptest! {
         let mut n = 0;
         for (off, len) in chunk_spans(bytes, chunk) {
             prop_assert_eq!(off, next);
-            prop_assert!(len >= 1 && len <= chunk);
+            prop_assert!((1..=chunk).contains(&len));
             next = off.checked_add(len).unwrap();
             n += 1;
             prop_assert!(n <= 2001);

@@ -635,6 +635,9 @@ impl Fence for StreamFence {
                         (false, None) => return false,
                         (false, Some(_)) => {}
                     }
+                    if !tl.capturing() {
+                        break; // the capture ended: synchronize below
+                    }
                     std::thread::sleep(nap);
                     nap = (nap * 2).min(Duration::from_millis(1));
                 }
@@ -818,12 +821,20 @@ mod tests {
         assert_eq!(t.parked(), 5);
         assert_eq!(t.reap(), 2, "the two complete entries");
         assert_eq!(drops.load(Ordering::SeqCst), 2);
-        assert_eq!(t.parked(), 2, "the two pending entries stay; the panicking one is leaked");
+        assert_eq!(
+            t.parked(),
+            2,
+            "the two pending entries stay; the panicking one is leaked"
+        );
         assert_eq!(t.reap(), 0);
         assert_eq!(drops.load(Ordering::SeqCst), 2);
         pending.set();
         assert_eq!(t.reap(), 2);
-        assert_eq!(drops.load(Ordering::SeqCst), 4, "the panicking entry is never freed");
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            4,
+            "the panicking entry is never freed"
+        );
         assert_eq!(t.parked(), 0);
     }
 

@@ -75,7 +75,11 @@ pub fn plan_chunks(
     elem_size: usize,
 ) -> Result<(Vec<VmmChunk>, usize)> {
     if elem_size == 0 {
-        return Err(Error::invalid("T", "a zero-sized type", "elements need at least one byte"));
+        return Err(Error::invalid(
+            "T",
+            "a zero-sized type",
+            "elements need at least one byte",
+        ));
     }
     if granularity == 0 {
         return Err(Error::invalid("granularity", 0, "must be at least 1"));
@@ -257,7 +261,9 @@ impl<T: Pod> VmmBuffer<T> {
             })?;
             // SAFETY: `at..at + c.size` lies in the reserved range, unmapped; the handle is
             // `c.size` bytes.
-            if let Err(e) = cu("cuMemMap", unsafe { sys::cuMemMap(at, c.size, 0, handle, 0) }) {
+            if let Err(e) = cu("cuMemMap", unsafe {
+                sys::cuMemMap(at, c.size, 0, handle, 0)
+            }) {
                 // SAFETY: created above, never mapped.
                 unsafe { sys::cuMemRelease(handle) };
                 return Err(e);
@@ -355,8 +361,14 @@ mod tests {
             c,
             vec![
                 VmmChunk { offset: 0, size: g },
-                VmmChunk { offset: g, size: 2 * g },
-                VmmChunk { offset: 3 * g, size: g },
+                VmmChunk {
+                    offset: g,
+                    size: 2 * g
+                },
+                VmmChunk {
+                    offset: 3 * g,
+                    size: g
+                },
             ]
         );
         assert_eq!(len, 4 * g / 4);

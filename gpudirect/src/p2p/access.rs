@@ -328,7 +328,9 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
             return Err(Error::invalid(
                 "ptr",
                 format!("{p:#x}"),
-                format!("cuMemGetAddressRange_v2 answered {base:#x}+{size}, which does not hold it"),
+                format!(
+                    "cuMemGetAddressRange_v2 answered {base:#x}+{size}, which does not hold it"
+                ),
             ));
         };
         out.push((base, size as usize));

@@ -452,8 +452,20 @@ impl Copier {
         let _ = self.inner.src_ctx.bind_to_thread();
         let mut missing = Vec::new();
         for (arg, ptr, len, kind, other) in [
-            ("src", src.device_ptr(), src.byte_len(), src.kind(), self.dst),
-            ("dst", dst.device_ptr(), dst.byte_len(), dst.kind(), self.src),
+            (
+                "src",
+                src.device_ptr(),
+                src.byte_len(),
+                src.kind(),
+                self.dst,
+            ),
+            (
+                "dst",
+                dst.device_ptr(),
+                dst.byte_len(),
+                dst.kind(),
+                self.src,
+            ),
         ] {
             let ok = match kind {
                 MemoryKind::Pool if self.opts.grant_access => {
@@ -561,14 +573,14 @@ impl Copier {
             elapsed: Duration::ZERO,
             _keep: Some(self.inner.clone()),
         };
-        if let Err(r) = &enqueued
-            && r.leaked()
-        {
-            // The work may sit in a graph: leak, never free.
-            std::mem::forget(done);
-            return Err(enqueued.err().expect("an error").error);
-        }
-        let enqueued = enqueued.map_err(|r| r.error);
+        let enqueued = match enqueued {
+            Err(r) if r.leaked() => {
+                // The work may sit in a graph: leak, never free.
+                std::mem::forget(done);
+                return Err(r.error);
+            }
+            other => other.map_err(|r| r.error),
+        };
         // A staged enqueue that failed midway may have left a D2H on the source stream with no
         // H2D after it: the final event must cover the source stream too. If joining fails, no
         // event can prove the D2H done, so nothing is freed (below).

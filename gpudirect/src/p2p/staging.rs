@@ -163,7 +163,12 @@ impl Stager {
     /// kept alive as long. On `Err`, a D2H may be queued with no H2D after it: call
     /// [`join`](Self::join) before recording that event. A refusal that says the work may sit in
     /// a graph ([`Refused::leaked`]) means the caller must leak what the copy uses.
-    pub(crate) unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize) -> Result<(), Refused<()>> {
+    pub(crate) unsafe fn enqueue(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), Refused<()>> {
         let n = self.slots.len();
         for (k, (off, len)) in chunk_spans(bytes, self.chunk).enumerate() {
             let slot = &self.slots[k % n];

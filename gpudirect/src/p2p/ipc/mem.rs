@@ -334,12 +334,18 @@ mod tests {
         let msg = |o| pool_refusal(o).to_string();
         let own = msg(Some(false));
         assert!(own.contains("PoolAlloc::export"), "{own}");
-        assert!(!own.contains("allocate"), "IpcPool memory is not told to use an IpcPool: {own}");
+        assert!(
+            !own.contains("allocate"),
+            "IpcPool memory is not told to use an IpcPool: {own}"
+        );
         let imported = msg(Some(true));
         assert!(imported.contains("PoolImport"), "{imported}");
         assert!(!imported.contains("allocate"), "{imported}");
         let default = msg(None);
-        assert!(default.contains("CudaSlice") && default.contains("IpcPool"), "{default}");
+        assert!(
+            default.contains("CudaSlice") && default.contains("IpcPool"),
+            "{default}"
+        );
         for o in [Some(false), Some(true), None] {
             assert!(matches!(pool_refusal(o), Error::Unsupported { .. }));
         }

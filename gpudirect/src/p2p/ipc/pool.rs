@@ -11,9 +11,9 @@ use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
 use crate::p2p::access::device_location;
 use cudarc::driver::{CudaContext, sys};
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// A stream-ordered memory pool on one device that other processes can import.

@@ -125,7 +125,10 @@ fn check_one_chunk(chunks: &[VmmChunk], mapped: usize) -> Result<()> {
         .map(|(i, c)| format!("chunk {i} at bytes {}..{}", c.offset, c.offset + c.size))
         .collect();
     Err(Error::Unsupported {
-        what: format!("POSIX fd export of a VMM buffer of {} physical chunks", chunks.len()),
+        what: format!(
+            "POSIX fd export of a VMM buffer of {} physical chunks",
+            chunks.len()
+        ),
         reason: format!(
             "cuMemExportToShareableHandle exports one physical allocation, so an importer would \
              map only chunk 0 of the {mapped} bytes ({}); export the buffer by dma-buf, or \
@@ -265,11 +268,20 @@ mod tests {
 
     #[test]
     fn a_buffer_of_several_chunks_is_refused_naming_them() {
-        let one = [VmmChunk { offset: 0, size: 4096 }];
+        let one = [VmmChunk {
+            offset: 0,
+            size: 4096,
+        }];
         assert!(check_one_chunk(&one, 4096).is_ok());
         let two = [
-            VmmChunk { offset: 0, size: 2 << 20 },
-            VmmChunk { offset: 2 << 20, size: 4 << 20 },
+            VmmChunk {
+                offset: 0,
+                size: 2 << 20,
+            },
+            VmmChunk {
+                offset: 2 << 20,
+                size: 4 << 20,
+            },
         ];
         let e = check_one_chunk(&two, 6 << 20).unwrap_err();
         let text = e.to_string();
@@ -289,7 +301,10 @@ mod tests {
         assert_eq!(h(4096, 2 << 20, 4).check(4).unwrap(), (2 << 20, 1024));
         assert!(h(4096, 2 << 20, 8).check(4).is_err(), "element size");
         assert!(h(4098, 2 << 20, 4).check(4).is_err(), "whole elements");
-        assert!(h(4 << 20, 2 << 20, 4).check(4).is_err(), "within the mapping");
+        assert!(
+            h(4 << 20, 2 << 20, 4).check(4).is_err(),
+            "within the mapping"
+        );
         assert!(h(0, 0, 4).check(4).is_err(), "empty mapping");
         assert!(h(0, 0, 0).check(0).is_err(), "zero-sized elements");
     }
