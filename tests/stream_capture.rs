@@ -33,6 +33,31 @@ fn random_u32(n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A destination made before the capture and kept alive by the test: a refused call drops only
+/// this handle, so nothing is freed while the stream captures.
+struct Held<T: gpudirect::memory::Pod>(Arc<DeviceBuffer<T>>);
+
+// SAFETY: the buffer outlives the handle (the Arc) and nothing reads it while a call holds the
+// handle; the calls here are all refused before queueing anything.
+unsafe impl<T: gpudirect::memory::Pod> gpudirect::memory::DeviceMemory for Held<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.0.device_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn ordinal(&self) -> usize {
+        self.0.ordinal()
+    }
+    fn kind(&self) -> gpudirect::memory::MemoryKind {
+        self.0.kind()
+    }
+}
+
+// SAFETY: as above: no other reader or writer while a call holds it.
+unsafe impl<T: gpudirect::memory::Pod> gpudirect::memory::DeviceMemoryMut for Held<T> {}
+
 /// `r` must be the refusal made before anything was queued.
 #[track_caller]
 fn refused<T: std::fmt::Debug>(what: &str, r: gpudirect::Result<T>) {
@@ -62,7 +87,10 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     let mut c = DeviceBuffer::from_slice(&stream, &vec![0xC0FF_EE00u32; 1024]).unwrap();
     let flags_h = MemopFlags::pinned_host(&ctx, 4).unwrap();
     let flags_d = MemopFlags::device(&ctx, 4).unwrap();
-    let pinned = PinnedHostBuffer::from_slice(&ctx, &small, HostAllocFlags::PORTABLE).unwrap();
+    let pinned =
+        Arc::new(PinnedHostBuffer::from_slice(&ctx, &small, HostAllocFlags::PORTABLE).unwrap());
+    let b = Arc::new(DeviceBuffer::<u32>::zeroed(&ctx, 1024).unwrap());
+    let file_dst = Arc::new(DeviceBuffer::<u8>::alloc(&ctx, 65536).unwrap());
     let other_event = other.record_event().unwrap();
     let ipc_event = IpcEvent::new(0).ok();
     let pool = IpcPool::new(0).ok();
@@ -77,13 +105,16 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
         .unwrap();
 
     // Copies.
-    let b = DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap();
-    refused("copy_async", memory::copy_async(&stream, a.clone(), b));
+    refused(
+        "copy_async",
+        memory::copy_async(&stream, a.clone(), Held(b.clone())),
+    );
     assert_eq!(
         Arc::strong_count(&a),
         1,
         "the refused copy dropped its source clone"
     );
+    assert_eq!(Arc::strong_count(&b), 1, "and its destination handle");
     refused("copy", memory::copy(&stream, &*a, &mut c));
     refused(
         "copy_from_host",
@@ -97,11 +128,7 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     assert!(back.iter().all(|&w| w == 0x5A5A_5A5A), "nothing written");
     refused(
         "copy_async from pinned host memory",
-        memory::copy_async(
-            &stream,
-            PinnedHostBuffer::from_slice(&ctx, &small, HostAllocFlags::PORTABLE).unwrap(),
-            DeviceBuffer::<u32>::alloc(&ctx, 1024).unwrap(),
-        ),
+        memory::copy_async(&stream, pinned.clone(), Held(b.clone())),
     );
     // Stream memory operations.
     refused("write_value32", stream.write_value32(&flags_h, 0, 0xAB));
@@ -151,7 +178,7 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
         println!("NOTE: no IPC pool on this device; its part is untested");
     }
     // cuFile's stream-ordered read, where cuFile works.
-    cufile_read_async_is_refused(&stream);
+    let cufile = cufile_read_async_is_refused(&stream, &file_dst);
 
     // Nothing completes early: the fences of work queued before the capture cannot be proven
     // while it lasts (no event may be recorded in it), and polling them does not wedge them.
@@ -202,6 +229,13 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
         "copy in flight across the capture"
     );
 
+    assert_eq!(
+        b.to_vec(&stream).unwrap(),
+        vec![0u32; 1024],
+        "a refused copy wrote"
+    );
+    drop(cufile);
+
     // The stream works as before.
     let out = memory::copy_async(
         &stream,
@@ -227,24 +261,32 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
 }
 
 /// cuFile's `cuFileReadAsync` on the capturing stream is refused the same way (skipped, with a
-/// note, where the cuFile driver or the file registration is not available).
-fn cufile_read_async_is_refused(stream: &Stream) {
+/// note, where the cuFile driver or the file registration is not available). Returns what must
+/// outlive the capture (dropping the driver or the handle calls into cuFile).
+fn cufile_read_async_is_refused(
+    stream: &Stream,
+    dst: &Arc<DeviceBuffer<u8>>,
+) -> Option<Box<dyn std::any::Any>> {
     use gpudirect::storage::{Driver, FileHandle, OpenOptions};
     let Ok(driver) = Driver::open() else {
         println!("NOTE: no cuFile driver; the cuFileReadAsync part is untested");
-        return;
+        return None;
     };
     let path = std::env::temp_dir().join(format!("gpudirect-capture-{}", std::process::id()));
     std::fs::write(&path, vec![7u8; 65536]).unwrap();
-    match FileHandle::open(&driver, &path, &OpenOptions::read_only()) {
+    let handle = match FileHandle::open(&driver, &path, &OpenOptions::read_only()) {
         Ok(h) => {
-            let dst = DeviceBuffer::<u8>::alloc(stream.context(), 65536).unwrap();
             refused(
                 "FileHandle::read_async",
-                h.read_async(stream.cuda(), dst, 0, 0, 65536),
+                h.read_async(stream.cuda(), Held(dst.clone()), 0, 0, 65536),
             );
+            Some(h)
         }
-        Err(e) => println!("NOTE: cuFile registration refused ({e}); cuFileReadAsync untested"),
-    }
+        Err(e) => {
+            println!("NOTE: cuFile registration refused ({e}); cuFileReadAsync untested");
+            None
+        }
+    };
     let _ = std::fs::remove_file(&path);
+    Some(Box::new((handle, driver)))
 }
