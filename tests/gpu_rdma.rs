@@ -85,7 +85,8 @@ fn dmabuf_step_exports_unaligned_subranges_exactly() {
     let s = sub(buf, 40, 65544);
     s.prepare().unwrap();
     assert_eq!(sync_memops(base + 40), 1, "SYNC_MEMOPS set by prepare");
-    let (fd, offset) = s.export_dmabuf().expect("dma-buf export");
+    // SAFETY: `fd` is closed below, before the memory (moved on to `c`) is dropped.
+    let (fd, offset) = unsafe { s.export_dmabuf() }.expect("dma-buf export");
     assert!(fd.as_raw_fd() >= 0);
     assert_eq!(offset, 40);
     assert_eq!(
@@ -104,18 +105,22 @@ fn dmabuf_step_exports_unaligned_subranges_exactly() {
         args.access,
         AccessFlags::REMOTE_WRITE | AccessFlags::LOCAL_WRITE
     );
+    drop(fd);
     // Two 40-byte buffers in one page: one page exported each, distinct offsets.
     let buf = s.mem;
     let a = sub(buf, 8192 + 100, 40);
-    let (fa, oa) = a.export_dmabuf().unwrap();
+    // SAFETY: closed by the `drop` below, while the memory (moved on to `c`) lives.
+    let (fa, oa) = unsafe { a.export_dmabuf() }.unwrap();
     assert_eq!((oa, fd_size(fa.as_raw_fd())), (100, 4096));
     let b = sub(a.mem, 8192 + 200, 40);
-    let (fb, ob) = b.export_dmabuf().unwrap();
+    // SAFETY: closed by the `drop` below, while the memory (moved on to `c`) lives.
+    let (fb, ob) = unsafe { b.export_dmabuf() }.unwrap();
     assert_eq!((ob, fd_size(fb.as_raw_fd())), (200, 4096));
     assert_ne!(fa.as_raw_fd(), fb.as_raw_fd());
     // Spanning a page boundary: 2 bytes at 4095 export two pages.
     let c = sub(b.mem, 4095, 2);
-    let (fc, oc) = c.export_dmabuf().unwrap();
+    // SAFETY: closed by the `drop` below, while the memory (moved on to `c`) lives.
+    let (fc, oc) = unsafe { c.export_dmabuf() }.unwrap();
     assert_eq!((oc, fd_size(fc.as_raw_fd())), (4095, 8192));
     drop((fa, fb, fc));
     println!("dma-buf step: A5 offset 40, 17 pages; 40-byte buffers at offsets 100 and 200");
@@ -156,8 +161,9 @@ fn rdma_capable_attribute_per_memory_kind() {
             Error::NotRdmaCapable { kind, reason, ptr } => {
                 assert_eq!(*kind, MemoryKind::Pool);
                 assert_eq!(*ptr, pool.device_ptr());
+                // Refused from the kind, before any FFI call (the attribute, read above, agrees).
                 assert!(
-                    reason.contains("IS_GPU_DIRECT_RDMA_CAPABLE = 0"),
+                    reason.contains("pool memory") && reason.contains("not GPUDirect RDMA capable"),
                     "{reason}"
                 );
             }
@@ -295,4 +301,35 @@ fn gpu_region_round_trip_over_a_loopback_pair() {
     let all = mr.memory().mem.to_vec(&stream).unwrap();
     assert_eq!(&all[40..40 + n], &back[..]);
     assert_eq!(&all[..40], &data[..40], "bytes before the region untouched");
+}
+
+/// The dma-buf step of `register_gpu` on a VMM buffer of several physical chunks covers the
+/// whole range (one export across the chunks), so a NIC registration reaches every chunk.
+#[test]
+fn dmabuf_step_covers_every_chunk_of_a_chunked_vmm_buffer() {
+    let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
+    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    if !info.dma_buf {
+        skip(Hardware::Gpu, "device 0 does not support dma-buf export");
+        return;
+    }
+    let g = match VmmBuffer::<u8>::granularity(&ctx) {
+        Ok(g) => g,
+        Err(e) => {
+            skip(Hardware::Gpu, format!("no VMM with GPUDirect RDMA: {e}"));
+            return;
+        }
+    };
+    let buf = VmmBuffer::<u8>::alloc_chunks(&ctx, &[g, g, 2 * g]).unwrap();
+    check_rdma_capable(&buf).expect("chunked VMM memory is RDMA capable");
+    // SAFETY: `fd` is closed before `buf` is dropped.
+    let (fd, offset) = unsafe { buf.export_dmabuf() }.expect("dma-buf export");
+    assert_eq!(offset, 0);
+    assert_eq!(
+        fd_size(fd.as_raw_fd()),
+        (4 * g) as i64,
+        "one export over all three chunks"
+    );
+    drop(fd);
+    drop(buf);
 }

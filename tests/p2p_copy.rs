@@ -253,3 +253,48 @@ fn dropping_an_in_flight_copy_waits_instead_of_freeing_early() {
         "after drop and forget",
     );
 }
+
+/// A VMM buffer of several physical chunks copied between two GPUs: every chunk is granted to the
+/// peer, so the copy runs peer to peer over the whole range (or the true path is reported).
+#[test]
+fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
+    let n = require!(Hardware::Gpu, common::gpus());
+    if n < 2 {
+        skip(
+            Hardware::MultiGpu,
+            "one GPU: the peer copy of a chunked VMM buffer needs two",
+        );
+        return;
+    }
+    let ctx0 = gpudirect::cuda::context(0).unwrap();
+    let ctx1 = gpudirect::cuda::context(1).unwrap();
+    let g = match VmmBuffer::<u32>::granularity(&ctx0) {
+        Ok(g) => g,
+        Err(e) => {
+            skip(Hardware::Gpu, format!("no VMM: {e}"));
+            return;
+        }
+    };
+    let sizes = [g, 3 * g];
+    let words = 4 * g / 4;
+    let data = random_u32(words, common::seed());
+    let mut src = VmmBuffer::<u32>::alloc_chunks(&ctx0, &sizes).unwrap();
+    gpudirect::memory::copy_from_host(&stream(0), &data, &mut src).unwrap();
+    let dst = VmmBuffer::<u32>::alloc_chunks(&ctx1, &sizes).unwrap();
+    let done = p2p::copy(src, dst).unwrap();
+    let can = p2p::can_access_peer(0, 1).unwrap();
+    if can {
+        assert_eq!(
+            done.path,
+            CopyPath::Peer,
+            "every chunk granted: {}",
+            done.path
+        );
+    }
+    println!("chunked VMM 0 -> 1: {}", done.path);
+    assert_same(
+        &done.dst.to_vec(&stream(1)).unwrap(),
+        &data,
+        "chunked VMM peer copy",
+    );
+}

@@ -306,3 +306,54 @@ fn handles_serialize_for_out_of_band_exchange() {
     let j = serde_json::to_string(&v).unwrap();
     assert_eq!(serde_json::from_str::<VmmHandle>(&j).unwrap(), v);
 }
+
+#[test]
+fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
+    let _ = require!(Hardware::Gpu, common::gpus());
+    let pool = match IpcPool::new(0) {
+        Ok(p) => p,
+        Err(e) => {
+            gpudirect::testing::skip(Hardware::Gpu, format!("no IPC pool on device 0: {e}"));
+            return;
+        }
+    };
+    let s = stream(0);
+    let alloc = pool.alloc::<u32>(1024, &s).unwrap();
+    // The right API accepts it...
+    let handle = alloc
+        .export()
+        .expect("PoolAlloc::export shares IpcPool memory");
+    assert_eq!(handle.bytes, 4096);
+    // ...and cuIpcGetMemHandle's wrapper names that API, never "allocate from an IpcPool".
+    let e = IpcExport::new(alloc).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, gpudirect::Error::Unsupported { .. }), "{e}");
+    assert!(text.contains("PoolAlloc::export"), "{text}");
+    assert!(!text.contains("allocate"), "{text}");
+}
+
+#[test]
+fn a_vmm_buffer_of_several_chunks_is_refused_by_fd_export_naming_the_chunks() {
+    let _ = require!(Hardware::Gpu, common::gpus());
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let g = match VmmBuffer::<u32>::granularity(&ctx) {
+        Ok(g) => g,
+        Err(e) => {
+            gpudirect::testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
+            return;
+        }
+    };
+    let buf = VmmBuffer::<u32>::alloc_chunks(&ctx, &[g, 2 * g]).unwrap();
+    let e = export_vmm(&buf).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, gpudirect::Error::Unsupported { .. }), "{e}");
+    assert!(text.contains("2 physical chunks"), "{text}");
+    assert!(
+        text.contains(&format!("chunk 1 at bytes {g}..{}", 3 * g)),
+        "{text}"
+    );
+    // A one-chunk buffer still exports.
+    let one = VmmBuffer::<u32>::alloc_chunks(&ctx, &[g]).unwrap();
+    let (_fd, h) = export_vmm(&one).unwrap();
+    assert_eq!(h.mapped_bytes, g as u64);
+}

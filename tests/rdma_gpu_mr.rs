@@ -172,7 +172,7 @@ unsafe impl GpuMrSource for UdmabufSpan {
     fn prepare(&self) -> gpudirect::Result<()> {
         Ok(())
     }
-    fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
         let fd = self.map.dmabuf.try_clone().map_err(|e| {
             Refusal::Failed(Error::Os {
                 call: "dup",
@@ -252,7 +252,8 @@ fn a3_udmabuf_reaches_ibv_reg_dmabuf_mr_and_eopnotsupp_is_typed() {
     }
     // The plain wrapper gives the same typed answer for the same fd.
     let fd = map.dmabuf.try_clone().unwrap();
-    match pd.register_dmabuf(fd, 0, PAGE, map.ptr as u64, AccessFlags::LOCAL_WRITE) {
+    // SAFETY: the udmabuf mapping `map` outlives the region (dropped at the end of this match).
+    match unsafe { pd.register_dmabuf_fd(fd, 0, PAGE, map.ptr as u64, AccessFlags::LOCAL_WRITE) } {
         Err(Error::Unsupported { what, .. }) => assert!(what.contains("dma-buf"), "{what}"),
         Ok(r) => assert!(!is_soft(&ctx), "{r:?}"),
         Err(e) => panic!("unexpected {e:?}"),

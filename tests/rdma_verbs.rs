@@ -564,7 +564,8 @@ fn a3_dmabuf_unsupported_is_typed() {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: a valid fd.
     assert_eq!(unsafe { libc::ftruncate(raw, 1 << 16) }, 0);
-    match pd.register_dmabuf(fd, 0, 1 << 16, 0, AccessFlags::LOCAL_WRITE) {
+    // SAFETY: the memfd's pages stay allocated while the fd, which the region keeps, is open.
+    match unsafe { pd.register_dmabuf_fd(fd, 0, 1 << 16, 0, AccessFlags::LOCAL_WRITE) } {
         Err(Error::Unsupported { what, reason }) => {
             assert!(what.contains("dma-buf"), "{what}");
             println!("typed: {what}: {reason}");

@@ -74,10 +74,21 @@ fn c_string(buf: &[std::ffi::c_char]) -> String {
 impl DeviceInfo {
     /// Query device `ordinal`.
     #[doc(alias = "cuDeviceGetAttribute")]
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::NoDevice`] for an ordinal past the device count (checked before it is
+    /// handed to the driver); [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`].
     pub fn query(ordinal: usize) -> Result<DeviceInfo> {
-        cuda::init()?;
+        let n = cuda::device_count()?;
+        if ordinal >= n {
+            return Err(crate::Error::NoDevice {
+                what: "CUDA device",
+                reason: format!("device {ordinal} requested, {n} visible"),
+            });
+        }
         let mut dev = 0;
-        // SAFETY: driver initialised; one valid out-pointer.
+        // SAFETY: driver initialised; one valid out-pointer; `ordinal < n <= i32::MAX`.
         cu("cuDeviceGet", unsafe {
             sys::cuDeviceGet(&mut dev, ordinal as i32)
         })?;

@@ -1,8 +1,15 @@
 //! dma-buf export of CUDA device memory, for GPUDirect RDMA registration (`ibv_reg_dmabuf_mr`)
 //! and other importers; and the GPUDirect RDMA helpers that go with it.
+//!
+//! A dma-buf fd reaches the memory behind it for as long as the fd (or any duplicate) is open,
+//! and the CUDA driver does not keep the memory alive for it. So a [`DmaBuf`] owns both the fd
+//! and the memory, closes the fd first, and never lends the fd out: no safe code can hold a
+//! duplicate past the memory. Register it with the NIC through
+//! [`ProtectionDomain::register_dmabuf`](crate::rdma::ProtectionDomain::register_dmabuf), which
+//! takes the whole export.
 
 use crate::error::{Error, Result, cu};
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, MemoryKind};
 use cudarc::driver::sys;
 use gpudirect_sys::peermem::DmaBufRange;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -11,7 +18,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 /// registration needs ([`DmaBufRange`]: offset and IOVA of the requested bytes inside it).
 ///
 /// It owns the exported memory `M` (pass an `Arc` to share it), so the memory outlives every
-/// importer that holds this value; the fd is closed before `M` is dropped.
+/// importer that holds this value; the fd is closed before `M` is dropped. The fd itself is not
+/// handed out (no `AsFd`): a duplicate could outlive the memory.
 #[derive(Debug)]
 pub struct DmaBuf<M> {
     fd: OwnedFd,
@@ -26,6 +34,13 @@ impl<M> DmaBuf<M> {
         &self.mem
     }
 
+    /// Close the fd and take the memory back. Only the export's own importers (a region that
+    /// owns the `DmaBuf`) could still reach it, and they are gone with the value.
+    pub fn into_memory(self) -> M {
+        drop(self.fd);
+        self.mem
+    }
+
     /// The export's geometry: `export_base`/`export_len` (page-aligned), and `offset`, `len`,
     /// `iova` of the requested bytes.
     pub fn range(&self) -> DmaBufRange {
@@ -38,6 +53,10 @@ impl<M> DmaBuf<M> {
     }
 
     /// The size the kernel reports for the dma-buf (`lseek(fd, 0, SEEK_END)`), in bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `lseek`.
     pub fn size_from_kernel(&self) -> Result<u64> {
         // SAFETY: the fd is open and owned by self.
         let end = unsafe { libc::lseek(self.fd.as_raw_fd(), 0, libc::SEEK_END) };
@@ -46,16 +65,63 @@ impl<M> DmaBuf<M> {
         }
         Ok(end as u64)
     }
-}
 
-impl<M> AsFd for DmaBuf<M> {
-    fn as_fd(&self) -> BorrowedFd<'_> {
+    /// The fd, for importers inside the crate that keep the whole `DmaBuf` at least as long.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 }
 
+/// Check an export request before any FFI call: `kind` must be device memory that is not pool
+/// memory, and `byte_offset..byte_offset + len` a non-empty range inside the `byte_len` bytes
+/// at `ptr`, whose addresses do not pass 2^64. Returns the export geometry.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for host memory or a bad range; [`Error::NotRdmaCapable`] for pool
+/// memory.
+pub fn check_export(
+    kind: MemoryKind,
+    ptr: u64,
+    byte_len: usize,
+    byte_offset: usize,
+    len: usize,
+) -> Result<DmaBufRange> {
+    if !kind.is_device() {
+        return Err(Error::invalid(
+            "mem",
+            format!("{kind:?}"),
+            "dma-buf export needs device memory",
+        ));
+    }
+    crate::memory::refuse_pool(kind, ptr, "dma-buf export (cuMemGetHandleForAddressRange)")?;
+    let end = byte_offset.checked_add(len);
+    if len == 0 || end.is_none_or(|e| e > byte_len) {
+        return Err(Error::invalid(
+            "byte_offset + len",
+            format!("{byte_offset} + {len}"),
+            format!("must be a non-empty range inside the buffer's {byte_len} bytes"),
+        ));
+    }
+    let start = ptr.checked_add(byte_offset as u64).ok_or_else(|| {
+        Error::invalid(
+            "byte_offset",
+            byte_offset,
+            format!("ptr {ptr:#x} + byte_offset passes 2^64"),
+        )
+    })?;
+    DmaBufRange::new(start, len as u64).ok_or_else(|| {
+        Error::invalid(
+            "len",
+            len,
+            format!("{start:#x} + len, rounded up to a page, passes 2^64"),
+        )
+    })
+}
+
 /// Export the page-aligned range enclosing `len` bytes at `ptr` on device `ordinal`. Private: the
-/// caller keeps the memory alive for as long as the fd ([`export`] does, by owning it).
+/// caller keeps the memory alive for as long as the fd and every duplicate ([`export`] does, by
+/// owning it and never lending the fd out).
 pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedFd, DmaBufRange)> {
     let range = DmaBufRange::new(ptr, len).ok_or_else(|| {
         Error::invalid(
@@ -94,33 +160,28 @@ pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedF
 /// `byte_offset` inside `mem` as a dma-buf: the fd covers the enclosing 4 KiB-aligned range, and
 /// [`DmaBuf::range`] says where the requested bytes are (offset, IOVA). The result owns `mem`.
 ///
+/// A [`VmmBuffer`](crate::memory::VmmBuffer) made of several physical chunks
+/// ([`VmmBuffer::alloc_chunks`](crate::memory::VmmBuffer::alloc_chunks)) exports as one range
+/// across its chunks.
+///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for host memory or an empty or out-of-bounds range (checked before any
-/// FFI call); [`Error::Load`] if the driver lacks the entry point; [`Error::Cuda`] from the driver
-/// (`CUDA_ERROR_NOT_SUPPORTED` where dma-buf is not supported).
+/// Before any FFI call ([`check_export`]): [`Error::InvalidArgument`] for host memory or an
+/// empty or out-of-bounds range; [`Error::NotRdmaCapable`] for stream-ordered pool memory
+/// (cudarc's `CudaSlice`, [`PoolBuffer`](crate::memory::PoolBuffer)), the same refusal GPU
+/// memory registration gives. Then [`Error::Load`] if the driver lacks the entry point;
+/// [`Error::Cuda`] from the driver (`CUDA_ERROR_NOT_SUPPORTED` where dma-buf is not supported).
 #[doc(alias = "cuMemGetHandleForAddressRange")]
 pub fn export<M: DeviceMemory>(mem: M, byte_offset: usize, len: usize) -> Result<DmaBuf<M>> {
-    if !mem.kind().is_device() {
-        return Err(Error::invalid(
-            "mem",
-            format!("{:?}", mem.kind()),
-            "dma-buf export needs device memory",
-        ));
-    }
-    let end = byte_offset.checked_add(len);
-    if len == 0 || end.is_none_or(|e| e > mem.byte_len()) {
-        return Err(Error::invalid(
-            "byte_offset + len",
-            format!("{byte_offset} + {len}"),
-            format!(
-                "must be a non-empty range inside the buffer's {} bytes",
-                mem.byte_len()
-            ),
-        ));
-    }
+    let range = check_export(
+        mem.kind(),
+        mem.device_ptr(),
+        mem.byte_len(),
+        byte_offset,
+        len,
+    )?;
     let ordinal = mem.ordinal();
-    let (fd, range) = export_range(ordinal, mem.device_ptr() + byte_offset as u64, len as u64)?;
+    let (fd, range) = export_range(ordinal, range.iova, range.len)?;
     Ok(DmaBuf {
         fd,
         range,

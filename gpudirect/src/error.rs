@@ -160,6 +160,24 @@ pub enum Error {
         /// The bytes read (0 when the library reported an error instead of a count).
         got: usize,
     },
+    /// Work was not queued on a CUDA stream because the stream is capturing a CUDA graph
+    /// (`cuStreamIsCapturing`): captured work runs only when the graph is launched, and again at
+    /// every launch, so nothing the library tracks could say when its memory is free.
+    ///
+    /// With `enqueued: false` nothing was queued and the call's arguments were dropped normally.
+    /// With `enqueued: true` the stream started capturing while the work was being queued: the
+    /// capture was invalidated where possible (`cuStreamEndCapture` then returns no graph), and
+    /// everything the work may touch was leaked, never freed.
+    #[error(
+        "{call} refused: the stream is capturing a CUDA graph{}",
+        if *enqueued { " (capture began while the work was queued: what it uses is leaked)" } else { "" }
+    )]
+    StreamCapturing {
+        /// The C function refused, such as `cuMemcpyAsync`.
+        call: &'static str,
+        /// Whether the work was queued before the capture was seen (then its resources leak).
+        enqueued: bool,
+    },
     /// A bounded wait ran out; whatever was in flight is kept alive, never freed early.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

@@ -23,11 +23,12 @@
 //! free after setting the word.
 
 use super::Stream;
+use super::capture::Refused;
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
 use crate::memory::{bind, forked, on_private_stream};
 use cudarc::driver::{CudaContext, sys};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The most operations one `cuStreamBatchMemOp_v2` call takes (the limit seen on the H200);
@@ -114,13 +115,13 @@ impl MemOp {
         }
     }
 
-    fn params(&self, base: u64) -> sys::CUstreamBatchMemOpParams {
+    /// The driver's parameter block for this operation on the word at `address`.
+    fn params(&self, address: u64) -> sys::CUstreamBatchMemOpParams {
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as Wait;
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as WaitV;
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as Write;
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as WriteV;
         use sys::CUstreamBatchMemOpType as T;
-        let address = base + 8 * self.slot() as u64;
         let wait = |operation, cond: WaitCondition, v| Wait {
             operation,
             address,
@@ -180,9 +181,45 @@ impl MemOp {
 
 /// Split `n` operations into driver calls of at most [`MAX_BATCH_MEM_OPS`]: the chunk sizes.
 pub fn batch_chunks(n: usize) -> impl Iterator<Item = usize> {
+    batch_spans(n).map(|(_, len)| len)
+}
+
+/// [`batch_chunks`] with each chunk's first index.
+pub(crate) fn batch_spans(n: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n)
         .step_by(MAX_BATCH_MEM_OPS)
-        .map(move |start| (n - start).min(MAX_BATCH_MEM_OPS))
+        .map(move |start| (start, (n - start).min(MAX_BATCH_MEM_OPS)))
+}
+
+/// The most 64-bit words one [`MemopFlags`] holds (8 MiB of words): flags are a handful of
+/// counters, and the bound keeps every slot address arithmetic far from overflow.
+pub const MAX_FLAG_SLOTS: usize = 1 << 20;
+
+/// The byte size of `slots` words, checked: at least 1 and at most [`MAX_FLAG_SLOTS`].
+pub(crate) fn flag_bytes(slots: usize) -> Result<usize> {
+    if slots == 0 || slots > MAX_FLAG_SLOTS {
+        return Err(Error::invalid(
+            "slots",
+            slots,
+            format!("must be between 1 and {MAX_FLAG_SLOTS}"),
+        ));
+    }
+    Ok(slots * 8)
+}
+
+/// The device address of word `slot` of `slots` words at `base`, checked.
+pub(crate) fn slot_addr(base: u64, slots: usize, slot: usize) -> Result<u64> {
+    if slot >= slots {
+        return Err(Error::invalid(
+            "slot",
+            slot,
+            format!("must be below the {slots} slots"),
+        ));
+    }
+    (slot as u64)
+        .checked_mul(8)
+        .and_then(|off| base.checked_add(off))
+        .ok_or_else(|| Error::invalid("slot", slot, "address overflows 64 bits"))
 }
 
 #[derive(Debug)]
@@ -204,6 +241,8 @@ pub struct MemopFlags {
     can_64: bool,
     can_nor: bool,
     users: Mutex<Vec<StreamFence>>,
+    /// Set when an operation on the words may sit in a CUDA graph: the words are never freed.
+    captured: AtomicBool,
 }
 
 // SAFETY: the words are only accessed atomically or through the driver.
@@ -213,12 +252,7 @@ unsafe impl Sync for MemopFlags {}
 
 impl MemopFlags {
     fn check(ctx: &Arc<CudaContext>, slots: usize) -> Result<(usize, bool, bool)> {
-        if slots == 0 {
-            return Err(Error::invalid("slots", slots, "must be at least 1"));
-        }
-        let bytes = slots
-            .checked_mul(8)
-            .ok_or_else(|| Error::invalid("slots", slots, "slots * 8 overflows"))?;
+        let bytes = flag_bytes(slots)?;
         crate::cuda::init()?;
         gpudirect_sys::cuda::require_symbols(SYMBOLS)?;
         use sys::CUdevice_attribute as A;
@@ -268,6 +302,7 @@ impl MemopFlags {
             can_64,
             can_nor,
             users: Mutex::new(Vec::new()),
+            captured: AtomicBool::new(false),
         })
     }
 
@@ -290,6 +325,7 @@ impl MemopFlags {
             can_64,
             can_nor,
             users: Mutex::new(Vec::new()),
+            captured: AtomicBool::new(false),
         };
         // Not cuCtxSynchronize: that would wait for every stream of the context.
         on_private_stream(ctx, |stream| {
@@ -317,20 +353,16 @@ impl MemopFlags {
     }
 
     /// The device address of `slot`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a slot past the end.
     pub fn device_ptr(&self, slot: usize) -> Result<u64> {
-        self.check_slot(slot)?;
-        Ok(self.dptr + 8 * slot as u64)
+        slot_addr(self.dptr, self.slots, slot)
     }
 
     fn check_slot(&self, slot: usize) -> Result<()> {
-        if slot >= self.slots {
-            return Err(Error::invalid(
-                "slot",
-                slot,
-                format!("must be below the {} slots", self.slots),
-            ));
-        }
-        Ok(())
+        slot_addr(self.dptr, self.slots, slot).map(drop)
     }
 
     /// Read slot `slot` as 64 bits (Acquire on host memory; on device memory a copy on a private
@@ -352,7 +384,7 @@ impl MemopFlags {
                     cu("cuMemcpyDtoHAsync_v2", unsafe {
                         sys::cuMemcpyDtoHAsync_v2(
                             (&mut v as *mut u64).cast(),
-                            self.dptr + 8 * slot as u64,
+                            self.device_ptr(slot)?,
                             8,
                             stream,
                         )
@@ -384,7 +416,7 @@ impl MemopFlags {
                     // the copy (the stream is synchronized before `on_private_stream` returns).
                     cu("cuMemcpyHtoDAsync_v2", unsafe {
                         sys::cuMemcpyHtoDAsync_v2(
-                            self.dptr + 8 * slot as u64,
+                            self.device_ptr(slot)?,
                             (&value as *const u64).cast(),
                             8,
                             stream,
@@ -424,7 +456,7 @@ impl MemopFlags {
                     // SAFETY: 4 bytes in bounds, from a local that outlives the copy.
                     cu("cuMemcpyHtoDAsync_v2", unsafe {
                         sys::cuMemcpyHtoDAsync_v2(
-                            self.dptr + 8 * slot as u64,
+                            self.device_ptr(slot)?,
                             (&value as *const u32).cast(),
                             4,
                             stream,
@@ -461,6 +493,26 @@ impl MemopFlags {
         Ok(())
     }
 
+    /// After queueing on `stream`: remember the use, or (when the operations may sit in a CUDA
+    /// graph) make sure the words are never freed.
+    fn queued<T>(&self, stream: &Stream, r: Result<(T, ()), Refused<()>>) -> Result<T> {
+        match r {
+            Ok((t, ())) => {
+                self.used_by(stream);
+                Ok(t)
+            }
+            Err(refused) => {
+                if refused.leaked() {
+                    self.captured.store(true, Ordering::Release);
+                } else {
+                    // A failed call may have queued part of a batch.
+                    self.used_by(stream);
+                }
+                Err(refused.error)
+            }
+        }
+    }
+
     /// Remember that `stream` has used the words up to now.
     fn used_by(&self, stream: &Stream) {
         let fence = stream.fence();
@@ -479,6 +531,9 @@ impl Drop for MemopFlags {
     fn drop(&mut self) {
         if forked(self.pid) {
             return;
+        }
+        if *self.captured.get_mut() {
+            return; // an operation on the words may run at every launch of a graph: leak
         }
         let users = std::mem::take(self.users.get_mut().unwrap_or_else(|e| e.into_inner()));
         if !users.iter().all(|f| f.wait_timeout(DROP_WAIT)) {
@@ -504,33 +559,38 @@ impl Drop for MemopFlags {
 impl Stream {
     fn one_op(&self, flags: &MemopFlags, op: MemOp) -> Result<()> {
         flags.validate(self, std::slice::from_ref(&op))?;
-        let addr = flags.dptr + 8 * op.slot() as u64;
-        bind(self.context())?;
-        let s = self.cu_stream();
-        // SAFETY: symbols checked in MemopFlags::check; `addr` is a live, aligned word of
-        // `flags`, which outlives the operation (its drop waits for this stream's fence).
-        let r = unsafe {
-            match op {
-                MemOp::Wait32 { value, cond, .. } => cu(
-                    "cuStreamWaitValue32_v2",
-                    sys::cuStreamWaitValue32_v2(s, addr, value, cond as u32),
-                ),
-                MemOp::Write32 { value, .. } => cu(
-                    "cuStreamWriteValue32_v2",
-                    sys::cuStreamWriteValue32_v2(s, addr, value, 0),
-                ),
-                MemOp::Wait64 { value, cond, .. } => cu(
-                    "cuStreamWaitValue64_v2",
-                    sys::cuStreamWaitValue64_v2(s, addr, value, cond as u32),
-                ),
-                MemOp::Write64 { value, .. } => cu(
-                    "cuStreamWriteValue64_v2",
-                    sys::cuStreamWriteValue64_v2(s, addr, value, 0),
-                ),
-            }
+        let addr = flags.device_ptr(op.slot())?;
+        let call = match op {
+            MemOp::Wait32 { .. } => "cuStreamWaitValue32_v2",
+            MemOp::Write32 { .. } => "cuStreamWriteValue32_v2",
+            MemOp::Wait64 { .. } => "cuStreamWaitValue64_v2",
+            MemOp::Write64 { .. } => "cuStreamWriteValue64_v2",
         };
-        flags.used_by(self);
-        r
+        let r = self.enqueue(call, (), |s, ()| {
+            // SAFETY: symbols checked in MemopFlags::check; `addr` is a live, aligned word of
+            // `flags`, which outlives the operation (its drop waits for this stream's fence, and
+            // leaks the words if the operation may sit in a graph).
+            unsafe {
+                cu(
+                    call,
+                    match op {
+                        MemOp::Wait32 { value, cond, .. } => {
+                            sys::cuStreamWaitValue32_v2(s, addr, value, cond as u32)
+                        }
+                        MemOp::Write32 { value, .. } => {
+                            sys::cuStreamWriteValue32_v2(s, addr, value, 0)
+                        }
+                        MemOp::Wait64 { value, cond, .. } => {
+                            sys::cuStreamWaitValue64_v2(s, addr, value, cond as u32)
+                        }
+                        MemOp::Write64 { value, .. } => {
+                            sys::cuStreamWriteValue64_v2(s, addr, value, 0)
+                        }
+                    },
+                )
+            }
+        });
+        flags.queued(self, r)
     }
 
     /// `cuStreamWaitValue32_v2`: later work on this stream waits until the low 32 bits of
@@ -586,32 +646,24 @@ impl Stream {
         if ops.is_empty() {
             return Ok(0);
         }
-        let mut params: Vec<sys::CUstreamBatchMemOpParams> =
-            ops.iter().map(|op| op.params(flags.dptr)).collect();
-        bind(self.context())?;
-        let mut calls = 0;
-        let mut start = 0;
-        let mut result = Ok(());
-        for n in batch_chunks(params.len()) {
-            // SAFETY: symbols checked; `n <= MAX_BATCH_MEM_OPS` valid params addressing live
-            // words of `flags` (which outlives the operations: see `used_by`).
-            let r = unsafe {
-                sys::cuStreamBatchMemOp_v2(
-                    self.cu_stream(),
-                    n as u32,
-                    params[start..].as_mut_ptr(),
-                    0,
-                )
-            };
-            if let Err(e) = cu("cuStreamBatchMemOp_v2", r) {
-                result = Err(e);
-                break;
+        let mut params = ops
+            .iter()
+            .map(|op| Ok(op.params(flags.device_ptr(op.slot())?)))
+            .collect::<Result<Vec<sys::CUstreamBatchMemOpParams>>>()?;
+        let r = self.enqueue("cuStreamBatchMemOp_v2", (), |s, ()| {
+            let mut calls = 0;
+            for (start, n) in batch_spans(params.len()) {
+                // SAFETY: symbols checked; `n <= MAX_BATCH_MEM_OPS` valid params addressing live
+                // words of `flags` (which outlives the operations: see `queued`).
+                let r = unsafe {
+                    sys::cuStreamBatchMemOp_v2(s, n as u32, params[start..].as_mut_ptr(), 0)
+                };
+                cu("cuStreamBatchMemOp_v2", r)?;
+                calls += 1;
             }
-            calls += 1;
-            start += n;
-        }
-        flags.used_by(self);
-        result.map(|()| calls)
+            Ok(calls)
+        });
+        flags.queued(self, r)
     }
 }
 
@@ -634,7 +686,7 @@ mod tests {
             slot: 2,
             value: 0xdead_beef_0000_0001,
         }
-        .params(base);
+        .params(slot_addr(base, 4, 2).unwrap());
         // SAFETY: written as writeValue just above.
         let w = unsafe { p.writeValue };
         assert_eq!(w.address, 0x1010);
@@ -649,7 +701,7 @@ mod tests {
             value: 7,
             cond: WaitCondition::Eq,
         }
-        .params(base);
+        .params(slot_addr(base, 4, 1).unwrap());
         // SAFETY: written as waitValue.
         let w = unsafe { p.waitValue };
         assert_eq!(w.address, 0x1008);

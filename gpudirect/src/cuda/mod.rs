@@ -6,7 +6,20 @@
 //! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::memory::tracker::Timeline)
 //! (amortised fences), cross-stream event waits, host callbacks ([`Stream::launch_host_fn`]) and
 //! stream memory operations ([`memop`]: wait on and write 32/64-bit values, batches).
+//!
+//! # CUDA graphs
+//!
+//! Nothing in gpudirect queues work on a stream that is capturing a CUDA graph: every such call
+//! (copies, stream memory operations, host functions, events, peer copies, cuFile's stream-ordered
+//! I/O) answers [`Error::StreamCapturing`] before queueing anything. Work captured into a graph
+//! runs at every launch of the graph, long after any fence the library could take, so the memory
+//! it touches could not be tracked. Capture with cudarc on [`Stream::cuda`] for your own kernels,
+//! and queue gpudirect's work outside the capture. If a capture begins on another thread while a
+//! call is queueing, the call notices it right after, invalidates that capture and leaks what the
+//! work uses (never frees it); a capture begun *and* ended by another thread within one call is
+//! not seen.
 
+pub(crate) mod capture;
 pub mod memop;
 mod stream;
 

@@ -1,9 +1,11 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
+use super::capture::{self, Refused};
 use crate::error::{Result, cu, from_driver};
 use crate::memory::tracker::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// A CUDA stream (cudarc's [`CudaStream`]) with the completion [`Timeline`] that gpudirect's
 /// asynchronous operations use to track what they own. Cheap to clone (two `Arc`s).
@@ -61,7 +63,22 @@ impl Stream {
         self.timeline.issue()
     }
 
+    /// Queue work on this stream through the capture-checked path (see [`capture`]): `f` gets
+    /// the raw stream and `keep`, everything the work may touch.
+    pub(crate) fn enqueue<R, T>(
+        &self,
+        call: &'static str,
+        keep: R,
+        f: impl FnOnce(sys::CUstream, &R) -> Result<T>,
+    ) -> Result<(T, R), Refused<R>> {
+        capture::enqueue(self.cuda(), call, keep, f)
+    }
+
     /// `cuEventRecord` now, as an [`EventFence`].
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::StreamCapturing`] while the stream captures a graph; [`crate::Error::Cuda`].
     #[doc(alias = "cuEventRecord")]
     pub fn event_fence(&self) -> Result<EventFence> {
         EventFence::record(self.cuda())
@@ -76,23 +93,44 @@ impl Stream {
     }
 
     /// `cuEventRecord` a new event on this stream, for other streams to [`wait`](Self::wait).
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::StreamCapturing`] while the stream captures a graph (an event recorded in
+    /// a capture says nothing about the work's completion); [`crate::Error::Cuda`].
     #[doc(alias = "cuEventRecord")]
     pub fn record_event(&self) -> Result<CudaEvent> {
-        self.cuda()
-            .record_event(None)
-            .map_err(|e| from_driver("cuEventRecord", e))
+        let (ev, ()) = self.enqueue("cuEventRecord", (), |_, ()| {
+            self.cuda()
+                .record_event(None)
+                .map_err(|e| from_driver("cuEventRecord", e))
+        })?;
+        Ok(ev)
     }
 
     /// `cuStreamWaitEvent`: work queued here after this call starts only after `event`'s work.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::StreamCapturing`] while this stream captures a graph, or when waiting made
+    /// it join one (`event` was recorded in a capture: the capture is then invalidated);
+    /// [`crate::Error::Cuda`].
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait(&self, event: &CudaEvent) -> Result<()> {
-        self.cuda()
-            .wait(event)
-            .map_err(|e| from_driver("cuStreamWaitEvent", e))
+        self.enqueue("cuStreamWaitEvent", (), |_, ()| {
+            self.cuda()
+                .wait(event)
+                .map_err(|e| from_driver("cuStreamWaitEvent", e))
+        })?;
+        Ok(())
     }
 
     /// Order this stream after everything queued on `other` so far (record an event there, wait
     /// on it here).
+    ///
+    /// # Errors
+    ///
+    /// As [`record_event`](Self::record_event) and [`wait`](Self::wait).
     pub fn wait_for(&self, other: &Stream) -> Result<()> {
         let ev = other.record_event()?;
         self.wait(&ev)
@@ -105,13 +143,15 @@ impl Stream {
     /// an event, a stream, e.g. one taken out of a `Mutex` or `Option` it captured). A panic in
     /// `f` is caught and reported by [`HostFnFence::panicked`]; its payload is leaked, never
     /// dropped in the callback (a payload's destructor could panic there, which would abort).
-    /// `f` itself (and whatever it captured) is not dropped in the callback: it is handed to the
-    /// [`Tracker`] and dropped by a later [`Tracker::reap`] on an ordinary thread, so a capture
-    /// that frees CUDA memory is safe.
+    /// `f` itself (and whatever it captured) is not dropped in the callback: it is dropped on an
+    /// ordinary thread (this one, or a later [`Tracker::reap`]), so a capture that frees CUDA
+    /// memory is safe. `f` runs at most once.
     ///
     /// # Errors
     ///
-    /// [`crate::Error::Cuda`] when the callback could not be queued (then `f` never runs).
+    /// [`crate::Error::StreamCapturing`] while the stream captures a graph (a captured host
+    /// function would run at every launch of the graph); [`crate::Error::Cuda`] when the callback
+    /// could not be queued. Then `f` never runs.
     #[doc(alias = "cuLaunchHostFunc")]
     pub fn launch_host_fn<F>(&self, f: F) -> Result<HostFnFence>
     where
@@ -121,37 +161,90 @@ impl Stream {
         let payload: Box<HostFnPayload> = Box::new(HostFnPayload {
             f: Box::new(f),
             fence: fence.clone(),
+            state: AtomicU8::new(PENDING),
         });
         let raw = Box::into_raw(payload);
-        crate::memory::bind(self.context())?;
-        // SAFETY: `host_fn_trampoline` matches CUhostFn and takes ownership of `raw` exactly
-        // once when it runs.
-        let r = unsafe {
-            sys::cuLaunchHostFunc(self.cu_stream(), Some(host_fn_trampoline), raw.cast())
-        };
-        if let Err(e) = cu("cuLaunchHostFunc", r) {
-            // SAFETY: not queued, so the callback will never take it.
-            drop(unsafe { Box::from_raw(raw) });
-            return Err(e);
+        // The pointer travels as an integer so that the closure is not tied to the Box's type.
+        let addr = raw as usize;
+        let queued = self.enqueue("cuLaunchHostFunc", (), |s, ()| {
+            // SAFETY: `host_fn_trampoline` matches CUhostFn; `addr` is the leaked payload, which
+            // the protocol of `HostFnPayload::state` frees exactly once, or never.
+            cu("cuLaunchHostFunc", unsafe {
+                sys::cuLaunchHostFunc(s, Some(host_fn_trampoline), addr as *mut std::ffi::c_void)
+            })
+        });
+        match queued {
+            Ok(((), ())) => {
+                // SAFETY: the payload is live: only the one who sees the other's mark frees it,
+                // and the callback marks it last of all its accesses.
+                let state = unsafe { &(*raw).state };
+                if let Err(prev) =
+                    state.compare_exchange(PENDING, QUEUED, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    debug_assert_eq!(prev, RAN);
+                    // The callback has run and left the payload to us.
+                    // SAFETY: handed over by the callback's mark; freed once, here.
+                    drop(unsafe { Box::from_raw(raw) });
+                }
+                Ok(fence)
+            }
+            Err(Refused { error, kept: None }) => {
+                // The callback may sit in a graph and run at every launch: it must find the
+                // payload alive and do nothing, forever.
+                // SAFETY: never freed from now on.
+                unsafe { &(*raw).state }.store(LEAKED, Ordering::Release);
+                Err(error)
+            }
+            Err(Refused {
+                error,
+                kept: Some(()),
+            }) => {
+                // SAFETY: not queued, so the callback will never see it.
+                drop(unsafe { Box::from_raw(raw) });
+                Err(error)
+            }
         }
-        Ok(fence)
     }
 
     /// A [`HostFnFence`] for the work queued so far: a host callback that only sets a flag.
+    ///
+    /// # Errors
+    ///
+    /// As [`launch_host_fn`](Self::launch_host_fn).
     pub fn host_fence(&self) -> Result<HostFnFence> {
         self.launch_host_fn(|| {})
     }
 }
 
+/// The payload is queued with the callback and not yet marked by either side.
+const PENDING: u8 = 0;
+/// The queueing thread saw the callback queued on a stream that is not capturing: the callback
+/// frees the payload after running.
+const QUEUED: u8 = 1;
+/// The callback ran before the queueing thread marked it: the queueing thread frees it.
+const RAN: u8 = 2;
+/// The callback may be in a CUDA graph: it never runs `f` and nobody ever frees the payload.
+const LEAKED: u8 = 3;
+
 struct HostFnPayload {
     f: Box<dyn Fn() + Send + Sync>,
     fence: HostFnFence,
+    /// Who frees the payload: [`PENDING`], [`QUEUED`], [`RAN`] or [`LEAKED`]. Whichever side
+    /// marks second frees it (the callback parks it in the tracker, the queueing thread drops
+    /// it), so it is freed exactly once; a leaked payload is never freed, however often a graph
+    /// launch runs the callback.
+    state: AtomicU8,
 }
 
 /// Runs in a driver thread: no CUDA calls and no frees of CUDA resources here.
 unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
-    // SAFETY: `user` is the Box leaked by `launch_host_fn`, handed to us exactly once.
-    let payload = unsafe { Box::from_raw(user.cast::<HostFnPayload>()) };
+    let raw = user.cast::<HostFnPayload>();
+    // SAFETY: `user` is the payload leaked by `launch_host_fn`; it stays allocated until the
+    // state protocol hands it to one side, which happens only after our last access below.
+    let payload = unsafe { &*raw };
+    if payload.state.load(Ordering::Acquire) == LEAKED {
+        return; // possibly a graph launch: run nothing, free nothing
+    }
     let panicked = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (payload.f)())) {
         Ok(()) => false,
         Err(p) => {
@@ -162,9 +255,21 @@ unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
         }
     };
     let fence = payload.fence.clone();
-    // Whatever `f` captured is dropped by `Tracker::reap` on an ordinary thread. The boxes
-    // themselves are plain heap memory.
-    Tracker::global().park(Done, payload);
+    // The last access to the payload: from here on the queueing thread may free it.
+    match payload
+        .state
+        .compare_exchange(PENDING, RAN, Ordering::AcqRel, Ordering::Acquire)
+    {
+        Ok(_) => {}
+        Err(QUEUED) => {
+            // SAFETY: the queueing thread marked it QUEUED and will never touch it again: ours.
+            let owned = unsafe { Box::from_raw(raw) };
+            // Whatever `f` captured is dropped by `Tracker::reap` on an ordinary thread. The
+            // boxes themselves are plain heap memory.
+            Tracker::global().park(Done, owned);
+        }
+        Err(_) => return, // LEAKED meanwhile: never freed, and the fence is never handed out
+    }
     fence.complete(panicked);
 }
 
@@ -178,6 +283,110 @@ impl From<Arc<CudaStream>> for Stream {
 mod tests {
     use super::*;
 
+    /// A payload as `launch_host_fn` leaks it, with a closure whose captures count drops and
+    /// whose calls count runs.
+    fn payload(
+        runs: &Arc<std::sync::atomic::AtomicUsize>,
+        drops: &Arc<std::sync::atomic::AtomicUsize>,
+    ) -> (*mut HostFnPayload, HostFnFence) {
+        struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let fence = HostFnFence::new();
+        let (runs, c) = (runs.clone(), Counted(drops.clone()));
+        let raw = Box::into_raw(Box::new(HostFnPayload {
+            f: Box::new(move || {
+                let _keep = &c;
+                runs.fetch_add(1, Ordering::SeqCst);
+            }),
+            fence: fence.clone(),
+            state: AtomicU8::new(PENDING),
+        }));
+        (raw, fence)
+    }
+
+    fn reap_until(drops: &std::sync::atomic::AtomicUsize, n: usize) {
+        let start = std::time::Instant::now();
+        while drops.load(Ordering::SeqCst) < n {
+            Tracker::global().reap();
+            assert!(start.elapsed().as_secs() < 10, "never reaped");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn host_fn_payload_is_freed_once_whoever_marks_second() {
+        use std::sync::atomic::AtomicUsize;
+        // The queueing thread marks first (QUEUED), the callback frees (through the tracker).
+        let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (raw, fence) = payload(&runs, &drops);
+        // SAFETY: the payload is live until the protocol frees it.
+        unsafe { &(*raw).state }.store(QUEUED, Ordering::SeqCst);
+        // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
+        unsafe { host_fn_trampoline(raw.cast()) };
+        assert!(crate::memory::Fence::is_complete(&fence));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        reap_until(&drops, 1);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+
+        // The callback runs first (RAN): it leaves the payload; the queueing side frees it.
+        let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (raw, fence) = payload(&runs, &drops);
+        // SAFETY: as above.
+        unsafe { host_fn_trampoline(raw.cast()) };
+        assert!(crate::memory::Fence::is_complete(&fence));
+        // SAFETY: the callback marked RAN and never touches the payload again.
+        let state = unsafe { &(*raw).state };
+        assert_eq!(
+            state.compare_exchange(PENDING, QUEUED, Ordering::AcqRel, Ordering::Acquire),
+            Err(RAN)
+        );
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "not freed by the callback");
+        // SAFETY: ours now, as `launch_host_fn` would take it.
+        drop(unsafe { Box::from_raw(raw) });
+        assert_eq!(
+            (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+    }
+
+    #[test]
+    fn a_leaked_host_fn_never_runs_and_is_never_freed_however_often_launched() {
+        use std::sync::atomic::AtomicUsize;
+        let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (raw, fence) = payload(&runs, &drops);
+        // SAFETY: live; the queueing thread saw a capture after queueing.
+        unsafe { &(*raw).state }.store(LEAKED, Ordering::SeqCst);
+        for _ in 0..5 {
+            // SAFETY: a leaked payload stays allocated forever; graph launches call it again.
+            unsafe { host_fn_trampoline(raw.cast()) };
+        }
+        Tracker::global().reap();
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        assert!(!crate::memory::Fence::is_complete(&fence));
+        // A capture seen while the callback was already running: the callback's mark fails, it
+        // neither frees nor completes.
+        let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (raw, fence) = payload(&runs, &drops);
+        // SAFETY: live.
+        let state = unsafe { &(*raw).state };
+        state.store(LEAKED, Ordering::SeqCst);
+        // (The run itself was checked above; here the mark after a run is.)
+        assert_eq!(
+            state.compare_exchange(PENDING, RAN, Ordering::AcqRel, Ordering::Acquire),
+            Err(LEAKED)
+        );
+        assert!(!crate::memory::Fence::is_complete(&fence));
+        assert_eq!(
+            (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
+            (0, 0)
+        );
+    }
+
     #[test]
     fn trampoline_leaks_a_panic_payload_instead_of_dropping_it() {
         struct PanicsOnDrop;
@@ -190,9 +399,10 @@ mod tests {
         let raw = Box::into_raw(Box::new(HostFnPayload {
             f: Box::new(|| std::panic::panic_any(PanicsOnDrop)),
             fence: fence.clone(),
+            state: AtomicU8::new(QUEUED),
         }));
         // SAFETY: a leaked payload box, handed over once, as cuLaunchHostFunc would. Dropping
-        // the payload in there would abort the test process (a panic out of extern "C").
+        // the panic payload in there would abort the test process (a panic out of extern "C").
         unsafe { host_fn_trampoline(raw.cast()) };
         assert!(crate::memory::Fence::is_complete(&fence));
         assert!(fence.panicked());

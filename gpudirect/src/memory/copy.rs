@@ -9,9 +9,11 @@
 //! Asynchronous copies take both buffers by value (or the source as an `Arc`) and return an
 //! [`InFlight`] that owns them until the copy has completed: `mem::forget` of it leaks them, and
 //! the destination can be read only after [`InFlight::wait`] hands it back.
+//!
+//! No copy is queued on a stream that is capturing a CUDA graph ([`Error::StreamCapturing`]).
 
 use super::tracker::StreamFence;
-use super::{DeviceMemory, DeviceMemoryMut, InFlight, Pod, bind};
+use super::{DeviceMemory, DeviceMemoryMut, InFlight, Pod};
 use crate::cuda::Stream;
 use crate::error::{Error, Result, cu};
 use cudarc::driver::sys;
@@ -31,7 +33,7 @@ fn check_device(stream: &Stream, arg: &'static str, m: &impl DeviceMemory) -> Re
     Ok(())
 }
 
-fn check_len(src: usize, dst: usize) -> Result<()> {
+pub(crate) fn check_len(src: usize, dst: usize) -> Result<()> {
     if src != dst {
         return Err(Error::invalid(
             "dst",
@@ -42,40 +44,77 @@ fn check_len(src: usize, dst: usize) -> Result<()> {
     Ok(())
 }
 
-/// Queue the copy of `bytes` bytes; no checks. Host kinds are addressed by host pointer.
-///
-/// # Safety
-///
-/// Both ranges valid for `bytes` bytes until the copy completes; `dst` not referenced meanwhile.
-unsafe fn issue(
-    stream: sys::CUstream,
+/// Where a copy reads and writes, and how many bytes: taken from the buffers before anything is
+/// queued (their trait methods are not called while work is being queued).
+#[derive(Clone, Copy)]
+struct Plan {
     src_host: Option<*mut u8>,
     src_dev: u64,
     dst_host: Option<*mut u8>,
     dst_dev: u64,
     bytes: usize,
-) -> Result<()> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        match (src_host, dst_host) {
-            (None, None) => cu(
-                "cuMemcpyDtoDAsync_v2",
-                sys::cuMemcpyDtoDAsync_v2(dst_dev, src_dev, bytes, stream),
-            ),
-            (Some(h), None) => cu(
-                "cuMemcpyHtoDAsync_v2",
-                sys::cuMemcpyHtoDAsync_v2(dst_dev, h.cast(), bytes, stream),
-            ),
-            (None, Some(h)) => cu(
-                "cuMemcpyDtoHAsync_v2",
-                sys::cuMemcpyDtoHAsync_v2(h.cast(), src_dev, bytes, stream),
-            ),
-            (Some(_), Some(_)) => cu(
-                "cuMemcpyAsync",
-                sys::cuMemcpyAsync(dst_dev, src_dev, bytes, stream),
-            ),
+}
+
+impl Plan {
+    fn call(&self) -> &'static str {
+        match (self.src_host, self.dst_host) {
+            (None, None) => "cuMemcpyDtoDAsync_v2",
+            (Some(_), None) => "cuMemcpyHtoDAsync_v2",
+            (None, Some(_)) => "cuMemcpyDtoHAsync_v2",
+            (Some(_), Some(_)) => "cuMemcpyAsync",
         }
     }
+}
+
+/// Queue the copy through the capture-checked path; `keep` is what the copy touches (leaked if
+/// the stream turns out to be capturing after queueing).
+///
+/// # Safety
+///
+/// Both ranges valid for `bytes` bytes until the copy completes; `dst` not referenced meanwhile.
+unsafe fn issue<R>(
+    stream: &Stream,
+    plan: Plan,
+    keep: R,
+) -> Result<R, crate::cuda::capture::Refused<R>> {
+    let ((), keep) = stream.enqueue(plan.call(), keep, |s, _| {
+        let Plan {
+            src_host,
+            src_dev,
+            dst_host,
+            dst_dev,
+            bytes,
+        } = plan;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (src_host, dst_host) {
+                (None, None) => cu(
+                    "cuMemcpyDtoDAsync_v2",
+                    sys::cuMemcpyDtoDAsync_v2(dst_dev, src_dev, bytes, s),
+                ),
+                (Some(h), None) => cu(
+                    "cuMemcpyHtoDAsync_v2",
+                    sys::cuMemcpyHtoDAsync_v2(dst_dev, h.cast(), bytes, s),
+                ),
+                (None, Some(h)) => cu(
+                    "cuMemcpyDtoHAsync_v2",
+                    sys::cuMemcpyDtoHAsync_v2(h.cast(), src_dev, bytes, s),
+                ),
+                (Some(_), Some(_)) => cu(
+                    "cuMemcpyAsync",
+                    sys::cuMemcpyAsync(dst_dev, src_dev, bytes, s),
+                ),
+            }
+        }
+    })?;
+    Ok(keep)
+}
+
+/// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a
+/// user's [`DeviceMemory`] implementation).
+pub(crate) fn bytes_of<T>(len: usize) -> Result<usize> {
+    len.checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| Error::invalid("src", len, "len * size_of::<T>() overflows usize"))
 }
 
 /// Copy all of `src` into `dst` on `stream`, asynchronously. Lengths are in elements and must be
@@ -87,8 +126,10 @@ unsafe fn issue(
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] (lengths differ, device memory on another device) before any driver
-/// call; [`Error::Cuda`] when the driver rejects the copy. On error nothing was queued and both
-/// buffers are dropped.
+/// call; [`Error::StreamCapturing`] when the stream is capturing a CUDA graph; [`Error::Cuda`]
+/// when the driver rejects the copy. On error nothing was queued and both buffers are dropped,
+/// except for a capture that began while the copy was queued (`enqueued: true`): then both are
+/// leaked, never freed.
 ///
 /// # C function
 ///
@@ -107,19 +148,16 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", &src)?;
     check_device(stream, "dst", &dst)?;
-    bind(stream.context())?;
-    // SAFETY: both buffers are owned by the InFlight below until the fence completes; `dst` is
-    // `DeviceMemoryMut`, so nothing else references it.
-    unsafe {
-        issue(
-            stream.cu_stream(),
-            src.host_ptr(),
-            src.device_ptr(),
-            dst.host_ptr(),
-            dst.device_ptr(),
-            src.byte_len(),
-        )?;
-    }
+    let plan = Plan {
+        src_host: src.host_ptr(),
+        src_dev: src.device_ptr(),
+        dst_host: dst.host_ptr(),
+        dst_dev: dst.device_ptr(),
+        bytes: bytes_of::<S::Elem>(src.len())?,
+    };
+    // SAFETY: both buffers are owned by the InFlight below until the fence completes (or leaked
+    // by `issue`); `dst` is `DeviceMemoryMut`, so nothing else references it.
+    let (src, dst) = unsafe { issue(stream, plan, (src, dst)) }?;
     Ok(InFlight::new("async copy", stream.fence(), (src, dst)))
 }
 
@@ -137,18 +175,16 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
     check_device(stream, "dst", dst)?;
-    bind(stream.context())?;
-    // SAFETY: the borrows outlive the copy: we synchronize before returning.
-    unsafe {
-        issue(
-            stream.cu_stream(),
-            src.host_ptr(),
-            src.device_ptr(),
-            dst.host_ptr(),
-            dst.device_ptr(),
-            src.byte_len(),
-        )?;
-    }
+    let plan = Plan {
+        src_host: src.host_ptr(),
+        src_dev: src.device_ptr(),
+        dst_host: dst.host_ptr(),
+        dst_dev: dst.device_ptr(),
+        bytes: bytes_of::<S::Elem>(src.len())?,
+    };
+    // SAFETY: the borrows outlive the copy: we synchronize before returning. (A capture that
+    // began during the call was invalidated by `issue`, so no graph holds the copy.)
+    unsafe { issue(stream, plan, ()) }?;
     stream.synchronize()
 }
 
@@ -161,19 +197,15 @@ where
 {
     check_len(src.len(), dst.len())?;
     check_device(stream, "dst", dst)?;
-    bind(stream.context())?;
-    let bytes = std::mem::size_of_val(src);
-    // SAFETY: the borrows outlive the copy: we synchronize before returning.
-    unsafe {
-        issue(
-            stream.cu_stream(),
-            Some(src.as_ptr().cast_mut().cast()),
-            0,
-            dst.host_ptr(),
-            dst.device_ptr(),
-            bytes,
-        )?;
-    }
+    let plan = Plan {
+        src_host: Some(src.as_ptr().cast_mut().cast()),
+        src_dev: 0,
+        dst_host: dst.host_ptr(),
+        dst_dev: dst.device_ptr(),
+        bytes: std::mem::size_of_val(src),
+    };
+    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`).
+    unsafe { issue(stream, plan, ()) }?;
     stream.synchronize()
 }
 
@@ -186,20 +218,16 @@ where
 {
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
-    bind(stream.context())?;
-    let bytes = std::mem::size_of_val(dst);
-    // SAFETY: the borrows outlive the copy: we synchronize before returning; `S::Elem: Pod`
-    // makes any bytes the device wrote a valid value.
-    unsafe {
-        issue(
-            stream.cu_stream(),
-            src.host_ptr(),
-            src.device_ptr(),
-            Some(dst.as_mut_ptr().cast()),
-            0,
-            bytes,
-        )?;
-    }
+    let plan = Plan {
+        src_host: src.host_ptr(),
+        src_dev: src.device_ptr(),
+        dst_host: Some(dst.as_mut_ptr().cast()),
+        dst_dev: 0,
+        bytes: std::mem::size_of_val(dst),
+    };
+    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`);
+    // `S::Elem: Pod` makes any bytes the device wrote a valid value.
+    unsafe { issue(stream, plan, ()) }?;
     stream.synchronize()
 }
 

@@ -60,6 +60,8 @@ mod device;
 mod host;
 mod pod;
 mod pool;
+#[cfg(test)]
+mod proptests;
 mod registered;
 pub mod tracker;
 mod vmm;
@@ -72,7 +74,7 @@ pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
 pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
-pub use vmm::VmmBuffer;
+pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 use crate::error::{Result, from_driver};
 use cudarc::driver::CudaContext;
@@ -136,8 +138,11 @@ pub unsafe trait DeviceMemory: Send + 'static {
     }
 
     /// Length in bytes.
+    ///
+    /// Saturates at `usize::MAX` rather than wrap, for an implementation whose `len` breaks the
+    /// contract; data paths check their ranges against it before any FFI call.
     fn byte_len(&self) -> usize {
-        self.len() * std::mem::size_of::<Self::Elem>()
+        self.len().saturating_mul(std::mem::size_of::<Self::Elem>())
     }
 
     /// The CUDA device ordinal the memory belongs to (for host kinds: the device it was mapped
@@ -188,6 +193,24 @@ unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
     }
 }
 
+/// The one typed refusal for stream-ordered pool memory (`cuMemAllocAsync`: cudarc's
+/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::ipc::IpcPool)'s allocations) where
+/// `what` needs GPUDirect RDMA capable memory (a NIC registration, a dma-buf export). Answered
+/// from the kind alone, before any FFI call.
+pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> {
+    if kind == MemoryKind::Pool {
+        return Err(crate::Error::NotRdmaCapable {
+            ptr,
+            kind,
+            reason: format!(
+                "stream-ordered pool memory (cuMemAllocAsync, cudarc's CudaSlice) is not \
+                 GPUDirect RDMA capable, so {what} refuses it; allocate a DeviceBuffer or VmmBuffer"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Make `ctx` current on the calling thread.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread()
@@ -215,7 +238,12 @@ pub(crate) fn on_private_stream(
             sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
         )
     })?;
-    let queued = f(stream);
+    // A stream made here and never shown to anyone cannot be capturing; it is checked like
+    // every other stream all the same.
+    let queued =
+        crate::cuda::capture::enqueue_raw(stream, "work on a private stream", (), |s, ()| f(s))
+            .map(drop)
+            .map_err(crate::Error::from);
     // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
     // SAFETY: the stream created above.
     let synced = crate::error::cu("cuStreamSynchronize", unsafe {

@@ -29,6 +29,13 @@ use std::time::{Duration, Instant};
 pub const DROP_WAIT: Duration = Duration::from_secs(5);
 
 /// Something that can tell whether an operation has finished.
+///
+/// The trait is open: implement it for your own completion sources. The library calls your code
+/// while it decides whether to free what an operation owns, so a panic there is caught and taken
+/// as "never complete": the resources that fence guards are leaked (never freed), and nothing
+/// else the tracker holds is affected. An [`InFlight`] whose fence panicked in
+/// [`InFlight::wait`], [`InFlight::wait_timeout`] or [`InFlight::try_take`] passes the panic on
+/// after leaking its resources.
 pub trait Fence: Send + Sync + 'static {
     /// Whether completion has been observed. Must not block.
     fn is_complete(&self) -> bool;
@@ -127,17 +134,30 @@ impl Tracker {
     /// forked child nothing is released (no FFI frees after fork).
     ///
     /// Fences are polled outside the lock (polling may call the driver), so a host callback
-    /// parking what it owned never waits behind a driver call.
+    /// parking what it owned never waits behind a driver call. A fence whose poll panics (a
+    /// user's [`Fence`] implementation) is taken as never complete: its entry is leaked, never
+    /// freed, and every other entry is kept or released as its own fence says.
     pub fn reap(&self) -> usize {
         if self.in_forked_child() || self.count.load(Ordering::Acquire) == 0 {
             return 0;
         }
         let taken = std::mem::take(&mut *self.lock());
-        let (done, keep): (Vec<Parked>, Vec<Parked>) =
-            taken.into_iter().partition(|(f, _)| f.is_complete());
+        let mut done = Vec::new();
+        let mut keep = Vec::with_capacity(taken.len());
+        let mut leaked = 0;
+        for entry in taken {
+            match poll_caught(|| entry.0.is_complete()) {
+                Some(true) => done.push(entry),
+                Some(false) => keep.push(entry),
+                None => {
+                    leaked += 1;
+                    std::mem::forget(entry);
+                }
+            }
+        }
         self.lock().extend(keep);
         let n = done.len();
-        self.count.fetch_sub(n, Ordering::AcqRel);
+        self.count.fetch_sub(n + leaked, Ordering::AcqRel);
         // Dropped outside the lock: resources' destructors may call into CUDA or verbs.
         drop(done);
         n
@@ -152,6 +172,12 @@ impl Tracker {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Parked>> {
         self.parked.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Run `poll` (a user's fence code), catching a panic: `None` when it panicked. A fence that
+/// panics can prove nothing, so its resources are leaked, never freed.
+fn poll_caught<T>(poll: impl FnOnce() -> T) -> Option<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(poll)).ok()
 }
 
 /// An operation in flight, owning what it may still touch until its fence completes.
@@ -202,8 +228,12 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
 
     /// Wait up to `timeout`; on time-out the operation stays in flight and is handed back in
     /// `Err`, never freed.
+    ///
+    /// # Panics
+    ///
+    /// When the fence's own code panics (a user's [`Fence`]); the resources are then leaked.
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<R, (Error, Self)> {
-        let ok = self.fence.as_ref().is_none_or(|f| f.wait_timeout(timeout));
+        let ok = self.poll(|f| f.wait_timeout(timeout));
         if ok {
             self.fence = None;
             Ok(self
@@ -257,8 +287,12 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     }
 
     /// The resources, if the operation has completed; otherwise `Err(self)`.
+    ///
+    /// # Panics
+    ///
+    /// As [`wait_timeout`](Self::wait_timeout).
     pub fn try_take(mut self) -> Result<R, Self> {
-        if self.is_complete() {
+        if self.poll(Fence::is_complete) {
             self.fence = None;
             Ok(self
                 .resources
@@ -266,6 +300,24 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
                 .expect("resources present until taken"))
         } else {
             Err(self)
+        }
+    }
+}
+
+impl<R: Send + 'static, F: Fence> InFlight<R, F> {
+    /// Ask the fence (`true` when there is none left). If its code panics, the fence and the
+    /// resources are leaked (nothing can prove the work done) and the panic goes on.
+    fn poll(&mut self, ask: impl FnOnce(&F) -> bool) -> bool {
+        let Some(f) = self.fence.as_ref() else {
+            return true;
+        };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ask(f))) {
+            Ok(done) => done,
+            Err(panic) => {
+                std::mem::forget(self.fence.take());
+                std::mem::forget(self.resources.take());
+                std::panic::resume_unwind(panic)
+            }
         }
     }
 }
@@ -281,10 +333,14 @@ impl<R: Send + 'static, F: Fence> Drop for InFlight<R, F> {
             std::mem::forget(res);
             return;
         }
-        if fence.wait_timeout(DROP_WAIT) {
-            drop(res);
-        } else {
-            Tracker::global().park(fence, res);
+        match poll_caught(|| fence.wait_timeout(DROP_WAIT)) {
+            Some(true) => drop(res),
+            Some(false) => Tracker::global().park(fence, res),
+            None => {
+                // The fence panicked: it proves nothing, now or later. Leak both.
+                std::mem::forget(fence);
+                std::mem::forget(res);
+            }
         }
     }
 }
@@ -307,10 +363,17 @@ impl EventFence {
     /// `cuEventRecord` a new event (timing disabled) on `stream`: complete once the work queued
     /// on `stream` so far has finished.
     #[doc(alias = "cuEventRecord")]
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StreamCapturing`] while `stream` captures a CUDA graph (an event recorded in a
+    /// capture completes with the capture, not with the work); [`Error::Cuda`].
     pub fn record(stream: &CudaStream) -> Result<Self> {
-        let ev = stream
-            .record_event(None)
-            .map_err(|e| crate::error::from_driver("cuEventRecord", e))?;
+        let (ev, ()) = crate::cuda::capture::enqueue(stream, "cuEventRecord", (), |_, ()| {
+            stream
+                .record_event(None)
+                .map_err(|e| crate::error::from_driver("cuEventRecord", e))
+        })?;
         Ok(EventFence(ev))
     }
 
@@ -450,7 +513,14 @@ impl Timeline {
     }
 
     /// Retire completed events; make sure one covers `epoch`. Returns whether `epoch` is done,
-    /// and otherwise the raw event that covers it.
+    /// and otherwise the raw event that covers it (`None` when none could be recorded: the
+    /// stream is capturing a graph, or the driver refused).
+    ///
+    /// Never records while the stream captures a graph: an event recorded in a capture is a
+    /// captured event, which completes with the capture rather than with the work (and which
+    /// `cuEventQuery` refuses with `CUDA_ERROR_CAPTURED_EVENT`). One that was recorded anyway (a
+    /// capture that began during the record) is dropped from the timeline and leaked, so later
+    /// polls record a real one instead of waiting on it forever.
     fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
         let mut g = self.lock();
         while let Some((covered, ev)) = g.pending.front() {
@@ -459,6 +529,12 @@ impl Timeline {
                     self.completed.fetch_max(*covered, Ordering::AcqRel);
                     let (_, ev) = g.pending.pop_front().expect("front exists");
                     g.free.push(ev);
+                }
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+                    // Proves nothing: forget it (destroying a captured event is not worth the
+                    // risk) and look at the next one.
+                    let (_, ev) = g.pending.pop_front().expect("front exists");
+                    std::mem::forget(ev);
                 }
                 _ => break,
             }
@@ -479,13 +555,38 @@ impl Timeline {
                 Err(_) => return (false, None),
             },
         };
-        if ev.record(&self.stream).is_err() {
+        // Checked like any work queued on the stream, but a capture found after the record is
+        // left alone: an internal event puts nothing into the user's graph.
+        let probe = crate::cuda::capture::Driver {
+            raw: self.stream.cu_stream(),
+            invalidate: false,
+        };
+        if self.stream.context().bind_to_thread().is_err() {
             g.free.push(ev);
             return (false, None);
         }
-        let raw = ev.cu_event();
-        g.pending.push_back((covered, ev));
-        (false, Some(raw))
+        match crate::cuda::capture::enqueue_with(&probe, "cuEventRecord", ev, |ev| {
+            ev.record(&self.stream)
+                .map_err(|e| crate::error::from_driver("cuEventRecord", e))
+        }) {
+            Ok(((), ev)) => {
+                let raw = ev.cu_event();
+                g.pending.push_back((covered, ev));
+                (false, Some(raw))
+            }
+            Err(r) => {
+                if let Some(ev) = r.kept {
+                    g.free.push(ev); // not recorded: reusable
+                }
+                (false, None)
+            }
+        }
+    }
+
+    /// Whether the stream is capturing a graph (or that cannot be told).
+    fn capturing(&self) -> bool {
+        self.stream.context().bind_to_thread().is_err()
+            || crate::cuda::capture::is_capturing(self.stream.cu_stream()).unwrap_or(true)
     }
 }
 
@@ -519,13 +620,34 @@ impl Fence for StreamFence {
             return true;
         }
         if timeout >= LONG_WAIT {
+            let tl = &self.timeline;
+            if tl.capturing() {
+                // cuStreamSynchronize is illegal on a capturing stream (and would invalidate the
+                // user's capture). Wait on an event recorded before the capture, if one covers
+                // the epoch; without one, completion cannot be observed now: answer `false` (the
+                // caller gets an error and the resources stay parked, freed by a later reap once
+                // the capture has ended) rather than waiting for a capture that this very thread
+                // may be holding open.
+                let mut nap = Duration::from_micros(1);
+                loop {
+                    match tl.poll(self.epoch) {
+                        (true, _) => return true,
+                        (false, None) => return false,
+                        (false, Some(_)) => {}
+                    }
+                    if !tl.capturing() {
+                        break; // the capture ended: synchronize below
+                    }
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(Duration::from_millis(1));
+                }
+            }
             // Unbounded wait: one cuStreamSynchronize (what a hand-written loop would do) covers
             // every epoch issued before it, including this one.
-            // If it fails (a sticky error), completion cannot be proven and never will be:
-            // answer `false` (the caller gets an error, the resources stay parked) instead of
-            // polling forever.
+            // If it fails (a sticky error, or a capture that began just now), completion cannot
+            // be proven: answer `false` (the caller gets an error, the resources stay parked)
+            // instead of polling forever.
             let covered = self.timeline.issued.load(Ordering::Acquire);
-            let tl = &self.timeline;
             if tl.stream.context().bind_to_thread().is_err() {
                 return tl.completed() >= self.epoch;
             }
@@ -673,6 +795,70 @@ mod tests {
         );
         drop(op); // the parent frees normally
         assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    /// A user's fence whose poll panics.
+    struct Panics;
+    impl Fence for Panics {
+        fn is_complete(&self) -> bool {
+            panic!("user fence panics while polled")
+        }
+    }
+
+    #[test]
+    fn a_panicking_fence_frees_nothing_early_in_reap() {
+        let t = Tracker::new();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let pending = CompletionFlag::new();
+        let done = CompletionFlag::new();
+        done.set();
+        // Entries before and after the panicking one, complete and not.
+        t.park(done.clone(), Counted(drops.clone()));
+        t.park(pending.clone(), Counted(drops.clone()));
+        t.park(Panics, Counted(drops.clone()));
+        t.park(pending.clone(), Counted(drops.clone()));
+        t.park(done.clone(), Counted(drops.clone()));
+        assert_eq!(t.parked(), 5);
+        assert_eq!(t.reap(), 2, "the two complete entries");
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            t.parked(),
+            2,
+            "the two pending entries stay; the panicking one is leaked"
+        );
+        assert_eq!(t.reap(), 0);
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        pending.set();
+        assert_eq!(t.reap(), 2);
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            4,
+            "the panicking entry is never freed"
+        );
+        assert_eq!(t.parked(), 0);
+    }
+
+    #[test]
+    fn a_panicking_fence_frees_nothing_through_in_flight() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        // Dropped: the panic is caught, the resources leak.
+        drop(InFlight::new("panics", Panics, Counted(drops.clone())));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        // Waited on: the panic reaches the caller, the resources leak.
+        for how in 0..3 {
+            let op = InFlight::new("panics", Panics, Counted(drops.clone()));
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match how {
+                0 => drop(op.wait_timeout(Duration::from_millis(1))),
+                1 => drop(op.try_take()),
+                _ => drop(op.wait()),
+            }));
+            assert!(r.is_err(), "the fence's panic goes on to the caller");
+            assert_eq!(drops.load(Ordering::SeqCst), 0);
+        }
+        // A `Box<dyn Fence>` that panics behaves the same.
+        let boxed: Box<dyn Fence> = Box::new(Panics);
+        drop(InFlight::new("boxed", boxed, Counted(drops.clone())));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -6,26 +6,43 @@ use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-/// Device memory made with the virtual memory management API: `cuMemCreate` (pinned, on one
-/// device, `gpuDirectRDMACapable = 1`, exportable as a POSIX fd), `cuMemAddressReserve`,
-/// `cuMemMap` and `cuMemSetAccess` (read-write for the owning device).
+/// Device memory made with the virtual memory management API: one or more physical chunks
+/// (`cuMemCreate`: pinned, on one device, `gpuDirectRDMACapable = 1`, exportable as a POSIX fd),
+/// mapped back to back (`cuMemMap`) into one reserved address range (`cuMemAddressReserve`), with
+/// `cuMemSetAccess` read-write for the owning device.
 ///
-/// The physical size is rounded up to the allocation granularity
+/// [`alloc`](Self::alloc) makes one chunk, its size rounded up to the allocation granularity
 /// ([`mapped_bytes`](Self::mapped_bytes)); [`len`](DeviceMemory::len) is the requested element
-/// count. Drop unmaps, frees the address range and releases the handle; in a forked child it
-/// leaks.
+/// count. [`alloc_chunks`](Self::alloc_chunks) makes several chunks mapped contiguously, the
+/// layout PyTorch's expandable segments produce: one address range, several physical
+/// allocations ([`chunks`](Self::chunks)). Drop unmaps, frees the address range and releases the
+/// handles; in a forked child it leaks.
 #[derive(Debug)]
 #[doc(alias = "cuMemCreate")]
 #[doc(alias = "cuMemMap")]
 pub struct VmmBuffer<T: Pod> {
     ptr: u64,
     len: usize,
+    /// Bytes reserved (and, once built, mapped): the sum of the chunks.
     size: usize,
-    handle: sys::CUmemGenericAllocationHandle,
+    /// The chunks mapped so far, in address order.
+    chunks: Vec<(VmmChunk, sys::CUmemGenericAllocationHandle)>,
     ctx: Arc<CudaContext>,
     pid: u32,
     _elem: PhantomData<T>,
 }
+
+/// One physical allocation of a [`VmmBuffer`]: where it is mapped in the buffer, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct VmmChunk {
+    /// Bytes from the buffer's start to the chunk's.
+    pub offset: usize,
+    /// The chunk's size in bytes (a multiple of the allocation granularity).
+    pub size: usize,
+}
+
+/// The most physical chunks one [`VmmBuffer`] may have.
+pub const MAX_VMM_CHUNKS: usize = 4096;
 
 fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
     // SAFETY: a plain C struct for which all-zero is valid (TYPE_INVALID, HANDLE_TYPE_NONE, null).
@@ -45,8 +62,105 @@ pub(crate) fn round_up(size: usize, granularity: usize) -> Option<usize> {
     size.checked_add(g - 1).map(|s| s / g * g)
 }
 
+/// Lay out chunks of `chunk_bytes` back to back: each must be a non-zero multiple of
+/// `granularity`, at most [`MAX_VMM_CHUNKS`] of them, their sum must fit `usize` and hold a whole
+/// number of `elem_size`-byte elements. Returns the chunks and the element count.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming the rule (and the chunk) broken.
+pub fn plan_chunks(
+    chunk_bytes: &[usize],
+    granularity: usize,
+    elem_size: usize,
+) -> Result<(Vec<VmmChunk>, usize)> {
+    if elem_size == 0 {
+        return Err(Error::invalid(
+            "T",
+            "a zero-sized type",
+            "elements need at least one byte",
+        ));
+    }
+    if granularity == 0 {
+        return Err(Error::invalid("granularity", 0, "must be at least 1"));
+    }
+    if chunk_bytes.is_empty() || chunk_bytes.len() > MAX_VMM_CHUNKS {
+        return Err(Error::invalid(
+            "chunk_bytes",
+            format!("{} chunks", chunk_bytes.len()),
+            format!("must hold between 1 and {MAX_VMM_CHUNKS} chunks"),
+        ));
+    }
+    let mut chunks = Vec::with_capacity(chunk_bytes.len());
+    let mut offset = 0usize;
+    for (i, &size) in chunk_bytes.iter().enumerate() {
+        if size == 0 || !size.is_multiple_of(granularity) {
+            return Err(Error::invalid(
+                "chunk_bytes",
+                format!("chunk {i} of {size} bytes"),
+                format!("must be a non-zero multiple of the allocation granularity {granularity}"),
+            ));
+        }
+        chunks.push(VmmChunk { offset, size });
+        offset = offset.checked_add(size).ok_or_else(|| {
+            Error::invalid(
+                "chunk_bytes",
+                format!("chunk {i} of {size} bytes"),
+                "the chunks' total overflows usize",
+            )
+        })?;
+    }
+    if !offset.is_multiple_of(elem_size) {
+        return Err(Error::invalid(
+            "chunk_bytes",
+            format!("{offset} bytes in all"),
+            format!("must be a whole number of {elem_size}-byte elements"),
+        ));
+    }
+    Ok((chunks, offset / elem_size))
+}
+
+/// Check that `ctx`'s device can make GPUDirect RDMA capable VMM memory; the allocation
+/// properties and the minimum granularity.
+fn vmm_setup(ctx: &Arc<CudaContext>) -> Result<(sys::CUmemAllocationProp, usize)> {
+    crate::cuda::init()?;
+    bind(ctx)?;
+    use sys::CUdevice_attribute as A;
+    for (attr, what) in [
+        (
+            A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            "virtual memory management",
+        ),
+        (
+            A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            "GPUDirect RDMA with VMM memory",
+        ),
+    ] {
+        let v = ctx
+            .attribute(attr)
+            .map_err(|e| from_driver("cuDeviceGetAttribute", e))?;
+        if v == 0 {
+            return Err(Error::Unsupported {
+                what: what.into(),
+                reason: format!("device {} reports {attr:?} = 0", ctx.ordinal()),
+            });
+        }
+    }
+    let p = prop(ctx.ordinal() as i32);
+    let mut gran = 0;
+    // SAFETY: valid prop and out-pointer.
+    cu("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &p,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok((p, gran.max(1)))
+}
+
 impl<T: Pod> VmmBuffer<T> {
-    /// Allocate and map `len` elements on `ctx`'s device.
+    /// Allocate and map `len` elements on `ctx`'s device, as one physical chunk.
     ///
     /// # Errors
     ///
@@ -62,74 +176,72 @@ impl<T: Pod> VmmBuffer<T> {
     #[doc(alias = "cuMemSetAccess")]
     pub fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let bytes = byte_size::<T>(len)?;
-        crate::cuda::init()?;
-        super::Tracker::global().reap();
-        bind(ctx)?;
-        use sys::CUdevice_attribute as A;
-        for (attr, what) in [
-            (
-                A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-                "virtual memory management",
-            ),
-            (
-                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-                "GPUDirect RDMA with VMM memory",
-            ),
-        ] {
-            let v = ctx
-                .attribute(attr)
-                .map_err(|e| from_driver("cuDeviceGetAttribute", e))?;
-            if v == 0 {
-                return Err(Error::Unsupported {
-                    what: what.into(),
-                    reason: format!("device {} reports {attr:?} = 0", ctx.ordinal()),
-                });
-            }
-        }
-        let p = prop(ctx.ordinal() as i32);
-        let mut gran = 0;
-        // SAFETY: valid prop and out-pointer.
-        cu("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut gran,
-                &p,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
+        let (p, gran) = vmm_setup(ctx)?;
         let size = round_up(bytes, gran)
             .ok_or_else(|| Error::invalid("len", len, "size overflows when rounded"))?;
-        let mut handle = 0;
-        // SAFETY: valid prop and out-pointer; size is a multiple of the granularity.
-        cu("cuMemCreate", unsafe {
-            sys::cuMemCreate(&mut handle, size, &p, 0)
-        })?;
+        Self::map(ctx, p, gran, &[VmmChunk { offset: 0, size }], len)
+    }
+
+    /// Allocate one physical chunk per entry of `chunk_bytes` (bytes, each a non-zero multiple of
+    /// [`granularity`](Self::granularity)) and map them back to back into one address range, as
+    /// PyTorch's expandable segments do. The buffer holds `sum(chunk_bytes) / size_of::<T>()`
+    /// elements.
+    ///
+    /// The range behaves as one buffer for copies, and exports as one dma-buf
+    /// ([`crate::dmabuf::export`]) across its chunks. Its POSIX fd export
+    /// ([`crate::p2p::ipc::export_vmm`]) covers one physical allocation, so it refuses a buffer of
+    /// several chunks.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] from [`plan_chunks`] (an empty list, more than
+    /// [`MAX_VMM_CHUNKS`], a chunk that is 0 or not a multiple of the granularity, a total that
+    /// overflows or is not a whole number of elements); the errors of [`alloc`](Self::alloc).
+    #[doc(alias = "cuMemCreate")]
+    #[doc(alias = "cuMemMap")]
+    pub fn alloc_chunks(ctx: &Arc<CudaContext>, chunk_bytes: &[usize]) -> Result<Self> {
+        // The granularity is not known before asking the driver: check everything else first.
+        plan_chunks(chunk_bytes, 1, std::mem::size_of::<T>())?;
+        let (p, gran) = vmm_setup(ctx)?;
+        let (chunks, len) = plan_chunks(chunk_bytes, gran, std::mem::size_of::<T>())?;
+        Self::map(ctx, p, gran, &chunks, len)
+    }
+
+    /// `cuMemGetAllocationGranularity(MINIMUM)` for the memory [`alloc`](Self::alloc) makes on
+    /// `ctx`'s device: the unit of every chunk size, in bytes.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](Self::alloc), without allocating.
+    #[doc(alias = "cuMemGetAllocationGranularity")]
+    pub fn granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
+        vmm_setup(ctx).map(|(_, g)| g)
+    }
+
+    /// Reserve the range, create and map each chunk, set access. On error the buffer built so
+    /// far is dropped, which undoes what was done.
+    fn map(
+        ctx: &Arc<CudaContext>,
+        p: sys::CUmemAllocationProp,
+        gran: usize,
+        chunks: &[VmmChunk],
+        len: usize,
+    ) -> Result<Self> {
+        super::Tracker::global().reap();
+        let size = chunks
+            .iter()
+            .try_fold(0usize, |t, c| t.checked_add(c.size))
+            .ok_or_else(|| Error::invalid("chunk_bytes", chunks.len(), "total overflows"))?;
         let mut ptr = 0;
         // SAFETY: out-pointer valid; alignment = granularity, no fixed address.
-        let r = cu("cuMemAddressReserve", unsafe {
+        cu("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0)
-        });
-        if let Err(e) = r {
-            // SAFETY: the handle was created above and is not mapped.
-            unsafe { sys::cuMemRelease(handle) };
-            return Err(e);
-        }
-        // SAFETY: the reserved range and the handle are both `size` bytes.
-        let r = cu("cuMemMap", unsafe {
-            sys::cuMemMap(ptr, size, 0, handle, 0)
-        });
-        if let Err(e) = r {
-            // SAFETY: undo the reservation and the handle made above.
-            unsafe {
-                sys::cuMemAddressFree(ptr, size);
-                sys::cuMemRelease(handle);
-            }
-            return Err(e);
-        }
-        let buf = VmmBuffer {
+        })?;
+        let mut buf = VmmBuffer {
             ptr,
             len,
             size,
-            handle,
+            chunks: Vec::with_capacity(chunks.len()),
             ctx: ctx.clone(),
             pid: std::process::id(),
             _elem: PhantomData,
@@ -138,21 +250,49 @@ impl<T: Pod> VmmBuffer<T> {
             location: p.location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the mapped range; one access descriptor. On error `buf`'s drop undoes it all.
-        cu("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(ptr, size, &access, 1)
-        })?;
+        for &c in chunks {
+            let at = ptr
+                .checked_add(c.offset as u64)
+                .ok_or_else(|| Error::invalid("chunk_bytes", c.offset, "address overflows"))?;
+            let mut handle = 0;
+            // SAFETY: valid prop and out-pointer; the size is a multiple of the granularity.
+            cu("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut handle, c.size, &p, 0)
+            })?;
+            // SAFETY: `at..at + c.size` lies in the reserved range, unmapped; the handle is
+            // `c.size` bytes.
+            if let Err(e) = cu("cuMemMap", unsafe {
+                sys::cuMemMap(at, c.size, 0, handle, 0)
+            }) {
+                // SAFETY: created above, never mapped.
+                unsafe { sys::cuMemRelease(handle) };
+                return Err(e);
+            }
+            buf.chunks.push((c, handle));
+            // SAFETY: the range just mapped; one access descriptor. On error `buf`'s drop undoes
+            // everything.
+            cu("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(at, c.size, &access, 1)
+            })?;
+        }
         Ok(buf)
     }
 
-    /// Bytes mapped: the requested size rounded up to the allocation granularity.
+    /// Bytes mapped: the requested size rounded up to the allocation granularity (the sum of
+    /// the chunks).
     pub fn mapped_bytes(&self) -> usize {
         self.size
     }
 
-    /// The `CUmemGenericAllocationHandle` (for `cuMemExportToShareableHandle`).
+    /// The physical chunks, in address order (one for [`alloc`](Self::alloc)).
+    pub fn chunks(&self) -> Vec<VmmChunk> {
+        self.chunks.iter().map(|(c, _)| *c).collect()
+    }
+
+    /// The `CUmemGenericAllocationHandle` of the first physical chunk (the only one for
+    /// [`alloc`](Self::alloc)), for `cuMemExportToShareableHandle`.
     pub fn handle(&self) -> sys::CUmemGenericAllocationHandle {
-        self.handle
+        self.chunks.first().map_or(0, |(_, h)| *h)
     }
 
     /// The context it was allocated for.
@@ -166,7 +306,8 @@ impl<T: Pod> VmmBuffer<T> {
     }
 }
 
-// SAFETY: the mapping lives until drop and never moves; `len * size_of::<T>() <= size`.
+// SAFETY: the mapping lives until drop and never moves; `len * size_of::<T>() <= size`, and the
+// whole range is mapped (a buffer is only handed out once every chunk is).
 unsafe impl<T: Pod> DeviceMemory for VmmBuffer<T> {
     type Elem = T;
     fn device_ptr(&self) -> u64 {
@@ -191,13 +332,19 @@ impl<T: Pod> Drop for VmmBuffer<T> {
         if forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
-        // SAFETY: the mapping, reservation and handle made in `alloc`; nothing in flight.
+        // SAFETY: the mappings, reservation and handles made in `map`; nothing in flight.
         unsafe {
-            if sys::cuMemUnmap(self.ptr, self.size) != sys::CUresult::CUDA_SUCCESS {
-                return; // still mapped: leak rather than free under a mapping
+            for (c, _) in &self.chunks {
+                if sys::cuMemUnmap(self.ptr + c.offset as u64, c.size)
+                    != sys::CUresult::CUDA_SUCCESS
+                {
+                    return; // still mapped: leak rather than free under a mapping
+                }
             }
             sys::cuMemAddressFree(self.ptr, self.size);
-            sys::cuMemRelease(self.handle);
+            for (_, h) in &self.chunks {
+                sys::cuMemRelease(*h);
+            }
         }
     }
 }
@@ -205,6 +352,34 @@ impl<T: Pod> Drop for VmmBuffer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_are_laid_out_back_to_back() {
+        let g = 2 << 20;
+        let (c, len) = plan_chunks(&[g, 2 * g, g], g, 4).unwrap();
+        assert_eq!(
+            c,
+            vec![
+                VmmChunk { offset: 0, size: g },
+                VmmChunk {
+                    offset: g,
+                    size: 2 * g
+                },
+                VmmChunk {
+                    offset: 3 * g,
+                    size: g
+                },
+            ]
+        );
+        assert_eq!(len, 4 * g / 4);
+        let e = plan_chunks(&[g, g + 4096], g, 1).unwrap_err();
+        assert!(e.to_string().contains("chunk 1"), "{e}");
+        assert!(plan_chunks(&[], g, 1).is_err());
+        assert!(plan_chunks(&[0], g, 1).is_err());
+        assert!(plan_chunks(&[g], g, 0).is_err());
+        assert!(plan_chunks(&[g, g], g, 3).is_err(), "not whole elements");
+        assert!(plan_chunks(&[usize::MAX / 2 + 1, usize::MAX / 2 + 1], 1, 1).is_err());
+    }
 
     #[test]
     fn sizes_round_up_to_granularity() {

@@ -280,7 +280,8 @@ pub(crate) fn vmm_access(ptr: u64, peer: usize) -> Option<bool> {
 /// this call granted it.
 ///
 /// Peer access ([`enable_peer_access`]) does not cover VMM memory: each mapping carries its own
-/// access list.
+/// access list. A buffer of several physical chunks has one mapping per chunk: peer copies
+/// ([`crate::p2p::Copier`]) grant every chunk of the buffers they copy.
 ///
 /// # Errors
 ///
@@ -310,6 +311,57 @@ pub fn grant_vmm_access(ptr: u64, peer: usize) -> Result<bool> {
         sys::cuMemSetAccess(base, size, &desc, 1)
     })?;
     Ok(true)
+}
+
+/// The VMM mappings (`cuMemGetAddressRange_v2` of each) that cover `ptr..ptr + len`, in order: a
+/// buffer of several physical chunks has one per chunk. The caller makes a context current.
+pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
+    let end = ptr
+        .checked_add(len as u64)
+        .ok_or_else(|| Error::invalid("len", len, "ptr + len passes 2^64"))?;
+    let mut out = Vec::new();
+    let mut p = ptr;
+    while p < end {
+        let (base, size) = super::ipc::address_range(p)?;
+        let next = base.checked_add(size).filter(|&n| base <= p && n > p);
+        let Some(next) = next else {
+            return Err(Error::invalid(
+                "ptr",
+                format!("{p:#x}"),
+                format!(
+                    "cuMemGetAddressRange_v2 answered {base:#x}+{size}, which does not hold it"
+                ),
+            ));
+        };
+        out.push((base, size as usize));
+        p = next;
+    }
+    Ok(out)
+}
+
+/// Whether device `peer` has read-write access to every VMM mapping of `ptr..ptr + len`.
+pub(crate) fn vmm_range_access(ptr: u64, len: usize, peer: usize) -> Option<bool> {
+    let ranges = vmm_ranges(ptr, len).ok()?;
+    let mut all = true;
+    for (base, _) in ranges {
+        all &= vmm_access(base, peer)?;
+    }
+    Some(all)
+}
+
+/// [`grant_vmm_access`] for every VMM mapping of `ptr..ptr + len` (each physical chunk of a
+/// buffer made by [`VmmBuffer::alloc_chunks`](crate::memory::VmmBuffer::alloc_chunks)).
+///
+/// # Errors
+///
+/// As [`grant_vmm_access`], for the first chunk that fails.
+pub(crate) fn grant_vmm_range(ptr: u64, len: usize, peer: usize) -> Result<bool> {
+    cu_device(peer)?;
+    let mut granted = false;
+    for (base, _) in vmm_ranges(ptr, len)? {
+        granted |= grant_vmm_access(base, peer)?;
+    }
+    Ok(granted)
 }
 
 /// A `CUmemLocation` naming device `ordinal`.

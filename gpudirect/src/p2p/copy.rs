@@ -2,7 +2,7 @@
 
 use super::access::{self, Refusal};
 use super::staging::Stager;
-use crate::cuda;
+use crate::cuda::{self, capture, capture::Refused};
 use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, Fence, InFlight, MemoryKind, Tracker};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
@@ -83,6 +83,47 @@ pub struct CopyOptions {
     /// (`cuMemPoolSetAccess`/`cuMemSetAccess`) so the copy really runs peer to peer. Default
     /// `true`; with `false` such copies are reported as [`CopyPath::DriverStaged`].
     pub grant_access: bool,
+}
+
+/// The largest staged chunk (and pinned bounce buffer) a [`CopyOptions`] may ask for: 1 GiB.
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+/// The most bounce buffers a [`CopyOptions`] may ask for.
+pub const MAX_SLOTS: usize = 64;
+/// The most pinned memory one copier's staging ring may hold (`chunk_bytes * slots`): 4 GiB.
+pub const MAX_STAGING_BYTES: usize = 4 << 30;
+
+impl CopyOptions {
+    /// Check the options before anything is allocated: `chunk_bytes` in
+    /// `1..=`[`MAX_CHUNK_BYTES`], `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
+    /// memory of the staging ring) at most [`MAX_STAGING_BYTES`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the option.
+    pub fn validate(&self) -> Result<()> {
+        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES {
+            return Err(Error::invalid(
+                "chunk_bytes",
+                self.chunk_bytes,
+                format!("must be between 1 and {MAX_CHUNK_BYTES} bytes"),
+            ));
+        }
+        if self.slots == 0 || self.slots > MAX_SLOTS {
+            return Err(Error::invalid(
+                "slots",
+                self.slots,
+                format!("must be between 1 and {MAX_SLOTS} bounce buffers"),
+            ));
+        }
+        match self.chunk_bytes.checked_mul(self.slots) {
+            Some(total) if total <= MAX_STAGING_BYTES => Ok(()),
+            _ => Err(Error::invalid(
+                "chunk_bytes * slots",
+                format!("{} * {}", self.chunk_bytes, self.slots),
+                format!("the staging ring may hold at most {MAX_STAGING_BYTES} bytes"),
+            )),
+        }
+    }
 }
 
 impl Default for CopyOptions {
@@ -249,16 +290,12 @@ impl Copier {
     /// # Errors
     ///
     /// [`Error::NoDevice`] or [`Error::Load`] without the devices; the refusal itself with
-    /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for a zero `chunk_bytes` or `slots`;
+    /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for options out of bounds
+    /// ([`CopyOptions::validate`]), before any driver call;
     /// [`Error::Cuda`] when creating streams, events or pinned buffers fails.
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub fn new(src: usize, dst: usize, opts: CopyOptions) -> Result<Copier> {
-        if opts.chunk_bytes == 0 {
-            return Err(Error::invalid("chunk_bytes", 0, "must be at least 1 byte"));
-        }
-        if opts.slots == 0 {
-            return Err(Error::invalid("slots", 0, "at least one bounce buffer"));
-        }
+        opts.validate()?;
         let src_ctx = cuda::context(src)?;
         let dst_ctx = cuda::context(dst)?;
         let path = match opts.path {
@@ -411,20 +448,35 @@ impl Copier {
         if self.path != CopyPath::Peer {
             return self.path.clone();
         }
+        // The driver queries below need a current context.
+        let _ = self.inner.src_ctx.bind_to_thread();
         let mut missing = Vec::new();
-        for (arg, ptr, kind, other) in [
-            ("src", src.device_ptr(), src.kind(), self.dst),
-            ("dst", dst.device_ptr(), dst.kind(), self.src),
+        for (arg, ptr, len, kind, other) in [
+            (
+                "src",
+                src.device_ptr(),
+                src.byte_len(),
+                src.kind(),
+                self.dst,
+            ),
+            (
+                "dst",
+                dst.device_ptr(),
+                dst.byte_len(),
+                dst.kind(),
+                self.src,
+            ),
         ] {
             let ok = match kind {
                 MemoryKind::Pool if self.opts.grant_access => {
                     access::grant_pool_access(ptr, other).is_ok()
                 }
                 MemoryKind::Pool => access::pool_access(ptr, other) == Some(true),
+                // Every physical chunk of the buffer carries its own access list.
                 MemoryKind::Vmm if self.opts.grant_access => {
-                    access::grant_vmm_access(ptr, other).is_ok()
+                    access::grant_vmm_range(ptr, len, other).is_ok()
                 }
-                MemoryKind::Vmm => access::vmm_access(ptr, other) == Some(true),
+                MemoryKind::Vmm => access::vmm_range_access(ptr, len, other) == Some(true),
                 _ => true,
             };
             if !ok {
@@ -453,16 +505,31 @@ impl Copier {
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
         self.validate(&src, &dst)?;
-        let bytes = src.byte_len();
+        let bytes = src
+            .len()
+            .checked_mul(std::mem::size_of::<S::Elem>())
+            .ok_or_else(|| Error::invalid("src", src.len(), "len * size_of overflows usize"))?;
         let path = self.path_for(&src, &dst);
         let (s, d) = (src.device_ptr(), dst.device_ptr());
+        for (arg, ptr) in [("src", s), ("dst", d)] {
+            if ptr.checked_add(bytes as u64).is_none() {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{ptr:#x} + {bytes} bytes"),
+                    "the range must not pass the end of the address space",
+                ));
+            }
+        }
         let _guard = self.submit.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &self.inner;
         let (stream, ctx) = match &inner.stager {
             Some(st) => (st.final_stream().clone(), inner.dst_ctx.clone()),
             None => (inner.stream.clone(), inner.src_ctx.clone()),
         };
-        let enqueued: Result<()> = (|| {
+        // Every step goes through the capture-checked path. The copier's streams are its own
+        // and never exposed, so they cannot be capturing; if one ever were, what the copy uses
+        // is leaked (below), never freed.
+        let enqueued: Result<(), Refused<()>> = (|| {
             if bytes == 0 {
                 return Ok(());
             }
@@ -473,15 +540,16 @@ impl Copier {
                     unsafe { st.enqueue(d, s, bytes) }
                 }
                 (CopyPath::SameDevice, _) => {
-                    bind(&inner.src_ctx)?;
-                    // SAFETY: ranges validated (equal lengths) and owned until completion; the stream
-                    // belongs to the current context.
-                    cu("cuMemcpyDtoDAsync_v2", unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(d, s, bytes, inner.stream.cu_stream())
+                    capture::enqueue(&inner.stream, "cuMemcpyDtoDAsync_v2", (), |raw, ()| {
+                        // SAFETY: ranges validated (equal lengths) and owned until completion;
+                        // the stream belongs to the current context.
+                        cu("cuMemcpyDtoDAsync_v2", unsafe {
+                            sys::cuMemcpyDtoDAsync_v2(d, s, bytes, raw)
+                        })
                     })
+                    .map(drop)
                 }
-                _ => {
-                    bind(&inner.src_ctx)?;
+                _ => capture::enqueue(&inner.stream, "cuMemcpyPeerAsync", (), |raw, ()| {
                     // SAFETY: as above; both contexts are live primary contexts.
                     cu("cuMemcpyPeerAsync", unsafe {
                         sys::cuMemcpyPeerAsync(
@@ -490,12 +558,29 @@ impl Copier {
                             s,
                             inner.src_ctx.cu_ctx(),
                             bytes,
-                            inner.stream.cu_stream(),
+                            raw,
                         )
                     })
-                }
+                })
+                .map(drop),
             }
         })();
+        let done = Copied {
+            src,
+            dst,
+            path,
+            bytes,
+            elapsed: Duration::ZERO,
+            _keep: Some(self.inner.clone()),
+        };
+        let enqueued = match enqueued {
+            Err(r) if r.leaked() => {
+                // The work may sit in a graph: leak, never free.
+                std::mem::forget(done);
+                return Err(r.error);
+            }
+            other => other.map_err(|r| r.error),
+        };
         // A staged enqueue that failed midway may have left a D2H on the source stream with no
         // H2D after it: the final event must cover the source stream too. If joining fails, no
         // event can prove the D2H done, so nothing is freed (below).
@@ -506,19 +591,18 @@ impl Copier {
         let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let event = spare
             .map_or_else(|| ctx.new_event(None), Ok)
-            .and_then(|e| e.record(&stream).map(|()| e))
-            .map_err(|e| from_driver("cuEventRecord", e));
+            .map_err(|e| from_driver("cuEventCreate", e))
+            .and_then(|e| {
+                capture::enqueue(&stream, "cuEventRecord", (), |_, ()| {
+                    e.record(&stream)
+                        .map_err(|err| from_driver("cuEventRecord", err))
+                })
+                .map(|_| e)
+                .map_err(Error::from)
+            });
         let fence = |ev| CopyFence {
             event: Some(ev),
             home: self.inner.clone(),
-        };
-        let done = Copied {
-            src,
-            dst,
-            path,
-            bytes,
-            elapsed: Duration::ZERO,
-            _keep: Some(self.inner.clone()),
         };
         match (enqueued, joined, event) {
             (Ok(()), _, Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
@@ -553,11 +637,6 @@ fn resident_device(ptr: u64) -> Option<usize> {
         )
     };
     (r == sys::CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
-}
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }
 
 /// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.

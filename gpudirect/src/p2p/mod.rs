@@ -28,7 +28,7 @@ pub mod attributes;
 pub mod copy;
 pub mod ipc;
 pub mod link;
-mod staging;
+pub(crate) mod staging;
 
 pub use access::{
     Enabled, Refusal, can_access_peer, enable_peer_access, enable_peer_access_both,
@@ -36,7 +36,7 @@ pub use access::{
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
 pub use copy::{
-    Copied, Copier, CopyFence, CopyOptions, CopyPath, PathChoice, PeerCopyInFlight, copy,
-    copy_async,
+    Copied, Copier, CopyFence, CopyOptions, CopyPath, MAX_CHUNK_BYTES, MAX_SLOTS,
+    MAX_STAGING_BYTES, PathChoice, PeerCopyInFlight, copy, copy_async,
 };
 pub use link::{DeviceInfo, Interconnect, Link, LinkMatrix};

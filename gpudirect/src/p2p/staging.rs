@@ -7,6 +7,7 @@
 //! the slot, the source stream waits for that `h2d` event. Nothing blocks the host, and the two
 //! directions run on the two devices' copy engines at once.
 
+use crate::cuda::capture::{self, Refused};
 use crate::error::{Result, cu, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
@@ -73,8 +74,6 @@ struct Slot {
 
 /// Bounce buffers, streams and events of one ordered device pair's staged path.
 pub(crate) struct Stager {
-    src_ctx: Arc<CudaContext>,
-    dst_ctx: Arc<CudaContext>,
     src_stream: Arc<CudaStream>,
     dst_stream: Arc<CudaStream>,
     slots: Vec<Slot>,
@@ -114,8 +113,6 @@ impl Stager {
             .new_event(None)
             .map_err(|e| from_driver("cuEventCreate", e))?;
         Ok(Stager {
-            src_ctx,
-            dst_ctx,
             src_stream,
             dst_stream,
             slots,
@@ -140,23 +137,23 @@ impl Stager {
     /// H2D half was never queued (an [`enqueue`](Self::enqueue) that failed midway). If this
     /// fails, such an event proves nothing about the source stream.
     pub(crate) fn join(&self) -> Result<()> {
-        self.src_ctx
-            .bind_to_thread()
-            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        // SAFETY: a live event and stream of the current context.
-        cu("cuEventRecord", unsafe {
-            sys::cuEventRecord(self.join.cu_event(), self.src_stream.cu_stream())
+        capture::enqueue(&self.src_stream, "cuEventRecord", (), |raw, ()| {
+            // SAFETY: a live event and stream of the current context.
+            cu("cuEventRecord", unsafe {
+                sys::cuEventRecord(self.join.cu_event(), raw)
+            })
         })?;
-        self.dst_ctx
-            .bind_to_thread()
-            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        // SAFETY: a live stream and event; the wait captures the event's state now.
-        cu("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(self.dst_stream.cu_stream(), self.join.cu_event(), 0)
-        })
+        capture::enqueue(&self.dst_stream, "cuStreamWaitEvent", (), |raw, ()| {
+            // SAFETY: a live stream and event; the wait captures the event's state now.
+            cu("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(raw, self.join.cu_event(), 0)
+            })
+        })?;
+        Ok(())
     }
 
-    /// Enqueue `bytes` from device address `src` to device address `dst`.
+    /// Enqueue `bytes` from device address `src` to device address `dst`, through the
+    /// capture-checked path on each stream.
     ///
     /// # Safety
     ///
@@ -164,73 +161,73 @@ impl Stager {
     /// the destination device until the work completes (the caller owns both until an event
     /// recorded on [`final_stream`](Self::final_stream) afterwards completes), and `self` must be
     /// kept alive as long. On `Err`, a D2H may be queued with no H2D after it: call
-    /// [`join`](Self::join) before recording that event.
-    pub(crate) unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    /// [`join`](Self::join) before recording that event. A refusal that says the work may sit in
+    /// a graph ([`Refused::leaked`]) means the caller must leak what the copy uses.
+    pub(crate) unsafe fn enqueue(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), Refused<()>> {
         let n = self.slots.len();
-        let mut off = 0usize;
-        let mut k = 0usize;
-        while off < bytes {
-            let len = self.chunk.min(bytes - off);
+        for (k, (off, len)) in chunk_spans(bytes, self.chunk).enumerate() {
             let slot = &self.slots[k % n];
             debug_assert!(len <= slot.host.bytes);
-            self.src_ctx
-                .bind_to_thread()
-                .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-            // SAFETY: events and streams are live; waiting on a never-recorded event is a no-op.
-            // The slot's previous H2D (chunk k - n) must finish before the slot is overwritten.
-            unsafe {
-                cu(
-                    "cuStreamWaitEvent",
-                    sys::cuStreamWaitEvent(self.src_stream.cu_stream(), slot.h2d.cu_event(), 0),
-                )?;
-                cu(
-                    "cuMemcpyDtoHAsync_v2",
-                    sys::cuMemcpyDtoHAsync_v2(
-                        slot.host.ptr,
-                        src + off as u64,
-                        len,
-                        self.src_stream.cu_stream(),
-                    ),
-                )?;
-                cu(
-                    "cuEventRecord",
-                    sys::cuEventRecord(slot.d2h.cu_event(), self.src_stream.cu_stream()),
-                )?;
-            }
+            // In range: the caller's ranges are `bytes` long and do not wrap (checked).
+            let (s, d) = (src + off as u64, dst + off as u64);
+            capture::enqueue(&self.src_stream, "cuMemcpyDtoHAsync_v2", (), |raw, ()| {
+                // SAFETY: events and streams are live; waiting on a never-recorded event is a
+                // no-op. The slot's previous H2D (chunk k - n) must finish before the slot is
+                // overwritten.
+                unsafe {
+                    cu(
+                        "cuStreamWaitEvent",
+                        sys::cuStreamWaitEvent(raw, slot.h2d.cu_event(), 0),
+                    )?;
+                    cu(
+                        "cuMemcpyDtoHAsync_v2",
+                        sys::cuMemcpyDtoHAsync_v2(slot.host.ptr, s, len, raw),
+                    )?;
+                    cu(
+                        "cuEventRecord",
+                        sys::cuEventRecord(slot.d2h.cu_event(), raw),
+                    )
+                }
+            })?;
             #[cfg(test)]
             if FAIL_AFTER_D2H.with(|f| f.get()) == Some(k) {
-                return Err(crate::Error::invalid(
-                    "test",
-                    k,
-                    "injected failure after a D2H",
-                ));
+                return Err(Refused {
+                    error: crate::Error::invalid("test", k, "injected failure after a D2H"),
+                    kept: Some(()),
+                });
             }
-            self.dst_ctx
-                .bind_to_thread()
-                .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-            // SAFETY: as above; the H2D reads the slot only after its D2H (event wait).
-            unsafe {
-                cu(
-                    "cuStreamWaitEvent",
-                    sys::cuStreamWaitEvent(self.dst_stream.cu_stream(), slot.d2h.cu_event(), 0),
-                )?;
-                cu(
-                    "cuMemcpyHtoDAsync_v2",
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dst + off as u64,
-                        slot.host.ptr,
-                        len,
-                        self.dst_stream.cu_stream(),
-                    ),
-                )?;
-                cu(
-                    "cuEventRecord",
-                    sys::cuEventRecord(slot.h2d.cu_event(), self.dst_stream.cu_stream()),
-                )?;
-            }
-            off += len;
-            k += 1;
+            capture::enqueue(&self.dst_stream, "cuMemcpyHtoDAsync_v2", (), |raw, ()| {
+                // SAFETY: as above; the H2D reads the slot only after its D2H (event wait).
+                unsafe {
+                    cu(
+                        "cuStreamWaitEvent",
+                        sys::cuStreamWaitEvent(raw, slot.d2h.cu_event(), 0),
+                    )?;
+                    cu(
+                        "cuMemcpyHtoDAsync_v2",
+                        sys::cuMemcpyHtoDAsync_v2(d, slot.host.ptr, len, raw),
+                    )?;
+                    cu(
+                        "cuEventRecord",
+                        sys::cuEventRecord(slot.h2d.cu_event(), raw),
+                    )
+                }
+            })?;
         }
         Ok(())
     }
+}
+
+/// The chunks of a `bytes`-long staged copy through `chunk`-byte bounce buffers: `(offset, len)`
+/// each, in order, covering `0..bytes` exactly. A `chunk` of 0 yields nothing.
+pub(crate) fn chunk_spans(bytes: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = chunk.max(1);
+    (0..if chunk == 0 { 0 } else { bytes })
+        .step_by(step)
+        .map(move |off| (off, chunk.min(bytes - off)))
 }

@@ -37,12 +37,12 @@
 //!
 //! The region owns the memory and, for dma-buf, the exported fd: `ibv_dereg_mr` runs when the
 //! region and every [`MrSlice`] of it (work requests hold slices until completion) are gone, and
-//! only after it succeeds are the fd closed and the memory freed. If it fails, both are leaked
-//! (DESIGN.md, verbs teardown).
+//! only after it succeeds are the fd closed and the memory freed. If it fails, both are leaked.
 
 use super::mr::{AccessFlags, MrInner, MrSlice, RemoteMemory};
 use super::pd::ProtectionDomain;
 use super::{nonnull, verbs};
+use crate::dmabuf::DmaBuf;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, PointerAttributes};
 use gpudirect_sys::ibverbs as ibv;
@@ -229,7 +229,14 @@ pub unsafe trait GpuMrSource: Send + 'static {
     /// # Errors
     ///
     /// A [`Refusal`] saying why this path cannot be taken.
-    fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal>;
+    ///
+    /// # Safety
+    ///
+    /// The fd reaches `self`'s memory, which the driver does not keep alive for it: the caller
+    /// must close the fd and every duplicate of it before `self` is dropped, and hand it to no
+    /// one who could keep it longer. ([`ProtectionDomain::register_gpu`] keeps the fd beside the
+    /// source and closes it first.)
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal>;
 
     /// Whether the peer-memory step may register [`nic_addr`](Self::nic_addr) with `ibv_reg_mr`.
     ///
@@ -268,24 +275,8 @@ pub fn check_rdma_capable<M: DeviceMemory>(mem: &M) -> Result<PointerAttributes>
         ));
     }
     let ptr = mem.device_ptr();
-    let attrs = crate::memory::pointer_attributes(ptr);
-    if kind == MemoryKind::Pool {
-        let attr = match &attrs {
-            Ok(a) => format!(
-                "CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = {}",
-                a.gpu_direct_rdma_capable as u8
-            ),
-            Err(e) => format!("attributes unreadable: {e}"),
-        };
-        return Err(Error::NotRdmaCapable {
-            ptr,
-            kind,
-            reason: format!(
-                "stream-ordered pool memory (cuMemAllocAsync, cudarc's CudaSlice) is not GPUDirect RDMA capable ({attr}); allocate a DeviceBuffer or VmmBuffer"
-            ),
-        });
-    }
-    let attrs = attrs?;
+    crate::memory::refuse_pool(kind, ptr, "GPU memory registration")?;
+    let attrs = crate::memory::pointer_attributes(ptr)?;
     if !attrs.gpu_direct_rdma_capable {
         return Err(Error::NotRdmaCapable {
             ptr,
@@ -322,6 +313,28 @@ pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
     })
 }
 
+/// The checks and settings before device memory is handed to a NIC: RDMA capable, the device
+/// supports GPUDirect RDMA, `SYNC_MEMOPS` set.
+fn prepare_device<M: DeviceMemory>(mem: &M) -> Result<()> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    check_rdma_capable(mem)?;
+    let ordinal = mem.ordinal();
+    if device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? == 0 {
+        return Err(Error::Unsupported {
+            what: "GPUDirect RDMA".into(),
+            reason: format!(
+                "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED = 0"
+            ),
+        });
+    }
+    match set_sync_memops(ordinal, mem.device_ptr()) {
+        // VMM mappings may not take the attribute; their copies are not deferred the way
+        // cuMemAlloc memory's can be, so a refusal there is not an error.
+        Err(Error::Cuda { .. }) if mem.kind() == MemoryKind::Vmm => Ok(()),
+        r => r,
+    }
+}
+
 fn device_attr(ordinal: usize, a: cudarc::driver::sys::CUdevice_attribute) -> Result<i32> {
     let ctx = crate::cuda::context(ordinal)?;
     ctx.attribute(a)
@@ -341,26 +354,10 @@ unsafe impl<M: DeviceMemoryMut> GpuMrSource for M {
     }
 
     fn prepare(&self) -> Result<()> {
-        use cudarc::driver::sys::CUdevice_attribute as A;
-        check_rdma_capable(self)?;
-        let ordinal = self.ordinal();
-        if device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)? == 0 {
-            return Err(Error::Unsupported {
-                what: "GPUDirect RDMA".into(),
-                reason: format!(
-                    "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED = 0"
-                ),
-            });
-        }
-        match set_sync_memops(ordinal, self.device_ptr()) {
-            // VMM mappings may not take the attribute; their copies are not deferred the way
-            // cuMemAlloc memory's can be, so a refusal there is not an error.
-            Err(Error::Cuda { .. }) if self.kind() == MemoryKind::Vmm => Ok(()),
-            r => r,
-        }
+        prepare_device(self)
     }
 
-    fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let ordinal = self.ordinal();
         match device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) {
@@ -701,7 +698,9 @@ impl ProtectionDomain {
         s: S,
         access: AccessFlags,
     ) -> Result<Registered<S>, (S, Refusal)> {
-        let (fd, offset) = match s.export_dmabuf() {
+        // SAFETY: the fd goes into the region's owner beside `s`, declared first so that it is
+        // closed before `s` is dropped; on refusal it is closed here, while `s` is alive.
+        let (fd, offset) = match unsafe { s.export_dmabuf() } {
             Ok(x) => x,
             Err(r) => return Err((s, r)),
         };
@@ -734,6 +733,61 @@ impl ProtectionDomain {
             Err(e @ Error::Unsupported { .. }) => Err((s, Refusal::Unsupported(e))),
             Err(e) => Err((s, Refusal::Failed(e))),
         }
+    }
+
+    /// `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd, access)` over a dma-buf export made by
+    /// [`crate::dmabuf::export`]: registers exactly the export's requested bytes
+    /// ([`DmaBuf::range`]: `offset` inside the fd, `len`, `iova` = the device pointer). The region
+    /// owns the export, so the fd and the memory outlive the registration: `ibv_dereg_mr` first,
+    /// then the fd closed, then the memory dropped. The memory must be owned
+    /// ([`DeviceMemoryMut`]), since the NIC may write it.
+    ///
+    /// There is no safe way to register any other fd: an fd alone says nothing about how long
+    /// the memory behind it lives. [`register_dmabuf_fd`](Self::register_dmabuf_fd) is the
+    /// `unsafe` form for dma-bufs of other exporters.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an export whose numbers overflow; [`Error::NotRdmaCapable`]
+    /// or [`Error::Unsupported`] when the memory or device cannot do GPUDirect RDMA (checked
+    /// before any verbs call, as [`register_gpu`](Self::register_gpu) does); [`Error::Load`]
+    /// without libibverbs; [`Error::Unsupported`] saying dma-buf when `ibv_reg_dmabuf_mr` is
+    /// missing or answers `EOPNOTSUPP`; [`Error::Os`] naming `ibv_reg_dmabuf_mr` otherwise.
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub fn register_dmabuf<M: DeviceMemoryMut>(
+        &self,
+        export: DmaBuf<M>,
+        access: AccessFlags,
+    ) -> Result<GpuMemoryRegion<DmaBuf<M>>> {
+        let r = export.range();
+        let len = usize::try_from(r.len)
+            .map_err(|_| Error::invalid("export", r.len, "length does not fit usize"))?;
+        let args = DmabufRegArgs::new(r.offset, len, r.iova, access)?;
+        prepare_device(export.memory())?;
+        let l = verbs()?;
+        let mr = self.reg_dmabuf(l, export.fd(), args)?;
+        let owner = Box::new(export);
+        let src = std::ptr::NonNull::from(&*owner);
+        // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed from
+        // `args.iova`; the owner keeps the fd and the memory until after dereg.
+        let inner = unsafe {
+            MrInner::registered(
+                mr,
+                args.iova,
+                args.len,
+                args.access,
+                self.inner.clone(),
+                owner,
+            )
+        };
+        Ok(GpuMemoryRegion {
+            inner,
+            path: GpuMrPath::DmaBuf,
+            attempts: GpuMrAttempts::default(),
+            dmabuf_offset: Some(args.offset),
+            src,
+            _src: PhantomData,
+        })
     }
 
     fn try_peermem<S: GpuMrSource>(

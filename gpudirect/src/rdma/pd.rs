@@ -109,7 +109,9 @@ impl ProtectionDomain {
 
 impl ProtectionDomain {
     /// `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd, access)`—register `len` bytes at `offset`
-    /// of the dma-buf `fd`; peers address them from `iova`. The region keeps `fd`.
+    /// of the dma-buf `fd` of any exporter; peers address them from `iova`. The region keeps
+    /// `fd`. For CUDA memory use the safe
+    /// [`register_dmabuf`](ProtectionDomain::register_dmabuf), which takes the owning export.
     ///
     /// # Errors
     ///
@@ -117,8 +119,14 @@ impl ProtectionDomain {
     /// call or the device answers `EOPNOTSUPP` (Soft-RoCE, kernels before 5.12): the caller's
     /// automatic mode then tries the next path; [`Error::Os`](crate::Error::Os) naming
     /// `ibv_reg_dmabuf_mr` otherwise (`EINVAL` for an fd that is no dma-buf).
+    ///
+    /// # Safety
+    ///
+    /// The NIC may read and (with write access) write the registered bytes until the region is
+    /// dropped: the memory behind `fd` must stay allocated, and not be reused for anything else,
+    /// until then. An fd does not guarantee that (a CUDA dma-buf does not keep its memory alive).
     #[doc(alias = "ibv_reg_dmabuf_mr")]
-    pub fn register_dmabuf(
+    pub unsafe fn register_dmabuf_fd(
         &self,
         fd: std::os::fd::OwnedFd,
         offset: u64,

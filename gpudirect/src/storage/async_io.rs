@@ -322,19 +322,24 @@ impl FileHandle {
         } else {
             lib.cuFileWriteAsync
         };
-        // SAFETY: every pointer is into the boxed block or the owned buffer, both moved into the
-        // tracker below and kept until the host callback after this operation has run.
-        check(call, unsafe {
-            f(
-                self.inner.handle,
-                base,
-                &raw mut (*p).size,
-                &raw mut (*p).file_offset,
-                &raw mut (*p).buf_offset,
-                &raw mut (*p).bytes,
-                stream.cu_stream().cast(),
-            )
-        })?;
+        let handle = self.inner.handle;
+        let ((), (buf, params)) =
+            crate::cuda::capture::enqueue(stream, call, (buf, params), |raw, _| {
+                // SAFETY: every pointer is into the boxed block or the owned buffer, both moved
+                // into the tracker below (or leaked by the capture check) and kept until the host
+                // callback after this operation has run.
+                check(call, unsafe {
+                    f(
+                        handle,
+                        base,
+                        &raw mut (*p).size,
+                        &raw mut (*p).file_offset,
+                        &raw mut (*p).buf_offset,
+                        &raw mut (*p).bytes,
+                        raw.cast(),
+                    )
+                })
+            })?;
         let resources = AsyncResources {
             buffer: buf,
             handle: self.clone(),

@@ -110,29 +110,36 @@ impl IpcEvent {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when `stream` is on another device; [`Error::Cuda`].
+    /// [`Error::InvalidArgument`] when `stream` is on another device;
+    /// [`Error::StreamCapturing`] while `stream` captures a CUDA graph; [`Error::Cuda`].
     #[doc(alias = "cuEventRecord")]
     pub fn record(&self, stream: &Stream) -> Result<()> {
         self.same_device(stream)?;
-        bind(&self.ctx)?;
-        // SAFETY: a live event and stream of the current context.
-        cu("cuEventRecord", unsafe {
-            sys::cuEventRecord(self.event, stream.cu_stream())
-        })
+        stream.enqueue("cuEventRecord", (), |raw, ()| {
+            // SAFETY: a live event and stream of the current context (the stream's, which is
+            // the event's: same device).
+            cu("cuEventRecord", unsafe {
+                sys::cuEventRecord(self.event, raw)
+            })
+        })?;
+        Ok(())
     }
 
     /// `cuStreamWaitEvent`: work queued on `stream` after this call waits for the event.
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] from the driver.
+    /// [`Error::StreamCapturing`] while `stream` captures a CUDA graph; [`Error::Cuda`] from the
+    /// driver.
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_on(&self, stream: &Stream) -> Result<()> {
-        bind(stream.context())?;
-        // SAFETY: a live event and stream; flags 0.
-        cu("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(stream.cu_stream(), self.event, 0)
-        })
+        stream.enqueue("cuStreamWaitEvent", (), |raw, ()| {
+            // SAFETY: a live event and stream; flags 0.
+            cu("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(raw, self.event, 0)
+            })
+        })?;
+        Ok(())
     }
 
     /// `cuEventSynchronize`: block until the event completes.

@@ -47,6 +47,41 @@ impl IpcMemHandle {
     pub fn bytes_raw(&self) -> &[u8; 64] {
         &self.handle
     }
+
+    /// Check the handle's sizes (a peer's word, untrusted) for elements of `elem_size` bytes,
+    /// before any FFI call: the element size matches and is non-zero, `bytes` is whole elements
+    /// whose count fits `usize`, and `offset + bytes` stays within 2^64. Returns the element
+    /// count. (Whether the range lies in the allocation is checked after mapping it.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self, elem_size: usize) -> Result<usize> {
+        let size = elem_size as u64;
+        if self.elem_size as u64 != size || size == 0 {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                self.elem_size,
+                format!("must equal size_of::<T>() = {size} (non-zero)"),
+            ));
+        }
+        if !self.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.bytes",
+                self.bytes,
+                format!("must be a whole number of {size}-byte elements"),
+            ));
+        }
+        if self.offset.checked_add(self.bytes).is_none() {
+            return Err(Error::invalid(
+                "handle.offset",
+                self.offset,
+                "offset + bytes passes 2^64",
+            ));
+        }
+        usize::try_from(self.bytes / size)
+            .map_err(|_| Error::invalid("handle.bytes", self.bytes, "element count must fit usize"))
+    }
 }
 
 /// A buffer exported for other processes: it owns the buffer, so the memory stays allocated while
@@ -67,8 +102,9 @@ impl<B: DeviceMemory> IpcExport<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for other memory kinds: VMM memory is shared by file descriptor
-    /// ([`super::export_vmm`]); default-pool memory (cudarc's `CudaSlice`) is not exportable
+    /// [`Error::Unsupported`] for other memory kinds, naming the API that shares them: VMM memory
+    /// is shared by file descriptor ([`super::export_vmm`]); memory of an [`super::IpcPool`] by
+    /// [`super::PoolAlloc::export`]; default-pool memory (cudarc's `CudaSlice`) is not exportable
     /// (`cuMemPoolExportPointer` needs a pool created with a shareable handle type); host memory
     /// is not device memory. [`Error::Cuda`] from the driver.
     ///
@@ -86,13 +122,11 @@ impl<B: DeviceMemory> IpcExport<B> {
                 });
             }
             MemoryKind::Pool => {
-                return Err(Error::Unsupported {
-                    what: "IPC export of pool memory".into(),
-                    reason: "cuMemPoolExportPointer needs a pool created with a shareable handle \
-                             type; the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
-                             from a p2p::ipc::IpcPool"
-                        .into(),
-                });
+                let origin = cuda::context(buf.ordinal())
+                    .ok()
+                    .filter(|ctx| ctx.bind_to_thread().is_ok())
+                    .and_then(|_| super::pool::ipc_pool_of(buf.device_ptr()));
+                return Err(pool_refusal(origin));
             }
             other => {
                 return Err(Error::Unsupported {
@@ -118,7 +152,13 @@ impl<B: DeviceMemory> IpcExport<B> {
         })?;
         let handle = IpcMemHandle {
             handle: to_bytes(&h.reserved),
-            offset: ptr - base,
+            offset: ptr.checked_sub(base).ok_or_else(|| {
+                Error::invalid(
+                    "buf",
+                    format!("{ptr:#x}"),
+                    format!("lies before its allocation's base {base:#x}"),
+                )
+            })?,
             bytes: buf.byte_len() as u64,
             elem_size: std::mem::size_of::<B::Elem>() as u32,
             device: buf.ordinal() as u32,
@@ -139,6 +179,33 @@ impl<B: DeviceMemory> IpcExport<B> {
     /// End the export and take the buffer back. Importers must have closed their mappings.
     pub fn into_inner(self) -> B {
         self.buf
+    }
+}
+
+/// Why [`IpcExport::new`] refuses pool memory, naming the API that does share it: `origin` is
+/// [`super::pool::ipc_pool_of`]'s answer.
+fn pool_refusal(origin: Option<bool>) -> Error {
+    match origin {
+        Some(false) => Error::Unsupported {
+            what: "cuIpcGetMemHandle on IpcPool memory".into(),
+            reason: "memory of an IpcPool is shared pointer by pointer: send the pool's fd \
+                     (IpcPool::export_fd) once and each allocation's PoolAlloc::export handle \
+                     (cuMemPoolExportPointer)"
+                .into(),
+        },
+        Some(true) => Error::Unsupported {
+            what: "IPC export of imported pool memory".into(),
+            reason: "a pointer imported from another process's IpcPool (PoolImport) cannot be \
+                     exported again: the exporting process shares it"
+                .into(),
+        },
+        None => Error::Unsupported {
+            what: "IPC export of pool memory".into(),
+            reason: "cuMemPoolExportPointer needs a pool created with a shareable handle type; \
+                     the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
+                     what you share from a p2p::ipc::IpcPool"
+                .into(),
+        },
     }
 }
 
@@ -180,21 +247,7 @@ impl<T: Pod> IpcMemory<T> {
     #[doc(alias = "cuIpcOpenMemHandle")]
     #[doc(alias = "cuIpcOpenMemHandle_v2")]
     pub fn open(handle: &IpcMemHandle, ordinal: usize) -> Result<Self> {
-        let size = std::mem::size_of::<T>() as u64;
-        if handle.elem_size as u64 != size {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                handle.elem_size,
-                format!("must equal size_of::<T>() = {size}"),
-            ));
-        }
-        if size == 0 || !handle.bytes.is_multiple_of(size) {
-            return Err(Error::invalid(
-                "handle.bytes",
-                handle.bytes,
-                format!("must be a whole number of {size}-byte elements"),
-            ));
-        }
+        let len = handle.check(std::mem::size_of::<T>())?;
         let ctx = cuda::context(ordinal)?;
         ctx.bind_to_thread()
             .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
@@ -228,7 +281,7 @@ impl<T: Pod> IpcMemory<T> {
             base,
             // In bounds of the mapping (checked above), so no overflow.
             ptr: base + handle.offset,
-            len: (handle.bytes / size) as usize,
+            len,
             ctx,
             pid: std::process::id(),
             _elem: PhantomData,
@@ -269,5 +322,32 @@ impl<T: Pod> Drop for IpcMemory<T> {
         // caller's own unsafe code is the caller's to finish first.
         // SAFETY: `base` came from cuIpcOpenMemHandle_v2 and is closed once.
         let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_refusals_name_the_api_that_shares_the_memory() {
+        let msg = |o| pool_refusal(o).to_string();
+        let own = msg(Some(false));
+        assert!(own.contains("PoolAlloc::export"), "{own}");
+        assert!(
+            !own.contains("allocate"),
+            "IpcPool memory is not told to use an IpcPool: {own}"
+        );
+        let imported = msg(Some(true));
+        assert!(imported.contains("PoolImport"), "{imported}");
+        assert!(!imported.contains("allocate"), "{imported}");
+        let default = msg(None);
+        assert!(
+            default.contains("CudaSlice") && default.contains("IpcPool"),
+            "{default}"
+        );
+        for o in [Some(false), Some(true), None] {
+            assert!(matches!(pool_refusal(o), Error::Unsupported { .. }));
+        }
     }
 }

@@ -10,7 +10,9 @@
 //!
 //! Stream-ordered pool memory from the device's default pool (cudarc's `CudaSlice`) is not
 //! exportable: [`IpcExport::new`] answers [`crate::Error::Unsupported`] for it, naming
-//! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead.
+//! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead. For
+//! memory of an [`IpcPool`] it answers the same error naming [`PoolAlloc::export`], the API
+//! that shares it.
 //!
 //! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
 //! any serde format. Imported mappings own their mapping, and data paths hold it in their

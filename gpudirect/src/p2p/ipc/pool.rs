@@ -11,9 +11,10 @@ use crate::error::{Error, Result, cu, from_driver};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
 use crate::p2p::access::device_location;
 use cudarc::driver::{CudaContext, sys};
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A stream-ordered memory pool on one device that other processes can import.
 #[derive(Debug)]
@@ -27,6 +28,44 @@ pub struct IpcPool {
     /// only once the pool has been exported.
     fd: Option<OwnedFd>,
     pid: u32,
+}
+
+/// The pools this process made or imported as [`IpcPool`]s (by handle), and whether imported:
+/// what lets [`IpcExport::new`](super::IpcExport::new) name the right export API for their memory.
+fn known_pools() -> &'static Mutex<HashMap<usize, bool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    POOLS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Where pool memory at `ptr` comes from: `Some(false)` for an allocation of an [`IpcPool`] made
+/// here, `Some(true)` for a pointer imported into an imported one, `None` for any other pool
+/// (the device's default pool: cudarc's `CudaSlice`) or when the driver cannot say. The caller
+/// makes a context current.
+pub(crate) fn ipc_pool_of(ptr: u64) -> Option<bool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the out-pointer has the attribute's type (a CUmemoryPool).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut sys::CUmemoryPool).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || pool.is_null() {
+        return None;
+    }
+    known_pools()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(pool as usize))
+        .copied()
+}
+
+fn remember(pool: sys::CUmemoryPool, imported: bool) {
+    known_pools()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(pool as usize, imported);
 }
 
 // SAFETY: a CUmemoryPool is a driver handle usable from any thread.
@@ -82,6 +121,7 @@ impl IpcPool {
         })?;
         // SAFETY: a new descriptor owned by us.
         out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+        remember(pool, false);
         Ok(Arc::new(out))
     }
 
@@ -135,6 +175,7 @@ impl IpcPool {
             fd: None,
             pid: std::process::id(),
         });
+        remember(pool, true);
         if ordinal != pool_device {
             let desc = sys::CUmemAccessDesc {
                 location: device_location(ordinal),
@@ -154,7 +195,9 @@ impl IpcPool {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for `len == 0`, an imported pool (imported pools cannot
-    /// allocate) or a stream of another device; [`Error::Cuda`] from the driver.
+    /// allocate) or a stream of another device; [`Error::StreamCapturing`] while `stream`
+    /// captures a CUDA graph (a captured allocation would be made at every launch);
+    /// [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemAllocFromPoolAsync")]
     pub fn alloc<T: Pod>(self: &Arc<Self>, len: usize, stream: &Stream) -> Result<PoolAlloc<T>> {
         let bytes = len
@@ -175,11 +218,14 @@ impl IpcPool {
                 format!("the pool lives on device {}", self.device),
             ));
         }
-        bind(&self.ctx)?;
-        let mut ptr = 0;
-        // SAFETY: context current; a live pool and stream; valid out-pointer.
-        cu("cuMemAllocFromPoolAsync", unsafe {
-            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, stream.cu_stream())
+        let (ptr, ()) = stream.enqueue("cuMemAllocFromPoolAsync", (), |raw, ()| {
+            let mut ptr = 0;
+            // SAFETY: the stream's context (the pool's device) is current; a live pool and
+            // stream; valid out-pointer.
+            cu("cuMemAllocFromPoolAsync", unsafe {
+                sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, raw)
+            })?;
+            Ok(ptr)
         })?;
         let out = PoolAlloc {
             ptr,
@@ -194,6 +240,10 @@ impl IpcPool {
 
 impl Drop for IpcPool {
     fn drop(&mut self) {
+        known_pools()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(self.pool as usize));
         if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
@@ -213,6 +263,47 @@ pub struct PoolPtrHandle {
     pub elem_size: u32,
     /// The pool's device (exporter's numbering).
     pub device: u32,
+}
+
+impl PoolPtrHandle {
+    /// A handle with zeroed export data, for the property tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(bytes: u64, elem_size: u32) -> Self {
+        PoolPtrHandle {
+            data: [0; 64],
+            bytes,
+            elem_size,
+            device: 0,
+        }
+    }
+
+    /// Check the handle's sizes (a peer's word, untrusted) for elements of `elem_size` bytes,
+    /// before any FFI call: the element size matches and is non-zero, and `bytes` is a non-zero
+    /// whole number of elements whose count fits `usize`. Returns the element count. (Whether
+    /// `bytes` lies within the allocation is checked after importing it.)
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self, elem_size: usize) -> Result<usize> {
+        let size = elem_size as u64;
+        if self.elem_size as u64 != size || size == 0 {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                self.elem_size,
+                format!("must equal size_of::<T>() = {size} (non-zero)"),
+            ));
+        }
+        if self.bytes == 0 || !self.bytes.is_multiple_of(size) {
+            return Err(Error::invalid(
+                "handle.bytes",
+                self.bytes,
+                format!("must be a non-zero whole number of {size}-byte elements"),
+            ));
+        }
+        usize::try_from(self.bytes / size)
+            .map_err(|_| Error::invalid("handle.bytes", self.bytes, "element count must fit usize"))
+    }
 }
 
 /// An allocation from an [`IpcPool`]; freed with `cuMemFree` on drop (importers must have freed
@@ -242,7 +333,7 @@ impl<T: Pod> PoolAlloc<T> {
         })?;
         Ok(PoolPtrHandle {
             data: d.reserved,
-            bytes: (self.len * std::mem::size_of::<T>()) as u64,
+            bytes: self.byte_len() as u64,
             elem_size: std::mem::size_of::<T>() as u32,
             device: self.pool.device as u32,
         })
@@ -301,14 +392,7 @@ impl<T: Pod> PoolImport<T> {
     /// `cuMemGetAddressRange`; the import is freed again); [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolImportPointer")]
     pub fn open(pool: &Arc<IpcPool>, handle: &PoolPtrHandle) -> Result<Self> {
-        let size = std::mem::size_of::<T>() as u64;
-        if handle.elem_size as u64 != size || size == 0 || !handle.bytes.is_multiple_of(size) {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                handle.elem_size,
-                format!("must equal size_of::<T>() = {size}, with whole elements"),
-            ));
-        }
+        let len = handle.check(std::mem::size_of::<T>())?;
         if !pool.imported {
             return Err(Error::invalid(
                 "pool",
@@ -341,7 +425,7 @@ impl<T: Pod> PoolImport<T> {
         }
         Ok(PoolImport {
             ptr,
-            len: (handle.bytes / size) as usize,
+            len,
             pool: pool.clone(),
             _elem: PhantomData,
         })

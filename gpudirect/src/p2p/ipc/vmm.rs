@@ -3,7 +3,7 @@
 
 use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, VmmBuffer};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, VmmBuffer, VmmChunk};
 use crate::p2p::access::device_location as access_location;
 use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;
@@ -23,6 +23,50 @@ pub struct VmmHandle {
     pub device: u32,
 }
 
+impl VmmHandle {
+    /// Check a handle from a peer (untrusted) for elements of `elem_size` bytes, before any FFI
+    /// call: the element size matches, `bytes` is whole elements within `mapped_bytes`, and
+    /// `mapped_bytes` is non-zero and fits `usize`. Returns `(mapped_bytes, elements)`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self, elem_size: usize) -> Result<(usize, usize)> {
+        let size = elem_size as u64;
+        if self.elem_size as u64 != size || size == 0 {
+            return Err(Error::invalid(
+                "handle.elem_size",
+                self.elem_size,
+                format!("must equal size_of::<T>() = {size} (non-zero)"),
+            ));
+        }
+        if !self.bytes.is_multiple_of(size) || self.bytes > self.mapped_bytes {
+            return Err(Error::invalid(
+                "handle.bytes",
+                self.bytes,
+                format!(
+                    "must be whole {size}-byte elements within mapped_bytes = {}",
+                    self.mapped_bytes
+                ),
+            ));
+        }
+        let mapped = usize::try_from(self.mapped_bytes)
+            .ok()
+            .filter(|&m| m > 0)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "handle.mapped_bytes",
+                    self.mapped_bytes,
+                    "must be non-zero and fit usize",
+                )
+            })?;
+        let len = usize::try_from(self.bytes / size).map_err(|_| {
+            Error::invalid("handle.bytes", self.bytes, "element count must fit usize")
+        })?;
+        Ok((mapped, len))
+    }
+}
+
 /// `cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)`: a descriptor for `buf`'s physical
 /// allocation and the sizes to map it with.
 ///
@@ -31,14 +75,18 @@ pub struct VmmHandle {
 ///
 /// # Errors
 ///
-/// [`Error::Cuda`] from the driver (`CUDA_ERROR_NOT_SUPPORTED` when the allocation was not made
-/// with the POSIX fd handle type; [`VmmBuffer`] always requests it).
+/// [`Error::Unsupported`] for a buffer of several physical chunks
+/// ([`VmmBuffer::alloc_chunks`]), naming the chunks: the fd covers one physical allocation, so
+/// an importer would see only the first chunk. [`Error::Cuda`] from the driver
+/// (`CUDA_ERROR_NOT_SUPPORTED` when the allocation was not made with the POSIX fd handle type;
+/// [`VmmBuffer`] always requests it).
 ///
 /// # C function
 ///
 /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
 #[doc(alias = "cuMemExportToShareableHandle")]
 pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
+    check_one_chunk(&buf.chunks(), buf.mapped_bytes())?;
     buf.context()
         .bind_to_thread()
         .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
@@ -64,6 +112,30 @@ pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
             device: buf.ordinal() as u32,
         },
     ))
+}
+
+/// The POSIX fd export covers one physical allocation: refuse a buffer of several, naming them.
+fn check_one_chunk(chunks: &[VmmChunk], mapped: usize) -> Result<()> {
+    if chunks.len() <= 1 {
+        return Ok(());
+    }
+    let list: Vec<String> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("chunk {i} at bytes {}..{}", c.offset, c.offset + c.size))
+        .collect();
+    Err(Error::Unsupported {
+        what: format!(
+            "POSIX fd export of a VMM buffer of {} physical chunks",
+            chunks.len()
+        ),
+        reason: format!(
+            "cuMemExportToShareableHandle exports one physical allocation, so an importer would \
+             map only chunk 0 of the {mapped} bytes ({}); export the buffer by dma-buf, or \
+             allocate what you share as one chunk (VmmBuffer::alloc)",
+            list.join(", ")
+        ),
+    })
 }
 
 /// VMM memory of another process, imported from a descriptor and mapped read-write for device
@@ -96,28 +168,10 @@ impl<T: Pod> VmmImport<T> {
     /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
     #[doc(alias = "cuMemImportFromShareableHandle")]
     pub fn open(fd: BorrowedFd<'_>, handle: &VmmHandle, ordinal: usize) -> Result<Self> {
-        let size = std::mem::size_of::<T>() as u64;
-        if handle.elem_size as u64 != size {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                handle.elem_size,
-                format!("must equal size_of::<T>() = {size}"),
-            ));
-        }
-        if size == 0 || !handle.bytes.is_multiple_of(size) || handle.bytes > handle.mapped_bytes {
-            return Err(Error::invalid(
-                "handle.bytes",
-                handle.bytes,
-                format!(
-                    "must be whole {size}-byte elements within mapped_bytes = {}",
-                    handle.mapped_bytes
-                ),
-            ));
-        }
+        let (mapped, len) = handle.check(std::mem::size_of::<T>())?;
         let ctx = cuda::context(ordinal)?;
         ctx.bind_to_thread()
             .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        let mapped = handle.mapped_bytes as usize;
         let mut h = 0;
         // SAFETY: context current; for the POSIX fd type the "pointer" argument carries the
         // descriptor's value; valid out-pointer.
@@ -149,7 +203,7 @@ impl<T: Pod> VmmImport<T> {
         let out = VmmImport {
             ptr,
             size: mapped,
-            len: (handle.bytes / size) as usize,
+            len,
             handle: h,
             ctx,
             pid: std::process::id(),
@@ -205,5 +259,53 @@ impl<T: Pod> Drop for VmmImport<T> {
             sys::cuMemAddressFree(self.ptr, self.size);
             sys::cuMemRelease(self.handle);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_of_several_chunks_is_refused_naming_them() {
+        let one = [VmmChunk {
+            offset: 0,
+            size: 4096,
+        }];
+        assert!(check_one_chunk(&one, 4096).is_ok());
+        let two = [
+            VmmChunk {
+                offset: 0,
+                size: 2 << 20,
+            },
+            VmmChunk {
+                offset: 2 << 20,
+                size: 4 << 20,
+            },
+        ];
+        let e = check_one_chunk(&two, 6 << 20).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, Error::Unsupported { .. }));
+        assert!(text.contains("2 physical chunks"), "{text}");
+        assert!(text.contains("chunk 1 at bytes 2097152..6291456"), "{text}");
+    }
+
+    #[test]
+    fn peer_handles_are_checked_before_ffi() {
+        let h = |bytes, mapped_bytes, elem_size| VmmHandle {
+            bytes,
+            mapped_bytes,
+            elem_size,
+            device: 0,
+        };
+        assert_eq!(h(4096, 2 << 20, 4).check(4).unwrap(), (2 << 20, 1024));
+        assert!(h(4096, 2 << 20, 8).check(4).is_err(), "element size");
+        assert!(h(4098, 2 << 20, 4).check(4).is_err(), "whole elements");
+        assert!(
+            h(4 << 20, 2 << 20, 4).check(4).is_err(),
+            "within the mapping"
+        );
+        assert!(h(0, 0, 4).check(4).is_err(), "empty mapping");
+        assert!(h(0, 0, 0).check(0).is_err(), "zero-sized elements");
     }
 }
