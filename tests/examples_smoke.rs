@@ -130,10 +130,17 @@ fn help_exits_zero_and_lists_options_units_and_environment() {
     println!("--help checked for {ran} examples");
 }
 
+/// (example, arguments, environment, text the error must contain)
+type BadCase = (
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
 #[test]
 fn bad_values_exit_two_naming_the_value() {
-    // (example, arguments, environment, text the error must contain)
-    let cases: &[(&str, &[&str], &[(&str, &str)], &str)] = &[
+    let cases: &[BadCase] = &[
         ("cufile_roundtrip", &["--mib", "0"], &[], "'0'"),
         ("cufile_roundtrip", &["--mib", "many"], &[], "'many'"),
         (
