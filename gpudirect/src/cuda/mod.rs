@@ -52,7 +52,7 @@ pub(crate) fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmem
 /// `GPUDIRECT_LIBCUDA_PATH` would pass our checks and then make cudarc panic: that case is an
 /// [`Error::Load`] (put the library's directory on `LD_LIBRARY_PATH` instead). With cudarc's
 /// `dynamic-linking` libcuda is linked into the program, and an override naming another library
-/// is an [`Error::Load`] too.
+/// is an [`Error::InvalidArgument`] naming the variable.
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
@@ -140,31 +140,32 @@ fn cudarc_libcuda(ours: &str) -> CudarcLibcuda {
 }
 
 /// `Ok` when cudarc will call the libcuda gpudirect checked (the one our loader opened at
-/// `ours`); else the [`Error::Load`] that says why not.
+/// `ours`); else the error that says why not.
 fn cudarc_loader_check(view: CudarcLibcuda, ours: &str) -> Result<()> {
-    let detail = match view {
-        CudarcLibcuda::Linked { same: true } | CudarcLibcuda::ByName { found: true } => {
-            return Ok(());
+    match view {
+        CudarcLibcuda::Linked { same: true } | CudarcLibcuda::ByName { found: true } => Ok(()),
+        CudarcLibcuda::Linked { same: false } => Err(Error::invalid(
+            gpudirect_sys::cuda::PATH_ENV,
+            ours,
+            "this program links libcuda at build time (cudarc's `dynamic-linking`), and the \
+             variable names another library: unset it, or link the library it names",
+        )),
+        CudarcLibcuda::ByName { found: false } => {
+            Err(Error::Load(gpudirect_sys::LoadError::LibraryNotFound {
+                library: "libcuda (cudarc's loader)",
+                tried: gpudirect_sys::cuda::CANDIDATES
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect(),
+                detail: format!(
+                    "gpudirect opened {ours} (via {} or its own candidates), but cudarc opens \
+                     libcuda by file name only and would panic: put that library's directory on \
+                     LD_LIBRARY_PATH",
+                    gpudirect_sys::cuda::PATH_ENV
+                ),
+            }))
         }
-        CudarcLibcuda::Linked { same: false } => format!(
-            "this program links libcuda at build time (cudarc's `dynamic-linking`), but gpudirect \
-             opened another one, {ours} (via {}): unset that variable, or link the library it names",
-            gpudirect_sys::cuda::PATH_ENV
-        ),
-        CudarcLibcuda::ByName { found: false } => format!(
-            "gpudirect opened {ours} (via {} or its own candidates), but cudarc opens libcuda \
-             by file name only and would panic: put that library's directory on LD_LIBRARY_PATH",
-            gpudirect_sys::cuda::PATH_ENV
-        ),
-    };
-    Err(Error::Load(gpudirect_sys::LoadError::LibraryNotFound {
-        library: "libcuda (cudarc's loader)",
-        tried: gpudirect_sys::cuda::CANDIDATES
-            .iter()
-            .map(|c| c.to_string())
-            .collect(),
-        detail,
-    }))
+    }
 }
 
 /// `cuDeviceGetCount`: how many CUDA devices are visible.
@@ -219,6 +220,8 @@ mod tests {
         assert!(cudarc_loader_check(CudarcLibcuda::Linked { same: true }, ours).is_ok());
         let e = cudarc_loader_check(CudarcLibcuda::Linked { same: false }, ours).unwrap_err();
         assert!(e.to_string().contains("dynamic-linking"), "{e}");
+        assert!(e.to_string().contains("GPUDIRECT_LIBCUDA_PATH"), "{e}");
+        assert_eq!(e.absence(), None, "a setting to fix, not something absent");
         let e = cudarc_loader_check(CudarcLibcuda::ByName { found: false }, ours).unwrap_err();
         match &e {
             Error::Load(gpudirect_sys::LoadError::LibraryNotFound { tried, detail, .. }) => {
