@@ -11,19 +11,25 @@
 mod devbuf;
 
 use criterion::Criterion;
-use devbuf::{DevBuf, test_dir};
+use devbuf::test_dir;
 use gpudirect::cudarc::driver::sys as cu;
+use gpudirect::memory::DeviceBuffer;
 use gpudirect::storage::{DirectIo, Driver, File, FileHandle, Mode, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 const STAGE: usize = 64 << 20;
 
+/// A positive whole number from the environment variable `k`, else `d`; a bad value stops the
+/// bench with its name and the value (rather than silently measuring something else).
 fn env_usize(k: &str, d: usize) -> usize {
-    std::env::var(k)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(d)
+    match std::env::var(k) {
+        Err(_) => d,
+        Ok(s) => match s.trim().parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("{k}={s:?}: expected a positive whole number"),
+        },
+    }
 }
 
 fn drop_cache(path: &std::path::Path) {
@@ -55,7 +61,7 @@ impl Drop for Pinned {
 }
 
 /// Raw baseline: one thread, pread into one pinned buffer, synchronous H2D, repeat.
-fn raw_pread_h2d(fd: i32, dst: &DevBuf, len: usize, pinned: &Pinned) {
+fn raw_pread_h2d(fd: i32, dst: &DeviceBuffer<u8>, len: usize, pinned: &Pinned) {
     let mut off = 0;
     while off < len {
         let n = STAGE.min(len - off);
@@ -75,7 +81,7 @@ fn raw_pread_h2d(fd: i32, dst: &DevBuf, len: usize, pinned: &Pinned) {
 }
 
 /// Raw baseline for writes: synchronous D2H into pinned memory, pwrite, repeat.
-fn raw_d2h_pwrite(fd: i32, src: &DevBuf, len: usize, pinned: &Pinned) {
+fn raw_d2h_pwrite(fd: i32, src: &DeviceBuffer<u8>, len: usize, pinned: &Pinned) {
     let mut off = 0;
     while off < len {
         let n = STAGE.min(len - off);
@@ -128,15 +134,17 @@ fn main() {
     };
     ctx.bind_to_thread().unwrap();
     let mib = env_usize("GPUDIRECT_BENCH_MIB", 1024);
-    let reps = env_usize("GPUDIRECT_BENCH_REPS", 5).max(1);
-    let len = mib << 20;
+    let reps = env_usize("GPUDIRECT_BENCH_REPS", 5);
+    let len = mib
+        .checked_mul(1 << 20)
+        .unwrap_or_else(|| panic!("GPUDIRECT_BENCH_MIB={mib}: more bytes than addressable"));
     let path = test_dir().join(format!("bench-{}", std::process::id()));
     let out = test_dir().join(format!("bench-out-{}", std::process::id()));
     {
         let data = devbuf::pattern(len, 42);
         std::fs::write(&path, &data).unwrap();
     }
-    let gpu = DevBuf::new(0, len, 0);
+    let gpu = DeviceBuffer::<u8>::zeroed(&ctx, len).unwrap();
     let pinned = Pinned::new(STAGE);
     let buffered = std::fs::File::open(&path).unwrap();
     let (direct, is_direct) = OpenOptions::read_only().open(&path).unwrap();
@@ -301,8 +309,8 @@ struct View {
     ptr: u64,
     len: usize,
 }
-// SAFETY: `ptr..ptr+len` is the bench's cuMemAlloc buffer on device 0, alive until main returns,
-// after every call that uses a View.
+// SAFETY: `ptr..ptr+len` is the bench's DeviceBuffer (cuMemAlloc memory) on device 0, alive
+// until main returns, after every call that uses a View.
 unsafe impl gpudirect::memory::DeviceMemory for View {
     type Elem = u8;
     fn device_ptr(&self) -> u64 {

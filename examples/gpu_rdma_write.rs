@@ -3,30 +3,35 @@
 //! queue pairs on the first verbs device, and verify every byte.
 //!
 //! ```text
-//! cargo run --release --example gpu_rdma_write [-- BYTES]     # default 1 MiB
+//! cargo run --release --example gpu_rdma_write              # 1 MiB
+//! cargo run --release --example gpu_rdma_write -- 65536     # BYTES
 //! ```
 //!
 //! Where no path exists it prints `SKIPPED: <reason>` and exits 0: no GPU, no verbs device, or
 //! neither dma-buf nor nvidia-peermem (with each path's refusal). It exits 1 instead when
-//! `GPUDIRECT_REQUIRE` names the missing hardware (`gpu`, `rdma`).
+//! `GPUDIRECT_REQUIRE` names the missing hardware (`gpu`, `rdma`); 2 on a bad argument.
 
+#[path = "support/cli.rs"]
+mod cli;
+
+use clap::Parser;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
 use gpudirect::rdma::gpu_mr::check_rdma_capable;
 use gpudirect::rdma::*;
 use gpudirect::testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
 
+/// Register GPU memory with the first verbs device (dma-buf, else nvidia-peermem), RDMA-write it
+/// into host memory through two queue pairs connected to each other, and verify every byte.
+#[derive(Parser)]
+struct Args {
+    /// Bytes to write (sent in messages of at most 1 GiB).
+    #[arg(value_name = "BYTES", default_value = "1048576", value_parser = cli::positive)]
+    bytes: usize,
+}
+
 fn main() {
-    let n: usize = match std::env::args().nth(1).map(|s| s.parse::<usize>()) {
-        None => 1 << 20,
-        Some(Ok(n)) if n > 0 => n,
-        Some(_) => {
-            eprintln!(
-                "usage: gpu_rdma_write [BYTES]   (a positive number of bytes; default 1048576)"
-            );
-            std::process::exit(2);
-        }
-    };
+    let n = Args::parse().bytes;
     if let Err(e) = run(n) {
         eprintln!("FAILED: {e}");
         std::process::exit(1);
@@ -51,7 +56,9 @@ fn run(n: usize) -> gpudirect::Result<()> {
 
     // The GPU buffer: bytes i*7+3 (mod 256), through a stream copy.
     let stream = gpudirect::cuda::Stream::new(&ctx)?;
-    let pattern: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
+    let pattern: Vec<u8> = (0..n)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
+        .collect();
     let buf = DeviceBuffer::from_slice(&stream, &pattern)?;
     check_rdma_capable(&buf)?;
 

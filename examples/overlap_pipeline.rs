@@ -6,11 +6,19 @@
 //! `cuModuleLoadData`. Prints each stage alone, the serial sum, the overlapped step time and the
 //! overlap efficiency, and checks the bytes that came back.
 //!
-//! Without a GPU it prints `SKIPPED: reason` and exits 0.
+//! ```text
+//! cargo run --release --example overlap_pipeline
+//! cargo run --release --example overlap_pipeline -- --batch-mib 64 --steps 100 --kernel-us 500
+//! ```
 //!
-//! Options (environment): `OVERLAP_BATCH_MIB` (default 16), `OVERLAP_STEPS` (default 40),
-//! `OVERLAP_KERNEL_US` (default: the measured H2D time of one batch).
+//! Without a GPU it prints `SKIPPED: reason` and exits 0; 2 on a bad option. `--help` lists the
+//! options and their environment settings (`OVERLAP_BATCH_MIB`, `OVERLAP_STEPS`,
+//! `OVERLAP_KERNEL_US`).
 
+#[path = "support/cli.rs"]
+mod cli;
+
+use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::{CudaContext, CudaEvent, sys};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer};
@@ -21,11 +29,33 @@ use std::sync::Arc;
 const PTX: &str = include_str!("kernels/spin.ptx");
 const SLOTS: usize = 3;
 
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// Three streams ordered only by CUDA events: load batch i+1 (host to device), compute batch i
+/// (a kernel of known duration), store batch i-1 (device to host); prints each stage alone, the
+/// overlapped step and the overlap efficiency, and checks the bytes that come back.
+#[derive(Parser)]
+struct Args {
+    /// Batch size in MiB (2^20 bytes), 1 to 4096; three batches live on the GPU and six in
+    /// pinned host memory.
+    #[arg(long, env = "OVERLAP_BATCH_MIB", default_value = "16", value_parser = batch_mib)]
+    batch_mib: cli::Mib,
+    /// Pipeline steps (batches), at least 3 (one per stage, so that every slot is checked).
+    #[arg(long, env = "OVERLAP_STEPS", default_value_t = 40,
+          value_parser = clap::value_parser!(u32).range(SLOTS as i64..=1_000_000))]
+    steps: u32,
+    /// Kernel duration in microseconds, 0 to 10000000 [default: the measured host-to-device time
+    /// of one batch]
+    #[arg(long, env = "OVERLAP_KERNEL_US",
+          value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+    kernel_us: Option<u64>,
+}
+
+/// A batch size: 1 to 4096 MiB (the kernel counts elements in 32 bits).
+fn batch_mib(s: &str) -> Result<cli::Mib, String> {
+    let m = cli::mib(s)?;
+    if m.mib > 4096 {
+        return Err(format!("{} MiB is over the 4096 MiB limit", m.mib));
+    }
+    Ok(m)
 }
 
 fn check(call: &'static str, r: sys::CUresult) -> gpudirect::Result<()> {
@@ -127,14 +157,15 @@ fn d2h(stream: &Stream, src: &DeviceBuffer<u32>, dst: &PinnedHostBuffer<u32>) {
 }
 
 fn main() {
+    let args = Args::parse();
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
         Err(e) => skip_example(Hardware::Gpu, e),
     };
     let kernel = Kernel::load(&ctx).expect("load spin.ptx");
-    let batch_mib = env("OVERLAP_BATCH_MIB", 16) as usize;
-    let steps = env("OVERLAP_STEPS", 40) as usize;
-    let n = batch_mib * (1 << 20) / 4;
+    let batch_mib = args.batch_mib.mib;
+    let steps = args.steps as usize;
+    let n = args.batch_mib.bytes / 4;
     let load = Stream::new(&ctx).unwrap();
     let comp = Stream::new(&ctx).unwrap();
     let store = Stream::new(&ctx).unwrap();
@@ -166,7 +197,11 @@ fn main() {
         a.elapsed_ms(&b).unwrap() as f64 / steps as f64
     };
     let t_h2d = time(&load, &|i| h2d(&load, &inputs[i % SLOTS], &dev[i % SLOTS]));
-    let kernel_ns = env("OVERLAP_KERNEL_US", (t_h2d * 1000.0) as u64) * 1000;
+    // At most 10^7 us (checked by the parser), or the measured time: no overflow in ns.
+    let kernel_ns = args
+        .kernel_us
+        .unwrap_or(((t_h2d * 1000.0) as u64).min(10_000_000))
+        * 1000;
     let t_comp = time(&comp, &|i| {
         kernel.launch(&comp, kernel_ns, &dev[i % SLOTS]).unwrap()
     });

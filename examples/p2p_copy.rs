@@ -3,11 +3,17 @@
 //! then CUDA IPC between two processes (this binary re-executed as the importer).
 //!
 //! ```text
-//! cargo run --release --example p2p_copy [-- --json] [-- --mib 256]
+//! cargo run --release --example p2p_copy
+//! cargo run --release --example p2p_copy -- --json --mib 1024
 //! ```
 //!
-//! Without a GPU it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE` has `gpu`).
+//! Without a GPU it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE` has `gpu`);
+//! 2 on a bad option. `--help` lists the options.
 
+#[path = "support/cli.rs"]
+mod cli;
+
+use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::p2p::ipc::{IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory};
@@ -17,6 +23,18 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::process::Command;
 
 const CHILD: &str = "P2P_COPY_IPC_CHILD";
+
+/// The link matrix, a verified copy per ordered GPU pair (GB/s: 10^9 bytes per second, and the
+/// path that ran), then CUDA IPC between two processes.
+#[derive(Parser)]
+struct Args {
+    /// Print one JSON document instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Bytes per copy, in MiB (2^20 bytes); each pair holds a source and a destination this large.
+    #[arg(long, default_value = "256", value_parser = cli::mib)]
+    mib: cli::Mib,
+}
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Job {
@@ -51,49 +69,33 @@ fn main() {
             }
         });
     }
-    let usage = || -> ! {
-        eprintln!(
-            "usage: p2p_copy [--json] [--mib N]   (N: a positive number of MiB, default 256)"
-        );
-        std::process::exit(2);
-    };
-    let (mut json, mut mib) = (false, 256usize);
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--json" => json = true,
-            "--mib" => match args.next().map(|s| s.parse::<usize>()) {
-                Some(Ok(n)) if n > 0 => mib = n,
-                _ => usage(),
-            },
-            _ => usage(),
-        }
-    }
+    let args = Args::parse();
     let n = match gpudirect::cuda::device_count() {
         Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
         Ok(n) => n,
         Err(e) => skip_example(Hardware::Gpu, e),
     };
-    if let Err(e) = run(n, mib, json) {
+    if let Err(e) = run(n, args.mib, args.json) {
         eprintln!("FAILED: {e}");
         std::process::exit(1);
     }
 }
 
-fn run(n: usize, mib: usize, json: bool) -> gpudirect::Result<()> {
+fn run(n: usize, size: cli::Mib, json: bool) -> gpudirect::Result<()> {
+    let mib = size.mib;
     let matrix = LinkMatrix::probe()?;
     if !json {
         println!("== link matrix ({n} GPU{})", if n == 1 { "" } else { "s" });
         print!("{}", matrix.table());
         println!("== copies of {mib} MiB, verified byte for byte");
     }
-    let words = (mib << 20) / 4;
+    let words = size.bytes / 4;
     let mut results = Vec::new();
     for a in 0..n {
         for b in 0..n {
             let mut choices = vec![PathChoice::Auto];
             if a == b {
-                choices.push(PathChoice::Staged); // the staged path to itself (A7's fallback)
+                choices.push(PathChoice::Staged); // the staged path (the fallback without peer access)
             }
             for choice in choices {
                 let m = measure(a, b, words, choice)?;
@@ -135,7 +137,7 @@ fn measure(a: usize, b: usize, words: usize, choice: PathChoice) -> gpudirect::R
     let copier = Copier::new(a, b, opts)?;
     let sa = Stream::new(&gpudirect::cuda::context(a)?)?;
     let sb = Stream::new(&gpudirect::cuda::context(b)?)?;
-    let data = random(words, (a * 131 + b) as u64);
+    let data = random(words, (a as u64).wrapping_mul(131).wrapping_add(b as u64));
     let mut src = DeviceBuffer::from_slice(&sa, &data)?;
     let mut dst = DeviceBuffer::from_slice(&sb, &vec![0xDEAD_BEEFu32; words])?;
     let mut best: f64 = 0.0;

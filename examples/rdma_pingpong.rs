@@ -2,18 +2,20 @@
 //! byte verified, then bandwidth and latency.
 //!
 //! ```text
-//! cargo run --release --example rdma_pingpong -- --server [--port 7471]
-//! cargo run --release --example rdma_pingpong -- --connect HOST [--port 7471]
-//! cargo run --release --example rdma_pingpong                # server + client in one process
-//! cargo run --release --example rdma_pingpong -- --report    # bench report (loopback), 8 B..1 MiB
-//! cargo run --release --example rdma_pingpong -- --only 65536 # the report for one size
+//! cargo run --release --example rdma_pingpong                          # server + client in one process
+//! cargo run --release --example rdma_pingpong -- --server              # on one node, port 7471
+//! cargo run --release --example rdma_pingpong -- --connect node1       # on the other (name or address)
+//! cargo run --release --example rdma_pingpong -- --report              # bench report (loopback), 8 B..1 MiB
+//! cargo run --release --example rdma_pingpong -- --only 65536          # the report for one size
 //! ```
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
-//! names `rdma`). Options: `--size BYTES` (bandwidth message, default 65536), `--iters N`,
-//! `--bytes TOTAL` (bytes per report run, default 8 MiB; bandwidth in MB/s of 2^20 bytes, as perftest),
-//! `--addr IP` (loopback address; default: an IPv4 address of the RDMA device's net device).
+//! names `rdma`); 2 on a bad or contradictory option. `--help` lists the options and their units.
 
+#[path = "support/cli.rs"]
+mod cli;
+
+use clap::{ArgGroup, Parser};
 use gpudirect::rdma::cm::{ConnectOptions, Connection, Listener};
 use gpudirect::rdma::*;
 use gpudirect::testing::{Hardware, skip_example};
@@ -31,64 +33,51 @@ const OP_VERIFY: u64 = 1;
 const OP_LAT: u64 = 2;
 const OP_QUIT: u64 = 3;
 
+/// RDMA ping-pong over rdma_cm: send/recv, RDMA write with immediate and RDMA read, every byte
+/// verified, then bandwidth (MB/s of 2^20 bytes, as perftest) and one-way latency (microseconds).
+/// With neither --server nor --connect, server and client run in one process (loopback).
+#[derive(Parser)]
+#[command(group(ArgGroup::new("role").args(["server", "connect"])))]
+#[command(group(ArgGroup::new("report_mode").args(["report", "only"])))]
 struct Args {
+    /// Serve one client: everything else is the client's choice.
+    #[arg(long, conflicts_with_all = ["addr", "report", "only", "size", "iters", "bytes"])]
     server: bool,
-    connect: Option<String>,
+    /// Connect to a server: a host name or an IPv4/IPv6 address.
+    #[arg(long, value_name = "HOST", value_parser = cli::host, conflicts_with = "addr")]
+    connect: Option<cli::Host>,
+    /// The server's TCP port for rdma_cm (with --server or --connect; loopback picks a free one).
+    #[arg(long, default_value_t = 7471, requires = "role")]
     port: u16,
-    size: usize,
-    iters: usize,
+    /// Message size in bytes for the verified transfers and the bandwidth run, 1 to 1048576.
+    #[arg(long, value_name = "BYTES", default_value_t = 65536,
+          value_parser = clap::value_parser!(u32).range(1..=MAX_MSG as i64))]
+    size: u32,
+    /// Iterations of the bandwidth and latency runs (the report derives its own from --bytes).
+    #[arg(long, default_value_t = 2000, conflicts_with = "report_mode",
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    iters: u32,
+    /// The bench report: bandwidth of RDMA write and read for 8 B to 1 MiB, latency for 8 B to 4 KiB.
+    #[arg(long)]
     report: bool,
-    only: Option<usize>,
-    bytes: usize,
-    addr: Option<IpAddr>,
+    /// The report for one message size in bytes, 1 to 1048576 (instead of --report's sweep).
+    #[arg(long, value_name = "BYTES",
+          value_parser = clap::value_parser!(u32).range(1..=MAX_MSG as i64))]
+    only: Option<u32>,
+    /// Bytes moved per report run (iterations = BYTES / size, clamped to 20..=5000).
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, requires = "report_mode",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    bytes: u64,
+    /// Loopback address: a host name or an address of a net device under the RDMA device
+    /// [default: an IPv4 address of the RDMA device's net device]
+    #[arg(long, value_name = "HOST", value_parser = cli::host)]
+    addr: Option<cli::Host>,
 }
 
-fn parse() -> Args {
-    let mut a = Args {
-        server: false,
-        connect: None,
-        port: 7471,
-        size: 65536,
-        iters: 2000,
-        report: false,
-        only: None,
-        bytes: 8 << 20,
-        addr: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(s) = it.next() {
-        let mut val = || {
-            it.next()
-                .unwrap_or_else(|| usage(&format!("{s} needs a value")))
-        };
-        match s.as_str() {
-            "--server" => a.server = true,
-            "--connect" => a.connect = Some(val()),
-            "--port" => a.port = val().parse().unwrap_or_else(|_| usage("bad --port")),
-            "--size" => a.size = val().parse().unwrap_or_else(|_| usage("bad --size")),
-            "--iters" => a.iters = val().parse().unwrap_or_else(|_| usage("bad --iters")),
-            "--addr" => a.addr = Some(val().parse().unwrap_or_else(|_| usage("bad --addr"))),
-            "--report" => a.report = true,
-            "--bytes" => a.bytes = val().parse().unwrap_or_else(|_| usage("bad --bytes")),
-            "--only" => {
-                a.report = true;
-                a.only = Some(val().parse().unwrap_or_else(|_| usage("bad --only")));
-            }
-            "-h" | "--help" => usage(""),
-            o => usage(&format!("unknown argument {o}")),
-        }
+impl Args {
+    fn report(&self) -> bool {
+        self.report || self.only.is_some()
     }
-    if a.size == 0 || a.size > MAX_MSG {
-        usage("--size must be 1..=1048576");
-    }
-    a
-}
-
-fn usage(msg: &str) -> ! {
-    eprintln!(
-        "{msg}\nusage: rdma_pingpong [--server | --connect HOST] [--port P] [--size B] [--iters N] [--addr IP] [--report | --only B] [--bytes TOTAL]"
-    );
-    std::process::exit(2)
 }
 
 fn opts() -> ConnectOptions {
@@ -384,7 +373,7 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
         if good { "exactly" } else { "WRONG" }
     );
     // 2. RDMA write with immediate (seed), verified by the server from the seed.
-    let size = args.size;
+    let size = args.size as usize;
     let seed = rand::random::<u32>();
     let data = pattern(seed as u64, size);
     s.data.write_at(0, &data)?;
@@ -426,8 +415,8 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     );
     // 4. Performance.
     let sizes: Vec<usize> = if let Some(o) = args.only {
-        vec![o]
-    } else if args.report {
+        vec![o as usize]
+    } else if args.report() {
         (3..=20).step_by(1).map(|p| 1usize << p).collect()
     } else {
         vec![size]
@@ -435,15 +424,15 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     for &sz in &sizes {
         // The same counts as perftest gets in ci/rxe-vm/scripts/test.sh: `--bytes` per run
         // (default 8 MiB), 20..5000 iterations.
-        let iters = if args.report {
-            args.bytes / sz
+        // sz >= 1: --only is refused at 0, the sweep starts at 8.
+        let iters = if args.report() {
+            (args.bytes / sz as u64).clamp(20, 5000) as usize
         } else {
-            args.iters
-        }
-        .clamp(20, 5000);
+            (args.iters as usize).clamp(20, 5000)
+        };
         let w = s.bandwidth(false, sz, iters)?;
         let r = s.bandwidth(true, sz, iters)?;
-        if args.report {
+        if args.report() {
             println!("REPORT write_bw size={sz} iters={iters} MBps={w:.2}");
             println!("REPORT read_bw size={sz} iters={iters} MBps={r:.2}");
         } else {
@@ -452,22 +441,26 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     }
     let lat_sizes: Vec<usize> = if let Some(o) = args.only {
         // Latency is measured up to 4 KiB (a ping-pong stages its message in the region).
-        if o <= 4096 { vec![o.max(8)] } else { vec![] }
-    } else if args.report {
+        if o <= 4096 {
+            vec![(o as usize).max(8)]
+        } else {
+            vec![]
+        }
+    } else if args.report() {
         vec![8, 64, 1024, 4096]
     } else {
         vec![8]
     };
     for &sz in &lat_sizes {
-        let iters = if args.report {
+        let iters = if args.report() {
             2000
         } else {
-            args.iters.min(2000)
+            args.iters.min(2000) as usize
         };
         let base = (rand::random::<u32>() as u64 | 1) << 32;
         s.send_ctl([OP_LAT, sz as u64, iters as u64 | base])?;
         let l = s.latency(sz, iters as u64, base, true)?;
-        if args.report {
+        if args.report() {
             println!("REPORT write_lat size={sz} iters={iters} usec={l:.2}");
         } else {
             println!("latency: RDMA write ping-pong {sz} B: {l:.2} us one-way");
@@ -514,7 +507,7 @@ fn rdma_ipv4() -> Option<Ipv4Addr> {
 }
 
 fn main() {
-    let args = parse();
+    let args = Args::parse();
     match DeviceList::non_empty() {
         Ok(_) => {}
         Err(e) => skip_example(Hardware::Rdma, e),
@@ -527,13 +520,15 @@ fn main() {
             return Ok(true);
         }
         if let Some(host) = &args.connect {
-            let ip: IpAddr = host
-                .parse()
-                .map_err(|_| gpudirect::Error::invalid("--connect", host, "an IP address"))?;
-            return client(SocketAddr::new(ip, args.port), &args);
+            println!(
+                "connecting to {} ({}), port {}",
+                host.name, host.ip, args.port
+            );
+            return client(SocketAddr::new(host.ip, args.port), &args);
         }
         // Loopback: server and client in one process.
-        let ip = match args.addr.or_else(|| rdma_ipv4().map(IpAddr::V4)) {
+        let given = args.addr.as_ref().map(|h| h.ip);
+        let ip = match given.or_else(|| rdma_ipv4().map(IpAddr::V4)) {
             Some(ip) => ip,
             None => skip_example(
                 Hardware::Rdma,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every committed bindgen output (not part of the build: the build never runs bindgen).
 #   bash scripts/regen-bindings.sh
-# Needs bindgen-cli and libclang (the per-library scripts install what they need), then review the
+# Needs bindgen-cli and libclang (each script lists what it needs), then review the
 # diff: layout tests beside the bindings must still pass (`cargo test -p gpudirect-sys`).
 set -euo pipefail
 cd "$(dirname "$0")"

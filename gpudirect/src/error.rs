@@ -3,6 +3,35 @@
 use gpudirect_sys::LoadError;
 use std::time::Duration;
 
+/// What a node lacks, when an [`Error`] means "this cannot work here" rather than a bad argument
+/// or a failed operation: from [`Error::absence`], so that a caller can skip a path cleanly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Absence {
+    /// A run-time library is not installed, or too old to have a needed symbol: libcuda,
+    /// libcufile, libibverbs, librdmacm, or a stub libcuda without a driver behind it.
+    Library,
+    /// No device of the kind: no CUDA device, no RDMA (verbs) device or RDMA kernel driver, or
+    /// an ordinal past the devices present.
+    Device,
+    /// The CUDA driver is older than the oldest supported one (CUDA 12.0).
+    DriverTooOld,
+    /// Library and device are present but lack a capability the call needs: dma-buf, peer
+    /// access, GPUDirect RDMA or Storage support, an operation the NIC or driver refuses.
+    Capability,
+}
+
+impl std::fmt::Display for Absence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Absence::Library => "a library is missing",
+            Absence::Device => "no device",
+            Absence::DriverTooOld => "the CUDA driver is too old",
+            Absence::Capability => "a capability is missing",
+        })
+    }
+}
+
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -218,6 +247,59 @@ impl Error {
         }
     }
 
+    /// What the node lacks, when this error means the operation cannot work on this node at all;
+    /// `None` for bad arguments, failed operations, timeouts and the like.
+    ///
+    /// | absence | errors |
+    /// | --- | --- |
+    /// | [`Absence::Library`] | [`Error::Load`]; `CUDA_ERROR_STUB_LIBRARY`, `CUDA_ERROR_SYSTEM_DRIVER_MISMATCH` |
+    /// | [`Absence::Device`] | [`Error::NoDevice`]; `CUDA_ERROR_NO_DEVICE`, `CUDA_ERROR_DEVICE_UNAVAILABLE`; `CU_FILE_DEVICE_NOT_FOUND` |
+    /// | [`Absence::DriverTooOld`] | [`Error::DriverTooOld`]; `CUDA_ERROR_INSUFFICIENT_DRIVER` |
+    /// | [`Absence::Capability`] | [`Error::Unsupported`], [`Error::NoGpuRegistrationPath`], [`Error::NotRdmaCapable`] (except pool memory, which is the caller's choice); `CUDA_ERROR_NOT_SUPPORTED`, `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`; `CU_FILE_PLATFORM_NOT_SUPPORTED`, `CU_FILE_IO_NOT_SUPPORTED`, `CU_FILE_DEVICE_NOT_SUPPORTED`, `CU_FILE_NVFS_SETUP_ERROR` |
+    ///
+    /// ```no_run
+    /// use gpudirect::cuda;
+    /// match cuda::context(0) {
+    ///     Ok(ctx) => println!("device {} is here", ctx.ordinal()),
+    ///     Err(e) if e.absence().is_some() => println!("SKIPPED: {e}"), // no GPU here: skip
+    ///     Err(e) => return Err(e),                                       // a real failure
+    /// }
+    /// # Ok::<(), gpudirect::Error>(())
+    /// ```
+    pub fn absence(&self) -> Option<Absence> {
+        match self {
+            Error::Load(_) => Some(Absence::Library),
+            Error::NoDevice { .. } => Some(Absence::Device),
+            Error::DriverTooOld { .. } => Some(Absence::DriverTooOld),
+            Error::Unsupported { .. } | Error::NoGpuRegistrationPath { .. } => {
+                Some(Absence::Capability)
+            }
+            Error::NotRdmaCapable { kind, .. } => {
+                (*kind != crate::memory::MemoryKind::Pool).then_some(Absence::Capability)
+            }
+            Error::Cuda { name, .. } => match name.as_str() {
+                "CUDA_ERROR_STUB_LIBRARY" | "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH" => {
+                    Some(Absence::Library)
+                }
+                "CUDA_ERROR_NO_DEVICE" | "CUDA_ERROR_DEVICE_UNAVAILABLE" => Some(Absence::Device),
+                "CUDA_ERROR_INSUFFICIENT_DRIVER" => Some(Absence::DriverTooOld),
+                "CUDA_ERROR_NOT_SUPPORTED" | "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED" => {
+                    Some(Absence::Capability)
+                }
+                _ => None,
+            },
+            Error::CuFile { name, .. } => match *name {
+                "CU_FILE_DEVICE_NOT_FOUND" => Some(Absence::Device),
+                "CU_FILE_PLATFORM_NOT_SUPPORTED"
+                | "CU_FILE_IO_NOT_SUPPORTED"
+                | "CU_FILE_DEVICE_NOT_SUPPORTED"
+                | "CU_FILE_NVFS_SETUP_ERROR" => Some(Absence::Capability),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// The CUDA code name, when this is a CUDA error.
     pub fn cuda_name(&self) -> Option<&str> {
         match self {
@@ -275,6 +357,96 @@ mod tests {
             "cuCtxEnablePeerAccess failed: CUDA_ERROR_PEER_ACCESS_UNSUPPORTED (217)"
         );
         assert!(cu("cuInit", CUresult::CUDA_SUCCESS).is_ok());
+    }
+
+    #[test]
+    fn absence_classifies_missing_things_and_only_those() {
+        let lib = Error::Load(LoadError::LibraryNotFound {
+            library: "libibverbs",
+            tried: vec!["libibverbs.so.1".into()],
+            detail: "not found".into(),
+        });
+        assert_eq!(lib.absence(), Some(Absence::Library));
+        let sym = Error::Load(LoadError::SymbolNotFound {
+            library: "libcufile",
+            path: "/x/libcufile.so.0".into(),
+            symbol: "cuFileReadAsync",
+        });
+        assert_eq!(sym.absence(), Some(Absence::Library));
+        let dev = Error::NoDevice {
+            what: "verbs device",
+            reason: "none".into(),
+        };
+        assert_eq!(dev.absence(), Some(Absence::Device));
+        let old = Error::DriverTooOld {
+            found: 11080,
+            required: 12000,
+        };
+        assert_eq!(old.absence(), Some(Absence::DriverTooOld));
+        let cap = Error::Unsupported {
+            what: "dma-buf".into(),
+            reason: "EOPNOTSUPP".into(),
+        };
+        assert_eq!(cap.absence(), Some(Absence::Capability));
+        // By name: not every binding version has every code (no STUB_LIBRARY in some).
+        for (name, want) in [
+            ("CUDA_ERROR_NO_DEVICE", Some(Absence::Device)),
+            ("CUDA_ERROR_STUB_LIBRARY", Some(Absence::Library)),
+            (
+                "CUDA_ERROR_INSUFFICIENT_DRIVER",
+                Some(Absence::DriverTooOld),
+            ),
+            (
+                "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+                Some(Absence::Capability),
+            ),
+            ("CUDA_ERROR_OUT_OF_MEMORY", None),
+            ("CUDA_ERROR_INVALID_VALUE", None),
+        ] {
+            let e = Error::Cuda {
+                call: "c",
+                code: 1,
+                name: name.into(),
+            };
+            assert_eq!(e.absence(), want, "{name}");
+        }
+        let e = cu("cuInit", CUresult::CUDA_ERROR_NO_DEVICE).unwrap_err();
+        assert_eq!(e.absence(), Some(Absence::Device));
+        let pool = Error::NotRdmaCapable {
+            ptr: 0x1000,
+            kind: crate::memory::MemoryKind::Pool,
+            reason: "pool".into(),
+        };
+        assert_eq!(pool.absence(), None, "pool memory is the caller's choice");
+        let dev_mem = Error::NotRdmaCapable {
+            ptr: 0x1000,
+            kind: crate::memory::MemoryKind::Device,
+            reason: "attribute 0".into(),
+        };
+        assert_eq!(dev_mem.absence(), Some(Absence::Capability));
+        let cufile = |name| Error::CuFile {
+            call: "cuFileDriverOpen",
+            code: 5007,
+            name,
+            cu_err: 0,
+            cu_name: None,
+        };
+        assert_eq!(
+            cufile("CU_FILE_PLATFORM_NOT_SUPPORTED").absence(),
+            Some(Absence::Capability)
+        );
+        assert_eq!(cufile("CU_FILE_INVALID_VALUE").absence(), None);
+        for e in [
+            Error::invalid("len", 1, "rule"),
+            Error::errno("ibv_reg_mr", libc::ENOMEM),
+            Error::Timeout {
+                what: "x",
+                after: Duration::from_secs(1),
+            },
+        ] {
+            assert_eq!(e.absence(), None, "{e}");
+        }
+        assert_eq!(Absence::Library.to_string(), "a library is missing");
     }
 
     #[test]

@@ -34,22 +34,38 @@ use std::sync::{Arc, OnceLock};
 /// exist there).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
 
-/// The CUDA version of the bindings gpudirect was built with (the `cuda-*` feature).
-pub const BINDINGS_VERSION: i32 = if cfg!(feature = "cuda-13000") {
-    13000
-} else if cfg!(feature = "cuda-12090") {
-    12090
-} else {
-    12080
-};
+/// The CUDA version of the cudarc bindings gpudirect was compiled against
+/// (`1000 * major + 10 * minor`: 12080 for CUDA 12.8): cudarc's `driver::sys::CUDA_VERSION`, so
+/// it is the version really built, whichever crate chose it (a `cuda-*` feature of gpudirect or of
+/// cudarc itself).
+pub const BINDINGS_VERSION: i32 = sys::CUDA_VERSION as i32;
+
+/// A `CUmemLocation` of kind `type_` and `id` (a device ordinal, a NUMA node), for every binding
+/// version: from CUDA 13.2 on, cudarc's `CUmemLocation` holds `id` in an anonymous union, with the
+/// same layout (a C `int` after the 4-byte kind).
+pub(crate) fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    const _: () = assert!(
+        size_of::<sys::CUmemLocation>() == 8
+            && size_of::<sys::CUmemLocationType>() == 4
+            && std::mem::offset_of!(sys::CUmemLocation, type_) == 0
+    );
+    // SAFETY: a plain C struct for which all-zero is valid (CU_MEM_LOCATION_TYPE_INVALID, id 0).
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    loc.type_ = type_;
+    // SAFETY: bytes 4..8 are `id` (a C int) in every version: 8 bytes in all, the 4-byte kind at
+    // offset 0 (asserted above); `loc` is a live local, written in bounds and aligned (align 4).
+    unsafe { (&raw mut loc).cast::<u8>().add(4).cast::<i32>().write(id) };
+    loc
+}
 
 /// Check libcuda and its version, then `cuInit(0)` once. Never panics.
 ///
-/// libcuda must also be found by cudarc's own loader (which opens it by file name only, from
-/// its candidate list): a library found only through `GPUDIRECT_LIBCUDA_PATH` would pass our
-/// checks and then make cudarc panic, so that case is an [`Error::Load`] naming cudarc's
-/// candidates. The override is meaningful only where cudarc finds the same library (put its
-/// directory on `LD_LIBRARY_PATH`).
+/// The library checked must be the one cudarc calls. With cudarc's `dynamic-loading` (the default)
+/// cudarc opens libcuda by file name only, so a library found only through
+/// `GPUDIRECT_LIBCUDA_PATH` would pass our checks and then make cudarc panic: that case is an
+/// [`Error::Load`] (put the library's directory on `LD_LIBRARY_PATH` instead). With cudarc's
+/// `dynamic-linking` libcuda is linked into the program, and an override naming another library
+/// is an [`Error::InvalidArgument`] naming the variable.
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
@@ -57,11 +73,9 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     // recognises itself (and leaks rather than frees) even if it first touches the tracker.
     crate::memory::Tracker::global();
     let d = gpudirect_sys::cuda::driver()?;
-    static CUDARC_FINDS_IT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: dlopens cudarc's libcuda candidates; the system's CUDA driver library is sound to
-    // load (our own loader has just loaded one).
-    let present = *CUDARC_FINDS_IT.get_or_init(|| unsafe { sys::is_culib_present() });
-    cudarc_loader_check(present, d.path())?;
+    static CUDARC_VIEW: OnceLock<CudarcLibcuda> = OnceLock::new();
+    let view = CUDARC_VIEW.get_or_init(|| cudarc_libcuda(d.path()));
+    cudarc_loader_check(*view, d.path())?;
     if d.version() < MIN_DRIVER_VERSION {
         return Err(Error::DriverTooOld {
             found: d.version(),
@@ -86,24 +100,85 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     Ok(d)
 }
 
-/// `Ok` when cudarc's loader finds libcuda too (`present`); else the [`Error::Load`] that says
-/// cudarc would not, naming its candidates and the library our loader opened at `ours`.
-fn cudarc_loader_check(present: bool, ours: &str) -> Result<()> {
-    if present {
-        return Ok(());
+/// Which libcuda cudarc will call, as seen from this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CudarcLibcuda {
+    /// libcuda's symbols are already global in the process: it was linked at build time (cudarc's
+    /// `dynamic-linking`, or another linked library), so cudarc calls that one. `same`: it is
+    /// the library gpudirect's loader opened.
+    Linked { same: bool },
+    /// Nothing linked: cudarc opens libcuda by file name (`dynamic-loading`); `found` says
+    /// whether one of the names opens.
+    ByName { found: bool },
+}
+
+/// Where cudarc's libcuda comes from, decided at run time: gpudirect cannot see at compile time
+/// which of cudarc's loading features the program chose.
+fn cudarc_libcuda(ours: &str) -> CudarcLibcuda {
+    const SYMBOL: &std::ffi::CStr = c"cuDriverGetVersion";
+    // SAFETY: dlsym with RTLD_DEFAULT only searches the global scope; the pointer is compared,
+    // never called.
+    let global = unsafe { libc::dlsym(libc::RTLD_DEFAULT, SYMBOL.as_ptr()) };
+    if !global.is_null() {
+        let same = std::ffi::CString::new(ours).is_ok_and(|path| {
+            // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (ours is, by
+            // our loader), running no initialiser; the handle's reference is released below.
+            let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+            if h.is_null() {
+                return false;
+            }
+            // SAFETY: `h` is a valid handle; the pointer is only compared.
+            let p = unsafe { libc::dlsym(h, SYMBOL.as_ptr()) };
+            // SAFETY: releases the reference taken by dlopen above; our loader keeps its own.
+            unsafe { libc::dlclose(h) };
+            p == global
+        });
+        return CudarcLibcuda::Linked { same };
     }
-    let tried = ["cuda", "nvcuda"]
-        .iter()
-        .flat_map(|l| cudarc::get_lib_name_candidates(l))
-        .collect();
-    Err(Error::Load(gpudirect_sys::LoadError::LibraryNotFound {
-        library: "libcuda (cudarc's loader)",
-        tried,
-        detail: format!(
-            "gpudirect opened {ours} (via {} or its own candidates), but cudarc opens libcuda              by file name only and would panic: put that library's directory on LD_LIBRARY_PATH",
-            gpudirect_sys::cuda::PATH_ENV
-        ),
-    }))
+    let found = gpudirect_sys::cuda::CANDIDATES.iter().any(|name| {
+        let Ok(name) = std::ffi::CString::new(*name) else {
+            return false;
+        };
+        // SAFETY: opens the system's CUDA driver library by name (our loader has loaded one, so
+        // its initialisers are sound to run); the handle is closed at once.
+        let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        if h.is_null() {
+            return false;
+        }
+        // SAFETY: `h` came from dlopen above and is released once.
+        unsafe { libc::dlclose(h) };
+        true
+    });
+    CudarcLibcuda::ByName { found }
+}
+
+/// `Ok` when cudarc will call the libcuda gpudirect checked (the one our loader opened at
+/// `ours`); else the error that says why not.
+fn cudarc_loader_check(view: CudarcLibcuda, ours: &str) -> Result<()> {
+    match view {
+        CudarcLibcuda::Linked { same: true } | CudarcLibcuda::ByName { found: true } => Ok(()),
+        CudarcLibcuda::Linked { same: false } => Err(Error::invalid(
+            gpudirect_sys::cuda::PATH_ENV,
+            ours,
+            "this program links libcuda at build time (cudarc's `dynamic-linking`), and the \
+             variable names another library: unset it, or link the library it names",
+        )),
+        CudarcLibcuda::ByName { found: false } => {
+            Err(Error::Load(gpudirect_sys::LoadError::LibraryNotFound {
+                library: "libcuda (cudarc's loader)",
+                tried: gpudirect_sys::cuda::CANDIDATES
+                    .iter()
+                    .map(|c| c.to_string())
+                    .collect(),
+                detail: format!(
+                    "gpudirect opened {ours} (via {} or its own candidates), but cudarc opens \
+                     libcuda by file name only and would panic: put that library's directory on \
+                     LD_LIBRARY_PATH",
+                    gpudirect_sys::cuda::PATH_ENV
+                ),
+            }))
+        }
+    }
 }
 
 /// `cuDeviceGetCount`: how many CUDA devices are visible.
@@ -139,9 +214,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn mem_location_sets_kind_and_id() {
+        let loc = mem_location(
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            0x0102_0304,
+        );
+        // SAFETY: CUmemLocation is 8 bytes of plain data (asserted in `mem_location`).
+        let raw: [u8; 8] = unsafe { std::mem::transmute(loc) };
+        let kind = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32;
+        assert_eq!(raw[..4], kind.to_ne_bytes());
+        assert_eq!(raw[4..], 0x0102_0304_i32.to_ne_bytes());
+    }
+
+    #[test]
     fn libcuda_cudarc_cannot_find_is_a_load_error_naming_its_candidates() {
-        assert!(cudarc_loader_check(true, "/opt/x/libcuda.so.1").is_ok());
-        let e = cudarc_loader_check(false, "/opt/x/libcuda.so.1").unwrap_err();
+        let ours = "/opt/x/libcuda.so.1";
+        assert!(cudarc_loader_check(CudarcLibcuda::ByName { found: true }, ours).is_ok());
+        assert!(cudarc_loader_check(CudarcLibcuda::Linked { same: true }, ours).is_ok());
+        let e = cudarc_loader_check(CudarcLibcuda::Linked { same: false }, ours).unwrap_err();
+        assert!(e.to_string().contains("dynamic-linking"), "{e}");
+        assert!(e.to_string().contains("GPUDIRECT_LIBCUDA_PATH"), "{e}");
+        assert_eq!(e.absence(), None, "a setting to fix, not something absent");
+        let e = cudarc_loader_check(CudarcLibcuda::ByName { found: false }, ours).unwrap_err();
         match &e {
             Error::Load(gpudirect_sys::LoadError::LibraryNotFound { tried, detail, .. }) => {
                 assert!(tried.iter().any(|t| t == "libcuda.so.1"), "{tried:?}");

@@ -50,8 +50,8 @@ fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     p.requestedHandleTypes =
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = ordinal;
+    p.location =
+        crate::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, ordinal);
     p.allocFlags.gpuDirectRDMACapable = 1;
     p
 }

@@ -366,10 +366,8 @@ pub(crate) fn grant_vmm_range(ptr: u64, len: usize, peer: usize) -> Result<bool>
 
 /// A `CUmemLocation` naming device `ordinal`.
 pub(crate) fn device_location(ordinal: usize) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as i32,
-    }
+    let id = i32::try_from(ordinal).unwrap_or(i32::MAX); // past any device: the driver refuses it
+    crate::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id)
 }
 
 #[cfg(test)]
