@@ -963,13 +963,13 @@ fn fake_root() -> PathBuf {
 
 /// NVML's answers: GPU 0 has 18 links, link 3 down, link 5 counting replays; GPU 1 has no
 /// NVML handle.
-struct FakeNvml(HashMap<String, Result<(Option<u32>, Vec<NvlinkReading>), String>>);
+struct FakeNvml(HashMap<String, NvlinkAnswer>);
 
 impl NvmlSource for FakeNvml {
     fn driver_version(&self) -> Option<String> {
         Some("580.95.05".into())
     }
-    fn nvlinks(&self, bus_id: &str) -> Result<(Option<u32>, Vec<NvlinkReading>), String> {
+    fn nvlinks(&self, bus_id: &str) -> NvlinkAnswer {
         self.0
             .get(bus_id)
             .cloned()
@@ -1052,7 +1052,7 @@ fn health_reads_a_fake_system_exactly() {
     assert_eq!(k.pci_p2pdma, Some(true));
 
     // Modules: peermem absent (installed, not loaded), nvidia-fs failing in the log.
-    let m: Vec<(&str, bool, Option<&str>, Option<bool>, usize)> = h
+    let m: Vec<_> = h
         .modules
         .iter()
         .map(|m| {
@@ -1113,7 +1113,7 @@ fn health_reads_a_fake_system_exactly() {
     );
 
     // PCIe links: GPU 0 narrow, GPU 1 idle (not counted without a reading under load), NIC slow.
-    let links: Vec<(&str, bool, bool, Option<u32>, Option<&str>)> = h
+    let links: Vec<_> = h
         .pcie
         .links
         .iter()

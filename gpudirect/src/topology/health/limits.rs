@@ -27,6 +27,8 @@ pub fn memlock_limits() -> Result<(Option<u64>, Option<u64>), String> {
             std::io::Error::last_os_error()
         ));
     }
+    // rlim_t is 32 bits wide on some targets.
+    #[allow(clippy::unnecessary_cast)]
     let v = |x: libc::rlim_t| (x != libc::RLIM_INFINITY).then_some(x as u64);
     Ok((v(r.rlim_cur), v(r.rlim_max)))
 }
@@ -49,7 +51,7 @@ pub fn human_bytes(b: u64) -> String {
         (1 << 10, "KiB"),
     ];
     for (u, n) in UNITS {
-        if b >= u && b % u == 0 {
+        if b >= u && b.is_multiple_of(u) {
             return format!("{} {n}", b / u);
         }
     }
@@ -285,7 +287,8 @@ mod tests {
         let m = memlock(Ok((Some(64 << 10), None)), Some(true));
         assert!(!m.low, "CAP_IPC_LOCK lifts the limit");
         assert!(m.allows.contains("CAP_IPC_LOCK"));
-        assert_eq!(human_bytes(1536 << 20), "1.5 GiB");
+        assert_eq!(human_bytes(1536 << 20), "1536 MiB");
+        assert_eq!(human_bytes(1_500_000), "1.4 MiB");
         assert_eq!(human_bytes(65536), "64 KiB");
         assert_eq!(human_bytes(100), "100 bytes");
     }

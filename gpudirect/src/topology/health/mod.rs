@@ -14,7 +14,7 @@ pub mod nvlink;
 pub mod pcie;
 
 pub use advice::health_advice;
-pub use nvlink::{NoNvml, NvlinkReading, NvmlSource, open_nvml};
+pub use nvlink::{NoNvml, NvlinkAnswer, NvlinkReading, NvmlSource, open_nvml};
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

@@ -23,13 +23,16 @@ pub struct NvlinkReading {
     pub errors: NvlinkErrors,
 }
 
+/// NVML's answer for one GPU: `NVML_FI_DEV_NVLINK_LINK_COUNT` (`None`: NVML did not say) and
+/// each link in order; `Err` when NVML has no handle for the GPU.
+pub type NvlinkAnswer = Result<(Option<u32>, Vec<NvlinkReading>), String>;
+
 /// What the report asks NVML. The real one is [`open_nvml`]; tests give their own answers.
 pub trait NvmlSource {
     /// The NVIDIA driver version NVML reports (`nvmlSystemGetDriverVersion`).
     fn driver_version(&self) -> Option<String>;
-    /// `NVML_FI_DEV_NVLINK_LINK_COUNT` of the GPU at `bus_id` (`Ok(None)`: NVML did not say) and
-    /// each of its links, in order. `Err` when NVML has no handle for the GPU.
-    fn nvlinks(&self, bus_id: &str) -> Result<(Option<u32>, Vec<NvlinkReading>), String>;
+    /// The links of the GPU at `bus_id` (sysfs' form of a PCI address).
+    fn nvlinks(&self, bus_id: &str) -> NvlinkAnswer;
 }
 
 /// NVML is not there: every answer says why.
@@ -39,7 +42,7 @@ impl NvmlSource for NoNvml {
     fn driver_version(&self) -> Option<String> {
         None
     }
-    fn nvlinks(&self, _bus_id: &str) -> Result<(Option<u32>, Vec<NvlinkReading>), String> {
+    fn nvlinks(&self, _bus_id: &str) -> NvlinkAnswer {
         Err(self.0.clone())
     }
 }
@@ -87,7 +90,7 @@ impl NvmlSource for RealNvml {
         self.0.sys_driver_version().ok()
     }
 
-    fn nvlinks(&self, bus_id: &str) -> Result<(Option<u32>, Vec<NvlinkReading>), String> {
+    fn nvlinks(&self, bus_id: &str) -> NvlinkAnswer {
         use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
         use nvml_wrapper::error::NvmlError;
         use nvml_wrapper::structs::device::FieldId;
@@ -167,11 +170,7 @@ impl NvlinkErrors {
 /// One GPU's links, classified: a link is `down` when it is inactive while another link of the
 /// same GPU is up (all inactive means no NVLink is connected, which is not a fault), and
 /// `counting_errors` when any error counter is above zero.
-pub fn classify_gpu(
-    gpu: usize,
-    bus_id: &str,
-    answer: Result<(Option<u32>, Vec<NvlinkReading>), String>,
-) -> NvlinkGpu {
+pub fn classify_gpu(gpu: usize, bus_id: &str, answer: NvlinkAnswer) -> NvlinkGpu {
     let (link_count, readings) = match answer {
         Ok(a) => a,
         Err(e) => {
