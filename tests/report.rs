@@ -537,6 +537,8 @@ fn text_rendering_has_a_section_and_verdict_per_path() {
         "== PCIe\n  IOMMU: on (3 groups)  units dmar0  kernel parameters intel_iommu=on",
         "GPU 0 [0000:05:00.0]: 16.0 GT/s PCIe x8 of 32.0 GT/s PCIe x16  iommu group 7 (DMA-FQ)  DEGRADED (width)",
         "mlx5_0 [0000:06:00.0]: 8.0 GT/s PCIe x16 of 16.0 GT/s PCIe x16  iommu group 8 (identity)  DEGRADED (speed)",
+        "GPU 0 <-> GPU 1: meet at root complex pci0000:00; ACS cannot redirect (no shared switch); bridges: 0000:00:01.0 unknown (needs root",
+        "    links 0-2,4,6-17: up, v4 26562 MB/s, no errors, to 0000:19:00.0\n",
         "GPU 0 <-> mlx5_0: meet at PCIe switch (bridge 0000:01:00.0); ACS redirect YES; bridges: 0000:02:08.0 ACSCtl 0x001d [SrcValid ReqRedir CmpltRedir UpstreamFwd], 0000:02:10.0 ACSCtl 0x0000 [none]",
         "== NVLink\n  GPU 0: 17 of 18 links up",
         "    link 3  down  v4 26562 MB/s  remote -  errors replay 0 recovery 0 crc flit 0 crc data 0  DOWN",
@@ -544,7 +546,7 @@ fn text_rendering_has_a_section_and_verdict_per_path() {
         "  GPU 1: nvmlDeviceGetHandleByPciBusId: Not Found",
         "locked memory (ulimit -l): 8 MiB (hard 8 MiB), LOW: allows at most 8 MiB of host memory registered for RDMA at once",
         "    properties.allow_compat_mode = false",
-        "== Paths (what --require checks)\n  gpu             DEGRADED GPU 0 PCIe link x8 of x16 lanes\n",
+        "== Paths (what --require checks)\n  gpu             DEGRADED GPU 0 PCIe link x8 of x16 lanes\n  multi-gpu       ok\n",
         "  gds             unusable no GPUDirect Storage (cuFile in compatibility mode: nvidia-fs is not loaded)",
     ] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");

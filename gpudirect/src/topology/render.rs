@@ -9,6 +9,34 @@ fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
 
+/// `0 1 2 4 6 7` → `0-2,4,6-7`.
+fn ranges(v: impl Iterator<Item = u32>) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut run: Option<(u32, u32)> = None;
+    for x in v {
+        run = match run {
+            Some((a, b)) if b.checked_add(1) == Some(x) => Some((a, x)),
+            Some((a, b)) => {
+                out.push(if a == b {
+                    a.to_string()
+                } else {
+                    format!("{a}-{b}")
+                });
+                Some((x, x))
+            }
+            None => Some((x, x)),
+        };
+    }
+    if let Some((a, b)) = run {
+        out.push(if a == b {
+            a.to_string()
+        } else {
+            format!("{a}-{b}")
+        });
+    }
+    out.join(",")
+}
+
 fn or_dash(v: Option<impl fmt::Display>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
@@ -478,14 +506,17 @@ impl NodeReport {
                 .collect();
             writeln!(
                 s,
-                "  {} <-> {}: meet at {}; ACS redirect {}{}",
+                "  {} <-> {}: meet at {}; {}{}",
                 p.from,
                 p.to,
                 p.meets_at,
                 match p.acs_redirects {
-                    Some(true) => "YES",
-                    Some(false) => "no",
-                    None => "unknown",
+                    _ if !p.meets_at.starts_with("PCIe switch") => {
+                        "ACS cannot redirect (no shared switch)"
+                    }
+                    Some(true) => "ACS redirect YES",
+                    Some(false) => "ACS redirect no",
+                    None => "ACS redirect unknown",
                 },
                 if acs.is_empty() {
                     String::new()
@@ -511,7 +542,42 @@ impl NodeReport {
                 g.active_links,
                 g.link_count.map_or(g.links.len() as u32, |c| c)
             )?;
-            for l in &g.links {
+            // Healthy links on one line (their indexes as ranges), the others one by one.
+            let healthy: Vec<&super::health::NvlinkLink> = g
+                .links
+                .iter()
+                .filter(|l| l.state == "up" && !l.counting_errors && l.errors.total() == 0)
+                .collect();
+            if !healthy.is_empty() {
+                let mut remotes: Vec<&str> = healthy
+                    .iter()
+                    .filter_map(|l| l.remote_pci_bus_id.as_deref())
+                    .collect();
+                remotes.sort_unstable();
+                remotes.dedup();
+                let mut speeds: Vec<String> = healthy
+                    .iter()
+                    .map(|l| format!("v{} {} MB/s", or_dash(l.version), or_dash(l.speed_mbps)))
+                    .collect();
+                speeds.sort_unstable();
+                speeds.dedup();
+                writeln!(
+                    s,
+                    "    links {}: up, {}, no errors, to {}",
+                    ranges(healthy.iter().map(|l| l.link)),
+                    speeds.join(" / "),
+                    if remotes.is_empty() {
+                        "-".to_string()
+                    } else {
+                        remotes.join(" ")
+                    }
+                )?;
+            }
+            for l in g
+                .links
+                .iter()
+                .filter(|l| !healthy.iter().any(|h| h.link == l.link))
+            {
                 let e = &l.errors;
                 let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
                 writeln!(
@@ -593,17 +659,13 @@ impl NodeReport {
                 PathState::Degraded => "DEGRADED",
                 PathState::Unusable => "unusable",
             };
-            writeln!(
-                s,
+            let line = format!(
                 "  {:<15} {:<9}{}",
                 p.path.name(),
                 state,
-                if p.reasons.is_empty() {
-                    String::new()
-                } else {
-                    p.reasons.join("; ")
-                }
-            )?;
+                p.reasons.join("; ")
+            );
+            writeln!(s, "{}", line.trim_end())?;
         }
         Ok(())
     }
