@@ -44,7 +44,8 @@ struct Args {
     #[arg(long)]
     no_measure: bool,
 
-    /// Exit 1 when one of these paths is unusable or degraded (comma-separated).
+    /// Exit 1 when one of these paths is unusable or degraded, comma-separated: gpu, multi-gpu,
+    /// p2p, nvlink, rdma, gpudirect-rdma, cufile, gds, async (--help says what each checks).
     #[arg(
         long,
         value_name = "PATH,...",

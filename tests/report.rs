@@ -1547,6 +1547,11 @@ fn probe_command_line() {
         assert!(out.contains(needle), "missing {needle:?} in\n{out}");
     }
     assert!(!out.contains("[-- --json]"));
+    // The short help names every path too.
+    let (rc, short, _) = run_probe(&["-h"], &[]).unwrap();
+    assert_eq!(rc, 0);
+    let names: Vec<&str> = DataPath::ALL.iter().map(|p| p.name()).collect();
+    assert!(short.contains(&names.join(", ")), "{short}");
 
     // A bad value: exit 2 naming the value and why.
     let (rc, _, err) = run_probe(&["--copy-mib", "0"], &[]).unwrap();

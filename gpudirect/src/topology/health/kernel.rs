@@ -84,23 +84,29 @@ pub fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
 }
 
 /// Whether the running kernel was built with PCI P2PDMA: `CONFIG_PCI_P2PDMA` in
-/// `<boot>/config-<release>`, else the `p2pdma_pgmap_ops` symbol in `<procfs>/kallsyms` (whose
-/// names an unprivileged reader sees, addresses zeroed). `None` when neither can be read.
+/// `<boot>/config-<release>`, else its symbols in `<procfs>/kallsyms` (whose names an
+/// unprivileged reader sees, addresses zeroed): the function `pci_p2pdma_add_resource`, listed
+/// in every kernel that has P2PDMA, or `p2pdma_pgmap_ops`. `None` when neither can be read.
 pub fn kernel_has_p2pdma(boot: &Path, procfs: &Path, release: &str) -> Option<bool> {
     if let Ok(cfg) = std::fs::read_to_string(boot.join(format!("config-{release}"))) {
         return Some(cfg.lines().any(|l| l.trim() == "CONFIG_PCI_P2PDMA=y"));
     }
     let f = std::fs::File::open(procfs.join("kallsyms")).ok()?;
     use std::io::BufRead;
-    let mut found = false;
+    let (mut found, mut lines) = (false, 0usize);
     for line in std::io::BufReader::new(f).lines() {
         let Ok(line) = line else { return None };
-        if line.split_whitespace().nth(2) == Some("p2pdma_pgmap_ops") {
+        lines += 1;
+        if matches!(
+            line.split_whitespace().nth(2),
+            Some("pci_p2pdma_add_resource" | "p2pdma_pgmap_ops")
+        ) {
             found = true;
             break;
         }
     }
-    Some(found)
+    // An empty list (hidden from this reader) says nothing.
+    (lines > 0).then_some(found)
 }
 
 /// Loaded modules from `<procfs>/modules`: name → state (`Live`, `Loading`, `Unloading`).
@@ -481,6 +487,37 @@ mod tests {
         assert_eq!(parse_driver_version("580.95.05"), Some((580, 95)));
         assert_eq!(parse_driver_version("1.15"), Some((1, 15)));
         assert_eq!(parse_driver_version("565"), Some((565, 0)));
+    }
+
+    #[test]
+    fn p2pdma_from_config_or_symbols() {
+        let d = std::env::temp_dir().join(format!("gd-p2pdma-{}", std::process::id()));
+        let (boot, proc_) = (d.join("boot"), d.join("proc"));
+        std::fs::create_dir_all(&boot).unwrap();
+        std::fs::create_dir_all(&proc_).unwrap();
+        assert_eq!(kernel_has_p2pdma(&boot, &proc_, "6.8.0"), None);
+        std::fs::write(proc_.join("kallsyms"), "").unwrap();
+        assert_eq!(kernel_has_p2pdma(&boot, &proc_, "6.8.0"), None);
+        std::fs::write(
+            proc_.join("kallsyms"),
+            "0000000000000000 T dma_pci_p2pdma_supported\n",
+        )
+        .unwrap();
+        assert_eq!(kernel_has_p2pdma(&boot, &proc_, "6.8.0"), Some(false));
+        std::fs::write(
+            proc_.join("kallsyms"),
+            "0000000000000000 T pci_p2pdma_add_resource\n",
+        )
+        .unwrap();
+        assert_eq!(kernel_has_p2pdma(&boot, &proc_, "6.8.0"), Some(true));
+        // The kernel's configuration wins over the symbols.
+        std::fs::write(
+            boot.join("config-6.8.0"),
+            "# CONFIG_PCI_P2PDMA is not set\n",
+        )
+        .unwrap();
+        assert_eq!(kernel_has_p2pdma(&boot, &proc_, "6.8.0"), Some(false));
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
