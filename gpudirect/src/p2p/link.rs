@@ -275,6 +275,11 @@ fn classify(
 /// NVML, opened through nvml-wrapper as [`NVML_LIB`].
 struct Nvml(nvml_wrapper::Nvml);
 
+/// NVML opened the way the link matrix opens it, for the node report's NVLink checks.
+pub(crate) fn open_nvml() -> std::result::Result<nvml_wrapper::Nvml, String> {
+    Nvml::open().map(|n| n.0)
+}
+
 impl Nvml {
     /// `GPUDIRECT_NVML_PATH` when set, then [`NVML_LIB`] by the loader's search, then the same
     /// file beside the libcuda that was loaded (driver directories are not always on the path).

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 /// One piece of advice.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Advice {
-    /// `gpu`, `p2p`, `rdma`, `storage`, `async` or `settings`.
+    /// `gpu`, `p2p`, `rdma`, `storage`, `async`, `driver`, `pcie`, `iommu`, `nvlink`, `limits` or
+    /// `settings`.
     pub topic: String,
     /// What to do, in plain words.
     pub text: String,
@@ -26,18 +27,30 @@ pub struct EnvSetting {
     pub what: String,
 }
 
-const SETTINGS: [(&str, &str); 3] = [
+const SETTINGS: [(&str, &str); 6] = [
     (
         "NCCL_P2P_LEVEL",
         "the farthest GPU-to-GPU distance at which NCCL uses P2P (LOC, NVL, PIX, PXB, PHB, SYS); unset lets NCCL decide from the topology",
+    ),
+    (
+        "NCCL_P2P_DISABLE",
+        "1 turns off NCCL's P2P transport (NVLink and PCIe peer access); NCCL then copies through host memory",
     ),
     (
         "NCCL_IB_DISABLE",
         "1 turns off NCCL's InfiniBand/RoCE transport (and with it GPUDirect RDMA); NCCL then falls back to TCP sockets",
     ),
     (
+        "NCCL_MAX_NCHANNELS",
+        "the most channels (parallel rings or trees, each on its own SMs) NCCL uses; unset lets NCCL choose; fewer channels leave SMs to compute but lower bandwidth",
+    ),
+    (
         "CUDA_DEVICE_MAX_CONNECTIONS",
         "hardware work queues per GPU (default 8): more lets more streams run concurrently; 1 makes kernels and copies start in issue order, which some compute/communication overlap schemes rely on",
+    ),
+    (
+        "CUFILE_ENV_PATH_JSON",
+        "the cuFile configuration file to read instead of /etc/cufile.json",
     ),
 ];
 
@@ -293,6 +306,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             _ => {}
         }
     }
+    out.extend(super::health::health_advice(r));
     out
 }
 

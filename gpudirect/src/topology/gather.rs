@@ -25,8 +25,9 @@ pub struct GatherOptions {
     /// Directory for the storage read's temporary file: `GPUDIRECT_TEST_DIR` when set, else
     /// the system's temporary directory.
     pub read_dir: PathBuf,
-    /// The sysfs root (`/sys`).
-    pub sysfs: PathBuf,
+    /// Where sysfs, procfs, the kernel log and configuration files are read from (the real
+    /// system by default).
+    pub system: SystemPaths,
 }
 
 impl Default for GatherOptions {
@@ -40,7 +41,7 @@ impl Default for GatherOptions {
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)
                 .unwrap_or_else(std::env::temp_dir),
-            sysfs: PathBuf::from(sysfs::SYSFS_ROOT),
+            system: SystemPaths::default(),
         }
     }
 }
@@ -124,6 +125,10 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
     storage.verdict = storage_verdict(&storage);
     let mut async_ = async_section(&cuda);
     async_.verdict = async_verdict(&async_);
+    let health = guarded("the health checks", || {
+        health_section(&cuda, &rdma, &storage, opts)
+    })
+    .unwrap_or_else(|e| empty_health(&e));
     let mut report = NodeReport {
         schema_version: SCHEMA_VERSION,
         measured: opts.measure,
@@ -133,11 +138,159 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
         rdma,
         storage,
         async_,
+        health,
+        paths: Vec::new(),
         advice: Vec::new(),
         settings: settings_from_env(|k| std::env::var(k).ok()),
     };
+    report.paths = path_statuses(&report);
     report.advice = advise(&report);
     report
+}
+
+/// The health section when gathering it failed as a whole (`why`).
+fn empty_health(why: &str) -> HealthSection {
+    use health::*;
+    HealthSection {
+        kernel: KernelInfo::default(),
+        requirements: Vec::new(),
+        modules: Vec::new(),
+        peer_memory_clients: None,
+        kernel_log_unreadable: Some(why.into()),
+        pcie: PcieHealth {
+            links: Vec::new(),
+            paths: Vec::new(),
+            iommu: IommuStatus {
+                enabled: None,
+                groups: 0,
+                units: Vec::new(),
+                cmdline: Vec::new(),
+            },
+        },
+        nvlink: NvlinkHealth {
+            gpus: Vec::new(),
+            absent_reason: Some(why.into()),
+        },
+        memlock: limits::memlock(Err(why.into()), None),
+        cufile_config: CufileConfig {
+            path: String::new(),
+            source: String::new(),
+            exists: false,
+            values: Vec::new(),
+            error: Some(why.into()),
+        },
+    }
+}
+
+fn health_section(
+    cuda: &CudaSection,
+    rdma: &RdmaSection,
+    storage: &StorageSection,
+    opts: &GatherOptions,
+) -> HealthSection {
+    use health::{HealthGpu, HealthInputs, HealthNic};
+    let gpus: Vec<HealthGpu> = cuda
+        .devices
+        .iter()
+        .map(|d| HealthGpu {
+            ordinal: d.ordinal,
+            pci_bus_id: d.pci_bus_id.clone(),
+            compute_capability: d.compute_capability,
+            nearest_nic: rdma
+                .affinity
+                .iter()
+                .find(|a| a.gpu == d.ordinal)
+                .and_then(|a| a.best.clone()),
+        })
+        .collect();
+    let nics: Vec<HealthNic> = rdma
+        .devices
+        .iter()
+        .map(|d| HealthNic {
+            name: d.name.clone(),
+            pci_bus_id: d.pci_bus_id.clone(),
+        })
+        .collect();
+    let nvml_box = if cuda.devices.is_empty() {
+        Err("no GPU".to_string())
+    } else {
+        health::open_nvml()
+    };
+    let env = |k: &str| std::env::var(k).ok();
+    let mut h = health::gather_health(&HealthInputs {
+        paths: &opts.system,
+        env: &env,
+        memlock: health::limits::memlock_limits(),
+        nvml: nvml_box.as_ref().map(|b| b.as_ref()).map_err(|e| e.clone()),
+        gpus: &gpus,
+        nics: &nics,
+        verbs_dmabuf: gpudirect_sys::ibverbs::lib()
+            .ok()
+            .map(|l| l.ibv_reg_dmabuf_mr.is_some()),
+        cufile_version: storage.cufile_version.clone(),
+    });
+    if opts.measure {
+        for l in h.pcie.links.iter_mut().filter(|l| l.kind == "gpu") {
+            let (Some(cur), Some(max)) = (
+                l.current_speed
+                    .as_deref()
+                    .and_then(health::pcie::parse_link_speed),
+                l.max_speed
+                    .as_deref()
+                    .and_then(health::pcie::parse_link_speed),
+            ) else {
+                continue;
+            };
+            if cur < max
+                && let Some(ordinal) = health::gpu_ordinal_of(&l.device)
+            {
+                speed_under_load(&opts.system.sysfs, l, ordinal);
+            }
+        }
+    }
+    h
+}
+
+/// Read GPU `ordinal`'s link speed again while host-to-device copies keep it busy (an idle GPU
+/// lowers its link speed): the highest speed seen within 400 ms goes to `speed_under_load`.
+fn speed_under_load(sysfs_root: &Path, link: &mut health::PcieLink, ordinal: usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let worker = std::thread::spawn(move || -> crate::Result<()> {
+        let stream = Stream::new(&crate::cuda::context(ordinal)?)?;
+        let host = vec![0x5au8; 64 << 20];
+        let mut dev = DeviceBuffer::<u8>::alloc(stream.context(), host.len())?;
+        while !stop2.load(Ordering::Relaxed) {
+            crate::memory::copy_from_host(&stream, &host, &mut dev)?;
+        }
+        Ok(())
+    });
+    let file = sysfs_root
+        .join("bus/pci/devices")
+        .join(&link.pci_bus_id)
+        .join("current_link_speed");
+    let deadline = Instant::now() + Duration::from_millis(400);
+    let mut best: Option<(f64, String)> = None;
+    while Instant::now() < deadline && !worker.is_finished() {
+        std::thread::sleep(Duration::from_millis(20));
+        if let Ok(s) = std::fs::read_to_string(&file) {
+            let s = s.trim().to_string();
+            if let Some(v) = health::pcie::parse_link_speed(&s)
+                && best.as_ref().is_none_or(|b| v > b.0)
+            {
+                best = Some((v, s));
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    match worker.join() {
+        Ok(Ok(())) => link.speed_under_load = best.map(|b| b.1),
+        Ok(Err(e)) => link.error = Some(format!("reading the link under load: {e}")),
+        Err(_) => link.error = Some("reading the link under load: the copy thread panicked".into()),
+    }
+    health::pcie::update_degraded(link);
 }
 
 /// `1150` → `1.15`.
@@ -384,7 +537,7 @@ fn rdma_section(cuda: &CudaSection, opts: &GatherOptions) -> RdmaSection {
         absent_reason: None,
         verdict: String::new(),
     };
-    let root = opts.sysfs.as_path();
+    let root = opts.system.sysfs.as_path();
     match DeviceList::get() {
         Ok(list) if list.is_empty() => {
             s.absent_reason = Some(
@@ -498,7 +651,7 @@ fn storage_section(cuda: &CudaSection, opts: &GatherOptions) -> StorageSection {
         properties: None,
         mode: "unavailable".into(),
         mode_reason: String::new(),
-        nvidia_fs_version: sysfs::nvidia_fs_version(&opts.sysfs),
+        nvidia_fs_version: sysfs::nvidia_fs_version(&opts.system.sysfs),
         read: None,
         absent_reason: None,
         verdict: String::new(),

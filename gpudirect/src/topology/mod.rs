@@ -1,34 +1,42 @@
-//! What this node offers each GPUDirect path, how its GPUs and NICs are wired, and what to do
-//! about it: the report `cargo run --release --example probe` prints.
+//! What this node offers each GPUDirect path, how its GPUs and NICs are wired, whether it is
+//! healthy, and what to do about it: the report `cargo run --release --example probe` prints.
 //!
 //! [`NodeReport::gather`] never fails and never panics: every step is fallible and what is absent
-//! is recorded with the reason. The report uses gpudirect's typed APIs only ([`crate::p2p`],
-//! [`crate::rdma`], [`crate::storage`], [`crate::memory`]); the sysfs placement logic is in
-//! [`sysfs`] (pure functions over a sysfs root), the decision rules in [`advise`].
+//! is recorded with the reason. The report uses gpudirect's typed APIs ([`crate::p2p`],
+//! [`crate::rdma`], [`crate::storage`], [`crate::memory`]), sysfs, procfs and NVML; it runs no
+//! other program. The PCIe/NUMA placement of GPUs and NICs is in [`sysfs`] (pure functions over a
+//! sysfs root, what the data paths choose by); the health checks (driver and kernel, modules,
+//! PCIe links, ACS, IOMMU, NVLink, limits and settings) in [`health`]; the decision rules in
+//! [`advise`]; each path's status for a node health check in [`path_statuses`] and
+//! [`check_required`].
 //!
-//! # JSON schema (version 2)
+//! # JSON schema (version 3)
 //!
 //! `--json` prints a [`NodeReport`]; every field is documented on its type, and
 //! `docs/probe-schema.md` gives the whole tree. Top-level keys: `schema_version`, `measured`,
-//! `libraries`, `cuda`, `p2p`, `rdma`, `storage`, `async`, `advice`, `settings`. Each path
-//! section carries a one-line `verdict` and an `absent_reason` (`null` when the path is there).
-//! Optional values are `null` when unknown. [`SCHEMA_VERSION`] is bumped on any incompatible
-//! change.
+//! `libraries`, `cuda`, `p2p`, `rdma`, `storage`, `async`, `health`, `paths`, `advice`,
+//! `settings`. Each path section carries a one-line `verdict` and an `absent_reason` (`null` when
+//! the path is there). Optional values are `null` when unknown. [`SCHEMA_VERSION`] is bumped on
+//! any incompatible change.
 
 mod advice;
 mod gather;
+pub mod health;
+mod paths;
 mod render;
 pub mod sysfs;
 
 pub use advice::{Advice, EnvSetting, advise, settings_from_env};
 pub use gather::{GatherOptions, best_nic, gpu_affinity};
+pub use health::{HealthSection, SystemPaths};
+pub use paths::{DataPath, PathState, PathStatus, check_required, path_statuses};
 pub use sysfs::Affinity;
 
 use crate::device::DeviceInfo;
 use serde::{Deserialize, Serialize};
 
 /// The JSON schema version of [`NodeReport`]; bumped on any incompatible change.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// A run-time library and whether it loaded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -356,6 +364,11 @@ pub struct NodeReport {
     /// Stream ordering (key `async`).
     #[serde(rename = "async")]
     pub async_: AsyncSection,
+    /// Driver and kernel against each path's needs, modules, PCIe links, ACS, IOMMU, NVLink,
+    /// the locked-memory limit and the cuFile configuration.
+    pub health: HealthSection,
+    /// Each data path's status, as `--require` judges it.
+    pub paths: Vec<PathStatus>,
     /// What to do, in plain words.
     pub advice: Vec<Advice>,
     /// Environment settings worth checking, with their current values.

@@ -1,11 +1,40 @@
 //! The human-readable rendering of a [`NodeReport`]: one section per path, each opening with its
 //! one-line verdict.
 
-use super::{NodeReport, format_cuda_version};
+use super::health::limits::human_bytes;
+use super::{NodeReport, PathState, format_cuda_version};
 use std::fmt::{self, Write};
 
 fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
+}
+
+/// `0 1 2 4 6 7` → `0-2,4,6-7`.
+fn ranges(v: impl Iterator<Item = u32>) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut run: Option<(u32, u32)> = None;
+    for x in v {
+        run = match run {
+            Some((a, b)) if b.checked_add(1) == Some(x) => Some((a, x)),
+            Some((a, b)) => {
+                out.push(if a == b {
+                    a.to_string()
+                } else {
+                    format!("{a}-{b}")
+                });
+                Some((x, x))
+            }
+            None => Some((x, x)),
+        };
+    }
+    if let Some((a, b)) = run {
+        out.push(if a == b {
+            a.to_string()
+        } else {
+            format!("{a}-{b}")
+        });
+    }
+    out.join(",")
 }
 
 fn or_dash(v: Option<impl fmt::Display>) -> String {
@@ -26,6 +55,8 @@ impl fmt::Display for NodeReport {
         self.rdma_text(&mut s)?;
         self.storage_text(&mut s)?;
         self.async_text(&mut s)?;
+        self.health_text(&mut s)?;
+        self.paths_text(&mut s)?;
         writeln!(s, "\n== Advice")?;
         if self.advice.is_empty() {
             writeln!(s, "  nothing to add")?;
@@ -296,6 +327,345 @@ impl NodeReport {
                 yes(g.can_flush_remote_writes),
                 g.flush_rdma_writes_options
             )?;
+        }
+        Ok(())
+    }
+
+    fn health_text(&self, s: &mut String) -> fmt::Result {
+        let h = &self.health;
+        let k = &h.kernel;
+        writeln!(s, "\n== Driver and kernel")?;
+        writeln!(
+            s,
+            "  Linux {}  NVIDIA driver {}{}  PCI P2PDMA {}",
+            k.release.as_deref().unwrap_or("?"),
+            k.nvidia_driver.as_deref().unwrap_or("not loaded"),
+            k.nvidia_kernel_module
+                .as_deref()
+                .map(|m| format!(" ({m} kernel modules)"))
+                .unwrap_or_default(),
+            match k.pci_p2pdma {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "unknown",
+            }
+        )?;
+        let mods: Vec<String> = h
+            .modules
+            .iter()
+            .map(|m| {
+                let what = if m.loaded {
+                    format!(
+                        "{}{}",
+                        m.state.as_deref().unwrap_or("loaded"),
+                        m.version
+                            .as_deref()
+                            .map(|v| format!(" {v}"))
+                            .unwrap_or_default()
+                    )
+                } else {
+                    match m.installed {
+                        Some(true) => "not loaded (installed)".into(),
+                        Some(false) => "not loaded (not installed)".into(),
+                        None => "not loaded".into(),
+                    }
+                };
+                format!("{} {what}", m.name)
+            })
+            .collect();
+        writeln!(s, "  modules: {}", mods.join("; "))?;
+        writeln!(
+            s,
+            "  peer-memory API (MLNX_OFED/DOCA-OFED): {}",
+            match &h.peer_memory_clients {
+                None => "absent".to_string(),
+                Some(c) if c.is_empty() => "present, no client".to_string(),
+                Some(c) => format!("present, clients {}", c.join(" ")),
+            }
+        )?;
+        match &h.kernel_log_unreadable {
+            Some(why) => writeln!(
+                s,
+                "  kernel log: not readable ({why}): load failures unknown"
+            )?,
+            None if h.modules.iter().all(|m| m.load_errors.is_empty()) => {
+                writeln!(s, "  kernel log: read, no module load failures")?
+            }
+            None => {
+                for m in h.modules.iter().filter(|m| !m.load_errors.is_empty()) {
+                    for e in &m.load_errors {
+                        writeln!(s, "  kernel log [{}]: {e}", m.name)?;
+                    }
+                }
+            }
+        }
+        for r in &h.requirements {
+            writeln!(
+                s,
+                "  {}: {}",
+                r.path,
+                match r.met {
+                    Some(true) => "met",
+                    Some(false) => "NOT met",
+                    None => "unknown",
+                }
+            )?;
+            for c in &r.checks {
+                writeln!(
+                    s,
+                    "    {:<4} {} {}: {}",
+                    match c.met {
+                        Some(true) => "ok",
+                        Some(false) => "NO",
+                        None => "?",
+                    },
+                    c.item,
+                    c.needs,
+                    c.found
+                )?;
+            }
+        }
+
+        writeln!(s, "\n== PCIe")?;
+        let io = &h.pcie.iommu;
+        writeln!(
+            s,
+            "  IOMMU: {}{}{}",
+            match io.enabled {
+                Some(true) => format!("on ({} groups)", io.groups),
+                Some(false) => "off".to_string(),
+                None => "unknown".to_string(),
+            },
+            if io.units.is_empty() {
+                String::new()
+            } else {
+                format!("  units {}", io.units.join(" "))
+            },
+            if io.cmdline.is_empty() {
+                String::new()
+            } else {
+                format!("  kernel parameters {}", io.cmdline.join(" "))
+            }
+        )?;
+        for l in &h.pcie.links {
+            if let Some(e) = &l.error
+                && l.current_speed.is_none()
+            {
+                writeln!(s, "  {} [{}]: {e}", l.device, l.pci_bus_id)?;
+                continue;
+            }
+            let flag = match (l.speed_degraded, l.width_degraded) {
+                (false, false) => "",
+                (true, false) => "  DEGRADED (speed)",
+                (false, true) => "  DEGRADED (width)",
+                (true, true) => "  DEGRADED (speed and width)",
+            };
+            writeln!(
+                s,
+                "  {} [{}]: {} x{} of {} x{}{}{}{}",
+                l.device,
+                l.pci_bus_id,
+                l.current_speed.as_deref().unwrap_or("?"),
+                or_dash(l.current_width),
+                l.max_speed.as_deref().unwrap_or("?"),
+                or_dash(l.max_width),
+                l.speed_under_load
+                    .as_deref()
+                    .map(|u| format!(" (under load {u})"))
+                    .unwrap_or_default(),
+                match (&l.iommu_group, &l.iommu_domain) {
+                    (Some(g), Some(d)) => format!("  iommu group {g} ({d})"),
+                    (Some(g), None) => format!("  iommu group {g}"),
+                    _ => String::new(),
+                },
+                flag
+            )?;
+        }
+        for p in &h.pcie.paths {
+            if let Some(e) = &p.error {
+                writeln!(s, "  {} <-> {}: {e}", p.from, p.to)?;
+                continue;
+            }
+            let acs: Vec<String> = p
+                .bridges
+                .iter()
+                .map(|b| match (&b.control, &b.note) {
+                    (Some(c), _) => format!(
+                        "{} ACSCtl {:#06x} [{}]",
+                        b.pci_bus_id,
+                        c,
+                        if b.flags.is_empty() {
+                            "none".to_string()
+                        } else {
+                            b.flags.join(" ")
+                        }
+                    ),
+                    (None, Some(n)) => format!("{} {n}", b.pci_bus_id),
+                    (None, None) => format!("{} ?", b.pci_bus_id),
+                })
+                .collect();
+            writeln!(
+                s,
+                "  {} <-> {}: meet at {}; {}{}",
+                p.from,
+                p.to,
+                p.meets_at,
+                match p.acs_redirects {
+                    _ if !p.meets_at.starts_with("PCIe switch") => {
+                        "ACS cannot redirect (no shared switch)"
+                    }
+                    Some(true) => "ACS redirect YES",
+                    Some(false) => "ACS redirect no",
+                    None => "ACS redirect unknown",
+                },
+                if acs.is_empty() {
+                    String::new()
+                } else {
+                    format!("; bridges: {}", acs.join(", "))
+                }
+            )?;
+        }
+
+        writeln!(s, "\n== NVLink")?;
+        if let Some(why) = &h.nvlink.absent_reason {
+            writeln!(s, "  SKIPPED: {why}")?;
+        }
+        for g in &h.nvlink.gpus {
+            if let Some(e) = &g.error {
+                writeln!(s, "  GPU {}: {e}", g.gpu)?;
+                continue;
+            }
+            writeln!(
+                s,
+                "  GPU {}: {} of {} links up",
+                g.gpu,
+                g.active_links,
+                g.link_count.map_or(g.links.len() as u32, |c| c)
+            )?;
+            // Healthy links on one line (their indexes as ranges), the others one by one.
+            let healthy: Vec<&super::health::NvlinkLink> = g
+                .links
+                .iter()
+                .filter(|l| l.state == "up" && !l.counting_errors && l.errors.total() == 0)
+                .collect();
+            if !healthy.is_empty() {
+                let mut remotes: Vec<&str> = healthy
+                    .iter()
+                    .filter_map(|l| l.remote_pci_bus_id.as_deref())
+                    .collect();
+                remotes.sort_unstable();
+                remotes.dedup();
+                let mut speeds: Vec<String> = healthy
+                    .iter()
+                    .map(|l| format!("v{} {} MB/s", or_dash(l.version), or_dash(l.speed_mbps)))
+                    .collect();
+                speeds.sort_unstable();
+                speeds.dedup();
+                writeln!(
+                    s,
+                    "    links {}: up, {}, no errors, to {}",
+                    ranges(healthy.iter().map(|l| l.link)),
+                    speeds.join(" / "),
+                    if remotes.is_empty() {
+                        "-".to_string()
+                    } else {
+                        remotes.join(" ")
+                    }
+                )?;
+            }
+            for l in g
+                .links
+                .iter()
+                .filter(|l| !healthy.iter().any(|h| h.link == l.link))
+            {
+                let e = &l.errors;
+                let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
+                writeln!(
+                    s,
+                    "    link {:<2} {:<5} v{} {} MB/s  remote {}  errors replay {} recovery {} crc flit {} crc data {}{}{}",
+                    l.link,
+                    l.state,
+                    or_dash(l.version),
+                    or_dash(l.speed_mbps),
+                    l.remote_pci_bus_id.as_deref().unwrap_or("-"),
+                    n(e.replay),
+                    n(e.recovery),
+                    n(e.crc_flit),
+                    n(e.crc_data),
+                    if l.down { "  DOWN" } else { "" },
+                    if l.counting_errors {
+                        "  COUNTING ERRORS"
+                    } else {
+                        ""
+                    }
+                )?;
+            }
+        }
+
+        writeln!(s, "\n== Limits and configuration")?;
+        let m = &h.memlock;
+        let lim = |b: Option<u64>, unl: bool| {
+            if unl {
+                "unlimited".to_string()
+            } else {
+                b.map_or("?".into(), human_bytes)
+            }
+        };
+        match &m.error {
+            Some(e) => writeln!(s, "  locked memory (ulimit -l): unknown ({e})")?,
+            None => writeln!(
+                s,
+                "  locked memory (ulimit -l): {} (hard {}){}{}: allows {}",
+                lim(m.soft_bytes, m.soft_unlimited),
+                lim(m.hard_bytes, m.hard_unlimited),
+                if m.cap_ipc_lock == Some(true) {
+                    ", CAP_IPC_LOCK held"
+                } else {
+                    ""
+                },
+                if m.low { ", LOW" } else { "" },
+                m.allows
+            )?,
+        }
+        let c = &h.cufile_config;
+        writeln!(
+            s,
+            "  cuFile configuration: {} ({}){}",
+            c.path,
+            if c.source == "default" {
+                "the default"
+            } else {
+                "from CUFILE_ENV_PATH_JSON"
+            },
+            if !c.exists {
+                ": absent, cuFile uses built-in defaults".to_string()
+            } else if let Some(e) = &c.error {
+                format!(": {e}")
+            } else {
+                String::new()
+            }
+        )?;
+        for v in &c.values {
+            writeln!(s, "    {} = {}", v.key, v.value)?;
+        }
+        Ok(())
+    }
+
+    fn paths_text(&self, s: &mut String) -> fmt::Result {
+        writeln!(s, "\n== Paths (what --require checks)")?;
+        for p in &self.paths {
+            let state = match p.state {
+                PathState::Ok => "ok",
+                PathState::Degraded => "DEGRADED",
+                PathState::Unusable => "unusable",
+            };
+            let line = format!(
+                "  {:<15} {:<9}{}",
+                p.path.name(),
+                state,
+                p.reasons.join("; ")
+            );
+            writeln!(s, "{}", line.trim_end())?;
         }
         Ok(())
     }

@@ -1,0 +1,502 @@
+//! Each data path's status (usable, degraded, unusable) with the reasons, for a health check that
+//! fails a job's prolog when a path the job needs is broken (the probe's `--require`).
+
+use super::NodeReport;
+use super::health::pcie::domain_translates;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// A data path a job may require.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataPath {
+    /// At least one GPU.
+    Gpu,
+    /// At least two GPUs.
+    MultiGpu,
+    /// Peer access between GPUs.
+    P2p,
+    /// NVLink between GPUs.
+    Nvlink,
+    /// A verbs device with an active port (host-memory RDMA).
+    Rdma,
+    /// A NIC that can reach GPU memory (GPUDirect RDMA).
+    GpudirectRdma,
+    /// cuFile, in GDS or compatibility mode.
+    Cufile,
+    /// GPUDirect Storage (nvidia-fs).
+    Gds,
+    /// Stream memory operations (NIC- and storage-triggered stream waits).
+    Async,
+}
+
+impl DataPath {
+    /// Every path, in the order the report lists them.
+    pub const ALL: [DataPath; 9] = [
+        DataPath::Gpu,
+        DataPath::MultiGpu,
+        DataPath::P2p,
+        DataPath::Nvlink,
+        DataPath::Rdma,
+        DataPath::GpudirectRdma,
+        DataPath::Cufile,
+        DataPath::Gds,
+        DataPath::Async,
+    ];
+
+    /// The name `--require` takes (`gpudirect-rdma`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPath::Gpu => "gpu",
+            DataPath::MultiGpu => "multi-gpu",
+            DataPath::P2p => "p2p",
+            DataPath::Nvlink => "nvlink",
+            DataPath::Rdma => "rdma",
+            DataPath::GpudirectRdma => "gpudirect-rdma",
+            DataPath::Cufile => "cufile",
+            DataPath::Gds => "gds",
+            DataPath::Async => "async",
+        }
+    }
+
+    /// What usable and degraded mean for this path, in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DataPath::Gpu => "a CUDA GPU; degraded when a GPU's PCIe link is below its maximum",
+            DataPath::MultiGpu => "two or more GPUs",
+            DataPath::P2p => {
+                "peer access between GPUs; degraded when some pair lacks it, a quick copy failed, or ACS or the IOMMU hinders PCIe peers"
+            }
+            DataPath::Nvlink => {
+                "NVLink between GPUs (NVML); degraded when a link is down or counting errors"
+            }
+            DataPath::Rdma => {
+                "a verbs device with an active port; degraded when the locked-memory limit is low or a NIC's PCIe link is below its maximum"
+            }
+            DataPath::GpudirectRdma => {
+                "a PCIe NIC that can register GPU memory (dma-buf or nvidia-peermem); degraded when some GPU cannot, a GPU's nearest NIC is across the CPU, ACS or the IOMMU sits in the way, or a link is below its maximum"
+            }
+            DataPath::Cufile => {
+                "cuFile opens (GDS or compatibility mode); degraded when the quick read returned wrong bytes"
+            }
+            DataPath::Gds => {
+                "GPUDirect Storage: cuFile with nvidia-fs; degraded when the quick read returned wrong bytes"
+            }
+            DataPath::Async => "stream memory operations on every GPU",
+        }
+    }
+}
+
+impl fmt::Display for DataPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DataPath {
+    type Err = String;
+
+    /// A path by name, case-insensitive.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim().to_ascii_lowercase();
+        DataPath::ALL
+            .into_iter()
+            .find(|p| p.name() == t)
+            .ok_or_else(|| {
+                let names: Vec<&str> = DataPath::ALL.iter().map(|p| p.name()).collect();
+                format!("unknown path {s:?}: expected one of {}", names.join(", "))
+            })
+    }
+}
+
+/// How usable a path is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathState {
+    /// Usable.
+    Ok,
+    /// Usable, below what the hardware can do.
+    Degraded,
+    /// Not usable.
+    Unusable,
+}
+
+/// One path's status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathStatus {
+    /// The path.
+    pub path: DataPath,
+    /// `ok`, `degraded` or `unusable`.
+    pub state: PathState,
+    /// Why it is not `ok`, each on one line.
+    pub reasons: Vec<String>,
+}
+
+impl PathStatus {
+    /// `gds unusable: nvidia-fs is not loaded` (one line).
+    pub fn line(&self) -> String {
+        let state = match self.state {
+            PathState::Ok => "ok",
+            PathState::Degraded => "degraded",
+            PathState::Unusable => "unusable",
+        };
+        if self.reasons.is_empty() {
+            format!("{} {state}", self.path)
+        } else {
+            format!("{} {state}: {}", self.path, self.reasons.join("; "))
+        }
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+struct Acc {
+    unusable: Vec<String>,
+    degraded: Vec<String>,
+}
+
+impl Acc {
+    fn new() -> Acc {
+        Acc {
+            unusable: Vec::new(),
+            degraded: Vec::new(),
+        }
+    }
+    fn finish(self, path: DataPath) -> PathStatus {
+        let (state, reasons) = if !self.unusable.is_empty() {
+            (PathState::Unusable, self.unusable)
+        } else if !self.degraded.is_empty() {
+            (PathState::Degraded, self.degraded)
+        } else {
+            (PathState::Ok, Vec::new())
+        };
+        PathStatus {
+            path,
+            state,
+            reasons: reasons.iter().map(|r| one_line(r)).collect(),
+        }
+    }
+}
+
+fn no_gpu(r: &NodeReport) -> String {
+    match (&r.cuda.driver_version, &r.cuda.absent_reason) {
+        (None, _) => "no GPU: no CUDA driver (libcuda is not loaded)".into(),
+        (Some(_), Some(why)) => format!("no GPU: {why}"),
+        (Some(_), None) => "no GPU visible".into(),
+    }
+}
+
+fn fewer_than_two(r: &NodeReport) -> String {
+    match r.cuda.devices.len() {
+        0 => no_gpu(r),
+        n => format!("{n} GPU visible, a pair needs two"),
+    }
+}
+
+fn link_problems(r: &NodeReport, kind: &str) -> Vec<String> {
+    let mut v = Vec::new();
+    for l in r.health.pcie.links.iter().filter(|l| l.kind == kind) {
+        if l.width_degraded {
+            v.push(format!(
+                "{} PCIe link x{} of x{} lanes",
+                l.device,
+                l.current_width.unwrap_or(0),
+                l.max_width.unwrap_or(0)
+            ));
+        }
+        if l.speed_degraded {
+            v.push(format!(
+                "{} PCIe link at {} of {}",
+                l.device,
+                l.speed_under_load
+                    .as_deref()
+                    .or(l.current_speed.as_deref())
+                    .unwrap_or("?"),
+                l.max_speed.as_deref().unwrap_or("?")
+            ));
+        }
+    }
+    v
+}
+
+fn translated(r: &NodeReport, device: &str) -> bool {
+    r.health
+        .pcie
+        .links
+        .iter()
+        .any(|l| l.device == device && l.iommu_domain.as_deref().is_some_and(domain_translates))
+}
+
+fn status(r: &NodeReport, path: DataPath) -> PathStatus {
+    let mut a = Acc::new();
+    let gpus = r.cuda.devices.len();
+    let upper = |v: &[crate::topology::P2pPair]| -> Vec<(usize, usize)> {
+        v.iter()
+            .filter(|p| p.src < p.dst)
+            .map(|p| (p.src, p.dst))
+            .collect()
+    };
+    match path {
+        DataPath::Gpu => {
+            if gpus == 0 {
+                a.unusable.push(no_gpu(r));
+            }
+            a.degraded.extend(link_problems(r, "gpu"));
+        }
+        DataPath::MultiGpu => {
+            if gpus < 2 {
+                a.unusable.push(fewer_than_two(r));
+            }
+        }
+        DataPath::P2p => {
+            if gpus < 2 {
+                a.unusable.push(fewer_than_two(r));
+            } else if let Some(why) = &r.p2p.absent_reason {
+                a.unusable.push(why.clone());
+            } else {
+                let pairs = upper(&r.p2p.pairs);
+                let without: Vec<String> = r
+                    .p2p
+                    .pairs
+                    .iter()
+                    .filter(|p| p.src < p.dst && !p.can_access)
+                    .map(|p| format!("{}-{}", p.src, p.dst))
+                    .collect();
+                if without.len() == pairs.len() {
+                    a.unusable.push("no GPU pair has peer access".into());
+                } else if !without.is_empty() {
+                    a.degraded.push(format!(
+                        "GPU pairs {} have no peer access",
+                        without.join(", ")
+                    ));
+                }
+                for p in r
+                    .p2p
+                    .pairs
+                    .iter()
+                    .filter(|p| p.copy.as_ref().is_some_and(|c| !c.verified))
+                {
+                    a.degraded.push(format!(
+                        "the quick copy {}->{} was not verified",
+                        p.src, p.dst
+                    ));
+                }
+                for p in r.health.pcie.paths.iter().filter(|p| p.kind == "gpu-gpu") {
+                    let (Some(x), Some(y)) = (
+                        super::health::gpu_ordinal_of(&p.from),
+                        super::health::gpu_ordinal_of(&p.to),
+                    ) else {
+                        continue;
+                    };
+                    let nvlink = r
+                        .p2p
+                        .pairs
+                        .iter()
+                        .any(|q| q.src == x && q.dst == y && q.nvlink_links.is_some());
+                    if nvlink {
+                        continue;
+                    }
+                    if p.acs_redirects == Some(true) {
+                        a.degraded.push(format!(
+                            "ACS redirects GPU {x}-{y} traffic to the root complex"
+                        ));
+                    }
+                    if translated(r, &p.from) || translated(r, &p.to) {
+                        a.degraded
+                            .push(format!("the IOMMU translates for GPU {x} or {y}"));
+                    }
+                }
+            }
+        }
+        DataPath::Nvlink => {
+            let nv = &r.health.nvlink;
+            if gpus < 2 {
+                a.unusable.push(fewer_than_two(r));
+            } else if let Some(why) = &nv.absent_reason {
+                a.unusable.push(format!("NVML cannot say ({why})"));
+            } else if !r.p2p.pairs.iter().any(|p| p.nvlink_links.is_some()) {
+                a.unusable.push("no GPU pair is joined by NVLink".into());
+            }
+            for g in &nv.gpus {
+                let down: Vec<String> = g
+                    .links
+                    .iter()
+                    .filter(|l| l.down)
+                    .map(|l| l.link.to_string())
+                    .collect();
+                if !down.is_empty() {
+                    a.degraded
+                        .push(format!("GPU {} NVLink {} down", g.gpu, down.join(",")));
+                }
+                let errs: Vec<String> = g
+                    .links
+                    .iter()
+                    .filter(|l| l.counting_errors)
+                    .map(|l| l.link.to_string())
+                    .collect();
+                if !errs.is_empty() {
+                    a.degraded.push(format!(
+                        "GPU {} NVLink {} counting errors",
+                        g.gpu,
+                        errs.join(",")
+                    ));
+                }
+            }
+        }
+        DataPath::Rdma => {
+            if let Some(why) = &r.rdma.absent_reason {
+                a.unusable.push(why.clone());
+            } else if !r
+                .rdma
+                .devices
+                .iter()
+                .any(|d| d.ports.iter().any(|p| p.state == "ACTIVE"))
+            {
+                a.unusable.push("no verbs port is ACTIVE".into());
+            }
+            let m = &r.health.memlock;
+            if m.low {
+                a.degraded.push(format!(
+                    "the locked-memory limit is {} (RDMA registers at most that much host memory)",
+                    m.soft_bytes
+                        .map_or("?".into(), super::health::limits::human_bytes)
+                ));
+            }
+            a.degraded.extend(link_problems(r, "nic"));
+        }
+        DataPath::GpudirectRdma => {
+            if gpus == 0 {
+                a.unusable.push(no_gpu(r));
+            }
+            let rdma = status(r, DataPath::Rdma);
+            if rdma.state == PathState::Unusable {
+                a.unusable
+                    .extend(rdma.reasons.iter().map(|x| format!("rdma: {x}")));
+            }
+            if gpus > 0 && rdma.state != PathState::Unusable {
+                if !r.rdma.devices.iter().any(|d| d.pci_bus_id.is_some()) {
+                    a.unusable.push(
+                        "no PCIe NIC: software verbs devices (rxe, siw) copy with the CPU and never reach GPU memory by DMA"
+                            .into(),
+                    );
+                }
+                let ready: Vec<_> = r
+                    .rdma
+                    .gpus
+                    .iter()
+                    .filter(|g| g.registration != "none")
+                    .collect();
+                if ready.is_empty() {
+                    a.unusable.push(
+                        "no GPU can register its memory with a NIC (neither dma-buf nor nvidia-peermem)".into(),
+                    );
+                } else if ready.len() < r.rdma.gpus.len() {
+                    let not: Vec<String> = r
+                        .rdma
+                        .gpus
+                        .iter()
+                        .filter(|g| g.registration == "none")
+                        .map(|g| g.gpu.to_string())
+                        .collect();
+                    a.degraded.push(format!(
+                        "GPU {} cannot register memory with a NIC",
+                        not.join(", ")
+                    ));
+                }
+                for af in &r.rdma.affinity {
+                    let Some(best) = &af.best else { continue };
+                    let aff = af.nics.iter().find(|n| &n.nic == best).map(|n| n.affinity);
+                    if aff == Some(crate::topology::Affinity::AcrossCpu) {
+                        a.degraded.push(format!(
+                            "GPU {}'s nearest NIC {best} is across the CPU interconnect",
+                            af.gpu
+                        ));
+                    }
+                    if translated(r, &format!("GPU {}", af.gpu)) || translated(r, best) {
+                        a.degraded
+                            .push(format!("the IOMMU translates for GPU {} or {best}", af.gpu));
+                    }
+                }
+                for p in r.health.pcie.paths.iter().filter(|p| p.kind == "gpu-nic") {
+                    if p.acs_redirects == Some(true) {
+                        a.degraded.push(format!(
+                            "ACS redirects {}-{} traffic to the root complex",
+                            p.from, p.to
+                        ));
+                    }
+                }
+                a.degraded.extend(link_problems(r, "gpu"));
+                a.degraded.extend(link_problems(r, "nic"));
+            }
+        }
+        DataPath::Cufile | DataPath::Gds => {
+            let s = &r.storage;
+            if gpus == 0 {
+                a.unusable.push(no_gpu(r));
+            } else if s.mode == "unavailable" {
+                a.unusable
+                    .push(format!("cuFile unavailable: {}", s.mode_reason));
+            } else if path == DataPath::Gds && s.mode != "gds" {
+                a.unusable.push(format!(
+                    "no GPUDirect Storage (cuFile in {} mode: {})",
+                    s.mode, s.mode_reason
+                ));
+            }
+            if s.read.as_ref().is_some_and(|rd| !rd.verified) {
+                a.degraded
+                    .push("the quick read returned wrong bytes".into());
+            }
+        }
+        DataPath::Async => {
+            if gpus == 0 {
+                a.unusable.push(no_gpu(r));
+            } else {
+                let without: Vec<String> = r
+                    .async_
+                    .gpus
+                    .iter()
+                    .filter(|g| !g.stream_mem_ops_v2)
+                    .map(|g| g.gpu.to_string())
+                    .collect();
+                if without.len() == r.async_.gpus.len() {
+                    a.unusable.push("no GPU has stream memory ops v2".into());
+                } else if !without.is_empty() {
+                    a.degraded.push(format!(
+                        "GPU {} lack stream memory ops v2",
+                        without.join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    a.finish(path)
+}
+
+/// Every path's status, from a gathered report.
+pub fn path_statuses(r: &NodeReport) -> Vec<PathStatus> {
+    DataPath::ALL.into_iter().map(|p| status(r, p)).collect()
+}
+
+/// `Err` with one line naming each required path that is not `ok` and why; `Ok` when all are.
+pub fn check_required(r: &NodeReport, required: &[DataPath]) -> Result<(), String> {
+    let bad: Vec<String> = required
+        .iter()
+        .map(|p| {
+            r.paths
+                .iter()
+                .find(|s| s.path == *p)
+                .cloned()
+                .unwrap_or_else(|| status(r, *p))
+        })
+        .filter(|s| s.state != PathState::Ok)
+        .map(|s| s.line())
+        .collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("required path not usable: {}", bad.join(" | ")))
+    }
+}
