@@ -442,23 +442,6 @@ fn completion_channel_wakes_on_completion() {
     drop(p.a);
 }
 
-/// Host memory whose drop is counted: shows exactly when a region's memory is freed.
-struct Counted(Vec<u8>, Arc<AtomicUsize>);
-// SAFETY: the Vec's heap buffer is stable and lives until drop.
-unsafe impl HostMemory for Counted {
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-}
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.1.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
 /// A15: a QP with outstanding receives goes to the error state; the receive buffers are freed
 /// only when their flushed completions are polled, never before.
 #[test]

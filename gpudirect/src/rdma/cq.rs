@@ -238,11 +238,7 @@ impl CqInner {
     /// [`Error::QueueFull`] naming the completion queue when that room is not there.
     pub(crate) fn link_srq(&self, srq: &Arc<SrqInner>) -> Result<()> {
         let mut st = self.lock();
-        if st
-            .srqs
-            .get(&srq.id())
-            .is_some_and(|w| w.strong_count() > 0)
-        {
+        if st.srqs.get(&srq.id()).is_some_and(|w| w.strong_count() > 0) {
             return Ok(());
         }
         self.room.reserve(srq.depth())?;
@@ -432,7 +428,10 @@ pub(crate) fn check_cqe(cqe: u32, max: Option<u32>) -> Result<()> {
             "a completion queue needs at least one entry",
         ));
     }
-    let limit = max.filter(|&m| m > 0).unwrap_or(i32::MAX as u32).min(i32::MAX as u32);
+    let limit = max
+        .filter(|&m| m > 0)
+        .unwrap_or(i32::MAX as u32)
+        .min(i32::MAX as u32);
     if cqe > limit {
         return Err(Error::invalid(
             "cqe",

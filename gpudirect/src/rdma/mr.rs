@@ -1143,7 +1143,12 @@ mod tests {
     }
 
     fn remote_len() -> impl Strategy<Value = u64> {
-        prop_oneof![0u64..5000, Just(u64::MAX), (1u64 << 31)..(1u64 << 40), any::<u64>()]
+        prop_oneof![
+            0u64..5000,
+            Just(u64::MAX),
+            (1u64 << 31)..(1u64 << 40),
+            any::<u64>()
+        ]
     }
 
     fn remote_addr() -> impl Strategy<Value = u64> {
