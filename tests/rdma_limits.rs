@@ -105,7 +105,12 @@ fn a_chain_larger_than_its_cq_is_refused_whole() {
     // All 48, in chains the CQ can hold, mostly unsignaled: the CQ room paces the poster.
     let mut next = legal;
     let mut refusals = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while next < 48 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "posting stalled at {next}: {a:?}, {small:?}"
+        );
         let n = (small.available() as usize).min(48 - next).min(5);
         if n > 0 {
             match a.post_send((next..next + n).map(|i| write(i).unsignaled())) {

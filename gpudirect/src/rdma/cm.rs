@@ -20,6 +20,12 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
+/// `now + timeout`, for any timeout: one of more than a century counts as a century (an
+/// `Instant` cannot hold every `Duration`).
+fn deadline_after(timeout: Duration) -> Instant {
+    Instant::now() + timeout.min(Duration::from_secs(1 << 32))
+}
+
 fn cmlib() -> Result<&'static cm::Lib> {
     super::verbs()?;
     Ok(cm::lib()?)
@@ -105,7 +111,7 @@ impl Channel {
         timeout: Duration,
     ) -> Result<Event> {
         let l = cmlib()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         // SAFETY: a live channel.
         let fd = unsafe { self.0.as_ref().fd };
         loop {
@@ -681,7 +687,7 @@ impl Connection {
             .as_mut()
             .expect("present")
             .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
         // Completions that are not the handshake's go back to their own CQ afterwards.
         let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
@@ -772,6 +778,12 @@ mod tests {
                 Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
             }
         }
+    }
+
+    #[test]
+    fn any_timeout_gives_a_deadline() {
+        assert!(deadline_after(Duration::MAX) > Instant::now());
+        assert!(deadline_after(Duration::ZERO) <= Instant::now());
     }
 
     proptest! {

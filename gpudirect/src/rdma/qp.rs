@@ -146,8 +146,8 @@ impl SendTable {
     }
 
     /// Whether the next request is signaled: when asked (`want`), once in every `signal_every`,
-    /// or when `force`d (it fills the send queue or the completion queue: only a completion can
-    /// free them).
+    /// or when `force`d (it leaves the send queue or the completion queue more than half full:
+    /// only a completion can free them).
     fn decide(&mut self, want: bool, force: bool) -> bool {
         let signaled = want || force || self.unsignaled_run + 1 >= self.signal_every;
         self.unsignaled_run = if signaled { 0 } else { self.unsignaled_run + 1 };
@@ -599,7 +599,7 @@ impl QpInner {
         if !t.needs_marker() {
             return true;
         }
-        // The fill rule signals a request that fills the queue, so an unsignaled tail leaves room.
+        // An unsignaled tail leaves the queue at most half full (see `post_send`): there is room.
         if t.len() >= t.depth as usize {
             return false;
         }
@@ -1072,7 +1072,10 @@ impl QueuePair<Rts> {
     ///
     /// Unsignaled requests are signaled anyway once in every
     /// [`signal_every`](QpCaps::signal_every), and the last request of a chain is signaled when
-    /// it fills the send queue or the send CQ (only a completion can free them).
+    /// it leaves the send queue or the send CQ more than half full: only a completion frees
+    /// them, and this way polling always frees at least half of both, so a chain of up to half
+    /// the send depth (and half the CQ's room) is always accepted again once completions are
+    /// polled.
     ///
     /// # Errors
     ///
@@ -1107,16 +1110,18 @@ impl QueuePair<Rts> {
         }
         // n <= depth (a u32) here. All or nothing: the whole chain's CQ entries, or none.
         let room = inner.send_cq.room();
-        let cq_full = room.reserve(n as u32)? >= room.capacity();
+        let cq_over_half = room.reserve(n as u32)? > room.capacity() / 2;
         inner.wr_scratch.clear();
         inner.sge_scratch.clear();
         let mut starts = Vec::with_capacity(n);
         let mut signals = Vec::with_capacity(n);
         let first_seq = t.next_seq;
-        let sq_full = t.len() + n == t.depth as usize;
+        let sq_over_half = t.len() + n > t.depth as usize / 2;
         for (i, w) in reqs.iter().enumerate() {
+            // A chain that leaves either queue more than half full ends signaled: then polling
+            // always frees at least half of both, and a chain of up to half fits again.
             let last = i + 1 == n;
-            let signaled = t.decide(w.signaled, last && (sq_full || cq_full));
+            let signaled = t.decide(w.signaled, last && (sq_over_half || cq_over_half));
             signals.push(signaled);
             let mut wr = ibv::ibv_send_wr {
                 wr_id: WrId::Send {
@@ -1611,9 +1616,10 @@ mod tests {
         }
 
         /// Chains of random signaling wishes against a queue and a CQ of random sizes: the CQ
-        /// never holds more than it can, a request that fills either queue is signaled, no run of
-        /// unsignaled requests reaches `signal_every`, and once everything is polled, everything
-        /// is released and the CQ room is back where it started.
+        /// never holds more than it can, a chain that leaves either queue over half full ends
+        /// signaled, no run of unsignaled requests reaches `signal_every`, polling what was
+        /// reported leaves both at most half full, and after teardown everything is released and
+        /// the CQ room is back where it started.
         #[test]
         fn posting_never_outgrows_the_queue_or_the_cq(
             depth in 1u32..40, every in 1u32..50, cap in 1u32..64,
@@ -1629,7 +1635,7 @@ mod tests {
                     match room.reserve(n as u32) {
                         Ok(after) => {
                             prop_assert!(after <= cap);
-                            let full = t.len() + n == depth as usize || after >= cap;
+                            let full = t.len() + n > depth as usize / 2 || after > cap / 2;
                             let mut run = 0;
                             for i in 0..n {
                                 let s = t.decide(want, i + 1 == n && full);
@@ -1663,6 +1669,14 @@ mod tests {
                     }
                 }
             }
+            // Everything reported is polled: what stays is an unsignaled tail left by chains
+            // that kept both queues at most half full, so a chain of half fits again.
+            while let Some(seq) = hw.pop_front() {
+                let (_, freed) = t.complete_through(seq);
+                room.release(freed);
+            }
+            prop_assert!(t.len() <= depth as usize / 2, "{} of {}", t.len(), depth);
+            prop_assert!(room.reserved() - 1 <= cap / 2, "{} of {}", room.reserved(), cap);
             // Teardown: a marker after an unsignaled tail, then every completion.
             if t.needs_marker() {
                 let seq = t.next_seq;

@@ -82,7 +82,13 @@ pub(crate) enum Kind<'a> {
 ///
 /// Requests are signaled by default; [`unsignaled`](Self::unsignaled) ones produce no completion
 /// on success, and the queue pair signals one in every `signal_every` of them regardless
-/// ([`QpCaps::signal_every`](super::QpCaps::signal_every)) so the send queue drains.
+/// ([`QpCaps::signal_every`](super::QpCaps::signal_every)), and the last of a chain that leaves
+/// the send queue or its CQ more than half full, so both drain
+/// ([`QueuePair::post_send`](super::QueuePair::post_send)). Signaled or not, a request takes an
+/// entry of the send CQ until a completion covering it is polled.
+///
+/// Lengths are checked when posted: at most 2 GiB per message, a remote range within 2^64 and as
+/// long as the local bytes, an atomic target 8 bytes at an 8-byte aligned address.
 #[derive(Debug)]
 #[must_use = "a work request does nothing until posted"]
 #[doc(alias = "ibv_send_wr")]
