@@ -271,10 +271,12 @@ impl CqInner {
             // SAFETY: a live CQ and room for `want` entries.
             let got = unsafe { ibv::ibv_poll_cq(self.cq.as_ptr(), want as i32, dst) };
             if got < 0 {
-                return Err(Error::errno("ibv_poll_cq", -got));
+                return Err(Error::errno("ibv_poll_cq", got.saturating_neg()));
             }
+            // A provider never reports more than asked; if one did, the rest is not ours to read.
+            let got = (got as usize).min(want);
             let mut freed = 0u32;
-            for w in &mut out[n..n + got as usize] {
+            for w in &mut out[n..n + got] {
                 // The library's wr_id becomes the caller's tag once the request is released.
                 let (tag, f) = match WrId::decode(w.0.wr_id) {
                     WrId::Srq { srq, slot } => match st.srqs.get(&srq).and_then(Weak::upgrade) {
@@ -290,7 +292,7 @@ impl CqInner {
                 w.0.wr_id = tag;
             }
             self.room.release(freed);
-            n += got as usize;
+            n += got;
         }
         Ok(n)
     }

@@ -208,7 +208,7 @@ pub(crate) fn rc(call: &'static str, rc: i32) -> Result<()> {
         _ => {
             let os = std::io::Error::last_os_error();
             match os.raw_os_error() {
-                Some(0) | None => Err(Error::errno(call, -rc)),
+                Some(0) | None => Err(Error::errno(call, rc.saturating_neg())),
                 _ => Err(Error::Os { call, source: os }),
             }
         }
