@@ -118,7 +118,7 @@ fn rdma_write_with_immediate_and_read_back() {
     let src =
         p.pd.register(HostBuffer::from_slice(&data).unwrap(), AccessFlags::empty())
             .unwrap();
-    let target =
+    let mut target =
         p.pd.register_remote(
             HostBuffer::zeroed(n + 64).unwrap(),
             AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
@@ -203,12 +203,12 @@ fn atomics_compare_swap_and_fetch_add() {
         gpudirect::testing::skip(Hardware::Rdma, "device has no atomics (atomic_cap 0)");
         return;
     }
-    let word =
+    let mut word =
         p.pd.register_remote(HostBuffer::zeroed(64).unwrap(), AccessFlags::REMOTE_ATOMIC)
             .unwrap();
     word.write_at(8, &41u64.to_ne_bytes()).unwrap();
     let remote = word.remote();
-    let result =
+    let mut result =
         p.pd.register(HostBuffer::zeroed(16).unwrap(), AccessFlags::LOCAL_WRITE)
             .unwrap();
     result.fill(0, 16, 0xFF).unwrap();
@@ -331,7 +331,7 @@ fn shared_receive_queue_serves_a_qp() {
     let pd = ctx.alloc_pd().unwrap();
     let srq = SharedReceiveQueue::new(&pd, 32, 1).unwrap();
     let mut p = pair_on(ctx, pd, Some(&srq)).unwrap();
-    let dst =
+    let mut dst =
         p.pd.register(HostBuffer::zeroed(256).unwrap(), AccessFlags::LOCAL_WRITE)
             .unwrap();
     dst.fill(0, 256, 0x11).unwrap();
@@ -440,23 +440,6 @@ fn completion_channel_wakes_on_completion() {
     // The CQ is destroyed after the QPs; its event was acknowledged when read.
     drop((rx, tx));
     drop(p.a);
-}
-
-/// Host memory whose drop is counted: shows exactly when a region's memory is freed.
-struct Counted(Vec<u8>, Arc<AtomicUsize>);
-// SAFETY: the Vec's heap buffer is stable and lives until drop.
-unsafe impl HostMemory for Counted {
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-}
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.1.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 /// A15: a QP with outstanding receives goes to the error state; the receive buffers are freed

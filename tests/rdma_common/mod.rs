@@ -52,14 +52,46 @@ pub fn pair_opts(
     srq: Option<&SharedReceiveQueue>,
     shared_cq: bool,
 ) -> Result<Pair> {
-    let port = ctx.query_port(1)?;
-    let gid = ctx.preferred_gid(1)?;
     let cq_a = ctx.create_cq(256, None)?;
     let cq_b = ctx.create_cq(256, None)?;
-    let all = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
-    let a = QueuePair::create(&pd, &cq_a, &cq_a, srq, caps())?.to_init(1, all)?;
+    let a = QueuePair::create(&pd, &cq_a, &cq_a, srq, caps())?.to_init(1, all_access())?;
     let cq = if shared_cq { &cq_a } else { &cq_b };
-    let b = QueuePair::create(&pd, cq, cq, srq, caps())?.to_init(1, all)?;
+    let b = QueuePair::create(&pd, cq, cq, srq, caps())?.to_init(1, all_access())?;
+    let (a, b) = connect(&ctx, a, b)?;
+    Ok(Pair {
+        ctx,
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    })
+}
+
+/// Remote read, write and atomic access.
+pub fn all_access() -> AccessFlags {
+    AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC
+}
+
+/// A QP in INIT on port 1 with every remote access allowed.
+pub fn init_qp(
+    pd: &ProtectionDomain,
+    send_cq: &CompletionQueue,
+    recv_cq: &CompletionQueue,
+    srq: Option<&SharedReceiveQueue>,
+    caps: QpCaps,
+) -> Result<QueuePair<Init>> {
+    QueuePair::create(pd, send_cq, recv_cq, srq, caps)?.to_init(1, all_access())
+}
+
+/// Connect two QPs in INIT on `ctx`'s port 1 to each other, with fresh random PSNs.
+pub fn connect(
+    ctx: &Context,
+    a: QueuePair<Init>,
+    b: QueuePair<Init>,
+) -> Result<(QueuePair<Rts>, QueuePair<Rts>)> {
+    let port = ctx.query_port(1)?;
+    let gid = ctx.preferred_gid(1)?;
     let (psn_a, psn_b) = (
         rand::random::<u32>() & 0xffffff,
         rand::random::<u32>() & 0xffffff,
@@ -82,14 +114,7 @@ pub fn pair_opts(
             &RtrAttr::from_endpoint(&ea, port.active_mtu, gid.index as u8).max_dest_rd_atomic(4),
         )?
         .to_rts(&RtsAttr::new(psn_b).max_rd_atomic(4).timeout(12))?;
-    Ok(Pair {
-        ctx,
-        pd,
-        cq_a,
-        cq_b,
-        a,
-        b,
-    })
+    Ok((a, b))
 }
 
 /// One polled completion, copied out of the lending cursor.
@@ -123,6 +148,45 @@ pub fn wait(cq: &mut CompletionQueue, n: usize) -> Vec<Done> {
         }
     }
     out
+}
+
+/// Poll until `n` completions arrived, then make sure no more come for `settle`.
+pub fn wait_exactly(cq: &mut CompletionQueue, n: usize, settle: Duration) -> Vec<Done> {
+    let mut out = wait(cq, n);
+    let until = Instant::now() + settle;
+    while Instant::now() < until {
+        for w in cq.poll().expect("ibv_poll_cq") {
+            out.push(Done {
+                tag: w.tag(),
+                status: w.status(),
+                opcode: w.opcode(),
+                byte_len: w.byte_len(),
+                imm: w.imm(),
+            });
+        }
+    }
+    assert_eq!(out.len(), n, "exactly {n} completions: {out:?}");
+    out
+}
+
+/// Host memory whose drop is counted: shows exactly when a region's memory is freed.
+pub struct Counted(
+    pub Vec<u8>,
+    pub std::sync::Arc<std::sync::atomic::AtomicUsize>,
+);
+// SAFETY: the Vec's heap buffer is stable and lives until drop.
+unsafe impl HostMemory for Counted {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// `n` random bytes.

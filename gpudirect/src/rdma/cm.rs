@@ -20,6 +20,12 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
+/// `now + timeout`, for any timeout: one of more than a century counts as a century (an
+/// `Instant` cannot hold every `Duration`).
+fn deadline_after(timeout: Duration) -> Instant {
+    Instant::now() + timeout.min(Duration::from_secs(1 << 32))
+}
+
 fn cmlib() -> Result<&'static cm::Lib> {
     super::verbs()?;
     Ok(cm::lib()?)
@@ -30,7 +36,9 @@ fn cmlib() -> Result<&'static cm::Lib> {
 pub struct ConnectOptions {
     /// Queue sizes of the new QP.
     pub caps: QpCaps,
-    /// Entries of each of its two CQs (0: send depth + receive depth).
+    /// Entries of each of its two CQs (0: send depth + receive depth). Every request posted
+    /// takes an entry of its CQ until its completion is polled, and the QP keeps one of the send
+    /// CQ for its teardown: a CQ smaller than the depth refuses posts beyond its room.
     pub cq_depth: u32,
     /// What the peer may do through this QP (remote read, write, atomic).
     pub access: AccessFlags,
@@ -41,6 +49,26 @@ pub struct ConnectOptions {
     /// Give the receive CQ a completion channel, so [`Connection::wait_recv`] can block instead
     /// of spinning.
     pub recv_channel: bool,
+}
+
+impl ConnectOptions {
+    /// Entries of each CQ: `cq_depth`, or the send plus receive depth.
+    fn cq_entries(&self) -> Result<u32> {
+        match self.cq_depth {
+            0 => self
+                .caps
+                .max_send_wr
+                .checked_add(self.caps.max_recv_wr)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "caps",
+                        format!("{:?}", self.caps),
+                        "the send and receive depths add up past 2^32: set cq_depth",
+                    )
+                }),
+            d => Ok(d),
+        }
+    }
 }
 
 impl Default for ConnectOptions {
@@ -83,7 +111,7 @@ impl Channel {
         timeout: Duration,
     ) -> Result<Event> {
         let l = cmlib()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         // SAFETY: a live channel.
         let fd = unsafe { self.0.as_ref().fd };
         loop {
@@ -409,11 +437,7 @@ impl Parts {
         let ctx = Context::open(&list.find(&name)?)?;
         let dev = ctx.query_device()?;
         let pd = ctx.alloc_pd()?;
-        let depth = if opts.cq_depth == 0 {
-            opts.caps.max_send_wr + opts.caps.max_recv_wr
-        } else {
-            opts.cq_depth
-        };
+        let depth = opts.cq_entries()?;
         let channel = if opts.recv_channel {
             Some(ctx.create_comp_channel()?)
         } else {
@@ -639,12 +663,15 @@ impl Connection {
     }
 
     /// Send `mine` to the peer as the first message and return the peer's. Both sides call it
-    /// once, right after connecting and before posting anything else.
+    /// once, right after connecting and before posting anything else. The peer's descriptor is
+    /// untrusted: it is checked ([`RemoteMemory::validate`]) before it is returned, and every
+    /// slice of it is checked again.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when called twice; [`Error::Timeout`] after `timeout`;
-    /// [`Error::WorkCompletion`] when the send or receive fails.
+    /// [`Error::InvalidArgument`] when called twice, or when the peer's message is not a valid
+    /// descriptor (short, empty, or its address plus length overflows); [`Error::Timeout`] after
+    /// `timeout`; [`Error::WorkCompletion`] when the send or receive fails.
     pub fn exchange(&mut self, mine: RemoteMemory, timeout: Duration) -> Result<RemoteMemory> {
         if !self.hs_pending {
             return Err(Error::invalid(
@@ -660,7 +687,7 @@ impl Connection {
             .as_mut()
             .expect("present")
             .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
         // Completions that are not the handshake's go back to their own CQ afterwards.
         let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
@@ -700,8 +727,13 @@ impl Connection {
         res?;
         let mut b = [0u8; RemoteMemory::WIRE_LEN];
         self.hs.read_at(0, &mut b)?;
-        RemoteMemory::from_bytes(&b[..got.unwrap_or(0).min(RemoteMemory::WIRE_LEN as u32) as usize])
+        RemoteMemory::from_bytes(&b[..decoded_len(got.unwrap_or(0))])
     }
+}
+
+/// How many of the received bytes to decode: what arrived, at most one descriptor.
+fn decoded_len(byte_len: u32) -> usize {
+    (byte_len as usize).min(RemoteMemory::WIRE_LEN)
 }
 
 impl Drop for Connection {
@@ -722,5 +754,49 @@ impl std::fmt::Debug for Connection {
             .field("device", &self.ctx.name())
             .field("qp", &self.qp)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the peer sent (any length, any bytes): a checked descriptor or a typed error.
+        #[test]
+        fn a_peer_descriptor_is_decoded_as_untrusted(
+            got in any::<u32>(), bytes in proptest::collection::vec(any::<u8>(), 20),
+        ) {
+            let b = &bytes[..decoded_len(got)];
+            match RemoteMemory::from_bytes(b) {
+                Ok(r) => {
+                    prop_assert!(b.len() == 20 && r.len > 0);
+                    prop_assert!(r.addr.checked_add(r.len).is_some());
+                }
+                Err(Error::InvalidArgument { .. }) => {}
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+        }
+    }
+
+    #[test]
+    fn any_timeout_gives_a_deadline() {
+        assert!(deadline_after(Duration::MAX) > Instant::now());
+        assert!(deadline_after(Duration::ZERO) <= Instant::now());
+    }
+
+    proptest! {
+        /// Any depths: the CQ size is their checked sum (or `cq_depth`), never a wrapped one.
+        #[test]
+        fn cq_entries_never_wrap(send in any::<u32>(), recv in any::<u32>(), cq in any::<u32>()) {
+            let opts = ConnectOptions {
+                caps: QpCaps { max_send_wr: send, max_recv_wr: recv, ..QpCaps::default() },
+                cq_depth: cq,
+                ..ConnectOptions::default()
+            };
+            let want = if cq == 0 { send.checked_add(recv) } else { Some(cq) };
+            prop_assert_eq!(opts.cq_entries().ok(), want);
+        }
     }
 }

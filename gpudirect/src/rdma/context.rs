@@ -22,6 +22,20 @@ unsafe impl Send for CtxInner {}
 // SAFETY: as above.
 unsafe impl Sync for CtxInner {}
 
+#[cfg(test)]
+impl CtxInner {
+    /// A context that was never opened, for tests of logic above it; leaked, so it is never
+    /// closed.
+    pub(crate) fn fake() -> Arc<CtxInner> {
+        let c = Arc::new(CtxInner {
+            ctx: NonNull::dangling(),
+            name: "fake".into(),
+        });
+        std::mem::forget(c.clone());
+        c
+    }
+}
+
 impl Drop for CtxInner {
     fn drop(&mut self) {
         if in_forked_child() {
@@ -106,22 +120,25 @@ impl Context {
             .take_while(|c| **c != 0)
             .map(|c| *c as u8 as char)
             .collect();
+        // The provider's counts are C ints: a negative one (never expected) reads as 0, "unknown".
+        let n = |v: i32| v.max(0) as u32;
         Ok(DeviceAttr {
             fw_ver: fw,
             node_guid: u64::from_be(a.node_guid),
             max_mr_size: a.max_mr_size,
             page_size_cap: a.page_size_cap,
-            max_qp: a.max_qp as u32,
-            max_qp_wr: a.max_qp_wr as u32,
-            max_sge: a.max_sge as u32,
-            max_cq: a.max_cq as u32,
-            max_cqe: a.max_cqe as u32,
-            max_mr: a.max_mr as u32,
-            max_pd: a.max_pd as u32,
-            max_qp_rd_atom: a.max_qp_rd_atom as u32,
-            max_qp_init_rd_atom: a.max_qp_init_rd_atom as u32,
-            max_srq: a.max_srq as u32,
-            max_srq_wr: a.max_srq_wr as u32,
+            max_qp: n(a.max_qp),
+            max_qp_wr: n(a.max_qp_wr),
+            max_sge: n(a.max_sge),
+            max_cq: n(a.max_cq),
+            max_cqe: n(a.max_cqe),
+            max_mr: n(a.max_mr),
+            max_pd: n(a.max_pd),
+            max_qp_rd_atom: n(a.max_qp_rd_atom),
+            max_qp_init_rd_atom: n(a.max_qp_init_rd_atom),
+            max_srq: n(a.max_srq),
+            max_srq_wr: n(a.max_srq_wr),
+            max_srq_sge: n(a.max_srq_sge),
             atomic_cap: a.atomic_cap,
             phys_port_cnt: a.phys_port_cnt,
         })
@@ -161,14 +178,22 @@ impl Context {
     ///
     /// # Errors
     ///
+    /// [`Error::InvalidArgument`] for an index over `i32::MAX` (the C call takes an int);
     /// [`Error::Os`] naming `ibv_query_gid`.
     #[doc(alias = "ibv_query_gid")]
     pub fn gid(&self, port: u8, index: u32) -> Result<Gid> {
+        let Ok(index) = i32::try_from(index) else {
+            return Err(Error::invalid(
+                "index",
+                index,
+                "a GID table index fits a C int",
+            ));
+        };
         let l = verbs()?;
         let mut g = ibv::ibv_gid::default();
         // SAFETY: a live context and a valid out-union.
         rc("ibv_query_gid", unsafe {
-            (l.ibv_query_gid)(self.as_raw(), port, index as i32, &mut g)
+            (l.ibv_query_gid)(self.as_raw(), port, index, &mut g)
         })?;
         // SAFETY: every bit pattern of the union is a valid byte array.
         Ok(Gid(unsafe { g.raw }))
@@ -419,6 +444,8 @@ pub struct DeviceAttr {
     pub max_srq: u32,
     /// Work requests per shared receive queue.
     pub max_srq_wr: u32,
+    /// Scatter-gather entries per shared-receive-queue request.
+    pub max_srq_sge: u32,
     /// `enum ibv_atomic_cap`: 0 none, 1 HCA-local, 2 global.
     pub atomic_cap: u32,
     /// Physical ports (numbered from 1).

@@ -1,8 +1,9 @@
 //! Completion queues, the lending poll cursor, completion channels, and work completions.
 
 use super::context::{Context, CtxInner, set_nonblocking};
-use super::qp::QpShared;
-use super::{in_forked_child, nonnull, rc, verbs};
+use super::qp::{QpShared, WrId};
+use super::srq::SrqInner;
+use super::{COUNTERS, Counters, in_forked_child, nonnull, rc, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::{HashMap, VecDeque};
@@ -10,7 +11,8 @@ use std::ffi::CStr;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 /// How many completions one [`CompletionQueue::poll`] fetches at most.
 pub const POLL_BATCH: usize = 32;
@@ -117,6 +119,9 @@ impl fmt::Debug for CompletionChannel {
 struct CqState {
     /// Queue pairs using this CQ, by QP number: their posted-request tables.
     qps: HashMap<u32, Arc<QpShared>>,
+    /// Shared receive queues whose receives may complete here, by id (their room is reserved for
+    /// the CQ's life: completions may outlive the queue pairs that took them).
+    srqs: HashMap<u32, Weak<SrqInner>>,
     /// Completions polled on behalf of someone else (a dropped QP's drain), not yet returned.
     pending: VecDeque<WorkCompletion>,
 }
@@ -126,6 +131,64 @@ pub(crate) struct CqInner {
     _channel: Option<Arc<ChannelInner>>,
     _ctx: Arc<CtxInner>,
     state: Mutex<CqState>,
+    /// Completions that posted work may still produce here, against the granted capacity.
+    room: Room,
+}
+
+/// Completion-queue accounting: how many completions the work posted so far may still produce,
+/// never above the CQ's capacity. Lock-free, so posting (under a queue's lock) and polling (under
+/// the CQ's lock) never wait on each other.
+#[derive(Debug)]
+pub(crate) struct Room {
+    capacity: u32,
+    reserved: AtomicU32,
+}
+
+impl Room {
+    pub(crate) fn new(capacity: u32) -> Self {
+        Room {
+            capacity,
+            reserved: AtomicU32::new(0),
+        }
+    }
+
+    /// Reserve `n` completions, all or none; returns the total reserved after.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::QueueFull`] naming the completion queue when `n` more do not fit.
+    pub(crate) fn reserve(&self, n: u32) -> Result<u32> {
+        let cap = self.capacity;
+        self.reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                r.checked_add(n).filter(|&t| t <= cap)
+            })
+            .map(|r| r + n)
+            .map_err(|_| Error::QueueFull {
+                queue: "completion queue",
+                depth: cap,
+            })
+    }
+
+    /// Give back `n` reserved completions (their requests were released).
+    pub(crate) fn release(&self, n: u32) {
+        if n > 0 {
+            // Saturating: a release never wraps the count (it would only hide a bookkeeping bug).
+            let _ = self
+                .reserved
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                    Some(r.saturating_sub(n))
+                });
+        }
+    }
+
+    pub(crate) fn reserved(&self) -> u32 {
+        self.reserved.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn capacity(&self) -> u32 {
+        self.capacity
+    }
 }
 
 // SAFETY: ibv_poll_cq is thread-safe in rdma-core providers; our state is behind a Mutex.
@@ -141,7 +204,11 @@ impl Drop for CqInner {
         if let Ok(l) = ibv::lib() {
             // SAFETY: every QP using the CQ holds an Arc to it, so none is alive; all events were
             // acknowledged when they were read. Failure leaks the CQ.
-            unsafe { (l.ibv_destroy_cq)(self.cq.as_ptr()) };
+            if unsafe { (l.ibv_destroy_cq)(self.cq.as_ptr()) } == 0 {
+                Counters::count(&COUNTERS.cq_destroyed);
+            } else {
+                Counters::count(&COUNTERS.cq_leaked);
+            }
         }
     }
 }
@@ -157,6 +224,26 @@ impl CqInner {
 
     pub(crate) fn unregister(&self, qp_num: u32) {
         self.lock().qps.remove(&qp_num);
+    }
+
+    pub(crate) fn room(&self) -> &Room {
+        &self.room
+    }
+
+    /// Let receives of `srq` complete here: the first time, reserve room for its whole depth (kept
+    /// for the CQ's life, since its completions may outlive the queue pairs that took them).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::QueueFull`] naming the completion queue when that room is not there.
+    pub(crate) fn link_srq(&self, srq: &Arc<SrqInner>) -> Result<()> {
+        let mut st = self.lock();
+        if st.srqs.get(&srq.id()).is_some_and(|w| w.strong_count() > 0) {
+            return Ok(());
+        }
+        self.room.reserve(srq.depth())?;
+        st.srqs.insert(srq.id(), Arc::downgrade(srq));
+        Ok(())
     }
 
     pub(crate) fn as_ptr(&self) -> *mut ibv::ibv_cq {
@@ -184,16 +271,28 @@ impl CqInner {
             // SAFETY: a live CQ and room for `want` entries.
             let got = unsafe { ibv::ibv_poll_cq(self.cq.as_ptr(), want as i32, dst) };
             if got < 0 {
-                return Err(Error::errno("ibv_poll_cq", -got));
+                return Err(Error::errno("ibv_poll_cq", got.saturating_neg()));
             }
-            for w in &mut out[n..n + got as usize] {
+            // A provider never reports more than asked; if one did, the rest is not ours to read.
+            let got = (got as usize).min(want);
+            let mut freed = 0u32;
+            for w in &mut out[n..n + got] {
                 // The library's wr_id becomes the caller's tag once the request is released.
-                w.0.wr_id = match st.qps.get(&w.0.qp_num) {
-                    Some(shared) => shared.complete(&w.0),
-                    None => 0,
+                let (tag, f) = match WrId::decode(w.0.wr_id) {
+                    WrId::Srq { srq, slot } => match st.srqs.get(&srq).and_then(Weak::upgrade) {
+                        Some(s) => (s.complete(slot), 0),
+                        None => (0, 0),
+                    },
+                    _ => match st.qps.get(&w.0.qp_num) {
+                        Some(shared) => shared.complete(&w.0),
+                        None => (0, 0),
+                    },
                 };
+                freed = freed.saturating_add(f);
+                w.0.wr_id = tag;
             }
-            n += got as usize;
+            self.room.release(freed);
+            n += got;
         }
         Ok(n)
     }
@@ -219,25 +318,12 @@ impl CompletionQueue {
         cqe: u32,
         channel: Option<&CompletionChannel>,
     ) -> Result<Self> {
-        if cqe == 0 {
-            return Err(Error::invalid(
-                "cqe",
-                0,
-                "a completion queue needs at least one entry",
-            ));
-        }
+        let max = ctx.query_device().map(|a| a.max_cqe).ok();
+        check_cqe(cqe, max)?;
         let l = verbs()?;
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.inner.ch.as_ptr());
-        // SAFETY: a live context, and a live channel of it or NULL.
-        let p = unsafe {
-            (l.ibv_create_cq)(
-                ctx.as_raw(),
-                cqe.min(i32::MAX as u32) as i32,
-                std::ptr::null_mut(),
-                ch,
-                0,
-            )
-        };
+        // SAFETY: a live context, and a live channel of it or NULL; `cqe` fits an int (checked).
+        let p = unsafe { (l.ibv_create_cq)(ctx.as_raw(), cqe as i32, std::ptr::null_mut(), ch, 0) };
         let cq = nonnull("ibv_create_cq", p)?;
         // SAFETY: a CQ just created.
         let actual = unsafe { (*p).cqe }.max(0) as u32;
@@ -248,22 +334,45 @@ impl CompletionQueue {
                 _ctx: ctx.inner.clone(),
                 state: Mutex::new(CqState {
                     qps: HashMap::new(),
+                    srqs: HashMap::new(),
                     pending: VecDeque::new(),
                 }),
+                room: Room::new(actual),
             }),
             buf: Box::new([WorkCompletion::default(); POLL_BATCH]),
             cqe: actual,
         })
     }
 
-    /// Entries, as the provider rounded them up.
+    /// Entries, as the provider rounded them up: the most completions it ever holds.
     pub fn capacity(&self) -> u32 {
         self.cqe
+    }
+
+    /// Completions the work posted so far may still produce here: every request not yet known
+    /// complete on the queue pairs using this CQ (signaled or not), one per queue pair for its
+    /// teardown, and the depth of each shared receive queue served here. Never above
+    /// [`capacity`](Self::capacity): posting beyond it is refused.
+    pub fn reserved(&self) -> u32 {
+        self.inner.room.reserved()
+    }
+
+    /// `capacity() - reserved()`: how many more requests may be posted to queue pairs reporting
+    /// here right now.
+    pub fn available(&self) -> u32 {
+        self.inner
+            .room
+            .capacity()
+            .saturating_sub(self.inner.room.reserved())
     }
 
     /// The raw `ibv_cq`, valid while `self` is.
     pub fn as_raw(&self) -> *mut ibv::ibv_cq {
         self.inner.as_ptr()
+    }
+
+    pub(crate) fn ctx_ptr(&self) -> *mut ibv::ibv_context {
+        self.inner._ctx.ctx.as_ptr()
     }
 
     /// `ibv_poll_cq`—fetch up to [`POLL_BATCH`] completions. They are lent: each borrows the CQ
@@ -307,8 +416,32 @@ impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CompletionQueue")
             .field("cqe", &self.cqe)
+            .field("reserved", &self.reserved())
             .finish()
     }
+}
+
+/// A CQ size is 1..=`max` (the device's `max_cqe`, where known) and fits a C `int`.
+pub(crate) fn check_cqe(cqe: u32, max: Option<u32>) -> Result<()> {
+    if cqe == 0 {
+        return Err(Error::invalid(
+            "cqe",
+            0,
+            "a completion queue needs at least one entry",
+        ));
+    }
+    let limit = max
+        .filter(|&m| m > 0)
+        .unwrap_or(i32::MAX as u32)
+        .min(i32::MAX as u32);
+    if cqe > limit {
+        return Err(Error::invalid(
+            "cqe",
+            cqe,
+            format!("the device allows at most {limit} entries per completion queue"),
+        ));
+    }
+    Ok(())
 }
 
 /// The completions of one [`CompletionQueue::poll`]; each borrows the CQ.

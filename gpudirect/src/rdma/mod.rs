@@ -11,10 +11,21 @@
 //! Work requests take [`MrSlice`]s by value: a slice keeps its [`MemoryRegion`] (registration and
 //! memory) alive. A posted request's slices are kept by its queue pair, keyed by a `wr_id` the
 //! library chooses, until its completion is polled (or flushed); only then are they released. A
-//! dropped queue pair is moved to the error state and its flushed completions drained for a bounded
-//! time ([`qp::DRAIN_TIMEOUT`]); if they do not all arrive, the QP and everything it holds are
-//! leaked, never freed early. Memory a NIC may write (remote-writable regions, receive and RDMA-read
-//! targets) is never handed out as a Rust reference while it can be written: see [`MemoryRegion`].
+//! dropped queue pair is moved to the error state, given one signaled request whose flushed
+//! completion proves that everything posted before it is finished (unsignaled requests included),
+//! and drained for a bounded time ([`qp::DRAIN_TIMEOUT`]); if the completions do not all arrive,
+//! the QP and everything it holds are leaked, never freed early ([`teardown_stats`] counts both
+//! outcomes). Memory a NIC may write (remote-writable regions, receive and RDMA-read targets) is
+//! never handed out as a Rust reference while it can be written: see [`MemoryRegion`].
+//!
+//! # Capacity
+//!
+//! A completion queue never receives more completions than it holds: every request posted to a
+//! queue pair counts against the CQ its completion goes to (signaled or not: in the error state
+//! every outstanding request completes) until its completion, or a later one that covers it, is
+//! polled. A chain that does not fit is refused whole with [`Error::QueueFull`] naming the
+//! completion queue. Each queue pair keeps one entry of its send CQ for its teardown, and a CQ
+//! serving queue pairs of a [`SharedReceiveQueue`] keeps room for that queue's whole depth.
 //!
 //! ```no_run
 //! use gpudirect::rdma::{AccessFlags, Context, HostBuffer};
@@ -29,6 +40,7 @@
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod cm;
 mod context;
@@ -59,9 +71,71 @@ pub use mr::{
     Remote, RemoteMemory, RemoteSlice,
 };
 pub use pd::ProtectionDomain;
-pub use qp::{Endpoint, Init, QpCaps, QueuePair, Reset, Rtr, RtrAttr, Rts, RtsAttr};
+pub use qp::{
+    Endpoint, ErrorState, Init, QpCaps, QpState, QpStateKind, QueuePair, Reset, Rtr, RtrAttr, Rts,
+    RtsAttr,
+};
 pub use srq::SharedReceiveQueue;
 pub use wr::{RecvRequest, WorkRequest};
+
+/// How this process's verbs objects were torn down: destroyed, or leaked because the library could
+/// not prove the NIC was done with them (a queue pair whose flushed completions did not arrive in
+/// time, a failing destroy or deregistration). Counts since the process started; leaking is the
+/// safe failure, and a growing leak count is worth a look.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TeardownStats {
+    /// Queue pairs destroyed (`ibv_destroy_qp` succeeded after the drain).
+    pub queue_pairs_destroyed: u64,
+    /// Queue pairs leaked with everything their requests hold.
+    pub queue_pairs_leaked: u64,
+    /// Completion queues destroyed.
+    pub completion_queues_destroyed: u64,
+    /// Completion queues whose `ibv_destroy_cq` failed (left allocated).
+    pub completion_queues_leaked: u64,
+    /// Memory regions deregistered and their memory freed (host, GPU and dma-buf regions).
+    pub regions_deregistered: u64,
+    /// Memory regions whose `ibv_dereg_mr` failed: registration and memory leaked.
+    pub regions_leaked: u64,
+}
+
+pub(crate) struct Counters {
+    pub(crate) qp_destroyed: AtomicU64,
+    pub(crate) qp_leaked: AtomicU64,
+    pub(crate) cq_destroyed: AtomicU64,
+    pub(crate) cq_leaked: AtomicU64,
+    pub(crate) mr_deregistered: AtomicU64,
+    pub(crate) mr_leaked: AtomicU64,
+}
+
+pub(crate) static COUNTERS: Counters = Counters {
+    qp_destroyed: AtomicU64::new(0),
+    qp_leaked: AtomicU64::new(0),
+    cq_destroyed: AtomicU64::new(0),
+    cq_leaked: AtomicU64::new(0),
+    mr_deregistered: AtomicU64::new(0),
+    mr_leaked: AtomicU64::new(0),
+};
+
+impl Counters {
+    pub(crate) fn count(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The teardown counts of this process so far.
+pub fn teardown_stats() -> TeardownStats {
+    let c = &COUNTERS;
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    TeardownStats {
+        queue_pairs_destroyed: g(&c.qp_destroyed),
+        queue_pairs_leaked: g(&c.qp_leaked),
+        completion_queues_destroyed: g(&c.cq_destroyed),
+        completion_queues_leaked: g(&c.cq_leaked),
+        regions_deregistered: g(&c.mr_deregistered),
+        regions_leaked: g(&c.mr_leaked),
+    }
+}
 
 /// libibverbs, loaded, with fork support checked ([`fork_status`]).
 pub(crate) fn verbs() -> Result<&'static ibv::Lib> {
@@ -134,7 +208,7 @@ pub(crate) fn rc(call: &'static str, rc: i32) -> Result<()> {
         _ => {
             let os = std::io::Error::last_os_error();
             match os.raw_os_error() {
-                Some(0) | None => Err(Error::errno(call, -rc)),
+                Some(0) | None => Err(Error::errno(call, rc.saturating_neg())),
                 _ => Err(Error::Os { call, source: os }),
             }
         }

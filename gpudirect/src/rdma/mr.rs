@@ -1,7 +1,7 @@
 //! Memory regions over host memory, slices of them for work requests, and remote descriptors.
 
 use super::pd::{PdInner, ProtectionDomain};
-use super::{in_forked_child, nonnull, verbs};
+use super::{COUNTERS, Counters, in_forked_child, nonnull, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::marker::PhantomData;
@@ -182,7 +182,7 @@ pub trait MrMode: sealed::Sealed + Send + Sync + 'static {
 }
 
 /// A region only this node's NIC writes (receives, RDMA-read results). Its bytes are available as
-/// `&[u8]`/`&mut [u8]` when no work request holds a slice of it.
+/// `&[u8]`/`&mut [u8]` when no slice of it exists (so no work request can hold one).
 #[derive(Debug)]
 pub enum Local {}
 /// A region peers may write at any time. Its bytes are only copied, never borrowed.
@@ -288,6 +288,9 @@ impl Drop for MrInner {
         if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
             // SAFETY: taken once, here, after the NIC lost access.
             drop(unsafe { ManuallyDrop::take(&mut self.mem) });
+            Counters::count(&COUNTERS.mr_deregistered);
+        } else {
+            Counters::count(&COUNTERS.mr_leaked);
         }
     }
 }
@@ -296,6 +299,21 @@ impl Drop for MrInner {
 /// ([`Local`]). The region owns its memory; slices of it ([`MrSlice`]) keep it registered and
 /// alive while work requests use them. Dropping the region deregisters it and frees the memory
 /// once the last slice is gone.
+///
+/// # CPU access
+///
+/// The CPU reaches the bytes by copies, never by references, while a NIC may touch them:
+/// [`read_at`](Self::read_at) (and [`to_vec`](Self::to_vec), [`read_u64`](Self::read_u64)) take
+/// `&self` and copy with volatile loads, so any number of threads may read at once;
+/// [`write_at`](Self::write_at) and [`fill`](Self::fill) take `&mut self`, so no thread reads
+/// while another writes. A region shared between threads needs a lock (or one owner) to be
+/// written.
+///
+/// What a NIC writes (a receive, an RDMA read's result, an atomic's old value, or a peer's RDMA
+/// write into a [`Remote`] region) is stable once the completion that covers the write has been
+/// polled: the receive's or read's own completion, or for a peer's write whatever the peer uses to
+/// say it is done (a write with immediate's receive completion, a message). Before that a copy
+/// may see any mix of old and new bytes.
 #[doc(alias = "ibv_mr")]
 #[doc(alias = "ibv_reg_mr")]
 #[doc(alias = "ibv_dereg_mr")]
@@ -404,64 +422,67 @@ impl<M: MrMode> MemoryRegion<M> {
         MrSlice::of(&self.inner, range)
     }
 
-    /// Copy `dst.len()` bytes starting at `offset` out of the region. A plain copy from memory the
-    /// NIC may be writing: the bytes are whatever is there (use after the completion that wrote
-    /// them).
+    /// Copy `dst.len()` bytes starting at `offset` out of the region, with volatile loads (the
+    /// NIC may be writing them). The bytes are stable after the completion that covers their
+    /// write (see [CPU access](MemoryRegion#cpu-access)).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when out of bounds.
+    /// [`Error::InvalidArgument`] when `offset + dst.len()` is past the end (or overflows).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range(offset, dst.len(), self.len())?;
-        // SAFETY: in bounds of memory owned by the region; no reference to it exists (raw copy).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.inner.addr.add(offset), dst.as_mut_ptr(), dst.len())
-        };
+        // SAFETY: `offset..offset + dst.len()` lies in the region's memory, which lives while
+        // `self` does; no Rust reference to it exists, and CPU writes need `&mut self`.
+        unsafe { volatile_read(self.inner.addr.add(offset), dst) };
         Ok(())
     }
 
-    /// Copy `src` into the region at `offset`.
+    /// Copy `src` into the region at `offset`, with volatile stores. Needs `&mut self`: no other
+    /// thread can copy out of the region at the same time. Bytes that a posted send or RDMA write
+    /// still reads should not be changed before its completion (the NIC may send either).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when out of bounds.
-    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+    /// [`Error::InvalidArgument`] when `offset + src.len()` is past the end (or overflows).
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range(offset, src.len(), self.len())?;
-        // SAFETY: in bounds; raw copy into memory no reference covers.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.addr.add(offset), src.len())
-        };
+        // SAFETY: in bounds of memory the region owns; no Rust reference covers it and `&mut
+        // self` excludes CPU readers.
+        unsafe { volatile_write(self.inner.addr.add(offset), src) };
         Ok(())
     }
 
-    /// Fill `[offset, offset + len)` with `byte`.
+    /// Fill `[offset, offset + len)` with `byte`, with volatile stores (see
+    /// [`write_at`](Self::write_at)).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when out of bounds.
-    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+    /// [`Error::InvalidArgument`] when `offset + len` is past the end (or overflows).
+    pub fn fill(&mut self, offset: usize, len: usize, byte: u8) -> Result<()> {
         check_range(offset, len, self.len())?;
-        // SAFETY: in bounds; raw write.
-        unsafe { std::ptr::write_bytes(self.inner.addr.add(offset), byte, len) };
+        // SAFETY: as in `write_at`.
+        unsafe { volatile_fill(self.inner.addr.add(offset), len, byte) };
         Ok(())
     }
 
-    /// A copy of the whole region.
+    /// A copy of the whole region (volatile loads, as [`read_at`](Self::read_at)).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0; self.len()];
-        self.read_at(0, &mut v).expect("in bounds");
+        // SAFETY: the whole region, as in `read_at`.
+        unsafe { volatile_read(self.inner.addr, &mut v) };
         v
     }
 
-    /// Read the 8-byte word at `offset` (the target of atomics), with a volatile load.
+    /// Read the 8-byte word at `offset` (the target of atomics, or a flag a peer writes last) with
+    /// one volatile load, followed by an acquire fence: copies made after it see what the CPU
+    /// ordered before the word (spin on a flag, then [`read_at`](Self::read_at) the data).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when out of bounds or not 8-byte aligned.
     pub fn read_u64(&self, offset: usize) -> Result<u64> {
         check_range(offset, 8, self.len())?;
-        // SAFETY: in bounds.
-        let p = unsafe { self.inner.addr.add(offset) };
+        let p = self.inner.addr.wrapping_add(offset);
         if !(p as usize).is_multiple_of(8) {
             return Err(Error::invalid(
                 "offset",
@@ -469,8 +490,88 @@ impl<M: MrMode> MemoryRegion<M> {
                 "an 8-byte word must be 8-byte aligned",
             ));
         }
-        // SAFETY: aligned, in bounds, raw volatile read.
-        Ok(unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
+        // SAFETY: aligned, in bounds of the region's memory; a volatile load, no reference.
+        let v = unsafe { std::ptr::read_volatile(p.cast::<u64>()) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        Ok(v)
+    }
+}
+
+/// Copy `dst.len()` bytes from `src` with volatile loads (8-byte words where aligned).
+///
+/// # Safety
+///
+/// `src..src + dst.len()` is valid for reads and covered by no Rust reference.
+unsafe fn volatile_read(src: *const u8, dst: &mut [u8]) {
+    let n = dst.len();
+    let mut i = 0;
+    while i < n && !(src as usize).wrapping_add(i).is_multiple_of(8) {
+        // SAFETY: i < n: inside the caller's range.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+    while n - i >= 8 {
+        // SAFETY: i + 8 <= n, and `src + i` is 8-byte aligned here.
+        let w = unsafe { std::ptr::read_volatile(src.add(i).cast::<u64>()) };
+        dst[i..i + 8].copy_from_slice(&w.to_ne_bytes());
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: i < n.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+}
+
+/// Copy `src` to `dst` with volatile stores (8-byte words where aligned).
+///
+/// # Safety
+///
+/// `dst..dst + src.len()` is valid for writes and covered by no Rust reference.
+unsafe fn volatile_write(dst: *mut u8, src: &[u8]) {
+    let n = src.len();
+    let mut i = 0;
+    while i < n && !(dst as usize).wrapping_add(i).is_multiple_of(8) {
+        // SAFETY: i < n: inside the caller's range.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+    while n - i >= 8 {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&src[i..i + 8]);
+        // SAFETY: i + 8 <= n, and `dst + i` is 8-byte aligned here.
+        unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), u64::from_ne_bytes(w)) };
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: i < n.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+}
+
+/// Set `len` bytes at `dst` to `byte` with volatile stores.
+///
+/// # Safety
+///
+/// `dst..dst + len` is valid for writes and covered by no Rust reference.
+unsafe fn volatile_fill(dst: *mut u8, len: usize, byte: u8) {
+    let mut i = 0;
+    let word = u64::from_ne_bytes([byte; 8]);
+    while i < len && !(dst as usize).wrapping_add(i).is_multiple_of(8) {
+        // SAFETY: i < len: inside the caller's range.
+        unsafe { std::ptr::write_volatile(dst.add(i), byte) };
+        i += 1;
+    }
+    while len - i >= 8 {
+        // SAFETY: i + 8 <= len, and `dst + i` is 8-byte aligned here.
+        unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), word) };
+        i += 8;
+    }
+    while i < len {
+        // SAFETY: i < len.
+        unsafe { std::ptr::write_volatile(dst.add(i), byte) };
+        i += 1;
     }
 }
 
@@ -505,16 +606,28 @@ impl<M: MrMode> std::fmt::Debug for MemoryRegion<M> {
     }
 }
 
+/// The largest verbs message (and so the largest slice): 2^31 bytes.
+pub(crate) const MAX_MESSAGE: u64 = 1 << 31;
+
+/// `range` as `[start, end)` within `len` bytes: non-empty, in bounds, at most [`MAX_MESSAGE`].
 fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let shown = || format!("{:?}..{:?}", range.start_bound(), range.end_bound());
     let start = match range.start_bound() {
-        Bound::Included(&s) => s,
-        Bound::Excluded(&s) => s + 1,
-        Bound::Unbounded => 0,
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
     };
     let end = match range.end_bound() {
-        Bound::Included(&e) => e + 1,
-        Bound::Excluded(&e) => e,
-        Bound::Unbounded => len,
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    let (Some(start), Some(end)) = (start, end) else {
+        return Err(Error::invalid(
+            "range",
+            shown(),
+            "a bound overflows the address space",
+        ));
     };
     if start >= end || end > len {
         return Err(Error::invalid(
@@ -523,7 +636,7 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> 
             format!("must be non-empty and within the region's {len} bytes"),
         ));
     }
-    if end - start > 1 << 31 {
+    if (end - start) as u64 > MAX_MESSAGE {
         return Err(Error::invalid(
             "range",
             format!("{start}..{end}"),
@@ -533,6 +646,7 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> 
     Ok((start, end))
 }
 
+/// Whether `offset + len` (checked) lies within `total` bytes.
 fn check_range(offset: usize, len: usize, total: usize) -> Result<()> {
     if offset.checked_add(len).is_none_or(|e| e > total) {
         return Err(Error::invalid(
@@ -554,9 +668,20 @@ pub struct MrSlice {
 }
 
 impl MrSlice {
-    /// `range` of the region `mr` (checked: non-empty, in bounds, at most 2 GiB).
+    /// `range` of the region `mr` (checked: non-empty, in bounds, at most 2 GiB, and its
+    /// addresses within 2^64).
     pub(crate) fn of(mr: &Arc<MrInner>, range: impl RangeBounds<usize>) -> Result<MrSlice> {
         let (start, end) = bounds(range, mr.len)?;
+        if (mr.addr as u64).checked_add(end as u64).is_none() {
+            return Err(Error::invalid(
+                "range",
+                format!("{start}..{end}"),
+                format!(
+                    "the region's address {:#x} plus the end overflows 64 bits",
+                    mr.addr as u64
+                ),
+            ));
+        }
         Ok(MrSlice {
             mr: mr.clone(),
             offset: start,
@@ -581,7 +706,8 @@ impl MrSlice {
 
     /// The address of the first byte.
     pub fn addr(&self) -> u64 {
-        self.mr.addr as u64 + self.offset as u64
+        // Checked when the slice was made: the region's address plus the slice's end fits.
+        (self.mr.addr as u64).wrapping_add(self.offset as u64)
     }
 
     /// The region's access flags.
@@ -613,7 +739,12 @@ impl std::fmt::Debug for MrSlice {
 
 /// A peer's registered memory: what RDMA read, write and atomics target. Send it to the peer in a
 /// first message (rdma_cm private data is too small to be relied on: 56 bytes).
+///
+/// A descriptor that came from a peer is untrusted: [`from_bytes`](Self::from_bytes) and
+/// deserialization check it ([`validate`](Self::validate)), and [`slice`](Self::slice) checks its
+/// arithmetic again, so a hand-built one cannot produce a wrapped address either.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "RemoteMemoryFields")]
 pub struct RemoteMemory {
     /// Start address, as the peer registered it.
     pub addr: u64,
@@ -623,9 +754,58 @@ pub struct RemoteMemory {
     pub len: u64,
 }
 
+/// The fields as they arrive, before [`RemoteMemory::validate`].
+#[derive(serde::Deserialize)]
+struct RemoteMemoryFields {
+    addr: u64,
+    rkey: u32,
+    len: u64,
+}
+
+impl TryFrom<RemoteMemoryFields> for RemoteMemory {
+    type Error = Error;
+    fn try_from(f: RemoteMemoryFields) -> Result<Self> {
+        RemoteMemory::new(f.addr, f.rkey, f.len)
+    }
+}
+
 impl RemoteMemory {
     /// Size of [`RemoteMemory::to_bytes`].
     pub const WIRE_LEN: usize = 20;
+
+    /// A checked descriptor (see [`validate`](Self::validate)).
+    ///
+    /// # Errors
+    ///
+    /// As [`validate`](Self::validate).
+    pub fn new(addr: u64, rkey: u32, len: u64) -> Result<Self> {
+        let r = RemoteMemory { addr, rkey, len };
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// Check a descriptor as untrusted input: at least one byte, and `addr + len` within 2^64.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming `len` when either rule is broken.
+    pub fn validate(&self) -> Result<()> {
+        if self.len == 0 {
+            return Err(Error::invalid(
+                "len",
+                0,
+                "a remote region holds at least one byte",
+            ));
+        }
+        if self.addr.checked_add(self.len).is_none() {
+            return Err(Error::invalid(
+                "len",
+                self.len,
+                format!("address {:#x} plus length overflows 64 bits", self.addr),
+            ));
+        }
+        Ok(())
+    }
 
     /// A fixed 20-byte little-endian encoding: addr, len, rkey.
     pub fn to_bytes(&self) -> [u8; Self::WIRE_LEN] {
@@ -636,43 +816,55 @@ impl RemoteMemory {
         b
     }
 
-    /// Decode [`RemoteMemory::to_bytes`].
+    /// Decode [`RemoteMemory::to_bytes`] (the first 20 bytes of `b`), checked as
+    /// [`validate`](Self::validate) does.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when `b` is shorter than 20 bytes.
+    /// [`Error::InvalidArgument`] when `b` is shorter than 20 bytes or the descriptor is invalid.
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
-        if b.len() < Self::WIRE_LEN {
+        let Some(b) = b.get(..Self::WIRE_LEN) else {
             return Err(Error::invalid(
                 "bytes",
                 b.len(),
                 "a RemoteMemory descriptor is 20 bytes",
             ));
-        }
-        Ok(RemoteMemory {
-            addr: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
-            len: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
-            rkey: u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")),
-        })
+        };
+        let mut addr = [0u8; 8];
+        let mut len = [0u8; 8];
+        let mut rkey = [0u8; 4];
+        addr.copy_from_slice(&b[..8]);
+        len.copy_from_slice(&b[8..16]);
+        rkey.copy_from_slice(&b[16..20]);
+        RemoteMemory::new(
+            u64::from_le_bytes(addr),
+            u32::from_le_bytes(rkey),
+            u64::from_le_bytes(len),
+        )
     }
 
     /// `len` bytes at `offset`.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when empty, out of bounds or over 2 GiB.
+    /// [`Error::InvalidArgument`] when empty, over 2 GiB, past the descriptor's length, or when
+    /// the descriptor itself is invalid (its address plus length overflows).
     pub fn slice(&self, offset: u64, len: u32) -> Result<RemoteSlice> {
-        if len == 0 || offset.checked_add(len as u64).is_none_or(|e| e > self.len) || len > 1 << 31
+        self.validate()?;
+        if len == 0
+            || len as u64 > MAX_MESSAGE
+            || offset.checked_add(len as u64).is_none_or(|e| e > self.len)
         {
             return Err(Error::invalid(
                 "offset",
                 format!("{offset} (+{len} bytes)"),
                 format!(
-                    "must be a non-empty range within the remote region's {} bytes",
+                    "must be a non-empty range of at most 2 GiB within the remote region's {} bytes",
                     self.len
                 ),
             ));
         }
+        // Cannot overflow: offset + len <= self.len and addr + self.len fits (validated).
         Ok(RemoteSlice {
             addr: self.addr + offset,
             rkey: self.rkey,
@@ -681,7 +873,8 @@ impl RemoteMemory {
     }
 }
 
-/// A byte range of a peer's memory, checked against its [`RemoteMemory`].
+/// A byte range of a peer's memory, checked against its [`RemoteMemory`]. A hand-built one is
+/// checked again when posted (its address plus length within 2^64, at most 2 GiB).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteSlice {
     /// Address.
@@ -690,6 +883,20 @@ pub struct RemoteSlice {
     pub rkey: u32,
     /// Length in bytes.
     pub len: u32,
+}
+
+impl RemoteSlice {
+    /// The rules [`RemoteMemory::slice`] guarantees, for a slice that may have been built by hand.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.addr.checked_add(self.len as u64).is_none() || self.len as u64 > MAX_MESSAGE {
+            return Err(Error::invalid(
+                "remote",
+                format!("{:#x} (+{} bytes)", self.addr, self.len),
+                "a remote range lies within 2^64 and holds at most 2 GiB",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `ibv_reg_dmabuf_mr`—a region over a dma-buf (GPU or other device memory exported as an fd).
@@ -726,6 +933,13 @@ impl DmabufRegion {
                 "len",
                 0,
                 "a region must hold at least one byte",
+            ));
+        }
+        if offset.checked_add(len as u64).is_none() || iova.checked_add(len as u64).is_none() {
+            return Err(Error::invalid(
+                "len",
+                len,
+                format!("offset {offset:#x} / iova {iova:#x} plus len overflows 64 bits"),
             ));
         }
         let l = verbs()?;
@@ -807,6 +1021,9 @@ impl Drop for DmabufRegion {
         if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
             // SAFETY: taken once, here.
             drop(unsafe { ManuallyDrop::take(&mut self.fd) });
+            Counters::count(&COUNTERS.mr_deregistered);
+        } else {
+            Counters::count(&COUNTERS.mr_leaked);
         }
     }
 }
@@ -819,6 +1036,29 @@ impl std::fmt::Debug for DmabufRegion {
             .field("rkey", &format_args!("{:#x}", self.rkey))
             .finish()
     }
+}
+
+/// A region that was never registered, at `addr` (an IOVA: never dereferenced), for tests of the
+/// logic above it. Leaked with its PD, so neither is ever deregistered or freed.
+#[cfg(test)]
+pub(crate) fn fake_region(addr: u64, len: usize, access: AccessFlags) -> Arc<MrInner> {
+    let pd = Arc::new(PdInner {
+        pd: NonNull::dangling(),
+        ctx: super::context::CtxInner::fake(),
+    });
+    std::mem::forget(pd.clone());
+    let mr = Arc::new(MrInner {
+        mr: NonNull::dangling(),
+        addr: addr as *mut u8,
+        len,
+        lkey: 1,
+        rkey: 2,
+        access,
+        pd,
+        mem: ManuallyDrop::new(Box::new(())),
+    });
+    std::mem::forget(mr.clone());
+    mr
 }
 
 #[cfg(test)]
@@ -882,5 +1122,193 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         assert!(HostBuffer::zeroed(0).is_err());
         assert_eq!(HostBuffer::from_slice(b"abc").unwrap().as_slice(), b"abc");
+    }
+
+    use proptest::prelude::*;
+    use std::ops::Bound;
+
+    fn bound() -> impl Strategy<Value = Bound<usize>> {
+        let v = prop_oneof![
+            0usize..5000,
+            Just(usize::MAX),
+            Just(usize::MAX - 1),
+            (1usize << 31)..(1usize << 33),
+            any::<usize>(),
+        ];
+        prop_oneof![
+            v.clone().prop_map(Bound::Included),
+            v.prop_map(Bound::Excluded),
+            Just(Bound::Unbounded),
+        ]
+    }
+
+    fn remote_len() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..5000,
+            Just(u64::MAX),
+            (1u64 << 31)..(1u64 << 40),
+            any::<u64>()
+        ]
+    }
+
+    fn remote_addr() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(u64::MAX - 3),
+            (u64::MAX - 10_000)..=u64::MAX,
+            0u64..(1 << 48),
+            any::<u64>()
+        ]
+    }
+
+    /// The reference: a range as u128 arithmetic, which cannot overflow.
+    fn expected(start: Bound<usize>, end: Bound<usize>, len: usize) -> Option<(usize, usize)> {
+        let s = match start {
+            Bound::Included(s) => s as u128,
+            Bound::Excluded(s) => s as u128 + 1,
+            Bound::Unbounded => 0,
+        };
+        let e = match end {
+            Bound::Included(e) => e as u128 + 1,
+            Bound::Excluded(e) => e as u128,
+            Bound::Unbounded => len as u128,
+        };
+        (s < e && e <= len as u128 && e - s <= 1 << 31).then_some((s as usize, e as usize))
+    }
+
+    proptest! {
+        /// Any range of any region: the checked bounds match u128 arithmetic, never a panic.
+        #[test]
+        fn slice_bounds_match_exact_arithmetic(
+            start in bound(), end in bound(), len in prop_oneof![1usize..10_000, any::<usize>()],
+        ) {
+            prop_assert_eq!(bounds((start, end), len).ok(), expected(start, end, len));
+        }
+
+        /// `offset + len <= total`, checked, for every offset/length of read_at, write_at, fill.
+        #[test]
+        fn copy_ranges_match_exact_arithmetic(
+            off in prop_oneof![0usize..5000, any::<usize>()],
+            len in prop_oneof![0usize..5000, any::<usize>()],
+            total in 0usize..10_000,
+        ) {
+            prop_assert_eq!(
+                check_range(off, len, total).is_ok(),
+                off as u128 + len as u128 <= total as u128
+            );
+        }
+
+        /// Slices of a region at any address (GPU regions are addressed by an IOVA): accepted
+        /// exactly when in bounds and their end address fits 64 bits; the SGE says what was asked.
+        #[test]
+        fn mr_slices_never_wrap(
+            addr in remote_addr(), len in 1usize..100_000, start in bound(), end in bound(),
+        ) {
+            let mr = fake_region(addr, len, AccessFlags::LOCAL_WRITE);
+            let want = expected(start, end, len)
+                .filter(|&(_, e)| addr as u128 + e as u128 <= u64::MAX as u128);
+            match MrSlice::of(&mr, (start, end)) {
+                Ok(s) => {
+                    let (st, e) = want.expect("accepted only when valid");
+                    let sge = s.sge();
+                    prop_assert_eq!(sge.addr as u128, addr as u128 + st as u128);
+                    prop_assert_eq!(sge.length as usize, e - st);
+                    prop_assert_eq!(s.offset(), st);
+                }
+                Err(Error::InvalidArgument { arg: "range", .. }) => prop_assert!(want.is_none()),
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+        }
+
+        /// A descriptor built, decoded or deserialized from anything: valid exactly when it holds
+        /// a byte and its end fits 64 bits; its slices never wrap and stay inside it.
+        #[test]
+        fn remote_descriptors_are_untrusted(
+            addr in remote_addr(), rkey in any::<u32>(), len in remote_len(),
+            off in prop_oneof![0u64..5000, any::<u64>()],
+            slen in prop_oneof![0u32..5000, Just(u32::MAX), any::<u32>()],
+        ) {
+            let valid = len > 0 && addr.checked_add(len).is_some();
+            let r = RemoteMemory { addr, rkey, len };
+            prop_assert_eq!(RemoteMemory::new(addr, rkey, len).is_ok(), valid);
+            prop_assert_eq!(RemoteMemory::from_bytes(&r.to_bytes()).ok(), valid.then_some(r));
+            let json = serde_json::to_string(&r).unwrap();
+            prop_assert_eq!(serde_json::from_str::<RemoteMemory>(&json).ok(), valid.then_some(r));
+            // A hand-built (possibly invalid) descriptor sliced anywhere.
+            let ok = valid
+                && slen > 0
+                && slen as u64 <= MAX_MESSAGE
+                && off as u128 + slen as u128 <= len as u128;
+            match r.slice(off, slen) {
+                Ok(s) => {
+                    prop_assert!(ok);
+                    prop_assert_eq!(s.addr as u128, addr as u128 + off as u128);
+                    prop_assert!(s.addr as u128 + s.len as u128 <= addr as u128 + len as u128);
+                    prop_assert!(s.check().is_ok());
+                }
+                Err(Error::InvalidArgument { .. }) => prop_assert!(!ok),
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+        }
+
+        /// Any bytes of any length decode to a checked descriptor or a typed error.
+        #[test]
+        fn descriptor_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..40)) {
+            match RemoteMemory::from_bytes(&b) {
+                Ok(r) => prop_assert!(b.len() >= 20 && r.validate().is_ok()),
+                Err(Error::InvalidArgument { .. }) => {}
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+        }
+
+        /// Hand-built remote slices: checked like the ones `slice` makes.
+        #[test]
+        fn remote_slices_are_checked(addr in remote_addr(), len in any::<u32>()) {
+            let s = RemoteSlice { addr, rkey: 0, len };
+            prop_assert_eq!(
+                s.check().is_ok(),
+                addr.checked_add(len as u64).is_some() && len as u64 <= MAX_MESSAGE
+            );
+        }
+
+        /// The volatile copies read back exactly what they wrote, at any alignment, and touch
+        /// nothing outside their range.
+        #[test]
+        fn volatile_copies_are_exact(
+            off in 0usize..64, data in proptest::collection::vec(any::<u8>(), 0..200),
+            byte in any::<u8>(), foff in 0usize..64, flen in 0usize..130,
+        ) {
+            let mut buf = vec![0xEEu8; 300];
+            let p = buf.as_mut_ptr();
+            // SAFETY: off + data.len() < 300: inside `buf`, which no reference covers meanwhile.
+            unsafe { volatile_write(p.add(off), &data) };
+            let mut back = vec![0u8; data.len()];
+            // SAFETY: as above.
+            unsafe { volatile_read(p.add(off), &mut back) };
+            prop_assert_eq!(&back, &data);
+            prop_assert!(buf[..off].iter().all(|&b| b == 0xEE));
+            prop_assert!(buf[off + data.len()..].iter().all(|&b| b == 0xEE));
+            let mut buf = vec![0u8; 200];
+            // SAFETY: foff + flen < 200.
+            unsafe { volatile_fill(buf.as_mut_ptr().add(foff), flen, byte) };
+            for (i, &b) in buf.iter().enumerate() {
+                let inside = i >= foff && i < foff + flen;
+                prop_assert_eq!(b, if inside { byte } else { 0 });
+            }
+        }
+    }
+
+    #[test]
+    fn the_issue_descriptor_is_refused_not_wrapped() {
+        let r = RemoteMemory {
+            addr: u64::MAX - 3,
+            rkey: 1,
+            len: 16,
+        };
+        assert!(matches!(
+            r.slice(8, 4),
+            Err(Error::InvalidArgument { arg: "len", .. })
+        ));
+        assert!(RemoteMemory::from_bytes(&r.to_bytes()).is_err());
+        assert!(serde_json::from_str::<RemoteMemory>(&serde_json::to_string(&r).unwrap()).is_err());
     }
 }

@@ -1,22 +1,24 @@
 //! Shared receive queues.
 
 use super::pd::{PdInner, ProtectionDomain};
-use super::qp::RecvTable;
+use super::qp::{RecvTable, SRQ_ID_MASK, WrId};
 use super::wr::RecvRequest;
 use super::{in_forked_child, nonnull, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-/// `wr_id` tag of SRQ receives (see `qp.rs`).
-const KIND_SRQ: u64 = 2;
 
 pub(crate) struct SrqInner {
     srq: NonNull<ibv::ibv_srq>,
     pd: Arc<PdInner>,
     table: Mutex<RecvTable>,
     max_sge: u32,
+    /// Tells this SRQ's receives apart in `wr_id`, so a CQ releases them without the QP.
+    id: u32,
+    /// Receives it holds at most (the table's depth).
+    depth: u32,
 }
 
 // SAFETY: verbs SRQs are thread-safe; the table is behind a Mutex.
@@ -27,6 +29,23 @@ unsafe impl Sync for SrqInner {}
 impl SrqInner {
     pub(crate) fn table(&self) -> MutexGuard<'_, RecvTable> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Release the receive in `slot` (its completion was polled); returns its tag.
+    pub(crate) fn complete(&self, slot: u32) -> u64 {
+        self.table().take(slot).0
+    }
+
+    pub(crate) fn ctx_ptr(&self) -> *mut ibv::ibv_context {
+        self.pd.ctx.ctx.as_ptr()
     }
 }
 
@@ -47,6 +66,9 @@ impl Drop for SrqInner {
 
 /// `ibv_create_srq`—a shared receive queue: receives posted here serve every QP created with it.
 /// Cheap to clone.
+///
+/// Its receives may complete on the receive CQ of any of those QPs, so each such CQ keeps room
+/// for the SRQ's whole depth ([`QueuePair::create`](super::QueuePair::create) reserves it).
 #[derive(Clone)]
 #[doc(alias = "ibv_srq")]
 pub struct SharedReceiveQueue {
@@ -54,21 +76,21 @@ pub struct SharedReceiveQueue {
 }
 
 impl SharedReceiveQueue {
-    /// `ibv_create_srq(pd, {max_wr, max_sge})`.
+    /// `ibv_create_srq(pd, {max_wr, max_sge})`: `max_wr` receives (1 to the device's
+    /// `max_srq_wr`) of `max_sge` entries each (0 means 1; at most the device's `max_srq_sge`).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a zero depth; [`Error::Os`] naming `ibv_create_srq`
-    /// (`EOPNOTSUPP`/`ENOSYS` where the device has no SRQs).
+    /// [`Error::InvalidArgument`] for a zero depth or sizes over the device's limits;
+    /// [`Error::Os`] naming `ibv_create_srq` (`EOPNOTSUPP`/`ENOSYS` where the device has no SRQs).
     #[doc(alias = "ibv_create_srq")]
     pub fn new(pd: &ProtectionDomain, max_wr: u32, max_sge: u32) -> Result<Self> {
-        if max_wr == 0 {
-            return Err(Error::invalid(
-                "max_wr",
-                0,
-                "an SRQ needs at least one entry",
-            ));
-        }
+        let dev = pd.context().query_device().ok();
+        check_srq(
+            max_wr,
+            max_sge,
+            dev.as_ref().map(|d| (d.max_srq_wr, d.max_srq_sge)),
+        )?;
         let l = verbs()?;
         let mut a = ibv::ibv_srq_init_attr {
             attr: ibv::ibv_srq_attr {
@@ -82,12 +104,18 @@ impl SharedReceiveQueue {
         let srq = nonnull("ibv_create_srq", unsafe {
             (l.ibv_create_srq)(pd.as_raw(), &mut a)
         })?;
+        static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed) & SRQ_ID_MASK;
+        // The larger of asked and granted: CQ room is reserved for all of it.
+        let depth = a.attr.max_wr.max(max_wr);
         Ok(SharedReceiveQueue {
             inner: Arc::new(SrqInner {
                 srq,
                 pd: pd.inner.clone(),
-                table: Mutex::new(RecvTable::new(a.attr.max_wr.max(max_wr))),
+                table: Mutex::new(RecvTable::new(depth)),
                 max_sge: a.attr.max_sge,
+                id,
+                depth,
             }),
         })
     }
@@ -100,6 +128,11 @@ impl SharedReceiveQueue {
     /// Receives posted and not yet completed.
     pub fn outstanding(&self) -> u32 {
         self.inner.table().live()
+    }
+
+    /// Receives it holds at most (what each CQ serving it keeps room for).
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
     }
 
     /// `ibv_post_srq_recv`—post receives, chained in one call; each keeps its slices until its
@@ -124,11 +157,13 @@ impl SharedReceiveQueue {
             }
         }
         let srq = self.inner.srq.as_ptr();
+        let id = self.inner.id;
         self.inner.table().post(
             reqs,
-            KIND_SRQ,
+            |slot| WrId::Srq { srq: id, slot }.encode(),
             "shared receive queue",
             "ibv_post_srq_recv",
+            None,
             |wr, bad| {
                 // SAFETY: a live SRQ; the chain lives for the call and the memory it references is
                 // owned by the table until completion.
@@ -143,5 +178,52 @@ impl std::fmt::Debug for SharedReceiveQueue {
         f.debug_struct("SharedReceiveQueue")
             .field("outstanding", &self.outstanding())
             .finish()
+    }
+}
+
+/// An SRQ's sizes against the rules and, where known, the device's `(max_srq_wr, max_srq_sge)`.
+fn check_srq(max_wr: u32, max_sge: u32, dev: Option<(u32, u32)>) -> Result<()> {
+    if max_wr == 0 {
+        return Err(Error::invalid(
+            "max_wr",
+            0,
+            "an SRQ needs at least one entry",
+        ));
+    }
+    if let Some((wr, sge)) = dev {
+        if wr > 0 && max_wr > wr {
+            return Err(Error::invalid(
+                "max_wr",
+                max_wr,
+                format!("the device allows at most {wr} receives per SRQ"),
+            ));
+        }
+        if sge > 0 && max_sge > sge {
+            return Err(Error::invalid(
+                "max_sge",
+                max_sge,
+                format!("the device allows at most {sge} entries per SRQ receive"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any sizes against any limits: refused or accepted exactly by the rules.
+        #[test]
+        fn srq_sizes_are_checked(
+            wr in any::<u32>(), sge in any::<u32>(),
+            dev in proptest::option::of((0u32..100_000, 0u32..64)),
+        ) {
+            let ok = wr >= 1
+                && dev.is_none_or(|(w, s)| (w == 0 || wr <= w) && (s == 0 || sge <= s));
+            prop_assert_eq!(check_srq(wr, sge, dev).is_ok(), ok);
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Work requests: what is posted to a send or receive queue.
 
-use super::mr::{AccessFlags, MrSlice, RemoteSlice};
+use super::mr::{AccessFlags, MAX_MESSAGE, MrSlice, RemoteSlice};
 use crate::error::{Error, Result};
 use crate::memory::CompletionFlag;
 use gpudirect_sys::ibverbs as ibv;
@@ -32,7 +32,29 @@ impl Sg {
     }
 
     pub(crate) fn total_len(&self) -> u64 {
-        self.slices().iter().map(|s| s.len() as u64).sum()
+        self.slices()
+            .iter()
+            .fold(0u64, |t, s| t.saturating_add(s.len() as u64))
+    }
+
+    /// Entries, and the whole message at most 2 GiB.
+    fn check(&self, max_sge: u32, queue: &str) -> Result<u32> {
+        let n = u32::try_from(self.slices().len()).unwrap_or(u32::MAX);
+        if n > max_sge {
+            return Err(Error::invalid(
+                "sg_list",
+                format!("{n} entries"),
+                format!("the {queue} allows {max_sge}"),
+            ));
+        }
+        if self.total_len() > MAX_MESSAGE {
+            return Err(Error::invalid(
+                "sg_list",
+                format!("{} bytes", self.total_len()),
+                "a message is at most 2 GiB",
+            ));
+        }
+        Ok(n)
     }
 }
 
@@ -60,7 +82,13 @@ pub(crate) enum Kind<'a> {
 ///
 /// Requests are signaled by default; [`unsignaled`](Self::unsignaled) ones produce no completion
 /// on success, and the queue pair signals one in every `signal_every` of them regardless
-/// ([`QpCaps::signal_every`](super::QpCaps::signal_every)) so the send queue drains.
+/// ([`QpCaps::signal_every`](super::QpCaps::signal_every)), and the last of a chain that leaves
+/// the send queue or its CQ more than half full, so both drain
+/// ([`QueuePair::post_send`](super::QueuePair::post_send)). Signaled or not, a request takes an
+/// entry of the send CQ until a completion covering it is polled.
+///
+/// Lengths are checked when posted: at most 2 GiB per message, a remote range within 2^64 and as
+/// long as the local bytes, an atomic target 8 bytes at an 8-byte aligned address.
 #[derive(Debug)]
 #[must_use = "a work request does nothing until posted"]
 #[doc(alias = "ibv_send_wr")]
@@ -206,15 +234,20 @@ impl<'a> WorkRequest<'a> {
         self
     }
 
+    /// The remote range, for requests that have one.
+    fn remote(&self) -> Option<RemoteSlice> {
+        match self.kind {
+            Kind::Send | Kind::SendInline(_) => None,
+            Kind::Write(r) | Kind::WriteInline(_, r) | Kind::Read(r) => Some(r),
+            Kind::CompareSwap { remote, .. } | Kind::FetchAdd { remote, .. } => Some(remote),
+        }
+    }
+
     /// Check the request against the rules verbs leave to the caller; `max_inline` is the QP's.
     pub(crate) fn validate(&self, max_sge: u32, max_inline: u32) -> Result<()> {
-        let n = self.sg.slices().len() as u32;
-        if n > max_sge {
-            return Err(Error::invalid(
-                "sg_list",
-                format!("{n} entries"),
-                format!("the QP allows {max_sge}"),
-            ));
+        let n = self.sg.check(max_sge, "QP")?;
+        if let Some(r) = self.remote() {
+            r.check()?;
         }
         let need_local_write = matches!(
             self.kind,
@@ -431,14 +464,7 @@ impl RecvRequest {
     }
 
     pub(crate) fn validate(&self, max_sge: u32) -> Result<()> {
-        let n = self.sg.slices().len() as u32;
-        if n > max_sge {
-            return Err(Error::invalid(
-                "sg_list",
-                format!("{n} entries"),
-                format!("the queue allows {max_sge}"),
-            ));
-        }
+        self.sg.check(max_sge, "queue")?;
         if let Some(s) = self
             .sg
             .slices()
@@ -452,5 +478,93 @@ impl RecvRequest {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::mr::fake_region;
+    use proptest::prelude::*;
+
+    fn remote() -> impl Strategy<Value = RemoteSlice> {
+        let addr = prop_oneof![
+            (u64::MAX - 10_000)..=u64::MAX,
+            0u64..(1 << 20),
+            any::<u64>()
+        ];
+        let len = prop_oneof![0u32..64, Just(u32::MAX), any::<u32>()];
+        (addr, len).prop_map(|(addr, len)| RemoteSlice { addr, rkey: 7, len })
+    }
+
+    proptest! {
+        /// Requests of every kind with random local slices, remote ranges, inline data and QP
+        /// limits: refused exactly when a rule is broken, never a panic, never a wrapped range.
+        #[test]
+        fn requests_are_validated_by_the_rules(
+            kind in 0u8..7, r in remote(), max_sge in 0u32..4, max_inline in 0u32..300,
+            cuts in proptest::collection::vec((0usize..4096, 1usize..4096), 0..4),
+            inline_len in 0usize..400, write_access in any::<bool>(), imm in any::<bool>(),
+            cmp in any::<u64>(),
+        ) {
+            let access = if write_access { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
+            let mr = fake_region(0x1000, 8192, access);
+            let sl: Vec<MrSlice> = cuts
+                .iter()
+                .filter_map(|&(o, l)| MrSlice::of(&mr, o..o + l).ok())
+                .collect();
+            let data = vec![0u8; inline_len];
+            let w = match kind {
+                0 => WorkRequest::send_sg(sl.clone()),
+                1 => WorkRequest::send_inline(&data),
+                2 => WorkRequest::write_sg(sl.clone(), r),
+                3 => WorkRequest::write_inline(&data, r),
+                4 => WorkRequest::read_sg(sl.clone(), r),
+                5 => WorkRequest::compare_swap(
+                    sl.first().cloned().unwrap_or_else(|| MrSlice::of(&mr, ..8).unwrap()), r, cmp, 1),
+                _ => WorkRequest::fetch_add(
+                    sl.first().cloned().unwrap_or_else(|| MrSlice::of(&mr, ..8).unwrap()), r, cmp),
+            };
+            let w = if imm { w.with_imm(5) } else { w };
+            let n = w.sg.slices().len() as u32;
+            let total: u64 = w.sg.slices().iter().map(|s| s.len() as u64).sum();
+            let remote_ok = r.addr.checked_add(r.len as u64).is_some() && r.len as u64 <= 1 << 31;
+            let ok = n <= max_sge
+                && total <= 1 << 31
+                && match kind {
+                    0 => n > 0,
+                    1 => inline_len as u64 <= max_inline as u64,
+                    2 => remote_ok && n > 0 && total <= r.len as u64,
+                    3 => remote_ok && inline_len as u64 <= max_inline as u64
+                        && inline_len as u64 <= r.len as u64,
+                    4 => remote_ok && n > 0 && total <= r.len as u64 && write_access,
+                    _ => remote_ok && r.addr % 8 == 0 && r.len >= 8 && total == 8 && n == 1
+                        && write_access,
+                }
+                && (!imm || kind <= 3);
+            match w.validate(max_sge, max_inline) {
+                Ok(()) => prop_assert!(ok, "accepted {:?}", w),
+                Err(Error::InvalidArgument { .. }) => prop_assert!(!ok, "refused {:?}", w),
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            }
+        }
+
+        /// Receives: at most `max_sge` slices, of a region with local write.
+        #[test]
+        fn receives_are_validated(
+            max_sge in 0u32..4, write_access in any::<bool>(),
+            cuts in proptest::collection::vec((0usize..4096, 1usize..4096), 0..5),
+        ) {
+            let access = if write_access { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
+            let mr = fake_region(u64::MAX - 9000, 8192, access);
+            let sl: Vec<MrSlice> = cuts
+                .iter()
+                .filter_map(|&(o, l)| MrSlice::of(&mr, o..o + l).ok())
+                .collect();
+            let n = sl.len() as u32;
+            let r = RecvRequest::sg(sl);
+            let ok = n <= max_sge && (n == 0 || write_access);
+            prop_assert_eq!(r.validate(max_sge).is_ok(), ok);
+        }
     }
 }
