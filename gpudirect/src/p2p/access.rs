@@ -585,10 +585,7 @@ mod tests {
             [(BASE + G as u64, 3 * G)]
         );
         // Across the seam: both.
-        assert_eq!(
-            covering(BASE + G as u64 - 1, 2, &maps).unwrap(),
-            maps
-        );
+        assert_eq!(covering(BASE + G as u64 - 1, 2, &maps).unwrap(), maps);
         // A buffer shorter than its mapping (the size rounded up to the granularity).
         assert_eq!(covering(BASE, 100, &[(BASE, G)]).unwrap(), [(BASE, G)]);
         // Nothing to grant for an empty range.
@@ -600,7 +597,13 @@ mod tests {
         let bad = |ptr, len, maps: &[(u64, usize)]| {
             let e = covering(ptr, len, maps).unwrap_err();
             assert!(
-                matches!(e, Error::InvalidArgument { arg: "vmm_mappings", .. }),
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        arg: "vmm_mappings",
+                        ..
+                    }
+                ),
                 "{e}"
             );
             e.to_string()
@@ -630,7 +633,10 @@ mod tests {
         assert!(check_mapping(BASE, G).is_ok());
         for (base, bytes) in [(BASE, 0), (u64::MAX - 10, 4096)] {
             let e = grant_vmm_mapping(base, bytes, 0).unwrap_err();
-            assert!(matches!(e, Error::InvalidArgument { arg: "bytes", .. }), "{e}");
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "bytes", .. }),
+                "{e}"
+            );
         }
     }
 
@@ -655,7 +661,10 @@ mod tests {
         }
         assert_eq!(Host.vmm_mappings(), None, "unknown by default");
         let e = grant_vmm_memory(&Host, 1).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument { arg: "mem", .. }), "{e}");
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "mem", .. }),
+            "{e}"
+        );
     }
 
     #[test]

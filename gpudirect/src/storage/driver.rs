@@ -746,7 +746,11 @@ mod tests {
         let e = once.ensure(PID + 1, || fake.open()).unwrap_err();
         assert!(matches!(e, Error::Unsupported { .. }), "{e}");
         assert!(e.to_string().contains("forked child"), "{e}");
-        assert_eq!(fake.attempts.load(SeqCst), 1, "no open attempted in the child");
+        assert_eq!(
+            fake.attempts.load(SeqCst),
+            1,
+            "no open attempted in the child"
+        );
     }
 
     #[test]
