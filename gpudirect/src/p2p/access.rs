@@ -328,7 +328,7 @@ pub(crate) fn resident_device(ptr: u64) -> Option<usize> {
 /// every VMM mapping. Where the mapping's base and size are known, use
 /// [`grant_vmm_mapping`]; for a whole buffer, [`grant_vmm_memory`] (which takes the layout from
 /// the buffer itself). Peer copies ([`crate::p2p::Copier`]) grant every mapping of the buffers
-/// they copy.
+/// they copy. The owning device's primary context is left current on the calling thread.
 ///
 /// # Errors
 ///
@@ -387,7 +387,7 @@ pub fn grant_vmm_mapping(base: u64, bytes: usize, peer: usize) -> Result<bool> {
 ///
 /// The mappings come from [`DeviceMemory::vmm_mappings`] where the memory knows them; otherwise
 /// they are looked up with `cuMemGetAddressRange_v2`, with the primary context of the memory's own
-/// device current.
+/// device current (which it stays on return).
 ///
 /// # Errors
 ///
