@@ -298,3 +298,104 @@ fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
         "chunked VMM peer copy",
     );
 }
+
+/// Whether device `peer` has read-write access to the VMM mapping at `base` (`cuMemGetAccess`).
+fn has_access(base: u64, peer: i32) -> bool {
+    use gpudirect::cudarc::driver::sys;
+    // SAFETY: a plain C struct for which all-zero is valid; `id` is the C int at bytes 4..8 in
+    // every binding version (the kind is the 4-byte field at offset 0).
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: in bounds of the 8-byte struct, aligned for an i32.
+    unsafe {
+        (&raw mut location)
+            .cast::<u8>()
+            .add(4)
+            .cast::<i32>()
+            .write(peer)
+    };
+    let mut flags: u64 = 0;
+    // SAFETY: valid pointers; the driver checks the address.
+    let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, base) };
+    r == sys::CUresult::CUDA_SUCCESS
+        && flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64
+}
+
+/// The public VMM grants on chunked buffers of device 1, with device 0's context current (where
+/// `cuMemGetAddressRange` answered NOT_FOUND on the H200s): granting from the buffer's own layout
+/// reaches every chunk, and a copier that only checks the grants then reports a peer copy.
+#[test]
+fn vmm_grants_follow_the_buffers_own_chunks() {
+    let n = require!(Hardware::Gpu, common::gpus());
+    if n < 2 || !p2p::can_access_peer(0, 1).unwrap() || !p2p::can_access_peer(1, 0).unwrap() {
+        skip(Hardware::MultiGpu, "needs two GPUs with peer access");
+        return;
+    }
+    let ctx0 = gpudirect::cuda::context(0).unwrap();
+    let ctx1 = gpudirect::cuda::context(1).unwrap();
+    let g = match VmmBuffer::<u32>::granularity(&ctx1) {
+        Ok(g) => g,
+        Err(e) => {
+            skip(Hardware::Gpu, format!("no VMM: {e}"));
+            return;
+        }
+    };
+    let dst = VmmBuffer::<u32>::alloc_chunks(&ctx1, &[g, 3 * g]).unwrap();
+    let maps = dst.vmm_mappings().expect("a VmmBuffer knows its chunks");
+    assert_eq!(maps.len(), 2);
+    assert_eq!(maps[0], (dst.device_ptr(), g));
+    assert_eq!(maps[1], (dst.device_ptr() + g as u64, 3 * g));
+    ctx0.bind_to_thread().unwrap();
+    assert!(maps.iter().all(|m| !has_access(m.0, 0)), "fresh chunks");
+    assert!(p2p::grant_vmm_memory(&dst, 0).unwrap(), "granted now");
+    assert!(
+        maps.iter().all(|m| has_access(m.0, 0)),
+        "every chunk granted"
+    );
+    ctx0.bind_to_thread().unwrap();
+    assert!(!p2p::grant_vmm_memory(&dst, 0).unwrap(), "already granted");
+    assert!(!p2p::grant_vmm_mapping(maps[1].0, maps[1].1, 0).unwrap());
+    assert!(!p2p::grant_vmm_access(maps[1].0, 0).unwrap());
+
+    // The address-only API looks the mapping up with the owner's context current: report what
+    // the driver answers (a typed error naming the lookup when it cannot find the mapping).
+    let other = VmmBuffer::<u32>::alloc_chunks(&ctx1, &[g, g]).unwrap();
+    ctx0.bind_to_thread().unwrap();
+    match p2p::grant_vmm_access(other.device_ptr(), 0) {
+        Ok(granted) => {
+            assert!(granted);
+            assert!(has_access(other.device_ptr(), 0));
+            println!("grant_vmm_access by address: found the mapping with the owner's context");
+        }
+        Err(e) => {
+            assert!(e.to_string().contains("cuMemGetAddressRange_v2"), "{e}");
+            println!("NOTE: grant_vmm_access by address: {e}");
+        }
+    }
+    p2p::grant_vmm_memory(&other, 0).unwrap();
+    let om = other.vmm_mappings().unwrap();
+    assert!(om.iter().all(|m| has_access(m.0, 0)));
+
+    // Copies that only check the grants see them (the source, shared through an Arc, forwards
+    // its chunks too).
+    let data = random_u32(4 * g / 4, common::seed());
+    let mut src = VmmBuffer::<u32>::alloc_chunks(&ctx0, &[2 * g, g, g]).unwrap();
+    gpudirect::memory::copy_from_host(&stream(0), &data, &mut src).unwrap();
+    p2p::grant_vmm_memory(&src, 1).unwrap();
+    let check_only = Copier::new(
+        0,
+        1,
+        CopyOptions {
+            grant_access: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let done = check_only.copy(std::sync::Arc::new(src), dst).unwrap();
+    assert_eq!(done.path, CopyPath::Peer, "{}", done.path);
+    assert_same(
+        &done.dst.to_vec(&stream(1)).unwrap(),
+        &data,
+        "granted chunked VMM peer copy",
+    );
+}

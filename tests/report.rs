@@ -465,7 +465,10 @@ fn json_shape_is_pinned() {
             "counting_errors",
             "down",
             "errors",
+            "errors_before",
+            "errors_grew",
             "link",
+            "remote_device",
             "remote_pci_bus_id",
             "speed_mbps",
             "state",
@@ -538,11 +541,11 @@ fn text_rendering_has_a_section_and_verdict_per_path() {
         "GPU 0 [0000:05:00.0]: 16.0 GT/s PCIe x8 of 32.0 GT/s PCIe x16  iommu group 7 (DMA-FQ)  DEGRADED (width)",
         "mlx5_0 [0000:06:00.0]: 8.0 GT/s PCIe x16 of 16.0 GT/s PCIe x16  iommu group 8 (identity)  DEGRADED (speed)",
         "GPU 0 <-> GPU 1: meet at root complex pci0000:00; ACS cannot redirect (no shared switch); bridges: 0000:00:01.0 unknown (needs root",
-        "    links 0-2,4,6-17: up, v4 26562 MB/s, no errors, to 0000:19:00.0\n",
+        "    links 0-2,4,6-17: up, v4 26562 MB/s, remote 0000:19:00.0 (GPU 1), no replays or recoveries, CRC errors corrected (normal): flit 0, data 0-42 per link\n",
         "GPU 0 <-> mlx5_0: meet at PCIe switch (bridge 0000:01:00.0); ACS redirect YES; bridges: 0000:02:08.0 ACSCtl 0x001d [SrcValid ReqRedir CmpltRedir UpstreamFwd], 0000:02:10.0 ACSCtl 0x0000 [none]",
-        "== NVLink\n  GPU 0: 17 of 18 links up",
-        "    link 3  down  v4 26562 MB/s  remote -  errors replay 0 recovery 0 crc flit 0 crc data 0  DOWN",
-        "    link 5  up    v4 26562 MB/s  remote 0000:19:00.0  errors replay 12 recovery 0 crc flit 0 crc data 0  COUNTING ERRORS",
+        "== NVLink\n  GPU 0: 17 of 18 links up, error growth not measured\n",
+        "    link 3  down  v4 26562 MB/s  remote unknown  errors replay 0 recovery 0 crc flit 0 crc data 0  DOWN\n",
+        "    link 5  up    v4 26562 MB/s  remote 0000:19:00.0 (GPU 1)  errors replay 12 recovery 0 crc flit 0 crc data 0  REPLAY/RECOVERY ERRORS\n",
         "  GPU 1: nvmlDeviceGetHandleByPciBusId: Not Found",
         "locked memory (ulimit -l): 8 MiB (hard 8 MiB), LOW: allows at most 8 MiB of host memory registered for RDMA at once",
         "    properties.allow_compat_mode = false",
@@ -963,8 +966,8 @@ fn fake_root() -> PathBuf {
     root
 }
 
-/// NVML's answers: GPU 0 has 18 links, link 3 down, link 5 counting replays; GPU 1 has no
-/// NVML handle.
+/// NVML's answers: GPU 0 has 18 links to GPU 1, link 3 down, link 5 counting replays, link 7
+/// corrected CRC errors; GPU 1 has no NVML handle.
 struct FakeNvml(HashMap<String, NvlinkAnswer>);
 
 impl NvmlSource for FakeNvml {
@@ -987,11 +990,13 @@ fn fake_nvml() -> FakeNvml {
             version: Some(4),
             speed_mbps: Some(26562),
             remote_pci_bus_id: (l != 3).then(|| "0000:19:00.0".to_string()),
+            remote_device_type: (l != 3).then_some(NvlinkRemote::Gpu),
             errors: NvlinkErrors {
                 replay: Some(if l == 5 { 12 } else { 0 }),
                 recovery: Some(0),
                 crc_flit: Some(0),
-                crc_data: Some(0),
+                // Corrected CRC errors on a healthy link: shown, not flagged.
+                crc_data: Some(if l == 7 { 42 } else { 0 }),
             },
         })
         .collect();
@@ -1029,6 +1034,7 @@ fn health_of(root: &Path, env: &dyn Fn(&str) -> Option<String>) -> HealthSection
         env,
         memlock: Ok((Some(8 << 20), Some(8 << 20))),
         nvml: Ok(&nvml),
+        nvlink_before: None,
         gpus: &gpus,
         nics: &nics,
         verbs_dmabuf: Some(true),
@@ -1193,7 +1199,8 @@ fn health_reads_a_fake_system_exactly() {
     assert_eq!(io.units, ["dmar0"]);
     assert_eq!(io.cmdline, ["intel_iommu=on"]);
 
-    // NVLink: link 3 down, link 5 counting errors; GPU 1 unanswered.
+    // NVLink: link 3 down, link 5 counting replays; link 7's CRC counts are not flagged; GPU 1
+    // unanswered.
     let nv = &h.nvlink;
     assert_eq!(nv.absent_reason, None);
     assert_eq!(nv.gpus[0].active_links, 17);
@@ -1204,6 +1211,17 @@ fn health_reads_a_fake_system_exactly() {
         .map(|l| (l.link, l.down, l.counting_errors))
         .collect();
     assert_eq!(flagged, [(3, true, false), (5, false, true)]);
+    let l7 = &nv.gpus[0].links[7];
+    assert_eq!(l7.errors.crc_data, Some(42));
+    assert!(!l7.degraded(), "{l7:?}");
+    assert_eq!(
+        (
+            l7.remote_pci_bus_id.as_deref(),
+            l7.remote_device.as_deref(),
+            l7.errors_grew
+        ),
+        (Some("0000:19:00.0"), Some("GPU 1"), None)
+    );
     assert_eq!(
         nv.gpus[1].error.as_deref(),
         Some("nvmlDeviceGetHandleByPciBusId: Not Found")
@@ -1251,6 +1269,7 @@ fn health_reads_a_fake_system_exactly() {
         env: &|_| None,
         memlock: Ok((None, None)),
         nvml: Err("NVML not usable (libnvidia-ml.so.1: not found)".into()),
+        nvlink_before: None,
         gpus: &[HealthGpu {
             ordinal: 0,
             pci_bus_id: "0000:05:00.0".into(),
@@ -1316,7 +1335,7 @@ fn health_advice_names_each_finding() {
     );
     exact(
         "nvlink",
-        "GPU 0 NVLink 5 counts errors (replay 12, recovery 0, CRC flit 0, CRC data 0): watch whether they grow (`nvidia-smi nvlink -e`); a growing count means a marginal link to report to the hardware vendor.",
+        "GPU 0 NVLink 5 counts replay or recovery errors (replay 12, recovery 0; CRC flit 0, CRC data 0): the link retransmits or retrains, which costs bandwidth. Watch whether they grow (`nvidia-smi nvlink -e`); a growing count means a marginal link to report to the hardware vendor.",
     );
     exact(
         "limits",
@@ -1401,7 +1420,10 @@ fn path_statuses_follow_the_findings() {
             (
                 "nvlink".into(),
                 PathState::Degraded,
-                s(&["GPU 0 NVLink 3 down", "GPU 0 NVLink 5 counting errors"])
+                s(&[
+                    "GPU 0 NVLink 3 down",
+                    "GPU 0 NVLink 5 counting replay/recovery errors"
+                ])
             ),
             (
                 "rdma".into(),
@@ -1438,7 +1460,7 @@ fn path_statuses_follow_the_findings() {
     );
     assert_eq!(
         check_required(&r, &[DataPath::P2p, DataPath::Gds, DataPath::Nvlink]),
-        Err("required path not usable: gds unusable: no GPUDirect Storage (cuFile in compatibility mode: nvidia-fs is not loaded) | nvlink degraded: GPU 0 NVLink 3 down; GPU 0 NVLink 5 counting errors".into())
+        Err("required path not usable: gds unusable: no GPUDirect Storage (cuFile in compatibility mode: nvidia-fs is not loaded) | nvlink degraded: GPU 0 NVLink 3 down; GPU 0 NVLink 5 counting replay/recovery errors".into())
     );
     assert_eq!(check_required(&r, &[]), Ok(()));
 
@@ -1614,4 +1636,128 @@ fn probe_command_line() {
     let (rc, out, err) = run_probe(&["--no-measure"], &[]).unwrap();
     assert_eq!(rc, 0, "{err}");
     assert!(out.contains("== Paths (what --require checks)"), "{out}");
+}
+
+/// Two H200s as NVML answered for them: 18 links each, all up, speed unknown, the remote PCI
+/// address `ffff:ff:ff.0`, a few corrected CRC data errors per link and no replay or recovery.
+/// GPU 1 says its links reach NVSwitches. `crc4` is link 4's CRC data count on GPU 0.
+fn h200_nvml(crc4: u64) -> FakeNvml {
+    let links = |switch: bool, crc4: u64| -> Vec<NvlinkReading> {
+        (0..18)
+            .map(|l| NvlinkReading {
+                link: l,
+                active: Ok(true),
+                version: Some(4),
+                speed_mbps: None,
+                remote_pci_bus_id: Some("ffff:ff:ff.0".into()),
+                remote_device_type: switch.then_some(NvlinkRemote::Switch),
+                errors: NvlinkErrors {
+                    replay: Some(0),
+                    recovery: Some(0),
+                    crc_flit: Some(0),
+                    crc_data: Some(if l == 4 { crc4 } else { 3 + 3 * u64::from(l) }),
+                },
+            })
+            .collect()
+    };
+    FakeNvml(HashMap::from([
+        (
+            "0000:05:00.0".to_string(),
+            Ok((Some(18), links(false, crc4))),
+        ),
+        ("0000:19:00.0".to_string(), Ok((Some(18), links(true, 15)))),
+    ]))
+}
+
+/// The sample report with the NVLink health of `after`, its counters read from `before` first
+/// (`None`: not measured); paths and advice recomputed.
+fn with_nvlink(after: &FakeNvml, before: Option<&FakeNvml>) -> NodeReport {
+    let gpus = [
+        (0, "0000:05:00.0".to_string()),
+        (1, "0000:19:00.0".to_string()),
+    ];
+    let buses: Vec<String> = gpus.iter().map(|g| g.1.clone()).collect();
+    let before = before.map(|b| NvlinkCounters::read(b, &buses));
+    let mut r = sample();
+    r.health.nvlink = health::nvlink::nvlink_health(&gpus, Ok(after), before.as_ref());
+    r.paths = path_statuses(&r);
+    r.advice = advise(&r);
+    r
+}
+
+fn nvlink_text(r: &NodeReport) -> String {
+    let text = r.to_string();
+    let start = text.find("== NVLink\n").expect("an NVLink section");
+    let end = text[start..].find("\n\n").map_or(text.len(), |e| start + e);
+    text[start..end].to_string()
+}
+
+#[test]
+fn corrected_crc_errors_on_healthy_links_do_not_degrade_nvlink() {
+    for (before, growth) in [
+        (None, "error growth not measured"),
+        (
+            Some(h200_nvml(15)),
+            "no error counter grew during the probe",
+        ),
+    ] {
+        let r = with_nvlink(&h200_nvml(15), before.as_ref());
+        assert_eq!(
+            nvlink_text(&r),
+            format!(
+                "== NVLink\n  GPU 0: 18 of 18 links up, {growth}\n    links 0-17: up, v4 speed unknown, remote unknown, no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link\n  GPU 1: 18 of 18 links up, {growth}\n    links 0-17: up, v4 speed unknown, remote unknown (NVSwitch), no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link"
+            )
+        );
+        let nv = r.paths.iter().find(|p| p.path == DataPath::Nvlink).unwrap();
+        assert_eq!((nv.state, nv.reasons.len()), (PathState::Ok, 0), "{nv:?}");
+        assert_eq!(check_required(&r, &[DataPath::Nvlink]), Ok(()));
+        assert!(
+            !r.advice.iter().any(|a| a.topic == "nvlink"),
+            "{:#?}",
+            r.advice
+        );
+        let l = &r.health.nvlink.gpus[1].links[0];
+        assert_eq!(
+            (l.remote_pci_bus_id.as_deref(), l.remote_device.as_deref()),
+            (None, Some("NVSwitch"))
+        );
+    }
+}
+
+#[test]
+fn nvlink_counters_that_grow_during_the_probe_degrade_it() {
+    // Link 4 of GPU 0 counted 9 CRC data errors before the probe's copies and 15 after.
+    let r = with_nvlink(&h200_nvml(15), Some(&h200_nvml(9)));
+    assert_eq!(
+        nvlink_text(&r),
+        "== NVLink\n  GPU 0: 18 of 18 links up, error counters GREW during the probe on links 4\n    links 0-3,5-17: up, v4 speed unknown, remote unknown, no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link\n    link 4  up    v4 speed unknown  remote unknown  errors replay 0 recovery 0 crc flit 0 crc data 15 (before the probe: replay 0 recovery 0 crc flit 0 crc data 9)  ERRORS GREW\n  GPU 1: 18 of 18 links up, no error counter grew during the probe\n    links 0-17: up, v4 speed unknown, remote unknown (NVSwitch), no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link"
+    );
+    let l = &r.health.nvlink.gpus[0].links[4];
+    assert_eq!(
+        (l.errors_grew, l.counting_errors, l.down),
+        (Some(true), false, false)
+    );
+    assert_eq!(
+        check_required(&r, &[DataPath::Nvlink]),
+        Err("required path not usable: nvlink degraded: GPU 0 NVLink 4 errors grew during the probe".into())
+    );
+    let nvlink: Vec<&str> = r
+        .advice
+        .iter()
+        .filter(|a| a.topic == "nvlink")
+        .map(|a| a.text.as_str())
+        .collect();
+    assert_eq!(
+        nvlink,
+        [
+            "GPU 0 NVLink 4's error counters grew while the probe's copies ran (CRC data 9 -> 15): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing."
+        ]
+    );
+    // The JSON carries both readings.
+    let v = serde_json::to_value(&r).unwrap();
+    let j = &v["health"]["nvlink"]["gpus"][0]["links"][4];
+    assert_eq!(j["errors_before"]["crc_data"], 9);
+    assert_eq!(j["errors"]["crc_data"], 15);
+    assert_eq!(j["errors_grew"], true);
+    assert_eq!(j["remote_pci_bus_id"], serde_json::Value::Null);
 }

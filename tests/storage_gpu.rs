@@ -69,9 +69,10 @@ fn properties_are_typed_and_version_aware() {
     assert!(p.max_batch_io_size > 0);
     assert_eq!(d.max_batch_entries(), p.max_batch_io_size as usize);
     let _ = gpudirect::storage::SizeParam::IoBatchSize.get().unwrap();
-    // A second open shares the driver.
+    // A second open is another handle to the same driver.
     let d2 = Driver::open().unwrap();
-    drop(d2);
+    assert_eq!(d2.version(), d.version());
+    assert_eq!(d2.properties().unwrap(), p);
     assert!(d.properties().is_ok());
 }
 

@@ -120,7 +120,9 @@ impl MemoryKind {
 /// [`kind`](DeviceMemory::kind), addressable by device [`ordinal`](DeviceMemory::ordinal), valid
 /// and not freed or remapped while `self` is alive; and that moving `self` does not move it.
 /// [`host_ptr`](DeviceMemory::host_ptr), when `Some`, points at the same bytes in the host's
-/// address space.
+/// address space. [`vmm_mappings`](DeviceMemory::vmm_mappings), when `Some`, lists whole VMM
+/// mappings (each one `cuMemMap` of this memory, alive while `self` is) that together cover the
+/// buffer's range.
 pub unsafe trait DeviceMemory: Send + 'static {
     /// The element type.
     type Elem: Copy + Send + 'static;
@@ -162,6 +164,22 @@ pub unsafe trait DeviceMemory: Send + 'static {
     fn attributes(&self) -> Result<PointerAttributes> {
         pointer_attributes(self.device_ptr())
     }
+
+    /// The VMM mappings behind the buffer, for memory that knows its layout: `(base, bytes)` of
+    /// each whole mapping (one `cuMemMap` each), in address order, together covering
+    /// `device_ptr()..device_ptr() + byte_len()` (they may reach past it). `None`, the default,
+    /// for memory that is not VMM memory or does not know how it was mapped.
+    ///
+    /// Every mapping carries its own access list, so peer access to VMM memory is granted per
+    /// mapping (`cuMemSetAccess` on exactly these ranges, as PyTorch's expandable segments do).
+    /// [`VmmBuffer`] answers its chunks, [`VmmImport`](crate::p2p::ipc::VmmImport) its mapping,
+    /// and wrappers (`Arc`, [`BufRegistration`](crate::storage::BufRegistration)) forward. For VMM
+    /// memory that answers `None` the data paths look the mapping up with
+    /// `cuMemGetAddressRange`, which the driver does not answer for every VMM mapping (then a
+    /// peer copy reports that it was staged by the driver).
+    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
+        None
+    }
 }
 
 /// Memory that nobody else can read or reference while the holder owns it, so a data path may
@@ -190,6 +208,9 @@ unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
     }
     fn host_ptr(&self) -> Option<*mut u8> {
         (**self).host_ptr()
+    }
+    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
+        (**self).vmm_mappings()
     }
 }
 

@@ -322,6 +322,15 @@ unsafe impl<T: Pod> DeviceMemory for VmmBuffer<T> {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Vmm
     }
+    /// One mapping per physical chunk, at `device_ptr() + offset`.
+    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
+        Some(
+            self.chunks
+                .iter()
+                .map(|(c, _)| (self.ptr + c.offset as u64, c.size))
+                .collect(),
+        )
+    }
 }
 
 // SAFETY: no host references to device bytes.

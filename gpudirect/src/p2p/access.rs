@@ -5,6 +5,7 @@
 
 use crate::cuda;
 use crate::error::{Error, Result, cu};
+use crate::memory::DeviceMemory;
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUresult};
 use std::collections::HashMap;
@@ -265,7 +266,8 @@ pub(crate) fn pool_access(ptr: u64, peer: usize) -> Option<bool> {
         .then_some(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
 }
 
-/// Whether device `peer` has read-write access to the VMM mapping at `ptr` (`cuMemGetAccess`).
+/// Whether device `peer` has read-write access to the VMM mapping at `ptr` (`cuMemGetAccess`);
+/// `None` when the driver cannot say (not a VMM mapping).
 pub(crate) fn vmm_access(ptr: u64, peer: usize) -> Option<bool> {
     let location = device_location(peer);
     let mut flags: u64 = 0;
@@ -275,46 +277,225 @@ pub(crate) fn vmm_access(ptr: u64, peer: usize) -> Option<bool> {
         .then_some(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64)
 }
 
-/// `cuMemGetAddressRange`/`cuMemSetAccess`—grant device `peer` read-write access to the whole
-/// VMM mapping that contains `ptr` (memory from `cuMemCreate` + `cuMemMap`). Returns `true` when
-/// this call granted it.
-///
-/// Peer access ([`enable_peer_access`]) does not cover VMM memory: each mapping carries its own
-/// access list. A buffer of several physical chunks has one mapping per chunk: peer copies
-/// ([`crate::p2p::Copier`]) grant every chunk of the buffers they copy.
-///
-/// # Errors
-///
-/// [`Error::Cuda`] from `cuMemGetAddressRange_v2` or `cuMemSetAccess` (for memory that is not a
-/// VMM mapping, or a pair without a P2P path).
-///
-/// # C function
-///
-/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
-#[doc(alias = "cuMemSetAccess")]
-pub fn grant_vmm_access(ptr: u64, peer: usize) -> Result<bool> {
-    cu_device(peer)?;
-    if vmm_access(ptr, peer) == Some(true) {
+/// `cuMemSetAccess(base, size, {peer: read-write})` unless `cuMemGetAccess` says it is granted
+/// already; `true` when this call granted it. The caller checked the range and made a context
+/// current.
+fn set_vmm_access(base: u64, size: usize, peer: usize) -> Result<bool> {
+    if vmm_access(base, peer) == Some(true) {
         return Ok(false);
     }
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: driver initialised; valid out-pointers.
-    cu("cuMemGetAddressRange_v2", unsafe {
-        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-    })?;
     let desc = sys::CUmemAccessDesc {
         location: device_location(peer),
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
-    // SAFETY: the range is the driver's own mapping range; one valid descriptor.
+    // SAFETY: one valid descriptor; the driver checks that the range is made of whole mappings.
     cu("cuMemSetAccess", unsafe {
         sys::cuMemSetAccess(base, size, &desc, 1)
     })?;
     Ok(true)
 }
 
+/// Make device `ordinal`'s primary context current (the context of the device that owns the
+/// memory, for the driver's VMM queries).
+fn bind_owner(ordinal: usize) -> Result<()> {
+    cuda::context(ordinal)?
+        .bind_to_thread()
+        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device whose memory `ptr` is; `None` when the
+/// driver cannot say.
+pub(crate) fn resident_device(ptr: u64) -> Option<usize> {
+    let mut dev: i32 = -1;
+    // SAFETY: the out-pointer has the attribute's type (an int); the driver validates `ptr`.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut dev as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (r == CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
+}
+
+/// `cuMemSetAccess`—grant device `peer` read-write access to the VMM mapping that contains `ptr`
+/// (memory from `cuMemCreate` + `cuMemMap`). Returns `true` when this call granted it.
+///
+/// Peer access ([`enable_peer_access`]) does not cover VMM memory: each mapping carries its own
+/// access list. This function finds the mapping from `ptr` alone, with
+/// `cuMemGetAddressRange_v2` while the primary context of the device that owns the memory
+/// (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`) is current; the driver does not answer that lookup for
+/// every VMM mapping. Where the mapping's base and size are known, use
+/// [`grant_vmm_mapping`]; for a whole buffer, [`grant_vmm_memory`] (which takes the layout from
+/// the buffer itself). Peer copies ([`crate::p2p::Copier`]) grant every mapping of the buffers
+/// they copy. The owning device's primary context is left current on the calling thread.
+///
+/// # Errors
+///
+/// [`Error::NoDevice`] for a `peer` past the device count; [`Error::Cuda`] from
+/// `cuMemGetAddressRange_v2` (`CUDA_ERROR_NOT_FOUND` where the driver cannot find the mapping)
+/// or `cuMemSetAccess` (for memory that is not a VMM mapping, or a pair without a P2P path).
+///
+/// # C function
+///
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+#[doc(alias = "cuMemSetAccess")]
+#[doc(alias = "cuMemGetAddressRange")]
+pub fn grant_vmm_access(ptr: u64, peer: usize) -> Result<bool> {
+    cu_device(peer)?;
+    if let Some(owner) = resident_device(ptr) {
+        bind_owner(owner)?;
+    }
+    if vmm_access(ptr, peer) == Some(true) {
+        return Ok(false);
+    }
+    let (base, size) = super::ipc::address_range(ptr)?;
+    let size = usize::try_from(size)
+        .map_err(|_| Error::invalid("ptr", format!("{ptr:#x}"), "mapping size past usize"))?;
+    set_vmm_access(base, size, peer)
+}
+
+/// `cuMemSetAccess(base, bytes)`—grant device `peer` read-write access to the VMM mapping that
+/// starts at `base` and is `bytes` long (a whole `cuMemMap` mapping, or several adjacent whole
+/// ones). Returns `true` when this call granted it (`false`: `cuMemGetAccess` says it was
+/// granted already).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for `bytes == 0` or a range past 2^64 (before any driver call);
+/// [`Error::NoDevice`] for a `peer` past the device count; [`Error::Cuda`] from `cuMemSetAccess`
+/// (`CUDA_ERROR_INVALID_VALUE` when the range is not made of whole mappings, or a pair without a
+/// P2P path).
+///
+/// # C function
+///
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+#[doc(alias = "cuMemSetAccess")]
+#[doc(alias = "cuMemGetAccess")]
+pub fn grant_vmm_mapping(base: u64, bytes: usize, peer: usize) -> Result<bool> {
+    check_mapping(base, bytes)?;
+    cu_device(peer)?;
+    if let Some(owner) = resident_device(base) {
+        bind_owner(owner)?;
+    }
+    set_vmm_access(base, bytes, peer)
+}
+
+/// `cuMemSetAccess` on every VMM mapping of `mem`—grant device `peer` read-write access to all of
+/// a VMM buffer (each physical chunk of a [`VmmBuffer::alloc_chunks`](crate::memory::VmmBuffer::alloc_chunks)
+/// buffer is its own mapping). Returns `true` when this call granted any.
+///
+/// The mappings come from [`DeviceMemory::vmm_mappings`] where the memory knows them; otherwise
+/// they are looked up with `cuMemGetAddressRange_v2`, with the primary context of the memory's own
+/// device current (which it stays on return).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for memory that is not [`MemoryKind::Vmm`](crate::memory::MemoryKind::Vmm),
+/// or mappings that do not cover the buffer; [`Error::NoDevice`] for a `peer` past the device
+/// count; [`Error::Cuda`] from the lookup or from `cuMemSetAccess`, for the first mapping that
+/// fails.
+///
+/// # C function
+///
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+#[doc(alias = "cuMemSetAccess")]
+pub fn grant_vmm_memory<M: DeviceMemory>(mem: &M, peer: usize) -> Result<bool> {
+    if mem.kind() != crate::memory::MemoryKind::Vmm {
+        return Err(Error::invalid(
+            "mem",
+            format!("{:?} memory", mem.kind()),
+            "must be VMM memory (cuMemCreate + cuMemMap)",
+        ));
+    }
+    cu_device(peer)?;
+    let mut granted = false;
+    for (base, size) in vmm_mappings_of(mem)? {
+        granted |= set_vmm_access(base, size, peer)?;
+    }
+    Ok(granted)
+}
+
+/// A mapping range from a caller: non-empty and below 2^64.
+fn check_mapping(base: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 || base.checked_add(bytes as u64).is_none() {
+        return Err(Error::invalid(
+            "bytes",
+            bytes,
+            format!("must be non-zero, and {base:#x} + bytes must not pass 2^64"),
+        ));
+    }
+    Ok(())
+}
+
+/// The VMM mappings of `mem` that hold its bytes, with the primary context of `mem`'s device
+/// current on return: [`DeviceMemory::vmm_mappings`] where the memory knows its layout
+/// (checked by [`covering`]), else [`vmm_ranges`].
+pub(crate) fn vmm_mappings_of<M: DeviceMemory>(mem: &M) -> Result<Vec<(u64, usize)>> {
+    let (ptr, len) = (mem.device_ptr(), mem.byte_len());
+    bind_owner(mem.ordinal())?;
+    match mem.vmm_mappings() {
+        Some(maps) => covering(ptr, len, &maps),
+        None => vmm_ranges(ptr, len),
+    }
+}
+
+/// Of `maps` (whole mappings, `(base, bytes)`), the ones that hold bytes of `ptr..ptr + len`, in
+/// order, after checking that they are non-empty, in address order without overlap, and cover
+/// the range without a gap.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming the rule broken.
+pub(crate) fn covering(ptr: u64, len: usize, maps: &[(u64, usize)]) -> Result<Vec<(u64, usize)>> {
+    let bad = |why: String| Error::invalid("vmm_mappings", format!("{maps:x?}"), why);
+    let end = ptr
+        .checked_add(len as u64)
+        .ok_or_else(|| Error::invalid("len", len, "ptr + len passes 2^64"))?;
+    let mut prev_end = 0u64;
+    for (i, &(base, size)) in maps.iter().enumerate() {
+        let Some(e) = base.checked_add(size as u64).filter(|_| size > 0) else {
+            return Err(bad(format!(
+                "mapping {i} must be non-empty and end below 2^64"
+            )));
+        };
+        if i > 0 && base < prev_end {
+            return Err(bad(format!(
+                "mapping {i} starts before mapping {} ends",
+                i - 1
+            )));
+        }
+        prev_end = e;
+    }
+    let mut out = Vec::new();
+    let mut p = ptr;
+    for &(base, size) in maps {
+        if p >= end {
+            break;
+        }
+        let e = base + size as u64; // checked above
+        if e <= p {
+            continue; // before the range
+        }
+        if base > p {
+            return Err(bad(format!(
+                "no mapping holds {p:#x} (buffer {ptr:#x}+{len})"
+            )));
+        }
+        out.push((base, size));
+        p = e;
+    }
+    if p < end {
+        return Err(bad(format!(
+            "the mappings end at {p:#x}, before the buffer's end {end:#x}"
+        )));
+    }
+    Ok(out)
+}
+
 /// The VMM mappings (`cuMemGetAddressRange_v2` of each) that cover `ptr..ptr + len`, in order: a
-/// buffer of several physical chunks has one per chunk. The caller makes a context current.
+/// buffer of several physical chunks has one per chunk. For memory that does not know its own
+/// layout; the caller makes the owning device's context current.
 pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     let end = ptr
         .checked_add(len as u64)
@@ -324,7 +505,7 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     while p < end {
         let (base, size) = super::ipc::address_range(p)?;
         let next = base.checked_add(size).filter(|&n| base <= p && n > p);
-        let Some(next) = next else {
+        let (Some(next), Ok(size)) = (next, usize::try_from(size)) else {
             return Err(Error::invalid(
                 "ptr",
                 format!("{p:#x}"),
@@ -333,35 +514,33 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
                 ),
             ));
         };
-        out.push((base, size as usize));
+        out.push((base, size));
         p = next;
     }
     Ok(out)
 }
 
-/// Whether device `peer` has read-write access to every VMM mapping of `ptr..ptr + len`.
-pub(crate) fn vmm_range_access(ptr: u64, len: usize, peer: usize) -> Option<bool> {
-    let ranges = vmm_ranges(ptr, len).ok()?;
-    let mut all = true;
-    for (base, _) in ranges {
-        all &= vmm_access(base, peer)?;
+/// Grant (`grant`) or only check read-write access for device `peer` on every VMM mapping of
+/// `mem`. `Err` with the reason the access is not there (for a peer copy's
+/// [`DriverStaged`](super::CopyPath::DriverStaged) path): a mapping without the grant, mappings
+/// that cannot be found, or a refused grant.
+pub(crate) fn vmm_memory_access<M: DeviceMemory>(
+    mem: &M,
+    peer: usize,
+    grant: bool,
+) -> std::result::Result<(), String> {
+    let maps = vmm_mappings_of(mem).map_err(|e| {
+        format!("its VMM mappings could not be found, so access could not be granted ({e})")
+    })?;
+    for (base, size) in maps {
+        if grant {
+            set_vmm_access(base, size, peer)
+                .map_err(|e| format!("the mapping {base:#x}+{size} refused the grant ({e})"))?;
+        } else if vmm_access(base, peer) != Some(true) {
+            return Err(format!("the mapping {base:#x}+{size} is not granted"));
+        }
     }
-    Some(all)
-}
-
-/// [`grant_vmm_access`] for every VMM mapping of `ptr..ptr + len` (each physical chunk of a
-/// buffer made by [`VmmBuffer::alloc_chunks`](crate::memory::VmmBuffer::alloc_chunks)).
-///
-/// # Errors
-///
-/// As [`grant_vmm_access`], for the first chunk that fails.
-pub(crate) fn grant_vmm_range(ptr: u64, len: usize, peer: usize) -> Result<bool> {
-    cu_device(peer)?;
-    let mut granted = false;
-    for (base, _) in vmm_ranges(ptr, len)? {
-        granted |= grant_vmm_access(base, peer)?;
-    }
-    Ok(granted)
+    Ok(())
 }
 
 /// A `CUmemLocation` naming device `ordinal`.
@@ -389,6 +568,103 @@ mod tests {
         assert_eq!(e.cuda_name(), Some("CUDA_ERROR_TOO_MANY_PEERS"));
         assert_eq!(Refusal::of(&e), Some(Refusal::TooManyPeers));
         assert!(e.to_string().contains("cuCtxEnablePeerAccess"), "{e}");
+    }
+
+    /// The layout of the evidence: one buffer of two chunks (2 MiB and 6 MiB) mapped back to back.
+    const G: usize = 2 << 20;
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    #[test]
+    fn known_mappings_are_granted_exactly_chunk_by_chunk() {
+        let maps = [(BASE, G), (BASE + G as u64, 3 * G)];
+        // The whole buffer: both chunks, each exactly as mapped.
+        assert_eq!(covering(BASE, 4 * G, &maps).unwrap(), maps);
+        // A range inside the second chunk only (a sub-buffer forwarding its parent's mappings).
+        assert_eq!(
+            covering(BASE + G as u64 + 100, 4096, &maps).unwrap(),
+            [(BASE + G as u64, 3 * G)]
+        );
+        // Across the seam: both.
+        assert_eq!(covering(BASE + G as u64 - 1, 2, &maps).unwrap(), maps);
+        // A buffer shorter than its mapping (the size rounded up to the granularity).
+        assert_eq!(covering(BASE, 100, &[(BASE, G)]).unwrap(), [(BASE, G)]);
+        // Nothing to grant for an empty range.
+        assert!(covering(BASE, 0, &maps).unwrap().is_empty());
+    }
+
+    #[test]
+    fn mappings_that_do_not_cover_the_buffer_are_refused() {
+        let bad = |ptr, len, maps: &[(u64, usize)]| {
+            let e = covering(ptr, len, maps).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        arg: "vmm_mappings",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            e.to_string()
+        };
+        // A gap between the chunks.
+        let t = bad(BASE, 4 * G, &[(BASE, G), (BASE + 2 * G as u64, 2 * G)]);
+        assert!(t.contains("no mapping holds"), "{t}");
+        // Too short.
+        let t = bad(BASE, 4 * G, &[(BASE, G), (BASE + G as u64, G)]);
+        assert!(t.contains("before the buffer's end"), "{t}");
+        // Starting after the buffer.
+        bad(BASE, G, &[(BASE + 1, G)]);
+        // None at all.
+        bad(BASE, 1, &[]);
+        // Out of order or overlapping, empty, or past 2^64.
+        let t = bad(BASE, G, &[(BASE + G as u64, G), (BASE, G)]);
+        assert!(t.contains("starts before mapping 0 ends"), "{t}");
+        bad(BASE, G, &[(BASE, G), (BASE + 4096, G)]);
+        bad(BASE, G, &[(BASE, 0), (BASE, G)]);
+        bad(u64::MAX - 10, 4, &[(u64::MAX - 10, 4096)]);
+        // The buffer itself past 2^64.
+        assert!(covering(u64::MAX - 1, 4, &[(u64::MAX - 1, 1)]).is_err());
+    }
+
+    #[test]
+    fn a_mapping_from_a_caller_is_checked_before_the_driver() {
+        assert!(check_mapping(BASE, G).is_ok());
+        for (base, bytes) in [(BASE, 0), (u64::MAX - 10, 4096)] {
+            let e = grant_vmm_mapping(base, bytes, 0).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "bytes", .. }),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_vmm_memory_is_granted_by_layout() {
+        struct Host;
+        // SAFETY: never dereferenced; the kind is refused before any driver call.
+        unsafe impl DeviceMemory for Host {
+            type Elem = u8;
+            fn device_ptr(&self) -> u64 {
+                BASE
+            }
+            fn len(&self) -> usize {
+                G
+            }
+            fn ordinal(&self) -> usize {
+                0
+            }
+            fn kind(&self) -> crate::memory::MemoryKind {
+                crate::memory::MemoryKind::PinnedHost
+            }
+        }
+        assert_eq!(Host.vmm_mappings(), None, "unknown by default");
+        let e = grant_vmm_memory(&Host, 1).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "mem", .. }),
+            "{e}"
+        );
     }
 
     #[test]

@@ -438,7 +438,7 @@ impl Copier {
             // Memory mapped from another device (CUDA IPC imports open with lazy peer access) is
             // addressed through this device but lives elsewhere: the copy crosses a peer mapping.
             for ptr in [src.device_ptr(), dst.device_ptr()] {
-                if let Some(home) = resident_device(ptr)
+                if let Some(home) = access::resident_device(ptr)
                     && home != self.src
                 {
                     return CopyPath::Peer;
@@ -448,47 +448,12 @@ impl Copier {
         if self.path != CopyPath::Peer {
             return self.path.clone();
         }
-        // The driver queries below need a current context.
-        let _ = self.inner.src_ctx.bind_to_thread();
         let mut missing = Vec::new();
-        for (arg, ptr, len, kind, other) in [
-            (
-                "src",
-                src.device_ptr(),
-                src.byte_len(),
-                src.kind(),
-                self.dst,
-            ),
-            (
-                "dst",
-                dst.device_ptr(),
-                dst.byte_len(),
-                dst.kind(),
-                self.src,
-            ),
-        ] {
-            let ok = match kind {
-                MemoryKind::Pool if self.opts.grant_access => {
-                    access::grant_pool_access(ptr, other).is_ok()
-                }
-                MemoryKind::Pool => access::pool_access(ptr, other) == Some(true),
-                // Every physical chunk of the buffer carries its own access list.
-                MemoryKind::Vmm if self.opts.grant_access => {
-                    access::grant_vmm_range(ptr, len, other).is_ok()
-                }
-                MemoryKind::Vmm => access::vmm_range_access(ptr, len, other) == Some(true),
-                _ => true,
-            };
-            if !ok {
-                let grant = if kind == MemoryKind::Pool {
-                    "cuMemPoolSetAccess"
-                } else {
-                    "cuMemSetAccess"
-                };
-                missing.push(format!(
-                    "{arg} is {kind:?} memory without {grant} for device {other}"
-                ));
-            }
+        if let Err(why) = self.peer_access(src, self.dst) {
+            missing.push(format!("src is {why}"));
+        }
+        if let Err(why) = self.peer_access(dst, self.src) {
+            missing.push(format!("dst is {why}"));
         }
         if missing.is_empty() {
             CopyPath::Peer
@@ -496,6 +461,36 @@ impl Copier {
             CopyPath::DriverStaged {
                 reason: missing.join("; "),
             }
+        }
+    }
+
+    /// Grant (or, without [`CopyOptions::grant_access`], check) device `other`'s access to `mem`
+    /// where its kind needs its own grant; `Err` says what is missing.
+    fn peer_access<M: DeviceMemory>(&self, mem: &M, other: usize) -> Result<(), String> {
+        let (ptr, kind) = (mem.device_ptr(), mem.kind());
+        match kind {
+            MemoryKind::Pool => {
+                // The pool queries need a current context.
+                let _ = self.inner.src_ctx.bind_to_thread();
+                let ok = if self.opts.grant_access {
+                    access::grant_pool_access(ptr, other).is_ok()
+                } else {
+                    access::pool_access(ptr, other) == Some(true)
+                };
+                if ok {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{kind:?} memory without cuMemPoolSetAccess for device {other}"
+                    ))
+                }
+            }
+            // Every mapping (each physical chunk) carries its own access list.
+            MemoryKind::Vmm => access::vmm_memory_access(mem, other, self.opts.grant_access)
+                .map_err(|why| {
+                    format!("{kind:?} memory without cuMemSetAccess for device {other}: {why}")
+                }),
+            _ => Ok(()),
         }
     }
 
@@ -622,21 +617,6 @@ impl Copier {
             }
         }
     }
-}
-
-/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device whose memory `ptr` is; `None` when the
-/// driver cannot say.
-fn resident_device(ptr: u64) -> Option<usize> {
-    let mut dev: i32 = -1;
-    // SAFETY: the out-pointer has the attribute's type (an int); the driver validates `ptr`.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut dev as *mut i32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
 }
 
 /// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.

@@ -10,8 +10,8 @@
 //! | [`ipc`] | memory and event handles for other processes | `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`, `cuIpcGetEventHandle`, `cuMemExportToShareableHandle` |
 //!
 //! Peer access is process-global: it is enabled on demand and never disabled (least of all by a
-//! destructor). Pool memory (cudarc's `CudaSlice`) needs its own grant, which the copier makes;
-//! a copy that the driver stages is reported as [`CopyPath::DriverStaged`], never as `Peer`.
+//! destructor). Pool memory (cudarc's `CudaSlice`) and VMM memory (each mapping) need their own
+//! grants, which the copier makes; a copy that the driver stages is reported as [`CopyPath::DriverStaged`], never as `Peer`.
 //!
 //! ```no_run
 //! # fn main() -> gpudirect::Result<()> {
@@ -32,7 +32,8 @@ pub(crate) mod staging;
 
 pub use access::{
     Enabled, Refusal, can_access_peer, enable_peer_access, enable_peer_access_both,
-    grant_pool_access, grant_vmm_access, is_peer_access_enabled,
+    grant_pool_access, grant_vmm_access, grant_vmm_mapping, grant_vmm_memory,
+    is_peer_access_enabled,
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
 pub use copy::{

@@ -188,6 +188,9 @@ unsafe impl<M: DeviceMemory> DeviceMemory for BufRegistration<M> {
     fn kind(&self) -> MemoryKind {
         self.buffer().kind()
     }
+    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
+        self.buffer().vmm_mappings()
+    }
 }
 
 // SAFETY: the registration owns `mem`, which no one else references while it is owned (it is

@@ -1,127 +1,131 @@
-//! The cuFile driver: opened once per process while any [`Driver`] value lives.
+//! The cuFile driver: opened once per process, on the first [`Driver::open`], and never closed.
 
 use super::{check, sys};
 use crate::error::{Error, Result};
 use std::ffi::CString;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-/// A process-wide open count: the first reference opens, dropping the last one closes, and both
-/// run under the one lock that every open, close and staged-parameter call takes, so that no two
-/// of them overlap (a close running beside an open corrupts cuFile's state).
-pub(crate) struct OpenCount {
-    count: Mutex<usize>,
+/// Process-wide state opened once: the first [`ensure`](Self::ensure) runs the open, under the
+/// lock every open and staged-parameter call takes; a failed open leaves it closed, so a later
+/// call tries again. Nothing closes it.
+pub(crate) struct OnceOpen {
+    /// Whether it is open.
+    open: Mutex<bool>,
+    /// The process that opened it (0: none), read without the lock so that a forked child never
+    /// waits on a lock a thread of its parent held at the fork.
+    opened_by: AtomicU32,
 }
 
-impl OpenCount {
+impl OnceOpen {
     pub(crate) const fn new() -> Self {
-        OpenCount {
-            count: Mutex::new(0),
+        OnceOpen {
+            open: Mutex::new(false),
+            opened_by: AtomicU32::new(0),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, usize> {
-        self.count.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Take one reference, running `open` first (under the lock) when there was none. On error
-    /// nothing is taken.
-    pub(crate) fn acquire(&self, open: impl FnOnce() -> Result<()>) -> Result<()> {
-        let mut n = self.lock();
-        let Some(next) = n.checked_add(1) else {
-            return Err(Error::LimitExceeded {
-                what: "open cuFile driver references",
-                requested: usize::MAX,
-                limit: usize::MAX - 1,
-            });
-        };
-        if *n == 0 {
-            open()?;
+    /// Run `open` (under the lock) unless process `pid` has opened it already. Refused in a
+    /// process other than the one that opened it (a forked child: the parent's driver state is
+    /// not usable there).
+    pub(crate) fn ensure(&self, pid: u32, open: impl FnOnce() -> Result<()>) -> Result<()> {
+        match self.opened_by.load(Ordering::Acquire) {
+            0 => {}
+            p if p == pid => return Ok(()),
+            p => return Err(forked_child(p)),
         }
-        *n = next;
+        let mut is_open = self.lock();
+        if *is_open {
+            // Opened by another thread meanwhile (by this process: a child's copy of the flag
+            // is seen above before the lock).
+            return match self.opened_by.load(Ordering::Acquire) {
+                p if p == pid => Ok(()),
+                p => Err(forked_child(p)),
+            };
+        }
+        open()?;
+        self.opened_by.store(pid, Ordering::Release);
+        *is_open = true;
         Ok(())
     }
 
-    /// Give one reference back, running `close` (under the lock) when it was the last.
-    pub(crate) fn release(&self, close: impl FnOnce()) {
-        let mut n = self.lock();
-        match *n {
-            0 => {} // never taken: nothing to close
-            1 => {
-                close();
-                *n = 0;
-            }
-            _ => *n -= 1,
-        }
+    /// Run `f` under the lock, with whether it is open (no open can run meanwhile).
+    pub(crate) fn with_lock<R>(&self, f: impl FnOnce(bool) -> R) -> R {
+        let open = self.lock();
+        f(*open)
     }
 
-    /// Run `f` under the lock, with the current count (no open or close can run meanwhile).
-    pub(crate) fn with_lock<R>(&self, f: impl FnOnce(usize) -> R) -> R {
-        let n = self.lock();
-        f(*n)
-    }
-
-    /// The current count.
+    /// Whether it is open.
     #[cfg(test)]
-    pub(crate) fn count(&self) -> usize {
+    pub(crate) fn is_open(&self) -> bool {
         *self.lock()
     }
 }
 
-/// The cuFile driver's open count; also serializes the staged parameters with open and close.
-static DRIVER: OpenCount = OpenCount::new();
-
-/// One reference to the open driver (each [`Driver::open`] takes one; clones share it).
-struct Inner {
-    lib: &'static sys::Lib,
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        if crate::memory::Tracker::global().in_forked_child() {
-            return; // no cuFile calls in a forked child (nor a lock a parent thread may hold)
-        }
-        // Every FileHandle, registration, batch and in-flight operation holds a Driver, so when
-        // the last reference goes nothing is outstanding. Errors cannot be reported from a drop
-        // and are ignored.
-        DRIVER.release(|| {
-            // SAFETY: the driver was opened by Driver::open, nothing uses it any more, and the
-            // lock keeps any open or parameter call from running beside the close.
-            let _ = unsafe { (self.lib.cuFileDriverClose_v2)() };
-        });
+fn forked_child(parent: u32) -> Error {
+    Error::Unsupported {
+        what: "cuFile in a forked child".into(),
+        reason: format!(
+            "the cuFile driver was opened by process {parent}; its state does not carry over to \
+             a child made by fork (open cuFile in the child only, or exec a new program)"
+        ),
     }
 }
 
-/// The cuFile driver, reference-counted: the first [`Driver::open`] of the process calls
-/// `cuFileDriverOpen`, dropping the last clone (and every handle, registration and operation that
-/// holds one) calls `cuFileDriverClose_v2`. Opens, closes and the staged parameters
-/// ([`SizeParam`], [`BoolParam`], [`StringParam`]) run under one process-wide lock, so any number
-/// of threads may open and drop drivers at once.
+/// The cuFile driver's process-wide state; also serializes the staged parameters with the open.
+static DRIVER: OnceOpen = OnceOpen::new();
+
+/// A handle to the process's cuFile driver. The first [`Driver::open`] of the process calls
+/// `cuFileDriverOpen` (serialized with every other open and the staged parameters
+/// ([`SizeParam`], [`BoolParam`], [`StringParam`]) under one process-wide lock; a failed open is
+/// tried again by the next one); later opens, clones and drops cost nothing.
+///
+/// The driver is never closed while the process runs: dropping every `Driver`, handle and
+/// registration does not call `cuFileDriverClose_v2`, and there is no close method. Closing and
+/// reopening the driver is what broke it: on two H200s (cuFile 1.15), opening and closing it from
+/// eight threads at once threw a C++ exception out of cuFile (which aborts a Rust program), and
+/// each close and reopen cost about half a second even from one thread. Other cuFile users keep
+/// it open for the life of the process too (KvikIO opens it in a process-wide singleton). What
+/// that means: the driver's resources (its threads, bounce buffers and pinned memory) stay until
+/// the process exits, and parameters staged with [`SizeParam::set`] and friends only take effect
+/// when set before the first [`Driver::open`].
+///
+/// cuFile is a C++ library: an exception it throws cannot be caught in Rust and aborts the
+/// process. The library avoids the churn known to throw; it cannot rule out others.
 #[derive(Clone)]
 pub struct Driver {
-    inner: Arc<Inner>,
+    lib: &'static sys::Lib,
 }
 
 impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Driver")
-            .field("path", &self.inner.lib.path())
-            .field("version", &self.inner.lib.version())
+            .field("path", &self.lib.path())
+            .field("version", &self.lib.version())
             .finish()
     }
 }
 
 impl Driver {
-    /// `cuFileDriverOpen()`—Open the cuFile driver, or share the one already open.
+    /// `cuFileDriverOpen()`—Open the process's cuFile driver on the first call, or hand out
+    /// another handle to it.
     ///
     /// Checks libcuda first (and runs `cuInit`), so this works as a program's first CUDA call
-    /// and a missing libcuda is a typed error rather than a hang inside libcufile.
+    /// and a missing libcuda is a typed error rather than a hang inside libcufile. Only the first
+    /// successful call of the process opens the driver (about half a second in compatibility
+    /// mode); it stays open until the process exits (see [`Driver`] for why).
     ///
     /// # Errors
     ///
     /// [`Error::Load`] without libcuda or libcufile (naming the files tried),
     /// [`Error::DriverTooOld`], [`Error::NoDevice`] without a GPU, [`Error::CuFile`] when
     /// `cuFileDriverOpen` fails (5001 `CU_FILE_DRIVER_NOT_INITIALIZED` without nvidia-fs when
-    /// compatibility mode is off).
+    /// compatibility mode is off; a later call tries again), [`Error::Unsupported`] in a forked
+    /// child of the process that opened it.
     ///
     /// # C function
     ///
@@ -136,36 +140,34 @@ impl Driver {
                 reason: "cuDeviceGetCount reports 0 devices".into(),
             });
         }
-        DRIVER.acquire(|| {
-            // SAFETY: libcuda is present and initialised; no arguments; the lock keeps any close
-            // from running beside it.
+        DRIVER.ensure(std::process::id(), || {
+            // SAFETY: libcuda is present and initialised; no arguments; the lock keeps any other
+            // open and every staged-parameter call from running beside it.
             check("cuFileDriverOpen", unsafe { (lib.cuFileDriverOpen)() })
         })?;
-        Ok(Driver {
-            inner: Arc::new(Inner { lib }),
-        })
+        Ok(Driver { lib })
     }
 
     pub(crate) fn lib(&self) -> &'static sys::Lib {
-        self.inner.lib
+        self.lib
     }
 
     /// `cuFileGetVersion`: the library version as `1000 * major + 10 * minor` (1150 for 1.15).
     #[doc(alias = "cuFileGetVersion")]
     pub fn version(&self) -> Option<i32> {
-        self.inner.lib.version()
+        self.lib.version()
     }
 
     /// Where libcufile was loaded from.
     pub fn library_path(&self) -> &str {
-        self.inner.lib.path()
+        self.lib.path()
     }
 
     /// `cuFileUseCount()`: how many cuFile operations are in flight.
     #[doc(alias = "cuFileUseCount")]
     pub fn use_count(&self) -> std::ffi::c_long {
         // SAFETY: no arguments.
-        unsafe { (self.inner.lib.cuFileUseCount)() }
+        unsafe { (self.lib.cuFileUseCount)() }
     }
 
     /// `cuFileDriverGetProperties(props)`—The driver's properties, read through the layout of the
@@ -177,7 +179,7 @@ impl Driver {
     #[doc(alias = "cuFileDriverGetProperties")]
     pub fn properties(&self) -> Result<DriverProperties> {
         // SAFETY: the driver is open while self lives.
-        let p = unsafe { self.inner.lib.driver_properties() }
+        let p = unsafe { self.lib.driver_properties() }
             .map_err(|e| super::cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
         Ok(DriverProperties {
             nvfs_version: (p.nvfs.major_version, p.nvfs.minor_version),
@@ -209,7 +211,7 @@ impl Driver {
         check_kib("threshold_kib", threshold_kib, KIB_AS_BYTES_MAX)?;
         // SAFETY: plain values.
         check("cuFileDriverSetPollMode", unsafe {
-            (self.inner.lib.cuFileDriverSetPollMode)(poll, threshold_kib)
+            (self.lib.cuFileDriverSetPollMode)(poll, threshold_kib)
         })
     }
 
@@ -223,7 +225,7 @@ impl Driver {
         check_kib("kib", kib, KIB_AS_BYTES_MAX)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxDirectIOSize", unsafe {
-            (self.inner.lib.cuFileDriverSetMaxDirectIOSize)(kib)
+            (self.lib.cuFileDriverSetMaxDirectIOSize)(kib)
         })
     }
 
@@ -238,7 +240,7 @@ impl Driver {
         check_kib("kib", kib, u32::MAX as usize)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxCacheSize", unsafe {
-            (self.inner.lib.cuFileDriverSetMaxCacheSize)(kib)
+            (self.lib.cuFileDriverSetMaxCacheSize)(kib)
         })
     }
 
@@ -253,7 +255,7 @@ impl Driver {
         check_kib("kib", kib, u32::MAX as usize)?;
         // SAFETY: plain value.
         check("cuFileDriverSetMaxPinnedMemSize", unsafe {
-            (self.inner.lib.cuFileDriverSetMaxPinnedMemSize)(kib)
+            (self.lib.cuFileDriverSetMaxPinnedMemSize)(kib)
         })
     }
 
@@ -463,7 +465,7 @@ impl SizeParam {
         gate(lib, self.c_name(), self.since())?;
         let mut v = 0usize;
         DRIVER.with_lock(|_| {
-            // SAFETY: a known parameter and one valid out-pointer; no open or close runs beside.
+            // SAFETY: a known parameter and one valid out-pointer; no open runs beside.
             check("cuFileGetParameterSizeT", unsafe {
                 (lib.cuFileGetParameterSizeT)(self.raw(), &mut v)
             })
@@ -471,8 +473,8 @@ impl SizeParam {
         Ok(v)
     }
 
-    /// `cuFileSetParameterSizeT(param, value)`: stage a value; takes effect at the next
-    /// `cuFileDriverOpen` (set it before the first [`Driver::open`]).
+    /// `cuFileSetParameterSizeT(param, value)`: stage a value for the driver's open. The process
+    /// opens the driver once and never closes it, so set it before the first [`Driver::open`].
     ///
     /// # Errors
     ///
@@ -484,7 +486,7 @@ impl SizeParam {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
         DRIVER.with_lock(|_| {
-            // SAFETY: plain values; no open or close runs beside.
+            // SAFETY: plain values; no open runs beside.
             check("cuFileSetParameterSizeT", unsafe {
                 (lib.cuFileSetParameterSizeT)(self.raw(), value)
             })
@@ -504,7 +506,7 @@ impl BoolParam {
         gate(lib, self.c_name(), self.since())?;
         let mut v = false;
         DRIVER.with_lock(|_| {
-            // SAFETY: a known parameter and one valid out-pointer; no open or close runs beside.
+            // SAFETY: a known parameter and one valid out-pointer; no open runs beside.
             check("cuFileGetParameterBool", unsafe {
                 (lib.cuFileGetParameterBool)(self.raw(), &mut v)
             })
@@ -512,7 +514,8 @@ impl BoolParam {
         Ok(v)
     }
 
-    /// `cuFileSetParameterBool(param, value)`: staged for the next driver open.
+    /// `cuFileSetParameterBool(param, value)`: staged for the driver's open (before the first
+    /// [`Driver::open`]).
     ///
     /// # Errors
     ///
@@ -522,7 +525,7 @@ impl BoolParam {
         let lib = sys::lib()?;
         gate(lib, self.c_name(), self.since())?;
         DRIVER.with_lock(|_| {
-            // SAFETY: plain values; no open or close runs beside.
+            // SAFETY: plain values; no open runs beside.
             check("cuFileSetParameterBool", unsafe {
                 (lib.cuFileSetParameterBool)(self.raw(), value)
             })
@@ -543,7 +546,7 @@ impl StringParam {
         const LEN: usize = 4096;
         let mut buf = vec![0 as libc::c_char; LEN];
         DRIVER.with_lock(|_| {
-            // SAFETY: the buffer holds LEN (< i32::MAX) bytes; no open or close runs beside.
+            // SAFETY: the buffer holds LEN (< i32::MAX) bytes; no open runs beside.
             check("cuFileGetParameterString", unsafe {
                 (lib.cuFileGetParameterString)(self.raw(), buf.as_mut_ptr(), LEN as i32)
             })
@@ -555,7 +558,8 @@ impl StringParam {
             .into_owned())
     }
 
-    /// `cuFileSetParameterString(param, value)`: staged for the next driver open.
+    /// `cuFileSetParameterString(param, value)`: staged for the driver's open (before the first
+    /// [`Driver::open`]).
     ///
     /// # Errors
     ///
@@ -567,7 +571,7 @@ impl StringParam {
         let c = CString::new(value)
             .map_err(|_| Error::invalid("value", value, "must not contain NUL"))?;
         DRIVER.with_lock(|_| {
-            // SAFETY: a NUL-terminated string valid for the call; no open or close runs beside.
+            // SAFETY: a NUL-terminated string valid for the call; no open runs beside.
             check("cuFileSetParameterString", unsafe {
                 (lib.cuFileSetParameterString)(self.raw(), c.as_ptr())
             })
@@ -600,39 +604,38 @@ mod tests {
         assert_eq!(SizeParam::IoBatchSize.since(), 1140);
     }
 
-    /// A fake driver: open and close check that they never overlap each other and that a
-    /// close never finds a holder still using the driver.
+    /// A fake driver: opens check that they never overlap each other, and a holder checks that
+    /// the driver is open whenever it uses it.
     #[derive(Default)]
     struct Fake {
         busy: AtomicBool,
         open: AtomicBool,
         opens: AtomicUsize,
-        closes: AtomicUsize,
+        attempts: AtomicUsize,
+        /// Fail this many open attempts first.
+        fail_first: AtomicUsize,
     }
 
     impl Fake {
         fn open(&self) -> Result<()> {
-            assert!(
-                !self.busy.swap(true, SeqCst),
-                "open overlapped an open or close"
-            );
+            assert!(!self.busy.swap(true, SeqCst), "open overlapped an open");
             assert!(!self.open.load(SeqCst), "opened twice");
+            self.attempts.fetch_add(1, SeqCst);
             std::thread::yield_now();
-            self.open.store(true, SeqCst);
-            self.opens.fetch_add(1, SeqCst);
+            let fail = self
+                .fail_first
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if !fail {
+                self.open.store(true, SeqCst);
+                self.opens.fetch_add(1, SeqCst);
+            }
             self.busy.store(false, SeqCst);
-            Ok(())
-        }
-        fn close(&self) {
-            assert!(
-                !self.busy.swap(true, SeqCst),
-                "close overlapped an open or close"
-            );
-            assert!(self.open.load(SeqCst), "closed while not open");
-            std::thread::yield_now();
-            self.open.store(false, SeqCst);
-            self.closes.fetch_add(1, SeqCst);
-            self.busy.store(false, SeqCst);
+            if fail {
+                Err(Error::invalid("x", 1, "refused"))
+            } else {
+                Ok(())
+            }
         }
         /// A registration or handle: the driver must be open while it is used.
         fn use_it(&self) {
@@ -640,85 +643,114 @@ mod tests {
         }
     }
 
+    const PID: u32 = 4242;
+
     #[test]
-    fn eight_threads_open_register_and_close_without_overlap() {
-        let count = OpenCount::new();
+    fn eight_threads_open_register_and_drop_200_times_and_it_opens_once() {
+        let once = OnceOpen::new();
         let fake = Fake::default();
         std::thread::scope(|s| {
             for t in 0..8 {
-                let (count, fake) = (&count, &fake);
+                let (once, fake) = (&once, &fake);
                 s.spawn(move || {
                     for i in 0..200 {
-                        // The driver.
-                        count.acquire(|| fake.open()).unwrap();
+                        // The driver, then a registration holding its own handle; every other
+                        // round the driver handle goes first. Dropping handles closes nothing.
+                        once.ensure(PID, || fake.open()).unwrap();
                         fake.use_it();
-                        // A registration holds its own reference to the driver ...
-                        count.acquire(|| fake.open()).unwrap();
-                        fake.use_it();
-                        // ... so dropping the driver first (every other time) leaves it open.
+                        once.ensure(PID, || fake.open()).unwrap();
                         if (t + i) % 2 == 0 {
-                            count.release(|| fake.close());
                             fake.use_it();
-                            count.release(|| fake.close());
-                        } else {
-                            count.release(|| fake.close());
-                            count.release(|| fake.close());
                         }
+                        fake.use_it();
                     }
                 });
             }
         });
-        assert_eq!(count.count(), 0);
-        assert!(!fake.open.load(SeqCst));
-        assert!(fake.opens.load(SeqCst) >= 1);
-        assert_eq!(fake.opens.load(SeqCst), fake.closes.load(SeqCst));
+        assert!(once.is_open());
+        assert!(fake.open.load(SeqCst));
+        assert_eq!(fake.opens.load(SeqCst), 1, "opened exactly once");
     }
 
     #[test]
     fn parameters_wait_for_a_running_open() {
-        let count = OpenCount::new();
+        let once = OnceOpen::new();
         let fake = Fake::default();
         std::thread::scope(|s| {
             for _ in 0..4 {
                 s.spawn(|| {
                     for _ in 0..200 {
-                        count.acquire(|| fake.open()).unwrap();
-                        count.release(|| fake.close());
+                        once.ensure(PID, || fake.open()).unwrap();
                     }
                 });
                 s.spawn(|| {
                     for _ in 0..200 {
-                        // A staged parameter: nothing opens or closes meanwhile.
-                        count.with_lock(|n| {
+                        // A staged parameter: no open runs meanwhile.
+                        once.with_lock(|open| {
                             assert!(!fake.busy.load(SeqCst));
-                            assert_eq!(n > 0, fake.open.load(SeqCst));
+                            assert_eq!(open, fake.open.load(SeqCst));
                         });
                     }
                 });
             }
         });
-        assert_eq!(count.count(), 0);
+        assert_eq!(fake.opens.load(SeqCst), 1);
     }
 
     #[test]
-    fn a_failed_open_takes_nothing_and_the_next_one_opens() {
-        let count = OpenCount::new();
+    fn a_failed_open_takes_nothing_and_a_later_one_opens() {
+        let once = OnceOpen::new();
         let fake = Fake::default();
-        let e = count
-            .acquire(|| Err(Error::invalid("x", 1, "refused")))
-            .unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument { .. }));
-        assert_eq!(count.count(), 0);
-        // A release without a reference closes nothing.
-        count.release(|| fake.close());
-        assert_eq!(fake.closes.load(SeqCst), 0);
-        count.acquire(|| fake.open()).unwrap();
-        count.acquire(|| fake.open()).unwrap();
-        assert_eq!((count.count(), fake.opens.load(SeqCst)), (2, 1));
-        count.release(|| fake.close());
-        assert_eq!(fake.closes.load(SeqCst), 0);
-        count.release(|| fake.close());
-        assert_eq!((count.count(), fake.closes.load(SeqCst)), (0, 1));
+        fake.fail_first.store(2, SeqCst);
+        for _ in 0..2 {
+            let e = once.ensure(PID, || fake.open()).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }));
+            assert!(!once.is_open());
+        }
+        once.ensure(PID, || fake.open()).unwrap();
+        once.ensure(PID, || fake.open()).unwrap();
+        assert_eq!(
+            (fake.attempts.load(SeqCst), fake.opens.load(SeqCst)),
+            (3, 1)
+        );
+    }
+
+    #[test]
+    fn failed_opens_from_many_threads_are_retried_one_at_a_time() {
+        let once = OnceOpen::new();
+        let fake = Fake::default();
+        fake.fail_first.store(50, SeqCst);
+        let oks = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..20 {
+                        if once.ensure(PID, || fake.open()).is_ok() {
+                            oks.fetch_add(1, SeqCst);
+                            fake.use_it();
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(fake.attempts.load(SeqCst), 51, "50 failures, then one open");
+        assert_eq!(fake.opens.load(SeqCst), 1);
+        assert_eq!(oks.load(SeqCst), 8 * 20 - 50);
+    }
+
+    #[test]
+    fn a_forked_child_does_not_use_its_parents_driver() {
+        let once = OnceOpen::new();
+        let fake = Fake::default();
+        once.ensure(PID, || fake.open()).unwrap();
+        let e = once.ensure(PID + 1, || fake.open()).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        assert!(e.to_string().contains("forked child"), "{e}");
+        assert_eq!(
+            fake.attempts.load(SeqCst),
+            1,
+            "no open attempted in the child"
+        );
     }
 
     #[test]
@@ -738,7 +770,7 @@ mod tests {
                 });
             }
         });
-        assert_eq!(DRIVER.count(), 0);
+        assert!(!DRIVER.is_open());
     }
 
     proptest::proptest! {

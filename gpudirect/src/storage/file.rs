@@ -236,7 +236,7 @@ impl FileHandle {
         self.inner.direct
     }
 
-    /// The driver this handle keeps open.
+    /// The driver handle this file handle was registered with.
     pub fn driver(&self) -> &Driver {
         &self.inner.driver
     }

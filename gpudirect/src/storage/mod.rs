@@ -3,7 +3,7 @@
 //!
 //! | type | what | C |
 //! | --- | --- | --- |
-//! | [`Driver`] | process-wide, reference-counted driver; properties and parameters | `cuFileDriverOpen` |
+//! | [`Driver`] | a handle to the process-wide driver, opened once and never closed; properties and parameters | `cuFileDriverOpen` |
 //! | [`FileHandle`] | a file registered with cuFile; blocking and async I/O | `cuFileHandleRegister` |
 //! | [`BufRegistration`] | a registered device buffer range | `cuFileBufRegister` |
 //! | [`AsyncIo`] | an I/O ordered on a stream, owning what it touches | `cuFileReadAsync` |
@@ -34,10 +34,10 @@
 //!
 //! # Threads
 //!
-//! [`Driver`] values may be opened, cloned and dropped from any number of threads: the
-//! process-wide `cuFileDriverOpen`, `cuFileDriverClose_v2` and the staged parameters run under one
-//! lock, and every handle, registration, batch and stream-ordered operation holds a [`Driver`],
-//! so the driver is never closed under them.
+//! [`Driver`] values may be opened, cloned and dropped from any number of threads: the first
+//! open of the process calls `cuFileDriverOpen` under one process-wide lock (which the staged
+//! parameters take too), and the driver stays open until the process exits; dropping handles
+//! never closes it (closing and reopening cuFile's driver from several threads crashed it).
 //!
 //! # Arguments
 //!

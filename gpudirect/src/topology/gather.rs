@@ -92,6 +92,23 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
         Err(e) => LibraryStatus::missing("librdmacm", e),
     });
 
+    // NVML for the health checks, opened before the measurements so that NVLink error counters
+    // can be read before and after the probe's own copies (growth marks a marginal link).
+    let nvml = if cuda.devices.is_empty() {
+        Err("no GPU".to_string())
+    } else {
+        guarded("opening NVML", health::open_nvml).and_then(|r| r)
+    };
+    let nvlink_before = match &nvml {
+        Ok(n) if opts.measure => {
+            let buses: Vec<String> = cuda.devices.iter().map(|d| d.pci_bus_id.clone()).collect();
+            guarded("reading NVLink counters", || {
+                health::NvlinkCounters::read(n.as_ref(), &buses)
+            })
+            .ok()
+        }
+        _ => None,
+    };
     let mut p2p =
         guarded("the P2P probe", || p2p_section(&cuda, opts)).unwrap_or_else(|e| P2pSection {
             pairs: Vec::new(),
@@ -126,7 +143,7 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
     let mut async_ = async_section(&cuda);
     async_.verdict = async_verdict(&async_);
     let health = guarded("the health checks", || {
-        health_section(&cuda, &rdma, &storage, opts)
+        health_section(&cuda, &rdma, &storage, opts, &nvml, nvlink_before.as_ref())
     })
     .unwrap_or_else(|e| empty_health(&e));
     let mut report = NodeReport {
@@ -187,6 +204,8 @@ fn health_section(
     rdma: &RdmaSection,
     storage: &StorageSection,
     opts: &GatherOptions,
+    nvml: &Result<Box<dyn health::NvmlSource>, String>,
+    nvlink_before: Option<&health::NvlinkCounters>,
 ) -> HealthSection {
     use health::{HealthGpu, HealthInputs, HealthNic};
     let gpus: Vec<HealthGpu> = cuda
@@ -211,17 +230,13 @@ fn health_section(
             pci_bus_id: d.pci_bus_id.clone(),
         })
         .collect();
-    let nvml_box = if cuda.devices.is_empty() {
-        Err("no GPU".to_string())
-    } else {
-        health::open_nvml()
-    };
     let env = |k: &str| std::env::var(k).ok();
     let mut h = health::gather_health(&HealthInputs {
         paths: &opts.system,
         env: &env,
         memlock: health::limits::memlock_limits(),
-        nvml: nvml_box.as_ref().map(|b| b.as_ref()).map_err(|e| e.clone()),
+        nvml: nvml.as_ref().map(|b| b.as_ref()).map_err(|e| e.clone()),
+        nvlink_before,
         gpus: &gpus,
         nics: &nics,
         verbs_dmabuf: gpudirect_sys::ibverbs::lib()

@@ -69,7 +69,7 @@ impl DataPath {
                 "peer access between GPUs; degraded when some pair lacks it, a quick copy failed, or ACS or the IOMMU hinders PCIe peers"
             }
             DataPath::Nvlink => {
-                "NVLink between GPUs (NVML); degraded when a link is down or counting errors"
+                "NVLink between GPUs (NVML); degraded when a link is down, counts replay or recovery errors, or its error counters grow during the probe"
             }
             DataPath::Rdma => {
                 "a verbs device with an active port; degraded when the locked-memory limit is low or a NIC's PCIe link is below its maximum"
@@ -331,17 +331,26 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
                     a.degraded
                         .push(format!("GPU {} NVLink {} down", g.gpu, down.join(",")));
                 }
-                let errs: Vec<String> = g
-                    .links
-                    .iter()
-                    .filter(|l| l.counting_errors)
-                    .map(|l| l.link.to_string())
-                    .collect();
+                let list = |keep: fn(&crate::topology::health::NvlinkLink) -> bool| {
+                    g.links
+                        .iter()
+                        .filter(|l| keep(l))
+                        .map(|l| l.link.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                };
+                let errs = list(|l| l.counting_errors);
                 if !errs.is_empty() {
                     a.degraded.push(format!(
-                        "GPU {} NVLink {} counting errors",
-                        g.gpu,
-                        errs.join(",")
+                        "GPU {} NVLink {errs} counting replay/recovery errors",
+                        g.gpu
+                    ));
+                }
+                let grew = list(|l| l.errors_grew == Some(true));
+                if !grew.is_empty() {
+                    a.degraded.push(format!(
+                        "GPU {} NVLink {grew} errors grew during the probe",
+                        g.gpu
                     ));
                 }
             }

@@ -41,6 +41,62 @@ fn or_dash(v: Option<impl fmt::Display>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
 
+/// `26562 MB/s`, or `speed unknown`.
+fn nvlink_speed(mbps: Option<u32>) -> String {
+    mbps.map_or_else(|| "speed unknown".into(), |v| format!("{v} MB/s"))
+}
+
+/// The other end of a link: `0000:19:00.0 (GPU 1)`, `0000:c3:00.0`, `unknown (NVSwitch)`,
+/// `unknown`.
+fn nvlink_remote(l: &super::health::NvlinkLink) -> String {
+    match (&l.remote_pci_bus_id, &l.remote_device) {
+        (Some(p), Some(d)) => format!("{p} ({d})"),
+        (Some(p), None) => p.clone(),
+        (None, Some(d)) => format!("unknown ({d})"),
+        (None, None) => "unknown".into(),
+    }
+}
+
+/// Whether the GPU's error counters grew during the probe's measurements, in words.
+fn nvlink_growth(links: &[super::health::NvlinkLink]) -> String {
+    let grew: Vec<u32> = links
+        .iter()
+        .filter(|l| l.errors_grew == Some(true))
+        .map(|l| l.link)
+        .collect();
+    if !grew.is_empty() {
+        format!(
+            "error counters GREW during the probe on links {}",
+            ranges(grew.into_iter())
+        )
+    } else if links.iter().any(|l| l.errors_grew.is_some()) {
+        "no error counter grew during the probe".into()
+    } else {
+        "error growth not measured".into()
+    }
+}
+
+/// The error counts of healthy links: `no errors`, or the CRC errors they corrected (per link,
+/// as a range over the links), shown as information.
+fn corrected_errors(links: &[&super::health::NvlinkLink]) -> String {
+    if links.iter().all(|l| l.errors.total() == 0) {
+        return "no errors".into();
+    }
+    let span = |f: fn(&super::health::NvlinkErrors) -> Option<u64>| {
+        let v: Vec<u64> = links.iter().filter_map(|l| f(&l.errors)).collect();
+        match (v.iter().min(), v.iter().max()) {
+            (Some(a), Some(b)) if a == b => a.to_string(),
+            (Some(a), Some(b)) => format!("{a}-{b}"),
+            _ => "-".into(),
+        }
+    };
+    format!(
+        "no replays or recoveries, CRC errors corrected (normal): flit {}, data {} per link",
+        span(|e| e.crc_flit),
+        span(|e| e.crc_data)
+    )
+}
+
 impl fmt::Display for NodeReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut s = String::new();
@@ -537,40 +593,35 @@ impl NodeReport {
             }
             writeln!(
                 s,
-                "  GPU {}: {} of {} links up",
+                "  GPU {}: {} of {} links up, {}",
                 g.gpu,
                 g.active_links,
-                g.link_count.map_or(g.links.len() as u32, |c| c)
+                g.link_count.map_or(g.links.len() as u32, |c| c),
+                nvlink_growth(&g.links)
             )?;
             // Healthy links on one line (their indexes as ranges), the others one by one.
             let healthy: Vec<&super::health::NvlinkLink> = g
                 .links
                 .iter()
-                .filter(|l| l.state == "up" && !l.counting_errors && l.errors.total() == 0)
+                .filter(|l| l.state == "up" && !l.degraded())
                 .collect();
             if !healthy.is_empty() {
-                let mut remotes: Vec<&str> = healthy
-                    .iter()
-                    .filter_map(|l| l.remote_pci_bus_id.as_deref())
-                    .collect();
+                let mut remotes: Vec<String> = healthy.iter().map(|l| nvlink_remote(l)).collect();
                 remotes.sort_unstable();
                 remotes.dedup();
                 let mut speeds: Vec<String> = healthy
                     .iter()
-                    .map(|l| format!("v{} {} MB/s", or_dash(l.version), or_dash(l.speed_mbps)))
+                    .map(|l| format!("v{} {}", or_dash(l.version), nvlink_speed(l.speed_mbps)))
                     .collect();
                 speeds.sort_unstable();
                 speeds.dedup();
                 writeln!(
                     s,
-                    "    links {}: up, {}, no errors, to {}",
+                    "    links {}: up, {}, remote {}, {}",
                     ranges(healthy.iter().map(|l| l.link)),
                     speeds.join(" / "),
-                    if remotes.is_empty() {
-                        "-".to_string()
-                    } else {
-                        remotes.join(" ")
-                    }
+                    remotes.join(" / "),
+                    corrected_errors(&healthy)
                 )?;
             }
             for l in g
@@ -580,21 +631,37 @@ impl NodeReport {
             {
                 let e = &l.errors;
                 let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
+                let before = match (&l.errors_before, l.errors_grew) {
+                    (Some(b), Some(true)) => format!(
+                        " (before the probe: replay {} recovery {} crc flit {} crc data {})",
+                        n(b.replay),
+                        n(b.recovery),
+                        n(b.crc_flit),
+                        n(b.crc_data)
+                    ),
+                    _ => String::new(),
+                };
                 writeln!(
                     s,
-                    "    link {:<2} {:<5} v{} {} MB/s  remote {}  errors replay {} recovery {} crc flit {} crc data {}{}{}",
+                    "    link {:<2} {:<5} v{} {}  remote {}  errors replay {} recovery {} crc flit {} crc data {}{}{}{}{}",
                     l.link,
                     l.state,
                     or_dash(l.version),
-                    or_dash(l.speed_mbps),
-                    l.remote_pci_bus_id.as_deref().unwrap_or("-"),
+                    nvlink_speed(l.speed_mbps),
+                    nvlink_remote(l),
                     n(e.replay),
                     n(e.recovery),
                     n(e.crc_flit),
                     n(e.crc_data),
+                    before,
                     if l.down { "  DOWN" } else { "" },
                     if l.counting_errors {
-                        "  COUNTING ERRORS"
+                        "  REPLAY/RECOVERY ERRORS"
+                    } else {
+                        ""
+                    },
+                    if l.errors_grew == Some(true) {
+                        "  ERRORS GREW"
                     } else {
                         ""
                     }

@@ -236,6 +236,10 @@ unsafe impl<T: Pod> DeviceMemory for VmmImport<T> {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Vmm
     }
+    /// The one mapping made in [`open`](VmmImport::open).
+    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
+        Some(vec![(self.ptr, self.size)])
+    }
 }
 
 // SAFETY: no Rust reference to the mapped bytes is handed out.

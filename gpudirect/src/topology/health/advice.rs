@@ -273,20 +273,47 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
                 ),
             );
         }
+        let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
         for l in g.links.iter().filter(|l| l.counting_errors) {
             let e = &l.errors;
-            let n = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
             say(
                 &mut out,
                 "nvlink",
                 format!(
-                    "GPU {} NVLink {} counts errors (replay {}, recovery {}, CRC flit {}, CRC data {}): watch whether they grow (`nvidia-smi nvlink -e`); a growing count means a marginal link to report to the hardware vendor.",
+                    "GPU {} NVLink {} counts replay or recovery errors (replay {}, recovery {}; CRC flit {}, CRC data {}): the link retransmits or retrains, which costs bandwidth. Watch whether they grow (`nvidia-smi nvlink -e`); a growing count means a marginal link to report to the hardware vendor.",
                     g.gpu,
                     l.link,
                     n(e.replay),
                     n(e.recovery),
                     n(e.crc_flit),
                     n(e.crc_data)
+                ),
+            );
+        }
+        for l in g.links.iter().filter(|l| l.errors_grew == Some(true)) {
+            let (Some(b), e) = (&l.errors_before, &l.errors) else {
+                continue;
+            };
+            let changes: Vec<String> = [
+                ("replay", b.replay, e.replay),
+                ("recovery", b.recovery, e.recovery),
+                ("CRC flit", b.crc_flit, e.crc_flit),
+                ("CRC data", b.crc_data, e.crc_data),
+            ]
+            .into_iter()
+            .filter_map(|(what, b, a)| match (b, a) {
+                (Some(b), Some(a)) if a > b => Some(format!("{what} {b} -> {a}")),
+                _ => None,
+            })
+            .collect();
+            say(
+                &mut out,
+                "nvlink",
+                format!(
+                    "GPU {} NVLink {}'s error counters grew while the probe's copies ran ({}): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing.",
+                    g.gpu,
+                    l.link,
+                    changes.join(", ")
                 ),
             );
         }

@@ -14,7 +14,9 @@ pub mod nvlink;
 pub mod pcie;
 
 pub use advice::health_advice;
-pub use nvlink::{NoNvml, NvlinkAnswer, NvlinkReading, NvmlSource, open_nvml};
+pub use nvlink::{
+    NoNvml, NvlinkAnswer, NvlinkCounters, NvlinkReading, NvlinkRemote, NvmlSource, open_nvml,
+};
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -228,16 +230,36 @@ pub struct NvlinkLink {
     pub state: String,
     /// NVLink version.
     pub version: Option<u32>,
-    /// Speed, MB/s.
+    /// Speed, MB/s; `null` where NVML does not say.
     pub speed_mbps: Option<u32>,
-    /// The device at the other end (a GPU or an NVSwitch).
+    /// The PCI address of the device at the other end (a GPU or an NVSwitch); `null` where NVML
+    /// does not say or answers its all-ones placeholder (`ffff:ff:ff.0`).
     pub remote_pci_bus_id: Option<String>,
-    /// Error counters.
+    /// What is at the other end: `GPU n` (a GPU of this node, matched by PCI address), `GPU` (one
+    /// that is not), `NVSwitch` or `IBM NPU` (`nvmlDeviceGetNvLinkRemoteDeviceType`); `null` where
+    /// NVML does not say.
+    pub remote_device: Option<String>,
+    /// Error counters, read after the probe's own measurements.
     pub errors: NvlinkErrors,
+    /// The same counters read before the probe's measurements (its P2P copies); `null` when the
+    /// probe measured nothing.
+    pub errors_before: Option<NvlinkErrors>,
     /// Down while another link of the GPU is up.
     pub down: bool,
-    /// Some error counter is above zero.
+    /// The replay or recovery counter is above zero: the link retransmits or retrains. CRC
+    /// counts alone do not set it: a healthy link counts CRC errors and corrects them.
     pub counting_errors: bool,
+    /// Some counter grew during the probe's measurements (`errors_before` to `errors`); `null`
+    /// when not measured.
+    pub errors_grew: Option<bool>,
+}
+
+impl NvlinkLink {
+    /// Whether the link is degraded: down, counting replay or recovery errors, or with a counter
+    /// that grew during the probe.
+    pub fn degraded(&self) -> bool {
+        self.down || self.counting_errors || self.errors_grew == Some(true)
+    }
 }
 
 /// One GPU's NVLinks.
@@ -367,6 +389,9 @@ pub struct HealthInputs<'a> {
     pub memlock: Result<(Option<u64>, Option<u64>), String>,
     /// NVML, or why it is not usable.
     pub nvml: Result<&'a dyn NvmlSource, String>,
+    /// NVLink error counters read before the probe's own measurements, to tell whether they grow
+    /// meanwhile; `None` when nothing was measured.
+    pub nvlink_before: Option<&'a NvlinkCounters>,
     /// The GPUs.
     pub gpus: &'a [HealthGpu],
     /// The verbs devices.
@@ -478,7 +503,7 @@ pub fn gather_health(i: &HealthInputs) -> HealthSection {
             paths,
             iommu: pcie::iommu_status(&p.sysfs, &p.procfs),
         },
-        nvlink: nvlink::nvlink_health(&gpu_ids, nvml),
+        nvlink: nvlink::nvlink_health(&gpu_ids, nvml, i.nvlink_before),
         memlock: limits::memlock(i.memlock.clone(), limits::has_cap_ipc_lock(&p.procfs)),
         cufile_config: limits::cufile_config(&cufile_path, &cufile_source),
     }
