@@ -7,7 +7,7 @@
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`dmabuf`] | dma-buf export of device memory |
-//! | all | [`device`], [`topology`] | GPU attributes; the node report the `probe` example prints |
+//! | all | [`device`], [`topology`], [`report`] | GPU attributes; where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
 //! | tests | [`testing`] | `SKIPPED: reason`, or a failure where `GPUDIRECT_REQUIRE` names the hardware |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
@@ -24,6 +24,7 @@ pub mod p2p;
 pub mod rdma;
 pub mod storage;
 pub mod testing;
+pub mod report;
 pub mod topology;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.

@@ -6,7 +6,8 @@
 //! down while others are up, when its replay or recovery counter is above zero, or when any of
 //! its counters grows while the probe's own copies run.
 
-use super::{NvlinkErrors, NvlinkGpu, NvlinkHealth, NvlinkLink};
+use super::model::{NvlinkErrors, NvlinkGpu, NvlinkHealth, NvlinkLink};
+use crate::topology::normalize_bus_id;
 use std::collections::HashMap;
 
 /// NVML's most NVLinks per GPU (`NVML_NVLINK_MAX_LINKS`).
@@ -187,7 +188,7 @@ impl NvmlSource for RealNvml {
                 remote_pci_bus_id: if active == Ok(true) {
                     link.remote_pci_info()
                         .ok()
-                        .map(|p| crate::topology::sysfs::normalize_bus_id(&p.bus_id))
+                        .map(|p| normalize_bus_id(&p.bus_id))
                 } else {
                     None
                 },
@@ -287,7 +288,7 @@ pub fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
 /// A remote PCI address NVML gave, or `None` for its placeholders: an all-ones domain
 /// (`ffff:ff:ff.0`), a device number past 31 (a bus has 32), or an unparsable one.
 pub fn known_pci(id: &str) -> Option<String> {
-    let id = crate::topology::sysfs::normalize_bus_id(id);
+    let id = normalize_bus_id(id);
     let (dom, rest) = id.split_once(':')?;
     let (bus, devfn) = rest.split_once(':')?;
     let (dev, func) = devfn.split_once('.')?;
@@ -313,21 +314,11 @@ fn remote_device(
         && matches!(kind, None | Some(NvlinkRemote::Gpu))
         && let Some((g, _)) = gpus
             .iter()
-            .find(|(_, b)| crate::topology::sysfs::normalize_bus_id(b) == p)
+            .find(|(_, b)| normalize_bus_id(b) == p)
     {
         return Some(format!("GPU {g}"));
     }
     kind.map(|k| k.name().to_string())
-}
-
-impl NvlinkErrors {
-    /// The sum of the counters NVML gave.
-    pub fn total(&self) -> u64 {
-        [self.replay, self.recovery, self.crc_flit, self.crc_data]
-            .iter()
-            .flatten()
-            .fold(0u64, |a, b| a.saturating_add(*b))
-    }
 }
 
 /// One GPU's links, classified: a link is `down` when it is inactive while another link of the

@@ -2,7 +2,8 @@
 //! `/sys/module`, `/lib/modules` and the kernel log where an unprivileged reader may see it; and
 //! each path's documented minimums checked against what was found.
 
-use super::{KernelInfo, ModuleStatus, Requirement, RequirementCheck};
+use super::super::files::{dir_names, read_trimmed};
+use super::model::{KernelInfo, ModuleStatus, Requirement, RequirementCheck};
 use std::io::Read;
 use std::path::Path;
 
@@ -37,11 +38,6 @@ pub fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
     let major = it.next()?.parse().ok()?;
     let minor = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
     Some((major, minor))
-}
-
-fn read_trimmed(p: &Path) -> Option<String> {
-    let s = std::fs::read_to_string(p).ok()?.trim().to_string();
-    (!s.is_empty()).then_some(s)
 }
 
 /// The kernel and the NVIDIA driver: `<procfs>/sys/kernel/osrelease`, `<sysfs>/module/nvidia/version`
@@ -250,13 +246,7 @@ pub fn module_statuses(
 /// only where the RDMA stack has the peer-memory API nvidia-peermem needs, as MLNX_OFED and
 /// DOCA-OFED do). `None` when the API is absent.
 pub fn peer_memory_clients(sysfs: &Path) -> Option<Vec<String>> {
-    let mut v: Vec<String> = std::fs::read_dir(sysfs.join("kernel/mm/memory_peers"))
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    Some(v)
+    dir_names(&sysfs.join("kernel/mm/memory_peers"))
 }
 
 /// What the requirement checks look at, gathered elsewhere.
@@ -332,6 +322,12 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
         )
     };
     let ver_ge = |v: Option<(u32, u32)>, min: (u32, u32)| v.map(|v| v >= min);
+    // NVIDIA's open kernel modules at `min` or newer: false when either is known to fail.
+    let open_at_least = |min: (u32, u32)| match (open, ver_ge(driver, min)) {
+        (Some(false), _) | (_, Some(false)) => Some(false),
+        (Some(true), Some(true)) => Some(true),
+        _ => None,
+    };
 
     let dmabuf = vec![
         check(
@@ -344,11 +340,7 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
             "NVIDIA driver",
             "open kernel modules, >= 515 (CUDA 11.7)",
             driver_found.clone(),
-            match (open, ver_ge(driver, (515, 0))) {
-                (Some(false), _) | (_, Some(false)) => Some(false),
-                (Some(true), Some(true)) => Some(true),
-                _ => None,
-            },
+            open_at_least((515, 0)),
         ),
         gpu_check("Turing or newer (compute capability >= 7.5)", (7, 5)),
         check(
@@ -443,11 +435,7 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
             "NVIDIA driver",
             "open kernel modules >= 565.47",
             driver_found,
-            match (open, ver_ge(driver, (565, 47))) {
-                (Some(false), _) | (_, Some(false)) => Some(false),
-                (Some(true), Some(true)) => Some(true),
-                _ => None,
-            },
+            open_at_least((565, 47)),
         ),
         gpu_check("Ampere or newer (compute capability >= 8.0)", (8, 0)),
         check(

@@ -1,7 +1,7 @@
 //! Process limits and configuration files: the locked-memory limit (what RDMA registration of host
 //! memory may pin) and the cuFile configuration in use with its I/O sizes.
 
-use super::{CufileConfig, CufileValue, Memlock};
+use super::model::{CufileConfig, CufileValue, Memlock};
 use std::path::Path;
 
 /// Below this, a finite locked-memory limit is called low: enough for small tests, too little
