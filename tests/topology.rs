@@ -13,10 +13,8 @@ use std::path::{Path, PathBuf};
 /// root port of the same host bridge, mlx5_1 on another NUMA node's host bridge, rxe0 with no
 /// PCI device.
 fn fake_sysfs(tag: &str) -> PathBuf {
-    let root = std::env::temp_dir().join(format!(
-        "gpudirect-fake-sysfs-{tag}-{}",
-        std::process::id()
-    ));
+    let root =
+        std::env::temp_dir().join(format!("gpudirect-fake-sysfs-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let dev = |p: &str, numa: i32| {
         let d = root.join("devices").join(p);
@@ -78,10 +76,7 @@ fn locations_and_affinity_come_from_a_fake_sysfs_tree() {
         }
     );
     assert_eq!(m.bridges, ["0000:02:08.0", "0000:02:10.0"]);
-    assert_eq!(
-        g0.meeting(&g1).point.to_string(),
-        "root complex pci0000:00"
-    );
+    assert_eq!(g0.meeting(&g1).point.to_string(), "root complex pci0000:00");
     assert_eq!(
         nic_pci_address(&root, "mlx5_0").as_deref(),
         Some("0000:06:00.0")

@@ -22,9 +22,9 @@ pub mod error;
 pub mod memory;
 pub mod p2p;
 pub mod rdma;
+pub mod report;
 pub mod storage;
 pub mod testing;
-pub mod report;
 pub mod topology;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.

@@ -1,6 +1,8 @@
 //! Gathering the report through gpudirect's typed APIs; each step fallible and recorded.
 
-use super::advice::{advise, async_verdict, p2p_verdict, rdma_verdict, settings_from_env, storage_verdict};
+use super::advice::{
+    advise, async_verdict, p2p_verdict, rdma_verdict, settings_from_env, storage_verdict,
+};
 use super::health::{
     self, HealthGpu, HealthInputs, HealthNic, HealthSection, NvlinkCounters, NvmlSource, PcieLink,
     SystemPaths, gather_health, gpu_ordinal_of, parse_link_speed,
@@ -138,8 +140,8 @@ fn gather(opts: &GatherOptions) -> NodeReport {
             verdict: String::new(),
         });
     p2p.verdict = p2p_verdict(&p2p);
-    let mut rdma =
-        guarded("the RDMA probe", || rdma_section(&cuda, &opts.system.sysfs)).unwrap_or_else(|e| RdmaSection {
+    let mut rdma = guarded("the RDMA probe", || rdma_section(&cuda, &opts.system.sysfs))
+        .unwrap_or_else(|e| RdmaSection {
             devices: Vec::new(),
             gpus: Vec::new(),
             affinity: Vec::new(),

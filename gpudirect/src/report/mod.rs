@@ -39,9 +39,9 @@ pub use health::{
 };
 pub use model::{
     Advice, AsyncSection, CopyMeasurement, CudaSection, CufileProperties, DataPath, EnvSetting,
-    GidSummary, GpuAsync, GpuNicAffinity, GpuRdmaReadiness, LibraryStatus, NicAffinity,
-    NodeReport, P2pPair, P2pSection, PathState, PathStatus, PortSummary, RdmaSection,
-    SCHEMA_VERSION, StorageRead, StorageSection, VerbsDeviceSummary,
+    GidSummary, GpuAsync, GpuNicAffinity, GpuRdmaReadiness, LibraryStatus, NicAffinity, NodeReport,
+    P2pPair, P2pSection, PathState, PathStatus, PortSummary, RdmaSection, SCHEMA_VERSION,
+    StorageRead, StorageSection, VerbsDeviceSummary,
 };
 pub use paths::{check_required, path_statuses};
 pub use verbs::{best_nic, gpu_affinity};

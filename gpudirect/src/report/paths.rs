@@ -59,10 +59,7 @@ fn link_problems(r: &NodeReport, kind: &str) -> Vec<String> {
             v.push(format!(
                 "{} PCIe link at {} of {}",
                 l.device,
-                l.speed_under_load
-                    .as_deref()
-                    .or(l.current_speed.as_deref())
-                    .unwrap_or("?"),
+                l.speed_seen().unwrap_or("?"),
                 l.max_speed.as_deref().unwrap_or("?")
             ));
         }
@@ -152,8 +149,7 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
             for g in &nv.gpus {
                 let down = g.links_where(|l| l.down).join(",");
                 if !down.is_empty() {
-                    a.degraded
-                        .push(format!("GPU {} NVLink {down} down", g.gpu));
+                    a.degraded.push(format!("GPU {} NVLink {down} down", g.gpu));
                 }
                 let errs = g.links_where(|l| l.counting_errors).join(",");
                 if !errs.is_empty() {

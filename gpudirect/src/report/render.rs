@@ -34,6 +34,11 @@ fn ranges(v: impl Iterator<Item = u32>) -> String {
     out.join(",")
 }
 
+/// A data path's section heading and its one-line verdict.
+fn path_heading(s: &mut String, title: &str, verdict: &str) -> fmt::Result {
+    writeln!(s, "\n== {title}\n  verdict: {verdict}")
+}
+
 fn or_dash(v: Option<impl fmt::Display>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
@@ -197,7 +202,7 @@ impl NodeReport {
 
     fn p2p_text(&self, s: &mut String) -> fmt::Result {
         let p = &self.p2p;
-        writeln!(s, "\n== P2P\n  verdict: {}", p.verdict)?;
+        path_heading(s, "P2P", &p.verdict)?;
         if let Some(why) = &p.nvml_unavailable {
             writeln!(s, "  NVML unavailable: {why}")?;
         }
@@ -242,7 +247,7 @@ impl NodeReport {
 
     fn rdma_text(&self, s: &mut String) -> fmt::Result {
         let r = &self.rdma;
-        writeln!(s, "\n== RDMA (verbs)\n  verdict: {}", r.verdict)?;
+        path_heading(s, "RDMA (verbs)", &r.verdict)?;
         for d in &r.devices {
             writeln!(
                 s,
@@ -318,7 +323,7 @@ impl NodeReport {
 
     fn storage_text(&self, s: &mut String) -> fmt::Result {
         let st = &self.storage;
-        writeln!(s, "\n== Storage (cuFile)\n  verdict: {}", st.verdict)?;
+        path_heading(s, "Storage (cuFile)", &st.verdict)?;
         writeln!(
             s,
             "  cuFile {}  mode {}: {}  nvidia-fs module {}",
@@ -367,7 +372,7 @@ impl NodeReport {
 
     fn async_text(&self, s: &mut String) -> fmt::Result {
         let a = &self.async_;
-        writeln!(s, "\n== Async\n  verdict: {}", a.verdict)?;
+        path_heading(s, "Async", &a.verdict)?;
         for g in &a.gpus {
             writeln!(
                 s,

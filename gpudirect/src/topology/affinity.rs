@@ -122,7 +122,8 @@ impl PciLocation {
         if self.root != other.root {
             let mut bridges: Vec<String> = pa.iter().chain(&pb).cloned().collect();
             bridges.dedup();
-            let across_cpu = matches!((self.numa_node, other.numa_node), (Some(x), Some(y)) if x != y);
+            let across_cpu =
+                matches!((self.numa_node, other.numa_node), (Some(x), Some(y)) if x != y);
             return Meeting {
                 point: MeetingPoint::HostBridges {
                     a: self.root.clone(),

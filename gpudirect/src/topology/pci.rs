@@ -48,7 +48,9 @@ pub fn normalize_bus_id(id: &str) -> String {
     let id = id.trim().to_ascii_lowercase();
     match id.split_once(':') {
         // `is_ascii`: the slice below then falls on a character boundary whatever the input.
-        Some((dom, rest)) if dom.len() > 4 && dom.is_ascii() => format!("{}:{rest}", &dom[dom.len() - 4..]),
+        Some((dom, rest)) if dom.len() > 4 && dom.is_ascii() => {
+            format!("{}:{rest}", &dom[dom.len() - 4..])
+        }
         _ => id,
     }
 }

@@ -134,10 +134,7 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
                 format!(
                     "{}'s PCIe link trained at {} of {}{}{share}: check the slot, riser and cables, and the BIOS PCIe generation setting.",
                     l.device,
-                    l.speed_under_load
-                        .as_deref()
-                        .or(l.current_speed.as_deref())
-                        .unwrap_or("?"),
+                    l.speed_seen().unwrap_or("?"),
                     l.max_speed.as_deref().unwrap_or("?"),
                     if l.speed_under_load.is_some() {
                         " while copies ran"

@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// The modules the report looks at: the GPU driver, the RDMA core, and the peer-memory and
 /// storage modules GPUDirect uses.
-pub const MODULES: [&str; 6] = [
+pub(super) const MODULES: [&str; 6] = [
     "nvidia",
     "nvidia_peermem",
     "nv_peer_mem",
@@ -25,7 +25,7 @@ const KMSG_MAX_BYTES: usize = 16 << 20;
 const MAX_LOAD_ERRORS: usize = 5;
 
 /// `6.8.0-57-generic` → `(6, 8)`.
-pub fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
+pub(super) fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
     let mut it = r.split(|c: char| !c.is_ascii_digit());
     let major = it.next()?.parse().ok()?;
     let minor = it.next()?.parse().ok()?;
@@ -33,7 +33,7 @@ pub fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
 }
 
 /// `580.95.05` → `(580, 95)`.
-pub fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
+pub(super) fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
     let mut it = v.trim().split('.');
     let major = it.next()?.parse().ok()?;
     let minor = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
@@ -43,7 +43,7 @@ pub fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
 /// The kernel and the NVIDIA driver: `<procfs>/sys/kernel/osrelease`, `<sysfs>/module/nvidia/version`
 /// (else the version in `<procfs>/driver/nvidia/version`), whose banner also says whether the open
 /// kernel modules are loaded.
-pub fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
+pub(super) fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
     let release = read_trimmed(&procfs.join("sys/kernel/osrelease"));
     let banner = read_trimmed(&procfs.join("driver/nvidia/version"));
     let banner_version = banner.as_deref().and_then(|b| {
@@ -83,7 +83,7 @@ pub fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
 /// `<boot>/config-<release>`, else its symbols in `<procfs>/kallsyms` (whose names an
 /// unprivileged reader sees, addresses zeroed): the function `pci_p2pdma_add_resource`, listed
 /// in every kernel that has P2PDMA, or `p2pdma_pgmap_ops`. `None` when neither can be read.
-pub fn kernel_has_p2pdma(boot: &Path, procfs: &Path, release: &str) -> Option<bool> {
+pub(super) fn kernel_has_p2pdma(boot: &Path, procfs: &Path, release: &str) -> Option<bool> {
     if let Ok(cfg) = std::fs::read_to_string(boot.join(format!("config-{release}"))) {
         return Some(cfg.lines().any(|l| l.trim() == "CONFIG_PCI_P2PDMA=y"));
     }
@@ -134,7 +134,7 @@ fn installed_modules(lib_modules: &Path, release: Option<&str>) -> Option<Vec<St
 
 /// Read the kernel log (`/dev/kmsg` on a real node): every record's message, oldest first.
 /// Unprivileged readers are refused where `kernel.dmesg_restrict` is 1: then `Err` with why.
-pub fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
+pub(super) fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .read(true)
@@ -175,7 +175,7 @@ pub fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
 
 /// Kernel log lines that report a failure of module `name` (its name, with `_` or `-`, as a whole
 /// word, and words of failure: unknown symbol, failed, error, invalid, disagrees about version).
-pub fn load_errors(log: &[String], name: &str) -> Vec<String> {
+pub(super) fn load_errors(log: &[String], name: &str) -> Vec<String> {
     let dashed = name.replace('_', "-");
     let names_it = |l: &str| {
         l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
@@ -201,7 +201,7 @@ pub fn load_errors(log: &[String], name: &str) -> Vec<String> {
 /// Each module in [`MODULES`]: loaded (from `<procfs>/modules`, else `<sysfs>/module/<name>`),
 /// its version and state, whether this kernel has it installed, and failures in the kernel log.
 /// `nv_peer_mem` (the predecessor of nvidia-peermem) is listed only when loaded or installed.
-pub fn module_statuses(
+pub(super) fn module_statuses(
     sysfs: &Path,
     procfs: &Path,
     lib_modules: &Path,
@@ -245,13 +245,13 @@ pub fn module_statuses(
 /// Peer-memory clients registered with the RDMA core (`<sysfs>/kernel/mm/memory_peers`, present
 /// only where the RDMA stack has the peer-memory API nvidia-peermem needs, as MLNX_OFED and
 /// DOCA-OFED do). `None` when the API is absent.
-pub fn peer_memory_clients(sysfs: &Path) -> Option<Vec<String>> {
+pub(super) fn peer_memory_clients(sysfs: &Path) -> Option<Vec<String>> {
     dir_names(&sysfs.join("kernel/mm/memory_peers"))
 }
 
 /// What the requirement checks look at, gathered elsewhere.
 #[derive(Debug, Clone, Default)]
-pub struct RequirementInputs {
+pub(super) struct RequirementInputs {
     /// The kernel and driver.
     pub kernel: KernelInfo,
     /// Compute capabilities of the visible GPUs.
@@ -297,7 +297,7 @@ fn all_met(checks: &[RequirementCheck]) -> Option<bool> {
 /// - GPUDirect Storage by PCI P2PDMA (no nvidia-fs): a kernel with PCI P2PDMA (Linux 6.2 or newer on
 ///   Ubuntu), the open kernel modules 565.47 or newer, an Ampere or newer GPU, cuFile 1.13 (CUDA
 ///   12.8) or newer.
-pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
+pub(super) fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
     let k = &i.kernel;
     let kernel = k.release.as_deref().and_then(parse_kernel_release);
     let driver = k.nvidia_driver.as_deref().and_then(parse_driver_version);

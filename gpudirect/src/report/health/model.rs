@@ -131,6 +131,15 @@ pub struct PcieLink {
     pub error: Option<String>,
 }
 
+impl PcieLink {
+    /// The speed the link was seen at: under load when read so, else as read.
+    pub(crate) fn speed_seen(&self) -> Option<&str> {
+        self.speed_under_load
+            .as_deref()
+            .or(self.current_speed.as_deref())
+    }
+}
+
 /// ACS on one bridge.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BridgeAcs {
@@ -388,4 +397,3 @@ pub struct HealthNic {
 pub fn gpu_ordinal_of(name: &str) -> Option<usize> {
     name.strip_prefix("GPU ")?.parse().ok()
 }
-

@@ -11,7 +11,7 @@ use crate::topology::normalize_bus_id;
 use std::collections::HashMap;
 
 /// NVML's most NVLinks per GPU (`NVML_NVLINK_MAX_LINKS`).
-pub const MAX_LINKS: u32 = 18;
+pub(super) const MAX_LINKS: u32 = 18;
 
 /// One link as NVML answers for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,7 +25,7 @@ pub struct NvlinkReading {
     /// Link speed in MB/s (NVML's `NVML_FI_DEV_NVLINK_SPEED_MBPS_*` fields).
     pub speed_mbps: Option<u32>,
     /// `nvmlDeviceGetNvLinkRemotePciInfo_v2`, as sysfs spells a PCI address (NVML's
-    /// `ffff:ff:ff.0` placeholder included: [`classify_gpu`] drops it).
+    /// `ffff:ff:ff.0` placeholder included: the report drops it).
     pub remote_pci_bus_id: Option<String>,
     /// `nvmlDeviceGetNvLinkRemoteDeviceType`; `None` where NVML does not say (or says unknown).
     pub remote_device_type: Option<NvlinkRemote>,
@@ -69,7 +69,8 @@ impl NvlinkRemote {
 /// each link in order; `Err` when NVML has no handle for the GPU.
 pub type NvlinkAnswer = Result<(Option<u32>, Vec<NvlinkReading>), String>;
 
-/// What the report asks NVML. The real one is [`open_nvml`]; tests give their own answers.
+/// What the report asks NVML. The report opens the real one (through nvml-wrapper); tests give
+/// their own answers.
 pub trait NvmlSource {
     /// The NVIDIA driver version NVML reports (`nvmlSystemGetDriverVersion`).
     fn driver_version(&self) -> Option<String>;
@@ -262,7 +263,7 @@ impl NvlinkCounters {
 /// Whether some counter grew from `before` to `after`. `None` when no counter can be compared
 /// (not counted either time), or when one went down without another growing (the counters were
 /// reset meanwhile: growth cannot be told).
-pub fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
+pub(super) fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
     let pairs = [
         (before.replay, after.replay),
         (before.recovery, after.recovery),
@@ -287,7 +288,7 @@ pub fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
 
 /// A remote PCI address NVML gave, or `None` for its placeholders: an all-ones domain
 /// (`ffff:ff:ff.0`), a device number past 31 (a bus has 32), or an unparsable one.
-pub fn known_pci(id: &str) -> Option<String> {
+pub(super) fn known_pci(id: &str) -> Option<String> {
     let id = normalize_bus_id(id);
     let (dom, rest) = id.split_once(':')?;
     let (bus, devfn) = rest.split_once(':')?;
@@ -312,9 +313,7 @@ fn remote_device(
 ) -> Option<String> {
     if let Some(p) = pci
         && matches!(kind, None | Some(NvlinkRemote::Gpu))
-        && let Some((g, _)) = gpus
-            .iter()
-            .find(|(_, b)| normalize_bus_id(b) == p)
+        && let Some((g, _)) = gpus.iter().find(|(_, b)| normalize_bus_id(b) == p)
     {
         return Some(format!("GPU {g}"));
     }
@@ -326,7 +325,7 @@ fn remote_device(
 /// `counting_errors` when its replay or recovery counter is above zero (CRC counts are corrected
 /// by the link and only shown); `errors_grew` from `before` (the counters read before the probe's
 /// measurements; `None`: not measured). `gpus` (ordinal, PCI address) names remote GPUs.
-pub fn classify_gpu(
+pub(super) fn classify_gpu(
     gpu: usize,
     bus_id: &str,
     answer: NvlinkAnswer,

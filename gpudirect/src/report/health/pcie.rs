@@ -8,11 +8,11 @@ use crate::topology::{MeetingPoint, PciLocation, normalize_bus_id};
 use std::path::Path;
 
 /// The ACS extended capability ID (PCIe base specification, "Access Control Services").
-pub const ACS_EXT_CAP_ID: u16 = 0x000D;
+pub(super) const ACS_EXT_CAP_ID: u16 = 0x000D;
 
 /// Bytes of config space an unprivileged reader gets from sysfs' `config` (the kernel cuts the
 /// read short without `CAP_SYS_ADMIN`).
-pub const UNPRIVILEGED_CONFIG_BYTES: usize = 64;
+pub(super) const UNPRIVILEGED_CONFIG_BYTES: usize = 64;
 
 /// ACS control register bits, by lspci's names.
 const ACS_BITS: [(u16, &str); 7] = [
@@ -39,7 +39,7 @@ pub fn parse_link_speed(s: &str) -> Option<f64> {
 }
 
 /// Read one device's link and IOMMU group from `<sysfs>/bus/pci/devices/<bus_id>`.
-pub fn read_link(sysfs_root: &Path, device: &str, kind: &str, bus_id: &str) -> PcieLink {
+pub(super) fn read_link(sysfs_root: &Path, device: &str, kind: &str, bus_id: &str) -> PcieLink {
     let bus_id = normalize_bus_id(bus_id);
     let dir = sysfs_root.join("bus/pci/devices").join(&bus_id);
     let mut l = PcieLink {
@@ -99,9 +99,7 @@ impl PcieLink {
         let cur = if self.kind == "gpu" {
             self.speed_under_load.as_deref()
         } else {
-            self.speed_under_load
-                .as_deref()
-                .or(self.current_speed.as_deref())
+            self.speed_seen()
         }
         .and_then(parse_link_speed);
         self.speed_degraded = matches!((cur, max), (Some(c), Some(m)) if c + 1e-9 < m);
@@ -114,7 +112,7 @@ impl PcieLink {
 ///
 /// `Ok(Some(ctrl))` when the ACS capability is found, `Ok(None)` when the device has none, `Err`
 /// with the reason when the extended config space cannot be read (not root, not PCIe).
-pub fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
+pub(super) fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
     if config.len() <= UNPRIVILEGED_CONFIG_BYTES {
         return Err(
             "unknown (needs root: sysfs gives unprivileged readers 64 bytes of config space)"
@@ -156,7 +154,7 @@ pub fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
 }
 
 /// The names of the ACS control bits set in `ctrl`, lspci's spelling.
-pub fn acs_flags(ctrl: u16) -> Vec<String> {
+pub(super) fn acs_flags(ctrl: u16) -> Vec<String> {
     ACS_BITS
         .iter()
         .filter(|(bit, _)| ctrl & bit != 0)
@@ -165,7 +163,7 @@ pub fn acs_flags(ctrl: u16) -> Vec<String> {
 }
 
 /// ACS on bridge `bus_id`, read from `<sysfs>/bus/pci/devices/<bus_id>/config`.
-pub fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
+pub(super) fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
     let path = sysfs_root
         .join("bus/pci/devices")
         .join(bus_id)
@@ -198,7 +196,12 @@ pub fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
 /// The PCIe path between two devices: where they meet and ACS on each bridge below that point.
 /// `acs_redirects` is set only when the paths meet in a PCIe switch (elsewhere the traffic goes
 /// through the root complex anyway); `None` while any bridge's ACS is unknown.
-pub fn pcie_path(sysfs_root: &Path, from: (&str, &str), to: (&str, &str), kind: &str) -> PciePath {
+pub(super) fn pcie_path(
+    sysfs_root: &Path,
+    from: (&str, &str),
+    to: (&str, &str),
+    kind: &str,
+) -> PciePath {
     let mut p = PciePath {
         from: from.0.into(),
         to: to.0.into(),
@@ -235,7 +238,7 @@ pub fn pcie_path(sysfs_root: &Path, from: (&str, &str), to: (&str, &str), kind: 
 }
 
 /// IOMMU state: groups present, registered units, and the kernel parameters that set it.
-pub fn iommu_status(sysfs_root: &Path, procfs_root: &Path) -> IommuStatus {
+pub(super) fn iommu_status(sysfs_root: &Path, procfs_root: &Path) -> IommuStatus {
     let groups = dir_names(&sysfs_root.join("kernel/iommu_groups"));
     let units = dir_names(&sysfs_root.join("class/iommu")).unwrap_or_default();
     let cmdline: Vec<String> = std::fs::read_to_string(procfs_root.join("cmdline"))
