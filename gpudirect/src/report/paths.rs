@@ -295,7 +295,12 @@ pub fn path_statuses(r: &NodeReport) -> Vec<PathStatus> {
     DataPath::ALL.into_iter().map(|p| status(r, p)).collect()
 }
 
-/// `Err` with one line naming each required path that is not `ok` and why; `Ok` when all are.
+/// Whether every path in `required` is `ok` in `r` (the probe's `--require`).
+///
+/// # Errors
+///
+/// One line, `required path not usable: ...`, naming each required path that is degraded or
+/// unusable and why (paths joined by ` | `).
 pub fn check_required(r: &NodeReport, required: &[DataPath]) -> Result<(), String> {
     let bad: Vec<String> = required
         .iter()

@@ -13,6 +13,10 @@ const CAP_IPC_LOCK_BIT: u32 = 14;
 
 /// The locked-memory limit of this process (`getrlimit(RLIMIT_MEMLOCK)`): `(soft, hard)`,
 /// `None` meaning unlimited.
+///
+/// # Errors
+///
+/// `getrlimit`'s error, in words.
 #[doc(alias = "getrlimit")]
 pub fn memlock_limits() -> Result<(Option<u64>, Option<u64>), String> {
     let mut r = libc::rlimit {

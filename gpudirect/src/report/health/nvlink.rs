@@ -75,6 +75,11 @@ pub trait NvmlSource {
     /// The NVIDIA driver version NVML reports (`nvmlSystemGetDriverVersion`).
     fn driver_version(&self) -> Option<String>;
     /// The links of the GPU at `bus_id` (sysfs' form of a PCI address).
+    ///
+    /// # Errors
+    ///
+    /// Why NVML has no answer for that GPU (no handle for the address, NVML not usable); the
+    /// report shows it as the GPU's NVLink error.
     fn nvlinks(&self, bus_id: &str) -> NvlinkAnswer;
 }
 
@@ -93,7 +98,11 @@ impl NvmlSource for NoNvml {
 /// NVML through nvml-wrapper, opened as the link matrix opens it.
 struct RealNvml(nvml_wrapper::Nvml);
 
-/// Open NVML for the report; `Err` with the reason (and then [`NoNvml`] answers).
+/// Open NVML for the report.
+///
+/// # Errors
+///
+/// Why NVML cannot be used (no `libnvidia-ml.so.1`, no driver); the report records it.
 pub fn open_nvml() -> Result<Box<dyn NvmlSource>, String> {
     crate::p2p::link::open_nvml().map(|n| Box::new(RealNvml(n)) as Box<dyn NvmlSource>)
 }
