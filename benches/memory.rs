@@ -41,7 +41,9 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn ok(call: &'static str, r: sys::CUresult) {
-    gpudirect::error::cu(call, r).unwrap();
+    r.result()
+        .map_err(|e| gpudirect::Error::cuda(call, e.0))
+        .unwrap();
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -18,7 +18,7 @@
 pub mod cuda;
 pub mod device;
 pub mod dmabuf;
-pub mod error;
+mod error;
 pub mod memory;
 pub mod p2p;
 pub mod rdma;
@@ -28,5 +28,5 @@ pub mod topology;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.
 pub use cudarc;
-pub use error::{Error, Result};
+pub use error::{Absence, Error, Result};
 pub use gpudirect_sys as sys;

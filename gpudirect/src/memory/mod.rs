@@ -76,37 +76,11 @@ pub use registered::{HostRegisterFlags, RegisteredHost};
 pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
+pub use crate::error::MemoryKind;
+
 use crate::error::{Result, from_driver};
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
-
-/// How a buffer was allocated, which decides what GPUDirect can do with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[non_exhaustive]
-pub enum MemoryKind {
-    /// `cuMemAlloc`: GPUDirect RDMA capable, exportable by dma-buf and cuIpc.
-    Device,
-    /// `cuMemCreate` with the GPUDirect RDMA flag, mapped with `cuMemMap`: RDMA capable,
-    /// exportable as a POSIX fd.
-    Vmm,
-    /// Stream-ordered pool memory (`cuMemAllocAsync`, cudarc's `CudaSlice`): not GPUDirect RDMA
-    /// capable; peers need `cuMemPoolSetAccess`.
-    Pool,
-    /// `cuMemHostAlloc` pinned host memory.
-    PinnedHost,
-    /// Host memory pinned in place with `cuMemHostRegister`.
-    RegisteredHost,
-}
-
-impl MemoryKind {
-    /// Whether the memory lives on a GPU (as opposed to pinned host memory).
-    pub fn is_device(self) -> bool {
-        matches!(
-            self,
-            MemoryKind::Device | MemoryKind::Vmm | MemoryKind::Pool
-        )
-    }
-}
 
 /// Memory that a CUDA device (or a NIC through it) can address: a device pointer and a length.
 ///
@@ -277,15 +251,6 @@ pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kinds_know_where_they_live() {
-        assert!(MemoryKind::Device.is_device());
-        assert!(MemoryKind::Vmm.is_device());
-        assert!(MemoryKind::Pool.is_device());
-        assert!(!MemoryKind::PinnedHost.is_device());
-        assert!(!MemoryKind::RegisteredHost.is_device());
-    }
 
     #[test]
     fn byte_size_checks_before_ffi() {
