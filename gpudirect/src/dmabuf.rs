@@ -8,9 +8,8 @@
 //! [`ProtectionDomain::register_dmabuf`](crate::rdma::ProtectionDomain::register_dmabuf), which
 //! takes the whole export.
 
-use crate::error::{Error, Result, cu};
+use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, MemoryKind};
-use cudarc::driver::sys;
 use gpudirect_sys::peermem::DmaBufRange;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -131,21 +130,14 @@ pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedF
         )
     })?;
     gpudirect_sys::cuda::require_symbols(&["cuMemGetHandleForAddressRange"])?;
+    let export_len = usize::try_from(range.export_len)
+        .map_err(|_| Error::invalid("len", len, "the export's length must fit usize"))?;
     let ctx = crate::cuda::context(ordinal)?;
-    ctx.bind_to_thread()
-        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))?;
-    let mut fd: i32 = -1;
-    // SAFETY: libcuda present with this symbol (checked); the out-pointer is an int as the
-    // handle type requires; the driver validates the range.
-    cu("cuMemGetHandleForAddressRange", unsafe {
-        sys::cuMemGetHandleForAddressRange(
-            (&mut fd as *mut i32).cast(),
-            range.export_base,
-            range.export_len as usize,
-            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-            0,
-        )
-    })?;
+    crate::driver::ctx::bind(&ctx)?;
+    // SAFETY: libcuda present with this symbol (checked); context current. The fd becomes an
+    // `OwnedFd` below, and the callers keep the memory alive while it (or a duplicate) is open:
+    // `export` owns the memory and never lends the fd.
+    let fd = unsafe { crate::driver::mem::dmabuf_fd(range.export_base, export_len) }?;
     if fd < 0 {
         return Err(Error::Unsupported {
             what: "dma-buf export".into(),

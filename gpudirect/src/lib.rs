@@ -18,6 +18,7 @@
 pub mod cuda;
 pub mod device;
 pub mod dmabuf;
+mod driver;
 mod error;
 pub mod memory;
 pub mod p2p;

@@ -55,12 +55,8 @@ impl<R> From<Refused<R>> for Error {
 /// [`Error::Cuda`] naming `cuStreamIsCapturing` (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` for the
 /// legacy default stream while a blocking stream captures).
 pub(crate) fn is_capturing(raw: sys::CUstream) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: a live stream handle (or the legacy stream) and a valid out-pointer.
-    crate::error::cu("cuStreamIsCapturing", unsafe {
-        sys::cuStreamIsCapturing(raw, &mut status)
-    })?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    // SAFETY: a live stream handle (or the legacy stream) whose context the caller made current.
+    unsafe { crate::driver::stream::is_capturing(raw) }
 }
 
 /// What [`enqueue_with`] asks of the driver; tests answer it without a GPU.
@@ -88,7 +84,7 @@ impl Probe for Driver {
         if self.invalidate {
             // SAFETY: a live stream. Querying a capturing stream is illegal in capture: the
             // driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture.
-            let _ = unsafe { sys::cuStreamQuery(self.raw) };
+            let _ = unsafe { crate::driver::stream::query(self.raw) };
         }
     }
 }

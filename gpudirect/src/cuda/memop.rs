@@ -24,7 +24,8 @@
 
 use super::Stream;
 use super::capture::Refused;
-use crate::error::{Error, Result, cu, from_driver};
+use crate::driver;
+use crate::error::{Error, Result, from_driver};
 use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
 use crate::memory::{bind, forked, on_private_stream};
 use cudarc::driver::{CudaContext, sys};
@@ -275,24 +276,20 @@ impl MemopFlags {
     pub fn pinned_host(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
         bind(ctx)?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: context current, valid out-pointer.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, flags)
-        })?;
+        // SAFETY: context current; valid flags.
+        let p = unsafe { driver::mem::host_alloc(bytes, flags) }?;
         // SAFETY: fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
-        let mut dptr = 0;
-        // SAFETY: mapped pinned memory; valid out-pointer.
-        let r = cu("cuMemHostGetDevicePointer_v2", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0)
-        });
-        if let Err(e) = r {
-            // SAFETY: allocated above, unused.
-            unsafe { sys::cuMemFreeHost(p) };
-            return Err(e);
-        }
+        // SAFETY: mapped pinned memory of the current context.
+        let dptr = match unsafe { driver::mem::host_device_pointer(p) } {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: allocated above, unused.
+                let _ = unsafe { driver::mem::free_host(p) };
+                return Err(e);
+            }
+        };
         Ok(MemopFlags {
             backing: Backing::Host(p.cast()),
             dptr,
@@ -311,11 +308,8 @@ impl MemopFlags {
     pub fn device(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
         bind(ctx)?;
-        let mut dptr = 0;
-        // SAFETY: context current; valid out-pointer.
-        cu("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut dptr, bytes)
-        })?;
+        // SAFETY: context current.
+        let dptr = unsafe { driver::mem::alloc(bytes) }?;
         let flags = MemopFlags {
             backing: Backing::Device,
             dptr,
@@ -329,10 +323,8 @@ impl MemopFlags {
         };
         // Not cuCtxSynchronize: that would wait for every stream of the context.
         on_private_stream(ctx, |stream| {
-            // SAFETY: the allocation above; a live stream.
-            cu("cuMemsetD8Async", unsafe {
-                sys::cuMemsetD8Async(dptr, 0, bytes, stream)
-            })
+            // SAFETY: the allocation above, synchronized before use; a live stream.
+            unsafe { driver::mem::memset_d8_async(dptr, 0, bytes, stream) }
         })?;
         Ok(flags)
     }
@@ -379,16 +371,12 @@ impl MemopFlags {
             Backing::Device => {
                 let mut v = 0u64;
                 on_private_stream(&self.ctx, |stream| {
+                    let src = self.device_ptr(slot)?;
                     // SAFETY: 8 bytes in bounds of the allocation into a local, which outlives
                     // the copy (the stream is synchronized before `on_private_stream` returns).
-                    cu("cuMemcpyDtoHAsync_v2", unsafe {
-                        sys::cuMemcpyDtoHAsync_v2(
-                            (&mut v as *mut u64).cast(),
-                            self.device_ptr(slot)?,
-                            8,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_dtoh_async((&mut v as *mut u64).cast(), src, 8, stream)
+                    }
                 })?;
                 Ok(v)
             }
@@ -412,16 +400,12 @@ impl MemopFlags {
                 // returns, without waiting for the context's other streams (one of them may be
                 // blocked in a wait that this write releases).
                 on_private_stream(&self.ctx, |stream| {
+                    let dst = self.device_ptr(slot)?;
                     // SAFETY: 8 bytes in bounds of the allocation, from a local that outlives
                     // the copy (the stream is synchronized before `on_private_stream` returns).
-                    cu("cuMemcpyHtoDAsync_v2", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            self.device_ptr(slot)?,
-                            (&value as *const u64).cast(),
-                            8,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_htod_async(dst, (&value as *const u64).cast(), 8, stream)
+                    }
                 })
             }
         }
@@ -453,15 +437,11 @@ impl MemopFlags {
             Backing::Device => {
                 // As in `store_u64`: a private non-blocking stream, never cuCtxSynchronize.
                 on_private_stream(&self.ctx, |stream| {
+                    let dst = self.device_ptr(slot)?;
                     // SAFETY: 4 bytes in bounds, from a local that outlives the copy.
-                    cu("cuMemcpyHtoDAsync_v2", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            self.device_ptr(slot)?,
-                            (&value as *const u32).cast(),
-                            4,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_htod_async(dst, (&value as *const u32).cast(), 4, stream)
+                    }
                 })
             }
         }
@@ -542,17 +522,14 @@ impl Drop for MemopFlags {
         if bind(&self.ctx).is_err() {
             return;
         }
-        // SAFETY: allocated by `pinned_host`/`device`; every stream that used it has passed it.
-        unsafe {
+        // SAFETY: allocated by `pinned_host`/`device`, freed once; every stream that used it
+        // has passed it.
+        let _ = unsafe {
             match self.backing {
-                Backing::Host(p) => {
-                    sys::cuMemFreeHost(p.cast());
-                }
-                Backing::Device => {
-                    sys::cuMemFree_v2(self.dptr);
-                }
+                Backing::Host(p) => driver::mem::free_host(p.cast()),
+                Backing::Device => driver::mem::free(self.dptr),
             }
-        }
+        };
     }
 }
 
@@ -569,25 +546,19 @@ impl Stream {
         let r = self.enqueue(call, (), |s, ()| {
             // SAFETY: symbols checked in MemopFlags::check; `addr` is a live, aligned word of
             // `flags`, which outlives the operation (its drop waits for this stream's fence, and
-            // leaks the words if the operation may sit in a graph).
+            // leaks the words if the operation may sit in a graph); 64-bit operations were
+            // checked against the device in `validate`.
             unsafe {
-                cu(
-                    call,
-                    match op {
-                        MemOp::Wait32 { value, cond, .. } => {
-                            sys::cuStreamWaitValue32_v2(s, addr, value, cond as u32)
-                        }
-                        MemOp::Write32 { value, .. } => {
-                            sys::cuStreamWriteValue32_v2(s, addr, value, 0)
-                        }
-                        MemOp::Wait64 { value, cond, .. } => {
-                            sys::cuStreamWaitValue64_v2(s, addr, value, cond as u32)
-                        }
-                        MemOp::Write64 { value, .. } => {
-                            sys::cuStreamWriteValue64_v2(s, addr, value, 0)
-                        }
-                    },
-                )
+                match op {
+                    MemOp::Wait32 { value, cond, .. } => {
+                        driver::memop::wait_value32(s, addr, value, cond as u32)
+                    }
+                    MemOp::Write32 { value, .. } => driver::memop::write_value32(s, addr, value),
+                    MemOp::Wait64 { value, cond, .. } => {
+                        driver::memop::wait_value64(s, addr, value, cond as u32)
+                    }
+                    MemOp::Write64 { value, .. } => driver::memop::write_value64(s, addr, value),
+                }
             }
         });
         flags.queued(self, r)
@@ -655,10 +626,7 @@ impl Stream {
             for (start, n) in batch_spans(params.len()) {
                 // SAFETY: symbols checked; `n <= MAX_BATCH_MEM_OPS` valid params addressing live
                 // words of `flags` (which outlives the operations: see `queued`).
-                let r = unsafe {
-                    sys::cuStreamBatchMemOp_v2(s, n as u32, params[start..].as_mut_ptr(), 0)
-                };
-                cu("cuStreamBatchMemOp_v2", r)?;
+                unsafe { driver::memop::batch(s, &mut params[start..start + n]) }?;
                 calls += 1;
             }
             Ok(calls)

@@ -26,7 +26,7 @@ mod stream;
 pub use memop::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, WaitCondition};
 pub use stream::Stream;
 
-use crate::error::{Error, Result, cu, from_driver};
+use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::{Arc, OnceLock};
 
@@ -84,9 +84,8 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     }
     static INIT: OnceLock<Result<(), (u32, String)>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // SAFETY: libcuda is present (checked above); cuInit takes flags 0.
-        let r = unsafe { sys::cuInit(0) };
-        cu("cuInit", r).map_err(|e| match e {
+        // SAFETY: libcuda is present and is the one cudarc calls (checked above).
+        unsafe { crate::driver::init() }.map_err(|e| match e {
             Error::Cuda { code, name, .. } => (code, name),
             _ => (0, String::new()),
         })
@@ -185,10 +184,8 @@ fn cudarc_loader_check(view: CudarcLibcuda, ours: &str) -> Result<()> {
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> Result<usize> {
     init()?;
-    let mut n = 0;
-    // SAFETY: driver initialised; one valid out-pointer.
-    cu("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n as usize)
+    // SAFETY: the driver is initialised.
+    unsafe { crate::driver::device::count() }
 }
 
 /// The primary context of device `ordinal`, through cudarc, after the presence checks.

@@ -1,7 +1,7 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
 use super::capture::{self, Refused};
-use crate::error::{Result, cu, from_driver};
+use crate::error::{Result, from_driver};
 use crate::memory::tracker::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
@@ -167,11 +167,17 @@ impl Stream {
         // The pointer travels as an integer so that the closure is not tied to the Box's type.
         let addr = raw as usize;
         let queued = self.enqueue("cuLaunchHostFunc", (), |s, ()| {
-            // SAFETY: `host_fn_trampoline` matches CUhostFn; `addr` is the leaked payload, which
-            // the protocol of `HostFnPayload::state` frees exactly once, or never.
-            cu("cuLaunchHostFunc", unsafe {
-                sys::cuLaunchHostFunc(s, Some(host_fn_trampoline), addr as *mut std::ffi::c_void)
-            })
+            // SAFETY: a live stream; `addr` is the leaked payload, which the protocol of
+            // `HostFnPayload::state` frees exactly once, or never (so it outlives every run,
+            // however many graph launches there are); the trampoline catches unwinds and makes
+            // no CUDA calls.
+            unsafe {
+                crate::driver::stream::launch_host_func(
+                    s,
+                    host_fn_trampoline,
+                    addr as *mut std::ffi::c_void,
+                )
+            }
         });
         match queued {
             Ok(((), ())) => {

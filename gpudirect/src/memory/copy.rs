@@ -15,8 +15,8 @@
 use super::tracker::StreamFence;
 use super::{DeviceMemory, DeviceMemoryMut, InFlight, Pod};
 use crate::cuda::Stream;
-use crate::error::{Error, Result, cu};
-use cudarc::driver::sys;
+use crate::driver::mem;
+use crate::error::{Error, Result};
 
 /// What an asynchronous copy returns: both buffers, owned until the copy completes.
 pub type CopyInFlight<S, D> = InFlight<(S, D), StreamFence>;
@@ -88,22 +88,10 @@ unsafe fn issue<R>(
         // SAFETY: forwarded from the caller.
         unsafe {
             match (src_host, dst_host) {
-                (None, None) => cu(
-                    "cuMemcpyDtoDAsync_v2",
-                    sys::cuMemcpyDtoDAsync_v2(dst_dev, src_dev, bytes, s),
-                ),
-                (Some(h), None) => cu(
-                    "cuMemcpyHtoDAsync_v2",
-                    sys::cuMemcpyHtoDAsync_v2(dst_dev, h.cast(), bytes, s),
-                ),
-                (None, Some(h)) => cu(
-                    "cuMemcpyDtoHAsync_v2",
-                    sys::cuMemcpyDtoHAsync_v2(h.cast(), src_dev, bytes, s),
-                ),
-                (Some(_), Some(_)) => cu(
-                    "cuMemcpyAsync",
-                    sys::cuMemcpyAsync(dst_dev, src_dev, bytes, s),
-                ),
+                (None, None) => mem::copy_dtod_async(dst_dev, src_dev, bytes, s),
+                (Some(h), None) => mem::copy_htod_async(dst_dev, h.cast(), bytes, s),
+                (None, Some(h)) => mem::copy_dtoh_async(h.cast(), src_dev, bytes, s),
+                (Some(_), Some(_)) => mem::copy_async(dst_dev, src_dev, bytes, s),
             }
         }
     })?;

@@ -2,8 +2,9 @@
 
 use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
 use crate::cuda::Stream;
-use crate::error::{Result, cu};
-use cudarc::driver::{CudaContext, sys};
+use crate::driver;
+use crate::error::Result;
+use cudarc::driver::CudaContext;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -42,11 +43,8 @@ impl<T: Pod> DeviceBuffer<T> {
         crate::cuda::init()?;
         super::Tracker::global().reap();
         bind(ctx)?;
-        let mut ptr = 0;
-        // SAFETY: context current; one valid out-pointer.
-        cu("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, bytes)
-        })?;
+        // SAFETY: context current.
+        let ptr = unsafe { driver::mem::alloc(bytes) }?;
         Ok(DeviceBuffer {
             ptr,
             len,
@@ -62,10 +60,9 @@ impl<T: Pod> DeviceBuffer<T> {
     pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let b = Self::alloc(ctx, len)?;
         super::on_private_stream(ctx, |stream| {
-            // SAFETY: context current; the range is this allocation; a live stream.
-            cu("cuMemsetD8Async", unsafe {
-                sys::cuMemsetD8Async(b.ptr, 0, b.byte_len(), stream)
-            })
+            // SAFETY: context current; the range is this allocation, synchronized before it is
+            // handed out; a live stream.
+            unsafe { driver::mem::memset_d8_async(b.ptr, 0, b.byte_len(), stream) }
         })?;
         Ok(b)
     }
@@ -116,6 +113,6 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
         }
         // SAFETY: the pointer came from cuMemAlloc_v2 and nothing in flight holds it (in-flight
         // work owns the buffer, so it is not being dropped).
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        let _ = unsafe { driver::mem::free(self.ptr) };
     }
 }

@@ -1,7 +1,8 @@
 //! `cuMemHostAlloc` pinned host memory.
 
 use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Result, cu};
+use crate::driver;
+use crate::error::Result;
 use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -61,21 +62,14 @@ impl<T: Pod> PinnedHostBuffer<T> {
         crate::cuda::init()?;
         super::Tracker::global().reap();
         bind(ctx)?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: context current; one valid out-pointer; flags are cuMemHostAlloc flags.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, flags.bits())
-        })?;
+        // SAFETY: context current; flags are cuMemHostAlloc flags.
+        let p = unsafe { driver::mem::host_alloc(bytes, flags.bits()) }?;
         // SAFETY: `p` is a fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
-        let mut dptr = 0;
-        // SAFETY: `p` is pinned memory of this context; one valid out-pointer.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            // Without a mapping (no DEVICEMAP on a device without unified addressing), the
-            // host address is what copies use.
-            dptr = p as u64;
-        }
+        // Without a mapping (no DEVICEMAP on a device without unified addressing), the host
+        // address is what copies use.
+        // SAFETY: `p` is pinned memory of this context.
+        let dptr = unsafe { driver::mem::host_device_pointer(p) }.unwrap_or(p as u64);
         Ok(PinnedHostBuffer {
             ptr: p.cast(),
             dptr,
@@ -162,7 +156,7 @@ impl<T: Pod> Drop for PinnedHostBuffer<T> {
             return; // leak
         }
         // SAFETY: from cuMemHostAlloc; nothing in flight uses it (in-flight work owns it).
-        let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+        let _ = unsafe { driver::mem::free_host(self.ptr.cast()) };
     }
 }
 

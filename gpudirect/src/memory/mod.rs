@@ -202,29 +202,20 @@ pub(crate) fn on_private_stream(
     ctx: &CudaContext,
     f: impl FnOnce(cudarc::driver::sys::CUstream) -> Result<()>,
 ) -> Result<()> {
-    use cudarc::driver::sys;
+    use crate::driver::stream;
     bind(ctx)?;
-    let mut stream = std::ptr::null_mut();
-    // SAFETY: context current; valid out-pointer.
-    crate::error::cu("cuStreamCreate", unsafe {
-        sys::cuStreamCreate(
-            &mut stream,
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-        )
-    })?;
+    // SAFETY: context current.
+    let s = unsafe { stream::create(cudarc::driver::sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
     // A stream made here and never shown to anyone cannot be capturing; it is checked like
     // every other stream all the same.
-    let queued =
-        crate::cuda::capture::enqueue_raw(stream, "work on a private stream", (), |s, ()| f(s))
-            .map(drop)
-            .map_err(crate::Error::from);
+    let queued = crate::cuda::capture::enqueue_raw(s, "work on a private stream", (), |s, ()| f(s))
+        .map(drop)
+        .map_err(crate::Error::from);
     // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
     // SAFETY: the stream created above.
-    let synced = crate::error::cu("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream)
-    });
+    let synced = unsafe { stream::synchronize(s) };
     // SAFETY: created above, destroyed once (the driver defers it past any pending work).
-    unsafe { sys::cuStreamDestroy_v2(stream) };
+    let _ = unsafe { stream::destroy(s) };
     queued.and(synced)
 }
 

@@ -1,7 +1,8 @@
 //! Host memory pinned in place with `cuMemHostRegister`.
 
 use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Result, cu};
+use crate::driver;
+use crate::error::Result;
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -61,17 +62,12 @@ impl<T: Pod> RegisteredHost<T> {
         bind(ctx)?;
         let mut data = data;
         let ptr = data.as_mut_ptr();
-        // SAFETY: `ptr..ptr+bytes` is the box's live heap memory, kept alive (and unmoved) until
-        // unregistered.
-        cu("cuMemHostRegister_v2", unsafe {
-            sys::cuMemHostRegister_v2(ptr.cast(), bytes, flags.bits())
-        })?;
-        let mut dptr = 0;
-        // SAFETY: registered memory; one valid out-pointer.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.cast(), 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            dptr = ptr as u64;
-        }
+        // SAFETY: context current; `ptr..ptr+bytes` is the box's live heap memory, kept alive
+        // (and unmoved) until unregistered.
+        unsafe { driver::mem::host_register(ptr.cast(), bytes, flags.bits()) }?;
+        // Without a mapping the host address is what copies use.
+        // SAFETY: registered memory of the current context.
+        let dptr = unsafe { driver::mem::host_device_pointer(ptr.cast()) }.unwrap_or(ptr as u64);
         Ok(RegisteredHost {
             len: data.len(),
             data: Some(data),
@@ -120,9 +116,7 @@ impl<T: Pod> RegisteredHost<T> {
         }
         let r = bind(&self.ctx).and_then(|()| {
             // SAFETY: `ptr` was registered by `new`; nothing in flight uses it.
-            cu("cuMemHostUnregister", unsafe {
-                sys::cuMemHostUnregister(self.ptr.cast())
-            })
+            unsafe { driver::mem::host_unregister(self.ptr.cast()) }
         });
         if r.is_err() {
             std::mem::forget(self.data.take()); // may still be pinned: never free it

@@ -652,8 +652,8 @@ impl Fence for StreamFence {
                 return tl.completed() >= self.epoch;
             }
             // SAFETY: a live stream (the timeline holds it), its context current.
-            let r = unsafe { sys::cuStreamSynchronize(tl.stream.cu_stream()) };
-            if r == sys::CUresult::CUDA_SUCCESS {
+            let r = unsafe { crate::driver::stream::synchronize(tl.stream.cu_stream()) };
+            if r.is_ok() {
                 tl.completed.fetch_max(covered, Ordering::AcqRel);
                 return true;
             }

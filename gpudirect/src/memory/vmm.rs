@@ -1,7 +1,8 @@
 //! VMM device memory: `cuMemCreate` with the GPUDirect RDMA flag, reserved, mapped, access set.
 
 use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Error, Result, cu, from_driver};
+use crate::driver::vmm;
+use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -147,15 +148,13 @@ fn vmm_setup(ctx: &Arc<CudaContext>) -> Result<(sys::CUmemAllocationProp, usize)
         }
     }
     let p = prop(ctx.ordinal() as i32);
-    let mut gran = 0;
-    // SAFETY: valid prop and out-pointer.
-    cu("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut gran,
+    // SAFETY: the driver is initialised; a valid prop.
+    let gran = unsafe {
+        vmm::granularity(
             &p,
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         )
-    })?;
+    }?;
     Ok((p, gran.max(1)))
 }
 
@@ -232,11 +231,8 @@ impl<T: Pod> VmmBuffer<T> {
             .iter()
             .try_fold(0usize, |t, c| t.checked_add(c.size))
             .ok_or_else(|| Error::invalid("chunk_bytes", chunks.len(), "total overflows"))?;
-        let mut ptr = 0;
-        // SAFETY: out-pointer valid; alignment = granularity, no fixed address.
-        cu("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0)
-        })?;
+        // SAFETY: context current (bound by `vmm_setup`); alignment = granularity.
+        let ptr = unsafe { vmm::reserve(size, gran) }?;
         let mut buf = VmmBuffer {
             ptr,
             len,
@@ -254,26 +250,19 @@ impl<T: Pod> VmmBuffer<T> {
             let at = ptr
                 .checked_add(c.offset as u64)
                 .ok_or_else(|| Error::invalid("chunk_bytes", c.offset, "address overflows"))?;
-            let mut handle = 0;
-            // SAFETY: valid prop and out-pointer; the size is a multiple of the granularity.
-            cu("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut handle, c.size, &p, 0)
-            })?;
+            // SAFETY: context current; a valid prop; the size is a multiple of the granularity.
+            let handle = unsafe { vmm::create(c.size, &p) }?;
             // SAFETY: `at..at + c.size` lies in the reserved range, unmapped; the handle is
             // `c.size` bytes.
-            if let Err(e) = cu("cuMemMap", unsafe {
-                sys::cuMemMap(at, c.size, 0, handle, 0)
-            }) {
+            if let Err(e) = unsafe { vmm::map(at, c.size, handle) } {
                 // SAFETY: created above, never mapped.
-                unsafe { sys::cuMemRelease(handle) };
+                let _ = unsafe { vmm::release(handle) };
                 return Err(e);
             }
             buf.chunks.push((c, handle));
             // SAFETY: the range just mapped; one access descriptor. On error `buf`'s drop undoes
             // everything.
-            cu("cuMemSetAccess", unsafe {
-                sys::cuMemSetAccess(at, c.size, &access, 1)
-            })?;
+            unsafe { vmm::set_access(at, c.size, &[access]) }?;
         }
         Ok(buf)
     }
@@ -335,15 +324,13 @@ impl<T: Pod> Drop for VmmBuffer<T> {
         // SAFETY: the mappings, reservation and handles made in `map`; nothing in flight.
         unsafe {
             for (c, _) in &self.chunks {
-                if sys::cuMemUnmap(self.ptr + c.offset as u64, c.size)
-                    != sys::CUresult::CUDA_SUCCESS
-                {
+                if vmm::unmap(self.ptr + c.offset as u64, c.size).is_err() {
                     return; // still mapped: leak rather than free under a mapping
                 }
             }
-            sys::cuMemAddressFree(self.ptr, self.size);
+            let _ = vmm::address_free(self.ptr, self.size);
             for (_, h) in &self.chunks {
-                sys::cuMemRelease(*h);
+                let _ = vmm::release(*h);
             }
         }
     }
