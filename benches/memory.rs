@@ -12,11 +12,10 @@
 //! (default 1024).
 
 use criterion::{Criterion, Throughput};
+use gpudirect::completion::{InFlight, StreamFence};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::{CudaContext, sys};
-use gpudirect::memory::{
-    DeviceBuffer, DeviceMemory, HostAllocFlags, InFlight, PinnedHostBuffer, StreamFence, copy_async,
-};
+use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer, copy_async};
 use gpudirect::testing::{Hardware, skip_example};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

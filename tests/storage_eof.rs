@@ -155,7 +155,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
             check(&what("cuFileBatchIOSubmit"), fo, n, &r.buffer, &data);
         }
     }
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -187,6 +187,6 @@ fn a_stream_ordered_read_sees_the_size_an_earlier_write_on_the_stream_made() {
     let host = dst.to_host();
     assert_eq!(&host[..data.len()], &data[..]);
     assert!(host[data.len()..].iter().all(|&b| b == POISON));
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }

@@ -2,7 +2,7 @@
 //!
 //! | path | module | what |
 //! | --- | --- | --- |
-//! | Async | [`cuda`], [`memory`] | presence-checked CUDA, memory kinds, the completion tracker |
+//! | Async | [`completion`], [`cuda`], [`memory`] | the completion tracker and fences, presence-checked CUDA, memory kinds |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
@@ -15,6 +15,7 @@
 #![deny(missing_docs, unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod completion;
 pub mod cuda;
 pub mod device;
 pub mod dmabuf;

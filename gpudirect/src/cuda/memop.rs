@@ -18,15 +18,15 @@
 //!
 //! Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
 //! synchronize the device. While a stream waits on a word that thread T will set, T must not free
-//! CUDA memory (drop a buffer, or let [`crate::memory::Tracker::reap`] or an allocation reap
+//! CUDA memory (drop a buffer, or let [`crate::completion::Tracker::reap`] or an allocation reap
 //! one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
 //! free after setting the word.
 
 use super::Stream;
-use super::capture::Refused;
+use crate::completion::capture::Refused;
+use crate::completion::{DROP_WAIT, Fence, StreamFence};
 use crate::driver;
 use crate::error::{Error, Result, from_driver};
-use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
 use crate::memory::{bind, forked, on_private_stream};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

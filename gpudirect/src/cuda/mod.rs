@@ -3,7 +3,7 @@
 //! Call [`init`] (or anything that calls it) before any cudarc API: it checks that libcuda exists
 //! and is new enough, so a missing or old driver is an [`Error`], never a cudarc panic.
 //!
-//! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::memory::tracker::Timeline)
+//! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::completion::Timeline)
 //! (amortised fences), cross-stream event waits, host callbacks ([`Stream::launch_host_fn`]) and
 //! stream memory operations ([`memop`]: wait on and write 32/64-bit values, batches).
 //!
@@ -19,7 +19,6 @@
 //! work uses (never frees it); a capture begun *and* ended by another thread within one call is
 //! not seen.
 
-pub(crate) mod capture;
 pub mod memop;
 mod stream;
 
@@ -71,7 +70,7 @@ pub(crate) fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmem
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     // The tracker records this process's id before any CUDA work, so that a forked child
     // recognises itself (and leaks rather than frees) even if it first touches the tracker.
-    crate::memory::Tracker::global();
+    crate::completion::Tracker::global();
     let d = gpudirect_sys::cuda::driver()?;
     static CUDARC_VIEW: OnceLock<CudarcLibcuda> = OnceLock::new();
     let view = CUDARC_VIEW.get_or_init(|| cudarc_libcuda(d.path()));

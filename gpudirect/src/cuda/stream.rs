@@ -1,8 +1,8 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
-use super::capture::{self, Refused};
+use crate::completion::capture::{self, Refused};
+use crate::completion::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use crate::error::{Result, from_driver};
-use crate::memory::tracker::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -58,7 +58,7 @@ impl Stream {
     }
 
     /// A fence for all work queued on this stream so far (no driver call). Data paths call it
-    /// right after queueing their work and put it in an [`crate::memory::InFlight`].
+    /// right after queueing their work and put it in an [`crate::completion::InFlight`].
     pub fn fence(&self) -> StreamFence {
         self.timeline.issue()
     }
@@ -333,7 +333,7 @@ mod tests {
         unsafe { &(*raw).state }.store(QUEUED, Ordering::SeqCst);
         // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         reap_until(&drops, 1);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
@@ -343,7 +343,7 @@ mod tests {
         let (raw, fence) = payload(&runs, &drops);
         // SAFETY: as above.
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         // SAFETY: the callback marked RAN and never touches the payload again.
         let state = unsafe { &(*raw).state };
         assert_eq!(
@@ -373,7 +373,7 @@ mod tests {
         Tracker::global().reap();
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         assert_eq!(drops.load(Ordering::SeqCst), 0);
-        assert!(!crate::memory::Fence::is_complete(&fence));
+        assert!(!crate::completion::Fence::is_complete(&fence));
         // A capture seen while the callback was already running: the callback's mark fails, it
         // neither frees nor completes.
         let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -386,7 +386,7 @@ mod tests {
             state.compare_exchange(PENDING, RAN, Ordering::AcqRel, Ordering::Acquire),
             Err(LEAKED)
         );
-        assert!(!crate::memory::Fence::is_complete(&fence));
+        assert!(!crate::completion::Fence::is_complete(&fence));
         assert_eq!(
             (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
             (0, 0)
@@ -410,7 +410,7 @@ mod tests {
         // SAFETY: a leaked payload box, handed over once, as cuLaunchHostFunc would. Dropping
         // the panic payload in there would abort the test process (a panic out of extern "C").
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         assert!(fence.panicked());
     }
 

@@ -12,8 +12,8 @@
 //!
 //! No copy is queued on a stream that is capturing a CUDA graph ([`Error::StreamCapturing`]).
 
-use super::tracker::StreamFence;
-use super::{DeviceMemory, DeviceMemoryMut, InFlight, Pod};
+use super::{DeviceMemory, DeviceMemoryMut, Pod};
+use crate::completion::{InFlight, StreamFence};
 use crate::cuda::Stream;
 use crate::driver::mem;
 use crate::error::{Error, Result};
@@ -76,7 +76,7 @@ unsafe fn issue<R>(
     stream: &Stream,
     plan: Plan,
     keep: R,
-) -> Result<R, crate::cuda::capture::Refused<R>> {
+) -> Result<R, crate::completion::capture::Refused<R>> {
     let ((), keep) = stream.enqueue(plan.call(), keep, |s, _| {
         let Plan {
             src_host,

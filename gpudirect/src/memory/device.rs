@@ -41,7 +41,7 @@ impl<T: Pod> DeviceBuffer<T> {
     pub fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let bytes = byte_size::<T>(len)?;
         crate::cuda::init()?;
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         bind(ctx)?;
         // SAFETY: context current.
         let ptr = unsafe { driver::mem::alloc(bytes) }?;

@@ -60,7 +60,7 @@ impl<T: Pod> PinnedHostBuffer<T> {
     pub fn alloc(ctx: &Arc<CudaContext>, len: usize, flags: HostAllocFlags) -> Result<Self> {
         let bytes = byte_size::<T>(len)?;
         crate::cuda::init()?;
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         bind(ctx)?;
         // SAFETY: context current; flags are cuMemHostAlloc flags.
         let p = unsafe { driver::mem::host_alloc(bytes, flags.bits()) }?;

@@ -1,4 +1,4 @@
-//! Memory kinds, pointer attributes, typed copies and the completion tracker.
+//! Memory kinds, pointer attributes and typed copies.
 //!
 //! Not all device memory is equal for GPUDirect, and the type says which it is (see
 //! [`MemoryKind`]):
@@ -11,8 +11,9 @@
 //! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
 //! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
 //!
-//! Whatever a copy engine, a NIC or cuFile may still touch is owned by an [`tracker::InFlight`]
-//! (or parked in the [`tracker::Tracker`]) until completion is observed. Data paths take owned
+//! Whatever a copy engine, a NIC or cuFile may still touch is owned by an
+//! [`InFlight`](crate::completion::InFlight) (or parked in the
+//! [`Tracker`](crate::completion::Tracker)) until completion is observed. Data paths take owned
 //! values implementing [`DeviceMemory`] (or `Arc`s of them, for memory they only read); memory they
 //! write must implement [`DeviceMemoryMut`], which `Arc` does not.
 //!
@@ -21,11 +22,12 @@
 //! Take buffers as `M: DeviceMemory` (read) or `M: DeviceMemoryMut` (written), by value; the
 //! address range is `m.device_ptr()..m.device_ptr() + m.byte_len()` (bytes), on device
 //! `m.ordinal()`, of kind `m.kind()`. Queue the work, then hand everything it may still touch to
-//! an [`InFlight`] with a fence from the stream:
+//! an [`InFlight`](crate::completion::InFlight) with a fence from the stream:
 //!
 //! ```no_run
+//! use gpudirect::completion::{InFlight, StreamFence};
 //! use gpudirect::cuda::Stream;
-//! use gpudirect::memory::{DeviceBuffer, DeviceMemoryMut, InFlight, StreamFence};
+//! use gpudirect::memory::{DeviceBuffer, DeviceMemoryMut};
 //!
 //! fn start_read<M: DeviceMemoryMut>(stream: &Stream, buf: M) -> gpudirect::Result<InFlight<M, StreamFence>> {
 //!     let (ptr, bytes) = (buf.device_ptr(), buf.byte_len());
@@ -44,10 +46,10 @@
 //! # }
 //! ```
 //!
-//! Other fences: [`crate::cuda::Stream::event_fence`] ([`EventFence`], one `cuEventRecord`
-//! now), [`crate::cuda::Stream::host_fence`] ([`HostFnFence`], a `cuLaunchHostFunc` callback),
-//! [`CompletionFlag`] (set by whoever observes completion: a polled work completion, an I/O
-//! thread).
+//! Other fences (all in [`crate::completion`]): [`crate::cuda::Stream::event_fence`]
+//! (`EventFence`, one `cuEventRecord` now), [`crate::cuda::Stream::host_fence`] (`HostFnFence`,
+//! a `cuLaunchHostFunc` callback), `CompletionFlag` (set by whoever observes completion: a polled
+//! work completion, an I/O thread).
 //!
 //! # Fork safety
 //!
@@ -63,7 +65,6 @@ mod pool;
 #[cfg(test)]
 mod proptests;
 mod registered;
-pub mod tracker;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
@@ -73,7 +74,6 @@ pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
-pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 pub use crate::error::MemoryKind;
@@ -208,9 +208,10 @@ pub(crate) fn on_private_stream(
     let s = unsafe { stream::create(cudarc::driver::sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
     // A stream made here and never shown to anyone cannot be capturing; it is checked like
     // every other stream all the same.
-    let queued = crate::cuda::capture::enqueue_raw(s, "work on a private stream", (), |s, ()| f(s))
-        .map(drop)
-        .map_err(crate::Error::from);
+    let queued =
+        crate::completion::capture::enqueue_raw(s, "work on a private stream", (), |s, ()| f(s))
+            .map(drop)
+            .map_err(crate::Error::from);
     // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
     // SAFETY: the stream created above.
     let synced = unsafe { stream::synchronize(s) };

@@ -4,7 +4,7 @@
 //! functions only: no GPU needed. Run in debug and release builds.
 
 use crate::Error;
-use crate::cuda::capture::{Probe, Refused, enqueue_with};
+use crate::completion::capture::{Probe, Refused, enqueue_with};
 use crate::cuda::memop::{MAX_BATCH_MEM_OPS, batch_spans, flag_bytes, slot_addr};
 use crate::dmabuf::check_export;
 use crate::memory::copy::{bytes_of, check_len};

@@ -226,7 +226,7 @@ impl<T: Pod> VmmBuffer<T> {
         chunks: &[VmmChunk],
         len: usize,
     ) -> Result<Self> {
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         let size = chunks
             .iter()
             .try_fold(0usize, |t, c| t.checked_add(c.size))

@@ -7,7 +7,7 @@
 //! the slot, the source stream waits for that `h2d` event. Nothing blocks the host, and the two
 //! directions run on the two devices' copy engines at once.
 
-use crate::cuda::capture::{self, Refused};
+use crate::completion::capture::{self, Refused};
 use crate::error::{Result, cu, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;

@@ -2,9 +2,10 @@
 //! tracker until a host callback on the stream has run.
 
 use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
+use crate::completion::{HostFnFence, InFlight};
 use crate::cuda::Stream;
 use crate::error::{Error, Result, cu};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight};
+use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use cudarc::driver::{CudaStream, sys as cu_sys};
 use std::os::fd::AsFd;
 use std::sync::Arc;
@@ -142,7 +143,7 @@ impl<M: DeviceMemory> AsyncResources<M> {
 
 /// A stream-ordered cuFile I/O in flight. [`wait`](Self::wait) returns the buffer and the byte
 /// count. Dropping it waits a bounded time, then parks everything in the
-/// [`Tracker`](crate::memory::Tracker) until the host callback has run (freed by a later `reap`);
+/// [`Tracker`](crate::completion::Tracker) until the host callback has run (freed by a later `reap`);
 /// `mem::forget` leaks it, which is safe.
 #[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
 pub struct AsyncIo<M: DeviceMemory> {
@@ -182,7 +183,7 @@ impl<M: DeviceMemory> AsyncIo<M> {
     ///
     /// [`Error::Cuda`] from `cuStreamQuery` (or `cuCtxSetCurrent`) when the stream has failed
     /// (a sticky error) before passing the operation: its host callback will never run, so the
-    /// wait gives up and the resources stay parked in the [`Tracker`](crate::memory::Tracker)
+    /// wait gives up and the resources stay parked in the [`Tracker`](crate::completion::Tracker)
     /// (never freed early; in practice leaked).
     pub fn wait_resources(self) -> Result<AsyncResources<M>> {
         let stream = self.stream;
@@ -324,7 +325,7 @@ impl FileHandle {
         };
         let handle = self.inner.handle;
         let ((), (buf, params)) =
-            crate::cuda::capture::enqueue(stream, call, (buf, params), |raw, _| {
+            crate::completion::capture::enqueue(stream, call, (buf, params), |raw, _| {
                 // SAFETY: every pointer is into the boxed block or the owned buffer, both moved
                 // into the tracker below (or leaked by the capture check) and kept until the host
                 // callback after this operation has run.

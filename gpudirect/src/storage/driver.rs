@@ -77,7 +77,7 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if crate::memory::Tracker::global().in_forked_child() {
+        if crate::completion::Tracker::global().in_forked_child() {
             return; // no cuFile calls in a forked child (nor a lock a parent thread may hold)
         }
         // Every FileHandle, registration, batch and in-flight operation holds a Driver, so when

@@ -1,9 +1,9 @@
 //! `cuIpcGetEventHandle`/`cuIpcOpenEventHandle`: events that order work across processes.
 
 use super::{hex64, to_bytes, to_chars};
+use crate::completion::Fence;
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::Fence;
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
