@@ -40,6 +40,8 @@ pub use in_flight::{DROP_WAIT, InFlight};
 pub use timeline::{StreamFence, Timeline};
 pub use tracker::Tracker;
 
+pub(crate) use tracker::forked;
+
 pub(crate) use backoff::{LONG_WAIT, poll_until};
 
 /// Fixtures shared by the tests of this module's files.

@@ -31,7 +31,7 @@ impl Tracker {
 
     /// Whether this is a forked child of the process that created the tracker.
     pub fn in_forked_child(&self) -> bool {
-        std::process::id() != self.pid
+        forked(self.pid)
     }
 
     /// Keep `resources` until `fence` completes and a later [`reap`](Self::reap) sees it.
@@ -83,6 +83,13 @@ impl Tracker {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Parked>> {
         self.parked.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Whether this process is not the one with id `pid` (a forked child of it): then nothing that
+/// process made may be freed through a driver (the child's CUDA, cuFile and verbs state is
+/// unusable), so it is leaked instead.
+pub(crate) fn forked(pid: u32) -> bool {
+    std::process::id() != pid
 }
 
 /// Run `poll` (a user's fence code), catching a panic: `None` when it panicked. A fence that

@@ -23,11 +23,13 @@
 //! free after setting the word.
 
 use super::Stream;
+use super::private::on_private_stream;
 use crate::completion::capture::Refused;
+use crate::completion::forked;
 use crate::completion::{DROP_WAIT, Fence, StreamFence};
 use crate::driver;
+use crate::driver::ctx::bind;
 use crate::error::{Error, Result, from_driver};
-use crate::memory::{bind, forked, on_private_stream};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -20,10 +20,13 @@
 //! not seen.
 
 pub mod memop;
+mod private;
 mod stream;
 
 pub use memop::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, WaitCondition};
 pub use stream::Stream;
+
+pub(crate) use private::on_private_stream;
 
 use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};

@@ -1,8 +1,10 @@
 //! `cuMemAlloc` device memory: GPUDirect RDMA capable, exportable.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
+use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, byte_size};
+use crate::completion::forked;
 use crate::cuda::Stream;
 use crate::driver;
+use crate::driver::ctx::bind;
 use crate::error::Result;
 use cudarc::driver::CudaContext;
 use std::marker::PhantomData;
@@ -59,7 +61,7 @@ impl<T: Pod> DeviceBuffer<T> {
     #[doc(alias = "cuMemsetD8_v2")]
     pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let b = Self::alloc(ctx, len)?;
-        super::on_private_stream(ctx, |stream| {
+        crate::cuda::on_private_stream(ctx, |stream| {
             // SAFETY: context current; the range is this allocation, synchronized before it is
             // handed out; a live stream.
             unsafe { driver::mem::memset_d8_async(b.ptr, 0, b.byte_len(), stream) }

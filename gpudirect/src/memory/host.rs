@@ -1,7 +1,9 @@
 //! `cuMemHostAlloc` pinned host memory.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
+use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, byte_size};
+use crate::completion::forked;
 use crate::driver;
+use crate::driver::ctx::bind;
 use crate::error::Result;
 use cudarc::driver::{CudaContext, sys};
 use std::marker::PhantomData;

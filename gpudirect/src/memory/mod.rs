@@ -78,8 +78,7 @@ pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 pub use crate::error::MemoryKind;
 
-use crate::error::{Result, from_driver};
-use cudarc::driver::CudaContext;
+use crate::error::Result;
 use std::sync::Arc;
 
 /// Memory that a CUDA device (or a NIC through it) can address: a device pointer and a length.
@@ -183,46 +182,6 @@ pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> 
         });
     }
     Ok(())
-}
-
-/// Make `ctx` current on the calling thread.
-pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
-}
-
-/// Run `f` on a new private stream of `ctx` created with `CU_STREAM_NON_BLOCKING`, then
-/// `cuStreamSynchronize` that stream only, and destroy it.
-///
-/// For small blocking writes and reads that another stream may be waiting for: unlike
-/// `cuCtxSynchronize` (which waits for every stream of the context) or a synchronous copy on the
-/// legacy default stream (which waits for every blocking stream), this never waits behind a stream
-/// blocked in `cuStreamWaitValue` until this very write lands.
-pub(crate) fn on_private_stream(
-    ctx: &CudaContext,
-    f: impl FnOnce(cudarc::driver::sys::CUstream) -> Result<()>,
-) -> Result<()> {
-    use crate::driver::stream;
-    bind(ctx)?;
-    // SAFETY: context current.
-    let s = unsafe { stream::create(cudarc::driver::sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
-    // A stream made here and never shown to anyone cannot be capturing; it is checked like
-    // every other stream all the same.
-    let queued =
-        crate::completion::capture::enqueue_raw(s, "work on a private stream", (), |s, ()| f(s))
-            .map(drop)
-            .map_err(crate::Error::from);
-    // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
-    // SAFETY: the stream created above.
-    let synced = unsafe { stream::synchronize(s) };
-    // SAFETY: created above, destroyed once (the driver defers it past any pending work).
-    let _ = unsafe { stream::destroy(s) };
-    queued.and(synced)
-}
-
-/// Whether this process is not the one with id `pid` (a forked child): no driver frees then.
-pub(crate) fn forked(pid: u32) -> bool {
-    std::process::id() != pid
 }
 
 /// `len * size_of::<T>()`, or an [`crate::Error::InvalidArgument`] on overflow or zero.

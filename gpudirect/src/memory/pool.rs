@@ -80,7 +80,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for PoolBuffer<T> {}
 
 impl<T: Pod> Drop for PoolBuffer<T> {
     fn drop(&mut self) {
-        if super::forked(self.pid) {
+        if crate::completion::forked(self.pid) {
             return; // leak: cudarc's free would call the driver in a forked child
         }
         // SAFETY: dropped exactly once, here.

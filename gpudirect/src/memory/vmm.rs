@@ -1,6 +1,8 @@
 //! VMM device memory: `cuMemCreate` with the GPUDirect RDMA flag, reserved, mapped, access set.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
+use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, byte_size};
+use crate::completion::forked;
+use crate::driver::ctx::bind;
 use crate::driver::vmm;
 use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};

@@ -300,7 +300,7 @@ pub fn check_rdma_capable<M: DeviceMemory>(mem: &M) -> Result<PointerAttributes>
 pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
     use cudarc::driver::sys;
     let ctx = crate::cuda::context(ordinal)?;
-    crate::memory::bind(&ctx)?;
+    crate::driver::ctx::bind(&ctx)?;
     let one: u32 = 1;
     // SAFETY: the attribute's value is an unsigned int read through the pointer during the call;
     // the driver validates `ptr`.
@@ -919,7 +919,7 @@ pub fn flush_gpudirect_rdma_writes(
     if plan == FlushOutcome::AlreadyOrdered {
         return Ok(plan);
     }
-    crate::memory::bind(ctx)?;
+    crate::driver::ctx::bind(ctx)?;
     let s = match scope {
         FlushScope::Owner => {
             sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER

@@ -194,7 +194,7 @@ impl<M: DeviceMemory> AsyncIo<M> {
 
 /// `Err` when `stream` has failed (`cuStreamQuery` answers neither success nor not-ready).
 fn stream_failed(stream: &CudaStream) -> Result<()> {
-    crate::memory::bind(stream.context())?;
+    crate::driver::ctx::bind(stream.context())?;
     // SAFETY: a live stream of the current context.
     match unsafe { cu_sys::cuStreamQuery(stream.cu_stream()) } {
         cu_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),

@@ -178,7 +178,7 @@ impl Fence for IpcEvent {
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
+        if crate::completion::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
         // SAFETY: created or opened by this value, destroyed once (the driver defers the

@@ -312,7 +312,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for IpcMemory<T> {}
 
 impl<T: Pod> Drop for IpcMemory<T> {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
+        if crate::completion::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
             return; // forked child or dead context: leave the mapping
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
