@@ -1,12 +1,11 @@
 //! VMM device memory: `cuMemCreate` with the GPUDirect RDMA flag, reserved, mapped, access set.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, byte_size};
-use crate::completion::forked;
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod, byte_size};
 use crate::driver::ctx::bind;
 use crate::driver::vmm;
 use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// Device memory made with the virtual memory management API: one or more physical chunks
@@ -15,7 +14,7 @@ use std::sync::Arc;
 /// `cuMemSetAccess` read-write for the owning device.
 ///
 /// [`alloc`](Self::alloc) makes one chunk, its size rounded up to the allocation granularity
-/// ([`mapped_bytes`](Self::mapped_bytes)); [`len`](DeviceMemory::len) is the requested element
+/// ([`mapped_bytes`](Self::mapped_bytes)); [`len`](super::DeviceMemory::len) is the requested element
 /// count. [`alloc_chunks`](Self::alloc_chunks) makes several chunks mapped contiguously, the
 /// layout PyTorch's expandable segments produce: one address range, several physical
 /// allocations ([`chunks`](Self::chunks)). Drop unmaps, frees the address range and releases the
@@ -23,17 +22,45 @@ use std::sync::Arc;
 #[derive(Debug)]
 #[doc(alias = "cuMemCreate")]
 #[doc(alias = "cuMemMap")]
-pub struct VmmBuffer<T: Pod> {
-    ptr: u64,
-    len: usize,
+pub struct VmmBuffer<T: Pod>(Allocation<T, VmmMapping>);
+
+/// A reserved address range with physical allocations mapped into it back to back, given back
+/// by unmapping each (`cuMemUnmap`), freeing the range (`cuMemAddressFree`) and releasing the
+/// handles (`cuMemRelease`). If a chunk cannot be unmapped, nothing is freed (never under a
+/// mapping): all of it leaks.
+#[derive(Debug)]
+pub(crate) struct VmmMapping {
     /// Bytes reserved (and, once built, mapped): the sum of the chunks.
     size: usize,
     /// The chunks mapped so far, in address order.
     chunks: Vec<(VmmChunk, sys::CUmemGenericAllocationHandle)>,
-    ctx: Arc<CudaContext>,
-    pid: u32,
-    _elem: PhantomData<T>,
 }
+
+// SAFETY: device memory of the context's device, mapped into the reserved range from the moment
+// the allocation's length covers it (the length is set only once every chunk is mapped) until
+// `release` unmaps it; no host view.
+unsafe impl Release for VmmMapping {
+    const KIND: MemoryKind = MemoryKind::Vmm;
+    const CALL: &'static str = "cuMemUnmap";
+    type Back = ();
+
+    unsafe fn release(self, ptr: u64) -> Result<()> {
+        // SAFETY: the mappings, reservation and handles this value made, undone once, with no
+        // work using them (the caller's).
+        unsafe {
+            for (c, _) in &self.chunks {
+                vmm::unmap(ptr + c.offset as u64, c.size)?; // still mapped: leak the rest
+            }
+            let _ = vmm::address_free(ptr, self.size);
+            for (_, h) in &self.chunks {
+                let _ = vmm::release(*h);
+            }
+        }
+        Ok(())
+    }
+}
+
+thin_memory!(VmmBuffer);
 
 /// One physical allocation of a [`VmmBuffer`]: where it is mapped in the buffer, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,15 +262,13 @@ impl<T: Pod> VmmBuffer<T> {
             .ok_or_else(|| Error::invalid("chunk_bytes", chunks.len(), "total overflows"))?;
         // SAFETY: context current (bound by `vmm_setup`); alignment = granularity.
         let ptr = unsafe { vmm::reserve(size, gran) }?;
-        let mut buf = VmmBuffer {
-            ptr,
-            len,
+        let how = VmmMapping {
             size,
             chunks: Vec::with_capacity(chunks.len()),
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-            _elem: PhantomData,
         };
+        // SAFETY: an empty range for now (length 0): the reservation, given back by
+        // `VmmMapping` with whatever chunks get mapped into it.
+        let mut buf = unsafe { Allocation::<T, _>::new(ptr, 0, ctx, how) };
         let access = sys::CUmemAccessDesc {
             location: p.location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -261,80 +286,41 @@ impl<T: Pod> VmmBuffer<T> {
                 let _ = unsafe { vmm::release(handle) };
                 return Err(e);
             }
-            buf.chunks.push((c, handle));
+            buf.how_mut().chunks.push((c, handle));
             // SAFETY: the range just mapped; one access descriptor. On error `buf`'s drop undoes
             // everything.
             unsafe { vmm::set_access(at, c.size, &[access]) }?;
         }
-        Ok(buf)
+        // SAFETY: every chunk is mapped now: the range holds `len` elements (`len *
+        // size_of::<T>() <= size`).
+        unsafe { buf.set_len(len) };
+        Ok(VmmBuffer(buf))
     }
 
     /// Bytes mapped: the requested size rounded up to the allocation granularity (the sum of
     /// the chunks).
     pub fn mapped_bytes(&self) -> usize {
-        self.size
+        self.0.how().size
     }
 
     /// The physical chunks, in address order (one for [`alloc`](Self::alloc)).
     pub fn chunks(&self) -> Vec<VmmChunk> {
-        self.chunks.iter().map(|(c, _)| *c).collect()
+        self.0.how().chunks.iter().map(|(c, _)| *c).collect()
     }
 
     /// The `CUmemGenericAllocationHandle` of the first physical chunk (the only one for
     /// [`alloc`](Self::alloc)), for `cuMemExportToShareableHandle`.
     pub fn handle(&self) -> sys::CUmemGenericAllocationHandle {
-        self.chunks.first().map_or(0, |(_, h)| *h)
-    }
-
-    /// The context it was allocated for.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        self.0.how().chunks.first().map_or(0, |(_, h)| *h)
     }
 
     /// The contents, copied to the host (blocking, on `stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_to_host`](super::copy_to_host).
     pub fn to_vec(&self, stream: &crate::cuda::Stream) -> Result<Vec<T>> {
         super::copy::to_vec(stream, self)
-    }
-}
-
-// SAFETY: the mapping lives until drop and never moves; `len * size_of::<T>() <= size`, and the
-// whole range is mapped (a buffer is only handed out once every chunk is).
-unsafe impl<T: Pod> DeviceMemory for VmmBuffer<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Vmm
-    }
-}
-
-// SAFETY: no host references to device bytes.
-unsafe impl<T: Pod> DeviceMemoryMut for VmmBuffer<T> {}
-
-impl<T: Pod> Drop for VmmBuffer<T> {
-    fn drop(&mut self) {
-        if forked(self.pid) || bind(&self.ctx).is_err() {
-            return;
-        }
-        // SAFETY: the mappings, reservation and handles made in `map`; nothing in flight.
-        unsafe {
-            for (c, _) in &self.chunks {
-                if vmm::unmap(self.ptr + c.offset as u64, c.size).is_err() {
-                    return; // still mapped: leak rather than free under a mapping
-                }
-            }
-            let _ = vmm::address_free(self.ptr, self.size);
-            for (_, h) in &self.chunks {
-                let _ = vmm::release(*h);
-            }
-        }
     }
 }
 
