@@ -48,6 +48,11 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     /// Wait up to `timeout`; on time-out the operation stays in flight and is handed back in
     /// `Err`, never freed.
     ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] with the operation when completion was not seen within `timeout` (or
+    /// cannot be proven: a fence whose synchronization failed).
+    ///
     /// # Panics
     ///
     /// When the fence's own code panics (a user's [`Fence`]); the resources are then leaked.
@@ -106,6 +111,10 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     }
 
     /// The resources, if the operation has completed; otherwise `Err(self)`.
+    ///
+    /// # Errors
+    ///
+    /// The operation itself, still in flight, when its fence does not report completion yet.
     ///
     /// # Panics
     ///

@@ -273,7 +273,8 @@ impl MemopFlags {
     ///
     /// # Errors
     ///
-    /// [`Error::Load`] when the driver lacks the `_v2` memop symbols; [`Error::Cuda`].
+    /// [`Error::InvalidArgument`] for `slots` of 0 or past [`MAX_FLAG_SLOTS`]; [`Error::Load`]
+    /// without libcuda or when the driver lacks the `_v2` memop symbols; [`Error::Cuda`].
     #[doc(alias = "cuMemHostAlloc")]
     pub fn pinned_host(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
@@ -306,6 +307,10 @@ impl MemopFlags {
     }
 
     /// `slots` zeroed 64-bit words in device memory (`cuMemAlloc`).
+    ///
+    /// # Errors
+    ///
+    /// As [`pinned_host`](Self::pinned_host).
     #[doc(alias = "cuMemAlloc_v2")]
     pub fn device(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
@@ -361,6 +366,11 @@ impl MemopFlags {
 
     /// Read slot `slot` as 64 bits (Acquire on host memory; on device memory a copy on a private
     /// non-blocking stream, synchronized: it never waits for the context's other streams).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a slot past the end; for device words, [`Error::Cuda`] from
+    /// the copy.
     pub fn load_u64(&self, slot: usize) -> Result<u64> {
         self.check_slot(slot)?;
         match self.backing {
@@ -388,6 +398,10 @@ impl MemopFlags {
     /// Write slot `slot` as 64 bits (Release on host memory; on device memory a copy on a private
     /// non-blocking stream, synchronized: it never waits for the context's other streams, one of
     /// which may be blocked in a wait this store releases).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn store_u64(&self, slot: usize, value: u64) -> Result<()> {
         self.check_slot(slot)?;
         match self.backing {
@@ -414,6 +428,10 @@ impl MemopFlags {
     }
 
     /// Read the low 32 bits of slot `slot` (the word 32-bit operations use).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn load_u32(&self, slot: usize) -> Result<u32> {
         self.check_slot(slot)?;
         match self.backing {
@@ -427,6 +445,10 @@ impl MemopFlags {
     }
 
     /// Write the low 32 bits of slot `slot`.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn store_u32(&self, slot: usize, value: u32) -> Result<()> {
         self.check_slot(slot)?;
         match self.backing {
@@ -568,6 +590,11 @@ impl Stream {
 
     /// `cuStreamWaitValue32_v2`: later work on this stream waits until the low 32 bits of
     /// `slot` satisfy `cond` against `value`.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_mem_ops`](Self::batch_mem_ops) for one operation; [`Error::StreamCapturing`]
+    /// while the stream captures a graph.
     #[doc(alias = "cuStreamWaitValue32_v2")]
     pub fn wait_value32(
         &self,
@@ -580,6 +607,11 @@ impl Stream {
     }
 
     /// `cuStreamWaitValue64_v2`: later work waits until `slot` satisfies `cond` against `value`.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value32`](Self::wait_value32); [`Error::Unsupported`] where the device lacks
+    /// 64-bit operations.
     #[doc(alias = "cuStreamWaitValue64_v2")]
     pub fn wait_value64(
         &self,
@@ -593,26 +625,35 @@ impl Stream {
 
     /// `cuStreamWriteValue32_v2`: write `value` to the low 32 bits of `slot` once the stream
     /// gets there.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value32`](Self::wait_value32).
     #[doc(alias = "cuStreamWriteValue32_v2")]
     pub fn write_value32(&self, flags: &MemopFlags, slot: usize, value: u32) -> Result<()> {
         self.one_op(flags, MemOp::Write32 { slot, value })
     }
 
     /// `cuStreamWriteValue64_v2`: write `value` to `slot` once the stream gets there.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value64`](Self::wait_value64).
     #[doc(alias = "cuStreamWriteValue64_v2")]
     pub fn write_value64(&self, flags: &MemopFlags, slot: usize, value: u64) -> Result<()> {
         self.one_op(flags, MemOp::Write64 { slot, value })
     }
 
     /// `cuStreamBatchMemOp_v2`: queue `ops` in order. Batches longer than
-    /// [`MAX_BATCH_MEM_OPS`] are split into several calls (A18); returns the number of driver
-    /// calls made. Everything is validated before the first call.
+    /// [`MAX_BATCH_MEM_OPS`] are split into several calls; returns the number of driver calls
+    /// made. Everything is validated before the first call.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a slot out of range; [`Error::Unsupported`] for 64-bit or
-    /// NOR operations the device lacks; [`Error::Cuda`] from the driver (operations of earlier
-    /// chunks stay queued).
+    /// [`Error::InvalidArgument`] for a slot out of range or device flags on another device than
+    /// the stream's; [`Error::Unsupported`] for 64-bit or NOR operations the device lacks;
+    /// [`Error::StreamCapturing`] while the stream captures a graph; [`Error::Cuda`] from the
+    /// driver (operations of earlier chunks stay queued).
     #[doc(alias = "cuStreamBatchMemOp_v2")]
     pub fn batch_mem_ops(&self, flags: &MemopFlags, ops: &[MemOp]) -> Result<usize> {
         flags.validate(self, ops)?;

@@ -68,6 +68,14 @@ pub(crate) fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmem
 /// [`Error::Load`] (put the library's directory on `LD_LIBRARY_PATH` instead). With cudarc's
 /// `dynamic-linking` libcuda is linked into the program, and an override naming another library
 /// is an [`Error::InvalidArgument`] naming the variable.
+///
+/// # Errors
+///
+/// [`Error::Load`] when libcuda (or a symbol gpudirect needs) is missing, or cudarc would not
+/// find the library checked; [`Error::InvalidArgument`] for an override the linked libcuda
+/// contradicts; [`Error::DriverTooOld`] below CUDA 12.0; [`Error::Cuda`] from `cuInit`
+/// (`CUDA_ERROR_NO_DEVICE` on a node without a GPU, `CUDA_ERROR_STUB_LIBRARY` for a stub). Each
+/// is answered again, the same, by every later call.
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
@@ -183,6 +191,10 @@ fn cudarc_loader_check(view: CudarcLibcuda, ours: &str) -> Result<()> {
 }
 
 /// `cuDeviceGetCount`: how many CUDA devices are visible.
+///
+/// # Errors
+///
+/// As [`init`]; [`Error::Cuda`] from `cuDeviceGetCount`.
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> Result<usize> {
     init()?;

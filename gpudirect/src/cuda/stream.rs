@@ -20,6 +20,10 @@ pub struct Stream {
 
 impl Stream {
     /// `cuStreamCreate` a new non-default stream on `ctx` (through cudarc).
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::cuda::init`]; [`crate::Error::Cuda`] from `cuStreamCreate`.
     #[doc(alias = "cuStreamCreate")]
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         crate::cuda::init()?;
@@ -84,7 +88,12 @@ impl Stream {
         EventFence::record(self.cuda())
     }
 
-    /// `cuStreamSynchronize`.
+    /// `cuStreamSynchronize`: block until everything queued on the stream has finished.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::Cuda`]: an error of the work itself (sticky: the context is unusable
+    /// afterwards), or `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` on a capturing stream.
     #[doc(alias = "cuStreamSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
         self.cuda()

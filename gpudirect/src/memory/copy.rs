@@ -177,6 +177,10 @@ where
 }
 
 /// Copy host elements `src` (any host memory, pageable or pinned) into `dst`, blocking.
+///
+/// # Errors
+///
+/// As [`copy`].
 #[doc(alias = "cuMemcpyHtoD_v2")]
 pub fn copy_from_host<D>(stream: &Stream, src: &[D::Elem], dst: &mut D) -> Result<()>
 where
@@ -198,6 +202,10 @@ where
 }
 
 /// Copy `src` into host elements `dst`, blocking.
+///
+/// # Errors
+///
+/// As [`copy`].
 #[doc(alias = "cuMemcpyDtoH_v2")]
 pub fn copy_to_host<S>(stream: &Stream, src: &S, dst: &mut [S::Elem]) -> Result<()>
 where

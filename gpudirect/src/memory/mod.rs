@@ -132,6 +132,10 @@ pub unsafe trait DeviceMemory: Send + 'static {
     }
 
     /// `cuPointerGetAttributes` on [`device_ptr`](DeviceMemory::device_ptr).
+    ///
+    /// # Errors
+    ///
+    /// As [`pointer_attributes`].
     #[doc(alias = "cuPointerGetAttributes")]
     fn attributes(&self) -> Result<PointerAttributes> {
         pointer_attributes(self.device_ptr())
