@@ -43,7 +43,7 @@ fn run(n: usize) -> gpudirect::Result<()> {
         Ok(c) => c,
         Err(e) => skip_example(Hardware::Gpu, format!("no GPU: {e}")),
     };
-    let info = gpudirect::device::DeviceInfo::query(0)?;
+    let info = gpudirect::cuda::DeviceInfo::query(0)?;
     let peermem = gpudirect::sys::peermem::peermem_module();
     let gpu_side = format!(
         "GPU 0 {}: dma-buf export {}, GPUDirect RDMA {}, peer-memory module {}",

@@ -35,8 +35,8 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when the fence can never prove completion (a [`StreamFence`] or
-    /// [`EventFence`] whose synchronization failed: a sticky error); the resources are then
+    /// [`Error::Timeout`] when the fence can never prove completion (a [`StreamFence`](super::StreamFence) or
+    /// [`EventFence`](super::EventFence) whose synchronization failed: a sticky error); the resources are then
     /// parked in the [`Tracker`], never freed early.
     pub fn wait(self) -> Result<R> {
         Tracker::global().reap();

@@ -30,6 +30,8 @@ mod event_fence;
 mod fence;
 mod host_fn;
 mod in_flight;
+#[cfg(test)]
+mod proptests;
 mod timeline;
 mod tracker;
 

@@ -1,26 +1,7 @@
 //! Stream memory operations: wait on and write 32- and 64-bit values from a stream
 //! (`cuStreamWaitValue32_v2`, `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`, ...).
 //!
-//! The words live in a [`MemopFlags`]: pinned host memory mapped for the device
-//! (`cuMemHostAlloc` with `DEVICEMAP`), which the host reads and writes atomically, or device
-//! memory (`cuMemAlloc`). The words are never exposed as `&`/`&mut`: the host uses
-//! [`MemopFlags::load_u32`]/[`MemopFlags::store_u32`] and friends (atomics on host memory).
-//!
-//! The `_v2` entry points are used (the legacy ones answer `CUDA_ERROR_NOT_SUPPORTED` on recent
-//! GPUs); they are checked for with our own loader before cudarc calls them. 32-bit operations
-//! are always available with the v2 API on CUDA 12 drivers; 64-bit ones are gated on
-//! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, [`WaitCondition::Nor`] on
-//! `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
-//!
-//! Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
-//! [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
-//! waits (bounded) for them and leaks the memory when it cannot prove they completed.
-//!
-//! Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
-//! synchronize the device. While a stream waits on a word that thread T will set, T must not free
-//! CUDA memory (drop a buffer, or let [`crate::completion::Tracker::reap`] or an allocation reap
-//! one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
-//! free after setting the word.
+//! The words, their lifetime and the hazards are described on [`MemopFlags`].
 
 use super::Stream;
 use super::private::on_private_stream;
@@ -39,7 +20,7 @@ use std::sync::{Arc, Mutex};
 pub const MAX_BATCH_MEM_OPS: usize = 255;
 
 /// The symbols the memory operations need.
-pub const SYMBOLS: &[&str] = &[
+pub const MEMOP_SYMBOLS: &[&str] = &[
     "cuStreamWaitValue32_v2",
     "cuStreamWaitValue64_v2",
     "cuStreamWriteValue32_v2",
@@ -231,9 +212,30 @@ enum Backing {
     Device,
 }
 
-/// 64-bit words for stream memory operations, in pinned device-mapped host memory or device
-/// memory. Never exposed as references: the host reads and writes them through atomic
-/// ([`load_u64`](Self::load_u64), ...) or copy accessors.
+/// 64-bit words for stream memory operations (`cuStreamWaitValue32_v2`,
+/// `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`, ...: [`Stream::wait_value32`] and its
+/// siblings, [`Stream::batch_mem_ops`]).
+///
+/// The words live in pinned host memory mapped for the device
+/// (`cuMemHostAlloc` with `DEVICEMAP`), which the host reads and writes atomically, or device
+/// memory (`cuMemAlloc`). The words are never exposed as `&`/`&mut`: the host uses
+/// [`MemopFlags::load_u32`]/[`MemopFlags::store_u32`] and friends (atomics on host memory).
+///
+/// The `_v2` entry points are used (the legacy ones answer `CUDA_ERROR_NOT_SUPPORTED` on recent
+/// GPUs); they are checked for with our own loader before cudarc calls them. 32-bit operations
+/// are always available with the v2 API on CUDA 12 drivers; 64-bit ones are gated on
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, [`WaitCondition::Nor`] on
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
+///
+/// Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
+/// [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
+/// waits (bounded) for them and leaks the memory when it cannot prove they completed.
+///
+/// Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
+/// synchronize the device. While a stream waits on a word that thread T will set, T must not free
+/// CUDA memory (drop a buffer, or let [`crate::completion::Tracker::reap`] or an allocation reap
+/// one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
+/// free after setting the word.
 #[derive(Debug)]
 pub struct MemopFlags {
     backing: Backing,
@@ -257,7 +259,7 @@ impl MemopFlags {
     fn check(ctx: &Arc<CudaContext>, slots: usize) -> Result<(usize, bool, bool)> {
         let bytes = flag_bytes(slots)?;
         crate::cuda::init()?;
-        gpudirect_sys::cuda::require_symbols(SYMBOLS)?;
+        gpudirect_sys::cuda::require_symbols(MEMOP_SYMBOLS)?;
         use sys::CUdevice_attribute as A;
         let a = |attr| {
             ctx.attribute(attr)

@@ -5,7 +5,8 @@
 //!
 //! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::completion::Timeline)
 //! (amortised fences), cross-stream event waits, host callbacks ([`Stream::launch_host_fn`]) and
-//! stream memory operations ([`memop`]: wait on and write 32/64-bit values, batches).
+//! stream memory operations ([`MemopFlags`] and [`Stream::batch_mem_ops`]: wait on and write
+//! 32/64-bit values, batches).
 //!
 //! # CUDA graphs
 //!
@@ -19,11 +20,18 @@
 //! work uses (never frees it); a capture begun *and* ended by another thread within one call is
 //! not seen.
 
-pub mod memop;
+mod device;
+mod memop;
 mod private;
+#[cfg(test)]
+mod proptests;
 mod stream;
 
-pub use memop::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, WaitCondition};
+pub use device::DeviceInfo;
+pub use memop::{
+    MAX_BATCH_MEM_OPS, MAX_FLAG_SLOTS, MEMOP_SYMBOLS, MemOp, MemopFlags, WaitCondition,
+    batch_chunks,
+};
 pub use stream::Stream;
 
 pub(crate) use private::on_private_stream;

@@ -1,16 +1,5 @@
-//! Typed copies between memory kinds: blocking, and asynchronous on a [`Stream`].
-//!
-//! Every copy checks, before any driver call, that source and destination hold the same element
-//! type (at compile time) and the same number of elements, and that device memory belongs to the
-//! stream's device (copies between devices are the `p2p` module's). Host kinds take the
-//! `cuMemcpyHtoDAsync`/`cuMemcpyDtoHAsync` paths with their host address, device kinds
-//! `cuMemcpyDtoDAsync`.
-//!
-//! Asynchronous copies take both buffers by value (or the source as an `Arc`) and return an
-//! [`InFlight`] that owns them until the copy has completed: `mem::forget` of it leaks them, and
-//! the destination can be read only after [`InFlight::wait`] hands it back.
-//!
-//! No copy is queued on a stream that is capturing a CUDA graph ([`Error::StreamCapturing`]).
+//! Typed copies between memory kinds: blocking, and asynchronous on a [`Stream`] (the rules are
+//! in the `memory` module docs).
 
 use super::{DeviceMemory, DeviceMemoryMut, Pod};
 use crate::completion::{InFlight, StreamFence};

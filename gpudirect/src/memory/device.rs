@@ -61,7 +61,9 @@ impl<T: Pod> DeviceBuffer<T> {
         // SAFETY: context current.
         let ptr = unsafe { driver::mem::alloc(bytes) }?;
         // SAFETY: `bytes` bytes of cuMemAlloc memory in `ctx`, freed only by `MemAlloc`.
-        Ok(DeviceBuffer(unsafe { Allocation::new(ptr, len, ctx, MemAlloc) }))
+        Ok(DeviceBuffer(unsafe {
+            Allocation::new(ptr, len, ctx, MemAlloc)
+        }))
     }
 
     /// [`alloc`](Self::alloc), then `cuMemsetD8Async` to zero on a private non-blocking stream,

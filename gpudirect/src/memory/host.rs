@@ -98,7 +98,9 @@ impl<T: Pod> PinnedHostBuffer<T> {
             flags,
         };
         // SAFETY: `bytes` bytes of pinned memory mapped at `dptr`, freed only by `HostAlloc`.
-        Ok(PinnedHostBuffer(unsafe { Allocation::new(dptr, len, ctx, how) }))
+        Ok(PinnedHostBuffer(unsafe {
+            Allocation::new(dptr, len, ctx, how)
+        }))
     }
 
     /// A pinned copy of `data`.

@@ -11,6 +11,9 @@
 //! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
 //! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
 //!
+//! Device memory exports as a dma-buf with [`export_dmabuf`]: the [`DmaBuf`] owns the memory and
+//! never lends its fd, so no duplicate can outlive what it reaches.
+//!
 //! Whatever a copy engine, a NIC or cuFile may still touch is owned by an
 //! [`InFlight`](crate::completion::InFlight) (or parked in the
 //! [`Tracker`](crate::completion::Tracker)) until completion is observed. Data paths take owned
@@ -51,6 +54,22 @@
 //! a `cuLaunchHostFunc` callback), `CompletionFlag` (set by whoever observes completion: a polled
 //! work completion, an I/O thread).
 //!
+//! # Copies
+//!
+//! [`copy`], [`copy_async`], [`copy_from_host`], [`copy_to_host`]. Every copy checks, before any
+//! driver call, that source and destination hold the same element type (at compile time) and the
+//! same number of elements, and that device memory belongs to the stream's device (copies between
+//! devices are the `p2p` module's). Host kinds take the `cuMemcpyHtoDAsync`/`cuMemcpyDtoHAsync`
+//! paths with their host address, device kinds `cuMemcpyDtoDAsync`.
+//!
+//! Asynchronous copies take both buffers by value (or the source as an `Arc`) and return an
+//! [`InFlight`](crate::completion::InFlight) that owns them until the copy has completed:
+//! `mem::forget` of it leaks them, and the destination can be read only after
+//! [`InFlight::wait`](crate::completion::InFlight::wait) hands it back.
+//!
+//! No copy is queued on a stream that is capturing a CUDA graph
+//! ([`Error::StreamCapturing`](crate::Error::StreamCapturing)).
+//!
 //! # Fork safety
 //!
 //! Every allocation records the process id that made it. A value dropped in a forked child frees
@@ -58,8 +77,9 @@
 
 mod alloc;
 mod attributes;
-pub mod copy;
+mod copy;
 mod device;
+pub(crate) mod dmabuf;
 mod host;
 mod pod;
 mod pool;
@@ -69,8 +89,9 @@ mod registered;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
-pub use copy::{copy, copy_async, copy_from_host, copy_to_host};
+pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
+pub use dmabuf::{DmaBuf, check_dmabuf_export, export_dmabuf};
 pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;

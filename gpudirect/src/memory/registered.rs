@@ -103,7 +103,9 @@ impl<T: Pod> RegisteredHost<T> {
         let how = HostRegistration { data, host, flags };
         // SAFETY: the box's `bytes` bytes, registered and mapped at `dptr`, unregistered only by
         // `HostRegistration`.
-        Ok(RegisteredHost(unsafe { Allocation::new(dptr, len, ctx, how) }))
+        Ok(RegisteredHost(unsafe {
+            Allocation::new(dptr, len, ctx, how)
+        }))
     }
 
     /// The elements.

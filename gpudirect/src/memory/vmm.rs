@@ -216,7 +216,7 @@ impl<T: Pod> VmmBuffer<T> {
     /// elements.
     ///
     /// The range behaves as one buffer for copies, and exports as one dma-buf
-    /// ([`crate::dmabuf::export`]) across its chunks. Its POSIX fd export
+    /// ([`export_dmabuf`](super::export_dmabuf)) across its chunks. Its POSIX fd export
     /// ([`crate::p2p::ipc::export_vmm`]) covers one physical allocation, so it refuses a buffer of
     /// several chunks.
     ///

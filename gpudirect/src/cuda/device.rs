@@ -1,6 +1,5 @@
 //! CUDA devices and their GPUDirect attributes, read without creating a context.
 
-use crate::cuda;
 use crate::driver::device;
 use crate::error::Result;
 use cudarc::driver::sys::{self, CUdevice_attribute as A};
@@ -69,7 +68,7 @@ impl DeviceInfo {
     /// [`crate::Error::NoDevice`] for an ordinal past the device count (checked before it is
     /// handed to the driver); [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`].
     pub fn query(ordinal: usize) -> Result<DeviceInfo> {
-        let n = cuda::device_count()?;
+        let n = super::device_count()?;
         if ordinal >= n {
             return Err(crate::Error::NoDevice {
                 what: "CUDA device",
@@ -122,6 +121,6 @@ impl DeviceInfo {
 
     /// Every visible device.
     pub fn all() -> Result<Vec<DeviceInfo>> {
-        (0..cuda::device_count()?).map(DeviceInfo::query).collect()
+        (0..super::device_count()?).map(DeviceInfo::query).collect()
     }
 }
