@@ -75,7 +75,7 @@
 //! Every allocation records the process id that made it. A value dropped in a forked child frees
 //! nothing through the driver (the child's CUDA state is unusable); it leaks instead.
 
-mod alloc;
+pub(crate) mod alloc;
 mod attributes;
 mod copy;
 mod device;
