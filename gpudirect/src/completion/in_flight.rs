@@ -59,11 +59,7 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<R, (Error, Self)> {
         let ok = self.poll(|f| f.wait_timeout(timeout));
         if ok {
-            self.fence = None;
-            Ok(self
-                .resources
-                .take()
-                .expect("resources present until taken"))
+            Ok(self.into_resources())
         } else {
             let what = self.what;
             Err((
@@ -121,11 +117,7 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     /// As [`wait_timeout`](Self::wait_timeout).
     pub fn try_take(mut self) -> Result<R, Self> {
         if self.poll(Fence::is_complete) {
-            self.fence = None;
-            Ok(self
-                .resources
-                .take()
-                .expect("resources present until taken"))
+            Ok(self.into_resources())
         } else {
             Err(self)
         }
@@ -133,6 +125,14 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
 }
 
 impl<R: Send + 'static, F: Fence> InFlight<R, F> {
+    /// The resources of a completed operation (its fence is dropped first).
+    fn into_resources(mut self) -> R {
+        self.fence = None;
+        self.resources
+            .take()
+            .expect("resources present until taken")
+    }
+
     /// Ask the fence (`true` when there is none left). If its code panics, the fence and the
     /// resources are leaked (nothing can prove the work done) and the panic goes on.
     fn poll(&mut self, ask: impl FnOnce(&F) -> bool) -> bool {

@@ -37,16 +37,46 @@ pub(crate) fn check_len(src: usize, dst: usize) -> Result<()> {
 /// queued (their trait methods are not called while work is being queued).
 #[derive(Clone, Copy)]
 struct Plan {
-    src_host: Option<*mut u8>,
-    src_dev: u64,
-    dst_host: Option<*mut u8>,
-    dst_dev: u64,
+    src: End,
+    dst: End,
     bytes: usize,
 }
 
+/// One side of a copy: its host address (host kinds, host slices), else its device address.
+#[derive(Clone, Copy)]
+struct End {
+    host: Option<*mut u8>,
+    dev: u64,
+}
+
+impl End {
+    fn of(m: &impl DeviceMemory) -> End {
+        End {
+            host: m.host_ptr(),
+            dev: m.device_ptr(),
+        }
+    }
+
+    fn host<T>(p: *const T) -> End {
+        End {
+            host: Some(p.cast_mut().cast()),
+            dev: 0,
+        }
+    }
+}
+
 impl Plan {
+    /// All of `src` into `dst` (same element type, lengths checked by the caller).
+    fn whole<S: DeviceMemory>(src: &S, dst: &impl DeviceMemory) -> Result<Plan> {
+        Ok(Plan {
+            src: End::of(src),
+            dst: End::of(dst),
+            bytes: bytes_of::<S::Elem>(src.len())?,
+        })
+    }
+
     fn call(&self) -> &'static str {
-        match (self.src_host, self.dst_host) {
+        match (self.src.host, self.dst.host) {
             (None, None) => "cuMemcpyDtoDAsync_v2",
             (Some(_), None) => "cuMemcpyHtoDAsync_v2",
             (None, Some(_)) => "cuMemcpyDtoHAsync_v2",
@@ -67,24 +97,30 @@ unsafe fn issue<R>(
     keep: R,
 ) -> Result<R, crate::completion::capture::Refused<R>> {
     let ((), keep) = stream.enqueue(plan.call(), keep, |s, _| {
-        let Plan {
-            src_host,
-            src_dev,
-            dst_host,
-            dst_dev,
-            bytes,
-        } = plan;
+        let Plan { src, dst, bytes } = plan;
         // SAFETY: forwarded from the caller.
         unsafe {
-            match (src_host, dst_host) {
-                (None, None) => mem::copy_dtod_async(dst_dev, src_dev, bytes, s),
-                (Some(h), None) => mem::copy_htod_async(dst_dev, h.cast(), bytes, s),
-                (None, Some(h)) => mem::copy_dtoh_async(h.cast(), src_dev, bytes, s),
-                (Some(_), Some(_)) => mem::copy_async(dst_dev, src_dev, bytes, s),
+            match (src.host, dst.host) {
+                (None, None) => mem::copy_dtod_async(dst.dev, src.dev, bytes, s),
+                (Some(h), None) => mem::copy_htod_async(dst.dev, h.cast(), bytes, s),
+                (None, Some(h)) => mem::copy_dtoh_async(h.cast(), src.dev, bytes, s),
+                (Some(_), Some(_)) => mem::copy_async(dst.dev, src.dev, bytes, s),
             }
         }
     })?;
     Ok(keep)
+}
+
+/// Queue `plan` and wait for it (`cuStreamSynchronize`). A capture that began during the call
+/// was invalidated by [`issue`], so no graph holds the copy.
+///
+/// # Safety
+///
+/// Both ranges valid for `bytes` bytes until this returns; `dst` not referenced meanwhile.
+unsafe fn blocking(stream: &Stream, plan: Plan) -> Result<()> {
+    // SAFETY: forwarded from the caller: the copy has completed when this returns.
+    unsafe { issue(stream, plan, ()) }?;
+    stream.synchronize()
 }
 
 /// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a
@@ -125,13 +161,7 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", &src)?;
     check_device(stream, "dst", &dst)?;
-    let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
-        bytes: bytes_of::<S::Elem>(src.len())?,
-    };
+    let plan = Plan::whole(&src, &dst)?;
     // SAFETY: both buffers are owned by the InFlight below until the fence completes (or leaked
     // by `issue`); `dst` is `DeviceMemoryMut`, so nothing else references it.
     let (src, dst) = unsafe { issue(stream, plan, (src, dst)) }?;
@@ -152,17 +182,9 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
     check_device(stream, "dst", dst)?;
-    let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
-        bytes: bytes_of::<S::Elem>(src.len())?,
-    };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning. (A capture that
-    // began during the call was invalidated by `issue`, so no graph holds the copy.)
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    let plan = Plan::whole(src, dst)?;
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably.
+    unsafe { blocking(stream, plan) }
 }
 
 /// Copy host elements `src` (any host memory, pageable or pinned) into `dst`, blocking.
@@ -179,15 +201,12 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "dst", dst)?;
     let plan = Plan {
-        src_host: Some(src.as_ptr().cast_mut().cast()),
-        src_dev: 0,
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
+        src: End::host(src.as_ptr()),
+        dst: End::of(dst),
         bytes: std::mem::size_of_val(src),
     };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`).
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably.
+    unsafe { blocking(stream, plan) }
 }
 
 /// Copy `src` into host elements `dst`, blocking.
@@ -204,16 +223,13 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
     let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: Some(dst.as_mut_ptr().cast()),
-        dst_dev: 0,
+        src: End::of(src),
+        dst: End::host(dst.as_mut_ptr()),
         bytes: std::mem::size_of_val(dst),
     };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`);
-    // `S::Elem: Pod` makes any bytes the device wrote a valid value.
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably; `S::Elem: Pod` makes any
+    // bytes the device wrote a valid value.
+    unsafe { blocking(stream, plan) }
 }
 
 /// The contents of `src` as a `Vec`, blocking.
