@@ -3,7 +3,7 @@
 //! (sysfs, procfs, kernel log, modules, configuration) with fake NVML answers, each path's status
 //! for `--require`, and the probe's command line.
 
-use gpudirect::device::DeviceInfo;
+use gpudirect::cuda::DeviceInfo;
 use gpudirect::topology::health::{self, *};
 use gpudirect::topology::sysfs::{self, PciLocation};
 use gpudirect::topology::*;

@@ -32,7 +32,7 @@ pub use health::{HealthSection, SystemPaths};
 pub use paths::{DataPath, PathState, PathStatus, check_required, path_statuses};
 pub use sysfs::Affinity;
 
-use crate::device::DeviceInfo;
+use crate::cuda::DeviceInfo;
 use serde::{Deserialize, Serialize};
 
 /// The JSON schema version of [`NodeReport`]; bumped on any incompatible change.
