@@ -160,9 +160,9 @@ wait_tcp() {  # wait_tcp NODE PORT PID: until a TCP listener on PORT exists in N
 }
 pt_pair() {  # pt_pair RAIL SIZE ITERS -> the client's average MB/s (port 18515 + RAIL)
   r=$1; port=$((18515 + r)); gb=$(gid_of b rxe_b$r "0a4d:0$((r + 1))02"); ga=$(gid_of a rxe_a$r "0a4d:0$((r + 1))01")
-  $IP netns exec b timeout 300 ib_write_bw -d rxe_b$r -x $gb -s $2 -n $3 -F -p $port > /tmp/srv$r.log 2>&1 &
+  $IP netns exec b timeout 120 ib_write_bw -d rxe_b$r -x $gb -s $2 -n $3 -F -p $port > /tmp/srv$r.log 2>&1 &
   p=$!; wait_tcp b $port $p
-  $IP netns exec a timeout 300 ib_write_bw -d rxe_a$r -x $ga -s $2 -n $3 -F -p $port 10.77.$((r + 1)).2 > /tmp/cli$r.log 2>&1; c=$?
+  $IP netns exec a timeout 120 ib_write_bw -d rxe_a$r -x $ga -s $2 -n $3 -F -p $port 10.77.$((r + 1)).2 > /tmp/cli$r.log 2>&1; c=$?
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/cli$r.log /tmp/srv$r.log >&2; return 1; }
   awk -v s=$2 '$1==s && NF>=4 {print $4; exit}' /tmp/cli$r.log
@@ -170,9 +170,9 @@ pt_pair() {  # pt_pair RAIL SIZE ITERS -> the client's average MB/s (port 18515 
 ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between the nodes
   # A figure only: on 7.3 the client's last send is at times never acknowledged once the server,
   # which exits on receiving it, has gone (README, "Kernels"); the pair entries are the pass/fail.
-  $IP netns exec b timeout 300 rdma_pingpong --server --port 7470 > /tmp/srv.log 2>&1 &
+  $IP netns exec b timeout 120 rdma_pingpong --server --port 7470 > /tmp/srv.log 2>&1 &
   p=$!; wait_listen b 7470 $p
-  $IP netns exec a timeout 300 rdma_pingpong --connect 10.77.$(($1 + 1)).2 --port 7470 --size $2 --iters $3 > /tmp/one.log 2>&1; c=$?
+  $IP netns exec a timeout 120 rdma_pingpong --connect 10.77.$(($1 + 1)).2 --port 7470 --size $2 --iters $3 > /tmp/one.log 2>&1; c=$?
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || echo "RXE-WARN two-nodes rdma_pingpong rail=$1 size=$2: client $c, server $s: $(grep -h 'error' /tmp/one.log /tmp/srv.log | head -2 | tr '\n' ' ')" >&2
   sed -n 's/^bandwidth: .* RDMA write \([0-9.]*\) MB\/s.*/\1/p' /tmp/one.log
