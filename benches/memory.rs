@@ -12,11 +12,10 @@
 //! (default 1024).
 
 use criterion::{Criterion, Throughput};
+use gpudirect::completion::{InFlight, StreamFence};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::{CudaContext, sys};
-use gpudirect::memory::{
-    DeviceBuffer, DeviceMemory, HostAllocFlags, InFlight, PinnedHostBuffer, StreamFence, copy_async,
-};
+use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer, copy_async};
 use gpudirect::testing::{Hardware, skip_example};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -41,7 +40,9 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn ok(call: &'static str, r: sys::CUresult) {
-    gpudirect::error::cu(call, r).unwrap();
+    r.result()
+        .map_err(|e| gpudirect::Error::cuda(call, e.0))
+        .unwrap();
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

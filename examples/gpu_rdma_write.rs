@@ -43,7 +43,7 @@ fn run(n: usize) -> gpudirect::Result<()> {
         Ok(c) => c,
         Err(e) => skip_example(Hardware::Gpu, format!("no GPU: {e}")),
     };
-    let info = gpudirect::device::DeviceInfo::query(0)?;
+    let info = gpudirect::cuda::DeviceInfo::query(0)?;
     let peermem = gpudirect::sys::peermem::peermem_module();
     let gpu_side = format!(
         "GPU 0 {}: dma-buf export {}, GPUDirect RDMA {}, peer-memory module {}",
@@ -110,7 +110,7 @@ fn run(n: usize) -> gpudirect::Result<()> {
     let got = dst.to_vec();
     if got != pattern {
         let first = got.iter().zip(&pattern).position(|(x, y)| x != y);
-        return Err(gpudirect::Error::invalid(
+        return Err(invalid(
             "received",
             format!("first mismatch at byte {first:?}"),
             "the RDMA-written bytes must equal the GPU buffer",
@@ -192,5 +192,18 @@ fn wait_one(cq: &mut CompletionQueue) -> gpudirect::Result<()> {
             });
         }
         std::thread::yield_now();
+    }
+}
+
+/// An [`gpudirect::Error::InvalidArgument`] for a check this example makes itself.
+fn invalid(
+    arg: &'static str,
+    value: impl std::fmt::Display,
+    rule: impl Into<String>,
+) -> gpudirect::Error {
+    gpudirect::Error::InvalidArgument {
+        arg,
+        value: value.to_string(),
+        rule: rule.into(),
     }
 }

@@ -59,7 +59,7 @@ fn batch_mib(s: &str) -> Result<cli::Mib, String> {
 }
 
 fn check(call: &'static str, r: sys::CUresult) -> gpudirect::Result<()> {
-    gpudirect::error::cu(call, r)
+    r.result().map_err(|e| gpudirect::Error::cuda(call, e.0))
 }
 
 struct Kernel {
@@ -70,7 +70,7 @@ struct Kernel {
 impl Kernel {
     fn load(ctx: &Arc<CudaContext>) -> gpudirect::Result<Self> {
         ctx.bind_to_thread()
-            .map_err(|e| gpudirect::error::from_driver("cuCtxSetCurrent", e))?;
+            .map_err(|e| gpudirect::Error::cuda("cuCtxSetCurrent", e.0))?;
         let image = CString::new(PTX).expect("PTX has no NUL");
         let mut module = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image; context current. The module lives for the process.
@@ -85,7 +85,7 @@ impl Kernel {
         })?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| gpudirect::error::from_driver("cuDeviceGetAttribute", e))?;
+            .map_err(|e| gpudirect::Error::cuda("cuDeviceGetAttribute", e.0))?;
         Ok(Kernel {
             func,
             blocks: (sms.max(1) as u32) * 2,

@@ -108,7 +108,7 @@ fn run(n: usize, size: cli::Mib, json: bool) -> gpudirect::Result<()> {
                     );
                 }
                 if !m.verified {
-                    return Err(gpudirect::Error::invalid(
+                    return Err(invalid(
                         "copy",
                         format!("{a}->{b}"),
                         "destination differs from source",
@@ -189,7 +189,7 @@ fn ipc_parent(n: usize) -> gpudirect::Result<String> {
         })?;
     let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() {
-        return Err(gpudirect::Error::invalid(
+        return Err(invalid(
             "ipc child",
             format!("{:?}", out.status),
             format!(
@@ -203,8 +203,8 @@ fn ipc_parent(n: usize) -> gpudirect::Result<String> {
 }
 
 fn ipc_child(job: &str) -> gpudirect::Result<()> {
-    let job: Job = serde_json::from_str(job)
-        .map_err(|e| gpudirect::Error::invalid("job", e, "JSON from the parent"))?;
+    let job: Job =
+        serde_json::from_str(job).map_err(|e| invalid("job", e, "JSON from the parent"))?;
     let d = job.device;
     let s = Stream::new(&gpudirect::cuda::context(d)?)?;
     IpcEvent::open(&job.ready, d)?.wait_on(&s)?;
@@ -223,10 +223,23 @@ fn ipc_child(job: &str) -> gpudirect::Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(gpudirect::Error::invalid(
+        Err(invalid(
             "imported bytes",
             "differ",
             "must equal the exporter's",
         ))
+    }
+}
+
+/// An [`gpudirect::Error::InvalidArgument`] for a check this example makes itself.
+fn invalid(
+    arg: &'static str,
+    value: impl std::fmt::Display,
+    rule: impl Into<String>,
+) -> gpudirect::Error {
+    gpudirect::Error::InvalidArgument {
+        arg,
+        value: value.to_string(),
+        rule: rule.into(),
     }
 }

@@ -1,8 +1,9 @@
 //! dma-buf export of device memory (GPUDirect RDMA through dma-buf), tier 2.
 //! A5's arithmetic is also unit-tested in gpudirect-sys without a GPU.
 
-use gpudirect::dmabuf;
-use gpudirect::memory::{DeviceBuffer, DeviceMemory, MemoryKind, PoolBuffer, VmmBuffer};
+use gpudirect::memory::{
+    DeviceBuffer, DeviceMemory, MemoryKind, PoolBuffer, VmmBuffer, export_dmabuf,
+};
 use gpudirect::require;
 use gpudirect::testing::Hardware;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 #[test]
 fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
-    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
         gpudirect::testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
@@ -19,11 +20,11 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     let base = mem.device_ptr();
     assert_eq!(base % 4096, 0, "cuMemAlloc returns page-aligned memory");
     // Whole buffer.
-    let whole = dmabuf::export(mem.clone(), 0, mem.byte_len()).unwrap();
+    let whole = export_dmabuf(mem.clone(), 0, mem.byte_len()).unwrap();
     assert_eq!(whole.size_from_kernel().unwrap(), 4 << 20);
     assert_eq!(whole.range().offset, 0);
     // A5: 65544 bytes starting 40 bytes in.
-    let sub = dmabuf::export(mem.clone(), 40, 65544).unwrap();
+    let sub = export_dmabuf(mem.clone(), 40, 65544).unwrap();
     let r = sub.range();
     assert_eq!(
         (r.export_base, r.offset, r.len, r.iova),
@@ -32,8 +33,8 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     assert_eq!(r.export_len, 17 * 4096);
     assert_eq!(sub.size_from_kernel().unwrap(), 17 * 4096);
     // Two 40-byte buffers in one page: one export page each, distinct offsets.
-    let a = dmabuf::export(mem.clone(), 8192 + 100, 40).unwrap();
-    let b = dmabuf::export(mem.clone(), 8192 + 200, 40).unwrap();
+    let a = export_dmabuf(mem.clone(), 8192 + 100, 40).unwrap();
+    let b = export_dmabuf(mem.clone(), 8192 + 200, 40).unwrap();
     assert_eq!(a.size_from_kernel().unwrap(), 4096);
     assert_eq!((a.range().offset, b.range().offset), (100, 200));
     assert_eq!(b.size_from_kernel().unwrap(), 4096);
@@ -42,7 +43,7 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     drop((whole, a, b));
     assert_eq!(Arc::strong_count(&mem), 2);
     // Out of bounds is refused before any FFI call.
-    let e = dmabuf::export(mem.clone(), mem.byte_len() - 10, 11).unwrap_err();
+    let e = export_dmabuf(mem.clone(), mem.byte_len() - 10, 11).unwrap_err();
     assert!(matches!(e, gpudirect::Error::InvalidArgument { .. }), "{e}");
     println!(
         "dma-buf export ok: sub-range offset {} iova {:#x}",
@@ -73,7 +74,7 @@ fn pool_memory_is_refused_typed_like_rdma_registration() {
     let stream = ctx.default_stream();
     let pool = PoolBuffer::new(stream.alloc_zeros::<u8>(1 << 20).unwrap()).unwrap();
     let registration = gpudirect::rdma::gpu_mr::check_rdma_capable(&pool).unwrap_err();
-    match dmabuf::export(pool, 0, 1 << 20) {
+    match export_dmabuf(pool, 0, 1 << 20) {
         Err(gpudirect::Error::NotRdmaCapable { kind, reason, .. }) => {
             assert_eq!(kind, MemoryKind::Pool);
             assert!(reason.contains("pool memory"), "{reason}");
@@ -140,13 +141,13 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
         "host copy of the chunked range"
     );
 
-    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
         gpudirect::testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
     }
     let buf = Arc::new(buf);
-    let whole = dmabuf::export(buf.clone(), 0, total).expect("dma-buf export of the whole range");
+    let whole = export_dmabuf(buf.clone(), 0, total).expect("dma-buf export of the whole range");
     assert_eq!(
         whole.size_from_kernel().unwrap(),
         total as u64,
@@ -154,12 +155,12 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     );
     assert_eq!(whole.range().export_base, buf.device_ptr());
     // A range straddling chunks 0 and 1, and one inside chunk 2.
-    let mid = dmabuf::export(buf.clone(), g - 100, 200).unwrap();
+    let mid = export_dmabuf(buf.clone(), g - 100, 200).unwrap();
     assert_eq!(
         (mid.range().offset, mid.size_from_kernel().unwrap()),
         (4096 - 100, 8192)
     );
-    let last = dmabuf::export(buf.clone(), 3 * g + 8, 16).unwrap();
+    let last = export_dmabuf(buf.clone(), 3 * g + 8, 16).unwrap();
     assert_eq!(last.size_from_kernel().unwrap(), 4096);
     println!(
         "chunked VMM: {} chunks of granularity {g}, dma-buf {total} bytes",

@@ -73,7 +73,7 @@ fn sync_memops(ptr: u64) -> u32 {
 #[test]
 fn dmabuf_step_exports_unaligned_subranges_exactly() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
-    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
         skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
@@ -179,7 +179,7 @@ fn sync_memops_and_flush_entry_points() {
     let dev = DeviceBuffer::<u8>::zeroed(&ctx, 4096).unwrap();
     set_sync_memops(0, dev.device_ptr()).unwrap();
     assert_eq!(sync_memops(dev.device_ptr()), 1);
-    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     for scope in [FlushScope::Owner, FlushScope::AllDevices] {
         match flush_gpudirect_rdma_writes(&ctx, scope) {
             Ok(o) => {
@@ -308,7 +308,7 @@ fn gpu_region_round_trip_over_a_loopback_pair() {
 #[test]
 fn dmabuf_step_covers_every_chunk_of_a_chunked_vmm_buffer() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
-    let info = gpudirect::device::DeviceInfo::query(0).unwrap();
+    let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
         skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;

@@ -2,11 +2,12 @@
 //!
 //! Without a GPU each test prints `SKIPPED: reason` and passes, unless `GPUDIRECT_REQUIRE=gpu`.
 
+use gpudirect::completion::{InFlight, Tracker};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::memory::{
-    DeviceBuffer, DeviceMemory, DeviceMemoryMut, HostAllocFlags, HostRegisterFlags, InFlight,
-    MemoryKind, MemoryType, PinnedHostBuffer, PoolBuffer, RegisteredHost, Tracker, VmmBuffer, copy,
-    copy_async, copy_from_host, copy_to_host,
+    DeviceBuffer, DeviceMemory, DeviceMemoryMut, HostAllocFlags, HostRegisterFlags, MemoryKind,
+    MemoryType, PinnedHostBuffer, PoolBuffer, RegisteredHost, VmmBuffer, copy, copy_async,
+    copy_from_host, copy_to_host,
 };
 use gpudirect::testing::Hardware;
 use gpudirect::{Error, require};
@@ -362,7 +363,7 @@ fn host_callbacks_run_in_order_catch_panics_and_free_on_reap() {
         })
         .unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    use gpudirect::memory::Fence;
+    use gpudirect::completion::Fence;
     assert!(!f1.is_complete());
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     flags.store_u32(0, 1).unwrap();
@@ -416,7 +417,7 @@ fn events_order_work_across_streams() {
     flags.store_u32(0, 1).unwrap();
     let (_, d1) = first.wait().unwrap();
     let (_, d2) = second.wait().unwrap();
-    use gpudirect::memory::Fence;
+    use gpudirect::completion::Fence;
     assert!(done.wait_timeout(Duration::from_secs(5)));
     assert_eq!(
         seen.load(Ordering::SeqCst),

@@ -26,6 +26,6 @@ fn cuda_entry_points_answer_library_not_found() {
     check("context", gpudirect::cuda::context(0).unwrap_err());
     check(
         "DeviceInfo::all",
-        gpudirect::device::DeviceInfo::all().unwrap_err(),
+        gpudirect::cuda::DeviceInfo::all().unwrap_err(),
     );
 }

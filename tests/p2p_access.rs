@@ -135,8 +135,7 @@ fn a7_pairs_that_cannot_are_typed() {
 #[test]
 fn a8_too_many_peers_is_typed_not_a_panic() {
     // Logic level: the driver's code maps to the typed refusal (also covered beside the code).
-    let e = gpudirect::error::cu("cuCtxEnablePeerAccess", CUresult::CUDA_ERROR_TOO_MANY_PEERS)
-        .unwrap_err();
+    let e = gpudirect::Error::cuda("cuCtxEnablePeerAccess", CUresult::CUDA_ERROR_TOO_MANY_PEERS);
     assert_eq!(Refusal::of(&e), Some(Refusal::TooManyPeers));
     assert_eq!(e.cuda_name(), Some("CUDA_ERROR_TOO_MANY_PEERS"));
     let n = require!(Hardware::Gpu, common::gpus());

@@ -5,7 +5,7 @@
 
 mod rdma_common;
 
-use gpudirect::memory::{CompletionFlag, Fence};
+use gpudirect::completion::{CompletionFlag, Fence};
 use gpudirect::rdma::*;
 use gpudirect::testing::Hardware;
 use gpudirect::{Error, require};

@@ -282,7 +282,7 @@ fn unsignaled_chains_release_memory_at_the_signaled_completion() {
     let src =
         p.pd.register(HostBuffer::from_slice(&data).unwrap(), AccessFlags::empty())
             .unwrap();
-    let flag = gpudirect::memory::CompletionFlag::new();
+    let flag = gpudirect::completion::CompletionFlag::new();
     // 100 writes in chains of 10, all unsignaled: the QP signals one in every 8 (caps) and the
     // memory of the unsignaled ones is released by the signaled completion after them.
     let mut posted = 0;
@@ -317,7 +317,7 @@ fn unsignaled_chains_release_memory_at_the_signaled_completion() {
     while p.a.outstanding() > 0 {
         completions += p.cq_a.poll().unwrap().count();
     }
-    assert!(gpudirect::memory::Fence::is_complete(&flag));
+    assert!(gpudirect::completion::Fence::is_complete(&flag));
     assert!(
         (100 / 8..100).contains(&completions),
         "{completions} completions for 100 requests"

@@ -3,7 +3,7 @@
 //! (sysfs, procfs, kernel log, modules, configuration) with fake NVML answers, each path's status
 //! for `--require`, and the probe's command line.
 
-use gpudirect::device::DeviceInfo;
+use gpudirect::cuda::DeviceInfo;
 use gpudirect::report::*;
 use gpudirect::topology::Affinity;
 use std::collections::HashMap;
@@ -1579,6 +1579,11 @@ fn probe_command_line() {
 /// address `ffff:ff:ff.0`, a few corrected CRC data errors per link and no replay or recovery.
 /// GPU 1 says its links reach NVSwitches. `crc4` is link 4's CRC data count on GPU 0.
 fn h200_nvml(crc4: u64) -> FakeNvml {
+    h200_nvml_replays(crc4, 0)
+}
+
+/// As [`h200_nvml`], with GPU 0's link 4 also counting `replay4` replays.
+fn h200_nvml_replays(crc4: u64, replay4: u64) -> FakeNvml {
     let links = |switch: bool, crc4: u64| -> Vec<NvlinkReading> {
         (0..18)
             .map(|l| NvlinkReading {
@@ -1589,7 +1594,7 @@ fn h200_nvml(crc4: u64) -> FakeNvml {
                 remote_pci_bus_id: Some("ffff:ff:ff.0".into()),
                 remote_device_type: switch.then_some(NvlinkRemote::Switch),
                 errors: NvlinkErrors {
-                    replay: Some(0),
+                    replay: Some(if l == 4 && !switch { replay4 } else { 0 }),
                     recovery: Some(0),
                     crc_flit: Some(0),
                     crc_data: Some(if l == 4 { crc4 } else { 3 + 3 * u64::from(l) }),
@@ -1635,7 +1640,7 @@ fn corrected_crc_errors_on_healthy_links_do_not_degrade_nvlink() {
         (None, "error growth not measured"),
         (
             Some(h200_nvml(15)),
-            "no error counter grew during the probe",
+            "no replay/recovery counter grew during the probe",
         ),
     ] {
         let r = with_nvlink(&h200_nvml(15), before.as_ref());
@@ -1663,20 +1668,25 @@ fn corrected_crc_errors_on_healthy_links_do_not_degrade_nvlink() {
 
 #[test]
 fn nvlink_counters_that_grow_during_the_probe_degrade_it() {
-    // Link 4 of GPU 0 counted 9 CRC data errors before the probe's copies and 15 after.
+    // Corrected CRC counts that grow with the probe's traffic are normal on healthy links.
     let r = with_nvlink(&h200_nvml(15), Some(&h200_nvml(9)));
+    assert_eq!(r.health.nvlink.gpus[0].links[4].errors_grew, Some(false));
+    assert_eq!(check_required(&r, &[DataPath::Nvlink]), Ok(()));
+    // Link 4 of GPU 0 counted 9 CRC data errors and 2 replays before the probe's copies, 15 and 5
+    // after: the replays grew.
+    let r = with_nvlink(&h200_nvml_replays(15, 5), Some(&h200_nvml_replays(9, 2)));
     assert_eq!(
         nvlink_text(&r),
-        "== NVLink\n  GPU 0: 18 of 18 links up, error counters GREW during the probe on links 4\n    links 0-3,5-17: up, v4 speed unknown, remote unknown, no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link\n    link 4  up    v4 speed unknown  remote unknown  errors replay 0 recovery 0 crc flit 0 crc data 15 (before the probe: replay 0 recovery 0 crc flit 0 crc data 9)  ERRORS GREW\n  GPU 1: 18 of 18 links up, no error counter grew during the probe\n    links 0-17: up, v4 speed unknown, remote unknown (NVSwitch), no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link"
+        "== NVLink\n  GPU 0: 18 of 18 links up, replay/recovery counters GREW during the probe on links 4\n    links 0-3,5-17: up, v4 speed unknown, remote unknown, no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link\n    link 4  up    v4 speed unknown  remote unknown  errors replay 5 recovery 0 crc flit 0 crc data 15 (before the probe: replay 2 recovery 0 crc flit 0 crc data 9)  REPLAY/RECOVERY ERRORS  ERRORS GREW\n  GPU 1: 18 of 18 links up, no replay/recovery counter grew during the probe\n    links 0-17: up, v4 speed unknown, remote unknown (NVSwitch), no replays or recoveries, CRC errors corrected (normal): flit 0, data 3-54 per link"
     );
     let l = &r.health.nvlink.gpus[0].links[4];
     assert_eq!(
         (l.errors_grew, l.counting_errors, l.down),
-        (Some(true), false, false)
+        (Some(true), true, false)
     );
     assert_eq!(
         check_required(&r, &[DataPath::Nvlink]),
-        Err("required path not usable: nvlink degraded: GPU 0 NVLink 4 errors grew during the probe".into())
+        Err("required path not usable: nvlink degraded: GPU 0 NVLink 4 counting replay/recovery errors; GPU 0 NVLink 4 errors grew during the probe".into())
     );
     let nvlink: Vec<&str> = r
         .advice
@@ -1687,7 +1697,8 @@ fn nvlink_counters_that_grow_during_the_probe_degrade_it() {
     assert_eq!(
         nvlink,
         [
-            "GPU 0 NVLink 4's error counters grew while the probe's copies ran (CRC data 9 -> 15): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing."
+            "GPU 0 NVLink 4 counts replay or recovery errors (replay 5, recovery 0; CRC flit 0, CRC data 15): the link retransmits or retrains, which costs bandwidth. Watch whether they grow (`nvidia-smi nvlink -e`); a growing count means a marginal link to report to the hardware vendor.",
+            "GPU 0 NVLink 4's replay/recovery counters grew while the probe's copies ran (replay 2 -> 5): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing."
         ]
     );
     // The JSON carries both readings.

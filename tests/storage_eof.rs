@@ -165,7 +165,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
             check(&what("cuFileBatchIOSubmit"), fo, n, &r.buffer, &data);
         }
     }
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -197,7 +197,7 @@ fn a_stream_ordered_read_sees_the_size_an_earlier_write_on_the_stream_made() {
     let host = dst.to_host();
     assert_eq!(&host[..data.len()], &data[..]);
     assert!(host[data.len()..].iter().all(|&b| b == POISON));
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -296,7 +296,7 @@ fn stream_ordered_reads_match_blocking_reads_at_every_buffer_offset() {
             println!("{what}: {n} bytes, async == blocking");
         }
     }
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -335,7 +335,7 @@ fn stream_ordered_writes_from_any_buffer_offset_land_exactly() {
         assert!(file[fo + len..].iter().all(|&b| b == POISON));
         println!("cuFileWriteAsync fo={fo} len={len} buf_off={off}: exact");
     }
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -370,7 +370,7 @@ fn a_scratch_read_sees_an_earlier_write_on_its_stream() {
     assert!(host[..100].iter().all(|&b| b == POISON));
     assert_eq!(&host[100..100 + data.len()], &data[..]);
     assert!(host[100 + data.len()..].iter().all(|&b| b == POISON));
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }
 
@@ -408,6 +408,6 @@ fn a_vmm_buffer_reads_through_the_scratch() {
         8192,
         &data,
     );
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&path).unwrap();
 }

@@ -156,7 +156,7 @@ fn async_write_sees_prior_stream_work() {
         .unwrap();
     assert_eq!(n, 65536);
     assert_eq!(dst.to_host(), back);
-    gpudirect::memory::Tracker::global().reap();
+    gpudirect::completion::Tracker::global().reap();
     std::fs::remove_file(&p).unwrap();
 }
 

@@ -1,8 +1,8 @@
 //! Stream memory operations on a GPU (tier 2), including A18's memop half: a batch of 300
 //! operations is split into legal batches (255 is the limit seen on the H200).
 
+use gpudirect::completion::Fence;
 use gpudirect::cuda::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, Stream, WaitCondition};
-use gpudirect::memory::Fence;
 use gpudirect::testing::Hardware;
 use gpudirect::{Error, require};
 use std::sync::Arc;

@@ -163,7 +163,7 @@ fn real_gpus_are_placed_at_their_pci_address() {
     let sys_nics = nic_names(Path::new(SYSFS_ROOT));
     for i in 0..n {
         let p = Placement::of_gpu(i).unwrap();
-        let info = gpudirect::device::DeviceInfo::query(i).unwrap();
+        let info = gpudirect::cuda::DeviceInfo::query(i).unwrap();
         assert_eq!(p.pci_bus_id, normalize_bus_id(&info.pci_bus_id));
         let at = p.location.as_ref().expect("sysfs shows the node's GPUs");
         assert_eq!(at.pci_bus_id(), Some(p.pci_bus_id.as_str()));

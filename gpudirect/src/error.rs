@@ -1,7 +1,39 @@
-//! The one error type of the crate.
+//! The one error type of the crate, and the plain types its variants carry.
+//!
+//! A leaf: nothing here imports another module of the crate. Each type is re-exported once where
+//! users look for it (`Error`, `Result` and `Absence` at the crate root, [`MemoryKind`] in
+//! `memory`).
 
 use gpudirect_sys::LoadError;
 use std::time::Duration;
+
+/// How a buffer was allocated, which decides what GPUDirect can do with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// `cuMemAlloc`: GPUDirect RDMA capable, exportable by dma-buf and cuIpc.
+    Device,
+    /// `cuMemCreate` with the GPUDirect RDMA flag, mapped with `cuMemMap`: RDMA capable,
+    /// exportable as a POSIX fd.
+    Vmm,
+    /// Stream-ordered pool memory (`cuMemAllocAsync`, cudarc's `CudaSlice`): not GPUDirect RDMA
+    /// capable; peers need `cuMemPoolSetAccess`.
+    Pool,
+    /// `cuMemHostAlloc` pinned host memory.
+    PinnedHost,
+    /// Host memory pinned in place with `cuMemHostRegister`.
+    RegisteredHost,
+}
+
+impl MemoryKind {
+    /// Whether the memory lives on a GPU (as opposed to pinned host memory).
+    pub fn is_device(self) -> bool {
+        matches!(
+            self,
+            MemoryKind::Device | MemoryKind::Vmm | MemoryKind::Pool
+        )
+    }
+}
 
 /// What a node lacks, when an [`Error`] means "this cannot work here" rather than a bad argument
 /// or a failed operation: from [`Error::absence`], so that a caller can skip a path cleanly.
@@ -163,7 +195,7 @@ pub enum Error {
         /// The device pointer.
         ptr: u64,
         /// Its kind.
-        kind: crate::memory::MemoryKind,
+        kind: MemoryKind,
         /// What said so.
         reason: String,
     },
@@ -219,7 +251,7 @@ pub enum Error {
 
 impl Error {
     /// An [`Error::InvalidArgument`].
-    pub fn invalid(
+    pub(crate) fn invalid(
         arg: &'static str,
         value: impl std::fmt::Display,
         rule: impl Into<String>,
@@ -275,7 +307,7 @@ impl Error {
                 Some(Absence::Capability)
             }
             Error::NotRdmaCapable { kind, .. } => {
-                (*kind != crate::memory::MemoryKind::Pool).then_some(Absence::Capability)
+                (*kind != MemoryKind::Pool).then_some(Absence::Capability)
             }
             Error::Cuda { name, .. } => match name.as_str() {
                 "CUDA_ERROR_STUB_LIBRARY" | "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH" => {
@@ -300,6 +332,23 @@ impl Error {
         }
     }
 
+    /// An [`Error::Cuda`] for `code`, returned by the CUDA driver function `call` (such as
+    /// `cuModuleLoadData`): for driver calls a program makes itself, through cudarc, next to
+    /// gpudirect's (with cudarc's `DriverError`, pass its `.0`).
+    ///
+    /// ```
+    /// use gpudirect::cudarc::driver::sys::CUresult;
+    /// let e = gpudirect::Error::cuda("cuModuleLoadData", CUresult::CUDA_ERROR_INVALID_IMAGE);
+    /// assert_eq!(e.cuda_name(), Some("CUDA_ERROR_INVALID_IMAGE"));
+    /// ```
+    pub fn cuda(call: &'static str, code: cudarc::driver::sys::CUresult) -> Self {
+        Error::Cuda {
+            call,
+            code: code as u32,
+            name: format!("{code:?}"),
+        }
+    }
+
     /// The CUDA code name, when this is a CUDA error.
     pub fn cuda_name(&self) -> Option<&str> {
         match self {
@@ -318,25 +367,17 @@ fn cuda_cause(cu_err: i32, cu_name: &Option<String>) -> String {
 }
 
 /// Turn a `CUresult` from `call` into a `Result`.
-pub fn cu(call: &'static str, r: cudarc::driver::sys::CUresult) -> Result<()> {
+pub(crate) fn cu(call: &'static str, r: cudarc::driver::sys::CUresult) -> Result<()> {
     if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Cuda {
-            call,
-            code: r as u32,
-            name: format!("{r:?}"),
-        })
+        Err(Error::cuda(call, r))
     }
 }
 
 /// Turn a cudarc `DriverError` from `call` into an [`Error::Cuda`].
-pub fn from_driver(call: &'static str, e: cudarc::driver::DriverError) -> Error {
-    Error::Cuda {
-        call,
-        code: e.0 as u32,
-        name: format!("{:?}", e.0),
-    }
+pub(crate) fn from_driver(call: &'static str, e: cudarc::driver::DriverError) -> Error {
+    Error::cuda(call, e.0)
 }
 
 #[cfg(test)]
@@ -414,13 +455,13 @@ mod tests {
         assert_eq!(e.absence(), Some(Absence::Device));
         let pool = Error::NotRdmaCapable {
             ptr: 0x1000,
-            kind: crate::memory::MemoryKind::Pool,
+            kind: MemoryKind::Pool,
             reason: "pool".into(),
         };
         assert_eq!(pool.absence(), None, "pool memory is the caller's choice");
         let dev_mem = Error::NotRdmaCapable {
             ptr: 0x1000,
-            kind: crate::memory::MemoryKind::Device,
+            kind: MemoryKind::Device,
             reason: "attribute 0".into(),
         };
         assert_eq!(dev_mem.absence(), Some(Absence::Capability));
@@ -447,6 +488,15 @@ mod tests {
             assert_eq!(e.absence(), None, "{e}");
         }
         assert_eq!(Absence::Library.to_string(), "a library is missing");
+    }
+
+    #[test]
+    fn kinds_know_where_they_live() {
+        assert!(MemoryKind::Device.is_device());
+        assert!(MemoryKind::Vmm.is_device());
+        assert!(MemoryKind::Pool.is_device());
+        assert!(!MemoryKind::PinnedHost.is_device());
+        assert!(!MemoryKind::RegisteredHost.is_device());
     }
 
     #[test]

@@ -5,6 +5,6 @@ use std::os::fd::AsFd;
 fn main() {
     let ctx = gpudirect::cuda::context(0).unwrap();
     let buf = DeviceBuffer::<u8>::alloc(&ctx, 4096).unwrap();
-    let export = gpudirect::dmabuf::export(buf, 0, 4096).unwrap();
+    let export = gpudirect::memory::export_dmabuf(buf, 0, 4096).unwrap();
     let _dup = export.as_fd().try_clone_to_owned();
 }

@@ -1,5 +1,5 @@
 // A NIC may write what is registered: a shared (Arc) export cannot be registered.
-use gpudirect::dmabuf::DmaBuf;
+use gpudirect::memory::DmaBuf;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::rdma::{AccessFlags, ProtectionDomain};
 use std::sync::Arc;

@@ -35,7 +35,7 @@ done
 # KROOT/lib/modules/$KV must have had depmod run (done by run.sh).
 # ib_uverbs is needed by user space but is not a hard dep of rdma_rxe on newer kernels;
 # crc32_generic only exists (and is needed: rxe asks the crypto API for "crc32") on 6.x kernels.
-MODS="rdma_rxe ib_uverbs rdma_ucm dummy"   # rdma_ucm: /dev/infiniband/rdma_cm for librdmacm
+MODS="rdma_rxe ib_uverbs rdma_ucm dummy veth"   # rdma_ucm: /dev/infiniband/rdma_cm for librdmacm; veth: two nodes
 [ -n "$(find "$KROOT/lib/modules/$KV" -name 'crc32_generic.ko*' | head -1)" ] && MODS="crc32_generic $MODS"
 : > "$R/etc/rxe-modules"
 for m in $MODS; do
@@ -47,6 +47,8 @@ done | awk '!seen[$0]++' | while read -r ko; do
 done
 cp "$HERE/scripts/guest-init.sh" "$R/init"; chmod +x "$R/init"
 [ -n "${TEST_SH:-}" ] && cp "$TEST_SH" "$R/test.sh" && chmod +x "$R/test.sh"
+cp "$HERE/scripts/two-nodes.sh" "$R/two-nodes.sh" && chmod +x "$R/two-nodes.sh"
+[ -n "${NETNS_FILE:-}" ] && cp "$NETNS_FILE" "$R/etc/gpudirect-netns"
 [ -n "${EXTRA_TEST:-}" ] && cp "$EXTRA_TEST" "$R/extra-test.sh" && chmod +x "$R/extra-test.sh"
 (cd "$R" && find . -print0 | "${CPIO:-cpio}" --null -o -H newc --quiet | gzip -1) > "$W/initrd.cpio.gz"
 ls -la "$W/initrd.cpio.gz"

@@ -1,32 +1,16 @@
 //! Stream memory operations: wait on and write 32- and 64-bit values from a stream
 //! (`cuStreamWaitValue32_v2`, `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`, ...).
 //!
-//! The words live in a [`MemopFlags`]: pinned host memory mapped for the device
-//! (`cuMemHostAlloc` with `DEVICEMAP`), which the host reads and writes atomically, or device
-//! memory (`cuMemAlloc`). The words are never exposed as `&`/`&mut`: the host uses
-//! [`MemopFlags::load_u32`]/[`MemopFlags::store_u32`] and friends (atomics on host memory).
-//!
-//! The `_v2` entry points are used (the legacy ones answer `CUDA_ERROR_NOT_SUPPORTED` on recent
-//! GPUs); they are checked for with our own loader before cudarc calls them. 32-bit operations
-//! are always available with the v2 API on CUDA 12 drivers; 64-bit ones are gated on
-//! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, [`WaitCondition::Nor`] on
-//! `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
-//!
-//! Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
-//! [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
-//! waits (bounded) for them and leaks the memory when it cannot prove they completed.
-//!
-//! Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
-//! synchronize the device. While a stream waits on a word that thread T will set, T must not free
-//! CUDA memory (drop a buffer, or let [`crate::memory::Tracker::reap`] or an allocation reap
-//! one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
-//! free after setting the word.
+//! The words, their lifetime and the hazards are described on [`MemopFlags`].
 
 use super::Stream;
-use super::capture::Refused;
-use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::tracker::{DROP_WAIT, Fence, StreamFence};
-use crate::memory::{bind, forked, on_private_stream};
+use super::private::on_private_stream;
+use crate::completion::capture::Refused;
+use crate::completion::forked;
+use crate::completion::{DROP_WAIT, Fence, StreamFence};
+use crate::driver;
+use crate::driver::ctx::bind;
+use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,7 +20,7 @@ use std::sync::{Arc, Mutex};
 pub const MAX_BATCH_MEM_OPS: usize = 255;
 
 /// The symbols the memory operations need.
-pub const SYMBOLS: &[&str] = &[
+pub const MEMOP_SYMBOLS: &[&str] = &[
     "cuStreamWaitValue32_v2",
     "cuStreamWaitValue64_v2",
     "cuStreamWriteValue32_v2",
@@ -228,9 +212,30 @@ enum Backing {
     Device,
 }
 
-/// 64-bit words for stream memory operations, in pinned device-mapped host memory or device
-/// memory. Never exposed as references: the host reads and writes them through atomic
-/// ([`load_u64`](Self::load_u64), ...) or copy accessors.
+/// 64-bit words for stream memory operations (`cuStreamWaitValue32_v2`,
+/// `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`, ...: [`Stream::wait_value32`] and its
+/// siblings, [`Stream::batch_mem_ops`]).
+///
+/// The words live in pinned host memory mapped for the device
+/// (`cuMemHostAlloc` with `DEVICEMAP`), which the host reads and writes atomically, or device
+/// memory (`cuMemAlloc`). The words are never exposed as `&`/`&mut`: the host uses
+/// [`MemopFlags::load_u32`]/[`MemopFlags::store_u32`] and friends (atomics on host memory).
+///
+/// The `_v2` entry points are used (the legacy ones answer `CUDA_ERROR_NOT_SUPPORTED` on recent
+/// GPUs); they are checked for with our own loader before cudarc calls them. 32-bit operations
+/// are always available with the v2 API on CUDA 12 drivers; 64-bit ones are gated on
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, [`WaitCondition::Nor`] on
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
+///
+/// Lifetime: an operation queued on a stream keeps using the word until the stream passes it.
+/// [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
+/// waits (bounded) for them and leaks the memory when it cannot prove they completed.
+///
+/// Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
+/// synchronize the device. While a stream waits on a word that thread T will set, T must not free
+/// CUDA memory (drop a buffer, or let [`crate::completion::Tracker::reap`] or an allocation reap
+/// one): the free waits for the stream, which waits for T. Allocate before queueing the wait and
+/// free after setting the word.
 #[derive(Debug)]
 pub struct MemopFlags {
     backing: Backing,
@@ -254,7 +259,7 @@ impl MemopFlags {
     fn check(ctx: &Arc<CudaContext>, slots: usize) -> Result<(usize, bool, bool)> {
         let bytes = flag_bytes(slots)?;
         crate::cuda::init()?;
-        gpudirect_sys::cuda::require_symbols(SYMBOLS)?;
+        gpudirect_sys::cuda::require_symbols(MEMOP_SYMBOLS)?;
         use sys::CUdevice_attribute as A;
         let a = |attr| {
             ctx.attribute(attr)
@@ -270,29 +275,26 @@ impl MemopFlags {
     ///
     /// # Errors
     ///
-    /// [`Error::Load`] when the driver lacks the `_v2` memop symbols; [`Error::Cuda`].
+    /// [`Error::InvalidArgument`] for `slots` of 0 or past [`MAX_FLAG_SLOTS`]; [`Error::Load`]
+    /// without libcuda or when the driver lacks the `_v2` memop symbols; [`Error::Cuda`].
     #[doc(alias = "cuMemHostAlloc")]
     pub fn pinned_host(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
         bind(ctx)?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: context current, valid out-pointer.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, flags)
-        })?;
+        // SAFETY: context current; valid flags.
+        let p = unsafe { driver::mem::host_alloc(bytes, flags) }?;
         // SAFETY: fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
-        let mut dptr = 0;
-        // SAFETY: mapped pinned memory; valid out-pointer.
-        let r = cu("cuMemHostGetDevicePointer_v2", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0)
-        });
-        if let Err(e) = r {
-            // SAFETY: allocated above, unused.
-            unsafe { sys::cuMemFreeHost(p) };
-            return Err(e);
-        }
+        // SAFETY: mapped pinned memory of the current context.
+        let dptr = match unsafe { driver::mem::host_device_pointer(p) } {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: allocated above, unused.
+                let _ = unsafe { driver::mem::free_host(p) };
+                return Err(e);
+            }
+        };
         Ok(MemopFlags {
             backing: Backing::Host(p.cast()),
             dptr,
@@ -307,15 +309,16 @@ impl MemopFlags {
     }
 
     /// `slots` zeroed 64-bit words in device memory (`cuMemAlloc`).
+    ///
+    /// # Errors
+    ///
+    /// As [`pinned_host`](Self::pinned_host).
     #[doc(alias = "cuMemAlloc_v2")]
     pub fn device(ctx: &Arc<CudaContext>, slots: usize) -> Result<Self> {
         let (bytes, can_64, can_nor) = Self::check(ctx, slots)?;
         bind(ctx)?;
-        let mut dptr = 0;
-        // SAFETY: context current; valid out-pointer.
-        cu("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut dptr, bytes)
-        })?;
+        // SAFETY: context current.
+        let dptr = unsafe { driver::mem::alloc(bytes) }?;
         let flags = MemopFlags {
             backing: Backing::Device,
             dptr,
@@ -329,10 +332,8 @@ impl MemopFlags {
         };
         // Not cuCtxSynchronize: that would wait for every stream of the context.
         on_private_stream(ctx, |stream| {
-            // SAFETY: the allocation above; a live stream.
-            cu("cuMemsetD8Async", unsafe {
-                sys::cuMemsetD8Async(dptr, 0, bytes, stream)
-            })
+            // SAFETY: the allocation above, synchronized before use; a live stream.
+            unsafe { driver::mem::memset_d8_async(dptr, 0, bytes, stream) }
         })?;
         Ok(flags)
     }
@@ -367,6 +368,11 @@ impl MemopFlags {
 
     /// Read slot `slot` as 64 bits (Acquire on host memory; on device memory a copy on a private
     /// non-blocking stream, synchronized: it never waits for the context's other streams).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a slot past the end; for device words, [`Error::Cuda`] from
+    /// the copy.
     pub fn load_u64(&self, slot: usize) -> Result<u64> {
         self.check_slot(slot)?;
         match self.backing {
@@ -379,16 +385,12 @@ impl MemopFlags {
             Backing::Device => {
                 let mut v = 0u64;
                 on_private_stream(&self.ctx, |stream| {
+                    let src = self.device_ptr(slot)?;
                     // SAFETY: 8 bytes in bounds of the allocation into a local, which outlives
                     // the copy (the stream is synchronized before `on_private_stream` returns).
-                    cu("cuMemcpyDtoHAsync_v2", unsafe {
-                        sys::cuMemcpyDtoHAsync_v2(
-                            (&mut v as *mut u64).cast(),
-                            self.device_ptr(slot)?,
-                            8,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_dtoh_async((&mut v as *mut u64).cast(), src, 8, stream)
+                    }
                 })?;
                 Ok(v)
             }
@@ -398,6 +400,10 @@ impl MemopFlags {
     /// Write slot `slot` as 64 bits (Release on host memory; on device memory a copy on a private
     /// non-blocking stream, synchronized: it never waits for the context's other streams, one of
     /// which may be blocked in a wait this store releases).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn store_u64(&self, slot: usize, value: u64) -> Result<()> {
         self.check_slot(slot)?;
         match self.backing {
@@ -412,22 +418,22 @@ impl MemopFlags {
                 // returns, without waiting for the context's other streams (one of them may be
                 // blocked in a wait that this write releases).
                 on_private_stream(&self.ctx, |stream| {
+                    let dst = self.device_ptr(slot)?;
                     // SAFETY: 8 bytes in bounds of the allocation, from a local that outlives
                     // the copy (the stream is synchronized before `on_private_stream` returns).
-                    cu("cuMemcpyHtoDAsync_v2", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            self.device_ptr(slot)?,
-                            (&value as *const u64).cast(),
-                            8,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_htod_async(dst, (&value as *const u64).cast(), 8, stream)
+                    }
                 })
             }
         }
     }
 
     /// Read the low 32 bits of slot `slot` (the word 32-bit operations use).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn load_u32(&self, slot: usize) -> Result<u32> {
         self.check_slot(slot)?;
         match self.backing {
@@ -441,6 +447,10 @@ impl MemopFlags {
     }
 
     /// Write the low 32 bits of slot `slot`.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
     pub fn store_u32(&self, slot: usize, value: u32) -> Result<()> {
         self.check_slot(slot)?;
         match self.backing {
@@ -453,15 +463,11 @@ impl MemopFlags {
             Backing::Device => {
                 // As in `store_u64`: a private non-blocking stream, never cuCtxSynchronize.
                 on_private_stream(&self.ctx, |stream| {
+                    let dst = self.device_ptr(slot)?;
                     // SAFETY: 4 bytes in bounds, from a local that outlives the copy.
-                    cu("cuMemcpyHtoDAsync_v2", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            self.device_ptr(slot)?,
-                            (&value as *const u32).cast(),
-                            4,
-                            stream,
-                        )
-                    })
+                    unsafe {
+                        driver::mem::copy_htod_async(dst, (&value as *const u32).cast(), 4, stream)
+                    }
                 })
             }
         }
@@ -542,17 +548,14 @@ impl Drop for MemopFlags {
         if bind(&self.ctx).is_err() {
             return;
         }
-        // SAFETY: allocated by `pinned_host`/`device`; every stream that used it has passed it.
-        unsafe {
+        // SAFETY: allocated by `pinned_host`/`device`, freed once; every stream that used it
+        // has passed it.
+        let _ = unsafe {
             match self.backing {
-                Backing::Host(p) => {
-                    sys::cuMemFreeHost(p.cast());
-                }
-                Backing::Device => {
-                    sys::cuMemFree_v2(self.dptr);
-                }
+                Backing::Host(p) => driver::mem::free_host(p.cast()),
+                Backing::Device => driver::mem::free(self.dptr),
             }
-        }
+        };
     }
 }
 
@@ -569,25 +572,19 @@ impl Stream {
         let r = self.enqueue(call, (), |s, ()| {
             // SAFETY: symbols checked in MemopFlags::check; `addr` is a live, aligned word of
             // `flags`, which outlives the operation (its drop waits for this stream's fence, and
-            // leaks the words if the operation may sit in a graph).
+            // leaks the words if the operation may sit in a graph); 64-bit operations were
+            // checked against the device in `validate`.
             unsafe {
-                cu(
-                    call,
-                    match op {
-                        MemOp::Wait32 { value, cond, .. } => {
-                            sys::cuStreamWaitValue32_v2(s, addr, value, cond as u32)
-                        }
-                        MemOp::Write32 { value, .. } => {
-                            sys::cuStreamWriteValue32_v2(s, addr, value, 0)
-                        }
-                        MemOp::Wait64 { value, cond, .. } => {
-                            sys::cuStreamWaitValue64_v2(s, addr, value, cond as u32)
-                        }
-                        MemOp::Write64 { value, .. } => {
-                            sys::cuStreamWriteValue64_v2(s, addr, value, 0)
-                        }
-                    },
-                )
+                match op {
+                    MemOp::Wait32 { value, cond, .. } => {
+                        driver::memop::wait_value32(s, addr, value, cond as u32)
+                    }
+                    MemOp::Write32 { value, .. } => driver::memop::write_value32(s, addr, value),
+                    MemOp::Wait64 { value, cond, .. } => {
+                        driver::memop::wait_value64(s, addr, value, cond as u32)
+                    }
+                    MemOp::Write64 { value, .. } => driver::memop::write_value64(s, addr, value),
+                }
             }
         });
         flags.queued(self, r)
@@ -595,6 +592,11 @@ impl Stream {
 
     /// `cuStreamWaitValue32_v2`: later work on this stream waits until the low 32 bits of
     /// `slot` satisfy `cond` against `value`.
+    ///
+    /// # Errors
+    ///
+    /// As [`batch_mem_ops`](Self::batch_mem_ops) for one operation; [`Error::StreamCapturing`]
+    /// while the stream captures a graph.
     #[doc(alias = "cuStreamWaitValue32_v2")]
     pub fn wait_value32(
         &self,
@@ -607,6 +609,11 @@ impl Stream {
     }
 
     /// `cuStreamWaitValue64_v2`: later work waits until `slot` satisfies `cond` against `value`.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value32`](Self::wait_value32); [`Error::Unsupported`] where the device lacks
+    /// 64-bit operations.
     #[doc(alias = "cuStreamWaitValue64_v2")]
     pub fn wait_value64(
         &self,
@@ -620,26 +627,35 @@ impl Stream {
 
     /// `cuStreamWriteValue32_v2`: write `value` to the low 32 bits of `slot` once the stream
     /// gets there.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value32`](Self::wait_value32).
     #[doc(alias = "cuStreamWriteValue32_v2")]
     pub fn write_value32(&self, flags: &MemopFlags, slot: usize, value: u32) -> Result<()> {
         self.one_op(flags, MemOp::Write32 { slot, value })
     }
 
     /// `cuStreamWriteValue64_v2`: write `value` to `slot` once the stream gets there.
+    ///
+    /// # Errors
+    ///
+    /// As [`wait_value64`](Self::wait_value64).
     #[doc(alias = "cuStreamWriteValue64_v2")]
     pub fn write_value64(&self, flags: &MemopFlags, slot: usize, value: u64) -> Result<()> {
         self.one_op(flags, MemOp::Write64 { slot, value })
     }
 
     /// `cuStreamBatchMemOp_v2`: queue `ops` in order. Batches longer than
-    /// [`MAX_BATCH_MEM_OPS`] are split into several calls (A18); returns the number of driver
-    /// calls made. Everything is validated before the first call.
+    /// [`MAX_BATCH_MEM_OPS`] are split into several calls; returns the number of driver calls
+    /// made. Everything is validated before the first call.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a slot out of range; [`Error::Unsupported`] for 64-bit or
-    /// NOR operations the device lacks; [`Error::Cuda`] from the driver (operations of earlier
-    /// chunks stay queued).
+    /// [`Error::InvalidArgument`] for a slot out of range or device flags on another device than
+    /// the stream's; [`Error::Unsupported`] for 64-bit or NOR operations the device lacks;
+    /// [`Error::StreamCapturing`] while the stream captures a graph; [`Error::Cuda`] from the
+    /// driver (operations of earlier chunks stay queued).
     #[doc(alias = "cuStreamBatchMemOp_v2")]
     pub fn batch_mem_ops(&self, flags: &MemopFlags, ops: &[MemOp]) -> Result<usize> {
         flags.validate(self, ops)?;
@@ -655,10 +671,7 @@ impl Stream {
             for (start, n) in batch_spans(params.len()) {
                 // SAFETY: symbols checked; `n <= MAX_BATCH_MEM_OPS` valid params addressing live
                 // words of `flags` (which outlives the operations: see `queued`).
-                let r = unsafe {
-                    sys::cuStreamBatchMemOp_v2(s, n as u32, params[start..].as_mut_ptr(), 0)
-                };
-                cu("cuStreamBatchMemOp_v2", r)?;
+                unsafe { driver::memop::batch(s, &mut params[start..start + n]) }?;
                 calls += 1;
             }
             Ok(calls)

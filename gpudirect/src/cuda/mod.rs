@@ -3,9 +3,10 @@
 //! Call [`init`] (or anything that calls it) before any cudarc API: it checks that libcuda exists
 //! and is new enough, so a missing or old driver is an [`Error`], never a cudarc panic.
 //!
-//! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::memory::tracker::Timeline)
+//! Ordering: [`Stream`] wraps cudarc's `CudaStream` with a completion [`Timeline`](crate::completion::Timeline)
 //! (amortised fences), cross-stream event waits, host callbacks ([`Stream::launch_host_fn`]) and
-//! stream memory operations ([`memop`]: wait on and write 32/64-bit values, batches).
+//! stream memory operations ([`MemopFlags`] and [`Stream::batch_mem_ops`]: wait on and write
+//! 32/64-bit values, batches).
 //!
 //! # CUDA graphs
 //!
@@ -19,14 +20,23 @@
 //! work uses (never frees it); a capture begun *and* ended by another thread within one call is
 //! not seen.
 
-pub(crate) mod capture;
-pub mod memop;
+mod device;
+mod memop;
+mod private;
+#[cfg(test)]
+mod proptests;
 mod stream;
 
-pub use memop::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, WaitCondition};
+pub use device::DeviceInfo;
+pub use memop::{
+    MAX_BATCH_MEM_OPS, MAX_FLAG_SLOTS, MEMOP_SYMBOLS, MemOp, MemopFlags, WaitCondition,
+    batch_chunks,
+};
 pub use stream::Stream;
 
-use crate::error::{Error, Result, cu, from_driver};
+pub(crate) use private::on_private_stream;
+
+use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::{Arc, OnceLock};
 
@@ -66,12 +76,20 @@ pub(crate) fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmem
 /// [`Error::Load`] (put the library's directory on `LD_LIBRARY_PATH` instead). With cudarc's
 /// `dynamic-linking` libcuda is linked into the program, and an override naming another library
 /// is an [`Error::InvalidArgument`] naming the variable.
+///
+/// # Errors
+///
+/// [`Error::Load`] when libcuda (or a symbol gpudirect needs) is missing, or cudarc would not
+/// find the library checked; [`Error::InvalidArgument`] for an override the linked libcuda
+/// contradicts; [`Error::DriverTooOld`] below CUDA 12.0; [`Error::Cuda`] from `cuInit`
+/// (`CUDA_ERROR_NO_DEVICE` on a node without a GPU, `CUDA_ERROR_STUB_LIBRARY` for a stub). Each
+/// is answered again, the same, by every later call.
 #[doc(alias = "cuInit")]
 #[doc(alias = "cuDriverGetVersion")]
 pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     // The tracker records this process's id before any CUDA work, so that a forked child
     // recognises itself (and leaks rather than frees) even if it first touches the tracker.
-    crate::memory::Tracker::global();
+    crate::completion::Tracker::global();
     let d = gpudirect_sys::cuda::driver()?;
     static CUDARC_VIEW: OnceLock<CudarcLibcuda> = OnceLock::new();
     let view = CUDARC_VIEW.get_or_init(|| cudarc_libcuda(d.path()));
@@ -84,9 +102,8 @@ pub fn init() -> Result<&'static gpudirect_sys::cuda::Driver> {
     }
     static INIT: OnceLock<Result<(), (u32, String)>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // SAFETY: libcuda is present (checked above); cuInit takes flags 0.
-        let r = unsafe { sys::cuInit(0) };
-        cu("cuInit", r).map_err(|e| match e {
+        // SAFETY: libcuda is present and is the one cudarc calls (checked above).
+        unsafe { crate::driver::init() }.map_err(|e| match e {
             Error::Cuda { code, name, .. } => (code, name),
             _ => (0, String::new()),
         })
@@ -182,13 +199,15 @@ fn cudarc_loader_check(view: CudarcLibcuda, ours: &str) -> Result<()> {
 }
 
 /// `cuDeviceGetCount`: how many CUDA devices are visible.
+///
+/// # Errors
+///
+/// As [`init`]; [`Error::Cuda`] from `cuDeviceGetCount`.
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> Result<usize> {
     init()?;
-    let mut n = 0;
-    // SAFETY: driver initialised; one valid out-pointer.
-    cu("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n as usize)
+    // SAFETY: the driver is initialised.
+    unsafe { crate::driver::device::count() }
 }
 
 /// The primary context of device `ordinal`, through cudarc, after the presence checks.

@@ -1,8 +1,8 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
-use super::capture::{self, Refused};
-use crate::error::{Result, cu, from_driver};
-use crate::memory::tracker::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
+use crate::completion::capture::{self, Refused};
+use crate::completion::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
+use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -20,6 +20,10 @@ pub struct Stream {
 
 impl Stream {
     /// `cuStreamCreate` a new non-default stream on `ctx` (through cudarc).
+    ///
+    /// # Errors
+    ///
+    /// As [`crate::cuda::init`]; [`crate::Error::Cuda`] from `cuStreamCreate`.
     #[doc(alias = "cuStreamCreate")]
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         crate::cuda::init()?;
@@ -58,7 +62,7 @@ impl Stream {
     }
 
     /// A fence for all work queued on this stream so far (no driver call). Data paths call it
-    /// right after queueing their work and put it in an [`crate::memory::InFlight`].
+    /// right after queueing their work and put it in an [`crate::completion::InFlight`].
     pub fn fence(&self) -> StreamFence {
         self.timeline.issue()
     }
@@ -84,7 +88,12 @@ impl Stream {
         EventFence::record(self.cuda())
     }
 
-    /// `cuStreamSynchronize`.
+    /// `cuStreamSynchronize`: block until everything queued on the stream has finished.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::Cuda`]: an error of the work itself (sticky: the context is unusable
+    /// afterwards), or `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` on a capturing stream.
     #[doc(alias = "cuStreamSynchronize")]
     pub fn synchronize(&self) -> Result<()> {
         self.cuda()
@@ -167,11 +176,17 @@ impl Stream {
         // The pointer travels as an integer so that the closure is not tied to the Box's type.
         let addr = raw as usize;
         let queued = self.enqueue("cuLaunchHostFunc", (), |s, ()| {
-            // SAFETY: `host_fn_trampoline` matches CUhostFn; `addr` is the leaked payload, which
-            // the protocol of `HostFnPayload::state` frees exactly once, or never.
-            cu("cuLaunchHostFunc", unsafe {
-                sys::cuLaunchHostFunc(s, Some(host_fn_trampoline), addr as *mut std::ffi::c_void)
-            })
+            // SAFETY: a live stream; `addr` is the leaked payload, which the protocol of
+            // `HostFnPayload::state` frees exactly once, or never (so it outlives every run,
+            // however many graph launches there are); the trampoline catches unwinds and makes
+            // no CUDA calls.
+            unsafe {
+                crate::driver::stream::launch_host_func(
+                    s,
+                    host_fn_trampoline,
+                    addr as *mut std::ffi::c_void,
+                )
+            }
         });
         match queued {
             Ok(((), ())) => {
@@ -327,7 +342,7 @@ mod tests {
         unsafe { &(*raw).state }.store(QUEUED, Ordering::SeqCst);
         // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         reap_until(&drops, 1);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
@@ -337,7 +352,7 @@ mod tests {
         let (raw, fence) = payload(&runs, &drops);
         // SAFETY: as above.
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         // SAFETY: the callback marked RAN and never touches the payload again.
         let state = unsafe { &(*raw).state };
         assert_eq!(
@@ -367,7 +382,7 @@ mod tests {
         Tracker::global().reap();
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         assert_eq!(drops.load(Ordering::SeqCst), 0);
-        assert!(!crate::memory::Fence::is_complete(&fence));
+        assert!(!crate::completion::Fence::is_complete(&fence));
         // A capture seen while the callback was already running: the callback's mark fails, it
         // neither frees nor completes.
         let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -380,7 +395,7 @@ mod tests {
             state.compare_exchange(PENDING, RAN, Ordering::AcqRel, Ordering::Acquire),
             Err(LEAKED)
         );
-        assert!(!crate::memory::Fence::is_complete(&fence));
+        assert!(!crate::completion::Fence::is_complete(&fence));
         assert_eq!(
             (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
             (0, 0)
@@ -404,7 +419,7 @@ mod tests {
         // SAFETY: a leaked payload box, handed over once, as cuLaunchHostFunc would. Dropping
         // the panic payload in there would abort the test process (a panic out of extern "C").
         unsafe { host_fn_trampoline(raw.cast()) };
-        assert!(crate::memory::Fence::is_complete(&fence));
+        assert!(crate::completion::Fence::is_complete(&fence));
         assert!(fence.panicked());
     }
 

@@ -1,6 +1,6 @@
 //! `cuPointerGetAttributes` as a typed struct.
 
-use crate::error::{Result, cu};
+use crate::error::Result;
 use cudarc::driver::sys;
 
 /// Where the bytes behind a pointer live (`CU_POINTER_ATTRIBUTE_MEMORY_TYPE`).
@@ -100,15 +100,7 @@ pub fn pointer_attributes(ptr: u64) -> Result<PointerAttributes> {
     ];
     // SAFETY: eight attributes, each with an out-pointer of the size the driver writes
     // (CUmemorytype/int/bool-as-int: 4 bytes; addresses and sizes: 8 bytes).
-    let r = unsafe {
-        sys::cuPointerGetAttributes(
-            attrs.len() as u32,
-            attrs.as_mut_ptr(),
-            data.as_mut_ptr(),
-            ptr,
-        )
-    };
-    cu("cuPointerGetAttributes", r)?;
+    unsafe { crate::driver::pointer::attributes(&mut attrs, &mut data, ptr) }?;
     Ok(PointerAttributes {
         memory_type: MemoryType::from_raw(mem_type),
         device_ordinal: ordinal,

@@ -1,22 +1,11 @@
-//! Typed copies between memory kinds: blocking, and asynchronous on a [`Stream`].
-//!
-//! Every copy checks, before any driver call, that source and destination hold the same element
-//! type (at compile time) and the same number of elements, and that device memory belongs to the
-//! stream's device (copies between devices are the `p2p` module's). Host kinds take the
-//! `cuMemcpyHtoDAsync`/`cuMemcpyDtoHAsync` paths with their host address, device kinds
-//! `cuMemcpyDtoDAsync`.
-//!
-//! Asynchronous copies take both buffers by value (or the source as an `Arc`) and return an
-//! [`InFlight`] that owns them until the copy has completed: `mem::forget` of it leaks them, and
-//! the destination can be read only after [`InFlight::wait`] hands it back.
-//!
-//! No copy is queued on a stream that is capturing a CUDA graph ([`Error::StreamCapturing`]).
+//! Typed copies between memory kinds: blocking, and asynchronous on a [`Stream`] (the rules are
+//! in the `memory` module docs).
 
-use super::tracker::StreamFence;
-use super::{DeviceMemory, DeviceMemoryMut, InFlight, Pod};
+use super::{DeviceMemory, DeviceMemoryMut, Pod};
+use crate::completion::{InFlight, StreamFence};
 use crate::cuda::Stream;
-use crate::error::{Error, Result, cu};
-use cudarc::driver::sys;
+use crate::driver::mem;
+use crate::error::{Error, Result};
 
 /// What an asynchronous copy returns: both buffers, owned until the copy completes.
 pub type CopyInFlight<S, D> = InFlight<(S, D), StreamFence>;
@@ -48,16 +37,46 @@ pub(crate) fn check_len(src: usize, dst: usize) -> Result<()> {
 /// queued (their trait methods are not called while work is being queued).
 #[derive(Clone, Copy)]
 struct Plan {
-    src_host: Option<*mut u8>,
-    src_dev: u64,
-    dst_host: Option<*mut u8>,
-    dst_dev: u64,
+    src: End,
+    dst: End,
     bytes: usize,
 }
 
+/// One side of a copy: its host address (host kinds, host slices), else its device address.
+#[derive(Clone, Copy)]
+struct End {
+    host: Option<*mut u8>,
+    dev: u64,
+}
+
+impl End {
+    fn of(m: &impl DeviceMemory) -> End {
+        End {
+            host: m.host_ptr(),
+            dev: m.device_ptr(),
+        }
+    }
+
+    fn host<T>(p: *const T) -> End {
+        End {
+            host: Some(p.cast_mut().cast()),
+            dev: 0,
+        }
+    }
+}
+
 impl Plan {
+    /// All of `src` into `dst` (same element type, lengths checked by the caller).
+    fn whole<S: DeviceMemory>(src: &S, dst: &impl DeviceMemory) -> Result<Plan> {
+        Ok(Plan {
+            src: End::of(src),
+            dst: End::of(dst),
+            bytes: bytes_of::<S::Elem>(src.len())?,
+        })
+    }
+
     fn call(&self) -> &'static str {
-        match (self.src_host, self.dst_host) {
+        match (self.src.host, self.dst.host) {
             (None, None) => "cuMemcpyDtoDAsync_v2",
             (Some(_), None) => "cuMemcpyHtoDAsync_v2",
             (None, Some(_)) => "cuMemcpyDtoHAsync_v2",
@@ -76,38 +95,32 @@ unsafe fn issue<R>(
     stream: &Stream,
     plan: Plan,
     keep: R,
-) -> Result<R, crate::cuda::capture::Refused<R>> {
+) -> Result<R, crate::completion::capture::Refused<R>> {
     let ((), keep) = stream.enqueue(plan.call(), keep, |s, _| {
-        let Plan {
-            src_host,
-            src_dev,
-            dst_host,
-            dst_dev,
-            bytes,
-        } = plan;
+        let Plan { src, dst, bytes } = plan;
         // SAFETY: forwarded from the caller.
         unsafe {
-            match (src_host, dst_host) {
-                (None, None) => cu(
-                    "cuMemcpyDtoDAsync_v2",
-                    sys::cuMemcpyDtoDAsync_v2(dst_dev, src_dev, bytes, s),
-                ),
-                (Some(h), None) => cu(
-                    "cuMemcpyHtoDAsync_v2",
-                    sys::cuMemcpyHtoDAsync_v2(dst_dev, h.cast(), bytes, s),
-                ),
-                (None, Some(h)) => cu(
-                    "cuMemcpyDtoHAsync_v2",
-                    sys::cuMemcpyDtoHAsync_v2(h.cast(), src_dev, bytes, s),
-                ),
-                (Some(_), Some(_)) => cu(
-                    "cuMemcpyAsync",
-                    sys::cuMemcpyAsync(dst_dev, src_dev, bytes, s),
-                ),
+            match (src.host, dst.host) {
+                (None, None) => mem::copy_dtod_async(dst.dev, src.dev, bytes, s),
+                (Some(h), None) => mem::copy_htod_async(dst.dev, h.cast(), bytes, s),
+                (None, Some(h)) => mem::copy_dtoh_async(h.cast(), src.dev, bytes, s),
+                (Some(_), Some(_)) => mem::copy_async(dst.dev, src.dev, bytes, s),
             }
         }
     })?;
     Ok(keep)
+}
+
+/// Queue `plan` and wait for it (`cuStreamSynchronize`). A capture that began during the call
+/// was invalidated by [`issue`], so no graph holds the copy.
+///
+/// # Safety
+///
+/// Both ranges valid for `bytes` bytes until this returns; `dst` not referenced meanwhile.
+unsafe fn blocking(stream: &Stream, plan: Plan) -> Result<()> {
+    // SAFETY: forwarded from the caller: the copy has completed when this returns.
+    unsafe { issue(stream, plan, ()) }?;
+    stream.synchronize()
 }
 
 /// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a
@@ -148,13 +161,7 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", &src)?;
     check_device(stream, "dst", &dst)?;
-    let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
-        bytes: bytes_of::<S::Elem>(src.len())?,
-    };
+    let plan = Plan::whole(&src, &dst)?;
     // SAFETY: both buffers are owned by the InFlight below until the fence completes (or leaked
     // by `issue`); `dst` is `DeviceMemoryMut`, so nothing else references it.
     let (src, dst) = unsafe { issue(stream, plan, (src, dst)) }?;
@@ -175,20 +182,16 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
     check_device(stream, "dst", dst)?;
-    let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
-        bytes: bytes_of::<S::Elem>(src.len())?,
-    };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning. (A capture that
-    // began during the call was invalidated by `issue`, so no graph holds the copy.)
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    let plan = Plan::whole(src, dst)?;
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably.
+    unsafe { blocking(stream, plan) }
 }
 
 /// Copy host elements `src` (any host memory, pageable or pinned) into `dst`, blocking.
+///
+/// # Errors
+///
+/// As [`copy`].
 #[doc(alias = "cuMemcpyHtoD_v2")]
 pub fn copy_from_host<D>(stream: &Stream, src: &[D::Elem], dst: &mut D) -> Result<()>
 where
@@ -198,18 +201,19 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "dst", dst)?;
     let plan = Plan {
-        src_host: Some(src.as_ptr().cast_mut().cast()),
-        src_dev: 0,
-        dst_host: dst.host_ptr(),
-        dst_dev: dst.device_ptr(),
+        src: End::host(src.as_ptr()),
+        dst: End::of(dst),
         bytes: std::mem::size_of_val(src),
     };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`).
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably.
+    unsafe { blocking(stream, plan) }
 }
 
 /// Copy `src` into host elements `dst`, blocking.
+///
+/// # Errors
+///
+/// As [`copy`].
 #[doc(alias = "cuMemcpyDtoH_v2")]
 pub fn copy_to_host<S>(stream: &Stream, src: &S, dst: &mut [S::Elem]) -> Result<()>
 where
@@ -219,16 +223,13 @@ where
     check_len(src.len(), dst.len())?;
     check_device(stream, "src", src)?;
     let plan = Plan {
-        src_host: src.host_ptr(),
-        src_dev: src.device_ptr(),
-        dst_host: Some(dst.as_mut_ptr().cast()),
-        dst_dev: 0,
+        src: End::of(src),
+        dst: End::host(dst.as_mut_ptr()),
         bytes: std::mem::size_of_val(dst),
     };
-    // SAFETY: the borrows outlive the copy: we synchronize before returning (see `copy`);
-    // `S::Elem: Pod` makes any bytes the device wrote a valid value.
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    // SAFETY: the borrows outlive the call; `dst` is borrowed mutably; `S::Elem: Pod` makes any
+    // bytes the device wrote a valid value.
+    unsafe { blocking(stream, plan) }
 }
 
 /// The contents of `src` as a `Vec`, blocking.

@@ -1,10 +1,12 @@
 //! `cuMemAlloc` device memory: GPUDirect RDMA capable, exportable.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{DeviceMemory, MemoryKind, Pod, byte_size};
 use crate::cuda::Stream;
-use crate::error::{Result, cu};
-use cudarc::driver::{CudaContext, sys};
-use std::marker::PhantomData;
+use crate::driver;
+use crate::driver::ctx::bind;
+use crate::error::Result;
+use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
 /// Device memory from `cuMemAlloc`: `len` elements of `T` on one GPU.
@@ -17,13 +19,26 @@ use std::sync::Arc;
 /// Dropping it calls `cuMemFree`; in a forked child it leaks instead.
 #[derive(Debug)]
 #[doc(alias = "cuMemAlloc")]
-pub struct DeviceBuffer<T: Pod> {
-    ptr: u64,
-    len: usize,
-    ctx: Arc<CudaContext>,
-    pid: u32,
-    _elem: PhantomData<T>,
+pub struct DeviceBuffer<T: Pod>(Allocation<T, MemAlloc>);
+
+/// `cuMemAlloc` memory, given back with `cuMemFree`.
+#[derive(Debug)]
+pub(crate) struct MemAlloc;
+
+// SAFETY: memory from `cuMemAlloc_v2` is device memory of the context's device, valid until
+// `cuMemFree_v2`; it has no host view.
+unsafe impl Release for MemAlloc {
+    const KIND: MemoryKind = MemoryKind::Device;
+    const CALL: &'static str = "cuMemFree_v2";
+    type Back = ();
+
+    unsafe fn release(self, ptr: u64) -> Result<()> {
+        // SAFETY: the allocation's pointer from cuMemAlloc_v2, freed once (the caller's).
+        unsafe { driver::mem::free(ptr) }
+    }
 }
+
+thin_memory!(DeviceBuffer);
 
 impl<T: Pod> DeviceBuffer<T> {
     /// `cuMemAlloc_v2(len * size_of::<T>())` on `ctx`'s device. `len` is in elements.
@@ -31,7 +46,8 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     ///
     /// [`crate::Error::InvalidArgument`] for `len == 0` or an overflowing size;
-    /// [`crate::Error::Cuda`] (`CUDA_ERROR_OUT_OF_MEMORY`) from the driver.
+    /// [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`]
+    /// (`CUDA_ERROR_OUT_OF_MEMORY`) from the driver.
     ///
     /// # C function
     ///
@@ -40,37 +56,40 @@ impl<T: Pod> DeviceBuffer<T> {
     pub fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let bytes = byte_size::<T>(len)?;
         crate::cuda::init()?;
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         bind(ctx)?;
-        let mut ptr = 0;
-        // SAFETY: context current; one valid out-pointer.
-        cu("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, bytes)
-        })?;
-        Ok(DeviceBuffer {
-            ptr,
-            len,
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-            _elem: PhantomData,
-        })
+        // SAFETY: context current.
+        let ptr = unsafe { driver::mem::alloc(bytes) }?;
+        // SAFETY: `bytes` bytes of cuMemAlloc memory in `ctx`, freed only by `MemAlloc`.
+        Ok(DeviceBuffer(unsafe {
+            Allocation::new(ptr, len, ctx, MemAlloc)
+        }))
     }
 
     /// [`alloc`](Self::alloc), then `cuMemsetD8Async` to zero on a private non-blocking stream,
     /// synchronized (blocking, but not waiting for the context's other streams).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](Self::alloc); [`crate::Error::Cuda`] from the memset or its synchronization
+    /// (the buffer is then freed).
     #[doc(alias = "cuMemsetD8_v2")]
     pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let b = Self::alloc(ctx, len)?;
-        super::on_private_stream(ctx, |stream| {
-            // SAFETY: context current; the range is this allocation; a live stream.
-            cu("cuMemsetD8Async", unsafe {
-                sys::cuMemsetD8Async(b.ptr, 0, b.byte_len(), stream)
-            })
+        crate::cuda::on_private_stream(ctx, |stream| {
+            // SAFETY: context current; the range is this allocation, synchronized before it is
+            // handed out; a live stream.
+            unsafe { driver::mem::memset_d8_async(b.device_ptr(), 0, b.byte_len(), stream) }
         })?;
         Ok(b)
     }
 
     /// A new buffer holding a copy of `data` (blocking, on `stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](Self::alloc) (an empty `data` is an [`crate::Error::InvalidArgument`]) and
+    /// [`copy_from_host`](super::copy_from_host).
     pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
         let mut b = Self::alloc(stream.context(), data.len())?;
         super::copy_from_host(stream, data, &mut b)?;
@@ -78,44 +97,11 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// The contents, copied to the host (blocking, on `stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_to_host`](super::copy_to_host).
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
         super::copy::to_vec(stream, self)
-    }
-
-    /// The context the memory was allocated in.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-}
-
-// SAFETY: the allocation lives until drop, never moves, and is `len * size_of::<T>()` bytes of
-// device memory on `ctx`'s device.
-unsafe impl<T: Pod> DeviceMemory for DeviceBuffer<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Device
-    }
-}
-
-// SAFETY: no host reference to device bytes is ever handed out.
-unsafe impl<T: Pod> DeviceMemoryMut for DeviceBuffer<T> {}
-
-impl<T: Pod> Drop for DeviceBuffer<T> {
-    fn drop(&mut self) {
-        if forked(self.pid) || bind(&self.ctx).is_err() {
-            return; // leak: no driver frees in a forked child or without a usable context
-        }
-        // SAFETY: the pointer came from cuMemAlloc_v2 and nothing in flight holds it (in-flight
-        // work owns the buffer, so it is not being dropped).
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }

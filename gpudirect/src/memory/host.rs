@@ -1,9 +1,11 @@
 //! `cuMemHostAlloc` pinned host memory.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Result, cu};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod, byte_size};
+use crate::driver;
+use crate::driver::ctx::bind;
+use crate::error::Result;
 use cudarc::driver::{CudaContext, sys};
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 bitflags::bitflags! {
@@ -30,27 +32,49 @@ bitflags::bitflags! {
 /// dropped, which in-flight work prevents. In a forked child it leaks.
 #[derive(Debug)]
 #[doc(alias = "cuMemHostAlloc")]
-pub struct PinnedHostBuffer<T: Pod> {
-    ptr: *mut T,
-    dptr: u64,
-    len: usize,
+pub struct PinnedHostBuffer<T: Pod>(Allocation<T, HostAlloc>);
+
+/// `cuMemHostAlloc` memory, given back with `cuMemFreeHost`.
+#[derive(Debug)]
+pub(crate) struct HostAlloc {
+    /// The host address `cuMemHostAlloc` returned.
+    host: *mut u8,
     flags: HostAllocFlags,
-    ctx: Arc<CudaContext>,
-    pid: u32,
-    _elem: PhantomData<T>,
 }
 
-// SAFETY: the buffer owns its allocation exclusively; `T: Pod` is Send + Sync.
-unsafe impl<T: Pod> Send for PinnedHostBuffer<T> {}
-// SAFETY: shared access only reads through `&[T]`.
-unsafe impl<T: Pod> Sync for PinnedHostBuffer<T> {}
+// SAFETY: the allocation is owned exclusively by its `Allocation`; the pointer is only read, and
+// the bytes behind it are reached through the owner's `&self`/`&mut self`.
+unsafe impl Send for HostAlloc {}
+// SAFETY: as above.
+unsafe impl Sync for HostAlloc {}
+
+// SAFETY: pinned host memory, valid until `cuMemFreeHost`; the allocation's device address is its
+// device mapping (or, with unified addressing, the host address itself, which the driver accepts
+// as well), and `host` is the same bytes on the host.
+unsafe impl Release for HostAlloc {
+    const KIND: MemoryKind = MemoryKind::PinnedHost;
+    const CALL: &'static str = "cuMemFreeHost";
+    type Back = ();
+
+    fn host_ptr(&self) -> Option<*mut u8> {
+        Some(self.host)
+    }
+
+    unsafe fn release(self, _ptr: u64) -> Result<()> {
+        // SAFETY: from cuMemHostAlloc, freed once; no work uses it (the caller's).
+        unsafe { driver::mem::free_host(self.host.cast()) }
+    }
+}
+
+thin_memory!(PinnedHostBuffer);
 
 impl<T: Pod> PinnedHostBuffer<T> {
     /// `cuMemHostAlloc(len * size_of::<T>(), flags)` in `ctx`, zero-filled. `len` is in elements.
     ///
     /// # Errors
     ///
-    /// [`crate::Error::InvalidArgument`] for `len == 0`; [`crate::Error::Cuda`] from the driver.
+    /// [`crate::Error::InvalidArgument`] for `len == 0` or an overflowing size;
+    /// [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`] from the driver.
     ///
     /// # C function
     ///
@@ -59,35 +83,31 @@ impl<T: Pod> PinnedHostBuffer<T> {
     pub fn alloc(ctx: &Arc<CudaContext>, len: usize, flags: HostAllocFlags) -> Result<Self> {
         let bytes = byte_size::<T>(len)?;
         crate::cuda::init()?;
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         bind(ctx)?;
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: context current; one valid out-pointer; flags are cuMemHostAlloc flags.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, flags.bits())
-        })?;
+        // SAFETY: context current; flags are cuMemHostAlloc flags.
+        let p = unsafe { driver::mem::host_alloc(bytes, flags.bits()) }?;
         // SAFETY: `p` is a fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
-        let mut dptr = 0;
-        // SAFETY: `p` is pinned memory of this context; one valid out-pointer.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            // Without a mapping (no DEVICEMAP on a device without unified addressing), the
-            // host address is what copies use.
-            dptr = p as u64;
-        }
-        Ok(PinnedHostBuffer {
-            ptr: p.cast(),
-            dptr,
-            len,
+        // Without a mapping (no DEVICEMAP on a device without unified addressing), the host
+        // address is what copies use.
+        // SAFETY: `p` is pinned memory of this context.
+        let dptr = unsafe { driver::mem::host_device_pointer(p) }.unwrap_or(p as u64);
+        let how = HostAlloc {
+            host: p.cast(),
             flags,
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-            _elem: PhantomData,
-        })
+        };
+        // SAFETY: `bytes` bytes of pinned memory mapped at `dptr`, freed only by `HostAlloc`.
+        Ok(PinnedHostBuffer(unsafe {
+            Allocation::new(dptr, len, ctx, how)
+        }))
     }
 
     /// A pinned copy of `data`.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](Self::alloc) (an empty `data` is an [`crate::Error::InvalidArgument`]).
     pub fn from_slice(ctx: &Arc<CudaContext>, data: &[T], flags: HostAllocFlags) -> Result<Self> {
         let mut b = Self::alloc(ctx, data.len(), flags)?;
         b.as_mut_slice().copy_from_slice(data);
@@ -98,23 +118,18 @@ impl<T: Pod> PinnedHostBuffer<T> {
     pub fn as_slice(&self) -> &[T] {
         // SAFETY: `len` initialised elements (zero-filled at allocation, `T: Pod`); no device
         // work can be writing them while `self` is borrowed (device work owns the buffer).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        unsafe { std::slice::from_raw_parts(self.0.how().host.cast(), self.0.len()) }
     }
 
     /// The elements, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [T] {
         // SAFETY: as in `as_slice`, and `&mut self` is exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.0.how().host.cast(), self.0.len()) }
     }
 
     /// The flags it was allocated with.
     pub fn flags(&self) -> HostAllocFlags {
-        self.flags
-    }
-
-    /// The context it was allocated in.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        self.0.how().flags
     }
 }
 
@@ -128,41 +143,6 @@ impl<T: Pod> std::ops::Deref for PinnedHostBuffer<T> {
 impl<T: Pod> std::ops::DerefMut for PinnedHostBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         self.as_mut_slice()
-    }
-}
-
-// SAFETY: the pinned allocation lives until drop and never moves; `dptr` is its device mapping
-// (or, with unified addressing, its host address, which the driver accepts as well).
-unsafe impl<T: Pod> DeviceMemory for PinnedHostBuffer<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.dptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::PinnedHost
-    }
-    fn host_ptr(&self) -> Option<*mut u8> {
-        Some(self.ptr.cast())
-    }
-}
-
-// SAFETY: references to the bytes only come from `&self`/`&mut self`, which an owner that holds
-// the buffer by value (a data path) excludes.
-unsafe impl<T: Pod> DeviceMemoryMut for PinnedHostBuffer<T> {}
-
-impl<T: Pod> Drop for PinnedHostBuffer<T> {
-    fn drop(&mut self) {
-        if forked(self.pid) || bind(&self.ctx).is_err() {
-            return; // leak
-        }
-        // SAFETY: from cuMemHostAlloc; nothing in flight uses it (in-flight work owns it).
-        let _ = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
     }
 }
 

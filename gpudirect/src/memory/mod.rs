@@ -1,4 +1,4 @@
-//! Memory kinds, pointer attributes, typed copies and the completion tracker.
+//! Memory kinds, pointer attributes and typed copies.
 //!
 //! Not all device memory is equal for GPUDirect, and the type says which it is (see
 //! [`MemoryKind`]):
@@ -11,8 +11,12 @@
 //! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
 //! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
 //!
-//! Whatever a copy engine, a NIC or cuFile may still touch is owned by an [`tracker::InFlight`]
-//! (or parked in the [`tracker::Tracker`]) until completion is observed. Data paths take owned
+//! Device memory exports as a dma-buf with [`export_dmabuf`]: the [`DmaBuf`] owns the memory and
+//! never lends its fd, so no duplicate can outlive what it reaches.
+//!
+//! Whatever a copy engine, a NIC or cuFile may still touch is owned by an
+//! [`InFlight`](crate::completion::InFlight) (or parked in the
+//! [`Tracker`](crate::completion::Tracker)) until completion is observed. Data paths take owned
 //! values implementing [`DeviceMemory`] (or `Arc`s of them, for memory they only read); memory they
 //! write must implement [`DeviceMemoryMut`], which `Arc` does not.
 //!
@@ -21,11 +25,12 @@
 //! Take buffers as `M: DeviceMemory` (read) or `M: DeviceMemoryMut` (written), by value; the
 //! address range is `m.device_ptr()..m.device_ptr() + m.byte_len()` (bytes), on device
 //! `m.ordinal()`, of kind `m.kind()`. Queue the work, then hand everything it may still touch to
-//! an [`InFlight`] with a fence from the stream:
+//! an [`InFlight`](crate::completion::InFlight) with a fence from the stream:
 //!
 //! ```no_run
+//! use gpudirect::completion::{InFlight, StreamFence};
 //! use gpudirect::cuda::Stream;
-//! use gpudirect::memory::{DeviceBuffer, DeviceMemoryMut, InFlight, StreamFence};
+//! use gpudirect::memory::{DeviceBuffer, DeviceMemoryMut};
 //!
 //! fn start_read<M: DeviceMemoryMut>(stream: &Stream, buf: M) -> gpudirect::Result<InFlight<M, StreamFence>> {
 //!     let (ptr, bytes) = (buf.device_ptr(), buf.byte_len());
@@ -44,69 +49,59 @@
 //! # }
 //! ```
 //!
-//! Other fences: [`crate::cuda::Stream::event_fence`] ([`EventFence`], one `cuEventRecord`
-//! now), [`crate::cuda::Stream::host_fence`] ([`HostFnFence`], a `cuLaunchHostFunc` callback),
-//! [`CompletionFlag`] (set by whoever observes completion: a polled work completion, an I/O
-//! thread).
+//! Other fences (all in [`crate::completion`]): [`crate::cuda::Stream::event_fence`]
+//! (`EventFence`, one `cuEventRecord` now), [`crate::cuda::Stream::host_fence`] (`HostFnFence`,
+//! a `cuLaunchHostFunc` callback), `CompletionFlag` (set by whoever observes completion: a polled
+//! work completion, an I/O thread).
+//!
+//! # Copies
+//!
+//! [`copy`], [`copy_async`], [`copy_from_host`], [`copy_to_host`]. Every copy checks, before any
+//! driver call, that source and destination hold the same element type (at compile time) and the
+//! same number of elements, and that device memory belongs to the stream's device (copies between
+//! devices are the `p2p` module's). Host kinds take the `cuMemcpyHtoDAsync`/`cuMemcpyDtoHAsync`
+//! paths with their host address, device kinds `cuMemcpyDtoDAsync`.
+//!
+//! Asynchronous copies take both buffers by value (or the source as an `Arc`) and return an
+//! [`InFlight`](crate::completion::InFlight) that owns them until the copy has completed:
+//! `mem::forget` of it leaks them, and the destination can be read only after
+//! [`InFlight::wait`](crate::completion::InFlight::wait) hands it back.
+//!
+//! No copy is queued on a stream that is capturing a CUDA graph
+//! ([`Error::StreamCapturing`](crate::Error::StreamCapturing)).
 //!
 //! # Fork safety
 //!
 //! Every allocation records the process id that made it. A value dropped in a forked child frees
 //! nothing through the driver (the child's CUDA state is unusable); it leaks instead.
 
+pub(crate) mod alloc;
 mod attributes;
-pub mod copy;
+mod copy;
 mod device;
+pub(crate) mod dmabuf;
 mod host;
 mod pod;
 mod pool;
 #[cfg(test)]
 mod proptests;
 mod registered;
-pub mod tracker;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
-pub use copy::{copy, copy_async, copy_from_host, copy_to_host};
+pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
+pub use dmabuf::{DmaBuf, check_dmabuf_export, export_dmabuf};
 pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
-pub use tracker::{CompletionFlag, EventFence, Fence, HostFnFence, InFlight, StreamFence, Tracker};
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
-use crate::error::{Result, from_driver};
-use cudarc::driver::CudaContext;
+pub use crate::error::MemoryKind;
+
+use crate::error::Result;
 use std::sync::Arc;
-
-/// How a buffer was allocated, which decides what GPUDirect can do with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[non_exhaustive]
-pub enum MemoryKind {
-    /// `cuMemAlloc`: GPUDirect RDMA capable, exportable by dma-buf and cuIpc.
-    Device,
-    /// `cuMemCreate` with the GPUDirect RDMA flag, mapped with `cuMemMap`: RDMA capable,
-    /// exportable as a POSIX fd.
-    Vmm,
-    /// Stream-ordered pool memory (`cuMemAllocAsync`, cudarc's `CudaSlice`): not GPUDirect RDMA
-    /// capable; peers need `cuMemPoolSetAccess`.
-    Pool,
-    /// `cuMemHostAlloc` pinned host memory.
-    PinnedHost,
-    /// Host memory pinned in place with `cuMemHostRegister`.
-    RegisteredHost,
-}
-
-impl MemoryKind {
-    /// Whether the memory lives on a GPU (as opposed to pinned host memory).
-    pub fn is_device(self) -> bool {
-        matches!(
-            self,
-            MemoryKind::Device | MemoryKind::Vmm | MemoryKind::Pool
-        )
-    }
-}
 
 /// Memory that a CUDA device (or a NIC through it) can address: a device pointer and a length.
 ///
@@ -160,6 +155,10 @@ pub unsafe trait DeviceMemory: Send + 'static {
     }
 
     /// `cuPointerGetAttributes` on [`device_ptr`](DeviceMemory::device_ptr).
+    ///
+    /// # Errors
+    ///
+    /// As [`pointer_attributes`].
     #[doc(alias = "cuPointerGetAttributes")]
     fn attributes(&self) -> Result<PointerAttributes> {
         pointer_attributes(self.device_ptr())
@@ -232,54 +231,6 @@ pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> 
     Ok(())
 }
 
-/// Make `ctx` current on the calling thread.
-pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
-}
-
-/// Run `f` on a new private stream of `ctx` created with `CU_STREAM_NON_BLOCKING`, then
-/// `cuStreamSynchronize` that stream only, and destroy it.
-///
-/// For small blocking writes and reads that another stream may be waiting for: unlike
-/// `cuCtxSynchronize` (which waits for every stream of the context) or a synchronous copy on the
-/// legacy default stream (which waits for every blocking stream), this never waits behind a stream
-/// blocked in `cuStreamWaitValue` until this very write lands.
-pub(crate) fn on_private_stream(
-    ctx: &CudaContext,
-    f: impl FnOnce(cudarc::driver::sys::CUstream) -> Result<()>,
-) -> Result<()> {
-    use cudarc::driver::sys;
-    bind(ctx)?;
-    let mut stream = std::ptr::null_mut();
-    // SAFETY: context current; valid out-pointer.
-    crate::error::cu("cuStreamCreate", unsafe {
-        sys::cuStreamCreate(
-            &mut stream,
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-        )
-    })?;
-    // A stream made here and never shown to anyone cannot be capturing; it is checked like
-    // every other stream all the same.
-    let queued =
-        crate::cuda::capture::enqueue_raw(stream, "work on a private stream", (), |s, ()| f(s))
-            .map(drop)
-            .map_err(crate::Error::from);
-    // Synchronize even when `f` failed midway: whatever it queued finishes before we return.
-    // SAFETY: the stream created above.
-    let synced = crate::error::cu("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream)
-    });
-    // SAFETY: created above, destroyed once (the driver defers it past any pending work).
-    unsafe { sys::cuStreamDestroy_v2(stream) };
-    queued.and(synced)
-}
-
-/// Whether this process is not the one with id `pid` (a forked child): no driver frees then.
-pub(crate) fn forked(pid: u32) -> bool {
-    std::process::id() != pid
-}
-
 /// `len * size_of::<T>()`, or an [`crate::Error::InvalidArgument`] on overflow or zero.
 pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
     let bytes = len
@@ -298,15 +249,6 @@ pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kinds_know_where_they_live() {
-        assert!(MemoryKind::Device.is_device());
-        assert!(MemoryKind::Vmm.is_device());
-        assert!(MemoryKind::Pool.is_device());
-        assert!(!MemoryKind::PinnedHost.is_device());
-        assert!(!MemoryKind::RegisteredHost.is_device());
-    }
 
     #[test]
     fn byte_size_checks_before_ffi() {

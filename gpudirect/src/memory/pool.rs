@@ -1,9 +1,9 @@
 //! Stream-ordered pool memory: cudarc's `CudaSlice`, accepted as it is.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod};
 use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaSlice, DevicePtr};
-use std::mem::ManuallyDrop;
 
 /// A cudarc [`CudaSlice`] (pool memory from `cuMemAllocAsync`) handed to gpudirect's data paths.
 ///
@@ -15,18 +15,33 @@ use std::mem::ManuallyDrop;
 /// this wrapper), and cudarc then frees it on its stream as usual. Dropped in a forked child,
 /// it leaks.
 #[derive(Debug)]
-pub struct PoolBuffer<T: Pod> {
-    slice: ManuallyDrop<CudaSlice<T>>,
-    ptr: u64,
-    pid: u32,
+pub struct PoolBuffer<T: Pod>(Allocation<T, Slice<T>>);
+
+/// A cudarc slice, given back by dropping it (cudarc frees it on its stream).
+#[derive(Debug)]
+pub(crate) struct Slice<T: Pod>(CudaSlice<T>);
+
+// SAFETY: the CudaSlice owns the allocation until dropped (and cudarc frees it only then); it
+// never moves the memory, and has no host view.
+unsafe impl<T: Pod> Release for Slice<T> {
+    const KIND: MemoryKind = MemoryKind::Pool;
+    const CALL: &'static str = "cuMemFreeAsync";
+    type Back = ();
+
+    unsafe fn release(self, _ptr: u64) -> Result<()> {
+        drop(self.0);
+        Ok(())
+    }
 }
+
+thin_memory!(PoolBuffer);
 
 impl<T: Pod> PoolBuffer<T> {
     /// Wrap `slice`, synchronizing its stream once so that earlier cudarc work on it is complete.
     ///
     /// # Errors
     ///
-    /// [`crate::Error::Cuda`] from `cuStreamSynchronize`.
+    /// [`crate::Error::Cuda`] from `cuStreamSynchronize` (the slice is then dropped).
     #[doc(alias = "cuMemAllocAsync")]
     pub fn new(slice: CudaSlice<T>) -> Result<Self> {
         let stream = slice.stream().clone();
@@ -37,53 +52,21 @@ impl<T: Pod> PoolBuffer<T> {
         stream
             .synchronize()
             .map_err(|e| from_driver("cuStreamSynchronize", e))?;
-        Ok(PoolBuffer {
-            slice: ManuallyDrop::new(slice),
-            ptr,
-            pid: std::process::id(),
-        })
+        let len = slice.len();
+        // SAFETY: the slice's `len` elements of pool memory at `ptr`, freed only when the slice
+        // is dropped (by `Slice`, or by the caller after `into_inner`).
+        Ok(PoolBuffer(unsafe {
+            Allocation::new(ptr, len, stream.context(), Slice(slice))
+        }))
     }
 
     /// The cudarc slice, for reading with cudarc.
     pub fn as_slice(&self) -> &CudaSlice<T> {
-        &self.slice
+        &self.0.how().0
     }
 
     /// The cudarc slice back.
     pub fn into_inner(self) -> CudaSlice<T> {
-        let mut me = ManuallyDrop::new(self);
-        // SAFETY: `me` is never dropped, so the slice is taken out exactly once.
-        unsafe { ManuallyDrop::take(&mut me.slice) }
-    }
-}
-
-// SAFETY: the CudaSlice owns the allocation until dropped (and cudarc frees it only then); it
-// never moves the memory.
-unsafe impl<T: Pod> DeviceMemory for PoolBuffer<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.slice.len()
-    }
-    fn ordinal(&self) -> usize {
-        self.slice.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pool
-    }
-}
-
-// SAFETY: only `&CudaSlice` is handed out, through which cudarc's safe API only reads.
-unsafe impl<T: Pod> DeviceMemoryMut for PoolBuffer<T> {}
-
-impl<T: Pod> Drop for PoolBuffer<T> {
-    fn drop(&mut self) {
-        if super::forked(self.pid) {
-            return; // leak: cudarc's free would call the driver in a forked child
-        }
-        // SAFETY: dropped exactly once, here.
-        unsafe { ManuallyDrop::drop(&mut self.slice) }
+        self.0.into_how().0
     }
 }

@@ -1,7 +1,10 @@
 //! Host memory pinned in place with `cuMemHostRegister`.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Result, cu};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod, byte_size};
+use crate::driver;
+use crate::driver::ctx::bind;
+use crate::error::Result;
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -26,20 +29,49 @@ bitflags::bitflags! {
 /// (`cuMemHostUnregister`) and frees. In a forked child both leak.
 #[derive(Debug)]
 #[doc(alias = "cuMemHostRegister")]
-pub struct RegisteredHost<T: Pod> {
-    data: Option<Box<[T]>>,
-    ptr: *mut T,
-    dptr: u64,
-    len: usize,
+pub struct RegisteredHost<T: Pod>(Allocation<T, HostRegistration<T>>);
+
+/// A box pinned in place by `cuMemHostRegister`, given back by `cuMemHostUnregister` (then the
+/// box is handed back or freed; if unregistering fails it is leaked, as it may still be pinned).
+#[derive(Debug)]
+pub(crate) struct HostRegistration<T: Pod> {
+    data: Box<[T]>,
+    /// The box's address, taken once through `as_mut_ptr` when it was registered.
+    host: *mut T,
     flags: HostRegisterFlags,
-    ctx: Arc<CudaContext>,
-    pid: u32,
 }
 
-// SAFETY: owns its box exclusively; `T: Pod` is Send + Sync.
-unsafe impl<T: Pod> Send for RegisteredHost<T> {}
-// SAFETY: shared access only reads.
-unsafe impl<T: Pod> Sync for RegisteredHost<T> {}
+// SAFETY: owns its box exclusively; `T: Pod` is Send + Sync; the bytes are reached only through
+// the box, by the owner's `&self`/`&mut self`.
+unsafe impl<T: Pod> Send for HostRegistration<T> {}
+// SAFETY: as above: shared access only reads.
+unsafe impl<T: Pod> Sync for HostRegistration<T> {}
+
+// SAFETY: the box's heap memory is registered until `cuMemHostUnregister` and never moves (the
+// box is not touched but through `&`/`&mut` of its owner); the allocation's device address is its
+// device mapping (or the host address itself), and `host` is the box's.
+unsafe impl<T: Pod> Release for HostRegistration<T> {
+    const KIND: MemoryKind = MemoryKind::RegisteredHost;
+    const CALL: &'static str = "cuMemHostUnregister";
+    type Back = Box<[T]>;
+
+    fn host_ptr(&self) -> Option<*mut u8> {
+        Some(self.host.cast())
+    }
+
+    unsafe fn release(self, _ptr: u64) -> Result<Box<[T]>> {
+        // SAFETY: registered by `RegisteredHost::new`, unregistered once; no work uses it.
+        match unsafe { driver::mem::host_unregister(self.host.cast()) } {
+            Ok(()) => Ok(self.data),
+            Err(e) => {
+                std::mem::forget(self.data); // may still be pinned: never free it
+                Err(e)
+            }
+        }
+    }
+}
+
+thin_memory!(RegisteredHost);
 
 impl<T: Pod> RegisteredHost<T> {
     /// `cuMemHostRegister_v2(data, flags)` in `ctx`. The box's heap memory is pinned in place;
@@ -47,9 +79,9 @@ impl<T: Pod> RegisteredHost<T> {
     ///
     /// # Errors
     ///
-    /// [`crate::Error::InvalidArgument`] for an empty box; [`crate::Error::Cuda`]
-    /// (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`, ...) from the driver. On error the box is
-    /// dropped.
+    /// [`crate::Error::InvalidArgument`] for an empty box; [`crate::Error::Load`] without
+    /// libcuda; [`crate::Error::Cuda`] (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`, ...) from the
+    /// driver. On error the box is dropped.
     ///
     /// # C function
     ///
@@ -60,74 +92,46 @@ impl<T: Pod> RegisteredHost<T> {
         crate::cuda::init()?;
         bind(ctx)?;
         let mut data = data;
-        let ptr = data.as_mut_ptr();
-        // SAFETY: `ptr..ptr+bytes` is the box's live heap memory, kept alive (and unmoved) until
-        // unregistered.
-        cu("cuMemHostRegister_v2", unsafe {
-            sys::cuMemHostRegister_v2(ptr.cast(), bytes, flags.bits())
-        })?;
-        let mut dptr = 0;
-        // SAFETY: registered memory; one valid out-pointer.
-        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.cast(), 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            dptr = ptr as u64;
-        }
-        Ok(RegisteredHost {
-            len: data.len(),
-            data: Some(data),
-            ptr,
-            dptr,
-            flags,
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-        })
+        let host = data.as_mut_ptr();
+        // SAFETY: context current; `host..host+bytes` is the box's live heap memory, kept alive
+        // (and unmoved) until unregistered.
+        unsafe { driver::mem::host_register(host.cast(), bytes, flags.bits()) }?;
+        // Without a mapping the host address is what copies use.
+        // SAFETY: registered memory of the current context.
+        let dptr = unsafe { driver::mem::host_device_pointer(host.cast()) }.unwrap_or(host as u64);
+        let len = data.len();
+        let how = HostRegistration { data, host, flags };
+        // SAFETY: the box's `bytes` bytes, registered and mapped at `dptr`, unregistered only by
+        // `HostRegistration`.
+        Ok(RegisteredHost(unsafe {
+            Allocation::new(dptr, len, ctx, how)
+        }))
     }
 
     /// The elements.
     pub fn as_slice(&self) -> &[T] {
-        self.data.as_deref().unwrap_or(&[])
+        &self.0.how().data
     }
 
     /// The elements, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [T] {
-        self.data.as_deref_mut().unwrap_or(&mut [])
+        &mut self.0.how_mut().data
     }
 
     /// The flags it was registered with.
     pub fn flags(&self) -> HostRegisterFlags {
-        self.flags
+        self.0.how().flags
     }
 
     /// `cuMemHostUnregister`, then the memory back.
     ///
     /// # Errors
     ///
-    /// [`crate::Error::Cuda`] when unregistering fails; the memory is then leaked (it may still be
-    /// pinned), never handed back.
+    /// [`crate::Error::Cuda`] when unregistering fails, [`crate::Error::Unsupported`] in a forked
+    /// child; the memory is then leaked (it may still be pinned), never handed back.
     #[doc(alias = "cuMemHostUnregister")]
-    pub fn into_inner(mut self) -> Result<Box<[T]>> {
-        self.unregister()?;
-        Ok(self.data.take().unwrap_or_default())
-    }
-
-    fn unregister(&mut self) -> Result<()> {
-        if forked(self.pid) {
-            std::mem::forget(self.data.take());
-            return Err(crate::Error::Unsupported {
-                what: "cuMemHostUnregister".into(),
-                reason: "in a forked child; the memory is leaked".into(),
-            });
-        }
-        let r = bind(&self.ctx).and_then(|()| {
-            // SAFETY: `ptr` was registered by `new`; nothing in flight uses it.
-            cu("cuMemHostUnregister", unsafe {
-                sys::cuMemHostUnregister(self.ptr.cast())
-            })
-        });
-        if r.is_err() {
-            std::mem::forget(self.data.take()); // may still be pinned: never free it
-        }
-        r
+    pub fn into_inner(self) -> Result<Box<[T]>> {
+        self.0.close()
     }
 }
 
@@ -141,36 +145,5 @@ impl<T: Pod> std::ops::Deref for RegisteredHost<T> {
 impl<T: Pod> std::ops::DerefMut for RegisteredHost<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         self.as_mut_slice()
-    }
-}
-
-// SAFETY: the box's heap memory is registered until drop and never moves.
-unsafe impl<T: Pod> DeviceMemory for RegisteredHost<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.dptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::RegisteredHost
-    }
-    fn host_ptr(&self) -> Option<*mut u8> {
-        Some(self.ptr.cast())
-    }
-}
-
-// SAFETY: references only through `&self`/`&mut self`.
-unsafe impl<T: Pod> DeviceMemoryMut for RegisteredHost<T> {}
-
-impl<T: Pod> Drop for RegisteredHost<T> {
-    fn drop(&mut self) {
-        if self.data.is_some() {
-            let _ = self.unregister();
-        }
     }
 }

@@ -1,9 +1,11 @@
 //! VMM device memory: `cuMemCreate` with the GPUDirect RDMA flag, reserved, mapped, access set.
 
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, bind, byte_size, forked};
-use crate::error::{Error, Result, cu, from_driver};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod, byte_size};
+use crate::driver::ctx::bind;
+use crate::driver::vmm;
+use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// Device memory made with the virtual memory management API: one or more physical chunks
@@ -12,7 +14,7 @@ use std::sync::Arc;
 /// `cuMemSetAccess` read-write for the owning device.
 ///
 /// [`alloc`](Self::alloc) makes one chunk, its size rounded up to the allocation granularity
-/// ([`mapped_bytes`](Self::mapped_bytes)); [`len`](DeviceMemory::len) is the requested element
+/// ([`mapped_bytes`](Self::mapped_bytes)); [`len`](super::DeviceMemory::len) is the requested element
 /// count. [`alloc_chunks`](Self::alloc_chunks) makes several chunks mapped contiguously, the
 /// layout PyTorch's expandable segments produce: one address range, several physical
 /// allocations ([`chunks`](Self::chunks)). Drop unmaps, frees the address range and releases the
@@ -20,17 +22,55 @@ use std::sync::Arc;
 #[derive(Debug)]
 #[doc(alias = "cuMemCreate")]
 #[doc(alias = "cuMemMap")]
-pub struct VmmBuffer<T: Pod> {
-    ptr: u64,
-    len: usize,
+pub struct VmmBuffer<T: Pod>(Allocation<T, VmmMapping>);
+
+/// A reserved address range with physical allocations mapped into it back to back, given back
+/// by unmapping each (`cuMemUnmap`), freeing the range (`cuMemAddressFree`) and releasing the
+/// handles (`cuMemRelease`). If a chunk cannot be unmapped, nothing is freed (never under a
+/// mapping): all of it leaks.
+#[derive(Debug)]
+pub(crate) struct VmmMapping {
     /// Bytes reserved (and, once built, mapped): the sum of the chunks.
     size: usize,
     /// The chunks mapped so far, in address order.
     chunks: Vec<(VmmChunk, sys::CUmemGenericAllocationHandle)>,
-    ctx: Arc<CudaContext>,
-    pid: u32,
-    _elem: PhantomData<T>,
 }
+
+// SAFETY: device memory of the context's device, mapped into the reserved range from the moment
+// the allocation's length covers it (the length is set only once every chunk is mapped) until
+// `release` unmaps it; no host view.
+unsafe impl Release for VmmMapping {
+    const KIND: MemoryKind = MemoryKind::Vmm;
+    const CALL: &'static str = "cuMemUnmap";
+    type Back = ();
+
+    /// One mapping per physical chunk, at `ptr + offset`.
+    fn vmm_mappings(&self, ptr: u64) -> Option<Vec<(u64, usize)>> {
+        Some(
+            self.chunks
+                .iter()
+                .map(|(c, _)| (ptr + c.offset as u64, c.size))
+                .collect(),
+        )
+    }
+
+    unsafe fn release(self, ptr: u64) -> Result<()> {
+        // SAFETY: the mappings, reservation and handles this value made, undone once, with no
+        // work using them (the caller's).
+        unsafe {
+            for (c, _) in &self.chunks {
+                vmm::unmap(ptr + c.offset as u64, c.size)?; // still mapped: leak the rest
+            }
+            let _ = vmm::address_free(ptr, self.size);
+            for (_, h) in &self.chunks {
+                let _ = vmm::release(*h);
+            }
+        }
+        Ok(())
+    }
+}
+
+thin_memory!(VmmBuffer);
 
 /// One physical allocation of a [`VmmBuffer`]: where it is mapped in the buffer, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -147,15 +187,13 @@ fn vmm_setup(ctx: &Arc<CudaContext>) -> Result<(sys::CUmemAllocationProp, usize)
         }
     }
     let p = prop(ctx.ordinal() as i32);
-    let mut gran = 0;
-    // SAFETY: valid prop and out-pointer.
-    cu("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut gran,
+    // SAFETY: the driver is initialised; a valid prop.
+    let gran = unsafe {
+        vmm::granularity(
             &p,
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         )
-    })?;
+    }?;
     Ok((p, gran.max(1)))
 }
 
@@ -188,7 +226,7 @@ impl<T: Pod> VmmBuffer<T> {
     /// elements.
     ///
     /// The range behaves as one buffer for copies, and exports as one dma-buf
-    /// ([`crate::dmabuf::export`]) across its chunks. Its POSIX fd export
+    /// ([`export_dmabuf`](super::export_dmabuf)) across its chunks. Its POSIX fd export
     /// ([`crate::p2p::ipc::export_vmm`]) covers one physical allocation, so it refuses a buffer of
     /// several chunks.
     ///
@@ -227,25 +265,20 @@ impl<T: Pod> VmmBuffer<T> {
         chunks: &[VmmChunk],
         len: usize,
     ) -> Result<Self> {
-        super::Tracker::global().reap();
+        crate::completion::Tracker::global().reap();
         let size = chunks
             .iter()
             .try_fold(0usize, |t, c| t.checked_add(c.size))
             .ok_or_else(|| Error::invalid("chunk_bytes", chunks.len(), "total overflows"))?;
-        let mut ptr = 0;
-        // SAFETY: out-pointer valid; alignment = granularity, no fixed address.
-        cu("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0)
-        })?;
-        let mut buf = VmmBuffer {
-            ptr,
-            len,
+        // SAFETY: context current (bound by `vmm_setup`); alignment = granularity.
+        let ptr = unsafe { vmm::reserve(size, gran) }?;
+        let how = VmmMapping {
             size,
             chunks: Vec::with_capacity(chunks.len()),
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-            _elem: PhantomData,
         };
+        // SAFETY: an empty range for now (length 0): the reservation, given back by
+        // `VmmMapping` with whatever chunks get mapped into it.
+        let mut buf = unsafe { Allocation::<T, _>::new(ptr, 0, ctx, how) };
         let access = sys::CUmemAccessDesc {
             location: p.location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -254,107 +287,50 @@ impl<T: Pod> VmmBuffer<T> {
             let at = ptr
                 .checked_add(c.offset as u64)
                 .ok_or_else(|| Error::invalid("chunk_bytes", c.offset, "address overflows"))?;
-            let mut handle = 0;
-            // SAFETY: valid prop and out-pointer; the size is a multiple of the granularity.
-            cu("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut handle, c.size, &p, 0)
-            })?;
+            // SAFETY: context current; a valid prop; the size is a multiple of the granularity.
+            let handle = unsafe { vmm::create(c.size, &p) }?;
             // SAFETY: `at..at + c.size` lies in the reserved range, unmapped; the handle is
             // `c.size` bytes.
-            if let Err(e) = cu("cuMemMap", unsafe {
-                sys::cuMemMap(at, c.size, 0, handle, 0)
-            }) {
+            if let Err(e) = unsafe { vmm::map(at, c.size, handle) } {
                 // SAFETY: created above, never mapped.
-                unsafe { sys::cuMemRelease(handle) };
+                let _ = unsafe { vmm::release(handle) };
                 return Err(e);
             }
-            buf.chunks.push((c, handle));
+            buf.how_mut().chunks.push((c, handle));
             // SAFETY: the range just mapped; one access descriptor. On error `buf`'s drop undoes
             // everything.
-            cu("cuMemSetAccess", unsafe {
-                sys::cuMemSetAccess(at, c.size, &access, 1)
-            })?;
+            unsafe { vmm::set_access(at, c.size, &[access]) }?;
         }
-        Ok(buf)
+        // SAFETY: every chunk is mapped now: the range holds `len` elements (`len *
+        // size_of::<T>() <= size`).
+        unsafe { buf.set_len(len) };
+        Ok(VmmBuffer(buf))
     }
 
     /// Bytes mapped: the requested size rounded up to the allocation granularity (the sum of
     /// the chunks).
     pub fn mapped_bytes(&self) -> usize {
-        self.size
+        self.0.how().size
     }
 
     /// The physical chunks, in address order (one for [`alloc`](Self::alloc)).
     pub fn chunks(&self) -> Vec<VmmChunk> {
-        self.chunks.iter().map(|(c, _)| *c).collect()
+        self.0.how().chunks.iter().map(|(c, _)| *c).collect()
     }
 
     /// The `CUmemGenericAllocationHandle` of the first physical chunk (the only one for
     /// [`alloc`](Self::alloc)), for `cuMemExportToShareableHandle`.
     pub fn handle(&self) -> sys::CUmemGenericAllocationHandle {
-        self.chunks.first().map_or(0, |(_, h)| *h)
-    }
-
-    /// The context it was allocated for.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        self.0.how().chunks.first().map_or(0, |(_, h)| *h)
     }
 
     /// The contents, copied to the host (blocking, on `stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_to_host`](super::copy_to_host).
     pub fn to_vec(&self, stream: &crate::cuda::Stream) -> Result<Vec<T>> {
         super::copy::to_vec(stream, self)
-    }
-}
-
-// SAFETY: the mapping lives until drop and never moves; `len * size_of::<T>() <= size`, and the
-// whole range is mapped (a buffer is only handed out once every chunk is).
-unsafe impl<T: Pod> DeviceMemory for VmmBuffer<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Vmm
-    }
-    /// One mapping per physical chunk, at `device_ptr() + offset`.
-    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
-        Some(
-            self.chunks
-                .iter()
-                .map(|(c, _)| (self.ptr + c.offset as u64, c.size))
-                .collect(),
-        )
-    }
-}
-
-// SAFETY: no host references to device bytes.
-unsafe impl<T: Pod> DeviceMemoryMut for VmmBuffer<T> {}
-
-impl<T: Pod> Drop for VmmBuffer<T> {
-    fn drop(&mut self) {
-        if forked(self.pid) || bind(&self.ctx).is_err() {
-            return;
-        }
-        // SAFETY: the mappings, reservation and handles made in `map`; nothing in flight.
-        unsafe {
-            for (c, _) in &self.chunks {
-                if sys::cuMemUnmap(self.ptr + c.offset as u64, c.size)
-                    != sys::CUresult::CUDA_SUCCESS
-                {
-                    return; // still mapped: leak rather than free under a mapping
-                }
-            }
-            sys::cuMemAddressFree(self.ptr, self.size);
-            for (_, h) in &self.chunks {
-                sys::cuMemRelease(*h);
-            }
-        }
     }
 }
 

@@ -2,9 +2,11 @@
 
 use super::access::{self, Refusal};
 use super::staging::Stager;
-use crate::cuda::{self, capture, capture::Refused};
+use crate::completion::capture::{self, Refused};
+use crate::completion::{Fence, InFlight, Tracker};
+use crate::cuda;
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, Fence, InFlight, MemoryKind, Tracker};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -210,21 +212,10 @@ impl Fence for CopyFence {
 
     fn wait_timeout(&self, timeout: Duration) -> bool {
         let Some(e) = &self.event else { return true };
-        if timeout >= Duration::from_secs(3600) {
+        if timeout >= crate::completion::LONG_WAIT {
             return e.synchronize().is_ok() && self.is_complete();
         }
-        let start = Instant::now();
-        let mut nap = Duration::from_micros(1);
-        loop {
-            if self.is_complete() {
-                return true;
-            }
-            if start.elapsed() >= timeout {
-                return false;
-            }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(1));
-        }
+        crate::completion::poll_until(|| self.is_complete(), timeout)
     }
 }
 

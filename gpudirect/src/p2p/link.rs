@@ -179,7 +179,7 @@ impl std::fmt::Display for Interconnect {
 }
 
 fn device_info(ordinal: usize) -> Result<DeviceInfo> {
-    let d = crate::device::DeviceInfo::query(ordinal)?;
+    let d = crate::cuda::DeviceInfo::query(ordinal)?;
     Ok(DeviceInfo {
         ordinal,
         name: d.name,

@@ -28,6 +28,8 @@ pub mod attributes;
 pub mod copy;
 pub mod ipc;
 pub mod link;
+#[cfg(test)]
+mod proptests;
 pub(crate) mod staging;
 
 pub use access::{

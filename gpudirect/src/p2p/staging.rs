@@ -7,7 +7,7 @@
 //! the slot, the source stream waits for that `h2d` event. Nothing blocks the host, and the two
 //! directions run on the two devices' copy engines at once.
 
-use crate::cuda::capture::{self, Refused};
+use crate::completion::capture::{self, Refused};
 use crate::error::{Result, cu, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
@@ -57,7 +57,7 @@ impl Drop for Bounce {
     fn drop(&mut self) {
         // Dropped only when the last copy through it has completed: the stager is owned by every
         // in-flight copy that uses it. In a forked child, leak (no FFI frees after fork).
-        if crate::memory::forked(self.pid) || self.ptr.is_null() {
+        if crate::completion::forked(self.pid) || self.ptr.is_null() {
             return;
         }
         let _ = self.ctx.bind_to_thread();

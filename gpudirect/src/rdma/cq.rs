@@ -377,7 +377,7 @@ impl CompletionQueue {
 
     /// `ibv_poll_cq`—fetch up to [`POLL_BATCH`] completions. They are lent: each borrows the CQ
     /// and is gone at the next poll. Each completion's request has released what it held (its
-    /// slices) by the time it is seen, and its [`CompletionFlag`](crate::memory::CompletionFlag),
+    /// slices) by the time it is seen, and its [`CompletionFlag`](crate::completion::CompletionFlag),
     /// if any, is set.
     ///
     /// # Errors

@@ -42,8 +42,8 @@
 use super::mr::{AccessFlags, MrInner, MrSlice, RemoteMemory};
 use super::pd::ProtectionDomain;
 use super::{nonnull, verbs};
-use crate::dmabuf::DmaBuf;
 use crate::error::{Error, Result};
+use crate::memory::DmaBuf;
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, PointerAttributes};
 use gpudirect_sys::ibverbs as ibv;
 use std::fmt;
@@ -300,7 +300,7 @@ pub fn check_rdma_capable<M: DeviceMemory>(mem: &M) -> Result<PointerAttributes>
 pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
     use cudarc::driver::sys;
     let ctx = crate::cuda::context(ordinal)?;
-    crate::memory::bind(&ctx)?;
+    crate::driver::ctx::bind(&ctx)?;
     let one: u32 = 1;
     // SAFETY: the attribute's value is an unsigned int read through the pointer during the call;
     // the driver validates `ptr`.
@@ -365,7 +365,11 @@ unsafe impl<M: DeviceMemoryMut> GpuMrSource for M {
             Ok(_) => {}
             Err(e) => return Err(Refusal::Failed(e)),
         }
-        match crate::dmabuf::export_range(ordinal, self.device_ptr(), self.byte_len() as u64) {
+        match crate::memory::dmabuf::export_dmabuf_range(
+            ordinal,
+            self.device_ptr(),
+            self.byte_len() as u64,
+        ) {
             Ok((fd, range)) => Ok((fd, range.offset)),
             Err(e @ (Error::Load(_) | Error::Unsupported { .. })) => Err(Refusal::Unsupported(e)),
             Err(e) if e.cuda_name() == Some("CUDA_ERROR_NOT_SUPPORTED") => {
@@ -736,7 +740,7 @@ impl ProtectionDomain {
     }
 
     /// `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd, access)` over a dma-buf export made by
-    /// [`crate::dmabuf::export`]: registers exactly the export's requested bytes
+    /// [`crate::memory::export_dmabuf`]: registers exactly the export's requested bytes
     /// ([`DmaBuf::range`]: `offset` inside the fd, `len`, `iova` = the device pointer). The region
     /// owns the export, so the fd and the memory outlive the registration: `ibv_dereg_mr` first,
     /// then the fd closed, then the memory dropped. The memory must be owned
@@ -919,7 +923,7 @@ pub fn flush_gpudirect_rdma_writes(
     if plan == FlushOutcome::AlreadyOrdered {
         return Ok(plan);
     }
-    crate::memory::bind(ctx)?;
+    crate::driver::ctx::bind(ctx)?;
     let s = match scope {
         FlushScope::Owner => {
             sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER

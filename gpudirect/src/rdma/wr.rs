@@ -1,8 +1,8 @@
 //! Work requests: what is posted to a send or receive queue.
 
 use super::mr::{AccessFlags, MAX_MESSAGE, MrSlice, RemoteSlice};
+use crate::completion::CompletionFlag;
 use crate::error::{Error, Result};
-use crate::memory::CompletionFlag;
 use gpudirect_sys::ibverbs as ibv;
 
 /// The scatter-gather list of a request: the slices it owns until completion.
@@ -227,7 +227,7 @@ impl<'a> WorkRequest<'a> {
     }
 
     /// Set `flag` when this request's completion (or the signaled completion that covers it, or
-    /// its flush) is polled: pair it with an [`InFlight`](crate::memory::InFlight) for resources
+    /// its flush) is polled: pair it with an [`InFlight`](crate::completion::InFlight) for resources
     /// outside a memory region.
     pub fn notify(mut self, flag: CompletionFlag) -> Self {
         self.flag = Some(flag);

@@ -14,8 +14,8 @@ use super::model::{
 };
 use super::paths::path_statuses;
 use super::verbs::rdma_section;
+use crate::cuda::DeviceInfo;
 use crate::cuda::Stream;
-use crate::device::DeviceInfo;
 use crate::memory::DeviceBuffer;
 use crate::p2p::{Copier, CopyOptions, CopyPath, Interconnect, LinkMatrix};
 use crate::storage::{self, Mode, OpenOptions, PathReason};

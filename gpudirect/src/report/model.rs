@@ -2,7 +2,7 @@
 //! status, with the small helpers several parts of the report share.
 
 use super::health::HealthSection;
-use crate::device::DeviceInfo;
+use crate::cuda::DeviceInfo;
 use crate::topology::Affinity;
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -59,7 +59,8 @@ fn nvlink_remote(l: &NvlinkLink) -> String {
     }
 }
 
-/// Whether the GPU's error counters grew during the probe's measurements, in words.
+/// Whether the GPU's replay or recovery counters grew during the probe's measurements, in words
+/// (corrected CRC counts grow with traffic on healthy links and are not counted).
 fn nvlink_growth(links: &[NvlinkLink]) -> String {
     let grew: Vec<u32> = links
         .iter()
@@ -68,11 +69,11 @@ fn nvlink_growth(links: &[NvlinkLink]) -> String {
         .collect();
     if !grew.is_empty() {
         format!(
-            "error counters GREW during the probe on links {}",
+            "replay/recovery counters GREW during the probe on links {}",
             ranges(grew.into_iter())
         )
     } else if links.iter().any(|l| l.errors_grew.is_some()) {
-        "no error counter grew during the probe".into()
+        "no replay/recovery counter grew during the probe".into()
     } else {
         "error growth not measured".into()
     }

@@ -17,11 +17,10 @@
 //! completes.
 
 use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
+use crate::completion::{HostFnFence, InFlight};
 use crate::cuda::Stream;
 use crate::error::{Error, Result, cu};
-use crate::memory::{
-    DeviceBuffer, DeviceMemory, DeviceMemoryMut, HostFnFence, InFlight, MemoryKind,
-};
+use crate::memory::{DeviceBuffer, DeviceMemory, DeviceMemoryMut, MemoryKind};
 use cudarc::driver::{CudaStream, sys as cu_sys};
 use std::os::fd::AsFd;
 use std::sync::Arc;
@@ -168,7 +167,7 @@ impl<M: DeviceMemory> AsyncResources<M> {
 
 /// A stream-ordered cuFile I/O in flight. [`wait`](Self::wait) returns the buffer and the byte
 /// count. Dropping it waits a bounded time, then parks everything in the
-/// [`Tracker`](crate::memory::Tracker) until the host callback has run (freed by a later `reap`);
+/// [`Tracker`](crate::completion::Tracker) until the host callback has run (freed by a later `reap`);
 /// `mem::forget` leaks it, which is safe.
 #[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
 pub struct AsyncIo<M: DeviceMemory> {
@@ -215,7 +214,7 @@ impl<M: DeviceMemory> AsyncIo<M> {
     ///
     /// [`Error::Cuda`] from `cuStreamQuery` (or `cuCtxSetCurrent`) when the stream has failed
     /// (a sticky error) before passing the operation: its host callback will never run, so the
-    /// wait gives up and the resources stay parked in the [`Tracker`](crate::memory::Tracker)
+    /// wait gives up and the resources stay parked in the [`Tracker`](crate::completion::Tracker)
     /// (never freed early; in practice leaked).
     pub fn wait_resources(self) -> Result<AsyncResources<M>> {
         let stream = self.stream;
@@ -226,7 +225,7 @@ impl<M: DeviceMemory> AsyncIo<M> {
 
 /// `Err` when `stream` has failed (`cuStreamQuery` answers neither success nor not-ready).
 fn stream_failed(stream: &CudaStream) -> Result<()> {
-    crate::memory::bind(stream.context())?;
+    crate::driver::ctx::bind(stream.context())?;
     // SAFETY: a live stream of the current context.
     match unsafe { cu_sys::cuStreamQuery(stream.cu_stream()) } {
         cu_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
@@ -268,7 +267,7 @@ fn enqueue_step(
     call: &'static str,
     f: impl FnOnce(cu_sys::CUstream) -> Result<()>,
 ) -> std::result::Result<(), (Error, bool)> {
-    crate::cuda::capture::enqueue(stream, call, (), |raw, ()| f(raw))
+    crate::completion::capture::enqueue(stream, call, (), |raw, ()| f(raw))
         .map(drop)
         .map_err(|r| {
             let kept = !r.leaked();
@@ -372,7 +371,7 @@ impl FileHandle {
     /// [`Error::InvalidArgument`] for a range outside `dst` or the file;
     /// [`Error::Cuda`] when the scratch buffer cannot be allocated (nothing was enqueued);
     /// [`Error::CuFile`] from `cuFileReadAsync` (nothing of it was enqueued; `dst` is dropped,
-    /// or parked in the [`Tracker`](crate::memory::Tracker) until a copy into the scratch that
+    /// or parked in the [`Tracker`](crate::completion::Tracker) until a copy into the scratch that
     /// was queued before has run);
     /// [`Error::Cuda`] when the limiting callback cannot be queued (nothing was enqueued);
     /// [`Error::Cuda`] when neither a host callback nor a stream synchronization works (the
@@ -451,7 +450,7 @@ impl FileHandle {
         // Refuse a capturing stream before anything else, the scratch allocation included
         // (`cuMemAlloc` while a capture runs would invalidate it). Each step is checked again
         // when it is queued.
-        if crate::cuda::capture::is_capturing(stream.cu_stream())? {
+        if crate::completion::capture::is_capturing(stream.cu_stream())? {
             return Err(Error::StreamCapturing {
                 call,
                 enqueued: false,
@@ -554,7 +553,7 @@ impl FileHandle {
                         // Earlier steps may still use what `owned` holds: keep it until the
                         // stream has passed them (leak when that cannot be proven).
                         match fence_after(stream) {
-                            Ok(fence) => crate::memory::Tracker::global().park(fence, owned),
+                            Ok(fence) => crate::completion::Tracker::global().park(fence, owned),
                             Err(_) => std::mem::forget(owned),
                         }
                     } else if !kept {

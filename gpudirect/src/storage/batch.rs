@@ -465,7 +465,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
     /// is outstanding any more. Otherwise completion is unproven: the buffers, handles and params
     /// are leaked (never freed under the library's feet) and the batch is marked leaked.
     ///
-    /// [`DROP_WAIT`]: crate::memory::tracker::DROP_WAIT
+    /// [`DROP_WAIT`]: crate::completion::DROP_WAIT
     fn settle(&mut self) -> bool {
         if self.leaked {
             return false;
@@ -473,7 +473,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
         if self.outstanding > 0 {
             let _ = self.cancel();
             let start = Instant::now();
-            while self.outstanding > 0 && start.elapsed() < crate::memory::tracker::DROP_WAIT {
+            while self.outstanding > 0 && start.elapsed() < crate::completion::DROP_WAIT {
                 if self.poll(1, Duration::from_millis(50)).is_err() {
                     break;
                 }
@@ -491,7 +491,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
 
 impl<M: DeviceMemoryMut> Drop for Batch<M> {
     fn drop(&mut self) {
-        if crate::memory::Tracker::global().in_forked_child() {
+        if crate::completion::Tracker::global().in_forked_child() {
             // No cuFile calls and no frees in a forked child: leak the batch and its buffers.
             std::mem::forget(std::mem::take(&mut self.requests));
             std::mem::forget(std::mem::take(&mut self.params));

@@ -152,7 +152,7 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
         if self.mem.is_none() {
             return;
         }
-        if crate::memory::Tracker::global().in_forked_child() {
+        if crate::completion::Tracker::global().in_forked_child() {
             // No cuFile calls and no frees in a forked child: leak the registration and memory.
             if let Some(m) = self.mem.take() {
                 std::mem::forget(m);

@@ -178,8 +178,11 @@ impl Driver {
     /// [`Error::CuFile`] from `cuFileDriverGetProperties`.
     #[doc(alias = "cuFileDriverGetProperties")]
     pub fn properties(&self) -> Result<DriverProperties> {
-        // SAFETY: the driver is open while self lives.
-        let p = unsafe { self.lib.driver_properties() }
+        // Under the driver's lock: cuFile 1.15 crashed (a segfault, or a C++ exception thrown out
+        // of it) when several threads read the properties at once (seen on the H200, 8 threads).
+        let p = DRIVER
+            // SAFETY: the driver is open while self lives.
+            .with_lock(|_| unsafe { self.lib.driver_properties() })
             .map_err(|e| super::cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
         Ok(DriverProperties {
             nvfs_version: (p.nvfs.major_version, p.nvfs.minor_version),

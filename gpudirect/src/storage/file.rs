@@ -147,7 +147,7 @@ unsafe impl Sync for HandleInner {}
 
 impl Drop for HandleInner {
     fn drop(&mut self) {
-        if crate::memory::Tracker::global().in_forked_child() {
+        if crate::completion::Tracker::global().in_forked_child() {
             return; // no cuFile calls in a forked child: leave the registration (the fd closes)
         }
         // Every blocking call borrows the handle and every async or batch operation holds an

@@ -86,7 +86,7 @@ pub(crate) fn cufile_error(call: &'static str, code: u32, cu_err: i32) -> Error 
         code,
         name: sys::op_error_name(code).unwrap_or("CU_FILE_UNKNOWN_ERROR"),
         cu_err,
-        cu_name: cuda_error_name(cu_err),
+        cu_name: crate::driver::error_name(cu_err),
     }
 }
 
@@ -104,43 +104,6 @@ pub(crate) fn io_error(call: &'static str, ret: isize) -> Error {
             Error::errno(call, code as i32)
         }
     }
-}
-
-/// `cuGetErrorName` for a raw `CUresult`, looked up without building the enum (never transmuted).
-fn cuda_error_name(code: i32) -> Option<String> {
-    if code == 0 {
-        return None;
-    }
-    type GetName = unsafe extern "C" fn(i32, *mut *const libc::c_char) -> i32;
-    let d = gpudirect_sys::cuda::driver().ok()?;
-    if !d.has_symbol("cuGetErrorName") {
-        return None;
-    }
-    // SAFETY: RTLD_NOLOAD only finds the already loaded libcuda; the name is NUL-terminated.
-    let h = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if h.is_null() {
-        return None;
-    }
-    // SAFETY: valid handle and NUL-terminated name.
-    let f = unsafe { libc::dlsym(h, c"cuGetErrorName".as_ptr()) };
-    let name = if f.is_null() {
-        None
-    } else {
-        // SAFETY: cuGetErrorName(CUresult (a 32-bit C enum), const char**) -> CUresult.
-        let f: GetName = unsafe { std::mem::transmute::<*mut libc::c_void, GetName>(f) };
-        let mut p = std::ptr::null();
-        // SAFETY: one valid out-pointer; unknown codes answer CUDA_ERROR_INVALID_VALUE.
-        let r = unsafe { f(code, &mut p) };
-        (r == 0 && !p.is_null()).then(|| {
-            // SAFETY: libcuda returns a static NUL-terminated string.
-            unsafe { std::ffi::CStr::from_ptr(p) }
-                .to_string_lossy()
-                .into_owned()
-        })
-    };
-    // SAFETY: balances the dlopen above (the library stays loaded: it was loaded before).
-    unsafe { libc::dlclose(h) };
-    name
 }
 
 /// Make device `ordinal`'s primary context current on this thread (cuFile uses the current

@@ -53,7 +53,7 @@ impl Placement {
     /// does not show is not an error: its [`Placement::location`] is `None`.
     #[doc(alias = "cuDeviceGetPCIBusId")]
     pub fn of_gpu(ordinal: usize) -> Result<Placement> {
-        let bus_id = crate::device::DeviceInfo::query(ordinal)?.pci_bus_id;
+        let bus_id = crate::cuda::DeviceInfo::query(ordinal)?.pci_bus_id;
         Ok(Placement::of_pci(Path::new(pci::SYSFS_ROOT), &bus_id))
     }
 

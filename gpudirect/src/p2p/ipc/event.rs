@@ -1,9 +1,9 @@
 //! `cuIpcGetEventHandle`/`cuIpcOpenEventHandle`: events that order work across processes.
 
 use super::{hex64, to_bytes, to_chars};
+use crate::completion::Fence;
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::Fence;
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -178,7 +178,7 @@ impl Fence for IpcEvent {
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
+        if crate::completion::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
         // SAFETY: created or opened by this value, destroyed once (the driver defers the

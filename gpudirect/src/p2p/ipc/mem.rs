@@ -213,7 +213,7 @@ fn pool_refusal(origin: Option<bool>) -> Error {
 ///
 /// It is a data-path buffer like any other ([`DeviceMemory`], [`DeviceMemoryMut`]: copies into it
 /// write the exporter's memory). Dropping it calls `cuIpcCloseMemHandle` without synchronizing:
-/// work that uses it owns it (in an [`InFlight`](crate::memory::InFlight) or the tracker) until
+/// work that uses it owns it (in an [`InFlight`](crate::completion::InFlight) or the tracker) until
 /// that work has completed, so nothing of ours still uses the mapping when it is dropped. The
 /// driver's unmap itself waits for the device like `cuMemFree` does (seen on an H200): do not drop
 /// an import while a stream of the same context is blocked on something only this thread releases.
@@ -312,7 +312,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for IpcMemory<T> {}
 
 impl<T: Pod> Drop for IpcMemory<T> {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
+        if crate::completion::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
             return; // forked child or dead context: leave the mapping
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one

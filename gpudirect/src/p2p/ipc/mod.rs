@@ -16,7 +16,7 @@
 //!
 //! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
 //! any serde format. Imported mappings own their mapping, and data paths hold it in their
-//! [`crate::memory::InFlight`] until their work completes; so dropping one unmaps at once, without
+//! [`crate::completion::InFlight`] until their work completes; so dropping one unmaps at once, without
 //! synchronizing the device (no unbounded `cuCtxSynchronize` in a destructor).
 
 mod event;

@@ -244,7 +244,7 @@ impl Drop for IpcPool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(self.pool as usize));
-        if crate::memory::forked(self.pid) || bind(&self.ctx).is_err() {
+        if crate::completion::forked(self.pid) || bind(&self.ctx).is_err() {
             return;
         }
         // SAFETY: every allocation and import holds an Arc of the pool, so none is left.
@@ -362,7 +362,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for PoolAlloc<T> {}
 
 impl<T: Pod> Drop for PoolAlloc<T> {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
+        if crate::completion::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
             return;
         }
         // SAFETY: allocated from the pool, freed once; in-flight work owns `self`, so none is
@@ -454,7 +454,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for PoolImport<T> {}
 
 impl<T: Pod> Drop for PoolImport<T> {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
+        if crate::completion::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
             return;
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one

@@ -247,7 +247,7 @@ unsafe impl<T: Pod> DeviceMemoryMut for VmmImport<T> {}
 
 impl<T: Pod> Drop for VmmImport<T> {
     fn drop(&mut self) {
-        if crate::memory::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
+        if crate::completion::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
             return;
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one

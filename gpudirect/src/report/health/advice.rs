@@ -274,8 +274,6 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
             let changes: Vec<String> = [
                 ("replay", b.replay, e.replay),
                 ("recovery", b.recovery, e.recovery),
-                ("CRC flit", b.crc_flit, e.crc_flit),
-                ("CRC data", b.crc_data, e.crc_data),
             ]
             .into_iter()
             .filter_map(|(what, b, a)| match (b, a) {
@@ -287,7 +285,7 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
                 &mut out,
                 "nvlink",
                 format!(
-                    "GPU {} NVLink {}'s error counters grew while the probe's copies ran ({}): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing.",
+                    "GPU {} NVLink {}'s replay/recovery counters grew while the probe's copies ran ({}): a marginal link. Check it under load with `nvidia-smi nvlink -e`, and report it to the hardware vendor if it keeps growing.",
                     g.gpu,
                     l.link,
                     changes.join(", ")

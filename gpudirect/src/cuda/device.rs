@@ -1,7 +1,7 @@
 //! CUDA devices and their GPUDirect attributes, read without creating a context.
 
-use crate::cuda;
-use crate::error::{Result, cu};
+use crate::driver::device;
+use crate::error::Result;
 use cudarc::driver::sys::{self, CUdevice_attribute as A};
 use serde::{Deserialize, Serialize};
 
@@ -53,22 +53,10 @@ pub struct DeviceInfo {
 const MEM_OPS_64_V2: A = A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
 const WAIT_NOR_V2: A = A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR;
 
+/// `cuDeviceGetAttribute` of a device from `driver::device::get`.
 fn attr(dev: sys::CUdevice, a: A) -> Result<i32> {
-    let mut v = 0;
-    // SAFETY: driver initialised by the caller; one valid out-pointer.
-    cu("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut v, a, dev)
-    })?;
-    Ok(v)
-}
-
-fn c_string(buf: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = buf
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+    // SAFETY: the driver is initialised (the caller's device came from `cuDeviceGet`).
+    unsafe { device::attribute(dev, a) }
 }
 
 impl DeviceInfo {
@@ -80,38 +68,26 @@ impl DeviceInfo {
     /// [`crate::Error::NoDevice`] for an ordinal past the device count (checked before it is
     /// handed to the driver); [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`].
     pub fn query(ordinal: usize) -> Result<DeviceInfo> {
-        let n = cuda::device_count()?;
+        let n = super::device_count()?;
         if ordinal >= n {
             return Err(crate::Error::NoDevice {
                 what: "CUDA device",
                 reason: format!("device {ordinal} requested, {n} visible"),
             });
         }
-        let mut dev = 0;
-        // SAFETY: driver initialised; one valid out-pointer; `ordinal < n <= i32::MAX`.
-        cu("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal as i32)
-        })?;
-        let mut name = [0 as std::ffi::c_char; 256];
-        // SAFETY: the buffer is 256 bytes long, as passed.
-        cu("cuDeviceGetName", unsafe {
-            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev)
-        })?;
-        let mut bus = [0 as std::ffi::c_char; 64];
-        // SAFETY: the buffer is 64 bytes long, as passed.
-        cu("cuDeviceGetPCIBusId", unsafe {
-            sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev)
-        })?;
-        let mut mem = 0usize;
-        // SAFETY: one valid out-pointer.
-        cu("cuDeviceTotalMem_v2", unsafe {
-            sys::cuDeviceTotalMem_v2(&mut mem, dev)
-        })?;
+        // SAFETY: the driver is initialised (device_count); `ordinal` is below the count.
+        let dev = unsafe { device::get(ordinal) }?;
+        // SAFETY: `dev` came from cuDeviceGet (for the next three calls).
+        let name = unsafe { device::name(dev) }?;
+        // SAFETY: as above.
+        let bus = unsafe { device::pci_bus_id(dev) }?;
+        // SAFETY: as above.
+        let mem = unsafe { device::total_mem(dev) }?;
         let flag = |a| attr(dev, a).map(|v| v != 0);
         Ok(DeviceInfo {
             ordinal,
-            name: c_string(&name),
-            pci_bus_id: c_string(&bus).to_ascii_lowercase(),
+            name,
+            pci_bus_id: bus.to_ascii_lowercase(),
             total_memory_bytes: mem as u64,
             compute_capability: (
                 attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -145,6 +121,6 @@ impl DeviceInfo {
 
     /// Every visible device.
     pub fn all() -> Result<Vec<DeviceInfo>> {
-        (0..cuda::device_count()?).map(DeviceInfo::query).collect()
+        (0..super::device_count()?).map(DeviceInfo::query).collect()
     }
 }

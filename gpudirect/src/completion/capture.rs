@@ -24,7 +24,8 @@
 //! stream in the CUDA programming model as well; the library cannot close it without a lock
 //! every user of the stream would have to take.
 
-use crate::error::{Error, Result, from_driver};
+use crate::driver;
+use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, sys};
 
 /// A refusal or failure from [`enqueue`]: the error, and what was to be kept alive, back when
@@ -55,12 +56,8 @@ impl<R> From<Refused<R>> for Error {
 /// [`Error::Cuda`] naming `cuStreamIsCapturing` (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` for the
 /// legacy default stream while a blocking stream captures).
 pub(crate) fn is_capturing(raw: sys::CUstream) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: a live stream handle (or the legacy stream) and a valid out-pointer.
-    crate::error::cu("cuStreamIsCapturing", unsafe {
-        sys::cuStreamIsCapturing(raw, &mut status)
-    })?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    // SAFETY: a live stream handle (or the legacy stream) whose context the caller made current.
+    unsafe { driver::stream::is_capturing(raw) }
 }
 
 /// What [`enqueue_with`] asks of the driver; tests answer it without a GPU.
@@ -88,7 +85,7 @@ impl Probe for Driver {
         if self.invalidate {
             // SAFETY: a live stream. Querying a capturing stream is illegal in capture: the
             // driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture.
-            let _ = unsafe { sys::cuStreamQuery(self.raw) };
+            let _ = unsafe { driver::stream::query(self.raw) };
         }
     }
 }
@@ -105,9 +102,9 @@ pub(crate) fn enqueue<R, T>(
     keep: R,
     f: impl FnOnce(sys::CUstream, &R) -> Result<T>,
 ) -> Result<(T, R), Refused<R>> {
-    if let Err(e) = stream.context().bind_to_thread() {
+    if let Err(error) = driver::ctx::bind(stream.context()) {
         return Err(Refused {
-            error: from_driver("cuCtxSetCurrent", e),
+            error,
             kept: Some(keep),
         });
     }
@@ -186,6 +183,7 @@ pub(crate) fn enqueue_with<P: Probe, R, T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::completion::testing::Counted;
     use std::cell::{Cell, RefCell};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -214,13 +212,6 @@ mod tests {
         }
     }
 
-    struct Counted(Arc<AtomicUsize>);
-    impl Drop for Counted {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
     fn err() -> Error {
         Error::invalid("test", 1, "scripted failure")
     }
@@ -234,7 +225,7 @@ mod tests {
             ran.set(true);
             Ok(())
         });
-        let refused = r.err().expect("refused");
+        let refused = r.expect_err("refused");
         assert!(matches!(
             refused.error,
             Error::StreamCapturing {
@@ -257,7 +248,7 @@ mod tests {
         let r = enqueue_with(&p, "cuLaunchHostFunc", Counted(drops.clone()), |_| {
             Ok(Counted(made.clone()))
         });
-        let refused = r.err().expect("refused");
+        let refused = r.expect_err("refused");
         assert!(matches!(
             refused.error,
             Error::StreamCapturing {

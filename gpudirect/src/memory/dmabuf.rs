@@ -8,9 +8,8 @@
 //! [`ProtectionDomain::register_dmabuf`](crate::rdma::ProtectionDomain::register_dmabuf), which
 //! takes the whole export.
 
-use crate::error::{Error, Result, cu};
-use crate::memory::{DeviceMemory, MemoryKind};
-use cudarc::driver::sys;
+use super::{DeviceMemory, MemoryKind, refuse_pool};
+use crate::error::{Error, Result};
 use gpudirect_sys::peermem::DmaBufRange;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -80,7 +79,7 @@ impl<M> DmaBuf<M> {
 ///
 /// [`Error::InvalidArgument`] for host memory or a bad range; [`Error::NotRdmaCapable`] for pool
 /// memory.
-pub fn check_export(
+pub fn check_dmabuf_export(
     kind: MemoryKind,
     ptr: u64,
     byte_len: usize,
@@ -94,7 +93,7 @@ pub fn check_export(
             "dma-buf export needs device memory",
         ));
     }
-    crate::memory::refuse_pool(kind, ptr, "dma-buf export (cuMemGetHandleForAddressRange)")?;
+    refuse_pool(kind, ptr, "dma-buf export (cuMemGetHandleForAddressRange)")?;
     let end = byte_offset.checked_add(len);
     if len == 0 || end.is_none_or(|e| e > byte_len) {
         return Err(Error::invalid(
@@ -120,9 +119,13 @@ pub fn check_export(
 }
 
 /// Export the page-aligned range enclosing `len` bytes at `ptr` on device `ordinal`. Private: the
-/// caller keeps the memory alive for as long as the fd and every duplicate ([`export`] does, by
+/// caller keeps the memory alive for as long as the fd and every duplicate ([`export_dmabuf`] does, by
 /// owning it and never lending the fd out).
-pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedFd, DmaBufRange)> {
+pub(crate) fn export_dmabuf_range(
+    ordinal: usize,
+    ptr: u64,
+    len: u64,
+) -> Result<(OwnedFd, DmaBufRange)> {
     let range = DmaBufRange::new(ptr, len).ok_or_else(|| {
         Error::invalid(
             "len",
@@ -131,21 +134,14 @@ pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedF
         )
     })?;
     gpudirect_sys::cuda::require_symbols(&["cuMemGetHandleForAddressRange"])?;
+    let export_len = usize::try_from(range.export_len)
+        .map_err(|_| Error::invalid("len", len, "the export's length must fit usize"))?;
     let ctx = crate::cuda::context(ordinal)?;
-    ctx.bind_to_thread()
-        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))?;
-    let mut fd: i32 = -1;
-    // SAFETY: libcuda present with this symbol (checked); the out-pointer is an int as the
-    // handle type requires; the driver validates the range.
-    cu("cuMemGetHandleForAddressRange", unsafe {
-        sys::cuMemGetHandleForAddressRange(
-            (&mut fd as *mut i32).cast(),
-            range.export_base,
-            range.export_len as usize,
-            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-            0,
-        )
-    })?;
+    crate::driver::ctx::bind(&ctx)?;
+    // SAFETY: libcuda present with this symbol (checked); context current. The fd becomes an
+    // `OwnedFd` below, and the callers keep the memory alive while it (or a duplicate) is open:
+    // `export_dmabuf` owns the memory and never lends the fd.
+    let fd = unsafe { crate::driver::mem::dmabuf_fd(range.export_base, export_len) }?;
     if fd < 0 {
         return Err(Error::Unsupported {
             what: "dma-buf export".into(),
@@ -166,14 +162,14 @@ pub(crate) fn export_range(ordinal: usize, ptr: u64, len: u64) -> Result<(OwnedF
 ///
 /// # Errors
 ///
-/// Before any FFI call ([`check_export`]): [`Error::InvalidArgument`] for host memory or an
+/// Before any FFI call ([`check_dmabuf_export`]): [`Error::InvalidArgument`] for host memory or an
 /// empty or out-of-bounds range; [`Error::NotRdmaCapable`] for stream-ordered pool memory
 /// (cudarc's `CudaSlice`, [`PoolBuffer`](crate::memory::PoolBuffer)), the same refusal GPU
 /// memory registration gives. Then [`Error::Load`] if the driver lacks the entry point;
 /// [`Error::Cuda`] from the driver (`CUDA_ERROR_NOT_SUPPORTED` where dma-buf is not supported).
 #[doc(alias = "cuMemGetHandleForAddressRange")]
-pub fn export<M: DeviceMemory>(mem: M, byte_offset: usize, len: usize) -> Result<DmaBuf<M>> {
-    let range = check_export(
+pub fn export_dmabuf<M: DeviceMemory>(mem: M, byte_offset: usize, len: usize) -> Result<DmaBuf<M>> {
+    let range = check_dmabuf_export(
         mem.kind(),
         mem.device_ptr(),
         mem.byte_len(),
@@ -181,7 +177,7 @@ pub fn export<M: DeviceMemory>(mem: M, byte_offset: usize, len: usize) -> Result
         len,
     )?;
     let ordinal = mem.ordinal();
-    let (fd, range) = export_range(ordinal, range.iova, range.len)?;
+    let (fd, range) = export_dmabuf_range(ordinal, range.iova, range.len)?;
     Ok(DmaBuf {
         fd,
         range,
@@ -196,7 +192,7 @@ mod tests {
 
     #[test]
     fn empty_range_is_refused_before_any_ffi() {
-        let e = export_range(0, 0x1000, 0).unwrap_err();
+        let e = export_dmabuf_range(0, 0x1000, 0).unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument { arg: "len", .. }),
             "{e}"

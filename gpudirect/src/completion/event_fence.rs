@@ -1,0 +1,55 @@
+//! [`EventFence`]: one CUDA event.
+
+use super::backoff::{LONG_WAIT, poll_until};
+use super::fence::Fence;
+use crate::error::Result;
+use cudarc::driver::{CudaEvent, CudaStream};
+use std::time::Duration;
+
+/// A fence on one CUDA event, recorded when the fence is made (`cuEventRecord`) and polled with
+/// `cuEventQuery`. For many small operations on one stream prefer [`StreamFence`](super::StreamFence).
+#[derive(Debug)]
+pub struct EventFence(CudaEvent);
+
+impl EventFence {
+    /// `cuEventRecord` a new event (timing disabled) on `stream`: complete once the work queued
+    /// on `stream` so far has finished.
+    #[doc(alias = "cuEventRecord")]
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::StreamCapturing`] while `stream` captures a CUDA graph (an event recorded in a
+    /// capture completes with the capture, not with the work); [`crate::Error::Cuda`].
+    pub fn record(stream: &CudaStream) -> Result<Self> {
+        let (ev, ()) = super::capture::enqueue(stream, "cuEventRecord", (), |_, ()| {
+            stream
+                .record_event(None)
+                .map_err(|e| crate::error::from_driver("cuEventRecord", e))
+        })?;
+        Ok(EventFence(ev))
+    }
+
+    /// Wrap an event already recorded after the work to track.
+    pub fn from_event(event: CudaEvent) -> Self {
+        EventFence(event)
+    }
+
+    /// The event.
+    pub fn event(&self) -> &CudaEvent {
+        &self.0
+    }
+}
+
+impl Fence for EventFence {
+    fn is_complete(&self) -> bool {
+        // A query error (a sticky context error) is "not complete": the resources are kept.
+        matches!(self.0.try_is_complete(), Ok(true))
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        if timeout >= LONG_WAIT {
+            return self.0.synchronize().is_ok() && self.is_complete();
+        }
+        poll_until(|| self.is_complete(), timeout)
+    }
+}

@@ -1,0 +1,31 @@
+//! Contexts (`cuCtx*`).
+
+use super::named;
+use crate::error::{Result, cu};
+use cudarc::driver::{CudaContext, sys};
+
+/// `cuCtxSetCurrent` through cudarc—Make `ctx` current on the calling thread.
+///
+/// Safe: `ctx` is a live context (cudarc holds it), and only the presence check of the module
+/// docs is needed, which every way to get a `CudaContext` from the crate passes first.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+    named("cuCtxSetCurrent", ctx.bind_to_thread())
+}
+
+/// `cuFlushGPUDirectRDMAWrites(CURRENT_CTX, scope)`—Make GPUDirect RDMA writes that reached the
+/// current context visible to `scope`.
+///
+/// # Safety
+///
+/// A context is current; the driver has the symbol (it is checked by name first: CUDA 11.3+).
+pub(crate) unsafe fn flush_gpudirect_rdma_writes(
+    scope: sys::CUflushGPUDirectRDMAWritesScope,
+) -> Result<()> {
+    // SAFETY: plain enum arguments; the rest is the caller's.
+    cu("cuFlushGPUDirectRDMAWrites", unsafe {
+        sys::cuFlushGPUDirectRDMAWrites(
+            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+            scope,
+        )
+    })
+}
