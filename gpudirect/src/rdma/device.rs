@@ -1,6 +1,6 @@
 //! The list of verbs devices.
 
-use super::{nonnull, verbs};
+use super::ffi::{free_in_parent, nonnull, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::ffi::CStr;
@@ -104,13 +104,10 @@ impl DeviceList {
 
 impl Drop for DeviceList {
     fn drop(&mut self) {
-        if super::in_forked_child() {
-            return;
-        }
-        if let Ok(l) = gpudirect_sys::ibverbs::lib() {
+        free_in_parent(ibv::lib, |l| {
             // SAFETY: the list came from ibv_get_device_list and is freed once.
             unsafe { (l.ibv_free_device_list)(self.list.as_ptr()) };
-        }
+        });
     }
 }
 
