@@ -337,6 +337,8 @@ impl Listener {
     /// [`Error::Load`] without librdmacm; [`Error::Os`] naming the call (`EADDRINUSE`,
     /// `EADDRNOTAVAIL` when no RDMA device has that address).
     #[doc(alias = "rdma_bind_addr")]
+    #[doc(alias = "rdma_create_id")]
+    #[doc(alias = "rdma_listen")]
     pub fn bind(addr: SocketAddr) -> Result<Listener> {
         let l = cmlib()?;
         let ch = Channel::new()?;
@@ -373,6 +375,8 @@ impl Listener {
     /// [`Error::Timeout`]; [`Error::CmEvent`] for an unexpected event; any error of creating the
     /// PD, CQs or QP, or of the transitions.
     #[doc(alias = "rdma_accept")]
+    #[doc(alias = "rdma_get_cm_event")]
+    #[doc(alias = "rdma_migrate_id")]
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
         let l = cmlib()?;
         let ev = self.ch.wait(
@@ -511,6 +515,9 @@ impl Connection {
     /// `RDMA_CM_EVENT_UNREACHABLE`); [`Error::Unsupported`] when librdmacm lacks `rdma_establish`.
     #[doc(alias = "rdma_connect")]
     #[doc(alias = "rdma_resolve_addr")]
+    #[doc(alias = "rdma_create_id")]
+    #[doc(alias = "rdma_resolve_route")]
+    #[doc(alias = "rdma_establish")]
     pub fn connect(addr: SocketAddr, opts: &ConnectOptions) -> Result<Connection> {
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
@@ -602,6 +609,8 @@ impl Connection {
     ///
     /// [`Error::InvalidArgument`] without a channel; [`Error::Os`] naming `ibv_req_notify_cq`,
     /// `poll` or `ibv_get_cq_event`.
+    #[doc(alias = "ibv_req_notify_cq")]
+    #[doc(alias = "ibv_get_cq_event")]
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<bool> {
         use std::os::fd::{AsFd, AsRawFd};
         let Some(ch) = &self.channel else {

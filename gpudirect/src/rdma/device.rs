@@ -28,6 +28,7 @@ impl DeviceList {
     ///
     /// [`Error::Load`] without libibverbs; [`Error::NoDevice`] without kernel RDMA support
     /// (libibverbs answers `ENOSYS`); [`Error::Os`] when the call fails otherwise.
+    #[doc(alias = "ibv_get_device_list")]
     pub fn get() -> Result<DeviceList> {
         let l = verbs()?;
         let mut n = 0;
@@ -51,7 +52,12 @@ impl DeviceList {
         })
     }
 
-    /// Every device, or [`Error::NoDevice`] when there is none (the usual "no RDMA here" answer).
+    /// Every device, refusing an empty list (the usual "no RDMA here" answer).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoDevice`] when there is no device; otherwise as [`DeviceList::get`].
+    #[doc(alias = "ibv_get_device_list")]
     pub fn non_empty() -> Result<DeviceList> {
         let list = Self::get()?;
         if list.is_empty() {

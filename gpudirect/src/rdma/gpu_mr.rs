@@ -401,6 +401,7 @@ impl ProtectionDomain {
     /// `ibv_reg_dmabuf_mr`; [`Error::Cuda`] from the export).
     #[doc(alias = "ibv_reg_dmabuf_mr")]
     #[doc(alias = "cuMemGetHandleForAddressRange")]
+    #[doc(alias = "ibv_reg_mr")]
     pub fn register_gpu<S: GpuMrSource>(
         &self,
         src: S,
@@ -808,30 +809,25 @@ mod tests {
 
     #[test]
     fn flush_needs_the_host_option_and_skips_when_ordered() {
-        assert!(matches!(
-            flush_plan(0, 0, 0, FlushScope::Owner),
-            Err(Error::Unsupported { .. })
-        ));
-        assert!(matches!(
-            flush_plan(0, 2, 0, FlushScope::Owner),
-            Err(Error::Unsupported { .. })
-        ));
-        assert_eq!(
-            flush_plan(0, 1, 0, FlushScope::Owner).unwrap(),
-            FlushOutcome::Flushed
-        );
-        assert_eq!(
-            flush_plan(0, 3, 100, FlushScope::Owner).unwrap(),
-            FlushOutcome::AlreadyOrdered
-        );
-        assert_eq!(
-            flush_plan(0, 3, 100, FlushScope::AllDevices).unwrap(),
-            FlushOutcome::Flushed
-        );
-        assert_eq!(
-            flush_plan(0, 1, 200, FlushScope::AllDevices).unwrap(),
-            FlushOutcome::AlreadyOrdered
-        );
+        use FlushOutcome::{AlreadyOrdered, Flushed};
+        for options in [0, 2] {
+            assert!(matches!(
+                flush_plan(0, options, 0, FlushScope::Owner),
+                Err(Error::Unsupported { .. })
+            ));
+        }
+        for (options, ordering, scope, want) in [
+            (1, 0, FlushScope::Owner, Flushed),
+            (3, 100, FlushScope::Owner, AlreadyOrdered),
+            (3, 100, FlushScope::AllDevices, Flushed),
+            (1, 200, FlushScope::AllDevices, AlreadyOrdered),
+        ] {
+            assert_eq!(
+                flush_plan(0, options, ordering, scope).unwrap(),
+                want,
+                "options {options}, ordering {ordering}, {scope:?}"
+            );
+        }
     }
 
     #[test]

@@ -154,25 +154,21 @@ trait Chained {
     fn link(&mut self, sg_list: *mut ibv::ibv_sge, next: *mut Self);
 }
 
-impl Chained for ibv::ibv_send_wr {
-    fn num_sge(&self) -> i32 {
-        self.num_sge
-    }
-    fn link(&mut self, sg_list: *mut ibv::ibv_sge, next: *mut Self) {
-        self.sg_list = sg_list;
-        self.next = next;
-    }
+/// Both request structs name their chain fields alike.
+macro_rules! chained {
+    ($($wr:ty),*) => {$(
+        impl Chained for $wr {
+            fn num_sge(&self) -> i32 {
+                self.num_sge
+            }
+            fn link(&mut self, sg_list: *mut ibv::ibv_sge, next: *mut Self) {
+                self.sg_list = sg_list;
+                self.next = next;
+            }
+        }
+    )*};
 }
-
-impl Chained for ibv::ibv_recv_wr {
-    fn num_sge(&self) -> i32 {
-        self.num_sge
-    }
-    fn link(&mut self, sg_list: *mut ibv::ibv_sge, next: *mut Self) {
-        self.sg_list = sg_list;
-        self.next = next;
-    }
-}
+chained!(ibv::ibv_send_wr, ibv::ibv_recv_wr);
 
 /// Chain `wrs` in order, each pointing at its `num_sge` entries of `sges` (laid out one request
 /// after the other); returns the head. Neither vector may grow while the chain is in use.
@@ -709,7 +705,11 @@ mod tests {
         );
     }
 
-    /// The requests of a chain as the provider walks it: (wr_id, [(addr, length, lkey)]).
+    /// One request as the provider sees it: its `wr_id` (or another field the caller picks) and
+    /// its SGEs as (addr, length, lkey).
+    type Seen = (u64, Vec<(u64, u32, u32)>);
+
+    /// The requests of a chain as the provider walks it.
     ///
     /// # Safety
     ///
@@ -717,7 +717,7 @@ mod tests {
     unsafe fn walk<W: Chained>(
         mut wr: *mut W,
         parts: impl Fn(&W) -> (u64, *mut ibv::ibv_sge, *mut W),
-    ) -> Vec<(u64, Vec<(u64, u32, u32)>)> {
+    ) -> Vec<Seen> {
         let mut out = Vec::new();
         while !wr.is_null() {
             // SAFETY: a live request of the chain (the caller's contract).

@@ -442,6 +442,7 @@ impl QueuePair<Reset> {
     ///
     /// [`Error::InvalidArgument`] for port 0; [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_INIT")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_init(self, port: u8, access: AccessFlags) -> Result<QueuePair<Init>> {
         if port == 0 {
             return Err(Error::invalid("port", 0, "ports are numbered from 1"));
@@ -474,6 +475,7 @@ impl QueuePair<Init> {
     /// PSNs are 24 bits, the RNR timer code 5 bits); [`Error::Os`] naming `ibv_modify_qp`
     /// (`EINVAL` for a bad GID index or MTU).
     #[doc(alias = "IBV_QPS_RTR")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_rtr(self, attr: &RtrAttr) -> Result<QueuePair<Rtr>> {
         attr.check()?;
         let mut a = ibv::ibv_qp_attr {
@@ -514,6 +516,7 @@ impl QueuePair<Rtr> {
     /// [`Error::InvalidArgument`] for a field out of its range (see [`RtsAttr`]); [`Error::Os`]
     /// naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_RTS")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_rts(self, attr: &RtsAttr) -> Result<QueuePair<Rts>> {
         attr.check()?;
         let mut a = ibv::ibv_qp_attr {
@@ -551,6 +554,7 @@ impl QueuePair<ErrorState> {
     /// [`Error::Timeout`] when the completions do not all arrive (the QP is dropped, which waits
     /// again and then leaks it with everything it holds); [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_RESET")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn reset(self) -> Result<QueuePair<Reset>> {
         verbs()?;
         if !self.inner.quiesce(DRAIN_TIMEOUT) {
@@ -655,6 +659,7 @@ impl<S: QpState> QueuePair<S> {
     ///
     /// [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_ERR")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn into_error(self) -> Result<QueuePair<ErrorState>> {
         let mut a = ibv::ibv_qp_attr {
             qp_state: ibv::IBV_QPS_ERR,
