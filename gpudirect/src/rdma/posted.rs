@@ -705,6 +705,23 @@ mod tests {
         );
     }
 
+    /// Post `n` empty receives to a queue pair's receive table through `post`.
+    fn post_empty_recvs(
+        t: &mut RecvTable,
+        n: usize,
+        room: &Room,
+        post: impl FnOnce(*mut ibv::ibv_recv_wr, *mut *mut ibv::ibv_recv_wr) -> i32,
+    ) -> Result<usize> {
+        t.post(
+            (0..n).map(|_| RecvRequest::empty()).collect(),
+            |slot| WrId::Recv { slot }.encode(),
+            "receive queue",
+            "ibv_post_recv",
+            Some(room),
+            post,
+        )
+    }
+
     /// One request as the provider sees it: its `wr_id` (or another field the caller picks) and
     /// its SGEs as (addr, length, lkey).
     type Seen = (u64, Vec<(u64, u32, u32)>);
@@ -938,14 +955,7 @@ mod tests {
                 let before = (t.live(), room.reserved());
                 let fits_q = t.live() as usize + n <= depth as usize;
                 let fits_cq = room.reserved() as usize + n <= cap as usize;
-                let r = t.post(
-                    (0..n).map(|_| RecvRequest::empty()).collect(),
-                    |slot| WrId::Recv { slot }.encode(),
-                    "receive queue",
-                    "ibv_post_recv",
-                    Some(&room),
-                    |_, _| 0,
-                );
+                let r = post_empty_recvs(&mut t, n, &room, |_, _| 0);
                 if n == 0 || (fits_q && fits_cq) {
                     prop_assert_eq!(r.unwrap(), n);
                 } else {
@@ -970,21 +980,14 @@ mod tests {
         fn a_failed_receive_post_unposts_the_rest(n in 1usize..8, fail_at in 0usize..8) {
             let room = Room::new(64);
             let mut t = RecvTable::new(16);
-            let r = t.post(
-                (0..n).map(|_| RecvRequest::empty()).collect(),
-                |slot| WrId::Recv { slot }.encode(),
-                "receive queue",
-                "ibv_post_recv",
-                Some(&room),
-                |wr, bad| {
-                    if fail_at >= n {
-                        return 0;
-                    }
-                    // SAFETY: the chain has n > fail_at entries.
-                    unsafe { *bad = wr.add(fail_at) };
-                    libc::ENOMEM
-                },
-            );
+            let r = post_empty_recvs(&mut t, n, &room, |wr, bad| {
+                if fail_at >= n {
+                    return 0;
+                }
+                // SAFETY: the chain has n > fail_at entries.
+                unsafe { *bad = wr.add(fail_at) };
+                libc::ENOMEM
+            });
             let kept = if fail_at >= n { n } else { fail_at };
             prop_assert_eq!(r.is_ok(), fail_at >= n);
             prop_assert_eq!(t.live() as usize, kept);
