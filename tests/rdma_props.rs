@@ -274,7 +274,7 @@ fn remote_ranges_are_checked_and_exact() {
                     prop_assert!(ok);
                     let before = target.to_vec();
                     let local = src.slice(..n as usize).map_err(fail)?;
-                    p.a.post_send([WorkRequest::write(local, r).tag(off)])
+                    p.a.post_send([SendRequest::write(local, r).tag(off)])
                         .map_err(fail)?;
                     let d = wait(&mut p.cq_a, 1);
                     prop_assert_eq!((d[0].tag, d[0].status), (off, WcStatus::Success));
@@ -295,7 +295,7 @@ fn remote_ranges_are_checked_and_exact() {
             };
             if wild.checked_add(n as u64).is_none() {
                 let local = src.slice(..(n as usize).min(len)).map_err(fail)?;
-                let r = p.a.post_send([WorkRequest::write(local, hostile)]);
+                let r = p.a.post_send([SendRequest::write(local, hostile)]);
                 prop_assert!(
                     matches!(r, Err(Error::InvalidArgument { arg: "remote", .. })),
                     "{:?}",
