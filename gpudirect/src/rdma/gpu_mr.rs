@@ -146,15 +146,14 @@ pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
     let ctx = crate::cuda::context(ordinal)?;
     crate::driver::ctx::bind(&ctx)?;
     let one: u32 = 1;
-    // SAFETY: the attribute's value is an unsigned int read through the pointer during the call;
-    // the driver validates `ptr`.
-    crate::error::cu("cuPointerSetAttribute", unsafe {
-        sys::cuPointerSetAttribute(
-            (&one as *const u32).cast(),
+    // SAFETY: SYNC_MEMOPS takes an unsigned int, read during the call; the driver validates `ptr`.
+    unsafe {
+        crate::driver::pointer::set_attribute(
+            &one,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
             ptr,
         )
-    })
+    }
 }
 
 /// The checks and settings before device memory is handed to a NIC: RDMA capable, the device
@@ -649,13 +648,8 @@ pub fn flush_gpudirect_rdma_writes(
             sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES
         }
     };
-    // SAFETY: the symbol exists (checked); a context is current; plain enum arguments.
-    crate::error::cu("cuFlushGPUDirectRDMAWrites", unsafe {
-        sys::cuFlushGPUDirectRDMAWrites(
-            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-            s,
-        )
-    })?;
+    // SAFETY: the symbol exists (checked); a context is current.
+    unsafe { crate::driver::ctx::flush_gpudirect_rdma_writes(s) }?;
     Ok(FlushOutcome::Flushed)
 }
 

@@ -4,8 +4,8 @@
 //! from them when they poll.
 
 use super::wr::{RecvRequest, SendRequest, Sg};
-use crate::error::{Error, Result};
 use crate::completion::CompletionFlag;
+use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -225,10 +225,15 @@ impl Drop for QpInner {
 
 impl QpInner {
     fn tear_down(&mut self, l: &ibv::Lib) {
-        // 1. Error state: the NIC stops and flushes every outstanding request.
+        // 1. Error state (unless nothing is outstanding): the NIC stops and flushes every
+        //    outstanding request.
         // 2. A signaled request after the last unsignaled one, then drain (bounded) until every
         //    posted request's completion (or one covering it) has been seen.
-        let drained = self.set_state(l, ibv::IBV_QPS_ERR) && self.quiesce(DRAIN_TIMEOUT);
+        // Nothing outstanding (never used, or every request covered by a polled completion):
+        // the NIC holds none of our memory, so the QP is destroyed as it is (some providers,
+        // rxe among them, refuse RESET -> ERR).
+        let idle = self.posted.outstanding() == 0;
+        let drained = idle || (self.set_state(l, ibv::IBV_QPS_ERR) && self.quiesce(DRAIN_TIMEOUT));
         // 3. Destroy, or leak everything the NIC might still touch.
         // SAFETY: a live QP; after success the NIC no longer touches its requests' memory.
         if drained && unsafe { (l.ibv_destroy_qp)(self.qp.as_ptr()) } == 0 {
