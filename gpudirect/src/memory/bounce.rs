@@ -402,14 +402,14 @@ impl Drop for CopyFence {
 /// destination's copy:
 ///
 /// ```text
-/// let c = src_engine.d2h_raw(lane, chunk, 0, len, src_k)?;      // source device's lane
-/// let c = c.then_h2d(&dst_engine, lane, 0, len, dst_k)?;        // waits on the D2H's event
-/// let c = c.then_d2h(&src_engine, lane, 0, len, src_k_next)?;   // waits on the H2D's event
+/// let c = src_engine.d2h_raw(lane, chunk, 0, len, src_k)?;         // source device's lane
+/// let c = c.then(Dir::H2d, &dst_engine, lane, 0, len, dst_k)?;     // waits on the D2H's event
+/// let c = c.then(Dir::D2h, &src_engine, lane, 0, len, src_k2)?;    // waits on the H2D's event
 /// ...
 /// let chunk = c.wait_chunk()?;                                  // back to the pool when dropped
 /// ```
 ///
-/// The raw forms (`*_raw`, `then_*`) take device addresses and are crate-private and `unsafe`:
+/// The raw forms (`*_raw`, `then`) take device addresses and are crate-private and `unsafe`:
 /// the caller owns the device memory until the copies complete. The public forms
 /// ([`CopyEngine::h2d`], [`CopyEngine::d2h`]) take the device buffer by value and hand it back
 /// with the chunk:
@@ -450,7 +450,7 @@ impl std::fmt::Debug for CopyEngine {
 
 /// Which way a chunk copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dir {
+pub(crate) enum Dir {
     /// From the chunk to device memory.
     H2d,
     /// From device memory into the chunk.
@@ -803,67 +803,6 @@ impl ChunkCopy {
         self.wait().map(|(c, ())| c)
     }
 
-    /// Queue, on lane `lane` of `engine` (any device), a copy of `len` bytes at byte `offset` of
-    /// this copy's chunk to device address `dst`, ordered after this copy by a stream wait on its
-    /// event (the host does not block). The chunk moves to the new copy.
-    ///
-    /// # Errors
-    ///
-    /// As [`CopyEngine::h2d_raw`]; on error the chunk stays owned until this copy completes
-    /// (a bounded wait, then parked; leaked when that cannot be proven).
-    ///
-    /// # Safety
-    ///
-    /// As [`CopyEngine::h2d_raw`], for `engine`'s device.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the staged peer copy moves onto the chained copies"
-        )
-    )]
-    pub(crate) unsafe fn then_h2d(
-        self,
-        engine: &CopyEngine,
-        lane: usize,
-        offset: usize,
-        len: usize,
-        dst: u64,
-    ) -> Result<ChunkCopy> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.then(Dir::H2d, engine, lane, offset, len, dst) }
-    }
-
-    /// Queue, on lane `lane` of `engine`, a copy of `len` bytes from device address `src` into
-    /// this copy's chunk at byte `offset`, ordered after this copy by a stream wait (the chunk is
-    /// overwritten only once this copy is done with it). The chunk moves to the new copy.
-    ///
-    /// # Errors
-    ///
-    /// As [`then_h2d`](Self::then_h2d).
-    ///
-    /// # Safety
-    ///
-    /// As [`CopyEngine::d2h_raw`], for `engine`'s device.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the staged peer copy moves onto the chained copies"
-        )
-    )]
-    pub(crate) unsafe fn then_d2h(
-        self,
-        engine: &CopyEngine,
-        lane: usize,
-        offset: usize,
-        len: usize,
-        src: u64,
-    ) -> Result<ChunkCopy> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.then(Dir::D2h, engine, lane, offset, len, src) }
-    }
-
     /// # Safety
     ///
     /// As [`CopyEngine::queue`].
@@ -996,9 +935,13 @@ mod tests {
             let c = engine
                 .d2h_raw(0, pool.take().unwrap(), 0, half, pa)
                 .unwrap();
-            let c = c.then_h2d(&engine, 1, 0, half, pb).unwrap();
-            let c = c.then_d2h(&engine, 0, 0, half, pa + half as u64).unwrap();
-            let c = c.then_h2d(&engine, 1, 0, half, pb + half as u64).unwrap();
+            let c = c.then(Dir::H2d, &engine, 1, 0, half, pb).unwrap();
+            let c = c
+                .then(Dir::D2h, &engine, 0, 0, half, pa + half as u64)
+                .unwrap();
+            let c = c
+                .then(Dir::H2d, &engine, 1, 0, half, pb + half as u64)
+                .unwrap();
             c.wait_chunk().unwrap()
         };
         assert_eq!(&chunk[..], &data[half..]);

@@ -1158,6 +1158,32 @@ mod tests {
         p
     }
 
+    /// `e` is an [`Error::InvalidArgument`] naming `arg`.
+    #[track_caller]
+    fn assert_invalid(e: &Error, arg: &str) {
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: a, .. } if *a == arg),
+            "expected an invalid `{arg}`: {e}"
+        );
+    }
+
+    /// `path` opened for reading through the page cache.
+    fn buffered(path: &std::path::Path) -> std::os::fd::OwnedFd {
+        OpenOptions::read_only()
+            .direct(DirectIo::Off)
+            .open(path)
+            .unwrap()
+            .0
+    }
+
+    /// The POSIX path's view of a buffered descriptor alone.
+    fn plain(fd: &std::os::fd::OwnedFd) -> PosixFile<'_> {
+        PosixFile {
+            buffered: fd.as_fd(),
+            direct: None,
+        }
+    }
+
     fn cfg(threads: usize, chunk: usize, depth: usize) -> PosixConfig {
         PosixConfig {
             threads,
@@ -1267,14 +1293,8 @@ mod tests {
         // so three copies are in flight on its lane at once.
         let bytes = data(1 << 20, 3);
         let p = temp("pipeline", &bytes);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         let staging = HostStaging::new(1 << 20, 0, Duration::from_millis(2));
         // SAFETY: host staging over 1 MiB.
         let n = unsafe {
@@ -1305,14 +1325,8 @@ mod tests {
         threads: usize,
         chunk: usize,
     ) -> (Duration, usize) {
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(path)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(path);
+        let file = plain(&fd);
         let t = Instant::now();
         // SAFETY: host staging over at least `len` bytes.
         let n = unsafe {
@@ -1470,14 +1484,8 @@ mod tests {
     fn a_file_that_shrank_is_an_error_and_nothing_past_the_limit_changes() {
         let bytes = data(10_000, 5);
         let p = temp("shrank", &bytes);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         for threads in [1, 3] {
             let staging = HostStaging::new(40_000, 0xEE, Duration::ZERO);
             // The size taken when the read started (20,000) is larger than what is there now.
@@ -1515,14 +1523,8 @@ mod tests {
         // A write to a read-only descriptor: pwrite fails with EBADF on some thread; the others
         // stop claiming chunks, and every copy queued has been waited (nothing in flight).
         let p = temp("ebadf", &[0u8; 4096]);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         let staging = HostStaging::new(1 << 20, 1, Duration::from_micros(200));
         // SAFETY: host staging over 1 MiB.
         let e = unsafe {
@@ -1560,52 +1562,19 @@ mod tests {
             ..PosixConfig::default()
         };
         let e = bad.validate().unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "config.chunk",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "config.chunk");
         assert!(bad.bounce_len().is_err());
         let p = temp("wrap", &[3; 1 << 16]);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         let never = |_| -> Result<HostStaging> { panic!("no staging for a refused transfer") };
         // SAFETY: refused before any access.
         let e = unsafe { read_to_device(never, &bad, &file, Some(1 << 16), 0, 0, 1 << 16) }
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "config.chunk",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "config.chunk");
         // SAFETY: as above.
         let e = unsafe { write_from_device(never, &bad, &file, 0, 0, 1 << 16) }.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "config.chunk",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "config.chunk");
         // Nothing to read at end of file: no staging either.
         // SAFETY: nothing is accessed.
         let n = unsafe {
@@ -1634,57 +1603,27 @@ mod tests {
             )
         }
         .unwrap_err();
-        assert!(
-            matches!(e, Error::InvalidArgument { arg: "len", .. }),
-            "{e}"
-        );
+        assert_invalid(&e, "len");
         std::fs::remove_file(&p).unwrap();
     }
 
     #[test]
     fn transfers_past_off_t_or_the_address_space_are_refused() {
         let p = temp("range", &[1; 16]);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         let c = PosixConfig::default();
         let never = |_| -> Result<HostStaging> { panic!("refused first") };
         // SAFETY: refused before any access.
         let e =
             unsafe { read_to_device(never, &c, &file, None, i64::MAX as u64, 0, 2) }.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "file_offset",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "file_offset");
         // SAFETY: refused before any access.
         let e = unsafe { read_to_device(never, &c, &file, None, 0, u64::MAX - 1, 4) }.unwrap_err();
-        assert!(
-            matches!(e, Error::InvalidArgument { arg: "dst", .. }),
-            "{e}"
-        );
+        assert_invalid(&e, "dst");
         // SAFETY: refused before any access.
         let e = unsafe { write_from_device(never, &c, &file, u64::MAX, 0, 1) }.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "file_offset",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "file_offset");
         std::fs::remove_file(&p).unwrap();
     }
 
@@ -1741,31 +1680,13 @@ mod tests {
         let mut bad: [Option<String>; 5] = Default::default();
         bad[3] = Some("lots".into());
         let e = with_overrides(base, &bad).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "GPUDIRECT_POSIX_CHUNK_KIB",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "GPUDIRECT_POSIX_CHUNK_KIB");
         bad[3] = Some(usize::MAX.to_string());
         assert!(with_overrides(base, &bad).is_err(), "overflowing chunk");
         bad[3] = None;
         bad[0] = Some("0".into());
         let e = with_overrides(base, &bad).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "config.threads",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "config.threads");
     }
 
     fn config() -> impl Strategy<Value = PosixConfig> {
@@ -1870,28 +1791,13 @@ mod tests {
     #[test]
     fn bad_configs_are_refused() {
         let p = temp("cfg", &[1; 10]);
-        let (fd, _) = OpenOptions::read_only()
-            .direct(DirectIo::Off)
-            .open(&p)
-            .unwrap();
-        let file = PosixFile {
-            buffered: fd.as_fd(),
-            direct: None,
-        };
+        let fd = buffered(&p);
+        let file = plain(&fd);
         let never = |_| -> Result<HostStaging> { panic!("refused first") };
         // SAFETY: refused before any access.
         let e = unsafe { read_to_device(never, &cfg(1, 1000, 1), &file, Some(10), 0, 0, 10) }
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidArgument {
-                    arg: "config.chunk",
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_invalid(&e, "config.chunk");
         std::fs::remove_file(&p).unwrap();
     }
 }

@@ -178,6 +178,17 @@ mod tests {
         nap: Duration,
     }
 
+    impl Count {
+        fn new(nap: Duration) -> Arc<Count> {
+            Arc::new(Count {
+                seen: Mutex::new(HashSet::new()),
+                running: AtomicUsize::new(0),
+                most: AtomicUsize::new(0),
+                nap,
+            })
+        }
+    }
+
     impl Job for Count {
         fn participate(&self, p: usize) {
             let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
@@ -190,12 +201,7 @@ mod tests {
 
     #[test]
     fn participants_run_at_once_and_all_return_before_run_does() {
-        let job = Arc::new(Count {
-            seen: Mutex::new(HashSet::new()),
-            running: AtomicUsize::new(0),
-            most: AtomicUsize::new(0),
-            nap: Duration::from_millis(200),
-        });
+        let job = Count::new(Duration::from_millis(200));
         Workers::global().run(job.clone(), 5);
         assert_eq!(job.running.load(Ordering::SeqCst), 0, "nobody still inside");
         assert!(Workers::global().threads() >= 5);
@@ -207,12 +213,7 @@ mod tests {
 
     #[test]
     fn no_helpers_runs_on_the_caller_only() {
-        let job = Arc::new(Count {
-            seen: Mutex::new(HashSet::new()),
-            running: AtomicUsize::new(0),
-            most: AtomicUsize::new(0),
-            nap: Duration::ZERO,
-        });
+        let job = Count::new(Duration::ZERO);
         Workers::global().run(job.clone(), 0);
         assert_eq!(*lock(&job.seen), HashSet::from([0]));
     }
@@ -229,12 +230,7 @@ mod tests {
     #[test]
     fn a_panicking_pool_participant_leaves_the_pool_usable() {
         Workers::global().run(Arc::new(Panics), 3);
-        let job = Arc::new(Count {
-            seen: Mutex::new(HashSet::new()),
-            running: AtomicUsize::new(0),
-            most: AtomicUsize::new(0),
-            nap: Duration::from_millis(50),
-        });
+        let job = Count::new(Duration::from_millis(50));
         Workers::global().run(job.clone(), 3);
         assert!(lock(&job.seen).contains(&0));
     }
