@@ -448,6 +448,21 @@ impl std::fmt::Debug for CopyEngine {
     }
 }
 
+/// A copy that failed: the error, and the chunk when nothing queued uses it.
+pub(crate) struct Unqueued {
+    error: Error,
+    chunk: Option<BounceChunk>,
+}
+
+impl Unqueued {
+    fn back(error: Error, chunk: BounceChunk) -> Box<Unqueued> {
+        Box::new(Unqueued {
+            error,
+            chunk: Some(chunk),
+        })
+    }
+}
+
 /// Which way a chunk copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Dir {
@@ -530,8 +545,8 @@ impl CopyEngine {
 
     /// Queue one copy of `len` bytes between byte `offset` of `chunk` and device address `addr`
     /// on lane `lane % lanes`, after an optional stream wait on `after`, and record its fence.
-    /// On error the chunk comes back (`Some`) when no queued work uses it, and is leaked
-    /// (`None`) otherwise.
+    /// On error the chunk comes back ([`Unqueued::chunk`] `Some`) when no queued work uses it,
+    /// and is leaked (`None`) otherwise.
     ///
     /// # Safety
     ///
@@ -547,13 +562,13 @@ impl CopyEngine {
         len: usize,
         addr: u64,
         after: Option<&CopyFence>,
-    ) -> std::result::Result<ChunkCopy, (Error, Option<BounceChunk>)> {
+    ) -> std::result::Result<ChunkCopy, Box<Unqueued>> {
         if let Err(e) = check_span(offset, len, chunk.len(), addr) {
-            return Err((e, Some(chunk)));
+            return Err(Unqueued::back(e, chunk));
         }
         let lane = self.lane(lane).clone();
         if let Err(e) = bind(&lane.ctx) {
-            return Err((e, Some(chunk)));
+            return Err(Unqueued::back(e, chunk));
         }
         let host = chunk.buf.as_slice().as_ptr().wrapping_add(offset);
         let queued = (|| {
@@ -575,7 +590,7 @@ impl CopyEngine {
         })();
         if let Err(e) = queued {
             // The copy was not queued: nothing on the stream uses the chunk.
-            return Err((e, Some(chunk)));
+            return Err(Unqueued::back(e, chunk));
         }
         // SAFETY: the lane's context is current.
         match unsafe { lane.record() } {
@@ -586,10 +601,13 @@ impl CopyEngine {
                 // The copy is queued but has no fence: wait for the stream, or leak the chunk.
                 // SAFETY: a live stream.
                 if unsafe { driver::stream::synchronize(lane.stream) }.is_ok() {
-                    Err((e, Some(chunk)))
+                    Err(Unqueued::back(e, chunk))
                 } else {
                     std::mem::forget(chunk);
-                    Err((e, None))
+                    Err(Box::new(Unqueued {
+                        error: e,
+                        chunk: None,
+                    }))
                 }
             }
         }
@@ -618,7 +636,7 @@ impl CopyEngine {
         dst: u64,
     ) -> Result<ChunkCopy> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::H2d, lane, chunk, offset, len, dst, None) }.map_err(|(e, _)| e)
+        unsafe { self.queue(Dir::H2d, lane, chunk, offset, len, dst, None) }.map_err(|u| u.error)
     }
 
     /// Queue a copy of `len` bytes from device address `src` into `chunk` at byte `offset`, on
@@ -642,7 +660,7 @@ impl CopyEngine {
         src: u64,
     ) -> Result<ChunkCopy> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::D2h, lane, chunk, offset, len, src, None) }.map_err(|(e, _)| e)
+        unsafe { self.queue(Dir::D2h, lane, chunk, offset, len, src, None) }.map_err(|u| u.error)
     }
 
     /// Check that `mem` belongs to this engine's device and that `offset..offset + len` lies in
@@ -828,17 +846,22 @@ impl ChunkCopy {
             // This fence goes back to its lane: the stream wait queued above keeps the record it
             // saw, whatever happens to the event afterwards.
             Ok(next) => Ok(next),
-            Err((e, Some(chunk))) => {
-                // Not queued: the chunk may still be in use by this copy.
-                drop(ChunkCopy {
-                    parts: Some((fence, chunk, ())),
-                });
-                Err(e)
-            }
-            Err((e, None)) => {
-                std::mem::forget(fence);
-                Err(e)
-            }
+            Err(u) => match *u {
+                Unqueued {
+                    error,
+                    chunk: Some(chunk),
+                } => {
+                    // Not queued: the chunk may still be in use by this copy.
+                    drop(ChunkCopy {
+                        parts: Some((fence, chunk, ())),
+                    });
+                    Err(error)
+                }
+                Unqueued { error, chunk: None } => {
+                    std::mem::forget(fence);
+                    Err(error)
+                }
+            },
         }
     }
 }

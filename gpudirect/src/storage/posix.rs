@@ -1449,8 +1449,8 @@ mod tests {
                     buffered: buf.as_fd(),
                     direct: (direct && is_direct).then(|| dfd.as_fd()),
                 };
-                // SAFETY: host staging; its device covers `1..200_001`.
                 for (fo, so, n) in [(5, 1, 200_000), (4096, 0, 8192 * 3)] {
+                    // SAFETY: host staging; its device covers `so..so + n`.
                     let got = unsafe {
                         write_from_device(|b| staging.with_bounce(b), &cfg, &file, fo, so, n)
                     }
