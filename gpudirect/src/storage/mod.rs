@@ -46,6 +46,21 @@
 //! or below `i64::MAX` (`off_t`), and a [`PosixConfig`] stays within the bounds
 //! [`PosixConfig::validate`] lists. A violation is an
 //! [`crate::Error::InvalidArgument`] naming the argument.
+//!
+//! # The POSIX path
+//!
+//! Where cuFile is missing, cannot register a file, or runs in compatibility mode (no
+//! nvidia-fs), [`GdsFile`] moves data itself: reader threads (kept for the life of the process;
+//! the calling thread is one of them) `pread` chunks into pinned bounce chunks and queue each
+//! chunk's copy to the GPU on their own stream right away, reading the next chunk while it runs;
+//! chunks are claimed in file order from one counter, with no lock per chunk. Cold reads use
+//! `O_DIRECT`. Thread counts and the chunk size come from the node's cores and the transfer's
+//! size ([`PosixConfig::automatic`]: one reader per core up to 32, 1 MiB chunks), overridden per
+//! file ([`GdsFile::set_posix_config`]) or by the environment (`GPUDIRECT_POSIX_THREADS`, ...).
+//! Writes go through the page cache unless [`Durability::Durable`] is set (then `O_DIRECT` on
+//! several threads, and `fdatasync` before the call returns). The bounce chunks and the copy
+//! streams are the memory module's ([`BouncePool`](crate::memory::BouncePool),
+//! [`CopyEngine`](crate::memory::CopyEngine)).
 
 mod async_io;
 mod auto;

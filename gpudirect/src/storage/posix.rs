@@ -686,11 +686,23 @@ impl<S: Staging> Transfer<S> {
     }
 }
 
+/// The lane of a calling thread (participant 0): its own, given out round robin on first use,
+/// so that transfers started by different threads do not share a stream.
+fn caller_lane() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % crate::memory::MAX_LANES;
+    }
+    LANE.with(|l| *l)
+}
+
 impl<S: Staging> Job for Transfer<S> {
     fn participate(&self, p: usize) {
         if let Err(e) = self.staging.begin() {
             return self.fail(e);
         }
+        // Pool threads take lanes 1, 2, ... by their place in the transfer; the caller its own.
+        let p = if p == 0 { caller_lane() } else { p };
         let mut spare = Vec::with_capacity(self.depth);
         let r = if self.read {
             let mut inflight = VecDeque::with_capacity(self.depth);
