@@ -117,8 +117,8 @@ impl BouncePool {
     }
 
     /// The process-wide pool of `chunk_bytes`-byte chunks of device `ordinal`'s primary context
-    /// (the one the storage path uses), created on first use; it keeps up to 256 MiB (at least
-    /// two chunks) idle.
+    /// (the one the storage path uses), created on first use; it keeps up to 512 MiB or 64
+    /// chunks idle, whichever is more (32 threads with two chunks each find theirs again).
     ///
     /// # Errors
     ///
@@ -134,7 +134,7 @@ impl BouncePool {
             return Ok(p.clone());
         }
         let ctx = crate::cuda::context(ordinal)?;
-        let max_idle = ((256 << 20) / chunk_bytes).max(2);
+        let max_idle = ((512 << 20) / chunk_bytes).max(64);
         let p = BouncePool::new(&ctx, chunk_bytes, max_idle)?;
         all.push((ordinal, chunk_bytes, p.clone()));
         Ok(p)
