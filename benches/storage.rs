@@ -23,7 +23,11 @@
 //! `fdatasync` (gpudirect's automatic path with `Durability::Durable`). Prints
 //! `SKIPPED: reason` without a GPU.
 
+#[path = "../tests/support/devbuf.rs"]
+mod devbuf;
+
 use criterion::Criterion;
+use devbuf::{pattern, test_dir};
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::sys as cu;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer};
@@ -51,30 +55,6 @@ fn env_usize(k: &str, d: usize) -> usize {
             _ => panic!("{k}={s:?}: expected a positive whole number"),
         },
     }
-}
-
-/// A directory on a real (non-tmpfs) file system: `GPUDIRECT_TEST_DIR`, else
-/// `target/gpudirect-storage-test`.
-fn test_dir() -> PathBuf {
-    let d = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target/gpudirect-storage-test"));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// Pseudo-random bytes (xorshift), fast enough for a GiB.
-fn pattern(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(n + 8);
-    while v.len() < n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(n);
-    v
 }
 
 fn fdatasync(fd: i32) {
