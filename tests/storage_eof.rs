@@ -20,7 +20,7 @@ mod support;
 use gpudirect::Error;
 use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::storage::{
-    Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, File, FileHandle, Mode,
+    Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, FileHandle, GdsFile, Mode,
     OpenOptions,
 };
 use gpudirect::testing::Hardware;
@@ -99,7 +99,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
     std::fs::write(&path, &data).unwrap();
 
     for mode in [Mode::Posix, Mode::Auto, Mode::CuFile] {
-        let f = match File::open(&path, &OpenOptions::read_only(), mode) {
+        let f = match GdsFile::open(&path, &OpenOptions::read_only(), mode) {
             Ok(f) => f,
             Err(e) if mode == Mode::CuFile => {
                 println!("NOTE: Mode::CuFile unavailable: {e}");
@@ -111,7 +111,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
             let mut buf = DevBuf::new(0, BUF_LEN, POISON);
             let t = f.read_to_device(&mut buf, DST_OFFSET, fo, LEN).unwrap();
             check(
-                &format!("File {mode:?} ({:?})", t.path),
+                &format!("GdsFile {mode:?} ({:?})", t.path),
                 fo,
                 t.bytes,
                 &buf,

@@ -9,8 +9,8 @@ mod support;
 use gpudirect::Error;
 use gpudirect::require;
 use gpudirect::storage::{
-    BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, File, FileHandle, Mode, OpenOptions,
-    Path, PathReason, run_batched,
+    BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, FileHandle, GdsFile, IoPath, Mode,
+    OpenOptions, PathReason, run_batched,
 };
 use gpudirect::testing::Hardware;
 use std::sync::Arc;
@@ -244,7 +244,7 @@ fn auto_path_reads_correctly_and_says_why() {
     let Some((_ctx, _d)) = setup() else { return };
     let data = pattern(40 << 20, 9);
     let p = write_file("auto", &data);
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let mut dst = DevBuf::new(0, (40 << 20) + 16, 0xCD);
     let t = f.read_to_device(&mut dst, 1, 3, (40 << 20) - 3).unwrap();
     println!(
@@ -258,12 +258,12 @@ fn auto_path_reads_correctly_and_says_why() {
     match f.cufile_handle() {
         // Compatibility mode without nvidia-fs: our POSIX path is faster.
         Some(_) if !_d.properties().unwrap().has_nvidia_fs() => {
-            assert_eq!(t.path.path, Path::Posix);
+            assert_eq!(t.path.path, IoPath::Posix);
             assert_eq!(t.path.reason, PathReason::CompatModeSlower);
         }
         Some(_) => {}
         None => {
-            assert_eq!(t.path.path, Path::Posix);
+            assert_eq!(t.path.path, IoPath::Posix);
             assert!(
                 matches!(t.path.reason, PathReason::RegistrationFailed { code, .. } if code > 5000),
                 "{t:?}"
@@ -271,7 +271,7 @@ fn auto_path_reads_correctly_and_says_why() {
         }
     }
     // The POSIX path, cold: O_DIRECT where the file allows it.
-    let fp = File::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+    let fp = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
     let mut dst2 = DevBuf::new(0, 40 << 20, 0xCD);
     // SAFETY: a valid descriptor; dropping clean cached pages is harmless.
     let fd = std::fs::File::open(&p).unwrap();
@@ -310,22 +310,22 @@ fn tmpfs_falls_back_to_posix() {
     );
     println!("tmpfs O_DIRECT accepted: {direct}");
     // cuFile refuses tmpfs; the automatic mode falls back and says why.
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let mut dst = DevBuf::new(0, 3 << 20, 0xCD);
     let t = f.read_to_device(&mut dst, 0, 0, 3 << 20).unwrap();
     println!("tmpfs: {t:?}");
-    assert_eq!(t.path.path, Path::Posix);
+    assert_eq!(t.path.path, IoPath::Posix);
     assert_eq!(dst.to_host(), data);
     if f.cufile_handle().is_none() {
         // The typed cuFile error, in CuFile mode.
-        let e = File::open(&p, &OpenOptions::read_only(), Mode::CuFile).unwrap_err();
+        let e = GdsFile::open(&p, &OpenOptions::read_only(), Mode::CuFile).unwrap_err();
         assert!(matches!(e, Error::CuFile { .. }), "{e}");
         let e = FileHandle::open(&d, &p, &OpenOptions::read_only()).unwrap_err();
         println!("tmpfs registration: {e}");
     }
     // Writes through the automatic path.
     let out = test_dir().join(format!("auto-write-{}", std::process::id()));
-    let fw = File::open(&out, &OpenOptions::read_write().truncate(true), Mode::Auto).unwrap();
+    let fw = GdsFile::open(&out, &OpenOptions::read_write().truncate(true), Mode::Auto).unwrap();
     let t = fw.write_from_device(&dst, 7, 0, (3 << 20) - 7).unwrap();
     println!("auto write: {t:?}");
     assert_eq!(t.bytes, (3 << 20) - 7);
@@ -367,7 +367,7 @@ fn three_gib_read_arrives_whole() {
         check(&dst.to_host(), "cuFile");
     }
     let mut dst = DevBuf::new(0, len, 0xCD);
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let t = f.read_to_device(&mut dst, 0, 0, len).unwrap();
     println!("3 GiB auto: {t:?}");
     assert_eq!(t.bytes, len);

@@ -11,6 +11,12 @@
 //! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
 //! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
 //!
+//! Pinned bounce buffers for data the GPU cannot reach directly (a file read with `pread`, a GPU
+//! without peer access) come from a [`BouncePool`] (pinned chunks of one size, recycled) and move
+//! to and from device memory through a [`CopyEngine`] (a few streams of one device, one event
+//! fence per copy, [`ChunkCopy`]); the storage module's POSIX path and the staged peer copy use
+//! them ([`CopyEngine`] says how).
+//!
 //! Device memory exports as a dma-buf with [`export_dmabuf`]: the [`DmaBuf`] owns the memory and
 //! never lends its fd, so no duplicate can outlive what it reaches.
 //!
@@ -77,6 +83,7 @@
 
 pub(crate) mod alloc;
 mod attributes;
+mod bounce;
 mod copy;
 mod device;
 pub(crate) mod dmabuf;
@@ -89,6 +96,9 @@ mod registered;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
+pub use bounce::{
+    BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
+};
 pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
 pub use dmabuf::{DmaBuf, check_dmabuf_export, export_dmabuf};
