@@ -97,6 +97,7 @@ pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
+pub(crate) use vmm::VmmMapping;
 
 pub use crate::error::MemoryKind;
 

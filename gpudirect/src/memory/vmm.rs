@@ -36,6 +36,17 @@ pub(crate) struct VmmMapping {
     chunks: Vec<(VmmChunk, sys::CUmemGenericAllocationHandle)>,
 }
 
+impl VmmMapping {
+    /// One physical allocation `handle` of `size` bytes (made elsewhere: imported from another
+    /// process), mapped whole at the start of a reservation of `size` bytes.
+    pub(crate) fn one(size: usize, handle: sys::CUmemGenericAllocationHandle) -> VmmMapping {
+        VmmMapping {
+            size,
+            chunks: vec![(VmmChunk { offset: 0, size }, handle)],
+        }
+    }
+}
+
 // SAFETY: device memory of the context's device, mapped into the reserved range from the moment
 // the allocation's length covers it (the length is set only once every chunk is mapped) until
 // `release` unmaps it; no host view.
