@@ -36,7 +36,10 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes(
 /// (it holds a context or a stream made after [`crate::cuda::init`]). A thread-local read in the
 /// driver: cheap enough for every copy.
 pub(crate) fn current() -> Result<Option<sys::CUcontext>> {
-    named("cuCtxGetCurrent", cudarc::driver::result::ctx::get_current())
+    named(
+        "cuCtxGetCurrent",
+        cudarc::driver::result::ctx::get_current(),
+    )
 }
 
 /// `cuCtxSetCurrent(ctx)`—Make the raw context `ctx` current on the calling thread.

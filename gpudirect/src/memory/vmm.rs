@@ -238,7 +238,7 @@ impl<T: Pod> VmmBuffer<T> {
     ///
     /// The range behaves as one buffer for copies, and exports as one dma-buf
     /// ([`export_dmabuf`](super::export_dmabuf)) across its chunks. Its POSIX fd export
-    /// ([`crate::p2p::ipc::export_vmm`]) covers one physical allocation, so it refuses a buffer of
+    /// ([`crate::p2p::export_vmm`]) covers one physical allocation, so it refuses a buffer of
     /// several chunks.
     ///
     /// # Errors

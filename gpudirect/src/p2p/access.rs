@@ -225,7 +225,8 @@ pub fn grant_pool_access(ptr: u64, peer: usize) -> Result<bool> {
 }
 
 /// Read-write access, as the driver's access lists say it.
-const READ_WRITE: sys::CUmemAccess_flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+const READ_WRITE: sys::CUmemAccess_flags =
+    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 
 /// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`: the stream-ordered pool that owns `ptr`; `None` for
 /// memory of no pool.
@@ -498,7 +499,9 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     while p < end {
         // SAFETY: the caller made a context current; the driver checks `p`.
         let (base, size) = unsafe { driver::mem::address_range(p) }?;
-        let next = base.checked_add(size as u64).filter(|&n| base <= p && n > p);
+        let next = base
+            .checked_add(size as u64)
+            .filter(|&n| base <= p && n > p);
         let Some(next) = next else {
             return Err(Error::invalid(
                 "ptr",

@@ -29,7 +29,9 @@ impl Home {
     /// (absent: unknown, taken as not visible).
     pub(crate) fn of_bus_id(bus: Option<&str>) -> crate::Result<Home> {
         match bus {
-            Some(b) => Ok(super::link::ordinal_of_bus_id(b)?.map_or(Home::NotVisible, Home::Device)),
+            Some(b) => {
+                Ok(super::link::ordinal_of_bus_id(b)?.map_or(Home::NotVisible, Home::Device))
+            }
             None => Ok(Home::NotVisible),
         }
     }
@@ -95,7 +97,10 @@ mod tests {
     fn imports_away_from_home_are_found_by_address_until_forgotten() {
         // Addresses no real mapping has, so that other tests of the process are not disturbed.
         let base = 0xfff0_0000_0000_0000u64;
-        assert!(!record(base, 4096, Home::Device(3), 3), "at home: nothing to say");
+        assert!(
+            !record(base, 4096, Home::Device(3), 3),
+            "at home: nothing to say"
+        );
         assert_eq!(lookup(base), None);
         assert!(record(base, 4096, Home::Device(0), 1));
         assert!(record(base + 8192, 100, Home::NotVisible, 1));

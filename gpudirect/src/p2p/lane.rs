@@ -51,8 +51,13 @@ pub(crate) trait CopyDriver {
     /// # Safety
     ///
     /// As [`driver::mem::copy_dtod_async`].
-    unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize, stream: sys::CUstream)
-    -> Result<()>;
+    unsafe fn copy_dtod(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: sys::CUstream,
+    ) -> Result<()>;
     /// `cuMemcpyPeerAsync`.
     ///
     /// # Safety
@@ -170,9 +175,8 @@ impl CopyDriver for Real {
         peer: usize,
         grant: bool,
     ) -> std::result::Result<(), String> {
-        access::vmm_access_at(ptr, len, owner, known, peer, grant).map_err(|why| {
-            format!("Vmm memory without cuMemSetAccess for device {peer}: {why}")
-        })
+        access::vmm_access_at(ptr, len, owner, known, peer, grant)
+            .map_err(|why| format!("Vmm memory without cuMemSetAccess for device {peer}: {why}"))
     }
 }
 
@@ -401,9 +405,7 @@ impl Lane {
                 capture::enqueue_with(&probe, "cuMemcpyPeerAsync", (), |()| {
                     // SAFETY: as above; both contexts are live primary contexts with peer access
                     // enabled both ways (the copier's construction).
-                    unsafe {
-                        x.copy_peer(dst, self.dst_ctx, src, self.src_ctx, bytes, self.stream)
-                    }
+                    unsafe { x.copy_peer(dst, self.dst_ctx, src, self.src_ctx, bytes, self.stream) }
                 })
             }
         };
@@ -663,7 +665,11 @@ mod tests {
         );
         x.homes.borrow_mut().insert(a.ptr, Home::Device(0));
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer, "not same_device");
-        assert_eq!(x.take()["cuMemcpyDtoDAsync_v2"], 1, "one context: a DtoD copy");
+        assert_eq!(
+            x.take()["cuMemcpyDtoDAsync_v2"],
+            1,
+            "one context: a DtoD copy"
+        );
         x.homes.borrow_mut().clear();
         x.homes.borrow_mut().insert(b.ptr, Home::NotVisible);
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer);
@@ -714,7 +720,11 @@ mod tests {
             assert_eq!(p.name(), "driver_staged", "{p}");
             assert!(p.to_string().contains("src is"), "{p}");
         }
-        assert_eq!(x.take()["pool grant or check"], 3, "failures are not remembered");
+        assert_eq!(
+            x.take()["pool grant or check"],
+            3,
+            "failures are not remembered"
+        );
         // Granted by someone else meanwhile: seen at the next copy, then remembered.
         x.pool_granted.borrow_mut().insert(a.ptr);
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer);

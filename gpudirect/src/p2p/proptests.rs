@@ -3,9 +3,9 @@
 //! range, and `Ok` with exact numbers for what is in range. Pure functions only: no GPU needed.
 //! Run in debug and release builds.
 
-use crate::p2p::{IpcMemHandle, VmmHandle};
 use crate::p2p::staging::chunk_spans;
 use crate::p2p::{CopyOptions, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice};
+use crate::p2p::{IpcMemHandle, VmmHandle};
 use crate::proptest_support::{addr, invalid, is_invalid, size};
 use proptest::prelude::*;
 

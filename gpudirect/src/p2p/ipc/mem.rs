@@ -129,7 +129,7 @@ impl<B: DeviceMemory> IpcExport<B> {
             MemoryKind::Vmm => {
                 return Err(Error::Unsupported {
                     what: "cuIpcGetMemHandle on VMM memory".into(),
-                    reason: "VMM memory is shared as a POSIX fd: use p2p::ipc::export_vmm".into(),
+                    reason: "VMM memory is shared as a POSIX fd: use p2p::export_vmm".into(),
                 });
             }
             MemoryKind::Pool => {
@@ -207,7 +207,7 @@ fn pool_refusal(origin: Option<bool>) -> Error {
             what: "IPC export of pool memory".into(),
             reason: "cuMemPoolExportPointer needs a pool created with a shareable handle type; \
                      the default pool (cuMemAllocAsync, cudarc's CudaSlice) has none: allocate \
-                     what you share from a p2p::ipc::IpcPool"
+                     what you share from a p2p::IpcPool"
                 .into(),
         },
     }
@@ -355,7 +355,12 @@ impl<T: Pod> IpcMemory<T> {
         // SAFETY: the exporter's memory mapped at `base` (`mapped` bytes, which hold
         // `offset + bytes`: checked above, so no overflow) in `ctx`, closed only by `IpcMapping`.
         Ok(IpcMemory(unsafe {
-            Allocation::new(base + handle.offset, len, &ctx, IpcMapping { base, home, away })
+            Allocation::new(
+                base + handle.offset,
+                len,
+                &ctx,
+                IpcMapping { base, home, away },
+            )
         }))
     }
 

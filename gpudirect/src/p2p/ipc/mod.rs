@@ -166,7 +166,9 @@ mod tests {
         let old = j.replace(",\"pci_bus_id\":\"0000:19:00.0\"", "");
         assert_ne!(old, j);
         assert_eq!(
-            serde_json::from_str::<IpcMemHandle>(&old).unwrap().pci_bus_id,
+            serde_json::from_str::<IpcMemHandle>(&old)
+                .unwrap()
+                .pci_bus_id,
             None
         );
     }
