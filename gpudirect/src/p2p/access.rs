@@ -517,19 +517,30 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     Ok(out)
 }
 
+/// VMM memory as a copy sees it: `len` bytes at `ptr`, memory of device `owner`, and its own
+/// layout ([`DeviceMemory::vmm_mappings`]) when it knows it.
+pub(crate) struct VmmRange {
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    pub(crate) owner: usize,
+    pub(crate) known: Option<Vec<(u64, usize)>>,
+}
+
 /// Grant (`grant`) or only check read-write access for device `peer` on every VMM mapping that
-/// holds `ptr..ptr + len` (memory of device `owner`, whose own layout is `known` when it knows
-/// it). `Err` with the reason the access is not there (for a peer copy's
+/// holds `range`. `Err` with the reason the access is not there (for a peer copy's
 /// [`DriverStaged`](super::CopyPath::DriverStaged) path): a mapping without the grant, mappings
 /// that cannot be found, or a refused grant.
 pub(crate) fn vmm_access_at(
-    ptr: u64,
-    len: usize,
-    owner: usize,
-    known: Option<Vec<(u64, usize)>>,
+    range: VmmRange,
     peer: usize,
     grant: bool,
 ) -> std::result::Result<(), String> {
+    let VmmRange {
+        ptr,
+        len,
+        owner,
+        known,
+    } = range;
     let maps = mappings_at(ptr, len, owner, known).map_err(|e| {
         format!("its VMM mappings could not be found, so access could not be granted ({e})")
     })?;

@@ -40,6 +40,65 @@ impl Home {
     pub(crate) fn is_away_from(self, ordinal: usize) -> bool {
         self != Home::Device(ordinal)
     }
+
+    /// The ordinal, when the device is visible.
+    pub(crate) fn ordinal(self) -> Option<usize> {
+        match self {
+            Home::Device(o) => Some(o),
+            Home::NotVisible => None,
+        }
+    }
+
+    /// The device to map memory exported from the device at PCI address `bus` on: that device.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::Error::NoDevice`] when `bus` is `None` or no visible device is there, naming
+    /// `open_on` (the call that maps it for a device of the caller's choice).
+    pub(crate) fn required(bus: Option<&str>, open_on: &str) -> crate::Result<(usize, Home)> {
+        match Home::of_bus_id(bus)? {
+            home @ Home::Device(ordinal) => Ok((ordinal, home)),
+            Home::NotVisible => Err(crate::Error::NoDevice {
+                what: "the device the exported memory lives on",
+                reason: format!(
+                    "no visible device at PCI address {bus:?}: map it for a visible device with \
+                     {open_on}"
+                ),
+            }),
+        }
+    }
+}
+
+/// An import's place in the table: where it lives, and the entry [`record`] made for it (none
+/// when it is mapped at home). Its owner calls [`forget`](Self::forget) before the mapping is
+/// given back.
+#[derive(Debug)]
+pub(crate) struct Recorded {
+    home: Home,
+    start: Option<u64>,
+}
+
+impl Recorded {
+    /// [`record`] `start..start + bytes`, memory of `home` mapped for device `mapped_for`.
+    pub(crate) fn new(start: u64, bytes: usize, home: Home, mapped_for: usize) -> Recorded {
+        let recorded = record(start, bytes, home, mapped_for);
+        Recorded {
+            home,
+            start: recorded.then_some(start),
+        }
+    }
+
+    /// Where the import lives.
+    pub(crate) fn home(&self) -> Home {
+        self.home
+    }
+
+    /// Remove the entry, if one was made.
+    pub(crate) fn forget(&self) {
+        if let Some(start) = self.start {
+            forget(start);
+        }
+    }
 }
 
 /// `start -> (end, home)` of every import mapped away from its home.
@@ -59,7 +118,7 @@ fn lock() -> std::sync::MutexGuard<'static, Ranges> {
 
 /// Record that `start..start + bytes` is memory of `home` mapped for device `mapped_for`; nothing
 /// is recorded when it is at home. Returns whether an entry was made (pass it to [`forget`]).
-pub(crate) fn record(start: u64, bytes: usize, home: Home, mapped_for: usize) -> bool {
+fn record(start: u64, bytes: usize, home: Home, mapped_for: usize) -> bool {
     if !home.is_away_from(mapped_for) || bytes == 0 {
         return false;
     }
@@ -72,7 +131,7 @@ pub(crate) fn record(start: u64, bytes: usize, home: Home, mapped_for: usize) ->
 }
 
 /// Remove the entry [`record`] made at `start` (before the mapping is given back).
-pub(crate) fn forget(start: u64) {
+fn forget(start: u64) {
     let mut r = lock();
     if r.remove(&start).is_some() {
         AWAY.fetch_sub(1, Ordering::AcqRel);

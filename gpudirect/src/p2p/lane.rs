@@ -22,9 +22,9 @@
 //!
 //! Every driver call goes through [`CopyDriver`], so that tests count them without a GPU.
 
-use super::access;
-use super::copy::CopyPath;
+use super::access::{self, VmmRange};
 use super::home::{self, Home};
+use super::path::CopyPath;
 use crate::completion::capture::{self, Probe, Refused};
 use crate::driver;
 use crate::error::Result;
@@ -46,45 +46,28 @@ pub(crate) trait CopyDriver {
     fn capturing(&self, stream: sys::CUstream) -> Result<bool>;
     /// Make a capture the stream may be in produce no graph (`cuStreamQuery`).
     fn invalidate(&self, stream: sys::CUstream);
-    /// `cuMemcpyDtoDAsync_v2`.
+    /// `cuMemcpyDtoDAsync_v2` of `job`.
     ///
     /// # Safety
     ///
     /// As [`driver::mem::copy_dtod_async`].
-    unsafe fn copy_dtod(
-        &self,
-        dst: u64,
-        src: u64,
-        bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<()>;
-    /// `cuMemcpyPeerAsync`.
+    unsafe fn copy_dtod(&self, job: Job) -> Result<()>;
+    /// `cuMemcpyPeerAsync` of `job`, between the lane's contexts.
     ///
     /// # Safety
     ///
     /// As [`driver::peer::copy_async`].
-    unsafe fn copy_peer(
-        &self,
-        dst: u64,
-        dst_ctx: sys::CUcontext,
-        src: u64,
-        src_ctx: sys::CUcontext,
-        bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<()>;
+    unsafe fn copy_peer(&self, job: Job, contexts: Contexts) -> Result<()>;
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of `ptr`; `None` when the driver cannot say.
     fn buffer_id(&self, ptr: u64) -> Option<u64>;
     /// Where the import holding `ptr` lives, when it is mapped away from its home.
     fn home(&self, ptr: u64) -> Option<Home>;
     /// Grant (or only check) device `peer`'s read-write access to the pool that owns `ptr`.
     fn pool_access(&self, ptr: u64, peer: usize, grant: bool) -> std::result::Result<(), String>;
-    /// Grant (or only check) device `peer`'s access to every VMM mapping holding `ptr..ptr+len`.
+    /// Grant (or only check) device `peer`'s access to every VMM mapping holding `range`.
     fn vmm_access(
         &self,
-        ptr: u64,
-        len: usize,
-        owner: usize,
-        known: Option<Vec<(u64, usize)>>,
+        range: VmmRange,
         peer: usize,
         grant: bool,
     ) -> std::result::Result<(), String>;
@@ -112,28 +95,14 @@ impl CopyDriver for Real {
         let _ = unsafe { driver::stream::query(stream) };
     }
 
-    unsafe fn copy_dtod(
-        &self,
-        dst: u64,
-        src: u64,
-        bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<()> {
+    unsafe fn copy_dtod(&self, j: Job) -> Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe { driver::mem::copy_dtod_async(dst, src, bytes, stream) }
+        unsafe { driver::mem::copy_dtod_async(j.dst, j.src, j.bytes, j.stream) }
     }
 
-    unsafe fn copy_peer(
-        &self,
-        dst: u64,
-        dst_ctx: sys::CUcontext,
-        src: u64,
-        src_ctx: sys::CUcontext,
-        bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<()> {
+    unsafe fn copy_peer(&self, j: Job, c: Contexts) -> Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe { driver::peer::copy_async(dst, dst_ctx, src, src_ctx, bytes, stream) }
+        unsafe { driver::peer::copy_async(j.dst, c.dst, j.src, c.src, j.bytes, j.stream) }
     }
 
     fn buffer_id(&self, ptr: u64) -> Option<u64> {
@@ -168,16 +137,29 @@ impl CopyDriver for Real {
 
     fn vmm_access(
         &self,
-        ptr: u64,
-        len: usize,
-        owner: usize,
-        known: Option<Vec<(u64, usize)>>,
+        range: VmmRange,
         peer: usize,
         grant: bool,
     ) -> std::result::Result<(), String> {
-        access::vmm_access_at(ptr, len, owner, known, peer, grant)
+        access::vmm_access_at(range, peer, grant)
             .map_err(|why| format!("Vmm memory without cuMemSetAccess for device {peer}: {why}"))
     }
+}
+
+/// One copy as the driver takes it: `bytes` bytes from `src` to `dst`, queued on `stream`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Job {
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: sys::CUstream,
+}
+
+/// The contexts of a copy between two devices.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Contexts {
+    src: sys::CUcontext,
+    dst: sys::CUcontext,
 }
 
 /// How a lane queues a copy.
@@ -214,8 +196,7 @@ const MAX_REMEMBERED: usize = 4096;
 pub(crate) struct Lane {
     src: usize,
     dst: usize,
-    src_ctx: sys::CUcontext,
-    dst_ctx: sys::CUcontext,
+    contexts: Contexts,
     stream: sys::CUstream,
     route: Route,
     planned: CopyPath,
@@ -245,8 +226,10 @@ impl Lane {
         Lane {
             src,
             dst,
-            src_ctx,
-            dst_ctx,
+            contexts: Contexts {
+                src: src_ctx,
+                dst: dst_ctx,
+            },
             stream,
             route,
             planned,
@@ -318,7 +301,7 @@ impl Lane {
                 }
                 // The pool queries need a current context.
                 // SAFETY: the copier keeps its source context alive.
-                let _ = unsafe { x.bind(self.src_ctx) };
+                let _ = unsafe { x.bind(self.contexts.src) };
                 x.pool_access(ptr, other, self.grant)?;
                 self.remember(key);
                 Ok(())
@@ -339,7 +322,13 @@ impl Lane {
                 if key.as_ref().is_some_and(|k| self.knows(k)) {
                     return Ok(());
                 }
-                x.vmm_access(ptr, len, mem.ordinal(), known, other, self.grant)?;
+                let range = VmmRange {
+                    ptr,
+                    len,
+                    owner: mem.ordinal(),
+                    known,
+                };
+                x.vmm_access(range, other, self.grant)?;
                 self.remember(key);
                 Ok(())
             }
@@ -385,7 +374,7 @@ impl Lane {
             return Ok(());
         }
         // SAFETY: the copier keeps its source context alive.
-        if let Err(error) = unsafe { x.bind(self.src_ctx) } {
+        if let Err(error) = unsafe { x.bind(self.contexts.src) } {
             return Err(Refused {
                 error,
                 kept: Some(()),
@@ -395,17 +384,23 @@ impl Lane {
             x,
             stream: self.stream,
         };
+        let job = Job {
+            dst,
+            src,
+            bytes,
+            stream: self.stream,
+        };
         let queued = match self.route {
             Route::Same => capture::enqueue_with(&probe, "cuMemcpyDtoDAsync_v2", (), |()| {
                 // SAFETY: the caller's ranges; the stream is the lane's own, of the current
                 // context.
-                unsafe { x.copy_dtod(dst, src, bytes, self.stream) }
+                unsafe { x.copy_dtod(job) }
             }),
             Route::Peer | Route::Staged => {
                 capture::enqueue_with(&probe, "cuMemcpyPeerAsync", (), |()| {
                     // SAFETY: as above; both contexts are live primary contexts with peer access
                     // enabled both ways (the copier's construction).
-                    unsafe { x.copy_peer(dst, self.dst_ctx, src, self.src_ctx, bytes, self.stream) }
+                    unsafe { x.copy_peer(job, self.contexts) }
                 })
             }
         };
@@ -477,19 +472,11 @@ mod tests {
         fn invalidate(&self, _: sys::CUstream) {
             self.count("cuStreamQuery");
         }
-        unsafe fn copy_dtod(&self, _: u64, _: u64, _: usize, _: sys::CUstream) -> Result<()> {
+        unsafe fn copy_dtod(&self, _: Job) -> Result<()> {
             self.count("cuMemcpyDtoDAsync_v2");
             Ok(())
         }
-        unsafe fn copy_peer(
-            &self,
-            _: u64,
-            _: sys::CUcontext,
-            _: u64,
-            _: sys::CUcontext,
-            _: usize,
-            _: sys::CUstream,
-        ) -> Result<()> {
+        unsafe fn copy_peer(&self, _: Job, _: Contexts) -> Result<()> {
             self.count("cuMemcpyPeerAsync");
             Ok(())
         }
@@ -513,15 +500,12 @@ mod tests {
         }
         fn vmm_access(
             &self,
-            _: u64,
-            _: usize,
-            _: usize,
-            known: Option<Vec<(u64, usize)>>,
+            range: VmmRange,
             _: usize,
             grant: bool,
         ) -> std::result::Result<(), String> {
             self.count("vmm grant or check");
-            if grant && known.is_some() {
+            if grant && range.known.is_some() {
                 Ok(())
             } else {
                 Err("not granted".into())
@@ -571,6 +555,19 @@ mod tests {
     const CTX0: usize = 0x1000;
     const CTX1: usize = 0x2000;
 
+    /// A fake driver, a lane between the buffers' devices (the route from them), its source
+    /// context current, and the two buffers.
+    fn setup(
+        (s, sk): (usize, MemoryKind),
+        (d, dk): (usize, MemoryKind),
+        grant: bool,
+    ) -> (Fake, Lane, Mem, Mem) {
+        let route = if s == d { Route::Same } else { Route::Peer };
+        let (x, l) = (Fake::default(), lane(s, d, route, grant));
+        x.current.set(if s == 0 { CTX0 } else { CTX1 });
+        (x, l, mem(0x10_0000, s, sk), mem(0x20_0000, d, dk))
+    }
+
     fn lane(src: usize, dst: usize, route: Route, grant: bool) -> Lane {
         let planned = match route {
             Route::Same => CopyPath::SameDevice,
@@ -603,12 +600,7 @@ mod tests {
 
     #[test]
     fn a_peer_copy_of_cumemalloc_memory_makes_four_driver_calls() {
-        let (x, l) = (Fake::default(), lane(0, 1, Route::Peer, true));
-        x.current.set(CTX0);
-        let (a, b) = (
-            mem(0x10_0000, 0, MemoryKind::Device),
-            mem(0x20_0000, 1, MemoryKind::Device),
-        );
+        let (x, l, a, b) = setup((0, MemoryKind::Device), (1, MemoryKind::Device), true);
         for _ in 0..64 {
             assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer);
         }
@@ -625,12 +617,8 @@ mod tests {
 
     #[test]
     fn a_context_switch_costs_one_call_more() {
-        let (x, l) = (Fake::default(), lane(0, 1, Route::Peer, true));
+        let (x, l, a, b) = setup((0, MemoryKind::Device), (1, MemoryKind::Device), true);
         x.current.set(CTX1); // another copier's context, as both ways on one thread
-        let (a, b) = (
-            mem(0x10_0000, 0, MemoryKind::Device),
-            mem(0x20_0000, 1, MemoryKind::Device),
-        );
         copy(&l, &x, &a, &b);
         copy(&l, &x, &a, &b);
         assert_eq!(x.take()["cuCtxSetCurrent"], 1, "bound once, then current");
@@ -638,12 +626,7 @@ mod tests {
 
     #[test]
     fn a_same_device_copy_makes_four_driver_calls_and_says_so() {
-        let (x, l) = (Fake::default(), lane(0, 0, Route::Same, true));
-        x.current.set(CTX0);
-        let (a, b) = (
-            mem(0x10_0000, 0, MemoryKind::Pool),
-            mem(0x20_0000, 0, MemoryKind::Vmm),
-        );
+        let (x, l, a, b) = setup((0, MemoryKind::Pool), (0, MemoryKind::Vmm), true);
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::SameDevice);
         assert_eq!(
             x.take(),
@@ -657,12 +640,7 @@ mod tests {
 
     #[test]
     fn an_import_mapped_away_from_home_is_reported_as_crossing_a_link() {
-        let (x, l) = (Fake::default(), lane(1, 1, Route::Same, true));
-        x.current.set(CTX1);
-        let (a, b) = (
-            mem(0x10_0000, 1, MemoryKind::Device),
-            mem(0x20_0000, 1, MemoryKind::Device),
-        );
+        let (x, l, a, b) = setup((1, MemoryKind::Device), (1, MemoryKind::Device), true);
         x.homes.borrow_mut().insert(a.ptr, Home::Device(0));
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer, "not same_device");
         assert_eq!(
@@ -679,12 +657,7 @@ mod tests {
 
     #[test]
     fn pool_grants_are_decided_once_per_allocation() {
-        let (x, l) = (Fake::default(), lane(0, 1, Route::Peer, true));
-        x.current.set(CTX0);
-        let (a, b) = (
-            mem(0x10_0000, 0, MemoryKind::Pool),
-            mem(0x20_0000, 1, MemoryKind::Pool),
-        );
+        let (x, l, a, b) = setup((0, MemoryKind::Pool), (1, MemoryKind::Pool), true);
         assert_eq!(copy(&l, &x, &a, &b), CopyPath::Peer);
         let first = x.take();
         assert_eq!(first["pool grant or check"], 2);
@@ -709,12 +682,7 @@ mod tests {
 
     #[test]
     fn a_missing_grant_is_asked_again_at_every_copy_and_reported() {
-        let (x, l) = (Fake::default(), lane(0, 1, Route::Peer, false));
-        x.current.set(CTX0);
-        let (a, b) = (
-            mem(0x10_0000, 0, MemoryKind::Pool),
-            mem(0x20_0000, 1, MemoryKind::Device),
-        );
+        let (x, l, a, b) = setup((0, MemoryKind::Pool), (1, MemoryKind::Device), false);
         for _ in 0..3 {
             let p = copy(&l, &x, &a, &b);
             assert_eq!(p.name(), "driver_staged", "{p}");

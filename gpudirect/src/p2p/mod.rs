@@ -56,6 +56,7 @@ mod copy;
 mod home;
 mod ipc;
 mod lane;
+mod path;
 // Crate-visible for the node report, which opens NVML the way the link matrix does.
 pub(crate) mod link;
 #[cfg(test)]
@@ -69,11 +70,12 @@ pub use access::{
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
 pub use copy::{
-    Copied, Copier, CopyOptions, CopyPath, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES,
-    PathChoice, PeerCopyInFlight, copy, copy_async,
+    Copied, Copier, CopyOptions, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice,
+    PeerCopyInFlight, copy, copy_async,
 };
 pub use ipc::{
     IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolAlloc, PoolImport,
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
 pub use link::{Interconnect, Link, LinkMatrix, NVML_LIB};
+pub use path::CopyPath;

@@ -1,12 +1,12 @@
 //! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
 
-use super::{check_bus_id, check_import_range, hex64, to_bytes, to_chars};
+use super::{check_bus_id, check_elem_size, check_imported, hex64, to_bytes, to_chars};
 use crate::cuda;
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::alloc::{Allocation, Release, thin_memory};
 use crate::memory::{DeviceMemory, MemoryKind, Pod};
-use crate::p2p::home::{self, Home};
+use crate::p2p::home::{Home, Recorded};
 use crate::p2p::link::bus_id_of;
 use cudarc::driver::sys;
 
@@ -67,14 +67,7 @@ impl IpcMemHandle {
     ///
     /// [`Error::InvalidArgument`] naming the field.
     pub fn check(&self, elem_size: usize) -> Result<usize> {
-        let size = elem_size as u64;
-        if self.elem_size as u64 != size || size == 0 {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                self.elem_size,
-                format!("must equal size_of::<T>() = {size} (non-zero)"),
-            ));
-        }
+        let size = check_elem_size(self.elem_size, elem_size)?;
         if !self.bytes.is_multiple_of(size) {
             return Err(Error::invalid(
                 "handle.bytes",
@@ -235,9 +228,7 @@ pub(crate) struct IpcMapping {
     /// The mapping's base (the buffer may start further in).
     base: u64,
     /// Where the bytes live.
-    home: Home,
-    /// Whether the mapping is recorded as away from home (and must be forgotten first).
-    away: bool,
+    at: Recorded,
 }
 
 // SAFETY: the exporter's device memory, mapped into this process at `base` for the context's
@@ -248,9 +239,7 @@ unsafe impl Release for IpcMapping {
     type Back = ();
 
     unsafe fn release(self, _ptr: u64) -> Result<()> {
-        if self.away {
-            home::forget(self.base);
-        }
+        self.at.forget();
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
         // blocked on another process): every data path of this crate holds the buffer in its
         // InFlight (or the tracker) until its work has completed, so when this runs no work this
@@ -279,17 +268,8 @@ impl<T: Pod> IpcMemory<T> {
     #[doc(alias = "cuIpcOpenMemHandle_v2")]
     pub fn open(handle: &IpcMemHandle) -> Result<Self> {
         handle.check(std::mem::size_of::<T>())?;
-        match Home::of_bus_id(handle.pci_bus_id.as_deref())? {
-            home @ Home::Device(ordinal) => Self::map(handle, ordinal, home),
-            Home::NotVisible => Err(Error::NoDevice {
-                what: "the device the exported memory lives on",
-                reason: format!(
-                    "no visible device at PCI address {:?}: map it for a visible device with \
-                     IpcMemory::open_on",
-                    handle.pci_bus_id
-                ),
-            }),
-        }
+        let (ordinal, home) = Home::required(handle.pci_bus_id.as_deref(), "IpcMemory::open_on")?;
+        Self::map(handle, ordinal, home)
     }
 
     /// `cuIpcOpenMemHandle_v2` on device `ordinal` (with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, so
@@ -332,35 +312,23 @@ impl<T: Pod> IpcMemory<T> {
             driver::ipc::open_mem_handle(h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         }?;
         // The offset and size are the peer's word: check them against what was mapped.
-        // SAFETY: context current; `base` is the mapping just made.
-        let mapped = unsafe { driver::mem::address_range(base) }.and_then(|(_, mapped)| {
-            check_import_range(
-                "handle.offset",
-                handle.offset,
+        // SAFETY: context current; `base` is the mapping just made, closed once on failure.
+        let mapped = unsafe {
+            check_imported(
+                base,
+                ("handle.offset", |_| handle.offset),
                 handle.bytes,
-                mapped as u64,
                 std::mem::align_of::<T>() as u64,
+                || {
+                    let _ = driver::ipc::close_mem_handle(base);
+                },
             )
-            .map(|()| mapped)
-        });
-        let mapped = match mapped {
-            Ok(m) => m,
-            Err(e) => {
-                // SAFETY: opened above, not yet used by anything; closed once.
-                let _ = unsafe { driver::ipc::close_mem_handle(base) };
-                return Err(e);
-            }
-        };
-        let away = home::record(base, mapped, home, ordinal);
+        }?;
+        let at = Recorded::new(base, mapped, home, ordinal);
         // SAFETY: the exporter's memory mapped at `base` (`mapped` bytes, which hold
         // `offset + bytes`: checked above, so no overflow) in `ctx`, closed only by `IpcMapping`.
         Ok(IpcMemory(unsafe {
-            Allocation::new(
-                base + handle.offset,
-                len,
-                &ctx,
-                IpcMapping { base, home, away },
-            )
+            Allocation::new(base + handle.offset, len, &ctx, IpcMapping { base, at })
         }))
     }
 
@@ -368,10 +336,7 @@ impl<T: Pod> IpcMemory<T> {
     /// mapping was opened on, or another when opened with [`open_on`](Self::open_on)); `None`
     /// when that device is not visible here or the handle did not say.
     pub fn home(&self) -> Option<usize> {
-        match self.0.how().home {
-            Home::Device(o) => Some(o),
-            Home::NotVisible => None,
-        }
+        self.0.how().at.home().ordinal()
     }
 }
 

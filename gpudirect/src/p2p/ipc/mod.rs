@@ -98,6 +98,45 @@ pub(crate) fn check_import_range(
     Ok(())
 }
 
+/// Check a peer's element size (untrusted) against `size_of::<T>()` = `elem_size`: equal and
+/// non-zero. Returns it as a `u64`.
+pub(crate) fn check_elem_size(theirs: u32, elem_size: usize) -> crate::Result<u64> {
+    let size = elem_size as u64;
+    if u64::from(theirs) != size || size == 0 {
+        return Err(crate::Error::invalid(
+            "handle.elem_size",
+            theirs,
+            format!("must equal size_of::<T>() = {size} (non-zero)"),
+        ));
+    }
+    Ok(size)
+}
+
+/// Check a peer's range against the allocation the driver says holds the import at `ptr`
+/// (`cuMemGetAddressRange`): `offset(base)..+ bytes` must lie within it, `align`-aligned (see
+/// [`check_import_range`], whose `offset_arg` names the field). On failure `undo` gives the
+/// import back before the error is returned. Returns the allocation's size in bytes.
+///
+/// # Safety
+///
+/// A context is current; `ptr` is an import just made, that nothing uses yet.
+pub(crate) unsafe fn check_imported(
+    ptr: u64,
+    (offset_arg, offset): (&'static str, impl FnOnce(u64) -> u64),
+    bytes: u64,
+    align: u64,
+    undo: impl FnOnce(),
+) -> crate::Result<usize> {
+    // SAFETY: the caller's.
+    let r = unsafe { crate::driver::mem::address_range(ptr) }.and_then(|(base, size)| {
+        check_import_range(offset_arg, offset(base), bytes, size as u64, align).map(|()| size)
+    });
+    if r.is_err() {
+        undo();
+    }
+    r
+}
+
 /// The longest PCI address a handle may carry (`dddddddd:bb:dd.f` is 16 characters).
 const MAX_BUS_ID: usize = 32;
 

@@ -5,14 +5,14 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::{check_import_range, hex64};
+use super::{check_elem_size, check_imported, hex64};
 use crate::cuda::{self, Stream};
 use crate::driver::{self, pool};
 use crate::error::{Error, Result};
 use crate::memory::alloc::{Allocation, Release, thin_memory};
 use crate::memory::{DeviceMemory, MemoryKind, Pod};
 use crate::p2p::access::{device_location, pool_of};
-use crate::p2p::home::{self, Home};
+use crate::p2p::home::{Home, Recorded};
 use cudarc::driver::{CudaContext, sys};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -201,7 +201,7 @@ impl IpcPool {
         })?;
         let how = PoolMemory {
             pool: self.clone(),
-            away: false,
+            at: None,
         };
         // SAFETY: `len` elements of this pool's memory at `ptr`, freed only by `PoolMemory`
         // (usable on any stream once the allocating stream has passed it: synchronized below).
@@ -259,14 +259,7 @@ impl PoolPtrHandle {
     ///
     /// [`Error::InvalidArgument`] naming the field.
     pub fn check(&self, elem_size: usize) -> Result<usize> {
-        let size = elem_size as u64;
-        if self.elem_size as u64 != size || size == 0 {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                self.elem_size,
-                format!("must equal size_of::<T>() = {size} (non-zero)"),
-            ));
-        }
+        let size = check_elem_size(self.elem_size, elem_size)?;
         if self.bytes == 0 || !self.bytes.is_multiple_of(size) {
             return Err(Error::invalid(
                 "handle.bytes",
@@ -283,8 +276,8 @@ impl PoolPtrHandle {
 /// with `cuMemFree`; it holds the pool, which is destroyed only once all of its memory is freed.
 pub(crate) struct PoolMemory {
     pool: Arc<IpcPool>,
-    /// Whether the memory is recorded as away from home (and must be forgotten first).
-    away: bool,
+    /// Where an import lives (an allocation of the pool is at home).
+    at: Option<Recorded>,
 }
 
 // SAFETY: pool memory (an allocation of the pool, or a pointer imported into it), valid until
@@ -295,8 +288,8 @@ unsafe impl Release for PoolMemory {
     type Back = ();
 
     unsafe fn release(self, ptr: u64) -> Result<()> {
-        if self.away {
-            home::forget(ptr);
+        if let Some(at) = &self.at {
+            at.forget();
         }
         // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
         // blocked on another process): every data path of this crate holds the buffer in its
@@ -371,29 +364,27 @@ impl<T: Pod> PoolImport<T> {
         // SAFETY: a live imported pool; the driver checks the export data (a peer's bytes).
         let ptr = unsafe { pool::import_pointer(pool.pool, &data) }?;
         // `bytes` is the peer's word: check it against the allocation imported.
-        // SAFETY: context current; `ptr` was just imported.
-        if let Err(e) = unsafe { driver::mem::address_range(ptr) }.and_then(|(base, mapped)| {
-            check_import_range(
-                "handle.bytes",
-                ptr.wrapping_sub(base),
+        // SAFETY: context current; `ptr` was just imported, freed once on failure.
+        unsafe {
+            check_imported(
+                ptr,
+                ("handle.bytes", |base| ptr.wrapping_sub(base)),
                 handle.bytes,
-                mapped as u64,
                 std::mem::align_of::<T>() as u64,
+                || {
+                    let _ = driver::mem::free(ptr);
+                },
             )
-        }) {
-            // SAFETY: imported above, not yet used by anything; freed once.
-            let _ = unsafe { driver::mem::free(ptr) };
-            return Err(e);
-        }
+        }?;
         let how = PoolMemory {
             pool: pool.clone(),
             // In bounds of the import (checked above).
-            away: home::record(
+            at: Some(Recorded::new(
                 ptr,
-                handle.bytes as usize,
+                len * std::mem::size_of::<T>(),
                 Home::Device(pool.device),
                 pool.ctx.ordinal(),
-            ),
+            )),
         };
         // SAFETY: the imported allocation holds `len` elements at `ptr` (checked above), freed
         // only by `PoolMemory`.

@@ -1,14 +1,14 @@
 //! VMM memory shared by POSIX file descriptor: `cuMemExportToShareableHandle` and
 //! `cuMemImportFromShareableHandle`, the descriptor passed with [`super::send_fd`].
 
-use super::check_bus_id;
+use super::{check_bus_id, check_elem_size};
 use crate::cuda;
 use crate::driver::{self, vmm};
 use crate::error::{Error, Result};
 use crate::memory::alloc::{Allocation, Release, thin_memory};
 use crate::memory::{DeviceMemory, MemoryKind, Pod, VmmBuffer, VmmChunk, VmmMapping};
 use crate::p2p::access::device_location;
-use crate::p2p::home::{self, Home};
+use crate::p2p::home::{Home, Recorded};
 use crate::p2p::link::bus_id_of;
 use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -40,14 +40,7 @@ impl VmmHandle {
     ///
     /// [`Error::InvalidArgument`] naming the field.
     pub fn check(&self, elem_size: usize) -> Result<(usize, usize)> {
-        let size = elem_size as u64;
-        if self.elem_size as u64 != size || size == 0 {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                self.elem_size,
-                format!("must equal size_of::<T>() = {size} (non-zero)"),
-            ));
-        }
+        let size = check_elem_size(self.elem_size, elem_size)?;
         if !self.bytes.is_multiple_of(size) || self.bytes > self.mapped_bytes {
             return Err(Error::invalid(
                 "handle.bytes",
@@ -156,9 +149,7 @@ pub struct VmmImport<T: Pod>(Allocation<T, ImportedVmm>);
 /// and where its bytes live.
 pub(crate) struct ImportedVmm {
     mapping: VmmMapping,
-    home: Home,
-    /// Whether the mapping is recorded as away from home (and must be forgotten first).
-    away: bool,
+    at: Recorded,
 }
 
 // SAFETY: the imported physical allocation, mapped read-write for the context's device from the
@@ -173,9 +164,7 @@ unsafe impl Release for ImportedVmm {
     }
 
     unsafe fn release(self, ptr: u64) -> Result<()> {
-        if self.away {
-            home::forget(ptr);
-        }
+        self.at.forget();
         // No cuCtxSynchronize: work this crate queued on the import owns it until complete.
         // SAFETY: forwarded from the caller (once, context current, nothing pending).
         unsafe { self.mapping.release(ptr) }
@@ -199,17 +188,8 @@ impl<T: Pod> VmmImport<T> {
     #[doc(alias = "cuMemImportFromShareableHandle")]
     pub fn open(fd: BorrowedFd<'_>, handle: &VmmHandle) -> Result<Self> {
         handle.check(std::mem::size_of::<T>())?;
-        match Home::of_bus_id(handle.pci_bus_id.as_deref())? {
-            home @ Home::Device(ordinal) => Self::map(fd, handle, ordinal, home),
-            Home::NotVisible => Err(Error::NoDevice {
-                what: "the device the exported memory lives on",
-                reason: format!(
-                    "no visible device at PCI address {:?}: map it for a visible device with \
-                     VmmImport::open_on",
-                    handle.pci_bus_id
-                ),
-            }),
-        }
+        let (ordinal, home) = Home::required(handle.pci_bus_id.as_deref(), "VmmImport::open_on")?;
+        Self::map(fd, handle, ordinal, home)
     }
 
     /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`
@@ -256,11 +236,9 @@ impl<T: Pod> VmmImport<T> {
             }
             return Err(e);
         }
-        let away = home::record(ptr, mapped, home, ordinal);
         let how = ImportedVmm {
             mapping: VmmMapping::one(mapped, h),
-            home,
-            away,
+            at: Recorded::new(ptr, mapped, home, ordinal),
         };
         // SAFETY: `mapped` bytes mapped at `ptr` (given back by `how`), of which the handle's
         // `len` elements (checked: within `mapped`); access is set below, before any use.
@@ -277,10 +255,7 @@ impl<T: Pod> VmmImport<T> {
     /// The device, in this process's numbering, whose memory holds the bytes; `None` when it is
     /// not visible here or the handle did not say.
     pub fn home(&self) -> Option<usize> {
-        match self.0.how().home {
-            Home::Device(o) => Some(o),
-            Home::NotVisible => None,
-        }
+        self.0.how().at.home().ordinal()
     }
 }
 
