@@ -347,8 +347,8 @@ fn main() {
         "ratio"
     );
     println!(
-        "{:<14}| {:<34}| {}",
-        "", "one at a time", "pipelined (depth in flight, one wait)"
+        "{:<14}| {:<34}| pipelined (depth in flight, one wait)",
+        "", "one at a time"
     );
     for (bytes, both, depth, g, extra_us) in &rows {
         let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };

@@ -240,7 +240,7 @@ fn ipc_child(job: &str) -> gpudirect::Result<()> {
         println!(
             "  {} MiB of device {} memory mapped on device {on} -> device {d}: {best:.1} GB/s \
              ({path}), {}",
-            words * 4 >> 20,
+            (words * 4) >> 20,
             home.map_or("?".into(), |h| h.to_string()),
             if ok { "verified" } else { "MISMATCH" }
         );

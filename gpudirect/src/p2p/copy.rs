@@ -394,11 +394,11 @@ impl Copier {
             };
         };
         let _one_at_a_time = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: both ranges are owned by `done`, which goes into the InFlight (or the tracker)
-        // with the stager's Arc (in `_keep`) until the final stream passes the copy.
         let enqueued = if bytes == 0 {
             Ok(())
         } else {
+            // SAFETY: both ranges are owned by `done`, which goes into the InFlight (or the
+            // tracker) with the stager's Arc (in `_keep`) until the final stream passes the copy.
             unsafe { stager.enqueue(d, s, bytes) }
         };
         match enqueued {
