@@ -85,11 +85,11 @@ impl Setup {
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
-                        WorkRequest::read(local.clone(), remote)
+                        SendRequest::read(local.clone(), remote)
                     } else if inline {
-                        WorkRequest::write_inline(&payload, remote)
+                        SendRequest::write_inline(&payload, remote)
                     } else {
-                        WorkRequest::write(local.clone(), remote)
+                        SendRequest::write(local.clone(), remote)
                     };
                     let w = w.tag(i);
                     if i + 1 == iters { w } else { w.unsignaled() }
@@ -114,14 +114,14 @@ impl Setup {
         let t0 = Instant::now();
         for i in 1..=iters {
             let v = (base + i).to_ne_bytes();
-            let w = WorkRequest::write_inline(&v, rb);
+            let w = SendRequest::write_inline(&v, rb);
             self.a
                 .post_send([if i % 32 == 0 { w } else { w.unsignaled() }])
                 .unwrap();
             while self.remote.read_u64(0).unwrap() != base + i {
                 std::hint::spin_loop();
             }
-            let w = WorkRequest::write_inline(&v, ra);
+            let w = SendRequest::write_inline(&v, ra);
             self.b
                 .post_send([if i % 32 == 0 { w } else { w.unsignaled() }])
                 .unwrap();

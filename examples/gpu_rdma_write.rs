@@ -16,7 +16,7 @@ mod cli;
 
 use clap::Parser;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
-use gpudirect::rdma::gpu_mr::check_rdma_capable;
+use gpudirect::rdma::check_rdma_capable;
 use gpudirect::rdma::*;
 use gpudirect::testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
@@ -99,7 +99,7 @@ fn run(n: usize) -> gpudirect::Result<()> {
     let mut off = 0;
     while off < n {
         let len = (n - off).min(1 << 30);
-        a.post_send([WorkRequest::write(
+        a.post_send([SendRequest::write(
             mr.slice(off..off + len)?,
             dst.remote().slice(off as u64, len as u32)?,
         )])?;

@@ -14,7 +14,7 @@
 //! A bad argument or environment setting exits 2. The JSON schema is in `docs/probe-schema.md`.
 
 use clap::Parser;
-use gpudirect::topology::{DataPath, GatherOptions, NodeReport, check_required};
+use gpudirect::report::{DataPath, GatherOptions, NodeReport, check_required};
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -16,8 +16,8 @@
 mod cli;
 
 use clap::{ArgGroup, Parser};
-use gpudirect::rdma::cm::{ConnectOptions, Connection, Listener};
 use gpudirect::rdma::*;
+use gpudirect::rdma::{ConnectOptions, Connection, Listener};
 use gpudirect::testing::{Hardware, skip_example};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -159,7 +159,7 @@ impl Side {
         }
         self.c
             .qp()
-            .post_send([WorkRequest::send_inline(&b).tag(u64::MAX)])?;
+            .post_send([SendRequest::send_inline(&b).tag(u64::MAX)])?;
         self.wait_send(u64::MAX)
     }
 
@@ -235,11 +235,11 @@ impl Side {
             if room > 0 {
                 let chain = (posted..posted + room).map(|i| {
                     let w = if read {
-                        WorkRequest::read(local.clone(), remote)
+                        SendRequest::read(local.clone(), remote)
                     } else if inline {
-                        WorkRequest::write_inline(&payload, remote)
+                        SendRequest::write_inline(&payload, remote)
                     } else {
-                        WorkRequest::write(local.clone(), remote)
+                        SendRequest::write(local.clone(), remote)
                     };
                     let w = w.tag(i as u64);
                     if i + 1 == iters { w } else { w.unsignaled() }
@@ -294,10 +294,10 @@ impl Side {
             }
             buf[off..].copy_from_slice(&(base + i).to_ne_bytes());
             let w = if size <= INLINE as usize {
-                WorkRequest::write_inline(&buf, remote)
+                SendRequest::write_inline(&buf, remote)
             } else {
                 self.data.write_at(size, &buf)?; // staged copy in our own region, past the flag
-                WorkRequest::write(self.data.slice(size..2 * size)?, remote)
+                SendRequest::write(self.data.slice(size..2 * size)?, remote)
             };
             let w = w.tag(i);
             let signaled = i % SIGNAL_EVERY as u64 == 0 || i == iters;
@@ -377,7 +377,7 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     let seed = rand::random::<u32>();
     let data = pattern(seed as u64, size);
     s.data.write_at(0, &data)?;
-    s.c.qp().post_send([WorkRequest::write(
+    s.c.qp().post_send([SendRequest::write(
         s.data.slice(..size)?,
         s.peer.slice(0, size as u32)?,
     )
@@ -399,7 +399,7 @@ fn client(addr: SocketAddr, args: &Args) -> gpudirect::Result<bool> {
     );
     // 3. RDMA read them back into a poisoned local buffer.
     s.data.fill(0, size, 0xA5)?;
-    s.c.qp().post_send([WorkRequest::read(
+    s.c.qp().post_send([SendRequest::read(
         s.data.slice(..size)?,
         s.peer.slice(0, size as u32)?,
     )

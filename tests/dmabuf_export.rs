@@ -73,7 +73,7 @@ fn pool_memory_is_refused_typed_like_rdma_registration() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = ctx.default_stream();
     let pool = PoolBuffer::new(stream.alloc_zeros::<u8>(1 << 20).unwrap()).unwrap();
-    let registration = gpudirect::rdma::gpu_mr::check_rdma_capable(&pool).unwrap_err();
+    let registration = gpudirect::rdma::check_rdma_capable(&pool).unwrap_err();
     match export_dmabuf(pool, 0, 1 << 20) {
         Err(gpudirect::Error::NotRdmaCapable { kind, reason, .. }) => {
             assert_eq!(kind, MemoryKind::Pool);

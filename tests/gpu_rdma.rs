@@ -12,8 +12,8 @@ use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{
     DeviceBuffer, DeviceMemory, DeviceMemoryMut, MemoryKind, PoolBuffer, VmmBuffer,
 };
-use gpudirect::rdma::gpu_mr::{DmabufRegArgs, check_rdma_capable, set_sync_memops};
 use gpudirect::rdma::*;
+use gpudirect::rdma::{DmabufRegArgs, check_rdma_capable, set_sync_memops};
 use gpudirect::testing::{Hardware, skip};
 use gpudirect::{Error, require};
 use std::os::fd::AsRawFd;
@@ -277,7 +277,7 @@ fn gpu_region_round_trip_over_a_loopback_pair() {
     let dst =
         p.pd.register_remote(HostBuffer::zeroed(n).unwrap(), AccessFlags::REMOTE_WRITE)
             .unwrap();
-    p.a.post_send([WorkRequest::write(
+    p.a.post_send([SendRequest::write(
         mr.slice(..).unwrap(),
         dst.remote().slice(0, n as u32).unwrap(),
     )])
@@ -290,7 +290,7 @@ fn gpu_region_round_trip_over_a_loopback_pair() {
     let hsrc =
         p.pd.register(HostBuffer::from_slice(&back).unwrap(), AccessFlags::empty())
             .unwrap();
-    p.b.post_send([WorkRequest::write(
+    p.b.post_send([SendRequest::write(
         hsrc.slice(..).unwrap(),
         remote.slice(0, n as u32).unwrap(),
     )])

@@ -172,20 +172,20 @@ unsafe impl GpuMrSource for UdmabufSpan {
     fn prepare(&self) -> gpudirect::Result<()> {
         Ok(())
     }
-    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), GpuMrRefusal> {
         let fd = self.map.dmabuf.try_clone().map_err(|e| {
-            Refusal::Failed(Error::Os {
+            GpuMrRefusal::Failed(Error::Os {
                 call: "dup",
                 source: e,
             })
         })?;
         Ok((fd, self.offset as u64))
     }
-    fn peermem(&self) -> Result<(), Refusal> {
+    fn peermem(&self) -> Result<(), GpuMrRefusal> {
         if self.peermem {
             Ok(())
         } else {
-            Err(Refusal::NoPeermemModule)
+            Err(GpuMrRefusal::NoPeermemModule)
         }
     }
 }
@@ -290,7 +290,9 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
     assert_eq!(refused.len(), 1, "{}", mr.attempts());
     assert_eq!(refused[0].0, GpuMrPath::DmaBuf);
     match &refused[0].1 {
-        Refusal::Unsupported(Error::Unsupported { what, .. }) => assert!(what.contains("dma-buf")),
+        GpuMrRefusal::Unsupported(Error::Unsupported { what, .. }) => {
+            assert!(what.contains("dma-buf"))
+        }
         other => panic!("dma-buf must be refused as Unsupported, got {other:?}"),
     }
     assert!(
@@ -313,7 +315,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
     let src =
         p.pd.register(HostBuffer::from_slice(&data).unwrap(), AccessFlags::empty())
             .unwrap();
-    p.a.post_send([WorkRequest::write(
+    p.a.post_send([SendRequest::write(
         src.slice(..).unwrap(),
         remote.slice(0, len as u32).unwrap(),
     )
@@ -342,7 +344,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
         p.pd.register_remote(HostBuffer::zeroed(len).unwrap(), AccessFlags::REMOTE_WRITE)
             .unwrap();
     let dst_remote = dst.remote();
-    p.b.post_send([WorkRequest::write(
+    p.b.post_send([SendRequest::write(
         mr.slice(..).unwrap(),
         dst_remote.slice(0, len as u32).unwrap(),
     )
@@ -358,7 +360,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
         rkey: remote.rkey,
         len: 8,
     };
-    p.a.post_send([WorkRequest::write(src.slice(0..8).unwrap(), before).tag(3)])
+    p.a.post_send([SendRequest::write(src.slice(0..8).unwrap(), before).tag(3)])
         .unwrap();
     let c = wait(&mut p.cq_a, 1);
     assert_eq!(c[0].tag, 3);
@@ -399,11 +401,11 @@ fn a1_auto_with_no_path_lists_every_refusal() {
             let a = attempts.as_slice();
             assert_eq!(a.len(), 2, "{attempts}");
             assert!(
-                matches!(a[0], (GpuMrPath::DmaBuf, Refusal::Unsupported(_))),
+                matches!(a[0], (GpuMrPath::DmaBuf, GpuMrRefusal::Unsupported(_))),
                 "{attempts}"
             );
             assert!(
-                matches!(a[1], (GpuMrPath::Peermem, Refusal::NoPeermemModule)),
+                matches!(a[1], (GpuMrPath::Peermem, GpuMrRefusal::NoPeermemModule)),
                 "{attempts}"
             );
         }
@@ -470,8 +472,8 @@ fn a5_two_small_buffers_in_one_page_are_distinct_regions() {
         )
         .unwrap();
     p.a.post_send([
-        WorkRequest::write(src.slice(..).unwrap(), ra.slice(0, 40).unwrap()).tag(1),
-        WorkRequest::write(src.slice(..).unwrap(), rb.slice(0, 40).unwrap()).tag(2),
+        SendRequest::write(src.slice(..).unwrap(), ra.slice(0, 40).unwrap()).tag(1),
+        SendRequest::write(src.slice(..).unwrap(), rb.slice(0, 40).unwrap()).tag(2),
     ])
     .unwrap();
     let c = wait(&mut p.cq_a, 2);
@@ -489,7 +491,7 @@ fn a5_two_small_buffers_in_one_page_are_distinct_regions() {
         rkey: rb.rkey,
         len: 8,
     };
-    p.a.post_send([WorkRequest::write(src.slice(0..8).unwrap(), cross).tag(3)])
+    p.a.post_send([SendRequest::write(src.slice(0..8).unwrap(), cross).tag(3)])
         .unwrap();
     let c = wait(&mut p.cq_a, 1);
     assert_ne!(

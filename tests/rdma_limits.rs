@@ -61,7 +61,7 @@ fn a_chain_larger_than_its_cq_is_refused_whole() {
         .unwrap();
     let remote = target.remote();
     let write = |i: usize| {
-        WorkRequest::write(
+        SendRequest::write(
             src.slice(i * CHUNK..(i + 1) * CHUNK).unwrap(),
             remote.slice((i * CHUNK) as u64, CHUNK as u32).unwrap(),
         )
@@ -167,7 +167,7 @@ fn receives_and_shared_cqs_are_bounded_by_the_cq() {
     assert!(is_cq_full(&b.post_recv([recv(legal)]), cap));
     let msgs: Vec<Vec<u8>> = (0..legal).map(|_| random_bytes(CHUNK)).collect();
     for m in &msgs {
-        a.post_send([WorkRequest::send_inline(m).unsignaled()])
+        a.post_send([SendRequest::send_inline(m).unsignaled()])
             .unwrap();
     }
     let d = wait_exactly(&mut small, legal, Duration::from_millis(100));
@@ -203,12 +203,12 @@ fn receives_and_shared_cqs_are_bounded_by_the_cq() {
             .unwrap();
     }
     assert_eq!(
-        x.post_send((0..half).map(|_| WorkRequest::send_inline(&msg).unsignaled()))
+        x.post_send((0..half).map(|_| SendRequest::send_inline(&msg).unsignaled()))
             .unwrap(),
         half
     );
     let rest = cap as usize - 2 - half;
-    let r = y.post_send((0..rest + 1).map(|_| WorkRequest::send_inline(&msg)));
+    let r = y.post_send((0..rest + 1).map(|_| SendRequest::send_inline(&msg)));
     assert!(
         is_cq_full(&r, cap),
         "y sees the room x took: {r:?} ({} reserved)",
@@ -284,7 +284,7 @@ fn srq_completions_fit_every_cq_they_can_reach() {
     let half = depth as usize / 2;
     for i in 0..depth as usize {
         let q = if i < half { &mut a1 } else { &mut a2 };
-        q.post_send([WorkRequest::send_inline(&msg).unsignaled()])
+        q.post_send([SendRequest::send_inline(&msg).unsignaled()])
             .unwrap();
     }
     let d = wait_exactly(&mut rcq, depth as usize, Duration::from_millis(100));
@@ -325,7 +325,7 @@ fn error_reset_init_rtr_rts_cycle() {
         )
         .unwrap();
     // An unsignaled write (nothing will report it) and a receive that no message will fill.
-    a.post_send([WorkRequest::write(
+    a.post_send([SendRequest::write(
         src.slice(..1024).unwrap(),
         target.remote().slice(0, 1024).unwrap(),
     )
@@ -382,7 +382,7 @@ fn error_reset_init_rtr_rts_cycle() {
     rx.fill(0, 4096, 0xEE).unwrap();
     b.post_recv([RecvRequest::new(rx.slice(..).unwrap()).tag(1)])
         .unwrap();
-    a.post_send([WorkRequest::send(tx.slice(..).unwrap()).tag(2)])
+    a.post_send([SendRequest::send(tx.slice(..).unwrap()).tag(2)])
         .unwrap();
     assert_eq!(wait(&mut cq_a, 1)[0].status, WcStatus::Success);
     let r = wait(&mut cq_b, 1);
@@ -393,7 +393,7 @@ fn error_reset_init_rtr_rts_cycle() {
     let got = rx.as_slice().unwrap();
     assert_eq!(&got[..3000], &data[..]);
     assert!(got[3000..].iter().all(|&x| x == 0xEE));
-    b.post_send([WorkRequest::write(
+    b.post_send([SendRequest::write(
         rx.slice(..3000).unwrap(),
         target.remote().slice(100, 3000).unwrap(),
     )])

@@ -55,7 +55,7 @@ fn drop_after_unsignaled_writes_is_prompt_and_frees_everything() {
             );
             let n = 16.min(N - next);
             let chain = (next..next + n).map(|i| {
-                WorkRequest::write(
+                SendRequest::write(
                     src.slice(i * CHUNK..(i + 1) * CHUNK).unwrap(),
                     remote.slice((i * CHUNK) as u64, CHUNK as u32).unwrap(),
                 )
@@ -83,7 +83,7 @@ fn drop_after_unsignaled_writes_is_prompt_and_frees_everything() {
         if a.send_outstanding() == 0 {
             // The last chain ended signaled (it left the queue over half full): one more small
             // unsignaled write (the same bytes again) leaves a tail nothing reports.
-            a.post_send([WorkRequest::write(
+            a.post_send([SendRequest::write(
                 src.slice(..CHUNK).unwrap(),
                 remote.slice(0, CHUNK as u32).unwrap(),
             )

@@ -63,7 +63,7 @@ fn send_recv_exact_bytes_with_sg_and_inline() {
     ])
     .tag(7)])
         .unwrap();
-    p.a.post_send([WorkRequest::send_sg(vec![
+    p.a.post_send([SendRequest::send_sg(vec![
         src.slice(0..1500).unwrap(),
         src.slice(1500..3000).unwrap(),
     ])
@@ -91,7 +91,7 @@ fn send_recv_exact_bytes_with_sg_and_inline() {
     let msg = random_bytes(48);
     p.b.post_recv([RecvRequest::new(dst.slice(0..64).unwrap()).tag(9)])
         .unwrap();
-    p.a.post_send([WorkRequest::send_inline(&msg).with_imm(0xA1B2C3D4)])
+    p.a.post_send([SendRequest::send_inline(&msg).with_imm(0xA1B2C3D4)])
         .unwrap();
     wait(&mut p.cq_a, 1);
     let r = wait(&mut p.cq_b, 1);
@@ -105,7 +105,7 @@ fn send_recv_exact_bytes_with_sg_and_inline() {
     // Too long for inline: checked before the FFI call.
     let big = vec![0u8; 4096];
     assert!(matches!(
-        p.a.post_send([WorkRequest::send_inline(&big)]),
+        p.a.post_send([SendRequest::send_inline(&big)]),
         Err(Error::InvalidArgument { arg: "data", .. })
     ));
 }
@@ -132,7 +132,7 @@ fn rdma_write_with_immediate_and_read_back() {
     let remote = target.remote();
     // Write at offset 32, with immediate: consumes a receive at the target.
     p.b.post_recv([RecvRequest::empty().tag(1)]).unwrap();
-    p.a.post_send([WorkRequest::write(
+    p.a.post_send([SendRequest::write(
         src.slice(..).unwrap(),
         remote.slice(32, n as u32).unwrap(),
     )
@@ -158,7 +158,7 @@ fn rdma_write_with_immediate_and_read_back() {
         p.pd.register(HostBuffer::zeroed(n).unwrap(), AccessFlags::LOCAL_WRITE)
             .unwrap();
     back.fill(0, n, 0xC3).unwrap();
-    p.a.post_send([WorkRequest::read(
+    p.a.post_send([SendRequest::read(
         back.slice(..).unwrap(),
         remote.slice(32, n as u32).unwrap(),
     )
@@ -173,7 +173,7 @@ fn rdma_write_with_immediate_and_read_back() {
 
     // Inline RDMA write of a small payload.
     let small = random_bytes(40);
-    p.a.post_send([WorkRequest::write_inline(
+    p.a.post_send([SendRequest::write_inline(
         &small,
         remote.slice(0, 40).unwrap(),
     )])
@@ -186,7 +186,7 @@ fn rdma_write_with_immediate_and_read_back() {
         p.pd.register(HostBuffer::zeroed(64).unwrap(), AccessFlags::empty())
             .unwrap();
     assert!(matches!(
-        p.a.post_send([WorkRequest::read(
+        p.a.post_send([SendRequest::read(
             ro.slice(..).unwrap(),
             remote.slice(0, 64).unwrap()
         )]),
@@ -212,7 +212,7 @@ fn atomics_compare_swap_and_fetch_add() {
         p.pd.register(HostBuffer::zeroed(16).unwrap(), AccessFlags::LOCAL_WRITE)
             .unwrap();
     result.fill(0, 16, 0xFF).unwrap();
-    p.a.post_send([WorkRequest::fetch_add(
+    p.a.post_send([SendRequest::fetch_add(
         result.slice(0..8).unwrap(),
         remote.slice(8, 8).unwrap(),
         1,
@@ -223,14 +223,14 @@ fn atomics_compare_swap_and_fetch_add() {
     assert_eq!(word.read_u64(8).unwrap(), 42);
     // CAS that matches, then one that does not.
     p.a.post_send([
-        WorkRequest::compare_swap(
+        SendRequest::compare_swap(
             result.slice(8..16).unwrap(),
             remote.slice(8, 8).unwrap(),
             42,
             7,
         )
         .tag(1),
-        WorkRequest::compare_swap(
+        SendRequest::compare_swap(
             result.slice(0..8).unwrap(),
             remote.slice(8, 8).unwrap(),
             42,
@@ -251,7 +251,7 @@ fn atomics_compare_swap_and_fetch_add() {
     assert_eq!(word.read_u64(8).unwrap(), 7);
     // Misaligned target and wrong result size: refused before the FFI call.
     assert!(matches!(
-        p.a.post_send([WorkRequest::fetch_add(
+        p.a.post_send([SendRequest::fetch_add(
             result.slice(0..8).unwrap(),
             remote.slice(4, 8).unwrap(),
             1
@@ -259,7 +259,7 @@ fn atomics_compare_swap_and_fetch_add() {
         Err(Error::InvalidArgument { arg: "remote", .. })
     ));
     assert!(matches!(
-        p.a.post_send([WorkRequest::fetch_add(
+        p.a.post_send([SendRequest::fetch_add(
             result.slice(0..16).unwrap(),
             remote.slice(8, 8).unwrap(),
             1
@@ -290,7 +290,7 @@ fn unsignaled_chains_release_memory_at_the_signaled_completion() {
     while posted < 100 {
         let chain: Vec<_> = (posted..posted + 10)
             .map(|i| {
-                let w = WorkRequest::write(
+                let w = SendRequest::write(
                     src.slice(i * 64..(i + 1) * 64).unwrap(),
                     remote.slice(i as u64 * 64, 64).unwrap(),
                 )
@@ -346,7 +346,7 @@ fn shared_receive_queue_serves_a_qp() {
         "QP with SRQ refuses direct receives"
     );
     let msg = random_bytes(64);
-    p.a.post_send([WorkRequest::send_inline(&msg)]).unwrap();
+    p.a.post_send([SendRequest::send_inline(&msg)]).unwrap();
     wait(&mut p.cq_a, 1);
     let r = wait(&mut p.cq_b, 1);
     assert_eq!((r[0].status, r[0].byte_len), (WcStatus::Success, 64));
@@ -365,7 +365,7 @@ fn remote_access_error_is_typed() {
     let ro =
         p.pd.register(HostBuffer::zeroed(64).unwrap(), AccessFlags::REMOTE_READ)
             .unwrap();
-    p.a.post_send([WorkRequest::write(
+    p.a.post_send([SendRequest::write(
         local.slice(..).unwrap(),
         ro.remote().slice(0, 64).unwrap(),
     )
@@ -431,7 +431,7 @@ fn completion_channel_wakes_on_completion() {
     rx.post_recv([RecvRequest::new(buf.slice(..).unwrap())])
         .unwrap();
     cq.req_notify(false).unwrap();
-    tx.post_send([WorkRequest::send_inline(b"wake")]).unwrap();
+    tx.post_send([SendRequest::send_inline(b"wake")]).unwrap();
     let ev = ch.get_event().unwrap();
     assert!(cq.is_event_for(&ev));
     let d = wait(&mut cq, 1);
@@ -508,7 +508,7 @@ fn a15_dropped_qp_drains_before_freeing() {
     .unwrap();
     drop(mr);
     // a's send lands in b's first receive; both completions wait, unpolled, on the shared CQ.
-    a.post_send([WorkRequest::send_inline(b"x").tag(42)])
+    a.post_send([SendRequest::send_inline(b"x").tag(42)])
         .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(freed.load(Ordering::SeqCst), 0);

@@ -4,9 +4,8 @@
 //! for `--require`, and the probe's command line.
 
 use gpudirect::cuda::DeviceInfo;
-use gpudirect::topology::health::{self, *};
-use gpudirect::topology::sysfs::{self, PciLocation};
-use gpudirect::topology::*;
+use gpudirect::report::*;
+use gpudirect::topology::Affinity;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -113,7 +112,7 @@ fn sample() -> NodeReport {
             affinity: vec![GpuNicAffinity {
                 gpu: 0,
                 gpu_pci_bus_id: "0000:05:00.0".into(),
-                nics: vec![NicPlacement {
+                nics: vec![NicAffinity {
                     nic: "mlx5_0".into(),
                     affinity: Affinity::SamePcieSwitch,
                     active: true,
@@ -657,98 +656,36 @@ fn advice_follows_the_decision_rules() {
     assert!(has(&advise(&r), "gpu", "No GPU here (no CUDA driver)"));
 }
 
-/// A fake sysfs: a root complex with a switch (GPU 0 and mlx5_0 below it), GPU 1 on another
-/// root port of the same host bridge, mlx5_1 on another NUMA node's host bridge, rxe0 with no
-/// PCI device.
-fn fake_sysfs() -> PathBuf {
-    let root = std::env::temp_dir().join(format!("gpudirect-fake-sysfs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let dev = |p: &str, numa: i32| {
-        let d = root.join("devices").join(p);
-        std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(d.join("numa_node"), format!("{numa}\n")).unwrap();
-        d
-    };
-    let link = |from: &Path, to: &Path| {
-        std::fs::create_dir_all(from.parent().unwrap()).unwrap();
-        std::os::unix::fs::symlink(to, from).unwrap();
-    };
-    let g0 = dev(
-        "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:05:00.0",
-        0,
-    );
-    let n0 = dev(
-        "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:06:00.0",
-        0,
-    );
-    let g1 = dev("pci0000:00/0000:00:03.0/0000:19:00.0", 0);
-    let n1 = dev("pci0000:80/0000:80:01.0/0000:81:00.0", 1);
-    for (bdf, d) in [("0000:05:00.0", &g0), ("0000:19:00.0", &g1)] {
-        link(&root.join("bus/pci/devices").join(bdf), d);
-    }
-    link(&root.join("class/infiniband/mlx5_0/device"), &n0);
-    link(&root.join("class/infiniband/mlx5_1/device"), &n1);
-    std::fs::create_dir_all(root.join("class/infiniband/rxe0/ports/1")).unwrap();
-    std::fs::write(
-        root.join("class/infiniband/rxe0/ports/1/rate"),
-        "10 Gb/sec (1X QDR)\n",
-    )
-    .unwrap();
-    root
-}
-
+/// Each GPU's NIC in the report: the closest with an active port ([`gpu_affinity`] over the
+/// health checks' fake tree: GPU 0 and mlx5_0 below one switch, GPU 1 on another root port; the
+/// placement rules themselves are tested in tests/topology.rs).
 #[test]
-fn affinity_is_classified_from_a_fake_sysfs_tree() {
-    let root = fake_sysfs();
-    let g0 = sysfs::pci_location(&root, "00000000:05:00.0").unwrap();
-    assert_eq!(g0.root, "pci0000:00");
-    assert_eq!(g0.chain.len(), 4);
-    assert_eq!(g0.numa_node, Some(0));
-    let g1 = sysfs::pci_location(&root, "0000:19:00.0").unwrap();
-    let n0 = sysfs::nic_location(&root, "mlx5_0").unwrap();
-    let n1 = sysfs::nic_location(&root, "mlx5_1").unwrap();
-    assert_eq!(sysfs::classify(&g0, &n0), Affinity::SamePcieSwitch);
-    assert_eq!(sysfs::classify(&g1, &n0), Affinity::SameNumaNode);
-    assert_eq!(sysfs::classify(&g0, &n1), Affinity::AcrossCpu);
-    assert_eq!(
-        sysfs::nic_pci_address(&root, "mlx5_0").as_deref(),
-        Some("0000:06:00.0")
-    );
-    assert_eq!(sysfs::nic_pci_address(&root, "rxe0"), None);
-    assert_eq!(
-        sysfs::port_rate(&root, "rxe0", 1).as_deref(),
-        Some("10 Gb/sec (1X QDR)")
-    );
-    // Two roots without NUMA information count as one node.
-    let a = PciLocation {
-        root: "pci0000:00".into(),
-        chain: vec!["0000:00:01.0".into()],
-        numa_node: None,
-    };
-    let b = PciLocation {
-        root: "pci0000:80".into(),
-        ..a.clone()
-    };
-    assert_eq!(sysfs::classify(&a, &b), Affinity::SameNumaNode);
-
-    // Each GPU picks its closest NIC with an active port.
+fn each_gpu_picks_the_closest_nic_with_an_active_port() {
+    let root = fake_root();
+    let sysfs = root.join("sys");
     let nics = vec![nic("mlx5_1", true), nic("mlx5_0", true), nic("rxe0", true)];
-    let a0 = gpu_affinity(&root, 0, "0000:05:00.0", &nics);
+    let a0 = gpu_affinity(&sysfs, 0, "0000:05:00.0", &nics);
     assert_eq!(a0.best.as_deref(), Some("mlx5_0"));
     let by = |n: &str| a0.nics.iter().find(|x| x.nic == n).unwrap().affinity;
     assert_eq!(by("mlx5_0"), Affinity::SamePcieSwitch);
-    assert_eq!(by("mlx5_1"), Affinity::AcrossCpu);
+    assert_eq!(by("mlx5_1"), Affinity::Unknown, "not in this tree");
     assert_eq!(by("rxe0"), Affinity::Unknown);
+    // Listed in the order given.
+    let order: Vec<&str> = a0.nics.iter().map(|n| n.nic.as_str()).collect();
+    assert_eq!(order, ["mlx5_1", "mlx5_0", "rxe0"]);
+    let a1 = gpu_affinity(&sysfs, 1, "0000:19:00.0", &nics);
+    assert_eq!(a1.nics[1].affinity, Affinity::SameNumaNode);
+    assert_eq!(a1.best.as_deref(), Some("mlx5_0"));
     // An active port beats a closer NIC that is down.
     let nics = vec![nic("mlx5_0", false), nic("mlx5_1", true)];
     assert_eq!(
-        gpu_affinity(&root, 0, "0000:05:00.0", &nics)
+        gpu_affinity(&sysfs, 0, "0000:05:00.0", &nics)
             .best
             .as_deref(),
         Some("mlx5_1")
     );
     // A GPU sysfs does not know: every NIC unknown, the first active one chosen.
-    let a = gpu_affinity(&root, 2, "0000:ee:00.0", &[nic("mlx5_0", true)]);
+    let a = gpu_affinity(&sysfs, 2, "0000:ee:00.0", &[nic("mlx5_0", true)]);
     assert_eq!(a.nics[0].affinity, Affinity::Unknown);
     assert_eq!(a.best.as_deref(), Some("mlx5_0"));
     assert_eq!(best_nic(&[]), None);
@@ -1146,10 +1083,10 @@ fn health_reads_a_fake_system_exactly() {
     // A GPU read under load below its maximum is degraded.
     let mut g1 = h.pcie.links[1].clone();
     g1.speed_under_load = Some("16.0 GT/s PCIe".into());
-    health::pcie::update_degraded(&mut g1);
+    g1.update_degraded();
     assert!(g1.speed_degraded);
     g1.speed_under_load = Some("32.0 GT/s PCIe".into());
-    health::pcie::update_degraded(&mut g1);
+    g1.update_degraded();
     assert!(!g1.speed_degraded);
 
     // ACS: on between GPU 0 and its NIC (in the switch); GPU 0 and 1 meet at the root complex.
@@ -1684,7 +1621,7 @@ fn with_nvlink(after: &FakeNvml, before: Option<&FakeNvml>) -> NodeReport {
     let buses: Vec<String> = gpus.iter().map(|g| g.1.clone()).collect();
     let before = before.map(|b| NvlinkCounters::read(b, &buses));
     let mut r = sample();
-    r.health.nvlink = health::nvlink::nvlink_health(&gpus, Ok(after), before.as_ref());
+    r.health.nvlink = nvlink_health(&gpus, Ok(after), before.as_ref());
     r.paths = path_statuses(&r);
     r.advice = advise(&r);
     r

@@ -161,18 +161,27 @@ pub enum Error {
     #[error("work completion on QP {qp_num:#x} failed: {status} (vendor error {vendor_err:#x})")]
     WorkCompletion {
         /// The typed `ibv_wc_status`.
-        status: crate::rdma::WcStatus,
+        status: WcStatus,
         /// The provider's vendor syndrome.
         vendor_err: u32,
         /// The local QP number.
         qp_num: u32,
     },
-    /// A work queue is full: completions must be polled before more requests are posted.
+    /// A work queue, or the completion queue its completions go to, has no room for the whole
+    /// chain: nothing was posted. Every posted request holds an entry of its queue, and one of
+    /// that completion queue (signaled or not), until a completion that covers it is polled; each
+    /// queue pair also keeps one entry of its send completion queue for its teardown, and a
+    /// completion queue serving the queue pairs of a shared receive queue keeps room for that
+    /// queue's whole depth. Poll completions, then post again. Requests that will never complete
+    /// (the peer is gone) are flushed by moving the queue pair to the error state
+    /// (`QueuePair::into_error`): polling the flushes frees their entries, and
+    /// `QueuePair::reset` makes the queue pair usable again.
     #[error("{queue} is full ({depth} requests outstanding): poll completions first")]
     QueueFull {
-        /// Which queue: `send queue`, `receive queue`, `shared receive queue`.
+        /// Which queue: `send queue`, `receive queue`, `shared receive queue`, `completion
+        /// queue`.
         queue: &'static str,
-        /// Its depth.
+        /// Its depth (for a completion queue, its capacity).
         depth: u32,
     },
     /// rdma_cm delivered an event other than the one the connection step waits for.
@@ -203,7 +212,7 @@ pub enum Error {
     #[error("no GPU memory registration path worked: {attempts}")]
     NoGpuRegistrationPath {
         /// The paths tried, in order, and why each was refused.
-        attempts: crate::rdma::GpuMrAttempts,
+        attempts: GpuMrAttempts,
     },
     /// A file shrank while it was being read: the read had been limited to the `expected` bytes
     /// the file held at `file_offset` when it started, and stopped after `got`. Destination bytes
@@ -380,6 +389,265 @@ pub(crate) fn from_driver(call: &'static str, e: cudarc::driver::DriverError) ->
     Error::cuda(call, e.0)
 }
 
+// The plain code types errors carry, defined here so that this module imports no other: the
+// status of a verbs work completion, and what the GPU memory registration paths refused. Each is
+// re-exported once, under `rdma`.
+
+use gpudirect_sys::ibverbs as ibv;
+use std::ffi::CStr;
+use std::fmt;
+
+/// `enum ibv_wc_status`: how a verbs work request completed. Printed with the text of
+/// `ibv_wc_status_str` where libibverbs is present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[doc(alias = "ibv_wc_status")]
+#[doc(alias = "ibv_wc_status_str")]
+#[non_exhaustive]
+#[allow(missing_docs)]
+pub enum WcStatus {
+    Success,
+    LocalLength,
+    LocalQpOperation,
+    LocalEecOperation,
+    LocalProtection,
+    /// The QP went to the error state: the request was flushed, not executed.
+    Flushed,
+    MemoryWindowBind,
+    BadResponse,
+    LocalAccess,
+    RemoteInvalidRequest,
+    /// The peer refused the access (bad rkey, bounds, or permissions).
+    RemoteAccess,
+    RemoteOperation,
+    /// Transport retries ran out: the peer did not answer.
+    RetryExceeded,
+    /// Receiver-not-ready retries ran out: the peer posted no receive.
+    RnrRetryExceeded,
+    LocalRddViolation,
+    RemoteInvalidRdRequest,
+    RemoteAborted,
+    InvalidEecn,
+    InvalidEecState,
+    Fatal,
+    ResponseTimeout,
+    General,
+    TagMatching,
+    TagMatchingRndvIncomplete,
+    /// A value this crate does not know.
+    Other(u32),
+}
+
+impl WcStatus {
+    /// From the raw `enum ibv_wc_status` value.
+    pub fn from_raw(v: u32) -> Self {
+        use WcStatus::*;
+        match v {
+            ibv::IBV_WC_SUCCESS => Success,
+            ibv::IBV_WC_LOC_LEN_ERR => LocalLength,
+            ibv::IBV_WC_LOC_QP_OP_ERR => LocalQpOperation,
+            ibv::IBV_WC_LOC_EEC_OP_ERR => LocalEecOperation,
+            ibv::IBV_WC_LOC_PROT_ERR => LocalProtection,
+            ibv::IBV_WC_WR_FLUSH_ERR => Flushed,
+            ibv::IBV_WC_MW_BIND_ERR => MemoryWindowBind,
+            ibv::IBV_WC_BAD_RESP_ERR => BadResponse,
+            ibv::IBV_WC_LOC_ACCESS_ERR => LocalAccess,
+            ibv::IBV_WC_REM_INV_REQ_ERR => RemoteInvalidRequest,
+            ibv::IBV_WC_REM_ACCESS_ERR => RemoteAccess,
+            ibv::IBV_WC_REM_OP_ERR => RemoteOperation,
+            ibv::IBV_WC_RETRY_EXC_ERR => RetryExceeded,
+            ibv::IBV_WC_RNR_RETRY_EXC_ERR => RnrRetryExceeded,
+            ibv::IBV_WC_LOC_RDD_VIOL_ERR => LocalRddViolation,
+            ibv::IBV_WC_REM_INV_RD_REQ_ERR => RemoteInvalidRdRequest,
+            ibv::IBV_WC_REM_ABORT_ERR => RemoteAborted,
+            ibv::IBV_WC_INV_EECN_ERR => InvalidEecn,
+            ibv::IBV_WC_INV_EEC_STATE_ERR => InvalidEecState,
+            ibv::IBV_WC_FATAL_ERR => Fatal,
+            ibv::IBV_WC_RESP_TIMEOUT_ERR => ResponseTimeout,
+            ibv::IBV_WC_GENERAL_ERR => General,
+            ibv::IBV_WC_TM_ERR => TagMatching,
+            ibv::IBV_WC_TM_RNDV_INCOMPLETE => TagMatchingRndvIncomplete,
+            o => Other(o),
+        }
+    }
+
+    /// The C name, such as `IBV_WC_REM_ACCESS_ERR`.
+    pub fn c_name(self) -> &'static str {
+        use WcStatus::*;
+        match self {
+            Success => "IBV_WC_SUCCESS",
+            LocalLength => "IBV_WC_LOC_LEN_ERR",
+            LocalQpOperation => "IBV_WC_LOC_QP_OP_ERR",
+            LocalEecOperation => "IBV_WC_LOC_EEC_OP_ERR",
+            LocalProtection => "IBV_WC_LOC_PROT_ERR",
+            Flushed => "IBV_WC_WR_FLUSH_ERR",
+            MemoryWindowBind => "IBV_WC_MW_BIND_ERR",
+            BadResponse => "IBV_WC_BAD_RESP_ERR",
+            LocalAccess => "IBV_WC_LOC_ACCESS_ERR",
+            RemoteInvalidRequest => "IBV_WC_REM_INV_REQ_ERR",
+            RemoteAccess => "IBV_WC_REM_ACCESS_ERR",
+            RemoteOperation => "IBV_WC_REM_OP_ERR",
+            RetryExceeded => "IBV_WC_RETRY_EXC_ERR",
+            RnrRetryExceeded => "IBV_WC_RNR_RETRY_EXC_ERR",
+            LocalRddViolation => "IBV_WC_LOC_RDD_VIOL_ERR",
+            RemoteInvalidRdRequest => "IBV_WC_REM_INV_RD_REQ_ERR",
+            RemoteAborted => "IBV_WC_REM_ABORT_ERR",
+            InvalidEecn => "IBV_WC_INV_EECN_ERR",
+            InvalidEecState => "IBV_WC_INV_EEC_STATE_ERR",
+            Fatal => "IBV_WC_FATAL_ERR",
+            ResponseTimeout => "IBV_WC_RESP_TIMEOUT_ERR",
+            General => "IBV_WC_GENERAL_ERR",
+            TagMatching => "IBV_WC_TM_ERR",
+            TagMatchingRndvIncomplete => "IBV_WC_TM_RNDV_INCOMPLETE",
+            Other(_) => "IBV_WC_?",
+        }
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let raw = match self {
+            WcStatus::Other(v) => Some(*v),
+            _ => None,
+        };
+        let text = ibv::lib().ok().and_then(|l| {
+            let v = raw.unwrap_or_else(|| status_raw(*self));
+            // SAFETY: returns a static string for any value.
+            let p = unsafe { (l.ibv_wc_status_str)(v) };
+            // SAFETY: non-NULL static NUL-terminated string.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        });
+        match (text, raw) {
+            (Some(t), _) => write!(f, "{t} ({})", self.c_name()),
+            (None, Some(v)) => write!(f, "status {v}"),
+            (None, None) => f.write_str(self.c_name()),
+        }
+    }
+}
+
+fn status_raw(s: WcStatus) -> u32 {
+    (0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE)
+        .find(|v| WcStatus::from_raw(*v) == s)
+        .unwrap_or(u32::MAX)
+}
+
+/// One way of handing GPU memory to a NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GpuMrPath {
+    /// `ibv_reg_dmabuf_mr` over a dma-buf export of the memory.
+    DmaBuf,
+    /// `ibv_reg_mr` on the device pointer, resolved by the nvidia-peermem kernel module.
+    Peermem,
+}
+
+impl fmt::Display for GpuMrPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GpuMrPath::DmaBuf => "dma-buf",
+            GpuMrPath::Peermem => "nvidia-peermem",
+        })
+    }
+}
+
+/// Why a GPU memory registration path ([`GpuMrPath`]) was not taken.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum GpuMrRefusal {
+    /// The CUDA device reports `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0`: nothing was tried.
+    NoDmaBufSupport {
+        /// The CUDA device ordinal.
+        ordinal: usize,
+    },
+    /// Neither `nvidia_peermem` nor `nv_peer_mem` is loaded (`/sys/module`): nothing was tried.
+    NoPeermemModule,
+    /// The path was tried and the stack cannot do it: [`Error::Unsupported`] (for dma-buf:
+    /// `ibv_reg_dmabuf_mr` answered `EOPNOTSUPP`, or libibverbs lacks it), or the driver's
+    /// `CUDA_ERROR_NOT_SUPPORTED` from the export.
+    Unsupported(Error),
+    /// The path was tried and failed otherwise (export or registration error, with its errno or
+    /// CUDA code).
+    Failed(Error),
+}
+
+impl GpuMrRefusal {
+    /// The error this refusal stands for, when the path was the only one asked for.
+    pub fn into_error(self, path: GpuMrPath) -> Error {
+        match self {
+            GpuMrRefusal::NoDmaBufSupport { ordinal } => Error::Unsupported {
+                what: format!("{path} memory registration"),
+                reason: format!(
+                    "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
+                ),
+            },
+            GpuMrRefusal::NoPeermemModule => Error::Unsupported {
+                what: format!("{path} memory registration"),
+                reason: "neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)".into(),
+            },
+            GpuMrRefusal::Unsupported(e) | GpuMrRefusal::Failed(e) => e,
+        }
+    }
+
+    /// The underlying error, when the path was tried.
+    pub fn error(&self) -> Option<&Error> {
+        match self {
+            GpuMrRefusal::Unsupported(e) | GpuMrRefusal::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for GpuMrRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuMrRefusal::NoDmaBufSupport { ordinal } => write!(
+                f,
+                "not tried: CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
+            ),
+            GpuMrRefusal::NoPeermemModule => f.write_str(
+                "not tried: neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)",
+            ),
+            GpuMrRefusal::Unsupported(e) => write!(f, "unsupported: {e}"),
+            GpuMrRefusal::Failed(e) => write!(f, "failed: {e}"),
+        }
+    }
+}
+
+/// The paths refused during one registration, in the order tried, with why. Printable: one
+/// `path: refusal` per entry, separated by `; `.
+#[derive(Debug, Default)]
+pub struct GpuMrAttempts(pub Vec<(GpuMrPath, GpuMrRefusal)>);
+
+impl GpuMrAttempts {
+    /// The entries.
+    pub fn as_slice(&self) -> &[(GpuMrPath, GpuMrRefusal)] {
+        &self.0
+    }
+
+    /// The refusal recorded for `path`, if it was refused.
+    pub fn refusal(&self, path: GpuMrPath) -> Option<&GpuMrRefusal> {
+        self.0.iter().find(|(p, _)| *p == path).map(|(_, r)| r)
+    }
+
+    /// Whether no path was refused.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Display for GpuMrAttempts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no path refused");
+        }
+        for (i, (p, r)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{p}: {r}")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -505,6 +773,25 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "invalid argument `len` = 4097: must be a multiple of 4096"
+        );
+    }
+
+    #[test]
+    fn statuses_round_trip_and_name_themselves() {
+        for v in 0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE {
+            let s = WcStatus::from_raw(v);
+            assert!(!matches!(s, WcStatus::Other(_)), "{v}");
+            assert_eq!(status_raw(s), v);
+        }
+        assert_eq!(
+            WcStatus::from_raw(ibv::IBV_WC_WR_FLUSH_ERR),
+            WcStatus::Flushed
+        );
+        assert_eq!(WcStatus::RemoteAccess.c_name(), "IBV_WC_REM_ACCESS_ERR");
+        assert!(
+            WcStatus::RetryExceeded
+                .to_string()
+                .contains("IBV_WC_RETRY_EXC_ERR")
         );
     }
 }

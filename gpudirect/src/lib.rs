@@ -7,7 +7,7 @@
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`memory`] | dma-buf export of device memory ([`memory::export_dmabuf`]) |
-//! | all | [`cuda`], [`topology`] | GPU attributes ([`cuda::DeviceInfo`]); the node report the `probe` example prints |
+//! | all | [`cuda`], [`topology`], [`report`] | GPU attributes ([`cuda::DeviceInfo`]); where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
 //! | tests | [`testing`] | `SKIPPED: reason`, or a failure where `GPUDIRECT_REQUIRE` names the hardware |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
@@ -22,6 +22,7 @@ mod error;
 pub mod memory;
 pub mod p2p;
 pub mod rdma;
+pub mod report;
 pub mod storage;
 pub mod testing;
 pub mod topology;

@@ -1,7 +1,7 @@
 // Sends can only be posted in RTS.
-use gpudirect::rdma::{Init, QueuePair, WorkRequest};
+use gpudirect::rdma::{Init, QueuePair, SendRequest};
 
-fn f(qp: &mut QueuePair<Init>, wr: WorkRequest<'static>) {
+fn f(qp: &mut QueuePair<Init>, wr: SendRequest<'static>) {
     qp.post_send([wr]).unwrap();
 }
 

@@ -15,10 +15,6 @@
 //! that: handles that are live, a current context, memory that stays valid while the device
 //! uses it.
 
-// Until the rdma call sites move onto this layer, two of its functions have no caller yet
-// (`ctx::flush_gpudirect_rdma_writes`, `pointer::set_attribute`).
-#![expect(dead_code, reason = "rdma still calls the driver directly")]
-
 mod code;
 
 pub(crate) mod ctx;

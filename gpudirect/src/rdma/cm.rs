@@ -1,17 +1,13 @@
-//! Connections through rdma_cm: a [`Listener`] and [`Connection::connect`] return connected
-//! queue pairs, and [`Connection::exchange`] swaps [`RemoteMemory`] descriptors in a first message
-//! over the new connection (connect private data holds only 56 bytes, so it is not used).
-//!
-//! The library creates the queue pair itself (on its own [`Context`] for the device rdma_cm
-//! picked) and moves it through INIT, RTR and RTS with the attributes `rdma_init_qp_attr` gives,
-//! so the result is an ordinary [`QueuePair<Rts>`].
+//! Connections through rdma_cm (described on the [`rdma`](super) module page).
 
+use super::context::Context;
 use super::cq::{CompletionChannel, CompletionQueue, WorkCompletion};
+use super::device::DeviceList;
+use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::mr::{AccessFlags, HostBuffer, Local, MemoryRegion, RemoteMemory};
 use super::pd::ProtectionDomain;
-use super::qp::{QpCaps, QueuePair, Rts};
-use super::wr::{RecvRequest, WorkRequest};
-use super::{Context, DeviceList};
+use super::qp::{Init, QpCaps, QueuePair, Reset, Rtr, Rts};
+use super::wr::{RecvRequest, SendRequest};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use gpudirect_sys::rdmacm as cm;
@@ -27,7 +23,7 @@ fn deadline_after(timeout: Duration) -> Instant {
 }
 
 fn cmlib() -> Result<&'static cm::Lib> {
-    super::verbs()?;
+    verbs()?;
     Ok(cm::lib()?)
 }
 
@@ -97,7 +93,7 @@ impl Channel {
     fn new() -> Result<Channel> {
         let l = cmlib()?;
         // SAFETY: no arguments.
-        super::nonnull("rdma_create_event_channel", unsafe {
+        nonnull("rdma_create_event_channel", unsafe {
             (l.rdma_create_event_channel)()
         })
         .map(Channel)
@@ -143,7 +139,7 @@ impl Channel {
         }
         let mut ev = std::ptr::null_mut();
         // SAFETY: a live channel and an out-pointer.
-        super::rc("rdma_get_cm_event", unsafe {
+        rc("rdma_get_cm_event", unsafe {
             (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
         })?;
         // SAFETY: an event just returned, read before the ack below.
@@ -187,13 +183,10 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
-        if super::in_forked_child() {
-            return;
-        }
-        if let Ok(l) = cm::lib() {
+        free_in_parent(cm::lib, |l| {
             // SAFETY: every id on the channel was destroyed before (field order).
             unsafe { (l.rdma_destroy_event_channel)(self.0.as_ptr()) };
-        }
+        });
     }
 }
 
@@ -232,14 +225,11 @@ unsafe impl Sync for Id {}
 
 impl Drop for Id {
     fn drop(&mut self) {
-        if super::in_forked_child() {
-            return;
-        }
-        if let Ok(l) = cm::lib() {
+        free_in_parent(cm::lib, |l| {
             // SAFETY: created by rdma_create_id (or a connect request), destroyed once, after its
             // QP (ours, not rdma_cm's) was destroyed.
             unsafe { (l.rdma_destroy_id)(self.0.as_ptr()) };
-        }
+        });
     }
 }
 
@@ -248,7 +238,7 @@ impl Id {
         let l = cmlib()?;
         let mut id = std::ptr::null_mut();
         // SAFETY: a live channel and an out-pointer.
-        super::rc("rdma_create_id", unsafe {
+        rc("rdma_create_id", unsafe {
             (l.rdma_create_id)(
                 ch.0.as_ptr(),
                 &mut id,
@@ -256,12 +246,12 @@ impl Id {
                 cm::RDMA_PS_TCP,
             )
         })?;
-        super::nonnull("rdma_create_id", id).map(Id)
+        nonnull("rdma_create_id", id).map(Id)
     }
 
     /// The verbs device rdma_cm bound the id to.
     fn device_name(&self) -> Result<String> {
-        let l = super::verbs()?;
+        let l = verbs()?;
         // SAFETY: a live id; `verbs` is set once the address is resolved or a request arrived.
         let ctx = unsafe { self.0.as_ref().verbs };
         if ctx.is_null() {
@@ -275,6 +265,14 @@ impl Id {
         Ok(name.to_string_lossy().into_owned())
     }
 
+    /// INIT → RTR → RTS with the attributes rdma_cm gives for this id.
+    fn to_rts(&self, qp: QueuePair<Init>) -> Result<QueuePair<Rts>> {
+        let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTR)?;
+        let qp = qp.modify_raw::<Rtr>(&mut a, m)?;
+        let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTS)?;
+        qp.modify_raw::<Rts>(&mut a, m)
+    }
+
     fn qp_attr(&self, state: u32) -> Result<(ibv::ibv_qp_attr, i32)> {
         let l = cmlib()?;
         let mut a = ibv::ibv_qp_attr {
@@ -283,7 +281,7 @@ impl Id {
         };
         let mut mask = 0;
         // SAFETY: a live id and valid out-structs.
-        super::rc("rdma_init_qp_attr", unsafe {
+        rc("rdma_init_qp_attr", unsafe {
             (l.rdma_init_qp_attr)(self.0.as_ptr(), &mut a, &mut mask)
         })?;
         Ok((a, mask))
@@ -339,20 +337,22 @@ impl Listener {
     /// [`Error::Load`] without librdmacm; [`Error::Os`] naming the call (`EADDRINUSE`,
     /// `EADDRNOTAVAIL` when no RDMA device has that address).
     #[doc(alias = "rdma_bind_addr")]
+    #[doc(alias = "rdma_create_id")]
+    #[doc(alias = "rdma_listen")]
     pub fn bind(addr: SocketAddr) -> Result<Listener> {
         let l = cmlib()?;
         let ch = Channel::new()?;
         let id = Id::new(&ch)?;
         let mut ss = sockaddr(&addr);
         // SAFETY: a live id and a valid address.
-        super::rc("rdma_bind_addr", unsafe {
+        rc("rdma_bind_addr", unsafe {
             (l.rdma_bind_addr)(
                 id.0.as_ptr(),
                 (&mut ss as *mut libc::sockaddr_storage).cast(),
             )
         })?;
         // SAFETY: a bound id.
-        super::rc("rdma_listen", unsafe { (l.rdma_listen)(id.0.as_ptr(), 16) })?;
+        rc("rdma_listen", unsafe { (l.rdma_listen)(id.0.as_ptr(), 16) })?;
         Ok(Listener { id, ch })
     }
 
@@ -375,6 +375,8 @@ impl Listener {
     /// [`Error::Timeout`]; [`Error::CmEvent`] for an unexpected event; any error of creating the
     /// PD, CQs or QP, or of the transitions.
     #[doc(alias = "rdma_accept")]
+    #[doc(alias = "rdma_get_cm_event")]
+    #[doc(alias = "rdma_migrate_id")]
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
         let l = cmlib()?;
         let ev = self.ch.wait(
@@ -383,24 +385,16 @@ impl Listener {
             opts.timeout,
         )?;
         let ch = Channel::new()?;
-        let id = Id(super::nonnull("rdma_get_cm_event", ev.id)?);
+        let id = Id(nonnull("rdma_get_cm_event", ev.id)?);
         // SAFETY: a new id whose events were acknowledged; moved to its own channel.
-        super::rc("rdma_migrate_id", unsafe {
+        rc("rdma_migrate_id", unsafe {
             (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr())
         })?;
-        let mut parts = Parts::new(&id, opts)?;
-        let qp = parts.qp.take().expect("created");
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
-        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
-        let mut qp = qp.modify_raw::<super::Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
-        qp.post_recv([RecvRequest::new(parts.hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTR)?;
-        let qp = qp.modify_raw::<super::Rtr>(&mut a, m)?;
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTS)?;
-        let qp = qp.modify_raw::<Rts>(&mut a, m)?;
+        let (parts, qp) = Parts::new(&id, opts)?;
+        let qp = id.to_rts(qp)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
-        super::rc("rdma_accept", unsafe {
+        rc("rdma_accept", unsafe {
             (l.rdma_accept)(id.0.as_ptr(), &mut param)
         })?;
         ch.wait("rdma_accept", cm::RDMA_CM_EVENT_ESTABLISHED, opts.timeout)?;
@@ -425,13 +419,14 @@ struct Parts {
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
     channel: Option<CompletionChannel>,
-    qp: Option<QueuePair<super::Reset>>,
     hs: MemoryRegion<Local>,
     rd_atomic: u8,
 }
 
 impl Parts {
-    fn new(id: &Id, opts: &ConnectOptions) -> Result<Parts> {
+    /// The objects of a connection on the device rdma_cm bound `id` to, and its queue pair in
+    /// INIT (with the access `opts` allows peers) with the descriptor exchange's receive posted.
+    fn new(id: &Id, opts: &ConnectOptions) -> Result<(Parts, QueuePair<Init>)> {
         let name = id.device_name()?;
         let list = DeviceList::non_empty()?;
         let ctx = Context::open(&list.find(&name)?)?;
@@ -445,22 +440,26 @@ impl Parts {
         };
         let send_cq = ctx.create_cq(depth, None)?;
         let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
-        let qp = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
+        let qp: QueuePair<Reset> = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
         let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
         let rd_atomic = (opts.rd_atomic as u32)
             .min(dev.max_qp_rd_atom)
             .min(dev.max_qp_init_rd_atom)
             .max(1) as u8;
-        Ok(Parts {
+        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
+        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        let mut qp = qp.modify_raw::<Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
+        qp.post_recv([RecvRequest::new(hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
+        let parts = Parts {
             ctx,
             pd,
             send_cq,
             recv_cq,
             channel,
-            qp: Some(qp),
             hs,
             rd_atomic,
-        })
+        };
+        Ok((parts, qp))
     }
 
     fn conn_param(&self, qp_num: u32) -> cm::rdma_conn_param {
@@ -516,6 +515,9 @@ impl Connection {
     /// `RDMA_CM_EVENT_UNREACHABLE`); [`Error::Unsupported`] when librdmacm lacks `rdma_establish`.
     #[doc(alias = "rdma_connect")]
     #[doc(alias = "rdma_resolve_addr")]
+    #[doc(alias = "rdma_create_id")]
+    #[doc(alias = "rdma_resolve_route")]
+    #[doc(alias = "rdma_establish")]
     pub fn connect(addr: SocketAddr, opts: &ConnectOptions) -> Result<Connection> {
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
@@ -530,7 +532,7 @@ impl Connection {
         let mut dst = sockaddr(&addr);
         let ms = opts.timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: a live id and a valid destination.
-        super::rc("rdma_resolve_addr", unsafe {
+        rc("rdma_resolve_addr", unsafe {
             (l.rdma_resolve_addr)(
                 id.0.as_ptr(),
                 std::ptr::null_mut(),
@@ -544,7 +546,7 @@ impl Connection {
             opts.timeout,
         )?;
         // SAFETY: an id with a resolved address.
-        super::rc("rdma_resolve_route", unsafe {
+        rc("rdma_resolve_route", unsafe {
             (l.rdma_resolve_route)(id.0.as_ptr(), ms)
         })?;
         ch.wait(
@@ -552,15 +554,10 @@ impl Connection {
             cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
             opts.timeout,
         )?;
-        let mut parts = Parts::new(&id, opts)?;
-        let qp = parts.qp.take().expect("created");
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
-        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
-        let mut qp = qp.modify_raw::<super::Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
-        qp.post_recv([RecvRequest::new(parts.hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
+        let (parts, qp) = Parts::new(&id, opts)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id with a resolved route and a valid parameter struct.
-        super::rc("rdma_connect", unsafe {
+        rc("rdma_connect", unsafe {
             (l.rdma_connect)(id.0.as_ptr(), &mut param)
         })?;
         ch.wait(
@@ -568,12 +565,9 @@ impl Connection {
             cm::RDMA_CM_EVENT_CONNECT_RESPONSE,
             opts.timeout,
         )?;
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTR)?;
-        let qp = qp.modify_raw::<super::Rtr>(&mut a, m)?;
-        let (mut a, m) = id.qp_attr(ibv::IBV_QPS_RTS)?;
-        let qp = qp.modify_raw::<Rts>(&mut a, m)?;
+        let qp = id.to_rts(qp)?;
         // SAFETY: a live id whose QP is in RTS: sends the RTU.
-        super::rc("rdma_establish", unsafe { establish(id.0.as_ptr()) })?;
+        rc("rdma_establish", unsafe { establish(id.0.as_ptr()) })?;
         Ok(parts.finish(qp, id, ch))
     }
 
@@ -615,6 +609,8 @@ impl Connection {
     ///
     /// [`Error::InvalidArgument`] without a channel; [`Error::Os`] naming `ibv_req_notify_cq`,
     /// `poll` or `ibv_get_cq_event`.
+    #[doc(alias = "ibv_req_notify_cq")]
+    #[doc(alias = "ibv_get_cq_event")]
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<bool> {
         use std::os::fd::{AsFd, AsRawFd};
         let Some(ch) = &self.channel else {
@@ -686,7 +682,7 @@ impl Connection {
         self.qp
             .as_mut()
             .expect("present")
-            .post_send([WorkRequest::send(s).tag(HS_TAG)])?;
+            .post_send([SendRequest::send(s).tag(HS_TAG)])?;
         let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
         // Completions that are not the handshake's go back to their own CQ afterwards.
@@ -738,10 +734,10 @@ fn decoded_len(byte_len: u32) -> usize {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        if let (false, Ok(l)) = (super::in_forked_child(), cm::lib()) {
+        free_in_parent(cm::lib, |l| {
             // SAFETY: a live, connected id. Errors (already disconnected) are ignored.
             unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
-        }
+        });
         // The QP goes first (error state, drain, destroy), then CQs, regions, PD, the id and its
         // channel, in field order.
         drop(self.qp.take());

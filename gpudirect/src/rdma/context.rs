@@ -1,9 +1,7 @@
 //! An open device: attributes, ports, GIDs, asynchronous events.
 
-use super::cq::{CompletionChannel, CompletionQueue};
-use super::device::Device;
-use super::pd::ProtectionDomain;
-use super::{DeviceList, in_forked_child, nonnull, rc, verbs};
+use super::device::{Device, DeviceList};
+use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::ffi::CStr;
@@ -38,14 +36,11 @@ impl CtxInner {
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        if let Ok(l) = ibv::lib() {
+        free_in_parent(ibv::lib, |l| {
             // SAFETY: opened by ibv_open_device; every child object holds an Arc to this, so
             // none is alive any more. Errors are ignored (nothing can be done in a destructor).
             unsafe { (l.ibv_close_device)(self.ctx.as_ptr()) };
-        }
+        });
     }
 }
 
@@ -293,41 +288,6 @@ impl Context {
                 what: "verbs device",
                 reason: format!("{} port {port} has an empty GID table", self.name()),
             })
-    }
-
-    /// `ibv_alloc_pd`—a protection domain.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Os`] naming `ibv_alloc_pd`.
-    #[doc(alias = "ibv_alloc_pd")]
-    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
-        ProtectionDomain::new(self)
-    }
-
-    /// `ibv_create_comp_channel`—a completion channel (an fd that becomes readable on events).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Os`] naming `ibv_create_comp_channel`.
-    #[doc(alias = "ibv_create_comp_channel")]
-    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
-        CompletionChannel::new(self)
-    }
-
-    /// `ibv_create_cq(ctx, cqe, NULL, channel, 0)`—a completion queue with room for at least `cqe`
-    /// completions, optionally reporting to `channel`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for `cqe` 0; [`Error::Os`] naming `ibv_create_cq`.
-    #[doc(alias = "ibv_create_cq")]
-    pub fn create_cq(
-        &self,
-        cqe: u32,
-        channel: Option<&CompletionChannel>,
-    ) -> Result<CompletionQueue> {
-        CompletionQueue::new(self, cqe, channel)
     }
 
     /// The fd `ibv_get_async_event` reads; poll it for readability to wait without blocking.

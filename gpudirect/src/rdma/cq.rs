@@ -1,21 +1,47 @@
 //! Completion queues, the lending poll cursor, completion channels, and work completions.
 
 use super::context::{Context, CtxInner, set_nonblocking};
-use super::qp::{QpShared, WrId};
+use super::ffi::{free_in_parent, nonnull, rc, verbs};
+use super::posted::{PostedTables, Room, WrId};
 use super::srq::SrqInner;
-use super::{COUNTERS, Counters, in_forked_child, nonnull, rc, verbs};
-use crate::error::{Error, Result};
+use super::teardown::{COUNTERS, Counters};
+use crate::error::{Error, Result, WcStatus};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::{HashMap, VecDeque};
-use std::ffi::CStr;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 /// How many completions one [`CompletionQueue::poll`] fetches at most.
 pub const POLL_BATCH: usize = 32;
+
+impl Context {
+    /// `ibv_create_comp_channel`—a completion channel (an fd that becomes readable on events).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_create_comp_channel`.
+    #[doc(alias = "ibv_create_comp_channel")]
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        CompletionChannel::new(self)
+    }
+
+    /// `ibv_create_cq(ctx, cqe, NULL, channel, 0)`—a completion queue with room for at least `cqe`
+    /// completions, optionally reporting to `channel`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for `cqe` 0; [`Error::Os`] naming `ibv_create_cq`.
+    #[doc(alias = "ibv_create_cq")]
+    pub fn create_cq(
+        &self,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, cqe, channel)
+    }
+}
 
 pub(crate) struct ChannelInner {
     ch: NonNull<ibv::ibv_comp_channel>,
@@ -29,13 +55,10 @@ unsafe impl Sync for ChannelInner {}
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        if let Ok(l) = ibv::lib() {
+        free_in_parent(ibv::lib, |l| {
             // SAFETY: every CQ using the channel holds an Arc to it, so none is alive.
             unsafe { (l.ibv_destroy_comp_channel)(self.ch.as_ptr()) };
-        }
+        });
     }
 }
 
@@ -55,7 +78,7 @@ pub struct CqEvent {
 }
 
 impl CompletionChannel {
-    pub(crate) fn new(ctx: &Context) -> Result<Self> {
+    fn new(ctx: &Context) -> Result<Self> {
         let l = verbs()?;
         // SAFETY: a live context.
         let ch = nonnull("ibv_create_comp_channel", unsafe {
@@ -118,7 +141,7 @@ impl fmt::Debug for CompletionChannel {
 
 struct CqState {
     /// Queue pairs using this CQ, by QP number: their posted-request tables.
-    qps: HashMap<u32, Arc<QpShared>>,
+    qps: HashMap<u32, Arc<PostedTables>>,
     /// Shared receive queues whose receives may complete here, by id (their room is reserved for
     /// the CQ's life: completions may outlive the queue pairs that took them).
     srqs: HashMap<u32, Weak<SrqInner>>,
@@ -135,62 +158,6 @@ pub(crate) struct CqInner {
     room: Room,
 }
 
-/// Completion-queue accounting: how many completions the work posted so far may still produce,
-/// never above the CQ's capacity. Lock-free, so posting (under a queue's lock) and polling (under
-/// the CQ's lock) never wait on each other.
-#[derive(Debug)]
-pub(crate) struct Room {
-    capacity: u32,
-    reserved: AtomicU32,
-}
-
-impl Room {
-    pub(crate) fn new(capacity: u32) -> Self {
-        Room {
-            capacity,
-            reserved: AtomicU32::new(0),
-        }
-    }
-
-    /// Reserve `n` completions, all or none; returns the total reserved after.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::QueueFull`] naming the completion queue when `n` more do not fit.
-    pub(crate) fn reserve(&self, n: u32) -> Result<u32> {
-        let cap = self.capacity;
-        self.reserved
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
-                r.checked_add(n).filter(|&t| t <= cap)
-            })
-            .map(|r| r + n)
-            .map_err(|_| Error::QueueFull {
-                queue: "completion queue",
-                depth: cap,
-            })
-    }
-
-    /// Give back `n` reserved completions (their requests were released).
-    pub(crate) fn release(&self, n: u32) {
-        if n > 0 {
-            // Saturating: a release never wraps the count (it would only hide a bookkeeping bug).
-            let _ = self
-                .reserved
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
-                    Some(r.saturating_sub(n))
-                });
-        }
-    }
-
-    pub(crate) fn reserved(&self) -> u32 {
-        self.reserved.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn capacity(&self) -> u32 {
-        self.capacity
-    }
-}
-
 // SAFETY: ibv_poll_cq is thread-safe in rdma-core providers; our state is behind a Mutex.
 unsafe impl Send for CqInner {}
 // SAFETY: as above.
@@ -198,10 +165,7 @@ unsafe impl Sync for CqInner {}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        if let Ok(l) = ibv::lib() {
+        free_in_parent(ibv::lib, |l| {
             // SAFETY: every QP using the CQ holds an Arc to it, so none is alive; all events were
             // acknowledged when they were read. Failure leaks the CQ.
             if unsafe { (l.ibv_destroy_cq)(self.cq.as_ptr()) } == 0 {
@@ -209,7 +173,7 @@ impl Drop for CqInner {
             } else {
                 Counters::count(&COUNTERS.cq_leaked);
             }
-        }
+        });
     }
 }
 
@@ -218,8 +182,8 @@ impl CqInner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn register(&self, qp_num: u32, shared: Arc<QpShared>) {
-        self.lock().qps.insert(qp_num, shared);
+    pub(crate) fn register(&self, qp_num: u32, posted: Arc<PostedTables>) {
+        self.lock().qps.insert(qp_num, posted);
     }
 
     pub(crate) fn unregister(&self, qp_num: u32) {
@@ -284,7 +248,7 @@ impl CqInner {
                         None => (0, 0),
                     },
                     _ => match st.qps.get(&w.0.qp_num) {
-                        Some(shared) => shared.complete(&w.0),
+                        Some(posted) => posted.complete(&w.0),
                         None => (0, 0),
                     },
                 };
@@ -313,11 +277,7 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    pub(crate) fn new(
-        ctx: &Context,
-        cqe: u32,
-        channel: Option<&CompletionChannel>,
-    ) -> Result<Self> {
+    fn new(ctx: &Context, cqe: u32, channel: Option<&CompletionChannel>) -> Result<Self> {
         let max = ctx.query_device().map(|a| a.max_cqe).ok();
         check_cqe(cqe, max)?;
         let l = verbs()?;
@@ -470,7 +430,7 @@ impl ExactSizeIterator for Completions<'_> {}
 pub struct WorkCompletion(ibv::ibv_wc);
 
 impl WorkCompletion {
-    /// The tag given to the request ([`WorkRequest::tag`](super::WorkRequest::tag),
+    /// The tag given to the request ([`SendRequest::tag`](super::SendRequest::tag),
     /// [`RecvRequest::tag`](super::RecvRequest::tag)); 0 by default.
     pub fn tag(&self) -> u64 {
         self.0.wr_id
@@ -552,136 +512,6 @@ impl fmt::Debug for WorkCompletion {
     }
 }
 
-/// `enum ibv_wc_status`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-#[allow(missing_docs)]
-pub enum WcStatus {
-    Success,
-    LocalLength,
-    LocalQpOperation,
-    LocalEecOperation,
-    LocalProtection,
-    /// The QP went to the error state: the request was flushed, not executed.
-    Flushed,
-    MemoryWindowBind,
-    BadResponse,
-    LocalAccess,
-    RemoteInvalidRequest,
-    /// The peer refused the access (bad rkey, bounds, or permissions).
-    RemoteAccess,
-    RemoteOperation,
-    /// Transport retries ran out: the peer did not answer.
-    RetryExceeded,
-    /// Receiver-not-ready retries ran out: the peer posted no receive.
-    RnrRetryExceeded,
-    LocalRddViolation,
-    RemoteInvalidRdRequest,
-    RemoteAborted,
-    InvalidEecn,
-    InvalidEecState,
-    Fatal,
-    ResponseTimeout,
-    General,
-    TagMatching,
-    TagMatchingRndvIncomplete,
-    /// A value this crate does not know.
-    Other(u32),
-}
-
-impl WcStatus {
-    /// From the raw `enum ibv_wc_status` value.
-    pub fn from_raw(v: u32) -> Self {
-        use WcStatus::*;
-        match v {
-            ibv::IBV_WC_SUCCESS => Success,
-            ibv::IBV_WC_LOC_LEN_ERR => LocalLength,
-            ibv::IBV_WC_LOC_QP_OP_ERR => LocalQpOperation,
-            ibv::IBV_WC_LOC_EEC_OP_ERR => LocalEecOperation,
-            ibv::IBV_WC_LOC_PROT_ERR => LocalProtection,
-            ibv::IBV_WC_WR_FLUSH_ERR => Flushed,
-            ibv::IBV_WC_MW_BIND_ERR => MemoryWindowBind,
-            ibv::IBV_WC_BAD_RESP_ERR => BadResponse,
-            ibv::IBV_WC_LOC_ACCESS_ERR => LocalAccess,
-            ibv::IBV_WC_REM_INV_REQ_ERR => RemoteInvalidRequest,
-            ibv::IBV_WC_REM_ACCESS_ERR => RemoteAccess,
-            ibv::IBV_WC_REM_OP_ERR => RemoteOperation,
-            ibv::IBV_WC_RETRY_EXC_ERR => RetryExceeded,
-            ibv::IBV_WC_RNR_RETRY_EXC_ERR => RnrRetryExceeded,
-            ibv::IBV_WC_LOC_RDD_VIOL_ERR => LocalRddViolation,
-            ibv::IBV_WC_REM_INV_RD_REQ_ERR => RemoteInvalidRdRequest,
-            ibv::IBV_WC_REM_ABORT_ERR => RemoteAborted,
-            ibv::IBV_WC_INV_EECN_ERR => InvalidEecn,
-            ibv::IBV_WC_INV_EEC_STATE_ERR => InvalidEecState,
-            ibv::IBV_WC_FATAL_ERR => Fatal,
-            ibv::IBV_WC_RESP_TIMEOUT_ERR => ResponseTimeout,
-            ibv::IBV_WC_GENERAL_ERR => General,
-            ibv::IBV_WC_TM_ERR => TagMatching,
-            ibv::IBV_WC_TM_RNDV_INCOMPLETE => TagMatchingRndvIncomplete,
-            o => Other(o),
-        }
-    }
-
-    /// The C name, such as `IBV_WC_REM_ACCESS_ERR`.
-    pub fn c_name(self) -> &'static str {
-        use WcStatus::*;
-        match self {
-            Success => "IBV_WC_SUCCESS",
-            LocalLength => "IBV_WC_LOC_LEN_ERR",
-            LocalQpOperation => "IBV_WC_LOC_QP_OP_ERR",
-            LocalEecOperation => "IBV_WC_LOC_EEC_OP_ERR",
-            LocalProtection => "IBV_WC_LOC_PROT_ERR",
-            Flushed => "IBV_WC_WR_FLUSH_ERR",
-            MemoryWindowBind => "IBV_WC_MW_BIND_ERR",
-            BadResponse => "IBV_WC_BAD_RESP_ERR",
-            LocalAccess => "IBV_WC_LOC_ACCESS_ERR",
-            RemoteInvalidRequest => "IBV_WC_REM_INV_REQ_ERR",
-            RemoteAccess => "IBV_WC_REM_ACCESS_ERR",
-            RemoteOperation => "IBV_WC_REM_OP_ERR",
-            RetryExceeded => "IBV_WC_RETRY_EXC_ERR",
-            RnrRetryExceeded => "IBV_WC_RNR_RETRY_EXC_ERR",
-            LocalRddViolation => "IBV_WC_LOC_RDD_VIOL_ERR",
-            RemoteInvalidRdRequest => "IBV_WC_REM_INV_RD_REQ_ERR",
-            RemoteAborted => "IBV_WC_REM_ABORT_ERR",
-            InvalidEecn => "IBV_WC_INV_EECN_ERR",
-            InvalidEecState => "IBV_WC_INV_EEC_STATE_ERR",
-            Fatal => "IBV_WC_FATAL_ERR",
-            ResponseTimeout => "IBV_WC_RESP_TIMEOUT_ERR",
-            General => "IBV_WC_GENERAL_ERR",
-            TagMatching => "IBV_WC_TM_ERR",
-            TagMatchingRndvIncomplete => "IBV_WC_TM_RNDV_INCOMPLETE",
-            Other(_) => "IBV_WC_?",
-        }
-    }
-}
-
-impl fmt::Display for WcStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let raw = match self {
-            WcStatus::Other(v) => Some(*v),
-            _ => None,
-        };
-        let text = ibv::lib().ok().and_then(|l| {
-            let v = raw.unwrap_or_else(|| status_raw(*self));
-            // SAFETY: returns a static string for any value.
-            let p = unsafe { (l.ibv_wc_status_str)(v) };
-            // SAFETY: non-NULL static NUL-terminated string.
-            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-        });
-        match (text, raw) {
-            (Some(t), _) => write!(f, "{t} ({})", self.c_name()),
-            (None, Some(v)) => write!(f, "status {v}"),
-            (None, None) => f.write_str(self.c_name()),
-        }
-    }
-}
-
-fn status_raw(s: WcStatus) -> u32 {
-    (0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE)
-        .find(|v| WcStatus::from_raw(*v) == s)
-        .unwrap_or(u32::MAX)
-}
-
 /// `enum ibv_wc_opcode`: what a successful completion was for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -715,25 +545,6 @@ impl WcOpcode {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn statuses_round_trip_and_name_themselves() {
-        for v in 0..=ibv::IBV_WC_TM_RNDV_INCOMPLETE {
-            let s = WcStatus::from_raw(v);
-            assert!(!matches!(s, WcStatus::Other(_)), "{v}");
-            assert_eq!(status_raw(s), v);
-        }
-        assert_eq!(
-            WcStatus::from_raw(ibv::IBV_WC_WR_FLUSH_ERR),
-            WcStatus::Flushed
-        );
-        assert_eq!(WcStatus::RemoteAccess.c_name(), "IBV_WC_REM_ACCESS_ERR");
-        assert!(
-            WcStatus::RetryExceeded
-                .to_string()
-                .contains("IBV_WC_RETRY_EXC_ERR")
-        );
-    }
 
     #[test]
     fn immediate_is_big_endian_on_the_wire() {

@@ -1,6 +1,6 @@
 //! The list of verbs devices.
 
-use super::{nonnull, verbs};
+use super::ffi::{free_in_parent, nonnull, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::ffi::CStr;
@@ -28,6 +28,7 @@ impl DeviceList {
     ///
     /// [`Error::Load`] without libibverbs; [`Error::NoDevice`] without kernel RDMA support
     /// (libibverbs answers `ENOSYS`); [`Error::Os`] when the call fails otherwise.
+    #[doc(alias = "ibv_get_device_list")]
     pub fn get() -> Result<DeviceList> {
         let l = verbs()?;
         let mut n = 0;
@@ -51,7 +52,12 @@ impl DeviceList {
         })
     }
 
-    /// Every device, or [`Error::NoDevice`] when there is none (the usual "no RDMA here" answer).
+    /// Every device, refusing an empty list (the usual "no RDMA here" answer).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoDevice`] when there is no device; otherwise as [`DeviceList::get`].
+    #[doc(alias = "ibv_get_device_list")]
     pub fn non_empty() -> Result<DeviceList> {
         let list = Self::get()?;
         if list.is_empty() {
@@ -104,13 +110,10 @@ impl DeviceList {
 
 impl Drop for DeviceList {
     fn drop(&mut self) {
-        if super::in_forked_child() {
-            return;
-        }
-        if let Ok(l) = gpudirect_sys::ibverbs::lib() {
+        free_in_parent(ibv::lib, |l| {
             // SAFETY: the list came from ibv_get_device_list and is freed once.
             unsafe { (l.ibv_free_device_list)(self.list.as_ptr()) };
-        }
+        });
     }
 }
 

@@ -1,55 +1,17 @@
-//! GPUDirect RDMA: memory regions over GPU memory, registered by dma-buf or nvidia-peermem.
-//!
-//! [`ProtectionDomain::register_gpu`] registers device memory with the NIC one of two ways, or
-//! picks one ([`GpuRegistration::Auto`]):
-//!
-//! 1. **dma-buf** ([`GpuMrPath::DmaBuf`]): the enclosing 4 KiB-aligned range is exported with
-//!    `cuMemGetHandleForAddressRange`, then `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd,
-//!    access)` with `offset` = pointer − exported base, `len` = the requested bytes and `iova` =
-//!    the pointer. The region's bounds are exactly the requested bytes, and
-//!    [`GpuMemoryRegion::remote`] advertises `addr = iova`, the address the NIC expects.
-//!    Needs the device's `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` and a NIC driver that imports
-//!    dma-bufs (Linux 5.12+, rdma-core 34+; not Soft-RoCE, which answers `EOPNOTSUPP`).
-//! 2. **nvidia-peermem** ([`GpuMrPath::Peermem`]): only when the `nvidia_peermem` (or older
-//!    `nv_peer_mem`) kernel module is loaded; plain `ibv_reg_mr` on the device pointer. The
-//!    module pins whole 64 KiB GPU pages ([`gpudirect_sys::peermem::GPU_PAGE`]); the region's
-//!    bounds are still the requested bytes.
-//!
-//! **Automatic order**: dma-buf first, then nvidia-peermem. A path is skipped with a recorded
-//! [`Refusal`] when its precondition is missing (the device reports no dma-buf support; no
-//! peer-memory module is loaded) or when its registration fails; the next path is tried. The
-//! successful region keeps the refusals of the paths tried before it
-//! ([`GpuMemoryRegion::attempts`]); when every path is refused the error is
-//! [`Error::NoGpuRegistrationPath`] carrying all of them. Failures happen at registration,
-//! never at the first transfer, and no region ever wraps a NULL `ibv_mr`.
-//!
-//! Before any verbs call, memory that is not GPUDirect RDMA capable is refused with
-//! [`Error::NotRdmaCapable`]: stream-ordered pool memory (`cuMemAllocAsync`, cudarc's
-//! `CudaSlice`, [`PoolBuffer`](crate::memory::PoolBuffer)) reports
-//! `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0`. Registration also sets
-//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the memory, so synchronous CUDA copies to and from it
-//! complete before they return (what a NIC reading or writing it next relies on).
-//!
-//! A consumer on the GPU that reads what a NIC wrote may need
-//! [`flush_gpudirect_rdma_writes`] first.
-//!
-//! # Ownership
-//!
-//! The region owns the memory and, for dma-buf, the exported fd: `ibv_dereg_mr` runs when the
-//! region and every [`MrSlice`] of it (work requests hold slices until completion) are gone, and
-//! only after it succeeds are the fd closed and the memory freed. If it fails, both are leaked.
+//! GPUDirect RDMA: memory regions over GPU memory, registered by dma-buf or nvidia-peermem (the
+//! paths and their order are described on the [`rdma`](super) module page).
 
-use super::mr::{AccessFlags, MrInner, MrSlice, RemoteMemory};
+use super::ffi::{nonnull, verbs};
+use super::mr::{AccessFlags, DmabufRegArgs, MrInner, MrSlice, RemoteMemory, region_accessors};
 use super::pd::ProtectionDomain;
-use super::{nonnull, verbs};
-use crate::error::{Error, Result};
+use crate::error::{Error, GpuMrAttempts, GpuMrPath, GpuMrRefusal, Result};
 use crate::memory::DmaBuf;
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, PointerAttributes};
 use gpudirect_sys::ibverbs as ibv;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::RangeBounds;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 /// How [`ProtectionDomain::register_gpu`] registers GPU memory.
@@ -72,124 +34,6 @@ impl GpuRegistration {
             GpuRegistration::DmaBuf => &[GpuMrPath::DmaBuf],
             GpuRegistration::Peermem => &[GpuMrPath::Peermem],
         }
-    }
-}
-
-/// One way of handing GPU memory to a NIC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum GpuMrPath {
-    /// `ibv_reg_dmabuf_mr` over a dma-buf export of the memory.
-    DmaBuf,
-    /// `ibv_reg_mr` on the device pointer, resolved by the nvidia-peermem kernel module.
-    Peermem,
-}
-
-impl fmt::Display for GpuMrPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            GpuMrPath::DmaBuf => "dma-buf",
-            GpuMrPath::Peermem => "nvidia-peermem",
-        })
-    }
-}
-
-/// Why a registration path was not taken.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Refusal {
-    /// The CUDA device reports `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0`: nothing was tried.
-    NoDmaBufSupport {
-        /// The CUDA device ordinal.
-        ordinal: usize,
-    },
-    /// Neither `nvidia_peermem` nor `nv_peer_mem` is loaded (`/sys/module`): nothing was tried.
-    NoPeermemModule,
-    /// The path was tried and the stack cannot do it: [`Error::Unsupported`] (for dma-buf:
-    /// `ibv_reg_dmabuf_mr` answered `EOPNOTSUPP`, or libibverbs lacks it), or the driver's
-    /// `CUDA_ERROR_NOT_SUPPORTED` from the export.
-    Unsupported(Error),
-    /// The path was tried and failed otherwise (export or registration error, with its errno or
-    /// CUDA code).
-    Failed(Error),
-}
-
-impl Refusal {
-    /// The error this refusal stands for, when the path was the only one asked for.
-    pub fn into_error(self, path: GpuMrPath) -> Error {
-        match self {
-            Refusal::NoDmaBufSupport { ordinal } => Error::Unsupported {
-                what: format!("{path} memory registration"),
-                reason: format!(
-                    "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
-                ),
-            },
-            Refusal::NoPeermemModule => Error::Unsupported {
-                what: format!("{path} memory registration"),
-                reason: "neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)".into(),
-            },
-            Refusal::Unsupported(e) | Refusal::Failed(e) => e,
-        }
-    }
-
-    /// The underlying error, when the path was tried.
-    pub fn error(&self) -> Option<&Error> {
-        match self {
-            Refusal::Unsupported(e) | Refusal::Failed(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Refusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Refusal::NoDmaBufSupport { ordinal } => write!(
-                f,
-                "not tried: CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"
-            ),
-            Refusal::NoPeermemModule => f.write_str(
-                "not tried: neither nvidia_peermem nor nv_peer_mem is loaded (/sys/module)",
-            ),
-            Refusal::Unsupported(e) => write!(f, "unsupported: {e}"),
-            Refusal::Failed(e) => write!(f, "failed: {e}"),
-        }
-    }
-}
-
-/// The paths refused during one registration, in the order tried, with why. Printable: one
-/// `path: refusal` per entry, separated by `; `.
-#[derive(Debug, Default)]
-pub struct GpuMrAttempts(pub Vec<(GpuMrPath, Refusal)>);
-
-impl GpuMrAttempts {
-    /// The entries.
-    pub fn as_slice(&self) -> &[(GpuMrPath, Refusal)] {
-        &self.0
-    }
-
-    /// The refusal recorded for `path`, if it was refused.
-    pub fn refusal(&self, path: GpuMrPath) -> Option<&Refusal> {
-        self.0.iter().find(|(p, _)| *p == path).map(|(_, r)| r)
-    }
-
-    /// Whether no path was refused.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl fmt::Display for GpuMrAttempts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
-            return f.write_str("no path refused");
-        }
-        for (i, (p, r)) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            write!(f, "{p}: {r}")?;
-        }
-        Ok(())
     }
 }
 
@@ -228,7 +72,7 @@ pub unsafe trait GpuMrSource: Send + 'static {
     ///
     /// # Errors
     ///
-    /// A [`Refusal`] saying why this path cannot be taken.
+    /// A [`GpuMrRefusal`] saying why this path cannot be taken.
     ///
     /// # Safety
     ///
@@ -236,15 +80,15 @@ pub unsafe trait GpuMrSource: Send + 'static {
     /// must close the fd and every duplicate of it before `self` is dropped, and hand it to no
     /// one who could keep it longer. ([`ProtectionDomain::register_gpu`] keeps the fd beside the
     /// source and closes it first.)
-    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal>;
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), GpuMrRefusal>;
 
     /// Whether the peer-memory step may register [`nic_addr`](Self::nic_addr) with `ibv_reg_mr`.
     ///
     /// # Errors
     ///
-    /// A [`Refusal`] saying why not ([`Refusal::NoPeermemModule`] for device memory without the
+    /// A [`GpuMrRefusal`] saying why not ([`GpuMrRefusal::NoPeermemModule`] for device memory without the
     /// module).
-    fn peermem(&self) -> Result<(), Refusal>;
+    fn peermem(&self) -> Result<(), GpuMrRefusal>;
 }
 
 /// Check that `mem` is device memory a NIC can reach through GPUDirect RDMA: a device kind other
@@ -302,15 +146,14 @@ pub fn set_sync_memops(ordinal: usize, ptr: u64) -> Result<()> {
     let ctx = crate::cuda::context(ordinal)?;
     crate::driver::ctx::bind(&ctx)?;
     let one: u32 = 1;
-    // SAFETY: the attribute's value is an unsigned int read through the pointer during the call;
-    // the driver validates `ptr`.
-    crate::error::cu("cuPointerSetAttribute", unsafe {
-        sys::cuPointerSetAttribute(
-            (&one as *const u32).cast(),
+    // SAFETY: SYNC_MEMOPS takes an unsigned int, read during the call; the driver validates `ptr`.
+    unsafe {
+        crate::driver::pointer::set_attribute(
+            &one,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
             ptr,
         )
-    })
+    }
 }
 
 /// The checks and settings before device memory is handed to a NIC: RDMA capable, the device
@@ -357,13 +200,13 @@ unsafe impl<M: DeviceMemoryMut> GpuMrSource for M {
         prepare_device(self)
     }
 
-    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), Refusal> {
+    unsafe fn export_dmabuf(&self) -> Result<(OwnedFd, u64), GpuMrRefusal> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let ordinal = self.ordinal();
         match device_attr(ordinal, A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) {
-            Ok(0) => return Err(Refusal::NoDmaBufSupport { ordinal }),
+            Ok(0) => return Err(GpuMrRefusal::NoDmaBufSupport { ordinal }),
             Ok(_) => {}
-            Err(e) => return Err(Refusal::Failed(e)),
+            Err(e) => return Err(GpuMrRefusal::Failed(e)),
         }
         match crate::memory::dmabuf::export_dmabuf_range(
             ordinal,
@@ -371,95 +214,32 @@ unsafe impl<M: DeviceMemoryMut> GpuMrSource for M {
             self.byte_len() as u64,
         ) {
             Ok((fd, range)) => Ok((fd, range.offset)),
-            Err(e @ (Error::Load(_) | Error::Unsupported { .. })) => Err(Refusal::Unsupported(e)),
-            Err(e) if e.cuda_name() == Some("CUDA_ERROR_NOT_SUPPORTED") => {
-                Err(Refusal::Unsupported(e))
+            Err(e @ (Error::Load(_) | Error::Unsupported { .. })) => {
+                Err(GpuMrRefusal::Unsupported(e))
             }
-            Err(e) => Err(Refusal::Failed(e)),
+            Err(e) if e.cuda_name() == Some("CUDA_ERROR_NOT_SUPPORTED") => {
+                Err(GpuMrRefusal::Unsupported(e))
+            }
+            Err(e) => Err(GpuMrRefusal::Failed(e)),
         }
     }
 
-    fn peermem(&self) -> Result<(), Refusal> {
+    fn peermem(&self) -> Result<(), GpuMrRefusal> {
         match gpudirect_sys::peermem::peermem_module() {
             Some(_) => Ok(()),
-            None => Err(Refusal::NoPeermemModule),
+            None => Err(GpuMrRefusal::NoPeermemModule),
         }
-    }
-}
-
-/// The arguments of one `ibv_reg_dmabuf_mr` call, checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DmabufRegArgs {
-    /// Byte offset of the first registered byte inside the dma-buf.
-    pub offset: u64,
-    /// Bytes registered: exactly the requested length.
-    pub len: usize,
-    /// The address peers and work requests use for the first byte.
-    pub iova: u64,
-    /// The access flags passed (normalized: local write added where verbs require it).
-    pub access: AccessFlags,
-}
-
-impl DmabufRegArgs {
-    /// `len` bytes at `offset` of a dma-buf, addressed from `iova`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for an empty range or one whose end overflows (offset or IOVA).
-    pub fn new(offset: u64, len: usize, iova: u64, access: AccessFlags) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::invalid(
-                "len",
-                0,
-                "a region must hold at least one byte",
-            ));
-        }
-        if offset.checked_add(len as u64).is_none() || iova.checked_add(len as u64).is_none() {
-            return Err(Error::invalid(
-                "len",
-                len,
-                format!("offset {offset:#x} / iova {iova:#x} + len overflows 64 bits"),
-            ));
-        }
-        Ok(DmabufRegArgs {
-            offset,
-            len,
-            iova,
-            access: access.normalized(),
-        })
-    }
-}
-
-/// An `ibv_reg_dmabuf_mr` failure as the typed error: `EOPNOTSUPP` (and `ENOSYS`,
-/// `EPROTONOSUPPORT`) become [`Error::Unsupported`] saying dma-buf; anything else stays
-/// [`Error::Os`].
-pub(crate) fn dmabuf_error(e: Error, device: &str) -> Error {
-    match e {
-        Error::Os { source, .. }
-            if matches!(
-                source.raw_os_error(),
-                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT)
-            ) =>
-        {
-            Error::Unsupported {
-                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
-                reason: format!(
-                    "device {device} answered {source} (Soft-RoCE and kernels before 5.12 cannot register dma-bufs)"
-                ),
-            }
-        }
-        e => e,
     }
 }
 
 /// Try `order`'s paths one after the other with `attempt`, which gives the source back with a
-/// [`Refusal`] when its path is not taken. Returns the first success with its path, and every
+/// [`GpuMrRefusal`] when its path is not taken. Returns the first success with its path, and every
 /// refusal before it; or the source back with all refusals.
 #[allow(clippy::type_complexity)]
 pub(crate) fn run_paths<S, T>(
     order: &[GpuMrPath],
     src: S,
-    mut attempt: impl FnMut(GpuMrPath, S) -> Result<T, (S, Refusal)>,
+    mut attempt: impl FnMut(GpuMrPath, S) -> Result<T, (S, GpuMrRefusal)>,
 ) -> (Result<(T, GpuMrPath), S>, GpuMrAttempts) {
     let mut refused = Vec::new();
     let mut src = src;
@@ -511,6 +291,39 @@ struct Registered<S> {
     dmabuf_offset: Option<u64>,
 }
 
+impl<S> Registered<S> {
+    /// Wrap `mr` with `owner`, which holds the source (found in it by `src`) and, for dma-buf,
+    /// the fd: the region drops it only after `ibv_dereg_mr` succeeded.
+    ///
+    /// # Safety
+    ///
+    /// `mr` was just registered in `pd` over `len` bytes addressed from `addr`, and the memory
+    /// it covers stays valid while `owner` lives.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn new<O: Send + 'static>(
+        pd: &ProtectionDomain,
+        mr: std::ptr::NonNull<ibv::ibv_mr>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        owner: Box<O>,
+        src: impl FnOnce(&O) -> &S,
+        dmabuf_offset: Option<u64>,
+    ) -> Self {
+        // A stable heap address: the box's contents do not move with it.
+        let src = std::ptr::NonNull::from(src(&owner));
+        // SAFETY: the caller's contract; `addr` is an IOVA or device pointer, never dereferenced.
+        let inner = unsafe {
+            MrInner::registered(mr, addr as *mut u8, len, access, pd.inner.clone(), owner)
+        };
+        Registered {
+            inner,
+            src,
+            dmabuf_offset,
+        }
+    }
+}
+
 impl<S> GpuMemoryRegion<S> {
     /// The path that registered it.
     pub fn path(&self) -> GpuMrPath {
@@ -538,61 +351,20 @@ impl<S> GpuMemoryRegion<S> {
         &self.attempts
     }
 
-    /// The local key.
-    pub fn lkey(&self) -> u32 {
-        self.inner.lkey()
-    }
+    region_accessors!(
+        "The address of the first byte as work requests and peers use it: the IOVA of a dma-buf \
+         region (the device pointer), the device pointer on the peer-memory path."
+    );
 
-    /// The remote key.
-    pub fn rkey(&self) -> u32 {
-        self.inner.rkey()
-    }
-
-    /// The address of the first byte as work requests and peers use it: the IOVA of a dma-buf
-    /// region (the device pointer), the device pointer on the peer-memory path.
-    pub fn addr(&self) -> u64 {
-        self.inner.addr()
-    }
-
-    /// Length in bytes: exactly the bytes registered.
-    pub fn len(&self) -> usize {
-        self.inner.len()
-    }
-
-    /// Whether it is empty (never).
-    pub fn is_empty(&self) -> bool {
-        self.inner.len() == 0
-    }
-
-    /// The access granted (normalized).
-    pub fn access(&self) -> AccessFlags {
-        self.inner.access()
-    }
-
-    /// The raw `ibv_mr`, valid while `self` is.
-    pub fn as_raw(&self) -> *mut ibv::ibv_mr {
-        self.inner.as_raw()
-    }
-
-    /// The descriptor a peer needs: `addr` = [`addr`](Self::addr) (the IOVA), the rkey, the
-    /// length in bytes.
-    pub fn remote(&self) -> RemoteMemory {
-        RemoteMemory {
-            addr: self.addr(),
-            rkey: self.rkey(),
-            len: self.len() as u64,
+    fn new(reg: Registered<S>, path: GpuMrPath, attempts: GpuMrAttempts) -> Self {
+        GpuMemoryRegion {
+            inner: reg.inner,
+            path,
+            attempts,
+            dmabuf_offset: reg.dmabuf_offset,
+            src: reg.src,
+            _src: PhantomData,
         }
-    }
-
-    /// A slice for a work request (`..` for all of it); it keeps the region registered and the
-    /// memory alive until the request completes.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] when the range is empty, out of bounds, or longer than 2^31
-    /// bytes.
-    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
-        MrSlice::of(&self.inner, range)
     }
 }
 
@@ -612,8 +384,9 @@ impl<S> fmt::Debug for GpuMemoryRegion<S> {
 }
 
 impl ProtectionDomain {
-    /// Register GPU memory with the NIC by dma-buf or nvidia-peermem (see the
-    /// [module](crate::rdma::gpu_mr) for both paths and the automatic order). The region owns
+    /// Register GPU memory with the NIC by dma-buf or nvidia-peermem (see
+    /// [GPU memory regions](crate::rdma#gpu-memory-regions) for both paths and the automatic
+    /// order). The region owns
     /// `src`; `access` may include remote write and atomics (GPU bytes are never borrowed on the
     /// host).
     ///
@@ -625,12 +398,13 @@ impl ProtectionDomain {
     /// [`Error::InvalidArgument`] for an empty or overflowing range or host memory;
     /// [`Error::NotRdmaCapable`] for pool memory (cudarc's `CudaSlice`); [`Error::Load`] without
     /// libibverbs. With [`GpuRegistration::Auto`]: [`Error::NoGpuRegistrationPath`] listing each
-    /// path and its [`Refusal`]. With one path: that path's error ([`Error::Unsupported`] saying
+    /// path and its [`GpuMrRefusal`]. With one path: that path's error ([`Error::Unsupported`] saying
     /// dma-buf when `ibv_reg_dmabuf_mr` answers `EOPNOTSUPP`, or naming nvidia-peermem when the
     /// module is absent; [`Error::Os`] with the errno of a failed `ibv_reg_mr` /
     /// `ibv_reg_dmabuf_mr`; [`Error::Cuda`] from the export).
     #[doc(alias = "ibv_reg_dmabuf_mr")]
     #[doc(alias = "cuMemGetHandleForAddressRange")]
+    #[doc(alias = "ibv_reg_mr")]
     pub fn register_gpu<S: GpuMrSource>(
         &self,
         src: S,
@@ -648,14 +422,7 @@ impl ProtectionDomain {
             GpuMrPath::Peermem => self.try_peermem(l, s, access),
         });
         match r {
-            Ok((reg, path)) => Ok(GpuMemoryRegion {
-                inner: reg.inner,
-                path,
-                attempts,
-                dmabuf_offset: reg.dmabuf_offset,
-                src: reg.src,
-                _src: PhantomData,
-            }),
+            Ok((reg, path)) => Ok(GpuMemoryRegion::new(reg, path, attempts)),
             Err(_src) if how != GpuRegistration::Auto => {
                 let (path, refusal) = attempts.0.into_iter().next().expect("one path tried");
                 Err(refusal.into_error(path))
@@ -664,44 +431,12 @@ impl ProtectionDomain {
         }
     }
 
-    /// The dma-buf step on an fd: `ibv_reg_dmabuf_mr(pd, args.offset, args.len, args.iova, fd,
-    /// args.access)`, with `EOPNOTSUPP` mapped to [`Error::Unsupported`].
-    fn reg_dmabuf(
-        &self,
-        l: &ibv::Lib,
-        fd: BorrowedFd<'_>,
-        args: DmabufRegArgs,
-    ) -> Result<std::ptr::NonNull<ibv::ibv_mr>> {
-        let Some(reg) = l.ibv_reg_dmabuf_mr else {
-            return Err(Error::Unsupported {
-                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
-                reason: format!(
-                    "{} has no ibv_reg_dmabuf_mr (rdma-core older than 34)",
-                    l.path()
-                ),
-            });
-        };
-        // SAFETY: a live PD and an open fd; the kernel takes its own reference to the dma-buf
-        // and validates offset/len against it.
-        let p = unsafe {
-            reg(
-                self.as_raw(),
-                args.offset,
-                args.len,
-                args.iova,
-                fd.as_raw_fd(),
-                args.access.bits() as i32,
-            )
-        };
-        nonnull("ibv_reg_dmabuf_mr", p).map_err(|e| dmabuf_error(e, self.context().name()))
-    }
-
     fn try_dmabuf<S: GpuMrSource>(
         &self,
         l: &ibv::Lib,
         s: S,
         access: AccessFlags,
-    ) -> Result<Registered<S>, (S, Refusal)> {
+    ) -> Result<Registered<S>, (S, GpuMrRefusal)> {
         // SAFETY: the fd goes into the region's owner beside `s`, declared first so that it is
         // closed before `s` is dropped; on refusal it is closed here, while `s` is alive.
         let (fd, offset) = match unsafe { s.export_dmabuf() } {
@@ -710,32 +445,25 @@ impl ProtectionDomain {
         };
         let args = match DmabufRegArgs::new(offset, s.nic_len(), s.nic_addr(), access) {
             Ok(a) => a,
-            Err(e) => return Err((s, Refusal::Failed(e))),
+            Err(e) => return Err((s, GpuMrRefusal::Failed(e))),
         };
         match self.reg_dmabuf(l, std::os::fd::AsFd::as_fd(&fd), args) {
-            Ok(mr) => {
-                let owner = Box::new(DmabufOwner { _fd: fd, _src: s });
-                let src = std::ptr::NonNull::from(&owner._src);
-                // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed
-                // from `args.iova`; the owner keeps the fd and the memory until after dereg.
-                let inner = unsafe {
-                    MrInner::registered(
-                        mr,
-                        args.iova,
-                        args.len,
-                        args.access,
-                        self.inner.clone(),
-                        owner,
-                    )
-                };
-                Ok(Registered {
-                    inner,
-                    src,
-                    dmabuf_offset: Some(args.offset),
-                })
-            }
-            Err(e @ Error::Unsupported { .. }) => Err((s, Refusal::Unsupported(e))),
-            Err(e) => Err((s, Refusal::Failed(e))),
+            // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed from
+            // `args.iova`; the owner keeps the fd and the memory until after dereg.
+            Ok(mr) => Ok(unsafe {
+                Registered::new(
+                    self,
+                    mr,
+                    args.iova,
+                    args.len,
+                    args.access,
+                    Box::new(DmabufOwner { _fd: fd, _src: s }),
+                    |o| &o._src,
+                    Some(args.offset),
+                )
+            }),
+            Err(e @ Error::Unsupported { .. }) => Err((s, GpuMrRefusal::Unsupported(e))),
+            Err(e) => Err((s, GpuMrRefusal::Failed(e))),
         }
     }
 
@@ -770,28 +498,25 @@ impl ProtectionDomain {
         prepare_device(export.memory())?;
         let l = verbs()?;
         let mr = self.reg_dmabuf(l, export.fd(), args)?;
-        let owner = Box::new(export);
-        let src = std::ptr::NonNull::from(&*owner);
         // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed from
         // `args.iova`; the owner keeps the fd and the memory until after dereg.
-        let inner = unsafe {
-            MrInner::registered(
+        let reg = unsafe {
+            Registered::new(
+                self,
                 mr,
                 args.iova,
                 args.len,
                 args.access,
-                self.inner.clone(),
-                owner,
+                Box::new(export),
+                |o| o,
+                Some(args.offset),
             )
         };
-        Ok(GpuMemoryRegion {
-            inner,
-            path: GpuMrPath::DmaBuf,
-            attempts: GpuMrAttempts::default(),
-            dmabuf_offset: Some(args.offset),
-            src,
-            _src: PhantomData,
-        })
+        Ok(GpuMemoryRegion::new(
+            reg,
+            GpuMrPath::DmaBuf,
+            GpuMrAttempts::default(),
+        ))
     }
 
     fn try_peermem<S: GpuMrSource>(
@@ -799,7 +524,7 @@ impl ProtectionDomain {
         l: &ibv::Lib,
         s: S,
         access: AccessFlags,
-    ) -> Result<Registered<S>, (S, Refusal)> {
+    ) -> Result<Registered<S>, (S, GpuMrRefusal)> {
         if let Err(r) = s.peermem() {
             return Err((s, r));
         }
@@ -815,21 +540,12 @@ impl ProtectionDomain {
             )
         };
         match nonnull("ibv_reg_mr", p) {
-            Ok(mr) => {
-                let owner = Box::new(s);
-                let src = std::ptr::NonNull::from(&*owner);
-                // SAFETY: registered just now in this PD over exactly these bytes; `owner` holds
-                // the memory until after dereg.
-                let inner = unsafe {
-                    MrInner::registered(mr, addr, len, access, self.inner.clone(), owner)
-                };
-                Ok(Registered {
-                    inner,
-                    src,
-                    dmabuf_offset: None,
-                })
-            }
-            Err(e) => Err((s, Refusal::Failed(e))),
+            // SAFETY: registered just now in this PD over exactly these bytes; the owner holds
+            // the memory until after dereg.
+            Ok(mr) => Ok(unsafe {
+                Registered::new(self, mr, addr, len, access, Box::new(s), |o| o, None)
+            }),
+            Err(e) => Err((s, GpuMrRefusal::Failed(e))),
         }
     }
 }
@@ -932,19 +648,15 @@ pub fn flush_gpudirect_rdma_writes(
             sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES
         }
     };
-    // SAFETY: the symbol exists (checked); a context is current; plain enum arguments.
-    crate::error::cu("cuFlushGPUDirectRDMAWrites", unsafe {
-        sys::cuFlushGPUDirectRDMAWrites(
-            sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-            s,
-        )
-    })?;
+    // SAFETY: the symbol exists (checked); a context is current.
+    unsafe { crate::driver::ctx::flush_gpudirect_rdma_writes(s) }?;
     Ok(FlushOutcome::Flushed)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rdma::mr::dmabuf_error;
     use gpudirect_sys::peermem::DmaBufRange;
 
     #[test]
@@ -1038,7 +750,7 @@ mod tests {
             match p {
                 GpuMrPath::DmaBuf => Err((
                     s,
-                    Refusal::Unsupported(dmabuf_error(
+                    GpuMrRefusal::Unsupported(dmabuf_error(
                         Error::errno("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP),
                         "rxe0",
                     )),
@@ -1051,7 +763,7 @@ mod tests {
         assert_eq!(attempts.as_slice().len(), 1);
         assert!(matches!(
             attempts.refusal(GpuMrPath::DmaBuf),
-            Some(Refusal::Unsupported(Error::Unsupported { .. }))
+            Some(GpuMrRefusal::Unsupported(Error::Unsupported { .. }))
         ));
         let text = attempts.to_string();
         assert!(text.starts_with("dma-buf: unsupported:"), "{text}");
@@ -1061,8 +773,8 @@ mod tests {
             Err((
                 s,
                 match p {
-                    GpuMrPath::DmaBuf => Refusal::NoDmaBufSupport { ordinal: 0 },
-                    GpuMrPath::Peermem => Refusal::NoPeermemModule,
+                    GpuMrPath::DmaBuf => GpuMrRefusal::NoDmaBufSupport { ordinal: 0 },
+                    GpuMrPath::Peermem => GpuMrRefusal::NoPeermemModule,
                 },
             ))
         });
@@ -1081,12 +793,12 @@ mod tests {
 
     #[test]
     fn single_path_refusals_become_typed_errors() {
-        let e = Refusal::NoPeermemModule.into_error(GpuMrPath::Peermem);
+        let e = GpuMrRefusal::NoPeermemModule.into_error(GpuMrPath::Peermem);
         assert!(
             matches!(&e, Error::Unsupported { what, .. } if what.contains("nvidia-peermem")),
             "{e}"
         );
-        let e = Refusal::NoDmaBufSupport { ordinal: 1 }.into_error(GpuMrPath::DmaBuf);
+        let e = GpuMrRefusal::NoDmaBufSupport { ordinal: 1 }.into_error(GpuMrPath::DmaBuf);
         assert!(
             matches!(&e, Error::Unsupported { what, .. } if what.contains("dma-buf")),
             "{e}"
@@ -1095,30 +807,25 @@ mod tests {
 
     #[test]
     fn flush_needs_the_host_option_and_skips_when_ordered() {
-        assert!(matches!(
-            flush_plan(0, 0, 0, FlushScope::Owner),
-            Err(Error::Unsupported { .. })
-        ));
-        assert!(matches!(
-            flush_plan(0, 2, 0, FlushScope::Owner),
-            Err(Error::Unsupported { .. })
-        ));
-        assert_eq!(
-            flush_plan(0, 1, 0, FlushScope::Owner).unwrap(),
-            FlushOutcome::Flushed
-        );
-        assert_eq!(
-            flush_plan(0, 3, 100, FlushScope::Owner).unwrap(),
-            FlushOutcome::AlreadyOrdered
-        );
-        assert_eq!(
-            flush_plan(0, 3, 100, FlushScope::AllDevices).unwrap(),
-            FlushOutcome::Flushed
-        );
-        assert_eq!(
-            flush_plan(0, 1, 200, FlushScope::AllDevices).unwrap(),
-            FlushOutcome::AlreadyOrdered
-        );
+        use FlushOutcome::{AlreadyOrdered, Flushed};
+        for options in [0, 2] {
+            assert!(matches!(
+                flush_plan(0, options, 0, FlushScope::Owner),
+                Err(Error::Unsupported { .. })
+            ));
+        }
+        for (options, ordering, scope, want) in [
+            (1, 0, FlushScope::Owner, Flushed),
+            (3, 100, FlushScope::Owner, AlreadyOrdered),
+            (3, 100, FlushScope::AllDevices, Flushed),
+            (1, 200, FlushScope::AllDevices, AlreadyOrdered),
+        ] {
+            assert_eq!(
+                flush_plan(0, options, ordering, scope).unwrap(),
+                want,
+                "options {options}, ordering {ordering}, {scope:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,12 +1,15 @@
-//! Memory regions over host memory, slices of them for work requests, and remote descriptors.
+//! Memory regions over host memory and dma-bufs, slices of them for work requests, and remote
+//! descriptors.
 
+use super::ffi::{free_in_parent, nonnull, verbs};
 use super::pd::{PdInner, ProtectionDomain};
-use super::{COUNTERS, Counters, in_forked_child, nonnull, verbs};
+use super::teardown::{COUNTERS, Counters};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::ops::{Bound, RangeBounds};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -213,9 +216,10 @@ pub(crate) struct MrInner {
 }
 
 impl MrInner {
-    /// A region registered elsewhere in this crate (GPU memory). `addr` is the address work
-    /// requests and peers use for the first byte (the IOVA); `owner` holds everything the NIC may
-    /// reach and is dropped only after `ibv_dereg_mr` succeeds (leaked otherwise).
+    /// A region just registered. `addr` is the address work requests and peers use for the first
+    /// byte (the host pointer of a host region, dereferenced by `MemoryRegion`; the IOVA of a GPU
+    /// or dma-buf region, never dereferenced); `owner` holds everything the NIC may reach and is
+    /// dropped only after `ibv_dereg_mr` succeeds (leaked otherwise).
     ///
     /// # Safety
     ///
@@ -223,7 +227,7 @@ impl MrInner {
     /// deregistered by nobody else; what it covers stays valid while `owner` lives.
     pub(crate) unsafe fn registered(
         mr: NonNull<ibv::ibv_mr>,
-        addr: u64,
+        addr: *mut u8,
         len: usize,
         access: AccessFlags,
         pd: Arc<PdInner>,
@@ -233,7 +237,7 @@ impl MrInner {
         let (lkey, rkey) = unsafe { ((*mr.as_ptr()).lkey, (*mr.as_ptr()).rkey) };
         Arc::new(MrInner {
             mr,
-            addr: addr as *mut u8,
+            addr,
             len,
             lkey,
             rkey,
@@ -266,7 +270,75 @@ impl MrInner {
     pub(crate) fn as_raw(&self) -> *mut ibv::ibv_mr {
         self.mr.as_ptr()
     }
+
+    /// The descriptor of the whole region: its address, rkey and length.
+    pub(crate) fn remote(&self) -> RemoteMemory {
+        RemoteMemory {
+            addr: self.addr(),
+            rkey: self.rkey,
+            len: self.len as u64,
+        }
+    }
 }
+
+/// The accessors every registered region has over its `inner: Arc<MrInner>`; `$addr` documents
+/// `addr()`, which means the host address of a host region and the IOVA of a GPU region.
+macro_rules! region_accessors {
+    ($addr:literal) => {
+        /// The local key, for scatter-gather entries.
+        pub fn lkey(&self) -> u32 {
+            self.inner.lkey()
+        }
+
+        /// The remote key peers use to access the region.
+        pub fn rkey(&self) -> u32 {
+            self.inner.rkey()
+        }
+
+        /// Length in bytes: exactly the bytes registered.
+        pub fn len(&self) -> usize {
+            self.inner.len()
+        }
+
+        /// Whether it is empty (never: registration needs one byte).
+        pub fn is_empty(&self) -> bool {
+            self.inner.len() == 0
+        }
+
+        /// The access granted (normalized: local write added where verbs require it).
+        pub fn access(&self) -> AccessFlags {
+            self.inner.access()
+        }
+
+        #[doc = $addr]
+        pub fn addr(&self) -> u64 {
+            self.inner.addr()
+        }
+
+        /// The raw `ibv_mr`, valid while `self` is.
+        pub fn as_raw(&self) -> *mut ibv::ibv_mr {
+            self.inner.as_raw()
+        }
+
+        /// The descriptor a peer needs to access the whole region remotely: `addr` =
+        /// [`addr`](Self::addr), the rkey, the length in bytes.
+        pub fn remote(&self) -> RemoteMemory {
+            self.inner.remote()
+        }
+
+        /// A slice of the region for a work request (`..` for all of it). The slice keeps the
+        /// region registered and its memory alive until the request that holds it completes.
+        ///
+        /// # Errors
+        ///
+        /// [`Error::InvalidArgument`] when the range is empty, out of bounds, or longer than
+        /// 2^31 bytes (the largest verbs message).
+        pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+            MrSlice::of(&self.inner, range)
+        }
+    };
+}
+pub(crate) use region_accessors;
 
 // SAFETY: the raw pointers are to memory owned by `mem` and to the verbs MR; the bytes are only
 // accessed through raw copies or under `&mut MemoryRegion` with no other owner. `mem` (Send) is
@@ -279,19 +351,17 @@ impl Drop for MrInner {
     fn drop(&mut self) {
         // ibv_dereg_mr is the fence against holders of the rkey: only after it succeeds may the
         // memory go. If it fails, or in a forked child, the memory is leaked.
-        if in_forked_child() {
-            return;
-        }
-        let Ok(l) = ibv::lib() else { return };
-        // SAFETY: registered by ibv_reg_mr, deregistered once; no posted request holds a slice
-        // (each holds an Arc to this).
-        if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
-            // SAFETY: taken once, here, after the NIC lost access.
-            drop(unsafe { ManuallyDrop::take(&mut self.mem) });
-            Counters::count(&COUNTERS.mr_deregistered);
-        } else {
-            Counters::count(&COUNTERS.mr_leaked);
-        }
+        free_in_parent(ibv::lib, |l| {
+            // SAFETY: registered by a verbs call, deregistered once; no posted request holds a
+            // slice (each holds an Arc to this).
+            if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
+                // SAFETY: taken once, here, after the NIC lost access.
+                drop(unsafe { ManuallyDrop::take(&mut self.mem) });
+                Counters::count(&COUNTERS.mr_deregistered);
+            } else {
+                Counters::count(&COUNTERS.mr_leaked);
+            }
+        });
     }
 }
 
@@ -323,7 +393,7 @@ pub struct MemoryRegion<M: MrMode = Local> {
 }
 
 impl<M: MrMode> MemoryRegion<M> {
-    pub(crate) fn new(
+    fn new(
         pd: &ProtectionDomain,
         mut mem: Box<dyn HostMemory>,
         access: AccessFlags,
@@ -350,77 +420,17 @@ impl<M: MrMode> MemoryRegion<M> {
         // after ibv_dereg_mr; the PD is live.
         let p = unsafe { (l.ibv_reg_mr)(pd.as_raw(), addr.cast(), len, access.bits() as i32) };
         let mr = nonnull("ibv_reg_mr", p)?;
-        // SAFETY: a registered MR returned by the call.
-        let (lkey, rkey) = unsafe { ((*p).lkey, (*p).rkey) };
+        // SAFETY: `mr` was just registered in this PD over the `len` bytes at `addr`, which
+        // `mem` owns and keeps valid until after ibv_dereg_mr.
+        let inner =
+            unsafe { MrInner::registered(mr, addr, len, access, pd.inner.clone(), Box::new(mem)) };
         Ok(MemoryRegion {
-            inner: Arc::new(MrInner {
-                mr,
-                addr,
-                len,
-                lkey,
-                rkey,
-                access,
-                pd: pd.inner.clone(),
-                mem: ManuallyDrop::new(Box::new(mem)),
-            }),
+            inner,
             _mode: PhantomData,
         })
     }
 
-    /// The local key, for scatter-gather entries.
-    pub fn lkey(&self) -> u32 {
-        self.inner.lkey
-    }
-
-    /// The remote key peers use to access the region.
-    pub fn rkey(&self) -> u32 {
-        self.inner.rkey
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.len
-    }
-
-    /// Whether it is empty (never: registration needs one byte).
-    pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
-    }
-
-    /// The access granted (normalized: local write added where verbs require it).
-    pub fn access(&self) -> AccessFlags {
-        self.inner.access
-    }
-
-    /// The start address (the address peers use with the rkey).
-    pub fn addr(&self) -> u64 {
-        self.inner.addr as u64
-    }
-
-    /// The raw `ibv_mr`, valid while `self` is.
-    pub fn as_raw(&self) -> *mut ibv::ibv_mr {
-        self.inner.mr.as_ptr()
-    }
-
-    /// The descriptor a peer needs to access the whole region remotely.
-    pub fn remote(&self) -> RemoteMemory {
-        RemoteMemory {
-            addr: self.addr(),
-            rkey: self.rkey(),
-            len: self.len() as u64,
-        }
-    }
-
-    /// A slice of the region for a work request (`..` for all of it). The slice keeps the region
-    /// registered and its memory alive.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] when the range is empty, out of bounds, or longer than 2^31
-    /// bytes (the largest verbs message).
-    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
-        MrSlice::of(&self.inner, range)
-    }
+    region_accessors!("The start address: the address peers use with the rkey.");
 
     /// Copy `dst.len()` bytes starting at `offset` out of the region, with volatile loads (the
     /// NIC may be writing them). The bytes are stable after the completion that covers their
@@ -899,35 +909,148 @@ impl RemoteSlice {
     }
 }
 
-/// `ibv_reg_dmabuf_mr`—a region over a dma-buf (GPU or other device memory exported as an fd).
-/// It keeps the fd, and so the dma-buf, until it is deregistered on drop.
-#[doc(alias = "ibv_reg_dmabuf_mr")]
-pub struct DmabufRegion {
-    mr: NonNull<ibv::ibv_mr>,
-    lkey: u32,
-    rkey: u32,
-    len: usize,
-    iova: u64,
-    fd: ManuallyDrop<std::os::fd::OwnedFd>,
-    _pd: Arc<PdInner>,
-}
+impl ProtectionDomain {
+    /// `ibv_reg_mr(pd, buf, len, access)`—register host memory that only this node's NIC writes
+    /// (receives, RDMA-read targets) and that remote peers may at most read.
+    ///
+    /// `access` may hold [`AccessFlags::LOCAL_WRITE`] and [`AccessFlags::REMOTE_READ`]; the default
+    /// (empty) is the least privilege: the NIC may only read it, for sends and RDMA writes. Use
+    /// [`register_remote`](Self::register_remote) for remote write or atomic access.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for remote write or atomic flags, or
+    /// an empty buffer; [`Error::Os`](crate::Error::Os) naming `ibv_reg_mr` (`ENOMEM` over the
+    /// locked-memory limit, `EINVAL` for flags the device refuses); [`Error::Os`](crate::Error::Os) naming
+    /// `ibv_fork_init` when fork support could not be set up.
+    #[doc(alias = "ibv_reg_mr")]
+    pub fn register<B: HostMemory>(
+        &self,
+        buf: B,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion<Local>> {
+        MemoryRegion::<Local>::new(self, Box::new(buf), access)
+    }
 
-// SAFETY: a registration handle; no memory is accessed through it.
-unsafe impl Send for DmabufRegion {}
-// SAFETY: as above.
-unsafe impl Sync for DmabufRegion {}
+    /// `ibv_reg_mr(pd, buf, len, access)`—register host memory that remote peers may write
+    /// ([`AccessFlags::REMOTE_WRITE`]) or update atomically ([`AccessFlags::REMOTE_ATOMIC`]). Local
+    /// write, which verbs require for both, is added.
+    ///
+    /// Such a region never hands out `&`/`&mut` to its bytes: copy them with
+    /// [`MemoryRegion::read_at`] / [`MemoryRegion::write_at`] (and [`MemoryRegion::read_u64`] for
+    /// atomic targets).
+    ///
+    /// # Errors
+    ///
+    /// As [`register`](Self::register).
+    #[doc(alias = "ibv_reg_mr")]
+    pub fn register_remote<B: HostMemory>(
+        &self,
+        buf: B,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion<Remote>> {
+        MemoryRegion::<Remote>::new(self, Box::new(buf), access)
+    }
 
-impl DmabufRegion {
-    pub(crate) fn new(
-        pd: &ProtectionDomain,
-        fd: std::os::fd::OwnedFd,
+    /// `ibv_reg_dmabuf_mr(pd, offset, len, iova, fd, access)`—register `len` bytes at `offset`
+    /// of the dma-buf `fd` of any exporter; peers address them from `iova`. The region keeps
+    /// `fd`. For CUDA memory use the safe
+    /// [`register_dmabuf`](ProtectionDomain::register_dmabuf), which takes the owning export.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`](crate::Error::Unsupported) saying dma-buf when libibverbs lacks the
+    /// call or the device answers `EOPNOTSUPP` (Soft-RoCE, kernels before 5.12): the caller's
+    /// automatic mode then tries the next path; [`Error::Os`](crate::Error::Os) naming
+    /// `ibv_reg_dmabuf_mr` otherwise (`EINVAL` for an fd that is no dma-buf).
+    ///
+    /// # Safety
+    ///
+    /// The NIC may read and (with write access) write the registered bytes until the region is
+    /// dropped: the memory behind `fd` must stay allocated, and not be reused for anything else,
+    /// until then. An fd does not guarantee that (a CUDA dma-buf does not keep its memory alive).
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub unsafe fn register_dmabuf_fd(
+        &self,
+        fd: OwnedFd,
         offset: u64,
         len: usize,
         iova: u64,
         access: AccessFlags,
-    ) -> Result<Self> {
-        use std::os::fd::AsRawFd;
-        const WHAT: &str = "dma-buf memory registration (ibv_reg_dmabuf_mr)";
+    ) -> Result<DmabufRegion> {
+        let args = DmabufRegArgs::new(offset, len, iova, access)?;
+        let l = verbs()?;
+        let mr = self.reg_dmabuf(l, fd.as_fd(), args)?;
+        // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed from
+        // `args.iova`; the caller keeps the memory behind `fd` valid until the region is dropped,
+        // and the region keeps `fd` open until after ibv_dereg_mr.
+        let inner = unsafe {
+            MrInner::registered(
+                mr,
+                args.iova as *mut u8,
+                args.len,
+                args.access,
+                self.inner.clone(),
+                Box::new(fd),
+            )
+        };
+        Ok(DmabufRegion { inner })
+    }
+
+    /// The dma-buf step on an fd: `ibv_reg_dmabuf_mr(pd, args.offset, args.len, args.iova, fd,
+    /// args.access)`, with `EOPNOTSUPP` mapped to [`Error::Unsupported`]. The caller wraps the
+    /// registration ([`MrInner::registered`]) with what keeps the memory behind `fd` valid.
+    pub(crate) fn reg_dmabuf(
+        &self,
+        l: &ibv::Lib,
+        fd: BorrowedFd<'_>,
+        args: DmabufRegArgs,
+    ) -> Result<NonNull<ibv::ibv_mr>> {
+        let Some(reg) = l.ibv_reg_dmabuf_mr else {
+            return Err(Error::Unsupported {
+                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
+                reason: format!(
+                    "{} has no ibv_reg_dmabuf_mr (rdma-core older than 34)",
+                    l.path()
+                ),
+            });
+        };
+        // SAFETY: a live PD and an open fd; the kernel takes its own reference to the dma-buf
+        // and validates offset/len against it.
+        let p = unsafe {
+            reg(
+                self.as_raw(),
+                args.offset,
+                args.len,
+                args.iova,
+                fd.as_raw_fd(),
+                args.access.bits() as i32,
+            )
+        };
+        nonnull("ibv_reg_dmabuf_mr", p).map_err(|e| dmabuf_error(e, self.context().name()))
+    }
+}
+
+/// The arguments of one `ibv_reg_dmabuf_mr` call, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmabufRegArgs {
+    /// Byte offset of the first registered byte inside the dma-buf.
+    pub offset: u64,
+    /// Bytes registered: exactly the requested length.
+    pub len: usize,
+    /// The address peers and work requests use for the first byte.
+    pub iova: u64,
+    /// The access flags passed (normalized: local write added where verbs require it).
+    pub access: AccessFlags,
+}
+
+impl DmabufRegArgs {
+    /// `len` bytes at `offset` of a dma-buf, addressed from `iova`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an empty range or one whose end overflows (offset or IOVA).
+    pub fn new(offset: u64, len: usize, iova: u64, access: AccessFlags) -> Result<Self> {
         if len == 0 {
             return Err(Error::invalid(
                 "len",
@@ -939,101 +1062,73 @@ impl DmabufRegion {
             return Err(Error::invalid(
                 "len",
                 len,
-                format!("offset {offset:#x} / iova {iova:#x} plus len overflows 64 bits"),
+                format!("offset {offset:#x} / iova {iova:#x} + len overflows 64 bits"),
             ));
         }
-        let l = verbs()?;
-        let Some(reg) = l.ibv_reg_dmabuf_mr else {
-            return Err(Error::Unsupported {
-                what: WHAT.into(),
-                reason: format!(
-                    "{} has no ibv_reg_dmabuf_mr (rdma-core older than 34)",
-                    l.path()
-                ),
-            });
-        };
-        let access = access.normalized();
-        // SAFETY: a live PD and an open fd; the kernel takes its own reference to the dma-buf.
-        let p = unsafe {
-            reg(
-                pd.as_raw(),
-                offset,
-                len,
-                iova,
-                fd.as_raw_fd(),
-                access.bits() as i32,
-            )
-        };
-        let mr = nonnull("ibv_reg_dmabuf_mr", p).map_err(|e| match e {
-            Error::Os { source, .. }
-                if matches!(source.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT)) =>
-            {
-                Error::Unsupported {
-                    what: WHAT.into(),
-                    reason: format!(
-                        "device {} answered {source} (Soft-RoCE and kernels before 5.12 cannot register dma-bufs)",
-                        pd.context().name()
-                    ),
-                }
-            }
-            e => e,
-        })?;
-        // SAFETY: a registered MR returned by the call.
-        let (lkey, rkey) = unsafe { ((*p).lkey, (*p).rkey) };
-        Ok(DmabufRegion {
-            mr,
-            lkey,
-            rkey,
+        Ok(DmabufRegArgs {
+            offset,
             len,
             iova,
-            fd: ManuallyDrop::new(fd),
-            _pd: pd.inner.clone(),
+            access: access.normalized(),
         })
     }
+}
 
+/// An `ibv_reg_dmabuf_mr` failure as the typed error: `EOPNOTSUPP` (and `ENOSYS`,
+/// `EPROTONOSUPPORT`) become [`Error::Unsupported`] saying dma-buf; anything else stays
+/// [`Error::Os`].
+pub(crate) fn dmabuf_error(e: Error, device: &str) -> Error {
+    match e {
+        Error::Os { source, .. }
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT)
+            ) =>
+        {
+            Error::Unsupported {
+                what: "dma-buf memory registration (ibv_reg_dmabuf_mr)".into(),
+                reason: format!(
+                    "device {device} answered {source} (Soft-RoCE and kernels before 5.12 cannot register dma-bufs)"
+                ),
+            }
+        }
+        e => e,
+    }
+}
+
+/// `ibv_reg_dmabuf_mr`—a region over a dma-buf of any exporter, registered with
+/// [`ProtectionDomain::register_dmabuf_fd`]. It keeps the fd, and so the dma-buf, until it is
+/// deregistered on drop.
+#[doc(alias = "ibv_reg_dmabuf_mr")]
+pub struct DmabufRegion {
+    inner: Arc<MrInner>,
+}
+
+// No slices: the caller of `register_dmabuf_fd` keeps the memory valid until the region is
+// dropped, so nothing may hold the registration longer.
+impl DmabufRegion {
     /// The local key.
     pub fn lkey(&self) -> u32 {
-        self.lkey
+        self.inner.lkey()
     }
 
     /// The remote key.
     pub fn rkey(&self) -> u32 {
-        self.rkey
+        self.inner.rkey()
     }
 
     /// The descriptor peers use: the address is the IOVA given at registration.
     pub fn remote(&self) -> RemoteMemory {
-        RemoteMemory {
-            addr: self.iova,
-            rkey: self.rkey,
-            len: self.len as u64,
-        }
-    }
-}
-
-impl Drop for DmabufRegion {
-    fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        let Ok(l) = ibv::lib() else { return };
-        // SAFETY: registered once, deregistered once; only after success may the fd close.
-        if unsafe { (l.ibv_dereg_mr)(self.mr.as_ptr()) } == 0 {
-            // SAFETY: taken once, here.
-            drop(unsafe { ManuallyDrop::take(&mut self.fd) });
-            Counters::count(&COUNTERS.mr_deregistered);
-        } else {
-            Counters::count(&COUNTERS.mr_leaked);
-        }
+        self.inner.remote()
     }
 }
 
 impl std::fmt::Debug for DmabufRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DmabufRegion")
-            .field("iova", &format_args!("{:#x}", self.iova))
-            .field("len", &self.len)
-            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .field("iova", &format_args!("{:#x}", self.inner.addr()))
+            .field("len", &self.inner.len())
+            .field("rkey", &format_args!("{:#x}", self.inner.rkey()))
             .finish()
     }
 }

@@ -1,350 +1,28 @@
-//! Reliable-connected queue pairs with typed state transitions, their posted-request tables, the
-//! completion-queue accounting of what they post, and the teardown that proves completion before
-//! it destroys.
+//! Reliable-connected queue pairs with typed state transitions, and the teardown that proves
+//! completion before it destroys.
 
 use super::context::{DeviceAttr, Gid, Mtu};
-use super::cq::{CompletionQueue, CqInner, Room, WorkCompletion};
+use super::cq::{CompletionQueue, CqInner, WorkCompletion};
+use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
+use super::posted::smallvec_lite::Small;
+use super::posted::{PostedTables, RecvTable, SendScratch, SendTable, WrId};
 use super::srq::{SharedReceiveQueue, SrqInner};
-use super::wr::{RecvRequest, Sg, WorkRequest};
-use super::{COUNTERS, Counters, in_forked_child, nonnull, rc, verbs};
-use crate::completion::{CompletionFlag, Fence, Tracker};
+use super::teardown::{COUNTERS, Counters};
+use super::wr::{RecvRequest, SendRequest};
+use crate::completion::{Fence, Tracker};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
-use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long dropping a queue pair (or [`QueuePair::reset`]) waits for its flushed completions
 /// before giving up: a drop then leaks the QP and all the memory its requests hold instead of
 /// freeing anything early.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
-
-const KIND_SHIFT: u32 = 62;
-const KIND_SEND: u64 = 0;
-const KIND_RECV: u64 = 1;
-const KIND_SRQ: u64 = 2;
-const ID_MASK: u64 = (1 << KIND_SHIFT) - 1;
-const SRQ_SHIFT: u32 = 32;
-/// Shared receive queues are told apart in `wr_id` by an id of this many bits.
-pub(crate) const SRQ_ID_MASK: u32 = (1 << (KIND_SHIFT - SRQ_SHIFT)) - 1;
-
-/// What the library puts in a request's `wr_id`: the queue, and the request's sequence number
-/// (send queue) or slot (receive queue, SRQ).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WrId {
-    Send { seq: u64 },
-    Recv { slot: u32 },
-    Srq { srq: u32, slot: u32 },
-    Other,
-}
-
-impl WrId {
-    pub(crate) fn encode(self) -> u64 {
-        match self {
-            WrId::Send { seq } => (KIND_SEND << KIND_SHIFT) | (seq & ID_MASK),
-            WrId::Recv { slot } => (KIND_RECV << KIND_SHIFT) | slot as u64,
-            WrId::Srq { srq, slot } => {
-                (KIND_SRQ << KIND_SHIFT) | (((srq & SRQ_ID_MASK) as u64) << SRQ_SHIFT) | slot as u64
-            }
-            WrId::Other => 3 << KIND_SHIFT,
-        }
-    }
-
-    pub(crate) fn decode(v: u64) -> Self {
-        let id = v & ID_MASK;
-        match v >> KIND_SHIFT {
-            KIND_SEND => WrId::Send { seq: id },
-            KIND_RECV if id <= u32::MAX as u64 => WrId::Recv { slot: id as u32 },
-            KIND_SRQ => WrId::Srq {
-                srq: (id >> SRQ_SHIFT) as u32,
-                slot: id as u32,
-            },
-            _ => WrId::Other,
-        }
-    }
-}
-
-/// What one posted request holds until its completion.
-pub(crate) struct Entry {
-    pub(crate) tag: u64,
-    /// Held, never read: keeps the slices' regions registered and alive until completion.
-    #[allow(dead_code)]
-    pub(crate) sg: Sg,
-    pub(crate) flag: Option<CompletionFlag>,
-    /// Whether releasing it gives a completion-queue slot back (not for the teardown request,
-    /// which uses the QP's own slot, nor for SRQ receives, whose room is reserved per SRQ).
-    pub(crate) cq_slot: bool,
-    /// Whether the NIC reports its completion on success (receives always do).
-    pub(crate) signaled: bool,
-}
-
-impl Entry {
-    pub(crate) fn new(tag: u64, sg: Sg, flag: Option<CompletionFlag>, cq_slot: bool) -> Self {
-        Entry {
-            tag,
-            sg,
-            flag,
-            cq_slot,
-            signaled: true,
-        }
-    }
-
-    /// Release what the request held; returns its tag and the CQ slots freed (0 or 1).
-    fn release(self) -> (u64, u32) {
-        // Slices dropped here, after the completion was seen: the NIC is done with them.
-        if let Some(f) = &self.flag {
-            f.set();
-        }
-        (self.tag, self.cq_slot as u32)
-    }
-}
-
-/// Send-queue requests in post order, keyed by a sequence number: on RC a completion for request
-/// `n` means every earlier request (signaled or not) has completed too.
-pub(crate) struct SendTable {
-    next_seq: u64,
-    entries: VecDeque<(u64, Entry)>,
-    depth: u32,
-    unsignaled_run: u32,
-    signal_every: u32,
-}
-
-impl SendTable {
-    pub(crate) fn new(depth: u32, signal_every: u32) -> Self {
-        SendTable {
-            next_seq: 0,
-            entries: VecDeque::new(),
-            depth,
-            unsignaled_run: 0,
-            signal_every: signal_every.max(1),
-        }
-    }
-
-    /// Release every request up to and including the one posted as `id` (its `wr_id` value);
-    /// returns that request's tag and the CQ slots freed. An id no entry carries releases nothing.
-    fn complete_through(&mut self, id: u64) -> (u64, u32) {
-        let Some(k) = self
-            .entries
-            .iter()
-            .position(|(s, _)| *s & ID_MASK == id & ID_MASK)
-        else {
-            return (0, 0);
-        };
-        let (mut tag, mut freed) = (0, 0u32);
-        for (i, (_, e)) in self.entries.drain(..=k).enumerate() {
-            let (t, f) = e.release();
-            freed += f;
-            if i == k {
-                tag = t;
-            }
-        }
-        (tag, freed)
-    }
-
-    /// Whether the next request is signaled: when asked (`want`), once in every `signal_every`,
-    /// or when `force`d (it leaves the send queue or the completion queue more than half full:
-    /// only a completion can free them).
-    fn decide(&mut self, want: bool, force: bool) -> bool {
-        let signaled = want || force || self.unsignaled_run + 1 >= self.signal_every;
-        self.unsignaled_run = if signaled { 0 } else { self.unsignaled_run + 1 };
-        signaled
-    }
-
-    /// Whether the last request posted is unsignaled: nothing the NIC reports would then release
-    /// it, and teardown needs a signaled request after it.
-    fn needs_marker(&self) -> bool {
-        self.entries.back().is_some_and(|(_, e)| !e.signaled)
-    }
-
-    fn len(&self) -> usize {
-        self.entries.len()
-    }
-}
-
-/// Receive requests by slot (receive queue or SRQ).
-pub(crate) struct RecvTable {
-    slots: Vec<Option<Entry>>,
-    free: Vec<u32>,
-    live: u32,
-    pub(crate) depth: u32,
-}
-
-impl RecvTable {
-    pub(crate) fn new(depth: u32) -> Self {
-        RecvTable {
-            slots: Vec::new(),
-            free: Vec::new(),
-            live: 0,
-            depth,
-        }
-    }
-
-    pub(crate) fn insert(&mut self, e: Entry) -> u32 {
-        self.live += 1;
-        match self.free.pop() {
-            Some(i) => {
-                self.slots[i as usize] = Some(e);
-                i
-            }
-            None => {
-                self.slots.push(Some(e));
-                (self.slots.len() - 1) as u32
-            }
-        }
-    }
-
-    /// Release the request in `slot`: its tag and the CQ slots freed; `(0, 0)` for an empty slot.
-    pub(crate) fn take(&mut self, slot: u32) -> (u64, u32) {
-        match self.slots.get_mut(slot as usize).and_then(Option::take) {
-            Some(e) => {
-                self.live -= 1;
-                self.free.push(slot);
-                e.release()
-            }
-            None => (0, 0),
-        }
-    }
-
-    /// Remove an entry that was never posted (the post failed): dropped, not released. Returns
-    /// the CQ slots it held.
-    pub(crate) fn unpost(&mut self, slot: u32) -> u32 {
-        match self.slots.get_mut(slot as usize).and_then(Option::take) {
-            Some(e) => {
-                self.live -= 1;
-                self.free.push(slot);
-                e.cq_slot as u32
-            }
-            None => 0,
-        }
-    }
-
-    pub(crate) fn live(&self) -> u32 {
-        self.live
-    }
-
-    /// Post `reqs` through `post` (ibv_post_recv or ibv_post_srq_recv), keeping each request's
-    /// slices in this table under the library's `wr_id` (`wr_id` of a slot). When `room` is given
-    /// (a QP's own receive queue), each request also takes a slot of that CQ. All or nothing
-    /// before the call; after a failing call, the requests before the failing one stay posted.
-    pub(crate) fn post(
-        &mut self,
-        reqs: Vec<RecvRequest>,
-        wr_id: impl Fn(u32) -> u64,
-        queue: &'static str,
-        call: &'static str,
-        room: Option<&Room>,
-        post: impl FnOnce(*mut ibv::ibv_recv_wr, *mut *mut ibv::ibv_recv_wr) -> i32,
-    ) -> Result<usize> {
-        let n = reqs.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        if (self.live as usize).saturating_add(n) > self.depth as usize {
-            return Err(Error::QueueFull {
-                queue,
-                depth: self.depth,
-            });
-        }
-        // n <= depth (a u32) here.
-        if let Some(r) = room {
-            r.reserve(n as u32)?;
-        }
-        let total_sge: usize = reqs.iter().map(|r| r.sg.slices().len()).sum();
-        let mut sges: Vec<ibv::ibv_sge> = Vec::with_capacity(total_sge);
-        let mut wrs: Vec<ibv::ibv_recv_wr> = Vec::with_capacity(n);
-        let mut starts = Vec::with_capacity(n);
-        let mut slots = Vec::with_capacity(n);
-        for r in reqs {
-            let start = sges.len();
-            sges.extend(r.sg.slices().iter().map(|s| s.sge()));
-            let cnt = sges.len() - start;
-            let slot = self.insert(Entry::new(r.tag, r.sg, r.flag, room.is_some()));
-            slots.push(slot);
-            starts.push(start);
-            wrs.push(ibv::ibv_recv_wr {
-                wr_id: wr_id(slot),
-                next: std::ptr::null_mut(),
-                sg_list: std::ptr::null_mut(),
-                // At most the queue's max_sge (validated), an int.
-                num_sge: cnt as i32,
-            });
-        }
-        let base = sges.as_mut_ptr();
-        let wrp = wrs.as_mut_ptr();
-        for (i, &start) in starts.iter().enumerate() {
-            // SAFETY: i < n entries of `wrs`, which no longer grows; `start` indexes `sges` (or is
-            // its length when the request has no SGE, and then num_sge is 0 and it is not used).
-            unsafe {
-                let wr = &mut *wrp.add(i);
-                if wr.num_sge > 0 {
-                    wr.sg_list = base.add(start);
-                }
-                if i + 1 < n {
-                    wr.next = wrp.add(i + 1);
-                }
-            }
-        }
-        let mut bad = std::ptr::null_mut();
-        let r = post(wrp, &mut bad);
-        if r != 0 {
-            // Requests from `bad` on were not posted: drop their entries (never seen by the NIC).
-            let first_bad = posted_before(wrp, bad, n);
-            let mut freed = 0;
-            for &slot in &slots[first_bad..] {
-                freed += self.unpost(slot);
-            }
-            if let Some(room) = room {
-                room.release(freed);
-            }
-            return Err(Error::errno(call, r.unsigned_abs() as i32));
-        }
-        Ok(n)
-    }
-}
-
-/// How many requests of a chain of `n` at `base` were posted when the call failed at `bad`. When
-/// `bad` does not point at one of them, all are taken as posted: they stay held until a later
-/// completion releases them, never freed early.
-fn posted_before<T>(base: *const T, bad: *const T, n: usize) -> usize {
-    let size = size_of::<T>();
-    match (bad as usize).checked_sub(base as usize) {
-        Some(off) if off % size == 0 && off / size < n => off / size,
-        _ => n,
-    }
-}
-
-/// Per-QP state shared with the CQs that report its completions.
-pub(crate) struct QpShared {
-    sq: Mutex<SendTable>,
-    rq: Mutex<RecvTable>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl QpShared {
-    /// Release what the request behind `wc` held: its tag and the CQ slots freed.
-    pub(crate) fn complete(&self, wc: &ibv::ibv_wc) -> (u64, u32) {
-        match WrId::decode(wc.wr_id) {
-            WrId::Send { seq } => lock(&self.sq).complete_through(seq),
-            WrId::Recv { slot } => lock(&self.rq).take(slot),
-            WrId::Srq { .. } | WrId::Other => (0, 0),
-        }
-    }
-
-    fn outstanding(&self) -> usize {
-        self.send_outstanding() + lock(&self.rq).live() as usize
-    }
-
-    fn send_outstanding(&self) -> usize {
-        lock(&self.sq).len()
-    }
-}
 
 /// Sizes of a queue pair's queues. Providers may round them up; [`QueuePair::caps`] says what was
 /// granted.
@@ -517,15 +195,14 @@ impl CanRecv for Rts {}
 pub(crate) struct QpInner {
     qp: NonNull<ibv::ibv_qp>,
     qp_num: u32,
-    shared: Arc<QpShared>,
+    posted: Arc<PostedTables>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     pd: Arc<PdInner>,
     srq: Option<Arc<SrqInner>>,
     caps: QpCaps,
     port: u8,
-    wr_scratch: Vec<ibv::ibv_send_wr>,
-    sge_scratch: Vec<ibv::ibv_sge>,
+    scratch: SendScratch,
 }
 
 // SAFETY: verbs QPs may be used from any thread; posting needs `&mut QueuePair`.
@@ -542,14 +219,21 @@ impl Fence for Never {
 
 impl Drop for QpInner {
     fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        let Ok(l) = ibv::lib() else { return };
-        // 1. Error state: the NIC stops and flushes every outstanding request.
+        free_in_parent(ibv::lib, |l| self.tear_down(l));
+    }
+}
+
+impl QpInner {
+    fn tear_down(&mut self, l: &ibv::Lib) {
+        // 1. Error state (unless nothing is outstanding): the NIC stops and flushes every
+        //    outstanding request.
         // 2. A signaled request after the last unsignaled one, then drain (bounded) until every
         //    posted request's completion (or one covering it) has been seen.
-        let drained = self.set_state(l, ibv::IBV_QPS_ERR) && self.quiesce(DRAIN_TIMEOUT);
+        // Nothing outstanding (never used, or every request covered by a polled completion):
+        // the NIC holds none of our memory, so the QP is destroyed as it is (some providers,
+        // rxe among them, refuse RESET -> ERR).
+        let idle = self.posted.outstanding() == 0;
+        let drained = idle || (self.set_state(l, ibv::IBV_QPS_ERR) && self.quiesce(DRAIN_TIMEOUT));
         // 3. Destroy, or leak everything the NIC might still touch.
         // SAFETY: a live QP; after success the NIC no longer touches its requests' memory.
         if drained && unsafe { (l.ibv_destroy_qp)(self.qp.as_ptr()) } == 0 {
@@ -567,16 +251,14 @@ impl Drop for QpInner {
                     self.send_cq.clone(),
                     self.recv_cq.clone(),
                     self.pd.clone(),
-                    self.shared.clone(),
+                    self.posted.clone(),
                     self.srq.clone(),
                 ),
             );
             Counters::count(&COUNTERS.qp_leaked);
         }
     }
-}
 
-impl QpInner {
     fn set_state(&self, l: &ibv::Lib, state: u32) -> bool {
         let mut attr = ibv::ibv_qp_attr {
             qp_state: state,
@@ -592,36 +274,14 @@ impl QpInner {
         self.post_marker() && self.drain(timeout)
     }
 
-    /// Post one signaled, empty send after an unsignaled tail. Its CQ entry is the one the QP
-    /// reserved at creation. Returns false when it could not be posted.
+    /// Post one signaled, empty send after an unsignaled tail. Returns false when it could not
+    /// be posted.
     fn post_marker(&self) -> bool {
-        let mut t = lock(&self.shared.sq);
-        if !t.needs_marker() {
-            return true;
-        }
-        // An unsignaled tail leaves the queue at most half full (see `post_send`): there is room.
-        if t.len() >= t.depth as usize {
-            return false;
-        }
-        let seq = t.next_seq;
-        let mut wr = ibv::ibv_send_wr {
-            wr_id: WrId::Send { seq }.encode(),
-            opcode: ibv::IBV_WR_SEND,
-            send_flags: ibv::IBV_SEND_SIGNALED,
-            ..Default::default()
-        };
-        t.entries
-            .push_back((seq, Entry::new(0, Sg::None, None, false)));
-        t.next_seq += 1;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: a live QP (in the error state); one request without SGEs, living for the call.
-        let r = unsafe { ibv::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
-        if r != 0 {
-            t.entries.pop_back();
-            t.next_seq = seq;
-            return false;
-        }
-        true
+        let qp = self.qp.as_ptr();
+        self.posted.send().post_marker(|wr, bad| {
+            // SAFETY: a live QP (in the error state); one request without SGEs, living for the call.
+            unsafe { ibv::ibv_post_send(qp, wr, bad) }
+        })
     }
 
     /// Poll this QP's CQs until every request it posted has been released (completions of
@@ -630,7 +290,7 @@ impl QpInner {
         let deadline = Instant::now() + timeout;
         let mut buf = [WorkCompletion::default(); 16];
         loop {
-            if self.shared.outstanding() == 0 {
+            if self.posted.outstanding() == 0 {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -757,25 +417,24 @@ impl QueuePair<Reset> {
         // SAFETY: a QP just created.
         let qp_num = unsafe { qp.as_ref().qp_num };
         let granted = caps.granted(&init.cap);
-        let shared = Arc::new(QpShared {
-            sq: Mutex::new(SendTable::new(granted.max_send_wr, granted.signal_every)),
-            rq: Mutex::new(RecvTable::new(granted.max_recv_wr)),
-        });
-        send_cq.inner.register(qp_num, shared.clone());
-        recv_cq.inner.register(qp_num, shared.clone());
+        let posted = Arc::new(PostedTables::new(
+            SendTable::new(granted.max_send_wr, granted.signal_every),
+            RecvTable::new(granted.max_recv_wr),
+        ));
+        send_cq.inner.register(qp_num, posted.clone());
+        recv_cq.inner.register(qp_num, posted.clone());
         Ok(QueuePair {
             inner: Box::new(QpInner {
                 qp,
                 qp_num,
-                shared,
+                posted,
                 send_cq: send_cq.inner.clone(),
                 recv_cq: recv_cq.inner.clone(),
                 pd: pd.inner.clone(),
                 srq: srq.map(|s| s.inner.clone()),
                 caps: granted,
                 port: 1,
-                wr_scratch: Vec::new(),
-                sge_scratch: Vec::new(),
+                scratch: SendScratch::default(),
             }),
             _state: PhantomData,
         })
@@ -788,6 +447,7 @@ impl QueuePair<Reset> {
     ///
     /// [`Error::InvalidArgument`] for port 0; [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_INIT")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_init(self, port: u8, access: AccessFlags) -> Result<QueuePair<Init>> {
         if port == 0 {
             return Err(Error::invalid("port", 0, "ports are numbered from 1"));
@@ -820,6 +480,7 @@ impl QueuePair<Init> {
     /// PSNs are 24 bits, the RNR timer code 5 bits); [`Error::Os`] naming `ibv_modify_qp`
     /// (`EINVAL` for a bad GID index or MTU).
     #[doc(alias = "IBV_QPS_RTR")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_rtr(self, attr: &RtrAttr) -> Result<QueuePair<Rtr>> {
         attr.check()?;
         let mut a = ibv::ibv_qp_attr {
@@ -860,6 +521,7 @@ impl QueuePair<Rtr> {
     /// [`Error::InvalidArgument`] for a field out of its range (see [`RtsAttr`]); [`Error::Os`]
     /// naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_RTS")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn to_rts(self, attr: &RtsAttr) -> Result<QueuePair<Rts>> {
         attr.check()?;
         let mut a = ibv::ibv_qp_attr {
@@ -897,6 +559,7 @@ impl QueuePair<ErrorState> {
     /// [`Error::Timeout`] when the completions do not all arrive (the QP is dropped, which waits
     /// again and then leaks it with everything it holds); [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_RESET")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn reset(self) -> Result<QueuePair<Reset>> {
         verbs()?;
         if !self.inner.quiesce(DRAIN_TIMEOUT) {
@@ -910,7 +573,7 @@ impl QueuePair<ErrorState> {
             ..Default::default()
         };
         let qp: QueuePair<Reset> = self.modify(&mut a, ibv::IBV_QP_STATE)?;
-        lock(&qp.inner.shared.sq).unsignaled_run = 0;
+        qp.inner.posted.send().restart_signaling();
         Ok(qp)
     }
 }
@@ -962,13 +625,13 @@ impl<S: QpState> QueuePair<S> {
 
     /// Requests posted whose completions have not been polled yet (send and receive queue).
     pub fn outstanding(&self) -> usize {
-        self.inner.shared.outstanding()
+        self.inner.posted.outstanding()
     }
 
     /// Send-queue requests not yet known complete: the queue's occupancy, as posting sees it
     /// (unsignaled requests count until a later signaled completion is polled).
     pub fn send_outstanding(&self) -> usize {
-        self.inner.shared.send_outstanding()
+        self.inner.posted.send_outstanding()
     }
 
     /// `ibv_modify_qp` with attributes from elsewhere (rdma_cm's `rdma_init_qp_attr`), into the
@@ -1001,6 +664,7 @@ impl<S: QpState> QueuePair<S> {
     ///
     /// [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_ERR")]
+    #[doc(alias = "ibv_modify_qp")]
     pub fn into_error(self) -> Result<QueuePair<ErrorState>> {
         let mut a = ibv::ibv_qp_attr {
             qp_state: ibv::IBV_QPS_ERR,
@@ -1035,11 +699,10 @@ impl<S: CanRecv> QueuePair<S> {
         let pd = self.inner.pd.pd.as_ptr();
         for r in &reqs {
             r.validate(self.inner.caps.max_recv_sge)?;
-            check_pd(r.sg.slices(), pd)?;
+            r.sg.check_pd(pd, "QP")?;
         }
         let qp = self.inner.qp.as_ptr();
-        let mut t = lock(&self.inner.shared.rq);
-        t.post(
+        self.inner.posted.recv().post(
             reqs,
             |slot| WrId::Recv { slot }.encode(),
             "receive queue",
@@ -1051,17 +714,6 @@ impl<S: CanRecv> QueuePair<S> {
                 unsafe { ibv::ibv_post_recv(qp, wr, bad) }
             },
         )
-    }
-}
-
-fn check_pd(slices: &[super::MrSlice], pd: *mut ibv::ibv_pd) -> Result<()> {
-    match slices.iter().find(|s| s.pd_ptr() != pd) {
-        Some(s) => Err(Error::invalid(
-            "local",
-            format!("{s:?}"),
-            "the region belongs to another protection domain than the QP",
-        )),
-        None => Ok(()),
     }
 }
 
@@ -1079,116 +731,34 @@ impl QueuePair<Rts> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a request that breaks a rule (see [`WorkRequest`]);
+    /// [`Error::InvalidArgument`] for a request that breaks a rule (see [`SendRequest`]);
     /// [`Error::QueueFull`] when the send queue, or the send CQ (shared with every QP using it),
     /// has no room for the whole chain: nothing is posted; [`Error::Os`] naming `ibv_post_send`
     /// (requests before the failing one were posted).
     #[doc(alias = "ibv_post_send")]
     pub fn post_send<'a>(
         &mut self,
-        wrs: impl IntoIterator<Item = WorkRequest<'a>>,
+        wrs: impl IntoIterator<Item = SendRequest<'a>>,
     ) -> Result<usize> {
         let inner = &mut *self.inner;
         let caps = inner.caps;
         let pd = inner.pd.pd.as_ptr();
-        let mut reqs: smallvec_lite::Small<WorkRequest<'a>> = smallvec_lite::Small::new();
+        let mut reqs: Small<SendRequest<'a>> = Small::new();
         for w in wrs {
             w.validate(caps.max_send_sge, caps.max_inline_data)?;
-            check_pd(w.sg.slices(), pd)?;
+            w.sg.check_pd(pd, "QP")?;
             reqs.push(w);
         }
-        let n = reqs.len();
-        if n == 0 {
-            return Ok(0);
-        }
-        let mut t = lock(&inner.shared.sq);
-        if t.len().saturating_add(n) > t.depth as usize {
-            return Err(Error::QueueFull {
-                queue: "send queue",
-                depth: t.depth,
-            });
-        }
-        // n <= depth (a u32) here. All or nothing: the whole chain's CQ entries, or none.
-        let room = inner.send_cq.room();
-        let cq_over_half = room.reserve(n as u32)? > room.capacity() / 2;
-        inner.wr_scratch.clear();
-        inner.sge_scratch.clear();
-        let mut starts = Vec::with_capacity(n);
-        let mut signals = Vec::with_capacity(n);
-        let first_seq = t.next_seq;
-        let sq_over_half = t.len() + n > t.depth as usize / 2;
-        for (i, w) in reqs.iter().enumerate() {
-            // A chain that leaves either queue more than half full ends signaled: then polling
-            // always frees at least half of both, and a chain of up to half fits again.
-            let last = i + 1 == n;
-            let signaled = t.decide(w.signaled, last && (sq_over_half || cq_over_half));
-            signals.push(signaled);
-            let mut wr = ibv::ibv_send_wr {
-                wr_id: WrId::Send {
-                    seq: first_seq + i as u64,
-                }
-                .encode(),
-                ..Default::default()
-            };
-            w.fill(&mut wr, signaled);
-            let start = inner.sge_scratch.len();
-            if let Some(d) = w.inline_data() {
-                inner.sge_scratch.push(ibv::ibv_sge {
-                    addr: d.as_ptr() as u64,
-                    // At most max_inline_data (a u32): validated.
-                    length: d.len() as u32,
-                    lkey: 0,
-                });
-            } else {
-                inner
-                    .sge_scratch
-                    .extend(w.sg.slices().iter().map(|s| s.sge()));
-            }
-            // At most max_send_sge entries: validated.
-            wr.num_sge = (inner.sge_scratch.len() - start) as i32;
-            starts.push(start);
-            inner.wr_scratch.push(wr);
-        }
-        let base = inner.sge_scratch.as_mut_ptr();
-        let wrp = inner.wr_scratch.as_mut_ptr();
-        for (i, &start) in starts.iter().enumerate() {
-            // SAFETY: i < n entries of the scratch vectors, which no longer grow; `start` indexes
-            // the SGEs (used only when num_sge > 0).
-            unsafe {
-                let wr = &mut *wrp.add(i);
-                wr.sg_list = if wr.num_sge == 0 {
-                    std::ptr::null_mut()
-                } else {
-                    base.add(start)
-                };
-                wr.next = if i + 1 < n {
-                    wrp.add(i + 1)
-                } else {
-                    std::ptr::null_mut()
-                };
-            }
-        }
-        for (i, (w, signaled)) in reqs.into_iter().zip(signals).enumerate() {
-            let mut e = Entry::new(w.tag, w.sg, w.flag, true);
-            e.signaled = signaled;
-            t.entries.push_back((first_seq + i as u64, e));
-        }
-        t.next_seq += n as u64;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: a live QP in RTS; the chain, its SGEs and inline data live for the call; the
-        // memory non-inline SGEs reference is owned by the table until completion.
-        let r = unsafe { ibv::ibv_post_send(inner.qp.as_ptr(), wrp, &mut bad) };
-        if r != 0 {
-            let first_bad = posted_before(wrp, bad, n);
-            // Not posted: dropped, never seen by the NIC.
-            for _ in first_bad..n {
-                t.entries.pop_back();
-            }
-            t.next_seq = first_seq + first_bad as u64;
-            room.release((n - first_bad) as u32);
-            return Err(Error::errno("ibv_post_send", r.unsigned_abs() as i32));
-        }
-        Ok(n)
+        let qp = inner.qp.as_ptr();
+        inner
+            .posted
+            .send()
+            .post(reqs, inner.send_cq.room(), &mut inner.scratch, |wr, bad| {
+                // SAFETY: a live QP in RTS; the chain, its SGEs and inline data live for the
+                // call; the memory non-inline SGEs reference is owned by the table until
+                // completion.
+                unsafe { ibv::ibv_post_send(qp, wr, bad) }
+            })
     }
 }
 
@@ -1382,167 +952,10 @@ impl RtrAttr {
     }
 }
 
-/// A few requests without a heap allocation (chains are usually short).
-mod smallvec_lite {
-    pub(crate) enum Small<T> {
-        Inline([Option<T>; 4], usize),
-        Heap(Vec<T>),
-    }
-
-    impl<T> Small<T> {
-        pub(crate) fn new() -> Self {
-            Small::Inline([None, None, None, None], 0)
-        }
-        pub(crate) fn push(&mut self, v: T) {
-            match self {
-                Small::Inline(a, n) if *n < 4 => {
-                    a[*n] = Some(v);
-                    *n += 1;
-                }
-                Small::Inline(a, _) => {
-                    let mut vec: Vec<T> = a.iter_mut().filter_map(Option::take).collect();
-                    vec.push(v);
-                    *self = Small::Heap(vec);
-                }
-                Small::Heap(vec) => vec.push(v),
-            }
-        }
-        pub(crate) fn len(&self) -> usize {
-            match self {
-                Small::Inline(_, n) => *n,
-                Small::Heap(v) => v.len(),
-            }
-        }
-        pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
-            let (a, b) = match self {
-                Small::Inline(a, n) => (Some(a[..*n].iter().filter_map(Option::as_ref)), None),
-                Small::Heap(v) => (None, Some(v.iter())),
-            };
-            a.into_iter().flatten().chain(b.into_iter().flatten())
-        }
-        pub(crate) fn into_iter(self) -> impl Iterator<Item = T> {
-            let (a, b) = match self {
-                Small::Inline(a, n) => (Some(a.into_iter().take(n).flatten()), None),
-                Small::Heap(v) => (None, Some(v.into_iter())),
-            };
-            a.into_iter().flatten().chain(b.into_iter().flatten())
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    fn entry(tag: u64, flag: Option<CompletionFlag>) -> Entry {
-        Entry::new(tag, Sg::None, flag, true)
-    }
-
-    fn wc(id: u64) -> ibv::ibv_wc {
-        ibv::ibv_wc {
-            wr_id: id,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_signaled_completion_releases_every_earlier_request() {
-        let mut t = SendTable::new(8, 4);
-        let flags: Vec<CompletionFlag> = (0..5).map(|_| CompletionFlag::new()).collect();
-        for (i, f) in flags.iter().enumerate() {
-            t.entries
-                .push_back((i as u64, entry(100 + i as u64, Some(f.clone()))));
-        }
-        assert_eq!(t.complete_through(2), (102, 3));
-        assert_eq!(t.entries.len(), 2);
-        assert!(flags[..3].iter().all(|f| f.is_complete()));
-        assert!(!flags[3].is_complete());
-        assert_eq!(
-            t.complete_through(9),
-            (0, 0),
-            "an unknown id releases nothing"
-        );
-        assert_eq!(t.complete_through(4), (104, 2));
-        assert!(t.entries.is_empty());
-    }
-
-    #[test]
-    fn the_teardown_request_gives_back_no_cq_entry() {
-        let mut t = SendTable::new(8, 8);
-        let mut e = entry(1, None);
-        e.signaled = false;
-        t.entries.push_back((0, e));
-        assert!(t.needs_marker());
-        t.entries
-            .push_back((1, Entry::new(0, Sg::None, None, false)));
-        assert!(!t.needs_marker());
-        assert_eq!(t.complete_through(1), (0, 1), "only the write's entry");
-    }
-
-    #[test]
-    fn recv_slots_are_reused_and_released_once() {
-        let mut t = RecvTable::new(4);
-        let a = t.insert(entry(1, None));
-        let b = t.insert(entry(2, None));
-        assert_eq!(t.live(), 2);
-        assert_eq!(t.take(a), (1, 1));
-        assert_eq!(t.take(a), (0, 0), "a slot releases once");
-        let c = t.insert(entry(3, None));
-        assert_eq!(c, a);
-        assert_eq!(t.unpost(b), 1);
-        assert_eq!(t.live(), 1);
-    }
-
-    #[test]
-    fn wr_ids_encode_the_queue() {
-        let shared = QpShared {
-            sq: Mutex::new(SendTable::new(4, 2)),
-            rq: Mutex::new(RecvTable::new(4)),
-        };
-        lock(&shared.sq).entries.push_back((0, entry(7, None)));
-        let slot = lock(&shared.rq).insert(entry(9, None));
-        assert_eq!(shared.outstanding(), 2);
-        assert_eq!(shared.complete(&wc(WrId::Recv { slot }.encode())), (9, 1));
-        assert_eq!(shared.complete(&wc(WrId::Send { seq: 0 }.encode())), (7, 1));
-        assert_eq!(shared.outstanding(), 0);
-        assert_eq!(
-            WrId::decode(WrId::Srq { srq: 5, slot: 7 }.encode()),
-            WrId::Srq { srq: 5, slot: 7 }
-        );
-        assert_eq!(WrId::decode(u64::MAX), WrId::Other);
-    }
-
-    #[test]
-    fn a_failed_post_with_an_unknown_bad_pointer_keeps_everything() {
-        let a = [0u64; 4];
-        let base = a.as_ptr();
-        assert_eq!(posted_before(base, base.wrapping_add(2), 4), 2);
-        assert_eq!(posted_before(base, std::ptr::null(), 4), 4);
-        assert_eq!(posted_before(base, base.wrapping_add(9), 4), 4);
-        assert_eq!(
-            posted_before(base, (base as usize + 3) as *const u64, 4),
-            4,
-            "misaligned"
-        );
-    }
-
-    #[test]
-    fn small_chain_keeps_order() {
-        let n = AtomicUsize::new(0);
-        let mut s = smallvec_lite::Small::new();
-        for i in 0..6 {
-            s.push(i);
-            n.fetch_add(1, Ordering::Relaxed);
-        }
-        assert_eq!(s.len(), 6);
-        assert_eq!(
-            s.iter().copied().collect::<Vec<_>>(),
-            vec![0, 1, 2, 3, 4, 5]
-        );
-        assert_eq!(s.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
-    }
 
     #[test]
     fn state_kinds_match_the_types() {
@@ -1613,150 +1026,6 @@ mod tests {
                 s.check().is_ok(),
                 spsn <= MAX_24 && timeout <= 31 && retry <= 7 && rnr_retry <= 7
             );
-        }
-
-        /// Chains of random signaling wishes against a queue and a CQ of random sizes: the CQ
-        /// never holds more than it can, a chain that leaves either queue over half full ends
-        /// signaled, no run of unsignaled requests reaches `signal_every`, polling what was
-        /// reported leaves both at most half full, and after teardown everything is released and
-        /// the CQ room is back where it started.
-        #[test]
-        fn posting_never_outgrows_the_queue_or_the_cq(
-            depth in 1u32..40, every in 1u32..50, cap in 1u32..64,
-            ops in proptest::collection::vec((0usize..12, any::<bool>(), any::<u8>()), 1..60),
-        ) {
-            let room = Room::new(cap);
-            // The QP's teardown entry, taken at creation.
-            prop_assume!(room.reserve(1).is_ok());
-            let mut t = SendTable::new(depth, every.min(depth));
-            let mut hw: VecDeque<u64> = VecDeque::new(); // signaled completions not yet polled
-            for (n, want, poll) in ops {
-                if n > 0 && t.len() + n <= depth as usize {
-                    match room.reserve(n as u32) {
-                        Ok(after) => {
-                            prop_assert!(after <= cap);
-                            let full = t.len() + n > depth as usize / 2 || after > cap / 2;
-                            let mut run = 0;
-                            for i in 0..n {
-                                let s = t.decide(want, i + 1 == n && full);
-                                let seq = t.next_seq;
-                                t.next_seq += 1;
-                                let mut e = Entry::new(seq, Sg::None, None, true);
-                                e.signaled = s;
-                                t.entries.push_back((seq, e));
-                                if s { hw.push_back(seq); run = 0 } else { run += 1 }
-                                prop_assert!(run < t.signal_every);
-                            }
-                            if full {
-                                prop_assert!(t.entries.back().unwrap().1.signaled);
-                            }
-                        }
-                        Err(Error::QueueFull { queue: "completion queue", depth: d }) => {
-                            prop_assert_eq!(d, cap);
-                            prop_assert!(room.reserved() + n as u32 > cap);
-                        }
-                        Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
-                    }
-                }
-                // Hardware may hold one CQE per entry in the table: never more than the room.
-                prop_assert!((t.len() as u32) < room.reserved(), "one per entry plus the teardown entry");
-                prop_assert!(room.reserved() <= cap);
-                for _ in 0..(poll % 4) {
-                    if let Some(seq) = hw.pop_front() {
-                        let (tag, freed) = t.complete_through(seq);
-                        prop_assert_eq!(tag, seq);
-                        room.release(freed);
-                    }
-                }
-            }
-            // Everything reported is polled: what stays is an unsignaled tail left by chains
-            // that kept both queues at most half full, so a chain of half fits again.
-            while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq);
-                room.release(freed);
-            }
-            prop_assert!(t.len() <= depth as usize / 2, "{} of {}", t.len(), depth);
-            prop_assert!(room.reserved() - 1 <= cap / 2, "{} of {}", room.reserved(), cap);
-            // Teardown: a marker after an unsignaled tail, then every completion.
-            if t.needs_marker() {
-                let seq = t.next_seq;
-                t.next_seq += 1;
-                t.entries.push_back((seq, Entry::new(seq, Sg::None, None, false)));
-                hw.push_back(seq);
-            }
-            while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq);
-                room.release(freed);
-            }
-            prop_assert_eq!(t.len(), 0);
-            prop_assert_eq!(room.reserved(), 1);
-        }
-
-        /// Receive tables under random posts and completions: the live count and the CQ room
-        /// always agree, and a refused post changes nothing.
-        #[test]
-        fn receive_accounting_balances(
-            depth in 1u32..32, cap in 1u32..48,
-            ops in proptest::collection::vec((0usize..10, any::<u8>()), 1..60),
-        ) {
-            let room = Room::new(cap);
-            let mut t = RecvTable::new(depth);
-            let mut live: Vec<u32> = Vec::new();
-            for (n, polls) in ops {
-                let before = (t.live(), room.reserved());
-                let fits_q = t.live() as usize + n <= depth as usize;
-                let fits_cq = room.reserved() as usize + n <= cap as usize;
-                let r = t.post(
-                    (0..n).map(|_| RecvRequest::empty()).collect(),
-                    |slot| WrId::Recv { slot }.encode(),
-                    "receive queue",
-                    "ibv_post_recv",
-                    Some(&room),
-                    |_, _| 0,
-                );
-                if n == 0 || (fits_q && fits_cq) {
-                    prop_assert_eq!(r.unwrap(), n);
-                } else {
-                    prop_assert!(matches!(r, Err(Error::QueueFull { .. })), "{:?}", r);
-                    prop_assert_eq!((t.live(), room.reserved()), before);
-                }
-                live = (0..t.slots.len() as u32)
-                    .filter(|&s| t.slots[s as usize].is_some())
-                    .collect();
-                for s in live.iter().take(polls as usize % 5) {
-                    let (_, f) = t.take(*s);
-                    room.release(f);
-                }
-                prop_assert_eq!(t.live(), room.reserved());
-                prop_assert!(room.reserved() <= cap);
-            }
-            drop(live);
-        }
-
-        /// A failing post keeps exactly the requests before the one the provider names.
-        #[test]
-        fn a_failed_receive_post_unposts_the_rest(n in 1usize..8, fail_at in 0usize..8) {
-            let room = Room::new(64);
-            let mut t = RecvTable::new(16);
-            let r = t.post(
-                (0..n).map(|_| RecvRequest::empty()).collect(),
-                |slot| WrId::Recv { slot }.encode(),
-                "receive queue",
-                "ibv_post_recv",
-                Some(&room),
-                |wr, bad| {
-                    if fail_at >= n {
-                        return 0;
-                    }
-                    // SAFETY: the chain has n > fail_at entries.
-                    unsafe { *bad = wr.add(fail_at) };
-                    libc::ENOMEM
-                },
-            );
-            let kept = if fail_at >= n { n } else { fail_at };
-            prop_assert_eq!(r.is_ok(), fail_at >= n);
-            prop_assert_eq!(t.live() as usize, kept);
-            prop_assert_eq!(room.reserved() as usize, kept);
         }
     }
 }

@@ -1,9 +1,9 @@
 //! Shared receive queues.
 
+use super::ffi::{free_in_parent, nonnull, verbs};
 use super::pd::{PdInner, ProtectionDomain};
-use super::qp::{RecvTable, SRQ_ID_MASK, WrId};
+use super::posted::{RecvTable, SRQ_ID_MASK, WrId};
 use super::wr::RecvRequest;
-use super::{in_forked_child, nonnull, verbs};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::ptr::NonNull;
@@ -51,16 +51,15 @@ impl SrqInner {
 
 impl Drop for SrqInner {
     fn drop(&mut self) {
-        if in_forked_child() {
-            return;
-        }
-        let Ok(l) = ibv::lib() else { return };
-        // SAFETY: every QP using the SRQ holds an Arc to it, so none is alive. Only after the SRQ
-        // is destroyed may the receive buffers still posted in it be freed; on failure, leak them.
-        if unsafe { (l.ibv_destroy_srq)(self.srq.as_ptr()) } != 0 {
-            let t = std::mem::replace(&mut *self.table(), RecvTable::new(0));
-            std::mem::forget(t);
-        }
+        free_in_parent(ibv::lib, |l| {
+            // SAFETY: every QP using the SRQ holds an Arc to it, so none is alive. Only after the
+            // SRQ is destroyed may the receive buffers still posted in it be freed; on failure,
+            // leak them.
+            if unsafe { (l.ibv_destroy_srq)(self.srq.as_ptr()) } != 0 {
+                let t = std::mem::replace(&mut *self.table(), RecvTable::new(0));
+                std::mem::forget(t);
+            }
+        });
     }
 }
 
@@ -148,13 +147,7 @@ impl SharedReceiveQueue {
         let pd = self.inner.pd.pd.as_ptr();
         for r in &reqs {
             r.validate(self.inner.max_sge)?;
-            if let Some(s) = r.sg.slices().iter().find(|s| s.pd_ptr() != pd) {
-                return Err(Error::invalid(
-                    "local",
-                    format!("{s:?}"),
-                    "the region belongs to another protection domain than the SRQ",
-                ));
-            }
+            r.sg.check_pd(pd, "SRQ")?;
         }
         let srq = self.inner.srq.as_ptr();
         let id = self.inner.id;

@@ -1,4 +1,5 @@
-//! Work requests: what is posted to a send or receive queue.
+//! Work requests: what is posted to a send queue ([`SendRequest`], `struct ibv_send_wr`) or a
+//! receive queue ([`RecvRequest`], `struct ibv_recv_wr`).
 
 use super::mr::{AccessFlags, MAX_MESSAGE, MrSlice, RemoteSlice};
 use crate::completion::CompletionFlag;
@@ -35,6 +36,18 @@ impl Sg {
         self.slices()
             .iter()
             .fold(0u64, |t, s| t.saturating_add(s.len() as u64))
+    }
+
+    /// Every slice in the protection domain `pd` of the `queue` (`QP`, `SRQ`) it is posted to.
+    pub(crate) fn check_pd(&self, pd: *mut ibv::ibv_pd, queue: &str) -> Result<()> {
+        match self.slices().iter().find(|s| s.pd_ptr() != pd) {
+            Some(s) => Err(Error::invalid(
+                "local",
+                format!("{s:?}"),
+                format!("the region belongs to another protection domain than the {queue}"),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Entries, and the whole message at most 2 GiB.
@@ -92,7 +105,7 @@ pub(crate) enum Kind<'a> {
 #[derive(Debug)]
 #[must_use = "a work request does nothing until posted"]
 #[doc(alias = "ibv_send_wr")]
-pub struct WorkRequest<'a> {
+pub struct SendRequest<'a> {
     pub(crate) kind: Kind<'a>,
     pub(crate) sg: Sg,
     pub(crate) imm: Option<u32>,
@@ -103,9 +116,9 @@ pub struct WorkRequest<'a> {
     pub(crate) flag: Option<CompletionFlag>,
 }
 
-impl<'a> WorkRequest<'a> {
+impl<'a> SendRequest<'a> {
     fn new(kind: Kind<'a>, sg: Sg) -> Self {
-        WorkRequest {
+        SendRequest {
             kind,
             sg,
             imm: None,
@@ -424,31 +437,27 @@ pub struct RecvRequest {
 }
 
 impl RecvRequest {
-    /// Receive into `local`.
-    pub fn new(local: MrSlice) -> Self {
+    fn with(sg: Sg) -> Self {
         RecvRequest {
-            sg: Sg::One(local),
+            sg,
             tag: 0,
             flag: None,
         }
+    }
+
+    /// Receive into `local`.
+    pub fn new(local: MrSlice) -> Self {
+        Self::with(Sg::One(local))
     }
 
     /// Receive scattered over several slices.
     pub fn sg(local: Vec<MrSlice>) -> Self {
-        RecvRequest {
-            sg: Sg::from_vec(local),
-            tag: 0,
-            flag: None,
-        }
+        Self::with(Sg::from_vec(local))
     }
 
     /// No buffer: only for RDMA writes with immediate (which carry no payload to this queue).
     pub fn empty() -> Self {
-        RecvRequest {
-            sg: Sg::None,
-            tag: 0,
-            flag: None,
-        }
+        Self::with(Sg::None)
     }
 
     /// A value reported back by [`WorkCompletion::tag`](super::WorkCompletion::tag).
@@ -515,14 +524,14 @@ mod tests {
                 .collect();
             let data = vec![0u8; inline_len];
             let w = match kind {
-                0 => WorkRequest::send_sg(sl.clone()),
-                1 => WorkRequest::send_inline(&data),
-                2 => WorkRequest::write_sg(sl.clone(), r),
-                3 => WorkRequest::write_inline(&data, r),
-                4 => WorkRequest::read_sg(sl.clone(), r),
-                5 => WorkRequest::compare_swap(
+                0 => SendRequest::send_sg(sl.clone()),
+                1 => SendRequest::send_inline(&data),
+                2 => SendRequest::write_sg(sl.clone(), r),
+                3 => SendRequest::write_inline(&data, r),
+                4 => SendRequest::read_sg(sl.clone(), r),
+                5 => SendRequest::compare_swap(
                     sl.first().cloned().unwrap_or_else(|| MrSlice::of(&mr, ..8).unwrap()), r, cmp, 1),
-                _ => WorkRequest::fetch_add(
+                _ => SendRequest::fetch_add(
                     sl.first().cloned().unwrap_or_else(|| MrSlice::of(&mr, ..8).unwrap()), r, cmp),
             };
             let w = if imm { w.with_imm(5) } else { w };

@@ -1,8 +1,8 @@
 //! The human-readable rendering of a [`NodeReport`]: one section per path, each opening with its
 //! one-line verdict.
 
-use super::health::limits::human_bytes;
-use super::{NodeReport, PathState, format_cuda_version};
+use super::health::{NvlinkErrors, NvlinkLink, human_bytes};
+use super::model::{NodeReport, PathState, version_words};
 use std::fmt::{self, Write};
 
 fn yes(b: bool) -> &'static str {
@@ -11,30 +11,32 @@ fn yes(b: bool) -> &'static str {
 
 /// `0 1 2 4 6 7` → `0-2,4,6-7`.
 fn ranges(v: impl Iterator<Item = u32>) -> String {
+    let span = |(a, b): (u32, u32)| {
+        if a == b {
+            a.to_string()
+        } else {
+            format!("{a}-{b}")
+        }
+    };
     let mut out: Vec<String> = Vec::new();
     let mut run: Option<(u32, u32)> = None;
     for x in v {
         run = match run {
             Some((a, b)) if b.checked_add(1) == Some(x) => Some((a, x)),
-            Some((a, b)) => {
-                out.push(if a == b {
-                    a.to_string()
-                } else {
-                    format!("{a}-{b}")
-                });
+            Some(r) => {
+                out.push(span(r));
                 Some((x, x))
             }
             None => Some((x, x)),
         };
     }
-    if let Some((a, b)) = run {
-        out.push(if a == b {
-            a.to_string()
-        } else {
-            format!("{a}-{b}")
-        });
-    }
+    out.extend(run.map(span));
     out.join(",")
+}
+
+/// A data path's section heading and its one-line verdict.
+fn path_heading(s: &mut String, title: &str, verdict: &str) -> fmt::Result {
+    writeln!(s, "\n== {title}\n  verdict: {verdict}")
 }
 
 fn or_dash(v: Option<impl fmt::Display>) -> String {
@@ -48,7 +50,7 @@ fn nvlink_speed(mbps: Option<u32>) -> String {
 
 /// The other end of a link: `0000:19:00.0 (GPU 1)`, `0000:c3:00.0`, `unknown (NVSwitch)`,
 /// `unknown`.
-fn nvlink_remote(l: &super::health::NvlinkLink) -> String {
+fn nvlink_remote(l: &NvlinkLink) -> String {
     match (&l.remote_pci_bus_id, &l.remote_device) {
         (Some(p), Some(d)) => format!("{p} ({d})"),
         (Some(p), None) => p.clone(),
@@ -59,7 +61,7 @@ fn nvlink_remote(l: &super::health::NvlinkLink) -> String {
 
 /// Whether the GPU's replay or recovery counters grew during the probe's measurements, in words
 /// (corrected CRC counts grow with traffic on healthy links and are not counted).
-fn nvlink_growth(links: &[super::health::NvlinkLink]) -> String {
+fn nvlink_growth(links: &[NvlinkLink]) -> String {
     let grew: Vec<u32> = links
         .iter()
         .filter(|l| l.errors_grew == Some(true))
@@ -79,11 +81,11 @@ fn nvlink_growth(links: &[super::health::NvlinkLink]) -> String {
 
 /// The error counts of healthy links: `no errors`, or the CRC errors they corrected (per link,
 /// as a range over the links), shown as information.
-fn corrected_errors(links: &[&super::health::NvlinkLink]) -> String {
+fn corrected_errors(links: &[&NvlinkLink]) -> String {
     if links.iter().all(|l| l.errors.total() == 0) {
         return "no errors".into();
     }
-    let span = |f: fn(&super::health::NvlinkErrors) -> Option<u64>| {
+    let span = |f: fn(&NvlinkErrors) -> Option<u64>| {
         let v: Vec<u64> = links.iter().filter_map(|l| f(&l.errors)).collect();
         match (v.iter().min(), v.iter().max()) {
             (Some(a), Some(b)) if a == b => a.to_string(),
@@ -165,10 +167,10 @@ impl NodeReport {
             s,
             "  driver: {}   bindings: CUDA {}",
             c.driver_version
-                .map(format_cuda_version)
+                .map(version_words)
                 .map(|v| format!("CUDA {v}"))
                 .unwrap_or_else(|| "absent".into()),
-            format_cuda_version(c.bindings_version)
+            version_words(c.bindings_version)
         )?;
         if let Some(r) = &c.absent_reason {
             writeln!(s, "  no GPU: {r}")?;
@@ -201,7 +203,7 @@ impl NodeReport {
 
     fn p2p_text(&self, s: &mut String) -> fmt::Result {
         let p = &self.p2p;
-        writeln!(s, "\n== P2P\n  verdict: {}", p.verdict)?;
+        path_heading(s, "P2P", &p.verdict)?;
         if let Some(why) = &p.nvml_unavailable {
             writeln!(s, "  NVML unavailable: {why}")?;
         }
@@ -246,7 +248,7 @@ impl NodeReport {
 
     fn rdma_text(&self, s: &mut String) -> fmt::Result {
         let r = &self.rdma;
-        writeln!(s, "\n== RDMA (verbs)\n  verdict: {}", r.verdict)?;
+        path_heading(s, "RDMA (verbs)", &r.verdict)?;
         for d in &r.devices {
             writeln!(
                 s,
@@ -322,7 +324,7 @@ impl NodeReport {
 
     fn storage_text(&self, s: &mut String) -> fmt::Result {
         let st = &self.storage;
-        writeln!(s, "\n== Storage (cuFile)\n  verdict: {}", st.verdict)?;
+        path_heading(s, "Storage (cuFile)", &st.verdict)?;
         writeln!(
             s,
             "  cuFile {}  mode {}: {}  nvidia-fs module {}",
@@ -371,7 +373,7 @@ impl NodeReport {
 
     fn async_text(&self, s: &mut String) -> fmt::Result {
         let a = &self.async_;
-        writeln!(s, "\n== Async\n  verdict: {}", a.verdict)?;
+        path_heading(s, "Async", &a.verdict)?;
         for g in &a.gpus {
             writeln!(
                 s,
@@ -601,7 +603,7 @@ impl NodeReport {
                 nvlink_growth(&g.links)
             )?;
             // Healthy links on one line (their indexes as ranges), the others one by one.
-            let healthy: Vec<&super::health::NvlinkLink> = g
+            let healthy: Vec<&NvlinkLink> = g
                 .links
                 .iter()
                 .filter(|l| l.state == "up" && !l.degraded())
@@ -722,10 +724,10 @@ impl NodeReport {
     fn paths_text(&self, s: &mut String) -> fmt::Result {
         writeln!(s, "\n== Paths (what --require checks)")?;
         for p in &self.paths {
+            // Upper case draws the eye to a path that works below what it should.
             let state = match p.state {
-                PathState::Ok => "ok",
                 PathState::Degraded => "DEGRADED",
-                PathState::Unusable => "unusable",
+                s => s.name(),
             };
             let line = format!(
                 "  {:<15} {:<9}{}",

@@ -1,16 +1,9 @@
 //! Advice from the health checks, in plain words: one item per finding.
 
+use super::super::model::{Advice, NodeReport, say};
 use super::limits::{human_bytes, setting_problem};
+use super::model::{PcieLink, Requirement, gpu_ordinal_of as gpu_ordinal};
 use super::pcie::{domain_translates, parse_link_speed};
-use super::{PcieLink, Requirement, gpu_ordinal_of as gpu_ordinal};
-use crate::topology::{Advice, NodeReport};
-
-fn say(out: &mut Vec<Advice>, topic: &str, text: String) {
-    out.push(Advice {
-        topic: topic.into(),
-        text,
-    });
-}
 
 fn unmet(r: &Requirement) -> String {
     r.checks
@@ -32,14 +25,6 @@ fn link_share(l: &PcieLink) -> Option<u32> {
     };
     let (cw, mw) = (l.current_width?, l.max_width?);
     Some(((cur * f64::from(cw)) / (max * f64::from(mw)) * 100.0).round() as u32)
-}
-
-/// Whether the GPU pair `a`-`b` (by ordinal) talks over NVLink, as NVML said.
-fn pair_on_nvlink(r: &NodeReport, a: usize, b: usize) -> bool {
-    r.p2p
-        .pairs
-        .iter()
-        .any(|p| p.src == a && p.dst == b && p.nvlink_links.is_some())
 }
 
 /// The advice the health section gives about `r`.
@@ -149,10 +134,7 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
                 format!(
                     "{}'s PCIe link trained at {} of {}{}{share}: check the slot, riser and cables, and the BIOS PCIe generation setting.",
                     l.device,
-                    l.speed_under_load
-                        .as_deref()
-                        .or(l.current_speed.as_deref())
-                        .unwrap_or("?"),
+                    l.speed_seen().unwrap_or("?"),
                     l.max_speed.as_deref().unwrap_or("?"),
                     if l.speed_under_load.is_some() {
                         " while copies ran"
@@ -187,7 +169,7 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
     for p in &h.pcie.paths {
         if p.kind == "gpu-gpu"
             && let (Some(a), Some(b)) = (gpu_ordinal(&p.from), gpu_ordinal(&p.to))
-            && pair_on_nvlink(r, a, b)
+            && r.p2p.on_nvlink(a, b)
         {
             continue;
         }
@@ -255,12 +237,7 @@ pub fn health_advice(r: &NodeReport) -> Vec<Advice> {
 
     // NVLink.
     for g in &h.nvlink.gpus {
-        let down: Vec<String> = g
-            .links
-            .iter()
-            .filter(|l| l.down)
-            .map(|l| l.link.to_string())
-            .collect();
+        let down = g.links_where(|l| l.down);
         if !down.is_empty() {
             say(
                 &mut out,

@@ -1,31 +1,12 @@
 //! The decision rules: from a gathered report to advice in plain words, and each section's
 //! one-line verdict. Pure functions of the report, so they are tested with fake reports.
 
-use super::{
-    Affinity, AsyncSection, CudaSection, NodeReport, P2pSection, RdmaSection, StorageSection,
+use super::health::health_advice;
+use super::model::{
+    Advice, AsyncSection, CudaSection, EnvSetting, GpuAsync, NodeReport, P2pSection, RdmaSection,
+    StorageSection, say,
 };
-use serde::{Deserialize, Serialize};
-
-/// One piece of advice.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Advice {
-    /// `gpu`, `p2p`, `rdma`, `storage`, `async`, `driver`, `pcie`, `iommu`, `nvlink`, `limits` or
-    /// `settings`.
-    pub topic: String,
-    /// What to do, in plain words.
-    pub text: String,
-}
-
-/// An environment variable worth checking.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EnvSetting {
-    /// The variable.
-    pub name: String,
-    /// Its value in the probe's environment (`null`: unset).
-    pub value: Option<String>,
-    /// What it does.
-    pub what: String,
-}
+use crate::topology::Affinity;
 
 const SETTINGS: [(&str, &str); 6] = [
     (
@@ -66,13 +47,6 @@ pub fn settings_from_env(get: impl Fn(&str) -> Option<String>) -> Vec<EnvSetting
         .collect()
 }
 
-fn say(out: &mut Vec<Advice>, topic: &str, text: String) {
-    out.push(Advice {
-        topic: topic.into(),
-        text,
-    });
-}
-
 /// The usual decision rules, applied to `r`.
 pub fn advise(r: &NodeReport) -> Vec<Advice> {
     let mut out = Vec::new();
@@ -96,40 +70,23 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
         );
     }
     // P2P.
-    let nvlink: Vec<_> = r
-        .p2p
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && p.nvlink_links.is_some())
-        .collect();
+    let nvlink = r.p2p.pairs_where(|p| p.nvlink_links.is_some());
     if !nvlink.is_empty() {
-        let list: Vec<String> = nvlink
-            .iter()
-            .map(|p| format!("{}-{}", p.src, p.dst))
-            .collect();
         say(
             &mut out,
             "p2p",
             format!(
                 "NVLink joins GPU pairs {}: use P2P copies (gpudirect::p2p) between them.",
-                list.join(", ")
+                nvlink.join(", ")
             ),
         );
     }
-    let pcie_peer: Vec<String> = r
+    let pcie_peer = r
         .p2p
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && p.can_access && p.interconnect == "pcie")
-        .map(|p| format!("{}-{}", p.src, p.dst))
-        .collect();
-    let unknown_peer: Vec<String> = r
+        .pairs_where(|p| p.can_access && p.interconnect == "pcie");
+    let unknown_peer = r
         .p2p
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && p.can_access && p.interconnect == "unknown")
-        .map(|p| format!("{}-{}", p.src, p.dst))
-        .collect();
+        .pairs_where(|p| p.can_access && p.interconnect == "unknown");
     if !unknown_peer.is_empty() {
         say(
             &mut out,
@@ -150,13 +107,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             ),
         );
     }
-    let no_peer: Vec<String> = r
-        .p2p
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && !p.can_access)
-        .map(|p| format!("{}-{}", p.src, p.dst))
-        .collect();
+    let no_peer = r.p2p.pairs_where(|p| !p.can_access);
     if !no_peer.is_empty() {
         say(
             &mut out,
@@ -235,7 +186,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             );
         }
     }
-    if !r.rdma.devices.is_empty() && !r.rdma.devices.iter().any(has_active) {
+    if !r.rdma.devices.is_empty() && !r.rdma.devices.iter().any(|d| d.has_active_port()) {
         say(
             &mut out,
             "rdma",
@@ -280,7 +231,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
     }
     // Settings.
     let any_nvlink = !nvlink.is_empty();
-    let active_nic = r.rdma.devices.iter().any(has_active);
+    let active_nic = r.rdma.devices.iter().any(|d| d.has_active_port());
     for s in &r.settings {
         let v = s.value.as_deref().map(str::trim);
         match (s.name.as_str(), v) {
@@ -306,12 +257,8 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
             _ => {}
         }
     }
-    out.extend(super::health::health_advice(r));
+    out.extend(health_advice(r));
     out
-}
-
-fn has_active(d: &super::VerbsDeviceSummary) -> bool {
-    d.ports.iter().any(|p| p.state == "ACTIVE")
 }
 
 /// The P2P verdict.
@@ -319,17 +266,9 @@ pub(crate) fn p2p_verdict(s: &P2pSection) -> String {
     if let Some(r) = &s.absent_reason {
         return format!("SKIPPED: {r}");
     }
-    let pairs = s.pairs.iter().filter(|p| p.src < p.dst).count();
-    let nvl = s
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && p.nvlink_links.is_some())
-        .count();
-    let peer = s
-        .pairs
-        .iter()
-        .filter(|p| p.src < p.dst && p.can_access)
-        .count();
+    let pairs = s.pairs_where(|_| true).len();
+    let nvl = s.pairs_where(|p| p.nvlink_links.is_some()).len();
+    let peer = s.pairs_where(|p| p.can_access).len();
     let failed = s
         .pairs
         .iter()
@@ -347,7 +286,7 @@ pub(crate) fn rdma_verdict(s: &RdmaSection, cuda: &CudaSection) -> String {
     if let Some(r) = &s.absent_reason {
         return format!("SKIPPED: {r}");
     }
-    let active = s.devices.iter().filter(|d| has_active(d)).count();
+    let active = s.devices.iter().filter(|d| d.has_active_port()).count();
     let mut v = format!(
         "{} verbs device(s), {active} with an active port",
         s.devices.len()
@@ -397,7 +336,7 @@ pub(crate) fn async_verdict(s: &AsyncSection) -> String {
         return format!("SKIPPED: {r}");
     }
     let n = s.gpus.len();
-    let count = |f: fn(&super::GpuAsync) -> bool| match s.gpus.iter().filter(|g| f(g)).count() {
+    let count = |f: fn(&GpuAsync) -> bool| match s.gpus.iter().filter(|g| f(g)).count() {
         k if k == n => "yes".to_string(),
         0 => "no".to_string(),
         k => format!("on {k} of {n}"),
@@ -413,7 +352,7 @@ pub(crate) fn async_verdict(s: &AsyncSection) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::{CopyMeasurement, GpuAsync, P2pPair, StorageRead};
+    use crate::report::model::{CopyMeasurement, P2pPair, StorageRead};
 
     fn pair(src: usize, dst: usize, nvl: bool, verified: bool) -> P2pPair {
         P2pPair {

@@ -1,18 +1,22 @@
 //! Process limits and configuration files: the locked-memory limit (what RDMA registration of host
 //! memory may pin) and the cuFile configuration in use with its I/O sizes.
 
-use super::{CufileConfig, CufileValue, Memlock};
+use super::model::{CufileConfig, CufileValue, Memlock};
 use std::path::Path;
 
 /// Below this, a finite locked-memory limit is called low: enough for small tests, too little
 /// for the buffers a training or storage job registers (NVIDIA's RDMA guides ask for unlimited).
-pub const MEMLOCK_LOW_BYTES: u64 = 1 << 30;
+pub(super) const MEMLOCK_LOW_BYTES: u64 = 1 << 30;
 
 /// `CAP_IPC_LOCK`'s bit in the capability sets of `/proc/<pid>/status`.
 const CAP_IPC_LOCK_BIT: u32 = 14;
 
 /// The locked-memory limit of this process (`getrlimit(RLIMIT_MEMLOCK)`): `(soft, hard)`,
 /// `None` meaning unlimited.
+///
+/// # Errors
+///
+/// `getrlimit`'s error, in words.
 #[doc(alias = "getrlimit")]
 pub fn memlock_limits() -> Result<(Option<u64>, Option<u64>), String> {
     let mut r = libc::rlimit {
@@ -35,7 +39,7 @@ pub fn memlock_limits() -> Result<(Option<u64>, Option<u64>), String> {
 
 /// Whether this process holds `CAP_IPC_LOCK` (then the limit does not apply), from the `CapEff`
 /// line of `<procfs>/self/status`.
-pub fn has_cap_ipc_lock(procfs: &Path) -> Option<bool> {
+pub(super) fn has_cap_ipc_lock(procfs: &Path) -> Option<bool> {
     let s = std::fs::read_to_string(procfs.join("self/status")).ok()?;
     let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim();
     let caps = u64::from_str_radix(hex, 16).ok()?;
@@ -64,7 +68,7 @@ pub fn human_bytes(b: u64) -> String {
 }
 
 /// The locked-memory finding from the limits and the capability.
-pub fn memlock(
+pub(super) fn memlock(
     limits: Result<(Option<u64>, Option<u64>), String>,
     cap_ipc_lock: Option<bool>,
 ) -> Memlock {
@@ -109,7 +113,7 @@ pub fn memlock(
 
 /// The cuFile configuration keys the report shows: its I/O sizes and the switches that decide
 /// the path (dotted paths into the file's JSON).
-pub const CUFILE_KEYS: [&str; 12] = [
+pub(super) const CUFILE_KEYS: [&str; 12] = [
     "properties.max_direct_io_size_kb",
     "properties.max_device_cache_size_kb",
     "properties.per_buffer_cache_size_kb",
@@ -126,7 +130,7 @@ pub const CUFILE_KEYS: [&str; 12] = [
 
 /// The configuration file cuFile reads: `CUFILE_ENV_PATH_JSON` when set, else `default`
 /// (`/etc/cufile.json`).
-pub fn cufile_config_path(
+pub(super) fn cufile_config_path(
     env: &dyn Fn(&str) -> Option<String>,
     default: &Path,
 ) -> (String, String) {
@@ -138,7 +142,7 @@ pub fn cufile_config_path(
 
 /// `text` without `//` line comments and `/* */` block comments outside strings (cuFile's
 /// configuration files carry both; JSON has neither).
-pub fn strip_json_comments(text: &str) -> String {
+pub(super) fn strip_json_comments(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
     let mut in_string = false;
@@ -189,7 +193,7 @@ pub fn strip_json_comments(text: &str) -> String {
 }
 
 /// Read the cuFile configuration at `path` (named by `source`) and pick [`CUFILE_KEYS`].
-pub fn cufile_config(path: &str, source: &str) -> CufileConfig {
+pub(super) fn cufile_config(path: &str, source: &str) -> CufileConfig {
     let mut c = CufileConfig {
         path: path.into(),
         source: source.into(),
@@ -240,7 +244,7 @@ pub fn cufile_config(path: &str, source: &str) -> CufileConfig {
 
 /// A problem with the value of a setting the report checks, in words; `None` when the value is
 /// one the consumer accepts.
-pub fn setting_problem(name: &str, value: &str) -> Option<String> {
+pub(super) fn setting_problem(name: &str, value: &str) -> Option<String> {
     let v = value.trim();
     let int = v.parse::<i64>().ok();
     match name {

@@ -1,22 +1,6 @@
-//! The node's health: the checks operators otherwise run by hand when a GPUDirect path is slow or
-//! will not start. Driver and kernel against what each path needs, the peer-memory and storage
-//! modules, PCIe links, ACS and the IOMMU, NVLink, the locked-memory limit and the cuFile
-//! configuration.
-//!
-//! Everything is read from sysfs, procfs, the kernel log and NVML through the roots in
-//! [`SystemPaths`] and an [`NvmlSource`], so [`gather_health`] runs on fake trees in tests. The
-//! PCIe/NUMA placement of GPUs and NICs it builds on is [`crate::topology::sysfs`].
-
-mod advice;
-pub mod kernel;
-pub mod limits;
-pub mod nvlink;
-pub mod pcie;
-
-pub use advice::health_advice;
-pub use nvlink::{
-    NoNvml, NvlinkAnswer, NvlinkCounters, NvlinkReading, NvlinkRemote, NvmlSource, open_nvml,
-};
+//! What the health checks find, as data: the kernel and driver, each path's requirements, the
+//! modules, PCIe links and paths, the IOMMU, NVLink, the locked-memory limit and the cuFile
+//! configuration; and where the system is read from.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -147,6 +131,15 @@ pub struct PcieLink {
     pub error: Option<String>,
 }
 
+impl PcieLink {
+    /// The speed the link was seen at: under load when read so, else as read.
+    pub(crate) fn speed_seen(&self) -> Option<&str> {
+        self.speed_under_load
+            .as_deref()
+            .or(self.current_speed.as_deref())
+    }
+}
+
 /// ACS on one bridge.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BridgeAcs {
@@ -262,6 +255,16 @@ impl NvlinkLink {
     }
 }
 
+impl NvlinkErrors {
+    /// The sum of the counters NVML gave.
+    pub fn total(&self) -> u64 {
+        [self.replay, self.recovery, self.crc_flit, self.crc_data]
+            .iter()
+            .flatten()
+            .fold(0u64, |a, b| a.saturating_add(*b))
+    }
+}
+
 /// One GPU's NVLinks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NvlinkGpu {
@@ -277,6 +280,17 @@ pub struct NvlinkGpu {
     pub links: Vec<NvlinkLink>,
     /// Why NVML could not answer for this GPU.
     pub error: Option<String>,
+}
+
+impl NvlinkGpu {
+    /// The indexes of the links `keep` accepts, in order.
+    pub(crate) fn links_where(&self, keep: impl Fn(&NvlinkLink) -> bool) -> Vec<String> {
+        self.links
+            .iter()
+            .filter(|l| keep(l))
+            .map(|l| l.link.to_string())
+            .collect()
+    }
 }
 
 /// NVLink health.
@@ -379,132 +393,7 @@ pub struct HealthNic {
     pub pci_bus_id: Option<String>,
 }
 
-/// Everything [`gather_health`] reads, so tests can give their own.
-pub struct HealthInputs<'a> {
-    /// Where sysfs, procfs, the kernel log and the configuration files are.
-    pub paths: &'a SystemPaths,
-    /// The environment (`std::env::var` for the real one).
-    pub env: &'a dyn Fn(&str) -> Option<String>,
-    /// `getrlimit(RLIMIT_MEMLOCK)`: `(soft, hard)`, `None` meaning unlimited.
-    pub memlock: Result<(Option<u64>, Option<u64>), String>,
-    /// NVML, or why it is not usable.
-    pub nvml: Result<&'a dyn NvmlSource, String>,
-    /// NVLink error counters read before the probe's own measurements, to tell whether they grow
-    /// meanwhile; `None` when nothing was measured.
-    pub nvlink_before: Option<&'a NvlinkCounters>,
-    /// The GPUs.
-    pub gpus: &'a [HealthGpu],
-    /// The verbs devices.
-    pub nics: &'a [HealthNic],
-    /// libibverbs has `ibv_reg_dmabuf_mr`; `None` when libibverbs did not load.
-    pub verbs_dmabuf: Option<bool>,
-    /// `cuFileGetVersion` as `major.minor`.
-    pub cufile_version: Option<String>,
-}
-
 /// `GPU 3` → 3: the ordinal in a device name the health section gives a GPU.
-pub(crate) fn gpu_ordinal_of(name: &str) -> Option<usize> {
+pub fn gpu_ordinal_of(name: &str) -> Option<usize> {
     name.strip_prefix("GPU ")?.parse().ok()
-}
-
-/// Run every health check over `i`. Never fails: what cannot be read is recorded with the reason.
-pub fn gather_health(i: &HealthInputs) -> HealthSection {
-    let p = i.paths;
-    let mut kernel_info = kernel::kernel_info(&p.sysfs, &p.procfs, &p.boot);
-    if kernel_info.nvidia_driver.is_none()
-        && let Ok(n) = &i.nvml
-    {
-        kernel_info.nvidia_driver = n.driver_version();
-    }
-    let (log, kernel_log_unreadable) = match kernel::read_kernel_log(&p.kmsg) {
-        Ok(l) => (Some(l), None),
-        Err(e) => (None, Some(e)),
-    };
-    let modules = kernel::module_statuses(
-        &p.sysfs,
-        &p.procfs,
-        &p.lib_modules,
-        kernel_info.release.as_deref(),
-        log.as_deref(),
-    );
-    let peer_memory_clients = kernel::peer_memory_clients(&p.sysfs);
-    let requirements = kernel::requirements(&kernel::RequirementInputs {
-        kernel: kernel_info.clone(),
-        compute_capabilities: i.gpus.iter().map(|g| g.compute_capability).collect(),
-        verbs_dmabuf: i.verbs_dmabuf,
-        modules: modules.clone(),
-        peer_memory: peer_memory_clients.clone(),
-        cufile_version: i.cufile_version.clone(),
-    });
-
-    let mut links: Vec<PcieLink> = i
-        .gpus
-        .iter()
-        .map(|g| {
-            pcie::read_link(
-                &p.sysfs,
-                &format!("GPU {}", g.ordinal),
-                "gpu",
-                &g.pci_bus_id,
-            )
-        })
-        .collect();
-    links.extend(i.nics.iter().filter_map(|n| {
-        Some(pcie::read_link(
-            &p.sysfs,
-            &n.name,
-            "nic",
-            n.pci_bus_id.as_deref()?,
-        ))
-    }));
-    let mut paths = Vec::new();
-    for g in i.gpus {
-        let from = format!("GPU {}", g.ordinal);
-        if let Some(nic) = &g.nearest_nic
-            && let Some(bus) = i
-                .nics
-                .iter()
-                .find(|n| &n.name == nic)
-                .and_then(|n| n.pci_bus_id.as_deref())
-        {
-            paths.push(pcie::pcie_path(
-                &p.sysfs,
-                (&from, &g.pci_bus_id),
-                (nic, bus),
-                "gpu-nic",
-            ));
-        }
-    }
-    for (k, a) in i.gpus.iter().enumerate() {
-        for b in &i.gpus[k + 1..] {
-            paths.push(pcie::pcie_path(
-                &p.sysfs,
-                (&format!("GPU {}", a.ordinal), &a.pci_bus_id),
-                (&format!("GPU {}", b.ordinal), &b.pci_bus_id),
-                "gpu-gpu",
-            ));
-        }
-    }
-    let gpu_ids: Vec<(usize, String)> = i
-        .gpus
-        .iter()
-        .map(|g| (g.ordinal, g.pci_bus_id.clone()))
-        .collect();
-    let nvml = i.nvml.as_ref().map(|n| *n).map_err(|e| e.clone());
-    let (cufile_path, cufile_source) = limits::cufile_config_path(i.env, &p.cufile_default);
-    HealthSection {
-        kernel: kernel_info,
-        requirements,
-        modules,
-        peer_memory_clients,
-        kernel_log_unreadable,
-        pcie: PcieHealth {
-            links,
-            paths,
-            iommu: pcie::iommu_status(&p.sysfs, &p.procfs),
-        },
-        nvlink: nvlink::nvlink_health(&gpu_ids, nvml, i.nvlink_before),
-        memlock: limits::memlock(i.memlock.clone(), limits::has_cap_ipc_lock(&p.procfs)),
-        cufile_config: limits::cufile_config(&cufile_path, &cufile_source),
-    }
 }

@@ -6,11 +6,12 @@
 //! down while others are up, when its replay or recovery counter is above zero, or when any of
 //! its counters grows while the probe's own copies run.
 
-use super::{NvlinkErrors, NvlinkGpu, NvlinkHealth, NvlinkLink};
+use super::model::{NvlinkErrors, NvlinkGpu, NvlinkHealth, NvlinkLink};
+use crate::topology::normalize_bus_id;
 use std::collections::HashMap;
 
 /// NVML's most NVLinks per GPU (`NVML_NVLINK_MAX_LINKS`).
-pub const MAX_LINKS: u32 = 18;
+pub(super) const MAX_LINKS: u32 = 18;
 
 /// One link as NVML answers for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +25,7 @@ pub struct NvlinkReading {
     /// Link speed in MB/s (NVML's `NVML_FI_DEV_NVLINK_SPEED_MBPS_*` fields).
     pub speed_mbps: Option<u32>,
     /// `nvmlDeviceGetNvLinkRemotePciInfo_v2`, as sysfs spells a PCI address (NVML's
-    /// `ffff:ff:ff.0` placeholder included: [`classify_gpu`] drops it).
+    /// `ffff:ff:ff.0` placeholder included: the report drops it).
     pub remote_pci_bus_id: Option<String>,
     /// `nvmlDeviceGetNvLinkRemoteDeviceType`; `None` where NVML does not say (or says unknown).
     pub remote_device_type: Option<NvlinkRemote>,
@@ -68,11 +69,17 @@ impl NvlinkRemote {
 /// each link in order; `Err` when NVML has no handle for the GPU.
 pub type NvlinkAnswer = Result<(Option<u32>, Vec<NvlinkReading>), String>;
 
-/// What the report asks NVML. The real one is [`open_nvml`]; tests give their own answers.
+/// What the report asks NVML. The report opens the real one (through nvml-wrapper); tests give
+/// their own answers.
 pub trait NvmlSource {
     /// The NVIDIA driver version NVML reports (`nvmlSystemGetDriverVersion`).
     fn driver_version(&self) -> Option<String>;
     /// The links of the GPU at `bus_id` (sysfs' form of a PCI address).
+    ///
+    /// # Errors
+    ///
+    /// Why NVML has no answer for that GPU (no handle for the address, NVML not usable); the
+    /// report shows it as the GPU's NVLink error.
     fn nvlinks(&self, bus_id: &str) -> NvlinkAnswer;
 }
 
@@ -91,7 +98,11 @@ impl NvmlSource for NoNvml {
 /// NVML through nvml-wrapper, opened as the link matrix opens it.
 struct RealNvml(nvml_wrapper::Nvml);
 
-/// Open NVML for the report; `Err` with the reason (and then [`NoNvml`] answers).
+/// Open NVML for the report.
+///
+/// # Errors
+///
+/// Why NVML cannot be used (no `libnvidia-ml.so.1`, no driver); the report records it.
 pub fn open_nvml() -> Result<Box<dyn NvmlSource>, String> {
     crate::p2p::link::open_nvml().map(|n| Box::new(RealNvml(n)) as Box<dyn NvmlSource>)
 }
@@ -187,7 +198,7 @@ impl NvmlSource for RealNvml {
                 remote_pci_bus_id: if active == Ok(true) {
                     link.remote_pci_info()
                         .ok()
-                        .map(|p| crate::topology::sysfs::normalize_bus_id(&p.bus_id))
+                        .map(|p| normalize_bus_id(&p.bus_id))
                 } else {
                     None
                 },
@@ -263,7 +274,7 @@ impl NvlinkCounters {
 /// probe's own copies), so its growth says nothing about the link. `None` when neither counter
 /// can be compared (not counted either time), or when one went down without the other growing
 /// (the counters were reset meanwhile: growth cannot be told).
-pub fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
+pub(super) fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
     let pairs = [
         (before.replay, after.replay),
         (before.recovery, after.recovery),
@@ -286,8 +297,8 @@ pub fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
 
 /// A remote PCI address NVML gave, or `None` for its placeholders: an all-ones domain
 /// (`ffff:ff:ff.0`), a device number past 31 (a bus has 32), or an unparsable one.
-pub fn known_pci(id: &str) -> Option<String> {
-    let id = crate::topology::sysfs::normalize_bus_id(id);
+pub(super) fn known_pci(id: &str) -> Option<String> {
+    let id = normalize_bus_id(id);
     let (dom, rest) = id.split_once(':')?;
     let (bus, devfn) = rest.split_once(':')?;
     let (dev, func) = devfn.split_once('.')?;
@@ -311,23 +322,11 @@ fn remote_device(
 ) -> Option<String> {
     if let Some(p) = pci
         && matches!(kind, None | Some(NvlinkRemote::Gpu))
-        && let Some((g, _)) = gpus
-            .iter()
-            .find(|(_, b)| crate::topology::sysfs::normalize_bus_id(b) == p)
+        && let Some((g, _)) = gpus.iter().find(|(_, b)| normalize_bus_id(b) == p)
     {
         return Some(format!("GPU {g}"));
     }
     kind.map(|k| k.name().to_string())
-}
-
-impl NvlinkErrors {
-    /// The sum of the counters NVML gave.
-    pub fn total(&self) -> u64 {
-        [self.replay, self.recovery, self.crc_flit, self.crc_data]
-            .iter()
-            .flatten()
-            .fold(0u64, |a, b| a.saturating_add(*b))
-    }
 }
 
 /// One GPU's links, classified: a link is `down` when it is inactive while another link of the
@@ -335,7 +334,7 @@ impl NvlinkErrors {
 /// `counting_errors` when its replay or recovery counter is above zero (CRC counts are corrected
 /// by the link and only shown); `errors_grew` from `before` (the counters read before the probe's
 /// measurements; `None`: not measured). `gpus` (ordinal, PCI address) names remote GPUs.
-pub fn classify_gpu(
+pub(super) fn classify_gpu(
     gpu: usize,
     bus_id: &str,
     answer: NvlinkAnswer,

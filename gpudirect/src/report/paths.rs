@@ -1,153 +1,9 @@
 //! Each data path's status (usable, degraded, unusable) with the reasons, for a health check that
 //! fails a job's prolog when a path the job needs is broken (the probe's `--require`).
 
-use super::NodeReport;
-use super::health::pcie::domain_translates;
-use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
-
-/// A data path a job may require.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DataPath {
-    /// At least one GPU.
-    Gpu,
-    /// At least two GPUs.
-    MultiGpu,
-    /// Peer access between GPUs.
-    P2p,
-    /// NVLink between GPUs.
-    Nvlink,
-    /// A verbs device with an active port (host-memory RDMA).
-    Rdma,
-    /// A NIC that can reach GPU memory (GPUDirect RDMA).
-    GpudirectRdma,
-    /// cuFile, in GDS or compatibility mode.
-    Cufile,
-    /// GPUDirect Storage (nvidia-fs).
-    Gds,
-    /// Stream memory operations (NIC- and storage-triggered stream waits).
-    Async,
-}
-
-impl DataPath {
-    /// Every path, in the order the report lists them.
-    pub const ALL: [DataPath; 9] = [
-        DataPath::Gpu,
-        DataPath::MultiGpu,
-        DataPath::P2p,
-        DataPath::Nvlink,
-        DataPath::Rdma,
-        DataPath::GpudirectRdma,
-        DataPath::Cufile,
-        DataPath::Gds,
-        DataPath::Async,
-    ];
-
-    /// The name `--require` takes (`gpudirect-rdma`).
-    pub fn name(self) -> &'static str {
-        match self {
-            DataPath::Gpu => "gpu",
-            DataPath::MultiGpu => "multi-gpu",
-            DataPath::P2p => "p2p",
-            DataPath::Nvlink => "nvlink",
-            DataPath::Rdma => "rdma",
-            DataPath::GpudirectRdma => "gpudirect-rdma",
-            DataPath::Cufile => "cufile",
-            DataPath::Gds => "gds",
-            DataPath::Async => "async",
-        }
-    }
-
-    /// What usable and degraded mean for this path, in words.
-    pub fn describe(self) -> &'static str {
-        match self {
-            DataPath::Gpu => "a CUDA GPU; degraded when a GPU's PCIe link is below its maximum",
-            DataPath::MultiGpu => "two or more GPUs",
-            DataPath::P2p => {
-                "peer access between GPUs; degraded when some pair lacks it, a quick copy failed, or ACS or the IOMMU hinders PCIe peers"
-            }
-            DataPath::Nvlink => {
-                "NVLink between GPUs (NVML); degraded when a link is down, counts replay or recovery errors, or its error counters grow during the probe"
-            }
-            DataPath::Rdma => {
-                "a verbs device with an active port; degraded when the locked-memory limit is low or a NIC's PCIe link is below its maximum"
-            }
-            DataPath::GpudirectRdma => {
-                "a PCIe NIC that can register GPU memory (dma-buf or nvidia-peermem); degraded when some GPU cannot, a GPU's nearest NIC is across the CPU, ACS or the IOMMU sits in the way, or a link is below its maximum"
-            }
-            DataPath::Cufile => {
-                "cuFile opens (GDS or compatibility mode); degraded when the quick read returned wrong bytes"
-            }
-            DataPath::Gds => {
-                "GPUDirect Storage: cuFile with nvidia-fs; degraded when the quick read returned wrong bytes"
-            }
-            DataPath::Async => "stream memory operations on every GPU",
-        }
-    }
-}
-
-impl fmt::Display for DataPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for DataPath {
-    type Err = String;
-
-    /// A path by name, case-insensitive.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let t = s.trim().to_ascii_lowercase();
-        DataPath::ALL
-            .into_iter()
-            .find(|p| p.name() == t)
-            .ok_or_else(|| {
-                let names: Vec<&str> = DataPath::ALL.iter().map(|p| p.name()).collect();
-                format!("unknown path {s:?}: expected one of {}", names.join(", "))
-            })
-    }
-}
-
-/// How usable a path is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PathState {
-    /// Usable.
-    Ok,
-    /// Usable, below what the hardware can do.
-    Degraded,
-    /// Not usable.
-    Unusable,
-}
-
-/// One path's status.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PathStatus {
-    /// The path.
-    pub path: DataPath,
-    /// `ok`, `degraded` or `unusable`.
-    pub state: PathState,
-    /// Why it is not `ok`, each on one line.
-    pub reasons: Vec<String>,
-}
-
-impl PathStatus {
-    /// `gds unusable: nvidia-fs is not loaded` (one line).
-    pub fn line(&self) -> String {
-        let state = match self.state {
-            PathState::Ok => "ok",
-            PathState::Degraded => "degraded",
-            PathState::Unusable => "unusable",
-        };
-        if self.reasons.is_empty() {
-            format!("{} {state}", self.path)
-        } else {
-            format!("{} {state}: {}", self.path, self.reasons.join("; "))
-        }
-    }
-}
+use super::health::{domain_translates, gpu_ordinal_of, human_bytes};
+use super::model::{DataPath, NodeReport, PathState, PathStatus};
+use crate::topology::Affinity;
 
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -181,17 +37,9 @@ impl Acc {
     }
 }
 
-fn no_gpu(r: &NodeReport) -> String {
-    match (&r.cuda.driver_version, &r.cuda.absent_reason) {
-        (None, _) => "no GPU: no CUDA driver (libcuda is not loaded)".into(),
-        (Some(_), Some(why)) => format!("no GPU: {why}"),
-        (Some(_), None) => "no GPU visible".into(),
-    }
-}
-
 fn fewer_than_two(r: &NodeReport) -> String {
     match r.cuda.devices.len() {
-        0 => no_gpu(r),
+        0 => r.cuda.no_gpu(),
         n => format!("{n} GPU visible, a pair needs two"),
     }
 }
@@ -211,10 +59,7 @@ fn link_problems(r: &NodeReport, kind: &str) -> Vec<String> {
             v.push(format!(
                 "{} PCIe link at {} of {}",
                 l.device,
-                l.speed_under_load
-                    .as_deref()
-                    .or(l.current_speed.as_deref())
-                    .unwrap_or("?"),
+                l.speed_seen().unwrap_or("?"),
                 l.max_speed.as_deref().unwrap_or("?")
             ));
         }
@@ -233,16 +78,10 @@ fn translated(r: &NodeReport, device: &str) -> bool {
 fn status(r: &NodeReport, path: DataPath) -> PathStatus {
     let mut a = Acc::new();
     let gpus = r.cuda.devices.len();
-    let upper = |v: &[crate::topology::P2pPair]| -> Vec<(usize, usize)> {
-        v.iter()
-            .filter(|p| p.src < p.dst)
-            .map(|p| (p.src, p.dst))
-            .collect()
-    };
     match path {
         DataPath::Gpu => {
             if gpus == 0 {
-                a.unusable.push(no_gpu(r));
+                a.unusable.push(r.cuda.no_gpu());
             }
             a.degraded.extend(link_problems(r, "gpu"));
         }
@@ -257,14 +96,8 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
             } else if let Some(why) = &r.p2p.absent_reason {
                 a.unusable.push(why.clone());
             } else {
-                let pairs = upper(&r.p2p.pairs);
-                let without: Vec<String> = r
-                    .p2p
-                    .pairs
-                    .iter()
-                    .filter(|p| p.src < p.dst && !p.can_access)
-                    .map(|p| format!("{}-{}", p.src, p.dst))
-                    .collect();
+                let pairs = r.p2p.pairs_where(|_| true);
+                let without = r.p2p.pairs_where(|p| !p.can_access);
                 if without.len() == pairs.len() {
                     a.unusable.push("no GPU pair has peer access".into());
                 } else if !without.is_empty() {
@@ -285,18 +118,11 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
                     ));
                 }
                 for p in r.health.pcie.paths.iter().filter(|p| p.kind == "gpu-gpu") {
-                    let (Some(x), Some(y)) = (
-                        super::health::gpu_ordinal_of(&p.from),
-                        super::health::gpu_ordinal_of(&p.to),
-                    ) else {
+                    let (Some(x), Some(y)) = (gpu_ordinal_of(&p.from), gpu_ordinal_of(&p.to))
+                    else {
                         continue;
                     };
-                    let nvlink = r
-                        .p2p
-                        .pairs
-                        .iter()
-                        .any(|q| q.src == x && q.dst == y && q.nvlink_links.is_some());
-                    if nvlink {
+                    if r.p2p.on_nvlink(x, y) {
                         continue;
                     }
                     if p.acs_redirects == Some(true) {
@@ -321,32 +147,18 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
                 a.unusable.push("no GPU pair is joined by NVLink".into());
             }
             for g in &nv.gpus {
-                let down: Vec<String> = g
-                    .links
-                    .iter()
-                    .filter(|l| l.down)
-                    .map(|l| l.link.to_string())
-                    .collect();
+                let down = g.links_where(|l| l.down).join(",");
                 if !down.is_empty() {
-                    a.degraded
-                        .push(format!("GPU {} NVLink {} down", g.gpu, down.join(",")));
+                    a.degraded.push(format!("GPU {} NVLink {down} down", g.gpu));
                 }
-                let list = |keep: fn(&crate::topology::health::NvlinkLink) -> bool| {
-                    g.links
-                        .iter()
-                        .filter(|l| keep(l))
-                        .map(|l| l.link.to_string())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                };
-                let errs = list(|l| l.counting_errors);
+                let errs = g.links_where(|l| l.counting_errors).join(",");
                 if !errs.is_empty() {
                     a.degraded.push(format!(
                         "GPU {} NVLink {errs} counting replay/recovery errors",
                         g.gpu
                     ));
                 }
-                let grew = list(|l| l.errors_grew == Some(true));
+                let grew = g.links_where(|l| l.errors_grew == Some(true)).join(",");
                 if !grew.is_empty() {
                     a.degraded.push(format!(
                         "GPU {} NVLink {grew} errors grew during the probe",
@@ -358,27 +170,21 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
         DataPath::Rdma => {
             if let Some(why) = &r.rdma.absent_reason {
                 a.unusable.push(why.clone());
-            } else if !r
-                .rdma
-                .devices
-                .iter()
-                .any(|d| d.ports.iter().any(|p| p.state == "ACTIVE"))
-            {
+            } else if !r.rdma.devices.iter().any(|d| d.has_active_port()) {
                 a.unusable.push("no verbs port is ACTIVE".into());
             }
             let m = &r.health.memlock;
             if m.low {
                 a.degraded.push(format!(
                     "the locked-memory limit is {} (RDMA registers at most that much host memory)",
-                    m.soft_bytes
-                        .map_or("?".into(), super::health::limits::human_bytes)
+                    m.soft_bytes.map_or("?".into(), human_bytes)
                 ));
             }
             a.degraded.extend(link_problems(r, "nic"));
         }
         DataPath::GpudirectRdma => {
             if gpus == 0 {
-                a.unusable.push(no_gpu(r));
+                a.unusable.push(r.cuda.no_gpu());
             }
             let rdma = status(r, DataPath::Rdma);
             if rdma.state == PathState::Unusable {
@@ -418,7 +224,7 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
                 for af in &r.rdma.affinity {
                     let Some(best) = &af.best else { continue };
                     let aff = af.nics.iter().find(|n| &n.nic == best).map(|n| n.affinity);
-                    if aff == Some(crate::topology::Affinity::AcrossCpu) {
+                    if aff == Some(Affinity::AcrossCpu) {
                         a.degraded.push(format!(
                             "GPU {}'s nearest NIC {best} is across the CPU interconnect",
                             af.gpu
@@ -444,7 +250,7 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
         DataPath::Cufile | DataPath::Gds => {
             let s = &r.storage;
             if gpus == 0 {
-                a.unusable.push(no_gpu(r));
+                a.unusable.push(r.cuda.no_gpu());
             } else if s.mode == "unavailable" {
                 a.unusable
                     .push(format!("cuFile unavailable: {}", s.mode_reason));
@@ -461,7 +267,7 @@ fn status(r: &NodeReport, path: DataPath) -> PathStatus {
         }
         DataPath::Async => {
             if gpus == 0 {
-                a.unusable.push(no_gpu(r));
+                a.unusable.push(r.cuda.no_gpu());
             } else {
                 let without: Vec<String> = r
                     .async_
@@ -489,7 +295,12 @@ pub fn path_statuses(r: &NodeReport) -> Vec<PathStatus> {
     DataPath::ALL.into_iter().map(|p| status(r, p)).collect()
 }
 
-/// `Err` with one line naming each required path that is not `ok` and why; `Ok` when all are.
+/// Whether every path in `required` is `ok` in `r` (the probe's `--require`).
+///
+/// # Errors
+///
+/// One line, `required path not usable: ...`, naming each required path that is degraded or
+/// unusable and why (paths joined by ` | `).
 pub fn check_required(r: &NodeReport, required: &[DataPath]) -> Result<(), String> {
     let bad: Vec<String> = required
         .iter()

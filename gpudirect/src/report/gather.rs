@@ -1,12 +1,23 @@
 //! Gathering the report through gpudirect's typed APIs; each step fallible and recorded.
 
-use super::advice::{async_verdict, p2p_verdict, rdma_verdict, storage_verdict};
-use super::sysfs::{self, Affinity};
-use super::*;
+use super::advice::{
+    advise, async_verdict, p2p_verdict, rdma_verdict, settings_from_env, storage_verdict,
+};
+use super::health::{
+    self, HealthGpu, HealthInputs, HealthNic, HealthSection, NvlinkCounters, NvmlSource, PcieLink,
+    SystemPaths, gather_health, gpu_ordinal_of, parse_link_speed,
+};
+use super::model::{
+    AsyncSection, CopyMeasurement, CudaSection, CufileProperties, GpuAsync, LibraryStatus,
+    NodeReport, P2pPair, P2pSection, RdmaSection, SCHEMA_VERSION, StorageRead, StorageSection,
+    version_words,
+};
+use super::paths::path_statuses;
+use super::verbs::rdma_section;
+use crate::cuda::DeviceInfo;
 use crate::cuda::Stream;
 use crate::memory::DeviceBuffer;
 use crate::p2p::{Copier, CopyOptions, CopyPath, Interconnect, LinkMatrix};
-use crate::rdma::{Context, DeviceList, GidType, LinkLayer, PortState};
 use crate::storage::{self, Mode, OpenOptions, PathReason};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -58,7 +69,31 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
-pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
+impl NodeReport {
+    /// Look at this node, measuring. Never fails and never panics: absences are recorded with
+    /// reasons.
+    pub fn gather() -> NodeReport {
+        Self::gather_with(&GatherOptions::default())
+    }
+
+    /// Look at this node with `opts`. Never fails and never panics.
+    pub fn gather_with(opts: &GatherOptions) -> NodeReport {
+        gather(opts)
+    }
+}
+
+/// A library's status from its loader's answer: its file and version, or why it did not load.
+fn library(
+    name: &str,
+    loaded: Result<(&str, Option<String>), impl std::fmt::Display>,
+) -> LibraryStatus {
+    match loaded {
+        Ok((path, version)) => LibraryStatus::loaded(name, path, version),
+        Err(e) => LibraryStatus::missing(name, e),
+    }
+}
+
+fn gather(opts: &GatherOptions) -> NodeReport {
     let mut libraries = Vec::new();
     let cuda =
         guarded("the GPU query", || cuda_section(&mut libraries)).unwrap_or_else(|e| CudaSection {
@@ -67,30 +102,18 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
             devices: Vec::new(),
             absent_reason: Some(e),
         });
-    libraries.push(match gpudirect_sys::cufile::lib() {
-        Ok(l) => LibraryStatus::loaded(
-            "libcufile",
-            l.path(),
-            l.version().map(format_cufile_version),
-        ),
-        Err(e) => LibraryStatus::missing("libcufile", e),
-    });
-    libraries.push(match gpudirect_sys::ibverbs::lib() {
-        Ok(l) => LibraryStatus::loaded(
-            "libibverbs",
-            l.path(),
-            sysfs::version_from_file_name(l.path()),
-        ),
-        Err(e) => LibraryStatus::missing("libibverbs", e),
-    });
-    libraries.push(match gpudirect_sys::rdmacm::lib() {
-        Ok(l) => LibraryStatus::loaded(
-            "librdmacm",
-            l.path(),
-            sysfs::version_from_file_name(l.path()),
-        ),
-        Err(e) => LibraryStatus::missing("librdmacm", e),
-    });
+    libraries.push(library(
+        "libcufile",
+        gpudirect_sys::cufile::lib().map(|l| (l.path(), l.version().map(version_words))),
+    ));
+    libraries.push(library(
+        "libibverbs",
+        gpudirect_sys::ibverbs::lib().map(|l| (l.path(), version_from_file_name(l.path()))),
+    ));
+    libraries.push(library(
+        "librdmacm",
+        gpudirect_sys::rdmacm::lib().map(|l| (l.path(), version_from_file_name(l.path()))),
+    ));
 
     // NVML for the health checks, opened before the measurements so that NVLink error counters
     // can be read before and after the probe's own copies (growth marks a marginal link).
@@ -103,7 +126,7 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
         Ok(n) if opts.measure => {
             let buses: Vec<String> = cuda.devices.iter().map(|d| d.pci_bus_id.clone()).collect();
             guarded("reading NVLink counters", || {
-                health::NvlinkCounters::read(n.as_ref(), &buses)
+                NvlinkCounters::read(n.as_ref(), &buses)
             })
             .ok()
         }
@@ -117,8 +140,8 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
             verdict: String::new(),
         });
     p2p.verdict = p2p_verdict(&p2p);
-    let mut rdma =
-        guarded("the RDMA probe", || rdma_section(&cuda, opts)).unwrap_or_else(|e| RdmaSection {
+    let mut rdma = guarded("the RDMA probe", || rdma_section(&cuda, &opts.system.sysfs))
+        .unwrap_or_else(|e| RdmaSection {
             devices: Vec::new(),
             gpus: Vec::new(),
             affinity: Vec::new(),
@@ -145,7 +168,7 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
     let health = guarded("the health checks", || {
         health_section(&cuda, &rdma, &storage, opts, &nvml, nvlink_before.as_ref())
     })
-    .unwrap_or_else(|e| empty_health(&e));
+    .unwrap_or_else(|e| health::health_unavailable(&e));
     let mut report = NodeReport {
         schema_version: SCHEMA_VERSION,
         measured: opts.measure,
@@ -165,49 +188,14 @@ pub(super) fn gather(opts: &GatherOptions) -> NodeReport {
     report
 }
 
-/// The health section when gathering it failed as a whole (`why`).
-fn empty_health(why: &str) -> HealthSection {
-    use health::*;
-    HealthSection {
-        kernel: KernelInfo::default(),
-        requirements: Vec::new(),
-        modules: Vec::new(),
-        peer_memory_clients: None,
-        kernel_log_unreadable: Some(why.into()),
-        pcie: PcieHealth {
-            links: Vec::new(),
-            paths: Vec::new(),
-            iommu: IommuStatus {
-                enabled: None,
-                groups: 0,
-                units: Vec::new(),
-                cmdline: Vec::new(),
-            },
-        },
-        nvlink: NvlinkHealth {
-            gpus: Vec::new(),
-            absent_reason: Some(why.into()),
-        },
-        memlock: limits::memlock(Err(why.into()), None),
-        cufile_config: CufileConfig {
-            path: String::new(),
-            source: String::new(),
-            exists: false,
-            values: Vec::new(),
-            error: Some(why.into()),
-        },
-    }
-}
-
 fn health_section(
     cuda: &CudaSection,
     rdma: &RdmaSection,
     storage: &StorageSection,
     opts: &GatherOptions,
-    nvml: &Result<Box<dyn health::NvmlSource>, String>,
-    nvlink_before: Option<&health::NvlinkCounters>,
+    nvml: &Result<Box<dyn NvmlSource>, String>,
+    nvlink_before: Option<&NvlinkCounters>,
 ) -> HealthSection {
-    use health::{HealthGpu, HealthInputs, HealthNic};
     let gpus: Vec<HealthGpu> = cuda
         .devices
         .iter()
@@ -231,10 +219,10 @@ fn health_section(
         })
         .collect();
     let env = |k: &str| std::env::var(k).ok();
-    let mut h = health::gather_health(&HealthInputs {
+    let mut h = gather_health(&HealthInputs {
         paths: &opts.system,
         env: &env,
-        memlock: health::limits::memlock_limits(),
+        memlock: health::memlock_limits(),
         nvml: nvml.as_ref().map(|b| b.as_ref()).map_err(|e| e.clone()),
         nvlink_before,
         gpus: &gpus,
@@ -247,17 +235,13 @@ fn health_section(
     if opts.measure {
         for l in h.pcie.links.iter_mut().filter(|l| l.kind == "gpu") {
             let (Some(cur), Some(max)) = (
-                l.current_speed
-                    .as_deref()
-                    .and_then(health::pcie::parse_link_speed),
-                l.max_speed
-                    .as_deref()
-                    .and_then(health::pcie::parse_link_speed),
+                l.current_speed.as_deref().and_then(parse_link_speed),
+                l.max_speed.as_deref().and_then(parse_link_speed),
             ) else {
                 continue;
             };
             if cur < max
-                && let Some(ordinal) = health::gpu_ordinal_of(&l.device)
+                && let Some(ordinal) = gpu_ordinal_of(&l.device)
             {
                 speed_under_load(&opts.system.sysfs, l, ordinal);
             }
@@ -268,7 +252,7 @@ fn health_section(
 
 /// Read GPU `ordinal`'s link speed again while host-to-device copies keep it busy (an idle GPU
 /// lowers its link speed): the highest speed seen within 400 ms goes to `speed_under_load`.
-fn speed_under_load(sysfs_root: &Path, link: &mut health::PcieLink, ordinal: usize) {
+fn speed_under_load(sysfs_root: &Path, link: &mut PcieLink, ordinal: usize) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = Arc::new(AtomicBool::new(false));
@@ -292,7 +276,7 @@ fn speed_under_load(sysfs_root: &Path, link: &mut health::PcieLink, ordinal: usi
         std::thread::sleep(Duration::from_millis(20));
         if let Ok(s) = std::fs::read_to_string(&file) {
             let s = s.trim().to_string();
-            if let Some(v) = health::pcie::parse_link_speed(&s)
+            if let Some(v) = parse_link_speed(&s)
                 && best.as_ref().is_none_or(|b| v > b.0)
             {
                 best = Some((v, s));
@@ -305,12 +289,7 @@ fn speed_under_load(sysfs_root: &Path, link: &mut health::PcieLink, ordinal: usi
         Ok(Err(e)) => link.error = Some(format!("reading the link under load: {e}")),
         Err(_) => link.error = Some("reading the link under load: the copy thread panicked".into()),
     }
-    health::pcie::update_degraded(link);
-}
-
-/// `1150` → `1.15`.
-fn format_cufile_version(v: i32) -> String {
-    format!("{}.{}", v / 1000, (v % 1000) / 10)
+    link.update_degraded();
 }
 
 fn cuda_section(libraries: &mut Vec<LibraryStatus>) -> CudaSection {
@@ -320,7 +299,7 @@ fn cuda_section(libraries: &mut Vec<LibraryStatus>) -> CudaSection {
             libraries.push(LibraryStatus::loaded(
                 "libcuda",
                 d.path(),
-                Some(format_cuda_version(d.version())),
+                Some(version_words(d.version())),
             ));
             let (devices, absent_reason) = match driver.and_then(|_| DeviceInfo::all()) {
                 Ok(v) if v.is_empty() => (v, Some("the driver reports 0 CUDA devices".into())),
@@ -346,15 +325,6 @@ fn cuda_section(libraries: &mut Vec<LibraryStatus>) -> CudaSection {
     }
 }
 
-/// Why there is no GPU, short (the full error is in the GPUs section).
-fn no_gpu(cuda: &CudaSection) -> String {
-    match (&cuda.driver_version, &cuda.absent_reason) {
-        (None, _) => "no GPU: no CUDA driver (libcuda is not loaded)".into(),
-        (Some(_), Some(r)) => format!("no GPU: {r}"),
-        (Some(_), None) => "no GPU visible".into(),
-    }
-}
-
 fn p2p_section(cuda: &CudaSection, opts: &GatherOptions) -> P2pSection {
     let mut s = P2pSection {
         pairs: Vec::new(),
@@ -364,7 +334,7 @@ fn p2p_section(cuda: &CudaSection, opts: &GatherOptions) -> P2pSection {
     };
     match cuda.devices.len() {
         0 => {
-            s.absent_reason = Some(no_gpu(cuda));
+            s.absent_reason = Some(cuda.no_gpu());
             return s;
         }
         1 => {
@@ -463,223 +433,26 @@ fn measure_copy(a: usize, b: usize, bytes: usize) -> crate::Result<CopyMeasureme
     })
 }
 
-fn port_state(s: PortState) -> String {
-    match s {
-        PortState::Nop => "NOP".into(),
-        PortState::Down => "DOWN".into(),
-        PortState::Init => "INIT".into(),
-        PortState::Armed => "ARMED".into(),
-        PortState::Active => "ACTIVE".into(),
-        PortState::ActiveDefer => "ACTIVE_DEFER".into(),
-        PortState::Other(v) => format!("state {v}"),
-    }
-}
-
-fn gid_type(t: GidType) -> &'static str {
-    match t {
-        GidType::Ib => "IB",
-        GidType::RoceV1 => "RoCE v1",
-        GidType::RoceV2 => "RoCE v2",
-        GidType::Unknown => "unknown",
-    }
-}
-
-fn verbs_device(
-    ctx: &Context,
-    sysfs_root: &Path,
-) -> crate::Result<(Option<String>, Vec<PortSummary>)> {
-    let attr = ctx.query_device()?;
-    let mut ports = Vec::new();
-    for port in 1..=attr.phys_port_cnt {
-        let mut p = PortSummary {
-            port,
-            state: "unknown".into(),
-            link_layer: "unknown".into(),
-            active_mtu: 0,
-            max_mtu: 0,
-            speed_gbps: None,
-            speed: None,
-            gids: Vec::new(),
-            error: None,
-        };
-        match ctx.query_port(port) {
-            Ok(a) => {
-                p.state = port_state(a.state);
-                p.link_layer = match a.link_layer {
-                    LinkLayer::Ethernet => "Ethernet",
-                    _ => "InfiniBand",
-                }
-                .into();
-                p.active_mtu = a.active_mtu.bytes();
-                p.max_mtu = a.max_mtu.bytes();
-                let coded = sysfs::port_speed(a.active_width, a.active_speed);
-                p.speed_gbps = coded.as_ref().map(|c| c.0);
-                let rate = sysfs::port_rate(sysfs_root, ctx.name(), port);
-                // Newer speeds (NDR, XDR) have codes this crate does not read: use sysfs' figure.
-                if p.speed_gbps.is_none() {
-                    p.speed_gbps = rate
-                        .as_deref()
-                        .and_then(|r| r.split_whitespace().next())
-                        .and_then(|n| n.parse().ok());
-                }
-                p.speed = rate.or(coded.map(|c| c.1));
-                match ctx.gid_table(port) {
-                    Ok(t) => {
-                        p.gids = t
-                            .iter()
-                            .map(|e| GidSummary {
-                                index: e.index,
-                                gid: e.gid.to_string(),
-                                gid_type: gid_type(e.gid_type).into(),
-                            })
-                            .collect()
-                    }
-                    Err(e) => p.error = Some(format!("GID table: {e}")),
-                }
-            }
-            Err(e) => p.error = Some(e.to_string()),
-        }
-        ports.push(p);
-    }
-    Ok((Some(attr.fw_ver), ports))
-}
-
-fn rdma_section(cuda: &CudaSection, opts: &GatherOptions) -> RdmaSection {
-    let mut s = RdmaSection {
-        devices: Vec::new(),
-        gpus: Vec::new(),
-        affinity: Vec::new(),
-        absent_reason: None,
-        verdict: String::new(),
-    };
-    let root = opts.system.sysfs.as_path();
-    match DeviceList::get() {
-        Ok(list) if list.is_empty() => {
-            s.absent_reason = Some(
-                "no verbs device: ibv_get_device_list returned none (no RDMA NIC, rdma_rxe or siw link)"
-                    .into(),
-            )
-        }
-        Ok(list) => {
-            for dev in list.iter() {
-                let name = dev.name();
-                let loc = sysfs::nic_location(root, &name);
-                let mut d = VerbsDeviceSummary {
-                    pci_bus_id: sysfs::nic_pci_address(root, &name),
-                    numa_node: loc.and_then(|l| l.numa_node),
-                    name,
-                    fw_ver: None,
-                    ports: Vec::new(),
-                    error: None,
-                };
-                match Context::open(&dev).and_then(|c| verbs_device(&c, root)) {
-                    Ok((fw, ports)) => {
-                        d.fw_ver = fw;
-                        d.ports = ports;
-                    }
-                    Err(e) => d.error = Some(e.to_string()),
-                }
-                s.devices.push(d);
-            }
-        }
-        Err(e) => {
-            s.absent_reason = Some(match e {
-                // Displays as "no verbs device: <why>" already.
-                e @ crate::Error::NoDevice { .. } => e.to_string(),
-                e if !root.join("class/infiniband").is_dir() => format!(
-                    "no verbs device: {e} (/sys/class/infiniband is absent: no RDMA driver is loaded in this kernel)"
-                ),
-                e => format!("no verbs device: {e}"),
-            })
-        }
-    }
-    let peermem = gpudirect_sys::peermem::peermem_module().map(|m| match m.version {
-        Some(v) => format!("{} {v}", m.name),
-        None => m.name,
-    });
-    let verbs_dmabuf = gpudirect_sys::ibverbs::lib()
-        .map(|l| l.ibv_reg_dmabuf_mr.is_some())
-        .unwrap_or(false);
-    for g in &cuda.devices {
-        let registration = if !g.gpudirect_rdma {
-            "none"
-        } else if g.dma_buf && verbs_dmabuf {
-            "dma-buf"
-        } else if peermem.is_some() {
-            "nvidia-peermem"
-        } else {
-            "none"
-        };
-        s.gpus.push(GpuRdmaReadiness {
-            gpu: g.ordinal,
-            gpudirect_rdma: g.gpudirect_rdma,
-            dma_buf: g.dma_buf,
-            verbs_dmabuf,
-            peermem: peermem.clone(),
-            vmm_rdma: g.gpudirect_rdma_vmm,
-            registration: registration.into(),
-        });
-        s.affinity
-            .push(gpu_affinity(root, g.ordinal, &g.pci_bus_id, &s.devices));
-    }
-    s
-}
-
-/// Place every NIC relative to GPU `gpu` (PCI address `bus_id`) under sysfs root `root`, and
-/// pick the one to use ([`best_nic`]).
-pub fn gpu_affinity(
-    root: &Path,
-    gpu: usize,
-    bus_id: &str,
-    nics: &[VerbsDeviceSummary],
-) -> GpuNicAffinity {
-    let gloc = sysfs::pci_location(root, bus_id);
-    let placed: Vec<NicPlacement> = nics
-        .iter()
-        .map(|n| NicPlacement {
-            nic: n.name.clone(),
-            affinity: match (&gloc, sysfs::nic_location(root, &n.name)) {
-                (Some(g), Some(l)) => sysfs::classify(g, &l),
-                _ => Affinity::Unknown,
-            },
-            active: n.ports.iter().any(|p| p.state == "ACTIVE"),
-        })
-        .collect();
-    GpuNicAffinity {
-        gpu,
-        gpu_pci_bus_id: bus_id.to_string(),
-        best: best_nic(&placed),
-        nics: placed,
-    }
-}
-
-/// The closest NIC with an active port, else the closest; ties go to the first listed.
-pub fn best_nic(nics: &[NicPlacement]) -> Option<String> {
-    nics.iter()
-        .min_by_key(|n| (!n.active, n.affinity))
-        .map(|n| n.nic.clone())
-}
-
 fn storage_section(cuda: &CudaSection, opts: &GatherOptions) -> StorageSection {
     let mut s = StorageSection {
         cufile_version: None,
         properties: None,
         mode: "unavailable".into(),
         mode_reason: String::new(),
-        nvidia_fs_version: sysfs::nvidia_fs_version(&opts.system.sysfs),
+        nvidia_fs_version: nvidia_fs_version(&opts.system.sysfs),
         read: None,
         absent_reason: None,
         verdict: String::new(),
     };
     match gpudirect_sys::cufile::lib() {
-        Ok(l) => s.cufile_version = l.version().map(format_cufile_version),
+        Ok(l) => s.cufile_version = l.version().map(version_words),
         Err(_) => s.mode_reason = "libcufile is not loaded (see Libraries)".into(),
     }
     if cuda.devices.is_empty() {
         if s.mode_reason.is_empty() {
             s.mode_reason = "the cuFile driver needs a GPU".into();
         }
-        s.absent_reason = Some(no_gpu(cuda));
+        s.absent_reason = Some(cuda.no_gpu());
         return s;
     }
     // Held through the read, so the Auto path's own open shares it.
@@ -809,7 +582,46 @@ fn async_section(cuda: &CudaSection) -> AsyncSection {
                 flush_rdma_writes_options: d.rdma_flush_writes_options,
             })
             .collect(),
-        absent_reason: cuda.devices.is_empty().then(|| no_gpu(cuda)),
+        absent_reason: cuda.devices.is_empty().then(|| cuda.no_gpu()),
         verdict: String::new(),
+    }
+}
+
+/// The nvidia-fs module's version (`<sysfs>/module/nvidia_fs/version`), when loaded.
+fn nvidia_fs_version(sysfs: &Path) -> Option<String> {
+    let dir = sysfs.join("module/nvidia_fs");
+    if !dir.is_dir() {
+        return None;
+    }
+    Some(
+        std::fs::read_to_string(dir.join("version"))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "loaded (version unknown)".into()),
+    )
+}
+
+/// The version in a resolved library file name: `libibverbs.so.1.14.50.0` → `1.14.50.0`; `None`
+/// for a bare soname (`libibverbs.so.1`), whose number is only the ABI major.
+fn version_from_file_name(path: &str) -> Option<String> {
+    let file = path.rsplit('/').next()?;
+    let (_, v) = file.split_once(".so.")?;
+    v.contains('.').then(|| v.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_from_numbers_and_file_names() {
+        assert_eq!(version_words(13000), "13.0");
+        assert_eq!(version_words(12080), "12.8");
+        assert_eq!(version_words(1150), "1.15");
+        assert_eq!(
+            version_from_file_name("/usr/lib/libibverbs.so.1.14.50.0").as_deref(),
+            Some("1.14.50.0")
+        );
+        assert_eq!(version_from_file_name("libibverbs.so"), None);
+        assert_eq!(version_from_file_name("/lib/libibverbs.so.1"), None);
     }
 }

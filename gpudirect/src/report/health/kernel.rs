@@ -2,13 +2,14 @@
 //! `/sys/module`, `/lib/modules` and the kernel log where an unprivileged reader may see it; and
 //! each path's documented minimums checked against what was found.
 
-use super::{KernelInfo, ModuleStatus, Requirement, RequirementCheck};
+use super::super::files::{dir_names, read_trimmed};
+use super::model::{KernelInfo, ModuleStatus, Requirement, RequirementCheck};
 use std::io::Read;
 use std::path::Path;
 
 /// The modules the report looks at: the GPU driver, the RDMA core, and the peer-memory and
 /// storage modules GPUDirect uses.
-pub const MODULES: [&str; 6] = [
+pub(super) const MODULES: [&str; 6] = [
     "nvidia",
     "nvidia_peermem",
     "nv_peer_mem",
@@ -24,7 +25,7 @@ const KMSG_MAX_BYTES: usize = 16 << 20;
 const MAX_LOAD_ERRORS: usize = 5;
 
 /// `6.8.0-57-generic` → `(6, 8)`.
-pub fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
+pub(super) fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
     let mut it = r.split(|c: char| !c.is_ascii_digit());
     let major = it.next()?.parse().ok()?;
     let minor = it.next()?.parse().ok()?;
@@ -32,22 +33,17 @@ pub fn parse_kernel_release(r: &str) -> Option<(u32, u32)> {
 }
 
 /// `580.95.05` → `(580, 95)`.
-pub fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
+pub(super) fn parse_driver_version(v: &str) -> Option<(u32, u32)> {
     let mut it = v.trim().split('.');
     let major = it.next()?.parse().ok()?;
     let minor = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
     Some((major, minor))
 }
 
-fn read_trimmed(p: &Path) -> Option<String> {
-    let s = std::fs::read_to_string(p).ok()?.trim().to_string();
-    (!s.is_empty()).then_some(s)
-}
-
 /// The kernel and the NVIDIA driver: `<procfs>/sys/kernel/osrelease`, `<sysfs>/module/nvidia/version`
 /// (else the version in `<procfs>/driver/nvidia/version`), whose banner also says whether the open
 /// kernel modules are loaded.
-pub fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
+pub(super) fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
     let release = read_trimmed(&procfs.join("sys/kernel/osrelease"));
     let banner = read_trimmed(&procfs.join("driver/nvidia/version"));
     let banner_version = banner.as_deref().and_then(|b| {
@@ -87,7 +83,7 @@ pub fn kernel_info(sysfs: &Path, procfs: &Path, boot: &Path) -> KernelInfo {
 /// `<boot>/config-<release>`, else its symbols in `<procfs>/kallsyms` (whose names an
 /// unprivileged reader sees, addresses zeroed): the function `pci_p2pdma_add_resource`, listed
 /// in every kernel that has P2PDMA, or `p2pdma_pgmap_ops`. `None` when neither can be read.
-pub fn kernel_has_p2pdma(boot: &Path, procfs: &Path, release: &str) -> Option<bool> {
+pub(super) fn kernel_has_p2pdma(boot: &Path, procfs: &Path, release: &str) -> Option<bool> {
     if let Ok(cfg) = std::fs::read_to_string(boot.join(format!("config-{release}"))) {
         return Some(cfg.lines().any(|l| l.trim() == "CONFIG_PCI_P2PDMA=y"));
     }
@@ -138,7 +134,7 @@ fn installed_modules(lib_modules: &Path, release: Option<&str>) -> Option<Vec<St
 
 /// Read the kernel log (`/dev/kmsg` on a real node): every record's message, oldest first.
 /// Unprivileged readers are refused where `kernel.dmesg_restrict` is 1: then `Err` with why.
-pub fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
+pub(super) fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .read(true)
@@ -179,7 +175,7 @@ pub fn read_kernel_log(kmsg: &Path) -> Result<Vec<String>, String> {
 
 /// Kernel log lines that report a failure of module `name` (its name, with `_` or `-`, as a whole
 /// word, and words of failure: unknown symbol, failed, error, invalid, disagrees about version).
-pub fn load_errors(log: &[String], name: &str) -> Vec<String> {
+pub(super) fn load_errors(log: &[String], name: &str) -> Vec<String> {
     let dashed = name.replace('_', "-");
     let names_it = |l: &str| {
         l.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
@@ -205,7 +201,7 @@ pub fn load_errors(log: &[String], name: &str) -> Vec<String> {
 /// Each module in [`MODULES`]: loaded (from `<procfs>/modules`, else `<sysfs>/module/<name>`),
 /// its version and state, whether this kernel has it installed, and failures in the kernel log.
 /// `nv_peer_mem` (the predecessor of nvidia-peermem) is listed only when loaded or installed.
-pub fn module_statuses(
+pub(super) fn module_statuses(
     sysfs: &Path,
     procfs: &Path,
     lib_modules: &Path,
@@ -249,19 +245,13 @@ pub fn module_statuses(
 /// Peer-memory clients registered with the RDMA core (`<sysfs>/kernel/mm/memory_peers`, present
 /// only where the RDMA stack has the peer-memory API nvidia-peermem needs, as MLNX_OFED and
 /// DOCA-OFED do). `None` when the API is absent.
-pub fn peer_memory_clients(sysfs: &Path) -> Option<Vec<String>> {
-    let mut v: Vec<String> = std::fs::read_dir(sysfs.join("kernel/mm/memory_peers"))
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    Some(v)
+pub(super) fn peer_memory_clients(sysfs: &Path) -> Option<Vec<String>> {
+    dir_names(&sysfs.join("kernel/mm/memory_peers"))
 }
 
 /// What the requirement checks look at, gathered elsewhere.
 #[derive(Debug, Clone, Default)]
-pub struct RequirementInputs {
+pub(super) struct RequirementInputs {
     /// The kernel and driver.
     pub kernel: KernelInfo,
     /// Compute capabilities of the visible GPUs.
@@ -307,7 +297,7 @@ fn all_met(checks: &[RequirementCheck]) -> Option<bool> {
 /// - GPUDirect Storage by PCI P2PDMA (no nvidia-fs): a kernel with PCI P2PDMA (Linux 6.2 or newer on
 ///   Ubuntu), the open kernel modules 565.47 or newer, an Ampere or newer GPU, cuFile 1.13 (CUDA
 ///   12.8) or newer.
-pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
+pub(super) fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
     let k = &i.kernel;
     let kernel = k.release.as_deref().and_then(parse_kernel_release);
     let driver = k.nvidia_driver.as_deref().and_then(parse_driver_version);
@@ -332,6 +322,12 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
         )
     };
     let ver_ge = |v: Option<(u32, u32)>, min: (u32, u32)| v.map(|v| v >= min);
+    // NVIDIA's open kernel modules at `min` or newer: false when either is known to fail.
+    let open_at_least = |min: (u32, u32)| match (open, ver_ge(driver, min)) {
+        (Some(false), _) | (_, Some(false)) => Some(false),
+        (Some(true), Some(true)) => Some(true),
+        _ => None,
+    };
 
     let dmabuf = vec![
         check(
@@ -344,11 +340,7 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
             "NVIDIA driver",
             "open kernel modules, >= 515 (CUDA 11.7)",
             driver_found.clone(),
-            match (open, ver_ge(driver, (515, 0))) {
-                (Some(false), _) | (_, Some(false)) => Some(false),
-                (Some(true), Some(true)) => Some(true),
-                _ => None,
-            },
+            open_at_least((515, 0)),
         ),
         gpu_check("Turing or newer (compute capability >= 7.5)", (7, 5)),
         check(
@@ -443,11 +435,7 @@ pub fn requirements(i: &RequirementInputs) -> Vec<Requirement> {
             "NVIDIA driver",
             "open kernel modules >= 565.47",
             driver_found,
-            match (open, ver_ge(driver, (565, 47))) {
-                (Some(false), _) | (_, Some(false)) => Some(false),
-                (Some(true), Some(true)) => Some(true),
-                _ => None,
-            },
+            open_at_least((565, 47)),
         ),
         gpu_check("Ampere or newer (compute capability >= 8.0)", (8, 0)),
         check(

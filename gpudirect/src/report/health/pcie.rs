@@ -2,16 +2,17 @@
 //! the bridges between two devices (from PCI config space), and the IOMMU. Pure functions over a
 //! sysfs root, so tests run them on fake trees.
 
-use super::{BridgeAcs, IommuStatus, PcieLink, PciePath};
-use crate::topology::sysfs::{self, PciLocation};
+use super::super::files::{dir_names, read_trimmed};
+use super::model::{BridgeAcs, IommuStatus, PcieLink, PciePath};
+use crate::topology::{MeetingPoint, PciLocation, normalize_bus_id};
 use std::path::Path;
 
 /// The ACS extended capability ID (PCIe base specification, "Access Control Services").
-pub const ACS_EXT_CAP_ID: u16 = 0x000D;
+pub(super) const ACS_EXT_CAP_ID: u16 = 0x000D;
 
 /// Bytes of config space an unprivileged reader gets from sysfs' `config` (the kernel cuts the
 /// read short without `CAP_SYS_ADMIN`).
-pub const UNPRIVILEGED_CONFIG_BYTES: usize = 64;
+pub(super) const UNPRIVILEGED_CONFIG_BYTES: usize = 64;
 
 /// ACS control register bits, by lspci's names.
 const ACS_BITS: [(u16, &str); 7] = [
@@ -28,11 +29,6 @@ const ACS_BITS: [(u16, &str); 7] = [
 /// P2P Request Redirect, P2P Completion Redirect, P2P Egress Control.
 const ACS_REDIRECT_MASK: u16 = (1 << 2) | (1 << 3) | (1 << 5);
 
-fn read_trimmed(p: &Path) -> Option<String> {
-    let s = std::fs::read_to_string(p).ok()?.trim().to_string();
-    (!s.is_empty()).then_some(s)
-}
-
 /// The leading number of a sysfs link speed (`16.0 GT/s PCIe` → 16.0); `None` for `Unknown`.
 pub fn parse_link_speed(s: &str) -> Option<f64> {
     s.split_whitespace()
@@ -43,8 +39,8 @@ pub fn parse_link_speed(s: &str) -> Option<f64> {
 }
 
 /// Read one device's link and IOMMU group from `<sysfs>/bus/pci/devices/<bus_id>`.
-pub fn read_link(sysfs_root: &Path, device: &str, kind: &str, bus_id: &str) -> PcieLink {
-    let bus_id = sysfs::normalize_bus_id(bus_id);
+pub(super) fn read_link(sysfs_root: &Path, device: &str, kind: &str, bus_id: &str) -> PcieLink {
+    let bus_id = normalize_bus_id(bus_id);
     let dir = sysfs_root.join("bus/pci/devices").join(&bus_id);
     let mut l = PcieLink {
         device: device.into(),
@@ -91,29 +87,32 @@ pub fn read_link(sysfs_root: &Path, device: &str, kind: &str, bus_id: &str) -> P
                 .join("type"),
         );
     }
-    update_degraded(&mut l);
+    l.update_degraded();
     l
 }
 
-/// Set `speed_degraded` and `width_degraded` from the figures read. A GPU lowers its link speed
-/// when idle, so a GPU's speed counts only as read under load (`speed_under_load`).
-pub fn update_degraded(l: &mut PcieLink) {
-    let max = l.max_speed.as_deref().and_then(parse_link_speed);
-    let cur = if l.kind == "gpu" {
-        l.speed_under_load.as_deref()
-    } else {
-        l.speed_under_load.as_deref().or(l.current_speed.as_deref())
+impl PcieLink {
+    /// Set `speed_degraded` and `width_degraded` from the figures read. A GPU lowers its link
+    /// speed when idle, so a GPU's speed counts only as read under load (`speed_under_load`).
+    pub fn update_degraded(&mut self) {
+        let max = self.max_speed.as_deref().and_then(parse_link_speed);
+        let cur = if self.kind == "gpu" {
+            self.speed_under_load.as_deref()
+        } else {
+            self.speed_seen()
+        }
+        .and_then(parse_link_speed);
+        self.speed_degraded = matches!((cur, max), (Some(c), Some(m)) if c + 1e-9 < m);
+        self.width_degraded =
+            matches!((self.current_width, self.max_width), (Some(c), Some(m)) if c < m);
     }
-    .and_then(parse_link_speed);
-    l.speed_degraded = matches!((cur, max), (Some(c), Some(m)) if c + 1e-9 < m);
-    l.width_degraded = matches!((l.current_width, l.max_width), (Some(c), Some(m)) if c < m);
 }
 
 /// The ACS control register of a device, from its config space bytes (`config` in sysfs).
 ///
 /// `Ok(Some(ctrl))` when the ACS capability is found, `Ok(None)` when the device has none, `Err`
 /// with the reason when the extended config space cannot be read (not root, not PCIe).
-pub fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
+pub(super) fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
     if config.len() <= UNPRIVILEGED_CONFIG_BYTES {
         return Err(
             "unknown (needs root: sysfs gives unprivileged readers 64 bytes of config space)"
@@ -155,7 +154,7 @@ pub fn acs_control(config: &[u8]) -> Result<Option<u16>, String> {
 }
 
 /// The names of the ACS control bits set in `ctrl`, lspci's spelling.
-pub fn acs_flags(ctrl: u16) -> Vec<String> {
+pub(super) fn acs_flags(ctrl: u16) -> Vec<String> {
     ACS_BITS
         .iter()
         .filter(|(bit, _)| ctrl & bit != 0)
@@ -164,7 +163,7 @@ pub fn acs_flags(ctrl: u16) -> Vec<String> {
 }
 
 /// ACS on bridge `bus_id`, read from `<sysfs>/bus/pci/devices/<bus_id>/config`.
-pub fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
+pub(super) fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
     let path = sysfs_root
         .join("bus/pci/devices")
         .join(bus_id)
@@ -194,38 +193,15 @@ pub fn bridge_acs(sysfs_root: &Path, bus_id: &str) -> BridgeAcs {
     b
 }
 
-/// Where the PCIe paths of two devices meet, in words, and the bridges each device's traffic
-/// passes on its way there (below the meeting point; endpoints excluded), and whether the
-/// meeting point is a PCIe switch (where ACS decides whether traffic turns or goes up).
-pub fn meeting_point(a: &PciLocation, b: &PciLocation) -> (String, Vec<String>, bool) {
-    let (pa, pb) = (&a.chain[..a.chain.len() - 1], &b.chain[..b.chain.len() - 1]);
-    if a.root != b.root {
-        let mut bridges: Vec<String> = pa.iter().chain(pb).cloned().collect();
-        bridges.dedup();
-        let numa = match (a.numa_node, b.numa_node) {
-            (Some(x), Some(y)) if x != y => "different NUMA nodes: across the CPU interconnect",
-            _ => "different host bridges",
-        };
-        return (format!("{} / {} ({numa})", a.root, b.root), bridges, false);
-    }
-    let common = pa.iter().zip(pb).take_while(|(x, y)| x == y).count();
-    let mut bridges: Vec<String> = pa[common..].iter().chain(&pb[common..]).cloned().collect();
-    bridges.dedup();
-    if common == 0 {
-        return (format!("root complex {}", a.root), bridges, false);
-    }
-    let at = &pa[common - 1];
-    if common == 1 {
-        (format!("root port {at}"), bridges, false)
-    } else {
-        (format!("PCIe switch (bridge {at})"), bridges, true)
-    }
-}
-
 /// The PCIe path between two devices: where they meet and ACS on each bridge below that point.
 /// `acs_redirects` is set only when the paths meet in a PCIe switch (elsewhere the traffic goes
 /// through the root complex anyway); `None` while any bridge's ACS is unknown.
-pub fn pcie_path(sysfs_root: &Path, from: (&str, &str), to: (&str, &str), kind: &str) -> PciePath {
+pub(super) fn pcie_path(
+    sysfs_root: &Path,
+    from: (&str, &str),
+    to: (&str, &str),
+    kind: &str,
+) -> PciePath {
     let mut p = PciePath {
         from: from.0.into(),
         to: to.0.into(),
@@ -236,19 +212,20 @@ pub fn pcie_path(sysfs_root: &Path, from: (&str, &str), to: (&str, &str), kind: 
         error: None,
     };
     let (Some(a), Some(b)) = (
-        sysfs::pci_location(sysfs_root, from.1),
-        sysfs::pci_location(sysfs_root, to.1),
+        PciLocation::of_pci(sysfs_root, from.1),
+        PciLocation::of_pci(sysfs_root, to.1),
     ) else {
         p.error = Some(format!("no PCI path in sysfs for {} or {}", from.1, to.1));
         return p;
     };
-    let (meets, bridges, in_switch) = meeting_point(&a, &b);
-    p.meets_at = meets;
-    p.bridges = bridges
+    let meeting = a.meeting(&b);
+    p.meets_at = meeting.point.to_string();
+    p.bridges = meeting
+        .bridges
         .iter()
         .map(|id| bridge_acs(sysfs_root, id))
         .collect();
-    p.acs_redirects = if !in_switch {
+    p.acs_redirects = if !matches!(meeting.point, MeetingPoint::Switch { .. }) {
         Some(false)
     } else if p.bridges.iter().any(|b| b.redirects == Some(true)) {
         Some(true)
@@ -261,18 +238,9 @@ pub fn pcie_path(sysfs_root: &Path, from: (&str, &str), to: (&str, &str), kind: 
 }
 
 /// IOMMU state: groups present, registered units, and the kernel parameters that set it.
-pub fn iommu_status(sysfs_root: &Path, procfs_root: &Path) -> IommuStatus {
-    let names = |p: &Path| -> Option<Vec<String>> {
-        let mut v: Vec<String> = std::fs::read_dir(p)
-            .ok()?
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        Some(v)
-    };
-    let groups = names(&sysfs_root.join("kernel/iommu_groups"));
-    let units = names(&sysfs_root.join("class/iommu")).unwrap_or_default();
+pub(super) fn iommu_status(sysfs_root: &Path, procfs_root: &Path) -> IommuStatus {
+    let groups = dir_names(&sysfs_root.join("kernel/iommu_groups"));
+    let units = dir_names(&sysfs_root.join("class/iommu")).unwrap_or_default();
     let cmdline: Vec<String> = std::fs::read_to_string(procfs_root.join("cmdline"))
         .unwrap_or_default()
         .split_whitespace()
@@ -347,48 +315,5 @@ mod tests {
         assert_eq!(parse_link_speed("2.5 GT/s"), Some(2.5));
         assert_eq!(parse_link_speed("Unknown"), None);
         assert_eq!(parse_link_speed("0 GT/s"), None);
-    }
-
-    #[test]
-    fn meeting_points() {
-        let loc = |root: &str, chain: &[&str], numa| PciLocation {
-            root: root.into(),
-            chain: chain.iter().map(|s| s.to_string()).collect(),
-            numa_node: numa,
-        };
-        let g = loc(
-            "pci0000:00",
-            &["00:01.0", "01:00.0", "02:08.0", "05:00.0"],
-            Some(0),
-        );
-        let n = loc(
-            "pci0000:00",
-            &["00:01.0", "01:00.0", "02:10.0", "06:00.0"],
-            Some(0),
-        );
-        assert_eq!(
-            meeting_point(&g, &n),
-            (
-                "PCIe switch (bridge 01:00.0)".to_string(),
-                vec!["02:08.0".to_string(), "02:10.0".to_string()],
-                true
-            )
-        );
-        let g1 = loc("pci0000:00", &["00:03.0", "19:00.0"], Some(0));
-        assert_eq!(
-            meeting_point(&g, &g1),
-            (
-                "root complex pci0000:00".to_string(),
-                vec![
-                    "00:01.0".to_string(),
-                    "01:00.0".to_string(),
-                    "02:08.0".to_string(),
-                    "00:03.0".to_string()
-                ],
-                false
-            )
-        );
-        let far = loc("pci0000:80", &["80:01.0", "81:00.0"], Some(1));
-        assert!(meeting_point(&g1, &far).0.contains("across the CPU"));
     }
 }
