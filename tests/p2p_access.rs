@@ -4,7 +4,7 @@
 mod common;
 
 use gpudirect::cudarc::driver::sys::{self, CUresult};
-use gpudirect::p2p::{self, Enabled, Refusal};
+use gpudirect::p2p::{self, Enabled, PeerAccessRefusal};
 use gpudirect::require;
 use gpudirect::testing::{Hardware, skip};
 use std::sync::{Arc, Barrier};
@@ -39,7 +39,11 @@ fn a6_enable_twice_from_two_threads_is_ok() {
             .collect();
         for t in threads {
             let e = t.join().unwrap().unwrap_err();
-            assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported), "{e}");
+            assert_eq!(
+                PeerAccessRefusal::of(&e),
+                Some(PeerAccessRefusal::Unsupported),
+                "{e}"
+            );
         }
         context_is_healthy(0);
         skip(
@@ -88,7 +92,10 @@ fn a7_device_to_itself_is_typed_unsupported() {
     let _n = require!(Hardware::Gpu, common::gpus());
     let e = p2p::enable_peer_access(0, 0).unwrap_err();
     assert_eq!(e.cuda_name(), Some("CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"));
-    assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported));
+    assert_eq!(
+        PeerAccessRefusal::of(&e),
+        Some(PeerAccessRefusal::Unsupported)
+    );
     assert!(e.to_string().contains("cuCtxEnablePeerAccess"), "{e}");
     assert!(!p2p::can_access_peer(0, 0).unwrap());
     // What the driver itself answers for its own context (informational; not sticky).
@@ -109,7 +116,10 @@ fn a7_device_to_itself_is_typed_unsupported() {
         },
     )
     .unwrap_err();
-    assert_eq!(Refusal::of(&c), Some(Refusal::Unsupported));
+    assert_eq!(
+        PeerAccessRefusal::of(&c),
+        Some(PeerAccessRefusal::Unsupported)
+    );
 }
 
 #[test]
@@ -122,7 +132,11 @@ fn a7_pairs_that_cannot_are_typed() {
                 continue;
             }
             let e = p2p::enable_peer_access(a, b).unwrap_err();
-            assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported), "{a}->{b}: {e}");
+            assert_eq!(
+                PeerAccessRefusal::of(&e),
+                Some(PeerAccessRefusal::Unsupported),
+                "{a}->{b}: {e}"
+            );
             checked += 1;
         }
     }
@@ -136,14 +150,17 @@ fn a7_pairs_that_cannot_are_typed() {
 fn a8_too_many_peers_is_typed_not_a_panic() {
     // Logic level: the driver's code maps to the typed refusal (also covered beside the code).
     let e = gpudirect::Error::cuda("cuCtxEnablePeerAccess", CUresult::CUDA_ERROR_TOO_MANY_PEERS);
-    assert_eq!(Refusal::of(&e), Some(Refusal::TooManyPeers));
+    assert_eq!(
+        PeerAccessRefusal::of(&e),
+        Some(PeerAccessRefusal::TooManyPeers)
+    );
     assert_eq!(e.cuda_name(), Some("CUDA_ERROR_TOO_MANY_PEERS"));
     let n = require!(Hardware::Gpu, common::gpus());
     // With more than 8 peers the driver may refuse: every answer is Ok or a typed refusal.
     for b in 1..n {
         match p2p::enable_peer_access(0, b) {
             Ok(_) => {}
-            Err(e) => assert!(Refusal::of(&e).is_some(), "0->{b}: untyped {e}"),
+            Err(e) => assert!(PeerAccessRefusal::of(&e).is_some(), "0->{b}: untyped {e}"),
         }
     }
     if n < 10 {

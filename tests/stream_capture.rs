@@ -8,7 +8,7 @@ use gpudirect::completion::{EventFence, Fence, Tracker};
 use gpudirect::cuda::{MemOp, MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{self, DeviceBuffer, HostAllocFlags, PinnedHostBuffer};
-use gpudirect::p2p::ipc::{IpcEvent, IpcPool};
+use gpudirect::p2p::{IpcEvent, IpcPool};
 use gpudirect::testing::Hardware;
 use gpudirect::{Error, require};
 use std::sync::Arc;

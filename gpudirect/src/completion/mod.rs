@@ -44,6 +44,10 @@ pub use tracker::Tracker;
 
 pub(crate) use tracker::forked;
 
+#[allow(
+    unused_imports,
+    reason = "p2p's copy fence no longer polls; the pinned bounce-buffer pool does"
+)]
 pub(crate) use backoff::{LONG_WAIT, poll_until};
 
 /// Fixtures shared by the tests of this module's files.

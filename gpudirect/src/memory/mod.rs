@@ -106,6 +106,7 @@ pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
+pub(crate) use vmm::VmmMapping;
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 pub use crate::error::MemoryKind;
@@ -181,7 +182,7 @@ pub unsafe trait DeviceMemory: Send + 'static {
     ///
     /// Every mapping carries its own access list, so peer access to VMM memory is granted per
     /// mapping (`cuMemSetAccess` on exactly these ranges, as PyTorch's expandable segments do).
-    /// [`VmmBuffer`] answers its chunks, [`VmmImport`](crate::p2p::ipc::VmmImport) its mapping,
+    /// [`VmmBuffer`] answers its chunks, [`VmmImport`](crate::p2p::VmmImport) its mapping,
     /// and wrappers (`Arc`, [`BufRegistration`](crate::storage::BufRegistration)) forward. For VMM
     /// memory that answers `None` the data paths look the mapping up with
     /// `cuMemGetAddressRange`, which the driver does not answer for every VMM mapping (then a
@@ -224,7 +225,7 @@ unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
 }
 
 /// The one typed refusal for stream-ordered pool memory (`cuMemAllocAsync`: cudarc's
-/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::ipc::IpcPool)'s allocations) where
+/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::IpcPool)'s allocations) where
 /// `what` needs GPUDirect RDMA capable memory (a NIC registration, a dma-buf export). Answered
 /// from the kind alone, before any FFI call.
 pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> {

@@ -3,9 +3,9 @@
 //! range, and `Ok` with exact numbers for what is in range. Pure functions only: no GPU needed.
 //! Run in debug and release builds.
 
-use crate::p2p::ipc::{IpcMemHandle, VmmHandle};
 use crate::p2p::staging::chunk_spans;
 use crate::p2p::{CopyOptions, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice};
+use crate::p2p::{IpcMemHandle, VmmHandle};
 use crate::proptest_support::{addr, invalid, is_invalid, size};
 use proptest::prelude::*;
 
@@ -51,7 +51,7 @@ proptest! {
 
     #[test]
     fn ipc_handles_from_peers(offset in addr(), bytes in addr(), mapped in addr(), elem_size in prop_oneof![0u32..=16, any::<u32>()], elem in 0usize..=16) {
-        let h = IpcMemHandle::from_parts([7; 64], offset, bytes, elem_size, 0);
+        let h = IpcMemHandle::from_parts([7; 64], offset, bytes, elem_size, 0, None);
         match h.check(elem) {
             Ok(n) => {
                 prop_assert_eq!(n as u64 * elem as u64, bytes);
@@ -59,7 +59,7 @@ proptest! {
             }
             Err(e) => prop_assert!(is_invalid(&e)),
         }
-        let v = VmmHandle { bytes, mapped_bytes: mapped, elem_size, device: 0 };
+        let v = VmmHandle { bytes, mapped_bytes: mapped, elem_size, device: 0, pci_bus_id: None };
         match v.check(elem) {
             Ok((m, n)) => {
                 prop_assert_eq!(m as u64, mapped);

@@ -8,7 +8,8 @@
 //! directions run on the two devices' copy engines at once.
 
 use crate::completion::capture::{self, Refused};
-use crate::error::{Result, cu, from_driver};
+use crate::driver;
+use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
 
@@ -36,14 +37,10 @@ unsafe impl Sync for Bounce {}
 
 impl Bounce {
     fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Bounce> {
-        ctx.bind_to_thread()
-            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        let mut ptr = std::ptr::null_mut();
-        // SAFETY: a context is current; valid out-pointer; PORTABLE makes the memory pinned for
-        // every context, so both devices' streams may copy through it.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut ptr, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
-        })?;
+        driver::ctx::bind(ctx)?;
+        // SAFETY: a context is current; PORTABLE makes the memory pinned for every context, so
+        // both devices' streams may copy through it.
+        let ptr = unsafe { driver::mem::host_alloc(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }?;
         Ok(Bounce {
             ptr,
             bytes,
@@ -60,9 +57,9 @@ impl Drop for Bounce {
         if crate::completion::forked(self.pid) || self.ptr.is_null() {
             return;
         }
-        let _ = self.ctx.bind_to_thread();
+        let _ = driver::ctx::bind(&self.ctx);
         // SAFETY: allocated by cuMemHostAlloc above and not freed before; no copy uses it now.
-        let _ = unsafe { sys::cuMemFreeHost(self.ptr) };
+        let _ = unsafe { driver::mem::free_host(self.ptr) };
     }
 }
 
@@ -139,15 +136,11 @@ impl Stager {
     pub(crate) fn join(&self) -> Result<()> {
         capture::enqueue(&self.src_stream, "cuEventRecord", (), |raw, ()| {
             // SAFETY: a live event and stream of the current context.
-            cu("cuEventRecord", unsafe {
-                sys::cuEventRecord(self.join.cu_event(), raw)
-            })
+            unsafe { driver::event::record(self.join.cu_event(), raw) }
         })?;
         capture::enqueue(&self.dst_stream, "cuStreamWaitEvent", (), |raw, ()| {
             // SAFETY: a live stream and event; the wait captures the event's state now.
-            cu("cuStreamWaitEvent", unsafe {
-                sys::cuStreamWaitEvent(raw, self.join.cu_event(), 0)
-            })
+            unsafe { driver::stream::wait_event(raw, self.join.cu_event()) }
         })?;
         Ok(())
     }
@@ -180,18 +173,9 @@ impl Stager {
                 // no-op. The slot's previous H2D (chunk k - n) must finish before the slot is
                 // overwritten.
                 unsafe {
-                    cu(
-                        "cuStreamWaitEvent",
-                        sys::cuStreamWaitEvent(raw, slot.h2d.cu_event(), 0),
-                    )?;
-                    cu(
-                        "cuMemcpyDtoHAsync_v2",
-                        sys::cuMemcpyDtoHAsync_v2(slot.host.ptr, s, len, raw),
-                    )?;
-                    cu(
-                        "cuEventRecord",
-                        sys::cuEventRecord(slot.d2h.cu_event(), raw),
-                    )
+                    driver::stream::wait_event(raw, slot.h2d.cu_event())?;
+                    driver::mem::copy_dtoh_async(slot.host.ptr, s, len, raw)?;
+                    driver::event::record(slot.d2h.cu_event(), raw)
                 }
             })?;
             #[cfg(test)]
@@ -204,18 +188,9 @@ impl Stager {
             capture::enqueue(&self.dst_stream, "cuMemcpyHtoDAsync_v2", (), |raw, ()| {
                 // SAFETY: as above; the H2D reads the slot only after its D2H (event wait).
                 unsafe {
-                    cu(
-                        "cuStreamWaitEvent",
-                        sys::cuStreamWaitEvent(raw, slot.d2h.cu_event(), 0),
-                    )?;
-                    cu(
-                        "cuMemcpyHtoDAsync_v2",
-                        sys::cuMemcpyHtoDAsync_v2(d, slot.host.ptr, len, raw),
-                    )?;
-                    cu(
-                        "cuEventRecord",
-                        sys::cuEventRecord(slot.h2d.cu_event(), raw),
-                    )
+                    driver::stream::wait_event(raw, slot.d2h.cu_event())?;
+                    driver::mem::copy_htod_async(d, slot.host.ptr, len, raw)?;
+                    driver::event::record(slot.h2d.cu_event(), raw)
                 }
             })?;
         }
