@@ -698,7 +698,9 @@ impl CopyEngine {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when a range leaves its buffer or `dst` is on another device
-    /// (before any driver call); [`Error::Cuda`] from the driver.
+    /// (before any driver call); [`Error::StreamCapturing`] or [`Error::Cuda`] from the driver.
+    /// The chunk and `dst` are dropped, or leaked when a copy that no fence covers may still use
+    /// them.
     #[doc(alias = "cuMemcpyHtoDAsync")]
     pub fn h2d<M: DeviceMemoryMut>(
         &self,
@@ -710,10 +712,13 @@ impl CopyEngine {
         len: usize,
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&dst, dst_offset, len)?;
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: the range lies in `dst` (checked), which the returned copy owns until it has
-        // completed; `DeviceMemoryMut` means nobody else references it.
-        let c = unsafe { self.h2d_raw(lane, chunk, chunk_offset, len, addr) }?;
-        Ok(c.holding(dst))
+        // completed (or which is leaked); `DeviceMemoryMut` means nobody else references it.
+        holding(
+            unsafe { self.queue(Dir::H2d, lane, idle, chunk_offset, len, addr) },
+            dst,
+        )
     }
 
     /// Queue a copy of `len` bytes of `src` from byte `src_offset` into `chunk` at byte
@@ -733,10 +738,30 @@ impl CopyEngine {
         len: usize,
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&src, src_offset, len)?;
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: the range lies in `src` (checked), which the returned copy owns until it has
-        // completed; shared holders (`Arc`) only read it.
-        let c = unsafe { self.d2h_raw(lane, chunk, chunk_offset, len, addr) }?;
-        Ok(c.holding(src))
+        // completed (or which is leaked); shared holders (`Arc`) only read it.
+        holding(
+            unsafe { self.queue(Dir::D2h, lane, idle, chunk_offset, len, addr) },
+            src,
+        )
+    }
+}
+
+/// A queued copy that owns `m` as well; on refusal the error, and `m` leaked when the copy may
+/// still use it with no fence (dropped otherwise).
+fn holding<M: Send + 'static>(
+    queued: std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>>,
+    m: M,
+) -> Result<ChunkCopy<M>> {
+    match queued {
+        Ok(c) => Ok(c.holding(m)),
+        Err(r) => {
+            if r.leaked() {
+                std::mem::forget(m);
+            }
+            Err(r.error)
+        }
     }
 }
 
