@@ -12,6 +12,7 @@ use gpudirect::cudarc::driver::sys;
 use gpudirect::cudarc::driver::{CudaContext, CudaStream};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
 use gpudirect::p2p::{Copier, CopyOptions, PathChoice};
+use gpudirect_testing::{Hardware, skip_example};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -182,15 +183,9 @@ fn print_table(variants: &[(&'static str, PathChoice)], note: &str) {
 
 fn main() {
     let n = match gpudirect::cuda::device_count() {
-        Ok(0) => {
-            println!("SKIPPED: no CUDA device visible");
-            return;
-        }
+        Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
         Ok(n) => n,
-        Err(e) => {
-            println!("SKIPPED: {e}");
-            return;
-        }
+        Err(e) => skip_example(Hardware::Gpu, e),
     };
     let max_mib: usize = std::env::var("P2P_BENCH_MAX_MIB")
         .ok()

@@ -7,14 +7,15 @@
 //! reads with `O_DIRECT`), and `fdatasync` counted in each write. Prints `SKIPPED: reason`
 //! without a GPU.
 
-#[path = "../tests/support/devbuf.rs"]
-mod devbuf;
+#[path = "../tests/support/files.rs"]
+mod files;
 
 use criterion::Criterion;
-use devbuf::test_dir;
+use files::test_dir;
 use gpudirect::cudarc::driver::sys as cu;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::storage::{DirectIo, Driver, File, FileHandle, Mode, OpenOptions};
+use gpudirect_testing::{Hardware, skip_example};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -127,10 +128,7 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
 fn main() {
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
-        Err(e) => {
-            println!("SKIPPED: no GPU: {e}");
-            return;
-        }
+        Err(e) => skip_example(Hardware::Gpu, format!("no GPU: {e}")),
     };
     ctx.bind_to_thread().unwrap();
     let mib = env_usize("GPUDIRECT_BENCH_MIB", 1024);
@@ -141,7 +139,7 @@ fn main() {
     let path = test_dir().join(format!("bench-{}", std::process::id()));
     let out = test_dir().join(format!("bench-out-{}", std::process::id()));
     {
-        let data = devbuf::pattern(len, 42);
+        let data = files::pattern(len, 42);
         std::fs::write(&path, &data).unwrap();
     }
     let gpu = DeviceBuffer::<u8>::zeroed(&ctx, len).unwrap();

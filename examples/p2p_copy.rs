@@ -18,7 +18,7 @@ use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::p2p::ipc::{IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory};
 use gpudirect::p2p::{self, Copier, CopyOptions, CopyPath, LinkMatrix, PathChoice};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::process::Command;
 

@@ -144,7 +144,7 @@ pub(crate) fn verbs() -> Result<&'static ibv::Lib> {
     Ok(l)
 }
 
-/// Process that first loaded verbs: FFI frees are skipped in a forked child (DESIGN.md).
+/// Process that first loaded verbs: FFI frees are skipped in a forked child (docs/soundness.md).
 fn creator_pid() -> u32 {
     static PID: OnceLock<u32> = OnceLock::new();
     *PID.get_or_init(std::process::id)
@@ -215,7 +215,7 @@ pub(crate) fn rc(call: &'static str, rc: i32) -> Result<()> {
     }
 }
 
-/// A non-NULL pointer, or the errno the call left (A2: no handle ever wraps NULL).
+/// A non-NULL pointer, or the errno the call left (no handle ever wraps NULL).
 pub(crate) fn nonnull<T>(call: &'static str, p: *mut T) -> Result<std::ptr::NonNull<T>> {
     match std::ptr::NonNull::new(p) {
         Some(p) => Ok(p),
