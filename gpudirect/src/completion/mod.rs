@@ -27,16 +27,22 @@
 mod backoff;
 pub(crate) mod capture;
 mod event_fence;
+#[cfg(feature = "tokio")]
+pub(crate) mod fd;
 mod fence;
+mod future;
 mod host_fn;
 mod in_flight;
 #[cfg(test)]
 mod proptests;
+mod signal;
+pub(crate) mod thread;
 mod timeline;
 mod tracker;
 
 pub use event_fence::EventFence;
-pub use fence::{CompletionFlag, Done, Fence};
+pub use fence::{CompletionFlag, Done, Fence, Outcome, OutcomeSender};
+pub use future::InFlightFuture;
 pub use host_fn::HostFnFence;
 pub use in_flight::{DROP_WAIT, InFlight};
 pub use timeline::{StreamFence, Timeline};
@@ -59,6 +65,19 @@ pub(crate) mod testing {
 
     impl Drop for Counted {
         fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A waker that counts its wakes.
+    #[derive(Default)]
+    pub(crate) struct CountWakes(pub(crate) AtomicUsize);
+
+    impl std::task::Wake for CountWakes {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
