@@ -273,10 +273,11 @@ impl<R: Send + 'static, F: Fence, O> InFlightFuture<R, F, O> {
 
     /// Make sure `waker` is woken when the fence may have completed.
     fn register(&mut self, waker: &Waker) -> Result<()> {
-        if self.registered.as_ref().is_some_and(|w| w.will_wake(waker)) {
-            return Ok(());
-        }
+        let same = self.registered.as_ref().is_some_and(|w| w.will_wake(waker));
         if let Holder::Owned(f) = &self.fence {
+            if same {
+                return Ok(());
+            }
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.register_waker(waker)))
             {
                 Ok(true) => {
@@ -293,7 +294,11 @@ impl<R: Send + 'static, F: Fence, O> InFlightFuture<R, F, O> {
             }
         }
         if let Holder::Polled(p) = &self.fence {
-            p.set_waker(waker);
+            if !same {
+                p.set_waker(waker);
+            }
+            // Watched again if the thread let go of it (it saw completion, or an error, that
+            // this future has not acted on yet).
             if !p.watched.swap(true, Ordering::AcqRel)
                 && let Err(e) = thread::watch(p.clone())
             {
