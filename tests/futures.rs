@@ -103,7 +103,11 @@ fn reap_until(drops: &AtomicUsize, want: usize) {
         std::thread::sleep(Duration::from_micros(200));
     }
     Tracker::global().reap();
-    assert_eq!(drops.load(Ordering::SeqCst), want, "freed exactly once each");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        want,
+        "freed exactly once each"
+    );
 }
 
 enum Setter {
@@ -193,13 +197,21 @@ async fn a_thousand_concurrent_awaits_complete_with_exact_resources() {
         );
     }
     setter.join().unwrap();
-    assert_eq!(drops.load(Ordering::SeqCst), 0, "nothing freed while handed back");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        0,
+        "nothing freed while handed back"
+    );
     let mut max_polls = 0;
     for (i, (owned, value, polls)) in outputs.into_iter().enumerate() {
         assert_eq!(owned.id, i, "each task gets its own operation's resources");
         assert_eq!(owned.bytes, expected[i].0, "exact bytes of operation {i}");
         if i % 3 == 2 {
-            assert_eq!(value, Some(expected[i].1), "the result sent for operation {i}");
+            assert_eq!(
+                value,
+                Some(expected[i].1),
+                "the result sent for operation {i}"
+            );
         }
         max_polls = max_polls.max(polls);
     }
@@ -238,13 +250,25 @@ async fn cancellation_at_every_await_point_loses_nothing_and_frees_nothing_early
     };
     let mut cancelled = 0;
     // Never polled.
-    poll_and_drop(InFlight::new("a", flag(&mut flags), owned(0)).into_future(), 0);
-    poll_and_drop(InFlight::new("b", user(&mut users), owned(1)).into_future(), 0);
+    poll_and_drop(
+        InFlight::new("a", flag(&mut flags), owned(0)).into_future(),
+        0,
+    );
+    poll_and_drop(
+        InFlight::new("b", user(&mut users), owned(1)).into_future(),
+        0,
+    );
     cancelled += 2;
     // Polled once and twice: registered with the flag, or with the completion thread.
     for polls in [1, 2] {
-        poll_and_drop(InFlight::new("c", flag(&mut flags), owned(2)).into_future(), polls);
-        poll_and_drop(InFlight::new("d", user(&mut users), owned(3)).into_future(), polls);
+        poll_and_drop(
+            InFlight::new("c", flag(&mut flags), owned(2)).into_future(),
+            polls,
+        );
+        poll_and_drop(
+            InFlight::new("d", user(&mut users), owned(3)).into_future(),
+            polls,
+        );
         cancelled += 2;
     }
     // With a deadline armed on the completion thread.
@@ -253,7 +277,8 @@ async fn cancellation_at_every_await_point_loses_nothing_and_frees_nothing_early
         1,
     );
     poll_and_drop(
-        InFlight::new("f", user(&mut users), owned(5)).deadline(Instant::now() + Duration::from_secs(60)),
+        InFlight::new("f", user(&mut users), owned(5))
+            .deadline(Instant::now() + Duration::from_secs(60)),
         1,
     );
     cancelled += 2;
@@ -292,7 +317,11 @@ async fn cancellation_at_every_await_point_loses_nothing_and_frees_nothing_early
     assert!(poll_once(&mut fut).is_pending());
     f.set();
     drop(fut);
-    assert_eq!(drops.load(Ordering::SeqCst), 1, "complete at the drop: freed there");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        1,
+        "complete at the drop: freed there"
+    );
     // Completion: every cancelled operation's resources are freed exactly once, by reaps.
     for f in &flags {
         f.set();
@@ -333,7 +362,10 @@ async fn an_expired_deadline_is_typed_and_the_resources_come_back_through_the_tr
         match r {
             Err(Error::Timeout { what: w, after }) => {
                 assert_eq!(w, what);
-                assert!(after >= Duration::from_millis(at_least), "{what}: {after:?}");
+                assert!(
+                    after >= Duration::from_millis(at_least),
+                    "{what}: {after:?}"
+                );
                 assert!(after < Duration::from_secs(5), "{what}: {after:?}");
             }
             other => panic!("{what}: expected a timeout, got {other:?}"),
@@ -343,7 +375,11 @@ async fn an_expired_deadline_is_typed_and_the_resources_come_back_through_the_tr
     for _ in 0..3 {
         Tracker::global().reap();
     }
-    assert_eq!(drops.load(Ordering::SeqCst), 0, "never freed before completion");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        0,
+        "never freed before completion"
+    );
     flag.set();
     user.set();
     tx.send(5);
@@ -416,7 +452,8 @@ async fn no_wake_up_is_lost_when_completion_races_the_registration() {
             // (which then finds it complete): so the time taken is what tells.
             let t = Instant::now();
             let got = tokio::time::timeout(Duration::from_secs(10), op).await;
-            let lost = format!("wake-up lost in round {round} (inline {inline}, own waker {own_waker})");
+            let lost =
+                format!("wake-up lost in round {round} (inline {inline}, own waker {own_waker})");
             assert!(t.elapsed() < Duration::from_secs(5), "{lost}");
             assert_eq!(got.expect(&lost).unwrap(), round);
             if let Some(s) = setter {

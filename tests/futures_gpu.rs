@@ -96,7 +96,10 @@ async fn a_host_function_wakes_its_future() {
         let op = InFlight::new("host fn", stream.host_fence().unwrap(), token.clone());
         let task = tokio::spawn(async move { op.await.map(|t| (*t, Instant::now())) });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!task.is_finished(), "woken before the stream passed the callback");
+        assert!(
+            !task.is_finished(),
+            "woken before the stream passed the callback"
+        );
         let released = Instant::now();
         held.release();
         let (got, woke) = tokio::time::timeout(Duration::from_secs(10), task)
@@ -105,7 +108,10 @@ async fn a_host_function_wakes_its_future() {
             .unwrap()
             .unwrap();
         assert_eq!(got, round);
-        println!("round {round}: woken {:?} after the release", woke - released);
+        println!(
+            "round {round}: woken {:?} after the release",
+            woke - released
+        );
         assert_eq!(Arc::strong_count(&token), 1, "handed back, then dropped");
     }
 }
@@ -120,7 +126,11 @@ async fn deadlines_on_a_held_stream_are_typed_and_park_until_it_passes() {
     let dst = DeviceBuffer::from_slice(&stream, &vec![0xDEAD_BEEFu32; 4096]).unwrap();
     let held = Held::new(&stream);
     let copy = copy_async(&stream, src.clone(), dst).unwrap();
-    let event = InFlight::new("event", EventFence::record(stream.cuda()).unwrap(), src.clone());
+    let event = InFlight::new(
+        "event",
+        EventFence::record(stream.cuda()).unwrap(),
+        src.clone(),
+    );
     let host = InFlight::new("host fn", stream.host_fence().unwrap(), src.clone());
     let t = Instant::now();
     let (a, b, c) = tokio::join!(
@@ -155,7 +165,11 @@ async fn deadlines_on_a_held_stream_are_typed_and_park_until_it_passes() {
     // The stream works on: a later copy awaited with exact bytes.
     let dst = DeviceBuffer::from_slice(&stream, &vec![0u32; 4096]).unwrap();
     let (_, dst) = copy_async(&stream, src, dst).unwrap().await.unwrap();
-    common::assert_same(&dst.to_vec(&stream).unwrap(), &data, "copy after the deadlines");
+    common::assert_same(
+        &dst.to_vec(&stream).unwrap(),
+        &data,
+        "copy after the deadlines",
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -168,7 +182,11 @@ async fn cancelled_awaits_park_until_the_stream_passes() {
     let mut dsts = dsts.into_iter();
     let held = Held::new(&stream);
     // Never polled.
-    drop(copy_async(&stream, src.clone(), dsts.next().unwrap()).unwrap().into_future());
+    drop(
+        copy_async(&stream, src.clone(), dsts.next().unwrap())
+            .unwrap()
+            .into_future(),
+    );
     // Dropped by a select that a timer wins.
     let op = copy_async(&stream, src.clone(), dsts.next().unwrap()).unwrap();
     tokio::select! {
@@ -191,7 +209,11 @@ async fn cancelled_awaits_park_until_the_stream_passes() {
     let t = Instant::now();
     Tracker::global().reap();
     assert!(t.elapsed() < Duration::from_secs(1));
-    assert_eq!(Arc::strong_count(&src), 5, "nothing freed while the stream is held");
+    assert_eq!(
+        Arc::strong_count(&src),
+        5,
+        "nothing freed while the stream is held"
+    );
     held.release();
     reap_until("freed once the stream passes", || {
         Arc::strong_count(&src) == 1

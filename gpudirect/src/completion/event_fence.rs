@@ -52,6 +52,12 @@ impl Fence for EventFence {
     /// Complete, not yet, or [`crate::Error::Cuda`] naming `cuEventQuery` when the query fails
     /// (a sticky error: the work will never be seen complete).
     fn check(&self) -> Result<bool> {
+        // The event's context current first (the completion thread may never have had it), so
+        // that a query error is the work's own; a context that cannot be made current now is
+        // "not yet".
+        if crate::driver::ctx::bind(self.0.context()).is_err() {
+            return Ok(false);
+        }
         self.0
             .try_is_complete()
             .map_err(|e| crate::error::from_driver("cuEventQuery", e))

@@ -3,7 +3,10 @@
 //! a completion event is queued).
 #![cfg_attr(
     not(test),
-    allow(dead_code, reason = "the wake-up source of the verbs completion channel's futures")
+    allow(
+        dead_code,
+        reason = "the wake-up source of the verbs completion channel's futures"
+    )
 )]
 
 use crate::error::{Error, Result};
@@ -42,12 +45,13 @@ impl<T: AsRawFd> Readable<T> {
         }
         set_nonblocking(fd.as_raw_fd())?;
         // SAFETY: the caller keeps the fd open and the same while this value lives.
-        let inner = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(
-            |e| Error::Os {
-                call: "epoll_ctl",
-                source: e.into_parts().1,
-            },
-        )?;
+        let inner =
+            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| {
+                Error::Os {
+                    call: "epoll_ctl",
+                    source: e.into_parts().1,
+                }
+            })?;
         Ok(Readable { inner })
     }
 
@@ -164,7 +168,10 @@ mod tests {
                 .expect("woken, not lost")
                 .unwrap();
             assert_eq!(got, round, "exactly what was written");
-            assert!(t.elapsed() >= Duration::from_millis(2), "not before the write");
+            assert!(
+                t.elapsed() >= Duration::from_millis(2),
+                "not before the write"
+            );
             writer.join().unwrap();
         }
         // Nothing written: the await stays pending.
@@ -184,7 +191,10 @@ mod tests {
         // SAFETY: as above.
         let r = unsafe { Readable::new(rd) }.unwrap();
         // SAFETY: 3 bytes from a static buffer to our pipe.
-        assert_eq!(unsafe { libc::write(wr.as_raw_fd(), b"abc".as_ptr().cast(), 3) }, 3);
+        assert_eq!(
+            unsafe { libc::write(wr.as_raw_fd(), b"abc".as_ptr().cast(), 3) },
+            3
+        );
         let got = r
             .read_with("read", |fd| {
                 let mut b = [0u8; 8];
@@ -200,7 +210,10 @@ mod tests {
             .unwrap();
         assert_eq!(got, b"abc");
         // SAFETY: one more byte, so the fd is readable again.
-        assert_eq!(unsafe { libc::write(wr.as_raw_fd(), b"x".as_ptr().cast(), 1) }, 1);
+        assert_eq!(
+            unsafe { libc::write(wr.as_raw_fd(), b"x".as_ptr().cast(), 1) },
+            1
+        );
         let e = r
             .read_with("ibv_get_cq_event", |_| -> io::Result<()> {
                 Err(io::Error::from_raw_os_error(libc::EIO))

@@ -120,7 +120,11 @@ impl<T: Send + 'static> Outcome<T> {
         if !self.0.signal.is_set() {
             return None;
         }
-        self.0.value.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.0
+            .value
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 }
 

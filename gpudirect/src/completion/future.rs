@@ -44,7 +44,8 @@ impl<F: Fence> Polled<F> {
     fn wake(&self) {
         let waker = self.waker.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = waker.as_ref()
-            && let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake_by_ref()))
+            && let Err(p) =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake_by_ref()))
         {
             std::mem::forget(p);
         }
@@ -385,7 +386,8 @@ impl<R: Send + 'static, F: Fence, O> Drop for InFlightFuture<R, F, O> {
             self.park();
             return;
         }
-        let poisoned = matches!(&self.fence, Holder::Polled(p) if p.poisoned.load(Ordering::Acquire));
+        let poisoned =
+            matches!(&self.fence, Holder::Polled(p) if p.poisoned.load(Ordering::Acquire));
         let checked = if poisoned {
             None
         } else {
@@ -509,7 +511,10 @@ mod tests {
         let mut fut = InFlight::new("flag op", flag.clone(), Counted(drops.clone())).into_future();
         let (wakes, w) = counting_waker();
         assert!(poll_once(&mut fut, &w).is_pending());
-        assert!(matches!(fut.fence, Holder::Owned(_)), "no completion thread");
+        assert!(
+            matches!(fut.fence, Holder::Owned(_)),
+            "no completion thread"
+        );
         flag.set();
         assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
         let Poll::Ready(Ok(r)) = poll_once(&mut fut, &w) else {
@@ -529,7 +534,11 @@ mod tests {
         assert!(poll_once(&mut fut, &w).is_pending());
         assert!(matches!(fut.fence, Holder::Polled(_)));
         std::thread::sleep(Duration::from_millis(5));
-        assert_eq!(wakes.0.load(Ordering::SeqCst), 0, "no wake before completion");
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            0,
+            "no wake before completion"
+        );
         fence.0.store(true, Ordering::Release);
         until("woken by the completion thread", || {
             wakes.0.load(Ordering::SeqCst) == 1
@@ -565,7 +574,9 @@ mod tests {
                 .timeout(Duration::from_millis(20));
             let (wakes, w) = counting_waker();
             assert!(poll_once(&mut fut, &w).is_pending());
-            until("woken by the deadline", || wakes.0.load(Ordering::SeqCst) >= 1);
+            until("woken by the deadline", || {
+                wakes.0.load(Ordering::SeqCst) >= 1
+            });
             let Poll::Ready(Err(Error::Timeout { what, after })) = poll_once(&mut fut, &w) else {
                 panic!("timed out")
             };
@@ -592,7 +603,10 @@ mod tests {
         assert!(poll_once(&mut fut, &w).is_pending());
         let t = Instant::now();
         drop(fut);
-        assert!(t.elapsed() < Duration::from_secs(1), "a future's drop does not wait");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "a future's drop does not wait"
+        );
         assert_eq!(drops.load(Ordering::SeqCst), 0);
         flag.set();
         until("freed by a reap", || {
@@ -641,7 +655,9 @@ mod tests {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| poll_once(&mut fut, &w)));
         if let Ok(p) = first {
             assert!(p.is_pending());
-            until("woken after the panic", || wakes.0.load(Ordering::SeqCst) >= 1);
+            until("woken after the panic", || {
+                wakes.0.load(Ordering::SeqCst) >= 1
+            });
             let r =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| poll_once(&mut fut, &w)));
             assert!(r.is_err(), "the panic reaches the task");
@@ -671,7 +687,8 @@ mod tests {
         }
         let done = Arc::new(AtomicBool::new(false));
         let drops = Arc::new(AtomicUsize::new(0));
-        let mut fut = InFlight::new("fails", Failed(done.clone()), Counted(drops.clone())).into_future();
+        let mut fut =
+            InFlight::new("fails", Failed(done.clone()), Counted(drops.clone())).into_future();
         let (_, w) = counting_waker();
         assert!(matches!(
             poll_once(&mut fut, &w),

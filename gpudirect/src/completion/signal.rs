@@ -30,7 +30,8 @@ impl Signal {
         // woken here) or sees `done` when it re-checks (the lock orders the two).
         let wakers = self.lock();
         for w in wakers.iter() {
-            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake_by_ref()))
+            if let Err(p) =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake_by_ref()))
             {
                 std::mem::forget(p);
             }
@@ -73,7 +74,11 @@ mod tests {
         assert!(s.is_set());
         assert_eq!(a.0.load(Ordering::SeqCst), 1);
         assert_eq!(b.0.load(Ordering::SeqCst), 1);
-        assert_eq!(Arc::strong_count(&a), 3, "woken by reference: not dropped by set");
+        assert_eq!(
+            Arc::strong_count(&a),
+            3,
+            "woken by reference: not dropped by set"
+        );
         // Registering after the set keeps nothing.
         let c = Arc::new(CountWakes::default());
         s.register(&Waker::from(c.clone()));

@@ -282,7 +282,11 @@ mod tests {
         set_timer(now + Duration::from_millis(5), &Waker::from(a.clone())).unwrap();
         let k = set_timer(now + Duration::from_millis(10), &Waker::from(c.clone())).unwrap();
         cancel_timer(k);
-        assert_eq!(Arc::strong_count(&c), 1, "a cancelled timer's waker is dropped");
+        assert_eq!(
+            Arc::strong_count(&c),
+            1,
+            "a cancelled timer's waker is dropped"
+        );
         until("first timer", || a.0.load(Ordering::SeqCst) == 1);
         assert!(now.elapsed() >= Duration::from_millis(5));
         until("second timer", || b.0.load(Ordering::SeqCst) == 1);
@@ -324,9 +328,7 @@ mod tests {
             dropped: dropped.clone(),
         });
         watch(w.clone()).unwrap();
-        until("polled to the end", || {
-            w.polls.load(Ordering::SeqCst) == 50
-        });
+        until("polled to the end", || w.polls.load(Ordering::SeqCst) == 50);
         drop(w);
         until("dropped by the thread", || dropped.load(Ordering::SeqCst));
     }
@@ -349,7 +351,11 @@ mod tests {
         watch(Arc::new(PanicsInPoll(dropped.clone()))).unwrap();
         // The thread still serves others after the panic.
         let a = Arc::new(CountWakes::default());
-        set_timer(Instant::now() + Duration::from_millis(20), &Waker::from(a.clone())).unwrap();
+        set_timer(
+            Instant::now() + Duration::from_millis(20),
+            &Waker::from(a.clone()),
+        )
+        .unwrap();
         until("timer after a panicking watch", || {
             a.0.load(Ordering::SeqCst) == 1
         });

@@ -95,6 +95,11 @@ impl Timeline {
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
     fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
+        // Queries and records need the stream's context current on this thread (a completion
+        // or executor thread may never have had it); a query error is then the stream's own.
+        if crate::driver::ctx::bind(self.stream.context()).is_err() {
+            return (self.completed() >= epoch, None);
+        }
         let mut g = self.lock();
         while let Some((covered, ev)) = g.pending.front() {
             match ev.try_is_complete() {
@@ -138,10 +143,6 @@ impl Timeline {
             raw: self.stream.cu_stream(),
             invalidate: false,
         };
-        if crate::driver::ctx::bind(self.stream.context()).is_err() {
-            g.free.push(ev);
-            return (false, None);
-        }
         match super::capture::enqueue_with(&probe, "cuEventRecord", ev, |ev| {
             ev.record(&self.stream)
                 .map_err(|e| crate::error::from_driver("cuEventRecord", e))

@@ -421,7 +421,11 @@ mod tests {
             // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
             unsafe { host_fn_trampoline(raw.cast()) };
             assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken once");
-            assert_eq!(Arc::strong_count(&wakes), 2, "the fence still keeps its waker");
+            assert_eq!(
+                Arc::strong_count(&wakes),
+                2,
+                "the fence still keeps its waker"
+            );
             if first == PENDING {
                 // SAFETY: the callback marked RAN: the queueing side frees it.
                 drop(unsafe { Box::from_raw(raw) });
@@ -429,7 +433,11 @@ mod tests {
             reap_until(&drops, 1);
             assert_eq!(Arc::strong_count(&wakes), 2);
             drop(fence);
-            assert_eq!(Arc::strong_count(&wakes), 1, "dropped with the last fence handle");
+            assert_eq!(
+                Arc::strong_count(&wakes),
+                1,
+                "dropped with the last fence handle"
+            );
         }
     }
 
