@@ -15,7 +15,8 @@ use std::time::Duration;
 /// as "never complete": the resources that fence guards are leaked (never freed), and nothing
 /// else the tracker holds is affected. An [`InFlight`](super::InFlight) whose fence panicked in
 /// [`InFlight::wait`](super::InFlight::wait), [`InFlight::wait_timeout`](super::InFlight::wait_timeout) or [`InFlight::try_take`](super::InFlight::try_take) passes the panic on
-/// after leaking its resources.
+/// after leaking its resources; so does an awaited one ([`InFlightFuture`](super::InFlightFuture)),
+/// also when the fence panicked on the completion thread.
 pub trait Fence: Send + Sync + 'static {
     /// Whether completion has been observed. Must not block.
     fn is_complete(&self) -> bool;
