@@ -191,10 +191,8 @@ mod tests {
         // SAFETY: as above.
         let r = unsafe { Readable::new(rd) }.unwrap();
         // SAFETY: 3 bytes from a static buffer to our pipe.
-        assert_eq!(
-            unsafe { libc::write(wr.as_raw_fd(), b"abc".as_ptr().cast(), 3) },
-            3
-        );
+        let n = unsafe { libc::write(wr.as_raw_fd(), b"abc".as_ptr().cast(), 3) };
+        assert_eq!(n, 3);
         let got = r
             .read_with("read", |fd| {
                 let mut b = [0u8; 8];
@@ -210,10 +208,8 @@ mod tests {
             .unwrap();
         assert_eq!(got, b"abc");
         // SAFETY: one more byte, so the fd is readable again.
-        assert_eq!(
-            unsafe { libc::write(wr.as_raw_fd(), b"x".as_ptr().cast(), 1) },
-            1
-        );
+        let n = unsafe { libc::write(wr.as_raw_fd(), b"x".as_ptr().cast(), 1) };
+        assert_eq!(n, 1);
         let e = r
             .read_with("ibv_get_cq_event", |_| -> io::Result<()> {
                 Err(io::Error::from_raw_os_error(libc::EIO))
