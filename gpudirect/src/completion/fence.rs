@@ -51,7 +51,8 @@ pub trait Fence: Send + Sync + 'static {
     /// after it, so a completion between the two is never lost. It calls it again when its
     /// waker changes; a fence may keep every waker it was given until it completes or is
     /// dropped. The waker may be woken from any thread (including CUDA's host-function thread
-    /// for [`HostFnFence`](super::HostFnFence)).
+    /// for [`HostFnFence`](super::HostFnFence)), while the fence holds a lock: like every
+    /// executor's waker, it must only schedule its task, not poll it in place.
     fn register_waker(&self, waker: &Waker) -> bool {
         let _ = waker;
         false
