@@ -2,7 +2,7 @@
 //!
 //! | path | module | what |
 //! | --- | --- | --- |
-//! | Async | [`completion`], [`cuda`], [`memory`] | the completion tracker and fences, presence-checked CUDA, memory kinds |
+//! | Async | [`completion`], [`cuda`], [`memory`] | the completion tracker and fences, futures for every operation (with deadlines), presence-checked CUDA, memory kinds |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
