@@ -29,6 +29,7 @@ use gpudirect::cudarc::driver::sys;
 use gpudirect::cudarc::driver::{CudaContext, CudaStream};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
 use gpudirect::p2p::{Copier, CopyOptions};
+use gpudirect_testing::{Hardware, skip_example};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -252,15 +253,9 @@ fn size_name(bytes: usize) -> String {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let n = match gpudirect::cuda::device_count() {
-        Ok(0) => {
-            println!("SKIPPED: no CUDA device visible");
-            return;
-        }
+        Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
         Ok(n) => n,
-        Err(e) => {
-            println!("SKIPPED: {e}");
-            return;
-        }
+        Err(e) => skip_example(Hardware::Gpu, e),
     };
     let max_mib: usize = std::env::var("P2P_BENCH_MAX_MIB")
         .ok()

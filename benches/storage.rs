@@ -23,17 +23,18 @@
 //! `fdatasync` (gpudirect's automatic path with `Durability::Durable`). Prints
 //! `SKIPPED: reason` without a GPU.
 
-#[path = "../tests/support/devbuf.rs"]
-mod devbuf;
+#[path = "../tests/support/files.rs"]
+mod files;
 
 use criterion::Criterion;
-use devbuf::{pattern, test_dir};
+use files::{pattern, test_dir};
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::sys as cu;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer};
 use gpudirect::storage::{
     DirectIo, Driver, Durability, FileHandle, GdsFile, Mode, OpenOptions, PosixConfig,
 };
+use gpudirect_testing::{Hardware, skip_example};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Barrier;
@@ -585,10 +586,7 @@ fn main() {
         || std::env::var("GPUDIRECT_BENCH_QUICK").is_ok_and(|v| v == "1");
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
-        Err(e) => {
-            println!("SKIPPED: no GPU: {e}");
-            return;
-        }
+        Err(e) => skip_example(Hardware::Gpu, format!("no GPU: {e}")),
     };
     ctx.bind_to_thread().unwrap();
     let started = Instant::now();

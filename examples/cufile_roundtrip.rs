@@ -18,7 +18,7 @@ use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::storage::{Driver, FileHandle, GdsFile, Mode, OpenOptions};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use rand::RngCore;
 use std::path::PathBuf;
 use std::time::Instant;

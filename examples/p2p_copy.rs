@@ -24,7 +24,7 @@ use gpudirect::p2p::{
     Copier, CopyOptions, CopyPath, IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory,
     LinkMatrix, PathChoice,
 };
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::process::Command;
 

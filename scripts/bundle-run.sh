@@ -4,7 +4,7 @@
 #   (default)  every test binary, then every example (storage without the udev entry: cuFile cannot
 #              register files in micro-VMs and containers, so the automatic path must fall back)
 #   --udev     then, as root, write the udev entry cuFile needs (scripts/cufile-udev.sh) and run the
-#              storage tests and the cufile_roundtrip example again, with the 3 GiB read (A17)
+#              storage tests and the cufile_roundtrip example again, with the 3 GiB read
 #   --bench    then run the benches (criterion; their tables go to stdout; the storage bench
 #              prints its table only, with KvikIO's figures when python3 can import kvikio)
 #   --only P   run only steps whose name contains P

@@ -5,20 +5,19 @@
 //! where it lives (the parent's GPU) and the destination for its own GPU, and every copy that
 //! crosses the link says so (never `same_device`).
 
-mod common;
+mod support;
 
-use common::{assert_same, poisoned, random_u32, stream};
 use gpudirect::memory::DeviceMemory;
 use gpudirect::memory::{DeviceBuffer, VmmBuffer};
 use gpudirect::p2p::{
     CopyPath, IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolImport,
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
-use gpudirect::require;
-use gpudirect::testing::Hardware;
+use gpudirect_testing::{Hardware, require};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
+use support::gpu::{self, assert_same, poisoned, random_u32, stream};
 
 const CHILD: &str = "P2P_IPC_CHILD";
 const N: usize = (3 << 20) / 4 + 7;
@@ -67,8 +66,8 @@ fn ipc_mem_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return mem_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let src = IpcExport::new(DeviceBuffer::from_slice(&s, &data).unwrap()).unwrap();
@@ -166,8 +165,8 @@ fn ipc_vmm_fd_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return vmm_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let ctx = gpudirect::cuda::context(0).unwrap();
@@ -246,8 +245,8 @@ fn ipc_pool_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return pool_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let pool = IpcPool::new(0).unwrap();
@@ -330,7 +329,7 @@ fn pool_child(job: VmmJob) {
 
 #[test]
 fn pool_memory_export_is_typed_unsupported() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let ctx = gpudirect::cuda::context(0).unwrap();
     let slice = ctx.default_stream().alloc_zeros::<u32>(16).unwrap();
     let pool = gpudirect::memory::PoolBuffer::new(slice).unwrap();
@@ -358,11 +357,11 @@ fn handles_serialize_for_out_of_band_exchange() {
 
 #[test]
 fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let pool = match IpcPool::new(0) {
         Ok(p) => p,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, format!("no IPC pool on device 0: {e}"));
+            gpudirect_testing::skip(Hardware::Gpu, format!("no IPC pool on device 0: {e}"));
             return;
         }
     };
@@ -383,12 +382,12 @@ fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
 
 #[test]
 fn a_vmm_buffer_of_several_chunks_is_refused_by_fd_export_naming_the_chunks() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let ctx = gpudirect::cuda::context(0).unwrap();
     let g = match VmmBuffer::<u32>::granularity(&ctx) {
         Ok(g) => g,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
+            gpudirect_testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
             return;
         }
     };

@@ -11,17 +11,17 @@ mod support;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::{BouncePool, CopyEngine, DeviceBuffer};
 use gpudirect::storage::{Durability, GdsFile, IoPath, Mode, OpenOptions, PathReason, PosixConfig};
-use gpudirect::testing::Hardware;
 use gpudirect::{Error, cudarc::driver::CudaContext};
+use gpudirect_testing::Hardware;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use support::devbuf::{pattern, test_dir};
+use support::files::{pattern, test_dir};
 
 fn setup() -> Option<(Arc<CudaContext>, Stream)> {
     match gpudirect::cuda::context(0).and_then(|c| Ok((c.clone(), Stream::new(&c)?))) {
         Ok(v) => Some(v),
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, e);
+            gpudirect_testing::skip(Hardware::Gpu, e);
             None
         }
     }
