@@ -74,6 +74,65 @@ fn staged_path_handles_tiny_and_exact_chunk_sizes() {
     }
 }
 
+/// `n` random bytes from `seed`.
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    random_u32(n.div_ceil(4), seed)
+        .into_iter()
+        .flat_map(u32::to_le_bytes)
+        .take(n)
+        .collect()
+}
+
+/// Byte-sized staged copies at every size class: 1 byte, a page less one, a chunk less one, one
+/// chunk, a chunk and one, and 64 MiB (many turns of the ring), with the test's small chunks and
+/// with the default 8 MiB ones; device to itself and, with two GPUs, both ways between them.
+/// Each destination starts as the complement of its source, so every byte not copied differs.
+#[test]
+fn staged_copies_are_exact_at_every_size() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
+    let pairs: &[(usize, usize)] = if n > 1 {
+        &[(0, 0), (0, 1), (1, 0)]
+    } else {
+        &[(0, 0)]
+    };
+    let default_staged = CopyOptions {
+        path: PathChoice::Staged,
+        ..Default::default()
+    };
+    for &(a, b) in pairs {
+        let (sa, sb) = (stream(a), stream(b));
+        for opts in [staged(), default_staged] {
+            let copier = Copier::new(a, b, opts).unwrap();
+            let chunk = opts.chunk_bytes;
+            for bytes in [1, 4095, chunk - 1, chunk, chunk + 1, 64 << 20] {
+                let data = random_bytes(bytes, seed ^ bytes as u64);
+                let poison: Vec<u8> = data.iter().map(|b| !b).collect();
+                let src = DeviceBuffer::from_slice(&sa, &data).unwrap();
+                let dst = DeviceBuffer::from_slice(&sb, &poison).unwrap();
+                let done = copier.copy(src, dst).unwrap();
+                assert_eq!(done.path.name(), "staged");
+                assert_eq!(done.bytes, bytes);
+                let got = done.dst.to_vec(&sb).unwrap();
+                if let Some(i) = got.iter().zip(&data).position(|(g, w)| g != w) {
+                    panic!(
+                        "{a}->{b}, chunk {chunk}, {bytes} bytes: first difference at byte {i}: \
+                         got {:#04x}, want {:#04x}",
+                        got[i], data[i]
+                    );
+                }
+            }
+            println!("{a}->{b} staged, {chunk}-byte chunks: every size exact");
+        }
+    }
+    if n < 2 {
+        skip(
+            Hardware::MultiGpu,
+            "staged copies between two GPUs need two; ran 0->0",
+        );
+    }
+}
+
 #[test]
 fn pool_and_vmm_memory_copy_exactly() {
     let _ = require!(Hardware::Gpu, gpu::gpus());

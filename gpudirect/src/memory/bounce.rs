@@ -16,13 +16,16 @@
 //!   the chunk). No lock is taken per copy beyond the lane's own event list.
 //!
 //! Work is queued only on the engine's own streams, created non-blocking and never handed out,
-//! so nobody can begin a graph capture on them and they never wait for the legacy default stream:
-//! a fence on a lane is always about the copies queued there.
+//! so nobody can begin a graph capture on them (every copy passes the crate's capture check all
+//! the same) and they never wait for the legacy default stream: a fence on a lane is always about
+//! the copies queued there.
 //!
 //! How the storage path and the staged peer copy use them: [`CopyEngine`]'s docs.
 
 use super::{DeviceMemory, DeviceMemoryMut, HostAllocFlags, MemoryKind, PinnedHostBuffer};
+use crate::completion::capture::{self, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
+use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
 use crate::error::{Error, Result};
@@ -382,10 +385,11 @@ impl Drop for CopyFence {
 /// Streams ("lanes") of one device for copies between [`BounceChunk`]s and device memory, each
 /// with its own recycled events. Cheap to clone (one `Arc`).
 ///
-/// A copy is queued on lane `lane % lanes()`, an event is recorded after it, and the chunk is
-/// owned by the returned [`ChunkCopy`] until that event has completed. The lanes are the
-/// engine's own non-blocking streams, never handed out: nobody can capture a graph on them, and
-/// they never wait for the legacy default stream.
+/// A copy is queued on lane `lane % lanes()` through the graph-capture check that all of the
+/// crate's stream work passes (a capturing stream gets no copy), an event is recorded after it,
+/// and the chunk is owned by the returned [`ChunkCopy`] until that event has completed. The lanes are the engine's own
+/// non-blocking streams, never handed out, so nobody begins a capture on them (the check refuses
+/// one all the same), and they never wait for the legacy default stream.
 ///
 /// # How the crate uses it
 ///
@@ -395,18 +399,19 @@ impl Drop for CopyFence {
 /// its lane right away; while that copy runs, it reads chunk *n + 1* into its other buffer.
 /// Writes run the other way: a device-to-host copy into a chunk, a wait, a `pwrite`.
 ///
-/// **A staged copy between two GPUs** (no peer access): chunk *k* is copied device-to-host on a
-/// lane of the source device's engine, then host-to-device on a lane of the destination device's
-/// engine after waiting on the first copy's event (a stream wait: the host does not block), and
-/// the same chunk then takes chunk *k + slots*, again ordered by a stream wait on the
-/// destination's copy:
+/// **A staged copy between two GPUs** (no peer access; the P2P module's staged path): a copier
+/// keeps a ring of chunks, each behind the last copy that went through it. Chunk *k* of the data
+/// takes the ring's next chunk: a device-to-host copy on the copier's lane of the source device's
+/// engine, after a stream wait on that chunk's previous host-to-device copy, then a
+/// host-to-device copy on its lane of the destination device's engine, after a stream wait on
+/// the first. The host never blocks, and with one lane per direction the source's copy of chunk
+/// *k + 1* runs while chunk *k* enters the destination:
 ///
 /// ```text
-/// let c = src_engine.d2h_raw(lane, chunk, 0, len, src_k)?;         // source device's lane
-/// let c = c.then(Dir::H2d, &dst_engine, lane, 0, len, dst_k)?;     // waits on the D2H's event
-/// let c = c.then(Dir::D2h, &src_engine, lane, 0, len, src_k2)?;    // waits on the H2D's event
-/// ...
-/// let chunk = c.wait_chunk()?;                                  // back to the pool when dropped
+/// let c = ChunkCopy::idle(pool.take()?);                           // or the ring's last copy
+/// let c = c.then(Dir::D2h, &src_engine, d2h_lane, 0, len, src_k)?;  // waits on the chunk's last copy
+/// let c = c.then(Dir::H2d, &dst_engine, h2d_lane, 0, len, dst_k)?;  // waits on the D2H's event
+/// c.order_before(&copier_stream)?;                                 // a fence for the whole copy
 /// ```
 ///
 /// The raw forms (`*_raw`, `then`) take device addresses and are crate-private and `unsafe`:
@@ -445,21 +450,6 @@ impl std::fmt::Debug for CopyEngine {
             .field("ordinal", &self.inner.ctx.ordinal())
             .field("lanes", &self.inner.lanes.len())
             .finish()
-    }
-}
-
-/// A copy that failed: the error, and the chunk when nothing queued uses it.
-pub(crate) struct Unqueued {
-    error: Error,
-    chunk: Option<BounceChunk>,
-}
-
-impl Unqueued {
-    fn back(error: Error, chunk: BounceChunk) -> Box<Unqueued> {
-        Box::new(Unqueued {
-            error,
-            chunk: Some(chunk),
-        })
     }
 }
 
@@ -543,10 +533,15 @@ impl CopyEngine {
         &self.inner.lanes[lane % self.inner.lanes.len()]
     }
 
-    /// Queue one copy of `len` bytes between byte `offset` of `chunk` and device address `addr`
-    /// on lane `lane % lanes`, after an optional stream wait on `after`, and record its fence.
-    /// On error the chunk comes back ([`Unqueued::chunk`] `Some`) when no queued work uses it,
-    /// and is leaked (`None`) otherwise.
+    /// Queue one copy of `len` bytes between byte `offset` of the chunk `prev` owns and device
+    /// address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
+    /// has one), through the graph-capture check ([`capture::enqueue_raw`]), and record its
+    /// fence. `prev`'s own fence goes back to its lane: the stream wait keeps the record it saw.
+    ///
+    /// On error `prev` comes back (`kept: Some`) when no work queued here can still use the
+    /// chunk; it is leaked (`kept: None`) when queued work may use the chunk and `addr`'s memory
+    /// with no fence to say when it ends (a graph may hold it, or the stream failed): the caller
+    /// must then leak that memory too.
     ///
     /// # Safety
     ///
@@ -557,59 +552,59 @@ impl CopyEngine {
         &self,
         dir: Dir,
         lane: usize,
-        chunk: BounceChunk,
+        prev: ChunkCopy,
         offset: usize,
         len: usize,
         addr: u64,
-        after: Option<&CopyFence>,
-    ) -> std::result::Result<ChunkCopy, Box<Unqueued>> {
-        if let Err(e) = check_span(offset, len, chunk.len(), addr) {
-            return Err(Unqueued::back(e, chunk));
-        }
-        let lane = self.lane(lane).clone();
-        if let Err(e) = bind(&lane.ctx) {
-            return Err(Unqueued::back(e, chunk));
-        }
+    ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
+        let (after, chunk, ()) = prev.parts.as_ref().expect("parts present until taken");
+        let after = after.as_ref().map(|f| f.event);
         let host = chunk.buf.as_slice().as_ptr().wrapping_add(offset);
-        let queued = (|| {
-            if let Some(prev) = after {
+        let checked = check_span(offset, len, chunk.len(), addr);
+        let lane = self.lane(lane).clone();
+        if let Err(error) = checked.and_then(|()| bind(&lane.ctx)) {
+            return Err(Box::new(Refused {
+                error,
+                kept: Some(prev),
+            }));
+        }
+        let call = match dir {
+            Dir::H2d => "cuMemcpyHtoDAsync_v2",
+            Dir::D2h => "cuMemcpyDtoHAsync_v2",
+        };
+        let ((), prev) = capture::enqueue_raw(lane.stream, call, prev, |raw, _| {
+            if let Some(event) = after {
                 // SAFETY: a live stream and event; the wait takes the event's latest record now.
-                unsafe { driver::stream::wait_event(lane.stream, prev.event) }?;
+                unsafe { driver::stream::wait_event(raw, event) }?;
             }
             // SAFETY: `host..host + len` lies in the chunk (checked), which the returned copy
             // owns until its fence completes; `addr..addr + len` is the caller's; the stream is
             // live.
             unsafe {
                 match dir {
-                    Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, lane.stream),
+                    Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, raw),
                     Dir::D2h => {
-                        driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, lane.stream)
+                        driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, raw)
                     }
                 }
             }
-        })();
-        if let Err(e) = queued {
-            // The copy was not queued: nothing on the stream uses the chunk.
-            return Err(Unqueued::back(e, chunk));
-        }
+        })
+        .map_err(Box::new)?;
         // SAFETY: the lane's context is current.
         match unsafe { lane.record() } {
-            Ok(fence) => Ok(ChunkCopy {
-                parts: Some((fence, chunk, ())),
-            }),
-            Err(e) => {
-                // The copy is queued but has no fence: wait for the stream, or leak the chunk.
-                // SAFETY: a live stream.
-                if unsafe { driver::stream::synchronize(lane.stream) }.is_ok() {
-                    Err(Unqueued::back(e, chunk))
-                } else {
-                    std::mem::forget(chunk);
-                    Err(Box::new(Unqueued {
-                        error: e,
-                        chunk: None,
-                    }))
+            Ok(fence) => Ok(prev.refenced(fence)),
+            // The copy is queued but has no fence: wait for the stream, or leak the chunk.
+            // SAFETY: a live stream.
+            Err(error) => match unsafe { driver::stream::synchronize(lane.stream) } {
+                Ok(()) => Err(Box::new(Refused {
+                    error,
+                    kept: Some(prev),
+                })),
+                Err(_) => {
+                    std::mem::forget(prev);
+                    Err(Box::new(Refused { error, kept: None }))
                 }
-            }
+            },
         }
     }
 
@@ -635,8 +630,9 @@ impl CopyEngine {
         len: usize,
         dst: u64,
     ) -> Result<ChunkCopy> {
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::H2d, lane, chunk, offset, len, dst, None) }.map_err(|u| u.error)
+        unsafe { self.queue(Dir::H2d, lane, idle, offset, len, dst) }.map_err(|r| r.error)
     }
 
     /// Queue a copy of `len` bytes from device address `src` into `chunk` at byte `offset`, on
@@ -659,8 +655,9 @@ impl CopyEngine {
         len: usize,
         src: u64,
     ) -> Result<ChunkCopy> {
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::D2h, lane, chunk, offset, len, src, None) }.map_err(|u| u.error)
+        unsafe { self.queue(Dir::D2h, lane, idle, offset, len, src) }.map_err(|r| r.error)
     }
 
     /// Check that `mem` belongs to this engine's device and that `offset..offset + len` lies in
@@ -701,7 +698,9 @@ impl CopyEngine {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] when a range leaves its buffer or `dst` is on another device
-    /// (before any driver call); [`Error::Cuda`] from the driver.
+    /// (before any driver call); [`Error::StreamCapturing`] or [`Error::Cuda`] from the driver.
+    /// The chunk and `dst` are dropped, or leaked when a copy that no fence covers may still use
+    /// them.
     #[doc(alias = "cuMemcpyHtoDAsync")]
     pub fn h2d<M: DeviceMemoryMut>(
         &self,
@@ -713,10 +712,13 @@ impl CopyEngine {
         len: usize,
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&dst, dst_offset, len)?;
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: the range lies in `dst` (checked), which the returned copy owns until it has
-        // completed; `DeviceMemoryMut` means nobody else references it.
-        let c = unsafe { self.h2d_raw(lane, chunk, chunk_offset, len, addr) }?;
-        Ok(c.holding(dst))
+        // completed (or which is leaked); `DeviceMemoryMut` means nobody else references it.
+        holding(
+            unsafe { self.queue(Dir::H2d, lane, idle, chunk_offset, len, addr) },
+            dst,
+        )
     }
 
     /// Queue a copy of `len` bytes of `src` from byte `src_offset` into `chunk` at byte
@@ -736,10 +738,30 @@ impl CopyEngine {
         len: usize,
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&src, src_offset, len)?;
+        let idle = ChunkCopy::idle(chunk);
         // SAFETY: the range lies in `src` (checked), which the returned copy owns until it has
-        // completed; shared holders (`Arc`) only read it.
-        let c = unsafe { self.d2h_raw(lane, chunk, chunk_offset, len, addr) }?;
-        Ok(c.holding(src))
+        // completed (or which is leaked); shared holders (`Arc`) only read it.
+        holding(
+            unsafe { self.queue(Dir::D2h, lane, idle, chunk_offset, len, addr) },
+            src,
+        )
+    }
+}
+
+/// A queued copy that owns `m` as well; on refusal the error, and `m` leaked when the copy may
+/// still use it with no fence (dropped otherwise).
+fn holding<M: Send + 'static>(
+    queued: std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>>,
+    m: M,
+) -> Result<ChunkCopy<M>> {
+    match queued {
+        Ok(c) => Ok(c.holding(m)),
+        Err(r) => {
+            if r.leaked() {
+                std::mem::forget(m);
+            }
+            Err(r.error)
+        }
     }
 }
 
@@ -752,8 +774,8 @@ pub(crate) const SHARED_LANES: usize = 32;
 /// [`Tracker`](crate::completion::Tracker), as an [`InFlight`] does; forgetting it leaks them.
 #[must_use = "dropping a ChunkCopy blocks until the copy completes (bounded), then parks the chunk"]
 pub struct ChunkCopy<M: Send + 'static = ()> {
-    /// `None` once taken apart.
-    parts: Option<(CopyFence, BounceChunk, M)>,
+    /// `None` once taken apart. The fence is `None` for a chunk no copy has used yet.
+    parts: Option<(Option<CopyFence>, BounceChunk, M)>,
 }
 
 impl<M: Send + 'static> std::fmt::Debug for ChunkCopy<M> {
@@ -768,7 +790,12 @@ impl<M: Send + 'static> ChunkCopy<M> {
     /// Whether the copy has completed (`cuEventQuery`).
     #[doc(alias = "cuEventQuery")]
     pub fn is_complete(&self) -> bool {
-        self.parts.as_ref().is_none_or(|(f, _, _)| f.is_complete())
+        self.fence().is_none_or(|f| f.is_complete())
+    }
+
+    /// The fence of the copy, while it has one.
+    fn fence(&self) -> Option<&CopyFence> {
+        self.parts.as_ref().and_then(|(f, _, _)| f.as_ref())
     }
 
     /// Wait for the copy (polling briefly, then `cuEventSynchronize`) and take the chunk and the
@@ -781,7 +808,7 @@ impl<M: Send + 'static> ChunkCopy<M> {
     #[doc(alias = "cuEventSynchronize")]
     pub fn wait(mut self) -> Result<(BounceChunk, M)> {
         let (fence, chunk, m) = self.parts.take().expect("parts present until taken");
-        if fence.wait_timeout(Duration::MAX) {
+        if fence.as_ref().is_none_or(|f| f.wait_timeout(Duration::MAX)) {
             drop(fence);
             Ok((chunk, m))
         } else {
@@ -796,14 +823,34 @@ impl<M: Send + 'static> ChunkCopy<M> {
 
 impl<M: Send + 'static> Drop for ChunkCopy<M> {
     fn drop(&mut self) {
-        if let Some((fence, chunk, m)) = self.parts.take() {
+        match self.parts.take() {
             // The InFlight's drop: a bounded wait, then the tracker.
-            drop(InFlight::new("bounce chunk copy", fence, (chunk, m)));
+            Some((Some(fence), chunk, m)) => {
+                drop(InFlight::new("bounce chunk copy", fence, (chunk, m)))
+            }
+            Some((None, chunk, m)) => drop((chunk, m)),
+            None => {}
         }
     }
 }
 
 impl ChunkCopy {
+    /// A chunk no copy uses: complete at once, the start of a chain of [`then`](Self::then).
+    pub(crate) fn idle(chunk: BounceChunk) -> ChunkCopy {
+        ChunkCopy {
+            parts: Some((None, chunk, ())),
+        }
+    }
+
+    /// The same chunk under `fence` (of a copy queued after this one's); this one's fence goes
+    /// back to its lane.
+    fn refenced(mut self, fence: CopyFence) -> ChunkCopy {
+        let (_, chunk, ()) = self.parts.take().expect("parts present until taken");
+        ChunkCopy {
+            parts: Some((Some(fence), chunk, ())),
+        }
+    }
+
     /// Own `m` as well, until the copy completes.
     fn holding<M: Send + 'static>(mut self, m: M) -> ChunkCopy<M> {
         let (fence, chunk, ()) = self.parts.take().expect("parts present until taken");
@@ -821,48 +868,57 @@ impl ChunkCopy {
         self.wait().map(|(c, ())| c)
     }
 
+    /// Queue the next copy through this chunk: `len` bytes between byte `offset` of the chunk
+    /// and device address `addr`, in direction `dir`, on lane `lane` of `engine` (any device's:
+    /// the chunk is pinned for every context), after this copy (a stream wait on its event: the
+    /// host does not block). The returned copy owns the chunk until its own fence completes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the range leaves the chunk or `addr + len` wraps;
+    /// [`Error::StreamCapturing`] or [`Error::Cuda`] from the driver. The refusal gives this copy
+    /// back (`kept: Some`, still owning the chunk) when nothing new that uses the chunk was
+    /// queued, and `kept: None` when work may have been queued that no fence covers (the caller
+    /// then leaks `addr`'s memory).
+    ///
     /// # Safety
     ///
-    /// As [`CopyEngine::queue`].
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the staged peer copy moves onto the chained copies"
-        )
-    )]
-    unsafe fn then(
-        mut self,
+    /// `addr..addr + len` is memory `engine`'s device may read (`D2h`) or write (`H2d`), valid
+    /// and not accessed by anyone else until the returned copy has completed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn then(
+        self,
         dir: Dir,
         engine: &CopyEngine,
         lane: usize,
         offset: usize,
         len: usize,
         addr: u64,
-    ) -> Result<ChunkCopy> {
-        let (fence, chunk, ()) = self.parts.take().expect("parts present until taken");
-        // SAFETY: forwarded from the caller; the new copy runs after this one (stream wait).
-        match unsafe { engine.queue(dir, lane, chunk, offset, len, addr, Some(&fence)) } {
-            // This fence goes back to its lane: the stream wait queued above keeps the record it
-            // saw, whatever happens to the event afterwards.
-            Ok(next) => Ok(next),
-            Err(u) => match *u {
-                Unqueued {
-                    error,
-                    chunk: Some(chunk),
-                } => {
-                    // Not queued: the chunk may still be in use by this copy.
-                    drop(ChunkCopy {
-                        parts: Some((fence, chunk, ())),
-                    });
-                    Err(error)
-                }
-                Unqueued { error, chunk: None } => {
-                    std::mem::forget(fence);
-                    Err(error)
-                }
-            },
-        }
+    ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { engine.queue(dir, lane, self, offset, len, addr) }
+    }
+
+    /// Make `stream` wait for this copy (`cuStreamWaitEvent`, through the graph-capture check):
+    /// work queued there afterwards runs after it, so a fence of `stream` taken then covers it.
+    /// Nothing for a chunk no copy has used.
+    ///
+    /// # Errors
+    ///
+    /// As [`Stream::wait`](crate::cuda::Stream::wait).
+    #[doc(alias = "cuStreamWaitEvent")]
+    pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
+        let Some(event) = self.fence().map(|f| f.event) else {
+            return Ok(());
+        };
+        stream
+            .enqueue("cuStreamWaitEvent", (), |raw, ()| {
+                // SAFETY: a live stream and event (the lane outlives the fence, which `self`
+                // holds); the wait takes the event's latest record now, this copy's.
+                unsafe { driver::stream::wait_event(raw, event) }
+            })
+            .map(drop)
+            .map_err(|r| r.error)
     }
 }
 
@@ -953,20 +1009,25 @@ mod tests {
         let pool = BouncePool::new(&ctx, half, 1).unwrap();
         let engine = CopyEngine::new(&ctx, 2).unwrap();
         let (pa, pb) = (a.device_ptr(), b.device_ptr());
-        // SAFETY: `a` and `b` outlive the copies (waited below) and nothing else touches them.
-        let chunk = unsafe {
-            let c = engine
-                .d2h_raw(0, pool.take().unwrap(), 0, half, pa)
+        let steps = [
+            (Dir::D2h, 0, pa),
+            (Dir::H2d, 1, pb),
+            (Dir::D2h, 0, pa + half as u64),
+            (Dir::H2d, 1, pb + half as u64),
+        ];
+        let mut c = ChunkCopy::idle(pool.take().unwrap());
+        for (dir, lane, addr) in steps {
+            // SAFETY: `a` and `b` outlive the copies (waited below) and nothing else touches
+            // them.
+            c = unsafe { c.then(dir, &engine, lane, 0, half, addr) }
+                .map_err(|r| r.error)
                 .unwrap();
-            let c = c.then(Dir::H2d, &engine, 1, 0, half, pb).unwrap();
-            let c = c
-                .then(Dir::D2h, &engine, 0, 0, half, pa + half as u64)
-                .unwrap();
-            let c = c
-                .then(Dir::H2d, &engine, 1, 0, half, pb + half as u64)
-                .unwrap();
-            c.wait_chunk().unwrap()
-        };
+        }
+        // A stream ordered after the last copy passes it only once it is done.
+        c.order_before(&stream).unwrap();
+        stream.synchronize().unwrap();
+        assert!(c.is_complete(), "the stream waited for the chain");
+        let chunk = c.wait_chunk().unwrap();
         assert_eq!(&chunk[..], &data[half..]);
         drop(chunk);
         assert_eq!(pool.idle(), 1, "the chunk went back to its pool");

@@ -3,13 +3,13 @@
 use super::access::{self, PeerAccessRefusal};
 use super::lane::{Lane, Real, Route};
 use super::path::CopyPath;
-use super::staging::Stager;
+use super::staging::{Failed, Stager};
 use crate::completion::{InFlight, StreamFence, Tracker};
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result};
-use crate::memory::{DeviceMemory, DeviceMemoryMut};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, check_chunk_bytes};
 use cudarc::driver::CudaContext;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Which path to use.
@@ -29,9 +29,11 @@ pub enum PathChoice {
 pub struct CopyOptions {
     /// Path selection.
     pub path: PathChoice,
-    /// Staged path: bytes per chunk (and per pinned bounce buffer). Default 8 MiB.
+    /// Staged path: bytes per chunk (and per pinned bounce chunk): a multiple of
+    /// [`BOUNCE_ALIGN`](crate::memory::BOUNCE_ALIGN) of at most [`MAX_CHUNK_BYTES`](crate::memory::MAX_CHUNK_BYTES). Default
+    /// 8 MiB.
     pub chunk_bytes: usize,
-    /// Staged path: bounce buffers in the ring. Default 4.
+    /// Staged path: bounce chunks in the copier's ring, the copy's pipeline depth. Default 4.
     pub slots: usize,
     /// Peer path: grant the other device access to pool and VMM buffers
     /// (`cuMemPoolSetAccess`/`cuMemSetAccess`) so the copy really runs peer to peer. Default
@@ -39,34 +41,27 @@ pub struct CopyOptions {
     pub grant_access: bool,
 }
 
-/// The largest staged chunk (and pinned bounce buffer) a [`CopyOptions`] may ask for: 1 GiB.
-pub const MAX_CHUNK_BYTES: usize = 1 << 30;
-/// The most bounce buffers a [`CopyOptions`] may ask for.
+/// The most bounce chunks a [`CopyOptions`] may ask for.
 pub const MAX_SLOTS: usize = 64;
 /// The most pinned memory one copier's staging ring may hold (`chunk_bytes * slots`): 4 GiB.
 pub const MAX_STAGING_BYTES: usize = 4 << 30;
 
 impl CopyOptions {
-    /// Check the options before anything is allocated: `chunk_bytes` in
-    /// `1..=`[`MAX_CHUNK_BYTES`], `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
+    /// Check the options before anything is allocated: `chunk_bytes` a non-zero multiple of
+    /// [`BOUNCE_ALIGN`](crate::memory::BOUNCE_ALIGN) of at most [`MAX_CHUNK_BYTES`](crate::memory::MAX_CHUNK_BYTES) (the
+    /// bounce pool's chunk sizes), `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
     /// memory of the staging ring) at most [`MAX_STAGING_BYTES`].
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] naming the option.
     pub fn validate(&self) -> Result<()> {
-        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES {
-            return Err(Error::invalid(
-                "chunk_bytes",
-                self.chunk_bytes,
-                format!("must be between 1 and {MAX_CHUNK_BYTES} bytes"),
-            ));
-        }
+        check_chunk_bytes(self.chunk_bytes)?;
         if self.slots == 0 || self.slots > MAX_SLOTS {
             return Err(Error::invalid(
                 "slots",
                 self.slots,
-                format!("must be between 1 and {MAX_SLOTS} bounce buffers"),
+                format!("must be between 1 and {MAX_SLOTS} bounce chunks"),
             ));
         }
         match self.chunk_bytes.checked_mul(self.slots) {
@@ -91,8 +86,8 @@ impl Default for CopyOptions {
     }
 }
 
-/// What an asynchronous peer copy returns: both buffers (and, on the staged path, the staging
-/// buffers), owned until the copier's stream has passed the copy.
+/// What an asynchronous peer copy returns: both buffers (and, on the staged path, the copier's
+/// ring of bounce chunks), owned until the copier's stream has passed the copy.
 pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, StreamFence>;
 
 /// A finished copy: the buffers back, the path that ran, the bytes moved.
@@ -137,18 +132,19 @@ impl<S, D> Copied<S, D> {
     }
 }
 
-/// What in-flight copies keep alive: the contexts, the stream and the staging buffers.
+/// What in-flight copies keep alive: the contexts, the stream and the staged path's chunks.
 struct Inner {
     _src_ctx: Arc<CudaContext>,
     _dst_ctx: Arc<CudaContext>,
-    /// The stream every copy but a staged one runs on (of the source device).
+    /// The stream every copy runs on (of the source device); a staged copy's last step is a wait
+    /// here for its last chunk.
     stream: Stream,
-    /// The staged path: the bounce buffers, and the stream its last step runs on.
-    stager: Option<(Stager, Stream)>,
+    /// The staged path: the copier's lanes and ring of bounce chunks.
+    stager: Option<Stager>,
 }
 
 /// Copies from device `src` to device `dst`, with the path chosen once (peer access enabled,
-/// staging buffers allocated) and reused by every copy.
+/// bounce chunks taken) and reused by every copy.
 ///
 /// Copies through one `Copier` run in submission order, on the copier's own stream. A copy of
 /// `cuMemAlloc` memory costs four driver calls to issue (`cuCtxGetCurrent`, the copy, and the
@@ -157,13 +153,17 @@ struct Inner {
 /// once for every copy issued before. Pool and VMM memory add one `cuPointerGetAttribute` per
 /// buffer (per VMM mapping) after the first copy of each allocation. A copier may be shared by
 /// threads: issuing takes no lock (but the staged path's, which queues several steps).
+///
+/// The staged path moves each chunk through pinned host memory on two lanes of the devices'
+/// shared copy engines (device-to-host on one, host-to-device on the other, pipelined over the
+/// copier's ring of `slots` bounce chunks from the crate's shared pool), and ends each copy with
+/// a wait of the copier's stream on its last chunk: its fence is an epoch of that stream too.
+/// The ring's chunks go back to the pool when the copier and its last copy are gone.
 pub struct Copier {
     src: usize,
     dst: usize,
     lane: Lane,
     inner: Arc<Inner>,
-    /// The staged path queues several steps on two streams: one copy at a time.
-    staging: Mutex<()>,
 }
 
 impl std::fmt::Debug for Copier {
@@ -189,7 +189,7 @@ impl Copier {
     /// [`Error::NoDevice`] or [`Error::Load`] without the devices; the refusal itself with
     /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for options out of bounds
     /// ([`CopyOptions::validate`]), before any driver call;
-    /// [`Error::Cuda`] when creating streams, events or pinned buffers fails.
+    /// [`Error::Cuda`] when creating streams or taking the staged path's pinned chunks fails.
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub fn new(src: usize, dst: usize, opts: CopyOptions) -> Result<Copier> {
         opts.validate()?;
@@ -220,16 +220,7 @@ impl Copier {
         };
         let stream = Stream::new(&src_ctx)?;
         let stager = match route {
-            Route::Staged => {
-                let st = Stager::new(
-                    src_ctx.clone(),
-                    dst_ctx.clone(),
-                    opts.chunk_bytes,
-                    opts.slots,
-                )?;
-                let last = Stream::wrap(st.final_stream().clone());
-                Some((st, last))
-            }
+            Route::Staged => Some(Stager::new(src, dst, opts.chunk_bytes, opts.slots)?),
             _ => None,
         };
         let lane = Lane::new(
@@ -250,7 +241,6 @@ impl Copier {
                 stream,
                 stager,
             }),
-            staging: Mutex::new(()),
         })
     }
 
@@ -290,7 +280,7 @@ impl Copier {
     }
 
     /// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); the returned [`InFlight`] owns
-    /// both buffers (and the staging buffers) until the copy completes.
+    /// both buffers (and, staged, the ring of bounce chunks) until the copy completes.
     ///
     /// Work already enqueued on other streams that writes `src` or uses `dst` must be complete
     /// (or synchronised) first: the copy runs on the copier's own streams. Its fence is the
@@ -379,7 +369,7 @@ impl Copier {
         // Every step goes through the capture check. The copier's streams are its own and never
         // exposed, so they cannot be capturing; if one ever were, what the copy uses is leaked
         // (below), never freed.
-        let Some((stager, last)) = &self.inner.stager else {
+        let Some(stager) = &self.inner.stager else {
             // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which
             // goes into the InFlight with a fence issued after the copy on the lane's stream.
             return match unsafe { self.lane.enqueue(&Real, d, s, bytes) } {
@@ -393,33 +383,25 @@ impl Copier {
                 Err(r) => Err(r.error),
             };
         };
-        let _one_at_a_time = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        let enqueued = if bytes == 0 {
-            Ok(())
-        } else {
-            // SAFETY: both ranges are owned by `done`, which goes into the InFlight (or the
-            // tracker) with the stager's Arc (in `_keep`) until the final stream passes the copy.
-            unsafe { stager.enqueue(d, s, bytes) }
-        };
-        match enqueued {
-            Ok(()) => Ok(InFlight::new("peer copy", last.fence(), done)),
-            Err(r) if r.leaked() => {
-                std::mem::forget(done);
-                Err(r.error)
+        // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which goes
+        // into the InFlight, or the tracker, with the fence the stager gives (the copier's ring
+        // of chunks stays alive through `done`'s `_keep`).
+        match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
+            Ok(fence) => Ok(InFlight::new("peer copy", fence, done)),
+            // A copy that failed midway may have left work queued (a device-to-host copy with no
+            // host-to-device copy after it): the fence covers all of it.
+            Err(Failed {
+                error,
+                fence: Some(fence),
+            }) => {
+                Tracker::global().park(fence, done);
+                Err(error)
             }
-            // A staged enqueue that failed midway may have left a D2H on the source stream with
-            // no H2D after it: the fence must cover the source stream too. If joining fails, no
-            // fence can prove the D2H done, so nothing is freed.
-            Err(r) => match stager.join() {
-                Ok(()) => {
-                    Tracker::global().park(last.fence(), done);
-                    Err(r.error)
-                }
-                Err(_) => {
-                    std::mem::forget(done);
-                    Err(r.error)
-                }
-            },
+            // No fence can prove the work done, or it may sit in a graph: leak, never free.
+            Err(Failed { error, fence: None }) => {
+                std::mem::forget(done);
+                Err(error)
+            }
         }
     }
 }
@@ -479,20 +461,29 @@ mod tests {
         let src = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
         let dst = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
         // Chunk 0's D2H (64 MiB, milliseconds) is queued, its H2D never is: nothing else is on
-        // the final stream, so without the join its event would complete at once.
+        // the copier's stream, so without the cover its fence would complete at once.
         super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(Some(0)));
         let r = copier.copy_async(src, dst);
         super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(None));
         assert!(r.is_err(), "the injected failure is reported");
-        // The final stream's last epoch (the parked fence) must cover the source stream: once
-        // the final stream is idle, so is the source stream (the orphaned D2H has finished).
-        let (src_stream, dst_stream) = copier.inner.stager.as_ref().unwrap().0.streams();
-        dst_stream.synchronize().unwrap();
-        // SAFETY: a live stream.
-        let idle = unsafe { crate::driver::stream::query(src_stream.cu_stream()) };
+        // The parked fence is the copier's stream's: once that stream is idle, the orphaned
+        // D2H (the last copy through chunk 0, still in the ring) must have finished.
+        copier.inner.stream.synchronize().unwrap();
+        let stager = copier.inner.stager.as_ref().unwrap();
+        assert_eq!(
+            stager.slot_complete(0),
+            Some(true),
+            "D2H still running past the fence"
+        );
+        // The copier goes on: the next copy's chunks wait for what is left in the ring.
+        let data: Vec<u8> = (0..4 * chunk).map(|i| (i * 131 + 7) as u8).collect();
+        let stream = crate::cuda::Stream::new(&ctx).unwrap();
+        let src = DeviceBuffer::from_slice(&stream, &data).unwrap();
+        let dst = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
+        let done = copier.copy(src, dst).unwrap();
         assert!(
-            matches!(idle, Ok(true)),
-            "D2H still running past the fence: {idle:?}"
+            done.dst.to_vec(&stream).unwrap() == data,
+            "copy after a failure"
         );
         Tracker::global().reap();
     }

@@ -169,7 +169,7 @@ pub(crate) enum Route {
     Same,
     /// Two devices with peer access: `cuMemcpyPeerAsync` on the source device's stream.
     Peer,
-    /// Through pinned bounce buffers: the copier's stager queues it, not the lane.
+    /// Through pinned bounce chunks: the copier's stager queues it, not the lane.
     Staged,
 }
 

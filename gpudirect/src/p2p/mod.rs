@@ -70,8 +70,8 @@ pub use access::{
 };
 pub use attributes::{P2pAttributes, p2p_attributes};
 pub use copy::{
-    Copied, Copier, CopyOptions, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice,
-    PeerCopyInFlight, copy, copy_async,
+    Copied, Copier, CopyOptions, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice, PeerCopyInFlight, copy,
+    copy_async,
 };
 pub use ipc::{
     IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolAlloc, PoolImport,

@@ -12,7 +12,7 @@ pub enum CopyPath {
     /// or a copy on one device's stream where a buffer is another device's memory mapped here
     /// (an import of another process's memory mapped away from the device it lives on).
     Peer,
-    /// gpudirect's own pipeline through pinned host bounce buffers (two streams, chunked).
+    /// gpudirect's own pipeline through pinned host bounce chunks (two streams, pipelined chunks).
     Staged {
         /// Why: the driver's refusal (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, ...) or `requested`.
         reason: String,
