@@ -31,6 +31,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 W=${W:-$ROOT/.vm/w}; mkdir -p "$W"; export W
 TWO_NODES=${TWO_NODES:-0}
+BENCH_ONLY=${BENCH_ONLY:-0}; BENCH_RUNS=${BENCH_RUNS:-}
+case $BENCH_ONLY:$TWO_NODES in 0:*|1:0) ;; *) echo "HOST: BENCH_ONLY=1 and TWO_NODES do not mix" >&2; exit 2;; esac
+case $BENCH_RUNS in ''|[1-9]|[1-9][0-9]) ;; *) echo "HOST: BENCH_RUNS must be 1 to 99" >&2; exit 2;; esac
 case $TWO_NODES in 0|1|only) ;; *) echo "HOST: TWO_NODES must be 0, 1 or only" >&2; exit 2;; esac
 if [ "$TWO_NODES" = 0 ]; then KERNEL=${KERNEL:-6.12}; else KERNEL=${KERNEL:-7}; fi
 t0=$(date +%s.%N); stamp() { printf 'HOST: %-28s %6.1fs\n' "$1" "$(echo "$(date +%s.%N) - $t0" | bc)"; }
@@ -63,7 +66,10 @@ build_one() {  # build_one NAME: examples/NAME.rs or tests/NAME.rs, copied to $B
     die "two-nodes.list names $1: no examples/$1.rs or tests/$1.rs"
   fi
 }
-if [ "$TWO_NODES" != only ]; then
+if [ "$BENCH_ONLY" = 1 ]; then
+  build_one rdma_pingpong
+  echo "bench-loopback $BENCH_RUNS" >> "$W/tests.list"
+elif [ "$TWO_NODES" != only ]; then
 cargo test --release --no-run --message-format=json --test 'rdma_*' > "$W/build.json" 2>"$W/build.log" \
   || { tail -30 "$W/build.log"; die "building the tests failed"; }
 # "name executable" of each test executable (cargo's JSON lines, read without jq or python).
@@ -84,7 +90,11 @@ exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"
 [ -n "$exe" ] && cp "$exe" "$BIN/rdma_bench" && echo "bench rdma_bench" >> "$W/tests.list"
 # The loopback baselines belong to the default run (6.12): on 7.3 rdma_pingpong --only ends too
 # often with an unacknowledged last send (README, "Kernels").
-[ "$TWO_NODES" = 0 ] && echo "bench-loopback" >> "$W/tests.list"
+[ "$TWO_NODES" = 0 ] && echo "bench-loopback $BENCH_RUNS" >> "$W/tests.list"
+fi
+if [ -n "${BASE_PINGPONG:-}" ]; then
+  [ -x "$BASE_PINGPONG" ] || die "BASE_PINGPONG=$BASE_PINGPONG is not an executable"
+  cp "$BASE_PINGPONG" "$BIN/rdma_pingpong_base"
 fi
 if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
@@ -178,9 +188,11 @@ if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-900}; else VM_TIMEOUT=${V
 # 7.x under TCG: with its default lazy preemption (and the CPU-bug mitigations) a kworker of rxe
 # waits for the tick behind a polling thread; these two bring its latency back to 6.12's.
 case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off};; esac
+load0=$(cut -d' ' -f1-3 /proc/loadavg)
 VM_TIMEOUT=$VM_TIMEOUT MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG APPEND=${APPEND:-} \
   "$HERE/scripts/boot-vm.sh" > /dev/null 2>&1 || true
 stamp "vm finished"
+echo "HOST: load before: $load0; after: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
 grep -a -E '^(RXE-|TWO-NODES|GID\[|test |running |SKIPPED|FAILED|REPORT|thread |rdma_pingpong|loopback|send/recv|RDMA |bandwidth|latency|server:|\[[ab]\] )|panicked|test result' "$LOG" || true
 echo "HOST: full log: $LOG"
 summary=$(grep -a -E '^[0-9]+ passed, [0-9]+ failed' "$LOG" | tail -1 | tr -d '\r')

@@ -99,7 +99,71 @@ best() { awk -v a="$1" -v b="$2" -v m="$3" 'BEGIN{ if (a=="") {print b; exit} if
 ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($5,a,"="); print a[2]; exit}' /tmp/one.log; }
 
 # --- the library's own figures beside perftest baselines, loopback on rxe0
+# stats "V1 V2 ..." -> "median min max n" of the positive numbers among them ("? ? ? 0" for none).
+stats() {
+  echo "$1" | awk '{ n = 0; for (i = 1; i <= NF; i++) if ($i + 0 > 0) v[++n] = $i + 0
+    if (!n) { print "? ? ? 0"; exit }
+    for (i = 2; i <= n; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
+    m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+    print m, v[1], v[n], n }'
+}
+# cell NAME SIZE UNIT "PERFTEST VALUES" "OURS VALUES" ["BASE VALUES"]: one RXE-BENCH line. UNIT is
+# MBps (higher is better) or usec (lower is better). The ratio is ours against perftest's median
+# (perftest/ours for usec, so above 1 is faster either way); perftest's spread is its slowest and
+# fastest run against its own median, the same way round. Verdict: "ok" at 0.95x or more; below,
+# "FINDING" when the ratio is also below perftest's slowest run (outside its spread), else
+# "within noise". The base program, when present, gets the same ratio (a figure, no verdict).
+cell() {
+  set -- "$1" "$2" "$3" "$(stats "$4")" "$(stats "$5")" "$(stats "${6:-}")"
+  awk -v name="$1" -v sz="$2" -v unit="$3" -v p="$4" -v o="$5" -v b="$6" -v base="$has_base" 'BEGIN {
+    split(p, P, " "); split(o, O, " "); split(b, B, " ")
+    hi_better = (unit == "MBps")
+    if (P[4] == 0 || O[4] == 0) {
+      printf "RXE-BENCH %s size=%s perftest_%s=%s ours_%s=%s ratio=? runs=%d/%d verdict: ?\n", name, sz, unit, P[1], unit, O[1], P[4], O[4]
+      exit
+    }
+    r = hi_better ? O[1] / P[1] : P[1] / O[1]
+    plo = hi_better ? P[2] / P[1] : P[1] / P[3]; phi = hi_better ? P[3] / P[1] : P[1] / P[2]
+    olo = hi_better ? O[2] / P[1] : P[1] / O[3]; ohi = hi_better ? O[3] / P[1] : P[1] / O[2]
+    if (r >= 0.95) v = "ok"
+    else if (r < plo) v = sprintf("FINDING: below 0.95x outside perftest'"'"'s own spread (%.2f..%.2f)", plo, phi)
+    else v = "within noise"
+    extra = ""
+    if (base != "" && B[4] > 0) extra = sprintf(" base_%s=%.2f base_ratio=%.2f", unit, B[1], hi_better ? B[1] / P[1] : P[1] / B[1])
+    printf "RXE-BENCH %s size=%s perftest_%s=%.2f ours_%s=%.2f ratio=%.2f perftest_spread=%.2f..%.2f ours_spread=%.2f..%.2f runs=%d/%d%s verdict: %s\n", \
+      name, sz, unit, P[1], unit, O[1], r, plo, phi, olo, ohi, P[4], O[4], extra, v
+  }'
+}
+# wait_port PORT PID: until a TCP listener on PORT exists here (15 s at most) or PID died.
+wait_port() {
+  hex=$(printf ':%04X' $1)
+  for i in $(seq 1 150); do
+    kill -0 $2 2>/dev/null || return 1
+    awk -v p="$hex" '$4=="0A" && substr($2, length($2)-4)==p {f=1} END {exit !f}' /proc/net/tcp /proc/net/tcp6 2>/dev/null && return 0
+    sleep 0.1
+  done
+  return 0
+}
+# pt TOOL SIZE ITERS -> the average MB/s (bw) or t_avg usec (lat) of one perftest run
+pt() {
+  timeout 120 $1 -d rxe0 -x $GIDX -s $2 -n $3 -F > /tmp/srv.log 2>&1 &
+  sp=$!
+  wait_port 18515 $sp
+  timeout 120 $1 -d rxe0 -x $GIDX -s $2 -n $3 -F 127.0.0.1 > /tmp/cli.log 2>&1; r=$?
+  wait $sp; s=$?
+  [ $r = 0 ] && [ $s = 0 ] || { cat /tmp/cli.log /tmp/srv.log >&2; return 1; }
+  case $1 in
+    *_lat) awk -v s=$2 '$1==s && NF>=6 {print $6; exit}' /tmp/cli.log ;;   # t_avg (usec)
+    *)     awk -v s=$2 '$1==s && NF>=4 {print $4; exit}' /tmp/cli.log ;;   # BW average (MB/s)
+  esac
+}
+# lib PROGRAM SIZE -> /tmp/one.log: rdma_pingpong (or the base build) for one size, 32 MiB per run
+lib() { timeout 300 /usr/bin/$1 --only $2 --bytes 33554432 > /tmp/one.log 2>&1; }
+ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($5,a,"="); print a[2]; exit}' /tmp/one.log; }
+
+# bench_loopback [RUNS]: perftest against rdma_pingpong, RUNS alternations per cell (default 7).
 bench_loopback() {
+  runs=${1:-7}
   timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
   cat /tmp/ours.log; result rdma_pingpong-report $rc
   # perftest uses the GID rdma_cm picks for 10.77.0.1 (the IPv4-mapped RoCE v2 one), so both sides
@@ -109,38 +173,45 @@ bench_loopback() {
     grep -q 'ffff:0a4d:0001' /sys/class/infiniband/rxe0/ports/1/gids/$g 2>/dev/null && { GIDX=$g; break; }
   done
   echo "perftest GID index $GIDX"
-  pt() {  # pt TOOL SIZE ITERS  -> prints the average MB/s (bw) or t_avg usec (lat)
-    $1 -d rxe0 -x $GIDX -s $2 -n $3 -F $4 > /tmp/srv.log 2>&1 &
-    sleep 1
-    $1 -d rxe0 -x $GIDX -s $2 -n $3 -F $4 127.0.0.1 > /tmp/cli.log 2>&1; r=$?
-    wait
-    [ $r = 0 ] || { cat /tmp/cli.log /tmp/srv.log; return 1; }
-    case $1 in
-      *_lat) awk -v s=$2 '$1==s && NF>=6 {print $6; exit}' /tmp/cli.log ;;   # t_avg (usec)
-      *)     awk -v s=$2 '$1==s && NF>=4 {print $4; exit}' /tmp/cli.log ;;   # BW average (MB/s)
-    esac
-  }
-  ptok=0
-  # Compared sizes: perftest and the library alternate, three times each, best of three (the host
-  # is shared and TCG is noisy); the same iteration counts on both sides (32 MiB per run, 20..5000).
-  # Both report MB/s of 2^20 bytes.
+  # A second build of the example (run.sh's BASE_PINGPONG) runs beside, as a third program.
+  has_base=; [ -x /usr/bin/rdma_pingpong_base ] && has_base=1
+  ptok=0; t=$(now)
+  # Per size, RUNS rounds; in each, perftest (ib_write_bw, ib_read_bw, and ib_write_lat at 8 B)
+  # and the library (one rdma_pingpong --only SIZE: write, read, latency) run back to back, who
+  # goes first alternating round by round, so that a change of load on the shared host falls on
+  # both. The same iteration counts on both sides (32 MiB per run, 20..5000; latency 2000); both
+  # report MB/s of 2^20 bytes.
   for sz in 8 4096 65536 1048576; do
     it=$(awk -v s=$sz 'BEGIN{i=int(33554432/s); if(i<20)i=20; if(i>5000)i=5000; print i}')
-    pw=; pr=; ow=; orr=; pl=; ol=
-    for rep in 1 2 3; do
-      v=$(pt ib_write_bw $sz $it "") || ptok=1; pw=$(best "$pw" "$v" max)
-      v=$(pt ib_read_bw $sz $it "") || ptok=1; pr=$(best "$pr" "$v" max)
-      timeout 300 /usr/bin/rdma_pingpong --only $sz --bytes 33554432 > /tmp/one.log 2>&1 || { cat /tmp/one.log; ptok=1; }
-      ow=$(best "$ow" "$(ours_get write_bw $sz)" max); orr=$(best "$orr" "$(ours_get read_bw $sz)" max)
-      if [ $sz = 8 ]; then
-        ol=$(best "$ol" "$(ours_get write_lat 8)" min)
-        v=$(pt ib_write_lat 8 2000 "") || ptok=1; pl=$(best "$pl" "$v" min)
-      fi
+    pw=; pr=; pl=; ow=; orr=; ol=; bw=; br=; bl=
+    for rep in $(seq 1 $runs); do
+      if [ $((rep % 2)) = 1 ]; then order="perftest lib"; else order="lib perftest"; fi
+      for who in $order; do
+        if [ $who = perftest ]; then
+          v=$(pt ib_write_bw $sz $it) || ptok=1; pw="$pw $v"
+          v=$(pt ib_read_bw $sz $it) || ptok=1; pr="$pr $v"
+          if [ $sz = 8 ]; then v=$(pt ib_write_lat 8 2000) || ptok=1; pl="$pl $v"; fi
+          continue
+        fi
+        lib rdma_pingpong $sz || { cat /tmp/one.log; ptok=1; }
+        ow="$ow $(ours_get write_bw $sz)"; orr="$orr $(ours_get read_bw $sz)"; ol="$ol $(ours_get write_lat 8)"
+        if [ -n "$has_base" ]; then
+          lib rdma_pingpong_base $sz || { echo "RXE-WARN rdma_pingpong_base --only $sz failed"; cat /tmp/one.log; }
+          bw="$bw $(ours_get write_bw $sz)"; br="$br $(ours_get read_bw $sz)"; bl="$bl $(ours_get write_lat 8)"
+        fi
+      done
     done
-    echo "RXE-BENCH write_bw size=$sz perftest_MBps=${pw:-?} ours_MBps=${ow:-?} ratio=$(awk -v a="$ow" -v b="$pw" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}')"
-    echo "RXE-BENCH read_bw size=$sz perftest_MBps=${pr:-?} ours_MBps=${orr:-?} ratio=$(awk -v a="$orr" -v b="$pr" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}')"
-    [ $sz = 8 ] && echo "RXE-BENCH write_lat size=8 perftest_usec=${pl:-?} ours_usec=${ol:-?} ratio(perftest/ours)=$(awk -v a="$ol" -v b="$pl" 'BEGIN{ if (a>0 && b>0) printf "%.2f", b/a; else print "?"}')"
+    echo "RXE-RUNS write_bw size=$sz perftest:$pw ours:$ow${has_base:+ base:$bw}"
+    echo "RXE-RUNS read_bw size=$sz perftest:$pr ours:$orr${has_base:+ base:$br}"
+    cell write_bw $sz MBps "$pw" "$ow" "$bw" | tee -a /tmp/cells
+    cell read_bw $sz MBps "$pr" "$orr" "$br" | tee -a /tmp/cells
+    if [ $sz = 8 ]; then
+      echo "RXE-RUNS write_lat size=8 perftest:$pl ours:$ol${has_base:+ base:$bl}"
+      cell write_lat 8 usec "$pl" "$ol" "$bl" | tee -a /tmp/cells
+    fi
   done
+  # A FINDING does not fail the run (TCG figures move with the host's load); it is counted here.
+  echo "RXE-BENCH-SUMMARY cells=$(wc -l < /tmp/cells) ok=$(grep -c 'verdict: ok' /tmp/cells) within_noise=$(grep -c 'verdict: within noise' /tmp/cells) findings=$(grep -c 'verdict: FINDING' /tmp/cells) runs=$runs time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.0f", b-a}')s"
   result perftest-baselines $ptok
 }
 
@@ -210,7 +281,7 @@ while read -r kind name args; do
     test) timeout 600 /usr/bin/$name --test-threads=1 --nocapture; result "$name" $? ;;
     example) timeout 600 /usr/bin/$name; result "$name" $? ;;
     bench) timeout 600 /usr/bin/$name --test; result "$name" $? ;;
-    bench-loopback) bench_loopback ;;
+    bench-loopback) bench_loopback $name ;;
     pair) run_pair "$name" $args; result "pair:$name" $? ;;
     bench-pair) bench_pair ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
