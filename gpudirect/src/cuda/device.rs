@@ -3,10 +3,10 @@
 use crate::driver::device;
 use crate::error::Result;
 use cudarc::driver::sys::{self, CUdevice_attribute as A};
-use serde::{Deserialize, Serialize};
 
 /// What one CUDA device offers GPUDirect.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct DeviceInfo {
     /// The CUDA ordinal.
     pub ordinal: usize,

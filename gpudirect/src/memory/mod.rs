@@ -99,6 +99,7 @@ pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
 pub use bounce::{
     BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
 };
+#[cfg(feature = "p2p")]
 pub(crate) use bounce::{Dir, SHARED_LANES, check_chunk_bytes};
 pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
@@ -107,6 +108,7 @@ pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
+#[cfg(feature = "p2p")]
 pub(crate) use vmm::VmmMapping;
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
