@@ -279,9 +279,9 @@ fn main() {
     drop(auto);
     println!("{heading}");
     println!(
-        "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 4 \
-         (cuCtxGetCurrent, cuStreamIsCapturing x2, cuMemcpyPeerAsync), no event, no lock, no \
-         allocation; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
+        "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
+         (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
+         check), no event, no lock, no allocation; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
          cuStreamSynchronize once per batch"
     );
     let mut rows = Vec::new();

@@ -245,8 +245,10 @@ impl StreamFence {
         self.epoch
     }
 
-    /// The stream's timeline.
-    pub fn timeline(&self) -> &Arc<Timeline> {
+    /// The stream's timeline. Crate-private: a fence of a stream the library owns (a copier's
+    /// lane) must not hand that stream out, since only the library may queue work on it (see
+    /// `p2p::lane`'s capture argument).
+    pub(crate) fn timeline(&self) -> &Arc<Timeline> {
         &self.timeline
     }
 }

@@ -538,7 +538,8 @@ impl CopyEngine {
 
     /// Queue one copy of `len` bytes between byte `offset` of the chunk `prev` owns and device
     /// address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
-    /// has one), through the graph-capture check ([`capture::enqueue_raw`]), and record its
+    /// has one), through the graph-capture protocol for a private stream
+    /// ([`capture::enqueue_private`]), and record its
     /// fence. `prev`'s own fence goes back to its lane: the stream wait keeps the record it saw.
     ///
     /// On error `prev` comes back (`kept: Some`) when no work queued here can still use the
@@ -575,7 +576,10 @@ impl CopyEngine {
             Dir::H2d => "cuMemcpyHtoDAsync_v2",
             Dir::D2h => "cuMemcpyDtoHAsync_v2",
         };
-        let ((), prev) = capture::enqueue_raw(lane.stream, call, prev, |raw, _| {
+        // The lanes are the engine's own streams, never handed out, and they wait only on
+        // events of other lanes: they meet `capture::Private`'s rule, so the per-chunk capture
+        // questions are skipped (with many readers they contend in the driver).
+        let ((), prev) = capture::enqueue_private(lane.stream, call, prev, |raw, _| {
             if let Some(event) = after {
                 // SAFETY: a live stream and event; the wait takes the event's latest record now.
                 unsafe { driver::stream::wait_event(raw, event) }?;
