@@ -14,11 +14,12 @@
 //!
 //! # Features
 //!
-//! Each data path is a feature, all on by default: `p2p`, `rdma`, `storage`, `transfer` (the
-//! transfer engine, over `rdma`) and `report` (the node report; it builds with any set of paths and
-//! reports a path whose feature is off as not built). `serde` derives `Serialize`/`Deserialize`
-//! on what crosses processes or is written out (IPC handles, remote memory descriptors, queue-pair
-//! endpoints, device attributes, the report; `report` turns it on). [`completion`], [`cuda`],
+//! Each data path is a feature, all on by default: `p2p`, `rdma`, `storage`, and `report` (the
+//! node report; it builds with any set of paths and reports a path whose feature is off as not
+//! built). `serde` (on by default; `report` turns it on) derives `Serialize`/`Deserialize` on what
+//! crosses processes or is written out (IPC handles, remote memory descriptors, queue-pair
+//! endpoints, device attributes, the report). A program that uses only some paths builds only
+//! those: `default-features = false, features = ["rdma", ...]`. [`completion`], [`cuda`],
 //! [`memory`] and [`topology`] are always built. `tokio` (off by default) adds file-descriptor
 //! readiness through tokio's reactor. The CUDA version features (`cuda-12000` ... `cuda-13040`)
 //! only forward to cudarc.
