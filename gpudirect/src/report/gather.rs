@@ -630,4 +630,31 @@ mod tests {
         assert_eq!(version_from_file_name("libibverbs.so"), None);
         assert_eq!(version_from_file_name("/lib/libibverbs.so.1"), None);
     }
+
+    /// Built without some path: the report still gathers, and says so for that path.
+    #[cfg(not(all(feature = "p2p", feature = "rdma", feature = "storage")))]
+    #[test]
+    fn paths_not_built_are_reported_as_not_built() {
+        let r = NodeReport::gather_with(&GatherOptions {
+            measure: false,
+            ..GatherOptions::default()
+        });
+        let said = |reason: &Option<String>, feature: &str| {
+            let why = reason.as_deref().unwrap_or_default();
+            assert!(
+                why.contains("not built") && why.contains(feature),
+                "{feature}: {why:?}"
+            );
+        };
+        #[cfg(not(feature = "p2p"))]
+        said(&r.p2p.absent_reason, "p2p");
+        #[cfg(not(feature = "rdma"))]
+        said(&r.rdma.absent_reason, "rdma");
+        #[cfg(not(feature = "storage"))]
+        {
+            said(&r.storage.absent_reason, "storage");
+            assert!(r.storage.read.is_none());
+        }
+        assert!(r.to_string().contains("not built"));
+    }
 }
