@@ -17,7 +17,7 @@ cargo fmt --all --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
-step "gpudirect's features: each path alone, and none (clippy, lib and unit tests)"
+step "gpudirect's features: each path alone, and none (clippy of the library and its unit tests)"
 # A program may build only the paths it uses (`default-features = false`). The CUDA version
 # feature stays: it only picks cudarc's bindings. gpudirect alone is checked again per set; its
 # dependencies come from the target directory above.
