@@ -25,6 +25,7 @@
 use super::{DeviceMemory, DeviceMemoryMut, HostAllocFlags, MemoryKind, PinnedHostBuffer};
 use crate::completion::capture::{self, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
+#[cfg(any(test, feature = "p2p"))]
 use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
@@ -134,6 +135,7 @@ impl BouncePool {
     /// # Errors
     ///
     /// As [`new`](Self::new) and [`crate::cuda::context`].
+    #[cfg(any(test, feature = "p2p", feature = "storage"))]
     pub(crate) fn shared(ordinal: usize, chunk_bytes: usize) -> Result<Self> {
         static ALL: Mutex<Vec<(usize, usize, BouncePool)>> = Mutex::new(Vec::new());
         check_chunk_bytes(chunk_bytes)?;
@@ -531,6 +533,7 @@ impl CopyEngine {
     /// # Errors
     ///
     /// As [`new`](Self::new) and [`crate::cuda::context`].
+    #[cfg(any(test, feature = "p2p", feature = "storage"))]
     pub(crate) fn shared(ordinal: usize) -> Result<Self> {
         static ALL: Mutex<Vec<(usize, CopyEngine)>> = Mutex::new(Vec::new());
         let mut all = lock(&ALL);
@@ -650,6 +653,7 @@ impl CopyEngine {
     /// `dst..dst + len` is device memory this engine's device may write, valid and neither read
     /// nor written by anyone else until the returned copy has completed.
     #[doc(alias = "cuMemcpyHtoDAsync")]
+    #[cfg(feature = "storage")]
     pub(crate) unsafe fn h2d_raw(
         &self,
         lane: usize,
@@ -675,6 +679,7 @@ impl CopyEngine {
     /// `src..src + len` is device memory this engine's device may read, valid and not written by
     /// anyone else until the returned copy has completed.
     #[doc(alias = "cuMemcpyDtoHAsync")]
+    #[cfg(feature = "storage")]
     pub(crate) unsafe fn d2h_raw(
         &self,
         lane: usize,
@@ -794,6 +799,7 @@ fn holding<M: Send + 'static>(
 }
 
 /// The lanes of the process-wide engine of each device ([`CopyEngine::shared`]).
+#[cfg(any(test, feature = "p2p", feature = "storage"))]
 pub(crate) const SHARED_LANES: usize = 32;
 
 /// A copy between a [`BounceChunk`] and device memory in flight: owns the chunk (and `M`, the
@@ -892,6 +898,7 @@ impl ChunkCopy {
     /// # Errors
     ///
     /// As [`wait`](ChunkCopy::wait).
+    #[cfg(any(test, feature = "storage"))]
     pub(crate) fn wait_chunk(self) -> Result<BounceChunk> {
         self.wait().map(|(c, ())| c)
     }
@@ -914,6 +921,7 @@ impl ChunkCopy {
     /// `addr..addr + len` is memory `engine`'s device may read (`D2h`) or write (`H2d`), valid
     /// and not accessed by anyone else until the returned copy has completed.
     #[allow(clippy::too_many_arguments)]
+    #[cfg(any(test, feature = "p2p"))]
     pub(crate) unsafe fn then(
         self,
         dir: Dir,
@@ -935,6 +943,7 @@ impl ChunkCopy {
     ///
     /// As [`Stream::wait`](crate::cuda::Stream::wait).
     #[doc(alias = "cuStreamWaitEvent")]
+    #[cfg(any(test, feature = "p2p"))]
     pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
         let Some(event) = self.fence().map(|f| f.event) else {
             return Ok(());
