@@ -95,7 +95,10 @@
 //! so the result is an ordinary [`QueuePair<Rts>`].
 
 // Bottom up, each module imports only those before it: ffi, teardown, device, context, pd, mr,
-// gpu_mr, wr, posted (the posted-request tables and CQ room), srq, cq, qp, cm.
+// gpu_mr, wr, posted (the posted-request tables and CQ room), srq, cq, qp, cm, async_backlog,
+// async_qp.
+mod async_backlog;
+mod async_qp;
 mod cm;
 mod context;
 mod cq;
@@ -111,6 +114,7 @@ mod teardown;
 mod wr;
 
 pub use crate::error::{GpuMrAttempts, GpuMrPath, GpuMrRefusal, WcStatus};
+pub use async_qp::{AsyncCq, AsyncQueuePair, Completed, Immediates, Messages, Received, WcFuture};
 pub use cm::{ConnectOptions, Connection, Listener};
 pub use context::{
     AsyncEvent, AsyncEventKind, Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu,
