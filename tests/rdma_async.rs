@@ -42,6 +42,11 @@ fn cq(
 /// A loopback pair; `channel`: woken through completion channels (else the completion thread).
 /// Must run inside a tokio runtime for the channel to be used.
 fn apair(backlog: usize, channel: bool) -> gpudirect::Result<APair> {
+    apair_spin(backlog, channel, Duration::ZERO)
+}
+
+/// As [`apair`], each wait polling the CQ for up to `spin` before it sleeps.
+fn apair_spin(backlog: usize, channel: bool, spin: Duration) -> gpudirect::Result<APair> {
     let ctx = Context::open_by_name(None)?;
     let pd = ctx.alloc_pd()?;
     let (cq_a, ch_a) = cq(&ctx, channel)?;
@@ -52,6 +57,8 @@ fn apair(backlog: usize, channel: bool) -> gpudirect::Result<APair> {
     let acq_a = AsyncCq::new(cq_a, ch_a)?;
     let acq_b = AsyncCq::new(cq_b, ch_b)?;
     assert_eq!(acq_a.channel_driven(), channel);
+    acq_a.spin(spin);
+    acq_b.spin(spin);
     let a = acq_a.attach(a, backlog)?;
     let b = acq_b.attach(b, backlog)?;
     Ok(APair { pd, a, b })
@@ -84,8 +91,12 @@ async fn settle(qp: &AsyncQueuePair) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_concurrent_futures_on_one_queue_pair_move_exact_bytes() {
-    for channel in [true, false] {
-        let p = require!(Hardware::Rdma, apair(1024, channel));
+    for (channel, spin) in [
+        (true, Duration::ZERO),
+        (false, Duration::ZERO),
+        (true, Duration::from_micros(20)),
+    ] {
+        let p = require!(Hardware::Rdma, apair_spin(1024, channel, spin));
         const N: usize = 1000;
         const SZ: usize = 64;
         let data = random_bytes(N * SZ);
@@ -139,7 +150,7 @@ async fn a_thousand_concurrent_futures_on_one_queue_pair_move_exact_bytes() {
         }
         assert_eq!(back.to_vec(), data, "every read byte, channel={channel}");
         assert_eq!((p.a.in_flight(), p.a.backlogged()), (0, 0));
-        println!("RDMA async: 1000 writes + 1000 reads exact, channel={channel}");
+        println!("RDMA async: 1000 writes + 1000 reads exact, channel={channel}, spin={spin:?}");
     }
 }
 
@@ -489,7 +500,11 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 /// Blocking round trips on `qp`, then the same awaited through `AsyncCq::new(cq, channel)`.
-fn round_trips(iters: usize, channel: bool) -> gpudirect::Result<(Duration, Duration, f64, f64)> {
+fn round_trips(
+    iters: usize,
+    channel: bool,
+    spin: Duration,
+) -> gpudirect::Result<(Duration, Duration, f64, f64)> {
     let ctx = Context::open_by_name(None)?;
     let pd = ctx.alloc_pd()?;
     let (mut cq_a, ch_a) = cq(&ctx, channel)?;
@@ -550,6 +565,7 @@ fn round_trips(iters: usize, channel: bool) -> gpudirect::Result<(Duration, Dura
         let conc_blocking = 1000.0 / t.elapsed().as_secs_f64();
         let acq = AsyncCq::new(cq_a, ch_a)?;
         assert_eq!(acq.channel_driven(), channel);
+        acq.spin(spin);
         let a = acq.attach(a, 1024)?;
         let mut m = a.messages();
         let mut awaited = Vec::with_capacity(iters);
@@ -585,12 +601,19 @@ fn await_costs_against_the_blocking_poll() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);
-    for channel in [true, false] {
-        let (blocking, awaited, cb, ca) = round_trips(iters, channel).unwrap();
-        let source = if channel {
-            "channel"
-        } else {
-            "completion thread"
+    for (channel, spin) in [
+        (true, Duration::ZERO),
+        (true, Duration::from_micros(50)),
+        (true, Duration::from_micros(200)),
+        (false, Duration::ZERO),
+        (false, Duration::from_micros(200)),
+    ] {
+        let (blocking, awaited, cb, ca) = round_trips(iters, channel, spin).unwrap();
+        let source = match (channel, spin.is_zero()) {
+            (true, true) => "channel".to_string(),
+            (true, false) => format!("channel, spin {} us", spin.as_micros()),
+            (false, true) => "completion thread".to_string(),
+            (false, false) => format!("completion thread, spin {} us", spin.as_micros()),
         };
         println!(
             "RDMA async: 8-byte send/recv round trip, median of {iters}: blocking poll {:.1} us, await ({source}) {:.1} us, ratio {:.2}x",

@@ -112,6 +112,8 @@ struct Dispatcher {
     driven: AtomicBool,
     /// The completion thread holds a watch of this dispatcher.
     watched: AtomicBool,
+    /// How long a wait polls the CQ before it sleeps, in nanoseconds ([`AsyncCq::spin`]).
+    spin_ns: AtomicU64,
     #[cfg(feature = "tokio")]
     stop: Arc<Stop>,
 }
@@ -168,6 +170,21 @@ impl Dispatcher {
     /// Whether anyone waits for a completion of this CQ.
     fn needs_polling(&self) -> bool {
         self.attached().iter().any(|q| q.needs_polling())
+    }
+
+    /// Poll the CQ until `done` or the spin time ([`AsyncCq::spin`]) has passed.
+    fn spin(&self, done: impl Fn() -> bool) {
+        let ns = self.spin_ns.load(Ordering::Relaxed);
+        if ns == 0 {
+            return;
+        }
+        let start = Instant::now();
+        while !done() && start.elapsed().as_nanos() < ns as u128 {
+            if self.progress().is_err() {
+                return;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Make sure a waker registered now is woken: by the completion-channel task when it runs,
@@ -338,6 +355,7 @@ impl AsyncCq {
             qps: Mutex::new(HashMap::new()),
             driven: AtomicBool::new(false),
             watched: AtomicBool::new(false),
+            spin_ns: AtomicU64::new(0),
             #[cfg(feature = "tokio")]
             stop: Arc::default(),
         });
@@ -353,6 +371,14 @@ impl AsyncCq {
     /// The completion queue, to create queue pairs on it (then [`attach`](Self::attach) them).
     pub fn cq(&self) -> &CompletionQueue {
         &self.disp.cq
+    }
+
+    /// Before a wait sleeps, poll the CQ for up to `spin` (default zero): a completion that comes
+    /// within it is seen without a wake-up (no channel event, no task switch), at the cost of
+    /// that much CPU of the polling thread (an executor thread) per wait. At most 1 ms.
+    pub fn spin(&self, spin: Duration) {
+        let ns = spin.min(Duration::from_millis(1)).as_nanos() as u64;
+        self.disp.spin_ns.store(ns, Ordering::Relaxed);
     }
 
     /// Whether a completion-channel task wakes the futures (else the completion thread polls).
@@ -714,6 +740,7 @@ impl Fence for WcFence {
     }
 
     fn register_waker(&self, waker: &Waker) -> bool {
+        self.qp.disp.spin(|| self.slot.is_done());
         self.slot.register(waker);
         self.qp.disp.ensure_source().is_ok()
     }
@@ -861,6 +888,9 @@ fn poll_stream<T>(
     if let Err(e) = shared.disp.progress() {
         return Poll::Ready(Some(Err(e)));
     }
+    shared
+        .disp
+        .spin(|| !pick(&mut lock(&shared.recv)).0.is_empty());
     {
         let mut st = lock(&shared.recv);
         let (q, w) = pick(&mut st);
