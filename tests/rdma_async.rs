@@ -77,6 +77,11 @@ async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
 }
 
+/// Poll a stream once.
+async fn poll_next_once<S: Stream + Unpin>(s: &mut S) -> Poll<Option<S::Item>> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *s).poll_next(cx))).await
+}
+
 async fn settle(qp: &AsyncQueuePair) {
     let until = Instant::now() + LONG;
     while qp.in_flight() > 0 {
@@ -316,7 +321,10 @@ async fn cancellation_at_every_await_point_loses_nothing_and_frees_nothing_early
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(freed.load(Ordering::SeqCst), 1);
-        // The queue pair goes on.
+        // The queue pair goes on; a stream dropped while it waited loses nothing either.
+        let mut waiting = p.b.messages();
+        assert!(poll_next_once(&mut waiting).await.is_pending());
+        drop(waiting);
         let s =
             p.pd.register(
                 HostBuffer::from_slice(&[7u8; 8]).unwrap(),
