@@ -92,6 +92,7 @@ impl<T: AsRawFd> Readable<T> {
     /// # Errors
     ///
     /// As [`read_with`](Self::read_with).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))] // the verbs futures' only user
     pub(crate) fn poll_read_with<R>(
         &self,
         cx: &mut std::task::Context<'_>,
