@@ -68,7 +68,7 @@ build_one() {  # build_one NAME: examples/NAME.rs or tests/NAME.rs, copied to $B
 }
 if [ "$BENCH_ONLY" = 1 ]; then
   build_one rdma_pingpong
-  echo "bench-loopback $BENCH_RUNS" >> "$W/tests.list"
+  echo "bench-loopback ${BENCH_RUNS:-7}" >> "$W/tests.list"
 elif [ "$TWO_NODES" != only ]; then
 cargo test --release --no-run --message-format=json --test 'rdma_*' > "$W/build.json" 2>"$W/build.log" \
   || { tail -30 "$W/build.log"; die "building the tests failed"; }
@@ -90,7 +90,7 @@ exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"
 [ -n "$exe" ] && cp "$exe" "$BIN/rdma_bench" && echo "bench rdma_bench" >> "$W/tests.list"
 # The loopback baselines belong to the default run (6.12): on 7.3 rdma_pingpong --only ends too
 # often with an unacknowledged last send (README, "Kernels").
-[ "$TWO_NODES" = 0 ] && echo "bench-loopback $BENCH_RUNS" >> "$W/tests.list"
+[ "$TWO_NODES" = 0 ] && echo "bench-loopback ${BENCH_RUNS:-3}" >> "$W/tests.list"
 fi
 if [ -n "${BASE_PINGPONG:-}" ]; then
   [ -x "$BASE_PINGPONG" ] || die "BASE_PINGPONG=$BASE_PINGPONG is not an executable"

@@ -99,40 +99,54 @@ best() { awk -v a="$1" -v b="$2" -v m="$3" 'BEGIN{ if (a=="") {print b; exit} if
 ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($5,a,"="); print a[2]; exit}' /tmp/one.log; }
 
 # --- the library's own figures beside perftest baselines, loopback on rxe0
-# stats "V1 V2 ..." -> "median min max n" of the positive numbers among them ("? ? ? 0" for none).
+#
+# Per size, the runs go in a chain of slots, a perftest run between every two others:
+#   P ours P placebo P [base P] ours P placebo P ...
+# (the order of ours/placebo/base rotating round by round). The placebo is perftest again, in
+# the place ours takes: perftest against itself. Each run of ours, the placebo or the base is
+# compared with the mean of the two perftest runs beside it, so that a change of the
+# shared host's load between rounds falls on both sides. A cell's ratio is the median of ours'
+# paired ratios; perftest's own spread is the placebo's paired ratios (median [min-max]). Both
+# are "above 1 is faster" (MB/s, or perftest's usec over ours for latency).
+
+# stats "V1 V2 ..." -> "median min max n" of the finite positive numbers among them.
 stats() {
-  echo "$1" | awk '{ n = 0; for (i = 1; i <= NF; i++) if ($i + 0 > 0) v[++n] = $i + 0
+  echo "$1" | awk '{ n = 0
+    for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$/ && $i + 0 > 0) v[++n] = $i + 0
     if (!n) { print "? ? ? 0"; exit }
     for (i = 2; i <= n; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
     m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
     print m, v[1], v[n], n }'
 }
-# cell NAME SIZE UNIT "PERFTEST VALUES" "OURS VALUES" ["BASE VALUES"]: one RXE-BENCH line. UNIT is
-# MBps (higher is better) or usec (lower is better). The ratio is ours against perftest's median
-# (perftest/ours for usec, so above 1 is faster either way); perftest's spread is its slowest and
-# fastest run against its own median, the same way round. Verdict: "ok" at 0.95x or more; below,
-# "FINDING" when the ratio is also below perftest's slowest run (outside its spread), else
-# "within noise". The base program, when present, gets the same ratio (a figure, no verdict).
+# paired V BEFORE AFTER UNIT -> V against the mean of the perftest runs beside it ("" when a
+# figure is missing); MBps: V/mean, usec: mean/V. (The guest's awk has no sqrt.)
+paired() {
+  awk -v v="$1" -v a="$2" -v b="$3" -v u="$4" 'BEGIN {
+    if (v + 0 <= 0 || a + 0 <= 0 || b + 0 <= 0 || v !~ /^[0-9.]+$/ || a !~ /^[0-9.]+$/ || b !~ /^[0-9.]+$/) exit
+    g = (a + b) / 2; printf "%.4f", (u == "MBps") ? v / g : g / v }'
+}
+# cell NAME SIZE UNIT: one RXE-BENCH line from the lists P_x (perftest runs), O_x/RO_x (ours and
+# its paired ratios), RQ_x (the placebo's), B_x/RB_x (the base's), x = the op's letter.
+# Verdict: "ok" at a ratio of 0.95 or more; below, "FINDING" when the ratio is also below every
+# paired ratio of the placebo (outside perftest's spread against itself), else "within noise".
 cell() {
-  set -- "$1" "$2" "$3" "$(stats "$4")" "$(stats "$5")" "$(stats "${6:-}")"
-  awk -v name="$1" -v sz="$2" -v unit="$3" -v p="$4" -v o="$5" -v b="$6" -v base="$has_base" 'BEGIN {
-    split(p, P, " "); split(o, O, " "); split(b, B, " ")
-    hi_better = (unit == "MBps")
-    if (P[4] == 0 || O[4] == 0) {
-      printf "RXE-BENCH %s size=%s perftest_%s=%s ours_%s=%s ratio=? runs=%d/%d verdict: ?\n", name, sz, unit, P[1], unit, O[1], P[4], O[4]
-      exit
-    }
-    r = hi_better ? O[1] / P[1] : P[1] / O[1]
-    plo = hi_better ? P[2] / P[1] : P[1] / P[3]; phi = hi_better ? P[3] / P[1] : P[1] / P[2]
-    olo = hi_better ? O[2] / P[1] : P[1] / O[3]; ohi = hi_better ? O[3] / P[1] : P[1] / O[2]
-    if (r >= 0.95) v = "ok"
-    else if (r < plo) v = sprintf("FINDING: below 0.95x outside perftest'"'"'s own spread (%.2f..%.2f)", plo, phi)
+  op=$4
+  eval "p=\$P_$op o=\$O_$op ro=\$RO_$op rq=\$RQ_$op b=\$B_$op rb=\$RB_$op"
+  echo "RXE-RUNS $1 size=$2 $3 perftest:$p ours:$o ours_ratios:$ro placebo_ratios:$rq${has_base:+ base:$b base_ratios:$rb}"
+  awk -v name="$1" -v sz="$2" -v u="$3" -v p="$(stats "$p")" -v o="$(stats "$o")" -v ro="$(stats "$ro")" \
+      -v rq="$(stats "$rq")" -v b="$(stats "$b")" -v rb="$(stats "$rb")" -v lost="$(echo "$ro" | awk '{for (i = 1; i <= NF; i++) if ($i < 1) n++; print n + 0 "/" NF}')" 'BEGIN {
+    split(p, P, " "); split(o, O, " "); split(ro, R, " "); split(rq, Q, " "); split(b, B, " "); split(rb, RB, " ")
+    if (R[4] == 0 || Q[4] == 0) { v = "?" }
+    else if (R[1] >= 0.95) v = "ok"
+    else if (R[1] < Q[2]) v = sprintf("FINDING: below 0.95x and below perftest against itself (%.2f-%.2f)", Q[2], Q[3])
     else v = "within noise"
-    extra = ""
-    if (base != "" && B[4] > 0) extra = sprintf(" base_%s=%.2f base_ratio=%.2f", unit, B[1], hi_better ? B[1] / P[1] : P[1] / B[1])
-    printf "RXE-BENCH %s size=%s perftest_%s=%.2f ours_%s=%.2f ratio=%.2f perftest_spread=%.2f..%.2f ours_spread=%.2f..%.2f runs=%d/%d%s verdict: %s\n", \
-      name, sz, unit, P[1], unit, O[1], r, plo, phi, olo, ohi, P[4], O[4], extra, v
-  }'
+    f = "%.2f"
+    line = sprintf("RXE-BENCH %s size=%s perftest_%s=%s [%s-%s] ours_%s=%s ratio=%s [%s-%s] perftest_self=%s [%s-%s] slower_rounds=%s",
+      name, sz, u, fmt(P[1]), fmt(P[2]), fmt(P[3]), u, fmt(O[1]), fmt(R[1]), fmt(R[2]), fmt(R[3]), fmt(Q[1]), fmt(Q[2]), fmt(Q[3]), lost)
+    if (RB[4] > 0) line = line sprintf(" base_%s=%s base_ratio=%s [%s-%s]", u, fmt(B[1]), fmt(RB[1]), fmt(RB[2]), fmt(RB[3]))
+    print line " verdict: " v
+  }
+  function fmt(x) { return (x == "?" || x == "") ? "?" : sprintf("%.2f", x) }'
 }
 # wait_port PORT PID: until a TCP listener on PORT exists here (15 s at most) or PID died.
 wait_port() {
@@ -157,13 +171,29 @@ pt() {
     *)     awk -v s=$2 '$1==s && NF>=4 {print $4; exit}' /tmp/cli.log ;;   # BW average (MB/s)
   esac
 }
-# lib PROGRAM SIZE -> /tmp/one.log: rdma_pingpong (or the base build) for one size, 32 MiB per run
-lib() { timeout 300 /usr/bin/$1 --only $2 --bytes 33554432 > /tmp/one.log 2>&1; }
-ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($5,a,"="); print a[2]; exit}' /tmp/one.log; }
+# run_one WHO SIZE ITERS: one slot; sets w_ r_ l_ (write MB/s, read MB/s, 8 B latency usec).
+run_one() {
+  w_=; r_=; l_=
+  case $1 in
+    perftest|placebo)
+      w_=$(pt ib_write_bw $2 $3) || ptok=1
+      r_=$(pt ib_read_bw $2 $3) || ptok=1
+      if [ $2 = 8 ]; then l_=$(pt ib_write_lat 8 2000) || ptok=1; fi ;;
+    ours|base)
+      prog=rdma_pingpong; [ $1 = base ] && prog=rdma_pingpong_base
+      # 32 MiB per run, as perftest's ITERS.
+      if ! timeout 300 /usr/bin/$prog --only $2 --bytes 33554432 > /tmp/one.log 2>&1; then
+        cat /tmp/one.log
+        if [ $1 = ours ]; then ptok=1; else echo "RXE-WARN $prog --only $2 failed"; fi
+      fi
+      w_=$(ours_get write_bw $2); r_=$(ours_get read_bw $2)
+      if [ $2 = 8 ]; then l_=$(ours_get write_lat 8); fi ;;
+  esac
+}
 
-# bench_loopback [RUNS]: perftest against rdma_pingpong, RUNS alternations per cell (default 7).
+# bench_loopback [RUNS]: perftest against rdma_pingpong, RUNS rounds per size (default 3).
 bench_loopback() {
-  runs=${1:-7}
+  runs=${1:-3}
   timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
   cat /tmp/ours.log; result rdma_pingpong-report $rc
   # perftest uses the GID rdma_cm picks for 10.77.0.1 (the IPv4-mapped RoCE v2 one), so both sides
@@ -173,45 +203,43 @@ bench_loopback() {
     grep -q 'ffff:0a4d:0001' /sys/class/infiniband/rxe0/ports/1/gids/$g 2>/dev/null && { GIDX=$g; break; }
   done
   echo "perftest GID index $GIDX"
-  # A second build of the example (run.sh's BASE_PINGPONG) runs beside, as a third program.
+  # A second build of the example (run.sh's BASE_PINGPONG) takes a slot of its own each round.
   has_base=; [ -x /usr/bin/rdma_pingpong_base ] && has_base=1
-  ptok=0; t=$(now)
-  # Per size, RUNS rounds; in each, perftest (ib_write_bw, ib_read_bw, and ib_write_lat at 8 B)
-  # and the library (one rdma_pingpong --only SIZE: write, read, latency) run back to back, who
-  # goes first alternating round by round, so that a change of load on the shared host falls on
-  # both. The same iteration counts on both sides (32 MiB per run, 20..5000; latency 2000); both
-  # report MB/s of 2^20 bytes.
+  subjects="ours placebo${has_base:+ base}"
+  ptok=0; t=$(now); : > /tmp/cells
+  # The same iteration counts on both sides (32 MiB per run, 20..5000; latency 2000); both report
+  # MB/s of 2^20 bytes.
   for sz in 8 4096 65536 1048576; do
     it=$(awk -v s=$sz 'BEGIN{i=int(33554432/s); if(i<20)i=20; if(i>5000)i=5000; print i}')
-    pw=; pr=; pl=; ow=; orr=; ol=; bw=; br=; bl=
+    for k in w r l; do eval "P_$k= O_$k= RO_$k= RQ_$k= B_$k= RB_$k="; done
+    run_one perftest $sz $it; pw=$w_; pr=$r_; pl=$l_; P_w=" $pw"; P_r=" $pr"; P_l=" $pl"
     for rep in $(seq 1 $runs); do
-      if [ $((rep % 2)) = 1 ]; then order="perftest lib"; else order="lib perftest"; fi
+      # Rotate who goes first, round by round.
+      order=$(echo $subjects | awk -v k=$rep '{ for (i = 0; i < NF; i++) printf "%s ", $((i + k - 1) % NF + 1) }')
       for who in $order; do
-        if [ $who = perftest ]; then
-          v=$(pt ib_write_bw $sz $it) || ptok=1; pw="$pw $v"
-          v=$(pt ib_read_bw $sz $it) || ptok=1; pr="$pr $v"
-          if [ $sz = 8 ]; then v=$(pt ib_write_lat 8 2000) || ptok=1; pl="$pl $v"; fi
-          continue
-        fi
-        lib rdma_pingpong $sz || { cat /tmp/one.log; ptok=1; }
-        ow="$ow $(ours_get write_bw $sz)"; orr="$orr $(ours_get read_bw $sz)"; ol="$ol $(ours_get write_lat 8)"
-        if [ -n "$has_base" ]; then
-          lib rdma_pingpong_base $sz || { echo "RXE-WARN rdma_pingpong_base --only $sz failed"; cat /tmp/one.log; }
-          bw="$bw $(ours_get write_bw $sz)"; br="$br $(ours_get read_bw $sz)"; bl="$bl $(ours_get write_lat 8)"
-        fi
+        run_one $who $sz $it; sw=$w_; sr=$r_; sl=$l_
+        run_one perftest $sz $it
+        P_w="$P_w $w_"; P_r="$P_r $r_"; P_l="$P_l $l_"
+        for k in w r l; do
+          eval "v=\$s$k before=\$p$k after=\$${k}_"
+          u=MBps; [ $k = l ] && u=usec
+          rat=$(paired "$v" "$before" "$after" $u)
+          case $who in
+            ours) eval "O_$k=\"\$O_$k $v\" RO_$k=\"\$RO_$k $rat\"" ;;
+            base) eval "B_$k=\"\$B_$k $v\" RB_$k=\"\$RB_$k $rat\"" ;;
+            placebo) eval "RQ_$k=\"\$RQ_$k $rat\"" ;;
+          esac
+        done
+        pw=$w_; pr=$r_; pl=$l_
       done
     done
-    echo "RXE-RUNS write_bw size=$sz perftest:$pw ours:$ow${has_base:+ base:$bw}"
-    echo "RXE-RUNS read_bw size=$sz perftest:$pr ours:$orr${has_base:+ base:$br}"
-    cell write_bw $sz MBps "$pw" "$ow" "$bw" | tee -a /tmp/cells
-    cell read_bw $sz MBps "$pr" "$orr" "$br" | tee -a /tmp/cells
-    if [ $sz = 8 ]; then
-      echo "RXE-RUNS write_lat size=8 perftest:$pl ours:$ol${has_base:+ base:$bl}"
-      cell write_lat 8 usec "$pl" "$ol" "$bl" | tee -a /tmp/cells
-    fi
+    cell write_bw $sz MBps w | tee -a /tmp/cells
+    cell read_bw $sz MBps r | tee -a /tmp/cells
+    if [ $sz = 8 ]; then cell write_lat 8 usec l | tee -a /tmp/cells; fi
   done
   # A FINDING does not fail the run (TCG figures move with the host's load); it is counted here.
-  echo "RXE-BENCH-SUMMARY cells=$(wc -l < /tmp/cells) ok=$(grep -c 'verdict: ok' /tmp/cells) within_noise=$(grep -c 'verdict: within noise' /tmp/cells) findings=$(grep -c 'verdict: FINDING' /tmp/cells) runs=$runs time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.0f", b-a}')s"
+  c=/tmp/cells
+  echo "RXE-BENCH-SUMMARY cells=$(grep -c '^RXE-BENCH ' $c) ok=$(grep -c 'verdict: ok' $c) within_noise=$(grep -c 'verdict: within noise' $c) findings=$(grep -c 'verdict: FINDING' $c) rounds=$runs time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.0f", b-a}')s"
   result perftest-baselines $ptok
 }
 
