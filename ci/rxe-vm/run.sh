@@ -34,6 +34,9 @@ TWO_NODES=${TWO_NODES:-0}
 BENCH_ONLY=${BENCH_ONLY:-0}; BENCH_RUNS=${BENCH_RUNS:-}
 case $BENCH_ONLY:$TWO_NODES in 0:*|1:0) ;; *) echo "HOST: BENCH_ONLY=1 and TWO_NODES do not mix" >&2; exit 2;; esac
 case $BENCH_RUNS in ''|[1-9]|[1-9][0-9]) ;; *) echo "HOST: BENCH_RUNS must be 1 to 99" >&2; exit 2;; esac
+for s in ${BENCH_SIZES:-}; do
+  case $s in 8|4096|65536|1048576) ;; *) echo "HOST: BENCH_SIZES takes 8 4096 65536 1048576" >&2; exit 2;; esac
+done
 case $TWO_NODES in 0|1|only) ;; *) echo "HOST: TWO_NODES must be 0, 1 or only" >&2; exit 2;; esac
 if [ "$TWO_NODES" = 0 ]; then KERNEL=${KERNEL:-6.12}; else KERNEL=${KERNEL:-7}; fi
 t0=$(date +%s.%N); stamp() { printf 'HOST: %-28s %6.1fs\n' "$1" "$(echo "$(date +%s.%N) - $t0" | bc)"; }
@@ -68,7 +71,7 @@ build_one() {  # build_one NAME: examples/NAME.rs or tests/NAME.rs, copied to $B
 }
 if [ "$BENCH_ONLY" = 1 ]; then
   build_one rdma_pingpong
-  echo "bench-loopback ${BENCH_RUNS:-7}" >> "$W/tests.list"
+  echo "bench-loopback ${BENCH_RUNS:-7} ${BENCH_SIZES:-8 4096 65536 1048576}" >> "$W/tests.list"
 elif [ "$TWO_NODES" != only ]; then
 cargo test --release --no-run --message-format=json --test 'rdma_*' > "$W/build.json" 2>"$W/build.log" \
   || { tail -30 "$W/build.log"; die "building the tests failed"; }
@@ -92,10 +95,11 @@ exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"
 # often with an unacknowledged last send (README, "Kernels").
 [ "$TWO_NODES" = 0 ] && echo "bench-loopback ${BENCH_RUNS:-3}" >> "$W/tests.list"
 fi
-if [ -n "${BASE_PINGPONG:-}" ]; then
-  [ -x "$BASE_PINGPONG" ] || die "BASE_PINGPONG=$BASE_PINGPONG is not an executable"
-  cp "$BASE_PINGPONG" "$BIN/rdma_pingpong_base"
-fi
+n=0
+for b in ${BASE_PINGPONG:-}; do   # other builds of rdma_pingpong, benched beside it
+  [ -x "$b" ] || die "BASE_PINGPONG: $b is not an executable"
+  n=$((n + 1)); cp "$b" "$BIN/rdma_pingpong_base$n"
+done
 if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
   while read -r _ label bin _; do build_one "$bin"; done < <(grep -E '^pair ' "$HERE/two-nodes.list")
@@ -106,7 +110,7 @@ for b in "$BIN"/*; do
   if ldd "$b" | grep -qE 'libibverbs|librdmacm'; then die "$(basename "$b") links rdma-core at build time"; fi
 done
 [ -s "$W/tests.list" ] || die "no rdma test binaries found"
-echo "HOST: binaries: $(awk '$1 ~ /^(test|example|bench)$/ {print $2} $1 == "pair" {print $3}' "$W/tests.list" | awk '!seen[$0]++' | tr '\n' ' ')"
+echo "HOST: binaries: $(ls "$BIN" | tr '\n' ' ')"
 stamp "project built"
 cd "$W"
 

@@ -101,13 +101,13 @@ ours_get() { awk -v t=$1 -v s=$2 '$1=="REPORT" && $2==t && $3=="size="s {split($
 # --- the library's own figures beside perftest baselines, loopback on rxe0
 #
 # Per size, the runs go in a chain of slots, a perftest run between every two others:
-#   P ours P placebo P [base P] ours P placebo P ...
-# (the order of ours/placebo/base rotating round by round). The placebo is perftest again, in
-# the place ours takes: perftest against itself. Each run of ours, the placebo or the base is
-# compared with the mean of the two perftest runs beside it, so that a change of the
-# shared host's load between rounds falls on both sides. A cell's ratio is the median of ours'
-# paired ratios; perftest's own spread is the placebo's paired ratios (median [min-max]). Both
-# are "above 1 is faster" (MB/s, or perftest's usec over ours for latency).
+#   P ours P placebo P [base1 P ...] ours P placebo P ...
+# (the order of the others rotating round by round). The placebo is perftest again, in the place
+# ours takes: perftest against itself. Each run of ours, the placebo or a base is compared with
+# the mean of the two perftest runs beside it, so that a change of the shared host's load between
+# rounds falls on both sides. A cell's ratio is the median of ours' paired ratios; perftest's own
+# spread is the placebo's paired ratios (median [min-max]). Both are "above 1 is faster" (MB/s,
+# or perftest's usec over ours for latency).
 
 # stats "V1 V2 ..." -> "median min max n" of the finite positive numbers among them.
 stats() {
@@ -125,26 +125,31 @@ paired() {
     if (v + 0 <= 0 || a + 0 <= 0 || b + 0 <= 0 || v !~ /^[0-9.]+$/ || a !~ /^[0-9.]+$/ || b !~ /^[0-9.]+$/) exit
     g = (a + b) / 2; printf "%.4f", (u == "MBps") ? v / g : g / v }'
 }
-# cell NAME SIZE UNIT: one RXE-BENCH line from the lists P_x (perftest runs), O_x/RO_x (ours and
-# its paired ratios), RQ_x (the placebo's), B_x/RB_x (the base's), x = the op's letter.
+# cell NAME SIZE UNIT OP: one RXE-BENCH line from the lists V_<who>_OP (figures) and R_<who>_OP
+# (paired ratios), who = perftest, ours, placebo, base1.., OP = w, r or l.
 # Verdict: "ok" at a ratio of 0.95 or more; below, "FINDING" when the ratio is also below every
 # paired ratio of the placebo (outside perftest's spread against itself), else "within noise".
 cell() {
   op=$4
-  eval "p=\$P_$op o=\$O_$op ro=\$RO_$op rq=\$RQ_$op b=\$B_$op rb=\$RB_$op"
-  echo "RXE-RUNS $1 size=$2 $3 perftest:$p ours:$o ours_ratios:$ro placebo_ratios:$rq${has_base:+ base:$b base_ratios:$rb}"
+  eval "p=\$V_perftest_$op o=\$V_ours_$op ro=\$R_ours_$op rq=\$R_placebo_$op"
+  echo "RXE-RUNS $1 size=$2 $3 perftest:$p ours:$o ours_ratios:$ro placebo_ratios:$rq"
+  extra=
+  for bn in $bases; do
+    eval "b=\$V_${bn}_$op rb=\$R_${bn}_$op"
+    echo "RXE-RUNS $1 size=$2 $3 $bn:$b ${bn}_ratios:$rb"
+    extra="$extra $(awk -v bn=$bn -v u=$3 -v b="$(stats "$b")" -v rb="$(stats "$rb")" 'BEGIN {
+      split(b, B, " "); split(rb, R, " ")
+      if (R[4] > 0) printf "%s_%s=%.2f %s_ratio=%.2f [%.2f-%.2f]", bn, u, B[1], bn, R[1], R[2], R[3] }')"
+  done
   awk -v name="$1" -v sz="$2" -v u="$3" -v p="$(stats "$p")" -v o="$(stats "$o")" -v ro="$(stats "$ro")" \
-      -v rq="$(stats "$rq")" -v b="$(stats "$b")" -v rb="$(stats "$rb")" -v lost="$(echo "$ro" | awk '{for (i = 1; i <= NF; i++) if ($i < 1) n++; print n + 0 "/" NF}')" 'BEGIN {
-    split(p, P, " "); split(o, O, " "); split(ro, R, " "); split(rq, Q, " "); split(b, B, " "); split(rb, RB, " ")
+      -v rq="$(stats "$rq")" -v extra="$extra" -v lost="$(echo "$ro" | awk '{for (i = 1; i <= NF; i++) if ($i < 1) n++; print n + 0 "/" NF}')" 'BEGIN {
+    split(p, P, " "); split(o, O, " "); split(ro, R, " "); split(rq, Q, " ")
     if (R[4] == 0 || Q[4] == 0) { v = "?" }
     else if (R[1] >= 0.95) v = "ok"
     else if (R[1] < Q[2]) v = sprintf("FINDING: below 0.95x and below perftest against itself (%.2f-%.2f)", Q[2], Q[3])
     else v = "within noise"
-    f = "%.2f"
-    line = sprintf("RXE-BENCH %s size=%s perftest_%s=%s [%s-%s] ours_%s=%s ratio=%s [%s-%s] perftest_self=%s [%s-%s] slower_rounds=%s",
-      name, sz, u, fmt(P[1]), fmt(P[2]), fmt(P[3]), u, fmt(O[1]), fmt(R[1]), fmt(R[2]), fmt(R[3]), fmt(Q[1]), fmt(Q[2]), fmt(Q[3]), lost)
-    if (RB[4] > 0) line = line sprintf(" base_%s=%s base_ratio=%s [%s-%s]", u, fmt(B[1]), fmt(RB[1]), fmt(RB[2]), fmt(RB[3]))
-    print line " verdict: " v
+    printf "RXE-BENCH %s size=%s perftest_%s=%s [%s-%s] ours_%s=%s ratio=%s [%s-%s] perftest_self=%s [%s-%s] slower_rounds=%s%s verdict: %s\n",
+      name, sz, u, fmt(P[1]), fmt(P[2]), fmt(P[3]), u, fmt(O[1]), fmt(R[1]), fmt(R[2]), fmt(R[3]), fmt(Q[1]), fmt(Q[2]), fmt(Q[3]), lost, extra, v
   }
   function fmt(x) { return (x == "?" || x == "") ? "?" : sprintf("%.2f", x) }'
 }
@@ -179,8 +184,8 @@ run_one() {
       w_=$(pt ib_write_bw $2 $3) || ptok=1
       r_=$(pt ib_read_bw $2 $3) || ptok=1
       if [ $2 = 8 ]; then l_=$(pt ib_write_lat 8 2000) || ptok=1; fi ;;
-    ours|base)
-      prog=rdma_pingpong; [ $1 = base ] && prog=rdma_pingpong_base
+    *)
+      prog=rdma_pingpong; [ $1 = ours ] || prog=rdma_pingpong_$1
       # 32 MiB per run, as perftest's ITERS.
       if ! timeout 300 /usr/bin/$prog --only $2 --bytes 33554432 > /tmp/one.log 2>&1; then
         cat /tmp/one.log
@@ -191,11 +196,16 @@ run_one() {
   esac
 }
 
-# bench_loopback [RUNS]: perftest against rdma_pingpong, RUNS rounds per size (default 3).
+# bench_loopback [RUNS [SIZES...]]: perftest against rdma_pingpong, RUNS rounds per size (default
+# 3). Without SIZES, first the whole `rdma_pingpong --report` (a pass/fail entry of its own).
 bench_loopback() {
-  runs=${1:-3}
-  timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
-  cat /tmp/ours.log; result rdma_pingpong-report $rc
+  runs=${1:-3}; [ $# -gt 0 ] && shift
+  sizes=${*:-8 4096 65536 1048576}
+  if [ $# = 0 ]; then
+    timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
+    cat /tmp/ours.log; result rdma_pingpong-report $rc
+  fi
+  echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"
   # perftest uses the GID rdma_cm picks for 10.77.0.1 (the IPv4-mapped RoCE v2 one), so both sides
   # take the same network path through rxe.
   GIDX=0
@@ -203,32 +213,27 @@ bench_loopback() {
     grep -q 'ffff:0a4d:0001' /sys/class/infiniband/rxe0/ports/1/gids/$g 2>/dev/null && { GIDX=$g; break; }
   done
   echo "perftest GID index $GIDX"
-  # A second build of the example (run.sh's BASE_PINGPONG) takes a slot of its own each round.
-  has_base=; [ -x /usr/bin/rdma_pingpong_base ] && has_base=1
-  subjects="ours placebo${has_base:+ base}"
+  # Other builds of the example (run.sh's BASE_PINGPONG) take a slot each, every round.
+  bases=$(cd /usr/bin && ls rdma_pingpong_base* 2>/dev/null | sed 's/^rdma_pingpong_//' | tr '\n' ' ')
+  subjects="ours placebo $bases"
   ptok=0; t=$(now); : > /tmp/cells
   # The same iteration counts on both sides (32 MiB per run, 20..5000; latency 2000); both report
   # MB/s of 2^20 bytes.
-  for sz in 8 4096 65536 1048576; do
+  for sz in $sizes; do
     it=$(awk -v s=$sz 'BEGIN{i=int(33554432/s); if(i<20)i=20; if(i>5000)i=5000; print i}')
-    for k in w r l; do eval "P_$k= O_$k= RO_$k= RQ_$k= B_$k= RB_$k="; done
-    run_one perftest $sz $it; pw=$w_; pr=$r_; pl=$l_; P_w=" $pw"; P_r=" $pr"; P_l=" $pl"
+    for who in perftest $subjects; do eval "V_${who}_w= V_${who}_r= V_${who}_l= R_${who}_w= R_${who}_r= R_${who}_l="; done
+    run_one perftest $sz $it; pw=$w_; pr=$r_; pl=$l_; V_perftest_w=" $pw"; V_perftest_r=" $pr"; V_perftest_l=" $pl"
     for rep in $(seq 1 $runs); do
       # Rotate who goes first, round by round.
       order=$(echo $subjects | awk -v k=$rep '{ for (i = 0; i < NF; i++) printf "%s ", $((i + k - 1) % NF + 1) }')
       for who in $order; do
         run_one $who $sz $it; sw=$w_; sr=$r_; sl=$l_
         run_one perftest $sz $it
-        P_w="$P_w $w_"; P_r="$P_r $r_"; P_l="$P_l $l_"
         for k in w r l; do
           eval "v=\$s$k before=\$p$k after=\$${k}_"
           u=MBps; [ $k = l ] && u=usec
           rat=$(paired "$v" "$before" "$after" $u)
-          case $who in
-            ours) eval "O_$k=\"\$O_$k $v\" RO_$k=\"\$RO_$k $rat\"" ;;
-            base) eval "B_$k=\"\$B_$k $v\" RB_$k=\"\$RB_$k $rat\"" ;;
-            placebo) eval "RQ_$k=\"\$RQ_$k $rat\"" ;;
-          esac
+          eval "V_${who}_$k=\"\$V_${who}_$k $v\" R_${who}_$k=\"\$R_${who}_$k $rat\" V_perftest_$k=\"\$V_perftest_$k \$${k}_\""
         done
         pw=$w_; pr=$r_; pl=$l_
       done
@@ -309,7 +314,7 @@ while read -r kind name args; do
     test) timeout 600 /usr/bin/$name --test-threads=1 --nocapture; result "$name" $? ;;
     example) timeout 600 /usr/bin/$name; result "$name" $? ;;
     bench) timeout 600 /usr/bin/$name --test; result "$name" $? ;;
-    bench-loopback) bench_loopback $name ;;
+    bench-loopback) bench_loopback $name $args ;;
     pair) run_pair "$name" $args; result "pair:$name" $? ;;
     bench-pair) bench_pair ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
