@@ -24,7 +24,10 @@
 # Env: W (work dir, cached between runs; default <repo>/.vm/w), KERNEL=6.12|7 (default 6.12, 7 with
 #      TWO_NODES), TWO_NODES=0|1|only, TWO_NODES_NETNS=shared|exclusive (RDMA netns mode, default
 #      shared), VM_TIMEOUT (s, default 900; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
-#      MEM (default 2G), APPEND (extra kernel arguments).
+#      MEM (default 2G), APPEND (extra kernel arguments); the loopback bench (README.md, "The
+#      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 3, 7 with BENCH_ONLY),
+#      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
+#      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Inside the VM: run what /etc/gpudirect-tests lists, one entry a line:
 #   test NAME | example NAME | bench NAME   a project binary on rxe0, with GPUDIRECT_REQUIRE=rdma
-#   bench-loopback     perftest baselines beside rdma_pingpong's --report mode, on rxe0
+#   bench-loopback RUNS [SIZES...]   perftest baselines beside rdma_pingpong, on rxe0
 #   pair LABEL BIN SERVER-ARGS... -- CLIENT-ARGS...   BIN as two nodes (namespaces b and a)
 #   bench-pair         ib_write_bw and rdma_pingpong between the two nodes, on both rails
 # Prints "RXE-RESULT name PASS|FAIL", "RXE-BENCH ..." lines and finally "N passed, N failed".
