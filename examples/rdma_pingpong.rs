@@ -284,10 +284,10 @@ impl Side {
         let t0 = Instant::now();
         // Spin briefly, then yield on every look: on Soft-RoCE the kernel workers that carry the
         // ping need a CPU that the two spinning sides (in loopback, this process's two threads)
-        // would otherwise hold until the tick. Under TCG, yielding once in 1,024 looks made the
-        // 8-byte one-way latency 0.74x perftest's in the same boot, never yielding 0.45x, and
-        // yielding on every look 0.87x (within perftest's own spread); a yield with nothing
-        // else to run returns at once.
+        // would otherwise hold until the scheduler preempts one. Under TCG, yielding once in
+        // 1,024 looks made the 8-byte one-way latency 0.74x perftest's in the same boot, never
+        // yielding 0.45x, and yielding on every look 0.87x (within perftest's own spread); a
+        // yield with nothing else to run returns at once.
         let wait_for = |data: &MemoryRegion<Remote>, n: u64| -> gpudirect::Result<()> {
             let deadline = Instant::now() + TIMEOUT;
             let mut spins = 0u32;
