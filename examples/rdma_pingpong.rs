@@ -33,8 +33,6 @@ const DEPTH: u32 = 128;
 const SIGNAL_EVERY: u32 = 32;
 const INLINE: u32 = 128;
 const TIMEOUT: Duration = Duration::from_secs(20);
-/// Looks at the flag of a latency ping before the wait starts yielding between looks.
-const PURE_SPINS: u32 = 64;
 
 // Control messages (client -> server), 24 bytes: op, size, iters/seed.
 const OP_VERIFY: u64 = 1;
@@ -282,18 +280,17 @@ impl Side {
         let remote = self.peer.slice(0, size as u32)?;
         let mut buf = vec![0u8; size];
         let t0 = Instant::now();
-        // Spin briefly, then yield on every look: on Soft-RoCE the kernel workers that carry the
-        // ping need a CPU that the two spinning sides (in loopback, this process's two threads)
-        // would otherwise hold until the scheduler preempts one. Under TCG, yielding once in
-        // 1,024 looks made the 8-byte one-way latency 0.74x perftest's in the same boot, never
-        // yielding 0.45x, and yielding on every look 0.87x (within perftest's own spread); a
-        // yield with nothing else to run returns at once.
         let wait_for = |data: &MemoryRegion<Remote>, n: u64| -> gpudirect::Result<()> {
             let deadline = Instant::now() + TIMEOUT;
             let mut spins = 0u32;
             while data.read_u64(off)? != n {
                 spins = spins.wrapping_add(1);
-                if spins > PURE_SPINS {
+                // Both loopback threads spin: if the scheduler put them on one CPU, give way now
+                // and then (the peer, or Soft-RoCE's kernel work, needs it to answer). Measured
+                // under TCG against perftest in one boot: never yielding gave 0.45x its 8-byte
+                // latency; yielding on every look 0.87x on a quiet host, but far less on a loaded
+                // one (ci/rxe-vm/README.md).
+                if spins.is_multiple_of(1024) {
                     std::thread::yield_now();
                 }
                 if spins.is_multiple_of(65536) && Instant::now() > deadline {
