@@ -8,6 +8,7 @@
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`memory`] | dma-buf export of device memory ([`memory::export_dmabuf`]) |
 //! | all | [`cuda`], [`topology`], [`report`] | GPU attributes ([`cuda::DeviceInfo`]); where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
+//! | RDMA | `transfer` (feature `transfer`) | a transfer engine: endpoints over rdma_cm, descriptors, a registration cache, batched one-sided writes and reads with notifications, several NICs |
 //! | tests | [`testing`] | `SKIPPED: reason`, or a failure where `GPUDIRECT_REQUIRE` names the hardware |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
@@ -26,6 +27,8 @@ pub mod report;
 pub mod storage;
 pub mod testing;
 pub mod topology;
+#[cfg(feature = "transfer")]
+pub mod transfer;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.
 pub use cudarc;

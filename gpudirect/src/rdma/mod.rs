@@ -111,7 +111,9 @@ mod teardown;
 mod wr;
 
 pub use crate::error::{GpuMrAttempts, GpuMrPath, GpuMrRefusal, WcStatus};
-pub use cm::{ConnectOptions, Connection, Listener};
+pub use cm::{
+    CmLink, CmLinkEvent, ConnectOptions, Connection, ConnectionParts, Listener, QpResources,
+};
 pub use context::{
     AsyncEvent, AsyncEventKind, Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu,
     PortAttr, PortState,
