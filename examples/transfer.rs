@@ -84,24 +84,33 @@ fn pattern(seed: u32, n: usize) -> Vec<u8> {
 
 /// A buffer of `n` bytes: GPU memory on device 0 unless `host` or there is no GPU.
 fn memory(engine: &Engine, n: usize, host: bool) -> gpudirect::Result<Region> {
-    if !host
-        && let Ok(ctx) = gpudirect::cuda::context(0)
-    {
+    if !host && let Ok(ctx) = gpudirect::cuda::context(0) {
         let dev = gpudirect::memory::DeviceBuffer::<u8>::alloc(&ctx, n)?;
         return engine.register(Buffer::device(dev)?);
     }
     engine.register(Buffer::host(vec![0u8; n])?)
 }
 
-fn serve(engine: &Engine, l: gpudirect::transfer::TransferListener, args: &Args) -> gpudirect::Result<bool> {
+fn serve(
+    engine: &Engine,
+    l: gpudirect::transfer::TransferListener,
+    args: &Args,
+) -> gpudirect::Result<bool> {
     let n = args.size as usize;
     let mut target = memory(engine, n, args.host)?;
     if matches!(target.path(), MemoryPath::Staged { .. }) {
-        println!("server: {} cannot be a peer's target; using host memory", target.path());
+        println!(
+            "server: {} cannot be a peer's target; using host memory",
+            target.path()
+        );
         target = memory(engine, n, true)?;
     }
     let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
-    println!("server: peer connected over {} rail(s); target is {}", ep.rails(), target.path());
+    println!(
+        "server: peer connected over {} rail(s); target is {}",
+        ep.rails(),
+        target.path()
+    );
     let tag = ep
         .next_notification(TIMEOUT)?
         .ok_or(gpudirect::Error::Timeout {
@@ -166,7 +175,10 @@ fn client(engine: &Engine, peers: &[String], args: &Args) -> gpudirect::Result<b
         } else {
             TransferOptions::default()
         };
-        last = Some(ep.write(vec![(src.all(), dst.range(0, n as u64)?)], opts)?.wait()?);
+        last = Some(
+            ep.write(vec![(src.all(), dst.range(0, n as u64)?)], opts)?
+                .wait()?,
+        );
     }
     let dt = start.elapsed();
     let r = last.expect("at least one iteration");

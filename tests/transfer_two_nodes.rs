@@ -83,7 +83,13 @@ impl Node {
 
     /// Client: connect on port + `k` over `rails` rails, retrying while the server is not
     /// listening yet.
-    fn connect(&self, engine: &Engine, k: u16, rails: usize, publish: &[MemoryDescriptor]) -> Endpoint {
+    fn connect(
+        &self,
+        engine: &Engine,
+        k: u16,
+        rails: usize,
+        publish: &[MemoryDescriptor],
+    ) -> Endpoint {
         let addrs: Vec<String> = self.peers[..rails]
             .iter()
             .map(|a| format!("{a}:{}", self.port + k))
@@ -169,7 +175,11 @@ fn t1_host_writes_and_reads_arrive_exactly() {
         // What the client reads: the server's seed comes back with the first note.
         let s = seed();
         let readable = host(&e, &pattern(s, SIZE));
-        let ep = n.accept(&e, 0, &[target.descriptor().unwrap(), readable.descriptor().unwrap()]);
+        let ep = n.accept(
+            &e,
+            0,
+            &[target.descriptor().unwrap(), readable.descriptor().unwrap()],
+        );
         for (i, &len) in sizes.iter().enumerate() {
             let tag = note(&ep);
             let want = pattern(u64::from(tag), len);
@@ -216,7 +226,9 @@ fn t1_host_writes_and_reads_arrive_exactly() {
             }
             let s = note(&ep);
             // Read it back in pieces of several sizes, into one region.
-            let into = e.register(Buffer::host(vec![0xEEu8; SIZE]).unwrap()).unwrap();
+            let into = e
+                .register(Buffer::host(vec![0xEEu8; SIZE]).unwrap())
+                .unwrap();
             let cuts = [0u64, 1, 4096, 4097, 1 << 20, SIZE as u64];
             let pairs = cuts
                 .windows(2)
@@ -227,9 +239,16 @@ fn t1_host_writes_and_reads_arrive_exactly() {
                     )
                 })
                 .collect();
-            let r = ep.read(pairs, TransferOptions::default()).unwrap().wait().unwrap();
+            let r = ep
+                .read(pairs, TransferOptions::default())
+                .unwrap()
+                .wait()
+                .unwrap();
             assert_eq!(r.bytes, SIZE as u64);
-            assert!(into.to_vec().unwrap() == pattern(u64::from(s), SIZE), "read differs");
+            assert!(
+                into.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+                "read differs"
+            );
             println!("client: read {SIZE} bytes in 5 pairs, verified");
             bye(&ep, &scratch, &peer[0]);
         }
@@ -373,7 +392,10 @@ fn t4_striping_uses_both_rails() {
         let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
         let ep = n.accept(&e, 3, &[target.descriptor().unwrap()]);
         let s = note(&ep);
-        assert!(target.to_vec().unwrap() == pattern(u64::from(s), SIZE), "striped write differs");
+        assert!(
+            target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+            "striped write differs"
+        );
         println!("server: striped write verified");
         let peer = ep.peer_descriptors()[0];
         bye(&ep, &target, &peer);
@@ -432,10 +454,16 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
         let part = e.register(buf.slice(4096, 8192).unwrap()).unwrap();
         assert!(part.same_registration(&whole));
         let st = e.cache_stats();
-        assert_eq!((st.hits - before.hits, st.misses - before.misses), (1, 1), "{st:?}");
+        assert_eq!(
+            (st.hits - before.hits, st.misses - before.misses),
+            (1, 1),
+            "{st:?}"
+        );
         // 1,000 views of a fresh buffer in one call: coalesced into one registration.
         let big = Buffer::host(vec![0u8; 1000 * 512]).unwrap();
-        let views: Vec<Buffer> = (0..1000).map(|i| big.slice(i * 512, 512).unwrap()).collect();
+        let views: Vec<Buffer> = (0..1000)
+            .map(|i| big.slice(i * 512, 512).unwrap())
+            .collect();
         let rs = e.register_all(views).unwrap();
         assert!(rs.iter().all(|r| r.same_registration(&rs[0])));
         let st2 = e.cache_stats();
@@ -461,10 +489,17 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
             let d = fresh.descriptor().unwrap();
             drop(fresh);
             let after = e.cache_stats();
-            println!("client: round {round}: memory at {:#x}, cache {after:?}", d.addr());
+            println!(
+                "client: round {round}: memory at {:#x}, cache {after:?}",
+                d.addr()
+            );
         }
         drop((whole, part));
-        assert_eq!(e.cache_stats().live, 0, "every registration gone with its holders");
+        assert_eq!(
+            e.cache_stats().live,
+            0,
+            "every registration gone with its holders"
+        );
         wait_bye(&ep);
     }
 }
@@ -485,7 +520,10 @@ fn t6_wrong_rkey_is_typed_others_carry_on_and_reconnect_works() {
         // The client's bad write breaks ep1 on both sides; ep2 carries a note after it.
         let s = note(&ep2);
         assert!(target.to_vec().unwrap() == pattern(u64::from(s), SIZE));
-        println!("server: endpoint 2 carried on after endpoint 1 failed ({:?})", ep1.failure());
+        println!(
+            "server: endpoint 2 carried on after endpoint 1 failed ({:?})",
+            ep1.failure()
+        );
         let ep1b = l.accept(&[d], ACCEPT).unwrap();
         let s = note(&ep1b);
         assert!(target.to_vec().unwrap() == pattern(u64::from(s), SIZE));
@@ -516,7 +554,10 @@ fn t6_wrong_rkey_is_typed_others_carry_on_and_reconnect_works() {
         println!("client: wrong rkey -> {r:?} after {dt:?}");
         match r {
             Err(Error::WorkCompletion { status, .. }) => assert!(
-                matches!(status, WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest),
+                matches!(
+                    status,
+                    WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest
+                ),
                 "{status:?}"
             ),
             other => panic!("a wrong rkey gave {other:?}"),
@@ -524,7 +565,10 @@ fn t6_wrong_rkey_is_typed_others_carry_on_and_reconnect_works() {
         assert!(dt < deadline, "typed error only after {dt:?}");
         assert!(ep1.failure().is_some());
         // Later requests on it are refused at once, typed.
-        assert!(ep1.write(vec![(src.all(), good.all())], TransferOptions::default()).is_err());
+        assert!(
+            ep1.write(vec![(src.all(), good.all())], TransferOptions::default())
+                .is_err()
+        );
         // The other endpoint carries on.
         let s = seed() as u32;
         let src2 = host(&e, &pattern(u64::from(s), SIZE));
@@ -561,7 +605,9 @@ fn t7_victim() {
     };
     let n = node().expect("the VM's environment");
     let e = n.engine();
-    let target = e.register(Buffer::host(vec![0u8; 4 << 20]).unwrap()).unwrap();
+    let target = e
+        .register(Buffer::host(vec![0u8; 4 << 20]).unwrap())
+        .unwrap();
     let l = e.listen(&format!("0.0.0.0:{port}")).unwrap();
     let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
     let _ = note(&ep);
@@ -581,7 +627,13 @@ fn t7_a_peer_killed_mid_transfer_gives_typed_errors_in_time() {
     if n.server {
         use std::io::BufRead;
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "t7_victim", "--include-ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "t7_victim",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(VICTIM, port.to_string())
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -627,7 +679,10 @@ fn t7_a_peer_killed_mid_transfer_gives_typed_errors_in_time() {
         let mut ok = 0;
         let started = Instant::now();
         let err = loop {
-            assert!(started.elapsed() < Duration::from_secs(120), "the peer's death went unseen");
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "the peer's death went unseen"
+            );
             let t0 = Instant::now();
             let r = ep
                 .write(
@@ -642,7 +697,12 @@ fn t7_a_peer_killed_mid_transfer_gives_typed_errors_in_time() {
                 Err(e) => break (e, dt),
             }
         };
-        println!("client: {ok} transfers, then {:?} after {:?}; endpoint: {:?}", err.0, err.1, ep.failure());
+        println!(
+            "client: {ok} transfers, then {:?} after {:?}; endpoint: {:?}",
+            err.0,
+            err.1,
+            ep.failure()
+        );
         assert!(
             matches!(
                 err.0,

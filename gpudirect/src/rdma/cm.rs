@@ -441,11 +441,7 @@ impl Listener {
         self.accept_inner(opts, Some(&mut home))
     }
 
-    fn accept_inner(
-        &self,
-        opts: &ConnectOptions,
-        home: Option<&mut dyn FnMut(&str) -> Result<QpResources>>,
-    ) -> Result<Connection> {
+    fn accept_inner(&self, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<Connection> {
         let l = cmlib()?;
         let ev = self.ch.wait(
             "rdma_listen",
@@ -498,6 +494,9 @@ pub struct QpResources {
     pub recv_cq: CompletionQueue,
 }
 
+/// The caller's choice of resources for a connection ([`QpResources`]), if any.
+type HomeFn<'a> = Option<&'a mut dyn FnMut(&str) -> Result<QpResources>>;
+
 struct Parts {
     ctx: Context,
     pd: ProtectionDomain,
@@ -513,11 +512,7 @@ impl Parts {
     /// INIT (with the access `opts` allows peers) with the descriptor exchange's receive posted.
     /// `home` gives the PD and CQs for the device's name; `None` opens the device and makes
     /// them here.
-    fn new(
-        id: &Id,
-        opts: &ConnectOptions,
-        home: Option<&mut dyn FnMut(&str) -> Result<QpResources>>,
-    ) -> Result<(Parts, QueuePair<Init>)> {
+    fn new(id: &Id, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<(Parts, QueuePair<Init>)> {
         let name = id.device_name()?;
         let (ctx, pd, send_cq, recv_cq, channel) = match home {
             Some(home) => {
@@ -759,7 +754,7 @@ impl Connection {
     fn connect_inner(
         addr: SocketAddr,
         opts: &ConnectOptions,
-        home: Option<&mut dyn FnMut(&str) -> Result<QpResources>>,
+        home: HomeFn<'_>,
     ) -> Result<Connection> {
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {

@@ -511,7 +511,7 @@ mod tests {
             }
             match MemoryDescriptor::from_bytes(&input) {
                 Ok(d) => {
-                    prop_assert!(d.len() > 0);
+                    prop_assert_ne!(d.len(), 0);
                     prop_assert!(d.addr().checked_add(d.len()).is_some());
                     prop_assert!((1..=MAX_RAILS).contains(&d.rkeys().len()));
                     prop_assert_eq!(input.len(), MemoryDescriptor::wire_len(d.rkeys().len()));

@@ -911,26 +911,25 @@ impl Engine {
     ) -> Result<Vec<Arc<Entry>>> {
         let inner = &*self.inner;
         let ndev = inner.devices.len();
-        let one = |d: usize| -> Result<Vec<(Option<RailMr>, MemoryPath)>> {
+        let one = |d: usize| -> Result<Vec<Decided>> {
             jobs.iter()
                 .map(|job| register_decide(inner, d, bufs, wants, job))
                 .collect()
         };
-        let per_dev: Vec<Result<Vec<(Option<RailMr>, MemoryPath)>>> =
-            if parallel && ndev > 1 && jobs.len() >= 4 {
-                std::thread::scope(|s| {
-                    let hs: Vec<_> = (0..ndev).map(|d| s.spawn(move || one(d))).collect();
-                    hs.into_iter()
-                        .map(|h| {
-                            h.join().unwrap_or_else(|_| {
-                                Err(Error::invalid("register", "a thread", "panicked"))
-                            })
+        let per_dev: Vec<Result<Vec<Decided>>> = if parallel && ndev > 1 && jobs.len() >= 4 {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..ndev).map(|d| s.spawn(move || one(d))).collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::invalid("register", "a thread", "panicked"))
                         })
-                        .collect()
-                })
-            } else {
-                (0..ndev).map(one).collect()
-            };
+                    })
+                    .collect()
+            })
+        } else {
+            (0..ndev).map(one).collect()
+        };
         let mut per_dev = per_dev.into_iter().collect::<Result<Vec<_>>>()?;
         let mut out = Vec::with_capacity(jobs.len());
         for (k, job) in jobs.iter().enumerate() {
@@ -976,6 +975,9 @@ impl Engine {
     }
 }
 
+/// A rail's registration of a job (`None`: staged) and the path it decided.
+type Decided = (Option<RailMr>, MemoryPath);
+
 /// Register `job` on engine device `d`, deciding its path: `None` for staged memory.
 fn register_decide(
     inner: &EngineInner,
@@ -983,11 +985,9 @@ fn register_decide(
     bufs: &[Buffer],
     wants: &[Want],
     job: &(u64, u64, Vec<usize>),
-) -> Result<(Option<RailMr>, MemoryPath)> {
+) -> Result<Decided> {
     let w = &wants[job.2[0]];
-    let staged = |reason: String| -> Result<(Option<RailMr>, MemoryPath)> {
-        Ok((None, MemoryPath::Staged { reason }))
-    };
+    let staged = |reason: String| -> Result<Decided> { Ok((None, MemoryPath::Staged { reason })) };
     if w.kind == Some(MemoryKind::Pool) {
         let e = Error::NotRdmaCapable {
             ptr: w.start,
