@@ -495,12 +495,14 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
             );
         }
         drop((whole, part));
+        // The server's last write lands in `scratch`: it stays registered until then.
+        wait_bye(&ep);
+        drop(scratch);
         assert_eq!(
             e.cache_stats().live,
             0,
             "every registration gone with its holders"
         );
-        wait_bye(&ep);
     }
 }
 
@@ -712,5 +714,82 @@ fn t7_a_peer_killed_mid_transfer_gives_typed_errors_in_time() {
             err.0
         );
         assert!(ep.failure().is_some());
+    }
+}
+
+/// The peer vanishes without a word: the server's end of rail 1 goes down (its veth), so
+/// nothing answers and nothing says so (rxe retries without end). The transfer ends with
+/// `Error::Timeout` at its deadline; the link comes back afterwards for what runs next.
+#[test]
+fn t8_a_silent_peer_ends_at_the_deadline() {
+    let n = two_nodes!();
+    let port = n.port + 7;
+    if n.server {
+        let e = n.engine();
+        let target = e
+            .register(Buffer::host(vec![0u8; 1 << 20]).unwrap())
+            .unwrap();
+        let l = e.listen(&format!("0.0.0.0:{port}")).unwrap();
+        let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+        let _ = note(&ep);
+        std::thread::sleep(Duration::from_millis(300));
+        let ip = |state: &str| {
+            let st = std::process::Command::new("/usr/sbin/ip")
+                .args(["link", "set", "vb1", state])
+                .status()
+                .unwrap();
+            assert!(st.success(), "ip link set vb1 {state}");
+        };
+        ip("down");
+        println!("server: rail 1 is down");
+        std::thread::sleep(Duration::from_secs(8));
+        ip("up");
+        println!("server: rail 1 is up again");
+        // Give the link a moment before the next users of rail 1.
+        std::thread::sleep(Duration::from_secs(2));
+        drop(ep);
+    } else {
+        let e = n.engine();
+        let src = host(&e, &pattern(5, 1 << 20));
+        let addr = format!("{}:{port}", n.peers[1]);
+        let until = Instant::now() + CONNECT;
+        let ep = loop {
+            match e.connect(&[&addr], &[src.descriptor().unwrap()]) {
+                Ok(ep) => break ep,
+                Err(err) if Instant::now() < until => {
+                    eprintln!("connect: {err}; retrying");
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                Err(err) => panic!("connect: {err}"),
+            }
+        };
+        let peer = ep.peer_descriptors()[0];
+        ep.write(
+            vec![(src.range(0, 8).unwrap(), peer.range(0, 8).unwrap())],
+            TransferOptions::notify(1),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        std::thread::sleep(Duration::from_secs(1));
+        let deadline = Duration::from_secs(3);
+        let t0 = Instant::now();
+        let r = ep
+            .write(
+                vec![(src.all(), peer.all())],
+                TransferOptions::default().deadline(deadline),
+            )
+            .unwrap()
+            .wait();
+        let dt = t0.elapsed();
+        println!("client: silent peer -> {r:?} after {dt:?}");
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert!(
+            dt >= deadline && dt < deadline + Duration::from_secs(3),
+            "{dt:?}"
+        );
+        assert!(matches!(ep.failure(), Some(Error::Timeout { .. })));
+        // Wait out the link's absence before the next test uses it.
+        std::thread::sleep(Duration::from_secs(8));
     }
 }

@@ -184,10 +184,11 @@ ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between
 # when every run of both completed.
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END { if (NR) print a[int((NR+1)/2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}'; }
+TSPIN=   # extra arguments of both sides of ours_transfer (the latency setting)
 ours_transfer() {  # ours_transfer ARGS... -> the client's TRANSFER-BENCH line
-  $IP netns exec b timeout 120 transfer --bench --listen 7490 --device rxe_b0 > /tmp/tsrv.log 2>&1 &
+  $IP netns exec b timeout 120 transfer --bench --listen 7490 --device rxe_b0 $TSPIN > /tmp/tsrv.log 2>&1 &
   p=$!; wait_listen b 7490 $p
-  $IP netns exec a timeout 120 transfer --bench --connect 10.77.1.2:7490 --device rxe_a0 "$@" > /tmp/tcli.log 2>&1; c=$?
+  $IP netns exec a timeout 120 transfer --bench --connect 10.77.1.2:7490 --device rxe_a0 $TSPIN "$@" > /tmp/tcli.log 2>&1; c=$?
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
   grep -h '^TRANSFER-BENCH' /tmp/tcli.log
@@ -223,6 +224,15 @@ bench_transfer() {
   done
   pm=$(echo "$pls" | median); om=$(echo "$ols" | median)
   echo "RXE-BENCH transfer rail=0 write_lat size=8 perftest_usec=${pm:-?} engine_usec=${om:-?} ratio(perftest/engine)=$(ratio "$pm" "$om") runs: perftest[$pls ] engine[$ols ]"
+  # The same with the waiting thread polling for up to 5 ms first (EngineConfig::spin), as
+  # ib_write_lat polls: the latency setting, not the default.
+  sls=; TSPIN="--spin-us 5000"
+  for rep in 1 2 3 4 5; do
+    l=$(ours_transfer --lat --iters 500) || tok=1
+    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); sls="$sls $v"
+  done
+  TSPIN=; sm=$(echo "$sls" | median)
+  echo "RXE-BENCH transfer rail=0 write_lat size=8 spin=5ms perftest_usec=${pm:-?} engine_usec=${sm:-?} ratio(perftest/engine)=$(ratio "$pm" "$sm") runs: engine[$sls ]"
   $IP netns exec a timeout 300 transfer --bench --register --device rxe_a0 --device rxe_a1 > /tmp/treg.log 2>&1 || { cat /tmp/treg.log; tok=1; }
   sed -n 's/^TRANSFER-BENCH register/RXE-BENCH transfer register/p' /tmp/treg.log
   echo "TWO-NODES: transfer bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"

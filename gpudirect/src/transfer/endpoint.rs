@@ -1047,6 +1047,26 @@ impl Endpoint {
     pub fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
         let inner = self.inner();
         let deadline = Instant::now() + timeout.min(Duration::from_secs(1 << 32));
+        // With `spin`, poll the completion queues here first (the lock is let go between
+        // polls): no thread hand-off for a notification that comes soon.
+        let spin = inner.engine.inner.config.spin;
+        if !spin.is_zero() {
+            let until = Instant::now() + spin.min(timeout);
+            loop {
+                let mut st = inner.lock();
+                if let Some(n) = st.notes.pop_front() {
+                    return Ok(Some(n));
+                }
+                if st.broken.is_some() || Instant::now() >= until {
+                    break;
+                }
+                if poll_all(inner, &mut st) {
+                    pump(inner, &mut st);
+                }
+                drop(st);
+                std::hint::spin_loop();
+            }
+        }
         let mut st = inner.lock();
         loop {
             if let Some(n) = st.notes.pop_front() {
@@ -1612,7 +1632,6 @@ fn arm(inner: &EpInner, st: &mut State) -> bool {
 }
 
 fn progress_loop(inner: &Arc<EpInner>) {
-    let spin = inner.engine.inner.config.spin;
     loop {
         let (fds, timeout) = {
             let mut st = inner.lock();
@@ -1621,21 +1640,6 @@ fn progress_loop(inner: &Arc<EpInner>) {
             }
             if progress(inner, &mut st) {
                 continue;
-            }
-            if !spin.is_zero() {
-                let until = Instant::now() + spin;
-                let mut found = false;
-                while Instant::now() < until {
-                    if poll_all(inner, &mut st) {
-                        found = true;
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
-                if found {
-                    pump(inner, &mut st);
-                    continue;
-                }
             }
             if arm(inner, &mut st) {
                 continue;

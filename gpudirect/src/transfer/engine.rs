@@ -36,8 +36,9 @@ pub struct EngineConfig {
     pub connect_timeout: Duration,
     /// A transfer's deadline when its options give none (default 30 s).
     pub deadline: Duration,
-    /// How long the progress thread polls the completion queues before it sleeps on the
-    /// completion channel (default 0: it never spins).
+    /// How long a thread waiting for a notification ([`Endpoint::next_notification`](super::Endpoint::next_notification))
+    /// polls the completion queues itself before it sleeps (default 0: nothing spins; the
+    /// progress thread wakes it). A latency setting: it takes a CPU while it lasts.
     pub spin: Duration,
     /// Whether GPU memory that cannot be registered with the NIC (pool memory; no dma-buf and
     /// no nvidia-peermem) moves through pinned host bounce buffers (default `true`); `false`

@@ -35,7 +35,8 @@
 //!   per rail, [`Engine::listen`] + [`TransferListener::accept`]): one reliable queue pair per
 //!   rail, each on its own device, and a progress thread that sleeps on the rails' completion
 //!   channels (a bounded `poll(2)`: it wakes for completions, the peer's disconnect, a deadline,
-//!   or a request that waits for room), never spinning unless [`EngineConfig::spin`] asks.
+//!   or a request that waits for room), never spinning; [`EngineConfig::spin`] lets a thread
+//!   waiting for a notification poll for a while first.
 //! - A request ([`Endpoint::write`], [`Endpoint::read`]) is a batch of (local range, remote
 //!   range) pairs; it returns a [`Transfer`] to wait on (with the request's deadline) or to hand
 //!   on as an [`InFlight`](crate::completion::InFlight) whose fence is the request's
