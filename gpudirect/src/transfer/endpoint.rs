@@ -331,6 +331,8 @@ struct State {
     peer_descriptors: Vec<MemoryDescriptor>,
     peer_devices: usize,
     max_message: u32,
+    /// Requests whose messages completed since the last look (then finished if done).
+    touched: Vec<u64>,
 }
 
 /// How an endpoint came about: what the dialing side needs to reconnect.
@@ -767,6 +769,7 @@ fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<Stat
         peer_descriptors: h0.descriptors.clone(),
         peer_devices,
         max_message,
+        touched: Vec::new(),
     })
 }
 
@@ -1333,6 +1336,7 @@ fn break_endpoint(inner: &EpInner, st: &mut State, cause: Broken) {
 
 /// Finish every request that has nothing left in flight.
 fn finish_done(inner: &EpInner, st: &mut State) {
+    st.touched.clear();
     let done: Vec<u64> = st
         .requests
         .iter()
@@ -1343,6 +1347,19 @@ fn finish_done(inner: &EpInner, st: &mut State) {
         let q = st.requests.remove(&id).expect("present");
         finish(inner, q);
     }
+}
+
+/// Finish the requests completions touched since the last look, if nothing is left in flight.
+fn finish_touched(inner: &EpInner, st: &mut State) {
+    let touched = std::mem::take(&mut st.touched);
+    for id in &touched {
+        if st.requests.get(id).is_some_and(Request::finished) {
+            let q = st.requests.remove(id).expect("present");
+            finish(inner, q);
+        }
+    }
+    st.touched = touched;
+    st.touched.clear();
 }
 
 fn finish(inner: &EpInner, q: Request) {
@@ -1510,7 +1527,7 @@ fn poll_all(inner: &EpInner, st: &mut State) -> bool {
         st.notes.extend(notes);
         inner.notes_cv.notify_all();
     }
-    finish_done(inner, st);
+    finish_touched(inner, st);
     any
 }
 
@@ -1527,6 +1544,7 @@ fn on_send_completion(
     while st.rails[r].inflight.front().is_some_and(|p| p.seq <= seq) {
         let p = st.rails[r].inflight.pop_front().expect("present");
         let this = p.seq == seq;
+        st.touched.push(p.req);
         let Some(q) = st.requests.get_mut(&p.req) else {
             if this && !ok && st.broken.is_none() {
                 failed = Some(res.as_ref().err().map(Broken::of).unwrap_or(Broken::Closed));
