@@ -16,7 +16,7 @@ use gpudirect::completion::{InFlight, StreamFence};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::{CudaContext, sys};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer, copy_async};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,240 +1,371 @@
-//! Peer-copy bandwidth, unidirectional and bidirectional, 4 KiB to 1 GiB, beside raw
-//! `cuMemcpyPeerAsync` measured in the same run; a table of GB/s and ratios at the end.
+//! Peer-copy bandwidth of gpudirect's [`Copier`] beside raw `cuMemcpyPeerAsync` measured in the
+//! same run, one way and both ways at once, for 4 KiB to 1 GiB; one table with the ratios.
 //!
-//! With two or more GPUs it measures devices 0 and 1 (`auto` is the peer path where the pair
-//! allows it). With one GPU there is no peer: it measures gpudirect's staged path 0 -> 0 and
-//! `auto` (the same-device path) against raw `cuMemcpyPeerAsync` 0 -> 0, and says so.
+//! Two figures per size:
+//! - one at a time: issue a copy, wait for it, again (`Copier::copy_async(..).wait()` against
+//!   `cuMemcpyPeerAsync` + `cuStreamSynchronize`); the difference per copy is printed in
+//!   microseconds;
+//! - pipelined: `depth` copies in flight (64 up to 16 MiB, fewer above: the destinations are
+//!   distinct buffers), then one wait (`copy_async` x depth, then `wait` on each: the first
+//!   synchronizes the stream, the others find their epoch done) against `cuMemcpyPeerAsync` x
+//!   depth + one `cuStreamSynchronize`. Beside it, raw with the graph-capture check gpudirect
+//!   makes per copy (`cuCtxGetCurrent` and `cuStreamIsCapturing` twice), to show what that check
+//!   costs on its own.
+//!
+//! Both ways: one thread per direction (each with its own copier, or its own raw stream), started
+//! together; GB/s counts both directions' bytes over the slower thread's time.
+//!
+//! With two or more GPUs it measures devices 0 and 1; with one, 0 -> 0 (a same-device copy on
+//! both sides, said so in the table's heading).
+//!
+//! ```text
+//! cargo bench --bench p2p -- --quick     # fixed, small iteration counts: well under a minute
+//! cargo bench --bench p2p                # more repetitions (a few minutes at most)
+//! ```
 //!
 //! `P2P_BENCH_MAX_MIB` caps the largest size (default 1024).
 
-use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use gpudirect::cudarc::driver::sys;
 use gpudirect::cudarc::driver::{CudaContext, CudaStream};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
-use gpudirect::p2p::{Copier, CopyOptions, PathChoice};
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use gpudirect::p2p::{Copier, CopyOptions};
+use gpudirect_testing::{Hardware, skip_example};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-type Results = Mutex<BTreeMap<(usize, &'static str, &'static str), Vec<f64>>>;
-static RESULTS: Results = Mutex::new(BTreeMap::new());
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
 
-fn record(bytes: usize, dir: &'static str, variant: &'static str, moved: usize, t: Duration) {
-    let gbs = moved as f64 / t.as_secs_f64().max(1e-12) / 1e9;
-    RESULTS
-        .lock()
-        .unwrap()
-        .entry((bytes, dir, variant))
-        .or_default()
-        .push(gbs);
+/// What one measurement runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// `cuMemcpyPeerAsync` + `cuStreamSynchronize`, one copy at a time.
+    RawOne,
+    /// `copy_async(..).wait()`, one copy at a time.
+    GdOne,
+    /// `cuMemcpyPeerAsync` x depth + one `cuStreamSynchronize`.
+    RawPipe,
+    /// As `RawPipe`, with the calls gpudirect's capture check adds per copy.
+    RawPipeChecked,
+    /// `copy_async` x depth, then `wait` on each.
+    GdPipe,
 }
 
-struct Pair {
-    a: usize,
-    b: usize,
-    ctx_a: Arc<CudaContext>,
-    ctx_b: Arc<CudaContext>,
-    s_a: Arc<CudaStream>,
-    s_b: Arc<CudaStream>,
+const VARIANTS: [Variant; 5] = [
+    Variant::RawOne,
+    Variant::GdOne,
+    Variant::RawPipe,
+    Variant::RawPipeChecked,
+    Variant::GdPipe,
+];
+
+impl Variant {
+    fn pipelined(self) -> bool {
+        matches!(
+            self,
+            Variant::RawPipe | Variant::RawPipeChecked | Variant::GdPipe
+        )
+    }
 }
 
-fn buffers(ctx: &Arc<CudaContext>, words: usize) -> DeviceBuffer<u32> {
-    DeviceBuffer::<u32>::zeroed(ctx, words).expect("cuMemAlloc")
-}
-
-/// Raw baseline: `cuMemcpyPeerAsync` on a stream of the source device, then synchronize.
-fn raw_copy(
-    dst: u64,
-    dctx: &CudaContext,
-    src: u64,
-    sctx: &CudaContext,
+/// One direction: its copier, its raw stream, a source and `depth` destinations.
+struct Dir {
+    src_ctx: Arc<CudaContext>,
+    dst_ctx: Arc<CudaContext>,
+    copier: Copier,
+    raw: Arc<CudaStream>,
+    src: Arc<DeviceBuffer<u8>>,
+    dsts: Vec<DeviceBuffer<u8>>,
     bytes: usize,
-    s: &CudaStream,
-) {
-    // SAFETY: both buffers are live for the call's duration (synchronized before return).
-    let r = unsafe {
-        sys::cuMemcpyPeerAsync(dst, dctx.cu_ctx(), src, sctx.cu_ctx(), bytes, s.cu_stream())
-    };
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
 }
 
-fn bench(c: &mut Criterion, p: &Pair, sizes: &[usize], variants: &[(&'static str, PathChoice)]) {
-    for &dir in &["uni", "bi"] {
-        let mut g = c.benchmark_group(format!("p2p_{dir}_{}to{}", p.a, p.b));
-        g.sample_size(10)
-            .warm_up_time(Duration::from_millis(150))
-            .measurement_time(Duration::from_millis(400))
-            .sampling_mode(SamplingMode::Flat);
-        for &bytes in sizes {
-            let words = bytes / 4;
-            let moved = if dir == "bi" { 2 * bytes } else { bytes };
-            g.throughput(Throughput::Bytes(moved as u64));
-            let mut a_src = Some(buffers(&p.ctx_a, words));
-            let mut b_dst = Some(buffers(&p.ctx_b, words));
-            let mut b_src = Some(buffers(&p.ctx_b, words));
-            let mut a_dst = Some(buffers(&p.ctx_a, words));
-            for &(name, choice) in variants {
-                let opts = CopyOptions {
-                    path: choice,
-                    ..Default::default()
-                };
-                let ab = Copier::new(p.a, p.b, opts).expect("copier a->b");
-                let ba = Copier::new(p.b, p.a, opts).expect("copier b->a");
-                g.bench_function(BenchmarkId::new(name, bytes), |bch| {
-                    bch.iter_custom(|iters| {
-                        let t = Instant::now();
-                        for _ in 0..iters {
-                            let d1 = ab.copy_async(a_src.take().unwrap(), b_dst.take().unwrap());
-                            let d2 = (dir == "bi").then(|| {
-                                ba.copy_async(b_src.take().unwrap(), a_dst.take().unwrap())
-                            });
-                            (a_src, b_dst) = d1.unwrap().wait().unwrap().into_parts().into_opt();
-                            if let Some(d2) = d2 {
-                                (b_src, a_dst) =
-                                    d2.unwrap().wait().unwrap().into_parts().into_opt();
-                            }
-                        }
-                        let el = t.elapsed();
-                        record(bytes, dir, name, moved * iters as usize, el);
-                        el
-                    })
-                });
-            }
-            let (pa, pb, pb2, pa2) = (
-                a_src.as_ref().unwrap().device_ptr(),
-                b_dst.as_ref().unwrap().device_ptr(),
-                b_src.as_ref().unwrap().device_ptr(),
-                a_dst.as_ref().unwrap().device_ptr(),
+fn check(r: sys::CUresult, call: &str) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+impl Dir {
+    fn new(a: usize, b: usize, bytes: usize, depth: usize) -> Dir {
+        let src_ctx = gpudirect::cuda::context(a).expect("context");
+        let dst_ctx = gpudirect::cuda::context(b).expect("context");
+        let copier = Copier::new(a, b, CopyOptions::default()).expect("copier");
+        let raw = src_ctx.new_stream().expect("cuStreamCreate");
+        let src = Arc::new(DeviceBuffer::<u8>::zeroed(&src_ctx, bytes).expect("cuMemAlloc"));
+        let dsts = (0..depth)
+            .map(|_| DeviceBuffer::<u8>::zeroed(&dst_ctx, bytes).expect("cuMemAlloc"))
+            .collect();
+        Dir {
+            src_ctx,
+            dst_ctx,
+            copier,
+            raw,
+            src,
+            dsts,
+            bytes,
+        }
+    }
+
+    /// The raw baseline's copy into destination `k`.
+    fn raw_copy(&self, k: usize) {
+        // SAFETY: both buffers are live until the stream is synchronized, which every raw
+        // variant does before returning.
+        check(
+            unsafe {
+                sys::cuMemcpyPeerAsync(
+                    self.dsts[k].device_ptr(),
+                    self.dst_ctx.cu_ctx(),
+                    self.src.device_ptr(),
+                    self.src_ctx.cu_ctx(),
+                    self.bytes,
+                    self.raw.cu_stream(),
+                )
+            },
+            "cuMemcpyPeerAsync",
+        );
+    }
+
+    fn raw_sync(&self) {
+        // SAFETY: a live stream.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.raw.cu_stream()) },
+            "cuStreamSynchronize",
+        );
+    }
+
+    /// What gpudirect's capture check adds to a copy: the context check and
+    /// `cuStreamIsCapturing` before and after.
+    fn checks(&self) {
+        let mut cur = std::ptr::null_mut();
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: valid out-pointers; a live stream.
+        unsafe {
+            check(sys::cuCtxGetCurrent(&mut cur), "cuCtxGetCurrent");
+            check(
+                sys::cuStreamIsCapturing(self.raw.cu_stream(), &mut st),
+                "cuStreamIsCapturing",
             );
-            g.bench_function(BenchmarkId::new("raw", bytes), |bch| {
-                bch.iter_custom(|iters| {
-                    let t = Instant::now();
-                    for _ in 0..iters {
-                        raw_copy(pb, &p.ctx_b, pa, &p.ctx_a, bytes, &p.s_a);
-                        if dir == "bi" {
-                            raw_copy(pa2, &p.ctx_a, pb2, &p.ctx_b, bytes, &p.s_b);
+        }
+    }
+
+    /// Run `v` for `n` copies (one at a time) or `n` rounds of all destinations (pipelined);
+    /// returns the copies made.
+    fn run(&mut self, v: Variant, n: usize) -> usize {
+        let depth = self.dsts.len();
+        match v {
+            Variant::RawOne => {
+                for _ in 0..n {
+                    self.raw_copy(0);
+                    self.raw_sync();
+                }
+                n
+            }
+            Variant::GdOne => {
+                for _ in 0..n {
+                    let d = self.dsts.pop().expect("a destination");
+                    let op = self.copier.copy_async(self.src.clone(), d).expect("copy");
+                    self.dsts.push(op.wait().expect("wait").dst);
+                }
+                n
+            }
+            Variant::RawPipe | Variant::RawPipeChecked => {
+                let checked = v == Variant::RawPipeChecked;
+                for _ in 0..n {
+                    for k in 0..depth {
+                        if checked {
+                            self.checks();
                         }
-                        p.s_a.synchronize().unwrap();
-                        if dir == "bi" {
-                            p.s_b.synchronize().unwrap();
+                        self.raw_copy(k);
+                        if checked {
+                            self.checks();
                         }
                     }
-                    let el = t.elapsed();
-                    record(bytes, dir, "raw", moved * iters as usize, el);
-                    el
-                })
-            });
+                    self.raw_sync();
+                }
+                n * depth
+            }
+            Variant::GdPipe => {
+                let mut ops = Vec::with_capacity(depth);
+                for _ in 0..n {
+                    for d in self.dsts.drain(..) {
+                        ops.push(self.copier.copy_async(self.src.clone(), d).expect("copy"));
+                    }
+                    for op in ops.drain(..) {
+                        self.dsts.push(op.wait().expect("wait").dst);
+                    }
+                }
+                n * depth
+            }
         }
-        g.finish();
     }
 }
 
-trait IntoOpt<S, D> {
-    fn into_opt(self) -> (Option<S>, Option<D>);
-}
-impl<S, D> IntoOpt<S, D> for (S, D) {
-    fn into_opt(self) -> (Option<S>, Option<D>) {
-        (Some(self.0), Some(self.1))
+/// How many copies (one at a time) or rounds (pipelined) a measurement makes at `bytes`.
+fn count(v: Variant, bytes: usize, depth: usize, scale: usize) -> usize {
+    if v.pipelined() {
+        (64 * MIB * scale / (bytes * depth)).clamp(3, 100 * scale)
+    } else {
+        (16 * MIB * scale / bytes).clamp(4, 1000 * scale)
     }
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
+/// Seconds per copy of `v`, one way (`dirs` of one) or both ways at once (two threads).
+fn measure(dirs: &mut [Dir], v: Variant, n: usize) -> f64 {
+    if let [one] = dirs {
+        one.src_ctx.bind_to_thread().expect("bind");
+        let t = Instant::now();
+        let copies = one.run(v, n);
+        return t.elapsed().as_secs_f64() / copies as f64;
+    }
+    let barrier = Barrier::new(dirs.len());
+    let times: Vec<(Duration, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = dirs
+            .iter_mut()
+            .map(|d| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    d.src_ctx.bind_to_thread().expect("bind");
+                    barrier.wait();
+                    let t = Instant::now();
+                    let copies = d.run(v, n);
+                    (t.elapsed(), copies)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let slowest = times.iter().map(|t| t.0).max().unwrap_or_default();
+    slowest.as_secs_f64() / times[0].1 as f64
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn print_table(variants: &[(&'static str, PathChoice)], note: &str) {
-    let r = RESULTS.lock().unwrap();
-    println!(
-        "\n== peer-copy bandwidth (GB/s, median of samples; ratio = gpudirect / raw in this run)"
-    );
-    println!("{note}");
-    let mut header = format!("{:<4} {:>10} {:>9}", "dir", "size", "raw");
-    for (name, _) in variants {
-        header += &format!(" {:>9} {:>6}", name, "ratio");
-    }
-    println!("{header}");
-    let mut keys: Vec<_> = r.keys().map(|(b, d, _)| (*d, *b)).collect();
-    keys.sort();
-    keys.dedup();
-    for (dir, bytes) in keys {
-        let raw = r
-            .get(&(bytes, dir, "raw"))
-            .map(|v| median(v))
-            .unwrap_or(0.0);
-        let size = if bytes >= 1 << 20 {
-            format!("{} MiB", bytes >> 20)
-        } else {
-            format!("{} KiB", bytes >> 10)
-        };
-        let mut line = format!("{dir:<4} {size:>10} {raw:>9.2}");
-        for (name, _) in variants {
-            let v = r
-                .get(&(bytes, dir, *name))
-                .map(|v| median(v))
-                .unwrap_or(0.0);
-            line += &format!(" {v:>9.2} {:>5.2}x", if raw > 0.0 { v / raw } else { 0.0 });
-        }
-        println!("{line}");
+fn size_name(bytes: usize) -> String {
+    match bytes {
+        b if b >= GIB => format!("{} GiB", b / GIB),
+        b if b >= MIB => format!("{} MiB", b / MIB),
+        b => format!("{} KiB", b / KIB),
     }
 }
 
 fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
     let n = match gpudirect::cuda::device_count() {
-        Ok(0) => {
-            println!("SKIPPED: no CUDA device visible");
-            return;
-        }
+        Ok(0) => skip_example(Hardware::Gpu, "no CUDA device visible"),
         Ok(n) => n,
-        Err(e) => {
-            println!("SKIPPED: {e}");
-            return;
-        }
+        Err(e) => skip_example(Hardware::Gpu, e),
     };
     let max_mib: usize = std::env::var("P2P_BENCH_MAX_MIB")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1024);
-    let sizes: Vec<usize> = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+    let sizes: Vec<usize> = [4 * KIB, 64 * KIB, MIB, 16 * MIB, 256 * MIB, GIB]
         .into_iter()
-        .filter(|&b| b <= max_mib << 20)
+        .filter(|&b| b <= max_mib * MIB)
         .collect();
     let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
-    let ctx_a = gpudirect::cuda::context(a).expect("context");
-    let ctx_b = gpudirect::cuda::context(b).expect("context");
-    let pair = Pair {
-        a,
-        b,
-        s_a: ctx_a.new_stream().expect("stream"),
-        s_b: ctx_b.new_stream().expect("stream"),
-        ctx_a,
-        ctx_b,
-    };
+    let (repeats, scale) = if quick { (3, 1) } else { (9, 3) };
+    let started = Instant::now();
     let auto = Copier::new(a, b, CopyOptions::default()).expect("copier");
-    let note = if n > 1 {
-        if gpudirect::p2p::enable_peer_access_both(a, b).is_err() {
-            format!("GPUs {a} and {b}: no peer access; auto = {}", auto.path())
-        } else {
-            format!(
-                "GPUs {a} and {b}: auto = {} (raw runs with peer access enabled)",
-                auto.path()
-            )
-        }
+    let heading = if n > 1 {
+        format!("GPUs {a} and {b}: the copier's path {}", auto.path())
     } else {
-        "ONE GPU: no peer pair exists. Measured: gpudirect's staged path 0->0 (pinned bounce \
-         buffers) and auto (= same-device copy) against raw cuMemcpyPeerAsync 0->0 (a device-local \
-         copy). Staged/raw is not a peer-copy ratio."
+        "ONE GPU: 0 -> 0 on both sides (gpudirect: a same-device copy; raw: \
+         cuMemcpyPeerAsync 0 -> 0), not a peer-copy figure"
             .to_string()
     };
-    println!("{note}");
-    let variants: Vec<(&'static str, PathChoice)> = if n > 1 {
-        vec![("auto", PathChoice::Auto)]
-    } else {
-        vec![("auto", PathChoice::Auto), ("staged", PathChoice::Staged)]
-    };
-    let mut c = Criterion::default().configure_from_args();
-    bench(&mut c, &pair, &sizes, &variants);
-    c.final_summary();
-    print_table(&variants, &note);
+    drop(auto);
+    println!("{heading}");
+    println!(
+        "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
+         (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
+         check), no event, no lock, no allocation; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
+         cuStreamSynchronize once per batch"
+    );
+    let mut rows = Vec::new();
+    for &bytes in &sizes {
+        let depth = (4 * GIB / bytes).clamp(2, 64);
+        for both in [false, true] {
+            let mut dirs = vec![Dir::new(a, b, bytes, depth)];
+            if both {
+                dirs.push(Dir::new(b, a, bytes, depth));
+            }
+            let mut per_copy: Vec<Vec<f64>> = vec![Vec::new(); VARIANTS.len()];
+            for &v in &VARIANTS {
+                measure(&mut dirs, v, 1); // warm-up
+            }
+            // Interleaved, so that drift over the run touches every variant alike.
+            for _ in 0..repeats {
+                for (i, &v) in VARIANTS.iter().enumerate() {
+                    let k = count(v, bytes, depth, scale);
+                    per_copy[i].push(measure(&mut dirs, v, k));
+                }
+            }
+            let secs: Vec<f64> = per_copy.into_iter().map(median).collect();
+            let moved = bytes * dirs.len();
+            let gbs = |s: f64| moved as f64 / s.max(1e-12) / 1e9;
+            rows.push((
+                bytes,
+                both,
+                depth,
+                secs.iter().map(|&s| gbs(s)).collect::<Vec<f64>>(),
+                (secs[1] - secs[0]) * 1e6,
+            ));
+            eprintln!(
+                "{} {}: done ({:.0} s so far)",
+                size_name(bytes),
+                if both { "both ways" } else { "one way" },
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    println!(
+        "\n== peer copies {a} -> {b}{} (GB/s, median of {repeats} runs; ratio = gpudirect / raw \
+         in this run; +us = gpudirect's extra time per copy, one at a time)",
+        if a != b { " (and back, both ways)" } else { "" }
+    );
+    println!(
+        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>7} | {:>5} {:>8} {:>9} {:>6} {:>10} {:>6}",
+        "dir",
+        "size",
+        "raw",
+        "gpudirect",
+        "ratio",
+        "+us",
+        "depth",
+        "raw",
+        "gpudirect",
+        "ratio",
+        "raw+check",
+        "ratio"
+    );
+    println!(
+        "{:<14}| {:<34}| pipelined (depth in flight, one wait)",
+        "", "one at a time"
+    );
+    for (bytes, both, depth, g, extra_us) in &rows {
+        let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };
+        println!(
+            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>7.2} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>10.2} {:>5.2}x",
+            if *both { "both" } else { "one" },
+            size_name(*bytes),
+            g[0],
+            g[1],
+            r(g[1], g[0]),
+            extra_us,
+            depth,
+            g[2],
+            g[4],
+            r(g[4], g[2]),
+            g[3],
+            r(g[3], g[2]),
+        );
+    }
+    println!(
+        "(run took {:.0} s{})",
+        started.elapsed().as_secs_f64(),
+        if quick { ", quick mode" } else { "" }
+    );
 }

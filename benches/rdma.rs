@@ -8,7 +8,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use gpudirect::rdma::*;
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
 
 const DEPTH: u32 = 128;

@@ -20,8 +20,8 @@
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0.
 
-use gpudirect::testing::{Hardware, skip_example};
 use gpudirect::transfer::{Buffer, Engine, EngineConfig, TransferListener, TransferOptions};
+use gpudirect_testing::{Hardware, skip_example};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 

@@ -17,8 +17,8 @@ mod cli;
 use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
-use gpudirect::storage::{Driver, File, FileHandle, Mode, OpenOptions};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect::storage::{Driver, FileHandle, GdsFile, Mode, OpenOptions};
+use gpudirect_testing::{Hardware, skip_example};
 use rand::RngCore;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -130,7 +130,7 @@ fn read_all_paths(
     }
 
     for (name, mode) in [("posix", Mode::Posix), ("auto", Mode::Auto)] {
-        let f = File::open(path, &OpenOptions::read_only(), mode)?;
+        let f = GdsFile::open(path, &OpenOptions::read_only(), mode)?;
         // Best of two: the first transfer also allocates the pinned bounce buffers.
         let mut secs = f64::MAX;
         let mut dst = DeviceBuffer::from_slice(stream, poison)?;

@@ -18,7 +18,7 @@ use clap::Parser;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
 use gpudirect::rdma::check_rdma_capable;
 use gpudirect::rdma::*;
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
 
 /// Register GPU memory with the first verbs device (dma-buf, else nvidia-peermem), RDMA-write it

@@ -22,7 +22,7 @@ use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::{CudaContext, CudaEvent, sys};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use std::ffi::CString;
 use std::sync::Arc;
 

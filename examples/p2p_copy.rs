@@ -1,6 +1,9 @@
 //! P2P smoke test: the link matrix, then a verified copy for every ordered device pair (each device
 //! with itself too) with GB/s and the path that ran; with one GPU also the staged path to itself;
-//! then CUDA IPC between two processes (this binary re-executed as the importer).
+//! then CUDA IPC between two processes (this binary re-executed as the importer, on the last GPU):
+//! the exported memory copied into the importer's GPU, once mapped where it lives (a peer copy
+//! from there) and once mapped on the importer's GPU (pulled across the link), each with its path
+//! and GB/s.
 //!
 //! ```text
 //! cargo run --release --example p2p_copy
@@ -16,9 +19,12 @@ mod cli;
 use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
-use gpudirect::p2p::ipc::{IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory};
-use gpudirect::p2p::{self, Copier, CopyOptions, CopyPath, LinkMatrix, PathChoice};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect::memory::DeviceMemory;
+use gpudirect::p2p::{
+    Copier, CopyOptions, CopyPath, IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory,
+    LinkMatrix, PathChoice,
+};
+use gpudirect_testing::{Hardware, skip_example};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::process::Command;
 
@@ -118,7 +124,7 @@ fn run(n: usize, size: cli::Mib, json: bool) -> gpudirect::Result<()> {
             }
         }
     }
-    let ipc = ipc_parent(n)?;
+    let ipc = ipc_parent(n, words)?;
     if json {
         let out = serde_json::json!({ "matrix": matrix, "copies": results, "ipc": ipc });
         println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
@@ -161,15 +167,14 @@ fn measure(a: usize, b: usize, words: usize, choice: PathChoice) -> gpudirect::R
     })
 }
 
-/// Export 64 MiB, let a second process import, copy and verify it; returns a summary.
-fn ipc_parent(n: usize) -> gpudirect::Result<String> {
-    let words = (64 << 20) / 4;
+/// Export `words` words, let a second process import, copy and verify them; returns its summary.
+fn ipc_parent(n: usize, words: usize) -> gpudirect::Result<String> {
     let seed = 0x1bc;
     let s = Stream::new(&gpudirect::cuda::context(0)?)?;
     let src = IpcExport::new(DeviceBuffer::from_slice(&s, &random(words, seed))?)?;
     let ready = IpcEvent::new(0)?;
     ready.record(&s)?;
-    let device = if n > 1 { 1 } else { 0 };
+    let device = n - 1;
     let job = Job {
         src: src.handle().clone(),
         ready: ready.handle().clone(),
@@ -199,7 +204,7 @@ fn ipc_parent(n: usize) -> gpudirect::Result<String> {
         ));
     }
     drop(src); // the child has closed its mapping (it exited)
-    Ok(format!("device 0 -> process 2 on device {device}: {said}"))
+    Ok(format!("device 0 -> process 2 on device {device}:\n{said}"))
 }
 
 fn ipc_child(job: &str) -> gpudirect::Result<()> {
@@ -208,27 +213,46 @@ fn ipc_child(job: &str) -> gpudirect::Result<()> {
     let d = job.device;
     let s = Stream::new(&gpudirect::cuda::context(d)?)?;
     IpcEvent::open(&job.ready, d)?.wait_on(&s)?;
-    let src = IpcMemory::<u32>::open(&job.src, d)?;
-    let words = gpudirect::memory::DeviceMemory::len(&src);
-    let dst = DeviceBuffer::from_slice(&s, &vec![0u32; words])?;
-    let done = p2p::copy(src, dst)?;
-    let ok = done.dst.to_vec(&s)? == random(words, job.seed);
-    println!(
-        "imported {} MiB, copied at {:.1} GB/s ({}), {}",
-        done.bytes >> 20,
-        done.gb_per_s(),
-        done.path,
-        if ok { "verified" } else { "MISMATCH" }
-    );
-    if ok {
-        Ok(())
-    } else {
-        Err(invalid(
-            "imported bytes",
-            "differ",
-            "must equal the exporter's",
-        ))
+    s.synchronize()?;
+    let want = random((job.src.bytes / 4) as usize, job.seed);
+    // Mapped where it lives (device 0 of the parent, found by its PCI address), then mapped on
+    // this process's device: one mapping at a time.
+    for mapped_here in [false, true] {
+        let src = if mapped_here {
+            IpcMemory::<u32>::open_on(&job.src, d)?
+        } else {
+            IpcMemory::<u32>::open(&job.src)?
+        };
+        let (on, home) = (src.ordinal(), src.home());
+        let words = src.len();
+        let mut dst = DeviceBuffer::from_slice(&s, &vec![0u32; words])?;
+        let copier = Copier::new(on, d, CopyOptions::default())?;
+        let (mut src, mut best, mut path) = (src, 0f64, copier.path().clone());
+        for i in 0..4 {
+            let done = copier.copy(src, dst)?;
+            if i > 0 {
+                best = best.max(done.gb_per_s());
+            }
+            path = done.path.clone();
+            (src, dst) = done.into_parts();
+        }
+        let ok = dst.to_vec(&s)? == want;
+        println!(
+            "  {} MiB of device {} memory mapped on device {on} -> device {d}: {best:.1} GB/s \
+             ({path}), {}",
+            (words * 4) >> 20,
+            home.map_or("?".into(), |h| h.to_string()),
+            if ok { "verified" } else { "MISMATCH" }
+        );
+        if !ok {
+            return Err(invalid(
+                "imported bytes",
+                "differ",
+                "must equal the exporter's",
+            ));
+        }
     }
+    Ok(())
 }
 
 /// An [`gpudirect::Error::InvalidArgument`] for a check this example makes itself.

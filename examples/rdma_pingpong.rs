@@ -18,7 +18,7 @@ mod cli;
 use clap::{ArgGroup, Parser};
 use gpudirect::rdma::*;
 use gpudirect::rdma::{ConnectOptions, Connection, Listener};
-use gpudirect::testing::{Hardware, skip_example};
+use gpudirect_testing::{Hardware, skip_example};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 

@@ -19,10 +19,10 @@
 mod bench;
 
 use clap::Parser;
-use gpudirect::testing::{Hardware, skip_example};
 use gpudirect::transfer::{
     Buffer, Endpoint, Engine, EngineConfig, MemoryPath, Region, TransferOptions,
 };
+use gpudirect_testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
 
 /// Write a buffer to a peer through the transfer engine, verify it there, report path, rails

@@ -1,11 +1,10 @@
 //! dma-buf export of device memory (GPUDirect RDMA through dma-buf), tier 2.
-//! A5's arithmetic is also unit-tested in gpudirect-sys without a GPU.
+//! The range arithmetic is also unit-tested in gpudirect-sys without a GPU.
 
 use gpudirect::memory::{
     DeviceBuffer, DeviceMemory, MemoryKind, PoolBuffer, VmmBuffer, export_dmabuf,
 };
-use gpudirect::require;
-use gpudirect::testing::Hardware;
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 
 #[test]
@@ -13,7 +12,7 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
-        gpudirect::testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
+        gpudirect_testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
     }
     let mem = Arc::new(DeviceBuffer::<u8>::zeroed(&ctx, 4 << 20).unwrap());
@@ -23,7 +22,7 @@ fn export_covers_the_enclosing_pages_with_exact_offset_and_iova() {
     let whole = export_dmabuf(mem.clone(), 0, mem.byte_len()).unwrap();
     assert_eq!(whole.size_from_kernel().unwrap(), 4 << 20);
     assert_eq!(whole.range().offset, 0);
-    // A5: 65544 bytes starting 40 bytes in.
+    // Unaligned: 65544 bytes starting 40 bytes in.
     let sub = export_dmabuf(mem.clone(), 40, 65544).unwrap();
     let r = sub.range();
     assert_eq!(
@@ -102,7 +101,7 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     let g = match VmmBuffer::<u32>::granularity(&ctx) {
         Ok(g) => g,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
+            gpudirect_testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
             return;
         }
     };
@@ -143,7 +142,7 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
 
     let info = gpudirect::cuda::DeviceInfo::query(0).unwrap();
     if !info.dma_buf {
-        gpudirect::testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
+        gpudirect_testing::skip(Hardware::Gpu, "device 0 does not support dma-buf export");
         return;
     }
     let buf = Arc::new(buf);

@@ -6,16 +6,16 @@
 //! and RDMA-written both ways over a loopback pair (`SKIPPED: no verbs device` otherwise, a
 //! failure when `GPUDIRECT_REQUIRE` names `rdma`).
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{
     DeviceBuffer, DeviceMemory, DeviceMemoryMut, MemoryKind, PoolBuffer, VmmBuffer,
 };
 use gpudirect::rdma::*;
 use gpudirect::rdma::{DmabufRegArgs, check_rdma_capable, set_sync_memops};
-use gpudirect::testing::{Hardware, skip};
-use gpudirect::{Error, require};
+use gpudirect_testing::{Hardware, require, skip};
 use std::os::fd::AsRawFd;
 
 /// `len` bytes at `offset` of a device buffer, as its own (unaligned) device memory.
@@ -81,7 +81,7 @@ fn dmabuf_step_exports_unaligned_subranges_exactly() {
     let buf = DeviceBuffer::<u8>::zeroed(&ctx, 4 << 20).unwrap();
     let base = buf.device_ptr();
     assert_eq!(base % 4096, 0);
-    // A5: 65544 bytes starting 40 bytes in.
+    // Unaligned: 65544 bytes starting 40 bytes in.
     let s = sub(buf, 40, 65544);
     s.prepare().unwrap();
     assert_eq!(sync_memops(base + 40), 1, "SYNC_MEMOPS set by prepare");
@@ -123,7 +123,7 @@ fn dmabuf_step_exports_unaligned_subranges_exactly() {
     let (fc, oc) = unsafe { c.export_dmabuf() }.unwrap();
     assert_eq!((oc, fd_size(fc.as_raw_fd())), (4095, 8192));
     drop((fa, fb, fc));
-    println!("dma-buf step: A5 offset 40, 17 pages; 40-byte buffers at offsets 100 and 200");
+    println!("dma-buf step: offset 40, 17 pages; 40-byte buffers at offsets 100 and 200");
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn rdma_capable_attribute_per_memory_kind() {
         Err(e) => panic!("VmmBuffer::alloc: {e}"),
     }
 
-    // A16: cudarc's CudaSlice (pool memory) is refused, saying so, before any verbs call.
+    // cudarc's CudaSlice (pool memory) is refused, saying so, before any verbs call.
     let stream = ctx.default_stream();
     let pool = PoolBuffer::new(stream.alloc_zeros::<u8>(1 << 20).unwrap()).unwrap();
     let attrs = gpudirect::memory::pointer_attributes(pool.device_ptr()).unwrap();
@@ -233,7 +233,7 @@ fn no_verbs_device_is_a_typed_error() {
 /// host region into it, over a loopback pair on the first verbs device.
 #[test]
 fn gpu_region_round_trip_over_a_loopback_pair() {
-    use rdma_common::*;
+    use support::rdma::*;
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let mut p = match pair() {
         Ok(p) => p,

@@ -2,6 +2,7 @@
 //!
 //! Without a GPU each test prints `SKIPPED: reason` and passes, unless `GPUDIRECT_REQUIRE=gpu`.
 
+use gpudirect::Error;
 use gpudirect::completion::{InFlight, Tracker};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::memory::{
@@ -9,8 +10,7 @@ use gpudirect::memory::{
     MemoryType, PinnedHostBuffer, PoolBuffer, RegisteredHost, VmmBuffer, copy, copy_async,
     copy_from_host, copy_to_host,
 };
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
+use gpudirect_testing::{Hardware, require};
 use rand::Rng;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,4 +1,4 @@
-//! A14: with libcuda absent the program starts and every CUDA entry point answers a typed
+//! With libcuda absent the program starts and every CUDA entry point answers a typed
 //! `LibraryNotFound` naming the file names tried (tier 0; on a GPU node there is nothing to test).
 
 use gpudirect::Error;

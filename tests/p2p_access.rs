@@ -1,12 +1,14 @@
-//! Peer access: A6 (idempotent, thread-safe enable; no sticky error), A7 (a device to itself, or a
-//! pair that cannot: typed PEER_ACCESS_UNSUPPORTED), A8 (TOO_MANY_PEERS typed), P2P attributes.
+//! Peer access: enabling is idempotent and thread-safe and leaves no sticky error; a device to
+//! itself, or a pair that cannot, is a typed PEER_ACCESS_UNSUPPORTED; TOO_MANY_PEERS is typed;
+//! P2P attributes. docs/user-cases.md lists the cases.
 
-mod common;
+mod support;
+
+use support::gpu;
 
 use gpudirect::cudarc::driver::sys::{self, CUresult};
-use gpudirect::p2p::{self, Enabled, Refusal};
-use gpudirect::require;
-use gpudirect::testing::{Hardware, skip};
+use gpudirect::p2p::{self, Enabled, PeerAccessRefusal};
+use gpudirect_testing::{Hardware, require, skip};
 use std::sync::{Arc, Barrier};
 
 /// After the calls under test the context must still work: a sync and a fresh allocation with a
@@ -15,15 +17,15 @@ fn context_is_healthy(ordinal: usize) {
     let ctx = gpudirect::cuda::context(ordinal).unwrap();
     ctx.synchronize()
         .expect("cuCtxSynchronize after the enables");
-    let data = common::random_u32(1024, 5);
-    let s = common::stream(ordinal);
+    let data = gpu::random_u32(1024, 5);
+    let s = gpu::stream(ordinal);
     let b = gpudirect::memory::DeviceBuffer::from_slice(&s, &data).unwrap();
     assert_eq!(b.to_vec(&s).unwrap(), data);
 }
 
 #[test]
-fn a6_enable_twice_from_two_threads_is_ok() {
-    let n = require!(Hardware::Gpu, common::gpus());
+fn enable_twice_from_two_threads_is_ok() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
     if n < 2 {
         // One GPU: the pair (0, 0) is refused; two threads at once both get the same typed refusal
         // and leave the context healthy.
@@ -39,18 +41,22 @@ fn a6_enable_twice_from_two_threads_is_ok() {
             .collect();
         for t in threads {
             let e = t.join().unwrap().unwrap_err();
-            assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported), "{e}");
+            assert_eq!(
+                PeerAccessRefusal::of(&e),
+                Some(PeerAccessRefusal::Unsupported),
+                "{e}"
+            );
         }
         context_is_healthy(0);
         skip(
             Hardware::MultiGpu,
-            "A6 on a real pair needs two GPUs (one visible); ran the one-GPU part",
+            "enabling a real pair twice needs two GPUs (one visible); ran the one-GPU part",
         );
         return;
     }
     for (a, b) in [(0, 1), (1, 0)] {
         if !p2p::can_access_peer(a, b).unwrap() {
-            println!("{a}->{b}: cuDeviceCanAccessPeer = 0, A6 not applicable");
+            println!("{a}->{b}: cuDeviceCanAccessPeer = 0, enabling twice not applicable");
             continue;
         }
         let barrier = Arc::new(Barrier::new(2));
@@ -84,11 +90,14 @@ fn a6_enable_twice_from_two_threads_is_ok() {
 }
 
 #[test]
-fn a7_device_to_itself_is_typed_unsupported() {
-    let _n = require!(Hardware::Gpu, common::gpus());
+fn device_to_itself_is_typed_unsupported() {
+    let _n = require!(Hardware::Gpu, gpu::gpus());
     let e = p2p::enable_peer_access(0, 0).unwrap_err();
     assert_eq!(e.cuda_name(), Some("CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"));
-    assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported));
+    assert_eq!(
+        PeerAccessRefusal::of(&e),
+        Some(PeerAccessRefusal::Unsupported)
+    );
     assert!(e.to_string().contains("cuCtxEnablePeerAccess"), "{e}");
     assert!(!p2p::can_access_peer(0, 0).unwrap());
     // What the driver itself answers for its own context (informational; not sticky).
@@ -109,12 +118,15 @@ fn a7_device_to_itself_is_typed_unsupported() {
         },
     )
     .unwrap_err();
-    assert_eq!(Refusal::of(&c), Some(Refusal::Unsupported));
+    assert_eq!(
+        PeerAccessRefusal::of(&c),
+        Some(PeerAccessRefusal::Unsupported)
+    );
 }
 
 #[test]
-fn a7_pairs_that_cannot_are_typed() {
-    let n = require!(Hardware::Gpu, common::gpus());
+fn pairs_that_cannot_are_typed() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
     let mut checked = 0;
     for a in 0..n {
         for b in 0..n {
@@ -122,7 +134,11 @@ fn a7_pairs_that_cannot_are_typed() {
                 continue;
             }
             let e = p2p::enable_peer_access(a, b).unwrap_err();
-            assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported), "{a}->{b}: {e}");
+            assert_eq!(
+                PeerAccessRefusal::of(&e),
+                Some(PeerAccessRefusal::Unsupported),
+                "{a}->{b}: {e}"
+            );
             checked += 1;
         }
     }
@@ -133,27 +149,32 @@ fn a7_pairs_that_cannot_are_typed() {
 }
 
 #[test]
-fn a8_too_many_peers_is_typed_not_a_panic() {
+fn too_many_peers_is_typed_not_a_panic() {
     // Logic level: the driver's code maps to the typed refusal (also covered beside the code).
     let e = gpudirect::Error::cuda("cuCtxEnablePeerAccess", CUresult::CUDA_ERROR_TOO_MANY_PEERS);
-    assert_eq!(Refusal::of(&e), Some(Refusal::TooManyPeers));
+    assert_eq!(
+        PeerAccessRefusal::of(&e),
+        Some(PeerAccessRefusal::TooManyPeers)
+    );
     assert_eq!(e.cuda_name(), Some("CUDA_ERROR_TOO_MANY_PEERS"));
-    let n = require!(Hardware::Gpu, common::gpus());
+    let n = require!(Hardware::Gpu, gpu::gpus());
     // With more than 8 peers the driver may refuse: every answer is Ok or a typed refusal.
     for b in 1..n {
         match p2p::enable_peer_access(0, b) {
             Ok(_) => {}
-            Err(e) => assert!(Refusal::of(&e).is_some(), "0->{b}: untyped {e}"),
+            Err(e) => assert!(PeerAccessRefusal::of(&e).is_some(), "0->{b}: untyped {e}"),
         }
     }
     if n < 10 {
-        println!("A8 provoked only with more than 8 peers ({n} GPUs): logic-level check ran");
+        println!(
+            "TOO_MANY_PEERS provoked only with more than 8 peers ({n} GPUs): logic-level check ran"
+        );
     }
 }
 
 #[test]
 fn p2p_attributes_and_matrix() {
-    let n = require!(Hardware::Gpu, common::gpus());
+    let n = require!(Hardware::Gpu, gpu::gpus());
     for a in 0..n {
         for b in 0..n {
             let attr = p2p::p2p_attributes(a, b).unwrap();

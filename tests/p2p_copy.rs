@@ -1,13 +1,13 @@
 //! Typed peer copies: every path with random data, poisoned destinations and exact bytes; the
-//! path reported is the one that ran (A7's staged fallback, A16's pool grant).
+//! path reported is the one that ran (the staged fallback where peer access is refused; pool memory
+//! granted to the peer). docs/user-cases.md lists the cases.
 
-mod common;
+mod support;
 
-use common::{assert_same, poisoned, random_u32, stream};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, MemoryKind, PoolBuffer, VmmBuffer};
 use gpudirect::p2p::{self, Copier, CopyOptions, CopyPath, PathChoice};
-use gpudirect::require;
-use gpudirect::testing::{Hardware, skip};
+use gpudirect_testing::{Hardware, require, skip};
+use support::gpu::{self, assert_same, poisoned, random_u32, stream};
 
 /// An odd length: not a multiple of any chunk size, and more than one chunk.
 const N: usize = (5 << 20) / 4 + 13;
@@ -23,8 +23,8 @@ fn staged() -> CopyOptions {
 
 #[test]
 fn same_device_copy_is_exact_and_says_so() {
-    let _ = require!(Hardware::Gpu, common::gpus());
-    let data = random_u32(N, common::seed());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
+    let data = random_u32(N, gpu::seed());
     let s = stream(0);
     let src = DeviceBuffer::from_slice(&s, &data).unwrap();
     let done = p2p::copy(src, poisoned(0, N)).unwrap();
@@ -34,9 +34,9 @@ fn same_device_copy_is_exact_and_says_so() {
 }
 
 #[test]
-fn a7_staged_path_to_itself_is_exact() {
-    let _ = require!(Hardware::Gpu, common::gpus());
-    let data = random_u32(N, common::seed());
+fn staged_path_to_itself_is_exact() {
+    let _ = require!(Hardware::Gpu, gpu::gpus());
+    let data = random_u32(N, gpu::seed());
     let s = stream(0);
     let copier = Copier::new(0, 0, staged()).unwrap();
     assert_eq!(
@@ -63,7 +63,7 @@ fn a7_staged_path_to_itself_is_exact() {
 
 #[test]
 fn staged_path_handles_tiny_and_exact_chunk_sizes() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let s = stream(0);
     let copier = Copier::new(0, 0, staged()).unwrap();
     for n in [1usize, 255, (1 << 20) / 4, (3 << 20) / 4, (1 << 20) / 4 + 1] {
@@ -74,10 +74,69 @@ fn staged_path_handles_tiny_and_exact_chunk_sizes() {
     }
 }
 
+/// `n` random bytes from `seed`.
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    random_u32(n.div_ceil(4), seed)
+        .into_iter()
+        .flat_map(u32::to_le_bytes)
+        .take(n)
+        .collect()
+}
+
+/// Byte-sized staged copies at every size class: 1 byte, a page less one, a chunk less one, one
+/// chunk, a chunk and one, and 64 MiB (many turns of the ring), with the test's small chunks and
+/// with the default 8 MiB ones; device to itself and, with two GPUs, both ways between them.
+/// Each destination starts as the complement of its source, so every byte not copied differs.
+#[test]
+fn staged_copies_are_exact_at_every_size() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
+    let pairs: &[(usize, usize)] = if n > 1 {
+        &[(0, 0), (0, 1), (1, 0)]
+    } else {
+        &[(0, 0)]
+    };
+    let default_staged = CopyOptions {
+        path: PathChoice::Staged,
+        ..Default::default()
+    };
+    for &(a, b) in pairs {
+        let (sa, sb) = (stream(a), stream(b));
+        for opts in [staged(), default_staged] {
+            let copier = Copier::new(a, b, opts).unwrap();
+            let chunk = opts.chunk_bytes;
+            for bytes in [1, 4095, chunk - 1, chunk, chunk + 1, 64 << 20] {
+                let data = random_bytes(bytes, seed ^ bytes as u64);
+                let poison: Vec<u8> = data.iter().map(|b| !b).collect();
+                let src = DeviceBuffer::from_slice(&sa, &data).unwrap();
+                let dst = DeviceBuffer::from_slice(&sb, &poison).unwrap();
+                let done = copier.copy(src, dst).unwrap();
+                assert_eq!(done.path.name(), "staged");
+                assert_eq!(done.bytes, bytes);
+                let got = done.dst.to_vec(&sb).unwrap();
+                if let Some(i) = got.iter().zip(&data).position(|(g, w)| g != w) {
+                    panic!(
+                        "{a}->{b}, chunk {chunk}, {bytes} bytes: first difference at byte {i}: \
+                         got {:#04x}, want {:#04x}",
+                        got[i], data[i]
+                    );
+                }
+            }
+            println!("{a}->{b} staged, {chunk}-byte chunks: every size exact");
+        }
+    }
+    if n < 2 {
+        skip(
+            Hardware::MultiGpu,
+            "staged copies between two GPUs need two; ran 0->0",
+        );
+    }
+}
+
 #[test]
 fn pool_and_vmm_memory_copy_exactly() {
-    let _ = require!(Hardware::Gpu, common::gpus());
-    let data = random_u32(N, common::seed());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
+    let data = random_u32(N, gpu::seed());
     let s = stream(0);
     let ctx = gpudirect::cuda::context(0).unwrap();
     let slice = ctx.default_stream().clone_htod(&data).unwrap();
@@ -101,7 +160,7 @@ fn pool_and_vmm_memory_copy_exactly() {
 
 #[test]
 fn misuse_is_rejected_before_any_copy() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let s = stream(0);
     let src = DeviceBuffer::from_slice(&s, &[1u32, 2, 3]).unwrap();
     let e = p2p::copy(src, poisoned(0, 4)).unwrap_err();
@@ -127,8 +186,8 @@ fn misuse_is_rejected_before_any_copy() {
 
 #[test]
 fn every_ordered_pair_copies_exactly_on_the_true_path() {
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     for a in 0..n {
         for b in 0..n {
             let data = random_u32(N, seed ^ (a * 31 + b) as u64);
@@ -158,12 +217,12 @@ fn every_ordered_pair_copies_exactly_on_the_true_path() {
 }
 
 #[test]
-fn a16_pool_memory_peer_copy_is_granted_and_reported() {
-    let n = require!(Hardware::Gpu, common::gpus());
+fn pool_memory_peer_copy_is_granted_and_reported() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
     if n < 2 {
         skip(
             Hardware::MultiGpu,
-            "A16's peer half needs two GPUs (one visible)",
+            "the pool grant between GPUs needs two GPUs (one visible)",
         );
         return;
     }
@@ -171,7 +230,7 @@ fn a16_pool_memory_peer_copy_is_granted_and_reported() {
         println!("0->1 has no P2P: pool grant not applicable");
         return;
     }
-    let data = random_u32(N, common::seed());
+    let data = random_u32(N, gpu::seed());
     let ctx0 = gpudirect::cuda::context(0).unwrap();
     let ctx1 = gpudirect::cuda::context(1).unwrap();
     // Without the grant: the driver stages, and the report says so.
@@ -195,9 +254,9 @@ fn a16_pool_memory_peer_copy_is_granted_and_reported() {
 
 #[test]
 fn one_copier_shared_by_threads_keeps_every_copy_exact() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let copier = std::sync::Arc::new(Copier::new(0, 0, staged()).unwrap());
-    let seed = common::seed();
+    let seed = gpu::seed();
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let copier = copier.clone();
@@ -228,7 +287,7 @@ fn one_copier_shared_by_threads_keeps_every_copy_exact() {
 
 #[test]
 fn dropping_an_in_flight_copy_waits_instead_of_freeing_early() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let s = stream(0);
     let copier = Copier::new(0, 0, staged()).unwrap();
     let data = random_u32(N, 3);
@@ -258,7 +317,7 @@ fn dropping_an_in_flight_copy_waits_instead_of_freeing_early() {
 /// peer, so the copy runs peer to peer over the whole range (or the true path is reported).
 #[test]
 fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
-    let n = require!(Hardware::Gpu, common::gpus());
+    let n = require!(Hardware::Gpu, gpu::gpus());
     if n < 2 {
         skip(
             Hardware::MultiGpu,
@@ -277,7 +336,7 @@ fn a_vmm_buffer_of_several_chunks_copies_whole_between_gpus() {
     };
     let sizes = [g, 3 * g];
     let words = 4 * g / 4;
-    let data = random_u32(words, common::seed());
+    let data = random_u32(words, gpu::seed());
     let mut src = VmmBuffer::<u32>::alloc_chunks(&ctx0, &sizes).unwrap();
     gpudirect::memory::copy_from_host(&stream(0), &data, &mut src).unwrap();
     let dst = VmmBuffer::<u32>::alloc_chunks(&ctx1, &sizes).unwrap();
@@ -326,7 +385,7 @@ fn has_access(base: u64, peer: i32) -> bool {
 /// reaches every chunk, and a copier that only checks the grants then reports a peer copy.
 #[test]
 fn vmm_grants_follow_the_buffers_own_chunks() {
-    let n = require!(Hardware::Gpu, common::gpus());
+    let n = require!(Hardware::Gpu, gpu::gpus());
     if n < 2 || !p2p::can_access_peer(0, 1).unwrap() || !p2p::can_access_peer(1, 0).unwrap() {
         skip(Hardware::MultiGpu, "needs two GPUs with peer access");
         return;
@@ -378,7 +437,7 @@ fn vmm_grants_follow_the_buffers_own_chunks() {
 
     // Copies that only check the grants see them (the source, shared through an Arc, forwards
     // its chunks too).
-    let data = random_u32(4 * g / 4, common::seed());
+    let data = random_u32(4 * g / 4, gpu::seed());
     let mut src = VmmBuffer::<u32>::alloc_chunks(&ctx0, &[2 * g, g, g]).unwrap();
     gpudirect::memory::copy_from_host(&stream(0), &data, &mut src).unwrap();
     p2p::grant_vmm_memory(&src, 1).unwrap();
@@ -398,4 +457,71 @@ fn vmm_grants_follow_the_buffers_own_chunks() {
         &data,
         "granted chunked VMM peer copy",
     );
+}
+
+/// 64 copies in flight through one copier (the pipelined pattern), then one wait each, in reverse
+/// order: every destination holds exactly its own source. The copies share the copier's stream
+/// fence (no event per copy): a wait that returned before its copy had run would show the poison.
+#[test]
+fn pipelined_copies_are_exact_on_every_path() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
+    let seed = gpu::seed();
+    let (sa, sb) = (stream(a), stream(b));
+    let words = 1024 + 7;
+    for opts in [CopyOptions::default(), staged()] {
+        let copier = Copier::new(a, b, opts).unwrap();
+        let mut ops = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..64u64 {
+            let data = random_u32(words, seed ^ i);
+            let src = DeviceBuffer::from_slice(&sa, &data).unwrap();
+            ops.push(copier.copy_async(src, poisoned(b, words)).unwrap());
+            want.push(data);
+        }
+        for (i, (op, data)) in ops.into_iter().zip(want).enumerate().rev() {
+            let done = op.wait().unwrap();
+            assert_eq!(&done.path, copier.path());
+            assert_same(
+                &done.dst.to_vec(&sb).unwrap(),
+                &data,
+                &format!("{a}->{b} {} copy {i}", copier.path()),
+            );
+        }
+    }
+    if n < 2 {
+        skip(Hardware::MultiGpu, "ran 0->0 only (one GPU visible)");
+    }
+}
+
+/// One copier on the peer (or same-device) path shared by four threads, each issuing and
+/// waiting: nothing is locked on that path, and every copy stays exact.
+#[test]
+fn one_copier_on_the_direct_path_shared_by_threads() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
+    let copier = std::sync::Arc::new(Copier::new(a, b, CopyOptions::default()).unwrap());
+    let seed = gpu::seed();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let copier = copier.clone();
+            std::thread::spawn(move || {
+                let (sa, sb) = (stream(a), stream(b));
+                for i in 0..16u64 {
+                    let words = 4096 + (t * 16 + i) as usize;
+                    let data = random_u32(words, seed ^ (t << 8 | i));
+                    let src = DeviceBuffer::from_slice(&sa, &data).unwrap();
+                    let done = copier.copy(src, poisoned(b, words)).unwrap();
+                    assert_same(
+                        &done.dst.to_vec(&sb).unwrap(),
+                        &data,
+                        &format!("thread {t} copy {i}"),
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
 }

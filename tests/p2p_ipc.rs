@@ -1,21 +1,23 @@
 //! CUDA IPC between two processes: the test re-executes its own binary as the importing child
 //! (`P2P_IPC_CHILD` set), which maps the parent's buffers, waits on the parent's IPC event, copies
 //! source to destination on the GPU and checks the source's exact bytes; the parent then checks the
-//! destination's exact bytes. With two GPUs the child imports on the other GPU.
+//! destination's exact bytes. With two GPUs the child works on the other GPU: it maps the source
+//! where it lives (the parent's GPU) and the destination for its own GPU, and every copy that
+//! crosses the link says so (never `same_device`).
 
-mod common;
+mod support;
 
-use common::{assert_same, poisoned, random_u32, stream};
+use gpudirect::memory::DeviceMemory;
 use gpudirect::memory::{DeviceBuffer, VmmBuffer};
-use gpudirect::p2p::ipc::{
-    IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolImport,
+use gpudirect::p2p::{
+    CopyPath, IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolImport,
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
-use gpudirect::require;
-use gpudirect::testing::Hardware;
+use gpudirect_testing::{Hardware, require};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
+use support::gpu::{self, assert_same, poisoned, random_u32, stream};
 
 const CHILD: &str = "P2P_IPC_CHILD";
 const N: usize = (3 << 20) / 4 + 7;
@@ -49,13 +51,23 @@ fn child_device(n: usize) -> usize {
     if n > 1 { 1 } else { 0 }
 }
 
+/// The path a copy between memory of device 0 and memory addressed through device `d` must
+/// report: the data crosses the link unless `d` is 0.
+fn crossing(d: usize) -> CopyPath {
+    if d == 0 {
+        CopyPath::SameDevice
+    } else {
+        CopyPath::Peer
+    }
+}
+
 #[test]
 fn ipc_mem_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return mem_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let src = IpcExport::new(DeviceBuffer::from_slice(&s, &data).unwrap()).unwrap();
@@ -69,8 +81,12 @@ fn ipc_mem_two_processes() {
         seed,
         device: child_device(n),
     };
+    assert!(
+        src.handle().pci_bus_id.is_some(),
+        "the handle says where it lives"
+    );
     // Opening one's own handle is refused by the driver: a typed error, no panic.
-    let own = IpcMemory::<u32>::open(src.handle(), 0).unwrap_err();
+    let own = IpcMemory::<u32>::open(src.handle()).unwrap_err();
     println!("opening our own handle: {own}");
     assert!(own.cuda_name().is_some(), "{own}");
     let status = spawn_child(
@@ -103,7 +119,7 @@ fn mem_child(job: MemJob) {
         let mut bad = job.src.clone();
         bad.offset = offset;
         bad.bytes = bytes;
-        let e = IpcMemory::<u32>::open(&bad, d).unwrap_err();
+        let e = IpcMemory::<u32>::open_on(&bad, d).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -115,17 +131,32 @@ fn mem_child(job: MemJob) {
             "{e}"
         );
     }
-    let src = IpcMemory::<u32>::open(&job.src, d).unwrap();
-    let dst = IpcMemory::<u32>::open(&job.dst, d).unwrap();
+    // The source where it lives (the parent's device 0), the destination for this device.
+    let src = IpcMemory::<u32>::open(&job.src).unwrap();
+    assert_eq!((src.ordinal(), src.home()), (0, Some(0)));
+    let dst = IpcMemory::<u32>::open_on(&job.dst, d).unwrap();
+    assert_eq!((dst.ordinal(), dst.home()), (d, Some(0)));
     let done = gpudirect::p2p::copy(src, dst).unwrap();
     println!("child on device {d}: copy path {}", done.path);
+    assert_eq!(done.path, crossing(d));
     let (src, dst) = done.into_parts();
-    // Read the mapping back through a local buffer (exact bytes of the parent's source).
+    // Read both mappings back through local buffers (exact bytes of the parent's source). The
+    // destination, memory of device 0 addressed through device d, is copied on device d's
+    // stream: a copy across the link, said as such.
+    let back = gpudirect::p2p::copy(dst, poisoned(d, N)).unwrap();
+    println!("child: device-0 memory mapped on {d} -> {d}: {}", back.path);
+    assert_eq!(back.path, crossing(d), "never same_device across the link");
+    assert_same(&back.dst.to_vec(&s).unwrap(), &data, "imported destination");
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    println!(
+        "child: device-0 memory mapped at home -> {d}: {}",
+        local.path
+    );
+    assert_eq!(local.path, crossing(d));
     assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported source");
     // Closing the import (cuIpcCloseMemHandle) unmaps it; in-flight work on it is owned by its
     // InFlight, so the drop adds no synchronization of its own.
-    drop(dst);
+    drop(back);
     println!("child: ok");
 }
 
@@ -134,8 +165,8 @@ fn ipc_vmm_fd_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return vmm_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let ctx = gpudirect::cuda::context(0).unwrap();
@@ -173,20 +204,32 @@ fn vmm_child(job: VmmJob) {
     let d = job.device;
     let data = random_u32(N, job.seed);
     let sock = UnixStream::connect(&job.socket).unwrap();
-    let mut imports = Vec::new();
+    let mut handles = Vec::new();
     for _ in 0..2 {
         let mut buf = [0u8; 512];
         let (fd, len) = recv_fd(&sock, &mut buf).unwrap();
         let handle: VmmHandle = serde_json::from_slice(&buf[..len]).unwrap();
-        imports.push(VmmImport::<u32>::open(fd.as_fd(), &handle, d).unwrap());
+        handles.push((fd, handle));
     }
-    let dst = imports.pop().unwrap();
-    let src = imports.pop().unwrap();
+    // The source mapped where it lives, the destination for this device.
+    let src = VmmImport::<u32>::open(handles[0].0.as_fd(), &handles[0].1).unwrap();
+    assert_eq!((src.ordinal(), src.home()), (0, Some(0)));
+    let dst = VmmImport::<u32>::open_on(handles[1].0.as_fd(), &handles[1].1, d).unwrap();
+    assert_eq!((dst.ordinal(), dst.home()), (d, Some(0)));
     let done = gpudirect::p2p::copy(src, dst).unwrap();
     println!("child on device {d}: VMM copy path {}", done.path);
-    let (src, _dst) = done.into_parts();
+    assert_eq!(done.path, crossing(d));
+    let (src, dst) = done.into_parts();
     let s = stream(d);
+    let back = gpudirect::p2p::copy(dst, poisoned(d, N)).unwrap();
+    assert_eq!(back.path, crossing(d), "never same_device across the link");
+    assert_same(
+        &back.dst.to_vec(&s).unwrap(),
+        &data,
+        "imported VMM destination",
+    );
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_eq!(local.path, crossing(d));
     assert_same(&local.dst.to_vec(&s).unwrap(), &data, "imported VMM source");
     println!("child: ok");
 }
@@ -202,8 +245,8 @@ fn ipc_pool_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return pool_child(serde_json::from_str(&job).unwrap());
     }
-    let n = require!(Hardware::Gpu, common::gpus());
-    let seed = common::seed();
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed();
     let data = random_u32(N, seed);
     let s = stream(0);
     let pool = IpcPool::new(0).unwrap();
@@ -267,11 +310,15 @@ fn pool_child(job: VmmJob) {
     );
     let src = PoolImport::<u32>::open(&pool, &handles.src).unwrap();
     let dst = PoolImport::<u32>::open(&pool, &handles.dst).unwrap();
+    // Both live on device 0 and are addressed through device d: a copy between them on d's
+    // stream crosses the link twice, and must not say same_device.
     let done = gpudirect::p2p::copy(src, dst).unwrap();
     println!("child on device {d}: pool copy path {}", done.path);
+    assert_eq!(done.path, crossing(d));
     let (src, _dst) = done.into_parts();
     let s = stream(d);
     let local = gpudirect::p2p::copy(src, poisoned(d, N)).unwrap();
+    assert_eq!(local.path, crossing(d));
     assert_same(
         &local.dst.to_vec(&s).unwrap(),
         &data,
@@ -282,7 +329,7 @@ fn pool_child(job: VmmJob) {
 
 #[test]
 fn pool_memory_export_is_typed_unsupported() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let ctx = gpudirect::cuda::context(0).unwrap();
     let slice = ctx.default_stream().alloc_zeros::<u32>(16).unwrap();
     let pool = gpudirect::memory::PoolBuffer::new(slice).unwrap();
@@ -293,7 +340,7 @@ fn pool_memory_export_is_typed_unsupported() {
 
 #[test]
 fn handles_serialize_for_out_of_band_exchange() {
-    let h = IpcMemHandle::from_parts([7; 64], 40, 4096, 4, 0);
+    let h = IpcMemHandle::from_parts([7; 64], 40, 4096, 4, 0, Some("0000:19:00.0".into()));
     let j = serde_json::to_string(&h).unwrap();
     assert!(j.contains(&"07".repeat(64)), "{j}");
     assert_eq!(serde_json::from_str::<IpcMemHandle>(&j).unwrap(), h);
@@ -302,6 +349,7 @@ fn handles_serialize_for_out_of_band_exchange() {
         mapped_bytes: 2 << 20,
         elem_size: 4,
         device: 0,
+        pci_bus_id: Some("0000:19:00.0".into()),
     };
     let j = serde_json::to_string(&v).unwrap();
     assert_eq!(serde_json::from_str::<VmmHandle>(&j).unwrap(), v);
@@ -309,11 +357,11 @@ fn handles_serialize_for_out_of_band_exchange() {
 
 #[test]
 fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let pool = match IpcPool::new(0) {
         Ok(p) => p,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, format!("no IPC pool on device 0: {e}"));
+            gpudirect_testing::skip(Hardware::Gpu, format!("no IPC pool on device 0: {e}"));
             return;
         }
     };
@@ -334,12 +382,12 @@ fn ipc_pool_memory_is_refused_naming_the_api_that_shares_it() {
 
 #[test]
 fn a_vmm_buffer_of_several_chunks_is_refused_by_fd_export_naming_the_chunks() {
-    let _ = require!(Hardware::Gpu, common::gpus());
+    let _ = require!(Hardware::Gpu, gpu::gpus());
     let ctx = gpudirect::cuda::context(0).unwrap();
     let g = match VmmBuffer::<u32>::granularity(&ctx) {
         Ok(g) => g,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
+            gpudirect_testing::skip(Hardware::Gpu, format!("no VMM on device 0: {e}"));
             return;
         }
     };

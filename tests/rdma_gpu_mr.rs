@@ -11,14 +11,14 @@
 //! Prints `SKIPPED: reason` without a verbs device (or without /dev/udmabuf), and fails then when
 //! `GPUDIRECT_REQUIRE` names `rdma`.
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::rdma::*;
-use gpudirect::testing::{Hardware, skip};
-use gpudirect::{Error, require};
-use rdma_common::*;
+use gpudirect_testing::{Hardware, require, skip};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
+use support::rdma::*;
 
 const PAGE: usize = 4096;
 
@@ -218,7 +218,7 @@ fn is_soft(ctx: &Context) -> bool {
 }
 
 #[test]
-fn a3_udmabuf_reaches_ibv_reg_dmabuf_mr_and_eopnotsupp_is_typed() {
+fn udmabuf_reaches_ibv_reg_dmabuf_mr_and_eopnotsupp_is_typed() {
     let ctx = require!(Hardware::Rdma, Context::open_by_name(None));
     let pd = ctx.alloc_pd().unwrap();
     let map = udmabuf!(16 * PAGE);
@@ -261,7 +261,7 @@ fn a3_udmabuf_reaches_ibv_reg_dmabuf_mr_and_eopnotsupp_is_typed() {
 }
 
 #[test]
-fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
+fn auto_records_the_dmabuf_refusal_and_falls_through() {
     let mut p = require!(Hardware::Rdma, pair());
     let map = udmabuf!(32 * PAGE);
     if !is_soft(&p.ctx) {
@@ -274,7 +274,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
         );
         return;
     }
-    // A5's geometry: 65544 bytes starting 40 bytes into the buffer.
+    // The unaligned geometry: 65544 bytes starting 40 bytes into the buffer.
     let (off, len) = (PAGE + 40, 65544);
     map.write(0, &vec![0xEE; map.len]); // poison everything around the span
     let mr =
@@ -302,7 +302,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
         "{}",
         mr.attempts()
     );
-    // A4/A5: the descriptor advertises exactly the requested bytes.
+    // The descriptor advertises exactly the requested bytes, at the address the NIC expects.
     let remote = mr.remote();
     assert_eq!(
         (remote.addr, remote.len),
@@ -377,7 +377,7 @@ fn a3_auto_records_the_dmabuf_refusal_and_falls_through() {
 }
 
 #[test]
-fn a1_auto_with_no_path_lists_every_refusal() {
+fn auto_with_no_path_lists_every_refusal() {
     let ctx = require!(Hardware::Rdma, Context::open_by_name(None));
     if !is_soft(&ctx) {
         skip(
@@ -439,7 +439,7 @@ fn a1_auto_with_no_path_lists_every_refusal() {
 }
 
 #[test]
-fn a5_two_small_buffers_in_one_page_are_distinct_regions() {
+fn two_small_buffers_in_one_page_are_distinct_regions() {
     let mut p = require!(Hardware::Rdma, pair());
     let map = udmabuf!(PAGE);
     map.write(0, &[0xEE; PAGE]);

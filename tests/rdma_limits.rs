@@ -3,16 +3,16 @@
 //! the typed states follow the hardware through ERR → RESET → INIT → RTR → RTS. Prints
 //! `SKIPPED: reason` without a verbs device, and fails then when `GPUDIRECT_REQUIRE` names `rdma`.
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::completion::{CompletionFlag, Fence};
 use gpudirect::rdma::*;
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
-use rdma_common::*;
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+use support::rdma::*;
 
 const CHUNK: usize = 64;
 

@@ -4,16 +4,16 @@
 //! address. Prints `SKIPPED: reason` without a verbs device, and fails then when
 //! `GPUDIRECT_REQUIRE` names `rdma`.
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::rdma::*;
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
+use gpudirect_testing::{Hardware, require};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use rdma_common::*;
 use std::cell::RefCell;
 use std::ops::Bound;
+use support::rdma::*;
 
 fn runner(cases: u32) -> TestRunner {
     TestRunner::new(Config {

@@ -2,15 +2,15 @@
 //! so the process-wide teardown counts it reads are its own. Prints `SKIPPED: reason` without a
 //! verbs device, and fails then when `GPUDIRECT_REQUIRE` names `rdma`.
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::rdma::*;
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
-use rdma_common::*;
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use support::rdma::*;
 
 const N: usize = 1000;
 const CHUNK: usize = 64;

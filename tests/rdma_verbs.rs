@@ -1,14 +1,14 @@
 //! Tier 1: every verbs path on host memory, over a loopback pair of RC queue pairs. Prints
 //! `SKIPPED: reason` without a verbs device, and fails then when `GPUDIRECT_REQUIRE` names `rdma`.
 
-mod rdma_common;
+mod support;
 
+use gpudirect::Error;
 use gpudirect::rdma::*;
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
-use rdma_common::*;
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use support::rdma::*;
 
 #[test]
 fn device_port_and_gid_table() {
@@ -200,7 +200,7 @@ fn rdma_write_with_immediate_and_read_back() {
 fn atomics_compare_swap_and_fetch_add() {
     let mut p = require!(Hardware::Rdma, pair());
     if p.ctx.query_device().unwrap().atomic_cap == 0 {
-        gpudirect::testing::skip(Hardware::Rdma, "device has no atomics (atomic_cap 0)");
+        gpudirect_testing::skip(Hardware::Rdma, "device has no atomics (atomic_cap 0)");
         return;
     }
     let mut word =
@@ -442,10 +442,10 @@ fn completion_channel_wakes_on_completion() {
     drop(p.a);
 }
 
-/// A15: a QP with outstanding receives goes to the error state; the receive buffers are freed
+/// A QP with outstanding receives goes to the error state; the receive buffers are freed
 /// only when their flushed completions are polled, never before.
 #[test]
-fn a15_buffers_freed_only_after_flush_completions() {
+fn buffers_freed_only_after_flush_completions() {
     let mut p = require!(Hardware::Rdma, pair());
     let freed = Arc::new(AtomicUsize::new(0));
     for i in 0..4 {
@@ -479,11 +479,11 @@ fn a15_buffers_freed_only_after_flush_completions() {
     drop(b);
 }
 
-/// A15, by drop: dropping a QP with outstanding receives drains their flushes before it frees
+/// The same by drop: dropping a QP with outstanding receives drains their flushes before it frees
 /// anything, and a completion of another QP found on the shared CQ during the drain is kept for
 /// its owner's next poll.
 #[test]
-fn a15_dropped_qp_drains_before_freeing() {
+fn dropped_qp_drains_before_freeing() {
     let ctx = require!(Hardware::Rdma, Context::open_by_name(None));
     let pd = ctx.alloc_pd().unwrap();
     let p = pair_opts(ctx, pd, None, true).unwrap();
@@ -532,11 +532,11 @@ fn a15_dropped_qp_drains_before_freeing() {
     drop(a);
 }
 
-/// A3: `ibv_reg_dmabuf_mr` answering EOPNOTSUPP (Soft-RoCE) is a typed `Unsupported` that says
+/// `ibv_reg_dmabuf_mr` answering EOPNOTSUPP (Soft-RoCE) is a typed `Unsupported` that says
 /// dma-buf. A memfd stands in for the dma-buf: rxe refuses before looking at it; a device that
 /// supports dma-bufs refuses the memfd with an `Os` error instead.
 #[test]
-fn a3_dmabuf_unsupported_is_typed() {
+fn dmabuf_unsupported_is_typed() {
     use std::os::fd::{FromRawFd, OwnedFd};
     let ctx = require!(Hardware::Rdma, Context::open_by_name(None));
     let pd = ctx.alloc_pd().unwrap();

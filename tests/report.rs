@@ -584,7 +584,7 @@ fn advice_follows_the_decision_rules() {
         has(
             a,
             "storage",
-            "compatibility mode: storage::File in Mode::Auto"
+            "compatibility mode: storage::GdsFile in Mode::Auto"
         ),
         "{a:#?}"
     );

@@ -11,9 +11,10 @@
 mod support;
 
 use gpudirect::storage::{BufRegistration, Driver, FileHandle, OpenOptions};
-use gpudirect::testing::Hardware;
+use gpudirect_testing::Hardware;
 use std::time::{Duration, Instant};
-use support::devbuf::{DevBuf, pattern, test_dir};
+use support::files::{pattern, test_dir};
+use support::gpu::poisoned_bytes;
 
 const THREADS: usize = 8;
 const ROUNDS: usize = 200;
@@ -23,7 +24,7 @@ fn setup() -> Option<std::sync::Arc<gpudirect::cudarc::driver::CudaContext>> {
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, e);
+            gpudirect_testing::skip(Hardware::Gpu, e);
             return None;
         }
     };
@@ -32,7 +33,7 @@ fn setup() -> Option<std::sync::Arc<gpudirect::cudarc::driver::CudaContext>> {
         // Not kept: nothing in the tests below holds a handle between rounds.
         Ok(_) => {}
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Cufile, e);
+            gpudirect_testing::skip(Hardware::Cufile, e);
             return None;
         }
     }
@@ -79,7 +80,7 @@ fn eight_threads_open_register_deregister_and_drop_200_times() {
             let (ctx, path) = (&ctx, &path);
             s.spawn(move || {
                 ctx.bind_to_thread().unwrap();
-                let mut buf = Some(DevBuf::new(0, 1 << 20, t as u8));
+                let mut buf = Some(poisoned_bytes(0, 1 << 20, t as u8));
                 for i in 0..ROUNDS {
                     let at = format!("thread {t} round {i}");
                     let d = Driver::open().unwrap_or_else(|e| panic!("{at}: open: {e}"));

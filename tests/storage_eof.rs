@@ -18,13 +18,15 @@
 mod support;
 
 use gpudirect::Error;
+use gpudirect::memory::DeviceBuffer;
 use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::storage::{
-    Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, File, FileHandle, Mode,
+    Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, FileHandle, GdsFile, Mode,
     OpenOptions,
 };
-use gpudirect::testing::Hardware;
-use support::devbuf::{DevBuf, pattern, test_dir};
+use gpudirect_testing::Hardware;
+use support::files::{pattern, test_dir};
+use support::gpu::{ToHost, device_bytes, poisoned_bytes};
 
 const FILE_LEN: usize = 22_295;
 const DST_OFFSET: usize = 100;
@@ -37,7 +39,7 @@ const OFFSETS_BUF_LEN: usize = 4096 + 8192 + 16384;
 const OFFSETS: [u64; 4] = [18_295, 22_295, 30_000, 3];
 
 /// The count and the bytes of a read of `LEN` at `fo` into a poisoned buffer at `DST_OFFSET`.
-fn check(what: &str, fo: u64, got: usize, buf: &DevBuf, data: &[u8]) {
+fn check(what: &str, fo: u64, got: usize, buf: &DeviceBuffer<u8>, data: &[u8]) {
     let fo = fo as usize;
     let want = LEN.min(data.len().saturating_sub(fo));
     assert_eq!(got, want, "{what}: count at file offset {fo}");
@@ -65,7 +67,7 @@ fn setup() -> Option<(
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, e);
+            gpudirect_testing::skip(Hardware::Gpu, e);
             return None;
         }
     };
@@ -73,7 +75,7 @@ fn setup() -> Option<(
     match Driver::open() {
         Ok(d) => Some((ctx, d)),
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Cufile, e);
+            gpudirect_testing::skip(Hardware::Cufile, e);
             None
         }
     }
@@ -99,7 +101,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
     std::fs::write(&path, &data).unwrap();
 
     for mode in [Mode::Posix, Mode::Auto, Mode::CuFile] {
-        let f = match File::open(&path, &OpenOptions::read_only(), mode) {
+        let f = match GdsFile::open(&path, &OpenOptions::read_only(), mode) {
             Ok(f) => f,
             Err(e) if mode == Mode::CuFile => {
                 println!("NOTE: Mode::CuFile unavailable: {e}");
@@ -108,10 +110,10 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
             Err(e) => panic!("{mode:?}: {e}"),
         };
         for fo in OFFSETS {
-            let mut buf = DevBuf::new(0, BUF_LEN, POISON);
+            let mut buf = poisoned_bytes(0, BUF_LEN, POISON);
             let t = f.read_to_device(&mut buf, DST_OFFSET, fo, LEN).unwrap();
             check(
-                &format!("File {mode:?} ({:?})", t.path),
+                &format!("GdsFile {mode:?} ({:?})", t.path),
                 fo,
                 t.bytes,
                 &buf,
@@ -127,12 +129,12 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
         let what = |p: &str| format!("{p} (O_DIRECT {})", h.is_direct());
         for fo in OFFSETS {
             // Blocking, into a plain buffer.
-            let mut buf = DevBuf::new(0, BUF_LEN, POISON);
+            let mut buf = poisoned_bytes(0, BUF_LEN, POISON);
             let n = h.read(&mut buf, DST_OFFSET, fo, LEN).unwrap();
             check(&what("cuFileRead"), fo, n, &buf, &data);
 
             // Blocking, into a registered buffer.
-            let buf = DevBuf::new(0, BUF_LEN, POISON);
+            let buf = poisoned_bytes(0, BUF_LEN, POISON);
             let mut reg = BufRegistration::register(&d, buf, 0, BUF_LEN).unwrap();
             let n = h.read(&mut reg, DST_OFFSET, fo, LEN).unwrap();
             let buf = reg.into_inner().unwrap();
@@ -140,7 +142,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
 
             // Stream-ordered.
             let stream = ctx.new_stream().unwrap();
-            let buf = DevBuf::new(0, BUF_LEN, POISON);
+            let buf = poisoned_bytes(0, BUF_LEN, POISON);
             let (buf, n) = h
                 .read_async(&stream, buf, DST_OFFSET, fo, LEN)
                 .unwrap()
@@ -153,7 +155,7 @@ fn a_read_crossing_the_end_of_file_is_the_same_on_every_path() {
             b.submit(vec![BatchRequest {
                 op: BatchOp::Read,
                 handle: h.clone(),
-                buffer: DevBuf::new(0, BUF_LEN, POISON),
+                buffer: poisoned_bytes(0, BUF_LEN, POISON),
                 buf_offset: DST_OFFSET,
                 file_offset: fo,
                 len: LEN,
@@ -178,13 +180,12 @@ fn a_stream_ordered_read_sees_the_size_an_earlier_write_on_the_stream_made() {
         return;
     };
     let data = pattern(65_536, 31);
-    let mut src = DevBuf::new(0, data.len(), 0);
-    src.fill_from(&data);
+    let src = device_bytes(0, &data);
     let stream = ctx.new_stream().unwrap();
     // Both queued before either runs: the file is empty when the read is queued, and 64 KiB long
     // when the stream reaches it.
     let write = h.write_async(&stream, src, 0, 0, data.len()).unwrap();
-    let dst = DevBuf::new(0, data.len() + 100, POISON);
+    let dst = poisoned_bytes(0, data.len() + 100, POISON);
     let read = h.read_async(&stream, dst, 0, 0, data.len() + 100).unwrap();
     let (_, w) = write.wait().unwrap();
     assert_eq!(w, data.len());
@@ -250,7 +251,7 @@ fn stream_ordered_reads_match_blocking_reads_at_every_buffer_offset() {
         let stream = ctx.new_stream().unwrap();
         for (fo, len, off) in OFFSET_CASES {
             let what = format!("fo={fo} len={len} buf_off={off} O_DIRECT {}", h.is_direct());
-            let mut sync_buf = DevBuf::new(0, OFFSETS_BUF_LEN, POISON);
+            let mut sync_buf = poisoned_bytes(0, OFFSETS_BUF_LEN, POISON);
             let n = h.read(&mut sync_buf, off, fo, len).unwrap();
             expect_read(
                 &format!("cuFileRead {what}"),
@@ -264,7 +265,7 @@ fn stream_ordered_reads_match_blocking_reads_at_every_buffer_offset() {
             let op = h
                 .read_async(
                     &stream,
-                    DevBuf::new(0, OFFSETS_BUF_LEN, POISON),
+                    poisoned_bytes(0, OFFSETS_BUF_LEN, POISON),
                     off,
                     fo,
                     len,
@@ -320,8 +321,7 @@ fn stream_ordered_writes_from_any_buffer_offset_land_exactly() {
         (3, 4093, 7),
     ] {
         std::fs::write(&path, vec![POISON; 3 * 8192]).unwrap();
-        let mut src = DevBuf::new(0, OFFSETS_BUF_LEN, 0);
-        src.fill_from(&src_bytes);
+        let src = device_bytes(0, &src_bytes);
         let op = h.write_async(&stream, src, off, fo, len).unwrap();
         assert_eq!(op.uses_scratch(), off != 0, "fo={fo} len={len} off={off}");
         let (_, n) = op
@@ -351,13 +351,12 @@ fn a_scratch_read_sees_an_earlier_write_on_its_stream() {
         return;
     };
     let data = pattern(65_536, 47);
-    let mut src = DevBuf::new(0, 100 + data.len(), 0);
     let mut staged = vec![0u8; 100];
     staged.extend_from_slice(&data);
-    src.fill_from(&staged);
+    let src = device_bytes(0, &staged);
     let stream = ctx.new_stream().unwrap();
     let write = h.write_async(&stream, src, 100, 0, data.len()).unwrap();
-    let dst = DevBuf::new(0, 100 + data.len() + 100, POISON);
+    let dst = poisoned_bytes(0, 100 + data.len() + 100, POISON);
     let read = h
         .read_async(&stream, dst, 100, 0, data.len() + 100)
         .unwrap();

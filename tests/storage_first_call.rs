@@ -2,11 +2,11 @@
 //! binary, so nothing ran before it.
 
 use gpudirect::storage::Driver;
-use gpudirect::testing::Hardware;
+use gpudirect_testing::Hardware;
 
 #[test]
 fn driver_open_is_the_first_cuda_call() {
-    let d = gpudirect::require!(Hardware::Cufile, Driver::open());
+    let d = gpudirect_testing::require!(Hardware::Cufile, Driver::open());
     let p = d.properties().expect("properties after a first-call open");
     println!(
         "cuFile {:?} opened first; nvidia-fs {:?}, compat allowed {}",

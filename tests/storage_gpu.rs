@@ -7,20 +7,21 @@
 mod support;
 
 use gpudirect::Error;
-use gpudirect::require;
+use gpudirect::memory::DeviceBuffer;
 use gpudirect::storage::{
-    BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, File, FileHandle, Mode, OpenOptions,
-    Path, PathReason, run_batched,
+    BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, FileHandle, GdsFile, IoPath, Mode,
+    OpenOptions, PathReason, run_batched,
 };
-use gpudirect::testing::Hardware;
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
-use support::devbuf::{DevBuf, pattern, test_dir};
+use support::files::{pattern, test_dir};
+use support::gpu::{ToHost, poisoned_bytes};
 
 fn setup() -> Option<(Arc<gpudirect::cudarc::driver::CudaContext>, Driver)> {
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Gpu, e);
+            gpudirect_testing::skip(Hardware::Gpu, e);
             return None;
         }
     };
@@ -28,7 +29,7 @@ fn setup() -> Option<(Arc<gpudirect::cudarc::driver::CudaContext>, Driver)> {
     let d = match Driver::open() {
         Ok(d) => d,
         Err(e) => {
-            gpudirect::testing::skip(Hardware::Cufile, e);
+            gpudirect_testing::skip(Hardware::Cufile, e);
             return None;
         }
     };
@@ -85,7 +86,7 @@ fn sync_roundtrip_unaligned_and_eof() {
         return;
     };
     // Unaligned: 4097 bytes at file offset 3 into device offset 1, poisoned destination.
-    let mut dst = DevBuf::new(0, 8192, 0xCD);
+    let mut dst = poisoned_bytes(0, 8192, 0xCD);
     let n = h.read(&mut dst, 1, 3, 4097).unwrap();
     assert_eq!(n, 4097);
     let host = dst.to_host();
@@ -97,7 +98,7 @@ fn sync_roundtrip_unaligned_and_eof() {
     assert_eq!(n, 100);
     assert_eq!(&dst.to_host()[..100], &data[(1 << 20) - 100..]);
     // Whole file, registered buffer.
-    let buf = DevBuf::new(0, 1 << 20, 0xCD);
+    let buf = poisoned_bytes(0, 1 << 20, 0xCD);
     let mut reg = BufRegistration::register(&d, buf, 0, 1 << 20).unwrap();
     assert_eq!(h.read(&mut reg, 0, 0, 1 << 20).unwrap(), 1 << 20);
     let buf = reg.into_inner().unwrap();
@@ -129,7 +130,7 @@ fn async_write_sees_prior_stream_work() {
         return;
     };
     let stream = ctx.new_stream().unwrap();
-    let buf = DevBuf::new(0, 65536, 0);
+    let buf = poisoned_bytes(0, 65536, 0);
     // The "kernel": a memset on the stream, then the write on the same stream.
     // SAFETY: the buffer is live; the stream is valid.
     let r = unsafe {
@@ -148,7 +149,7 @@ fn async_write_sees_prior_stream_work() {
     assert!(back.chunks(4).all(|c| c == 0xDEAD_BEEFu32.to_le_bytes()));
     // Async read back into a poisoned buffer.
     drop(buf);
-    let dst = DevBuf::new(0, 65536, 0xCD);
+    let dst = poisoned_bytes(0, 65536, 0xCD);
     let (dst, n) = h
         .read_async(&stream, dst, 0, 0, 65536)
         .unwrap()
@@ -165,7 +166,7 @@ fn batches_split_at_the_limit() {
     let Some((_ctx, d)) = setup() else { return };
     let limit = d.max_batch_entries();
     println!("max_batch_io_size = {limit}");
-    let e = gpudirect::storage::Batch::<DevBuf>::new(&d, limit + 1).unwrap_err();
+    let e = gpudirect::storage::Batch::<DeviceBuffer<u8>>::new(&d, limit + 1).unwrap_err();
     assert!(
         matches!(e, Error::LimitExceeded { requested, limit: l, .. } if requested == limit + 1 && l == limit),
         "{e}"
@@ -181,7 +182,7 @@ fn batches_split_at_the_limit() {
         .map(|i| BatchRequest {
             op: BatchOp::Read,
             handle: h.clone(),
-            buffer: DevBuf::new(0, chunk, 0xCD),
+            buffer: poisoned_bytes(0, chunk, 0xCD),
             buf_offset: 0,
             file_offset: (i * chunk) as u64,
             len: chunk,
@@ -194,7 +195,7 @@ fn batches_split_at_the_limit() {
             .map(|i| BatchRequest {
                 op: BatchOp::Read,
                 handle: h.clone(),
-                buffer: DevBuf::new(0, chunk, 0xCD),
+                buffer: poisoned_bytes(0, chunk, 0xCD),
                 buf_offset: 0,
                 file_offset: (i * chunk) as u64,
                 len: chunk,
@@ -244,8 +245,8 @@ fn auto_path_reads_correctly_and_says_why() {
     let Some((_ctx, _d)) = setup() else { return };
     let data = pattern(40 << 20, 9);
     let p = write_file("auto", &data);
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
-    let mut dst = DevBuf::new(0, (40 << 20) + 16, 0xCD);
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let mut dst = poisoned_bytes(0, (40 << 20) + 16, 0xCD);
     let t = f.read_to_device(&mut dst, 1, 3, (40 << 20) - 3).unwrap();
     println!(
         "auto read: {t:?}; cuFile unavailable because {:?}",
@@ -258,12 +259,12 @@ fn auto_path_reads_correctly_and_says_why() {
     match f.cufile_handle() {
         // Compatibility mode without nvidia-fs: our POSIX path is faster.
         Some(_) if !_d.properties().unwrap().has_nvidia_fs() => {
-            assert_eq!(t.path.path, Path::Posix);
+            assert_eq!(t.path.path, IoPath::Posix);
             assert_eq!(t.path.reason, PathReason::CompatModeSlower);
         }
         Some(_) => {}
         None => {
-            assert_eq!(t.path.path, Path::Posix);
+            assert_eq!(t.path.path, IoPath::Posix);
             assert!(
                 matches!(t.path.reason, PathReason::RegistrationFailed { code, .. } if code > 5000),
                 "{t:?}"
@@ -271,8 +272,8 @@ fn auto_path_reads_correctly_and_says_why() {
         }
     }
     // The POSIX path, cold: O_DIRECT where the file allows it.
-    let fp = File::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
-    let mut dst2 = DevBuf::new(0, 40 << 20, 0xCD);
+    let fp = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+    let mut dst2 = poisoned_bytes(0, 40 << 20, 0xCD);
     // SAFETY: a valid descriptor; dropping clean cached pages is harmless.
     let fd = std::fs::File::open(&p).unwrap();
     unsafe {
@@ -310,22 +311,22 @@ fn tmpfs_falls_back_to_posix() {
     );
     println!("tmpfs O_DIRECT accepted: {direct}");
     // cuFile refuses tmpfs; the automatic mode falls back and says why.
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
-    let mut dst = DevBuf::new(0, 3 << 20, 0xCD);
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let mut dst = poisoned_bytes(0, 3 << 20, 0xCD);
     let t = f.read_to_device(&mut dst, 0, 0, 3 << 20).unwrap();
     println!("tmpfs: {t:?}");
-    assert_eq!(t.path.path, Path::Posix);
+    assert_eq!(t.path.path, IoPath::Posix);
     assert_eq!(dst.to_host(), data);
     if f.cufile_handle().is_none() {
         // The typed cuFile error, in CuFile mode.
-        let e = File::open(&p, &OpenOptions::read_only(), Mode::CuFile).unwrap_err();
+        let e = GdsFile::open(&p, &OpenOptions::read_only(), Mode::CuFile).unwrap_err();
         assert!(matches!(e, Error::CuFile { .. }), "{e}");
         let e = FileHandle::open(&d, &p, &OpenOptions::read_only()).unwrap_err();
         println!("tmpfs registration: {e}");
     }
     // Writes through the automatic path.
     let out = test_dir().join(format!("auto-write-{}", std::process::id()));
-    let fw = File::open(&out, &OpenOptions::read_write().truncate(true), Mode::Auto).unwrap();
+    let fw = GdsFile::open(&out, &OpenOptions::read_write().truncate(true), Mode::Auto).unwrap();
     let t = fw.write_from_device(&dst, 7, 0, (3 << 20) - 7).unwrap();
     println!("auto write: {t:?}");
     assert_eq!(t.bytes, (3 << 20) - 7);
@@ -360,14 +361,14 @@ fn three_gib_read_arrives_whole() {
             assert_eq!(&c[8..], &block[8..], "{what}: block {i}");
         }
     };
-    let mut dst = DevBuf::new(0, len, 0xCD);
+    let mut dst = poisoned_bytes(0, len, 0xCD);
     if let Some(h) = register(&d, &p, &OpenOptions::read_only()) {
         let n = h.read(&mut dst, 0, 0, len).unwrap();
         assert_eq!(n, len);
         check(&dst.to_host(), "cuFile");
     }
-    let mut dst = DevBuf::new(0, len, 0xCD);
-    let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+    let mut dst = poisoned_bytes(0, len, 0xCD);
+    let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
     let t = f.read_to_device(&mut dst, 0, 0, len).unwrap();
     println!("3 GiB auto: {t:?}");
     assert_eq!(t.bytes, len);
@@ -378,7 +379,7 @@ fn three_gib_read_arrives_whole() {
 trait PtrForTest {
     fn device_ptr_for_test(&self) -> u64;
 }
-impl PtrForTest for DevBuf {
+impl PtrForTest for DeviceBuffer<u8> {
     fn device_ptr_for_test(&self) -> u64 {
         gpudirect::memory::DeviceMemory::device_ptr(self)
     }

@@ -4,13 +4,13 @@
 //! queueing anything: nothing completes early, nothing is freed, and the graph, launched, does
 //! nothing of ours. After the capture ends the stream works as before.
 
+use gpudirect::Error;
 use gpudirect::completion::{EventFence, Fence, Tracker};
 use gpudirect::cuda::{MemOp, MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{self, DeviceBuffer, HostAllocFlags, PinnedHostBuffer};
-use gpudirect::p2p::ipc::{IpcEvent, IpcPool};
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
+use gpudirect::p2p::{IpcEvent, IpcPool};
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -1,10 +1,10 @@
-//! Stream memory operations on a GPU (tier 2), including A18's memop half: a batch of 300
+//! Stream memory operations on a GPU (tier 2), including a batch of 300
 //! operations is split into legal batches (255 is the limit seen on the H200).
 
+use gpudirect::Error;
 use gpudirect::completion::Fence;
 use gpudirect::cuda::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, Stream, WaitCondition};
-use gpudirect::testing::Hardware;
-use gpudirect::{Error, require};
+use gpudirect_testing::{Hardware, require};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,7 +57,7 @@ fn wait_and_write_32_and_64_bit_on_host_words() {
 }
 
 #[test]
-fn a18_batch_of_300_is_split_into_legal_batches() {
+fn batch_of_300_is_split_into_legal_batches() {
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     for flags in [
@@ -110,7 +110,7 @@ fn a18_batch_of_300_is_split_into_legal_batches() {
             }
         }
         println!(
-            "A18: 301 memops ({} memory) in {calls} driver calls",
+            "301 memops ({} memory) in {calls} driver calls",
             if flags.is_host() { "host" } else { "device" }
         );
     }

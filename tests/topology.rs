@@ -1,12 +1,12 @@
 //! Where GPUs and NICs sit: PCI locations, affinity and the NICs nearest each GPU, on a fake
 //! sysfs tree (tier 0); and the placement of the real GPUs (GPU tier: `SKIPPED` without one).
 
-use gpudirect::require;
-use gpudirect::testing::Hardware;
 use gpudirect::topology::{
     Affinity, MeetingPoint, PciLocation, Placement, SYSFS_ROOT, nic_names, nic_pci_address,
     normalize_bus_id,
 };
+use gpudirect_testing::Hardware;
+use gpudirect_testing::require;
 use std::path::{Path, PathBuf};
 
 /// A fake sysfs: a root complex with a switch (GPU 0 and mlx5_0 below it), GPU 1 on another

@@ -8,7 +8,7 @@
 //! of `gpudirect::transfer`: `staged_chunks_round_trip_through_the_copies_on_a_gpu`.)
 
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, pointer_attributes};
-use gpudirect::testing::{Hardware, skip};
+use gpudirect_testing::{Hardware, skip};
 
 #[test]
 fn buffer_ids_tell_allocations_apart_and_never_repeat() {

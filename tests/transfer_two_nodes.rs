@@ -11,11 +11,11 @@
 
 use gpudirect::Error;
 use gpudirect::rdma::WcStatus;
-use gpudirect::testing::{Hardware, skip};
 use gpudirect::transfer::{
     Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, MemoryPath, Region, Transfer,
     TransferOptions,
 };
+use gpudirect_testing::{Hardware, skip};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -81,8 +81,7 @@ impl Node {
         l.accept(publish, ACCEPT).expect("accept")
     }
 
-    /// Client: connect on port + `k` over `rails` rails, retrying while the server is not
-    /// listening yet.
+    /// Client: connect on port + `k` over `rails` rails.
     fn connect(
         &self,
         engine: &Engine,
@@ -94,17 +93,22 @@ impl Node {
             .iter()
             .map(|a| format!("{a}:{}", self.port + k))
             .collect();
-        let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-        let until = Instant::now() + CONNECT;
-        loop {
-            match engine.connect(&addrs, publish) {
-                Ok(ep) => return ep,
-                Err(e) if Instant::now() < until => {
-                    eprintln!("connect {addrs:?}: {e}; retrying");
-                    std::thread::sleep(Duration::from_millis(300));
-                }
-                Err(e) => panic!("connect {addrs:?}: {e}"),
+        dial(engine, &addrs, publish)
+    }
+}
+
+/// Connect to `addrs` (one per rail), retrying while the server is not listening yet.
+fn dial(engine: &Engine, addrs: &[String], publish: &[MemoryDescriptor]) -> Endpoint {
+    let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    let until = Instant::now() + CONNECT;
+    loop {
+        match engine.connect(&addrs, publish) {
+            Ok(ep) => return ep,
+            Err(e) if Instant::now() < until => {
+                eprintln!("connect {addrs:?}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(300));
             }
+            Err(e) => panic!("connect {addrs:?}: {e}"),
         }
     }
 }
@@ -160,6 +164,23 @@ fn bye(ep: &Endpoint, scratch: &Region, peer: &MemoryDescriptor) {
 fn wait_bye(ep: &Endpoint) {
     assert_eq!(note(ep), 0xB1E);
     std::thread::sleep(Duration::from_millis(500));
+}
+
+/// The server half of a one-way test: a zeroed target of `size` bytes, published; at each of
+/// `rounds` notifications the target holds the bytes seeded by its tag; then the goodbye.
+fn serve_verified(n: &Node, e: &Engine, k: u16, size: usize, rounds: usize, what: &str) {
+    let target = e.register(Buffer::host(vec![0u8; size]).unwrap()).unwrap();
+    let ep = n.accept(e, k, &[target.descriptor().unwrap()]);
+    for round in 0..rounds {
+        let s = note(&ep);
+        assert!(
+            target.to_vec().unwrap() == pattern(u64::from(s), size),
+            "{what}, round {round}: the bytes differ"
+        );
+    }
+    println!("server: {what}: {rounds} round(s) verified");
+    let peer = ep.peer_descriptors()[0];
+    bye(&ep, &target, &peer);
 }
 
 /// Writes and reads of host memory at several sizes over one rail and two, random bytes,
@@ -325,18 +346,7 @@ fn t3_ten_thousand_small_transfers() {
     const N: usize = 10_000;
     const SMALL: usize = 64;
     if n.server {
-        let target = e
-            .register(Buffer::host(vec![0u8; N * SMALL]).unwrap())
-            .unwrap();
-        let ep = n.accept(&e, 2, &[target.descriptor().unwrap()]);
-        let s = note(&ep);
-        assert!(
-            target.to_vec().unwrap() == pattern(u64::from(s), N * SMALL),
-            "the 10,000 writes differ"
-        );
-        println!("server: 10,000 writes of {SMALL} bytes verified");
-        let peer = ep.peer_descriptors()[0];
-        bye(&ep, &target, &peer);
+        serve_verified(&n, &e, 2, N * SMALL, 1, "10,000 writes of 64 bytes");
     } else {
         let s = seed() as u32;
         let data = pattern(u64::from(s), N * SMALL);
@@ -389,16 +399,7 @@ fn t4_striping_uses_both_rails() {
     let e = n.engine();
     const SIZE: usize = 4 << 20;
     if n.server {
-        let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
-        let ep = n.accept(&e, 3, &[target.descriptor().unwrap()]);
-        let s = note(&ep);
-        assert!(
-            target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
-            "striped write differs"
-        );
-        println!("server: striped write verified");
-        let peer = ep.peer_descriptors()[0];
-        bye(&ep, &target, &peer);
+        serve_verified(&n, &e, 3, SIZE, 1, "a striped write");
     } else {
         let s = seed() as u32;
         let src = host(&e, &pattern(u64::from(s), SIZE));
@@ -431,18 +432,7 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
     let e = n.engine();
     const SIZE: usize = 1 << 20;
     if n.server {
-        let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
-        let ep = n.accept(&e, 4, &[target.descriptor().unwrap()]);
-        for round in 0..2 {
-            let s = note(&ep);
-            assert!(
-                target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
-                "round {round}: the bytes written are not the new memory's"
-            );
-        }
-        println!("server: both rounds carried the memory registered last");
-        let peer = ep.peer_descriptors()[0];
-        bye(&ep, &target, &peer);
+        serve_verified(&n, &e, 4, SIZE, 2, "memory registered anew");
     } else {
         let scratch = e.register(Buffer::host(vec![0u8; 64]).unwrap()).unwrap();
         let ep = n.connect(&e, 4, 1, &[scratch.descriptor().unwrap()]);
@@ -656,18 +646,7 @@ fn t7_a_peer_killed_mid_transfer_gives_typed_errors_in_time() {
     } else {
         let e = n.engine();
         let src = host(&e, &pattern(3, 1 << 20));
-        let addr = format!("{}:{port}", n.peers[0]);
-        let until = Instant::now() + CONNECT;
-        let ep = loop {
-            match e.connect(&[&addr], &[]) {
-                Ok(ep) => break ep,
-                Err(err) if Instant::now() < until => {
-                    eprintln!("connect: {err}; retrying");
-                    std::thread::sleep(Duration::from_millis(300));
-                }
-                Err(err) => panic!("connect: {err}"),
-            }
-        };
+        let ep = dial(&e, &[format!("{}:{port}", n.peers[0])], &[]);
         let peer = ep.peer_descriptors()[0];
         ep.write(
             vec![(src.range(0, 8).unwrap(), peer.range(0, 8).unwrap())],
@@ -751,18 +730,11 @@ fn t8_a_silent_peer_ends_at_the_deadline() {
     } else {
         let e = n.engine();
         let src = host(&e, &pattern(5, 1 << 20));
-        let addr = format!("{}:{port}", n.peers[1]);
-        let until = Instant::now() + CONNECT;
-        let ep = loop {
-            match e.connect(&[&addr], &[src.descriptor().unwrap()]) {
-                Ok(ep) => break ep,
-                Err(err) if Instant::now() < until => {
-                    eprintln!("connect: {err}; retrying");
-                    std::thread::sleep(Duration::from_millis(300));
-                }
-                Err(err) => panic!("connect: {err}"),
-            }
-        };
+        let ep = dial(
+            &e,
+            &[format!("{}:{port}", n.peers[1])],
+            &[src.descriptor().unwrap()],
+        );
         let peer = ep.peer_descriptors()[0];
         ep.write(
             vec![(src.range(0, 8).unwrap(), peer.range(0, 8).unwrap())],

@@ -25,7 +25,7 @@
 #      TWO_NODES), TWO_NODES=0|1|only, TWO_NODES_NETNS=shared|exclusive (RDMA netns mode, default
 #      shared), VM_TIMEOUT (s, default 900; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
 #      MEM (default 2G), APPEND (extra kernel arguments).
-# Adapted from shared/reference/rxe-vm (which documents what was learned getting rxe to run here).
+# README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)

@@ -85,7 +85,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a5_unaligned_range_is_exact() {
+    fn unaligned_range_is_exact() {
         // 65544 bytes starting 40 bytes into a 2 MiB-aligned allocation.
         let alloc = 0x7f00_0020_0000u64;
         let r = DmaBufRange::new(alloc + 40, 65544).unwrap();

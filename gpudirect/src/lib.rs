@@ -2,14 +2,13 @@
 //!
 //! | path | module | what |
 //! | --- | --- | --- |
-//! | Async | [`completion`], [`cuda`], [`memory`] | the completion tracker and fences, presence-checked CUDA, memory kinds |
+//! | Async | [`completion`], [`cuda`], [`memory`] | the completion tracker and fences, futures for every operation (with deadlines), presence-checked CUDA, memory kinds |
 //! | P2P | [`p2p`] | peer access, link matrix, peer copies (staged fallback), CUDA IPC |
 //! | Storage | [`storage`] | cuFile driver, handles, sync/async/batch I/O, the automatic POSIX path |
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`memory`] | dma-buf export of device memory ([`memory::export_dmabuf`]) |
 //! | all | [`cuda`], [`topology`], [`report`] | GPU attributes ([`cuda::DeviceInfo`]); where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
 //! | RDMA | `transfer` (feature `transfer`) | a transfer engine: endpoints over rdma_cm, descriptors, a registration cache, batched one-sided writes and reads with notifications, several NICs |
-//! | tests | [`testing`] | `SKIPPED: reason`, or a failure where `GPUDIRECT_REQUIRE` names the hardware |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -25,7 +24,8 @@ pub mod p2p;
 pub mod rdma;
 pub mod report;
 pub mod storage;
-pub mod testing;
+#[cfg(test)]
+mod testing;
 pub mod topology;
 #[cfg(feature = "transfer")]
 pub mod transfer;

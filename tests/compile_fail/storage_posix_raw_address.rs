@@ -1,9 +1,14 @@
-//! The POSIX path's raw-address entry points and its engines are not public: the only way in is
-//! `storage::File`, which checks the device range first.
-use gpudirect::storage::posix;
+//! The POSIX path's raw-address entry points and the bounce engine's raw copies are not public:
+//! the only ways in are `storage::GdsFile`, which checks the device range first, and
+//! `CopyEngine::h2d`/`d2h`, which own the device buffer until the copy completes.
+use gpudirect::memory::{BouncePool, CopyEngine};
+
+fn raw(engine: &CopyEngine, pool: &BouncePool) {
+    let chunk = pool.take().unwrap();
+    let _ = unsafe { engine.h2d_raw(0, chunk, 0, 4096, 0x1000) };
+}
 
 fn main() {
-    let _ = posix::GpuEngines::for_device(0);
-    let _ = posix::read_to_device::<posix::GpuEngines>;
-    let _ = posix::write_from_device::<posix::GpuEngines>;
+    let _ = gpudirect::storage::posix::read_to_device;
+    let _ = raw;
 }

@@ -1,4 +1,15 @@
-//! Helpers shared by the integration tests.
-#![allow(dead_code)]
+//! Helpers shared by the integration tests (each test binary includes the whole tree with
+//! `mod support;` and uses what it needs).
+//!
+//! - [`gpu`]: GPU counts, random data with a replayable seed, streams, poisoned device buffers
+//!   (the library's `DeviceBuffer`) and exact comparisons.
+//! - [`files`]: deterministic file contents and the directory test files go in (no GPU needed;
+//!   the storage bench includes this file too).
+//! - [`rdma`]: a loopback pair of connected RC queue pairs on the first verbs device, and bounded
+//!   completion waits.
+//! - `cufile-wheel.sh`: fetches the cuFile wheels `storage_cufile_wheel` loads, by hand.
+#![allow(dead_code, unused_imports)]
 
-pub mod devbuf;
+pub mod files;
+pub mod gpu;
+pub mod rdma;

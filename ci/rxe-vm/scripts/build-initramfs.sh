@@ -1,6 +1,5 @@
 #!/bin/bash
 # Build initrd.cpio.gz for the rxe VM from extracted Debian packages ($P) plus host glibc.
-# Adapted from shared/reference/rxe-vm.
 set -euo pipefail
 W=${W:?work dir}; HERE=${HERE:?folder of this harness}
 P=$W/gpkgs                  # dpkg -x of guest packages

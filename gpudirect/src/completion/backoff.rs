@@ -6,11 +6,26 @@ use std::time::{Duration, Instant};
 /// instead of polling.
 pub(crate) const LONG_WAIT: Duration = Duration::from_secs(3600);
 
+/// Pauses below this only yield the thread; longer ones sleep.
+const YIELD_BELOW: Duration = Duration::from_micros(50);
+
+/// The longest pause.
+pub(crate) const MAX_NAP: Duration = Duration::from_millis(1);
+
 /// Pauses between polls that grow from 1 µs to 1 ms, doubling: below 50 µs the thread only
 /// yields, longer pauses sleep.
 #[derive(Debug)]
 pub(crate) struct Backoff {
     nap: Duration,
+}
+
+/// One pause of a [`Backoff`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pause {
+    /// Yield the thread once.
+    Yield,
+    /// Sleep this long (or less, when woken for new work).
+    Sleep(Duration),
 }
 
 impl Backoff {
@@ -21,14 +36,29 @@ impl Backoff {
         }
     }
 
+    /// Start again from the shortest pause (progress was made: more is likely soon).
+    pub(crate) fn reset(&mut self) {
+        self.nap = Duration::from_micros(1);
+    }
+
+    /// The next pause, lengthening the one after it; for a caller that pauses its own way (the
+    /// completion thread sleeps on a condition variable so that new work wakes it).
+    pub(crate) fn next(&mut self) -> Pause {
+        let pause = if self.nap < YIELD_BELOW {
+            Pause::Yield
+        } else {
+            Pause::Sleep(self.nap)
+        };
+        self.nap = (self.nap * 2).min(MAX_NAP);
+        pause
+    }
+
     /// Pause once, and lengthen the next pause.
     pub(crate) fn snooze(&mut self) {
-        if self.nap < Duration::from_micros(50) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(self.nap);
+        match self.next() {
+            Pause::Yield => std::thread::yield_now(),
+            Pause::Sleep(d) => std::thread::sleep(d),
         }
-        self.nap = (self.nap * 2).min(Duration::from_millis(1));
     }
 }
 
@@ -59,6 +89,18 @@ mod tests {
             b.snooze();
         }
         assert_eq!(b.nap, Duration::from_millis(1));
+    }
+
+    #[test]
+    fn pauses_yield_first_then_sleep_and_reset() {
+        let mut b = Backoff::new();
+        let pauses: Vec<Pause> = (0..12).map(|_| b.next()).collect();
+        // 1, 2, 4, 8, 16, 32 µs yield; 64 µs on sleep, capped at 1 ms.
+        assert!(pauses[..6].iter().all(|p| *p == Pause::Yield), "{pauses:?}");
+        assert_eq!(pauses[6], Pause::Sleep(Duration::from_micros(64)));
+        assert_eq!(pauses[11], Pause::Sleep(MAX_NAP));
+        b.reset();
+        assert_eq!(b.next(), Pause::Yield);
     }
 
     #[test]

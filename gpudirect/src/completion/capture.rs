@@ -125,6 +125,31 @@ pub(crate) fn enqueue_raw<R, T>(
     enqueue_with(&probe, call, keep, |k| f(raw, k))
 }
 
+/// A stream the library created for itself and never hands out, which never waits on an event
+/// of a stream it does not own: nobody can begin a capture on it, and a capture cannot spread to
+/// it (a capture spreads only to a stream that waits on an event recorded in the capturing one).
+/// Asking the driver would cost two calls per operation for an answer that is always "no".
+pub(crate) struct Private;
+
+impl Probe for Private {
+    fn capturing(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn invalidate(&self) {}
+}
+
+/// [`enqueue_raw`] on a [`Private`] stream (the bounce engine's lanes): the protocol without
+/// the driver's questions. Use it only for streams that meet [`Private`]'s rule.
+pub(crate) fn enqueue_private<R, T>(
+    raw: sys::CUstream,
+    call: &'static str,
+    keep: R,
+    f: impl FnOnce(sys::CUstream, &R) -> Result<T>,
+) -> Result<(T, R), Refused<R>> {
+    enqueue_with(&Private, call, keep, |k| f(raw, k))
+}
+
 /// The capture protocol itself, over any [`Probe`].
 pub(crate) fn enqueue_with<P: Probe, R, T>(
     probe: &P,

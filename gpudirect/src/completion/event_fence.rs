@@ -8,6 +8,9 @@ use std::time::Duration;
 
 /// A fence on one CUDA event, recorded when the fence is made (`cuEventRecord`) and polled with
 /// `cuEventQuery`. For many small operations on one stream prefer [`StreamFence`](super::StreamFence).
+///
+/// Awaited, it is polled by the shared completion thread (one `cuEventQuery` per round while
+/// the future waits), which wakes the future.
 #[derive(Debug)]
 pub struct EventFence(CudaEvent);
 
@@ -44,6 +47,20 @@ impl Fence for EventFence {
     fn is_complete(&self) -> bool {
         // A query error (a sticky context error) is "not complete": the resources are kept.
         matches!(self.0.try_is_complete(), Ok(true))
+    }
+
+    /// Complete, not yet, or [`crate::Error::Cuda`] naming `cuEventQuery` when the query fails
+    /// (a sticky error: the work will never be seen complete).
+    fn check(&self) -> Result<bool> {
+        // The event's context current first (the completion thread may never have had it), so
+        // that a query error is the work's own; a context that cannot be made current now is
+        // "not yet".
+        if crate::driver::ctx::bind(self.0.context()).is_err() {
+            return Ok(false);
+        }
+        self.0
+            .try_is_complete()
+            .map_err(|e| crate::error::from_driver("cuEventQuery", e))
     }
 
     fn wait_timeout(&self, timeout: Duration) -> bool {

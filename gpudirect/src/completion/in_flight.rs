@@ -1,6 +1,6 @@
 //! [`InFlight`]: an operation that owns what it may still touch until its fence completes.
 
-use super::fence::Fence;
+use super::fence::{Fence, Outcome};
 use super::tracker::{Tracker, poll_caught};
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -124,7 +124,44 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     }
 }
 
+impl<R: Send + 'static, T: Send + 'static> InFlight<R, Outcome<T>> {
+    /// Wait for completion; the resources and the operation's result (what the
+    /// [`OutcomeSender`](super::OutcomeSender) sent). Also reaps the [`Tracker`].
+    ///
+    /// # Errors
+    ///
+    /// As [`wait`](Self::wait).
+    pub fn wait_outcome(mut self) -> Result<(R, T)> {
+        Tracker::global().reap();
+        if !self.poll(|f| f.wait_timeout(Duration::MAX)) {
+            return Err(Error::Timeout {
+                what: self.what,
+                after: Duration::MAX,
+            });
+        }
+        let fence = self.fence.take().expect("fence present until taken");
+        let r = self
+            .resources
+            .take()
+            .expect("resources present until taken");
+        let value = fence
+            .take()
+            .expect("an outcome completes only once its value is stored, and is taken once");
+        Ok((r, value))
+    }
+}
+
 impl<R: Send + 'static, F: Fence> InFlight<R, F> {
+    /// The name, the fence and the resources, leaving nothing for `Drop` (for the future).
+    pub(super) fn into_parts(mut self) -> (&'static str, F, R) {
+        let fence = self.fence.take().expect("fence present until taken");
+        let r = self
+            .resources
+            .take()
+            .expect("resources present until taken");
+        (self.what, fence, r)
+    }
+
     /// The resources of a completed operation (its fence is dropped first).
     fn into_resources(mut self) -> R {
         self.fence = None;

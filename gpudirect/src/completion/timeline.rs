@@ -2,10 +2,13 @@
 
 use super::backoff::{Backoff, LONG_WAIT, poll_until};
 use super::fence::Fence;
+use super::thread::{self, Watch, Watched};
+use crate::error::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaStream, sys};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Waker;
 use std::time::Duration;
 
 /// Completion state of one stream, shared by its [`StreamFence`]s.
@@ -14,12 +17,26 @@ use std::time::Duration;
 /// add). Nothing is recorded per operation: when a fence is polled and no recorded event covers
 /// its epoch yet, one event is recorded then, covering every epoch issued so far (stream order
 /// makes a later event complete only after all earlier work). Events are recycled.
+///
+/// Futures awaiting its fences wait in one list per stream: the shared completion thread polls
+/// the stream's oldest pending event (`cuEventQuery`) once per round, whatever the number of
+/// futures, and wakes every future whose epoch that event covers.
 #[derive(Debug)]
 pub struct Timeline {
     stream: Arc<CudaStream>,
     issued: AtomicU64,
     completed: AtomicU64,
     events: Mutex<Events>,
+    waiters: Mutex<Waiters>,
+}
+
+/// Futures waiting on epochs of a timeline.
+#[derive(Debug, Default)]
+struct Waiters {
+    /// Epoch and the waker to wake once it completes.
+    list: Vec<(u64, Waker)>,
+    /// Whether the completion thread watches the timeline.
+    watched: bool,
 }
 
 #[derive(Debug, Default)]
@@ -28,6 +45,9 @@ struct Events {
     pending: VecDeque<(u64, CudaEvent)>,
     /// Completed events, ready to be recorded again.
     free: Vec<CudaEvent>,
+    /// The error `cuEventQuery` answered for a pending event (a sticky error: the stream's work
+    /// will never be seen complete).
+    failed: Option<sys::CUresult>,
 }
 
 impl Timeline {
@@ -38,6 +58,7 @@ impl Timeline {
             issued: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             events: Mutex::new(Events::default()),
+            waiters: Mutex::new(Waiters::default()),
         })
     }
 
@@ -74,6 +95,11 @@ impl Timeline {
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
     fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
+        // Queries and records need the stream's context current on this thread (a completion
+        // or executor thread may never have had it); a query error is then the stream's own.
+        if crate::driver::ctx::bind(self.stream.context()).is_err() {
+            return (self.completed() >= epoch, None);
+        }
         let mut g = self.lock();
         while let Some((covered, ev)) = g.pending.front() {
             match ev.try_is_complete() {
@@ -88,7 +114,11 @@ impl Timeline {
                     let (_, ev) = g.pending.pop_front().expect("front exists");
                     std::mem::forget(ev);
                 }
-                _ => break,
+                Ok(false) => break,
+                Err(e) => {
+                    g.failed = Some(e.0);
+                    break;
+                }
             }
         }
         if self.completed() >= epoch {
@@ -113,10 +143,6 @@ impl Timeline {
             raw: self.stream.cu_stream(),
             invalidate: false,
         };
-        if crate::driver::ctx::bind(self.stream.context()).is_err() {
-            g.free.push(ev);
-            return (false, None);
-        }
         match super::capture::enqueue_with(&probe, "cuEventRecord", ev, |ev| {
             ev.record(&self.stream)
                 .map_err(|e| crate::error::from_driver("cuEventRecord", e))
@@ -135,10 +161,73 @@ impl Timeline {
         }
     }
 
+    /// The error that stops completion from ever being observed, if a query answered one.
+    fn failed(&self) -> Option<sys::CUresult> {
+        self.lock().failed
+    }
+
+    fn lock_waiters(&self) -> std::sync::MutexGuard<'_, Waiters> {
+        self.waiters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wake `waker` once `epoch` completes (or the stream fails); `false` when the completion
+    /// thread could not be started.
+    fn register(self: &Arc<Self>, epoch: u64, waker: &Waker) -> bool {
+        let start_watch = {
+            let mut w = self.lock_waiters();
+            w.list.push((epoch, waker.clone()));
+            !std::mem::replace(&mut w.watched, true)
+        };
+        if start_watch && thread::watch(Arc::new(TimelineWatch(self.clone()))).is_err() {
+            let mut w = self.lock_waiters();
+            w.watched = false;
+            w.list.retain(|(e, k)| !(*e == epoch && k.will_wake(waker)));
+            return false;
+        }
+        true
+    }
+
     /// Whether the stream is capturing a graph (or that cannot be told).
     fn capturing(&self) -> bool {
         crate::driver::ctx::bind(self.stream.context()).is_err()
             || super::capture::is_capturing(self.stream.cu_stream()).unwrap_or(true)
+    }
+}
+
+/// The completion thread's watch over one timeline's waiting futures.
+struct TimelineWatch(Arc<Timeline>);
+
+impl Watch for TimelineWatch {
+    fn poll(&self) -> Watched {
+        let tl = &self.0;
+        let newest = {
+            let mut w = tl.lock_waiters();
+            match w.list.iter().map(|(e, _)| *e).max() {
+                Some(e) => e,
+                None => {
+                    w.watched = false;
+                    return Watched::Done;
+                }
+            }
+        };
+        // Retires completed events, and records one covering `newest` if none does yet.
+        let _ = tl.poll(newest);
+        let completed = tl.completed();
+        let failed = tl.failed().is_some();
+        let woken: Vec<(u64, Waker)> = tl
+            .lock_waiters()
+            .list
+            .extract_if(.., |(e, _)| failed || *e <= completed)
+            .collect();
+        if woken.is_empty() {
+            return Watched::Pending;
+        }
+        for (_, w) in woken {
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
+                std::mem::forget(p);
+            }
+        }
+        Watched::Progress
     }
 }
 
@@ -156,8 +245,10 @@ impl StreamFence {
         self.epoch
     }
 
-    /// The stream's timeline.
-    pub fn timeline(&self) -> &Arc<Timeline> {
+    /// The stream's timeline. Crate-private: a fence of a stream the library owns (a copier's
+    /// lane) must not hand that stream out, since only the library may queue work on it (see
+    /// `p2p::lane`'s capture argument).
+    pub(crate) fn timeline(&self) -> &Arc<Timeline> {
         &self.timeline
     }
 }
@@ -165,6 +256,24 @@ impl StreamFence {
 impl Fence for StreamFence {
     fn is_complete(&self) -> bool {
         self.timeline.completed() >= self.epoch || self.timeline.poll(self.epoch).0
+    }
+
+    /// Complete, not yet, or [`Error::Cuda`] naming `cuEventQuery` once the stream's events
+    /// answer an error (a sticky error: the work will never be seen complete).
+    fn check(&self) -> Result<bool> {
+        if self.is_complete() {
+            return Ok(true);
+        }
+        match self.timeline.failed() {
+            Some(code) => Err(Error::cuda("cuEventQuery", code)),
+            None => Ok(false),
+        }
+    }
+
+    /// Joins the stream's list of waiting futures, which the completion thread serves with one
+    /// event query per round.
+    fn register_waker(&self, waker: &Waker) -> bool {
+        self.timeline.register(self.epoch, waker)
     }
 
     fn wait_timeout(&self, timeout: Duration) -> bool {

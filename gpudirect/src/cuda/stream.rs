@@ -269,7 +269,11 @@ unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
             true
         }
     };
-    let fence = payload.fence.clone();
+    // Complete the fence through the payload's own handle, before the mark below hands the
+    // payload over: no handle of the fence (nor any waker it keeps) is dropped on this thread.
+    // The fence wakes its futures' wakers by reference. If the payload was marked LEAKED
+    // meanwhile, the fence was never handed out, so completing it tells nobody anything.
+    payload.fence.complete(panicked);
     // The last access to the payload: from here on the queueing thread may free it.
     match payload
         .state
@@ -283,9 +287,8 @@ unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
             // boxes themselves are plain heap memory.
             Tracker::global().park(Done, owned);
         }
-        Err(_) => return, // LEAKED meanwhile: never freed, and the fence is never handed out
+        Err(_) => {} // LEAKED meanwhile: never freed
     }
-    fence.complete(panicked);
 }
 
 impl From<Arc<CudaStream>> for Stream {
@@ -383,8 +386,8 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         assert_eq!(drops.load(Ordering::SeqCst), 0);
         assert!(!crate::completion::Fence::is_complete(&fence));
-        // A capture seen while the callback was already running: the callback's mark fails, it
-        // neither frees nor completes.
+        // A capture seen while the callback was already running: the callback's mark fails and
+        // it frees nothing (it may have completed the fence, which was never handed out).
         let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let (raw, fence) = payload(&runs, &drops);
         // SAFETY: live.
@@ -400,6 +403,42 @@ mod tests {
             (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
             (0, 0)
         );
+    }
+
+    #[test]
+    fn the_callback_wakes_futures_by_reference_and_drops_no_waker() {
+        use crate::completion::testing::CountWakes;
+        use std::sync::atomic::AtomicUsize;
+        for first in [QUEUED, PENDING] {
+            let (runs, drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+            let (raw, fence) = payload(&runs, &drops);
+            let wakes = Arc::new(CountWakes::default());
+            let waker = std::task::Waker::from(wakes.clone());
+            assert!(crate::completion::Fence::register_waker(&fence, &waker));
+            drop(waker);
+            // SAFETY: live until the protocol frees it.
+            unsafe { &(*raw).state }.store(first, Ordering::SeqCst);
+            // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
+            unsafe { host_fn_trampoline(raw.cast()) };
+            assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken once");
+            assert_eq!(
+                Arc::strong_count(&wakes),
+                2,
+                "the fence still keeps its waker"
+            );
+            if first == PENDING {
+                // SAFETY: the callback marked RAN: the queueing side frees it.
+                drop(unsafe { Box::from_raw(raw) });
+            }
+            reap_until(&drops, 1);
+            assert_eq!(Arc::strong_count(&wakes), 2);
+            drop(fence);
+            assert_eq!(
+                Arc::strong_count(&wakes),
+                1,
+                "dropped with the last fence handle"
+            );
+        }
     }
 
     #[test]

@@ -29,3 +29,27 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes(
         )
     })
 }
+
+/// `cuCtxGetCurrent`—The context current on the calling thread (`None` when there is none).
+///
+/// Safe: only the presence check of the module docs is needed, which every caller passes first
+/// (it holds a context or a stream made after [`crate::cuda::init`]). A thread-local read in the
+/// driver: cheap enough for every copy.
+pub(crate) fn current() -> Result<Option<sys::CUcontext>> {
+    named(
+        "cuCtxGetCurrent",
+        cudarc::driver::result::ctx::get_current(),
+    )
+}
+
+/// `cuCtxSetCurrent(ctx)`—Make the raw context `ctx` current on the calling thread.
+///
+/// # Safety
+///
+/// `ctx` is a live context (held by a `CudaContext` the caller keeps alive).
+pub(crate) unsafe fn set_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    named("cuCtxSetCurrent", unsafe {
+        cudarc::driver::result::ctx::set_current(ctx)
+    })
+}

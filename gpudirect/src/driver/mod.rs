@@ -15,13 +15,6 @@
 //! that: handles that are live, a current context, memory that stays valid while the device
 //! uses it.
 
-// Until the p2p, storage and rdma call sites move onto this layer (the next step of the
-// reshaping), some of its functions have no caller yet.
-#![expect(
-    dead_code,
-    reason = "p2p, storage and rdma still call the driver directly"
-)]
-
 mod code;
 
 pub(crate) mod ctx;

@@ -11,6 +11,12 @@
 //! | [`PinnedHostBuffer`] | `cuMemHostAlloc` | [`MemoryKind::PinnedHost`] |
 //! | [`RegisteredHost`] | `cuMemHostRegister` | [`MemoryKind::RegisteredHost`] |
 //!
+//! Pinned bounce buffers for data the GPU cannot reach directly (a file read with `pread`, a GPU
+//! without peer access) come from a [`BouncePool`] (pinned chunks of one size, recycled) and move
+//! to and from device memory through a [`CopyEngine`] (a few streams of one device, one event
+//! fence per copy, [`ChunkCopy`]); the storage module's POSIX path and the staged peer copy use
+//! them ([`CopyEngine`] says how).
+//!
 //! Device memory exports as a dma-buf with [`export_dmabuf`]: the [`DmaBuf`] owns the memory and
 //! never lends its fd, so no duplicate can outlive what it reaches.
 //!
@@ -77,6 +83,7 @@
 
 pub(crate) mod alloc;
 mod attributes;
+mod bounce;
 mod copy;
 mod device;
 pub(crate) mod dmabuf;
@@ -89,6 +96,10 @@ mod registered;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
+pub use bounce::{
+    BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
+};
+pub(crate) use bounce::{Dir, SHARED_LANES, check_chunk_bytes};
 pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
 pub use dmabuf::{DmaBuf, check_dmabuf_export, export_dmabuf};
@@ -96,6 +107,7 @@ pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
+pub(crate) use vmm::VmmMapping;
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
 pub use crate::error::MemoryKind;
@@ -171,7 +183,7 @@ pub unsafe trait DeviceMemory: Send + 'static {
     ///
     /// Every mapping carries its own access list, so peer access to VMM memory is granted per
     /// mapping (`cuMemSetAccess` on exactly these ranges, as PyTorch's expandable segments do).
-    /// [`VmmBuffer`] answers its chunks, [`VmmImport`](crate::p2p::ipc::VmmImport) its mapping,
+    /// [`VmmBuffer`] answers its chunks, [`VmmImport`](crate::p2p::VmmImport) its mapping,
     /// and wrappers (`Arc`, [`BufRegistration`](crate::storage::BufRegistration)) forward. For VMM
     /// memory that answers `None` the data paths look the mapping up with
     /// `cuMemGetAddressRange`, which the driver does not answer for every VMM mapping (then a
@@ -214,7 +226,7 @@ unsafe impl<M: DeviceMemory + Sync> DeviceMemory for Arc<M> {
 }
 
 /// The one typed refusal for stream-ordered pool memory (`cuMemAllocAsync`: cudarc's
-/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::ipc::IpcPool)'s allocations) where
+/// `CudaSlice`, [`PoolBuffer`], an [`IpcPool`](crate::p2p::IpcPool)'s allocations) where
 /// `what` needs GPUDirect RDMA capable memory (a NIC registration, a dma-buf export). Answered
 /// from the kind alone, before any FFI call.
 pub(crate) fn refuse_pool(kind: MemoryKind, ptr: u64, what: &str) -> Result<()> {

@@ -36,6 +36,17 @@ pub(crate) struct VmmMapping {
     chunks: Vec<(VmmChunk, sys::CUmemGenericAllocationHandle)>,
 }
 
+impl VmmMapping {
+    /// One physical allocation `handle` of `size` bytes (made elsewhere: imported from another
+    /// process), mapped whole at the start of a reservation of `size` bytes.
+    pub(crate) fn one(size: usize, handle: sys::CUmemGenericAllocationHandle) -> VmmMapping {
+        VmmMapping {
+            size,
+            chunks: vec![(VmmChunk { offset: 0, size }, handle)],
+        }
+    }
+}
+
 // SAFETY: device memory of the context's device, mapped into the reserved range from the moment
 // the allocation's length covers it (the length is set only once every chunk is mapped) until
 // `release` unmaps it; no host view.
@@ -227,7 +238,7 @@ impl<T: Pod> VmmBuffer<T> {
     ///
     /// The range behaves as one buffer for copies, and exports as one dma-buf
     /// ([`export_dmabuf`](super::export_dmabuf)) across its chunks. Its POSIX fd export
-    /// ([`crate::p2p::ipc::export_vmm`]) covers one physical allocation, so it refuses a buffer of
+    /// ([`crate::p2p::export_vmm`]) covers one physical allocation, so it refuses a buffer of
     /// several chunks.
     ///
     /// # Errors

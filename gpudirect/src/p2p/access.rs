@@ -4,7 +4,8 @@
 //! the life of the process. Nothing in gpudirect disables it, least of all a destructor.
 
 use crate::cuda;
-use crate::error::{Error, Result, cu};
+use crate::driver;
+use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUresult};
@@ -12,12 +13,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The `CUresult` code of `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED` (217).
-pub const PEER_ACCESS_UNSUPPORTED: u32 = CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED as u32;
+const PEER_ACCESS_UNSUPPORTED: u32 = CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED as u32;
 /// The `CUresult` code of `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED` (704).
-pub const PEER_ACCESS_ALREADY_ENABLED: u32 =
-    CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as u32;
+const PEER_ACCESS_ALREADY_ENABLED: u32 = CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as u32;
 /// The `CUresult` code of `CUDA_ERROR_TOO_MANY_PEERS` (711).
-pub const TOO_MANY_PEERS: u32 = CUresult::CUDA_ERROR_TOO_MANY_PEERS as u32;
+const TOO_MANY_PEERS: u32 = CUresult::CUDA_ERROR_TOO_MANY_PEERS as u32;
 
 /// What [`enable_peer_access`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -29,24 +29,27 @@ pub enum Enabled {
     Already,
 }
 
-/// Why a pair of devices cannot use peer access, from an [`Error`] returned by this module.
+/// Why a pair of devices cannot use peer access, read from an [`Error`] that
+/// [`enable_peer_access`] (or a [`Copier`](super::Copier) asked for the peer path) returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
-pub enum Refusal {
+pub enum PeerAccessRefusal {
     /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`: the pair cannot (a device and itself, no P2P path).
     Unsupported,
     /// `CUDA_ERROR_TOO_MANY_PEERS`: the device has used up its peer mappings.
     TooManyPeers,
 }
 
-impl Refusal {
+impl PeerAccessRefusal {
     /// The refusal an error stands for, if it is one.
-    pub fn of(e: &Error) -> Option<Refusal> {
+    pub fn of(e: &Error) -> Option<PeerAccessRefusal> {
         match e {
             Error::Cuda { code, .. } if *code == PEER_ACCESS_UNSUPPORTED => {
-                Some(Refusal::Unsupported)
+                Some(PeerAccessRefusal::Unsupported)
             }
-            Error::Cuda { code, .. } if *code == TOO_MANY_PEERS => Some(Refusal::TooManyPeers),
+            Error::Cuda { code, .. } if *code == TOO_MANY_PEERS => {
+                Some(PeerAccessRefusal::TooManyPeers)
+            }
             _ => None,
         }
     }
@@ -68,12 +71,8 @@ impl Refusal {
 #[doc(alias = "cuDeviceCanAccessPeer")]
 pub fn can_access_peer(device: usize, peer: usize) -> Result<bool> {
     let (d, p) = (cu_device(device)?, cu_device(peer)?);
-    let mut can = 0;
-    // SAFETY: driver initialised by cu_device; one valid out-pointer and two valid device handles.
-    cu("cuDeviceCanAccessPeer", unsafe {
-        sys::cuDeviceCanAccessPeer(&mut can, d, p)
-    })?;
-    Ok(can != 0)
+    // SAFETY: both devices came from cuDeviceGet (cu_device).
+    unsafe { driver::peer::can_access(d, p) }
 }
 
 /// `cuDeviceGet(ordinal)` after the presence checks, with a typed error for a missing device.
@@ -85,12 +84,8 @@ pub(crate) fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
             reason: format!("device {ordinal} requested, {n} visible"),
         });
     }
-    let mut d = 0;
-    // SAFETY: driver initialised (device_count); one valid out-pointer; ordinal in range.
-    cu("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut d, ordinal as i32)
-    })?;
-    Ok(d)
+    // SAFETY: driver initialised (device_count); ordinal in range.
+    unsafe { driver::device::get(ordinal) }
 }
 
 /// The typed error for a pair that cannot use peer access, as the driver would answer it.
@@ -102,12 +97,14 @@ pub(crate) fn unsupported(call: &'static str) -> Error {
     }
 }
 
-/// Map the `CUresult` of `cuCtxEnablePeerAccess`: already-enabled is success, consumed.
-pub(crate) fn enable_result(r: CUresult) -> Result<Enabled> {
+/// Map the answer of `cuCtxEnablePeerAccess`: already-enabled is success, consumed.
+fn enable_result(r: Result<()>) -> Result<Enabled> {
     match r {
-        CUresult::CUDA_SUCCESS => Ok(Enabled::Now),
-        CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(Enabled::Already),
-        other => cu("cuCtxEnablePeerAccess", other).map(|()| Enabled::Now),
+        Ok(()) => Ok(Enabled::Now),
+        Err(Error::Cuda { code, .. }) if code == PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(Enabled::Already)
+        }
+        Err(e) => Err(e),
     }
 }
 
@@ -135,7 +132,8 @@ fn enabled_pairs() -> &'static Mutex<Pairs> {
 ///
 /// - [`Error::Cuda`] `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED` (217) when `device == peer` or
 ///   `cuDeviceCanAccessPeer` answers 0: answered without calling `cuCtxEnablePeerAccess`, since
-///   that is the driver's documented answer for such a pair. [`Refusal::of`] classifies it.
+///   that is the driver's documented answer for such a pair. [`PeerAccessRefusal::of`]
+///   classifies it.
 /// - [`Error::Cuda`] `CUDA_ERROR_TOO_MANY_PEERS` (711) when the device has no peer mappings left.
 /// - [`Error::NoDevice`], [`Error::Load`] as for [`can_access_peer`].
 ///
@@ -157,12 +155,10 @@ pub fn enable_peer_access(device: usize, peer: usize) -> Result<Enabled> {
     }
     let ctx = cuda::context(device)?;
     let peer_ctx = cuda::context(peer)?;
-    ctx.bind_to_thread()
-        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))?;
+    driver::ctx::bind(&ctx)?;
     // SAFETY: the current context is `device`'s primary context (bound above); `peer_ctx` is a
-    // live primary context retained for the duration of the call; flags must be 0.
-    let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.cu_ctx(), 0) };
-    let out = enable_result(r)?;
+    // live primary context retained for the duration of the call.
+    let out = enable_result(unsafe { driver::peer::enable_access(peer_ctx.cu_ctx()) })?;
     pairs.insert((device, peer), (ctx, peer_ctx));
     Ok(out)
 }
@@ -207,74 +203,63 @@ pub fn enable_peer_access_both(a: usize, b: usize) -> Result<(Enabled, Enabled)>
 #[doc(alias = "cuMemPoolGetAccess")]
 pub fn grant_pool_access(ptr: u64, peer: usize) -> Result<bool> {
     cu_device(peer)?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: driver initialised; the out-pointer has the attribute's type (a CUmemoryPool).
-    cu("cuPointerGetAttribute", unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut pool as *mut sys::CUmemoryPool).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr,
-        )
-    })?;
-    if pool.is_null() {
-        return Err(Error::invalid(
+    let pool = pool_of(ptr)?.ok_or_else(|| {
+        Error::invalid(
             "ptr",
             format!("{ptr:#x}"),
             "not stream-ordered pool memory (no CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)",
-        ));
-    }
-    let mut location = device_location(peer);
-    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
-    // SAFETY: `pool` is a live pool handle from the driver; valid in/out pointers.
-    cu("cuMemPoolGetAccess", unsafe {
-        sys::cuMemPoolGetAccess(&mut flags, pool, &mut location)
+        )
     })?;
-    if flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+    let location = device_location(peer);
+    // SAFETY: `pool` is a live pool handle from the driver (it owns `ptr`).
+    if unsafe { driver::pool::get_access(pool, &location) }? == READ_WRITE {
         return Ok(false);
     }
     let desc = sys::CUmemAccessDesc {
         location,
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        flags: READ_WRITE,
     };
-    // SAFETY: one valid access descriptor for a live pool.
-    cu("cuMemPoolSetAccess", unsafe {
-        sys::cuMemPoolSetAccess(pool, &desc, 1)
-    })?;
+    // SAFETY: as above; one valid access descriptor.
+    unsafe { driver::pool::set_access(pool, &[desc]) }?;
     Ok(true)
+}
+
+/// Read-write access, as the driver's access lists say it.
+const READ_WRITE: sys::CUmemAccess_flags =
+    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+
+/// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`: the stream-ordered pool that owns `ptr`; `None` for
+/// memory of no pool.
+///
+/// # Errors
+///
+/// [`Error::Cuda`] from `cuPointerGetAttribute` (an address the driver does not know).
+pub(crate) fn pool_of(ptr: u64) -> Result<Option<sys::CUmemoryPool>> {
+    // SAFETY: the attribute's type is a CUmemoryPool (a pointer-sized handle).
+    let pool: sys::CUmemoryPool = unsafe {
+        driver::pointer::attribute(
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    }?;
+    Ok((!pool.is_null()).then_some(pool))
 }
 
 /// Whether device `peer` has read-write access to the pool that owns `ptr`; `None` when `ptr` is
 /// not pool memory or the driver cannot say.
 pub(crate) fn pool_access(ptr: u64, peer: usize) -> Option<bool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: the out-pointer has the attribute's type (a CUmemoryPool).
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut pool as *mut sys::CUmemoryPool).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr,
-        )
-    };
-    if r != CUresult::CUDA_SUCCESS || pool.is_null() {
-        return None;
-    }
-    let mut location = device_location(peer);
-    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
-    // SAFETY: live pool handle; valid pointers.
-    let r = unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut location) };
-    (r == CUresult::CUDA_SUCCESS)
-        .then_some(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    let pool = pool_of(ptr).ok()??;
+    // SAFETY: a live pool handle from the driver.
+    let flags = unsafe { driver::pool::get_access(pool, &device_location(peer)) }.ok()?;
+    Some(flags == READ_WRITE)
 }
 
 /// Whether device `peer` has read-write access to the VMM mapping at `ptr` (`cuMemGetAccess`);
 /// `None` when the driver cannot say (not a VMM mapping).
 pub(crate) fn vmm_access(ptr: u64, peer: usize) -> Option<bool> {
-    let location = device_location(peer);
-    let mut flags: u64 = 0;
-    // SAFETY: valid pointers; the driver checks that `ptr` is a VMM mapping.
-    let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
-    (r == CUresult::CUDA_SUCCESS)
-        .then_some(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64)
+    // SAFETY: the driver checks that `ptr` is a VMM mapping.
+    let flags = unsafe { driver::vmm::get_access(&device_location(peer), ptr) }.ok()?;
+    Some(flags == READ_WRITE as u64)
 }
 
 /// `cuMemSetAccess(base, size, {peer: read-write})` unless `cuMemGetAccess` says it is granted
@@ -286,36 +271,31 @@ fn set_vmm_access(base: u64, size: usize, peer: usize) -> Result<bool> {
     }
     let desc = sys::CUmemAccessDesc {
         location: device_location(peer),
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        flags: READ_WRITE,
     };
-    // SAFETY: one valid descriptor; the driver checks that the range is made of whole mappings.
-    cu("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(base, size, &desc, 1)
-    })?;
+    // SAFETY: the driver checks that the range is made of whole mappings.
+    unsafe { driver::vmm::set_access(base, size, &[desc]) }?;
     Ok(true)
 }
 
 /// Make device `ordinal`'s primary context current (the context of the device that owns the
 /// memory, for the driver's VMM queries).
 fn bind_owner(ordinal: usize) -> Result<()> {
-    cuda::context(ordinal)?
-        .bind_to_thread()
-        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))
+    driver::ctx::bind(&*cuda::context(ordinal)?)
 }
 
-/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device whose memory `ptr` is; `None` when the
-/// driver cannot say.
-pub(crate) fn resident_device(ptr: u64) -> Option<usize> {
-    let mut dev: i32 = -1;
-    // SAFETY: the out-pointer has the attribute's type (an int); the driver validates `ptr`.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut dev as *mut i32).cast(),
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the device the driver says `ptr` belongs to (for VMM
+/// mappings, whose context is the owning device's); `None` when the driver cannot say.
+fn owner_device(ptr: u64) -> Option<usize> {
+    // SAFETY: the attribute's type is a C int; the driver validates `ptr`.
+    let dev: i32 = unsafe {
+        driver::pointer::attribute(
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             ptr,
         )
-    };
-    (r == CUresult::CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
+    }
+    .ok()?;
+    usize::try_from(dev).ok()
 }
 
 /// `cuMemSetAccess`—grant device `peer` read-write access to the VMM mapping that contains `ptr`
@@ -343,15 +323,14 @@ pub(crate) fn resident_device(ptr: u64) -> Option<usize> {
 #[doc(alias = "cuMemGetAddressRange")]
 pub fn grant_vmm_access(ptr: u64, peer: usize) -> Result<bool> {
     cu_device(peer)?;
-    if let Some(owner) = resident_device(ptr) {
+    if let Some(owner) = owner_device(ptr) {
         bind_owner(owner)?;
     }
     if vmm_access(ptr, peer) == Some(true) {
         return Ok(false);
     }
-    let (base, size) = super::ipc::address_range(ptr)?;
-    let size = usize::try_from(size)
-        .map_err(|_| Error::invalid("ptr", format!("{ptr:#x}"), "mapping size past usize"))?;
+    // SAFETY: a context is current (bound above, or the caller's); the driver checks `ptr`.
+    let (base, size) = unsafe { driver::mem::address_range(ptr) }?;
     set_vmm_access(base, size, peer)
 }
 
@@ -375,7 +354,7 @@ pub fn grant_vmm_access(ptr: u64, peer: usize) -> Result<bool> {
 pub fn grant_vmm_mapping(base: u64, bytes: usize, peer: usize) -> Result<bool> {
     check_mapping(base, bytes)?;
     cu_device(peer)?;
-    if let Some(owner) = resident_device(base) {
+    if let Some(owner) = owner_device(base) {
         bind_owner(owner)?;
     }
     set_vmm_access(base, bytes, peer)
@@ -429,12 +408,27 @@ fn check_mapping(base: u64, bytes: usize) -> Result<()> {
 }
 
 /// The VMM mappings of `mem` that hold its bytes, with the primary context of `mem`'s device
-/// current on return: [`DeviceMemory::vmm_mappings`] where the memory knows its layout
-/// (checked by [`covering`]), else [`vmm_ranges`].
+/// current on return: see [`mappings_at`].
 pub(crate) fn vmm_mappings_of<M: DeviceMemory>(mem: &M) -> Result<Vec<(u64, usize)>> {
-    let (ptr, len) = (mem.device_ptr(), mem.byte_len());
-    bind_owner(mem.ordinal())?;
-    match mem.vmm_mappings() {
+    mappings_at(
+        mem.device_ptr(),
+        mem.byte_len(),
+        mem.ordinal(),
+        mem.vmm_mappings(),
+    )
+}
+
+/// The VMM mappings that hold `ptr..ptr + len` (memory of device `owner`), with `owner`'s primary
+/// context current on return: `known` (the memory's own [`DeviceMemory::vmm_mappings`]) where
+/// the memory knows its layout (checked by [`covering`]), else [`vmm_ranges`].
+pub(crate) fn mappings_at(
+    ptr: u64,
+    len: usize,
+    owner: usize,
+    known: Option<Vec<(u64, usize)>>,
+) -> Result<Vec<(u64, usize)>> {
+    bind_owner(owner)?;
+    match known {
         Some(maps) => covering(ptr, len, &maps),
         None => vmm_ranges(ptr, len),
     }
@@ -503,9 +497,12 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     let mut out = Vec::new();
     let mut p = ptr;
     while p < end {
-        let (base, size) = super::ipc::address_range(p)?;
-        let next = base.checked_add(size).filter(|&n| base <= p && n > p);
-        let (Some(next), Ok(size)) = (next, usize::try_from(size)) else {
+        // SAFETY: the caller made a context current; the driver checks `p`.
+        let (base, size) = unsafe { driver::mem::address_range(p) }?;
+        let next = base
+            .checked_add(size as u64)
+            .filter(|&n| base <= p && n > p);
+        let Some(next) = next else {
             return Err(Error::invalid(
                 "ptr",
                 format!("{p:#x}"),
@@ -520,16 +517,31 @@ pub(crate) fn vmm_ranges(ptr: u64, len: usize) -> Result<Vec<(u64, usize)>> {
     Ok(out)
 }
 
-/// Grant (`grant`) or only check read-write access for device `peer` on every VMM mapping of
-/// `mem`. `Err` with the reason the access is not there (for a peer copy's
+/// VMM memory as a copy sees it: `len` bytes at `ptr`, memory of device `owner`, and its own
+/// layout ([`DeviceMemory::vmm_mappings`]) when it knows it.
+pub(crate) struct VmmRange {
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    pub(crate) owner: usize,
+    pub(crate) known: Option<Vec<(u64, usize)>>,
+}
+
+/// Grant (`grant`) or only check read-write access for device `peer` on every VMM mapping that
+/// holds `range`. `Err` with the reason the access is not there (for a peer copy's
 /// [`DriverStaged`](super::CopyPath::DriverStaged) path): a mapping without the grant, mappings
 /// that cannot be found, or a refused grant.
-pub(crate) fn vmm_memory_access<M: DeviceMemory>(
-    mem: &M,
+pub(crate) fn vmm_access_at(
+    range: VmmRange,
     peer: usize,
     grant: bool,
 ) -> std::result::Result<(), String> {
-    let maps = vmm_mappings_of(mem).map_err(|e| {
+    let VmmRange {
+        ptr,
+        len,
+        owner,
+        known,
+    } = range;
+    let maps = mappings_at(ptr, len, owner, known).map_err(|e| {
         format!("its VMM mappings could not be found, so access could not be granted ({e})")
     })?;
     for (base, size) in maps {
@@ -553,20 +565,31 @@ pub(crate) fn device_location(ordinal: usize) -> sys::CUmemLocation {
 mod tests {
     use super::*;
 
+    /// What `cuCtxEnablePeerAccess` answers, as the driver layer returns it.
+    fn answer(r: CUresult) -> Result<()> {
+        crate::error::cu("cuCtxEnablePeerAccess", r)
+    }
+
     #[test]
     fn already_enabled_is_consumed() {
         assert_eq!(
-            enable_result(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED).unwrap(),
+            enable_result(answer(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)).unwrap(),
             Enabled::Already
         );
-        assert_eq!(enable_result(CUresult::CUDA_SUCCESS).unwrap(), Enabled::Now);
+        assert_eq!(
+            enable_result(answer(CUresult::CUDA_SUCCESS)).unwrap(),
+            Enabled::Now
+        );
     }
 
     #[test]
     fn too_many_peers_is_typed() {
-        let e = enable_result(CUresult::CUDA_ERROR_TOO_MANY_PEERS).unwrap_err();
+        let e = enable_result(answer(CUresult::CUDA_ERROR_TOO_MANY_PEERS)).unwrap_err();
         assert_eq!(e.cuda_name(), Some("CUDA_ERROR_TOO_MANY_PEERS"));
-        assert_eq!(Refusal::of(&e), Some(Refusal::TooManyPeers));
+        assert_eq!(
+            PeerAccessRefusal::of(&e),
+            Some(PeerAccessRefusal::TooManyPeers)
+        );
         assert!(e.to_string().contains("cuCtxEnablePeerAccess"), "{e}");
     }
 
@@ -669,11 +692,14 @@ mod tests {
 
     #[test]
     fn unsupported_is_typed() {
-        let e = enable_result(CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED).unwrap_err();
-        assert_eq!(Refusal::of(&e), Some(Refusal::Unsupported));
+        let e = enable_result(answer(CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)).unwrap_err();
+        assert_eq!(
+            PeerAccessRefusal::of(&e),
+            Some(PeerAccessRefusal::Unsupported)
+        );
         let s = unsupported("cuCtxEnablePeerAccess");
         assert_eq!(s.cuda_name(), e.cuda_name());
         assert_eq!(s.to_string(), e.to_string());
-        assert_eq!(Refusal::of(&Error::invalid("a", 1, "r")), None);
+        assert_eq!(PeerAccessRefusal::of(&Error::invalid("a", 1, "r")), None);
     }
 }

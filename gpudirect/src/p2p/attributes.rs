@@ -1,8 +1,9 @@
 //! P2P attributes of an ordered device pair (`cuDeviceGetP2PAttribute`).
 
 use super::access::cu_device;
-use crate::error::{Result, cu};
-use cudarc::driver::sys::{self, CUdevice_P2PAttribute};
+use crate::driver;
+use crate::error::Result;
+use cudarc::driver::sys::CUdevice_P2PAttribute;
 
 /// What the driver says about peer access from one device to another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -39,12 +40,8 @@ pub fn p2p_attributes(src: usize, dst: usize) -> Result<P2pAttributes> {
         return Ok(P2pAttributes::default());
     }
     let get = |attr: CUdevice_P2PAttribute| -> Result<i32> {
-        let mut v = 0;
-        // SAFETY: driver initialised by cu_device; valid out-pointer and device handles.
-        cu("cuDeviceGetP2PAttribute", unsafe {
-            sys::cuDeviceGetP2PAttribute(&mut v, attr, s, d)
-        })?;
-        Ok(v)
+        // SAFETY: both devices came from cuDeviceGet (cu_device).
+        unsafe { driver::peer::attribute(attr, s, d) }
     };
     Ok(P2pAttributes {
         performance_rank: get(CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?,

@@ -1,64 +1,16 @@
 //! Typed peer copies between device buffers, blocking and asynchronous, on the true path.
 
-use super::access::{self, Refusal};
-use super::staging::Stager;
-use crate::completion::capture::{self, Refused};
-use crate::completion::{Fence, InFlight, Tracker};
-use crate::cuda;
-use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
-use std::sync::{Arc, Mutex};
+use super::access::{self, PeerAccessRefusal};
+use super::lane::{Lane, Real, Route};
+use super::path::CopyPath;
+use super::staging::{Failed, Stager};
+use crate::completion::{InFlight, StreamFence, Tracker};
+use crate::cuda::{self, Stream};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, check_chunk_bytes};
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Which path a copy took. Reported truthfully: a copy the driver stages is never called `Peer`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "path", rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum CopyPath {
-    /// Source and destination on one device: `cuMemcpyDtoDAsync`.
-    SameDevice,
-    /// Device to device over an enabled peer mapping (NVLink or PCIe P2P): `cuMemcpyPeerAsync`
-    /// between two devices, with every pool or VMM buffer involved granted to the other device;
-    /// or a copy on one device's stream where a buffer is another device's memory mapped here
-    /// (CUDA IPC imports).
-    Peer,
-    /// gpudirect's own pipeline through pinned host bounce buffers (two streams, chunked).
-    Staged {
-        /// Why: the driver's refusal (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, ...) or `requested`.
-        reason: String,
-    },
-    /// `cuMemcpyPeerAsync` between peers where a buffer lacks its own grant (pool memory without
-    /// `cuMemPoolSetAccess`, VMM memory without `cuMemSetAccess`): the driver stages the copy
-    /// internally, well below peer speed.
-    DriverStaged {
-        /// Which buffer lacks which grant.
-        reason: String,
-    },
-}
-
-impl CopyPath {
-    /// A short name: `same_device`, `peer`, `staged`, `driver_staged`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            CopyPath::SameDevice => "same_device",
-            CopyPath::Peer => "peer",
-            CopyPath::Staged { .. } => "staged",
-            CopyPath::DriverStaged { .. } => "driver_staged",
-        }
-    }
-}
-
-impl std::fmt::Display for CopyPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CopyPath::Staged { reason } | CopyPath::DriverStaged { reason } => {
-                write!(f, "{} ({reason})", self.name())
-            }
-            _ => f.write_str(self.name()),
-        }
-    }
-}
 
 /// Which path to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -77,9 +29,11 @@ pub enum PathChoice {
 pub struct CopyOptions {
     /// Path selection.
     pub path: PathChoice,
-    /// Staged path: bytes per chunk (and per pinned bounce buffer). Default 8 MiB.
+    /// Staged path: bytes per chunk (and per pinned bounce chunk): a multiple of
+    /// [`BOUNCE_ALIGN`](crate::memory::BOUNCE_ALIGN) of at most [`MAX_CHUNK_BYTES`](crate::memory::MAX_CHUNK_BYTES). Default
+    /// 8 MiB.
     pub chunk_bytes: usize,
-    /// Staged path: bounce buffers in the ring. Default 4.
+    /// Staged path: bounce chunks in the copier's ring, the copy's pipeline depth. Default 4.
     pub slots: usize,
     /// Peer path: grant the other device access to pool and VMM buffers
     /// (`cuMemPoolSetAccess`/`cuMemSetAccess`) so the copy really runs peer to peer. Default
@@ -87,34 +41,27 @@ pub struct CopyOptions {
     pub grant_access: bool,
 }
 
-/// The largest staged chunk (and pinned bounce buffer) a [`CopyOptions`] may ask for: 1 GiB.
-pub const MAX_CHUNK_BYTES: usize = 1 << 30;
-/// The most bounce buffers a [`CopyOptions`] may ask for.
+/// The most bounce chunks a [`CopyOptions`] may ask for.
 pub const MAX_SLOTS: usize = 64;
 /// The most pinned memory one copier's staging ring may hold (`chunk_bytes * slots`): 4 GiB.
 pub const MAX_STAGING_BYTES: usize = 4 << 30;
 
 impl CopyOptions {
-    /// Check the options before anything is allocated: `chunk_bytes` in
-    /// `1..=`[`MAX_CHUNK_BYTES`], `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
+    /// Check the options before anything is allocated: `chunk_bytes` a non-zero multiple of
+    /// [`BOUNCE_ALIGN`](crate::memory::BOUNCE_ALIGN) of at most [`MAX_CHUNK_BYTES`](crate::memory::MAX_CHUNK_BYTES) (the
+    /// bounce pool's chunk sizes), `slots` in `1..=`[`MAX_SLOTS`], and their product (the pinned
     /// memory of the staging ring) at most [`MAX_STAGING_BYTES`].
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] naming the option.
     pub fn validate(&self) -> Result<()> {
-        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES {
-            return Err(Error::invalid(
-                "chunk_bytes",
-                self.chunk_bytes,
-                format!("must be between 1 and {MAX_CHUNK_BYTES} bytes"),
-            ));
-        }
+        check_chunk_bytes(self.chunk_bytes)?;
         if self.slots == 0 || self.slots > MAX_SLOTS {
             return Err(Error::invalid(
                 "slots",
                 self.slots,
-                format!("must be between 1 and {MAX_SLOTS} bounce buffers"),
+                format!("must be between 1 and {MAX_SLOTS} bounce chunks"),
             ));
         }
         match self.chunk_bytes.checked_mul(self.slots) {
@@ -139,9 +86,9 @@ impl Default for CopyOptions {
     }
 }
 
-/// What an asynchronous peer copy returns: both buffers (and the staging buffers), owned until
-/// the event recorded after the copy's last step has completed.
-pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, CopyFence>;
+/// What an asynchronous peer copy returns: both buffers (and, on the staged path, the copier's
+/// ring of bounce chunks), owned until the copier's stream has passed the copy.
+pub type PeerCopyInFlight<S, D> = InFlight<Copied<S, D>, StreamFence>;
 
 /// A finished copy: the buffers back, the path that ran, the bytes moved.
 pub struct Copied<S, D> {
@@ -185,79 +132,38 @@ impl<S, D> Copied<S, D> {
     }
 }
 
+/// What in-flight copies keep alive: the contexts, the stream and the staged path's chunks.
 struct Inner {
-    src_ctx: Arc<CudaContext>,
-    dst_ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    _src_ctx: Arc<CudaContext>,
+    _dst_ctx: Arc<CudaContext>,
+    /// The stream every copy runs on (of the source device); a staged copy's last step is a wait
+    /// here for its last chunk.
+    stream: Stream,
+    /// The staged path: the copier's lanes and ring of bounce chunks.
     stager: Option<Stager>,
-    /// Completed events for reuse (one `cuEventCreate`/`cuEventDestroy` less per copy).
-    spare: Mutex<Vec<CudaEvent>>,
-}
-
-/// Completion of one copy: an event recorded after the copy's last step (`cuEventQuery`, or
-/// `cuEventSynchronize` for long waits). A query error other than not-ready is "not complete":
-/// the buffers are kept, never freed early. The event goes back to its copier for reuse once the
-/// fence is dropped (after completion was observed, or never when leaked).
-pub struct CopyFence {
-    event: Option<CudaEvent>,
-    home: Arc<Inner>,
-}
-
-impl Fence for CopyFence {
-    fn is_complete(&self) -> bool {
-        self.event
-            .as_ref()
-            .is_none_or(|e| matches!(e.try_is_complete(), Ok(true)))
-    }
-
-    fn wait_timeout(&self, timeout: Duration) -> bool {
-        let Some(e) = &self.event else { return true };
-        if timeout >= crate::completion::LONG_WAIT {
-            return e.synchronize().is_ok() && self.is_complete();
-        }
-        crate::completion::poll_until(|| self.is_complete(), timeout)
-    }
-}
-
-impl Drop for CopyFence {
-    fn drop(&mut self) {
-        let Some(e) = self.event.take() else { return };
-        if Tracker::global().in_forked_child() {
-            // No CUDA calls in a forked child (not even the event's destroy): leak it.
-            std::mem::forget(e);
-            return;
-        }
-        // Only a completed event is reused; an errored one is destroyed.
-        if matches!(e.try_is_complete(), Ok(true)) {
-            let mut spare = self.home.spare.lock().unwrap_or_else(|p| p.into_inner());
-            if spare.len() < 64 {
-                spare.push(e);
-            }
-        }
-    }
-}
-
-impl std::fmt::Debug for CopyFence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyFence")
-            .field("complete", &self.is_complete())
-            .finish()
-    }
 }
 
 /// Copies from device `src` to device `dst`, with the path chosen once (peer access enabled,
-/// staging buffers allocated) and reused by every copy.
+/// bounce chunks taken) and reused by every copy.
 ///
-/// Copies through one `Copier` run in submission order.
+/// Copies through one `Copier` run in submission order, on the copier's own stream. A copy of
+/// `cuMemAlloc` memory costs four driver calls to issue (`cuCtxGetCurrent`, the copy, and the
+/// two `cuStreamIsCapturing` of the graph-capture check) and none to track: its fence is an epoch
+/// of the stream's [`Timeline`](crate::completion::Timeline), and waiting synchronizes the stream
+/// once for every copy issued before. Pool and VMM memory add one `cuPointerGetAttribute` per
+/// buffer (per VMM mapping) after the first copy of each allocation. A copier may be shared by
+/// threads: issuing takes no lock (but the staged path's, which queues several steps).
+///
+/// The staged path moves each chunk through pinned host memory on two lanes of the devices'
+/// shared copy engines (device-to-host on one, host-to-device on the other, pipelined over the
+/// copier's ring of `slots` bounce chunks from the crate's shared pool), and ends each copy with
+/// a wait of the copier's stream on its last chunk: its fence is an epoch of that stream too.
+/// The ring's chunks go back to the pool when the copier and its last copy are gone.
 pub struct Copier {
     src: usize,
     dst: usize,
-    path: CopyPath,
-    opts: CopyOptions,
-    /// More than one device is visible (memory may live on another device than it is mapped on).
-    multi_gpu: bool,
+    lane: Lane,
     inner: Arc<Inner>,
-    submit: Mutex<()>,
 }
 
 impl std::fmt::Debug for Copier {
@@ -265,7 +171,7 @@ impl std::fmt::Debug for Copier {
         f.debug_struct("Copier")
             .field("src", &self.src)
             .field("dst", &self.dst)
-            .field("path", &self.path)
+            .field("path", self.path())
             .finish()
     }
 }
@@ -283,62 +189,66 @@ impl Copier {
     /// [`Error::NoDevice`] or [`Error::Load`] without the devices; the refusal itself with
     /// [`PathChoice::Peer`]; [`Error::InvalidArgument`] for options out of bounds
     /// ([`CopyOptions::validate`]), before any driver call;
-    /// [`Error::Cuda`] when creating streams, events or pinned buffers fails.
+    /// [`Error::Cuda`] when creating streams or taking the staged path's pinned chunks fails.
     #[doc(alias = "cuMemcpyPeerAsync")]
     pub fn new(src: usize, dst: usize, opts: CopyOptions) -> Result<Copier> {
         opts.validate()?;
         let src_ctx = cuda::context(src)?;
         let dst_ctx = cuda::context(dst)?;
-        let path = match opts.path {
-            PathChoice::Staged => CopyPath::Staged {
-                reason: "requested".into(),
-            },
-            PathChoice::Auto if src == dst => CopyPath::SameDevice,
-            PathChoice::Auto => match access::enable_peer_access_both(src, dst) {
-                Ok(_) => CopyPath::Peer,
-                Err(e) if Refusal::of(&e).is_some() => CopyPath::Staged {
-                    reason: e.cuda_name().unwrap_or("refused").to_string(),
+        let (path, route) = match opts.path {
+            PathChoice::Staged => (
+                CopyPath::Staged {
+                    reason: "requested".into(),
                 },
+                Route::Staged,
+            ),
+            PathChoice::Auto if src == dst => (CopyPath::SameDevice, Route::Same),
+            PathChoice::Auto => match access::enable_peer_access_both(src, dst) {
+                Ok(_) => (CopyPath::Peer, Route::Peer),
+                Err(e) if PeerAccessRefusal::of(&e).is_some() => (
+                    CopyPath::Staged {
+                        reason: e.cuda_name().unwrap_or("refused").to_string(),
+                    },
+                    Route::Staged,
+                ),
                 Err(e) => return Err(e),
             },
             PathChoice::Peer => {
                 access::enable_peer_access_both(src, dst)?;
-                CopyPath::Peer
+                (CopyPath::Peer, Route::Peer)
             }
         };
-        let stream = src_ctx
-            .new_stream()
-            .map_err(|e| from_driver("cuStreamCreate", e))?;
-        let stager = match path {
-            CopyPath::Staged { .. } => Some(Stager::new(
-                src_ctx.clone(),
-                dst_ctx.clone(),
-                opts.chunk_bytes,
-                opts.slots,
-            )?),
+        let stream = Stream::new(&src_ctx)?;
+        let stager = match route {
+            Route::Staged => Some(Stager::new(src, dst, opts.chunk_bytes, opts.slots)?),
             _ => None,
         };
+        let lane = Lane::new(
+            (src, dst),
+            (src_ctx.cu_ctx(), dst_ctx.cu_ctx()),
+            stream.cu_stream(),
+            route,
+            path,
+            opts.grant_access,
+        );
         Ok(Copier {
             src,
             dst,
-            path,
-            opts,
-            multi_gpu: cuda::device_count()? > 1,
+            lane,
             inner: Arc::new(Inner {
-                src_ctx,
-                dst_ctx,
+                _src_ctx: src_ctx,
+                _dst_ctx: dst_ctx,
                 stream,
                 stager,
-                spare: Mutex::new(Vec::new()),
             }),
-            submit: Mutex::new(()),
         })
     }
 
     /// The planned path (a copy of pool or VMM memory without grants reports
-    /// [`CopyPath::DriverStaged`] instead of `Peer`; see [`Copied::path`]).
+    /// [`CopyPath::DriverStaged`] instead of `Peer`, and a copy of an import mapped away from
+    /// the device it lives on `Peer` instead of `SameDevice`; see [`Copied::path`]).
     pub fn path(&self) -> &CopyPath {
-        &self.path
+        self.lane.planned()
     }
 
     /// Source device ordinal.
@@ -355,7 +265,8 @@ impl Copier {
     ///
     /// # Errors
     ///
-    /// As [`copy_async`](Self::copy_async).
+    /// As [`copy_async`](Self::copy_async); [`Error::Timeout`] when completion cannot be
+    /// observed (a failed stream: the buffers are then parked, never freed early).
     #[doc(alias = "cuMemcpyPeer")]
     pub fn copy<S, D>(&self, src: S, dst: D) -> Result<Copied<S, D>>
     where
@@ -369,17 +280,20 @@ impl Copier {
     }
 
     /// Enqueue a copy of all of `src` into `dst` (equal lengths, in elements); the returned [`InFlight`] owns
-    /// both buffers (and the staging buffers) until the copy completes.
+    /// both buffers (and, staged, the ring of bounce chunks) until the copy completes.
     ///
     /// Work already enqueued on other streams that writes `src` or uses `dst` must be complete
-    /// (or synchronised) first: the copy runs on the copier's own streams.
+    /// (or synchronised) first: the copy runs on the copier's own streams. Its fence is the
+    /// copier's stream ([`StreamFence`]): waiting for one copy waits for every copy issued on
+    /// the copier before it, and costs one `cuStreamSynchronize` for all of them.
     ///
     /// # Errors
     ///
     /// Before any work is enqueued (the buffers are dropped, nothing touched them):
     /// [`Error::InvalidArgument`] when a buffer is not device memory, lives on another device than
-    /// the copier's, or `dst` holds a different number of elements than `src`. After a failed enqueue, [`Error::Cuda`]; what
-    /// was enqueued keeps the buffers parked in the [`Tracker`] until it completes.
+    /// the copier's, or `dst` holds a different number of elements than `src`. When queueing
+    /// fails, [`Error::Cuda`] (or [`Error::StreamCapturing`]); a staged copy that failed midway
+    /// keeps the buffers parked in the [`Tracker`] until what was queued completes.
     #[doc(alias = "cuMemcpyPeerAsync")]
     #[doc(alias = "cuMemcpyDtoDAsync")]
     pub fn copy_async<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
@@ -423,68 +337,6 @@ impl Copier {
         Ok(())
     }
 
-    /// The true path for these buffers: grants (or checks) pool and VMM access on the peer path.
-    fn path_for<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> CopyPath {
-        if self.path == CopyPath::SameDevice && self.multi_gpu {
-            // Memory mapped from another device (CUDA IPC imports open with lazy peer access) is
-            // addressed through this device but lives elsewhere: the copy crosses a peer mapping.
-            for ptr in [src.device_ptr(), dst.device_ptr()] {
-                if let Some(home) = access::resident_device(ptr)
-                    && home != self.src
-                {
-                    return CopyPath::Peer;
-                }
-            }
-        }
-        if self.path != CopyPath::Peer {
-            return self.path.clone();
-        }
-        let mut missing = Vec::new();
-        if let Err(why) = self.peer_access(src, self.dst) {
-            missing.push(format!("src is {why}"));
-        }
-        if let Err(why) = self.peer_access(dst, self.src) {
-            missing.push(format!("dst is {why}"));
-        }
-        if missing.is_empty() {
-            CopyPath::Peer
-        } else {
-            CopyPath::DriverStaged {
-                reason: missing.join("; "),
-            }
-        }
-    }
-
-    /// Grant (or, without [`CopyOptions::grant_access`], check) device `other`'s access to `mem`
-    /// where its kind needs its own grant; `Err` says what is missing.
-    fn peer_access<M: DeviceMemory>(&self, mem: &M, other: usize) -> Result<(), String> {
-        let (ptr, kind) = (mem.device_ptr(), mem.kind());
-        match kind {
-            MemoryKind::Pool => {
-                // The pool queries need a current context.
-                let _ = self.inner.src_ctx.bind_to_thread();
-                let ok = if self.opts.grant_access {
-                    access::grant_pool_access(ptr, other).is_ok()
-                } else {
-                    access::pool_access(ptr, other) == Some(true)
-                };
-                if ok {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "{kind:?} memory without cuMemPoolSetAccess for device {other}"
-                    ))
-                }
-            }
-            // Every mapping (each physical chunk) carries its own access list.
-            MemoryKind::Vmm => access::vmm_memory_access(mem, other, self.opts.grant_access)
-                .map_err(|why| {
-                    format!("{kind:?} memory without cuMemSetAccess for device {other}: {why}")
-                }),
-            _ => Ok(()),
-        }
-    }
-
     fn submit<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
     where
         S: DeviceMemory,
@@ -495,7 +347,6 @@ impl Copier {
             .len()
             .checked_mul(std::mem::size_of::<S::Elem>())
             .ok_or_else(|| Error::invalid("src", src.len(), "len * size_of overflows usize"))?;
-        let path = self.path_for(&src, &dst);
         let (s, d) = (src.device_ptr(), dst.device_ptr());
         for (arg, ptr) in [("src", s), ("dst", d)] {
             if ptr.checked_add(bytes as u64).is_none() {
@@ -506,51 +357,7 @@ impl Copier {
                 ));
             }
         }
-        let _guard = self.submit.lock().unwrap_or_else(|e| e.into_inner());
-        let inner = &self.inner;
-        let (stream, ctx) = match &inner.stager {
-            Some(st) => (st.final_stream().clone(), inner.dst_ctx.clone()),
-            None => (inner.stream.clone(), inner.src_ctx.clone()),
-        };
-        // Every step goes through the capture-checked path. The copier's streams are its own
-        // and never exposed, so they cannot be capturing; if one ever were, what the copy uses
-        // is leaked (below), never freed.
-        let enqueued: Result<(), Refused<()>> = (|| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            match (&path, &inner.stager) {
-                (CopyPath::Staged { .. }, Some(st)) => {
-                    // SAFETY: both ranges are owned by `src`/`dst`, which go into the InFlight
-                    // (or the tracker) with the stager's Arc until the final event completes.
-                    unsafe { st.enqueue(d, s, bytes) }
-                }
-                (CopyPath::SameDevice, _) => {
-                    capture::enqueue(&inner.stream, "cuMemcpyDtoDAsync_v2", (), |raw, ()| {
-                        // SAFETY: ranges validated (equal lengths) and owned until completion;
-                        // the stream belongs to the current context.
-                        cu("cuMemcpyDtoDAsync_v2", unsafe {
-                            sys::cuMemcpyDtoDAsync_v2(d, s, bytes, raw)
-                        })
-                    })
-                    .map(drop)
-                }
-                _ => capture::enqueue(&inner.stream, "cuMemcpyPeerAsync", (), |raw, ()| {
-                    // SAFETY: as above; both contexts are live primary contexts.
-                    cu("cuMemcpyPeerAsync", unsafe {
-                        sys::cuMemcpyPeerAsync(
-                            d,
-                            inner.dst_ctx.cu_ctx(),
-                            s,
-                            inner.src_ctx.cu_ctx(),
-                            bytes,
-                            raw,
-                        )
-                    })
-                })
-                .map(drop),
-            }
-        })();
+        let path = self.lane.path_for(&Real, &src, &dst);
         let done = Copied {
             src,
             dst,
@@ -559,52 +366,41 @@ impl Copier {
             elapsed: Duration::ZERO,
             _keep: Some(self.inner.clone()),
         };
-        let enqueued = match enqueued {
-            Err(r) if r.leaked() => {
-                // The work may sit in a graph: leak, never free.
-                std::mem::forget(done);
-                return Err(r.error);
-            }
-            other => other.map_err(|r| r.error),
+        // Every step goes through the capture check. The copier's streams are its own and never
+        // exposed, so they cannot be capturing; if one ever were, what the copy uses is leaked
+        // (below), never freed.
+        let Some(stager) = &self.inner.stager else {
+            // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which
+            // goes into the InFlight with a fence issued after the copy on the lane's stream.
+            return match unsafe { self.lane.enqueue(&Real, d, s, bytes) } {
+                Ok(()) => Ok(InFlight::new("peer copy", self.inner.stream.fence(), done)),
+                Err(r) if r.leaked() => {
+                    // The copy may sit in a graph: leak, never free.
+                    std::mem::forget(done);
+                    Err(r.error)
+                }
+                // One driver call that failed queued nothing: the buffers are free to go.
+                Err(r) => Err(r.error),
+            };
         };
-        // A staged enqueue that failed midway may have left a D2H on the source stream with no
-        // H2D after it: the final event must cover the source stream too. If joining fails, no
-        // event can prove the D2H done, so nothing is freed (below).
-        let joined = match (&enqueued, &inner.stager) {
-            (Err(_), Some(st)) => st.join(),
-            _ => Ok(()),
-        };
-        let spare = inner.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let event = spare
-            .map_or_else(|| ctx.new_event(None), Ok)
-            .map_err(|e| from_driver("cuEventCreate", e))
-            .and_then(|e| {
-                capture::enqueue(&stream, "cuEventRecord", (), |_, ()| {
-                    e.record(&stream)
-                        .map_err(|err| from_driver("cuEventRecord", err))
-                })
-                .map(|_| e)
-                .map_err(Error::from)
-            });
-        let fence = |ev| CopyFence {
-            event: Some(ev),
-            home: self.inner.clone(),
-        };
-        match (enqueued, joined, event) {
-            (Ok(()), _, Ok(ev)) => Ok(InFlight::new("peer copy", fence(ev), done)),
-            (Err(e), Ok(()), Ok(ev)) => {
-                Tracker::global().park(fence(ev), done);
-                Err(e)
+        // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which goes
+        // into the InFlight, or the tracker, with the fence the stager gives (the copier's ring
+        // of chunks stays alive through `done`'s `_keep`).
+        match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
+            Ok(fence) => Ok(InFlight::new("peer copy", fence, done)),
+            // A copy that failed midway may have left work queued (a device-to-host copy with no
+            // host-to-device copy after it): the fence covers all of it.
+            Err(Failed {
+                error,
+                fence: Some(fence),
+            }) => {
+                Tracker::global().park(fence, done);
+                Err(error)
             }
-            (Err(e), Err(_), _) => {
-                // The final event would not cover the source stream: leak, never free early.
+            // No fence can prove the work done, or it may sit in a graph: leak, never free.
+            Err(Failed { error, fence: None }) => {
                 std::mem::forget(done);
-                Err(e)
-            }
-            (res, _, Err(ev_err)) => {
-                // No way to observe completion: leak, never free early.
-                std::mem::forget(done);
-                Err(res.err().unwrap_or(ev_err))
+                Err(error)
             }
         }
     }
@@ -646,21 +442,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn path_serializes_and_names() {
-        let p = CopyPath::Staged {
-            reason: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED".into(),
-        };
-        let j = serde_json::to_string(&p).unwrap();
-        assert_eq!(
-            j,
-            r#"{"path":"staged","reason":"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"}"#
-        );
-        assert_eq!(serde_json::from_str::<CopyPath>(&j).unwrap(), p);
-        assert_eq!(p.to_string(), "staged (CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)");
-        assert_eq!(CopyPath::Peer.to_string(), "peer");
-    }
-
-    #[test]
     fn failed_staged_enqueue_fences_the_orphaned_d2h() {
         use crate::memory::DeviceBuffer;
         use crate::testing::Hardware;
@@ -680,21 +461,29 @@ mod tests {
         let src = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
         let dst = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
         // Chunk 0's D2H (64 MiB, milliseconds) is queued, its H2D never is: nothing else is on
-        // the final stream, so without the join its event would complete at once.
+        // the copier's stream, so without the cover its fence would complete at once.
         super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(Some(0)));
         let r = copier.copy_async(src, dst);
         super::super::staging::FAIL_AFTER_D2H.with(|f| f.set(None));
         assert!(r.is_err(), "the injected failure is reported");
-        // The final stream's last event (the parked fence) must cover the source stream: once
-        // the final stream is idle, so is the source stream (the orphaned D2H has finished).
-        let (src_stream, dst_stream) = copier.inner.stager.as_ref().unwrap().streams();
-        dst_stream.synchronize().unwrap();
-        // SAFETY: a live stream.
-        let q = unsafe { sys::cuStreamQuery(src_stream.cu_stream()) };
+        // The parked fence is the copier's stream's: once that stream is idle, the orphaned
+        // D2H (the last copy through chunk 0, still in the ring) must have finished.
+        copier.inner.stream.synchronize().unwrap();
+        let stager = copier.inner.stager.as_ref().unwrap();
         assert_eq!(
-            q,
-            sys::CUresult::CUDA_SUCCESS,
+            stager.slot_complete(0),
+            Some(true),
             "D2H still running past the fence"
+        );
+        // The copier goes on: the next copy's chunks wait for what is left in the ring.
+        let data: Vec<u8> = (0..4 * chunk).map(|i| (i * 131 + 7) as u8).collect();
+        let stream = crate::cuda::Stream::new(&ctx).unwrap();
+        let src = DeviceBuffer::from_slice(&stream, &data).unwrap();
+        let dst = DeviceBuffer::<u8>::zeroed(&ctx, 4 * chunk).unwrap();
+        let done = copier.copy(src, dst).unwrap();
+        assert!(
+            done.dst.to_vec(&stream).unwrap() == data,
+            "copy after a failure"
         );
         Tracker::global().reap();
     }

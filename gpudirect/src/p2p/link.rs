@@ -1,9 +1,10 @@
 //! The link matrix: for every ordered device pair, peer access, P2P attributes and the physical
 //! interconnect (NVLink with its link count, or PCIe) as NVML reports it.
 
-use super::access::can_access_peer;
+use super::access::{can_access_peer, cu_device};
 use super::attributes::{P2pAttributes, p2p_attributes};
-use crate::cuda;
+use crate::cuda::{self, DeviceInfo};
+use crate::driver;
 use crate::error::Result;
 use std::ffi::OsStr;
 
@@ -12,17 +13,6 @@ pub const NVML_LIB: &str = "libnvidia-ml.so.1";
 
 /// NVML's maximum NVLink count per GPU (`NVML_NVLINK_MAX_LINKS`).
 const NVML_NVLINK_MAX_LINKS: u32 = 18;
-
-/// One CUDA device, as the matrix names it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct DeviceInfo {
-    /// The CUDA ordinal (after `CUDA_VISIBLE_DEVICES`).
-    pub ordinal: usize,
-    /// `cuDeviceGetName`.
-    pub name: String,
-    /// `cuDeviceGetPCIBusId`, lower case as sysfs spells it, such as `0000:19:00.0`.
-    pub pci_bus_id: String,
-}
 
 /// How two devices are wired, as NVML reports it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -70,7 +60,7 @@ pub struct Link {
 /// Peer access and wiring of every ordered device pair, including each device with itself.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LinkMatrix {
-    /// The devices, by ordinal.
+    /// The devices, by ordinal ([`DeviceInfo::query`] of each).
     pub devices: Vec<DeviceInfo>,
     /// `devices.len()²` pairs, row-major: `links[src * n + dst]`.
     pub links: Vec<Link>,
@@ -91,7 +81,7 @@ impl LinkMatrix {
     #[doc(alias = "nvmlDeviceGetNvLinkState")]
     pub fn probe() -> Result<LinkMatrix> {
         let n = cuda::device_count()?;
-        let devices = (0..n).map(device_info).collect::<Result<Vec<_>>>()?;
+        let devices = (0..n).map(DeviceInfo::query).collect::<Result<Vec<_>>>()?;
         let nvml = Nvml::open();
         let nvml_unavailable = nvml.as_ref().err().cloned();
         let wiring = match &nvml {
@@ -178,13 +168,34 @@ impl std::fmt::Display for Interconnect {
     }
 }
 
-fn device_info(ordinal: usize) -> Result<DeviceInfo> {
-    let d = crate::cuda::DeviceInfo::query(ordinal)?;
-    Ok(DeviceInfo {
-        ordinal,
-        name: d.name,
-        pci_bus_id: d.pci_bus_id,
-    })
+/// `cuDeviceGetPCIBusId` of device `ordinal`, such as `0000:19:00.0`: a name for the device that
+/// every process on the node shares, whatever its `CUDA_VISIBLE_DEVICES`.
+///
+/// # Errors
+///
+/// As [`cu_device`]; [`crate::Error::Cuda`] from the driver.
+pub(crate) fn bus_id_of(ordinal: usize) -> Result<String> {
+    let dev = cu_device(ordinal)?;
+    // SAFETY: `dev` came from cuDeviceGet.
+    Ok(unsafe { driver::device::pci_bus_id(dev) }?.to_ascii_lowercase())
+}
+
+/// The ordinal, in this process, of the device at PCI address `bus` (as [`bus_id_of`] spells
+/// it, in either case); `None` when no visible device is there.
+///
+/// # Errors
+///
+/// As [`bus_id_of`] for each visible device.
+pub(crate) fn ordinal_of_bus_id(bus: &str) -> Result<Option<usize>> {
+    let Some(want) = parse_bus_id(bus) else {
+        return Ok(None);
+    };
+    for ordinal in 0..cuda::device_count()? {
+        if parse_bus_id(&bus_id_of(ordinal)?) == Some(want) {
+            return Ok(Some(ordinal));
+        }
+    }
+    Ok(None)
 }
 
 /// A PCI address as `(domain, bus, device)`, parsed from `dddd:bb:dd.f` or `dddddddd:bb:dd.f`.
@@ -405,14 +416,34 @@ mod tests {
         ));
     }
 
+    /// A device as `DeviceInfo::query` might describe it.
+    fn device(ordinal: usize) -> DeviceInfo {
+        DeviceInfo {
+            ordinal,
+            name: "GPU".into(),
+            pci_bus_id: "0000:01:00.0".into(),
+            total_memory_bytes: 1 << 30,
+            compute_capability: (9, 0),
+            copy_engines: 2,
+            dma_buf: true,
+            gpudirect_rdma: true,
+            gpudirect_rdma_vmm: true,
+            rdma_flush_writes_options: 1,
+            rdma_writes_ordering: 100,
+            stream_mem_ops: true,
+            stream_mem_ops_64: true,
+            stream_wait_value_nor: true,
+            memory_pools: true,
+            posix_fd_handles: true,
+            host_register: true,
+            can_flush_remote_writes: false,
+        }
+    }
+
     #[test]
     fn matrix_serializes() {
         let m = LinkMatrix {
-            devices: vec![DeviceInfo {
-                ordinal: 0,
-                name: "GPU".into(),
-                pci_bus_id: "0000:01:00.0".into(),
-            }],
+            devices: vec![device(0)],
             links: vec![Link {
                 src: 0,
                 dst: 0,

@@ -3,9 +3,10 @@
 //! range, and `Ok` with exact numbers for what is in range. Pure functions only: no GPU needed.
 //! Run in debug and release builds.
 
-use crate::p2p::ipc::{IpcMemHandle, VmmHandle};
-use crate::p2p::staging::chunk_spans;
-use crate::p2p::{CopyOptions, MAX_CHUNK_BYTES, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice};
+use crate::memory::{BOUNCE_ALIGN, MAX_CHUNK_BYTES, SHARED_LANES};
+use crate::p2p::staging::{chunk_spans, lanes_of, schedule};
+use crate::p2p::{CopyOptions, MAX_SLOTS, MAX_STAGING_BYTES, PathChoice};
+use crate::p2p::{IpcMemHandle, VmmHandle};
 use crate::proptest_support::{addr, invalid, is_invalid, size};
 use proptest::prelude::*;
 
@@ -28,9 +29,38 @@ proptest! {
     }
 
     #[test]
-    fn copy_options_have_bounds(chunk in size(), slots in size()) {
+    fn staged_chunks_take_the_ring_slots_in_turn(chunk in 1usize..(1 << 24), k in 0usize..300, extra in 0usize..(1 << 24), slots in 0usize..=MAX_SLOTS, next in any::<usize>()) {
+        let bytes = chunk.saturating_mul(k).saturating_add(extra % chunk);
+        let plan: Vec<_> = schedule(bytes, chunk, slots, next).collect();
+        if slots == 0 {
+            prop_assert!(plan.is_empty());
+        } else {
+            let spans: Vec<_> = chunk_spans(bytes, chunk).collect();
+            prop_assert_eq!(plan.len(), spans.len());
+            for (i, ((span, s), want)) in plan.iter().zip(&spans).enumerate() {
+                prop_assert_eq!(span, want);
+                // In turn from the cursor: a slot comes back only after all the others.
+                prop_assert_eq!(*s, (next % slots + i) % slots);
+            }
+        }
+    }
+
+    #[test]
+    fn copiers_take_two_distinct_lanes(n in any::<usize>()) {
+        let (d2h, h2d) = lanes_of(n);
+        prop_assert!(d2h < SHARED_LANES && h2d < SHARED_LANES && d2h != h2d);
+        // The next copiers' pairs are other lanes, until they come round again.
+        for m in 1..SHARED_LANES / 2 {
+            let (a, b) = lanes_of(n.wrapping_add(m));
+            prop_assert!(a != d2h && a != h2d && b != d2h && b != h2d);
+        }
+    }
+
+    #[test]
+    fn copy_options_have_bounds(chunk in prop_oneof![size(), (0usize..=(1 << 19)).prop_map(|p| p * BOUNCE_ALIGN)], slots in size()) {
         let o = CopyOptions { path: PathChoice::Auto, chunk_bytes: chunk, slots, grant_access: true };
         let ok = (1..=MAX_CHUNK_BYTES).contains(&chunk)
+            && chunk % BOUNCE_ALIGN == 0
             && (1..=MAX_SLOTS).contains(&slots)
             && chunk.checked_mul(slots).is_some_and(|t| t <= MAX_STAGING_BYTES);
         let r = o.validate();
@@ -51,7 +81,7 @@ proptest! {
 
     #[test]
     fn ipc_handles_from_peers(offset in addr(), bytes in addr(), mapped in addr(), elem_size in prop_oneof![0u32..=16, any::<u32>()], elem in 0usize..=16) {
-        let h = IpcMemHandle::from_parts([7; 64], offset, bytes, elem_size, 0);
+        let h = IpcMemHandle::from_parts([7; 64], offset, bytes, elem_size, 0, None);
         match h.check(elem) {
             Ok(n) => {
                 prop_assert_eq!(n as u64 * elem as u64, bytes);
@@ -59,7 +89,7 @@ proptest! {
             }
             Err(e) => prop_assert!(is_invalid(&e)),
         }
-        let v = VmmHandle { bytes, mapped_bytes: mapped, elem_size, device: 0 };
+        let v = VmmHandle { bytes, mapped_bytes: mapped, elem_size, device: 0, pci_bus_id: None };
         match v.check(elem) {
             Ok((m, n)) => {
                 prop_assert_eq!(m as u64, mapped);

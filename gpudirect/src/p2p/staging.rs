@@ -1,16 +1,33 @@
-//! The staged path: device → pinned host bounce buffers → device, chunked and pipelined over two
-//! streams, for pairs without peer access.
+//! The staged path: device → pinned host chunk → device, for pairs without peer access, on the
+//! crate's one bounce pool and its copy engines ([`BouncePool`], [`CopyEngine`]).
 //!
-//! Chunk `k` goes through slot `k % slots`: the source device's stream copies it into the slot's
-//! pinned buffer and records the slot's `d2h` event; the destination device's stream waits for that
-//! event, copies the slot out and records the slot's `h2d` event; before chunk `k + slots` reuses
-//! the slot, the source stream waits for that `h2d` event. Nothing blocks the host, and the two
-//! directions run on the two devices' copy engines at once.
+//! A copier keeps a ring of `slots` chunks of the source device's shared pool, each behind the
+//! last copy that went through it ([`ChunkCopy`], which owns the chunk until its event has
+//! completed). Chunk `k` of a copy takes the ring's next chunk: the source device's engine
+//! copies it device-to-host on the copier's first lane, after a stream wait on that chunk's
+//! previous host-to-device copy; the destination device's engine copies it host-to-device on the
+//! copier's second lane, after a stream wait on the first copy. All device-to-host copies of a
+//! copier run in order on one lane and all host-to-device copies on the other, so chunk `k + 1`
+//! leaves the source while chunk `k` enters the destination, and nothing blocks the host. The
+//! ring's cursor runs on from copy to copy, so small copies in a row use different chunks and
+//! overlap as well.
+//!
+//! A copy ends with a stream wait of the copier's stream on its last host-to-device copy: the
+//! last on its lane, after the last device-to-host copy on the other, so a fence of that stream
+//! covers the whole copy.
+//!
+//! Sizes: the ring holds `slots` chunks of `chunk_bytes` (by default 4 of 8 MiB, 32 MiB pinned
+//! per copier). Two chunks keep both directions busy; the other two absorb the jitter of the
+//! stream waits, so a direction never idles while the other finishes. An 8 MiB chunk takes about
+//! 160 µs at 50 GB/s, far above the few microseconds of driver calls that queue it, and a 256
+//! MiB copy fills and drains the two-stage pipeline in one chunk's time (3%).
 
-use crate::completion::capture::{self, Refused};
-use crate::error::{Result, cu, from_driver};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
-use std::sync::Arc;
+use crate::completion::StreamFence;
+use crate::completion::capture::Refused;
+use crate::cuda::Stream;
+use crate::error::{Error, Result};
+use crate::memory::{BouncePool, ChunkCopy, CopyEngine, Dir, SHARED_LANES};
+use std::sync::Mutex;
 
 #[cfg(test)]
 thread_local! {
@@ -19,215 +36,203 @@ thread_local! {
         const { std::cell::Cell::new(None) };
 }
 
-/// A pinned host buffer (`cuMemHostAlloc`, portable to every context) used only as a bounce
-/// buffer by device copies; never exposed as a Rust reference.
-struct Bounce {
-    ptr: *mut std::ffi::c_void,
-    bytes: usize,
-    ctx: Arc<CudaContext>,
-    pid: u32,
+/// A staged copy that failed: the error, and a fence of the copier's stream after which nothing
+/// queued for the copy runs (`None`: no fence can say so, or the work may sit in a CUDA graph:
+/// the caller leaks what the copy uses).
+pub(crate) struct Failed {
+    pub(crate) error: Error,
+    pub(crate) fence: Option<StreamFence>,
 }
 
-// SAFETY: the buffer is plain pinned host memory addressed only by the driver's copies; the
-// pointer is never dereferenced by Rust.
-unsafe impl Send for Bounce {}
-// SAFETY: as above; no Rust access to the bytes.
-unsafe impl Sync for Bounce {}
-
-impl Bounce {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Bounce> {
-        ctx.bind_to_thread()
-            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        let mut ptr = std::ptr::null_mut();
-        // SAFETY: a context is current; valid out-pointer; PORTABLE makes the memory pinned for
-        // every context, so both devices' streams may copy through it.
-        cu("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut ptr, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
-        })?;
-        Ok(Bounce {
-            ptr,
-            bytes,
-            ctx: ctx.clone(),
-            pid: std::process::id(),
-        })
-    }
+/// The chunks of a copier and where the next copy starts.
+struct Ring {
+    /// The last copy through each chunk; `None` where a failure lost the chunk (a new one is
+    /// taken from the pool at its next use).
+    slots: Vec<Option<ChunkCopy>>,
+    next: usize,
 }
 
-impl Drop for Bounce {
-    fn drop(&mut self) {
-        // Dropped only when the last copy through it has completed: the stager is owned by every
-        // in-flight copy that uses it. In a forked child, leak (no FFI frees after fork).
-        if crate::completion::forked(self.pid) || self.ptr.is_null() {
-            return;
-        }
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by cuMemHostAlloc above and not freed before; no copy uses it now.
-        let _ = unsafe { sys::cuMemFreeHost(self.ptr) };
-    }
-}
-
-struct Slot {
-    host: Bounce,
-    d2h: CudaEvent,
-    h2d: CudaEvent,
-}
-
-/// Bounce buffers, streams and events of one ordered device pair's staged path.
+/// The staged path of one ordered device pair: the shared pool and engines, the copier's lanes
+/// and its ring of chunks.
 pub(crate) struct Stager {
-    src_stream: Arc<CudaStream>,
-    dst_stream: Arc<CudaStream>,
-    slots: Vec<Slot>,
-    /// Recorded on the source stream and waited on by the destination stream by [`join`](Self::join).
-    join: CudaEvent,
+    pool: BouncePool,
+    src: CopyEngine,
+    dst: CopyEngine,
+    /// The device-to-host lane (source engine) and the host-to-device lane (destination engine).
+    lanes: (usize, usize),
     chunk: usize,
+    ring: Mutex<Ring>,
 }
 
 impl Stager {
-    /// `slots` pinned buffers of `chunk` bytes each, and one stream per device.
-    pub(crate) fn new(
-        src_ctx: Arc<CudaContext>,
-        dst_ctx: Arc<CudaContext>,
-        chunk: usize,
-        slots: usize,
-    ) -> Result<Stager> {
-        let src_stream = src_ctx
-            .new_stream()
-            .map_err(|e| from_driver("cuStreamCreate", e))?;
-        let dst_stream = dst_ctx
-            .new_stream()
-            .map_err(|e| from_driver("cuStreamCreate", e))?;
+    /// The staged path from device `src` to device `dst`: a ring of `slots` chunks of
+    /// `chunk_bytes` (a valid pool chunk size) taken now from `src`'s shared pool.
+    ///
+    /// # Errors
+    ///
+    /// As [`BouncePool::take`] and [`CopyEngine::new`] (the engines' first use).
+    pub(crate) fn new(src: usize, dst: usize, chunk_bytes: usize, slots: usize) -> Result<Stager> {
+        let pool = BouncePool::shared(src, chunk_bytes)?;
         let slots = (0..slots)
-            .map(|_| {
-                Ok(Slot {
-                    host: Bounce::new(&src_ctx, chunk)?,
-                    d2h: src_ctx
-                        .new_event(None)
-                        .map_err(|e| from_driver("cuEventCreate", e))?,
-                    h2d: dst_ctx
-                        .new_event(None)
-                        .map_err(|e| from_driver("cuEventCreate", e))?,
-                })
-            })
+            .map(|_| pool.take().map(|c| Some(ChunkCopy::idle(c))))
             .collect::<Result<Vec<_>>>()?;
-        let join = src_ctx
-            .new_event(None)
-            .map_err(|e| from_driver("cuEventCreate", e))?;
         Ok(Stager {
-            src_stream,
-            dst_stream,
-            slots,
-            join,
-            chunk,
+            pool,
+            src: CopyEngine::shared(src)?,
+            dst: CopyEngine::shared(dst)?,
+            lanes: lanes_of(next_copier()),
+            chunk: chunk_bytes,
+            ring: Mutex::new(Ring { slots, next: 0 }),
         })
     }
 
-    /// The stream the last step of every staged copy runs on (record the completion event here).
-    pub(crate) fn final_stream(&self) -> &Arc<CudaStream> {
-        &self.dst_stream
-    }
-
-    /// Tests: the source and destination streams.
-    #[cfg(test)]
-    pub(crate) fn streams(&self) -> (&Arc<CudaStream>, &Arc<CudaStream>) {
-        (&self.src_stream, &self.dst_stream)
-    }
-
-    /// Make the final stream wait for everything queued on the source stream so far, so that an
-    /// event recorded on [`final_stream`](Self::final_stream) afterwards also covers a D2H whose
-    /// H2D half was never queued (an [`enqueue`](Self::enqueue) that failed midway). If this
-    /// fails, such an event proves nothing about the source stream.
-    pub(crate) fn join(&self) -> Result<()> {
-        capture::enqueue(&self.src_stream, "cuEventRecord", (), |raw, ()| {
-            // SAFETY: a live event and stream of the current context.
-            cu("cuEventRecord", unsafe {
-                sys::cuEventRecord(self.join.cu_event(), raw)
-            })
-        })?;
-        capture::enqueue(&self.dst_stream, "cuStreamWaitEvent", (), |raw, ()| {
-            // SAFETY: a live stream and event; the wait captures the event's state now.
-            cu("cuStreamWaitEvent", unsafe {
-                sys::cuStreamWaitEvent(raw, self.join.cu_event(), 0)
-            })
-        })?;
-        Ok(())
-    }
-
-    /// Enqueue `bytes` from device address `src` to device address `dst`, through the
-    /// capture-checked path on each stream.
+    /// Queue the copy of `bytes` bytes from device address `src` to device address `dst`, and
+    /// make `stream` wait for it; a fence of `stream` for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`BouncePool::take`] and [`ChunkCopy::then`], with a fence that covers what was
+    /// queued before the failure, or none (see [`Failed`]).
     ///
     /// # Safety
     ///
-    /// `src..src + bytes` must be readable by the source device and `dst..dst + bytes` writable by
-    /// the destination device until the work completes (the caller owns both until an event
-    /// recorded on [`final_stream`](Self::final_stream) afterwards completes), and `self` must be
-    /// kept alive as long. On `Err`, a D2H may be queued with no H2D after it: call
-    /// [`join`](Self::join) before recording that event. A refusal that says the work may sit in
-    /// a graph ([`Refused::leaked`]) means the caller must leak what the copy uses.
+    /// `src..src + bytes` is readable by the source device and `dst..dst + bytes` writable by the
+    /// destination device, neither range wraps, and both stay valid and untouched by anyone else
+    /// until the returned fence (or the failure's) completes.
     pub(crate) unsafe fn enqueue(
         &self,
+        stream: &Stream,
         dst: u64,
         src: u64,
         bytes: usize,
-    ) -> Result<(), Refused<()>> {
-        let n = self.slots.len();
-        for (k, (off, len)) in chunk_spans(bytes, self.chunk).enumerate() {
-            let slot = &self.slots[k % n];
-            debug_assert!(len <= slot.host.bytes);
-            // In range: the caller's ranges are `bytes` long and do not wrap (checked).
-            let (s, d) = (src + off as u64, dst + off as u64);
-            capture::enqueue(&self.src_stream, "cuMemcpyDtoHAsync_v2", (), |raw, ()| {
-                // SAFETY: events and streams are live; waiting on a never-recorded event is a
-                // no-op. The slot's previous H2D (chunk k - n) must finish before the slot is
-                // overwritten.
-                unsafe {
-                    cu(
-                        "cuStreamWaitEvent",
-                        sys::cuStreamWaitEvent(raw, slot.h2d.cu_event(), 0),
-                    )?;
-                    cu(
-                        "cuMemcpyDtoHAsync_v2",
-                        sys::cuMemcpyDtoHAsync_v2(slot.host.ptr, s, len, raw),
-                    )?;
-                    cu(
-                        "cuEventRecord",
-                        sys::cuEventRecord(slot.d2h.cu_event(), raw),
-                    )
-                }
-            })?;
+    ) -> std::result::Result<StreamFence, Failed> {
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let ring = &mut *ring;
+        let n = ring.slots.len();
+        let mut last = None;
+        for ((off, len), s) in schedule(bytes, self.chunk, n, ring.next) {
+            ring.next = (s + 1) % n;
+            let prev = match ring.slots[s].take() {
+                Some(c) => c,
+                None => match self.pool.take() {
+                    Ok(c) => ChunkCopy::idle(c),
+                    Err(error) => return Err(cover(ring, stream, Cause::Error(error))),
+                },
+            };
+            // In range: the caller's ranges are `bytes` long and do not wrap.
+            let (from, to) = (src + off as u64, dst + off as u64);
+            // SAFETY: `from..from + len` lies in the caller's source range (the spans cover
+            // `0..bytes`) and `len` is at most the chunk's size.
+            let d2h = unsafe { prev.then(Dir::D2h, &self.src, self.lanes.0, 0, len, from) };
+            let c = step(ring, s, d2h).map_err(|e| cover(ring, stream, e))?;
             #[cfg(test)]
-            if FAIL_AFTER_D2H.with(|f| f.get()) == Some(k) {
-                return Err(Refused {
-                    error: crate::Error::invalid("test", k, "injected failure after a D2H"),
-                    kept: Some(()),
-                });
+            if FAIL_AFTER_D2H.with(|f| f.get()) == Some(off / self.chunk) {
+                ring.slots[s] = Some(c);
+                let error = Error::invalid("test", off, "injected failure after a D2H");
+                return Err(cover(ring, stream, Cause::Error(error)));
             }
-            capture::enqueue(&self.dst_stream, "cuMemcpyHtoDAsync_v2", (), |raw, ()| {
-                // SAFETY: as above; the H2D reads the slot only after its D2H (event wait).
-                unsafe {
-                    cu(
-                        "cuStreamWaitEvent",
-                        sys::cuStreamWaitEvent(raw, slot.d2h.cu_event(), 0),
-                    )?;
-                    cu(
-                        "cuMemcpyHtoDAsync_v2",
-                        sys::cuMemcpyHtoDAsync_v2(d, slot.host.ptr, len, raw),
-                    )?;
-                    cu(
-                        "cuEventRecord",
-                        sys::cuEventRecord(slot.h2d.cu_event(), raw),
-                    )
-                }
-            })?;
+            // SAFETY: as above, for the destination range.
+            let h2d = unsafe { c.then(Dir::H2d, &self.dst, self.lanes.1, 0, len, to) };
+            let c = step(ring, s, h2d).map_err(|e| cover(ring, stream, e))?;
+            ring.slots[s] = Some(c);
+            last = Some(s);
         }
-        Ok(())
+        if let Some(c) = last.and_then(|s| ring.slots[s].as_ref())
+            && let Err(error) = c.order_before(stream)
+        {
+            return Err(cover(ring, stream, Cause::Error(error)));
+        }
+        Ok(stream.fence())
+    }
+
+    /// Tests: whether the copy through chunk `s` has completed (`None`: no chunk there).
+    #[cfg(test)]
+    pub(crate) fn slot_complete(&self, s: usize) -> Option<bool> {
+        let ring = self.ring.lock().unwrap();
+        ring.slots[s].as_ref().map(|c| c.is_complete())
     }
 }
 
-/// The chunks of a `bytes`-long staged copy through `chunk`-byte bounce buffers: `(offset, len)`
+/// The failure of a copy: `stream` made to wait for every chunk's last copy, so that its
+/// fence covers everything queued for the copy (a device-to-host copy whose host-to-device
+/// half never was, too). No fence when that fails or when work may sit unfenced.
+fn cover(ring: &Ring, stream: &Stream, cause: Cause) -> Failed {
+    match cause {
+        Cause::Error(error) => {
+            let joined = ring
+                .slots
+                .iter()
+                .flatten()
+                .try_for_each(|c| c.order_before(stream));
+            Failed {
+                error,
+                fence: joined.ok().map(|()| stream.fence()),
+            }
+        }
+        Cause::Leaked(error) => Failed { error, fence: None },
+    }
+}
+
+/// The chunks of a `bytes`-long staged copy through `chunk`-byte bounce chunks: `(offset, len)`
 /// each, in order, covering `0..bytes` exactly. A `chunk` of 0 yields nothing.
 pub(crate) fn chunk_spans(bytes: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     let step = chunk.max(1);
     (0..if chunk == 0 { 0 } else { bytes })
         .step_by(step)
         .map(move |off| (off, chunk.min(bytes - off)))
+}
+
+/// Why a step failed.
+enum Cause {
+    /// Nothing queued uses the caller's memory without a fence.
+    Error(Error),
+    /// Queued work may use the caller's memory with no fence to say when it ends.
+    Leaked(Error),
+}
+
+/// The copy a step queued; on refusal, the copy before it back in slot `s` (still owning the
+/// chunk), or the slot emptied when the chunk was leaked.
+fn step(
+    ring: &mut Ring,
+    s: usize,
+    r: std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>>,
+) -> std::result::Result<ChunkCopy, Cause> {
+    r.map_err(|refused| {
+        let Refused { error, kept } = *refused;
+        let leaked = kept.is_none();
+        ring.slots[s] = kept;
+        if leaked {
+            Cause::Leaked(error)
+        } else {
+            Cause::Error(error)
+        }
+    })
+}
+
+/// The chunks of a copy (as [`chunk_spans`]), each with the ring slot it goes through: `slots`
+/// slots in turn from slot `next % slots`. No slots, no chunks.
+pub(crate) fn schedule(
+    bytes: usize,
+    chunk: usize,
+    slots: usize,
+    next: usize,
+) -> impl Iterator<Item = ((usize, usize), usize)> {
+    let n = slots.max(1);
+    let spans = chunk_spans(bytes, if slots == 0 { 0 } else { chunk });
+    spans.zip((next % n..).map(move |i| i % n))
+}
+
+/// How many copiers have been made: each takes the next pair of lanes.
+fn next_copier() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The lanes of copier `n` on the shared engines: `(device-to-host, host-to-device)`, two
+/// distinct lanes (one engine serves both on a device copied to itself). Pairs are given out
+/// from the last lanes down, so that the first `SHARED_LANES / 2` copiers share no lane and
+/// meet the storage path's threads (which count up from the first lanes) last.
+pub(crate) fn lanes_of(n: usize) -> (usize, usize) {
+    let d2h = SHARED_LANES - 1 - 2 * (n % (SHARED_LANES / 2));
+    (d2h, d2h - 1)
 }

@@ -124,8 +124,14 @@ impl Channel {
         if r == 0 || p.revents & libc::POLLIN == 0 {
             return Ok(None);
         }
+        self.take(l).map(Some)
+    }
+
+    /// `rdma_get_cm_event` (blocking until one is there) and its ack: the event, read before
+    /// the ack.
+    fn take(&self, l: &cm::Lib) -> Result<Event> {
         let mut ev = std::ptr::null_mut();
-        // SAFETY: a live channel with an event waiting, and an out-pointer.
+        // SAFETY: a live channel and an out-pointer.
         rc("rdma_get_cm_event", unsafe {
             (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
         })?;
@@ -140,7 +146,7 @@ impl Channel {
         };
         // SAFETY: acknowledges that event once.
         unsafe { (l.rdma_ack_cm_event)(ev) };
-        Ok(Some(e))
+        Ok(e)
     }
 
     /// The next event, within `timeout`, acknowledged; it must be `expected`.
@@ -181,22 +187,7 @@ impl Channel {
             }
             break;
         }
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: a live channel and an out-pointer.
-        rc("rdma_get_cm_event", unsafe {
-            (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
-        })?;
-        // SAFETY: an event just returned, read before the ack below.
-        let e = unsafe {
-            Event {
-                kind: (*ev).event,
-                status: (*ev).status,
-                id: (*ev).id,
-                listen_id: (*ev).listen_id,
-            }
-        };
-        // SAFETY: acknowledges that event once.
-        unsafe { (l.rdma_ack_cm_event)(ev) };
+        let e = self.take(l)?;
         if e.kind != expected {
             if e.kind == cm::RDMA_CM_EVENT_CONNECT_REQUEST && !e.listen_id.is_null() {
                 // A request we do not take: refuse it so the peer does not wait.

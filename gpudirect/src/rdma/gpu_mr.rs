@@ -660,7 +660,7 @@ mod tests {
     use gpudirect_sys::peermem::DmaBufRange;
 
     #[test]
-    fn a5_dmabuf_arguments_are_exact() {
+    fn dmabuf_arguments_are_exact() {
         // 65544 bytes starting 40 bytes into a 2 MiB-aligned allocation.
         let ptr = 0x7f00_0020_0000u64 + 40;
         let r = DmaBufRange::new(ptr, 65544).unwrap();
@@ -701,7 +701,7 @@ mod tests {
     }
 
     #[test]
-    fn a3_eopnotsupp_is_unsupported_saying_dmabuf() {
+    fn eopnotsupp_is_unsupported_saying_dmabuf() {
         for errno in [libc::EOPNOTSUPP, libc::ENOSYS, libc::EPROTONOSUPPORT] {
             let e = dmabuf_error(Error::errno("ibv_reg_dmabuf_mr", errno), "rxe0");
             match &e {

@@ -1393,7 +1393,7 @@ mod tests {
     }
 
     #[test]
-    fn the_issue_descriptor_is_refused_not_wrapped() {
+    fn a_descriptor_ending_past_2_64_is_refused_not_wrapped() {
         let r = RemoteMemory {
             addr: u64::MAX - 3,
             rkey: 1,

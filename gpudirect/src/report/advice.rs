@@ -198,7 +198,7 @@ pub fn advise(r: &NodeReport) -> Vec<Advice> {
         "compatibility" => say(
             &mut out,
             "storage",
-            "nvidia-fs is not loaded, so cuFile runs in compatibility mode: storage::File in Mode::Auto uses gpudirect's POSIX path (faster than cuFile's own); load nvidia-fs for true GPUDirect Storage.".into(),
+            "nvidia-fs is not loaded, so cuFile runs in compatibility mode: storage::GdsFile in Mode::Auto uses gpudirect's POSIX path (faster than cuFile's own); load nvidia-fs for true GPUDirect Storage.".into(),
         ),
         "gds" => say(
             &mut out,

@@ -534,7 +534,7 @@ fn quick_read(dir: &Path, bytes: usize) -> crate::Result<StorageRead> {
     std::fs::write(&path, &data).map_err(os("write"))?;
     let result = (|| {
         let stream = Stream::new(&crate::cuda::context(0)?)?;
-        let f = storage::File::open(&path, &OpenOptions::read_only(), Mode::Auto)?;
+        let f = storage::GdsFile::open(&path, &OpenOptions::read_only(), Mode::Auto)?;
         // A first, untimed read sets up what every later transfer reuses (cuFile's or the POSIX
         // path's pinned bounce buffers and threads); the second, into a fresh buffer, is timed.
         let mut warm = DeviceBuffer::<u8>::zeroed(stream.context(), bytes)?;
@@ -554,8 +554,8 @@ fn quick_read(dir: &Path, bytes: usize) -> crate::Result<StorageRead> {
                 0.0
             },
             path: match tr.path.path {
-                storage::Path::CuFile => "cufile",
-                storage::Path::Posix => "posix",
+                storage::IoPath::CuFile => "cufile",
+                storage::IoPath::Posix => "posix",
             }
             .into(),
             reason: reason_words(&tr.path.reason),

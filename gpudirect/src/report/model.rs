@@ -259,7 +259,7 @@ pub struct RdmaSection {
     pub verdict: String,
 }
 
-/// The quick verified read through [`crate::storage::File`] in `Mode::Auto`.
+/// The quick verified read through [`crate::storage::GdsFile`] in `Mode::Auto`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StorageRead {
     /// The temporary file read (removed afterwards).

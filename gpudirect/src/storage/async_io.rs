@@ -19,9 +19,10 @@
 use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
 use crate::completion::{HostFnFence, InFlight};
 use crate::cuda::Stream;
-use crate::error::{Error, Result, cu};
+use crate::driver;
+use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceMemory, DeviceMemoryMut, MemoryKind};
-use cudarc::driver::{CudaStream, sys as cu_sys};
+use cudarc::driver::{CudaStream, sys};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
@@ -225,12 +226,9 @@ impl<M: DeviceMemory> AsyncIo<M> {
 
 /// `Err` when `stream` has failed (`cuStreamQuery` answers neither success nor not-ready).
 fn stream_failed(stream: &CudaStream) -> Result<()> {
-    crate::driver::ctx::bind(stream.context())?;
+    driver::ctx::bind(stream.context())?;
     // SAFETY: a live stream of the current context.
-    match unsafe { cu_sys::cuStreamQuery(stream.cu_stream()) } {
-        cu_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
-        r => cu("cuStreamQuery", r),
-    }
+    unsafe { driver::stream::query(stream.cu_stream()) }.map(drop)
 }
 
 /// The host-callback fence (the memory module's [`HostFnFence`]) after the operation just queued
@@ -240,10 +238,9 @@ fn fence_after(stream: &Arc<CudaStream>) -> Result<HostFnFence> {
     match Stream::wrap(stream.clone()).host_fence() {
         Ok(f) => Ok(f),
         Err(_) => {
-            // SAFETY: a valid stream.
-            cu("cuStreamSynchronize", unsafe {
-                cu_sys::cuStreamSynchronize(stream.cu_stream())
-            })?;
+            driver::ctx::bind(stream.context())?;
+            // SAFETY: a valid stream of the current context.
+            unsafe { driver::stream::synchronize(stream.cu_stream()) }?;
             let f = HostFnFence::new();
             f.complete(false);
             Ok(f)
@@ -265,7 +262,7 @@ struct Owned<M> {
 fn enqueue_step(
     stream: &Arc<CudaStream>,
     call: &'static str,
-    f: impl FnOnce(cu_sys::CUstream) -> Result<()>,
+    f: impl FnOnce(sys::CUstream) -> Result<()>,
 ) -> std::result::Result<(), (Error, bool)> {
     crate::completion::capture::enqueue(stream, call, (), |raw, ()| f(raw))
         .map(drop)
@@ -344,10 +341,11 @@ pub(crate) fn scratch_bytes(len: usize) -> Option<usize> {
 /// `cuMemGetAddressRange_v2(ptr)`: the base of the allocation holding `ptr`; `None` when the
 /// driver does not say. The buffer's context is current.
 fn allocation_base(ptr: u64) -> Option<u64> {
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: valid out-pointers; the driver checks `ptr`.
-    let r = unsafe { cu_sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    (r == cu_sys::CUresult::CUDA_SUCCESS && size > 0).then_some(base)
+    // SAFETY: the buffer's context is current (the caller's); the driver checks `ptr`.
+    match unsafe { driver::mem::address_range(ptr) } {
+        Ok((base, size)) if size > 0 => Some(base),
+        _ => None,
+    }
 }
 
 impl FileHandle {
@@ -524,9 +522,7 @@ impl FileHandle {
                         // checked buffer range, the scratch of at least `len` bytes), kept until
                         // the fence after the last step has been passed; UVA lets the driver
                         // tell device from host-mapped memory.
-                        cu("cuMemcpyAsync", unsafe {
-                            cu_sys::cuMemcpyAsync(dst, src, len, raw)
-                        })
+                        unsafe { driver::mem::copy_async(dst, src, len, raw) }
                     })
                 }
                 Step::Io => enqueue_step(stream, call, |raw| {

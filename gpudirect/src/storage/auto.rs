@@ -1,13 +1,13 @@
 //! The automatic path: cuFile where it helps, our own POSIX path where cuFile is missing, cannot
 //! register the file, or would be slower; every transfer says which path ran and why.
 
-use super::posix::{self, GpuEngines, PosixConfig, PosixFile};
+use super::posix::{self, GpuStaging, PosixConfig, PosixFile};
 use super::{DirectIo, Driver, FileHandle, OpenOptions, check_io};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
-/// Which path a [`File`] may use.
+/// Which path a [`GdsFile`] may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
     /// Choose per transfer (like KvikIO's compatibility mode AUTO): cuFile with nvidia-fs on
@@ -22,7 +22,7 @@ pub enum Mode {
 
 /// A data path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Path {
+pub enum IoPath {
     /// `cuFileRead`/`cuFileWrite` (GDS, or cuFile's own compatibility mode).
     CuFile,
     /// Our POSIX path: threads, pinned bounce buffers, pipelined copies.
@@ -58,7 +58,7 @@ pub enum PathReason {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathTaken {
     /// The path.
-    pub path: Path,
+    pub path: IoPath,
     /// Why.
     pub reason: PathReason,
     /// Whether the file was accessed with `O_DIRECT`.
@@ -74,10 +74,27 @@ pub struct Transfer {
     pub path: PathTaken,
 }
 
+/// When a write's data is safe from a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// A write returns once its data is in the page cache (or, for cuFile with nvidia-fs, on
+    /// the device): a crash or power loss before the kernel writes it back may lose it. Call
+    /// [`GdsFile::sync_data`] (`fdatasync`) to make it durable. The fastest for data read back
+    /// soon (a checkpoint that stays in memory).
+    #[default]
+    Cached,
+    /// A write returns once its data, and the metadata needed to read it back (the file size),
+    /// are on the device: the POSIX path writes aligned chunks with `O_DIRECT` (on
+    /// [`PosixConfig::direct_threads`] threads; unaligned ends through the page cache) and every
+    /// path ends with `fdatasync`. The fastest way to durable data: buffered writes followed by
+    /// `fdatasync` copy every byte twice.
+    Durable,
+}
+
 /// A file for the automatic path: a buffered descriptor, an `O_DIRECT` one where the file system
 /// allows it, and a cuFile registration where cuFile works.
 #[derive(Debug)]
-pub struct File {
+pub struct GdsFile {
     buffered: OwnedFd,
     direct: Option<OwnedFd>,
     cufile: Option<FileHandle>,
@@ -85,10 +102,12 @@ pub struct File {
     no_cufile: Option<PathReason>,
     gds: bool,
     mode: Mode,
-    posix: PosixConfig,
+    /// The POSIX path's configuration, when set; `None`: [`PosixConfig::automatic`] per transfer.
+    posix: Option<PosixConfig>,
+    durability: Durability,
 }
 
-impl File {
+impl GdsFile {
     /// Open `path` for `mode`. `options.direct` governs the `O_DIRECT` descriptor ([`DirectIo::Try`]
     /// falls back to buffered only where refused).
     ///
@@ -101,7 +120,7 @@ impl File {
         path: impl AsRef<std::path::Path>,
         options: &OpenOptions,
         mode: Mode,
-    ) -> Result<File> {
+    ) -> Result<GdsFile> {
         let path = path.as_ref();
         let (buffered, _) = options.direct(DirectIo::Off).open(path)?;
         let direct = match options.direct {
@@ -112,14 +131,15 @@ impl File {
                 (_, false) => None,
             },
         };
-        let mut f = File {
+        let mut f = GdsFile {
             buffered,
             direct,
             cufile: None,
             no_cufile: Some(PathReason::Requested),
             gds: false,
             mode,
-            posix: PosixConfig::default(),
+            posix: None,
+            durability: Durability::Cached,
         };
         if mode == Mode::Posix {
             return Ok(f);
@@ -165,21 +185,59 @@ impl File {
         Ok(f)
     }
 
-    /// Set how the POSIX path splits and overlaps transfers.
+    /// Set how the POSIX path splits and overlaps this file's transfers; `None` (the default):
+    /// [`PosixConfig::automatic`] for each transfer (from the node's cores, the transfer's size
+    /// and the environment's overrides).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] from [`PosixConfig::validate`]; the configuration in use is
     /// then kept.
-    pub fn set_posix_config(&mut self, cfg: PosixConfig) -> Result<()> {
-        cfg.validate()?;
+    pub fn set_posix_config(&mut self, cfg: Option<PosixConfig>) -> Result<()> {
+        if let Some(c) = &cfg {
+            c.validate()?;
+        }
         self.posix = cfg;
         Ok(())
     }
 
-    /// How the POSIX path splits and overlaps transfers.
-    pub fn posix_config(&self) -> &PosixConfig {
-        &self.posix
+    /// The POSIX path's configuration for a transfer of `len` bytes: the one set with
+    /// [`set_posix_config`](Self::set_posix_config), else [`PosixConfig::automatic`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PosixConfig::automatic`] (an environment override that is not a whole number or
+    /// breaks a bound).
+    pub fn posix_config(&self, len: usize) -> Result<PosixConfig> {
+        match self.posix {
+            Some(c) => Ok(c),
+            None => PosixConfig::automatic(len),
+        }
+    }
+
+    /// Set when writes return ([`Durability`]; [`Durability::Cached`] by default).
+    pub fn set_durability(&mut self, durability: Durability) {
+        self.durability = durability;
+    }
+
+    /// When writes return.
+    pub fn durability(&self) -> Durability {
+        self.durability
+    }
+
+    /// `fdatasync(fd)`—Make the data written so far, and the metadata needed to read it back,
+    /// durable on the device.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] from `fdatasync`.
+    #[doc(alias = "fdatasync")]
+    pub fn sync_data(&self) -> Result<()> {
+        // SAFETY: a valid descriptor.
+        if unsafe { libc::fdatasync(self.buffered.as_raw_fd()) } != 0 {
+            return Err(Error::last_os("fdatasync"));
+        }
+        Ok(())
     }
 
     /// The cuFile registration, when there is one.
@@ -220,7 +278,7 @@ impl File {
         let hot = || page_cache_fraction(&self.buffered, file_offset, len) >= 0.5;
         match (self.mode, &self.cufile) {
             (Mode::CuFile, Some(h)) => PathTaken {
-                path: Path::CuFile,
+                path: IoPath::CuFile,
                 reason: PathReason::Requested,
                 direct: h.is_direct(),
             },
@@ -229,7 +287,7 @@ impl File {
                     self.posix_taken(PathReason::PageCacheHot, false)
                 } else {
                     PathTaken {
-                        path: Path::CuFile,
+                        path: IoPath::CuFile,
                         reason: PathReason::GdsDirect,
                         direct: h.is_direct(),
                     }
@@ -249,7 +307,7 @@ impl File {
 
     fn posix_taken(&self, reason: PathReason, direct: bool) -> PathTaken {
         PathTaken {
-            path: Path::Posix,
+            path: IoPath::Posix,
             reason,
             direct,
         }
@@ -290,15 +348,17 @@ impl File {
         check_io("dst_offset", dst_offset, file_offset, len, dst.byte_len())?;
         let path = self.path_for_read(file_offset, len);
         let bytes = match (path.path, &self.cufile) {
-            (Path::CuFile, Some(h)) => h.read(dst, dst_offset, file_offset, len)?,
+            (IoPath::CuFile, Some(h)) => h.read(dst, dst_offset, file_offset, len)?,
             _ => {
-                let engines = GpuEngines::for_device(dst.ordinal())?;
+                let cfg = self.posix_config(len)?;
+                let ordinal = dst.ordinal();
                 // SAFETY: `check_io` put `dst_offset..+len` inside `dst`, live device memory of
-                // that ordinal (so the address sum does not wrap) borrowed mutably (so nothing else touches it) until this returns.
+                // that ordinal (so the address sum does not wrap), borrowed mutably (so nothing
+                // else touches it) until this returns, as are the descriptors.
                 unsafe {
                     posix::read_to_device(
-                        engines,
-                        &self.posix,
+                        |b| GpuStaging::for_device(ordinal, b),
+                        &cfg,
                         &self.posix_file(path.direct),
                         super::file_size(self.buffered.as_fd())?,
                         file_offset,
@@ -315,31 +375,48 @@ impl File {
     pub fn path_for_write(&self) -> PathTaken {
         match (self.mode, &self.cufile) {
             (Mode::CuFile, Some(h)) => PathTaken {
-                path: Path::CuFile,
+                path: IoPath::CuFile,
                 reason: PathReason::Requested,
                 direct: h.is_direct(),
             },
             (Mode::Auto, Some(h)) if self.gds => PathTaken {
-                path: Path::CuFile,
+                path: IoPath::CuFile,
                 reason: PathReason::GdsDirect,
                 direct: h.is_direct(),
             },
-            // Writes go through the page cache (as KvikIO's POSIX path does): many writer
-            // threads fill it faster than direct I/O, and durability needs fsync either way.
-            (Mode::Auto, Some(_)) => self.posix_taken(PathReason::CompatModeSlower, false),
+            // Cached writes go through the page cache, the fastest way to get data off the GPU
+            // (a buffered `pwrite` is a memory copy); durable ones take `O_DIRECT` where the file
+            // allows it, since writing back the page cache afterwards would copy every byte
+            // again.
+            (Mode::Auto, Some(_)) => {
+                self.posix_taken(PathReason::CompatModeSlower, self.direct_writes())
+            }
             _ => self.posix_taken(
                 self.no_cufile.clone().unwrap_or(PathReason::Requested),
-                false,
+                self.direct_writes(),
             ),
         }
     }
 
-    /// Write `len` bytes of `src` from byte `src_offset` to the file at `file_offset`, blocking.
-    /// Device work writing `src` must be complete (synchronize its stream first).
+    /// Whether the POSIX path writes with `O_DIRECT`: for durable writes, where the file has an
+    /// `O_DIRECT` descriptor.
+    fn direct_writes(&self) -> bool {
+        self.durability == Durability::Durable && self.direct.is_some()
+    }
+
+    /// Write `len` bytes of `src` from byte `src_offset` to the file at `file_offset`, blocking,
+    /// by the path [`path_for_write`](Self::path_for_write) picks. Device work writing `src`
+    /// must be complete (synchronize its stream first).
+    ///
+    /// What is on the device when this returns depends on [`durability`](Self::durability):
+    /// with [`Durability::Cached`] (the default) the data is in the page cache and a crash may
+    /// lose it until the kernel writes it back or [`sync_data`](Self::sync_data) runs; with
+    /// [`Durability::Durable`] the data and the file size are on the device (`fdatasync` ran).
     ///
     /// # Errors
     ///
-    /// As [`read_to_device`](Self::read_to_device).
+    /// As [`read_to_device`](Self::read_to_device); [`Error::Os`] from `pwrite` or `fdatasync`.
+    /// After an error, any part of the range may have been written.
     #[doc(alias = "cuFileWrite")]
     #[doc(alias = "pwrite")]
     pub fn write_from_device<M: DeviceMemory>(
@@ -352,16 +429,18 @@ impl File {
         check_io("src_offset", src_offset, file_offset, len, src.byte_len())?;
         let path = self.path_for_write();
         let bytes = match (path.path, &self.cufile) {
-            (Path::CuFile, Some(h)) => h.write(src, src_offset, file_offset, len)?,
+            (IoPath::CuFile, Some(h)) => h.write(src, src_offset, file_offset, len)?,
             _ => {
-                let engines = GpuEngines::for_device(src.ordinal())?;
+                let cfg = self.posix_config(len)?;
+                let ordinal = src.ordinal();
                 // SAFETY: `check_io` put `src_offset..+len` inside `src`, live device memory of
-                // that ordinal (so the address sum does not wrap), borrowed (so not freed) until this returns; the caller's contract
-                // is that device work writing it is complete.
+                // that ordinal (so the address sum does not wrap), borrowed (so not freed) until
+                // this returns, as are the descriptors; the caller's contract is that device work
+                // writing it is complete.
                 unsafe {
                     posix::write_from_device(
-                        engines,
-                        &self.posix,
+                        |b| GpuStaging::for_device(ordinal, b),
+                        &cfg,
                         &self.posix_file(path.direct),
                         file_offset,
                         src.device_ptr().wrapping_add(src_offset as u64),
@@ -370,6 +449,9 @@ impl File {
                 }?
             }
         };
+        if self.durability == Durability::Durable {
+            self.sync_data()?;
+        }
         Ok(Transfer { bytes, path })
     }
 }
@@ -393,7 +475,28 @@ pub(crate) fn cache_span(
     Some((start, usize::try_from(end - start).ok()?))
 }
 
-/// The fraction of `offset..offset+len` of the file in the page cache (`mincore`); 0 when unknown.
+/// The windows of pages that [`page_cache_fraction`] asks about in a span of `pages` pages:
+/// `(first page, pages)`, at most `windows` windows of `per` pages spread evenly from the first
+/// page to the last; the whole span when it is that small.
+pub(crate) fn sample_windows(pages: usize, windows: usize, per: usize) -> Vec<(usize, usize)> {
+    let (windows, per) = (windows.max(1), per.max(1));
+    if pages <= windows.saturating_mul(per) || windows == 1 {
+        return if pages == 0 { vec![] } else { vec![(0, pages)] };
+    }
+    let last = pages - per; // pages > windows * per >= per
+    (0..windows)
+        .map(|i| {
+            // i * last / (windows - 1) <= last, computed without overflow in u128.
+            let first = (i as u128 * last as u128 / (windows as u128 - 1)) as usize;
+            (first, per)
+        })
+        .collect()
+}
+
+/// The fraction of `offset..offset+len` of the file in the page cache (`mincore`), sampled: at
+/// most 64 windows of 16 pages spread over the range, so that a large read costs a few
+/// microseconds to classify, not a walk of every page; 0 when unknown.
+#[doc(alias = "mincore")]
 pub(crate) fn page_cache_fraction(fd: &OwnedFd, offset: u64, len: usize) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
@@ -417,16 +520,31 @@ pub(crate) fn page_cache_fraction(fd: &OwnedFd, offset: u64, len: usize) -> f64 
     if p == libc::MAP_FAILED {
         return 0.0;
     }
-    let pages = map_len.div_ceil(page as usize);
-    let mut vec = vec![0u8; pages];
-    // SAFETY: `vec` holds one byte per page of the mapping.
-    let r = unsafe { libc::mincore(p, map_len, vec.as_mut_ptr()) };
+    let page = page as usize;
+    let pages = map_len.div_ceil(page);
+    let (mut seen, mut cached) = (0usize, 0usize);
+    let mut vec = Vec::new();
+    for (first, n) in sample_windows(pages, 64, 16) {
+        vec.clear();
+        vec.resize(n, 0u8);
+        // In the mapping: `first + n <= pages` (sample_windows), and the last page may be partial.
+        let at = first * page;
+        let bytes = (n * page).min(map_len - at);
+        // SAFETY: `at..at + bytes` lies in the mapping; `vec` holds one byte per page of it.
+        let r = unsafe { libc::mincore(p.cast::<u8>().add(at).cast(), bytes, vec.as_mut_ptr()) };
+        if r != 0 {
+            seen = 0;
+            break;
+        }
+        seen += n;
+        cached += vec.iter().filter(|&&b| b & 1 != 0).count();
+    }
     // SAFETY: unmapping what we mapped.
     unsafe { libc::munmap(p, map_len) };
-    if r != 0 {
+    if seen == 0 {
         return 0.0;
     }
-    vec.iter().filter(|&&b| b & 1 != 0).count() as f64 / pages as f64
+    cached as f64 / seen as f64
 }
 
 #[cfg(test)]
@@ -442,10 +560,10 @@ mod tests {
     #[test]
     fn posix_mode_never_touches_cufile_and_says_so() {
         let p = temp("auto-posix", &[7u8; 10000]);
-        let f = File::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+        let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
         assert!(f.cufile_handle().is_none());
         let t = f.path_for_read(0, 10000);
-        assert_eq!(t.path, Path::Posix);
+        assert_eq!(t.path, IoPath::Posix);
         assert_eq!(t.reason, PathReason::Requested);
         // Just written: in the page cache, so the buffered descriptor is used.
         assert!(!t.direct);
@@ -477,7 +595,7 @@ mod tests {
     #[test]
     fn bad_ranges_and_configs_are_refused_before_any_call() {
         let p = temp("auto-ranges", &[5u8; 4096]);
-        let mut f = File::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+        let mut f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
         let mut dst = Fake(64);
         for (off, fo, len) in [
             (8, 0, 57),
@@ -496,14 +614,14 @@ mod tests {
             (i64::MAX as u64, usize::MAX),
             (0, usize::MAX),
         ] {
-            assert_eq!(f.path_for_read(fo, len).path, Path::Posix);
+            assert_eq!(f.path_for_read(fo, len).path, IoPath::Posix);
         }
         // The wrapping chunk of the POSIX path is refused, and the configuration kept.
         let bad = PosixConfig {
             chunk: usize::MAX - 4095,
             ..PosixConfig::default()
         };
-        let e = f.set_posix_config(bad).unwrap_err();
+        let e = f.set_posix_config(Some(bad)).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -514,11 +632,32 @@ mod tests {
             ),
             "{e}"
         );
-        assert_eq!(*f.posix_config(), PosixConfig::default());
+        assert_eq!(
+            f.posix_config(1 << 30).unwrap(),
+            PosixConfig::automatic(1 << 30).unwrap()
+        );
         std::fs::remove_file(&p).unwrap();
     }
 
     proptest::proptest! {
+        #[test]
+        fn sample_windows_stay_in_the_span(
+            pages in 0usize..1 << 22,
+            windows in 0usize..100,
+            per in 0usize..40,
+        ) {
+            let w = sample_windows(pages, windows, per);
+            proptest::prop_assert!(w.len() <= windows.max(1));
+            for &(first, n) in &w {
+                proptest::prop_assert!(n >= 1 && first + n <= pages);
+            }
+            if pages > 0 {
+                proptest::prop_assert_eq!(w[0].0, 0, "the first page is looked at");
+                let &(first, n) = w.last().unwrap();
+                proptest::prop_assert_eq!(first + n, pages, "and the last one");
+            }
+        }
+
         #[test]
         fn cache_spans_stay_in_the_file(
             offset: u64,
@@ -541,14 +680,14 @@ mod tests {
             return;
         }
         let p = temp("auto-fallback", &[1u8; 100]);
-        let f = File::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
+        let f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap();
         let t = f.path_for_read(0, 100);
-        assert_eq!(t.path, Path::Posix);
+        assert_eq!(t.path, IoPath::Posix);
         assert!(
             matches!(&t.reason, PathReason::CufileUnavailable(s) if s.contains("not found")),
             "{t:?}"
         );
-        assert!(File::open(&p, &OpenOptions::read_only(), Mode::CuFile).is_err());
+        assert!(GdsFile::open(&p, &OpenOptions::read_only(), Mode::CuFile).is_err());
         std::fs::remove_file(&p).unwrap();
     }
 }

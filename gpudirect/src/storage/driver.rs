@@ -442,6 +442,20 @@ fn gate(lib: &sys::Lib, name: &'static str, since: i32) -> Result<()> {
     }
 }
 
+/// One parameter call of a parameter `name` that needs cuFile `since`: the library loaded and
+/// new enough (checked first), then `f` under the driver's lock (no open runs beside it), its
+/// result checked as the C function `call`.
+fn param_call(
+    name: &'static str,
+    since: i32,
+    call: &'static str,
+    f: impl FnOnce(&'static sys::Lib) -> sys::CUfileError_t,
+) -> Result<()> {
+    let lib = sys::lib()?;
+    gate(lib, name, since)?;
+    DRIVER.with_lock(|_| check(call, f(lib)))
+}
+
 impl SizeParam {
     /// The largest value [`set`](Self::set) accepts: the byte count of a KiB size must fit a
     /// `usize`, and values the driver keeps as 32 bits (counts, cache and pinned sizes, the batch
@@ -464,15 +478,16 @@ impl SizeParam {
     /// [`Error::CuFile`].
     #[doc(alias = "cuFileGetParameterSizeT")]
     pub fn get(self) -> Result<usize> {
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
         let mut v = 0usize;
-        DRIVER.with_lock(|_| {
-            // SAFETY: a known parameter and one valid out-pointer; no open runs beside.
-            check("cuFileGetParameterSizeT", unsafe {
-                (lib.cuFileGetParameterSizeT)(self.raw(), &mut v)
-            })
-        })?;
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileGetParameterSizeT",
+            |lib| {
+                // SAFETY: a known parameter and one valid out-pointer.
+                unsafe { (lib.cuFileGetParameterSizeT)(self.raw(), &mut v) }
+            },
+        )?;
         Ok(v)
     }
 
@@ -486,14 +501,15 @@ impl SizeParam {
     #[doc(alias = "cuFileSetParameterSizeT")]
     pub fn set(self, value: usize) -> Result<()> {
         check_kib("value", value, self.max_value())?;
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
-        DRIVER.with_lock(|_| {
-            // SAFETY: plain values; no open runs beside.
-            check("cuFileSetParameterSizeT", unsafe {
-                (lib.cuFileSetParameterSizeT)(self.raw(), value)
-            })
-        })
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileSetParameterSizeT",
+            |lib| {
+                // SAFETY: plain values.
+                unsafe { (lib.cuFileSetParameterSizeT)(self.raw(), value) }
+            },
+        )
     }
 }
 
@@ -505,15 +521,16 @@ impl BoolParam {
     /// As [`SizeParam::get`].
     #[doc(alias = "cuFileGetParameterBool")]
     pub fn get(self) -> Result<bool> {
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
         let mut v = false;
-        DRIVER.with_lock(|_| {
-            // SAFETY: a known parameter and one valid out-pointer; no open runs beside.
-            check("cuFileGetParameterBool", unsafe {
-                (lib.cuFileGetParameterBool)(self.raw(), &mut v)
-            })
-        })?;
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileGetParameterBool",
+            |lib| {
+                // SAFETY: a known parameter and one valid out-pointer.
+                unsafe { (lib.cuFileGetParameterBool)(self.raw(), &mut v) }
+            },
+        )?;
         Ok(v)
     }
 
@@ -525,14 +542,15 @@ impl BoolParam {
     /// As [`SizeParam::set`].
     #[doc(alias = "cuFileSetParameterBool")]
     pub fn set(self, value: bool) -> Result<()> {
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
-        DRIVER.with_lock(|_| {
-            // SAFETY: plain values; no open runs beside.
-            check("cuFileSetParameterBool", unsafe {
-                (lib.cuFileSetParameterBool)(self.raw(), value)
-            })
-        })
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileSetParameterBool",
+            |lib| {
+                // SAFETY: plain values.
+                unsafe { (lib.cuFileSetParameterBool)(self.raw(), value) }
+            },
+        )
     }
 }
 
@@ -544,16 +562,17 @@ impl StringParam {
     /// As [`SizeParam::get`].
     #[doc(alias = "cuFileGetParameterString")]
     pub fn get(self) -> Result<String> {
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
         const LEN: usize = 4096;
         let mut buf = vec![0 as libc::c_char; LEN];
-        DRIVER.with_lock(|_| {
-            // SAFETY: the buffer holds LEN (< i32::MAX) bytes; no open runs beside.
-            check("cuFileGetParameterString", unsafe {
-                (lib.cuFileGetParameterString)(self.raw(), buf.as_mut_ptr(), LEN as i32)
-            })
-        })?;
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileGetParameterString",
+            |lib| {
+                // SAFETY: the buffer holds LEN (< i32::MAX) bytes.
+                unsafe { (lib.cuFileGetParameterString)(self.raw(), buf.as_mut_ptr(), LEN as i32) }
+            },
+        )?;
         *buf.last_mut().expect("non-empty") = 0;
         // SAFETY: NUL-terminated above.
         Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
@@ -569,16 +588,17 @@ impl StringParam {
     /// As [`SizeParam::set`]; [`Error::InvalidArgument`] if `value` holds a NUL.
     #[doc(alias = "cuFileSetParameterString")]
     pub fn set(self, value: &str) -> Result<()> {
-        let lib = sys::lib()?;
-        gate(lib, self.c_name(), self.since())?;
         let c = CString::new(value)
             .map_err(|_| Error::invalid("value", value, "must not contain NUL"))?;
-        DRIVER.with_lock(|_| {
-            // SAFETY: a NUL-terminated string valid for the call; no open runs beside.
-            check("cuFileSetParameterString", unsafe {
-                (lib.cuFileSetParameterString)(self.raw(), c.as_ptr())
-            })
-        })
+        param_call(
+            self.c_name(),
+            self.since(),
+            "cuFileSetParameterString",
+            |lib| {
+                // SAFETY: a NUL-terminated string valid for the call.
+                unsafe { (lib.cuFileSetParameterString)(self.raw(), c.as_ptr()) }
+            },
+        )
     }
 }
 

@@ -8,8 +8,8 @@
 //! | [`BufRegistration`] | a registered device buffer range | `cuFileBufRegister` |
 //! | [`AsyncIo`] | an I/O ordered on a stream, owning what it touches | `cuFileReadAsync` |
 //! | [`Batch`] | up to `max_batch_io_size` requests at once | `cuFileBatchIOSubmit` |
-//! | [`File`] | the automatic path: cuFile or our POSIX path, reporting which ran | – |
-//! | [`posix`] | the POSIX path's configuration: reader threads, pinned bounce buffers, pipelined copies | `pread` |
+//! | [`GdsFile`] | the automatic path: cuFile or our POSIX path, reporting which ran ([`IoPath`]) | – |
+//! | [`PosixConfig`] | the POSIX path's configuration: reader threads, chunks, pipelining | `pread` |
 //!
 //! Every call that touches CUDA checks libcuda first ([`crate::cuda::init`]), so the driver can be
 //! the first CUDA-touching call of a program, and a missing libcuda or
@@ -18,7 +18,7 @@
 //!
 //! # End of file
 //!
-//! Every read path (blocking, stream-ordered, batch, the POSIX path, and so [`File`] whichever
+//! Every read path (blocking, stream-ordered, batch, the POSIX path, and so [`GdsFile`] whichever
 //! path it picks) follows one rule: a read is first limited to the file's size (`fstat`, or the
 //! device size for a block device), taken when the blocking call or batch submission starts, or
 //! when the stream reaches a stream-ordered read (so earlier writes on that stream count). The
@@ -43,9 +43,24 @@
 //!
 //! Offsets, lengths and configurations are checked before any library call, in release builds as
 //! in debug ones: a buffer range lies within its buffer, a file range and a buffer offset end at
-//! or below `i64::MAX` (`off_t`), and a [`posix::PosixConfig`] stays within the bounds
-//! [`posix::PosixConfig::validate`] lists. A violation is an
+//! or below `i64::MAX` (`off_t`), and a [`PosixConfig`] stays within the bounds
+//! [`PosixConfig::validate`] lists. A violation is an
 //! [`crate::Error::InvalidArgument`] naming the argument.
+//!
+//! # The POSIX path
+//!
+//! Where cuFile is missing, cannot register a file, or runs in compatibility mode (no
+//! nvidia-fs), [`GdsFile`] moves data itself: reader threads (kept for the life of the process;
+//! the calling thread is one of them) `pread` chunks into pinned bounce chunks and queue each
+//! chunk's copy to the GPU on their own stream right away, reading the next chunk while it runs;
+//! chunks are claimed in file order from one counter, with no lock per chunk. Cold reads use
+//! `O_DIRECT`. Thread counts and the chunk size come from the node's cores and the transfer's
+//! size ([`PosixConfig::automatic`]: one reader per core up to 32, 1 MiB chunks), overridden per
+//! file ([`GdsFile::set_posix_config`]) or by the environment (`GPUDIRECT_POSIX_THREADS`, ...).
+//! Writes go through the page cache unless [`Durability::Durable`] is set (then `O_DIRECT` on
+//! several threads, and `fdatasync` before the call returns). The bounce chunks and the copy
+//! streams are the memory module's ([`BouncePool`](crate::memory::BouncePool),
+//! [`CopyEngine`](crate::memory::CopyEngine)).
 
 mod async_io;
 mod auto;
@@ -54,15 +69,17 @@ mod buffer;
 mod driver;
 mod file;
 mod io;
-pub mod posix;
+mod posix;
+mod workers;
 
 pub use async_io::{AsyncIo, AsyncResources};
-pub use auto::{File, Mode, Path, PathReason, PathTaken, Transfer};
+pub use auto::{Durability, GdsFile, IoPath, Mode, PathReason, PathTaken, Transfer};
 pub use batch::{Batch, BatchOp, BatchRequest, BatchResult, BatchStatus, run_batched};
 pub use buffer::BufRegistration;
 pub use driver::{BoolParam, Driver, DriverProperties, FsSupport, SizeParam, StringParam};
 pub use file::{DirectIo, FileHandle, OpenOptions};
 pub use io::MAX_BYTES_PER_CALL;
+pub use posix::{DIRECT_ALIGN, POSIX_ENV, PosixConfig};
 
 use crate::error::{Error, Result};
 use cudarc::driver::CudaContext;
@@ -124,8 +141,7 @@ pub(crate) fn bind_device(ordinal: usize) -> Result<Arc<CudaContext>> {
             }
         }
     };
-    ctx.bind_to_thread()
-        .map_err(|e| crate::error::from_driver("cuCtxSetCurrent", e))?;
+    crate::driver::ctx::bind(&ctx)?;
     Ok(ctx)
 }
 

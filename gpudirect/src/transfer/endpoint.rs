@@ -11,7 +11,7 @@ use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
     AccessFlags, CmLink, CompletionChannel, CompletionQueue, ConnectOptions, Connection,
     ErrorState, HostBuffer, Listener, Local, MemoryRegion, MrSlice, QpCaps, QpResources, QueuePair,
-    RecvRequest, RemoteSlice, Rts, SendRequest, WcOpcode,
+    RecvRequest, RemoteSlice, Rts, SendRequest, WcOpcode, WorkCompletion,
 };
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -858,46 +858,9 @@ impl Endpoint {
             .map(|(b, _)| b.to_error())
     }
 
-    /// Write each local range to its remote range (same lengths), as one request.
-    ///
-    /// # Errors
-    ///
-    /// As [`transfer`](Self::transfer).
-    #[doc(alias = "IBV_WR_RDMA_WRITE")]
-    pub fn write(
-        &self,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<Transfer> {
-        self.transfer(Direction::Write, pairs, opts)
-    }
-
-    /// Read each remote range into its local range, as one request.
-    ///
-    /// # Errors
-    ///
-    /// As [`transfer`](Self::transfer).
-    #[doc(alias = "IBV_WR_RDMA_READ")]
-    pub fn read(
-        &self,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<Transfer> {
-        self.transfer(Direction::Read, pairs, opts)
-    }
-
-    /// One request: the pairs are split and striped into messages, queued on the rails, and
-    /// posted within each rail's window; the returned [`Transfer`] finishes when every message
-    /// has completed (or the endpoint failed: then with its error, once the NIC is done with
-    /// every message or 2 s after the failure).
-    ///
-    /// # Errors
-    ///
-    /// Before anything is queued: [`Error::InvalidArgument`] for no pairs, a pair whose lengths
-    /// differ, a remote range whose descriptor has not one rkey per peer device, a notification
-    /// on a read, or staged memory with several pairs; the endpoint's failure (as
-    /// [`failure`](Self::failure)) once it has failed.
-    pub fn transfer(
+    /// The request on registered memory (what [`transfer`](Self::transfer) does once no
+    /// local range is staged): checked, planned, queued and posted within the windows.
+    pub(crate) fn direct(
         &self,
         dir: Direction,
         pairs: Vec<(LocalRange, RemoteRange)>,
@@ -905,35 +868,16 @@ impl Endpoint {
     ) -> Result<Transfer> {
         let inner = self.inner();
         let e = &inner.engine.inner;
-        if pairs.is_empty() {
+        check_pairs(dir, &pairs, &opts)?;
+        if let Some(i) = pairs
+            .iter()
+            .position(|(l, _)| l.region.entry.mrs.is_empty())
+        {
             return Err(Error::invalid(
                 "pairs",
-                0,
-                "a request moves at least one range",
+                i,
+                "staged memory goes through the staged path",
             ));
-        }
-        if dir == Direction::Read && opts.notify.is_some() {
-            return Err(Error::invalid(
-                "notify",
-                "a read",
-                "notifications go with writes",
-            ));
-        }
-        for (i, (l, r)) in pairs.iter().enumerate() {
-            if l.len != r.len() {
-                return Err(Error::invalid(
-                    "pairs",
-                    i,
-                    format!(
-                        "local {} bytes, remote {} bytes: must match",
-                        l.len,
-                        r.len()
-                    ),
-                ));
-            }
-        }
-        if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
-            return super::staging::staged(self, dir, pairs, opts);
         }
         let timeout = opts.deadline.unwrap_or(e.config.deadline);
         let started = Instant::now();
@@ -1067,7 +1011,8 @@ impl Endpoint {
                     pump(inner, &mut st);
                 }
                 drop(st);
-                std::hint::spin_loop();
+                // Let the kernel's side of a software NIC run on a busy CPU.
+                std::thread::yield_now();
             }
         }
         let mut st = inner.lock();
@@ -1147,6 +1092,43 @@ impl std::fmt::Debug for Endpoint {
             .field("broken", &st.broken.as_ref().map(|b| &b.0))
             .finish()
     }
+}
+
+/// The checks every request passes before anything is queued: at least one pair, the lengths of
+/// each pair equal, notifications only with writes.
+pub(crate) fn check_pairs(
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<()> {
+    if pairs.is_empty() {
+        return Err(Error::invalid(
+            "pairs",
+            0,
+            "a request moves at least one range",
+        ));
+    }
+    if dir == Direction::Read && opts.notify.is_some() {
+        return Err(Error::invalid(
+            "notify",
+            "a read",
+            "notifications go with writes",
+        ));
+    }
+    for (i, (l, r)) in pairs.iter().enumerate() {
+        if l.len != r.len() {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "local {} bytes, remote {} bytes: must match",
+                    l.len,
+                    r.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The message for chunk `c`.
@@ -1432,45 +1414,45 @@ fn drain_after_close(inner: &EpInner) {
     }
 }
 
+/// Every completion `cq` holds now, as `read` takes each.
+fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    loop {
+        let ws = cq.poll()?;
+        if ws.len() == 0 {
+            return Ok(out);
+        }
+        out.extend(ws.map(&read));
+    }
+}
+
 /// Poll every rail's CQs until empty; returns whether anything was found.
 fn poll_all(inner: &EpInner, st: &mut State) -> bool {
     let mut any = false;
     let mut notes: Vec<Notification> = Vec::new();
     for r in 0..st.rails.len() {
-        loop {
-            let mut got: Vec<(u64, bool, Result<()>)> = Vec::new();
-            let res = st.rails[r].send_cq.poll().map(|ws| {
-                for w in ws {
-                    got.push((w.tag(), w.is_ok(), w.result()));
+        match drain(&mut st.rails[r].send_cq, |w| {
+            (w.tag(), w.is_ok(), w.result())
+        }) {
+            Err(e) => break_endpoint(inner, st, Broken::of(&e)),
+            Ok(got) => {
+                any |= !got.is_empty();
+                for (seq, ok, res) in got {
+                    on_send_completion(inner, st, r, seq, ok, res);
                 }
-            });
-            if let Err(e) = res {
-                break_endpoint(inner, st, Broken::of(&e));
-                break;
-            }
-            if got.is_empty() {
-                break;
-            }
-            any = true;
-            for (seq, ok, res) in got {
-                on_send_completion(inner, st, r, seq, ok, res);
             }
         }
-        loop {
-            let mut got: Vec<(Result<()>, WcOpcode, Option<u32>)> = Vec::new();
-            let res = st.rails[r].recv_cq.poll().map(|ws| {
-                for w in ws {
-                    got.push((w.result(), w.opcode(), w.imm()));
+        {
+            let got = match drain(&mut st.rails[r].recv_cq, |w| {
+                (w.result(), w.opcode(), w.imm())
+            }) {
+                Err(e) => {
+                    break_endpoint(inner, st, Broken::of(&e));
+                    continue;
                 }
-            });
-            if let Err(e) = res {
-                break_endpoint(inner, st, Broken::of(&e));
-                break;
-            }
-            if got.is_empty() {
-                break;
-            }
-            any = true;
+                Ok(got) => got,
+            };
+            any |= !got.is_empty();
             let mut repost = 0;
             for (res, op, imm) in got {
                 if let Err(e) = res {
@@ -1813,6 +1795,19 @@ impl Transfer {
     }
 }
 
+/// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
+/// thread sets), then gives its result.
+impl std::future::IntoFuture for Transfer {
+    type Output = Result<TransferReport>;
+    type IntoFuture =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let f = self.op.into_future();
+        Box::pin(async move { f.await?.result() })
+    }
+}
+
 impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transfer")
@@ -1824,5 +1819,71 @@ impl std::fmt::Debug for Transfer {
 impl std::fmt::Debug for Transferred {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transferred").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::IntoFuture;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    fn report() -> TransferReport {
+        TransferReport {
+            direction: Direction::Write,
+            bytes: 42,
+            messages: 1,
+            rail_bytes: vec![42],
+            paths: vec![MemoryPath::Host],
+            elapsed: Duration::ZERO,
+            notified: None,
+        }
+    }
+
+    #[test]
+    fn a_transfer_is_awaitable_and_woken_by_its_completion() {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        assert!(f.as_mut().poll(&mut cx).is_pending());
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            done(Ok(report()));
+        });
+        let r = loop {
+            match f.as_mut().poll(&mut cx) {
+                Poll::Ready(r) => break r,
+                Poll::Pending => std::thread::park_timeout(Duration::from_secs(5)),
+            }
+        };
+        h.join().unwrap();
+        assert_eq!(r.unwrap().bytes, 42);
+    }
+
+    #[test]
+    fn a_failed_transfer_gives_its_error_blocking_or_awaited() {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        done(Err(Broken::Deadline(Duration::from_secs(3)).to_error()));
+        assert!(matches!(t.wait(), Err(Error::Timeout { .. })));
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        done(Err(
+            Broken::Disconnected("RDMA_CM_EVENT_DISCONNECTED", 0).to_error()
+        ));
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(Err(Error::CmEvent { got, .. })) => {
+                assert_eq!(got, "RDMA_CM_EVENT_DISCONNECTED")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -38,8 +38,9 @@
 //!   or a request that waits for room), never spinning; [`EngineConfig::spin`] lets a thread
 //!   waiting for a notification poll for a while first.
 //! - A request ([`Endpoint::write`], [`Endpoint::read`]) is a batch of (local range, remote
-//!   range) pairs; it returns a [`Transfer`] to wait on (with the request's deadline) or to hand
-//!   on as an [`InFlight`](crate::completion::InFlight) whose fence is the request's
+//!   range) pairs; it returns a [`Transfer`] to wait on (with the request's deadline), to
+//!   `.await` (it is `IntoFuture`), or to hand on as an
+//!   [`InFlight`](crate::completion::InFlight) whose fence is the request's
 //!   [`CompletionFlag`](crate::completion::CompletionFlag).
 //!
 //! # Messages, rails and the window
@@ -92,11 +93,16 @@
 //! a wrong rkey or range with [`Error::WorkCompletion`](crate::Error::WorkCompletion). Other
 //! endpoints carry on. [`Endpoint::reconnect`] connects the side that dialled again.
 
+// Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
+// engine, registry, endpoint, staging, request.
+mod copy;
 mod descriptor;
 mod endpoint;
 mod engine;
 mod plan;
 mod region;
+mod registry;
+mod request;
 mod staging;
 mod wire;
 

@@ -6,64 +6,17 @@
 //! GPU memory, the ring, its CUDA stream) until every copy and every network transfer of it has
 //! finished, so nothing is freed early whatever the caller does with the [`Transfer`].
 
+use super::copy::copy_on;
 use super::descriptor::RemoteRange;
-use super::endpoint::{Direction, Endpoint, Transfer, TransferOptions, TransferReport};
+use super::endpoint::{
+    Direction, Endpoint, Transfer, TransferOptions, TransferReport, check_pairs,
+};
 use super::region::{Buffer, LocalRange, Region};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::memory::{HostAllocFlags, PinnedHostBuffer};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
-
-/// A synchronous copy between device memory at `dev` (on `ordinal`) and host memory at `host`:
-/// queued on a new stream of the device, then waited for.
-pub(crate) fn copy_sync(
-    ordinal: usize,
-    dev: u64,
-    host: *mut u8,
-    len: usize,
-    to_host: bool,
-) -> Result<()> {
-    let ctx = crate::cuda::context(ordinal)?;
-    let stream = Stream::new(&ctx)?;
-    // SAFETY: the caller's ranges: `host..host + len` is host memory it owns or reaches only by
-    // copies, `dev..dev + len` device memory it keeps alive; the copy is waited for below.
-    unsafe { copy_on(&stream, dev, host, len, to_host) }
-}
-
-/// Queue a copy on `stream` (through the graph-capture check) and wait for it.
-///
-/// # Safety
-///
-/// Both ranges are valid for `len` bytes until this returns, and nothing else writes the
-/// destination or (for host memory) reaches the source by reference meanwhile.
-unsafe fn copy_on(
-    stream: &Stream,
-    dev: u64,
-    host: *mut u8,
-    len: usize,
-    to_host: bool,
-) -> Result<()> {
-    let call = if to_host {
-        "cuMemcpyDtoHAsync_v2"
-    } else {
-        "cuMemcpyHtoDAsync_v2"
-    };
-    let r = stream.enqueue(call, (), |raw, _| {
-        // SAFETY: the ranges are the caller's contract; the stream is live and ours.
-        unsafe {
-            if to_host {
-                crate::driver::mem::copy_dtoh_async(host.cast(), dev, len, raw)
-            } else {
-                crate::driver::mem::copy_htod_async(dev, host.cast_const().cast(), len, raw)
-            }
-        }
-    });
-    if let Err(refused) = r {
-        return Err(refused.error);
-    }
-    stream.synchronize()
-}
 
 /// A ring of `slots` pinned host chunks of `chunk` bytes, registered with the engine.
 pub(crate) struct Ring {
@@ -136,6 +89,7 @@ pub(crate) fn staged(
     mut pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
 ) -> Result<Transfer> {
+    check_pairs(dir, &pairs, &opts)?;
     if pairs.len() != 1 {
         return Err(Error::invalid(
             "pairs",
@@ -227,15 +181,18 @@ fn run(
                         notify: if last { opts.notify } else { None },
                         deadline: Some(left()),
                     };
-                    inflight.push_back(
-                        ep.write(vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)], o)?,
-                    );
+                    inflight.push_back(ep.direct(
+                        Direction::Write,
+                        vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],
+                        o,
+                    )?);
                 }
             }
             Direction::Read => {
                 let issue = |i: usize| -> Result<Transfer> {
                     let (off, len) = chunk_at(i, ring.chunk, total);
-                    ep.read(
+                    ep.direct(
+                        Direction::Read,
                         vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],
                         TransferOptions::default().deadline(left()),
                     )

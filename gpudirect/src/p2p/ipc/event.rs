@@ -3,7 +3,8 @@
 use super::{hex64, to_bytes, to_chars};
 use crate::completion::Fence;
 use crate::cuda::{self, Stream};
-use crate::error::{Error, Result, cu, from_driver};
+use crate::driver::{self, ctx::bind, event, ipc};
+use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -49,22 +50,17 @@ impl IpcEvent {
     pub fn new(ordinal: usize) -> Result<IpcEvent> {
         let ctx = cuda::context(ordinal)?;
         bind(&ctx)?;
-        let mut event = std::ptr::null_mut();
-        // SAFETY: context current; valid out-pointer; flags are a valid combination.
-        cu("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut event, IPC_EVENT_FLAGS)
-        })?;
-        // SAFETY: all-zero is a valid CUipcEventHandle (plain bytes).
-        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: a live interprocess event; valid out-pointer.
-        let r = cu("cuIpcGetEventHandle", unsafe {
-            sys::cuIpcGetEventHandle(&mut h, event)
-        });
-        if let Err(e) = r {
-            // SAFETY: created above, never recorded.
-            unsafe { sys::cuEventDestroy_v2(event) };
-            return Err(e);
-        }
+        // SAFETY: context current; the flags are a valid combination.
+        let event = unsafe { event::create(IPC_EVENT_FLAGS) }?;
+        // SAFETY: a live interprocess event.
+        let h = match unsafe { ipc::get_event_handle(event) } {
+            Ok(h) => h,
+            Err(e) => {
+                // SAFETY: created above, never recorded, destroyed once.
+                let _ = unsafe { event::destroy(event) };
+                return Err(e);
+            }
+        };
         Ok(IpcEvent {
             event,
             ctx,
@@ -85,14 +81,11 @@ impl IpcEvent {
     pub fn open(handle: &IpcEventHandle, ordinal: usize) -> Result<IpcEvent> {
         let ctx = cuda::context(ordinal)?;
         bind(&ctx)?;
-        let mut event = std::ptr::null_mut();
         let h = sys::CUipcEventHandle {
             reserved: to_chars(&handle.handle),
         };
-        // SAFETY: context current; valid out-pointer; the handle is plain bytes the driver checks.
-        cu("cuIpcOpenEventHandle", unsafe {
-            sys::cuIpcOpenEventHandle(&mut event, h)
-        })?;
+        // SAFETY: context current; the handle is plain bytes the driver checks.
+        let event = unsafe { ipc::open_event_handle(h) }?;
         Ok(IpcEvent {
             event,
             ctx,
@@ -118,9 +111,7 @@ impl IpcEvent {
         stream.enqueue("cuEventRecord", (), |raw, ()| {
             // SAFETY: a live event and stream of the current context (the stream's, which is
             // the event's: same device).
-            cu("cuEventRecord", unsafe {
-                sys::cuEventRecord(self.event, raw)
-            })
+            unsafe { event::record(self.event, raw) }
         })?;
         Ok(())
     }
@@ -134,10 +125,8 @@ impl IpcEvent {
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_on(&self, stream: &Stream) -> Result<()> {
         stream.enqueue("cuStreamWaitEvent", (), |raw, ()| {
-            // SAFETY: a live event and stream; flags 0.
-            cu("cuStreamWaitEvent", unsafe {
-                sys::cuStreamWaitEvent(raw, self.event, 0)
-            })
+            // SAFETY: a live event and stream.
+            unsafe { driver::stream::wait_event(raw, self.event) }
         })?;
         Ok(())
     }
@@ -151,9 +140,7 @@ impl IpcEvent {
     pub fn synchronize(&self) -> Result<()> {
         bind(&self.ctx)?;
         // SAFETY: a live event.
-        cu("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(self.event)
-        })
+        unsafe { event::synchronize(self.event) }
     }
 
     fn same_device(&self, stream: &Stream) -> Result<()> {
@@ -172,7 +159,7 @@ impl IpcEvent {
 impl Fence for IpcEvent {
     fn is_complete(&self) -> bool {
         // SAFETY: a live event; cuEventQuery needs no current context.
-        unsafe { sys::cuEventQuery(self.event) == sys::CUresult::CUDA_SUCCESS }
+        matches!(unsafe { event::query(self.event) }, Ok(true))
     }
 }
 
@@ -183,11 +170,6 @@ impl Drop for IpcEvent {
         }
         // SAFETY: created or opened by this value, destroyed once (the driver defers the
         // destruction until recorded work completes).
-        let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+        let _ = unsafe { event::destroy(self.event) };
     }
-}
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }

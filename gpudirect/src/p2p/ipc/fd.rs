@@ -4,6 +4,25 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
+/// Words of control buffer for one `SCM_RIGHTS` int (`CMSG_SPACE(4)` is 24 bytes on Linux);
+/// 8-byte words keep the `cmsghdr` aligned.
+const CBUF_WORDS: usize = 4;
+
+/// A `msghdr` with one data buffer `iov` and the control buffer `cbuf`, sized for one
+/// descriptor. Both must outlive every use of the header.
+fn one_fd_msg(iov: &mut libc::iovec, cbuf: &mut [u64; CBUF_WORDS]) -> libc::msghdr {
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    debug_assert!(space <= std::mem::size_of_val(cbuf));
+    // SAFETY: all-zero is a valid msghdr; the fields are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    msg
+}
+
 /// `sendmsg` with one `SCM_RIGHTS` descriptor and `payload` (at least one byte; the receiver
 /// needs a buffer at least as large).
 ///
@@ -27,16 +46,9 @@ pub fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> io::Res
         iov_base: payload.as_ptr() as *mut libc::c_void,
         iov_len: payload.len(),
     };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: all-zero is a valid msghdr; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: msg_control points at `space` bytes, enough for one header carrying one int.
+    let mut cbuf = [0u64; CBUF_WORDS];
+    let msg = one_fd_msg(&mut iov, &mut cbuf);
+    // SAFETY: msg_control points at a buffer large enough for one header carrying one int.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
@@ -71,15 +83,8 @@ pub fn recv_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(OwnedFd, usize)
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: all-zero is a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut cbuf = [0u64; CBUF_WORDS];
+    let mut msg = one_fd_msg(&mut iov, &mut cbuf);
     // SAFETY: `msg` and its buffers are valid for the call.
     let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {

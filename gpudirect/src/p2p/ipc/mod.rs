@@ -1,23 +1,6 @@
-//! CUDA IPC: device memory and events shared with other processes (the usual
-//! one-process-per-GPU layout).
-//!
-//! | memory kind | export | import | handle |
-//! | --- | --- | --- | --- |
-//! | `cuMemAlloc` ([`crate::memory::DeviceBuffer`]) | [`IpcExport::new`] (`cuIpcGetMemHandle`) | [`IpcMemory::open`] (`cuIpcOpenMemHandle`) | [`IpcMemHandle`], serde |
-//! | VMM ([`crate::memory::VmmBuffer`]) | [`export_vmm`] (`cuMemExportToShareableHandle`, POSIX fd) | [`VmmImport::open`] (`cuMemImportFromShareableHandle`, `cuMemMap`) | [`VmmHandle`], serde, plus the fd sent with [`send_fd`] (SCM_RIGHTS) |
-//! | pool memory from an [`IpcPool`] | [`PoolAlloc::export`] (`cuMemPoolExportPointer`) after [`IpcPool::export_fd`] | [`PoolImport::open`] (`cuMemPoolImportPointer`) after [`IpcPool::import`] | [`PoolPtrHandle`], serde, plus the pool's fd |
-//! | events | [`IpcEvent::new`] (`cuIpcGetEventHandle`) | [`IpcEvent::open`] (`cuIpcOpenEventHandle`) | [`IpcEventHandle`], serde |
-//!
-//! Stream-ordered pool memory from the device's default pool (cudarc's `CudaSlice`) is not
-//! exportable: [`IpcExport::new`] answers [`crate::Error::Unsupported`] for it, naming
-//! `cuMemPoolExportPointer` and the exportable pool ([`IpcPool`]) to allocate from instead. For
-//! memory of an [`IpcPool`] it answers the same error naming [`PoolAlloc::export`], the API
-//! that shares it.
-//!
-//! Handles are plain data: send them out of band (a file, a socket, an RDMA exchange) as JSON or
-//! any serde format. Imported mappings own their mapping, and data paths hold it in their
-//! [`crate::completion::InFlight`] until their work completes; so dropping one unmaps at once, without
-//! synchronizing the device (no unbounded `cuCtxSynchronize` in a destructor).
+//! CUDA IPC: device memory and events shared with other processes (see the table in the
+//! [`p2p`](super) module docs): handles, their checks (a peer's handle is untrusted input), and the
+//! imported memory kinds, each a thin type over the allocation core.
 
 mod event;
 mod fd;
@@ -115,14 +98,61 @@ pub(crate) fn check_import_range(
     Ok(())
 }
 
-/// `cuMemGetAddressRange_v2` for `ptr`: the base and size of the allocation containing it.
-pub(crate) fn address_range(ptr: u64) -> crate::Result<(u64, u64)> {
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: valid out-pointers; the driver checks `ptr` (a context is current at every caller).
-    crate::error::cu("cuMemGetAddressRange_v2", unsafe {
-        cudarc::driver::sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-    })?;
-    Ok((base, size as u64))
+/// Check a peer's element size (untrusted) against `size_of::<T>()` = `elem_size`: equal and
+/// non-zero. Returns it as a `u64`.
+pub(crate) fn check_elem_size(theirs: u32, elem_size: usize) -> crate::Result<u64> {
+    let size = elem_size as u64;
+    if u64::from(theirs) != size || size == 0 {
+        return Err(crate::Error::invalid(
+            "handle.elem_size",
+            theirs,
+            format!("must equal size_of::<T>() = {size} (non-zero)"),
+        ));
+    }
+    Ok(size)
+}
+
+/// Check a peer's range against the allocation the driver says holds the import at `ptr`
+/// (`cuMemGetAddressRange`): `offset(base)..+ bytes` must lie within it, `align`-aligned (see
+/// [`check_import_range`], whose `offset_arg` names the field). On failure `undo` gives the
+/// import back before the error is returned. Returns the allocation's size in bytes.
+///
+/// # Safety
+///
+/// A context is current; `ptr` is an import just made, that nothing uses yet.
+pub(crate) unsafe fn check_imported(
+    ptr: u64,
+    (offset_arg, offset): (&'static str, impl FnOnce(u64) -> u64),
+    bytes: u64,
+    align: u64,
+    undo: impl FnOnce(),
+) -> crate::Result<usize> {
+    // SAFETY: the caller's.
+    let r = unsafe { crate::driver::mem::address_range(ptr) }.and_then(|(base, size)| {
+        check_import_range(offset_arg, offset(base), bytes, size as u64, align).map(|()| size)
+    });
+    if r.is_err() {
+        undo();
+    }
+    r
+}
+
+/// The longest PCI address a handle may carry (`dddddddd:bb:dd.f` is 16 characters).
+const MAX_BUS_ID: usize = 32;
+
+/// Check a PCI address from a peer (untrusted): at most [`MAX_BUS_ID`] characters, and a PCI
+/// address (`domain:bus:device.function`, hexadecimal).
+pub(crate) fn check_bus_id(bus: Option<&str>) -> crate::Result<()> {
+    match bus {
+        Some(b) if b.len() > MAX_BUS_ID || super::link::parse_bus_id(b).is_none() => {
+            Err(crate::Error::invalid(
+                "handle.pci_bus_id",
+                b.chars().take(MAX_BUS_ID).collect::<String>(),
+                "must be a PCI address such as 0000:19:00.0",
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -163,12 +193,45 @@ mod tests {
             *x = (i * 37 + 200) as u8;
         }
         assert_eq!(to_bytes(&to_chars(&b)), b);
-        let h = IpcMemHandle::from_parts(b, 40, 4096, 4, 0);
+        let h = IpcMemHandle::from_parts(b, 40, 4096, 4, 0, Some("0000:19:00.0".into()));
         let j = serde_json::to_string(&h).unwrap();
         let back: IpcMemHandle = serde_json::from_str(&j).unwrap();
         assert_eq!(back, h);
         assert!(hex64::parse("zz").is_err());
         let bad = j.replace(&format!("{:02x}", b[0]), "g0");
         assert!(serde_json::from_str::<IpcMemHandle>(&bad).is_err());
+        // A handle from a peer that names no PCI address still reads (and opens only with
+        // `open_on`).
+        let old = j.replace(",\"pci_bus_id\":\"0000:19:00.0\"", "");
+        assert_ne!(old, j);
+        assert_eq!(
+            serde_json::from_str::<IpcMemHandle>(&old)
+                .unwrap()
+                .pci_bus_id,
+            None
+        );
+    }
+
+    #[test]
+    fn a_peers_pci_address_is_checked() {
+        assert!(check_bus_id(None).is_ok());
+        assert!(check_bus_id(Some("0000:19:00.0")).is_ok());
+        assert!(check_bus_id(Some("00000001:AB:1f.0")).is_ok());
+        for bad in ["", "garbage", "0000:zz:00.0", &"0".repeat(4096)] {
+            let e = check_bus_id(Some(bad)).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    crate::Error::InvalidArgument {
+                        arg: "handle.pci_bus_id",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().len() < 400, "a long value is cut: {e}");
+        }
+        let h = IpcMemHandle::from_parts([1; 64], 0, 16, 4, 0, Some("x".into()));
+        assert!(h.check(4).is_err());
     }
 }

@@ -5,14 +5,16 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::{address_range, check_import_range, hex64};
+use super::{check_elem_size, check_imported, hex64};
 use crate::cuda::{self, Stream};
-use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
-use crate::p2p::access::device_location;
+use crate::driver::{self, pool};
+use crate::error::{Error, Result};
+use crate::memory::alloc::{Allocation, Release, thin_memory};
+use crate::memory::{DeviceMemory, MemoryKind, Pod};
+use crate::p2p::access::{device_location, pool_of};
+use crate::p2p::home::{Home, Recorded};
 use cudarc::driver::{CudaContext, sys};
 use std::collections::HashMap;
-use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -21,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub struct IpcPool {
     pool: sys::CUmemoryPool,
     ctx: Arc<CudaContext>,
-    /// The device the pool's memory lives on (exporter's numbering).
+    /// The device the pool's memory lives on (this process's numbering).
     device: usize,
     imported: bool,
     /// The pool's own descriptor, exported when the pool is created: allocations can be shared
@@ -42,18 +44,7 @@ fn known_pools() -> &'static Mutex<HashMap<usize, bool>> {
 /// (the device's default pool: cudarc's `CudaSlice`) or when the driver cannot say. The caller
 /// makes a context current.
 pub(crate) fn ipc_pool_of(ptr: u64) -> Option<bool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: the out-pointer has the attribute's type (a CUmemoryPool).
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut pool as *mut sys::CUmemoryPool).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS || pool.is_null() {
-        return None;
-    }
+    let pool = pool_of(ptr).ok()??;
     known_pools()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -88,18 +79,15 @@ impl IpcPool {
     #[doc(alias = "cuMemPoolCreate")]
     pub fn new(ordinal: usize) -> Result<Arc<IpcPool>> {
         let ctx = cuda::context(ordinal)?;
-        bind(&ctx)?;
+        driver::ctx::bind(&ctx)?;
         // SAFETY: all-zero is a valid CUmemPoolProps (no handle types, invalid type; set below).
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         props.handleTypes =
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         props.location = device_location(ordinal);
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: context current; valid props and out-pointer.
-        cu("cuMemPoolCreate", unsafe {
-            sys::cuMemPoolCreate(&mut pool, &props)
-        })?;
+        // SAFETY: context current; valid props.
+        let pool = unsafe { pool::create(&props) }?;
         let mut out = IpcPool {
             pool,
             ctx,
@@ -108,17 +96,9 @@ impl IpcPool {
             fd: None,
             pid: std::process::id(),
         };
-        let mut fd: libc::c_int = -1;
-        // SAFETY: the POSIX fd handle type writes an int; a live pool (destroyed by `out`'s drop
-        // on error).
-        cu("cuMemPoolExportToShareableHandle", unsafe {
-            sys::cuMemPoolExportToShareableHandle(
-                (&mut fd as *mut libc::c_int).cast(),
-                pool,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        })?;
+        // SAFETY: a live pool made with the POSIX fd handle type (destroyed by `out`'s drop on
+        // error).
+        let fd = unsafe { pool::export_fd(pool) }?;
         // SAFETY: a new descriptor owned by us.
         out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
         remember(pool, false);
@@ -146,27 +126,25 @@ impl IpcPool {
         })
     }
 
-    /// `cuMemPoolImportFromShareableHandle`: the pool another process exported (resident on its
-    /// device `pool_device`), usable from device `ordinal` (granted with `cuMemPoolSetAccess` when
-    /// that is another device).
+    /// `cuMemPoolImportFromShareableHandle`: the pool another process exported, whose memory
+    /// lives on device `pool_device` (in this process's numbering), usable from device `ordinal`
+    /// (granted with `cuMemPoolSetAccess` when that is another device).
+    ///
+    /// Import on the device the pool lives on (`ordinal == pool_device`) for copies to other
+    /// devices at the link's speed. Pointers imported into a pool used from another device are
+    /// that device's to address, but their bytes stay on `pool_device`: copies of them on
+    /// `ordinal`'s side cross the link, and report it
+    /// ([`CopyPath::Peer`](crate::p2p::CopyPath::Peer), never `SameDevice`).
     ///
     /// # Errors
     ///
-    /// [`Error::Cuda`] from the driver.
+    /// [`Error::NoDevice`] for an ordinal past the device count; [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolImportFromShareableHandle")]
     pub fn import(fd: BorrowedFd<'_>, pool_device: usize, ordinal: usize) -> Result<Arc<IpcPool>> {
         let ctx = cuda::context(ordinal)?;
-        bind(&ctx)?;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: for the POSIX fd type the handle argument carries the descriptor's value.
-        cu("cuMemPoolImportFromShareableHandle", unsafe {
-            sys::cuMemPoolImportFromShareableHandle(
-                &mut pool,
-                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        })?;
+        driver::ctx::bind(&ctx)?;
+        // SAFETY: context current; `fd` is open for the call.
+        let pool = unsafe { pool::import_fd(fd.as_raw_fd()) }?;
         let out = Arc::new(IpcPool {
             pool,
             ctx,
@@ -181,10 +159,8 @@ impl IpcPool {
                 location: device_location(ordinal),
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
-            // SAFETY: a live pool; one descriptor.
-            cu("cuMemPoolSetAccess", unsafe {
-                sys::cuMemPoolSetAccess(pool, &desc, 1)
-            })?;
+            // SAFETY: a live pool.
+            unsafe { pool::set_access(pool, &[desc]) }?;
         }
         Ok(out)
     }
@@ -219,20 +195,17 @@ impl IpcPool {
             ));
         }
         let (ptr, ()) = stream.enqueue("cuMemAllocFromPoolAsync", (), |raw, ()| {
-            let mut ptr = 0;
             // SAFETY: the stream's context (the pool's device) is current; a live pool and
-            // stream; valid out-pointer.
-            cu("cuMemAllocFromPoolAsync", unsafe {
-                sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.pool, raw)
-            })?;
-            Ok(ptr)
+            // stream.
+            unsafe { pool::alloc_async(bytes, self.pool, raw) }
         })?;
-        let out = PoolAlloc {
-            ptr,
-            len,
+        let how = PoolMemory {
             pool: self.clone(),
-            _elem: PhantomData,
+            at: None,
         };
+        // SAFETY: `len` elements of this pool's memory at `ptr`, freed only by `PoolMemory`
+        // (usable on any stream once the allocating stream has passed it: synchronized below).
+        let out = PoolAlloc(unsafe { Allocation::new(ptr, len, &self.ctx, how) });
         stream.synchronize()?;
         Ok(out)
     }
@@ -244,11 +217,11 @@ impl Drop for IpcPool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(self.pool as usize));
-        if crate::completion::forked(self.pid) || bind(&self.ctx).is_err() {
+        if crate::completion::forked(self.pid) || driver::ctx::bind(&self.ctx).is_err() {
             return;
         }
         // SAFETY: every allocation and import holds an Arc of the pool, so none is left.
-        let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        let _ = unsafe { pool::destroy(self.pool) };
     }
 }
 
@@ -286,14 +259,7 @@ impl PoolPtrHandle {
     ///
     /// [`Error::InvalidArgument`] naming the field.
     pub fn check(&self, elem_size: usize) -> Result<usize> {
-        let size = elem_size as u64;
-        if self.elem_size as u64 != size || size == 0 {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                self.elem_size,
-                format!("must equal size_of::<T>() = {size} (non-zero)"),
-            ));
-        }
+        let size = check_elem_size(self.elem_size, elem_size)?;
         if self.bytes == 0 || !self.bytes.is_multiple_of(size) {
             return Err(Error::invalid(
                 "handle.bytes",
@@ -306,15 +272,42 @@ impl PoolPtrHandle {
     }
 }
 
-/// An allocation from an [`IpcPool`]; freed with `cuMemFree` on drop (importers must have freed
-/// their imports first: keep it until they acknowledge).
-#[derive(Debug)]
-pub struct PoolAlloc<T: Pod> {
-    ptr: u64,
-    len: usize,
+/// Memory of an [`IpcPool`] (an allocation, or another process's allocation imported), freed
+/// with `cuMemFree`; it holds the pool, which is destroyed only once all of its memory is freed.
+pub(crate) struct PoolMemory {
     pool: Arc<IpcPool>,
-    _elem: PhantomData<T>,
+    /// Where an import lives (an allocation of the pool is at home).
+    at: Option<Recorded>,
 }
+
+// SAFETY: pool memory (an allocation of the pool, or a pointer imported into it), valid until
+// `cuMemFree`, which only `release` calls; the pool outlives it (held here); no host view.
+unsafe impl Release for PoolMemory {
+    const KIND: MemoryKind = MemoryKind::Pool;
+    const CALL: &'static str = "cuMemFree_v2";
+    type Back = ();
+
+    unsafe fn release(self, ptr: u64) -> Result<()> {
+        if let Some(at) = &self.at {
+            at.forget();
+        }
+        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
+        // blocked on another process): every data path of this crate holds the buffer in its
+        // InFlight (or the tracker) until its work has completed, so when this runs no work this
+        // crate queued can still use it. Work queued on the raw `device_ptr` by the caller's own
+        // unsafe code is the caller's to finish first.
+        // SAFETY: allocated from (or imported into) the pool, freed once (the caller's).
+        unsafe { driver::mem::free(ptr) }
+    }
+}
+
+/// An allocation from an [`IpcPool`]; freed with `cuMemFree` on drop (importers must have freed
+/// their imports first: keep it until they acknowledge). In a forked child it leaks.
+#[derive(Debug)]
+#[doc(alias = "cuMemAllocFromPoolAsync")]
+pub struct PoolAlloc<T: Pod>(Allocation<T, PoolMemory>);
+
+thin_memory!(PoolAlloc);
 
 impl<T: Pod> PoolAlloc<T> {
     /// `cuMemPoolExportPointer`.
@@ -324,63 +317,27 @@ impl<T: Pod> PoolAlloc<T> {
     /// [`Error::Cuda`] from the driver.
     #[doc(alias = "cuMemPoolExportPointer")]
     pub fn export(&self) -> Result<PoolPtrHandle> {
-        bind(&self.pool.ctx)?;
-        // SAFETY: all-zero is a valid export-data struct (plain bytes).
-        let mut d: sys::CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
-        // SAFETY: valid out-pointer; `ptr` is a live allocation of an exportable pool.
-        cu("cuMemPoolExportPointer", unsafe {
-            sys::cuMemPoolExportPointer(&mut d, self.ptr)
-        })?;
+        driver::ctx::bind(self.context())?;
+        // SAFETY: `ptr` is a live allocation of an exportable pool.
+        let d = unsafe { pool::export_pointer(self.device_ptr()) }?;
         Ok(PoolPtrHandle {
             data: d.reserved,
             bytes: self.byte_len() as u64,
             elem_size: std::mem::size_of::<T>() as u32,
-            device: self.pool.device as u32,
+            device: self.0.how().pool.device as u32,
         })
-    }
-}
-
-// SAFETY: the allocation lives until drop at a fixed address; `len` elements.
-unsafe impl<T: Pod> DeviceMemory for PoolAlloc<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.pool.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pool
-    }
-}
-
-// SAFETY: no Rust reference to the bytes is handed out.
-unsafe impl<T: Pod> DeviceMemoryMut for PoolAlloc<T> {}
-
-impl<T: Pod> Drop for PoolAlloc<T> {
-    fn drop(&mut self) {
-        if crate::completion::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
-            return;
-        }
-        // SAFETY: allocated from the pool, freed once; in-flight work owns `self`, so none is
-        // pending (cuMemFree also synchronizes).
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }
 
 /// Another process's pool allocation, imported with `cuMemPoolImportPointer` into an imported
 /// [`IpcPool`]. Dropping it frees the import (`cuMemFree`), which the exporter's free must follow;
-/// it does not synchronize: work that uses it owns it until that work has completed.
+/// it does not synchronize: work that uses it owns it until that work has completed. In a forked
+/// child it leaks.
 #[derive(Debug)]
-pub struct PoolImport<T: Pod> {
-    ptr: u64,
-    len: usize,
-    pool: Arc<IpcPool>,
-    _elem: PhantomData<T>,
-}
+#[doc(alias = "cuMemPoolImportPointer")]
+pub struct PoolImport<T: Pod>(Allocation<T, PoolMemory>);
+
+thin_memory!(PoolImport);
 
 impl<T: Pod> PoolImport<T> {
     /// `cuMemPoolImportPointer` from `pool` (imported with [`IpcPool::import`]).
@@ -400,74 +357,39 @@ impl<T: Pod> PoolImport<T> {
                 "import pointers into a pool imported with IpcPool::import",
             ));
         }
-        bind(&pool.ctx)?;
-        let mut d = sys::CUmemPoolPtrExportData {
+        driver::ctx::bind(&pool.ctx)?;
+        let data = sys::CUmemPoolPtrExportData {
             reserved: handle.data,
         };
-        let mut ptr = 0;
-        // SAFETY: a live imported pool; valid in/out pointers.
-        cu("cuMemPoolImportPointer", unsafe {
-            sys::cuMemPoolImportPointer(&mut ptr, pool.pool, &mut d)
-        })?;
+        // SAFETY: a live imported pool; the driver checks the export data (a peer's bytes).
+        let ptr = unsafe { pool::import_pointer(pool.pool, &data) }?;
         // `bytes` is the peer's word: check it against the allocation imported.
-        if let Err(e) = address_range(ptr).and_then(|(base, mapped)| {
-            check_import_range(
-                "handle.bytes",
-                ptr.wrapping_sub(base),
+        // SAFETY: context current; `ptr` was just imported, freed once on failure.
+        unsafe {
+            check_imported(
+                ptr,
+                ("handle.bytes", |base| ptr.wrapping_sub(base)),
                 handle.bytes,
-                mapped,
                 std::mem::align_of::<T>() as u64,
+                || {
+                    let _ = driver::mem::free(ptr);
+                },
             )
-        }) {
-            // SAFETY: imported above, not yet used by anything; freed once.
-            let _ = unsafe { sys::cuMemFree_v2(ptr) };
-            return Err(e);
-        }
-        Ok(PoolImport {
-            ptr,
-            len,
+        }?;
+        let how = PoolMemory {
             pool: pool.clone(),
-            _elem: PhantomData,
-        })
+            // In bounds of the import (checked above).
+            at: Some(Recorded::new(
+                ptr,
+                len * std::mem::size_of::<T>(),
+                Home::Device(pool.device),
+                pool.ctx.ordinal(),
+            )),
+        };
+        // SAFETY: the imported allocation holds `len` elements at `ptr` (checked above), freed
+        // only by `PoolMemory`.
+        Ok(PoolImport(unsafe {
+            Allocation::new(ptr, len, &pool.ctx, how)
+        }))
     }
-}
-
-// SAFETY: mapped until drop at a fixed address; `len` elements.
-unsafe impl<T: Pod> DeviceMemory for PoolImport<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.pool.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pool
-    }
-}
-
-// SAFETY: no Rust reference to the bytes is handed out.
-unsafe impl<T: Pod> DeviceMemoryMut for PoolImport<T> {}
-
-impl<T: Pod> Drop for PoolImport<T> {
-    fn drop(&mut self) {
-        if crate::completion::forked(self.pool.pid) || bind(&self.pool.ctx).is_err() {
-            return;
-        }
-        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
-        // blocked on another process): every data path of this crate holds the buffer in its
-        // InFlight (or the tracker) until its work has completed, so when this runs no work this
-        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
-        // caller's own unsafe code is the caller's to finish first.
-        // SAFETY: imported once, freed once.
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
-    }
-}
-
-fn bind(ctx: &CudaContext) -> Result<()> {
-    ctx.bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))
 }

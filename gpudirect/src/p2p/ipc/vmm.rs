@@ -1,14 +1,17 @@
 //! VMM memory shared by POSIX file descriptor: `cuMemExportToShareableHandle` and
 //! `cuMemImportFromShareableHandle`, the descriptor passed with [`super::send_fd`].
 
+use super::{check_bus_id, check_elem_size};
 use crate::cuda;
-use crate::error::{Error, Result, cu, from_driver};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod, VmmBuffer, VmmChunk};
-use crate::p2p::access::device_location as access_location;
-use cudarc::driver::{CudaContext, sys};
-use std::marker::PhantomData;
+use crate::driver::{self, vmm};
+use crate::error::{Error, Result};
+use crate::memory::alloc::{Allocation, Release, thin_memory};
+use crate::memory::{DeviceMemory, MemoryKind, Pod, VmmBuffer, VmmChunk, VmmMapping};
+use crate::p2p::access::device_location;
+use crate::p2p::home::{Home, Recorded};
+use crate::p2p::link::bus_id_of;
+use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
 
 /// What the importer needs besides the descriptor: sizes and the element size. Plain data.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -21,25 +24,23 @@ pub struct VmmHandle {
     pub elem_size: u32,
     /// The exporting device's ordinal (in the exporter's numbering).
     pub device: u32,
+    /// The exporting device's PCI address, such as `0000:19:00.0` (where the memory lives, in
+    /// terms every process on the node shares); `None` when the exporter did not say.
+    #[serde(default)]
+    pub pci_bus_id: Option<String>,
 }
 
 impl VmmHandle {
     /// Check a handle from a peer (untrusted) for elements of `elem_size` bytes, before any FFI
-    /// call: the element size matches, `bytes` is whole elements within `mapped_bytes`, and
-    /// `mapped_bytes` is non-zero and fits `usize`. Returns `(mapped_bytes, elements)`.
+    /// call: the element size matches, `bytes` is whole elements within `mapped_bytes`,
+    /// `mapped_bytes` is non-zero and fits `usize`, and the PCI address (when given) is one.
+    /// Returns `(mapped_bytes, elements)`.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] naming the field.
     pub fn check(&self, elem_size: usize) -> Result<(usize, usize)> {
-        let size = elem_size as u64;
-        if self.elem_size as u64 != size || size == 0 {
-            return Err(Error::invalid(
-                "handle.elem_size",
-                self.elem_size,
-                format!("must equal size_of::<T>() = {size} (non-zero)"),
-            ));
-        }
+        let size = check_elem_size(self.elem_size, elem_size)?;
         if !self.bytes.is_multiple_of(size) || self.bytes > self.mapped_bytes {
             return Err(Error::invalid(
                 "handle.bytes",
@@ -63,6 +64,7 @@ impl VmmHandle {
         let len = usize::try_from(self.bytes / size).map_err(|_| {
             Error::invalid("handle.bytes", self.bytes, "element count must fit usize")
         })?;
+        check_bus_id(self.pci_bus_id.as_deref())?;
         Ok((mapped, len))
     }
 }
@@ -87,20 +89,11 @@ impl VmmHandle {
 #[doc(alias = "cuMemExportToShareableHandle")]
 pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
     check_one_chunk(&buf.chunks(), buf.mapped_bytes())?;
-    buf.context()
-        .bind_to_thread()
-        .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-    let mut fd: libc::c_int = -1;
-    // SAFETY: context current; the out-pointer is an int, as the POSIX fd handle type writes;
-    // the handle is the buffer's live allocation.
-    cu("cuMemExportToShareableHandle", unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut libc::c_int).cast(),
-            buf.handle(),
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
+    let pci_bus_id = Some(bus_id_of(buf.ordinal())?);
+    driver::ctx::bind(buf.context())?;
+    // SAFETY: context current; the handle is the buffer's live allocation, made with the POSIX
+    // fd handle type (VmmBuffer always requests it).
+    let fd = unsafe { vmm::export_fd(buf.handle()) }?;
     // SAFETY: the driver returned a new descriptor owned by the caller.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     Ok((
@@ -110,6 +103,7 @@ pub fn export_vmm<T: Pod>(buf: &VmmBuffer<T>) -> Result<(OwnedFd, VmmHandle)> {
             mapped_bytes: buf.mapped_bytes() as u64,
             elem_size: std::mem::size_of::<T>() as u32,
             device: buf.ordinal() as u32,
+            pci_bus_id,
         },
     ))
 }
@@ -138,131 +132,130 @@ fn check_one_chunk(chunks: &[VmmChunk], mapped: usize) -> Result<()> {
     })
 }
 
-/// VMM memory of another process, imported from a descriptor and mapped read-write for device
-/// `ordinal`; `len` elements of `T`.
+/// VMM memory of another process, imported from a descriptor and mapped read-write for one
+/// device; `len` elements of `T`.
 ///
-/// Dropping it unmaps, frees the address range and releases the imported handle, without
-/// synchronizing: work that uses it owns it until that work has completed.
+/// [`open`](Self::open) maps it for the device it lives on (its
+/// [`ordinal`](DeviceMemory::ordinal)), so that a copy to another device runs peer to peer from
+/// there; [`open_on`](Self::open_on) for another device (a copy on that device's side then
+/// crosses the link, and reports it). Dropping it unmaps, frees the address range and releases
+/// the imported handle, without synchronizing: work that uses it owns it until that work has
+/// completed. In a forked child it leaks.
 #[derive(Debug)]
-pub struct VmmImport<T: Pod> {
-    ptr: u64,
-    size: usize,
-    len: usize,
-    handle: sys::CUmemGenericAllocationHandle,
-    ctx: Arc<CudaContext>,
-    pid: u32,
-    _elem: PhantomData<T>,
+#[doc(alias = "cuMemImportFromShareableHandle")]
+pub struct VmmImport<T: Pod>(Allocation<T, ImportedVmm>);
+
+/// The one mapping of an imported physical allocation (given back as a [`VmmBuffer`]'s are),
+/// and where its bytes live.
+pub(crate) struct ImportedVmm {
+    mapping: VmmMapping,
+    at: Recorded,
 }
 
+// SAFETY: the imported physical allocation, mapped read-write for the context's device from the
+// moment the allocation is built until `VmmMapping` unmaps it (its own guarantees); no host view.
+unsafe impl Release for ImportedVmm {
+    const KIND: MemoryKind = MemoryKind::Vmm;
+    const CALL: &'static str = "cuMemUnmap";
+    type Back = ();
+
+    fn vmm_mappings(&self, ptr: u64) -> Option<Vec<(u64, usize)>> {
+        self.mapping.vmm_mappings(ptr)
+    }
+
+    unsafe fn release(self, ptr: u64) -> Result<()> {
+        self.at.forget();
+        // No cuCtxSynchronize: work this crate queued on the import owns it until complete.
+        // SAFETY: forwarded from the caller (once, context current, nothing pending).
+        unsafe { self.mapping.release(ptr) }
+    }
+}
+
+thin_memory!(VmmImport);
+
 impl<T: Pod> VmmImport<T> {
-    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`.
-    /// The descriptor may be closed afterwards.
+    /// Import and map for the device the memory lives on: the visible device at the handle's
+    /// [`pci_bus_id`](VmmHandle::pci_bus_id). The descriptor may be closed afterwards.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] when the element size differs from `size_of::<T>()` or the
-    /// sizes are inconsistent; [`Error::Cuda`] from any step (after undoing the earlier ones).
+    /// [`Error::NoDevice`] when the handle names no PCI address or no visible device is at it
+    /// (use [`open_on`](Self::open_on)); otherwise as [`open_on`](Self::open_on).
     ///
     /// # C function
     ///
     /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
     #[doc(alias = "cuMemImportFromShareableHandle")]
-    pub fn open(fd: BorrowedFd<'_>, handle: &VmmHandle, ordinal: usize) -> Result<Self> {
+    pub fn open(fd: BorrowedFd<'_>, handle: &VmmHandle) -> Result<Self> {
+        handle.check(std::mem::size_of::<T>())?;
+        let (ordinal, home) = Home::required(handle.pci_bus_id.as_deref(), "VmmImport::open_on")?;
+        Self::map(fd, handle, ordinal, home)
+    }
+
+    /// `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`
+    /// read-write for device `ordinal`. The descriptor may be closed afterwards.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the element size differs from `size_of::<T>()`, the
+    /// sizes are inconsistent or the PCI address malformed; [`Error::NoDevice`] for an ordinal
+    /// past the device count; [`Error::Cuda`] from any step (after undoing the earlier ones).
+    ///
+    /// # C function
+    ///
+    /// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html>
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    #[doc(alias = "cuMemMap")]
+    pub fn open_on(fd: BorrowedFd<'_>, handle: &VmmHandle, ordinal: usize) -> Result<Self> {
+        handle.check(std::mem::size_of::<T>())?;
+        let home = Home::of_bus_id(handle.pci_bus_id.as_deref())?;
+        Self::map(fd, handle, ordinal, home)
+    }
+
+    fn map(fd: BorrowedFd<'_>, handle: &VmmHandle, ordinal: usize, home: Home) -> Result<Self> {
         let (mapped, len) = handle.check(std::mem::size_of::<T>())?;
         let ctx = cuda::context(ordinal)?;
-        ctx.bind_to_thread()
-            .map_err(|e| from_driver("cuCtxSetCurrent", e))?;
-        let mut h = 0;
-        // SAFETY: context current; for the POSIX fd type the "pointer" argument carries the
-        // descriptor's value; valid out-pointer.
-        cu("cuMemImportFromShareableHandle", unsafe {
-            sys::cuMemImportFromShareableHandle(
-                &mut h,
-                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        })?;
-        let mut ptr = 0;
-        // SAFETY: valid out-pointer; default alignment; no fixed address.
-        if let Err(e) = cu("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut ptr, mapped, 0, 0, 0)
-        }) {
-            // SAFETY: the handle imported above, unmapped.
-            unsafe { sys::cuMemRelease(h) };
-            return Err(e);
-        }
-        // SAFETY: the range and the allocation are both `mapped` bytes.
-        if let Err(e) = cu("cuMemMap", unsafe { sys::cuMemMap(ptr, mapped, 0, h, 0) }) {
-            // SAFETY: undo the reservation and the import.
+        driver::ctx::bind(&ctx)?;
+        // SAFETY: context current; `fd` is open for the call.
+        let h = unsafe { vmm::import_fd(fd.as_raw_fd()) }?;
+        // SAFETY: context current; default alignment.
+        let ptr = match unsafe { vmm::reserve(mapped, 0) } {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the handle imported above, unmapped, released once.
+                let _ = unsafe { vmm::release(h) };
+                return Err(e);
+            }
+        };
+        // SAFETY: the range and the allocation are both `mapped` bytes; the range is unmapped.
+        if let Err(e) = unsafe { vmm::map(ptr, mapped, h) } {
+            // SAFETY: undo the reservation and the import, once each.
             unsafe {
-                sys::cuMemAddressFree(ptr, mapped);
-                sys::cuMemRelease(h);
+                let _ = vmm::address_free(ptr, mapped);
+                let _ = vmm::release(h);
             }
             return Err(e);
         }
-        let out = VmmImport {
-            ptr,
-            size: mapped,
-            len,
-            handle: h,
-            ctx,
-            pid: std::process::id(),
-            _elem: PhantomData,
+        let how = ImportedVmm {
+            mapping: VmmMapping::one(mapped, h),
+            at: Recorded::new(ptr, mapped, home, ordinal),
         };
+        // SAFETY: `mapped` bytes mapped at `ptr` (given back by `how`), of which the handle's
+        // `len` elements (checked: within `mapped`); access is set below, before any use.
+        let out = VmmImport(unsafe { Allocation::new(ptr, len, &ctx, how) });
         let desc = sys::CUmemAccessDesc {
-            location: access_location(ordinal),
+            location: device_location(ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the mapping made above; one descriptor. On error, `out`'s drop undoes it.
-        cu("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(ptr, mapped, &desc, 1)
-        })?;
+        // SAFETY: the mapping made above. On error, `out`'s drop undoes everything.
+        unsafe { vmm::set_access(ptr, mapped, &[desc]) }?;
         Ok(out)
     }
-}
 
-// SAFETY: mapped until drop at a fixed address; `len * size_of::<T>() <= size`.
-unsafe impl<T: Pod> DeviceMemory for VmmImport<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Vmm
-    }
-    /// The one mapping made in [`open`](VmmImport::open).
-    fn vmm_mappings(&self) -> Option<Vec<(u64, usize)>> {
-        Some(vec![(self.ptr, self.size)])
-    }
-}
-
-// SAFETY: no Rust reference to the mapped bytes is handed out.
-unsafe impl<T: Pod> DeviceMemoryMut for VmmImport<T> {}
-
-impl<T: Pod> Drop for VmmImport<T> {
-    fn drop(&mut self) {
-        if crate::completion::forked(self.pid) || self.ctx.bind_to_thread().is_err() {
-            return;
-        }
-        // No cuCtxSynchronize (unbounded, and it waits for every stream of the context, even one
-        // blocked on another process): every data path of this crate holds the buffer in its
-        // InFlight (or the tracker) until its work has completed, so when this runs no work this
-        // crate queued can still use the mapping. Work queued on the raw `device_ptr` by the
-        // caller's own unsafe code is the caller's to finish first.
-        // SAFETY: the mapping, range and handle made in `open`, undone once.
-        unsafe {
-            if sys::cuMemUnmap(self.ptr, self.size) != sys::CUresult::CUDA_SUCCESS {
-                return;
-            }
-            sys::cuMemAddressFree(self.ptr, self.size);
-            sys::cuMemRelease(self.handle);
-        }
+    /// The device, in this process's numbering, whose memory holds the bytes; `None` when it is
+    /// not visible here or the handle did not say.
+    pub fn home(&self) -> Option<usize> {
+        self.0.how().at.home().ordinal()
     }
 }
 
@@ -301,6 +294,7 @@ mod tests {
             mapped_bytes,
             elem_size,
             device: 0,
+            pci_bus_id: None,
         };
         assert_eq!(h(4096, 2 << 20, 4).check(4).unwrap(), (2 << 20, 1024));
         assert!(h(4096, 2 << 20, 8).check(4).is_err(), "element size");
@@ -311,5 +305,10 @@ mod tests {
         );
         assert!(h(0, 0, 4).check(4).is_err(), "empty mapping");
         assert!(h(0, 0, 0).check(0).is_err(), "zero-sized elements");
+        let mut named = h(4096, 2 << 20, 4);
+        named.pci_bus_id = Some("0000:19:00.0".into());
+        assert!(named.check(4).is_ok());
+        named.pci_bus_id = Some("nineteen".into());
+        assert!(named.check(4).is_err(), "a malformed PCI address");
     }
 }

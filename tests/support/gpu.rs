@@ -1,5 +1,5 @@
-//! Helpers shared by the P2P integration tests.
-#![allow(dead_code)]
+//! GPU helpers: device counts, random data with a replayable seed, streams, poisoned device
+//! buffers (the library's `DeviceBuffer`) and exact comparisons.
 
 use gpudirect::Error;
 use gpudirect::cuda::Stream;
@@ -57,5 +57,34 @@ pub fn assert_same(got: &[u32], want: &[u32], what: &str) {
             "{what}: first difference at word {i}: got {:#010x}, want {:#010x}",
             got[i], want[i]
         );
+    }
+}
+
+/// `len` bytes on device `ordinal`, every one `poison`: a destination whose old contents are
+/// known (zero through the library's memset, any other byte through a blocking host copy).
+pub fn poisoned_bytes(ordinal: usize, len: usize, poison: u8) -> DeviceBuffer<u8> {
+    if poison == 0 {
+        let ctx = gpudirect::cuda::context(ordinal).unwrap();
+        return DeviceBuffer::zeroed(&ctx, len).unwrap();
+    }
+    DeviceBuffer::from_slice(&stream(ordinal), &vec![poison; len]).unwrap()
+}
+
+/// A new device buffer on `ordinal` holding `data` (a blocking copy).
+pub fn device_bytes(ordinal: usize, data: &[u8]) -> DeviceBuffer<u8> {
+    DeviceBuffer::from_slice(&stream(ordinal), data).unwrap()
+}
+
+/// `to_host()`: a device byte buffer's contents, copied to the host (blocking, on a stream of its
+/// own device).
+pub trait ToHost {
+    /// Everything, copied to the host.
+    fn to_host(&self) -> Vec<u8>;
+}
+
+impl ToHost for DeviceBuffer<u8> {
+    fn to_host(&self) -> Vec<u8> {
+        use gpudirect::memory::DeviceMemory;
+        self.to_vec(&stream(self.ordinal())).unwrap()
     }
 }

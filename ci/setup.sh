@@ -2,4 +2,4 @@
 # Everything CI and a fresh development machine need beyond the Rust toolchain.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "ci-setup: nothing extra needed yet"
+echo "ci/setup.sh: nothing extra needed yet"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# CI (`.ci/run` calls this): formatting, lints, docs, the module layering, the README's test
+# command (tier 0), the property tests in release, crates of users' shape that depend on gpudirect,
+# packaging, then tier 1 (Soft-RoCE VM). docs/test-tiers.md describes the tiers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never CARGO_INCREMENTAL=0
+step() { printf '\n=== %s (%ss)\n' "$*" "$SECONDS"; }
+
+step "setup"
+bash ci/setup.sh
+
+step "cargo fmt --check"
+cargo fmt --all --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo doc"
+RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
+
+step "module layering (scripts/check-layers.py)"
+# A module imports only modules above it (the order is in the script); no two files of a module
+# import each other, directly or through a longer cycle.
+python3 scripts/check-layers.py gpudirect/src
+
+step "cargo test (README's test command)"
+cargo test
+
+step "cargo test --release: gpudirect's unit and property tests with optimizations"
+# Overflow checks are off in release: the property tests show the arithmetic is checked there too.
+cargo test --release -p gpudirect --features cuda-12080 --lib
+
+# Each on its own (they choose different CUDA versions), in the workspace's target directory so
+# that the dependencies built above are reused. `check`, not `build`: dynamic-linking would need
+# libcuda to link against.
+for crate in cudarc-oldest cudarc-newest dynamic-linking gpudirect-only; do
+  step "downstream crate $crate (tests/downstream-crates)"
+  cargo check --manifest-path tests/downstream-crates/Cargo.toml -p "$crate" --target-dir target
+done
+
+step "cargo package: gpudirect-sys and gpudirect build from their packaged sources alone"
+# gpudirect picks no CUDA version by itself: the verification build picks one, as a user would.
+cargo package -p gpudirect-sys -p gpudirect --features gpudirect/cuda-12080 --allow-dirty
+
+if [ -f ci/rxe-vm/run.sh ]; then
+  step "tier 1: Soft-RoCE VM"
+  bash ci/rxe-vm/run.sh
+fi
+step "done"

@@ -1,0 +1,254 @@
+//! Tier 2: the POSIX path and the pinned bounce pool on a GPU. Random files, poisoned device
+//! buffers, exact bytes: reads hot (page cache) and cold (`O_DIRECT` after dropping the cache)
+//! at unaligned offsets and for several configurations, many application threads at once,
+//! writes cached and durable, and the bounce engine's public copies.
+//!
+//! Skips (`SKIPPED: reason`) without a GPU; `GPUDIRECT_REQUIRE=gpu` turns the skip into a failure.
+//! cuFile is not needed (every file is opened in `Mode::Posix`).
+
+mod support;
+
+use gpudirect::cuda::Stream;
+use gpudirect::memory::{BouncePool, CopyEngine, DeviceBuffer};
+use gpudirect::storage::{Durability, GdsFile, IoPath, Mode, OpenOptions, PathReason, PosixConfig};
+use gpudirect::{Error, cudarc::driver::CudaContext};
+use gpudirect_testing::Hardware;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use support::files::{pattern, test_dir};
+
+fn setup() -> Option<(Arc<CudaContext>, Stream)> {
+    match gpudirect::cuda::context(0).and_then(|c| Ok((c.clone(), Stream::new(&c)?))) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            gpudirect_testing::skip(Hardware::Gpu, e);
+            None
+        }
+    }
+}
+
+fn write_file(name: &str, data: &[u8]) -> std::path::PathBuf {
+    let p = test_dir().join(format!("posix-{name}-{}", std::process::id()));
+    std::fs::write(&p, data).unwrap();
+    p
+}
+
+/// Drop the file from the page cache (written back first), so that the next read is cold.
+fn drop_cache(p: &std::path::Path) {
+    let f = std::fs::File::open(p).unwrap();
+    // SAFETY: a valid descriptor.
+    unsafe {
+        assert_eq!(libc::fdatasync(f.as_raw_fd()), 0);
+        assert_eq!(
+            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED),
+            0
+        );
+    }
+}
+
+const POISON: u8 = 0xCD;
+
+/// Read `len` bytes at `fo` into a poisoned buffer at `off` and check every byte of it.
+fn read_and_check(
+    stream: &Stream,
+    f: &GdsFile,
+    data: &[u8],
+    off: usize,
+    fo: u64,
+    len: usize,
+    what: &str,
+) -> gpudirect::storage::PathTaken {
+    let mut dst = DeviceBuffer::from_slice(stream, &vec![POISON; off + len + 4099]).unwrap();
+    let t = f.read_to_device(&mut dst, off, fo, len).unwrap();
+    let want = len.min(data.len().saturating_sub(fo as usize));
+    assert_eq!(t.bytes, want, "{what}: count");
+    let host = dst.to_vec(stream).unwrap();
+    let from = (fo as usize).min(data.len());
+    assert!(
+        host[off..off + want] == data[from..from + want],
+        "{what}: bytes read ({:?})",
+        t.path
+    );
+    assert!(
+        host[..off].iter().all(|&b| b == POISON) && host[off + want..].iter().all(|&b| b == POISON),
+        "{what}: bytes outside the range changed"
+    );
+    t.path
+}
+
+#[test]
+fn reads_are_exact_hot_and_cold_for_every_configuration() {
+    let Some((_ctx, stream)) = setup() else {
+        return;
+    };
+    // 37 MiB and a few bytes: many chunks, a short last one.
+    let data = pattern((37 << 20) + 4099, 21);
+    let p = write_file("read", &data);
+    let mut f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
+    let auto = f.posix_config(data.len()).unwrap();
+    println!("automatic configuration for {} bytes: {auto:?}", data.len());
+    let configs = [
+        None,
+        Some(PosixConfig {
+            threads: 1,
+            direct_threads: 1,
+            write_threads: 1,
+            chunk: 4096,
+            depth: 1,
+        }),
+        Some(PosixConfig {
+            threads: 32,
+            direct_threads: 32,
+            write_threads: 4,
+            chunk: 256 << 10,
+            depth: 3,
+        }),
+        Some(PosixConfig {
+            threads: 3,
+            direct_threads: 5,
+            write_threads: 2,
+            chunk: 16 << 20,
+            depth: 2,
+        }),
+    ];
+    for cfg in configs {
+        f.set_posix_config(cfg).unwrap();
+        for cold in [false, true] {
+            for (off, fo, len) in [
+                (0, 0, data.len()),
+                (1, 3, (19 << 20) + 1),
+                (4095, 4097, 12_345),
+                (7, data.len() as u64 - 5000, 20_000), // crosses the end of file
+                (0, data.len() as u64 + 10, 4096),     // past it
+            ] {
+                if cold {
+                    drop_cache(&p);
+                } else {
+                    let _ = std::fs::read(&p).unwrap(); // hot
+                }
+                let what = format!("{cfg:?} cold={cold} off={off} fo={fo} len={len}");
+                let path = read_and_check(&stream, &f, &data, off, fo, len, &what);
+                assert_eq!(path.path, IoPath::Posix);
+                assert_eq!(path.reason, PathReason::Requested);
+                if cold && f.has_direct() && fo < data.len() as u64 {
+                    assert!(path.direct, "{what}: a cold read takes O_DIRECT");
+                }
+            }
+        }
+    }
+    std::fs::remove_file(&p).unwrap();
+}
+
+#[test]
+fn many_application_threads_read_at_once() {
+    let Some((ctx, _stream)) = setup() else {
+        return;
+    };
+    let data = pattern(24 << 20, 5);
+    let p = write_file("threads", &data);
+    let f = Arc::new(GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap());
+    std::thread::scope(|s| {
+        for t in 0..8usize {
+            let (f, data, ctx) = (f.clone(), &data, ctx.clone());
+            s.spawn(move || {
+                let stream = Stream::new(&ctx).unwrap();
+                // Each thread its own range (3 MiB at an odd offset), ten times.
+                let fo = (t * (3 << 20) + t) as u64;
+                for _ in 0..10 {
+                    read_and_check(&stream, &f, data, t, fo, 3 << 20, "concurrent");
+                }
+            });
+        }
+    });
+    std::fs::remove_file(&p).unwrap();
+}
+
+#[test]
+fn writes_are_exact_cached_and_durable() {
+    let Some((_ctx, stream)) = setup() else {
+        return;
+    };
+    let data = pattern((21 << 20) + 777, 8);
+    let src = DeviceBuffer::from_slice(&stream, &data).unwrap();
+    for durability in [Durability::Cached, Durability::Durable] {
+        let out = write_file(&format!("write-{durability:?}"), &[]);
+        let mut f = GdsFile::open(&out, &OpenOptions::read_write(), Mode::Posix).unwrap();
+        f.set_durability(durability);
+        // Aligned (O_DIRECT where durable), then unaligned on both ends.
+        for (so, fo, len) in [(0, 0, 16 << 20), (3, (16 << 20) + 5, (5 << 20) + 11)] {
+            let t = f.write_from_device(&src, so, fo, len).unwrap();
+            assert_eq!(t.bytes, len);
+            assert_eq!(t.path.path, IoPath::Posix);
+            assert_eq!(
+                t.path.direct,
+                durability == Durability::Durable && f.has_direct(),
+                "{durability:?}"
+            );
+            let back = std::fs::read(&out).unwrap();
+            assert!(
+                back[fo as usize..fo as usize + len] == data[so..so + len],
+                "{durability:?} so={so} fo={fo} len={len}"
+            );
+        }
+        f.sync_data().unwrap();
+        std::fs::remove_file(&out).unwrap();
+    }
+}
+
+#[test]
+fn the_bounce_engine_copies_exactly_and_recycles_chunks() {
+    let Some((ctx, stream)) = setup() else { return };
+    let pool = BouncePool::new(&ctx, 1 << 20, 2).unwrap();
+    let engine = CopyEngine::new(&ctx, 3).unwrap();
+    let data = pattern(1 << 20, 13);
+    let dst = DeviceBuffer::from_slice(&stream, &vec![POISON; 3 << 20]).unwrap();
+    let mut chunk = pool.take().unwrap();
+    chunk.copy_from_slice(&data);
+    // Chunk bytes 100..100+70_000 to device bytes 5..70_005, on lane 7 (= 7 % 3).
+    let (chunk, dst) = engine
+        .h2d(7, chunk, 100, dst, 5, 70_000)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let host = dst.to_vec(&stream).unwrap();
+    assert!(host[5..70_005] == data[100..70_100]);
+    assert!(
+        host[..5]
+            .iter()
+            .chain(&host[70_005..])
+            .all(|&b| b == POISON)
+    );
+    // And back into another chunk.
+    let other = pool.take().unwrap();
+    let (other, _dst) = engine
+        .d2h(1, dst, 5, other, 9, 70_000)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(other[9..70_009] == data[100..70_100]);
+    drop((chunk, other));
+    assert_eq!(pool.idle(), 2, "both chunks went back to the pool");
+    let again = pool.take().unwrap();
+    assert_eq!(pool.idle(), 1, "a chunk is reused, not allocated");
+    drop(again);
+    // Ranges are checked before any driver call; the chunk comes back to the pool.
+    let small = DeviceBuffer::<u8>::alloc(&ctx, 4096).unwrap();
+    let e = engine
+        .h2d(0, pool.take().unwrap(), 0, small, 1, 4096)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { arg: "len", .. }),
+        "{e}"
+    );
+    let small = DeviceBuffer::<u8>::alloc(&ctx, 4096).unwrap();
+    let e = engine
+        .h2d(0, pool.take().unwrap(), (1 << 20) - 10, small, 0, 11)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { arg: "len", .. }),
+        "{e}"
+    );
+    assert_eq!(pool.idle(), 2);
+    assert!(BouncePool::new(&ctx, 4097, 1).is_err());
+    assert!(CopyEngine::new(&ctx, 0).is_err());
+}
