@@ -117,7 +117,9 @@ fn drop_after_unsignaled_writes_is_prompt_and_frees_everything() {
     };
     let after = teardown_stats();
     println!("drop after {N} unsignaled writes took {took:?}; {before:?} -> {after:?}");
-    assert!(took < Duration::from_millis(500), "drop took {took:?}");
+    // Structural, not a speed figure: a drop that had to wait out the drain would take the whole
+    // DRAIN_TIMEOUT and leak the QP (the counters below say which happened).
+    assert!(took < gpudirect::rdma::DRAIN_TIMEOUT, "drop took {took:?}");
     assert_eq!(after.queue_pairs_leaked, before.queue_pairs_leaked);
     assert_eq!(
         after.queue_pairs_destroyed,

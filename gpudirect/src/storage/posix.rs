@@ -916,6 +916,13 @@ pub(crate) struct HostInner {
     /// Copies in flight per lane now, and the most ever on one lane.
     in_flight: Mutex<std::collections::HashMap<usize, usize>>,
     pub(crate) max_in_flight: AtomicUsize,
+    /// Copies in flight on all lanes now, and the most ever at once.
+    total_in_flight: AtomicUsize,
+    pub(crate) max_total_in_flight: AtomicUsize,
+    /// When non-zero, a copy's `wait` holds on (up to 10 s) until this many copies were in
+    /// flight at once: a test of the structure (do threads overlap?) that no clock decides.
+    gather: usize,
+    gave_up: std::sync::atomic::AtomicBool,
     /// The threads that took part.
     pub(crate) threads: Mutex<std::collections::HashSet<std::thread::ThreadId>>,
     /// Idle buffers (a dropped buffer comes back here, as a bounce chunk goes back to its pool).
@@ -994,6 +1001,10 @@ impl HostStaging {
             created: AtomicUsize::new(0),
             in_flight: Mutex::new(Default::default()),
             max_in_flight: AtomicUsize::new(0),
+            total_in_flight: AtomicUsize::new(0),
+            max_total_in_flight: AtomicUsize::new(0),
+            gather: 0,
+            gave_up: std::sync::atomic::AtomicBool::new(false),
             threads: Mutex::new(Default::default()),
             pool: Arc::new(Mutex::new(Vec::new())),
         }))
@@ -1002,6 +1013,12 @@ impl HostStaging {
     /// Without poisoning (a plain memcpy per copy: for throughput).
     pub(crate) fn unpoisoned(mut self) -> Self {
         Arc::get_mut(&mut self.0).expect("not shared yet").poison = false;
+        self
+    }
+
+    /// Each copy waits (up to 10 s) until `n` copies were in flight at once.
+    pub(crate) fn gathering(mut self, n: usize) -> Self {
+        Arc::get_mut(&mut self.0).expect("not shared yet").gather = n;
         self
     }
 
@@ -1035,8 +1052,11 @@ impl HostStaging {
         if up {
             *n += 1;
             self.0.max_in_flight.fetch_max(*n, Ordering::Relaxed);
+            let total = self.0.total_in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+            self.0.max_total_in_flight.fetch_max(total, Ordering::Relaxed);
         } else {
             *n -= 1;
+            self.0.total_in_flight.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -1121,6 +1141,19 @@ unsafe impl Staging for HostStaging {
         let now = std::time::Instant::now();
         if due > now {
             std::thread::sleep(due - now);
+        }
+        if self.0.gather > 0 {
+            // Once one copy gave up, the rest go on at once (a failing test takes 10 s, not 10 s
+            // a copy).
+            let give_up = now + std::time::Duration::from_secs(10);
+            while self.0.max_total_in_flight.load(Ordering::Relaxed) < self.0.gather
+                && !self.0.gave_up.load(Ordering::Relaxed)
+            {
+                if std::time::Instant::now() >= give_up {
+                    self.0.gave_up.store(true, Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
         }
         let a = usize::try_from(addr).unwrap();
         assert!(
@@ -1333,7 +1366,7 @@ mod tests {
 
     /// The time to read `len` bytes of `file` into `staging` with `threads` threads, and the
     /// number of threads that took part so far.
-    fn timed_read(
+    fn read_with(
         path: &std::path::Path,
         staging: &HostStaging,
         len: usize,
@@ -1362,25 +1395,23 @@ mod tests {
     }
 
     #[test]
-    fn reads_scale_with_threads() {
-        // 64 chunks whose copies take 2 ms each (a slow stand-in copy engine, so that the test
-        // measures the structure, not this machine's cores): one thread with two chunks in
-        // flight needs about 64 ms, eight threads about an eighth of it, if nothing serializes
-        // them.
+    fn reads_overlap_across_threads() {
+        // 64 chunks, 8 threads with two copies in flight each. Every copy holds on until four
+        // copies were in flight at once, which one thread alone (two at most) never reaches:
+        // if something serialized the threads, the copies would give up after 10 s and the
+        // count below would say so. No clock decides the outcome on a loaded machine.
         let len = 64 * 65536;
         let bytes = data(len, 9);
         let p = temp("scale", &bytes);
-        let nap = Duration::from_millis(2);
-        let (one, _) = timed_read(&p, &HostStaging::new(len, 0, nap), len, 1, 65536);
-        let staging = HostStaging::new(len, 0, nap);
-        let (eight, took_part) = timed_read(&p, &staging, len, 8, 65536);
+        let staging = HostStaging::new(len, 0, Duration::ZERO).gathering(4);
+        read_with(&p, &staging, len, 8, 65536);
         assert_eq!(staging.device(), bytes);
-        assert!(one >= Duration::from_millis(60), "{one:?}");
-        assert!(took_part >= 2, "pool threads took part");
         assert!(
-            eight * 3 < one,
-            "8 threads {eight:?} not clearly faster than 1 thread {one:?}"
+            staging.0.max_total_in_flight.load(Ordering::Relaxed) >= 4,
+            "copies of several threads in flight at once"
         );
+        assert!(staging.0.max_in_flight.load(Ordering::Relaxed) <= 2, "depth per lane");
+        assert!(staging.0.threads.lock().unwrap().len() >= 2, "pool threads took part");
         std::fs::remove_file(&p).unwrap();
     }
 
@@ -1389,10 +1420,10 @@ mod tests {
         let len = 16 * 65536;
         let p = temp("kept", &data(len, 4));
         let staging = HostStaging::new(len, 0, Duration::ZERO);
-        timed_read(&p, &staging, len, 4, 65536);
+        read_with(&p, &staging, len, 4, 65536);
         let before = Workers::global().threads();
         for _ in 0..5 {
-            timed_read(&p, &staging, len, 4, 65536);
+            read_with(&p, &staging, len, 4, 65536);
         }
         assert!(
             staging.0.created.load(Ordering::Relaxed) <= 4 * 2,
@@ -1432,7 +1463,7 @@ mod tests {
             for threads in [1, 2, 4, 8] {
                 let staging = HostStaging::new(len, 1, Duration::ZERO).unpoisoned();
                 let best = (0..4)
-                    .map(|_| timed_read(&p, &staging, len, threads, chunk).0)
+                    .map(|_| read_with(&p, &staging, len, threads, chunk).0)
                     .skip(1) // the first one also makes the buffers and touches the pages
                     .min()
                     .unwrap();
