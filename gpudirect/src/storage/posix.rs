@@ -1053,7 +1053,9 @@ impl HostStaging {
             *n += 1;
             self.0.max_in_flight.fetch_max(*n, Ordering::Relaxed);
             let total = self.0.total_in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-            self.0.max_total_in_flight.fetch_max(total, Ordering::Relaxed);
+            self.0
+                .max_total_in_flight
+                .fetch_max(total, Ordering::Relaxed);
         } else {
             *n -= 1;
             self.0.total_in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -1410,8 +1412,14 @@ mod tests {
             staging.0.max_total_in_flight.load(Ordering::Relaxed) >= 4,
             "copies of several threads in flight at once"
         );
-        assert!(staging.0.max_in_flight.load(Ordering::Relaxed) <= 2, "depth per lane");
-        assert!(staging.0.threads.lock().unwrap().len() >= 2, "pool threads took part");
+        assert!(
+            staging.0.max_in_flight.load(Ordering::Relaxed) <= 2,
+            "depth per lane"
+        );
+        assert!(
+            staging.0.threads.lock().unwrap().len() >= 2,
+            "pool threads took part"
+        );
         std::fs::remove_file(&p).unwrap();
     }
 

@@ -1796,14 +1796,16 @@ impl Transfer {
 }
 
 /// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
-/// thread sets), then gives its result.
+/// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
+/// Past that bound (the progress thread gone) it ends with [`Error::Timeout`] and the resources
+/// stay parked in the completion tracker, never freed early.
 impl std::future::IntoFuture for Transfer {
     type Output = Result<TransferReport>;
     type IntoFuture =
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        let f = self.op.into_future();
+        let f = self.op.deadline(self.shared.limit);
         Box::pin(async move { f.await?.result() })
     }
 }
@@ -1866,6 +1868,21 @@ mod tests {
         };
         h.join().unwrap();
         assert_eq!(r.unwrap().bytes, 42);
+    }
+
+    #[test]
+    fn an_awaited_transfer_nobody_finishes_ends_with_a_timeout_at_its_bound() {
+        let (t, _done) = Transfer::pending(Duration::from_millis(10), Vec::new());
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let r = loop {
+            match f.as_mut().poll(&mut cx) {
+                Poll::Ready(r) => break r,
+                Poll::Pending => std::thread::park_timeout(Duration::from_secs(10)),
+            }
+        };
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
     }
 
     #[test]

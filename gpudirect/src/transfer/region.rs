@@ -65,7 +65,7 @@ impl Backing {
     }
 }
 
-/// Memory to register with a transfer [`Engine`]: host memory, or GPU memory, owned by value
+/// Memory to register with a transfer [`Engine`](super::Engine): host memory, or GPU memory, owned by value
 /// (the engine holds it until every region and transfer using it is gone), or a view of such a
 /// buffer ([`slice`](Self::slice): views share the memory). Cheap to clone (a view of the same
 /// bytes).
@@ -342,7 +342,7 @@ pub(crate) struct CacheStats {
     pub(crate) registered: AtomicU64,
 }
 
-/// What the registration cache has done so far ([`Engine::cache_stats`]).
+/// What the registration cache has done so far ([`Engine::cache_stats`](super::Engine::cache_stats)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CacheCounters {
     /// Ranges served by a registration that already covered them.
@@ -456,7 +456,7 @@ impl Region {
     }
 
     /// The descriptor of `len` bytes at `offset` of the region (its rkeys reach the whole
-    /// registration: see [`Engine::register_all`]).
+    /// registration: see [`Engine::register_all`](super::Engine::register_all)).
     ///
     /// # Errors
     ///
