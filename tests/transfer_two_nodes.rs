@@ -149,16 +149,45 @@ fn note(ep: &Endpoint) -> u32 {
         .tag
 }
 
+/// The next notification's tag, awaited (`Endpoint::notification`) on `rt`.
+fn note_awaited(rt: &tokio::runtime::Runtime, ep: &Endpoint) -> u32 {
+    rt.block_on(ep.notification(NOTE))
+        .expect("endpoint alive")
+        .expect("a notification in time")
+        .tag
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a tokio runtime")
+}
+
 /// The last word: `from` tells the other side it may go, and waits for the message to be
 /// acknowledged; the other side waits for it, then lingers so its NIC acknowledges.
 fn bye(ep: &Endpoint, scratch: &Region, peer: &MemoryDescriptor) {
+    say(ep, scratch, peer, 0xB1E);
+}
+
+/// The tag of "checked": the client writes the same target again only after it, so the server
+/// never compares bytes that the next write is already replacing.
+const ACK: u32 = 0xACC;
+
+/// A one-byte write from `scratch` into the peer's `peer` with the notification `tag`, waited
+/// for.
+fn say(ep: &Endpoint, scratch: &Region, peer: &MemoryDescriptor, tag: u32) {
     ep.write(
         vec![(scratch.range(0, 1).unwrap(), peer.range(0, 1).unwrap())],
-        TransferOptions::notify(0xB1E),
+        TransferOptions::notify(tag),
     )
     .unwrap()
     .wait()
-    .expect("goodbye");
+    .expect("a one-byte notification");
+}
+
+fn wait_ack(ep: &Endpoint) {
+    assert_eq!(note(ep), ACK, "the server's \"checked\"");
 }
 
 fn wait_bye(ep: &Endpoint) {
@@ -171,15 +200,18 @@ fn wait_bye(ep: &Endpoint) {
 fn serve_verified(n: &Node, e: &Engine, k: u16, size: usize, rounds: usize, what: &str) {
     let target = e.register(Buffer::host(vec![0u8; size]).unwrap()).unwrap();
     let ep = n.accept(e, k, &[target.descriptor().unwrap()]);
+    let peer = ep.peer_descriptors()[0];
     for round in 0..rounds {
         let s = note(&ep);
         assert!(
             target.to_vec().unwrap() == pattern(u64::from(s), size),
             "{what}, round {round}: the bytes differ"
         );
+        if round + 1 < rounds {
+            say(&ep, &target, &peer, ACK);
+        }
     }
     println!("server: {what}: {rounds} round(s) verified");
-    let peer = ep.peer_descriptors()[0];
     bye(&ep, &target, &peer);
 }
 
@@ -201,6 +233,7 @@ fn t1_host_writes_and_reads_arrive_exactly() {
             0,
             &[target.descriptor().unwrap(), readable.descriptor().unwrap()],
         );
+        let peer = ep.peer_descriptors()[0];
         for (i, &len) in sizes.iter().enumerate() {
             let tag = note(&ep);
             let want = pattern(u64::from(tag), len);
@@ -208,9 +241,9 @@ fn t1_host_writes_and_reads_arrive_exactly() {
             target.read_at(0, &mut got).unwrap();
             assert!(got == want, "write {i} of {len} bytes differs (seed {tag})");
             println!("server: write of {len} bytes verified");
+            say(&ep, &readable, &peer, ACK);
         }
         // Tell the client the seed of what it reads, then wait for its verdict.
-        let peer = ep.peer_descriptors()[0];
         ep.write(
             vec![(readable.range(0, 1).unwrap(), peer.range(0, 1).unwrap())],
             TransferOptions::notify(s as u32),
@@ -238,6 +271,8 @@ fn t1_host_writes_and_reads_arrive_exactly() {
                     .unwrap();
                 assert_eq!(r.bytes, len as u64);
                 assert_eq!(r.paths, vec![MemoryPath::Host]);
+                // The next write replaces these bytes: only once the server has checked them.
+                wait_ack(&ep);
                 println!(
                     "client: wrote {len} bytes in {} messages over rails {:?} ({:.1} MB/s)",
                     r.messages,
@@ -289,9 +324,15 @@ fn t2_notifications_arrive_in_order_and_after_the_data() {
             .register(Buffer::host(vec![0u8; SLOT * N as usize]).unwrap())
             .unwrap();
         let ep = n.accept(&e, 1, &[target.descriptor().unwrap()]);
+        let rt = runtime();
         let base = note(&ep);
         for i in 0..N {
-            let tag = note(&ep);
+            // Every other one through the awaited form: both see the same queue, in order.
+            let tag = if i % 2 == 0 {
+                note(&ep)
+            } else {
+                note_awaited(&rt, &ep)
+            };
             assert_eq!(tag, base + i, "notification {i} out of order");
             let mut got = vec![0u8; SLOT];
             target.read_at(i as usize * SLOT, &mut got).unwrap();
@@ -300,7 +341,14 @@ fn t2_notifications_arrive_in_order_and_after_the_data() {
                 "slot {i}: notification before its data"
             );
         }
-        println!("server: {N} notifications in order, each after its data");
+        // Nothing more was sent: an await ends with `None` at its deadline.
+        let t = Instant::now();
+        let none = rt
+            .block_on(ep.notification(Duration::from_millis(100)))
+            .expect("endpoint alive");
+        assert!(none.is_none(), "{none:?}");
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        println!("server: {N} notifications in order, each after its data (half awaited)");
         let peer = ep.peer_descriptors()[0];
         bye(&ep, &target, &peer);
     } else {
@@ -331,8 +379,15 @@ fn t2_notifications_arrive_in_order_and_after_the_data() {
                 .unwrap()
             })
             .collect();
-        for t in ts {
-            t.wait().unwrap();
+        // Half waited for, half awaited.
+        let rt = runtime();
+        for (i, t) in ts.into_iter().enumerate() {
+            let r = if i % 2 == 0 {
+                t.wait()
+            } else {
+                rt.block_on(async { t.await })
+            };
+            assert_eq!(r.unwrap().bytes, SLOT as u64);
         }
         wait_bye(&ep);
     }
@@ -476,6 +531,10 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
                 .unwrap()
                 .wait()
                 .unwrap();
+            if round == 0 {
+                // Round 1 writes the same target: only once the server has checked round 0.
+                wait_ack(&ep);
+            }
             let d = fresh.descriptor().unwrap();
             drop(fresh);
             let after = e.cache_stats();

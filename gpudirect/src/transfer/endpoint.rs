@@ -349,6 +349,10 @@ pub(crate) struct EpInner {
     engine: Engine,
     state: Mutex<State>,
     notes_cv: Condvar,
+    /// Awaiting [`Endpoint::notification`] futures: each flag is set at the next notification
+    /// or failure (or once its deadline has passed), then dropped from the list. Locked only
+    /// under `state`.
+    note_waiters: Mutex<Vec<(Instant, CompletionFlag)>>,
     wake: OwnedFd,
     counters: Vec<RailCounters>,
     origin: Origin,
@@ -358,6 +362,17 @@ pub(crate) struct EpInner {
 impl EpInner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wake every thread and future waiting for a notification (one came, or the endpoint
+    /// failed).
+    fn wake_notes(&self) {
+        self.notes_cv.notify_all();
+        let waiters =
+            std::mem::take(&mut *self.note_waiters.lock().unwrap_or_else(|e| e.into_inner()));
+        for (_, f) in waiters {
+            f.set();
+        }
     }
 
     fn poke(&self) {
@@ -786,6 +801,7 @@ impl Endpoint {
             engine,
             state: Mutex::new(state),
             notes_cv: Condvar::new(),
+            note_waiters: Mutex::new(Vec::new()),
             wake: eventfd()?,
             counters: (0..n).map(|_| RailCounters::default()).collect(),
             origin,
@@ -1032,6 +1048,64 @@ impl Endpoint {
                 .wait_timeout(st, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+
+    /// The next notification from the peer, awaited up to `timeout`; `None` when none came.
+    /// The future is woken by the progress thread when a notification arrives or the endpoint
+    /// fails, and at its deadline by the crate's completion thread
+    /// ([`InFlight::deadline`](crate::completion::InFlight::deadline)); it holds a clone of the
+    /// endpoint, and dropping it only stops the wait.
+    ///
+    /// # Errors
+    ///
+    /// As [`next_notification`](Self::next_notification).
+    pub fn notification(
+        &self,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<Option<Notification>>> + Send + 'static {
+        let ep = self.clone();
+        let deadline = Instant::now() + timeout.min(Duration::from_secs(1 << 32));
+        async move {
+            loop {
+                let flag = {
+                    let inner = ep.inner();
+                    let mut st = inner.lock();
+                    if let Some(n) = st.notes.pop_front() {
+                        return Ok(Some(n));
+                    }
+                    if let Some((b, _)) = &st.broken {
+                        return Err(b.to_error());
+                    }
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Ok(None);
+                    }
+                    let flag = CompletionFlag::new();
+                    // Registered under the state lock: a notification pushed after the look
+                    // above sets this flag.
+                    let mut w = inner.note_waiters.lock().unwrap_or_else(|e| e.into_inner());
+                    // Waiters whose deadline has passed (futures dropped meanwhile): set, so
+                    // what the completion tracker parked for them is freed.
+                    w.retain(|(d, f)| {
+                        let live = *d > now;
+                        if !live {
+                            f.set();
+                        }
+                        live
+                    });
+                    w.push((deadline, flag.clone()));
+                    flag
+                };
+                let wait = InFlight::new("transfer notification", flag.clone(), ());
+                match wait.deadline(deadline).await {
+                    Ok(()) => {}
+                    // Looked at once more above, then `None`; the flag is set so the tracker
+                    // frees what it parked at the timeout.
+                    Err(Error::Timeout { .. }) => flag.set(),
+                    Err(e) => return Err(e),
+                }
+            }
         }
     }
 
@@ -1313,7 +1387,7 @@ fn break_endpoint(inner: &EpInner, st: &mut State, cause: Broken) {
         }
     }
     finish_done(inner, st);
-    inner.notes_cv.notify_all();
+    inner.wake_notes();
 }
 
 /// Finish every request that has nothing left in flight.
@@ -1507,7 +1581,7 @@ fn poll_all(inner: &EpInner, st: &mut State) -> bool {
         }
         // Delivered even if the endpoint failed meanwhile: their bytes arrived.
         st.notes.extend(notes);
-        inner.notes_cv.notify_all();
+        inner.wake_notes();
     }
     finish_touched(inner, st);
     any

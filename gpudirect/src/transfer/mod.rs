@@ -65,9 +65,9 @@
 //! bytes of the request's messages on rail 0 are in memory before the peer sees the immediate;
 //! the messages on other rails are waited for first (their completions mean the peer's NIC
 //! acknowledged them). Notifications leave in request order on one rail, so they arrive in
-//! order. The receiving side delivers them ([`Endpoint::next_notification`]) only after
-//! flushing the GPUs whose memory it registered for peers (`cuFlushGPUDirectRDMAWrites`, skipped
-//! where the device already orders such writes).
+//! order. The receiving side delivers them ([`Endpoint::next_notification`], or awaited:
+//! [`Endpoint::notification`]) only after flushing the GPUs whose memory it registered for peers
+//! (`cuFlushGPUDirectRDMAWrites`, skipped where the device already orders such writes).
 //!
 //! A write with immediate consumes a receive at the peer. Each side posts receives on rail 0 and
 //! tells the other how many; a notification is sent only against a credit, and credits come back
