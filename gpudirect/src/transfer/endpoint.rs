@@ -284,8 +284,11 @@ impl ReqShared {
         if g.is_none() {
             *g = Some(r);
         }
-        drop(g);
+        // Set under the lock: whoever sees the result sees the flag set (`wait` takes the
+        // resources with a zero timeout once the result is there), and whoever is woken by the
+        // flag finds the result.
         self.flag.set();
+        drop(g);
         self.cv.notify_all();
     }
 }
@@ -1957,6 +1960,19 @@ mod tests {
             }
         };
         assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn a_transfer_finished_while_its_waiter_arrives_is_never_a_timeout() {
+        // `wait` found the result but not yet the flag ("timed out after 0ns") when the flag
+        // was set after the lock was let go.
+        for _ in 0..2000 {
+            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let h = std::thread::spawn(move || done(Ok(report())));
+            let r = t.wait();
+            h.join().unwrap();
+            assert_eq!(r.unwrap().bytes, 42);
+        }
     }
 
     #[test]
