@@ -13,7 +13,11 @@
 //! Environment: `GPUDIRECT_BENCH_MIB` (file size, default 1024), `GPUDIRECT_BENCH_REPS`
 //! (repetitions of every case, interleaved, default 3; the median is reported),
 //! `GPUDIRECT_TEST_DIR` (where the files go: a real file system), `GPUDIRECT_BENCH_QUICK=1` (as
-//! `--quick`), `GPUDIRECT_BENCH_PYTHON` (the Python for KvikIO, default `python3`; `none` skips
+//! `--quick`), `GPUDIRECT_BENCH_WARMUP` (unmeasured passes of every case before the measured
+//! ones, default 1: the first pass of a case also makes its pinned buffers and threads),
+//! `GPUDIRECT_BENCH_GROUPS` (a comma list of `read-hot`, `read-cold`, `write-cached`,
+//! `write-durable`; default all), `GPUDIRECT_BENCH_SWEEP=1` (hot reads also at 16 and 32
+//! threads × 1, 2, 4 and 8 MiB chunks × depth 2 and 4), `GPUDIRECT_BENCH_PYTHON` (the Python for KvikIO, default `python3`; `none` skips
 //! it), `GPUDIRECT_POSIX_*` (the automatic configuration's overrides, see `PosixConfig`).
 //!
 //! Cold reads drop the file from the page cache first (`fdatasync`, then
@@ -55,6 +59,28 @@ fn env_usize(k: &str, d: usize) -> usize {
             Ok(n) if n > 0 => n,
             _ => panic!("{k}={s:?}: expected a positive whole number"),
         },
+    }
+}
+
+/// The groups `GPUDIRECT_BENCH_GROUPS` selects, as `(write, cold)`.
+fn groups() -> Vec<(bool, bool)> {
+    let all = [
+        ("read-hot", (false, false)),
+        ("read-cold", (false, true)),
+        ("write-cached", (true, false)),
+        ("write-durable", (true, true)),
+    ];
+    match std::env::var("GPUDIRECT_BENCH_GROUPS") {
+        Err(_) => all.iter().map(|(_, g)| *g).collect(),
+        Ok(list) => list
+            .split(',')
+            .map(|name| {
+                all.iter()
+                    .find(|(n, _)| *n == name.trim())
+                    .unwrap_or_else(|| panic!("GPUDIRECT_BENCH_GROUPS: unknown group {name:?}"))
+                    .1
+            })
+            .collect(),
     }
 }
 
@@ -415,6 +441,23 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
             ));
         }
         v.push(("depth 3".into(), PosixConfig { depth: 3, ..auto }));
+        if !cold && std::env::var("GPUDIRECT_BENCH_SWEEP").is_ok_and(|v| v == "1") {
+            for threads in [16, 32] {
+                for chunk in [1 << 20, 2 << 20, 4 << 20, 8 << 20] {
+                    for depth in [2, 4] {
+                        v.push((
+                            format!("{threads} threads, {} MiB, depth {depth}", chunk >> 20),
+                            PosixConfig {
+                                threads,
+                                chunk,
+                                depth,
+                                ..auto
+                            },
+                        ));
+                    }
+                }
+            }
+        }
     } else if cold {
         for t in [4, 16, 32] {
             v.push((
@@ -450,7 +493,13 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
 type KvikioRow = (String, String, String, usize, Vec<f64>);
 
 /// KvikIO's figures, and a note on what ran.
-fn kvikio(input: &Path, output: &Path, len: usize, reps: usize) -> (Vec<KvikioRow>, String) {
+fn kvikio(
+    input: &Path,
+    output: &Path,
+    len: usize,
+    reps: usize,
+    ops: &str,
+) -> (Vec<KvikioRow>, String) {
     let py = std::env::var("GPUDIRECT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     if py == "none" {
         return (
@@ -490,6 +539,8 @@ fn kvikio(input: &Path, output: &Path, len: usize, reps: usize) -> (Vec<KvikioRo
             &len.to_string(),
             "--reps",
             &reps.to_string(),
+            "--ops",
+            ops,
             "--threads",
             KVIKIO_THREADS,
         ])
@@ -592,6 +643,12 @@ fn main() {
     let started = Instant::now();
     let mib = env_usize("GPUDIRECT_BENCH_MIB", 1024);
     let reps = env_usize("GPUDIRECT_BENCH_REPS", 3);
+    let warmup = std::env::var("GPUDIRECT_BENCH_WARMUP").map_or(1, |v| {
+        v.trim()
+            .parse::<usize>()
+            .unwrap_or_else(|_| panic!("GPUDIRECT_BENCH_WARMUP={v:?}: expected a whole number"))
+    });
+    let groups = groups();
     let len = mib
         .checked_mul(1 << 20)
         .unwrap_or_else(|| panic!("GPUDIRECT_BENCH_MIB={mib}: more bytes than addressable"));
@@ -645,8 +702,8 @@ fn main() {
     drop(auto);
 
     let mut rows = Vec::new();
-    for write in [false, true] {
-        for cold in [false, true] {
+    for &(write, cold) in &groups {
+        {
             let mut add = |source: &'static str, what: String, case: Case| {
                 rows.push(Row {
                     write,
@@ -740,9 +797,18 @@ fn main() {
         cufile_out,
     };
     // Groups in order (hot reads while the file is cached), cases interleaved within a group.
-    for (write, cold) in [(false, false), (false, true), (true, false), (true, true)] {
+    for &(write, cold) in &groups {
         if !write && !cold {
             warm(&input);
+        }
+        // Unmeasured passes: a case's first pass also makes its pinned buffers and threads.
+        for _ in 0..warmup {
+            for row in rows
+                .iter_mut()
+                .filter(|r| r.write == write && r.cold == cold)
+            {
+                bench.run(row);
+            }
         }
         for _ in 0..reps {
             for row in rows
@@ -763,7 +829,12 @@ fn main() {
     let Bench { dst, data, .. } = bench;
     drop(data);
 
-    let (kv, kv_note) = kvikio(&input, &kv_output, len, reps);
+    let ops = match (groups.iter().any(|g| !g.0), groups.iter().any(|g| g.0)) {
+        (true, true) => "read,write",
+        (true, false) => "read",
+        _ => "write",
+    };
+    let (kv, kv_note) = kvikio(&input, &kv_output, len, reps, ops);
     for (op, cache, variant, threads, gbps) in kv {
         let (write, cold) = (op == "write", cache == "cold");
         rows.push(Row {
@@ -783,7 +854,7 @@ fn main() {
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut summary = Vec::new();
-    for (write, cold) in [(false, false), (false, true), (true, false), (true, true)] {
+    for &(write, cold) in &groups {
         let group: Vec<&Row> = rows
             .iter()
             .filter(|r| r.write == write && r.cold == cold)

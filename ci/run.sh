@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI (`.ci/run` calls this): formatting, lints, docs, the module layering, the README's test
+# CI (`.ci/run` calls this): formatting, lints (also per feature set of gpudirect), docs, the
+# module layering, the README's test
 # command (tier 0), the property tests in release, crates of users' shape that depend on gpudirect,
 # packaging, then tier 1 (Soft-RoCE VM). docs/test-tiers.md describes the tiers.
 set -euo pipefail
@@ -15,6 +16,16 @@ cargo fmt --all --check
 
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+
+step "gpudirect's features: each path alone, and none (clippy of the library and its unit tests)"
+# A program may build only the paths it uses (`default-features = false`). The CUDA version
+# feature stays: it only picks cudarc's bindings. gpudirect alone is checked again per set; its
+# dependencies come from the target directory above.
+for set in "" p2p rdma storage report serde tokio transfer; do
+  echo "--- features: cuda-12080${set:+,$set}"
+  cargo clippy -p gpudirect --all-targets --no-default-features \
+    --features "cuda-12080${set:+,$set}" -- -D warnings
+done
 
 step "cargo doc"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps

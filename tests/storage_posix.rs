@@ -252,3 +252,22 @@ fn the_bounce_engine_copies_exactly_and_recycles_chunks() {
     assert!(BouncePool::new(&ctx, 4097, 1).is_err());
     assert!(CopyEngine::new(&ctx, 0).is_err());
 }
+
+#[test]
+fn the_bounce_pool_keeps_what_a_transfer_needed_at_once() {
+    let Some((ctx, _stream)) = setup() else {
+        return;
+    };
+    // At most one idle chunk by configuration; a transfer that held three at once finds its
+    // three again (pinning anew each time would cost more than the copies), until `trim`.
+    let pool = BouncePool::new(&ctx, 1 << 16, 1).unwrap();
+    let chunks: Vec<_> = (0..3).map(|_| pool.take().unwrap()).collect();
+    assert_eq!((pool.peak(), pool.idle()), (3, 0));
+    drop(chunks);
+    assert_eq!(pool.idle(), 3, "the peak's chunks are kept");
+    pool.trim();
+    assert_eq!((pool.idle(), pool.peak()), (0, 0));
+    let (a, b) = (pool.take().unwrap(), pool.take().unwrap());
+    drop((a, b));
+    assert_eq!(pool.idle(), 2, "the new peak");
+}

@@ -8,7 +8,8 @@ use gpudirect_sys::LoadError;
 use std::time::Duration;
 
 /// How a buffer was allocated, which decides what GPUDirect can do with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum MemoryKind {
     /// `cuMemAlloc`: GPUDirect RDMA capable, exportable by dma-buf and cuIpc.
@@ -531,7 +532,8 @@ fn status_raw(s: WcStatus) -> u32 {
 }
 
 /// One way of handing GPU memory to a NIC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum GpuMrPath {
     /// `ibv_reg_dmabuf_mr` over a dma-buf export of the memory.
     DmaBuf,

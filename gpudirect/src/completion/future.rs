@@ -474,7 +474,7 @@ impl<R: Send + 'static, T: Send + 'static> InFlight<R, Outcome<T>> {
 mod tests {
     use super::*;
     use crate::completion::testing::CountWakes;
-    use crate::completion::testing::{Counted, Panics};
+    use crate::completion::testing::{Counted, Panics, until};
     use crate::completion::{CompletionFlag, Done};
     use std::sync::atomic::AtomicUsize;
 
@@ -494,14 +494,6 @@ mod tests {
 
     fn poll_once<Fut: Future + Unpin>(f: &mut Fut, w: &Waker) -> Poll<Fut::Output> {
         Pin::new(f).poll(&mut Context::from_waker(w))
-    }
-
-    fn until(what: &str, f: impl Fn() -> bool) {
-        let t = Instant::now();
-        while !f() {
-            assert!(t.elapsed() < Duration::from_secs(10), "{what}");
-            std::thread::sleep(Duration::from_micros(100));
-        }
     }
 
     #[test]

@@ -76,6 +76,7 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     /// every `slice` of waiting, e.g. `cuStreamQuery` on the stream a host callback waits on,
     /// whose callback never runs once the stream has failed). Giving up parks the operation in the
     /// [`Tracker`] (its resources are never freed early) and returns that error.
+    #[cfg(any(test, feature = "storage"))]
     pub(crate) fn wait_unless(
         mut self,
         slice: Duration,

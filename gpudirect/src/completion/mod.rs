@@ -156,6 +156,15 @@ pub(crate) mod testing {
         }
     }
 
+    /// Wait until `f` holds, checking every 100 µs; fail the test naming `what` after 10 s.
+    pub(crate) fn until(what: &str, f: impl Fn() -> bool) {
+        let t = std::time::Instant::now();
+        while !f() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "{what}");
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+
     /// A user's fence whose poll panics.
     pub(crate) struct Panics;
 

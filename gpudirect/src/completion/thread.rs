@@ -261,16 +261,8 @@ fn run(shared: &'static Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::completion::testing::CountWakes;
+    use crate::completion::testing::{CountWakes, until};
     use std::sync::atomic::{AtomicBool, AtomicUsize};
-
-    fn until(what: &str, f: impl Fn() -> bool) {
-        let t = Instant::now();
-        while !f() {
-            assert!(t.elapsed() < Duration::from_secs(10), "{what}");
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
 
     #[test]
     fn timers_fire_in_order_and_cancelled_ones_never() {

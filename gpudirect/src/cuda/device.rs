@@ -3,10 +3,10 @@
 use crate::driver::device;
 use crate::error::Result;
 use cudarc::driver::sys::{self, CUdevice_attribute as A};
-use serde::{Deserialize, Serialize};
 
 /// What one CUDA device offers GPUDirect.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct DeviceInfo {
     /// The CUDA ordinal.
     pub ordinal: usize,
@@ -61,12 +61,12 @@ fn attr(dev: sys::CUdevice, a: A) -> Result<i32> {
 
 impl DeviceInfo {
     /// Query device `ordinal`.
-    #[doc(alias = "cuDeviceGetAttribute")]
     ///
     /// # Errors
     ///
     /// [`crate::Error::NoDevice`] for an ordinal past the device count (checked before it is
     /// handed to the driver); [`crate::Error::Load`] without libcuda; [`crate::Error::Cuda`].
+    #[doc(alias = "cuDeviceGetAttribute")]
     pub fn query(ordinal: usize) -> Result<DeviceInfo> {
         let n = super::device_count()?;
         if ordinal >= n {
@@ -119,7 +119,13 @@ impl DeviceInfo {
         })
     }
 
-    /// Every visible device.
+    /// Every visible device, by ordinal (empty when the driver sees none).
+    ///
+    /// # Errors
+    ///
+    /// As [`device_count`](super::device_count) (libcuda missing or failing to initialise), then
+    /// as [`query`](Self::query) for the first device that cannot be queried.
+    #[doc(alias = "cuDeviceGetCount")]
     pub fn all() -> Result<Vec<DeviceInfo>> {
         (0..super::device_count()?).map(DeviceInfo::query).collect()
     }

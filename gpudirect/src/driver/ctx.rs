@@ -1,8 +1,12 @@
 //! Contexts (`cuCtx*`).
 
 use super::named;
-use crate::error::{Result, cu};
-use cudarc::driver::{CudaContext, sys};
+use crate::error::Result;
+#[cfg(feature = "rdma")]
+use crate::error::cu;
+use cudarc::driver::CudaContext;
+#[cfg(any(feature = "p2p", feature = "rdma"))]
+use cudarc::driver::sys;
 
 /// `cuCtxSetCurrent` through cudarc—Make `ctx` current on the calling thread.
 ///
@@ -18,6 +22,7 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
 /// # Safety
 ///
 /// A context is current; the driver has the symbol (it is checked by name first: CUDA 11.3+).
+#[cfg(feature = "rdma")]
 pub(crate) unsafe fn flush_gpudirect_rdma_writes(
     scope: sys::CUflushGPUDirectRDMAWritesScope,
 ) -> Result<()> {
@@ -35,6 +40,7 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes(
 /// Safe: only the presence check of the module docs is needed, which every caller passes first
 /// (it holds a context or a stream made after [`crate::cuda::init`]). A thread-local read in the
 /// driver: cheap enough for every copy.
+#[cfg(feature = "p2p")]
 pub(crate) fn current() -> Result<Option<sys::CUcontext>> {
     named(
         "cuCtxGetCurrent",
@@ -47,6 +53,7 @@ pub(crate) fn current() -> Result<Option<sys::CUcontext>> {
 /// # Safety
 ///
 /// `ctx` is a live context (held by a `CudaContext` the caller keeps alive).
+#[cfg(feature = "p2p")]
 pub(crate) unsafe fn set_current(ctx: sys::CUcontext) -> Result<()> {
     // SAFETY: forwarded from the caller.
     named("cuCtxSetCurrent", unsafe {

@@ -184,6 +184,7 @@ pub(crate) unsafe fn copy_async(
 /// # Safety
 ///
 /// A context is current (the driver checks `ptr`).
+#[cfg(any(feature = "p2p", feature = "storage"))]
 pub(crate) unsafe fn address_range(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize)> {
     let (mut base, mut size) = (0, 0);
     // SAFETY: two valid out-pointers.

@@ -15,20 +15,26 @@
 //! that: handles that are live, a current context, memory that stays valid while the device
 //! uses it.
 
+// cuFile reports CUDA errors as plain integers.
+#[cfg(feature = "storage")]
 mod code;
 
 pub(crate) mod ctx;
 pub(crate) mod device;
 pub(crate) mod event;
+#[cfg(feature = "p2p")]
 pub(crate) mod ipc;
 pub(crate) mod mem;
 pub(crate) mod memop;
+#[cfg(feature = "p2p")]
 pub(crate) mod peer;
 pub(crate) mod pointer;
+#[cfg(feature = "p2p")]
 pub(crate) mod pool;
 pub(crate) mod stream;
 pub(crate) mod vmm;
 
+#[cfg(feature = "storage")]
 pub(crate) use code::error_name;
 
 use crate::error::{Result, cu, from_driver};

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result, cu};
 use cudarc::driver::sys;
 use std::ffi::c_void;
+#[cfg(feature = "p2p")]
 use std::mem::MaybeUninit;
 
 /// `cuPointerGetAttribute(attr, ptr)`—One attribute of the memory at `ptr`, as a `T`.
@@ -12,6 +13,7 @@ use std::mem::MaybeUninit;
 ///
 /// `T` is the type the driver writes for `attr` (`CUmemoryPool` for `MEMPOOL_HANDLE`, a C
 /// `int` for `DEVICE_ORDINAL`, ...).
+#[cfg(feature = "p2p")]
 pub(crate) unsafe fn attribute<T: Copy>(
     attr: sys::CUpointer_attribute,
     ptr: sys::CUdeviceptr,
@@ -61,6 +63,7 @@ pub(crate) unsafe fn attributes(
 /// # Safety
 ///
 /// `T` is the type the driver reads for `attr` (an unsigned int for `SYNC_MEMOPS`).
+#[cfg(feature = "rdma")]
 pub(crate) unsafe fn set_attribute<T: Copy>(
     value: &T,
     attr: sys::CUpointer_attribute,

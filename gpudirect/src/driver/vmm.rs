@@ -134,6 +134,7 @@ pub(crate) unsafe fn set_access(
 /// # Safety
 ///
 /// Only the presence check of the module docs (the driver checks `ptr`).
+#[cfg(feature = "p2p")]
 pub(crate) unsafe fn get_access(
     location: &sys::CUmemLocation,
     ptr: sys::CUdeviceptr,
@@ -152,6 +153,7 @@ pub(crate) unsafe fn get_access(
 /// # Safety
 ///
 /// `handle` is live and was created with the POSIX fd handle type requested.
+#[cfg(feature = "p2p")]
 pub(crate) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Result<i32> {
     let mut fd: libc::c_int = -1;
     // SAFETY: the POSIX fd handle type writes an int; flags 0.
@@ -172,6 +174,7 @@ pub(crate) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Res
 /// # Safety
 ///
 /// A context is current; `fd` is open for the duration of the call.
+#[cfg(feature = "p2p")]
 pub(crate) unsafe fn import_fd(fd: i32) -> Result<sys::CUmemGenericAllocationHandle> {
     let mut h = 0;
     // SAFETY: for the POSIX fd type the handle argument carries the descriptor's value.

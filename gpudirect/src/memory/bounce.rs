@@ -25,12 +25,14 @@
 use super::{DeviceMemory, DeviceMemoryMut, HostAllocFlags, MemoryKind, PinnedHostBuffer};
 use crate::completion::capture::{self, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
+#[cfg(any(test, feature = "p2p"))]
 use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,8 +57,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Chunks are `cuMemHostAlloc(chunk_bytes, CU_MEMHOSTALLOC_PORTABLE)` memory: pinned for every
 /// context of the process (so any device's copy engine may use them) and page aligned. They are
 /// allocated when [`take`](Self::take) finds no idle one, and go back to the pool when the
-/// [`BounceChunk`] is dropped; the pool keeps at most [`max_idle`](Self::max_idle) idle chunks
-/// and frees the rest. Idle chunks are freed when the last clone of the pool and the last chunk
+/// [`BounceChunk`] is dropped; the pool keeps as many idle chunks as were ever in use at once, or
+/// [`max_idle`](Self::max_idle) if that is more, and frees the rest (so a transfer that needs
+/// more chunks than `max_idle` finds them again next time instead of pinning them anew: pinning
+/// costs far more than the copy; [`trim`](Self::trim) gives them back). Idle chunks are freed when the last clone of the pool and the last chunk
 /// are gone.
 #[derive(Clone)]
 #[doc(alias = "cuMemHostAlloc")]
@@ -70,6 +74,9 @@ struct PoolInner {
     max_idle: usize,
     pid: u32,
     idle: Mutex<Vec<PinnedHostBuffer<u8>>>,
+    /// Chunks taken and not yet back, and the most ever at once.
+    out: AtomicUsize,
+    peak: AtomicUsize,
 }
 
 impl std::fmt::Debug for BouncePool {
@@ -115,17 +122,20 @@ impl BouncePool {
                 max_idle,
                 pid: std::process::id(),
                 idle: Mutex::new(Vec::new()),
+                out: AtomicUsize::new(0),
+                peak: AtomicUsize::new(0),
             }),
         })
     }
 
     /// The process-wide pool of `chunk_bytes`-byte chunks of device `ordinal`'s primary context
     /// (the one the storage path uses), created on first use; it keeps up to 512 MiB or 64
-    /// chunks idle, whichever is more (32 threads with two chunks each find theirs again).
+    /// chunks idle, whichever is more, and more after a larger peak (see the type).
     ///
     /// # Errors
     ///
     /// As [`new`](Self::new) and [`crate::cuda::context`].
+    #[cfg(any(test, feature = "p2p", feature = "storage"))]
     pub(crate) fn shared(ordinal: usize, chunk_bytes: usize) -> Result<Self> {
         static ALL: Mutex<Vec<(usize, usize, BouncePool)>> = Mutex::new(Vec::new());
         check_chunk_bytes(chunk_bytes)?;
@@ -148,7 +158,7 @@ impl BouncePool {
         self.inner.chunk
     }
 
-    /// The most idle chunks the pool keeps.
+    /// The most idle chunks the pool keeps at least (more after a peak above it: see the type).
     pub fn max_idle(&self) -> usize {
         self.inner.max_idle
     }
@@ -181,14 +191,25 @@ impl BouncePool {
                 HostAllocFlags::PORTABLE,
             )?,
         };
+        let out = self.inner.out.fetch_add(1, Ordering::Relaxed) + 1;
+        self.inner.peak.fetch_max(out, Ordering::Relaxed);
         Ok(BounceChunk {
             buf: ManuallyDrop::new(buf),
             pool: self.inner.clone(),
         })
     }
 
+    /// The most chunks ever in use at once (the pool keeps up to this many idle).
+    pub fn peak(&self) -> usize {
+        self.inner.peak.load(Ordering::Relaxed)
+    }
+
     /// Free every idle chunk now (`cuMemFreeHost`).
     pub fn trim(&self) {
+        // The peak starts again from what is in use now.
+        self.inner
+            .peak
+            .store(self.inner.out.load(Ordering::Relaxed), Ordering::Relaxed);
         let idle = std::mem::take(&mut *lock(&self.inner.idle));
         drop(idle);
     }
@@ -242,8 +263,13 @@ impl Drop for BounceChunk {
             std::mem::forget(buf);
             return;
         }
+        self.pool.out.fetch_sub(1, Ordering::Relaxed);
+        let keep = self
+            .pool
+            .max_idle
+            .max(self.pool.peak.load(Ordering::Relaxed));
         let mut idle = lock(&self.pool.idle);
-        if idle.len() < self.pool.max_idle {
+        if idle.len() < keep {
             idle.push(buf);
         } else {
             drop(idle);
@@ -507,6 +533,7 @@ impl CopyEngine {
     /// # Errors
     ///
     /// As [`new`](Self::new) and [`crate::cuda::context`].
+    #[cfg(any(test, feature = "p2p", feature = "storage"))]
     pub(crate) fn shared(ordinal: usize) -> Result<Self> {
         static ALL: Mutex<Vec<(usize, CopyEngine)>> = Mutex::new(Vec::new());
         let mut all = lock(&ALL);
@@ -626,6 +653,7 @@ impl CopyEngine {
     /// `dst..dst + len` is device memory this engine's device may write, valid and neither read
     /// nor written by anyone else until the returned copy has completed.
     #[doc(alias = "cuMemcpyHtoDAsync")]
+    #[cfg(feature = "storage")]
     pub(crate) unsafe fn h2d_raw(
         &self,
         lane: usize,
@@ -651,6 +679,7 @@ impl CopyEngine {
     /// `src..src + len` is device memory this engine's device may read, valid and not written by
     /// anyone else until the returned copy has completed.
     #[doc(alias = "cuMemcpyDtoHAsync")]
+    #[cfg(feature = "storage")]
     pub(crate) unsafe fn d2h_raw(
         &self,
         lane: usize,
@@ -770,6 +799,7 @@ fn holding<M: Send + 'static>(
 }
 
 /// The lanes of the process-wide engine of each device ([`CopyEngine::shared`]).
+#[cfg(any(test, feature = "p2p", feature = "storage"))]
 pub(crate) const SHARED_LANES: usize = 32;
 
 /// A copy between a [`BounceChunk`] and device memory in flight: owns the chunk (and `M`, the
@@ -868,6 +898,7 @@ impl ChunkCopy {
     /// # Errors
     ///
     /// As [`wait`](ChunkCopy::wait).
+    #[cfg(any(test, feature = "storage"))]
     pub(crate) fn wait_chunk(self) -> Result<BounceChunk> {
         self.wait().map(|(c, ())| c)
     }
@@ -890,6 +921,7 @@ impl ChunkCopy {
     /// `addr..addr + len` is memory `engine`'s device may read (`D2h`) or write (`H2d`), valid
     /// and not accessed by anyone else until the returned copy has completed.
     #[allow(clippy::too_many_arguments)]
+    #[cfg(any(test, feature = "p2p"))]
     pub(crate) unsafe fn then(
         self,
         dir: Dir,
@@ -911,6 +943,7 @@ impl ChunkCopy {
     ///
     /// As [`Stream::wait`](crate::cuda::Stream::wait).
     #[doc(alias = "cuStreamWaitEvent")]
+    #[cfg(any(test, feature = "p2p"))]
     pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
         let Some(event) = self.fence().map(|f| f.event) else {
             return Ok(());

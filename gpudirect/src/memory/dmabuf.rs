@@ -11,7 +11,9 @@
 use super::{DeviceMemory, MemoryKind, refuse_pool};
 use crate::error::{Error, Result};
 use gpudirect_sys::peermem::DmaBufRange;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+#[cfg(feature = "rdma")]
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// A dma-buf file descriptor over a page-aligned range of device memory, with the numbers a
 /// registration needs ([`DmaBufRange`]: offset and IOVA of the requested bytes inside it).
@@ -66,6 +68,7 @@ impl<M> DmaBuf<M> {
     }
 
     /// The fd, for importers inside the crate that keep the whole `DmaBuf` at least as long.
+    #[cfg(feature = "rdma")]
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }

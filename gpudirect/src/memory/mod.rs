@@ -99,6 +99,7 @@ pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
 pub use bounce::{
     BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
 };
+#[cfg(feature = "p2p")]
 pub(crate) use bounce::{Dir, SHARED_LANES, check_chunk_bytes};
 pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
@@ -107,6 +108,7 @@ pub use host::{HostAllocFlags, PinnedHostBuffer};
 pub use pod::Pod;
 pub use pool::PoolBuffer;
 pub use registered::{HostRegisterFlags, RegisteredHost};
+#[cfg(feature = "p2p")]
 pub(crate) use vmm::VmmMapping;
 pub use vmm::{MAX_VMM_CHUNKS, VmmBuffer, VmmChunk, plan_chunks};
 
@@ -256,6 +258,36 @@ pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
         ));
     }
     Ok(bytes)
+}
+
+/// Fixtures shared by the tests of the crate's modules (the RDMA and storage paths').
+#[cfg(all(test, any(feature = "rdma", feature = "storage")))]
+pub(crate) mod testing {
+    use super::{DeviceMemory, DeviceMemoryMut, MemoryKind};
+
+    /// `len` bytes of `kind` at a made-up address on device 0: for checks that must refuse it
+    /// before any FFI call. Never dereferenced.
+    pub(crate) struct FakeDevice(pub(crate) MemoryKind, pub(crate) usize);
+
+    // SAFETY: never dereferenced or handed to any library: tests use it only where the checks
+    // refuse it first.
+    unsafe impl DeviceMemory for FakeDevice {
+        type Elem = u8;
+        fn device_ptr(&self) -> u64 {
+            0x1000
+        }
+        fn len(&self) -> usize {
+            self.1
+        }
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn kind(&self) -> MemoryKind {
+            self.0
+        }
+    }
+    // SAFETY: as above.
+    unsafe impl DeviceMemoryMut for FakeDevice {}
 }
 
 #[cfg(test)]

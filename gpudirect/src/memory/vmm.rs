@@ -39,6 +39,7 @@ pub(crate) struct VmmMapping {
 impl VmmMapping {
     /// One physical allocation `handle` of `size` bytes (made elsewhere: imported from another
     /// process), mapped whole at the start of a reservation of `size` bytes.
+    #[cfg(feature = "p2p")]
     pub(crate) fn one(size: usize, handle: sys::CUmemGenericAllocationHandle) -> VmmMapping {
         VmmMapping {
             size,

@@ -20,7 +20,8 @@ const PEER_ACCESS_ALREADY_ENABLED: u32 = CUresult::CUDA_ERROR_PEER_ACCESS_ALREAD
 const TOO_MANY_PEERS: u32 = CUresult::CUDA_ERROR_TOO_MANY_PEERS as u32;
 
 /// What [`enable_peer_access`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Enabled {
     /// This call enabled it.
     Now,
@@ -31,7 +32,8 @@ pub enum Enabled {
 
 /// Why a pair of devices cannot use peer access, read from an [`Error`] that
 /// [`enable_peer_access`] (or a [`Copier`](super::Copier) asked for the peer path) returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub enum PeerAccessRefusal {
     /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`: the pair cannot (a device and itself, no P2P path).

@@ -6,7 +6,8 @@ use crate::error::Result;
 use cudarc::driver::sys::CUdevice_P2PAttribute;
 
 /// What the driver says about peer access from one device to another.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct P2pAttributes {
     /// `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`: relative performance of the link (0 is the
     /// best; only comparable between pairs of one node).

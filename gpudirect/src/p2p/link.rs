@@ -6,17 +6,14 @@ use super::attributes::{P2pAttributes, p2p_attributes};
 use crate::cuda::{self, DeviceInfo};
 use crate::driver;
 use crate::error::Result;
-use std::ffi::OsStr;
-
-/// The file name NVML is opened as (driver-only nodes have it; no development package needed).
-pub const NVML_LIB: &str = "libnvidia-ml.so.1";
 
 /// NVML's maximum NVLink count per GPU (`NVML_NVLINK_MAX_LINKS`).
 const NVML_NVLINK_MAX_LINKS: u32 = 18;
 
 /// How two devices are wired, as NVML reports it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(tag = "kind", rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum Interconnect {
     /// The same device.
@@ -43,7 +40,8 @@ pub enum Interconnect {
 }
 
 /// One ordered pair of the matrix.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Link {
     /// The accessing device.
     pub src: usize,
@@ -58,7 +56,8 @@ pub struct Link {
 }
 
 /// Peer access and wiring of every ordered device pair, including each device with itself.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LinkMatrix {
     /// The devices, by ordinal ([`DeviceInfo::query`] of each).
     pub devices: Vec<DeviceInfo>,
@@ -71,7 +70,7 @@ pub struct LinkMatrix {
 impl LinkMatrix {
     /// Probe every ordered pair of visible devices.
     ///
-    /// NVML (opened as [`NVML_LIB`]) supplies the interconnect; without it every pair's
+    /// NVML (opened as [`NVML_LIB`](crate::topology::NVML_LIB)) supplies the interconnect; without it every pair's
     /// interconnect is [`Interconnect::Unknown`], which is not an error.
     ///
     /// # Errors
@@ -283,40 +282,12 @@ fn classify(
     }
 }
 
-/// NVML, opened through nvml-wrapper as [`NVML_LIB`].
+/// NVML, opened through nvml-wrapper ([`crate::topology::NVML_LIB`]).
 struct Nvml(nvml_wrapper::Nvml);
 
-/// NVML opened the way the link matrix opens it, for the node report's NVLink checks.
-pub(crate) fn open_nvml() -> std::result::Result<nvml_wrapper::Nvml, String> {
-    Nvml::open().map(|n| n.0)
-}
-
 impl Nvml {
-    /// `GPUDIRECT_NVML_PATH` when set, then [`NVML_LIB`] by the loader's search, then the same
-    /// file beside the libcuda that was loaded (driver directories are not always on the path).
     fn open() -> std::result::Result<Nvml, String> {
-        let mut tried: Vec<std::ffi::OsString> = Vec::new();
-        if let Some(p) = std::env::var_os("GPUDIRECT_NVML_PATH").filter(|p| !p.is_empty()) {
-            tried.push(p);
-        }
-        tried.push(NVML_LIB.into());
-        if let Ok(d) = gpudirect_sys::cuda::driver()
-            && let Some(dir) = std::path::Path::new(d.path()).parent()
-            && dir.is_absolute()
-        {
-            tried.push(dir.join(NVML_LIB).into_os_string());
-        }
-        let mut last = String::new();
-        for path in &tried {
-            match nvml_wrapper::Nvml::builder()
-                .lib_path(OsStr::new(path))
-                .init()
-            {
-                Ok(n) => return Ok(Nvml(n)),
-                Err(e) => last = format!("{}: {e}", path.to_string_lossy()),
-            }
-        }
-        Err(format!("NVML not usable (last tried {last})"))
+        crate::topology::open_nvml().map(Nvml)
     }
 
     fn handle(
@@ -453,10 +424,13 @@ mod tests {
             }],
             nvml_unavailable: None,
         };
-        let j = serde_json::to_string(&m).unwrap();
-        assert!(j.contains("\"kind\":\"same_device\""), "{j}");
-        let back: LinkMatrix = serde_json::from_str(&j).unwrap();
-        assert_eq!(back, m);
+        #[cfg(feature = "serde")]
+        {
+            let j = serde_json::to_string(&m).unwrap();
+            assert!(j.contains("\"kind\":\"same_device\""), "{j}");
+            let back: LinkMatrix = serde_json::from_str(&j).unwrap();
+            assert_eq!(back, m);
+        }
         assert!(m.table().contains("0->0"));
         assert_eq!(
             Interconnect::Nvlink {

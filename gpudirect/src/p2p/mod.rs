@@ -77,5 +77,5 @@ pub use ipc::{
     IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolAlloc, PoolImport,
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
-pub use link::{Interconnect, Link, LinkMatrix, NVML_LIB};
+pub use link::{Interconnect, Link, LinkMatrix};
 pub use path::CopyPath;

@@ -1,8 +1,9 @@
 //! [`CopyPath`]: which path a copy really took.
 
 /// Which path a copy took. Reported truthfully: a copy the driver stages is never called `Peer`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "path", rename_all = "snake_case")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(tag = "path", rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum CopyPath {
     /// Source and destination on one device: `cuMemcpyDtoDAsync`.
@@ -58,12 +59,15 @@ mod tests {
         let p = CopyPath::Staged {
             reason: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED".into(),
         };
-        let j = serde_json::to_string(&p).unwrap();
-        assert_eq!(
-            j,
-            r#"{"path":"staged","reason":"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"}"#
-        );
-        assert_eq!(serde_json::from_str::<CopyPath>(&j).unwrap(), p);
+        #[cfg(feature = "serde")]
+        {
+            let j = serde_json::to_string(&p).unwrap();
+            assert_eq!(
+                j,
+                r#"{"path":"staged","reason":"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"}"#
+            );
+            assert_eq!(serde_json::from_str::<CopyPath>(&j).unwrap(), p);
+        }
         assert_eq!(p.to_string(), "staged (CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)");
         assert_eq!(CopyPath::Peer.to_string(), "peer");
     }

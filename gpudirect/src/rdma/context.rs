@@ -512,7 +512,8 @@ pub enum LinkLayer {
 }
 
 /// A 128-bit GID, in wire (network) byte order.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[doc(alias = "ibv_gid")]
 pub struct Gid(pub [u8; 16]);
 

@@ -830,23 +830,7 @@ mod tests {
 
     #[test]
     fn host_kinds_and_empty_buffers_are_refused_before_ffi() {
-        struct Fake(MemoryKind, usize);
-        // SAFETY: never dereferenced: the checks refuse it before any FFI call.
-        unsafe impl DeviceMemory for Fake {
-            type Elem = u8;
-            fn device_ptr(&self) -> u64 {
-                0x1000
-            }
-            fn len(&self) -> usize {
-                self.1
-            }
-            fn ordinal(&self) -> usize {
-                0
-            }
-            fn kind(&self) -> MemoryKind {
-                self.0
-            }
-        }
+        use crate::memory::testing::FakeDevice as Fake;
         for k in [MemoryKind::PinnedHost, MemoryKind::RegisteredHost] {
             assert!(matches!(
                 check_rdma_capable(&Fake(k, 64)),

@@ -753,8 +753,9 @@ impl std::fmt::Debug for MrSlice {
 /// A descriptor that came from a peer is untrusted: [`from_bytes`](Self::from_bytes) and
 /// deserialization check it ([`validate`](Self::validate)), and [`slice`](Self::slice) checks its
 /// arithmetic again, so a hand-built one cannot produce a wrapped address either.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(try_from = "RemoteMemoryFields")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(try_from = "RemoteMemoryFields"))]
 pub struct RemoteMemory {
     /// Start address, as the peer registered it.
     pub addr: u64,
@@ -765,6 +766,7 @@ pub struct RemoteMemory {
 }
 
 /// The fields as they arrive, before [`RemoteMemory::validate`].
+#[cfg(feature = "serde")]
 #[derive(serde::Deserialize)]
 struct RemoteMemoryFields {
     addr: u64,
@@ -772,6 +774,7 @@ struct RemoteMemoryFields {
     len: u64,
 }
 
+#[cfg(feature = "serde")]
 impl TryFrom<RemoteMemoryFields> for RemoteMemory {
     type Error = Error;
     fn try_from(f: RemoteMemoryFields) -> Result<Self> {
@@ -1189,7 +1192,9 @@ mod tests {
             len: 1 << 20,
         };
         assert_eq!(RemoteMemory::from_bytes(&r.to_bytes()).unwrap(), r);
+        #[cfg(feature = "serde")]
         let json = serde_json::to_string(&r).unwrap();
+        #[cfg(feature = "serde")]
         assert_eq!(serde_json::from_str::<RemoteMemory>(&json).unwrap(), r);
         assert!(RemoteMemory::from_bytes(&[0; 19]).is_err());
         let s = r.slice(16, 8).unwrap();
@@ -1326,7 +1331,9 @@ mod tests {
             let r = RemoteMemory { addr, rkey, len };
             prop_assert_eq!(RemoteMemory::new(addr, rkey, len).is_ok(), valid);
             prop_assert_eq!(RemoteMemory::from_bytes(&r.to_bytes()).ok(), valid.then_some(r));
+            #[cfg(feature = "serde")]
             let json = serde_json::to_string(&r).unwrap();
+            #[cfg(feature = "serde")]
             prop_assert_eq!(serde_json::from_str::<RemoteMemory>(&json).ok(), valid.then_some(r));
             // A hand-built (possibly invalid) descriptor sliced anywhere.
             let ok = valid
@@ -1404,6 +1411,7 @@ mod tests {
             Err(Error::InvalidArgument { arg: "len", .. })
         ));
         assert!(RemoteMemory::from_bytes(&r.to_bytes()).is_err());
+        #[cfg(feature = "serde")]
         assert!(serde_json::from_str::<RemoteMemory>(&serde_json::to_string(&r).unwrap()).is_err());
     }
 }

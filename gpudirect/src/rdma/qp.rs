@@ -926,7 +926,8 @@ impl RtsAttr {
 
 /// What a peer needs to connect to a queue pair out of band: exchange these, then
 /// [`RtrAttr::from_endpoint`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Endpoint {
     /// QP number.
     pub qp_num: u32,

@@ -7,17 +7,24 @@ use super::health::{
     self, HealthGpu, HealthInputs, HealthNic, HealthSection, NvlinkCounters, NvmlSource, PcieLink,
     SystemPaths, gather_health, gpu_ordinal_of, parse_link_speed,
 };
+#[cfg(not(all(feature = "p2p", feature = "storage")))]
+use super::model::not_built;
 use super::model::{
-    AsyncSection, CopyMeasurement, CudaSection, CufileProperties, GpuAsync, LibraryStatus,
-    NodeReport, P2pPair, P2pSection, RdmaSection, SCHEMA_VERSION, StorageRead, StorageSection,
-    version_words,
+    AsyncSection, CudaSection, GpuAsync, LibraryStatus, NodeReport, P2pSection, RdmaSection,
+    SCHEMA_VERSION, StorageSection, version_words,
 };
+#[cfg(feature = "p2p")]
+use super::model::{CopyMeasurement, P2pPair};
+#[cfg(feature = "storage")]
+use super::model::{CufileProperties, StorageRead};
 use super::paths::path_statuses;
 use super::verbs::rdma_section;
 use crate::cuda::DeviceInfo;
 use crate::cuda::Stream;
 use crate::memory::DeviceBuffer;
+#[cfg(feature = "p2p")]
 use crate::p2p::{Copier, CopyOptions, CopyPath, Interconnect, LinkMatrix};
+#[cfg(feature = "storage")]
 use crate::storage::{self, Mode, OpenOptions, PathReason};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -133,35 +140,13 @@ fn gather(opts: &GatherOptions) -> NodeReport {
         _ => None,
     };
     let mut p2p =
-        guarded("the P2P probe", || p2p_section(&cuda, opts)).unwrap_or_else(|e| P2pSection {
-            pairs: Vec::new(),
-            nvml_unavailable: None,
-            absent_reason: Some(e),
-            verdict: String::new(),
-        });
+        guarded("the P2P probe", || p2p_section(&cuda, opts)).unwrap_or_else(P2pSection::absent);
     p2p.verdict = p2p_verdict(&p2p);
     let mut rdma = guarded("the RDMA probe", || rdma_section(&cuda, &opts.system.sysfs))
-        .unwrap_or_else(|e| RdmaSection {
-            devices: Vec::new(),
-            gpus: Vec::new(),
-            affinity: Vec::new(),
-            absent_reason: Some(e),
-            verdict: String::new(),
-        });
+        .unwrap_or_else(RdmaSection::absent);
     rdma.verdict = rdma_verdict(&rdma, &cuda);
-    let mut storage =
-        guarded("the storage probe", || storage_section(&cuda, opts)).unwrap_or_else(|e| {
-            StorageSection {
-                cufile_version: None,
-                properties: None,
-                mode: "unavailable".into(),
-                mode_reason: e.clone(),
-                nvidia_fs_version: None,
-                read: None,
-                absent_reason: Some(e),
-                verdict: String::new(),
-            }
-        });
+    let mut storage = guarded("the storage probe", || storage_section(&cuda, opts))
+        .unwrap_or_else(StorageSection::absent);
     storage.verdict = storage_verdict(&storage);
     let mut async_ = async_section(&cuda);
     async_.verdict = async_verdict(&async_);
@@ -325,6 +310,12 @@ fn cuda_section(libraries: &mut Vec<LibraryStatus>) -> CudaSection {
     }
 }
 
+#[cfg(not(feature = "p2p"))]
+fn p2p_section(_: &CudaSection, _: &GatherOptions) -> P2pSection {
+    P2pSection::absent(not_built("p2p"))
+}
+
+#[cfg(feature = "p2p")]
 fn p2p_section(cuda: &CudaSection, opts: &GatherOptions) -> P2pSection {
     let mut s = P2pSection {
         pairs: Vec::new(),
@@ -404,6 +395,7 @@ fn p2p_section(cuda: &CudaSection, opts: &GatherOptions) -> P2pSection {
 }
 
 /// One warm-up copy and one timed copy of `bytes` from GPU `a` to GPU `b`, verified.
+#[cfg(feature = "p2p")]
 fn measure_copy(a: usize, b: usize, bytes: usize) -> crate::Result<CopyMeasurement> {
     let words = bytes / 4;
     let copier = Copier::new(a, b, CopyOptions::default())?;
@@ -433,6 +425,18 @@ fn measure_copy(a: usize, b: usize, bytes: usize) -> crate::Result<CopyMeasureme
     })
 }
 
+#[cfg(not(feature = "storage"))]
+fn storage_section(_: &CudaSection, opts: &GatherOptions) -> StorageSection {
+    StorageSection {
+        cufile_version: gpudirect_sys::cufile::lib()
+            .ok()
+            .and_then(|l| l.version().map(version_words)),
+        nvidia_fs_version: nvidia_fs_version(&opts.system.sysfs),
+        ..StorageSection::absent(not_built("storage"))
+    }
+}
+
+#[cfg(feature = "storage")]
 fn storage_section(cuda: &CudaSection, opts: &GatherOptions) -> StorageSection {
     let mut s = StorageSection {
         cufile_version: None,
@@ -509,6 +513,7 @@ fn storage_section(cuda: &CudaSection, opts: &GatherOptions) -> StorageSection {
     s
 }
 
+#[cfg(feature = "storage")]
 fn reason_words(r: &PathReason) -> String {
     match r {
         PathReason::Requested => "requested".into(),
@@ -524,6 +529,7 @@ fn reason_words(r: &PathReason) -> String {
 
 /// Write `bytes` to a temporary file in `dir`, read it to GPU 0 through `Mode::Auto` twice (the
 /// second read is timed: page cache hot, set-up done), verify.
+#[cfg(feature = "storage")]
 fn quick_read(dir: &Path, bytes: usize) -> crate::Result<StorageRead> {
     let os = |call: &'static str| move |e| crate::Error::Os { call, source: e };
     std::fs::create_dir_all(dir).map_err(os("mkdir"))?;
@@ -623,5 +629,32 @@ mod tests {
         );
         assert_eq!(version_from_file_name("libibverbs.so"), None);
         assert_eq!(version_from_file_name("/lib/libibverbs.so.1"), None);
+    }
+
+    /// Built without some path: the report still gathers, and says so for that path.
+    #[cfg(not(all(feature = "p2p", feature = "rdma", feature = "storage")))]
+    #[test]
+    fn paths_not_built_are_reported_as_not_built() {
+        let r = NodeReport::gather_with(&GatherOptions {
+            measure: false,
+            ..GatherOptions::default()
+        });
+        let said = |reason: &Option<String>, feature: &str| {
+            let why = reason.as_deref().unwrap_or_default();
+            assert!(
+                why.contains("not built") && why.contains(feature),
+                "{feature}: {why:?}"
+            );
+        };
+        #[cfg(not(feature = "p2p"))]
+        said(&r.p2p.absent_reason, "p2p");
+        #[cfg(not(feature = "rdma"))]
+        said(&r.rdma.absent_reason, "rdma");
+        #[cfg(not(feature = "storage"))]
+        {
+            said(&r.storage.absent_reason, "storage");
+            assert!(r.storage.read.is_none());
+        }
+        assert!(r.to_string().contains("not built"));
     }
 }

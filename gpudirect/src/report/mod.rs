@@ -25,6 +25,8 @@ mod gather;
 mod health;
 mod model;
 mod paths;
+#[cfg(feature = "rdma")]
+mod ports;
 mod render;
 mod verbs;
 

@@ -119,13 +119,23 @@ pub struct P2pSection {
     pub pairs: Vec<P2pPair>,
     /// Why NVML could not say how GPUs are wired, when it could not.
     pub nvml_unavailable: Option<String>,
-    /// Why there is no matrix (fewer than two GPUs, no driver).
+    /// Why there is no matrix (fewer than two GPUs, no driver, the `p2p` feature not built).
     pub absent_reason: Option<String>,
     /// One line.
     pub verdict: String,
 }
 
 impl P2pSection {
+    /// No matrix, for `reason`.
+    pub(crate) fn absent(reason: String) -> P2pSection {
+        P2pSection {
+            pairs: Vec::new(),
+            nvml_unavailable: None,
+            absent_reason: Some(reason),
+            verdict: String::new(),
+        }
+    }
+
     /// Each unordered GPU pair (`src < dst`) that `keep` accepts, as `0-1`.
     pub(crate) fn pairs_where(&self, keep: impl Fn(&P2pPair) -> bool) -> Vec<String> {
         self.pairs
@@ -253,10 +263,23 @@ pub struct RdmaSection {
     pub gpus: Vec<GpuRdmaReadiness>,
     /// Per GPU: NIC placement and the NIC to use.
     pub affinity: Vec<GpuNicAffinity>,
-    /// Why there are no verbs devices, when there are none.
+    /// Why there are no verbs devices, when there are none (also: the `rdma` feature not built).
     pub absent_reason: Option<String>,
     /// One line.
     pub verdict: String,
+}
+
+impl RdmaSection {
+    /// No devices, for `reason`.
+    pub(crate) fn absent(reason: String) -> RdmaSection {
+        RdmaSection {
+            devices: Vec::new(),
+            gpus: Vec::new(),
+            affinity: Vec::new(),
+            absent_reason: Some(reason),
+            verdict: String::new(),
+        }
+    }
 }
 
 /// The quick verified read through [`crate::storage::GdsFile`] in `Mode::Auto`.
@@ -316,10 +339,33 @@ pub struct StorageSection {
     pub nvidia_fs_version: Option<String>,
     /// The quick read, when measured.
     pub read: Option<StorageRead>,
-    /// Why there is no read or no driver (no GPU, no libcufile, the read failed).
+    /// Why there is no read or no driver (no GPU, no libcufile, the read failed, the `storage`
+    /// feature not built).
     pub absent_reason: Option<String>,
     /// One line.
     pub verdict: String,
+}
+
+impl StorageSection {
+    /// No driver and no read, for `reason`.
+    pub(crate) fn absent(reason: String) -> StorageSection {
+        StorageSection {
+            cufile_version: None,
+            properties: None,
+            mode: "unavailable".into(),
+            mode_reason: reason.clone(),
+            nvidia_fs_version: None,
+            read: None,
+            absent_reason: Some(reason),
+            verdict: String::new(),
+        }
+    }
+}
+
+/// Why a path's section is empty when the program was built without that path's `feature`.
+#[cfg(not(all(feature = "p2p", feature = "rdma", feature = "storage")))]
+pub(crate) fn not_built(feature: &str) -> String {
+    format!("not built: this program's gpudirect has no `{feature}` feature")
 }
 
 /// One GPU's stream-ordering features.

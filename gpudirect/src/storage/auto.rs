@@ -571,32 +571,15 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
     }
 
-    /// Never dereferenced: every use below is refused before any access.
-    struct Fake(usize);
-    // SAFETY: never dereferenced or handed to any library (the checks refuse it first).
-    unsafe impl DeviceMemory for Fake {
-        type Elem = u8;
-        fn device_ptr(&self) -> u64 {
-            0x1000
-        }
-        fn len(&self) -> usize {
-            self.0
-        }
-        fn ordinal(&self) -> usize {
-            0
-        }
-        fn kind(&self) -> crate::memory::MemoryKind {
-            crate::memory::MemoryKind::Device
-        }
-    }
-    // SAFETY: as above.
-    unsafe impl DeviceMemoryMut for Fake {}
+    use crate::memory::MemoryKind;
+    use crate::memory::testing::FakeDevice;
 
     #[test]
     fn bad_ranges_and_configs_are_refused_before_any_call() {
         let p = temp("auto-ranges", &[5u8; 4096]);
         let mut f = GdsFile::open(&p, &OpenOptions::read_only(), Mode::Posix).unwrap();
-        let mut dst = Fake(64);
+        // Never dereferenced: every use below is refused before any access.
+        let mut dst = FakeDevice(MemoryKind::Device, 64);
         for (off, fo, len) in [
             (8, 0, 57),
             (usize::MAX, 0, 2),

@@ -190,9 +190,13 @@ impl<M: DeviceMemoryMut> Batch<M> {
         check_capacity(capacity, driver.max_batch_entries())?;
         let mut handle: sys::CUfileBatchHandle_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; capacity within the limit.
-        check("cuFileBatchIOSetUp", unsafe {
-            (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32)
-        })?;
+        check(
+            "cuFileBatchIOSetUp",
+            super::driver::serialized(|| {
+                // SAFETY: as for the call without the lock (above).
+                unsafe { (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32) }
+            }),
+        )?;
         Ok(Batch {
             driver: driver.clone(),
             handle,
@@ -501,7 +505,11 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
             return; // completion unproven: the buffers, handles and the batch itself are leaked
         }
         // SAFETY: no request is outstanding; destroyed once.
-        unsafe { (self.driver.lib().cuFileBatchIODestroy)(self.handle) };
+        let (lib, handle) = (self.driver.lib(), self.handle);
+        super::driver::serialized(|| {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (lib.cuFileBatchIODestroy)(handle) }
+        });
     }
 }
 

@@ -94,9 +94,13 @@ impl<M: DeviceMemory> BufRegistration<M> {
         let ptr = start as *const libc::c_void;
         // SAFETY: the range lies within `mem`, which we own (so it stays allocated) until the
         // registration is dropped.
-        let r = check("cuFileBufRegister", unsafe {
-            (driver.lib().cuFileBufRegister)(ptr, len, 0)
-        });
+        let r = check(
+            "cuFileBufRegister",
+            super::driver::serialized(|| {
+                // SAFETY: as for the call without the lock (above).
+                unsafe { (driver.lib().cuFileBufRegister)(ptr, len, 0) }
+            }),
+        );
         match r {
             Ok(()) => Ok(BufRegistration {
                 mem: Some(mem),
@@ -133,9 +137,14 @@ impl<M: DeviceMemory> BufRegistration<M> {
     pub fn into_inner(mut self) -> Result<M> {
         let base = self.base();
         // SAFETY: registered in `register`, deregistered once.
-        let r = check("cuFileBufDeregister", unsafe {
-            (self.driver.lib().cuFileBufDeregister)(base)
-        });
+        let lib = self.driver.lib();
+        let r = check(
+            "cuFileBufDeregister",
+            super::driver::serialized(|| {
+                // SAFETY: as for the call without the lock (above).
+                unsafe { (lib.cuFileBufDeregister)(base) }
+            }),
+        );
         let mem = self.mem.take().expect("present until into_inner");
         match r {
             Ok(()) => Ok(mem),
@@ -161,7 +170,11 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
         }
         let base = self.base();
         // SAFETY: registered and not yet deregistered; any I/O using it held `&self` or owned it.
-        let r = unsafe { (self.driver.lib().cuFileBufDeregister)(base) };
+        let lib = self.driver.lib();
+        let r = super::driver::serialized(|| {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (lib.cuFileBufDeregister)(base) }
+        });
         if r.err != gpudirect_sys::cufile::CU_FILE_SUCCESS
             && let Some(m) = self.mem.take()
         {

@@ -442,6 +442,16 @@ fn gate(lib: &sys::Lib, name: &'static str, since: i32) -> Result<()> {
     }
 }
 
+/// Run `f`, a cuFile call that changes the library's process-wide tables (buffer, file handle and
+/// batch registration and their release), under the driver's lock. cuFile documents its I/O
+/// calls as thread-safe, but 1.15 in compatibility mode corrupted its heap
+/// (`malloc(): unaligned tcache chunk detected`) when eight threads registered and deregistered
+/// buffers at once (seen on an H200 node), as it crashed when they read the properties at once.
+/// These calls set up and tear down; I/O never takes this lock.
+pub(crate) fn serialized<R>(f: impl FnOnce() -> R) -> R {
+    DRIVER.with_lock(|_| f())
+}
+
 /// One parameter call of a parameter `name` that needs cuFile `since`: the library loaded and
 /// new enough (checked first), then `f` under the driver's lock (no open runs beside it), its
 /// result checked as the C function `call`.

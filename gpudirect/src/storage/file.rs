@@ -153,7 +153,11 @@ impl Drop for HandleInner {
         // Every blocking call borrows the handle and every async or batch operation holds an
         // Arc of it, so no I/O is outstanding: deregistration cannot race it.
         // SAFETY: registered in FileHandle::register, deregistered once; the fd is still open.
-        unsafe { (self.driver.lib().cuFileHandleDeregister)(self.handle) };
+        let (lib, handle) = (self.driver.lib(), self.handle);
+        super::driver::serialized(|| {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (lib.cuFileHandleDeregister)(handle) }
+        });
     }
 }
 
@@ -211,9 +215,13 @@ impl FileHandle {
         descr.handle.fd = fd.as_raw_fd();
         let mut handle: sys::CUfileHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer and descriptor; the fd stays open while the handle lives.
-        check("cuFileHandleRegister", unsafe {
-            (driver.lib().cuFileHandleRegister)(&mut handle, &mut descr)
-        })?;
+        check(
+            "cuFileHandleRegister",
+            super::driver::serialized(|| {
+                // SAFETY: as for the call without the lock (above).
+                unsafe { (driver.lib().cuFileHandleRegister)(&mut handle, &mut descr) }
+            }),
+        )?;
         if handle.is_null() {
             return Err(super::cufile_error(
                 "cuFileHandleRegister",

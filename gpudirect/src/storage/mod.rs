@@ -55,7 +55,7 @@
 //! chunk's copy to the GPU on their own stream right away, reading the next chunk while it runs;
 //! chunks are claimed in file order from one counter, with no lock per chunk. Cold reads use
 //! `O_DIRECT`. Thread counts and the chunk size come from the node's cores and the transfer's
-//! size ([`PosixConfig::automatic`]: one reader per core up to 32, 1 MiB chunks), overridden per
+//! size ([`PosixConfig::automatic`]: one reader per core up to 16, 4 MiB chunks), overridden per
 //! file ([`GdsFile::set_posix_config`]) or by the environment (`GPUDIRECT_POSIX_THREADS`, ...).
 //! Writes go through the page cache unless [`Durability::Durable`] is set (then `O_DIRECT` on
 //! several threads, and `fdatasync` before the call returns). The bounce chunks and the copy

@@ -1,12 +1,12 @@
 //! Where the PCIe paths of two devices meet, and the affinity class that follows from it.
 
 use super::pci::PciLocation;
-use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// How a GPU and a NIC (or any two PCI devices) are placed relative to each other, best first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum Affinity {
     /// Below one PCIe switch (a common PCI bridge below the root port's bus): peer-to-peer
     /// traffic stays in the switch (nvidia-smi's PIX/PXB).

@@ -1,6 +1,6 @@
 //! `cuIpcGetEventHandle`/`cuIpcOpenEventHandle`: events that order work across processes.
 
-use super::{hex64, to_bytes, to_chars};
+use super::{to_bytes, to_chars};
 use crate::completion::Fence;
 use crate::cuda::{self, Stream};
 use crate::driver::{self, ctx::bind, event, ipc};
@@ -12,9 +12,10 @@ use std::sync::Arc;
 const IPC_EVENT_FLAGS: u32 = 0x2 | 0x4;
 
 /// An event another process can open: `CUipcEventHandle`'s 64 bytes. Plain data.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct IpcEventHandle {
-    #[serde(with = "hex64")]
+    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
     handle: [u8; 64],
 }
 

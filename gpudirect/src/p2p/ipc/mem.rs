@@ -1,6 +1,6 @@
 //! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
 
-use super::{check_bus_id, check_elem_size, check_imported, hex64, to_bytes, to_chars};
+use super::{check_bus_id, check_elem_size, check_imported, to_bytes, to_chars};
 use crate::cuda;
 use crate::driver;
 use crate::error::{Error, Result};
@@ -12,10 +12,11 @@ use cudarc::driver::sys;
 
 /// What another process needs to map an exported buffer: the driver's handle to the enclosing
 /// allocation, the buffer's offset in it, and its size. Plain data; serialize it for the peer.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct IpcMemHandle {
     /// `CUipcMemHandle`'s 64 bytes (128 hex digits when serialized).
-    #[serde(with = "hex64")]
+    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
     handle: [u8; 64],
     /// Bytes from the allocation's base to the buffer.
     pub offset: u64,
@@ -28,7 +29,7 @@ pub struct IpcMemHandle {
     /// The exporting device's PCI address, such as `0000:19:00.0`: where the memory lives, in
     /// terms every process on the node shares (ordinals depend on `CUDA_VISIBLE_DEVICES`).
     /// [`IpcMemory::open`] maps the memory on that device; `None` when the exporter did not say.
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub pci_bus_id: Option<String>,
 }
 

@@ -15,6 +15,7 @@ pub use pool::{IpcPool, PoolAlloc, PoolImport, PoolPtrHandle};
 pub use vmm::{VmmHandle, VmmImport, export_vmm};
 
 /// 64 opaque handle bytes serialized as 128 lower-case hex digits.
+#[cfg(feature = "serde")]
 pub(crate) mod hex64 {
     use serde::{Deserialize, Deserializer, Serializer, de::Error};
 
@@ -193,6 +194,15 @@ mod tests {
             *x = (i * 37 + 200) as u8;
         }
         assert_eq!(to_bytes(&to_chars(&b)), b);
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn handles_round_trip_through_serde() {
+        let mut b = [0u8; 64];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37 + 200) as u8;
+        }
         let h = IpcMemHandle::from_parts(b, 40, 4096, 4, 0, Some("0000:19:00.0".into()));
         let j = serde_json::to_string(&h).unwrap();
         let back: IpcMemHandle = serde_json::from_str(&j).unwrap();

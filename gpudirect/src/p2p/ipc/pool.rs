@@ -5,7 +5,7 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::{check_elem_size, check_imported, hex64};
+use super::{check_elem_size, check_imported};
 use crate::cuda::{self, Stream};
 use crate::driver::{self, pool};
 use crate::error::{Error, Result};
@@ -226,9 +226,10 @@ impl Drop for IpcPool {
 }
 
 /// What another process needs to map one pool allocation: `CUmemPoolPtrExportData` and sizes.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct PoolPtrHandle {
-    #[serde(with = "hex64")]
+    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
     data: [u8; 64],
     /// The allocation's size in bytes.
     pub bytes: u64,

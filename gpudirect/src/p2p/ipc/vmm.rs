@@ -14,7 +14,8 @@ use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// What the importer needs besides the descriptor: sizes and the element size. Plain data.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct VmmHandle {
     /// The buffer's size in bytes.
     pub bytes: u64,
@@ -26,7 +27,7 @@ pub struct VmmHandle {
     pub device: u32,
     /// The exporting device's PCI address, such as `0000:19:00.0` (where the memory lives, in
     /// terms every process on the node shares); `None` when the exporter did not say.
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub pci_bus_id: Option<String>,
 }
 

@@ -104,7 +104,7 @@ struct RealNvml(nvml_wrapper::Nvml);
 ///
 /// Why NVML cannot be used (no `libnvidia-ml.so.1`, no driver); the report records it.
 pub fn open_nvml() -> Result<Box<dyn NvmlSource>, String> {
-    crate::p2p::link::open_nvml().map(|n| Box::new(RealNvml(n)) as Box<dyn NvmlSource>)
+    crate::topology::open_nvml().map(|n| Box::new(RealNvml(n)) as Box<dyn NvmlSource>)
 }
 
 /// The per-link speed fields NVML has (links 0 to 11).
