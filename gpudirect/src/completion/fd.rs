@@ -85,6 +85,40 @@ impl<T: AsRawFd> Readable<T> {
         }
     }
 
+    /// [`read_with`](Self::read_with) as a poll: `Ready` once `read` succeeded or failed with
+    /// an error other than `WouldBlock`; `Pending` with `cx`'s waker registered with the reactor
+    /// (only the last waker given is kept).
+    ///
+    /// # Errors
+    ///
+    /// As [`read_with`](Self::read_with).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))] // the verbs futures' only user
+    pub(crate) fn poll_read_with<R>(
+        &self,
+        cx: &mut std::task::Context<'_>,
+        call: &'static str,
+        mut read: impl FnMut(&T) -> io::Result<R>,
+    ) -> std::task::Poll<Result<R>> {
+        use std::task::Poll;
+        loop {
+            let mut guard = match self.inner.poll_read_ready(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(source)) => {
+                    return Poll::Ready(Err(Error::Os {
+                        call: "epoll_wait",
+                        source,
+                    }));
+                }
+                Poll::Ready(Ok(g)) => g,
+            };
+            match guard.try_io(|fd| read(fd.get_ref())) {
+                Ok(Ok(r)) => return Poll::Ready(Ok(r)),
+                Ok(Err(source)) => return Poll::Ready(Err(Error::Os { call, source })),
+                Err(_would_block) => continue, // readiness cleared by try_io
+            }
+        }
+    }
+
     /// What owns the fd.
     pub(crate) fn get_ref(&self) -> &T {
         self.inner.get_ref()

@@ -122,6 +122,21 @@ impl CompletionChannel {
         unsafe { (l.ibv_ack_cq_events)(cq, 1) };
         Ok(CqEvent { cq: cq as usize })
     }
+
+    /// [`get_event`](Self::get_event) for a non-blocking channel, answering
+    /// [`io::ErrorKind::WouldBlock`](std::io::ErrorKind::WouldBlock) when no event is queued.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn try_get_event(&self) -> std::io::Result<CqEvent> {
+        self.get_event().map_err(|e| match e {
+            Error::Os { source, .. } => source,
+            other => std::io::Error::other(other.to_string()),
+        })
+    }
+
+    /// How many handles share this channel (its CQs hold one each).
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
 }
 
 impl AsFd for CompletionChannel {
@@ -366,6 +381,14 @@ impl CompletionQueue {
         })
     }
 
+    /// Whether this CQ reports to `channel`.
+    pub(crate) fn reports_to(&self, channel: &CompletionChannel) -> bool {
+        self.inner
+            ._channel
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, &channel.inner))
+    }
+
     /// Whether `ev` was reported for this CQ.
     pub fn is_event_for(&self, ev: &CqEvent) -> bool {
         ev.cq == self.inner.as_ptr() as usize
@@ -430,6 +453,11 @@ impl ExactSizeIterator for Completions<'_> {}
 pub struct WorkCompletion(ibv::ibv_wc);
 
 impl WorkCompletion {
+    /// Report `tag` as the request's tag.
+    pub(crate) fn set_tag(&mut self, tag: u64) {
+        self.0.wr_id = tag;
+    }
+
     /// The tag given to the request ([`SendRequest::tag`](super::SendRequest::tag),
     /// [`RecvRequest::tag`](super::RecvRequest::tag)); 0 by default.
     pub fn tag(&self) -> u64 {

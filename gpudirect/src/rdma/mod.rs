@@ -43,6 +43,38 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Awaiting completions
+//!
+//! [`AsyncCq`] takes a completion queue over: one dispatcher polls it and routes each completion,
+//! by a tag the library chooses, to the future or stream waiting for it. A queue pair attached
+//! to it ([`AsyncCq::attach`], an [`AsyncQueuePair`]) gives a [`WcFuture`] for each send, RDMA
+//! write or read it posts (with a deadline: [`WcFuture::timeout`]); received messages arrive as
+//! a [`Messages`] stream of filled buffers, RDMA writes with immediate as an [`Immediates`]
+//! stream of `(immediate, length)`. A request that finds the send queue or the CQ full waits in
+//! a bounded backlog and is posted when room frees up; a full backlog answers
+//! [`Error::QueueFull`](crate::Error::QueueFull). Wake-ups come from the completion channel
+//! through tokio's reactor (feature `tokio`), or from the completion thread, which polls (see
+//! [`AsyncCq`] for what each costs).
+//!
+//! ```no_run
+//! use gpudirect::rdma::{AccessFlags, AsyncCq, HostBuffer, QpCaps, QueuePair, Rts};
+//! # async fn demo(ctx: gpudirect::rdma::Context, pd: gpudirect::rdma::ProtectionDomain,
+//! #     connect: impl FnOnce(QueuePair<gpudirect::rdma::Init>) -> gpudirect::Result<QueuePair<Rts>>)
+//! #     -> gpudirect::Result<()> {
+//! use std::time::Duration;
+//! let channel = ctx.create_comp_channel()?;
+//! let cq = ctx.create_cq(1024, Some(&channel))?;
+//! let qp = QueuePair::create(&pd, &cq, &cq, None, QpCaps::default())?
+//!     .to_init(1, AccessFlags::empty())?;
+//! let qp = connect(qp)?; // to RTS with the peer's endpoint
+//! let acq = AsyncCq::new(cq, Some(channel))?; // inside a tokio runtime: woken by the channel
+//! let qp = acq.attach(qp, 1024)?;
+//! let mr = pd.register(HostBuffer::from_slice(b"ping")?, AccessFlags::empty())?;
+//! let done = qp.send(mr.slice(..)?)?.timeout(Duration::from_secs(1)).await?;
+//! println!("{:?}", done.wc().status());
+//! # Ok(()) }
+//! ```
+//!
 //! # GPU memory regions
 //!
 //! [`ProtectionDomain::register_gpu`] registers device memory with the NIC one of two ways, or
@@ -95,7 +127,10 @@
 //! so the result is an ordinary [`QueuePair<Rts>`].
 
 // Bottom up, each module imports only those before it: ffi, teardown, device, context, pd, mr,
-// gpu_mr, wr, posted (the posted-request tables and CQ room), srq, cq, qp, cm.
+// gpu_mr, wr, posted (the posted-request tables and CQ room), srq, cq, qp, cm, async_backlog,
+// async_qp.
+mod async_backlog;
+mod async_qp;
 mod cm;
 mod context;
 mod cq;
@@ -111,6 +146,7 @@ mod teardown;
 mod wr;
 
 pub use crate::error::{GpuMrAttempts, GpuMrPath, GpuMrRefusal, WcStatus};
+pub use async_qp::{AsyncCq, AsyncQueuePair, Completed, Immediates, Messages, Received, WcFuture};
 pub use cm::{
     CmLink, CmLinkEvent, ConnectOptions, Connection, ConnectionParts, Listener, QpResources,
 };

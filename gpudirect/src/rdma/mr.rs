@@ -725,6 +725,32 @@ impl MrSlice {
         self.mr.access
     }
 
+    /// Copy `dst.len()` bytes starting at `offset` of the slice out, with volatile loads (a NIC
+    /// may be writing them): stable once the completion covering their write was polled (see
+    /// [CPU access](MemoryRegion#cpu-access)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when `offset + dst.len()` is past the slice's end (or
+    /// overflows).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        check_range(offset, dst.len(), self.len as usize)?;
+        // SAFETY: `self.offset + offset + dst.len()` lies within the region (the slice lies in
+        // it, checked when made); its memory lives while the slice does, and no Rust reference
+        // covers bytes a NIC may write.
+        unsafe { volatile_read(self.mr.addr.add(self.offset + offset), dst) };
+        Ok(())
+    }
+
+    /// The first `len` bytes of the slice (at most its length), copied with volatile loads as
+    /// [`read_at`](Self::read_at).
+    pub fn to_vec(&self, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len.min(self.len as usize)];
+        // SAFETY: within the slice, as in `read_at`.
+        unsafe { volatile_read(self.mr.addr.add(self.offset), &mut v) };
+        v
+    }
+
     pub(crate) fn sge(&self) -> ibv::ibv_sge {
         ibv::ibv_sge {
             addr: self.addr(),

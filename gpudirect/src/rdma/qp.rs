@@ -628,6 +628,13 @@ impl<S: QpState> QueuePair<S> {
         self.inner.posted.outstanding()
     }
 
+    /// Whether the QP reports its send and receive completions to `cq` alone and has no SRQ.
+    pub(crate) fn uses_only(&self, cq: &CompletionQueue) -> bool {
+        Arc::ptr_eq(&self.inner.send_cq, &cq.inner)
+            && Arc::ptr_eq(&self.inner.recv_cq, &cq.inner)
+            && self.inner.srq.is_none()
+    }
+
     /// Send-queue requests not yet known complete: the queue's occupancy, as posting sees it
     /// (unsignaled requests count until a later signaled completion is polled).
     pub fn send_outstanding(&self) -> usize {
@@ -718,6 +725,15 @@ impl<S: CanRecv> QueuePair<S> {
 }
 
 impl QueuePair<Rts> {
+    /// Check `w` as [`post_send`](Self::post_send) would, without posting.
+    pub(crate) fn check_send(&self, w: &SendRequest<'_>) -> Result<()> {
+        w.validate(
+            self.inner.caps.max_send_sge,
+            self.inner.caps.max_inline_data,
+        )?;
+        w.sg.check_pd(self.inner.pd.pd.as_ptr(), "QP")
+    }
+
     /// `ibv_post_send`—post a chain of work requests in one call. Each keeps its slices until its
     /// completion (or the signaled completion after it) is polled, and takes an entry of the send
     /// CQ until then, signaled or not. Returns how many were posted.

@@ -17,16 +17,19 @@
 //! completes.
 
 use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
-use crate::completion::{HostFnFence, InFlight};
+use crate::completion::{Fence, HostFnFence, InFlight, InFlightFuture};
 use crate::cuda::Stream;
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceMemory, DeviceMemoryMut, MemoryKind};
 use cudarc::driver::{CudaStream, sys};
+use std::future::{Future, IntoFuture};
 use std::os::fd::AsFd;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 /// The size/offset/bytes-done block cuFile reads and writes when the stream reaches the
 /// operation. Its address is handed to cuFile and must not move.
@@ -172,7 +175,7 @@ impl<M: DeviceMemory> AsyncResources<M> {
 /// `mem::forget` leaks it, which is safe.
 #[must_use = "dropping an AsyncIo blocks until the stream passes it (bounded), then parks it"]
 pub struct AsyncIo<M: DeviceMemory> {
-    op: InFlight<AsyncResources<M>, HostFnFence>,
+    op: InFlight<AsyncResources<M>, IoFence>,
     /// The stream the operation is queued on (also owned by `op`), to notice a failed stream.
     stream: Arc<CudaStream>,
     /// Whether the I/O goes through a scratch buffer.
@@ -221,6 +224,111 @@ impl<M: DeviceMemory> AsyncIo<M> {
         let stream = self.stream;
         self.op
             .wait_unless(Duration::from_millis(50), || stream_failed(&stream))
+    }
+}
+
+/// The fence of a stream-ordered I/O: the host callback after it, which wakes an await; asked
+/// whether it completed, it also reports a stream that failed before reaching the callback (a
+/// sticky error: the callback will never run).
+struct IoFence {
+    flag: HostFnFence,
+    stream: Arc<CudaStream>,
+}
+
+impl Fence for IoFence {
+    fn is_complete(&self) -> bool {
+        self.flag.is_complete()
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        self.flag.wait_timeout(timeout)
+    }
+
+    fn check(&self) -> Result<bool> {
+        if self.flag.is_complete() {
+            return Ok(true);
+        }
+        stream_failed(&self.stream)?;
+        Ok(self.flag.is_complete())
+    }
+
+    fn register_waker(&self, waker: &Waker) -> bool {
+        self.flag.register_waker(waker)
+    }
+}
+
+impl<M: DeviceMemory> IntoFuture for AsyncIo<M> {
+    type Output = Result<(M, usize)>;
+    type IntoFuture = AsyncIoFuture<M>;
+
+    /// Await the I/O: the buffer and the bytes moved, as [`AsyncIo::wait`] gives them.
+    fn into_future(self) -> AsyncIoFuture<M> {
+        AsyncIoFuture {
+            inner: self.op.into_future(),
+        }
+    }
+}
+
+impl<M: DeviceMemory> AsyncIo<M> {
+    /// Await with a deadline: [`Error::Timeout`] once `at` passes first (see [`AsyncIoFuture`]).
+    pub fn deadline(self, at: Instant) -> AsyncIoFuture<M> {
+        self.into_future().deadline(at)
+    }
+
+    /// Await with a deadline `timeout` from now.
+    pub fn timeout(self, timeout: Duration) -> AsyncIoFuture<M> {
+        self.into_future().timeout(timeout)
+    }
+}
+
+/// An awaited [`AsyncIo`] (`io.await`, [`AsyncIo::deadline`], [`AsyncIo::timeout`]): the buffer
+/// and the bytes moved, or the operation's error ([`AsyncResources::bytes`]).
+///
+/// Woken by the host callback queued after the I/O (`cuLaunchHostFunc`), on CUDA's callback
+/// thread, the moment the stream passes it; each poll also asks `cuStreamQuery` whether the
+/// stream failed before reaching it (its error then ends the await). A stream that fails while
+/// nobody polls wakes nobody: give awaits a deadline. At the deadline the await ends with
+/// [`Error::Timeout`], or with the stream's error when it failed.
+///
+/// Dropping the future (or a timeout, or a failed stream) parks the buffer, file handle, stream
+/// and scratch in the [`Tracker`](crate::completion::Tracker) until the callback has run, never
+/// freeing them early; unlike dropping an [`AsyncIo`], it never blocks.
+#[must_use = "futures do nothing unless awaited; dropping it parks the I/O's resources until it completes"]
+pub struct AsyncIoFuture<M: DeviceMemory> {
+    inner: InFlightFuture<AsyncResources<M>, IoFence>,
+}
+
+impl<M: DeviceMemory> AsyncIoFuture<M> {
+    /// End with [`Error::Timeout`] if the I/O has not completed by `at`.
+    pub fn deadline(self, at: Instant) -> Self {
+        AsyncIoFuture {
+            inner: self.inner.deadline(at),
+        }
+    }
+
+    /// [`deadline`](Self::deadline) `timeout` from now.
+    pub fn timeout(self, timeout: Duration) -> Self {
+        AsyncIoFuture {
+            inner: self.inner.timeout(timeout),
+        }
+    }
+}
+
+impl<M: DeviceMemory> Future for AsyncIoFuture<M> {
+    type Output = Result<(M, usize)>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.inner).poll(cx).map(|r| {
+            let r = r?;
+            let n = r.bytes()?;
+            Ok((r.buffer, n))
+        })
+    }
+}
+
+impl<M: DeviceMemory> std::fmt::Debug for AsyncIoFuture<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
     }
 }
 
@@ -572,7 +680,14 @@ impl FileHandle {
         };
         match fence_after(stream) {
             Ok(flag) => Ok(AsyncIo {
-                op: InFlight::new(call, flag, resources),
+                op: InFlight::new(
+                    call,
+                    IoFence {
+                        flag,
+                        stream: stream.clone(),
+                    },
+                    resources,
+                ),
                 stream: stream.clone(),
                 scratch: scratch_used,
             }),

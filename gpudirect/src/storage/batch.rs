@@ -1,9 +1,14 @@
 //! The cuFile batch API: set up, submit, poll, cancel, destroy.
 
 use super::{Driver, FileHandle, check, check_io, clamp_read, io_error, read_outcome, sys};
+use crate::completion::{Fence, InFlight, InFlightFuture};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
+use std::future::{Future, IntoFuture};
 use std::os::fd::AsFd;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 /// Check a batch capacity against the driver's limit (`max_batch_io_size`, itself a `u32`).
@@ -446,6 +451,122 @@ impl<M: DeviceMemoryMut> Batch<M> {
                 }
             })
             .collect())
+    }
+}
+
+/// A batch shared by its awaited future and the completion thread that polls it.
+type Shared<M> = Arc<Mutex<Option<Batch<M>>>>;
+
+fn lock<M: DeviceMemoryMut>(b: &Shared<M>) -> MutexGuard<'_, Option<Batch<M>>> {
+    b.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The fence of an awaited batch: complete once no request is outstanding. Asked, it collects
+/// completions with `cuFileBatchIOGetStatus` without waiting (`min_nr` 0, a zero timeout); it
+/// has no wake-up source of its own, so the completion thread asks it with back-off.
+struct BatchFence<M: DeviceMemoryMut>(Shared<M>);
+
+impl<M: DeviceMemoryMut> Fence for BatchFence<M> {
+    fn is_complete(&self) -> bool {
+        self.check().unwrap_or(false)
+    }
+
+    fn check(&self) -> Result<bool> {
+        let mut g = lock(&self.0);
+        let Some(b) = g.as_mut() else {
+            return Ok(true);
+        };
+        if b.outstanding > 0 {
+            b.poll(0, Duration::ZERO)?;
+        }
+        Ok(b.outstanding == 0)
+    }
+}
+
+/// What an awaited batch owns: the batch itself (its requests' buffers and handles).
+struct BatchHold<M: DeviceMemoryMut>(Shared<M>);
+
+impl<M: DeviceMemoryMut> IntoFuture for Batch<M> {
+    type Output = Result<Vec<BatchResult<M>>>;
+    type IntoFuture = BatchFuture<M>;
+
+    /// Await every request: the per-request results in submission order, as
+    /// [`wait`](Batch::wait) gives them.
+    fn into_future(self) -> BatchFuture<M> {
+        let shared: Shared<M> = Arc::new(Mutex::new(Some(self)));
+        let op = InFlight::new(
+            "cuFile batch requests",
+            BatchFence(shared.clone()),
+            BatchHold(shared),
+        );
+        BatchFuture {
+            inner: op.into_future(),
+        }
+    }
+}
+
+impl<M: DeviceMemoryMut> Batch<M> {
+    /// Await with a deadline: [`Error::Timeout`] once `at` passes first (see [`BatchFuture`]).
+    pub fn deadline(self, at: Instant) -> BatchFuture<M> {
+        self.into_future().deadline(at)
+    }
+
+    /// Await with a deadline `timeout` from now.
+    pub fn timeout(self, timeout: Duration) -> BatchFuture<M> {
+        self.into_future().timeout(timeout)
+    }
+}
+
+/// An awaited [`Batch`] (`batch.await`): the results once every request is final.
+///
+/// The shared completion thread checks the batch with `cuFileBatchIOGetStatus` (without
+/// waiting) between its pauses, 64 µs doubling up to 1 ms while anything is pending (see
+/// [`completion`](crate::completion)), and wakes the future when no request is outstanding; each
+/// poll of the future checks too. A deadline ([`deadline`](Self::deadline),
+/// [`timeout`](Self::timeout)) ends the await with [`Error::Timeout`]; the batch is not
+/// canceled: it and its buffers are parked in the [`Tracker`](crate::completion::Tracker) until
+/// every request is final, then destroyed and freed. Dropping the future does the same and
+/// never blocks (unlike dropping a [`Batch`], which cancels and waits a bounded time).
+#[must_use = "futures do nothing unless awaited; dropping it parks the batch until its requests are final"]
+pub struct BatchFuture<M: DeviceMemoryMut> {
+    inner: InFlightFuture<BatchHold<M>, BatchFence<M>>,
+}
+
+impl<M: DeviceMemoryMut> BatchFuture<M> {
+    /// End with [`Error::Timeout`] if the requests are not all final by `at`.
+    pub fn deadline(self, at: Instant) -> Self {
+        BatchFuture {
+            inner: self.inner.deadline(at),
+        }
+    }
+
+    /// [`deadline`](Self::deadline) `timeout` from now.
+    pub fn timeout(self, timeout: Duration) -> Self {
+        BatchFuture {
+            inner: self.inner.timeout(timeout),
+        }
+    }
+}
+
+impl<M: DeviceMemoryMut> Future for BatchFuture<M> {
+    type Output = Result<Vec<BatchResult<M>>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.inner).poll(cx).map(|r| {
+            let hold = r?;
+            let batch = lock(&hold.0).take();
+            match batch {
+                // Every request is final: no wait is left, only the results.
+                Some(b) => b.wait_timeout(Duration::ZERO),
+                None => Ok(Vec::new()),
+            }
+        })
+    }
+}
+
+impl<M: DeviceMemoryMut> std::fmt::Debug for BatchFuture<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
     }
 }
 

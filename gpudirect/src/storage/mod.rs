@@ -72,9 +72,9 @@ mod io;
 mod posix;
 mod workers;
 
-pub use async_io::{AsyncIo, AsyncResources};
+pub use async_io::{AsyncIo, AsyncIoFuture, AsyncResources};
 pub use auto::{Durability, GdsFile, IoPath, Mode, PathReason, PathTaken, Transfer};
-pub use batch::{Batch, BatchOp, BatchRequest, BatchResult, BatchStatus, run_batched};
+pub use batch::{Batch, BatchFuture, BatchOp, BatchRequest, BatchResult, BatchStatus, run_batched};
 pub use buffer::BufRegistration;
 pub use driver::{BoolParam, Driver, DriverProperties, FsSupport, SizeParam, StringParam};
 pub use file::{DirectIo, FileHandle, OpenOptions};

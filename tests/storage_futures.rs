@@ -1,0 +1,187 @@
+//! Tier 2: cuFile futures on a GPU: stream-ordered I/O (`AsyncIo`) and batches awaited, with
+//! deadlines and cancellation. Skips (`SKIPPED: reason`) without a GPU or libcufile;
+//! `GPUDIRECT_REQUIRE=gpu,cufile` turns those skips into failures.
+
+mod support;
+
+use gpudirect::Error;
+use gpudirect::completion::Tracker;
+use gpudirect::cuda::Stream;
+use gpudirect::storage::{Batch, BatchOp, BatchRequest, Driver, FileHandle, OpenOptions};
+use gpudirect_testing::Hardware;
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::files::{pattern, test_dir};
+use support::gpu::{ToHost, poisoned_bytes};
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// One test at a time: both count what the process-wide tracker holds.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn setup() -> Option<(Arc<gpudirect::cudarc::driver::CudaContext>, Driver)> {
+    let ctx = match gpudirect::cuda::context(0) {
+        Ok(c) => c,
+        Err(e) => {
+            gpudirect_testing::skip(Hardware::Gpu, e);
+            return None;
+        }
+    };
+    ctx.bind_to_thread().unwrap();
+    let d = match Driver::open() {
+        Ok(d) => d,
+        Err(e) => {
+            gpudirect_testing::skip(Hardware::Cufile, e);
+            return None;
+        }
+    };
+    Some((ctx, d))
+}
+
+fn write_file(name: &str, data: &[u8]) -> std::path::PathBuf {
+    let p = test_dir().join(format!("{name}-{}", std::process::id()));
+    std::fs::write(&p, data).unwrap();
+    p
+}
+
+/// Register `path`, or (cuFile refused it: no udev data) say so and return None.
+fn register(d: &Driver, path: &std::path::Path) -> Option<FileHandle> {
+    match FileHandle::open(d, path, &OpenOptions::read_write()) {
+        Ok(h) => Some(h),
+        Err(Error::CuFile { call, code, .. }) => {
+            assert_eq!(call, "cuFileHandleRegister");
+            println!(
+                "SKIPPED: cuFileHandleRegister refused {} with {code}",
+                path.display()
+            );
+            None
+        }
+        Err(e) => panic!("unexpected {e}"),
+    }
+}
+
+/// Reap until nothing more than `base` is parked (bounded).
+async fn reaped_to(base: usize) {
+    let until = Instant::now() + LONG;
+    loop {
+        Tracker::global().reap();
+        if Tracker::global().parked() <= base {
+            return;
+        }
+        assert!(Instant::now() < until, "parked resources never released");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_ordered_io_is_awaited_with_deadlines_and_cancellation() {
+    let _one = SERIAL.lock().await;
+    let Some((ctx, d)) = setup() else { return };
+    let n = 1 << 20;
+    let data = pattern(n, 11);
+    let p = write_file("futures-async", &data);
+    let Some(h) = register(&d, &p) else { return };
+    let stream = ctx.new_stream().unwrap();
+    // Read, awaited: exact bytes into a poisoned buffer.
+    let dst = poisoned_bytes(0, n, 0xCD);
+    let (dst, got) = h
+        .read_async(&stream, dst, 0, 0, n)
+        .unwrap()
+        .timeout(LONG)
+        .await
+        .unwrap();
+    assert_eq!(got, n);
+    assert_eq!(dst.to_host(), data);
+    // Write, awaited, then read back with the blocking path.
+    let s = Stream::wrap(stream.clone());
+    let src = gpudirect::memory::DeviceBuffer::from_slice(&s, &pattern(n, 12)).unwrap();
+    let (_src, put) = h.write_async(&stream, src, 0, 0, n).unwrap().await.unwrap();
+    assert_eq!(put, n);
+    assert_eq!(std::fs::read(&p).unwrap(), pattern(n, 12));
+    // A deadline that passes first: a host function holds the stream for 300 ms.
+    let base = Tracker::global().parked();
+    let _held = s
+        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(300)))
+        .unwrap();
+    let t = Instant::now();
+    let e = h
+        .read_async(&stream, poisoned_bytes(0, n, 0xCD), 0, 0, n)
+        .unwrap()
+        .timeout(Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "not a wait for the stream"
+    );
+    assert!(
+        Tracker::global().parked() > base,
+        "the buffer is parked, not freed"
+    );
+    reaped_to(base).await;
+    // Cancellation after one poll: parked, then released once the stream passes it.
+    let _held = s
+        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(100)))
+        .unwrap();
+    let mut f = Box::pin(
+        h.read_async(&stream, poisoned_bytes(0, n, 0xCD), 0, 0, n)
+            .unwrap()
+            .into_future(),
+    );
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
+    assert!(first.is_pending());
+    drop(f);
+    assert!(Tracker::global().parked() > base);
+    reaped_to(base).await;
+    std::fs::remove_file(&p).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_are_awaited_and_a_dropped_batch_future_parks() {
+    let _one = SERIAL.lock().await;
+    let Some((_ctx, d)) = setup() else { return };
+    let chunk = 65536usize;
+    let k = d.max_batch_entries().min(16);
+    let data = pattern(k * chunk, 13);
+    let p = write_file("futures-batch", &data);
+    let Some(h) = register(&d, &p) else { return };
+    let reqs = |poison| -> Vec<_> {
+        (0..k)
+            .map(|i| BatchRequest {
+                op: BatchOp::Read,
+                handle: h.clone(),
+                buffer: poisoned_bytes(0, chunk, poison),
+                buf_offset: 0,
+                file_offset: (i * chunk) as u64,
+                len: chunk,
+            })
+            .collect()
+    };
+    let mut b = Batch::new(&d, k).unwrap();
+    b.submit(reqs(0xCD)).unwrap();
+    let results = b.timeout(LONG).await.unwrap();
+    assert_eq!(results.len(), k);
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(
+            *r.bytes.as_ref().unwrap(),
+            chunk,
+            "request {i}: {:?}",
+            r.status
+        );
+        assert_eq!(
+            r.buffer.to_host(),
+            &data[i * chunk..(i + 1) * chunk],
+            "request {i}"
+        );
+    }
+    // Dropped before it finished: the batch and its buffers are parked, then released.
+    let base = Tracker::global().parked();
+    let mut b = Batch::new(&d, k).unwrap();
+    b.submit(reqs(0xAB)).unwrap();
+    let f = b.into_future();
+    drop(f);
+    reaped_to(base).await;
+    std::fs::remove_file(&p).unwrap();
+}
