@@ -9,10 +9,11 @@
 //! cargo run --release --example async_pipeline -- --mib 1024 --chunk-mib 16 --dir /mnt/nvme/tmp
 //! ```
 //!
-//! Exits 0 with `SKIPPED: reason` without a GPU, without cuFile, or where cuFile cannot register
-//! the file (no udev data for its device: `GdsFile` in `Mode::Auto` reads such files through the
-//! POSIX path, blocking); 1 on wrong bytes or an error; 2 on a bad option. `--help` lists the
-//! options and their environment settings.
+//! Where cuFile is missing or cannot register the file (no udev data for its device, tmpfs), the
+//! chunks are read by `GdsFile` in `Mode::Auto` (the library's POSIX path) on tokio's blocking
+//! pool, awaited the same way, and the example says so. Exits 0 with `SKIPPED: reason` without a
+//! GPU; 1 on wrong bytes or an error; 2 on a bad option. `--help` lists the options and their
+//! environment settings.
 
 #[path = "support/cli.rs"]
 mod cli;
@@ -20,10 +21,12 @@ mod cli;
 use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::memory::{DeviceBuffer, HostAllocFlags, PinnedHostBuffer, copy_async};
-use gpudirect::storage::{Driver, FileHandle, OpenOptions};
+use gpudirect::storage::{Driver, FileHandle, GdsFile, Mode, OpenOptions};
 use gpudirect_testing::{Hardware, skip_example};
 use rand::RngCore;
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,10 +62,6 @@ fn main() {
         Ok(c) => c,
         Err(e) => skip_example(Hardware::Gpu, format!("no GPU: {e}")),
     };
-    let driver = match Driver::open() {
-        Ok(d) => d,
-        Err(e) => skip_example(Hardware::Cufile, format!("no cuFile: {e}")),
-    };
     let dir = args
         .dir
         .clone()
@@ -74,36 +73,90 @@ fn main() {
         eprintln!("FAILED: writing {}: {e}", path.display());
         std::process::exit(1);
     }
-    let file = match FileHandle::open(&driver, &path, &OpenOptions::read_only()) {
-        Ok(f) => f,
-        Err(e) => {
-            let _ = std::fs::remove_file(&path);
-            skip_example(
-                Hardware::Cufile,
-                format!("cuFile cannot register {}: {e}", path.display()),
-            )
-        }
-    };
+    let reader =
+        match Driver::open().and_then(|d| FileHandle::open(&d, &path, &OpenOptions::read_only())) {
+            Ok(f) => {
+                println!("reads: cuFileReadAsync on a stream, awaited");
+                Reader::CuFile(f)
+            }
+            Err(e) => match GdsFile::open(&path, &OpenOptions::read_only(), Mode::Auto) {
+                Ok(g) => {
+                    println!("reads: GdsFile (Mode::Auto) on tokio's blocking pool, awaited ({e})");
+                    Reader::Auto(Arc::new(g))
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&path);
+                    eprintln!("FAILED: opening {}: {e}", path.display());
+                    std::process::exit(1);
+                }
+            },
+        };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let result = rt.block_on(run(&ctx, &file, &data, &args));
-    drop(file);
+    let result = rt.block_on(run(&ctx, &reader, &data, &args));
+    drop(reader);
     let _ = std::fs::remove_file(&path);
-    match result {
-        Ok(()) => {}
-        Err(e) => {
-            eprintln!("FAILED: {e}");
-            std::process::exit(1);
+    if let Err(e) = result {
+        eprintln!("FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Where the chunks come from.
+enum Reader {
+    /// cuFile's stream-ordered reads.
+    CuFile(FileHandle),
+    /// The automatic path, blocking, on tokio's blocking pool.
+    Auto(Arc<GdsFile>),
+}
+
+/// A chunk's read in flight: the buffer back and the bytes read.
+type Reading = Pin<Box<dyn Future<Output = gpudirect::Result<(DeviceBuffer<u8>, usize)>>>>;
+
+impl Reader {
+    /// Start reading `len` bytes at `offset` into `buf` (on `io` for cuFile).
+    fn read(
+        &self,
+        io: &Stream,
+        mut buf: DeviceBuffer<u8>,
+        offset: u64,
+        len: usize,
+        deadline: Duration,
+    ) -> gpudirect::Result<Reading> {
+        match self {
+            Reader::CuFile(f) => Ok(Box::pin(
+                f.read_async(io.cuda(), buf, 0, offset, len)?
+                    .timeout(deadline)
+                    .into_future(),
+            )),
+            Reader::Auto(g) => {
+                let g = g.clone();
+                let task = tokio::task::spawn_blocking(move || {
+                    let t = g.read_to_device(&mut buf, 0, offset, len)?;
+                    Ok((buf, t.bytes))
+                });
+                Ok(Box::pin(async move {
+                    match tokio::time::timeout(deadline, task).await {
+                        Ok(Ok(r)) => r,
+                        Ok(Err(e)) => panic!("the read task failed: {e}"),
+                        // The buffer stays with the blocking read until it ends.
+                        Err(_) => Err(gpudirect::Error::Timeout {
+                            what: "GdsFile::read_to_device",
+                            after: deadline,
+                        }),
+                    }
+                }))
+            }
         }
     }
 }
 
 async fn run(
     ctx: &Arc<gpudirect::cudarc::driver::CudaContext>,
-    file: &FileHandle,
+    reader: &Reader,
     data: &[u8],
     args: &Args,
 ) -> gpudirect::Result<()> {
@@ -123,18 +176,14 @@ async fn run(
     )?);
     let chunks = data.len() / chunk;
     let read = |buf: DeviceBuffer<u8>, i: usize| {
-        file.read_async(io.cuda(), buf, 0, (i * chunk) as u64, chunk)
+        reader.read(&io, buf, (i * chunk) as u64, chunk, deadline)
     };
     // Once one after the other (read, then process), then pipelined; both verified.
     for pipelined in [false, true] {
         let start = Instant::now();
         let mut reading = Some(read(buffers.pop().expect("two buffers"), 0)?);
         for i in 0..chunks {
-            let (buf, got) = reading
-                .take()
-                .expect("a read in flight")
-                .timeout(deadline)
-                .await?;
+            let (buf, got) = reading.take().expect("a read in flight").await?;
             if got != chunk {
                 eprintln!("FAILED: chunk {i}: read {got} of {chunk} bytes");
                 std::process::exit(1);
