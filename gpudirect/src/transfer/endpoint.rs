@@ -3,7 +3,7 @@
 
 use super::descriptor::{MemoryDescriptor, RemoteRange};
 use super::engine::{Engine, EngineInner};
-use super::plan::{Chunk, Credits, PlanInput, plan, send_window};
+use super::plan::{Chunk, Credits, PlanInput, deadline_after, plan, send_window};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::{Hello, MAX_HELLO};
 use crate::completion::{CompletionFlag, InFlight};
@@ -636,7 +636,7 @@ fn greet(
     let mut into = pd.register(HostBuffer::zeroed(len)?, AccessFlags::LOCAL_WRITE)?;
     conn.qp()
         .post_send([SendRequest::read(into.slice(..)?, theirs.slice(0, len as u32)?).tag(1)])?;
-    let deadline = Instant::now() + timeout;
+    let deadline = deadline_after(Instant::now(), timeout);
     'wait: loop {
         for w in conn.send_cq().poll()? {
             if w.tag() == 1 {
@@ -692,7 +692,7 @@ impl TransferListener {
     #[doc(alias = "rdma_accept")]
     pub fn accept(&self, publish: &[MemoryDescriptor], timeout: Duration) -> Result<Endpoint> {
         let e = &self.engine.inner;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(Instant::now(), timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -1017,7 +1017,7 @@ impl Endpoint {
         // polls): no thread hand-off for a notification that comes soon.
         let spin = inner.engine.inner.config.spin;
         if !spin.is_zero() {
-            let until = Instant::now() + spin.min(timeout);
+            let until = deadline_after(Instant::now(), spin.min(timeout));
             loop {
                 let mut st = inner.lock();
                 if let Some(n) = st.notes.pop_front() {

@@ -4,12 +4,18 @@
 
 use crate::error::{Error, Result};
 use crate::topology::Affinity;
+use std::time::{Duration, Instant};
 
 /// Stripe units are multiples of this many bytes.
 pub(crate) const STRIPE_ALIGN: u64 = 4096;
 
 /// The most messages one request may be cut into.
 pub(crate) const MAX_MESSAGES: u64 = 1 << 22;
+
+/// `start + timeout`: the instant a wait that began at `start` ends.
+pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    start + timeout
+}
 
 /// One message of a planned request: `len` bytes at `offset` into pair `pair`, on rail `rail`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -317,6 +323,26 @@ mod tests {
         assert_eq!(
             c.iter().map(|x| x.len).collect::<Vec<_>>(),
             vec![100, 150, 50]
+        );
+    }
+
+    #[test]
+    fn deadlines_of_any_timeout_are_instants() {
+        // A caller's `Duration::MAX` (a request's deadline, the engine's connect timeout, an
+        // accept's wait) must not panic ("overflow when adding duration to instant"): the
+        // staged path's worker thread panicked there and its transfer never finished.
+        let now = Instant::now();
+        for t in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX),
+            Duration::from_secs(1 << 40),
+        ] {
+            let d = deadline_after(now, t);
+            assert!(d > now + Duration::from_secs(100 * 365 * 86400), "{t:?}");
+        }
+        assert_eq!(
+            deadline_after(now, Duration::from_secs(3)),
+            now + Duration::from_secs(3)
         );
     }
 

@@ -136,7 +136,7 @@ fn run(
     timeout: Duration,
 ) -> Result<TransferReport> {
     let started = Instant::now();
-    let deadline = started + timeout;
+    let deadline = super::plan::deadline_after(started, timeout);
     let (ordinal, base) = local
         .region
         .device_addr(local.offset)
