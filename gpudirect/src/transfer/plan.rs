@@ -12,9 +12,11 @@ pub(crate) const STRIPE_ALIGN: u64 = 4096;
 /// The most messages one request may be cut into.
 pub(crate) const MAX_MESSAGES: u64 = 1 << 22;
 
-/// `start + timeout`: the instant a wait that began at `start` ends.
+/// `start + timeout`: the instant a wait that began at `start` ends. A timeout of more than a
+/// century counts as a century (an `Instant` cannot hold every `Duration`: a plain addition
+/// panics for `Duration::MAX`).
 pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
-    start + timeout
+    start + timeout.min(Duration::from_secs(1 << 32))
 }
 
 /// One message of a planned request: `len` bytes at `offset` into pair `pair`, on rail `rail`.
