@@ -6,7 +6,7 @@ use super::engine::{Engine, EngineInner};
 use super::plan::{Chunk, Credits, PlanInput, deadline_after, plan, send_window};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::{Hello, MAX_HELLO};
-use crate::completion::{CompletionFlag, InFlight};
+use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
     AccessFlags, CmLink, CompletionChannel, CompletionQueue, ConnectOptions, Connection,
@@ -1088,18 +1088,13 @@ impl Endpoint {
                     // Registered under the state lock: a notification pushed after the look
                     // above sets this flag.
                     let mut w = inner.note_waiters.lock().unwrap_or_else(|e| e.into_inner());
-                    // Waiters whose deadline has passed (futures dropped meanwhile): set, so
-                    // what the completion tracker parked for them is freed.
-                    w.retain(|(d, f)| {
-                        let live = *d > now;
-                        if !live {
-                            f.set();
-                        }
-                        live
-                    });
+                    prune_waiters(&mut w, now);
                     w.push((deadline, flag.clone()));
                     flag
                 };
+                // A future dropped while it waits sets its flag: the completion tracker frees
+                // what it parked, and the next call drops the waiter from the list.
+                let _release = SetOnDrop(flag.clone());
                 let wait = InFlight::new("transfer notification", flag.clone(), ());
                 match wait.deadline(deadline).await {
                     Ok(()) => {}
@@ -1158,6 +1153,30 @@ impl Endpoint {
         drop(old);
         Ok(())
     }
+}
+
+/// Sets its flag when dropped (a notification future that ends or is dropped).
+struct SetOnDrop(CompletionFlag);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.set();
+    }
+}
+
+/// Drop the notification waiters that are gone: set (their future ended or was dropped), or
+/// past their deadline (then set, so what the completion tracker parked for them is freed).
+fn prune_waiters(w: &mut Vec<(Instant, CompletionFlag)>, now: Instant) {
+    w.retain(|(d, f)| {
+        if f.is_complete() {
+            return false;
+        }
+        let live = *d > now;
+        if !live {
+            f.set();
+        }
+        live
+    });
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -1924,6 +1943,29 @@ mod tests {
             elapsed: Duration::ZERO,
             notified: None,
         }
+    }
+
+    #[test]
+    fn dropped_notification_waiters_do_not_pile_up() {
+        // A `select!` loop creates and drops a notification future per turn: each left its
+        // waiter (and a parked tracker entry) until a notification came or a later call found
+        // its deadline passed (hours, for a long timeout).
+        let mut w = Vec::new();
+        let far = Instant::now() + Duration::from_secs(3600);
+        for _ in 0..1000 {
+            let f = CompletionFlag::new();
+            w.push((far, f.clone()));
+            drop(SetOnDrop(f));
+            prune_waiters(&mut w, Instant::now());
+        }
+        assert!(w.len() <= 1, "{} waiters left", w.len());
+        // A live waiter stays; an expired one is set and dropped.
+        let (live, old) = (CompletionFlag::new(), CompletionFlag::new());
+        let now = Instant::now();
+        w = vec![(far, live.clone()), (now, old.clone())];
+        prune_waiters(&mut w, now);
+        assert_eq!(w.len(), 1);
+        assert!(old.is_complete() && !live.is_complete());
     }
 
     #[test]
