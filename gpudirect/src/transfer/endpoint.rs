@@ -888,6 +888,7 @@ impl Endpoint {
         let inner = self.inner();
         let e = &inner.engine.inner;
         check_pairs(dir, &pairs, &opts)?;
+        check_same_engine(e.engine_id, &pairs)?;
         if let Some(i) = pairs
             .iter()
             .position(|(l, _)| l.region.entry.mrs.is_empty())
@@ -1223,6 +1224,25 @@ pub(crate) fn check_pairs(
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Every local range is registered with the endpoint's engine: its registrations have one
+/// region per device of that engine, in that engine's protection domains. (A region of another
+/// engine indexed past its registrations, or its slices were refused by the queue pair, which
+/// broke the whole endpoint.)
+fn check_same_engine(engine: u64, pairs: &[(LocalRange, RemoteRange)]) -> Result<()> {
+    if let Some(i) = pairs
+        .iter()
+        .position(|(l, _)| l.region.entry.engine != engine)
+    {
+        return Err(Error::invalid(
+            "pairs",
+            i,
+            "the local region was registered with another engine: register it with this \
+             endpoint's engine",
+        ));
     }
     Ok(())
 }
@@ -1943,6 +1963,40 @@ mod tests {
             elapsed: Duration::ZERO,
             notified: None,
         }
+    }
+
+    #[test]
+    fn regions_of_another_engine_are_refused_before_anything_is_queued() {
+        use crate::transfer::region::{Buffer, Entry, Identity};
+        use crate::transfer::{DescribedKind, MemoryDescriptor};
+        let region = |engine| {
+            let buf = Buffer::host(vec![7u8; 64]).unwrap();
+            Region {
+                entry: Arc::new(Entry {
+                    id: Identity::Host { backing: 1 },
+                    engine,
+                    start: 0,
+                    len: 64,
+                    mrs: Vec::new(),
+                    path: MemoryPath::Host,
+                    ordinal: None,
+                    preferred: vec![0],
+                    _keep: Vec::new(),
+                }),
+                buf,
+                at: 0,
+            }
+        };
+        let remote = MemoryDescriptor::new(0x1000, 64, DescribedKind::Host, &[1])
+            .unwrap()
+            .all();
+        let pairs = vec![(region(3).all(), remote), (region(4).all(), remote)];
+        let e = check_same_engine(3, &pairs).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }) && e.to_string().contains('1'),
+            "{e}"
+        );
+        assert!(check_same_engine(3, &pairs[..1]).is_ok());
     }
 
     #[test]

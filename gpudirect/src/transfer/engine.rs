@@ -159,7 +159,12 @@ pub(crate) struct EngineInner {
     /// notification is delivered.
     gpu_targets: Mutex<Vec<usize>>,
     next_id: AtomicU64,
+    /// This engine among the process's engines (never reused): what its registrations carry.
+    pub(crate) engine_id: u64,
 }
+
+/// Engines made so far in the process.
+static ENGINES: AtomicU64 = AtomicU64::new(1);
 
 impl EngineInner {
     /// The largest message on every rail.
@@ -294,6 +299,7 @@ impl Engine {
                 prefer: Mutex::new(HashMap::new()),
                 gpu_targets: Mutex::new(Vec::new()),
                 next_id: AtomicU64::new(1),
+                engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
             }),
         })
     }

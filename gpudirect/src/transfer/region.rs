@@ -312,6 +312,8 @@ pub(crate) enum Identity {
 /// A registration: one range of one identity on every rail, holding the memory it covers.
 pub(crate) struct Entry {
     pub(crate) id: Identity,
+    /// The engine whose protection domains and devices the registrations belong to.
+    pub(crate) engine: u64,
     /// Address of the first byte (host or device address space).
     pub(crate) start: u64,
     pub(crate) len: u64,
@@ -753,6 +755,7 @@ mod tests {
         };
         let e = Arc::new(Entry {
             id,
+            engine: 1,
             start: 0x1000,
             len: 0x100,
             mrs: Vec::new(),

@@ -255,6 +255,7 @@ impl Engine {
             }
             out.push(Arc::new(Entry {
                 id: w.id,
+                engine: inner.engine_id,
                 start: job.0,
                 len: job.1,
                 preferred: inner.preferred_for(w.ordinal),
