@@ -45,8 +45,9 @@ impl Endpoint {
     /// # Errors
     ///
     /// Before anything is queued: [`Error::InvalidArgument`](crate::Error::InvalidArgument) for
-    /// no pairs, a pair whose lengths differ, a remote range whose descriptor has not one rkey per
-    /// peer device, a notification on a read, or staged memory with several pairs; the
+    /// no pairs, a pair whose lengths differ, a local region registered with another engine, a
+    /// remote range whose descriptor has not one rkey per peer device, a notification on a read,
+    /// or staged memory with several pairs; the
     /// endpoint's failure (as [`failure`](Self::failure)) once it has failed.
     pub fn transfer(
         &self,
