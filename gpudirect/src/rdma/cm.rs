@@ -16,10 +16,9 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-/// `now + timeout`, for any timeout: one of more than a century counts as a century (an
-/// `Instant` cannot hold every `Duration`).
+/// `now + timeout`, for any timeout (see [`crate::completion::deadline_after`]).
 fn deadline_after(timeout: Duration) -> Instant {
-    Instant::now() + timeout.min(Duration::from_secs(1 << 32))
+    crate::completion::deadline_after(Instant::now(), timeout)
 }
 
 fn cmlib() -> Result<&'static cm::Lib> {

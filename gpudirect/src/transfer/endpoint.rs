@@ -901,7 +901,7 @@ impl Endpoint {
         }
         let timeout = opts.deadline.unwrap_or(e.config.deadline);
         let started = Instant::now();
-        let deadline = started + timeout.min(Duration::from_secs(1 << 32));
+        let deadline = deadline_after(started, timeout);
         let lens: Vec<u64> = pairs.iter().map(|(l, _)| l.len).collect();
         let flag = CompletionFlag::new();
         let shared = Arc::new(ReqShared {
@@ -1013,7 +1013,7 @@ impl Endpoint {
     /// The endpoint's failure, once it has failed and no notification is left.
     pub fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
         let inner = self.inner();
-        let deadline = Instant::now() + timeout.min(Duration::from_secs(1 << 32));
+        let deadline = deadline_after(Instant::now(), timeout);
         // With `spin`, poll the completion queues here first (the lock is let go between
         // polls): no thread hand-off for a notification that comes soon.
         let spin = inner.engine.inner.config.spin;
@@ -1069,7 +1069,7 @@ impl Endpoint {
         timeout: Duration,
     ) -> impl std::future::Future<Output = Result<Option<Notification>>> + Send + 'static {
         let ep = self.clone();
-        let deadline = Instant::now() + timeout.min(Duration::from_secs(1 << 32));
+        let deadline = deadline_after(Instant::now(), timeout);
         async move {
             loop {
                 let flag = {
@@ -1842,7 +1842,7 @@ impl Transfer {
         impl FnOnce(Result<TransferReport>) + Send + 'static,
     ) {
         let flag = CompletionFlag::new();
-        let limit = Instant::now() + timeout.min(Duration::from_secs(1 << 32)) * 2 + FLUSH_WAIT;
+        let limit = deadline_after(deadline_after(Instant::now(), timeout), timeout) + FLUSH_WAIT;
         let shared = Arc::new(ReqShared {
             limit,
             flag: flag.clone(),

@@ -4,7 +4,6 @@
 
 use crate::error::{Error, Result};
 use crate::topology::Affinity;
-use std::time::{Duration, Instant};
 
 /// Stripe units are multiples of this many bytes.
 pub(crate) const STRIPE_ALIGN: u64 = 4096;
@@ -12,12 +11,7 @@ pub(crate) const STRIPE_ALIGN: u64 = 4096;
 /// The most messages one request may be cut into.
 pub(crate) const MAX_MESSAGES: u64 = 1 << 22;
 
-/// `start + timeout`: the instant a wait that began at `start` ends. A timeout of more than a
-/// century counts as a century (an `Instant` cannot hold every `Duration`: a plain addition
-/// panics for `Duration::MAX`).
-pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
-    start + timeout.min(Duration::from_secs(1 << 32))
-}
+pub(crate) use crate::completion::deadline_after;
 
 /// One message of a planned request: `len` bytes at `offset` into pair `pair`, on rail `rail`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -289,6 +283,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::VecDeque;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn a_striped_request_spreads_and_notifies_last_on_its_rail() {
