@@ -418,8 +418,36 @@ impl Drop for Handle {
 pub struct TransferListener {
     engine: Engine,
     cm: Listener,
-    /// Rails of endpoints not complete yet, by nonce.
-    partial: Mutex<HashMap<u64, Vec<RailSetup>>>,
+    /// Rails of endpoints not complete yet, by nonce, with when the group's first rail came.
+    /// Bounded (a peer that never completes a group must not hold QPs and memory forever):
+    /// groups older than [`PARTIAL_AGE`] connect timeouts are dropped, and past
+    /// [`MAX_PARTIAL`] groups the oldest goes.
+    partial: Mutex<HashMap<u64, (Instant, Vec<RailSetup>)>>,
+}
+
+/// The most endpoints whose rails are partly connected that a listener keeps.
+pub(crate) const MAX_PARTIAL: usize = 64;
+/// A partly connected endpoint is dropped after this many connect timeouts.
+pub(crate) const PARTIAL_AGE: u32 = 4;
+
+/// Drop the groups that began before `stale` (none when `None`), then the oldest while `max` or
+/// more remain, making room for one more. Returns how many groups were dropped.
+fn prune_partial<T>(
+    groups: &mut HashMap<u64, (Instant, T)>,
+    stale: Option<Instant>,
+    max: usize,
+) -> usize {
+    let before = groups.len();
+    if let Some(stale) = stale {
+        groups.retain(|_, (since, _)| *since >= stale);
+    }
+    while groups.len() >= max.max(1) {
+        let Some(oldest) = groups.iter().min_by_key(|(_, (t, _))| *t).map(|(k, _)| *k) else {
+            break;
+        };
+        groups.remove(&oldest);
+    }
+    before - groups.len()
 }
 
 /// A rail connected and greeted, not yet part of an endpoint.
@@ -723,7 +751,14 @@ impl TransferListener {
                 },
             )?;
             let mut partial = self.partial.lock().unwrap_or_else(|e| e.into_inner());
-            let group = partial.entry(hello.nonce).or_default();
+            if !partial.contains_key(&hello.nonce) {
+                let age = e.config.connect_timeout.saturating_mul(PARTIAL_AGE);
+                let stale = Instant::now().checked_sub(age);
+                prune_partial(&mut partial, stale, MAX_PARTIAL);
+            }
+            let (_, group) = partial
+                .entry(hello.nonce)
+                .or_insert_with(|| (Instant::now(), Vec::new()));
             if group.iter().any(|r| r.hello.rail == hello.rail)
                 || group.first().is_some_and(|r| r.hello.rails != hello.rails)
             {
@@ -736,7 +771,7 @@ impl TransferListener {
             group.push(RailSetup { rail, hello });
             if group.len() == group[0].hello.rails as usize {
                 let nonce = hello_nonce(group);
-                let mut group = partial.remove(&nonce).expect("present");
+                let (_, mut group) = partial.remove(&nonce).expect("present");
                 drop(partial);
                 group.sort_by_key(|r| r.hello.rail);
                 let (rails, hellos): (Vec<Rail>, Vec<Hello>) =
@@ -1942,6 +1977,32 @@ impl std::fmt::Debug for Transferred {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn partial_rail_groups_are_bounded_by_age_and_count() {
+        use std::time::Duration;
+        let t0 = Instant::now();
+        let mut g: HashMap<u64, (Instant, ())> = HashMap::new();
+        for k in 0..10u64 {
+            g.insert(k, (t0 + Duration::from_millis(k), ()));
+        }
+        // Nothing stale, room for one more under a cap of 20: nothing goes.
+        assert_eq!(prune_partial(&mut g, None, 20), 0);
+        // Groups that began before t0 + 3 ms are stale.
+        assert_eq!(
+            prune_partial(&mut g, Some(t0 + Duration::from_millis(3)), 20),
+            3
+        );
+        assert!(!g.contains_key(&2) && g.contains_key(&3));
+        // A cap of 4: the oldest go until three remain (room for the one being added).
+        assert_eq!(prune_partial(&mut g, None, 4), 4);
+        let mut left: Vec<u64> = g.keys().copied().collect();
+        left.sort();
+        assert_eq!(left, vec![7, 8, 9]);
+        // A cap of 0 counts as 1: every group goes, none is kept waiting forever.
+        assert_eq!(prune_partial(&mut g, None, 0), 3);
+        assert!(g.is_empty());
+    }
+
     use super::*;
     use std::future::IntoFuture;
     use std::task::{Context, Poll, Wake, Waker};
