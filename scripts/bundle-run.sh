@@ -62,6 +62,7 @@ if [ $udev = 1 ]; then
   if [ -f scripts/cufile-udev.sh ] && bash scripts/cufile-udev.sh "$GPUDIRECT_TEST_DIR"; then
     GPUDIRECT_BIG_TESTS=1 tests "udev: " "storage_*"
     example "udev: " cufile_roundtrip
+    example "udev: " async_pipeline
   else
     fail=$((fail+1)); failed+=("udev entry"); echo "--- FAILED: writing the udev entry"
   fi

@@ -73,6 +73,17 @@ fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> Option<(Option<i32>, 
 /// The examples whose command lines this file checks, with words their `--help` must contain.
 const HELP: &[(&str, &[&str])] = &[
     (
+        "async_pipeline",
+        &[
+            "--mib",
+            "--chunk-mib",
+            "--deadline-ms",
+            "milliseconds",
+            "PIPELINE_CHUNK_MIB",
+            "GPUDIRECT_TEST_DIR",
+        ],
+    ),
+    (
         "cufile_roundtrip",
         &[
             "--mib",
@@ -141,6 +152,19 @@ type BadCase = (
 #[test]
 fn bad_values_exit_two_naming_the_value() {
     let cases: &[BadCase] = &[
+        ("async_pipeline", &["--chunk-mib", "0"], &[], "'0'"),
+        (
+            "async_pipeline",
+            &["--mib", "12", "--chunk-mib", "8"],
+            &[],
+            "not a multiple",
+        ),
+        (
+            "async_pipeline",
+            &[],
+            &[("PIPELINE_DEADLINE_MS", "soon")],
+            "'soon'",
+        ),
         ("cufile_roundtrip", &["--mib", "0"], &[], "'0'"),
         ("cufile_roundtrip", &["--mib", "many"], &[], "'many'"),
         (

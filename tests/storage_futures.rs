@@ -99,41 +99,57 @@ async fn stream_ordered_io_is_awaited_with_deadlines_and_cancellation() {
     let (_src, put) = h.write_async(&stream, src, 0, 0, n).unwrap().await.unwrap();
     assert_eq!(put, n);
     assert_eq!(std::fs::read(&p).unwrap(), pattern(n, 12));
-    // A deadline that passes first: a host function holds the stream for 300 ms.
+    // A deadline that passes first: a host function holds the stream for 300 ms. The buffer is
+    // made before the hold, and the submission is timed on its own: on two H200s (cuFile 1.15,
+    // compatibility mode) the await ended Ok here, so either the submission itself waited for
+    // the stream or the read did not wait for the hold; the note says which.
     let base = Tracker::global().parked();
-    let _held = s
-        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(300)))
-        .unwrap();
+    let dst = poisoned_bytes(0, n, 0xCD);
+    let hold = Duration::from_millis(300);
+    let _held = s.launch_host_fn(move || std::thread::sleep(hold)).unwrap();
     let t = Instant::now();
-    let e = h
-        .read_async(&stream, poisoned_bytes(0, n, 0xCD), 0, 0, n)
-        .unwrap()
-        .timeout(Duration::from_millis(50))
-        .await
-        .unwrap_err();
-    assert!(matches!(e, Error::Timeout { .. }), "{e}");
-    assert!(
-        t.elapsed() < Duration::from_millis(300),
-        "not a wait for the stream"
-    );
-    assert!(
-        Tracker::global().parked() > base,
-        "the buffer is parked, not freed"
-    );
+    let io = h.read_async(&stream, dst, 0, 0, n).unwrap();
+    let submitted = t.elapsed();
+    let r = io.timeout(Duration::from_millis(50)).await;
+    if submitted >= hold - Duration::from_millis(50) {
+        // The submission waited for the stream: by then the read may be done.
+        println!(
+            "NOTE: cuFileReadAsync returned after {submitted:?}, behind a {hold:?} host \
+             function: the submission waited for the stream; the await then gave {}",
+            if r.is_ok() { "the read" } else { "a timeout" }
+        );
+        if let Ok((dst, got)) = r {
+            assert_eq!(got, n);
+            assert_eq!(dst.to_host(), data);
+        }
+    } else {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(t.elapsed() < hold, "not a wait for the stream");
+        assert!(
+            Tracker::global().parked() > base,
+            "the buffer is parked, not freed"
+        );
+    }
     reaped_to(base).await;
     // Cancellation after one poll: parked, then released once the stream passes it.
-    let _held = s
-        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(100)))
-        .unwrap();
-    let mut f = Box::pin(
-        h.read_async(&stream, poisoned_bytes(0, n, 0xCD), 0, 0, n)
-            .unwrap()
-            .into_future(),
-    );
+    let dst = poisoned_bytes(0, n, 0xCD);
+    let hold = Duration::from_millis(100);
+    let _held = s.launch_host_fn(move || std::thread::sleep(hold)).unwrap();
+    let t = Instant::now();
+    let mut f = Box::pin(h.read_async(&stream, dst, 0, 0, n).unwrap().into_future());
+    let submitted = t.elapsed();
     let first = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
-    assert!(first.is_pending());
-    drop(f);
-    assert!(Tracker::global().parked() > base);
+    if first.is_pending() {
+        drop(f);
+        assert!(Tracker::global().parked() > base);
+    } else {
+        println!("NOTE: the read was complete at its first poll ({submitted:?} to submit)");
+        assert!(
+            submitted >= hold - Duration::from_millis(50),
+            "done before the hold ended"
+        );
+    }
     reaped_to(base).await;
     std::fs::remove_file(&p).unwrap();
 }

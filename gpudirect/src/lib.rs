@@ -8,6 +8,7 @@
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`memory`] | dma-buf export of device memory ([`memory::export_dmabuf`]) |
 //! | all | [`cuda`], [`topology`], [`report`] | GPU attributes ([`cuda::DeviceInfo`]); where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
+//! | RDMA | [`transfer`] | a transfer engine: endpoints over rdma_cm, descriptors, a registration cache, batched one-sided writes and reads with notifications, several NICs |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
@@ -18,8 +19,9 @@
 //! node report; it builds with any set of paths and reports a path whose feature is off as not
 //! built). `serde` (on by default; `report` turns it on) derives `Serialize`/`Deserialize` on what
 //! crosses processes or is written out (IPC handles, remote memory descriptors, queue-pair
-//! endpoints, device attributes, the report). A program that uses only some paths builds only
-//! those: `default-features = false, features = ["rdma", ...]`. [`completion`], [`cuda`],
+//! endpoints, device attributes, the report). `transfer` (on by default; it turns on `rdma` and
+//! `serde`) is the transfer engine over the rdma path. A program that uses only some paths builds
+//! only those: `default-features = false, features = ["rdma", ...]`. [`completion`], [`cuda`],
 //! [`memory`] and [`topology`] are always built. `tokio` (off by default) adds file-descriptor
 //! readiness through tokio's reactor. The CUDA version features (`cuda-12000` ... `cuda-13040`)
 //! only forward to cudarc.
@@ -40,10 +42,13 @@ pub mod rdma;
 pub mod report;
 #[cfg(feature = "storage")]
 pub mod storage;
-// SKIPPED / GPUDIRECT_REQUIRE for the unit tests that need a GPU (the P2P path's).
-#[cfg(all(test, feature = "p2p"))]
+// SKIPPED / GPUDIRECT_REQUIRE for the unit tests that need a GPU (the P2P path's, the transfer
+// engine's staging).
+#[cfg(all(test, any(feature = "p2p", feature = "transfer")))]
 mod testing;
 pub mod topology;
+#[cfg(feature = "transfer")]
+pub mod transfer;
 
 /// The cudarc crate gpudirect is built on, re-exported so callers use the same version and features.
 pub use cudarc;

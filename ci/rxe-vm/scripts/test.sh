@@ -284,6 +284,67 @@ ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between
   [ $c = 0 ] && [ $s = 0 ] || echo "RXE-WARN two-nodes rdma_pingpong rail=$1 size=$2: client $c, server $s: $(grep -h 'error' /tmp/one.log /tmp/srv.log | head -2 | tr '\n' ' ')" >&2
   sed -n 's/^bandwidth: .* RDMA write \([0-9.]*\) MB\/s.*/\1/p' /tmp/one.log
 }
+# --- the transfer engine (examples/transfer.rs --bench, i.e. benches/transfer.rs) beside perftest
+# between the two nodes on rail 0: engine writes and ib_write_bw alternate, five runs each per size
+# (8 MiB per run), medians compared; 8-byte latency beside ib_write_lat (half the round trip,
+# five runs each); registration of 1,000 buffers one by one and in one call. transfer-bench passes
+# when every run of both completed.
+median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END { if (NR) print a[int((NR+1)/2)] }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}'; }
+TSPIN=   # extra arguments of both sides of ours_transfer (the latency setting)
+ours_transfer() {  # ours_transfer ARGS... -> the client's TRANSFER-BENCH line
+  $IP netns exec b timeout 120 transfer --bench --listen 7490 --device rxe_b0 $TSPIN > /tmp/tsrv.log 2>&1 &
+  p=$!; wait_listen b 7490 $p
+  $IP netns exec a timeout 120 transfer --bench --connect 10.77.1.2:7490 --device rxe_a0 $TSPIN "$@" > /tmp/tcli.log 2>&1; c=$?
+  wait $p; s=$?
+  [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
+  grep -h '^TRANSFER-BENCH' /tmp/tcli.log
+}
+pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, rail 0
+  gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
+  $IP netns exec b timeout 120 ib_write_lat -d rxe_b0 -x $gb -s 8 -n $1 -F -p 18530 > /tmp/lsrv.log 2>&1 &
+  p=$!; wait_tcp b 18530 $p
+  $IP netns exec a timeout 120 ib_write_lat -d rxe_a0 -x $ga -s 8 -n $1 -F -p 18530 10.77.1.2 > /tmp/lcli.log 2>&1; c=$?
+  wait $p; s=$?
+  [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/lcli.log /tmp/lsrv.log >&2; return 1; }
+  awk '$1==8 && NF>=6 {print $6; exit}' /tmp/lcli.log
+}
+bench_transfer() {
+  [ -x /usr/bin/transfer ] || return 0
+  tok=0; t=$(now)
+  for sz in 4096 65536 1048576; do
+    it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
+    pws=; ows=
+    for rep in 1 2 3 4 5; do
+      v=$(pt_pair 0 $sz $it) || tok=1; pws="$pws $v"
+      l=$(ours_transfer --size $sz --bytes $((sz * it))) || tok=1
+      v=$(echo "$l" | sed -n 's/.* MBps=\([0-9.]*\).*/\1/p'); ows="$ows $v"
+    done
+    pm=$(echo "$pws" | median); om=$(echo "$ows" | median)
+    echo "RXE-BENCH transfer rail=0 write_bw size=$sz perftest_MBps=${pm:-?} engine_MBps=${om:-?} ratio=$(ratio "$om" "$pm") runs: perftest[$pws ] engine[$ows ]"
+  done
+  pls=; ols=
+  for rep in 1 2 3 4 5; do
+    v=$(pt_lat_pair 500) || tok=1; pls="$pls $v"
+    l=$(ours_transfer --lat --iters 500) || tok=1
+    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); ols="$ols $v"
+  done
+  pm=$(echo "$pls" | median); om=$(echo "$ols" | median)
+  echo "RXE-BENCH transfer rail=0 write_lat size=8 perftest_usec=${pm:-?} engine_usec=${om:-?} ratio(perftest/engine)=$(ratio "$pm" "$om") runs: perftest[$pls ] engine[$ols ]"
+  # The same with the waiting thread polling for up to 5 ms first (EngineConfig::spin), as
+  # ib_write_lat polls: the latency setting, not the default.
+  sls=; TSPIN="--spin-us 5000"
+  for rep in 1 2 3 4 5; do
+    l=$(ours_transfer --lat --iters 500) || tok=1
+    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); sls="$sls $v"
+  done
+  TSPIN=; sm=$(echo "$sls" | median)
+  echo "RXE-BENCH transfer rail=0 write_lat size=8 spin=5ms perftest_usec=${pm:-?} engine_usec=${sm:-?} ratio(perftest/engine)=$(ratio "$pm" "$sm") runs: engine[$sls ]"
+  $IP netns exec a timeout 300 transfer --bench --register --device rxe_a0 --device rxe_a1 > /tmp/treg.log 2>&1 || { cat /tmp/treg.log; tok=1; }
+  sed -n 's/^TRANSFER-BENCH register/RXE-BENCH transfer register/p' /tmp/treg.log
+  echo "TWO-NODES: transfer bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
+  result transfer-bench $tok
+}
 bench_pair() {
   ok=0
   nodes_up || { result perftest-two-nodes 1; return; }
@@ -308,6 +369,7 @@ bench_pair() {
   case "$b0$b1" in *fail*|'') ok=1;; esac
   echo "RXE-BENCH two-nodes rails=0+1 write_bw size=$sz perftest_MBps=$(awk -v a="$b0" -v b="$b1" 'BEGIN{printf "%.2f", a+b}') (rail0 ${b0:-?} + rail1 ${b1:-?}) traffic: $(traffic "$before" "$(sent_bytes)")time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result perftest-two-nodes $ok
+  bench_transfer
 }
 
 while read -r kind name args; do

@@ -124,7 +124,7 @@ pub(crate) use tracker::forked;
     unused_imports,
     reason = "p2p's copy fence no longer polls; the pinned bounce-buffer pool does"
 )]
-pub(crate) use backoff::{LONG_WAIT, poll_until};
+pub(crate) use backoff::{LONG_WAIT, deadline_after, poll_until};
 
 /// Fixtures shared by the tests of this module's files.
 #[cfg(test)]

@@ -53,6 +53,10 @@ pub struct PointerAttributes {
     pub mapped: bool,
     /// `CU_POINTER_ATTRIBUTE_DEVICE_POINTER`: the device address of the pointer.
     pub device_pointer: u64,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: an id the driver gives each allocation, unique for the
+    /// process's life: a new allocation at a reused address gets a new id, so it tells
+    /// allocations apart where addresses cannot.
+    pub buffer_id: u64,
 }
 
 /// `cuPointerGetAttributes(ptr)`: the typed attributes of a device (or mapped host) address.
@@ -78,6 +82,7 @@ pub fn pointer_attributes(ptr: u64) -> Result<PointerAttributes> {
     let mut managed: i32 = 0;
     let mut mapped: i32 = 0;
     let mut dptr: u64 = 0;
+    let mut buffer_id: u64 = 0;
     let mut attrs = [
         A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
@@ -87,8 +92,9 @@ pub fn pointer_attributes(ptr: u64) -> Result<PointerAttributes> {
         A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
         A::CU_POINTER_ATTRIBUTE_MAPPED,
         A::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+        A::CU_POINTER_ATTRIBUTE_BUFFER_ID,
     ];
-    let mut data: [*mut std::ffi::c_void; 8] = [
+    let mut data: [*mut std::ffi::c_void; 9] = [
         (&mut mem_type as *mut u32).cast(),
         (&mut ordinal as *mut i32).cast(),
         (&mut start as *mut u64).cast(),
@@ -97,9 +103,10 @@ pub fn pointer_attributes(ptr: u64) -> Result<PointerAttributes> {
         (&mut managed as *mut i32).cast(),
         (&mut mapped as *mut i32).cast(),
         (&mut dptr as *mut u64).cast(),
+        (&mut buffer_id as *mut u64).cast(),
     ];
-    // SAFETY: eight attributes, each with an out-pointer of the size the driver writes
-    // (CUmemorytype/int/bool-as-int: 4 bytes; addresses and sizes: 8 bytes).
+    // SAFETY: nine attributes, each with an out-pointer of the size the driver writes
+    // (CUmemorytype/int/bool-as-int: 4 bytes; addresses, sizes and the buffer id: 8 bytes).
     unsafe { crate::driver::pointer::attributes(&mut attrs, &mut data, ptr) }?;
     Ok(PointerAttributes {
         memory_type: MemoryType::from_raw(mem_type),
@@ -110,6 +117,7 @@ pub fn pointer_attributes(ptr: u64) -> Result<PointerAttributes> {
         is_managed: managed != 0,
         mapped: mapped != 0,
         device_pointer: dptr,
+        buffer_id,
     })
 }
 

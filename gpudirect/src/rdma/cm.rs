@@ -16,10 +16,9 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-/// `now + timeout`, for any timeout: one of more than a century counts as a century (an
-/// `Instant` cannot hold every `Duration`).
+/// `now + timeout`, for any timeout (see [`crate::completion::deadline_after`]).
 fn deadline_after(timeout: Duration) -> Instant {
-    Instant::now() + timeout.min(Duration::from_secs(1 << 32))
+    crate::completion::deadline_after(Instant::now(), timeout)
 }
 
 fn cmlib() -> Result<&'static cm::Lib> {
@@ -99,6 +98,56 @@ impl Channel {
         .map(Channel)
     }
 
+    /// The next event if one is waiting (acknowledged), without blocking.
+    fn try_next(&self) -> Result<Option<Event>> {
+        let l = cmlib()?;
+        // SAFETY: a live channel.
+        let fd = unsafe { self.0.as_ref().fd };
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; no waiting.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(None);
+            }
+            return Err(Error::Os {
+                call: "poll",
+                source: e,
+            });
+        }
+        if r == 0 || p.revents & libc::POLLIN == 0 {
+            return Ok(None);
+        }
+        self.take(l).map(Some)
+    }
+
+    /// `rdma_get_cm_event` (blocking until one is there) and its ack: the event, read before
+    /// the ack.
+    fn take(&self, l: &cm::Lib) -> Result<Event> {
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: a live channel and an out-pointer.
+        rc("rdma_get_cm_event", unsafe {
+            (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
+        })?;
+        // SAFETY: an event just returned, read before the ack below.
+        let e = unsafe {
+            Event {
+                kind: (*ev).event,
+                status: (*ev).status,
+                id: (*ev).id,
+                listen_id: (*ev).listen_id,
+            }
+        };
+        // SAFETY: acknowledges that event once.
+        unsafe { (l.rdma_ack_cm_event)(ev) };
+        Ok(e)
+    }
+
     /// The next event, within `timeout`, acknowledged; it must be `expected`.
     fn wait(
         &self,
@@ -137,22 +186,7 @@ impl Channel {
             }
             break;
         }
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: a live channel and an out-pointer.
-        rc("rdma_get_cm_event", unsafe {
-            (l.rdma_get_cm_event)(self.0.as_ptr(), &mut ev)
-        })?;
-        // SAFETY: an event just returned, read before the ack below.
-        let e = unsafe {
-            Event {
-                kind: (*ev).event,
-                status: (*ev).status,
-                id: (*ev).id,
-                listen_id: (*ev).listen_id,
-            }
-        };
-        // SAFETY: acknowledges that event once.
-        unsafe { (l.rdma_ack_cm_event)(ev) };
+        let e = self.take(l)?;
         if e.kind != expected {
             if e.kind == cm::RDMA_CM_EVENT_CONNECT_REQUEST && !e.listen_id.is_null() {
                 // A request we do not take: refuse it so the peer does not wait.
@@ -378,6 +412,26 @@ impl Listener {
     #[doc(alias = "rdma_get_cm_event")]
     #[doc(alias = "rdma_migrate_id")]
     pub fn accept(&self, opts: &ConnectOptions) -> Result<Connection> {
+        self.accept_inner(opts, None)
+    }
+
+    /// [`accept`](Self::accept) on the caller's protection domain and completion queues: `home`
+    /// is called with the name of the verbs device the request arrived on and returns the
+    /// [`QpResources`] on that device (`opts.cq_depth` and `opts.recv_channel` are then not used).
+    ///
+    /// # Errors
+    ///
+    /// As [`accept`](Self::accept); whatever `home` returns; [`Error::InvalidArgument`] when the
+    /// protection domain is on another device.
+    pub fn accept_with(
+        &self,
+        opts: &ConnectOptions,
+        mut home: impl FnMut(&str) -> Result<QpResources>,
+    ) -> Result<Connection> {
+        self.accept_inner(opts, Some(&mut home))
+    }
+
+    fn accept_inner(&self, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<Connection> {
         let l = cmlib()?;
         let ev = self.ch.wait(
             "rdma_listen",
@@ -390,7 +444,7 @@ impl Listener {
         rc("rdma_migrate_id", unsafe {
             (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr())
         })?;
-        let (parts, qp) = Parts::new(&id, opts)?;
+        let (parts, qp) = Parts::new(&id, opts, home)?;
         let qp = id.to_rts(qp)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
@@ -413,6 +467,26 @@ impl std::fmt::Debug for Listener {
 const HS_TAG: u64 = u64::MAX - 1;
 const HS_HALF: usize = 64;
 
+/// What a connection's queue pair is built on when the caller brings it
+/// ([`Connection::connect_with`], [`Listener::accept_with`]): a protection domain whose
+/// registrations the connection can use (several connections share them), and the two completion
+/// queues, which may report to a completion channel of the caller's.
+///
+/// The queue pair takes one entry of `send_cq` for its teardown and one receive of its receive
+/// queue for the descriptor exchange (see [Capacity](super#capacity)).
+#[derive(Debug)]
+pub struct QpResources {
+    /// The protection domain, on the device rdma_cm picked for the connection.
+    pub pd: ProtectionDomain,
+    /// The CQ of sends, RDMA and atomics, on the same device.
+    pub send_cq: CompletionQueue,
+    /// The CQ of receives, on the same device.
+    pub recv_cq: CompletionQueue,
+}
+
+/// The caller's choice of resources for a connection ([`QpResources`]), if any.
+type HomeFn<'a> = Option<&'a mut dyn FnMut(&str) -> Result<QpResources>>;
+
 struct Parts {
     ctx: Context,
     pd: ProtectionDomain,
@@ -426,20 +500,41 @@ struct Parts {
 impl Parts {
     /// The objects of a connection on the device rdma_cm bound `id` to, and its queue pair in
     /// INIT (with the access `opts` allows peers) with the descriptor exchange's receive posted.
-    fn new(id: &Id, opts: &ConnectOptions) -> Result<(Parts, QueuePair<Init>)> {
+    /// `home` gives the PD and CQs for the device's name; `None` opens the device and makes
+    /// them here.
+    fn new(id: &Id, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<(Parts, QueuePair<Init>)> {
         let name = id.device_name()?;
-        let list = DeviceList::non_empty()?;
-        let ctx = Context::open(&list.find(&name)?)?;
-        let dev = ctx.query_device()?;
-        let pd = ctx.alloc_pd()?;
-        let depth = opts.cq_entries()?;
-        let channel = if opts.recv_channel {
-            Some(ctx.create_comp_channel()?)
-        } else {
-            None
+        let (ctx, pd, send_cq, recv_cq, channel) = match home {
+            Some(home) => {
+                let r = home(&name)?;
+                let ctx = r.pd.context();
+                if ctx.name() != name {
+                    return Err(Error::invalid(
+                        "resources",
+                        ctx.name(),
+                        format!(
+                            "rdma_cm routed the connection through device {name}: the protection domain must be on it"
+                        ),
+                    ));
+                }
+                (ctx, r.pd, r.send_cq, r.recv_cq, None)
+            }
+            None => {
+                let list = DeviceList::non_empty()?;
+                let ctx = Context::open(&list.find(&name)?)?;
+                let pd = ctx.alloc_pd()?;
+                let depth = opts.cq_entries()?;
+                let channel = if opts.recv_channel {
+                    Some(ctx.create_comp_channel()?)
+                } else {
+                    None
+                };
+                let send_cq = ctx.create_cq(depth, None)?;
+                let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
+                (ctx, pd, send_cq, recv_cq, channel)
+            }
         };
-        let send_cq = ctx.create_cq(depth, None)?;
-        let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
+        let dev = ctx.query_device()?;
         let qp: QueuePair<Reset> = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
         let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
         let rd_atomic = (opts.rd_atomic as u32)
@@ -475,16 +570,21 @@ impl Parts {
 
     fn finish(self, qp: QueuePair<Rts>, id: Id, ch: Channel) -> Connection {
         Connection {
-            qp: Some(qp),
-            send_cq: self.send_cq,
-            recv_cq: self.recv_cq,
-            channel: self.channel,
-            hs: self.hs,
+            parts: Some(ConnectionParts {
+                qp,
+                send_cq: self.send_cq,
+                recv_cq: self.recv_cq,
+                pd: self.pd,
+                link: CmLink {
+                    hs: self.hs,
+                    channel: self.channel,
+                    ctx: self.ctx,
+                    disconnected: false,
+                    id,
+                    ch,
+                },
+            }),
             hs_pending: true,
-            pd: self.pd,
-            ctx: self.ctx,
-            id,
-            _ch: ch,
         }
     }
 }
@@ -492,16 +592,118 @@ impl Parts {
 /// A connected RC queue pair with its two CQs, from [`Listener::accept`] or
 /// [`Connection::connect`]. Dropping it disconnects, then drops the QP (which drains).
 pub struct Connection {
-    qp: Option<QueuePair<Rts>>,
-    send_cq: CompletionQueue,
-    recv_cq: CompletionQueue,
-    channel: Option<CompletionChannel>,
-    hs: MemoryRegion<Local>,
+    /// Present until drop or [`Connection::into_parts`].
+    parts: Option<ConnectionParts>,
     hs_pending: bool,
-    pd: ProtectionDomain,
+}
+
+/// A connection taken apart ([`Connection::into_parts`]): the queue pair and its CQs for the
+/// caller to drive, and the rdma_cm side ([`CmLink`]), which disconnects when dropped. Dropped as
+/// a whole, the queue pair goes first (error state, drain, destroy), then the CQs, the PD and the
+/// link.
+#[derive(Debug)]
+pub struct ConnectionParts {
+    /// The queue pair, in RTS.
+    pub qp: QueuePair<Rts>,
+    /// The CQ of sends, RDMA and atomics.
+    pub send_cq: CompletionQueue,
+    /// The CQ of receives.
+    pub recv_cq: CompletionQueue,
+    /// The protection domain.
+    pub pd: ProtectionDomain,
+    /// The rdma_cm id and its event channel.
+    pub link: CmLink,
+}
+
+/// The rdma_cm side of a connection: its id and event channel, through which the peer's
+/// disconnect arrives ([`CmLink::next_event`]). Dropping it disconnects (`rdma_disconnect`) and
+/// destroys the id.
+pub struct CmLink {
+    hs: MemoryRegion<Local>,
+    channel: Option<CompletionChannel>,
     ctx: Context,
+    disconnected: bool,
     id: Id,
-    _ch: Channel,
+    ch: Channel,
+}
+
+/// An rdma_cm event on an established connection ([`CmLink::next_event`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CmLinkEvent {
+    /// The event's C name, such as `RDMA_CM_EVENT_DISCONNECTED`.
+    pub name: &'static str,
+    /// Its status (a negative errno, or 0).
+    pub status: i32,
+}
+
+impl CmLinkEvent {
+    /// Whether the connection is gone: the peer disconnected (or its process ended) or the
+    /// device was removed.
+    pub fn ends_connection(&self) -> bool {
+        matches!(
+            self.name,
+            "RDMA_CM_EVENT_DISCONNECTED" | "RDMA_CM_EVENT_DEVICE_REMOVAL"
+        )
+    }
+}
+
+impl CmLink {
+    /// The verbs device of the connection.
+    pub fn device(&self) -> &str {
+        self.ctx.name()
+    }
+
+    /// `rdma_get_cm_event` without blocking: the next event of the connection (acknowledged), or
+    /// `None` when none is waiting. The link's fd ([`AsFd`](std::os::fd::AsFd)) is readable while
+    /// one is.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `poll` or `rdma_get_cm_event`.
+    #[doc(alias = "rdma_get_cm_event")]
+    pub fn next_event(&self) -> Result<Option<CmLinkEvent>> {
+        Ok(self.ch.try_next()?.map(|e| CmLinkEvent {
+            name: event_name(e.kind),
+            status: e.status,
+        }))
+    }
+
+    /// `rdma_disconnect`, once (dropping the link does it too). Errors (already disconnected)
+    /// are ignored.
+    #[doc(alias = "rdma_disconnect")]
+    pub fn disconnect(&mut self) {
+        if std::mem::replace(&mut self.disconnected, true) {
+            return;
+        }
+        free_in_parent(cm::lib, |l| {
+            // SAFETY: a live id. Errors (already disconnected) are ignored.
+            unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
+        });
+    }
+}
+
+impl std::os::fd::AsFd for CmLink {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the channel owns its fd for as long as it lives; the borrow is tied to `self`.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.ch.0.as_ref().fd) }
+    }
+}
+
+impl Drop for CmLink {
+    fn drop(&mut self) {
+        self.disconnect();
+        // Then, in field order: the exchange region, the channel, the context, the id and its
+        // event channel.
+    }
+}
+
+impl std::fmt::Debug for CmLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CmLink")
+            .field("device", &self.ctx.name())
+            .field("disconnected", &self.disconnected)
+            .finish()
+    }
 }
 
 impl Connection {
@@ -519,6 +721,31 @@ impl Connection {
     #[doc(alias = "rdma_resolve_route")]
     #[doc(alias = "rdma_establish")]
     pub fn connect(addr: SocketAddr, opts: &ConnectOptions) -> Result<Connection> {
+        Self::connect_inner(addr, opts, None)
+    }
+
+    /// [`connect`](Self::connect) on the caller's protection domain and completion queues:
+    /// `home` is called once the route is resolved, with the name of the verbs device rdma_cm
+    /// picked, and returns the [`QpResources`] on that device (`opts.cq_depth` and
+    /// `opts.recv_channel` are then not used).
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect); whatever `home` returns; [`Error::InvalidArgument`] when
+    /// the protection domain is on another device.
+    pub fn connect_with(
+        addr: SocketAddr,
+        opts: &ConnectOptions,
+        mut home: impl FnMut(&str) -> Result<QpResources>,
+    ) -> Result<Connection> {
+        Self::connect_inner(addr, opts, Some(&mut home))
+    }
+
+    fn connect_inner(
+        addr: SocketAddr,
+        opts: &ConnectOptions,
+        home: HomeFn<'_>,
+    ) -> Result<Connection> {
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
             what: "rdma_cm with an application-created QP".into(),
@@ -554,7 +781,7 @@ impl Connection {
             cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
             opts.timeout,
         )?;
-        let (parts, qp) = Parts::new(&id, opts)?;
+        let (parts, qp) = Parts::new(&id, opts, home)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id with a resolved route and a valid parameter struct.
         rc("rdma_connect", unsafe {
@@ -571,19 +798,23 @@ impl Connection {
         Ok(parts.finish(qp, id, ch))
     }
 
+    fn p(&mut self) -> &mut ConnectionParts {
+        self.parts.as_mut().expect("present until drop")
+    }
+
     /// The queue pair.
     pub fn qp(&mut self) -> &mut QueuePair<Rts> {
-        self.qp.as_mut().expect("present until drop")
+        &mut self.p().qp
     }
 
     /// The CQ of sends, RDMA and atomics.
     pub fn send_cq(&mut self) -> &mut CompletionQueue {
-        &mut self.send_cq
+        &mut self.p().send_cq
     }
 
     /// The CQ of receives.
     pub fn recv_cq(&mut self) -> &mut CompletionQueue {
-        &mut self.recv_cq
+        &mut self.p().recv_cq
     }
 
     /// Split borrows: the QP and both CQs at once.
@@ -594,11 +825,14 @@ impl Connection {
         &mut CompletionQueue,
         &mut CompletionQueue,
     ) {
-        (
-            self.qp.as_mut().expect("present until drop"),
-            &mut self.send_cq,
-            &mut self.recv_cq,
-        )
+        let p = self.p();
+        (&mut p.qp, &mut p.send_cq, &mut p.recv_cq)
+    }
+
+    /// Take the connection apart: the queue pair and CQs to drive directly (with a progress
+    /// thread, across error states), and the rdma_cm link that reports the peer's disconnect.
+    pub fn into_parts(mut self) -> ConnectionParts {
+        self.parts.take().expect("present until drop")
     }
 
     /// Block until the receive CQ has something to poll, or `timeout` passes: arms the CQ
@@ -613,31 +847,38 @@ impl Connection {
     #[doc(alias = "ibv_get_cq_event")]
     pub fn wait_recv(&mut self, timeout: Duration) -> Result<bool> {
         use std::os::fd::{AsFd, AsRawFd};
-        let Some(ch) = &self.channel else {
+        let p = self.parts.as_mut().expect("present until drop");
+        let Some(ch) = &p.link.channel else {
             return Err(Error::invalid(
                 "recv_channel",
                 false,
                 "wait_recv needs ConnectOptions::recv_channel",
             ));
         };
-        self.recv_cq.req_notify(false)?;
+        p.recv_cq.req_notify(false)?;
         // A completion that arrived before arming raises no event: look once more, keeping what
         // is found for the caller's next poll.
         let mut buf = [WorkCompletion::default(); 4];
-        let n = self.recv_cq.inner.poll_into(&mut buf)?;
+        let n = p.recv_cq.inner.poll_into(&mut buf)?;
         if n > 0 {
             for w in &buf[..n] {
-                self.recv_cq.inner.hold(*w);
+                p.recv_cq.inner.hold(*w);
             }
             return Ok(true);
         }
-        let mut p = libc::pollfd {
+        let mut pfd = libc::pollfd {
             fd: ch.as_fd().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
         // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
+        let r = unsafe {
+            libc::poll(
+                &mut pfd,
+                1,
+                timeout.as_millis().min(i32::MAX as u128) as i32,
+            )
+        };
         if r < 0 {
             return Err(Error::last_os("poll"));
         }
@@ -650,12 +891,12 @@ impl Connection {
 
     /// The protection domain: register memory here to use it on this connection.
     pub fn pd(&self) -> &ProtectionDomain {
-        &self.pd
+        &self.parts.as_ref().expect("present until drop").pd
     }
 
     /// The device context.
     pub fn context(&self) -> &Context {
-        &self.ctx
+        &self.parts.as_ref().expect("present until drop").link.ctx
     }
 
     /// Send `mine` to the peer as the first message and return the peer's. Both sides call it
@@ -677,12 +918,10 @@ impl Connection {
             ));
         }
         self.hs_pending = false;
-        self.hs.write_at(HS_HALF, &mine.to_bytes())?;
-        let s = self.hs.slice(HS_HALF..HS_HALF + RemoteMemory::WIRE_LEN)?;
-        self.qp
-            .as_mut()
-            .expect("present")
-            .post_send([SendRequest::send(s).tag(HS_TAG)])?;
+        let p = self.parts.as_mut().expect("present until drop");
+        p.link.hs.write_at(HS_HALF, &mine.to_bytes())?;
+        let s = p.link.hs.slice(HS_HALF..HS_HALF + RemoteMemory::WIRE_LEN)?;
+        p.qp.post_send([SendRequest::send(s).tag(HS_TAG)])?;
         let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
         // Completions that are not the handshake's go back to their own CQ afterwards.
@@ -695,7 +934,7 @@ impl Connection {
                         after: timeout,
                     });
                 }
-                for (cq, is_send) in [(&mut self.send_cq, true), (&mut self.recv_cq, false)] {
+                for (cq, is_send) in [(&mut p.send_cq, true), (&mut p.recv_cq, false)] {
                     for w in cq.poll()? {
                         if w.tag() != HS_TAG {
                             others.push((is_send, *w));
@@ -713,16 +952,12 @@ impl Connection {
             Ok(())
         })();
         for (is_send, w) in others {
-            let cq = if is_send {
-                &self.send_cq
-            } else {
-                &self.recv_cq
-            };
+            let cq = if is_send { &p.send_cq } else { &p.recv_cq };
             cq.inner.hold(w);
         }
         res?;
         let mut b = [0u8; RemoteMemory::WIRE_LEN];
-        self.hs.read_at(0, &mut b)?;
+        p.link.hs.read_at(0, &mut b)?;
         RemoteMemory::from_bytes(&b[..decoded_len(got.unwrap_or(0))])
     }
 }
@@ -734,21 +969,21 @@ fn decoded_len(byte_len: u32) -> usize {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        free_in_parent(cm::lib, |l| {
-            // SAFETY: a live, connected id. Errors (already disconnected) are ignored.
-            unsafe { (l.rdma_disconnect)(self.id.0.as_ptr()) };
-        });
-        // The QP goes first (error state, drain, destroy), then CQs, regions, PD, the id and its
-        // channel, in field order.
-        drop(self.qp.take());
+        if let Some(mut p) = self.parts.take() {
+            // Disconnect first, so the peer learns at once; then the QP goes (error state,
+            // drain, destroy), then CQs, PD and the link, in field order.
+            p.link.disconnect();
+            drop(p);
+        }
     }
 }
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.parts.as_ref();
         f.debug_struct("Connection")
-            .field("device", &self.ctx.name())
-            .field("qp", &self.qp)
+            .field("device", &p.map(|p| p.link.ctx.name()))
+            .field("qp", &p.map(|p| &p.qp))
             .finish()
     }
 }

@@ -147,7 +147,9 @@ mod wr;
 
 pub use crate::error::{GpuMrAttempts, GpuMrPath, GpuMrRefusal, WcStatus};
 pub use async_qp::{AsyncCq, AsyncQueuePair, Completed, Immediates, Messages, Received, WcFuture};
-pub use cm::{ConnectOptions, Connection, Listener};
+pub use cm::{
+    CmLink, CmLinkEvent, ConnectOptions, Connection, ConnectionParts, Listener, QpResources,
+};
 pub use context::{
     AsyncEvent, AsyncEventKind, Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu,
     PortAttr, PortState,

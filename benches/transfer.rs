@@ -1,0 +1,301 @@
+//! Transfer engine figures, each beside the raw baseline a user would compare with.
+//!
+//! ```text
+//! cargo bench --bench transfer                            # registration, then a loopback write sweep
+//! # the same through the transfer example, as the two-node VM run does:
+//! transfer --bench --listen 7480 --device rxe_b0          # the peer (node b)
+//! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --size 65536 --bytes 16777216
+//! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --lat --iters 2000
+//! transfer --bench --register --device rxe_a0 --device rxe_a1
+//! ```
+//!
+//! - Write bandwidth (`TRANSFER-BENCH write_bw size=S MBps=X`, MB of 2^20 bytes as perftest
+//!   prints them): requests of S-byte messages, up to 128 messages outstanding (perftest's
+//!   `ib_write_bw` default depth), messages below 64 KiB batched 64 KiB to a request. The VM
+//!   script runs it alternately with `ib_write_bw` between the two nodes.
+//! - Latency (`TRANSFER-BENCH write_lat size=8 usec=X`): half the round trip of an 8-byte write
+//!   with a notification answered by one (`ib_write_lat` reports the same half round trip).
+//! - Registration (`TRANSFER-BENCH register ...`): 1,000 buffers registered one by one and in one
+//!   call, separate allocations and views of one allocation.
+//!
+//! Without a verbs device it prints `SKIPPED: reason` and exits 0.
+
+use gpudirect::transfer::{Buffer, Engine, EngineConfig, TransferListener, TransferOptions};
+use gpudirect_testing::{Hardware, skip_example};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+const DONE: u32 = 0xD0_0E;
+const LAT: u32 = 0x1A7;
+const MAX: usize = 1 << 20;
+
+struct Args {
+    listen: Option<u16>,
+    connect: Option<String>,
+    devices: Vec<String>,
+    size: usize,
+    bytes: u64,
+    lat: bool,
+    iters: u32,
+    register: bool,
+    spin_us: u64,
+}
+
+fn parse(argv: &[String]) -> Args {
+    let mut a = Args {
+        listen: None,
+        connect: None,
+        devices: Vec::new(),
+        size: 65536,
+        bytes: 16 << 20,
+        lat: false,
+        iters: 2000,
+        register: false,
+        spin_us: 0,
+    };
+    let mut it = argv.iter().cloned();
+    let bad = |w: &str| -> ! {
+        eprintln!("transfer_bench: bad or missing value for {w}");
+        std::process::exit(2)
+    };
+    while let Some(w) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| bad(&w));
+        match w.as_str() {
+            "--listen" => a.listen = Some(val().parse().unwrap_or_else(|_| bad("--listen"))),
+            "--connect" => a.connect = Some(val()),
+            "--device" => a.devices.push(val()),
+            "--size" => a.size = val().parse().unwrap_or_else(|_| bad("--size")),
+            "--bytes" => a.bytes = val().parse().unwrap_or_else(|_| bad("--bytes")),
+            "--iters" => a.iters = val().parse().unwrap_or_else(|_| bad("--iters")),
+            "--spin-us" => a.spin_us = val().parse().unwrap_or_else(|_| bad("--spin-us")),
+            "--lat" => a.lat = true,
+            "--register" => a.register = true,
+            // cargo bench passes --bench; criterion-style filters are ignored.
+            _ => {}
+        }
+    }
+    if a.size == 0 || a.size > MAX {
+        bad("--size (1 to 1048576)");
+    }
+    a
+}
+
+fn engine(a: &Args) -> gpudirect::Result<Engine> {
+    let mut c = EngineConfig::with_devices(&a.devices);
+    c.spin = Duration::from_micros(a.spin_us);
+    Engine::new(c)
+}
+
+/// The peer: a target buffer; answers latency pings, acknowledges the end of a run.
+fn serve(e: &Engine, l: &TransferListener) -> gpudirect::Result<()> {
+    let target = e.register(Buffer::host(vec![0u8; MAX])?)?;
+    let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
+    let peer = ep.peer_descriptors()[0];
+    let one = e.register(Buffer::host(vec![1u8; 8])?)?;
+    loop {
+        let Some(n) = ep.next_notification(TIMEOUT)? else {
+            return Ok(());
+        };
+        let back = if n.tag == LAT { LAT } else { DONE };
+        ep.write(
+            vec![(one.range(0, 8)?, peer.range(0, 8)?)],
+            TransferOptions::notify(back),
+        )?
+        .wait()?;
+        if n.tag == DONE {
+            // Let the peer's NIC acknowledge, then go.
+            std::thread::sleep(Duration::from_millis(300));
+            return Ok(());
+        }
+    }
+}
+
+fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
+    let src = e.register(Buffer::host(vec![0x5au8; MAX])?)?;
+    let ep = e.connect(&[peer], &[src.descriptor()?])?;
+    let dst = ep.peer_descriptors()[0];
+    if a.lat {
+        let mut samples = Vec::with_capacity(a.iters as usize);
+        for _ in 0..a.iters {
+            let t0 = Instant::now();
+            let t = ep.write(
+                vec![(src.range(0, 8)?, dst.range(0, 8)?)],
+                TransferOptions::notify(LAT),
+            )?;
+            let n = ep.next_notification(TIMEOUT)?;
+            samples.push(t0.elapsed());
+            t.wait()?;
+            if n.map(|n| n.tag) != Some(LAT) {
+                return Err(gpudirect::Error::Timeout {
+                    what: "the latency answer",
+                    after: TIMEOUT,
+                });
+            }
+        }
+        let avg = samples.iter().sum::<Duration>() / samples.len() as u32;
+        samples.sort();
+        println!(
+            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={}",
+            avg.as_secs_f64() * 1e6 / 2.0,
+            samples[samples.len() / 2].as_secs_f64() * 1e6 / 2.0,
+            a.iters
+        );
+    } else {
+        let size = a.size as u64;
+        let per_req = (65536 / size).max(1);
+        let msgs = (a.bytes / size).max(20);
+        let reqs = msgs.div_ceil(per_req);
+        let depth = (128 / per_req).max(1) as usize;
+        let slots = MAX as u64 / size;
+        let mut q = VecDeque::new();
+        let t0 = Instant::now();
+        let mut sent = 0u64;
+        for r in 0..reqs {
+            if q.len() == depth {
+                let t: gpudirect::transfer::Transfer = q.pop_front().expect("full");
+                t.wait()?;
+            }
+            let n = per_req.min(msgs - r * per_req);
+            let pairs = (0..n)
+                .map(|k| {
+                    let at = ((r * per_req + k) % slots) * size;
+                    Ok((src.range(at, size)?, dst.range(at, size)?))
+                })
+                .collect::<gpudirect::Result<Vec<_>>>()?;
+            q.push_back(ep.write(pairs, TransferOptions::default())?);
+            sent += n * size;
+        }
+        while let Some(t) = q.pop_front() {
+            t.wait()?;
+        }
+        let dt = t0.elapsed();
+        println!(
+            "TRANSFER-BENCH write_bw size={} MBps={:.2} bytes={} requests={} seconds={:.3}",
+            size,
+            sent as f64 / dt.as_secs_f64() / (1 << 20) as f64,
+            sent,
+            reqs,
+            dt.as_secs_f64()
+        );
+    }
+    ep.write(
+        vec![(src.range(0, 8)?, dst.range(0, 8)?)],
+        TransferOptions::notify(DONE),
+    )?
+    .wait()?;
+    let _ = ep.next_notification(TIMEOUT)?;
+    // Linger so our NIC acknowledges the peer's answer before we go.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(())
+}
+
+/// 1,000 buffers registered one by one and in one call: separate allocations, then views of one
+/// allocation (which one call coalesces into one registration).
+fn register(e: &Engine) -> gpudirect::Result<()> {
+    const N: usize = 1000;
+    const SZ: usize = 4096;
+    let fresh = || -> gpudirect::Result<Vec<Buffer>> {
+        (0..N).map(|_| Buffer::host(vec![0u8; SZ])).collect()
+    };
+    let views = || -> gpudirect::Result<Vec<Buffer>> {
+        let big = Buffer::host(vec![0u8; N * SZ])?;
+        (0..N).map(|i| big.slice(i * SZ, SZ)).collect()
+    };
+    for (what, make) in [("separate", &fresh as &dyn Fn() -> _), ("views", &views)] {
+        let bufs = make()?;
+        let before = e.cache_stats();
+        let t0 = Instant::now();
+        let one: Vec<_> = bufs
+            .into_iter()
+            .map(|b| e.register(b))
+            .collect::<gpudirect::Result<_>>()?;
+        let t_one = t0.elapsed();
+        let mid = e.cache_stats();
+        drop(one);
+        let bufs = make()?;
+        let t0 = Instant::now();
+        let all = e.register_all(bufs)?;
+        let t_all = t0.elapsed();
+        let after = e.cache_stats();
+        drop(all);
+        println!(
+            "TRANSFER-BENCH register buffers={N} bytes={SZ} kind={what} rails={} one_by_one_ms={:.2} batched_ms={:.2} speedup={:.2} registrations_one_by_one={} registrations_batched={}",
+            e.devices().len(),
+            t_one.as_secs_f64() * 1e3,
+            t_all.as_secs_f64() * 1e3,
+            t_one.as_secs_f64() / t_all.as_secs_f64().max(1e-9),
+            mid.registrations - before.registrations,
+            after.registrations - mid.registrations,
+        );
+    }
+    Ok(())
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    std::process::exit(run(&argv));
+}
+
+/// The bench with these arguments; the exit status.
+pub fn run(argv: &[String]) -> i32 {
+    let a = parse(argv);
+    if let Err(e) = gpudirect::rdma::DeviceList::non_empty() {
+        skip_example(Hardware::Rdma, e);
+    }
+    let r = (|| -> gpudirect::Result<()> {
+        let e = engine(&a)?;
+        if let Some(p) = a.listen {
+            let l = e.listen(&format!("0.0.0.0:{p}"))?;
+            return serve(&e, &l);
+        }
+        if let Some(peer) = &a.connect {
+            let until = Instant::now() + Duration::from_secs(60);
+            loop {
+                match client(&e, peer, &a) {
+                    Err(gpudirect::Error::CmEvent { .. }) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    r => return r,
+                }
+            }
+        }
+        register(&e)?;
+        if a.register {
+            return Ok(());
+        }
+        // cargo bench: a loopback sweep over the first device with an IPv4 GID.
+        let list = gpudirect::rdma::DeviceList::non_empty()?;
+        let ip = e.devices().iter().find_map(|n| {
+            let ctx = gpudirect::rdma::Context::open(&list.find(n).ok()?).ok()?;
+            ctx.gid_table(1)
+                .ok()?
+                .into_iter()
+                .find(|g| g.gid.is_ipv4_mapped())
+                .and_then(|g| g.gid.to_ipv6().to_ipv4_mapped())
+        });
+        let Some(ip) = ip else {
+            println!("SKIPPED: no IPv4 address on a verbs device for the loopback sweep");
+            return Ok(());
+        };
+        for size in [4096usize, 65536, 1 << 20] {
+            let l = e.listen(&format!("{ip}:0"))?;
+            let peer = format!("{ip}:{}", l.port());
+            let e2 = e.clone();
+            let srv = std::thread::spawn(move || serve(&e2, &l));
+            let mut b = parse(argv);
+            b.size = size;
+            b.bytes = 8 << 20;
+            client(&e, &peer, &b)?;
+            srv.join().expect("server thread")?;
+        }
+        Ok(())
+    })();
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("transfer_bench: error: {e}");
+            1
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! The engine: the rails' devices and protection domains, the registration cache, and the
+//! settings every endpoint of it uses.
+
+use super::descriptor::MAX_RAILS;
+use super::plan::preferred_rails;
+use super::region::{Cache, CacheStats};
+use crate::error::{Error, Result};
+use crate::rdma::{Context, DeviceList, ProtectionDomain};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How an [`Engine`] is set up. `Default` gives the values documented on each field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// The verbs devices of the rails, in rail order (at most 16). Empty (the default): every
+    /// verbs device, sorted by name; or with [`gpu`](Self::gpu), the NICs nearest that GPU
+    /// first. Memory is registered on every one of them.
+    pub devices: Vec<String>,
+    /// The GPU whose nearest NICs come first (`topology::Placement::nearest_nics`) when
+    /// `devices` is empty. Whatever the order, transfers of GPU memory prefer the rails nearest
+    /// the memory's GPU.
+    pub gpu: Option<usize>,
+    /// Send-queue depth of each rail's queue pair (default 256): the most messages a rail has
+    /// outstanding.
+    pub queue_depth: u32,
+    /// Receives posted for notifications on the notification rail (default 64, at least 4).
+    pub notify_depth: u32,
+    /// The largest message in bytes (default 1 MiB); lowered to the port's `max_msg_sz`.
+    pub max_message: u32,
+    /// Requests of at least this many bytes are striped over the rails (default 512 KiB).
+    pub stripe_min: u64,
+    /// Bound on connecting and on the first message (default 10 s).
+    pub connect_timeout: Duration,
+    /// A transfer's deadline when its options give none (default 30 s).
+    pub deadline: Duration,
+    /// How long a thread waiting for a notification ([`Endpoint::next_notification`](super::Endpoint::next_notification))
+    /// polls the completion queues itself before it sleeps (default 0: nothing spins; the
+    /// progress thread wakes it). A latency setting: it takes a CPU while it lasts.
+    pub spin: Duration,
+    /// Whether GPU memory that cannot be registered with the NIC (pool memory; no dma-buf and
+    /// no nvidia-peermem) moves through pinned host bounce buffers (default `true`); `false`
+    /// refuses it at registration.
+    pub staging: bool,
+    /// Bytes of one staging chunk (default 1 MiB).
+    pub staging_chunk: usize,
+    /// Staging chunks in flight per transfer (default 4, at least 2: one copied while another
+    /// is on the wire).
+    pub staging_slots: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            devices: Vec::new(),
+            gpu: None,
+            queue_depth: 256,
+            notify_depth: 64,
+            max_message: 1 << 20,
+            stripe_min: 512 << 10,
+            connect_timeout: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
+            spin: Duration::ZERO,
+            staging: true,
+            staging_chunk: 1 << 20,
+            staging_slots: 4,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The default settings on these devices (rail order).
+    pub fn with_devices<S: AsRef<str>>(devices: &[S]) -> Self {
+        EngineConfig {
+            devices: devices.iter().map(|d| d.as_ref().to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Check the settings' ranges.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        let bad = |arg, v: String, rule: &str| Err(Error::invalid(arg, v, rule));
+        if self.devices.len() > MAX_RAILS {
+            return bad(
+                "devices",
+                self.devices.len().to_string(),
+                "at most 16 rails",
+            );
+        }
+        if !(2..=1 << 15).contains(&self.queue_depth) {
+            return bad(
+                "queue_depth",
+                self.queue_depth.to_string(),
+                "2 to 32768 messages",
+            );
+        }
+        if !(4..=4096).contains(&self.notify_depth) {
+            return bad(
+                "notify_depth",
+                self.notify_depth.to_string(),
+                "4 to 4096 receives",
+            );
+        }
+        if self.max_message < 4096 || self.max_message > 1 << 30 {
+            return bad(
+                "max_message",
+                self.max_message.to_string(),
+                "4 KiB to 1 GiB",
+            );
+        }
+        if self.staging_slots < 2 || self.staging_slots > 64 {
+            return bad(
+                "staging_slots",
+                self.staging_slots.to_string(),
+                "2 to 64 chunks",
+            );
+        }
+        if self.staging_chunk < 4096 || self.staging_chunk > 1 << 30 {
+            return bad(
+                "staging_chunk",
+                self.staging_chunk.to_string(),
+                "4 KiB to 1 GiB",
+            );
+        }
+        if self.staging_chunk.checked_mul(self.staging_slots).is_none() {
+            return bad(
+                "staging_chunk",
+                self.staging_chunk.to_string(),
+                "chunk times slots overflows",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One rail's device: its context and protection domain (every registration lives here).
+pub(crate) struct RailDevice {
+    pub(crate) name: String,
+    pub(crate) ctx: Context,
+    pub(crate) pd: ProtectionDomain,
+    /// The port's largest message.
+    pub(crate) max_msg: u32,
+}
+
+pub(crate) struct EngineInner {
+    pub(crate) config: EngineConfig,
+    pub(crate) devices: Vec<RailDevice>,
+    pub(crate) cache: Mutex<Cache>,
+    pub(crate) stats: CacheStats,
+    /// Preferred devices per GPU ordinal, computed once.
+    prefer: Mutex<HashMap<usize, Vec<usize>>>,
+    /// GPUs whose memory this engine registered for peers to write: flushed before a
+    /// notification is delivered.
+    gpu_targets: Mutex<Vec<usize>>,
+    next_id: AtomicU64,
+    /// This engine among the process's engines (never reused): what its registrations carry.
+    pub(crate) engine_id: u64,
+}
+
+/// Engines made so far in the process.
+static ENGINES: AtomicU64 = AtomicU64::new(1);
+
+impl EngineInner {
+    /// The largest message on every rail.
+    pub(crate) fn max_message(&self) -> u32 {
+        self.devices
+            .iter()
+            .map(|d| d.max_msg)
+            .fold(self.config.max_message, u32::min)
+    }
+
+    /// Engine devices nearest GPU `ordinal` (every device when that cannot be told).
+    pub(crate) fn preferred_for(&self, ordinal: Option<usize>) -> Vec<usize> {
+        let all = || (0..self.devices.len()).collect();
+        let Some(o) = ordinal else { return all() };
+        let mut m = self.prefer.lock().unwrap_or_else(|e| e.into_inner());
+        m.entry(o)
+            .or_insert_with(|| match crate::topology::Placement::of_gpu(o) {
+                Ok(p) => {
+                    let aff: Vec<_> = self
+                        .devices
+                        .iter()
+                        .map(|d| p.nic(&d.name).affinity)
+                        .collect();
+                    preferred_rails(&aff)
+                }
+                Err(_) => all(),
+            })
+            .clone()
+    }
+
+    /// A process-unique id (endpoint nonces, request ids).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// GPUs whose memory peers may have written (see `gpu_targets`).
+    pub(crate) fn gpu_targets(&self) -> Vec<usize> {
+        self.gpu_targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Note that GPU `ordinal` has memory registered for peers.
+    pub(crate) fn add_gpu_target(&self, ordinal: usize) {
+        let mut v = self.gpu_targets.lock().unwrap_or_else(|e| e.into_inner());
+        if !v.contains(&ordinal) {
+            v.push(ordinal);
+        }
+    }
+
+    pub(crate) fn device_index(&self, name: &str) -> Option<usize> {
+        self.devices.iter().position(|d| d.name == name)
+    }
+}
+
+/// A transfer engine: the rails (verbs devices, each with its protection domain), the
+/// registration cache, and the settings of its endpoints. Cheap to clone.
+///
+/// ```no_run
+/// use gpudirect::transfer::{Buffer, Engine, EngineConfig};
+/// # fn main() -> gpudirect::Result<()> {
+/// let engine = Engine::new(EngineConfig::with_devices(&["mlx5_0", "mlx5_1"]))?;
+/// let region = engine.register(Buffer::host(vec![0u8; 1 << 20])?)?;
+/// let desc = region.descriptor()?; // for the peer
+/// # let _ = desc;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) inner: Arc<EngineInner>,
+}
+
+impl Engine {
+    /// Open the rails' devices and allocate a protection domain on each.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for settings out of range ([`EngineConfig::check`]) or a
+    /// device named twice; [`Error::Load`] without libibverbs; [`Error::NoDevice`] without a
+    /// verbs device or for a name no device has; [`Error::Os`] from opening a device.
+    #[doc(alias = "ibv_open_device")]
+    #[doc(alias = "ibv_alloc_pd")]
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        config.check()?;
+        let list = DeviceList::non_empty()?;
+        let mut names = config.devices.clone();
+        if names.is_empty() {
+            let mut all: Vec<String> = list.iter().map(|d| d.name()).collect();
+            all.sort();
+            if let Some(g) = config.gpu
+                && let Ok(p) = crate::topology::Placement::of_gpu(g)
+            {
+                let order: Vec<String> = p.nearest_nics().into_iter().map(|n| n.name).collect();
+                all.sort_by_key(|n| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+            }
+            all.truncate(MAX_RAILS);
+            names = all;
+        }
+        for (i, n) in names.iter().enumerate() {
+            if names[..i].contains(n) {
+                return Err(Error::invalid(
+                    "devices",
+                    n,
+                    "each device is one rail: named once",
+                ));
+            }
+        }
+        let mut devices = Vec::with_capacity(names.len());
+        for n in &names {
+            let ctx = Context::open(&list.find(n)?)?;
+            let pd = ctx.alloc_pd()?;
+            let max_msg = ctx
+                .query_port(1)
+                .map(|p| p.max_msg_sz)
+                .ok()
+                .filter(|&m| m > 0)
+                .unwrap_or(u32::MAX);
+            devices.push(RailDevice {
+                name: n.clone(),
+                ctx,
+                pd,
+                max_msg,
+            });
+        }
+        Ok(Engine {
+            inner: Arc::new(EngineInner {
+                config,
+                devices,
+                cache: Mutex::new(Cache::default()),
+                stats: CacheStats::default(),
+                prefer: Mutex::new(HashMap::new()),
+                gpu_targets: Mutex::new(Vec::new()),
+                next_id: AtomicU64::new(1),
+                engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
+            }),
+        })
+    }
+
+    /// The rails' device names, in rail order (the order of every descriptor's rkeys).
+    pub fn devices(&self) -> Vec<String> {
+        self.inner.devices.iter().map(|d| d.name.clone()).collect()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("devices", &self.devices())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_checked() {
+        assert!(EngineConfig::default().check().is_ok());
+        let bad = [
+            EngineConfig {
+                queue_depth: 1,
+                ..Default::default()
+            },
+            EngineConfig {
+                notify_depth: 2,
+                ..Default::default()
+            },
+            EngineConfig {
+                max_message: 100,
+                ..Default::default()
+            },
+            EngineConfig {
+                staging_slots: 1,
+                ..Default::default()
+            },
+            EngineConfig {
+                staging_chunk: usize::MAX / 2,
+                staging_slots: 4,
+                ..Default::default()
+            },
+            EngineConfig::with_devices(&vec!["x"; 17]),
+        ];
+        for c in bad {
+            assert!(
+                matches!(c.check(), Err(Error::InvalidArgument { .. })),
+                "{c:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_verbs_is_a_typed_error() {
+        if crate::rdma::DeviceList::non_empty().is_err() {
+            let e = Engine::new(EngineConfig::default()).unwrap_err();
+            assert!(e.absence().is_some(), "{e}");
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! A transfer engine: one-sided reads and writes between nodes, with notifications, a
+//! registration cache and several NICs (rails).
+//!
+//! ```no_run
+//! use gpudirect::transfer::{Buffer, Engine, EngineConfig, TransferOptions};
+//! use std::time::Duration;
+//! # fn main() -> gpudirect::Result<()> {
+//! let engine = Engine::new(EngineConfig::with_devices(&["mlx5_0", "mlx5_1"]))?;
+//! let src = engine.register(Buffer::host(vec![7u8; 4 << 20])?)?;
+//! // The peer listens (`engine.listen("0.0.0.0:7400")?.accept(&[its descriptors], timeout)`).
+//! let ep = engine.connect(&["node1-rail0:7400", "node1-rail1:7400"], &[])?;
+//! let dst = ep.peer_descriptors()[0];
+//! let done = ep
+//!     .write(vec![(src.all(), dst.range(0, 4 << 20)?)], TransferOptions::notify(42))?
+//!     .wait()?;
+//! println!("{} bytes over rails {:?} at {:.2} GB/s via {}", done.bytes, done.rails_used(),
+//!          done.gbps(), done.paths[0]);
+//! # Ok(()) }
+//! ```
+//!
+//! # The pieces
+//!
+//! - An [`Engine`] opens the rails' verbs devices (a protection domain on each) and holds the
+//!   registration cache. [`Engine::register`] takes a [`Buffer`] (host memory or GPU memory, by
+//!   value, or a view of one) and gives a [`Region`] registered on every rail; it reuses a
+//!   registration that already covers the range (same memory identity: the buffer, or for GPU
+//!   memory the allocation's `CU_POINTER_ATTRIBUTE_BUFFER_ID`, so a new allocation at a reused
+//!   address never finds a stale one). Registrations are reference counted: they go with the
+//!   last region and transfer using them, and hold the memory until then.
+//!   [`Engine::register_all`] registers many in one call.
+//! - A [`MemoryDescriptor`] says how a peer reaches a region: address, length, memory kind, one
+//!   rkey per rail. It travels in an endpoint's first message or through any channel (serde, or
+//!   [`MemoryDescriptor::to_bytes`]); from a peer it is untrusted and checked field by field.
+//! - An [`Endpoint`] connects to one peer through rdma_cm ([`Engine::connect`] to `host:port`
+//!   per rail, [`Engine::listen`] + [`TransferListener::accept`]): one reliable queue pair per
+//!   rail, each on its own device, and a progress thread that sleeps on the rails' completion
+//!   channels (a bounded `poll(2)`: it wakes for completions, the peer's disconnect, a deadline,
+//!   or a request that waits for room), never spinning; [`EngineConfig::spin`] lets a thread
+//!   waiting for a notification poll for a while first.
+//! - A request ([`Endpoint::write`], [`Endpoint::read`]) is a batch of (local range, remote
+//!   range) pairs; it returns a [`Transfer`] to wait on (with the request's deadline), to
+//!   `.await` (it is `IntoFuture`), or to hand on as an
+//!   [`InFlight`](crate::completion::InFlight) whose fence is the request's
+//!   [`CompletionFlag`](crate::completion::CompletionFlag).
+//!
+//! # Messages, rails and the window
+//!
+//! A request is cut into messages of at most the largest message (the smaller of
+//! [`EngineConfig::max_message`], the ports' `max_msg_sz` and the peer's). Requests of at least
+//! [`EngineConfig::stripe_min`] bytes are striped: cut into stripe units (each rail's share,
+//! rounded up to 4 KiB) spread over the rails, each to the least loaded. GPU memory prefers the
+//! rails whose NICs are nearest its GPU (same PCIe switch, then same NUMA node; every rail when
+//! the placement is unknown, as for software devices). Per-rail byte and message counters:
+//! [`Endpoint::rail_stats`].
+//!
+//! Each rail has at most its window of messages outstanding: its send-queue depth, and its send
+//! completion queue's entries less the one its queue pair keeps for teardown. What does not fit
+//! waits in the endpoint's queue, in order, and is posted as completions come back, so a
+//! queue or completion queue is never found full.
+//!
+//! # Notifications
+//!
+//! With [`TransferOptions::notify`], the request's last message is an RDMA write with immediate
+//! data carrying the tag, on rail 0. RDMA writes on one queue pair are placed in order, so the
+//! bytes of the request's messages on rail 0 are in memory before the peer sees the immediate;
+//! the messages on other rails are waited for first (their completions mean the peer's NIC
+//! acknowledged them). Notifications leave in request order on one rail, so they arrive in
+//! order. The receiving side delivers them ([`Endpoint::next_notification`], or awaited:
+//! [`Endpoint::notification`]) only after flushing the GPUs whose memory it registered for peers
+//! (`cuFlushGPUDirectRDMAWrites`, skipped where the device already orders such writes).
+//!
+//! A write with immediate consumes a receive at the peer. Each side posts receives on rail 0 and
+//! tells the other how many; a notification is sent only against a credit, and credits come back
+//! in a send with immediate once half are used (one credit is always kept for that message), so
+//! the peer never finds no receive posted: no receiver-not-ready retries.
+//!
+//! # Memory paths
+//!
+//! Each [`TransferReport`] says, per pair, how the local memory reached the NIC
+//! ([`MemoryPath`]): host memory; GPU memory registered directly (dma-buf or nvidia-peermem);
+//! or GPU memory staged through pinned host bounce buffers, when it cannot be registered (pool
+//! memory; a node with neither dma-buf nor nvidia-peermem): the copy of one chunk overlaps the
+//! network transfer of the chunk before. A VMM buffer made of several physical chunks is
+//! registered whole through dma-buf, or refused at registration with an error naming the chunk.
+//!
+//! # Failure
+//!
+//! A request ends within its deadline: when it passes, the endpoint is closed (on a reliable
+//! connection nothing behind a stuck message moves), every queue pair goes to the error state,
+//! and every request ends with a typed error once the NIC has flushed its messages (or a short
+//! bound later: the queue pairs keep the memory the NIC may still reach). A peer that
+//! disconnects (its process ended) ends the endpoint with [`Error::CmEvent`](crate::Error::CmEvent);
+//! a wrong rkey or range with [`Error::WorkCompletion`](crate::Error::WorkCompletion). Other
+//! endpoints carry on. [`Endpoint::reconnect`] connects the side that dialled again.
+
+// Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
+// engine, registry, endpoint, staging, request.
+mod copy;
+mod descriptor;
+mod endpoint;
+mod engine;
+mod plan;
+mod region;
+mod registry;
+mod request;
+mod staging;
+mod wire;
+
+pub use descriptor::{
+    DESCRIPTOR_VERSION, DescribedKind, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor, RemoteRange,
+    decode_list, encode_list,
+};
+pub use endpoint::{
+    Direction, Endpoint, Notification, RailStats, Transfer, TransferListener, TransferOptions,
+    TransferReport, Transferred,
+};
+pub use engine::{Engine, EngineConfig};
+pub use region::{Buffer, CacheCounters, LocalRange, MemoryPath, Region};

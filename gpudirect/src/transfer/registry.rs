@@ -1,0 +1,403 @@
+//! Registration: buffers registered on every rail through the cache ([`Engine::register`],
+//! [`Engine::register_all`]).
+
+use super::engine::{Engine, EngineInner};
+use super::region::{
+    Backing, Buffer, CacheCounters, DeviceSlice, Entry, HostSlice, Identity, MemoryPath, RailMr,
+    Region, chunks_within, coalesce,
+};
+use crate::error::{Error, Result};
+use crate::memory::MemoryKind;
+use crate::rdma::{AccessFlags, GpuRegistration};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// What every registration allows: the NIC reads and writes it for local and remote requests.
+fn access() -> AccessFlags {
+    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+}
+
+/// A buffer's identity and address range, before registration.
+struct Want {
+    id: Identity,
+    start: u64,
+    len: u64,
+    ordinal: Option<usize>,
+    kind: Option<MemoryKind>,
+}
+
+fn want(b: &Buffer) -> Result<Want> {
+    match &*b.backing {
+        Backing::Host { .. } => Ok(Want {
+            id: Identity::Host {
+                backing: Arc::as_ptr(&b.backing) as usize,
+            },
+            start: b.addr(),
+            len: b.len as u64,
+            ordinal: None,
+            kind: None,
+        }),
+        Backing::Device(d) => {
+            let kind = d.kind();
+            let ordinal = d.ordinal();
+            let id = if kind == MemoryKind::Pool {
+                // Pool memory is never registered: keyed like host memory, by its backing.
+                Identity::Host {
+                    backing: Arc::as_ptr(&b.backing) as usize,
+                }
+            } else {
+                let a = crate::memory::pointer_attributes(d.ptr())?;
+                Identity::Device {
+                    ordinal,
+                    buffer_id: a.buffer_id,
+                }
+            };
+            Ok(Want {
+                id,
+                start: b.addr(),
+                len: b.len as u64,
+                ordinal: Some(ordinal),
+                kind: Some(kind),
+            })
+        }
+    }
+}
+
+impl Engine {
+    /// Register `buf` on every rail, or reuse a registration that already covers it: one whose
+    /// memory has the same identity (the same buffer, or for GPU memory the same allocation by
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`) and whose range holds this one. A new allocation at a
+    /// reused address is a new identity: it never finds a stale registration.
+    ///
+    /// GPU memory is registered through dma-buf or nvidia-peermem (automatic order); a VMM
+    /// buffer of several physical chunks only whole, through dma-buf. Memory that cannot be
+    /// registered (pool memory; a node without dma-buf or nvidia-peermem) is
+    /// [staged](MemoryPath::Staged) when [`EngineConfig::staging`](super::EngineConfig::staging)
+    /// allows.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotRdmaCapable`] naming the chunk for a VMM range of several chunks that dma-buf
+    /// cannot register whole; [`Error::NoGpuRegistrationPath`] / [`Error::NotRdmaCapable`] when
+    /// staging is off; [`Error::Os`] from `ibv_reg_mr` (`ENOMEM`: the memlock limit); errors of
+    /// the pointer-attribute query.
+    #[doc(alias = "ibv_reg_mr")]
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub fn register(&self, buf: Buffer) -> Result<Region> {
+        Ok(self
+            .register_inner(vec![buf], false)?
+            .pop()
+            .expect("one region"))
+    }
+
+    /// Register many buffers in one call: as [`register`](Self::register) for each, with the
+    /// cache lookups under one lock, the ranges of one memory identity that overlap or touch
+    /// coalesced into one registration (each rkey then reaches the whole coalesced range:
+    /// register separately to keep ranges apart), and the rails registered in parallel. All or
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`register`](Self::register), for the first buffer that fails (nothing is kept).
+    pub fn register_all(&self, bufs: Vec<Buffer>) -> Result<Vec<Region>> {
+        self.register_inner(bufs, true)
+    }
+
+    /// What the registration cache has done so far.
+    pub fn cache_stats(&self) -> CacheCounters {
+        let s = &self.inner.stats;
+        let live = self
+            .inner
+            .cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .live();
+        CacheCounters {
+            hits: s.hits.load(Ordering::Relaxed),
+            misses: s.misses.load(Ordering::Relaxed),
+            registrations: s.registered.load(Ordering::Relaxed),
+            live,
+        }
+    }
+
+    fn register_inner(&self, bufs: Vec<Buffer>, batch: bool) -> Result<Vec<Region>> {
+        let inner = &*self.inner;
+        // Identities: one attribute query per backing.
+        let mut by_backing: HashMap<usize, (Identity, Option<usize>, Option<MemoryKind>)> =
+            HashMap::new();
+        let mut wants = Vec::with_capacity(bufs.len());
+        for b in &bufs {
+            let key = Arc::as_ptr(&b.backing) as usize;
+            let w = match by_backing.get(&key) {
+                Some(&(id, ordinal, kind)) => Want {
+                    id,
+                    start: b.addr(),
+                    len: b.len as u64,
+                    ordinal,
+                    kind,
+                },
+                None => {
+                    let w = want(b)?;
+                    by_backing.insert(key, (w.id, w.ordinal, w.kind));
+                    w
+                }
+            };
+            wants.push(w);
+        }
+        let mut cache = inner.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut found: Vec<Option<Arc<Entry>>> = wants
+            .iter()
+            .map(|w| cache.lookup(w.id, w.start, w.len))
+            .collect();
+        let hits = found.iter().filter(|f| f.is_some()).count() as u64;
+        let misses = found.len() as u64 - hits;
+        // What to register: per identity, the missing ranges (coalesced in a batch).
+        let mut groups: HashMap<Identity, Vec<(u64, u64, usize)>> = HashMap::new();
+        for (i, w) in wants.iter().enumerate() {
+            if found[i].is_none() {
+                groups.entry(w.id).or_default().push((w.start, w.len, i));
+            }
+        }
+        let mut jobs: Vec<(u64, u64, Vec<usize>)> = Vec::new();
+        for (_, ranges) in groups {
+            if batch {
+                jobs.extend(coalesce(ranges));
+            } else {
+                jobs.extend(ranges.into_iter().map(|(s, l, i)| (s, l, vec![i])));
+            }
+        }
+        jobs.sort_by_key(|j| j.2[0]);
+        let entries = self.register_jobs(&bufs, &wants, &jobs, batch)?;
+        for (job, e) in jobs.iter().zip(entries) {
+            cache.insert(&e);
+            for &i in &job.2 {
+                found[i] = Some(e.clone());
+            }
+        }
+        drop(cache);
+        inner.stats.hits.fetch_add(hits, Ordering::Relaxed);
+        inner.stats.misses.fetch_add(misses, Ordering::Relaxed);
+        inner
+            .stats
+            .registered
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        Ok(bufs
+            .into_iter()
+            .zip(wants)
+            .zip(found)
+            .map(|((buf, w), e)| {
+                let entry = e.expect("found or registered");
+                Region {
+                    at: w.start - entry.start,
+                    entry,
+                    buf,
+                }
+            })
+            .collect())
+    }
+
+    /// Register each job (a range and the buffers it serves) on every rail; the rails in
+    /// parallel when `parallel` and there is enough to do.
+    fn register_jobs(
+        &self,
+        bufs: &[Buffer],
+        wants: &[Want],
+        jobs: &[(u64, u64, Vec<usize>)],
+        parallel: bool,
+    ) -> Result<Vec<Arc<Entry>>> {
+        let inner = &*self.inner;
+        let ndev = inner.devices.len();
+        let one = |d: usize| -> Result<Vec<Decided>> {
+            jobs.iter()
+                .map(|job| register_decide(inner, d, bufs, wants, job))
+                .collect()
+        };
+        let per_dev: Vec<Result<Vec<Decided>>> = if parallel && ndev > 1 && jobs.len() >= 4 {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..ndev).map(|d| s.spawn(move || one(d))).collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::invalid("register", "a thread", "panicked"))
+                        })
+                    })
+                    .collect()
+            })
+        } else {
+            (0..ndev).map(one).collect()
+        };
+        let mut per_dev = per_dev.into_iter().collect::<Result<Vec<_>>>()?;
+        let mut out = Vec::with_capacity(jobs.len());
+        for (k, job) in jobs.iter().enumerate() {
+            let w = &wants[job.2[0]];
+            let (first, path) = std::mem::replace(&mut per_dev[0][k], (None, MemoryPath::Host));
+            let mut mrs = Vec::with_capacity(ndev);
+            if let Some(m) = first {
+                mrs.push(m);
+                for (d, v) in per_dev.iter_mut().enumerate().skip(1) {
+                    match v[k].0.take() {
+                        Some(m) => mrs.push(m),
+                        None => {
+                            return Err(Error::Unsupported {
+                                what: "the same registration on every rail".into(),
+                                reason: format!(
+                                    "{} registered the memory at {:#x} but {} could not: {}",
+                                    inner.devices[0].name, job.0, inner.devices[d].name, v[k].1
+                                ),
+                            });
+                        }
+                    }
+                }
+            }
+            if let (Some(o), MemoryPath::GpuDirect(_)) = (w.ordinal, &path) {
+                inner.add_gpu_target(o);
+            }
+            out.push(Arc::new(Entry {
+                id: w.id,
+                engine: inner.engine_id,
+                start: job.0,
+                len: job.1,
+                preferred: inner.preferred_for(w.ordinal),
+                ordinal: w.ordinal,
+                _keep: if mrs.is_empty() {
+                    backings(bufs, &job.2)
+                } else {
+                    Vec::new()
+                },
+                mrs,
+                path,
+            }));
+        }
+        Ok(out)
+    }
+}
+
+/// A rail's registration of a job (`None`: staged) and the path it decided.
+type Decided = (Option<RailMr>, MemoryPath);
+
+/// Register `job` on engine device `d`, deciding its path: `None` for staged memory.
+fn register_decide(
+    inner: &EngineInner,
+    d: usize,
+    bufs: &[Buffer],
+    wants: &[Want],
+    job: &(u64, u64, Vec<usize>),
+) -> Result<Decided> {
+    let w = &wants[job.2[0]];
+    let staged = |reason: String| -> Result<Decided> { Ok((None, MemoryPath::Staged { reason })) };
+    if w.kind == Some(MemoryKind::Pool) {
+        let e = Error::NotRdmaCapable {
+            ptr: w.start,
+            kind: MemoryKind::Pool,
+            reason: "stream-ordered pool memory (cuMemAllocAsync, cudarc's CudaSlice) cannot be registered with a NIC".into(),
+        };
+        return if inner.config.staging {
+            staged(e.to_string())
+        } else {
+            Err(e)
+        };
+    }
+    match register_on(inner, d, bufs, wants, job) {
+        Ok(m) => {
+            let path = match &m {
+                RailMr::Host(_) => MemoryPath::Host,
+                RailMr::Gpu(g) => MemoryPath::GpuDirect(g.path()),
+            };
+            Ok((Some(m), path))
+        }
+        Err(e @ Error::NoGpuRegistrationPath { .. }) if inner.config.staging => {
+            staged(e.to_string())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn backings(bufs: &[Buffer], idx: &[usize]) -> Vec<Arc<Backing>> {
+    let mut v: Vec<Arc<Backing>> = Vec::new();
+    for &i in idx {
+        if !v.iter().any(|b| Arc::ptr_eq(b, &bufs[i].backing)) {
+            v.push(bufs[i].backing.clone());
+        }
+    }
+    v
+}
+
+/// Register `job`'s range on engine device `d`.
+fn register_on(
+    inner: &EngineInner,
+    d: usize,
+    bufs: &[Buffer],
+    wants: &[Want],
+    job: &(u64, u64, Vec<usize>),
+) -> Result<RailMr> {
+    let pd = &inner.devices[d].pd;
+    let (start, len, idx) = job;
+    let len = usize::try_from(*len).map_err(|_| Error::invalid("len", len, "fits no usize"))?;
+    let keep = backings(bufs, idx);
+    let w = &wants[idx[0]];
+    match &*bufs[idx[0]].backing {
+        Backing::Host { .. } => {
+            let s = HostSlice {
+                _keep: keep,
+                ptr: *start as usize,
+                len,
+            };
+            pd.register_remote(s, access()).map(RailMr::Host)
+        }
+        Backing::Device(dev) => {
+            let ordinal = w.ordinal.unwrap_or(0);
+            let kind = dev.kind();
+            let chunks = chunks_within(dev.mappings(), *start, len as u64);
+            let how = if chunks.len() > 1 {
+                GpuRegistration::DmaBuf
+            } else {
+                GpuRegistration::Auto
+            };
+            let s = DeviceSlice {
+                keep,
+                ptr: *start,
+                len,
+                ordinal,
+                kind,
+            };
+            match pd.register_gpu(s, access(), how) {
+                Ok(r) => Ok(RailMr::Gpu(r)),
+                Err(e) if chunks.len() > 1 => Err(name_the_chunk(ordinal, &chunks, *start, e)),
+                Err(e) => Err(e),
+            }
+        }
+    }
+}
+
+/// The typed refusal for a VMM range of several physical chunks that dma-buf could not register
+/// whole: it names the first chunk whose own export fails, or where the chunks meet.
+fn name_the_chunk(ordinal: usize, chunks: &[(u64, usize)], start: u64, e: Error) -> Error {
+    let n = chunks.len();
+    let mut culprit = None;
+    for (i, &(b, l)) in chunks.iter().enumerate() {
+        if let Err(ce) = crate::memory::dmabuf::export_dmabuf_range(ordinal, b, l as u64) {
+            culprit = Some((i, b, l, format!("its own dma-buf export fails: {ce}")));
+            break;
+        }
+    }
+    let (i, b, l, why) = culprit.unwrap_or_else(|| {
+        let (b, l) = chunks.get(1).copied().unwrap_or(chunks[0]);
+        (
+            1,
+            b,
+            l,
+            "each chunk exports alone, but not the range across them".to_string(),
+        )
+    });
+    Error::NotRdmaCapable {
+        ptr: b,
+        kind: MemoryKind::Vmm,
+        reason: format!(
+            "a VMM range of {n} physical chunks is registered whole through dma-buf only \
+             (nvidia-peermem pins one allocation at a time), and dma-buf refused it ({e}); \
+             chunk {i} of {n} at offset {} ({l} bytes at {b:#x}): {why}",
+            b.saturating_sub(start)
+        ),
+    }
+}
