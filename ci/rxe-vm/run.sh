@@ -25,7 +25,7 @@
 #      TWO_NODES), TWO_NODES=0|1|only, TWO_NODES_NETNS=shared|exclusive (RDMA netns mode, default
 #      shared), VM_TIMEOUT (s, default 900; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
 #      MEM (default 2G), APPEND (extra kernel arguments); the loopback bench (README.md, "The
-#      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 3, 7 with BENCH_ONLY),
+#      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 2, 7 with BENCH_ONLY),
 #      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
 #      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside).
 # README.md (beside this script) says what was learned getting rxe to run here.
@@ -96,7 +96,7 @@ exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"
 [ -n "$exe" ] && cp "$exe" "$BIN/rdma_bench" && echo "bench rdma_bench" >> "$W/tests.list"
 # The loopback baselines belong to the default run (6.12): on 7.3 rdma_pingpong --only ends too
 # often with an unacknowledged last send (README, "Kernels").
-[ "$TWO_NODES" = 0 ] && echo "bench-loopback ${BENCH_RUNS:-3}" >> "$W/tests.list"
+[ "$TWO_NODES" = 0 ] && echo "bench-loopback ${BENCH_RUNS:-2}" >> "$W/tests.list"
 fi
 n=0
 for b in ${BASE_PINGPONG:-}; do   # other builds of rdma_pingpong, benched beside it

@@ -202,7 +202,7 @@ run_one() {
 # bench_loopback [RUNS [SIZES...]]: perftest against rdma_pingpong, RUNS rounds per size (default
 # 3). Without SIZES, first the whole `rdma_pingpong --report` (a pass/fail entry of its own).
 bench_loopback() {
-  runs=${1:-3}; [ $# -gt 0 ] && shift
+  runs=${1:-2}; [ $# -gt 0 ] && shift
   sizes=${*:-8 4096 65536 1048576}
   if [ $# = 0 ]; then
     timeout 900 /usr/bin/rdma_pingpong --report > /tmp/ours.log 2>&1; rc=$?
