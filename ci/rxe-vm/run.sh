@@ -23,7 +23,7 @@
 #
 # Env: W (work dir, cached between runs; default <repo>/.vm/w), KERNEL=6.12|7 (default 6.12, 7 with
 #      TWO_NODES), TWO_NODES=0|1|only, TWO_NODES_NETNS=shared|exclusive (RDMA netns mode, default
-#      shared), VM_TIMEOUT (s, default 900; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
+#      shared), VM_TIMEOUT (s, default 1500; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
 #      MEM (default 2G), APPEND (extra kernel arguments); the loopback bench (README.md, "The
 #      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 2, 7 with BENCH_ONLY),
 #      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
@@ -191,7 +191,7 @@ if [ "$ACCEL" = auto ]; then
   if [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; else ACCEL=tcg; fi
 fi
 LOG=$W/vm-$KV-$ACCEL.log
-if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-900}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
+if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
 # 7.x under TCG: with its default lazy preemption (and the CPU-bug mitigations) a kworker of rxe
 # waits for the tick behind a polling thread; these two bring its latency back to 6.12's.
 case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off};; esac
