@@ -110,7 +110,7 @@ fn run(n: usize) -> gpudirect::Result<()> {
     let got = dst.to_vec();
     if got != pattern {
         let first = got.iter().zip(&pattern).position(|(x, y)| x != y);
-        return Err(invalid(
+        return Err(cli::invalid(
             "received",
             format!("first mismatch at byte {first:?}"),
             "the RDMA-written bytes must equal the GPU buffer",
@@ -192,18 +192,5 @@ fn wait_one(cq: &mut CompletionQueue) -> gpudirect::Result<()> {
             });
         }
         std::thread::yield_now();
-    }
-}
-
-/// An [`gpudirect::Error::InvalidArgument`] for a check this example makes itself.
-fn invalid(
-    arg: &'static str,
-    value: impl std::fmt::Display,
-    rule: impl Into<String>,
-) -> gpudirect::Error {
-    gpudirect::Error::InvalidArgument {
-        arg,
-        value: value.to_string(),
-        rule: rule.into(),
     }
 }

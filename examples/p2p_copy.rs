@@ -114,7 +114,7 @@ fn run(n: usize, size: cli::Mib, json: bool) -> gpudirect::Result<()> {
                     );
                 }
                 if !m.verified {
-                    return Err(invalid(
+                    return Err(cli::invalid(
                         "copy",
                         format!("{a}->{b}"),
                         "destination differs from source",
@@ -194,7 +194,7 @@ fn ipc_parent(n: usize, words: usize) -> gpudirect::Result<String> {
         })?;
     let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() {
-        return Err(invalid(
+        return Err(cli::invalid(
             "ipc child",
             format!("{:?}", out.status),
             format!(
@@ -209,7 +209,7 @@ fn ipc_parent(n: usize, words: usize) -> gpudirect::Result<String> {
 
 fn ipc_child(job: &str) -> gpudirect::Result<()> {
     let job: Job =
-        serde_json::from_str(job).map_err(|e| invalid("job", e, "JSON from the parent"))?;
+        serde_json::from_str(job).map_err(|e| cli::invalid("job", e, "JSON from the parent"))?;
     let d = job.device;
     let s = Stream::new(&gpudirect::cuda::context(d)?)?;
     IpcEvent::open(&job.ready, d)?.wait_on(&s)?;
@@ -245,7 +245,7 @@ fn ipc_child(job: &str) -> gpudirect::Result<()> {
             if ok { "verified" } else { "MISMATCH" }
         );
         if !ok {
-            return Err(invalid(
+            return Err(cli::invalid(
                 "imported bytes",
                 "differ",
                 "must equal the exporter's",
@@ -253,17 +253,4 @@ fn ipc_child(job: &str) -> gpudirect::Result<()> {
         }
     }
     Ok(())
-}
-
-/// An [`gpudirect::Error::InvalidArgument`] for a check this example makes itself.
-fn invalid(
-    arg: &'static str,
-    value: impl std::fmt::Display,
-    rule: impl Into<String>,
-) -> gpudirect::Error {
-    gpudirect::Error::InvalidArgument {
-        arg,
-        value: value.to_string(),
-        rule: rule.into(),
-    }
 }

@@ -58,3 +58,16 @@ pub fn host(s: &str) -> Result<Host, String> {
         ip,
     })
 }
+
+/// An [`gpudirect::Error::InvalidArgument`] for a check an example makes itself.
+pub fn invalid(
+    arg: &'static str,
+    value: impl std::fmt::Display,
+    rule: impl Into<String>,
+) -> gpudirect::Error {
+    gpudirect::Error::InvalidArgument {
+        arg,
+        value: value.to_string(),
+        rule: rule.into(),
+    }
+}
