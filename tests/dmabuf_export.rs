@@ -1,6 +1,8 @@
 //! dma-buf export of device memory (GPUDirect RDMA through dma-buf), tier 2.
 //! The range arithmetic is also unit-tested in gpudirect-sys without a GPU.
 
+mod support;
+
 use gpudirect::memory::{
     DeviceBuffer, DeviceMemory, MemoryKind, PoolBuffer, VmmBuffer, export_dmabuf,
 };
@@ -119,15 +121,7 @@ fn a_vmm_buffer_of_several_chunks_exports_whole() {
     );
     // Bytes across every chunk boundary arrive exactly (copies run over the whole range).
     let stream = gpudirect::cuda::Stream::new(&ctx).unwrap();
-    let mut x = 0x9E37_79B9u32;
-    let data: Vec<u32> = (0..buf.len())
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x
-        })
-        .collect();
+    let data = support::gpu::random_u32(buf.len(), support::gpu::seed_from("DMABUF_TEST_SEED"));
     gpudirect::memory::copy_from_host(&stream, &data, &mut buf).unwrap();
     let mut copy = DeviceBuffer::<u32>::from_slice(&stream, &vec![0xDEAD_BEEF; buf.len()]).unwrap();
     gpudirect::memory::copy(&stream, &buf, &mut copy).unwrap();

@@ -3,6 +3,8 @@
 //! completion thread. Exact resources back, cancellation at every await point, typed deadlines
 //! whose resources come back through the tracker, and no lost wake-up in a tight race.
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::completion::{CompletionFlag, Fence, InFlight, Outcome, OutcomeSender, Tracker};
 use rand::rngs::StdRng;
@@ -15,19 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// A seed from the clock, printed so a failure can be replayed with `FUTURES_TEST_SEED`.
+/// A seed, printed so a failure can be replayed with `FUTURES_TEST_SEED`.
 fn seed() -> u64 {
-    let s = std::env::var("FUTURES_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(7)
-        });
-    println!("seed {s}");
-    s
+    support::gpu::seed_from("FUTURES_TEST_SEED")
 }
 
 /// Counts its drops.

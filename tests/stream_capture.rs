@@ -4,6 +4,8 @@
 //! queueing anything: nothing completes early, nothing is freed, and the graph, launched, does
 //! nothing of ours. After the capture ends the stream works as before.
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::completion::{EventFence, Fence, Tracker};
 use gpudirect::cuda::{MemOp, MemopFlags, Stream, WaitCondition};
@@ -15,21 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+/// `n` random words, the seed printed (`CAPTURE_TEST_SEED` replays it).
 fn random_u32(n: usize) -> Vec<u32> {
-    let mut x = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(7)
-        | 1;
-    println!("seed {x}");
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u32
-        })
-        .collect()
+    support::gpu::random_u32(n, support::gpu::seed_from("CAPTURE_TEST_SEED"))
 }
 
 /// A destination made before the capture and kept alive by the test: a refused call drops only

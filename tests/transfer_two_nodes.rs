@@ -9,6 +9,8 @@
 //! last answers with a notification, so no side leaves while a message to it is unacknowledged
 //! (rxe then retransmits it to a queue pair that is gone).
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::rdma::WcStatus;
 use gpudirect::transfer::{
@@ -113,17 +115,9 @@ fn dial(engine: &Engine, addrs: &[String], publish: &[MemoryDescriptor]) -> Endp
     }
 }
 
-/// xorshift bytes from a seed: both sides make the same.
+/// Bytes from a seed: both sides make the same.
 fn pattern(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    support::files::pattern(n, seed)
 }
 
 fn seed() -> u64 {

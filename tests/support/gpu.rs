@@ -20,7 +20,13 @@ pub fn gpus() -> gpudirect::Result<usize> {
 
 /// A seed from the clock, printed so a failure can be replayed with `P2P_TEST_SEED`.
 pub fn seed() -> u64 {
-    let s = std::env::var("P2P_TEST_SEED")
+    seed_from("P2P_TEST_SEED")
+}
+
+/// A seed from the environment variable `var`, else from the clock; printed so that a failure
+/// can be replayed by setting `var`.
+pub fn seed_from(var: &str) -> u64 {
+    let s = std::env::var(var)
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
