@@ -11,7 +11,6 @@
 mod support;
 
 use gpudirect::storage::{BufRegistration, Driver, FileHandle, OpenOptions};
-use gpudirect_testing::Hardware;
 use std::time::{Duration, Instant};
 use support::files::{pattern, test_dir};
 use support::gpu::poisoned_bytes;
@@ -19,25 +18,10 @@ use support::gpu::poisoned_bytes;
 const THREADS: usize = 8;
 const ROUNDS: usize = 200;
 
-/// The CUDA context of device 0 and whether cuFile opens, or `None` (skipped).
+/// The CUDA context of device 0 once cuFile opens, or `None` (skipped). The driver handle is
+/// not kept: nothing in the tests below holds one between rounds.
 fn setup() -> Option<std::sync::Arc<gpudirect::cudarc::driver::CudaContext>> {
-    let ctx = match gpudirect::cuda::context(0) {
-        Ok(c) => c,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Gpu, e);
-            return None;
-        }
-    };
-    ctx.bind_to_thread().unwrap();
-    match Driver::open() {
-        // Not kept: nothing in the tests below holds a handle between rounds.
-        Ok(_) => {}
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Cufile, e);
-            return None;
-        }
-    }
-    Some(ctx)
+    support::storage::cufile().map(|(ctx, _driver)| ctx)
 }
 
 /// After every handle is gone, opening again costs nothing: the driver was not closed (a close

@@ -17,16 +17,20 @@
 
 mod support;
 
-use gpudirect::Error;
 use gpudirect::memory::DeviceBuffer;
 use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::storage::{
     Batch, BatchOp, BatchRequest, BufRegistration, DirectIo, Driver, FileHandle, GdsFile, Mode,
     OpenOptions,
 };
-use gpudirect_testing::Hardware;
 use support::files::{pattern, test_dir};
 use support::gpu::{ToHost, device_bytes, poisoned_bytes};
+use support::storage::cufile as setup;
+
+/// `path` registered read-write with `direct`, or `None` where cuFile refuses it.
+fn register(d: &Driver, path: &std::path::Path, direct: DirectIo) -> Option<FileHandle> {
+    support::storage::register(d, path, &OpenOptions::read_write().direct(direct))
+}
 
 const FILE_LEN: usize = 22_295;
 const DST_OFFSET: usize = 100;
@@ -58,39 +62,6 @@ fn check(what: &str, fo: u64, got: usize, buf: &DeviceBuffer<u8>, data: &[u8]) {
         }
     }
     println!("{what}: file offset {fo}: {got} bytes, nothing else changed");
-}
-
-fn setup() -> Option<(
-    std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
-    Driver,
-)> {
-    let ctx = match gpudirect::cuda::context(0) {
-        Ok(c) => c,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Gpu, e);
-            return None;
-        }
-    };
-    ctx.bind_to_thread().unwrap();
-    match Driver::open() {
-        Ok(d) => Some((ctx, d)),
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Cufile, e);
-            None
-        }
-    }
-}
-
-/// Register `path`, or (5027 without udev data) say so and return None.
-fn register(d: &Driver, path: &std::path::Path, direct: DirectIo) -> Option<FileHandle> {
-    match FileHandle::open(d, path, &OpenOptions::read_write().direct(direct)) {
-        Ok(h) => Some(h),
-        Err(Error::CuFile { code, .. }) => {
-            println!("NOTE: cuFileHandleRegister refused the file ({code}): cuFile paths not run");
-            None
-        }
-        Err(e) => panic!("unexpected {e}"),
-    }
 }
 
 #[test]

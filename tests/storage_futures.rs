@@ -7,59 +7,17 @@ mod support;
 use gpudirect::Error;
 use gpudirect::completion::Tracker;
 use gpudirect::cuda::Stream;
-use gpudirect::storage::{Batch, BatchOp, BatchRequest, Driver, FileHandle, OpenOptions};
-use gpudirect_testing::Hardware;
+use gpudirect::storage::{Batch, BatchOp, BatchRequest, OpenOptions};
 use std::future::{Future, IntoFuture};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::files::{pattern, test_dir};
+use support::files::pattern;
 use support::gpu::{ToHost, poisoned_bytes};
+use support::storage::{cufile as setup, write_file};
 
 const LONG: Duration = Duration::from_secs(30);
 
 /// One test at a time: both count what the process-wide tracker holds.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn setup() -> Option<(Arc<gpudirect::cudarc::driver::CudaContext>, Driver)> {
-    let ctx = match gpudirect::cuda::context(0) {
-        Ok(c) => c,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Gpu, e);
-            return None;
-        }
-    };
-    ctx.bind_to_thread().unwrap();
-    let d = match Driver::open() {
-        Ok(d) => d,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Cufile, e);
-            return None;
-        }
-    };
-    Some((ctx, d))
-}
-
-fn write_file(name: &str, data: &[u8]) -> std::path::PathBuf {
-    let p = test_dir().join(format!("{name}-{}", std::process::id()));
-    std::fs::write(&p, data).unwrap();
-    p
-}
-
-/// Register `path`, or (cuFile refused it: no udev data) say so and return None.
-fn register(d: &Driver, path: &std::path::Path) -> Option<FileHandle> {
-    match FileHandle::open(d, path, &OpenOptions::read_write()) {
-        Ok(h) => Some(h),
-        Err(Error::CuFile { call, code, .. }) => {
-            assert_eq!(call, "cuFileHandleRegister");
-            println!(
-                "SKIPPED: cuFileHandleRegister refused {} with {code}",
-                path.display()
-            );
-            None
-        }
-        Err(e) => panic!("unexpected {e}"),
-    }
-}
 
 /// Reap until nothing more than `base` is parked (bounded).
 async fn reaped_to(base: usize) {
@@ -81,7 +39,10 @@ async fn stream_ordered_io_is_awaited_with_deadlines_and_cancellation() {
     let n = 1 << 20;
     let data = pattern(n, 11);
     let p = write_file("futures-async", &data);
-    let Some(h) = register(&d, &p) else { return };
+    let Some(h) = support::storage::register(&d, &p, &OpenOptions::read_write()) else {
+        println!("SKIPPED: cuFile cannot register the test file here");
+        return;
+    };
     let stream = ctx.new_stream().unwrap();
     // Read, awaited: exact bytes into a poisoned buffer.
     let dst = poisoned_bytes(0, n, 0xCD);
@@ -162,7 +123,10 @@ async fn batches_are_awaited_and_a_dropped_batch_future_parks() {
     let k = d.max_batch_entries().min(16);
     let data = pattern(k * chunk, 13);
     let p = write_file("futures-batch", &data);
-    let Some(h) = register(&d, &p) else { return };
+    let Some(h) = support::storage::register(&d, &p, &OpenOptions::read_write()) else {
+        println!("SKIPPED: cuFile cannot register the test file here");
+        return;
+    };
     let reqs = |poison| -> Vec<_> {
         (0..k)
             .map(|i| BatchRequest {

@@ -13,51 +13,9 @@ use gpudirect::storage::{
     OpenOptions, PathReason, run_batched,
 };
 use gpudirect_testing::{Hardware, require};
-use std::sync::Arc;
 use support::files::{pattern, test_dir};
 use support::gpu::{ToHost, poisoned_bytes};
-
-fn setup() -> Option<(Arc<gpudirect::cudarc::driver::CudaContext>, Driver)> {
-    let ctx = match gpudirect::cuda::context(0) {
-        Ok(c) => c,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Gpu, e);
-            return None;
-        }
-    };
-    ctx.bind_to_thread().unwrap();
-    let d = match Driver::open() {
-        Ok(d) => d,
-        Err(e) => {
-            gpudirect_testing::skip(Hardware::Cufile, e);
-            return None;
-        }
-    };
-    Some((ctx, d))
-}
-
-fn write_file(name: &str, data: &[u8]) -> std::path::PathBuf {
-    let p = test_dir().join(format!("{name}-{}", std::process::id()));
-    std::fs::write(&p, data).unwrap();
-    p
-}
-
-/// Register `path` with cuFile, or (5027 without udev data) check the typed error and return None.
-fn register(d: &Driver, path: &std::path::Path, opts: &OpenOptions) -> Option<FileHandle> {
-    match FileHandle::open(d, path, opts) {
-        Ok(h) => Some(h),
-        Err(Error::CuFile { call, code, .. }) => {
-            assert_eq!(call, "cuFileHandleRegister");
-            println!(
-                "NOTE: cuFileHandleRegister refused {} with {code} (no udev data?); \
-                 the cuFile path is untested in this run, the fallback tests cover it",
-                path.display()
-            );
-            None
-        }
-        Err(e) => panic!("unexpected {e}"),
-    }
-}
+use support::storage::{cufile as setup, register, write_file};
 
 #[test]
 fn properties_are_typed_and_version_aware() {

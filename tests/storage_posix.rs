@@ -15,7 +15,7 @@ use gpudirect::{Error, cudarc::driver::CudaContext};
 use gpudirect_testing::Hardware;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use support::files::{pattern, test_dir};
+use support::files::pattern;
 
 fn setup() -> Option<(Arc<CudaContext>, Stream)> {
     match gpudirect::cuda::context(0).and_then(|c| Ok((c.clone(), Stream::new(&c)?))) {
@@ -28,9 +28,7 @@ fn setup() -> Option<(Arc<CudaContext>, Stream)> {
 }
 
 fn write_file(name: &str, data: &[u8]) -> std::path::PathBuf {
-    let p = test_dir().join(format!("posix-{name}-{}", std::process::id()));
-    std::fs::write(&p, data).unwrap();
-    p
+    support::storage::write_file(&format!("posix-{name}"), data)
 }
 
 /// Drop the file from the page cache (written back first), so that the next read is cold.

@@ -5,6 +5,8 @@
 //!   (the library's `DeviceBuffer`) and exact comparisons.
 //! - [`files`]: deterministic file contents and the directory test files go in (no GPU needed;
 //!   the storage bench includes this file too).
+//! - [`storage`]: device 0 with the cuFile driver, test files, registration that cuFile may
+//!   refuse (no udev data).
 //! - [`rdma`]: a loopback pair of connected RC queue pairs on the first verbs device, and bounded
 //!   completion waits.
 //! - `cufile-wheel.sh`: fetches the cuFile wheels `storage_cufile_wheel` loads, by hand.
@@ -13,3 +15,4 @@
 pub mod files;
 pub mod gpu;
 pub mod rdma;
+pub mod storage;
