@@ -94,6 +94,23 @@ async fn settle(qp: &AsyncQueuePair) {
     }
 }
 
+/// A receive region of `slots` slots of `slot` bytes, poisoned with 0xEE, every slot posted on
+/// `p.b`.
+fn post_receives(p: &APair, slots: usize, slot: usize) -> MemoryRegion<Local> {
+    let mut rbuf =
+        p.pd.register(
+            HostBuffer::zeroed(slots * slot).unwrap(),
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    rbuf.fill(0, slots * slot, 0xEE).unwrap();
+    for k in 0..slots {
+        p.b.post_recv(rbuf.slice(k * slot..(k + 1) * slot).unwrap())
+            .unwrap();
+    }
+    rbuf
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_concurrent_futures_on_one_queue_pair_move_exact_bytes() {
     for (channel, spin) in [
@@ -169,17 +186,7 @@ async fn messages_and_immediates_arrive_as_streams_in_order() {
     let src =
         p.pd.register(HostBuffer::from_slice(&data).unwrap(), AccessFlags::empty())
             .unwrap();
-    let mut rbuf =
-        p.pd.register(
-            HostBuffer::zeroed(64 * SLOT).unwrap(),
-            AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    rbuf.fill(0, 64 * SLOT, 0xEE).unwrap();
-    for k in 0..64 {
-        p.b.post_recv(rbuf.slice(k * SLOT..(k + 1) * SLOT).unwrap())
-            .unwrap();
-    }
+    let rbuf = post_receives(&p, 64, SLOT);
     // All sends at once: more than the peer has receives posted (RNR retries cover that).
     let mut sends = Vec::new();
     for (i, &len) in lens.iter().enumerate() {
@@ -292,16 +299,7 @@ async fn cancellation_at_every_await_point_loses_nothing_and_frees_nothing_early
         );
         assert!(p.a.backlogged() > 0, "some requests wait in the backlog");
         // The peer now receives: every message arrives, in order, with its bytes.
-        let rbuf =
-            p.pd.register(
-                HostBuffer::zeroed(64 * SZ).unwrap(),
-                AccessFlags::LOCAL_WRITE,
-            )
-            .unwrap();
-        for k in 0..64 {
-            p.b.post_recv(rbuf.slice(k * SZ..(k + 1) * SZ).unwrap())
-                .unwrap();
-        }
+        let _rbuf = post_receives(&p, 64, SZ);
         let mut m = p.b.messages();
         for i in 0..K {
             let r = next(&mut m).await.unwrap();
@@ -419,16 +417,7 @@ async fn a_full_backlog_answers_queue_full_and_loses_nothing() {
     assert_eq!(p.a.backlogged(), 4);
     assert_eq!(p.a.in_flight(), futs.len());
     let n = futs.len();
-    let rbuf =
-        p.pd.register(
-            HostBuffer::zeroed(64 * SZ).unwrap(),
-            AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    for k in 0..64 {
-        p.b.post_recv(rbuf.slice(k * SZ..(k + 1) * SZ).unwrap())
-            .unwrap();
-    }
+    let _rbuf = post_receives(&p, 64, SZ);
     let mut m = p.b.messages();
     for i in 0..n {
         let r = next(&mut m).await.unwrap();
