@@ -195,13 +195,10 @@ impl<M: DeviceMemoryMut> Batch<M> {
         check_capacity(capacity, driver.max_batch_entries())?;
         let mut handle: sys::CUfileBatchHandle_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; capacity within the limit.
-        check(
-            "cuFileBatchIOSetUp",
-            super::driver::serialized(|| {
-                // SAFETY: as for the call without the lock (above).
-                unsafe { (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32) }
-            }),
-        )?;
+        super::driver::serialized_call("cuFileBatchIOSetUp", || {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32) }
+        })?;
         Ok(Batch {
             driver: driver.clone(),
             handle,
@@ -627,7 +624,8 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
         }
         // SAFETY: no request is outstanding; destroyed once.
         let (lib, handle) = (self.driver.lib(), self.handle);
-        super::driver::serialized(|| {
+        // Refused only in a forked child: the batch is then left allocated.
+        let _ = super::driver::serialized(|| {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileBatchIODestroy)(handle) }
         });

@@ -1,6 +1,6 @@
 //! `cuFileBufRegister`: an owned registration over a device buffer range.
 
-use super::{Driver, check, check_range};
+use super::{Driver, check_range};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 
@@ -94,13 +94,10 @@ impl<M: DeviceMemory> BufRegistration<M> {
         let ptr = start as *const libc::c_void;
         // SAFETY: the range lies within `mem`, which we own (so it stays allocated) until the
         // registration is dropped.
-        let r = check(
-            "cuFileBufRegister",
-            super::driver::serialized(|| {
-                // SAFETY: as for the call without the lock (above).
-                unsafe { (driver.lib().cuFileBufRegister)(ptr, len, 0) }
-            }),
-        );
+        let r = super::driver::serialized_call("cuFileBufRegister", || {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (driver.lib().cuFileBufRegister)(ptr, len, 0) }
+        });
         match r {
             Ok(()) => Ok(BufRegistration {
                 mem: Some(mem),
@@ -138,13 +135,10 @@ impl<M: DeviceMemory> BufRegistration<M> {
         let base = self.base();
         // SAFETY: registered in `register`, deregistered once.
         let lib = self.driver.lib();
-        let r = check(
-            "cuFileBufDeregister",
-            super::driver::serialized(|| {
-                // SAFETY: as for the call without the lock (above).
-                unsafe { (lib.cuFileBufDeregister)(base) }
-            }),
-        );
+        let r = super::driver::serialized_call("cuFileBufDeregister", || {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (lib.cuFileBufDeregister)(base) }
+        });
         let mem = self.mem.take().expect("present until into_inner");
         match r {
             Ok(()) => Ok(mem),
@@ -171,11 +165,11 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
         let base = self.base();
         // SAFETY: registered and not yet deregistered; any I/O using it held `&self` or owned it.
         let lib = self.driver.lib();
-        let r = super::driver::serialized(|| {
+        let r = super::driver::serialized_call("cuFileBufDeregister", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileBufDeregister)(base) }
         });
-        if r.err != gpudirect_sys::cufile::CU_FILE_SUCCESS
+        if r.is_err()
             && let Some(m) = self.mem.take()
         {
             // cuFile may still map it: leak rather than free.

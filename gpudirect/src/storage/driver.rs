@@ -53,10 +53,15 @@ impl OnceOpen {
         Ok(())
     }
 
-    /// Run `f` under the lock, with whether it is open (no open can run meanwhile).
-    pub(crate) fn with_lock<R>(&self, f: impl FnOnce(bool) -> R) -> R {
-        let open = self.lock();
-        f(*open)
+    /// Run `f` under the lock, with whether it is open (no open can run meanwhile). Refused,
+    /// without waiting on the lock, in process `pid` when another process opened it: a forked
+    /// child would wait forever on a lock a thread of its parent held at the fork, and the
+    /// parent's driver state is not usable there.
+    pub(crate) fn with_lock<R>(&self, pid: u32, f: impl FnOnce(bool) -> R) -> Result<R> {
+        match self.opened_by.load(Ordering::Acquire) {
+            p if p != 0 && p != pid => Err(forked_child(p)),
+            _ => Ok(f(*self.lock())),
+        }
     }
 
     /// Whether it is open.
@@ -182,7 +187,9 @@ impl Driver {
         // of it) when several threads read the properties at once (seen on the H200, 8 threads).
         let p = DRIVER
             // SAFETY: the driver is open while self lives.
-            .with_lock(|_| unsafe { self.lib.driver_properties() })
+            .with_lock(std::process::id(), |_| unsafe {
+                self.lib.driver_properties()
+            })?
             .map_err(|e| super::cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
         Ok(DriverProperties {
             nvfs_version: (p.nvfs.major_version, p.nvfs.minor_version),
@@ -447,9 +454,18 @@ fn gate(lib: &sys::Lib, name: &'static str, since: i32) -> Result<()> {
 /// calls as thread-safe, but 1.15 in compatibility mode corrupted its heap
 /// (`malloc(): unaligned tcache chunk detected`) when eight threads registered and deregistered
 /// buffers at once (seen on an H200 node), as it crashed when they read the properties at once.
-/// These calls set up and tear down; I/O never takes this lock.
-pub(crate) fn serialized<R>(f: impl FnOnce() -> R) -> R {
-    DRIVER.with_lock(|_| f())
+/// These calls set up and tear down; I/O never takes this lock. Refused in a forked child (see
+/// [`OnceOpen::with_lock`]).
+pub(crate) fn serialized<R>(f: impl FnOnce() -> R) -> Result<R> {
+    DRIVER.with_lock(std::process::id(), |_| f())
+}
+
+/// [`serialized`] for a call that returns a status, checked as the C function `call`.
+pub(crate) fn serialized_call(
+    call: &'static str,
+    f: impl FnOnce() -> sys::CUfileError_t,
+) -> Result<()> {
+    serialized(f).and_then(|r| check(call, r))
 }
 
 /// One parameter call of a parameter `name` that needs cuFile `since`: the library loaded and
@@ -463,7 +479,7 @@ fn param_call(
 ) -> Result<()> {
     let lib = sys::lib()?;
     gate(lib, name, since)?;
-    DRIVER.with_lock(|_| check(call, f(lib)))
+    serialized_call(call, || f(lib))
 }
 
 impl SizeParam {
@@ -719,10 +735,11 @@ mod tests {
                 s.spawn(|| {
                     for _ in 0..200 {
                         // A staged parameter: no open runs meanwhile.
-                        once.with_lock(|open| {
+                        once.with_lock(PID, |open| {
                             assert!(!fake.busy.load(SeqCst));
                             assert_eq!(open, fake.open.load(SeqCst));
-                        });
+                        })
+                        .unwrap();
                     }
                 });
             }
@@ -784,6 +801,13 @@ mod tests {
             1,
             "no open attempted in the child"
         );
+        // Nor any call under the lock, which a thread of the parent may have held at the fork:
+        // refused without waiting for it.
+        let held = once.lock();
+        let e = once.with_lock(PID + 1, |_| ()).unwrap_err();
+        assert!(e.to_string().contains("forked child"), "{e}");
+        drop(held);
+        once.with_lock(PID, |open| assert!(open)).unwrap();
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Opening files (O_DIRECT with a buffered fallback) and registering them with cuFile.
 
-use super::{Driver, check, sys};
+use super::{Driver, sys};
 use crate::error::{Error, Result};
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -154,7 +154,8 @@ impl Drop for HandleInner {
         // Arc of it, so no I/O is outstanding: deregistration cannot race it.
         // SAFETY: registered in FileHandle::register, deregistered once; the fd is still open.
         let (lib, handle) = (self.driver.lib(), self.handle);
-        super::driver::serialized(|| {
+        // Refused only in a forked child: the handle is then left registered.
+        let _ = super::driver::serialized(|| {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileHandleDeregister)(handle) }
         });
@@ -215,13 +216,10 @@ impl FileHandle {
         descr.handle.fd = fd.as_raw_fd();
         let mut handle: sys::CUfileHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer and descriptor; the fd stays open while the handle lives.
-        check(
-            "cuFileHandleRegister",
-            super::driver::serialized(|| {
-                // SAFETY: as for the call without the lock (above).
-                unsafe { (driver.lib().cuFileHandleRegister)(&mut handle, &mut descr) }
-            }),
-        )?;
+        super::driver::serialized_call("cuFileHandleRegister", || {
+            // SAFETY: as for the call without the lock (above).
+            unsafe { (driver.lib().cuFileHandleRegister)(&mut handle, &mut descr) }
+        })?;
         if handle.is_null() {
             return Err(super::cufile_error(
                 "cuFileHandleRegister",
