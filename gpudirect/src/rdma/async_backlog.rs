@@ -148,6 +148,11 @@ impl<T, S> SendSide<T, S> {
         self.waiting.len()
     }
 
+    /// Every sender still waiting (posted or in the backlog), in no order.
+    pub(crate) fn senders(&self) -> impl Iterator<Item = &S> {
+        self.waiting.values()
+    }
+
     /// Requests in the backlog.
     pub(crate) fn queued(&self) -> usize {
         self.backlog.len()

@@ -167,6 +167,26 @@ impl Dispatcher {
         }
     }
 
+    /// Wake every future and stream of every attached queue pair: each polls again, and meets
+    /// the CQ's error itself (its fence's `check` polls the CQ) or registers again.
+    fn wake_all(&self) {
+        let mut wakers = Vec::new();
+        for qp in self.attached() {
+            {
+                let st = lock(&qp.send);
+                for (slot, _) in st.side.senders() {
+                    wakers.extend(lock(&slot.st).waker.take());
+                }
+            }
+            let mut r = lock(&qp.recv);
+            wakers.extend(r.msg_waker.take());
+            wakers.extend(r.imm_waker.take());
+        }
+        for w in wakers {
+            w.wake();
+        }
+    }
+
     /// Whether anyone waits for a completion of this CQ.
     fn needs_polling(&self) -> bool {
         self.attached().iter().any(|q| q.needs_polling())
@@ -207,7 +227,16 @@ impl Watch for ThreadWatch {
         let Some(d) = self.0.upgrade() else {
             return Watched::Done;
         };
-        let got = d.progress().unwrap_or(0);
+        let got = match d.progress() {
+            Ok(n) => n,
+            Err(_) => {
+                // The CQ cannot be polled: hand the error to the waiters, whose own polls meet
+                // it (or succeed and register again, starting a new watch), and stop watching.
+                d.watched.store(false, Ordering::Release);
+                d.wake_all();
+                return Watched::Done;
+            }
+        };
         if d.needs_polling() {
             return if got > 0 {
                 Watched::Progress
@@ -297,6 +326,8 @@ mod channel_task {
     fn fail(d: &Arc<Dispatcher>) {
         d.driven.store(false, Ordering::Release);
         let _ = d.ensure_source();
+        // Waiters poll again: they meet the error, or register with the completion thread.
+        d.wake_all();
     }
 }
 
