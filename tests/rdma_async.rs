@@ -624,3 +624,111 @@ fn await_costs_against_the_blocking_poll() {
         );
     }
 }
+
+/// An rdma_cm connection awaited: made with one CQ and a receive channel, taken over by
+/// `Connection::into_async`; messages and an RDMA write with immediate arrive with exact bytes.
+/// The address is the VM's rxe address (`GPUDIRECT_CM_ADDR`, default 10.77.0.1). A connection
+/// with two CQs is refused, typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rdma_cm_connection_is_awaited_through_one_cq() {
+    let _ctx = require!(Hardware::Rdma, Context::open_by_name(None));
+    let ip: std::net::IpAddr = std::env::var("GPUDIRECT_CM_ADDR")
+        .unwrap_or_else(|_| "10.77.0.1".into())
+        .parse()
+        .expect("GPUDIRECT_CM_ADDR is an IP address");
+    let l = require!(
+        Hardware::Rdma,
+        Listener::bind(std::net::SocketAddr::new(ip, 0))
+    );
+    let addr = std::net::SocketAddr::new(ip, l.port());
+    let opts = |one_cq| ConnectOptions {
+        caps: caps(),
+        recv_channel: true,
+        one_cq,
+        ..ConnectOptions::default()
+    };
+    // Two CQs: refused.
+    let two = opts(false);
+    let t = std::thread::spawn(move || Connection::connect(addr, &two));
+    let server = l.accept(&opts(false)).unwrap();
+    let client = t.join().unwrap().unwrap();
+    let e = client.into_async(8).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "connection",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    drop(server);
+    // One CQ: awaited.
+    let one = opts(true);
+    let t = std::thread::spawn(move || Connection::connect(addr, &one));
+    let mut server = l.accept(&opts(true)).unwrap();
+    let mut client = t.join().unwrap().unwrap();
+    const N: usize = 64;
+    const SLOT: usize = 512;
+    let data = random_bytes(N * SLOT);
+    let src = client
+        .pd()
+        .register(HostBuffer::from_slice(&data).unwrap(), AccessFlags::empty())
+        .unwrap();
+    let mut rbuf = server
+        .pd()
+        .register(
+            HostBuffer::zeroed(N * SLOT).unwrap(),
+            AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    rbuf.fill(0, N * SLOT, 0xEE).unwrap();
+    let target = server
+        .pd()
+        .register_remote(HostBuffer::zeroed(SLOT).unwrap(), AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let mine = target.remote();
+    let st = std::thread::spawn(move || {
+        server.exchange(mine, LONG).unwrap();
+        server
+    });
+    let offer = client
+        .pd()
+        .register_remote(HostBuffer::zeroed(SLOT).unwrap(), AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let remote = client.exchange(offer.remote(), LONG).unwrap();
+    let server = st.join().unwrap();
+    let (_cq_a, a, _link_a) = client.into_async(N).unwrap();
+    let (_cq_b, b, _link_b) = server.into_async(N).unwrap();
+    for k in 0..N {
+        b.post_recv(rbuf.slice(k * SLOT..(k + 1) * SLOT).unwrap())
+            .unwrap();
+    }
+    let sends: Vec<_> = (0..N - 1)
+        .map(|k| {
+            a.send(src.slice(k * SLOT..(k + 1) * SLOT).unwrap())
+                .unwrap()
+                .timeout(LONG)
+        })
+        .collect();
+    let mut m = b.messages();
+    for k in 0..N - 1 {
+        let r = next(&mut m).await.unwrap();
+        assert_eq!(r.bytes(), &data[k * SLOT..(k + 1) * SLOT], "message {k}");
+    }
+    for s in sends {
+        s.await.unwrap();
+    }
+    let w = SendRequest::write(
+        src.slice(0..SLOT).unwrap(),
+        remote.slice(0, SLOT as u32).unwrap(),
+    )
+    .with_imm(0xC0FFEE);
+    a.post(w).unwrap().timeout(LONG).await.unwrap();
+    let mut imms = b.immediates();
+    assert_eq!(next(&mut imms).await.unwrap(), (0xC0FFEE, SLOT as u32));
+    let mut got = vec![0u8; SLOT];
+    target.read_at(0, &mut got).unwrap();
+    assert_eq!(got, &data[..SLOT]);
+}

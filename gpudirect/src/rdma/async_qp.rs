@@ -3,6 +3,7 @@
 //! immediates, and a bounded backlog).
 
 use super::async_backlog::{Offer, SendSide};
+use super::cm::{CmLink, Connection};
 use super::cq::{CompletionChannel, CompletionQueue, POLL_BATCH, WcOpcode, WorkCompletion};
 use super::mr::{MrSlice, RemoteSlice};
 use super::qp::{QueuePair, Rts};
@@ -452,6 +453,34 @@ impl AsyncCq {
         });
         lock(&self.disp.qps).insert(qp_num, Arc::downgrade(&shared));
         Ok(AsyncQueuePair { shared })
+    }
+}
+
+impl Connection {
+    /// Await this connection's completions: its CQ taken over by an [`AsyncCq`] (woken through
+    /// the receive channel when [`ConnectOptions::recv_channel`](super::ConnectOptions) was set,
+    /// else by the completion thread) and its queue pair attached with a backlog of `backlog`
+    /// requests. The [`CmLink`] reports the peer's disconnect and disconnects when dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the connection was made without
+    /// [`ConnectOptions::one_cq`](super::ConnectOptions) (an awaited queue pair reports to one
+    /// CQ) or on the caller's CQs (`connect_with`, `accept_with`).
+    pub fn into_async(mut self, backlog: usize) -> Result<(AsyncCq, AsyncQueuePair, CmLink)> {
+        let (qp, _, recv_cq) = self.parts();
+        if !qp.uses_only(recv_cq) {
+            return Err(Error::invalid(
+                "connection",
+                qp.qp_num(),
+                "made with two completion queues: connect with ConnectOptions::one_cq",
+            ));
+        }
+        let mut p = self.into_parts();
+        let channel = p.link.take_channel();
+        let cq = AsyncCq::new(p.recv_cq, channel)?;
+        let qp = cq.attach(p.qp, backlog)?;
+        Ok((cq, qp, p.link))
     }
 }
 

@@ -44,6 +44,11 @@ pub struct ConnectOptions {
     /// Give the receive CQ a completion channel, so [`Connection::wait_recv`] can block instead
     /// of spinning.
     pub recv_channel: bool,
+    /// Send and receive completions on one CQ (of the entries above), which the channel (with
+    /// `recv_channel`) serves: what an awaited queue pair needs
+    /// ([`Connection::into_async`](Connection::into_async)). The CQ's entries are shared by both
+    /// queues: posts beyond its room are refused.
+    pub one_cq: bool,
 }
 
 impl ConnectOptions {
@@ -77,6 +82,7 @@ impl Default for ConnectOptions {
             rd_atomic: 16,
             timeout: Duration::from_secs(10),
             recv_channel: false,
+            one_cq: false,
         }
     }
 }
@@ -529,8 +535,12 @@ impl Parts {
                 } else {
                     None
                 };
-                let send_cq = ctx.create_cq(depth, None)?;
                 let recv_cq = ctx.create_cq(depth, channel.as_ref())?;
+                let send_cq = if opts.one_cq {
+                    recv_cq.share()
+                } else {
+                    ctx.create_cq(depth, None)?
+                };
                 (ctx, pd, send_cq, recv_cq, channel)
             }
         };
@@ -648,6 +658,12 @@ impl CmLinkEvent {
 }
 
 impl CmLink {
+    /// Take the receive CQ's completion channel ([`ConnectOptions::recv_channel`]), to wait on it
+    /// elsewhere (an [`AsyncCq`](super::AsyncCq)); `None` without one or once taken.
+    pub fn take_channel(&mut self) -> Option<CompletionChannel> {
+        self.channel.take()
+    }
+
     /// The verbs device of the connection.
     pub fn device(&self) -> &str {
         self.ctx.name()

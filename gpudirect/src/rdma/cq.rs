@@ -319,6 +319,16 @@ impl CompletionQueue {
         })
     }
 
+    /// A second handle of the same CQ (its own poll buffer), for a connection whose send and
+    /// receive completions go to one CQ.
+    pub(crate) fn share(&self) -> CompletionQueue {
+        CompletionQueue {
+            inner: self.inner.clone(),
+            buf: Box::new([WorkCompletion::default(); POLL_BATCH]),
+            cqe: self.cqe,
+        }
+    }
+
     /// Entries, as the provider rounded them up: the most completions it ever holds.
     pub fn capacity(&self) -> u32 {
         self.cqe
