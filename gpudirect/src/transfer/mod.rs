@@ -107,8 +107,8 @@ mod staging;
 mod wire;
 
 pub use descriptor::{
-    DESCRIPTOR_VERSION, DescribedKind, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor, RemoteRange,
-    decode_list, encode_list,
+    DESCRIPTOR_VERSION, DescribedKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor,
+    RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::{
     Direction, Endpoint, Notification, RailStats, Transfer, TransferListener, TransferOptions,
