@@ -99,6 +99,10 @@ mod copy;
 mod descriptor;
 mod endpoint;
 mod engine;
+#[cfg(feature = "p2p")]
+mod ipc;
+#[cfg(feature = "p2p")]
+mod local;
 mod plan;
 mod region;
 mod registry;
@@ -115,4 +119,6 @@ pub use endpoint::{
     TransferReport, Transferred,
 };
 pub use engine::{Engine, EngineConfig};
-pub use region::{Buffer, CacheCounters, LocalRange, MemoryPath, Region};
+#[cfg(feature = "p2p")]
+pub use local::LocalListener;
+pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
