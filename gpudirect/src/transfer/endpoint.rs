@@ -348,6 +348,10 @@ enum Origin {
     Accepted,
 }
 
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+)]
 /// The intra-node side of an endpoint (`transfer/local.rs`): its Unix socket, copy streams and
 /// threads. The endpoint's state here (peer descriptors, notifications, failure) serves it too,
 /// with no rails.
@@ -395,17 +399,29 @@ impl EpInner {
         }
     }
 
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// End the endpoint with `cause` (the first cause stays).
     pub(super) fn fail(&self, cause: Broken) {
         let mut st = self.lock();
         break_endpoint(self, &mut st, cause);
     }
 
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// The endpoint's failure, if it has failed.
     pub(super) fn failure(&self) -> Option<Error> {
         self.lock().broken.as_ref().map(|(b, _)| b.to_error())
     }
 
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// Deliver a notification that arrived (the intra-node side's reader).
     pub(super) fn deliver(&self, n: Notification) {
         let mut st = self.lock();
@@ -414,6 +430,10 @@ impl EpInner {
         drop(st);
     }
 
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// A fresh state for a reconnected intra-node endpoint, with the peer's new descriptors.
     pub(super) fn restart_local(&self, peer_descriptors: Vec<MemoryDescriptor>) {
         let fresh = local_state(peer_descriptors);
@@ -875,6 +895,10 @@ fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<Stat
     })
 }
 
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+)]
 /// The state of an intra-node endpoint: no rails, the peer's descriptors.
 fn local_state(peer_descriptors: Vec<MemoryDescriptor>) -> State {
     State {
@@ -895,6 +919,10 @@ fn local_state(peer_descriptors: Vec<MemoryDescriptor>) -> State {
 }
 
 impl Endpoint {
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// An intra-node endpoint: no rails and no progress thread; `local` carries its requests
     /// and notifications.
     pub(super) fn start_local(
@@ -924,6 +952,10 @@ impl Endpoint {
         Ok(ep)
     }
 
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     /// The intra-node side, for an endpoint made by `connect_local` or a local listener.
     pub(super) fn local_side(&self) -> Option<&Arc<dyn LocalSide>> {
         self.inner().local.as_ref()

@@ -139,8 +139,8 @@ impl std::fmt::Debug for Import {
 
 /// The import of `handle` mapped for GPU `ordinal`: the live one, or a new one
 /// (`cuIpcOpenMemHandle`, counted in `opened`) that must hold `alloc_len` bytes (the peer's
-/// word, checked against the mapping; it is closed again if it does not). `home` is the PCI
-/// address of the GPU that owns the memory, when visible here.
+/// word, checked against the mapping; it is closed again if it does not). `home` gives the PCI
+/// address of the GPU that owns the memory, when visible here (asked only to open).
 ///
 /// # Errors
 ///
@@ -151,7 +151,7 @@ pub(crate) fn import(
     handle: &[u8; 64],
     ordinal: usize,
     alloc_len: u64,
-    home: Option<String>,
+    home: impl FnOnce() -> Option<String>,
     opened: &AtomicU64,
 ) -> Result<Arc<Import>> {
     let key = (*handle, ordinal);
@@ -167,7 +167,7 @@ pub(crate) fn import(
             std::thread::yield_now();
             continue;
         }
-        let h = IpcMemHandle::from_parts(*handle, 0, alloc_len, 1, 0, home);
+        let h = IpcMemHandle::from_parts(*handle, 0, alloc_len, 1, 0, home());
         let mem = IpcMemory::<u8>::open_on(&h, ordinal)?;
         let base = mem.device_ptr();
         // SAFETY: `open_on` left `ordinal`'s context current; `base` is the mapping it made.

@@ -607,6 +607,20 @@ impl Side {
             if ended() {
                 break false;
             }
+            // A request queued behind this one whose deadline passed first ends the endpoint
+            // too (its copies run after these).
+            let behind = lock(&self.queue)
+                .jobs
+                .iter()
+                .map(|j| (j.deadline, j.timeout))
+                .min();
+            if let Some((d, t)) = behind
+                && d < deadline
+                && Instant::now() >= d
+            {
+                self.fail(Broken::Deadline(t));
+                continue;
+            }
             if Instant::now() >= deadline {
                 Tracker::global().park(fence, keep);
                 self.fail(Broken::Deadline(timeout));
@@ -813,7 +827,7 @@ pub(super) fn request(
                 ),
             ));
         }
-        let home = crate::p2p::link::bus_id_of(peer_gpu).ok();
+        let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
         let imp = import(
             ipc.handle(),
             device,
