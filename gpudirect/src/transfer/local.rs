@@ -110,6 +110,32 @@ fn os(call: &'static str, e: std::io::Error) -> Error {
     Error::Os { call, source: e }
 }
 
+/// Write all of `b` with `send(MSG_NOSIGNAL)`: a peer that is gone gives `EPIPE`, never the
+/// signal that would end the process. The socket's send timeout bounds each call.
+fn send_all(s: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        // SAFETY: `b` is valid for `b.len()` bytes; the fd is the live socket's.
+        let n = unsafe {
+            libc::send(
+                s.as_raw_fd(),
+                b.as_ptr().cast(),
+                b.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // 0 <= n <= b.len().
+        b = &b[n as usize..];
+    }
+    Ok(())
+}
+
 /// Send one length-prefixed message.
 fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
     let n = u32::try_from(b.len())
@@ -122,8 +148,8 @@ fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
                 format!("a first message is at most {MAX_HELLO} bytes"),
             )
         })?;
-    s.write_all(&n.to_le_bytes())
-        .and_then(|()| s.write_all(b))
+    send_all(s, &n.to_le_bytes())
+        .and_then(|()| send_all(s, b))
         .map_err(|e| os("send (the local endpoint's Unix socket)", e))
 }
 
@@ -530,9 +556,7 @@ impl Side {
         let Some(conn) = c.as_mut() else {
             return Err(Broken::Closed.to_error());
         };
-        conn.stream
-            .write_all(&f)
-            .map_err(|e| os("send on the local endpoint's Unix socket", e))
+        send_all(&conn.stream, &f).map_err(|e| os("send on the local endpoint's Unix socket", e))
     }
 
     /// The copy streams of GPU `ordinal` (made on first use).
