@@ -1279,7 +1279,8 @@ impl Endpoint {
     }
 
     /// Close this endpoint's connections and connect its rails again (the side that
-    /// connected only; the listening side accepts the new endpoint). Requests still in flight
+    /// connected only; the listening side accepts the new endpoint). An intra-node endpoint
+    /// dials its socket path again. Requests still in flight
     /// end with an error first; the peer's descriptors are those of its new first message.
     ///
     /// # Errors

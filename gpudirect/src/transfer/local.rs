@@ -242,7 +242,12 @@ impl Engine {
 
     /// Connect an intra-node endpoint to the local listener at `path`: the first messages
     /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)).
-    /// Requests on it copy through CUDA IPC; it has no rails.
+    /// It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
+    /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle` on the local memory's
+    /// GPU, or GPU 0 for host memory; once per allocation and GPU in the process, until nothing
+    /// holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path is
+    /// [`MemoryPath::CudaIpc`] with the link crossed.
     ///
     /// # Errors
     ///
@@ -252,6 +257,8 @@ impl Engine {
     /// [`Error::InvalidArgument`] for a first message that is not valid, or too many
     /// descriptors to publish.
     #[doc(alias = "connect")]
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuMemcpyAsync")]
     pub fn connect_local(
         &self,
         path: impl AsRef<Path>,

@@ -528,6 +528,7 @@ impl Region {
     /// [`Error::InvalidArgument`] for memory that no peer can reach: staged memory without an
     /// IPC part, or memory of an engine without rails that cannot be exported (host memory,
     /// pool memory).
+    #[doc(alias = "cuIpcGetMemHandle")]
     pub fn descriptor(&self) -> Result<MemoryDescriptor> {
         self.descriptor_of(0, self.len() as u64)
     }
