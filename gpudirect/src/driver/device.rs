@@ -72,7 +72,7 @@ pub(crate) unsafe fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
     })
 }
 
-#[cfg(feature = "p2p")]
+#[cfg(all(feature = "p2p", feature = "transfer"))]
 /// `cuDeviceGetUuid`—The device's UUID: the name every process on the node gives it, whatever
 /// its `CUDA_VISIBLE_DEVICES`.
 ///

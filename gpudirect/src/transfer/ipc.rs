@@ -74,7 +74,7 @@ pub(crate) fn ordinal_of_uuid(uuid: &[u8; 16]) -> Result<Option<usize>> {
 /// peer's GPU `peer` (when visible here) crosses.
 pub(crate) fn link(local: Option<usize>, peer: Option<usize>) -> IpcLink {
     match (local, peer) {
-        (None, _) => IpcLink::HostMemory,
+        (None, _) => IpcLink::LocalHost,
         (_, None) => IpcLink::Unknown {
             reason: "the peer's GPU is not visible to this process".into(),
         },
@@ -202,7 +202,7 @@ mod tests {
 
     #[test]
     fn links_without_a_gpu_say_what_they_cross() {
-        assert_eq!(link(None, Some(1)), IpcLink::HostMemory);
+        assert_eq!(link(None, Some(1)), IpcLink::LocalHost);
         assert_eq!(link(Some(3), Some(3)), IpcLink::SameDevice);
         assert!(matches!(link(Some(0), None), IpcLink::Unknown { .. }));
     }

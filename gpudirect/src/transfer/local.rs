@@ -24,7 +24,7 @@ use crate::completion::{EventFence, Fence, Tracker, deadline_after, poll_until};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -1025,6 +1025,7 @@ mod tests {
     use crate::transfer::descriptor::{DescribedKind, IpcPart};
     use crate::transfer::{Buffer, EngineConfig};
     use proptest::prelude::*;
+    use std::io::Write;
 
     fn descs(n: usize) -> Vec<MemoryDescriptor> {
         (0..n)

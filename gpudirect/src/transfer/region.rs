@@ -258,7 +258,7 @@ pub enum IpcLink {
     /// PCIe peer to peer between the two GPUs.
     Pcie,
     /// Local host memory and the peer's GPU: over the GPU's host link.
-    HostMemory,
+    LocalHost,
     /// The link could not be told (NVML absent, the peer's GPU not visible here); why.
     Unknown {
         /// What could not be answered.
@@ -272,7 +272,7 @@ impl std::fmt::Display for IpcLink {
             IpcLink::SameDevice => f.write_str("the same device"),
             IpcLink::Nvlink { links } => write!(f, "NVLink (NV{links})"),
             IpcLink::Pcie => f.write_str("PCIe"),
-            IpcLink::HostMemory => f.write_str("the GPU's host link (local host memory)"),
+            IpcLink::LocalHost => f.write_str("the GPU's host link (local host memory)"),
             IpcLink::Unknown { reason } => write!(f, "an unknown link ({reason})"),
         }
     }
