@@ -21,7 +21,7 @@ step "gpudirect's features: each path alone, and none (clippy of the library and
 # A program may build only the paths it uses (`default-features = false`). The CUDA version
 # feature stays: it only picks cudarc's bindings. gpudirect alone is checked again per set; its
 # dependencies come from the target directory above.
-for set in "" p2p rdma storage report serde tokio transfer; do
+for set in "" p2p rdma storage report serde tokio transfer transfer,p2p; do
   echo "--- features: cuda-12080${set:+,$set}"
   cargo clippy -p gpudirect --all-targets --no-default-features \
     --features "cuda-12080${set:+,$set}" -- -D warnings

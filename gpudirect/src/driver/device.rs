@@ -72,6 +72,18 @@ pub(crate) unsafe fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
     })
 }
 
+#[cfg(all(feature = "p2p", feature = "transfer"))]
+/// `cuDeviceGetUuid`—The device's UUID: the name every process on the node gives it, whatever
+/// its `CUDA_VISIBLE_DEVICES`.
+///
+/// # Safety
+///
+/// `dev` came from [`get`].
+pub(crate) unsafe fn uuid(dev: sys::CUdevice) -> Result<[u8; 16]> {
+    let u = named("cuDeviceGetUuid", result::device::get_uuid(dev))?;
+    Ok(u.bytes.map(|b| b as u8))
+}
+
 /// `cuDeviceTotalMem_v2`—The device's memory, in bytes.
 ///
 /// # Safety

@@ -140,7 +140,7 @@ struct RailCounters {
 
 /// Why an endpoint stopped.
 #[derive(Debug, Clone)]
-enum Broken {
+pub(super) enum Broken {
     Deadline(Duration),
     Disconnected(&'static str, i32),
     Completion {
@@ -154,7 +154,7 @@ enum Broken {
 }
 
 impl Broken {
-    fn to_error(&self) -> Error {
+    pub(super) fn to_error(&self) -> Error {
         match self {
             Broken::Deadline(after) => Error::Timeout {
                 what: "transfer (the endpoint was closed: a message got no answer in time)",
@@ -185,7 +185,7 @@ impl Broken {
         }
     }
 
-    fn of(e: &Error) -> Broken {
+    pub(super) fn of(e: &Error) -> Broken {
         match e {
             Error::WorkCompletion {
                 status,
@@ -348,8 +348,29 @@ enum Origin {
     Accepted,
 }
 
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+)]
+/// The intra-node side of an endpoint (`transfer/local.rs`): its Unix socket, copy streams and
+/// threads. The endpoint's state here (peer descriptors, notifications, failure) serves it too,
+/// with no rails.
+pub(super) trait LocalSide: Send + Sync {
+    /// Start serving `ep` (its threads hold it weakly).
+    fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()>;
+    /// End: the socket shut, the threads joined, requests still queued ended.
+    fn close(&self);
+    /// Dial again (the dialing side), as [`Endpoint::reconnect`].
+    fn reconnect(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()>;
+    /// For the request path, which knows the concrete type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
 pub(crate) struct EpInner {
     engine: Engine,
+    /// The intra-node side, for an endpoint made by `connect_local` / `accept` of a local
+    /// listener (no rails then).
+    local: Option<Arc<dyn LocalSide>>,
     state: Mutex<State>,
     notes_cv: Condvar,
     /// Awaiting [`Endpoint::notification`] futures: each flag is set at the next notification
@@ -376,6 +397,48 @@ impl EpInner {
         for (_, f) in waiters {
             f.set();
         }
+    }
+
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// End the endpoint with `cause` (the first cause stays).
+    pub(super) fn fail(&self, cause: Broken) {
+        let mut st = self.lock();
+        break_endpoint(self, &mut st, cause);
+    }
+
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// The endpoint's failure, if it has failed.
+    pub(super) fn failure(&self) -> Option<Error> {
+        self.lock().broken.as_ref().map(|(b, _)| b.to_error())
+    }
+
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// Deliver a notification that arrived (the intra-node side's reader).
+    pub(super) fn deliver(&self, n: Notification) {
+        let mut st = self.lock();
+        st.notes.push_back(n);
+        self.wake_notes();
+        drop(st);
+    }
+
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// A fresh state for a reconnected intra-node endpoint, with the peer's new descriptors.
+    pub(super) fn restart_local(&self, peer_descriptors: Vec<MemoryDescriptor>) {
+        let fresh = local_state(peer_descriptors);
+        let old = std::mem::replace(&mut *self.lock(), fresh);
+        drop(old);
     }
 
     fn poke(&self) {
@@ -407,6 +470,9 @@ struct Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         close(&self.inner);
+        if let Some(l) = &self.inner.local {
+            l.close();
+        }
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
         }
@@ -478,10 +544,11 @@ impl Engine {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for an address that does not resolve; as
-    /// [`Listener::bind`].
+    /// [`Error::InvalidArgument`] for an address that does not resolve, or an engine without
+    /// rails; as [`Listener::bind`].
     #[doc(alias = "rdma_listen")]
     pub fn listen(&self, addr: &str) -> Result<TransferListener> {
+        self.inner.require_rails()?;
         Ok(TransferListener {
             engine: self.clone(),
             cm: Listener::bind(resolve(addr)?)?,
@@ -496,11 +563,13 @@ impl Engine {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for no peers, more than 16, a name that does not resolve, a
+    /// [`Error::InvalidArgument`] for an engine without rails, no peers, more than 16, a name
+    /// that does not resolve, a
     /// route to a device that is not one of the engine's, or a first message that is not valid;
     /// [`Error::Timeout`] and [`Error::CmEvent`] from connecting; any verbs error.
     #[doc(alias = "rdma_connect")]
     pub fn connect(&self, peers: &[&str], publish: &[MemoryDescriptor]) -> Result<Endpoint> {
+        self.inner.require_rails()?;
         if peers.is_empty() || peers.len() > super::descriptor::MAX_RAILS {
             return Err(Error::invalid(
                 "peers",
@@ -826,7 +895,72 @@ fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<Stat
     })
 }
 
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+)]
+/// The state of an intra-node endpoint: no rails, the peer's descriptors.
+fn local_state(peer_descriptors: Vec<MemoryDescriptor>) -> State {
+    State {
+        rails: Vec::new(),
+        broken: None,
+        requests: HashMap::new(),
+        deadlines: BinaryHeap::new(),
+        notify_q: VecDeque::new(),
+        credits: Credits::new(4, 4),
+        notes: VecDeque::new(),
+        closing: false,
+        turn: 0,
+        peer_descriptors,
+        peer_devices: 0,
+        max_message: u32::MAX,
+        touched: Vec::new(),
+    }
+}
+
 impl Endpoint {
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// An intra-node endpoint: no rails and no progress thread; `local` carries its requests
+    /// and notifications.
+    pub(super) fn start_local(
+        engine: Engine,
+        peer_descriptors: Vec<MemoryDescriptor>,
+        local: Arc<dyn LocalSide>,
+    ) -> Result<Endpoint> {
+        let inner = Arc::new(EpInner {
+            engine,
+            local: Some(local.clone()),
+            state: Mutex::new(local_state(peer_descriptors)),
+            notes_cv: Condvar::new(),
+            note_waiters: Mutex::new(Vec::new()),
+            wake: eventfd()?,
+            counters: Vec::new(),
+            origin: Origin::Accepted,
+            next_req: AtomicU64::new(1),
+        });
+        let ep = Endpoint {
+            handle: Arc::new(Handle {
+                inner: inner.clone(),
+                thread: Mutex::new(None),
+            }),
+        };
+        // On failure the endpoint is dropped: its side is closed.
+        local.attach(&inner)?;
+        Ok(ep)
+    }
+
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    /// The intra-node side, for an endpoint made by `connect_local` or a local listener.
+    pub(super) fn local_side(&self) -> Option<&Arc<dyn LocalSide>> {
+        self.inner().local.as_ref()
+    }
+
     fn start(
         engine: Engine,
         rails: Vec<Rail>,
@@ -837,6 +971,7 @@ impl Endpoint {
         let state = new_state(&engine.inner, rails, &hellos)?;
         let inner = Arc::new(EpInner {
             engine,
+            local: None,
             state: Mutex::new(state),
             notes_cv: Condvar::new(),
             note_waiters: Mutex::new(Vec::new()),
@@ -1144,7 +1279,8 @@ impl Endpoint {
     }
 
     /// Close this endpoint's connections and connect its rails again (the side that
-    /// connected only; the listening side accepts the new endpoint). Requests still in flight
+    /// connected only; the listening side accepts the new endpoint). An intra-node endpoint
+    /// dials its socket path again. Requests still in flight
     /// end with an error first; the peer's descriptors are those of its new first message.
     ///
     /// # Errors
@@ -1152,6 +1288,9 @@ impl Endpoint {
     /// [`Error::InvalidArgument`] on the accepting side; errors of connecting.
     pub fn reconnect(&self) -> Result<()> {
         let inner = self.inner();
+        if let Some(l) = &inner.local {
+            return l.clone().reconnect(inner);
+        }
         if matches!(inner.origin, Origin::Accepted) {
             return Err(Error::invalid(
                 "endpoint",
@@ -1267,7 +1406,7 @@ pub(crate) fn check_pairs(
 /// region per device of that engine, in that engine's protection domains. (A region of another
 /// engine indexed past its registrations, or its slices were refused by the queue pair, which
 /// broke the whole endpoint.)
-fn check_same_engine(engine: u64, pairs: &[(LocalRange, RemoteRange)]) -> Result<()> {
+pub(super) fn check_same_engine(engine: u64, pairs: &[(LocalRange, RemoteRange)]) -> Result<()> {
     if let Some(i) = pairs
         .iter()
         .position(|(l, _)| l.region.entry.engine != engine)
@@ -2043,6 +2182,7 @@ mod tests {
                     ordinal: None,
                     preferred: vec![0],
                     _keep: Vec::new(),
+                    ipc: Err("a test".into()),
                 }),
                 buf,
                 at: 0,

@@ -49,6 +49,17 @@ pub struct EngineConfig {
     /// Staging chunks in flight per transfer (default 4, at least 2: one copied while another
     /// is on the wire).
     pub staging_slots: usize,
+    /// No verbs rails (default `false`): the engine never loads libibverbs, registers memory
+    /// with no NIC and makes only intra-node endpoints ([`Engine::connect_local`],
+    /// [`Engine::listen_local`]); `devices` must then be empty. [`EngineConfig::local`] sets it.
+    pub local_only: bool,
+    /// CUDA streams per local GPU that an intra-node endpoint copies on (default 1, at most
+    /// 16). With more than one, each copy of at least [`copy_chunk`](Self::copy_chunk) bytes
+    /// is cut into chunks spread over the streams; the request is done when every stream is.
+    pub copy_streams: usize,
+    /// Bytes of one chunk when [`copy_streams`](Self::copy_streams) is above 1 (default 16 MiB,
+    /// at least 64 KiB).
+    pub copy_chunk: usize,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +77,9 @@ impl Default for EngineConfig {
             staging: true,
             staging_chunk: 1 << 20,
             staging_slots: 4,
+            local_only: false,
+            copy_streams: 1,
+            copy_chunk: 16 << 20,
         }
     }
 }
@@ -75,6 +89,15 @@ impl EngineConfig {
     pub fn with_devices<S: AsRef<str>>(devices: &[S]) -> Self {
         EngineConfig {
             devices: devices.iter().map(|d| d.as_ref().to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The default settings for an engine without rails: intra-node endpoints only, no verbs
+    /// library loaded ([`local_only`](Self::local_only)).
+    pub fn local() -> Self {
+        EngineConfig {
+            local_only: true,
             ..Default::default()
         }
     }
@@ -127,6 +150,23 @@ impl EngineConfig {
                 self.staging_chunk.to_string(),
                 "4 KiB to 1 GiB",
             );
+        }
+        if self.local_only && !self.devices.is_empty() {
+            return bad(
+                "devices",
+                self.devices.len().to_string(),
+                "an engine without rails (local_only) names no devices",
+            );
+        }
+        if !(1..=16).contains(&self.copy_streams) {
+            return bad(
+                "copy_streams",
+                self.copy_streams.to_string(),
+                "1 to 16 streams",
+            );
+        }
+        if self.copy_chunk < 64 << 10 {
+            return bad("copy_chunk", self.copy_chunk.to_string(), "at least 64 KiB");
         }
         if self.staging_chunk.checked_mul(self.staging_slots).is_none() {
             return bad(
@@ -216,6 +256,19 @@ impl EngineInner {
         }
     }
 
+    /// Refuse across-node endpoints on an engine without rails.
+    pub(crate) fn require_rails(&self) -> Result<()> {
+        if self.devices.is_empty() {
+            return Err(Error::invalid(
+                "engine",
+                "no rails",
+                "an engine without rails (EngineConfig::local) makes only intra-node endpoints: \
+                 Engine::connect_local / listen_local",
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn device_index(&self, name: &str) -> Option<usize> {
         self.devices.iter().position(|d| d.name == name)
     }
@@ -239,7 +292,8 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Open the rails' devices and allocate a protection domain on each.
+    /// Open the rails' devices and allocate a protection domain on each; with
+    /// [`EngineConfig::local_only`], an engine without rails (no verbs library is loaded).
     ///
     /// # Errors
     ///
@@ -250,6 +304,9 @@ impl Engine {
     #[doc(alias = "ibv_alloc_pd")]
     pub fn new(config: EngineConfig) -> Result<Engine> {
         config.check()?;
+        if config.local_only {
+            return Ok(Engine::with_rails(config, Vec::new()));
+        }
         let list = DeviceList::non_empty()?;
         let mut names = config.devices.clone();
         if names.is_empty() {
@@ -290,7 +347,11 @@ impl Engine {
                 max_msg,
             });
         }
-        Ok(Engine {
+        Ok(Engine::with_rails(config, devices))
+    }
+
+    fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
+        Engine {
             inner: Arc::new(EngineInner {
                 config,
                 devices,
@@ -301,10 +362,11 @@ impl Engine {
                 next_id: AtomicU64::new(1),
                 engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
             }),
-        })
+        }
     }
 
-    /// The rails' device names, in rail order (the order of every descriptor's rkeys).
+    /// The rails' device names, in rail order (the order of every descriptor's rkeys); empty
+    /// for an engine without rails.
     pub fn devices(&self) -> Vec<String> {
         self.inner.devices.iter().map(|d| d.name.clone()).collect()
     }
@@ -353,6 +415,18 @@ mod tests {
                 ..Default::default()
             },
             EngineConfig::with_devices(&vec!["x"; 17]),
+            EngineConfig {
+                copy_streams: 0,
+                ..Default::default()
+            },
+            EngineConfig {
+                copy_chunk: 4096,
+                ..Default::default()
+            },
+            EngineConfig {
+                devices: vec!["mlx5_0".into()],
+                ..EngineConfig::local()
+            },
         ];
         for c in bad {
             assert!(
@@ -360,6 +434,15 @@ mod tests {
                 "{c:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_engine_without_rails_opens_no_verbs_device() {
+        // Whether or not libibverbs is here: nothing of it is asked for.
+        let e = Engine::new(EngineConfig::local()).unwrap();
+        assert!(e.devices().is_empty());
+        assert!(e.config().local_only);
+        assert_eq!(e.cache_stats().imports_opened, 0);
     }
 
     #[test]

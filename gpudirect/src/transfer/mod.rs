@@ -83,6 +83,25 @@
 //! network transfer of the chunk before. A VMM buffer made of several physical chunks is
 //! registered whole through dma-buf, or refused at registration with an error naming the chunk.
 //!
+//! # Inside a node: CUDA IPC
+//!
+//! With the `p2p` feature, two processes on one node meet over a Unix domain socket
+//! ([`Engine::listen_local`] + [`LocalListener::accept`], [`Engine::connect_local`]) and get the
+//! same [`Endpoint`]: the same requests, options, notifications and [`TransferReport`]. An engine
+//! without rails ([`EngineConfig::local`]) never loads libibverbs; an engine with rails makes
+//! these endpoints too. A GPU region's [`MemoryDescriptor`] carries an [`IpcPart`] when its
+//! memory can be exported (`cuMemAlloc` memory: `cuIpcGetMemHandle` of the allocation, once per
+//! registration; its length, the offset in it, the owning GPU's UUID). A request maps the peer's
+//! allocation once (`cuIpcOpenMemHandle`, cached process-wide per allocation and local GPU,
+//! closed when no endpoint and no copy holds it), checks each range against the allocation
+//! length the peer claims and the mapping's real size, and copies with `cuMemcpyAsync` on a
+//! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]); an event
+//! per stream tells the endpoint's worker thread when it is done. A notification leaves on the
+//! socket only then, so when the peer receives it the bytes are in its memory, visible to
+//! any work it queues afterwards. Each pair's path is [`MemoryPath::CudaIpc`] with the link
+//! ([`IpcLink`]: NVLink, PCIe, the same device). Memory that cannot be exported (host memory,
+//! pool and VMM memory) has no IPC part and is refused as a remote target, saying why.
+//!
 //! # Failure
 //!
 //! A request ends within its deadline: when it passes, the endpoint is closed (on a reliable
@@ -99,6 +118,10 @@ mod copy;
 mod descriptor;
 mod endpoint;
 mod engine;
+#[cfg(feature = "p2p")]
+mod ipc;
+#[cfg(feature = "p2p")]
+mod local;
 mod plan;
 mod region;
 mod registry;
@@ -107,12 +130,14 @@ mod staging;
 mod wire;
 
 pub use descriptor::{
-    DESCRIPTOR_VERSION, DescribedKind, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor, RemoteRange,
-    decode_list, encode_list,
+    DESCRIPTOR_VERSION, DescribedKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor,
+    RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::{
     Direction, Endpoint, Notification, RailStats, Transfer, TransferListener, TransferOptions,
     TransferReport, Transferred,
 };
 pub use engine::{Engine, EngineConfig};
-pub use region::{Buffer, CacheCounters, LocalRange, MemoryPath, Region};
+#[cfg(feature = "p2p")]
+pub use local::LocalListener;
+pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};

@@ -243,7 +243,43 @@ unsafe impl DeviceMemory for DeviceSlice {
 // backings, only lets the NIC and CUDA copies reach them.
 unsafe impl DeviceMemoryMut for DeviceSlice {}
 
-/// How a transfer's local memory reaches the NIC.
+/// The link a CUDA IPC copy crosses between the local memory and the peer's GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IpcLink {
+    /// Both on one GPU: a copy inside its memory.
+    SameDevice,
+    /// NVLink between the two GPUs (`links` active links, or the smaller switch link count
+    /// through NVSwitch).
+    Nvlink {
+        /// Active links.
+        links: u32,
+    },
+    /// PCIe peer to peer between the two GPUs.
+    Pcie,
+    /// Local host memory and the peer's GPU: over the GPU's host link.
+    LocalHost,
+    /// The link could not be told (NVML absent, the peer's GPU not visible here); why.
+    Unknown {
+        /// What could not be answered.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for IpcLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IpcLink::SameDevice => f.write_str("the same device"),
+            IpcLink::Nvlink { links } => write!(f, "NVLink (NV{links})"),
+            IpcLink::Pcie => f.write_str("PCIe"),
+            IpcLink::LocalHost => f.write_str("the GPU's host link (local host memory)"),
+            IpcLink::Unknown { reason } => write!(f, "an unknown link ({reason})"),
+        }
+    }
+}
+
+/// How a transfer's local memory reaches the peer: through the NIC (registered or staged), or
+/// through CUDA IPC inside the node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum MemoryPath {
@@ -256,6 +292,15 @@ pub enum MemoryPath {
     Staged {
         /// The refusal that made it staged.
         reason: String,
+    },
+    /// Memory of an engine without rails ([`EngineConfig::local`](super::EngineConfig::local)):
+    /// registered with no NIC; reached only inside the node.
+    Unregistered,
+    /// A copy inside the node: the peer's GPU memory mapped here with `cuIpcOpenMemHandle` and
+    /// copied with `cuMemcpyAsync` over `link`.
+    CudaIpc {
+        /// What the bytes cross.
+        link: IpcLink,
     },
 }
 
@@ -270,6 +315,13 @@ impl std::fmt::Display for MemoryPath {
                     "GPU memory staged through pinned host buffers ({reason})"
                 )
             }
+            MemoryPath::Unregistered => {
+                f.write_str("memory registered with no NIC (an engine without rails)")
+            }
+            MemoryPath::CudaIpc {
+                link: IpcLink::SameDevice,
+            } => f.write_str("CUDA IPC on the same device"),
+            MemoryPath::CudaIpc { link } => write!(f, "CUDA IPC over {link}"),
         }
     }
 }
@@ -323,8 +375,22 @@ pub(crate) struct Entry {
     pub(crate) ordinal: Option<usize>,
     /// Engine devices nearest the memory.
     pub(crate) preferred: Vec<usize>,
-    /// For staged memory: what the bounce copies reach.
+    /// For staged and unregistered memory: what the copies reach.
     pub(crate) _keep: Vec<Arc<Backing>>,
+    /// The allocation exported for CUDA IPC (once per registration), or why not.
+    pub(crate) ipc: std::result::Result<Exported, String>,
+}
+
+/// An allocation exported for CUDA IPC: what every descriptor of its registrations carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Exported {
+    /// `cuIpcGetMemHandle` of the allocation.
+    pub(crate) handle: [u8; 64],
+    /// The allocation's base and length (`cuMemGetAddressRange`).
+    pub(crate) base: u64,
+    pub(crate) alloc_len: u64,
+    /// The owning GPU's UUID.
+    pub(crate) uuid: [u8; 16],
 }
 
 impl Entry {
@@ -342,6 +408,8 @@ pub(crate) struct CacheStats {
     pub(crate) hits: AtomicU64,
     pub(crate) misses: AtomicU64,
     pub(crate) registered: AtomicU64,
+    /// CUDA IPC imports this engine opened (`cuIpcOpenMemHandle`).
+    pub(crate) imports: AtomicU64,
 }
 
 /// What the registration cache has done so far ([`Engine::cache_stats`](super::Engine::cache_stats)).
@@ -355,6 +423,10 @@ pub struct CacheCounters {
     pub registrations: u64,
     /// Registrations alive now (held by regions or transfers).
     pub live: usize,
+    /// Peer allocations this engine's local endpoints mapped with `cuIpcOpenMemHandle`: each
+    /// is opened once per (allocation, local GPU) and reused by every request and endpoint
+    /// until none holds it.
+    pub imports_opened: u64,
 }
 
 /// The registration cache: live entries by identity. Entries are held by the regions and
@@ -447,12 +519,16 @@ impl Region {
         self.buf.is_device()
     }
 
-    /// The descriptor a peer needs to read or write this whole region.
+    /// The descriptor a peer needs to read or write this whole region: one rkey per rail, and
+    /// for GPU memory that can be exported (`cuMemAlloc` memory) a CUDA IPC part, through which
+    /// a process on the same node reaches it.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for staged memory: only registered memory can be reached by a
-    /// peer.
+    /// [`Error::InvalidArgument`] for memory that no peer can reach: staged memory without an
+    /// IPC part, or memory of an engine without rails that cannot be exported (host memory,
+    /// pool memory).
+    #[doc(alias = "cuIpcGetMemHandle")]
     pub fn descriptor(&self) -> Result<MemoryDescriptor> {
         self.descriptor_of(0, self.len() as u64)
     }
@@ -462,16 +538,10 @@ impl Region {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for a range outside the region, or staged memory.
+    /// [`Error::InvalidArgument`] for a range outside the region, or memory no peer can reach
+    /// (as [`descriptor`](Self::descriptor)).
     pub fn descriptor_of(&self, offset: u64, len: u64) -> Result<MemoryDescriptor> {
         check_range(offset, len, self.len() as u64)?;
-        if self.entry.mrs.is_empty() {
-            return Err(Error::invalid(
-                "region",
-                &self.entry.path,
-                "memory that cannot be registered with the NIC is not reachable by a peer",
-            ));
-        }
         let rkeys: Vec<u32> = self.entry.mrs.iter().map(RailMr::rkey).collect();
         let kind = if self.is_device() {
             DescribedKind::Device
@@ -479,7 +549,25 @@ impl Region {
             DescribedKind::Host
         };
         // at + offset + len <= entry.len, and entry.start + entry.len fits (a live allocation).
-        MemoryDescriptor::new(self.entry.start + self.at + offset, len, kind, &rkeys)
+        let addr = self.entry.start + self.at + offset;
+        match &self.entry.ipc {
+            Ok(x) => {
+                let off = addr.checked_sub(x.base).ok_or_else(|| {
+                    Error::invalid("region", format!("{addr:#x}"), "lies before its allocation")
+                })?;
+                let part = super::descriptor::IpcPart::new(x.handle, x.alloc_len, off, x.uuid);
+                MemoryDescriptor::with_ipc(addr, len, kind, &rkeys, part)
+            }
+            Err(why) if rkeys.is_empty() => Err(Error::invalid(
+                "region",
+                &self.entry.path,
+                format!(
+                    "no peer can reach this memory: it is registered with no NIC, and not \
+                     exported through CUDA IPC ({why})"
+                ),
+            )),
+            Err(_) => MemoryDescriptor::new(addr, len, kind, &rkeys),
+        }
     }
 
     /// `len` bytes at `offset`, for a transfer.
@@ -763,6 +851,7 @@ mod tests {
             ordinal: None,
             preferred: vec![0],
             _keep: Vec::new(),
+            ipc: Err("a test".into()),
         });
         c.insert(&e);
         assert!(c.lookup(id, 0x1000, 0x100).is_some());

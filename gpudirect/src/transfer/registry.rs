@@ -118,6 +118,7 @@ impl Engine {
             misses: s.misses.load(Ordering::Relaxed),
             registrations: s.registered.load(Ordering::Relaxed),
             live,
+            imports_opened: s.imports.load(Ordering::Relaxed),
         }
     }
 
@@ -208,6 +209,27 @@ impl Engine {
     ) -> Result<Vec<Arc<Entry>>> {
         let inner = &*self.inner;
         let ndev = inner.devices.len();
+        if ndev == 0 {
+            // An engine without rails: no NIC registration; the entry holds the memory.
+            return Ok(jobs
+                .iter()
+                .map(|job| {
+                    let w = &wants[job.2[0]];
+                    Arc::new(Entry {
+                        id: w.id,
+                        engine: inner.engine_id,
+                        start: job.0,
+                        len: job.1,
+                        mrs: Vec::new(),
+                        path: MemoryPath::Unregistered,
+                        ordinal: w.ordinal,
+                        preferred: Vec::new(),
+                        _keep: backings(bufs, &job.2),
+                        ipc: exported(w, job.0),
+                    })
+                })
+                .collect());
+        }
         let one = |d: usize| -> Result<Vec<Decided>> {
             jobs.iter()
                 .map(|job| register_decide(inner, d, bufs, wants, job))
@@ -267,9 +289,35 @@ impl Engine {
                 },
                 mrs,
                 path,
+                ipc: exported(w, job.0),
             }));
         }
         Ok(out)
+    }
+}
+
+/// Export the allocation holding `start` for CUDA IPC (`cuMemAlloc` memory), or say why not.
+fn exported(w: &Want, start: u64) -> std::result::Result<super::region::Exported, String> {
+    match (w.kind, w.ordinal) {
+        (Some(MemoryKind::Device), Some(_ordinal)) => {
+            #[cfg(feature = "p2p")]
+            {
+                super::ipc::export(_ordinal, start).map_err(|e| e.to_string())
+            }
+            #[cfg(not(feature = "p2p"))]
+            {
+                let _ = start;
+                Err("gpudirect was built without the p2p feature".into())
+            }
+        }
+        (Some(MemoryKind::Pool), _) => Err("pool memory (cuMemAllocAsync) has no \
+            cuIpcGetMemHandle handle"
+            .into()),
+        (Some(MemoryKind::Vmm), _) => Err("VMM memory is shared by file descriptor, which \
+            descriptors do not carry"
+            .into()),
+        (Some(k), _) => Err(format!("{k:?} memory is not exported")),
+        (None, _) => Err("host memory is not exported".into()),
     }
 }
 

@@ -55,6 +55,12 @@ impl Endpoint {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     ) -> Result<Transfer> {
+        #[cfg(feature = "p2p")]
+        if let Some(side) = self.local_side()
+            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
+        {
+            return super::local::request(self, side, dir, pairs, opts);
+        }
         if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
             staged(self, dir, pairs, opts)
         } else {

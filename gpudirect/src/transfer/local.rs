@@ -1,0 +1,1329 @@
+//! Intra-node endpoints: two processes on one node meet over a Unix domain socket and move GPU
+//! memory with CUDA IPC and stream-ordered copies, not through a NIC.
+//!
+//! Each side sends a first message (magic, version, its pid, the descriptors it publishes) and
+//! checks the peer's. A request maps each remote range's allocation from its descriptor's
+//! [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, once per allocation and local GPU, shared
+//! process-wide), checks the range against the allocation length the peer claims and the
+//! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
+//! memory's GPU, then records an event on each. A worker thread waits for the events in request
+//! order, finishes each request and only then sends its notification over the socket, so the
+//! peer sees a notification only once its bytes are in its memory. A reader thread delivers the
+//! peer's notifications and ends the endpoint when the socket closes.
+
+use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
+use super::endpoint::{
+    Broken, Direction, EpInner, LocalSide, Notification, Transfer, TransferOptions, TransferReport,
+    check_pairs, check_same_engine,
+};
+use super::engine::Engine;
+use super::ipc::{Import, import, link, ordinal_of_uuid};
+use super::region::{LocalRange, MemoryPath, Region};
+use super::wire::MAX_HELLO;
+use crate::completion::{EventFence, Fence, Tracker, deadline_after, poll_until};
+use crate::cuda::Stream;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const MAGIC: [u8; 4] = *b"GDXL";
+const VERSION: u16 = 1;
+/// Magic, version, flags (u16, 0), pid (u32).
+const FIXED: usize = 4 + 2 + 2 + 4;
+/// A message after the first: kind (u8), tag (u32).
+const FRAME: usize = 5;
+/// Frame kind: a notification.
+const NOTE: u8 = 1;
+/// The longest a waiting worker sleeps before it looks at deadlines and failures again.
+const SLICE: Duration = Duration::from_millis(5);
+
+/// The first message of an intra-node endpoint, each way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LocalHello {
+    /// The sender's process id (as it sees itself).
+    pub(crate) pid: u32,
+    pub(crate) descriptors: Vec<MemoryDescriptor>,
+}
+
+impl LocalHello {
+    pub(crate) fn encode(&self) -> Result<Vec<u8>> {
+        let list = encode_list(&self.descriptors)?;
+        let mut b = Vec::with_capacity(FIXED + list.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&self.pid.to_le_bytes());
+        b.extend_from_slice(&list);
+        Ok(b)
+    }
+
+    /// Decode a peer's first message; every field is checked.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub(crate) fn decode(b: &[u8]) -> Result<LocalHello> {
+        let bad = |arg: &'static str, v: String, rule: &str| Err(Error::invalid(arg, v, rule));
+        let Some(h) = b.get(..FIXED) else {
+            return bad(
+                "hello",
+                format!("{} bytes", b.len()),
+                "a first message is at least 16 bytes",
+            );
+        };
+        if h[..4] != MAGIC {
+            return bad(
+                "hello.magic",
+                format!("{:02x?}", &h[..4]),
+                "starts with GDXL",
+            );
+        }
+        let version = u16::from_le_bytes([h[4], h[5]]);
+        if version != VERSION {
+            return bad(
+                "hello.version",
+                version.to_string(),
+                "this library speaks version 1",
+            );
+        }
+        let flags = u16::from_le_bytes([h[6], h[7]]);
+        if flags != 0 {
+            return bad("hello.flags", flags.to_string(), "no flags are defined");
+        }
+        let pid = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+        if pid == 0 {
+            return bad("hello.pid", "0".into(), "a process id is not 0");
+        }
+        let descriptors = decode_list(&b[FIXED..])?;
+        Ok(LocalHello { pid, descriptors })
+    }
+}
+
+fn os(call: &'static str, e: std::io::Error) -> Error {
+    Error::Os { call, source: e }
+}
+
+/// Write all of `b` with `send(MSG_NOSIGNAL)`: a peer that is gone gives `EPIPE`, never the
+/// signal that would end the process. The socket's send timeout bounds each call.
+fn send_all(s: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        // SAFETY: `b` is valid for `b.len()` bytes; the fd is the live socket's.
+        let n = unsafe {
+            libc::send(
+                s.as_raw_fd(),
+                b.as_ptr().cast(),
+                b.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // 0 <= n <= b.len().
+        b = &b[n as usize..];
+    }
+    Ok(())
+}
+
+/// Send one length-prefixed message.
+fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
+    let n = u32::try_from(b.len())
+        .ok()
+        .filter(|&n| u64::from(n) <= MAX_HELLO)
+        .ok_or_else(|| {
+            Error::invalid(
+                "publish",
+                format!("{} bytes", b.len()),
+                format!("a first message is at most {MAX_HELLO} bytes"),
+            )
+        })?;
+    send_all(s, &n.to_le_bytes())
+        .and_then(|()| send_all(s, b))
+        .map_err(|e| os("send (the local endpoint's Unix socket)", e))
+}
+
+/// Receive one length-prefixed message of at most [`MAX_HELLO`] bytes (the peer's word,
+/// checked before anything is allocated).
+fn recv_msg(s: &mut UnixStream, timeout: Duration) -> Result<Vec<u8>> {
+    let timed = |e: std::io::Error| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            Error::Timeout {
+                what: "the peer's first message",
+                after: timeout,
+            }
+        } else {
+            os("recv (the local endpoint's Unix socket)", e)
+        }
+    };
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n).map_err(timed)?;
+    let n = u32::from_le_bytes(n);
+    if u64::from(n) > MAX_HELLO {
+        return Err(Error::invalid(
+            "peer",
+            n,
+            format!("a first message is at most {MAX_HELLO} bytes"),
+        ));
+    }
+    let mut b = vec![0u8; n as usize];
+    s.read_exact(&mut b).map_err(timed)?;
+    Ok(b)
+}
+
+/// Swap first messages on a new connection (the dialer sends first), bounded by `timeout`.
+fn greet(
+    s: &mut UnixStream,
+    publish: &[MemoryDescriptor],
+    dialer: bool,
+    timeout: Duration,
+) -> Result<LocalHello> {
+    let t = Some(timeout.max(Duration::from_millis(1)));
+    s.set_read_timeout(t)
+        .and_then(|()| s.set_write_timeout(t))
+        .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+    let mine = LocalHello {
+        pid: std::process::id(),
+        descriptors: publish.to_vec(),
+    }
+    .encode()?;
+    if dialer {
+        send_msg(s, &mine)?;
+    }
+    let theirs = LocalHello::decode(&recv_msg(s, timeout)?)?;
+    if !dialer {
+        send_msg(s, &mine)?;
+    }
+    // The reader blocks; notifications are sent with the write bound.
+    s.set_read_timeout(None)
+        .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+    Ok(theirs)
+}
+
+/// A listener for intra-node endpoints on a Unix domain socket ([`Engine::listen_local`]).
+/// Dropping it removes the socket file.
+pub struct LocalListener {
+    engine: Engine,
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl Engine {
+    /// Listen for intra-node endpoints on the Unix domain socket at `path` (made here; it must
+    /// not exist). Works on an engine with or without rails.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] from `bind` (`EADDRINUSE` when the path exists: remove a stale socket
+    /// first) or `listen`.
+    #[doc(alias = "bind")]
+    pub fn listen_local(&self, path: impl AsRef<Path>) -> Result<LocalListener> {
+        let path = path.as_ref().to_path_buf();
+        let listener = UnixListener::bind(&path).map_err(|e| os("bind (a Unix socket)", e))?;
+        Ok(LocalListener {
+            engine: self.clone(),
+            listener,
+            path,
+        })
+    }
+
+    /// Connect an intra-node endpoint to the local listener at `path`: the first messages
+    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)).
+    /// It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
+    /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle` on the local memory's
+    /// GPU, or GPU 0 for host memory; once per allocation and GPU in the process, until nothing
+    /// holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path is
+    /// [`MemoryPath::CudaIpc`] with the link crossed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
+    /// [`Error::Timeout`] when the peer's first message does not come within
+    /// [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
+    /// [`Error::InvalidArgument`] for a first message that is not valid, or too many
+    /// descriptors to publish.
+    #[doc(alias = "connect")]
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuMemcpyAsync")]
+    pub fn connect_local(
+        &self,
+        path: impl AsRef<Path>,
+        publish: &[MemoryDescriptor],
+    ) -> Result<super::Endpoint> {
+        let path = path.as_ref().to_path_buf();
+        let (stream, hello) = dial(self, &path, publish)?;
+        let side = Side::new(
+            self.clone(),
+            stream,
+            hello.pid,
+            Some((path, publish.to_vec())),
+        );
+        super::Endpoint::start_local(self.clone(), hello.descriptors, side)
+    }
+}
+
+fn dial(
+    engine: &Engine,
+    path: &Path,
+    publish: &[MemoryDescriptor],
+) -> Result<(UnixStream, LocalHello)> {
+    if publish.len() > MAX_DESCRIPTORS {
+        return Err(Error::invalid(
+            "publish",
+            publish.len(),
+            format!("at most {MAX_DESCRIPTORS} descriptors"),
+        ));
+    }
+    let mut s = UnixStream::connect(path).map_err(|e| os("connect (a Unix socket)", e))?;
+    let hello = greet(&mut s, publish, true, engine.inner.config.connect_timeout)?;
+    Ok((s, hello))
+}
+
+impl LocalListener {
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Accept the next intra-node endpoint within `timeout`; the first messages carry
+    /// `publish` and the peer's descriptors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when nobody connects (or sends its first message) in time;
+    /// [`Error::InvalidArgument`] for a first message that is not valid; [`Error::Os`] from
+    /// `accept` or the socket.
+    pub fn accept(
+        &self,
+        publish: &[MemoryDescriptor],
+        timeout: Duration,
+    ) -> Result<super::Endpoint> {
+        let deadline = deadline_after(Instant::now(), timeout);
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| os("fcntl (a Unix socket)", e))?;
+        let mut s = loop {
+            match self.listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::Timeout {
+                            what: "an intra-node endpoint to accept",
+                            after: timeout,
+                        });
+                    }
+                    let mut p = libc::pollfd {
+                        fd: self.listener.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    let ms = left.as_millis().clamp(1, 1000) as i32;
+                    // SAFETY: one valid pollfd for the call.
+                    unsafe { libc::poll(&mut p, 1, ms) };
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(os("accept (a Unix socket)", e)),
+            }
+        };
+        s.set_nonblocking(false)
+            .map_err(|e| os("fcntl (a Unix socket)", e))?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.engine.inner.config.connect_timeout);
+        let hello = greet(&mut s, publish, false, left)?;
+        let side = Side::new(self.engine.clone(), s, hello.pid, None);
+        super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
+    }
+}
+
+impl Drop for LocalListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl std::fmt::Debug for LocalListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalListener")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+/// The live connection: the socket notifications are written to, the peer's pid, the reader.
+struct Conn {
+    stream: UnixStream,
+    peer_pid: u32,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// What a copy in flight reaches: the local regions, the peer's imports, the streams.
+struct Keep {
+    _regions: Vec<Region>,
+    _imports: Vec<Arc<Import>>,
+    _streams: Vec<Stream>,
+}
+
+/// The events of one request (one per stream it used): complete when all are.
+struct Events(Vec<EventFence>);
+
+impl Fence for Events {
+    fn is_complete(&self) -> bool {
+        self.0.iter().all(Fence::is_complete)
+    }
+
+    fn check(&self) -> Result<bool> {
+        for e in &self.0 {
+            if !e.check()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// A request whose copies are queued, waiting for its events.
+struct Job {
+    fence: Events,
+    keep: Keep,
+    finish: Box<dyn FnOnce(Result<TransferReport>) + Send>,
+    report: TransferReport,
+    started: Instant,
+    deadline: Instant,
+    timeout: Duration,
+    epoch: u64,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    closing: bool,
+}
+
+/// The intra-node side of an endpoint.
+pub(super) struct Side {
+    engine: Engine,
+    /// The socket path and what to publish, for the dialing side (reconnect).
+    dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
+    conn: Mutex<Option<Conn>>,
+    /// Bumped by every failure and close: requests of an older epoch are ended.
+    epoch: AtomicU64,
+    /// Bumped when this side shuts its own socket: the reader of an older one ends quietly.
+    generation: AtomicU64,
+    closed: AtomicBool,
+    queue: Mutex<Queue>,
+    queue_cv: Condvar,
+    /// Piece streams per local GPU.
+    streams: Mutex<HashMap<usize, Vec<Stream>>>,
+    /// The peer allocations this endpoint has used, held until it goes.
+    held: Mutex<Vec<Arc<Import>>>,
+    ep: Mutex<Weak<EpInner>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Side {
+    fn new(
+        engine: Engine,
+        stream: UnixStream,
+        peer_pid: u32,
+        dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
+    ) -> Arc<Side> {
+        Arc::new(Side {
+            engine,
+            dialed,
+            conn: Mutex::new(Some(Conn {
+                stream,
+                peer_pid,
+                reader: None,
+            })),
+            epoch: AtomicU64::new(1),
+            generation: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            streams: Mutex::new(HashMap::new()),
+            held: Mutex::new(Vec::new()),
+            ep: Mutex::new(Weak::new()),
+            worker: Mutex::new(None),
+        })
+    }
+
+    fn ep(&self) -> Option<Arc<EpInner>> {
+        lock(&self.ep).upgrade()
+    }
+
+    /// End the endpoint with `cause`: requests in flight are ended by the worker (what their
+    /// copies reach parked until the copies are done).
+    fn fail(&self, cause: Broken) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        if let Some(ep) = self.ep() {
+            ep.fail(cause);
+        }
+        self.queue_cv.notify_all();
+    }
+
+    /// Start the reader of the current connection.
+    fn spawn_reader(self: &Arc<Self>) -> Result<()> {
+        let mut c = lock(&self.conn);
+        let Some(conn) = c.as_mut() else {
+            return Ok(());
+        };
+        let mut rd = conn
+            .stream
+            .try_clone()
+            .map_err(|e| os("dup (the local endpoint's Unix socket)", e))?;
+        let side = self.clone();
+        let generation = self.generation.load(Ordering::Acquire);
+        let t = std::thread::Builder::new()
+            .name("gpudirect-local-rx".into())
+            .spawn(move || side.read_loop(&mut rd, generation))
+            .map_err(|e| os("pthread_create", e))?;
+        conn.reader = Some(t);
+        Ok(())
+    }
+
+    /// Deliver the peer's notifications in order until the socket closes.
+    fn read_loop(&self, rd: &mut UnixStream, generation: u64) {
+        let mut f = [0u8; FRAME];
+        loop {
+            let r = rd.read_exact(&mut f);
+            if self.generation.load(Ordering::Acquire) != generation {
+                return; // this side shut the socket (close, reconnect)
+            }
+            match r {
+                Ok(()) if f[0] == NOTE => {
+                    let tag = u32::from_le_bytes(f[1..5].try_into().expect("4 bytes"));
+                    match self.ep() {
+                        Some(ep) => ep.deliver(Notification { tag }),
+                        None => return,
+                    }
+                }
+                Ok(()) => {
+                    self.fail(Broken::Protocol(format!(
+                        "a message of kind {} on the local endpoint's socket (only \
+                         notifications, kind 1, are sent)",
+                        f[0]
+                    )));
+                    return;
+                }
+                Err(e) => {
+                    let errno = e.raw_os_error().unwrap_or(libc::ECONNRESET);
+                    self.fail(Broken::Os(
+                        "recv on the local endpoint's Unix socket (the peer closed it, or its \
+                         process ended)",
+                        errno,
+                    ));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Shut this side's socket and join its reader.
+    fn hang_up(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let old = lock(&self.conn).take();
+        if let Some(mut c) = old {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            if let Some(t) = c.reader.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn peer_pid(&self) -> Option<u32> {
+        lock(&self.conn).as_ref().map(|c| c.peer_pid)
+    }
+
+    /// Send a notification (after its request's copies are done).
+    fn notify(&self, tag: u32) -> Result<()> {
+        let mut f = [0u8; FRAME];
+        f[0] = NOTE;
+        f[1..].copy_from_slice(&tag.to_le_bytes());
+        let mut c = lock(&self.conn);
+        let Some(conn) = c.as_mut() else {
+            return Err(Broken::Closed.to_error());
+        };
+        send_all(&conn.stream, &f).map_err(|e| os("send on the local endpoint's Unix socket", e))
+    }
+
+    /// The copy streams of GPU `ordinal` (made on first use).
+    fn streams_of(&self, ordinal: usize) -> Result<Vec<Stream>> {
+        let mut m = lock(&self.streams);
+        if let Some(v) = m.get(&ordinal) {
+            return Ok(v.clone());
+        }
+        let ctx = crate::cuda::context(ordinal)?;
+        let n = self.engine.inner.config.copy_streams;
+        let v = (0..n)
+            .map(|_| Stream::new(&ctx))
+            .collect::<Result<Vec<_>>>()?;
+        m.insert(ordinal, v.clone());
+        Ok(v)
+    }
+
+    /// Wait for each request's events in order; finish it and send its notification.
+    fn work_loop(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(j) = q.jobs.pop_front() {
+                        break j;
+                    }
+                    if q.closing {
+                        return;
+                    }
+                    q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            self.serve(job);
+        }
+    }
+
+    fn serve(&self, job: Job) {
+        let Job {
+            fence,
+            keep,
+            finish,
+            mut report,
+            started,
+            deadline,
+            timeout,
+            epoch,
+        } = job;
+        let mut failed = None;
+        let done = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ended = || self.epoch.load(Ordering::Acquire) != epoch;
+            let seen = poll_until(
+                || match fence.check() {
+                    Ok(done) => done || ended(),
+                    Err(e) => {
+                        failed = Some(e);
+                        true
+                    }
+                },
+                left.min(SLICE),
+            );
+            if let Some(e) = failed.take() {
+                // A sticky error: the copy will never be seen done; what it reaches stays.
+                Tracker::global().park(fence, keep);
+                self.fail(Broken::of(&e));
+                finish(Err(e));
+                return;
+            }
+            if seen && fence.is_complete() {
+                break true;
+            }
+            if ended() {
+                break false;
+            }
+            // A request queued behind this one whose deadline passed first ends the endpoint
+            // too (its copies run after these).
+            let behind = lock(&self.queue)
+                .jobs
+                .iter()
+                .map(|j| (j.deadline, j.timeout))
+                .min();
+            if let Some((d, t)) = behind
+                && d < deadline
+                && Instant::now() >= d
+            {
+                self.fail(Broken::Deadline(t));
+                continue;
+            }
+            if Instant::now() >= deadline {
+                Tracker::global().park(fence, keep);
+                self.fail(Broken::Deadline(timeout));
+                finish(Err(Error::Timeout {
+                    what: "an intra-node transfer (its copies did not finish in time; the \
+                           endpoint was closed)",
+                    after: timeout,
+                }));
+                return;
+            }
+        };
+        if !done {
+            Tracker::global().park(fence, keep);
+            let e = self
+                .ep()
+                .and_then(|ep| ep.failure())
+                .unwrap_or_else(|| Broken::Closed.to_error());
+            finish(Err(e));
+            return;
+        }
+        drop(keep);
+        if let Some(tag) = report.notified
+            && let Err(e) = self.notify(tag)
+        {
+            if let Error::Os { call, source } = &e {
+                self.fail(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
+            }
+            finish(Err(e));
+            return;
+        }
+        report.elapsed = started.elapsed();
+        finish(Ok(report));
+    }
+}
+
+impl LocalSide for Side {
+    fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
+        *lock(&self.ep) = Arc::downgrade(ep);
+        let side = self.clone();
+        let t = std::thread::Builder::new()
+            .name("gpudirect-local-copy".into())
+            .spawn(move || side.work_loop())
+            .map_err(|e| os("pthread_create", e))?;
+        *lock(&self.worker) = Some(t);
+        self.spawn_reader()
+    }
+
+    fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        lock(&self.queue).closing = true;
+        self.queue_cv.notify_all();
+        self.hang_up();
+        if let Some(t) = lock(&self.worker).take() {
+            let _ = t.join();
+        }
+        lock(&self.held).clear();
+    }
+
+    fn reconnect(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
+        let Some((path, publish)) = &self.dialed else {
+            return Err(Error::invalid(
+                "endpoint",
+                "accepted",
+                "only the side that connected can reconnect; the listener accepts the new endpoint",
+            ));
+        };
+        self.fail(Broken::Closed);
+        self.hang_up();
+        let (stream, hello) = dial(&self.engine, path, publish)?;
+        *lock(&self.conn) = Some(Conn {
+            stream,
+            peer_pid: hello.pid,
+            reader: None,
+        });
+        ep.restart_local(hello.descriptors);
+        self.spawn_reader()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// One copy: destination, source (unified addresses), bytes, the local GPU it runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    dst: u64,
+    src: u64,
+    len: u64,
+    device: usize,
+}
+
+/// Cut copies into chunks of at most `chunk` bytes spread over `streams` streams, in turn;
+/// with one stream nothing is cut. Pure: the chunks of each copy cover it exactly, in order.
+fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
+    let n = streams.max(1);
+    let mut out = vec![Vec::new(); n];
+    let mut turn = 0;
+    for c in copies {
+        if n == 1 || c.len <= chunk {
+            out[turn % n].push(*c);
+            turn += 1;
+            continue;
+        }
+        let mut at = 0;
+        while at < c.len {
+            let len = chunk.min(c.len - at);
+            out[turn % n].push(Piece {
+                dst: c.dst + at,
+                src: c.src + at,
+                len,
+                device: c.device,
+            });
+            turn += 1;
+            at += len;
+        }
+    }
+    out
+}
+
+/// The intra-node request: every range checked, the peer's allocations mapped (once), the
+/// copies queued on the endpoint's streams and handed to the worker.
+pub(super) fn request(
+    ep: &super::Endpoint,
+    side: &Side,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Transfer> {
+    let e = &ep.engine().inner;
+    check_pairs(dir, &pairs, &opts)?;
+    check_same_engine(e.engine_id, &pairs)?;
+    let epoch = side.epoch.load(Ordering::Acquire);
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        if r.descriptor().ipc().is_none() {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                "the remote memory has no CUDA IPC part: an intra-node endpoint reaches only GPU \
+                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer); host \
+                 memory, pool memory and VMM memory are not exported",
+            ));
+        }
+    }
+    let peer_pid = side.peer_pid().ok_or_else(|| Broken::Closed.to_error())?;
+    if peer_pid == std::process::id() {
+        return Err(Error::Unsupported {
+            what: "an intra-node transfer between two endpoints of one process".into(),
+            reason: "CUDA IPC maps no allocation in the process that exported it: copy between \
+                     the buffers directly"
+                .into(),
+        });
+    }
+    let timeout = opts.deadline.unwrap_or(e.config.deadline);
+    let started = Instant::now();
+    let deadline = deadline_after(started, timeout);
+    let mut copies = Vec::with_capacity(pairs.len());
+    let mut imports: Vec<Arc<Import>> = Vec::new();
+    let mut paths = Vec::with_capacity(pairs.len());
+    for (i, (l, r)) in pairs.iter().enumerate() {
+        let ipc = r.descriptor().ipc().expect("checked above");
+        let (local_gpu, laddr) = match l.region.device_addr(l.offset) {
+            Some((o, a)) => (Some(o), a),
+            None => (
+                None,
+                l.region
+                    .host_addr(l.offset)
+                    .ok_or_else(|| Error::invalid("pairs", i, "local memory has no address"))?
+                    as u64,
+            ),
+        };
+        let device = local_gpu.unwrap_or(0);
+        let peer_gpu = ordinal_of_uuid(ipc.gpu_uuid())?.ok_or_else(|| Error::NoDevice {
+            what: "the peer's GPU",
+            reason: format!(
+                "no visible GPU has the UUID {} of pair {i}'s remote memory (another \
+                 CUDA_VISIBLE_DEVICES?)",
+                ipc.gpu_uuid()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            ),
+        })?;
+        // Where the range lies in the peer's allocation: inside the length it claims, checked
+        // before anything is mapped; then inside the mapping's real size.
+        let off = ipc.offset().checked_add(r.offset());
+        let end = off.and_then(|o| o.checked_add(r.len()));
+        let (Some(off), Some(end)) = (off, end) else {
+            return Err(Error::invalid("pairs", i, "the remote range overflows"));
+        };
+        if end > ipc.alloc_len() {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "the remote range ends at byte {end} of an allocation the peer says holds {}",
+                    ipc.alloc_len()
+                ),
+            ));
+        }
+        let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
+        let imp = import(
+            ipc.handle(),
+            device,
+            ipc.alloc_len(),
+            home,
+            &e.stats.imports,
+        )?;
+        if end > imp.size {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "the remote range ends at byte {end} of an allocation mapped with {} bytes",
+                    imp.size
+                ),
+            ));
+        }
+        // off < end <= size, and base + size fits (a live mapping).
+        let raddr = imp.base + off;
+        let (dst, src) = match dir {
+            Direction::Write => (raddr, laddr),
+            Direction::Read => (laddr, raddr),
+        };
+        copies.push(Piece {
+            dst,
+            src,
+            len: r.len(),
+            device,
+        });
+        paths.push(MemoryPath::CudaIpc {
+            link: link(local_gpu, Some(peer_gpu)),
+        });
+        if !imports.iter().any(|x| Arc::ptr_eq(x, &imp)) {
+            imports.push(imp);
+        }
+    }
+    {
+        let mut held = lock(&side.held);
+        for imp in &imports {
+            if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
+                held.push(imp.clone());
+            }
+        }
+    }
+    let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
+    let mut devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    let mut streams = Vec::new();
+    for &d in &devices {
+        streams.extend(side.streams_of(d)?.into_iter().map(|s| (d, s)));
+    }
+    let keep = Keep {
+        _regions: regions.clone(),
+        _imports: imports,
+        _streams: streams.iter().map(|(_, s)| s.clone()).collect(),
+    };
+    let (transfer, finish) = Transfer::pending(timeout, regions);
+    let bytes = copies.iter().map(|c| c.len).sum();
+    // Under the queue's lock: the streams' order is the queue's, so notifications leave in
+    // request order.
+    let mut q = lock(&side.queue);
+    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
+    q.jobs.push_back(Job {
+        fence,
+        keep,
+        finish: Box::new(finish),
+        report: TransferReport {
+            direction: dir,
+            bytes,
+            messages,
+            rail_bytes: Vec::new(),
+            paths,
+            elapsed: Duration::ZERO,
+            notified: opts.notify,
+        },
+        started,
+        deadline,
+        timeout,
+        epoch,
+    });
+    drop(q);
+    side.queue_cv.notify_all();
+    Ok(transfer)
+}
+
+/// Queue the copies (each on the streams of its GPU, cut as [`spread`] says) and record an event
+/// on each stream used. On a failure after some copies were queued, what they reach is parked
+/// behind the events recorded (or leaked when none can be): never freed early.
+fn enqueue(
+    streams: &[(usize, Stream)],
+    copies: &[Piece],
+    chunk: u64,
+    keep: Keep,
+) -> Result<(Events, Keep, u64)> {
+    let mut keep = Some(keep);
+    let mut events = Vec::new();
+    let mut messages = 0u64;
+    fn fail(events: Vec<EventFence>, keep: Option<Keep>, e: Error) -> Error {
+        if let Some(k) = keep {
+            if events.is_empty() {
+                std::mem::forget(k);
+            } else {
+                Tracker::global().park(Events(events), k);
+            }
+        }
+        e
+    }
+    let mut devices: Vec<usize> = streams.iter().map(|(d, _)| *d).collect();
+    devices.dedup();
+    for d in devices {
+        let mine: Vec<&Stream> = streams
+            .iter()
+            .filter(|(o, _)| *o == d)
+            .map(|(_, s)| s)
+            .collect();
+        let list: Vec<Piece> = copies.iter().filter(|c| c.device == d).copied().collect();
+        for (s, work) in mine.iter().zip(spread(&list, mine.len(), chunk)) {
+            if work.is_empty() {
+                continue;
+            }
+            let k = keep.take().expect("kept between streams");
+            let r = s.enqueue("cuMemcpyAsync", k, |raw, _| {
+                for c in &work {
+                    let n = usize::try_from(c.len)
+                        .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
+                    // SAFETY: both ranges were checked: the local range inside its region,
+                    // which `keep` holds; the remote range inside the peer's allocation and
+                    // the mapping, which `keep` holds too. The copy is tracked by the event
+                    // recorded after it, and nothing is freed before that event completes.
+                    unsafe { crate::driver::mem::copy_async(c.dst, c.src, n, raw) }?;
+                }
+                Ok(())
+            });
+            match r {
+                Ok(((), k)) => keep = Some(k),
+                Err(refused) => {
+                    // Some copies may be queued: record what covers them.
+                    let k = refused.kept;
+                    if let Ok(ev) = EventFence::record(s.cuda()) {
+                        events.push(ev);
+                    }
+                    return Err(fail(events, k, refused.error));
+                }
+            }
+            messages += work.len() as u64;
+            match EventFence::record(s.cuda()) {
+                Ok(ev) => events.push(ev),
+                Err(e) => return Err(fail(events, keep.take(), e)),
+            }
+        }
+    }
+    Ok((
+        Events(events),
+        keep.take().expect("kept to the end"),
+        messages,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proptest_support::is_invalid;
+    use crate::transfer::descriptor::{DescribedKind, IpcPart};
+    use crate::transfer::{Buffer, EngineConfig};
+    use proptest::prelude::*;
+    use std::io::Write;
+
+    fn descs(n: usize) -> Vec<MemoryDescriptor> {
+        (0..n)
+            .map(|i| {
+                let part = IpcPart::new([i as u8; 64], 1 << 20, 4096, [7; 16]);
+                MemoryDescriptor::with_ipc(
+                    0x7000_0000 + i as u64 * 4096,
+                    4096,
+                    DescribedKind::Device,
+                    &[],
+                    part,
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+
+    fn socket(name: &str) -> PathBuf {
+        static N: AtomicU64 = AtomicU64::new(0);
+        std::env::temp_dir().join(format!(
+            "gpudirect-local-{}-{name}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    #[test]
+    fn a_first_message_round_trips_and_is_checked() {
+        for n in [0, 1, 5] {
+            let h = LocalHello {
+                pid: 4242,
+                descriptors: descs(n),
+            };
+            assert_eq!(LocalHello::decode(&h.encode().unwrap()).unwrap(), h);
+        }
+        let good = LocalHello {
+            pid: 1,
+            descriptors: descs(1),
+        }
+        .encode()
+        .unwrap();
+        for (at, byte, arg) in [
+            (0, b'X', "hello.magic"),
+            (4, 9, "hello.version"),
+            (6, 1, "hello.flags"),
+        ] {
+            let mut b = good.clone();
+            b[at] = byte;
+            let e = LocalHello::decode(&b).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument { arg: a, .. } if *a == arg),
+                "{e}"
+            );
+        }
+        let mut b = good.clone();
+        b[8..12].copy_from_slice(&0u32.to_le_bytes());
+        assert!(LocalHello::decode(&b).is_err());
+        assert!(LocalHello::decode(&good[..good.len() - 1]).is_err());
+        assert!(LocalHello::decode(&good[..3]).is_err());
+    }
+
+    proptest! {
+        /// Any corruption of a valid first message: decoded with every field sound, or refused
+        /// with a typed error.
+        #[test]
+        fn corrupted_first_messages_are_refused_or_sound(
+            n in 0usize..4, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(),
+        ) {
+            let mut b = LocalHello { pid: 99, descriptors: descs(n) }.encode().unwrap();
+            let i = at % b.len();
+            b[i] = byte;
+            b.truncate(b.len() - cut % 3);
+            match LocalHello::decode(&b) {
+                Ok(h) => {
+                    prop_assert!(h.pid != 0);
+                    prop_assert_eq!(LocalHello::decode(&h.encode().unwrap()).unwrap(), h);
+                }
+                Err(e) => prop_assert!(is_invalid(&e), "{}", e),
+            }
+        }
+
+        /// Copies spread over streams: every byte of every copy once, chunks at most `chunk`
+        /// bytes (one stream: nothing cut).
+        #[test]
+        fn spreading_covers_every_byte_once(
+            lens in proptest::collection::vec(1u64..5_000_000, 1..6),
+            streams in 1usize..5, chunk in 65_536u64..2_000_000,
+        ) {
+            let copies: Vec<Piece> = lens.iter().enumerate().map(|(i, &len)| Piece {
+                dst: (i as u64) << 40, src: ((i as u64) << 40) + (1 << 39), len, device: 0,
+            }).collect();
+            let out = spread(&copies, streams, chunk);
+            prop_assert_eq!(out.len(), streams);
+            let mut all: Vec<Piece> = out.concat();
+            if streams == 1 {
+                prop_assert_eq!(&all, &copies);
+            }
+            all.sort_by_key(|c| c.dst);
+            for c in &copies {
+                let mut at = c.dst;
+                for p in all.iter().filter(|p| p.dst >> 40 == c.dst >> 40) {
+                    prop_assert_eq!(p.dst, at);
+                    prop_assert_eq!(p.src - c.src, p.dst - c.dst);
+                    prop_assert!(streams == 1 || p.len <= chunk);
+                    at += p.len;
+                }
+                prop_assert_eq!(at, c.dst + c.len);
+            }
+        }
+    }
+
+    #[test]
+    fn connecting_to_a_missing_socket_is_a_typed_error() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let e = engine.connect_local(socket("missing"), &[]).unwrap_err();
+        match &e {
+            Error::Os { source, .. } => {
+                assert_eq!(source.kind(), std::io::ErrorKind::NotFound, "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // An accept nobody dials ends at its timeout.
+        let l = engine.listen_local(socket("lonely")).unwrap();
+        let t = Instant::now();
+        let e = l.accept(&[], Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // A listener's path in use: typed.
+        let e = engine.listen_local(l.path()).unwrap_err();
+        assert!(matches!(e, Error::Os { .. }), "{e}");
+        // An engine without rails makes no across-node endpoint.
+        let e = engine.connect(&["127.0.0.1:1"], &[]).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "engine", .. }),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn two_local_endpoints_in_one_process_greet_and_refuse_what_they_cannot_copy() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let path = socket("pair");
+        let l = engine.listen_local(&path).unwrap();
+        let theirs = descs(3);
+        let publish = theirs.clone();
+        let acc = std::thread::spawn(move || l.accept(&publish, Duration::from_secs(10)));
+        let mine = descs(1);
+        let a = engine.connect_local(&path, &mine).unwrap();
+        let b = acc.join().unwrap().unwrap();
+        assert_eq!(a.peer_descriptors(), theirs);
+        assert_eq!(b.peer_descriptors(), mine);
+        assert_eq!((a.rails(), b.rails()), (0, 0));
+        assert!(a.rail_stats().is_empty());
+        assert!(a.failure().is_none());
+        assert_eq!(
+            a.next_notification(Duration::from_millis(10)).unwrap(),
+            None
+        );
+
+        // Host memory registered with no NIC; no peer can reach it.
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        assert_eq!(region.path(), &MemoryPath::Unregistered);
+        let e = region.descriptor().unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "region", .. }),
+            "{e}"
+        );
+        // A remote descriptor without an IPC part: refused, saying why.
+        let rdma_only = MemoryDescriptor::new(0x1000, 4096, DescribedKind::Host, &[1]).unwrap();
+        let e = a
+            .write(
+                vec![(region.all(), rdma_only.all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && e.to_string().contains("IPC"),
+            "{e}"
+        );
+        // With an IPC part, but the peer is this very process: refused before any CUDA call.
+        let e = a
+            .write(
+                vec![(region.all(), theirs[0].all())],
+                TransferOptions::notify(3),
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        let e = a
+            .read(
+                vec![(region.all(), theirs[0].all())],
+                TransferOptions::notify(3),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "notify", .. }),
+            "{e}"
+        );
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+
+        // The peer goes: the other side ends with a typed error naming the socket, no hang.
+        drop(b);
+        let t = Instant::now();
+        let e = loop {
+            match a.next_notification(Duration::from_secs(5)) {
+                Err(e) => break e,
+                Ok(None) => assert!(t.elapsed() < Duration::from_secs(10), "no failure seen"),
+                Ok(Some(n)) => panic!("{n:?}"),
+            }
+        };
+        assert!(
+            matches!(&e, Error::Os { call, .. } if call.contains("Unix socket")),
+            "{e}"
+        );
+        let e = a
+            .write(
+                vec![(region.all(), theirs[0].all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Os { .. }),
+            "later requests: the same failure: {e}"
+        );
+
+        // The dialing side reconnects to a listener that accepts again.
+        let l = engine.listen_local(socket("pair2")).unwrap();
+        let p2 = l.path().to_path_buf();
+        let acc = std::thread::spawn(move || l.accept(&descs(2), Duration::from_secs(10)));
+        let c = engine.connect_local(&p2, &[]).unwrap();
+        let d = acc.join().unwrap().unwrap();
+        assert!(
+            matches!(d.reconnect(), Err(Error::InvalidArgument { .. })),
+            "accepted side"
+        );
+        drop(d);
+        drop(c);
+        drop(a);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_peer_sending_garbage_ends_the_endpoint_typed() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("garbage")).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || {
+            let mut s = UnixStream::connect(&path).unwrap();
+            let h = LocalHello {
+                pid: 77,
+                descriptors: Vec::new(),
+            }
+            .encode()
+            .unwrap();
+            send_msg(&mut s, &h).unwrap();
+            let theirs = recv_msg(&mut s, Duration::from_secs(10)).unwrap();
+            LocalHello::decode(&theirs).unwrap();
+            s.write_all(&[9, 0, 0, 0, 0]).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let e = ep.next_notification(Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+            "{e}"
+        );
+        peer.join().unwrap();
+        // A first message that is not one: refused at accept.
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || {
+            let mut s = UnixStream::connect(&path).unwrap();
+            send_msg(&mut s, b"definitely not a first message").unwrap();
+        });
+        let e = l.accept(&[], Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    arg: "hello.magic",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        peer.join().unwrap();
+        // A length past the bound: refused before anything is allocated.
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || {
+            let mut s = UnixStream::connect(&path).unwrap();
+            s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        });
+        let e = l.accept(&[], Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+            "{e}"
+        );
+        peer.join().unwrap();
+    }
+}

@@ -1,0 +1,421 @@
+//! Tier 2 (a GPU node, no NIC): the transfer engine inside one node. The test re-executes its own
+//! binary as the peer process (`TRANSFER_LOCAL_CHILD` set), on GPU 1 when there are two GPUs and
+//! on GPU 0 otherwise; the two meet over a Unix socket with engines without rails, and bytes move
+//! through CUDA IPC:
+//!
+//! - writes of random bytes at 4 KiB, 1 MiB + 7 and 64 MiB into poisoned peer memory, each with
+//!   a notification the peer checks the bytes at, in order; reads of the peer's random bytes into
+//!   poisoned local memory; all compared exactly;
+//! - 200 small writes queued at once, each notified after its own bytes; the peer's allocations
+//!   opened once each however many requests use them (`CacheCounters::imports_opened`);
+//! - the path each report gives (NVLink between two GPUs joined by NVLink, the same device with
+//!   one GPU);
+//! - a remote range past the peer's real allocation refused before any copy; a deadline that
+//!   passes ending the request with `Error::Timeout`;
+//! - a peer killed while writes run: a typed error, no hang.
+//!
+//! Without a GPU each test prints `SKIPPED` (a failure when `GPUDIRECT_REQUIRE` names `gpu`).
+
+mod support;
+
+use gpudirect::Error;
+use gpudirect::p2p::{Interconnect, LinkMatrix};
+use gpudirect::transfer::{
+    Buffer, Endpoint, Engine, EngineConfig, IpcLink, IpcPart, MemoryDescriptor, MemoryPath, Region,
+    TransferOptions,
+};
+use gpudirect_testing::{Hardware, require};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use support::gpu::{self, device_bytes, poisoned_bytes, random_u32};
+
+const CHILD: &str = "TRANSFER_LOCAL_CHILD";
+const SIZES: [usize; 3] = [4096, (1 << 20) + 7, 64 << 20];
+const SLOTS: usize = 200;
+const SLOT: usize = 4096;
+const WAIT: Duration = Duration::from_secs(60);
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Job {
+    role: String,
+    socket: PathBuf,
+    seed: u64,
+    device: usize,
+}
+
+/// `n` random bytes from `seed`.
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    random_u32(n.div_ceil(4), seed)
+        .into_iter()
+        .flat_map(u32::to_le_bytes)
+        .take(n)
+        .collect()
+}
+
+/// The bytes small write `k` carries.
+fn slot(k: usize) -> Vec<u8> {
+    bytes(SLOT, 0x5107 + k as u64)
+}
+
+fn socket(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("gpudirect-{name}-{}.sock", std::process::id()))
+}
+
+fn spawn_child(test: &str, job: &Job) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, serde_json::to_string(job).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+fn register(engine: &Engine, b: gpudirect::memory::DeviceBuffer<u8>) -> Region {
+    engine.register(Buffer::device(b).unwrap()).unwrap()
+}
+
+fn host_copy(r: &Region, offset: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    r.copy_to_host(offset, &mut v).unwrap();
+    v
+}
+
+fn same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: first difference at byte {i}: got {:#04x}, want {:#04x}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// The path every pair between our GPU 0 and the peer's GPU `d` must report.
+fn expected_link(d: usize) -> Option<IpcLink> {
+    if d == 0 {
+        return Some(IpcLink::SameDevice);
+    }
+    match LinkMatrix::probe().ok()?.link(0, d)?.interconnect {
+        Interconnect::Nvlink { links, .. } => Some(IpcLink::Nvlink { links }),
+        Interconnect::Pcie { .. } => Some(IpcLink::Pcie),
+        _ => None,
+    }
+}
+
+#[test]
+fn local_writes_reads_and_notifications_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
+    let device = if n > 1 { 1 } else { 0 };
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let path = socket("local");
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: "peer".into(),
+        socket: path.clone(),
+        seed,
+        device,
+    };
+    let mut child = spawn_child(
+        "local_writes_reads_and_notifications_between_two_processes",
+        &job,
+    );
+    let ep = listener.accept(&[], WAIT).unwrap();
+    assert_eq!(ep.rails(), 0);
+    assert!(ep.rail_stats().is_empty());
+    let peer = ep.peer_descriptors();
+    assert_eq!(peer.len(), 7, "3 destinations, 3 sources, the slots");
+    assert!(
+        peer.iter()
+            .all(|d| d.ipc().is_some() && d.rkeys().is_empty())
+    );
+    let want_path = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
+    let check_path = |p: &MemoryPath| {
+        println!("path: {p}");
+        match &want_path {
+            Some(w) => assert_eq!(p, w),
+            None => assert!(
+                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
+                "{p}"
+            ),
+        }
+    };
+
+    // Writes, each notified: the peer checks the bytes at each notification, in order.
+    for (i, &len) in SIZES.iter().enumerate() {
+        let src = register(&engine, device_bytes(0, &bytes(len, seed ^ i as u64)));
+        let r = ep
+            .write(
+                vec![(src.all(), peer[i].all())],
+                TransferOptions::notify(i as u32),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((r.bytes, r.notified), (len as u64, Some(i as u32)));
+        assert!(r.rail_bytes.is_empty());
+        check_path(&r.paths[0]);
+        println!("write {len} B: {:.2} GB/s", r.gbps());
+    }
+    // Reads of the peer's random bytes into poisoned memory, awaited once as a future.
+    for (i, &len) in SIZES.iter().enumerate() {
+        let dst = register(&engine, poisoned_bytes(0, len, 0xC3));
+        let t = ep
+            .read(
+                vec![(dst.all(), peer[3 + i].all())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        let r = if i == 1 {
+            futures_block_on(std::future::IntoFuture::into_future(t)).unwrap()
+        } else {
+            t.wait().unwrap()
+        };
+        check_path(&r.paths[0]);
+        same(
+            &host_copy(&dst, 0, len),
+            &bytes(len, seed ^ (100 + i as u64)),
+            "read",
+        );
+        println!("read {len} B: {:.2} GB/s", r.gbps());
+    }
+    assert_eq!(
+        engine.cache_stats().imports_opened,
+        6,
+        "each peer allocation opened once"
+    );
+
+    // 200 small writes queued at once, each notified after its own bytes; one more import.
+    let small = register(
+        &engine,
+        device_bytes(0, &(0..SLOTS).flat_map(slot).collect::<Vec<_>>()),
+    );
+    let slots = peer[6];
+    let ts: Vec<_> = (0..SLOTS)
+        .map(|k| {
+            let off = (k * SLOT) as u64;
+            ep.write(
+                vec![(
+                    small.range(off, SLOT as u64).unwrap(),
+                    slots.range(off, SLOT as u64).unwrap(),
+                )],
+                TransferOptions::notify(1000 + k as u32),
+            )
+            .unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    assert_eq!(engine.cache_stats().imports_opened, 7);
+
+    // A range past the peer's real allocation: the descriptor claims a longer one (so its own
+    // checks pass), the mapping's real size refuses it before any copy.
+    let d = peer[0];
+    let ipc = d.ipc().unwrap();
+    let claim = ipc.alloc_len() + (1 << 20);
+    let forged = MemoryDescriptor::with_ipc(
+        d.addr(),
+        claim - ipc.offset(),
+        d.kind(),
+        &[],
+        IpcPart::new(*ipc.handle(), claim, ipc.offset(), *ipc.gpu_uuid()),
+    )
+    .unwrap();
+    let big = register(&engine, poisoned_bytes(0, claim as usize, 0x11));
+    let e = ep
+        .write(
+            vec![(big.range(0, claim - ipc.offset()).unwrap(), forged.all())],
+            TransferOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { arg: "pairs", .. }),
+        "{e}"
+    );
+    assert!(ep.failure().is_none(), "a refused request ends nothing");
+    assert_eq!(engine.cache_stats().imports_opened, 7);
+
+    // Done: the peer checked everything when this arrives.
+    ep.write(
+        vec![(
+            small.range(0, SLOT as u64).unwrap(),
+            slots.range(0, SLOT as u64).unwrap(),
+        )],
+        TransferOptions::notify(999),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+
+    // A deadline that passes: 16 pairs of 64 MiB cannot be done in a nanosecond.
+    let src = register(&engine, device_bytes(0, &bytes(SIZES[2], seed)));
+    let pairs = (0..16).map(|_| (src.all(), peer[2].all())).collect();
+    let t = Instant::now();
+    let e = ep
+        .write(
+            pairs,
+            TransferOptions::default().deadline(Duration::from_nanos(1)),
+        )
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(matches!(ep.failure(), Some(Error::Timeout { .. })));
+    let e = ep
+        .write(vec![(src.all(), peer[2].all())], TransferOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Timeout { .. }),
+        "later requests: the failure: {e}"
+    );
+
+    drop(ep);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// The peer: publishes poisoned destinations, random sources and the slots, checks every
+/// notification's bytes in order, and stays until the other side hangs up.
+fn peer(job: Job) {
+    if job.role == "victim" {
+        return victim(job);
+    }
+    let d = job.device;
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let dsts: Vec<Region> = SIZES
+        .iter()
+        .map(|&n| register(&engine, poisoned_bytes(d, n, 0xA5)))
+        .collect();
+    let srcs: Vec<Region> = SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            register(
+                &engine,
+                device_bytes(d, &bytes(n, job.seed ^ (100 + i as u64))),
+            )
+        })
+        .collect();
+    let slots = register(&engine, poisoned_bytes(d, SLOTS * SLOT, 0x5A));
+    let publish: Vec<MemoryDescriptor> = dsts
+        .iter()
+        .chain(&srcs)
+        .chain([&slots])
+        .map(|r| r.descriptor().unwrap())
+        .collect();
+    let ep = engine.connect_local(&job.socket, &publish).unwrap();
+    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
+    for (i, &len) in SIZES.iter().enumerate() {
+        assert_eq!(next(&ep).tag, i as u32, "in order");
+        same(
+            &host_copy(&dsts[i], 0, len),
+            &bytes(len, job.seed ^ i as u64),
+            "written before its notification",
+        );
+    }
+    for k in 0..SLOTS {
+        assert_eq!(next(&ep).tag, 1000 + k as u32, "in order");
+        same(&host_copy(&slots, k * SLOT, SLOT), &slot(k), "slot");
+    }
+    assert_eq!(next(&ep).tag, 999);
+    // Until the other side hangs up (its endpoint dropped): a typed error, then exit.
+    let t = Instant::now();
+    loop {
+        match ep.next_notification(WAIT) {
+            Err(e) => {
+                println!("peer: the other side went: {e}");
+                break;
+            }
+            Ok(None) => assert!(t.elapsed() < WAIT * 2, "never hung up"),
+            Ok(Some(n)) => panic!("unexpected {n:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_peer_killed_mid_transfer_is_a_typed_error() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let path = socket("victim");
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: "victim".into(),
+        socket: path,
+        seed: 1,
+        device: if n > 1 { 1 } else { 0 },
+    };
+    let mut child = spawn_child("a_peer_killed_mid_transfer_is_a_typed_error", &job);
+    let ep = listener.accept(&[], WAIT).unwrap();
+    let dst = ep.peer_descriptors()[0];
+    let src = register(&engine, device_bytes(0, &bytes(SIZES[2], 7)));
+    let t = Instant::now();
+    let mut k = 0u32;
+    let e = loop {
+        assert!(t.elapsed() < WAIT, "no error {WAIT:?} after the peer died");
+        let r = ep
+            .write(vec![(src.all(), dst.all())], TransferOptions::notify(k))
+            .and_then(|t| t.wait());
+        k += 1;
+        if let Err(e) = r {
+            break e;
+        }
+    };
+    println!("after {k} writes: {e}");
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the peer aborted: {status:?}");
+    // Later requests: refused at once, typed.
+    let t = Instant::now();
+    let e2 = ep
+        .write(vec![(src.all(), dst.all())], TransferOptions::default())
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(
+        matches!(e2, Error::Os { .. } | Error::Timeout { .. }),
+        "{e2}"
+    );
+    assert!(ep.failure().is_some());
+}
+
+/// A peer that aborts at its third notification, while the writes go on.
+fn victim(job: Job) {
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let dst = register(&engine, poisoned_bytes(job.device, SIZES[2], 0));
+    let ep = engine
+        .connect_local(&job.socket, &[dst.descriptor().unwrap()])
+        .unwrap();
+    for _ in 0..3 {
+        ep.next_notification(WAIT).unwrap().expect("a notification");
+    }
+    std::process::abort();
+}
+
+/// Poll a future to its end on this thread (no runtime needed: transfers wake by waker).
+fn futures_block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(v) => return v,
+            Poll::Pending => std::thread::park_timeout(Duration::from_millis(100)),
+        }
+    }
+}
