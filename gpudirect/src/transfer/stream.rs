@@ -701,6 +701,15 @@ impl<B: Backend> Core<B> {
             }
             let words: Box<dyn WordMemory> = match trig {
                 Trigger::Stream(s) => {
+                    // Asked before allocating: an allocation during a capture may invalidate
+                    // it (the enqueue path asks again, race-free).
+                    crate::driver::ctx::bind(s.context())?;
+                    if crate::completion::capture::is_capturing(s.cu_stream())? {
+                        return Err(Error::StreamCapturing {
+                            call: "cuStreamWriteValue64_v2",
+                            enqueued: false,
+                        });
+                    }
                     let f = MemopFlags::pinned_host(s.context(), 1 + TRIGGER_SLOTS)?;
                     if !f.supports_64_bit() {
                         return Err(Error::Unsupported {
@@ -1666,6 +1675,114 @@ mod tests {
                 .is_ok()
         );
         p.closing();
+        p.closed();
+    }
+
+    /// The stream half on a GPU, with the fake backend (no NIC needed): a stream's trigger
+    /// write starts the request only when the stream gets there, another stream's wait is
+    /// released by the word (also on failure, with the bit), and a capturing stream is refused
+    /// with nothing enqueued.
+    #[test]
+    fn streams_fire_the_proxy_and_wait_on_its_word_on_a_gpu() {
+        let Ok(ctx) = crate::cuda::context(0) else {
+            crate::testing::skip(crate::testing::Hardware::Gpu, "no CUDA device");
+            return;
+        };
+        let (s1, s2) = (Stream::new(&ctx).unwrap(), Stream::new(&ctx).unwrap());
+        // Slot 0: a gate s1 waits on; slots 1, 2: markers s2 writes after its waits.
+        let gate = Arc::new(MemopFlags::pinned_host(&ctx, 3).unwrap());
+        if !gate.supports_64_bit() {
+            crate::testing::skip(crate::testing::Hardware::Gpu, "no 64-bit stream memops");
+            return;
+        }
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        s1.wait_value64(&gate, 0, 1, WaitCondition::Geq).unwrap();
+        let t = p
+            .arm(Trigger::Stream(&s1), 5, Duration::from_secs(30))
+            .unwrap();
+        assert!(t.trigger().is_err(), "the stream fires it");
+        let (addr, seq) = t.completion_word().unwrap();
+        assert_eq!(
+            (addr, seq),
+            (t.queue.words.flags().unwrap().device_ptr(DONE).unwrap(), 1)
+        );
+        t.wait_on(&s2).unwrap();
+        s2.write_value64(&gate, 1, 77).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            p.core.backend.started.lock().unwrap().is_empty(),
+            "started before the stream got there"
+        );
+        gate.store_u64(0, 1).unwrap();
+        until("fired by the stream", || {
+            !p.core.backend.started.lock().unwrap().is_empty()
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            gate.load_u64(1).unwrap(),
+            0,
+            "s2 passed before the request finished"
+        );
+        finish(&rel, 5, true);
+        until("s2 released by the word", || {
+            gate.load_u64(1).unwrap() == 77
+        });
+        assert!(t.wait(Duration::from_secs(10)).is_ok());
+
+        // A failure releases s2 too, with the bit.
+        let f = p
+            .arm(Trigger::Stream(&s1), 6, Duration::from_secs(30))
+            .unwrap();
+        f.wait_on(&s2).unwrap();
+        s2.write_value64(&gate, 2, 88).unwrap();
+        until("fired", || {
+            p.core.backend.started.lock().unwrap().len() == 2
+        });
+        finish(&rel, 6, false);
+        until("s2 released by the error bit", || {
+            gate.load_u64(2).unwrap() == 88
+        });
+        assert_eq!(f.completion_value(), 1 | STREAM_ERROR_BIT);
+
+        // Under capture: refused, nothing enqueued, no request left armed.
+        let s3 = Stream::new(&ctx).unwrap();
+        let before = p.pending();
+        s3.cuda()
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        let e = p
+            .arm(Trigger::Stream(&s3), 9, Duration::from_secs(30))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::StreamCapturing {
+                    enqueued: false,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = t.wait_on(&s3).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::StreamCapturing {
+                    enqueued: false,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let graph = s3
+            .cuda()
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .expect("the refusals did not invalidate the capture");
+        drop(graph);
+        assert_eq!(p.pending(), before);
+        s1.synchronize().unwrap();
+        s2.synchronize().unwrap();
         p.closed();
     }
 
