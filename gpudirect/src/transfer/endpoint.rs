@@ -17,7 +17,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Tag of the notification receives.
@@ -381,6 +381,45 @@ pub(crate) struct EpInner {
     counters: Vec<RailCounters>,
     origin: Origin,
     next_req: AtomicU64,
+    /// Notifications delivered so far (what a [`NoteSink`] counts).
+    delivered: AtomicU64,
+    /// The word counting delivered notifications, once someone asked for it. Set and told
+    /// only under `state`.
+    note_sink: OnceLock<Arc<dyn NoteSink>>,
+}
+
+/// Told of every notification the progress thread delivers and of the endpoint's failure,
+/// under the endpoint's lock (the stream-visible notification counter).
+pub(crate) trait NoteSink: Send + Sync + 'static {
+    /// `total` notifications have been delivered since the endpoint started (after the flush).
+    fn delivered(&self, total: u64);
+    /// The endpoint failed or closed: no more notifications will come.
+    fn failed(&self);
+    /// For finding the concrete type again.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Per-endpoint state of a later part of the transfer module (the stream proxy), made on first
+/// use and closed with the endpoint.
+pub(crate) trait Companion: Send + Sync + 'static {
+    /// The endpoint is closing: take no more work, release what waits on it. Called before
+    /// the endpoint's requests are ended.
+    fn closing(&self);
+    /// The endpoint's progress thread has stopped and every request has ended.
+    fn closed(&self);
+    /// For finding the concrete type again.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// An endpoint that does not keep it open ([`Endpoint::downgrade`]).
+#[derive(Clone)]
+pub(crate) struct WeakEndpoint(Weak<Handle>);
+
+impl WeakEndpoint {
+    /// The endpoint, while some clone of it lives.
+    pub(crate) fn upgrade(&self) -> Option<Endpoint> {
+        self.0.upgrade().map(|handle| Endpoint { handle })
+    }
 }
 
 impl EpInner {
@@ -426,6 +465,10 @@ impl EpInner {
     pub(super) fn deliver(&self, n: Notification) {
         let mut st = self.lock();
         st.notes.push_back(n);
+        let total = self.delivered.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(s) = self.note_sink.get() {
+            s.delivered(total);
+        }
         self.wake_notes();
         drop(st);
     }
@@ -465,10 +508,14 @@ pub struct Endpoint {
 struct Handle {
     inner: Arc<EpInner>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    companion: OnceLock<Arc<dyn Companion>>,
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        if let Some(c) = self.companion.get() {
+            c.closing();
+        }
         close(&self.inner);
         if let Some(l) = &self.inner.local {
             l.close();
@@ -477,6 +524,9 @@ impl Drop for Handle {
             let _ = t.join();
         }
         drain_after_close(&self.inner);
+        if let Some(c) = self.companion.get() {
+            c.closed();
+        }
     }
 }
 
@@ -940,11 +990,14 @@ impl Endpoint {
             counters: Vec::new(),
             origin: Origin::Accepted,
             next_req: AtomicU64::new(1),
+            delivered: AtomicU64::new(0),
+            note_sink: OnceLock::new(),
         });
         let ep = Endpoint {
             handle: Arc::new(Handle {
                 inner: inner.clone(),
                 thread: Mutex::new(None),
+                companion: OnceLock::new(),
             }),
         };
         // On failure the endpoint is dropped: its side is closed.
@@ -979,6 +1032,8 @@ impl Endpoint {
             counters: (0..n).map(|_| RailCounters::default()).collect(),
             origin,
             next_req: AtomicU64::new(1),
+            delivered: AtomicU64::new(0),
+            note_sink: OnceLock::new(),
         });
         let t = inner.clone();
         let thread = std::thread::Builder::new()
@@ -992,6 +1047,7 @@ impl Endpoint {
             handle: Arc::new(Handle {
                 inner,
                 thread: Mutex::new(Some(thread)),
+                companion: OnceLock::new(),
             }),
         })
     }
@@ -1045,6 +1101,101 @@ impl Endpoint {
             .broken
             .as_ref()
             .map(|(b, _)| b.to_error())
+    }
+
+    /// This endpoint without keeping it open.
+    pub(crate) fn downgrade(&self) -> WeakEndpoint {
+        WeakEndpoint(Arc::downgrade(&self.handle))
+    }
+
+    /// The endpoint's companion of type `T`, made by `make` on first use (`None` when a
+    /// companion of another type was made first).
+    pub(crate) fn companion<T: Companion>(&self, make: impl FnOnce() -> T) -> Option<&T> {
+        self.handle
+            .companion
+            .get_or_init(|| Arc::new(make()))
+            .as_any()
+            .downcast_ref::<T>()
+    }
+
+    /// The endpoint's notification sink, made by `make` (given the notifications delivered so
+    /// far) on first use, under the endpoint's lock so that no delivery is missed; a sink made
+    /// on a failed endpoint is told so at once.
+    ///
+    /// # Errors
+    ///
+    /// What `make` returns.
+    pub(crate) fn note_sink(
+        &self,
+        make: impl FnOnce(u64) -> Result<Arc<dyn NoteSink>>,
+    ) -> Result<Arc<dyn NoteSink>> {
+        let inner = self.inner();
+        let st = inner.lock();
+        if let Some(s) = inner.note_sink.get() {
+            return Ok(s.clone());
+        }
+        let s = make(inner.delivered.load(Ordering::Relaxed))?;
+        if st.broken.is_some() {
+            s.failed();
+        }
+        let _ = inner.note_sink.set(s.clone());
+        drop(st);
+        Ok(s)
+    }
+
+    /// The checks [`transfer`](Self::transfer) makes before anything is queued, without queueing
+    /// anything (stream-ordered requests make them before they are enqueued on a stream).
+    ///
+    /// # Errors
+    ///
+    /// As [`transfer`](Self::transfer).
+    pub(crate) fn check_request(
+        &self,
+        dir: Direction,
+        pairs: &[(LocalRange, RemoteRange)],
+        opts: &TransferOptions,
+    ) -> Result<()> {
+        let inner = self.inner();
+        check_pairs(dir, pairs, opts)?;
+        if inner.local.is_some() {
+            // Intra-node: no rails and no staging; the copies' own checks come when they are
+            // mapped (before anything is queued).
+            check_same_engine(inner.engine.inner.engine_id, pairs)?;
+            return match inner.lock().broken.as_ref() {
+                Some((b, _)) => Err(b.to_error()),
+                None => Ok(()),
+            };
+        }
+        let staged = pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty());
+        if staged {
+            if pairs.len() != 1 {
+                return Err(Error::invalid(
+                    "pairs",
+                    pairs.len(),
+                    "a request with staged memory moves one range",
+                ));
+            }
+        } else {
+            check_same_engine(inner.engine.inner.engine_id, pairs)?;
+        }
+        let st = inner.lock();
+        if let Some((b, _)) = &st.broken {
+            return Err(b.to_error());
+        }
+        for (i, (_, r)) in pairs.iter().enumerate() {
+            if r.descriptor().rkeys().len() != st.peer_devices {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote descriptor has {} rkeys; the peer has {} devices",
+                        r.descriptor().rkeys().len(),
+                        st.peer_devices
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The request on registered memory (what [`transfer`](Self::transfer) does once no
@@ -1603,6 +1754,9 @@ fn break_endpoint(inner: &EpInner, st: &mut State, cause: Broken) {
         }
     }
     finish_done(inner, st);
+    if let Some(s) = inner.note_sink.get() {
+        s.failed();
+    }
     inner.wake_notes();
 }
 
@@ -1796,7 +1950,14 @@ fn poll_all(inner: &EpInner, st: &mut State) -> bool {
             }
         }
         // Delivered even if the endpoint failed meanwhile: their bytes arrived.
+        let total = inner
+            .delivered
+            .fetch_add(notes.len() as u64, Ordering::Relaxed)
+            + notes.len() as u64;
         st.notes.extend(notes);
+        if let Some(s) = inner.note_sink.get() {
+            s.delivered(total);
+        }
         inner.wake_notes();
     }
     finish_touched(inner, st);
@@ -1988,6 +2149,17 @@ pub struct Transferred {
 }
 
 impl Transferred {
+    /// The transfer's result, leaving the regions held (the stream proxy hands them to a
+    /// thread that may free memory).
+    pub(crate) fn take_result(&self) -> Result<TransferReport> {
+        self.shared
+            .done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_else(|| Err(Broken::Closed.to_error()))
+    }
+
     /// The transfer's result.
     ///
     /// # Errors
@@ -2043,6 +2215,11 @@ impl Transfer {
     /// Whether it has finished.
     pub fn is_complete(&self) -> bool {
         self.op.is_complete()
+    }
+
+    /// The flag the progress thread sets when the request finishes.
+    pub(crate) fn flag(&self) -> &CompletionFlag {
+        &self.shared.flag
     }
 
     /// Block until it finishes (it always does by its deadline, plus the time the NIC takes to

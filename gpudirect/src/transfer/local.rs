@@ -775,18 +775,29 @@ fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
     out
 }
 
-/// The intra-node request: every range checked, the peer's allocations mapped (once), the
-/// copies queued on the endpoint's streams and handed to the worker.
-pub(super) fn request(
+/// A request checked and mapped, its copies not yet queued.
+struct Prepared {
+    copies: Vec<Piece>,
+    paths: Vec<MemoryPath>,
+    imports: Vec<Arc<Import>>,
+    regions: Vec<Region>,
+    timeout: Duration,
+    started: Instant,
+    deadline: Instant,
+    epoch: u64,
+}
+
+/// Every range checked, the peer's allocations mapped (once, held by the side).
+fn prepare(
     ep: &super::Endpoint,
     side: &Side,
     dir: Direction,
-    pairs: Vec<(LocalRange, RemoteRange)>,
-    opts: TransferOptions,
-) -> Result<Transfer> {
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<Prepared> {
     let e = &ep.engine().inner;
-    check_pairs(dir, &pairs, &opts)?;
-    check_same_engine(e.engine_id, &pairs)?;
+    check_pairs(dir, pairs, opts)?;
+    check_same_engine(e.engine_id, pairs)?;
     let epoch = side.epoch.load(Ordering::Acquire);
     if let Some(err) = ep.failure() {
         return Err(err);
@@ -903,7 +914,38 @@ pub(super) fn request(
             }
         }
     }
-    let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
+    Ok(Prepared {
+        copies,
+        paths,
+        imports,
+        regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
+        timeout,
+        started,
+        deadline,
+        epoch,
+    })
+}
+
+/// The intra-node request: every range checked, the peer's allocations mapped (once), the
+/// copies queued on the endpoint's streams and handed to the worker.
+pub(super) fn request(
+    ep: &super::Endpoint,
+    side: &Side,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Transfer> {
+    let e = &ep.engine().inner;
+    let Prepared {
+        copies,
+        paths,
+        imports,
+        regions,
+        timeout,
+        started,
+        deadline,
+        epoch,
+    } = prepare(ep, side, dir, &pairs, &opts)?;
     let mut devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
     devices.sort_unstable();
     devices.dedup();
@@ -1016,6 +1058,105 @@ fn enqueue(
         keep.take().expect("kept to the end"),
         messages,
     ))
+}
+
+/// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
+/// complete once the stream passed them. What they reach is held until the stream's event after
+/// them completes; dropped earlier, it is parked behind that event (never freed early).
+pub(super) struct Queued {
+    hold: Option<(EventFence, Keep)>,
+    /// What the request did (its `elapsed` set when it is reported).
+    pub(super) report: TransferReport,
+    pub(super) started: Instant,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if let Some((fence, keep)) = self.hold.take() {
+            if fence.is_complete() {
+                drop(keep);
+            } else {
+                Tracker::global().park(fence, keep);
+            }
+        }
+    }
+}
+
+/// Queue a request's copies on `stream` (through the capture-checked path), then an event after
+/// them. Checked and mapped as [`request`]; nothing is queued when a check fails.
+pub(super) fn on_stream(
+    ep: &super::Endpoint,
+    side: &Side,
+    stream: &Stream,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<Queued> {
+    let Prepared {
+        copies,
+        paths,
+        imports,
+        regions,
+        started,
+        ..
+    } = prepare(ep, side, dir, pairs, opts)?;
+    let keep = Keep {
+        _regions: regions,
+        _imports: imports,
+        _streams: Vec::new(),
+    };
+    let bytes = copies.iter().map(|c| c.len).sum();
+    let messages = copies.len() as u64;
+    let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
+        for c in &copies {
+            let n = usize::try_from(c.len)
+                .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
+            // SAFETY: both ranges were checked: the local range inside its region, which `keep`
+            // holds; the remote range inside the peer's allocation and the mapping, which `keep`
+            // holds too. The event recorded after the copies tracks them, and `keep` is freed
+            // only once it completes (or leaked).
+            unsafe { crate::driver::mem::copy_async(c.dst, c.src, n, raw) }?;
+        }
+        Ok(())
+    });
+    let keep = match r {
+        Ok(((), k)) => k,
+        Err(refused) => {
+            if let Some(k) = refused.kept {
+                match EventFence::record(stream.cuda()) {
+                    Ok(ev) => Tracker::global().park(ev, k),
+                    Err(_) => std::mem::forget(k),
+                }
+            }
+            return Err(refused.error);
+        }
+    };
+    let fence = match EventFence::record(stream.cuda()) {
+        Ok(f) => f,
+        Err(e) => {
+            // The copies may be queued and nothing tracks them: what they reach is leaked.
+            std::mem::forget(keep);
+            return Err(e);
+        }
+    };
+    Ok(Queued {
+        hold: Some((fence, keep)),
+        report: TransferReport {
+            direction: dir,
+            bytes,
+            messages,
+            rail_bytes: Vec::new(),
+            paths,
+            elapsed: Duration::ZERO,
+            notified: opts.notify,
+        },
+        started,
+    })
+}
+
+/// Notify the peer of a stream-ordered request whose copies are done.
+pub(super) fn notify_peer(side: &Side, tag: u32) -> Result<()> {
+    side.notify(tag)
 }
 
 #[cfg(test)]

@@ -111,9 +111,21 @@
 //! disconnects (its process ended) ends the endpoint with [`Error::CmEvent`](crate::Error::CmEvent);
 //! a wrong rkey or range with [`Error::WorkCompletion`](crate::Error::WorkCompletion). Other
 //! endpoints carry on. [`Endpoint::reconnect`] connects the side that dialled again.
+//!
+//! # Stream-ordered transfers
+//!
+//! [`Endpoint::write_on`] and [`Endpoint::read_on`] enqueue a request on a CUDA stream: it
+//! starts when the stream reaches it (a `cuStreamWriteValue64` to a trigger word that the
+//! endpoint's proxy thread watches) and sets a completion word that a later stream wait
+//! ([`StreamTransfer::wait_on`], `cuStreamWaitValue64`) or a kernel consumes; the host never
+//! synchronizes a stream. A failure releases the word with [`STREAM_ERROR_BIT`] set, which
+//! kernels must check. [`Endpoint::notification_counter`] counts delivered notifications in a
+//! word a receiving stream can wait on. Host-triggered forms ([`Endpoint::write_triggered`])
+//! run the same proxy without CUDA. The ordering (what is visible to which stream when a word
+//! is set) is in the docs of `StreamTransfer` and of `docs/transfer.md`.
 
 // Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
-// engine, registry, endpoint, staging, request.
+// engine, registry, endpoint, staging, request, stream.
 mod copy;
 mod descriptor;
 mod endpoint;
@@ -127,6 +139,7 @@ mod region;
 mod registry;
 mod request;
 mod staging;
+mod stream;
 mod wire;
 
 pub use descriptor::{
@@ -141,3 +154,4 @@ pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "p2p")]
 pub use local::LocalListener;
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
+pub use stream::{PROXY_NAP, STREAM_ERROR_BIT, StreamTransfer, StreamWord, TRIGGER_SLOTS};

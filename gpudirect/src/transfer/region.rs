@@ -703,6 +703,13 @@ impl Region {
         }
     }
 
+    /// The device address of the region's first byte, for the caller's own kernels and CUDA
+    /// calls; `None` for host memory. Transfers in flight read or write it: order such work
+    /// after their completion (their events, or a stream transfer's completion word).
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.device_addr(0).map(|(_, a)| a)
+    }
+
     /// Whether two regions share one registration.
     pub fn same_registration(&self, other: &Region) -> bool {
         Arc::ptr_eq(&self.entry, &other.entry)
