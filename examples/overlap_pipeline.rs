@@ -17,16 +17,17 @@
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "support/spin.rs"]
+mod spin;
 
 use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::{CudaContext, CudaEvent, sys};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer};
 use gpudirect_testing::{Hardware, skip_example};
-use std::ffi::CString;
+use spin::{Kernel, check};
 use std::sync::Arc;
 
-const PTX: &str = include_str!("kernels/spin.ptx");
 const SLOTS: usize = 3;
 
 /// Three streams ordered only by CUDA events: load batch i+1 (host to device), compute batch i
@@ -56,70 +57,6 @@ fn batch_mib(s: &str) -> Result<cli::Mib, String> {
         return Err(format!("{} MiB is over the 4096 MiB limit", m.mib));
     }
     Ok(m)
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> gpudirect::Result<()> {
-    r.result().map_err(|e| gpudirect::Error::cuda(call, e.0))
-}
-
-struct Kernel {
-    func: sys::CUfunction,
-    blocks: u32,
-}
-
-impl Kernel {
-    fn load(ctx: &Arc<CudaContext>) -> gpudirect::Result<Self> {
-        ctx.bind_to_thread()
-            .map_err(|e| gpudirect::Error::cuda("cuCtxSetCurrent", e.0))?;
-        let image = CString::new(PTX).expect("PTX has no NUL");
-        let mut module = std::ptr::null_mut();
-        // SAFETY: a NUL-terminated PTX image; context current. The module lives for the process.
-        check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&mut module, image.as_ptr().cast())
-        })?;
-        let mut func = std::ptr::null_mut();
-        let name = CString::new("spin_add1").expect("no NUL");
-        // SAFETY: the module just loaded; a NUL-terminated name.
-        check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(&mut func, module, name.as_ptr())
-        })?;
-        let sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| gpudirect::Error::cuda("cuDeviceGetAttribute", e.0))?;
-        Ok(Kernel {
-            func,
-            blocks: (sms.max(1) as u32) * 2,
-        })
-    }
-
-    /// Queue the kernel on `stream` over `buf`.
-    fn launch(&self, stream: &Stream, ns: u64, buf: &DeviceBuffer<u32>) -> gpudirect::Result<()> {
-        let mut ns = ns;
-        let mut ptr = buf.device_ptr();
-        let mut n = buf.len() as u32;
-        let mut args: [*mut std::ffi::c_void; 3] = [
-            (&mut ns as *mut u64).cast(),
-            (&mut ptr as *mut u64).cast(),
-            (&mut n as *mut u32).cast(),
-        ];
-        // SAFETY: the kernel's parameters are (u64, u64, u32), matched by `args`; `buf` outlives
-        // the launch (main synchronizes every stream before dropping buffers).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.func,
-                self.blocks,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                stream.cu_stream(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
-    }
 }
 
 fn timing_event(ctx: &Arc<CudaContext>) -> CudaEvent {

@@ -1,0 +1,347 @@
+//! The transfer engine inside a node: GPU 0 writes into another process's memory on GPU 1 through
+//! an intra-node endpoint (CUDA IPC over a Unix socket, a peer copy over NVLink or PCIe), beside
+//! raw `cuMemcpyPeerAsync` between the same GPUs in this process and NIXL's UCX backend (one
+//! process per GPU, `benches/baselines/nixl_bench.py`) in the same run; 4 KiB to 1 GiB.
+//!
+//! Figures per size (GB/s of 10^9 bytes per second, medians):
+//! - one at a time: `Endpoint::write(..).wait()` against `cuMemcpyPeerAsync` +
+//!   `cuStreamSynchronize`, and NIXL's `transfer` polled to done;
+//! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
+//!   and one synchronize;
+//! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize.
+//!
+//! The path each write took is printed (it must say CUDA IPC over NVLink between two H200s). The
+//! bytes are checked at the end: random bytes written to the peer, read back, compared.
+//!
+//! ```text
+//! cargo bench --bench transfer_local -- --quick
+//! ```
+//!
+//! With one GPU both processes use GPU 0. `GPUDIRECT_BENCH_PYTHON` is the Python that runs the
+//! NIXL baseline (default `python3`; `none` skips it); `TRANSFER_BENCH_MAX_MIB` caps the largest
+//! size (default 1024).
+
+use gpudirect::cudarc::driver::sys;
+use gpudirect::memory::{DeviceBuffer, DeviceMemory};
+use gpudirect::transfer::{Buffer, Endpoint, Engine, EngineConfig, Region, TransferOptions};
+use gpudirect_testing::{Hardware, skip_example};
+use rand::RngCore;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const DEADLINE: Duration = Duration::from_secs(60);
+const NIXL_SCRIPT: &str = include_str!("baselines/nixl_bench.py");
+const ROLE: &str = "GPUDIRECT_BENCH_ROLE";
+const SOCKET: &str = "GPUDIRECT_BENCH_SOCKET";
+const DONE_TAG: u32 = 0xD0E;
+
+fn check(r: sys::CUresult, call: &str) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The peer process: publishes one buffer of `max` bytes on its GPU, then waits for the done
+/// notification.
+fn target(ordinal: usize, max: usize) {
+    let ctx = gpudirect::cuda::context(ordinal).expect("context");
+    let engine = Engine::new(EngineConfig::local()).expect("engine");
+    let buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");
+    let region = engine
+        .register(Buffer::device(buf).expect("buffer"))
+        .expect("register");
+    let path = PathBuf::from(std::env::var(SOCKET).expect("socket"));
+    let ep = engine
+        .connect_local(&path, &[region.descriptor().expect("descriptor")])
+        .expect("connect_local");
+    loop {
+        match ep.next_notification(Duration::from_secs(600)) {
+            Ok(Some(n)) if n.tag == DONE_TAG => break,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+}
+
+struct Raw {
+    src_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
+    dst_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
+    stream: std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+    src: DeviceBuffer<u8>,
+    dst: DeviceBuffer<u8>,
+}
+
+impl Raw {
+    fn copy(&self, n: usize) {
+        // SAFETY: both buffers hold at least `n` bytes and live until the stream is synchronized
+        // (every caller does before returning).
+        check(
+            unsafe {
+                sys::cuMemcpyPeerAsync(
+                    self.dst.device_ptr(),
+                    self.dst_ctx.cu_ctx(),
+                    self.src.device_ptr(),
+                    self.src_ctx.cu_ctx(),
+                    n,
+                    self.stream.cu_stream(),
+                )
+            },
+            "cuMemcpyPeerAsync",
+        );
+    }
+
+    fn sync(&self) {
+        // SAFETY: a live stream.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream.cu_stream()) },
+            "cuStreamSynchronize",
+        );
+    }
+}
+
+/// Seconds per call of `f`, median over `reps` calls after two warm-ups.
+fn per_call(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    f();
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f();
+        t.push(s.elapsed().as_secs_f64());
+    }
+    median(t)
+}
+
+fn nixl(sizes: &[usize], src: usize, dst: usize) -> BTreeMap<usize, f64> {
+    let py = std::env::var("GPUDIRECT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut out = BTreeMap::new();
+    if py == "none" {
+        return out;
+    }
+    let script = std::env::temp_dir().join(format!("gpudirect-nixl-{}.py", std::process::id()));
+    if std::fs::write(&script, NIXL_SCRIPT).is_err() {
+        return out;
+    }
+    let list: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    let r = std::process::Command::new(&py)
+        .arg(&script)
+        .args(["--sizes", &list.join(",")])
+        .args(["--src", &src.to_string(), "--dst", &dst.to_string()])
+        .stderr(std::process::Stdio::null())
+        .output();
+    let _ = std::fs::remove_file(&script);
+    match r {
+        Ok(o) => {
+            let text = String::from_utf8_lossy(&o.stdout);
+            for l in text.lines() {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                if w.len() >= 4 && w[0] == "nixl" && w[1] == "write" {
+                    if let (Ok(n), Ok(g)) = (w[2].parse(), w[3].parse()) {
+                        out.insert(n, g);
+                    }
+                } else if l.contains("WRONG BYTES") {
+                    println!("NIXL baseline: {l}");
+                }
+            }
+            if out.is_empty() {
+                println!("NIXL baseline: none (exit {:?}; is nixl_cu13 importable?)", o.status.code());
+            }
+        }
+        Err(e) => println!("NIXL baseline: none ({py}: {e})"),
+    }
+    out
+}
+
+fn main() {
+    let gpus = match gpudirect::cuda::device_count() {
+        Ok(n) if n > 0 => n,
+        Ok(_) => skip_example(Hardware::Gpu, "no CUDA device"),
+        Err(e) => skip_example(Hardware::Gpu, e),
+    };
+    let (a, b) = if gpus >= 2 { (0, 1) } else { (0, 0) };
+    let max_mib: usize = std::env::var("TRANSFER_BENCH_MAX_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024)
+        .clamp(1, 4096);
+    let max = max_mib * MIB;
+    if std::env::var(ROLE).as_deref() == Ok("target") {
+        target(b, max);
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let sizes: Vec<usize> = [4 * KIB, 64 * KIB, MIB, 16 * MIB, 256 * MIB, 1024 * MIB]
+        .into_iter()
+        .filter(|&s| s <= max)
+        .collect();
+
+    let ctx = gpudirect::cuda::context(a).expect("context");
+    let engine = Engine::new(EngineConfig::local()).expect("engine");
+    let src_buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");
+    let src: Region = engine
+        .register(Buffer::device(src_buf).expect("buffer"))
+        .expect("register");
+    let dir = std::env::temp_dir().join(format!("gpudirect-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("socket dir");
+    let sock = dir.join("bench.sock");
+    let listener = engine.listen_local(&sock).expect("listen_local");
+    let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
+        .env(ROLE, "target")
+        .env(SOCKET, &sock)
+        .env("TRANSFER_BENCH_MAX_MIB", max_mib.to_string())
+        .spawn()
+        .expect("start the peer");
+    let ep: Endpoint = listener.accept(&[], DEADLINE).expect("accept");
+    let _ = std::fs::remove_dir_all(&dir);
+    let remote = ep.peer_descriptors()[0];
+
+    let raw = Raw {
+        src_ctx: ctx.clone(),
+        dst_ctx: gpudirect::cuda::context(b).expect("context"),
+        stream: ctx.new_stream().expect("stream"),
+        src: DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc"),
+        dst: DeviceBuffer::<u8>::zeroed(&gpudirect::cuda::context(b).expect("context"), max)
+            .expect("cuMemAlloc"),
+    };
+    let stream = gpudirect::cuda::Stream::new(&ctx).expect("stream");
+    let mut path = String::new();
+    let mut rows = Vec::new();
+    for &n in &sizes {
+        let reps = if quick { 30 } else { 200 }.min((8 << 30) / n).max(5);
+        let depth = if n <= 16 * MIB { 32 } else { 4 };
+        let pair = || {
+            vec![(
+                src.range(0, n as u64).expect("range"),
+                remote.range(0, n as u64).expect("range"),
+            )]
+        };
+        let raw_one = per_call(reps, || {
+            raw.copy(n);
+            raw.sync();
+        });
+        let gd_one = per_call(reps, || {
+            let r = ep
+                .write(pair(), TransferOptions::default().deadline(DEADLINE))
+                .expect("write")
+                .wait()
+                .expect("wait");
+            if path.is_empty() {
+                path = r.paths[0].to_string();
+            }
+        });
+        let pipe_reps = reps.div_ceil(depth).max(3);
+        let raw_pipe = per_call(pipe_reps, || {
+            for _ in 0..depth {
+                raw.copy(n);
+            }
+            raw.sync();
+        }) / depth as f64;
+        let gd_pipe = per_call(pipe_reps, || {
+            let ts: Vec<_> = (0..depth)
+                .map(|_| {
+                    ep.write(pair(), TransferOptions::default().deadline(DEADLINE))
+                        .expect("write")
+                })
+                .collect();
+            for t in ts {
+                t.wait().expect("wait");
+            }
+        }) / depth as f64;
+        let gd_stream = per_call(pipe_reps, || {
+            let ts: Vec<_> = (0..depth)
+                .map(|_| {
+                    ep.write_on(&stream, pair(), TransferOptions::default().deadline(DEADLINE))
+                        .expect("write_on")
+                })
+                .collect();
+            stream.synchronize().expect("synchronize");
+            for t in ts {
+                t.wait(DEADLINE).expect("wait");
+            }
+        }) / depth as f64;
+        rows.push((n, raw_one, gd_one, raw_pipe, gd_pipe, gd_stream));
+    }
+    // NIXL needs the GPUs' memory: run it after ours, in the same run.
+    let nixl = nixl(&sizes, a, b);
+
+    // The bytes: random bytes to the peer, read back into a poisoned buffer.
+    let n = sizes[sizes.len() - 1].min(64 * MIB) + 7;
+    let mut want = vec![0u8; n];
+    rand::rng().fill_bytes(&mut want);
+    src.copy_from_host(0, &want).expect("fill");
+    let pair = vec![(
+        src.range(0, n as u64).expect("range"),
+        remote.range(0, n as u64).expect("range"),
+    )];
+    ep.write(pair, TransferOptions::default())
+        .expect("write")
+        .wait()
+        .expect("write");
+    src.copy_from_host(0, &vec![0xA5; n]).expect("poison");
+    let back = vec![(
+        src.range(0, n as u64).expect("range"),
+        remote.range(0, n as u64).expect("range"),
+    )];
+    ep.read(back, TransferOptions::default())
+        .expect("read")
+        .wait()
+        .expect("read");
+    let mut got = vec![0u8; n];
+    src.copy_to_host(0, &mut got).expect("copy back");
+    let bytes_ok = got == want;
+
+    let gbs = |n: usize, s: f64| n as f64 / s / 1e9;
+    println!(
+        "transfer_local: GPU {a} -> GPU {b} in another process, path: {path}{}",
+        if a == b { " (one GPU: both processes on GPU 0)" } else { "" }
+    );
+    println!(
+        "{:>9} | {:>9} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>6} {:>9} {:>6}",
+        "size", "raw 1x1", "engine", "ratio", "+us", "NIXL", "ours/N", "raw pipe", "engine", "ratio",
+        "write_on", "ratio"
+    );
+    for (n, r1, g1, rp, gp, gs) in rows {
+        let label = if n >= MIB { format!("{} MiB", n / MIB) } else { format!("{} KiB", n / KIB) };
+        let nx = nixl.get(&n).copied();
+        println!(
+            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2}",
+            label,
+            gbs(n, r1),
+            gbs(n, g1),
+            r1 / g1,
+            (g1 - r1) * 1e6,
+            nx.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
+            nx.map(|g| format!("{:.2}", gbs(n, g1) / g)).unwrap_or_else(|| "-".into()),
+            gbs(n, rp),
+            gbs(n, gp),
+            rp / gp,
+            gbs(n, gs),
+            rp / gs,
+        );
+    }
+    println!(
+        "GB/s = 10^9 bytes/s, medians. raw: cuMemcpyPeerAsync in this process (+ cuStreamSynchronize \
+         per copy, or per {} copies pipelined); engine: Endpoint::write to another process's memory; \
+         NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
+        32
+    );
+    println!("bytes: {}", if bytes_ok { "checked (random write, read back)" } else { "WRONG" });
+    let _ = ep.write(
+        vec![(
+            src.range(0, 4).expect("range"),
+            remote.range(0, 4).expect("range"),
+        )],
+        TransferOptions::notify(DONE_TAG),
+    )
+    .and_then(|t| t.wait());
+    let st = child.wait().expect("wait for the peer");
+    if !bytes_ok || !st.success() {
+        std::process::exit(1);
+    }
+}
