@@ -150,7 +150,10 @@ fn nixl(sizes: &[usize], src: usize, dst: usize) -> BTreeMap<usize, f64> {
                 }
             }
             if out.is_empty() {
-                println!("NIXL baseline: none (exit {:?}; is nixl_cu13 importable?)", o.status.code());
+                println!(
+                    "NIXL baseline: none (exit {:?}; is nixl_cu13 importable?)",
+                    o.status.code()
+                );
             }
         }
         Err(e) => println!("NIXL baseline: none ({py}: {e})"),
@@ -256,8 +259,12 @@ fn main() {
         let gd_stream = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
-                    ep.write_on(&stream, pair(), TransferOptions::default().deadline(DEADLINE))
-                        .expect("write_on")
+                    ep.write_on(
+                        &stream,
+                        pair(),
+                        TransferOptions::default().deadline(DEADLINE),
+                    )
+                    .expect("write_on")
                 })
                 .collect();
             stream.synchronize().expect("synchronize");
@@ -299,15 +306,33 @@ fn main() {
     let gbs = |n: usize, s: f64| n as f64 / s / 1e9;
     println!(
         "transfer_local: GPU {a} -> GPU {b} in another process, path: {path}{}",
-        if a == b { " (one GPU: both processes on GPU 0)" } else { "" }
+        if a == b {
+            " (one GPU: both processes on GPU 0)"
+        } else {
+            ""
+        }
     );
     println!(
         "{:>9} | {:>9} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>6} {:>9} {:>6}",
-        "size", "raw 1x1", "engine", "ratio", "+us", "NIXL", "ours/N", "raw pipe", "engine", "ratio",
-        "write_on", "ratio"
+        "size",
+        "raw 1x1",
+        "engine",
+        "ratio",
+        "+us",
+        "NIXL",
+        "ours/N",
+        "raw pipe",
+        "engine",
+        "ratio",
+        "write_on",
+        "ratio"
     );
     for (n, r1, g1, rp, gp, gs) in rows {
-        let label = if n >= MIB { format!("{} MiB", n / MIB) } else { format!("{} KiB", n / KIB) };
+        let label = if n >= MIB {
+            format!("{} MiB", n / MIB)
+        } else {
+            format!("{} KiB", n / KIB)
+        };
         let nx = nixl.get(&n).copied();
         println!(
             "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2}",
@@ -317,7 +342,8 @@ fn main() {
             r1 / g1,
             (g1 - r1) * 1e6,
             nx.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
-            nx.map(|g| format!("{:.2}", gbs(n, g1) / g)).unwrap_or_else(|| "-".into()),
+            nx.map(|g| format!("{:.2}", gbs(n, g1) / g))
+                .unwrap_or_else(|| "-".into()),
             gbs(n, rp),
             gbs(n, gp),
             rp / gp,
@@ -331,15 +357,23 @@ fn main() {
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
         32
     );
-    println!("bytes: {}", if bytes_ok { "checked (random write, read back)" } else { "WRONG" });
-    let _ = ep.write(
-        vec![(
-            src.range(0, 4).expect("range"),
-            remote.range(0, 4).expect("range"),
-        )],
-        TransferOptions::notify(DONE_TAG),
-    )
-    .and_then(|t| t.wait());
+    println!(
+        "bytes: {}",
+        if bytes_ok {
+            "checked (random write, read back)"
+        } else {
+            "WRONG"
+        }
+    );
+    let _ = ep
+        .write(
+            vec![(
+                src.range(0, 4).expect("range"),
+                remote.range(0, 4).expect("range"),
+            )],
+            TransferOptions::notify(DONE_TAG),
+        )
+        .and_then(|t| t.wait());
     let st = child.wait().expect("wait for the peer");
     if !bytes_ok || !st.success() {
         std::process::exit(1);

@@ -37,10 +37,10 @@ mod spin;
 use clap::Parser;
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::{CudaContext, CudaEvent, sys};
-use gpudirect::memory::{DeviceBuffer, DeviceMemory};
+use gpudirect::memory::DeviceBuffer;
 use gpudirect::storage::{GdsFile, Mode, OpenOptions};
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, Region, StreamTransfer,
+    Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, Region, StreamTransfer, StreamWord,
     TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip_example};
@@ -139,7 +139,10 @@ impl Loader {
             .read_to_device(dst, 0, off, self.batch)
             .or_fail("read a batch");
         if t.bytes != self.batch {
-            fail("read a batch", format!("{} of {} bytes", t.bytes, self.batch));
+            fail(
+                "read a batch",
+                format!("{} of {} bytes", t.bytes, self.batch),
+            );
         }
     }
 }
@@ -157,7 +160,9 @@ struct Rank {
 
 fn main() {
     let args = Args::parse();
-    let rank = args.rank.unwrap_or(if args.connect.is_some() { 1 } else { 0 });
+    let rank = args
+        .rank
+        .unwrap_or(if args.connect.is_some() { 1 } else { 0 });
     let gpus = match gpudirect::cuda::device_count() {
         Ok(n) if n > 0 => n,
         Ok(_) => skip_example(Hardware::Gpu, "no CUDA device"),
@@ -175,10 +180,9 @@ fn main() {
     // The engine: intra-node (CUDA IPC over a Unix socket) unless told to cross nodes.
     let across = args.listen.is_some() || args.connect.is_some();
     let engine = if across {
-        Engine::new(EngineConfig {
-            gpu: Some(ordinal),
-            ..EngineConfig::default()
-        })
+        let mut c = EngineConfig::default();
+        c.gpu = Some(ordinal);
+        Engine::new(c)
     } else {
         Engine::new(EngineConfig::local())
     }
@@ -206,13 +210,13 @@ fn main() {
 
     let mut child = None;
     let ep = if let Some(port) = args.listen {
-        let l = engine
-            .listen(&format!("0.0.0.0:{port}"))
-            .or_fail("listen");
+        let l = engine.listen(&format!("0.0.0.0:{port}")).or_fail("listen");
         println!("rank 0 listening on port {port}");
         l.accept(&publish, DEADLINE).or_fail("accept rank 1")
     } else if let Some(peer) = &args.connect {
-        engine.connect(&[peer.as_str()], &publish).or_fail("connect")
+        engine
+            .connect(&[peer.as_str()], &publish)
+            .or_fail("connect")
     } else if rank == 0 {
         let dir = std::env::temp_dir().join(format!("gpudirect-step-{}", std::process::id()));
         std::fs::create_dir_all(&dir).or_fail("socket directory");
@@ -229,11 +233,18 @@ fn main() {
         let _ = std::fs::remove_dir_all(&dir);
         ep
     } else {
-        let path = args.socket.clone().unwrap_or_else(|| fail("rank 1", "no --socket"));
-        engine.connect_local(&path, &publish).or_fail("connect_local")
+        let path = args
+            .socket
+            .clone()
+            .unwrap_or_else(|| fail("rank 1", "no --socket"));
+        engine
+            .connect_local(&path, &publish)
+            .or_fail("connect_local")
     };
     // Counts the peer's notifications from here: the barrier's, then one per pipelined step.
-    let counter = ep.notification_counter().or_fail("notification counter");
+    let counter = ep
+        .notification_counter(&ctx)
+        .or_fail("notification counter");
     let peer = ep.peer_descriptors();
     if peer.len() != 3 {
         fail("peer", format!("published {} buffers, not 3", peer.len()));
@@ -254,7 +265,10 @@ fn main() {
         .clone()
         .unwrap_or_else(|| PathBuf::from("target/gpudirect-storage-test"));
     std::fs::create_dir_all(&dir).or_fail("test directory");
-    let path = dir.join(format!("training-step-{}-rank{rank}.bin", std::process::id()));
+    let path = dir.join(format!(
+        "training-step-{}-rank{rank}.bin",
+        std::process::id()
+    ));
     {
         let mut data = vec![0u8; batch_len];
         let mut f = std::fs::File::create(&path).or_fail("create the batch file");
@@ -294,7 +308,15 @@ fn main() {
         kernel.launch(&comp, 0, &batches[0]).or_fail("launch");
         a.record(comp.cuda()).or_fail("record");
         for i in 0..steps {
-            compute(&me, &kernel, &comp, kernel_us * 1000, &batches[i % 2], None, None);
+            compute(
+                &me,
+                &kernel,
+                &comp,
+                kernel_us * 1000,
+                &batches[i % 2],
+                None,
+                None,
+            );
         }
         b.record(comp.cuda()).or_fail("record");
         comp.synchronize().or_fail("synchronize");
@@ -405,7 +427,12 @@ fn main() {
         "training_step {r}: {steps} steps, batch {} MiB, gradient {} MiB, kernel {kernel_us} us",
         args.batch_mib.mib, args.grad_mib.mib
     );
-    println!("  {r} load alone      {t_load:8.3} ms ({:.1} GB/s, {})", gbs(batch_len, t_load), how);
+    println!(
+        "  {r} load alone      {t_load:8.3} ms ({:.1} GB/s, {:?} path, {:?})",
+        gbs(batch_len, t_load),
+        how.path,
+        how.reason
+    );
     println!("  {r} compute alone   {t_comp:8.3} ms");
     println!(
         "  {r} exchange alone  {t_comm:8.3} ms ({:.1} GB/s, {})",
@@ -450,7 +477,7 @@ fn compute(
     comp: &Stream,
     ns: u64,
     batch: &DeviceBuffer<u32>,
-    pipelined: Option<(usize, &gpudirect::transfer::NotificationCounter, Option<u64>)>,
+    pipelined: Option<(usize, &StreamWord, Option<u64>)>,
     send_before: Option<&StreamTransfer>,
 ) {
     kernel.launch(comp, ns, batch).or_fail("launch");
@@ -462,13 +489,13 @@ fn compute(
         prev.wait_on(comp).or_fail("wait_on"); // slot s has left before it changes
     }
     let n = (me.grad_len / 4) as u32;
-    let g = me.grads[s].device_ptr().or_fail("device_ptr");
+    let g = me.grads[s].device_ptr().expect("GPU memory");
     // SAFETY: the gradient region lives as long as `me`; the stream waited for the send that
     // reads it; the example synchronizes every stream before `me` goes.
     unsafe { kernel.launch_raw(comp, 0, g, n) }.or_fail("launch");
     if let Some(want) = peer_grad {
         counter.wait_on(comp, want).or_fail("counter wait");
-        let r = me.recv[(i - 1) % 2].device_ptr().or_fail("device_ptr");
+        let r = me.recv[(i - 1) % 2].device_ptr().expect("GPU memory");
         // SAFETY: as above; the peer wrote this slot before notifying step i - 1 and writes it
         // again only after our gradient of step i (sent after this kernel) reaches it.
         unsafe { kernel.launch_raw(comp, 0, r, n) }.or_fail("launch");
@@ -489,7 +516,11 @@ fn exchange_alone(me: &Rank, comm: &Stream, steps: usize) -> (f64, String) {
             .or_fail("write_on")
     };
     let report = one().wait(DEADLINE).or_fail("warm-up write");
-    let path = report.paths.first().map(|p| p.to_string()).unwrap_or_default();
+    let path = report
+        .paths
+        .first()
+        .map(|p| p.to_string())
+        .unwrap_or_default();
     let (a, b) = (timing_event(&me.ctx), timing_event(&me.ctx));
     a.record(comm.cuda()).or_fail("record");
     let mut all = Vec::with_capacity(steps);

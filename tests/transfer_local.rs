@@ -19,6 +19,7 @@
 mod support;
 
 use gpudirect::Error;
+use gpudirect::memory::DeviceMemory;
 use gpudirect::p2p::{Interconnect, LinkMatrix};
 use gpudirect::transfer::{
     Buffer, Endpoint, Engine, EngineConfig, IpcLink, IpcPart, MemoryDescriptor, MemoryPath, Region,
@@ -28,7 +29,7 @@ use gpudirect_testing::{Hardware, require};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use support::gpu::{self, device_bytes, poisoned_bytes, random_u32};
+use support::gpu::{self, ToHost, device_bytes, poisoned_bytes, random_u32};
 
 const CHILD: &str = "TRANSFER_LOCAL_CHILD";
 const SIZES: [usize; 3] = [4096, (1 << 20) + 7, 64 << 20];
@@ -286,6 +287,9 @@ fn peer(job: Job) {
     if job.role == "victim" {
         return victim(job);
     }
+    if job.role == "stream-peer" {
+        return stream_peer(job);
+    }
     let d = job.device;
     let engine = Engine::new(EngineConfig::local()).unwrap();
     let dsts: Vec<Region> = SIZES
@@ -416,6 +420,180 @@ fn futures_block_on<F: std::future::Future>(f: F) -> F::Output {
         match f.as_mut().poll(&mut cx) {
             Poll::Ready(v) => return v,
             Poll::Pending => std::thread::park_timeout(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Bytes of the stream-ordered test.
+const STREAM_LEN: usize = (16 << 20) + 3;
+
+/// `len` bytes from device `src` to device `dst` on `stream`.
+fn stream_copy(stream: &gpudirect::cuda::Stream, dst: u64, src: u64, len: usize) {
+    use gpudirect::cudarc::driver::sys;
+    // SAFETY: both are live device allocations of at least `len` bytes that outlive the copy
+    // (the test synchronizes the stream before dropping them).
+    let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.cu_stream()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoDAsync");
+}
+
+/// Stream-ordered transfers between two processes: a write queued on a stream behind the copy
+/// that fills its source (so it must start only when the stream gets there), another stream
+/// released by its completion word then reading the peer's bytes back on that stream; the peer's
+/// stream waits on its notification counter before looking at what arrived. Under graph capture
+/// `write_on` is refused with nothing queued.
+#[test]
+fn stream_ordered_writes_and_reads_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
+    let device = if n > 1 { 1 } else { 0 };
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let path = socket("stream");
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: "stream-peer".into(),
+        socket: path.clone(),
+        seed,
+        device,
+    };
+    let mut child = spawn_child(
+        "stream_ordered_writes_and_reads_between_two_processes",
+        &job,
+    );
+    let ep = listener.accept(&[], WAIT).unwrap();
+    let peer = ep.peer_descriptors();
+    assert_eq!(peer.len(), 2, "a destination and a source");
+    let want = bytes(STREAM_LEN, seed ^ 300);
+    let staged = device_bytes(0, &want);
+    let src = register(&engine, poisoned_bytes(0, STREAM_LEN, 0x3C));
+    let back = register(&engine, poisoned_bytes(0, STREAM_LEN, 0x4D));
+    let a = gpu::stream(0);
+    let b = gpu::stream(0);
+    // Stream a: a long copy chain fills the source, then the write; stream b waits for the
+    // write's word, then reads the peer's bytes back.
+    for _ in 0..8 {
+        stream_copy(
+            &a,
+            src.device_ptr().unwrap(),
+            staged.device_ptr(),
+            STREAM_LEN,
+        );
+    }
+    let w = ep
+        .write_on(
+            &a,
+            vec![(src.all(), peer[0].all())],
+            TransferOptions::notify(1),
+        )
+        .unwrap();
+    w.wait_on(&b).unwrap();
+    let r = ep
+        .read_on(
+            &b,
+            vec![(back.all(), peer[1].all())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    let done = gpu::stream(0);
+    r.wait_on(&done).unwrap();
+    done.synchronize().unwrap();
+    assert!(r.is_complete() && w.is_complete());
+    let rw = w.wait(WAIT).unwrap();
+    let rr = r.wait(WAIT).unwrap();
+    println!("stream write: {} B via {}", rw.bytes, rw.paths[0]);
+    assert_eq!((rw.bytes, rr.bytes), (STREAM_LEN as u64, STREAM_LEN as u64));
+    assert!(
+        matches!(rw.paths[0], MemoryPath::CudaIpc { .. }),
+        "{}",
+        rw.paths[0]
+    );
+    assert_eq!(
+        w.completion_value() & gpudirect::transfer::STREAM_ERROR_BIT,
+        0
+    );
+    same(
+        &host_copy(&back, 0, STREAM_LEN),
+        &bytes(STREAM_LEN, seed ^ 301),
+        "read back on the stream",
+    );
+    // Under capture: refused, nothing queued, the capture still valid.
+    use gpudirect::cudarc::driver::sys;
+    let c = gpu::stream(0);
+    c.cuda()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let e = ep
+        .write_on(
+            &c,
+            vec![(src.all(), peer[0].all())],
+            TransferOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::StreamCapturing {
+                enqueued: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    c.cuda()
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .expect("the refusal did not invalidate the capture");
+    drop(ctx);
+    // Done: the peer checked what its stream saw.
+    ep.write(
+        vec![(src.range(0, 4).unwrap(), peer[0].range(0, 4).unwrap())],
+        TransferOptions::notify(2),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    drop(ep);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// The stream-ordered test's peer: publishes a poisoned destination and a random source; its
+/// stream waits on the notification counter, then copies what arrived aside; compared exactly.
+fn stream_peer(job: Job) {
+    let d = job.device;
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let ctx = gpudirect::cuda::context(d).unwrap();
+    let dst = register(&engine, poisoned_bytes(d, STREAM_LEN, 0xA5));
+    let src = register(&engine, device_bytes(d, &bytes(STREAM_LEN, job.seed ^ 301)));
+    let seen = poisoned_bytes(d, STREAM_LEN, 0x77);
+    let ep = engine
+        .connect_local(
+            &job.socket,
+            &[dst.descriptor().unwrap(), src.descriptor().unwrap()],
+        )
+        .unwrap();
+    let counter = ep.notification_counter(&ctx).unwrap();
+    let s = gpu::stream(d);
+    counter.wait_on(&s, 1).unwrap();
+    stream_copy(&s, seen.device_ptr(), dst.device_ptr().unwrap(), STREAM_LEN);
+    s.synchronize().unwrap();
+    same(
+        &seen.to_host(),
+        &bytes(STREAM_LEN, job.seed ^ 300),
+        "seen by the stream after the counter",
+    );
+    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
+    assert_eq!(next(&ep).tag, 1);
+    assert_eq!(next(&ep).tag, 2);
+    drop(src);
+    loop {
+        match ep.next_notification(WAIT) {
+            Err(_) => break,
+            Ok(None) => {}
+            Ok(Some(n)) => panic!("unexpected {n:?}"),
         }
     }
 }

@@ -46,7 +46,12 @@ impl Kernel {
     }
 
     /// Queue the kernel on `stream` over `buf`.
-    pub fn launch(&self, stream: &Stream, ns: u64, buf: &DeviceBuffer<u32>) -> gpudirect::Result<()> {
+    pub fn launch(
+        &self,
+        stream: &Stream,
+        ns: u64,
+        buf: &DeviceBuffer<u32>,
+    ) -> gpudirect::Result<()> {
         // SAFETY: `buf` is live device memory of `len` u32s; the callers synchronize every
         // stream before dropping buffers.
         unsafe { self.launch_raw(stream, ns, buf.device_ptr(), buf.len() as u32) }
