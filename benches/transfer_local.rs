@@ -204,6 +204,10 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     let remote = ep.peer_descriptors()[0];
 
+    // The raw baseline needs the peer mapping, as any user of cuMemcpyPeerAsync enables it
+    // (without it the driver stages the copy through the host).
+    let _peers = (a != b)
+        .then(|| gpudirect::p2p::enable_peer_access_both(a, b).expect("cuCtxEnablePeerAccess"));
     let raw = Raw {
         src_ctx: ctx.clone(),
         dst_ctx: gpudirect::cuda::context(b).expect("context"),

@@ -20,7 +20,7 @@ use super::engine::Engine;
 use super::ipc::{Import, import, link, ordinal_of_uuid};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::MAX_HELLO;
-use crate::completion::{EventFence, Fence, Tracker, deadline_after, poll_until};
+use crate::completion::{EventFence, Fence, Tracker, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -434,10 +434,61 @@ pub(super) struct Side {
     held: Mutex<Vec<Arc<Import>>>,
     ep: Mutex<Weak<EpInner>>,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// Rung when a request's copies are done.
+    bell: Arc<Bell>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Rung by a host function queued after each request's copies (`cuLaunchHostFunc`), so that the
+/// worker sleeps until the copies are done instead of polling with growing pauses.
+#[derive(Default)]
+pub(super) struct Bell {
+    rung: Mutex<u64>,
+    cv: Condvar,
+}
+
+/// A waiting worker yields this many times, looking, before it sleeps on the bell.
+const BELL_SPINS: u32 = 64;
+/// The longest sleep on the bell before looking again (a host function that could not be queued
+/// rings nothing).
+const BELL_NAP: Duration = Duration::from_millis(1);
+
+impl Bell {
+    fn ring(&self) {
+        *lock(&self.rung) += 1;
+        self.cv.notify_all();
+    }
+
+    /// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`):
+    /// a few yields, then sleeps woken by [`ring`](Self::ring) (at most [`BELL_NAP`] each).
+    fn wait_until(&self, mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
+        let end = deadline_after(Instant::now(), timeout);
+        for _ in 0..BELL_SPINS {
+            if done() {
+                return true;
+            }
+            std::thread::yield_now();
+        }
+        let mut g = lock(&self.rung);
+        loop {
+            // Asked under the bell's lock: a ring after this answer waits for the sleep below.
+            if done() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= end {
+                return false;
+            }
+            g = self
+                .cv
+                .wait_timeout(g, (end - now).min(BELL_NAP))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
 }
 
 impl Side {
@@ -464,6 +515,7 @@ impl Side {
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
+            bell: Arc::new(Bell::default()),
         })
     }
 
@@ -615,7 +667,7 @@ impl Side {
         let done = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let ended = || self.epoch.load(Ordering::Acquire) != epoch;
-            let seen = poll_until(
+            let seen = self.bell.wait_until(
                 || match fence.check() {
                     Ok(done) => done || ended(),
                     Err(e) => {
@@ -963,7 +1015,13 @@ pub(super) fn request(
     // Under the queue's lock: the streams' order is the queue's, so notifications leave in
     // request order.
     let mut q = lock(&side.queue);
-    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
+    let (fence, keep, messages) = enqueue(
+        &streams,
+        &copies,
+        e.config.copy_chunk as u64,
+        keep,
+        &side.bell,
+    )?;
     q.jobs.push_back(Job {
         fence,
         keep,
@@ -995,6 +1053,7 @@ fn enqueue(
     copies: &[Piece],
     chunk: u64,
     keep: Keep,
+    bell: &Arc<Bell>,
 ) -> Result<(Events, Keep, u64)> {
     let mut keep = Some(keep);
     let mut events = Vec::new();
@@ -1051,6 +1110,10 @@ fn enqueue(
                 Ok(ev) => events.push(ev),
                 Err(e) => return Err(fail(events, keep.take(), e)),
             }
+            // Wakes the worker when the copies are done; without it the worker looks every
+            // BELL_NAP.
+            let b = bell.clone();
+            let _ = s.launch_host_fn(move || b.ring());
         }
     }
     Ok((
