@@ -276,6 +276,9 @@ pub(crate) struct ReqShared {
     flag: CompletionFlag,
     done: Mutex<Option<Result<TransferReport>>>,
     cv: Condvar,
+    /// What a blocking wait may call while it spins: finishes the request if it can (the
+    /// intra-node path, whose copies a waiting thread sees done first).
+    help: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl ReqShared {
@@ -1230,6 +1233,7 @@ impl Endpoint {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
+            help: OnceLock::new(),
         });
         let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
         let mut st = inner.lock();
@@ -2177,7 +2181,16 @@ impl Transferred {
     }
 }
 
+/// How long [`Transfer::wait`] looks for the end of a request that can be helped before it
+/// sleeps until its finisher wakes it.
+const HELP_SPIN: Duration = Duration::from_millis(10);
+
 impl Transfer {
+    /// Let a blocking [`wait`](Self::wait) call `f` while it spins (once).
+    pub(crate) fn set_help(&self, f: impl Fn() + Send + Sync + 'static) {
+        let _ = self.shared.help.set(Box::new(f));
+    }
+
     /// A transfer finished by someone else (the staged path's worker): the transfer, and the
     /// function that finishes it.
     pub(crate) fn pending(
@@ -2194,6 +2207,7 @@ impl Transfer {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
+            help: OnceLock::new(),
         });
         let s = shared.clone();
         (
@@ -2229,6 +2243,18 @@ impl Transfer {
     ///
     /// As [`Transferred::result`].
     pub fn wait(self) -> Result<TransferReport> {
+        if let Some(help) = self.shared.help.get() {
+            // Look for the end ourselves for a while (yielding), as a synchronize would: no
+            // hand-off from another thread when it comes soon.
+            let until = Instant::now() + HELP_SPIN;
+            while !self.shared.flag.is_complete() && Instant::now() < until {
+                help();
+                if self.shared.flag.is_complete() {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
         {
             let mut g = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
             while g.is_none() {

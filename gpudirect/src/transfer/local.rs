@@ -436,6 +436,10 @@ pub(super) struct Side {
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Rung when a request's copies are done.
     bell: Arc<Bell>,
+    /// Held while a request is finished: one at a time, in queue order.
+    finishing: Mutex<()>,
+    /// Itself, for the waits that help.
+    me: Weak<Side>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -498,7 +502,8 @@ impl Side {
         peer_pid: u32,
         dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     ) -> Arc<Side> {
-        Arc::new(Side {
+        Arc::new_cyclic(|me| Side {
+            me: me.clone(),
             engine,
             dialed,
             conn: Mutex::new(Some(Conn {
@@ -516,6 +521,7 @@ impl Side {
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
             bell: Arc::new(Bell::default()),
+            finishing: Mutex::new(()),
         })
     }
 
@@ -636,11 +642,12 @@ impl Side {
     /// Wait for each request's events in order; finish it and send its notification.
     fn work_loop(&self) {
         loop {
-            let job = {
+            while self.finish_head(true) {}
+            let deadline = {
                 let mut q = lock(&self.queue);
                 loop {
-                    if let Some(j) = q.jobs.pop_front() {
-                        break j;
+                    if let Some(j) = q.jobs.front() {
+                        break j.deadline;
                     }
                     if q.closing {
                         return;
@@ -648,63 +655,95 @@ impl Side {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            self.serve(job);
+            // Until the head can be finished: its copies done (the bell), a failure, its
+            // deadline; looking at least every SLICE.
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.bell.wait_until(|| self.head_ready(), left.min(SLICE));
+            // A request queued behind the head whose deadline passed first ends the endpoint
+            // too (its copies run after the head's).
+            let now = Instant::now();
+            let late = lock(&self.queue)
+                .jobs
+                .iter()
+                .find(|j| now >= j.deadline)
+                .map(|j| j.timeout);
+            if let Some(t) = late {
+                self.fail(Broken::Deadline(t));
+            }
         }
     }
 
-    fn serve(&self, job: Job) {
+    /// Whether the head request can be finished now (or there is none).
+    fn head_ready(&self) -> bool {
+        let q = lock(&self.queue);
+        match q.jobs.front() {
+            None => true,
+            Some(j) => {
+                !matches!(j.fence.check(), Ok(false))
+                    || self.epoch.load(Ordering::Acquire) != j.epoch
+                    || Instant::now() >= j.deadline
+            }
+        }
+    }
+
+    /// Finish the head request if it can be now: its copies done, or failed, its endpoint ended,
+    /// or its deadline passed. Requests finish in queue order (so notifications leave in request
+    /// order), by the worker or by a caller waiting for its transfer (`block` false: only when no
+    /// one else is finishing). Returns whether one was finished.
+    fn finish_head(&self, block: bool) -> bool {
+        let _order = if block {
+            lock(&self.finishing)
+        } else {
+            match self.finishing.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            }
+        };
+        let (job, end) = {
+            let mut q = lock(&self.queue);
+            let Some(j) = q.jobs.front() else {
+                return false;
+            };
+            let end = match j.fence.check() {
+                Err(e) => End::Failed(e),
+                Ok(true) => End::Done,
+                Ok(false) if self.epoch.load(Ordering::Acquire) != j.epoch => End::Ended,
+                Ok(false) if Instant::now() >= j.deadline => End::Late,
+                Ok(false) => return false,
+            };
+            (q.jobs.pop_front().expect("the front"), end)
+        };
+        self.conclude(job, end);
+        true
+    }
+
+    fn conclude(&self, job: Job, end: End) {
         let Job {
             fence,
             keep,
             finish,
             mut report,
             started,
-            deadline,
             timeout,
-            epoch,
+            ..
         } = job;
-        let mut failed = None;
-        let done = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ended = || self.epoch.load(Ordering::Acquire) != epoch;
-            let seen = self.bell.wait_until(
-                || match fence.check() {
-                    Ok(done) => done || ended(),
-                    Err(e) => {
-                        failed = Some(e);
-                        true
-                    }
-                },
-                left.min(SLICE),
-            );
-            if let Some(e) = failed.take() {
+        match end {
+            End::Failed(e) => {
                 // A sticky error: the copy will never be seen done; what it reaches stays.
                 Tracker::global().park(fence, keep);
                 self.fail(Broken::of(&e));
                 finish(Err(e));
-                return;
             }
-            if seen && fence.is_complete() {
-                break true;
+            End::Ended => {
+                Tracker::global().park(fence, keep);
+                let e = self
+                    .ep()
+                    .and_then(|ep| ep.failure())
+                    .unwrap_or_else(|| Broken::Closed.to_error());
+                finish(Err(e));
             }
-            if ended() {
-                break false;
-            }
-            // A request queued behind this one whose deadline passed first ends the endpoint
-            // too (its copies run after these).
-            let behind = lock(&self.queue)
-                .jobs
-                .iter()
-                .map(|j| (j.deadline, j.timeout))
-                .min();
-            if let Some((d, t)) = behind
-                && d < deadline
-                && Instant::now() >= d
-            {
-                self.fail(Broken::Deadline(t));
-                continue;
-            }
-            if Instant::now() >= deadline {
+            End::Late => {
                 Tracker::global().park(fence, keep);
                 self.fail(Broken::Deadline(timeout));
                 finish(Err(Error::Timeout {
@@ -712,31 +751,31 @@ impl Side {
                            endpoint was closed)",
                     after: timeout,
                 }));
-                return;
             }
-        };
-        if !done {
-            Tracker::global().park(fence, keep);
-            let e = self
-                .ep()
-                .and_then(|ep| ep.failure())
-                .unwrap_or_else(|| Broken::Closed.to_error());
-            finish(Err(e));
-            return;
-        }
-        drop(keep);
-        if let Some(tag) = report.notified
-            && let Err(e) = self.notify(tag)
-        {
-            if let Error::Os { call, source } = &e {
-                self.fail(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
+            End::Done => {
+                drop(keep);
+                if let Some(tag) = report.notified
+                    && let Err(e) = self.notify(tag)
+                {
+                    if let Error::Os { call, source } = &e {
+                        self.fail(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
+                    }
+                    finish(Err(e));
+                    return;
+                }
+                report.elapsed = started.elapsed();
+                finish(Ok(report));
             }
-            finish(Err(e));
-            return;
         }
-        report.elapsed = started.elapsed();
-        finish(Ok(report));
     }
+}
+
+/// How a request ends ([`Side::finish_head`]).
+enum End {
+    Done,
+    Failed(Error),
+    Ended,
+    Late,
 }
 
 impl LocalSide for Side {
@@ -1011,6 +1050,13 @@ pub(super) fn request(
         _streams: streams.iter().map(|(_, s)| s.clone()).collect(),
     };
     let (transfer, finish) = Transfer::pending(timeout, regions);
+    // A caller waiting for it finishes what is done at the head of the queue itself.
+    let me = side.me.clone();
+    transfer.set_help(move || {
+        if let Some(side) = me.upgrade() {
+            while side.finish_head(false) {}
+        }
+    });
     let bytes = copies.iter().map(|c| c.len).sum();
     // Under the queue's lock: the streams' order is the queue's, so notifications leave in
     // request order.
