@@ -434,8 +434,6 @@ pub(super) struct Side {
     held: Mutex<Vec<Arc<Import>>>,
     ep: Mutex<Weak<EpInner>>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// Rung when a request's copies are done.
-    bell: Arc<Bell>,
     /// Held while a request is finished: one at a time, in queue order.
     finishing: Mutex<()>,
     /// Itself, for the waits that help.
@@ -446,52 +444,34 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Rung by a host function queued after each request's copies (`cuLaunchHostFunc`), so that the
-/// worker sleeps until the copies are done instead of polling with growing pauses.
-#[derive(Default)]
-pub(super) struct Bell {
-    rung: Mutex<u64>,
-    cv: Condvar,
-}
+/// A worker waiting for the head request yields this many times, looking, before it sleeps.
+const WORKER_SPINS: u32 = 64;
+/// The worker's sleeps between looks grow from 10 µs to this. (A host function after the copies
+/// could wake it, but it would hold back the next request's copies on the stream until CUDA's
+/// callback thread ran it: tens of microseconds each.) A caller that waits blocking looks itself.
+const WORKER_NAP: Duration = Duration::from_micros(100);
 
-/// A waiting worker yields this many times, looking, before it sleeps on the bell.
-const BELL_SPINS: u32 = 64;
-/// The longest sleep on the bell before looking again (a host function that could not be queued
-/// rings nothing).
-const BELL_NAP: Duration = Duration::from_millis(1);
-
-impl Bell {
-    fn ring(&self) {
-        *lock(&self.rung) += 1;
-        self.cv.notify_all();
+/// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`): a
+/// few yields, then sleeps growing to [`WORKER_NAP`].
+fn look_until(mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
+    let end = deadline_after(Instant::now(), timeout);
+    for _ in 0..WORKER_SPINS {
+        if done() {
+            return true;
+        }
+        std::thread::yield_now();
     }
-
-    /// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`):
-    /// a few yields, then sleeps woken by [`ring`](Self::ring) (at most [`BELL_NAP`] each).
-    fn wait_until(&self, mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
-        let end = deadline_after(Instant::now(), timeout);
-        for _ in 0..BELL_SPINS {
-            if done() {
-                return true;
-            }
-            std::thread::yield_now();
+    let mut nap = Duration::from_micros(10);
+    loop {
+        if done() {
+            return true;
         }
-        let mut g = lock(&self.rung);
-        loop {
-            // Asked under the bell's lock: a ring after this answer waits for the sleep below.
-            if done() {
-                return true;
-            }
-            let now = Instant::now();
-            if now >= end {
-                return false;
-            }
-            g = self
-                .cv
-                .wait_timeout(g, (end - now).min(BELL_NAP))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let now = Instant::now();
+        if now >= end {
+            return false;
         }
+        std::thread::sleep(nap.min(end - now));
+        nap = (nap * 2).min(WORKER_NAP);
     }
 }
 
@@ -520,7 +500,6 @@ impl Side {
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
-            bell: Arc::new(Bell::default()),
             finishing: Mutex::new(()),
         })
     }
@@ -655,10 +634,10 @@ impl Side {
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            // Until the head can be finished: its copies done (the bell), a failure, its
+            // Until the head can be finished: its copies done, a failure, its
             // deadline; looking at least every SLICE.
             let left = deadline.saturating_duration_since(Instant::now());
-            self.bell.wait_until(|| self.head_ready(), left.min(SLICE));
+            look_until(|| self.head_ready(), left.min(SLICE));
             // A request queued behind the head whose deadline passed first ends the endpoint
             // too (its copies run after the head's).
             let now = Instant::now();
@@ -1061,13 +1040,7 @@ pub(super) fn request(
     // Under the queue's lock: the streams' order is the queue's, so notifications leave in
     // request order.
     let mut q = lock(&side.queue);
-    let (fence, keep, messages) = enqueue(
-        &streams,
-        &copies,
-        e.config.copy_chunk as u64,
-        keep,
-        &side.bell,
-    )?;
+    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
     q.jobs.push_back(Job {
         fence,
         keep,
@@ -1099,7 +1072,6 @@ fn enqueue(
     copies: &[Piece],
     chunk: u64,
     keep: Keep,
-    bell: &Arc<Bell>,
 ) -> Result<(Events, Keep, u64)> {
     let mut keep = Some(keep);
     let mut events = Vec::new();
@@ -1156,10 +1128,6 @@ fn enqueue(
                 Ok(ev) => events.push(ev),
                 Err(e) => return Err(fail(events, keep.take(), e)),
             }
-            // Wakes the worker when the copies are done; without it the worker looks every
-            // BELL_NAP.
-            let b = bell.clone();
-            let _ = s.launch_host_fn(move || b.ring());
         }
     }
     Ok((
