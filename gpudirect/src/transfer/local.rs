@@ -20,7 +20,7 @@ use super::engine::Engine;
 use super::ipc::{Import, import, link, ordinal_of_uuid};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::MAX_HELLO;
-use crate::completion::{EventFence, Fence, Tracker, deadline_after};
+use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -413,6 +413,8 @@ struct Job {
 struct Queue {
     jobs: VecDeque<Job>,
     closing: bool,
+    /// The worker sleeps on the queue's condition variable (new work must wake it).
+    idle: bool,
 }
 
 /// The intra-node side of an endpoint.
@@ -438,6 +440,10 @@ pub(super) struct Side {
     finishing: Mutex<()>,
     /// Itself, for the waits that help.
     me: Weak<Side>,
+    /// When a waiting caller last looked at the head (nanoseconds since `born`): the worker
+    /// leaves the looking to it meanwhile.
+    helped_at: AtomicU64,
+    born: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -484,6 +490,8 @@ impl Side {
     ) -> Arc<Side> {
         Arc::new_cyclic(|me| Side {
             me: me.clone(),
+            helped_at: AtomicU64::new(0),
+            born: Instant::now(),
             engine,
             dialed,
             conn: Mutex::new(Some(Conn {
@@ -631,13 +639,18 @@ impl Side {
                     if q.closing {
                         return;
                     }
+                    q.idle = true;
                     q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q.idle = false;
                 }
             };
             // Until the head can be finished: its copies done, a failure, its
             // deadline; looking at least every SLICE.
             let left = deadline.saturating_duration_since(Instant::now());
-            look_until(|| self.head_ready(), left.min(SLICE));
+            look_until(
+                || !self.recently_helped() && self.head_ready(),
+                left.min(SLICE),
+            );
             // A request queued behind the head whose deadline passed first ends the endpoint
             // too (its copies run after the head's).
             let now = Instant::now();
@@ -650,6 +663,14 @@ impl Side {
                 self.fail(Broken::Deadline(t));
             }
         }
+    }
+
+    /// Whether a waiting caller looked at the head in the last [`WORKER_NAP`].
+    fn recently_helped(&self) -> bool {
+        let at = self.helped_at.load(Ordering::Relaxed);
+        at != 0
+            && (self.born.elapsed().as_nanos() as u64).saturating_sub(at)
+                < WORKER_NAP.as_nanos() as u64
     }
 
     /// Whether the head request can be finished now (or there is none).
@@ -1033,6 +1054,8 @@ pub(super) fn request(
     let me = side.me.clone();
     transfer.set_help(move || {
         if let Some(side) = me.upgrade() {
+            side.helped_at
+                .store(side.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
             while side.finish_head(false) {}
         }
     });
@@ -1059,9 +1082,20 @@ pub(super) fn request(
         timeout,
         epoch,
     });
+    let wake = q.idle;
     drop(q);
-    side.queue_cv.notify_all();
+    if wake {
+        side.queue_cv.notify_all();
+    }
     Ok(transfer)
+}
+
+/// `cuEventRecord` on one of the endpoint's own streams (see `enqueue`: no capture reaches them).
+fn record_private(s: &Stream) -> Result<EventFence> {
+    s.cuda()
+        .record_event(None)
+        .map(EventFence::from_event)
+        .map_err(|e| crate::error::from_driver("cuEventRecord", e))
 }
 
 /// Queue the copies (each on the streams of its GPU, cut as [`spread`] says) and record an event
@@ -1100,7 +1134,10 @@ fn enqueue(
                 continue;
             }
             let k = keep.take().expect("kept between streams");
-            let r = s.enqueue("cuMemcpyAsync", k, |raw, _| {
+            // The endpoint's streams are its own: made in `streams_of`, never handed out, and
+            // never made to wait on anyone's event, so no capture can reach them (the private
+            // protocol: no driver questions).
+            let r = capture::enqueue_private(s.cu_stream(), "cuMemcpyAsync", k, |raw, _| {
                 for c in &work {
                     let n = usize::try_from(c.len)
                         .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
@@ -1117,14 +1154,14 @@ fn enqueue(
                 Err(refused) => {
                     // Some copies may be queued: record what covers them.
                     let k = refused.kept;
-                    if let Ok(ev) = EventFence::record(s.cuda()) {
+                    if let Ok(ev) = record_private(s) {
                         events.push(ev);
                     }
                     return Err(fail(events, k, refused.error));
                 }
             }
             messages += work.len() as u64;
-            match EventFence::record(s.cuda()) {
+            match record_private(s) {
                 Ok(ev) => events.push(ev),
                 Err(e) => return Err(fail(events, keep.take(), e)),
             }
