@@ -382,6 +382,16 @@ struct Keep {
 /// The events of one request (one per stream it used): complete when all are.
 struct Events(Vec<EventFence>);
 
+impl Fence for Arc<Events> {
+    fn is_complete(&self) -> bool {
+        (**self).is_complete()
+    }
+
+    fn check(&self) -> Result<bool> {
+        (**self).check()
+    }
+}
+
 impl Fence for Events {
     fn is_complete(&self) -> bool {
         self.0.iter().all(Fence::is_complete)
@@ -399,7 +409,8 @@ impl Fence for Events {
 
 /// A request whose copies are queued, waiting for its events.
 struct Job {
-    fence: Events,
+    /// Shared so that it can be asked outside the queue's lock.
+    fence: Arc<Events>,
     keep: Keep,
     finish: Box<dyn FnOnce(Result<TransferReport>) + Send>,
     report: TransferReport,
@@ -438,6 +449,8 @@ pub(super) struct Side {
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Held while a request is finished: one at a time, in queue order.
     finishing: Mutex<()>,
+    /// Held while a request's copies are queued and the request pushed.
+    issue: Mutex<()>,
     /// Itself, for the waits that help.
     me: Weak<Side>,
     /// When a waiting caller last looked at the head (nanoseconds since `born`): the worker
@@ -509,6 +522,7 @@ impl Side {
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
             finishing: Mutex::new(()),
+            issue: Mutex::new(()),
         })
     }
 
@@ -675,15 +689,17 @@ impl Side {
 
     /// Whether the head request can be finished now (or there is none).
     fn head_ready(&self) -> bool {
-        let q = lock(&self.queue);
-        match q.jobs.front() {
-            None => true,
-            Some(j) => {
-                !matches!(j.fence.check(), Ok(false))
-                    || self.epoch.load(Ordering::Acquire) != j.epoch
-                    || Instant::now() >= j.deadline
+        let (fence, epoch, deadline) = {
+            let q = lock(&self.queue);
+            match q.jobs.front() {
+                None => return true,
+                Some(j) => (j.fence.clone(), j.epoch, j.deadline),
             }
-        }
+        };
+        // Asked outside the lock: requests are queued meanwhile.
+        !matches!(fence.check(), Ok(false))
+            || self.epoch.load(Ordering::Acquire) != epoch
+            || Instant::now() >= deadline
     }
 
     /// Finish the head request if it can be now: its copies done, or failed, its endpoint ended,
@@ -700,20 +716,24 @@ impl Side {
                 Err(std::sync::TryLockError::WouldBlock) => return false,
             }
         };
-        let (job, end) = {
-            let mut q = lock(&self.queue);
+        let (fence, epoch, deadline) = {
+            let q = lock(&self.queue);
             let Some(j) = q.jobs.front() else {
                 return false;
             };
-            let end = match j.fence.check() {
-                Err(e) => End::Failed(e),
-                Ok(true) => End::Done,
-                Ok(false) if self.epoch.load(Ordering::Acquire) != j.epoch => End::Ended,
-                Ok(false) if Instant::now() >= j.deadline => End::Late,
-                Ok(false) => return false,
-            };
-            (q.jobs.pop_front().expect("the front"), end)
+            (j.fence.clone(), j.epoch, j.deadline)
         };
+        // Asked outside the queue's lock; only a holder of `finishing` takes the head, so it is
+        // still this one after.
+        let end = match fence.check() {
+            Err(e) => End::Failed(e),
+            Ok(true) => End::Done,
+            Ok(false) if self.epoch.load(Ordering::Acquire) != epoch => End::Ended,
+            Ok(false) if Instant::now() >= deadline => End::Late,
+            Ok(false) => return false,
+        };
+        drop(fence);
+        let job = lock(&self.queue).jobs.pop_front().expect("the head stays");
         self.conclude(job, end);
         true
     }
@@ -1060,12 +1080,13 @@ pub(super) fn request(
         }
     });
     let bytes = copies.iter().map(|c| c.len).sum();
-    // Under the queue's lock: the streams' order is the queue's, so notifications leave in
-    // request order.
-    let mut q = lock(&side.queue);
+    // Under the issue lock, queued then pushed: the streams' order is the queue's, so
+    // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
+    let issue = lock(&side.issue);
     let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
+    let mut q = lock(&side.queue);
     q.jobs.push_back(Job {
-        fence,
+        fence: Arc::new(fence),
         keep,
         finish: Box::new(finish),
         report: TransferReport {
@@ -1084,6 +1105,7 @@ pub(super) fn request(
     });
     let wake = q.idle;
     drop(q);
+    drop(issue);
     if wake {
         side.queue_cv.notify_all();
     }
