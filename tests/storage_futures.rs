@@ -32,6 +32,23 @@ async fn reaped_to(base: usize) {
     }
 }
 
+/// The tracker's count once what is done has been reaped: a base that a later reap cannot
+/// lower (a count taken while finished resources are still parked went down under the
+/// deadline case's own park on two H200s).
+async fn settled() -> usize {
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut last = usize::MAX;
+    loop {
+        Tracker::global().reap();
+        let now = Tracker::global().parked();
+        if now == 0 || (now == last && Instant::now() >= until) {
+            return now;
+        }
+        last = now;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_ordered_io_is_awaited_with_deadlines_and_cancellation() {
     let _one = SERIAL.lock().await;
@@ -64,8 +81,9 @@ async fn stream_ordered_io_is_awaited_with_deadlines_and_cancellation() {
     // made before the hold, and the submission is timed on its own: on two H200s (cuFile 1.15,
     // compatibility mode) the await ended Ok here, so either the submission itself waited for
     // the stream or the read did not wait for the hold; the note says which.
-    let base = Tracker::global().parked();
     let dst = poisoned_bytes(0, n, 0xCD);
+    stream.synchronize().unwrap();
+    let base = settled().await;
     let hold = Duration::from_millis(300);
     let _held = s.launch_host_fn(move || std::thread::sleep(hold)).unwrap();
     let t = Instant::now();
