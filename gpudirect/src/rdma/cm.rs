@@ -1,7 +1,7 @@
 //! Connections through rdma_cm (described on the [`rdma`](super) module page).
 
 use super::context::Context;
-use super::cq::{CompletionChannel, CompletionQueue, WorkCompletion};
+use super::cq::{CompletionChannel, CompletionQueue, WcOpcode, WorkCompletion};
 use super::device::DeviceList;
 use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::mr::{AccessFlags, HostBuffer, Local, MemoryRegion, RemoteMemory};
@@ -14,6 +14,7 @@ use gpudirect_sys::rdmacm as cm;
 use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `now + timeout`, for any timeout (see [`crate::completion::deadline_after`]).
@@ -940,6 +941,7 @@ impl Connection {
         p.qp.post_send([SendRequest::send(s).tag(HS_TAG)])?;
         let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
+        let one_cq = Arc::ptr_eq(&p.send_cq.inner, &p.recv_cq.inner);
         // Completions that are not the handshake's go back to their own CQ afterwards.
         let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
         let res = (|| {
@@ -950,13 +952,22 @@ impl Connection {
                         after: timeout,
                     });
                 }
-                for (cq, is_send) in [(&mut p.send_cq, true), (&mut p.recv_cq, false)] {
+                for (cq, from_send_cq) in [(&mut p.send_cq, true), (&mut p.recv_cq, false)] {
+                    if one_cq && !from_send_cq {
+                        break; // the same CQ: polled once
+                    }
                     for w in cq.poll()? {
                         if w.tag() != HS_TAG {
-                            others.push((is_send, *w));
+                            others.push((from_send_cq, *w));
                             continue;
                         }
                         w.result()?;
+                        // One CQ for both queues: a successful completion's opcode says which.
+                        let is_send = if one_cq {
+                            !matches!(w.opcode(), WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
+                        } else {
+                            from_send_cq
+                        };
                         if is_send {
                             sent = true;
                         } else {
