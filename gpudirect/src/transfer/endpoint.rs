@@ -467,6 +467,10 @@ impl EpInner {
     /// Deliver a notification that arrived (the intra-node side's reader).
     pub(super) fn deliver(&self, n: Notification) {
         let mut st = self.lock();
+        if st.notes.len() >= MAX_UNREAD_NOTIFICATIONS {
+            break_endpoint(self, &mut st, Broken::Protocol(unread_overflow()));
+            return;
+        }
         st.notes.push_back(n);
         let total = self.delivered.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(s) = self.note_sink.get() {
@@ -1953,6 +1957,10 @@ fn poll_all(inner: &EpInner, st: &mut State) -> bool {
                 );
             }
         }
+        if st.notes.len() + notes.len() > MAX_UNREAD_NOTIFICATIONS {
+            break_endpoint(inner, st, Broken::Protocol(unread_overflow()));
+            return true;
+        }
         // Delivered even if the endpoint failed meanwhile: their bytes arrived.
         let total = inner
             .delivered
@@ -2181,12 +2189,27 @@ impl Transferred {
     }
 }
 
+/// The most notifications kept unread (`next_notification`, `notification`): a peer that
+/// sends more ends the endpoint instead of growing this process's memory without bound.
+pub const MAX_UNREAD_NOTIFICATIONS: usize = 1 << 20;
+
+fn unread_overflow() -> String {
+    format!(
+        "the peer sent more than {MAX_UNREAD_NOTIFICATIONS} notifications that were not read \
+         (read them with next_notification, even when a notification counter is what waits)"
+    )
+}
+
 /// How long [`Transfer::wait`] looks for the end of a request that can be helped before it
 /// sleeps until its finisher wakes it.
 const HELP_SPIN: Duration = Duration::from_millis(10);
 
 impl Transfer {
     /// Let a blocking [`wait`](Self::wait) call `f` while it spins (once).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     pub(crate) fn set_help(&self, f: impl Fn() + Send + Sync + 'static) {
         let _ = self.shared.help.set(Box::new(f));
     }

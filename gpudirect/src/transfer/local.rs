@@ -156,21 +156,9 @@ fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
 /// Receive one length-prefixed message of at most [`MAX_HELLO`] bytes (the peer's word,
 /// checked before anything is allocated).
 fn recv_msg(s: &mut UnixStream, timeout: Duration) -> Result<Vec<u8>> {
-    let timed = |e: std::io::Error| {
-        if matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        ) {
-            Error::Timeout {
-                what: "the peer's first message",
-                after: timeout,
-            }
-        } else {
-            os("recv (the local endpoint's Unix socket)", e)
-        }
-    };
+    let end = deadline_after(Instant::now(), timeout);
     let mut n = [0u8; 4];
-    s.read_exact(&mut n).map_err(timed)?;
+    read_by(s, &mut n, end, timeout)?;
     let n = u32::from_le_bytes(n);
     if u64::from(n) > MAX_HELLO {
         return Err(Error::invalid(
@@ -180,8 +168,46 @@ fn recv_msg(s: &mut UnixStream, timeout: Duration) -> Result<Vec<u8>> {
         ));
     }
     let mut b = vec![0u8; n as usize];
-    s.read_exact(&mut b).map_err(timed)?;
+    read_by(s, &mut b, end, timeout)?;
     Ok(b)
+}
+
+/// Fill `buf` by `end`, however the peer spaces its bytes (a read timeout alone bounds each
+/// read, not the message).
+fn read_by(s: &mut UnixStream, buf: &mut [u8], end: Instant, timeout: Duration) -> Result<()> {
+    let late = || Error::Timeout {
+        what: "the peer's first message",
+        after: timeout,
+    };
+    let mut at = 0;
+    while at < buf.len() {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+        match s.read(&mut buf[at..]) {
+            Ok(0) => {
+                return Err(os(
+                    "recv (the local endpoint's Unix socket)",
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+            Ok(k) => at += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(late());
+            }
+            Err(e) => return Err(os("recv (the local endpoint's Unix socket)", e)),
+        }
+    }
+    Ok(())
 }
 
 /// Swap first messages on a new connection (the dialer sends first), bounded by `timeout`.
@@ -190,6 +216,7 @@ fn greet(
     publish: &[MemoryDescriptor],
     dialer: bool,
     timeout: Duration,
+    write_bound: Duration,
 ) -> Result<LocalHello> {
     let t = Some(timeout.max(Duration::from_millis(1)));
     s.set_read_timeout(t)
@@ -207,8 +234,10 @@ fn greet(
     if !dialer {
         send_msg(s, &mine)?;
     }
-    // The reader blocks; notifications are sent with the write bound.
+    // The reader blocks; notifications are sent with the engine's bound (not what was left of
+    // the meeting's timeout).
     s.set_read_timeout(None)
+        .and_then(|()| s.set_write_timeout(Some(write_bound.max(Duration::from_millis(1)))))
         .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
     Ok(theirs)
 }
@@ -289,7 +318,8 @@ fn dial(
         ));
     }
     let mut s = UnixStream::connect(path).map_err(|e| os("connect (a Unix socket)", e))?;
-    let hello = greet(&mut s, publish, true, engine.inner.config.connect_timeout)?;
+    let bound = engine.inner.config.connect_timeout;
+    let hello = greet(&mut s, publish, true, bound, bound)?;
     Ok((s, hello))
 }
 
@@ -345,7 +375,13 @@ impl LocalListener {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .min(self.engine.inner.config.connect_timeout);
-        let hello = greet(&mut s, publish, false, left)?;
+        let hello = greet(
+            &mut s,
+            publish,
+            false,
+            left,
+            self.engine.inner.config.connect_timeout,
+        )?;
         let side = Side::new(self.engine.clone(), s, hello.pid, None);
         super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
     }
@@ -451,6 +487,8 @@ pub(super) struct Side {
     finishing: Mutex<()>,
     /// Held while a request's copies are queued and the request pushed.
     issue: Mutex<()>,
+    /// Held for a whole reconnect.
+    reconnecting: Mutex<()>,
     /// Itself, for the waits that help.
     me: Weak<Side>,
     /// When a waiting caller last looked at the head (nanoseconds since `born`): the worker
@@ -523,6 +561,7 @@ impl Side {
             worker: Mutex::new(None),
             finishing: Mutex::new(()),
             issue: Mutex::new(()),
+            reconnecting: Mutex::new(()),
         })
     }
 
@@ -734,11 +773,15 @@ impl Side {
         };
         drop(fence);
         let job = lock(&self.queue).jobs.pop_front().expect("the head stays");
-        self.conclude(job, end);
+        self.conclude(job, end, block);
         true
     }
 
-    fn conclude(&self, job: Job, end: End) {
+    /// End a request taken from the head. `on_worker`: this is the worker thread, which frees
+    /// nothing (a `cuMemFree` waits for the whole device, and a stream may wait on a word only
+    /// this thread can let through): what the request held is parked, its events done, for the
+    /// next reap on a caller's thread.
+    fn conclude(&self, job: Job, end: End, on_worker: bool) {
         let Job {
             fence,
             keep,
@@ -746,6 +789,7 @@ impl Side {
             mut report,
             started,
             timeout,
+            epoch,
             ..
         } = job;
         match end {
@@ -773,7 +817,21 @@ impl Side {
                 }));
             }
             End::Done => {
-                drop(keep);
+                if on_worker {
+                    Tracker::global().park(fence, keep);
+                } else {
+                    drop(keep);
+                }
+                if self.epoch.load(Ordering::Acquire) != epoch {
+                    // Done, but the endpoint failed or reconnected meanwhile: no notification
+                    // on a socket that may reach another peer.
+                    let e = self
+                        .ep()
+                        .and_then(|ep| ep.failure())
+                        .unwrap_or_else(|| Broken::Closed.to_error());
+                    finish(Err(e));
+                    return;
+                }
                 if let Some(tag) = report.notified
                     && let Err(e) = self.notify(tag)
                 {
@@ -832,6 +890,8 @@ impl LocalSide for Side {
                 "only the side that connected can reconnect; the listener accepts the new endpoint",
             ));
         };
+        // One reconnect at a time: two would interleave hang-ups, dials and readers.
+        let _one = lock(&self.reconnecting);
         self.fail(Broken::Closed);
         self.hang_up();
         let (stream, hello) = dial(&self.engine, path, publish)?;
@@ -840,8 +900,17 @@ impl LocalSide for Side {
             peer_pid: hello.pid,
             reader: None,
         });
+        // The old peer's mappings: each request still running holds its own.
+        lock(&self.held).clear();
         ep.restart_local(hello.descriptors);
-        self.spawn_reader()
+        // Without a reader the endpoint would look healthy and never hear of the peer's close:
+        // it ends instead.
+        if let Err(e) = self.spawn_reader() {
+            self.fail(Broken::Closed);
+            self.hang_up();
+            return Err(e);
+        }
+        Ok(())
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -1069,6 +1138,12 @@ pub(super) fn request(
         _imports: imports,
         _streams: streams.iter().map(|(_, s)| s.clone()).collect(),
     };
+    let bytes = total_bytes(&copies)?;
+    // Under the issue lock, queued then pushed: the streams' order is the queue's, so
+    // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
+    let issue = lock(&side.issue);
+    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
+    // Made once the copies are queued: a request refused before has no transfer to end.
     let (transfer, finish) = Transfer::pending(timeout, regions);
     // A caller waiting for it finishes what is done at the head of the queue itself.
     let me = side.me.clone();
@@ -1079,11 +1154,6 @@ pub(super) fn request(
             while side.finish_head(false) {}
         }
     });
-    let bytes = copies.iter().map(|c| c.len).sum();
-    // Under the issue lock, queued then pushed: the streams' order is the queue's, so
-    // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
-    let issue = lock(&side.issue);
-    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
     let mut q = lock(&side.queue);
     q.jobs.push_back(Job {
         fence: Arc::new(fence),
@@ -1110,6 +1180,14 @@ pub(super) fn request(
         side.queue_cv.notify_all();
     }
     Ok(transfer)
+}
+
+/// The bytes of all copies, checked.
+fn total_bytes(copies: &[Piece]) -> Result<u64> {
+    copies.iter().try_fold(0u64, |t, c| {
+        t.checked_add(c.len)
+            .ok_or_else(|| Error::invalid("pairs", copies.len(), "the lengths add up past 2^64"))
+    })
 }
 
 /// `cuEventRecord` on one of the endpoint's own streams (see `enqueue`: no capture reaches them).
@@ -1174,18 +1252,24 @@ fn enqueue(
             match r {
                 Ok(((), k)) => keep = Some(k),
                 Err(refused) => {
-                    // Some copies may be queued: record what covers them.
+                    // Some copies may be queued on this stream: only an event recorded after
+                    // them covers them; without one, what they reach is leaked.
                     let k = refused.kept;
-                    if let Ok(ev) = record_private(s) {
-                        events.push(ev);
-                    }
-                    return Err(fail(events, k, refused.error));
+                    return Err(match record_private(s) {
+                        Ok(ev) => {
+                            events.push(ev);
+                            fail(events, k, refused.error)
+                        }
+                        Err(_) => fail(Vec::new(), k, refused.error),
+                    });
                 }
             }
             messages += work.len() as u64;
             match record_private(s) {
                 Ok(ev) => events.push(ev),
-                Err(e) => return Err(fail(events, keep.take(), e)),
+                // This stream's copies are queued and nothing tracks them: the other streams'
+                // events do not cover them, so what they reach is leaked.
+                Err(e) => return Err(fail(Vec::new(), keep.take(), e)),
             }
         }
     }
@@ -1204,6 +1288,8 @@ pub(super) struct Queued {
     /// What the request did (its `elapsed` set when it is reported).
     pub(super) report: TransferReport,
     pub(super) started: Instant,
+    /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
+    epoch: u64,
 }
 
 impl Drop for Queued {
@@ -1234,6 +1320,7 @@ pub(super) fn on_stream(
         imports,
         regions,
         started,
+        epoch,
         ..
     } = prepare(ep, side, dir, pairs, opts)?;
     let keep = Keep {
@@ -1241,7 +1328,7 @@ pub(super) fn on_stream(
         _imports: imports,
         _streams: Vec::new(),
     };
-    let bytes = copies.iter().map(|c| c.len).sum();
+    let bytes = total_bytes(&copies)?;
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
         for c in &copies {
@@ -1287,11 +1374,19 @@ pub(super) fn on_stream(
             notified: opts.notify,
         },
         started,
+        epoch,
     })
 }
 
-/// Notify the peer of a stream-ordered request whose copies are done.
-pub(super) fn notify_peer(side: &Side, tag: u32) -> Result<()> {
+/// Notify the peer of a stream-ordered request whose copies are done; refused when the endpoint
+/// failed or reconnected since they were queued (the socket may reach another peer).
+pub(super) fn notify_peer(side: &Side, q: &Queued, tag: u32) -> Result<()> {
+    if side.epoch.load(Ordering::Acquire) != q.epoch {
+        return Err(side
+            .ep()
+            .and_then(|ep| ep.failure())
+            .unwrap_or_else(|| Broken::Closed.to_error()));
+    }
     side.notify(tag)
 }
 
@@ -1544,6 +1639,47 @@ mod tests {
         drop(c);
         drop(a);
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_peer_flooding_unread_notifications_ends_the_endpoint_typed() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("flood")).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || {
+            let mut s = UnixStream::connect(&path).unwrap();
+            let h = LocalHello {
+                pid: 78,
+                descriptors: Vec::new(),
+            }
+            .encode()
+            .unwrap();
+            send_msg(&mut s, &h).unwrap();
+            LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
+            let mut frames = Vec::with_capacity(FRAME * 4096);
+            for k in 0..4096u32 {
+                frames.push(NOTE);
+                frames.extend_from_slice(&k.to_le_bytes());
+            }
+            // One more than the bound, in batches; the endpoint may hang up first.
+            for _ in 0..=(crate::transfer::MAX_UNREAD_NOTIFICATIONS / 4096) {
+                if s.write_all(&frames).is_err() {
+                    break;
+                }
+            }
+        });
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        peer.join().unwrap();
+        let t = std::time::Instant::now();
+        while ep.failure().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(30), "never bounded");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            matches!(ep.failure(), Some(Error::InvalidArgument { .. })),
+            "{:?}",
+            ep.failure()
+        );
     }
 
     #[test]

@@ -147,8 +147,8 @@ pub use descriptor::{
     RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::{
-    Direction, Endpoint, Notification, RailStats, Transfer, TransferListener, TransferOptions,
-    TransferReport, Transferred,
+    Direction, Endpoint, MAX_UNREAD_NOTIFICATIONS, Notification, RailStats, Transfer,
+    TransferListener, TransferOptions, TransferReport, Transferred,
 };
 pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "p2p")]

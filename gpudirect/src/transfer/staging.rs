@@ -109,13 +109,30 @@ pub(crate) fn staged(
     let timeout = opts.deadline.unwrap_or(cfg.deadline);
     let ring = Ring::new(ep, ordinal, cfg.staging_chunk, cfg.staging_slots)?;
     let (t, done) = Transfer::pending(timeout, vec![local.region.clone()]);
+    // Ends the transfer when dropped unused: when the thread cannot start, its closure goes
+    // unrun and the transfer ends at once (instead of its drop waiting for a finish that never
+    // comes). Not a safety argument: nothing is freed by it.
+    struct Finish<F: FnOnce(Result<TransferReport>)>(Option<F>);
+    impl<F: FnOnce(Result<TransferReport>)> Drop for Finish<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f(Err(Error::Unsupported {
+                    what: "a staged transfer".into(),
+                    reason: "its worker thread could not start".into(),
+                }));
+            }
+        }
+    }
+    let mut done = Finish(Some(done));
     let ep = ep.clone();
     std::thread::Builder::new()
         .name("gpudirect-staging".into())
         .spawn(move || {
             let r = run(&ep, &ring, dir, &local, &remote, opts, timeout);
             // The worker held the memory, the ring and every sub-transfer to the end.
-            done(r);
+            if let Some(f) = done.0.take() {
+                f(r);
+            }
         })
         .map_err(|e| Error::Os {
             call: "pthread_create",

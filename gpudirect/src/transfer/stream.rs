@@ -796,9 +796,34 @@ impl<B: Backend> Proxy<B> {
         work: B::Work,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
+        self.arm_with(trig, || Ok(work), timeout)
+    }
+
+    /// [`arm`](Self::arm) with the work made once the queue is chosen and has a free trigger
+    /// slot (work that queues copies on the stream makes them only when arming can go on).
+    pub(crate) fn arm_with(
+        &self,
+        trig: Trigger<'_>,
+        make: impl FnOnce() -> Result<B::Work>,
+        timeout: Duration,
+    ) -> Result<StreamTransfer> {
         self.bury();
         self.ensure_thread()?;
         let id = self.core.queue_for(&trig)?;
+        {
+            let mut st = self.core.lock();
+            let q = st.queues.get_mut(&id).ok_or_else(closed_error)?;
+            if let Some(&low) = q.unfired.first()
+                && q.next_seq - low >= TRIGGER_SLOTS as u64
+            {
+                return Err(Error::invalid(
+                    "stream transfers",
+                    q.next_seq - low,
+                    format!("at most {TRIGGER_SLOTS} armed at once on one endpoint"),
+                ));
+            }
+        }
+        let work = make()?;
         let now = Instant::now();
         let until = deadline_after(now, timeout);
         let limit = deadline_after(until, timeout) + HOST_SLACK;
@@ -1154,7 +1179,7 @@ impl Backend for Rdma {
                     .and_then(|s| s.as_any().downcast_ref::<super::local::Side>())
                     .ok_or_else(closed_error)?;
                 let r = match q.report.notified {
-                    Some(tag) => super::local::notify_peer(side, tag),
+                    Some(tag) => super::local::notify_peer(side, q, tag),
                     None => Ok(()),
                 };
                 let mut report = q.report.clone();
@@ -1299,8 +1324,11 @@ impl Endpoint {
             && let Some(side) = self.local_side()
             && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
         {
-            let q = super::local::on_stream(self, side, stream, dir, &pairs, &opts)?;
-            return proxy.arm(trig, RdmaWork::Queued(q), timeout);
+            let make = || {
+                super::local::on_stream(self, side, stream, dir, &pairs, &opts)
+                    .map(RdmaWork::Queued)
+            };
+            return proxy.arm_with(trig, make, timeout);
         }
         proxy.arm(trig, RdmaWork::Post { dir, pairs, opts }, timeout)
     }
