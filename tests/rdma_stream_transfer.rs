@@ -21,20 +21,6 @@ const WAIT: Duration = Duration::from_secs(60);
 /// while, and an armed request must fire within its deadline.
 const LONG: Duration = Duration::from_secs(240);
 
-/// An IPv4 address of a verbs device (rdma_cm's loopback needs one).
-fn device_ipv4(engine: &Engine) -> Option<std::net::Ipv4Addr> {
-    let list = gpudirect::rdma::DeviceList::non_empty().ok()?;
-    for name in engine.devices() {
-        let ctx = gpudirect::rdma::Context::open(&list.find(&name).ok()?).ok()?;
-        for g in ctx.gid_table(1).ok()? {
-            if g.gid.is_ipv4_mapped() {
-                return g.gid.to_ipv6().to_ipv4_mapped();
-            }
-        }
-    }
-    None
-}
-
 /// An engine on the first verbs device, and a connected pair of its endpoints: (client,
 /// server), the server publishing `publish`.
 fn pair(
@@ -50,7 +36,7 @@ fn pair(
             return None;
         }
     };
-    let Some(ip) = device_ipv4(&engine) else {
+    let Some(ip) = support::rdma::device_ipv4(&engine.devices()) else {
         skip(
             Hardware::Rdma,
             "no IPv4 address on the verbs device (rdma_cm needs one)",

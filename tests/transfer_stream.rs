@@ -20,19 +20,6 @@ use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn device_ipv4(engine: &Engine) -> Option<std::net::Ipv4Addr> {
-    let list = gpudirect::rdma::DeviceList::non_empty().ok()?;
-    for name in engine.devices() {
-        let ctx = gpudirect::rdma::Context::open(&list.find(&name).ok()?).ok()?;
-        for g in ctx.gid_table(1).ok()? {
-            if g.gid.is_ipv4_mapped() {
-                return g.gid.to_ipv6().to_ipv4_mapped();
-            }
-        }
-    }
-    None
-}
-
 struct Setup {
     ctx: Arc<CudaContext>,
     engine: Engine,
@@ -64,7 +51,7 @@ fn setup(target: Vec<u8>) -> Option<Setup> {
             return None;
         }
     };
-    let Some(ip) = device_ipv4(&engine) else {
+    let Some(ip) = support::rdma::device_ipv4(&engine.devices()) else {
         skip(Hardware::Rdma, "no IPv4 address on the verbs device");
         return None;
     };

@@ -195,3 +195,18 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     rand::Rng::fill(&mut rand::rng(), &mut v[..]);
     v
 }
+
+/// The IPv4 address of the first of `devices` (verbs device names) that has one: the
+/// IPv4-mapped GID of port 1, which is what rdma_cm binds and connects to on RoCE.
+pub fn device_ipv4<S: AsRef<str>>(devices: &[S]) -> Option<std::net::Ipv4Addr> {
+    let list = DeviceList::non_empty().ok()?;
+    for name in devices {
+        let ctx = Context::open(&list.find(name.as_ref()).ok()?).ok()?;
+        for g in ctx.gid_table(1).ok()? {
+            if g.gid.is_ipv4_mapped() {
+                return g.gid.to_ipv6().to_ipv4_mapped();
+            }
+        }
+    }
+    None
+}

@@ -1189,20 +1189,7 @@ impl Endpoint {
         if let Some((b, _)) = &st.broken {
             return Err(b.to_error());
         }
-        for (i, (_, r)) in pairs.iter().enumerate() {
-            if r.descriptor().rkeys().len() != st.peer_devices {
-                return Err(Error::invalid(
-                    "pairs",
-                    i,
-                    format!(
-                        "the remote descriptor has {} rkeys; the peer has {} devices",
-                        r.descriptor().rkeys().len(),
-                        st.peer_devices
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        check_rkeys(pairs, st.peer_devices)
     }
 
     /// The request on registered memory (what [`transfer`](Self::transfer) does once no
@@ -1244,19 +1231,7 @@ impl Endpoint {
         if let Some((b, _)) = &st.broken {
             return Err(b.to_error());
         }
-        for (i, (_, r)) in pairs.iter().enumerate() {
-            if r.descriptor().rkeys().len() != st.peer_devices {
-                return Err(Error::invalid(
-                    "pairs",
-                    i,
-                    format!(
-                        "the remote descriptor has {} rkeys; the peer has {} devices",
-                        r.descriptor().rkeys().len(),
-                        st.peer_devices
-                    ),
-                ));
-            }
-        }
+        check_rkeys(&pairs, st.peer_devices)?;
         // Rails nearest the first pair's memory, among the endpoint's.
         let preferred = &pairs[0].0.region.entry.preferred;
         let mut rails: Vec<usize> = (0..st.rails.len())
@@ -1526,6 +1501,24 @@ impl std::fmt::Debug for Endpoint {
 
 /// The checks every request passes before anything is queued: at least one pair, the lengths of
 /// each pair equal, notifications only with writes.
+/// Every remote descriptor has one rkey per device of the peer.
+fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usize) -> Result<()> {
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        if r.descriptor().rkeys().len() != peer_devices {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "the remote descriptor has {} rkeys; the peer has {} devices",
+                    r.descriptor().rkeys().len(),
+                    peer_devices
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn check_pairs(
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],

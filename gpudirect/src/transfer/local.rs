@@ -1641,21 +1641,27 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
+    /// A hand-made peer of a listener at `path`: connected, first messages swapped.
+    fn greeted_peer(path: &std::path::Path, pid: u32) -> UnixStream {
+        let mut s = UnixStream::connect(path).unwrap();
+        let h = LocalHello {
+            pid,
+            descriptors: Vec::new(),
+        }
+        .encode()
+        .unwrap();
+        send_msg(&mut s, &h).unwrap();
+        LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
+        s
+    }
+
     #[test]
     fn a_peer_flooding_unread_notifications_ends_the_endpoint_typed() {
         let engine = Engine::new(EngineConfig::local()).unwrap();
         let l = engine.listen_local(socket("flood")).unwrap();
         let path = l.path().to_path_buf();
         let peer = std::thread::spawn(move || {
-            let mut s = UnixStream::connect(&path).unwrap();
-            let h = LocalHello {
-                pid: 78,
-                descriptors: Vec::new(),
-            }
-            .encode()
-            .unwrap();
-            send_msg(&mut s, &h).unwrap();
-            LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
+            let mut s = greeted_peer(&path, 78);
             let mut frames = Vec::with_capacity(FRAME * 4096);
             for k in 0..4096u32 {
                 frames.push(NOTE);
@@ -1688,16 +1694,7 @@ mod tests {
         let l = engine.listen_local(socket("garbage")).unwrap();
         let path = l.path().to_path_buf();
         let peer = std::thread::spawn(move || {
-            let mut s = UnixStream::connect(&path).unwrap();
-            let h = LocalHello {
-                pid: 77,
-                descriptors: Vec::new(),
-            }
-            .encode()
-            .unwrap();
-            send_msg(&mut s, &h).unwrap();
-            let theirs = recv_msg(&mut s, Duration::from_secs(10)).unwrap();
-            LocalHello::decode(&theirs).unwrap();
+            let mut s = greeted_peer(&path, 77);
             s.write_all(&[9, 0, 0, 0, 0]).unwrap();
             std::thread::sleep(Duration::from_millis(200));
         });
