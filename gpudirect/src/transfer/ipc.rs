@@ -106,8 +106,7 @@ pub(crate) fn link(local: Option<usize>, peer: Option<usize>) -> IpcLink {
 type Key = ([u8; 64], usize);
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
-/// is being closed by its last holder, which removes it (and closes the mapping) under this
-/// lock.
+/// is being closed by its last holder, which removes it once the mapping is closed.
 fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
     static C: OnceLock<Mutex<HashMap<Key, Weak<Import>>>> = OnceLock::new();
     C.get_or_init(Default::default)
@@ -161,10 +160,10 @@ pub(crate) fn import(
             if let Some(a) = w.upgrade() {
                 return Ok(a);
             }
-            // Its last holder is closing it (and waits for this lock): opening the same handle
-            // again before that may fail, so let it finish first.
+            // Its last holder is closing it (which waits for the device's queued work):
+            // opening the same handle again before that may fail, so let it finish first.
             drop(c);
-            std::thread::yield_now();
+            std::thread::sleep(std::time::Duration::from_micros(50));
             continue;
         }
         let h = IpcMemHandle::from_parts(*handle, 0, alloc_len, 1, 0, home());
@@ -186,13 +185,16 @@ pub(crate) fn import(
 
 impl Drop for Import {
     fn drop(&mut self) {
+        // Closed outside the cache's lock: `cuIpcCloseMemHandle` waits for the work queued on
+        // the device, and every other import of the process would wait with it. The dead entry
+        // stays in the map until the mapping is closed, so nobody opens the same handle
+        // meanwhile (`import` waits for it to go).
+        drop(self.mem.take());
         let mut c = cache();
         // The entry is this import's: no other can be made for the key while it is in the map.
         if c.get(&self.key).is_some_and(|w| w.strong_count() == 0) {
             c.remove(&self.key);
         }
-        // Closed under the lock: nobody opens the same handle before it is closed.
-        drop(self.mem.take());
     }
 }
 

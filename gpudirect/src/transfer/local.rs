@@ -20,7 +20,7 @@ use super::engine::Engine;
 use super::ipc::{Import, import, link, ordinal_of_uuid};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::MAX_HELLO;
-use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
+use crate::completion::{CompletionFlag, EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -879,7 +879,7 @@ impl LocalSide for Side {
         if let Some(t) = lock(&self.worker).take() {
             let _ = t.join();
         }
-        lock(&self.held).clear();
+        park_imports(std::mem::take(&mut *lock(&self.held)));
     }
 
     fn reconnect(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
@@ -901,7 +901,7 @@ impl LocalSide for Side {
             reader: None,
         });
         // The old peer's mappings: each request still running holds its own.
-        lock(&self.held).clear();
+        park_imports(std::mem::take(&mut *lock(&self.held)));
         ep.restart_local(hello.descriptors);
         // Without a reader the endpoint would look healthy and never hear of the peer's close:
         // it ends instead.
@@ -1006,7 +1006,7 @@ fn prepare(
     let started = Instant::now();
     let deadline = deadline_after(started, timeout);
     let mut copies = Vec::with_capacity(pairs.len());
-    let mut imports: Vec<Arc<Import>> = Vec::new();
+    let mut imports = Parking(Vec::new());
     let mut paths = Vec::with_capacity(pairs.len());
     for (i, (l, r)) in pairs.iter().enumerate() {
         let ipc = r.descriptor().ipc().expect("checked above");
@@ -1057,6 +1057,10 @@ fn prepare(
             home,
             &e.stats.imports,
         )?;
+        // Kept (and parked if the request is refused) before anything can fail.
+        if !imports.0.iter().any(|x| Arc::ptr_eq(x, &imp)) {
+            imports.0.push(imp.clone());
+        }
         if end > imp.size {
             return Err(Error::invalid(
                 "pairs",
@@ -1082,10 +1086,9 @@ fn prepare(
         paths.push(MemoryPath::CudaIpc {
             link: link(local_gpu, Some(peer_gpu)),
         });
-        if !imports.iter().any(|x| Arc::ptr_eq(x, &imp)) {
-            imports.push(imp);
-        }
+        drop(imp);
     }
+    let imports = std::mem::take(&mut imports.0);
     {
         let mut held = lock(&side.held);
         for imp in &imports {
@@ -1180,6 +1183,27 @@ pub(super) fn request(
         side.queue_cv.notify_all();
     }
     Ok(transfer)
+}
+
+/// Hand imports to the completion tracker, to be closed by a later reap on a caller's thread
+/// instead of here: `cuIpcCloseMemHandle` waits for the work queued on the device (seen on the
+/// H200: 450 ms behind a 500 ms kernel), which may wait on a word only this thread (the proxy,
+/// the worker) lets through.
+fn park_imports(v: Vec<Arc<Import>>) {
+    if !v.is_empty() {
+        let done = CompletionFlag::new();
+        done.set();
+        Tracker::global().park(done, v);
+    }
+}
+
+/// Imports taken while a request is prepared: parked (not closed here) if it is refused.
+struct Parking(Vec<Arc<Import>>);
+
+impl Drop for Parking {
+    fn drop(&mut self) {
+        park_imports(std::mem::take(&mut self.0));
+    }
 }
 
 /// The bytes of all copies, checked.
