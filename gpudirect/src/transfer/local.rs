@@ -19,7 +19,7 @@ use super::endpoint::{
 use super::engine::Engine;
 use super::ipc::{Import, import, link, ordinal_of_uuid};
 use super::region::{LocalRange, MemoryPath, Region};
-use super::wire::MAX_HELLO;
+use super::wire::{MAX_HELLO, header};
 use crate::completion::{CompletionFlag, EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
@@ -71,28 +71,7 @@ impl LocalHello {
     /// [`Error::InvalidArgument`] naming the field.
     pub(crate) fn decode(b: &[u8]) -> Result<LocalHello> {
         let bad = |arg: &'static str, v: String, rule: &str| Err(Error::invalid(arg, v, rule));
-        let Some(h) = b.get(..FIXED) else {
-            return bad(
-                "hello",
-                format!("{} bytes", b.len()),
-                "a first message is at least 16 bytes",
-            );
-        };
-        if h[..4] != MAGIC {
-            return bad(
-                "hello.magic",
-                format!("{:02x?}", &h[..4]),
-                "starts with GDXL",
-            );
-        }
-        let version = u16::from_le_bytes([h[4], h[5]]);
-        if version != VERSION {
-            return bad(
-                "hello.version",
-                version.to_string(),
-                "this library speaks version 1",
-            );
-        }
+        let h = header(b, FIXED, MAGIC, VERSION)?;
         let flags = u16::from_le_bytes([h[6], h[7]]);
         if flags != 0 {
             return bad("hello.flags", flags.to_string(), "no flags are defined");

@@ -12,6 +12,38 @@ const FIXED: usize = 4 + 2 + 1 + 1 + 1 + 1 + 2 + 4 + 8;
 /// The largest first message read from a peer.
 pub(crate) const MAX_HELLO: u64 = 4 << 20;
 
+/// The first `fixed` bytes of a peer's first message, once its length, `magic` and `version`
+/// are checked (the rail first message here, the intra-node one in `local`).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming the field.
+pub(crate) fn header(b: &[u8], fixed: usize, magic: [u8; 4], version: u16) -> Result<&[u8]> {
+    let Some(h) = b.get(..fixed) else {
+        return Err(Error::invalid(
+            "hello",
+            format!("{} bytes", b.len()),
+            format!("a first message is at least {fixed} bytes"),
+        ));
+    };
+    if h[..4] != magic {
+        return Err(Error::invalid(
+            "hello.magic",
+            format!("{:02x?}", &h[..4]),
+            format!("starts with {}", String::from_utf8_lossy(&magic)),
+        ));
+    }
+    let v = u16::from_le_bytes([h[4], h[5]]);
+    if v != version {
+        return Err(Error::invalid(
+            "hello.version",
+            v.to_string(),
+            format!("this library speaks version {version}"),
+        ));
+    }
+    Ok(h)
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Hello {
     /// The connecting endpoint (the same on every rail of it).
@@ -48,28 +80,7 @@ impl Hello {
     /// [`Error::InvalidArgument`] naming the field.
     pub(crate) fn decode(b: &[u8]) -> Result<Hello> {
         let bad = |arg: &'static str, v: String, rule: &str| Err(Error::invalid(arg, v, rule));
-        let Some(h) = b.get(..FIXED) else {
-            return bad(
-                "hello",
-                format!("{} bytes", b.len()),
-                "a first message is at least 28 bytes",
-            );
-        };
-        if h[..4] != MAGIC {
-            return bad(
-                "hello.magic",
-                format!("{:02x?}", &h[..4]),
-                "starts with GDXH",
-            );
-        }
-        let version = u16::from_le_bytes([h[4], h[5]]);
-        if version != VERSION {
-            return bad(
-                "hello.version",
-                version.to_string(),
-                "this library speaks version 1",
-            );
-        }
+        let h = header(b, FIXED, MAGIC, VERSION)?;
         let (rail, rails, device, devices) = (h[6], h[7], h[8], h[9]);
         if rails == 0 || rails as usize > MAX_RAILS || rail >= rails {
             return bad(
