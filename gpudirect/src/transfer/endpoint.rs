@@ -2173,12 +2173,7 @@ impl Transferred {
     /// [`Error::WorkCompletion`] (a remote access error for a wrong rkey or range, flushed
     /// messages), [`Error::CmEvent`] when the peer disconnected.
     pub fn result(self) -> Result<TransferReport> {
-        self.shared
-            .done
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_else(|| Err(Broken::Closed.to_error()))
+        self.take_result()
     }
 }
 

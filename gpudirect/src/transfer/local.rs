@@ -1141,15 +1141,7 @@ pub(super) fn request(
         fence: Arc::new(fence),
         keep,
         finish: Box::new(finish),
-        report: TransferReport {
-            direction: dir,
-            bytes,
-            messages,
-            rail_bytes: Vec::new(),
-            paths,
-            elapsed: Duration::ZERO,
-            notified: opts.notify,
-        },
+        report: report(dir, bytes, messages, paths, &opts),
         started,
         deadline,
         timeout,
@@ -1182,6 +1174,25 @@ struct Parking(Vec<Arc<Import>>);
 impl Drop for Parking {
     fn drop(&mut self) {
         park_imports(std::mem::take(&mut self.0));
+    }
+}
+
+/// The report of an intra-node request (no rails; `elapsed` set when it finishes).
+fn report(
+    direction: Direction,
+    bytes: u64,
+    messages: u64,
+    paths: Vec<MemoryPath>,
+    opts: &TransferOptions,
+) -> TransferReport {
+    TransferReport {
+        direction,
+        bytes,
+        messages,
+        rail_bytes: Vec::new(),
+        paths,
+        elapsed: Duration::ZERO,
+        notified: opts.notify,
     }
 }
 
@@ -1367,15 +1378,7 @@ pub(super) fn on_stream(
     };
     Ok(Queued {
         hold: Some((fence, keep)),
-        report: TransferReport {
-            direction: dir,
-            bytes,
-            messages,
-            rail_bytes: Vec::new(),
-            paths,
-            elapsed: Duration::ZERO,
-            notified: opts.notify,
-        },
+        report: report(dir, bytes, messages, paths, opts),
         started,
         epoch,
     })
