@@ -5,7 +5,9 @@
 //!
 //! Figures per size (GB/s of 10^9 bytes per second, medians):
 //! - one at a time: `Endpoint::write(..).wait()` against `cuMemcpyPeerAsync` +
-//!   `cuStreamSynchronize`, and NIXL's `transfer` polled to done;
+//!   `cuStreamSynchronize`, against the same data path by hand (`cuMemcpyAsync` into another
+//!   process's buffer opened with `cuIpcOpenMemHandle`, + `cuStreamSynchronize`: "raw IPC"), and
+//!   NIXL's `transfer` polled to done;
 //! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
 //!   and one synchronize;
 //! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize.
@@ -36,6 +38,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 const NIXL_SCRIPT: &str = include_str!("baselines/nixl_bench.py");
 const ROLE: &str = "GPUDIRECT_BENCH_ROLE";
 const SOCKET: &str = "GPUDIRECT_BENCH_SOCKET";
+const RAW_HANDLE: &str = "GPUDIRECT_BENCH_RAW_HANDLE";
 const DONE_TAG: u32 = 0xD0E;
 
 fn check(r: sys::CUresult, call: &str) {
@@ -56,6 +59,18 @@ fn target(ordinal: usize, max: usize) {
     let region = engine
         .register(Buffer::device(buf).expect("buffer"))
         .expect("register");
+    // The raw IPC baseline's target: another buffer, its handle handed over in a file.
+    let raw = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");
+    let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: a live allocation of the current context (made just above).
+    check(
+        unsafe { sys::cuIpcGetMemHandle(&mut h, raw.device_ptr()) },
+        "cuIpcGetMemHandle",
+    );
+    let file = PathBuf::from(std::env::var_os(RAW_HANDLE).expect("handle path"));
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, h.reserved.map(|c| c as u8)).expect("write the handle");
+    std::fs::rename(&tmp, &file).expect("publish the handle");
     let path = PathBuf::from(std::env::var(SOCKET).expect("socket"));
     let ep = engine
         .connect_local(&path, &[region.descriptor().expect("descriptor")])
@@ -96,6 +111,16 @@ impl Raw {
         );
     }
 
+    /// `cuMemcpyAsync` of `n` bytes from `src` to `dst` (another process's buffer, mapped).
+    fn copy_to(&self, dst: sys::CUdeviceptr, n: usize) {
+        // SAFETY: `dst` maps at least `n` bytes of the peer's buffer (it holds `max`), which the
+        // peer keeps until the done notification; `src` holds at least `n` bytes.
+        check(
+            unsafe { sys::cuMemcpyAsync(dst, self.src.device_ptr(), n, self.stream.cu_stream()) },
+            "cuMemcpyAsync",
+        );
+    }
+
     fn sync(&self) {
         // SAFETY: a live stream.
         check(
@@ -103,6 +128,39 @@ impl Raw {
             "cuStreamSynchronize",
         );
     }
+}
+
+/// Map the peer's raw buffer (its `cuIpcGetMemHandle` handle in `file`) into `ctx`.
+fn open_raw_handle(
+    ctx: &std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
+    file: &std::path::Path,
+) -> sys::CUdeviceptr {
+    let end = Instant::now() + DEADLINE;
+    let bytes = loop {
+        match std::fs::read(file) {
+            Ok(b) if b.len() == 64 => break b,
+            _ if Instant::now() < end => std::thread::sleep(Duration::from_millis(5)),
+            _ => panic!("the peer published no raw IPC handle"),
+        }
+    };
+    let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+    for (d, s) in h.reserved.iter_mut().zip(bytes) {
+        *d = s as std::ffi::c_char;
+    }
+    ctx.bind_to_thread().expect("cuCtxSetCurrent");
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: a handle the peer made for a live allocation it keeps until the end.
+    check(
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        },
+        "cuIpcOpenMemHandle",
+    );
+    ptr
 }
 
 /// Seconds per call of `f`, median over `reps` calls after two warm-ups.
@@ -197,10 +255,12 @@ fn main() {
     let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
         .env(ROLE, "target")
         .env(SOCKET, &sock)
+        .env(RAW_HANDLE, dir.join("raw.handle"))
         .env("TRANSFER_BENCH_MAX_MIB", max_mib.to_string())
         .spawn()
         .expect("start the peer");
     let ep: Endpoint = listener.accept(&[], DEADLINE).expect("accept");
+    let raw_ipc = open_raw_handle(&ctx, &dir.join("raw.handle"));
     let _ = std::fs::remove_dir_all(&dir);
     let remote = ep.peer_descriptors()[0];
 
@@ -232,6 +292,10 @@ fn main() {
             raw.copy(n);
             raw.sync();
         });
+        let ipc_one = per_call(reps, || {
+            raw.copy_to(raw_ipc, n);
+            raw.sync();
+        });
         let gd_one = per_call(reps, || {
             let r = ep
                 .write(pair(), TransferOptions::default().deadline(DEADLINE))
@@ -246,6 +310,12 @@ fn main() {
         let raw_pipe = per_call(pipe_reps, || {
             for _ in 0..depth {
                 raw.copy(n);
+            }
+            raw.sync();
+        }) / depth as f64;
+        let ipc_pipe = per_call(pipe_reps, || {
+            for _ in 0..depth {
+                raw.copy_to(raw_ipc, n);
             }
             raw.sync();
         }) / depth as f64;
@@ -276,7 +346,9 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
-        rows.push((n, raw_one, gd_one, raw_pipe, gd_pipe, gd_stream));
+        rows.push((
+            n, raw_one, ipc_one, gd_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
+        ));
     }
     // NIXL needs the GPUs' memory: run it after ours, in the same run.
     let nixl = nixl(&sizes, a, b);
@@ -317,21 +389,25 @@ fn main() {
         }
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>6} {:>9} {:>6}",
+        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6}",
         "size",
         "raw 1x1",
+        "raw IPC",
         "engine",
         "ratio",
+        "/IPC",
         "+us",
         "NIXL",
         "ours/N",
         "raw pipe",
+        "IPC pipe",
         "engine",
         "ratio",
+        "/IPC",
         "write_on",
         "ratio"
     );
-    for (n, r1, g1, rp, gp, gs) in rows {
+    for (n, r1, i1, g1, rp, ip, gp, gs) in rows {
         let label = if n >= MIB {
             format!("{} MiB", n / MIB)
         } else {
@@ -339,25 +415,30 @@ fn main() {
         };
         let nx = nixl.get(&n).copied();
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2}",
+            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2}",
             label,
             gbs(n, r1),
+            gbs(n, i1),
             gbs(n, g1),
             r1 / g1,
+            i1 / g1,
             (g1 - r1) * 1e6,
             nx.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
             nx.map(|g| format!("{:.2}", gbs(n, g1) / g))
                 .unwrap_or_else(|| "-".into()),
             gbs(n, rp),
+            gbs(n, ip),
             gbs(n, gp),
             rp / gp,
+            ip / gp,
             gbs(n, gs),
             rp / gs,
         );
     }
     println!(
         "GB/s = 10^9 bytes/s, medians. raw: cuMemcpyPeerAsync in this process (+ cuStreamSynchronize \
-         per copy, or per {} copies pipelined); engine: Endpoint::write to another process's memory; \
+         per copy, or per {} copies pipelined); raw IPC: cuMemcpyAsync into the peer's buffer mapped with \
+         cuIpcOpenMemHandle (the engine's data path by hand); /IPC = engine against it; engine: Endpoint::write to another process's memory; \
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
         32
     );

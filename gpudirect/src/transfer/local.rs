@@ -6,8 +6,9 @@
 //! [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, once per allocation and local GPU, shared
 //! process-wide), checks the range against the allocation length the peer claims and the
 //! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
-//! memory's GPU, then records an event on each. A worker thread waits for the events in request
-//! order, finishes each request and only then sends its notification over the socket, so the
+//! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
+//! event is recorded only when someone looks, covering every request queued before, and events
+//! are recycled). A worker thread waits for the epochs in request order, finishes each request and only then sends its notification over the socket, so the
 //! peer sees a notification only once its bytes are in its memory. A reader thread delivers the
 //! peer's notifications and ends the endpoint when the socket closes.
 
@@ -20,7 +21,9 @@ use super::engine::Engine;
 use super::ipc::{Import, import, link, ordinal_of_uuid};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::{MAX_HELLO, header};
-use crate::completion::{CompletionFlag, EventFence, Fence, Tracker, capture, deadline_after};
+use crate::completion::{
+    CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
+};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -394,8 +397,8 @@ struct Keep {
     _streams: Vec<Stream>,
 }
 
-/// The events of one request (one per stream it used): complete when all are.
-struct Events(Vec<EventFence>);
+/// The stream epochs of one request (one per stream it used): complete when all are.
+struct Events(Vec<StreamFence>);
 
 impl Fence for Arc<Events> {
     fn is_complete(&self) -> bool {
@@ -1204,17 +1207,9 @@ fn total_bytes(copies: &[Piece]) -> Result<u64> {
     })
 }
 
-/// `cuEventRecord` on one of the endpoint's own streams (see `enqueue`: no capture reaches them).
-fn record_private(s: &Stream) -> Result<EventFence> {
-    s.cuda()
-        .record_event(None)
-        .map(EventFence::from_event)
-        .map_err(|e| crate::error::from_driver("cuEventRecord", e))
-}
-
-/// Queue the copies (each on the streams of its GPU, cut as [`spread`] says) and record an event
-/// on each stream used. On a failure after some copies were queued, what they reach is parked
-/// behind the events recorded (or leaked when none can be): never freed early.
+/// Queue the copies (each on the streams of its GPU, cut as [`spread`] says) and take an epoch
+/// of each stream used (after its copies: the epoch covers them). On a failure after some copies
+/// were queued, what they reach is parked behind the epochs taken: never freed early.
 fn enqueue(
     streams: &[(usize, Stream)],
     copies: &[Piece],
@@ -1222,18 +1217,8 @@ fn enqueue(
     keep: Keep,
 ) -> Result<(Events, Keep, u64)> {
     let mut keep = Some(keep);
-    let mut events = Vec::new();
+    let mut fences = Vec::with_capacity(streams.len());
     let mut messages = 0u64;
-    fn fail(events: Vec<EventFence>, keep: Option<Keep>, e: Error) -> Error {
-        if let Some(k) = keep {
-            if events.is_empty() {
-                std::mem::forget(k);
-            } else {
-                Tracker::global().park(Events(events), k);
-            }
-        }
-        e
-    }
     let mut devices: Vec<usize> = streams.iter().map(|(d, _)| *d).collect();
     devices.dedup();
     for d in devices {
@@ -1247,6 +1232,17 @@ fn enqueue(
             if work.is_empty() {
                 continue;
             }
+            // The stream's context current for the copy (the caller's thread may have another).
+            if let Err(e) = crate::driver::ctx::bind(s.cuda().context()) {
+                if let Some(k) = keep.take() {
+                    if fences.is_empty() {
+                        drop(k); // nothing queued yet
+                    } else {
+                        Tracker::global().park(Events(fences), k);
+                    }
+                }
+                return Err(e);
+            }
             let k = keep.take().expect("kept between streams");
             // The endpoint's streams are its own: made in `streams_of`, never handed out, and
             // never made to wait on anyone's event, so no capture can reach them (the private
@@ -1257,38 +1253,29 @@ fn enqueue(
                         .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
                     // SAFETY: both ranges were checked: the local range inside its region,
                     // which `keep` holds; the remote range inside the peer's allocation and
-                    // the mapping, which `keep` holds too. The copy is tracked by the event
-                    // recorded after it, and nothing is freed before that event completes.
+                    // the mapping, which `keep` holds too. The copy is tracked by the stream
+                    // epoch taken after it, and nothing is freed before that epoch completes.
                     unsafe { crate::driver::mem::copy_async(c.dst, c.src, n, raw) }?;
                 }
                 Ok(())
             });
+            // Taken after the copies (some may be queued even when the call failed): the
+            // epoch covers them.
+            fences.push(s.timeline().issue());
             match r {
                 Ok(((), k)) => keep = Some(k),
                 Err(refused) => {
-                    // Some copies may be queued on this stream: only an event recorded after
-                    // them covers them; without one, what they reach is leaked.
-                    let k = refused.kept;
-                    return Err(match record_private(s) {
-                        Ok(ev) => {
-                            events.push(ev);
-                            fail(events, k, refused.error)
-                        }
-                        Err(_) => fail(Vec::new(), k, refused.error),
-                    });
+                    if let Some(k) = refused.kept {
+                        Tracker::global().park(Events(fences), k);
+                    }
+                    return Err(refused.error);
                 }
             }
             messages += work.len() as u64;
-            match record_private(s) {
-                Ok(ev) => events.push(ev),
-                // This stream's copies are queued and nothing tracks them: the other streams'
-                // events do not cover them, so what they reach is leaked.
-                Err(e) => return Err(fail(Vec::new(), keep.take(), e)),
-            }
         }
     }
     Ok((
-        Events(events),
+        Events(fences),
         keep.take().expect("kept to the end"),
         messages,
     ))
