@@ -354,7 +354,7 @@ fn main() {
     let nixl = nixl(&sizes, a, b);
 
     // The bytes: random bytes to the peer, read back into a poisoned buffer.
-    let n = sizes[sizes.len() - 1].min(64 * MIB) + 7;
+    let n = max.min(64 * MIB) - 9;
     let mut want = vec![0u8; n];
     rand::rng().fill_bytes(&mut want);
     src.copy_from_host(0, &want).expect("fill");

@@ -279,6 +279,10 @@ pub(crate) struct ReqShared {
     /// What a blocking wait may call while it spins: finishes the request if it can (the
     /// intra-node path, whose copies a waiting thread sees done first).
     help: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Asks whoever finishes requests when nobody waits blocking (the intra-node worker) to
+    /// look at this one: a request nobody else can see finished (no notification) does not
+    /// wake it when issued, so that a caller that waits finishes it alone.
+    wake: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl ReqShared {
@@ -1225,6 +1229,7 @@ impl Endpoint {
             done: Mutex::new(None),
             cv: Condvar::new(),
             help: OnceLock::new(),
+            wake: OnceLock::new(),
         });
         let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
         let mut st = inner.lock();
@@ -1306,6 +1311,7 @@ impl Endpoint {
                     _regions: regions,
                 },
             ),
+            _finisher: WakeFinisher(shared.clone()),
             shared,
         })
     }
@@ -2145,6 +2151,28 @@ fn progress_loop(inner: &Arc<EpInner>) {
 pub struct Transfer {
     op: InFlight<Transferred, CompletionFlag>,
     shared: Arc<ReqShared>,
+    /// Wakes the finisher when the transfer goes unfinished (dropped, or made a future or an
+    /// `InFlight`).
+    _finisher: WakeFinisher,
+}
+
+/// Dropped with its [`Transfer`]: asks the finisher to look if the request is not finished.
+struct WakeFinisher(Arc<ReqShared>);
+
+impl WakeFinisher {
+    fn wake(&self) {
+        if !self.0.flag.is_complete()
+            && let Some(w) = self.0.wake.get()
+        {
+            w();
+        }
+    }
+}
+
+impl Drop for WakeFinisher {
+    fn drop(&mut self) {
+        self.wake();
+    }
 }
 
 /// What a finished transfer hands back: its result, and the regions it used.
@@ -2202,6 +2230,16 @@ impl Transfer {
         let _ = self.shared.help.set(Box::new(f));
     }
 
+    /// Let the transfer wake its finisher (once set, it is called whenever the transfer is
+    /// looked at without a blocking wait, or goes unfinished).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    pub(crate) fn set_wake(&self, f: impl Fn() + Send + Sync + 'static) {
+        let _ = self.shared.wake.set(Box::new(f));
+    }
+
     /// A transfer finished by someone else (the staged path's worker): the transfer, and the
     /// function that finishes it.
     pub(crate) fn pending(
@@ -2219,6 +2257,7 @@ impl Transfer {
             done: Mutex::new(None),
             cv: Condvar::new(),
             help: OnceLock::new(),
+            wake: OnceLock::new(),
         });
         let s = shared.clone();
         (
@@ -2231,6 +2270,7 @@ impl Transfer {
                         _regions: regions,
                     },
                 ),
+                _finisher: WakeFinisher(shared.clone()),
                 shared,
             },
             move |r| s.finish(r),
@@ -2239,6 +2279,14 @@ impl Transfer {
 
     /// Whether it has finished.
     pub fn is_complete(&self) -> bool {
+        if self.op.is_complete() {
+            return true;
+        }
+        if let Some(help) = self.shared.help.get() {
+            help();
+        }
+        // Someone polling: the finisher looks from now on.
+        self._finisher.wake();
         self.op.is_complete()
     }
 
@@ -2266,6 +2314,8 @@ impl Transfer {
                 std::thread::yield_now();
             }
         }
+        // Sleeping from now on: the finisher looks instead.
+        self._finisher.wake();
         {
             let mut g = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
             while g.is_none() {

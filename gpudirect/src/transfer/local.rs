@@ -8,9 +8,13 @@
 //! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
 //! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
 //! event is recorded only when someone looks, covering every request queued before, and events
-//! are recycled). A worker thread waits for the epochs in request order, finishes each request and only then sends its notification over the socket, so the
-//! peer sees a notification only once its bytes are in its memory. A reader thread delivers the
-//! peer's notifications and ends the endpoint when the socket closes.
+//! are recycled). Requests finish in request order, each only once its epochs complete, and
+//! only then is its notification sent over the socket, so the peer sees a notification only
+//! once its bytes are in its memory. A caller blocked in [`Transfer::wait`] finishes what is done
+//! itself; a worker thread does it for requests with a notification, and for the others once
+//! they are polled, awaited, made an `InFlight` or dropped unfinished (so a waiting caller is
+//! not slowed by the worker's wake-up and queries beside its own copies). A reader thread
+//! delivers the peer's notifications and ends the endpoint when the socket closes.
 
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
@@ -700,6 +704,14 @@ impl Side {
         }
     }
 
+    /// Wake the worker if it sleeps for want of work.
+    fn wake_worker(&self) {
+        let idle = lock(&self.queue).idle;
+        if idle {
+            self.queue_cv.notify_all();
+        }
+    }
+
     /// Whether a waiting caller looked at the head in the last [`WORKER_NAP`].
     fn recently_helped(&self) -> bool {
         let at = self.helped_at.load(Ordering::Relaxed);
@@ -1139,6 +1151,17 @@ pub(super) fn request(
             while side.finish_head(false) {}
         }
     });
+    // The worker is woken when the request is issued only if someone else sees it finish (its
+    // notification); otherwise when the transfer is looked at without a blocking wait, or goes
+    // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
+    // beside the caller's copies: measured on the H200, they doubled a small request's cost).
+    let me = side.me.clone();
+    transfer.set_wake(move || {
+        if let Some(side) = me.upgrade() {
+            side.wake_worker();
+        }
+    });
+    let eager = opts.notify.is_some();
     let mut q = lock(&side.queue);
     q.jobs.push_back(Job {
         fence: Arc::new(fence),
@@ -1150,7 +1173,7 @@ pub(super) fn request(
         timeout,
         epoch,
     });
-    let wake = q.idle;
+    let wake = eager && q.idle;
     drop(q);
     drop(issue);
     if wake {
