@@ -184,9 +184,51 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         );
         println!("read {len} B: {:.2} GB/s", r.gbps());
     }
+    // Reads nobody waits for blocking: polled, made an InFlight, dropped. Each still finishes
+    // (the worker looks once the transfer is polled, made an InFlight or dropped).
+    let dsts: Vec<Region> = SIZES
+        .iter()
+        .map(|&len| register(&engine, poisoned_bytes(0, len, 0x5A)))
+        .collect();
+    let read = |i: usize| {
+        ep.read(
+            vec![(dsts[i].all(), peer[3 + i].all())],
+            TransferOptions::default(),
+        )
+        .unwrap()
+    };
+    let polled = read(0);
+    let until = std::time::Instant::now() + WAIT;
+    while !polled.is_complete() {
+        assert!(
+            std::time::Instant::now() < until,
+            "a polled read never finished"
+        );
+        std::thread::yield_now();
+    }
+    polled.wait().unwrap();
+    let in_flight = read(1).into_in_flight();
+    in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
+    drop(read(2));
+    // A later notified write finishes after it (requests finish in order).
+    let one = register(&engine, device_bytes(0, &[7u8; 8]));
+    ep.write(
+        vec![(one.all(), peer[6].range(0, 8).unwrap())],
+        TransferOptions::notify(998),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    for (i, &len) in SIZES.iter().enumerate() {
+        same(
+            &host_copy(&dsts[i], 0, len),
+            &bytes(len, seed ^ (100 + i as u64)),
+            "unwaited read",
+        );
+    }
     assert_eq!(
         engine.cache_stats().imports_opened,
-        6,
+        7,
         "each peer allocation opened once"
     );
 
@@ -323,6 +365,7 @@ fn peer(job: Job) {
             "written before its notification",
         );
     }
+    assert_eq!(next(&ep).tag, 998, "after the unwaited reads");
     for k in 0..SLOTS {
         assert_eq!(next(&ep).tag, 1000 + k as u32, "in order");
         same(&host_copy(&slots, k * SLOT, SLOT), &slot(k), "slot");
