@@ -394,11 +394,11 @@ struct Conn {
     reader: Option<JoinHandle<()>>,
 }
 
-/// What a copy in flight reaches: the local regions, the peer's imports, the streams.
+/// What a copy in flight reaches: the local regions and the peer's imports (its streams are
+/// held by the stream epochs that track it).
 struct Keep {
     _regions: Vec<Region>,
     _imports: Vec<Arc<Import>>,
-    _streams: Vec<Stream>,
 }
 
 /// The stream epochs of one request (one per stream it used): complete when all are.
@@ -1133,7 +1133,6 @@ pub(super) fn request(
     let keep = Keep {
         _regions: regions.clone(),
         _imports: imports,
-        _streams: streams.iter().map(|(_, s)| s.clone()).collect(),
     };
     let bytes = total_bytes(&copies)?;
     // Under the issue lock, queued then pushed: the streams' order is the queue's, so
@@ -1350,7 +1349,6 @@ pub(super) fn on_stream(
     let keep = Keep {
         _regions: regions,
         _imports: imports,
-        _streams: Vec::new(),
     };
     let bytes = total_bytes(&copies)?;
     let messages = copies.len() as u64;
