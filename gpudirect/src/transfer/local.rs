@@ -1,34 +1,42 @@
 //! Intra-node endpoints: two processes on one node meet over a Unix domain socket and move GPU
 //! memory with CUDA IPC and stream-ordered copies, not through a NIC.
 //!
-//! Each side sends a first message (magic, version, its pid, the descriptors it publishes) and
-//! checks the peer's. A request maps each remote range's allocation from its descriptor's
-//! [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, once per allocation and local GPU, shared
-//! process-wide), checks the range against the allocation length the peer claims and the
-//! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
+//! Each side sends a first message (magic, version, its pid, the descriptors it publishes), then
+//! the file descriptors of the VMM allocations those descriptors name (`SCM_RIGHTS`, at most
+//! [`MAX_FDS_PER_MSG`] a message, each message listing the export ids of its descriptors), and
+//! checks the peer's: the same deadline bounds it all, and a peer that sends fewer, more or
+//! other file descriptors than its descriptors name is refused (every one received closed). A
+//! request maps each remote range's allocation from its descriptor's
+//! [`IpcPart`](super::IpcPart): `cuIpcOpenMemHandle` of its handle, or for VMM memory
+//! `cuMemImportFromShareableHandle` of the file descriptor that came when the endpoints met
+//! (once per allocation and local GPU, shared process-wide), checks the range against the
+//! allocation length the peer claims and the mapping's real size, and queues `cuMemcpyAsync` on
+//! the endpoint's stream(s) of the local
 //! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
 //! event is recorded only when someone looks, covering every request queued before, and events
 //! are recycled). A worker thread waits for the epochs in request order, finishes each request and only then sends its notification over the socket, so the
 //! peer sees a notification only once its bytes are in its memory. A reader thread delivers the
 //! peer's notifications and ends the endpoint when the socket closes.
 
+use super::descriptor::IpcKind;
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
     Broken, Direction, EpInner, LocalSide, Notification, Transfer, TransferOptions, TransferReport,
     check_pairs, check_same_engine,
 };
 use super::engine::Engine;
-use super::ipc::{Import, import, link, ordinal_of_uuid};
-use super::region::{LocalRange, MemoryPath, Region};
+use super::ipc::{Import, import, import_vmm, link, ordinal_of_uuid, published};
+use super::region::{LocalRange, MemoryPath, Region, VmmFd};
 use super::wire::{MAX_HELLO, header};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
 };
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
+use crate::p2p::{MAX_FDS_PER_MSG, recv_fds, send_fds};
 use std::collections::{HashMap, VecDeque};
 use std::io::Read;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,7 +45,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 4] = *b"GDXL";
-const VERSION: u16 = 1;
+/// Version 2: VMM file descriptors follow the first message.
+const VERSION: u16 = 2;
+/// A message of VMM file descriptors: `GDXF`, the count (u32), one export id (u64) per
+/// descriptor, in the order of the `SCM_RIGHTS` descriptors it carries.
+const FD_MAGIC: [u8; 4] = *b"GDXF";
+const FD_HEAD: usize = 4 + 4;
 /// Magic, version, flags (u16, 0), pid (u32).
 const FIXED: usize = 4 + 2 + 2 + 4;
 /// A message after the first: kind (u8), tag (u32).
@@ -137,8 +150,13 @@ fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
 
 /// Receive one length-prefixed message of at most [`MAX_HELLO`] bytes (the peer's word,
 /// checked before anything is allocated).
+#[cfg(test)]
 fn recv_msg(s: &mut UnixStream, timeout: Duration) -> Result<Vec<u8>> {
-    let end = deadline_after(Instant::now(), timeout);
+    recv_msg_by(s, deadline_after(Instant::now(), timeout), timeout)
+}
+
+/// [`recv_msg`] by `end` (`timeout` is what the meeting was given, for the error).
+fn recv_msg_by(s: &mut UnixStream, end: Instant, timeout: Duration) -> Result<Vec<u8>> {
     let mut n = [0u8; 4];
     read_by(s, &mut n, end, timeout)?;
     let n = u32::from_le_bytes(n);
@@ -192,18 +210,246 @@ fn read_by(s: &mut UnixStream, buf: &mut [u8], end: Instant, timeout: Duration) 
     Ok(())
 }
 
-/// Swap first messages on a new connection (the dialer sends first), bounded by `timeout`.
+/// A VMM file descriptor the peer sent when the endpoints met, and what its descriptors say it
+/// maps (every later descriptor naming it must say the same).
+#[derive(Debug, Clone)]
+pub(super) struct PeerFd {
+    fd: Arc<OwnedFd>,
+    len: u64,
+    uuid: [u8; 16],
+}
+
+/// The peer's VMM file descriptors, by export id.
+type PeerFds = HashMap<u64, PeerFd>;
+
+/// The VMM exports of this process that `publish` names, once each, in the order first named;
+/// each must be alive and described as it is (its length and GPU).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] (`publish`) naming the descriptor.
+fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
+    let mut out: Vec<Arc<VmmFd>> = Vec::new();
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for (i, d) in publish.iter().enumerate() {
+        let Some(p) = d.ipc() else { continue };
+        let Some(id) = p.export_id() else { continue };
+        let v = match seen.get(&id) {
+            Some(&k) => out[k].clone(),
+            None => {
+                let v = published(id).ok_or_else(|| {
+                    Error::invalid(
+                        "publish",
+                        i,
+                        format!(
+                            "descriptor {i} names the VMM export {id}, which this process does \
+                             not hold: its region was dropped, or the descriptor is another \
+                             process's"
+                        ),
+                    )
+                })?;
+                seen.insert(id, out.len());
+                out.push(v.clone());
+                v
+            }
+        };
+        if v.len != p.alloc_len() || v.uuid != *p.gpu_uuid() {
+            return Err(Error::invalid(
+                "publish",
+                i,
+                format!(
+                    "descriptor {i} says the VMM export {id} maps {} bytes; it maps {} bytes \
+                     (or another GPU's)",
+                    p.alloc_len(),
+                    v.len
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// The VMM export ids the peer's descriptors name, once each, in the order first named, with
+/// the length and GPU they say; descriptors naming one id must agree.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] (`peer`) naming the descriptor that disagrees.
+fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, u64, [u8; 16])>> {
+    let mut out: Vec<(u64, u64, [u8; 16])> = Vec::new();
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for (i, d) in descs.iter().enumerate() {
+        let Some(p) = d.ipc() else { continue };
+        let Some(id) = p.export_id() else { continue };
+        let said = (id, p.alloc_len(), *p.gpu_uuid());
+        match seen.get(&id) {
+            Some(&k) if out[k] != said => {
+                return Err(Error::invalid(
+                    "peer",
+                    i,
+                    format!(
+                        "descriptor {i} names the VMM export {id} with another length or GPU \
+                         than an earlier descriptor"
+                    ),
+                ));
+            }
+            Some(_) => {}
+            None => {
+                seen.insert(id, out.len());
+                out.push(said);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Send the VMM file descriptors `fds`, at most [`MAX_FDS_PER_MSG`] a message, each message
+/// listing their export ids.
+fn send_vmm_fds(s: &UnixStream, fds: &[Arc<VmmFd>]) -> Result<()> {
+    for batch in fds.chunks(MAX_FDS_PER_MSG) {
+        let mut b = Vec::with_capacity(FD_HEAD + 8 * batch.len());
+        b.extend_from_slice(&FD_MAGIC);
+        // At most MAX_FDS_PER_MSG: fits u32.
+        b.extend_from_slice(&(batch.len() as u32).to_le_bytes());
+        for v in batch {
+            b.extend_from_slice(&v.id.to_le_bytes());
+        }
+        let raw: Vec<BorrowedFd<'_>> = batch.iter().map(|v| v.fd.as_fd()).collect();
+        send_fds(s, &raw, &b).map_err(|e| os("sendmsg (the local endpoint's Unix socket)", e))?;
+    }
+    Ok(())
+}
+
+/// Receive the peer's VMM file descriptors for `want` (export id, length, GPU; in order) by
+/// `end`. Every descriptor received is closed again when the peer is refused.
+///
+/// # Errors
+///
+/// [`Error::Timeout`] when they do not all come by `end`; [`Error::InvalidArgument`] (`peer`)
+/// for a message that is not one of them, more or fewer descriptors than it lists, or an id the
+/// peer's descriptors do not name there; [`Error::Os`] from `recvmsg`, or the peer's close.
+fn recv_vmm_fds(
+    s: &mut UnixStream,
+    want: &[(u64, u64, [u8; 16])],
+    end: Instant,
+    timeout: Duration,
+) -> Result<PeerFds> {
+    let refuse = |why: String| Error::invalid("peer", "its VMM file descriptors", why);
+    let mut out = PeerFds::with_capacity(want.len());
+    let mut buf = vec![0u8; FD_HEAD + 8 * MAX_FDS_PER_MSG];
+    let mut at = 0;
+    while at < want.len() {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                what: "the peer's VMM file descriptors",
+                after: timeout,
+            });
+        }
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+        // Room for one more than a message may carry: a peer that sends more is seen doing it.
+        let r = match recv_fds(s, &mut buf, MAX_FDS_PER_MSG + 1) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(Error::Timeout {
+                    what: "the peer's VMM file descriptors",
+                    after: timeout,
+                });
+            }
+            Err(e) => return Err(os("recvmsg (the local endpoint's Unix socket)", e)),
+        };
+        // From here every descriptor that came is owned by `r.fds`: closed on any refusal.
+        if r.len == 0 {
+            return Err(os(
+                "recvmsg (the local endpoint's Unix socket)",
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+        if r.truncated {
+            return Err(refuse(format!(
+                "more file descriptors than a message carries ({MAX_FDS_PER_MSG}), or than this \
+                 process may open"
+            )));
+        }
+        let mut n = r.len;
+        if n < FD_HEAD {
+            read_by(s, &mut buf[n..FD_HEAD], end, timeout)?;
+            n = FD_HEAD;
+        }
+        if buf[..4] != FD_MAGIC {
+            return Err(refuse(format!(
+                "a message starting {:02x?} where its VMM file descriptors (GDXF) were due",
+                &buf[..4]
+            )));
+        }
+        let count = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes")) as usize;
+        let due = (want.len() - at).min(MAX_FDS_PER_MSG);
+        if count == 0 || count > due {
+            return Err(refuse(format!(
+                "a message listing {count} file descriptors where 1 to {due} were due"
+            )));
+        }
+        let total = FD_HEAD + 8 * count;
+        if n > total {
+            return Err(refuse(format!(
+                "{n} bytes in a message of {count} file descriptors ({total} bytes)"
+            )));
+        }
+        if n < total {
+            read_by(s, &mut buf[n..total], end, timeout)?;
+        }
+        if r.fds.len() != count {
+            return Err(refuse(format!(
+                "{} file descriptors came with a message listing {count}",
+                r.fds.len()
+            )));
+        }
+        for (k, fd) in r.fds.into_iter().enumerate() {
+            let at_id = FD_HEAD + 8 * k;
+            let id = u64::from_le_bytes(buf[at_id..at_id + 8].try_into().expect("8 bytes"));
+            let (want_id, len, uuid) = want[at];
+            if id != want_id {
+                return Err(refuse(format!(
+                    "a file descriptor for the VMM export {id}, where its descriptors name \
+                     {want_id} next (each export it names, once, in the order first named)"
+                )));
+            }
+            out.insert(
+                id,
+                PeerFd {
+                    fd: Arc::new(fd),
+                    len,
+                    uuid,
+                },
+            );
+            at += 1;
+        }
+    }
+    Ok(out)
+}
+
+/// Swap first messages and VMM file descriptors on a new connection (the dialer sends first),
+/// all bounded by `timeout`.
 fn greet(
     s: &mut UnixStream,
     publish: &[MemoryDescriptor],
     dialer: bool,
     timeout: Duration,
     write_bound: Duration,
-) -> Result<LocalHello> {
+) -> Result<(LocalHello, PeerFds)> {
+    let end = deadline_after(Instant::now(), timeout);
     let t = Some(timeout.max(Duration::from_millis(1)));
     s.set_read_timeout(t)
         .and_then(|()| s.set_write_timeout(t))
         .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+    let fds = outgoing(publish)?;
     let mine = LocalHello {
         pid: std::process::id(),
         descriptors: publish.to_vec(),
@@ -211,17 +457,20 @@ fn greet(
     .encode()?;
     if dialer {
         send_msg(s, &mine)?;
+        send_vmm_fds(s, &fds)?;
     }
-    let theirs = LocalHello::decode(&recv_msg(s, timeout)?)?;
+    let theirs = LocalHello::decode(&recv_msg_by(s, end, timeout)?)?;
+    let theirs_fds = recv_vmm_fds(s, &expected(&theirs.descriptors)?, end, timeout)?;
     if !dialer {
         send_msg(s, &mine)?;
+        send_vmm_fds(s, &fds)?;
     }
     // The reader blocks; notifications are sent with the engine's bound (not what was left of
     // the meeting's timeout).
     s.set_read_timeout(None)
         .and_then(|()| s.set_write_timeout(Some(write_bound.max(Duration::from_millis(1)))))
         .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
-    Ok(theirs)
+    Ok((theirs, theirs_fds))
 }
 
 /// A listener for intra-node endpoints on a Unix domain socket ([`Engine::listen_local`]).
@@ -276,11 +525,12 @@ impl Engine {
         publish: &[MemoryDescriptor],
     ) -> Result<super::Endpoint> {
         let path = path.as_ref().to_path_buf();
-        let (stream, hello) = dial(self, &path, publish)?;
+        let (stream, hello, fds) = dial(self, &path, publish)?;
         let side = Side::new(
             self.clone(),
             stream,
             hello.pid,
+            fds,
             Some((path, publish.to_vec())),
         );
         super::Endpoint::start_local(self.clone(), hello.descriptors, side)
@@ -291,7 +541,7 @@ fn dial(
     engine: &Engine,
     path: &Path,
     publish: &[MemoryDescriptor],
-) -> Result<(UnixStream, LocalHello)> {
+) -> Result<(UnixStream, LocalHello, PeerFds)> {
     if publish.len() > MAX_DESCRIPTORS {
         return Err(Error::invalid(
             "publish",
@@ -299,10 +549,12 @@ fn dial(
             format!("at most {MAX_DESCRIPTORS} descriptors"),
         ));
     }
+    // Refused before connecting: a VMM export that is gone, or described otherwise.
+    outgoing(publish)?;
     let mut s = UnixStream::connect(path).map_err(|e| os("connect (a Unix socket)", e))?;
     let bound = engine.inner.config.connect_timeout;
-    let hello = greet(&mut s, publish, true, bound, bound)?;
-    Ok((s, hello))
+    let (hello, fds) = greet(&mut s, publish, true, bound, bound)?;
+    Ok((s, hello, fds))
 }
 
 impl LocalListener {
@@ -357,14 +609,14 @@ impl LocalListener {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .min(self.engine.inner.config.connect_timeout);
-        let hello = greet(
+        let (hello, fds) = greet(
             &mut s,
             publish,
             false,
             left,
             self.engine.inner.config.connect_timeout,
         )?;
-        let side = Side::new(self.engine.clone(), s, hello.pid, None);
+        let side = Side::new(self.engine.clone(), s, hello.pid, fds, None);
         super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
     }
 }
@@ -383,10 +635,12 @@ impl std::fmt::Debug for LocalListener {
     }
 }
 
-/// The live connection: the socket notifications are written to, the peer's pid, the reader.
+/// The live connection: the socket notifications are written to, the peer's pid, the VMM file
+/// descriptors it sent when the endpoints met, the reader.
 struct Conn {
     stream: UnixStream,
     peer_pid: u32,
+    peer_fds: PeerFds,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -519,6 +773,7 @@ impl Side {
         engine: Engine,
         stream: UnixStream,
         peer_pid: u32,
+        peer_fds: PeerFds,
         dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     ) -> Arc<Side> {
         Arc::new_cyclic(|me| Side {
@@ -530,6 +785,7 @@ impl Side {
             conn: Mutex::new(Some(Conn {
                 stream,
                 peer_pid,
+                peer_fds,
                 reader: None,
             })),
             epoch: AtomicU64::new(1),
@@ -630,8 +886,16 @@ impl Side {
         }
     }
 
-    fn peer_pid(&self) -> Option<u32> {
-        lock(&self.conn).as_ref().map(|c| c.peer_pid)
+    /// The peer's pid, and the VMM file descriptor it sent for each of `ids` (those of one
+    /// connection).
+    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, Vec<Option<PeerFd>>)> {
+        let c = lock(&self.conn);
+        let c = c.as_ref()?;
+        let fds = ids
+            .iter()
+            .map(|id| id.and_then(|id| c.peer_fds.get(&id).cloned()))
+            .collect();
+        Some((c.peer_pid, fds))
     }
 
     /// Send a notification (after its request's copies are done).
@@ -876,10 +1140,11 @@ impl LocalSide for Side {
         let _one = lock(&self.reconnecting);
         self.fail(Broken::Closed);
         self.hang_up();
-        let (stream, hello) = dial(&self.engine, path, publish)?;
+        let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;
         *lock(&self.conn) = Some(Conn {
             stream,
             peer_pid: hello.pid,
+            peer_fds,
             reader: None,
         });
         // The old peer's mappings: each request still running holds its own.
@@ -964,18 +1229,56 @@ fn prepare(
     if let Some(err) = ep.failure() {
         return Err(err);
     }
+    let mut ids = Vec::with_capacity(pairs.len());
     for (i, (_, r)) in pairs.iter().enumerate() {
-        if r.descriptor().ipc().is_none() {
+        let Some(ipc) = r.descriptor().ipc() else {
             return Err(Error::invalid(
                 "pairs",
                 i,
                 "the remote memory has no CUDA IPC part: an intra-node endpoint reaches only GPU \
-                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer); host \
-                 memory, pool memory and VMM memory are not exported",
+                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer, by its \
+                 cuIpc handle; VMM memory inside one physical allocation such as a VmmBuffer, by \
+                 its file descriptor); host memory and pool memory are not exported",
             ));
+        };
+        ids.push(ipc.export_id());
+    }
+    let (peer_pid, fds) = side.peer(&ids).ok_or_else(|| Broken::Closed.to_error())?;
+    // VMM memory: mapped from the file descriptor the peer sent when the endpoints met, which
+    // the descriptor must describe as the peer's first message did. Checked before any CUDA call.
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        let (Some(id), Some(ipc)) = (ids[i], r.descriptor().ipc()) else {
+            continue;
+        };
+        match &fds[i] {
+            None => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote memory is VMM memory (the peer's export {id}) whose file \
+                         descriptor did not come when this endpoint met its peer: VMM memory \
+                         must be published when the endpoints meet (among the descriptors given \
+                         to connect_local or accept); a descriptor handed over otherwise cannot \
+                         be mapped"
+                    ),
+                ));
+            }
+            Some(f) if f.len != ipc.alloc_len() || f.uuid != *ipc.gpu_uuid() => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote descriptor says the peer's VMM export {id} maps {} bytes; \
+                         the peer published it with {} (or on another GPU)",
+                        ipc.alloc_len(),
+                        f.len
+                    ),
+                ));
+            }
+            Some(_) => {}
         }
     }
-    let peer_pid = side.peer_pid().ok_or_else(|| Broken::Closed.to_error())?;
     if peer_pid == std::process::id() {
         return Err(Error::Unsupported {
             what: "an intra-node transfer between two endpoints of one process".into(),
@@ -1032,13 +1335,27 @@ fn prepare(
             ));
         }
         let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
-        let imp = import(
-            ipc.handle(),
-            device,
-            ipc.alloc_len(),
-            home,
-            &e.stats.imports,
-        )?;
+        let imp = match (ipc.kind(), &fds[i]) {
+            (IpcKind::CudaIpcHandle { handle }, _) => {
+                import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
+            }
+            (IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
+                peer_pid,
+                *export_id,
+                device,
+                &f.fd,
+                ipc.alloc_len(),
+                home,
+                &e.stats.imports,
+            )?,
+            (IpcKind::VmmFd { .. }, None) => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    "no VMM file descriptor (checked above)",
+                ));
+            }
+        };
         // Kept (and parked if the request is refused) before anything can fail.
         if !imports.0.iter().any(|x| Arc::ptr_eq(x, &imp)) {
             imports.0.push(imp.clone());

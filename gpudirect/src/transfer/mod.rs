@@ -143,8 +143,8 @@ mod stream;
 mod wire;
 
 pub use descriptor::{
-    DESCRIPTOR_VERSION, DescribedKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor,
-    RemoteRange, decode_list, encode_list,
+    DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
+    MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::{
     Direction, Endpoint, MAX_UNREAD_NOTIFICATIONS, Notification, RailStats, Transfer,
