@@ -97,6 +97,20 @@ fn exports() -> MutexGuard<'static, HashMap<u64, Weak<VmmFd>>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// A VMM export made of any file descriptor, listed as [`export_vmm`] lists one (tests without
+/// a GPU).
+#[cfg(test)]
+pub(crate) fn export_any_fd(fd: OwnedFd, len: u64, uuid: [u8; 16]) -> Arc<VmmFd> {
+    let v = Arc::new(VmmFd {
+        id: next_export_id(),
+        fd,
+        len,
+        uuid,
+    });
+    exports().insert(v.id, Arc::downgrade(&v));
+    v
+}
+
 /// The live VMM export `id` of this process (its registration still alive).
 pub(crate) fn published(id: u64) -> Option<Arc<VmmFd>> {
     exports().get(&id).and_then(Weak::upgrade)

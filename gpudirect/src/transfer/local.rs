@@ -393,7 +393,7 @@ fn recv_vmm_fds(
         let due = (want.len() - at).min(MAX_FDS_PER_MSG);
         if count == 0 || count > due {
             return Err(refuse(format!(
-                "a message listing {count} file descriptors where 1 to {due} were due"
+                "a message listing {count} file descriptors where at most {due} were due"
             )));
         }
         let total = FD_HEAD + 8 * count;
@@ -1963,6 +1963,243 @@ mod tests {
         send_msg(&mut s, &h).unwrap();
         LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
         s
+    }
+
+    /// A descriptor of 4096 bytes of the VMM export `id`, which maps `mapped` bytes.
+    fn vmm_desc(id: u64, mapped: u64) -> MemoryDescriptor {
+        MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::vmm_fd(id, mapped, 0, [7; 16]),
+        )
+        .unwrap()
+    }
+
+    /// A new file at a unique path, and that path as `/proc/self/fd` shows it.
+    fn marker(name: &str) -> (std::fs::File, PathBuf) {
+        let p = socket(name);
+        let f = std::fs::File::create(&p).unwrap();
+        (f, std::fs::canonicalize(&p).unwrap())
+    }
+
+    /// Descriptors of this process open on `path` (other tests' descriptors never are).
+    fn open_on(path: &Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == path))
+            .count()
+    }
+
+    /// A VMM file descriptor message listing `ids`.
+    fn fd_msg(ids: &[u64]) -> Vec<u8> {
+        let mut b = FD_MAGIC.to_vec();
+        b.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        for id in ids {
+            b.extend_from_slice(&id.to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn a_peer_whose_vmm_fds_do_not_match_its_descriptors_is_refused_and_nothing_leaks() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("vmm-fds")).unwrap();
+        let (file, marked) = marker("vmm-fds-marker");
+        drop(file);
+        // What the hand-made peer announces, and what it then does on the socket (which the
+        // listener may have closed already).
+        type Act = fn(&UnixStream, &std::fs::File);
+        let cases: [(&str, Vec<MemoryDescriptor>, Act); 7] = [
+            ("no fd at all", vec![vmm_desc(11, 2 << 20)], |_, _| {}),
+            ("two fds for one id", vec![vmm_desc(11, 2 << 20)], |s, f| {
+                let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11]));
+            }),
+            (
+                "an fd for an id not announced",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[12]));
+                },
+            ),
+            (
+                "a listed fd that did not come",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, _| {
+                    let _ = send_all(s, &fd_msg(&[11]));
+                },
+            ),
+            (
+                "more ids than announced",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11, 12]));
+                },
+            ),
+            (
+                "one id with two lengths",
+                vec![vmm_desc(11, 2 << 20), vmm_desc(11, 4 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[11]));
+                },
+            ),
+            ("not a fd message", vec![vmm_desc(11, 2 << 20)], |s, f| {
+                let _ = send_fds(s, &[f.as_fd()], b"GDXL and more bytes");
+            }),
+        ];
+        for (what, descriptors, act) in cases {
+            let path = l.path().to_path_buf();
+            let m = marked.clone();
+            let peer = std::thread::spawn(move || {
+                let mut s = UnixStream::connect(&path).unwrap();
+                let h = LocalHello {
+                    pid: 76,
+                    descriptors,
+                }
+                .encode()
+                .unwrap();
+                send_msg(&mut s, &h).unwrap();
+                let f = std::fs::File::open(&m).unwrap();
+                act(&s, &f);
+                drop(f);
+                // Until the listener gives up on this peer.
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let _ = s.read(&mut [0u8; 64]);
+            });
+            let t = Instant::now();
+            let e = l.accept(&[], Duration::from_millis(500)).unwrap_err();
+            peer.join().unwrap();
+            assert!(t.elapsed() < Duration::from_secs(10), "{what}: bounded");
+            if what == "no fd at all" {
+                assert!(matches!(e, Error::Timeout { .. }), "{what}: {e}");
+            } else {
+                assert!(
+                    matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+                    "{what}: {e}"
+                );
+            }
+            assert_eq!(open_on(&marked), 0, "{what}: every fd received is closed");
+        }
+        // A peer that announces no VMM memory but sends an fd after its first message: the
+        // endpoint ends typed when it reads it, and the kernel closes the fd.
+        let path = l.path().to_path_buf();
+        let m = marked.clone();
+        let peer = std::thread::spawn(move || {
+            let mut s = greeted_peer(&path, 75);
+            let f = std::fs::File::open(&m).unwrap();
+            send_fds(&s, &[f.as_fd()], &fd_msg(&[11])).unwrap();
+            drop(f);
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let _ = s.read(&mut [0u8; 64]);
+        });
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let e = ep.next_notification(Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+            "{e}"
+        );
+        drop(ep);
+        peer.join().unwrap();
+        assert_eq!(open_on(&marked), 0, "the extra fd is closed");
+        let _ = std::fs::remove_file(&marked);
+    }
+
+    #[test]
+    fn vmm_fds_cross_when_endpoints_meet_and_only_then() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let (file, marked) = marker("vmm-export");
+        let mapped = 2 << 20;
+        let v = super::super::ipc::export_any_fd(file.into(), mapped, [7; 16]);
+        let published = vmm_desc(v.id, mapped);
+        assert_eq!(open_on(&marked), 1);
+
+        // Publishing what this process does not hold, or describing it otherwise: refused
+        // before connecting (the path does not even exist).
+        let nowhere = socket("vmm-nowhere");
+        for (d, what) in [
+            (vmm_desc(v.id ^ 1, mapped), "an export not held"),
+            (vmm_desc(v.id, mapped * 2), "another length"),
+        ] {
+            let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "publish", .. }),
+                "{what}: {e}"
+            );
+        }
+
+        // Published at the meeting (twice: one fd crosses): the dialer holds it.
+        let l = engine.listen_local(socket("vmm-meet")).unwrap();
+        let path = l.path().to_path_buf();
+        let publish = vec![published, vmm_desc(v.id, mapped)];
+        let acc = std::thread::spawn(move || {
+            let ep = l.accept(&publish, Duration::from_secs(10));
+            (ep, l)
+        });
+        let a = engine.connect_local(&path, &[]).unwrap();
+        let (b, _l) = acc.join().unwrap();
+        let b = b.unwrap();
+        assert_eq!(a.peer_descriptors()[0], published);
+        assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
+
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        // Its fd came: the request gets past the VMM checks (to the refusal of a peer that is
+        // this very process, before any CUDA call).
+        let e = a
+            .write(
+                vec![(region.all(), published.all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        // The same export described with another length than at the meeting: refused.
+        let e = a
+            .write(
+                vec![(region.all(), vmm_desc(v.id, mapped * 2).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }),
+            "{e}"
+        );
+        // VMM memory handed over after the meeting: refused, saying it must be published then.
+        let late = vmm_desc(v.id ^ 1, mapped);
+        let pairs = vec![
+            (region.all(), descs(1)[0].all()),
+            (region.all(), late.all()),
+        ];
+        let e = a.write(pairs, TransferOptions::default()).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && text.contains("1")
+                && text.contains("published when the endpoints meet"),
+            "{text}"
+        );
+        // The accepting side never got one (the dialer published nothing).
+        let e = b
+            .write(
+                vec![(region.all(), published.all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("published when the endpoints meet"),
+            "{e}"
+        );
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+
+        // The endpoints go: the fd received is closed; the export's goes with its registration.
+        drop(a);
+        drop(b);
+        assert_eq!(open_on(&marked), 1);
+        drop(v);
+        assert_eq!(open_on(&marked), 0);
+        let _ = std::fs::remove_file(&marked);
     }
 
     #[test]
