@@ -501,23 +501,30 @@ impl Engine {
     }
 
     /// Connect an intra-node endpoint to the local listener at `path`: the first messages
-    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)).
+    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)),
+    /// each followed by the file descriptors of the VMM memory its descriptors name
+    /// (`SCM_RIGHTS`): VMM memory is reachable only through descriptors published here.
     /// It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
     /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
-    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle` on the local memory's
-    /// GPU, or GPU 0 for host memory; once per allocation and GPU in the process, until nothing
-    /// holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path is
-    /// [`MemoryPath::CudaIpc`] with the link crossed.
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, or for VMM memory
+    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`, on the
+    /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
+    /// until nothing holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each
+    /// report's path is [`MemoryPath::CudaIpc`] with the link crossed.
     ///
     /// # Errors
     ///
     /// [`Error::Os`] from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
-    /// [`Error::Timeout`] when the peer's first message does not come within
-    /// [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
-    /// [`Error::InvalidArgument`] for a first message that is not valid, or too many
-    /// descriptors to publish.
+    /// [`Error::Timeout`] when the peer's first message or VMM file descriptors do not come
+    /// within [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
+    /// [`Error::InvalidArgument`] for a first message that is not valid, VMM file descriptors
+    /// that do not match the peer's descriptors (all of them closed again), too many
+    /// descriptors to publish, or a published VMM descriptor whose region is gone or that
+    /// describes its export otherwise (refused before connecting).
     #[doc(alias = "connect")]
     #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    #[doc(alias = "SCM_RIGHTS")]
     #[doc(alias = "cuMemcpyAsync")]
     pub fn connect_local(
         &self,
@@ -564,13 +571,16 @@ impl LocalListener {
     }
 
     /// Accept the next intra-node endpoint within `timeout`; the first messages carry
-    /// `publish` and the peer's descriptors.
+    /// `publish` and the peer's descriptors, each followed by the file descriptors of the VMM
+    /// memory its descriptors name (as [`Engine::connect_local`]).
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when nobody connects (or sends its first message) in time;
-    /// [`Error::InvalidArgument`] for a first message that is not valid; [`Error::Os`] from
-    /// `accept` or the socket.
+    /// [`Error::Timeout`] when nobody connects (or sends its first message and VMM file
+    /// descriptors) in time; [`Error::InvalidArgument`] for a first message that is not valid,
+    /// VMM file descriptors that do not match the peer's descriptors (all of them closed
+    /// again), or a published VMM descriptor whose region is gone or that describes its export
+    /// otherwise; [`Error::Os`] from `accept` or the socket.
     pub fn accept(
         &self,
         publish: &[MemoryDescriptor],

@@ -296,8 +296,10 @@ pub enum MemoryPath {
     /// Memory of an engine without rails ([`EngineConfig::local`](super::EngineConfig::local)):
     /// registered with no NIC; reached only inside the node.
     Unregistered,
-    /// A copy inside the node: the peer's GPU memory mapped here with `cuIpcOpenMemHandle` and
-    /// copied with `cuMemcpyAsync` over `link`.
+    /// A copy inside the node: the peer's GPU memory mapped here (`cuIpcOpenMemHandle`, or for
+    /// VMM memory the file descriptor it sent, imported and mapped) and copied with
+    /// `cuMemcpyAsync` over `link`. Which of the two is in the remote descriptor's
+    /// [`IpcPart::kind`].
     CudaIpc {
         /// What the bytes cross.
         link: IpcLink,
@@ -447,9 +449,9 @@ pub struct CacheCounters {
     pub registrations: u64,
     /// Registrations alive now (held by regions or transfers).
     pub live: usize,
-    /// Peer allocations this engine's local endpoints mapped with `cuIpcOpenMemHandle`: each
-    /// is opened once per (allocation, local GPU) and reused by every request and endpoint
-    /// until none holds it.
+    /// Peer allocations this engine's local endpoints mapped (`cuIpcOpenMemHandle`, or a VMM
+    /// file descriptor imported and mapped): each is opened once per (allocation, local GPU)
+    /// and reused by every request and endpoint until none holds it.
     pub imports_opened: u64,
 }
 
