@@ -269,7 +269,8 @@ pub(crate) fn import(
     })
 }
 
-/// The import of the VMM allocation that process `pid` exported as `id`, mapped for GPU
+/// The import of the VMM allocation that process `pid` (as the kernel names the socket's peer,
+/// not the peer's word) exported as `id`, mapped for GPU
 /// `ordinal`: the live one, or a new one (`cuMemImportFromShareableHandle` of `fd`, `cuMemMap`
 /// of `mapped_len` bytes, `cuMemSetAccess` for `ordinal`; counted in `opened`). `home` gives the
 /// PCI address of the GPU that owns the memory, when visible here (asked only to open).

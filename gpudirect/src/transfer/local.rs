@@ -219,8 +219,41 @@ pub(super) struct PeerFd {
     uuid: [u8; 16],
 }
 
-/// The peer's VMM file descriptors, by export id.
-type PeerFds = HashMap<u64, PeerFd>;
+/// The peer's VMM file descriptors, by export id, and its pid as the kernel gives it
+/// (`SO_PEERCRED`, not the peer's word): what its imports are cached by.
+#[derive(Debug)]
+pub(super) struct PeerFds {
+    pid: u32,
+    by_id: HashMap<u64, PeerFd>,
+}
+
+/// `getsockopt(SO_PEERCRED)`: the pid of the process at the other end of `s` (when it
+/// connected, or listened), in this process's pid namespace.
+#[doc(alias = "SO_PEERCRED")]
+fn peer_process(s: &UnixStream) -> Result<u32> {
+    // SAFETY: all-zero is a valid ucred.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid out-pointers of the sizes given; the fd is the live
+    // socket's.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(os(
+            "getsockopt(SO_PEERCRED) (the local endpoint's Unix socket)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // A pid is positive.
+    Ok(cred.pid.max(0) as u32)
+}
 
 /// The VMM exports of this process that `publish` names, once each, in the order first named;
 /// each must be alive and described as it is (its length and GPU).
@@ -335,7 +368,10 @@ fn recv_vmm_fds(
     timeout: Duration,
 ) -> Result<PeerFds> {
     let refuse = |why: String| Error::invalid("peer", "its VMM file descriptors", why);
-    let mut out = PeerFds::with_capacity(want.len());
+    let mut out = PeerFds {
+        pid: peer_process(s)?,
+        by_id: HashMap::with_capacity(want.len()),
+    };
     let mut buf = vec![0u8; FD_HEAD + 8 * MAX_FDS_PER_MSG];
     let mut at = 0;
     while at < want.len() {
@@ -421,7 +457,7 @@ fn recv_vmm_fds(
                      {want_id} next (each export it names, once, in the order first named)"
                 )));
             }
-            out.insert(
+            out.by_id.insert(
                 id,
                 PeerFd {
                     fd: Arc::new(fd),
@@ -896,16 +932,16 @@ impl Side {
         }
     }
 
-    /// The peer's pid, and the VMM file descriptor it sent for each of `ids` (those of one
-    /// connection).
-    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, Vec<Option<PeerFd>>)> {
+    /// The peer's pid (its word), its pid as the kernel gives it, and the VMM file descriptor
+    /// it sent for each of `ids` (all of one connection).
+    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, u32, Vec<Option<PeerFd>>)> {
         let c = lock(&self.conn);
         let c = c.as_ref()?;
         let fds = ids
             .iter()
-            .map(|id| id.and_then(|id| c.peer_fds.get(&id).cloned()))
+            .map(|id| id.and_then(|id| c.peer_fds.by_id.get(&id).cloned()))
             .collect();
-        Some((c.peer_pid, fds))
+        Some((c.peer_pid, c.peer_fds.pid, fds))
     }
 
     /// Send a notification (after its request's copies are done).
@@ -1253,7 +1289,7 @@ fn prepare(
         };
         ids.push(ipc.export_id());
     }
-    let (peer_pid, fds) = side.peer(&ids).ok_or_else(|| Broken::Closed.to_error())?;
+    let (peer_pid, exporter, fds) = side.peer(&ids).ok_or_else(|| Broken::Closed.to_error())?;
     // VMM memory: mapped from the file descriptor the peer sent when the endpoints met, which
     // the descriptor must describe as the peer's first message did. Checked before any CUDA call.
     for (i, (_, r)) in pairs.iter().enumerate() {
@@ -1350,7 +1386,7 @@ fn prepare(
                 import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
             }
             (IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
-                peer_pid,
+                exporter,
                 *export_id,
                 device,
                 &f.fd,
