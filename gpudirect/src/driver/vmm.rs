@@ -174,7 +174,7 @@ pub(crate) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Res
 /// # Safety
 ///
 /// A context is current (the driver checks that `ptr` is mapped VMM memory).
-#[cfg(feature = "p2p")]
+#[cfg(all(feature = "p2p", feature = "transfer"))]
 pub(crate) unsafe fn retain_handle(
     ptr: sys::CUdeviceptr,
 ) -> Result<sys::CUmemGenericAllocationHandle> {

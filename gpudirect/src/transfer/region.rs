@@ -398,6 +398,7 @@ pub(crate) struct Exported {
 
 /// How an exported allocation is mapped by a peer.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
 pub(crate) enum ExportedAs {
     /// `cuIpcGetMemHandle` of a `cuMemAlloc` allocation.
     Handle([u8; 64]),
@@ -410,6 +411,7 @@ pub(crate) enum ExportedAs {
 /// The descriptor is never handed out: it only crosses a local endpoint's socket to a peer
 /// (whose import then holds the physical allocation itself).
 #[derive(Debug)]
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
 pub(crate) struct VmmFd {
     /// Unique in this process: names the descriptor in the descriptors and on the socket.
     pub(crate) id: u64,
