@@ -623,6 +623,8 @@ impl LocalListener {
         timeout: Duration,
     ) -> Result<super::Endpoint> {
         let deadline = deadline_after(Instant::now(), timeout);
+        // Refused before anyone is accepted: a VMM export that is gone, or described otherwise.
+        outgoing(publish)?;
         self.listener
             .set_nonblocking(true)
             .map_err(|e| os("fcntl (a Unix socket)", e))?;
