@@ -12,18 +12,23 @@
 //!   one GPU);
 //! - a remote range past the peer's real allocation refused before any copy; a deadline that
 //!   passes ending the request with `Error::Timeout`;
-//! - a peer killed while writes run: a typed error, no hang.
+//! - a peer killed while writes run: a typed error, no hang;
+//! - VMM memory (`VmmBuffer`): the peer publishes a one-chunk buffer and a range inside chunk 1
+//!   of a two-chunk one (their file descriptors cross the socket when the endpoints meet);
+//!   random bytes written into each (checked by the peer at each notification) and read back
+//!   into poisoned memory, compared exactly, each export mapped once, the path as above; the
+//!   whole of a two-chunk buffer has no IPC part, saying why.
 //!
 //! Without a GPU each test prints `SKIPPED` (a failure when `GPUDIRECT_REQUIRE` names `gpu`).
 
 mod support;
 
 use gpudirect::Error;
-use gpudirect::memory::DeviceMemory;
+use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::p2p::{Interconnect, LinkMatrix};
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, IpcLink, IpcPart, MemoryDescriptor, MemoryPath, Region,
-    TransferOptions,
+    Buffer, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, MemoryDescriptor,
+    MemoryPath, Region, TransferOptions,
 };
 use gpudirect_testing::{Hardware, require};
 use std::path::PathBuf;
@@ -266,7 +271,12 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         claim - ipc.offset(),
         d.kind(),
         &[],
-        IpcPart::new(*ipc.handle(), claim, ipc.offset(), *ipc.gpu_uuid()),
+        IpcPart::new(
+            *ipc.handle().expect("cuMemAlloc memory"),
+            claim,
+            ipc.offset(),
+            *ipc.gpu_uuid(),
+        ),
     )
     .unwrap();
     let big = register(&engine, poisoned_bytes(0, claim as usize, 0x11));
@@ -331,6 +341,9 @@ fn peer(job: Job) {
     }
     if job.role == "stream-peer" {
         return stream_peer(job);
+    }
+    if job.role == "vmm-peer" {
+        return vmm_peer(job);
     }
     let d = job.device;
     let engine = Engine::new(EngineConfig::local()).unwrap();
@@ -632,6 +645,158 @@ fn stream_peer(job: Job) {
     assert_eq!(next(&ep).tag, 1);
     assert_eq!(next(&ep).tag, 2);
     drop(src);
+    loop {
+        match ep.next_notification(WAIT) {
+            Err(_) => break,
+            Ok(None) => {}
+            Ok(Some(n)) => panic!("unexpected {n:?}"),
+        }
+    }
+}
+
+/// Bytes of the one-chunk VMM buffer the VMM test's peer publishes (mapped rounded up).
+const VMM_LEN: usize = (3 << 20) + 5;
+
+/// VMM memory between two processes: the peer publishes a one-chunk `VmmBuffer` and a range
+/// inside chunk 1 of a two-chunk one; their file descriptors come when the endpoints meet. Random
+/// bytes written into each (the peer checks them at the notification) and read back into
+/// poisoned memory, compared exactly; each export is mapped once; the path is the link's.
+#[test]
+fn vmm_memory_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    require!(Hardware::Gpu, VmmBuffer::<u8>::alloc(&ctx, 1));
+    let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
+    let device = if n > 1 { 1 } else { 0 };
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let path = socket("vmm");
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: "vmm-peer".into(),
+        socket: path.clone(),
+        seed,
+        device,
+    };
+    let mut child = spawn_child("vmm_memory_between_two_processes", &job);
+    let ep = listener.accept(&[], WAIT).unwrap();
+    let peer = ep.peer_descriptors();
+    assert_eq!(
+        peer.len(),
+        2,
+        "a one-chunk buffer and a range inside one chunk"
+    );
+    for d in &peer {
+        let ipc = d.ipc().expect("an IPC part");
+        assert!(matches!(ipc.kind(), IpcKind::VmmFd { .. }), "{d:?}");
+        assert!(d.rkeys().is_empty() && ipc.handle().is_none());
+    }
+    assert_eq!(peer[0].len(), VMM_LEN as u64);
+    let want_path = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
+    let check_path = |p: &MemoryPath| {
+        println!("path: {p}");
+        match &want_path {
+            Some(w) => assert_eq!(p, w),
+            None => assert!(
+                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
+                "{p}"
+            ),
+        }
+    };
+    for (i, d) in peer.iter().enumerate() {
+        let len = d.len() as usize;
+        let data = bytes(len, seed ^ (500 + i as u64));
+        let src = register(&engine, device_bytes(0, &data));
+        let w = ep
+            .write(
+                vec![(src.all(), d.all())],
+                TransferOptions::notify(i as u32),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((w.bytes, w.notified), (len as u64, Some(i as u32)));
+        check_path(&w.paths[0]);
+        let back = register(&engine, poisoned_bytes(0, len, 0xC3));
+        let r = ep
+            .read(vec![(back.all(), d.all())], TransferOptions::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        check_path(&r.paths[0]);
+        same(
+            &host_copy(&back, 0, len),
+            &data,
+            "read back from VMM memory",
+        );
+        println!(
+            "VMM {len} B: write {:.2} GB/s, read {:.2} GB/s",
+            w.gbps(),
+            r.gbps()
+        );
+    }
+    assert_eq!(
+        engine.cache_stats().imports_opened,
+        2,
+        "each VMM export mapped once"
+    );
+    // Done: the peer checked both when this arrives.
+    let first = register(&engine, device_bytes(0, &bytes(1, seed ^ 500)));
+    ep.write(
+        vec![(first.all(), peer[0].range(0, 1).unwrap())],
+        TransferOptions::notify(99),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    drop(ep);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// The VMM test's peer: publishes a poisoned one-chunk `VmmBuffer` and a poisoned range inside
+/// chunk 1 of a two-chunk one, checks each one's bytes at its notification, and checks that the
+/// whole of a two-chunk buffer has no IPC part, saying why.
+fn vmm_peer(job: Job) {
+    let d = job.device;
+    let ctx = gpudirect::cuda::context(d).unwrap();
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let one = Buffer::device(VmmBuffer::<u8>::alloc(&ctx, VMM_LEN).unwrap()).unwrap();
+    let one = engine.register(one).unwrap();
+    one.copy_from_host(0, &vec![0xA5; VMM_LEN]).unwrap();
+    let g = VmmBuffer::<u8>::granularity(&ctx).unwrap();
+    let two = Buffer::device(VmmBuffer::<u8>::alloc_chunks(&ctx, &[g, g]).unwrap()).unwrap();
+    let inner_len = g - 8192;
+    let inner = engine
+        .register(two.slice(g + 4099, inner_len).unwrap())
+        .unwrap();
+    inner.copy_from_host(0, &vec![0x5A; inner_len]).unwrap();
+    let whole = Buffer::device(VmmBuffer::<u8>::alloc_chunks(&ctx, &[g, g]).unwrap()).unwrap();
+    let whole = engine.register(whole).unwrap();
+    let e = whole.descriptor().unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { .. })
+            && e.to_string().contains("physical allocations"),
+        "{e}"
+    );
+    let publish = vec![one.descriptor().unwrap(), inner.descriptor().unwrap()];
+    let ep = engine.connect_local(&job.socket, &publish).unwrap();
+    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
+    for (i, (r, len)) in [(&one, VMM_LEN), (&inner, inner_len)]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(next(&ep).tag, i as u32, "in order");
+        same(
+            &host_copy(r, 0, len),
+            &bytes(len, job.seed ^ (500 + i as u64)),
+            "written into VMM memory before its notification",
+        );
+    }
+    assert_eq!(next(&ep).tag, 99);
     loop {
         match ep.next_notification(WAIT) {
             Err(_) => break,

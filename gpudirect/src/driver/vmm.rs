@@ -168,6 +168,24 @@ pub(crate) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Res
     Ok(fd)
 }
 
+/// `cuMemRetainAllocationHandle(ptr)`—The physical allocation mapped at `ptr`, with one more
+/// reference on it: give that back with [`release`].
+///
+/// # Safety
+///
+/// A context is current (the driver checks that `ptr` is mapped VMM memory).
+#[cfg(all(feature = "p2p", feature = "transfer"))]
+pub(crate) unsafe fn retain_handle(
+    ptr: sys::CUdeviceptr,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut h = 0;
+    // SAFETY: valid out-pointer; the address is passed by value as the driver's `void *`.
+    cu("cuMemRetainAllocationHandle", unsafe {
+        sys::cuMemRetainAllocationHandle(&mut h, ptr as usize as *mut std::ffi::c_void)
+    })?;
+    Ok(h)
+}
+
 /// `cuMemImportFromShareableHandle(fd, POSIX_FILE_DESCRIPTOR)`—The physical allocation behind
 /// an fd from [`export_fd`] (possibly another process's); release it with [`release`].
 ///

@@ -77,5 +77,7 @@ pub use ipc::{
     IpcEvent, IpcEventHandle, IpcExport, IpcMemHandle, IpcMemory, IpcPool, PoolAlloc, PoolImport,
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
+#[cfg(feature = "transfer")]
+pub(crate) use ipc::{MAX_FDS_PER_MSG, recv_fds, send_fds};
 pub use link::{Interconnect, Link, LinkMatrix};
 pub use path::CopyPath;

@@ -1,22 +1,29 @@
 //! Memory descriptors: what a peer needs to reach registered memory (address, length, memory
-//! kind, one rkey per rail, and for exportable GPU memory a CUDA IPC part), serializable with
-//! serde or as bytes, and checked field by field when they come from outside.
+//! kind, one rkey per rail, and for exportable GPU memory a CUDA IPC part: a `cuIpc` handle or
+//! the id of a VMM file descriptor), serializable with serde or as bytes, and checked field by
+//! field when they come from outside.
 
 use crate::error::{Error, Result};
 
 /// The most rails (verbs devices) an engine, and so a descriptor, may have.
 pub const MAX_RAILS: usize = 16;
 
-/// The descriptor format this library writes and reads.
-pub const DESCRIPTOR_VERSION: u16 = 2;
+/// The descriptor format this library writes. It reads this one and version 2 (the same
+/// layout without the VMM file descriptor part).
+pub const DESCRIPTOR_VERSION: u16 = 3;
+
+/// The oldest descriptor format this library reads.
+const OLDEST_VERSION: u16 = 2;
 
 /// The most descriptors one list ([`encode_list`], an endpoint's first message) may carry.
 pub const MAX_DESCRIPTORS: usize = 1 << 16;
 
 const MAGIC: [u8; 4] = *b"GDXD";
 const HEADER: usize = 4 + 2 + 1 + 1 + 1 + 8 + 8;
-/// Flag bit: a CUDA IPC part follows the rkeys.
+/// Flag bit: a CUDA IPC part with a `cuIpc` handle follows the rkeys.
 const HAS_IPC: u8 = 1;
+/// Flag bit (version 3): a CUDA IPC part naming a VMM file descriptor follows the rkeys.
+const HAS_VMM_FD: u8 = 2;
 
 /// Where described memory lives, as its owner reports it. Informational for the peer (the owner
 /// flushes GPU memory before it reports a write as arrived); the bytes are reached the same way.
@@ -50,45 +57,119 @@ impl DescribedKind {
     }
 }
 
-/// How a process on the same node reaches described GPU memory through CUDA IPC: the
-/// `cuIpcGetMemHandle` handle of the allocation holding it, the allocation's length in bytes, the
-/// offset of the described bytes in it, and the UUID of the GPU that owns it (what every process
-/// on the node calls that GPU, whatever its `CUDA_VISIBLE_DEVICES`).
+/// How an [`IpcPart`] lets a process on the same node map the owner's allocation.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IpcKind {
+    /// `cuMemAlloc` memory: the allocation's `cuIpcGetMemHandle` handle (64 bytes), opened with
+    /// `cuIpcOpenMemHandle`.
+    #[doc(alias = "cuIpcGetMemHandle")]
+    CudaIpcHandle {
+        /// The `CUipcMemHandle` bytes.
+        handle: [u8; 64],
+    },
+    /// VMM memory (`cuMemCreate`, one physical allocation): exported as a POSIX file descriptor
+    /// (`cuMemExportToShareableHandle`), which an intra-node endpoint sends to its peer by
+    /// `SCM_RIGHTS` when the two meet; `export_id` names that descriptor (unique in the
+    /// exporting process). The importer maps it with `cuMemImportFromShareableHandle` and
+    /// `cuMemMap`.
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    VmmFd {
+        /// Which of the owner's exported file descriptors maps the memory.
+        export_id: u64,
+    },
+}
+
+impl std::fmt::Debug for IpcKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IpcKind::CudaIpcHandle { handle } => f
+                .debug_struct("CudaIpcHandle")
+                .field("handle", &hex(&handle[..8]))
+                .finish(),
+            IpcKind::VmmFd { export_id } => f
+                .debug_struct("VmmFd")
+                .field("export_id", export_id)
+                .finish(),
+        }
+    }
+}
+
+/// How a process on the same node reaches described GPU memory through CUDA IPC: how to map
+/// the allocation holding it ([`IpcKind`]: a `cuIpcGetMemHandle` handle, or the id of a VMM
+/// file descriptor passed when endpoints meet), the allocation's length in bytes (for VMM
+/// memory: the mapping's), the offset of the described bytes in it, and the UUID of the GPU that
+/// owns it (what every process on the node calls that GPU, whatever its
+/// `CUDA_VISIBLE_DEVICES`).
 ///
 /// A descriptor carries one when its memory can be exported (`cuMemAlloc` memory, such as a
-/// [`DeviceBuffer`](crate::memory::DeviceBuffer)); from a peer it is untrusted: the descriptor
+/// [`DeviceBuffer`](crate::memory::DeviceBuffer); VMM memory of one physical allocation, such
+/// as a [`VmmBuffer`](crate::memory::VmmBuffer)); from a peer it is untrusted: the descriptor
 /// checks that its bytes lie inside the allocation length claimed, and an importer checks them
 /// again against the mapping it really gets.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpcPart {
-    handle: [u8; 64],
+    kind: IpcKind,
     alloc_len: u64,
     offset: u64,
     uuid: [u8; 16],
 }
 
 impl IpcPart {
-    /// Bytes of an IPC part in [`MemoryDescriptor::to_bytes`].
+    /// Bytes of an IPC part with a `cuIpc` handle in [`MemoryDescriptor::to_bytes`].
     pub const WIRE_LEN: usize = 64 + 8 + 8 + 16;
 
-    /// An IPC part from its fields (checked when it joins a descriptor:
-    /// [`MemoryDescriptor::with_ipc`]).
+    /// Bytes of an IPC part naming a VMM file descriptor in [`MemoryDescriptor::to_bytes`].
+    pub const VMM_WIRE_LEN: usize = 8 + 8 + 8 + 16;
+
+    /// An IPC part with a `cuIpcGetMemHandle` handle, from its fields (checked when it joins a
+    /// descriptor: [`MemoryDescriptor::with_ipc`]).
     pub fn new(handle: [u8; 64], alloc_len: u64, offset: u64, gpu_uuid: [u8; 16]) -> Self {
         IpcPart {
-            handle,
+            kind: IpcKind::CudaIpcHandle { handle },
             alloc_len,
             offset,
             uuid: gpu_uuid,
         }
     }
 
-    /// The `CUipcMemHandle` bytes of the allocation.
-    #[doc(alias = "cuIpcGetMemHandle")]
-    pub fn handle(&self) -> &[u8; 64] {
-        &self.handle
+    /// An IPC part naming the owner's VMM file descriptor `export_id`, which maps
+    /// `mapped_len` bytes; the described bytes start `offset` bytes into them (checked when it
+    /// joins a descriptor: [`MemoryDescriptor::with_ipc`]).
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    pub fn vmm_fd(export_id: u64, mapped_len: u64, offset: u64, gpu_uuid: [u8; 16]) -> Self {
+        IpcPart {
+            kind: IpcKind::VmmFd { export_id },
+            alloc_len: mapped_len,
+            offset,
+            uuid: gpu_uuid,
+        }
     }
 
-    /// The allocation's length in bytes, as its owner reports it.
+    /// How the allocation is mapped: a `cuIpc` handle or a VMM file descriptor.
+    pub fn kind(&self) -> &IpcKind {
+        &self.kind
+    }
+
+    /// The `CUipcMemHandle` bytes of the allocation; `None` for VMM memory.
+    #[doc(alias = "cuIpcGetMemHandle")]
+    pub fn handle(&self) -> Option<&[u8; 64]> {
+        match &self.kind {
+            IpcKind::CudaIpcHandle { handle } => Some(handle),
+            IpcKind::VmmFd { .. } => None,
+        }
+    }
+
+    /// The id of the owner's VMM file descriptor; `None` for a `cuIpc` handle.
+    pub fn export_id(&self) -> Option<u64> {
+        match self.kind {
+            IpcKind::VmmFd { export_id } => Some(export_id),
+            IpcKind::CudaIpcHandle { .. } => None,
+        }
+    }
+
+    /// The allocation's length in bytes (for VMM memory, the bytes the file descriptor maps),
+    /// as its owner reports it.
     pub fn alloc_len(&self) -> u64 {
         self.alloc_len
     }
@@ -103,23 +184,49 @@ impl IpcPart {
         &self.uuid
     }
 
+    /// The flag bit that announces this part.
+    fn flag(&self) -> u8 {
+        match self.kind {
+            IpcKind::CudaIpcHandle { .. } => HAS_IPC,
+            IpcKind::VmmFd { .. } => HAS_VMM_FD,
+        }
+    }
+
+    /// Bytes of this part on the wire.
+    fn wire_len(&self) -> usize {
+        match self.kind {
+            IpcKind::CudaIpcHandle { .. } => Self::WIRE_LEN,
+            IpcKind::VmmFd { .. } => Self::VMM_WIRE_LEN,
+        }
+    }
+
     fn write_to(&self, b: &mut Vec<u8>) {
-        b.extend_from_slice(&self.handle);
+        match &self.kind {
+            IpcKind::CudaIpcHandle { handle } => b.extend_from_slice(handle),
+            IpcKind::VmmFd { export_id } => b.extend_from_slice(&export_id.to_le_bytes()),
+        }
         b.extend_from_slice(&self.alloc_len.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
         b.extend_from_slice(&self.uuid);
     }
 
-    /// The part at the start of `b` (exactly [`WIRE_LEN`](Self::WIRE_LEN) bytes long).
-    fn read_from(b: &[u8]) -> Self {
-        let mut handle = [0u8; 64];
-        handle.copy_from_slice(&b[..64]);
+    /// The part announced by `flag` at the start of `b` (exactly as long as that kind's part:
+    /// [`WIRE_LEN`](Self::WIRE_LEN) or [`VMM_WIRE_LEN`](Self::VMM_WIRE_LEN)).
+    fn read_from(flag: u8, b: &[u8]) -> Self {
+        let (kind, at) = if flag == HAS_VMM_FD {
+            let export_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+            (IpcKind::VmmFd { export_id }, 8)
+        } else {
+            let mut handle = [0u8; 64];
+            handle.copy_from_slice(&b[..64]);
+            (IpcKind::CudaIpcHandle { handle }, 64)
+        };
         let mut uuid = [0u8; 16];
-        uuid.copy_from_slice(&b[80..96]);
+        uuid.copy_from_slice(&b[at + 16..at + 32]);
         IpcPart {
-            handle,
-            alloc_len: u64::from_le_bytes(b[64..72].try_into().expect("8 bytes")),
-            offset: u64::from_le_bytes(b[72..80].try_into().expect("8 bytes")),
+            kind,
+            alloc_len: u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes")),
+            offset: u64::from_le_bytes(b[at + 8..at + 16].try_into().expect("8 bytes")),
             uuid,
         }
     }
@@ -128,7 +235,7 @@ impl IpcPart {
 impl std::fmt::Debug for IpcPart {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IpcPart")
-            .field("handle", &hex(&self.handle[..8]))
+            .field("kind", &self.kind)
             .field("alloc_len", &self.alloc_len)
             .field("offset", &self.offset)
             .field("gpu_uuid", &hex(&self.uuid))
@@ -195,10 +302,14 @@ struct DescriptorFields {
     ipc: Option<IpcFields>,
 }
 
-/// An [`IpcPart`] through serde: the handle and the UUID as hex digits.
+/// An [`IpcPart`] through serde: the handle (or the VMM export id, one of the two) and the UUID
+/// as hex digits.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct IpcFields {
-    handle: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    handle: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    vmm_export_id: Option<u64>,
     alloc_len: u64,
     offset: u64,
     gpu_uuid: String,
@@ -210,12 +321,33 @@ impl TryFrom<DescriptorFields> for MemoryDescriptor {
         check_version(f.version)?;
         let ipc = match f.ipc {
             None => None,
-            Some(i) => Some(IpcPart::new(
-                unhex("descriptor.ipc.handle", &i.handle)?,
-                i.alloc_len,
-                i.offset,
-                unhex("descriptor.ipc.gpu_uuid", &i.gpu_uuid)?,
-            )),
+            Some(i) => {
+                let uuid = unhex("descriptor.ipc.gpu_uuid", &i.gpu_uuid)?;
+                match (i.handle, i.vmm_export_id) {
+                    (Some(h), None) => Some(IpcPart::new(
+                        unhex("descriptor.ipc.handle", &h)?,
+                        i.alloc_len,
+                        i.offset,
+                        uuid,
+                    )),
+                    (None, Some(id)) if f.version > OLDEST_VERSION => {
+                        Some(IpcPart::vmm_fd(id, i.alloc_len, i.offset, uuid))
+                    }
+                    (h, id) => {
+                        return Err(Error::invalid(
+                            "descriptor.ipc",
+                            format!(
+                                "handle {}, vmm_export_id {} (version {})",
+                                if h.is_some() { "given" } else { "absent" },
+                                if id.is_some() { "given" } else { "absent" },
+                                f.version
+                            ),
+                            "an IPC part has a handle or (from version 3) a VMM export id, \
+                             exactly one",
+                        ));
+                    }
+                }
+            }
         };
         MemoryDescriptor::build(f.addr, f.len, f.kind, &f.rkeys, ipc)
     }
@@ -230,7 +362,8 @@ impl From<MemoryDescriptor> for DescriptorFields {
             kind: d.kind,
             rkeys: d.rkeys().to_vec(),
             ipc: d.ipc.map(|i| IpcFields {
-                handle: hex(&i.handle),
+                handle: i.handle().map(|h| hex(h)),
+                vmm_export_id: i.export_id(),
                 alloc_len: i.alloc_len,
                 offset: i.offset,
                 gpu_uuid: hex(&i.uuid),
@@ -240,11 +373,13 @@ impl From<MemoryDescriptor> for DescriptorFields {
 }
 
 fn check_version(v: u16) -> Result<()> {
-    if v != DESCRIPTOR_VERSION {
+    if !(OLDEST_VERSION..=DESCRIPTOR_VERSION).contains(&v) {
         return Err(Error::invalid(
             "descriptor.version",
             v,
-            format!("this library reads descriptor version {DESCRIPTOR_VERSION}"),
+            format!(
+                "this library reads descriptor versions {OLDEST_VERSION} to {DESCRIPTOR_VERSION}"
+            ),
         ));
     }
     Ok(())
@@ -389,13 +524,15 @@ impl MemoryDescriptor {
 
     /// Bytes of this descriptor's [`to_bytes`](Self::to_bytes).
     pub fn encoded_len(&self) -> usize {
-        Self::wire_len(self.rails as usize) + self.ipc.map_or(0, |_| IpcPart::WIRE_LEN)
+        Self::wire_len(self.rails as usize) + self.ipc.map_or(0, |i| i.wire_len())
     }
 
-    /// The descriptor as bytes (little endian): `GDXD`, version (u16), kind (u8), rail count
-    /// (u8), flags (u8: bit 0, an IPC part follows), address (u64), length (u64), one rkey (u32)
-    /// per rail, then the IPC part if any: the handle (64 bytes), the allocation length (u64),
-    /// the offset in it (u64), the GPU's UUID (16 bytes).
+    /// The descriptor as bytes (little endian): `GDXD`, version (u16, [`DESCRIPTOR_VERSION`]),
+    /// kind (u8), rail count (u8), flags (u8: bit 0, an IPC part with a `cuIpc` handle follows;
+    /// bit 1, an IPC part naming a VMM file descriptor follows; at most one), address (u64),
+    /// length (u64), one rkey (u32) per rail, then the IPC part if any: the handle (64 bytes) or
+    /// the VMM export id (u64), then the allocation length (u64), the offset in it (u64), the
+    /// GPU's UUID (16 bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(self.encoded_len());
         self.write_to(&mut b);
@@ -407,7 +544,7 @@ impl MemoryDescriptor {
         b.extend_from_slice(&DESCRIPTOR_VERSION.to_le_bytes());
         b.push(self.kind.to_raw());
         b.push(self.rails);
-        b.push(if self.ipc.is_some() { HAS_IPC } else { 0 });
+        b.push(self.ipc.map_or(0, |i| i.flag()));
         b.extend_from_slice(&self.addr.to_le_bytes());
         b.extend_from_slice(&self.len.to_le_bytes());
         for k in self.rkeys() {
@@ -455,23 +592,30 @@ impl MemoryDescriptor {
                 "a descriptor starts with GDXD",
             ));
         }
-        check_version(u16::from_le_bytes([h[4], h[5]]))?;
+        let version = u16::from_le_bytes([h[4], h[5]]);
+        check_version(version)?;
         let kind = DescribedKind::from_raw(h[6])?;
         let rails = h[7] as usize;
         let flags = h[8];
-        if flags & !HAS_IPC != 0 {
-            return Err(Error::invalid(
-                "descriptor.flags",
-                format!("{flags:#04x}"),
-                "only bit 0 (an IPC part follows) is defined",
-            ));
-        }
-        let has_ipc = flags & HAS_IPC != 0;
+        let part_len = match flags {
+            0 => 0,
+            HAS_IPC => IpcPart::WIRE_LEN,
+            HAS_VMM_FD if version > OLDEST_VERSION => IpcPart::VMM_WIRE_LEN,
+            _ => {
+                return Err(Error::invalid(
+                    "descriptor.flags",
+                    format!("{flags:#04x} (version {version})"),
+                    "0, or one IPC part: bit 0 (a cuIpc handle) or, from version 3, bit 1 (a \
+                     VMM file descriptor)",
+                ));
+            }
+        };
+        let has_ipc = flags != 0;
         check_rails(rails, has_ipc)?;
         let addr = u64::from_le_bytes(h[9..17].try_into().expect("8 bytes"));
         let len = u64::from_le_bytes(h[17..25].try_into().expect("8 bytes"));
         let keys_end = Self::wire_len(rails);
-        let total = keys_end + if has_ipc { IpcPart::WIRE_LEN } else { 0 };
+        let total = keys_end + part_len;
         let body = b.get(HEADER..total).ok_or_else(|| {
             Error::invalid(
                 "descriptor",
@@ -483,7 +627,7 @@ impl MemoryDescriptor {
         for (k, c) in rkeys.iter_mut().zip(body[..4 * rails].chunks_exact(4)) {
             *k = u32::from_le_bytes(c.try_into().expect("4 bytes"));
         }
-        let ipc = has_ipc.then(|| IpcPart::read_from(&body[4 * rails..]));
+        let ipc = has_ipc.then(|| IpcPart::read_from(flags, &body[4 * rails..]));
         Ok((Self::build(addr, len, kind, &rkeys[..rails], ipc)?, total))
     }
 }
@@ -636,13 +780,30 @@ mod tests {
     }
 
     fn ipc_part() -> impl Strategy<Value = IpcPart> {
-        (
-            proptest::collection::vec(any::<u8>(), 64),
-            any::<u64>(),
-            any::<u64>(),
-            any::<[u8; 16]>(),
-        )
-            .prop_map(|(h, a, o, u)| IpcPart::new(h.try_into().expect("64"), a, o, u))
+        prop_oneof![
+            (
+                proptest::collection::vec(any::<u8>(), 64),
+                any::<u64>(),
+                any::<u64>(),
+                any::<[u8; 16]>(),
+            )
+                .prop_map(|(h, a, o, u)| IpcPart::new(
+                    h.try_into().expect("64"),
+                    a,
+                    o,
+                    u
+                )),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<[u8; 16]>())
+                .prop_map(|(id, a, o, u)| IpcPart::vmm_fd(id, a, o, u)),
+        ]
+    }
+
+    /// `i` with another allocation length and offset, of the same kind.
+    fn resized(i: &IpcPart, alloc: u64, off: u64) -> IpcPart {
+        match i.kind() {
+            IpcKind::CudaIpcHandle { handle } => IpcPart::new(*handle, alloc, off, *i.gpu_uuid()),
+            IpcKind::VmmFd { export_id } => IpcPart::vmm_fd(*export_id, alloc, off, *i.gpu_uuid()),
+        }
     }
 
     fn desc() -> impl Strategy<Value = MemoryDescriptor> {
@@ -660,8 +821,7 @@ mod tests {
                     // An allocation that holds the described bytes, most of the time.
                     let off = i.offset() % (1 << 40);
                     let alloc = off.checked_add(l)?.checked_add(slack % (1 << 20))?;
-                    let i = IpcPart::new(*i.handle(), alloc, off, *i.gpu_uuid());
-                    MemoryDescriptor::with_ipc(a, l, k, &r, i).ok()
+                    MemoryDescriptor::with_ipc(a, l, k, &r, resized(&i, alloc, off)).ok()
                 }
             })
     }
@@ -750,6 +910,128 @@ mod tests {
     }
 
     #[test]
+    fn a_vmm_part_names_its_export_and_stays_inside_the_mapping() {
+        let part = |mapped, off| IpcPart::vmm_fd(0xfeed_0000_0001, mapped, off, [9; 16]);
+        let d = MemoryDescriptor::with_ipc(
+            0x7f00_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            part(2 << 20, 8192),
+        )
+        .unwrap();
+        let ipc = d.ipc().unwrap();
+        assert_eq!(ipc.export_id(), Some(0xfeed_0000_0001));
+        assert_eq!(ipc.handle(), None);
+        assert!(matches!(ipc.kind(), IpcKind::VmmFd { .. }));
+        let b = d.to_bytes();
+        assert_eq!(
+            b.len(),
+            MemoryDescriptor::wire_len(0) + IpcPart::VMM_WIRE_LEN
+        );
+        assert_eq!((b[4], b[8]), (3, HAS_VMM_FD));
+        assert_eq!(MemoryDescriptor::from_bytes(&b).unwrap(), d);
+        // Past the mapping, or overflowing: refused, from fields and from bytes.
+        for (mapped, off) in [
+            (2 << 20, (2 << 20) - 4095),
+            (0, 0),
+            (u64::MAX, u64::MAX - 10),
+        ] {
+            let e = MemoryDescriptor::with_ipc(
+                0x7f00_0000,
+                4096,
+                DescribedKind::Device,
+                &[],
+                part(mapped, off),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        arg: "descriptor.ipc.offset",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        let at = MemoryDescriptor::wire_len(0) + 8;
+        let mut cut = b.clone();
+        cut[at..at + 8].copy_from_slice(&8191u64.to_le_bytes());
+        assert!(matches!(
+            MemoryDescriptor::from_bytes(&cut),
+            Err(Error::InvalidArgument {
+                arg: "descriptor.ipc.offset",
+                ..
+            })
+        ));
+        // Version 2 knows no VMM part; both parts at once is no descriptor; versions 1 and 4
+        // are not read.
+        let mut v2 = b.clone();
+        v2[4] = 2;
+        assert!(matches!(
+            MemoryDescriptor::from_bytes(&v2),
+            Err(Error::InvalidArgument {
+                arg: "descriptor.flags",
+                ..
+            })
+        ));
+        let mut both = b.clone();
+        both[8] = HAS_IPC | HAS_VMM_FD;
+        assert!(matches!(
+            MemoryDescriptor::from_bytes(&both),
+            Err(Error::InvalidArgument {
+                arg: "descriptor.flags",
+                ..
+            })
+        ));
+        for v in [1u8, 4] {
+            let mut old = b.clone();
+            old[4] = v;
+            assert!(matches!(
+                MemoryDescriptor::from_bytes(&old),
+                Err(Error::InvalidArgument {
+                    arg: "descriptor.version",
+                    ..
+                })
+            ));
+        }
+        // A version 2 descriptor with a handle part still decodes.
+        let h = MemoryDescriptor::with_ipc(
+            0x1000,
+            100,
+            DescribedKind::Device,
+            &[],
+            IpcPart::new([7; 64], 4096, 0, [9; 16]),
+        )
+        .unwrap();
+        let mut old = h.to_bytes();
+        old[4] = 2;
+        assert_eq!(MemoryDescriptor::from_bytes(&old).unwrap(), h);
+        // Serde: the export id instead of the handle; exactly one of the two.
+        let j = serde_json::to_string(&d).unwrap();
+        assert!(
+            j.contains("\"vmm_export_id\":280293860704257") && !j.contains("handle"),
+            "{j}"
+        );
+        assert_eq!(serde_json::from_str::<MemoryDescriptor>(&j).unwrap(), d);
+        let v2 = j.replace("\"version\":3", "\"version\":2");
+        assert!(
+            serde_json::from_str::<MemoryDescriptor>(&v2).is_err(),
+            "{v2}"
+        );
+        let with_both = j.replace(
+            "\"vmm_export_id\"",
+            &format!("\"handle\":\"{}\",\"vmm_export_id\"", "07".repeat(64)),
+        );
+        assert!(serde_json::from_str::<MemoryDescriptor>(&with_both).is_err());
+        let neither = j.replace("\"vmm_export_id\":280293860704257,", "");
+        assert_ne!(neither, j);
+        assert!(serde_json::from_str::<MemoryDescriptor>(&neither).is_err());
+    }
+
+    #[test]
     fn the_end_address_must_fit_64_bits() {
         let e = MemoryDescriptor::new(u64::MAX - 9, 9, DescribedKind::Host, &[1]).unwrap();
         assert_eq!(e.addr() + e.len(), u64::MAX);
@@ -819,13 +1101,13 @@ mod tests {
         fn any_bytes_decode_checked_or_refused(
             b in proptest::collection::vec(any::<u8>(), 0..220),
             real in any::<bool>(), rails in 0u8..=20, addr in crate::proptest_support::addr(),
-            len in any::<u64>(), kind in any::<u8>(), flags in 0u8..4,
+            len in any::<u64>(), kind in any::<u8>(), flags in 0u8..5, version in 1u16..5,
         ) {
             // Half the inputs start with a plausible header so the later checks are reached.
             let mut input = b.clone();
             if real {
                 let mut h = MAGIC.to_vec();
-                h.extend_from_slice(&DESCRIPTOR_VERSION.to_le_bytes());
+                h.extend_from_slice(&version.to_le_bytes());
                 h.push(kind % 4);
                 h.push(rails);
                 h.push(flags);
@@ -840,8 +1122,11 @@ mod tests {
                     prop_assert!(d.addr().checked_add(d.len()).is_some());
                     prop_assert!(d.rkeys().len() <= MAX_RAILS);
                     prop_assert!(!d.rkeys().is_empty() || d.ipc().is_some());
+                    prop_assert!((2..=3).contains(&version));
                     if let Some(i) = d.ipc() {
                         prop_assert!(i.offset().checked_add(d.len()).is_some_and(|e| e <= i.alloc_len()));
+                        prop_assert!(version == 3 || i.export_id().is_none(), "no VMM part in version 2");
+                        prop_assert_eq!(i.handle().is_some(), i.export_id().is_none());
                     }
                     prop_assert_eq!(input.len(), d.encoded_len());
                     prop_assert_eq!(MemoryDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);

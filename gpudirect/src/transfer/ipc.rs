@@ -1,12 +1,14 @@
-//! CUDA IPC for the intra-node path: registered allocations exported once, peers' GPUs found by
-//! UUID, the link between two GPUs, and the process-wide cache of peers' allocations mapped
-//! here (each opened once per local GPU, closed when nothing holds it).
+//! CUDA IPC for the intra-node path: registered allocations exported once (a `cuIpc` handle,
+//! or a VMM allocation's file descriptor), peers' GPUs found by UUID, the link between two GPUs,
+//! and the process-wide cache of peers' allocations mapped here (each opened once per local GPU,
+//! closed when nothing holds it).
 
-use super::region::{Exported, IpcLink};
+use super::region::{Exported, ExportedAs, IpcLink, VmmFd};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::p2p::{Interconnect, IpcMemHandle, IpcMemory, LinkMatrix};
+use crate::p2p::{Interconnect, IpcMemHandle, IpcMemory, LinkMatrix, VmmHandle, VmmImport};
 use std::collections::HashMap;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
@@ -26,11 +28,92 @@ pub(crate) fn export(ordinal: usize, ptr: u64) -> Result<Exported> {
     // SAFETY: context current; `base` starts the live `cuMemAlloc` allocation holding `ptr`.
     let h = unsafe { crate::driver::ipc::get_mem_handle(base) }?;
     Ok(Exported {
-        handle: h.reserved.map(|c| c as u8),
+        how: ExportedAs::Handle(h.reserved.map(|c| c as u8)),
         base,
         alloc_len: size as u64,
         uuid,
     })
+}
+
+/// `cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)` of the VMM physical allocation mapped
+/// at `base..base + len` on device `ordinal` (one whole mapping), under a new export id, listed
+/// process-wide (by a weak reference) so that a local endpoint can send it to a peer.
+///
+/// # Errors
+///
+/// [`Error::Cuda`] from the driver (`CUDA_ERROR_NOT_SUPPORTED` for an allocation made without
+/// the POSIX fd handle type); as [`crate::cuda::context`].
+#[doc(alias = "cuMemExportToShareableHandle")]
+#[doc(alias = "cuMemRetainAllocationHandle")]
+pub(crate) fn export_vmm(ordinal: usize, base: u64, len: usize) -> Result<Exported> {
+    let uuid = uuid_of(ordinal)?;
+    let ctx = crate::cuda::context(ordinal)?;
+    crate::driver::ctx::bind(&ctx)?;
+    // SAFETY: context current; `base` is mapped VMM memory that the registration holds.
+    let h = unsafe { crate::driver::vmm::retain_handle(base) }?;
+    // SAFETY: `h` is live (retained above).
+    let fd = unsafe { crate::driver::vmm::export_fd(h) };
+    // SAFETY: the reference retained above, given back once; the mapping keeps its own.
+    let _ = unsafe { crate::driver::vmm::release(h) };
+    // SAFETY: the driver returned a new descriptor that the caller owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd?) };
+    let v = Arc::new(VmmFd {
+        id: next_export_id(),
+        fd,
+        len: len as u64,
+        uuid,
+    });
+    let mut all = exports();
+    all.retain(|_, w| w.strong_count() > 0);
+    all.insert(v.id, Arc::downgrade(&v));
+    drop(all);
+    Ok(Exported {
+        how: ExportedAs::Vmm(v),
+        base,
+        alloc_len: len as u64,
+        uuid,
+    })
+}
+
+/// A new export id: a counter from a random start, so that two processes (even one that reuses
+/// another's pid) are unlikely to share ids.
+fn next_export_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static NEXT: OnceLock<AtomicU64> = OnceLock::new();
+    NEXT.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        // Below 2^63: the counter never wraps.
+        AtomicU64::new(h.finish() >> 1)
+    })
+    .fetch_add(1, Ordering::Relaxed)
+}
+
+/// The VMM exports alive in this process, by id.
+fn exports() -> MutexGuard<'static, HashMap<u64, Weak<VmmFd>>> {
+    static E: OnceLock<Mutex<HashMap<u64, Weak<VmmFd>>>> = OnceLock::new();
+    E.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// A VMM export made of any file descriptor, listed as [`export_vmm`] lists one (tests without
+/// a GPU).
+#[cfg(test)]
+pub(crate) fn export_any_fd(fd: OwnedFd, len: u64, uuid: [u8; 16]) -> Arc<VmmFd> {
+    let v = Arc::new(VmmFd {
+        id: next_export_id(),
+        fd,
+        len,
+        uuid,
+    });
+    exports().insert(v.id, Arc::downgrade(&v));
+    v
+}
+
+/// The live VMM export `id` of this process (its registration still alive).
+pub(crate) fn published(id: u64) -> Option<Arc<VmmFd>> {
+    exports().get(&id).and_then(Weak::upgrade)
 }
 
 /// The UUID of device `ordinal` (`cuDeviceGetUuid`).
@@ -102,8 +185,29 @@ pub(crate) fn link(local: Option<usize>, peer: Option<usize>) -> IpcLink {
     }
 }
 
-/// An imported allocation: the handle's bytes and the local GPU it is mapped for.
-type Key = ([u8; 64], usize);
+/// An imported allocation and the local GPU it is mapped for: by its `cuIpc` handle, or by the
+/// exporting process and its VMM export id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    Handle([u8; 64], usize),
+    Vmm { pid: u32, id: u64, ordinal: usize },
+}
+
+impl Key {
+    fn ordinal(&self) -> usize {
+        match *self {
+            Key::Handle(_, o) | Key::Vmm { ordinal: o, .. } => o,
+        }
+    }
+}
+
+/// A peer's allocation mapped here, held only to be closed when dropped.
+enum Mapped {
+    /// `cuIpcOpenMemHandle`.
+    Handle { _mem: IpcMemory<u8> },
+    /// `cuMemImportFromShareableHandle` and `cuMemMap`.
+    Vmm { _mem: VmmImport<u8> },
+}
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
 /// is being closed by its last holder, which removes it once the mapping is closed.
@@ -114,12 +218,13 @@ fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// A peer's allocation mapped here with `cuIpcOpenMemHandle`, shared by every endpoint and
-/// request that uses it; closed (`cuIpcCloseMemHandle`) when the last holder goes. Copies hold
-/// it until their events complete, so it is never closed under a copy.
+/// A peer's allocation mapped here (`cuIpcOpenMemHandle`, or a VMM file descriptor imported and
+/// mapped), shared by every endpoint and request that uses it; closed (`cuIpcCloseMemHandle`,
+/// or unmapped and released) when the last holder goes. Copies hold it until their events
+/// complete, so it is never closed under a copy.
 pub(crate) struct Import {
     key: Key,
-    mem: Option<IpcMemory<u8>>,
+    mem: Option<Mapped>,
     /// The mapping's first byte here.
     pub(crate) base: u64,
     /// The mapping's real size (`cuMemGetAddressRange` on it).
@@ -129,7 +234,8 @@ pub(crate) struct Import {
 impl std::fmt::Debug for Import {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Import")
-            .field("device", &self.key.1)
+            .field("device", &self.key.ordinal())
+            .field("vmm", &matches!(self.key, Key::Vmm { .. }))
             .field("base", &format_args!("{:#x}", self.base))
             .field("size", &self.size)
             .finish()
@@ -153,7 +259,59 @@ pub(crate) fn import(
     home: impl FnOnce() -> Option<String>,
     opened: &AtomicU64,
 ) -> Result<Arc<Import>> {
-    let key = (*handle, ordinal);
+    import_as(Key::Handle(*handle, ordinal), opened, || {
+        let h = IpcMemHandle::from_parts(*handle, 0, alloc_len, 1, 0, home());
+        let mem = IpcMemory::<u8>::open_on(&h, ordinal)?;
+        let base = mem.device_ptr();
+        // SAFETY: `open_on` left `ordinal`'s context current; `base` is the mapping it made.
+        let (_, size) = unsafe { crate::driver::mem::address_range(base) }?;
+        Ok((Mapped::Handle { _mem: mem }, base, size as u64))
+    })
+}
+
+/// The import of the VMM allocation that process `pid` (as the kernel names the socket's peer,
+/// not the peer's word) exported as `id`, mapped for GPU
+/// `ordinal`: the live one, or a new one (`cuMemImportFromShareableHandle` of `fd`, `cuMemMap`
+/// of `mapped_len` bytes, `cuMemSetAccess` for `ordinal`; counted in `opened`). `home` gives the
+/// PCI address of the GPU that owns the memory, when visible here (asked only to open).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a `mapped_len` of 0 or past `usize`; [`Error::Cuda`] from
+/// the driver (a `mapped_len` longer than the allocation, or not a multiple of its
+/// granularity).
+#[doc(alias = "cuMemImportFromShareableHandle")]
+pub(crate) fn import_vmm(
+    pid: u32,
+    id: u64,
+    ordinal: usize,
+    fd: &OwnedFd,
+    mapped_len: u64,
+    home: impl FnOnce() -> Option<String>,
+    opened: &AtomicU64,
+) -> Result<Arc<Import>> {
+    import_as(Key::Vmm { pid, id, ordinal }, opened, || {
+        let h = VmmHandle {
+            bytes: mapped_len,
+            mapped_bytes: mapped_len,
+            elem_size: 1,
+            device: 0,
+            pci_bus_id: home(),
+        };
+        let mem = VmmImport::<u8>::open_on(fd.as_fd(), &h, ordinal)?;
+        let base = mem.device_ptr();
+        // The mapping is exactly `mapped_len` bytes: `cuMemMap` mapped that many of the
+        // allocation (it refuses more than the allocation holds).
+        Ok((Mapped::Vmm { _mem: mem }, base, mapped_len))
+    })
+}
+
+/// The live import for `key`, or a new one made by `open` (mapping, its base, its real size).
+fn import_as(
+    key: Key,
+    opened: &AtomicU64,
+    open: impl FnOnce() -> Result<(Mapped, u64, u64)>,
+) -> Result<Arc<Import>> {
     loop {
         let mut c = cache();
         if let Some(w) = c.get(&key) {
@@ -166,16 +324,12 @@ pub(crate) fn import(
             std::thread::sleep(std::time::Duration::from_micros(50));
             continue;
         }
-        let h = IpcMemHandle::from_parts(*handle, 0, alloc_len, 1, 0, home());
-        let mem = IpcMemory::<u8>::open_on(&h, ordinal)?;
-        let base = mem.device_ptr();
-        // SAFETY: `open_on` left `ordinal`'s context current; `base` is the mapping it made.
-        let (_, size) = unsafe { crate::driver::mem::address_range(base) }?;
+        let (mem, base, size) = open()?;
         let a = Arc::new(Import {
             key,
             mem: Some(mem),
             base,
-            size: size as u64,
+            size,
         });
         c.insert(key, Arc::downgrade(&a));
         opened.fetch_add(1, Ordering::Relaxed);
@@ -185,8 +339,8 @@ pub(crate) fn import(
 
 impl Drop for Import {
     fn drop(&mut self) {
-        // Closed outside the cache's lock: `cuIpcCloseMemHandle` waits for the work queued on
-        // the device, and every other import of the process would wait with it. The dead entry
+        // Closed outside the cache's lock: `cuIpcCloseMemHandle` (and unmapping) waits for the
+        // work queued on the device, and every other import of the process would wait with it. The dead entry
         // stays in the map until the mapping is closed, so nobody opens the same handle
         // meanwhile (`import` waits for it to go).
         drop(self.mem.take());

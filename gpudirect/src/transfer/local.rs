@@ -1,11 +1,17 @@
 //! Intra-node endpoints: two processes on one node meet over a Unix domain socket and move GPU
 //! memory with CUDA IPC and stream-ordered copies, not through a NIC.
 //!
-//! Each side sends a first message (magic, version, its pid, the descriptors it publishes) and
-//! checks the peer's. A request maps each remote range's allocation from its descriptor's
-//! [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, once per allocation and local GPU, shared
-//! process-wide), checks the range against the allocation length the peer claims and the
-//! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
+//! Each side sends a first message (magic, version, its pid, the descriptors it publishes), then
+//! the file descriptors of the VMM allocations those descriptors name (`SCM_RIGHTS`, at most
+//! [`MAX_FDS_PER_MSG`] a message, each message listing the export ids of its descriptors), and
+//! checks the peer's: the same deadline bounds it all, and a peer that sends fewer, more or
+//! other file descriptors than its descriptors name is refused (every one received closed). A
+//! request maps each remote range's allocation from its descriptor's
+//! [`IpcPart`](super::IpcPart): `cuIpcOpenMemHandle` of its handle, or for VMM memory
+//! `cuMemImportFromShareableHandle` of the file descriptor that came when the endpoints met
+//! (once per allocation and local GPU, shared process-wide), checks the range against the
+//! allocation length the peer claims and the mapping's real size, and queues `cuMemcpyAsync` on
+//! the endpoint's stream(s) of the local
 //! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
 //! event is recorded only when someone looks, covering every request queued before, and events
 //! are recycled). Requests finish in request order, each only once its epochs complete, and
@@ -16,23 +22,25 @@
 //! not slowed by the worker's wake-up and queries beside its own copies). A reader thread
 //! delivers the peer's notifications and ends the endpoint when the socket closes.
 
+use super::descriptor::IpcKind;
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
     Broken, Direction, EpInner, LocalSide, Notification, Transfer, TransferOptions, TransferReport,
     check_pairs, check_same_engine,
 };
 use super::engine::Engine;
-use super::ipc::{Import, import, link, ordinal_of_uuid};
-use super::region::{LocalRange, MemoryPath, Region};
+use super::ipc::{Import, import, import_vmm, link, ordinal_of_uuid, published};
+use super::region::{LocalRange, MemoryPath, Region, VmmFd};
 use super::wire::{MAX_HELLO, header};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
 };
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
+use crate::p2p::{MAX_FDS_PER_MSG, recv_fds, send_fds};
 use std::collections::{HashMap, VecDeque};
 use std::io::Read;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,7 +49,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 4] = *b"GDXL";
-const VERSION: u16 = 1;
+/// Version 2: VMM file descriptors follow the first message.
+const VERSION: u16 = 2;
+/// A message of VMM file descriptors: `GDXF`, the count (u32), one export id (u64) per
+/// descriptor, in the order of the `SCM_RIGHTS` descriptors it carries.
+const FD_MAGIC: [u8; 4] = *b"GDXF";
+const FD_HEAD: usize = 4 + 4;
 /// Magic, version, flags (u16, 0), pid (u32).
 const FIXED: usize = 4 + 2 + 2 + 4;
 /// A message after the first: kind (u8), tag (u32).
@@ -141,8 +154,13 @@ fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
 
 /// Receive one length-prefixed message of at most [`MAX_HELLO`] bytes (the peer's word,
 /// checked before anything is allocated).
+#[cfg(test)]
 fn recv_msg(s: &mut UnixStream, timeout: Duration) -> Result<Vec<u8>> {
-    let end = deadline_after(Instant::now(), timeout);
+    recv_msg_by(s, deadline_after(Instant::now(), timeout), timeout)
+}
+
+/// [`recv_msg`] by `end` (`timeout` is what the meeting was given, for the error).
+fn recv_msg_by(s: &mut UnixStream, end: Instant, timeout: Duration) -> Result<Vec<u8>> {
     let mut n = [0u8; 4];
     read_by(s, &mut n, end, timeout)?;
     let n = u32::from_le_bytes(n);
@@ -196,18 +214,282 @@ fn read_by(s: &mut UnixStream, buf: &mut [u8], end: Instant, timeout: Duration) 
     Ok(())
 }
 
-/// Swap first messages on a new connection (the dialer sends first), bounded by `timeout`.
+/// A VMM file descriptor the peer sent when the endpoints met, and what its descriptors say it
+/// maps (every later descriptor naming it must say the same).
+#[derive(Debug, Clone)]
+pub(super) struct PeerFd {
+    fd: Arc<OwnedFd>,
+    len: u64,
+    uuid: [u8; 16],
+}
+
+/// The peer's VMM file descriptors, by export id, and its pid as the kernel gives it
+/// (`SO_PEERCRED`, not the peer's word): what its imports are cached by.
+#[derive(Debug)]
+pub(super) struct PeerFds {
+    pid: u32,
+    by_id: HashMap<u64, PeerFd>,
+}
+
+/// `getsockopt(SO_PEERCRED)`: the pid of the process at the other end of `s` (when it
+/// connected, or listened), in this process's pid namespace.
+#[doc(alias = "SO_PEERCRED")]
+fn peer_process(s: &UnixStream) -> Result<u32> {
+    // SAFETY: all-zero is a valid ucred.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid out-pointers of the sizes given; the fd is the live
+    // socket's.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(os(
+            "getsockopt(SO_PEERCRED) (the local endpoint's Unix socket)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // A pid is positive.
+    Ok(cred.pid.max(0) as u32)
+}
+
+/// The VMM exports of this process that `publish` names, once each, in the order first named;
+/// each must be alive and described as it is (its length and GPU).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] (`publish`) naming the descriptor.
+fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
+    let mut out: Vec<Arc<VmmFd>> = Vec::new();
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for (i, d) in publish.iter().enumerate() {
+        let Some(p) = d.ipc() else { continue };
+        let Some(id) = p.export_id() else { continue };
+        let v = match seen.get(&id) {
+            Some(&k) => out[k].clone(),
+            None => {
+                let v = published(id).ok_or_else(|| {
+                    Error::invalid(
+                        "publish",
+                        i,
+                        format!(
+                            "descriptor {i} names the VMM export {id}, which this process does \
+                             not hold: its region was dropped, or the descriptor is another \
+                             process's"
+                        ),
+                    )
+                })?;
+                seen.insert(id, out.len());
+                out.push(v.clone());
+                v
+            }
+        };
+        if v.len != p.alloc_len() || v.uuid != *p.gpu_uuid() {
+            return Err(Error::invalid(
+                "publish",
+                i,
+                format!(
+                    "descriptor {i} says the VMM export {id} maps {} bytes; it maps {} bytes \
+                     (or another GPU's)",
+                    p.alloc_len(),
+                    v.len
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// The VMM export ids the peer's descriptors name, once each, in the order first named, with
+/// the length and GPU they say; descriptors naming one id must agree.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] (`peer`) naming the descriptor that disagrees.
+fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, u64, [u8; 16])>> {
+    let mut out: Vec<(u64, u64, [u8; 16])> = Vec::new();
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for (i, d) in descs.iter().enumerate() {
+        let Some(p) = d.ipc() else { continue };
+        let Some(id) = p.export_id() else { continue };
+        let said = (id, p.alloc_len(), *p.gpu_uuid());
+        match seen.get(&id) {
+            Some(&k) if out[k] != said => {
+                return Err(Error::invalid(
+                    "peer",
+                    i,
+                    format!(
+                        "descriptor {i} names the VMM export {id} with another length or GPU \
+                         than an earlier descriptor"
+                    ),
+                ));
+            }
+            Some(_) => {}
+            None => {
+                seen.insert(id, out.len());
+                out.push(said);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Send the VMM file descriptors `fds`, at most [`MAX_FDS_PER_MSG`] a message, each message
+/// listing their export ids.
+fn send_vmm_fds(s: &UnixStream, fds: &[Arc<VmmFd>]) -> Result<()> {
+    for batch in fds.chunks(MAX_FDS_PER_MSG) {
+        let mut b = Vec::with_capacity(FD_HEAD + 8 * batch.len());
+        b.extend_from_slice(&FD_MAGIC);
+        // At most MAX_FDS_PER_MSG: fits u32.
+        b.extend_from_slice(&(batch.len() as u32).to_le_bytes());
+        for v in batch {
+            b.extend_from_slice(&v.id.to_le_bytes());
+        }
+        let raw: Vec<BorrowedFd<'_>> = batch.iter().map(|v| v.fd.as_fd()).collect();
+        send_fds(s, &raw, &b).map_err(|e| os("sendmsg (the local endpoint's Unix socket)", e))?;
+    }
+    Ok(())
+}
+
+/// Receive the peer's VMM file descriptors for `want` (export id, length, GPU; in order) by
+/// `end`. Every descriptor received is closed again when the peer is refused.
+///
+/// # Errors
+///
+/// [`Error::Timeout`] when they do not all come by `end`; [`Error::InvalidArgument`] (`peer`)
+/// for a message that is not one of them, more or fewer descriptors than it lists, or an id the
+/// peer's descriptors do not name there; [`Error::Os`] from `recvmsg`, or the peer's close.
+fn recv_vmm_fds(
+    s: &mut UnixStream,
+    want: &[(u64, u64, [u8; 16])],
+    end: Instant,
+    timeout: Duration,
+) -> Result<PeerFds> {
+    let refuse = |why: String| Error::invalid("peer", "its VMM file descriptors", why);
+    let mut out = PeerFds {
+        pid: peer_process(s)?,
+        by_id: HashMap::with_capacity(want.len()),
+    };
+    let mut buf = vec![0u8; FD_HEAD + 8 * MAX_FDS_PER_MSG];
+    let mut at = 0;
+    while at < want.len() {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                what: "the peer's VMM file descriptors",
+                after: timeout,
+            });
+        }
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+        // Room for one more than a message may carry: a peer that sends more is seen doing it.
+        let r = match recv_fds(s, &mut buf, MAX_FDS_PER_MSG + 1) {
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(Error::Timeout {
+                    what: "the peer's VMM file descriptors",
+                    after: timeout,
+                });
+            }
+            Err(e) => return Err(os("recvmsg (the local endpoint's Unix socket)", e)),
+        };
+        // From here every descriptor that came is owned by `r.fds`: closed on any refusal.
+        if r.len == 0 {
+            return Err(os(
+                "recvmsg (the local endpoint's Unix socket)",
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+        if r.truncated {
+            return Err(refuse(format!(
+                "more file descriptors than a message carries ({MAX_FDS_PER_MSG}), or than this \
+                 process may open"
+            )));
+        }
+        let mut n = r.len;
+        if n < FD_HEAD {
+            read_by(s, &mut buf[n..FD_HEAD], end, timeout)?;
+            n = FD_HEAD;
+        }
+        if buf[..4] != FD_MAGIC {
+            return Err(refuse(format!(
+                "a message starting {:02x?} where its VMM file descriptors (GDXF) were due",
+                &buf[..4]
+            )));
+        }
+        let count = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes")) as usize;
+        let due = (want.len() - at).min(MAX_FDS_PER_MSG);
+        if count == 0 || count > due {
+            return Err(refuse(format!(
+                "a message listing {count} file descriptors where at most {due} were due"
+            )));
+        }
+        let total = FD_HEAD + 8 * count;
+        if n > total {
+            return Err(refuse(format!(
+                "{n} bytes in a message of {count} file descriptors ({total} bytes)"
+            )));
+        }
+        if n < total {
+            read_by(s, &mut buf[n..total], end, timeout)?;
+        }
+        if r.fds.len() != count {
+            return Err(refuse(format!(
+                "{} file descriptors came with a message listing {count}",
+                r.fds.len()
+            )));
+        }
+        for (k, fd) in r.fds.into_iter().enumerate() {
+            let at_id = FD_HEAD + 8 * k;
+            let id = u64::from_le_bytes(buf[at_id..at_id + 8].try_into().expect("8 bytes"));
+            let (want_id, len, uuid) = want[at];
+            if id != want_id {
+                return Err(refuse(format!(
+                    "a file descriptor for the VMM export {id}, where its descriptors name \
+                     {want_id} next (each export it names, once, in the order first named)"
+                )));
+            }
+            out.by_id.insert(
+                id,
+                PeerFd {
+                    fd: Arc::new(fd),
+                    len,
+                    uuid,
+                },
+            );
+            at += 1;
+        }
+    }
+    Ok(out)
+}
+
+/// Swap first messages and VMM file descriptors on a new connection (the dialer sends first),
+/// all bounded by `timeout`.
 fn greet(
     s: &mut UnixStream,
     publish: &[MemoryDescriptor],
     dialer: bool,
     timeout: Duration,
     write_bound: Duration,
-) -> Result<LocalHello> {
+) -> Result<(LocalHello, PeerFds)> {
+    let end = deadline_after(Instant::now(), timeout);
     let t = Some(timeout.max(Duration::from_millis(1)));
     s.set_read_timeout(t)
         .and_then(|()| s.set_write_timeout(t))
         .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+    let fds = outgoing(publish)?;
     let mine = LocalHello {
         pid: std::process::id(),
         descriptors: publish.to_vec(),
@@ -215,17 +497,20 @@ fn greet(
     .encode()?;
     if dialer {
         send_msg(s, &mine)?;
+        send_vmm_fds(s, &fds)?;
     }
-    let theirs = LocalHello::decode(&recv_msg(s, timeout)?)?;
+    let theirs = LocalHello::decode(&recv_msg_by(s, end, timeout)?)?;
+    let theirs_fds = recv_vmm_fds(s, &expected(&theirs.descriptors)?, end, timeout)?;
     if !dialer {
         send_msg(s, &mine)?;
+        send_vmm_fds(s, &fds)?;
     }
     // The reader blocks; notifications are sent with the engine's bound (not what was left of
     // the meeting's timeout).
     s.set_read_timeout(None)
         .and_then(|()| s.set_write_timeout(Some(write_bound.max(Duration::from_millis(1)))))
         .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
-    Ok(theirs)
+    Ok((theirs, theirs_fds))
 }
 
 /// A listener for intra-node endpoints on a Unix domain socket ([`Engine::listen_local`]).
@@ -256,23 +541,30 @@ impl Engine {
     }
 
     /// Connect an intra-node endpoint to the local listener at `path`: the first messages
-    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)).
+    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)),
+    /// each followed by the file descriptors of the VMM memory its descriptors name
+    /// (`SCM_RIGHTS`): VMM memory is reachable only through descriptors published here.
     /// It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
     /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
-    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle` on the local memory's
-    /// GPU, or GPU 0 for host memory; once per allocation and GPU in the process, until nothing
-    /// holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path is
-    /// [`MemoryPath::CudaIpc`] with the link crossed.
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, or for VMM memory
+    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`, on the
+    /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
+    /// until nothing holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each
+    /// report's path is [`MemoryPath::CudaIpc`] with the link crossed.
     ///
     /// # Errors
     ///
     /// [`Error::Os`] from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
-    /// [`Error::Timeout`] when the peer's first message does not come within
-    /// [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
-    /// [`Error::InvalidArgument`] for a first message that is not valid, or too many
-    /// descriptors to publish.
+    /// [`Error::Timeout`] when the peer's first message or VMM file descriptors do not come
+    /// within [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
+    /// [`Error::InvalidArgument`] for a first message that is not valid, VMM file descriptors
+    /// that do not match the peer's descriptors (all of them closed again), too many
+    /// descriptors to publish, or a published VMM descriptor whose region is gone or that
+    /// describes its export otherwise (refused before connecting).
     #[doc(alias = "connect")]
     #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    #[doc(alias = "SCM_RIGHTS")]
     #[doc(alias = "cuMemcpyAsync")]
     pub fn connect_local(
         &self,
@@ -280,11 +572,12 @@ impl Engine {
         publish: &[MemoryDescriptor],
     ) -> Result<super::Endpoint> {
         let path = path.as_ref().to_path_buf();
-        let (stream, hello) = dial(self, &path, publish)?;
+        let (stream, hello, fds) = dial(self, &path, publish)?;
         let side = Side::new(
             self.clone(),
             stream,
             hello.pid,
+            fds,
             Some((path, publish.to_vec())),
         );
         super::Endpoint::start_local(self.clone(), hello.descriptors, side)
@@ -295,7 +588,7 @@ fn dial(
     engine: &Engine,
     path: &Path,
     publish: &[MemoryDescriptor],
-) -> Result<(UnixStream, LocalHello)> {
+) -> Result<(UnixStream, LocalHello, PeerFds)> {
     if publish.len() > MAX_DESCRIPTORS {
         return Err(Error::invalid(
             "publish",
@@ -303,10 +596,12 @@ fn dial(
             format!("at most {MAX_DESCRIPTORS} descriptors"),
         ));
     }
+    // Refused before connecting: a VMM export that is gone, or described otherwise.
+    outgoing(publish)?;
     let mut s = UnixStream::connect(path).map_err(|e| os("connect (a Unix socket)", e))?;
     let bound = engine.inner.config.connect_timeout;
-    let hello = greet(&mut s, publish, true, bound, bound)?;
-    Ok((s, hello))
+    let (hello, fds) = greet(&mut s, publish, true, bound, bound)?;
+    Ok((s, hello, fds))
 }
 
 impl LocalListener {
@@ -316,19 +611,24 @@ impl LocalListener {
     }
 
     /// Accept the next intra-node endpoint within `timeout`; the first messages carry
-    /// `publish` and the peer's descriptors.
+    /// `publish` and the peer's descriptors, each followed by the file descriptors of the VMM
+    /// memory its descriptors name (as [`Engine::connect_local`]).
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when nobody connects (or sends its first message) in time;
-    /// [`Error::InvalidArgument`] for a first message that is not valid; [`Error::Os`] from
-    /// `accept` or the socket.
+    /// [`Error::Timeout`] when nobody connects (or sends its first message and VMM file
+    /// descriptors) in time; [`Error::InvalidArgument`] for a first message that is not valid,
+    /// VMM file descriptors that do not match the peer's descriptors (all of them closed
+    /// again), or a published VMM descriptor whose region is gone or that describes its export
+    /// otherwise; [`Error::Os`] from `accept` or the socket.
     pub fn accept(
         &self,
         publish: &[MemoryDescriptor],
         timeout: Duration,
     ) -> Result<super::Endpoint> {
         let deadline = deadline_after(Instant::now(), timeout);
+        // Refused before anyone is accepted: a VMM export that is gone, or described otherwise.
+        outgoing(publish)?;
         self.listener
             .set_nonblocking(true)
             .map_err(|e| os("fcntl (a Unix socket)", e))?;
@@ -361,14 +661,14 @@ impl LocalListener {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .min(self.engine.inner.config.connect_timeout);
-        let hello = greet(
+        let (hello, fds) = greet(
             &mut s,
             publish,
             false,
             left,
             self.engine.inner.config.connect_timeout,
         )?;
-        let side = Side::new(self.engine.clone(), s, hello.pid, None);
+        let side = Side::new(self.engine.clone(), s, hello.pid, fds, None);
         super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
     }
 }
@@ -387,10 +687,12 @@ impl std::fmt::Debug for LocalListener {
     }
 }
 
-/// The live connection: the socket notifications are written to, the peer's pid, the reader.
+/// The live connection: the socket notifications are written to, the peer's pid, the VMM file
+/// descriptors it sent when the endpoints met, the reader.
 struct Conn {
     stream: UnixStream,
     peer_pid: u32,
+    peer_fds: PeerFds,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -523,6 +825,7 @@ impl Side {
         engine: Engine,
         stream: UnixStream,
         peer_pid: u32,
+        peer_fds: PeerFds,
         dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     ) -> Arc<Side> {
         Arc::new_cyclic(|me| Side {
@@ -534,6 +837,7 @@ impl Side {
             conn: Mutex::new(Some(Conn {
                 stream,
                 peer_pid,
+                peer_fds,
                 reader: None,
             })),
             epoch: AtomicU64::new(1),
@@ -634,8 +938,16 @@ impl Side {
         }
     }
 
-    fn peer_pid(&self) -> Option<u32> {
-        lock(&self.conn).as_ref().map(|c| c.peer_pid)
+    /// The peer's pid (its word), its pid as the kernel gives it, and the VMM file descriptor
+    /// it sent for each of `ids` (all of one connection).
+    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, u32, Vec<Option<PeerFd>>)> {
+        let c = lock(&self.conn);
+        let c = c.as_ref()?;
+        let fds = ids
+            .iter()
+            .map(|id| id.and_then(|id| c.peer_fds.by_id.get(&id).cloned()))
+            .collect();
+        Some((c.peer_pid, c.peer_fds.pid, fds))
     }
 
     /// Send a notification (after its request's copies are done).
@@ -888,10 +1200,11 @@ impl LocalSide for Side {
         let _one = lock(&self.reconnecting);
         self.fail(Broken::Closed);
         self.hang_up();
-        let (stream, hello) = dial(&self.engine, path, publish)?;
+        let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;
         *lock(&self.conn) = Some(Conn {
             stream,
             peer_pid: hello.pid,
+            peer_fds,
             reader: None,
         });
         // The old peer's mappings: each request still running holds its own.
@@ -976,18 +1289,56 @@ fn prepare(
     if let Some(err) = ep.failure() {
         return Err(err);
     }
+    let mut ids = Vec::with_capacity(pairs.len());
     for (i, (_, r)) in pairs.iter().enumerate() {
-        if r.descriptor().ipc().is_none() {
+        let Some(ipc) = r.descriptor().ipc() else {
             return Err(Error::invalid(
                 "pairs",
                 i,
                 "the remote memory has no CUDA IPC part: an intra-node endpoint reaches only GPU \
-                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer); host \
-                 memory, pool memory and VMM memory are not exported",
+                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer, by its \
+                 cuIpc handle; VMM memory inside one physical allocation such as a VmmBuffer, by \
+                 its file descriptor); host memory and pool memory are not exported",
             ));
+        };
+        ids.push(ipc.export_id());
+    }
+    let (peer_pid, exporter, fds) = side.peer(&ids).ok_or_else(|| Broken::Closed.to_error())?;
+    // VMM memory: mapped from the file descriptor the peer sent when the endpoints met, which
+    // the descriptor must describe as the peer's first message did. Checked before any CUDA call.
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        let (Some(id), Some(ipc)) = (ids[i], r.descriptor().ipc()) else {
+            continue;
+        };
+        match &fds[i] {
+            None => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote memory is VMM memory (the peer's export {id}) whose file \
+                         descriptor did not come when this endpoint met its peer: VMM memory \
+                         must be published when the endpoints meet (among the descriptors given \
+                         to connect_local or accept); a descriptor handed over otherwise cannot \
+                         be mapped"
+                    ),
+                ));
+            }
+            Some(f) if f.len != ipc.alloc_len() || f.uuid != *ipc.gpu_uuid() => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote descriptor says the peer's VMM export {id} maps {} bytes; \
+                         the peer published it with {} (or on another GPU)",
+                        ipc.alloc_len(),
+                        f.len
+                    ),
+                ));
+            }
+            Some(_) => {}
         }
     }
-    let peer_pid = side.peer_pid().ok_or_else(|| Broken::Closed.to_error())?;
     if peer_pid == std::process::id() {
         return Err(Error::Unsupported {
             what: "an intra-node transfer between two endpoints of one process".into(),
@@ -1044,13 +1395,27 @@ fn prepare(
             ));
         }
         let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
-        let imp = import(
-            ipc.handle(),
-            device,
-            ipc.alloc_len(),
-            home,
-            &e.stats.imports,
-        )?;
+        let imp = match (ipc.kind(), &fds[i]) {
+            (IpcKind::CudaIpcHandle { handle }, _) => {
+                import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
+            }
+            (IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
+                exporter,
+                *export_id,
+                device,
+                &f.fd,
+                ipc.alloc_len(),
+                home,
+                &e.stats.imports,
+            )?,
+            (IpcKind::VmmFd { .. }, None) => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    "no VMM file descriptor (checked above)",
+                ));
+            }
+        };
         // Kept (and parked if the request is refused) before anything can fail.
         if !imports.0.iter().any(|x| Arc::ptr_eq(x, &imp)) {
             imports.0.push(imp.clone());
@@ -1667,6 +2032,243 @@ mod tests {
         send_msg(&mut s, &h).unwrap();
         LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
         s
+    }
+
+    /// A descriptor of 4096 bytes of the VMM export `id`, which maps `mapped` bytes.
+    fn vmm_desc(id: u64, mapped: u64) -> MemoryDescriptor {
+        MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::vmm_fd(id, mapped, 0, [7; 16]),
+        )
+        .unwrap()
+    }
+
+    /// A new file at a unique path, and that path as `/proc/self/fd` shows it.
+    fn marker(name: &str) -> (std::fs::File, PathBuf) {
+        let p = socket(name);
+        let f = std::fs::File::create(&p).unwrap();
+        (f, std::fs::canonicalize(&p).unwrap())
+    }
+
+    /// Descriptors of this process open on `path` (other tests' descriptors never are).
+    fn open_on(path: &Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == path))
+            .count()
+    }
+
+    /// A VMM file descriptor message listing `ids`.
+    fn fd_msg(ids: &[u64]) -> Vec<u8> {
+        let mut b = FD_MAGIC.to_vec();
+        b.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        for id in ids {
+            b.extend_from_slice(&id.to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn a_peer_whose_vmm_fds_do_not_match_its_descriptors_is_refused_and_nothing_leaks() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("vmm-fds")).unwrap();
+        let (file, marked) = marker("vmm-fds-marker");
+        drop(file);
+        // What the hand-made peer announces, and what it then does on the socket (which the
+        // listener may have closed already).
+        type Act = fn(&UnixStream, &std::fs::File);
+        let cases: [(&str, Vec<MemoryDescriptor>, Act); 7] = [
+            ("no fd at all", vec![vmm_desc(11, 2 << 20)], |_, _| {}),
+            ("two fds for one id", vec![vmm_desc(11, 2 << 20)], |s, f| {
+                let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11]));
+            }),
+            (
+                "an fd for an id not announced",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[12]));
+                },
+            ),
+            (
+                "a listed fd that did not come",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, _| {
+                    let _ = send_all(s, &fd_msg(&[11]));
+                },
+            ),
+            (
+                "more ids than announced",
+                vec![vmm_desc(11, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11, 12]));
+                },
+            ),
+            (
+                "one id with two lengths",
+                vec![vmm_desc(11, 2 << 20), vmm_desc(11, 4 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[11]));
+                },
+            ),
+            ("not a fd message", vec![vmm_desc(11, 2 << 20)], |s, f| {
+                let _ = send_fds(s, &[f.as_fd()], b"GDXL and more bytes");
+            }),
+        ];
+        for (what, descriptors, act) in cases {
+            let path = l.path().to_path_buf();
+            let m = marked.clone();
+            let peer = std::thread::spawn(move || {
+                let mut s = UnixStream::connect(&path).unwrap();
+                let h = LocalHello {
+                    pid: 76,
+                    descriptors,
+                }
+                .encode()
+                .unwrap();
+                send_msg(&mut s, &h).unwrap();
+                let f = std::fs::File::open(&m).unwrap();
+                act(&s, &f);
+                drop(f);
+                // Until the listener gives up on this peer.
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let _ = s.read(&mut [0u8; 64]);
+            });
+            let t = Instant::now();
+            let e = l.accept(&[], Duration::from_millis(500)).unwrap_err();
+            peer.join().unwrap();
+            assert!(t.elapsed() < Duration::from_secs(10), "{what}: bounded");
+            if what == "no fd at all" {
+                assert!(matches!(e, Error::Timeout { .. }), "{what}: {e}");
+            } else {
+                assert!(
+                    matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+                    "{what}: {e}"
+                );
+            }
+            assert_eq!(open_on(&marked), 0, "{what}: every fd received is closed");
+        }
+        // A peer that announces no VMM memory but sends an fd after its first message: the
+        // endpoint ends typed when it reads it, and the kernel closes the fd.
+        let path = l.path().to_path_buf();
+        let m = marked.clone();
+        let peer = std::thread::spawn(move || {
+            let mut s = greeted_peer(&path, 75);
+            let f = std::fs::File::open(&m).unwrap();
+            send_fds(&s, &[f.as_fd()], &fd_msg(&[11])).unwrap();
+            drop(f);
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let _ = s.read(&mut [0u8; 64]);
+        });
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let e = ep.next_notification(Duration::from_secs(10)).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "peer", .. }),
+            "{e}"
+        );
+        drop(ep);
+        peer.join().unwrap();
+        assert_eq!(open_on(&marked), 0, "the extra fd is closed");
+        let _ = std::fs::remove_file(&marked);
+    }
+
+    #[test]
+    fn vmm_fds_cross_when_endpoints_meet_and_only_then() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let (file, marked) = marker("vmm-export");
+        let mapped = 2 << 20;
+        let v = super::super::ipc::export_any_fd(file.into(), mapped, [7; 16]);
+        let published = vmm_desc(v.id, mapped);
+        assert_eq!(open_on(&marked), 1);
+
+        // Publishing what this process does not hold, or describing it otherwise: refused
+        // before connecting (the path does not even exist).
+        let nowhere = socket("vmm-nowhere");
+        for (d, what) in [
+            (vmm_desc(v.id ^ 1, mapped), "an export not held"),
+            (vmm_desc(v.id, mapped * 2), "another length"),
+        ] {
+            let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "publish", .. }),
+                "{what}: {e}"
+            );
+        }
+
+        // Published at the meeting (twice: one fd crosses): the dialer holds it.
+        let l = engine.listen_local(socket("vmm-meet")).unwrap();
+        let path = l.path().to_path_buf();
+        let publish = vec![published, vmm_desc(v.id, mapped)];
+        let acc = std::thread::spawn(move || {
+            let ep = l.accept(&publish, Duration::from_secs(10));
+            (ep, l)
+        });
+        let a = engine.connect_local(&path, &[]).unwrap();
+        let (b, _l) = acc.join().unwrap();
+        let b = b.unwrap();
+        assert_eq!(a.peer_descriptors()[0], published);
+        assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
+
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        // Its fd came: the request gets past the VMM checks (to the refusal of a peer that is
+        // this very process, before any CUDA call).
+        let e = a
+            .write(
+                vec![(region.all(), published.all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        // The same export described with another length than at the meeting: refused.
+        let e = a
+            .write(
+                vec![(region.all(), vmm_desc(v.id, mapped * 2).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }),
+            "{e}"
+        );
+        // VMM memory handed over after the meeting: refused, saying it must be published then.
+        let late = vmm_desc(v.id ^ 1, mapped);
+        let pairs = vec![
+            (region.all(), descs(1)[0].all()),
+            (region.all(), late.all()),
+        ];
+        let e = a.write(pairs, TransferOptions::default()).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && text.contains("1")
+                && text.contains("published when the endpoints meet"),
+            "{text}"
+        );
+        // The accepting side never got one (the dialer published nothing).
+        let e = b
+            .write(
+                vec![(region.all(), published.all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("published when the endpoints meet"),
+            "{e}"
+        );
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+
+        // The endpoints go: the fd received is closed; the export's goes with its registration.
+        drop(a);
+        drop(b);
+        assert_eq!(open_on(&marked), 1);
+        drop(v);
+        assert_eq!(open_on(&marked), 0);
+        let _ = std::fs::remove_file(&marked);
     }
 
     #[test]

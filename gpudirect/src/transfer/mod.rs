@@ -90,17 +90,24 @@
 //! same [`Endpoint`]: the same requests, options, notifications and [`TransferReport`]. An engine
 //! without rails ([`EngineConfig::local`]) never loads libibverbs; an engine with rails makes
 //! these endpoints too. A GPU region's [`MemoryDescriptor`] carries an [`IpcPart`] when its
-//! memory can be exported (`cuMemAlloc` memory: `cuIpcGetMemHandle` of the allocation, once per
-//! registration; its length, the offset in it, the owning GPU's UUID). A request maps the peer's
-//! allocation once (`cuIpcOpenMemHandle`, cached process-wide per allocation and local GPU,
-//! closed when no endpoint and no copy holds it), checks each range against the allocation
+//! memory can be exported, made once per registration: for `cuMemAlloc` memory the
+//! `cuIpcGetMemHandle` handle of the allocation; for VMM memory inside one physical allocation
+//! (a [`VmmBuffer`](crate::memory::VmmBuffer) of one chunk) the id of its POSIX file descriptor
+//! (`cuMemExportToShareableHandle`), which the endpoints send each other by `SCM_RIGHTS` when
+//! they meet, for the descriptors they publish then; with the allocation's length, the offset
+//! in it, the owning GPU's UUID. A request maps the peer's allocation once
+//! (`cuIpcOpenMemHandle`, or `cuMemImportFromShareableHandle` and `cuMemMap`; cached
+//! process-wide per allocation and local GPU, closed when no endpoint and no copy holds it),
+//! checks each range against the allocation
 //! length the peer claims and the mapping's real size, and copies with `cuMemcpyAsync` on a
 //! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]); an event
 //! per stream tells the endpoint's worker thread when it is done. A notification leaves on the
 //! socket only then, so when the peer receives it the bytes are in its memory, visible to
 //! any work it queues afterwards. Each pair's path is [`MemoryPath::CudaIpc`] with the link
 //! ([`IpcLink`]: NVLink, PCIe, the same device). Memory that cannot be exported (host memory,
-//! pool and VMM memory) has no IPC part and is refused as a remote target, saying why.
+//! pool memory, a VMM range across physical allocations) has no IPC part and is refused as a
+//! remote target, saying why; so is VMM memory whose descriptor was not published when the
+//! endpoints met.
 //!
 //! # Failure
 //!
@@ -143,8 +150,8 @@ mod stream;
 mod wire;
 
 pub use descriptor::{
-    DESCRIPTOR_VERSION, DescribedKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS, MemoryDescriptor,
-    RemoteRange, decode_list, encode_list,
+    DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
+    MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::{
     Direction, Endpoint, MAX_UNREAD_NOTIFICATIONS, Notification, RailStats, Transfer,

@@ -1,7 +1,7 @@
 //! Buffers handed to the engine, their registration with every rail, and the registration cache:
 //! register once, reuse for every range inside, keyed by the memory's identity.
 
-use super::descriptor::{DescribedKind, MemoryDescriptor, check_range};
+use super::descriptor::{DescribedKind, IpcPart, MemoryDescriptor, check_range};
 use crate::error::{Error, GpuMrPath, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 use crate::rdma::{GpuMemoryRegion, HostMemory, MemoryRegion, MrSlice, Remote};
@@ -296,8 +296,10 @@ pub enum MemoryPath {
     /// Memory of an engine without rails ([`EngineConfig::local`](super::EngineConfig::local)):
     /// registered with no NIC; reached only inside the node.
     Unregistered,
-    /// A copy inside the node: the peer's GPU memory mapped here with `cuIpcOpenMemHandle` and
-    /// copied with `cuMemcpyAsync` over `link`.
+    /// A copy inside the node: the peer's GPU memory mapped here (`cuIpcOpenMemHandle`, or for
+    /// VMM memory the file descriptor it sent, imported and mapped) and copied with
+    /// `cuMemcpyAsync` over `link`. Which of the two is in the remote descriptor's
+    /// [`IpcPart::kind`].
     CudaIpc {
         /// What the bytes cross.
         link: IpcLink,
@@ -382,14 +384,40 @@ pub(crate) struct Entry {
 }
 
 /// An allocation exported for CUDA IPC: what every descriptor of its registrations carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) struct Exported {
-    /// `cuIpcGetMemHandle` of the allocation.
-    pub(crate) handle: [u8; 64],
-    /// The allocation's base and length (`cuMemGetAddressRange`).
+    /// How a peer maps it.
+    pub(crate) how: ExportedAs,
+    /// The allocation's base and length (`cuMemGetAddressRange`; for VMM memory, the mapping
+    /// of its one physical allocation).
     pub(crate) base: u64,
     pub(crate) alloc_len: u64,
     /// The owning GPU's UUID.
+    pub(crate) uuid: [u8; 16],
+}
+
+/// How an exported allocation is mapped by a peer.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
+pub(crate) enum ExportedAs {
+    /// `cuIpcGetMemHandle` of a `cuMemAlloc` allocation.
+    Handle([u8; 64]),
+    /// A VMM allocation's POSIX file descriptor, sent to peers when endpoints meet.
+    Vmm(Arc<VmmFd>),
+}
+
+/// A VMM physical allocation exported as a POSIX file descriptor
+/// (`cuMemExportToShareableHandle`), once per registration; closed when the registration goes.
+/// The descriptor is never handed out: it only crosses a local endpoint's socket to a peer
+/// (whose import then holds the physical allocation itself).
+#[derive(Debug)]
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
+pub(crate) struct VmmFd {
+    /// Unique in this process: names the descriptor in the descriptors and on the socket.
+    pub(crate) id: u64,
+    pub(crate) fd: std::os::fd::OwnedFd,
+    /// Bytes it maps, and the owning GPU's UUID (what its descriptors must say).
+    pub(crate) len: u64,
     pub(crate) uuid: [u8; 16],
 }
 
@@ -423,9 +451,9 @@ pub struct CacheCounters {
     pub registrations: u64,
     /// Registrations alive now (held by regions or transfers).
     pub live: usize,
-    /// Peer allocations this engine's local endpoints mapped with `cuIpcOpenMemHandle`: each
-    /// is opened once per (allocation, local GPU) and reused by every request and endpoint
-    /// until none holds it.
+    /// Peer allocations this engine's local endpoints mapped (`cuIpcOpenMemHandle`, or a VMM
+    /// file descriptor imported and mapped): each is opened once per (allocation, local GPU)
+    /// and reused by every request and endpoint until none holds it.
     pub imports_opened: u64,
 }
 
@@ -520,15 +548,19 @@ impl Region {
     }
 
     /// The descriptor a peer needs to read or write this whole region: one rkey per rail, and
-    /// for GPU memory that can be exported (`cuMemAlloc` memory) a CUDA IPC part, through which
-    /// a process on the same node reaches it.
+    /// for GPU memory that can be exported a CUDA IPC part, through which a process on the same
+    /// node reaches it: a `cuIpcGetMemHandle` handle for `cuMemAlloc` memory, or for VMM memory
+    /// inside one physical allocation the id of its POSIX file descriptor (exported once per
+    /// registration), which a local endpoint sends to its peer when they meet, if this
+    /// descriptor is among those it publishes.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for memory that no peer can reach: staged memory without an
     /// IPC part, or memory of an engine without rails that cannot be exported (host memory,
-    /// pool memory).
+    /// pool memory, a VMM range across several physical allocations).
     #[doc(alias = "cuIpcGetMemHandle")]
+    #[doc(alias = "cuMemExportToShareableHandle")]
     pub fn descriptor(&self) -> Result<MemoryDescriptor> {
         self.descriptor_of(0, self.len() as u64)
     }
@@ -555,7 +587,10 @@ impl Region {
                 let off = addr.checked_sub(x.base).ok_or_else(|| {
                     Error::invalid("region", format!("{addr:#x}"), "lies before its allocation")
                 })?;
-                let part = super::descriptor::IpcPart::new(x.handle, x.alloc_len, off, x.uuid);
+                let part = match &x.how {
+                    ExportedAs::Handle(h) => IpcPart::new(*h, x.alloc_len, off, x.uuid),
+                    ExportedAs::Vmm(v) => IpcPart::vmm_fd(v.id, x.alloc_len, off, x.uuid),
+                };
                 MemoryDescriptor::with_ipc(addr, len, kind, &rkeys, part)
             }
             Err(why) if rkeys.is_empty() => Err(Error::invalid(

@@ -225,7 +225,7 @@ impl Engine {
                         ordinal: w.ordinal,
                         preferred: Vec::new(),
                         _keep: backings(bufs, &job.2),
-                        ipc: exported(w, job.0),
+                        ipc: exported(w, job, bufs),
                     })
                 })
                 .collect());
@@ -289,15 +289,21 @@ impl Engine {
                 },
                 mrs,
                 path,
-                ipc: exported(w, job.0),
+                ipc: exported(w, job, bufs),
             }));
         }
         Ok(out)
     }
 }
 
-/// Export the allocation holding `start` for CUDA IPC (`cuMemAlloc` memory), or say why not.
-fn exported(w: &Want, start: u64) -> std::result::Result<super::region::Exported, String> {
+/// Export for CUDA IPC the allocation holding `job`'s range (`cuMemAlloc` memory: its `cuIpc`
+/// handle; VMM memory inside one physical allocation: its file descriptor), or say why not.
+fn exported(
+    w: &Want,
+    job: &(u64, u64, Vec<usize>),
+    bufs: &[Buffer],
+) -> std::result::Result<super::region::Exported, String> {
+    let (start, len) = (job.0, job.1);
     match (w.kind, w.ordinal) {
         (Some(MemoryKind::Device), Some(_ordinal)) => {
             #[cfg(feature = "p2p")]
@@ -310,11 +316,38 @@ fn exported(w: &Want, start: u64) -> std::result::Result<super::region::Exported
                 Err("gpudirect was built without the p2p feature".into())
             }
         }
+        (Some(MemoryKind::Vmm), Some(_ordinal)) => {
+            let mappings = match &*bufs[job.2[0]].backing {
+                Backing::Device(d) => d.mappings(),
+                Backing::Host { .. } => None,
+            };
+            match chunks_within(mappings, start, len).as_slice() {
+                [(_base, _bytes)] => {
+                    #[cfg(feature = "p2p")]
+                    {
+                        super::ipc::export_vmm(_ordinal, *_base, *_bytes).map_err(|e| e.to_string())
+                    }
+                    #[cfg(not(feature = "p2p"))]
+                    {
+                        Err("gpudirect was built without the p2p feature".into())
+                    }
+                }
+                [] => Err("VMM memory whose physical allocations are not known".into()),
+                many => Err(format!(
+                    "a VMM range across {} physical allocations (at {}): its POSIX file \
+                     descriptor export covers one, so a peer would map only the first; \
+                     register the part inside one allocation, or allocate what you share as \
+                     one chunk (VmmBuffer::alloc)",
+                    many.len(),
+                    many.iter()
+                        .map(|(b, l)| format!("{b:#x} +{l}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+            }
+        }
         (Some(MemoryKind::Pool), _) => Err("pool memory (cuMemAllocAsync) has no \
             cuIpcGetMemHandle handle"
-            .into()),
-        (Some(MemoryKind::Vmm), _) => Err("VMM memory is shared by file descriptor, which \
-            descriptors do not carry"
             .into()),
         (Some(k), _) => Err(format!("{k:?} memory is not exported")),
         (None, _) => Err("host memory is not exported".into()),

@@ -9,6 +9,8 @@ mod pool;
 mod vmm;
 
 pub use event::{IpcEvent, IpcEventHandle};
+#[cfg(feature = "transfer")]
+pub(crate) use fd::{MAX_FDS_PER_MSG, recv_fds, send_fds};
 pub use fd::{recv_fd, send_fd};
 pub use mem::{IpcExport, IpcMemHandle, IpcMemory};
 pub use pool::{IpcPool, PoolAlloc, PoolImport, PoolPtrHandle};
