@@ -10,7 +10,10 @@
 //!   NIXL's `transfer` polled to done;
 //! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
 //!   and one synchronize;
-//! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize.
+//! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize;
+//! - batched: one request of `depth` pairs (distinct ranges), against `depth` raw IPC copies
+//!   queued by one `cuMemcpyBatchAsync` and one synchronize ("raw batch", where the driver has
+//!   it).
 //!
 //! The path each write took is printed (it must say CUDA IPC over NVLink between two H200s). The
 //! bytes are checked at the end: random bytes written to the peer, read back, compared.
@@ -119,6 +122,61 @@ impl Raw {
             unsafe { sys::cuMemcpyAsync(dst, self.src.device_ptr(), n, self.stream.cu_stream()) },
             "cuMemcpyAsync",
         );
+    }
+
+    /// One `cuMemcpyBatchAsync` of `depth` copies of `n` bytes from `src` to `dst + i * n` (the
+    /// peer's mapped buffer); `false` where the driver lacks the call.
+    fn batch_to(&self, dst: sys::CUdeviceptr, n: usize, depth: usize, max: usize) -> bool {
+        use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
+        let Some(f) = gpudirect_sys::cuda::driver()
+            .ok()
+            .and_then(|d| d.memcpy_batch())
+        else {
+            return false;
+        };
+        let slots = (max / n).max(1);
+        let mut dsts: Vec<u64> = (0..depth).map(|i| dst + ((i % slots) * n) as u64).collect();
+        let mut srcs: Vec<u64> = (0..depth)
+            .map(|i| self.src.device_ptr() + ((i % slots) * n) as u64)
+            .collect();
+        let mut sizes = vec![n; depth];
+        let mut attrs = MemcpyAttributes {
+            src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            ..Default::default()
+        };
+        let mut idx = 0usize;
+        let s = self.stream.cu_stream().cast();
+        // SAFETY: `depth` entries each, every range inside the `max`-byte buffers, one attribute.
+        let rc = unsafe {
+            match f {
+                MemcpyBatch::V2(f) => f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    depth,
+                    &mut attrs,
+                    &mut idx,
+                    1,
+                    s,
+                ),
+                MemcpyBatch::V1(f) => {
+                    let mut failed = 0usize;
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        depth,
+                        &mut attrs,
+                        &mut idx,
+                        1,
+                        &mut failed,
+                        s,
+                    )
+                }
+            }
+        };
+        assert_eq!(rc, 0, "cuMemcpyBatchAsync");
+        true
     }
 
     fn sync(&self) {
@@ -330,6 +388,34 @@ fn main() {
                 t.wait().expect("wait");
             }
         }) / depth as f64;
+        let slots = (max / n).max(1);
+        let batch_pairs = || {
+            (0..depth)
+                .map(|i| {
+                    let off = ((i % slots) * n) as u64;
+                    (
+                        src.range(off, n as u64).expect("range"),
+                        remote.range(off, n as u64).expect("range"),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut raw_batch = None;
+        if raw.batch_to(raw_ipc, n, depth, max) {
+            raw.sync();
+            raw_batch = Some(
+                per_call(pipe_reps, || {
+                    raw.batch_to(raw_ipc, n, depth, max);
+                    raw.sync();
+                }) / depth as f64,
+            );
+        }
+        let gd_batch = per_call(pipe_reps, || {
+            ep.write(batch_pairs(), TransferOptions::default().deadline(DEADLINE))
+                .expect("write")
+                .wait()
+                .expect("wait");
+        }) / depth as f64;
         let gd_stream = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
@@ -347,7 +433,8 @@ fn main() {
             }
         }) / depth as f64;
         rows.push((
-            n, raw_one, ipc_one, gd_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
+            n, raw_one, ipc_one, gd_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream, raw_batch,
+            gd_batch,
         ));
     }
     // NIXL needs the GPUs' memory: run it after ours, in the same run.
@@ -389,7 +476,7 @@ fn main() {
         }
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6}",
+        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
         "size",
         "raw 1x1",
         "raw IPC",
@@ -405,9 +492,13 @@ fn main() {
         "ratio",
         "/IPC",
         "write_on",
-        "ratio"
+        "ratio",
+        "raw batch",
+        "1 req",
+        "ratio",
+        "/batch"
     );
-    for (n, r1, i1, g1, rp, ip, gp, gs) in rows {
+    for (n, r1, i1, g1, rp, ip, gp, gs, rb, gb) in rows {
         let label = if n >= MIB {
             format!("{} MiB", n / MIB)
         } else {
@@ -415,7 +506,7 @@ fn main() {
         };
         let nx = nixl.get(&n).copied();
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2}",
+            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
             label,
             gbs(n, r1),
             gbs(n, i1),
@@ -433,14 +524,21 @@ fn main() {
             ip / gp,
             gbs(n, gs),
             rp / gs,
+            rb.map(|b| format!("{:.2}", gbs(n, b)))
+                .unwrap_or_else(|| "-".into()),
+            gbs(n, gb),
+            rp / gb,
+            rb.map(|b| format!("{:.2}", b / gb))
+                .unwrap_or_else(|| "-".into()),
         );
     }
     println!(
         "GB/s = 10^9 bytes/s, medians. raw: cuMemcpyPeerAsync in this process (+ cuStreamSynchronize \
-         per copy, or per {} copies pipelined); raw IPC: cuMemcpyAsync into the peer's buffer mapped with \
-         cuIpcOpenMemHandle (the engine's data path by hand); /IPC = engine against it; engine: Endpoint::write to another process's memory; \
+         per copy, or per {0} copies pipelined); raw IPC: cuMemcpyAsync into the peer's buffer mapped with \
+         cuIpcOpenMemHandle (the engine's data path by hand); /IPC = engine against it; raw batch: one cuMemcpyBatchAsync of {0} raw IPC copies + one synchronize; \
+         1 req: one Endpoint::write of {0} pairs, ratio against raw pipe; engine: Endpoint::write to another process's memory; \
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
-        32
+        "32 (4 above 16 MiB)"
     );
     println!(
         "bytes: {}",

@@ -260,6 +260,30 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         t.wait().unwrap();
     }
     assert_eq!(engine.cache_stats().imports_opened, 7);
+    // The slots read back as one request of SLOTS pairs (one batch of copies where the driver
+    // has cuMemcpyBatchAsync), each into its own place of poisoned memory, in reverse order.
+    let back = register(&engine, poisoned_bytes(0, SLOTS * SLOT, 0x3C));
+    let pairs = (0..SLOTS)
+        .map(|k| {
+            let mine = ((SLOTS - 1 - k) * SLOT) as u64;
+            (
+                back.range(mine, SLOT as u64).unwrap(),
+                slots.range((k * SLOT) as u64, SLOT as u64).unwrap(),
+            )
+        })
+        .collect();
+    let r = ep
+        .read(pairs, TransferOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(r.bytes, (SLOTS * SLOT) as u64);
+    let want: Vec<u8> = (0..SLOTS).rev().flat_map(slot).collect();
+    same(
+        &host_copy(&back, 0, SLOTS * SLOT),
+        &want,
+        "slots read in one request",
+    );
 
     // A range past the peer's real allocation: the descriptor claims a longer one (so its own
     // checks pass), the mapping's real size refuses it before any copy.

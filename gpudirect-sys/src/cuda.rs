@@ -23,6 +23,7 @@ pub struct Driver {
     opened: Opened,
     version: i32,
     symbols: Mutex<HashMap<&'static str, bool>>,
+    batch: OnceLock<Option<MemcpyBatch>>,
 }
 
 impl Driver {
@@ -38,6 +39,32 @@ impl Driver {
         self.version
     }
 
+    /// `cuMemcpyBatchAsync_v2` or `cuMemcpyBatchAsync`, when the driver exports one (drivers of
+    /// CUDA 12.8 and later); looked up once.
+    #[doc(alias = "cuMemcpyBatchAsync")]
+    pub fn memcpy_batch(&self) -> Option<MemcpyBatch> {
+        *self.batch.get_or_init(|| {
+            // SAFETY: each name is looked up with the signature its CUDA version declares.
+            unsafe {
+                loader::symbol::<MemcpyBatchAsyncV2>(
+                    "libcuda",
+                    &self.opened,
+                    "cuMemcpyBatchAsync_v2",
+                )
+                .map(MemcpyBatch::V2)
+                .or_else(|_| {
+                    loader::symbol::<MemcpyBatchAsyncV1>(
+                        "libcuda",
+                        &self.opened,
+                        "cuMemcpyBatchAsync",
+                    )
+                    .map(MemcpyBatch::V1)
+                })
+                .ok()
+            }
+        })
+    }
+
     /// Whether the driver exports `symbol`.
     pub fn has_symbol(&self, symbol: &'static str) -> bool {
         let mut cache = self.symbols.lock().unwrap_or_else(|e| e.into_inner());
@@ -46,6 +73,69 @@ impl Driver {
             unsafe { loader::symbol::<*const ()>("libcuda", &self.opened, symbol) }.is_ok()
         })
     }
+}
+
+/// `CUmemLocation` (CUDA 12.8 and 13.0 layout): a location's type and id.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemLocation {
+    /// `CUmemLocationType` (0: invalid, 1: a device).
+    pub kind: u32,
+    /// The device ordinal when `kind` is a device.
+    pub id: i32,
+}
+
+/// `CUmemcpyAttributes` (CUDA 12.8 and 13.0 layout): how a batch's copies may access their
+/// sources. The location hints matter only for managed memory.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemcpyAttributes {
+    /// `CUmemcpySrcAccessOrder`: [`MEMCPY_SRC_ACCESS_ORDER_STREAM`] reads each source in stream
+    /// order, as `cuMemcpyAsync` does.
+    pub src_access_order: u32,
+    /// Where the source lives (a hint).
+    pub src_loc_hint: MemLocation,
+    /// Where the destination lives (a hint).
+    pub dst_loc_hint: MemLocation,
+    /// `CUmemcpyFlags` (0: default).
+    pub flags: u32,
+}
+
+/// `CU_MEMCPY_SRC_ACCESS_ORDER_STREAM`.
+pub const MEMCPY_SRC_ACCESS_ORDER_STREAM: u32 = 1;
+
+/// `cuMemcpyBatchAsync` as CUDA 12.8 and 12.9 declare it (with `failIdx`).
+pub type MemcpyBatchAsyncV1 = unsafe extern "C" fn(
+    dsts: *mut u64,
+    srcs: *mut u64,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut MemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    fail_idx: *mut usize,
+    stream: *mut std::ffi::c_void,
+) -> i32;
+
+/// `cuMemcpyBatchAsync_v2` (CUDA 13.0 and later: no `failIdx`).
+pub type MemcpyBatchAsyncV2 = unsafe extern "C" fn(
+    dsts: *mut u64,
+    srcs: *mut u64,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut MemcpyAttributes,
+    attrs_idxs: *mut usize,
+    num_attrs: usize,
+    stream: *mut std::ffi::c_void,
+) -> i32;
+
+/// The batch copy entry point the driver exports, newest first.
+#[derive(Debug, Clone, Copy)]
+pub enum MemcpyBatch {
+    /// `cuMemcpyBatchAsync` (CUDA 12.8 ABI).
+    V1(MemcpyBatchAsyncV1),
+    /// `cuMemcpyBatchAsync_v2` (CUDA 13.0 ABI).
+    V2(MemcpyBatchAsyncV2),
 }
 
 /// `cuDriverGetVersion(int*)`.
@@ -71,6 +161,7 @@ pub fn driver() -> Result<&'static Driver, LoadError> {
                 opened,
                 version,
                 symbols: Mutex::new(HashMap::new()),
+                batch: OnceLock::new(),
             })
         })
         .as_ref()

@@ -178,6 +178,85 @@ pub(crate) unsafe fn copy_async(
     })
 }
 
+/// `cuMemcpyBatchAsync_v2` (or the CUDA 12.8 `cuMemcpyBatchAsync`)—Queue `dsts.len()` copies
+/// on `stream` in one call, each `sizes[i]` bytes from `srcs[i]` to `dsts[i]` (any memory the
+/// driver tells from the address), every source read in stream order as [`copy_async`] does.
+/// Returns `Ok(false)`, queueing nothing, where the driver lacks the call or the batch is empty.
+///
+/// # Safety
+///
+/// As [`copy_async`] for every copy; the three slices have one length.
+#[cfg_attr(
+    not(all(feature = "transfer", feature = "p2p")),
+    allow(dead_code, reason = "the intra-node transfer path uses it")
+)]
+pub(crate) unsafe fn copy_batch_async(
+    dsts: &mut [sys::CUdeviceptr],
+    srcs: &mut [sys::CUdeviceptr],
+    sizes: &mut [usize],
+    stream: sys::CUstream,
+) -> Result<bool> {
+    use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
+    let n = dsts.len();
+    if n == 0 || srcs.len() != n || sizes.len() != n {
+        return Ok(false);
+    }
+    let Some(batch) = gpudirect_sys::cuda::driver()
+        .ok()
+        .and_then(|d| d.memcpy_batch())
+    else {
+        return Ok(false);
+    };
+    let mut attrs = MemcpyAttributes {
+        src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        ..Default::default()
+    };
+    let mut idx = 0usize;
+    let rc = match batch {
+        // SAFETY: `n` entries in each array, one attribute applying from copy 0, a live stream;
+        // the copies themselves as the caller guarantees.
+        MemcpyBatch::V2(f) => unsafe {
+            f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                n,
+                &mut attrs,
+                &mut idx,
+                1,
+                stream.cast(),
+            )
+        },
+        MemcpyBatch::V1(f) => {
+            let mut failed = usize::MAX;
+            // SAFETY: as above, and one out-pointer for the failing index.
+            unsafe {
+                f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    n,
+                    &mut attrs,
+                    &mut idx,
+                    1,
+                    &mut failed,
+                    stream.cast(),
+                )
+            }
+        }
+    };
+    if rc == 0 {
+        Ok(true)
+    } else {
+        // The raw code (this entry point is called through our own loader, not cudarc's enum).
+        Err(crate::error::Error::Cuda {
+            call: "cuMemcpyBatchAsync",
+            code: rc as u32,
+            name: format!("CUresult {rc}"),
+        })
+    }
+}
+
 /// `cuMemGetAddressRange_v2(ptr)`—The base and size in bytes of the allocation (or VMM mapping)
 /// that holds `ptr`.
 ///

@@ -1594,6 +1594,34 @@ fn total_bytes(copies: &[Piece]) -> Result<u64> {
     })
 }
 
+/// Queue `work` on `raw` in order: one `cuMemcpyBatchAsync` for two pieces or more where the
+/// driver has it (one driver call instead of one per piece), else `cuMemcpyAsync` per piece.
+/// On an error some pieces may be queued.
+///
+/// # Safety
+///
+/// Every piece's ranges are live device (or mapped) memory for as long as the stream may run
+/// the copies; `raw` is a live stream of the current context.
+unsafe fn queue_copies(work: &[Piece], raw: cudarc::driver::sys::CUstream) -> Result<()> {
+    let len = |c: &Piece| {
+        usize::try_from(c.len).map_err(|_| Error::invalid("len", c.len, "fits no usize"))
+    };
+    if work.len() >= 2 {
+        let mut dsts: Vec<u64> = work.iter().map(|c| c.dst).collect();
+        let mut srcs: Vec<u64> = work.iter().map(|c| c.src).collect();
+        let mut sizes = work.iter().map(len).collect::<Result<Vec<_>>>()?;
+        // SAFETY: forwarded from the caller; three arrays of one length.
+        if unsafe { crate::driver::mem::copy_batch_async(&mut dsts, &mut srcs, &mut sizes, raw) }? {
+            return Ok(());
+        }
+    }
+    for c in work {
+        // SAFETY: forwarded from the caller.
+        unsafe { crate::driver::mem::copy_async(c.dst, c.src, len(c)?, raw) }?;
+    }
+    Ok(())
+}
+
 /// Queue the copies (each on the streams of its GPU, cut as [`spread`] says) and take an epoch
 /// of each stream used (after its copies: the epoch covers them). On a failure after some copies
 /// were queued, what they reach is parked behind the epochs taken: never freed early.
@@ -1635,16 +1663,11 @@ fn enqueue(
             // never made to wait on anyone's event, so no capture can reach them (the private
             // protocol: no driver questions).
             let r = capture::enqueue_private(s.cu_stream(), "cuMemcpyAsync", k, |raw, _| {
-                for c in &work {
-                    let n = usize::try_from(c.len)
-                        .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
-                    // SAFETY: both ranges were checked: the local range inside its region,
-                    // which `keep` holds; the remote range inside the peer's allocation and
-                    // the mapping, which `keep` holds too. The copy is tracked by the stream
-                    // epoch taken after it, and nothing is freed before that epoch completes.
-                    unsafe { crate::driver::mem::copy_async(c.dst, c.src, n, raw) }?;
-                }
-                Ok(())
+                // SAFETY: both ranges of every piece were checked: the local range inside its
+                // region, which `keep` holds; the remote range inside the peer's allocation and
+                // the mapping, which `keep` holds too. The copies are tracked by the stream
+                // epoch taken after them, and nothing is freed before that epoch completes.
+                unsafe { queue_copies(&work, raw) }
             });
             // Taken after the copies (some may be queued even when the call failed): the
             // epoch covers them.
@@ -1718,16 +1741,11 @@ pub(super) fn on_stream(
     let bytes = total_bytes(&copies)?;
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
-        for c in &copies {
-            let n = usize::try_from(c.len)
-                .map_err(|_| Error::invalid("len", c.len, "fits no usize"))?;
-            // SAFETY: both ranges were checked: the local range inside its region, which `keep`
-            // holds; the remote range inside the peer's allocation and the mapping, which `keep`
-            // holds too. The event recorded after the copies tracks them, and `keep` is freed
-            // only once it completes (or leaked).
-            unsafe { crate::driver::mem::copy_async(c.dst, c.src, n, raw) }?;
-        }
-        Ok(())
+        // SAFETY: both ranges of every piece were checked: the local range inside its region,
+        // which `keep` holds; the remote range inside the peer's allocation and the mapping,
+        // which `keep` holds too. The event recorded after the copies tracks them, and `keep` is
+        // freed only once it completes (or leaked).
+        unsafe { queue_copies(&copies, raw) }
     });
     let keep = match r {
         Ok(((), k)) => k,
