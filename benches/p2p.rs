@@ -10,7 +10,10 @@
 //!   synchronizes the stream, the others find their epoch done) against `cuMemcpyPeerAsync` x
 //!   depth + one `cuStreamSynchronize`. Beside it, raw with the graph-capture check gpudirect
 //!   makes per copy (`cuCtxGetCurrent` and `cuStreamIsCapturing` twice), to show what that check
-//!   costs on its own.
+//!   costs on its own;
+//! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
+//!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
+//!   CUDA 12.8 and later); the ratio is printed against both raw figures.
 //!
 //! Both ways: one thread per direction (each with its own copier, or its own raw stream), started
 //! together; GB/s counts both directions' bytes over the slower thread's time.
@@ -50,21 +53,31 @@ enum Variant {
     RawPipeChecked,
     /// `copy_async` x depth, then `wait` on each.
     GdPipe,
+    /// One `cuMemcpyBatchAsync` of depth copies + one `cuStreamSynchronize`.
+    RawBatch,
+    /// One `copy_batch_async` of depth pairs, then its wait.
+    GdBatch,
 }
 
-const VARIANTS: [Variant; 5] = [
+const VARIANTS: [Variant; 7] = [
     Variant::RawOne,
     Variant::GdOne,
     Variant::RawPipe,
     Variant::RawPipeChecked,
     Variant::GdPipe,
+    Variant::RawBatch,
+    Variant::GdBatch,
 ];
 
 impl Variant {
     fn pipelined(self) -> bool {
         matches!(
             self,
-            Variant::RawPipe | Variant::RawPipeChecked | Variant::GdPipe
+            Variant::RawPipe
+                | Variant::RawPipeChecked
+                | Variant::GdPipe
+                | Variant::RawBatch
+                | Variant::GdBatch
         )
     }
 }
@@ -124,6 +137,60 @@ impl Dir {
         );
     }
 
+    /// One raw `cuMemcpyBatchAsync` of the source into every destination; `false` where the
+    /// driver lacks it.
+    fn raw_batch(&self) -> bool {
+        use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
+        let Some(f) = gpudirect_sys::cuda::driver()
+            .ok()
+            .and_then(|d| d.memcpy_batch())
+        else {
+            return false;
+        };
+        let n = self.dsts.len();
+        let mut dsts: Vec<u64> = self.dsts.iter().map(|d| d.device_ptr()).collect();
+        let mut srcs = vec![self.src.device_ptr(); n];
+        let mut sizes = vec![self.bytes; n];
+        let mut attrs = MemcpyAttributes {
+            src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            ..Default::default()
+        };
+        let mut idx = 0usize;
+        let s = self.raw.cu_stream().cast();
+        // SAFETY: `n` entries each; every buffer holds `bytes` and lives until the stream is
+        // synchronized (every caller does); one attribute.
+        let rc = unsafe {
+            match f {
+                MemcpyBatch::V2(f) => f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    n,
+                    &mut attrs,
+                    &mut idx,
+                    1,
+                    s,
+                ),
+                MemcpyBatch::V1(f) => {
+                    let mut failed = 0usize;
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        &mut attrs,
+                        &mut idx,
+                        1,
+                        &mut failed,
+                        s,
+                    )
+                }
+            }
+        };
+        assert_eq!(rc, 0, "cuMemcpyBatchAsync");
+        true
+    }
+
     fn raw_sync(&self) {
         // SAFETY: a live stream.
         check(
@@ -180,6 +247,29 @@ impl Dir {
                         }
                     }
                     self.raw_sync();
+                }
+                n * depth
+            }
+            Variant::RawBatch => {
+                for _ in 0..n {
+                    if !self.raw_batch() {
+                        return 0;
+                    }
+                    self.raw_sync();
+                }
+                n * depth
+            }
+            Variant::GdBatch => {
+                for _ in 0..n {
+                    let pairs: Vec<_> =
+                        self.dsts.drain(..).map(|d| (self.src.clone(), d)).collect();
+                    let done = self
+                        .copier
+                        .copy_batch_async(pairs)
+                        .expect("copy_batch_async")
+                        .wait()
+                        .expect("wait");
+                    self.dsts.extend(done.into_iter().map(|c| c.dst));
                 }
                 n * depth
             }
@@ -281,7 +371,7 @@ fn main() {
     println!(
         "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
          (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
-         check), no event, no lock, no allocation; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
+         check), no event, no lock, no allocation; a batch: one cuMemcpyBatchAsync for all its copies; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
          cuStreamSynchronize once per batch"
     );
     let mut rows = Vec::new();
@@ -327,7 +417,7 @@ fn main() {
         if a != b { " (and back, both ways)" } else { "" }
     );
     println!(
-        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>7} | {:>5} {:>8} {:>9} {:>6} {:>10} {:>6}",
+        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>7} | {:>5} {:>8} {:>9} {:>6} {:>10} {:>6} | {:>9} {:>9} {:>6} {:>6}",
         "dir",
         "size",
         "raw",
@@ -339,16 +429,20 @@ fn main() {
         "gpudirect",
         "ratio",
         "raw+check",
-        "ratio"
+        "ratio",
+        "raw batch",
+        "gpudirect",
+        "/batch",
+        "/pipe"
     );
     println!(
-        "{:<14}| {:<34}| pipelined (depth in flight, one wait)",
-        "", "one at a time"
+        "{:<14}| {:<34}| {:<58}| batched (depth copies, one call, one wait)",
+        "", "one at a time", "pipelined (depth in flight, one wait)"
     );
     for (bytes, both, depth, g, extra_us) in &rows {
         let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };
         println!(
-            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>7.2} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>10.2} {:>5.2}x",
+            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>7.2} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>10.2} {:>5.2}x | {:>9} {:>9.2} {:>6} {:>5.2}x",
             if *both { "both" } else { "one" },
             size_name(*bytes),
             g[0],
@@ -361,6 +455,18 @@ fn main() {
             r(g[4], g[2]),
             g[3],
             r(g[3], g[2]),
+            if g[5] > 0.0 {
+                format!("{:.2}", g[5])
+            } else {
+                "-".to_string()
+            },
+            g[6],
+            if g[5] > 0.0 {
+                format!("{:.2}x", r(g[6], g[5]))
+            } else {
+                "-".to_string()
+            },
+            r(g[6], g[2]),
         );
     }
     println!(

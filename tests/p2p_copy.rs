@@ -494,6 +494,65 @@ fn pipelined_copies_are_exact_on_every_path() {
     }
 }
 
+/// Batches of copies (one `cuMemcpyBatchAsync` where the driver has it, one copy each on the
+/// staged path): 64 pairs of odd, varied lengths into poisoned memory, every destination holding
+/// exactly its own source; an empty batch and a bad pair (named by index) are refused before
+/// anything is queued.
+#[test]
+fn batched_copies_are_exact_on_every_path() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
+    let seed = gpu::seed() ^ 0xBA7C;
+    let (sa, sb) = (stream(a), stream(b));
+    for opts in [CopyOptions::default(), staged()] {
+        let copier = Copier::new(a, b, opts).unwrap();
+        let mut pairs = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..64u64 {
+            let words = 1 + (i as usize * 977) % 5000;
+            let data = random_u32(words, seed ^ i);
+            pairs.push((
+                DeviceBuffer::from_slice(&sa, &data).unwrap(),
+                poisoned(b, words),
+            ));
+            want.push(data);
+        }
+        let done = copier.copy_batch_async(pairs).unwrap().wait().unwrap();
+        assert_eq!(done.len(), 64);
+        for (i, (c, data)) in done.iter().zip(&want).enumerate() {
+            assert_eq!(&c.path, copier.path());
+            assert_eq!(c.bytes, data.len() * 4);
+            assert_same(
+                &c.dst.to_vec(&sb).unwrap(),
+                data,
+                &format!("{a}->{b} {} batch pair {i}", copier.path()),
+            );
+        }
+        let empty: Vec<(DeviceBuffer<u32>, DeviceBuffer<u32>)> = Vec::new();
+        let e = copier.copy_batch_async(empty).err().unwrap();
+        assert!(
+            matches!(e, gpudirect::Error::InvalidArgument { arg: "pairs", .. }),
+            "{e}"
+        );
+        let src = DeviceBuffer::from_slice(&sa, &want[0]).unwrap();
+        let bad = vec![
+            (src, poisoned(b, want[0].len())),
+            (
+                DeviceBuffer::from_slice(&sa, &want[1]).unwrap(),
+                poisoned(b, want[1].len() + 1),
+            ),
+        ];
+        let e = copier.copy_batch_async(bad).err().unwrap();
+        assert!(
+            matches!(&e, gpudirect::Error::InvalidArgument { arg: "pairs", value, .. } if value == "1"),
+            "names pair 1: {e}"
+        );
+    }
+    if n < 2 {
+        skip(Hardware::MultiGpu, "ran 0->0 only (one GPU visible)");
+    }
+}
+
 /// One copier on the peer (or same-device) path shared by four threads, each issuing and
 /// waiting: nothing is locked on that path, and every copy stays exact.
 #[test]

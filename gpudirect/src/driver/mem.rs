@@ -187,8 +187,11 @@ pub(crate) unsafe fn copy_async(
 ///
 /// As [`copy_async`] for every copy; the three slices have one length.
 #[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node transfer path uses it")
+    not(feature = "p2p"),
+    allow(
+        dead_code,
+        reason = "peer copies and the intra-node transfer path use it"
+    )
 )]
 pub(crate) unsafe fn copy_batch_async(
     dsts: &mut [sys::CUdeviceptr],

@@ -339,12 +339,13 @@ impl Copier {
         Ok(())
     }
 
-    fn submit<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
+    /// A pair checked before any FFI call: its source and destination addresses and bytes.
+    fn checked<S, D>(&self, src: &S, dst: &D) -> Result<(u64, u64, usize)>
     where
         S: DeviceMemory,
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
-        self.validate(&src, &dst)?;
+        self.validate(src, dst)?;
         let bytes = src
             .len()
             .checked_mul(std::mem::size_of::<S::Elem>())
@@ -359,6 +360,125 @@ impl Copier {
                 ));
             }
         }
+        Ok((s, d, bytes))
+    }
+
+    /// Enqueue one copy per pair (all of each `src` into its `dst`, equal lengths, in
+    /// elements), in order, as one operation: the copies go in one `cuMemcpyBatchAsync` where
+    /// the driver has it (CUDA 12.8 and later) and every pair takes the copier's own path (peer,
+    /// or one device), else one copy call each (each staged copy through the bounce ring). Many
+    /// small copies then cost one driver call instead of one each. The returned [`InFlight`]
+    /// owns every buffer until the last copy completes; waiting gives one [`Copied`] per pair,
+    /// in order.
+    ///
+    /// As with [`copy_async`](Self::copy_async), work on other streams that writes a source or
+    /// uses a destination must be complete first.
+    ///
+    /// # Errors
+    ///
+    /// Before anything is queued (the buffers are dropped, nothing touched them):
+    /// [`Error::InvalidArgument`] naming `pairs` for an empty batch, or the index of a pair that
+    /// [`copy_async`](Self::copy_async) would refuse (and why). When queueing fails,
+    /// [`Error::Cuda`] (or [`Error::StreamCapturing`]); copies queued before the failure keep
+    /// every buffer parked in the [`Tracker`] until they complete.
+    #[doc(alias = "cuMemcpyBatchAsync")]
+    pub fn copy_batch_async<S, D>(
+        &self,
+        pairs: Vec<(S, D)>,
+    ) -> Result<InFlight<Vec<Copied<S, D>>, StreamFence>>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        if pairs.is_empty() {
+            return Err(Error::invalid(
+                "pairs",
+                0,
+                "a batch holds at least one pair",
+            ));
+        }
+        let mut jobs = Vec::with_capacity(pairs.len());
+        for (i, (src, dst)) in pairs.iter().enumerate() {
+            let (s, d, bytes) = self
+                .checked(src, dst)
+                .map_err(|e| Error::invalid("pairs", i, e.to_string()))?;
+            jobs.push((d, s, bytes));
+        }
+        let done: Vec<Copied<S, D>> = pairs
+            .into_iter()
+            .zip(&jobs)
+            .map(|((src, dst), &(_, _, bytes))| Copied {
+                path: self.lane.path_for(&Real, &src, &dst),
+                src,
+                dst,
+                bytes,
+                elapsed: Duration::ZERO,
+                _keep: Some(self.inner.clone()),
+            })
+            .collect();
+        let Some(stager) = &self.inner.stager else {
+            let own = done
+                .iter()
+                .all(|c| matches!(c.path, CopyPath::Peer | CopyPath::SameDevice));
+            let jobs: Vec<(u64, u64, usize)> = jobs.into_iter().filter(|j| j.2 > 0).collect();
+            if jobs.is_empty() {
+                return Ok(InFlight::new(
+                    "peer copies",
+                    self.inner.stream.fence(),
+                    done,
+                ));
+            }
+            // SAFETY: every range is owned by `done` (validated: equal lengths, no wrap), which
+            // goes into the InFlight (or the tracker) with a fence issued after the copies on
+            // the lane's stream.
+            return match unsafe { self.lane.enqueue_batch(&Real, &jobs, own) } {
+                Ok(()) => Ok(InFlight::new(
+                    "peer copies",
+                    self.inner.stream.fence(),
+                    done,
+                )),
+                Err(r) if r.leaked() => {
+                    // The copies may sit in a graph: leak, never free.
+                    std::mem::forget(done);
+                    Err(r.error)
+                }
+                Err(r) => {
+                    // Some copies may be queued: the fence issued now covers them.
+                    Tracker::global().park(self.inner.stream.fence(), done);
+                    Err(r.error)
+                }
+            };
+        };
+        let mut last = None;
+        for &(d, s, bytes) in &jobs {
+            // SAFETY: every range is owned by `done`, which goes into the InFlight, or the
+            // tracker, with the last fence the stager gives (each covers the copies before it:
+            // every staged copy ends with a wait of the copier's stream).
+            match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
+                Ok(fence) => last = Some(fence),
+                Err(Failed {
+                    error,
+                    fence: Some(fence),
+                }) => {
+                    Tracker::global().park(fence, done);
+                    return Err(error);
+                }
+                Err(Failed { error, fence: None }) => {
+                    std::mem::forget(done);
+                    return Err(error);
+                }
+            }
+        }
+        let fence = last.unwrap_or_else(|| self.inner.stream.fence());
+        Ok(InFlight::new("peer copies", fence, done))
+    }
+
+    fn submit<S, D>(&self, src: S, dst: D) -> Result<PeerCopyInFlight<S, D>>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        let (s, d, bytes) = self.checked(&src, &dst)?;
         let path = self.lane.path_for(&Real, &src, &dst);
         let done = Copied {
             src,

@@ -58,6 +58,19 @@ pub(crate) trait CopyDriver {
     ///
     /// As [`driver::peer::copy_async`].
     unsafe fn copy_peer(&self, job: Job, contexts: Contexts) -> Result<()>;
+    /// `cuMemcpyBatchAsync` of `dsts[i] <- srcs[i]`, `sizes[i]` bytes each, on `stream`;
+    /// `Ok(false)`, queueing nothing, where the driver lacks it.
+    ///
+    /// # Safety
+    ///
+    /// As [`driver::mem::copy_batch_async`].
+    unsafe fn copy_batch(
+        &self,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        stream: sys::CUstream,
+    ) -> Result<bool>;
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of `ptr`; `None` when the driver cannot say.
     fn buffer_id(&self, ptr: u64) -> Option<u64>;
     /// Where the import holding `ptr` lives, when it is mapped away from its home.
@@ -112,6 +125,17 @@ impl CopyDriver for Real {
     unsafe fn copy_peer(&self, j: Job, c: Contexts) -> Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { driver::peer::copy_async(j.dst, c.dst, j.src, c.src, j.bytes, j.stream) }
+    }
+
+    unsafe fn copy_batch(
+        &self,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        stream: sys::CUstream,
+    ) -> Result<bool> {
+        // SAFETY: forwarded from the caller.
+        unsafe { driver::mem::copy_batch_async(dsts, srcs, sizes, stream) }
     }
 
     fn buffer_id(&self, ptr: u64) -> Option<u64> {
@@ -415,6 +439,67 @@ impl Lane {
         };
         queued.map(drop)
     }
+
+    /// Queue `jobs` (`(dst, src, bytes)`, none empty) in order behind one capture check: one
+    /// `cuMemcpyBatchAsync` when `batch` (every pair's path is the lane's own: peer, or one
+    /// device) and the driver has it, else one copy call per job. On an error some jobs may be
+    /// queued.
+    ///
+    /// # Safety
+    ///
+    /// As [`enqueue`](Self::enqueue), for every job.
+    pub(crate) unsafe fn enqueue_batch<X: CopyDriver>(
+        &self,
+        x: &X,
+        jobs: &[(u64, u64, usize)],
+        batch: bool,
+    ) -> std::result::Result<(), Refused<()>> {
+        // SAFETY: the copier keeps its source context alive.
+        if let Err(error) = unsafe { x.bind(self.contexts.src) } {
+            return Err(Refused {
+                error,
+                kept: Some(()),
+            });
+        }
+        let probe = LaneProbe {
+            x,
+            stream: self.stream,
+        };
+        let call = match self.route {
+            Route::Same => "cuMemcpyDtoDAsync_v2",
+            Route::Peer | Route::Staged => "cuMemcpyPeerAsync",
+        };
+        let queued = capture::enqueue_with(&probe, call, (), |()| {
+            if batch && jobs.len() >= 2 {
+                let mut dsts: Vec<u64> = jobs.iter().map(|j| j.0).collect();
+                let mut srcs: Vec<u64> = jobs.iter().map(|j| j.1).collect();
+                let mut sizes: Vec<usize> = jobs.iter().map(|j| j.2).collect();
+                // SAFETY: the caller's ranges; the stream is the lane's own, of the current
+                // context; three arrays of one length.
+                if unsafe { x.copy_batch(&mut dsts, &mut srcs, &mut sizes, self.stream) }? {
+                    return Ok(());
+                }
+            }
+            for &(dst, src, bytes) in jobs {
+                let job = Job {
+                    dst,
+                    src,
+                    bytes,
+                    stream: self.stream,
+                };
+                // SAFETY: as above; for peer copies both contexts are live primary contexts
+                // with peer access enabled both ways (the copier's construction).
+                unsafe {
+                    match self.route {
+                        Route::Same => x.copy_dtod(job),
+                        Route::Peer | Route::Staged => x.copy_peer(job, self.contexts),
+                    }
+                }?;
+            }
+            Ok(())
+        });
+        queued.map(drop)
+    }
 }
 
 /// The capture check's questions, asked of a [`CopyDriver`] about the lane's stream.
@@ -454,6 +539,8 @@ mod tests {
         homes: RefCell<BTreeMap<u64, Home>>,
         /// Whether grants are refused.
         refuse: Cell<bool>,
+        /// Whether the driver lacks `cuMemcpyBatchAsync`.
+        no_batch: Cell<bool>,
     }
 
     impl Fake {
@@ -488,6 +575,16 @@ mod tests {
         unsafe fn copy_peer(&self, _: Job, _: Contexts) -> Result<()> {
             self.count("cuMemcpyPeerAsync");
             Ok(())
+        }
+        unsafe fn copy_batch(
+            &self,
+            _: &mut [u64],
+            _: &mut [u64],
+            _: &mut [usize],
+            _: sys::CUstream,
+        ) -> Result<bool> {
+            self.count("cuMemcpyBatchAsync");
+            Ok(!self.no_batch.get())
         }
         fn buffer_id(&self, ptr: u64) -> Option<u64> {
             self.count("cuPointerGetAttribute");
@@ -622,6 +719,57 @@ mod tests {
             ]),
             "no attribute query, no event, no context switch"
         );
+    }
+
+    #[test]
+    fn a_batch_is_one_driver_call_behind_one_capture_check() {
+        let (x, l, a, b) = setup((0, MemoryKind::Device), (1, MemoryKind::Device), true);
+        let jobs: Vec<(u64, u64, usize)> = (0..64).map(|i| (b.ptr + i, a.ptr + i, 1)).collect();
+        // SAFETY: no driver behind `Fake`.
+        assert!(unsafe { l.enqueue_batch(&x, &jobs, true) }.is_ok());
+        assert_eq!(
+            x.take(),
+            counts(&[
+                ("cuCtxGetCurrent", 1),
+                ("cuMemcpyBatchAsync", 1),
+                ("cuStreamIsCapturing", 2),
+            ]),
+            "64 copies in one call"
+        );
+        // A driver without the call: one copy each, still one capture check.
+        x.no_batch.set(true);
+        // SAFETY: as above.
+        assert!(unsafe { l.enqueue_batch(&x, &jobs, true) }.is_ok());
+        assert_eq!(
+            x.take(),
+            counts(&[
+                ("cuCtxGetCurrent", 1),
+                ("cuMemcpyBatchAsync", 1),
+                ("cuMemcpyPeerAsync", 64),
+                ("cuStreamIsCapturing", 2),
+            ])
+        );
+        // A pair off the lane's own path (or a batch of one): never batched.
+        x.no_batch.set(false);
+        // SAFETY: as above.
+        assert!(unsafe { l.enqueue_batch(&x, &jobs, false) }.is_ok());
+        // SAFETY: as above.
+        assert!(unsafe { l.enqueue_batch(&x, &jobs[..1], true) }.is_ok());
+        let c = x.take();
+        assert_eq!(c.get("cuMemcpyBatchAsync"), None);
+        assert_eq!(c["cuMemcpyPeerAsync"], 65);
+        // Capturing: nothing queued, a typed refusal.
+        x.capturing.set(true);
+        // SAFETY: as above.
+        let r = unsafe { l.enqueue_batch(&x, &jobs, true) };
+        assert!(matches!(
+            r,
+            Err(Refused {
+                error: crate::Error::StreamCapturing { .. },
+                ..
+            })
+        ));
+        assert_eq!(x.take().get("cuMemcpyBatchAsync"), None);
     }
 
     #[test]
