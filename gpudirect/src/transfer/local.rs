@@ -766,7 +766,7 @@ pub(super) struct Side {
     queue: Mutex<Queue>,
     queue_cv: Condvar,
     /// Piece streams per local GPU.
-    streams: Mutex<HashMap<usize, Vec<Stream>>>,
+    streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
     /// The peer allocations this endpoint has used, held until it goes.
     held: Mutex<Vec<Arc<Import>>>,
     ep: Mutex<Weak<EpInner>>,
@@ -963,16 +963,17 @@ impl Side {
     }
 
     /// The copy streams of GPU `ordinal` (made on first use).
-    fn streams_of(&self, ordinal: usize) -> Result<Vec<Stream>> {
+    fn streams_of(&self, ordinal: usize) -> Result<Arc<[Stream]>> {
         let mut m = lock(&self.streams);
         if let Some(v) = m.get(&ordinal) {
             return Ok(v.clone());
         }
         let ctx = crate::cuda::context(ordinal)?;
         let n = self.engine.inner.config.copy_streams;
-        let v = (0..n)
+        let v: Arc<[Stream]> = (0..n)
             .map(|_| Stream::new(&ctx))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?
+            .into();
         m.insert(ordinal, v.clone());
         Ok(v)
     }
@@ -1488,12 +1489,12 @@ pub(super) fn request(
         deadline,
         epoch,
     } = prepare(ep, side, dir, &pairs, &opts)?;
-    let mut devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
-    devices.sort_unstable();
-    devices.dedup();
-    let mut streams = Vec::new();
-    for &d in &devices {
-        streams.extend(side.streams_of(d)?.into_iter().map(|s| (d, s)));
+    // The streams of each local GPU the copies start from (one GPU, almost always).
+    let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
+    for c in &copies {
+        if !streams.iter().any(|(d, _)| *d == c.device) {
+            streams.push((c.device, side.streams_of(c.device)?));
+        }
     }
     let keep = Keep {
         _regions: regions.clone(),
@@ -1626,7 +1627,7 @@ unsafe fn queue_copies(work: &[Piece], raw: cudarc::driver::sys::CUstream) -> Re
 /// of each stream used (after its copies: the epoch covers them). On a failure after some copies
 /// were queued, what they reach is parked behind the epochs taken: never freed early.
 fn enqueue(
-    streams: &[(usize, Stream)],
+    streams: &[(usize, Arc<[Stream]>)],
     copies: &[Piece],
     chunk: u64,
     keep: Keep,
@@ -1634,16 +1635,15 @@ fn enqueue(
     let mut keep = Some(keep);
     let mut fences = Vec::with_capacity(streams.len());
     let mut messages = 0u64;
-    let mut devices: Vec<usize> = streams.iter().map(|(d, _)| *d).collect();
-    devices.dedup();
-    for d in devices {
-        let mine: Vec<&Stream> = streams
-            .iter()
-            .filter(|(o, _)| *o == d)
-            .map(|(_, s)| s)
-            .collect();
-        let list: Vec<Piece> = copies.iter().filter(|c| c.device == d).copied().collect();
-        for (s, work) in mine.iter().zip(spread(&list, mine.len(), chunk)) {
+    for (d, mine) in streams {
+        // Every copy starts from this GPU, on one stream (the common case): nothing to sort.
+        let work_lists = if streams.len() == 1 && mine.len() == 1 {
+            vec![copies.to_vec()]
+        } else {
+            let list: Vec<Piece> = copies.iter().filter(|c| c.device == *d).copied().collect();
+            spread(&list, mine.len(), chunk)
+        };
+        for (s, work) in mine.iter().zip(work_lists) {
             if work.is_empty() {
                 continue;
             }
