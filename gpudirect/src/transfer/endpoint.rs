@@ -276,13 +276,19 @@ pub(crate) struct ReqShared {
     flag: CompletionFlag,
     done: Mutex<Option<Result<TransferReport>>>,
     cv: Condvar,
-    /// What a blocking wait may call while it spins: finishes the request if it can (the
-    /// intra-node path, whose copies a waiting thread sees done first).
-    help: OnceLock<Box<dyn Fn() + Send + Sync>>,
-    /// Asks whoever finishes requests when nobody waits blocking (the intra-node worker) to
-    /// look at this one: a request nobody else can see finished (no notification) does not
-    /// wake it when issued, so that a caller that waits finishes it alone.
-    wake: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Who finishes the request, when a waiting caller can help (the intra-node path).
+    finisher: OnceLock<Weak<dyn Finisher>>,
+}
+
+/// Who finishes a request that a waiting caller can help with (the intra-node side).
+pub(crate) trait Finisher: Send + Sync {
+    /// Called by a blocking wait while it spins: finish what is done, in order, if no one else
+    /// is finishing.
+    fn help(&self);
+    /// Ask the thread that finishes requests when nobody waits blocking (the intra-node worker)
+    /// to look: a request nobody else can see finished (no notification) does not wake it when
+    /// issued, so that a caller that waits finishes it alone.
+    fn wake(&self);
 }
 
 impl ReqShared {
@@ -1228,8 +1234,7 @@ impl Endpoint {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
-            help: OnceLock::new(),
-            wake: OnceLock::new(),
+            finisher: OnceLock::new(),
         });
         let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
         let mut st = inner.lock();
@@ -2162,9 +2167,20 @@ struct WakeFinisher(Arc<ReqShared>);
 impl WakeFinisher {
     fn wake(&self) {
         if !self.0.flag.is_complete()
-            && let Some(w) = self.0.wake.get()
+            && let Some(f) = self.0.finisher.get().and_then(Weak::upgrade)
         {
-            w();
+            f.wake();
+        }
+    }
+
+    /// Finish what is done, if the request has a finisher a caller can help.
+    fn help(&self) -> bool {
+        match self.0.finisher.get().and_then(Weak::upgrade) {
+            Some(f) => {
+                f.help();
+                true
+            }
+            None => false,
         }
     }
 }
@@ -2221,23 +2237,14 @@ fn unread_overflow() -> String {
 const HELP_SPIN: Duration = Duration::from_millis(10);
 
 impl Transfer {
-    /// Let a blocking [`wait`](Self::wait) call `f` while it spins (once).
+    /// Let a blocking [`wait`](Self::wait) help `f` finish the request, and let the transfer
+    /// wake `f` whenever it is looked at without a blocking wait, or goes unfinished (once).
     #[cfg_attr(
         not(feature = "p2p"),
         allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
     )]
-    pub(crate) fn set_help(&self, f: impl Fn() + Send + Sync + 'static) {
-        let _ = self.shared.help.set(Box::new(f));
-    }
-
-    /// Let the transfer wake its finisher (once set, it is called whenever the transfer is
-    /// looked at without a blocking wait, or goes unfinished).
-    #[cfg_attr(
-        not(feature = "p2p"),
-        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
-    )]
-    pub(crate) fn set_wake(&self, f: impl Fn() + Send + Sync + 'static) {
-        let _ = self.shared.wake.set(Box::new(f));
+    pub(crate) fn set_finisher(&self, f: Weak<dyn Finisher>) {
+        let _ = self.shared.finisher.set(f);
     }
 
     /// A transfer finished by someone else (the staged path's worker): the transfer, and the
@@ -2256,8 +2263,7 @@ impl Transfer {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
-            help: OnceLock::new(),
-            wake: OnceLock::new(),
+            finisher: OnceLock::new(),
         });
         let s = shared.clone();
         (
@@ -2282,9 +2288,7 @@ impl Transfer {
         if self.op.is_complete() {
             return true;
         }
-        if let Some(help) = self.shared.help.get() {
-            help();
-        }
+        self._finisher.help();
         // Someone polling: the finisher looks from now on.
         self._finisher.wake();
         self.op.is_complete()
@@ -2302,12 +2306,12 @@ impl Transfer {
     ///
     /// As [`Transferred::result`].
     pub fn wait(self) -> Result<TransferReport> {
-        if let Some(help) = self.shared.help.get() {
+        if self.shared.finisher.get().is_some() {
             // Look for the end ourselves for a while (yielding), as a synchronize would: no
             // hand-off from another thread when it comes soon.
             let until = Instant::now() + HELP_SPIN;
             while !self.shared.flag.is_complete() && Instant::now() < until {
-                help();
+                self._finisher.help();
                 if self.shared.flag.is_complete() {
                     break;
                 }

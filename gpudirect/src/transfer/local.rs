@@ -25,8 +25,8 @@
 use super::descriptor::IpcKind;
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
-    Broken, Direction, EpInner, LocalSide, Notification, Transfer, TransferOptions, TransferReport,
-    check_pairs, check_same_engine,
+    Broken, Direction, EpInner, Finisher, LocalSide, Notification, Transfer, TransferOptions,
+    TransferReport, check_pairs, check_same_engine,
 };
 use super::engine::Engine;
 use super::ipc::{Import, import, import_vmm, link, ordinal_of_uuid, published};
@@ -1163,6 +1163,18 @@ enum End {
     Late,
 }
 
+impl Finisher for Side {
+    fn help(&self) {
+        self.helped_at
+            .store(self.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        while self.finish_head(false) {}
+    }
+
+    fn wake(&self) {
+        self.wake_worker();
+    }
+}
+
 impl LocalSide for Side {
     fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
         *lock(&self.ep) = Arc::downgrade(ep);
@@ -1507,25 +1519,13 @@ pub(super) fn request(
     let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
     // Made once the copies are queued: a request refused before has no transfer to end.
     let (transfer, finish) = Transfer::pending(timeout, regions);
-    // A caller waiting for it finishes what is done at the head of the queue itself.
-    let me = side.me.clone();
-    transfer.set_help(move || {
-        if let Some(side) = me.upgrade() {
-            side.helped_at
-                .store(side.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            while side.finish_head(false) {}
-        }
-    });
-    // The worker is woken when the request is issued only if someone else sees it finish (its
+    // A caller waiting for it finishes what is done at the head of the queue itself. The
+    // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
     // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
     // beside the caller's copies: measured on the H200, they doubled a small request's cost).
-    let me = side.me.clone();
-    transfer.set_wake(move || {
-        if let Some(side) = me.upgrade() {
-            side.wake_worker();
-        }
-    });
+    let me: Weak<dyn Finisher> = side.me.clone();
+    transfer.set_finisher(me);
     let eager = opts.notify.is_some();
     let mut q = lock(&side.queue);
     q.jobs.push_back(Job {
