@@ -2128,6 +2128,19 @@ mod tests {
         .unwrap()
     }
 
+    /// A descriptor of 4096 bytes at `offset` of a 1 MiB allocation of the pool export `id`,
+    /// whose pointer export data is `data` repeated.
+    fn pool_desc(id: u64, data: u8, offset: u64) -> MemoryDescriptor {
+        MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000 + offset,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::pool_ptr(id, [data; 64], 1 << 20, offset, [7; 16]),
+        )
+        .unwrap()
+    }
+
     /// A new file at a unique path, and that path as `/proc/self/fd` shows it.
     fn marker(name: &str) -> (std::fs::File, PathBuf) {
         let p = socket(name);
@@ -2163,7 +2176,7 @@ mod tests {
         // What the hand-made peer announces, and what it then does on the socket (which the
         // listener may have closed already).
         type Act = fn(&UnixStream, &std::fs::File);
-        let cases: [(&str, Vec<MemoryDescriptor>, Act); 7] = [
+        let cases: [(&str, Vec<MemoryDescriptor>, Act); 11] = [
             ("no fd at all", vec![vmm_desc(11, 2 << 20)], |_, _| {}),
             ("two fds for one id", vec![vmm_desc(11, 2 << 20)], |s, f| {
                 let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11]));
@@ -2199,6 +2212,35 @@ mod tests {
             ("not a fd message", vec![vmm_desc(11, 2 << 20)], |s, f| {
                 let _ = send_fds(s, &[f.as_fd()], b"GDXL and more bytes");
             }),
+            (
+                "one id named as a VMM export and as a pool",
+                vec![vmm_desc(11, 2 << 20), pool_desc(11, 1, 0)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[11]));
+                },
+            ),
+            (
+                "one pool's fd twice for its two allocations",
+                vec![pool_desc(21, 1, 0), pool_desc(21, 2, 8192)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[21, 21]));
+                },
+            ),
+            (
+                "a pool's and a VMM fd in another order than named",
+                vec![pool_desc(21, 1, 0), vmm_desc(22, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[22, 21]));
+                },
+            ),
+            (
+                "a VMM fd but not the pool's",
+                vec![vmm_desc(22, 2 << 20), pool_desc(21, 1, 0)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[22]));
+                    let _ = send_all(s, &fd_msg(&[21]));
+                },
+            ),
         ];
         for (what, descriptors, act) in cases {
             let path = l.path().to_path_buf();
@@ -2270,7 +2312,7 @@ mod tests {
         // before connecting (the path does not even exist).
         let nowhere = socket("vmm-nowhere");
         for (d, what) in [
-            (vmm_desc(v.id ^ 1, mapped), "an export not held"),
+            (vmm_desc(u64::MAX, mapped), "an export not held"),
             (vmm_desc(v.id, mapped * 2), "another length"),
         ] {
             let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
@@ -2318,7 +2360,7 @@ mod tests {
             "{e}"
         );
         // VMM memory handed over after the meeting: refused, saying it must be published then.
-        let late = vmm_desc(v.id ^ 1, mapped);
+        let late = vmm_desc(u64::MAX, mapped);
         let pairs = vec![
             (region.all(), descs(1)[0].all()),
             (region.all(), late.all()),
@@ -2351,6 +2393,111 @@ mod tests {
         drop(v);
         assert_eq!(open_on(&marked), 0);
         let _ = std::fs::remove_file(&marked);
+    }
+
+    #[test]
+    fn pool_fds_cross_when_endpoints_meet_once_per_pool() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let (file, marked) = marker("pool-export");
+        // Export ids count up from below 2^63: u64::MAX is none of them.
+        let pool = super::super::ipc::export_any_fd(file.into(), FdOf::Pool, [7; 16]);
+        let (vfile, vmarked) = marker("pool-export-vmm");
+        let mapped = 2 << 20;
+        let vmm =
+            super::super::ipc::export_any_fd(vfile.into(), FdOf::Vmm { len: mapped }, [7; 16]);
+        // Two allocations of the pool (another export data each) and a VMM allocation.
+        let first = pool_desc(pool.id, 1, 0);
+        let second = pool_desc(pool.id, 2, 8191);
+        assert_eq!(open_on(&marked), 1);
+
+        // A pool export described as VMM memory, a VMM export described as a pool, one on
+        // another GPU: refused before connecting.
+        let nowhere = socket("pool-nowhere");
+        let other_gpu = MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::pool_ptr(pool.id, [1; 64], 1 << 20, 0, [8; 16]),
+        )
+        .unwrap();
+        for (d, what) in [
+            (vmm_desc(pool.id, 1 << 20), "a pool as VMM memory"),
+            (pool_desc(vmm.id, 1, 0), "a VMM export as a pool"),
+            (pool_desc(u64::MAX, 1, 0), "a pool not held"),
+            (other_gpu, "another GPU"),
+        ] {
+            let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "publish", .. }),
+                "{what}: {e}"
+            );
+        }
+
+        // Published at the meeting: the pool's fd crosses once for both allocations, the VMM
+        // one beside it.
+        let l = engine.listen_local(socket("pool-meet")).unwrap();
+        let path = l.path().to_path_buf();
+        let publish = vec![first, vmm_desc(vmm.id, mapped), second];
+        let acc = std::thread::spawn(move || {
+            let ep = l.accept(&publish, Duration::from_secs(10));
+            (ep, l)
+        });
+        let a = engine.connect_local(&path, &[]).unwrap();
+        let (b, _l) = acc.join().unwrap();
+        let b = b.unwrap();
+        assert_eq!(a.peer_descriptors()[0], first);
+        assert_eq!(a.peer_descriptors()[2], second);
+        assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
+        assert_eq!(open_on(&vmarked), 2);
+
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        // Its fd came: both allocations get past the checks (to the refusal of a peer that is
+        // this very process, before any CUDA call).
+        for d in [first, second] {
+            let e = a
+                .write(vec![(region.all(), d.all())], TransferOptions::default())
+                .unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        }
+        // The pool's export described as VMM memory after the meeting, or a pool not
+        // published then: refused, typed, before any CUDA call.
+        let e = a
+            .write(
+                vec![(region.all(), vmm_desc(pool.id, 1 << 20).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && e.to_string().contains("a memory pool"),
+            "{e}"
+        );
+        let e = a
+            .write(
+                vec![(region.all(), pool_desc(u64::MAX, 1, 0).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("pool memory must be published when the endpoints meet"),
+            "{e}"
+        );
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+        assert_eq!(engine.cache_stats().pool_imports_opened, 0);
+
+        // The endpoints go: the fds received are closed; the exports' go with them.
+        drop(a);
+        drop(b);
+        assert_eq!((open_on(&marked), open_on(&vmarked)), (1, 1));
+        drop(pool);
+        drop(vmm);
+        assert_eq!((open_on(&marked), open_on(&vmarked)), (0, 0));
+        let _ = std::fs::remove_file(&marked);
+        let _ = std::fs::remove_file(&vmarked);
     }
 
     #[test]
