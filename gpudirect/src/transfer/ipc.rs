@@ -84,20 +84,22 @@ fn list(v: &Arc<ExportFd>) {
     all.insert(v.id, Arc::downgrade(v));
 }
 
-/// The allocation of an exportable pool holding `ptr` on device `ordinal` (memory of an
-/// [`IpcPool`] made here): its `cuMemPoolExportPointer` data, its base and length
-/// (`cuMemGetAddressRange`), and the pool's file descriptor, exported once per pool while
+/// The pool allocation of `bytes` bytes at `ptr` on device `ordinal` (a registered buffer's
+/// whole memory: a [`PoolAlloc`](crate::p2p::PoolAlloc) of an [`IpcPool`] made here): its
+/// `cuMemPoolExportPointer` data, and the pool's file descriptor, exported once per pool while
 /// registrations of its memory hold it (a `dup` of the one `IpcPool::new` exported), under an
-/// export id listed process-wide as VMM exports are.
+/// export id listed process-wide as VMM exports are. The allocation is the buffer's own range,
+/// which must lie inside what `cuMemGetAddressRange` says of `ptr`.
 ///
 /// # Errors
 ///
 /// [`Error::Unsupported`] for memory of a pool that cannot be exported (the device's default
 /// pool: cudarc's `CudaSlice`, a `PoolBuffer`; a pointer imported from another process);
+/// [`Error::InvalidArgument`] for a range the driver does not hold in one allocation;
 /// [`Error::Cuda`] from the driver; [`Error::Os`] from `dup`; as [`crate::cuda::context`].
 #[doc(alias = "cuMemPoolExportPointer")]
 #[doc(alias = "cuMemPoolExportToShareableHandle")]
-pub(crate) fn export_pool(ordinal: usize, ptr: u64) -> Result<Exported> {
+pub(crate) fn export_pool(ordinal: usize, ptr: u64, bytes: usize) -> Result<Exported> {
     let uuid = uuid_of(ordinal)?;
     let ctx = crate::cuda::context(ordinal)?;
     crate::driver::ctx::bind(&ctx)?;
@@ -111,15 +113,26 @@ pub(crate) fn export_pool(ordinal: usize, ptr: u64) -> Result<Exported> {
     })?;
     // SAFETY: context current; `ptr` is live pool memory that the registration holds.
     let (base, size) = unsafe { crate::driver::mem::address_range(ptr) }?;
-    // SAFETY: context current; `base` starts a live allocation of an exportable pool.
-    let data = unsafe { crate::driver::pool::export_pointer(base) }?;
+    let inside = ptr >= base
+        && (ptr - base)
+            .checked_add(bytes as u64)
+            .is_some_and(|end| end <= size as u64);
+    if !inside {
+        return Err(Error::invalid(
+            "mem",
+            format!("{ptr:#x} +{bytes}"),
+            format!("cuMemGetAddressRange answers {base:#x} +{size}, which does not hold it"),
+        ));
+    }
+    // SAFETY: context current; `ptr` starts the buffer's live allocation of an exportable pool.
+    let data = unsafe { crate::driver::pool::export_pointer(ptr) }?;
     Ok(Exported {
         how: ExportedAs::Pool {
             pool: pool_fd(&pool, uuid)?,
             ptr_data: data.reserved,
         },
-        base,
-        alloc_len: size as u64,
+        base: ptr,
+        alloc_len: bytes as u64,
         uuid,
     })
 }

@@ -349,9 +349,13 @@ fn exported(
             }
         }
         (Some(MemoryKind::Pool), Some(_ordinal)) => {
+            // The buffer's whole memory is the allocation (a PoolAlloc starts its own).
             #[cfg(feature = "p2p")]
-            {
-                super::ipc::export_pool(_ordinal, start).map_err(|e| e.to_string())
+            match &*bufs[job.2[0]].backing {
+                Backing::Device(d) => {
+                    super::ipc::export_pool(_ordinal, d.ptr(), d.bytes()).map_err(|e| e.to_string())
+                }
+                Backing::Host { .. } => Err("pool memory without a device address".into()),
             }
             #[cfg(not(feature = "p2p"))]
             {
