@@ -428,10 +428,13 @@ impl std::fmt::Debug for ImportedPool {
     }
 }
 
+/// Imported pools by (exporting pid, export id).
+type Pools = HashMap<(u32, u64), Weak<ImportedPool>>;
+
 /// Every imported pool alive in the process, by (exporting pid, export id). An entry that can
 /// no longer be upgraded is being destroyed by its last holder, which removes it after.
-fn pools() -> MutexGuard<'static, HashMap<(u32, u64), Weak<ImportedPool>>> {
-    static P: OnceLock<Mutex<HashMap<(u32, u64), Weak<ImportedPool>>>> = OnceLock::new();
+fn pools() -> MutexGuard<'static, Pools> {
+    static P: OnceLock<Mutex<Pools>> = OnceLock::new();
     P.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
