@@ -78,6 +78,6 @@ pub use ipc::{
     PoolPtrHandle, VmmHandle, VmmImport, export_vmm, recv_fd, send_fd,
 };
 #[cfg(feature = "transfer")]
-pub(crate) use ipc::{MAX_FDS_PER_MSG, recv_fds, send_fds};
+pub(crate) use ipc::{MAX_FDS_PER_MSG, exportable_pool_at, recv_fds, send_fds};
 pub use link::{Interconnect, Link, LinkMatrix};
 pub use path::CopyPath;

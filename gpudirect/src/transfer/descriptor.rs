@@ -1,6 +1,7 @@
 //! Memory descriptors: what a peer needs to reach registered memory (address, length, memory
-//! kind, one rkey per rail, and for exportable GPU memory a CUDA IPC part: a `cuIpc` handle or
-//! the id of a VMM file descriptor), serializable with serde or as bytes, and checked field by
+//! kind, one rkey per rail, and for exportable GPU memory a CUDA IPC part: a `cuIpc` handle,
+//! the id of a VMM file descriptor, or the id of a memory pool's file descriptor with the
+//! allocation's pointer export data), serializable with serde or as bytes, and checked field by
 //! field when they come from outside.
 
 use crate::error::{Error, Result};
@@ -9,7 +10,8 @@ use crate::error::{Error, Result};
 pub const MAX_RAILS: usize = 16;
 
 /// The descriptor format this library writes. It reads this one and version 2 (the same
-/// layout without the VMM file descriptor part).
+/// layout without the VMM and pool parts). A pool part (flag bit 2) is new within version 3:
+/// a reader that does not know it refuses the flag, typed, and reads every other descriptor.
 pub const DESCRIPTOR_VERSION: u16 = 3;
 
 /// The oldest descriptor format this library reads.
@@ -24,6 +26,9 @@ const HEADER: usize = 4 + 2 + 1 + 1 + 1 + 8 + 8;
 const HAS_IPC: u8 = 1;
 /// Flag bit (version 3): a CUDA IPC part naming a VMM file descriptor follows the rkeys.
 const HAS_VMM_FD: u8 = 2;
+/// Flag bit (version 3): a CUDA IPC part naming a pool's file descriptor and an allocation's
+/// pointer export data follows the rkeys.
+const HAS_POOL_PTR: u8 = 4;
 
 /// Where described memory lives, as its owner reports it. Informational for the peer (the owner
 /// flushes GPU memory before it reports a write as arrived); the bytes are reached the same way.
@@ -78,6 +83,22 @@ pub enum IpcKind {
         /// Which of the owner's exported file descriptors maps the memory.
         export_id: u64,
     },
+    /// Memory of an exportable stream-ordered pool (`cuMemAllocFromPoolAsync` from a pool made
+    /// with the POSIX fd handle type, such as an [`IpcPool`](crate::p2p::IpcPool)'s
+    /// [`PoolAlloc`](crate::p2p::PoolAlloc)): the pool is exported as a POSIX file descriptor
+    /// (`cuMemPoolExportToShareableHandle`), which an intra-node endpoint sends to its peer by
+    /// `SCM_RIGHTS` when the two meet, named by `pool_export_id` (unique in the exporting
+    /// process, one per pool); the allocation by its `cuMemPoolExportPointer` data. The
+    /// importer imports the pool (`cuMemPoolImportFromShareableHandle`), then the pointer
+    /// (`cuMemPoolImportPointer`).
+    #[doc(alias = "cuMemPoolExportPointer")]
+    #[doc(alias = "cuMemPoolExportToShareableHandle")]
+    PoolPtr {
+        /// Which of the owner's exported file descriptors is the pool's.
+        pool_export_id: u64,
+        /// The allocation's `CUmemPoolPtrExportData` bytes.
+        ptr_data: [u8; 64],
+    },
 }
 
 impl std::fmt::Debug for IpcKind {
@@ -91,20 +112,30 @@ impl std::fmt::Debug for IpcKind {
                 .debug_struct("VmmFd")
                 .field("export_id", export_id)
                 .finish(),
+            IpcKind::PoolPtr {
+                pool_export_id,
+                ptr_data,
+            } => f
+                .debug_struct("PoolPtr")
+                .field("pool_export_id", pool_export_id)
+                .field("ptr_data", &hex(&ptr_data[..8]))
+                .finish(),
         }
     }
 }
 
 /// How a process on the same node reaches described GPU memory through CUDA IPC: how to map
-/// the allocation holding it ([`IpcKind`]: a `cuIpcGetMemHandle` handle, or the id of a VMM
-/// file descriptor passed when endpoints meet), the allocation's length in bytes (for VMM
+/// the allocation holding it ([`IpcKind`]: a `cuIpcGetMemHandle` handle, the id of a VMM file
+/// descriptor passed when endpoints meet, or the id of a pool's file descriptor passed then
+/// with the allocation's pointer export data), the allocation's length in bytes (for VMM
 /// memory: the mapping's), the offset of the described bytes in it, and the UUID of the GPU that
 /// owns it (what every process on the node calls that GPU, whatever its
 /// `CUDA_VISIBLE_DEVICES`).
 ///
 /// A descriptor carries one when its memory can be exported (`cuMemAlloc` memory, such as a
 /// [`DeviceBuffer`](crate::memory::DeviceBuffer); VMM memory of one physical allocation, such
-/// as a [`VmmBuffer`](crate::memory::VmmBuffer)); from a peer it is untrusted: the descriptor
+/// as a [`VmmBuffer`](crate::memory::VmmBuffer); an allocation of an exportable pool, such as
+/// a [`PoolAlloc`](crate::p2p::PoolAlloc)); from a peer it is untrusted: the descriptor
 /// checks that its bytes lie inside the allocation length claimed, and an importer checks them
 /// again against the mapping it really gets.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -121,6 +152,9 @@ impl IpcPart {
 
     /// Bytes of an IPC part naming a VMM file descriptor in [`MemoryDescriptor::to_bytes`].
     pub const VMM_WIRE_LEN: usize = 8 + 8 + 8 + 16;
+
+    /// Bytes of an IPC part naming a pool allocation in [`MemoryDescriptor::to_bytes`].
+    pub const POOL_WIRE_LEN: usize = 8 + 64 + 8 + 8 + 16;
 
     /// An IPC part with a `cuIpcGetMemHandle` handle, from its fields (checked when it joins a
     /// descriptor: [`MemoryDescriptor::with_ipc`]).
@@ -146,25 +180,60 @@ impl IpcPart {
         }
     }
 
-    /// How the allocation is mapped: a `cuIpc` handle or a VMM file descriptor.
+    /// An IPC part naming an allocation of the owner's exported pool `pool_export_id` by its
+    /// `cuMemPoolExportPointer` data `ptr_data`; the allocation holds `alloc_len` bytes and the
+    /// described bytes start `offset` bytes into it (checked when it joins a descriptor:
+    /// [`MemoryDescriptor::with_ipc`]).
+    #[doc(alias = "cuMemPoolExportPointer")]
+    pub fn pool_ptr(
+        pool_export_id: u64,
+        ptr_data: [u8; 64],
+        alloc_len: u64,
+        offset: u64,
+        gpu_uuid: [u8; 16],
+    ) -> Self {
+        IpcPart {
+            kind: IpcKind::PoolPtr {
+                pool_export_id,
+                ptr_data,
+            },
+            alloc_len,
+            offset,
+            uuid: gpu_uuid,
+        }
+    }
+
+    /// How the allocation is mapped: a `cuIpc` handle, a VMM file descriptor, or a pool's file
+    /// descriptor and pointer export data.
     pub fn kind(&self) -> &IpcKind {
         &self.kind
     }
 
-    /// The `CUipcMemHandle` bytes of the allocation; `None` for VMM memory.
+    /// The `CUipcMemHandle` bytes of the allocation; `None` for VMM and pool memory.
     #[doc(alias = "cuIpcGetMemHandle")]
     pub fn handle(&self) -> Option<&[u8; 64]> {
         match &self.kind {
             IpcKind::CudaIpcHandle { handle } => Some(handle),
-            IpcKind::VmmFd { .. } => None,
+            IpcKind::VmmFd { .. } | IpcKind::PoolPtr { .. } => None,
         }
     }
 
-    /// The id of the owner's VMM file descriptor; `None` for a `cuIpc` handle.
+    /// The id of the owner's exported file descriptor that this part needs (crossing when
+    /// endpoints meet): the VMM allocation's, or the pool's; `None` for a `cuIpc` handle.
     pub fn export_id(&self) -> Option<u64> {
         match self.kind {
             IpcKind::VmmFd { export_id } => Some(export_id),
+            IpcKind::PoolPtr { pool_export_id, .. } => Some(pool_export_id),
             IpcKind::CudaIpcHandle { .. } => None,
+        }
+    }
+
+    /// The allocation's `CUmemPoolPtrExportData` bytes; `None` unless pool memory.
+    #[doc(alias = "cuMemPoolExportPointer")]
+    pub fn pool_ptr_data(&self) -> Option<&[u8; 64]> {
+        match &self.kind {
+            IpcKind::PoolPtr { ptr_data, .. } => Some(ptr_data),
+            IpcKind::CudaIpcHandle { .. } | IpcKind::VmmFd { .. } => None,
         }
     }
 
@@ -189,6 +258,7 @@ impl IpcPart {
         match self.kind {
             IpcKind::CudaIpcHandle { .. } => HAS_IPC,
             IpcKind::VmmFd { .. } => HAS_VMM_FD,
+            IpcKind::PoolPtr { .. } => HAS_POOL_PTR,
         }
     }
 
@@ -197,6 +267,7 @@ impl IpcPart {
         match self.kind {
             IpcKind::CudaIpcHandle { .. } => Self::WIRE_LEN,
             IpcKind::VmmFd { .. } => Self::VMM_WIRE_LEN,
+            IpcKind::PoolPtr { .. } => Self::POOL_WIRE_LEN,
         }
     }
 
@@ -204,6 +275,13 @@ impl IpcPart {
         match &self.kind {
             IpcKind::CudaIpcHandle { handle } => b.extend_from_slice(handle),
             IpcKind::VmmFd { export_id } => b.extend_from_slice(&export_id.to_le_bytes()),
+            IpcKind::PoolPtr {
+                pool_export_id,
+                ptr_data,
+            } => {
+                b.extend_from_slice(&pool_export_id.to_le_bytes());
+                b.extend_from_slice(ptr_data);
+            }
         }
         b.extend_from_slice(&self.alloc_len.to_le_bytes());
         b.extend_from_slice(&self.offset.to_le_bytes());
@@ -211,11 +289,23 @@ impl IpcPart {
     }
 
     /// The part announced by `flag` at the start of `b` (exactly as long as that kind's part:
-    /// [`WIRE_LEN`](Self::WIRE_LEN) or [`VMM_WIRE_LEN`](Self::VMM_WIRE_LEN)).
+    /// [`WIRE_LEN`](Self::WIRE_LEN), [`VMM_WIRE_LEN`](Self::VMM_WIRE_LEN) or
+    /// [`POOL_WIRE_LEN`](Self::POOL_WIRE_LEN)).
     fn read_from(flag: u8, b: &[u8]) -> Self {
         let (kind, at) = if flag == HAS_VMM_FD {
             let export_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
             (IpcKind::VmmFd { export_id }, 8)
+        } else if flag == HAS_POOL_PTR {
+            let pool_export_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+            let mut ptr_data = [0u8; 64];
+            ptr_data.copy_from_slice(&b[8..72]);
+            (
+                IpcKind::PoolPtr {
+                    pool_export_id,
+                    ptr_data,
+                },
+                72,
+            )
         } else {
             let mut handle = [0u8; 64];
             handle.copy_from_slice(&b[..64]);
@@ -302,14 +392,18 @@ struct DescriptorFields {
     ipc: Option<IpcFields>,
 }
 
-/// An [`IpcPart`] through serde: the handle (or the VMM export id, one of the two) and the UUID
-/// as hex digits.
+/// An [`IpcPart`] through serde: the handle, the VMM export id, or the pool export id with the
+/// pointer export data (exactly one of the three); handle, pointer data and UUID as hex digits.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct IpcFields {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     handle: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     vmm_export_id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pool_export_id: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pool_ptr: Option<String>,
     alloc_len: u64,
     offset: u64,
     gpu_uuid: String,
@@ -323,27 +417,39 @@ impl TryFrom<DescriptorFields> for MemoryDescriptor {
             None => None,
             Some(i) => {
                 let uuid = unhex("descriptor.ipc.gpu_uuid", &i.gpu_uuid)?;
-                match (i.handle, i.vmm_export_id) {
-                    (Some(h), None) => Some(IpcPart::new(
+                let newer = f.version > OLDEST_VERSION;
+                match (i.handle, i.vmm_export_id, i.pool_export_id, i.pool_ptr) {
+                    (Some(h), None, None, None) => Some(IpcPart::new(
                         unhex("descriptor.ipc.handle", &h)?,
                         i.alloc_len,
                         i.offset,
                         uuid,
                     )),
-                    (None, Some(id)) if f.version > OLDEST_VERSION => {
+                    (None, Some(id), None, None) if newer => {
                         Some(IpcPart::vmm_fd(id, i.alloc_len, i.offset, uuid))
                     }
-                    (h, id) => {
+                    (None, None, Some(id), Some(data)) if newer => Some(IpcPart::pool_ptr(
+                        id,
+                        unhex("descriptor.ipc.pool_ptr", &data)?,
+                        i.alloc_len,
+                        i.offset,
+                        uuid,
+                    )),
+                    (h, v, p, d) => {
+                        let said = |o: bool| if o { "given" } else { "absent" };
                         return Err(Error::invalid(
                             "descriptor.ipc",
                             format!(
-                                "handle {}, vmm_export_id {} (version {})",
-                                if h.is_some() { "given" } else { "absent" },
-                                if id.is_some() { "given" } else { "absent" },
+                                "handle {}, vmm_export_id {}, pool_export_id {}, pool_ptr {} \
+                                 (version {})",
+                                said(h.is_some()),
+                                said(v.is_some()),
+                                said(p.is_some()),
+                                said(d.is_some()),
                                 f.version
                             ),
-                            "an IPC part has a handle or (from version 3) a VMM export id, \
-                             exactly one",
+                            "an IPC part has a handle or (from version 3) a VMM export id or a \
+                             pool export id with its pool_ptr, exactly one",
                         ));
                     }
                 }
@@ -363,7 +469,15 @@ impl From<MemoryDescriptor> for DescriptorFields {
             rkeys: d.rkeys().to_vec(),
             ipc: d.ipc.map(|i| IpcFields {
                 handle: i.handle().map(|h| hex(h)),
-                vmm_export_id: i.export_id(),
+                vmm_export_id: match i.kind {
+                    IpcKind::VmmFd { export_id } => Some(export_id),
+                    _ => None,
+                },
+                pool_export_id: match i.kind {
+                    IpcKind::PoolPtr { pool_export_id, .. } => Some(pool_export_id),
+                    _ => None,
+                },
+                pool_ptr: i.pool_ptr_data().map(|d| hex(d)),
                 alloc_len: i.alloc_len,
                 offset: i.offset,
                 gpu_uuid: hex(&i.uuid),
@@ -529,10 +643,11 @@ impl MemoryDescriptor {
 
     /// The descriptor as bytes (little endian): `GDXD`, version (u16, [`DESCRIPTOR_VERSION`]),
     /// kind (u8), rail count (u8), flags (u8: bit 0, an IPC part with a `cuIpc` handle follows;
-    /// bit 1, an IPC part naming a VMM file descriptor follows; at most one), address (u64),
-    /// length (u64), one rkey (u32) per rail, then the IPC part if any: the handle (64 bytes) or
-    /// the VMM export id (u64), then the allocation length (u64), the offset in it (u64), the
-    /// GPU's UUID (16 bytes).
+    /// bit 1, an IPC part naming a VMM file descriptor follows; bit 2, an IPC part naming a pool
+    /// allocation follows; at most one), address (u64), length (u64), one rkey (u32) per rail,
+    /// then the IPC part if any: the handle (64 bytes), the VMM export id (u64), or the pool
+    /// export id (u64) and the pointer export data (64 bytes); then the allocation length
+    /// (u64), the offset in it (u64), the GPU's UUID (16 bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(self.encoded_len());
         self.write_to(&mut b);
@@ -601,12 +716,13 @@ impl MemoryDescriptor {
             0 => 0,
             HAS_IPC => IpcPart::WIRE_LEN,
             HAS_VMM_FD if version > OLDEST_VERSION => IpcPart::VMM_WIRE_LEN,
+            HAS_POOL_PTR if version > OLDEST_VERSION => IpcPart::POOL_WIRE_LEN,
             _ => {
                 return Err(Error::invalid(
                     "descriptor.flags",
                     format!("{flags:#04x} (version {version})"),
                     "0, or one IPC part: bit 0 (a cuIpc handle) or, from version 3, bit 1 (a \
-                     VMM file descriptor)",
+                     VMM file descriptor) or bit 2 (a pool allocation)",
                 ));
             }
         };
@@ -795,6 +911,20 @@ mod tests {
                 )),
             (any::<u64>(), any::<u64>(), any::<u64>(), any::<[u8; 16]>())
                 .prop_map(|(id, a, o, u)| IpcPart::vmm_fd(id, a, o, u)),
+            (
+                any::<u64>(),
+                proptest::collection::vec(any::<u8>(), 64),
+                any::<u64>(),
+                any::<u64>(),
+                any::<[u8; 16]>(),
+            )
+                .prop_map(|(id, d, a, o, u)| IpcPart::pool_ptr(
+                    id,
+                    d.try_into().expect("64"),
+                    a,
+                    o,
+                    u
+                )),
         ]
     }
 
@@ -803,6 +933,10 @@ mod tests {
         match i.kind() {
             IpcKind::CudaIpcHandle { handle } => IpcPart::new(*handle, alloc, off, *i.gpu_uuid()),
             IpcKind::VmmFd { export_id } => IpcPart::vmm_fd(*export_id, alloc, off, *i.gpu_uuid()),
+            IpcKind::PoolPtr {
+                pool_export_id,
+                ptr_data,
+            } => IpcPart::pool_ptr(*pool_export_id, *ptr_data, alloc, off, *i.gpu_uuid()),
         }
     }
 
@@ -1032,6 +1166,129 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_part_names_its_pool_and_pointer_and_stays_inside_the_allocation() {
+        let data: [u8; 64] = std::array::from_fn(|i| i as u8 ^ 0x5a);
+        let part = |alloc, off| IpcPart::pool_ptr(0xfeed_0000_0002, data, alloc, off, [9; 16]);
+        let d = MemoryDescriptor::with_ipc(
+            0x7f00_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            part(1 << 20, 8191),
+        )
+        .unwrap();
+        let ipc = d.ipc().unwrap();
+        assert_eq!(ipc.export_id(), Some(0xfeed_0000_0002));
+        assert_eq!(ipc.pool_ptr_data(), Some(&data));
+        assert_eq!(ipc.handle(), None);
+        assert!(matches!(ipc.kind(), IpcKind::PoolPtr { .. }));
+        let b = d.to_bytes();
+        assert_eq!(
+            b.len(),
+            MemoryDescriptor::wire_len(0) + IpcPart::POOL_WIRE_LEN
+        );
+        assert_eq!((b[4], b[8]), (3, HAS_POOL_PTR));
+        let at = MemoryDescriptor::wire_len(0);
+        assert_eq!(&b[at..at + 8], &0xfeed_0000_0002u64.to_le_bytes());
+        assert_eq!(&b[at + 8..at + 72], &data);
+        assert_eq!(MemoryDescriptor::from_bytes(&b).unwrap(), d);
+        // Past the allocation, or overflowing: refused, from fields and from bytes.
+        for (alloc, off) in [
+            (1 << 20, (1 << 20) - 4095),
+            (0, 0),
+            (u64::MAX, u64::MAX - 1),
+        ] {
+            let e = MemoryDescriptor::with_ipc(
+                0x7f00_0000,
+                4096,
+                DescribedKind::Device,
+                &[],
+                part(alloc, off),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        arg: "descriptor.ipc.offset",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        let mut short = b.clone();
+        short[at + 72..at + 80].copy_from_slice(&8192u64.to_le_bytes());
+        assert!(matches!(
+            MemoryDescriptor::from_bytes(&short),
+            Err(Error::InvalidArgument {
+                arg: "descriptor.ipc.offset",
+                ..
+            })
+        ));
+        // Version 2 knows no pool part; two parts at once, or a part cut short, is no
+        // descriptor.
+        let mut v2 = b.clone();
+        v2[4] = 2;
+        for flags in [
+            None,
+            Some(HAS_POOL_PTR | HAS_VMM_FD),
+            Some(HAS_POOL_PTR | HAS_IPC),
+        ] {
+            let mut x = if flags.is_none() {
+                v2.clone()
+            } else {
+                b.clone()
+            };
+            if let Some(f) = flags {
+                x[8] = f;
+            }
+            assert!(
+                matches!(
+                    MemoryDescriptor::from_bytes(&x),
+                    Err(Error::InvalidArgument {
+                        arg: "descriptor.flags",
+                        ..
+                    })
+                ),
+                "{flags:?}"
+            );
+        }
+        assert!(MemoryDescriptor::from_bytes(&b[..b.len() - 1]).is_err());
+        // Read as a VMM part, the same bytes are too long: refused, not misread.
+        let mut as_vmm = b.clone();
+        as_vmm[8] = HAS_VMM_FD;
+        assert!(MemoryDescriptor::from_bytes(&as_vmm).is_err());
+        // Serde: the pool export id and the pointer data as hex, both or neither, and nothing
+        // else.
+        let j = serde_json::to_string(&d).unwrap();
+        assert!(
+            j.contains("\"pool_export_id\":280293860704258")
+                && j.contains(&hex(&data))
+                && !j.contains("handle")
+                && !j.contains("vmm_export_id"),
+            "{j}"
+        );
+        assert_eq!(serde_json::from_str::<MemoryDescriptor>(&j).unwrap(), d);
+        let no_ptr = j.replace(&format!(",\"pool_ptr\":\"{}\"", hex(&data)), "");
+        assert_ne!(no_ptr, j);
+        let no_id = j.replace("\"pool_export_id\":280293860704258,", "");
+        assert_ne!(no_id, j);
+        let bad_hex = j.replace(&hex(&data), &hex(&data[..63]));
+        let with_vmm = j.replace(
+            "\"pool_export_id\"",
+            "\"vmm_export_id\":3,\"pool_export_id\"",
+        );
+        let v2 = j.replace("\"version\":3", "\"version\":2");
+        for bad in [no_ptr, no_id, bad_hex, with_vmm, v2] {
+            assert!(
+                serde_json::from_str::<MemoryDescriptor>(&bad).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn the_end_address_must_fit_64_bits() {
         let e = MemoryDescriptor::new(u64::MAX - 9, 9, DescribedKind::Host, &[1]).unwrap();
         assert_eq!(e.addr() + e.len(), u64::MAX);
@@ -1101,7 +1358,7 @@ mod tests {
         fn any_bytes_decode_checked_or_refused(
             b in proptest::collection::vec(any::<u8>(), 0..220),
             real in any::<bool>(), rails in 0u8..=20, addr in crate::proptest_support::addr(),
-            len in any::<u64>(), kind in any::<u8>(), flags in 0u8..5, version in 1u16..5,
+            len in any::<u64>(), kind in any::<u8>(), flags in 0u8..9, version in 1u16..5,
         ) {
             // Half the inputs start with a plausible header so the later checks are reached.
             let mut input = b.clone();
@@ -1125,8 +1382,9 @@ mod tests {
                     prop_assert!((2..=3).contains(&version));
                     if let Some(i) = d.ipc() {
                         prop_assert!(i.offset().checked_add(d.len()).is_some_and(|e| e <= i.alloc_len()));
-                        prop_assert!(version == 3 || i.export_id().is_none(), "no VMM part in version 2");
+                        prop_assert!(version == 3 || i.export_id().is_none(), "no VMM or pool part in version 2");
                         prop_assert_eq!(i.handle().is_some(), i.export_id().is_none());
+                        prop_assert_eq!(i.pool_ptr_data().is_some(), flags == HAS_POOL_PTR);
                     }
                     prop_assert_eq!(input.len(), d.encoded_len());
                     prop_assert_eq!(MemoryDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);

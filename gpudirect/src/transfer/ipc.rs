@@ -1,12 +1,17 @@
 //! CUDA IPC for the intra-node path: registered allocations exported once (a `cuIpc` handle,
-//! or a VMM allocation's file descriptor), peers' GPUs found by UUID, the link between two GPUs,
-//! and the process-wide cache of peers' allocations mapped here (each opened once per local GPU,
-//! closed when nothing holds it).
+//! a VMM allocation's file descriptor, or a pool's file descriptor and the allocation's pointer
+//! export data), peers' GPUs found by UUID, the link between two GPUs, and the process-wide
+//! caches of peers' allocations mapped here (each opened once per local GPU, a pool pointer
+//! once, closed when nothing holds it) and of peers' pools imported here (once each, destroyed
+//! after the last pointer imported into it is freed).
 
-use super::region::{Exported, ExportedAs, IpcLink, VmmFd};
+use super::region::{ExportFd, Exported, ExportedAs, FdOf, IpcLink};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::p2p::{Interconnect, IpcMemHandle, IpcMemory, LinkMatrix, VmmHandle, VmmImport};
+use crate::p2p::{
+    Interconnect, IpcMemHandle, IpcMemory, IpcPool, LinkMatrix, PoolImport, PoolPtrHandle,
+    VmmHandle, VmmImport,
+};
 use std::collections::HashMap;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,22 +62,104 @@ pub(crate) fn export_vmm(ordinal: usize, base: u64, len: usize) -> Result<Export
     let _ = unsafe { crate::driver::vmm::release(h) };
     // SAFETY: the driver returned a new descriptor that the caller owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd?) };
-    let v = Arc::new(VmmFd {
+    let v = Arc::new(ExportFd {
         id: next_export_id(),
         fd,
-        len: len as u64,
+        of: FdOf::Vmm { len: len as u64 },
         uuid,
     });
-    let mut all = exports();
-    all.retain(|_, w| w.strong_count() > 0);
-    all.insert(v.id, Arc::downgrade(&v));
-    drop(all);
+    list(&v);
     Ok(Exported {
         how: ExportedAs::Vmm(v),
         base,
         alloc_len: len as u64,
         uuid,
     })
+}
+
+/// List `v` process-wide (weakly), forgetting exports that are gone.
+fn list(v: &Arc<ExportFd>) {
+    let mut all = exports();
+    all.retain(|_, w| w.strong_count() > 0);
+    all.insert(v.id, Arc::downgrade(v));
+}
+
+/// The pool allocation of `bytes` bytes at `ptr` on device `ordinal` (a registered buffer's
+/// whole memory: a [`PoolAlloc`](crate::p2p::PoolAlloc) of an [`IpcPool`] made here): its
+/// `cuMemPoolExportPointer` data, and the pool's file descriptor, exported once per pool while
+/// registrations of its memory hold it (a `dup` of the one `IpcPool::new` exported), under an
+/// export id listed process-wide as VMM exports are. The allocation is the buffer's own range,
+/// which must lie inside what `cuMemGetAddressRange` says of `ptr`.
+///
+/// # Errors
+///
+/// [`Error::Unsupported`] for memory of a pool that cannot be exported (the device's default
+/// pool: cudarc's `CudaSlice`, a `PoolBuffer`; a pointer imported from another process);
+/// [`Error::InvalidArgument`] for a range the driver does not hold in one allocation;
+/// [`Error::Cuda`] from the driver; [`Error::Os`] from `dup`; as [`crate::cuda::context`].
+#[doc(alias = "cuMemPoolExportPointer")]
+#[doc(alias = "cuMemPoolExportToShareableHandle")]
+pub(crate) fn export_pool(ordinal: usize, ptr: u64, bytes: usize) -> Result<Exported> {
+    let uuid = uuid_of(ordinal)?;
+    let ctx = crate::cuda::context(ordinal)?;
+    crate::driver::ctx::bind(&ctx)?;
+    let pool = crate::p2p::exportable_pool_at(ptr).ok_or_else(|| Error::Unsupported {
+        what: "CUDA IPC of this pool memory".into(),
+        reason: "only memory of a pool made with a shareable handle type in this process (an \
+                 IpcPool's PoolAlloc) is exported; the device's default pool (cudarc's \
+                 CudaSlice, a PoolBuffer) has none, and imported pool memory is its owner's to \
+                 share"
+            .into(),
+    })?;
+    // SAFETY: context current; `ptr` is live pool memory that the registration holds.
+    let (base, size) = unsafe { crate::driver::mem::address_range(ptr) }?;
+    let inside = ptr >= base
+        && (ptr - base)
+            .checked_add(bytes as u64)
+            .is_some_and(|end| end <= size as u64);
+    if !inside {
+        return Err(Error::invalid(
+            "mem",
+            format!("{ptr:#x} +{bytes}"),
+            format!("cuMemGetAddressRange answers {base:#x} +{size}, which does not hold it"),
+        ));
+    }
+    // SAFETY: context current; `ptr` starts the buffer's live allocation of an exportable pool.
+    let data = unsafe { crate::driver::pool::export_pointer(ptr) }?;
+    Ok(Exported {
+        how: ExportedAs::Pool {
+            pool: pool_fd(&pool, uuid)?,
+            ptr_data: data.reserved,
+        },
+        base: ptr,
+        alloc_len: bytes as u64,
+        uuid,
+    })
+}
+
+/// The export of `pool`'s file descriptor: the live one, or a new one (`dup` of the pool's).
+fn pool_fd(pool: &Arc<IpcPool>, uuid: [u8; 16]) -> Result<Arc<ExportFd>> {
+    type ByPool = HashMap<usize, Weak<ExportFd>>;
+    static P: OnceLock<Mutex<ByPool>> = OnceLock::new();
+    let mut by_pool = P
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    by_pool.retain(|_, w| w.strong_count() > 0);
+    // Keyed by the pool's address: while an export of it lives, registrations hold the pool.
+    let key = Arc::as_ptr(pool) as usize;
+    if let Some(v) = by_pool.get(&key).and_then(Weak::upgrade) {
+        return Ok(v);
+    }
+    let v = Arc::new(ExportFd {
+        id: next_export_id(),
+        fd: pool.export_fd()?,
+        of: FdOf::Pool,
+        uuid,
+    });
+    list(&v);
+    by_pool.insert(key, Arc::downgrade(&v));
+    Ok(v)
 }
 
 /// A new export id: a counter from a random start, so that two processes (even one that reuses
@@ -89,30 +176,30 @@ fn next_export_id() -> u64 {
     .fetch_add(1, Ordering::Relaxed)
 }
 
-/// The VMM exports alive in this process, by id.
-fn exports() -> MutexGuard<'static, HashMap<u64, Weak<VmmFd>>> {
-    static E: OnceLock<Mutex<HashMap<u64, Weak<VmmFd>>>> = OnceLock::new();
+/// The file descriptor exports (VMM, pool) alive in this process, by id.
+fn exports() -> MutexGuard<'static, HashMap<u64, Weak<ExportFd>>> {
+    static E: OnceLock<Mutex<HashMap<u64, Weak<ExportFd>>>> = OnceLock::new();
     E.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// A VMM export made of any file descriptor, listed as [`export_vmm`] lists one (tests without
-/// a GPU).
+/// An export (VMM or pool, as `of` says) made of any file descriptor, listed as
+/// [`export_vmm`] lists one (tests without a GPU).
 #[cfg(test)]
-pub(crate) fn export_any_fd(fd: OwnedFd, len: u64, uuid: [u8; 16]) -> Arc<VmmFd> {
-    let v = Arc::new(VmmFd {
+pub(crate) fn export_any_fd(fd: OwnedFd, of: FdOf, uuid: [u8; 16]) -> Arc<ExportFd> {
+    let v = Arc::new(ExportFd {
         id: next_export_id(),
         fd,
-        len,
+        of,
         uuid,
     });
     exports().insert(v.id, Arc::downgrade(&v));
     v
 }
 
-/// The live VMM export `id` of this process (its registration still alive).
-pub(crate) fn published(id: u64) -> Option<Arc<VmmFd>> {
+/// The live file descriptor export `id` of this process (a registration still holds it).
+pub(crate) fn published(id: u64) -> Option<Arc<ExportFd>> {
     exports().get(&id).and_then(Weak::upgrade)
 }
 
@@ -186,17 +273,23 @@ pub(crate) fn link(local: Option<usize>, peer: Option<usize>) -> IpcLink {
 }
 
 /// An imported allocation and the local GPU it is mapped for: by its `cuIpc` handle, or by the
-/// exporting process and its VMM export id.
+/// exporting process and its VMM export id; a pool pointer by the exporting process, its pool's
+/// export id and the pointer's export data (imported once for every local GPU: a second import
+/// of one pointer in a process may alias the first, which freeing either would free).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Key {
     Handle([u8; 64], usize),
     Vmm { pid: u32, id: u64, ordinal: usize },
+    PoolPtr { pid: u32, id: u64, data: [u8; 64] },
 }
 
 impl Key {
-    fn ordinal(&self) -> usize {
+    /// The local GPU a mapping is for; `None` for a pool pointer (every GPU granted access to
+    /// its pool reaches it).
+    fn ordinal(&self) -> Option<usize> {
         match *self {
-            Key::Handle(_, o) | Key::Vmm { ordinal: o, .. } => o,
+            Key::Handle(_, o) | Key::Vmm { ordinal: o, .. } => Some(o),
+            Key::PoolPtr { .. } => None,
         }
     }
 }
@@ -207,6 +300,12 @@ enum Mapped {
     Handle { _mem: IpcMemory<u8> },
     /// `cuMemImportFromShareableHandle` and `cuMemMap`.
     Vmm { _mem: VmmImport<u8> },
+    /// `cuMemPoolImportPointer` into an imported pool. Fields drop in order: the pointer is
+    /// freed before the pool can go.
+    Pool {
+        _mem: PoolImport<u8>,
+        _pool: Arc<ImportedPool>,
+    },
 }
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
@@ -218,10 +317,11 @@ fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// A peer's allocation mapped here (`cuIpcOpenMemHandle`, or a VMM file descriptor imported and
-/// mapped), shared by every endpoint and request that uses it; closed (`cuIpcCloseMemHandle`,
-/// or unmapped and released) when the last holder goes. Copies hold it until their events
-/// complete, so it is never closed under a copy.
+/// A peer's allocation mapped here (`cuIpcOpenMemHandle`, a VMM file descriptor imported and
+/// mapped, or a pointer imported into the peer's imported pool), shared by every endpoint and
+/// request that uses it; closed (`cuIpcCloseMemHandle`, unmapped and released, or freed) when
+/// the last holder goes. Copies hold it until their events complete, so it is never closed
+/// under a copy.
 pub(crate) struct Import {
     key: Key,
     mem: Option<Mapped>,
@@ -236,6 +336,7 @@ impl std::fmt::Debug for Import {
         f.debug_struct("Import")
             .field("device", &self.key.ordinal())
             .field("vmm", &matches!(self.key, Key::Vmm { .. }))
+            .field("pool", &matches!(self.key, Key::PoolPtr { .. }))
             .field("base", &format_args!("{:#x}", self.base))
             .field("size", &self.size)
             .finish()
@@ -304,6 +405,158 @@ pub(crate) fn import_vmm(
         // allocation (it refuses more than the allocation holds).
         Ok((Mapped::Vmm { _mem: mem }, base, mapped_len))
     })
+}
+
+/// A peer's pool imported here (`cuMemPoolImportFromShareableHandle` of the file descriptor it
+/// sent, on the GPU that holds the pool's memory), shared by every pointer imported into it
+/// (each holds it, and is freed first); destroyed (`cuMemPoolDestroy`) when the last goes,
+/// outside every cache's lock.
+pub(crate) struct ImportedPool {
+    /// The exporting process (as the kernel names the socket's peer) and its export id.
+    key: (u32, u64),
+    pool: Option<Arc<IpcPool>>,
+    /// Local GPUs with read-write access to the pool's memory (`cuMemPoolSetAccess`).
+    granted: Mutex<Vec<usize>>,
+}
+
+impl std::fmt::Debug for ImportedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedPool")
+            .field("pid", &self.key.0)
+            .field("export_id", &self.key.1)
+            .finish()
+    }
+}
+
+/// Imported pools by (exporting pid, export id).
+type Pools = HashMap<(u32, u64), Weak<ImportedPool>>;
+
+/// Every imported pool alive in the process, by (exporting pid, export id). An entry that can
+/// no longer be upgraded is being destroyed by its last holder, which removes it after.
+fn pools() -> MutexGuard<'static, Pools> {
+    static P: OnceLock<Mutex<Pools>> = OnceLock::new();
+    P.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+impl ImportedPool {
+    /// Read-write access to the pool's memory for local GPU `ordinal` (once per GPU).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from `cuMemPoolSetAccess` (a GPU that cannot reach the pool's).
+    #[doc(alias = "cuMemPoolSetAccess")]
+    fn grant(&self, ordinal: usize) -> Result<()> {
+        let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+        if g.contains(&ordinal) {
+            return Ok(());
+        }
+        let pool = self.pool.as_ref().expect("held until dropped");
+        crate::driver::ctx::bind(&*crate::cuda::context(pool.device())?)?;
+        pool.grant(ordinal)?;
+        g.push(ordinal);
+        Ok(())
+    }
+}
+
+impl Drop for ImportedPool {
+    fn drop(&mut self) {
+        // Destroyed outside the lock, the dead entry left meanwhile so that nobody imports the
+        // same pool again before it is gone (`import_pool` waits for it).
+        drop(self.pool.take());
+        let mut p = pools();
+        if p.get(&self.key).is_some_and(|w| w.strong_count() == 0) {
+            p.remove(&self.key);
+        }
+    }
+}
+
+/// The pool that process `pid` (as the kernel names the socket's peer, not the peer's word)
+/// exported as `id`, imported here with read-write access for local GPU `ordinal`: the live
+/// import, or a new one (`cuMemPoolImportFromShareableHandle` of `fd` on `pool_device`, the GPU
+/// that holds its memory; counted in `opened`).
+///
+/// # Errors
+///
+/// [`Error::Cuda`] from the driver (a descriptor that is no pool; a GPU that cannot reach the
+/// pool's); as [`crate::cuda::context`].
+#[doc(alias = "cuMemPoolImportFromShareableHandle")]
+pub(crate) fn import_pool(
+    pid: u32,
+    id: u64,
+    fd: &OwnedFd,
+    pool_device: usize,
+    ordinal: usize,
+    opened: &AtomicU64,
+) -> Result<Arc<ImportedPool>> {
+    let key = (pid, id);
+    loop {
+        let mut p = pools();
+        if let Some(w) = p.get(&key) {
+            if let Some(a) = w.upgrade() {
+                drop(p);
+                a.grant(ordinal)?;
+                return Ok(a);
+            }
+            // Its last holder is destroying it: import it again only once it is gone.
+            drop(p);
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            continue;
+        }
+        let a = Arc::new(ImportedPool {
+            key,
+            pool: Some(IpcPool::import(fd.as_fd(), pool_device, pool_device)?),
+            granted: Mutex::new(vec![pool_device]),
+        });
+        p.insert(key, Arc::downgrade(&a));
+        drop(p);
+        opened.fetch_add(1, Ordering::Relaxed);
+        // On a refusal the new pool (no pointer in it yet) is destroyed here, outside the lock.
+        a.grant(ordinal)?;
+        return Ok(a);
+    }
+}
+
+/// The pointer of `pool`'s exporter whose `cuMemPoolExportPointer` data is `data`, imported
+/// into `pool`: the live import, or a new one (`cuMemPoolImportPointer`, counted in `opened`)
+/// whose allocation must hold `alloc_len` bytes (the peer's word, checked against
+/// `cuMemGetAddressRange` of the import; freed again if it does not). Its size is `alloc_len`.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] when the allocation is shorter than `alloc_len`; [`Error::Cuda`]
+/// from the driver (export data that names no live allocation of the pool).
+#[doc(alias = "cuMemPoolImportPointer")]
+pub(crate) fn import_pool_ptr(
+    pool: &Arc<ImportedPool>,
+    data: &[u8; 64],
+    alloc_len: u64,
+    opened: &AtomicU64,
+) -> Result<Arc<Import>> {
+    let (pid, id) = pool.key;
+    import_as(
+        Key::PoolPtr {
+            pid,
+            id,
+            data: *data,
+        },
+        opened,
+        || {
+            let p = pool.pool.as_ref().expect("held until dropped");
+            let h = PoolPtrHandle::from_export_data(*data, alloc_len);
+            let mem = PoolImport::<u8>::open(p, &h)?;
+            let base = mem.device_ptr();
+            Ok((
+                Mapped::Pool {
+                    _mem: mem,
+                    _pool: pool.clone(),
+                },
+                base,
+                alloc_len,
+            ))
+        },
+    )
 }
 
 /// The live import for `key`, or a new one made by `open` (mapping, its base, its real size).

@@ -2,16 +2,19 @@
 //! memory with CUDA IPC and stream-ordered copies, not through a NIC.
 //!
 //! Each side sends a first message (magic, version, its pid, the descriptors it publishes), then
-//! the file descriptors of the VMM allocations those descriptors name (`SCM_RIGHTS`, at most
-//! [`MAX_FDS_PER_MSG`] a message, each message listing the export ids of its descriptors), and
-//! checks the peer's: the same deadline bounds it all, and a peer that sends fewer, more or
-//! other file descriptors than its descriptors name is refused (every one received closed). A
-//! request maps each remote range's allocation from its descriptor's
-//! [`IpcPart`](super::IpcPart): `cuIpcOpenMemHandle` of its handle, or for VMM memory
+//! the file descriptors of the VMM allocations and memory pools those descriptors name
+//! (`SCM_RIGHTS`, at most [`MAX_FDS_PER_MSG`] a message, each message listing their export ids),
+//! and checks the peer's: the same deadline bounds it all, and a peer that sends fewer, more or
+//! other file descriptors than its descriptors name (each export once) is refused (every one
+//! received closed). A request maps each remote range's allocation from its descriptor's
+//! [`IpcPart`](super::IpcPart): `cuIpcOpenMemHandle` of its handle; for VMM memory
 //! `cuMemImportFromShareableHandle` of the file descriptor that came when the endpoints met
-//! (once per allocation and local GPU, shared process-wide), checks the range against the
-//! allocation length the peer claims and the mapping's real size, and queues `cuMemcpyAsync` on
-//! the endpoint's stream(s) of the local
+//! (once per allocation and local GPU, shared process-wide); for pool memory
+//! `cuMemPoolImportFromShareableHandle` of the pool's file descriptor that came then (once per
+//! pool, on the GPU holding it, with `cuMemPoolSetAccess` for each local GPU that copies) and
+//! `cuMemPoolImportPointer` of the allocation's export data (once per allocation; freed before
+//! its pool goes). It checks the range against the allocation length the peer claims and the
+//! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
 //! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
 //! event is recorded only when someone looks, covering every request queued before, and events
 //! are recycled). Requests finish in request order, each only once its epochs complete, and
@@ -22,15 +25,17 @@
 //! not slowed by the worker's wake-up and queries beside its own copies). A reader thread
 //! delivers the peer's notifications and ends the endpoint when the socket closes.
 
-use super::descriptor::IpcKind;
+use super::descriptor::{IpcKind, IpcPart};
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
     Broken, Direction, EpInner, Finisher, LocalSide, Notification, Transfer, TransferOptions,
     TransferReport, check_pairs, check_same_engine,
 };
 use super::engine::Engine;
-use super::ipc::{Import, import, import_vmm, link, ordinal_of_uuid, published};
-use super::region::{LocalRange, MemoryPath, Region, VmmFd};
+use super::ipc::{
+    Import, import, import_pool, import_pool_ptr, import_vmm, link, ordinal_of_uuid, published,
+};
+use super::region::{ExportFd, FdOf, LocalRange, MemoryPath, Region};
 use super::wire::{MAX_HELLO, header};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
@@ -49,9 +54,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 4] = *b"GDXL";
-/// Version 2: VMM file descriptors follow the first message.
+/// Version 2: exported file descriptors (VMM allocations', pools') follow the first message.
 const VERSION: u16 = 2;
-/// A message of VMM file descriptors: `GDXF`, the count (u32), one export id (u64) per
+/// A message of exported file descriptors: `GDXF`, the count (u32), one export id (u64) per
 /// descriptor, in the order of the `SCM_RIGHTS` descriptors it carries.
 const FD_MAGIC: [u8; 4] = *b"GDXF";
 const FD_HEAD: usize = 4 + 4;
@@ -214,16 +219,34 @@ fn read_by(s: &mut UnixStream, buf: &mut [u8], end: Instant, timeout: Duration) 
     Ok(())
 }
 
-/// A VMM file descriptor the peer sent when the endpoints met, and what its descriptors say it
-/// maps (every later descriptor naming it must say the same).
+/// A file descriptor the peer sent when the endpoints met (a VMM allocation's or a pool's), and
+/// what its descriptors say it is (every later descriptor naming it must say the same).
 #[derive(Debug, Clone)]
 pub(super) struct PeerFd {
     fd: Arc<OwnedFd>,
-    len: u64,
+    of: FdOf,
     uuid: [u8; 16],
 }
 
-/// The peer's VMM file descriptors, by export id, and its pid as the kernel gives it
+/// The exported file descriptor an IPC part needs (VMM memory, pool memory), and what the part
+/// says it is; `None` for a `cuIpc` handle.
+fn fd_said(p: &IpcPart) -> Option<(u64, FdOf)> {
+    match *p.kind() {
+        IpcKind::VmmFd { export_id } => Some((export_id, FdOf::Vmm { len: p.alloc_len() })),
+        IpcKind::PoolPtr { pool_export_id, .. } => Some((pool_export_id, FdOf::Pool)),
+        _ => None,
+    }
+}
+
+/// What an exported file descriptor is, in words.
+fn what(of: FdOf) -> String {
+    match of {
+        FdOf::Vmm { len } => format!("a VMM allocation mapping {len} bytes"),
+        FdOf::Pool => "a memory pool".into(),
+    }
+}
+
+/// The peer's exported file descriptors, by export id, and its pid as the kernel gives it
 /// (`SO_PEERCRED`, not the peer's word): what its imports are cached by.
 #[derive(Debug)]
 pub(super) struct PeerFds {
@@ -259,18 +282,19 @@ fn peer_process(s: &UnixStream) -> Result<u32> {
     Ok(cred.pid.max(0) as u32)
 }
 
-/// The VMM exports of this process that `publish` names, once each, in the order first named;
-/// each must be alive and described as it is (its length and GPU).
+/// The file descriptor exports of this process (VMM allocations, pools) that `publish` names,
+/// once each, in the order first named; each must be alive and described as it is (what it
+/// is, for VMM memory its length, and its GPU).
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] (`publish`) naming the descriptor.
-fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
-    let mut out: Vec<Arc<VmmFd>> = Vec::new();
+fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<ExportFd>>> {
+    let mut out: Vec<Arc<ExportFd>> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
     for (i, d) in publish.iter().enumerate() {
         let Some(p) = d.ipc() else { continue };
-        let Some(id) = p.export_id() else { continue };
+        let Some((id, of)) = fd_said(p) else { continue };
         let v = match seen.get(&id) {
             Some(&k) => out[k].clone(),
             None => {
@@ -279,9 +303,9 @@ fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
                         "publish",
                         i,
                         format!(
-                            "descriptor {i} names the VMM export {id}, which this process does \
-                             not hold: its region was dropped, or the descriptor is another \
-                             process's"
+                            "descriptor {i} names the file descriptor export {id} (VMM or \
+                             pool), which this process does not hold: its region was dropped, \
+                             or the descriptor is another process's"
                         ),
                     )
                 })?;
@@ -290,15 +314,14 @@ fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
                 v
             }
         };
-        if v.len != p.alloc_len() || v.uuid != *p.gpu_uuid() {
+        if v.of != of || v.uuid != *p.gpu_uuid() {
             return Err(Error::invalid(
                 "publish",
                 i,
                 format!(
-                    "descriptor {i} says the VMM export {id} maps {} bytes; it maps {} bytes \
-                     (or another GPU's)",
-                    p.alloc_len(),
-                    v.len
+                    "descriptor {i} says the export {id} is {}; it is {} (or another GPU's)",
+                    what(of),
+                    what(v.of)
                 ),
             ));
         }
@@ -306,27 +329,30 @@ fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<VmmFd>>> {
     Ok(out)
 }
 
-/// The VMM export ids the peer's descriptors name, once each, in the order first named, with
-/// the length and GPU they say; descriptors naming one id must agree.
+/// The file descriptor export ids the peer's descriptors name (VMM allocations, pools), once
+/// each, in the order first named, with what they say each is and its GPU; descriptors naming
+/// one id must agree (a VMM export and a pool export never share one).
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] (`peer`) naming the descriptor that disagrees.
-fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, u64, [u8; 16])>> {
-    let mut out: Vec<(u64, u64, [u8; 16])> = Vec::new();
+fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, FdOf, [u8; 16])>> {
+    let mut out: Vec<(u64, FdOf, [u8; 16])> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
     for (i, d) in descs.iter().enumerate() {
         let Some(p) = d.ipc() else { continue };
-        let Some(id) = p.export_id() else { continue };
-        let said = (id, p.alloc_len(), *p.gpu_uuid());
+        let Some((id, of)) = fd_said(p) else { continue };
+        let said = (id, of, *p.gpu_uuid());
         match seen.get(&id) {
             Some(&k) if out[k] != said => {
                 return Err(Error::invalid(
                     "peer",
                     i,
                     format!(
-                        "descriptor {i} names the VMM export {id} with another length or GPU \
-                         than an earlier descriptor"
+                        "descriptor {i} names the export {id} as {} on another GPU, or as \
+                         another kind or length than an earlier descriptor ({})",
+                        what(of),
+                        what(out[k].1)
                     ),
                 ));
             }
@@ -340,9 +366,9 @@ fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, u64, [u8; 16])>> {
     Ok(out)
 }
 
-/// Send the VMM file descriptors `fds`, at most [`MAX_FDS_PER_MSG`] a message, each message
-/// listing their export ids.
-fn send_vmm_fds(s: &UnixStream, fds: &[Arc<VmmFd>]) -> Result<()> {
+/// Send the exported file descriptors `fds`, at most [`MAX_FDS_PER_MSG`] a message, each
+/// message listing their export ids.
+fn send_export_fds(s: &UnixStream, fds: &[Arc<ExportFd>]) -> Result<()> {
     for batch in fds.chunks(MAX_FDS_PER_MSG) {
         let mut b = Vec::with_capacity(FD_HEAD + 8 * batch.len());
         b.extend_from_slice(&FD_MAGIC);
@@ -357,21 +383,21 @@ fn send_vmm_fds(s: &UnixStream, fds: &[Arc<VmmFd>]) -> Result<()> {
     Ok(())
 }
 
-/// Receive the peer's VMM file descriptors for `want` (export id, length, GPU; in order) by
-/// `end`. Every descriptor received is closed again when the peer is refused.
+/// Receive the peer's exported file descriptors for `want` (export id, what it is, GPU; in
+/// order) by `end`. Every descriptor received is closed again when the peer is refused.
 ///
 /// # Errors
 ///
 /// [`Error::Timeout`] when they do not all come by `end`; [`Error::InvalidArgument`] (`peer`)
 /// for a message that is not one of them, more or fewer descriptors than it lists, or an id the
 /// peer's descriptors do not name there; [`Error::Os`] from `recvmsg`, or the peer's close.
-fn recv_vmm_fds(
+fn recv_export_fds(
     s: &mut UnixStream,
-    want: &[(u64, u64, [u8; 16])],
+    want: &[(u64, FdOf, [u8; 16])],
     end: Instant,
     timeout: Duration,
 ) -> Result<PeerFds> {
-    let refuse = |why: String| Error::invalid("peer", "its VMM file descriptors", why);
+    let refuse = |why: String| Error::invalid("peer", "its exported file descriptors", why);
     let mut out = PeerFds {
         pid: peer_process(s)?,
         by_id: HashMap::with_capacity(want.len()),
@@ -382,7 +408,7 @@ fn recv_vmm_fds(
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Error::Timeout {
-                what: "the peer's VMM file descriptors",
+                what: "the peer's exported file descriptors (VMM, pool)",
                 after: timeout,
             });
         }
@@ -399,7 +425,7 @@ fn recv_vmm_fds(
                 ) =>
             {
                 return Err(Error::Timeout {
-                    what: "the peer's VMM file descriptors",
+                    what: "the peer's exported file descriptors (VMM, pool)",
                     after: timeout,
                 });
             }
@@ -425,7 +451,7 @@ fn recv_vmm_fds(
         }
         if buf[..4] != FD_MAGIC {
             return Err(refuse(format!(
-                "a message starting {:02x?} where its VMM file descriptors (GDXF) were due",
+                "a message starting {:02x?} where its exported file descriptors (GDXF) were due",
                 &buf[..4]
             )));
         }
@@ -454,10 +480,10 @@ fn recv_vmm_fds(
         for (k, fd) in r.fds.into_iter().enumerate() {
             let at_id = FD_HEAD + 8 * k;
             let id = u64::from_le_bytes(buf[at_id..at_id + 8].try_into().expect("8 bytes"));
-            let (want_id, len, uuid) = want[at];
+            let (want_id, of, uuid) = want[at];
             if id != want_id {
                 return Err(refuse(format!(
-                    "a file descriptor for the VMM export {id}, where its descriptors name \
+                    "a file descriptor for the export {id}, where its descriptors name \
                      {want_id} next (each export it names, once, in the order first named)"
                 )));
             }
@@ -465,7 +491,7 @@ fn recv_vmm_fds(
                 id,
                 PeerFd {
                     fd: Arc::new(fd),
-                    len,
+                    of,
                     uuid,
                 },
             );
@@ -475,8 +501,8 @@ fn recv_vmm_fds(
     Ok(out)
 }
 
-/// Swap first messages and VMM file descriptors on a new connection (the dialer sends first),
-/// all bounded by `timeout`.
+/// Swap first messages and exported file descriptors (VMM, pool) on a new connection (the
+/// dialer sends first), all bounded by `timeout`.
 fn greet(
     s: &mut UnixStream,
     publish: &[MemoryDescriptor],
@@ -497,13 +523,13 @@ fn greet(
     .encode()?;
     if dialer {
         send_msg(s, &mine)?;
-        send_vmm_fds(s, &fds)?;
+        send_export_fds(s, &fds)?;
     }
     let theirs = LocalHello::decode(&recv_msg_by(s, end, timeout)?)?;
-    let theirs_fds = recv_vmm_fds(s, &expected(&theirs.descriptors)?, end, timeout)?;
+    let theirs_fds = recv_export_fds(s, &expected(&theirs.descriptors)?, end, timeout)?;
     if !dialer {
         send_msg(s, &mine)?;
-        send_vmm_fds(s, &fds)?;
+        send_export_fds(s, &fds)?;
     }
     // The reader blocks; notifications are sent with the engine's bound (not what was left of
     // the meeting's timeout).
@@ -542,28 +568,36 @@ impl Engine {
 
     /// Connect an intra-node endpoint to the local listener at `path`: the first messages
     /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)),
-    /// each followed by the file descriptors of the VMM memory its descriptors name
-    /// (`SCM_RIGHTS`): VMM memory is reachable only through descriptors published here.
-    /// It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
+    /// each followed by the file descriptors of the VMM memory and memory pools its descriptors
+    /// name (`SCM_RIGHTS`): VMM and pool memory are reachable only through descriptors
+    /// published here. It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
     /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
-    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`, or for VMM memory
-    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`, on the
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`; for VMM memory
+    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`; on the
     /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
-    /// until nothing holds it) and copy with `cuMemcpyAsync` on the endpoint's streams; each
-    /// report's path is [`MemoryPath::CudaIpc`] with the link crossed.
+    /// until nothing holds it; for pool memory `cuMemPoolImportFromShareableHandle` of the
+    /// pool's file descriptor received, once per pool, and `cuMemPoolImportPointer`, once per
+    /// allocation) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path
+    /// is [`MemoryPath::CudaIpc`] with the link crossed.
+    ///
+    /// The owner of published pool memory keeps its region until the peer's endpoints are
+    /// closed: CUDA wants an imported pool pointer freed (here, when the last endpoint and
+    /// request holding it go) before its owner frees the allocation.
     ///
     /// # Errors
     ///
     /// [`Error::Os`] from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
-    /// [`Error::Timeout`] when the peer's first message or VMM file descriptors do not come
+    /// [`Error::Timeout`] when the peer's first message or file descriptors do not come
     /// within [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
-    /// [`Error::InvalidArgument`] for a first message that is not valid, VMM file descriptors
+    /// [`Error::InvalidArgument`] for a first message that is not valid, file descriptors
     /// that do not match the peer's descriptors (all of them closed again), too many
-    /// descriptors to publish, or a published VMM descriptor whose region is gone or that
-    /// describes its export otherwise (refused before connecting).
+    /// descriptors to publish, or a published VMM or pool descriptor whose region is gone or
+    /// that describes its export otherwise (refused before connecting).
     #[doc(alias = "connect")]
     #[doc(alias = "cuIpcOpenMemHandle")]
     #[doc(alias = "cuMemImportFromShareableHandle")]
+    #[doc(alias = "cuMemPoolImportFromShareableHandle")]
+    #[doc(alias = "cuMemPoolImportPointer")]
     #[doc(alias = "SCM_RIGHTS")]
     #[doc(alias = "cuMemcpyAsync")]
     pub fn connect_local(
@@ -596,7 +630,7 @@ fn dial(
             format!("at most {MAX_DESCRIPTORS} descriptors"),
         ));
     }
-    // Refused before connecting: a VMM export that is gone, or described otherwise.
+    // Refused before connecting: a VMM or pool export that is gone, or described otherwise.
     outgoing(publish)?;
     let mut s = UnixStream::connect(path).map_err(|e| os("connect (a Unix socket)", e))?;
     let bound = engine.inner.config.connect_timeout;
@@ -612,14 +646,14 @@ impl LocalListener {
 
     /// Accept the next intra-node endpoint within `timeout`; the first messages carry
     /// `publish` and the peer's descriptors, each followed by the file descriptors of the VMM
-    /// memory its descriptors name (as [`Engine::connect_local`]).
+    /// memory and memory pools its descriptors name (as [`Engine::connect_local`]).
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when nobody connects (or sends its first message and VMM file
+    /// [`Error::Timeout`] when nobody connects (or sends its first message and file
     /// descriptors) in time; [`Error::InvalidArgument`] for a first message that is not valid,
-    /// VMM file descriptors that do not match the peer's descriptors (all of them closed
-    /// again), or a published VMM descriptor whose region is gone or that describes its export
+    /// file descriptors that do not match the peer's descriptors (all of them closed again), or
+    /// a published VMM or pool descriptor whose region is gone or that describes its export
     /// otherwise; [`Error::Os`] from `accept` or the socket.
     pub fn accept(
         &self,
@@ -627,7 +661,8 @@ impl LocalListener {
         timeout: Duration,
     ) -> Result<super::Endpoint> {
         let deadline = deadline_after(Instant::now(), timeout);
-        // Refused before anyone is accepted: a VMM export that is gone, or described otherwise.
+        // Refused before anyone is accepted: a VMM or pool export that is gone, or described
+        // otherwise.
         outgoing(publish)?;
         self.listener
             .set_nonblocking(true)
@@ -687,8 +722,8 @@ impl std::fmt::Debug for LocalListener {
     }
 }
 
-/// The live connection: the socket notifications are written to, the peer's pid, the VMM file
-/// descriptors it sent when the endpoints met, the reader.
+/// The live connection: the socket notifications are written to, the peer's pid, the file
+/// descriptors (VMM, pool) it sent when the endpoints met, the reader.
 struct Conn {
     stream: UnixStream,
     peer_pid: u32,
@@ -938,8 +973,8 @@ impl Side {
         }
     }
 
-    /// The peer's pid (its word), its pid as the kernel gives it, and the VMM file descriptor
-    /// it sent for each of `ids` (all of one connection).
+    /// The peer's pid (its word), its pid as the kernel gives it, and the file descriptor (VMM,
+    /// pool) it sent for each of `ids` (all of one connection).
     fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, u32, Vec<Option<PeerFd>>)> {
         let c = lock(&self.conn);
         let c = c.as_ref()?;
@@ -1311,17 +1346,27 @@ fn prepare(
                 "the remote memory has no CUDA IPC part: an intra-node endpoint reaches only GPU \
                  memory its owner could export (cuMemAlloc memory such as a DeviceBuffer, by its \
                  cuIpc handle; VMM memory inside one physical allocation such as a VmmBuffer, by \
-                 its file descriptor); host memory and pool memory are not exported",
+                 its file descriptor; an allocation of an exportable pool, an IpcPool's \
+                 PoolAlloc, by the pool's file descriptor and its pointer export data); host \
+                 memory and memory of a pool without a shareable handle type (the device's \
+                 default pool: cudarc's CudaSlice, a PoolBuffer) are not exported",
             ));
         };
-        ids.push(ipc.export_id());
+        ids.push(fd_said(ipc));
     }
-    let (peer_pid, exporter, fds) = side.peer(&ids).ok_or_else(|| Broken::Closed.to_error())?;
-    // VMM memory: mapped from the file descriptor the peer sent when the endpoints met, which
-    // the descriptor must describe as the peer's first message did. Checked before any CUDA call.
+    let (peer_pid, exporter, fds) = side
+        .peer(&ids.iter().map(|x| x.map(|(id, _)| id)).collect::<Vec<_>>())
+        .ok_or_else(|| Broken::Closed.to_error())?;
+    // VMM and pool memory: mapped from the file descriptor the peer sent when the endpoints met,
+    // which the descriptor must describe as the peer's first message did. Checked before any
+    // CUDA call.
     for (i, (_, r)) in pairs.iter().enumerate() {
-        let (Some(id), Some(ipc)) = (ids[i], r.descriptor().ipc()) else {
+        let (Some((id, of)), Some(ipc)) = (ids[i], r.descriptor().ipc()) else {
             continue;
+        };
+        let memory = match of {
+            FdOf::Vmm { .. } => "VMM memory",
+            FdOf::Pool => "pool memory",
         };
         match &fds[i] {
             None => {
@@ -1329,23 +1374,23 @@ fn prepare(
                     "pairs",
                     i,
                     format!(
-                        "the remote memory is VMM memory (the peer's export {id}) whose file \
-                         descriptor did not come when this endpoint met its peer: VMM memory \
+                        "the remote memory is {memory} (the peer's export {id}) whose file \
+                         descriptor did not come when this endpoint met its peer: {memory} \
                          must be published when the endpoints meet (among the descriptors given \
                          to connect_local or accept); a descriptor handed over otherwise cannot \
                          be mapped"
                     ),
                 ));
             }
-            Some(f) if f.len != ipc.alloc_len() || f.uuid != *ipc.gpu_uuid() => {
+            Some(f) if f.of != of || f.uuid != *ipc.gpu_uuid() => {
                 return Err(Error::invalid(
                     "pairs",
                     i,
                     format!(
-                        "the remote descriptor says the peer's VMM export {id} maps {} bytes; \
-                         the peer published it with {} (or on another GPU)",
-                        ipc.alloc_len(),
-                        f.len
+                        "the remote descriptor says the peer's export {id} is {}; the peer \
+                         published it as {} (or on another GPU)",
+                        what(of),
+                        what(f.of)
                     ),
                 ));
             }
@@ -1421,11 +1466,30 @@ fn prepare(
                 home,
                 &e.stats.imports,
             )?,
-            (IpcKind::VmmFd { .. }, None) => {
+            (
+                IpcKind::PoolPtr {
+                    pool_export_id,
+                    ptr_data,
+                },
+                Some(f),
+            ) => {
+                // The pool is imported on the GPU that holds it (a refusal after a first
+                // import destroys it here, on the caller's thread: no pointer is in it yet).
+                let pool = import_pool(
+                    exporter,
+                    *pool_export_id,
+                    &f.fd,
+                    peer_gpu,
+                    device,
+                    &e.stats.pool_imports,
+                )?;
+                import_pool_ptr(&pool, ptr_data, ipc.alloc_len(), &e.stats.imports)?
+            }
+            (IpcKind::VmmFd { .. } | IpcKind::PoolPtr { .. }, None) => {
                 return Err(Error::invalid(
                     "pairs",
                     i,
-                    "no VMM file descriptor (checked above)",
+                    "no exported file descriptor (checked above)",
                 ));
             }
         };
@@ -2064,6 +2128,19 @@ mod tests {
         .unwrap()
     }
 
+    /// A descriptor of 4096 bytes at `offset` of a 1 MiB allocation of the pool export `id`,
+    /// whose pointer export data is `data` repeated.
+    fn pool_desc(id: u64, data: u8, offset: u64) -> MemoryDescriptor {
+        MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000 + offset,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::pool_ptr(id, [data; 64], 1 << 20, offset, [7; 16]),
+        )
+        .unwrap()
+    }
+
     /// A new file at a unique path, and that path as `/proc/self/fd` shows it.
     fn marker(name: &str) -> (std::fs::File, PathBuf) {
         let p = socket(name);
@@ -2099,7 +2176,7 @@ mod tests {
         // What the hand-made peer announces, and what it then does on the socket (which the
         // listener may have closed already).
         type Act = fn(&UnixStream, &std::fs::File);
-        let cases: [(&str, Vec<MemoryDescriptor>, Act); 7] = [
+        let cases: [(&str, Vec<MemoryDescriptor>, Act); 11] = [
             ("no fd at all", vec![vmm_desc(11, 2 << 20)], |_, _| {}),
             ("two fds for one id", vec![vmm_desc(11, 2 << 20)], |s, f| {
                 let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[11]));
@@ -2135,6 +2212,35 @@ mod tests {
             ("not a fd message", vec![vmm_desc(11, 2 << 20)], |s, f| {
                 let _ = send_fds(s, &[f.as_fd()], b"GDXL and more bytes");
             }),
+            (
+                "one id named as a VMM export and as a pool",
+                vec![vmm_desc(11, 2 << 20), pool_desc(11, 1, 0)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[11]));
+                },
+            ),
+            (
+                "one pool's fd twice for its two allocations",
+                vec![pool_desc(21, 1, 0), pool_desc(21, 2, 8192)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[21, 21]));
+                },
+            ),
+            (
+                "a pool's and a VMM fd in another order than named",
+                vec![pool_desc(21, 1, 0), vmm_desc(22, 2 << 20)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd(), f.as_fd()], &fd_msg(&[22, 21]));
+                },
+            ),
+            (
+                "a VMM fd but not the pool's",
+                vec![vmm_desc(22, 2 << 20), pool_desc(21, 1, 0)],
+                |s, f| {
+                    let _ = send_fds(s, &[f.as_fd()], &fd_msg(&[22]));
+                    let _ = send_all(s, &fd_msg(&[21]));
+                },
+            ),
         ];
         for (what, descriptors, act) in cases {
             let path = l.path().to_path_buf();
@@ -2198,7 +2304,7 @@ mod tests {
         let engine = Engine::new(EngineConfig::local()).unwrap();
         let (file, marked) = marker("vmm-export");
         let mapped = 2 << 20;
-        let v = super::super::ipc::export_any_fd(file.into(), mapped, [7; 16]);
+        let v = super::super::ipc::export_any_fd(file.into(), FdOf::Vmm { len: mapped }, [7; 16]);
         let published = vmm_desc(v.id, mapped);
         assert_eq!(open_on(&marked), 1);
 
@@ -2206,7 +2312,7 @@ mod tests {
         // before connecting (the path does not even exist).
         let nowhere = socket("vmm-nowhere");
         for (d, what) in [
-            (vmm_desc(v.id ^ 1, mapped), "an export not held"),
+            (vmm_desc(u64::MAX, mapped), "an export not held"),
             (vmm_desc(v.id, mapped * 2), "another length"),
         ] {
             let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
@@ -2254,7 +2360,7 @@ mod tests {
             "{e}"
         );
         // VMM memory handed over after the meeting: refused, saying it must be published then.
-        let late = vmm_desc(v.id ^ 1, mapped);
+        let late = vmm_desc(u64::MAX, mapped);
         let pairs = vec![
             (region.all(), descs(1)[0].all()),
             (region.all(), late.all()),
@@ -2287,6 +2393,111 @@ mod tests {
         drop(v);
         assert_eq!(open_on(&marked), 0);
         let _ = std::fs::remove_file(&marked);
+    }
+
+    #[test]
+    fn pool_fds_cross_when_endpoints_meet_once_per_pool() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let (file, marked) = marker("pool-export");
+        // Export ids count up from below 2^63: u64::MAX is none of them.
+        let pool = super::super::ipc::export_any_fd(file.into(), FdOf::Pool, [7; 16]);
+        let (vfile, vmarked) = marker("pool-export-vmm");
+        let mapped = 2 << 20;
+        let vmm =
+            super::super::ipc::export_any_fd(vfile.into(), FdOf::Vmm { len: mapped }, [7; 16]);
+        // Two allocations of the pool (another export data each) and a VMM allocation.
+        let first = pool_desc(pool.id, 1, 0);
+        let second = pool_desc(pool.id, 2, 8191);
+        assert_eq!(open_on(&marked), 1);
+
+        // A pool export described as VMM memory, a VMM export described as a pool, one on
+        // another GPU: refused before connecting.
+        let nowhere = socket("pool-nowhere");
+        let other_gpu = MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::pool_ptr(pool.id, [1; 64], 1 << 20, 0, [8; 16]),
+        )
+        .unwrap();
+        for (d, what) in [
+            (vmm_desc(pool.id, 1 << 20), "a pool as VMM memory"),
+            (pool_desc(vmm.id, 1, 0), "a VMM export as a pool"),
+            (pool_desc(u64::MAX, 1, 0), "a pool not held"),
+            (other_gpu, "another GPU"),
+        ] {
+            let e = engine.connect_local(&nowhere, &[d]).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { arg: "publish", .. }),
+                "{what}: {e}"
+            );
+        }
+
+        // Published at the meeting: the pool's fd crosses once for both allocations, the VMM
+        // one beside it.
+        let l = engine.listen_local(socket("pool-meet")).unwrap();
+        let path = l.path().to_path_buf();
+        let publish = vec![first, vmm_desc(vmm.id, mapped), second];
+        let acc = std::thread::spawn(move || {
+            let ep = l.accept(&publish, Duration::from_secs(10));
+            (ep, l)
+        });
+        let a = engine.connect_local(&path, &[]).unwrap();
+        let (b, _l) = acc.join().unwrap();
+        let b = b.unwrap();
+        assert_eq!(a.peer_descriptors()[0], first);
+        assert_eq!(a.peer_descriptors()[2], second);
+        assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
+        assert_eq!(open_on(&vmarked), 2);
+
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        // Its fd came: both allocations get past the checks (to the refusal of a peer that is
+        // this very process, before any CUDA call).
+        for d in [first, second] {
+            let e = a
+                .write(vec![(region.all(), d.all())], TransferOptions::default())
+                .unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        }
+        // The pool's export described as VMM memory after the meeting, or a pool not
+        // published then: refused, typed, before any CUDA call.
+        let e = a
+            .write(
+                vec![(region.all(), vmm_desc(pool.id, 1 << 20).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && e.to_string().contains("a memory pool"),
+            "{e}"
+        );
+        let e = a
+            .write(
+                vec![(region.all(), pool_desc(u64::MAX, 1, 0).all())],
+                TransferOptions::default(),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("pool memory must be published when the endpoints meet"),
+            "{e}"
+        );
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+        assert_eq!(engine.cache_stats().pool_imports_opened, 0);
+
+        // The endpoints go: the fds received are closed; the exports' go with them.
+        drop(a);
+        drop(b);
+        assert_eq!((open_on(&marked), open_on(&vmarked)), (1, 1));
+        drop(pool);
+        drop(vmm);
+        assert_eq!((open_on(&marked), open_on(&vmarked)), (0, 0));
+        let _ = std::fs::remove_file(&marked);
+        let _ = std::fs::remove_file(&vmarked);
     }
 
     #[test]

@@ -93,11 +93,16 @@
 //! memory can be exported, made once per registration: for `cuMemAlloc` memory the
 //! `cuIpcGetMemHandle` handle of the allocation; for VMM memory inside one physical allocation
 //! (a [`VmmBuffer`](crate::memory::VmmBuffer) of one chunk) the id of its POSIX file descriptor
-//! (`cuMemExportToShareableHandle`), which the endpoints send each other by `SCM_RIGHTS` when
-//! they meet, for the descriptors they publish then; with the allocation's length, the offset
-//! in it, the owning GPU's UUID. A request maps the peer's allocation once
-//! (`cuIpcOpenMemHandle`, or `cuMemImportFromShareableHandle` and `cuMemMap`; cached
-//! process-wide per allocation and local GPU, closed when no endpoint and no copy holds it),
+//! (`cuMemExportToShareableHandle`); for an allocation of an exportable pool (a
+//! [`PoolAlloc`](crate::p2p::PoolAlloc) of an [`IpcPool`](crate::p2p::IpcPool)) the id of the
+//! pool's POSIX file descriptor (exported once per pool) and the allocation's
+//! `cuMemPoolExportPointer` data. The endpoints send each other those file descriptors by
+//! `SCM_RIGHTS` when they meet, for the descriptors they publish then; the part has the
+//! allocation's length, the offset in it, the owning GPU's UUID. A request maps the peer's
+//! allocation once (`cuIpcOpenMemHandle`, or `cuMemImportFromShareableHandle` and `cuMemMap`;
+//! cached process-wide per allocation and local GPU; for pool memory the pool imported once
+//! with `cuMemPoolImportFromShareableHandle` and the pointer once with
+//! `cuMemPoolImportPointer`; closed when no endpoint and no copy holds it),
 //! checks each range against the allocation
 //! length the peer claims and the mapping's real size, and copies with `cuMemcpyAsync` on a
 //! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]); an event
@@ -105,9 +110,9 @@
 //! socket only then, so when the peer receives it the bytes are in its memory, visible to
 //! any work it queues afterwards. Each pair's path is [`MemoryPath::CudaIpc`] with the link
 //! ([`IpcLink`]: NVLink, PCIe, the same device). Memory that cannot be exported (host memory,
-//! pool memory, a VMM range across physical allocations) has no IPC part and is refused as a
-//! remote target, saying why; so is VMM memory whose descriptor was not published when the
-//! endpoints met.
+//! memory of a pool without a shareable handle type such as cudarc's `CudaSlice`, a VMM range
+//! across physical allocations) has no IPC part and is refused as a remote target, saying why;
+//! so is VMM or pool memory whose descriptor was not published when the endpoints met.
 //!
 //! # Failure
 //!

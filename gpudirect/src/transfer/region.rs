@@ -296,9 +296,10 @@ pub enum MemoryPath {
     /// Memory of an engine without rails ([`EngineConfig::local`](super::EngineConfig::local)):
     /// registered with no NIC; reached only inside the node.
     Unregistered,
-    /// A copy inside the node: the peer's GPU memory mapped here (`cuIpcOpenMemHandle`, or for
-    /// VMM memory the file descriptor it sent, imported and mapped) and copied with
-    /// `cuMemcpyAsync` over `link`. Which of the two is in the remote descriptor's
+    /// A copy inside the node: the peer's GPU memory mapped here (`cuIpcOpenMemHandle`; for
+    /// VMM memory the file descriptor it sent, imported and mapped; for pool memory its pool's
+    /// file descriptor imported and the pointer imported into it) and copied with
+    /// `cuMemcpyAsync` over `link`. Which one is in the remote descriptor's
     /// [`IpcPart::kind`].
     CudaIpc {
         /// What the bytes cross.
@@ -389,7 +390,7 @@ pub(crate) struct Exported {
     /// How a peer maps it.
     pub(crate) how: ExportedAs,
     /// The allocation's base and length (`cuMemGetAddressRange`; for VMM memory, the mapping
-    /// of its one physical allocation).
+    /// of its one physical allocation; for pool memory, the pool allocation).
     pub(crate) base: u64,
     pub(crate) alloc_len: u64,
     /// The owning GPU's UUID.
@@ -403,22 +404,41 @@ pub(crate) enum ExportedAs {
     /// `cuIpcGetMemHandle` of a `cuMemAlloc` allocation.
     Handle([u8; 64]),
     /// A VMM allocation's POSIX file descriptor, sent to peers when endpoints meet.
-    Vmm(Arc<VmmFd>),
+    Vmm(Arc<ExportFd>),
+    /// An allocation of an exportable pool: the pool's POSIX file descriptor (shared by every
+    /// registration of the pool's memory, sent to peers when endpoints meet) and the
+    /// allocation's `cuMemPoolExportPointer` data.
+    Pool {
+        pool: Arc<ExportFd>,
+        ptr_data: [u8; 64],
+    },
 }
 
-/// A VMM physical allocation exported as a POSIX file descriptor
-/// (`cuMemExportToShareableHandle`), once per registration; closed when the registration goes.
-/// The descriptor is never handed out: it only crosses a local endpoint's socket to a peer
-/// (whose import then holds the physical allocation itself).
+/// A POSIX file descriptor exported for processes on the node: a VMM physical allocation's
+/// (`cuMemExportToShareableHandle`, once per registration) or a memory pool's
+/// (`cuMemPoolExportToShareableHandle`, once per pool while registrations of its memory live);
+/// closed when the last registration holding it goes. The descriptor is never handed out: it
+/// only crosses a local endpoint's socket to a peer (whose import then holds what it needs).
 #[derive(Debug)]
 #[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
-pub(crate) struct VmmFd {
+pub(crate) struct ExportFd {
     /// Unique in this process: names the descriptor in the descriptors and on the socket.
     pub(crate) id: u64,
     pub(crate) fd: std::os::fd::OwnedFd,
-    /// Bytes it maps, and the owning GPU's UUID (what its descriptors must say).
-    pub(crate) len: u64,
+    /// What it is (for VMM memory, the bytes it maps), and the owning GPU's UUID: what its
+    /// descriptors must say.
+    pub(crate) of: FdOf,
     pub(crate) uuid: [u8; 16],
+}
+
+/// What an exported file descriptor is, as every descriptor naming it must say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))] // made only by the CUDA IPC path
+pub(crate) enum FdOf {
+    /// A VMM physical allocation, mapping `len` bytes.
+    Vmm { len: u64 },
+    /// A stream-ordered memory pool.
+    Pool,
 }
 
 impl Entry {
@@ -438,6 +458,8 @@ pub(crate) struct CacheStats {
     pub(crate) registered: AtomicU64,
     /// CUDA IPC imports this engine opened (`cuIpcOpenMemHandle`).
     pub(crate) imports: AtomicU64,
+    /// Peers' pools this engine imported (`cuMemPoolImportFromShareableHandle`).
+    pub(crate) pool_imports: AtomicU64,
 }
 
 /// What the registration cache has done so far ([`Engine::cache_stats`](super::Engine::cache_stats)).
@@ -451,10 +473,16 @@ pub struct CacheCounters {
     pub registrations: u64,
     /// Registrations alive now (held by regions or transfers).
     pub live: usize,
-    /// Peer allocations this engine's local endpoints mapped (`cuIpcOpenMemHandle`, or a VMM
-    /// file descriptor imported and mapped): each is opened once per (allocation, local GPU)
-    /// and reused by every request and endpoint until none holds it.
+    /// Peer allocations this engine's local endpoints mapped (`cuIpcOpenMemHandle`, a VMM
+    /// file descriptor imported and mapped, or a pool pointer imported with
+    /// `cuMemPoolImportPointer`): each is opened once per (allocation, local GPU), a pool
+    /// pointer once per allocation, and reused by every request and endpoint until none holds
+    /// it.
     pub imports_opened: u64,
+    /// Peers' pools this engine's local endpoints imported (`cuMemPoolImportFromShareableHandle`
+    /// of the file descriptor the peer sent): once per pool, whatever the number of its
+    /// allocations reached, until no imported pointer of it is held.
+    pub pool_imports_opened: u64,
 }
 
 /// The registration cache: live entries by identity. Entries are held by the regions and
@@ -549,18 +577,23 @@ impl Region {
 
     /// The descriptor a peer needs to read or write this whole region: one rkey per rail, and
     /// for GPU memory that can be exported a CUDA IPC part, through which a process on the same
-    /// node reaches it: a `cuIpcGetMemHandle` handle for `cuMemAlloc` memory, or for VMM memory
+    /// node reaches it: a `cuIpcGetMemHandle` handle for `cuMemAlloc` memory; for VMM memory
     /// inside one physical allocation the id of its POSIX file descriptor (exported once per
-    /// registration), which a local endpoint sends to its peer when they meet, if this
-    /// descriptor is among those it publishes.
+    /// registration); for an allocation of an exportable pool ([`PoolAlloc`](crate::p2p::PoolAlloc)
+    /// of an [`IpcPool`](crate::p2p::IpcPool)) the id of the pool's POSIX file descriptor
+    /// (exported once per pool) and the allocation's `cuMemPoolExportPointer` data (once per
+    /// registration). A local endpoint sends the file descriptors to its peer when they meet,
+    /// for the descriptors it publishes then.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for memory that no peer can reach: staged memory without an
     /// IPC part, or memory of an engine without rails that cannot be exported (host memory,
-    /// pool memory, a VMM range across several physical allocations).
+    /// memory of a pool without a shareable handle type such as the device's default pool, a
+    /// VMM range across several physical allocations).
     #[doc(alias = "cuIpcGetMemHandle")]
     #[doc(alias = "cuMemExportToShareableHandle")]
+    #[doc(alias = "cuMemPoolExportPointer")]
     pub fn descriptor(&self) -> Result<MemoryDescriptor> {
         self.descriptor_of(0, self.len() as u64)
     }
@@ -590,6 +623,9 @@ impl Region {
                 let part = match &x.how {
                     ExportedAs::Handle(h) => IpcPart::new(*h, x.alloc_len, off, x.uuid),
                     ExportedAs::Vmm(v) => IpcPart::vmm_fd(v.id, x.alloc_len, off, x.uuid),
+                    ExportedAs::Pool { pool, ptr_data } => {
+                        IpcPart::pool_ptr(pool.id, *ptr_data, x.alloc_len, off, x.uuid)
+                    }
                 };
                 MemoryDescriptor::with_ipc(addr, len, kind, &rkeys, part)
             }

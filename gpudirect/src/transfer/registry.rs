@@ -119,6 +119,7 @@ impl Engine {
             registrations: s.registered.load(Ordering::Relaxed),
             live,
             imports_opened: s.imports.load(Ordering::Relaxed),
+            pool_imports_opened: s.pool_imports.load(Ordering::Relaxed),
         }
     }
 
@@ -297,7 +298,8 @@ impl Engine {
 }
 
 /// Export for CUDA IPC the allocation holding `job`'s range (`cuMemAlloc` memory: its `cuIpc`
-/// handle; VMM memory inside one physical allocation: its file descriptor), or say why not.
+/// handle; VMM memory inside one physical allocation: its file descriptor; an allocation of an
+/// exportable pool: the pool's file descriptor and its pointer export data), or say why not.
 fn exported(
     w: &Want,
     job: &(u64, u64, Vec<usize>),
@@ -346,9 +348,20 @@ fn exported(
                 )),
             }
         }
-        (Some(MemoryKind::Pool), _) => Err("pool memory (cuMemAllocAsync) has no \
-            cuIpcGetMemHandle handle"
-            .into()),
+        (Some(MemoryKind::Pool), Some(_ordinal)) => {
+            // The buffer's whole memory is the allocation (a PoolAlloc starts its own).
+            #[cfg(feature = "p2p")]
+            match &*bufs[job.2[0]].backing {
+                Backing::Device(d) => {
+                    super::ipc::export_pool(_ordinal, d.ptr(), d.bytes()).map_err(|e| e.to_string())
+                }
+                Backing::Host { .. } => Err("pool memory without a device address".into()),
+            }
+            #[cfg(not(feature = "p2p"))]
+            {
+                Err("gpudirect was built without the p2p feature".into())
+            }
+        }
         (Some(k), _) => Err(format!("{k:?} memory is not exported")),
         (None, _) => Err("host memory is not exported".into()),
     }

@@ -13,6 +13,8 @@ pub use event::{IpcEvent, IpcEventHandle};
 pub(crate) use fd::{MAX_FDS_PER_MSG, recv_fds, send_fds};
 pub use fd::{recv_fd, send_fd};
 pub use mem::{IpcExport, IpcMemHandle, IpcMemory};
+#[cfg(feature = "transfer")]
+pub(crate) use pool::exportable_pool_at;
 pub use pool::{IpcPool, PoolAlloc, PoolImport, PoolPtrHandle};
 pub use vmm::{VmmHandle, VmmImport, export_vmm};
 

@@ -16,7 +16,7 @@ use crate::p2p::home::{Home, Recorded};
 use cudarc::driver::{CudaContext, sys};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// A stream-ordered memory pool on one device that other processes can import.
 #[derive(Debug)]
@@ -32,10 +32,13 @@ pub struct IpcPool {
     pid: u32,
 }
 
-/// The pools this process made or imported as [`IpcPool`]s (by handle), and whether imported:
-/// what lets [`IpcExport::new`](super::IpcExport::new) name the right export API for their memory.
-fn known_pools() -> &'static Mutex<HashMap<usize, bool>> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+/// The pools this process made or imported as [`IpcPool`]s (by handle), whether imported, and
+/// the pool itself (weakly): what lets [`IpcExport::new`](super::IpcExport::new) name the right
+/// export API for their memory, and the transfer engine reach the pool of memory it registers.
+type Known = HashMap<usize, (bool, Weak<IpcPool>)>;
+
+fn known_pools() -> &'static Mutex<Known> {
+    static POOLS: OnceLock<Mutex<Known>> = OnceLock::new();
     POOLS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -49,14 +52,27 @@ pub(crate) fn ipc_pool_of(ptr: u64) -> Option<bool> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(&(pool as usize))
-        .copied()
+        .map(|k| k.0)
 }
 
-fn remember(pool: sys::CUmemoryPool, imported: bool) {
+/// The [`IpcPool`] made in this process whose memory `ptr` is, while it lives; `None` for
+/// memory of another pool (the device's default pool, an imported pool) or when the driver
+/// cannot say. The caller makes a context current.
+#[cfg(feature = "transfer")]
+pub(crate) fn exportable_pool_at(ptr: u64) -> Option<Arc<IpcPool>> {
+    let pool = pool_of(ptr).ok()??;
+    let known = known_pools().lock().unwrap_or_else(|e| e.into_inner());
+    match known.get(&(pool as usize)) {
+        Some((false, w)) => w.upgrade(),
+        _ => None,
+    }
+}
+
+fn remember(pool: &Arc<IpcPool>) {
     known_pools()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(pool as usize, imported);
+        .insert(pool.pool as usize, (pool.imported, Arc::downgrade(pool)));
 }
 
 // SAFETY: a CUmemoryPool is a driver handle usable from any thread.
@@ -101,8 +117,9 @@ impl IpcPool {
         let fd = unsafe { pool::export_fd(pool) }?;
         // SAFETY: a new descriptor owned by us.
         out.fd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
-        remember(pool, false);
-        Ok(Arc::new(out))
+        let out = Arc::new(out);
+        remember(&out);
+        Ok(out)
     }
 
     /// A descriptor for the pool (a `dup` of the one exported at creation with
@@ -153,16 +170,32 @@ impl IpcPool {
             fd: None,
             pid: std::process::id(),
         });
-        remember(pool, true);
+        remember(&out);
         if ordinal != pool_device {
-            let desc = sys::CUmemAccessDesc {
-                location: device_location(ordinal),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: a live pool.
-            unsafe { pool::set_access(pool, &[desc]) }?;
+            out.grant(ordinal)?;
         }
         Ok(out)
+    }
+
+    /// `cuMemPoolSetAccess`: read-write access to the pool's memory for device `ordinal`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from the driver (a device that cannot reach the pool's).
+    #[doc(alias = "cuMemPoolSetAccess")]
+    pub(crate) fn grant(&self, ordinal: usize) -> Result<()> {
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: a live pool.
+        unsafe { pool::set_access(self.pool, &[desc]) }
+    }
+
+    /// The device the pool's memory lives on (this process's numbering).
+    #[cfg(feature = "transfer")]
+    pub(crate) fn device(&self) -> usize {
+        self.device
     }
 
     /// `cuMemAllocFromPoolAsync` of `len` elements on `stream` (its device must be the pool's),
@@ -240,6 +273,18 @@ pub struct PoolPtrHandle {
 }
 
 impl PoolPtrHandle {
+    /// A handle of `bytes` bytes (elements of one byte) from the allocation's export data
+    /// (a peer's: checked by [`PoolImport::open`]).
+    #[cfg(feature = "transfer")]
+    pub(crate) fn from_export_data(data: [u8; 64], bytes: u64) -> Self {
+        PoolPtrHandle {
+            data,
+            bytes,
+            elem_size: 1,
+            device: 0,
+        }
+    }
+
     /// A handle with zeroed export data, for the property tests.
     #[cfg(test)]
     pub(crate) fn for_test(bytes: u64, elem_size: u32) -> Self {
