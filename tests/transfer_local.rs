@@ -635,6 +635,38 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
     c.cuda()
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .expect("the refusal did not invalidate the capture");
+    // Two pairs on the legacy default stream (which cuMemcpyBatchAsync refuses: one copy each
+    // there), each half into the other half of poisoned memory.
+    let legacy = gpudirect::cuda::Stream::wrap(ctx.default_stream());
+    let two = register(&engine, poisoned_bytes(0, STREAM_LEN, 0x6E));
+    let half = (STREAM_LEN / 2) as u64;
+    let rest = STREAM_LEN as u64 - half;
+    let r2 = ep
+        .read_on(
+            &legacy,
+            vec![
+                (
+                    two.range(rest, half).unwrap(),
+                    peer[1].range(0, half).unwrap(),
+                ),
+                (
+                    two.range(0, rest).unwrap(),
+                    peer[1].range(half, rest).unwrap(),
+                ),
+            ],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    legacy.synchronize().unwrap();
+    r2.wait(WAIT).unwrap();
+    let all = bytes(STREAM_LEN, seed ^ 301);
+    let mut swapped = all[half as usize..].to_vec();
+    swapped.extend_from_slice(&all[..half as usize]);
+    same(
+        &host_copy(&two, 0, STREAM_LEN),
+        &swapped,
+        "two pairs on the legacy stream",
+    );
     drop(ctx);
     // Done: the peer checked what its stream saw.
     ep.write(

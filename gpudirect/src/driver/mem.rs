@@ -181,7 +181,9 @@ pub(crate) unsafe fn copy_async(
 /// `cuMemcpyBatchAsync_v2` (or the CUDA 12.8 `cuMemcpyBatchAsync`)—Queue `dsts.len()` copies
 /// on `stream` in one call, each `sizes[i]` bytes from `srcs[i]` to `dsts[i]` (any memory the
 /// driver tells from the address), every source read in stream order as [`copy_async`] does.
-/// Returns `Ok(false)`, queueing nothing, where the driver lacks the call or the batch is empty.
+/// The copies of one batch run in no order among themselves (overlapping destinations get
+/// unspecified bytes). Returns `Ok(false)`, queueing nothing, where the driver lacks the call,
+/// the batch is empty, or `stream` is the legacy default stream.
 ///
 /// # Safety
 ///
@@ -201,7 +203,9 @@ pub(crate) unsafe fn copy_batch_async(
 ) -> Result<bool> {
     use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
     let n = dsts.len();
-    if n == 0 || srcs.len() != n || sizes.len() != n {
+    // The legacy default stream (a null handle, or `CU_STREAM_LEGACY`) is refused by the batch
+    // call: copy one by one there.
+    if n == 0 || srcs.len() != n || sizes.len() != n || stream.is_null() || stream as usize == 1 {
         return Ok(false);
     }
     let Some(batch) = gpudirect_sys::cuda::driver()

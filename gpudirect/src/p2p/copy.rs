@@ -364,12 +364,13 @@ impl Copier {
     }
 
     /// Enqueue one copy per pair (all of each `src` into its `dst`, equal lengths, in
-    /// elements), in order, as one operation: the copies go in one `cuMemcpyBatchAsync` where
+    /// elements) as one operation: the copies go in one `cuMemcpyBatchAsync` where
     /// the driver has it (CUDA 12.8 and later) and every pair takes the copier's own path (peer,
     /// or one device), else one copy call each (each staged copy through the bounce ring). Many
     /// small copies then cost one driver call instead of one each. The returned [`InFlight`]
     /// owns every buffer until the last copy completes; waiting gives one [`Copied`] per pair,
-    /// in order.
+    /// in the pairs' order. The copies of one batch run in no order among themselves: two
+    /// destinations that overlap (views of one allocation) get unspecified bytes.
     ///
     /// As with [`copy_async`](Self::copy_async), work on other streams that writes a source or
     /// uses a destination must be complete first.

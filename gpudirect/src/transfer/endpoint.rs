@@ -6,7 +6,7 @@ use super::engine::{Engine, EngineInner};
 use super::plan::{Chunk, Credits, PlanInput, deadline_after, plan, send_window};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::{Hello, MAX_HELLO};
-use crate::completion::{CompletionFlag, Fence, InFlight};
+use crate::completion::{CompletionFlag, Fence, InFlight, Tracker};
 use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
     AccessFlags, CmLink, CompletionChannel, CompletionQueue, ConnectOptions, Connection,
@@ -2288,10 +2288,10 @@ impl Transfer {
         if self.op.is_complete() {
             return true;
         }
-        self._finisher.help();
-        // Someone polling: the finisher looks from now on.
+        // Someone polling: the finisher looks from now on. (No help here: a poll makes no CUDA
+        // call and never blocks, so it is fine in a host function or an executor's poll.)
         self._finisher.wake();
-        self.op.is_complete()
+        false
     }
 
     /// The flag the progress thread sets when the request finishes.
@@ -2306,6 +2306,9 @@ impl Transfer {
     ///
     /// As [`Transferred::result`].
     pub fn wait(self) -> Result<TransferReport> {
+        // What finished requests left parked (their regions and imports) goes here, on the
+        // caller's thread.
+        Tracker::global().reap();
         if self.shared.finisher.get().is_some() {
             // Look for the end ourselves for a while (yielding), as a synchronize would: no
             // hand-off from another thread when it comes soon.

@@ -21,8 +21,9 @@
 //! only then is its notification sent over the socket, so the peer sees a notification only
 //! once its bytes are in its memory. A caller blocked in [`Transfer::wait`] finishes what is done
 //! itself; a worker thread does it for requests with a notification, and for the others once
-//! they are polled, awaited, made an `InFlight` or dropped unfinished (so a waiting caller is
-//! not slowed by the worker's wake-up and queries beside its own copies). A reader thread
+//! they are polled, awaited, made an `InFlight` or dropped unfinished, or at its next look
+//! (at least every 100 ms), so that a waiting caller is not slowed by the worker's wake-up and
+//! queries beside its own copies. A reader thread
 //! delivers the peer's notifications and ends the endpoint when the socket closes.
 
 use super::descriptor::{IpcKind, IpcPart};
@@ -255,9 +256,22 @@ pub(super) struct PeerFds {
 }
 
 /// `getsockopt(SO_PEERCRED)`: the pid of the process at the other end of `s` (when it
-/// connected, or listened), in this process's pid namespace.
+/// connected, or listened), in this process's pid namespace. A peer outside that namespace reads
+/// as pid 0 for every such peer: it gets a key of its own instead (at or above 2^31, past any
+/// pid), so two of them never share imports.
 #[doc(alias = "SO_PEERCRED")]
 fn peer_process(s: &UnixStream) -> Result<u32> {
+    static UNSEEN: AtomicU64 = AtomicU64::new(0);
+    let pid = kernel_pid(s)?;
+    if pid != 0 {
+        return Ok(pid);
+    }
+    let n = UNSEEN.fetch_add(1, Ordering::Relaxed) % (1 << 31);
+    Ok((1u32 << 31) | n as u32)
+}
+
+/// `getsockopt(SO_PEERCRED)`'s pid (0 for a process outside this pid namespace).
+fn kernel_pid(s: &UnixStream) -> Result<u32> {
     // SAFETY: all-zero is a valid ucred.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -831,6 +845,9 @@ const WORKER_SPINS: u32 = 64;
 /// callback thread ran it: tens of microseconds each.) A caller that waits blocking looks itself.
 const WORKER_NAP: Duration = Duration::from_micros(100);
 
+/// How often an idle worker looks at the queue anyway (requests that did not wake it).
+const IDLE_LOOK: Duration = Duration::from_millis(100);
+
 /// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`): a
 /// few yields, then sleeps growing to [`WORKER_NAP`].
 fn look_until(mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
@@ -1027,7 +1044,13 @@ impl Side {
                         return;
                     }
                     q.idle = true;
-                    q = self.queue_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                    // Timed: a request nobody waits for does not wake the worker, and its
+                    // deadline must still end the endpoint when its copies hang.
+                    q = self
+                        .queue_cv
+                        .wait_timeout(q, IDLE_LOOK)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                     q.idle = false;
                 }
             };
@@ -1411,6 +1434,9 @@ fn prepare(
     let mut copies = Vec::with_capacity(pairs.len());
     let mut imports = Parking(Vec::new());
     let mut paths = Vec::with_capacity(pairs.len());
+    // The previous pair's peer allocation, local GPU, the peer's GPU and its import: pairs into
+    // one allocation (many small ranges of one buffer) look it up once.
+    let mut last: Option<(IpcPart, usize, usize, Arc<Import>)> = None;
     for (i, (l, r)) in pairs.iter().enumerate() {
         let ipc = r.descriptor().ipc().expect("checked above");
         let (local_gpu, laddr) = match l.region.device_addr(l.offset) {
@@ -1424,17 +1450,24 @@ fn prepare(
             ),
         };
         let device = local_gpu.unwrap_or(0);
-        let peer_gpu = ordinal_of_uuid(ipc.gpu_uuid())?.ok_or_else(|| Error::NoDevice {
-            what: "the peer's GPU",
-            reason: format!(
-                "no visible GPU has the UUID {} of pair {i}'s remote memory (another \
+        let same = last
+            .as_ref()
+            .filter(|(p, d, ..)| p == ipc && *d == device)
+            .map(|(_, _, g, imp)| (*g, imp.clone()));
+        let peer_gpu = match &same {
+            Some((g, _)) => *g,
+            None => ordinal_of_uuid(ipc.gpu_uuid())?.ok_or_else(|| Error::NoDevice {
+                what: "the peer's GPU",
+                reason: format!(
+                    "no visible GPU has the UUID {} of pair {i}'s remote memory (another \
                  CUDA_VISIBLE_DEVICES?)",
-                ipc.gpu_uuid()
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<String>()
-            ),
-        })?;
+                    ipc.gpu_uuid()
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                ),
+            })?,
+        };
         // Where the range lies in the peer's allocation: inside the length it claims, checked
         // before anything is mapped; then inside the mapping's real size.
         let off = ipc.offset().checked_add(r.offset());
@@ -1453,11 +1486,12 @@ fn prepare(
             ));
         }
         let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
-        let imp = match (ipc.kind(), &fds[i]) {
-            (IpcKind::CudaIpcHandle { handle }, _) => {
+        let imp = match (same, ipc.kind(), &fds[i]) {
+            (Some((_, imp)), ..) => imp,
+            (None, IpcKind::CudaIpcHandle { handle }, _) => {
                 import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
             }
-            (IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
+            (None, IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
                 exporter,
                 *export_id,
                 device,
@@ -1467,6 +1501,7 @@ fn prepare(
                 &e.stats.imports,
             )?,
             (
+                None,
                 IpcKind::PoolPtr {
                     pool_export_id,
                     ptr_data,
@@ -1485,7 +1520,7 @@ fn prepare(
                 )?;
                 import_pool_ptr(&pool, ptr_data, ipc.alloc_len(), &e.stats.imports)?
             }
-            (IpcKind::VmmFd { .. } | IpcKind::PoolPtr { .. }, None) => {
+            (None, IpcKind::VmmFd { .. } | IpcKind::PoolPtr { .. }, None) => {
                 return Err(Error::invalid(
                     "pairs",
                     i,
@@ -1522,8 +1557,9 @@ fn prepare(
         paths.push(MemoryPath::CudaIpc {
             link: link(local_gpu, Some(peer_gpu)),
         });
-        drop(imp);
+        last = Some((*ipc, device, peer_gpu, imp));
     }
+    drop(last);
     let imports = std::mem::take(&mut imports.0);
     {
         let mut held = lock(&side.held);
