@@ -49,7 +49,8 @@ impl Tracker {
     /// user's [`Fence`] implementation) is taken as never complete: its entry is leaked, never
     /// freed, and every other entry is kept or released as its own fence says.
     pub fn reap(&self) -> usize {
-        if self.in_forked_child() || self.count.load(Ordering::Acquire) == 0 {
+        // The count first: asking for the pid is a system call, on every wait.
+        if self.count.load(Ordering::Acquire) == 0 || self.in_forked_child() {
             return 0;
         }
         let taken = std::mem::take(&mut *self.lock());

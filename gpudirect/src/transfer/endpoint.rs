@@ -16,7 +16,7 @@ use crate::rdma::{
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -276,6 +276,9 @@ pub(crate) struct ReqShared {
     flag: CompletionFlag,
     done: Mutex<Option<Result<TransferReport>>>,
     cv: Condvar,
+    /// Threads asleep on `cv` (counted under `done`'s lock): finishing wakes only when some
+    /// are (a wake-up is a system call).
+    sleepers: AtomicUsize,
     /// Who finishes the request, when a waiting caller can help (the intra-node path).
     finisher: OnceLock<Weak<dyn Finisher>>,
 }
@@ -302,7 +305,9 @@ impl ReqShared {
         // flag finds the result.
         self.flag.set();
         drop(g);
-        self.cv.notify_all();
+        if self.sleepers.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
     }
 }
 
@@ -1234,6 +1239,7 @@ impl Endpoint {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             finisher: OnceLock::new(),
         });
         let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
@@ -2263,6 +2269,7 @@ impl Transfer {
             flag: flag.clone(),
             done: Mutex::new(None),
             cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             finisher: OnceLock::new(),
         });
         let s = shared.clone();
@@ -2330,12 +2337,16 @@ impl Transfer {
                 if left.is_zero() {
                     break;
                 }
+                // Counted under the lock, before sleeping: a finisher that sets the result
+                // after sees it.
+                self.shared.sleepers.fetch_add(1, Ordering::AcqRel);
                 g = self
                     .shared
                     .cv
                     .wait_timeout(g, left)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
+                self.shared.sleepers.fetch_sub(1, Ordering::AcqRel);
             }
         }
         // Finished (its flag is set): at once. Otherwise (the progress thread is gone) the

@@ -1377,9 +1377,16 @@ fn prepare(
         };
         ids.push(fd_said(ipc));
     }
+    // Only VMM and pool memory need the peer's fds (cuIpc handles: none to look up).
+    let wanted: Vec<Option<u64>> = if ids.iter().any(Option::is_some) {
+        ids.iter().map(|x| x.map(|(id, _)| id)).collect()
+    } else {
+        Vec::new()
+    };
     let (peer_pid, exporter, fds) = side
-        .peer(&ids.iter().map(|x| x.map(|(id, _)| id)).collect::<Vec<_>>())
+        .peer(&wanted)
         .ok_or_else(|| Broken::Closed.to_error())?;
+    let fd_of = |i: usize| fds.get(i).and_then(Option::as_ref);
     // VMM and pool memory: mapped from the file descriptor the peer sent when the endpoints met,
     // which the descriptor must describe as the peer's first message did. Checked before any
     // CUDA call.
@@ -1391,7 +1398,7 @@ fn prepare(
             FdOf::Vmm { .. } => "VMM memory",
             FdOf::Pool => "pool memory",
         };
-        match &fds[i] {
+        match fd_of(i) {
             None => {
                 return Err(Error::invalid(
                     "pairs",
@@ -1486,7 +1493,7 @@ fn prepare(
             ));
         }
         let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
-        let imp = match (same, ipc.kind(), &fds[i]) {
+        let imp = match (same, ipc.kind(), fd_of(i)) {
             (Some((_, imp)), ..) => imp,
             (None, IpcKind::CudaIpcHandle { handle }, _) => {
                 import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
