@@ -140,7 +140,6 @@ impl Dir {
     /// One raw `cuMemcpyBatchAsync` of the source into every destination; `false` where the
     /// driver lacks it.
     fn raw_batch(&self) -> bool {
-        use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
         let Some(f) = gpudirect_sys::cuda::driver()
             .ok()
             .and_then(|d| d.memcpy_batch())
@@ -151,42 +150,10 @@ impl Dir {
         let mut dsts: Vec<u64> = self.dsts.iter().map(|d| d.device_ptr()).collect();
         let mut srcs = vec![self.src.device_ptr(); n];
         let mut sizes = vec![self.bytes; n];
-        let mut attrs = MemcpyAttributes {
-            src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            ..Default::default()
-        };
-        let mut idx = 0usize;
         let s = self.raw.cu_stream().cast();
         // SAFETY: `n` entries each; every buffer holds `bytes` and lives until the stream is
         // synchronized (every caller does); one attribute.
-        let rc = unsafe {
-            match f {
-                MemcpyBatch::V2(f) => f(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    n,
-                    &mut attrs,
-                    &mut idx,
-                    1,
-                    s,
-                ),
-                MemcpyBatch::V1(f) => {
-                    let mut failed = 0usize;
-                    f(
-                        dsts.as_mut_ptr(),
-                        srcs.as_mut_ptr(),
-                        sizes.as_mut_ptr(),
-                        n,
-                        &mut attrs,
-                        &mut idx,
-                        1,
-                        &mut failed,
-                        s,
-                    )
-                }
-            }
-        };
+        let rc = unsafe { f.call(&mut dsts, &mut srcs, &mut sizes, s) };
         assert_eq!(rc, 0, "cuMemcpyBatchAsync");
         true
     }

@@ -127,7 +127,6 @@ impl Raw {
     /// One `cuMemcpyBatchAsync` of `depth` copies of `n` bytes from `src` to `dst + i * n` (the
     /// peer's mapped buffer); `false` where the driver lacks the call.
     fn batch_to(&self, dst: sys::CUdeviceptr, n: usize, depth: usize, max: usize) -> bool {
-        use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
         let Some(f) = gpudirect_sys::cuda::driver()
             .ok()
             .and_then(|d| d.memcpy_batch())
@@ -140,41 +139,9 @@ impl Raw {
             .map(|i| self.src.device_ptr() + ((i % slots) * n) as u64)
             .collect();
         let mut sizes = vec![n; depth];
-        let mut attrs = MemcpyAttributes {
-            src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            ..Default::default()
-        };
-        let mut idx = 0usize;
         let s = self.stream.cu_stream().cast();
         // SAFETY: `depth` entries each, every range inside the `max`-byte buffers, one attribute.
-        let rc = unsafe {
-            match f {
-                MemcpyBatch::V2(f) => f(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    depth,
-                    &mut attrs,
-                    &mut idx,
-                    1,
-                    s,
-                ),
-                MemcpyBatch::V1(f) => {
-                    let mut failed = 0usize;
-                    f(
-                        dsts.as_mut_ptr(),
-                        srcs.as_mut_ptr(),
-                        sizes.as_mut_ptr(),
-                        depth,
-                        &mut attrs,
-                        &mut idx,
-                        1,
-                        &mut failed,
-                        s,
-                    )
-                }
-            }
-        };
+        let rc = unsafe { f.call(&mut dsts, &mut srcs, &mut sizes, s) };
         assert_eq!(rc, 0, "cuMemcpyBatchAsync");
         true
     }

@@ -138,6 +138,63 @@ pub enum MemcpyBatch {
     V2(MemcpyBatchAsyncV2),
 }
 
+impl MemcpyBatch {
+    /// Queue `dsts.len()` copies (`sizes[i]` bytes from `srcs[i]` to `dsts[i]`) on `stream` in
+    /// one call, every source read in stream order; returns the `CUresult`.
+    ///
+    /// # Safety
+    ///
+    /// The three slices have one length; every range is memory the driver can copy for as long
+    /// as the stream may run the copies; `stream` is a live stream of the current context.
+    pub unsafe fn call(
+        self,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        stream: *mut std::ffi::c_void,
+    ) -> i32 {
+        let n = dsts.len().min(srcs.len()).min(sizes.len());
+        let mut attrs = MemcpyAttributes {
+            src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            ..Default::default()
+        };
+        let mut idx = 0usize;
+        match self {
+            // SAFETY: `n` entries in each array, one attribute applying from copy 0; the rest as
+            // the caller guarantees.
+            MemcpyBatch::V2(f) => unsafe {
+                f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    n,
+                    &mut attrs,
+                    &mut idx,
+                    1,
+                    stream,
+                )
+            },
+            MemcpyBatch::V1(f) => {
+                let mut failed = usize::MAX;
+                // SAFETY: as above, and one out-pointer for the failing index.
+                unsafe {
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        &mut attrs,
+                        &mut idx,
+                        1,
+                        &mut failed,
+                        stream,
+                    )
+                }
+            }
+        }
+    }
+}
+
 /// `cuDriverGetVersion(int*)`.
 type DriverGetVersion = unsafe extern "C" fn(*mut i32) -> i32;
 

@@ -201,7 +201,6 @@ pub(crate) unsafe fn copy_batch_async(
     sizes: &mut [usize],
     stream: sys::CUstream,
 ) -> Result<bool> {
-    use gpudirect_sys::cuda::{MEMCPY_SRC_ACCESS_ORDER_STREAM, MemcpyAttributes, MemcpyBatch};
     let n = dsts.len();
     // The legacy default stream (a null handle, or `CU_STREAM_LEGACY`) is refused by the batch
     // call: copy one by one there.
@@ -214,44 +213,8 @@ pub(crate) unsafe fn copy_batch_async(
     else {
         return Ok(false);
     };
-    let mut attrs = MemcpyAttributes {
-        src_access_order: MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        ..Default::default()
-    };
-    let mut idx = 0usize;
-    let rc = match batch {
-        // SAFETY: `n` entries in each array, one attribute applying from copy 0, a live stream;
-        // the copies themselves as the caller guarantees.
-        MemcpyBatch::V2(f) => unsafe {
-            f(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                n,
-                &mut attrs,
-                &mut idx,
-                1,
-                stream.cast(),
-            )
-        },
-        MemcpyBatch::V1(f) => {
-            let mut failed = usize::MAX;
-            // SAFETY: as above, and one out-pointer for the failing index.
-            unsafe {
-                f(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    n,
-                    &mut attrs,
-                    &mut idx,
-                    1,
-                    &mut failed,
-                    stream.cast(),
-                )
-            }
-        }
-    };
+    // SAFETY: forwarded from the caller; three arrays of one length.
+    let rc = unsafe { batch.call(dsts, srcs, sizes, stream.cast()) };
     if rc == 0 {
         Ok(true)
     } else {

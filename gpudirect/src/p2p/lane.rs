@@ -406,38 +406,8 @@ impl Lane {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: the copier keeps its source context alive.
-        if let Err(error) = unsafe { x.bind(self.contexts.src) } {
-            return Err(Refused {
-                error,
-                kept: Some(()),
-            });
-        }
-        let probe = LaneProbe {
-            x,
-            stream: self.stream,
-        };
-        let job = Job {
-            dst,
-            src,
-            bytes,
-            stream: self.stream,
-        };
-        let queued = match self.route {
-            Route::Same => capture::enqueue_with(&probe, "cuMemcpyDtoDAsync_v2", (), |()| {
-                // SAFETY: the caller's ranges; the stream is the lane's own, of the current
-                // context.
-                unsafe { x.copy_dtod(job) }
-            }),
-            Route::Peer | Route::Staged => {
-                capture::enqueue_with(&probe, "cuMemcpyPeerAsync", (), |()| {
-                    // SAFETY: as above; both contexts are live primary contexts with peer access
-                    // enabled both ways (the copier's construction).
-                    unsafe { x.copy_peer(job, self.contexts) }
-                })
-            }
-        };
-        queued.map(drop)
+        // SAFETY: forwarded from the caller.
+        unsafe { self.enqueue_batch(x, &[(dst, src, bytes)], false) }
     }
 
     /// Queue `jobs` (`(dst, src, bytes)`, none empty) in order behind one capture check: one
