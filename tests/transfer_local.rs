@@ -114,6 +114,67 @@ fn expected_link(d: usize) -> Option<IpcLink> {
     }
 }
 
+/// The path every intra-node copy to device `device` must report, as a check.
+fn path_checker(device: usize) -> impl Fn(&MemoryPath) {
+    let want = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
+    move |p: &MemoryPath| {
+        println!("path: {p}");
+        match &want {
+            Some(w) => assert_eq!(p, w),
+            None => assert!(
+                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
+                "{p}"
+            ),
+        }
+    }
+}
+
+/// Write random bytes (seed `seed ^ (base + i)` for range `i`) into each of the peer's ranges,
+/// notified with its index (the peer checks them), then read each back into poisoned memory and
+/// compare exactly.
+fn write_and_read_back(
+    engine: &Engine,
+    ep: &Endpoint,
+    peer: &[MemoryDescriptor],
+    seed: u64,
+    base: u64,
+    what: &str,
+    check_path: &impl Fn(&MemoryPath),
+) {
+    for (i, d) in peer.iter().enumerate() {
+        let len = d.len() as usize;
+        let data = bytes(len, seed ^ (base + i as u64));
+        let src = register(engine, device_bytes(0, &data));
+        let w = ep
+            .write(
+                vec![(src.all(), d.all())],
+                TransferOptions::notify(i as u32),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((w.bytes, w.notified), (len as u64, Some(i as u32)));
+        check_path(&w.paths[0]);
+        let back = register(engine, poisoned_bytes(0, len, 0xC3));
+        let r = ep
+            .read(vec![(back.all(), d.all())], TransferOptions::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        check_path(&r.paths[0]);
+        same(
+            &host_copy(&back, 0, len),
+            &data,
+            &format!("read back from {what} memory"),
+        );
+        println!(
+            "{what} {len} B: write {:.2} GB/s, read {:.2} GB/s",
+            w.gbps(),
+            r.gbps()
+        );
+    }
+}
+
 #[test]
 fn local_writes_reads_and_notifications_between_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
@@ -145,17 +206,7 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         peer.iter()
             .all(|d| d.ipc().is_some() && d.rkeys().is_empty())
     );
-    let want_path = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
-    let check_path = |p: &MemoryPath| {
-        println!("path: {p}");
-        match &want_path {
-            Some(w) => assert_eq!(p, w),
-            None => assert!(
-                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
-                "{p}"
-            ),
-        }
-    };
+    let check_path = path_checker(device);
 
     // Writes, each notified: the peer checks the bytes at each notification, in order.
     for (i, &len) in SIZES.iter().enumerate() {
@@ -760,49 +811,8 @@ fn vmm_memory_between_two_processes() {
         assert!(d.rkeys().is_empty() && ipc.handle().is_none());
     }
     assert_eq!(peer[0].len(), VMM_LEN as u64);
-    let want_path = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
-    let check_path = |p: &MemoryPath| {
-        println!("path: {p}");
-        match &want_path {
-            Some(w) => assert_eq!(p, w),
-            None => assert!(
-                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
-                "{p}"
-            ),
-        }
-    };
-    for (i, d) in peer.iter().enumerate() {
-        let len = d.len() as usize;
-        let data = bytes(len, seed ^ (500 + i as u64));
-        let src = register(&engine, device_bytes(0, &data));
-        let w = ep
-            .write(
-                vec![(src.all(), d.all())],
-                TransferOptions::notify(i as u32),
-            )
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!((w.bytes, w.notified), (len as u64, Some(i as u32)));
-        check_path(&w.paths[0]);
-        let back = register(&engine, poisoned_bytes(0, len, 0xC3));
-        let r = ep
-            .read(vec![(back.all(), d.all())], TransferOptions::default())
-            .unwrap()
-            .wait()
-            .unwrap();
-        check_path(&r.paths[0]);
-        same(
-            &host_copy(&back, 0, len),
-            &data,
-            "read back from VMM memory",
-        );
-        println!(
-            "VMM {len} B: write {:.2} GB/s, read {:.2} GB/s",
-            w.gbps(),
-            r.gbps()
-        );
-    }
+    let check_path = path_checker(device);
+    write_and_read_back(&engine, &ep, &peer, seed, 500, "VMM", &check_path);
     assert_eq!(
         engine.cache_stats().imports_opened,
         2,
@@ -928,49 +938,8 @@ fn pool_memory_between_two_processes() {
     assert_eq!(peer[1].ipc().unwrap().offset(), POOL_AT as u64);
     assert_eq!(peer[0].ipc().unwrap().alloc_len(), POOL_LEN as u64);
     assert_eq!(peer[1].ipc().unwrap().alloc_len(), POOL_LEN2 as u64);
-    let want_path = expected_link(device).map(|link| MemoryPath::CudaIpc { link });
-    let check_path = |p: &MemoryPath| {
-        println!("path: {p}");
-        match &want_path {
-            Some(w) => assert_eq!(p, w),
-            None => assert!(
-                matches!(p, MemoryPath::CudaIpc { link } if *link != IpcLink::SameDevice),
-                "{p}"
-            ),
-        }
-    };
-    for (i, d) in peer.iter().enumerate() {
-        let len = d.len() as usize;
-        let data = bytes(len, seed ^ (700 + i as u64));
-        let src = register(&engine, device_bytes(0, &data));
-        let w = ep
-            .write(
-                vec![(src.all(), d.all())],
-                TransferOptions::notify(i as u32),
-            )
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!((w.bytes, w.notified), (len as u64, Some(i as u32)));
-        check_path(&w.paths[0]);
-        let back = register(&engine, poisoned_bytes(0, len, 0xC3));
-        let r = ep
-            .read(vec![(back.all(), d.all())], TransferOptions::default())
-            .unwrap()
-            .wait()
-            .unwrap();
-        check_path(&r.paths[0]);
-        same(
-            &host_copy(&back, 0, len),
-            &data,
-            "read back from pool memory",
-        );
-        println!(
-            "pool {len} B: write {:.2} GB/s, read {:.2} GB/s",
-            w.gbps(),
-            r.gbps()
-        );
-    }
+    let check_path = path_checker(device);
+    write_and_read_back(&engine, &ep, &peer, seed, 700, "pool", &check_path);
     // The first allocation described 4 KiB longer than it is (a peer's word): refused against
     // the pointer imported, before any copy.
     let ipc = peer[0].ipc().unwrap();
