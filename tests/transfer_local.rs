@@ -175,6 +175,67 @@ fn write_and_read_back(
     }
 }
 
+/// The peer's side of [`write_and_read_back`]: region `i`'s `len` bytes checked exactly at
+/// notification `i` (seed `seed ^ (base + i)`), then the closing notification (tag 99), then
+/// until the other side hangs up.
+fn check_at_notifications(
+    ep: &Endpoint,
+    regions: &[(&Region, usize)],
+    seed: u64,
+    base: u64,
+    what: &str,
+) {
+    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
+    for (i, &(r, len)) in regions.iter().enumerate() {
+        assert_eq!(next(ep).tag, i as u32, "in order");
+        same(
+            &host_copy(r, 0, len),
+            &bytes(len, seed ^ (base + i as u64)),
+            &format!("written into {what} memory before its notification"),
+        );
+    }
+    assert_eq!(next(ep).tag, 99);
+    until_hung_up(ep);
+}
+
+/// Read notifications until the other side hangs up (its endpoint dropped: a typed error),
+/// failing if that takes more than twice [`WAIT`] or another notification comes.
+fn until_hung_up(ep: &Endpoint) {
+    let t = Instant::now();
+    loop {
+        match ep.next_notification(WAIT) {
+            Err(e) => {
+                println!("peer: the other side went: {e}");
+                break;
+            }
+            Ok(None) => assert!(t.elapsed() < WAIT * 2, "never hung up"),
+            Ok(Some(n)) => panic!("unexpected {n:?}"),
+        }
+    }
+}
+
+/// The closing notified write (tag 99, `first` into the peer's first byte, which its checks
+/// already passed), then the endpoint dropped and the peer's exit checked.
+fn done_with_peer(
+    engine: &Engine,
+    ep: Endpoint,
+    peer0: &MemoryDescriptor,
+    first: Vec<u8>,
+    mut child: std::process::Child,
+) {
+    let src = register(engine, device_bytes(0, &first));
+    ep.write(
+        vec![(src.all(), peer0.range(0, first.len() as u64).unwrap())],
+        TransferOptions::notify(99),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    drop(ep);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
 #[test]
 fn local_writes_reads_and_notifications_between_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
@@ -468,18 +529,7 @@ fn peer(job: Job) {
         same(&host_copy(&slots, k * SLOT, SLOT), &slot(k), "slot");
     }
     assert_eq!(next(&ep).tag, 999);
-    // Until the other side hangs up (its endpoint dropped): a typed error, then exit.
-    let t = Instant::now();
-    loop {
-        match ep.next_notification(WAIT) {
-            Err(e) => {
-                println!("peer: the other side went: {e}");
-                break;
-            }
-            Ok(None) => assert!(t.elapsed() < WAIT * 2, "never hung up"),
-            Ok(Some(n)) => panic!("unexpected {n:?}"),
-        }
-    }
+    until_hung_up(&ep);
 }
 
 #[test]
@@ -797,7 +847,7 @@ fn vmm_memory_between_two_processes() {
         seed,
         device,
     };
-    let mut child = spawn_child("vmm_memory_between_two_processes", &job);
+    let child = spawn_child("vmm_memory_between_two_processes", &job);
     let ep = listener.accept(&[], WAIT).unwrap();
     let peer = ep.peer_descriptors();
     assert_eq!(
@@ -818,18 +868,7 @@ fn vmm_memory_between_two_processes() {
         2,
         "each VMM export mapped once"
     );
-    // Done: the peer checked both when this arrives.
-    let first = register(&engine, device_bytes(0, &bytes(1, seed ^ 500)));
-    ep.write(
-        vec![(first.all(), peer[0].range(0, 1).unwrap())],
-        TransferOptions::notify(99),
-    )
-    .unwrap()
-    .wait()
-    .unwrap();
-    drop(ep);
-    let status = child.wait().unwrap();
-    assert!(status.success(), "peer failed: {status:?}");
+    done_with_peer(&engine, ep, &peer[0], bytes(1, seed ^ 500), child);
 }
 
 /// The VMM test's peer: publishes a poisoned one-chunk `VmmBuffer` and a poisoned range inside
@@ -859,26 +898,13 @@ fn vmm_peer(job: Job) {
     );
     let publish = vec![one.descriptor().unwrap(), inner.descriptor().unwrap()];
     let ep = engine.connect_local(&job.socket, &publish).unwrap();
-    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
-    for (i, (r, len)) in [(&one, VMM_LEN), (&inner, inner_len)]
-        .into_iter()
-        .enumerate()
-    {
-        assert_eq!(next(&ep).tag, i as u32, "in order");
-        same(
-            &host_copy(r, 0, len),
-            &bytes(len, job.seed ^ (500 + i as u64)),
-            "written into VMM memory before its notification",
-        );
-    }
-    assert_eq!(next(&ep).tag, 99);
-    loop {
-        match ep.next_notification(WAIT) {
-            Err(_) => break,
-            Ok(None) => {}
-            Ok(Some(n)) => panic!("unexpected {n:?}"),
-        }
-    }
+    check_at_notifications(
+        &ep,
+        &[(&one, VMM_LEN), (&inner, inner_len)],
+        job.seed,
+        500,
+        "VMM",
+    );
 }
 
 /// Bytes of the first pool allocation, and of the second (the range published inside it
@@ -911,7 +937,7 @@ fn pool_memory_between_two_processes() {
         seed,
         device,
     };
-    let mut child = spawn_child("pool_memory_between_two_processes", &job);
+    let child = spawn_child("pool_memory_between_two_processes", &job);
     let ep = listener.accept(&[], WAIT).unwrap();
     let peer = ep.peer_descriptors();
     assert_eq!(peer.len(), 2, "an allocation and a range inside another");
@@ -963,18 +989,7 @@ fn pool_memory_between_two_processes() {
         (1, 2),
         "the pool imported once, each allocation once"
     );
-    // Done: the peer checked both when this arrives.
-    let first = register(&engine, device_bytes(0, &bytes(1, seed ^ 700)));
-    ep.write(
-        vec![(first.all(), peer[0].range(0, 1).unwrap())],
-        TransferOptions::notify(99),
-    )
-    .unwrap()
-    .wait()
-    .unwrap();
-    drop(ep);
-    let status = child.wait().unwrap();
-    assert!(status.success(), "peer failed: {status:?}");
+    done_with_peer(&engine, ep, &peer[0], bytes(1, seed ^ 700), child);
 }
 
 /// The pool test's peer: publishes a poisoned `IpcPool` allocation and a poisoned range at an
@@ -1007,25 +1022,12 @@ fn pool_peer(job: Job) {
     );
     let publish = vec![one.descriptor().unwrap(), inner.descriptor().unwrap()];
     let ep = engine.connect_local(&job.socket, &publish).unwrap();
-    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
-    for (i, (r, len)) in [(&one, POOL_LEN), (&inner, inner_len)]
-        .into_iter()
-        .enumerate()
-    {
-        assert_eq!(next(&ep).tag, i as u32, "in order");
-        same(
-            &host_copy(r, 0, len),
-            &bytes(len, job.seed ^ (700 + i as u64)),
-            "written into pool memory before its notification",
-        );
-    }
-    assert_eq!(next(&ep).tag, 99);
-    loop {
-        match ep.next_notification(WAIT) {
-            Err(_) => break,
-            Ok(None) => {}
-            Ok(Some(n)) => panic!("unexpected {n:?}"),
-        }
-    }
+    check_at_notifications(
+        &ep,
+        &[(&one, POOL_LEN), (&inner, inner_len)],
+        job.seed,
+        700,
+        "pool",
+    );
     drop(ep);
 }
