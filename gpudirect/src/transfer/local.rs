@@ -1743,14 +1743,13 @@ fn enqueue(
     let mut fences = Vec::with_capacity(streams.len());
     let mut messages = 0u64;
     for (d, mine) in streams {
-        // Every copy starts from this GPU, on one stream (the common case): nothing to sort.
-        let work_lists = if streams.len() == 1 && mine.len() == 1 {
-            vec![copies.to_vec()]
+        // Every copy starts from this GPU (the common case): nothing to sort out.
+        let list: Vec<Piece> = if streams.len() == 1 {
+            copies.to_vec()
         } else {
-            let list: Vec<Piece> = copies.iter().filter(|c| c.device == *d).copied().collect();
-            spread(&list, mine.len(), chunk)
+            copies.iter().filter(|c| c.device == *d).copied().collect()
         };
-        for (s, work) in mine.iter().zip(work_lists) {
+        for (s, work) in mine.iter().zip(spread(&list, mine.len(), chunk)) {
             if work.is_empty() {
                 continue;
             }
@@ -1917,6 +1916,28 @@ mod tests {
                 .unwrap()
             })
             .collect()
+    }
+
+    /// Two endpoints of `engine` meeting over the socket `name`: the dialer publishing nothing,
+    /// the acceptor `publish`; the listener is kept (its socket file with it).
+    fn meet(
+        engine: &Engine,
+        name: &str,
+        publish: Vec<MemoryDescriptor>,
+    ) -> (
+        super::super::Endpoint,
+        super::super::Endpoint,
+        LocalListener,
+    ) {
+        let l = engine.listen_local(socket(name)).unwrap();
+        let path = l.path().to_path_buf();
+        let acc = std::thread::spawn(move || {
+            let ep = l.accept(&publish, Duration::from_secs(10));
+            (ep, l)
+        });
+        let a = engine.connect_local(&path, &[]).unwrap();
+        let (b, l) = acc.join().unwrap();
+        (a, b.unwrap(), l)
     }
 
     fn socket(name: &str) -> PathBuf {
@@ -2366,16 +2387,7 @@ mod tests {
         }
 
         // Published at the meeting (twice: one fd crosses): the dialer holds it.
-        let l = engine.listen_local(socket("vmm-meet")).unwrap();
-        let path = l.path().to_path_buf();
-        let publish = vec![published, vmm_desc(v.id, mapped)];
-        let acc = std::thread::spawn(move || {
-            let ep = l.accept(&publish, Duration::from_secs(10));
-            (ep, l)
-        });
-        let a = engine.connect_local(&path, &[]).unwrap();
-        let (b, _l) = acc.join().unwrap();
-        let b = b.unwrap();
+        let (a, b, _l) = meet(&engine, "vmm-meet", vec![published, vmm_desc(v.id, mapped)]);
         assert_eq!(a.peer_descriptors()[0], published);
         assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
 
@@ -2479,16 +2491,11 @@ mod tests {
 
         // Published at the meeting: the pool's fd crosses once for both allocations, the VMM
         // one beside it.
-        let l = engine.listen_local(socket("pool-meet")).unwrap();
-        let path = l.path().to_path_buf();
-        let publish = vec![first, vmm_desc(vmm.id, mapped), second];
-        let acc = std::thread::spawn(move || {
-            let ep = l.accept(&publish, Duration::from_secs(10));
-            (ep, l)
-        });
-        let a = engine.connect_local(&path, &[]).unwrap();
-        let (b, _l) = acc.join().unwrap();
-        let b = b.unwrap();
+        let (a, b, _l) = meet(
+            &engine,
+            "pool-meet",
+            vec![first, vmm_desc(vmm.id, mapped), second],
+        );
         assert_eq!(a.peer_descriptors()[0], first);
         assert_eq!(a.peer_descriptors()[2], second);
         assert_eq!(open_on(&marked), 2, "the exporter's and the one received");
