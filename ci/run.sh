@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never CARGO_INCREMENTAL=0
+# Line tables only: full debug info made the target directory several GB, and a CI machine's disk
+# has been seen nearly full (a run failed in `cargo doc` with ENOSPC).
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 step() { printf '\n=== %s (%ss)\n' "$*" "$SECONDS"; }
 
 step "setup"
