@@ -73,7 +73,8 @@ const SLICE: Duration = Duration::from_millis(5);
 /// The first message of an intra-node endpoint, each way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LocalHello {
-    /// The sender's process id (as it sees itself).
+    /// The sender's process id (as it sees itself). Only reported: what the library decides by
+    /// (imports, the same-process refusal) uses the pid `SO_PEERCRED` gives.
     pub(crate) pid: u32,
     pub(crate) descriptors: Vec<MemoryDescriptor>,
 }
@@ -621,13 +622,7 @@ impl Engine {
     ) -> Result<super::Endpoint> {
         let path = path.as_ref().to_path_buf();
         let (stream, hello, fds) = dial(self, &path, publish)?;
-        let side = Side::new(
-            self.clone(),
-            stream,
-            hello.pid,
-            fds,
-            Some((path, publish.to_vec())),
-        );
+        let side = Side::new(self.clone(), stream, fds, Some((path, publish.to_vec())));
         super::Endpoint::start_local(self.clone(), hello.descriptors, side)
     }
 }
@@ -717,7 +712,7 @@ impl LocalListener {
             left,
             self.engine.inner.config.connect_timeout,
         )?;
-        let side = Side::new(self.engine.clone(), s, hello.pid, fds, None);
+        let side = Side::new(self.engine.clone(), s, fds, None);
         super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
     }
 }
@@ -736,11 +731,10 @@ impl std::fmt::Debug for LocalListener {
     }
 }
 
-/// The live connection: the socket notifications are written to, the peer's pid, the file
-/// descriptors (VMM, pool) it sent when the endpoints met, the reader.
+/// The live connection: the socket notifications are written to, the file descriptors (VMM,
+/// pool) the peer sent when the endpoints met and its pid as the kernel gives it, the reader.
 struct Conn {
     stream: UnixStream,
-    peer_pid: u32,
     peer_fds: PeerFds,
     reader: Option<JoinHandle<()>>,
 }
@@ -876,7 +870,6 @@ impl Side {
     fn new(
         engine: Engine,
         stream: UnixStream,
-        peer_pid: u32,
         peer_fds: PeerFds,
         dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     ) -> Arc<Side> {
@@ -888,7 +881,6 @@ impl Side {
             dialed,
             conn: Mutex::new(Some(Conn {
                 stream,
-                peer_pid,
                 peer_fds,
                 reader: None,
             })),
@@ -990,16 +982,16 @@ impl Side {
         }
     }
 
-    /// The peer's pid (its word), its pid as the kernel gives it, and the file descriptor (VMM,
-    /// pool) it sent for each of `ids` (all of one connection).
-    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, u32, Vec<Option<PeerFd>>)> {
+    /// The peer's pid as the kernel gives it (`SO_PEERCRED`, never what the peer says), and the
+    /// file descriptor (VMM, pool) it sent for each of `ids` (all of one connection).
+    fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, Vec<Option<PeerFd>>)> {
         let c = lock(&self.conn);
         let c = c.as_ref()?;
         let fds = ids
             .iter()
             .map(|id| id.and_then(|id| c.peer_fds.by_id.get(&id).cloned()))
             .collect();
-        Some((c.peer_pid, c.peer_fds.pid, fds))
+        Some((c.peer_fds.pid, fds))
     }
 
     /// Send a notification (after its request's copies are done).
@@ -1274,7 +1266,6 @@ impl LocalSide for Side {
         let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;
         *lock(&self.conn) = Some(Conn {
             stream,
-            peer_pid: hello.pid,
             peer_fds,
             reader: None,
         });
@@ -1383,7 +1374,7 @@ fn prepare(
     } else {
         Vec::new()
     };
-    let (peer_pid, exporter, fds) = side
+    let (exporter, fds) = side
         .peer(&wanted)
         .ok_or_else(|| Broken::Closed.to_error())?;
     let fd_of = |i: usize| fds.get(i).and_then(Option::as_ref);
@@ -1427,7 +1418,9 @@ fn prepare(
             Some(_) => {}
         }
     }
-    if peer_pid == std::process::id() {
+    // The kernel's word, not the peer's first message: a peer that claims another pid is still
+    // this process.
+    if exporter == std::process::id() {
         return Err(Error::Unsupported {
             what: "an intra-node transfer between two endpoints of one process".into(),
             reason: "CUDA IPC maps no allocation in the process that exported it: copy between \
@@ -2163,6 +2156,48 @@ mod tests {
         drop(d);
         drop(c);
         drop(a);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_peer_in_this_process_claiming_another_pid_is_still_refused_before_any_cuda_call() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let path = socket("liar");
+        let l = engine.listen_local(&path).unwrap();
+        let acc = std::thread::spawn(move || l.accept(&[], Duration::from_secs(10)));
+        // This very process, saying it is pid 4242 and publishing cuIpc memory.
+        let theirs = descs(2);
+        let mut s = UnixStream::connect(&path).unwrap();
+        let h = LocalHello {
+            pid: 4242,
+            descriptors: theirs.clone(),
+        }
+        .encode()
+        .unwrap();
+        send_msg(&mut s, &h).unwrap();
+        let ep = acc.join().unwrap().unwrap();
+        LocalHello::decode(&recv_msg(&mut s, Duration::from_secs(10)).unwrap()).unwrap();
+        assert_eq!(ep.peer_descriptors(), theirs);
+        let region = engine
+            .register(Buffer::host(vec![5u8; 4096]).unwrap())
+            .unwrap();
+        for read in [false, true] {
+            let pairs = vec![(region.all(), theirs[1].all())];
+            let opts = TransferOptions::default();
+            let e = if read {
+                ep.read(pairs, opts)
+            } else {
+                ep.write(pairs, opts)
+            }
+            .unwrap_err();
+            assert!(
+                matches!(&e, Error::Unsupported { what, .. } if what.contains("one process")),
+                "read {read}: {e}"
+            );
+        }
+        assert_eq!(engine.cache_stats().imports_opened, 0);
+        drop(s);
+        drop(ep);
         let _ = std::fs::remove_file(&path);
     }
 
