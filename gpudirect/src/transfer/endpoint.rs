@@ -2242,6 +2242,9 @@ fn unread_overflow() -> String {
 /// sleeps until its finisher wakes it.
 const HELP_SPIN: Duration = Duration::from_millis(10);
 
+/// While it looks, a waiting caller yields its CPU once in this many looks.
+const HELP_YIELD: u32 = 8;
+
 impl Transfer {
     /// Let a blocking [`wait`](Self::wait) help `f` finish the request, and let the transfer
     /// wake `f` whenever it is looked at without a blocking wait, or goes unfinished (once).
@@ -2319,13 +2322,22 @@ impl Transfer {
         if self.shared.finisher.get().is_some() {
             // Look for the end ourselves for a while (yielding), as a synchronize would: no
             // hand-off from another thread when it comes soon.
+            // A look is a driver query (a few hundred ns); the thread yields once in
+            // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
+            // copy seen later than a stream synchronize sees it.
             let until = Instant::now() + HELP_SPIN;
+            let mut looks = 0u32;
             while !self.shared.flag.is_complete() && Instant::now() < until {
                 self._finisher.help();
                 if self.shared.flag.is_complete() {
                     break;
                 }
-                std::thread::yield_now();
+                looks = looks.wrapping_add(1);
+                if looks.is_multiple_of(HELP_YIELD) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             }
         }
         // Sleeping from now on: the finisher looks instead.

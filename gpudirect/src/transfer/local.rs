@@ -739,9 +739,10 @@ struct Conn {
     reader: Option<JoinHandle<()>>,
 }
 
-/// What a copy in flight reaches: the local regions and the peer's imports (its streams are
-/// held by the stream epochs that track it).
+/// What a copy in flight reaches: the local regions (by the request's own pairs, or a list of
+/// them) and the peer's imports (its streams are held by the stream epochs that track it).
 struct Keep {
+    _pairs: Vec<(LocalRange, RemoteRange)>,
     _regions: Vec<Region>,
     _imports: Vec<Arc<Import>>,
 }
@@ -1296,6 +1297,13 @@ struct Piece {
     device: usize,
 }
 
+/// What a pair's copy crosses, told once its copies are queued.
+fn path_of(local_gpu: Option<usize>, peer_gpu: usize) -> MemoryPath {
+    MemoryPath::CudaIpc {
+        link: link(local_gpu, Some(peer_gpu)),
+    }
+}
+
 /// Cut copies into chunks of at most `chunk` bytes spread over `streams` streams, in turn;
 /// with one stream nothing is cut. Pure: the chunks of each copy cover it exactly, in order.
 fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
@@ -1324,12 +1332,23 @@ fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
     out
 }
 
+/// The side holds the imports a request used for as long as it lives (the next requests find
+/// them mapped). Called once the copies are queued: nothing here delays them.
+fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
+    let mut held = lock(&side.held);
+    for imp in imports {
+        if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
+            held.push(imp.clone());
+        }
+    }
+}
+
 /// A request checked and mapped, its copies not yet queued.
 struct Prepared {
     copies: Vec<Piece>,
-    paths: Vec<MemoryPath>,
+    /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
+    gpus: Vec<(Option<usize>, usize)>,
     imports: Vec<Arc<Import>>,
-    regions: Vec<Region>,
     timeout: Duration,
     started: Instant,
     deadline: Instant,
@@ -1351,7 +1370,7 @@ fn prepare(
     if let Some(err) = ep.failure() {
         return Err(err);
     }
-    let mut ids = Vec::with_capacity(pairs.len());
+    let mut any_fd = false;
     for (i, (_, r)) in pairs.iter().enumerate() {
         let Some(ipc) = r.descriptor().ipc() else {
             return Err(Error::invalid(
@@ -1366,11 +1385,16 @@ fn prepare(
                  default pool: cudarc's CudaSlice, a PoolBuffer) are not exported",
             ));
         };
-        ids.push(fd_said(ipc));
+        any_fd |= fd_said(ipc).is_some();
     }
-    // Only VMM and pool memory need the peer's fds (cuIpc handles: none to look up).
-    let wanted: Vec<Option<u64>> = if ids.iter().any(Option::is_some) {
-        ids.iter().map(|x| x.map(|(id, _)| id)).collect()
+    // Only VMM and pool memory need the peer's fds (cuIpc handles: none to look up, nothing
+    // allocated).
+    let said = |r: &RemoteRange| r.descriptor().ipc().and_then(fd_said);
+    let wanted: Vec<Option<u64>> = if any_fd {
+        pairs
+            .iter()
+            .map(|(_, r)| said(r).map(|(id, _)| id))
+            .collect()
     } else {
         Vec::new()
     };
@@ -1382,7 +1406,7 @@ fn prepare(
     // which the descriptor must describe as the peer's first message did. Checked before any
     // CUDA call.
     for (i, (_, r)) in pairs.iter().enumerate() {
-        let (Some((id, of)), Some(ipc)) = (ids[i], r.descriptor().ipc()) else {
+        let (Some((id, of)), Some(ipc)) = (said(r), r.descriptor().ipc()) else {
             continue;
         };
         let memory = match of {
@@ -1433,7 +1457,7 @@ fn prepare(
     let deadline = deadline_after(started, timeout);
     let mut copies = Vec::with_capacity(pairs.len());
     let mut imports = Parking(Vec::new());
-    let mut paths = Vec::with_capacity(pairs.len());
+    let mut gpus = Vec::with_capacity(pairs.len());
     // The previous pair's peer allocation, local GPU, the peer's GPU and its import: pairs into
     // one allocation (many small ranges of one buffer) look it up once.
     let mut last: Option<(IpcPart, usize, usize, Arc<Import>)> = None;
@@ -1554,26 +1578,15 @@ fn prepare(
             len: r.len(),
             device,
         });
-        paths.push(MemoryPath::CudaIpc {
-            link: link(local_gpu, Some(peer_gpu)),
-        });
+        gpus.push((local_gpu, peer_gpu));
         last = Some((*ipc, device, peer_gpu, imp));
     }
     drop(last);
     let imports = std::mem::take(&mut imports.0);
-    {
-        let mut held = lock(&side.held);
-        for imp in &imports {
-            if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
-                held.push(imp.clone());
-            }
-        }
-    }
     Ok(Prepared {
         copies,
-        paths,
+        gpus,
         imports,
-        regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
         timeout,
         started,
         deadline,
@@ -1593,9 +1606,8 @@ pub(super) fn request(
     let e = &ep.engine().inner;
     let Prepared {
         copies,
-        paths,
+        gpus,
         imports,
-        regions,
         timeout,
         started,
         deadline,
@@ -1608,17 +1620,23 @@ pub(super) fn request(
             streams.push((c.device, side.streams_of(c.device)?));
         }
     }
+    let bytes = total_bytes(&copies)?;
+    // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
-        _regions: regions.clone(),
+        _pairs: pairs,
+        _regions: Vec::new(),
         _imports: imports,
     };
-    let bytes = total_bytes(&copies)?;
     // Under the issue lock, queued then pushed: the streams' order is the queue's, so
     // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
     let issue = lock(&side.issue);
     let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
-    // Made once the copies are queued: a request refused before has no transfer to end.
-    let (transfer, finish) = Transfer::pending(timeout, regions);
+    // From here on the copies run: what is left costs them nothing.
+    hold_imports(side, &keep._imports);
+    let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+    // Made once the copies are queued: a request refused before has no transfer to end. What
+    // the copies reach is the job's to hold (`keep`), not the transfer's.
+    let (transfer, finish) = Transfer::pending(timeout, Vec::new());
     // A caller waiting for it finishes what is done at the head of the queue itself. The
     // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
@@ -1733,53 +1751,21 @@ fn enqueue(
     keep: Keep,
 ) -> Result<(Events, Keep, u64)> {
     let mut keep = Some(keep);
-    let mut fences = Vec::with_capacity(streams.len());
+    let mut fences = Vec::with_capacity(1);
     let mut messages = 0u64;
     for (d, mine) in streams {
-        // Every copy starts from this GPU (the common case): nothing to sort out.
-        let list: Vec<Piece> = if streams.len() == 1 {
-            copies.to_vec()
-        } else {
-            copies.iter().filter(|c| c.device == *d).copied().collect()
-        };
+        if let ([_], [s]) = (streams, &mine[..]) {
+            // One GPU, one stream (the defaults): every copy goes there as it is.
+            queue_on(s, copies, &mut keep, &mut fences)?;
+            messages += copies.len() as u64;
+            continue;
+        }
+        let list: Vec<Piece> = copies.iter().filter(|c| c.device == *d).copied().collect();
         for (s, work) in mine.iter().zip(spread(&list, mine.len(), chunk)) {
             if work.is_empty() {
                 continue;
             }
-            // The stream's context current for the copy (the caller's thread may have another).
-            if let Err(e) = crate::driver::ctx::bind(s.cuda().context()) {
-                if let Some(k) = keep.take() {
-                    if fences.is_empty() {
-                        drop(k); // nothing queued yet
-                    } else {
-                        Tracker::global().park(Events(fences), k);
-                    }
-                }
-                return Err(e);
-            }
-            let k = keep.take().expect("kept between streams");
-            // The endpoint's streams are its own: made in `streams_of`, never handed out, and
-            // never made to wait on anyone's event, so no capture can reach them (the private
-            // protocol: no driver questions).
-            let r = capture::enqueue_private(s.cu_stream(), "cuMemcpyAsync", k, |raw, _| {
-                // SAFETY: both ranges of every piece were checked: the local range inside its
-                // region, which `keep` holds; the remote range inside the peer's allocation and
-                // the mapping, which `keep` holds too. The copies are tracked by the stream
-                // epoch taken after them, and nothing is freed before that epoch completes.
-                unsafe { queue_copies(&work, raw) }
-            });
-            // Taken after the copies (some may be queued even when the call failed): the
-            // epoch covers them.
-            fences.push(s.timeline().issue());
-            match r {
-                Ok(((), k)) => keep = Some(k),
-                Err(refused) => {
-                    if let Some(k) = refused.kept {
-                        Tracker::global().park(Events(fences), k);
-                    }
-                    return Err(refused.error);
-                }
-            }
+            queue_on(s, &work, &mut keep, &mut fences)?;
             messages += work.len() as u64;
         }
     }
@@ -1788,6 +1774,54 @@ fn enqueue(
         keep.take().expect("kept to the end"),
         messages,
     ))
+}
+
+/// Queue `work` on `s` and take an epoch of it (after the copies: the epoch covers them). On a
+/// failure `keep` is parked behind the epochs taken so far (or dropped when nothing was
+/// queued), never freed early.
+fn queue_on(
+    s: &Stream,
+    work: &[Piece],
+    keep: &mut Option<Keep>,
+    fences: &mut Vec<StreamFence>,
+) -> Result<()> {
+    // The stream's context current for the copy (the caller's thread may have another).
+    if let Err(e) = crate::driver::ctx::bind(s.cuda().context()) {
+        if let Some(k) = keep.take() {
+            if fences.is_empty() {
+                drop(k); // nothing queued yet
+            } else {
+                Tracker::global().park(Events(std::mem::take(fences)), k);
+            }
+        }
+        return Err(e);
+    }
+    let k = keep.take().expect("kept between streams");
+    // The endpoint's streams are its own: made in `streams_of`, never handed out, and never
+    // made to wait on anyone's event, so no capture can reach them (the private protocol: no
+    // driver questions).
+    let r = capture::enqueue_private(s.cu_stream(), "cuMemcpyAsync", k, |raw, _| {
+        // SAFETY: both ranges of every piece were checked: the local range inside its region,
+        // which `keep` holds; the remote range inside the peer's allocation and the mapping,
+        // which `keep` holds too. The copies are tracked by the stream epoch taken after them,
+        // and nothing is freed before that epoch completes.
+        unsafe { queue_copies(work, raw) }
+    });
+    // Taken after the copies (some may be queued even when the call failed): the epoch covers
+    // them.
+    fences.push(s.timeline().issue());
+    match r {
+        Ok(((), k)) => {
+            *keep = Some(k);
+            Ok(())
+        }
+        Err(refused) => {
+            if let Some(k) = refused.kept {
+                Tracker::global().park(Events(std::mem::take(fences)), k);
+            }
+            Err(refused.error)
+        }
+    }
 }
 
 /// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
@@ -1826,15 +1860,15 @@ pub(super) fn on_stream(
 ) -> Result<Queued> {
     let Prepared {
         copies,
-        paths,
+        gpus,
         imports,
-        regions,
         started,
         epoch,
         ..
     } = prepare(ep, side, dir, pairs, opts)?;
     let keep = Keep {
-        _regions: regions,
+        _pairs: Vec::new(),
+        _regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
         _imports: imports,
     };
     let bytes = total_bytes(&copies)?;
@@ -1866,6 +1900,8 @@ pub(super) fn on_stream(
             return Err(e);
         }
     };
+    hold_imports(side, &keep._imports);
+    let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
         hold: Some((fence, keep)),
         report: report(dir, bytes, messages, paths, opts),
