@@ -306,6 +306,18 @@ enum Mapped {
         _mem: PoolImport<u8>,
         _pool: Arc<ImportedPool>,
     },
+    /// Tests without a GPU: counts its drops (a free of the mapping).
+    #[cfg(test)]
+    Fake(Arc<AtomicU64>),
+}
+
+#[cfg(test)]
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        if let Mapped::Fake(n) = self {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
@@ -465,10 +477,9 @@ impl Drop for ImportedPool {
         // Destroyed outside the lock, the dead entry left meanwhile so that nobody imports the
         // same pool again before it is gone (`import_pool` waits for it).
         drop(self.pool.take());
-        let mut p = pools();
-        if p.get(&self.key).is_some_and(|w| w.strong_count() == 0) {
-            p.remove(&self.key);
-        }
+        let me: *const ImportedPool = self;
+        // Every key it answered to (its own, and those of aliases).
+        pools().retain(|_, w| !(w.strong_count() == 0 && std::ptr::eq(w.as_ptr(), me)));
     }
 }
 
@@ -504,9 +515,26 @@ pub(crate) fn import_pool(
             std::thread::sleep(std::time::Duration::from_micros(50));
             continue;
         }
+        let pool = IpcPool::import(fd.as_fd(), pool_device, pool_device)?;
+        // One pool under two keys (its file descriptor sent under two export ids, or one peer
+        // met twice from outside this pid namespace): the driver may give the live import's
+        // handle again, which destroying this one would destroy under that one's pointers. It
+        // is that import, listed under `key` too; the new one is never destroyed (leaked, once
+        // per key).
+        let same = p
+            .values()
+            .filter_map(Weak::upgrade)
+            .find(|a| a.pool.as_ref().map(|q| q.handle_id()) == Some(pool.handle_id()));
+        if let Some(a) = same {
+            std::mem::forget(pool);
+            p.insert(key, Arc::downgrade(&a));
+            drop(p);
+            a.grant(ordinal)?;
+            return Ok(a);
+        }
         let a = Arc::new(ImportedPool {
             key,
-            pool: Some(IpcPool::import(fd.as_fd(), pool_device, pool_device)?),
+            pool: Some(pool),
             granted: Mutex::new(vec![pool_device]),
         });
         p.insert(key, Arc::downgrade(&a));
@@ -560,6 +588,18 @@ pub(crate) fn import_pool_ptr(
 }
 
 /// The live import for `key`, or a new one made by `open` (mapping, its base, its real size).
+///
+/// One allocation can come under two keys: a pool's file descriptor sent under two export ids,
+/// a handle with other bytes the driver ignores, or one peer met twice from outside this pid
+/// namespace (each meeting its own key). The driver may then hand the new mapping the address
+/// of a live import (a second import of one pointer aliases the first, which freeing either
+/// would free). Such a mapping is never freed (leaked, once per key): at a live import's base
+/// it is that import, listed under `key` too; overlapping one otherwise, it is refused.
+///
+/// # Errors
+///
+/// As `open`; [`Error::InvalidArgument`] (`peer`) for a mapping that overlaps a live import
+/// without starting at its base.
 fn import_as(
     key: Key,
     opened: &AtomicU64,
@@ -578,6 +618,30 @@ fn import_as(
             continue;
         }
         let (mem, base, size) = open()?;
+        // Imports being closed are skipped: their addresses may be given out again. (Mappings
+        // for another local GPU are that GPU's own.)
+        let end = base.saturating_add(size.max(1));
+        let live = c.values().filter_map(Weak::upgrade).find(|a| {
+            a.key.ordinal() == key.ordinal()
+                && a.base < end
+                && base < a.base.saturating_add(a.size.max(1))
+        });
+        if let Some(a) = live {
+            // Another holder's mapping: freeing this one could free it under its copies.
+            std::mem::forget(mem);
+            if a.base != base {
+                return Err(Error::invalid(
+                    "peer",
+                    format!("{base:#x} +{size}"),
+                    format!(
+                        "the driver mapped the peer's allocation over a live import ({:#x}                          +{}): one allocation described two ways",
+                        a.base, a.size
+                    ),
+                ));
+            }
+            c.insert(key, Arc::downgrade(&a));
+            return Ok(a);
+        }
         let a = Arc::new(Import {
             key,
             mem: Some(mem),
@@ -593,21 +657,69 @@ fn import_as(
 impl Drop for Import {
     fn drop(&mut self) {
         // Closed outside the cache's lock: `cuIpcCloseMemHandle` (and unmapping) waits for the
-        // work queued on the device, and every other import of the process would wait with it. The dead entry
-        // stays in the map until the mapping is closed, so nobody opens the same handle
-        // meanwhile (`import` waits for it to go).
+        // work queued on the device, and every other import of the process would wait with it.
+        // The dead entries stay in the map until the mapping is closed, so nobody opens the
+        // same handle meanwhile (`import` waits for them to go).
         drop(self.mem.take());
-        let mut c = cache();
-        // The entry is this import's: no other can be made for the key while it is in the map.
-        if c.get(&self.key).is_some_and(|w| w.strong_count() == 0) {
-            c.remove(&self.key);
-        }
+        let me: *const Import = self;
+        // Every key this import answered to (its own, and those of aliases): no other import
+        // can be listed under them while they are in the map.
+        cache().retain(|_, w| !(w.strong_count() == 0 && std::ptr::eq(w.as_ptr(), me)));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mapping of `size` bytes at `base` that counts its frees in `freed`.
+    fn fake(base: u64, size: u64, freed: &Arc<AtomicU64>) -> Result<(Mapped, u64, u64)> {
+        Ok((Mapped::Fake(freed.clone()), base, size))
+    }
+
+    #[test]
+    fn a_mapping_the_driver_gives_at_a_live_import_s_address_is_that_import_never_freed() {
+        let opened = AtomicU64::new(0);
+        let freed = Arc::new(AtomicU64::new(0));
+        let pid = u32::MAX - 7;
+        let key = |id, data| Key::PoolPtr {
+            pid,
+            id,
+            data: [data; 64],
+        };
+        let base = 0x7e00_0000_0000;
+        // One pool allocation reached under two keys (its pool's file descriptor sent under two
+        // export ids, or one peer met twice from another pid namespace): the driver may hand the
+        // second import the first one's address.
+        let a = import_as(key(1, 9), &opened, || fake(base, 1 << 20, &freed)).unwrap();
+        let b = import_as(key(2, 9), &opened, || fake(base, 1 << 20, &freed)).unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "two imports own one mapping");
+        assert_eq!(freed.load(Ordering::Relaxed), 0, "the alias was freed");
+        // Looked up again under either key: the one import, nothing opened.
+        let c = import_as(key(2, 9), &opened, || panic!("opened again")).unwrap();
+        assert!(Arc::ptr_eq(&a, &c));
+        // A mapping overlapping a live one without starting where it does: refused, not freed.
+        let e = import_as(key(3, 9), &opened, || fake(base + 4096, 4096, &freed)).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert_eq!(
+            freed.load(Ordering::Relaxed),
+            0,
+            "an overlapping mapping was freed"
+        );
+        drop((a, b, c));
+        // Freed once, and every key it answered to is gone: a new import under either opens.
+        assert_eq!(freed.load(Ordering::Relaxed), 1);
+        for k in [key(1, 9), key(2, 9)] {
+            let d = import_as(k, &opened, || fake(base, 1 << 20, &freed)).unwrap();
+            drop(d);
+        }
+        assert_eq!(freed.load(Ordering::Relaxed), 3);
+        assert!(
+            !cache()
+                .keys()
+                .any(|k| matches!(k, Key::PoolPtr { pid: p, .. } if *p == pid))
+        );
+    }
 
     #[test]
     fn links_without_a_gpu_say_what_they_cross() {

@@ -116,34 +116,106 @@ fn os(call: &'static str, e: std::io::Error) -> Error {
     Error::Os { call, source: e }
 }
 
-/// Write all of `b` with `send(MSG_NOSIGNAL)`: a peer that is gone gives `EPIPE`, never the
-/// signal that would end the process. The socket's send timeout bounds each call.
-fn send_all(s: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
-    while !b.is_empty() {
+/// One `send(MSG_NOSIGNAL | flags)` of some of `b` (retried when interrupted): the bytes
+/// taken. A peer that is gone gives `EPIPE`, never the signal that would end the process.
+fn send_some(s: &UnixStream, b: &[u8], flags: libc::c_int) -> std::io::Result<usize> {
+    loop {
         // SAFETY: `b` is valid for `b.len()` bytes; the fd is the live socket's.
         let n = unsafe {
             libc::send(
                 s.as_raw_fd(),
                 b.as_ptr().cast(),
                 b.len(),
-                libc::MSG_NOSIGNAL,
+                libc::MSG_NOSIGNAL | flags,
             )
         };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
+        if n >= 0 {
+            // 0 <= n <= b.len().
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
             return Err(e);
         }
-        // 0 <= n <= b.len().
-        b = &b[n as usize..];
+    }
+}
+
+/// Write all of `b` (the socket's send timeout bounds each wait for room).
+fn send_all(s: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        b = &b[send_some(s, b, 0)?..];
     }
     Ok(())
 }
 
-/// Send one length-prefixed message.
+/// Whether `e` is a send or receive timeout passing.
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// The send timeout set to what is left before `end` (at least 1 ms): `false` when nothing is.
+fn send_bound(s: &UnixStream, end: Instant) -> Result<bool> {
+    let left = end.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Ok(false);
+    }
+    s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
+        .map_err(|e| os("setsockopt (the local endpoint's Unix socket)", e))?;
+    Ok(true)
+}
+
+/// The meeting's deadline passed while the peer was to read what this side sends.
+fn send_late(timeout: Duration) -> Error {
+    Error::Timeout {
+        what: "the peer to read this side's first message and file descriptors",
+        after: timeout,
+    }
+}
+
+/// Write all of `b` by `end` (`timeout` is what the meeting was given, for the error): sends
+/// that do not wait, and `poll` for room with what is left. (A send timeout bounds each wait for
+/// room, not the call: a peer that reads a little now and then would stretch the meeting past
+/// its deadline.)
+fn send_all_by(s: &UnixStream, mut b: &[u8], end: Instant, timeout: Duration) -> Result<()> {
+    while !b.is_empty() {
+        match send_some(s, b, libc::MSG_DONTWAIT) {
+            Ok(n) => {
+                b = &b[n..];
+                continue;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(os("send (the local endpoint's Unix socket)", e)),
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(send_late(timeout));
+        }
+        let mut p = libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the call. An error (EINTR) or a hang-up only leads to
+        // the next send, which tells.
+        unsafe { libc::poll(&mut p, 1, ms) };
+    }
+    Ok(())
+}
+
+/// Send one length-prefixed message (tests: bounded by a minute).
+#[cfg(test)]
 fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
+    let t = Duration::from_secs(60);
+    send_msg_by(s, b, deadline_after(Instant::now(), t), t)
+}
+
+/// Send one length-prefixed message by `end` (`timeout` is what the meeting was given, for the
+/// error).
+fn send_msg_by(s: &mut UnixStream, b: &[u8], end: Instant, timeout: Duration) -> Result<()> {
     let n = u32::try_from(b.len())
         .ok()
         .filter(|&n| u64::from(n) <= MAX_HELLO)
@@ -154,9 +226,8 @@ fn send_msg(s: &mut UnixStream, b: &[u8]) -> Result<()> {
                 format!("a first message is at most {MAX_HELLO} bytes"),
             )
         })?;
-    send_all(s, &n.to_le_bytes())
-        .and_then(|()| send_all(s, b))
-        .map_err(|e| os("send (the local endpoint's Unix socket)", e))
+    send_all_by(s, &n.to_le_bytes(), end, timeout)?;
+    send_all_by(s, b, end, timeout)
 }
 
 /// Receive one length-prefixed message of at most [`MAX_HELLO`] bytes (the peer's word,
@@ -382,8 +453,15 @@ fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, FdOf, [u8; 16])>> {
 }
 
 /// Send the exported file descriptors `fds`, at most [`MAX_FDS_PER_MSG`] a message, each
-/// message listing their export ids.
-fn send_export_fds(s: &UnixStream, fds: &[Arc<ExportFd>]) -> Result<()> {
+/// message listing their export ids, by `end` (`timeout` is what the meeting was given, for the
+/// error). The send timeout is what is left before each message: a message whose payload the
+/// kernel takes in two parts may wait that long once more.
+fn send_export_fds(
+    s: &UnixStream,
+    fds: &[Arc<ExportFd>],
+    end: Instant,
+    timeout: Duration,
+) -> Result<()> {
     for batch in fds.chunks(MAX_FDS_PER_MSG) {
         let mut b = Vec::with_capacity(FD_HEAD + 8 * batch.len());
         b.extend_from_slice(&FD_MAGIC);
@@ -393,7 +471,16 @@ fn send_export_fds(s: &UnixStream, fds: &[Arc<ExportFd>]) -> Result<()> {
             b.extend_from_slice(&v.id.to_le_bytes());
         }
         let raw: Vec<BorrowedFd<'_>> = batch.iter().map(|v| v.fd.as_fd()).collect();
-        send_fds(s, &raw, &b).map_err(|e| os("sendmsg (the local endpoint's Unix socket)", e))?;
+        if !send_bound(s, end)? {
+            return Err(send_late(timeout));
+        }
+        send_fds(s, &raw, &b).map_err(|e| {
+            if timed_out(&e) {
+                send_late(timeout)
+            } else {
+                os("sendmsg (the local endpoint's Unix socket)", e)
+            }
+        })?;
     }
     Ok(())
 }
@@ -537,14 +624,14 @@ fn greet(
     }
     .encode()?;
     if dialer {
-        send_msg(s, &mine)?;
-        send_export_fds(s, &fds)?;
+        send_msg_by(s, &mine, end, timeout)?;
+        send_export_fds(s, &fds, end, timeout)?;
     }
     let theirs = LocalHello::decode(&recv_msg_by(s, end, timeout)?)?;
     let theirs_fds = recv_export_fds(s, &expected(&theirs.descriptors)?, end, timeout)?;
     if !dialer {
-        send_msg(s, &mine)?;
-        send_export_fds(s, &fds)?;
+        send_msg_by(s, &mine, end, timeout)?;
+        send_export_fds(s, &fds, end, timeout)?;
     }
     // The reader blocks; notifications are sent with the engine's bound (not what was left of
     // the meeting's timeout).
@@ -2701,5 +2788,43 @@ mod tests {
             "{e}"
         );
         peer.join().unwrap();
+    }
+
+    #[test]
+    fn a_peer_reading_our_first_message_slowly_does_not_stretch_the_meeting() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("slow-reader")).unwrap();
+        let path = l.path().to_path_buf();
+        // About 3.6 MB to publish: far more than a socket buffer holds.
+        let publish = descs(30_000);
+        let stop = Arc::new(AtomicBool::new(false));
+        let halt = stop.clone();
+        let peer = std::thread::spawn(move || {
+            let mut s = UnixStream::connect(&path).unwrap();
+            let h = LocalHello {
+                pid: 4242,
+                descriptors: Vec::new(),
+            }
+            .encode()
+            .unwrap();
+            send_msg(&mut s, &h).unwrap();
+            // Reads a little, often enough that no single send waits a whole timeout.
+            let mut buf = vec![0u8; 128 << 10];
+            let t = Instant::now();
+            while !halt.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(8) {
+                std::thread::sleep(Duration::from_millis(300));
+                if matches!(s.read(&mut buf), Ok(0) | Err(_)) {
+                    break;
+                }
+            }
+        });
+        let t = Instant::now();
+        let r = l.accept(&publish, Duration::from_secs(1));
+        let took = t.elapsed();
+        stop.store(true, Ordering::Release);
+        peer.join().unwrap();
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(took < Duration::from_millis(2500), "{took:?}");
     }
 }

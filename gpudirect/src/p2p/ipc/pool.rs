@@ -198,6 +198,12 @@ impl IpcPool {
         self.device
     }
 
+    /// The driver's `CUmemoryPool` handle, as a number: two imports of one pool may share it.
+    #[cfg(feature = "transfer")]
+    pub(crate) fn handle_id(&self) -> usize {
+        self.pool as usize
+    }
+
     /// `cuMemAllocFromPoolAsync` of `len` elements on `stream` (its device must be the pool's),
     /// then `cuStreamSynchronize` so the memory is usable from any stream.
     ///
