@@ -634,7 +634,8 @@ fn import_as(
                     "peer",
                     format!("{base:#x} +{size}"),
                     format!(
-                        "the driver mapped the peer's allocation over a live import ({:#x}                          +{}): one allocation described two ways",
+                        "the driver mapped the peer's allocation over a live import ({:#x} \
+                         +{}): one allocation described two ways",
                         a.base, a.size
                     ),
                 ));
