@@ -123,6 +123,15 @@ impl Shared {
     }
 }
 
+/// Join `t`, unless this is that thread (its last handle was dropped on it, e.g. by a waker
+/// run there): then it is let go, to end by itself. A thread joining itself makes `join` panic
+/// (`EDEADLK`).
+pub(crate) fn join_unless_current(t: std::thread::JoinHandle<()>) {
+    if t.thread().id() != std::thread::current().id() {
+        let _ = t.join();
+    }
+}
+
 /// Have the completion thread poll `w` until it answers [`Watched::Done`] or [`Watched::Leak`].
 ///
 /// # Errors
@@ -263,6 +272,30 @@ mod tests {
     use super::*;
     use crate::completion::testing::{CountWakes, until};
     use std::sync::atomic::{AtomicBool, AtomicUsize};
+
+    #[test]
+    fn a_thread_given_its_own_handle_lets_itself_go_and_others_are_joined() {
+        let (tx, rx) = std::sync::mpsc::channel::<std::thread::JoinHandle<()>>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let me = rx.recv().unwrap();
+            // `me.join()` would panic here.
+            join_unless_current(me);
+            done_tx.send(()).unwrap();
+        });
+        tx.send(t).unwrap();
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the thread went on after letting itself go");
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        let other = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            r.store(true, Ordering::SeqCst);
+        });
+        join_unless_current(other);
+        assert!(ran.load(Ordering::SeqCst), "another thread is joined");
+    }
 
     #[test]
     fn timers_fire_in_order_and_cancelled_ones_never() {

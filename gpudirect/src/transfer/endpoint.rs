@@ -543,7 +543,8 @@ impl Drop for Handle {
             l.close();
         }
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = t.join();
+            // Dropped on the progress thread itself (a waker run there): it ends by itself.
+            crate::completion::thread::join_unless_current(t);
         }
         drain_after_close(&self.inner);
         if let Some(c) = self.companion.get() {

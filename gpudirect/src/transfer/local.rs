@@ -40,6 +40,7 @@ use super::region::{ExportFd, FdOf, LocalRange, MemoryPath, Region};
 use super::wire::{MAX_HELLO, header};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
+    thread::join_unless_current,
 };
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
@@ -1065,7 +1066,7 @@ impl Side {
         if let Some(mut c) = old {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
             if let Some(t) = c.reader.take() {
-                let _ = t.join();
+                join_unless_current(t);
             }
         }
     }
@@ -1334,7 +1335,7 @@ impl LocalSide for Side {
         self.queue_cv.notify_all();
         self.hang_up();
         if let Some(t) = lock(&self.worker).take() {
-            let _ = t.join();
+            join_unless_current(t);
         }
         park_imports(std::mem::take(&mut *lock(&self.held)));
     }
