@@ -266,11 +266,8 @@ impl Side {
     }
 
     /// Write ping-pong: each side writes `size` bytes whose last 8 hold the iteration number and
-    /// spins on its own region for the peer's. Returns the average one-way latency in µs, timed
-    /// from the end of the first round trip to the end of the last (the first also covers the
-    /// peer reading the control message and starting its loop, which perftest's figure, taken
-    /// between posts, leaves out as well). Flag values are `base + i`, so stale bytes from
-    /// earlier runs never match.
+    /// spins on its own region for the peer's. Returns the average one-way latency in µs.
+    /// Flag values are `base + i`, so stale bytes from earlier runs never match.
     fn latency(
         &mut self,
         size: usize,
@@ -282,7 +279,7 @@ impl Side {
         let off = size - 8;
         let remote = self.peer.slice(0, size as u32)?;
         let mut buf = vec![0u8; size];
-        let mut t0 = Instant::now();
+        let t0 = Instant::now();
         let wait_for = |data: &MemoryRegion<Remote>, n: u64| -> gpudirect::Result<()> {
             let deadline = Instant::now() + TIMEOUT;
             let mut spins = 0u32;
@@ -328,19 +325,14 @@ impl Side {
             }
             if initiator {
                 wait_for(&self.data, base + i)?;
-                if i == 1 && iters > 1 {
-                    t0 = Instant::now();
-                }
             }
         }
-        let timed = if iters > 1 { iters - 1 } else { 1 };
-        let took = t0.elapsed();
         while self.c.qp().send_outstanding() > 0 {
             for w in self.c.send_cq().poll()? {
                 w.result()?;
             }
         }
-        Ok(took.as_secs_f64() * 1e6 / timed as f64 / 2.0)
+        Ok(t0.elapsed().as_secs_f64() * 1e6 / iters as f64 / 2.0)
     }
 }
 
