@@ -126,6 +126,10 @@ impl Shared {
 /// Join `t`, unless this is that thread (its last handle was dropped on it, e.g. by a waker
 /// run there): then it is let go, to end by itself. A thread joining itself makes `join` panic
 /// (`EDEADLK`).
+#[cfg_attr(
+    not(feature = "transfer"),
+    allow(dead_code, reason = "the transfer engine's threads use it")
+)]
 pub(crate) fn join_unless_current(t: std::thread::JoinHandle<()>) {
     if t.thread().id() != std::thread::current().id() {
         let _ = t.join();
