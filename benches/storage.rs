@@ -20,6 +20,16 @@
 //! threads × 1, 2, 4 and 8 MiB chunks × depth 2 and 4), `GPUDIRECT_BENCH_PYTHON` (the Python for KvikIO, default `python3`; `none` skips
 //! it), `GPUDIRECT_POSIX_*` (the automatic configuration's overrides, see `PosixConfig`).
 //!
+//! `GPUDIRECT_BENCH_SEQ` measures what one case leaves behind for the next: a `;` list of steps
+//! run in that order, repeated `GPUDIRECT_BENCH_REPS` times (after `GPUDIRECT_BENCH_WARMUP`
+//! unmeasured passes, at least one), with one group selected by `GPUDIRECT_BENCH_GROUPS`; the
+//! figures are per step, and nothing else runs. A step is a row (its name as printed without
+//! the bracketed path, or a part of it that names one row), or `idle <ms>` (sleep), `cpu <MiB>`
+//! (write that much of a host buffer: evicts the CPU caches) or `h2d <MiB>` (copy that much of
+//! another pinned buffer to the GPU: other pinned pages through the copy engine, no CPU
+//! writes). For example `Auto;Auto` (back to back), `pread + H2D, 32 threads, 4 MiB;Auto`,
+//! `idle 50;Auto`, `Posix, 32 threads;Auto` (the same pinned pool, another subset of it).
+//!
 //! Cold reads drop the file from the page cache first (`fdatasync`, then
 //! `posix_fadvise(DONTNEED)`), and the raw baselines then read with `O_DIRECT`. Hot writes
 //! overwrite a file whose pages are cached, its earlier writes flushed first (untimed); cold
@@ -256,6 +266,8 @@ struct Row {
     write: bool,
     cold: bool,
     source: &'static str,
+    /// The name given (`what` gets the path taken appended on the first run).
+    name: String,
     what: String,
     case: Case,
     gbps: Vec<f64>,
@@ -622,6 +634,158 @@ fn kvikio(
     (rows, note)
 }
 
+/// One step of `GPUDIRECT_BENCH_SEQ`.
+enum Step {
+    /// The row at this index.
+    Row(usize),
+    /// Sleep this long.
+    Idle(Duration),
+    /// Write this many bytes of a host buffer.
+    Cpu(usize),
+    /// Copy this many bytes of the pinned source buffer to the GPU.
+    H2d(usize),
+}
+
+/// The step `s` names, rows given by their names in `names` (those of the selected group);
+/// `len` is the file's size.
+fn parse_step(s: &str, names: &[&str], len: usize) -> Step {
+    let s = s.trim();
+    let num = |v: &str| -> usize {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("GPUDIRECT_BENCH_SEQ: {s:?}: expected a whole number"))
+    };
+    let mib = |v: &str| -> usize {
+        num(v)
+            .checked_mul(1 << 20)
+            .filter(|&n| n <= len)
+            .unwrap_or_else(|| panic!("GPUDIRECT_BENCH_SEQ: {s:?}: at most the file's size"))
+    };
+    if let Some(ms) = s.strip_prefix("idle ") {
+        return Step::Idle(Duration::from_millis(num(ms) as u64));
+    }
+    if let Some(n) = s.strip_prefix("cpu ") {
+        return Step::Cpu(mib(n));
+    }
+    if let Some(n) = s.strip_prefix("h2d ") {
+        return Step::H2d(mib(n));
+    }
+    if let Some(i) = names.iter().position(|n| *n == s) {
+        return Step::Row(i);
+    }
+    let hits: Vec<usize> = (0..names.len()).filter(|&i| names[i].contains(s)).collect();
+    match hits[..] {
+        [i] => Step::Row(i),
+        _ => panic!(
+            "GPUDIRECT_BENCH_SEQ: {s:?} names {} rows; the rows: {names:?}",
+            hits.len()
+        ),
+    }
+}
+
+/// `GPUDIRECT_BENCH_SEQ`: run the steps of `seq` in order, `reps` times after `warmup`
+/// unmeasured passes (at least one: a row's first run checks its bytes), and print each step's
+/// figures. Removes `files` at the end.
+fn sequence(
+    bench: &mut Bench,
+    rows: &mut [Row],
+    groups: &[(bool, bool)],
+    seq: &str,
+    reps: usize,
+    warmup: usize,
+    files: &[&Path],
+) {
+    let [(write, cold)] = groups[..] else {
+        panic!("GPUDIRECT_BENCH_SEQ needs one group in GPUDIRECT_BENCH_GROUPS");
+    };
+    let idx: Vec<usize> = (0..rows.len())
+        .filter(|&i| rows[i].write == write && rows[i].cold == cold)
+        .collect();
+    let group: Vec<&str> = idx.iter().map(|&i| rows[i].name.as_str()).collect();
+    let names: Vec<&str> = seq
+        .split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let steps: Vec<Step> = names
+        .iter()
+        .map(|s| match parse_step(s, &group, bench.len) {
+            Step::Row(i) => Step::Row(idx[i]),
+            other => other,
+        })
+        .collect();
+    if !write && !cold {
+        warm(&bench.input);
+    }
+    let mut scratch: Vec<u8> = Vec::new();
+    let mut figures: Vec<Vec<f64>> = vec![Vec::new(); steps.len()];
+    for pass in 0..warmup.max(1) + reps {
+        for (k, step) in steps.iter().enumerate() {
+            match *step {
+                Step::Row(i) => {
+                    let took = bench.run(&mut rows[i]);
+                    if pass >= warmup.max(1) {
+                        figures[k].push(bench.len as f64 / took.as_secs_f64() / 1e9);
+                    }
+                }
+                Step::Idle(d) => std::thread::sleep(d),
+                Step::Cpu(n) => {
+                    if scratch.len() < n {
+                        scratch.resize(n, 0);
+                    }
+                    scratch[..n].fill(pass as u8 ^ k as u8);
+                    std::hint::black_box(&scratch);
+                }
+                Step::H2d(n) => {
+                    // SAFETY: the first `n <= len` bytes of the pinned source to the first `n`
+                    // of the destination, both the bench's; synchronized before going on.
+                    unsafe {
+                        ck(
+                            "cuMemcpyHtoDAsync_v2",
+                            cu::cuMemcpyHtoDAsync_v2(
+                                bench.dst.device_ptr(),
+                                bench.pinned_src.as_slice().as_ptr().cast(),
+                                n,
+                                bench.stream.cu_stream(),
+                            ),
+                        );
+                        ck(
+                            "cuStreamSynchronize",
+                            cu::cuStreamSynchronize(bench.stream.cu_stream()),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "\nsequence, {} repetitions after {} unmeasured: each step's GB/s",
+        reps,
+        warmup.max(1)
+    );
+    println!("| step | what | median GB/s | min | max | each repetition |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (k, step) in steps.iter().enumerate() {
+        let what = match *step {
+            Step::Row(i) => format!("{} {}", rows[i].source, rows[i].what),
+            _ => names[k].to_string(),
+        };
+        if figures[k].is_empty() {
+            println!("| {k} | {what} | - | - | - | |");
+            continue;
+        }
+        let (med, lo, hi) = median(&figures[k]);
+        let each: Vec<String> = figures[k].iter().map(|g| format!("{g:.2}")).collect();
+        println!(
+            "| {k} | {what} | {med:.2} | {lo:.2} | {hi:.2} | {} |",
+            each.join(" ")
+        );
+    }
+    for p in files {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
 fn median(v: &[f64]) -> (f64, f64, f64) {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -709,6 +873,7 @@ fn main() {
                     write,
                     cold,
                     source,
+                    name: what.clone(),
                     what,
                     case,
                     gbps: vec![],
@@ -796,6 +961,17 @@ fn main() {
         cufile_in,
         cufile_out,
     };
+    if let Ok(seq) = std::env::var("GPUDIRECT_BENCH_SEQ") {
+        return sequence(
+            &mut bench,
+            &mut rows,
+            &groups,
+            &seq,
+            reps,
+            warmup,
+            &[&input, &output],
+        );
+    }
     // Groups in order (hot reads while the file is cached), cases interleaved within a group, in
     // another order at each repetition.
     for &(write, cold) in &groups {
@@ -847,11 +1023,13 @@ fn main() {
     let (kv, kv_note) = kvikio(&input, &kv_output, len, reps, ops);
     for (op, cache, variant, threads, gbps) in kv {
         let (write, cold) = (op == "write", cache == "cold");
+        let what = format!("{variant}, {threads} threads");
         rows.push(Row {
             write,
             cold,
             source: "KvikIO",
-            what: format!("{variant}, {threads} threads"),
+            name: what.clone(),
+            what,
             case: Case::External,
             gbps,
             checked: false,

@@ -26,6 +26,11 @@
 //!   locks are the lane's event list and, twice per thread per transfer, the chunk pool.
 //! - **No allocation per call.** Chunks come from the device's process-wide
 //!   [`BouncePool`](crate::memory::BouncePool); events are recycled per lane.
+//! - **A ramp, on trial.** With `GPUDIRECT_POSIX_RAMP=1` (read once; `0`, the default, turns it
+//!   off) a read through the page cache long enough for it starts with one chunk per thread of
+//!   growing sizes (`chunk / threads`, `2 * chunk / threads`, ..., `chunk`), so that the copy
+//!   engine gets its first copy after a small `pread` instead of waiting for every thread's
+//!   full first chunk, and the threads stay out of step (see `Plan`).
 //!
 //! Cold reads (`O_DIRECT`) are bound by the device's queue, not by memory copies: they use
 //! [`PosixConfig::direct_threads`] threads, each with one request per chunk in flight. Buffered
@@ -265,6 +270,121 @@ fn with_overrides(base: PosixConfig, env: &[Option<String>; 5]) -> Result<PosixC
 pub(crate) fn chunk_range(c: usize, chunk: usize, len: usize) -> Option<(usize, usize)> {
     let off = c.checked_mul(chunk)?;
     (off < len).then(|| (off, chunk.min(len - off)))
+}
+
+/// How a transfer of `len` bytes is cut: `head` chunks of growing sizes first (`unit`,
+/// `2 * unit`, ..., `head * unit` bytes), then chunks of `chunk` bytes. With no head every chunk
+/// is `chunk` bytes ([`chunk_range`]).
+///
+/// The head is the ramp of reads through the page cache (see [`Plan::for_read`]): when every
+/// reader starts with a full chunk, all of them share the memory bandwidth and finish their
+/// first `pread` at about the same time, so the copy engine waits for `threads * chunk` bytes
+/// before its first copy; growing first chunks hand it a small one almost at once, and leave
+/// the readers out of step with each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Plan {
+    chunk: usize,
+    len: usize,
+    unit: usize,
+    head: usize,
+    /// `unit * head * (head + 1) / 2`: the bytes of the head, less than `len`.
+    head_bytes: usize,
+}
+
+/// The environment variable that turns the ramp of [`Plan::for_read`] on (`1`) or off (`0`,
+/// the default), read once.
+pub(crate) const RAMP_ENV: &str = "GPUDIRECT_POSIX_RAMP";
+
+impl Plan {
+    /// Every chunk `chunk` bytes.
+    pub(crate) fn flat(chunk: usize, len: usize) -> Plan {
+        Plan {
+            chunk,
+            len,
+            unit: 0,
+            head: 0,
+            head_bytes: 0,
+        }
+    }
+
+    /// The ramp for `threads` readers: `threads` chunks growing by `chunk / threads` (rounded
+    /// down to [`DIRECT_ALIGN`]) up to `chunk`, then `chunk`-byte chunks; flat where `threads`
+    /// is below 2, the step would be under [`DIRECT_ALIGN`], or the transfer has fewer than
+    /// `threads` full chunks after the head.
+    pub(crate) fn ramped(chunk: usize, len: usize, threads: usize) -> Plan {
+        let flat = Plan::flat(chunk, len);
+        if threads < 2 || chunk == 0 {
+            return flat;
+        }
+        let unit = chunk / threads / DIRECT_ALIGN * DIRECT_ALIGN;
+        let head_bytes = threads
+            .checked_mul(threads + 1)
+            .map(|n| n / 2)
+            .and_then(|n| n.checked_mul(unit));
+        let need = head_bytes.and_then(|h| h.checked_add(threads.checked_mul(chunk)?));
+        match (head_bytes, need) {
+            (Some(head_bytes), Some(need)) if unit > 0 && len >= need => Plan {
+                chunk,
+                len,
+                unit,
+                head: threads,
+                head_bytes,
+            },
+            _ => flat,
+        }
+    }
+
+    /// The plan of a read of `len` bytes in `chunk`-byte chunks on `threads` threads: ramped
+    /// when `ramp` is set and the read goes through the page cache (`direct` false), flat
+    /// otherwise.
+    pub(crate) fn for_read(
+        ramp: bool,
+        direct: bool,
+        chunk: usize,
+        len: usize,
+        threads: usize,
+    ) -> Plan {
+        if ramp && !direct {
+            Plan::ramped(chunk, len, threads)
+        } else {
+            Plan::flat(chunk, len)
+        }
+    }
+
+    /// The number of chunks.
+    pub(crate) fn chunks(&self) -> usize {
+        // `head_bytes < len` when there is a head (`ramped`).
+        self.head + (self.len - self.head_bytes).div_ceil(self.chunk.max(1))
+    }
+
+    /// Chunk `c`: its offset and length, or `None` past the last chunk.
+    pub(crate) fn range(&self, c: usize) -> Option<(usize, usize)> {
+        if c < self.head {
+            // c < head <= MAX_THREADS-ish, and the head's bytes fit `len` (`ramped`).
+            let off = self.unit.checked_mul(c.checked_mul(c + 1)? / 2)?;
+            return Some((off, self.unit.checked_mul(c + 1)?));
+        }
+        let (off, n) = chunk_range(c - self.head, self.chunk, self.len - self.head_bytes)?;
+        Some((off.checked_add(self.head_bytes)?, n))
+    }
+}
+
+/// Whether [`RAMP_ENV`] turns the ramp on.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming the variable when it is set to anything but `0` or `1`.
+pub(crate) fn ramp_from_env() -> Result<bool> {
+    static V: OnceLock<Option<String>> = OnceLock::new();
+    match V
+        .get_or_init(|| std::env::var(RAMP_ENV).ok())
+        .as_deref()
+        .map(str::trim)
+    {
+        None | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(Error::invalid(RAMP_ENV, v, "must be 0 or 1")),
+    }
 }
 
 /// The `O_DIRECT` read around `start..start + len`: the aligned start, the aligned length and
@@ -569,8 +689,8 @@ struct Transfer<S: Staging> {
     file_offset: u64,
     /// The device address of the transfer's first byte.
     addr: u64,
-    len: usize,
-    chunk: usize,
+    /// How the transfer is cut (its length included).
+    plan: Plan,
     bounce_len: usize,
     depth: usize,
     n_chunks: usize,
@@ -597,7 +717,7 @@ impl<S: Staging> Transfer<S> {
         if c >= self.n_chunks {
             return None;
         }
-        chunk_range(c, self.chunk, self.len)
+        self.plan.range(c)
     }
 
     /// Read chunks and queue their copies until none is left; `inflight` holds the copies not
@@ -750,27 +870,27 @@ pub(crate) fn check_transfer(
     }
 }
 
-/// Run one transfer of `len` bytes on `threads` threads (fewer when it has fewer chunks).
+/// Run one transfer cut as `plan` says (its length too) on `threads` threads (fewer when it has
+/// fewer chunks).
 #[allow(clippy::too_many_arguments)]
 fn run<S: Staging>(
     staging: S,
     read: bool,
     cfg: &PosixConfig,
+    plan: Plan,
     threads: usize,
     file: &PosixFile<'_>,
     file_offset: u64,
     addr: u64,
-    len: usize,
 ) -> Result<Arc<Transfer<S>>> {
-    let n_chunks = len.div_ceil(cfg.chunk);
+    let n_chunks = plan.chunks();
     let t = Arc::new(Transfer {
         staging,
         read,
         fds: Fds::of(file),
         file_offset,
         addr,
-        len,
-        chunk: cfg.chunk,
+        plan,
         bounce_len: cfg.bounce_len()?,
         depth: cfg.depth,
         n_chunks,
@@ -816,6 +936,31 @@ pub(crate) unsafe fn read_to_device<S: Staging>(
     dst: u64,
     len: usize,
 ) -> Result<usize> {
+    let ramp = ramp_from_env()?;
+    // SAFETY: the caller's.
+    unsafe { read_planned(ramp, staging, cfg, file, file_size, file_offset, dst, len) }
+}
+
+/// [`read_to_device`], with the ramp of [`Plan::for_read`] on or off.
+///
+/// # Errors
+///
+/// As [`read_to_device`].
+///
+/// # Safety
+///
+/// As [`read_to_device`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn read_planned<S: Staging>(
+    ramp: bool,
+    staging: impl FnOnce(usize) -> Result<S>,
+    cfg: &PosixConfig,
+    file: &PosixFile<'_>,
+    file_size: Option<u64>,
+    file_offset: u64,
+    dst: u64,
+    len: usize,
+) -> Result<usize> {
     check_transfer("dst", dst, file_offset, len)?;
     let bounce_len = cfg.bounce_len()?;
     let want = super::clamp_read(file_offset, len, file_size);
@@ -827,15 +972,16 @@ pub(crate) unsafe fn read_to_device<S: Staging>(
     } else {
         cfg.threads
     };
+    let plan = Plan::for_read(ramp, file.direct.is_some(), cfg.chunk, want, threads);
     let t = run(
         staging(bounce_len)?,
         true,
         cfg,
+        plan,
         threads,
         file,
         file_offset,
         dst,
-        want,
     )?;
     let short = t.short_at.load(Ordering::Relaxed);
     let got = if short == u64::MAX {
@@ -887,11 +1033,11 @@ pub(crate) unsafe fn write_from_device<S: Staging>(
         staging(bounce_len)?,
         false,
         cfg,
+        Plan::flat(cfg.chunk, len),
         threads,
         file,
         file_offset,
         src,
-        len,
     )?;
     Ok(len)
 }
@@ -1254,8 +1400,23 @@ mod tests {
         dst_off: usize,
         len: usize,
     ) {
+        read_case_ramp(false, file_bytes, cfg, direct, fo, dst_off, len)
+    }
+
+    fn read_case_ramp(
+        ramp: bool,
+        file_bytes: &[u8],
+        cfg: PosixConfig,
+        direct: DirectIo,
+        fo: u64,
+        dst_off: usize,
+        len: usize,
+    ) {
         let p = temp(
-            &format!("r{}-{}-{}-{fo}-{len}", cfg.threads, cfg.chunk, cfg.depth),
+            &format!(
+                "r{}-{}-{}-{fo}-{len}-{}",
+                cfg.threads, cfg.chunk, cfg.depth, ramp as u8
+            ),
             file_bytes,
         );
         let (buf, _) = OpenOptions::read_only()
@@ -1277,7 +1438,8 @@ mod tests {
         // SAFETY: host staging: "device addresses" are offsets into its buffer, which covers
         // `dst_off + len`.
         let n = unsafe {
-            read_to_device(
+            read_planned(
+                ramp,
                 |b| staging.with_bounce(b),
                 &cfg,
                 &file,
@@ -1337,6 +1499,48 @@ mod tests {
                 read_case(&bytes, cfg, direct, 400_000, 0, 10);
             }
         }
+    }
+
+    #[test]
+    fn ramped_reads_are_exact() {
+        let bytes = data(600_000, 11);
+        for &(threads, chunk, depth) in &[(2, 16384, 2), (3, 32768, 2), (8, 32768, 3)] {
+            let cfg = cfg(threads, chunk, depth);
+            let plan = Plan::ramped(chunk, 500_000, threads);
+            assert!(plan.head == threads, "{cfg:?}: ramped ({plan:?})");
+            for direct in [DirectIo::Off, DirectIo::Try] {
+                read_case_ramp(true, &bytes, cfg, direct, 0, 0, 600_000);
+                read_case_ramp(true, &bytes, cfg, direct, 4095, 7, 500_001);
+                // Crossing end of file: the short count.
+                read_case_ramp(true, &bytes, cfg, direct, 100_001, 3, 600_000);
+            }
+        }
+    }
+
+    #[test]
+    fn the_ramp_grows_to_the_chunk_and_is_only_for_long_page_cache_reads() {
+        let mib = 1 << 20;
+        let p = Plan::ramped(4 * mib, 1 << 30, 16);
+        let sizes: Vec<usize> = (0..18).map(|c| p.range(c).unwrap().1).collect();
+        let step = 256 << 10;
+        assert_eq!(sizes[..16], (1..=16).map(|k| k * step).collect::<Vec<_>>());
+        assert_eq!(sizes[16..], [4 * mib, 4 * mib]);
+        assert_eq!(p.range(16).unwrap().0, 136 * step);
+        assert_eq!(p.chunks(), 16 + ((1 << 30) - 136 * step).div_ceil(4 * mib));
+        // Flat: one thread, a step under a page, too short a transfer, O_DIRECT, or off.
+        for flat in [
+            Plan::ramped(4 * mib, 1 << 30, 1),
+            Plan::ramped(16384, 1 << 30, 8),
+            Plan::ramped(4 * mib, 64 * mib, 16),
+            Plan::for_read(true, true, 4 * mib, 1 << 30, 16),
+            Plan::for_read(false, false, 4 * mib, 1 << 30, 16),
+        ] {
+            assert_eq!(flat.head, 0, "{flat:?}");
+        }
+        assert_eq!(
+            Plan::for_read(true, false, 4 * mib, 1 << 30, 16),
+            Plan::ramped(4 * mib, 1 << 30, 16)
+        );
     }
 
     #[test]
@@ -1803,6 +2007,26 @@ mod tests {
             }
             prop_assert_eq!(next, len);
             prop_assert_eq!(c, len.div_ceil(chunk));
+        }
+
+        #[test]
+        fn ramped_plans_tile_the_transfer(
+            chunk_pages in 1usize..64,
+            len in 0usize..4_000_000,
+            threads in 1usize..20,
+        ) {
+            let chunk = chunk_pages * DIRECT_ALIGN;
+            let plan = Plan::ramped(chunk, len, threads);
+            let mut next = 0;
+            let mut c = 0;
+            while let Some((off, clen)) = plan.range(c) {
+                prop_assert_eq!(off, next);
+                prop_assert!(clen >= 1 && clen <= chunk && off + clen <= len);
+                next = off + clen;
+                c += 1;
+            }
+            prop_assert_eq!(next, len);
+            prop_assert_eq!(c, plan.chunks());
         }
 
         #[test]

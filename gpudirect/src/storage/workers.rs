@@ -118,7 +118,12 @@ impl Workers {
                 });
             }
             drop(st);
-            self.work.notify_all();
+            // One wake per place: a pool larger than this transfer (after a transfer with more
+            // threads) does not wake every idle thread to find the queue empty. A woken thread
+            // that finds it empty waits again; a busy one looks at the queue before it waits.
+            for _ in 1..=helpers {
+                self.work.notify_one();
+            }
         }
         // The caller takes part; a panic in it is caught so that the withdrawal and the wait
         // below always run (the participants may still be using the transfer's memory).
