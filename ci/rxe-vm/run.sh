@@ -27,7 +27,8 @@
 #      MEM (default 2G), APPEND (extra kernel arguments); the loopback bench (README.md, "The
 #      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 2, 7 with BENCH_ONLY),
 #      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
-#      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside).
+#      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside),
+#      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -97,6 +98,9 @@ exe=$(grep '"reason":"compiler-artifact"' "$W/bench.json" | grep '"executable":"
 # The loopback baselines belong to the default run (6.12): on 7.3 rdma_pingpong --only ends too
 # often with an unacknowledged last send (README, "Kernels").
 [ "$TWO_NODES" = 0 ] && echo "bench-loopback ${BENCH_RUNS:-2}" >> "$W/tests.list"
+fi
+if [ "${BENCH_TWO_PROCS:-0}" = 1 ]; then   # ours again, server and client as two processes
+  cp "$BIN/rdma_pingpong" "$BIN/rdma_pingpong_procs"
 fi
 n=0
 for b in ${BASE_PINGPONG:-}; do   # other builds of rdma_pingpong, benched beside it

@@ -187,6 +187,17 @@ run_one() {
       w_=$(pt ib_write_bw $2 $3) || ptok=1
       r_=$(pt ib_read_bw $2 $3) || ptok=1
       if [ $2 = 8 ]; then l_=$(pt ib_write_lat 8 2000) || ptok=1; fi ;;
+    procs)
+      # Ours as perftest runs: server and client in two processes (rdma_cm on rxe0's address).
+      timeout 300 /usr/bin/rdma_pingpong_procs --server --port 7599 > /tmp/srv2.log 2>&1 &
+      sp=$!
+      for i in $(seq 1 100); do grep -q listening /tmp/srv2.log && break; sleep 0.1; done
+      if ! timeout 300 /usr/bin/rdma_pingpong_procs --connect 10.77.0.1 --port 7599 --only $2 --bytes 33554432 > /tmp/one.log 2>&1; then
+        cat /tmp/one.log /tmp/srv2.log; echo "RXE-WARN rdma_pingpong_procs --only $2 failed"
+      fi
+      wait $sp
+      w_=$(ours_get write_bw $2); r_=$(ours_get read_bw $2)
+      if [ $2 = 8 ]; then l_=$(ours_get write_lat 8); fi ;;
     *)
       prog=rdma_pingpong; [ $1 = ours ] || prog=rdma_pingpong_$1
       # 32 MiB per run, as perftest's ITERS.
@@ -217,7 +228,7 @@ bench_loopback() {
   done
   echo "perftest GID index $GIDX"
   # Other builds of the example (run.sh's BASE_PINGPONG) take a slot each, every round.
-  bases=$(cd /usr/bin && ls rdma_pingpong_base* 2>/dev/null | sed 's/^rdma_pingpong_//' | tr '\n' ' ')
+  bases=$(cd /usr/bin && ls rdma_pingpong_base* rdma_pingpong_procs 2>/dev/null | sed 's/^rdma_pingpong_//' | tr '\n' ' ')
   subjects="ours placebo $bases"
   ptok=0; t=$(now); : > /tmp/cells
   # The same iteration counts on both sides (32 MiB per run, 20..5000; latency 2000); both report
