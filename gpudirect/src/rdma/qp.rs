@@ -7,7 +7,7 @@ use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::mr::AccessFlags;
 use super::pd::{PdInner, ProtectionDomain};
 use super::posted::smallvec_lite::Small;
-use super::posted::{PostedTables, RecvTable, SendScratch, SendTable, WrId};
+use super::posted::{PostedTables, RecvTable, SendScratch, SendTable, WrId, post_send_checked};
 use super::srq::{SharedReceiveQueue, SrqInner};
 use super::teardown::{COUNTERS, Counters};
 use super::wr::{RecvRequest, SendRequest};
@@ -702,15 +702,15 @@ impl<S: CanRecv> QueuePair<S> {
                 "receives of a QP with an SRQ go to the SRQ",
             ));
         }
-        let reqs: Vec<RecvRequest> = reqs.into_iter().collect();
+        let mut reqs: Small<RecvRequest> = reqs.into_iter().collect();
         let pd = self.inner.pd.pd.as_ptr();
-        for r in &reqs {
+        for r in reqs.iter() {
             r.validate(self.inner.caps.max_recv_sge)?;
             r.sg.check_pd(pd, "QP")?;
         }
         let qp = self.inner.qp.as_ptr();
         self.inner.posted.recv().post(
-            reqs,
+            &mut reqs,
             |slot| WrId::Recv { slot }.encode(),
             "receive queue",
             "ibv_post_recv",
@@ -758,23 +758,21 @@ impl QueuePair<Rts> {
     ) -> Result<usize> {
         let inner = &mut *self.inner;
         let caps = inner.caps;
-        let pd = inner.pd.pd.as_ptr();
-        let mut reqs: Small<SendRequest<'a>> = Small::new();
-        for w in wrs {
-            w.validate(caps.max_send_sge, caps.max_inline_data)?;
-            w.sg.check_pd(pd, "QP")?;
-            reqs.push(w);
-        }
         let qp = inner.qp.as_ptr();
-        inner
-            .posted
-            .send()
-            .post(reqs, inner.send_cq.room(), &mut inner.scratch, |wr, bad| {
+        post_send_checked(
+            &mut inner.posted.send(),
+            (caps.max_send_sge, caps.max_inline_data),
+            inner.pd.pd.as_ptr(),
+            inner.send_cq.room(),
+            &mut inner.scratch,
+            wrs,
+            |wr, bad| {
                 // SAFETY: a live QP in RTS; the chain, its SGEs and inline data live for the
                 // call; the memory non-inline SGEs reference is owned by the table until
                 // completion.
                 unsafe { ibv::ibv_post_send(qp, wr, bad) }
-            })
+            },
+        )
     }
 }
 

@@ -2,6 +2,7 @@
 
 use super::ffi::{free_in_parent, nonnull, verbs};
 use super::pd::{PdInner, ProtectionDomain};
+use super::posted::smallvec_lite::Small;
 use super::posted::{RecvTable, SRQ_ID_MASK, WrId};
 use super::wr::RecvRequest;
 use crate::error::{Error, Result};
@@ -143,16 +144,16 @@ impl SharedReceiveQueue {
     #[doc(alias = "ibv_post_srq_recv")]
     pub fn post_recv(&self, reqs: impl IntoIterator<Item = RecvRequest>) -> Result<usize> {
         verbs()?;
-        let reqs: Vec<RecvRequest> = reqs.into_iter().collect();
+        let mut reqs: Small<RecvRequest> = reqs.into_iter().collect();
         let pd = self.inner.pd.pd.as_ptr();
-        for r in &reqs {
+        for r in reqs.iter() {
             r.validate(self.inner.max_sge)?;
             r.sg.check_pd(pd, "SRQ")?;
         }
         let srq = self.inner.srq.as_ptr();
         let id = self.inner.id;
         self.inner.table().post(
-            reqs,
+            &mut reqs,
             |slot| WrId::Srq { srq: id, slot }.encode(),
             "shared receive queue",
             "ibv_post_srq_recv",
