@@ -560,9 +560,10 @@ impl RecvTable {
 /// Check every request of `wrs` (against the queue pair's `max_sge`, `max_inline` and its
 /// protection domain `pd`), then post them all as one chain through `post` (all or none: a
 /// request that breaks a rule posts nothing). One request, the usual case, goes without being
-/// gathered first.
+/// gathered first. The send table is locked only once every request is checked: the caller's
+/// iterator never runs under it (it may poll the CQ, which takes that lock).
 pub(crate) fn post_send_checked<'a>(
-    table: &mut SendTable,
+    tables: &PostedTables,
     limits: (u32, u32),
     pd: *mut ibv::ibv_pd,
     room: &Room,
@@ -581,7 +582,9 @@ pub(crate) fn post_send_checked<'a>(
     };
     check(&first)?;
     let Some(second) = it.next() else {
-        return table.post_iter(std::iter::once(first), 1, room, scratch, post);
+        return tables
+            .send()
+            .post_iter(std::iter::once(first), 1, room, scratch, post);
     };
     check(&second)?;
     let mut reqs = smallvec_lite::Small::new();
@@ -591,7 +594,7 @@ pub(crate) fn post_send_checked<'a>(
         check(&w)?;
         reqs.push(w);
     }
-    table.post(&mut reqs, room, scratch, post)
+    tables.send().post(&mut reqs, room, scratch, post)
 }
 
 /// A queue pair's posted-request tables, shared with the CQs that report its completions.
@@ -712,7 +715,8 @@ pub(crate) mod smallvec_lite {
 
         fn next(&mut self) -> Option<T> {
             match self {
-                Drain::Inline(it) => it.next().and_then(Option::take),
+                // Every slot below the length holds one; a hole would be skipped, not end it.
+                Drain::Inline(it) => it.find_map(Option::take),
                 Drain::Heap(d) => d.next(),
             }
         }
@@ -877,6 +881,188 @@ mod tests {
         out
     }
 
+    #[test]
+    fn a_checked_post_refuses_a_bad_chain_whole_and_never_runs_the_callers_iterator_locked() {
+        let tables = PostedTables::new(SendTable::new(8, 4), RecvTable::new(4));
+        let room = Room::new(16);
+        let mut scratch = SendScratch::default();
+        let remote = RemoteSlice {
+            addr: 0x9000,
+            rkey: 3,
+            len: 64,
+        };
+        let data = [7u8; 32];
+        let unlocked = || tables.sq.try_lock().is_ok();
+        // The third request's inline data passes the QP's 16 bytes: nothing is posted.
+        let mut called = false;
+        let chain = (0..3).map(|i| {
+            assert!(
+                unlocked(),
+                "the caller's iterator ran under the send table's lock"
+            );
+            SendRequest::write_inline(if i == 2 { &data[..] } else { &data[..8] }, remote)
+        });
+        let e = post_send_checked(
+            &tables,
+            (1, 16),
+            std::ptr::null_mut(),
+            &room,
+            &mut scratch,
+            chain,
+            |_, _| {
+                called = true;
+                0
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(!called, "posted after a refusal");
+        assert_eq!((tables.send_outstanding(), room.reserved()), (0, 0));
+        // One request and a chain of two, each checked with the table unlocked, then posted.
+        for n in [1usize, 2] {
+            let reqs = (0..n).map(|_| {
+                assert!(
+                    unlocked(),
+                    "the caller's iterator ran under the send table's lock"
+                );
+                SendRequest::write_inline(&data[..8], remote)
+            });
+            let posted = post_send_checked(
+                &tables,
+                (1, 16),
+                std::ptr::null_mut(),
+                &room,
+                &mut scratch,
+                reqs,
+                |wr, _| {
+                    // SAFETY: the chain the post built, alive for the call.
+                    let seen = unsafe { walk(wr, |w| (w.wr_id, w.sg_list, w.next)) };
+                    assert_eq!(seen.len(), n);
+                    0
+                },
+            );
+            assert_eq!(posted.unwrap(), n);
+        }
+        assert_eq!(tables.send_outstanding(), 3);
+    }
+
+    #[test]
+    fn a_refused_chain_drops_its_requests_and_leaves_the_list_empty() {
+        let mr = crate::rdma::mr::fake_region(0x30_000, 4096, AccessFlags::LOCAL_WRITE);
+        let before = std::sync::Arc::strong_count(&mr);
+        let remote = RemoteSlice {
+            addr: 0x9000,
+            rkey: 3,
+            len: 64,
+        };
+        let mut t = SendTable::new(2, 2);
+        let room = Room::new(16);
+        let mut scratch = SendScratch::default();
+        for n in [3usize, 6] {
+            // Inline (3) and on the heap (6): the queue holds 2, so nothing is posted.
+            let mut reqs: smallvec_lite::Small<SendRequest<'_>> = (0..n)
+                .map(|i| SendRequest::write(MrSlice::of(&mr, i * 8..i * 8 + 8).unwrap(), remote))
+                .collect();
+            assert!(std::sync::Arc::strong_count(&mr) > before);
+            let e = t
+                .post(&mut reqs, &room, &mut scratch, |_, _| panic!("posted"))
+                .unwrap_err();
+            assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+            assert_eq!(reqs.len(), 0);
+            assert_eq!(
+                std::sync::Arc::strong_count(&mr),
+                before,
+                "a refused request was kept"
+            );
+            assert_eq!((t.len(), room.reserved()), (0, 0));
+        }
+    }
+
+    #[test]
+    fn receive_chains_are_rebuilt_in_the_kept_arrays_after_any_post() {
+        let mr = crate::rdma::mr::fake_region(0x20_000, 4096, AccessFlags::LOCAL_WRITE);
+        let sl = |o: usize, l: usize| MrSlice::of(&mr, o..o + l).unwrap();
+        let lkey = 1; // fake_region's
+        let room = Room::new(16);
+        let mut rt = RecvTable::new(8);
+        // Post `reqs`; the provider fails at request `fail_at` when given. Returns the result
+        // and the chain as the provider saw it.
+        let post = |rt: &mut RecvTable, reqs: Vec<RecvRequest>, fail_at: Option<usize>| {
+            let mut seen = Vec::new();
+            let r = rt.post(
+                &mut reqs.into_iter().collect(),
+                |slot| WrId::Recv { slot }.encode(),
+                "receive queue",
+                "ibv_post_recv",
+                Some(&room),
+                |wr, bad| {
+                    // SAFETY: the chain the post built, alive for the call.
+                    seen = unsafe { walk(wr, |w| (w.wr_id, w.sg_list, w.next)) };
+                    match fail_at {
+                        None => 0,
+                        Some(k) => {
+                            // SAFETY: the chain has more than `k` requests, laid out in order.
+                            unsafe { *bad = wr.add(k) };
+                            -libc::EINVAL
+                        }
+                    }
+                },
+            );
+            (r, seen)
+        };
+        let sges = |seen: &[Seen]| seen.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>();
+        let (r, seen) = post(
+            &mut rt,
+            vec![
+                RecvRequest::sg(vec![sl(0, 8), sl(8, 8)]),
+                RecvRequest::empty(),
+                RecvRequest::new(sl(64, 4)),
+            ],
+            None,
+        );
+        assert_eq!(r.unwrap(), 3);
+        assert_eq!(
+            sges(&seen),
+            vec![
+                vec![(0x20_000, 8, lkey), (0x20_008, 8, lkey)],
+                vec![],
+                vec![(0x20_040, 4, lkey)]
+            ]
+        );
+        // A failed post after it: the requests from the failing one on are dropped again.
+        let (r, _) = post(
+            &mut rt,
+            vec![RecvRequest::new(sl(128, 8)), RecvRequest::new(sl(136, 8))],
+            Some(1),
+        );
+        assert!(r.is_err());
+        assert_eq!((rt.live(), room.reserved()), (4, 4));
+        // A longer chain after both: every pointer is its own again.
+        let (r, seen) = post(
+            &mut rt,
+            vec![
+                RecvRequest::sg(vec![sl(256, 4), sl(260, 4), sl(264, 4)]),
+                RecvRequest::new(sl(512, 16)),
+            ],
+            None,
+        );
+        assert_eq!(r.unwrap(), 2);
+        assert_eq!(
+            sges(&seen),
+            vec![
+                vec![
+                    (0x20_100, 4, lkey),
+                    (0x20_104, 4, lkey),
+                    (0x20_108, 4, lkey)
+                ],
+                vec![(0x20_200, 16, lkey)]
+            ]
+        );
+        let ids: std::collections::HashSet<u64> = seen.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids.len(), 2);
+        assert_eq!(rt.live(), 6);
+    }
+
     /// Instruction probe of the posting path a latency loop takes (one inline 8-byte write a
     /// call, one in 32 signaled and its completion released), without a NIC: the verbs call is a
     /// stub. Run by hand under callgrind with two counts and take the difference, e.g.
@@ -904,10 +1090,9 @@ mod tests {
             let w = SendRequest::write_inline(&buf, remote).tag(i);
             let signaled = i % 32 == 0;
             let w = if signaled { w } else { w.unsignaled() };
-            let mut table = posted.send();
-            let seq = table.next_seq;
+            let seq = posted.send().next_seq;
             post_send_checked(
-                &mut table,
+                &posted,
                 (1, 128),
                 std::ptr::null_mut(),
                 &room,
@@ -919,7 +1104,6 @@ mod tests {
                 },
             )
             .unwrap();
-            drop(table);
             if signaled {
                 let (_, f) = posted.complete(&wc(WrId::Send { seq }.encode()));
                 room.release(f);

@@ -760,7 +760,7 @@ impl QueuePair<Rts> {
         let caps = inner.caps;
         let qp = inner.qp.as_ptr();
         post_send_checked(
-            &mut inner.posted.send(),
+            &inner.posted,
             (caps.max_send_sge, caps.max_inline_data),
             inner.pd.pd.as_ptr(),
             inner.send_cq.room(),
