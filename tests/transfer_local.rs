@@ -33,8 +33,8 @@ use gpudirect::Error;
 use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::p2p::{Interconnect, IpcPool, LinkMatrix};
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, MemoryDescriptor,
-    MemoryPath, Region, TransferOptions,
+    Buffer, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, LocalListener,
+    MemoryDescriptor, MemoryPath, Region, TransferOptions,
 };
 use gpudirect_testing::{Hardware, require};
 use std::path::PathBuf;
@@ -80,6 +80,31 @@ fn spawn_child(test: &str, job: &Job) -> std::process::Child {
         .env(CHILD, serde_json::to_string(job).unwrap())
         .spawn()
         .unwrap()
+}
+
+/// A child process running `test` as `role` (with `seed`, on GPU `device`), met over the socket
+/// `name`: the listener (kept until the test ends, with its socket file), the endpoint it
+/// accepted and the child.
+fn meet_child(
+    engine: &Engine,
+    name: &str,
+    test: &str,
+    role: &str,
+    seed: u64,
+    device: usize,
+) -> (LocalListener, Endpoint, std::process::Child) {
+    let path = socket(name);
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: role.into(),
+        socket: path,
+        seed,
+        device,
+    };
+    let child = spawn_child(test, &job);
+    let ep = listener.accept(&[], WAIT).unwrap();
+    (listener, ep, child)
 }
 
 fn register(engine: &Engine, b: gpudirect::memory::DeviceBuffer<u8>) -> Region {
@@ -245,20 +270,14 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let engine = Engine::new(EngineConfig::local()).unwrap();
-    let path = socket("local");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "peer".into(),
-        socket: path.clone(),
+    let (_listener, ep, mut child) = meet_child(
+        &engine,
+        "local",
+        "local_writes_reads_and_notifications_between_two_processes",
+        "peer",
         seed,
         device,
-    };
-    let mut child = spawn_child(
-        "local_writes_reads_and_notifications_between_two_processes",
-        &job,
     );
-    let ep = listener.accept(&[], WAIT).unwrap();
     assert_eq!(ep.rails(), 0);
     assert!(ep.rail_stats().is_empty());
     let peer = ep.peer_descriptors();
@@ -539,17 +558,14 @@ fn a_peer_killed_mid_transfer_is_a_typed_error() {
     }
     let n = require!(Hardware::Gpu, gpu::gpus());
     let engine = Engine::new(EngineConfig::local()).unwrap();
-    let path = socket("victim");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "victim".into(),
-        socket: path,
-        seed: 1,
-        device: if n > 1 { 1 } else { 0 },
-    };
-    let mut child = spawn_child("a_peer_killed_mid_transfer_is_a_typed_error", &job);
-    let ep = listener.accept(&[], WAIT).unwrap();
+    let (_listener, ep, mut child) = meet_child(
+        &engine,
+        "victim",
+        "a_peer_killed_mid_transfer_is_a_typed_error",
+        "victim",
+        1,
+        if n > 1 { 1 } else { 0 },
+    );
     let dst = ep.peer_descriptors()[0];
     let src = register(&engine, device_bytes(0, &bytes(SIZES[2], 7)));
     let t = Instant::now();
@@ -641,20 +657,14 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
     let device = if n > 1 { 1 } else { 0 };
     let ctx = gpudirect::cuda::context(0).unwrap();
     let engine = Engine::new(EngineConfig::local()).unwrap();
-    let path = socket("stream");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "stream-peer".into(),
-        socket: path.clone(),
+    let (_listener, ep, mut child) = meet_child(
+        &engine,
+        "stream",
+        "stream_ordered_writes_and_reads_between_two_processes",
+        "stream-peer",
         seed,
         device,
-    };
-    let mut child = spawn_child(
-        "stream_ordered_writes_and_reads_between_two_processes",
-        &job,
     );
-    let ep = listener.accept(&[], WAIT).unwrap();
     let peer = ep.peer_descriptors();
     assert_eq!(peer.len(), 2, "a destination and a source");
     let want = bytes(STREAM_LEN, seed ^ 300);
@@ -838,17 +848,14 @@ fn vmm_memory_between_two_processes() {
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let engine = Engine::new(EngineConfig::local()).unwrap();
-    let path = socket("vmm");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "vmm-peer".into(),
-        socket: path.clone(),
+    let (_listener, ep, child) = meet_child(
+        &engine,
+        "vmm",
+        "vmm_memory_between_two_processes",
+        "vmm-peer",
         seed,
         device,
-    };
-    let child = spawn_child("vmm_memory_between_two_processes", &job);
-    let ep = listener.accept(&[], WAIT).unwrap();
+    );
     let peer = ep.peer_descriptors();
     assert_eq!(
         peer.len(),
@@ -928,17 +935,14 @@ fn pool_memory_between_two_processes() {
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let engine = Engine::new(EngineConfig::local()).unwrap();
-    let path = socket("pool");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "pool-peer".into(),
-        socket: path.clone(),
+    let (_listener, ep, child) = meet_child(
+        &engine,
+        "pool",
+        "pool_memory_between_two_processes",
+        "pool-peer",
         seed,
         device,
-    };
-    let child = spawn_child("pool_memory_between_two_processes", &job);
-    let ep = listener.accept(&[], WAIT).unwrap();
+    );
     let peer = ep.peer_descriptors();
     assert_eq!(peer.len(), 2, "an allocation and a range inside another");
     let mut pools = Vec::new();
