@@ -742,6 +742,15 @@ mod tests {
         Entry::new(tag, Sg::None, flag, true)
     }
 
+    /// A peer's 64 bytes at 0x9000 (rkey 3).
+    fn remote_slice() -> RemoteSlice {
+        RemoteSlice {
+            addr: 0x9000,
+            rkey: 3,
+            len: 64,
+        }
+    }
+
     fn wc(id: u64) -> ibv::ibv_wc {
         ibv::ibv_wc {
             wr_id: id,
@@ -886,11 +895,7 @@ mod tests {
         let tables = PostedTables::new(SendTable::new(8, 4), RecvTable::new(4));
         let room = Room::new(16);
         let mut scratch = SendScratch::default();
-        let remote = RemoteSlice {
-            addr: 0x9000,
-            rkey: 3,
-            len: 64,
-        };
+        let remote = remote_slice();
         let data = [7u8; 32];
         let unlocked = || tables.sq.try_lock().is_ok();
         // The third request's inline data passes the QP's 16 bytes: nothing is posted.
@@ -950,11 +955,7 @@ mod tests {
     fn a_refused_chain_drops_its_requests_and_leaves_the_list_empty() {
         let mr = crate::rdma::mr::fake_region(0x30_000, 4096, AccessFlags::LOCAL_WRITE);
         let before = std::sync::Arc::strong_count(&mr);
-        let remote = RemoteSlice {
-            addr: 0x9000,
-            rkey: 3,
-            len: 64,
-        };
+        let remote = remote_slice();
         let mut t = SendTable::new(2, 2);
         let room = Room::new(16);
         let mut scratch = SendScratch::default();
@@ -1076,11 +1077,7 @@ mod tests {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1000);
-        let remote = RemoteSlice {
-            addr: 0x9000,
-            rkey: 3,
-            len: 64,
-        };
+        let remote = remote_slice();
         let posted = PostedTables::new(SendTable::new(128, 32), RecvTable::new(64));
         let room = Room::new(192);
         let mut scratch = SendScratch::default();
@@ -1115,11 +1112,7 @@ mod tests {
     fn chains_point_each_request_at_its_own_entries() {
         let mr = crate::rdma::mr::fake_region(0x10_000, 8192, AccessFlags::LOCAL_WRITE);
         let sl = |o: usize, l: usize| MrSlice::of(&mr, o..o + l).unwrap();
-        let remote = RemoteSlice {
-            addr: 0x9000,
-            rkey: 3,
-            len: 64,
-        };
+        let remote = remote_slice();
         let data = *b"inline";
         let mut reqs = smallvec_lite::Small::new();
         reqs.push(SendRequest::send_sg(vec![sl(0, 16), sl(100, 8)]));
