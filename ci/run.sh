@@ -54,6 +54,10 @@ for crate in cudarc-oldest cudarc-newest dynamic-linking gpudirect-only; do
 done
 
 step "cargo package: gpudirect-sys and gpudirect build from their packaged sources alone"
+# Cargo unpacks the packaged gpudirect-sys from a temporary registry under target/package into a
+# directory of CARGO_HOME named after that registry's path, and reuses what a run from the same path
+# left there: a stale gpudirect-sys once failed this step. Remove those unpacked copies first.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/gpudirect-[0-9s]*
 # gpudirect picks no CUDA version by itself: the verification build picks one, as a user would.
 cargo package -p gpudirect-sys -p gpudirect --features gpudirect/cuda-12080 --allow-dirty
 
