@@ -383,7 +383,57 @@ fn t2_notifications_arrive_in_order_and_after_the_data() {
             };
             assert_eq!(r.unwrap().bytes, SLOT as u64);
         }
+        // One more, unnotified (the same bytes to slot 0), awaited by a waker that calls the
+        // endpoint: the progress thread wakes it only once it let the endpoint's lock go.
+        let t = ep
+            .write(
+                vec![(srcs[0].all(), peer.range(0, SLOT as u64).unwrap())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(await_calling_back(&ep, t).bytes, SLOT as u64);
         wait_bye(&ep);
+    }
+}
+
+/// A waker that calls its endpoint when woken (a callback-style executor), then says so.
+struct CallsBack {
+    ep: std::sync::Mutex<Option<Endpoint>>,
+    woke: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+}
+
+impl std::task::Wake for CallsBack {
+    fn wake(self: std::sync::Arc<Self>) {
+        if let Some(ep) = self.ep.lock().unwrap().take() {
+            // Takes the endpoint's lock: whoever wakes us must not hold it.
+            let _ = ep.failure();
+            let _ = ep.rail_stats();
+        }
+        let _ = self.woke.lock().unwrap().send(());
+    }
+}
+
+/// `t` awaited by a waker that calls `ep`; panics if a wake-up never ends.
+fn await_calling_back(ep: &Endpoint, t: Transfer) -> gpudirect::transfer::TransferReport {
+    use std::future::{Future, IntoFuture};
+    use std::task::{Context, Poll, Waker};
+    let mut f = Box::pin(t.into_future());
+    loop {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w = Waker::from(std::sync::Arc::new(CallsBack {
+            ep: std::sync::Mutex::new(Some(ep.clone())),
+            woke: std::sync::Mutex::new(tx),
+        }));
+        match f.as_mut().poll(&mut Context::from_waker(&w)) {
+            Poll::Ready(r) => return r.expect("the write"),
+            Poll::Pending => {
+                if rx.recv_timeout(NOTE).is_err() {
+                    // Dropping them would wait for the stuck thread.
+                    std::mem::forget((f, w));
+                    panic!("a wake-up never ended: it waited for the lock its caller held");
+                }
+            }
+        }
     }
 }
 

@@ -354,6 +354,94 @@ struct State {
     max_message: u32,
     /// Requests whose messages completed since the last look (then finished if done).
     touched: Vec<u64>,
+    /// What to wake once the lock is let go ([`StateGuard`]).
+    wakes: Wakes,
+}
+
+/// Wake-ups decided under the state lock and run once it is let go: a future's waker is the
+/// caller's code, and one that calls the endpoint (or drops its last clone) would take the
+/// lock again. Run when dropped, so a state replaced or dropped with some still runs them.
+#[derive(Default)]
+struct Wakes {
+    /// Requests finished, with their results.
+    finished: Vec<(Arc<ReqShared>, Result<TransferReport>)>,
+    /// Notification waiters to set (a notification came, the endpoint failed, or their
+    /// deadline passed).
+    notes: Vec<CompletionFlag>,
+}
+
+impl Wakes {
+    fn is_empty(&self) -> bool {
+        self.finished.is_empty() && self.notes.is_empty()
+    }
+}
+
+impl Drop for Wakes {
+    fn drop(&mut self) {
+        for (shared, r) in self.finished.drain(..) {
+            shared.finish(r);
+        }
+        for f in self.notes.drain(..) {
+            f.set();
+        }
+    }
+}
+
+/// The state, locked. Dropping it lets the lock go, then runs the wake-ups decided under it.
+struct StateGuard<'a> {
+    mutex: &'a Mutex<State>,
+    g: Option<MutexGuard<'a, State>>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.g.as_deref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.g.as_deref_mut().expect("held until dropped")
+    }
+}
+
+impl<'a> StateGuard<'a> {
+    fn new(mutex: &'a Mutex<State>) -> Self {
+        let g = mutex.lock().unwrap_or_else(|e| e.into_inner());
+        StateGuard { mutex, g: Some(g) }
+    }
+
+    /// Wait on `cv` up to `left` with the lock let go, as [`Condvar::wait_timeout`]. Pending
+    /// wake-ups run instead, the lock let go and taken again: the caller looks again (as after
+    /// any spurious wake-up) before it waits.
+    fn wait_timeout(mut self, cv: &Condvar, left: Duration) -> Self {
+        let mut g = self.g.take().expect("held until dropped");
+        if !g.wakes.is_empty() {
+            let w = std::mem::take(&mut g.wakes);
+            drop(g);
+            drop(w);
+            return StateGuard::new(self.mutex);
+        }
+        let g = cv
+            .wait_timeout(g, left)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+        StateGuard {
+            mutex: self.mutex,
+            g: Some(g),
+        }
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(mut g) = self.g.take() {
+            let w = std::mem::take(&mut g.wakes);
+            drop(g);
+            drop(w);
+        }
+    }
 }
 
 /// How an endpoint came about: what the dialing side needs to reconnect.
@@ -441,19 +529,17 @@ impl WeakEndpoint {
 }
 
 impl EpInner {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> StateGuard<'_> {
+        StateGuard::new(&self.state)
     }
 
     /// Wake every thread and future waiting for a notification (one came, or the endpoint
-    /// failed).
-    fn wake_notes(&self) {
+    /// failed): the futures once `st`'s lock is let go.
+    fn wake_notes(&self, st: &mut State) {
         self.notes_cv.notify_all();
         let waiters =
             std::mem::take(&mut *self.note_waiters.lock().unwrap_or_else(|e| e.into_inner()));
-        for (_, f) in waiters {
-            f.set();
-        }
+        st.wakes.notes.extend(waiters.into_iter().map(|(_, f)| f));
     }
 
     #[cfg_attr(
@@ -491,7 +577,7 @@ impl EpInner {
         if let Some(s) = self.note_sink.get() {
             s.delivered(total);
         }
-        self.wake_notes();
+        self.wake_notes(&mut st);
         drop(st);
     }
 
@@ -965,6 +1051,7 @@ fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<Stat
         peer_devices,
         max_message,
         touched: Vec::new(),
+        wakes: Wakes::default(),
     })
 }
 
@@ -988,6 +1075,7 @@ fn local_state(peer_descriptors: Vec<MemoryDescriptor>) -> State {
         peer_devices: 0,
         max_message: u32::MAX,
         touched: Vec::new(),
+        wakes: Wakes::default(),
     }
 }
 
@@ -1369,11 +1457,7 @@ impl Endpoint {
             if left.is_zero() {
                 return Ok(None);
             }
-            st = inner
-                .notes_cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            st = st.wait_timeout(&inner.notes_cv, left);
         }
     }
 
@@ -1411,7 +1495,7 @@ impl Endpoint {
                     // Registered under the state lock: a notification pushed after the look
                     // above sets this flag.
                     let mut w = inner.note_waiters.lock().unwrap_or_else(|e| e.into_inner());
-                    prune_waiters(&mut w, now);
+                    prune_waiters(&mut w, now, &mut st.wakes.notes);
                     w.push((deadline, flag.clone()));
                     flag
                 };
@@ -1492,15 +1576,20 @@ impl Drop for SetOnDrop {
 }
 
 /// Drop the notification waiters that are gone: set (their future ended or was dropped), or
-/// past their deadline (then set, so what the completion tracker parked for them is freed).
-fn prune_waiters(w: &mut Vec<(Instant, CompletionFlag)>, now: Instant) {
+/// past their deadline (then put in `expired`, to be set once the lock is let go, so what the
+/// completion tracker parked for them is freed).
+fn prune_waiters(
+    w: &mut Vec<(Instant, CompletionFlag)>,
+    now: Instant,
+    expired: &mut Vec<CompletionFlag>,
+) {
     w.retain(|(d, f)| {
         if f.is_complete() {
             return false;
         }
         let live = *d > now;
         if !live {
-            f.set();
+            expired.push(f.clone());
         }
         live
     });
@@ -1772,15 +1861,15 @@ fn break_endpoint(inner: &EpInner, st: &mut State, cause: Broken) {
             q.error = Some(cause.to_error());
         }
     }
-    finish_done(inner, st);
+    finish_done(st);
     if let Some(s) = inner.note_sink.get() {
         s.failed();
     }
-    inner.wake_notes();
+    inner.wake_notes(st);
 }
 
 /// Finish every request that has nothing left in flight.
-fn finish_done(inner: &EpInner, st: &mut State) {
+fn finish_done(st: &mut State) {
     st.touched.clear();
     let done: Vec<u64> = st
         .requests
@@ -1790,25 +1879,25 @@ fn finish_done(inner: &EpInner, st: &mut State) {
         .collect();
     for id in done {
         let q = st.requests.remove(&id).expect("present");
-        finish(inner, q);
+        finish(st, q);
     }
 }
 
 /// Finish the requests completions touched since the last look, if nothing is left in flight.
-fn finish_touched(inner: &EpInner, st: &mut State) {
+fn finish_touched(st: &mut State) {
     let touched = std::mem::take(&mut st.touched);
     for id in &touched {
         if st.requests.get(id).is_some_and(Request::finished) {
             let q = st.requests.remove(id).expect("present");
-            finish(inner, q);
+            finish(st, q);
         }
     }
     st.touched = touched;
     st.touched.clear();
 }
 
-fn finish(inner: &EpInner, q: Request) {
-    let _ = inner;
+/// Finish `q`: its waiters are woken once the state's lock is let go.
+fn finish(st: &mut State, q: Request) {
     let r = match q.error {
         Some(e) => Err(e),
         None => {
@@ -1829,7 +1918,7 @@ fn finish(inner: &EpInner, q: Request) {
             })
         }
     };
-    q.shared.finish(r);
+    st.wakes.finished.push((q.shared, r));
 }
 
 /// Make NIC writes to GPU `ordinal`'s memory visible to it.
@@ -1847,7 +1936,7 @@ fn force_finish(st: &mut State) {
             q.error = Some(Broken::Closed.to_error());
         }
         let r = Err(q.error.take().expect("set"));
-        q.shared.finish(r);
+        st.wakes.finished.push((q.shared, r));
     }
 }
 
@@ -1981,9 +2070,9 @@ fn poll_all(inner: &EpInner, st: &mut State) -> bool {
         if let Some(s) = inner.note_sink.get() {
             s.delivered(total);
         }
-        inner.wake_notes();
+        inner.wake_notes(st);
     }
-    finish_touched(inner, st);
+    finish_touched(st);
     any
 }
 
@@ -2506,15 +2595,22 @@ mod tests {
             let f = CompletionFlag::new();
             w.push((far, f.clone()));
             drop(SetOnDrop(f));
-            prune_waiters(&mut w, Instant::now());
+            prune_waiters(&mut w, Instant::now(), &mut Vec::new());
         }
         assert!(w.len() <= 1, "{} waiters left", w.len());
         // A live waiter stays; an expired one is set and dropped.
         let (live, old) = (CompletionFlag::new(), CompletionFlag::new());
         let now = Instant::now();
         w = vec![(far, live.clone()), (now, old.clone())];
-        prune_waiters(&mut w, now);
+        let mut expired = Vec::new();
+        prune_waiters(&mut w, now, &mut expired);
         assert_eq!(w.len(), 1);
+        assert!(
+            !old.is_complete() && !live.is_complete(),
+            "set only once unlocked"
+        );
+        assert_eq!(expired.len(), 1);
+        expired.iter().for_each(CompletionFlag::set);
         assert!(old.is_complete() && !live.is_complete());
     }
 

@@ -2742,6 +2742,79 @@ mod tests {
         );
     }
 
+    /// A waker that calls its endpoint when woken (a callback-style executor), then says so.
+    struct CallsBack {
+        ep: Mutex<Option<super::super::Endpoint>>,
+        woke: Mutex<std::sync::mpsc::Sender<()>>,
+    }
+
+    impl std::task::Wake for CallsBack {
+        fn wake(self: Arc<Self>) {
+            if let Some(ep) = lock(&self.ep).take() {
+                // Takes the endpoint's lock: it must not be held by whoever wakes us.
+                let _ = ep.failure();
+                let _ = ep.peer_descriptors();
+            }
+            let _ = lock(&self.woke).send(());
+        }
+    }
+
+    #[test]
+    fn a_waker_that_calls_the_endpoint_is_run_after_the_lock_is_let_go() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Waker};
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("calls-back")).unwrap();
+        let path = l.path().to_path_buf();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let peer = std::thread::spawn(move || {
+            let mut s = greeted_peer(&path, 81);
+            go_rx.recv().unwrap();
+            let mut f = vec![NOTE];
+            f.extend_from_slice(&0x5eed_u32.to_le_bytes());
+            s.write_all(&f).unwrap();
+            // Hang up when told: the endpoint fails.
+            let _ = go_rx.recv();
+        });
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let waker = |ep: &super::super::Endpoint| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let w = Waker::from(Arc::new(CallsBack {
+                ep: Mutex::new(Some(ep.clone())),
+                woke: Mutex::new(tx),
+            }));
+            (w, rx)
+        };
+        // A notification arrives (the reader delivers it): the future's waker calls the endpoint.
+        let mut f = Box::pin(ep.notification(Duration::from_secs(30)));
+        let (w, woke) = waker(&ep);
+        assert!(f.as_mut().poll(&mut Context::from_waker(&w)).is_pending());
+        go.send(()).unwrap();
+        if woke.recv_timeout(Duration::from_secs(20)).is_err() {
+            // Dropping them would join the stuck thread.
+            std::mem::forget((f, ep));
+            panic!("the waker never ran to its end: it waited for the lock its caller held");
+        }
+        match f.as_mut().poll(&mut Context::from_waker(&w)) {
+            Poll::Ready(Ok(Some(n))) => assert_eq!(n.tag, 0x5eed),
+            other => panic!("{other:?}"),
+        }
+        // The peer hangs up (the endpoint fails): the same.
+        let mut f = Box::pin(ep.notification(Duration::from_secs(30)));
+        let (w, woke) = waker(&ep);
+        assert!(f.as_mut().poll(&mut Context::from_waker(&w)).is_pending());
+        drop(go);
+        if woke.recv_timeout(Duration::from_secs(20)).is_err() {
+            std::mem::forget((f, ep));
+            panic!("after the failure, the waker never ran to its end");
+        }
+        assert!(matches!(
+            f.as_mut().poll(&mut Context::from_waker(&w)),
+            Poll::Ready(Err(_))
+        ));
+        peer.join().unwrap();
+    }
+
     #[test]
     fn a_peer_sending_garbage_ends_the_endpoint_typed() {
         let engine = Engine::new(EngineConfig::local()).unwrap();
