@@ -96,6 +96,8 @@
 
 mod backoff;
 pub(crate) mod capture;
+#[cfg(feature = "rdma")]
+pub(crate) mod deferred;
 mod event_fence;
 #[cfg(feature = "tokio")]
 pub(crate) mod fd;

@@ -5,6 +5,7 @@ use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::posted::{PostedTables, Room, WrId};
 use super::srq::SrqInner;
 use super::teardown::{COUNTERS, Counters};
+use crate::completion::deferred::Woken;
 use crate::error::{Error, Result, WcStatus};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::{HashMap, VecDeque};
@@ -232,6 +233,8 @@ impl CqInner {
     /// Poll up to `out.len()` completions: first those held back, then the CQ's. Each one's
     /// posted resources are released (its request's slices dropped) before it is returned.
     pub(crate) fn poll_into(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        // Declared before the lock: the released requests' flags are set after it is let go.
+        let mut woken = Woken::default();
         let mut st = self.lock();
         let mut n = 0;
         while n < out.len() {
@@ -259,11 +262,11 @@ impl CqInner {
                 // The library's wr_id becomes the caller's tag once the request is released.
                 let (tag, f) = match WrId::decode(w.0.wr_id) {
                     WrId::Srq { srq, slot } => match st.srqs.get(&srq).and_then(Weak::upgrade) {
-                        Some(s) => (s.complete(slot), 0),
+                        Some(s) => (s.complete(slot, &mut woken), 0),
                         None => (0, 0),
                     },
                     _ => match st.qps.get(&w.0.qp_num) {
-                        Some(posted) => posted.complete(&w.0),
+                        Some(posted) => posted.complete(&w.0, &mut woken),
                         None => (0, 0),
                     },
                 };

@@ -5,6 +5,7 @@
 
 use super::wr::{RecvRequest, SendRequest, Sg};
 use crate::completion::CompletionFlag;
+use crate::completion::deferred::Woken;
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::VecDeque;
@@ -137,13 +138,21 @@ impl Entry {
         }
     }
 
-    /// Release what the request held; returns its tag and the CQ slots freed (0 or 1).
-    fn release(self) -> (u64, u32) {
+    /// Release what the request held; returns its tag and the CQ slots freed (0 or 1). Its
+    /// flag goes to `woken`, set once the caller let the table's and the CQ's locks go (a
+    /// waker that posts or polls inline takes them).
+    fn release(self, woken: &mut Woken) -> (u64, u32) {
         // Slices dropped here, after the completion was seen: the NIC is done with them.
-        if let Some(f) = &self.flag {
-            f.set();
-        }
-        (self.tag, self.cq_slot as u32)
+        let Entry {
+            tag,
+            sg,
+            flag,
+            cq_slot,
+            ..
+        } = self;
+        drop(sg);
+        woken.extend(flag);
+        (tag, cq_slot as u32)
     }
 }
 
@@ -241,7 +250,7 @@ impl SendTable {
 
     /// Release every request up to and including the one posted as `id` (its `wr_id` value);
     /// returns that request's tag and the CQ slots freed. An id no entry carries releases nothing.
-    fn complete_through(&mut self, id: u64) -> (u64, u32) {
+    fn complete_through(&mut self, id: u64, woken: &mut Woken) -> (u64, u32) {
         let Some(k) = self
             .entries
             .iter()
@@ -251,7 +260,7 @@ impl SendTable {
         };
         let (mut tag, mut freed) = (0, 0u32);
         for (i, (_, e)) in self.entries.drain(..=k).enumerate() {
-            let (t, f) = e.release();
+            let (t, f) = e.release(woken);
             freed += f;
             if i == k {
                 tag = t;
@@ -458,12 +467,12 @@ impl RecvTable {
     }
 
     /// Release the request in `slot`: its tag and the CQ slots freed; `(0, 0)` for an empty slot.
-    pub(crate) fn take(&mut self, slot: u32) -> (u64, u32) {
+    pub(crate) fn take(&mut self, slot: u32, woken: &mut Woken) -> (u64, u32) {
         match self.slots.get_mut(slot as usize).and_then(Option::take) {
             Some(e) => {
                 self.live -= 1;
                 self.free.push(slot);
-                e.release()
+                e.release(woken)
             }
             None => (0, 0),
         }
@@ -623,11 +632,12 @@ impl PostedTables {
         lock(&self.rq)
     }
 
-    /// Release what the request behind `wc` held: its tag and the CQ slots freed.
-    pub(crate) fn complete(&self, wc: &ibv::ibv_wc) -> (u64, u32) {
+    /// Release what the request behind `wc` held: its tag and the CQ slots freed. Its flags go
+    /// to `woken`.
+    pub(crate) fn complete(&self, wc: &ibv::ibv_wc, woken: &mut Woken) -> (u64, u32) {
         match WrId::decode(wc.wr_id) {
-            WrId::Send { seq } => self.send().complete_through(seq),
-            WrId::Recv { slot } => self.recv().take(slot),
+            WrId::Send { seq } => self.send().complete_through(seq, woken),
+            WrId::Recv { slot } => self.recv().take(slot, woken),
             WrId::Srq { .. } | WrId::Other => (0, 0),
         }
     }
@@ -766,16 +776,16 @@ mod tests {
             t.entries
                 .push_back((i as u64, entry(100 + i as u64, Some(f.clone()))));
         }
-        assert_eq!(t.complete_through(2), (102, 3));
+        assert_eq!(t.complete_through(2, &mut Woken::default()), (102, 3));
         assert_eq!(t.entries.len(), 2);
         assert!(flags[..3].iter().all(|f| f.is_complete()));
         assert!(!flags[3].is_complete());
         assert_eq!(
-            t.complete_through(9),
+            t.complete_through(9, &mut Woken::default()),
             (0, 0),
             "an unknown id releases nothing"
         );
-        assert_eq!(t.complete_through(4), (104, 2));
+        assert_eq!(t.complete_through(4, &mut Woken::default()), (104, 2));
         assert!(t.entries.is_empty());
     }
 
@@ -789,7 +799,11 @@ mod tests {
         t.entries
             .push_back((1, Entry::new(0, Sg::None, None, false)));
         assert!(!t.needs_marker());
-        assert_eq!(t.complete_through(1), (0, 1), "only the write's entry");
+        assert_eq!(
+            t.complete_through(1, &mut Woken::default()),
+            (0, 1),
+            "only the write's entry"
+        );
     }
 
     #[test]
@@ -798,12 +812,64 @@ mod tests {
         let a = t.insert(entry(1, None));
         let b = t.insert(entry(2, None));
         assert_eq!(t.live(), 2);
-        assert_eq!(t.take(a), (1, 1));
-        assert_eq!(t.take(a), (0, 0), "a slot releases once");
+        assert_eq!(t.take(a, &mut Woken::default()), (1, 1));
+        assert_eq!(
+            t.take(a, &mut Woken::default()),
+            (0, 0),
+            "a slot releases once"
+        );
         let c = t.insert(entry(3, None));
         assert_eq!(c, a);
         assert_eq!(t.unpost(b), 1);
         assert_eq!(t.live(), 1);
+    }
+
+    #[test]
+    fn a_released_requests_flag_is_set_once_the_tables_are_unlocked() {
+        use crate::completion::Fence;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::task::{Wake, Waker};
+        // Counts wake-ups that found both tables free (a waker may post or poll inline).
+        struct Probe(Arc<PostedTables>, AtomicU32);
+        impl Wake for Probe {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref()
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                if self.0.sq.try_lock().is_ok() && self.0.rq.try_lock().is_ok() {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let tables = Arc::new(PostedTables::new(SendTable::new(4, 2), RecvTable::new(4)));
+        let probe = Arc::new(Probe(tables.clone(), AtomicU32::new(0)));
+        let (sent, received) = (CompletionFlag::new(), CompletionFlag::new());
+        for f in [&sent, &received] {
+            assert!(f.register_waker(&Waker::from(probe.clone())));
+        }
+        tables.send().push(entry(7, Some(sent.clone())));
+        let slot = tables.recv().insert(entry(9, Some(received.clone())));
+        let mut woken = Woken::default();
+        assert_eq!(
+            tables.complete(&wc(WrId::Send { seq: 0 }.encode()), &mut woken),
+            (7, 1)
+        );
+        assert_eq!(
+            tables.complete(&wc(WrId::Recv { slot }.encode()), &mut woken),
+            (9, 1)
+        );
+        assert!(
+            !sent.is_complete() && !received.is_complete(),
+            "not set by the tables"
+        );
+        drop(woken);
+        assert!(sent.is_complete() && received.is_complete());
+        assert_eq!(
+            probe.1.load(Ordering::SeqCst),
+            2,
+            "both woken with the tables free"
+        );
     }
 
     #[test]
@@ -812,8 +878,14 @@ mod tests {
         shared.send().push(entry(7, None));
         let slot = shared.recv().insert(entry(9, None));
         assert_eq!(shared.outstanding(), 2);
-        assert_eq!(shared.complete(&wc(WrId::Recv { slot }.encode())), (9, 1));
-        assert_eq!(shared.complete(&wc(WrId::Send { seq: 0 }.encode())), (7, 1));
+        assert_eq!(
+            shared.complete(&wc(WrId::Recv { slot }.encode()), &mut Woken::default()),
+            (9, 1)
+        );
+        assert_eq!(
+            shared.complete(&wc(WrId::Send { seq: 0 }.encode()), &mut Woken::default()),
+            (7, 1)
+        );
         assert_eq!(shared.outstanding(), 0);
         assert_eq!(
             WrId::decode(WrId::Srq { srq: 5, slot: 7 }.encode()),
@@ -1102,7 +1174,8 @@ mod tests {
             )
             .unwrap();
             if signaled {
-                let (_, f) = posted.complete(&wc(WrId::Send { seq }.encode()));
+                let (_, f) =
+                    posted.complete(&wc(WrId::Send { seq }.encode()), &mut Woken::default());
                 room.release(f);
             }
         }
@@ -1147,7 +1220,10 @@ mod tests {
             ]
         );
         assert_eq!((t.len(), room.reserved()), (3, 3));
-        assert_eq!(t.complete_through(WrId::Send { seq: 2 }.encode()), (5, 3));
+        assert_eq!(
+            t.complete_through(WrId::Send { seq: 2 }.encode(), &mut Woken::default()),
+            (5, 3)
+        );
 
         let mut rt = RecvTable::new(8);
         let mut seen = Vec::new();
@@ -1260,7 +1336,7 @@ mod tests {
                 prop_assert!(room.reserved() <= cap);
                 for _ in 0..(poll % 4) {
                     if let Some(seq) = hw.pop_front() {
-                        let (tag, freed) = t.complete_through(seq);
+                        let (tag, freed) = t.complete_through(seq, &mut Woken::default());
                         prop_assert_eq!(tag, seq);
                         room.release(freed);
                     }
@@ -1269,7 +1345,7 @@ mod tests {
             // Everything reported is polled: what stays is an unsignaled tail left by chains
             // that kept both queues at most half full, so a chain of half fits again.
             while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq);
+                let (_, freed) = t.complete_through(seq, &mut Woken::default());
                 room.release(freed);
             }
             prop_assert!(t.len() <= depth as usize / 2, "{} of {}", t.len(), depth);
@@ -1282,7 +1358,7 @@ mod tests {
             });
             prop_assert!(marked);
             while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq);
+                let (_, freed) = t.complete_through(seq, &mut Woken::default());
                 room.release(freed);
             }
             prop_assert_eq!(t.len(), 0);
@@ -1314,7 +1390,7 @@ mod tests {
                     .filter(|&s| t.slots[s as usize].is_some())
                     .collect();
                 for s in live.iter().take(polls as usize % 5) {
-                    let (_, f) = t.take(*s);
+                    let (_, f) = t.take(*s, &mut Woken::default());
                     room.release(f);
                 }
                 prop_assert_eq!(t.live(), room.reserved());

@@ -40,9 +40,14 @@ impl SrqInner {
         self.depth
     }
 
-    /// Release the receive in `slot` (its completion was polled); returns its tag.
-    pub(crate) fn complete(&self, slot: u32) -> u64 {
-        self.table().take(slot).0
+    /// Release the receive in `slot` (its completion was polled); returns its tag. Its flag
+    /// goes to `woken`.
+    pub(crate) fn complete(
+        &self,
+        slot: u32,
+        woken: &mut crate::completion::deferred::Woken,
+    ) -> u64 {
+        self.table().take(slot, woken).0
     }
 
     pub(crate) fn ctx_ptr(&self) -> *mut ibv::ibv_context {

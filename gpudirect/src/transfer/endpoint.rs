@@ -6,6 +6,7 @@ use super::engine::{Engine, EngineInner};
 use super::plan::{Chunk, Credits, PlanInput, deadline_after, plan, send_window};
 use super::region::{LocalRange, MemoryPath, Region};
 use super::wire::{Hello, MAX_HELLO};
+use crate::completion::deferred::{self, Defers, Locked, Woken};
 use crate::completion::{CompletionFlag, Fence, InFlight, Tracker};
 use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
@@ -17,7 +18,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// Tag of the notification receives.
@@ -358,21 +359,21 @@ struct State {
     wakes: Wakes,
 }
 
-/// Wake-ups decided under the state lock and run once it is let go: a future's waker is the
-/// caller's code, and one that calls the endpoint (or drops its last clone) would take the
-/// lock again. Run when dropped, so a state replaced or dropped with some still runs them.
+/// Wake-ups decided under the state lock, run once it is let go ([`Locked`]): a future's
+/// waker is the caller's code, and one that calls the endpoint (or drops its last clone) would
+/// take the lock again.
 #[derive(Default)]
 struct Wakes {
     /// Requests finished, with their results.
     finished: Vec<(Arc<ReqShared>, Result<TransferReport>)>,
-    /// Notification waiters to set (a notification came, the endpoint failed, or their
-    /// deadline passed).
-    notes: Vec<CompletionFlag>,
+    /// Notification waiters (a notification came, the endpoint failed, or their deadline
+    /// passed).
+    notes: Woken,
 }
 
-impl Wakes {
+impl deferred::Wakes for Wakes {
     fn is_empty(&self) -> bool {
-        self.finished.is_empty() && self.notes.is_empty()
+        self.finished.is_empty() && deferred::Wakes::is_empty(&self.notes)
     }
 }
 
@@ -381,66 +382,13 @@ impl Drop for Wakes {
         for (shared, r) in self.finished.drain(..) {
             shared.finish(r);
         }
-        for f in self.notes.drain(..) {
-            f.set();
-        }
     }
 }
 
-/// The state, locked. Dropping it lets the lock go, then runs the wake-ups decided under it.
-struct StateGuard<'a> {
-    mutex: &'a Mutex<State>,
-    g: Option<MutexGuard<'a, State>>,
-}
-
-impl std::ops::Deref for StateGuard<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
-        self.g.as_deref().expect("held until dropped")
-    }
-}
-
-impl std::ops::DerefMut for StateGuard<'_> {
-    fn deref_mut(&mut self) -> &mut State {
-        self.g.as_deref_mut().expect("held until dropped")
-    }
-}
-
-impl<'a> StateGuard<'a> {
-    fn new(mutex: &'a Mutex<State>) -> Self {
-        let g = mutex.lock().unwrap_or_else(|e| e.into_inner());
-        StateGuard { mutex, g: Some(g) }
-    }
-
-    /// Wait on `cv` up to `left` with the lock let go, as [`Condvar::wait_timeout`]. Pending
-    /// wake-ups run instead, the lock let go and taken again: the caller looks again (as after
-    /// any spurious wake-up) before it waits.
-    fn wait_timeout(mut self, cv: &Condvar, left: Duration) -> Self {
-        let mut g = self.g.take().expect("held until dropped");
-        if !g.wakes.is_empty() {
-            let w = std::mem::take(&mut g.wakes);
-            drop(g);
-            drop(w);
-            return StateGuard::new(self.mutex);
-        }
-        let g = cv
-            .wait_timeout(g, left)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
-        StateGuard {
-            mutex: self.mutex,
-            g: Some(g),
-        }
-    }
-}
-
-impl Drop for StateGuard<'_> {
-    fn drop(&mut self) {
-        if let Some(mut g) = self.g.take() {
-            let w = std::mem::take(&mut g.wakes);
-            drop(g);
-            drop(w);
-        }
+impl Defers for State {
+    type Wakes = Wakes;
+    fn wakes(&mut self) -> &mut Wakes {
+        &mut self.wakes
     }
 }
 
@@ -529,8 +477,8 @@ impl WeakEndpoint {
 }
 
 impl EpInner {
-    fn lock(&self) -> StateGuard<'_> {
-        StateGuard::new(&self.state)
+    fn lock(&self) -> Locked<'_, State> {
+        Locked::new(&self.state)
     }
 
     /// Wake every thread and future waiting for a notification (one came, or the endpoint
@@ -1578,11 +1526,7 @@ impl Drop for SetOnDrop {
 /// Drop the notification waiters that are gone: set (their future ended or was dropped), or
 /// past their deadline (then put in `expired`, to be set once the lock is let go, so what the
 /// completion tracker parked for them is freed).
-fn prune_waiters(
-    w: &mut Vec<(Instant, CompletionFlag)>,
-    now: Instant,
-    expired: &mut Vec<CompletionFlag>,
-) {
+fn prune_waiters(w: &mut Vec<(Instant, CompletionFlag)>, now: Instant, expired: &mut Woken) {
     w.retain(|(d, f)| {
         if f.is_complete() {
             return false;
@@ -2595,22 +2539,21 @@ mod tests {
             let f = CompletionFlag::new();
             w.push((far, f.clone()));
             drop(SetOnDrop(f));
-            prune_waiters(&mut w, Instant::now(), &mut Vec::new());
+            prune_waiters(&mut w, Instant::now(), &mut Woken::default());
         }
         assert!(w.len() <= 1, "{} waiters left", w.len());
         // A live waiter stays; an expired one is set and dropped.
         let (live, old) = (CompletionFlag::new(), CompletionFlag::new());
         let now = Instant::now();
         w = vec![(far, live.clone()), (now, old.clone())];
-        let mut expired = Vec::new();
+        let mut expired = Woken::default();
         prune_waiters(&mut w, now, &mut expired);
         assert_eq!(w.len(), 1);
         assert!(
             !old.is_complete() && !live.is_complete(),
-            "set only once unlocked"
+            "set once the lock is let go"
         );
-        assert_eq!(expired.len(), 1);
-        expired.iter().for_each(CompletionFlag::set);
+        drop(expired);
         assert!(old.is_complete() && !live.is_complete());
     }
 

@@ -113,13 +113,14 @@ use super::endpoint::{
 };
 use super::plan::deadline_after;
 use super::region::LocalRange;
+use crate::completion::deferred::{Defers, Locked, Woken};
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use cudarc::driver::CudaContext;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
@@ -280,12 +281,14 @@ struct Outcome {
 type Keep = Box<dyn Send>;
 
 impl Outcome {
-    fn set(&self, r: Result<TransferReport>, keep: Option<Keep>) {
+    /// Store the result; the flag goes to `woken`, set once the proxy's lock is let go.
+    fn set(&self, r: Result<TransferReport>, keep: Option<Keep>, woken: &mut Woken) {
         let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
             *g = Some((r, keep));
         }
-        self.flag.set();
+        drop(g);
+        woken.push(self.flag.clone());
     }
 }
 
@@ -361,6 +364,15 @@ struct PState<W> {
     closing: Option<Instant>,
     /// What finished requests held, dropped by a caller's thread (never the proxy's).
     graveyard: Vec<Box<dyn Send>>,
+    /// The flags of requests finished under the lock, set once it is let go ([`Locked`]).
+    woken: Woken,
+}
+
+impl<W> Defers for PState<W> {
+    type Wakes = Woken;
+    fn wakes(&mut self) -> &mut Woken {
+        &mut self.woken
+    }
 }
 
 /// Rung by new work, completions and the close.
@@ -425,8 +437,8 @@ fn closed_error() -> Error {
 }
 
 impl<B: Backend> Core<B> {
-    fn lock(&self) -> MutexGuard<'_, PState<B::Work>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Locked<'_, PState<B::Work>> {
+        Locked::new(&self.state)
     }
 
     /// End entry `key` with `r`: publish the queue's word, hand the result over, and put what
@@ -452,7 +464,7 @@ impl<B: Backend> Core<B> {
                 poisoned = q.window.failed();
             }
         }
-        e.outcome.set(r, keep);
+        e.outcome.set(r, keep, &mut st.woken);
         let work = match e.stage {
             Stage::Reserved(w) | Stage::Armed(w) | Stage::Running(w, _) => Some(w),
             Stage::Starting => None,
@@ -510,7 +522,7 @@ impl<B: Backend> Core<B> {
             Stage::Reserved(w) | Stage::Armed(w) | Stage::Running(w, _) => Some(w),
             Stage::Starting => None,
         };
-        e.outcome.set(Err(closed_error()), None);
+        e.outcome.set(Err(closed_error()), None, &mut st.woken);
         st.graveyard.push(Box::new((e.queue, work, e.outcome)));
         Self::forget_idle(st, key.0);
     }
@@ -758,6 +770,7 @@ impl<B: Backend> Proxy<B> {
                     next_queue: 1,
                     closing: None,
                     graveyard: Vec::new(),
+                    woken: Woken::default(),
                 }),
                 bell: Arc::new(Bell::default()),
             }),
@@ -1609,6 +1622,39 @@ mod tests {
         assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         assert_eq!(t.completion_value(), 1);
         assert!(t.wait(Duration::ZERO).is_err(), "taken once");
+        p.closed();
+    }
+
+    #[test]
+    fn a_finished_requests_waker_runs_with_the_proxy_unlocked() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::task::Wake;
+        // Counts wake-ups that found the proxy's lock free (a waker may call back inline).
+        struct Probe(Arc<Core<Fake>>, AtomicU32);
+        impl Wake for Probe {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref()
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                if self.0.state.try_lock().is_ok() {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let probe = Arc::new(Probe(p.core.clone(), AtomicU32::new(0)));
+        let t = p.arm(Trigger::Host, 9, Duration::from_secs(30)).unwrap();
+        assert!(t.outcome.flag.register_waker(&Waker::from(probe.clone())));
+        t.trigger().unwrap();
+        finish(&rel, 9, true);
+        until("woken", || {
+            probe.1.load(Ordering::SeqCst) > 0 || t.is_complete()
+        });
+        until("woken with the proxy unlocked", || {
+            probe.1.load(Ordering::SeqCst) == 1
+        });
+        assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         p.closed();
     }
 
