@@ -7,7 +7,10 @@
 //! [`Locked`] runs them after letting the lock go.
 #![cfg_attr(
     not(feature = "transfer"),
-    allow(dead_code, reason = "the transfer engine's locked states use all of it")
+    allow(
+        dead_code,
+        reason = "the transfer engine's locked states use all of it"
+    )
 )]
 
 use super::fence::CompletionFlag;

@@ -75,6 +75,19 @@ impl CompletionFlag {
     pub fn set(&self) {
         self.0.set();
     }
+
+    /// [`set`](Self::set) in two steps: set now, under the caller's lock, so that whoever sees
+    /// what it guards sees the flag set; the futures are woken by the step returned, once that
+    /// lock is let go (a waker may call back into the code that holds it).
+    #[cfg_attr(
+        not(feature = "transfer"),
+        allow(dead_code, reason = "the transfer engine's requests use it")
+    )]
+    pub(crate) fn set_then_wake(&self) -> impl FnOnce() + use<> {
+        self.0.mark();
+        let me = self.clone();
+        move || me.0.wake()
+    }
 }
 
 impl Fence for CompletionFlag {

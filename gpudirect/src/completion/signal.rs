@@ -25,7 +25,18 @@ impl Signal {
     /// Set it and wake every kept waker (by reference). A waker that panics is ignored (its
     /// payload leaked, never dropped here).
     pub(crate) fn set(&self) {
+        self.mark();
+        self.wake();
+    }
+
+    /// Set it without waking anyone yet: [`wake`](Self::wake) follows, once the caller let its
+    /// own locks go (a waker may call back into the code that holds them).
+    pub(crate) fn mark(&self) {
         self.done.store(true, Ordering::Release);
+    }
+
+    /// Wake every kept waker (by reference), after [`mark`](Self::mark).
+    pub(crate) fn wake(&self) {
         // Taking the lock after the store: a registration either happened before (its waker is
         // woken here) or sees `done` when it re-checks (the lock orders the two).
         let wakers = self.lock();

@@ -303,9 +303,10 @@ impl ReqShared {
         }
         // Set under the lock: whoever sees the result sees the flag set (`wait` takes the
         // resources with a zero timeout once the result is there), and whoever is woken by the
-        // flag finds the result.
-        self.flag.set();
+        // flag finds the result. Woken after it: a waker that polls the transfer takes it.
+        let wake = self.flag.set_then_wake();
         drop(g);
+        wake();
         if self.sleepers.load(Ordering::Acquire) > 0 {
             self.cv.notify_all();
         }
@@ -2576,6 +2577,42 @@ mod tests {
         };
         h.join().unwrap();
         assert_eq!(r.unwrap().bytes, 42);
+    }
+
+    #[test]
+    fn a_finished_transfers_waker_runs_with_its_result_unlocked() {
+        use std::sync::atomic::AtomicU32;
+        // Counts wake-ups that could take the result's lock (a waker that polls inline does).
+        struct Probe(Arc<ReqShared>, AtomicU32);
+        impl Wake for Probe {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref()
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                if self.0.done.try_lock().is_ok() {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let probe = Arc::new(Probe(t.shared.clone(), AtomicU32::new(0)));
+        let mut f = t.into_future();
+        let waker = Waker::from(probe.clone());
+        assert!(
+            f.as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+        );
+        done(Ok(report()));
+        assert_eq!(
+            probe.1.load(Ordering::SeqCst),
+            1,
+            "woken once, the result unlocked"
+        );
+        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
+            Poll::Pending => panic!("finished"),
+        }
     }
 
     #[test]
