@@ -120,9 +120,9 @@ impl<T: Defers> Drop for Locked<'_, T> {
 mod tests {
     use super::*;
     use crate::completion::Fence;
+    use crate::completion::testing::WokenFree;
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    use std::task::{Wake, Waker};
+    use std::task::Waker;
 
     #[derive(Default)]
     struct S {
@@ -137,25 +137,12 @@ mod tests {
         }
     }
 
-    /// Counts wake-ups that could take the lock (as a waker that calls back would).
-    struct Probe(Arc<Mutex<S>>, AtomicU32);
-
-    impl Wake for Probe {
-        fn wake(self: Arc<Self>) {
-            self.wake_by_ref()
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            if let Ok(mut s) = self.0.try_lock() {
-                s.n += 1;
-                self.1.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    }
-
     #[test]
     fn wake_ups_run_once_the_lock_is_let_go() {
         let m = Arc::new(Mutex::new(S::default()));
-        let probe = Arc::new(Probe(m.clone(), AtomicU32::new(0)));
+        let m2 = m.clone();
+        // Takes the lock, as a waker that calls back would.
+        let probe = WokenFree::new(move || m2.try_lock().map(|mut s| s.n += 1).is_ok());
         let flags: Vec<CompletionFlag> = (0..3).map(|_| CompletionFlag::new()).collect();
         for f in &flags {
             assert!(f.register_waker(&Waker::from(probe.clone())));
@@ -166,11 +153,7 @@ mod tests {
             assert!(flags.iter().all(|f| !f.is_complete()));
         }
         assert!(flags[..2].iter().all(CompletionFlag::is_complete));
-        assert_eq!(
-            probe.1.load(Ordering::SeqCst),
-            2,
-            "each found the lock free"
-        );
+        assert_eq!(probe.count(), 2, "each found the lock free");
         // Pending wake-ups run instead of a wait, the lock let go.
         let cv = Condvar::new();
         let mut st = Locked::new(&m);
@@ -179,7 +162,7 @@ mod tests {
         let st = st.wait_timeout(&cv, Duration::from_secs(30));
         assert!(t.elapsed() < Duration::from_secs(10));
         assert!(flags[2].is_complete());
-        assert_eq!((st.n, probe.1.load(Ordering::SeqCst)), (3, 3));
+        assert_eq!((st.n, probe.count()), (3, 3));
         // Nothing pending: a plain wait.
         let st = st.wait_timeout(&cv, Duration::from_millis(5));
         assert_eq!(st.n, 3);

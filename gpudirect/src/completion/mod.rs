@@ -158,6 +158,35 @@ pub(crate) mod testing {
         }
     }
 
+    /// A waker that counts the wakes in which `free` held: whether the locks a waker calling
+    /// back into the library would take were free.
+    #[cfg(feature = "rdma")]
+    pub(crate) struct WokenFree<F>(F, AtomicUsize);
+
+    #[cfg(feature = "rdma")]
+    impl<F: Fn() -> bool + Send + Sync + 'static> WokenFree<F> {
+        pub(crate) fn new(free: F) -> Arc<Self> {
+            Arc::new(WokenFree(free, AtomicUsize::new(0)))
+        }
+
+        /// Wakes in which the locks were free.
+        pub(crate) fn count(&self) -> usize {
+            self.1.load(Ordering::SeqCst)
+        }
+    }
+
+    #[cfg(feature = "rdma")]
+    impl<F: Fn() -> bool + Send + Sync + 'static> std::task::Wake for WokenFree<F> {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            if (self.0)() {
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Wait until `f` holds, checking every 100 µs; fail the test naming `what` after 10 s.
     pub(crate) fn until(what: &str, f: impl Fn() -> bool) {
         let t = std::time::Instant::now();

@@ -827,23 +827,12 @@ mod tests {
     #[test]
     fn a_released_requests_flag_is_set_once_the_tables_are_unlocked() {
         use crate::completion::Fence;
+        use crate::completion::testing::WokenFree;
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicU32, Ordering};
-        use std::task::{Wake, Waker};
-        // Counts wake-ups that found both tables free (a waker may post or poll inline).
-        struct Probe(Arc<PostedTables>, AtomicU32);
-        impl Wake for Probe {
-            fn wake(self: Arc<Self>) {
-                self.wake_by_ref()
-            }
-            fn wake_by_ref(self: &Arc<Self>) {
-                if self.0.sq.try_lock().is_ok() && self.0.rq.try_lock().is_ok() {
-                    self.1.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        }
+        use std::task::Waker;
         let tables = Arc::new(PostedTables::new(SendTable::new(4, 2), RecvTable::new(4)));
-        let probe = Arc::new(Probe(tables.clone(), AtomicU32::new(0)));
+        let t = tables.clone();
+        let probe = WokenFree::new(move || t.sq.try_lock().is_ok() && t.rq.try_lock().is_ok());
         let (sent, received) = (CompletionFlag::new(), CompletionFlag::new());
         for f in [&sent, &received] {
             assert!(f.register_waker(&Waker::from(probe.clone())));
@@ -865,11 +854,7 @@ mod tests {
         );
         drop(woken);
         assert!(sent.is_complete() && received.is_complete());
-        assert_eq!(
-            probe.1.load(Ordering::SeqCst),
-            2,
-            "both woken with the tables free"
-        );
+        assert_eq!(probe.count(), 2, "both woken with the tables free");
     }
 
     #[test]

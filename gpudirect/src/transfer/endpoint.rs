@@ -2581,21 +2581,11 @@ mod tests {
 
     #[test]
     fn a_finished_transfers_waker_runs_with_its_result_unlocked() {
-        use std::sync::atomic::AtomicU32;
-        // Counts wake-ups that could take the result's lock (a waker that polls inline does).
-        struct Probe(Arc<ReqShared>, AtomicU32);
-        impl Wake for Probe {
-            fn wake(self: Arc<Self>) {
-                self.wake_by_ref()
-            }
-            fn wake_by_ref(self: &Arc<Self>) {
-                if self.0.done.try_lock().is_ok() {
-                    self.1.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        }
+        use crate::completion::testing::WokenFree;
         let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-        let probe = Arc::new(Probe(t.shared.clone(), AtomicU32::new(0)));
+        let shared = t.shared.clone();
+        // A waker that polls the transfer inline takes the result's lock.
+        let probe = WokenFree::new(move || shared.done.try_lock().is_ok());
         let mut f = t.into_future();
         let waker = Waker::from(probe.clone());
         assert!(
@@ -2604,11 +2594,7 @@ mod tests {
                 .is_pending()
         );
         done(Ok(report()));
-        assert_eq!(
-            probe.1.load(Ordering::SeqCst),
-            1,
-            "woken once, the result unlocked"
-        );
+        assert_eq!(probe.count(), 1, "woken once, the result unlocked");
         match f.as_mut().poll(&mut Context::from_waker(&waker)) {
             Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
             Poll::Pending => panic!("finished"),

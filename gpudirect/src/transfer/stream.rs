@@ -1627,33 +1627,18 @@ mod tests {
 
     #[test]
     fn a_finished_requests_waker_runs_with_the_proxy_unlocked() {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        use std::task::Wake;
-        // Counts wake-ups that found the proxy's lock free (a waker may call back inline).
-        struct Probe(Arc<Core<Fake>>, AtomicU32);
-        impl Wake for Probe {
-            fn wake(self: Arc<Self>) {
-                self.wake_by_ref()
-            }
-            fn wake_by_ref(self: &Arc<Self>) {
-                if self.0.state.try_lock().is_ok() {
-                    self.1.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        }
+        use crate::completion::testing::WokenFree;
         let p = Proxy::new(Fake::default());
         let rel = p.core.backend.release.clone();
-        let probe = Arc::new(Probe(p.core.clone(), AtomicU32::new(0)));
+        let core = p.core.clone();
+        // A waker that calls back into the proxy inline takes its lock.
+        let probe = WokenFree::new(move || core.state.try_lock().is_ok());
         let t = p.arm(Trigger::Host, 9, Duration::from_secs(30)).unwrap();
         assert!(t.outcome.flag.register_waker(&Waker::from(probe.clone())));
         t.trigger().unwrap();
         finish(&rel, 9, true);
-        until("woken", || {
-            probe.1.load(Ordering::SeqCst) > 0 || t.is_complete()
-        });
-        until("woken with the proxy unlocked", || {
-            probe.1.load(Ordering::SeqCst) == 1
-        });
+        until("woken", || probe.count() > 0 || t.is_complete());
+        until("woken with the proxy unlocked", || probe.count() == 1);
         assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         p.closed();
     }
