@@ -76,17 +76,15 @@ impl CompletionFlag {
         self.0.set();
     }
 
-    /// [`set`](Self::set) in two steps: set now, under the caller's lock, so that whoever sees
-    /// what it guards sees the flag set; the futures are woken by the step returned, once that
-    /// lock is let go (a waker may call back into the code that holds it).
+    /// Set it without waking anyone: under the caller's lock, so that whoever sees what it
+    /// guards sees the flag set. [`set`](Self::set) follows once that lock is let go (it wakes;
+    /// a waker may call back into the code that holds the lock).
     #[cfg_attr(
         not(feature = "transfer"),
         allow(dead_code, reason = "the transfer engine's requests use it")
     )]
-    pub(crate) fn set_then_wake(&self) -> impl FnOnce() + use<> {
+    pub(crate) fn mark(&self) {
         self.0.mark();
-        let me = self.clone();
-        move || me.0.wake()
     }
 }
 

@@ -8,6 +8,7 @@ use super::cq::{CompletionChannel, CompletionQueue, POLL_BATCH, WcOpcode, WorkCo
 use super::mr::{MrSlice, RemoteSlice};
 use super::qp::{QueuePair, Rts};
 use super::wr::{RecvRequest, SendRequest};
+use crate::completion::deferred::Woken;
 use crate::completion::thread::{self, Watch, Watched};
 use crate::completion::{Fence, InFlight, InFlightFuture};
 use crate::error::{Error, Result};
@@ -39,21 +40,43 @@ struct SlotState {
     waker: Option<Waker>,
 }
 
+/// Wakers to wake once the locks they were taken under are let go: woken when dropped.
+#[derive(Default)]
+struct Wakers(Vec<Waker>);
+
+impl Wakers {
+    fn extend(&mut self, w: impl IntoIterator<Item = Waker>) {
+        self.0.extend(w);
+    }
+}
+
+impl Drop for Wakers {
+    fn drop(&mut self) {
+        for w in self.0.drain(..) {
+            // One waker's panic does not keep the others asleep.
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
+                std::mem::forget(p);
+            }
+        }
+    }
+}
+
 impl Slot {
     /// Store the outcome (the first one only) and wake the waiter.
     fn fill(&self, r: Result<WorkCompletion>) {
-        let waker = {
-            let mut st = lock(&self.st);
-            if self.done.load(Ordering::Acquire) {
-                return;
-            }
-            st.result = Some(r);
-            self.done.store(true, Ordering::Release);
-            st.waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
+        let mut wakers = Wakers::default();
+        self.fill_deferred(r, &mut wakers);
+    }
+
+    /// Store the outcome (the first one only); the waiter's waker goes to `wakers`.
+    fn fill_deferred(&self, r: Result<WorkCompletion>, wakers: &mut Wakers) {
+        let mut st = lock(&self.st);
+        if self.done.load(Ordering::Acquire) {
+            return;
         }
+        st.result = Some(r);
+        self.done.store(true, Ordering::Release);
+        wakers.extend(st.waker.take());
     }
 
     fn is_done(&self) -> bool {
@@ -130,21 +153,11 @@ impl Dispatcher {
     /// Poll the CQ until it is empty, routing every completion; then post from the backlogs.
     /// Returns how many completions were polled.
     fn progress(&self) -> Result<usize> {
-        let mut total = 0;
-        {
-            let _one = lock(&self.poll_lock);
-            let mut buf = [WorkCompletion::default(); POLL_BATCH];
-            loop {
-                let n = self.cq.inner.poll_into(&mut buf)?;
-                for w in &buf[..n] {
-                    self.route(*w);
-                }
-                total += n;
-                if n < buf.len() {
-                    break;
-                }
-            }
-        }
+        let total = poll_routed(
+            &self.poll_lock,
+            |buf, woken| self.cq.inner.poll_deferred(buf, woken),
+            |w, wakers| self.route(w, wakers),
+        )?;
         if total > 0 {
             for qp in self.attached() {
                 qp.drain();
@@ -157,14 +170,15 @@ impl Dispatcher {
         lock(&self.qps).values().filter_map(Weak::upgrade).collect()
     }
 
-    fn route(&self, w: WorkCompletion) {
+    /// Hand `w` to the future or stream waiting for it; their wakers go to `wakers`.
+    fn route(&self, w: WorkCompletion, wakers: &mut Wakers) {
         let qp = lock(&self.qps).get(&w.qp_num()).and_then(Weak::upgrade);
         // A queue pair not attached here: its request released what it held; nobody waits.
         let Some(qp) = qp else { return };
         if w.tag() & RECV_BIT != 0 {
-            qp.recv_done(w);
+            qp.recv_done(w, wakers);
         } else {
-            qp.send_done(w);
+            qp.send_done(w, wakers);
         }
     }
 
@@ -217,6 +231,34 @@ impl Dispatcher {
         thread::watch(Arc::new(ThreadWatch(Arc::downgrade(self)))).inspect_err(|_| {
             self.watched.store(false, Ordering::Release);
         })
+    }
+}
+
+/// Poll with `poll` until it gives less than a full batch, routing each completion with
+/// `route`, one poller at a time (`poll_lock`: completions are routed in the order the CQ gave
+/// them). The wake-ups decided meanwhile (the released requests' flags, the routed futures' and
+/// streams' wakers) run once `poll_lock` is let go: a waker may poll a future inline, and every
+/// poll of a future or stream polls the CQ, taking `poll_lock`. Returns how many were polled.
+fn poll_routed(
+    poll_lock: &Mutex<()>,
+    mut poll: impl FnMut(&mut [WorkCompletion], &mut Woken) -> Result<usize>,
+    mut route: impl FnMut(WorkCompletion, &mut Wakers),
+) -> Result<usize> {
+    // Declared before the lock: dropped (woken) after it, also on an error.
+    let mut woken = Woken::default();
+    let mut wakers = Wakers::default();
+    let _one = lock(poll_lock);
+    let mut buf = [WorkCompletion::default(); POLL_BATCH];
+    let mut total = 0;
+    loop {
+        let n = poll(&mut buf, &mut woken)?;
+        for w in &buf[..n] {
+            route(*w, &mut wakers);
+        }
+        total += n;
+        if n < buf.len() {
+            return Ok(total);
+        }
     }
 }
 
@@ -568,15 +610,15 @@ impl QpShared {
         self.next_id.fetch_add(1, Ordering::Relaxed) & !RECV_BIT
     }
 
-    fn send_done(&self, mut w: WorkCompletion) {
+    fn send_done(&self, mut w: WorkCompletion, wakers: &mut Wakers) {
         let sender = lock(&self.send).side.complete(w.tag());
         if let Some((slot, tag)) = sender {
             w.set_tag(tag);
-            slot.fill(Ok(w));
+            slot.fill_deferred(Ok(w), wakers);
         }
     }
 
-    fn recv_done(&self, mut w: WorkCompletion) {
+    fn recv_done(&self, mut w: WorkCompletion, wakers: &mut Wakers) {
         let mut st = lock(&self.recv);
         let Some(buf) = st.posted.remove(&w.tag()) else {
             return;
@@ -598,9 +640,7 @@ impl QpShared {
             m = st.msg_waker.take();
         }
         drop(st);
-        for w in [m, i].into_iter().flatten() {
-            w.wake();
-        }
+        wakers.extend([m, i].into_iter().flatten());
     }
 
     /// Post what the backlog holds while there is room.
@@ -1012,6 +1052,77 @@ impl std::fmt::Debug for QpShared {
 mod tests {
     use super::*;
     use crate::completion::testing::CountWakes;
+
+    #[test]
+    fn wake_ups_decided_while_polling_run_once_the_poll_lock_is_let_go() {
+        use crate::completion::CompletionFlag;
+        use std::sync::atomic::AtomicU32;
+        use std::task::Wake;
+        // Counts wake-ups that found the poll lock free: a waker that polls a future inline
+        // polls the CQ, which takes it (held, it waited for itself).
+        struct Probe(Arc<Mutex<()>>, AtomicU32);
+        impl Wake for Probe {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref()
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                if self.0.try_lock().is_ok() {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let poll_lock = Arc::new(Mutex::new(()));
+        let probe = Arc::new(Probe(poll_lock.clone(), AtomicU32::new(0)));
+        let waker = Waker::from(probe.clone());
+        // A future's slot, a stream's waker, and a request's own flag (SendRequest::notify).
+        let slot = Slot::default();
+        slot.register(&waker);
+        let flag = CompletionFlag::new();
+        assert!(flag.register_waker(&waker));
+        let mut polls = 0;
+        let n = poll_routed(
+            &poll_lock,
+            |buf, woken| {
+                polls += 1;
+                if polls > 1 {
+                    return Ok(0);
+                }
+                woken.push(flag.clone());
+                buf[0] = WorkCompletion::default();
+                buf[1] = WorkCompletion::default();
+                Ok(buf.len())
+            },
+            |w, wakers| {
+                if slot.is_done() {
+                    wakers.extend([waker.clone()]);
+                } else {
+                    slot.fill_deferred(Ok(w), wakers);
+                }
+            },
+        )
+        .unwrap();
+        assert_eq!(n, POLL_BATCH);
+        assert!(slot.is_done() && flag.is_complete());
+        assert_eq!(
+            probe.1.load(Ordering::SeqCst),
+            POLL_BATCH as u32 + 1,
+            "every wake-up ran with the poll lock free"
+        );
+        // An error of the poll: what was decided before it still runs, unlocked.
+        let flag = CompletionFlag::new();
+        assert!(flag.register_waker(&waker));
+        let r = poll_routed(
+            &poll_lock,
+            |_, woken| {
+                woken.push(flag.clone());
+                Err(Error::errno("ibv_poll_cq", libc::EIO))
+            },
+            |_, _| unreachable!("nothing polled"),
+        );
+        assert!(r.is_err());
+        assert!(flag.is_complete());
+        assert_eq!(probe.1.load(Ordering::SeqCst), POLL_BATCH as u32 + 2);
+    }
 
     #[test]
     fn a_slot_is_filled_once_and_wakes_its_waiter_once() {

@@ -233,8 +233,18 @@ impl CqInner {
     /// Poll up to `out.len()` completions: first those held back, then the CQ's. Each one's
     /// posted resources are released (its request's slices dropped) before it is returned.
     pub(crate) fn poll_into(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        // Declared before the lock: the released requests' flags are set after it is let go.
+        // Dropped after the call: the released requests' flags are set once its lock is let go.
         let mut woken = Woken::default();
+        self.poll_deferred(out, &mut woken)
+    }
+
+    /// [`poll_into`](Self::poll_into), the released requests' flags put in `woken` (for a
+    /// caller that holds a lock of its own while it polls: it sets them once that is let go).
+    pub(crate) fn poll_deferred(
+        &self,
+        out: &mut [WorkCompletion],
+        woken: &mut Woken,
+    ) -> Result<usize> {
         let mut st = self.lock();
         let mut n = 0;
         while n < out.len() {
@@ -262,11 +272,11 @@ impl CqInner {
                 // The library's wr_id becomes the caller's tag once the request is released.
                 let (tag, f) = match WrId::decode(w.0.wr_id) {
                     WrId::Srq { srq, slot } => match st.srqs.get(&srq).and_then(Weak::upgrade) {
-                        Some(s) => (s.complete(slot, &mut woken), 0),
+                        Some(s) => (s.complete(slot, woken), 0),
                         None => (0, 0),
                     },
                     _ => match st.qps.get(&w.0.qp_num) {
-                        Some(posted) => posted.complete(&w.0, &mut woken),
+                        Some(posted) => posted.complete(&w.0, woken),
                         None => (0, 0),
                     },
                 };

@@ -296,7 +296,13 @@ pub(crate) trait Finisher: Send + Sync {
 }
 
 impl ReqShared {
-    fn finish(&self, r: Result<TransferReport>) {
+    fn finish(self: Arc<Self>, r: Result<TransferReport>) {
+        drop(self.settle(r));
+    }
+
+    /// Store the result (the first one stays) and set the flag; its waiters are woken when
+    /// what is returned is dropped (once the caller let its own locks go).
+    fn settle(self: Arc<Self>, r: Result<TransferReport>) -> Settled {
         let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
             *g = Some(r);
@@ -304,11 +310,22 @@ impl ReqShared {
         // Set under the lock: whoever sees the result sees the flag set (`wait` takes the
         // resources with a zero timeout once the result is there), and whoever is woken by the
         // flag finds the result. Woken after it: a waker that polls the transfer takes it.
-        let wake = self.flag.set_then_wake();
+        self.flag.mark();
         drop(g);
-        wake();
-        if self.sleepers.load(Ordering::Acquire) > 0 {
-            self.cv.notify_all();
+        Settled(self)
+    }
+}
+
+/// A finished request's wake-up ([`Transfer::pending`]): its futures and blocked waits are
+/// woken when this is dropped.
+pub(crate) struct Settled(Arc<ReqShared>);
+
+impl Drop for Settled {
+    fn drop(&mut self) {
+        // Set already: this wakes.
+        self.0.flag.set();
+        if self.0.sleepers.load(Ordering::Acquire) > 0 {
+            self.0.cv.notify_all();
         }
     }
 }
@@ -362,9 +379,9 @@ struct State {
 
 /// Wake-ups decided under the state lock, run once it is let go ([`Locked`]): a future's
 /// waker is the caller's code, and one that calls the endpoint (or drops its last clone) would
-/// take the lock again.
+/// take the lock again. Run when dropped.
 #[derive(Default)]
-struct Wakes {
+pub(super) struct Wakes {
     /// Requests finished, with their results.
     finished: Vec<(Arc<ReqShared>, Result<TransferReport>)>,
     /// Notification waiters (a notification came, the endpoint failed, or their deadline
@@ -495,10 +512,13 @@ impl EpInner {
         not(feature = "p2p"),
         allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
     )]
-    /// End the endpoint with `cause` (the first cause stays).
-    pub(super) fn fail(&self, cause: Broken) {
+    /// End the endpoint with `cause` (the first cause stays). The wake-ups it decides
+    /// (requests ended, notification waiters) are returned, to be run (dropped) once the
+    /// caller let its own locks go.
+    pub(super) fn fail_later(&self, cause: Broken) -> Wakes {
         let mut st = self.lock();
         break_endpoint(self, &mut st, cause);
+        std::mem::take(&mut st.wakes)
     }
 
     #[cfg_attr(
@@ -2293,12 +2313,14 @@ impl Transfer {
 
     /// A transfer finished by someone else (the staged path's worker): the transfer, and the
     /// function that finishes it.
+    /// The function stores the result and sets the flag; the waiters are woken when the
+    /// [`Settled`] it returns is dropped (once the finisher let its own locks go).
     pub(crate) fn pending(
         timeout: Duration,
         regions: Vec<Region>,
     ) -> (
         Transfer,
-        impl FnOnce(Result<TransferReport>) + Send + 'static,
+        impl FnOnce(Result<TransferReport>) -> Settled + Send + 'static,
     ) {
         let flag = CompletionFlag::new();
         let limit = deadline_after(deadline_after(Instant::now(), timeout), timeout) + FLUSH_WAIT;
@@ -2324,7 +2346,7 @@ impl Transfer {
                 _finisher: WakeFinisher(shared.clone()),
                 shared,
             },
-            move |r| s.finish(r),
+            move |r| s.settle(r),
         )
     }
 
@@ -2622,7 +2644,7 @@ mod tests {
         // was set after the lock was let go.
         for _ in 0..2000 {
             let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-            let h = std::thread::spawn(move || done(Ok(report())));
+            let h = std::thread::spawn(move || drop(done(Ok(report()))));
             let r = t.wait();
             h.join().unwrap();
             assert_eq!(r.unwrap().bytes, 42);

@@ -29,8 +29,8 @@
 use super::descriptor::{IpcKind, IpcPart};
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
-    Broken, Direction, EpInner, Finisher, LocalSide, Notification, Transfer, TransferOptions,
-    TransferReport, check_pairs, check_same_engine,
+    Broken, Direction, EpInner, Finisher, LocalSide, Notification, Settled, Transfer,
+    TransferOptions, TransferReport, Wakes, check_pairs, check_same_engine,
 };
 use super::engine::Engine;
 use super::ipc::{
@@ -868,7 +868,8 @@ struct Job {
     /// Shared so that it can be asked outside the queue's lock.
     fence: Arc<Events>,
     keep: Keep,
-    finish: Box<dyn FnOnce(Result<TransferReport>) + Send>,
+    /// Sets the result; the [`Settled`] returned wakes the waiters when dropped.
+    finish: Box<dyn FnOnce(Result<TransferReport>) -> Settled + Send>,
     report: TransferReport,
     started: Instant,
     deadline: Instant,
@@ -995,11 +996,16 @@ impl Side {
     /// End the endpoint with `cause`: requests in flight are ended by the worker (what their
     /// copies reach parked until the copies are done).
     fn fail(&self, cause: Broken) {
+        drop(self.fail_later(cause));
+    }
+
+    /// [`fail`](Self::fail), the wake-ups it decides returned, to be dropped once the caller
+    /// let its own locks go.
+    fn fail_later(&self, cause: Broken) -> Option<Wakes> {
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        if let Some(ep) = self.ep() {
-            ep.fail(cause);
-        }
+        let wakes = self.ep().map(|ep| ep.fail_later(cause));
         self.queue_cv.notify_all();
+        wakes
     }
 
     /// Start the reader of the current connection.
@@ -1219,15 +1225,21 @@ impl Side {
         };
         drop(fence);
         let job = lock(&self.queue).jobs.pop_front().expect("the head stays");
-        self.conclude(job, end, block);
+        let later = self.conclude(job, end, block);
+        // The waiters' wakers run with `finishing` let go: a waker may poll, wait or drop the
+        // last clone of the endpoint inline (whose close joins the worker, which may be
+        // waiting for `finishing`).
+        drop(_order);
+        drop(later);
         true
     }
 
     /// End a request taken from the head. `on_worker`: this is the worker thread, which frees
     /// nothing (a `cuMemFree` waits for the whole device, and a stream may wait on a word only
     /// this thread can let through): what the request held is parked, its events done, for the
-    /// next reap on a caller's thread.
-    fn conclude(&self, job: Job, end: End, on_worker: bool) {
+    /// next reap on a caller's thread. Returns the wake-ups it decided, to be run (dropped) once
+    /// `finishing` is let go.
+    fn conclude(&self, job: Job, end: End, on_worker: bool) -> Later {
         let Job {
             fence,
             keep,
@@ -1242,8 +1254,11 @@ impl Side {
             End::Failed(e) => {
                 // A sticky error: the copy will never be seen done; what it reaches stays.
                 Tracker::global().park(fence, keep);
-                self.fail(Broken::of(&e));
-                finish(Err(e));
+                let failed = self.fail_later(Broken::of(&e));
+                Later {
+                    _settled: finish(Err(e)),
+                    _failed: failed,
+                }
             }
             End::Ended => {
                 Tracker::global().park(fence, keep);
@@ -1251,16 +1266,23 @@ impl Side {
                     .ep()
                     .and_then(|ep| ep.failure())
                     .unwrap_or_else(|| Broken::Closed.to_error());
-                finish(Err(e));
+                Later {
+                    _settled: finish(Err(e)),
+                    _failed: None,
+                }
             }
             End::Late => {
                 Tracker::global().park(fence, keep);
-                self.fail(Broken::Deadline(timeout));
-                finish(Err(Error::Timeout {
+                let failed = self.fail_later(Broken::Deadline(timeout));
+                let e = Error::Timeout {
                     what: "an intra-node transfer (its copies did not finish in time; the \
                            endpoint was closed)",
                     after: timeout,
-                }));
+                };
+                Later {
+                    _settled: finish(Err(e)),
+                    _failed: failed,
+                }
             }
             End::Done => {
                 if on_worker {
@@ -1275,23 +1297,40 @@ impl Side {
                         .ep()
                         .and_then(|ep| ep.failure())
                         .unwrap_or_else(|| Broken::Closed.to_error());
-                    finish(Err(e));
-                    return;
+                    return Later {
+                        _settled: finish(Err(e)),
+                        _failed: None,
+                    };
                 }
                 if let Some(tag) = report.notified
                     && let Err(e) = self.notify(tag)
                 {
-                    if let Error::Os { call, source } = &e {
-                        self.fail(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
-                    }
-                    finish(Err(e));
-                    return;
+                    let failed = match &e {
+                        Error::Os { call, source } => {
+                            self.fail_later(Broken::Os(call, source.raw_os_error().unwrap_or(0)))
+                        }
+                        _ => None,
+                    };
+                    return Later {
+                        _settled: finish(Err(e)),
+                        _failed: failed,
+                    };
                 }
                 report.elapsed = started.elapsed();
-                finish(Ok(report));
+                Later {
+                    _settled: finish(Ok(report)),
+                    _failed: None,
+                }
             }
         }
     }
+}
+
+/// The wake-ups of a request ended at the head ([`Side::conclude`]): its own, and those of
+/// the endpoint's failure it caused. Run when dropped.
+struct Later {
+    _settled: Settled,
+    _failed: Option<Wakes>,
 }
 
 /// How a request ends ([`Side::finish_head`]).
@@ -2757,6 +2796,109 @@ mod tests {
             }
             let _ = lock(&self.woke).send(());
         }
+    }
+
+    #[test]
+    fn a_request_finished_at_the_head_wakes_its_waker_with_finishing_let_go() {
+        use std::sync::atomic::AtomicU32;
+        use std::task::{Wake, Waker};
+        // Counts wake-ups that found `finishing` free: a waker that drops the last clone of the
+        // endpoint inline joins the worker, which may be waiting for it (held, both waited).
+        struct Probe(Arc<Side>, AtomicU32, AtomicU32);
+        impl Wake for Probe {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref()
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                self.1.fetch_add(1, Ordering::SeqCst);
+                if self.0.finishing.try_lock().is_ok() {
+                    self.2.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("finishing-let-go")).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || greeted_peer(&path, 82));
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let _peer = peer.join().unwrap();
+        let side = ep
+            .local_side()
+            .unwrap()
+            .as_any()
+            .downcast_ref::<Side>()
+            .unwrap();
+        let side = side.me.upgrade().unwrap();
+        // The worker stopped: the request is finished here, by a waiting caller's look, and
+        // nobody else takes `finishing`.
+        lock(&side.queue).closing = true;
+        side.queue_cv.notify_all();
+        lock(&side.worker).take().unwrap().join().unwrap();
+        let probe = Arc::new(Probe(side.clone(), AtomicU32::new(0), AtomicU32::new(0)));
+        let push = |finish, notify: Option<u32>| {
+            let now = Instant::now();
+            let opts = TransferOptions {
+                notify,
+                deadline: None,
+            };
+            lock(&side.queue).jobs.push_back(Job {
+                // No stream: done at once.
+                fence: Arc::new(Events(Vec::new())),
+                keep: Keep {
+                    _pairs: Vec::new(),
+                    _regions: Vec::new(),
+                    _imports: Vec::new(),
+                },
+                finish: Box::new(finish),
+                report: report(Direction::Write, 8, 1, Vec::new(), &opts),
+                started: now,
+                deadline: now + Duration::from_secs(30),
+                timeout: Duration::from_secs(30),
+                epoch: side.epoch.load(Ordering::Acquire),
+            });
+        };
+        let counts = || {
+            (
+                probe.1.load(Ordering::SeqCst),
+                probe.2.load(Ordering::SeqCst),
+            )
+        };
+        let mut ts = Vec::new();
+        for _ in 0..2 {
+            let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+            assert!(t.flag().register_waker(&Waker::from(probe.clone())));
+            push(finish, None);
+            ts.push(t);
+        }
+        side.help();
+        for t in ts {
+            assert_eq!(t.wait().unwrap().bytes, 8);
+        }
+        assert_eq!(counts(), (2, 2), "woken once each, `finishing` free");
+        // Its notification cannot be sent (the socket's sending side shut): the endpoint fails
+        // while `finishing` is held. The request's waker and a notification waiter's run once
+        // it is let go.
+        let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        assert!(t.flag().register_waker(&Waker::from(probe.clone())));
+        let mut note = Box::pin(ep.notification(Duration::from_secs(30)));
+        let w = Waker::from(probe.clone());
+        let mut cx = std::task::Context::from_waker(&w);
+        assert!(note.as_mut().poll(&mut cx).is_pending());
+        {
+            let c = lock(&side.conn);
+            let c = c.as_ref().unwrap();
+            c.stream.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        push(finish, Some(7));
+        side.help();
+        assert!(t.wait().is_err());
+        assert!(ep.failure().is_some());
+        assert_eq!(
+            counts(),
+            (4, 4),
+            "the request's and the notification waiter's, `finishing` free"
+        );
+        assert!(note.as_mut().poll(&mut cx).is_ready());
     }
 
     #[test]

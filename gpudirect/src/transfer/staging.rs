@@ -9,7 +9,7 @@
 use super::copy::copy_on;
 use super::descriptor::RemoteRange;
 use super::endpoint::{
-    Direction, Endpoint, Transfer, TransferOptions, TransferReport, check_pairs,
+    Direction, Endpoint, Settled, Transfer, TransferOptions, TransferReport, check_pairs,
 };
 use super::region::{Buffer, LocalRange, Region};
 use crate::cuda::Stream;
@@ -112,8 +112,9 @@ pub(crate) fn staged(
     // Ends the transfer when dropped unused: when the thread cannot start, its closure goes
     // unrun and the transfer ends at once (instead of its drop waiting for a finish that never
     // comes). Not a safety argument: nothing is freed by it.
-    struct Finish<F: FnOnce(Result<TransferReport>)>(Option<F>);
-    impl<F: FnOnce(Result<TransferReport>)> Drop for Finish<F> {
+    // (What `f` returns wakes the transfer's waiters when dropped: here, at once.)
+    struct Finish<F: FnOnce(Result<TransferReport>) -> Settled>(Option<F>);
+    impl<F: FnOnce(Result<TransferReport>) -> Settled> Drop for Finish<F> {
         fn drop(&mut self) {
             if let Some(f) = self.0.take() {
                 f(Err(Error::Unsupported {
