@@ -51,8 +51,10 @@ pub trait Fence: Send + Sync + 'static {
     /// after it, so a completion between the two is never lost. It calls it again when its
     /// waker changes; a fence may keep every waker it was given until it completes or is
     /// dropped. The waker may be woken from any thread (including CUDA's host-function thread
-    /// for [`HostFnFence`](super::HostFnFence)), while the fence holds a lock: like every
-    /// executor's waker, it must only schedule its task, not poll it in place.
+    /// for [`HostFnFence`](super::HostFnFence)). The crate's own fences and requests wake with
+    /// none of the locks held that a poll of theirs, a post or a call on the same endpoint
+    /// takes, so a waker may call back into the library inline; a fence you write may wake
+    /// while it holds a lock of its own, and then its waker should only schedule its task.
     fn register_waker(&self, waker: &Waker) -> bool {
         let _ = waker;
         false
