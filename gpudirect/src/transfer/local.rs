@@ -1387,9 +1387,12 @@ impl LocalSide for Side {
                 "only the side that connected can reconnect; the listener accepts the new endpoint",
             ));
         };
+        // Declared before the lock: the wake-ups the failures decide run once it is let go (a
+        // waker may call `reconnect` itself).
+        let mut wakes = Vec::with_capacity(2);
         // One reconnect at a time: two would interleave hang-ups, dials and readers.
         let _one = lock(&self.reconnecting);
-        self.fail(Broken::Closed);
+        wakes.extend(self.fail_later(Broken::Closed));
         self.hang_up();
         let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;
         *lock(&self.conn) = Some(Conn {
@@ -1403,7 +1406,7 @@ impl LocalSide for Side {
         // Without a reader the endpoint would look healthy and never hear of the peer's close:
         // it ends instead.
         if let Err(e) = self.spawn_reader() {
-            self.fail(Broken::Closed);
+            wakes.extend(self.fail_later(Broken::Closed));
             self.hang_up();
             return Err(e);
         }
@@ -2899,6 +2902,59 @@ mod tests {
             "the request's and the notification waiter's, `finishing` free"
         );
         assert!(note.as_mut().poll(&mut cx).is_ready());
+    }
+
+    /// A waker that reconnects its endpoint when woken (once), then says whether that worked.
+    struct Reconnects {
+        ep: Mutex<Option<super::super::Endpoint>>,
+        done: Mutex<std::sync::mpsc::Sender<bool>>,
+    }
+
+    impl std::task::Wake for Reconnects {
+        fn wake(self: Arc<Self>) {
+            if let Some(ep) = lock(&self.ep).take() {
+                let ok = ep.reconnect().is_ok();
+                let _ = lock(&self.done).send(ok);
+            }
+        }
+    }
+
+    #[test]
+    fn a_waker_that_reconnects_runs_after_the_reconnect_that_woke_it() {
+        use std::future::Future;
+        use std::task::{Context, Waker};
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("reconnects")).unwrap();
+        let path = l.path().to_path_buf();
+        // The first meeting, ours, the waker's.
+        let acc = std::thread::spawn(move || {
+            (0..3)
+                .map(|_| l.accept(&[], Duration::from_secs(30)))
+                .collect::<Vec<_>>()
+        });
+        let ep = engine.connect_local(&path, &[]).unwrap();
+        let mut f = Box::pin(ep.notification(Duration::from_secs(60)));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w = Waker::from(Arc::new(Reconnects {
+            ep: Mutex::new(Some(ep.clone())),
+            done: Mutex::new(tx),
+        }));
+        assert!(f.as_mut().poll(&mut Context::from_waker(&w)).is_pending());
+        // Our reconnect ends the endpoint first: the waiting future's waker runs.
+        let ours = ep.clone();
+        let h = std::thread::spawn(move || ours.reconnect());
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(ok) => assert!(ok, "the waker's reconnect failed"),
+            Err(_) => {
+                // Dropping them would wait for the stuck thread.
+                std::mem::forget((f, ep, h));
+                panic!("the waker's reconnect never ended: it waited for the reconnect lock");
+            }
+        }
+        h.join().unwrap().unwrap();
+        let met = acc.join().unwrap();
+        assert!(met.iter().all(Result::is_ok), "three meetings");
+        assert!(ep.failure().is_none(), "connected again");
     }
 
     #[test]
