@@ -2276,7 +2276,10 @@ impl Transferred {
     ///
     /// What ended the transfer: [`Error::Timeout`] when its deadline passed,
     /// [`Error::WorkCompletion`] (a remote access error for a wrong rkey or range, flushed
-    /// messages), [`Error::CmEvent`] when the peer disconnected.
+    /// messages), [`Error::CmEvent`] when the peer disconnected, [`Error::InvalidArgument`]
+    /// when the peer broke the protocol or the endpoint was closed (reconnected or dropped).
+    /// Inside a node: [`Error::Os`] when the socket to the peer closed, [`Error::Cuda`] when a
+    /// copy failed.
     pub fn result(self) -> Result<TransferReport> {
         self.take_result()
     }

@@ -23,12 +23,13 @@ pub struct EngineConfig {
     /// `devices` is empty. Whatever the order, transfers of GPU memory prefer the rails nearest
     /// the memory's GPU.
     pub gpu: Option<usize>,
-    /// Send-queue depth of each rail's queue pair (default 256): the most messages a rail has
-    /// outstanding.
+    /// Send-queue depth of each rail's queue pair (default 256, 2 to 32768): the most messages a
+    /// rail has outstanding.
     pub queue_depth: u32,
-    /// Receives posted for notifications on the notification rail (default 64, at least 4).
+    /// Receives posted for notifications on the notification rail (default 64, 4 to 4096).
     pub notify_depth: u32,
-    /// The largest message in bytes (default 1 MiB); lowered to the port's `max_msg_sz`.
+    /// The largest message in bytes (default 1 MiB, 4 KiB to 1 GiB); lowered to the port's
+    /// `max_msg_sz`.
     pub max_message: u32,
     /// Requests of at least this many bytes are striped over the rails (default 512 KiB).
     pub stripe_min: u64,
@@ -44,10 +45,10 @@ pub struct EngineConfig {
     /// no nvidia-peermem) moves through pinned host bounce buffers (default `true`); `false`
     /// refuses it at registration.
     pub staging: bool,
-    /// Bytes of one staging chunk (default 1 MiB).
+    /// Bytes of one staging chunk (default 1 MiB, 4 KiB to 1 GiB).
     pub staging_chunk: usize,
-    /// Staging chunks in flight per transfer (default 4, at least 2: one copied while another
-    /// is on the wire).
+    /// Staging chunks in flight per transfer (default 4, 2 to 64: one copied while another is
+    /// on the wire).
     pub staging_slots: usize,
     /// No verbs rails (default `false`): the engine never loads libibverbs, registers memory
     /// with no NIC and makes only intra-node endpoints ([`Engine::connect_local`],

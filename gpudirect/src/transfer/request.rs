@@ -49,6 +49,13 @@ impl Endpoint {
     /// remote range whose descriptor has not one rkey per peer device, a notification on a read,
     /// or staged memory with several pairs; the
     /// endpoint's failure (as [`failure`](Self::failure)) once it has failed.
+    ///
+    /// Inside a node, also: [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a
+    /// remote range whose descriptor has no CUDA IPC part (host memory, default-pool memory) or
+    /// names VMM or pool memory not published when the endpoints met;
+    /// [`Error::Unsupported`](crate::Error::Unsupported) when the peer is this process;
+    /// [`Error::Cuda`](crate::Error::Cuda) from mapping the peer's allocation or queueing the
+    /// copies.
     pub fn transfer(
         &self,
         dir: Direction,
