@@ -8,7 +8,7 @@
 //! | RDMA | [`rdma`] | verbs: devices, PDs, MRs on host and GPU memory (dma-buf, nvidia-peermem), CQs, QPs, work requests, rdma_cm |
 //! | RDMA | [`memory`] | dma-buf export of device memory ([`memory::export_dmabuf`]) |
 //! | all | [`cuda`], [`topology`], [`report`] | GPU attributes ([`cuda::DeviceInfo`]); where GPUs and NICs sit (PCIe, NUMA, the NIC nearest each GPU); the node report the `probe` example prints |
-//! | RDMA | [`transfer`] | a transfer engine: endpoints over rdma_cm, descriptors, a registration cache, batched one-sided writes and reads with notifications, several NICs |
+//! | RDMA, P2P | [`transfer`] | a transfer engine: endpoints over rdma_cm (or, inside a node, a Unix socket and CUDA IPC), descriptors, a registration cache, batched one-sided writes and reads with notifications, several NICs |
 //!
 //! Everything is loaded at run time: a program built with gpudirect starts on a machine without
 //! CUDA, cuFile or rdma-core, and each entry point answers a typed [`Error`].
