@@ -373,7 +373,7 @@ struct State {
     max_message: u32,
     /// Requests whose messages completed since the last look (then finished if done).
     touched: Vec<u64>,
-    /// What to wake once the lock is let go ([`StateGuard`]).
+    /// What to wake once the lock is let go ([`Locked`]).
     wakes: Wakes,
 }
 
