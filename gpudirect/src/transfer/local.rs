@@ -2784,20 +2784,37 @@ mod tests {
         );
     }
 
-    /// A waker that calls its endpoint when woken (a callback-style executor), then says so.
+    /// A waker that calls its endpoint when first woken (a callback-style executor), then sends
+    /// what the call answered.
     struct CallsBack {
         ep: Mutex<Option<super::super::Endpoint>>,
-        woke: Mutex<std::sync::mpsc::Sender<()>>,
+        call: fn(&super::super::Endpoint) -> bool,
+        done: Mutex<std::sync::mpsc::Sender<bool>>,
+    }
+
+    impl CallsBack {
+        /// A waker that makes `call` on `ep` when first woken, and where its answer arrives.
+        fn waker(
+            ep: &super::super::Endpoint,
+            call: fn(&super::super::Endpoint) -> bool,
+        ) -> (std::task::Waker, std::sync::mpsc::Receiver<bool>) {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let w = std::task::Waker::from(Arc::new(CallsBack {
+                ep: Mutex::new(Some(ep.clone())),
+                call,
+                done: Mutex::new(tx),
+            }));
+            (w, rx)
+        }
     }
 
     impl std::task::Wake for CallsBack {
         fn wake(self: Arc<Self>) {
             if let Some(ep) = lock(&self.ep).take() {
-                // Takes the endpoint's lock: it must not be held by whoever wakes us.
-                let _ = ep.failure();
-                let _ = ep.peer_descriptors();
+                // The call takes the endpoint's locks: whoever wakes us must not hold them.
+                let answer = (self.call)(&ep);
+                let _ = lock(&self.done).send(answer);
             }
-            let _ = lock(&self.woke).send(());
         }
     }
 
@@ -2904,25 +2921,10 @@ mod tests {
         assert!(note.as_mut().poll(&mut cx).is_ready());
     }
 
-    /// A waker that reconnects its endpoint when woken (once), then says whether that worked.
-    struct Reconnects {
-        ep: Mutex<Option<super::super::Endpoint>>,
-        done: Mutex<std::sync::mpsc::Sender<bool>>,
-    }
-
-    impl std::task::Wake for Reconnects {
-        fn wake(self: Arc<Self>) {
-            if let Some(ep) = lock(&self.ep).take() {
-                let ok = ep.reconnect().is_ok();
-                let _ = lock(&self.done).send(ok);
-            }
-        }
-    }
-
     #[test]
     fn a_waker_that_reconnects_runs_after_the_reconnect_that_woke_it() {
         use std::future::Future;
-        use std::task::{Context, Waker};
+        use std::task::Context;
         let engine = Engine::new(EngineConfig::local()).unwrap();
         let l = engine.listen_local(socket("reconnects")).unwrap();
         let path = l.path().to_path_buf();
@@ -2934,11 +2936,7 @@ mod tests {
         });
         let ep = engine.connect_local(&path, &[]).unwrap();
         let mut f = Box::pin(ep.notification(Duration::from_secs(60)));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let w = Waker::from(Arc::new(Reconnects {
-            ep: Mutex::new(Some(ep.clone())),
-            done: Mutex::new(tx),
-        }));
+        let (w, rx) = CallsBack::waker(&ep, |ep| ep.reconnect().is_ok());
         assert!(f.as_mut().poll(&mut Context::from_waker(&w)).is_pending());
         // Our reconnect ends the endpoint first: the waiting future's waker runs.
         let ours = ep.clone();
@@ -2960,7 +2958,7 @@ mod tests {
     #[test]
     fn a_waker_that_calls_the_endpoint_is_run_after_the_lock_is_let_go() {
         use std::future::Future;
-        use std::task::{Context, Poll, Waker};
+        use std::task::{Context, Poll};
         let engine = Engine::new(EngineConfig::local()).unwrap();
         let l = engine.listen_local(socket("calls-back")).unwrap();
         let path = l.path().to_path_buf();
@@ -2975,13 +2973,12 @@ mod tests {
             let _ = go_rx.recv();
         });
         let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
-        let waker = |ep: &super::super::Endpoint| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            let w = Waker::from(Arc::new(CallsBack {
-                ep: Mutex::new(Some(ep.clone())),
-                woke: Mutex::new(tx),
-            }));
-            (w, rx)
+        let waker = |ep| {
+            CallsBack::waker(ep, |ep| {
+                let _ = ep.failure();
+                let _ = ep.peer_descriptors();
+                true
+            })
         };
         // A notification arrives (the reader delivers it): the future's waker calls the endpoint.
         let mut f = Box::pin(ep.notification(Duration::from_secs(30)));
