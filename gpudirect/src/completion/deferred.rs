@@ -15,6 +15,7 @@
 
 use super::fence::CompletionFlag;
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::task::Waker;
 use std::time::Duration;
 
 /// Flags to set once the lock they were collected under is let go: set when dropped.
@@ -37,6 +38,25 @@ impl Drop for Woken {
     fn drop(&mut self) {
         for f in self.0.drain(..) {
             f.set();
+        }
+    }
+}
+
+/// Wakers to wake once the locks they were taken under are let go: woken when dropped, each
+/// on its own (one waker's panic does not keep the others asleep).
+#[derive(Default)]
+pub(crate) struct Wakers(Vec<Waker>);
+
+impl Extend<Waker> for Wakers {
+    fn extend<I: IntoIterator<Item = Waker>>(&mut self, it: I) {
+        self.0.extend(it);
+    }
+}
+
+impl Drop for Wakers {
+    fn drop(&mut self) {
+        for w in self.0.drain(..) {
+            super::thread::contained(|| w.wake());
         }
     }
 }

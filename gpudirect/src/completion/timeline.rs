@@ -223,9 +223,7 @@ impl Watch for TimelineWatch {
             return Watched::Pending;
         }
         for (_, w) in woken {
-            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
-                std::mem::forget(p);
-            }
+            thread::contained(|| w.wake());
         }
         Watched::Progress
     }

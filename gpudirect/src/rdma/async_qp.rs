@@ -8,7 +8,7 @@ use super::cq::{CompletionChannel, CompletionQueue, POLL_BATCH, WcOpcode, WorkCo
 use super::mr::{MrSlice, RemoteSlice};
 use super::qp::{QueuePair, Rts};
 use super::wr::{RecvRequest, SendRequest};
-use crate::completion::deferred::Woken;
+use crate::completion::deferred::{Wakers, Woken};
 use crate::completion::thread::{self, Watch, Watched};
 use crate::completion::{Fence, InFlight, InFlightFuture};
 use crate::error::{Error, Result};
@@ -38,27 +38,6 @@ struct Slot {
 struct SlotState {
     result: Option<Result<WorkCompletion>>,
     waker: Option<Waker>,
-}
-
-/// Wakers to wake once the locks they were taken under are let go: woken when dropped.
-#[derive(Default)]
-struct Wakers(Vec<Waker>);
-
-impl Wakers {
-    fn extend(&mut self, w: impl IntoIterator<Item = Waker>) {
-        self.0.extend(w);
-    }
-}
-
-impl Drop for Wakers {
-    fn drop(&mut self) {
-        for w in self.0.drain(..) {
-            // One waker's panic does not keep the others asleep.
-            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.wake())) {
-                std::mem::forget(p);
-            }
-        }
-    }
 }
 
 impl Slot {
