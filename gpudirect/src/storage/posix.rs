@@ -26,11 +26,12 @@
 //!   locks are the lane's event list and, twice per thread per transfer, the chunk pool.
 //! - **No allocation per call.** Chunks come from the device's process-wide
 //!   [`BouncePool`](crate::memory::BouncePool); events are recycled per lane.
-//! - **A ramp, on trial.** With `GPUDIRECT_POSIX_RAMP=1` (read once; `0`, the default, turns it
-//!   off) a read through the page cache long enough for it starts with one chunk per thread of
-//!   growing sizes (`chunk / threads`, `2 * chunk / threads`, ..., `chunk`), so that the copy
-//!   engine gets its first copy after a small `pread` instead of waiting for every thread's
-//!   full first chunk, and the threads stay out of step (see `Plan`).
+//! - **A ramp.** A read through the page cache long enough for it starts with one chunk per
+//!   thread of growing sizes (`chunk / threads`, `2 * chunk / threads`, ..., `chunk`), so that
+//!   the copy engine gets its first copy after a small `pread` instead of waiting for every
+//!   thread's full first chunk, and the threads stay out of step (see `Plan`). Measured on two
+//!   H200s (1 GiB hot file, 32 cores): 1 to 3 GB/s faster in each of six paired runs.
+//!   `GPUDIRECT_POSIX_RAMP=0` (read once) turns it off; `1`, the default, on.
 //!
 //! Cold reads (`O_DIRECT`) are bound by the device's queue, not by memory copies: they use
 //! [`PosixConfig::direct_threads`] threads, each with one request per chunk in flight. Buffered
@@ -291,8 +292,8 @@ pub(crate) struct Plan {
     head_bytes: usize,
 }
 
-/// The environment variable that turns the ramp of [`Plan::for_read`] on (`1`) or off (`0`,
-/// the default), read once.
+/// The environment variable that turns the ramp of [`Plan::for_read`] on (`1`, the default) or
+/// off (`0`), read once.
 pub(crate) const RAMP_ENV: &str = "GPUDIRECT_POSIX_RAMP";
 
 impl Plan {
@@ -381,8 +382,8 @@ pub(crate) fn ramp_from_env() -> Result<bool> {
         .as_deref()
         .map(str::trim)
     {
-        None | Some("0") => Ok(false),
-        Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        None | Some("1") => Ok(true),
         Some(v) => Err(Error::invalid(RAMP_ENV, v, "must be 0 or 1")),
     }
 }
