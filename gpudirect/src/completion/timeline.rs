@@ -94,7 +94,7 @@ impl Timeline {
     /// `cuEventQuery` refuses with `CUDA_ERROR_CAPTURED_EVENT`). One that was recorded anyway (a
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
-    fn poll(&self, epoch: u64) -> (bool, Option<(u64, sys::CUevent)>) {
+    fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
         // Queries and records need the stream's context current on this thread (a completion
         // or executor thread may never have had it); a query error is then the stream's own.
         if crate::driver::ctx::bind(self.stream.context()).is_err() {
@@ -124,8 +124,8 @@ impl Timeline {
         if self.completed() >= epoch {
             return (true, None);
         }
-        if let Some((c, ev)) = g.pending.iter().find(|(c, _)| *c >= epoch) {
-            return (false, Some((*c, ev.cu_event())));
+        if let Some((_, ev)) = g.pending.iter().find(|(c, _)| *c >= epoch) {
+            return (false, Some(ev.cu_event()));
         }
         // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
         // handed out after their work is queued, so this record comes after that work.
@@ -150,51 +150,13 @@ impl Timeline {
             Ok(((), ev)) => {
                 let raw = ev.cu_event();
                 g.pending.push_back((covered, ev));
-                (false, Some((covered, raw)))
+                (false, Some(raw))
             }
             Err(r) => {
                 if let Some(ev) = r.kept {
                     g.free.push(ev); // not recorded: reusable
                 }
                 (false, None)
-            }
-        }
-    }
-
-    /// Block in `cuEventSynchronize` until `epoch` completes, on an event covering it (recorded
-    /// now, covering everything issued so far, when none does yet). `Ok(false)` when no event
-    /// could be recorded (the stream is capturing, or the driver refused): look another way.
-    /// Unbounded: the caller blocks here only when the work queued before that event is known
-    /// to be short.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Cuda`](crate::Error::Cuda) naming `cuEventSynchronize` on a sticky error (also
-    /// kept for [`StreamFence::check`]).
-    pub(crate) fn synchronize_to(&self, epoch: u64) -> crate::Result<bool> {
-        let (covered, raw) = match self.poll(epoch) {
-            (true, _) => return Ok(true),
-            (false, None) => return Ok(false),
-            (false, Some(ev)) => ev,
-        };
-        // Not under the lock: others look meanwhile. The event is never destroyed while the
-        // timeline lives; if another thread retires it and records it again for later work, the
-        // wait covers that later work too, which includes `covered`.
-        // SAFETY: a live event (above); its context is current (bound by `poll`).
-        match unsafe { crate::driver::event::synchronize_code(raw) } {
-            sys::CUresult::CUDA_SUCCESS => {
-                self.completed.fetch_max(covered, Ordering::AcqRel);
-                // The events it proves need no query of their own.
-                let mut g = self.lock();
-                while g.pending.front().is_some_and(|(c, _)| *c <= covered) {
-                    let (_, ev) = g.pending.pop_front().expect("front exists");
-                    g.free.push(ev);
-                }
-                Ok(true)
-            }
-            code => {
-                self.lock().failed.get_or_insert(code);
-                Err(crate::Error::cuda("cuEventSynchronize", code))
             }
         }
     }
@@ -356,60 +318,5 @@ impl Fence for StreamFence {
             return tl.completed() >= self.epoch;
         }
         poll_until(|| self.is_complete(), timeout)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cuda::{MemopFlags, Stream, WaitCondition};
-    use std::time::Instant;
-
-    /// `synchronize_to` returns only once the stream passed the epoch's work (a gate the host
-    /// opens 30 ms later), marks it and every earlier epoch complete, and retires the event it
-    /// waited on without a query; a later epoch is not marked.
-    #[test]
-    fn synchronize_to_blocks_until_the_epoch_and_never_past_it() {
-        let Ok(ctx) = crate::cuda::context(0) else {
-            crate::testing::skip(crate::testing::Hardware::Gpu, "no CUDA device");
-            return;
-        };
-        let s = Stream::new(&ctx).unwrap();
-        let tl = s.timeline().clone();
-        let gate = MemopFlags::pinned_host(&ctx, 2).unwrap();
-        gate.store_u32(0, 0).unwrap();
-        gate.store_u32(1, 0).unwrap();
-        s.wait_value32(&gate, 0, 1, WaitCondition::Geq).unwrap();
-        let f1 = s.fence();
-        assert!(!f1.is_complete());
-        let opened = std::thread::scope(|sc| {
-            let t = Instant::now();
-            let g = &gate;
-            let opener = sc.spawn(move || {
-                std::thread::sleep(Duration::from_millis(30));
-                let at = Instant::now();
-                g.store_u32(0, 1).unwrap();
-                at
-            });
-            assert!(matches!(tl.synchronize_to(f1.epoch()), Ok(true)));
-            let back = Instant::now();
-            let opened = opener.join().unwrap();
-            assert!(back >= opened, "back {:?} before the gate opened", t.elapsed());
-            opened
-        });
-        assert!(opened.elapsed() < Duration::from_secs(10));
-        assert!(f1.is_complete() && tl.completed() >= f1.epoch());
-        assert!(tl.lock().pending.is_empty(), "the event waited on is retired");
-        // A later epoch behind a closed gate: not complete, and a second wait on the first
-        // epoch answers at once.
-        s.wait_value32(&gate, 1, 1, WaitCondition::Geq).unwrap();
-        let f2 = s.fence();
-        assert!(matches!(tl.synchronize_to(f1.epoch()), Ok(true)));
-        std::thread::sleep(Duration::from_millis(10));
-        assert!(!f2.is_complete());
-        gate.store_u32(1, 1).unwrap();
-        assert!(matches!(tl.synchronize_to(f2.epoch()), Ok(true)));
-        assert!(f2.is_complete());
-        assert!(tl.lock().failed.is_none());
     }
 }

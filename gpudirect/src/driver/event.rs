@@ -69,13 +69,3 @@ pub(crate) unsafe fn synchronize(event: sys::CUevent) -> Result<()> {
         result::event::synchronize(event)
     })
 }
-
-/// [`synchronize`], answering the driver's code itself (for a caller that keeps it).
-///
-/// # Safety
-///
-/// `event` is live.
-pub(crate) unsafe fn synchronize_code(event: sys::CUevent) -> sys::CUresult {
-    // SAFETY: forwarded from the caller.
-    unsafe { sys::cuEventSynchronize(event) }
-}

@@ -289,11 +289,6 @@ pub(crate) trait Finisher: Send + Sync {
     /// Called by a blocking wait while it spins: finish what is done, in order, if no one else
     /// is finishing.
     fn help(&self);
-    /// [`help`](Self::help), first blocking until the request at the head can be finished when
-    /// that wait is known to be short (the intra-node path: a driver synchronize on its copies).
-    fn help_blocking(&self) {
-        self.help();
-    }
     /// Ask the thread that finishes requests when nobody waits blocking (the intra-node worker)
     /// to look: a request nobody else can see finished (no notification) does not wake it when
     /// issued, so that a caller that waits finishes it alone.
@@ -2239,12 +2234,11 @@ impl WakeFinisher {
         }
     }
 
-    /// Finish what is done, if the request has a finisher a caller can help, first blocking
-    /// while the head's end is near ([`Finisher::help_blocking`]).
+    /// Finish what is done, if the request has a finisher a caller can help.
     fn help(&self) -> bool {
         match self.0.finisher.get().and_then(Weak::upgrade) {
             Some(f) => {
-                f.help_blocking();
+                f.help();
                 true
             }
             None => false,
@@ -2387,9 +2381,8 @@ impl Transfer {
         Tracker::global().reap();
         if self.shared.finisher.get().is_some() {
             // Look for the end ourselves for a while (yielding), as a synchronize would: no
-            // hand-off from another thread when it comes soon. Each look first blocks in the
-            // driver on the head's copies when that wait is short (the intra-node path), and
-            // otherwise is a driver query (about 1.3 µs on an H200); the thread yields once in
+            // hand-off from another thread when it comes soon.
+            // A look is a driver query (a few hundred ns); the thread yields once in
             // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
             // copy seen later than a stream synchronize sees it.
             let until = Instant::now() + HELP_SPIN;

@@ -70,11 +70,6 @@ const FRAME: usize = 5;
 const NOTE: u8 = 1;
 /// The longest a waiting worker sleeps before it looks at deadlines and failures again.
 const SLICE: Duration = Duration::from_millis(5);
-/// A blocking wait blocks in the driver on the head request's copies only when the requests
-/// queued on this endpoint hold at most this many bytes (at 10 GB/s, 27 ms)...
-const BLOCK_BYTES: u64 = 256 << 20;
-/// ... and the head's deadline is at least this far off.
-const BLOCK_MARGIN: Duration = Duration::from_millis(100);
 
 /// The first message of an intra-node endpoint, each way.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -868,17 +863,6 @@ impl Fence for Events {
     }
 }
 
-impl Events {
-    /// Block in the driver until every stream's epoch completes (see
-    /// [`Timeline::synchronize_to`](crate::completion::Timeline)); `false` when one could not be
-    /// waited for that way, or failed (its fence's `check` then says why).
-    fn synchronize(&self) -> bool {
-        self.0
-            .iter()
-            .all(|f| matches!(f.timeline().synchronize_to(f.epoch()), Ok(true)))
-    }
-}
-
 /// A request whose copies are queued, waiting for its events.
 struct Job {
     /// Shared so that it can be asked outside the queue's lock.
@@ -1209,32 +1193,6 @@ impl Side {
             || Instant::now() >= deadline
     }
 
-    /// Block in the driver (`cuEventSynchronize`, as a stream synchronize would) until the head
-    /// request's copies are done, when that wait is short: the requests queued on this endpoint
-    /// hold at most [`BLOCK_BYTES`] and the head's deadline is at least [`BLOCK_MARGIN`] off.
-    /// Only this endpoint's own streams are waited on, and nothing on them waits for anything
-    /// else (no event of the user's, no stream memory operation), so the wait ends once the
-    /// copy engines have moved those bytes. On two H200s each driver query costs about 1.3 µs
-    /// where the synchronize sees the end of a copy as soon as it comes.
-    fn block_on_head(&self) {
-        let fence = {
-            let q = lock(&self.queue);
-            let Some(head) = q.jobs.front() else {
-                return;
-            };
-            let queued = q
-                .jobs
-                .iter()
-                .try_fold(0u64, |sum, j| sum.checked_add(j.report.bytes));
-            let left = head.deadline.saturating_duration_since(Instant::now());
-            if !may_block(queued, left) || self.epoch.load(Ordering::Acquire) != head.epoch {
-                return;
-            }
-            head.fence.clone()
-        };
-        let _ = fence.synchronize();
-    }
-
     /// Finish the head request if it can be now: its copies done, or failed, its endpoint ended,
     /// or its deadline passed. Requests finish in queue order (so notifications leave in request
     /// order), by the worker or by a caller waiting for its transfer (`block` false: only when no
@@ -1368,12 +1326,6 @@ impl Side {
     }
 }
 
-/// Whether a blocking wait may block in the driver on the head's copies: `queued` bytes on the
-/// endpoint (`None`: more than a `u64` holds) and `left` before the head's deadline.
-fn may_block(queued: Option<u64>, left: Duration) -> bool {
-    queued.is_some_and(|b| b <= BLOCK_BYTES) && left >= BLOCK_MARGIN
-}
-
 /// The wake-ups of a request ended at the head ([`Side::conclude`]): its own, and those of
 /// the endpoint's failure it caused. Run when dropped.
 struct Later {
@@ -1393,13 +1345,6 @@ impl Finisher for Side {
     fn help(&self) {
         self.helped_at
             .store(self.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        while self.finish_head(false) {}
-    }
-
-    fn help_blocking(&self) {
-        self.helped_at
-            .store(self.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.block_on_head();
         while self.finish_head(false) {}
     }
 
@@ -2161,17 +2106,6 @@ mod tests {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ))
-    }
-
-    #[test]
-    fn a_wait_blocks_in_the_driver_only_for_little_work_far_from_its_deadline() {
-        let far = BLOCK_MARGIN;
-        assert!(may_block(Some(0), far));
-        assert!(may_block(Some(BLOCK_BYTES), Duration::from_secs(30)));
-        assert!(!may_block(Some(BLOCK_BYTES + 1), Duration::from_secs(30)));
-        assert!(!may_block(None, Duration::from_secs(30)));
-        assert!(!may_block(Some(4096), far - Duration::from_nanos(1)));
-        assert!(!may_block(Some(4096), Duration::ZERO));
     }
 
     #[test]
