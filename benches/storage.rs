@@ -436,10 +436,16 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
     let mut v = Vec::new();
     if !write {
         for chunk in [256 << 10, 4 << 20, 16 << 20] {
-            v.push((
-                format!("chunk {} KiB", chunk >> 10),
-                PosixConfig { chunk, ..auto },
-            ));
+            // Cold reads go through O_DIRECT, whose chunk is its own.
+            let cfg = if cold {
+                PosixConfig {
+                    direct_read_chunk: chunk,
+                    ..auto
+                }
+            } else {
+                PosixConfig { chunk, ..auto }
+            };
+            v.push((format!("chunk {} KiB", chunk >> 10), cfg));
         }
         for t in [8, 32] {
             let threads = t;

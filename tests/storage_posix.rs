@@ -92,6 +92,7 @@ fn reads_are_exact_hot_and_cold_for_every_configuration() {
             direct_threads: 1,
             write_threads: 1,
             chunk: 4096,
+            direct_read_chunk: 4096,
             depth: 1,
         }),
         Some(PosixConfig {
@@ -99,6 +100,7 @@ fn reads_are_exact_hot_and_cold_for_every_configuration() {
             direct_threads: 32,
             write_threads: 4,
             chunk: 256 << 10,
+            direct_read_chunk: 1 << 20,
             depth: 3,
         }),
         Some(PosixConfig {
@@ -106,6 +108,7 @@ fn reads_are_exact_hot_and_cold_for_every_configuration() {
             direct_threads: 5,
             write_threads: 2,
             chunk: 16 << 20,
+            direct_read_chunk: 12 << 10,
             depth: 2,
         }),
     ];

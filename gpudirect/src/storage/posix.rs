@@ -34,7 +34,9 @@
 //!   `GPUDIRECT_POSIX_RAMP=0` (read once) turns it off; `1`, the default, on.
 //!
 //! Cold reads (`O_DIRECT`) are bound by the device's queue, not by memory copies: they use
-//! [`PosixConfig::direct_threads`] threads, each with one request per chunk in flight. Buffered
+//! [`PosixConfig::direct_threads`] threads, each with one request per chunk in flight, in
+//! chunks of their own ([`PosixConfig::direct_read_chunk`], 1 MiB: smaller requests than the
+//! page-cache reads' 4 MiB, which the disks measured served faster). Buffered
 //! writes to one file are serialized by the file system (ext4 and XFS take the inode lock), so
 //! they use [`PosixConfig::write_threads`] (1) thread, with its device-to-host copies queued
 //! `depth` chunks ahead of its `pwrite`s; `O_DIRECT` writes (durable writes) use
@@ -68,8 +70,11 @@ pub struct PosixConfig {
     pub direct_threads: usize,
     /// Threads for writes through the page cache (the file system serializes them per file).
     pub write_threads: usize,
-    /// Bytes per chunk (one `pread` or `pwrite` and one copy).
+    /// Bytes per chunk (one `pread` or `pwrite` and one copy), except `O_DIRECT` reads.
     pub chunk: usize,
+    /// Bytes per chunk of `O_DIRECT` reads (page-cache-cold reads): one request to the device
+    /// per chunk.
+    pub direct_read_chunk: usize,
     /// Chunks each thread keeps in flight (2 = double buffering).
     pub depth: usize,
 }
@@ -89,13 +94,14 @@ fn cores() -> usize {
 }
 
 /// The environment variables that override the automatic configuration, with the field each
-/// sets (chunk in KiB).
-pub const POSIX_ENV: [&str; 5] = [
+/// sets (chunks in KiB).
+pub const POSIX_ENV: [&str; 6] = [
     "GPUDIRECT_POSIX_THREADS",
     "GPUDIRECT_POSIX_DIRECT_THREADS",
     "GPUDIRECT_POSIX_WRITE_THREADS",
     "GPUDIRECT_POSIX_CHUNK_KIB",
     "GPUDIRECT_POSIX_DEPTH",
+    "GPUDIRECT_POSIX_DIRECT_READ_CHUNK_KIB",
 ];
 
 impl PosixConfig {
@@ -119,23 +125,31 @@ impl PosixConfig {
     /// - `chunk`: 4 MiB (there, hot reads ran 46 GB/s against 40 with 1 MiB, cached writes 6.4
     ///   against 5.4); smaller, down to 256 KiB, while the transfer would give a thread fewer
     ///   than two chunks;
+    /// - `direct_read_chunk`: 1 MiB (on a 16-core H200 node's disk, six interleaved rounds of
+    ///   cold 1 GiB reads: raw `O_DIRECT` with 4 threads ran 2.63 GB/s with 1 MiB requests
+    ///   against 1.99 with 4 MiB), smaller in the same way as `chunk`;
     /// - `depth`: 2.
     ///
     /// A transfer uses no more threads than it has chunks.
     pub fn for_node(cores: usize, len: usize) -> PosixConfig {
         let cores = cores.max(1);
         let threads = cores.min(16);
-        let mut chunk = 4 << 20;
-        while chunk > 256 << 10 && len / chunk < 2 * threads {
-            chunk /= 2;
-        }
+        // Halved, down to 256 KiB, while `len` would give each of `threads` fewer than two.
+        let fit = |mut chunk: usize, threads: usize| {
+            while chunk > 256 << 10 && len / chunk < 2 * threads {
+                chunk /= 2;
+            }
+            chunk
+        };
+        // O_DIRECT reads are bound by the device's queue: on an H200 node's disk (32 cores)
+        // raw O_DIRECT reads peaked at 4-8 threads and fell off beyond; 32 readers gave 0.76x.
+        let direct_threads = (cores / 8).clamp(4, 8);
         PosixConfig {
             threads,
-            // O_DIRECT reads are bound by the device's queue: on an H200 node's disk (32 cores)
-            // raw O_DIRECT reads peaked at 4-8 threads and fell off beyond; 32 readers gave 0.76x.
-            direct_threads: (cores / 8).clamp(4, 8),
+            direct_threads,
             write_threads: 1,
-            chunk,
+            chunk: fit(4 << 20, threads),
+            direct_read_chunk: fit(1 << 20, direct_threads),
             depth: 2,
         }
     }
@@ -144,15 +158,15 @@ impl PosixConfig {
     /// [`for_node`](Self::for_node) for this process's cores (`available_parallelism`), with
     /// any of these environment variables overriding its field ([`POSIX_ENV`], read once):
     /// `GPUDIRECT_POSIX_THREADS`, `GPUDIRECT_POSIX_DIRECT_THREADS`,
-    /// `GPUDIRECT_POSIX_WRITE_THREADS`, `GPUDIRECT_POSIX_CHUNK_KIB` (the chunk in KiB) and
-    /// `GPUDIRECT_POSIX_DEPTH`.
+    /// `GPUDIRECT_POSIX_WRITE_THREADS`, `GPUDIRECT_POSIX_CHUNK_KIB` (the chunk in KiB),
+    /// `GPUDIRECT_POSIX_DEPTH` and `GPUDIRECT_POSIX_DIRECT_READ_CHUNK_KIB`.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] naming the variable when one is not a whole number, or when
     /// the result breaks a bound of [`validate`](Self::validate).
     pub fn automatic(len: usize) -> Result<PosixConfig> {
-        static ENV: OnceLock<[Option<String>; 5]> = OnceLock::new();
+        static ENV: OnceLock<[Option<String>; 6]> = OnceLock::new();
         let env = ENV.get_or_init(|| POSIX_ENV.map(|k| std::env::var(k).ok()));
         with_overrides(PosixConfig::for_node(cores(), len), env)
     }
@@ -188,18 +202,20 @@ impl PosixConfig {
                 format!("must be between 1 and {}", Self::MAX_DEPTH),
             ));
         }
-        if self.chunk == 0
-            || self.chunk > Self::MAX_CHUNK
-            || !self.chunk.is_multiple_of(DIRECT_ALIGN)
-        {
-            return Err(Error::invalid(
-                "config.chunk",
-                self.chunk,
-                format!(
-                    "must be a non-zero multiple of {DIRECT_ALIGN} of at most {}",
-                    Self::MAX_CHUNK
-                ),
-            ));
+        for (what, chunk) in [
+            ("config.chunk", self.chunk),
+            ("config.direct_read_chunk", self.direct_read_chunk),
+        ] {
+            if chunk == 0 || chunk > Self::MAX_CHUNK || !chunk.is_multiple_of(DIRECT_ALIGN) {
+                return Err(Error::invalid(
+                    what,
+                    chunk,
+                    format!(
+                        "must be a non-zero multiple of {DIRECT_ALIGN} of at most {}",
+                        Self::MAX_CHUNK
+                    ),
+                ));
+            }
         }
         match self.pinned_bytes() {
             Some(n) if n <= Self::MAX_PINNED_BYTES => Ok(()),
@@ -214,20 +230,23 @@ impl PosixConfig {
         }
     }
 
-    /// Bytes of each bounce chunk: a chunk plus room to align both ends for `O_DIRECT`.
+    /// Bytes of each bounce chunk: the larger chunk plus room to align both ends for
+    /// `O_DIRECT`.
     ///
     /// # Errors
     ///
     /// As [`validate`](Self::validate).
     pub fn bounce_len(&self) -> Result<usize> {
         self.validate()?;
-        Ok(self.chunk + 2 * DIRECT_ALIGN) // within bounds: chunk <= MAX_CHUNK
+        // Within bounds: both chunks are at most MAX_CHUNK.
+        Ok(self.chunk.max(self.direct_read_chunk) + 2 * DIRECT_ALIGN)
     }
 
     /// The pinned bytes of the chunks when every thread of the largest count is busy, or `None`
     /// where that overflows.
     fn pinned_bytes(&self) -> Option<usize> {
         self.chunk
+            .max(self.direct_read_chunk)
             .checked_add(2 * DIRECT_ALIGN)?
             .checked_mul(self.depth)?
             .checked_mul(
@@ -239,7 +258,7 @@ impl PosixConfig {
 }
 
 /// `base` with the fields set by the environment values `env` (in [`POSIX_ENV`]'s order).
-fn with_overrides(base: PosixConfig, env: &[Option<String>; 5]) -> Result<PosixConfig> {
+fn with_overrides(base: PosixConfig, env: &[Option<String>; 6]) -> Result<PosixConfig> {
     let mut cfg = base;
     for (i, v) in env.iter().enumerate() {
         let Some(v) = v else { continue };
@@ -250,16 +269,17 @@ fn with_overrides(base: PosixConfig, env: &[Option<String>; 5]) -> Result<PosixC
                 "must be a whole number (see PosixConfig::automatic)",
             )
         })?;
+        let kib = || {
+            n.checked_mul(1024)
+                .ok_or_else(|| Error::invalid(POSIX_ENV[i], v, "the chunk in bytes overflows"))
+        };
         match i {
             0 => cfg.threads = n,
             1 => cfg.direct_threads = n,
             2 => cfg.write_threads = n,
-            3 => {
-                cfg.chunk = n.checked_mul(1024).ok_or_else(|| {
-                    Error::invalid(POSIX_ENV[i], v, "the chunk in bytes overflows")
-                })?
-            }
-            _ => cfg.depth = n,
+            3 => cfg.chunk = kib()?,
+            4 => cfg.depth = n,
+            _ => cfg.direct_read_chunk = kib()?,
         }
     }
     cfg.validate()?;
@@ -973,7 +993,12 @@ unsafe fn read_planned<S: Staging>(
     } else {
         cfg.threads
     };
-    let plan = Plan::for_read(ramp, file.direct.is_some(), cfg.chunk, want, threads);
+    let chunk = if file.direct.is_some() {
+        cfg.direct_read_chunk
+    } else {
+        cfg.chunk
+    };
+    let plan = Plan::for_read(ramp, file.direct.is_some(), chunk, want, threads);
     let t = run(
         staging(bounce_len)?,
         true,
@@ -1389,6 +1414,7 @@ mod tests {
             direct_threads: threads,
             write_threads: threads,
             chunk,
+            direct_read_chunk: chunk,
             depth,
         }
     }
@@ -1415,8 +1441,8 @@ mod tests {
     ) {
         let p = temp(
             &format!(
-                "r{}-{}-{}-{fo}-{len}-{}",
-                cfg.threads, cfg.chunk, cfg.depth, ramp as u8
+                "r{}-{}-{}-{}-{fo}-{len}-{}",
+                cfg.threads, cfg.chunk, cfg.direct_read_chunk, cfg.depth, ramp as u8
             ),
             file_bytes,
         );
@@ -1498,6 +1524,16 @@ mod tests {
                 // Crossing end of file: the short count.
                 read_case(&bytes, cfg, direct, 290_001, 0, 20_000);
                 read_case(&bytes, cfg, direct, 400_000, 0, 10);
+            }
+            // O_DIRECT reads cut by their own chunk, smaller and larger than `chunk`.
+            for direct_read_chunk in [4096, 3 * chunk] {
+                let cfg = PosixConfig {
+                    direct_read_chunk,
+                    ..cfg
+                };
+                read_case(&bytes, cfg, DirectIo::Try, 3, 1, 4097);
+                read_case(&bytes, cfg, DirectIo::Try, 4095, 7, 123_457);
+                read_case(&bytes, cfg, DirectIo::Try, 290_001, 0, 20_000);
             }
         }
     }
@@ -1894,6 +1930,7 @@ mod tests {
                 direct_threads: 4,
                 write_threads: 1,
                 chunk: 4 << 20,
+                direct_read_chunk: 1 << 20,
                 depth: 2
             }
         );
@@ -1908,6 +1945,17 @@ mod tests {
         assert_eq!(PosixConfig::for_node(16, 64 << 20).chunk, 2 << 20);
         assert_eq!(PosixConfig::for_node(16, 16 << 20).chunk, 512 << 10);
         assert_eq!(PosixConfig::for_node(16, 4096).chunk, 256 << 10);
+        // O_DIRECT reads: 1 MiB, halved while each of the 4 direct threads would get fewer
+        // than two.
+        assert_eq!(
+            PosixConfig::for_node(16, 8 << 20).direct_read_chunk,
+            1 << 20
+        );
+        assert_eq!(
+            PosixConfig::for_node(16, 4 << 20).direct_read_chunk,
+            512 << 10
+        );
+        assert_eq!(PosixConfig::for_node(16, 4096).direct_read_chunk, 256 << 10);
         for cores in [0, 1, 2, 16, 32, 1000] {
             for len in [0, 1, 1 << 20, 1 << 30, usize::MAX] {
                 PosixConfig::for_node(cores, len).validate().unwrap();
@@ -1919,7 +1967,7 @@ mod tests {
     #[test]
     fn environment_overrides_are_checked() {
         let base = PosixConfig::for_node(16, 1 << 30);
-        let none: [Option<String>; 5] = Default::default();
+        let none: [Option<String>; 6] = Default::default();
         assert_eq!(with_overrides(base, &none).unwrap(), base);
         let some = [
             Some("4".into()),
@@ -1927,6 +1975,7 @@ mod tests {
             Some(" 2 ".into()),
             Some("2048".into()),
             Some("3".into()),
+            Some("512".into()),
         ];
         let c = with_overrides(base, &some).unwrap();
         assert_eq!(
@@ -1935,11 +1984,12 @@ mod tests {
                 c.direct_threads,
                 c.write_threads,
                 c.chunk,
-                c.depth
+                c.depth,
+                c.direct_read_chunk
             ),
-            (4, 4, 2, 2 << 20, 3)
+            (4, 4, 2, 2 << 20, 3, 512 << 10)
         );
-        let mut bad: [Option<String>; 5] = Default::default();
+        let mut bad: [Option<String>; 6] = Default::default();
         bad[3] = Some("lots".into());
         let e = with_overrides(base, &bad).unwrap_err();
         assert_invalid(&e, "GPUDIRECT_POSIX_CHUNK_KIB");
@@ -1949,22 +1999,37 @@ mod tests {
         bad[0] = Some("0".into());
         let e = with_overrides(base, &bad).unwrap_err();
         assert_invalid(&e, "config.threads");
+        bad[0] = None;
+        bad[5] = Some("3".into()); // 3 KiB: not a multiple of DIRECT_ALIGN
+        let e = with_overrides(base, &bad).unwrap_err();
+        assert_invalid(&e, "config.direct_read_chunk");
+        bad[5] = Some(usize::MAX.to_string());
+        assert!(
+            with_overrides(base, &bad).is_err(),
+            "overflowing direct read chunk"
+        );
     }
 
     fn config() -> impl Strategy<Value = PosixConfig> {
         let size = || prop_oneof![any::<usize>(), 0usize..300, Just(usize::MAX)];
-        let chunk = prop_oneof![
-            any::<usize>(),
-            (0usize..=(PosixConfig::MAX_CHUNK / DIRECT_ALIGN + 2)).prop_map(|k| k * DIRECT_ALIGN),
-            Just(usize::MAX - 4095),
-        ];
-        (size(), size(), size(), chunk, size()).prop_map(
-            |(threads, direct_threads, write_threads, chunk, depth)| PosixConfig {
-                threads,
-                direct_threads,
-                write_threads,
-                chunk,
-                depth,
+        let chunk = || {
+            prop_oneof![
+                any::<usize>(),
+                (0usize..=(PosixConfig::MAX_CHUNK / DIRECT_ALIGN + 2))
+                    .prop_map(|k| k * DIRECT_ALIGN),
+                Just(usize::MAX - 4095),
+            ]
+        };
+        (size(), size(), size(), chunk(), chunk(), size()).prop_map(
+            |(threads, direct_threads, write_threads, chunk, direct_read_chunk, depth)| {
+                PosixConfig {
+                    threads,
+                    direct_threads,
+                    write_threads,
+                    chunk,
+                    direct_read_chunk,
+                    depth,
+                }
             },
         )
     }
@@ -1974,7 +2039,7 @@ mod tests {
     proptest! {
         #[test]
         fn configs_are_bounded(cfg in config()) {
-            let bounce = cfg.chunk as u128 + 2 * DIRECT_ALIGN as u128;
+            let bounce = cfg.chunk.max(cfg.direct_read_chunk) as u128 + 2 * DIRECT_ALIGN as u128;
             let most = cfg.threads.max(cfg.direct_threads).max(cfg.write_threads) as u128;
             let pinned = bounce
                 .checked_mul(cfg.depth as u128)
@@ -1985,13 +2050,15 @@ mod tests {
                 && t.contains(&cfg.direct_threads)
                 && t.contains(&cfg.write_threads)
                 && (1..=PosixConfig::MAX_DEPTH).contains(&cfg.depth)
-                && cfg.chunk > 0
-                && cfg.chunk <= PosixConfig::MAX_CHUNK
-                && cfg.chunk % DIRECT_ALIGN == 0
+                && [cfg.chunk, cfg.direct_read_chunk].iter().all(|&c| {
+                    c > 0 && c <= PosixConfig::MAX_CHUNK && c % DIRECT_ALIGN == 0
+                })
                 && pinned <= PosixConfig::MAX_PINNED_BYTES as u128;
             prop_assert_eq!(cfg.validate().is_ok(), ok);
             match cfg.bounce_len() {
-                Ok(b) => prop_assert!(ok && b as u128 == bounce && b > cfg.chunk),
+                Ok(b) => prop_assert!(
+                    ok && b as u128 == bounce && b > cfg.chunk && b > cfg.direct_read_chunk
+                ),
                 Err(_) => prop_assert!(!ok),
             }
         }
