@@ -97,9 +97,7 @@ impl<'a, T: Defers> Locked<'a, T> {
     pub(crate) fn wait_timeout(mut self, cv: &Condvar, left: Duration) -> Self {
         let mut g = self.g.take().expect("held until dropped");
         if !g.wakes().is_empty() {
-            let w = std::mem::take(g.wakes());
-            drop(g);
-            drop(w);
+            let_go(g);
             return Locked::new(self.mutex);
         }
         let g = cv
@@ -128,12 +126,17 @@ impl<T: Defers> std::ops::DerefMut for Locked<'_, T> {
 
 impl<T: Defers> Drop for Locked<'_, T> {
     fn drop(&mut self) {
-        if let Some(mut g) = self.g.take() {
-            let w = std::mem::take(g.wakes());
-            drop(g);
-            drop(w);
+        if let Some(g) = self.g.take() {
+            let_go(g);
         }
     }
+}
+
+/// Let `g` go, then run the wake-ups decided under it.
+fn let_go<T: Defers>(mut g: MutexGuard<'_, T>) {
+    let w = std::mem::take(g.wakes());
+    drop(g);
+    drop(w);
 }
 
 #[cfg(test)]

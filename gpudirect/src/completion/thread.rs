@@ -172,7 +172,6 @@ pub(crate) fn timers() -> usize {
 }
 
 /// Run `f`, containing a panic (its payload is leaked, never dropped: dropping it could panic).
-/// Run `f`; a panic in it is contained, its payload leaked (never dropped here).
 pub(crate) fn contained(f: impl FnOnce()) {
     if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         std::mem::forget(p);
