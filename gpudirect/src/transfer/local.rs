@@ -1250,15 +1250,17 @@ impl Side {
             epoch,
             ..
         } = job;
+        // Its result set, with the wake-ups of the failure it caused (if any).
+        let end_with = move |r: Result<TransferReport>, failed: Option<Wakes>| Later {
+            _settled: finish(r),
+            _failed: failed,
+        };
         match end {
             End::Failed(e) => {
                 // A sticky error: the copy will never be seen done; what it reaches stays.
                 Tracker::global().park(fence, keep);
                 let failed = self.fail_later(Broken::of(&e));
-                Later {
-                    _settled: finish(Err(e)),
-                    _failed: failed,
-                }
+                end_with(Err(e), failed)
             }
             End::Ended => {
                 Tracker::global().park(fence, keep);
@@ -1266,10 +1268,7 @@ impl Side {
                     .ep()
                     .and_then(|ep| ep.failure())
                     .unwrap_or_else(|| Broken::Closed.to_error());
-                Later {
-                    _settled: finish(Err(e)),
-                    _failed: None,
-                }
+                end_with(Err(e), None)
             }
             End::Late => {
                 Tracker::global().park(fence, keep);
@@ -1279,10 +1278,7 @@ impl Side {
                            endpoint was closed)",
                     after: timeout,
                 };
-                Later {
-                    _settled: finish(Err(e)),
-                    _failed: failed,
-                }
+                end_with(Err(e), failed)
             }
             End::Done => {
                 if on_worker {
@@ -1297,10 +1293,7 @@ impl Side {
                         .ep()
                         .and_then(|ep| ep.failure())
                         .unwrap_or_else(|| Broken::Closed.to_error());
-                    return Later {
-                        _settled: finish(Err(e)),
-                        _failed: None,
-                    };
+                    return end_with(Err(e), None);
                 }
                 if let Some(tag) = report.notified
                     && let Err(e) = self.notify(tag)
@@ -1311,16 +1304,10 @@ impl Side {
                         }
                         _ => None,
                     };
-                    return Later {
-                        _settled: finish(Err(e)),
-                        _failed: failed,
-                    };
+                    return end_with(Err(e), failed);
                 }
                 report.elapsed = started.elapsed();
-                Later {
-                    _settled: finish(Ok(report)),
-                    _failed: None,
-                }
+                end_with(Ok(report), None)
             }
         }
     }
