@@ -4,7 +4,8 @@
 //! process per GPU, `benches/baselines/nixl_bench.py`) in the same run; 4 KiB to 1 GiB.
 //!
 //! Figures per size (GB/s of 10^9 bytes per second, medians):
-//! - one at a time: `Endpoint::write(..).wait()` against `cuMemcpyPeerAsync` +
+//! - one at a time: `Endpoint::write(..).wait()`, and the same write prepared once
+//!   (`Endpoint::prepare`) then `PreparedTransfer::post().wait()` each time, against `cuMemcpyPeerAsync` +
 //!   `cuStreamSynchronize`, against the same data path by hand (`cuMemcpyAsync` into another
 //!   process's buffer opened with `cuIpcOpenMemHandle`, + `cuStreamSynchronize`: "raw IPC"), and
 //!   NIXL's `transfer` polled to done;
@@ -331,6 +332,16 @@ fn main() {
                 path = r.paths[0].to_string();
             }
         });
+        let prepared = ep
+            .prepare(
+                gpudirect::transfer::Direction::Write,
+                pair(),
+                TransferOptions::default().deadline(DEADLINE),
+            )
+            .expect("prepare");
+        let prep_one = per_call(reps, || {
+            prepared.post().expect("post").wait().expect("wait");
+        });
         let pipe_reps = reps.div_ceil(depth).max(3);
         let raw_pipe = per_call(pipe_reps, || {
             for _ in 0..depth {
@@ -400,8 +411,8 @@ fn main() {
             }
         }) / depth as f64;
         rows.push((
-            n, raw_one, ipc_one, gd_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream, raw_batch,
-            gd_batch,
+            n, raw_one, ipc_one, gd_one, prep_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
+            raw_batch, gd_batch,
         ));
     }
     // NIXL needs the GPUs' memory: run it after ours, in the same run.
@@ -443,13 +454,16 @@ fn main() {
         }
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
+        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
         "size",
         "raw 1x1",
         "raw IPC",
         "engine",
         "ratio",
         "/IPC",
+        "+us",
+        "prepared",
+        "ratio",
         "+us",
         "NIXL",
         "ours/N",
@@ -465,7 +479,7 @@ fn main() {
         "ratio",
         "/batch"
     );
-    for (n, r1, i1, g1, rp, ip, gp, gs, rb, gb) in rows {
+    for (n, r1, i1, g1, p1, rp, ip, gp, gs, rb, gb) in rows {
         let label = if n >= MIB {
             format!("{} MiB", n / MIB)
         } else {
@@ -473,7 +487,7 @@ fn main() {
         };
         let nx = nixl.get(&n).copied();
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
+            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
             label,
             gbs(n, r1),
             gbs(n, i1),
@@ -481,6 +495,9 @@ fn main() {
             r1 / g1,
             i1 / g1,
             (g1 - r1) * 1e6,
+            gbs(n, p1),
+            r1 / p1,
+            (p1 - r1) * 1e6,
             nx.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
             nx.map(|g| format!("{:.2}", gbs(n, g1) / g))
                 .unwrap_or_else(|| "-".into()),
@@ -504,6 +521,7 @@ fn main() {
          per copy, or per {0} copies pipelined); raw IPC: cuMemcpyAsync into the peer's buffer mapped with \
          cuIpcOpenMemHandle (the engine's data path by hand); /IPC = engine against it; raw batch: one cuMemcpyBatchAsync of {0} raw IPC copies + one synchronize; \
          1 req: one Endpoint::write of {0} pairs, ratio against raw pipe; engine: Endpoint::write to another process's memory; \
+         prepared: the same write made once with Endpoint::prepare, each time PreparedTransfer::post + wait; \
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
         "32 (4 above 16 MiB)"
     );

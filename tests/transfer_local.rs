@@ -6,6 +6,9 @@
 //! - writes of random bytes at 4 KiB, 1 MiB + 7 and 64 MiB into poisoned peer memory, each with
 //!   a notification the peer checks the bytes at, in order; reads of the peer's random bytes into
 //!   poisoned local memory; all compared exactly;
+//! - prepared requests (`Endpoint::prepare`): a read posted once and twice at once into poisoned
+//!   memory, a write posted with fresh random bytes each time and read back, all exact; posts
+//!   refused once the endpoint failed and once it is gone;
 //! - 200 small writes queued at once, each notified after its own bytes; the peer's allocations
 //!   opened once each however many requests use them (`CacheCounters::imports_opened`);
 //! - the path each report gives (NVLink between two GPUs joined by NVLink, the same device with
@@ -33,7 +36,7 @@ use gpudirect::Error;
 use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::p2p::{Interconnect, IpcPool, LinkMatrix};
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, LocalListener,
+    Buffer, Direction, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, LocalListener,
     MemoryDescriptor, MemoryPath, Region, TransferOptions,
 };
 use gpudirect_testing::{Hardware, require};
@@ -352,6 +355,60 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     let in_flight = read(1).into_in_flight();
     in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
     drop(read(2));
+    // Prepared requests: a read posted once, then twice at once, each time into poisoned
+    // memory; a write posted with fresh random bytes each time, read back exactly.
+    let len = SIZES[1];
+    let back = register(&engine, poisoned_bytes(0, len, 0x3C));
+    let prepared_read = ep
+        .prepare(
+            Direction::Read,
+            vec![(back.all(), peer[4].all())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(
+        (prepared_read.bytes(), prepared_read.direction()),
+        (len as u64, Direction::Read)
+    );
+    for posts in 1..=2 {
+        let ts: Vec<_> = (0..posts).map(|_| prepared_read.post().unwrap()).collect();
+        for t in ts {
+            let r = t.wait().unwrap();
+            assert_eq!(r.bytes, len as u64);
+            check_path(&r.paths[0]);
+        }
+        same(
+            &host_copy(&back, 0, len),
+            &bytes(len, seed ^ 101),
+            "prepared read",
+        );
+        back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    }
+    let small = SIZES[0];
+    let out = register(&engine, poisoned_bytes(0, small, 0x77));
+    let check = register(&engine, poisoned_bytes(0, small, 0x3C));
+    let prepared_write = ep
+        .prepare(
+            Direction::Write,
+            vec![(out.all(), peer[3].all())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    let read_back = ep
+        .prepare(
+            Direction::Read,
+            vec![(check.all(), peer[3].all())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    for k in 0..3u64 {
+        let want = bytes(small, seed ^ (300 + k));
+        out.copy_from_host(0, &want).unwrap();
+        check_path(&prepared_write.post().unwrap().wait().unwrap().paths[0]);
+        read_back.post().unwrap().wait().unwrap();
+        same(&host_copy(&check, 0, small), &want, "prepared write");
+        check.copy_from_host(0, &vec![0x3C; small]).unwrap();
+    }
     // A later notified write finishes after it (requests finish in order).
     let one = register(&engine, device_bytes(0, &[7u8; 8]));
     ep.write(
@@ -488,8 +545,21 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         matches!(e, Error::Timeout { .. }),
         "later requests: the failure: {e}"
     );
+    let e = prepared_write.post().unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "posts too: {e}");
 
     drop(ep);
+    let e = prepared_read.post().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                arg: "endpoint",
+                ..
+            } | Error::Timeout { .. }
+        ),
+        "the endpoint is gone (or still ends with its failure): {e}"
+    );
     let status = child.wait().unwrap();
     assert!(status.success(), "peer failed: {status:?}");
 }

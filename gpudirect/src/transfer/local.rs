@@ -833,6 +833,14 @@ struct Keep {
     _pairs: Vec<(LocalRange, RemoteRange)>,
     _regions: Vec<Region>,
     _imports: Vec<Arc<Import>>,
+    /// A prepared request's pairs and imports, shared by every post of it.
+    _held: Option<Arc<Held>>,
+}
+
+/// What a prepared request's copies reach: its pairs (their regions) and the peer's imports.
+struct Held {
+    _pairs: Vec<(LocalRange, RemoteRange)>,
+    _imports: Vec<Arc<Import>>,
 }
 
 /// The stream epochs of one request (one per stream it used): complete when all are.
@@ -1720,7 +1728,6 @@ pub(super) fn request(
     pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
 ) -> Result<Transfer> {
-    let e = &ep.engine().inner;
     let Prepared {
         copies,
         gpus,
@@ -1730,30 +1737,70 @@ pub(super) fn request(
         deadline,
         epoch,
     } = prepare(ep, side, dir, &pairs, &opts)?;
-    // The streams of each local GPU the copies start from (one GPU, almost always).
-    let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
-    for c in &copies {
-        if !streams.iter().any(|(d, _)| *d == c.device) {
-            streams.push((c.device, side.streams_of(c.device)?));
-        }
-    }
+    let streams = streams_for(side, &copies)?;
     let bytes = total_bytes(&copies)?;
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
         _pairs: pairs,
         _regions: Vec::new(),
         _imports: imports,
+        _held: None,
     };
+    let report = report(dir, bytes, 0, Vec::new(), &opts);
+    let when = When {
+        started,
+        deadline,
+        timeout,
+        epoch,
+    };
+    issue(ep, side, &streams, &copies, keep, report, &gpus, when)
+}
+
+/// The streams of each local GPU the copies start from (one GPU, almost always).
+fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, Arc<[Stream]>)>> {
+    let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
+    for c in copies {
+        if !streams.iter().any(|(d, _)| *d == c.device) {
+            streams.push((c.device, side.streams_of(c.device)?));
+        }
+    }
+    Ok(streams)
+}
+
+/// When a request was made and must end, and the endpoint's epoch it belongs to.
+struct When {
+    started: Instant,
+    deadline: Instant,
+    timeout: Duration,
+    epoch: u64,
+}
+
+/// Queue a checked request's copies and hand it to the worker. `report` has no paths and no
+/// message count yet: they are set here.
+#[allow(clippy::too_many_arguments)]
+fn issue(
+    ep: &super::Endpoint,
+    side: &Side,
+    streams: &[(usize, Arc<[Stream]>)],
+    copies: &[Piece],
+    keep: Keep,
+    mut report: TransferReport,
+    gpus: &[(Option<usize>, usize)],
+    when: When,
+) -> Result<Transfer> {
+    let e = &ep.engine().inner;
+    let eager = report.notified.is_some();
     // Under the issue lock, queued then pushed: the streams' order is the queue's, so
     // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
     let issue = lock(&side.issue);
-    let (fence, keep, messages) = enqueue(&streams, &copies, e.config.copy_chunk as u64, keep)?;
+    let (fence, keep, messages) = enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
     // From here on the copies run: what is left costs them nothing.
     hold_imports(side, &keep._imports);
-    let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+    report.messages = messages;
+    report.paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     // Made once the copies are queued: a request refused before has no transfer to end. What
     // the copies reach is the job's to hold (`keep`), not the transfer's.
-    let (transfer, finish) = Transfer::pending(timeout, Vec::new());
+    let (transfer, finish) = Transfer::pending(when.timeout, Vec::new());
     // A caller waiting for it finishes what is done at the head of the queue itself. The
     // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
@@ -1761,17 +1808,16 @@ pub(super) fn request(
     // beside the caller's copies: measured on the H200, they doubled a small request's cost).
     let me: Weak<dyn Finisher> = side.me.clone();
     transfer.set_finisher(me);
-    let eager = opts.notify.is_some();
     let mut q = lock(&side.queue);
     q.jobs.push_back(Job {
         fence: Arc::new(fence),
         keep,
         finish: Box::new(finish),
-        report: report(dir, bytes, messages, paths, &opts),
-        started,
-        deadline,
-        timeout,
-        epoch,
+        report,
+        started: when.started,
+        deadline: when.deadline,
+        timeout: when.timeout,
+        epoch: when.epoch,
     });
     let wake = eager && q.idle;
     drop(q);
@@ -1780,6 +1826,98 @@ pub(super) fn request(
         side.queue_cv.notify_all();
     }
     Ok(transfer)
+}
+
+/// An intra-node request checked and mapped once, to be posted many times ([`post`]).
+pub(super) struct Ready {
+    side: Weak<Side>,
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    streams: Vec<(usize, Arc<[Stream]>)>,
+    /// The report every post starts from (no paths, no messages yet).
+    report: TransferReport,
+    held: Arc<Held>,
+    timeout: Duration,
+    epoch: u64,
+}
+
+/// Check and map a request once ([`Endpoint::prepare`](super::Endpoint::prepare)): what
+/// [`request`] does before it queues anything, kept.
+pub(super) fn ready(
+    ep: &super::Endpoint,
+    side: &Side,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Ready> {
+    let Prepared {
+        copies,
+        gpus,
+        imports,
+        timeout,
+        epoch,
+        ..
+    } = prepare(ep, side, dir, &pairs, &opts)?;
+    let streams = streams_for(side, &copies)?;
+    let bytes = total_bytes(&copies)?;
+    // Held by the side from now on, as a request's are once queued: every post finds them.
+    hold_imports(side, &imports);
+    Ok(Ready {
+        side: side.me.clone(),
+        copies,
+        gpus,
+        streams,
+        report: report(dir, bytes, 0, Vec::new(), &opts),
+        held: Arc::new(Held {
+            _pairs: pairs,
+            _imports: imports,
+        }),
+        timeout,
+        epoch,
+    })
+}
+
+/// Post a prepared request: its copies queued as [`request`] queues them, with no check or
+/// lookup repeated. Refused when the endpoint failed, closed or reconnected since it was
+/// prepared (the peer's memory may have moved).
+pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
+    let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
+    if side.epoch.load(Ordering::Acquire) != r.epoch {
+        return Err(ep.failure().unwrap_or_else(|| {
+            Error::invalid(
+                "prepared",
+                "an earlier connection",
+                "the endpoint reconnected (or closed) since this transfer was prepared: the \
+                 peer's memory may have moved; prepare it again",
+            )
+        }));
+    }
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    let started = Instant::now();
+    let keep = Keep {
+        _pairs: Vec::new(),
+        _regions: Vec::new(),
+        _imports: Vec::new(),
+        _held: Some(r.held.clone()),
+    };
+    let when = When {
+        started,
+        deadline: deadline_after(started, r.timeout),
+        timeout: r.timeout,
+        epoch: r.epoch,
+    };
+    issue(
+        ep,
+        &side,
+        &r.streams,
+        &r.copies,
+        keep,
+        r.report.clone(),
+        &r.gpus,
+        when,
+    )
 }
 
 /// Hand imports to the completion tracker, to be closed by a later reap on a caller's thread
@@ -1987,6 +2125,7 @@ pub(super) fn on_stream(
         _pairs: Vec::new(),
         _regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
         _imports: imports,
+        _held: None,
     };
     let bytes = total_bytes(&copies)?;
     let messages = copies.len() as u64;
@@ -2268,6 +2407,50 @@ mod tests {
         assert!(
             matches!(e, Error::InvalidArgument { arg: "notify", .. }),
             "{e}"
+        );
+        // A prepared request is refused for the same reasons, before any CUDA call.
+        let prep = |dir, pairs, opts| a.prepare(dir, pairs, opts).unwrap_err();
+        let e = prep(
+            Direction::Write,
+            vec![(region.all(), rdma_only.all())],
+            TransferOptions::default(),
+        );
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. })
+                && e.to_string().contains("IPC"),
+            "{e}"
+        );
+        let e = prep(
+            Direction::Write,
+            vec![(region.all(), theirs[0].all())],
+            TransferOptions::default(),
+        );
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        let e = prep(
+            Direction::Read,
+            vec![(region.all(), theirs[0].all())],
+            TransferOptions::notify(3),
+        );
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "notify", .. }),
+            "{e}"
+        );
+        let e = prep(Direction::Write, Vec::new(), TransferOptions::default());
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }),
+            "{e}"
+        );
+        let e = prep(
+            Direction::Write,
+            vec![(
+                region.range(0, 100).unwrap(),
+                theirs[0].range(0, 99).unwrap(),
+            )],
+            TransferOptions::default(),
+        );
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }),
+            "lengths differ: {e}"
         );
         assert_eq!(engine.cache_stats().imports_opened, 0);
 
@@ -2855,6 +3038,7 @@ mod tests {
                     _pairs: Vec::new(),
                     _regions: Vec::new(),
                     _imports: Vec::new(),
+                    _held: None,
                 },
                 finish: Box::new(finish),
                 report: report(Direction::Write, 8, 1, Vec::new(), &opts),

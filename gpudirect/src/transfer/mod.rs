@@ -167,4 +167,5 @@ pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "p2p")]
 pub use local::LocalListener;
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
+pub use request::PreparedTransfer;
 pub use stream::{PROXY_NAP, STREAM_ERROR_BIT, StreamTransfer, StreamWord, TRIGGER_SLOTS};

@@ -2,7 +2,9 @@
 //! staged memory through the staged path.
 
 use super::descriptor::RemoteRange;
-use super::endpoint::{Direction, Endpoint, Transfer, TransferOptions};
+use super::endpoint::{
+    Direction, Endpoint, Transfer, TransferOptions, WeakEndpoint, check_pairs, check_same_engine,
+};
 use super::region::LocalRange;
 use super::staging::staged;
 use crate::error::Result;
@@ -73,5 +75,141 @@ impl Endpoint {
         } else {
             self.direct(dir, pairs, opts)
         }
+    }
+}
+
+/// A request checked once, to be posted many times ([`Endpoint::prepare`]): the pattern of
+/// NIXL's prepared transfer handles, for the same ranges moved again and again (a layer's KV
+/// blocks, a gradient buffer every step).
+///
+/// Inside a node, posting repeats no check and no lookup: the ranges were checked, the peer's
+/// allocations mapped (and held) and the copy streams found when it was prepared. Across nodes
+/// a post is [`transfer`](Endpoint::transfer) of the same pairs (its checks included).
+///
+/// It does not keep the endpoint open: once every clone of the endpoint is gone, a post is
+/// refused.
+pub struct PreparedTransfer {
+    ep: WeakEndpoint,
+    dir: Direction,
+    opts: TransferOptions,
+    bytes: u64,
+    how: How,
+}
+
+enum How {
+    #[cfg(feature = "p2p")]
+    Local(super::local::Ready),
+    Pairs(Vec<(LocalRange, RemoteRange)>),
+}
+
+impl Endpoint {
+    /// Check `pairs` once for requests posted later with [`PreparedTransfer::post`], each as
+    /// [`transfer`](Self::transfer)`(dir, pairs, opts)` would make it (`opts.deadline` counts
+    /// from each post).
+    ///
+    /// # Errors
+    ///
+    /// The checks of [`transfer`](Self::transfer) that need no NIC: [`Error::InvalidArgument`]
+    /// for no pairs, lengths that differ, a local region of another engine, a notification on a
+    /// read, lengths adding up past 2^64; inside a node also everything `transfer` refuses
+    /// before it queues a copy (mapping the peer's allocations included).
+    ///
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    #[doc(alias = "prepXferDlist")]
+    #[doc(alias = "makeXferReq")]
+    pub fn prepare(
+        &self,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        opts: TransferOptions,
+    ) -> Result<PreparedTransfer> {
+        check_pairs(dir, &pairs, &opts)?;
+        check_same_engine(self.engine().inner.engine_id, &pairs)?;
+        let bytes = pairs.iter().try_fold(0u64, |t, (l, _)| {
+            t.checked_add(l.len()).ok_or_else(|| {
+                crate::Error::invalid("pairs", pairs.len(), "the lengths add up past 2^64")
+            })
+        })?;
+        #[cfg(feature = "p2p")]
+        if let Some(side) = self.local_side()
+            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
+        {
+            let ready = super::local::ready(self, side, dir, pairs, opts)?;
+            return Ok(PreparedTransfer {
+                ep: self.downgrade(),
+                dir,
+                opts,
+                bytes,
+                how: How::Local(ready),
+            });
+        }
+        Ok(PreparedTransfer {
+            ep: self.downgrade(),
+            dir,
+            opts,
+            bytes,
+            how: How::Pairs(pairs),
+        })
+    }
+}
+
+impl PreparedTransfer {
+    /// Make the request again: a new [`Transfer`], as
+    /// [`transfer`](Endpoint::transfer) returns.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure (as [`Endpoint::failure`]) once it has failed;
+    /// [`Error::InvalidArgument`] once it closed (every clone dropped) or, inside a node,
+    /// reconnected since this was prepared (prepare again: the peer's memory may have moved);
+    /// [`Error::Cuda`] from queueing the copies. Across nodes, also what
+    /// [`transfer`](Endpoint::transfer) returns.
+    ///
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    /// [`Error::Cuda`]: crate::Error::Cuda
+    #[doc(alias = "postXferReq")]
+    pub fn post(&self) -> Result<Transfer> {
+        let ep = self
+            .ep
+            .upgrade()
+            .ok_or_else(|| super::endpoint::Broken::Closed.to_error())?;
+        match &self.how {
+            #[cfg(feature = "p2p")]
+            How::Local(r) => super::local::post(&ep, r),
+            How::Pairs(pairs) => ep.transfer(self.dir, pairs.clone(), self.opts),
+        }
+    }
+
+    /// Its direction.
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+
+    /// Bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Its options (the deadline counts from each post).
+    pub fn options(&self) -> TransferOptions {
+        self.opts
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("direction", &self.dir)
+            .field("bytes", &self.bytes)
+            .field("options", &self.opts)
+            .field(
+                "inside_node",
+                &match self.how {
+                    #[cfg(feature = "p2p")]
+                    How::Local(_) => true,
+                    How::Pairs(_) => false,
+                },
+            )
+            .finish()
     }
 }
