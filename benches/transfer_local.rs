@@ -5,7 +5,8 @@
 //!
 //! Figures per size (GB/s of 10^9 bytes per second, medians):
 //! - one at a time: `Endpoint::write(..).wait()`, and the same write prepared once
-//!   (`Endpoint::prepare`) then `PreparedTransfer::post().wait()` each time, against `cuMemcpyPeerAsync` +
+//!   (`Endpoint::prepare`) then `PreparedTransfer::post().wait()` or `PreparedTransfer::run()`
+//!   each time, against `cuMemcpyPeerAsync` +
 //!   `cuStreamSynchronize`, against the same data path by hand (`cuMemcpyAsync` into another
 //!   process's buffer opened with `cuIpcOpenMemHandle`, + `cuStreamSynchronize`: "raw IPC"), and
 //!   NIXL's `transfer` polled to done;
@@ -342,6 +343,9 @@ fn main() {
         let prep_one = per_call(reps, || {
             prepared.post().expect("post").wait().expect("wait");
         });
+        let run_one = per_call(reps, || {
+            prepared.run().expect("run");
+        });
         let pipe_reps = reps.div_ceil(depth).max(3);
         let raw_pipe = per_call(pipe_reps, || {
             for _ in 0..depth {
@@ -411,7 +415,7 @@ fn main() {
             }
         }) / depth as f64;
         rows.push((
-            n, raw_one, ipc_one, gd_one, prep_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
+            n, raw_one, ipc_one, gd_one, prep_one, run_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
             raw_batch, gd_batch,
         ));
     }
@@ -454,7 +458,7 @@ fn main() {
         }
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
+        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
         "size",
         "raw 1x1",
         "raw IPC",
@@ -463,6 +467,9 @@ fn main() {
         "/IPC",
         "+us",
         "prepared",
+        "ratio",
+        "+us",
+        "run",
         "ratio",
         "+us",
         "NIXL",
@@ -479,7 +486,7 @@ fn main() {
         "ratio",
         "/batch"
     );
-    for (n, r1, i1, g1, p1, rp, ip, gp, gs, rb, gb) in rows {
+    for (n, r1, i1, g1, p1, q1, rp, ip, gp, gs, rb, gb) in rows {
         let label = if n >= MIB {
             format!("{} MiB", n / MIB)
         } else {
@@ -487,7 +494,7 @@ fn main() {
         };
         let nx = nixl.get(&n).copied();
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
+            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
             label,
             gbs(n, r1),
             gbs(n, i1),
@@ -498,6 +505,9 @@ fn main() {
             gbs(n, p1),
             r1 / p1,
             (p1 - r1) * 1e6,
+            gbs(n, q1),
+            r1 / q1,
+            (q1 - r1) * 1e6,
             nx.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
             nx.map(|g| format!("{:.2}", gbs(n, g1) / g))
                 .unwrap_or_else(|| "-".into()),
@@ -522,6 +532,7 @@ fn main() {
          cuIpcOpenMemHandle (the engine's data path by hand); /IPC = engine against it; raw batch: one cuMemcpyBatchAsync of {0} raw IPC copies + one synchronize; \
          1 req: one Endpoint::write of {0} pairs, ratio against raw pipe; engine: Endpoint::write to another process's memory; \
          prepared: the same write made once with Endpoint::prepare, each time PreparedTransfer::post + wait; \
+         run: PreparedTransfer::run (to 64 MiB: queued and synchronized on the caller's thread); \
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
         "32 (4 above 16 MiB)"
     );

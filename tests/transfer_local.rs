@@ -7,8 +7,9 @@
 //!   a notification the peer checks the bytes at, in order; reads of the peer's random bytes into
 //!   poisoned local memory; all compared exactly;
 //! - prepared requests (`Endpoint::prepare`): a read posted once and twice at once into poisoned
-//!   memory, a write posted with fresh random bytes each time and read back, all exact; posts
-//!   refused once the endpoint failed and once it is gone;
+//!   memory, run on the caller's thread (alone, behind a post, with a deadline under 100 ms), a
+//!   write posted or run with fresh random bytes each time and read back, all exact; posts and
+//!   runs refused once the endpoint failed, posts once it is gone;
 //! - 200 small writes queued at once, each notified after its own bytes; the peer's allocations
 //!   opened once each however many requests use them (`CacheCounters::imports_opened`);
 //! - the path each report gives (NVLink between two GPUs joined by NVLink, the same device with
@@ -384,6 +385,35 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         );
         back.copy_from_host(0, &vec![0x3C; len]).unwrap();
     }
+    // Run on this thread (waited for with a stream synchronize), then with a request of the
+    // endpoint still in flight and with a deadline under 100 ms (both: post and wait).
+    let r = prepared_read.run().unwrap();
+    assert_eq!((r.bytes, r.messages), (len as u64, 1));
+    check_path(&r.paths[0]);
+    same(&host_copy(&back, 0, len), &bytes(len, seed ^ 101), "run");
+    back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    let pending = prepared_read.post().unwrap();
+    check_path(&prepared_read.run().unwrap().paths[0]);
+    pending.wait().unwrap();
+    same(
+        &host_copy(&back, 0, len),
+        &bytes(len, seed ^ 101),
+        "run behind a post",
+    );
+    back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    let short = ep
+        .prepare(
+            Direction::Read,
+            vec![(back.all(), peer[4].all())],
+            TransferOptions::default().deadline(Duration::from_millis(50)),
+        )
+        .unwrap();
+    check_path(&short.run().unwrap().paths[0]);
+    same(
+        &host_copy(&back, 0, len),
+        &bytes(len, seed ^ 101),
+        "run, short deadline",
+    );
     let small = SIZES[0];
     let out = register(&engine, poisoned_bytes(0, small, 0x77));
     let check = register(&engine, poisoned_bytes(0, small, 0x3C));
@@ -404,8 +434,13 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     for k in 0..3u64 {
         let want = bytes(small, seed ^ (300 + k));
         out.copy_from_host(0, &want).unwrap();
-        check_path(&prepared_write.post().unwrap().wait().unwrap().paths[0]);
-        read_back.post().unwrap().wait().unwrap();
+        if k == 1 {
+            check_path(&prepared_write.run().unwrap().paths[0]);
+            read_back.run().unwrap();
+        } else {
+            check_path(&prepared_write.post().unwrap().wait().unwrap().paths[0]);
+            read_back.post().unwrap().wait().unwrap();
+        }
         same(&host_copy(&check, 0, small), &want, "prepared write");
         check.copy_from_host(0, &vec![0x3C; small]).unwrap();
     }
@@ -547,6 +582,8 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     );
     let e = prepared_write.post().unwrap_err();
     assert!(matches!(e, Error::Timeout { .. }), "posts too: {e}");
+    let e = prepared_write.run().unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "runs too: {e}");
 
     drop(ep);
     let e = prepared_read.post().unwrap_err();

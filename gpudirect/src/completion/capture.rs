@@ -125,6 +125,35 @@ pub(crate) fn enqueue_raw<R, T>(
     enqueue_with(&probe, call, keep, |k| f(raw, k))
 }
 
+/// The calling thread in `CU_STREAM_CAPTURE_MODE_RELAXED` while this lives; its mode before is
+/// put back when dropped. A blocking call on a library-private stream made meanwhile (a
+/// `cuStreamSynchronize`) is then neither refused nor invalidates a capture that another thread
+/// began in global mode. (Leaked, the thread stays relaxed: less checking, nothing unsound.)
+#[cfg(all(feature = "transfer", feature = "p2p"))]
+pub(crate) struct Relaxed(Option<sys::CUstreamCaptureMode>);
+
+#[cfg(all(feature = "transfer", feature = "p2p"))]
+impl Relaxed {
+    /// Relax the calling thread (when the driver refuses, nothing changes).
+    pub(crate) fn new() -> Relaxed {
+        Relaxed(
+            driver::stream::exchange_capture_mode(
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+            .ok(),
+        )
+    }
+}
+
+#[cfg(all(feature = "transfer", feature = "p2p"))]
+impl Drop for Relaxed {
+    fn drop(&mut self) {
+        if let Some(m) = self.0.take() {
+            let _ = driver::stream::exchange_capture_mode(m);
+        }
+    }
+}
+
 /// A stream the library created for itself and never hands out, which never waits on an event
 /// of a stream it does not own: nobody can begin a capture on it, and a capture cannot spread to
 /// it (a capture spreads only to a stream that waits on an event recorded in the capturing one).

@@ -43,6 +43,23 @@ pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
     })
 }
 
+/// `cuThreadExchangeStreamCaptureMode(mode)`—Set the calling thread's stream-capture
+/// interaction mode to `mode`; the mode it had.
+#[cfg_attr(
+    not(all(feature = "transfer", feature = "p2p")),
+    allow(dead_code, reason = "the intra-node transfer path uses it")
+)]
+pub(crate) fn exchange_capture_mode(
+    mode: sys::CUstreamCaptureMode,
+) -> Result<sys::CUstreamCaptureMode> {
+    let mut m = mode;
+    // SAFETY: a valid in/out pointer; no other precondition.
+    cu("cuThreadExchangeStreamCaptureMode", unsafe {
+        sys::cuThreadExchangeStreamCaptureMode(&mut m)
+    })?;
+    Ok(m)
+}
+
 /// `cuStreamQuery(stream)`—Whether the work queued on `stream` has finished: `Ok(false)` for
 /// `CUDA_ERROR_NOT_READY`. On a capturing stream the query is illegal and invalidates the
 /// capture (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`): that is how the crate invalidates a

@@ -1881,20 +1881,7 @@ pub(super) fn ready(
 /// lookup repeated. Refused when the endpoint failed, closed or reconnected since it was
 /// prepared (the peer's memory may have moved).
 pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
-    let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
-    if side.epoch.load(Ordering::Acquire) != r.epoch {
-        return Err(ep.failure().unwrap_or_else(|| {
-            Error::invalid(
-                "prepared",
-                "an earlier connection",
-                "the endpoint reconnected (or closed) since this transfer was prepared: the \
-                 peer's memory may have moved; prepare it again",
-            )
-        }));
-    }
-    if let Some(err) = ep.failure() {
-        return Err(err);
-    }
+    let side = current(ep, r)?;
     let started = Instant::now();
     let keep = Keep {
         _pairs: Vec::new(),
@@ -1918,6 +1905,116 @@ pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
         &r.gpus,
         when,
     )
+}
+
+/// The side of a prepared request, refused when the endpoint failed, closed or reconnected since
+/// it was prepared (the peer's memory may have moved).
+fn current(ep: &super::Endpoint, r: &Ready) -> Result<Arc<Side>> {
+    let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
+    if side.epoch.load(Ordering::Acquire) != r.epoch {
+        return Err(ep.failure().unwrap_or_else(|| {
+            Error::invalid(
+                "prepared",
+                "an earlier connection",
+                "the endpoint reconnected (or closed) since this transfer was prepared: the \
+                 peer's memory may have moved; prepare it again",
+            )
+        }));
+    }
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    Ok(side)
+}
+
+/// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take under 3 ms even over
+/// PCIe, so a deadline of [`RUN_SYNC_MIN_DEADLINE`] cannot pass unseen unless the GPU stalls.
+pub(super) const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
+/// The shortest deadline [`run`] waits for in `cuStreamSynchronize`.
+pub(super) const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
+
+/// Post a prepared request and wait for it on this thread. With nothing of the endpoint in
+/// flight, one stream, at most [`RUN_SYNC_MAX_BYTES`] and a deadline of at least
+/// [`RUN_SYNC_MIN_DEADLINE`]: the copies are queued and waited for with `cuStreamSynchronize`
+/// under the issue lock (no request is queued meanwhile), with no job, transfer or worker in
+/// between. Otherwise `post(..).wait()`.
+pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
+    let lane = match &r.streams[..] {
+        [(_, s)]
+            if s.len() == 1
+                && r.report.bytes <= RUN_SYNC_MAX_BYTES
+                && r.timeout >= RUN_SYNC_MIN_DEADLINE =>
+        {
+            s[0].cu_stream()
+        }
+        _ => return post(ep, r)?.wait(),
+    };
+    // What finished requests left parked goes here, on the caller's thread (as a wait does).
+    Tracker::global().reap();
+    let side = current(ep, r)?;
+    // Declared before the lock: the wake-ups of a failure run once it is let go.
+    let mut wakes = None;
+    let issue = lock(&side.issue);
+    // Requests still queued finish in order before this one: the ordinary way.
+    if !lock(&side.queue).jobs.is_empty() {
+        drop(issue);
+        return post(ep, r)?.wait();
+    }
+    let started = Instant::now();
+    let keep = Keep {
+        _pairs: Vec::new(),
+        _regions: Vec::new(),
+        _imports: Vec::new(),
+        _held: Some(r.held.clone()),
+    };
+    let (fence, keep, messages) = enqueue(
+        &r.streams,
+        &r.copies,
+        ep.engine().inner.config.copy_chunk as u64,
+        keep,
+    )?;
+    let synced = {
+        let _relaxed = capture::Relaxed::new();
+        // SAFETY: the endpoint's own live stream, whose context `enqueue` made current.
+        unsafe { crate::driver::stream::synchronize(lane) }
+    };
+    if let Err(e) = synced {
+        // A sticky error: the copies may never be seen done; what they reach stays.
+        Tracker::global().park(fence, keep);
+        wakes = side.fail_later(Broken::of(&e));
+        drop(issue);
+        drop(wakes);
+        return Err(e);
+    }
+    drop((fence, keep));
+    let elapsed = started.elapsed();
+    let result = if side.epoch.load(Ordering::Acquire) != r.epoch {
+        // Done, but the endpoint failed or reconnected meanwhile: no notification.
+        Err(ep.failure().unwrap_or_else(|| Broken::Closed.to_error()))
+    } else if elapsed > r.timeout {
+        wakes = side.fail_later(Broken::Deadline(r.timeout));
+        Err(Error::Timeout {
+            what: "an intra-node transfer (its copies did not finish in time; the endpoint was \
+                   closed)",
+            after: r.timeout,
+        })
+    } else if let Some(tag) = r.report.notified
+        && let Err(e) = side.notify(tag)
+    {
+        if let Error::Os { call, source } = &e {
+            wakes = side.fail_later(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
+        }
+        Err(e)
+    } else {
+        let mut report = r.report.clone();
+        report.messages = messages;
+        report.paths = r.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+        report.elapsed = elapsed;
+        Ok(report)
+    };
+    drop(issue);
+    drop(wakes);
+    result
 }
 
 /// Hand imports to the completion tracker, to be closed by a later reap on a caller's thread
