@@ -20,6 +20,10 @@
 //! threads × 1, 2, 4 and 8 MiB chunks × depth 2 and 4), `GPUDIRECT_BENCH_PYTHON` (the Python for KvikIO, default `python3`; `none` skips
 //! it), `GPUDIRECT_POSIX_*` (the automatic configuration's overrides, see `PosixConfig`).
 //!
+//! `GPUDIRECT_BENCH_PRIME` (default 1; `0` turns it off): each timed run follows an untimed run
+//! of the same case, as KvikIO's runs follow its own; the untimed runs' median is printed beside
+//! (`after another case`: what a case gives right after a different one).
+//!
 //! `GPUDIRECT_BENCH_SEQ` measures what one case leaves behind for the next: a `;` list of steps
 //! run in that order, repeated `GPUDIRECT_BENCH_REPS` times (after `GPUDIRECT_BENCH_WARMUP`
 //! unmeasured passes, at least one), with one group selected by `GPUDIRECT_BENCH_GROUPS`; the
@@ -271,6 +275,8 @@ struct Row {
     what: String,
     case: Case,
     gbps: Vec<f64>,
+    /// With priming: each primer's figure (the case run right after another one).
+    after_other: Vec<f64>,
     checked: bool,
 }
 
@@ -883,6 +889,7 @@ fn main() {
                     what,
                     case,
                     gbps: vec![],
+                    after_other: vec![],
                     checked: false,
                 })
             };
@@ -978,6 +985,14 @@ fn main() {
             &[&input, &output],
         );
     }
+    // Each timed run right after an untimed run of the same case (KvikIO's figures come from
+    // its own runs back to back): a case timed right after another one is slower by what that
+    // one left behind, which says more about the order than about the case. Seen on an H200
+    // node (300 MiB of last-level cache), the automatic hot read at 47.1 GB/s back to back fell
+    // to 46.3, 44.7 and 43.7 after writing 64, 256 and 1024 MiB of other host memory, and to
+    // 41.7 after the raw 16-thread baseline, as if its pinned bounce chunks (128 MiB) had left
+    // the cache. The primers' figures are printed beside (`after another case`).
+    let prime = std::env::var("GPUDIRECT_BENCH_PRIME").map_or(true, |v| v != "0");
     // Groups in order (hot reads while the file is cached), cases interleaved within a group, in
     // another order at each repetition.
     for &(write, cold) in &groups {
@@ -1007,6 +1022,12 @@ fn main() {
                 group.shuffle(&mut rand::rngs::StdRng::seed_from_u64(rep as u64));
             }
             for &i in &group {
+                if prime {
+                    let took = bench.run(&mut rows[i]);
+                    rows[i]
+                        .after_other
+                        .push(len as f64 / took.as_secs_f64() / 1e9);
+                }
                 let took = bench.run(&mut rows[i]);
                 rows[i].gbps.push(len as f64 / took.as_secs_f64() / 1e9);
             }
@@ -1038,15 +1059,16 @@ fn main() {
             what,
             case: Case::External,
             gbps,
+            after_other: vec![],
             checked: false,
         });
     }
 
     println!("\n{kv_note}");
     println!(
-        "\n| op | cache | source | what | median GB/s | min | max | vs best raw | vs best KvikIO |"
+        "\n| op | cache | source | what | median GB/s | min | max | vs best raw | vs best KvikIO | after another case |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut summary = Vec::new();
     for &(write, cold) in &groups {
         let group: Vec<&Row> = rows
@@ -1075,8 +1097,13 @@ fn main() {
         };
         for r in &group {
             let (med, lo, hi) = median(&r.gbps);
+            let after = if r.after_other.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}", median(&r.after_other).0)
+            };
             println!(
-                "| {op} | {cache} | {} | {} | {med:.2} | {lo:.2} | {hi:.2} | {} | {} |",
+                "| {op} | {cache} | {} | {} | {med:.2} | {lo:.2} | {hi:.2} | {} | {} | {after} |",
                 r.source,
                 r.what,
                 ratio(med, &best_raw),
