@@ -134,14 +134,13 @@ pub(crate) struct Relaxed(Option<sys::CUstreamCaptureMode>);
 
 #[cfg(all(feature = "transfer", feature = "p2p"))]
 impl Relaxed {
-    /// Relax the calling thread (when the driver refuses, nothing changes).
-    pub(crate) fn new() -> Relaxed {
-        Relaxed(
-            driver::stream::exchange_capture_mode(
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-            )
-            .ok(),
+    /// Relax the calling thread; `None` when the driver refuses (nothing changed).
+    pub(crate) fn new() -> Option<Relaxed> {
+        driver::stream::exchange_capture_mode(
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
         )
+        .ok()
+        .map(|m| Relaxed(Some(m)))
     }
 }
 

@@ -81,6 +81,17 @@ impl Timeline {
         self.completed.load(Ordering::Acquire)
     }
 
+    /// The highest epoch issued.
+    pub fn issued(&self) -> u64 {
+        self.issued.load(Ordering::Acquire)
+    }
+
+    /// Every epoch up to `epoch` is complete: the caller saw the stream finish the work before
+    /// it (a `cuStreamSynchronize` that returned success after that work was queued).
+    pub(crate) fn completed_through(&self, epoch: u64) {
+        self.completed.fetch_max(epoch, Ordering::AcqRel);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
         self.events.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -312,7 +323,7 @@ impl Fence for StreamFence {
             // SAFETY: a live stream (the timeline holds it), its context current.
             let r = unsafe { crate::driver::stream::synchronize(tl.stream.cu_stream()) };
             if r.is_ok() {
-                tl.completed.fetch_max(covered, Ordering::AcqRel);
+                tl.completed_through(covered);
                 return true;
             }
             return tl.completed() >= self.epoch;

@@ -843,6 +843,14 @@ struct Held {
     _imports: Vec<Arc<Import>>,
 }
 
+impl Drop for Held {
+    /// The imports are parked, closed by a later reap on a caller's thread (as a refused
+    /// request's are): the last holder may be the worker, or a waker.
+    fn drop(&mut self) {
+        park_imports(std::mem::take(&mut self._imports));
+    }
+}
+
 /// The stream epochs of one request (one per stream it used): complete when all are.
 struct Events(Vec<StreamFence>);
 
@@ -1097,12 +1105,22 @@ impl Side {
         Some((c.peer_fds.pid, fds))
     }
 
-    /// Send a notification (after its request's copies are done).
-    fn notify(&self, tag: u32) -> Result<()> {
+    /// Send a notification (after its request's copies are done) for a request of `epoch`:
+    /// refused when the endpoint failed or reconnected since (the socket may reach another
+    /// peer). The epoch is looked at with the connection held: a reconnect moves it on before it
+    /// puts in its new connection.
+    fn notify(&self, tag: u32, epoch: u64) -> Result<()> {
         let mut f = [0u8; FRAME];
         f[0] = NOTE;
         f[1..].copy_from_slice(&tag.to_le_bytes());
         let mut c = lock(&self.conn);
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            drop(c);
+            return Err(self
+                .ep()
+                .and_then(|ep| ep.failure())
+                .unwrap_or_else(|| Broken::Closed.to_error()));
+        }
         let Some(conn) = c.as_mut() else {
             return Err(Broken::Closed.to_error());
         };
@@ -1304,7 +1322,7 @@ impl Side {
                     return end_with(Err(e), None);
                 }
                 if let Some(tag) = report.notified
-                    && let Err(e) = self.notify(tag)
+                    && let Err(e) = self.notify(tag, epoch)
                 {
                     let failed = match &e {
                         Error::Os { call, source } => {
@@ -1858,20 +1876,22 @@ pub(super) fn ready(
         epoch,
         ..
     } = prepare(ep, side, dir, &pairs, &opts)?;
+    // Made first: refused below, its imports are parked, not closed here.
+    let held = Arc::new(Held {
+        _pairs: pairs,
+        _imports: imports,
+    });
     let streams = streams_for(side, &copies)?;
     let bytes = total_bytes(&copies)?;
     // Held by the side from now on, as a request's are once queued: every post finds them.
-    hold_imports(side, &imports);
+    hold_imports(side, &held._imports);
     Ok(Ready {
         side: side.me.clone(),
         copies,
         gpus,
         streams,
         report: report(dir, bytes, 0, Vec::new(), &opts),
-        held: Arc::new(Held {
-            _pairs: pairs,
-            _imports: imports,
-        }),
+        held,
         timeout,
         epoch,
     })
@@ -1933,11 +1953,13 @@ pub(super) const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
 /// The shortest deadline [`run`] waits for in `cuStreamSynchronize`.
 pub(super) const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 
-/// Post a prepared request and wait for it on this thread. With nothing of the endpoint in
-/// flight, one stream, at most [`RUN_SYNC_MAX_BYTES`] and a deadline of at least
-/// [`RUN_SYNC_MIN_DEADLINE`]: the copies are queued and waited for with `cuStreamSynchronize`
-/// under the issue lock (no request is queued meanwhile), with no job, transfer or worker in
-/// between. Otherwise `post(..).wait()`.
+/// Post a prepared request and wait for it on this thread. With one stream, at most
+/// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing of the
+/// endpoint queued or being finished, and nothing earlier left running on the stream (a request
+/// that ended late leaves its copies there): the copies are queued and waited for with
+/// `cuStreamSynchronize`, holding the issue lock (no request is queued meanwhile) and the
+/// finishing lock (no earlier request is still sending its notification), with no job, transfer
+/// or worker in between. Otherwise `post(..).wait()`.
 pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
     let lane = match &r.streams[..] {
         [(_, s)]
@@ -1945,21 +1967,28 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
                 && r.report.bytes <= RUN_SYNC_MAX_BYTES
                 && r.timeout >= RUN_SYNC_MIN_DEADLINE =>
         {
-            s[0].cu_stream()
+            &s[0]
         }
         _ => return post(ep, r)?.wait(),
     };
     // What finished requests left parked goes here, on the caller's thread (as a wait does).
     Tracker::global().reap();
     let side = current(ep, r)?;
-    // Declared before the lock: the wake-ups of a failure run once it is let go.
+    // Declared before the locks: the wake-ups of a failure run once they are let go.
     let mut wakes = None;
     let issue = lock(&side.issue);
-    // Requests still queued finish in order before this one: the ordinary way.
-    if !lock(&side.queue).jobs.is_empty() {
-        drop(issue);
+    // Requests finish (and notify) one at a time under `finishing`, after leaving the queue.
+    let order = lock(&side.finishing);
+    let timeline = lane.timeline();
+    if !lock(&side.queue).jobs.is_empty() || timeline.completed() < timeline.issued() {
+        drop((order, issue));
         return post(ep, r)?.wait();
     }
+    // The wait must neither fail nor break another thread's global-mode capture.
+    let Some(relaxed) = capture::Relaxed::new() else {
+        drop((order, issue));
+        return post(ep, r)?.wait();
+    };
     let started = Instant::now();
     let keep = Keep {
         _pairs: Vec::new(),
@@ -1973,38 +2002,34 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
         ep.engine().inner.config.copy_chunk as u64,
         keep,
     )?;
-    let synced = {
-        let _relaxed = capture::Relaxed::new();
-        // SAFETY: the endpoint's own live stream, whose context `enqueue` made current.
-        unsafe { crate::driver::stream::synchronize(lane) }
-    };
+    // Nobody else issues on this stream while `issue` is held: the newest epoch is this one.
+    let covered = timeline.issued();
+    // SAFETY: the endpoint's own live stream, whose context `enqueue` made current.
+    let synced = unsafe { crate::driver::stream::synchronize(lane.cu_stream()) };
+    drop(relaxed);
     if let Err(e) = synced {
         // A sticky error: the copies may never be seen done; what they reach stays.
         Tracker::global().park(fence, keep);
         wakes = side.fail_later(Broken::of(&e));
-        drop(issue);
+        drop((order, issue));
         drop(wakes);
         return Err(e);
     }
+    timeline.completed_through(covered);
     drop((fence, keep));
     let elapsed = started.elapsed();
-    let result = if side.epoch.load(Ordering::Acquire) != r.epoch {
-        // Done, but the endpoint failed or reconnected meanwhile: no notification.
-        Err(ep.failure().unwrap_or_else(|| Broken::Closed.to_error()))
-    } else if elapsed > r.timeout {
-        wakes = side.fail_later(Broken::Deadline(r.timeout));
-        Err(Error::Timeout {
-            what: "an intra-node transfer (its copies did not finish in time; the endpoint was \
-                   closed)",
-            after: r.timeout,
-        })
-    } else if let Some(tag) = r.report.notified
-        && let Err(e) = side.notify(tag)
+    // Done is done, as at the head of the queue: the deadline is not looked at once the copies
+    // are seen complete.
+    let result = if let Some(tag) = r.report.notified
+        && let Err(e) = side.notify(tag, r.epoch)
     {
         if let Error::Os { call, source } = &e {
             wakes = side.fail_later(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
         }
         Err(e)
+    } else if side.epoch.load(Ordering::Acquire) != r.epoch {
+        // Done, but the endpoint failed or reconnected meanwhile.
+        Err(ep.failure().unwrap_or_else(|| Broken::Closed.to_error()))
     } else {
         let mut report = r.report.clone();
         report.messages = messages;
@@ -2012,7 +2037,7 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
         report.elapsed = elapsed;
         Ok(report)
     };
-    drop(issue);
+    drop((order, issue));
     drop(wakes);
     result
 }
@@ -2266,13 +2291,7 @@ pub(super) fn on_stream(
 /// Notify the peer of a stream-ordered request whose copies are done; refused when the endpoint
 /// failed or reconnected since they were queued (the socket may reach another peer).
 pub(super) fn notify_peer(side: &Side, q: &Queued, tag: u32) -> Result<()> {
-    if side.epoch.load(Ordering::Acquire) != q.epoch {
-        return Err(side
-            .ep()
-            .and_then(|ep| ep.failure())
-            .unwrap_or_else(|| Broken::Closed.to_error()));
-    }
-    side.notify(tag)
+    side.notify(tag, q.epoch)
 }
 
 #[cfg(test)]

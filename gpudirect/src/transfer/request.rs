@@ -182,22 +182,21 @@ impl PreparedTransfer {
 
     /// Post it and wait for it on this thread: what `post()?.wait()` gives, sooner.
     ///
-    /// Inside a node, when nothing else of the endpoint is in flight, the request moves at
-    /// most 64 MiB on one copy stream (the default [`EngineConfig::copy_streams`]) and its
-    /// deadline is at least 100 ms, its copies are queued and waited for with
-    /// `cuStreamSynchronize` on this thread, as a hand-written copy would be: no completion
-    /// tracking, no hand-off between threads. Meanwhile the endpoint queues no other request
-    /// (they wait to be queued). The deadline then bounds the result, not the wait: 64 MiB take
-    /// at most a few milliseconds on any GPU link, so a longer wait means a stalled GPU, and
-    /// the request then ends with [`Error::Timeout`] (ending the endpoint) once the wait
-    /// returns. Otherwise, and across nodes, it is `post()?.wait()`.
+    /// Inside a node, when the request moves at most 64 MiB on one copy stream (the default
+    /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else of the
+    /// endpoint is queued, being finished or still running on that stream, its copies are
+    /// queued and waited for with `cuStreamSynchronize` on this thread, as a hand-written copy
+    /// would be: no completion tracking, no hand-off between threads. Meanwhile the endpoint
+    /// queues no other request (they wait to be queued). The deadline does not bound that wait:
+    /// 64 MiB take at most a few milliseconds on any GPU link, so only a stalled GPU makes it
+    /// long; copies seen done are done, as for any request. Otherwise, and across nodes, it is
+    /// `post()?.wait()`.
     ///
     /// # Errors
     ///
     /// As [`post`](Self::post) and [`Transfer::wait`].
     ///
     /// [`EngineConfig::copy_streams`]: super::EngineConfig::copy_streams
-    /// [`Error::Timeout`]: crate::Error::Timeout
     #[doc(alias = "cuStreamSynchronize")]
     pub fn run(&self) -> Result<super::endpoint::TransferReport> {
         match &self.how {
