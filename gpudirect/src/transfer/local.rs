@@ -843,6 +843,18 @@ struct Held {
     _imports: Vec<Arc<Import>>,
 }
 
+impl Keep {
+    /// What a post of a prepared request holds: the request's shared pairs and imports.
+    fn posted(held: &Arc<Held>) -> Keep {
+        Keep {
+            _pairs: Vec::new(),
+            _regions: Vec::new(),
+            _imports: Vec::new(),
+            _held: Some(held.clone()),
+        }
+    }
+}
+
 impl Drop for Held {
     /// The imports are parked, closed by a later reap on a caller's thread (as a refused
     /// request's are): the last holder may be the worker, or a waker.
@@ -1903,12 +1915,7 @@ pub(super) fn ready(
 pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
     let side = current(ep, r)?;
     let started = Instant::now();
-    let keep = Keep {
-        _pairs: Vec::new(),
-        _regions: Vec::new(),
-        _imports: Vec::new(),
-        _held: Some(r.held.clone()),
-    };
+    let keep = Keep::posted(&r.held);
     let when = When {
         started,
         deadline: deadline_after(started, r.timeout),
@@ -1990,12 +1997,7 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
         return post(ep, r)?.wait();
     };
     let started = Instant::now();
-    let keep = Keep {
-        _pairs: Vec::new(),
-        _regions: Vec::new(),
-        _imports: Vec::new(),
-        _held: Some(r.held.clone()),
-    };
+    let keep = Keep::posted(&r.held);
     let (fence, keep, messages) = enqueue(
         &r.streams,
         &r.copies,
