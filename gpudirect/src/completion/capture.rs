@@ -135,10 +135,17 @@ pub(crate) struct Relaxed(Option<sys::CUstreamCaptureMode>);
 #[cfg(all(feature = "transfer", feature = "p2p"))]
 impl Relaxed {
     /// Relax the calling thread; `None` when the driver refuses (nothing changed).
-    pub(crate) fn new() -> Option<Relaxed> {
-        driver::stream::exchange_capture_mode(
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-        )
+    ///
+    /// # Safety
+    ///
+    /// libcuda passed the crate's presence check (`cuda::init`).
+    pub(crate) unsafe fn new() -> Option<Relaxed> {
+        // SAFETY: the caller's.
+        unsafe {
+            driver::stream::exchange_capture_mode(
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
         .ok()
         .map(|m| Relaxed(Some(m)))
     }
@@ -148,7 +155,8 @@ impl Relaxed {
 impl Drop for Relaxed {
     fn drop(&mut self) {
         if let Some(m) = self.0.take() {
-            let _ = driver::stream::exchange_capture_mode(m);
+            // SAFETY: `new` succeeded, so libcuda passed the presence check.
+            let _ = unsafe { driver::stream::exchange_capture_mode(m) };
         }
     }
 }

@@ -45,15 +45,19 @@ pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
 
 /// `cuThreadExchangeStreamCaptureMode(mode)`—Set the calling thread's stream-capture
 /// interaction mode to `mode`; the mode it had.
+///
+/// # Safety
+///
+/// Only the presence check of the module docs.
 #[cfg_attr(
     not(all(feature = "transfer", feature = "p2p")),
     allow(dead_code, reason = "the intra-node transfer path uses it")
 )]
-pub(crate) fn exchange_capture_mode(
+pub(crate) unsafe fn exchange_capture_mode(
     mode: sys::CUstreamCaptureMode,
 ) -> Result<sys::CUstreamCaptureMode> {
     let mut m = mode;
-    // SAFETY: a valid in/out pointer; no other precondition.
+    // SAFETY: a valid in/out pointer; libcuda is present (the caller's).
     cu("cuThreadExchangeStreamCaptureMode", unsafe {
         sys::cuThreadExchangeStreamCaptureMode(&mut m)
     })?;

@@ -1992,7 +1992,9 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
         return post(ep, r)?.wait();
     }
     // The wait must neither fail nor break another thread's global-mode capture.
-    let Some(relaxed) = capture::Relaxed::new() else {
+    // SAFETY: the peer's allocations were mapped through CUDA when this was prepared: libcuda
+    // passed the presence check.
+    let Some(relaxed) = (unsafe { capture::Relaxed::new() }) else {
         drop((order, issue));
         return post(ep, r)?.wait();
     };
