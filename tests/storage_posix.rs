@@ -1,7 +1,8 @@
 //! Tier 2: the POSIX path and the pinned bounce pool on a GPU. Random files, poisoned device
 //! buffers, exact bytes: reads hot (page cache) and cold (`O_DIRECT` after dropping the cache)
 //! at unaligned offsets and for several configurations, many application threads at once,
-//! writes cached and durable, and the bounce engine's public copies.
+//! writes cached and durable, and the bounce engine's public copies; a read and a write while
+//! another thread captures a CUDA graph in global mode, which must survive them.
 //!
 //! Skips (`SKIPPED: reason`) without a GPU; `GPUDIRECT_REQUIRE=gpu` turns the skip into a failure.
 //! cuFile is not needed (every file is opened in `Mode::Posix`).
@@ -271,4 +272,100 @@ fn the_bounce_pool_keeps_what_a_transfer_needed_at_once() {
     let (a, b) = (pool.take().unwrap(), pool.take().unwrap());
     drop((a, b));
     assert_eq!(pool.idle(), 2, "the new peak");
+}
+
+/// Capture a memset on a new stream in global mode on another thread; run `during` while the
+/// capture lasts; end it. `Ok(true)`: the capture produced a graph.
+fn during_a_global_capture<T>(
+    ctx: &Arc<CudaContext>,
+    during: impl FnOnce() -> T,
+) -> (T, Result<bool, String>) {
+    use gpudirect::cudarc::driver::sys;
+    use gpudirect::memory::DeviceMemory;
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let cap = ctx.clone();
+    let capturer = std::thread::spawn(move || {
+        // Made before the capture: allocating is itself refused in a global capture.
+        let s = Stream::new(&cap).unwrap();
+        let scratch = DeviceBuffer::<u8>::zeroed(&cap, 4096).unwrap();
+        s.cuda()
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .unwrap();
+        // SAFETY: a live 4096-byte buffer; the stream's context is current (begin_capture).
+        let r = unsafe { sys::cuMemsetD8Async(scratch.device_ptr(), 0x11, 4096, s.cu_stream()) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        go_tx.send(()).unwrap();
+        end_rx.recv().unwrap();
+        let g = s.cuda().end_capture(sys::CUgraphInstantiate_flags(0));
+        let out = g.map(|g| g.is_some()).map_err(|e| format!("{e:?}"));
+        drop(scratch);
+        out
+    });
+    go_rx.recv().unwrap();
+    let t = during();
+    end_tx.send(()).unwrap();
+    (t, capturer.join().unwrap())
+}
+
+#[test]
+fn reads_and_writes_leave_another_threads_global_capture_valid() {
+    let Some((ctx, stream)) = setup() else {
+        return;
+    };
+    // The hazard first: on this driver, does a synchronize on another thread (in the default,
+    // global mode) break a global capture of the same device?
+    let other = Stream::new(&ctx).unwrap();
+    let ((), control) = during_a_global_capture(&ctx, || {
+        let _ = other.synchronize();
+    });
+    if control == Ok(true) {
+        println!(
+            "NOTE: this driver lets another thread synchronize during a global capture: the \
+             checks below cannot fail here"
+        );
+    } else {
+        println!("a synchronize on another thread broke the capture ({control:?}): checking ours");
+    }
+
+    let len = 32 << 20;
+    let data = pattern(len, 9);
+    let p = write_file("capture", &data);
+    let mut f = GdsFile::open(&p, &OpenOptions::read_write(), Mode::Posix).unwrap();
+    f.set_posix_config(Some(PosixConfig {
+        threads: 4,
+        chunk: 1 << 20,
+        ..PosixConfig::automatic(len).unwrap()
+    }))
+    .unwrap();
+    // Warmed first: the pool's chunks, its threads and the copy streams exist before the capture.
+    let mut dst = DeviceBuffer::from_slice(&stream, &vec![POISON; len]).unwrap();
+    f.read_to_device(&mut dst, 0, 0, len).unwrap();
+    let mut dst = DeviceBuffer::from_slice(&stream, &vec![POISON; len]).unwrap();
+    let src = DeviceBuffer::from_slice(&stream, &pattern(len, 10)).unwrap();
+    stream.synchronize().unwrap();
+
+    // A hot read: four threads, each waiting for its copies (cuEventSynchronize), the caller
+    // among them.
+    let (read, captured) = during_a_global_capture(&ctx, || f.read_to_device(&mut dst, 0, 0, len));
+    assert_eq!(read.unwrap().bytes, len);
+    assert_eq!(
+        captured,
+        Ok(true),
+        "a read broke another thread's global capture"
+    );
+    assert!(dst.to_vec(&stream).unwrap() == data, "bytes read");
+    // A write: copies from the device waited for before each pwrite.
+    let (wrote, captured) = during_a_global_capture(&ctx, || f.write_from_device(&src, 0, 0, len));
+    assert_eq!(wrote.unwrap().bytes, len);
+    assert_eq!(
+        captured,
+        Ok(true),
+        "a write broke another thread's global capture"
+    );
+    assert!(
+        std::fs::read(&p).unwrap() == pattern(len, 10),
+        "bytes written"
+    );
+    std::fs::remove_file(&p).unwrap();
 }

@@ -107,7 +107,10 @@ impl Shared {
         if !st.running {
             std::thread::Builder::new()
                 .name("gpudirect-completion".into())
-                .spawn(move || run(self))
+                .spawn(move || {
+                    crate::driver::ctx::library_thread();
+                    run(self)
+                })
                 .map_err(|source| Error::Os {
                     call: "pthread_create",
                     source,

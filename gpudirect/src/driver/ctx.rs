@@ -5,15 +5,50 @@ use crate::error::Result;
 #[cfg(feature = "rdma")]
 use crate::error::cu;
 use cudarc::driver::CudaContext;
-#[cfg(any(feature = "p2p", feature = "rdma"))]
 use cudarc::driver::sys;
 
 /// `cuCtxSetCurrent` through cudarc—Make `ctx` current on the calling thread.
 ///
 /// Safe: `ctx` is a live context (cudarc holds it), and only the presence check of the module
 /// docs is needed, which every way to get a `CudaContext` from the crate passes first.
+///
+/// On a thread marked as the crate's own ([`library_thread`]), the first bind also relaxes the
+/// thread's stream-capture mode for good.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
-    named("cuCtxSetCurrent", ctx.bind_to_thread())
+    named("cuCtxSetCurrent", ctx.bind_to_thread())?;
+    relax_library_thread();
+    Ok(())
+}
+
+thread_local! {
+    /// 0: a caller's thread; 1: the crate's own, not yet relaxed; 2: relaxed.
+    static LIBRARY: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+}
+
+/// Mark the calling thread as the crate's own (a worker or a poller it started). Its first
+/// [`bind`] puts it in `CU_STREAM_CAPTURE_MODE_RELAXED` for good: its event queries and
+/// synchronizes (on the crate's own events and streams, never on a capturing stream) are then
+/// neither refused nor invalidate a graph capture that a caller's thread runs in global mode.
+/// Makes no driver call itself (the thread may run where libcuda is absent).
+pub(crate) fn library_thread() {
+    LIBRARY.with(|c| c.set(1));
+}
+
+fn relax_library_thread() {
+    LIBRARY.with(|c| {
+        if c.get() == 1 {
+            // SAFETY: a context was just made current: libcuda passed the presence check.
+            let relaxed = unsafe {
+                super::stream::exchange_capture_mode(
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+                )
+            };
+            // Refused: asked again at the next bind.
+            if relaxed.is_ok() {
+                c.set(2);
+            }
+        }
+    });
 }
 
 /// `cuFlushGPUDirectRDMAWrites(CURRENT_CTX, scope)`—Make GPUDirect RDMA writes that reached the

@@ -49,10 +49,6 @@ pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
 /// # Safety
 ///
 /// Only the presence check of the module docs.
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node transfer path uses it")
-)]
 pub(crate) unsafe fn exchange_capture_mode(
     mode: sys::CUstreamCaptureMode,
 ) -> Result<sys::CUstreamCaptureMode> {

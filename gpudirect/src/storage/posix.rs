@@ -606,6 +606,12 @@ pub(crate) unsafe trait Staging: Send + Sync + 'static {
     /// Prepare the calling thread (make the device's context current). Every participant calls
     /// it first.
     fn begin(&self) -> Result<()>;
+    /// The caller's thread in the relaxed stream-capture mode for the transfer (its waits for
+    /// copies must not break a graph capture that another thread runs in global mode); `None`
+    /// where nothing needs it.
+    fn relax_caller(&self) -> Option<crate::completion::capture::Relaxed> {
+        None
+    }
     /// A free bounce buffer.
     fn take(&self) -> Result<Self::Buf>;
     /// The host address of `buf`'s first byte.
@@ -676,6 +682,11 @@ unsafe impl Staging for GpuStaging {
 
     fn begin(&self) -> Result<()> {
         crate::driver::ctx::bind(self.engine.context())
+    }
+
+    fn relax_caller(&self) -> Option<crate::completion::capture::Relaxed> {
+        // SAFETY: the engine holds a context: libcuda passed the presence check.
+        unsafe { crate::completion::capture::Relaxed::new() }
     }
 
     fn take(&self) -> Result<BounceChunk> {
@@ -928,9 +939,11 @@ fn run<S: Staging>(
         short_at: AtomicU64::new(u64::MAX),
     });
     let participants = threads.min(n_chunks).max(1);
+    let relaxed = t.staging.relax_caller();
     // Every participant has left, and none can join, when this returns: the descriptors and
     // the device range are used only until then.
     Workers::global().run(t.clone(), participants - 1);
+    drop(relaxed);
     if let Some(e) = t.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(e);
     }

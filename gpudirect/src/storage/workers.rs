@@ -104,7 +104,10 @@ impl Workers {
                 let n = st.threads;
                 let spawned = std::thread::Builder::new()
                     .name(format!("gpudirect-io-{n}"))
-                    .spawn(move || self.serve());
+                    .spawn(move || {
+                        crate::driver::ctx::library_thread();
+                        self.serve()
+                    });
                 if spawned.is_err() {
                     break; // fewer helpers: the caller does the rest
                 }

@@ -1118,7 +1118,10 @@ impl Endpoint {
         let t = inner.clone();
         let thread = std::thread::Builder::new()
             .name("gpudirect-transfer".into())
-            .spawn(move || progress_loop(&t))
+            .spawn(move || {
+                crate::driver::ctx::library_thread();
+                progress_loop(&t)
+            })
             .map_err(|e| Error::Os {
                 call: "pthread_create",
                 source: e,

@@ -1384,7 +1384,10 @@ impl LocalSide for Side {
         let side = self.clone();
         let t = std::thread::Builder::new()
             .name("gpudirect-local-copy".into())
-            .spawn(move || side.work_loop())
+            .spawn(move || {
+                crate::driver::ctx::library_thread();
+                side.work_loop()
+            })
             .map_err(|e| os("pthread_create", e))?;
         *lock(&self.worker) = Some(t);
         self.spawn_reader()

@@ -129,6 +129,7 @@ pub(crate) fn staged(
     std::thread::Builder::new()
         .name("gpudirect-staging".into())
         .spawn(move || {
+            crate::driver::ctx::library_thread();
             let r = run(&ep, &ring, dir, &local, &remote, opts, timeout);
             // The worker held the memory, the ring and every sub-transfer to the end.
             if let Some(f) = done.0.take() {

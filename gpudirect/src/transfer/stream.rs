@@ -791,7 +791,10 @@ impl<B: Backend> Proxy<B> {
             *t = Some(
                 std::thread::Builder::new()
                     .name("gpudirect-stream-proxy".into())
-                    .spawn(move || core.run())
+                    .spawn(move || {
+                        crate::driver::ctx::library_thread();
+                        core.run()
+                    })
                     .map_err(|e| Error::Os {
                         call: "pthread_create",
                         source: e,
