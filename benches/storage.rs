@@ -993,6 +993,7 @@ fn main() {
     // 41.7 after the raw 16-thread baseline, as if its pinned bounce chunks (128 MiB) had left
     // the cache. The primers' figures are printed beside (`after another case`).
     let prime = std::env::var("GPUDIRECT_BENCH_PRIME").map_or(true, |v| v != "0");
+    let gbps = |took: Duration| len as f64 / took.as_secs_f64() / 1e9;
     // Groups in order (hot reads while the file is cached), cases interleaved within a group, in
     // another order at each repetition.
     for &(write, cold) in &groups {
@@ -1023,13 +1024,11 @@ fn main() {
             }
             for &i in &group {
                 if prime {
-                    let took = bench.run(&mut rows[i]);
-                    rows[i]
-                        .after_other
-                        .push(len as f64 / took.as_secs_f64() / 1e9);
+                    let g = gbps(bench.run(&mut rows[i]));
+                    rows[i].after_other.push(g);
                 }
-                let took = bench.run(&mut rows[i]);
-                rows[i].gbps.push(len as f64 / took.as_secs_f64() / 1e9);
+                let g = gbps(bench.run(&mut rows[i]));
+                rows[i].gbps.push(g);
             }
         }
         eprintln!(

@@ -371,6 +371,11 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         (prepared_read.bytes(), prepared_read.direction()),
         (len as u64, Direction::Read)
     );
+    // The peer's random bytes exactly, then poisoned again for the next read.
+    let read_exactly = |what: &str| {
+        same(&host_copy(&back, 0, len), &bytes(len, seed ^ 101), what);
+        back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    };
     for posts in 1..=2 {
         let ts: Vec<_> = (0..posts).map(|_| prepared_read.post().unwrap()).collect();
         for t in ts {
@@ -378,29 +383,18 @@ fn local_writes_reads_and_notifications_between_two_processes() {
             assert_eq!(r.bytes, len as u64);
             check_path(&r.paths[0]);
         }
-        same(
-            &host_copy(&back, 0, len),
-            &bytes(len, seed ^ 101),
-            "prepared read",
-        );
-        back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+        read_exactly("prepared read");
     }
     // Run on this thread (waited for with a stream synchronize), then with a request of the
     // endpoint still in flight and with a deadline under 100 ms (both: post and wait).
     let r = prepared_read.run().unwrap();
     assert_eq!((r.bytes, r.messages), (len as u64, 1));
     check_path(&r.paths[0]);
-    same(&host_copy(&back, 0, len), &bytes(len, seed ^ 101), "run");
-    back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    read_exactly("run");
     let pending = prepared_read.post().unwrap();
     check_path(&prepared_read.run().unwrap().paths[0]);
     pending.wait().unwrap();
-    same(
-        &host_copy(&back, 0, len),
-        &bytes(len, seed ^ 101),
-        "run behind a post",
-    );
-    back.copy_from_host(0, &vec![0x3C; len]).unwrap();
+    read_exactly("run behind a post");
     let short = ep
         .prepare(
             Direction::Read,
@@ -409,11 +403,7 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         )
         .unwrap();
     check_path(&short.run().unwrap().paths[0]);
-    same(
-        &host_copy(&back, 0, len),
-        &bytes(len, seed ^ 101),
-        "run, short deadline",
-    );
+    read_exactly("run, short deadline");
     let small = SIZES[0];
     let out = register(&engine, poisoned_bytes(0, small, 0x77));
     let check = register(&engine, poisoned_bytes(0, small, 0x3C));

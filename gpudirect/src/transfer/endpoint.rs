@@ -1594,6 +1594,18 @@ fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usize) -> Resu
     Ok(())
 }
 
+/// The bytes of all pairs' ranges, checked.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] when they add up past 2^64.
+pub(crate) fn pairs_bytes(pairs: &[(LocalRange, RemoteRange)]) -> Result<u64> {
+    pairs.iter().try_fold(0u64, |t, (l, _)| {
+        t.checked_add(l.len)
+            .ok_or_else(|| Error::invalid("pairs", pairs.len(), "the lengths add up past 2^64"))
+    })
+}
+
 pub(crate) fn check_pairs(
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],

@@ -30,7 +30,7 @@ use super::descriptor::{IpcKind, IpcPart};
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
 use super::endpoint::{
     Broken, Direction, EpInner, Finisher, LocalSide, Notification, Settled, Transfer,
-    TransferOptions, TransferReport, Wakes, check_pairs, check_same_engine,
+    TransferOptions, TransferReport, Wakes, check_pairs, check_same_engine, pairs_bytes,
 };
 use super::engine::Engine;
 use super::ipc::{
@@ -1117,6 +1117,14 @@ impl Side {
         Some((c.peer_fds.pid, fds))
     }
 
+    /// The error of a request whose endpoint failed, closed or reconnected under it: the
+    /// endpoint's failure, or that it closed.
+    fn ended(&self) -> Error {
+        self.ep()
+            .and_then(|ep| ep.failure())
+            .unwrap_or_else(|| Broken::Closed.to_error())
+    }
+
     /// Send a notification (after its request's copies are done) for a request of `epoch`:
     /// refused when the endpoint failed or reconnected since (the socket may reach another
     /// peer). The epoch is looked at with the connection held: a reconnect moves it on before it
@@ -1128,10 +1136,7 @@ impl Side {
         let mut c = lock(&self.conn);
         if self.epoch.load(Ordering::Acquire) != epoch {
             drop(c);
-            return Err(self
-                .ep()
-                .and_then(|ep| ep.failure())
-                .unwrap_or_else(|| Broken::Closed.to_error()));
+            return Err(self.ended());
         }
         let Some(conn) = c.as_mut() else {
             return Err(Broken::Closed.to_error());
@@ -1302,11 +1307,7 @@ impl Side {
             }
             End::Ended => {
                 Tracker::global().park(fence, keep);
-                let e = self
-                    .ep()
-                    .and_then(|ep| ep.failure())
-                    .unwrap_or_else(|| Broken::Closed.to_error());
-                end_with(Err(e), None)
+                end_with(Err(self.ended()), None)
             }
             End::Late => {
                 Tracker::global().park(fence, keep);
@@ -1327,11 +1328,7 @@ impl Side {
                 if self.epoch.load(Ordering::Acquire) != epoch {
                     // Done, but the endpoint failed or reconnected meanwhile: no notification
                     // on a socket that may reach another peer.
-                    let e = self
-                        .ep()
-                        .and_then(|ep| ep.failure())
-                        .unwrap_or_else(|| Broken::Closed.to_error());
-                    return end_with(Err(e), None);
+                    return end_with(Err(self.ended()), None);
                 }
                 if let Some(tag) = report.notified
                     && let Err(e) = self.notify(tag, epoch)
@@ -1771,7 +1768,7 @@ pub(super) fn request(
         epoch,
     } = prepare(ep, side, dir, &pairs, &opts)?;
     let streams = streams_for(side, &copies)?;
-    let bytes = total_bytes(&copies)?;
+    let bytes = pairs_bytes(&pairs)?;
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
         _pairs: pairs,
@@ -1874,13 +1871,15 @@ pub(super) struct Ready {
     epoch: u64,
 }
 
-/// Check and map a request once ([`Endpoint::prepare`](super::Endpoint::prepare)): what
-/// [`request`] does before it queues anything, kept.
+/// Check and map a request of `bytes` bytes (its pairs' total, checked) once
+/// ([`Endpoint::prepare`](super::Endpoint::prepare)): what [`request`] does before it queues
+/// anything, kept.
 pub(super) fn ready(
     ep: &super::Endpoint,
     side: &Side,
     dir: Direction,
     pairs: Vec<(LocalRange, RemoteRange)>,
+    bytes: u64,
     opts: TransferOptions,
 ) -> Result<Ready> {
     let Prepared {
@@ -1897,7 +1896,6 @@ pub(super) fn ready(
         _imports: imports,
     });
     let streams = streams_for(side, &copies)?;
-    let bytes = total_bytes(&copies)?;
     // Held by the side from now on, as a request's are once queued: every post finds them.
     hold_imports(side, &held._imports);
     Ok(Ready {
@@ -2036,7 +2034,7 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
         Err(e)
     } else if side.epoch.load(Ordering::Acquire) != r.epoch {
         // Done, but the endpoint failed or reconnected meanwhile.
-        Err(ep.failure().unwrap_or_else(|| Broken::Closed.to_error()))
+        Err(side.ended())
     } else {
         let mut report = r.report.clone();
         report.messages = messages;
@@ -2087,14 +2085,6 @@ fn report(
         elapsed: Duration::ZERO,
         notified: opts.notify,
     }
-}
-
-/// The bytes of all copies, checked.
-fn total_bytes(copies: &[Piece]) -> Result<u64> {
-    copies.iter().try_fold(0u64, |t, c| {
-        t.checked_add(c.len)
-            .ok_or_else(|| Error::invalid("pairs", copies.len(), "the lengths add up past 2^64"))
-    })
 }
 
 /// Queue `work` on `raw` in order: one `cuMemcpyBatchAsync` for two pieces or more where the
@@ -2256,7 +2246,7 @@ pub(super) fn on_stream(
         _imports: imports,
         _held: None,
     };
-    let bytes = total_bytes(&copies)?;
+    let bytes = pairs_bytes(pairs)?;
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
         // SAFETY: both ranges of every piece were checked: the local range inside its region,

@@ -4,6 +4,7 @@
 use super::descriptor::RemoteRange;
 use super::endpoint::{
     Direction, Endpoint, Transfer, TransferOptions, WeakEndpoint, check_pairs, check_same_engine,
+    pairs_bytes,
 };
 use super::region::LocalRange;
 use super::staging::staged;
@@ -125,31 +126,22 @@ impl Endpoint {
     ) -> Result<PreparedTransfer> {
         check_pairs(dir, &pairs, &opts)?;
         check_same_engine(self.engine().inner.engine_id, &pairs)?;
-        let bytes = pairs.iter().try_fold(0u64, |t, (l, _)| {
-            t.checked_add(l.len()).ok_or_else(|| {
-                crate::Error::invalid("pairs", pairs.len(), "the lengths add up past 2^64")
-            })
-        })?;
-        #[cfg(feature = "p2p")]
-        if let Some(side) = self.local_side()
-            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
-        {
-            let ready = super::local::ready(self, side, dir, pairs, opts)?;
-            return Ok(PreparedTransfer {
-                ep: self.downgrade(),
-                dir,
-                opts,
-                bytes,
-                how: How::Local(ready),
-            });
-        }
-        Ok(PreparedTransfer {
+        let bytes = pairs_bytes(&pairs)?;
+        let made = |how| PreparedTransfer {
             ep: self.downgrade(),
             dir,
             opts,
             bytes,
-            how: How::Pairs(pairs),
-        })
+            how,
+        };
+        #[cfg(feature = "p2p")]
+        if let Some(side) = self.local_side()
+            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
+        {
+            let ready = super::local::ready(self, side, dir, pairs, bytes, opts)?;
+            return Ok(made(How::Local(ready)));
+        }
+        Ok(made(How::Pairs(pairs)))
     }
 }
 
@@ -169,10 +161,7 @@ impl PreparedTransfer {
     /// [`Error::Cuda`]: crate::Error::Cuda
     #[doc(alias = "postXferReq")]
     pub fn post(&self) -> Result<Transfer> {
-        let ep = self
-            .ep
-            .upgrade()
-            .ok_or_else(|| super::endpoint::Broken::Closed.to_error())?;
+        let ep = self.endpoint()?;
         match &self.how {
             #[cfg(feature = "p2p")]
             How::Local(r) => super::local::post(&ep, r),
@@ -201,15 +190,16 @@ impl PreparedTransfer {
     pub fn run(&self) -> Result<super::endpoint::TransferReport> {
         match &self.how {
             #[cfg(feature = "p2p")]
-            How::Local(r) => {
-                let ep = self
-                    .ep
-                    .upgrade()
-                    .ok_or_else(|| super::endpoint::Broken::Closed.to_error())?;
-                super::local::run(&ep, r)
-            }
+            How::Local(r) => super::local::run(&self.endpoint()?, r),
             How::Pairs(_) => self.post()?.wait(),
         }
+    }
+
+    /// The endpoint, while some clone of it lives; closed otherwise.
+    fn endpoint(&self) -> Result<Endpoint> {
+        self.ep
+            .upgrade()
+            .ok_or_else(|| super::endpoint::Broken::Closed.to_error())
     }
 
     /// Its direction.
