@@ -1,16 +1,18 @@
 //! Peer-copy bandwidth of gpudirect's [`Copier`] beside raw `cuMemcpyPeerAsync` measured in the
 //! same run, one way and both ways at once, for 4 KiB to 1 GiB; one table with the ratios.
 //!
-//! Two figures per size:
+//! Three figures per size:
 //! - one at a time: issue a copy, wait for it, again (`Copier::copy_async(..).wait()` against
 //!   `cuMemcpyPeerAsync` + `cuStreamSynchronize`); the difference per copy is printed in
 //!   microseconds;
 //! - pipelined: `depth` copies in flight (64 up to 16 MiB, fewer above: the destinations are
 //!   distinct buffers), then one wait (`copy_async` x depth, then `wait` on each: the first
 //!   synchronizes the stream, the others find their epoch done) against `cuMemcpyPeerAsync` x
-//!   depth + one `cuStreamSynchronize`. Beside it, raw with the graph-capture check gpudirect
-//!   makes per copy (`cuCtxGetCurrent` and `cuStreamIsCapturing` twice), to show what that check
-//!   costs on its own;
+//!   depth + one `cuStreamSynchronize`. The raw loop is measured twice in every round, before
+//!   and after gpudirect's (`raw again`), so that the table shows how far raw moves against
+//!   itself in the same run: each round's ratio is paired (gpudirect / raw of the same round),
+//!   and a cell is called `below` only when its median paired ratio is under 0.97 and under the
+//!   lowest raw / raw ratio of the run (else `noise`, or `ok` from 0.97);
 //! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
 //!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
 //!   CUDA 12.8 and later); the ratio is printed against both raw figures.
@@ -49,8 +51,8 @@ enum Variant {
     GdOne,
     /// `cuMemcpyPeerAsync` x depth + one `cuStreamSynchronize`.
     RawPipe,
-    /// As `RawPipe`, with the calls gpudirect's capture check adds per copy.
-    RawPipeChecked,
+    /// `RawPipe` again, after gpudirect's: raw's own spread in the run.
+    RawPipeAgain,
     /// `copy_async` x depth, then `wait` on each.
     GdPipe,
     /// One `cuMemcpyBatchAsync` of depth copies + one `cuStreamSynchronize`.
@@ -59,22 +61,32 @@ enum Variant {
     GdBatch,
 }
 
+/// In the order each round runs them (gpudirect's pipelined copies between the two raw runs).
 const VARIANTS: [Variant; 7] = [
     Variant::RawOne,
     Variant::GdOne,
     Variant::RawPipe,
-    Variant::RawPipeChecked,
     Variant::GdPipe,
+    Variant::RawPipeAgain,
     Variant::RawBatch,
     Variant::GdBatch,
 ];
+
+/// Where each variant's figures are in a row.
+const RAW_ONE: usize = 0;
+const GD_ONE: usize = 1;
+const RAW_PIPE: usize = 2;
+const GD_PIPE: usize = 3;
+const RAW_AGAIN: usize = 4;
+const RAW_BATCH: usize = 5;
+const GD_BATCH: usize = 6;
 
 impl Variant {
     fn pipelined(self) -> bool {
         matches!(
             self,
             Variant::RawPipe
-                | Variant::RawPipeChecked
+                | Variant::RawPipeAgain
                 | Variant::GdPipe
                 | Variant::RawBatch
                 | Variant::GdBatch
@@ -166,21 +178,6 @@ impl Dir {
         );
     }
 
-    /// What gpudirect's capture check adds to a copy: the context check and
-    /// `cuStreamIsCapturing` before and after.
-    fn checks(&self) {
-        let mut cur = std::ptr::null_mut();
-        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: valid out-pointers; a live stream.
-        unsafe {
-            check(sys::cuCtxGetCurrent(&mut cur), "cuCtxGetCurrent");
-            check(
-                sys::cuStreamIsCapturing(self.raw.cu_stream(), &mut st),
-                "cuStreamIsCapturing",
-            );
-        }
-    }
-
     /// Run `v` for `n` copies (one at a time) or `n` rounds of all destinations (pipelined);
     /// returns the copies made.
     fn run(&mut self, v: Variant, n: usize) -> usize {
@@ -201,17 +198,10 @@ impl Dir {
                 }
                 n
             }
-            Variant::RawPipe | Variant::RawPipeChecked => {
-                let checked = v == Variant::RawPipeChecked;
+            Variant::RawPipe | Variant::RawPipeAgain => {
                 for _ in 0..n {
                     for k in 0..depth {
-                        if checked {
-                            self.checks();
-                        }
                         self.raw_copy(k);
-                        if checked {
-                            self.checks();
-                        }
                     }
                     self.raw_sync();
                 }
@@ -294,6 +284,44 @@ fn measure(dirs: &mut [Dir], v: Variant, n: usize) -> f64 {
     slowest.as_secs_f64() / times[0].1 as f64
 }
 
+/// One line of the table.
+struct Row {
+    bytes: usize,
+    both: bool,
+    depth: usize,
+    /// GB/s of each variant (median of the rounds), in [`VARIANTS`]' order.
+    gbs: Vec<f64>,
+    /// gpudirect's extra time per copy, one at a time (µs): median and range over the rounds.
+    extra_us: f64,
+    extra_range: (f64, f64),
+    /// Per round: gpudirect's pipelined GB/s over raw's, and raw's second run over its first.
+    pipe: Vec<f64>,
+    noise: Vec<f64>,
+}
+
+impl Row {
+    /// `ok` from 0.97; `below` when the median paired ratio is under 0.97 and under the lowest
+    /// raw / raw ratio of the run; `noise` between.
+    fn verdict(&self) -> &'static str {
+        let r = median(self.pipe.clone());
+        if r >= 0.97 {
+            "ok"
+        } else if r < range(&self.noise).0 {
+            "below"
+        } else {
+            "noise"
+        }
+    }
+}
+
+/// The smallest and largest value.
+fn range(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v.get(v.len() / 2).copied().unwrap_or(0.0)
@@ -338,7 +366,8 @@ fn main() {
     println!(
         "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
          (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
-         check), no event, no lock, no allocation; a batch: one cuMemcpyBatchAsync for all its copies; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
+         check), no event, no lock, no allocation; a batch: one cuMemcpyBatchAsync for all its \
+         copies; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
          cuStreamSynchronize once per batch"
     );
     let mut rows = Vec::new();
@@ -360,16 +389,31 @@ fn main() {
                     per_copy[i].push(measure(&mut dirs, v, k));
                 }
             }
-            let secs: Vec<f64> = per_copy.into_iter().map(median).collect();
+            // Paired by round: a ratio of two variants measured one after the other.
+            let pairs = |x: usize, base: usize| -> Vec<f64> {
+                per_copy[base]
+                    .iter()
+                    .zip(&per_copy[x])
+                    .map(|(b, x)| b / x.max(1e-12))
+                    .collect()
+            };
+            let extra_us: Vec<f64> = per_copy[GD_ONE]
+                .iter()
+                .zip(&per_copy[RAW_ONE])
+                .map(|(g, r)| (g - r) * 1e6)
+                .collect();
             let moved = bytes * dirs.len();
             let gbs = |s: f64| moved as f64 / s.max(1e-12) / 1e9;
-            rows.push((
+            rows.push(Row {
                 bytes,
                 both,
                 depth,
-                secs.iter().map(|&s| gbs(s)).collect::<Vec<f64>>(),
-                (secs[1] - secs[0]) * 1e6,
-            ));
+                gbs: per_copy.iter().map(|v| gbs(median(v.clone()))).collect(),
+                extra_us: median(extra_us.clone()),
+                extra_range: range(&extra_us),
+                pipe: pairs(GD_PIPE, RAW_PIPE),
+                noise: pairs(RAW_AGAIN, RAW_PIPE),
+            });
             eprintln!(
                 "{} {}: done ({:.0} s so far)",
                 size_name(bytes),
@@ -379,12 +423,14 @@ fn main() {
         }
     }
     println!(
-        "\n== peer copies {a} -> {b}{} (GB/s, median of {repeats} runs; ratio = gpudirect / raw \
-         in this run; +us = gpudirect's extra time per copy, one at a time)",
+        "\n== peer copies {a} -> {b}{} (GB/s, median of {repeats} rounds; ratio = gpudirect / raw; \
+         paired = each round's gpudirect / raw, median (lowest..highest); +us = gpudirect's \
+         extra time per copy one at a time, median (lowest..highest); raw/raw = the raw loop run \
+         again after gpudirect's in each round: how far raw moves against itself)",
         if a != b { " (and back, both ways)" } else { "" }
     );
     println!(
-        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>7} | {:>5} {:>8} {:>9} {:>6} {:>10} {:>6} | {:>9} {:>9} {:>6} {:>6}",
+        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>19} | {:>5} {:>8} {:>9} {:>19} {:>19} {:>7} | {:>9} {:>9} {:>6} {:>6}",
         "dir",
         "size",
         "raw",
@@ -394,46 +440,54 @@ fn main() {
         "depth",
         "raw",
         "gpudirect",
-        "ratio",
-        "raw+check",
-        "ratio",
+        "paired",
+        "raw/raw",
+        "verdict",
         "raw batch",
         "gpudirect",
         "/batch",
         "/pipe"
     );
     println!(
-        "{:<14}| {:<34}| {:<58}| batched (depth copies, one call, one wait)",
+        "{:<14}| {:<46}| {:<75}| batched (depth copies, one call, one wait)",
         "", "one at a time", "pipelined (depth in flight, one wait)"
     );
-    for (bytes, both, depth, g, extra_us) in &rows {
+    let spread = |v: &[f64]| {
+        let (lo, hi) = range(v);
+        format!("{:.2}x ({:.2}..{:.2})", median(v.to_vec()), lo, hi)
+    };
+    for row in &rows {
+        let g = &row.gbs;
         let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };
         println!(
-            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>7.2} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>10.2} {:>5.2}x | {:>9} {:>9.2} {:>6} {:>5.2}x",
-            if *both { "both" } else { "one" },
-            size_name(*bytes),
-            g[0],
-            g[1],
-            r(g[1], g[0]),
-            extra_us,
-            depth,
-            g[2],
-            g[4],
-            r(g[4], g[2]),
-            g[3],
-            r(g[3], g[2]),
-            if g[5] > 0.0 {
-                format!("{:.2}", g[5])
+            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>19} | {:>5} {:>8.2} {:>9.2} {:>19} {:>19} {:>7} | {:>9} {:>9.2} {:>6} {:>5.2}x",
+            if row.both { "both" } else { "one" },
+            size_name(row.bytes),
+            g[RAW_ONE],
+            g[GD_ONE],
+            r(g[GD_ONE], g[RAW_ONE]),
+            format!(
+                "{:.2} ({:.2}..{:.2})",
+                row.extra_us, row.extra_range.0, row.extra_range.1
+            ),
+            row.depth,
+            g[RAW_PIPE],
+            g[GD_PIPE],
+            spread(&row.pipe),
+            spread(&row.noise),
+            row.verdict(),
+            if g[RAW_BATCH] > 0.0 {
+                format!("{:.2}", g[RAW_BATCH])
             } else {
                 "-".to_string()
             },
-            g[6],
-            if g[5] > 0.0 {
-                format!("{:.2}x", r(g[6], g[5]))
+            g[GD_BATCH],
+            if g[RAW_BATCH] > 0.0 {
+                format!("{:.2}x", r(g[GD_BATCH], g[RAW_BATCH]))
             } else {
                 "-".to_string()
             },
-            r(g[6], g[2]),
+            r(g[GD_BATCH], g[RAW_PIPE]),
         );
     }
     println!(

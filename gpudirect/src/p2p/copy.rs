@@ -149,10 +149,10 @@ struct Inner {
 /// bounce chunks taken) and reused by every copy.
 ///
 /// Copies through one `Copier` run in submission order, on the copier's own stream. A copy of
-/// `cuMemAlloc` memory costs four driver calls to issue (`cuCtxGetCurrent`, the copy, and the
-/// two `cuStreamIsCapturing` of the graph-capture check) and none to track: its fence is an epoch
-/// of the stream's [`Timeline`](crate::completion::Timeline), and waiting synchronizes the stream
-/// once for every copy issued before. Pool and VMM memory add one `cuPointerGetAttribute` per
+/// `cuMemAlloc` memory costs two driver calls to issue (`cuCtxGetCurrent` and the copy: the
+/// copier's stream is its own, so it needs no graph-capture question) and none to track: its
+/// fence is an epoch of the stream's [`Timeline`](crate::completion::Timeline), and waiting
+/// synchronizes the stream once for every copy issued before. Pool and VMM memory add one `cuPointerGetAttribute` per
 /// buffer (per VMM mapping) after the first copy of each allocation. A copier may be shared by
 /// threads: issuing takes no lock (but the staged path's, which queues several steps).
 ///

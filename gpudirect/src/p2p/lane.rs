@@ -5,7 +5,7 @@
 //!
 //! | memory | path decided by | calls per copy (after the first) |
 //! | --- | --- | --- |
-//! | `cuMemAlloc` memory (and CUDA IPC imports mapped where they live) | its kind: peer access is enabled for the pair when the copier is made | `cuCtxGetCurrent`, `cuStreamIsCapturing` twice, the copy |
+//! | `cuMemAlloc` memory (and CUDA IPC imports mapped where they live) | its kind: peer access is enabled for the pair when the copier is made | `cuCtxGetCurrent`, the copy (the lane's stream is the copier's own: no `cuStreamIsCapturing`, see [`Real`]) |
 //! | pool memory | once per allocation (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), then remembered | plus one `cuPointerGetAttribute` per pool buffer |
 //! | VMM memory that knows its mappings | once per set of mappings (their buffer ids), then remembered | plus one `cuPointerGetAttribute` per mapping |
 //! | VMM memory that does not | every copy (`cuMemGetAddressRange`, `cuMemGetAccess` per mapping) | as before the cache |
