@@ -24,6 +24,11 @@
 //! of the same case, as KvikIO's runs follow its own; the untimed runs' median is printed beside
 //! (`after another case`: what a case gives right after a different one).
 //!
+//! `GPUDIRECT_BENCH_PAIRS` (default 6; `0` turns it off): after each group's table runs, that
+//! many rounds of the best raw row, gpudirect's automatic path and the best raw row again; the
+//! median paired ratio is printed with its range, beside raw's second run over its first (how
+//! far raw moves against itself), and called below a target only when it is.
+//!
 //! `GPUDIRECT_BENCH_SEQ` measures what one case leaves behind for the next: a `;` list of steps
 //! run in that order, repeated `GPUDIRECT_BENCH_REPS` times (after `GPUDIRECT_BENCH_WARMUP`
 //! unmeasured passes, at least one), with one group selected by `GPUDIRECT_BENCH_GROUPS`; the
@@ -264,6 +269,18 @@ enum Case {
     GdThenSync,
     /// Measured elsewhere (KvikIO).
     External,
+}
+
+/// The paired rounds of one group: gpudirect's automatic path against the best raw row.
+struct Decision {
+    write: bool,
+    cold: bool,
+    raw: String,
+    ours: String,
+    /// Per round: gpudirect over the mean of the raw runs before and after it.
+    ratio: Vec<f64>,
+    /// Per round: the second raw run over the first.
+    noise: Vec<f64>,
 }
 
 struct Row {
@@ -819,6 +836,10 @@ fn main() {
     let started = Instant::now();
     let mib = env_usize("GPUDIRECT_BENCH_MIB", 1024);
     let reps = env_usize("GPUDIRECT_BENCH_REPS", 3);
+    let pairs = match std::env::var("GPUDIRECT_BENCH_PAIRS").as_deref() {
+        Ok("0") => 0,
+        _ => env_usize("GPUDIRECT_BENCH_PAIRS", 6),
+    };
     let warmup = std::env::var("GPUDIRECT_BENCH_WARMUP").map_or(1, |v| {
         v.trim()
             .parse::<usize>()
@@ -994,6 +1015,7 @@ fn main() {
     // the cache. The primers' figures are printed beside (`after another case`).
     let prime = std::env::var("GPUDIRECT_BENCH_PRIME").map_or(true, |v| v != "0");
     let gbps = |took: Duration| len as f64 / took.as_secs_f64() / 1e9;
+    let mut decisions: Vec<Decision> = Vec::new();
     // Groups in order (hot reads while the file is cached), cases interleaved within a group, in
     // another order at each repetition.
     for &(write, cold) in &groups {
@@ -1030,6 +1052,42 @@ fn main() {
                 let g = gbps(bench.run(&mut rows[i]));
                 rows[i].gbps.push(g);
             }
+        }
+        // The decision: the best raw row (by the medians so far) and gpudirect's automatic
+        // path in rounds of raw, gpudirect, raw again, each timed run primed as above. The
+        // table's "best raw" is the largest of a dozen medians of a few runs each, which noise
+        // alone lifts; a round's ratio to the raw runs around it, and raw's ratio to itself,
+        // say whether a shortfall is more than that noise.
+        let best_raw = group
+            .iter()
+            .copied()
+            .filter(|&i| rows[i].source == "raw")
+            .max_by(|&a, &b| median(&rows[a].gbps).0.total_cmp(&median(&rows[b].gbps).0));
+        let ours = group
+            .iter()
+            .copied()
+            .find(|&i| rows[i].source == "gpudirect");
+        if let (Some(r), Some(g), true) = (best_raw, ours, pairs > 0) {
+            let mut d = Decision {
+                write,
+                cold,
+                raw: rows[r].what.clone(),
+                ours: rows[g].what.clone(),
+                ratio: Vec::new(),
+                noise: Vec::new(),
+            };
+            let mut timed = |i: usize| {
+                if prime {
+                    bench.run(&mut rows[i]);
+                }
+                gbps(bench.run(&mut rows[i]))
+            };
+            for _ in 0..pairs {
+                let (r1, x, r2) = (timed(r), timed(g), timed(r));
+                d.ratio.push(x / ((r1 + r2) / 2.0));
+                d.noise.push(r2 / r1);
+            }
+            decisions.push(d);
         }
         eprintln!(
             "[{:.0} s] {} {} done",
@@ -1130,6 +1188,35 @@ fn main() {
     );
     for s in summary {
         println!("{s}");
+    }
+    if !decisions.is_empty() {
+        println!(
+            "\nPaired rounds ({pairs} rounds of: best raw, gpudirect, best raw again; each round's \
+             gpudirect / the mean of its two raw runs, and the second raw run / the first; median \
+             (lowest..highest)):"
+        );
+    }
+    for d in &decisions {
+        let (op, cache, target) = match (d.write, d.cold) {
+            (false, false) => ("read", "hot", None),
+            (false, true) => ("read", "cold", Some(0.95)),
+            (true, false) => ("write", "cached", Some(0.95)),
+            (true, true) => ("write", "durable", Some(0.95)),
+        };
+        let (m, lo, hi) = median(&d.ratio);
+        let (nm, nlo, nhi) = median(&d.noise);
+        let verdict = match target {
+            None => "(the hot target is against KvikIO, above)".to_string(),
+            Some(t) if m >= t => format!("meets {t:.2}x"),
+            Some(t) if m < nlo => format!("below {t:.2}x, beyond raw's spread against itself"),
+            Some(t) => format!("below {t:.2}x, within raw's spread against itself"),
+        };
+        println!(
+            "{op} {cache}: gpudirect {} / raw {}: {m:.2}x ({lo:.2}..{hi:.2}); raw / raw {nm:.2}x \
+             ({nlo:.2}..{nhi:.2}): {verdict}",
+            d.ours.split(' ').next().unwrap_or(""),
+            d.raw
+        );
     }
     println!("(bench took {:.0} s)", started.elapsed().as_secs_f64());
 
