@@ -359,9 +359,10 @@ impl Drop for Lane {
 /// `cuEventSynchronize` that follows the context's scheduling (it spins while the process has
 /// fewer active contexts than cores), so a reader thread takes its chunk back as soon as the
 /// copy ends (a chunk is at most 1 GiB: tens of milliseconds at the slowest link). With `CU_EVENT_BLOCKING_SYNC` the thread
-/// slept until an interrupt woke it: hot 1 GiB reads on two H200s (32 cores, three alternating
-/// cycles of eight reads each) ran 48.2 to 48.8 GB/s with it and 50.8 to 51.3 without it.
-/// Polling `cuEventQuery` for 2 ms instead (16 readers querying at once) was slower than both.
+/// slept until an interrupt woke it: hot 1 GiB reads on two H200s (32 cores, two calls of three
+/// alternating cycles of eight reads each) ran 47.0 to 48.8 GB/s with it and 50.3 to 51.3
+/// without it. Polling `cuEventQuery` for 2 ms first (16 readers querying at once) was slower
+/// either way (46.0 to 49.1).
 const EVENT_FLAGS: u32 = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
 
 /// A fence on one event of a lane: complete once the copy recorded before it has finished.
