@@ -11,8 +11,9 @@
 //!   depth + one `cuStreamSynchronize`. The raw loop is measured twice in every round, before
 //!   and after gpudirect's (`raw again`), so that the table shows how far raw moves against
 //!   itself in the same run: each round's ratio is paired (gpudirect over the mean of the two raw
-//!   runs around it), and a cell is called `below` only when its median paired ratio is under
-//!   0.97 and under the lowest raw / raw ratio of the run (else `noise`, or `ok` from 0.97);
+//!   runs around it, in GB/s), and a cell is called `below` only when its median paired ratio is
+//!   under 0.97 and under raw's largest fall against itself in the run (the lowest of each
+//!   round's raw / raw and its inverse; else `noise`, or `ok` from 0.97);
 //! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
 //!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
 //!   CUDA 12.8 and later); the ratio is printed against both raw figures.
@@ -301,13 +302,22 @@ struct Row {
 }
 
 impl Row {
-    /// `ok` from 0.97; `below` when the median paired ratio is under 0.97 and under the lowest
-    /// raw / raw ratio of the run; `noise` between.
+    /// Raw's largest fall against itself, either way round: the lowest of each round's raw / raw
+    /// ratio and its inverse.
+    fn floor(&self) -> f64 {
+        self.noise
+            .iter()
+            .map(|&r| r.min(1.0 / r))
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// `ok` from 0.97; `below` when the median paired ratio is under 0.97 and under
+    /// [`floor`](Self::floor); `noise` between.
     fn verdict(&self) -> &'static str {
         let r = median(self.pipe.clone());
         if r >= 0.97 {
             "ok"
-        } else if r < range(&self.noise).0 {
+        } else if r < self.floor() {
             "below"
         } else {
             "noise"
@@ -418,7 +428,8 @@ fn main() {
                     .iter()
                     .zip(&per_copy[RAW_AGAIN])
                     .zip(&per_copy[GD_PIPE])
-                    .map(|((a, b), g)| (a + b) / 2.0 / g.max(1e-12))
+                    // GB/s are 1 / seconds per copy: gpudirect's over the mean of raw's two.
+                    .map(|((a, b), g)| (1.0 / g.max(1e-12)) / ((1.0 / a + 1.0 / b) / 2.0))
                     .collect(),
                 noise: pairs(RAW_AGAIN, RAW_PIPE),
             });
@@ -457,7 +468,7 @@ fn main() {
         "/pipe"
     );
     println!(
-        "{:<14}| {:<46}| {:<75}| batched (depth copies, one call, one wait)",
+        "{:<14}| {:<46}| {:<73}| batched (depth copies, one call, one wait)",
         "", "one at a time", "pipelined (depth in flight, one wait)"
     );
     let spread = |v: &[f64]| {

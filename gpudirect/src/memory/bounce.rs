@@ -356,13 +356,15 @@ impl Drop for Lane {
 }
 
 /// `CU_EVENT_DISABLE_TIMING`, without `CU_EVENT_BLOCKING_SYNC`: a wait past [`SPIN`] is a
-/// `cuEventSynchronize` that follows the context's scheduling (it spins while the process has
-/// fewer active contexts than cores), so a reader thread takes its chunk back as soon as the
-/// copy ends (a chunk is at most 1 GiB: tens of milliseconds at the slowest link). With `CU_EVENT_BLOCKING_SYNC` the thread
-/// slept until an interrupt woke it: hot 1 GiB reads on two H200s (32 cores, two calls of three
-/// alternating cycles of eight reads each) ran 47.0 to 48.8 GB/s with it and 50.3 to 51.3
-/// without it. Polling `cuEventQuery` for 2 ms first (16 readers querying at once) was slower
-/// either way (46.0 to 49.1).
+/// `cuEventSynchronize` that follows the context's scheduling (under the default
+/// `CU_CTX_SCHED_AUTO` it spins while the process has fewer active contexts than cores, and
+/// yields otherwise), so a reader thread takes its chunk back as soon as the copy ends. Such a
+/// wait lasts until the lane has finished this copy and whatever was queued on it before (lanes
+/// are shared: another transfer's readers or a staged peer copy may queue there too). With
+/// `CU_EVENT_BLOCKING_SYNC` the thread slept until an interrupt woke it: hot 1 GiB reads on two
+/// H200s (32 cores, two calls of three alternating cycles of eight reads each) ran 47.0 to 48.8
+/// GB/s with it and 50.3 to 51.3 without it. Polling `cuEventQuery` for 2 ms first (16 readers
+/// querying at once) was slower either way (46.0 to 49.1).
 const EVENT_FLAGS: u32 = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
 
 /// A fence on one event of a lane: complete once the copy recorded before it has finished.
@@ -838,8 +840,8 @@ impl<M: Send + 'static> ChunkCopy<M> {
         self.parts.as_ref().and_then(|(f, _, _)| f.as_ref())
     }
 
-    /// Wait for the copy (polling briefly, then `cuEventSynchronize`) and take the chunk and the
-    /// buffer back.
+    /// Wait for the copy (polling briefly, then `cuEventSynchronize`, which spins under the
+    /// default context scheduling) and take the chunk and the buffer back.
     ///
     /// # Errors
     ///

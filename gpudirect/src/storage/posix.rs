@@ -10,19 +10,19 @@
 //! chunk to the GPU (about 55 GB/s on a PCIe 5 H200 for all streams together). So:
 //!
 //! - **Many readers.** Enough threads that their `pread`s together outrun the DMA: one per core
-//!   up to 32 ([`PosixConfig::for_node`]). The threads are started once and kept
+//!   up to 16 ([`PosixConfig::for_node`]). The threads are started once and kept
 //!   (the pool in `workers.rs`); the calling thread is one of them, so a small transfer never
 //!   waits for a thread to wake.
-//! - **Small chunks** (1 MiB): a chunk the kernel has just written is still in the CPU's cache
-//!   when the DMA reads it, and the threads' chunks together stay far below the last-level
-//!   cache (16 threads x 2 x 1 MiB). With 16 MiB chunks every byte went to memory and back
-//!   (19 to 24 GB/s whatever the thread count).
+//! - **Chunks of 4 MiB**: the per-copy cost dominates smaller ones (a 1 MiB host-to-device copy
+//!   runs at 47.5 GB/s where 4 MiB copies run at 53), and with 16 MiB chunks every byte went to
+//!   memory and back before the DMA read it (19 to 24 GB/s whatever the thread count).
 //! - **No wait on the critical path.** Each thread owns `depth` chunks (2 by default) and its own
 //!   stream (a lane of the device's [`CopyEngine`](crate::memory::CopyEngine)): it queues a
 //!   chunk's copy right after its `pread` and reads the next chunk into its other buffer while
 //!   the copy runs; it waits for a copy only when it needs that buffer again. That wait spins
-//!   (the lane's events are not blocking-sync ones): near the copy engine's limit a reader
-//!   often waits, and sleeping until an interrupt cost a hot read 5% (48.5 against 51 GB/s).
+//!   under the default context scheduling (the lane's events are not blocking-sync ones): near
+//!   the copy engine's limit a reader often waits, and sleeping until an interrupt cost a hot
+//!   read 3 to 7% (47.0 to 48.8 GB/s against 50.3 to 51.3 on two H200s).
 //! - **No lock per chunk.** Threads claim chunks from one atomic counter (so the file is read in
 //!   order, which the kernel's read-ahead likes, and a slow thread takes fewer chunks); the only
 //!   locks are the lane's event list and, twice per thread per transfer, the chunk pool.
