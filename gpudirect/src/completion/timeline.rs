@@ -97,19 +97,19 @@ impl Timeline {
     }
 
     /// Retire completed events; make sure one covers `epoch`. Returns whether `epoch` is done,
-    /// and otherwise the raw event that covers it (`None` when none could be recorded: the
-    /// stream is capturing a graph, or the driver refused).
+    /// and whether an event covers it (`false` when none could be recorded: the stream is
+    /// capturing a graph, or the driver refused).
     ///
     /// Never records while the stream captures a graph: an event recorded in a capture is a
     /// captured event, which completes with the capture rather than with the work (and which
     /// `cuEventQuery` refuses with `CUDA_ERROR_CAPTURED_EVENT`). One that was recorded anyway (a
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
-    fn poll(&self, epoch: u64) -> (bool, Option<sys::CUevent>) {
+    fn poll(&self, epoch: u64) -> (bool, bool) {
         // Queries and records need the stream's context current on this thread (a completion
         // or executor thread may never have had it); a query error is then the stream's own.
         if crate::driver::ctx::bind(self.stream.context()).is_err() {
-            return (self.completed() >= epoch, None);
+            return (self.completed() >= epoch, false);
         }
         let mut g = self.lock();
         while let Some((covered, ev)) = g.pending.front() {
@@ -133,10 +133,10 @@ impl Timeline {
             }
         }
         if self.completed() >= epoch {
-            return (true, None);
+            return (true, true);
         }
-        if let Some((_, ev)) = g.pending.iter().find(|(c, _)| *c >= epoch) {
-            return (false, Some(ev.cu_event()));
+        if g.pending.iter().any(|(c, _)| *c >= epoch) {
+            return (false, true);
         }
         // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
         // handed out after their work is queued, so this record comes after that work.
@@ -145,7 +145,7 @@ impl Timeline {
             Some(ev) => ev,
             None => match self.stream.context().new_event(None) {
                 Ok(ev) => ev,
-                Err(_) => return (false, None),
+                Err(_) => return (false, false),
             },
         };
         // Checked like any work queued on the stream, but a capture found after the record is
@@ -159,15 +159,14 @@ impl Timeline {
                 .map_err(|e| crate::error::from_driver("cuEventRecord", e))
         }) {
             Ok(((), ev)) => {
-                let raw = ev.cu_event();
                 g.pending.push_back((covered, ev));
-                (false, Some(raw))
+                (false, true)
             }
             Err(r) => {
                 if let Some(ev) = r.kept {
                     g.free.push(ev); // not recorded: reusable
                 }
-                (false, None)
+                (false, false)
             }
         }
     }
@@ -302,8 +301,8 @@ impl Fence for StreamFence {
                 loop {
                     match tl.poll(self.epoch) {
                         (true, _) => return true,
-                        (false, None) => return false,
-                        (false, Some(_)) => {}
+                        (false, false) => return false,
+                        (false, true) => {}
                     }
                     if !tl.capturing() {
                         break; // the capture ended: synchronize below
