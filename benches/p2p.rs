@@ -378,8 +378,7 @@ fn main() {
         "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
          (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
          check), no event, no lock, no allocation; a batch: one cuMemcpyBatchAsync for all its \
-         copies; waiting: raw cuStreamSynchronize, gpudirect cuStreamIsCapturing + \
-         cuStreamSynchronize once per batch"
+         copies; waiting: cuStreamSynchronize once per batch, both"
     );
     let mut rows = Vec::new();
     for &bytes in &sizes {

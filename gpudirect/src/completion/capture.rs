@@ -187,6 +187,7 @@ pub(crate) fn enqueue_private<R, T>(
 }
 
 /// The capture protocol itself, over any [`Probe`].
+#[inline]
 pub(crate) fn enqueue_with<P: Probe, R, T>(
     probe: &P,
     call: &'static str,

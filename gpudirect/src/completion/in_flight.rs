@@ -38,11 +38,18 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     /// [`Error::Timeout`] when the fence can never prove completion (a [`StreamFence`](super::StreamFence) or
     /// [`EventFence`](super::EventFence) whose synchronization failed: a sticky error); the resources are then
     /// parked in the [`Tracker`], never freed early.
-    pub fn wait(self) -> Result<R> {
+    pub fn wait(mut self) -> Result<R> {
         Tracker::global().reap();
         // Duration::MAX never runs out; the wait ends early only when the fence cannot prove
-        // completion, and then dropping the op parks it.
-        self.wait_timeout(Duration::MAX).map_err(|(e, _op)| e)
+        // completion, and then dropping the op parks it. (Taken in place: a small copy's wait
+        // should not move the operation around.)
+        if self.poll(|f| f.wait_timeout(Duration::MAX)) {
+            return Ok(self.take_resources());
+        }
+        Err(Error::Timeout {
+            what: self.what,
+            after: Duration::MAX,
+        })
     }
 
     /// Wait up to `timeout`; on time-out the operation stays in flight and is handed back in
@@ -59,7 +66,7 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<R, (Error, Self)> {
         let ok = self.poll(|f| f.wait_timeout(timeout));
         if ok {
-            Ok(self.into_resources())
+            Ok(self.take_resources())
         } else {
             let what = self.what;
             Err((
@@ -118,7 +125,7 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     /// As [`wait_timeout`](Self::wait_timeout).
     pub fn try_take(mut self) -> Result<R, Self> {
         if self.poll(Fence::is_complete) {
-            Ok(self.into_resources())
+            Ok(self.take_resources())
         } else {
             Err(self)
         }
@@ -163,8 +170,9 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
         (self.what, fence, r)
     }
 
-    /// The resources of a completed operation (its fence is dropped first).
-    fn into_resources(mut self) -> R {
+    /// The resources of a completed operation (its fence is dropped first), leaving nothing for
+    /// `Drop`.
+    fn take_resources(&mut self) -> R {
         self.fence = None;
         self.resources
             .take()
@@ -189,7 +197,19 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
 }
 
 impl<R: Send + 'static, F: Fence> Drop for InFlight<R, F> {
+    #[inline]
     fn drop(&mut self) {
+        // A waited-for operation has nothing left: the common case, kept to one check.
+        if self.resources.is_some() {
+            self.drop_in_flight();
+        }
+    }
+}
+
+impl<R: Send + 'static, F: Fence> InFlight<R, F> {
+    /// Dropped while in flight: wait a bounded time, then park what is not proven done.
+    #[cold]
+    fn drop_in_flight(&mut self) {
         let (Some(fence), Some(res)) = (self.fence.take(), self.resources.take()) else {
             return;
         };
@@ -281,6 +301,43 @@ mod tests {
             op.wait_unless(Duration::from_millis(1), || Ok(())).unwrap(),
             7
         );
+    }
+
+    /// Never proves completion through a wait; complete once `done` is set.
+    struct Unprovable(Arc<std::sync::atomic::AtomicBool>);
+
+    impl Fence for Unprovable {
+        fn is_complete(&self) -> bool {
+            self.0.load(Ordering::SeqCst)
+        }
+        fn wait_timeout(&self, _: Duration) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn a_wait_that_cannot_prove_completion_parks_and_names_the_op() {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let drops = Arc::new(AtomicUsize::new(0));
+        let op = InFlight::new(
+            "unprovable",
+            Unprovable(done.clone()),
+            Counted(drops.clone()),
+        );
+        let e = op.wait().unwrap_err();
+        assert!(matches!(
+            e,
+            Error::Timeout {
+                what: "unprovable",
+                after: Duration::MAX
+            }
+        ));
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "parked, not freed");
+        done.store(true, Ordering::SeqCst);
+        while drops.load(Ordering::SeqCst) == 0 {
+            Tracker::global().reap();
+        }
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -24,6 +24,10 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct Timeline {
     stream: Arc<CudaStream>,
+    /// The stream meets [`Private`](super::capture::Private)'s rule (the library made it, never
+    /// hands it out, and it never waits on an event of a stream the library does not own): it
+    /// never captures, and the driver is not asked.
+    private: bool,
     issued: AtomicU64,
     completed: AtomicU64,
     events: Mutex<Events>,
@@ -53,8 +57,20 @@ struct Events {
 impl Timeline {
     /// A timeline for `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Arc<Self> {
+        Self::with_privacy(stream, false)
+    }
+
+    /// A timeline for a stream that meets [`Private`](super::capture::Private)'s rule: its
+    /// waits and event records ask the driver no capture questions (a `cuStreamIsCapturing`
+    /// before each `cuStreamSynchronize`, two around each `cuEventRecord`).
+    pub(crate) fn new_private(stream: Arc<CudaStream>) -> Arc<Self> {
+        Self::with_privacy(stream, true)
+    }
+
+    fn with_privacy(stream: Arc<CudaStream>, private: bool) -> Arc<Self> {
         Arc::new(Timeline {
             stream,
+            private,
             issued: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             events: Mutex::new(Events::default()),
@@ -68,6 +84,7 @@ impl Timeline {
     }
 
     /// A fence for everything queued on the stream so far. Call it after queueing the work.
+    #[inline]
     pub fn issue(self: &Arc<Self>) -> StreamFence {
         let epoch = self.issued.fetch_add(1, Ordering::AcqRel) + 1;
         StreamFence {
@@ -77,6 +94,7 @@ impl Timeline {
     }
 
     /// The highest epoch known complete.
+    #[inline]
     pub fn completed(&self) -> u64 {
         self.completed.load(Ordering::Acquire)
     }
@@ -150,14 +168,20 @@ impl Timeline {
         };
         // Checked like any work queued on the stream, but a capture found after the record is
         // left alone: an internal event puts nothing into the user's graph.
-        let probe = super::capture::Driver {
-            raw: self.stream.cu_stream(),
-            invalidate: false,
-        };
-        match super::capture::enqueue_with(&probe, "cuEventRecord", ev, |ev| {
+        let record = |ev: &CudaEvent| {
             ev.record(&self.stream)
                 .map_err(|e| crate::error::from_driver("cuEventRecord", e))
-        }) {
+        };
+        let recorded = if self.private {
+            super::capture::enqueue_with(&super::capture::Private, "cuEventRecord", ev, record)
+        } else {
+            let probe = super::capture::Driver {
+                raw: self.stream.cu_stream(),
+                invalidate: false,
+            };
+            super::capture::enqueue_with(&probe, "cuEventRecord", ev, record)
+        };
+        match recorded {
             Ok(((), ev)) => {
                 g.pending.push_back((covered, ev));
                 (false, true)
@@ -199,6 +223,9 @@ impl Timeline {
 
     /// Whether the stream is capturing a graph (or that cannot be told).
     fn capturing(&self) -> bool {
+        if self.private {
+            return false;
+        }
         crate::driver::ctx::bind(self.stream.context()).is_err()
             || super::capture::is_capturing(self.stream.cu_stream()).unwrap_or(true)
     }
@@ -284,10 +311,16 @@ impl Fence for StreamFence {
         self.timeline.register(self.epoch, waker)
     }
 
+    #[inline]
     fn wait_timeout(&self, timeout: Duration) -> bool {
-        if self.timeline.completed() >= self.epoch {
-            return true;
-        }
+        // Every wait after the one that synchronized the stream ends here.
+        self.timeline.completed() >= self.epoch || self.wait_slow(timeout)
+    }
+}
+
+impl StreamFence {
+    #[cold]
+    fn wait_slow(&self, timeout: Duration) -> bool {
         if timeout >= LONG_WAIT {
             let tl = &self.timeline;
             if tl.capturing() {

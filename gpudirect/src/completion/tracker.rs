@@ -16,6 +16,7 @@ pub struct Tracker {
 
 impl Tracker {
     /// The process-wide tracker.
+    #[inline]
     pub fn global() -> &'static Tracker {
         static T: OnceLock<Tracker> = OnceLock::new();
         T.get_or_init(Tracker::new)
@@ -48,9 +49,18 @@ impl Tracker {
     /// parking what it owned never waits behind a driver call. A fence whose poll panics (a
     /// user's [`Fence`] implementation) is taken as never complete: its entry is leaked, never
     /// freed, and every other entry is kept or released as its own fence says.
+    #[inline]
     pub fn reap(&self) -> usize {
         // The count first: asking for the pid is a system call, on every wait.
-        if self.count.load(Ordering::Acquire) == 0 || self.in_forked_child() {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        self.reap_parked()
+    }
+
+    #[cold]
+    fn reap_parked(&self) -> usize {
+        if self.in_forked_child() {
             return 0;
         }
         let taken = std::mem::take(&mut *self.lock());

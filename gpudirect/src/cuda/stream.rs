@@ -33,6 +33,21 @@ impl Stream {
         Ok(Self::wrap(s))
     }
 
+    /// A new stream on `ctx` for the library's own use, meeting
+    /// [`Private`](crate::completion::capture::Private)'s rule: the caller never hands it (or its
+    /// raw handle) out and never makes it wait on an event of a stream the library does not own.
+    /// Its fences' waits then ask the driver no capture questions.
+    #[cfg_attr(not(feature = "p2p"), allow(dead_code, reason = "the copier's stream"))]
+    pub(crate) fn private(ctx: &Arc<CudaContext>) -> Result<Self> {
+        crate::cuda::init()?;
+        let s = ctx
+            .new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))?;
+        Ok(Stream {
+            timeline: Timeline::new_private(s),
+        })
+    }
+
     /// Track work on an existing cudarc stream. Each `wrap` makes its own timeline: fences of
     /// two wrappers of one stream are both correct, they just do not share events.
     pub fn wrap(stream: Arc<CudaStream>) -> Self {
@@ -63,6 +78,7 @@ impl Stream {
 
     /// A fence for all work queued on this stream so far (no driver call). Data paths call it
     /// right after queueing their work and put it in an [`crate::completion::InFlight`].
+    #[inline]
     pub fn fence(&self) -> StreamFence {
         self.timeline.issue()
     }

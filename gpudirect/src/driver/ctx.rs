@@ -76,6 +76,7 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes(
 /// (it holds a context or a stream made after [`crate::cuda::init`]). A thread-local read in the
 /// driver: cheap enough for every copy.
 #[cfg(feature = "p2p")]
+#[inline]
 pub(crate) fn current() -> Result<Option<sys::CUcontext>> {
     named(
         "cuCtxGetCurrent",

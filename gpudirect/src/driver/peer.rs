@@ -56,6 +56,7 @@ pub(crate) unsafe fn enable_access(peer: sys::CUcontext) -> Result<()> {
 ///
 /// Both ranges stay valid, and `dst` unread and unwritten by anyone else, until the copy
 /// completes; the contexts and the stream are live.
+#[inline]
 pub(crate) unsafe fn copy_async(
     dst: sys::CUdeviceptr,
     dst_ctx: sys::CUcontext,

@@ -90,6 +90,7 @@ pub(crate) trait CopyDriver {
 pub(crate) struct Real;
 
 impl CopyDriver for Real {
+    #[inline]
     unsafe fn bind(&self, ctx: sys::CUcontext) -> Result<()> {
         if driver::ctx::current()? == Some(ctx) {
             return Ok(());
@@ -98,6 +99,7 @@ impl CopyDriver for Real {
         unsafe { driver::ctx::set_current(ctx) }
     }
 
+    #[inline]
     fn capturing(&self, _stream: sys::CUstream) -> Result<bool> {
         // A lane's stream is the copier's own (`Copier::new` creates it): no safe API hands it
         // out (the copier has no stream accessor and `StreamFence::timeline` is crate-private),
@@ -117,11 +119,13 @@ impl CopyDriver for Real {
         let _ = unsafe { driver::stream::query(stream) };
     }
 
+    #[inline]
     unsafe fn copy_dtod(&self, j: Job) -> Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { driver::mem::copy_dtod_async(j.dst, j.src, j.bytes, j.stream) }
     }
 
+    #[inline]
     unsafe fn copy_peer(&self, j: Job, c: Contexts) -> Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { driver::peer::copy_async(j.dst, c.dst, j.src, c.src, j.bytes, j.stream) }
@@ -308,7 +312,7 @@ impl Lane {
                             .filter_map(|(arg, r)| r.err().map(|w| format!("{arg} is {w}")))
                             .collect();
                         CopyPath::DriverStaged {
-                            reason: why.join("; "),
+                            reason: why.join("; ").into(),
                         }
                     }
                 }
@@ -406,23 +410,44 @@ impl Lane {
         if bytes == 0 {
             return Ok(());
         }
+        let job = Job {
+            dst,
+            src,
+            bytes,
+            stream: self.stream,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.enqueue_batch(x, &[(dst, src, bytes)], false) }
+        unsafe { self.queue(x, |x| self.copy_one(x, job)) }
     }
 
-    /// Queue `jobs` (`(dst, src, bytes)`, none empty) in order behind one capture check: one
-    /// `cuMemcpyBatchAsync` when `batch` (every pair's path is the lane's own: peer, or one
-    /// device) and the driver has it, else one copy call per job. On an error some jobs may be
-    /// queued.
+    /// One copy call on the lane's route.
     ///
     /// # Safety
     ///
-    /// As [`enqueue`](Self::enqueue), for every job.
-    pub(crate) unsafe fn enqueue_batch<X: CopyDriver>(
+    /// As [`enqueue`](Self::enqueue); the lane's source context is current.
+    #[inline]
+    unsafe fn copy_one<X: CopyDriver>(&self, x: &X, job: Job) -> Result<()> {
+        // SAFETY: the caller's ranges; for peer copies both contexts are live primary contexts
+        // with peer access enabled both ways (the copier's construction).
+        unsafe {
+            match self.route {
+                Route::Same => x.copy_dtod(job),
+                Route::Peer | Route::Staged => x.copy_peer(job, self.contexts),
+            }
+        }
+    }
+
+    /// The lane's source context made current if it is not, then `queue` behind the capture
+    /// check ([`capture::enqueue_with`]).
+    ///
+    /// # Safety
+    ///
+    /// What `queue` enqueues meets [`enqueue`](Self::enqueue)'s rules.
+    #[inline]
+    unsafe fn queue<X: CopyDriver>(
         &self,
         x: &X,
-        jobs: &[(u64, u64, usize)],
-        batch: bool,
+        queue: impl FnOnce(&X) -> Result<()>,
     ) -> std::result::Result<(), Refused<()>> {
         // SAFETY: the copier keeps its source context alive.
         if let Err(error) = unsafe { x.bind(self.contexts.src) } {
@@ -439,36 +464,48 @@ impl Lane {
             Route::Same => "cuMemcpyDtoDAsync_v2",
             Route::Peer | Route::Staged => "cuMemcpyPeerAsync",
         };
-        let queued = capture::enqueue_with(&probe, call, (), |()| {
-            if batch && jobs.len() >= 2 {
-                let mut dsts: Vec<u64> = jobs.iter().map(|j| j.0).collect();
-                let mut srcs: Vec<u64> = jobs.iter().map(|j| j.1).collect();
-                let mut sizes: Vec<usize> = jobs.iter().map(|j| j.2).collect();
-                // SAFETY: the caller's ranges; the stream is the lane's own, of the current
-                // context; three arrays of one length.
-                if unsafe { x.copy_batch(&mut dsts, &mut srcs, &mut sizes, self.stream) }? {
-                    return Ok(());
-                }
-            }
-            for &(dst, src, bytes) in jobs {
-                let job = Job {
-                    dst,
-                    src,
-                    bytes,
-                    stream: self.stream,
-                };
-                // SAFETY: as above; for peer copies both contexts are live primary contexts
-                // with peer access enabled both ways (the copier's construction).
-                unsafe {
-                    match self.route {
-                        Route::Same => x.copy_dtod(job),
-                        Route::Peer | Route::Staged => x.copy_peer(job, self.contexts),
+        capture::enqueue_with(&probe, call, (), |()| queue(x)).map(drop)
+    }
+
+    /// Queue `jobs` (`(dst, src, bytes)`, none empty) in order behind one capture check: one
+    /// `cuMemcpyBatchAsync` when `batch` (every pair's path is the lane's own: peer, or one
+    /// device) and the driver has it, else one copy call per job. On an error some jobs may be
+    /// queued.
+    ///
+    /// # Safety
+    ///
+    /// As [`enqueue`](Self::enqueue), for every job.
+    pub(crate) unsafe fn enqueue_batch<X: CopyDriver>(
+        &self,
+        x: &X,
+        jobs: &[(u64, u64, usize)],
+        batch: bool,
+    ) -> std::result::Result<(), Refused<()>> {
+        // SAFETY: every job meets `enqueue`'s rules (the caller's).
+        unsafe {
+            self.queue(x, |x| {
+                if batch && jobs.len() >= 2 {
+                    let mut dsts: Vec<u64> = jobs.iter().map(|j| j.0).collect();
+                    let mut srcs: Vec<u64> = jobs.iter().map(|j| j.1).collect();
+                    let mut sizes: Vec<usize> = jobs.iter().map(|j| j.2).collect();
+                    // SAFETY: the caller's ranges; the stream is the lane's own, of the current
+                    // context; three arrays of one length.
+                    if x.copy_batch(&mut dsts, &mut srcs, &mut sizes, self.stream)? {
+                        return Ok(());
                     }
-                }?;
-            }
-            Ok(())
-        });
-        queued.map(drop)
+                }
+                for &(dst, src, bytes) in jobs {
+                    let job = Job {
+                        dst,
+                        src,
+                        bytes,
+                        stream: self.stream,
+                    };
+                    self.copy_one(x, job)?;
+                }
+                Ok(())
+            })
+        }
     }
 }
 

@@ -16,14 +16,14 @@ pub enum CopyPath {
     /// gpudirect's own pipeline through pinned host bounce chunks (two streams, pipelined chunks).
     Staged {
         /// Why: the driver's refusal (`CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`, ...) or `requested`.
-        reason: String,
+        reason: Box<str>,
     },
     /// `cuMemcpyPeerAsync` between peers where a buffer lacks its own grant (pool memory without
     /// `cuMemPoolSetAccess`, VMM memory without `cuMemSetAccess`): the driver stages the copy
     /// internally, well below peer speed.
     DriverStaged {
         /// Which buffer lacks which grant.
-        reason: String,
+        reason: Box<str>,
     },
 }
 

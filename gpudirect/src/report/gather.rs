@@ -412,7 +412,7 @@ fn measure_copy(a: usize, b: usize, bytes: usize) -> crate::Result<CopyMeasureme
     let verified = done.dst.to_vec(&sb)? == data;
     let (path, reason) = match &done.path {
         CopyPath::Staged { reason } | CopyPath::DriverStaged { reason } => {
-            (done.path.name(), Some(reason.clone()))
+            (done.path.name(), Some(reason.to_string()))
         }
         p => (p.name(), None),
     };
