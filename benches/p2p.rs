@@ -21,6 +21,10 @@
 //! Both ways: one thread per direction (each with its own copier, or its own raw stream), started
 //! together; GB/s counts both directions' bytes over the slower thread's time.
 //!
+//! Each direction's thread is pinned to one CPU local to its source GPU (sysfs'
+//! `local_cpulist`), the same for raw and gpudirect, so that no variant gains or loses by where
+//! the scheduler put it; `GPUDIRECT_BENCH_PIN=0` lets the threads move.
+//!
 //! With two or more GPUs it measures devices 0 and 1; with one, 0 -> 0 (a same-device copy on
 //! both sides, said so in the table's heading).
 //!
@@ -97,6 +101,8 @@ impl Variant {
 
 /// One direction: its copier, its raw stream, a source and `depth` destinations.
 struct Dir {
+    /// The CPU its thread runs on (raw and gpudirect alike), when pinned.
+    cpu: Option<usize>,
     src_ctx: Arc<CudaContext>,
     dst_ctx: Arc<CudaContext>,
     copier: Copier,
@@ -111,7 +117,7 @@ fn check(r: sys::CUresult, call: &str) {
 }
 
 impl Dir {
-    fn new(a: usize, b: usize, bytes: usize, depth: usize) -> Dir {
+    fn new(a: usize, b: usize, bytes: usize, depth: usize, cpu: Option<usize>) -> Dir {
         let src_ctx = gpudirect::cuda::context(a).expect("context");
         let dst_ctx = gpudirect::cuda::context(b).expect("context");
         let copier = Copier::new(a, b, CopyOptions::default()).expect("copier");
@@ -121,6 +127,7 @@ impl Dir {
             .map(|_| DeviceBuffer::<u8>::zeroed(&dst_ctx, bytes).expect("cuMemAlloc"))
             .collect();
         Dir {
+            cpu,
             src_ctx,
             dst_ctx,
             copier,
@@ -256,14 +263,9 @@ fn count(v: Variant, bytes: usize, depth: usize, scale: usize) -> usize {
     }
 }
 
-/// Seconds per copy of `v`, one way (`dirs` of one) or both ways at once (two threads).
+/// Seconds per copy of `v`, one way (`dirs` of one) or both ways at once (one thread per
+/// direction, each on its own CPU when pinned).
 fn measure(dirs: &mut [Dir], v: Variant, n: usize) -> f64 {
-    if let [one] = dirs {
-        one.src_ctx.bind_to_thread().expect("bind");
-        let t = Instant::now();
-        let copies = one.run(v, n);
-        return t.elapsed().as_secs_f64() / copies as f64;
-    }
     let barrier = Barrier::new(dirs.len());
     let times: Vec<(Duration, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = dirs
@@ -271,6 +273,9 @@ fn measure(dirs: &mut [Dir], v: Variant, n: usize) -> f64 {
             .map(|d| {
                 let barrier = &barrier;
                 s.spawn(move || {
+                    if let Some(cpu) = d.cpu {
+                        pin(cpu);
+                    }
                     d.src_ctx.bind_to_thread().expect("bind");
                     barrier.wait();
                     let t = Instant::now();
@@ -283,6 +288,75 @@ fn measure(dirs: &mut [Dir], v: Variant, n: usize) -> f64 {
     });
     let slowest = times.iter().map(|t| t.0).max().unwrap_or_default();
     slowest.as_secs_f64() / times[0].1 as f64
+}
+
+/// The CPUs sysfs lists as local to GPU `ordinal` (its PCI device's `local_cpulist`); empty
+/// when sysfs does not say.
+fn local_cpus(ordinal: usize) -> Vec<usize> {
+    let Ok(p) = gpudirect::topology::Placement::of_gpu(ordinal) else {
+        return Vec::new();
+    };
+    let path = format!("/sys/bus/pci/devices/{}/local_cpulist", p.pci_bus_id);
+    let list = std::fs::read_to_string(path).unwrap_or_default();
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let range = match part.split_once('-') {
+            Some((lo, hi)) => (lo.parse::<usize>(), hi.parse::<usize>()),
+            None => (part.parse::<usize>(), part.parse::<usize>()),
+        };
+        if let (Ok(lo), Ok(hi)) = range {
+            cpus.extend(lo..=hi);
+        }
+    }
+    cpus
+}
+
+/// Run the calling thread on `cpu` only.
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (`cpu` is below
+    // CPU_SETSIZE: checked where the CPU is chosen); sched_setaffinity reads it.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    assert!(ok, "sched_setaffinity to CPU {cpu}");
+}
+
+/// A CPU for each direction's thread: one of its source GPU's local CPUs this process may run
+/// on, never CPU 0 (interrupts) when another will do, and a different one for each direction.
+/// `None` for both when pinning is off or sysfs does not say.
+fn choose_cpus(a: usize, b: usize) -> (Option<usize>, Option<usize>) {
+    if std::env::var("GPUDIRECT_BENCH_PIN").is_ok_and(|v| v == "0") {
+        return (None, None);
+    }
+    // SAFETY: a zeroed set, filled by sched_getaffinity for this thread.
+    let allowed = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return (None, None);
+        }
+        set
+    };
+    let usable = |c: &usize| {
+        // SAFETY: reads inside the set (bounded just before).
+        *c < libc::CPU_SETSIZE as usize && unsafe { libc::CPU_ISSET(*c, &allowed) }
+    };
+    let pick = |gpu: usize, not: Option<usize>| {
+        let cpus: Vec<usize> = local_cpus(gpu).into_iter().filter(usable).collect();
+        let free = |c: &&usize| Some(**c) != not;
+        cpus.iter()
+            .filter(free)
+            .find(|&&c| c != 0)
+            .or_else(|| cpus.iter().find(free))
+            .copied()
+    };
+    let first = pick(a, None);
+    let second = pick(b, first);
+    match (first, second) {
+        (Some(x), Some(y)) => (Some(x), Some(y)),
+        _ => (None, None),
+    }
 }
 
 /// One line of the table.
@@ -374,6 +448,16 @@ fn main() {
     };
     drop(auto);
     println!("{heading}");
+    let (cpu_a, cpu_b) = choose_cpus(a, b);
+    match (cpu_a, cpu_b) {
+        (Some(x), Some(y)) => println!(
+            "threads pinned, raw and gpudirect alike: {a} -> {b} on CPU {x}, {b} -> {a} on CPU {y} \
+             (local to each source GPU, from sysfs; GPUDIRECT_BENCH_PIN=0 to let them move)"
+        ),
+        _ => println!(
+            "threads not pinned (GPUDIRECT_BENCH_PIN=0, or sysfs gives no local CPUs for the GPUs)"
+        ),
+    }
     println!(
         "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
          (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
@@ -384,9 +468,9 @@ fn main() {
     for &bytes in &sizes {
         let depth = (4 * GIB / bytes).clamp(2, 64);
         for both in [false, true] {
-            let mut dirs = vec![Dir::new(a, b, bytes, depth)];
+            let mut dirs = vec![Dir::new(a, b, bytes, depth, cpu_a)];
             if both {
-                dirs.push(Dir::new(b, a, bytes, depth));
+                dirs.push(Dir::new(b, a, bytes, depth, cpu_b));
             }
             let mut per_copy: Vec<Vec<f64>> = vec![Vec::new(); VARIANTS.len()];
             for &v in &VARIANTS {
