@@ -63,6 +63,10 @@ impl Timeline {
     /// A timeline for a stream that meets [`Private`](super::capture::Private)'s rule: its
     /// waits and event records ask the driver no capture questions (a `cuStreamIsCapturing`
     /// before each `cuStreamSynchronize`, two around each `cuEventRecord`).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "p2p's private streams")
+    )]
     pub(crate) fn new_private(stream: Arc<CudaStream>) -> Arc<Self> {
         Self::with_privacy(stream, true)
     }

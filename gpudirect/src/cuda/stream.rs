@@ -37,7 +37,10 @@ impl Stream {
     /// [`Private`](crate::completion::capture::Private)'s rule: the caller never hands it (or its
     /// raw handle) out and never makes it wait on an event of a stream the library does not own.
     /// Its fences' waits then ask the driver no capture questions.
-    #[cfg_attr(not(feature = "p2p"), allow(dead_code, reason = "the copier's stream"))]
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the copier's and the local endpoint's streams")
+    )]
     pub(crate) fn private(ctx: &Arc<CudaContext>) -> Result<Self> {
         crate::cuda::init()?;
         let s = ctx

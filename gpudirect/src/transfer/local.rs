@@ -1152,8 +1152,9 @@ impl Side {
         }
         let ctx = crate::cuda::context(ordinal)?;
         let n = self.engine.inner.config.copy_streams;
+        // Private (see `queue_on`): their fences' waits and event records ask no capture questions.
         let v: Arc<[Stream]> = (0..n)
-            .map(|_| Stream::new(&ctx))
+            .map(|_| Stream::private(&ctx))
             .collect::<Result<Vec<_>>>()?
             .into();
         m.insert(ordinal, v.clone());
