@@ -28,11 +28,19 @@ pub struct Timeline {
     /// hands it out, and it never waits on an event of a stream the library does not own): it
     /// never captures, and the driver is not asked.
     private: bool,
-    issued: AtomicU64,
-    completed: AtomicU64,
+    issued: Line<AtomicU64>,
+    completed: Line<AtomicU64>,
     events: Mutex<Events>,
     waiters: Mutex<Waiters>,
 }
+
+/// A value on lines of its own (128 bytes: x86 fetches lines in adjacent pairs). A timeline's
+/// epoch counters are written on every issue and every wait, often by different threads: on a
+/// shared line each write would pull the line away from the other thread, or from whatever
+/// unrelated data the allocator put beside it.
+#[derive(Debug)]
+#[repr(align(128))]
+struct Line<T>(T);
 
 /// Futures waiting on epochs of a timeline.
 #[derive(Debug, Default)]
@@ -75,8 +83,8 @@ impl Timeline {
         Arc::new(Timeline {
             stream,
             private,
-            issued: AtomicU64::new(0),
-            completed: AtomicU64::new(0),
+            issued: Line(AtomicU64::new(0)),
+            completed: Line(AtomicU64::new(0)),
             events: Mutex::new(Events::default()),
             waiters: Mutex::new(Waiters::default()),
         })
@@ -90,7 +98,7 @@ impl Timeline {
     /// A fence for everything queued on the stream so far. Call it after queueing the work.
     #[inline]
     pub fn issue(self: &Arc<Self>) -> StreamFence {
-        let epoch = self.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
         StreamFence {
             timeline: self.clone(),
             epoch,
@@ -100,18 +108,18 @@ impl Timeline {
     /// The highest epoch known complete.
     #[inline]
     pub fn completed(&self) -> u64 {
-        self.completed.load(Ordering::Acquire)
+        self.completed.0.load(Ordering::Acquire)
     }
 
     /// The highest epoch issued.
     pub fn issued(&self) -> u64 {
-        self.issued.load(Ordering::Acquire)
+        self.issued.0.load(Ordering::Acquire)
     }
 
     /// Every epoch up to `epoch` is complete: the caller saw the stream finish the work before
     /// it (a `cuStreamSynchronize` that returned success after that work was queued).
     pub(crate) fn completed_through(&self, epoch: u64) {
-        self.completed.fetch_max(epoch, Ordering::AcqRel);
+        self.completed.0.fetch_max(epoch, Ordering::AcqRel);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Events> {
@@ -137,7 +145,7 @@ impl Timeline {
         while let Some((covered, ev)) = g.pending.front() {
             match ev.try_is_complete() {
                 Ok(true) => {
-                    self.completed.fetch_max(*covered, Ordering::AcqRel);
+                    self.completed.0.fetch_max(*covered, Ordering::AcqRel);
                     let (_, ev) = g.pending.pop_front().expect("front exists");
                     g.free.push(ev);
                 }
@@ -162,7 +170,7 @@ impl Timeline {
         }
         // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
         // handed out after their work is queued, so this record comes after that work.
-        let covered = self.issued.load(Ordering::Acquire);
+        let covered = self.issued.0.load(Ordering::Acquire);
         let ev = match g.free.pop() {
             Some(ev) => ev,
             None => match self.stream.context().new_event(None) {
@@ -352,7 +360,7 @@ impl StreamFence {
             // If it fails (a sticky error, or a capture that began just now), completion cannot
             // be proven: answer `false` (the caller gets an error, the resources stay parked)
             // instead of polling forever.
-            let covered = self.timeline.issued.load(Ordering::Acquire);
+            let covered = self.timeline.issued.0.load(Ordering::Acquire);
             if crate::driver::ctx::bind(tl.stream.context()).is_err() {
                 return tl.completed() >= self.epoch;
             }
