@@ -106,7 +106,7 @@ pub struct Copied<S, D> {
     pub elapsed: Duration,
     /// The staged path's ring of bounce chunks (through the copier's inner state) until the
     /// copy is done; `None` on the peer and same-device paths, where nothing of the copier's
-    /// is needed (the fence holds the stream and its context, the buffers their own memory).
+    /// is needed (see [`Copier::keep`]).
     _keep: Option<Arc<Inner>>,
 }
 
@@ -494,9 +494,12 @@ impl Copier {
 
     /// What a copy in flight keeps of the copier: its inner state on the staged path (the
     /// ring of bounce chunks the copy's chunks pass through); nothing on the other paths. A
-    /// peer or same-device copy touches only its two buffers (each holds its own memory, and so
-    /// its context) and the copier's stream, which its fence holds (with the stream's context).
-    /// One `Arc` fewer to count up and down per copy: small pipelined copies pay for every one.
+    /// peer or same-device copy touches its two buffers (each keeps its own memory valid) and
+    /// the copier's stream, which its fence holds with the stream's context; on the peer path
+    /// both devices' primary contexts, and so the peer mapping, are held for the life of the
+    /// process by the enabled pair (`access::enable_peer_access`'s table), whatever memory the
+    /// buffers are. One `Arc` fewer to count up and down per copy: small pipelined copies pay
+    /// for every one.
     fn keep(&self) -> Option<Arc<Inner>> {
         self.inner.stager.as_ref().map(|_| self.inner.clone())
     }
