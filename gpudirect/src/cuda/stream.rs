@@ -26,11 +26,14 @@ impl Stream {
     /// As [`crate::cuda::init`]; [`crate::Error::Cuda`] from `cuStreamCreate`.
     #[doc(alias = "cuStreamCreate")]
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        Ok(Self::wrap(Self::create(ctx)?))
+    }
+
+    /// `cuStreamCreate` on `ctx`, past the presence check.
+    fn create(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
         crate::cuda::init()?;
-        let s = ctx
-            .new_stream()
-            .map_err(|e| from_driver("cuStreamCreate", e))?;
-        Ok(Self::wrap(s))
+        ctx.new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))
     }
 
     /// A new stream on `ctx` for the library's own use, meeting
@@ -42,12 +45,8 @@ impl Stream {
         allow(dead_code, reason = "the copier's and the local endpoint's streams")
     )]
     pub(crate) fn private(ctx: &Arc<CudaContext>) -> Result<Self> {
-        crate::cuda::init()?;
-        let s = ctx
-            .new_stream()
-            .map_err(|e| from_driver("cuStreamCreate", e))?;
         Ok(Stream {
-            timeline: Timeline::new_private(s),
+            timeline: Timeline::new_private(Self::create(ctx)?),
         })
     }
 

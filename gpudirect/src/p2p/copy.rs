@@ -310,21 +310,7 @@ impl Copier {
         self.submit(src, dst)
     }
 
-    #[inline]
     fn validate<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> Result<()> {
-        let fits = |kind: crate::error::MemoryKind, ord, want| kind.is_device() && ord == want;
-        if fits(src.kind(), src.ordinal(), self.src)
-            && fits(dst.kind(), dst.ordinal(), self.dst)
-            && dst.len() == src.len()
-        {
-            return Ok(());
-        }
-        self.refuse(src, dst)
-    }
-
-    /// Why [`validate`](Self::validate) refuses a pair: the first argument that does not fit.
-    #[cold]
-    fn refuse<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> Result<()> {
         for (arg, kind, ord, want) in [
             ("src", src.kind(), src.ordinal(), self.src),
             ("dst", dst.kind(), dst.ordinal(), self.dst),
