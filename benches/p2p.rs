@@ -11,12 +11,21 @@
 //!   depth + one `cuStreamSynchronize`. The raw loop is measured twice in every round, before
 //!   and after gpudirect's (`raw again`), so that the table shows how far raw moves against
 //!   itself in the same run: each round's ratio is paired (gpudirect over the mean of the two raw
-//!   runs around it, in GB/s), and a cell is called `below` only when its median paired ratio is
-//!   under 0.97 and under raw's largest fall against itself in the run (the lowest of each
-//!   round's raw / raw and its inverse; else `noise`, or `ok` from 0.97);
-//! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
+//!   runs around it, in GB/s). A cell's figure is the median paired ratio with its 95%
+//!   confidence interval from the order statistics (`gpudirect_testing::paired`): `ok` from
+//!   0.97, `BELOW` only when the whole interval is under 0.97, else `undecided` (more rounds
+//!   decide). Raw against itself (the second raw run over the first) is summarised the same way:
+//!   an interval away from 1.00 means the order of the runs, not the library, moves the figures;
+//! - batched://! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
 //!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
 //!   CUDA 12.8 and later); the ratio is printed against both raw figures.
+//!
+//! One at a time is decided the same way against 0.5 µs over raw (the median extra time per
+//! copy, and its interval).
+//!
+//! Rounds: at least 9 (3 with `--quick`), more where a round is short (small sizes), up to a
+//! time budget per cell fixed before the rounds start, so that small cells, the noisiest, get
+//! the most rounds (`P2P_BENCH_CELL_SECS`, default 12, 3 with `--quick`).
 //!
 //! Both ways: one thread per direction (each with its own copier, or its own raw stream), started
 //! together; GB/s counts both directions' bytes over the slower thread's time.
@@ -39,6 +48,7 @@ use gpudirect::cudarc::driver::sys;
 use gpudirect::cudarc::driver::{CudaContext, CudaStream};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
 use gpudirect::p2p::{Copier, CopyOptions};
+use gpudirect_testing::paired::{self, Summary};
 use gpudirect_testing::{Hardware, skip_example};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -366,46 +376,17 @@ struct Row {
     depth: usize,
     /// GB/s of each variant (median of the rounds), in [`VARIANTS`]' order.
     gbs: Vec<f64>,
-    /// gpudirect's extra time per copy, one at a time (µs): median and range over the rounds.
-    extra_us: f64,
-    extra_range: (f64, f64),
+    /// gpudirect's extra time per copy, one at a time (µs), per round.
+    extra_us: Vec<f64>,
     /// Per round: gpudirect's pipelined GB/s over the mean of the raw runs around it, and raw's
     /// second run over its first.
     pipe: Vec<f64>,
     noise: Vec<f64>,
 }
 
-impl Row {
-    /// Raw's largest fall against itself, either way round: the lowest of each round's raw / raw
-    /// ratio and its inverse.
-    fn floor(&self) -> f64 {
-        self.noise
-            .iter()
-            .map(|&r| r.min(1.0 / r))
-            .fold(f64::INFINITY, f64::min)
-    }
-
-    /// `ok` from 0.97; `below` when the median paired ratio is under 0.97 and under
-    /// [`floor`](Self::floor); `noise` between.
-    fn verdict(&self) -> &'static str {
-        let r = median(self.pipe.clone());
-        if r >= 0.97 {
-            "ok"
-        } else if r < self.floor() {
-            "below"
-        } else {
-            "noise"
-        }
-    }
-}
-
-/// The smallest and largest value.
-fn range(v: &[f64]) -> (f64, f64) {
-    v.iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
-            (lo.min(x), hi.max(x))
-        })
-}
+/// Pipelined: at least 0.97x raw; one at a time: at most 0.5 µs over raw.
+const PIPE_TARGET: f64 = 0.97;
+const ONE_TARGET_US: f64 = 0.5;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -437,6 +418,12 @@ fn main() {
         .collect();
     let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
     let (repeats, scale) = if quick { (3, 1) } else { (9, 3) };
+    // Seconds of rounds a cell may take, and the most rounds it makes.
+    let cell_secs: f64 = std::env::var("P2P_BENCH_CELL_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 3.0 } else { 12.0 });
+    let max_rounds = if quick { 31 } else { 101 };
     let started = Instant::now();
     let auto = Copier::new(a, b, CopyOptions::default()).expect("copier");
     let heading = if n > 1 {
@@ -476,12 +463,21 @@ fn main() {
             for &v in &VARIANTS {
                 measure(&mut dirs, v, 1); // warm-up
             }
-            // Interleaved, so that drift over the run touches every variant alike.
-            for _ in 0..repeats {
+            // Interleaved, so that drift over the run touches every variant alike. The first
+            // round's time fixes how many rounds the cell makes (before the rest start).
+            let mut rounds = repeats;
+            let mut round = 0;
+            while round < rounds {
+                let t = Instant::now();
                 for (i, &v) in VARIANTS.iter().enumerate() {
                     let k = count(v, bytes, depth, scale);
                     per_copy[i].push(measure(&mut dirs, v, k));
                 }
+                if round == 0 {
+                    let fit = (cell_secs / t.elapsed().as_secs_f64().max(1e-6)) as usize;
+                    rounds = fit.clamp(repeats, max_rounds);
+                }
+                round += 1;
             }
             // Paired by round: a ratio of two variants measured one after the other.
             let pairs = |x: usize, base: usize| -> Vec<f64> {
@@ -503,8 +499,7 @@ fn main() {
                 both,
                 depth,
                 gbs: per_copy.iter().map(|v| gbs(median(v.clone()))).collect(),
-                extra_us: median(extra_us.clone()),
-                extra_range: range(&extra_us),
+                extra_us,
                 // Against the mean of the raw runs before and after it: whatever a run leaves
                 // behind for the next touches both sides alike.
                 pipe: per_copy[RAW_PIPE]
@@ -512,7 +507,7 @@ fn main() {
                     .zip(&per_copy[RAW_AGAIN])
                     .zip(&per_copy[GD_PIPE])
                     // GB/s are 1 / seconds per copy: gpudirect's over the mean of raw's two.
-                    .map(|((a, b), g)| (1.0 / g.max(1e-12)) / ((1.0 / a + 1.0 / b) / 2.0))
+                    .map(|((a, b), g)| paired::ratio(1.0 / a, 1.0 / g.max(1e-12), 1.0 / b))
                     .collect(),
                 noise: pairs(RAW_AGAIN, RAW_PIPE),
             });
@@ -525,25 +520,25 @@ fn main() {
         }
     }
     println!(
-        "\n== peer copies {a} -> {b}{} (GB/s, median of {repeats} rounds; ratio = gpudirect / raw; \
-         paired = each round's gpudirect / the mean of the raw runs before and after it, median (lowest..highest); +us = gpudirect's \
-         extra time per copy one at a time, median (lowest..highest); raw/raw = the raw loop run \
-         again after gpudirect's in each round: how far raw moves against itself)",
+        "\n== peer copies {a} -> {b}{} (GB/s, median of the cell's rounds; ratio = gpudirect / raw; \
+         +us = gpudirect's extra time per copy one at a time, median; paired = each round's \
+         gpudirect / the mean of the raw runs before and after it, median; verdicts below)",
         if a != b { " (and back, both ways)" } else { "" }
     );
     println!(
-        "{:<5} {:>7} | {:>8} {:>9} {:>6} {:>19} | {:>5} {:>8} {:>9} {:>19} {:>19} {:>7} | {:>9} {:>9} {:>6} {:>6}",
+        "{:<5} {:>7} {:>6} | {:>8} {:>9} {:>6} {:>6} {:>9} | {:>5} {:>8} {:>9} {:>6} {:>9} | {:>9} {:>9} {:>6} {:>6}",
         "dir",
         "size",
+        "rounds",
         "raw",
         "gpudirect",
         "ratio",
         "+us",
+        "verdict",
         "depth",
         "raw",
         "gpudirect",
         "paired",
-        "raw/raw",
         "verdict",
         "raw batch",
         "gpudirect",
@@ -551,33 +546,29 @@ fn main() {
         "/pipe"
     );
     println!(
-        "{:<14}| {:<46}| {:<73}| batched (depth copies, one call, one wait)",
+        "{:<21}| {:<43}| {:<45}| batched (depth copies, one call, one wait)",
         "", "one at a time", "pipelined (depth in flight, one wait)"
     );
-    let spread = |v: &[f64]| {
-        let (lo, hi) = range(v);
-        format!("{:.2}x ({:.2}..{:.2})", median(v.to_vec()), lo, hi)
-    };
+    let summary = |v: &[f64]| Summary::of(v).expect("a cell measures at least one round");
     for row in &rows {
         let g = &row.gbs;
         let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };
+        let (one, pipe) = (summary(&row.extra_us), summary(&row.pipe));
         println!(
-            "{:<5} {:>7} | {:>8.2} {:>9.2} {:>5.2}x {:>19} | {:>5} {:>8.2} {:>9.2} {:>19} {:>19} {:>7} | {:>9} {:>9.2} {:>6} {:>5.2}x",
+            "{:<5} {:>7} {:>6} | {:>8.2} {:>9.2} {:>5.2}x {:>6.2} {:>9} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>9} | {:>9} {:>9.2} {:>6} {:>5.2}x",
             if row.both { "both" } else { "one" },
             size_name(row.bytes),
+            pipe.n,
             g[RAW_ONE],
             g[GD_ONE],
             r(g[GD_ONE], g[RAW_ONE]),
-            format!(
-                "{:.2} ({:.2}..{:.2})",
-                row.extra_us, row.extra_range.0, row.extra_range.1
-            ),
+            one.median,
+            one.at_most(ONE_TARGET_US).to_string(),
             row.depth,
             g[RAW_PIPE],
             g[GD_PIPE],
-            spread(&row.pipe),
-            spread(&row.noise),
-            row.verdict(),
+            pipe.median,
+            pipe.at_least(PIPE_TARGET).to_string(),
             if g[RAW_BATCH] > 0.0 {
                 format!("{:.2}", g[RAW_BATCH])
             } else {
@@ -590,6 +581,31 @@ fn main() {
                 "-".to_string()
             },
             r(g[GD_BATCH], g[RAW_PIPE]),
+        );
+    }
+    println!(
+        "\nverdicts: median [95% interval of the median] (lowest..highest) and rounds; pipelined \
+         paired ratio against {PIPE_TARGET:.2}x, one at a time +us against {ONE_TARGET_US} us \
+         (ok: the median meets it; BELOW: the whole interval misses it; undecided: between); \
+         raw/raw: raw's second run over its first in the same rounds, which should hold 1.00 in \
+         its interval"
+    );
+    for row in &rows {
+        let (one, pipe, noise) = (
+            summary(&row.extra_us),
+            summary(&row.pipe),
+            summary(&row.noise),
+        );
+        let order = match noise.ci {
+            Some((lo, hi)) if lo > 1.0 || hi < 1.0 => " (raw moves with its place in the round)",
+            _ => "",
+        };
+        println!(
+            "{:<4} {:>7}: pipelined {pipe} {}; raw/raw {noise}{order}; one at a time +us {one} {}",
+            if row.both { "both" } else { "one" },
+            size_name(row.bytes),
+            pipe.at_least(PIPE_TARGET),
+            one.at_most(ONE_TARGET_US),
         );
     }
     println!(

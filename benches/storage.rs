@@ -26,10 +26,10 @@
 //!
 //! `GPUDIRECT_BENCH_PAIRS` (default 6; `0` turns it off): after each group's table runs, that
 //! many rounds of the best raw row, gpudirect's automatic path and the best raw row again; the
-//! median paired ratio is printed with its range, beside raw's second run over its first (how
-//! far raw moves against itself), and a shortfall is called beyond that spread only when the
-//! median is under raw's largest fall against itself (the lowest of each round's raw / raw and
-//! its inverse).
+//! median paired ratio is printed with its 95% interval from the order statistics (six rounds at
+//! least; `gpudirect_testing::paired`) and its range, beside raw's second run over its first
+//! (how far raw moves against itself), and a shortfall is called a finding only when the whole
+//! interval is under the target.
 //!
 //! `GPUDIRECT_BENCH_SEQ` measures what one case leaves behind for the next: a `;` list of steps
 //! run in that order, repeated `GPUDIRECT_BENCH_REPS` times (after `GPUDIRECT_BENCH_WARMUP`
@@ -59,6 +59,7 @@ use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBu
 use gpudirect::storage::{
     DirectIo, Driver, Durability, FileHandle, GdsFile, Mode, OpenOptions, PosixConfig,
 };
+use gpudirect_testing::paired::{self, Summary, Verdict};
 use gpudirect_testing::{Hardware, skip_example};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -1088,7 +1089,7 @@ fn main() {
             };
             for _ in 0..pairs {
                 let (r1, x, r2) = (timed(r), timed(g), timed(r));
-                d.ratio.push(x / ((r1 + r2) / 2.0));
+                d.ratio.push(paired::ratio(r1, x, r2));
                 d.noise.push(r2 / r1);
             }
             decisions.push(d);
@@ -1197,7 +1198,7 @@ fn main() {
         println!(
             "\nPaired rounds ({pairs} rounds of: best raw, gpudirect, best raw again; each round's \
              gpudirect / the mean of its two raw runs, and the second raw run / the first; median \
-             (lowest..highest)):"
+             [95% interval of the median, from six rounds up] (lowest..highest) and rounds):"
         );
     }
     for d in &decisions {
@@ -1207,23 +1208,22 @@ fn main() {
             (true, false) => ("write", "cached", Some(0.95)),
             (true, true) => ("write", "durable", Some(0.95)),
         };
-        let (m, lo, hi) = median(&d.ratio);
-        let (nm, nlo, nhi) = median(&d.noise);
-        // Raw's largest fall against itself, either way round.
-        let floor = d
-            .noise
-            .iter()
-            .map(|&r| r.min(1.0 / r))
-            .fold(f64::INFINITY, f64::min);
+        let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
+            continue;
+        };
         let verdict = match target {
             None => "(the hot target is against KvikIO, above)".to_string(),
-            Some(t) if m >= t => format!("meets {t:.2}x"),
-            Some(t) if m < floor => format!("below {t:.2}x, beyond raw's spread against itself"),
-            Some(t) => format!("below {t:.2}x, within raw's spread against itself"),
+            Some(t) => match r.at_least(t) {
+                Verdict::Meets => format!("meets {t:.2}x"),
+                Verdict::Misses => format!("below {t:.2}x: its whole interval is"),
+                Verdict::Undecided => format!(
+                    "below {t:.2}x, but its interval reaches it: more rounds \
+                     (GPUDIRECT_BENCH_PAIRS) decide"
+                ),
+            },
         };
         println!(
-            "{op} {cache}: gpudirect {} / raw {}: {m:.2}x ({lo:.2}..{hi:.2}); raw / raw {nm:.2}x \
-             ({nlo:.2}..{nhi:.2}): {verdict}",
+            "{op} {cache}: gpudirect {} / raw {}: {r}; raw / raw {n}: {verdict}",
             d.ours, d.raw
         );
     }

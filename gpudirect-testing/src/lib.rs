@@ -1,5 +1,6 @@
 //! Hardware requirements for gpudirect's tests, examples and benches: `SKIPPED: reason`, or a
-//! failure when `GPUDIRECT_REQUIRE` names the missing hardware.
+//! failure when `GPUDIRECT_REQUIRE` names the missing hardware; and [`paired`], how a bench
+//! decides a cell from paired rounds against its baseline.
 //!
 //! `GPUDIRECT_REQUIRE` is a comma list of `gpu`, `cufile`, `rdma`, `multi-gpu`. This crate is
 //! a development dependency of the workspace's top-level package only (never published, never
@@ -7,6 +8,8 @@
 #![deny(missing_docs)]
 
 use std::fmt;
+
+pub mod paired;
 
 /// Hardware a test or example needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
