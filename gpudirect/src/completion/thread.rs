@@ -105,16 +105,12 @@ impl Shared {
     fn with<T>(&'static self, f: impl FnOnce(&mut State) -> T) -> Result<T> {
         let mut st = self.lock();
         if !st.running {
-            std::thread::Builder::new()
-                .name("gpudirect-completion".into())
-                .spawn(move || {
-                    crate::driver::ctx::library_thread();
-                    run(self)
-                })
-                .map_err(|source| Error::Os {
+            crate::driver::ctx::spawn_thread("gpudirect-completion", move || run(self)).map_err(
+                |source| Error::Os {
                     call: "pthread_create",
                     source,
-                })?;
+                },
+            )?;
             st.running = true;
         }
         let out = f(&mut st);

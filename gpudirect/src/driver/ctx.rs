@@ -12,7 +12,7 @@ use cudarc::driver::sys;
 /// Safe: `ctx` is a live context (cudarc holds it), and only the presence check of the module
 /// docs is needed, which every way to get a `CudaContext` from the crate passes first.
 ///
-/// On a thread marked as the crate's own ([`library_thread`]), the first bind also relaxes the
+/// On a thread the crate started ([`spawn_thread`]), the first bind also relaxes the
 /// thread's stream-capture mode for good.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     named("cuCtxSetCurrent", ctx.bind_to_thread())?;
@@ -25,13 +25,31 @@ thread_local! {
     static LIBRARY: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
 }
 
-/// Mark the calling thread as the crate's own (a worker or a poller it started). Its first
-/// [`bind`] puts it in `CU_STREAM_CAPTURE_MODE_RELAXED` for good: its event queries and
-/// synchronizes (on the crate's own events and streams, never on a capturing stream) are then
-/// neither refused nor invalidate a graph capture that a caller's thread runs in global mode.
-/// Makes no driver call itself (the thread may run where libcuda is absent).
-pub(crate) fn library_thread() {
-    LIBRARY.with(|c| c.set(1));
+/// Start one of the crate's own threads (a worker or a poller), named `name`. Every thread the
+/// crate starts goes through here (a test checks the sources): it is marked as the crate's own,
+/// so its first [`bind`] puts it in `CU_STREAM_CAPTURE_MODE_RELAXED` for good, and its event
+/// queries and synchronizes (on the crate's own events and streams, never on a capturing
+/// stream) are then neither refused nor invalidate a graph capture that a caller's thread runs
+/// in global mode. Makes no driver call itself (the thread may run where libcuda is absent).
+///
+/// # Errors
+///
+/// `pthread_create`'s, as [`std::thread::Builder::spawn`] gives it (no panic): each caller
+/// maps it to its own error.
+pub(crate) fn spawn_thread<F, T>(
+    name: impl Into<String>,
+    f: F,
+) -> std::io::Result<std::thread::JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            LIBRARY.with(|c| c.set(1));
+            f()
+        })
 }
 
 fn relax_library_thread() {
@@ -95,4 +113,68 @@ pub(crate) unsafe fn set_current(ctx: sys::CUcontext) -> Result<()> {
     named("cuCtxSetCurrent", unsafe {
         cudarc::driver::result::ctx::set_current(ctx)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spawned_thread_is_marked_and_named() {
+        let h = spawn_thread("gpudirect-test", || {
+            (
+                LIBRARY.with(|c| c.get()),
+                std::thread::current().name().map(str::to_owned),
+            )
+        })
+        .unwrap();
+        assert_eq!(h.join().unwrap(), (1, Some("gpudirect-test".into())));
+        assert_eq!(
+            LIBRARY.with(|c| c.get()),
+            0,
+            "the caller's thread is not marked"
+        );
+    }
+
+    /// Every thread the crate starts goes through `spawn_thread`: a `std::thread::spawn` (which
+    /// panics when threads run out) or a `Builder` elsewhere in the crate's code, outside its
+    /// test modules (each file's `#[cfg(test)] mod`, last by convention), fails here.
+    #[test]
+    fn the_crate_starts_threads_only_through_spawn_thread() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    out.push(p);
+                }
+            }
+        }
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        walk(&src, &mut files);
+        assert!(files.len() > 50, "found the sources ({})", files.len());
+        let mut found = Vec::new();
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let code = text.split("#[cfg(test)]\nmod ").next().unwrap_or("");
+            let here = f.ends_with("driver/ctx.rs");
+            for (n, line) in code.lines().enumerate() {
+                let l = line.trim_start();
+                if l.starts_with("//") {
+                    continue;
+                }
+                let builder = l.contains("thread::Builder::new()");
+                if l.contains("thread::spawn(") || (builder && !here) {
+                    found.push(format!("{}:{}: {}", f.display(), n + 1, l));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "threads started past spawn_thread:\n{}",
+            found.join("\n")
+        );
+    }
 }

@@ -242,15 +242,23 @@ fn speed_under_load(sysfs_root: &Path, link: &mut PcieLink, ordinal: usize) {
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = Arc::clone(&stop);
-    let worker = std::thread::spawn(move || -> crate::Result<()> {
-        let stream = Stream::new(&crate::cuda::context(ordinal)?)?;
-        let host = vec![0x5au8; 64 << 20];
-        let mut dev = DeviceBuffer::<u8>::alloc(stream.context(), host.len())?;
-        while !stop2.load(Ordering::Relaxed) {
-            crate::memory::copy_from_host(&stream, &host, &mut dev)?;
+    let spawned =
+        crate::driver::ctx::spawn_thread("gpudirect-link-load", move || -> crate::Result<()> {
+            let stream = Stream::new(&crate::cuda::context(ordinal)?)?;
+            let host = vec![0x5au8; 64 << 20];
+            let mut dev = DeviceBuffer::<u8>::alloc(stream.context(), host.len())?;
+            while !stop2.load(Ordering::Relaxed) {
+                crate::memory::copy_from_host(&stream, &host, &mut dev)?;
+            }
+            Ok(())
+        });
+    let worker = match spawned {
+        Ok(w) => w,
+        Err(e) => {
+            link.error = Some(format!("reading the link under load: pthread_create: {e}"));
+            return;
         }
-        Ok(())
-    });
+    };
     let file = sysfs_root
         .join("bus/pci/devices")
         .join(&link.pci_bus_id)

@@ -102,10 +102,8 @@ impl Workers {
             }
             while st.threads < helpers {
                 let n = st.threads;
-                let spawned = std::thread::Builder::new()
-                    .name(format!("gpudirect-io-{n}"))
-                    .spawn(move || {
-                        crate::driver::ctx::library_thread();
+                let spawned =
+                    crate::driver::ctx::spawn_thread(format!("gpudirect-io-{n}"), move || {
                         self.serve()
                     });
                 if spawned.is_err() {

@@ -1116,16 +1116,12 @@ impl Endpoint {
             note_sink: OnceLock::new(),
         });
         let t = inner.clone();
-        let thread = std::thread::Builder::new()
-            .name("gpudirect-transfer".into())
-            .spawn(move || {
-                crate::driver::ctx::library_thread();
-                progress_loop(&t)
-            })
-            .map_err(|e| Error::Os {
-                call: "pthread_create",
-                source: e,
-            })?;
+        let thread =
+            crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))
+                .map_err(|e| Error::Os {
+                    call: "pthread_create",
+                    source: e,
+                })?;
         Ok(Endpoint {
             handle: Arc::new(Handle {
                 inner,

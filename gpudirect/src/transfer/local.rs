@@ -1048,10 +1048,10 @@ impl Side {
             .map_err(|e| os("dup (the local endpoint's Unix socket)", e))?;
         let side = self.clone();
         let generation = self.generation.load(Ordering::Acquire);
-        let t = std::thread::Builder::new()
-            .name("gpudirect-local-rx".into())
-            .spawn(move || side.read_loop(&mut rd, generation))
-            .map_err(|e| os("pthread_create", e))?;
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-rx", move || {
+            side.read_loop(&mut rd, generation)
+        })
+        .map_err(|e| os("pthread_create", e))?;
         conn.reader = Some(t);
         Ok(())
     }
@@ -1380,12 +1380,7 @@ impl LocalSide for Side {
     fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
         *lock(&self.ep) = Arc::downgrade(ep);
         let side = self.clone();
-        let t = std::thread::Builder::new()
-            .name("gpudirect-local-copy".into())
-            .spawn(move || {
-                crate::driver::ctx::library_thread();
-                side.work_loop()
-            })
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())
             .map_err(|e| os("pthread_create", e))?;
         *lock(&self.worker) = Some(t);
         self.spawn_reader()

@@ -126,20 +126,17 @@ pub(crate) fn staged(
     }
     let mut done = Finish(Some(done));
     let ep = ep.clone();
-    std::thread::Builder::new()
-        .name("gpudirect-staging".into())
-        .spawn(move || {
-            crate::driver::ctx::library_thread();
-            let r = run(&ep, &ring, dir, &local, &remote, opts, timeout);
-            // The worker held the memory, the ring and every sub-transfer to the end.
-            if let Some(f) = done.0.take() {
-                f(r);
-            }
-        })
-        .map_err(|e| Error::Os {
-            call: "pthread_create",
-            source: e,
-        })?;
+    crate::driver::ctx::spawn_thread("gpudirect-staging", move || {
+        let r = run(&ep, &ring, dir, &local, &remote, opts, timeout);
+        // The worker held the memory, the ring and every sub-transfer to the end.
+        if let Some(f) = done.0.take() {
+            f(r);
+        }
+    })
+    .map_err(|e| Error::Os {
+        call: "pthread_create",
+        source: e,
+    })?;
     Ok(t)
 }
 

@@ -789,12 +789,7 @@ impl<B: Backend> Proxy<B> {
         if t.is_none() {
             let core = self.core.clone();
             *t = Some(
-                std::thread::Builder::new()
-                    .name("gpudirect-stream-proxy".into())
-                    .spawn(move || {
-                        crate::driver::ctx::library_thread();
-                        core.run()
-                    })
+                crate::driver::ctx::spawn_thread("gpudirect-stream-proxy", move || core.run())
                     .map_err(|e| Error::Os {
                         call: "pthread_create",
                         source: e,
