@@ -435,6 +435,18 @@ fn main() {
     };
     drop(auto);
     println!("{heading}");
+    // Which machine: the same GPUs gave different figures on different hosts.
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!("CPU: {cpu}, {cores} cores available");
     let (cpu_a, cpu_b) = choose_cpus(a, b);
     match (cpu_a, cpu_b) {
         (Some(x), Some(y)) => println!(
