@@ -9,14 +9,14 @@
 //!   distinct buffers), then one wait (`copy_async` x depth, then `wait` on each: the first
 //!   synchronizes the stream, the others find their epoch done) against `cuMemcpyPeerAsync` x
 //!   depth + one `cuStreamSynchronize`. The raw loop is measured twice in every round, before
-//!   and after gpudirect's (`raw again`), so that the table shows how far raw moves against
-//!   itself in the same run: each round's ratio is paired (gpudirect over the mean of the two raw
-//!   runs around it, in GB/s). A cell's figure is the median paired ratio with its 95%
-//!   confidence interval from the order statistics (`gpudirect_testing::paired`): `ok` from
-//!   0.97, `BELOW` only when the whole interval is under 0.97, else `undecided` (more rounds
-//!   decide). Raw against itself (the second raw run over the first) is summarised the same way:
-//!   an interval away from 1.00 means the order of the runs, not the library, moves the figures;
-//! - batched://! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
+//!   and after gpudirect's (`raw again`): each round's ratio is paired (gpudirect over the mean of
+//!   the two raw runs around it, in GB/s). A cell's figure is the median paired ratio with its
+//!   95% confidence interval from the order statistics (`gpudirect_testing::paired`): `ok` from
+//!   0.97, `MISSES` only when the whole interval is under 0.97, else `undecided` (more rounds
+//!   decide). Raw against itself (the second raw run over the first) is summarised the same way
+//!   in the verdict lines under the table: an interval more than 1% from 1.00 means the order of
+//!   the runs, not the library, moves the figures;
+//! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
 //!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
 //!   CUDA 12.8 and later); the ratio is printed against both raw figures.
 //!
@@ -24,8 +24,9 @@
 //! copy, and its interval).
 //!
 //! Rounds: at least 9 (3 with `--quick`), more where a round is short (small sizes), up to a
-//! time budget per cell fixed before the rounds start, so that small cells, the noisiest, get
-//! the most rounds (`P2P_BENCH_CELL_SECS`, default 12, 3 with `--quick`).
+//! time budget per cell fixed by the first round's time (`P2P_BENCH_CELL_SECS`, default 12, 3
+//! with `--quick`) and at most 101 (31), so that small cells, the noisiest, get the most
+//! rounds.
 //!
 //! Both ways: one thread per direction (each with its own copier, or its own raw stream), started
 //! together; GB/s counts both directions' bytes over the slower thread's time.
@@ -558,7 +559,7 @@ fn main() {
         "/pipe"
     );
     println!(
-        "{:<21}| {:<43}| {:<45}| batched (depth copies, one call, one wait)",
+        "{:<21}| {:<43}| {:<42}| batched (depth copies, one call, one wait)",
         "", "one at a time", "pipelined (depth in flight, one wait)"
     );
     let summary = |v: &[f64]| Summary::of(v).expect("a cell measures at least one round");
@@ -598,7 +599,7 @@ fn main() {
     println!(
         "\nverdicts: median [95% interval of the median] (lowest..highest) and rounds; pipelined \
          paired ratio against {PIPE_TARGET:.2}x, one at a time +us against {ONE_TARGET_US} us \
-         (ok: the median meets it; BELOW: the whole interval misses it; undecided: between); \
+         (ok: the median meets it; MISSES: the whole interval misses it; undecided: between, or too few rounds for an interval); \
          raw/raw: raw's second run over its first in the same rounds, flagged when its whole \
          interval is more than 1% from 1.00"
     );

@@ -1209,13 +1209,20 @@ fn main() {
             (true, true) => ("write", "durable", Some(0.95)),
         };
         let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
+            println!("{op} {cache}: no round gave a finite figure");
             continue;
         };
         let verdict = match target {
             None => "(the hot target is against KvikIO, above)".to_string(),
             Some(t) => match r.at_least(t) {
                 Verdict::Meets => format!("meets {t:.2}x"),
-                Verdict::Misses => format!("below {t:.2}x: its whole interval is"),
+                Verdict::Misses => {
+                    format!("misses {t:.2}x: its whole interval is under it (a finding)")
+                }
+                Verdict::Undecided if r.ci.is_none() => format!(
+                    "below {t:.2}x in too few rounds for an interval (6 at least: \
+                     GPUDIRECT_BENCH_PAIRS)"
+                ),
                 Verdict::Undecided => format!(
                     "below {t:.2}x, but its interval reaches it: more rounds \
                      (GPUDIRECT_BENCH_PAIRS) decide"

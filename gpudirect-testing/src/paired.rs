@@ -89,8 +89,8 @@ pub enum Verdict {
     Meets,
     /// The median misses it and so does the whole 95% confidence interval: a finding.
     Misses,
-    /// The median misses it but the interval reaches it: noise cannot be told from a
-    /// shortfall in these rounds (more rounds decide).
+    /// The median misses it but the interval reaches it, or there are too few rounds for an
+    /// interval: noise cannot be told from a shortfall in these rounds (more rounds decide).
     Undecided,
 }
 
@@ -98,7 +98,7 @@ impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Verdict::Meets => "ok",
-            Verdict::Misses => "BELOW",
+            Verdict::Misses => "MISSES",
             Verdict::Undecided => "undecided",
         })
     }

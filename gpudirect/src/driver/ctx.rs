@@ -52,6 +52,29 @@ where
         })
 }
 
+/// [`spawn_thread`] inside a [`std::thread::scope`]: the thread may borrow from the caller's
+/// stack and is joined before the scope returns.
+///
+/// # Errors
+///
+/// As [`spawn_thread`].
+pub(crate) fn spawn_scoped_thread<'scope, 'env, F, T>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    name: impl Into<String>,
+    f: F,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>>
+where
+    F: FnOnce() -> T + Send + 'scope,
+    T: Send + 'scope,
+{
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(scope, move || {
+            LIBRARY.with(|c| c.set(1));
+            f()
+        })
+}
+
 fn relax_library_thread() {
     LIBRARY.with(|c| {
         if c.get() == 1 {
@@ -129,6 +152,20 @@ mod tests {
         })
         .unwrap();
         assert_eq!(h.join().unwrap(), (1, Some("gpudirect-test".into())));
+        let here = 7;
+        let scoped = std::thread::scope(|s| {
+            spawn_scoped_thread(s, "gpudirect-test-scoped", || {
+                (
+                    LIBRARY.with(|c| c.get()),
+                    std::thread::current().name().map(str::to_owned),
+                    here,
+                )
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+        });
+        assert_eq!(scoped, (1, Some("gpudirect-test-scoped".into()), 7));
         assert_eq!(
             LIBRARY.with(|c| c.get()),
             0,
@@ -136,9 +173,12 @@ mod tests {
         );
     }
 
-    /// Every thread the crate starts goes through `spawn_thread`: a `std::thread::spawn` (which
-    /// panics when threads run out) or a `Builder` elsewhere in the crate's code, outside its
-    /// test modules (each file's `#[cfg(test)] mod`, last by convention), fails here.
+    /// Every thread the crate starts goes through `spawn_thread` or `spawn_scoped_thread`: a
+    /// call of anything named `spawn` or `spawn_scoped` (a `std::thread::spawn`, a `Builder`'s,
+    /// a scope's; however it was imported, across lines) or a `thread::Builder` elsewhere in the
+    /// crate's code fails here. A file's code is what precedes its `#[cfg(test)] mod tests`
+    /// block (rustfmt keeps it last); comments are left out. The one spawn that is not a thread
+    /// (a task on the caller's tokio runtime) is named below.
     #[test]
     fn the_crate_starts_threads_only_through_spawn_thread() {
         fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
@@ -151,6 +191,33 @@ mod tests {
                 }
             }
         }
+        /// Byte offsets of calls `spawn(` / `spawn_scoped(` (whitespace allowed before the
+        /// parenthesis) in `code`, not parts of longer names.
+        fn spawn_calls(code: &str) -> Vec<usize> {
+            let b = code.as_bytes();
+            let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+            let mut found = Vec::new();
+            for (at, _) in code.match_indices("spawn") {
+                if at > 0 && ident(b[at - 1]) {
+                    continue;
+                }
+                let mut i = at + "spawn".len();
+                if code[i..].starts_with("_scoped") {
+                    i += "_scoped".len();
+                }
+                while i < b.len() && b[i].is_ascii_whitespace() {
+                    i += 1;
+                }
+                if b.get(i) == Some(&b'(') {
+                    found.push(at);
+                }
+            }
+            found
+        }
+        assert_eq!(
+            spawn_calls("a.spawn (x) spawn_thread(y) s.spawn_scoped(\n z)"),
+            [2, 30]
+        );
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut files = Vec::new();
         walk(&src, &mut files);
@@ -158,16 +225,27 @@ mod tests {
         let mut found = Vec::new();
         for f in &files {
             let text = std::fs::read_to_string(f).unwrap();
-            let code = text.split("#[cfg(test)]\nmod ").next().unwrap_or("");
-            let here = f.ends_with("driver/ctx.rs");
-            for (n, line) in code.lines().enumerate() {
-                let l = line.trim_start();
-                if l.starts_with("//") {
+            let code = text.split("#[cfg(test)]\nmod tests {").next().unwrap_or("");
+            // Comments out, lines kept (for the line numbers).
+            let code: String = code
+                .lines()
+                .map(|l| l.split("//").next().unwrap_or(""))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let line = |at: usize| code[..at].matches('\n').count() + 1;
+            let helper = f.ends_with("driver/ctx.rs");
+            let tokio_task = f.ends_with("rdma/async_qp.rs");
+            for at in spawn_calls(&code) {
+                let start = code[..at].rfind('\n').map_or(0, |i| i + 1);
+                let call = code[start..].lines().next().unwrap_or("").trim();
+                if helper || (tokio_task && call.starts_with("rt.spawn(run(")) {
                     continue;
                 }
-                let builder = l.contains("thread::Builder::new()");
-                if l.contains("thread::spawn(") || (builder && !here) {
-                    found.push(format!("{}:{}: {}", f.display(), n + 1, l));
+                found.push(format!("{}:{}: {call}", f.display(), line(at)));
+            }
+            for (at, _) in code.match_indices("thread::Builder") {
+                if !helper {
+                    found.push(format!("{}:{}: thread::Builder", f.display(), line(at)));
                 }
             }
         }

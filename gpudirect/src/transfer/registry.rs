@@ -238,12 +238,22 @@ impl Engine {
         };
         let per_dev: Vec<Result<Vec<Decided>>> = if parallel && ndev > 1 && jobs.len() >= 4 {
             std::thread::scope(|s| {
-                let hs: Vec<_> = (0..ndev).map(|d| s.spawn(move || one(d))).collect();
+                let hs: Vec<_> = (0..ndev)
+                    .map(|d| {
+                        let name = format!("gpudirect-register-{d}");
+                        (
+                            d,
+                            crate::driver::ctx::spawn_scoped_thread(s, name, move || one(d)),
+                        )
+                    })
+                    .collect();
                 hs.into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
+                    .map(|(d, h)| match h {
+                        Ok(h) => h.join().unwrap_or_else(|_| {
                             Err(Error::invalid("register", "a thread", "panicked"))
-                        })
+                        }),
+                        // No thread to be had: this device's part on the caller's.
+                        Err(_) => one(d),
                     })
                     .collect()
             })
