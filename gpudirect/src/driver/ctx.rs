@@ -58,6 +58,10 @@ where
 /// # Errors
 ///
 /// As [`spawn_thread`].
+#[cfg_attr(
+    not(feature = "transfer"),
+    allow(dead_code, reason = "the transfer registry's per-device threads")
+)]
 pub(crate) fn spawn_scoped_thread<'scope, 'env, F, T>(
     scope: &'scope std::thread::Scope<'scope, 'env>,
     name: impl Into<String>,
