@@ -389,11 +389,6 @@ struct Row {
 const PIPE_TARGET: f64 = 0.97;
 const ONE_TARGET_US: f64 = 0.5;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 fn size_name(bytes: usize) -> String {
     match bytes {
         b if b >= GIB => format!("{} GiB", b / GIB),
@@ -511,7 +506,10 @@ fn main() {
                 bytes,
                 both,
                 depth,
-                gbs: per_copy.iter().map(|v| gbs(median(v.clone()))).collect(),
+                gbs: per_copy
+                    .iter()
+                    .map(|v| Summary::of(v).map_or(0.0, |s| gbs(s.median)))
+                    .collect(),
                 extra_us,
                 // Against the mean of the raw runs before and after it: whatever a run leaves
                 // behind for the next touches both sides alike.

@@ -13,7 +13,7 @@
 //! that must be polled (cuFile batch status) plug into the same thread.
 
 use super::backoff::{Backoff, Pause};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -105,12 +105,7 @@ impl Shared {
     fn with<T>(&'static self, f: impl FnOnce(&mut State) -> T) -> Result<T> {
         let mut st = self.lock();
         if !st.running {
-            crate::driver::ctx::spawn_thread("gpudirect-completion", move || run(self)).map_err(
-                |source| Error::Os {
-                    call: "pthread_create",
-                    source,
-                },
-            )?;
+            crate::driver::ctx::spawn_thread("gpudirect-completion", move || run(self))?;
             st.running = true;
         }
         let out = f(&mut st);

@@ -34,12 +34,12 @@ thread_local! {
 ///
 /// # Errors
 ///
-/// `pthread_create`'s, as [`std::thread::Builder::spawn`] gives it (no panic): each caller
-/// maps it to its own error.
+/// [`Error::Os`](crate::Error::Os) naming `pthread_create` when no thread can be had (never a
+/// panic).
 pub(crate) fn spawn_thread<F, T>(
     name: impl Into<String>,
     f: F,
-) -> std::io::Result<std::thread::JoinHandle<T>>
+) -> Result<std::thread::JoinHandle<T>>
 where
     F: FnOnce() -> T + Send + 'static,
     T: Send + 'static,
@@ -50,6 +50,14 @@ where
             LIBRARY.with(|c| c.set(1));
             f()
         })
+        .map_err(pthread_create)
+}
+
+fn pthread_create(source: std::io::Error) -> crate::Error {
+    crate::Error::Os {
+        call: "pthread_create",
+        source,
+    }
 }
 
 /// [`spawn_thread`] inside a [`std::thread::scope`]: the thread may borrow from the caller's
@@ -66,7 +74,7 @@ pub(crate) fn spawn_scoped_thread<'scope, 'env, F, T>(
     scope: &'scope std::thread::Scope<'scope, 'env>,
     name: impl Into<String>,
     f: F,
-) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>>
+) -> Result<std::thread::ScopedJoinHandle<'scope, T>>
 where
     F: FnOnce() -> T + Send + 'scope,
     T: Send + 'scope,
@@ -77,6 +85,7 @@ where
             LIBRARY.with(|c| c.set(1));
             f()
         })
+        .map_err(pthread_create)
 }
 
 fn relax_library_thread() {

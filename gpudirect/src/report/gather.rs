@@ -255,7 +255,7 @@ fn speed_under_load(sysfs_root: &Path, link: &mut PcieLink, ordinal: usize) {
     let worker = match spawned {
         Ok(w) => w,
         Err(e) => {
-            link.error = Some(format!("reading the link under load: pthread_create: {e}"));
+            link.error = Some(format!("reading the link under load: {e}"));
             return;
         }
     };

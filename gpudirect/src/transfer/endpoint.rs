@@ -1117,11 +1117,7 @@ impl Endpoint {
         });
         let t = inner.clone();
         let thread =
-            crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))
-                .map_err(|e| Error::Os {
-                    call: "pthread_create",
-                    source: e,
-                })?;
+            crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))?;
         Ok(Endpoint {
             handle: Arc::new(Handle {
                 inner,

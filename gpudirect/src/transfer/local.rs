@@ -1050,8 +1050,7 @@ impl Side {
         let generation = self.generation.load(Ordering::Acquire);
         let t = crate::driver::ctx::spawn_thread("gpudirect-local-rx", move || {
             side.read_loop(&mut rd, generation)
-        })
-        .map_err(|e| os("pthread_create", e))?;
+        })?;
         conn.reader = Some(t);
         Ok(())
     }
@@ -1380,8 +1379,7 @@ impl LocalSide for Side {
     fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
         *lock(&self.ep) = Arc::downgrade(ep);
         let side = self.clone();
-        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())
-            .map_err(|e| os("pthread_create", e))?;
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())?;
         *lock(&self.worker) = Some(t);
         self.spawn_reader()
     }

@@ -132,10 +132,6 @@ pub(crate) fn staged(
         if let Some(f) = done.0.take() {
             f(r);
         }
-    })
-    .map_err(|e| Error::Os {
-        call: "pthread_create",
-        source: e,
     })?;
     Ok(t)
 }

@@ -788,13 +788,10 @@ impl<B: Backend> Proxy<B> {
         let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
         if t.is_none() {
             let core = self.core.clone();
-            *t = Some(
-                crate::driver::ctx::spawn_thread("gpudirect-stream-proxy", move || core.run())
-                    .map_err(|e| Error::Os {
-                        call: "pthread_create",
-                        source: e,
-                    })?,
-            );
+            *t = Some(crate::driver::ctx::spawn_thread(
+                "gpudirect-stream-proxy",
+                move || core.run(),
+            )?);
         }
         Ok(())
     }
