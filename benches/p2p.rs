@@ -16,6 +16,9 @@
 //!   decide). Raw against itself (the second raw run over the first) is summarised the same way
 //!   in the verdict lines under the table: an interval more than 1% from 1.00 means the order of
 //!   the runs, not the library, moves the figures;
+//! - scoped: the same `depth` copies between borrowed buffers inside one `Copier::scope` (its
+//!   one wait when the scope ends), paired the same way: between the second raw run and a third
+//!   (`raw` after it), decided against 0.97x alike;
 //! - batched: the same `depth` copies as one `Copier::copy_batch_async` and one wait, against
 //!   one raw `cuMemcpyBatchAsync` of them and one `cuStreamSynchronize` (where the driver has it:
 //!   CUDA 12.8 and later); the ratio is printed against both raw figures.
@@ -71,6 +74,10 @@ enum Variant {
     RawPipeAgain,
     /// `copy_async` x depth, then `wait` on each.
     GdPipe,
+    /// `Copier::scope`: depth copies between borrowed buffers, one wait when the scope ends.
+    GdScope,
+    /// `RawPipe` a third time, after the scope's: the raw run after it.
+    RawPipeThird,
     /// One `cuMemcpyBatchAsync` of depth copies + one `cuStreamSynchronize`.
     RawBatch,
     /// One `copy_batch_async` of depth pairs, then its wait.
@@ -78,12 +85,14 @@ enum Variant {
 }
 
 /// In the order each round runs them (gpudirect's pipelined copies between the two raw runs).
-const VARIANTS: [Variant; 7] = [
+const VARIANTS: [Variant; 9] = [
     Variant::RawOne,
     Variant::GdOne,
     Variant::RawPipe,
     Variant::GdPipe,
     Variant::RawPipeAgain,
+    Variant::GdScope,
+    Variant::RawPipeThird,
     Variant::RawBatch,
     Variant::GdBatch,
 ];
@@ -94,8 +103,10 @@ const GD_ONE: usize = 1;
 const RAW_PIPE: usize = 2;
 const GD_PIPE: usize = 3;
 const RAW_AGAIN: usize = 4;
-const RAW_BATCH: usize = 5;
-const GD_BATCH: usize = 6;
+const GD_SCOPE: usize = 5;
+const RAW_THIRD: usize = 6;
+const RAW_BATCH: usize = 7;
+const GD_BATCH: usize = 8;
 
 impl Variant {
     fn pipelined(self) -> bool {
@@ -103,7 +114,9 @@ impl Variant {
             self,
             Variant::RawPipe
                 | Variant::RawPipeAgain
+                | Variant::RawPipeThird
                 | Variant::GdPipe
+                | Variant::GdScope
                 | Variant::RawBatch
                 | Variant::GdBatch
         )
@@ -217,12 +230,23 @@ impl Dir {
                 }
                 n
             }
-            Variant::RawPipe | Variant::RawPipeAgain => {
+            Variant::RawPipe | Variant::RawPipeAgain | Variant::RawPipeThird => {
                 for _ in 0..n {
                     for k in 0..depth {
                         self.raw_copy(k);
                     }
                     self.raw_sync();
+                }
+                n * depth
+            }
+            Variant::GdScope => {
+                let (src, dsts) = (&*self.src, &mut self.dsts);
+                for _ in 0..n {
+                    self.copier.scope(|s| {
+                        for d in dsts.iter_mut() {
+                            s.copy(src, d).expect("copy");
+                        }
+                    });
                 }
                 n * depth
             }
@@ -382,6 +406,8 @@ struct Row {
     /// Per round: gpudirect's pipelined GB/s over the mean of the raw runs around it, and raw's
     /// second run over its first.
     pipe: Vec<f64>,
+    /// Per round: the scope's GB/s over the mean of the raw runs around it.
+    scoped: Vec<f64>,
     noise: Vec<f64>,
 }
 
@@ -456,8 +482,9 @@ fn main() {
     println!(
         "issue cost per copy of cuMemAlloc memory: raw 1 driver call; gpudirect 2 \
          (cuCtxGetCurrent, cuMemcpyPeerAsync; the copier's private streams need no capture \
-         check), no event, no lock, no allocation; a batch: one cuMemcpyBatchAsync for all its \
-         copies; waiting: cuStreamSynchronize once per batch, both"
+         check), no event, no lock, no allocation; copy_async also owns and fences each copy's \
+         buffers, a scope nothing per copy; a batch: one cuMemcpyBatchAsync for all its \
+         copies; waiting: cuStreamSynchronize once per batch (per scope), both"
     );
     let mut rows = Vec::new();
     for &bytes in &sizes {
@@ -520,6 +547,12 @@ fn main() {
                     // GB/s are 1 / seconds per copy: gpudirect's over the mean of raw's two.
                     .map(|((a, b), g)| paired::ratio(1.0 / a, 1.0 / g.max(1e-12), 1.0 / b))
                     .collect(),
+                scoped: per_copy[RAW_AGAIN]
+                    .iter()
+                    .zip(&per_copy[RAW_THIRD])
+                    .zip(&per_copy[GD_SCOPE])
+                    .map(|((a, b), g)| paired::ratio(1.0 / a, 1.0 / g.max(1e-12), 1.0 / b))
+                    .collect(),
                 noise: pairs(RAW_AGAIN, RAW_PIPE),
             });
             eprintln!(
@@ -537,7 +570,7 @@ fn main() {
         if a != b { " (and back, both ways)" } else { "" }
     );
     println!(
-        "{:<5} {:>7} {:>6} | {:>8} {:>9} {:>6} {:>6} {:>9} | {:>5} {:>8} {:>9} {:>6} {:>9} | {:>9} {:>9} {:>6} {:>6}",
+        "{:<5} {:>7} {:>6} | {:>8} {:>9} {:>6} {:>6} {:>9} | {:>5} {:>8} {:>9} {:>6} {:>9} {:>8} {:>6} {:>9} | {:>9} {:>9} {:>6} {:>6}",
         "dir",
         "size",
         "rounds",
@@ -551,22 +584,31 @@ fn main() {
         "gpudirect",
         "paired",
         "verdict",
+        "scoped",
+        "paired",
+        "verdict",
         "raw batch",
         "gpudirect",
         "/batch",
         "/pipe"
     );
     println!(
-        "{:<21}| {:<43}| {:<42}| batched (depth copies, one call, one wait)",
-        "", "one at a time", "pipelined (depth in flight, one wait)"
+        "{:<21}| {:<43}| {:<68}| batched (depth copies, one call, one wait)",
+        "",
+        "one at a time",
+        "pipelined (depth in flight, one wait): copy_async, and scoped (Copier::scope)"
     );
     let summary = |v: &[f64]| Summary::of(v).expect("a cell measures at least one round");
     for row in &rows {
         let g = &row.gbs;
         let r = |x: f64, base: f64| if base > 0.0 { x / base } else { 0.0 };
-        let (one, pipe) = (summary(&row.extra_us), summary(&row.pipe));
+        let (one, pipe, scoped) = (
+            summary(&row.extra_us),
+            summary(&row.pipe),
+            summary(&row.scoped),
+        );
         println!(
-            "{:<5} {:>7} {:>6} | {:>8.2} {:>9.2} {:>5.2}x {:>6.2} {:>9} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>9} | {:>9} {:>9.2} {:>6} {:>5.2}x",
+            "{:<5} {:>7} {:>6} | {:>8.2} {:>9.2} {:>5.2}x {:>6.2} {:>9} | {:>5} {:>8.2} {:>9.2} {:>5.2}x {:>9} {:>8.2} {:>5.2}x {:>9} | {:>9} {:>9.2} {:>6} {:>5.2}x",
             if row.both { "both" } else { "one" },
             size_name(row.bytes),
             pipe.n,
@@ -580,6 +622,9 @@ fn main() {
             g[GD_PIPE],
             pipe.median,
             pipe.at_least(PIPE_TARGET).to_string(),
+            g[GD_SCOPE],
+            scoped.median,
+            scoped.at_least(PIPE_TARGET).to_string(),
             if g[RAW_BATCH] > 0.0 {
                 format!("{:.2}", g[RAW_BATCH])
             } else {
@@ -602,9 +647,10 @@ fn main() {
          interval is more than 1% from 1.00"
     );
     for row in &rows {
-        let (one, pipe, noise) = (
+        let (one, pipe, scoped, noise) = (
             summary(&row.extra_us),
             summary(&row.pipe),
+            summary(&row.scoped),
             summary(&row.noise),
         );
         // Raw's second run over its first, away from 1.00 by more than 1% (its whole interval):
@@ -614,10 +660,11 @@ fn main() {
             _ => "",
         };
         println!(
-            "{:<4} {:>7}: pipelined {pipe} {}; raw/raw {noise}{order}; one at a time +us {one} {}",
+            "{:<4} {:>7}: pipelined {pipe} {}; scoped {scoped} {}; raw/raw {noise}{order}; one at a time +us {one} {}",
             if row.both { "both" } else { "one" },
             size_name(row.bytes),
             pipe.at_least(PIPE_TARGET),
+            scoped.at_least(PIPE_TARGET),
             one.at_most(ONE_TARGET_US),
         );
     }

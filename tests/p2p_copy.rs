@@ -494,6 +494,111 @@ fn pipelined_copies_are_exact_on_every_path() {
     }
 }
 
+/// A scope's copies between borrowed buffers: 64 pairs of odd, varied lengths into poisoned
+/// memory, each destination holding exactly its own source once `scope` returns (the one wait is
+/// the scope's); bad pairs are refused before anything is queued and the rest still copy; a
+/// panic in the closure is resumed only after the copies queued before it have completed.
+#[test]
+fn scoped_copies_between_borrowed_buffers_are_exact_on_every_path() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
+    let seed = gpu::seed() ^ 0x5C0E;
+    let (sa, sb) = (stream(a), stream(b));
+    for opts in [CopyOptions::default(), staged()] {
+        let copier = Copier::new(a, b, opts).unwrap();
+        let want: Vec<Vec<u32>> = (0..64u64)
+            .map(|i| random_u32(1 + (i as usize * 977) % 5000, seed ^ i))
+            .collect();
+        let srcs: Vec<DeviceBuffer<u32>> = want
+            .iter()
+            .map(|d| DeviceBuffer::from_slice(&sa, d).unwrap())
+            .collect();
+        let mut dsts: Vec<DeviceBuffer<u32>> = want.iter().map(|d| poisoned(b, d.len())).collect();
+        let mut short = poisoned(b, want[0].len() + 1);
+        let mut elsewhere = poisoned(a, want[0].len());
+        let refused = copier.scope(|s| {
+            for (src, dst) in srcs.iter().zip(dsts.iter_mut()) {
+                s.copy(src, dst).unwrap();
+            }
+            let short = s.copy(&srcs[0], &mut short).err().unwrap();
+            let elsewhere = (a != b).then(|| s.copy(&srcs[0], &mut elsewhere).err().unwrap());
+            (short, elsewhere)
+        });
+        assert!(
+            matches!(
+                refused.0,
+                gpudirect::Error::InvalidArgument { arg: "dst", .. }
+            ),
+            "{}",
+            refused.0
+        );
+        if let Some(e) = refused.1 {
+            assert!(
+                matches!(e, gpudirect::Error::InvalidArgument { arg: "dst", .. }),
+                "{e}"
+            );
+        }
+        for (i, (dst, data)) in dsts.iter().zip(&want).enumerate() {
+            assert_same(
+                &dst.to_vec(&sb).unwrap(),
+                data,
+                &format!("{a}->{b} {} scoped copy {i}", copier.path()),
+            );
+        }
+        assert_eq!(
+            short.to_vec(&sb).unwrap(),
+            vec![0xDEAD_BEEFu32; want[0].len() + 1]
+        );
+        // A panic after the copies: resumed once they have completed.
+        let mut again: Vec<DeviceBuffer<u32>> = want.iter().map(|d| poisoned(b, d.len())).collect();
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            copier.scope(|s| {
+                for (src, dst) in srcs.iter().zip(again.iter_mut()) {
+                    s.copy(src, dst).unwrap();
+                }
+                panic!("after the copies");
+            })
+        }));
+        assert!(caught.is_err());
+        for (i, (dst, data)) in again.iter().zip(&want).enumerate() {
+            assert_same(
+                &dst.to_vec(&sb).unwrap(),
+                data,
+                &format!("{a}->{b} {} scoped copy {i} before a panic", copier.path()),
+            );
+        }
+    }
+    if n < 2 {
+        skip(Hardware::MultiGpu, "ran 0->0 only (one GPU visible)");
+    }
+}
+
+/// A scope's wait while another thread captures a graph in global mode: the copy is exact and
+/// the capture still gives its graph (the scope waits with its thread relaxed).
+#[test]
+fn a_scope_leaves_another_threads_global_capture_valid() {
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let (a, b) = if n > 1 { (0, 1) } else { (0, 0) };
+    let data = random_u32(4096 + 3, gpu::seed() ^ 0xCA97);
+    let (sa, sb) = (stream(a), stream(b));
+    let copier = Copier::new(a, b, CopyOptions::default()).unwrap();
+    let src = DeviceBuffer::from_slice(&sa, &data).unwrap();
+    // Warmed first: the copier's stream has run work before the capture begins.
+    let mut dst = poisoned(b, data.len());
+    copier.scope(|s| s.copy(&src, &mut dst)).unwrap();
+    let mut dst = poisoned(b, data.len());
+    let ctx = gpudirect::cuda::context(a).unwrap();
+    let (copied, captured) =
+        gpu::during_a_global_capture(&ctx, || copier.scope(|s| s.copy(&src, &mut dst)));
+    copied.unwrap();
+    assert_eq!(captured, Ok(true), "the other thread's capture survived");
+    assert_same(
+        &dst.to_vec(&sb).unwrap(),
+        &data,
+        "scoped copy during a capture",
+    );
+}
+
 /// Batches of copies (one `cuMemcpyBatchAsync` where the driver has it, one copy each on the
 /// staged path): 64 pairs of odd, varied lengths into poisoned memory, every destination holding
 /// exactly its own source; an empty batch and a bad pair (named by index) are refused before

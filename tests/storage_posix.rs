@@ -17,6 +17,7 @@ use gpudirect_testing::Hardware;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use support::files::pattern;
+use support::gpu::during_a_global_capture;
 
 fn setup() -> Option<(Arc<CudaContext>, Stream)> {
     match gpudirect::cuda::context(0).and_then(|c| Ok((c.clone(), Stream::new(&c)?))) {
@@ -272,40 +273,6 @@ fn the_bounce_pool_keeps_what_a_transfer_needed_at_once() {
     let (a, b) = (pool.take().unwrap(), pool.take().unwrap());
     drop((a, b));
     assert_eq!(pool.idle(), 2, "the new peak");
-}
-
-/// Capture a memset on a new stream in global mode on another thread; run `during` while the
-/// capture lasts; end it. `Ok(true)`: the capture produced a graph.
-fn during_a_global_capture<T>(
-    ctx: &Arc<CudaContext>,
-    during: impl FnOnce() -> T,
-) -> (T, Result<bool, String>) {
-    use gpudirect::cudarc::driver::sys;
-    use gpudirect::memory::DeviceMemory;
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
-    let cap = ctx.clone();
-    let capturer = std::thread::spawn(move || {
-        // Made before the capture: allocating is itself refused in a global capture.
-        let s = Stream::new(&cap).unwrap();
-        let scratch = DeviceBuffer::<u8>::zeroed(&cap, 4096).unwrap();
-        s.cuda()
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
-            .unwrap();
-        // SAFETY: a live 4096-byte buffer; the stream's context is current (begin_capture).
-        let r = unsafe { sys::cuMemsetD8Async(scratch.device_ptr(), 0x11, 4096, s.cu_stream()) };
-        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
-        go_tx.send(()).unwrap();
-        end_rx.recv().unwrap();
-        let g = s.cuda().end_capture(sys::CUgraphInstantiate_flags(0));
-        let out = g.map(|g| g.is_some()).map_err(|e| format!("{e:?}"));
-        drop(scratch);
-        out
-    });
-    go_rx.recv().unwrap();
-    let t = during();
-    end_tx.send(()).unwrap();
-    (t, capturer.join().unwrap())
 }
 
 #[test]

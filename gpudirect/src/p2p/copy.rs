@@ -545,6 +545,67 @@ impl Copier {
     }
 }
 
+/// What a copy between borrowed buffers that failed may have left running, for
+/// [`CopyScope`](super::CopyScope).
+pub(super) enum Left {
+    /// Nothing, or work that a fence of the copier's stream issued later covers.
+    Covered,
+    /// Work that this fence covers (a staged copy that failed midway, on a staging lane).
+    Fence(StreamFence),
+    /// Work that no fence can prove done (it may sit in a graph).
+    Unprovable,
+}
+
+impl Copier {
+    /// Queue a copy of all of `src` into `dst` for a scope: the checks, grants and driver calls
+    /// of [`copy_async`](Self::copy_async), with nothing to own. Every copy that succeeds is
+    /// covered by a fence of the copier's stream issued after it (a staged copy ends with a wait
+    /// of that stream on its last chunk).
+    ///
+    /// # Safety
+    ///
+    /// Both buffers stay borrowed (neither freed nor otherwise used) until such a fence, and the
+    /// fence of [`Left::Fence`], have completed; after [`Left::Unprovable`], for ever.
+    pub(super) unsafe fn queue_borrowed<S, D>(
+        &self,
+        src: &S,
+        dst: &D,
+    ) -> std::result::Result<(), (Error, Left)>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        let (s, d, bytes) = self.checked(src, dst).map_err(|e| (e, Left::Covered))?;
+        // Grants pool and VMM memory the peer's access (or checks it), as every copy does; the
+        // path itself is the copier's to report (`path`), not the scope's.
+        let _ = self.lane.path_for(&Real, src, dst);
+        let Some(stager) = &self.inner.stager else {
+            // SAFETY: the caller keeps both ranges (validated: equal lengths, no wrap) borrowed
+            // until a fence issued later on the lane's stream completes.
+            return match unsafe { self.lane.enqueue(&Real, d, s, bytes) } {
+                Ok(()) => Ok(()),
+                Err(r) if r.leaked() => Err((r.error, Left::Unprovable)),
+                // One driver call that failed queued nothing.
+                Err(r) => Err((r.error, Left::Covered)),
+            };
+        };
+        // SAFETY: as above; the ring's chunks belong to the copier, which the caller borrows.
+        match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
+            Ok(_) => Ok(()),
+            Err(Failed {
+                error,
+                fence: Some(fence),
+            }) => Err((error, Left::Fence(fence))),
+            Err(Failed { error, fence: None }) => Err((error, Left::Unprovable)),
+        }
+    }
+
+    /// A fence for everything queued on the copier's stream so far.
+    pub(super) fn stream_fence(&self) -> StreamFence {
+        self.inner.stream.fence()
+    }
+}
+
 /// Copy all of `src` into `dst` (equal lengths, in elements) (devices taken from the buffers) and wait.
 ///
 /// A one-off [`Copier`] with default options: peer when possible, staged otherwise, same-device

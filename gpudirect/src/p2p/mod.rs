@@ -7,6 +7,7 @@
 //! | performance rank, access, native atomics, CUDA array access | [`p2p_attributes`] | `cuDeviceGetP2PAttribute` |
 //! | every ordered pair: access, rank, atomics, NVLink (links) or PCIe | [`LinkMatrix`] | NVML `nvmlDeviceGetNvLinkState`, `nvmlDeviceGetNvLinkRemotePciInfo_v2` |
 //! | typed copies, blocking and in flight, on the path that really ran | [`Copier`], [`copy()`], [`copy_async`], [`CopyPath`] | `cuMemcpyPeerAsync`, `cuMemcpyDtoDAsync`, `cuMemcpyDtoHAsync`/`cuMemcpyHtoDAsync` |
+//! | many copies between borrowed buffers, one wait when the scope ends | [`Copier::scope`], [`CopyScope`] | `cuMemcpyPeerAsync`, `cuStreamSynchronize` |
 //! | CUDA IPC: memory and event handles for other processes | below | `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`, `cuIpcGetEventHandle`, `cuMemExportToShareableHandle` |
 //!
 //! Peer access is process-global: it is enabled on demand and never disabled (least of all by a
@@ -61,6 +62,7 @@ mod path;
 pub(crate) mod link;
 #[cfg(test)]
 mod proptests;
+mod scope;
 mod staging;
 
 pub use access::{
@@ -81,3 +83,4 @@ pub use ipc::{
 pub(crate) use ipc::{MAX_FDS_PER_MSG, exportable_pool_at, recv_fds, send_fds};
 pub use link::{Interconnect, Link, LinkMatrix};
 pub use path::CopyPath;
+pub use scope::CopyScope;
