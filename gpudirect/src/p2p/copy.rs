@@ -7,7 +7,7 @@ use super::staging::{Failed, Stager};
 use crate::completion::{InFlight, StreamFence, Tracker};
 use crate::cuda::{self, Stream};
 use crate::error::{Error, Result};
-use crate::memory::{DeviceMemory, DeviceMemoryMut, check_chunk_bytes};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind, check_chunk_bytes};
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -310,61 +310,87 @@ impl Copier {
         self.submit(src, dst)
     }
 
-    fn validate<S: DeviceMemory, D: DeviceMemory>(&self, src: &S, dst: &D) -> Result<()> {
-        for (arg, kind, ord, want) in [
-            ("src", src.kind(), src.ordinal(), self.src),
-            ("dst", dst.kind(), dst.ordinal(), self.dst),
-        ] {
+    /// A pair checked before any FFI call: its source and destination addresses and bytes. The
+    /// common case is one straight test; the refusal is built apart, off the path of every copy.
+    #[inline]
+    fn checked<S, D>(&self, src: &S, dst: &D) -> Result<(u64, u64, usize)>
+    where
+        S: DeviceMemory,
+        D: DeviceMemoryMut<Elem = S::Elem>,
+    {
+        let (s, d, n) = (src.device_ptr(), dst.device_ptr(), src.len());
+        let bytes = n.checked_mul(std::mem::size_of::<S::Elem>());
+        let fits = |ptr: u64, b: usize| ptr.checked_add(b as u64).is_some();
+        match bytes {
+            Some(b)
+                if src.kind().is_device()
+                    && dst.kind().is_device()
+                    && src.ordinal() == self.src
+                    && dst.ordinal() == self.dst
+                    && dst.len() == n
+                    && fits(s, b)
+                    && fits(d, b) =>
+            {
+                Ok((s, d, b))
+            }
+            _ => Err(self.refusal(
+                (src.kind(), src.ordinal(), s),
+                (dst.kind(), dst.ordinal(), d),
+                (n, dst.len(), bytes),
+            )),
+        }
+    }
+
+    /// Why [`checked`](Self::checked) refused a pair: the first of its rules the pair breaks
+    /// (`(kind, ordinal, address)` of each buffer; their lengths in elements and the source's
+    /// bytes, `None` on overflow).
+    #[cold]
+    #[inline(never)]
+    fn refusal(
+        &self,
+        src: (MemoryKind, usize, u64),
+        dst: (MemoryKind, usize, u64),
+        (src_len, dst_len, bytes): (usize, usize, Option<usize>),
+    ) -> Error {
+        for (arg, (kind, ord, _), want) in [("src", src, self.src), ("dst", dst, self.dst)] {
             if !kind.is_device() {
-                return Err(Error::invalid(
+                return Error::invalid(
                     arg,
                     format!("{kind:?} memory"),
                     "peer copies take device memory (Device, Vmm or Pool)",
-                ));
+                );
             }
             if ord != want {
-                return Err(Error::invalid(
+                return Error::invalid(
                     arg,
                     format!("memory of device {ord}"),
                     format!(
                         "this copier copies from device {} to {}",
                         self.src, self.dst
                     ),
-                ));
+                );
             }
         }
-        if dst.len() != src.len() {
-            return Err(Error::invalid(
+        if dst_len != src_len {
+            return Error::invalid(
                 "dst",
-                format!("{} elements", dst.len()),
-                format!("must hold exactly as many elements as src ({})", src.len()),
-            ));
+                format!("{dst_len} elements"),
+                format!("must hold exactly as many elements as src ({src_len})"),
+            );
         }
-        Ok(())
-    }
-
-    /// A pair checked before any FFI call: its source and destination addresses and bytes.
-    fn checked<S, D>(&self, src: &S, dst: &D) -> Result<(u64, u64, usize)>
-    where
-        S: DeviceMemory,
-        D: DeviceMemoryMut<Elem = S::Elem>,
-    {
-        self.validate(src, dst)?;
-        let bytes = src
-            .len()
-            .checked_mul(std::mem::size_of::<S::Elem>())
-            .ok_or_else(|| Error::invalid("src", src.len(), "len * size_of overflows usize"))?;
-        let (s, d) = (src.device_ptr(), dst.device_ptr());
-        for (arg, ptr) in [("src", s), ("dst", d)] {
-            if ptr.checked_add(bytes as u64).is_none() {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{ptr:#x} + {bytes} bytes"),
-                    "the range must not pass the end of the address space",
-                ));
-            }
-        }
-        Ok((s, d, bytes))
+        let Some(bytes) = bytes else {
+            return Error::invalid("src", src_len, "len * size_of overflows usize");
+        };
+        let (arg, ptr) = if src.2.checked_add(bytes as u64).is_none() {
+            ("src", src.2)
+        } else {
+            ("dst", dst.2)
+        };
+        Error::invalid(
+            arg,
+            format!("{ptr:#x} + {bytes} bytes"),
+            "the range must not pass the end of the address space",
+        )
     }
 
     /// Enqueue one copy per pair (all of each `src` into its `dst`, equal lengths, in
