@@ -95,6 +95,39 @@ impl ToHost for DeviceBuffer<u8> {
     }
 }
 
+/// Run test `name` alone, in a child process of this test binary, and say whether this is that
+/// child: `true` there (run the test's body), `false` in the parent once the child has passed
+/// (the parent panics with the child's output when it failed). For tests that capture a graph in
+/// global mode: such a capture forbids potentially unsafe calls (`cuMemAlloc`,
+/// `cuStreamSynchronize`) to every thread of its process that is in global mode, so tests running
+/// beside it in the harness's threads would fail, and their calls would break the capture.
+pub fn alone(name: &str) -> bool {
+    const CHILD: &str = "GPUDIRECT_TEST_ALONE";
+    if std::env::var(CHILD).is_ok_and(|t| t == name) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, name)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{text}");
+    assert!(
+        out.status.success(),
+        "{name} failed in its own process:\n{text}"
+    );
+    assert!(
+        text.contains("1 passed"),
+        "{name} did not run in its own process:\n{text}"
+    );
+    false
+}
+
 /// Capture a memset on a new stream in global mode on another thread; run `during` while the
 /// capture lasts; end it. `Ok(true)`: the capture produced a graph.
 pub fn during_a_global_capture<T>(

@@ -148,12 +148,11 @@ impl<'scope> CopyScope<'scope, '_> {
     /// Wait for every copy queued, or abort when that cannot be proven.
     fn finish(&self) {
         if !self.unprovable.load(Ordering::Acquire) {
-            let mut fences =
-                std::mem::take(&mut *self.left.lock().unwrap_or_else(|e| e.into_inner()));
-            fences.push(self.copier.stream_fence());
+            let left = std::mem::take(&mut *self.left.lock().unwrap_or_else(|e| e.into_inner()));
+            let last = self.copier.stream_fence();
             // SAFETY: the copier exists, so libcuda passed the crate's presence check.
             let relaxed = unsafe { Relaxed::new() };
-            let proven = fences.iter().all(wait_proven);
+            let proven = left.iter().chain([&last]).all(wait_proven);
             drop(relaxed);
             if proven {
                 return;
