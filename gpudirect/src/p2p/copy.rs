@@ -574,24 +574,27 @@ impl Copier {
 /// What a copy between borrowed buffers that failed may have left running, for
 /// [`CopyScope`](super::CopyScope).
 pub(super) enum Left {
-    /// Nothing, or work that a fence of the copier's stream issued later covers.
+    /// Nothing: it was refused before any FFI call, or its one driver call failed.
+    Nothing,
+    /// Work that a fence of the copier's stream issued later covers (a staged copy that failed
+    /// midway: the copier's stream was made to wait for every chunk of the ring).
     Covered,
-    /// Work that this fence covers (a staged copy that failed midway, on a staging lane).
-    Fence(StreamFence),
-    /// Work that no fence can prove done (it may sit in a graph).
+    /// Work that no fence can prove done (it may sit in a graph, or could not be joined to the
+    /// copier's stream).
     Unprovable,
 }
 
 impl Copier {
     /// Queue a copy of all of `src` into `dst` for a scope: the checks, grants and driver calls
-    /// of [`copy_async`](Self::copy_async), with nothing to own. Every copy that succeeds is
-    /// covered by a fence of the copier's stream issued after it (a staged copy ends with a wait
-    /// of that stream on its last chunk).
+    /// of [`copy_async`](Self::copy_async), with nothing to own. Every copy that succeeds (and
+    /// whatever a failed one left, but for [`Left::Unprovable`]) is covered by a fence of the
+    /// copier's stream issued after it: a staged copy ends with a wait of that stream on its last
+    /// chunk, and a failed one with a wait on every chunk of the ring.
     ///
     /// # Safety
     ///
-    /// Both buffers stay borrowed (neither freed nor otherwise used) until such a fence, and the
-    /// fence of [`Left::Fence`], have completed; after [`Left::Unprovable`], for ever.
+    /// Both buffers stay borrowed (neither freed nor otherwise used) until such a fence has
+    /// completed; after [`Left::Unprovable`], for ever.
     pub(super) unsafe fn queue_borrowed<S, D>(
         &self,
         src: &S,
@@ -601,7 +604,7 @@ impl Copier {
         S: DeviceMemory,
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
-        let (s, d, bytes) = self.checked(src, dst).map_err(|e| (e, Left::Covered))?;
+        let (s, d, bytes) = self.checked(src, dst).map_err(|e| (e, Left::Nothing))?;
         // Grants pool and VMM memory the peer's access (or checks it), as every copy does; the
         // path itself is the copier's to report (`path`), not the scope's.
         let _ = self.lane.path_for(&Real, src, dst);
@@ -612,23 +615,24 @@ impl Copier {
                 Ok(()) => Ok(()),
                 Err(r) if r.leaked() => Err((r.error, Left::Unprovable)),
                 // One driver call that failed queued nothing.
-                Err(r) => Err((r.error, Left::Covered)),
+                Err(r) => Err((r.error, Left::Nothing)),
             };
         };
         // SAFETY: as above; the ring's chunks belong to the copier, which the caller borrows.
         match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
             Ok(_) => Ok(()),
+            // The failure's fence is one of the copier's stream, after its wait on every chunk.
             Err(Failed {
                 error,
-                fence: Some(fence),
-            }) => Err((error, Left::Fence(fence))),
+                fence: Some(_),
+            }) => Err((error, Left::Covered)),
             Err(Failed { error, fence: None }) => Err((error, Left::Unprovable)),
         }
     }
 
-    /// A fence for everything queued on the copier's stream so far.
-    pub(super) fn stream_fence(&self) -> StreamFence {
-        self.inner.stream.fence()
+    /// The copier's stream: every copy runs on it, or ends with a wait of it.
+    pub(super) fn stream(&self) -> &Stream {
+        &self.inner.stream
     }
 }
 

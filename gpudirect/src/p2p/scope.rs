@@ -2,32 +2,32 @@
 //! returns.
 
 use super::copy::{Copier, Left};
+use crate::completion::Fence;
 use crate::completion::capture::Relaxed;
-use crate::completion::{Fence, StreamFence};
-use crate::error::Result;
+use crate::driver;
+use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Copies between borrowed buffers through one [`Copier`], made inside
 /// [`Copier::scope`]: every copy the scope queued has completed before `scope` returns.
 ///
-/// A copy here costs what the raw driver call costs plus the checks (`cuCtxGetCurrent` and
-/// `cuMemcpyPeerAsync` for `cuMemAlloc` memory): nothing is owned, fenced or moved per copy. It
-/// is the form for many small copies between buffers the caller keeps (a layer's blocks, a
-/// cache's pages); [`Copier::copy_async`] is the form that hands buffers over and back.
+/// On the peer and same-device paths a copy here costs the raw driver call plus the checks
+/// (`cuCtxGetCurrent` and `cuMemcpyPeerAsync` for `cuMemAlloc` memory): nothing is owned, fenced
+/// or moved per copy. It is the form for many small copies between buffers the caller keeps (a
+/// layer's blocks, a cache's pages); [`Copier::copy_async`] is the form that hands buffers over
+/// and back.
 ///
 /// Sound without any destructor: the buffers stay borrowed until `scope` itself has seen the
 /// copier's stream finish (after the closure returns or panics), which no `mem::forget` can
 /// skip.
 pub struct CopyScope<'scope, 'env: 'scope> {
     copier: &'env Copier,
-    /// Fences left by staged copies that failed midway (work on the staging lanes that the
-    /// copier's stream does not cover).
-    left: Mutex<Vec<StreamFence>>,
+    /// Some copy queued work (the scope then waits for the copier's stream before it returns).
+    queued: AtomicBool,
     /// A failed copy may have left work that no fence can prove done.
     unprovable: AtomicBool,
     /// Invariant in both lifetimes, as `std::thread::Scope`: borrows handed to
@@ -77,11 +77,14 @@ impl Copier {
     ///
     /// # Aborts
     ///
-    /// When the copies cannot be proven complete: the copier's stream failed with a sticky
-    /// error (the CUDA context is lost, which CUDA recovers from only in a new process). The
-    /// borrowed buffers cannot be kept from their owners the way [`copy_async`](Self::copy_async)
-    /// parks owned ones, so the process aborts (with a message on standard error) rather than
-    /// return while a copy might still write them.
+    /// When the copies queued cannot be proven complete: the copier's stream cannot be
+    /// synchronized (a sticky error, after which CUDA recovers only in a new process; a call
+    /// from a CUDA host function, where the driver may refuse; the driver shutting down) after
+    /// retries over about 0.6 s, or a failed copy left work that nothing can wait for. The
+    /// borrowed buffers cannot be kept from their owners the way
+    /// [`copy_async`](Self::copy_async) parks owned ones, so the process aborts (with a message
+    /// on standard error naming the driver's answer) rather than return while a copy might still
+    /// write them. A scope that queued nothing never waits and never aborts.
     #[doc(alias = "cuMemcpyPeerAsync")]
     #[doc(alias = "cuStreamSynchronize")]
     pub fn scope<'env, F, T>(&'env self, f: F) -> T
@@ -90,13 +93,16 @@ impl Copier {
     {
         let scope = CopyScope {
             copier: self,
-            left: Mutex::new(Vec::new()),
+            queued: AtomicBool::new(false),
             unprovable: AtomicBool::new(false),
             scope: PhantomData,
             env: PhantomData,
         };
         let out = catch_unwind(AssertUnwindSafe(|| f(&scope)));
-        scope.finish();
+        // Nothing after the closure may unwind: the borrows would end before the wait.
+        if catch_unwind(AssertUnwindSafe(|| scope.finish())).is_err() {
+            std::process::abort();
+        }
         match out {
             Ok(t) => t,
             Err(panic) => resume_unwind(panic),
@@ -126,19 +132,33 @@ impl<'scope> CopyScope<'scope, '_> {
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
         // SAFETY: both buffers are borrowed for 'scope, which ends only when `Copier::scope`
-        // returns: after it has seen a fence of the copier's stream issued after this copy, and
-        // every fence a failure left, complete; after an unprovable failure it never returns.
-        match unsafe { self.copier.queue_borrowed(src, &*dst) } {
-            Ok(()) => Ok(()),
-            Err((error, Left::Covered)) => Err(error),
-            Err((error, Left::Fence(fence))) => {
-                self.left
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(fence);
+        // returns: after it has seen a fence of the copier's stream issued after this copy
+        // complete; after an unprovable failure (or a panic while queueing) it never returns.
+        let queued = catch_unwind(AssertUnwindSafe(|| unsafe {
+            self.copier.queue_borrowed(src, &*dst)
+        }));
+        let left = match queued {
+            Ok(Ok(())) => {
+                // Read first: no write to a line the scope's other threads share, per copy.
+                if !self.queued.load(Ordering::Relaxed) {
+                    self.queued.store(true, Ordering::Release);
+                }
+                return Ok(());
+            }
+            Ok(Err((error, left))) => (error, left),
+            Err(panic) => {
+                // Midway through queueing: what is queued may be joined to no stream.
+                self.unprovable.store(true, Ordering::Release);
+                resume_unwind(panic)
+            }
+        };
+        match left {
+            (error, Left::Nothing) => Err(error),
+            (error, Left::Covered) => {
+                self.queued.store(true, Ordering::Release);
                 Err(error)
             }
-            Err((error, Left::Unprovable)) => {
+            (error, Left::Unprovable) => {
                 self.unprovable.store(true, Ordering::Release);
                 Err(error)
             }
@@ -147,33 +167,55 @@ impl<'scope> CopyScope<'scope, '_> {
 
     /// Wait for every copy queued, or abort when that cannot be proven.
     fn finish(&self) {
-        if !self.unprovable.load(Ordering::Acquire) {
-            let left = std::mem::take(&mut *self.left.lock().unwrap_or_else(|e| e.into_inner()));
-            let last = self.copier.stream_fence();
-            // SAFETY: the copier exists, so libcuda passed the crate's presence check.
-            let relaxed = unsafe { Relaxed::new() };
-            let proven = left.iter().chain([&last]).all(wait_proven);
-            drop(relaxed);
-            if proven {
-                return;
+        if self.unprovable.load(Ordering::Acquire) {
+            unprovable("a failed copy left work that no stream can wait for");
+        }
+        if !self.queued.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = self.settle() {
+            unprovable(&format!("the copier's stream cannot be synchronized: {e}"));
+        }
+    }
+
+    /// Synchronize the copier's stream, with the calling thread relaxed to
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`; a refusal is tried again six times, over about 0.6 s,
+    /// before it is believed.
+    fn settle(&self) -> std::result::Result<(), Error> {
+        let stream = self.copier.stream();
+        let last = stream.fence();
+        // SAFETY: the copier exists, so libcuda passed the crate's presence check.
+        let _relaxed = unsafe { Relaxed::new() };
+        let mut attempt = 0;
+        loop {
+            if last.wait_timeout(Duration::MAX) {
+                return Ok(());
+            }
+            // Refused: ask once more, directly, to learn why.
+            let again = driver::ctx::bind(stream.context())
+                // SAFETY: the copier's live stream, its context current.
+                .and_then(|()| unsafe { driver::stream::synchronize(stream.cu_stream()) });
+            match again {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt >= 6 => return Err(e),
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10 << attempt));
+                    attempt += 1;
+                }
             }
         }
-        unprovable()
     }
 }
 
-/// Wait for `fence` (a few tries: a failed `cuStreamSynchronize` is tried again before it is
-/// believed).
-fn wait_proven(fence: &StreamFence) -> bool {
-    (0..3).any(|_| fence.wait_timeout(Duration::MAX))
-}
-
+/// Abort: the copies may still write the borrowed buffers. The message is written without any
+/// step that could panic (a closed standard error is ignored).
 #[cold]
-fn unprovable() -> ! {
-    eprintln!(
-        "gpudirect: a copy scope cannot prove that its copies have completed (the copier's \
-         stream failed: a sticky CUDA error); the buffers it borrowed could still be written, \
-         so the process aborts"
+fn unprovable(why: &str) -> ! {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "gpudirect: a copy scope cannot prove that its copies have completed ({why}); the \
+         buffers it borrowed could still be written, so the process aborts"
     );
     std::process::abort()
 }
