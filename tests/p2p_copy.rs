@@ -549,6 +549,10 @@ fn scoped_copies_between_borrowed_buffers_are_exact_on_every_path() {
             short.to_vec(&sb).unwrap(),
             vec![0xDEAD_BEEFu32; want[0].len() + 1]
         );
+        // A scope that queues nothing (or only refused copies) returns its value, waiting for
+        // nothing.
+        assert_eq!(copier.scope(|_| 7), 7);
+        assert!(copier.scope(|s| s.copy(&srcs[1], &mut short).is_err()));
         // A panic after the copies: resumed once they have completed.
         let mut again: Vec<DeviceBuffer<u32>> = want.iter().map(|d| poisoned(b, d.len())).collect();
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
