@@ -157,7 +157,10 @@ struct Inner {
 /// fence is an epoch of the stream's [`Timeline`](crate::completion::Timeline), and waiting
 /// synchronizes the stream once for every copy issued before. Pool and VMM memory add one `cuPointerGetAttribute` per
 /// buffer (per VMM mapping) after the first copy of each allocation. A copier may be shared by
-/// threads: issuing takes no lock (but the staged path's, which queues several steps).
+/// threads: issuing takes no lock (but the staged path's, which queues several steps). For many
+/// small copies between buffers the caller keeps, [`scope`](Copier::scope) issues them with
+/// nothing owned or fenced per copy, and [`copy_batch_async`](Copier::copy_batch_async) in one
+/// driver call.
 ///
 /// The staged path moves each chunk through pinned host memory on two lanes of the devices'
 /// shared copy engines (device-to-host on one, host-to-device on the other, pipelined over the
