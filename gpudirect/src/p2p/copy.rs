@@ -534,54 +534,76 @@ impl Copier {
             elapsed: Duration::ZERO,
             _keep: self.keep(),
         };
-        // Every step goes through the capture check. The copier's streams are its own and never
-        // exposed, so they cannot be capturing; if one ever were, what the copy uses is leaked
-        // (below), never freed.
-        let Some(stager) = &self.inner.stager else {
-            // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which
-            // goes into the InFlight with a fence issued after the copy on the lane's stream.
-            return match unsafe { self.lane.enqueue(&Real, d, s, bytes) } {
-                Ok(()) => Ok(InFlight::new("peer copy", self.inner.stream.fence(), done)),
-                Err(r) if r.leaked() => {
-                    // The copy may sit in a graph: leak, never free.
-                    std::mem::forget(done);
-                    Err(r.error)
-                }
-                // One driver call that failed queued nothing: the buffers are free to go.
-                Err(r) => Err(r.error),
-            };
-        };
         // SAFETY: both ranges are owned by `done` (validated: equal lengths, no wrap), which goes
-        // into the InFlight, or the tracker, with the fence the stager gives (the copier's ring
+        // into the InFlight, or the tracker, with a fence that covers the copy (the copier's ring
         // of chunks stays alive through `done`'s `_keep`).
-        match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
-            Ok(fence) => Ok(InFlight::new("peer copy", fence, done)),
-            // A copy that failed midway may have left work queued (a device-to-host copy with no
-            // host-to-device copy after it): the fence covers all of it.
-            Err(Failed {
-                error,
-                fence: Some(fence),
-            }) => {
+        match unsafe { self.queue(d, s, bytes) } {
+            Ok(fence) => Ok(InFlight::new(
+                "peer copy",
+                fence.unwrap_or_else(|| self.inner.stream.fence()),
+                done,
+            )),
+            // Nothing queued: the buffers are free to go.
+            Err((error, Left::Nothing)) => Err(error),
+            Err((error, Left::Covered(fence))) => {
                 Tracker::global().park(fence, done);
                 Err(error)
             }
-            // No fence can prove the work done, or it may sit in a graph: leak, never free.
-            Err(Failed { error, fence: None }) => {
+            Err((error, Left::Unprovable)) => {
                 std::mem::forget(done);
                 Err(error)
             }
         }
     }
+
+    /// Queue the copy of `bytes` bytes from `src` to `dst` (ranges [`checked`](Self::checked))
+    /// on the copier's path, every step through the capture check. `Ok(None)`: on the lane, so
+    /// the copier stream's next fence covers it; `Ok(Some(fence))`: staged, covered by `fence`.
+    /// The copier's streams are its own and never exposed, so they cannot be capturing; if one
+    /// ever were, the failure says [`Left::Unprovable`].
+    ///
+    /// # Safety
+    ///
+    /// Both ranges stay valid and untouched by anyone else until a fence covering the copy (or
+    /// the failure's) has completed; after [`Left::Unprovable`], for ever.
+    unsafe fn queue(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> std::result::Result<Option<StreamFence>, (Error, Left)> {
+        let Some(stager) = &self.inner.stager else {
+            // SAFETY: the caller's.
+            return match unsafe { self.lane.enqueue(&Real, dst, src, bytes) } {
+                Ok(()) => Ok(None),
+                Err(r) if r.leaked() => Err((r.error, Left::Unprovable)),
+                // One driver call that failed queued nothing.
+                Err(r) => Err((r.error, Left::Nothing)),
+            };
+        };
+        // SAFETY: the caller's; the ring's chunks belong to the copier, alive while the copy may
+        // run (an owner's `_keep`, or a scope's borrow of the copier).
+        match unsafe { stager.enqueue(&self.inner.stream, dst, src, bytes) } {
+            Ok(fence) => Ok(Some(fence)),
+            // A copy that failed midway may have left work queued (a device-to-host copy with no
+            // host-to-device copy after it): the fence covers all of it.
+            Err(Failed {
+                error,
+                fence: Some(fence),
+            }) => Err((error, Left::Covered(fence))),
+            Err(Failed { error, fence: None }) => Err((error, Left::Unprovable)),
+        }
+    }
 }
 
-/// What a copy between borrowed buffers that failed may have left running, for
-/// [`CopyScope`](super::CopyScope).
+/// What a copy that failed to queue may have left running.
 pub(super) enum Left {
     /// Nothing: it was refused before any FFI call, or its one driver call failed.
     Nothing,
-    /// Work that a fence of the copier's stream issued later covers (a staged copy that failed
-    /// midway: the copier's stream was made to wait for every chunk of the ring).
-    Covered,
+    /// Work that this fence covers, a fence of the copier's stream (a staged copy that failed
+    /// midway: the stream was made to wait for every chunk of the ring), so any later fence of
+    /// that stream covers it too.
+    Covered(StreamFence),
     /// Work that no fence can prove done (it may sit in a graph, or could not be joined to the
     /// copier's stream).
     Unprovable,
@@ -589,10 +611,9 @@ pub(super) enum Left {
 
 impl Copier {
     /// Queue a copy of all of `src` into `dst` for a scope: the checks, grants and driver calls
-    /// of [`copy_async`](Self::copy_async), with nothing to own. Every copy that succeeds (and
-    /// whatever a failed one left, but for [`Left::Unprovable`]) is covered by a fence of the
-    /// copier's stream issued after it: a staged copy ends with a wait of that stream on its last
-    /// chunk, and a failed one with a wait on every chunk of the ring.
+    /// of [`copy_async`](Self::copy_async), with nothing to own and no fence made on the lane.
+    /// Every copy that succeeds (and whatever a failed one left, but for [`Left::Unprovable`])
+    /// is covered by a fence of the copier's stream issued after it.
     ///
     /// # Safety
     ///
@@ -611,26 +632,8 @@ impl Copier {
         // Grants pool and VMM memory the peer's access (or checks it), as every copy does; the
         // path itself is the copier's to report (`path`), not the scope's.
         let _ = self.lane.path_for(&Real, src, dst);
-        let Some(stager) = &self.inner.stager else {
-            // SAFETY: the caller keeps both ranges (validated: equal lengths, no wrap) borrowed
-            // until a fence issued later on the lane's stream completes.
-            return match unsafe { self.lane.enqueue(&Real, d, s, bytes) } {
-                Ok(()) => Ok(()),
-                Err(r) if r.leaked() => Err((r.error, Left::Unprovable)),
-                // One driver call that failed queued nothing.
-                Err(r) => Err((r.error, Left::Nothing)),
-            };
-        };
-        // SAFETY: as above; the ring's chunks belong to the copier, which the caller borrows.
-        match unsafe { stager.enqueue(&self.inner.stream, d, s, bytes) } {
-            Ok(_) => Ok(()),
-            // The failure's fence is one of the copier's stream, after its wait on every chunk.
-            Err(Failed {
-                error,
-                fence: Some(_),
-            }) => Err((error, Left::Covered)),
-            Err(Failed { error, fence: None }) => Err((error, Left::Unprovable)),
-        }
+        // SAFETY: the caller's, for the validated ranges (equal lengths, no wrap).
+        unsafe { self.queue(d, s, bytes) }.map(drop)
     }
 
     /// The copier's stream: every copy runs on it, or ends with a wait of it.

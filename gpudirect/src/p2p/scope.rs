@@ -137,31 +137,34 @@ impl<'scope> CopyScope<'scope, '_> {
         let queued = catch_unwind(AssertUnwindSafe(|| unsafe {
             self.copier.queue_borrowed(src, &*dst)
         }));
-        let left = match queued {
+        match queued {
             Ok(Ok(())) => {
-                // Read first: no write to a line the scope's other threads share, per copy.
-                if !self.queued.load(Ordering::Relaxed) {
-                    self.queued.store(true, Ordering::Release);
-                }
-                return Ok(());
+                self.mark_queued();
+                Ok(())
             }
-            Ok(Err((error, left))) => (error, left),
+            Ok(Err((error, Left::Nothing))) => Err(error),
+            // Covered by the fence the scope waits for at its end (one of the same stream).
+            Ok(Err((error, Left::Covered(_)))) => {
+                self.mark_queued();
+                Err(error)
+            }
+            Ok(Err((error, Left::Unprovable))) => {
+                self.unprovable.store(true, Ordering::Release);
+                Err(error)
+            }
             Err(panic) => {
                 // Midway through queueing: what is queued may be joined to no stream.
                 self.unprovable.store(true, Ordering::Release);
                 resume_unwind(panic)
             }
-        };
-        match left {
-            (error, Left::Nothing) => Err(error),
-            (error, Left::Covered) => {
-                self.queued.store(true, Ordering::Release);
-                Err(error)
-            }
-            (error, Left::Unprovable) => {
-                self.unprovable.store(true, Ordering::Release);
-                Err(error)
-            }
+        }
+    }
+
+    /// Some copy queued work. Read first: no write, per copy, to a line the scope's other
+    /// threads share.
+    fn mark_queued(&self) {
+        if !self.queued.load(Ordering::Relaxed) {
+            self.queued.store(true, Ordering::Release);
         }
     }
 
