@@ -46,11 +46,16 @@ where
 {
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || {
-            LIBRARY.with(|c| c.set(1));
-            f()
-        })
+        .spawn(marked(f))
         .map_err(pthread_create)
+}
+
+/// `f`, run on a thread marked as the crate's own.
+fn marked<F: FnOnce() -> T, T>(f: F) -> impl FnOnce() -> T {
+    move || {
+        LIBRARY.with(|c| c.set(1));
+        f()
+    }
 }
 
 fn pthread_create(source: std::io::Error) -> crate::Error {
@@ -81,10 +86,7 @@ where
 {
     std::thread::Builder::new()
         .name(name.into())
-        .spawn_scoped(scope, move || {
-            LIBRARY.with(|c| c.set(1));
-            f()
-        })
+        .spawn_scoped(scope, marked(f))
         .map_err(pthread_create)
 }
 
