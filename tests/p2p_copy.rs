@@ -513,6 +513,16 @@ fn scoped_copies_between_borrowed_buffers_are_exact_on_every_path() {
             .iter()
             .map(|d| DeviceBuffer::from_slice(&sa, d).unwrap())
             .collect();
+        // Every destination holds exactly its own source.
+        let exact = |dsts: &[DeviceBuffer<u32>], what: &str| {
+            for (i, (dst, data)) in dsts.iter().zip(&want).enumerate() {
+                assert_same(
+                    &dst.to_vec(&sb).unwrap(),
+                    data,
+                    &format!("{a}->{b} {} scoped copy {i}{what}", copier.path()),
+                );
+            }
+        };
         let mut dsts: Vec<DeviceBuffer<u32>> = want.iter().map(|d| poisoned(b, d.len())).collect();
         let mut short = poisoned(b, want[0].len() + 1);
         let mut elsewhere = poisoned(a, want[0].len());
@@ -538,13 +548,7 @@ fn scoped_copies_between_borrowed_buffers_are_exact_on_every_path() {
                 "{e}"
             );
         }
-        for (i, (dst, data)) in dsts.iter().zip(&want).enumerate() {
-            assert_same(
-                &dst.to_vec(&sb).unwrap(),
-                data,
-                &format!("{a}->{b} {} scoped copy {i}", copier.path()),
-            );
-        }
+        exact(&dsts, "");
         assert_eq!(
             short.to_vec(&sb).unwrap(),
             vec![0xDEAD_BEEFu32; want[0].len() + 1]
@@ -564,13 +568,7 @@ fn scoped_copies_between_borrowed_buffers_are_exact_on_every_path() {
             })
         }));
         assert!(caught.is_err());
-        for (i, (dst, data)) in again.iter().zip(&want).enumerate() {
-            assert_same(
-                &dst.to_vec(&sb).unwrap(),
-                data,
-                &format!("{a}->{b} {} scoped copy {i} before a panic", copier.path()),
-            );
-        }
+        exact(&again, " before a panic");
     }
     if n < 2 {
         skip(Hardware::MultiGpu, "ran 0->0 only (one GPU visible)");
