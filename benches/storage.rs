@@ -1,7 +1,8 @@
 //! File ↔ GPU throughput in one table: reads page-cache hot and cold, writes cached and durable,
 //! for gpudirect's automatic path, its POSIX path at several configurations, the raw baselines a
 //! hand-written program would use (`pread` + H2D and `pwrite` from pinned memory on 1 to 32
-//! threads, buffered and `O_DIRECT`; raw cuFile), and KvikIO in the same run (when `python3` can
+//! threads, buffered and `O_DIRECT`; reads also into buffers on huge pages, on 4, 8 and 16
+//! threads; raw cuFile), and KvikIO in the same run (when `python3` can
 //! import it). Every figure has its ratio to the best raw baseline and to KvikIO's best thread
 //! count; every gpudirect transfer is checked byte for byte once.
 //!
@@ -154,17 +155,78 @@ fn io_all(write: bool, fd: i32, buf: *mut u8, len: usize, off: usize) {
     }
 }
 
-/// One thread's tools of the raw read baseline: a stream and a pinned buffer of one chunk.
+/// One thread's tools of the raw read baseline: a stream, a pinned buffer of one chunk
+/// (`cuMemHostAlloc`, as KvikIO's bounce buffers), and one on huge pages.
 struct Lane {
     stream: Stream,
     buf: PinnedHostBuffer<u8>,
+    huge: HugeBuf,
+}
+
+/// Anonymous memory at a 2 MiB boundary, advised to transparent huge pages, touched, and pinned
+/// with `cuMemHostRegister`: the raw loop's buffer that a read lands in as few physically
+/// contiguous DMA segments (what gpudirect's bounce chunks of 2 MiB and more are).
+struct HugeBuf {
+    map: *mut u8,
+    map_len: usize,
+    at: *mut u8,
+}
+
+// SAFETY: a plain mapping owned by the bench; threads use disjoint lanes.
+unsafe impl Send for HugeBuf {}
+
+impl HugeBuf {
+    fn new(len: usize) -> HugeBuf {
+        let map_len = len + (2 << 20);
+        // SAFETY: a fresh anonymous mapping; the aligned range lies in it; registered once.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert!(map != libc::MAP_FAILED, "mmap");
+            let at = (map as usize).next_multiple_of(2 << 20) as *mut u8;
+            libc::madvise(at.cast(), len, libc::MADV_HUGEPAGE);
+            std::ptr::write_bytes(at, 0, len);
+            ck(
+                "cuMemHostRegister_v2",
+                cu::cuMemHostRegister_v2(at.cast(), len, cu::CU_MEMHOSTREGISTER_PORTABLE),
+            );
+            HugeBuf {
+                map: map.cast(),
+                map_len,
+                at,
+            }
+        }
+    }
+}
+
+impl Drop for HugeBuf {
+    fn drop(&mut self) {
+        // SAFETY: registered and mapped by `new`; no copy uses it any more.
+        unsafe {
+            cu::cuMemHostUnregister(self.at.cast());
+            libc::munmap(self.map.cast(), self.map_len);
+        }
+    }
 }
 
 /// Raw read baseline: `lanes.len()` threads; thread `t` reads chunks `t, t + n, ...` with
-/// `pread` into its pinned buffer, then `cuMemcpyHtoDAsync` + `cuStreamSynchronize` on its
-/// stream (what KvikIO's POSIX path does per task). Timed from a barrier after the threads
+/// `pread` into its pinned buffer (`huge`: its buffer on huge pages), then `cuMemcpyHtoDAsync`
+/// + `cuStreamSynchronize` on its stream (what KvikIO's POSIX path does per task). Timed from a barrier after the threads
 /// started to the last join.
-fn raw_read(fd: i32, dst: u64, len: usize, chunk: usize, lanes: &mut [Lane]) -> Duration {
+fn raw_read(
+    fd: i32,
+    dst: u64,
+    len: usize,
+    chunk: usize,
+    huge: bool,
+    lanes: &mut [Lane],
+) -> Duration {
     let n = lanes.len();
     let go = Barrier::new(n + 1);
     let t0 = std::thread::scope(|s| {
@@ -176,7 +238,11 @@ fn raw_read(fd: i32, dst: u64, len: usize, chunk: usize, lanes: &mut [Lane]) -> 
                 let mut off = t * chunk;
                 while off < len {
                     let k = chunk.min(len - off);
-                    let p = lane.buf.as_mut_slice().as_mut_ptr();
+                    let p = if huge {
+                        lane.huge.at
+                    } else {
+                        lane.buf.as_mut_slice().as_mut_ptr()
+                    };
                     io_all(false, fd, p, k, off);
                     // SAFETY: `dst + off .. + k` lies in the destination; the buffer holds k.
                     unsafe {
@@ -260,8 +326,8 @@ fn raw_cufile(h: &FileHandle, buf: u64, len: usize, write: bool) {
 /// What a row measures.
 #[derive(Clone)]
 enum Case {
-    /// `raw` read baseline with this many threads and this chunk.
-    RawRead(usize, usize),
+    /// `raw` read baseline with this many threads and this chunk, into huge pages or not.
+    RawRead(usize, usize, bool),
     /// `raw` write baseline: threads, `O_DIRECT`.
     RawWrite(usize, bool),
     /// Raw cuFile.
@@ -365,13 +431,13 @@ impl Bench {
             }
         }
         let took = match row.case.clone() {
-            Case::RawRead(threads, chunk) => {
+            Case::RawRead(threads, chunk, huge) => {
                 let fd = match (&self.in_direct, cold) {
                     (Some(d), true) => d.as_raw_fd(),
                     _ => self.in_buffered.as_raw_fd(),
                 };
                 let dst = self.dst.device_ptr();
-                raw_read(fd, dst, len, chunk, &mut self.lanes[..threads])
+                raw_read(fd, dst, len, chunk, huge, &mut self.lanes[..threads])
             }
             Case::RawWrite(threads, direct) => {
                 let fd = match (&self.out_direct, direct) {
@@ -868,6 +934,7 @@ fn main() {
         .map(|_| Lane {
             stream: Stream::new(&ctx).unwrap(),
             buf: PinnedHostBuffer::alloc(&ctx, max_chunk, HostAllocFlags::PORTABLE).unwrap(),
+            huge: HugeBuf::new(max_chunk),
         })
         .collect();
     let ro = OpenOptions::read_only();
@@ -935,9 +1002,17 @@ fn main() {
                         add(
                             "raw",
                             format!("{how} + H2D, {t} threads, {} MiB", chunk >> 20),
-                            Case::RawRead(t, chunk),
+                            Case::RawRead(t, chunk, false),
                         );
                     }
+                }
+                for t in [4, 8, 16] {
+                    let how = if cold { "pread O_DIRECT" } else { "pread" };
+                    add(
+                        "raw",
+                        format!("{how} + H2D, {t} threads, 1 MiB, huge pages"),
+                        Case::RawRead(t, 1 << 20, true),
+                    );
                 }
             }
             if (write && cufile_out.is_some()) || (!write && cufile_in.is_some()) {

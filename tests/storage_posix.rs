@@ -256,6 +256,72 @@ fn the_bounce_engine_copies_exactly_and_recycles_chunks() {
     assert!(CopyEngine::new(&ctx, 0).is_err());
 }
 
+/// The `AnonHugePages` of the mapping that holds `addr` (kB), from `/proc/self/smaps`.
+fn anon_huge_kb(addr: usize) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-')
+            && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+        {
+            inside = (a..b).contains(&addr);
+        } else if inside && let Some(v) = line.strip_prefix("AnonHugePages:") {
+            return v.trim().trim_end_matches("kB").trim().parse().ok();
+        }
+    }
+    None
+}
+
+#[test]
+fn chunks_from_2_mib_up_are_registered_at_a_huge_page_boundary_and_copy_exactly() {
+    let Some((ctx, stream)) = setup() else { return };
+    use gpudirect::memory::{DeviceMemory, MemoryKind};
+    // 4 MiB and two pages: the POSIX path's default bounce buffer.
+    let bytes = (4 << 20) + 8192;
+    let pool = BouncePool::new(&ctx, bytes, 2).unwrap();
+    let engine = CopyEngine::new(&ctx, 2).unwrap();
+    let mut chunk = pool.take().unwrap();
+    let at = chunk.as_mut_ptr() as usize;
+    assert_eq!(at % (2 << 20), 0, "{at:#x} is not at a 2 MiB boundary");
+    assert_eq!(chunk.kind(), MemoryKind::RegisteredHost);
+    assert_eq!(chunk.len(), bytes);
+    assert!(chunk.iter().all(|&b| b == 0), "a new chunk is zero-filled");
+    // Where the kernel gave huge pages is its call (THP mode, fragmentation): reported only.
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    println!(
+        "THP {:?}; AnonHugePages of the chunk's mapping: {:?} kB",
+        thp.trim(),
+        anon_huge_kb(at)
+    );
+    // Every byte, both ways, through the last page past the huge ones.
+    let data = pattern(bytes, 29);
+    chunk.copy_from_slice(&data);
+    let dst = DeviceBuffer::from_slice(&stream, &vec![POISON; bytes + 3]).unwrap();
+    let (chunk, dst) = engine
+        .h2d(0, chunk, 0, dst, 3, bytes)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let host = dst.to_vec(&stream).unwrap();
+    assert!(host[..3].iter().all(|&b| b == POISON));
+    assert!(host[3..] == data[..]);
+    let mut back = pool.take().unwrap();
+    back.fill(POISON);
+    let (back, _dst) = engine
+        .d2h(1, dst, 3, back, 0, bytes)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(back[..] == data[..]);
+    drop((chunk, back));
+    assert_eq!(pool.idle(), 2, "both went back to the pool");
+    // Below 2 MiB: cuMemHostAlloc.
+    let small = BouncePool::new(&ctx, 1 << 20, 1).unwrap();
+    assert_eq!(small.take().unwrap().kind(), MemoryKind::PinnedHost);
+}
+
 #[test]
 fn the_bounce_pool_keeps_what_a_transfer_needed_at_once() {
     let Some((ctx, _stream)) = setup() else {

@@ -88,6 +88,7 @@ mod copy;
 mod device;
 pub(crate) mod dmabuf;
 mod host;
+mod huge;
 mod pod;
 mod pool;
 #[cfg(test)]
