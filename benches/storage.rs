@@ -217,7 +217,7 @@ impl Drop for HugeBuf {
 
 /// Raw read baseline: `lanes.len()` threads; thread `t` reads chunks `t, t + n, ...` with
 /// `pread` into its pinned buffer (`huge`: its buffer on huge pages), then `cuMemcpyHtoDAsync`
-/// + `cuStreamSynchronize` on its stream (what KvikIO's POSIX path does per task). Timed from a barrier after the threads
+/// and `cuStreamSynchronize` on its stream (what KvikIO's POSIX path does per task). Timed from a barrier after the threads
 /// started to the last join.
 fn raw_read(
     fd: i32,

@@ -323,6 +323,52 @@ fn chunks_from_2_mib_up_are_registered_at_a_huge_page_boundary_and_copy_exactly(
 }
 
 #[test]
+fn a_forked_child_finds_huge_chunks_zeroed_and_gets_no_new_ones() {
+    let Some((ctx, _stream)) = setup() else {
+        return;
+    };
+    // Alone: the child is forked from a process with no other test threads.
+    if !support::gpu::alone("a_forked_child_finds_huge_chunks_zeroed_and_gets_no_new_ones") {
+        return;
+    }
+    use gpudirect::memory::{DeviceMemory, MemoryKind};
+    let pool = BouncePool::new(&ctx, 2 << 20, 1).unwrap();
+    let mut chunk = pool.take().unwrap();
+    assert_eq!(chunk.kind(), MemoryKind::RegisteredHost);
+    chunk.fill(0x5A);
+    // SAFETY: the child reads the chunk, asks the pool once, drops the chunk (the pool's
+    // forked-child path: a leak) and calls `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let zeroed = chunk.iter().all(|&b| b == 0);
+        let refused = matches!(pool.take(), Err(Error::Unsupported { .. }));
+        drop(chunk);
+        let code = i32::from(!zeroed) | (i32::from(!refused) << 1);
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child died: status {status:#x}"
+    );
+    let code = libc::WEXITSTATUS(status);
+    assert_eq!(
+        code & 1,
+        0,
+        "the child saw the parent's bytes (no MADV_WIPEONFORK)"
+    );
+    assert_eq!(code & 2, 0, "the pool handed a chunk to the forked child");
+    assert!(
+        chunk.iter().all(|&b| b == 0x5A),
+        "the parent's chunk changed"
+    );
+}
+
+#[test]
 fn the_bounce_pool_keeps_what_a_transfer_needed_at_once() {
     let Some((ctx, _stream)) = setup() else {
         return;

@@ -35,7 +35,7 @@ use crate::driver::ctx::bind;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -59,12 +59,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 ///
 /// Chunks are pinned for every context of the process (so any device's copy engine may use them)
 /// and page aligned. From 2 MiB up they are anonymous memory at a 2 MiB boundary, advised to
-/// transparent huge pages (`MADV_HUGEPAGE`) and kept from forked children (`MADV_DONTFORK`), and
-/// pinned with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: an `O_DIRECT` read of up to
-/// 2 MiB into a huge page is one DMA segment, where `cuMemHostAlloc` memory may be split into
-/// hundreds (seen on an H200 node's virtio disk: up to 234 runs per MiB, and reads into it ran
-/// at 0.74 to 0.79x of reads into contiguous buffers). Smaller chunks, and any chunk where that
-/// fails, are `cuMemHostAlloc(chunk_bytes, CU_MEMHOSTALLOC_PORTABLE)` memory. They are
+/// transparent huge pages (`MADV_HUGEPAGE`) and wiped in forked children (`MADV_WIPEONFORK`),
+/// and pinned with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: an `O_DIRECT` read of up to
+/// 2 MiB into a huge page is usually one DMA segment, where `cuMemHostAlloc` memory may be split
+/// into hundreds (seen on an H200 node's virtio disk: up to 234 runs per MiB, and reads into it
+/// ran at 0.74 to 0.79x of reads into contiguous buffers). Smaller chunks are
+/// `cuMemHostAlloc(chunk_bytes, CU_MEMHOSTALLOC_PORTABLE)` memory, and so is every chunk after
+/// the huge-page path failed once (a pool may then hold chunks of both kinds). They are
 /// allocated when [`take`](Self::take) finds no idle one, and go back to the pool when the
 /// [`BounceChunk`] is dropped; the pool keeps as many idle chunks as were ever in use at once, or
 /// [`max_idle`](Self::max_idle) if that is more, and frees the rest (so a transfer that needs
@@ -83,6 +84,8 @@ struct PoolInner {
     max_idle: usize,
     pid: u32,
     idle: Mutex<Vec<HostChunk>>,
+    /// The huge-page path failed once: later chunks go straight to `cuMemHostAlloc`.
+    no_huge: AtomicBool,
     /// Chunks taken and not yet back, and the most ever at once.
     out: AtomicUsize,
     peak: AtomicUsize,
@@ -131,6 +134,7 @@ impl BouncePool {
                 max_idle,
                 pid: std::process::id(),
                 idle: Mutex::new(Vec::new()),
+                no_huge: AtomicBool::new(false),
                 out: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
             }),
@@ -182,20 +186,27 @@ impl BouncePool {
         &self.inner.ctx
     }
 
-    /// An idle chunk, or a new one (`cuMemHostAlloc`, zero-filled) when none is idle. Its
-    /// contents are whatever its last user left there.
+    /// An idle chunk, or a new one when none is idle (zero-filled: on huge pages from 2 MiB up,
+    /// `cuMemHostAlloc` below or once that failed, see the type). Its contents are whatever its
+    /// last user left there.
     ///
     /// # Errors
     ///
     /// As [`PinnedHostBuffer::alloc`] (`CUDA_ERROR_OUT_OF_MEMORY` when no more memory can be
-    /// pinned).
+    /// pinned); [`Error::Unsupported`] in a forked child of the process that made the pool.
     #[doc(alias = "cuMemHostAlloc")]
     #[doc(alias = "cuMemHostRegister")]
     pub fn take(&self) -> Result<BounceChunk> {
+        if forked(self.inner.pid) {
+            return Err(Error::Unsupported {
+                what: "a bounce chunk".into(),
+                reason: "in a forked child of the process that made the pool".into(),
+            });
+        }
         let idle = lock(&self.inner.idle).pop();
         let buf = match idle {
             Some(b) => b,
-            None => HostChunk::alloc(&self.inner.ctx, self.inner.chunk)?,
+            None => HostChunk::alloc(&self.inner.ctx, self.inner.chunk, &self.inner.no_huge)?,
         };
         let out = self.inner.out.fetch_add(1, Ordering::Relaxed) + 1;
         self.inner.peak.fetch_max(out, Ordering::Relaxed);
@@ -210,7 +221,7 @@ impl BouncePool {
         self.inner.peak.load(Ordering::Relaxed)
     }
 
-    /// Free every idle chunk now (`cuMemFreeHost`).
+    /// Free every idle chunk now (`cuMemFreeHost`, or `cuMemHostUnregister` and `munmap`).
     pub fn trim(&self) {
         // The peak starts again from what is in use now.
         self.inner
@@ -241,16 +252,28 @@ enum HostChunk {
 }
 
 impl HostChunk {
-    /// `bytes` bytes, zero-filled: [`HugePinned`] from [`HUGE_PAGE`] up (a huge page keeps a
-    /// read of up to 2 MiB one physically contiguous DMA segment), else, or when that fails,
-    /// `cuMemHostAlloc(PORTABLE)`.
-    fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<HostChunk> {
-        if bytes >= HUGE_PAGE
-            && let Ok(h) = HugePinned::alloc(ctx, bytes)
-        {
-            return Ok(HostChunk::Huge(h));
+    /// `bytes` bytes, zero-filled: [`HugePinned`] from [`HUGE_PAGE`] up (a huge page usually
+    /// keeps a read of up to 2 MiB one physically contiguous DMA segment) unless `no_huge`,
+    /// else, or when that fails (which sets `no_huge`), `cuMemHostAlloc(PORTABLE)`.
+    fn alloc(ctx: &Arc<CudaContext>, bytes: usize, no_huge: &AtomicBool) -> Result<HostChunk> {
+        if bytes >= HUGE_PAGE && !no_huge.load(Ordering::Relaxed) {
+            match HugePinned::alloc(ctx, bytes) {
+                Ok(h) => return Ok(HostChunk::Huge(h)),
+                // Not again: a host that refuses it would pay for mapping and filling every
+                // chunk before the fallback.
+                Err(_) => no_huge.store(true, Ordering::Relaxed),
+            }
         }
         PinnedHostBuffer::alloc(ctx, bytes, HostAllocFlags::PORTABLE).map(HostChunk::Alloc)
+    }
+
+    /// The length in bytes, from the allocation (no reference to the bytes is made: a copy may
+    /// be writing them).
+    fn len(&self) -> usize {
+        match self {
+            HostChunk::Alloc(b) => b.len(),
+            HostChunk::Huge(b) => b.len(),
+        }
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -271,15 +294,7 @@ impl HostChunk {
     fn addresses(&self) -> (u64, usize, MemoryKind, Option<*mut u8>) {
         match self {
             HostChunk::Alloc(b) => (b.device_ptr(), b.ordinal(), b.kind(), b.host_ptr()),
-            HostChunk::Huge(b) => {
-                let a = b.allocation();
-                (
-                    a.device_ptr(),
-                    a.context().ordinal(),
-                    a.kind(),
-                    a.host_ptr(),
-                )
-            }
+            HostChunk::Huge(b) => (b.device_ptr(), b.ordinal(), b.kind(), b.host_ptr()),
         }
     }
 }
@@ -287,7 +302,7 @@ impl HostChunk {
 impl std::fmt::Debug for BounceChunk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BounceChunk")
-            .field("bytes", &self.buf.as_slice().len())
+            .field("bytes", &self.buf.len())
             .finish()
     }
 }
@@ -344,7 +359,7 @@ unsafe impl DeviceMemory for BounceChunk {
         self.buf.addresses().0
     }
     fn len(&self) -> usize {
-        self.buf.as_slice().len()
+        self.buf.len()
     }
     fn ordinal(&self) -> usize {
         self.buf.addresses().1
@@ -653,8 +668,20 @@ impl CopyEngine {
     ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
         let (after, chunk, ()) = prev.parts.as_ref().expect("parts present until taken");
         let after = after.as_ref().map(|f| f.event);
-        let host = chunk.buf.as_slice().as_ptr().wrapping_add(offset);
-        let checked = check_span(offset, len, chunk.len(), addr);
+        // The host address, not a slice: the chunk's previous copy may still be writing it.
+        let base = chunk.buf.addresses().3;
+        let host = base
+            .unwrap_or(std::ptr::null_mut())
+            .cast_const()
+            .wrapping_add(offset);
+        let checked = check_span(offset, len, chunk.len(), addr).and_then(|()| match base {
+            Some(_) => Ok(()),
+            None => Err(Error::invalid(
+                "chunk",
+                "no host address",
+                "a chunk is host memory",
+            )),
+        });
         let lane = self.lane(lane).clone();
         if let Err(error) = checked.and_then(|()| bind(&lane.ctx)) {
             return Err(Box::new(Refused {

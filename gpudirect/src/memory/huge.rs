@@ -1,5 +1,5 @@
 //! Pinned host memory on transparent huge pages, for bounce chunks of 2 MiB and more: anonymous
-//! memory mapped at a 2 MiB boundary, advised `MADV_HUGEPAGE` and `MADV_DONTFORK`, zero-filled
+//! memory mapped at a 2 MiB boundary, advised `MADV_HUGEPAGE` and `MADV_WIPEONFORK`, zero-filled
 //! (which faults it in), then pinned in place with `cuMemHostRegister`.
 //!
 //! Why: an `O_DIRECT` read goes to the device as one scatter list per request, one segment per
@@ -8,13 +8,14 @@
 //! `cuMemHostAlloc` held 1 to 234 runs each. The same raw 8-thread `O_DIRECT` loop ran
 //! 1.27 to 1.35x faster into buffers of 1 or 2 runs (huge pages, or `cuMemHostAlloc` chunks that
 //! happened to be contiguous), and the block layer merged far fewer of its requests. On a huge
-//! page, a read of up to 2 MiB is one run.
+//! page, a read of up to 2 MiB that stays within the page is one run (as long as the kernel keeps
+//! the page huge while it is pinned, which it usually does).
 //!
 //! Where the kernel gives no huge page (THP off, memory fragmented), the memory is ordinary
 //! pages, as fragmented as `cuMemHostAlloc`'s may be; it works the same.
 
 use super::alloc::{Allocation, Release};
-use super::{MemoryKind, Pod};
+use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
 use crate::driver;
 use crate::driver::ctx::bind;
 use crate::error::{Error, Result};
@@ -91,9 +92,16 @@ impl<T: Pod> HugePinned<T> {
     #[doc(alias = "cuMemHostRegister_v2")]
     pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let bytes = super::byte_size::<T>(len)?;
-        let span = bytes
-            .checked_next_multiple_of(4096)
-            .and_then(|b| b.checked_add(HUGE_PAGE))
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| p.is_power_of_two() && *p <= HUGE_PAGE)
+            .unwrap_or(4096);
+        let keep = bytes
+            .checked_next_multiple_of(page)
+            .ok_or_else(|| Error::invalid("len", len, "the mapping overflows"))?;
+        let span = keep
+            .checked_add(HUGE_PAGE)
             .ok_or_else(|| Error::invalid("len", len, "the mapping overflows"))?;
         crate::cuda::init()?;
         crate::completion::Tracker::global().reap();
@@ -114,20 +122,21 @@ impl<T: Pod> HugePinned<T> {
         }
         let base = p.cast::<u8>();
         let head = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
-        let keep = bytes.next_multiple_of(4096);
-        // SAFETY: `head < HUGE_PAGE`, so `head + keep <= span`: both cuts and the kept range lie
+        // SAFETY: `head < HUGE_PAGE` (mmap returns a page-aligned address), so `head + keep <= span`: both cuts and the kept range lie
         // in the mapping, which nothing else knows of yet.
         let host = unsafe {
             unmap(base, head);
             unmap(base.add(head + keep), span - head - keep);
             base.add(head)
         };
-        // Advice only: a kernel without THP or without MADV_DONTFORK refuses it, and the memory
-        // works the same (DONTFORK keeps a forked child from sharing pinned pages copy-on-write).
+        // Advice only: a kernel without THP (or before 4.14, without MADV_WIPEONFORK) refuses
+        // it, and the memory works the same. WIPEONFORK gives a forked child fresh zero pages at
+        // the same addresses: the parent's pinned pages are never shared copy-on-write, and the
+        // child finds memory, not a hole that a later mapping of its own could fill.
         // SAFETY: the kept range is our mapping.
         unsafe {
             libc::madvise(host.cast(), keep, libc::MADV_HUGEPAGE);
-            libc::madvise(host.cast(), keep, libc::MADV_DONTFORK);
+            libc::madvise(host.cast(), keep, libc::MADV_WIPEONFORK);
             std::ptr::write_bytes(host, 0, keep);
         }
         // SAFETY: context current; `host..host + keep` stays mapped, at the same address, until
@@ -148,11 +157,6 @@ impl<T: Pod> HugePinned<T> {
         Ok(HugePinned(unsafe { Allocation::new(dptr, len, ctx, how) }))
     }
 
-    /// The memory: its device address, context, kind and host address.
-    pub(crate) fn allocation(&self) -> &Allocation<T, HugeMapping> {
-        &self.0
-    }
-
     /// The elements.
     pub(crate) fn as_slice(&self) -> &[T] {
         // SAFETY: `len` initialised elements (zero-filled, `T: Pod`) in the live mapping; no
@@ -166,3 +170,27 @@ impl<T: Pod> HugePinned<T> {
         unsafe { std::slice::from_raw_parts_mut(self.0.how().host.cast(), self.0.len()) }
     }
 }
+
+// SAFETY: the allocation's guarantees (module `alloc`), which the value owns.
+unsafe impl<T: Pod> DeviceMemory for HugePinned<T> {
+    type Elem = T;
+    fn device_ptr(&self) -> u64 {
+        self.0.device_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn ordinal(&self) -> usize {
+        self.0.context().ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        self.0.kind()
+    }
+    fn host_ptr(&self) -> Option<*mut u8> {
+        self.0.host_ptr()
+    }
+}
+
+// SAFETY: references to the bytes exist only through `&self`/`&mut self` of the owner, which a
+// data path holding the value by value excludes.
+unsafe impl<T: Pod> DeviceMemoryMut for HugePinned<T> {}

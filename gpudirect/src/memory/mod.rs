@@ -88,7 +88,7 @@ mod copy;
 mod device;
 pub(crate) mod dmabuf;
 mod host;
-mod huge;
+pub(crate) mod huge;
 mod pod;
 mod pool;
 #[cfg(test)]

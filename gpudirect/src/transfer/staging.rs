@@ -14,11 +14,13 @@ use super::endpoint::{
 use super::region::{Buffer, LocalRange, Region};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
+use crate::memory::huge::{HUGE_PAGE, HugePinned};
 use crate::memory::{HostAllocFlags, PinnedHostBuffer};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-/// A ring of `slots` pinned host chunks of `chunk` bytes, registered with the engine.
+/// A ring of `slots` pinned host chunks of `chunk` bytes, registered with the engine: on huge
+/// pages from 2 MiB in all (as the bounce pool's chunks), `cuMemHostAlloc` memory below.
 pub(crate) struct Ring {
     region: Region,
     chunk: usize,
@@ -32,8 +34,22 @@ impl Ring {
         let bytes = chunk
             .checked_mul(slots)
             .ok_or_else(|| Error::invalid("staging_chunk", chunk, "times the slots overflows"))?;
-        let host = PinnedHostBuffer::<u8>::alloc(&ctx, bytes, HostAllocFlags::PORTABLE)?;
-        let region = ep.engine().register(Buffer::device(host)?)?;
+        // On huge pages from 2 MiB up, as the bounce pool's chunks: the NIC then reads and writes
+        // few physically contiguous runs; `cuMemHostAlloc` below that, or where that fails.
+        let huge = if bytes >= HUGE_PAGE {
+            HugePinned::<u8>::alloc(&ctx, bytes).ok()
+        } else {
+            None
+        };
+        let host = match huge {
+            Some(h) => Buffer::device(h)?,
+            None => Buffer::device(PinnedHostBuffer::<u8>::alloc(
+                &ctx,
+                bytes,
+                HostAllocFlags::PORTABLE,
+            )?)?,
+        };
+        let region = ep.engine().register(host)?;
         Ok(Ring {
             region,
             chunk,
