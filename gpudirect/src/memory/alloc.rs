@@ -213,9 +213,21 @@ impl<T: Pod, R: Release> std::fmt::Debug for Allocation<T, R> {
 }
 
 /// [`DeviceMemory`](super::DeviceMemory), [`DeviceMemoryMut`](super::DeviceMemoryMut) and `context()` for a thin
-/// memory type `$t<T: Pod>` whose only field is an [`Allocation`].
+/// memory type `$t<T: Pod>` whose only field is an [`Allocation`] (`$t, without_context`: the
+/// traits only).
 macro_rules! thin_memory {
     ($t:ident) => {
+        $crate::memory::alloc::thin_memory!($t, without_context);
+
+        impl<T: $crate::memory::Pod> $t<T> {
+            /// The context the memory belongs to (for host kinds: the one it was pinned in).
+            pub fn context(&self) -> &std::sync::Arc<cudarc::driver::CudaContext> {
+                self.0.context()
+            }
+        }
+    };
+    // The memory traits only, for a crate-private type.
+    ($t:ident, without_context) => {
         // SAFETY: the allocation's guarantees (module `alloc`), which the value owns.
         unsafe impl<T: $crate::memory::Pod> $crate::memory::DeviceMemory for $t<T> {
             type Elem = T;
@@ -243,13 +255,6 @@ macro_rules! thin_memory {
         // (a host view) does so only through `&self`/`&mut self` of its owner, which a data path
         // holding the value by value excludes.
         unsafe impl<T: $crate::memory::Pod> $crate::memory::DeviceMemoryMut for $t<T> {}
-
-        impl<T: $crate::memory::Pod> $t<T> {
-            /// The context the memory belongs to (for host kinds: the one it was pinned in).
-            pub fn context(&self) -> &std::sync::Arc<cudarc::driver::CudaContext> {
-                self.0.context()
-            }
-        }
     };
 }
 pub(crate) use thin_memory;

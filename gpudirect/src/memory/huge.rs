@@ -14,8 +14,8 @@
 //! Where the kernel gives no huge page (THP off, memory fragmented), the memory is ordinary
 //! pages, as fragmented as `cuMemHostAlloc`'s may be; it works the same.
 
-use super::alloc::{Allocation, Release};
-use super::{DeviceMemory, DeviceMemoryMut, MemoryKind, Pod};
+use super::alloc::{Allocation, Release, thin_memory};
+use super::{MemoryKind, Pod};
 use crate::driver;
 use crate::driver::ctx::bind;
 use crate::error::{Error, Result};
@@ -171,26 +171,4 @@ impl<T: Pod> HugePinned<T> {
     }
 }
 
-// SAFETY: the allocation's guarantees (module `alloc`), which the value owns.
-unsafe impl<T: Pod> DeviceMemory for HugePinned<T> {
-    type Elem = T;
-    fn device_ptr(&self) -> u64 {
-        self.0.device_ptr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn ordinal(&self) -> usize {
-        self.0.context().ordinal()
-    }
-    fn kind(&self) -> MemoryKind {
-        self.0.kind()
-    }
-    fn host_ptr(&self) -> Option<*mut u8> {
-        self.0.host_ptr()
-    }
-}
-
-// SAFETY: references to the bytes exist only through `&self`/`&mut self` of the owner, which a
-// data path holding the value by value excludes.
-unsafe impl<T: Pod> DeviceMemoryMut for HugePinned<T> {}
+thin_memory!(HugePinned, without_context);
