@@ -243,10 +243,11 @@ pub struct BounceChunk {
     pool: Arc<PoolInner>,
 }
 
-/// A chunk's memory: huge pages pinned in place from [`HUGE_PAGE`] up, where the kernel and the
+/// Pinned host memory for a device to read and write (a bounce chunk, the transfer engine's
+/// staging ring): huge pages pinned in place from [`HUGE_PAGE`] up, where the kernel and the
 /// driver allow; `cuMemHostAlloc` otherwise.
 #[derive(Debug)]
-enum HostChunk {
+pub(crate) enum HostChunk {
     Alloc(PinnedHostBuffer<u8>),
     Huge(HugePinned<u8>),
 }
@@ -255,7 +256,15 @@ impl HostChunk {
     /// `bytes` bytes, zero-filled: [`HugePinned`] from [`HUGE_PAGE`] up (a huge page usually
     /// keeps a read of up to 2 MiB one physically contiguous DMA segment) unless `no_huge`,
     /// else, or when that fails (which sets `no_huge`), `cuMemHostAlloc(PORTABLE)`.
-    fn alloc(ctx: &Arc<CudaContext>, bytes: usize, no_huge: &AtomicBool) -> Result<HostChunk> {
+    ///
+    /// # Errors
+    ///
+    /// As [`PinnedHostBuffer::alloc`].
+    pub(crate) fn alloc(
+        ctx: &Arc<CudaContext>,
+        bytes: usize,
+        no_huge: &AtomicBool,
+    ) -> Result<HostChunk> {
         if bytes >= HUGE_PAGE && !no_huge.load(Ordering::Relaxed) {
             match HugePinned::alloc(ctx, bytes) {
                 Ok(h) => return Ok(HostChunk::Huge(h)),
@@ -265,15 +274,6 @@ impl HostChunk {
             }
         }
         PinnedHostBuffer::alloc(ctx, bytes, HostAllocFlags::PORTABLE).map(HostChunk::Alloc)
-    }
-
-    /// The length in bytes, from the allocation (no reference to the bytes is made: a copy may
-    /// be writing them).
-    fn len(&self) -> usize {
-        match self {
-            HostChunk::Alloc(b) => b.len(),
-            HostChunk::Huge(b) => b.len(),
-        }
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -290,14 +290,38 @@ impl HostChunk {
         }
     }
 
-    /// The memory's device address, device and kind, and its host address.
-    fn addresses(&self) -> (u64, usize, MemoryKind, Option<*mut u8>) {
+    /// The memory, either kind.
+    fn mem(&self) -> &dyn DeviceMemory<Elem = u8> {
         match self {
-            HostChunk::Alloc(b) => (b.device_ptr(), b.ordinal(), b.kind(), b.host_ptr()),
-            HostChunk::Huge(b) => (b.device_ptr(), b.ordinal(), b.kind(), b.host_ptr()),
+            HostChunk::Alloc(b) => b,
+            HostChunk::Huge(b) => b,
         }
     }
 }
+
+// SAFETY: forwards to the allocation it owns, of either kind (each meets the trait's contract).
+unsafe impl DeviceMemory for HostChunk {
+    type Elem = u8;
+    fn device_ptr(&self) -> u64 {
+        self.mem().device_ptr()
+    }
+    fn len(&self) -> usize {
+        self.mem().len()
+    }
+    fn ordinal(&self) -> usize {
+        self.mem().ordinal()
+    }
+    fn kind(&self) -> MemoryKind {
+        self.mem().kind()
+    }
+    fn host_ptr(&self) -> Option<*mut u8> {
+        self.mem().host_ptr()
+    }
+}
+
+// SAFETY: references to the bytes exist only through `&self`/`&mut self` of the owner, which a
+// data path holding the value by value excludes.
+unsafe impl DeviceMemoryMut for HostChunk {}
 
 impl std::fmt::Debug for BounceChunk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -356,19 +380,19 @@ impl Drop for BounceChunk {
 unsafe impl DeviceMemory for BounceChunk {
     type Elem = u8;
     fn device_ptr(&self) -> u64 {
-        self.buf.addresses().0
+        self.buf.device_ptr()
     }
     fn len(&self) -> usize {
         self.buf.len()
     }
     fn ordinal(&self) -> usize {
-        self.buf.addresses().1
+        self.buf.ordinal()
     }
     fn kind(&self) -> MemoryKind {
-        self.buf.addresses().2
+        self.buf.kind()
     }
     fn host_ptr(&self) -> Option<*mut u8> {
-        self.buf.addresses().3
+        self.buf.host_ptr()
     }
 }
 
@@ -669,7 +693,7 @@ impl CopyEngine {
         let (after, chunk, ()) = prev.parts.as_ref().expect("parts present until taken");
         let after = after.as_ref().map(|f| f.event);
         // The host address, not a slice: the chunk's previous copy may still be writing it.
-        let base = chunk.buf.addresses().3;
+        let base = chunk.buf.host_ptr();
         let host = base
             .unwrap_or(std::ptr::null_mut())
             .cast_const()

@@ -88,7 +88,7 @@ mod copy;
 mod device;
 pub(crate) mod dmabuf;
 mod host;
-pub(crate) mod huge;
+mod huge;
 mod pod;
 mod pool;
 #[cfg(test)]
@@ -97,6 +97,8 @@ mod registered;
 mod vmm;
 
 pub use attributes::{MemoryType, PointerAttributes, pointer_attributes};
+#[cfg(feature = "transfer")]
+pub(crate) use bounce::HostChunk;
 pub use bounce::{
     BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
 };

@@ -14,9 +14,9 @@ use super::endpoint::{
 use super::region::{Buffer, LocalRange, Region};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
-use crate::memory::huge::{HUGE_PAGE, HugePinned};
-use crate::memory::{HostAllocFlags, PinnedHostBuffer};
+use crate::memory::HostChunk;
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 /// A ring of `slots` pinned host chunks of `chunk` bytes, registered with the engine: on huge
@@ -34,21 +34,9 @@ impl Ring {
         let bytes = chunk
             .checked_mul(slots)
             .ok_or_else(|| Error::invalid("staging_chunk", chunk, "times the slots overflows"))?;
-        // On huge pages from 2 MiB up, as the bounce pool's chunks: the NIC then reads and writes
-        // few physically contiguous runs; `cuMemHostAlloc` below that, or where that fails.
-        let huge = if bytes >= HUGE_PAGE {
-            HugePinned::<u8>::alloc(&ctx, bytes).ok()
-        } else {
-            None
-        };
-        let host = match huge {
-            Some(h) => Buffer::device(h)?,
-            None => Buffer::device(PinnedHostBuffer::<u8>::alloc(
-                &ctx,
-                bytes,
-                HostAllocFlags::PORTABLE,
-            )?)?,
-        };
+        // The bounce pool's memory: on huge pages from 2 MiB up, so the NIC reads and writes few
+        // physically contiguous runs (tried afresh for each ring).
+        let host = Buffer::device(HostChunk::alloc(&ctx, bytes, &AtomicBool::new(false))?)?;
         let region = ep.engine().register(host)?;
         Ok(Ring {
             region,
@@ -264,6 +252,7 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::{HostAllocFlags, PinnedHostBuffer};
     use proptest::prelude::*;
 
     proptest! {
