@@ -28,7 +28,9 @@
 #      loopback bench"): BENCH_RUNS (rounds per size, 1-99; default 2, 7 with BENCH_ONLY),
 #      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
 #      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside),
-#      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs).
+#      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs);
+#      the two-node transfer bench: BASE_TRANSFER (other builds of examples/transfer, benched beside
+#      it round by round, an A/B in one boot), PAIRS=0 (skip two-nodes.list, run only bench-pair).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -107,10 +109,18 @@ for b in ${BASE_PINGPONG:-}; do   # other builds of rdma_pingpong, benched besid
   [ -x "$b" ] || die "BASE_PINGPONG: $b is not an executable"
   n=$((n + 1)); cp "$b" "$BIN/rdma_pingpong_base$n"
 done
+n=0
+for b in ${BASE_TRANSFER:-}; do   # other builds of the transfer example, benched beside it
+  [ -x "$b" ] || die "BASE_TRANSFER: $b is not an executable"
+  n=$((n + 1)); cp "$b" "$BIN/transfer_base$n"
+done
 if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
-  while read -r _ label bin _; do build_one "$bin"; done < <(grep -E '^pair ' "$HERE/two-nodes.list")
-  grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
+  build_one transfer        # bench-pair's transfer bench
+  if [ "${PAIRS:-1}" != 0 ]; then
+    while read -r _ label bin _; do build_one "$bin"; done < <(grep -E '^pair ' "$HERE/two-nodes.list")
+    grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
+  fi
   echo "bench-pair" >> "$W/tests.list"
 fi
 for b in "$BIN"/*; do

@@ -303,13 +303,34 @@ ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END { if (NR) print a[int((NR+1)/2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}'; }
 TSPIN=   # extra arguments of both sides of ours_transfer (the latency setting)
+TBIN=transfer   # which build of the transfer example ours_transfer runs (transfer_baseN: BASE_TRANSFER)
 ours_transfer() {  # ours_transfer ARGS... -> the client's TRANSFER-BENCH line
-  $IP netns exec b timeout 120 transfer --bench --listen 7490 --device rxe_b0 $TSPIN > /tmp/tsrv.log 2>&1 &
+  $IP netns exec b timeout 120 $TBIN --bench --listen 7490 --device rxe_b0 $TSPIN > /tmp/tsrv.log 2>&1 &
   p=$!; wait_listen b 7490 $p
-  $IP netns exec a timeout 120 transfer --bench --connect 10.77.1.2:7490 --device rxe_a0 $TSPIN "$@" > /tmp/tcli.log 2>&1; c=$?
+  $IP netns exec a timeout 120 $TBIN --bench --connect 10.77.1.2:7490 --device rxe_a0 $TSPIN "$@" > /tmp/tcli.log 2>&1; c=$?
   wait $p; s=$?
-  [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
+  [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench ($TBIN) $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
   grep -h '^TRANSFER-BENCH' /tmp/tcli.log
+}
+# base_runs FIELD ARGS...: each other build (BASE_TRANSFER) once, right after ours; appends
+# "base=value" words to $bws and, per base, ours over it (or it over ours, for latency) to $brs.
+tbases=$(cd /usr/bin && ls transfer_base* 2>/dev/null | tr '\n' ' ')
+base_runs() {
+  f=$1; shift
+  for tb in $tbases; do
+    TBIN=$tb; l=$(ours_transfer "$@") || tok=1; TBIN=transfer
+    v=$(echo "$l" | sed -n "s/.* $f=\([0-9.]*\).*/\1/p")
+    bws="$bws ${tb#transfer_}=$v"
+    case $f in usec) r=$(ratio "$v" "$last");; *) r=$(ratio "$last" "$v");; esac
+    eval "brs_${tb#transfer_}=\"\$brs_${tb#transfer_} $r\""
+  done
+}
+base_summary() {  # one line per base: the median of ours' paired ratios against it
+  for tb in $tbases; do
+    b=${tb#transfer_}; eval "rs=\$brs_$b"
+    echo "RXE-BENCH transfer rail=0 $1 ours/$b paired_median=$(echo "$rs" | median) runs:[$rs ] (above 1: ours faster)"
+    eval "brs_$b="
+  done
 }
 pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, rail 0
   gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
@@ -326,22 +347,27 @@ bench_transfer() {
   for sz in 4096 65536 1048576; do
     it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
     pws=; ows=
+    bws=
     for rep in 1 2 3 4 5; do
       v=$(pt_pair 0 $sz $it) || tok=1; pws="$pws $v"
       l=$(ours_transfer --size $sz --bytes $((sz * it))) || tok=1
-      v=$(echo "$l" | sed -n 's/.* MBps=\([0-9.]*\).*/\1/p'); ows="$ows $v"
+      v=$(echo "$l" | sed -n 's/.* MBps=\([0-9.]*\).*/\1/p'); ows="$ows $v"; last=$v
+      base_runs MBps --size $sz --bytes $((sz * it))
     done
     pm=$(echo "$pws" | median); om=$(echo "$ows" | median)
-    echo "RXE-BENCH transfer rail=0 write_bw size=$sz perftest_MBps=${pm:-?} engine_MBps=${om:-?} ratio=$(ratio "$om" "$pm") runs: perftest[$pws ] engine[$ows ]"
+    echo "RXE-BENCH transfer rail=0 write_bw size=$sz perftest_MBps=${pm:-?} engine_MBps=${om:-?} ratio=$(ratio "$om" "$pm") runs: perftest[$pws ] engine[$ows ]${bws:+ bases[$bws ]}"
+    base_summary "write_bw size=$sz"
   done
-  pls=; ols=
+  pls=; ols=; bws=
   for rep in 1 2 3 4 5; do
     v=$(pt_lat_pair 500) || tok=1; pls="$pls $v"
     l=$(ours_transfer --lat --iters 500) || tok=1
-    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); ols="$ols $v"
+    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); ols="$ols $v"; last=$v
+    base_runs usec --lat --iters 500
   done
   pm=$(echo "$pls" | median); om=$(echo "$ols" | median)
-  echo "RXE-BENCH transfer rail=0 write_lat size=8 perftest_usec=${pm:-?} engine_usec=${om:-?} ratio(perftest/engine)=$(ratio "$pm" "$om") runs: perftest[$pls ] engine[$ols ]"
+  echo "RXE-BENCH transfer rail=0 write_lat size=8 perftest_usec=${pm:-?} engine_usec=${om:-?} ratio(perftest/engine)=$(ratio "$pm" "$om") runs: perftest[$pls ] engine[$ols ]${bws:+ bases[$bws ]}"
+  base_summary "write_lat size=8"
   # The same with the waiting thread polling for up to 5 ms first (EngineConfig::spin), as
   # ib_write_lat polls: the latency setting, not the default.
   sls=; TSPIN="--spin-us 5000"
