@@ -36,9 +36,15 @@ RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
 step "module layering (scripts/check-layers.py)"
 # Each file or sub-folder imports only those before it on its folder's line of scripts/layers.txt;
 # no two files of a module import each other, directly or through a longer cycle; the table's
-# forbidden pairs never meet. The checker's own tests first: each rule can fail.
+# forbidden pairs never meet. The checkers' own tests first (this one's and check-source's): each
+# rule can fail.
 python3 scripts/test_checks.py
 python3 scripts/check-layers.py gpudirect/src
+
+step "rules on the sources (scripts/check-source.py)"
+# Every thread the crate starts goes through driver::ctx::spawn_thread or spawn_scoped_thread. A
+# tier-0 check on the source tree: no test binary reads the sources (the GPU bundle has none).
+python3 scripts/check-source.py gpudirect/src
 
 step "cargo test (README's test command)"
 cargo test

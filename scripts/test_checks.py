@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Self-tests of check-layers.py: each rule fails where it should.
+"""Self-tests of check-layers.py and check-source.py: each rule fails where it should.
 
     python3 scripts/test_checks.py    # CI runs it before the checks themselves
 """
@@ -21,6 +21,7 @@ def load(name):
 
 
 layers = load("check-layers")
+source = load("check-source")
 
 
 class TempTree(unittest.TestCase):
@@ -184,6 +185,50 @@ class Layers(TempTree):
         bad, _ = self.run_check({"transfer/plan.rs": "use crate::memory;\n// super::wire::Frame\n"
                                  "#[cfg(test)]\nmod tests {\n    use super::super::wire::Frame;\n}\n"})
         self.assertEqual(bad, [])
+
+
+class Source(TempTree):
+    def starts(self, files):
+        base = {"lib.rs": "", "driver/ctx.rs": "pub fn spawn_thread() { std::thread::Builder::new().spawn(f) }\n"}
+        base.update(files)
+        self.write(base)
+        return source.thread_starts(self.src, min_files=0)[1]
+
+    def test_spawn_calls(self):
+        self.assertEqual(source.spawn_calls("a.spawn (x) spawn_thread(y) s.spawn_scoped(\n z)"), [2, 30])
+
+    def test_the_helpers_pass(self):
+        self.assertEqual(self.starts({}), [])
+
+    def test_every_other_thread_start_fails(self):
+        found = self.starts({
+            "a.rs": "fn f() {\n    std::thread::spawn(|| ());\n}\n",
+            "b.rs": "use std::thread::spawn as go;\nfn f() { let h = go; }\nfn g() { s.spawn_scoped\n    (scope, f); }\n",
+            "c.rs": "fn f() { let b = std::thread::Builder::new(); }\n",
+            "d.rs": "fn f() { scope.spawn   (|| 1); }\n",
+        })
+        self.assertEqual([f.split(os.sep)[-1] for f in found], [
+            "a.rs:2: std::thread::spawn(|| ());",
+            "b.rs:3: fn g() { s.spawn_scoped",
+            "c.rs:1: thread::Builder",
+            "d.rs:1: fn f() { scope.spawn   (|| 1); }",
+        ])
+
+    def test_the_tokio_task_is_the_one_exception(self):
+        found = self.starts({"rdma/async_qp.rs": "fn f() {\n    rt.spawn(run(x));\n    rt.spawn(other());\n}\n"})
+        self.assertEqual([f.split(os.sep)[-1] for f in found], ["async_qp.rs:3: rt.spawn(other());"])
+        found = self.starts({"rdma/other.rs": "fn f() {\n    rt.spawn(run(x));\n}\n"})
+        self.assertEqual(len(found), 1, found)
+
+    def test_comments_and_the_tests_module_are_left_out(self):
+        found = self.starts({"a.rs": "// std::thread::spawn(f)\nfn f() {} // spawn(g)\n"
+                             "#[cfg(test)]\nmod tests {\n    fn t() { std::thread::spawn(f); }\n}\n"})
+        self.assertEqual(found, [])
+
+    def test_too_few_files_is_an_error(self):
+        self.write({"lib.rs": ""})
+        with self.assertRaises(SystemExit):
+            source.thread_starts(self.src)
 
 
 if __name__ == "__main__":
