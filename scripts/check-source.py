@@ -8,15 +8,22 @@ lines) or a `thread::Builder` anywhere else in the crate's code fails. A file's 
 precedes its `#[cfg(test)]` / `mod tests {` block (rustfmt keeps it last); comments are left out.
 The one spawn that is not a thread (a task on the caller's tokio runtime) is named below.
 
-    check-source.py [SRC]    # SRC: gpudirect/src
+Build paths: no Rust code of the workspace (the crates, tests, benches, examples, their test
+modules included) bakes in a path of the build machine with `env!("CARGO_MANIFEST_DIR")` (or
+CARGO_MANIFEST_PATH, CARGO_TARGET_TMPDIR): the GPU bundle carries the binaries to a node where
+that path does not exist. Cargo sets CARGO_MANIFEST_DIR at run time for what it runs
+(`std::env::var_os`); a binary run elsewhere then finds it unset. Comments are left out.
 
-Exit 1 naming each call (file:line: code); otherwise one line saying what was checked.
+    check-source.py [ROOT]    # ROOT: the repository (the threads rule reads ROOT/gpudirect/src)
+
+Exit 1 naming each finding (file:line: code); otherwise one line per rule saying what was checked.
 """
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SRC = os.path.join(HERE, "..", "gpudirect", "src")
+DEFAULT_ROOT = os.path.join(HERE, "..")
 
 # Where spawning is the point: the helpers themselves.
 HELPER = ("driver", "ctx.rs")
@@ -56,10 +63,28 @@ def code_of(text):
 
 
 def rust_files(src):
+    """Every .rs file under src, build outputs (`target`) and hidden folders left out."""
     out = []
-    for root, _, names in os.walk(src):
+    for root, dirs, names in os.walk(src):
+        dirs[:] = [d for d in dirs if d != "target" and not d.startswith(".")]
         out.extend(os.path.join(root, n) for n in names if n.endswith(".rs"))
     return sorted(out)
+
+
+BUILD_PATH = re.compile(r'\b(?:option_)?env!\s*\(\s*"(CARGO_MANIFEST_DIR|CARGO_MANIFEST_PATH|CARGO_TARGET_TMPDIR)"')
+
+
+def build_paths(root):
+    """(number of files read, ["file:line: code"] for each path of the build machine baked in)."""
+    files = rust_files(root)
+    found = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            lines = [line.split("//")[0] for line in fh.read().split("\n")]
+        for no, line in enumerate(lines, 1):
+            if BUILD_PATH.search(line):
+                found.append(f"{f}:{no}: {line.strip()}")
+    return len(files), found
 
 
 def thread_starts(src, min_files=50):
@@ -93,14 +118,20 @@ def thread_starts(src, min_files=50):
 
 
 def main(argv):
-    src = os.path.normpath(argv[0] if argv else DEFAULT_SRC)
-    n, found = thread_starts(src)
-    if found:
+    root = os.path.normpath(argv[0] if argv else DEFAULT_ROOT)
+    n, threads = thread_starts(os.path.join(root, "gpudirect", "src"))
+    m, paths = build_paths(root)
+    if threads:
         print("threads started past driver::ctx::spawn_thread / spawn_scoped_thread:")
-        print("\n".join(found))
+        print("\n".join(threads))
+    if paths:
+        print("paths of the build machine baked into a binary (read std::env::var_os at run time):")
+        print("\n".join(paths))
+    if threads or paths:
         return 1
-    print(f"source ok: {n} files; threads start only through driver::ctx::spawn_thread and "
-          f"spawn_scoped_thread (besides them: the tokio task `{TOKIO_TASK[1]}` in {'/'.join(TOKIO_TASK[0])})")
+    print(f"threads ok: {n} files of gpudirect/src start threads only through driver::ctx::spawn_thread"
+          f" and spawn_scoped_thread (besides them: the tokio task `{TOKIO_TASK[1]}` in {'/'.join(TOKIO_TASK[0])})")
+    print(f"build paths ok: none of the workspace's {m} .rs files bakes in CARGO_MANIFEST_DIR or the like")
     return 0
 
 

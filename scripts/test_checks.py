@@ -225,6 +225,22 @@ class Source(TempTree):
                              "#[cfg(test)]\nmod tests {\n    fn t() { std::thread::spawn(f); }\n}\n"})
         self.assertEqual(found, [])
 
+    def test_a_path_of_the_build_machine_baked_in_fails(self):
+        self.write({
+            "gpudirect/src/a.rs": "#[cfg(test)]\nmod tests {\n    const D: &str = env!(\"CARGO_MANIFEST_DIR\");\n}\n",
+            "tests/b.rs": "fn d() -> PathBuf {\n    Path::new(env!( \"CARGO_MANIFEST_DIR\" )).join(\"x\")\n}\n",
+            "benches/c.rs": "const T: Option<&str> = option_env!(\"CARGO_TARGET_TMPDIR\");\n",
+            "examples/d.rs": "// env!(\"CARGO_MANIFEST_DIR\") in a comment\nfn d() { std::env::var_os(\"CARGO_MANIFEST_DIR\"); }\n",
+            "target/debug/build/e.rs": "const D: &str = env!(\"CARGO_MANIFEST_DIR\");\n",
+        })
+        n, found = source.build_paths(self.src)
+        self.assertEqual(n, 4)
+        self.assertEqual([os.path.relpath(f, self.src) for f in found], [
+            "benches/c.rs:1: const T: Option<&str> = option_env!(\"CARGO_TARGET_TMPDIR\");",
+            "gpudirect/src/a.rs:3: const D: &str = env!(\"CARGO_MANIFEST_DIR\");",
+            "tests/b.rs:2: Path::new(env!( \"CARGO_MANIFEST_DIR\" )).join(\"x\")",
+        ])
+
     def test_too_few_files_is_an_error(self):
         self.write({"lib.rs": ""})
         with self.assertRaises(SystemExit):
