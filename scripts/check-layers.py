@@ -283,8 +283,8 @@ def folder_deps(tree, allow=()):
     """{folder: {entry: {entries of the same folder it imports}}}, and one example import per
     entry pair: {(folder, a, b): (module, target)}. Imports in `allow` are left out."""
     deps, example = {}, {}
-    for mod, tgts in tree.edges.items():
-        for t in tgts:
+    for mod, tgts in sorted(tree.edges.items()):
+        for t in sorted(tgts):
             if (mod, t) in allow:
                 continue
             n = 0
@@ -410,7 +410,7 @@ def check(src, table_path):
     for a, b in forbid:
         ma, mb = under(a), under(b)
         pair = f"{'/'.join(a)} <-> {'/'.join(b)}"
-        idle = [ "/".join(p) for p, ms in ((a, ma), (b, mb)) if not ms]
+        idle = ["/".join(p) for p, ms in ((a, ma), (b, mb)) if not ms]
         if idle:
             report.append(f"  forbid {pair}: idle ({', '.join(idle)}: no such module yet)")
             continue
