@@ -34,9 +34,18 @@ step "cargo doc"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps
 
 step "module layering (scripts/check-layers.py)"
-# A module imports only modules above it (the order is in the script); no two files of a module
-# import each other, directly or through a longer cycle.
+# Each file or sub-folder imports only those before it on its folder's line of scripts/layers.txt;
+# no two files of a module import each other, directly or through a longer cycle; the table's
+# forbidden pairs never meet. The checkers' own tests first (this one's and check-source's): each
+# rule can fail.
+python3 scripts/test_checks.py
 python3 scripts/check-layers.py gpudirect/src
+
+step "rules on the sources (scripts/check-source.py)"
+# Every thread the crate starts goes through driver::ctx::spawn_thread or spawn_scoped_thread; no
+# binary bakes in a path of this machine (env!("CARGO_MANIFEST_DIR")). Tier-0 checks on the source
+# tree: no test binary reads the sources (the GPU bundle runs them where there are none).
+python3 scripts/check-source.py
 
 step "cargo test (README's test command)"
 cargo test

@@ -2,9 +2,11 @@
 //! without a GPU. Each check runs in a child process (the library may abort or hang without
 //! libcuda: 1.20's `cuFileDriverOpen` hangs), with a time limit.
 //!
-//! The wheels are fetched with pip into `target/cufile-wheels/` when absent
-//! (`tests/support/cufile-wheel.sh` does the same by hand); without pip (or a network) the test
-//! prints `SKIPPED: reason`. `GPUDIRECT_CUFILE_WHEEL_DIR` points at an already unpacked set.
+//! Under cargo the wheels are fetched with pip into the checkout's `target/cufile-wheels/` when
+//! absent (`tests/support/cufile-wheel.sh` does the same by hand), in one quick try; without pip
+//! (or a network) the test prints `SKIPPED: reason`. `GPUDIRECT_CUFILE_WHEEL_DIR` points at an
+//! already unpacked set. Outside cargo (the GPU bundle) there is no checkout: without that
+//! variable the test skips at once, fetching nothing.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -12,10 +14,21 @@ use std::time::{Duration, Instant};
 
 const CHILD_ENV: &str = "GPUDIRECT_WHEEL_TEST_CHILD";
 
-fn wheel_dir() -> PathBuf {
-    std::env::var_os("GPUDIRECT_CUFILE_WHEEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/cufile-wheels"))
+/// `GPUDIRECT_CUFILE_WHEEL_DIR`, else `target/cufile-wheels` of the checkout cargo runs this test
+/// from (cargo sets `CARGO_MANIFEST_DIR` for the tests it runs). The path the checkout had at
+/// build time means nothing where the binary is carried to (the GPU bundle).
+fn wheel_dir() -> Result<PathBuf, String> {
+    if let Some(d) = std::env::var_os("GPUDIRECT_CUFILE_WHEEL_DIR") {
+        return Ok(PathBuf::from(d));
+    }
+    match std::env::var_os("CARGO_MANIFEST_DIR") {
+        Some(d) => Ok(Path::new(&d).join("target/cufile-wheels")),
+        None => Err(
+            "not run by cargo (no checkout to fetch them into), and GPUDIRECT_CUFILE_WHEEL_DIR is \
+             not set"
+                .into(),
+        ),
+    }
 }
 
 fn find(dir: &Path, name: &str, out: &mut Vec<PathBuf>) {
@@ -34,7 +47,7 @@ fn find(dir: &Path, name: &str, out: &mut Vec<PathBuf>) {
 
 /// The unpacked `libcufile.so.0` of each wheel, fetching them when absent.
 fn libraries() -> Result<Vec<PathBuf>, String> {
-    let dir = wheel_dir();
+    let dir = wheel_dir()?;
     let mut libs = Vec::new();
     find(&dir, "libcufile.so.0", &mut libs);
     if libs.len() >= 2 {
@@ -42,8 +55,10 @@ fn libraries() -> Result<Vec<PathBuf>, String> {
     }
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     for pkg in ["nvidia-cufile", "nvidia-cufile-cu12"] {
+        // One try with a short timeout: without a network, pip's retries took seconds to fail.
         let st = Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--quiet", pkg, "-d"])
+            .args(["-m", "pip", "download", "--no-deps", "--quiet"])
+            .args(["--retries", "0", "--timeout", "3", pkg, "-d"])
             .arg(&dir)
             .stdout(Stdio::null())
             .status()
