@@ -1,7 +1,7 @@
 //! The decision rules: from a gathered report to advice in plain words, and each section's
 //! one-line verdict. Pure functions of the report, so they are tested with fake reports.
 
-use super::health::health_advice;
+use super::health_advice::health_advice;
 use super::model::{
     Advice, AsyncSection, CudaSection, EnvSetting, GpuAsync, NodeReport, P2pSection, RdmaSection,
     StorageSection, say,

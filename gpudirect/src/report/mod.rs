@@ -23,6 +23,7 @@ mod advice;
 mod files;
 mod gather;
 mod health;
+mod health_advice;
 mod model;
 mod paths;
 #[cfg(feature = "rdma")]

@@ -244,7 +244,7 @@ pub(super) fn cufile_config(path: &str, source: &str) -> CufileConfig {
 
 /// A problem with the value of a setting the report checks, in words; `None` when the value is
 /// one the consumer accepts.
-pub(super) fn setting_problem(name: &str, value: &str) -> Option<String> {
+pub fn setting_problem(name: &str, value: &str) -> Option<String> {
     let v = value.trim();
     let int = v.parse::<i64>().ok();
     match name {

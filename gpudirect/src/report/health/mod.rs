@@ -7,7 +7,6 @@
 //! [`SystemPaths`] and an [`NvmlSource`], so [`gather_health`] runs on fake trees in tests. The
 //! PCIe/NUMA placement of GPUs and NICs it builds on is [`crate::topology`].
 
-mod advice;
 mod checks;
 mod kernel;
 mod limits;
@@ -26,9 +25,8 @@ pub use nvlink::{
 };
 
 // For the rest of the report (health is a private module: these are not public API).
-pub use advice::health_advice;
 pub use checks::health_unavailable;
-pub use limits::{human_bytes, memlock_limits};
+pub use limits::{human_bytes, memlock_limits, setting_problem};
 pub use model::gpu_ordinal_of;
 pub use nvlink::open_nvml;
 pub use pcie::{domain_translates, parse_link_speed};

@@ -1,9 +1,10 @@
 //! Advice from the health checks, in plain words: one item per finding.
 
-use super::super::model::{Advice, NodeReport, say};
-use super::limits::{human_bytes, setting_problem};
-use super::model::{PcieLink, Requirement, gpu_ordinal_of as gpu_ordinal};
-use super::pcie::{domain_translates, parse_link_speed};
+use super::health::{
+    PcieLink, Requirement, domain_translates, gpu_ordinal_of as gpu_ordinal, human_bytes,
+    parse_link_speed, setting_problem,
+};
+use super::model::{Advice, NodeReport, say};
 
 fn unmet(r: &Requirement) -> String {
     r.checks
