@@ -731,8 +731,8 @@ mod tests {
         use crate::memory::DeviceBuffer;
         // A pipelined caller moves each copy's `InFlight` several times (into its queue, out,
         // through the wait). Up to 128 bytes the compiler moves it with a few vector stores;
-        // above, each move is a call to `memcpy`: on a CPU with a stub driver that was 13 of
-        // 83 ns of bookkeeping per copy.
+        // above, each move is a call to `memcpy`, a noticeable share of a copy's bookkeeping
+        // (docs/p2p.md).
         type Op = PeerCopyInFlight<Arc<DeviceBuffer<u8>>, DeviceBuffer<u8>>;
         assert!(
             std::mem::size_of::<Op>() <= 128,

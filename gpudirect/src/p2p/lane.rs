@@ -107,9 +107,9 @@ impl CopyDriver for Real {
         // that stream waits on an event recorded in the capturing one, which a lane never does
         // (it waits only on the copier's own staging lanes). So it is never capturing, and the
         // two `cuStreamIsCapturing` calls per copy (most of the fixed cost of a small pipelined
-        // copy, measured on two H200s) are not made. `Real` serves only lanes over the copier's
-        // own streams; the check itself stays in the path (`capture::enqueue_with`), so a driver
-        // for another kind of stream answers through `capture::is_capturing`.
+        // copy: docs/p2p.md) are not made. `Real` serves only lanes over the copier's own
+        // streams; the check itself stays in the path (`capture::enqueue_with`), so a driver for
+        // another kind of stream answers through `capture::is_capturing`.
         Ok(false)
     }
 

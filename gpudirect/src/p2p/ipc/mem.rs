@@ -218,7 +218,7 @@ fn pool_refusal(origin: Option<bool>) -> Error {
 /// Dropping it calls `cuIpcCloseMemHandle` without synchronizing: work that uses it owns it (in
 /// an [`InFlight`](crate::completion::InFlight) or the tracker) until that work has completed, so
 /// nothing of ours still uses the mapping when it is dropped. The driver's unmap itself waits for
-/// the device like `cuMemFree` does (seen on an H200): do not drop an import while a stream of the
+/// the device like `cuMemFree` does (docs/p2p.md): do not drop an import while a stream of the
 /// same context is blocked on something only this thread releases. In a forked child it leaks.
 #[derive(Debug)]
 #[doc(alias = "cuIpcOpenMemHandle")]
