@@ -19,7 +19,9 @@ excuses a cycle or a forbidden pair, and an `allow:` that excuses nothing is an 
 A parent's `mod x;` and `pub use x::...` re-exports are not references; anything else a file names
 (`crate::a::b`, `super::x`, `self::x`, `x::` for a child) is. A name a module brings in with `use`
 counts as what it names too: `super::Fence`, where the parent has `pub use fence::Fence`, also
-references fence. Code after a file's `#[cfg(test)] mod tests {` is left out (tests reach anywhere).
+references fence. Code after a file's `#[cfg(test)] mod tests {` is left out, and so are modules
+declared only for tests (`#[cfg(test)] mod proptests;`): tests reach anywhere. They are still
+entries of the table.
 
     check-layers.py [SRC] [--table FILE]   # SRC: gpudirect/src; FILE: layers.txt beside this script
 
@@ -153,7 +155,16 @@ class Tree:
         # The names each module's `use` lines bind (pub or not: descendants see both).
         self.bound = {m: {name: segs for segs, name, _, _ in us if name}
                       for m, us in self.uses.items()}
+        self.test_only = self._test_only()
         self.edges, self.why = self._edges()
+
+    def _test_only(self):
+        """Modules their parent declares only for tests (`#[cfg(test)] mod x;`,
+        `#[cfg(all(test, ...))] mod x;`), with their descendants: test code, which may reach
+        anywhere, as a file's own `mod tests`."""
+        pat = re.compile(r"#\[cfg\((?:test|all\(test\b[^\]]*\))\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;")
+        roots = {m + (name,) for m, text in self.files.items() for name in pat.findall(text)}
+        return {m for m in self.modules if any(m[: len(r)] == r for r in roots)}
 
     def resolve(self, mod, segs, depth=0):
         """The modules that path `segs`, seen from module `mod`, names: the longest known one, and
@@ -192,13 +203,15 @@ class Tree:
         edges = {m: set() for m in self.modules}
         why = {}
         for mod in self.modules:
+            if mod in self.test_only:
+                continue
             paths = [(segs, is_pub, text) for segs, _, is_pub, text in self.uses[mod]]
             paths += [(segs, False, text) for segs, text in inline_paths(self.files[mod])]
             for segs, is_pub, text in paths:
                 if segs and segs[-1] == "*":
                     segs = segs[:-1]
                 for tgt in self.resolve(mod, segs):
-                    if tgt == mod:
+                    if tgt == mod or tgt in self.test_only:
                         continue
                     if is_pub and tgt[: len(mod)] == mod:
                         continue  # a parent re-exporting a descendant

@@ -15,8 +15,9 @@ use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// The most operations one `cuStreamBatchMemOp_v2` call takes (the limit seen on the H200);
-/// longer batches are split into calls of at most this many, queued in order on the stream.
+/// The most operations one `cuStreamBatchMemOp_v2` call takes (the limit the driver was seen to
+/// take: `docs/soundness.md`); longer batches are split into calls of at most this many, queued
+/// in order on the stream.
 pub const MAX_BATCH_MEM_OPS: usize = 255;
 
 /// The symbols the memory operations need.
@@ -231,7 +232,7 @@ enum Backing {
 /// [`MemopFlags`] remembers the latest [`StreamFence`] of every stream that used it; its drop
 /// waits (bounded) for them and leaks the memory when it cannot prove they completed.
 ///
-/// Deadlock hazard (driver behaviour, seen on the H200): `cuMemFree` and `cuMemFreeHost`
+/// Deadlock hazard (driver behaviour, docs/p2p.md): `cuMemFree` and `cuMemFreeHost`
 /// synchronize the device. While a stream waits on a word that thread T will set, T must not free
 /// CUDA memory (drop a buffer, or let [`crate::completion::Tracker::reap`] or an allocation reap
 /// one): the free waits for the stream, which waits for T. Allocate before queueing the wait and

@@ -1,6 +1,6 @@
 //! Devices (`cuDevice*`), read without creating a context.
 
-use super::named;
+use super::named::named;
 use crate::error::{Error, Result, cu};
 use cudarc::driver::{result, sys};
 

@@ -1,6 +1,6 @@
 //! Events (`cuEvent*`).
 
-use super::named;
+use super::named::named;
 use crate::error::{Result, cu};
 use cudarc::driver::{result, sys};
 

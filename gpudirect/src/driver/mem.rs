@@ -1,6 +1,6 @@
 //! Device and pinned host memory, copies and address ranges (`cuMem*`).
 
-use super::named;
+use super::named::named;
 use crate::error::{Result, cu};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;

@@ -81,7 +81,7 @@ pub(crate) unsafe fn write_value64(
 /// # Safety
 ///
 /// As the module docs say, for the word of every operation; `stream` is live; `ops.len()` is at
-/// most the driver's limit (255 on the H200).
+/// most the driver's limit (`cuda::MAX_BATCH_MEM_OPS`).
 pub(crate) unsafe fn batch(
     stream: sys::CUstream,
     ops: &mut [sys::CUstreamBatchMemOpParams],

@@ -22,10 +22,12 @@ mod code;
 pub(crate) mod ctx;
 pub(crate) mod device;
 pub(crate) mod event;
+mod init;
 #[cfg(feature = "p2p")]
 pub(crate) mod ipc;
 pub(crate) mod mem;
 pub(crate) mod memop;
+mod named;
 #[cfg(feature = "p2p")]
 pub(crate) mod peer;
 pub(crate) mod pointer;
@@ -36,21 +38,5 @@ pub(crate) mod vmm;
 
 #[cfg(feature = "storage")]
 pub(crate) use code::error_name;
-
-use crate::error::{Result, cu, from_driver};
-use cudarc::driver::DriverError;
-
-/// A value from cudarc's `result` layer, its error named after the C function `call`.
-fn named<T>(call: &'static str, r: std::result::Result<T, DriverError>) -> Result<T> {
-    r.map_err(|e| from_driver(call, e))
-}
-
-/// `cuInit(0)`—Initialise the driver API for this process.
-///
-/// # Safety
-///
-/// Only the presence check of the module docs.
-pub(crate) unsafe fn init() -> Result<()> {
-    // SAFETY: flags 0; libcuda is present (the caller's).
-    cu("cuInit", unsafe { cudarc::driver::sys::cuInit(0) })
-}
+pub(crate) use init::init;
+pub(crate) use named::named;

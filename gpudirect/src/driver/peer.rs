@@ -1,6 +1,6 @@
 //! Peer access between devices and copies between their contexts.
 
-use super::named;
+use super::named::named;
 use crate::error::{Result, cu};
 use cudarc::driver::{result, sys};
 

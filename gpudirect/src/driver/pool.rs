@@ -1,6 +1,6 @@
 //! Stream-ordered memory pools (`cuMemPool*`, `cuMemAllocFromPoolAsync`).
 
-use super::named;
+use super::named::named;
 use crate::error::{Error, Result, cu};
 use cudarc::driver::{result, sys};
 

@@ -1,6 +1,6 @@
 //! Streams (`cuStream*`, `cuLaunchHostFunc`).
 
-use super::named;
+use super::named::named;
 use crate::error::{Result, cu};
 use cudarc::driver::{result, sys};
 

@@ -187,9 +187,9 @@ pub fn enable_peer_access_both(a: usize, b: usize) -> Result<(Enabled, Enabled)>
 /// stream-ordered memory pool that owns `ptr` (pool memory, such as a cudarc `CudaSlice`).
 ///
 /// Without this grant, a copy between pool memory and a peer device does not use the peer mapping:
-/// the driver stages it (37 GB/s instead of 390 GB/s measured on NVLink H200s), even with peer
-/// access enabled. Returns `true` when this call granted it, `false` when it was already granted
-/// (or `peer` owns the pool).
+/// the driver stages it, at a fraction of the peer path's rate, even with peer access enabled.
+/// Returns `true` when this call granted it, `false` when it was already granted (or `peer` owns
+/// the pool).
 ///
 /// # Errors
 ///

@@ -1,7 +1,7 @@
 //! Typed peer copies between device buffers, blocking and asynchronous, on the true path.
 
 use super::access::{self, PeerAccessRefusal};
-use super::lane::{Lane, Real, Route};
+use super::lane::{Lane, LaneParts, Real, Route};
 use super::path::CopyPath;
 use super::staging::{Failed, Stager};
 use crate::completion::{InFlight, StreamFence, Tracker};
@@ -232,14 +232,16 @@ impl Copier {
             Route::Staged => Some(Stager::new(src, dst, opts.chunk_bytes, opts.slots)?),
             _ => None,
         };
-        let lane = Lane::new(
-            (src, dst),
-            (src_ctx.cu_ctx(), dst_ctx.cu_ctx()),
-            stream.cu_stream(),
+        let lane = Lane::new(LaneParts {
+            src,
+            dst,
+            src_ctx: src_ctx.cu_ctx(),
+            dst_ctx: dst_ctx.cu_ctx(),
+            stream: stream.cu_stream(),
             route,
-            path,
-            opts.grant_access,
-        );
+            planned: path,
+            grant: opts.grant_access,
+        });
         Ok(Copier {
             src,
             dst,
@@ -729,8 +731,8 @@ mod tests {
         use crate::memory::DeviceBuffer;
         // A pipelined caller moves each copy's `InFlight` several times (into its queue, out,
         // through the wait). Up to 128 bytes the compiler moves it with a few vector stores;
-        // above, each move is a call to `memcpy`: on a CPU with a stub driver that was 13 of
-        // 83 ns of bookkeeping per copy.
+        // above, each move is a call to `memcpy`, a noticeable share of a copy's bookkeeping
+        // (docs/p2p.md).
         type Op = PeerCopyInFlight<Arc<DeviceBuffer<u8>>, DeviceBuffer<u8>>;
         assert!(
             std::mem::size_of::<Op>() <= 128,

@@ -107,9 +107,9 @@ impl CopyDriver for Real {
         // that stream waits on an event recorded in the capturing one, which a lane never does
         // (it waits only on the copier's own staging lanes). So it is never capturing, and the
         // two `cuStreamIsCapturing` calls per copy (most of the fixed cost of a small pipelined
-        // copy, measured on two H200s) are not made. `Real` serves only lanes over the copier's
-        // own streams; the check itself stays in the path (`capture::enqueue_with`), so a driver
-        // for another kind of stream answers through `capture::is_capturing`.
+        // copy: docs/p2p.md) are not made. `Real` serves only lanes over the copier's own
+        // streams; the check itself stays in the path (`capture::enqueue_with`), so a driver for
+        // another kind of stream answers through `capture::is_capturing`.
         Ok(false)
     }
 
@@ -247,19 +247,40 @@ unsafe impl Send for Lane {}
 // SAFETY: as above; the only mutable state is behind a mutex.
 unsafe impl Sync for Lane {}
 
+/// What a lane is made of: its devices, contexts, stream and planned path.
+pub(crate) struct LaneParts {
+    /// The source device.
+    pub(crate) src: usize,
+    /// The destination device.
+    pub(crate) dst: usize,
+    /// The source device's context (the one `stream` belongs to).
+    pub(crate) src_ctx: sys::CUcontext,
+    /// The destination device's context.
+    pub(crate) dst_ctx: sys::CUcontext,
+    /// The stream copies are queued on.
+    pub(crate) stream: sys::CUstream,
+    /// How copies are queued.
+    pub(crate) route: Route,
+    /// The path reported when nothing about the buffers changes it.
+    pub(crate) planned: CopyPath,
+    /// Grant pool and VMM memory the peer's access rather than only check it.
+    pub(crate) grant: bool,
+}
+
 impl Lane {
-    /// A lane from device `src` to `dst` queueing on `stream` (of `src_ctx`), taking `route`
-    /// (reported as `planned` when nothing about the buffers changes it); `grant`: grant pool
-    /// and VMM memory the peer's access rather than only check it.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        (src, dst): (usize, usize),
-        (src_ctx, dst_ctx): (sys::CUcontext, sys::CUcontext),
-        stream: sys::CUstream,
-        route: Route,
-        planned: CopyPath,
-        grant: bool,
-    ) -> Lane {
+    /// A lane from device `parts.src` to `parts.dst`, queueing on `parts.stream`; it remembers
+    /// no grant yet.
+    pub(crate) fn new(parts: LaneParts) -> Lane {
+        let LaneParts {
+            src,
+            dst,
+            src_ctx,
+            dst_ctx,
+            stream,
+            route,
+            planned,
+            grant,
+        } = parts;
         Lane {
             src,
             dst,
@@ -687,14 +708,16 @@ mod tests {
             _ => CopyPath::Peer,
         };
         let ctx = |o: usize| (if o == 0 { CTX0 } else { CTX1 }) as sys::CUcontext;
-        Lane::new(
-            (src, dst),
-            (ctx(src), ctx(dst)),
-            0x3000 as sys::CUstream,
+        Lane::new(LaneParts {
+            src,
+            dst,
+            src_ctx: ctx(src),
+            dst_ctx: ctx(dst),
+            stream: 0x3000 as sys::CUstream,
             route,
             planned,
             grant,
-        )
+        })
     }
 
     /// One copy as the copier makes it: the path, then the enqueue.

@@ -70,7 +70,7 @@ proptest! {
 
     #[test]
     fn ipc_import_ranges(offset in addr(), bytes in addr(), size in addr(), align in 0u64..64) {
-        let r = crate::p2p::ipc::check_import_range("handle.offset", offset, bytes, size, align);
+        let r = crate::p2p::ipc::handle::check_import_range("handle.offset", offset, bytes, size, align);
         if r.is_ok() {
             prop_assert!(offset.checked_add(bytes).is_some_and(|e| e <= size));
             prop_assert!(align <= 1 || offset % align == 0);

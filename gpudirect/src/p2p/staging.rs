@@ -18,9 +18,10 @@
 //!
 //! Sizes: the ring holds `slots` chunks of `chunk_bytes` (by default 4 of 8 MiB, 32 MiB pinned
 //! per copier). Two chunks keep both directions busy; the other two absorb the jitter of the
-//! stream waits, so a direction never idles while the other finishes. An 8 MiB chunk takes about
-//! 160 µs at 50 GB/s, far above the few microseconds of driver calls that queue it, and a 256
-//! MiB copy fills and drains the two-stage pipeline in one chunk's time (3%).
+//! stream waits, so a direction never idles while the other finishes. An 8 MiB chunk takes far
+//! longer on the host link than the few microseconds of driver calls that queue it, and a 256
+//! MiB copy fills and drains the two-stage pipeline in one chunk's time (1/32 of the copy; see
+//! docs/p2p.md).
 
 use crate::completion::StreamFence;
 use crate::completion::capture::Refused;

@@ -430,10 +430,8 @@ impl AsyncCq {
     /// within it is seen without a wake-up (no channel event, no task switch), at the cost of
     /// that much CPU of the polling thread (an executor thread) per wait. At most 1 ms.
     ///
-    /// Measured in the Soft-RoCE VM (`tests/rdma_async.rs`), an 8-byte send/receive round trip
-    /// awaited through the channel cost 1.31x the blocking poll's median without a spin (6.2x
-    /// in a noisier run), 1.12x with a 200 µs spin; through the completion thread 1.36x, and
-    /// 1.18x with the spin.
+    /// A spin brings an awaited round trip closer to the blocking poll's (`tests/rdma_async.rs`
+    /// measures both; `docs/benches.md` has the figures).
     pub fn spin(&self, spin: Duration) {
         let ns = spin.min(Duration::from_millis(1)).as_nanos() as u64;
         self.disp.spin_ns.store(ns, Ordering::Relaxed);

@@ -283,6 +283,28 @@ unsafe impl<S: Send> Send for GpuMemoryRegion<S> {}
 // SAFETY: shared access hands out `&S` only (`memory`), which `S: Sync` allows.
 unsafe impl<S: Sync> Sync for GpuMemoryRegion<S> {}
 
+/// What one path's verbs call registered: `len` bytes addressed from `addr` with `access`, and
+/// the offset inside the dma-buf when the path was dma-buf.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    addr: u64,
+    len: usize,
+    access: AccessFlags,
+    dmabuf_offset: Option<u64>,
+}
+
+impl Span {
+    /// What `ibv_reg_dmabuf_mr` registered with `args`.
+    fn dmabuf(args: DmabufRegArgs) -> Span {
+        Span {
+            addr: args.iova,
+            len: args.len,
+            access: args.access,
+            dmabuf_offset: Some(args.offset),
+        }
+    }
+}
+
 /// A registration made by one path: the region, the source inside its owner, and the dma-buf
 /// offset when the path was dma-buf.
 struct Registered<S> {
@@ -297,19 +319,21 @@ impl<S> Registered<S> {
     ///
     /// # Safety
     ///
-    /// `mr` was just registered in `pd` over `len` bytes addressed from `addr`, and the memory
-    /// it covers stays valid while `owner` lives.
-    #[allow(clippy::too_many_arguments)]
+    /// `mr` was just registered in `pd` over `span.len` bytes addressed from `span.addr`, and the
+    /// memory it covers stays valid while `owner` lives.
     unsafe fn new<O: Send + 'static>(
         pd: &ProtectionDomain,
         mr: std::ptr::NonNull<ibv::ibv_mr>,
-        addr: u64,
-        len: usize,
-        access: AccessFlags,
+        span: Span,
         owner: Box<O>,
         src: impl FnOnce(&O) -> &S,
-        dmabuf_offset: Option<u64>,
     ) -> Self {
+        let Span {
+            addr,
+            len,
+            access,
+            dmabuf_offset,
+        } = span;
         // A stable heap address: the box's contents do not move with it.
         let src = std::ptr::NonNull::from(src(&owner));
         // SAFETY: the caller's contract; `addr` is an IOVA or device pointer, never dereferenced.
@@ -454,12 +478,9 @@ impl ProtectionDomain {
                 Registered::new(
                     self,
                     mr,
-                    args.iova,
-                    args.len,
-                    args.access,
+                    Span::dmabuf(args),
                     Box::new(DmabufOwner { _fd: fd, _src: s }),
                     |o| &o._src,
-                    Some(args.offset),
                 )
             }),
             Err(e @ Error::Unsupported { .. }) => Err((s, GpuMrRefusal::Unsupported(e))),
@@ -500,18 +521,7 @@ impl ProtectionDomain {
         let mr = self.reg_dmabuf(l, export.fd(), args)?;
         // SAFETY: `mr` was just registered in this PD over `args.len` bytes addressed from
         // `args.iova`; the owner keeps the fd and the memory until after dereg.
-        let reg = unsafe {
-            Registered::new(
-                self,
-                mr,
-                args.iova,
-                args.len,
-                args.access,
-                Box::new(export),
-                |o| o,
-                Some(args.offset),
-            )
-        };
+        let reg = unsafe { Registered::new(self, mr, Span::dmabuf(args), Box::new(export), |o| o) };
         Ok(GpuMemoryRegion::new(
             reg,
             GpuMrPath::DmaBuf,
@@ -539,12 +549,16 @@ impl ProtectionDomain {
                 access.bits() as i32,
             )
         };
+        let span = Span {
+            addr,
+            len,
+            access,
+            dmabuf_offset: None,
+        };
         match nonnull("ibv_reg_mr", p) {
             // SAFETY: registered just now in this PD over exactly these bytes; the owner holds
             // the memory until after dereg.
-            Ok(mr) => Ok(unsafe {
-                Registered::new(self, mr, addr, len, access, Box::new(s), |o| o, None)
-            }),
+            Ok(mr) => Ok(unsafe { Registered::new(self, mr, span, Box::new(s), |o| o) }),
             Err(e) => Err((s, GpuMrRefusal::Failed(e))),
         }
     }

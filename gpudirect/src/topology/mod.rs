@@ -10,18 +10,14 @@
 //! as [`NVML_LIB`] by the P2P link matrix and the node report).
 
 mod affinity;
-#[cfg(any(feature = "p2p", feature = "report"))]
 mod nvml;
 mod pci;
 mod placement;
 
 pub use affinity::{Affinity, Meeting, MeetingPoint};
+pub use nvml::NVML_LIB;
 pub use pci::{PciLocation, SYSFS_ROOT, nic_names, nic_pci_address, normalize_bus_id};
 pub use placement::{NicPlacement, Placement};
 
 #[cfg(any(feature = "p2p", feature = "report"))]
 pub(crate) use nvml::open_nvml;
-
-/// The file name NVML is opened as (driver-only nodes have it; no development package needed).
-/// `GPUDIRECT_NVML_PATH` names another file, tried first.
-pub const NVML_LIB: &str = "libnvidia-ml.so.1";

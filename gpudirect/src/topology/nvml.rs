@@ -1,8 +1,12 @@
-//! NVML, opened one way for the P2P link matrix (NVLink wiring) and the node report (NVLink
-//! health).
+//! NVML: the file it is opened as, and the one way it is opened for the P2P link matrix (NVLink
+//! wiring) and the node report (NVLink health).
 
-use super::NVML_LIB;
+#[cfg(any(feature = "p2p", feature = "report"))]
 use std::ffi::OsStr;
+
+/// The file name NVML is opened as (driver-only nodes have it; no development package needed).
+/// `GPUDIRECT_NVML_PATH` names another file, tried first.
+pub const NVML_LIB: &str = "libnvidia-ml.so.1";
 
 /// `GPUDIRECT_NVML_PATH` when set, then [`NVML_LIB`] by the loader's search, then the same file
 /// beside the libcuda that was loaded (driver directories are not always on the path).
@@ -10,6 +14,7 @@ use std::ffi::OsStr;
 /// # Errors
 ///
 /// Why NVML is not usable, naming the last file tried.
+#[cfg(any(feature = "p2p", feature = "report"))]
 #[doc(alias = "nvmlInit_v2")]
 pub(crate) fn open_nvml() -> Result<nvml_wrapper::Nvml, String> {
     let mut tried: Vec<std::ffi::OsString> = Vec::new();

@@ -1,6 +1,6 @@
 //! `cuIpcGetEventHandle`/`cuIpcOpenEventHandle`: events that order work across processes.
 
-use super::{to_bytes, to_chars};
+use super::handle::{to_bytes, to_chars};
 use crate::completion::Fence;
 use crate::cuda::{self, Stream};
 use crate::driver::{self, ctx::bind, event, ipc};
@@ -15,7 +15,7 @@ const IPC_EVENT_FLAGS: u32 = 0x2 | 0x4;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct IpcEventHandle {
-    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
+    #[cfg_attr(feature = "serde", serde(with = "super::handle::hex64"))]
     handle: [u8; 64],
 }
 

@@ -1,6 +1,6 @@
 //! `cuIpcGetMemHandle`/`cuIpcOpenMemHandle`: `cuMemAlloc` memory shared with another process.
 
-use super::{check_bus_id, check_elem_size, check_imported, to_bytes, to_chars};
+use super::handle::{check_bus_id, check_elem_size, check_imported, to_bytes, to_chars};
 use crate::cuda;
 use crate::driver;
 use crate::error::{Error, Result};
@@ -16,7 +16,7 @@ use cudarc::driver::sys;
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct IpcMemHandle {
     /// `CUipcMemHandle`'s 64 bytes (128 hex digits when serialized).
-    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
+    #[cfg_attr(feature = "serde", serde(with = "super::handle::hex64"))]
     handle: [u8; 64],
     /// Bytes from the allocation's base to the buffer.
     pub offset: u64,
@@ -218,7 +218,7 @@ fn pool_refusal(origin: Option<bool>) -> Error {
 /// Dropping it calls `cuIpcCloseMemHandle` without synchronizing: work that uses it owns it (in
 /// an [`InFlight`](crate::completion::InFlight) or the tracker) until that work has completed, so
 /// nothing of ours still uses the mapping when it is dropped. The driver's unmap itself waits for
-/// the device like `cuMemFree` does (seen on an H200): do not drop an import while a stream of the
+/// the device like `cuMemFree` does (docs/p2p.md): do not drop an import while a stream of the
 /// same context is blocked on something only this thread releases. In a forked child it leaks.
 #[derive(Debug)]
 #[doc(alias = "cuIpcOpenMemHandle")]

@@ -5,7 +5,7 @@
 //! The device's default pool (cudarc's `CudaSlice`) cannot do this: it has no shareable handle
 //! type. Allocate what you share from an [`IpcPool`].
 
-use super::{check_elem_size, check_imported};
+use super::handle::{check_elem_size, check_imported};
 use crate::cuda::{self, Stream};
 use crate::driver::{self, pool};
 use crate::error::{Error, Result};
@@ -268,7 +268,7 @@ impl Drop for IpcPool {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct PoolPtrHandle {
-    #[cfg_attr(feature = "serde", serde(with = "super::hex64"))]
+    #[cfg_attr(feature = "serde", serde(with = "super::handle::hex64"))]
     data: [u8; 64],
     /// The allocation's size in bytes.
     pub bytes: u64,

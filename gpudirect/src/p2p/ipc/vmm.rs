@@ -1,7 +1,7 @@
 //! VMM memory shared by POSIX file descriptor: `cuMemExportToShareableHandle` and
 //! `cuMemImportFromShareableHandle`, the descriptor passed with [`super::send_fd`].
 
-use super::{check_bus_id, check_elem_size};
+use super::handle::{check_bus_id, check_elem_size};
 use crate::cuda;
 use crate::driver::{self, vmm};
 use crate::error::{Error, Result};

@@ -1,10 +1,10 @@
 //! NVLink per link: state, version, speed, the remote end and error counters through NVML,
 //! behind a small trait so tests answer for NVML; and which links are degraded.
 //!
-//! A healthy link counts CRC errors and corrects them (H200s show a few dozen per link with no
-//! replay and no recovery), so CRC counts are shown, not flagged. A link is degraded when it is
-//! down while others are up, when its replay or recovery counter is above zero, or when any of
-//! its counters grows while the probe's own copies run.
+//! A healthy link counts CRC errors and corrects them, with no replay and no recovery
+//! (docs/probe-schema.md gives the counts seen), so CRC counts are shown, not flagged. A link is
+//! degraded when it is down while others are up, when its replay or recovery counter is above
+//! zero, or when any of its counters grows while the probe's own copies run.
 
 use super::model::{NvlinkErrors, NvlinkGpu, NvlinkHealth, NvlinkLink};
 use crate::topology::normalize_bus_id;
@@ -270,8 +270,8 @@ impl NvlinkCounters {
 }
 
 /// Whether the replay or recovery counter grew from `before` to `after`. CRC counters are left
-/// out: on healthy H200 links the corrected CRC data count grows with traffic (seen during the
-/// probe's own copies), so its growth says nothing about the link. `None` when neither counter
+/// out: on healthy links the corrected CRC data count grows with traffic (the probe's own copies
+/// made it grow), so its growth says nothing about the link. `None` when neither counter
 /// can be compared (not counted either time), or when one went down without the other growing
 /// (the counters were reset meanwhile: growth cannot be told).
 pub(super) fn grew(before: &NvlinkErrors, after: &NvlinkErrors) -> Option<bool> {
@@ -437,7 +437,8 @@ mod tests {
         }
     }
 
-    /// A link as the H200s answered: up, speed unknown, remote `ffff:ff:ff.0`, CRC data counts.
+    /// A link as NVML answered on a real node: up, speed unknown, remote `ffff:ff:ff.0`, CRC data
+    /// counts.
     fn h200_link(link: u32, crc_data: u64) -> NvlinkReading {
         NvlinkReading {
             link,
