@@ -1,7 +1,8 @@
 //! The cuFile driver: opened once per process, on the first [`Driver::open`], and never closed.
 
-use super::{check, sys};
+use super::status::{check, cufile_error};
 use crate::error::{Error, Result};
+use gpudirect_sys::cufile as sys;
 use std::ffi::CString;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -190,7 +191,7 @@ impl Driver {
             .with_lock(std::process::id(), |_| unsafe {
                 self.lib.driver_properties()
             })?
-            .map_err(|e| super::cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
+            .map_err(|e| cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
         Ok(DriverProperties {
             nvfs_version: (p.nvfs.major_version, p.nvfs.minor_version),
             poll_threshold_kib: p.nvfs.poll_thresh_size,

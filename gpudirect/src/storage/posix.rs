@@ -53,6 +53,7 @@
 //! The copies are behind the crate-private [`Staging`] trait, so the chunking, the threads and
 //! the pipelining are tested on host memory (a test-only staging) without a GPU.
 
+use super::range::{OFF_MAX, check_file_range, clamp_read, read_outcome};
 use super::workers::{Job, Workers};
 use crate::error::{Error, Result};
 use crate::memory::{BounceChunk, BouncePool, ChunkCopy, CopyEngine};
@@ -427,7 +428,7 @@ pub(crate) fn direct_span(
 ) -> Option<(u64, usize, usize)> {
     let a = DIRECT_ALIGN as u64;
     let end = start.checked_add(len as u64)?;
-    if end > super::OFF_MAX {
+    if end > OFF_MAX {
         return None;
     }
     let a_start = start - start % a;
@@ -900,7 +901,7 @@ pub(crate) fn check_transfer(
     file_offset: u64,
     len: usize,
 ) -> Result<()> {
-    super::check_file_range(file_offset, len)?;
+    check_file_range(file_offset, len)?;
     match addr.checked_add(len as u64) {
         Some(_) => Ok(()),
         None => Err(Error::invalid(
@@ -1006,7 +1007,7 @@ unsafe fn read_planned<S: Staging>(
 ) -> Result<usize> {
     check_transfer("dst", dst, file_offset, len)?;
     let bounce_len = cfg.bounce_len()?;
-    let want = super::clamp_read(file_offset, len, file_size);
+    let want = clamp_read(file_offset, len, file_size);
     if want == 0 {
         return Ok(0);
     }
@@ -1034,7 +1035,7 @@ unsafe fn read_planned<S: Staging>(
         usize::try_from(short.saturating_sub(file_offset)).map_or(want, |n| n.min(want))
     };
     match file_size {
-        Some(_) => super::read_outcome("pread", file_offset, want, Ok(got)),
+        Some(_) => read_outcome("pread", file_offset, want, Ok(got)),
         None => Ok(got),
     }
 }
