@@ -24,15 +24,16 @@
 //!
 //! How the storage path and the staged peer copy use them: [`CopyEngine`]'s docs.
 
+use super::host::{HostAllocFlags, PinnedHostBuffer};
 use super::huge::{HUGE_PAGE, HugePinned};
-use super::{DeviceMemory, DeviceMemoryMut, HostAllocFlags, MemoryKind, PinnedHostBuffer};
+use super::kind::{DeviceMemory, DeviceMemoryMut};
 use crate::completion::capture::{self, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
 #[cfg(any(test, feature = "p2p"))]
 use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::{Error, Result};
+use crate::error::{Error, MemoryKind, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -14,11 +14,11 @@
 //! Where the kernel gives no huge page (THP off, memory fragmented), the memory is ordinary
 //! pages, as fragmented as `cuMemHostAlloc`'s may be; it works the same.
 
-use super::alloc::{Allocation, Release, thin_memory};
-use super::{MemoryKind, Pod};
+use super::alloc::{Allocation, Release, byte_size, thin_memory};
+use super::pod::Pod;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::{Error, Result};
+use crate::error::{Error, MemoryKind, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -91,7 +91,7 @@ impl<T: Pod> HugePinned<T> {
     #[doc(alias = "mmap")]
     #[doc(alias = "cuMemHostRegister_v2")]
     pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
-        let bytes = super::byte_size::<T>(len)?;
+        let bytes = byte_size::<T>(len)?;
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
             .ok()
