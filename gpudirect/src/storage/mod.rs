@@ -73,7 +73,6 @@ mod io;
 mod posix;
 mod range;
 mod status;
-mod workers;
 
 pub use async_io::{AsyncIo, AsyncIoFuture, AsyncResources};
 pub use auto::{Durability, GdsFile, IoPath, Mode, PathReason, PathTaken, Transfer};
