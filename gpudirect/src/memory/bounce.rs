@@ -594,6 +594,17 @@ pub(crate) enum Dir {
     D2h,
 }
 
+/// One copy through a chunk: `len` bytes between byte `offset` of the chunk and device address
+/// `addr`, in direction `dir`, on lane `lane % lanes` of the engine that queues it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Leg {
+    pub(crate) dir: Dir,
+    pub(crate) lane: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) addr: u64,
+}
+
 impl CopyEngine {
     /// `lanes` new non-blocking streams on `ctx` (`cuStreamCreate`).
     ///
@@ -666,8 +677,8 @@ impl CopyEngine {
         &self.inner.lanes[lane % self.inner.lanes.len()]
     }
 
-    /// Queue one copy of `len` bytes between byte `offset` of the chunk `prev` owns and device
-    /// address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
+    /// Queue `leg`, one copy of `len` bytes between byte `offset` of the chunk `prev` owns and
+    /// device address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
     /// has one), through the graph-capture protocol for a private stream
     /// ([`capture::enqueue_private`]), and record its
     /// fence. `prev`'s own fence goes back to its lane: the stream wait keeps the record it saw.
@@ -681,16 +692,18 @@ impl CopyEngine {
     ///
     /// `addr..addr + len` is memory this device's copies may read (`D2h`) or write (`H2d`),
     /// valid and not accessed by anyone else until the returned copy has completed.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn queue(
         &self,
-        dir: Dir,
-        lane: usize,
         prev: ChunkCopy,
-        offset: usize,
-        len: usize,
-        addr: u64,
+        leg: Leg,
     ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
+        let Leg {
+            dir,
+            lane,
+            offset,
+            len,
+            addr,
+        } = leg;
         let (after, chunk, ()) = prev.parts.as_ref().expect("parts present until taken");
         let after = after.as_ref().map(|f| f.event);
         // The host address, not a slice: the chunk's previous copy may still be writing it.
@@ -781,8 +794,15 @@ impl CopyEngine {
         dst: u64,
     ) -> Result<ChunkCopy> {
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::H2d,
+            lane,
+            offset,
+            len,
+            addr: dst,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::H2d, lane, idle, offset, len, dst) }.map_err(|r| r.error)
+        unsafe { self.queue(idle, leg) }.map_err(|r| r.error)
     }
 
     /// Queue a copy of `len` bytes from device address `src` into `chunk` at byte `offset`, on
@@ -807,8 +827,15 @@ impl CopyEngine {
         src: u64,
     ) -> Result<ChunkCopy> {
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::D2h,
+            lane,
+            offset,
+            len,
+            addr: src,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::D2h, lane, idle, offset, len, src) }.map_err(|r| r.error)
+        unsafe { self.queue(idle, leg) }.map_err(|r| r.error)
     }
 
     /// Check that `mem` belongs to this engine's device and that `offset..offset + len` lies in
@@ -864,12 +891,16 @@ impl CopyEngine {
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&dst, dst_offset, len)?;
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::H2d,
+            lane,
+            offset: chunk_offset,
+            len,
+            addr,
+        };
         // SAFETY: the range lies in `dst` (checked), which the returned copy owns until it has
         // completed (or which is leaked); `DeviceMemoryMut` means nobody else references it.
-        holding(
-            unsafe { self.queue(Dir::H2d, lane, idle, chunk_offset, len, addr) },
-            dst,
-        )
+        holding(unsafe { self.queue(idle, leg) }, dst)
     }
 
     /// Queue a copy of `len` bytes of `src` from byte `src_offset` into `chunk` at byte
@@ -890,12 +921,16 @@ impl CopyEngine {
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&src, src_offset, len)?;
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::D2h,
+            lane,
+            offset: chunk_offset,
+            len,
+            addr,
+        };
         // SAFETY: the range lies in `src` (checked), which the returned copy owns until it has
         // completed (or which is leaked); shared holders (`Arc`) only read it.
-        holding(
-            unsafe { self.queue(Dir::D2h, lane, idle, chunk_offset, len, addr) },
-            src,
-        )
+        holding(unsafe { self.queue(idle, leg) }, src)
     }
 }
 
@@ -1021,9 +1056,9 @@ impl ChunkCopy {
         self.wait().map(|(c, ())| c)
     }
 
-    /// Queue the next copy through this chunk: `len` bytes between byte `offset` of the chunk
-    /// and device address `addr`, in direction `dir`, on lane `lane` of `engine` (any device's:
-    /// the chunk is pinned for every context), after this copy (a stream wait on its event: the
+    /// Queue the next copy through this chunk, `leg`: `len` bytes between byte `offset` of the
+    /// chunk and device address `addr`, in direction `dir`, on lane `lane` of `engine` (any
+    /// device's: the chunk is pinned for every context), after this copy (a stream wait on its event: the
     /// host does not block). The returned copy owns the chunk until its own fence completes.
     ///
     /// # Errors
@@ -1038,19 +1073,14 @@ impl ChunkCopy {
     ///
     /// `addr..addr + len` is memory `engine`'s device may read (`D2h`) or write (`H2d`), valid
     /// and not accessed by anyone else until the returned copy has completed.
-    #[allow(clippy::too_many_arguments)]
     #[cfg(any(test, feature = "p2p"))]
     pub(crate) unsafe fn then(
         self,
-        dir: Dir,
         engine: &CopyEngine,
-        lane: usize,
-        offset: usize,
-        len: usize,
-        addr: u64,
+        leg: Leg,
     ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
         // SAFETY: forwarded from the caller.
-        unsafe { engine.queue(dir, lane, self, offset, len, addr) }
+        unsafe { engine.queue(self, leg) }
     }
 
     /// Make `stream` wait for this copy (`cuStreamWaitEvent`, through the graph-capture check):
@@ -1172,9 +1202,16 @@ mod tests {
         ];
         let mut c = ChunkCopy::idle(pool.take().unwrap());
         for (dir, lane, addr) in steps {
+            let leg = Leg {
+                dir,
+                lane,
+                offset: 0,
+                len: half,
+                addr,
+            };
             // SAFETY: `a` and `b` outlive the copies (waited below) and nothing else touches
             // them.
-            c = unsafe { c.then(dir, &engine, lane, 0, half, addr) }
+            c = unsafe { c.then(&engine, leg) }
                 .map_err(|r| r.error)
                 .unwrap();
         }

@@ -106,7 +106,7 @@ pub use bounce::{
     BOUNCE_ALIGN, BounceChunk, BouncePool, ChunkCopy, CopyEngine, MAX_CHUNK_BYTES, MAX_LANES,
 };
 #[cfg(feature = "p2p")]
-pub(crate) use bounce::{Dir, SHARED_LANES, check_chunk_bytes};
+pub(crate) use bounce::{Dir, Leg, SHARED_LANES, check_chunk_bytes};
 pub use copy::{CopyInFlight, copy, copy_async, copy_from_host, copy_to_host};
 pub use device::DeviceBuffer;
 pub use dmabuf::{DmaBuf, check_dmabuf_export, export_dmabuf};

@@ -3,7 +3,7 @@
 
 use super::driver::Driver;
 use super::file::{DirectIo, FileHandle, OpenOptions, fd_len};
-use super::posix::{self, GpuStaging, PosixConfig, PosixFile};
+use super::posix::{self, GpuStaging, PosixConfig, PosixFile, Request};
 use super::range::{OFF_MAX, check_io, file_size};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
@@ -360,12 +360,14 @@ impl GdsFile {
                 unsafe {
                     posix::read_to_device(
                         |b| GpuStaging::for_device(ordinal, b),
-                        &cfg,
-                        &self.posix_file(path.direct),
+                        Request {
+                            cfg: &cfg,
+                            file: &self.posix_file(path.direct),
+                            file_offset,
+                            addr: dst.device_ptr().wrapping_add(dst_offset as u64),
+                            len,
+                        },
                         file_size(self.buffered.as_fd())?,
-                        file_offset,
-                        dst.device_ptr().wrapping_add(dst_offset as u64),
-                        len,
                     )
                 }?
             }
@@ -442,11 +444,13 @@ impl GdsFile {
                 unsafe {
                     posix::write_from_device(
                         |b| GpuStaging::for_device(ordinal, b),
-                        &cfg,
-                        &self.posix_file(path.direct),
-                        file_offset,
-                        src.device_ptr().wrapping_add(src_offset as u64),
-                        len,
+                        Request {
+                            cfg: &cfg,
+                            file: &self.posix_file(path.direct),
+                            file_offset,
+                            addr: src.device_ptr().wrapping_add(src_offset as u64),
+                            len,
+                        },
                     )
                 }?
             }

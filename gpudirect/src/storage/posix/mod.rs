@@ -66,4 +66,4 @@ pub use config::{POSIX_ENV, PosixConfig};
 pub(crate) use stage::GpuStaging;
 pub use sys::DIRECT_ALIGN;
 pub(crate) use sys::PosixFile;
-pub(crate) use transfer::{read_to_device, write_from_device};
+pub(crate) use transfer::{Request, read_to_device, write_from_device};

@@ -203,29 +203,37 @@ pub(crate) fn check_transfer(
     }
 }
 
-/// Run one transfer cut as `plan` says (its length too) on `threads` threads (fewer when it has
-/// fewer chunks).
-#[allow(clippy::too_many_arguments)]
+/// What a read or a write moves: `len` bytes between the file at `file_offset` (through `file`'s
+/// descriptors) and device address `addr` (a read's destination, a write's source), cut and
+/// overlapped as `cfg` says.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Request<'a> {
+    pub(crate) cfg: &'a PosixConfig,
+    pub(crate) file: &'a PosixFile<'a>,
+    pub(crate) file_offset: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+}
+
+/// Run one transfer of `req` cut as `plan` says (its length too, which replaces `req.len`) on
+/// `threads` threads (fewer when it has fewer chunks).
 fn run<S: Staging>(
     staging: S,
     read: bool,
-    cfg: &PosixConfig,
+    req: &Request<'_>,
     plan: Plan,
     threads: usize,
-    file: &PosixFile<'_>,
-    file_offset: u64,
-    addr: u64,
 ) -> Result<Arc<Transfer<S>>> {
     let n_chunks = plan.chunks();
     let t = Arc::new(Transfer {
         staging,
         read,
-        fds: Fds::of(file),
-        file_offset,
-        addr,
+        fds: Fds::of(req.file),
+        file_offset: req.file_offset,
+        addr: req.addr,
         plan,
-        bounce_len: cfg.bounce_len()?,
-        depth: cfg.depth,
+        bounce_len: req.cfg.bounce_len()?,
+        depth: req.cfg.depth,
         n_chunks,
         next: AtomicUsize::new(0),
         failed: AtomicBool::new(false),
@@ -244,36 +252,32 @@ fn run<S: Staging>(
     Ok(t)
 }
 
-/// Read `len` bytes at `file_offset` to device address `dst`; returns bytes read. The read is
-/// limited to `file_size` (the file's size when it starts; `None` for a file whose size is not
+/// Read `req.len` bytes at `req.file_offset` to device address `req.addr`; returns bytes read.
+/// The read is limited to `file_size` (the file's size when it starts; `None` for a file whose size is not
 /// known, read until `pread` says end of file), so it is short only at end of file and leaves
 /// every device byte past the count unchanged. `staging(bounce_len)` makes the staging once the
 /// arguments are checked and there is something to read.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a bad `cfg` or a range past `off_t` or the address space;
-/// [`Error::Os`] from `pread`; [`Error::FileShrank`] when the file shrank below `file_size`
+/// [`Error::InvalidArgument`] for a bad `req.cfg` or a range past `off_t` or the address space
+/// (naming `dst`); [`Error::Os`] from `pread`; [`Error::FileShrank`] when the file shrank below `file_size`
 /// meanwhile; the staging's errors. Every copy started has finished when this returns.
 ///
 /// # Safety
 ///
-/// `dst..dst + len` must be device memory (of the staging's device) that is live, writable and
-/// not accessed by anything else until this returns; the descriptors stay open until then.
+/// `req.addr..req.addr + req.len` must be device memory (of the staging's device) that is live,
+/// writable and not accessed by anything else until this returns; the descriptors stay open
+/// until then.
 #[doc(alias = "pread")]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn read_to_device<S: Staging>(
     staging: impl FnOnce(usize) -> Result<S>,
-    cfg: &PosixConfig,
-    file: &PosixFile<'_>,
+    req: Request<'_>,
     file_size: Option<u64>,
-    file_offset: u64,
-    dst: u64,
-    len: usize,
 ) -> Result<usize> {
     let ramp = ramp_from_env()?;
     // SAFETY: the caller's.
-    unsafe { read_planned(ramp, staging, cfg, file, file_size, file_offset, dst, len) }
+    unsafe { read_planned(ramp, staging, req, file_size) }
 }
 
 /// [`read_to_device`], with the ramp of [`Plan::for_read`] on or off.
@@ -285,17 +289,19 @@ pub(crate) unsafe fn read_to_device<S: Staging>(
 /// # Safety
 ///
 /// As [`read_to_device`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn read_planned<S: Staging>(
     ramp: bool,
     staging: impl FnOnce(usize) -> Result<S>,
-    cfg: &PosixConfig,
-    file: &PosixFile<'_>,
+    req: Request<'_>,
     file_size: Option<u64>,
-    file_offset: u64,
-    dst: u64,
-    len: usize,
 ) -> Result<usize> {
+    let Request {
+        cfg,
+        file,
+        file_offset,
+        addr: dst,
+        len,
+    } = req;
     check_transfer("dst", dst, file_offset, len)?;
     let bounce_len = cfg.bounce_len()?;
     let want = clamp_read(file_offset, len, file_size);
@@ -309,16 +315,7 @@ unsafe fn read_planned<S: Staging>(
         (cfg.threads, cfg.chunk)
     };
     let plan = Plan::for_read(ramp, direct, chunk, want, threads);
-    let t = run(
-        staging(bounce_len)?,
-        true,
-        cfg,
-        plan,
-        threads,
-        file,
-        file_offset,
-        dst,
-    )?;
+    let t = run(staging(bounce_len)?, true, &req, plan, threads)?;
     let short = t.short_at.load(Ordering::Relaxed);
     let got = if short == u64::MAX {
         want
@@ -331,30 +328,33 @@ unsafe fn read_planned<S: Staging>(
     }
 }
 
-/// Write `len` bytes from device address `src` to the file at `file_offset`; returns `len`.
-/// Chunks go through `file.direct` (`O_DIRECT`, on `direct_threads` threads) where it is given
+/// Write `req.len` bytes from device address `req.addr` to the file at `req.file_offset`;
+/// returns `req.len`. Chunks go through `req.file.direct` (`O_DIRECT`, on `direct_threads` threads) where it is given
 /// and the chunk is aligned, through the buffered descriptor otherwise (on `write_threads`
 /// threads when no `O_DIRECT` descriptor is given).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] for a bad `cfg` or a range past `off_t` or the address space;
-/// [`Error::Os`] from `pwrite`; the staging's errors. Every copy started has finished when this
+/// [`Error::InvalidArgument`] for a bad `req.cfg` or a range past `off_t` or the address space
+/// (naming `src`); [`Error::Os`] from `pwrite`; the staging's errors. Every copy started has finished when this
 /// returns.
 ///
 /// # Safety
 ///
-/// `src..src + len` must be device memory (of the staging's device) that is live and not
-/// written by anything else until this returns; the descriptors stay open until then.
+/// `req.addr..req.addr + req.len` must be device memory (of the staging's device) that is live
+/// and not written by anything else until this returns; the descriptors stay open until then.
 #[doc(alias = "pwrite")]
 pub(crate) unsafe fn write_from_device<S: Staging>(
     staging: impl FnOnce(usize) -> Result<S>,
-    cfg: &PosixConfig,
-    file: &PosixFile<'_>,
-    file_offset: u64,
-    src: u64,
-    len: usize,
+    req: Request<'_>,
 ) -> Result<usize> {
+    let Request {
+        cfg,
+        file,
+        file_offset,
+        addr: src,
+        len,
+    } = req;
     check_transfer("src", src, file_offset, len)?;
     let bounce_len = cfg.bounce_len()?;
     if len == 0 {
@@ -368,12 +368,9 @@ pub(crate) unsafe fn write_from_device<S: Staging>(
     run(
         staging(bounce_len)?,
         false,
-        cfg,
+        &req,
         Plan::flat(cfg.chunk, len),
         threads,
-        file,
-        file_offset,
-        src,
     )?;
     Ok(len)
 }
@@ -420,6 +417,23 @@ mod tests {
         PosixFile {
             buffered: fd.as_fd(),
             direct: None,
+        }
+    }
+
+    /// The request for `len` bytes between `file` at `file_offset` and stand-in address `addr`.
+    fn req<'a>(
+        cfg: &'a PosixConfig,
+        file: &'a PosixFile<'a>,
+        file_offset: u64,
+        addr: u64,
+        len: usize,
+    ) -> Request<'a> {
+        Request {
+            cfg,
+            file,
+            file_offset,
+            addr,
+            len,
         }
     }
 
@@ -483,12 +497,8 @@ mod tests {
             read_planned(
                 ramp,
                 |b| staging.with_bounce(b),
-                &cfg,
-                &file,
+                req(&cfg, &file, fo, dst_off as u64, len),
                 Some(file_bytes.len() as u64),
-                fo,
-                dst_off as u64,
-                len,
             )
         }
         .unwrap();
@@ -582,12 +592,8 @@ mod tests {
         let n = unsafe {
             read_to_device(
                 |b| staging.with_bounce(b),
-                &cfg(1, 16384, 3),
-                &file,
+                req(&cfg(1, 16384, 3), &file, 0, 0, 1 << 20),
                 Some(1 << 20),
-                0,
-                0,
-                1 << 20,
             )
         }
         .unwrap();
@@ -614,12 +620,8 @@ mod tests {
         let n = unsafe {
             read_to_device(
                 |b| staging.with_bounce(b),
-                &cfg(threads, chunk, 2),
-                &file,
+                req(&cfg(threads, chunk, 2), &file, 0, 0, len),
                 Some(len as u64),
-                0,
-                0,
-                len,
             )
         }
         .unwrap();
@@ -734,7 +736,7 @@ mod tests {
                 for (fo, so, n) in [(5, 1, 200_000), (4096, 0, 8192 * 3)] {
                     // SAFETY: host staging; its device covers `so..so + n`.
                     let got = unsafe {
-                        write_from_device(|b| staging.with_bounce(b), &cfg, &file, fo, so, n)
+                        write_from_device(|b| staging.with_bounce(b), req(&cfg, &file, fo, so, n))
                     }
                     .unwrap();
                     assert_eq!(got, n);
@@ -775,12 +777,8 @@ mod tests {
             let e = unsafe {
                 read_to_device(
                     |b| staging.with_bounce(b),
-                    &cfg(threads, 4096, 2),
-                    &file,
+                    req(&cfg(threads, 4096, 2), &file, 0, 0, 30_000),
                     Some(20_000),
-                    0,
-                    0,
-                    30_000,
                 )
             }
             .unwrap_err();
@@ -812,11 +810,7 @@ mod tests {
         let e = unsafe {
             write_from_device(
                 |b| staging.with_bounce(b),
-                &cfg(4, 4096, 3),
-                &file,
-                0,
-                0,
-                1 << 20,
+                req(&cfg(4, 4096, 3), &file, 0, 0, 1 << 20),
             )
         }
         .unwrap_err();
@@ -851,23 +845,19 @@ mod tests {
         let file = plain(&fd);
         let never = |_| -> Result<HostStaging> { panic!("no staging for a refused transfer") };
         // SAFETY: refused before any access.
-        let e = unsafe { read_to_device(never, &bad, &file, Some(1 << 16), 0, 0, 1 << 16) }
+        let e = unsafe { read_to_device(never, req(&bad, &file, 0, 0, 1 << 16), Some(1 << 16)) }
             .unwrap_err();
         assert_invalid(&e, "config.chunk");
         // SAFETY: as above.
-        let e = unsafe { write_from_device(never, &bad, &file, 0, 0, 1 << 16) }.unwrap_err();
+        let e = unsafe { write_from_device(never, req(&bad, &file, 0, 0, 1 << 16)) }.unwrap_err();
         assert_invalid(&e, "config.chunk");
         // Nothing to read at end of file: no staging either.
         // SAFETY: nothing is accessed.
         let n = unsafe {
             read_to_device(
                 never,
-                &cfg(1, 4096, 1),
-                &file,
+                req(&cfg(1, 4096, 1), &file, 1 << 16, 0, 10),
                 Some(1 << 16),
-                1 << 16,
-                0,
-                10,
             )
         }
         .unwrap();
@@ -897,14 +887,15 @@ mod tests {
         let c = PosixConfig::default();
         let never = |_| -> Result<HostStaging> { panic!("refused first") };
         // SAFETY: refused before any access.
-        let e =
-            unsafe { read_to_device(never, &c, &file, None, i64::MAX as u64, 0, 2) }.unwrap_err();
+        let e = unsafe { read_to_device(never, req(&c, &file, i64::MAX as u64, 0, 2), None) }
+            .unwrap_err();
         assert_invalid(&e, "file_offset");
         // SAFETY: refused before any access.
-        let e = unsafe { read_to_device(never, &c, &file, None, 0, u64::MAX - 1, 4) }.unwrap_err();
+        let e =
+            unsafe { read_to_device(never, req(&c, &file, 0, u64::MAX - 1, 4), None) }.unwrap_err();
         assert_invalid(&e, "dst");
         // SAFETY: refused before any access.
-        let e = unsafe { write_from_device(never, &c, &file, u64::MAX, 0, 1) }.unwrap_err();
+        let e = unsafe { write_from_device(never, req(&c, &file, u64::MAX, 0, 1)) }.unwrap_err();
         assert_invalid(&e, "file_offset");
         std::fs::remove_file(&p).unwrap();
     }
@@ -927,7 +918,7 @@ mod tests {
         let file = plain(&fd);
         let never = |_| -> Result<HostStaging> { panic!("refused first") };
         // SAFETY: refused before any access.
-        let e = unsafe { read_to_device(never, &cfg(1, 1000, 1), &file, Some(10), 0, 0, 10) }
+        let e = unsafe { read_to_device(never, req(&cfg(1, 1000, 1), &file, 0, 0, 10), Some(10)) }
             .unwrap_err();
         assert_invalid(&e, "config.chunk");
         std::fs::remove_file(&p).unwrap();
