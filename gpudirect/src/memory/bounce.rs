@@ -63,8 +63,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// transparent huge pages (`MADV_HUGEPAGE`) and wiped in forked children (`MADV_WIPEONFORK`),
 /// and pinned with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: an `O_DIRECT` read of up to
 /// 2 MiB into a huge page is usually one DMA segment, where `cuMemHostAlloc` memory may be split
-/// into hundreds (seen on an H200 node's virtio disk: up to 234 runs per MiB, and reads into it
-/// ran at 0.74 to 0.79x of reads into contiguous buffers). Smaller chunks are
+/// into hundreds, and reads into it are slower (`docs/storage.md`, "Physically contiguous
+/// buffers"). Smaller chunks are
 /// `cuMemHostAlloc(chunk_bytes, CU_MEMHOSTALLOC_PORTABLE)` memory, and so is every chunk after
 /// the huge-page path failed once (a pool may then hold chunks of both kinds). They are
 /// allocated when [`take`](Self::take) finds no idle one, and go back to the pool when the
@@ -459,10 +459,9 @@ impl Drop for Lane {
 /// yields otherwise), so a reader thread takes its chunk back as soon as the copy ends. Such a
 /// wait lasts until the lane has finished this copy and whatever was queued on it before (lanes
 /// are shared: another transfer's readers or a staged peer copy may queue there too). With
-/// `CU_EVENT_BLOCKING_SYNC` the thread slept until an interrupt woke it: hot 1 GiB reads on two
-/// H200s (32 cores, two calls of three alternating cycles of eight reads each) ran 47.0 to 48.8
-/// GB/s with it and 50.3 to 51.3 without it. Polling `cuEventQuery` for 2 ms first (16 readers
-/// querying at once) was slower either way (46.0 to 49.1).
+/// `CU_EVENT_BLOCKING_SYNC` the thread slept until an interrupt woke it, and hot reads were
+/// slower; polling `cuEventQuery` for 2 ms first (16 readers querying at once) was slower either
+/// way (`docs/storage.md`, "Where a hot read's time goes").
 const EVENT_FLAGS: u32 = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
 
 /// A fence on one event of a lane: complete once the copy recorded before it has finished.

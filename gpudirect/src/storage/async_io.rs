@@ -3,7 +3,7 @@
 //!
 //! # Device buffer offsets
 //!
-//! In compatibility mode (cuFile 1.15 on H200s) `cuFileReadAsync` fails with `EIO` whenever the
+//! In compatibility mode (cuFile 1.15) `cuFileReadAsync` fails with `EIO` whenever the
 //! device buffer offset is not 0, where the blocking `cuFileRead` on the same handle and buffer
 //! succeeds; offset 0 at the start of a `cuMemAlloc` allocation works, with any file offset and
 //! length. So cuFile is only ever handed that shape ([`Target::of`]): a buffer that is

@@ -189,8 +189,8 @@ impl<M: DeviceMemoryMut> Batch<M> {
     ///
     /// # Errors
     ///
-    /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size` (128 on
-    /// the H200) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
+    /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size`
+    /// ([`Driver::max_batch_entries`]) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
     ///
     /// # C function
     ///
@@ -637,9 +637,9 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
     }
 }
 
-/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (200
-/// requests become 128 + 72 on the H200), one batch at a time (the limit may be per process), each waited up
-/// to `timeout`; results in order.
+/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (with a
+/// limit of 128, 200 requests become 128 + 72), one batch at a time (the limit may be per
+/// process), each waited up to `timeout`; results in order.
 ///
 /// # Errors
 ///

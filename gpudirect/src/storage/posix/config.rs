@@ -67,19 +67,17 @@ impl PosixConfig {
     /// The configuration for a transfer of `len` bytes on a node with `cores` cores:
     ///
     /// - `threads`: `cores`, at most 16 (page-cache reads are memory copies, one per core; on a
-    ///   32-core H200 node hot 1 GiB reads peaked at 16 threads, 46 GB/s, and 32 gave 39 to 43);
+    ///   32-core node hot reads peaked at 16 threads, and 32 were slower);
     /// - `direct_threads`: `cores / 8` between 4 and 8 (`O_DIRECT` requests wait on the device:
-    ///   on an H200 node's disk raw `O_DIRECT` reads peaked at 4 to 8 threads and fell off past
-    ///   them);
+    ///   raw `O_DIRECT` reads peaked at 4 to 8 threads and fell off past them);
     /// - `write_threads`: 1 (buffered writes to one file are serialized by the file system);
-    /// - `chunk`: 4 MiB (there, hot reads ran 46 GB/s against 40 with 1 MiB, cached writes 6.4
-    ///   against 5.4); smaller, down to 256 KiB, while the transfer would give a thread fewer
-    ///   than two chunks;
-    /// - `direct_read_chunk`: 1 MiB (cold 1 GiB reads on 16-core H200 nodes' disks, two calls
-    ///   of 6 and 10 interleaved rounds: raw `O_DIRECT` with 4 threads ran 2.63 and 2.88 GB/s
-    ///   with 1 MiB requests against 1.99 and 2.68 with 4 MiB; this path 2.34 against 2.22),
-    ///   smaller in the same way as `chunk`;
+    /// - `chunk`: 4 MiB (there, hot reads and cached writes ran faster than with 1 MiB chunks);
+    ///   smaller, down to 256 KiB, while the transfer would give a thread fewer than two chunks;
+    /// - `direct_read_chunk`: 1 MiB (cold reads, raw `O_DIRECT` and this path alike, ran faster
+    ///   with 1 MiB requests than with 4 MiB), smaller in the same way as `chunk`;
     /// - `depth`: 2.
+    ///
+    /// `docs/storage.md` ("How the defaults were chosen") gives the measurements.
     ///
     /// A transfer uses no more threads than it has chunks.
     pub fn for_node(cores: usize, len: usize) -> PosixConfig {
@@ -92,8 +90,8 @@ impl PosixConfig {
             }
             chunk
         };
-        // O_DIRECT reads are bound by the device's queue: on an H200 node's disk (32 cores)
-        // raw O_DIRECT reads peaked at 4-8 threads and fell off beyond; 32 readers gave 0.76x.
+        // O_DIRECT reads are bound by the device's queue: raw O_DIRECT reads peaked at 4-8
+        // threads and fell off beyond (docs/storage.md).
         let direct_threads = (cores / 8).clamp(4, 8);
         PosixConfig {
             threads,

@@ -6,23 +6,24 @@
 //! # Where the time goes, and the design
 //!
 //! A hot read (the file in the page cache) is two copies: the kernel's copy from the page cache
-//! into a pinned chunk (`pread`, about 5 to 8 GB/s per core), and the copy engine's DMA from the
-//! chunk to the GPU (about 55 GB/s on a PCIe 5 H200 for all streams together). So:
+//! into a pinned chunk (`pread`, bound by the core that runs it), and the copy engine's DMA from
+//! the chunk to the GPU (shared by all streams, and several times what one core's `pread`
+//! moves). So (the figures behind each choice are in `docs/storage.md`):
 //!
 //! - **Many readers.** Enough threads that their `pread`s together outrun the DMA: one per core
 //!   up to 16 ([`PosixConfig::for_node`]). The threads are started once and kept
 //!   (the pool in `workers.rs`); the calling thread is one of them, so a small transfer never
 //!   waits for a thread to wake.
 //! - **Chunks of 4 MiB**: the per-copy cost dominates smaller ones (a 1 MiB host-to-device copy
-//!   runs at 47.5 GB/s where 4 MiB copies run at 53), and with 16 MiB chunks every byte went to
-//!   memory and back before the DMA read it (19 to 24 GB/s whatever the thread count).
+//!   is slower than a 4 MiB one), and with 16 MiB chunks every byte went to memory and back
+//!   before the DMA read it, whatever the thread count.
 //! - **No wait on the critical path.** Each thread owns `depth` chunks (2 by default) and its own
 //!   stream (a lane of the device's [`CopyEngine`](crate::memory::CopyEngine)): it queues a
 //!   chunk's copy right after its `pread` and reads the next chunk into its other buffer while
 //!   the copy runs; it waits for a copy only when it needs that buffer again. That wait spins
 //!   under the default context scheduling (the lane's events are not blocking-sync ones): near
-//!   the copy engine's limit a reader often waits, and sleeping until an interrupt cost a hot
-//!   read 3 to 7% (47.0 to 48.8 GB/s against 50.3 to 51.3 on two H200s).
+//!   the copy engine's limit a reader often waits, and sleeping until an interrupt made hot
+//!   reads slower.
 //! - **No lock per chunk.** Threads claim chunks from one atomic counter (so the file is read in
 //!   order, which the kernel's read-ahead likes, and a slow thread takes fewer chunks); the only
 //!   locks are the lane's event list and, twice per thread per transfer, the chunk pool.
@@ -31,9 +32,9 @@
 //! - **A ramp.** A read through the page cache long enough for it starts with one chunk per
 //!   thread of growing sizes (`chunk / threads`, `2 * chunk / threads`, ..., `chunk`), so that
 //!   the copy engine gets its first copy after a small `pread` instead of waiting for every
-//!   thread's full first chunk, and the threads stay out of step (see `Plan`). Measured on two
-//!   H200s (1 GiB hot file, 32 cores): 1 to 3 GB/s faster in each of six paired runs.
-//!   `GPUDIRECT_POSIX_RAMP=0` (read once) turns it off; `1`, the default, on.
+//!   thread's full first chunk, and the threads stay out of step (see `Plan`); hot reads ran
+//!   faster with it in every paired run measured. `GPUDIRECT_POSIX_RAMP=0` (read once) turns it
+//!   off; `1`, the default, on.
 //!
 //! Cold reads (`O_DIRECT`) are bound by the device's queue, not by memory copies: they use
 //! [`PosixConfig::direct_threads`] threads, each with one request per chunk in flight, in
@@ -45,10 +46,10 @@
 //! `direct_threads`.
 //!
 //! Copying to the GPU straight from the page cache (the file mapped with `mmap`, the pages
-//! registered read-only with `cuMemHostRegister`) was measured on an H200 node and is slower
-//! than the bounce chunks: registering ran at 22 to 64 GB/s and did not scale past about 40
-//! GB/s over threads, and a register, copy, unregister pipeline reached 25 GB/s, where the bounce
-//! path reads a hot file at 46 to 50 GB/s against a 52 to 55 GB/s host-to-device copy.
+//! registered read-only with `cuMemHostRegister`) was measured and is slower than the bounce
+//! chunks: registering did not scale over threads, and a register, copy, unregister pipeline
+//! stayed well below what the bounce path reads a hot file at (`docs/storage.md`, "Measured and
+//! not adopted").
 //!
 //! The copies are behind the crate-private [`Staging`](stage::Staging) trait, so the chunking,
 //! the threads and the pipelining are tested on host memory (a test-only staging) without a GPU.
