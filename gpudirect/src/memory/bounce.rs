@@ -27,7 +27,7 @@
 use super::host::{HostAllocFlags, PinnedHostBuffer};
 use super::huge::{HUGE_PAGE, HugePinned};
 use super::kind::{DeviceMemory, DeviceMemoryMut};
-use crate::completion::capture::{self, Refused};
+use crate::completion::capture::{DriverStream, PrivateStream, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
 #[cfg(any(test, feature = "p2p"))]
 use crate::cuda::Stream;
@@ -404,7 +404,7 @@ unsafe impl DeviceMemoryMut for BounceChunk {}
 /// One stream of a [`CopyEngine`] and its idle events.
 struct Lane {
     ctx: Arc<CudaContext>,
-    stream: sys::CUstream,
+    stream: PrivateStream<DriverStream>,
     events: Mutex<Vec<sys::CUevent>>,
     pid: u32,
 }
@@ -433,7 +433,7 @@ impl Lane {
             event,
         };
         // SAFETY: a live event and stream of the current context.
-        unsafe { driver::event::record(event, self.stream) }?;
+        unsafe { driver::event::record(event, self.stream.cu_stream()) }?;
         Ok(fence)
     }
 }
@@ -448,8 +448,7 @@ impl Drop for Lane {
             // SAFETY: created by this lane, destroyed once.
             let _ = unsafe { driver::event::destroy(e) };
         }
-        // SAFETY: created by this lane, destroyed once; the driver finishes queued work first.
-        let _ = unsafe { driver::stream::destroy(self.stream) };
+        // The stream is destroyed after this, by its own drop.
     }
 }
 
@@ -624,9 +623,7 @@ impl CopyEngine {
         bind(ctx)?;
         let mut v = Vec::with_capacity(lanes);
         for _ in 0..lanes {
-            // SAFETY: the context is current.
-            let stream =
-                unsafe { driver::stream::create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
+            let stream = PrivateStream::new(ctx)?;
             // Pushed at once, so that a later failure destroys the streams made so far.
             v.push(Arc::new(Lane {
                 ctx: ctx.clone(),
@@ -679,7 +676,7 @@ impl CopyEngine {
     /// Queue `leg`, one copy of `len` bytes between byte `offset` of the chunk `prev` owns and
     /// device address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
     /// has one), through the graph-capture protocol for a private stream
-    /// ([`capture::enqueue_private`]), and record its
+    /// ([`PrivateStream::enqueue`]), and record its
     /// fence. `prev`'s own fence goes back to its lane: the stream wait keeps the record it saw.
     ///
     /// On error `prev` comes back (`kept: Some`) when no work queued here can still use the
@@ -731,32 +728,34 @@ impl CopyEngine {
             Dir::D2h => "cuMemcpyDtoHAsync_v2",
         };
         // The lanes are the engine's own streams, never handed out, and they wait only on
-        // events of other lanes: they meet `capture::Private`'s rule, so the per-chunk capture
+        // events of other lanes: they meet `PrivateStream`'s rule, so the per-chunk capture
         // questions are skipped (with many readers they contend in the driver).
-        let ((), prev) = capture::enqueue_private(lane.stream, call, prev, |raw, _| {
-            if let Some(event) = after {
-                // SAFETY: a live stream and event; the wait takes the event's latest record now.
-                unsafe { driver::stream::wait_event(raw, event) }?;
-            }
-            // SAFETY: `host..host + len` lies in the chunk (checked), which the returned copy
-            // owns until its fence completes; `addr..addr + len` is the caller's; the stream is
-            // live.
-            unsafe {
-                match dir {
-                    Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, raw),
-                    Dir::D2h => {
-                        driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, raw)
+        let ((), prev) = lane
+            .stream
+            .enqueue(call, prev, |raw, _| {
+                if let Some(event) = after {
+                    // SAFETY: a live stream and event; the wait takes the event's latest record now.
+                    unsafe { driver::stream::wait_event(raw, event) }?;
+                }
+                // SAFETY: `host..host + len` lies in the chunk (checked), which the returned copy
+                // owns until its fence completes; `addr..addr + len` is the caller's; the stream is
+                // live.
+                unsafe {
+                    match dir {
+                        Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, raw),
+                        Dir::D2h => {
+                            driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, raw)
+                        }
                     }
                 }
-            }
-        })
-        .map_err(Box::new)?;
+            })
+            .map_err(Box::new)?;
         // SAFETY: the lane's context is current.
         match unsafe { lane.record() } {
             Ok(fence) => Ok(prev.refenced(fence)),
             // The copy is queued but has no fence: wait for the stream, or leak the chunk.
             // SAFETY: a live stream.
-            Err(error) => match unsafe { driver::stream::synchronize(lane.stream) } {
+            Err(error) => match unsafe { driver::stream::synchronize(lane.stream.cu_stream()) } {
                 Ok(()) => Err(Box::new(Refused {
                     error,
                     kept: Some(prev),
