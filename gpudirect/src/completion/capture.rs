@@ -4,7 +4,7 @@
 //! graph is launched, and again at every launch. A fence taken after it (an event, a host
 //! callback) completes when the capture ends, long before any launch, so the library would hand
 //! back or free memory the graph still uses. Every path that queues work on a stream therefore
-//! goes through [`enqueue`] (or [`enqueue_raw`] for private streams), which:
+//! goes through [`enqueue`] (or [`enqueue_raw`] on a raw stream whose context is current), which:
 //!
 //! 1. binds the stream's context;
 //! 2. asks `cuStreamIsCapturing`: a capturing stream (active or invalidated capture) is refused
@@ -23,10 +23,16 @@
 //! on a stream while another thread queues work on that same stream is a data race on the
 //! stream in the CUDA programming model as well; the library cannot close it without a lock
 //! every user of the stream would have to take.
+//!
+//! A [`PrivateStream`] (one the library creates for itself and never hands out) skips the
+//! driver's questions: it cannot be capturing. Its [`enqueue`](PrivateStream::enqueue) is the
+//! only way to queue work without them.
 
+use super::tracker::forked;
 use crate::driver;
-use crate::error::{Error, Result};
-use cudarc::driver::{CudaStream, sys};
+use crate::error::{Error, Result, from_driver};
+use cudarc::driver::{CudaContext, CudaStream, sys};
+use std::sync::Arc;
 
 /// A refusal or failure from [`enqueue`]: the error, and what was to be kept alive, back when
 /// nothing can still use it (`None` when it was leaked because the work may be in a graph).
@@ -161,11 +167,9 @@ impl Drop for Relaxed {
     }
 }
 
-/// A stream the library created for itself and never hands out, which never waits on an event
-/// of a stream it does not own: nobody can begin a capture on it, and a capture cannot spread to
-/// it (a capture spreads only to a stream that waits on an event recorded in the capturing one).
-/// Asking the driver would cost two calls per operation for an answer that is always "no".
-pub(crate) struct Private;
+/// The answers for a [`PrivateStream`]: never capturing, so nothing to invalidate. Private to
+/// this module: [`PrivateStream::enqueue`] is the only way to queue work with them.
+struct Private;
 
 impl Probe for Private {
     fn capturing(&self) -> Result<bool> {
@@ -175,15 +179,133 @@ impl Probe for Private {
     fn invalidate(&self) {}
 }
 
-/// [`enqueue_raw`] on a [`Private`] stream (the bounce engine's lanes): the protocol without
-/// the driver's questions. Use it only for streams that meet [`Private`]'s rule.
-pub(crate) fn enqueue_private<R, T>(
+/// A stream the library created for itself and never hands out, which never waits on an event
+/// of a stream it does not own: nobody can begin a capture on it, and a capture cannot spread to
+/// it (a capture spreads only to a stream that waits on an event recorded in the capturing one).
+/// Asking the driver would cost two calls per operation for an answer that is always "no", so
+/// [`enqueue`](Self::enqueue) does not ask.
+///
+/// [`new`](Self::new) is the one way to make one, and it creates the stream itself: no stream a
+/// user holds (a [`cuda::Stream`](crate::cuda::Stream), a cudarc [`CudaStream`], a raw
+/// `CUstream`) can become one. Whoever holds it must keep the rule: never hand the stream (or
+/// its raw handle) out, and never make it wait on an event of a stream the library does not own.
+///
+/// `S` is how it holds the stream: a cudarc [`CudaStream`] (the default: for a
+/// [`Timeline`](super::Timeline) and a `cuda::Stream`) or a [`DriverStream`] (cudarc never sees
+/// it: the bounce engine's lanes).
+#[derive(Debug)]
+pub(crate) struct PrivateStream<S: Owned = Arc<CudaStream>> {
+    stream: S,
+}
+
+/// How a [`PrivateStream`] holds the stream it made.
+pub(crate) trait Owned: Send + Sync + Sized + 'static {
+    /// A new non-blocking stream on `ctx`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`] from `cuStreamCreate` (or from making `ctx` current).
+    fn create(ctx: &Arc<CudaContext>) -> Result<Self>;
+
+    /// The raw handle.
+    fn raw(&self) -> sys::CUstream;
+}
+
+impl Owned for Arc<CudaStream> {
+    /// cudarc's `new_stream` (`CU_STREAM_NON_BLOCKING`).
+    fn create(ctx: &Arc<CudaContext>) -> Result<Self> {
+        ctx.new_stream()
+            .map_err(|e| from_driver("cuStreamCreate", e))
+    }
+
+    fn raw(&self) -> sys::CUstream {
+        self.cu_stream()
+    }
+}
+
+/// A stream made with `cuStreamCreate(CU_STREAM_NON_BLOCKING)` directly, which cudarc does not
+/// count among its context's streams. Destroyed when dropped (the driver finishes its queued work
+/// first); leaked in a forked child or where its context cannot be made current.
+#[derive(Debug)]
+pub(crate) struct DriverStream {
+    ctx: Arc<CudaContext>,
     raw: sys::CUstream,
-    call: &'static str,
-    keep: R,
-    f: impl FnOnce(sys::CUstream, &R) -> Result<T>,
-) -> Result<(T, R), Refused<R>> {
-    enqueue_with(&Private, call, keep, |k| f(raw, k))
+    pid: u32,
+}
+
+// SAFETY: a driver handle, usable from any thread.
+unsafe impl Send for DriverStream {}
+// SAFETY: as above; `&self` only reads the handle.
+unsafe impl Sync for DriverStream {}
+
+impl Owned for DriverStream {
+    fn create(ctx: &Arc<CudaContext>) -> Result<Self> {
+        driver::ctx::bind(ctx)?;
+        // SAFETY: the context is current.
+        let raw = unsafe { driver::stream::create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
+        Ok(DriverStream {
+            ctx: ctx.clone(),
+            raw,
+            pid: std::process::id(),
+        })
+    }
+
+    fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+}
+
+impl Drop for DriverStream {
+    fn drop(&mut self) {
+        if forked(self.pid) || driver::ctx::bind(&self.ctx).is_err() {
+            return; // leak
+        }
+        // SAFETY: created by `create`, destroyed once; the driver finishes queued work first.
+        let _ = unsafe { driver::stream::destroy(self.raw) };
+    }
+}
+
+impl<S: Owned> PrivateStream<S> {
+    /// A new private stream on `ctx`, created here.
+    ///
+    /// # Errors
+    ///
+    /// As [`Owned::create`].
+    #[doc(alias = "cuStreamCreate")]
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        S::create(ctx).map(|stream| PrivateStream { stream })
+    }
+
+    /// The raw stream, for the library's own calls on it (never to be handed out).
+    pub(crate) fn cu_stream(&self) -> sys::CUstream {
+        self.stream.raw()
+    }
+
+    /// Whether the stream is capturing a graph: never (see the type), and the driver is not
+    /// asked.
+    pub(crate) fn is_capturing(&self) -> bool {
+        false
+    }
+
+    /// [`enqueue_raw`] without the driver's questions: queue work through `f` (given the raw
+    /// stream and `keep`) with the capture protocol's bookkeeping. The caller makes the stream's
+    /// context current.
+    pub(crate) fn enqueue<R, T>(
+        &self,
+        call: &'static str,
+        keep: R,
+        f: impl FnOnce(sys::CUstream, &R) -> Result<T>,
+    ) -> Result<(T, R), Refused<R>> {
+        let raw = self.cu_stream();
+        enqueue_with(&Private, call, keep, |k| f(raw, k))
+    }
+}
+
+impl PrivateStream {
+    /// The cudarc stream.
+    pub(crate) fn cuda(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
 }
 
 /// The capture protocol itself, over any [`Probe`].
@@ -247,7 +369,6 @@ mod tests {
     use super::*;
     use crate::completion::testing::Counted;
     use std::cell::{Cell, RefCell};
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Answers from a script: one answer per `capturing` call.
@@ -368,5 +489,51 @@ mod tests {
         assert_eq!(p.invalidated.get(), 0);
         drop(k);
         assert_eq!(drops.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_private_stream_asks_nothing_and_invalidates_nothing() {
+        // The protocol `PrivateStream::enqueue` runs: the work runs once and what it keeps comes
+        // back, on success and on failure alike; nothing is ever leaked.
+        let drops = Arc::new(AtomicUsize::new(0));
+        let runs = Cell::new(0);
+        let (v, k) = enqueue_with(&Private, "x", Counted(drops.clone()), |_| {
+            runs.set(runs.get() + 1);
+            Ok(7)
+        })
+        .ok()
+        .unwrap();
+        assert_eq!((v, runs.get()), (7, 1));
+        drop(k);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        let refused = enqueue_with(&Private, "x", Counted(drops.clone()), |_| {
+            Err::<(), _>(err())
+        })
+        .err()
+        .unwrap();
+        assert!(!refused.leaked());
+        drop(refused);
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+    }
+
+    /// Compiles only while `T` has no `From<S>`: with one, both impls below apply to `T` and
+    /// the call naming `NoFrom<S, _>` is ambiguous (the `assert_not_impl_any` construction).
+    trait NoFrom<S, A> {
+        fn check() {}
+    }
+    impl<T, S> NoFrom<S, ()> for T {}
+    struct IfFrom;
+    impl<T: From<S>, S> NoFrom<S, IfFrom> for T {}
+
+    #[test]
+    fn no_stream_a_user_holds_becomes_a_private_one() {
+        // `PrivateStream::new` creates the stream itself; nothing converts an existing one.
+        <PrivateStream as NoFrom<Arc<CudaStream>, _>>::check();
+        <PrivateStream as NoFrom<sys::CUstream, _>>::check();
+        <PrivateStream as NoFrom<crate::cuda::Stream, _>>::check();
+        <PrivateStream<DriverStream> as NoFrom<Arc<CudaStream>, _>>::check();
+        <PrivateStream<DriverStream> as NoFrom<sys::CUstream, _>>::check();
+        <PrivateStream<DriverStream> as NoFrom<crate::cuda::Stream, _>>::check();
+        <DriverStream as NoFrom<sys::CUstream, _>>::check();
     }
 }

@@ -1,6 +1,7 @@
 //! [`Timeline`] and [`StreamFence`]: amortised completion epochs of one stream.
 
 use super::backoff::{Backoff, LONG_WAIT, poll_until};
+use super::capture::PrivateStream;
 use super::fence::Fence;
 use super::thread::{self, Watch, Watched};
 use crate::error::{Error, Result};
@@ -23,15 +24,20 @@ use std::time::Duration;
 /// futures, and wakes every future whose epoch that event covers.
 #[derive(Debug)]
 pub struct Timeline {
-    stream: Arc<CudaStream>,
-    /// The stream meets [`Private`](super::capture::Private)'s rule (the library made it, never
-    /// hands it out, and it never waits on an event of a stream the library does not own): it
-    /// never captures, and the driver is not asked.
-    private: bool,
+    stream: Queue,
     issued: Line<AtomicU64>,
     completed: Line<AtomicU64>,
     events: Mutex<Events>,
     waiters: Mutex<Waiters>,
+}
+
+/// The stream of a [`Timeline`].
+#[derive(Debug)]
+enum Queue {
+    /// A stream anybody may hold: the driver is asked whether it captures.
+    Shared(Arc<CudaStream>),
+    /// One of the library's own: it never captures, and the driver is not asked.
+    Private(PrivateStream),
 }
 
 /// A value on lines of its own (128 bytes: x86 fetches lines in adjacent pairs). A timeline's
@@ -72,24 +78,23 @@ struct Events {
 impl Timeline {
     /// A timeline for `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Arc<Self> {
-        Self::with_privacy(stream, false)
+        Self::on(Queue::Shared(stream))
     }
 
-    /// A timeline for a stream that meets [`Private`](super::capture::Private)'s rule: its
-    /// waits and event records ask the driver no capture questions (a `cuStreamIsCapturing`
-    /// before each `cuStreamSynchronize`, two around each `cuEventRecord`).
+    /// A timeline for a [`PrivateStream`]: its waits and event records ask the driver no
+    /// capture questions (a `cuStreamIsCapturing` before each `cuStreamSynchronize`, two around
+    /// each `cuEventRecord`).
     #[cfg_attr(
         not(feature = "p2p"),
         allow(dead_code, reason = "p2p's private streams")
     )]
-    pub(crate) fn new_private(stream: Arc<CudaStream>) -> Arc<Self> {
-        Self::with_privacy(stream, true)
+    pub(crate) fn new_private(stream: PrivateStream) -> Arc<Self> {
+        Self::on(Queue::Private(stream))
     }
 
-    fn with_privacy(stream: Arc<CudaStream>, private: bool) -> Arc<Self> {
+    fn on(stream: Queue) -> Arc<Self> {
         Arc::new(Timeline {
             stream,
-            private,
             issued: Line(AtomicU64::new(0)),
             completed: Line(AtomicU64::new(0)),
             events: Mutex::new(Events::default()),
@@ -99,7 +104,22 @@ impl Timeline {
 
     /// The stream.
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        match &self.stream {
+            Queue::Shared(s) => s,
+            Queue::Private(p) => p.cuda(),
+        }
+    }
+
+    /// The stream, when it is one of the library's own ([`new_private`](Self::new_private)).
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the local endpoint's streams")
+    )]
+    pub(crate) fn private_stream(&self) -> Option<&PrivateStream> {
+        match &self.stream {
+            Queue::Shared(_) => None,
+            Queue::Private(p) => Some(p),
+        }
     }
 
     /// A fence for everything queued on the stream so far. Call it after queueing the work.
@@ -145,7 +165,8 @@ impl Timeline {
     fn poll(&self, epoch: u64) -> (bool, bool) {
         // Queries and records need the stream's context current on this thread (a completion
         // or executor thread may never have had it); a query error is then the stream's own.
-        if crate::driver::ctx::bind(self.stream.context()).is_err() {
+        let stream = self.stream();
+        if crate::driver::ctx::bind(stream.context()).is_err() {
             return (self.completed() >= epoch, false);
         }
         let mut g = self.lock();
@@ -180,7 +201,7 @@ impl Timeline {
         let covered = self.issued.0.load(Ordering::Acquire);
         let ev = match g.free.pop() {
             Some(ev) => ev,
-            None => match self.stream.context().new_event(None) {
+            None => match stream.context().new_event(None) {
                 Ok(ev) => ev,
                 Err(_) => return (false, false),
             },
@@ -188,17 +209,18 @@ impl Timeline {
         // Checked like any work queued on the stream, but a capture found after the record is
         // left alone: an internal event puts nothing into the user's graph.
         let record = |ev: &CudaEvent| {
-            ev.record(&self.stream)
+            ev.record(stream)
                 .map_err(|e| crate::error::from_driver("cuEventRecord", e))
         };
-        let recorded = if self.private {
-            super::capture::enqueue_with(&super::capture::Private, "cuEventRecord", ev, record)
-        } else {
-            let probe = super::capture::Driver {
-                raw: self.stream.cu_stream(),
-                invalidate: false,
-            };
-            super::capture::enqueue_with(&probe, "cuEventRecord", ev, record)
+        let recorded = match &self.stream {
+            Queue::Private(p) => p.enqueue("cuEventRecord", ev, |_, ev| record(ev)),
+            Queue::Shared(s) => {
+                let probe = super::capture::Driver {
+                    raw: s.cu_stream(),
+                    invalidate: false,
+                };
+                super::capture::enqueue_with(&probe, "cuEventRecord", ev, record)
+            }
         };
         match recorded {
             Ok(((), ev)) => {
@@ -242,11 +264,13 @@ impl Timeline {
 
     /// Whether the stream is capturing a graph (or that cannot be told).
     fn capturing(&self) -> bool {
-        if self.private {
-            return false;
+        match &self.stream {
+            Queue::Private(p) => p.is_capturing(),
+            Queue::Shared(s) => {
+                crate::driver::ctx::bind(s.context()).is_err()
+                    || super::capture::is_capturing(s.cu_stream()).unwrap_or(true)
+            }
         }
-        crate::driver::ctx::bind(self.stream.context()).is_err()
-            || super::capture::is_capturing(self.stream.cu_stream()).unwrap_or(true)
     }
 }
 
@@ -368,11 +392,11 @@ impl StreamFence {
             // be proven: answer `false` (the caller gets an error, the resources stay parked)
             // instead of polling forever.
             let covered = self.timeline.issued.0.load(Ordering::Acquire);
-            if crate::driver::ctx::bind(tl.stream.context()).is_err() {
+            if crate::driver::ctx::bind(tl.stream().context()).is_err() {
                 return tl.completed() >= self.epoch;
             }
             // SAFETY: a live stream (the timeline holds it), its context current.
-            let r = unsafe { crate::driver::stream::synchronize(tl.stream.cu_stream()) };
+            let r = unsafe { crate::driver::stream::synchronize(tl.stream().cu_stream()) };
             if r.is_ok() {
                 tl.completed_through(covered);
                 return true;

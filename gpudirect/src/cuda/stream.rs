@@ -1,6 +1,6 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
-use crate::completion::capture::{self, Refused};
+use crate::completion::capture::{self, PrivateStream, Refused};
 use crate::completion::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
@@ -36,18 +36,29 @@ impl Stream {
             .map_err(|e| from_driver("cuStreamCreate", e))
     }
 
-    /// A new stream on `ctx` for the library's own use, meeting
-    /// [`Private`](crate::completion::capture::Private)'s rule: the caller never hands it (or its
-    /// raw handle) out and never makes it wait on an event of a stream the library does not own.
-    /// Its fences' waits then ask the driver no capture questions.
+    /// A new stream on `ctx` for the library's own use, a [`PrivateStream`]: the caller keeps
+    /// its rule (never hands it, or its raw handle, out, and never makes it wait on an event of a
+    /// stream the library does not own). Its fences' waits then ask the driver no capture
+    /// questions, nor does work queued through [`as_private`](Self::as_private).
     #[cfg_attr(
         not(feature = "p2p"),
         allow(dead_code, reason = "the copier's and the local endpoint's streams")
     )]
     pub(crate) fn private(ctx: &Arc<CudaContext>) -> Result<Self> {
+        crate::cuda::init()?;
         Ok(Stream {
-            timeline: Timeline::new_private(Self::create(ctx)?),
+            timeline: Timeline::new_private(PrivateStream::new(ctx)?),
         })
+    }
+
+    /// The [`PrivateStream`] of a stream made by [`private`](Self::private) (its `enqueue`
+    /// skips the capture questions); `None` for any other.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the local endpoint's streams")
+    )]
+    pub(crate) fn as_private(&self) -> Option<&PrivateStream> {
+        self.timeline.private_stream()
     }
 
     /// Track work on an existing cudarc stream. Each `wrap` makes its own timeline: fences of
@@ -486,5 +497,29 @@ mod tests {
         is::<Stream>();
         is::<HostFnFence>();
         is::<StreamFence>();
+    }
+
+    #[test]
+    fn only_streams_made_private_enqueue_without_the_capture_questions() {
+        let ctx = match crate::cuda::context(0) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("SKIPPED: no GPU: {e}");
+                return;
+            }
+        };
+        let private = Stream::private(&ctx).unwrap();
+        let p = private.as_private().expect("made private");
+        crate::driver::ctx::bind(&ctx).unwrap();
+        let ((), ()) = p.enqueue("test", (), |_, ()| Ok(())).ok().unwrap();
+        private.synchronize().unwrap();
+        assert!(Stream::new(&ctx).unwrap().as_private().is_none());
+        assert!(
+            Stream::wrap(ctx.new_stream().unwrap())
+                .as_private()
+                .is_none()
+        );
+        let lane = PrivateStream::<crate::completion::capture::DriverStream>::new(&ctx).unwrap();
+        let ((), ()) = lane.enqueue("test", (), |_, ()| Ok(())).ok().unwrap();
     }
 }

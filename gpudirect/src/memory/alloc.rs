@@ -13,10 +13,10 @@
 //! drop gives nothing back (the child's CUDA state is unusable): the memory leaks. What each kind
 //! adds (how the range is mapped, where its host view is) is said on its [`Release`] type.
 
-use super::{MemoryKind, Pod};
+use super::pod::Pod;
 use crate::completion::forked;
 use crate::driver::ctx::bind;
-use crate::error::{Error, Result};
+use crate::error::{Error, MemoryKind, Result};
 use cudarc::driver::CudaContext;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -212,6 +212,21 @@ impl<T: Pod, R: Release> std::fmt::Debug for Allocation<T, R> {
     }
 }
 
+/// `len * size_of::<T>()`, or an [`crate::Error::InvalidArgument`] on overflow or zero.
+pub(crate) fn byte_size<T>(len: usize) -> Result<usize> {
+    let bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| crate::Error::invalid("len", len, "len * size_of::<T>() overflows usize"))?;
+    if bytes == 0 {
+        return Err(crate::Error::invalid(
+            "len",
+            len,
+            "allocations must hold at least one byte (len > 0 and T not zero-sized)",
+        ));
+    }
+    Ok(bytes)
+}
+
 /// [`DeviceMemory`](super::DeviceMemory), [`DeviceMemoryMut`](super::DeviceMemoryMut) and `context()` for a thin
 /// memory type `$t<T: Pod>` whose only field is an [`Allocation`] (`$t, without_context`: the
 /// traits only).
@@ -219,7 +234,7 @@ macro_rules! thin_memory {
     ($t:ident) => {
         $crate::memory::alloc::thin_memory!($t, without_context);
 
-        impl<T: $crate::memory::Pod> $t<T> {
+        impl<T: $crate::memory::pod::Pod> $t<T> {
             /// The context the memory belongs to (for host kinds: the one it was pinned in).
             pub fn context(&self) -> &std::sync::Arc<cudarc::driver::CudaContext> {
                 self.0.context()
@@ -229,7 +244,7 @@ macro_rules! thin_memory {
     // The memory traits only, for a crate-private type.
     ($t:ident, without_context) => {
         // SAFETY: the allocation's guarantees (module `alloc`), which the value owns.
-        unsafe impl<T: $crate::memory::Pod> $crate::memory::DeviceMemory for $t<T> {
+        unsafe impl<T: $crate::memory::pod::Pod> $crate::memory::kind::DeviceMemory for $t<T> {
             type Elem = T;
             fn device_ptr(&self) -> u64 {
                 self.0.device_ptr()
@@ -240,7 +255,7 @@ macro_rules! thin_memory {
             fn ordinal(&self) -> usize {
                 self.0.context().ordinal()
             }
-            fn kind(&self) -> $crate::memory::MemoryKind {
+            fn kind(&self) -> $crate::error::MemoryKind {
                 self.0.kind()
             }
             fn host_ptr(&self) -> Option<*mut u8> {
@@ -254,7 +269,22 @@ macro_rules! thin_memory {
         // SAFETY: the allocation hands out no Rust reference to its bytes; a kind that does
         // (a host view) does so only through `&self`/`&mut self` of its owner, which a data path
         // holding the value by value excludes.
-        unsafe impl<T: $crate::memory::Pod> $crate::memory::DeviceMemoryMut for $t<T> {}
+        unsafe impl<T: $crate::memory::pod::Pod> $crate::memory::kind::DeviceMemoryMut for $t<T> {}
     };
 }
 pub(crate) use thin_memory;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_size_checks_before_ffi() {
+        assert_eq!(byte_size::<u32>(4).unwrap(), 16);
+        assert!(matches!(
+            byte_size::<u32>(0),
+            Err(crate::Error::InvalidArgument { arg: "len", .. })
+        ));
+        assert!(byte_size::<u64>(usize::MAX / 4).is_err());
+    }
+}

@@ -24,15 +24,16 @@
 //!
 //! How the storage path and the staged peer copy use them: [`CopyEngine`]'s docs.
 
+use super::host::{HostAllocFlags, PinnedHostBuffer};
 use super::huge::{HUGE_PAGE, HugePinned};
-use super::{DeviceMemory, DeviceMemoryMut, HostAllocFlags, MemoryKind, PinnedHostBuffer};
-use crate::completion::capture::{self, Refused};
+use super::kind::{DeviceMemory, DeviceMemoryMut};
+use crate::completion::capture::{DriverStream, PrivateStream, Refused};
 use crate::completion::{Fence, InFlight, LONG_WAIT, forked, poll_until};
 #[cfg(any(test, feature = "p2p"))]
 use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::{Error, Result};
+use crate::error::{Error, MemoryKind, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -62,8 +63,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// transparent huge pages (`MADV_HUGEPAGE`) and wiped in forked children (`MADV_WIPEONFORK`),
 /// and pinned with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: an `O_DIRECT` read of up to
 /// 2 MiB into a huge page is usually one DMA segment, where `cuMemHostAlloc` memory may be split
-/// into hundreds (seen on an H200 node's virtio disk: up to 234 runs per MiB, and reads into it
-/// ran at 0.74 to 0.79x of reads into contiguous buffers). Smaller chunks are
+/// into hundreds, and reads into it are slower (`docs/storage.md`, "Physically contiguous
+/// buffers"). Smaller chunks are
 /// `cuMemHostAlloc(chunk_bytes, CU_MEMHOSTALLOC_PORTABLE)` memory, and so is every chunk after
 /// the huge-page path failed once (a pool may then hold chunks of both kinds). They are
 /// allocated when [`take`](Self::take) finds no idle one, and go back to the pool when the
@@ -403,7 +404,7 @@ unsafe impl DeviceMemoryMut for BounceChunk {}
 /// One stream of a [`CopyEngine`] and its idle events.
 struct Lane {
     ctx: Arc<CudaContext>,
-    stream: sys::CUstream,
+    stream: PrivateStream<DriverStream>,
     events: Mutex<Vec<sys::CUevent>>,
     pid: u32,
 }
@@ -432,7 +433,7 @@ impl Lane {
             event,
         };
         // SAFETY: a live event and stream of the current context.
-        unsafe { driver::event::record(event, self.stream) }?;
+        unsafe { driver::event::record(event, self.stream.cu_stream()) }?;
         Ok(fence)
     }
 }
@@ -447,8 +448,7 @@ impl Drop for Lane {
             // SAFETY: created by this lane, destroyed once.
             let _ = unsafe { driver::event::destroy(e) };
         }
-        // SAFETY: created by this lane, destroyed once; the driver finishes queued work first.
-        let _ = unsafe { driver::stream::destroy(self.stream) };
+        // The stream is destroyed after this, by its own drop.
     }
 }
 
@@ -458,10 +458,9 @@ impl Drop for Lane {
 /// yields otherwise), so a reader thread takes its chunk back as soon as the copy ends. Such a
 /// wait lasts until the lane has finished this copy and whatever was queued on it before (lanes
 /// are shared: another transfer's readers or a staged peer copy may queue there too). With
-/// `CU_EVENT_BLOCKING_SYNC` the thread slept until an interrupt woke it: hot 1 GiB reads on two
-/// H200s (32 cores, two calls of three alternating cycles of eight reads each) ran 47.0 to 48.8
-/// GB/s with it and 50.3 to 51.3 without it. Polling `cuEventQuery` for 2 ms first (16 readers
-/// querying at once) was slower either way (46.0 to 49.1).
+/// `CU_EVENT_BLOCKING_SYNC` the thread slept until an interrupt woke it, and hot reads were
+/// slower; polling `cuEventQuery` for 2 ms first (16 readers querying at once) was slower either
+/// way (`docs/storage.md`, "Where a hot read's time goes").
 const EVENT_FLAGS: u32 = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
 
 /// A fence on one event of a lane: complete once the copy recorded before it has finished.
@@ -593,6 +592,17 @@ pub(crate) enum Dir {
     D2h,
 }
 
+/// One copy through a chunk: `len` bytes between byte `offset` of the chunk and device address
+/// `addr`, in direction `dir`, on lane `lane % lanes` of the engine that queues it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Leg {
+    pub(crate) dir: Dir,
+    pub(crate) lane: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) addr: u64,
+}
+
 impl CopyEngine {
     /// `lanes` new non-blocking streams on `ctx` (`cuStreamCreate`).
     ///
@@ -613,9 +623,7 @@ impl CopyEngine {
         bind(ctx)?;
         let mut v = Vec::with_capacity(lanes);
         for _ in 0..lanes {
-            // SAFETY: the context is current.
-            let stream =
-                unsafe { driver::stream::create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING) }?;
+            let stream = PrivateStream::new(ctx)?;
             // Pushed at once, so that a later failure destroys the streams made so far.
             v.push(Arc::new(Lane {
                 ctx: ctx.clone(),
@@ -665,10 +673,10 @@ impl CopyEngine {
         &self.inner.lanes[lane % self.inner.lanes.len()]
     }
 
-    /// Queue one copy of `len` bytes between byte `offset` of the chunk `prev` owns and device
-    /// address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
+    /// Queue `leg`, one copy of `len` bytes between byte `offset` of the chunk `prev` owns and
+    /// device address `addr` on lane `lane % lanes`, after `prev` (a stream wait on its fence, when it
     /// has one), through the graph-capture protocol for a private stream
-    /// ([`capture::enqueue_private`]), and record its
+    /// ([`PrivateStream::enqueue`]), and record its
     /// fence. `prev`'s own fence goes back to its lane: the stream wait keeps the record it saw.
     ///
     /// On error `prev` comes back (`kept: Some`) when no work queued here can still use the
@@ -680,16 +688,18 @@ impl CopyEngine {
     ///
     /// `addr..addr + len` is memory this device's copies may read (`D2h`) or write (`H2d`),
     /// valid and not accessed by anyone else until the returned copy has completed.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn queue(
         &self,
-        dir: Dir,
-        lane: usize,
         prev: ChunkCopy,
-        offset: usize,
-        len: usize,
-        addr: u64,
+        leg: Leg,
     ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
+        let Leg {
+            dir,
+            lane,
+            offset,
+            len,
+            addr,
+        } = leg;
         let (after, chunk, ()) = prev.parts.as_ref().expect("parts present until taken");
         let after = after.as_ref().map(|f| f.event);
         // The host address, not a slice: the chunk's previous copy may still be writing it.
@@ -718,32 +728,34 @@ impl CopyEngine {
             Dir::D2h => "cuMemcpyDtoHAsync_v2",
         };
         // The lanes are the engine's own streams, never handed out, and they wait only on
-        // events of other lanes: they meet `capture::Private`'s rule, so the per-chunk capture
+        // events of other lanes: they meet `PrivateStream`'s rule, so the per-chunk capture
         // questions are skipped (with many readers they contend in the driver).
-        let ((), prev) = capture::enqueue_private(lane.stream, call, prev, |raw, _| {
-            if let Some(event) = after {
-                // SAFETY: a live stream and event; the wait takes the event's latest record now.
-                unsafe { driver::stream::wait_event(raw, event) }?;
-            }
-            // SAFETY: `host..host + len` lies in the chunk (checked), which the returned copy
-            // owns until its fence completes; `addr..addr + len` is the caller's; the stream is
-            // live.
-            unsafe {
-                match dir {
-                    Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, raw),
-                    Dir::D2h => {
-                        driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, raw)
+        let ((), prev) = lane
+            .stream
+            .enqueue(call, prev, |raw, _| {
+                if let Some(event) = after {
+                    // SAFETY: a live stream and event; the wait takes the event's latest record now.
+                    unsafe { driver::stream::wait_event(raw, event) }?;
+                }
+                // SAFETY: `host..host + len` lies in the chunk (checked), which the returned copy
+                // owns until its fence completes; `addr..addr + len` is the caller's; the stream is
+                // live.
+                unsafe {
+                    match dir {
+                        Dir::H2d => driver::mem::copy_htod_async(addr, host.cast(), len, raw),
+                        Dir::D2h => {
+                            driver::mem::copy_dtoh_async(host.cast_mut().cast(), addr, len, raw)
+                        }
                     }
                 }
-            }
-        })
-        .map_err(Box::new)?;
+            })
+            .map_err(Box::new)?;
         // SAFETY: the lane's context is current.
         match unsafe { lane.record() } {
             Ok(fence) => Ok(prev.refenced(fence)),
             // The copy is queued but has no fence: wait for the stream, or leak the chunk.
             // SAFETY: a live stream.
-            Err(error) => match unsafe { driver::stream::synchronize(lane.stream) } {
+            Err(error) => match unsafe { driver::stream::synchronize(lane.stream.cu_stream()) } {
                 Ok(()) => Err(Box::new(Refused {
                     error,
                     kept: Some(prev),
@@ -780,8 +792,15 @@ impl CopyEngine {
         dst: u64,
     ) -> Result<ChunkCopy> {
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::H2d,
+            lane,
+            offset,
+            len,
+            addr: dst,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::H2d, lane, idle, offset, len, dst) }.map_err(|r| r.error)
+        unsafe { self.queue(idle, leg) }.map_err(|r| r.error)
     }
 
     /// Queue a copy of `len` bytes from device address `src` into `chunk` at byte `offset`, on
@@ -806,8 +825,15 @@ impl CopyEngine {
         src: u64,
     ) -> Result<ChunkCopy> {
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::D2h,
+            lane,
+            offset,
+            len,
+            addr: src,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(Dir::D2h, lane, idle, offset, len, src) }.map_err(|r| r.error)
+        unsafe { self.queue(idle, leg) }.map_err(|r| r.error)
     }
 
     /// Check that `mem` belongs to this engine's device and that `offset..offset + len` lies in
@@ -863,12 +889,16 @@ impl CopyEngine {
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&dst, dst_offset, len)?;
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::H2d,
+            lane,
+            offset: chunk_offset,
+            len,
+            addr,
+        };
         // SAFETY: the range lies in `dst` (checked), which the returned copy owns until it has
         // completed (or which is leaked); `DeviceMemoryMut` means nobody else references it.
-        holding(
-            unsafe { self.queue(Dir::H2d, lane, idle, chunk_offset, len, addr) },
-            dst,
-        )
+        holding(unsafe { self.queue(idle, leg) }, dst)
     }
 
     /// Queue a copy of `len` bytes of `src` from byte `src_offset` into `chunk` at byte
@@ -889,12 +919,16 @@ impl CopyEngine {
     ) -> Result<ChunkCopy<M>> {
         let addr = self.device_range(&src, src_offset, len)?;
         let idle = ChunkCopy::idle(chunk);
+        let leg = Leg {
+            dir: Dir::D2h,
+            lane,
+            offset: chunk_offset,
+            len,
+            addr,
+        };
         // SAFETY: the range lies in `src` (checked), which the returned copy owns until it has
         // completed (or which is leaked); shared holders (`Arc`) only read it.
-        holding(
-            unsafe { self.queue(Dir::D2h, lane, idle, chunk_offset, len, addr) },
-            src,
-        )
+        holding(unsafe { self.queue(idle, leg) }, src)
     }
 }
 
@@ -1020,9 +1054,9 @@ impl ChunkCopy {
         self.wait().map(|(c, ())| c)
     }
 
-    /// Queue the next copy through this chunk: `len` bytes between byte `offset` of the chunk
-    /// and device address `addr`, in direction `dir`, on lane `lane` of `engine` (any device's:
-    /// the chunk is pinned for every context), after this copy (a stream wait on its event: the
+    /// Queue the next copy through this chunk, `leg`: `len` bytes between byte `offset` of the
+    /// chunk and device address `addr`, in direction `dir`, on lane `lane` of `engine` (any
+    /// device's: the chunk is pinned for every context), after this copy (a stream wait on its event: the
     /// host does not block). The returned copy owns the chunk until its own fence completes.
     ///
     /// # Errors
@@ -1037,19 +1071,14 @@ impl ChunkCopy {
     ///
     /// `addr..addr + len` is memory `engine`'s device may read (`D2h`) or write (`H2d`), valid
     /// and not accessed by anyone else until the returned copy has completed.
-    #[allow(clippy::too_many_arguments)]
     #[cfg(any(test, feature = "p2p"))]
     pub(crate) unsafe fn then(
         self,
-        dir: Dir,
         engine: &CopyEngine,
-        lane: usize,
-        offset: usize,
-        len: usize,
-        addr: u64,
+        leg: Leg,
     ) -> std::result::Result<ChunkCopy, Box<Refused<ChunkCopy>>> {
         // SAFETY: forwarded from the caller.
-        unsafe { engine.queue(dir, lane, self, offset, len, addr) }
+        unsafe { engine.queue(self, leg) }
     }
 
     /// Make `stream` wait for this copy (`cuStreamWaitEvent`, through the graph-capture check):
@@ -1171,9 +1200,16 @@ mod tests {
         ];
         let mut c = ChunkCopy::idle(pool.take().unwrap());
         for (dir, lane, addr) in steps {
+            let leg = Leg {
+                dir,
+                lane,
+                offset: 0,
+                len: half,
+                addr,
+            };
             // SAFETY: `a` and `b` outlive the copies (waited below) and nothing else touches
             // them.
-            c = unsafe { c.then(dir, &engine, lane, 0, half, addr) }
+            c = unsafe { c.then(&engine, leg) }
                 .map_err(|r| r.error)
                 .unwrap();
         }

@@ -1,7 +1,8 @@
 //! Typed copies between memory kinds: blocking, and asynchronous on a [`Stream`] (the rules are
 //! in the `memory` module docs).
 
-use super::{DeviceMemory, DeviceMemoryMut, Pod};
+use super::kind::{DeviceMemory, DeviceMemoryMut};
+use super::pod::Pod;
 use crate::completion::{InFlight, StreamFence};
 use crate::cuda::Stream;
 use crate::driver::mem;

@@ -1,11 +1,13 @@
 //! `cuMemAlloc` device memory: GPUDirect RDMA capable, exportable.
 
-use super::alloc::{Allocation, Release, thin_memory};
-use super::{DeviceMemory, MemoryKind, Pod, byte_size};
+use super::alloc::{Allocation, Release, byte_size, thin_memory};
+use super::copy::{self, copy_from_host};
+use super::kind::DeviceMemory;
+use super::pod::Pod;
 use crate::cuda::Stream;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::Result;
+use crate::error::{MemoryKind, Result};
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 
@@ -92,7 +94,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// [`copy_from_host`](super::copy_from_host).
     pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
         let mut b = Self::alloc(stream.context(), data.len())?;
-        super::copy_from_host(stream, data, &mut b)?;
+        copy_from_host(stream, data, &mut b)?;
         Ok(b)
     }
 
@@ -102,6 +104,6 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// As [`copy_to_host`](super::copy_to_host).
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        super::copy::to_vec(stream, self)
+        copy::to_vec(stream, self)
     }
 }

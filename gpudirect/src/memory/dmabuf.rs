@@ -8,8 +8,8 @@
 //! [`ProtectionDomain::register_dmabuf`](crate::rdma::ProtectionDomain::register_dmabuf), which
 //! takes the whole export.
 
-use super::{DeviceMemory, MemoryKind, refuse_pool};
-use crate::error::{Error, Result};
+use super::kind::{DeviceMemory, refuse_pool};
+use crate::error::{Error, MemoryKind, Result};
 use gpudirect_sys::peermem::DmaBufRange;
 #[cfg(feature = "rdma")]
 use std::os::fd::{AsFd, BorrowedFd};

@@ -3,22 +3,22 @@
 //! (which faults it in), then pinned in place with `cuMemHostRegister`.
 //!
 //! Why: an `O_DIRECT` read goes to the device as one scatter list per request, one segment per
-//! physically contiguous run of the buffer. `cuMemHostAlloc` memory is contiguous only by chance.
-//! On a 16-core H200 node's virtio disk (254 segments per request at most), 1 MiB buffers from
-//! `cuMemHostAlloc` held 1 to 234 runs each. The same raw 8-thread `O_DIRECT` loop ran
-//! 1.27 to 1.35x faster into buffers of 1 or 2 runs (huge pages, or `cuMemHostAlloc` chunks that
-//! happened to be contiguous), and the block layer merged far fewer of its requests. On a huge
-//! page, a read of up to 2 MiB that stays within the page is one run (as long as the kernel keeps
-//! the page huge while it is pinned, which it usually does).
+//! physically contiguous run of the buffer. `cuMemHostAlloc` memory is contiguous only by chance:
+//! a buffer may be split into hundreds of runs, and the same raw `O_DIRECT` loop ran faster into
+//! buffers of 1 or 2 runs (huge pages, or `cuMemHostAlloc` chunks that happened to be
+//! contiguous), with far fewer of its requests merged by the block layer (`docs/storage.md`,
+//! "Physically contiguous buffers"). On a huge page, a read of up to 2 MiB that stays within the
+//! page is one run (as long as the kernel keeps the page huge while it is pinned, which it
+//! usually does).
 //!
 //! Where the kernel gives no huge page (THP off, memory fragmented), the memory is ordinary
 //! pages, as fragmented as `cuMemHostAlloc`'s may be; it works the same.
 
-use super::alloc::{Allocation, Release, thin_memory};
-use super::{MemoryKind, Pod};
+use super::alloc::{Allocation, Release, byte_size, thin_memory};
+use super::pod::Pod;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::{Error, Result};
+use crate::error::{Error, MemoryKind, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -91,7 +91,7 @@ impl<T: Pod> HugePinned<T> {
     #[doc(alias = "mmap")]
     #[doc(alias = "cuMemHostRegister_v2")]
     pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
-        let bytes = super::byte_size::<T>(len)?;
+        let bytes = byte_size::<T>(len)?;
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
             .ok()

@@ -1,8 +1,8 @@
 //! Stream-ordered pool memory: cudarc's `CudaSlice`, accepted as it is.
 
 use super::alloc::{Allocation, Release, thin_memory};
-use super::{MemoryKind, Pod};
-use crate::error::{Result, from_driver};
+use super::pod::Pod;
+use crate::error::{MemoryKind, Result, from_driver};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 /// A cudarc [`CudaSlice`] (pool memory from `cuMemAllocAsync`) handed to gpudirect's data paths.

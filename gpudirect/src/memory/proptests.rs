@@ -3,9 +3,12 @@
 //! range, and `Ok` with exact numbers for what is in range. Pure functions only: no GPU needed.
 //! Run in debug and release builds.
 
+use super::alloc::byte_size;
 use super::copy::{bytes_of, check_len};
-use super::vmm::round_up;
-use super::{DeviceMemory, MemoryKind, VmmChunk, byte_size, check_dmabuf_export, plan_chunks};
+use super::dmabuf::check_dmabuf_export;
+use super::kind::DeviceMemory;
+use super::vmm::{VmmChunk, plan_chunks, round_up};
+use crate::error::MemoryKind;
 use crate::proptest_support::{addr, invalid, is_invalid, kind, not_rdma, size};
 use proptest::prelude::*;
 

@@ -1,10 +1,10 @@
 //! Host memory pinned in place with `cuMemHostRegister`.
 
-use super::alloc::{Allocation, Release, thin_memory};
-use super::{MemoryKind, Pod, byte_size};
+use super::alloc::{Allocation, Release, byte_size, thin_memory};
+use super::pod::Pod;
 use crate::driver;
 use crate::driver::ctx::bind;
-use crate::error::Result;
+use crate::error::{MemoryKind, Result};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 

@@ -1,10 +1,11 @@
 //! VMM device memory: `cuMemCreate` with the GPUDirect RDMA flag, reserved, mapped, access set.
 
-use super::alloc::{Allocation, Release, thin_memory};
-use super::{MemoryKind, Pod, byte_size};
+use super::alloc::{Allocation, Release, byte_size, thin_memory};
+use super::copy;
+use super::pod::Pod;
 use crate::driver::ctx::bind;
 use crate::driver::vmm;
-use crate::error::{Error, Result, from_driver};
+use crate::error::{Error, MemoryKind, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::sync::Arc;
 
@@ -342,7 +343,7 @@ impl<T: Pod> VmmBuffer<T> {
     ///
     /// As [`copy_to_host`](super::copy_to_host).
     pub fn to_vec(&self, stream: &crate::cuda::Stream) -> Result<Vec<T>> {
-        super::copy::to_vec(stream, self)
+        copy::to_vec(stream, self)
     }
 }
 

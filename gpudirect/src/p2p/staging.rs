@@ -27,7 +27,7 @@ use crate::completion::StreamFence;
 use crate::completion::capture::Refused;
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
-use crate::memory::{BouncePool, ChunkCopy, CopyEngine, Dir, SHARED_LANES};
+use crate::memory::{BouncePool, ChunkCopy, CopyEngine, Dir, Leg, SHARED_LANES};
 use std::sync::Mutex;
 
 #[cfg(test)]
@@ -122,9 +122,16 @@ impl Stager {
             };
             // In range: the caller's ranges are `bytes` long and do not wrap.
             let (from, to) = (src + off as u64, dst + off as u64);
+            let leg = Leg {
+                dir: Dir::D2h,
+                lane: self.lanes.0,
+                offset: 0,
+                len,
+                addr: from,
+            };
             // SAFETY: `from..from + len` lies in the caller's source range (the spans cover
             // `0..bytes`) and `len` is at most the chunk's size.
-            let d2h = unsafe { prev.then(Dir::D2h, &self.src, self.lanes.0, 0, len, from) };
+            let d2h = unsafe { prev.then(&self.src, leg) };
             let c = step(ring, s, d2h).map_err(|e| cover(ring, stream, e))?;
             #[cfg(test)]
             if FAIL_AFTER_D2H.with(|f| f.get()) == Some(off / self.chunk) {
@@ -132,8 +139,15 @@ impl Stager {
                 let error = Error::invalid("test", off, "injected failure after a D2H");
                 return Err(cover(ring, stream, Cause::Error(error)));
             }
+            let leg = Leg {
+                dir: Dir::H2d,
+                lane: self.lanes.1,
+                offset: 0,
+                len,
+                addr: to,
+            };
             // SAFETY: as above, for the destination range.
-            let h2d = unsafe { c.then(Dir::H2d, &self.dst, self.lanes.1, 0, len, to) };
+            let h2d = unsafe { c.then(&self.dst, leg) };
             let c = step(ring, s, h2d).map_err(|e| cover(ring, stream, e))?;
             ring.slots[s] = Some(c);
             last = Some(s);

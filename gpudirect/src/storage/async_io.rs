@@ -3,7 +3,7 @@
 //!
 //! # Device buffer offsets
 //!
-//! In compatibility mode (cuFile 1.15 on H200s) `cuFileReadAsync` fails with `EIO` whenever the
+//! In compatibility mode (cuFile 1.15) `cuFileReadAsync` fails with `EIO` whenever the
 //! device buffer offset is not 0, where the blocking `cuFileRead` on the same handle and buffer
 //! succeeds; offset 0 at the start of a `cuMemAlloc` allocation works, with any file offset and
 //! length. So cuFile is only ever handed that shape ([`Target::of`]): a buffer that is
@@ -16,7 +16,10 @@
 //! range into the scratch and writes from there. The scratch is owned by the operation until it
 //! completes.
 
-use super::{FileHandle, check, check_io, clamp_read, io_error, read_outcome};
+use super::context::bind_device;
+use super::file::FileHandle;
+use super::range::{check_io, clamp_read, file_size, read_outcome};
+use super::status::{check, io_error};
 use crate::completion::{Fence, HostFnFence, InFlight, InFlightFuture};
 use crate::cuda::Stream;
 use crate::driver;
@@ -73,7 +76,7 @@ impl std::fmt::Debug for Block {
 impl Block {
     /// The read's limiting callback: set `size` to what the file holds from `file_offset`.
     fn clamp(&self, handle: &FileHandle, file_offset: u64, len: usize) {
-        let want = match super::file_size(handle.as_fd()) {
+        let want = match file_size(handle.as_fd()) {
             Ok(size) => clamp_read(file_offset, len, size),
             Err(e) => {
                 let errno = match &e {
@@ -144,7 +147,7 @@ impl<M: DeviceMemory> AsyncResources<M> {
         }
         let got = if b < 0 {
             // Asked only for bytes the file held: an error after the file shrank is that.
-            let now = super::file_size(self.handle.as_fd()).ok().flatten();
+            let now = file_size(self.handle.as_fd()).ok().flatten();
             if clamp_read(self.file_offset, clamped, now) < clamped {
                 Ok(0)
             } else {
@@ -547,7 +550,7 @@ impl FileHandle {
                     "the buffer's address + buf_offset passes 2^64",
                 )
             })?;
-        let ctx = super::bind_device(buf.ordinal())?;
+        let ctx = bind_device(buf.ordinal())?;
         let call = if read {
             "cuFileReadAsync"
         } else {

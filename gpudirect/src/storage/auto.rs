@@ -1,8 +1,10 @@
 //! The automatic path: cuFile where it helps, our own POSIX path where cuFile is missing, cannot
 //! register the file, or would be slower; every transfer says which path ran and why.
 
-use super::posix::{self, GpuStaging, PosixConfig, PosixFile};
-use super::{DirectIo, Driver, FileHandle, OpenOptions, check_io};
+use super::driver::Driver;
+use super::file::{DirectIo, FileHandle, OpenOptions, fd_len};
+use super::posix::{self, GpuStaging, PosixConfig, PosixFile, Request};
+use super::range::{OFF_MAX, check_io, file_size};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -261,7 +263,7 @@ impl GdsFile {
     ///
     /// [`Error::Os`] from `fstat`.
     pub fn len(&self) -> Result<u64> {
-        super::file::fd_len(self.buffered.as_fd())
+        fd_len(self.buffered.as_fd())
     }
 
     /// Whether the file is empty.
@@ -358,12 +360,14 @@ impl GdsFile {
                 unsafe {
                     posix::read_to_device(
                         |b| GpuStaging::for_device(ordinal, b),
-                        &cfg,
-                        &self.posix_file(path.direct),
-                        super::file_size(self.buffered.as_fd())?,
-                        file_offset,
-                        dst.device_ptr().wrapping_add(dst_offset as u64),
-                        len,
+                        Request {
+                            cfg: &cfg,
+                            file: &self.posix_file(path.direct),
+                            file_offset,
+                            addr: dst.device_ptr().wrapping_add(dst_offset as u64),
+                            len,
+                        },
+                        file_size(self.buffered.as_fd())?,
                     )
                 }?
             }
@@ -440,11 +444,13 @@ impl GdsFile {
                 unsafe {
                     posix::write_from_device(
                         |b| GpuStaging::for_device(ordinal, b),
-                        &cfg,
-                        &self.posix_file(path.direct),
-                        file_offset,
-                        src.device_ptr().wrapping_add(src_offset as u64),
-                        len,
+                        Request {
+                            cfg: &cfg,
+                            file: &self.posix_file(path.direct),
+                            file_offset,
+                            addr: src.device_ptr().wrapping_add(src_offset as u64),
+                            len,
+                        },
                     )
                 }?
             }
@@ -464,7 +470,7 @@ pub(crate) fn cache_span(
     file_len: u64,
     page: u64,
 ) -> Option<(u64, usize)> {
-    if page == 0 || offset > super::OFF_MAX {
+    if page == 0 || offset > OFF_MAX {
         return None;
     }
     let start = offset - offset % page;
@@ -500,7 +506,7 @@ pub(crate) fn sample_windows(pages: usize, windows: usize, per: usize) -> Vec<(u
 pub(crate) fn page_cache_fraction(fd: &OwnedFd, offset: u64, len: usize) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-    let Ok(file_len) = super::file::fd_len(fd.as_fd()) else {
+    let Ok(file_len) = fd_len(fd.as_fd()) else {
         return 0.0;
     };
     let Some((start, map_len)) = cache_span(offset, len, file_len, page) else {

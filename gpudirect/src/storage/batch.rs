@@ -1,9 +1,14 @@
 //! The cuFile batch API: set up, submit, poll, cancel, destroy.
 
-use super::{Driver, FileHandle, check, check_io, clamp_read, io_error, read_outcome, sys};
+use super::context::bind_device;
+use super::driver::{Driver, serialized, serialized_call};
+use super::file::FileHandle;
+use super::range::{check_io, clamp_read, file_size, read_outcome};
+use super::status::{check, io_error};
 use crate::completion::{Fence, InFlight, InFlightFuture};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
+use gpudirect_sys::cufile as sys;
 use std::future::{Future, IntoFuture};
 use std::os::fd::AsFd;
 use std::pin::Pin;
@@ -184,8 +189,8 @@ impl<M: DeviceMemoryMut> Batch<M> {
     ///
     /// # Errors
     ///
-    /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size` (128 on
-    /// the H200) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
+    /// [`Error::LimitExceeded`] when `capacity` is over the driver's `max_batch_io_size`
+    /// ([`Driver::max_batch_entries`]) or 0; [`Error::CuFile`] from `cuFileBatchIOSetUp`.
     ///
     /// # C function
     ///
@@ -195,7 +200,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
         check_capacity(capacity, driver.max_batch_entries())?;
         let mut handle: sys::CUfileBatchHandle_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; capacity within the limit.
-        super::driver::serialized_call("cuFileBatchIOSetUp", || {
+        serialized_call("cuFileBatchIOSetUp", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (driver.lib().cuFileBatchIOSetUp)(&mut handle, capacity as u32) }
         })?;
@@ -255,13 +260,13 @@ impl<M: DeviceMemoryMut> Batch<M> {
             .iter()
             .map(|r| match r.op {
                 BatchOp::Read => {
-                    let size = super::file_size(r.handle.as_fd())?;
+                    let size = file_size(r.handle.as_fd())?;
                     Ok(clamp_read(r.file_offset, r.len, size))
                 }
                 BatchOp::Write => Ok(r.len),
             })
             .collect::<Result<Vec<usize>>>()?;
-        super::bind_device(first.ordinal)?;
+        bind_device(first.ordinal)?;
         let params: Vec<sys::CUfileIOParams_t> = requests
             .iter()
             .zip(&expected)
@@ -569,7 +574,7 @@ impl<M: DeviceMemoryMut> std::fmt::Debug for BatchFuture<M> {
 
 /// Whether the file behind `handle` now holds fewer than `want` bytes from `file_offset`.
 fn shrank(handle: &FileHandle, file_offset: u64, want: usize) -> bool {
-    let now = super::file_size(handle.as_fd()).ok().flatten();
+    let now = file_size(handle.as_fd()).ok().flatten();
     clamp_read(file_offset, want, now) < want
 }
 
@@ -625,16 +630,16 @@ impl<M: DeviceMemoryMut> Drop for Batch<M> {
         // SAFETY: no request is outstanding; destroyed once.
         let (lib, handle) = (self.driver.lib(), self.handle);
         // Refused only in a forked child: the batch is then left allocated.
-        let _ = super::driver::serialized(|| {
+        let _ = serialized(|| {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileBatchIODestroy)(handle) }
         });
     }
 }
 
-/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (200
-/// requests become 128 + 72 on the H200), one batch at a time (the limit may be per process), each waited up
-/// to `timeout`; results in order.
+/// Run any number of requests as batches of at most the driver's `max_batch_io_size` (with a
+/// limit of 128, 200 requests become 128 + 72), one batch at a time (the limit may be per
+/// process), each waited up to `timeout`; results in order.
 ///
 /// # Errors
 ///

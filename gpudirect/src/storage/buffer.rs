@@ -1,6 +1,8 @@
 //! `cuFileBufRegister`: an owned registration over a device buffer range.
 
-use super::{Driver, check_range};
+use super::context::bind_device;
+use super::driver::{Driver, serialized_call};
+use super::range::check_range;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut, MemoryKind};
 
@@ -88,13 +90,13 @@ impl<M: DeviceMemory> BufRegistration<M> {
             Ok(start) => start,
             Err(e) => return Err((e, mem)),
         };
-        if let Err(e) = super::bind_device(mem.ordinal()) {
+        if let Err(e) = bind_device(mem.ordinal()) {
             return Err((e, mem));
         }
         let ptr = start as *const libc::c_void;
         // SAFETY: the range lies within `mem`, which we own (so it stays allocated) until the
         // registration is dropped.
-        let r = super::driver::serialized_call("cuFileBufRegister", || {
+        let r = serialized_call("cuFileBufRegister", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (driver.lib().cuFileBufRegister)(ptr, len, 0) }
         });
@@ -135,7 +137,7 @@ impl<M: DeviceMemory> BufRegistration<M> {
         let base = self.base();
         // SAFETY: registered in `register`, deregistered once.
         let lib = self.driver.lib();
-        let r = super::driver::serialized_call("cuFileBufDeregister", || {
+        let r = serialized_call("cuFileBufDeregister", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileBufDeregister)(base) }
         });
@@ -165,7 +167,7 @@ impl<M: DeviceMemory> Drop for BufRegistration<M> {
         let base = self.base();
         // SAFETY: registered and not yet deregistered; any I/O using it held `&self` or owned it.
         let lib = self.driver.lib();
-        let r = super::driver::serialized_call("cuFileBufDeregister", || {
+        let r = serialized_call("cuFileBufDeregister", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileBufDeregister)(base) }
         });

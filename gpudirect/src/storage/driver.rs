@@ -1,7 +1,8 @@
 //! The cuFile driver: opened once per process, on the first [`Driver::open`], and never closed.
 
-use super::{check, sys};
+use super::status::{check, cufile_error};
 use crate::error::{Error, Result};
+use gpudirect_sys::cufile as sys;
 use std::ffi::CString;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -91,9 +92,10 @@ static DRIVER: OnceOpen = OnceOpen::new();
 ///
 /// The driver is never closed while the process runs: dropping every `Driver`, handle and
 /// registration does not call `cuFileDriverClose_v2`, and there is no close method. Closing and
-/// reopening the driver is what broke it: on two H200s (cuFile 1.15), opening and closing it from
-/// eight threads at once threw a C++ exception out of cuFile (which aborts a Rust program), and
-/// each close and reopen cost about half a second even from one thread. Other cuFile users keep
+/// reopening the driver is what broke it: with cuFile 1.15, opening and closing it from eight
+/// threads at once threw a C++ exception out of cuFile (which aborts a Rust program), and each
+/// close and reopen was slow even from one thread (`docs/storage.md`, "cuFile 1.15's
+/// failures"). Other cuFile users keep
 /// it open for the life of the process too (KvikIO opens it in a process-wide singleton). What
 /// that means: the driver's resources (its threads, bounce buffers and pinned memory) stay until
 /// the process exits, and parameters staged with [`SizeParam::set`] and friends only take effect
@@ -121,8 +123,8 @@ impl Driver {
     ///
     /// Checks libcuda first (and runs `cuInit`), so this works as a program's first CUDA call
     /// and a missing libcuda is a typed error rather than a hang inside libcufile. Only the first
-    /// successful call of the process opens the driver (about half a second in compatibility
-    /// mode); it stays open until the process exits (see [`Driver`] for why).
+    /// successful call of the process opens the driver (slow in compatibility mode:
+    /// `docs/storage.md`); it stays open until the process exits (see [`Driver`] for why).
     ///
     /// # Errors
     ///
@@ -184,13 +186,13 @@ impl Driver {
     #[doc(alias = "cuFileDriverGetProperties")]
     pub fn properties(&self) -> Result<DriverProperties> {
         // Under the driver's lock: cuFile 1.15 crashed (a segfault, or a C++ exception thrown out
-        // of it) when several threads read the properties at once (seen on the H200, 8 threads).
+        // of it) when several threads read the properties at once (docs/storage.md).
         let p = DRIVER
             // SAFETY: the driver is open while self lives.
             .with_lock(std::process::id(), |_| unsafe {
                 self.lib.driver_properties()
             })?
-            .map_err(|e| super::cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
+            .map_err(|e| cufile_error("cuFileDriverGetProperties", e.err, e.cu_err))?;
         Ok(DriverProperties {
             nvfs_version: (p.nvfs.major_version, p.nvfs.minor_version),
             poll_threshold_kib: p.nvfs.poll_thresh_size,
@@ -453,7 +455,7 @@ fn gate(lib: &sys::Lib, name: &'static str, since: i32) -> Result<()> {
 /// batch registration and their release), under the driver's lock. cuFile documents its I/O
 /// calls as thread-safe, but 1.15 in compatibility mode corrupted its heap
 /// (`malloc(): unaligned tcache chunk detected`) when eight threads registered and deregistered
-/// buffers at once (seen on an H200 node), as it crashed when they read the properties at once.
+/// buffers at once, as it crashed when they read the properties at once (`docs/storage.md`).
 /// These calls set up and tear down; I/O never takes this lock. Refused in a forked child (see
 /// [`OnceOpen::with_lock`]).
 pub(crate) fn serialized<R>(f: impl FnOnce() -> R) -> Result<R> {

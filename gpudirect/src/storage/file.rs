@@ -1,7 +1,10 @@
 //! Opening files (O_DIRECT with a buffered fallback) and registering them with cuFile.
 
-use super::{Driver, sys};
+use super::driver::{Driver, serialized, serialized_call};
+use super::range::file_size;
+use super::status::cufile_error;
 use crate::error::{Error, Result};
+use gpudirect_sys::cufile as sys;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -155,7 +158,7 @@ impl Drop for HandleInner {
         // SAFETY: registered in FileHandle::register, deregistered once; the fd is still open.
         let (lib, handle) = (self.driver.lib(), self.handle);
         // Refused only in a forked child: the handle is then left registered.
-        let _ = super::driver::serialized(|| {
+        let _ = serialized(|| {
             // SAFETY: as for the call without the lock (above).
             unsafe { (lib.cuFileHandleDeregister)(handle) }
         });
@@ -216,12 +219,12 @@ impl FileHandle {
         descr.handle.fd = fd.as_raw_fd();
         let mut handle: sys::CUfileHandle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer and descriptor; the fd stays open while the handle lives.
-        super::driver::serialized_call("cuFileHandleRegister", || {
+        serialized_call("cuFileHandleRegister", || {
             // SAFETY: as for the call without the lock (above).
             unsafe { (driver.lib().cuFileHandleRegister)(&mut handle, &mut descr) }
         })?;
         if handle.is_null() {
-            return Err(super::cufile_error(
+            return Err(cufile_error(
                 "cuFileHandleRegister",
                 sys::CU_FILE_INTERNAL_ERROR,
                 0,
@@ -280,7 +283,7 @@ impl AsFd for FileHandle {
 /// The file's size: `st_size` of a regular file, the size of a block device, 0 for anything else
 /// (`fstat`, `ioctl(BLKGETSIZE64)`).
 pub(crate) fn fd_len(fd: BorrowedFd<'_>) -> Result<u64> {
-    Ok(super::file_size(fd)?.unwrap_or(0))
+    Ok(file_size(fd)?.unwrap_or(0))
 }
 
 #[cfg(test)]

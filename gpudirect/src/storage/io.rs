@@ -1,6 +1,9 @@
 //! Blocking cuFile reads and writes between a file range and a device buffer range.
 
-use super::{FileHandle, check_io, clamp_read, io_error, read_outcome};
+use super::context::bind_device;
+use super::file::FileHandle;
+use super::range::{check_io, clamp_read, file_size, read_outcome};
+use super::status::io_error;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::os::fd::AsFd;
@@ -88,11 +91,11 @@ impl FileHandle {
         len: usize,
     ) -> Result<usize> {
         check_io("dst_offset", dst_offset, file_offset, len, dst.byte_len())?;
-        let want = clamp_read(file_offset, len, super::file_size(self.as_fd())?);
+        let want = clamp_read(file_offset, len, file_size(self.as_fd())?);
         if want == 0 {
             return Ok(0);
         }
-        super::bind_device(dst.ordinal())?;
+        bind_device(dst.ordinal())?;
         let base = dst.device_ptr() as *mut libc::c_void;
         let lib = self.inner.driver.lib();
         let got = looped(
@@ -131,7 +134,7 @@ impl FileHandle {
         len: usize,
     ) -> Result<usize> {
         check_io("src_offset", src_offset, file_offset, len, src.byte_len())?;
-        super::bind_device(src.ordinal())?;
+        bind_device(src.ordinal())?;
         let base = src.device_ptr() as *const libc::c_void;
         let lib = self.inner.driver.lib();
         looped(

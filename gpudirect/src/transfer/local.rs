@@ -2168,7 +2168,10 @@ fn queue_on(
     // The endpoint's streams are its own: made in `streams_of`, never handed out, and never
     // made to wait on anyone's event, so no capture can reach them (the private protocol: no
     // driver questions).
-    let r = capture::enqueue_private(s.cu_stream(), "cuMemcpyAsync", k, |raw, _| {
+    let private = s
+        .as_private()
+        .expect("made by `Stream::private` in `streams_of`");
+    let r = private.enqueue("cuMemcpyAsync", k, |raw, _| {
         // SAFETY: both ranges of every piece were checked: the local range inside its region,
         // which `keep` holds; the remote range inside the peer's allocation and the mapping,
         // which `keep` holds too. The copies are tracked by the stream epoch taken after them,
