@@ -3,12 +3,17 @@
 
 use super::descriptor::{MemoryDescriptor, RemoteRange};
 use super::engine::{Engine, EngineInner};
+use super::pending::{ReqShared, Transfer};
 use super::plan::{Chunk, Credits, PlanInput, deadline_after, plan, send_window};
 use super::region::{LocalRange, MemoryPath, Region};
+use super::request::{
+    Broken, Direction, FLUSH_WAIT, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions,
+    TransferReport, check_pairs, check_same_engine, unread_overflow,
+};
 use super::wire::{Hello, MAX_HELLO};
 use crate::completion::deferred::{self, Defers, Locked, Woken};
-use crate::completion::{CompletionFlag, Fence, InFlight, Tracker};
-use crate::error::{Error, Result, WcStatus};
+use crate::completion::{CompletionFlag, Fence, InFlight};
+use crate::error::{Error, Result};
 use crate::rdma::{
     AccessFlags, CmLink, CompletionChannel, CompletionQueue, ConnectOptions, Connection,
     ErrorState, HostBuffer, Listener, Local, MemoryRegion, MrSlice, QpCaps, QpResources, QueuePair,
@@ -17,7 +22,7 @@ use crate::rdma::{
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -26,89 +31,8 @@ const RECV_TAG: u64 = u64::MAX - 7;
 /// The notification rail: notifications and credit returns travel on rail 0, so they arrive in
 /// the order they were sent.
 const NOTIFY_RAIL: usize = 0;
-/// How long requests of a broken endpoint wait for their flushed completions before they are
-/// finished anyway (the queue pairs keep what the NIC may still touch).
-const FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// The longest sleep of the progress thread between looks at the deadlines.
 const TICK: Duration = Duration::from_millis(20);
-
-/// Which way a request moves bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Direction {
-    /// RDMA write: local bytes to the peer.
-    Write,
-    /// RDMA read: the peer's bytes to local memory.
-    Read,
-}
-
-/// Options of one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TransferOptions {
-    /// Notify the peer with this tag once every byte of the request is visible there (writes
-    /// only).
-    pub notify: Option<u32>,
-    /// Finish (with [`Error::Timeout`]) if not done within this time of the call; `None` takes
-    /// the engine's [`deadline`](super::EngineConfig::deadline). A deadline that passes ends the
-    /// endpoint: on a reliable connection nothing behind a stuck message moves either.
-    pub deadline: Option<Duration>,
-}
-
-impl TransferOptions {
-    /// Notify the peer with `tag`.
-    pub fn notify(tag: u32) -> Self {
-        TransferOptions {
-            notify: Some(tag),
-            deadline: None,
-        }
-    }
-
-    /// With this deadline.
-    pub fn deadline(mut self, d: Duration) -> Self {
-        self.deadline = Some(d);
-        self
-    }
-}
-
-/// What a finished request did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferReport {
-    /// Write or read.
-    pub direction: Direction,
-    /// Bytes moved.
-    pub bytes: u64,
-    /// Messages posted (after splitting and striping).
-    pub messages: u64,
-    /// Bytes per rail of the endpoint (rail order).
-    pub rail_bytes: Vec<u64>,
-    /// How each pair's local memory reached the NIC, in pair order.
-    pub paths: Vec<MemoryPath>,
-    /// From the call to the last completion.
-    pub elapsed: Duration,
-    /// The notification tag sent, if any.
-    pub notified: Option<u32>,
-}
-
-impl TransferReport {
-    /// Rails that carried bytes.
-    pub fn rails_used(&self) -> Vec<usize> {
-        (0..self.rail_bytes.len())
-            .filter(|&r| self.rail_bytes[r] > 0)
-            .collect()
-    }
-
-    /// Bytes per second of 10^9 (GB/s).
-    pub fn gbps(&self) -> f64 {
-        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
-    }
-}
-
-/// A notification from the peer: the tag it gave, delivered only once the bytes of its request
-/// are visible here (for GPU memory, after the flush the device needs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Notification {
-    /// The peer's tag.
-    pub tag: u32,
-}
 
 /// Counters of one rail (cumulative over reconnects).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -137,70 +61,6 @@ struct RailCounters {
     reads: AtomicU64,
     notes_sent: AtomicU64,
     notes_received: AtomicU64,
-}
-
-/// Why an endpoint stopped.
-#[derive(Debug, Clone)]
-pub(super) enum Broken {
-    Deadline(Duration),
-    Disconnected(&'static str, i32),
-    Completion {
-        status: WcStatus,
-        vendor_err: u32,
-        qp_num: u32,
-    },
-    Protocol(String),
-    Closed,
-    Os(&'static str, i32),
-}
-
-impl Broken {
-    pub(super) fn to_error(&self) -> Error {
-        match self {
-            Broken::Deadline(after) => Error::Timeout {
-                what: "transfer (the endpoint was closed: a message got no answer in time)",
-                after: *after,
-            },
-            Broken::Disconnected(got, status) => Error::CmEvent {
-                call: "transfer",
-                expected: "RDMA_CM_EVENT_ESTABLISHED",
-                got: got.to_string(),
-                status: *status,
-            },
-            Broken::Completion {
-                status,
-                vendor_err,
-                qp_num,
-            } => Error::WorkCompletion {
-                status: *status,
-                vendor_err: *vendor_err,
-                qp_num: *qp_num,
-            },
-            Broken::Protocol(why) => Error::invalid("peer", "its messages", why.clone()),
-            Broken::Closed => Error::invalid(
-                "endpoint",
-                "closed",
-                "the endpoint was closed; reconnect or connect again",
-            ),
-            Broken::Os(call, errno) => Error::errno(call, *errno),
-        }
-    }
-
-    pub(super) fn of(e: &Error) -> Broken {
-        match e {
-            Error::WorkCompletion {
-                status,
-                vendor_err,
-                qp_num,
-            } => Broken::Completion {
-                status: *status,
-                vendor_err: *vendor_err,
-                qp_num: *qp_num,
-            },
-            Error::Os { call, source } => Broken::Os(call, source.raw_os_error().unwrap_or(0)),
-            e => Broken::Protocol(e.to_string()),
-        }
-    }
 }
 
 /// A message waiting to be posted.
@@ -268,65 +128,6 @@ struct Rail {
 impl Rail {
     fn outstanding(&self) -> usize {
         self.inflight.len()
-    }
-}
-
-pub(crate) struct ReqShared {
-    /// By when the request is surely finished: its deadline plus the flush wait and slack.
-    limit: Instant,
-    flag: CompletionFlag,
-    done: Mutex<Option<Result<TransferReport>>>,
-    cv: Condvar,
-    /// Threads asleep on `cv` (counted under `done`'s lock): finishing wakes only when some
-    /// are (a wake-up is a system call).
-    sleepers: AtomicUsize,
-    /// Who finishes the request, when a waiting caller can help (the intra-node path).
-    finisher: OnceLock<Weak<dyn Finisher>>,
-}
-
-/// Who finishes a request that a waiting caller can help with (the intra-node side).
-pub(crate) trait Finisher: Send + Sync {
-    /// Called by a blocking wait while it spins: finish what is done, in order, if no one else
-    /// is finishing.
-    fn help(&self);
-    /// Ask the thread that finishes requests when nobody waits blocking (the intra-node worker)
-    /// to look: a request nobody else can see finished (no notification) does not wake it when
-    /// issued, so that a caller that waits finishes it alone.
-    fn wake(&self);
-}
-
-impl ReqShared {
-    fn finish(self: Arc<Self>, r: Result<TransferReport>) {
-        drop(self.settle(r));
-    }
-
-    /// Store the result (the first one stays) and set the flag; its waiters are woken when
-    /// what is returned is dropped (once the caller let its own locks go).
-    fn settle(self: Arc<Self>, r: Result<TransferReport>) -> Settled {
-        let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            *g = Some(r);
-        }
-        // Set under the lock: whoever sees the result sees the flag set (`wait` takes the
-        // resources with a zero timeout once the result is there), and whoever is woken by the
-        // flag finds the result. Woken after it: a waker that polls the transfer takes it.
-        self.flag.mark();
-        drop(g);
-        Settled(self)
-    }
-}
-
-/// A finished request's wake-up ([`Transfer::pending`]): its futures and blocked waits are
-/// woken when this is dropped.
-pub(crate) struct Settled(Arc<ReqShared>);
-
-impl Drop for Settled {
-    fn drop(&mut self) {
-        // Set already: this wakes.
-        self.0.flag.set();
-        if self.0.sleepers.load(Ordering::Acquire) > 0 {
-            self.0.cv.notify_all();
-        }
     }
 }
 
@@ -1286,15 +1087,7 @@ impl Endpoint {
         let started = Instant::now();
         let deadline = deadline_after(started, timeout);
         let lens: Vec<u64> = pairs.iter().map(|(l, _)| l.len).collect();
-        let flag = CompletionFlag::new();
-        let shared = Arc::new(ReqShared {
-            limit: deadline + FLUSH_WAIT + Duration::from_secs(5),
-            flag: flag.clone(),
-            done: Mutex::new(None),
-            cv: Condvar::new(),
-            sleepers: AtomicUsize::new(0),
-            finisher: OnceLock::new(),
-        });
+        let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
         let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
         let mut st = inner.lock();
         if let Some((b, _)) = &st.broken {
@@ -1366,18 +1159,7 @@ impl Endpoint {
         st.deadlines.push(std::cmp::Reverse((deadline, id)));
         pump(inner, &mut st);
         drop(st);
-        Ok(Transfer {
-            op: InFlight::new(
-                "transfer",
-                flag,
-                Transferred {
-                    shared: shared.clone(),
-                    _regions: regions,
-                },
-            ),
-            _finisher: WakeFinisher(shared.clone()),
-            shared,
-        })
+        Ok(Transfer::started("transfer", shared, regions))
     }
 
     /// The next notification from the peer, waiting up to `timeout`; `None` when none came.
@@ -1566,8 +1348,6 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
-/// The checks every request passes before anything is queued: at least one pair, the lengths of
-/// each pair equal, notifications only with writes.
 /// Every remote descriptor has one rkey per device of the peer.
 fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usize) -> Result<()> {
     for (i, (_, r)) in pairs.iter().enumerate() {
@@ -1585,74 +1365,6 @@ fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usize) -> Resu
     }
     Ok(())
 }
-
-/// The bytes of all pairs' ranges, checked.
-///
-/// # Errors
-///
-/// [`Error::InvalidArgument`] when they add up past 2^64.
-pub(crate) fn pairs_bytes(pairs: &[(LocalRange, RemoteRange)]) -> Result<u64> {
-    pairs.iter().try_fold(0u64, |t, (l, _)| {
-        t.checked_add(l.len)
-            .ok_or_else(|| Error::invalid("pairs", pairs.len(), "the lengths add up past 2^64"))
-    })
-}
-
-pub(crate) fn check_pairs(
-    dir: Direction,
-    pairs: &[(LocalRange, RemoteRange)],
-    opts: &TransferOptions,
-) -> Result<()> {
-    if pairs.is_empty() {
-        return Err(Error::invalid(
-            "pairs",
-            0,
-            "a request moves at least one range",
-        ));
-    }
-    if dir == Direction::Read && opts.notify.is_some() {
-        return Err(Error::invalid(
-            "notify",
-            "a read",
-            "notifications go with writes",
-        ));
-    }
-    for (i, (l, r)) in pairs.iter().enumerate() {
-        if l.len != r.len() {
-            return Err(Error::invalid(
-                "pairs",
-                i,
-                format!(
-                    "local {} bytes, remote {} bytes: must match",
-                    l.len,
-                    r.len()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Every local range is registered with the endpoint's engine: its registrations have one
-/// region per device of that engine, in that engine's protection domains. (A region of another
-/// engine indexed past its registrations, or its slices were refused by the queue pair, which
-/// broke the whole endpoint.)
-pub(super) fn check_same_engine(engine: u64, pairs: &[(LocalRange, RemoteRange)]) -> Result<()> {
-    if let Some(i) = pairs
-        .iter()
-        .position(|(l, _)| l.region.entry.engine != engine)
-    {
-        return Err(Error::invalid(
-            "pairs",
-            i,
-            "the local region was registered with another engine: register it with this \
-             endpoint's engine",
-        ));
-    }
-    Ok(())
-}
-
-/// The message for chunk `c`.
 fn build_wr(
     st: &State,
     dir: Direction,
@@ -2217,266 +1929,10 @@ fn progress_loop(inner: &Arc<EpInner>) {
     }
 }
 
-/// A request in flight: wait for it ([`wait`](Self::wait)), or hand it on as an
-/// [`InFlight`] ([`into_in_flight`](Self::into_in_flight)) whose fence is the request's
-/// [`CompletionFlag`].
-#[must_use = "a transfer runs until it completes or fails; wait for it to see which"]
-pub struct Transfer {
-    op: InFlight<Transferred, CompletionFlag>,
-    shared: Arc<ReqShared>,
-    /// Wakes the finisher when the transfer goes unfinished (dropped, or made a future or an
-    /// `InFlight`).
-    _finisher: WakeFinisher,
-}
-
-/// Dropped with its [`Transfer`]: asks the finisher to look if the request is not finished.
-struct WakeFinisher(Arc<ReqShared>);
-
-impl WakeFinisher {
-    fn wake(&self) {
-        if !self.0.flag.is_complete()
-            && let Some(f) = self.0.finisher.get().and_then(Weak::upgrade)
-        {
-            f.wake();
-        }
-    }
-
-    /// Finish what is done, if the request has a finisher a caller can help.
-    fn help(&self) -> bool {
-        match self.0.finisher.get().and_then(Weak::upgrade) {
-            Some(f) => {
-                f.help();
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-impl Drop for WakeFinisher {
-    fn drop(&mut self) {
-        self.wake();
-    }
-}
-
-/// What a finished transfer hands back: its result, and the regions it used.
-pub struct Transferred {
-    shared: Arc<ReqShared>,
-    _regions: Vec<Region>,
-}
-
-impl Transferred {
-    /// The transfer's result, leaving the regions held (the stream proxy hands them to a
-    /// thread that may free memory).
-    pub(crate) fn take_result(&self) -> Result<TransferReport> {
-        self.shared
-            .done
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_else(|| Err(Broken::Closed.to_error()))
-    }
-
-    /// The transfer's result.
-    ///
-    /// # Errors
-    ///
-    /// What ended the transfer: [`Error::Timeout`] when its deadline passed,
-    /// [`Error::WorkCompletion`] (a remote access error for a wrong rkey or range, flushed
-    /// messages), [`Error::CmEvent`] when the peer disconnected, [`Error::InvalidArgument`]
-    /// when the peer broke the protocol or the endpoint was closed (reconnected or dropped).
-    /// Inside a node: [`Error::Os`] when the socket to the peer closed, [`Error::Cuda`] when a
-    /// copy failed.
-    pub fn result(self) -> Result<TransferReport> {
-        self.take_result()
-    }
-}
-
-/// The most notifications kept unread (`next_notification`, `notification`): a peer that
-/// sends more ends the endpoint instead of growing this process's memory without bound.
-pub const MAX_UNREAD_NOTIFICATIONS: usize = 1 << 20;
-
-fn unread_overflow() -> String {
-    format!(
-        "the peer sent more than {MAX_UNREAD_NOTIFICATIONS} notifications that were not read \
-         (read them with next_notification, even when a notification counter is what waits)"
-    )
-}
-
-/// How long [`Transfer::wait`] looks for the end of a request that can be helped before it
-/// sleeps until its finisher wakes it.
-const HELP_SPIN: Duration = Duration::from_millis(10);
-
-/// While it looks, a waiting caller yields its CPU once in this many looks.
-const HELP_YIELD: u32 = 8;
-
-impl Transfer {
-    /// Let a blocking [`wait`](Self::wait) help `f` finish the request, and let the transfer
-    /// wake `f` whenever it is looked at without a blocking wait, or goes unfinished (once).
-    #[cfg_attr(
-        not(feature = "p2p"),
-        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
-    )]
-    pub(crate) fn set_finisher(&self, f: Weak<dyn Finisher>) {
-        let _ = self.shared.finisher.set(f);
-    }
-
-    /// A transfer finished by someone else (the staged path's worker): the transfer, and the
-    /// function that finishes it.
-    /// The function stores the result and sets the flag; the waiters are woken when the
-    /// [`Settled`] it returns is dropped (once the finisher let its own locks go).
-    pub(crate) fn pending(
-        timeout: Duration,
-        regions: Vec<Region>,
-    ) -> (
-        Transfer,
-        impl FnOnce(Result<TransferReport>) -> Settled + Send + 'static,
-    ) {
-        let flag = CompletionFlag::new();
-        let limit = deadline_after(deadline_after(Instant::now(), timeout), timeout) + FLUSH_WAIT;
-        let shared = Arc::new(ReqShared {
-            limit,
-            flag: flag.clone(),
-            done: Mutex::new(None),
-            cv: Condvar::new(),
-            sleepers: AtomicUsize::new(0),
-            finisher: OnceLock::new(),
-        });
-        let s = shared.clone();
-        (
-            Transfer {
-                op: InFlight::new(
-                    "staged transfer",
-                    flag,
-                    Transferred {
-                        shared: shared.clone(),
-                        _regions: regions,
-                    },
-                ),
-                _finisher: WakeFinisher(shared.clone()),
-                shared,
-            },
-            move |r| s.settle(r),
-        )
-    }
-
-    /// Whether it has finished.
-    pub fn is_complete(&self) -> bool {
-        if self.op.is_complete() {
-            return true;
-        }
-        // Someone polling: the finisher looks from now on. (No help here: a poll makes no CUDA
-        // call and never blocks, so it is fine in a host function or an executor's poll.)
-        self._finisher.wake();
-        false
-    }
-
-    /// The flag the progress thread sets when the request finishes.
-    pub(crate) fn flag(&self) -> &CompletionFlag {
-        &self.shared.flag
-    }
-
-    /// Block until it finishes (it always does by its deadline, plus the time the NIC takes to
-    /// flush after a failure) and give its result.
-    ///
-    /// # Errors
-    ///
-    /// As [`Transferred::result`].
-    pub fn wait(self) -> Result<TransferReport> {
-        // What finished requests left parked (their regions and imports) goes here, on the
-        // caller's thread.
-        Tracker::global().reap();
-        if self.shared.finisher.get().is_some() {
-            // Look for the end ourselves for a while (yielding), as a synchronize would: no
-            // hand-off from another thread when it comes soon.
-            // A look is a driver query (a few hundred ns); the thread yields once in
-            // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
-            // copy seen later than a stream synchronize sees it.
-            let until = Instant::now() + HELP_SPIN;
-            let mut looks = 0u32;
-            while !self.shared.flag.is_complete() && Instant::now() < until {
-                self._finisher.help();
-                if self.shared.flag.is_complete() {
-                    break;
-                }
-                looks = looks.wrapping_add(1);
-                if looks.is_multiple_of(HELP_YIELD) {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-        }
-        // Sleeping from now on: the finisher looks instead.
-        self._finisher.wake();
-        {
-            let mut g = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
-            while g.is_none() {
-                let left = self.shared.limit.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                // Counted under the lock, before sleeping: a finisher that sets the result
-                // after sees it.
-                self.shared.sleepers.fetch_add(1, Ordering::AcqRel);
-                g = self
-                    .shared
-                    .cv
-                    .wait_timeout(g, left)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-                self.shared.sleepers.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-        // Finished (its flag is set): at once. Otherwise (the progress thread is gone) the
-        // resources are parked, never freed early.
-        match self.op.wait_timeout(Duration::ZERO) {
-            Ok(t) => t.result(),
-            Err((e, op)) => {
-                drop(op);
-                Err(e)
-            }
-        }
-    }
-
-    /// The request as an [`InFlight`]: its fence is the [`CompletionFlag`] the progress thread
-    /// sets when the request finishes.
-    pub fn into_in_flight(self) -> InFlight<Transferred, CompletionFlag> {
-        self.op
-    }
-}
-
-/// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
-/// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
-/// Past that bound (the progress thread gone) it ends with [`Error::Timeout`] and the resources
-/// stay parked in the completion tracker, never freed early.
-impl std::future::IntoFuture for Transfer {
-    type Output = Result<TransferReport>;
-    type IntoFuture =
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
-
-    fn into_future(self) -> Self::IntoFuture {
-        let f = self.op.deadline(self.shared.limit);
-        Box::pin(async move { f.await?.result() })
-    }
-}
-
-impl std::fmt::Debug for Transfer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transfer")
-            .field("complete", &self.is_complete())
-            .finish()
-    }
-}
-
-impl std::fmt::Debug for Transferred {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transferred").finish_non_exhaustive()
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn partial_rail_groups_are_bounded_by_age_and_count() {
         use std::time::Duration;
@@ -2501,64 +1957,6 @@ mod tests {
         // A cap of 0 counts as 1: every group goes, none is kept waiting forever.
         assert_eq!(prune_partial(&mut g, None, 0), 3);
         assert!(g.is_empty());
-    }
-
-    use super::*;
-    use std::future::IntoFuture;
-    use std::task::{Context, Poll, Wake, Waker};
-
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-
-    fn report() -> TransferReport {
-        TransferReport {
-            direction: Direction::Write,
-            bytes: 42,
-            messages: 1,
-            rail_bytes: vec![42],
-            paths: vec![MemoryPath::Host],
-            elapsed: Duration::ZERO,
-            notified: None,
-        }
-    }
-
-    #[test]
-    fn regions_of_another_engine_are_refused_before_anything_is_queued() {
-        use crate::transfer::region::{Buffer, Entry, Identity};
-        use crate::transfer::{DescribedKind, MemoryDescriptor};
-        let region = |engine| {
-            let buf = Buffer::host(vec![7u8; 64]).unwrap();
-            Region {
-                entry: Arc::new(Entry {
-                    id: Identity::Host { backing: 1 },
-                    engine,
-                    start: 0,
-                    len: 64,
-                    mrs: Vec::new(),
-                    path: MemoryPath::Host,
-                    ordinal: None,
-                    preferred: vec![0],
-                    _keep: Vec::new(),
-                    ipc: Err("a test".into()),
-                }),
-                buf,
-                at: 0,
-            }
-        };
-        let remote = MemoryDescriptor::new(0x1000, 64, DescribedKind::Host, &[1])
-            .unwrap()
-            .all();
-        let pairs = vec![(region(3).all(), remote), (region(4).all(), remote)];
-        let e = check_same_engine(3, &pairs).unwrap_err();
-        assert!(
-            matches!(e, Error::InvalidArgument { arg: "pairs", .. }) && e.to_string().contains('1'),
-            "{e}"
-        );
-        assert!(check_same_engine(3, &pairs[..1]).is_ok());
     }
 
     #[test]
@@ -2588,95 +1986,5 @@ mod tests {
         );
         drop(expired);
         assert!(old.is_complete() && !live.is_complete());
-    }
-
-    #[test]
-    fn a_transfer_is_awaitable_and_woken_by_its_completion() {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-        let mut f = t.into_future();
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        assert!(f.as_mut().poll(&mut cx).is_pending());
-        let h = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            done(Ok(report()));
-        });
-        let r = loop {
-            match f.as_mut().poll(&mut cx) {
-                Poll::Ready(r) => break r,
-                Poll::Pending => std::thread::park_timeout(Duration::from_secs(5)),
-            }
-        };
-        h.join().unwrap();
-        assert_eq!(r.unwrap().bytes, 42);
-    }
-
-    #[test]
-    fn a_finished_transfers_waker_runs_with_its_result_unlocked() {
-        use crate::completion::testing::WokenFree;
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-        let shared = t.shared.clone();
-        // A waker that polls the transfer inline takes the result's lock.
-        let probe = WokenFree::new(move || shared.done.try_lock().is_ok());
-        let mut f = t.into_future();
-        let waker = Waker::from(probe.clone());
-        assert!(
-            f.as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_pending()
-        );
-        done(Ok(report()));
-        assert_eq!(probe.count(), 1, "woken once, the result unlocked");
-        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
-            Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
-            Poll::Pending => panic!("finished"),
-        }
-    }
-
-    #[test]
-    fn an_awaited_transfer_nobody_finishes_ends_with_a_timeout_at_its_bound() {
-        let (t, _done) = Transfer::pending(Duration::from_millis(10), Vec::new());
-        let mut f = t.into_future();
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let r = loop {
-            match f.as_mut().poll(&mut cx) {
-                Poll::Ready(r) => break r,
-                Poll::Pending => std::thread::park_timeout(Duration::from_secs(10)),
-            }
-        };
-        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
-    }
-
-    #[test]
-    fn a_transfer_finished_while_its_waiter_arrives_is_never_a_timeout() {
-        // `wait` found the result but not yet the flag ("timed out after 0ns") when the flag
-        // was set after the lock was let go.
-        for _ in 0..2000 {
-            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-            let h = std::thread::spawn(move || drop(done(Ok(report()))));
-            let r = t.wait();
-            h.join().unwrap();
-            assert_eq!(r.unwrap().bytes, 42);
-        }
-    }
-
-    #[test]
-    fn a_failed_transfer_gives_its_error_blocking_or_awaited() {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-        done(Err(Broken::Deadline(Duration::from_secs(3)).to_error()));
-        assert!(matches!(t.wait(), Err(Error::Timeout { .. })));
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
-        done(Err(
-            Broken::Disconnected("RDMA_CM_EVENT_DISCONNECTED", 0).to_error()
-        ));
-        let mut f = t.into_future();
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
-            Poll::Ready(Err(Error::CmEvent { got, .. })) => {
-                assert_eq!(got, "RDMA_CM_EVENT_DISCONNECTED")
-            }
-            other => panic!("{other:?}"),
-        }
     }
 }

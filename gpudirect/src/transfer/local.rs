@@ -28,15 +28,17 @@
 
 use super::descriptor::{IpcKind, IpcPart};
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
-use super::endpoint::{
-    Broken, Direction, EpInner, Finisher, LocalSide, Notification, Settled, Transfer,
-    TransferOptions, TransferReport, Wakes, check_pairs, check_same_engine, pairs_bytes,
-};
+use super::endpoint::{EpInner, LocalSide, Wakes};
 use super::engine::Engine;
 use super::ipc::{
     Import, import, import_pool, import_pool_ptr, import_vmm, link, ordinal_of_uuid, published,
 };
+use super::pending::{Finisher, Settled, Transfer};
 use super::region::{ExportFd, FdOf, LocalRange, MemoryPath, Region};
+use super::request::{
+    Broken, Direction, Notification, TransferOptions, TransferReport, check_pairs,
+    check_same_engine, pairs_bytes,
+};
 use super::wire::{MAX_HELLO, header};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,

@@ -147,7 +147,9 @@ mod engine;
 mod ipc;
 #[cfg(feature = "p2p")]
 mod local;
+mod pending;
 mod plan;
+mod prepared;
 mod region;
 mod registry;
 mod request;
@@ -159,13 +161,14 @@ pub use descriptor::{
     DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
-pub use endpoint::{
-    Direction, Endpoint, MAX_UNREAD_NOTIFICATIONS, Notification, RailStats, Transfer,
-    TransferListener, TransferOptions, TransferReport, Transferred,
-};
+pub use endpoint::{Endpoint, RailStats, TransferListener};
 pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "p2p")]
 pub use local::LocalListener;
+pub use pending::{Transfer, Transferred};
+pub use prepared::PreparedTransfer;
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
-pub use request::PreparedTransfer;
+pub use request::{
+    Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,
+};
 pub use stream::{PROXY_NAP, STREAM_ERROR_BIT, StreamTransfer, StreamWord, TRIGGER_SLOTS};

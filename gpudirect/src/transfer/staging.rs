@@ -8,10 +8,10 @@
 
 use super::copy::copy_on;
 use super::descriptor::RemoteRange;
-use super::endpoint::{
-    Direction, Endpoint, Settled, Transfer, TransferOptions, TransferReport, check_pairs,
-};
+use super::endpoint::Endpoint;
+use super::pending::{Settled, Transfer};
 use super::region::{Buffer, LocalRange, Region};
+use super::request::{Direction, TransferOptions, TransferReport, check_pairs};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::memory::HostChunk;

@@ -107,12 +107,11 @@
 //! (streams starting RDMA requests, the flush before the word) are not.
 
 use super::descriptor::RemoteRange;
-use super::endpoint::{
-    Companion, Direction, Endpoint, NoteSink, Transfer, TransferOptions, TransferReport,
-    Transferred, WeakEndpoint,
-};
+use super::endpoint::{Companion, Endpoint, NoteSink, WeakEndpoint};
+use super::pending::{Transfer, Transferred};
 use super::plan::deadline_after;
 use super::region::LocalRange;
+use super::request::{Direction, TransferOptions, TransferReport};
 use crate::completion::deferred::{Defers, Locked, Woken};
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
