@@ -28,7 +28,6 @@
 
 use super::descriptor::{IpcKind, IpcPart};
 use super::descriptor::{MAX_DESCRIPTORS, MemoryDescriptor, RemoteRange, decode_list, encode_list};
-use super::endpoint::{EpInner, LocalSide, Wakes};
 use super::engine::Engine;
 use super::ipc::{
     Import, import, import_pool, import_pool_ptr, import_vmm, link, ordinal_of_uuid, published,
@@ -36,10 +35,12 @@ use super::ipc::{
 use super::pending::{Finisher, Settled, Transfer};
 use super::region::{ExportFd, FdOf, LocalRange, MemoryPath, Region};
 use super::request::{
-    Broken, Direction, Notification, TransferOptions, TransferReport, check_pairs,
-    check_same_engine, pairs_bytes,
+    Broken, Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,
+    check_pairs, check_same_engine, pairs_bytes, unread_overflow,
 };
+use super::shared::{EpInner, Mailbox, Wakes};
 use super::wire::{MAX_HELLO, header};
+use crate::completion::deferred::{Defers, Locked};
 use crate::completion::{
     CompletionFlag, EventFence, Fence, StreamFence, Tracker, capture, deadline_after,
     thread::join_unless_current,
@@ -644,77 +645,41 @@ fn greet(
     Ok((theirs, theirs_fds))
 }
 
-/// A listener for intra-node endpoints on a Unix domain socket ([`Engine::listen_local`]).
-/// Dropping it removes the socket file.
-pub struct LocalListener {
+/// A listener for intra-node endpoints on a Unix domain socket (what a
+/// [`LocalListener`](crate::transfer::LocalListener) holds). Dropping it removes the socket
+/// file.
+pub(crate) struct Listener {
     engine: Engine,
     listener: UnixListener,
     path: PathBuf,
 }
 
-impl Engine {
-    /// Listen for intra-node endpoints on the Unix domain socket at `path` (made here; it must
-    /// not exist). Works on an engine with or without rails.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Os`] from `bind` (`EADDRINUSE` when the path exists: remove a stale socket
-    /// first) or `listen`.
-    #[doc(alias = "bind")]
-    pub fn listen_local(&self, path: impl AsRef<Path>) -> Result<LocalListener> {
-        let path = path.as_ref().to_path_buf();
-        let listener = UnixListener::bind(&path).map_err(|e| os("bind (a Unix socket)", e))?;
-        Ok(LocalListener {
-            engine: self.clone(),
-            listener,
-            path,
-        })
-    }
+/// Listen for intra-node endpoints on the Unix domain socket at `path` (made here; it must not
+/// exist).
+///
+/// # Errors
+///
+/// As [`Engine::listen_local`].
+pub(crate) fn listen(engine: &Engine, path: &Path) -> Result<Listener> {
+    let path = path.to_path_buf();
+    let listener = UnixListener::bind(&path).map_err(|e| os("bind (a Unix socket)", e))?;
+    Ok(Listener {
+        engine: engine.clone(),
+        listener,
+        path,
+    })
+}
 
-    /// Connect an intra-node endpoint to the local listener at `path`: the first messages
-    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](super::Endpoint::peer_descriptors)),
-    /// each followed by the file descriptors of the VMM memory and memory pools its descriptors
-    /// name (`SCM_RIGHTS`): VMM and pool memory are reachable only through descriptors
-    /// published here. It has no rails: its requests ([`Endpoint::write`](super::Endpoint::write),
-    /// [`read`](super::Endpoint::read), with the same options) map each remote allocation from
-    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`; for VMM memory
-    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`; on the
-    /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
-    /// until nothing holds it; for pool memory `cuMemPoolImportFromShareableHandle` of the
-    /// pool's file descriptor received, once per pool, and `cuMemPoolImportPointer`, once per
-    /// allocation) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path
-    /// is [`MemoryPath::CudaIpc`] with the link crossed.
-    ///
-    /// The owner of published pool memory keeps its region until the peer's endpoints are
-    /// closed: CUDA wants an imported pool pointer freed (here, when the last endpoint and
-    /// request holding it go) before its owner frees the allocation.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Os`] from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
-    /// [`Error::Timeout`] when the peer's first message or file descriptors do not come
-    /// within [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
-    /// [`Error::InvalidArgument`] for a first message that is not valid, file descriptors
-    /// that do not match the peer's descriptors (all of them closed again), too many
-    /// descriptors to publish, or a published VMM or pool descriptor whose region is gone or
-    /// that describes its export otherwise (refused before connecting).
-    #[doc(alias = "connect")]
-    #[doc(alias = "cuIpcOpenMemHandle")]
-    #[doc(alias = "cuMemImportFromShareableHandle")]
-    #[doc(alias = "cuMemPoolImportFromShareableHandle")]
-    #[doc(alias = "cuMemPoolImportPointer")]
-    #[doc(alias = "SCM_RIGHTS")]
-    #[doc(alias = "cuMemcpyAsync")]
-    pub fn connect_local(
-        &self,
-        path: impl AsRef<Path>,
-        publish: &[MemoryDescriptor],
-    ) -> Result<super::Endpoint> {
-        let path = path.as_ref().to_path_buf();
-        let (stream, hello, fds) = dial(self, &path, publish)?;
-        let side = Side::new(self.clone(), stream, fds, Some((path, publish.to_vec())));
-        super::Endpoint::start_local(self.clone(), hello.descriptors, side)
-    }
+/// Connect an intra-node endpoint to the local listener at `path` (its side not started yet).
+///
+/// # Errors
+///
+/// As [`Engine::connect_local`].
+pub(crate) fn connect(engine: &Engine, path: &Path, publish: &[MemoryDescriptor]) -> Result<Local> {
+    let path = path.to_path_buf();
+    let (stream, hello, fds) = dial(engine, &path, publish)?;
+    let side = Side::new(engine.clone(), stream, fds, Some((path, publish.to_vec())));
+    Ok(Local::new(engine.clone(), hello.descriptors, side))
 }
 
 fn dial(
@@ -737,28 +702,18 @@ fn dial(
     Ok((s, hello, fds))
 }
 
-impl LocalListener {
+impl Listener {
     /// The socket's path.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Accept the next intra-node endpoint within `timeout`; the first messages carry
-    /// `publish` and the peer's descriptors, each followed by the file descriptors of the VMM
-    /// memory and memory pools its descriptors name (as [`Engine::connect_local`]).
+    /// Accept the next intra-node endpoint within `timeout` (its side not started yet).
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] when nobody connects (or sends its first message and file
-    /// descriptors) in time; [`Error::InvalidArgument`] for a first message that is not valid,
-    /// file descriptors that do not match the peer's descriptors (all of them closed again), or
-    /// a published VMM or pool descriptor whose region is gone or that describes its export
-    /// otherwise; [`Error::Os`] from `accept` or the socket.
-    pub fn accept(
-        &self,
-        publish: &[MemoryDescriptor],
-        timeout: Duration,
-    ) -> Result<super::Endpoint> {
+    /// As [`LocalListener::accept`](crate::transfer::LocalListener::accept).
+    pub(crate) fn accept(&self, publish: &[MemoryDescriptor], timeout: Duration) -> Result<Local> {
         let deadline = deadline_after(Instant::now(), timeout);
         // Refused before anyone is accepted: a VMM or pool export that is gone, or described
         // otherwise.
@@ -803,21 +758,13 @@ impl LocalListener {
             self.engine.inner.config.connect_timeout,
         )?;
         let side = Side::new(self.engine.clone(), s, fds, None);
-        super::Endpoint::start_local(self.engine.clone(), hello.descriptors, side)
+        Ok(Local::new(self.engine.clone(), hello.descriptors, side))
     }
 }
 
-impl Drop for LocalListener {
+impl Drop for Listener {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-impl std::fmt::Debug for LocalListener {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalListener")
-            .field("path", &self.path)
-            .finish()
     }
 }
 
@@ -916,7 +863,7 @@ struct Queue {
 }
 
 /// The intra-node side of an endpoint.
-pub(super) struct Side {
+pub(crate) struct Side {
     engine: Engine,
     /// The socket path and what to publish, for the dialing side (reconnect).
     dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
@@ -932,7 +879,7 @@ pub(super) struct Side {
     streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
     /// The peer allocations this endpoint has used, held until it goes.
     held: Mutex<Vec<Arc<Import>>>,
-    ep: Mutex<Weak<EpInner>>,
+    ep: Mutex<Weak<EpInner<State>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Held while a request is finished: one at a time, in queue order.
     finishing: Mutex<()>,
@@ -1019,7 +966,7 @@ impl Side {
         })
     }
 
-    fn ep(&self) -> Option<Arc<EpInner>> {
+    fn ep(&self) -> Option<Arc<EpInner<State>>> {
         lock(&self.ep).upgrade()
     }
 
@@ -1033,7 +980,7 @@ impl Side {
     /// let its own locks go.
     fn fail_later(&self, cause: Broken) -> Option<Wakes> {
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        let wakes = self.ep().map(|ep| ep.fail_later(cause));
+        let wakes = self.ep().map(|ep| fail_later(&ep, cause));
         self.queue_cv.notify_all();
         wakes
     }
@@ -1069,7 +1016,7 @@ impl Side {
                 Ok(()) if f[0] == NOTE => {
                     let tag = u32::from_le_bytes(f[1..5].try_into().expect("4 bytes"));
                     match self.ep() {
-                        Some(ep) => ep.deliver(Notification { tag }),
+                        Some(ep) => deliver(&ep, Notification { tag }),
                         None => return,
                     }
                 }
@@ -1377,8 +1324,9 @@ impl Finisher for Side {
     }
 }
 
-impl LocalSide for Side {
-    fn attach(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
+impl Side {
+    /// Start serving `ep` (its threads hold it weakly).
+    fn attach(self: Arc<Self>, ep: &Arc<EpInner<State>>) -> Result<()> {
         *lock(&self.ep) = Arc::downgrade(ep);
         let side = self.clone();
         let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())?;
@@ -1386,6 +1334,7 @@ impl LocalSide for Side {
         self.spawn_reader()
     }
 
+    /// End: the socket shut, the threads joined, requests still queued ended.
     fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
@@ -1400,7 +1349,9 @@ impl LocalSide for Side {
         park_imports(std::mem::take(&mut *lock(&self.held)));
     }
 
-    fn reconnect(self: Arc<Self>, ep: &Arc<EpInner>) -> Result<()> {
+    /// Dial again (the dialing side), as
+    /// [`Endpoint::reconnect`](crate::transfer::Endpoint::reconnect).
+    fn reconnect(self: Arc<Self>, ep: &EpInner<State>) -> Result<()> {
         let Some((path, publish)) = &self.dialed else {
             return Err(Error::invalid(
                 "endpoint",
@@ -1423,7 +1374,7 @@ impl LocalSide for Side {
         });
         // The old peer's mappings: each request still running holds its own.
         park_imports(std::mem::take(&mut *lock(&self.held)));
-        ep.restart_local(hello.descriptors);
+        restart(ep, hello.descriptors);
         // Without a reader the endpoint would look healthy and never hear of the peer's close:
         // it ends instead.
         if let Err(e) = self.spawn_reader() {
@@ -1432,10 +1383,6 @@ impl LocalSide for Side {
             return Err(e);
         }
         Ok(())
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 
@@ -1508,13 +1455,13 @@ struct Prepared {
 
 /// Every range checked, the peer's allocations mapped (once, held by the side).
 fn prepare(
-    ep: &super::Endpoint,
+    ep: &EpInner<State>,
     side: &Side,
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
     opts: &TransferOptions,
 ) -> Result<Prepared> {
-    let e = &ep.engine().inner;
+    let e = &ep.engine.inner;
     check_pairs(dir, pairs, opts)?;
     check_same_engine(e.engine_id, pairs)?;
     let epoch = side.epoch.load(Ordering::Acquire);
@@ -1748,7 +1695,7 @@ fn prepare(
 /// The intra-node request: every range checked, the peer's allocations mapped (once), the
 /// copies queued on the endpoint's streams and handed to the worker.
 pub(super) fn request(
-    ep: &super::Endpoint,
+    ep: &EpInner<State>,
     side: &Side,
     dir: Direction,
     pairs: Vec<(LocalRange, RemoteRange)>,
@@ -1805,7 +1752,7 @@ struct When {
 /// message count yet: they are set here.
 #[allow(clippy::too_many_arguments)]
 fn issue(
-    ep: &super::Endpoint,
+    ep: &EpInner<State>,
     side: &Side,
     streams: &[(usize, Arc<[Stream]>)],
     copies: &[Piece],
@@ -1814,7 +1761,7 @@ fn issue(
     gpus: &[(Option<usize>, usize)],
     when: When,
 ) -> Result<Transfer> {
-    let e = &ep.engine().inner;
+    let e = &ep.engine.inner;
     let eager = report.notified.is_some();
     // Under the issue lock, queued then pushed: the streams' order is the queue's, so
     // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
@@ -1855,7 +1802,7 @@ fn issue(
 }
 
 /// An intra-node request checked and mapped once, to be posted many times ([`post`]).
-pub(super) struct Ready {
+pub(crate) struct Ready {
     side: Weak<Side>,
     copies: Vec<Piece>,
     gpus: Vec<(Option<usize>, usize)>,
@@ -1868,10 +1815,10 @@ pub(super) struct Ready {
 }
 
 /// Check and map a request of `bytes` bytes (its pairs' total, checked) once
-/// ([`Endpoint::prepare`](super::Endpoint::prepare)): what [`request`] does before it queues
+/// ([`Endpoint::prepare`](crate::transfer::Endpoint::prepare)): what [`request`] does before it queues
 /// anything, kept.
 pub(super) fn ready(
-    ep: &super::Endpoint,
+    ep: &EpInner<State>,
     side: &Side,
     dir: Direction,
     pairs: Vec<(LocalRange, RemoteRange)>,
@@ -1909,7 +1856,7 @@ pub(super) fn ready(
 /// Post a prepared request: its copies queued as [`request`] queues them, with no check or
 /// lookup repeated. Refused when the endpoint failed, closed or reconnected since it was
 /// prepared (the peer's memory may have moved).
-pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
+pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
     let side = current(ep, r)?;
     let started = Instant::now();
     let keep = Keep::posted(&r.held);
@@ -1933,7 +1880,7 @@ pub(super) fn post(ep: &super::Endpoint, r: &Ready) -> Result<Transfer> {
 
 /// The side of a prepared request, refused when the endpoint failed, closed or reconnected since
 /// it was prepared (the peer's memory may have moved).
-fn current(ep: &super::Endpoint, r: &Ready) -> Result<Arc<Side>> {
+fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
     let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
     if side.epoch.load(Ordering::Acquire) != r.epoch {
         return Err(ep.failure().unwrap_or_else(|| {
@@ -1964,7 +1911,7 @@ pub(super) const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 /// `cuStreamSynchronize`, holding the issue lock (no request is queued meanwhile) and the
 /// finishing lock (no earlier request is still sending its notification), with no job, transfer
 /// or worker in between. Otherwise `post(..).wait()`.
-pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
+pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     let lane = match &r.streams[..] {
         [(_, s)]
             if s.len() == 1
@@ -2000,7 +1947,7 @@ pub(super) fn run(ep: &super::Endpoint, r: &Ready) -> Result<TransferReport> {
     let (fence, keep, messages) = enqueue(
         &r.streams,
         &r.copies,
-        ep.engine().inner.config.copy_chunk as u64,
+        ep.engine.inner.config.copy_chunk as u64,
         keep,
     )?;
     // Nobody else issues on this stream while `issue` is held: the newest epoch is this one.
@@ -2197,11 +2144,11 @@ fn queue_on(
 /// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
 /// complete once the stream passed them. What they reach is held until the stream's event after
 /// them completes; dropped earlier, it is parked behind that event (never freed early).
-pub(super) struct Queued {
+pub(crate) struct Queued {
     hold: Option<(EventFence, Keep)>,
     /// What the request did (its `elapsed` set when it is reported).
-    pub(super) report: TransferReport,
-    pub(super) started: Instant,
+    pub(crate) report: TransferReport,
+    pub(crate) started: Instant,
     /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
     epoch: u64,
 }
@@ -2221,7 +2168,7 @@ impl Drop for Queued {
 /// Queue a request's copies on `stream` (through the capture-checked path), then an event after
 /// them. Checked and mapped as [`request`]; nothing is queued when a check fails.
 pub(super) fn on_stream(
-    ep: &super::Endpoint,
+    ep: &EpInner<State>,
     side: &Side,
     stream: &Stream,
     dir: Direction,
@@ -2287,12 +2234,250 @@ pub(super) fn notify_peer(side: &Side, q: &Queued, tag: u32) -> Result<()> {
     side.notify(tag, q.epoch)
 }
 
+/// The state of an intra-node endpoint under its lock: no rails; the peer's descriptors, the
+/// notifications not read yet, and why it stopped.
+pub(crate) struct State {
+    broken: Option<(Broken, Instant)>,
+    notes: VecDeque<Notification>,
+    peer_descriptors: Vec<MemoryDescriptor>,
+    /// What to wake once the lock is let go ([`Locked`]).
+    wakes: Wakes,
+}
+
+impl State {
+    /// The state of a new (or reconnected) endpoint whose peer published `peer_descriptors`.
+    fn new(peer_descriptors: Vec<MemoryDescriptor>) -> State {
+        State {
+            broken: None,
+            notes: VecDeque::new(),
+            peer_descriptors,
+            wakes: Wakes::default(),
+        }
+    }
+}
+
+impl Mailbox for State {
+    fn broken(&self) -> Option<&(Broken, Instant)> {
+        self.broken.as_ref()
+    }
+
+    fn notes(&mut self) -> &mut VecDeque<Notification> {
+        &mut self.notes
+    }
+
+    fn peer_descriptors(&self) -> &[MemoryDescriptor] {
+        &self.peer_descriptors
+    }
+}
+
+impl Defers for State {
+    type Wakes = Wakes;
+    fn wakes(&mut self) -> &mut Wakes {
+        &mut self.wakes
+    }
+}
+
+/// End the endpoint with `cause` (the first cause stays): no more notifications; whoever waits
+/// for one is woken once `st`'s lock is let go.
+fn fail(ep: &EpInner<State>, st: &mut State, cause: Broken) {
+    if st.broken.is_some() {
+        return;
+    }
+    st.broken = Some((cause, Instant::now()));
+    ep.failed(st);
+}
+
+/// [`fail`], the wake-ups it decides returned, to be run (dropped) once the caller let its own
+/// locks go.
+fn fail_later(ep: &EpInner<State>, cause: Broken) -> Wakes {
+    let mut st = ep.lock();
+    fail(ep, &mut st, cause);
+    std::mem::take(&mut st.wakes)
+}
+
+/// Deliver a notification that arrived (the reader).
+fn deliver(ep: &EpInner<State>, n: Notification) {
+    let mut st: Locked<'_, State> = ep.lock();
+    if st.notes.len() >= MAX_UNREAD_NOTIFICATIONS {
+        fail(ep, &mut st, Broken::Protocol(unread_overflow()));
+        return;
+    }
+    ep.deliver(&mut st, [n], 1);
+    drop(st);
+}
+
+/// A fresh state for a reconnected endpoint, with the peer's new descriptors.
+fn restart(ep: &EpInner<State>, peer_descriptors: Vec<MemoryDescriptor>) {
+    let fresh = State::new(peer_descriptors);
+    let old = std::mem::replace(&mut *ep.lock(), fresh);
+    drop(old);
+}
+
+/// The intra-node transport of one endpoint as the endpoint holds it: the state it shares with
+/// the endpoint, and its side (socket, copy streams, threads).
+pub(crate) struct Local {
+    inner: Arc<EpInner<State>>,
+    pub(crate) side: Arc<Side>,
+}
+
+impl Local {
+    fn new(engine: Engine, peer_descriptors: Vec<MemoryDescriptor>, side: Arc<Side>) -> Local {
+        Local {
+            inner: Arc::new(EpInner::new(engine, State::new(peer_descriptors))),
+            side,
+        }
+    }
+
+    /// What the endpoint shares with its side (notifications, failure, the peer's descriptors).
+    pub(crate) fn shared(&self) -> &EpInner<State> {
+        &self.inner
+    }
+
+    /// Start the side's threads. On failure the caller closes it.
+    ///
+    /// # Errors
+    ///
+    /// As [`spawn_thread`](crate::driver::ctx::spawn_thread).
+    pub(crate) fn attach(&self) -> Result<()> {
+        self.side.clone().attach(&self.inner)
+    }
+
+    /// The checks a request passes before anything is queued, queueing nothing: no rails and
+    /// no staging; the copies' own checks come when they are mapped (before anything is
+    /// queued).
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::transfer`](crate::transfer::Endpoint::transfer).
+    pub(crate) fn check_request(
+        &self,
+        dir: Direction,
+        pairs: &[(LocalRange, RemoteRange)],
+        opts: &TransferOptions,
+    ) -> Result<()> {
+        check_pairs(dir, pairs, opts)?;
+        check_same_engine(self.inner.engine.inner.engine_id, pairs)?;
+        match self.inner.lock().broken.as_ref() {
+            Some((b, _)) => Err(b.to_error()),
+            None => Ok(()),
+        }
+    }
+
+    /// A request: checked, mapped, its copies queued and handed to the worker.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::transfer`](crate::transfer::Endpoint::transfer).
+    pub(crate) fn transfer(
+        &self,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        opts: TransferOptions,
+    ) -> Result<Transfer> {
+        request(&self.inner, &self.side, dir, pairs, opts)
+    }
+
+    /// A request checked and mapped once, to be posted many times.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::prepare`](crate::transfer::Endpoint::prepare).
+    pub(crate) fn ready(
+        &self,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        bytes: u64,
+        opts: TransferOptions,
+    ) -> Result<Ready> {
+        ready(&self.inner, &self.side, dir, pairs, bytes, opts)
+    }
+
+    /// Post a prepared request.
+    ///
+    /// # Errors
+    ///
+    /// As [`PreparedTransfer::post`](crate::transfer::PreparedTransfer::post).
+    pub(crate) fn post(&self, r: &Ready) -> Result<Transfer> {
+        post(&self.inner, r)
+    }
+
+    /// Post a prepared request and wait for it on this thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`PreparedTransfer::run`](crate::transfer::PreparedTransfer::run).
+    pub(crate) fn run(&self, r: &Ready) -> Result<TransferReport> {
+        run(&self.inner, r)
+    }
+
+    /// A request's copies queued on `stream` (stream-ordered), then an event after them.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::write_on`](crate::transfer::Endpoint::write_on).
+    pub(crate) fn on_stream(
+        &self,
+        stream: &Stream,
+        dir: Direction,
+        pairs: &[(LocalRange, RemoteRange)],
+        opts: &TransferOptions,
+    ) -> Result<Queued> {
+        on_stream(&self.inner, &self.side, stream, dir, pairs, opts)
+    }
+
+    /// Notify the peer of a stream-ordered request whose copies are done.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure, or that it closed or reconnected since the copies were queued;
+    /// [`Error::Os`] from the socket.
+    pub(crate) fn notify_peer(&self, q: &Queued, tag: u32) -> Result<()> {
+        notify_peer(&self.side, q, tag)
+    }
+
+    /// The next notification, waiting up to `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure, once it has failed and no notification is left.
+    pub(crate) fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
+        self.inner.next_notification(timeout, |_| {})
+    }
+
+    /// Rails (none), requests in the endpoint's state (none: the side holds them), and why the
+    /// endpoint stopped (for `Debug`).
+    pub(crate) fn describe(&self) -> (usize, usize, Option<Broken>) {
+        let st = self.inner.lock();
+        (0, 0, st.broken.as_ref().map(|b| b.0.clone()))
+    }
+
+    /// Dial the socket path again (the dialing side).
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::reconnect`](crate::transfer::Endpoint::reconnect).
+    pub(crate) fn reconnect(&self) -> Result<()> {
+        self.side.clone().reconnect(&self.inner)
+    }
+
+    /// Close: the endpoint ended (no more notifications), then the side's socket shut and its
+    /// threads joined.
+    pub(crate) fn close(&self) {
+        {
+            let mut st = self.inner.lock();
+            fail(&self.inner, &mut st, Broken::Closed);
+        }
+        self.side.close();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proptest_support::is_invalid;
     use crate::transfer::descriptor::{DescribedKind, IpcPart};
-    use crate::transfer::{Buffer, EngineConfig};
+    use crate::transfer::transport::Transport;
+    use crate::transfer::{Buffer, EngineConfig, LocalListener};
     use proptest::prelude::*;
     use std::io::Write;
 
@@ -3121,13 +3306,10 @@ mod tests {
         let peer = std::thread::spawn(move || greeted_peer(&path, 82));
         let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
         let _peer = peer.join().unwrap();
-        let side = ep
-            .local_side()
-            .unwrap()
-            .as_any()
-            .downcast_ref::<Side>()
-            .unwrap();
-        let side = side.me.upgrade().unwrap();
+        let Transport::Local(local) = ep.transport() else {
+            panic!("an intra-node endpoint")
+        };
+        let side = local.side.me.upgrade().unwrap();
         // The worker stopped: the request is finished here, by a waiting caller's look, and
         // nobody else takes `finishing`.
         lock(&side.queue).closing = true;

@@ -138,7 +138,9 @@
 //! is set) is in the docs of `StreamTransfer` and of `docs/transfer.md`.
 
 // Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
-// engine, registry, endpoint, staging, request, stream.
+// engine, registry, request, pending, stream, shared, rails, local, transport, endpoint,
+// prepared, api.
+mod api;
 mod copy;
 mod descriptor;
 mod endpoint;
@@ -150,23 +152,27 @@ mod local;
 mod pending;
 mod plan;
 mod prepared;
+mod rails;
 mod region;
 mod registry;
 mod request;
-mod staging;
+mod shared;
 mod stream;
+mod transport;
 mod wire;
 
+#[cfg(feature = "p2p")]
+pub use api::LocalListener;
+pub use api::TransferListener;
 pub use descriptor::{
     DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
-pub use endpoint::{Endpoint, RailStats, TransferListener};
+pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig};
-#[cfg(feature = "p2p")]
-pub use local::LocalListener;
 pub use pending::{Transfer, Transferred};
 pub use prepared::PreparedTransfer;
+pub use rails::RailStats;
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
 pub use request::{
     Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,

@@ -91,7 +91,7 @@ pub struct Notification {
 
 /// Why an endpoint stopped.
 #[derive(Debug, Clone)]
-pub(super) enum Broken {
+pub(crate) enum Broken {
     Deadline(Duration),
     Disconnected(&'static str, i32),
     Completion {
