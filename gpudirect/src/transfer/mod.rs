@@ -138,7 +138,7 @@
 //! is set) is in the docs of `StreamTransfer` and of `docs/transfer.md`.
 
 // Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
-// engine, registry, request, pending, stream, shared, rails, local, transport, endpoint,
+// engine, export, registry, request, pending, stream, shared, rails, local, transport, endpoint,
 // prepared, api.
 mod api;
 mod copy;
@@ -146,7 +146,7 @@ mod descriptor;
 mod endpoint;
 mod engine;
 #[cfg(feature = "p2p")]
-mod ipc;
+mod export;
 #[cfg(feature = "p2p")]
 mod local;
 mod pending;

@@ -320,7 +320,7 @@ fn exported(
         (Some(MemoryKind::Device), Some(_ordinal)) => {
             #[cfg(feature = "p2p")]
             {
-                super::ipc::export(_ordinal, start).map_err(|e| e.to_string())
+                super::export::export(_ordinal, start).map_err(|e| e.to_string())
             }
             #[cfg(not(feature = "p2p"))]
             {
@@ -337,7 +337,8 @@ fn exported(
                 [(_base, _bytes)] => {
                     #[cfg(feature = "p2p")]
                     {
-                        super::ipc::export_vmm(_ordinal, *_base, *_bytes).map_err(|e| e.to_string())
+                        super::export::export_vmm(_ordinal, *_base, *_bytes)
+                            .map_err(|e| e.to_string())
                     }
                     #[cfg(not(feature = "p2p"))]
                     {
@@ -362,9 +363,8 @@ fn exported(
             // The buffer's whole memory is the allocation (a PoolAlloc starts its own).
             #[cfg(feature = "p2p")]
             match &*bufs[job.2[0]].backing {
-                Backing::Device(d) => {
-                    super::ipc::export_pool(_ordinal, d.ptr(), d.bytes()).map_err(|e| e.to_string())
-                }
+                Backing::Device(d) => super::export::export_pool(_ordinal, d.ptr(), d.bytes())
+                    .map_err(|e| e.to_string()),
                 Backing::Host { .. } => Err("pool memory without a device address".into()),
             }
             #[cfg(not(feature = "p2p"))]
