@@ -4,16 +4,86 @@
 
 use super::descriptor::MemoryDescriptor;
 use super::endpoint::Endpoint;
-use super::engine::Engine;
+use super::engine::{self, Engine, EngineConfig};
 #[cfg(feature = "p2p")]
 use super::local;
 use super::rails;
+use super::region::{Buffer, CacheCounters, Region};
+use super::registry;
 use crate::error::Result;
 #[cfg(feature = "p2p")]
 use std::path::Path;
 use std::time::Duration;
 
 impl Engine {
+    /// Open the rails' devices and allocate a protection domain on each; with
+    /// [`EngineConfig::local_only`], an engine without rails (no verbs library is loaded).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for settings out of range ([`EngineConfig::check`]) or a
+    /// device named twice; [`Error::Load`](crate::Error::Load) without libibverbs; [`Error::NoDevice`](crate::Error::NoDevice) without a
+    /// verbs device or for a name no device has; [`Error::Os`](crate::Error::Os) from opening a device.
+    #[doc(alias = "ibv_open_device")]
+    #[doc(alias = "ibv_alloc_pd")]
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        engine::open(config)
+    }
+
+    /// The rails' device names, in rail order (the order of every descriptor's rkeys); empty
+    /// for an engine without rails.
+    pub fn devices(&self) -> Vec<String> {
+        self.inner.devices.iter().map(|d| d.name.clone()).collect()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Register `buf` on every rail, or reuse a registration that already covers it: one whose
+    /// memory has the same identity (the same buffer, or for GPU memory the same allocation by
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`) and whose range holds this one. A new allocation at a
+    /// reused address is a new identity: it never finds a stale registration.
+    ///
+    /// GPU memory is registered through dma-buf or nvidia-peermem (automatic order); a VMM
+    /// buffer of several physical chunks only whole, through dma-buf. Memory that cannot be
+    /// registered (pool memory; a node without dma-buf or nvidia-peermem) is
+    /// [staged](super::MemoryPath::Staged) when [`EngineConfig::staging`](super::EngineConfig::staging)
+    /// allows.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotRdmaCapable`](crate::Error::NotRdmaCapable) naming the chunk for a VMM range of several chunks that dma-buf
+    /// cannot register whole; [`Error::NoGpuRegistrationPath`](crate::Error::NoGpuRegistrationPath) / [`Error::NotRdmaCapable`](crate::Error::NotRdmaCapable) when
+    /// staging is off; [`Error::Os`](crate::Error::Os) from `ibv_reg_mr` (`ENOMEM`: the memlock limit); errors of
+    /// the pointer-attribute query.
+    #[doc(alias = "ibv_reg_mr")]
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub fn register(&self, buf: Buffer) -> Result<Region> {
+        Ok(registry::register(self, vec![buf], false)?
+            .pop()
+            .expect("one region"))
+    }
+
+    /// Register many buffers in one call: as [`register`](Self::register) for each, with the
+    /// cache lookups under one lock, the ranges of one memory identity that overlap or touch
+    /// coalesced into one registration (each rkey then reaches the whole coalesced range:
+    /// register separately to keep ranges apart), and the rails registered in parallel. All or
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`register`](Self::register), for the first buffer that fails (nothing is kept).
+    pub fn register_all(&self, bufs: Vec<Buffer>) -> Result<Vec<Region>> {
+        registry::register(self, bufs, true)
+    }
+
+    /// What the registration cache has done so far.
+    pub fn cache_stats(&self) -> CacheCounters {
+        registry::cache_stats(&self.inner)
+    }
+
     /// Listen for endpoints on `addr` (`host:port`; port 0 picks one).
     ///
     /// # Errors

@@ -266,7 +266,7 @@ impl Endpoint {
         opts: TransferOptions,
     ) -> Result<StreamTransfer> {
         self.transport().check_request(dir, &pairs, &opts)?;
-        let timeout = opts.deadline.unwrap_or(self.engine().config().deadline);
+        let timeout = opts.deadline.unwrap_or(self.engine().inner.config.deadline);
         let proxy = self.proxy();
         // Intra-node on a stream: the copies go on the stream itself, before the trigger.
         #[cfg(feature = "p2p")]

@@ -136,10 +136,30 @@
 //! word a receiving stream can wait on. Host-triggered forms ([`Endpoint::write_triggered`])
 //! run the same proxy without CUDA. The ordering (what is visible to which stream when a word
 //! is set) is in the docs of `StreamTransfer` and of `docs/transfer.md`.
+//!
+//! # Where things live
+//!
+//! Bottom up, each file or folder imports only those before it; the two transports never
+//! import each other.
+//!
+//! - What every transport shares: `descriptor` (memory descriptors and their bytes), `plan`
+//!   (splitting and striping, the window, credits), `wire` (the rails' first message), `copy`,
+//!   `region` (buffers, regions, the cache's entries), `engine` (the engine, its config and
+//!   devices), `export` (CUDA IPC exports made at registration), `registry` (registering through
+//!   the cache), `request` (a request's types and checks, why an endpoint broke),
+//!   `pending` (the [`Transfer`] future and the state it shares with its finisher).
+//! - `stream/`: stream-ordered transfers: words (the notification counter, [`StreamWord`]), the
+//!   completion window, [`StreamTransfer`], the proxy thread over a backend.
+//! - `shared`: what an endpoint's transport shares with the endpoint and calls back into
+//!   (notifications, failure, the state lock).
+//! - `rails/`: the verbs transport (rdma_cm handshake, posting within the windows, the progress
+//!   thread, the staged bounce ring, [`TransferListener`]'s accepting).
+//! - `local/`: the intra-node transport (the Unix socket, fd passing, the peer check, meeting,
+//!   the worker side, CUDA IPC imports and copies).
+//! - `transport`: `enum Transport { Rails, Local }`, matched where the transport matters.
+//! - `endpoint`: [`Endpoint`] (its transport and stream proxy) and every request method on it;
+//!   `prepared`: [`PreparedTransfer`]; `api`: the [`Engine`]'s methods and the listeners.
 
-// Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
-// engine, export, registry, request, pending, stream, shared, rails, local, transport, endpoint,
-// prepared, api.
 mod api;
 mod copy;
 mod descriptor;

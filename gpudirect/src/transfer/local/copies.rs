@@ -119,9 +119,9 @@ impl Fence for Events {
 }
 
 /// Hand imports to the completion tracker, to be closed by a later reap on a caller's thread
-/// instead of here: `cuIpcCloseMemHandle` waits for the work queued on the device (seen on the
-/// H200: 450 ms behind a 500 ms kernel), which may wait on a word only this thread (the proxy,
-/// the worker) lets through.
+/// instead of here: `cuIpcCloseMemHandle` waits for the work queued on the device (see
+/// docs/transfer.md), which may wait on a word only this thread (the proxy, the worker) lets
+/// through.
 pub(super) fn park_imports(v: Vec<Arc<Import>>) {
     if !v.is_empty() {
         let done = CompletionFlag::new();

@@ -502,7 +502,7 @@ pub(super) fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<
     // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
     // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
-    // beside the caller's copies: measured on the H200, they doubled a small request's cost).
+    // beside the caller's copies, which slow a small request: see docs/transfer.md).
     let me: Weak<dyn Finisher> = side.me.clone();
     transfer.set_finisher(me);
     let mut q = lock(&side.queue);
@@ -621,8 +621,9 @@ pub(super) fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
     Ok(side)
 }
 
-/// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take under 3 ms even over
-/// PCIe, so a deadline of [`RUN_SYNC_MIN_DEADLINE`] cannot pass unseen unless the GPU stalls.
+/// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take a few milliseconds on
+/// any GPU link, so a deadline of [`RUN_SYNC_MIN_DEADLINE`] cannot pass unseen unless the GPU
+/// stalls.
 pub(super) const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
 
 /// The shortest deadline [`run`] waits for in `cuStreamSynchronize`.

@@ -98,9 +98,10 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A worker waiting for the head request yields this many times, looking, before it sleeps.
 pub(super) const WORKER_SPINS: u32 = 64;
 
-/// The worker's sleeps between looks grow from 10 µs to this. (A host function after the copies
-/// could wake it, but it would hold back the next request's copies on the stream until CUDA's
-/// callback thread ran it: tens of microseconds each.) A caller that waits blocking looks itself.
+/// The worker's sleeps between looks grow from ten microseconds to this. (A host function after
+/// the copies could wake it, but it would hold back the next request's copies on the stream
+/// until CUDA's callback thread ran it: see docs/transfer.md.) A caller that waits blocking looks
+/// itself.
 pub(super) const WORKER_NAP: Duration = Duration::from_micros(100);
 
 /// How often an idle worker looks at the queue anyway (requests that did not wake it).

@@ -16,6 +16,7 @@ use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::engine::Engine;
 use crate::transfer::pending::{Settled, Transfer};
 use crate::transfer::region::{Buffer, LocalRange, Region};
+use crate::transfer::registry;
 use crate::transfer::request::{Direction, TransferOptions, TransferReport, check_pairs};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -40,7 +41,9 @@ impl Ring {
         // The bounce pool's memory: on huge pages from 2 MiB up, so the NIC reads and writes few
         // physically contiguous runs (tried afresh for each ring).
         let host = Buffer::device(HostChunk::alloc(&ctx, bytes, &AtomicBool::new(false))?)?;
-        let region = engine.register(host)?;
+        let region = registry::register(engine, vec![host], false)?
+            .pop()
+            .expect("one region");
         Ok(Ring {
             region,
             chunk,
@@ -114,7 +117,7 @@ pub(crate) fn staged<K: Send + 'static>(
             "only GPU memory is staged",
         ));
     };
-    let cfg = inner.ep.engine.config().clone();
+    let cfg = inner.ep.engine.inner.config.clone();
     let timeout = opts.deadline.unwrap_or(cfg.deadline);
     let ring = Ring::new(
         &inner.ep.engine,

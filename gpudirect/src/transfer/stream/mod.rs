@@ -63,9 +63,9 @@
 //! # The proxy thread
 //!
 //! One per endpoint, started by the first stream request. While a request is armed it polls
-//! the armed trigger words: a short run of yields, then sleeps that double from 1 µs to
-//! [`PROXY_NAP`] (64 µs), so an armed request costs at most about 64 µs of latency and the
-//! thread wakes about 15,000 times a second while the stream has not reached a trigger. With
+//! the armed trigger words: a short run of yields, then sleeps that double from one microsecond
+//! to [`PROXY_NAP`], so an armed request costs at most about one nap of latency and the thread
+//! wakes about once a nap while the stream has not reached a trigger. With
 //! nothing armed it sleeps on a condition variable: woken by a new request, by the completion
 //! of a request it posted (a waker on the request's completion flag), or at the endpoint's close.
 //!
@@ -86,7 +86,7 @@
 //! leaked `StreamTransfer` leaks them. Dropping the endpoint releases the words of
 //! armed-but-unfired requests with the error bit before anything is freed.
 //!
-//! `cuMemFree` and `cuMemFreeHost` synchronize the device (seen on the H200), so a thread that
+//! `cuMemFree` and `cuMemFreeHost` synchronize the device (see docs/transfer.md), so a thread that
 //! frees CUDA memory while a stream waits on a word only that thread sets never returns. The
 //! proxy thread therefore frees nothing: what finished requests held (their memory regions, the
 //! queue's words) is dropped by the endpoint's next stream request, by

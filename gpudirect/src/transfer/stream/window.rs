@@ -23,7 +23,7 @@ pub(super) fn trigger_slot(seq: u64) -> usize {
 }
 
 /// The pause after `idle` rounds without progress: `None` to yield, else a sleep doubling from
-/// 1 µs up to [`PROXY_NAP`].
+/// one microsecond up to [`PROXY_NAP`].
 pub(crate) fn proxy_pause(idle: u32) -> Option<Duration> {
     if idle < SPIN_ROUNDS {
         return None;
