@@ -28,7 +28,7 @@ pub(super) fn path_of(local_gpu: Option<usize>, peer_gpu: usize) -> MemoryPath {
 
 /// Cut copies into chunks of at most `chunk` bytes spread over `streams` streams, in turn;
 /// with one stream nothing is cut. Pure: the chunks of each copy cover it exactly, in order.
-pub(super) fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
+fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
     let n = streams.max(1);
     let mut out = vec![Vec::new(); n];
     let mut turn = 0;
@@ -208,7 +208,7 @@ pub(super) fn enqueue(
 /// Queue `work` on `s` and take an epoch of it (after the copies: the epoch covers them). On a
 /// failure `keep` is parked behind the epochs taken so far (or dropped when nothing was
 /// queued), never freed early.
-pub(super) fn queue_on(
+fn queue_on(
     s: &Stream,
     work: &[Piece],
     keep: &mut Option<Keep>,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 /// descriptor, in the order of the `SCM_RIGHTS` descriptors it carries.
 pub(super) const FD_MAGIC: [u8; 4] = *b"GDXF";
 
-pub(super) const FD_HEAD: usize = 4 + 4;
+const FD_HEAD: usize = 4 + 4;
 
 /// A file descriptor the peer sent when the endpoints met (a VMM allocation's or a pool's), and
 /// what its descriptors say it is (every later descriptor naming it must say the same).

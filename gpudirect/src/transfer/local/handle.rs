@@ -22,7 +22,7 @@ use std::time::Duration;
 /// The intra-node transport of one endpoint as the endpoint holds it: the state it shares with
 /// the endpoint, and its side (socket, copy streams, threads).
 pub(crate) struct Local {
-    pub(super) inner: Arc<EpInner<State>>,
+    inner: Arc<EpInner<State>>,
     pub(crate) side: Arc<Side>,
 }
 

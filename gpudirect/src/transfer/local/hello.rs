@@ -5,13 +5,13 @@ use crate::error::{Error, Result};
 use crate::transfer::descriptor::{MemoryDescriptor, decode_list, encode_list};
 use crate::transfer::wire::header;
 
-pub(super) const MAGIC: [u8; 4] = *b"GDXL";
+const MAGIC: [u8; 4] = *b"GDXL";
 
 /// Version 2: exported file descriptors (VMM allocations', pools') follow the first message.
-pub(super) const VERSION: u16 = 2;
+const VERSION: u16 = 2;
 
 /// Magic, version, flags (u16, 0), pid (u32).
-pub(super) const FIXED: usize = 4 + 2 + 2 + 4;
+const FIXED: usize = 4 + 2 + 2 + 4;
 
 /// The first message of an intra-node endpoint, each way.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -71,7 +71,7 @@ pub(crate) fn link(local: Option<usize>, peer: Option<usize>) -> IpcLink {
 /// export id and the pointer's export data (imported once for every local GPU: a second import
 /// of one pointer in a process may alias the first, which freeing either would free).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum Key {
+enum Key {
     Handle([u8; 64], usize),
     Vmm { pid: u32, id: u64, ordinal: usize },
     PoolPtr { pid: u32, id: u64, data: [u8; 64] },
@@ -80,7 +80,7 @@ pub(super) enum Key {
 impl Key {
     /// The local GPU a mapping is for; `None` for a pool pointer (every GPU granted access to
     /// its pool reaches it).
-    pub(super) fn ordinal(&self) -> Option<usize> {
+    fn ordinal(&self) -> Option<usize> {
         match *self {
             Key::Handle(_, o) | Key::Vmm { ordinal: o, .. } => Some(o),
             Key::PoolPtr { .. } => None,
@@ -89,7 +89,7 @@ impl Key {
 }
 
 /// A peer's allocation mapped here, held only to be closed when dropped.
-pub(super) enum Mapped {
+enum Mapped {
     /// `cuIpcOpenMemHandle`.
     Handle { _mem: IpcMemory<u8> },
     /// `cuMemImportFromShareableHandle` and `cuMemMap`.
@@ -116,7 +116,7 @@ impl Drop for Mapped {
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
 /// is being closed by its last holder, which removes it once the mapping is closed.
-pub(super) fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
+fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
     static C: OnceLock<Mutex<HashMap<Key, Weak<Import>>>> = OnceLock::new();
     C.get_or_init(Default::default)
         .lock()
@@ -129,8 +129,8 @@ pub(super) fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
 /// the last holder goes. Copies hold it until their events complete, so it is never closed
 /// under a copy.
 pub(crate) struct Import {
-    pub(super) key: Key,
-    pub(super) mem: Option<Mapped>,
+    key: Key,
+    mem: Option<Mapped>,
     /// The mapping's first byte here.
     pub(crate) base: u64,
     /// The mapping's real size (`cuMemGetAddressRange` on it).
@@ -219,10 +219,10 @@ pub(crate) fn import_vmm(
 /// outside every cache's lock.
 pub(crate) struct ImportedPool {
     /// The exporting process (as the kernel names the socket's peer) and its export id.
-    pub(super) key: (u32, u64),
-    pub(super) pool: Option<Arc<IpcPool>>,
+    key: (u32, u64),
+    pool: Option<Arc<IpcPool>>,
     /// Local GPUs with read-write access to the pool's memory (`cuMemPoolSetAccess`).
-    pub(super) granted: Mutex<Vec<usize>>,
+    granted: Mutex<Vec<usize>>,
 }
 
 impl std::fmt::Debug for ImportedPool {
@@ -235,11 +235,11 @@ impl std::fmt::Debug for ImportedPool {
 }
 
 /// Imported pools by (exporting pid, export id).
-pub(super) type Pools = HashMap<(u32, u64), Weak<ImportedPool>>;
+type Pools = HashMap<(u32, u64), Weak<ImportedPool>>;
 
 /// Every imported pool alive in the process, by (exporting pid, export id). An entry that can
 /// no longer be upgraded is being destroyed by its last holder, which removes it after.
-pub(super) fn pools() -> MutexGuard<'static, Pools> {
+fn pools() -> MutexGuard<'static, Pools> {
     static P: OnceLock<Mutex<Pools>> = OnceLock::new();
     P.get_or_init(Default::default)
         .lock()
@@ -253,7 +253,7 @@ impl ImportedPool {
     ///
     /// [`Error::Cuda`] from `cuMemPoolSetAccess` (a GPU that cannot reach the pool's).
     #[doc(alias = "cuMemPoolSetAccess")]
-    pub(super) fn grant(&self, ordinal: usize) -> Result<()> {
+    fn grant(&self, ordinal: usize) -> Result<()> {
         let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
         if g.contains(&ordinal) {
             return Ok(());
@@ -394,7 +394,7 @@ pub(crate) fn import_pool_ptr(
 ///
 /// As `open`; [`Error::InvalidArgument`] (`peer`) for a mapping that overlaps a live import
 /// without starting at its base.
-pub(super) fn import_as(
+fn import_as(
     key: Key,
     opened: &AtomicU64,
     open: impl FnOnce() -> Result<(Mapped, u64, u64)>,

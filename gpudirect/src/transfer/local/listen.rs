@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 /// [`LocalListener`](crate::transfer::LocalListener) holds). Dropping it removes the socket
 /// file.
 pub(crate) struct Listener {
-    pub(super) engine: Engine,
-    pub(super) listener: UnixListener,
-    pub(super) path: PathBuf,
+    engine: Engine,
+    listener: UnixListener,
+    path: PathBuf,
 }
 
 /// Listen for intra-node endpoints on the Unix domain socket at `path` (made here; it must not

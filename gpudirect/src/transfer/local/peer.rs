@@ -23,7 +23,7 @@ pub(super) fn peer_process(s: &UnixStream) -> Result<u32> {
 }
 
 /// `getsockopt(SO_PEERCRED)`'s pid (0 for a process outside this pid namespace).
-pub(super) fn kernel_pid(s: &UnixStream) -> Result<u32> {
+fn kernel_pid(s: &UnixStream) -> Result<u32> {
     // SAFETY: all-zero is a valid ucred.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;

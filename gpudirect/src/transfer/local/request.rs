@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 /// The side holds the imports a request used for as long as it lives (the next requests find
 /// them mapped). Called once the copies are queued: nothing here delays them.
-pub(super) fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
+fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
     let mut held = lock(&side.held);
     for imp in imports {
         if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
@@ -35,19 +35,19 @@ pub(super) fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
 }
 
 /// A request checked and mapped, its copies not yet queued.
-pub(super) struct Prepared {
-    pub(super) copies: Vec<Piece>,
+struct Prepared {
+    copies: Vec<Piece>,
     /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
-    pub(super) gpus: Vec<(Option<usize>, usize)>,
-    pub(super) imports: Vec<Arc<Import>>,
-    pub(super) timeout: Duration,
-    pub(super) started: Instant,
-    pub(super) deadline: Instant,
-    pub(super) epoch: u64,
+    gpus: Vec<(Option<usize>, usize)>,
+    imports: Vec<Arc<Import>>,
+    timeout: Duration,
+    started: Instant,
+    deadline: Instant,
+    epoch: u64,
 }
 
 /// Every range checked, the peer's allocations mapped (once, held by the side).
-pub(super) fn prepare(
+fn prepare(
     ep: &EpInner<State>,
     side: &Side,
     dir: Direction,
@@ -86,7 +86,7 @@ pub(super) fn prepare(
 
 /// Every remote range has a CUDA IPC part; returns whether any names an exported file
 /// descriptor (VMM or pool memory).
-pub(super) fn check_ipc_parts(pairs: &[(LocalRange, RemoteRange)]) -> Result<bool> {
+fn check_ipc_parts(pairs: &[(LocalRange, RemoteRange)]) -> Result<bool> {
     let mut any_fd = false;
     for (i, (_, r)) in pairs.iter().enumerate() {
         let Some(ipc) = r.descriptor().ipc() else {
@@ -108,18 +108,18 @@ pub(super) fn check_ipc_parts(pairs: &[(LocalRange, RemoteRange)]) -> Result<boo
 }
 
 /// The exported file descriptor a remote range's IPC part names, and what it says it is.
-pub(super) fn said(r: &RemoteRange) -> Option<(u64, FdOf)> {
+fn said(r: &RemoteRange) -> Option<(u64, FdOf)> {
     r.descriptor().ipc().and_then(fd_said)
 }
 
 /// Pair `i`'s file descriptor from the peer, if it sent one.
-pub(super) fn fd_of(fds: &[Option<PeerFd>], i: usize) -> Option<&PeerFd> {
+fn fd_of(fds: &[Option<PeerFd>], i: usize) -> Option<&PeerFd> {
     fds.get(i).and_then(Option::as_ref)
 }
 
 /// The peer's pid as the kernel gives it, and the file descriptor it sent for each pair (none
 /// looked up when `any_fd` is false).
-pub(super) fn peer_fds(
+fn peer_fds(
     side: &Side,
     pairs: &[(LocalRange, RemoteRange)],
     any_fd: bool,
@@ -140,10 +140,7 @@ pub(super) fn peer_fds(
 /// VMM and pool memory: mapped from the file descriptor the peer sent when the endpoints met,
 /// which the descriptor must describe as the peer's first message did. Checked before any
 /// CUDA call.
-pub(super) fn check_peer_fds(
-    pairs: &[(LocalRange, RemoteRange)],
-    fds: &[Option<PeerFd>],
-) -> Result<()> {
+fn check_peer_fds(pairs: &[(LocalRange, RemoteRange)], fds: &[Option<PeerFd>]) -> Result<()> {
     for (i, (_, r)) in pairs.iter().enumerate() {
         let (Some((id, of)), Some(ipc)) = (said(r), r.descriptor().ipc()) else {
             continue;
@@ -186,7 +183,7 @@ pub(super) fn check_peer_fds(
 
 /// The kernel's word, not the peer's first message: a peer that claims another pid is still
 /// this process.
-pub(super) fn refuse_own_process(exporter: u32) -> Result<()> {
+fn refuse_own_process(exporter: u32) -> Result<()> {
     if exporter == std::process::id() {
         return Err(Error::Unsupported {
             what: "an intra-node transfer between two endpoints of one process".into(),
@@ -200,16 +197,16 @@ pub(super) fn refuse_own_process(exporter: u32) -> Result<()> {
 
 /// A request's pairs mapped: the copies, each pair's (local GPU, peer GPU), and the peer's
 /// allocations they reach.
-pub(super) struct Mapping {
-    pub(super) copies: Vec<Piece>,
-    pub(super) gpus: Vec<(Option<usize>, usize)>,
-    pub(super) imports: Vec<Arc<Import>>,
+struct Mapping {
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    imports: Vec<Arc<Import>>,
 }
 
 /// Each pair's copy: the local address, the peer's allocation mapped (once per allocation of
 /// consecutive pairs), the remote range checked inside it. The imports taken are parked (not
 /// closed here) if a pair is refused.
-pub(super) fn map_pairs(
+fn map_pairs(
     e: &EngineInner,
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
@@ -285,7 +282,7 @@ pub(super) fn map_pairs(
 }
 
 /// Pair `i`'s local memory: its GPU (`None`: host memory) and address.
-pub(super) fn local_address(l: &LocalRange, i: usize) -> Result<(Option<usize>, u64)> {
+fn local_address(l: &LocalRange, i: usize) -> Result<(Option<usize>, u64)> {
     Ok(match l.region.device_addr(l.offset) {
         Some((o, a)) => (Some(o), a),
         None => (
@@ -299,7 +296,7 @@ pub(super) fn local_address(l: &LocalRange, i: usize) -> Result<(Option<usize>, 
 }
 
 /// The ordinal here of the GPU holding pair `i`'s remote memory (by its UUID).
-pub(super) fn peer_gpu(ipc: &IpcPart, i: usize) -> Result<usize> {
+fn peer_gpu(ipc: &IpcPart, i: usize) -> Result<usize> {
     ordinal_of_uuid(ipc.gpu_uuid())?.ok_or_else(|| Error::NoDevice {
         what: "the peer's GPU",
         reason: format!(
@@ -316,7 +313,7 @@ pub(super) fn peer_gpu(ipc: &IpcPart, i: usize) -> Result<usize> {
 /// Where pair `i`'s remote range lies in the peer's allocation (offset, end): inside the length
 /// the peer claims, checked before anything is mapped (the mapping's real size is checked
 /// once it is mapped).
-pub(super) fn remote_span(ipc: &IpcPart, r: &RemoteRange, i: usize) -> Result<(u64, u64)> {
+fn remote_span(ipc: &IpcPart, r: &RemoteRange, i: usize) -> Result<(u64, u64)> {
     let off = ipc.offset().checked_add(r.offset());
     let end = off.and_then(|o| o.checked_add(r.len()));
     let (Some(off), Some(end)) = (off, end) else {
@@ -337,15 +334,15 @@ pub(super) fn remote_span(ipc: &IpcPart, r: &RemoteRange, i: usize) -> Result<(u
 
 /// Who exported a pair's memory: the peer's pid (the kernel's word), the file descriptor it
 /// sent for the pair (VMM, pool), and the GPU holding the memory.
-pub(super) struct Exporter<'a> {
-    pub(super) pid: u32,
-    pub(super) fd: Option<&'a PeerFd>,
-    pub(super) gpu: usize,
+struct Exporter<'a> {
+    pid: u32,
+    fd: Option<&'a PeerFd>,
+    gpu: usize,
 }
 
 /// The peer's allocation behind `ipc` mapped for local GPU `device` (once per allocation and
 /// GPU in the process).
-pub(super) fn map_allocation(
+fn map_allocation(
     e: &EngineInner,
     ipc: &IpcPart,
     device: usize,
@@ -442,7 +439,7 @@ pub(super) fn request(
 }
 
 /// The streams of each local GPU the copies start from (one GPU, almost always).
-pub(super) fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, Arc<[Stream]>)>> {
+fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, Arc<[Stream]>)>> {
     let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
     for c in copies {
         if !streams.iter().any(|(d, _)| *d == c.device) {
@@ -453,30 +450,30 @@ pub(super) fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, A
 }
 
 /// When a request was made and must end, and the endpoint's epoch it belongs to.
-pub(super) struct When {
-    pub(super) started: Instant,
-    pub(super) deadline: Instant,
-    pub(super) timeout: Duration,
-    pub(super) epoch: u64,
+struct When {
+    started: Instant,
+    deadline: Instant,
+    timeout: Duration,
+    epoch: u64,
 }
 
 /// A checked request, its copies ready to queue ([`issue`]).
-pub(super) struct Issue<'a> {
+struct Issue<'a> {
     /// The streams of each local GPU the copies start from.
-    pub(super) streams: &'a [(usize, Arc<[Stream]>)],
-    pub(super) copies: &'a [Piece],
+    streams: &'a [(usize, Arc<[Stream]>)],
+    copies: &'a [Piece],
     /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
-    pub(super) gpus: &'a [(Option<usize>, usize)],
+    gpus: &'a [(Option<usize>, usize)],
     /// What the copies reach.
-    pub(super) keep: Keep,
+    keep: Keep,
     /// The report, with no paths and no message count yet: they are set when the copies are
     /// queued.
-    pub(super) report: TransferReport,
-    pub(super) when: When,
+    report: TransferReport,
+    when: When,
 }
 
 /// Queue a checked request's copies and hand it to the worker.
-pub(super) fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
+fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
     let Issue {
         streams,
         copies,
@@ -527,15 +524,15 @@ pub(super) fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<
 
 /// An intra-node request checked and mapped once, to be posted many times ([`post`]).
 pub(crate) struct Ready {
-    pub(super) side: Weak<Side>,
-    pub(super) copies: Vec<Piece>,
-    pub(super) gpus: Vec<(Option<usize>, usize)>,
-    pub(super) streams: Vec<(usize, Arc<[Stream]>)>,
+    side: Weak<Side>,
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    streams: Vec<(usize, Arc<[Stream]>)>,
     /// The report every post starts from (no paths, no messages yet).
-    pub(super) report: TransferReport,
-    pub(super) held: Arc<Held>,
-    pub(super) timeout: Duration,
-    pub(super) epoch: u64,
+    report: TransferReport,
+    held: Arc<Held>,
+    timeout: Duration,
+    epoch: u64,
 }
 
 /// Check and map a request of `bytes` bytes (its pairs' total, checked) once
@@ -603,7 +600,7 @@ pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
 
 /// The side of a prepared request, refused when the endpoint failed, closed or reconnected since
 /// it was prepared (the peer's memory may have moved).
-pub(super) fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
+fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
     let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
     if side.epoch.load(Ordering::Acquire) != r.epoch {
         return Err(ep.failure().unwrap_or_else(|| {
@@ -624,10 +621,10 @@ pub(super) fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
 /// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take a few milliseconds on
 /// any GPU link, so a deadline of [`RUN_SYNC_MIN_DEADLINE`] cannot pass unseen unless the GPU
 /// stalls.
-pub(super) const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
+const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
 
 /// The shortest deadline [`run`] waits for in `cuStreamSynchronize`.
-pub(super) const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
+const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 
 /// Post a prepared request and wait for it on this thread. With one stream, at most
 /// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing of the
@@ -738,12 +735,12 @@ pub(super) fn report(
 /// complete once the stream passed them. What they reach is held until the stream's event after
 /// them completes; dropped earlier, it is parked behind that event (never freed early).
 pub(crate) struct Queued {
-    pub(super) hold: Option<(EventFence, Keep)>,
+    hold: Option<(EventFence, Keep)>,
     /// What the request did (its `elapsed` set when it is reported).
     pub(crate) report: TransferReport,
     pub(crate) started: Instant,
     /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
-    pub(super) epoch: u64,
+    epoch: u64,
 }
 
 impl Drop for Queued {

@@ -26,14 +26,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The longest a waiting worker sleeps before it looks at deadlines and failures again.
-pub(super) const SLICE: Duration = Duration::from_millis(5);
+const SLICE: Duration = Duration::from_millis(5);
 
 /// The live connection: the socket notifications are written to, the file descriptors (VMM,
 /// pool) the peer sent when the endpoints met and its pid as the kernel gives it, the reader.
 pub(super) struct Conn {
     pub(super) stream: UnixStream,
-    pub(super) peer_fds: PeerFds,
-    pub(super) reader: Option<JoinHandle<()>>,
+    peer_fds: PeerFds,
+    reader: Option<JoinHandle<()>>,
 }
 
 /// A request whose copies are queued, waiting for its events.
@@ -60,35 +60,35 @@ pub(super) struct Queue {
 
 /// The intra-node side of an endpoint.
 pub(crate) struct Side {
-    pub(super) engine: Engine,
+    engine: Engine,
     /// The socket path and what to publish, for the dialing side (reconnect).
-    pub(super) dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
+    dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     pub(super) conn: Mutex<Option<Conn>>,
     /// Bumped by every failure and close: requests of an older epoch are ended.
     pub(super) epoch: AtomicU64,
     /// Bumped when this side shuts its own socket: the reader of an older one ends quietly.
-    pub(super) generation: AtomicU64,
-    pub(super) closed: AtomicBool,
+    generation: AtomicU64,
+    closed: AtomicBool,
     pub(super) queue: Mutex<Queue>,
     pub(super) queue_cv: Condvar,
     /// Piece streams per local GPU.
-    pub(super) streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
+    streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
     /// The peer allocations this endpoint has used, held until it goes.
     pub(super) held: Mutex<Vec<Arc<Import>>>,
-    pub(super) ep: Mutex<Weak<EpInner<State>>>,
+    ep: Mutex<Weak<EpInner<State>>>,
     pub(super) worker: Mutex<Option<JoinHandle<()>>>,
     /// Held while a request is finished: one at a time, in queue order.
     pub(super) finishing: Mutex<()>,
     /// Held while a request's copies are queued and the request pushed.
     pub(super) issue: Mutex<()>,
     /// Held for a whole reconnect.
-    pub(super) reconnecting: Mutex<()>,
+    reconnecting: Mutex<()>,
     /// Itself, for the waits that help.
     pub(super) me: Weak<Side>,
     /// When a waiting caller last looked at the head (nanoseconds since `born`): the worker
     /// leaves the looking to it meanwhile.
-    pub(super) helped_at: AtomicU64,
-    pub(super) born: Instant,
+    helped_at: AtomicU64,
+    born: Instant,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -96,20 +96,20 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// A worker waiting for the head request yields this many times, looking, before it sleeps.
-pub(super) const WORKER_SPINS: u32 = 64;
+const WORKER_SPINS: u32 = 64;
 
 /// The worker's sleeps between looks grow from ten microseconds to this. (A host function after
 /// the copies could wake it, but it would hold back the next request's copies on the stream
 /// until CUDA's callback thread ran it: see docs/transfer.md.) A caller that waits blocking looks
 /// itself.
-pub(super) const WORKER_NAP: Duration = Duration::from_micros(100);
+const WORKER_NAP: Duration = Duration::from_micros(100);
 
 /// How often an idle worker looks at the queue anyway (requests that did not wake it).
-pub(super) const IDLE_LOOK: Duration = Duration::from_millis(100);
+const IDLE_LOOK: Duration = Duration::from_millis(100);
 
 /// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`): a
 /// few yields, then sleeps growing to [`WORKER_NAP`].
-pub(super) fn look_until(mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
+fn look_until(mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
     let end = deadline_after(Instant::now(), timeout);
     for _ in 0..WORKER_SPINS {
         if done() {
@@ -164,13 +164,13 @@ impl Side {
         })
     }
 
-    pub(super) fn ep(&self) -> Option<Arc<EpInner<State>>> {
+    fn ep(&self) -> Option<Arc<EpInner<State>>> {
         lock(&self.ep).upgrade()
     }
 
     /// End the endpoint with `cause`: requests in flight are ended by the worker (what their
     /// copies reach parked until the copies are done).
-    pub(super) fn fail(&self, cause: Broken) {
+    fn fail(&self, cause: Broken) {
         drop(self.fail_later(cause));
     }
 
@@ -184,7 +184,7 @@ impl Side {
     }
 
     /// Start the reader of the current connection.
-    pub(super) fn spawn_reader(self: &Arc<Self>) -> Result<()> {
+    fn spawn_reader(self: &Arc<Self>) -> Result<()> {
         let mut c = lock(&self.conn);
         let Some(conn) = c.as_mut() else {
             return Ok(());
@@ -203,7 +203,7 @@ impl Side {
     }
 
     /// Deliver the peer's notifications in order until the socket closes.
-    pub(super) fn read_loop(&self, rd: &mut UnixStream, generation: u64) {
+    fn read_loop(&self, rd: &mut UnixStream, generation: u64) {
         let mut f = [0u8; FRAME];
         loop {
             let r = rd.read_exact(&mut f);
@@ -240,7 +240,7 @@ impl Side {
     }
 
     /// Shut this side's socket and join its reader.
-    pub(super) fn hang_up(&self) {
+    fn hang_up(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
         let old = lock(&self.conn).take();
         if let Some(mut c) = old {
@@ -308,7 +308,7 @@ impl Side {
     }
 
     /// Wait for each request's events in order; finish it and send its notification.
-    pub(super) fn work_loop(&self) {
+    fn work_loop(&self) {
         loop {
             while self.finish_head(true) {}
             let deadline = {
@@ -353,7 +353,7 @@ impl Side {
     }
 
     /// Wake the worker if it sleeps for want of work.
-    pub(super) fn wake_worker(&self) {
+    fn wake_worker(&self) {
         let idle = lock(&self.queue).idle;
         if idle {
             self.queue_cv.notify_all();
@@ -361,7 +361,7 @@ impl Side {
     }
 
     /// Whether a waiting caller looked at the head in the last [`WORKER_NAP`].
-    pub(super) fn recently_helped(&self) -> bool {
+    fn recently_helped(&self) -> bool {
         let at = self.helped_at.load(Ordering::Relaxed);
         at != 0
             && (self.born.elapsed().as_nanos() as u64).saturating_sub(at)
@@ -369,7 +369,7 @@ impl Side {
     }
 
     /// Whether the head request can be finished now (or there is none).
-    pub(super) fn head_ready(&self) -> bool {
+    fn head_ready(&self) -> bool {
         let (fence, epoch, deadline) = {
             let q = lock(&self.queue);
             match q.jobs.front() {
@@ -387,7 +387,7 @@ impl Side {
     /// or its deadline passed. Requests finish in queue order (so notifications leave in request
     /// order), by the worker or by a caller waiting for its transfer (`block` false: only when no
     /// one else is finishing). Returns whether one was finished.
-    pub(super) fn finish_head(&self, block: bool) -> bool {
+    fn finish_head(&self, block: bool) -> bool {
         let _order = if block {
             lock(&self.finishing)
         } else {
@@ -429,7 +429,7 @@ impl Side {
     /// this thread can let through): what the request held is parked, its events done, for the
     /// next reap on a caller's thread. Returns the wake-ups it decided, to be run (dropped) once
     /// `finishing` is let go.
-    pub(super) fn conclude(&self, job: Job, end: End, on_worker: bool) -> Later {
+    fn conclude(&self, job: Job, end: End, on_worker: bool) -> Later {
         let Job {
             fence,
             keep,
@@ -497,13 +497,13 @@ impl Side {
 
 /// The wake-ups of a request ended at the head ([`Side::conclude`]): its own, and those of
 /// the endpoint's failure it caused. Run when dropped.
-pub(super) struct Later {
-    pub(super) _settled: Settled,
-    pub(super) _failed: Option<Wakes>,
+struct Later {
+    _settled: Settled,
+    _failed: Option<Wakes>,
 }
 
 /// How a request ends ([`Side::finish_head`]).
-pub(super) enum End {
+enum End {
     Done,
     Failed(Error),
     Ended,

@@ -23,7 +23,7 @@ pub(super) fn os(call: &'static str, e: std::io::Error) -> Error {
 
 /// One `send(MSG_NOSIGNAL | flags)` of some of `b` (retried when interrupted): the bytes
 /// taken. A peer that is gone gives `EPIPE`, never the signal that would end the process.
-pub(super) fn send_some(s: &UnixStream, b: &[u8], flags: libc::c_int) -> std::io::Result<usize> {
+fn send_some(s: &UnixStream, b: &[u8], flags: libc::c_int) -> std::io::Result<usize> {
     loop {
         // SAFETY: `b` is valid for `b.len()` bytes; the fd is the live socket's.
         let n = unsafe {
@@ -84,12 +84,7 @@ pub(super) fn send_late(timeout: Duration) -> Error {
 /// that do not wait, and `poll` for room with what is left. (A send timeout bounds each wait for
 /// room, not the call: a peer that reads a little now and then would stretch the meeting past
 /// its deadline.)
-pub(super) fn send_all_by(
-    s: &UnixStream,
-    mut b: &[u8],
-    end: Instant,
-    timeout: Duration,
-) -> Result<()> {
+fn send_all_by(s: &UnixStream, mut b: &[u8], end: Instant, timeout: Duration) -> Result<()> {
     while !b.is_empty() {
         match send_some(s, b, libc::MSG_DONTWAIT) {
             Ok(n) => {

@@ -14,9 +14,9 @@ use std::time::Instant;
 pub(crate) struct State {
     pub(super) broken: Option<(Broken, Instant)>,
     pub(super) notes: VecDeque<Notification>,
-    pub(super) peer_descriptors: Vec<MemoryDescriptor>,
+    peer_descriptors: Vec<MemoryDescriptor>,
     /// What to wake once the lock is let go ([`Locked`]).
-    pub(super) wakes: Wakes,
+    wakes: Wakes,
 }
 
 impl State {

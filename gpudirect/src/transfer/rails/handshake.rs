@@ -80,7 +80,7 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
     Ok((rails, hellos))
 }
 
-pub(super) fn now_nanos() -> u64 {
+fn now_nanos() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -89,9 +89,9 @@ pub(super) fn now_nanos() -> u64 {
 
 /// The resources a rail's connection is built on, made once rdma_cm has picked the device.
 pub(super) struct Home<'a> {
-    pub(super) e: &'a EngineInner,
-    pub(super) rail: usize,
-    pub(super) made: Option<(usize, CompletionChannel, u32)>,
+    e: &'a EngineInner,
+    rail: usize,
+    made: Option<(usize, CompletionChannel, u32)>,
 }
 
 impl<'a> Home<'a> {

@@ -42,10 +42,7 @@ pub(super) fn drain_after_close(inner: &Link) {
 }
 
 /// Every completion `cq` holds now, as `read` takes each.
-pub(super) fn drain<T>(
-    cq: &mut CompletionQueue,
-    read: impl Fn(&WorkCompletion) -> T,
-) -> Result<Vec<T>> {
+fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Result<Vec<T>> {
     let mut out = Vec::new();
     loop {
         let ws = cq.poll()?;
@@ -148,14 +145,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
 }
 
 /// A send completion tagged `seq` on rail `r`: every message up to it is done.
-pub(super) fn on_send_completion(
-    inner: &Link,
-    st: &mut State,
-    r: usize,
-    seq: u64,
-    ok: bool,
-    res: Result<()>,
-) {
+fn on_send_completion(inner: &Link, st: &mut State, r: usize, seq: u64, ok: bool, res: Result<()>) {
     let mut failed = None;
     while st.rails[r].inflight.front().is_some_and(|p| p.seq <= seq) {
         let p = st.rails[r].inflight.pop_front().expect("present");
@@ -208,7 +198,7 @@ pub(super) fn on_send_completion(
 
 /// One pass: events, completions, the rdma_cm links, deadlines, posting. Returns whether any
 /// completion was found.
-pub(super) fn progress(inner: &Link, st: &mut State) -> bool {
+fn progress(inner: &Link, st: &mut State) -> bool {
     for rail in &st.rails {
         while rail.channel.get_event().is_ok() {}
     }
@@ -253,7 +243,7 @@ pub(super) fn progress(inner: &Link, st: &mut State) -> bool {
 
 /// Arm every CQ, then look once more (a completion that raced the arming raises no event).
 /// Returns whether something was found (then do not sleep).
-pub(super) fn arm(inner: &Link, st: &mut State) -> bool {
+fn arm(inner: &Link, st: &mut State) -> bool {
     let mut armed = true;
     for rail in &st.rails {
         armed &= rail.send_cq.req_notify(false).is_ok() && rail.recv_cq.req_notify(false).is_ok();

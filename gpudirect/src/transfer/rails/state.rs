@@ -58,13 +58,13 @@ pub(crate) struct State {
     pub(super) notes: VecDeque<Notification>,
     pub(super) closing: bool,
     pub(super) turn: usize,
-    pub(super) peer_descriptors: Vec<MemoryDescriptor>,
+    peer_descriptors: Vec<MemoryDescriptor>,
     pub(super) peer_devices: usize,
     pub(super) max_message: u32,
     /// Requests whose messages completed since the last look (then finished if done).
     pub(super) touched: Vec<u64>,
     /// What to wake once the lock is let go ([`Locked`]).
-    pub(super) wakes: Wakes,
+    wakes: Wakes,
 }
 
 impl Mailbox for State {
@@ -141,7 +141,7 @@ impl Link {
     }
 }
 
-pub(super) fn eventfd() -> Result<OwnedFd> {
+fn eventfd() -> Result<OwnedFd> {
     // SAFETY: no pointers.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {
@@ -237,7 +237,7 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
 }
 
 /// Finish every request that has nothing left in flight.
-pub(super) fn finish_done(st: &mut State) {
+fn finish_done(st: &mut State) {
     st.touched.clear();
     let done: Vec<u64> = st
         .requests
@@ -265,7 +265,7 @@ pub(super) fn finish_touched(st: &mut State) {
 }
 
 /// Finish `q`: its waiters are woken once the state's lock is let go.
-pub(super) fn finish(st: &mut State, q: Request) {
+fn finish(st: &mut State, q: Request) {
     let r = match q.error {
         Some(e) => Err(e),
         None => {
