@@ -14,6 +14,11 @@ CARGO_MANIFEST_PATH, CARGO_TARGET_TMPDIR): the GPU bundle carries the binaries t
 that path does not exist. Cargo sets CARGO_MANIFEST_DIR at run time for what it runs
 (`std::env::var_os`); a binary run elsewhere then finds it unset. Comments are left out.
 
+Figures: no comment in gpudirect/src names a rate (GB/s, MB/s, GiB/s, MiB/s) or a machine (H200):
+measured figures live in docs/, once, with the date, the machine and the command that made them,
+where they do not go stale in several copies. A unit says what it is in words ("10⁹ bytes per
+second").
+
     check-source.py [ROOT]    # ROOT: the repository (the threads rule reads ROOT/gpudirect/src)
 
 Exit 1 naming each finding (file:line: code); otherwise one line per rule saying what was checked.
@@ -117,21 +122,42 @@ def thread_starts(src, min_files=50):
     return len(files), found
 
 
+FIGURE = re.compile(r"\b(?:GB|MB|GiB|MiB|KB|KiB)/s\b|\bH[0-9]{3}\b")
+
+
+def figures(src):
+    """(number of files read, ["file:line: comment"] for each comment naming a rate or a GPU model)."""
+    files = rust_files(src)
+    found = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            for no, line in enumerate(fh.read().split("\n"), 1):
+                at = line.find("//")
+                if at >= 0 and FIGURE.search(line[at:]):
+                    found.append(f"{f}:{no}: {line.strip()}")
+    return len(files), found
+
+
 def main(argv):
     root = os.path.normpath(argv[0] if argv else DEFAULT_ROOT)
     n, threads = thread_starts(os.path.join(root, "gpudirect", "src"))
     m, paths = build_paths(root)
+    k, figs = figures(os.path.join(root, "gpudirect", "src"))
     if threads:
         print("threads started past driver::ctx::spawn_thread / spawn_scoped_thread:")
         print("\n".join(threads))
     if paths:
         print("paths of the build machine baked into a binary (read std::env::var_os at run time):")
         print("\n".join(paths))
-    if threads or paths:
+    if figs:
+        print("measured figures in comments (they belong in docs/, once, dated, with the command):")
+        print("\n".join(figs))
+    if threads or paths or figs:
         return 1
     print(f"threads ok: {n} files of gpudirect/src start threads only through driver::ctx::spawn_thread"
           f" and spawn_scoped_thread (besides them: the tokio task `{TOKIO_TASK[1]}` in {'/'.join(TOKIO_TASK[0])})")
     print(f"build paths ok: none of the workspace's {m} .rs files bakes in CARGO_MANIFEST_DIR or the like")
+    print(f"figures ok: no comment in the {k} files of gpudirect/src names a rate or a GPU model")
     return 0
 
 

@@ -241,6 +241,21 @@ class Source(TempTree):
             "tests/b.rs:2: Path::new(env!( \"CARGO_MANIFEST_DIR\" )).join(\"x\")",
         ])
 
+    def test_a_figure_in_a_comment_fails(self):
+        self.write({
+            "a.rs": "/// Reads at 51.4 GB/s on an H200.\nfn f() {}\n",
+            "b.rs": "// 3.2 MiB/s here\nconst S: &str = \"GB/s\"; // a string, not a comment\n",
+            "c.rs": "/// Throughput in 10\u2079 bytes per second.\nfn g() {}\n",
+            "d.rs": "//! the H100 and the H200 alike\n",
+        })
+        n, found = source.figures(self.src)
+        self.assertEqual(n, 4)
+        self.assertEqual([f[len(self.src) + 1:] for f in found], [
+            "a.rs:1: /// Reads at 51.4 GB/s on an H200.",
+            "b.rs:1: // 3.2 MiB/s here",
+            "d.rs:1: //! the H100 and the H200 alike",
+        ])
+
     def test_too_few_files_is_an_error(self):
         self.write({"lib.rs": ""})
         with self.assertRaises(SystemExit):

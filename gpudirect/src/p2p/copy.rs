@@ -121,7 +121,7 @@ impl<S, D> std::fmt::Debug for Copied<S, D> {
 }
 
 impl<S, D> Copied<S, D> {
-    /// Host-measured throughput in GB/s (10⁹ bytes per second); 0 when not measured.
+    /// Host-measured throughput in 10⁹ bytes per second; 0 when not measured.
     pub fn gb_per_s(&self) -> f64 {
         let s = self.elapsed.as_secs_f64();
         if s > 0.0 {

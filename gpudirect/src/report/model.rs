@@ -102,7 +102,7 @@ pub struct P2pPair {
 pub struct CopyMeasurement {
     /// Bytes per copy.
     pub bytes: u64,
-    /// Host-timed throughput, GB/s (10⁹ bytes per second); 0 when the copy failed.
+    /// Host-timed throughput in 10⁹ bytes per second; 0 when the copy failed.
     pub gb_per_s: f64,
     /// The path that really ran: `peer`, `staged`, `driver_staged`, `same_device`, or `failed`.
     pub path: String,
@@ -289,7 +289,7 @@ pub struct StorageRead {
     pub file: String,
     /// Bytes read.
     pub bytes: u64,
-    /// Host-timed throughput, GB/s.
+    /// Host-timed throughput in 10⁹ bytes per second.
     pub gb_per_s: f64,
     /// `cufile` or `posix`: the path that ran.
     pub path: String,

@@ -43,7 +43,7 @@ fn or_dash(v: Option<impl fmt::Display>) -> String {
     v.map(|v| v.to_string()).unwrap_or_else(|| "-".into())
 }
 
-/// `26562 MB/s`, or `speed unknown`.
+/// The speed with its unit (megabytes per second), or `speed unknown`.
 fn nvlink_speed(mbps: Option<u32>) -> String {
     mbps.map_or_else(|| "speed unknown".into(), |v| format!("{v} MB/s"))
 }

@@ -292,96 +292,86 @@ pub struct Engine {
     pub(crate) inner: Arc<EngineInner>,
 }
 
-impl Engine {
-    /// Open the rails' devices and allocate a protection domain on each; with
-    /// [`EngineConfig::local_only`], an engine without rails (no verbs library is loaded).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::InvalidArgument`] for settings out of range ([`EngineConfig::check`]) or a
-    /// device named twice; [`Error::Load`] without libibverbs; [`Error::NoDevice`] without a
-    /// verbs device or for a name no device has; [`Error::Os`] from opening a device.
-    #[doc(alias = "ibv_open_device")]
-    #[doc(alias = "ibv_alloc_pd")]
-    pub fn new(config: EngineConfig) -> Result<Engine> {
-        config.check()?;
-        if config.local_only {
-            return Ok(Engine::with_rails(config, Vec::new()));
-        }
-        let list = DeviceList::non_empty()?;
-        let mut names = config.devices.clone();
-        if names.is_empty() {
-            let mut all: Vec<String> = list.iter().map(|d| d.name()).collect();
-            all.sort();
-            if let Some(g) = config.gpu
-                && let Ok(p) = crate::topology::Placement::of_gpu(g)
-            {
-                let order: Vec<String> = p.nearest_nics().into_iter().map(|n| n.name).collect();
-                all.sort_by_key(|n| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
-            }
-            all.truncate(MAX_RAILS);
-            names = all;
-        }
-        for (i, n) in names.iter().enumerate() {
-            if names[..i].contains(n) {
-                return Err(Error::invalid(
-                    "devices",
-                    n,
-                    "each device is one rail: named once",
-                ));
-            }
-        }
-        let mut devices = Vec::with_capacity(names.len());
-        for n in &names {
-            let ctx = Context::open(&list.find(n)?)?;
-            let pd = ctx.alloc_pd()?;
-            let max_msg = ctx
-                .query_port(1)
-                .map(|p| p.max_msg_sz)
-                .ok()
-                .filter(|&m| m > 0)
-                .unwrap_or(u32::MAX);
-            devices.push(RailDevice {
-                name: n.clone(),
-                ctx,
-                pd,
-                max_msg,
-            });
-        }
-        Ok(Engine::with_rails(config, devices))
+/// Open the rails' devices (none for a local-only engine) and make the engine.
+///
+/// # Errors
+///
+/// As [`Engine::new`].
+pub(crate) fn open(config: EngineConfig) -> Result<Engine> {
+    config.check()?;
+    if config.local_only {
+        return Ok(with_rails(config, Vec::new()));
     }
-
-    fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
-        Engine {
-            inner: Arc::new(EngineInner {
-                config,
-                devices,
-                cache: Mutex::new(Cache::default()),
-                stats: CacheStats::default(),
-                prefer: Mutex::new(HashMap::new()),
-                gpu_targets: Mutex::new(Vec::new()),
-                next_id: AtomicU64::new(1),
-                engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
-            }),
+    let list = DeviceList::non_empty()?;
+    let mut names = config.devices.clone();
+    if names.is_empty() {
+        let mut all: Vec<String> = list.iter().map(|d| d.name()).collect();
+        all.sort();
+        if let Some(g) = config.gpu
+            && let Ok(p) = crate::topology::Placement::of_gpu(g)
+        {
+            let order: Vec<String> = p.nearest_nics().into_iter().map(|n| n.name).collect();
+            all.sort_by_key(|n| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+        }
+        all.truncate(MAX_RAILS);
+        names = all;
+    }
+    for (i, n) in names.iter().enumerate() {
+        if names[..i].contains(n) {
+            return Err(Error::invalid(
+                "devices",
+                n,
+                "each device is one rail: named once",
+            ));
         }
     }
-
-    /// The rails' device names, in rail order (the order of every descriptor's rkeys); empty
-    /// for an engine without rails.
-    pub fn devices(&self) -> Vec<String> {
-        self.inner.devices.iter().map(|d| d.name.clone()).collect()
+    let mut devices = Vec::with_capacity(names.len());
+    for n in &names {
+        let ctx = Context::open(&list.find(n)?)?;
+        let pd = ctx.alloc_pd()?;
+        let max_msg = ctx
+            .query_port(1)
+            .map(|p| p.max_msg_sz)
+            .ok()
+            .filter(|&m| m > 0)
+            .unwrap_or(u32::MAX);
+        devices.push(RailDevice {
+            name: n.clone(),
+            ctx,
+            pd,
+            max_msg,
+        });
     }
+    Ok(with_rails(config, devices))
+}
 
-    /// The settings.
-    pub fn config(&self) -> &EngineConfig {
-        &self.inner.config
+fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
+    Engine {
+        inner: Arc::new(EngineInner {
+            config,
+            devices,
+            cache: Mutex::new(Cache::default()),
+            stats: CacheStats::default(),
+            prefer: Mutex::new(HashMap::new()),
+            gpu_targets: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
+        }),
     }
 }
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("devices", &self.devices())
+            .field(
+                "devices",
+                &self
+                    .inner
+                    .devices
+                    .iter()
+                    .map(|d| &d.name)
+                    .collect::<Vec<_>>(),
+            )
             .finish()
     }
 }

@@ -13,8 +13,8 @@
 //! let done = ep
 //!     .write(vec![(src.all(), dst.range(0, 4 << 20)?)], TransferOptions::notify(42))?
 //!     .wait()?;
-//! println!("{} bytes over rails {:?} at {:.2} GB/s via {}", done.bytes, done.rails_used(),
-//!          done.gbps(), done.paths[0]);
+//! println!("{} bytes over rails {:?} in {:?} via {}", done.bytes, done.rails_used(),
+//!          done.elapsed, done.paths[0]);
 //! # Ok(()) }
 //! ```
 //!
@@ -136,36 +136,65 @@
 //! word a receiving stream can wait on. Host-triggered forms ([`Endpoint::write_triggered`])
 //! run the same proxy without CUDA. The ordering (what is visible to which stream when a word
 //! is set) is in the docs of `StreamTransfer` and of `docs/transfer.md`.
+//!
+//! # Where things live
+//!
+//! Bottom up, each file or folder imports only those before it; the two transports never
+//! import each other.
+//!
+//! - What every transport shares: `descriptor` (memory descriptors and their bytes), `plan`
+//!   (splitting and striping, the window, credits), `wire` (the rails' first message), `copy`,
+//!   `region` (buffers, regions, the cache's entries), `engine` (the engine, its config and
+//!   devices), `export` (CUDA IPC exports made at registration), `registry` (registering through
+//!   the cache), `request` (a request's types and checks, why an endpoint broke),
+//!   `pending` (the [`Transfer`] future and the state it shares with its finisher).
+//! - `stream/`: stream-ordered transfers: words (the notification counter, [`StreamWord`]), the
+//!   completion window, [`StreamTransfer`], the proxy thread over a backend.
+//! - `shared`: what an endpoint's transport shares with the endpoint and calls back into
+//!   (notifications, failure, the state lock).
+//! - `rails/`: the verbs transport (rdma_cm handshake, posting within the windows, the progress
+//!   thread, the staged bounce ring, [`TransferListener`]'s accepting).
+//! - `local/`: the intra-node transport (the Unix socket, fd passing, the peer check, meeting,
+//!   the worker side, CUDA IPC imports and copies).
+//! - `transport`: `enum Transport { Rails, Local }`, matched where the transport matters.
+//! - `endpoint`: [`Endpoint`] (its transport and stream proxy) and every request method on it;
+//!   `prepared`: [`PreparedTransfer`]; `api`: the [`Engine`]'s methods and the listeners.
 
-// Bottom up, each file imports only those before it: descriptor, plan, wire, copy, region,
-// engine, registry, endpoint, staging, request, stream.
+mod api;
 mod copy;
 mod descriptor;
 mod endpoint;
 mod engine;
 #[cfg(feature = "p2p")]
-mod ipc;
+mod export;
 #[cfg(feature = "p2p")]
 mod local;
+mod pending;
 mod plan;
+mod prepared;
+mod rails;
 mod region;
 mod registry;
 mod request;
-mod staging;
+mod shared;
 mod stream;
+mod transport;
 mod wire;
 
+#[cfg(feature = "p2p")]
+pub use api::LocalListener;
+pub use api::TransferListener;
 pub use descriptor::{
     DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
-pub use endpoint::{
-    Direction, Endpoint, MAX_UNREAD_NOTIFICATIONS, Notification, RailStats, Transfer,
-    TransferListener, TransferOptions, TransferReport, Transferred,
-};
+pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig};
-#[cfg(feature = "p2p")]
-pub use local::LocalListener;
+pub use pending::{Transfer, Transferred};
+pub use prepared::PreparedTransfer;
+pub use rails::RailStats;
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
-pub use request::PreparedTransfer;
+pub use request::{
+    Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,
+};
 pub use stream::{PROXY_NAP, STREAM_ERROR_BIT, StreamTransfer, StreamWord, TRIGGER_SLOTS};

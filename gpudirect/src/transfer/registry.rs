@@ -64,247 +64,207 @@ fn want(b: &Buffer) -> Result<Want> {
     }
 }
 
-impl Engine {
-    /// Register `buf` on every rail, or reuse a registration that already covers it: one whose
-    /// memory has the same identity (the same buffer, or for GPU memory the same allocation by
-    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`) and whose range holds this one. A new allocation at a
-    /// reused address is a new identity: it never finds a stale registration.
-    ///
-    /// GPU memory is registered through dma-buf or nvidia-peermem (automatic order); a VMM
-    /// buffer of several physical chunks only whole, through dma-buf. Memory that cannot be
-    /// registered (pool memory; a node without dma-buf or nvidia-peermem) is
-    /// [staged](MemoryPath::Staged) when [`EngineConfig::staging`](super::EngineConfig::staging)
-    /// allows.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotRdmaCapable`] naming the chunk for a VMM range of several chunks that dma-buf
-    /// cannot register whole; [`Error::NoGpuRegistrationPath`] / [`Error::NotRdmaCapable`] when
-    /// staging is off; [`Error::Os`] from `ibv_reg_mr` (`ENOMEM`: the memlock limit); errors of
-    /// the pointer-attribute query.
-    #[doc(alias = "ibv_reg_mr")]
-    #[doc(alias = "ibv_reg_dmabuf_mr")]
-    pub fn register(&self, buf: Buffer) -> Result<Region> {
-        Ok(self
-            .register_inner(vec![buf], false)?
-            .pop()
-            .expect("one region"))
+/// What the registration cache of `e` has done so far.
+pub(crate) fn cache_stats(e: &EngineInner) -> CacheCounters {
+    let s = &e.stats;
+    let live = e.cache.lock().unwrap_or_else(|e| e.into_inner()).live();
+    CacheCounters {
+        hits: s.hits.load(Ordering::Relaxed),
+        misses: s.misses.load(Ordering::Relaxed),
+        registrations: s.registered.load(Ordering::Relaxed),
+        live,
+        imports_opened: s.imports.load(Ordering::Relaxed),
+        pool_imports_opened: s.pool_imports.load(Ordering::Relaxed),
     }
+}
 
-    /// Register many buffers in one call: as [`register`](Self::register) for each, with the
-    /// cache lookups under one lock, the ranges of one memory identity that overlap or touch
-    /// coalesced into one registration (each rkey then reaches the whole coalesced range:
-    /// register separately to keep ranges apart), and the rails registered in parallel. All or
-    /// nothing.
-    ///
-    /// # Errors
-    ///
-    /// As [`register`](Self::register), for the first buffer that fails (nothing is kept).
-    pub fn register_all(&self, bufs: Vec<Buffer>) -> Result<Vec<Region>> {
-        self.register_inner(bufs, true)
-    }
+/// Register `bufs` with `engine` (see [`Engine::register`] and, `batch`: coalesced, the rails
+/// in parallel, [`Engine::register_all`]).
+pub(crate) fn register(engine: &Engine, bufs: Vec<Buffer>, batch: bool) -> Result<Vec<Region>> {
+    register_inner(engine, bufs, batch)
+}
 
-    /// What the registration cache has done so far.
-    pub fn cache_stats(&self) -> CacheCounters {
-        let s = &self.inner.stats;
-        let live = self
-            .inner
-            .cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .live();
-        CacheCounters {
-            hits: s.hits.load(Ordering::Relaxed),
-            misses: s.misses.load(Ordering::Relaxed),
-            registrations: s.registered.load(Ordering::Relaxed),
-            live,
-            imports_opened: s.imports.load(Ordering::Relaxed),
-            pool_imports_opened: s.pool_imports.load(Ordering::Relaxed),
-        }
-    }
-
-    fn register_inner(&self, bufs: Vec<Buffer>, batch: bool) -> Result<Vec<Region>> {
-        let inner = &*self.inner;
-        // Identities: one attribute query per backing.
-        let mut by_backing: HashMap<usize, (Identity, Option<usize>, Option<MemoryKind>)> =
-            HashMap::new();
-        let mut wants = Vec::with_capacity(bufs.len());
-        for b in &bufs {
-            let key = Arc::as_ptr(&b.backing) as usize;
-            let w = match by_backing.get(&key) {
-                Some(&(id, ordinal, kind)) => Want {
-                    id,
-                    start: b.addr(),
-                    len: b.len as u64,
-                    ordinal,
-                    kind,
-                },
-                None => {
-                    let w = want(b)?;
-                    by_backing.insert(key, (w.id, w.ordinal, w.kind));
-                    w
-                }
-            };
-            wants.push(w);
-        }
-        let mut cache = inner.cache.lock().unwrap_or_else(|e| e.into_inner());
-        let mut found: Vec<Option<Arc<Entry>>> = wants
-            .iter()
-            .map(|w| cache.lookup(w.id, w.start, w.len))
-            .collect();
-        let hits = found.iter().filter(|f| f.is_some()).count() as u64;
-        let misses = found.len() as u64 - hits;
-        // What to register: per identity, the missing ranges (coalesced in a batch).
-        let mut groups: HashMap<Identity, Vec<(u64, u64, usize)>> = HashMap::new();
-        for (i, w) in wants.iter().enumerate() {
-            if found[i].is_none() {
-                groups.entry(w.id).or_default().push((w.start, w.len, i));
+fn register_inner(engine: &Engine, bufs: Vec<Buffer>, batch: bool) -> Result<Vec<Region>> {
+    let inner = &*engine.inner;
+    // Identities: one attribute query per backing.
+    let mut by_backing: HashMap<usize, (Identity, Option<usize>, Option<MemoryKind>)> =
+        HashMap::new();
+    let mut wants = Vec::with_capacity(bufs.len());
+    for b in &bufs {
+        let key = Arc::as_ptr(&b.backing) as usize;
+        let w = match by_backing.get(&key) {
+            Some(&(id, ordinal, kind)) => Want {
+                id,
+                start: b.addr(),
+                len: b.len as u64,
+                ordinal,
+                kind,
+            },
+            None => {
+                let w = want(b)?;
+                by_backing.insert(key, (w.id, w.ordinal, w.kind));
+                w
             }
-        }
-        let mut jobs: Vec<(u64, u64, Vec<usize>)> = Vec::new();
-        for (_, ranges) in groups {
-            if batch {
-                jobs.extend(coalesce(ranges));
-            } else {
-                jobs.extend(ranges.into_iter().map(|(s, l, i)| (s, l, vec![i])));
-            }
-        }
-        jobs.sort_by_key(|j| j.2[0]);
-        let entries = self.register_jobs(&bufs, &wants, &jobs, batch)?;
-        for (job, e) in jobs.iter().zip(entries) {
-            cache.insert(&e);
-            for &i in &job.2 {
-                found[i] = Some(e.clone());
-            }
-        }
-        drop(cache);
-        inner.stats.hits.fetch_add(hits, Ordering::Relaxed);
-        inner.stats.misses.fetch_add(misses, Ordering::Relaxed);
-        inner
-            .stats
-            .registered
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        Ok(bufs
-            .into_iter()
-            .zip(wants)
-            .zip(found)
-            .map(|((buf, w), e)| {
-                let entry = e.expect("found or registered");
-                Region {
-                    at: w.start - entry.start,
-                    entry,
-                    buf,
-                }
-            })
-            .collect())
-    }
-
-    /// Register each job (a range and the buffers it serves) on every rail; the rails in
-    /// parallel when `parallel` and there is enough to do.
-    fn register_jobs(
-        &self,
-        bufs: &[Buffer],
-        wants: &[Want],
-        jobs: &[(u64, u64, Vec<usize>)],
-        parallel: bool,
-    ) -> Result<Vec<Arc<Entry>>> {
-        let inner = &*self.inner;
-        let ndev = inner.devices.len();
-        if ndev == 0 {
-            // An engine without rails: no NIC registration; the entry holds the memory.
-            return Ok(jobs
-                .iter()
-                .map(|job| {
-                    let w = &wants[job.2[0]];
-                    Arc::new(Entry {
-                        id: w.id,
-                        engine: inner.engine_id,
-                        start: job.0,
-                        len: job.1,
-                        mrs: Vec::new(),
-                        path: MemoryPath::Unregistered,
-                        ordinal: w.ordinal,
-                        preferred: Vec::new(),
-                        _keep: backings(bufs, &job.2),
-                        ipc: exported(w, job, bufs),
-                    })
-                })
-                .collect());
-        }
-        let one = |d: usize| -> Result<Vec<Decided>> {
-            jobs.iter()
-                .map(|job| register_decide(inner, d, bufs, wants, job))
-                .collect()
         };
-        let per_dev: Vec<Result<Vec<Decided>>> = if parallel && ndev > 1 && jobs.len() >= 4 {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = (0..ndev)
-                    .map(|d| {
-                        let name = format!("gpudirect-register-{d}");
-                        (
-                            d,
-                            crate::driver::ctx::spawn_scoped_thread(s, name, move || one(d)),
-                        )
-                    })
-                    .collect();
-                hs.into_iter()
-                    .map(|(d, h)| match h {
-                        Ok(h) => h.join().unwrap_or_else(|_| {
-                            Err(Error::invalid("register", "a thread", "panicked"))
-                        }),
-                        // No thread to be had: this device's part on the caller's.
-                        Err(_) => one(d),
-                    })
-                    .collect()
-            })
+        wants.push(w);
+    }
+    let mut cache = inner.cache.lock().unwrap_or_else(|e| e.into_inner());
+    let mut found: Vec<Option<Arc<Entry>>> = wants
+        .iter()
+        .map(|w| cache.lookup(w.id, w.start, w.len))
+        .collect();
+    let hits = found.iter().filter(|f| f.is_some()).count() as u64;
+    let misses = found.len() as u64 - hits;
+    // What to register: per identity, the missing ranges (coalesced in a batch).
+    let mut groups: HashMap<Identity, Vec<(u64, u64, usize)>> = HashMap::new();
+    for (i, w) in wants.iter().enumerate() {
+        if found[i].is_none() {
+            groups.entry(w.id).or_default().push((w.start, w.len, i));
+        }
+    }
+    let mut jobs: Vec<(u64, u64, Vec<usize>)> = Vec::new();
+    for (_, ranges) in groups {
+        if batch {
+            jobs.extend(coalesce(ranges));
         } else {
-            (0..ndev).map(one).collect()
-        };
-        let mut per_dev = per_dev.into_iter().collect::<Result<Vec<_>>>()?;
-        let mut out = Vec::with_capacity(jobs.len());
-        for (k, job) in jobs.iter().enumerate() {
-            let w = &wants[job.2[0]];
-            let (first, path) = std::mem::replace(&mut per_dev[0][k], (None, MemoryPath::Host));
-            let mut mrs = Vec::with_capacity(ndev);
-            if let Some(m) = first {
-                mrs.push(m);
-                for (d, v) in per_dev.iter_mut().enumerate().skip(1) {
-                    match v[k].0.take() {
-                        Some(m) => mrs.push(m),
-                        None => {
-                            return Err(Error::Unsupported {
-                                what: "the same registration on every rail".into(),
-                                reason: format!(
-                                    "{} registered the memory at {:#x} but {} could not: {}",
-                                    inner.devices[0].name, job.0, inner.devices[d].name, v[k].1
-                                ),
-                            });
-                        }
+            jobs.extend(ranges.into_iter().map(|(s, l, i)| (s, l, vec![i])));
+        }
+    }
+    jobs.sort_by_key(|j| j.2[0]);
+    let entries = register_jobs(engine, &bufs, &wants, &jobs, batch)?;
+    for (job, e) in jobs.iter().zip(entries) {
+        cache.insert(&e);
+        for &i in &job.2 {
+            found[i] = Some(e.clone());
+        }
+    }
+    drop(cache);
+    inner.stats.hits.fetch_add(hits, Ordering::Relaxed);
+    inner.stats.misses.fetch_add(misses, Ordering::Relaxed);
+    inner
+        .stats
+        .registered
+        .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+    Ok(bufs
+        .into_iter()
+        .zip(wants)
+        .zip(found)
+        .map(|((buf, w), e)| {
+            let entry = e.expect("found or registered");
+            Region {
+                at: w.start - entry.start,
+                entry,
+                buf,
+            }
+        })
+        .collect())
+}
+
+/// Register each job (a range and the buffers it serves) on every rail; the rails in
+/// parallel when `parallel` and there is enough to do.
+fn register_jobs(
+    engine: &Engine,
+    bufs: &[Buffer],
+    wants: &[Want],
+    jobs: &[(u64, u64, Vec<usize>)],
+    parallel: bool,
+) -> Result<Vec<Arc<Entry>>> {
+    let inner = &*engine.inner;
+    let ndev = inner.devices.len();
+    if ndev == 0 {
+        // An engine without rails: no NIC registration; the entry holds the memory.
+        return Ok(jobs
+            .iter()
+            .map(|job| {
+                let w = &wants[job.2[0]];
+                Arc::new(Entry {
+                    id: w.id,
+                    engine: inner.engine_id,
+                    start: job.0,
+                    len: job.1,
+                    mrs: Vec::new(),
+                    path: MemoryPath::Unregistered,
+                    ordinal: w.ordinal,
+                    preferred: Vec::new(),
+                    _keep: backings(bufs, &job.2),
+                    ipc: exported(w, job, bufs),
+                })
+            })
+            .collect());
+    }
+    let one = |d: usize| -> Result<Vec<Decided>> {
+        jobs.iter()
+            .map(|job| register_decide(inner, d, bufs, wants, job))
+            .collect()
+    };
+    let per_dev: Vec<Result<Vec<Decided>>> = if parallel && ndev > 1 && jobs.len() >= 4 {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..ndev)
+                .map(|d| {
+                    let name = format!("gpudirect-register-{d}");
+                    (
+                        d,
+                        crate::driver::ctx::spawn_scoped_thread(s, name, move || one(d)),
+                    )
+                })
+                .collect();
+            hs.into_iter()
+                .map(|(d, h)| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(Error::invalid("register", "a thread", "panicked"))
+                    }),
+                    // No thread to be had: this device's part on the caller's.
+                    Err(_) => one(d),
+                })
+                .collect()
+        })
+    } else {
+        (0..ndev).map(one).collect()
+    };
+    let mut per_dev = per_dev.into_iter().collect::<Result<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(jobs.len());
+    for (k, job) in jobs.iter().enumerate() {
+        let w = &wants[job.2[0]];
+        let (first, path) = std::mem::replace(&mut per_dev[0][k], (None, MemoryPath::Host));
+        let mut mrs = Vec::with_capacity(ndev);
+        if let Some(m) = first {
+            mrs.push(m);
+            for (d, v) in per_dev.iter_mut().enumerate().skip(1) {
+                match v[k].0.take() {
+                    Some(m) => mrs.push(m),
+                    None => {
+                        return Err(Error::Unsupported {
+                            what: "the same registration on every rail".into(),
+                            reason: format!(
+                                "{} registered the memory at {:#x} but {} could not: {}",
+                                inner.devices[0].name, job.0, inner.devices[d].name, v[k].1
+                            ),
+                        });
                     }
                 }
             }
-            if let (Some(o), MemoryPath::GpuDirect(_)) = (w.ordinal, &path) {
-                inner.add_gpu_target(o);
-            }
-            out.push(Arc::new(Entry {
-                id: w.id,
-                engine: inner.engine_id,
-                start: job.0,
-                len: job.1,
-                preferred: inner.preferred_for(w.ordinal),
-                ordinal: w.ordinal,
-                _keep: if mrs.is_empty() {
-                    backings(bufs, &job.2)
-                } else {
-                    Vec::new()
-                },
-                mrs,
-                path,
-                ipc: exported(w, job, bufs),
-            }));
         }
-        Ok(out)
+        if let (Some(o), MemoryPath::GpuDirect(_)) = (w.ordinal, &path) {
+            inner.add_gpu_target(o);
+        }
+        out.push(Arc::new(Entry {
+            id: w.id,
+            engine: inner.engine_id,
+            start: job.0,
+            len: job.1,
+            preferred: inner.preferred_for(w.ordinal),
+            ordinal: w.ordinal,
+            _keep: if mrs.is_empty() {
+                backings(bufs, &job.2)
+            } else {
+                Vec::new()
+            },
+            mrs,
+            path,
+            ipc: exported(w, job, bufs),
+        }));
     }
+    Ok(out)
 }
 
 /// Export for CUDA IPC the allocation holding `job`'s range (`cuMemAlloc` memory: its `cuIpc`
@@ -320,7 +280,7 @@ fn exported(
         (Some(MemoryKind::Device), Some(_ordinal)) => {
             #[cfg(feature = "p2p")]
             {
-                super::ipc::export(_ordinal, start).map_err(|e| e.to_string())
+                super::export::export(_ordinal, start).map_err(|e| e.to_string())
             }
             #[cfg(not(feature = "p2p"))]
             {
@@ -337,7 +297,8 @@ fn exported(
                 [(_base, _bytes)] => {
                     #[cfg(feature = "p2p")]
                     {
-                        super::ipc::export_vmm(_ordinal, *_base, *_bytes).map_err(|e| e.to_string())
+                        super::export::export_vmm(_ordinal, *_base, *_bytes)
+                            .map_err(|e| e.to_string())
                     }
                     #[cfg(not(feature = "p2p"))]
                     {
@@ -362,9 +323,8 @@ fn exported(
             // The buffer's whole memory is the allocation (a PoolAlloc starts its own).
             #[cfg(feature = "p2p")]
             match &*bufs[job.2[0]].backing {
-                Backing::Device(d) => {
-                    super::ipc::export_pool(_ordinal, d.ptr(), d.bytes()).map_err(|e| e.to_string())
-                }
+                Backing::Device(d) => super::export::export_pool(_ordinal, d.ptr(), d.bytes())
+                    .map_err(|e| e.to_string()),
                 Backing::Host { .. } => Err("pool memory without a device address".into()),
             }
             #[cfg(not(feature = "p2p"))]

@@ -1,237 +1,274 @@
-//! The request entry points of an [`Endpoint`]: registered memory goes straight to the rails,
-//! staged memory through the staged path.
+//! What a request is and how it ends, shared by every transport: its direction, options and
+//! report, the checks every request passes before anything is queued, and why an endpoint
+//! stopped ([`Broken`]).
 
 use super::descriptor::RemoteRange;
-use super::endpoint::{
-    Direction, Endpoint, Transfer, TransferOptions, WeakEndpoint, check_pairs, check_same_engine,
-    pairs_bytes,
-};
-use super::region::LocalRange;
-use super::staging::staged;
-use crate::error::Result;
+use super::region::{LocalRange, MemoryPath};
+use crate::error::{Error, Result, WcStatus};
+use std::time::Duration;
 
-impl Endpoint {
-    /// Write each local range to its remote range (same lengths), as one request.
-    ///
-    /// # Errors
-    ///
-    /// As [`transfer`](Self::transfer).
-    #[doc(alias = "IBV_WR_RDMA_WRITE")]
-    pub fn write(
-        &self,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<Transfer> {
-        self.transfer(Direction::Write, pairs, opts)
-    }
+/// How long requests of a broken endpoint wait for their flushed completions before they are
+/// finished anyway (the queue pairs keep what the NIC may still touch).
+pub(super) const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
-    /// Read each remote range into its local range, as one request.
-    ///
-    /// # Errors
-    ///
-    /// As [`transfer`](Self::transfer).
-    #[doc(alias = "IBV_WR_RDMA_READ")]
-    pub fn read(
-        &self,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<Transfer> {
-        self.transfer(Direction::Read, pairs, opts)
-    }
+/// Which way a request moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// RDMA write: local bytes to the peer.
+    Write,
+    /// RDMA read: the peer's bytes to local memory.
+    Read,
+}
 
-    /// One request: the pairs are split and striped into messages, queued on the rails, and
-    /// posted within each rail's window; the returned [`Transfer`] finishes when every message
-    /// has completed (or the endpoint failed: then with its error, once the NIC is done with
-    /// every message or 2 s after the failure). A pair whose local memory is staged
-    /// ([`MemoryPath::Staged`](super::MemoryPath::Staged)) moves through pinned bounce buffers.
-    ///
-    /// # Errors
-    ///
-    /// Before anything is queued: [`Error::InvalidArgument`](crate::Error::InvalidArgument) for
-    /// no pairs, a pair whose lengths differ, a local region registered with another engine, a
-    /// remote range whose descriptor has not one rkey per peer device, a notification on a read,
-    /// or staged memory with several pairs; the
-    /// endpoint's failure (as [`failure`](Self::failure)) once it has failed.
-    ///
-    /// Inside a node, also: [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a
-    /// remote range whose descriptor has no CUDA IPC part (host memory, default-pool memory) or
-    /// names VMM or pool memory not published when the endpoints met;
-    /// [`Error::Unsupported`](crate::Error::Unsupported) when the peer is this process;
-    /// [`Error::Cuda`](crate::Error::Cuda) from mapping the peer's allocation or queueing the
-    /// copies.
-    pub fn transfer(
-        &self,
-        dir: Direction,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<Transfer> {
-        #[cfg(feature = "p2p")]
-        if let Some(side) = self.local_side()
-            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
-        {
-            return super::local::request(self, side, dir, pairs, opts);
+/// Options of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferOptions {
+    /// Notify the peer with this tag once every byte of the request is visible there (writes
+    /// only).
+    pub notify: Option<u32>,
+    /// Finish (with [`Error::Timeout`]) if not done within this time of the call; `None` takes
+    /// the engine's [`deadline`](super::EngineConfig::deadline). A deadline that passes ends the
+    /// endpoint: on a reliable connection nothing behind a stuck message moves either.
+    pub deadline: Option<Duration>,
+}
+
+impl TransferOptions {
+    /// Notify the peer with `tag`.
+    pub fn notify(tag: u32) -> Self {
+        TransferOptions {
+            notify: Some(tag),
+            deadline: None,
         }
-        if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
-            staged(self, dir, pairs, opts)
-        } else {
-            self.direct(dir, pairs, opts)
+    }
+
+    /// With this deadline.
+    pub fn deadline(mut self, d: Duration) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+}
+
+/// What a finished request did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferReport {
+    /// Write or read.
+    pub direction: Direction,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Messages posted (after splitting and striping).
+    pub messages: u64,
+    /// Bytes per rail of the endpoint (rail order).
+    pub rail_bytes: Vec<u64>,
+    /// How each pair's local memory reached the NIC, in pair order.
+    pub paths: Vec<MemoryPath>,
+    /// From the call to the last completion.
+    pub elapsed: Duration,
+    /// The notification tag sent, if any.
+    pub notified: Option<u32>,
+}
+
+impl TransferReport {
+    /// Rails that carried bytes.
+    pub fn rails_used(&self) -> Vec<usize> {
+        (0..self.rail_bytes.len())
+            .filter(|&r| self.rail_bytes[r] > 0)
+            .collect()
+    }
+
+    /// Throughput in 10⁹ bytes per second.
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+/// A notification from the peer: the tag it gave, delivered only once the bytes of its request
+/// are visible here (for GPU memory, after the flush the device needs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Notification {
+    /// The peer's tag.
+    pub tag: u32,
+}
+
+/// Why an endpoint stopped.
+#[derive(Debug, Clone)]
+pub(crate) enum Broken {
+    Deadline(Duration),
+    Disconnected(&'static str, i32),
+    Completion {
+        status: WcStatus,
+        vendor_err: u32,
+        qp_num: u32,
+    },
+    Protocol(String),
+    Closed,
+    Os(&'static str, i32),
+}
+
+impl Broken {
+    pub(super) fn to_error(&self) -> Error {
+        match self {
+            Broken::Deadline(after) => Error::Timeout {
+                what: "transfer (the endpoint was closed: a message got no answer in time)",
+                after: *after,
+            },
+            Broken::Disconnected(got, status) => Error::CmEvent {
+                call: "transfer",
+                expected: "RDMA_CM_EVENT_ESTABLISHED",
+                got: got.to_string(),
+                status: *status,
+            },
+            Broken::Completion {
+                status,
+                vendor_err,
+                qp_num,
+            } => Error::WorkCompletion {
+                status: *status,
+                vendor_err: *vendor_err,
+                qp_num: *qp_num,
+            },
+            Broken::Protocol(why) => Error::invalid("peer", "its messages", why.clone()),
+            Broken::Closed => Error::invalid(
+                "endpoint",
+                "closed",
+                "the endpoint was closed; reconnect or connect again",
+            ),
+            Broken::Os(call, errno) => Error::errno(call, *errno),
+        }
+    }
+
+    pub(super) fn of(e: &Error) -> Broken {
+        match e {
+            Error::WorkCompletion {
+                status,
+                vendor_err,
+                qp_num,
+            } => Broken::Completion {
+                status: *status,
+                vendor_err: *vendor_err,
+                qp_num: *qp_num,
+            },
+            Error::Os { call, source } => Broken::Os(call, source.raw_os_error().unwrap_or(0)),
+            e => Broken::Protocol(e.to_string()),
         }
     }
 }
 
-/// A request checked once, to be posted many times ([`Endpoint::prepare`]): the pattern of
-/// NIXL's prepared transfer handles, for the same ranges moved again and again (a layer's KV
-/// blocks, a gradient buffer every step).
+/// The bytes of all pairs' ranges, checked.
 ///
-/// Inside a node, posting repeats no check and no lookup: the ranges were checked, the peer's
-/// allocations mapped (and held) and the copy streams found when it was prepared. Across nodes
-/// a post is [`transfer`](Endpoint::transfer) of the same pairs (its checks included).
+/// # Errors
 ///
-/// It does not keep the endpoint open: once every clone of the endpoint is gone, a post is
-/// refused.
-pub struct PreparedTransfer {
-    ep: WeakEndpoint,
+/// [`Error::InvalidArgument`] when they add up past 2^64.
+pub(crate) fn pairs_bytes(pairs: &[(LocalRange, RemoteRange)]) -> Result<u64> {
+    pairs.iter().try_fold(0u64, |t, (l, _)| {
+        t.checked_add(l.len)
+            .ok_or_else(|| Error::invalid("pairs", pairs.len(), "the lengths add up past 2^64"))
+    })
+}
+
+/// The checks every request passes before anything is queued: at least one pair, the lengths of
+/// each pair equal, notifications only with writes.
+pub(crate) fn check_pairs(
     dir: Direction,
-    opts: TransferOptions,
-    bytes: u64,
-    how: How,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<()> {
+    if pairs.is_empty() {
+        return Err(Error::invalid(
+            "pairs",
+            0,
+            "a request moves at least one range",
+        ));
+    }
+    if dir == Direction::Read && opts.notify.is_some() {
+        return Err(Error::invalid(
+            "notify",
+            "a read",
+            "notifications go with writes",
+        ));
+    }
+    for (i, (l, r)) in pairs.iter().enumerate() {
+        if l.len != r.len() {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "local {} bytes, remote {} bytes: must match",
+                    l.len,
+                    r.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
-enum How {
-    #[cfg(feature = "p2p")]
-    Local(super::local::Ready),
-    Pairs(Vec<(LocalRange, RemoteRange)>),
+/// Every local range is registered with the endpoint's engine: its registrations have one
+/// region per device of that engine, in that engine's protection domains. (A region of another
+/// engine indexed past its registrations, or its slices were refused by the queue pair, which
+/// broke the whole endpoint.)
+pub(super) fn check_same_engine(engine: u64, pairs: &[(LocalRange, RemoteRange)]) -> Result<()> {
+    if let Some(i) = pairs
+        .iter()
+        .position(|(l, _)| l.region.entry.engine != engine)
+    {
+        return Err(Error::invalid(
+            "pairs",
+            i,
+            "the local region was registered with another engine: register it with this \
+             endpoint's engine",
+        ));
+    }
+    Ok(())
 }
 
-impl Endpoint {
-    /// Check `pairs` once for requests posted later with [`PreparedTransfer::post`], each as
-    /// [`transfer`](Self::transfer)`(dir, pairs, opts)` would make it (`opts.deadline` counts
-    /// from each post).
-    ///
-    /// # Errors
-    ///
-    /// The checks of [`transfer`](Self::transfer) that need no NIC: [`Error::InvalidArgument`]
-    /// for no pairs, lengths that differ, a local region of another engine, a notification on a
-    /// read, lengths adding up past 2^64; inside a node also everything `transfer` refuses
-    /// before it queues a copy (mapping the peer's allocations included).
-    ///
-    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
-    #[doc(alias = "prepXferDlist")]
-    #[doc(alias = "makeXferReq")]
-    pub fn prepare(
-        &self,
-        dir: Direction,
-        pairs: Vec<(LocalRange, RemoteRange)>,
-        opts: TransferOptions,
-    ) -> Result<PreparedTransfer> {
-        check_pairs(dir, &pairs, &opts)?;
-        check_same_engine(self.engine().inner.engine_id, &pairs)?;
-        let bytes = pairs_bytes(&pairs)?;
-        let made = |how| PreparedTransfer {
-            ep: self.downgrade(),
-            dir,
-            opts,
-            bytes,
-            how,
+/// The most notifications kept unread (`next_notification`, `notification`): a peer that
+/// sends more ends the endpoint instead of growing this process's memory without bound.
+pub const MAX_UNREAD_NOTIFICATIONS: usize = 1 << 20;
+
+pub(super) fn unread_overflow() -> String {
+    format!(
+        "the peer sent more than {MAX_UNREAD_NOTIFICATIONS} notifications that were not read \
+         (read them with next_notification, even when a notification counter is what waits)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn regions_of_another_engine_are_refused_before_anything_is_queued() {
+        use crate::transfer::region::{Buffer, Entry, Identity, Region};
+        use crate::transfer::{DescribedKind, MemoryDescriptor};
+        let region = |engine| {
+            let buf = Buffer::host(vec![7u8; 64]).unwrap();
+            Region {
+                entry: Arc::new(Entry {
+                    id: Identity::Host { backing: 1 },
+                    engine,
+                    start: 0,
+                    len: 64,
+                    mrs: Vec::new(),
+                    path: MemoryPath::Host,
+                    ordinal: None,
+                    preferred: vec![0],
+                    _keep: Vec::new(),
+                    ipc: Err("a test".into()),
+                }),
+                buf,
+                at: 0,
+            }
         };
-        #[cfg(feature = "p2p")]
-        if let Some(side) = self.local_side()
-            && let Some(side) = side.as_any().downcast_ref::<super::local::Side>()
-        {
-            let ready = super::local::ready(self, side, dir, pairs, bytes, opts)?;
-            return Ok(made(How::Local(ready)));
-        }
-        Ok(made(How::Pairs(pairs)))
-    }
-}
-
-impl PreparedTransfer {
-    /// Make the request again: a new [`Transfer`], as
-    /// [`transfer`](Endpoint::transfer) returns.
-    ///
-    /// # Errors
-    ///
-    /// The endpoint's failure (as [`Endpoint::failure`]) once it has failed;
-    /// [`Error::InvalidArgument`] once it closed (every clone dropped) or, inside a node,
-    /// reconnected since this was prepared (prepare again: the peer's memory may have moved);
-    /// [`Error::Cuda`] from queueing the copies. Across nodes, also what
-    /// [`transfer`](Endpoint::transfer) returns.
-    ///
-    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
-    /// [`Error::Cuda`]: crate::Error::Cuda
-    #[doc(alias = "postXferReq")]
-    pub fn post(&self) -> Result<Transfer> {
-        let ep = self.endpoint()?;
-        match &self.how {
-            #[cfg(feature = "p2p")]
-            How::Local(r) => super::local::post(&ep, r),
-            How::Pairs(pairs) => ep.transfer(self.dir, pairs.clone(), self.opts),
-        }
-    }
-
-    /// Post it and wait for it on this thread: what `post()?.wait()` gives, sooner.
-    ///
-    /// Inside a node, when the request moves at most 64 MiB on one copy stream (the default
-    /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else of the
-    /// endpoint is queued, being finished or still running on that stream, its copies are
-    /// queued and waited for with `cuStreamSynchronize` on this thread, as a hand-written copy
-    /// would be: no completion tracking, no hand-off between threads. Meanwhile the endpoint
-    /// queues no other request (they wait to be queued). The deadline does not bound that wait:
-    /// 64 MiB take at most a few milliseconds on any GPU link, so only a stalled GPU makes it
-    /// long; copies seen done are done, as for any request. Otherwise, and across nodes, it is
-    /// `post()?.wait()`.
-    ///
-    /// # Errors
-    ///
-    /// As [`post`](Self::post) and [`Transfer::wait`].
-    ///
-    /// [`EngineConfig::copy_streams`]: super::EngineConfig::copy_streams
-    #[doc(alias = "cuStreamSynchronize")]
-    pub fn run(&self) -> Result<super::endpoint::TransferReport> {
-        match &self.how {
-            #[cfg(feature = "p2p")]
-            How::Local(r) => super::local::run(&self.endpoint()?, r),
-            How::Pairs(_) => self.post()?.wait(),
-        }
-    }
-
-    /// The endpoint, while some clone of it lives; closed otherwise.
-    fn endpoint(&self) -> Result<Endpoint> {
-        self.ep
-            .upgrade()
-            .ok_or_else(|| super::endpoint::Broken::Closed.to_error())
-    }
-
-    /// Its direction.
-    pub fn direction(&self) -> Direction {
-        self.dir
-    }
-
-    /// Bytes each post moves.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Its options (the deadline counts from each post).
-    pub fn options(&self) -> TransferOptions {
-        self.opts
-    }
-}
-
-impl std::fmt::Debug for PreparedTransfer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PreparedTransfer")
-            .field("direction", &self.dir)
-            .field("bytes", &self.bytes)
-            .field("options", &self.opts)
-            .field(
-                "inside_node",
-                &match self.how {
-                    #[cfg(feature = "p2p")]
-                    How::Local(_) => true,
-                    How::Pairs(_) => false,
-                },
-            )
-            .finish()
+        let remote = MemoryDescriptor::new(0x1000, 64, DescribedKind::Host, &[1])
+            .unwrap()
+            .all();
+        let pairs = vec![(region(3).all(), remote), (region(4).all(), remote)];
+        let e = check_same_engine(3, &pairs).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "pairs", .. }) && e.to_string().contains('1'),
+            "{e}"
+        );
+        assert!(check_same_engine(3, &pairs[..1]).is_ok());
     }
 }

@@ -223,7 +223,7 @@ pub struct NvlinkLink {
     pub state: String,
     /// NVLink version.
     pub version: Option<u32>,
-    /// Speed, MB/s; `null` where NVML does not say.
+    /// Speed in 10⁶ bytes per second; `null` where NVML does not say.
     pub speed_mbps: Option<u32>,
     /// The PCI address of the device at the other end (a GPU or an NVSwitch); `null` where NVML
     /// does not say or answers its all-ones placeholder (`ffff:ff:ff.0`).

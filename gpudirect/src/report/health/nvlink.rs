@@ -22,7 +22,7 @@ pub struct NvlinkReading {
     pub active: Result<bool, String>,
     /// `nvmlDeviceGetNvLinkVersion`.
     pub version: Option<u32>,
-    /// Link speed in MB/s (NVML's `NVML_FI_DEV_NVLINK_SPEED_MBPS_*` fields).
+    /// Link speed in 10⁶ bytes per second (NVML's `NVML_FI_DEV_NVLINK_SPEED_MBPS_*` fields).
     pub speed_mbps: Option<u32>,
     /// `nvmlDeviceGetNvLinkRemotePciInfo_v2`, as sysfs spells a PCI address (NVML's
     /// `ffff:ff:ff.0` placeholder included: the report drops it).

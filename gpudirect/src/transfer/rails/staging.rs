@@ -6,16 +6,20 @@
 //! GPU memory, the ring, its CUDA stream) until every copy and every network transfer of it has
 //! finished, so nothing is freed early whatever the caller does with the [`Transfer`].
 
-use super::copy::copy_on;
-use super::descriptor::RemoteRange;
-use super::endpoint::{
-    Direction, Endpoint, Settled, Transfer, TransferOptions, TransferReport, check_pairs,
-};
-use super::region::{Buffer, LocalRange, Region};
+use super::post::direct;
+use super::state::Link;
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::memory::HostChunk;
+use crate::transfer::copy::copy_on;
+use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::engine::Engine;
+use crate::transfer::pending::{Settled, Transfer};
+use crate::transfer::region::{Buffer, LocalRange, Region};
+use crate::transfer::registry;
+use crate::transfer::request::{Direction, TransferOptions, TransferReport, check_pairs};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
@@ -29,7 +33,7 @@ pub(crate) struct Ring {
 
 impl Ring {
     /// A new ring on GPU `ordinal`'s context (pinned for every context).
-    pub(crate) fn new(ep: &Endpoint, ordinal: usize, chunk: usize, slots: usize) -> Result<Ring> {
+    pub(crate) fn new(engine: &Engine, ordinal: usize, chunk: usize, slots: usize) -> Result<Ring> {
         let ctx = crate::cuda::context(ordinal)?;
         let bytes = chunk
             .checked_mul(slots)
@@ -37,7 +41,9 @@ impl Ring {
         // The bounce pool's memory: on huge pages from 2 MiB up, so the NIC reads and writes few
         // physically contiguous runs (tried afresh for each ring).
         let host = Buffer::device(HostChunk::alloc(&ctx, bytes, &AtomicBool::new(false))?)?;
-        let region = ep.engine().register(host)?;
+        let region = registry::register(engine, vec![host], false)?
+            .pop()
+            .expect("one region");
         Ok(Ring {
             region,
             chunk,
@@ -86,9 +92,11 @@ pub(crate) fn chunks(total: u64, chunk: usize) -> usize {
     total.div_ceil(chunk as u64) as usize
 }
 
-/// Start a staged request (one pair whose local memory is staged GPU memory).
-pub(crate) fn staged(
-    ep: &Endpoint,
+/// Start a staged request (one pair whose local memory is staged GPU memory). Its worker
+/// holds `keep` (the endpoint, kept open) until the request has ended.
+pub(crate) fn staged<K: Send + 'static>(
+    inner: &Arc<Link>,
+    keep: K,
     dir: Direction,
     mut pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
@@ -109,9 +117,14 @@ pub(crate) fn staged(
             "only GPU memory is staged",
         ));
     };
-    let cfg = ep.engine().config().clone();
+    let cfg = inner.ep.engine.inner.config.clone();
     let timeout = opts.deadline.unwrap_or(cfg.deadline);
-    let ring = Ring::new(ep, ordinal, cfg.staging_chunk, cfg.staging_slots)?;
+    let ring = Ring::new(
+        &inner.ep.engine,
+        ordinal,
+        cfg.staging_chunk,
+        cfg.staging_slots,
+    )?;
     let (t, done) = Transfer::pending(timeout, vec![local.region.clone()]);
     // Ends the transfer when dropped unused: when the thread cannot start, its closure goes
     // unrun and the transfer ends at once (instead of its drop waiting for a finish that never
@@ -129,9 +142,11 @@ pub(crate) fn staged(
         }
     }
     let mut done = Finish(Some(done));
-    let ep = ep.clone();
+    let inner = inner.clone();
     crate::driver::ctx::spawn_thread("gpudirect-staging", move || {
-        let r = run(&ep, &ring, dir, &local, &remote, opts, timeout);
+        // The endpoint stays open to the end (dropped with the closure).
+        let _ = &keep;
+        let r = run(&inner, &ring, dir, &local, &remote, opts, timeout);
         // The worker held the memory, the ring and every sub-transfer to the end.
         if let Some(f) = done.0.take() {
             f(r);
@@ -143,7 +158,7 @@ pub(crate) fn staged(
 /// The pipeline: writes copy chunk n+1 to the ring while chunk n is on the wire; reads copy
 /// chunk n to the GPU while the next ones are read.
 fn run(
-    ep: &Endpoint,
+    ep: &Link,
     ring: &Ring,
     dir: Direction,
     local: &LocalRange,
@@ -152,7 +167,7 @@ fn run(
     timeout: Duration,
 ) -> Result<TransferReport> {
     let started = Instant::now();
-    let deadline = super::plan::deadline_after(started, timeout);
+    let deadline = crate::transfer::plan::deadline_after(started, timeout);
     let (ordinal, base) = local
         .region
         .device_addr(local.offset)
@@ -160,7 +175,7 @@ fn run(
     let stream = Stream::new(&crate::cuda::context(ordinal)?)?;
     let total = local.len;
     let n = chunks(total, ring.chunk);
-    let mut rail_bytes: Vec<u64> = vec![0; ep.rails()];
+    let mut rail_bytes: Vec<u64> = vec![0; ep.counters.len()];
     let mut messages = 0;
     let mut account = |r: TransferReport| {
         for (a, b) in rail_bytes.iter_mut().zip(&r.rail_bytes) {
@@ -197,7 +212,8 @@ fn run(
                         notify: if last { opts.notify } else { None },
                         deadline: Some(left()),
                     };
-                    inflight.push_back(ep.direct(
+                    inflight.push_back(direct(
+                        ep,
                         Direction::Write,
                         vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],
                         o,
@@ -207,7 +223,8 @@ fn run(
             Direction::Read => {
                 let issue = |i: usize| -> Result<Transfer> {
                     let (off, len) = chunk_at(i, ring.chunk, total);
-                    ep.direct(
+                    direct(
+                        ep,
                         Direction::Read,
                         vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],
                         TransferOptions::default().deadline(left()),

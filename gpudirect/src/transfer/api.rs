@@ -1,0 +1,245 @@
+//! The entry points a user starts from: the engine's methods (registering memory, listening
+//! and connecting, across nodes or inside one), and the listeners that accept endpoints. Each
+//! delegates to the transport that does the work.
+
+use super::descriptor::MemoryDescriptor;
+use super::endpoint::Endpoint;
+use super::engine::{self, Engine, EngineConfig};
+#[cfg(feature = "p2p")]
+use super::local;
+use super::rails;
+use super::region::{Buffer, CacheCounters, Region};
+use super::registry;
+use crate::error::Result;
+#[cfg(feature = "p2p")]
+use std::path::Path;
+use std::time::Duration;
+
+impl Engine {
+    /// Open the rails' devices and allocate a protection domain on each; with
+    /// [`EngineConfig::local_only`], an engine without rails (no verbs library is loaded).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for settings out of range ([`EngineConfig::check`]) or a
+    /// device named twice; [`Error::Load`](crate::Error::Load) without libibverbs; [`Error::NoDevice`](crate::Error::NoDevice) without a
+    /// verbs device or for a name no device has; [`Error::Os`](crate::Error::Os) from opening a device.
+    #[doc(alias = "ibv_open_device")]
+    #[doc(alias = "ibv_alloc_pd")]
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        engine::open(config)
+    }
+
+    /// The rails' device names, in rail order (the order of every descriptor's rkeys); empty
+    /// for an engine without rails.
+    pub fn devices(&self) -> Vec<String> {
+        self.inner.devices.iter().map(|d| d.name.clone()).collect()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Register `buf` on every rail, or reuse a registration that already covers it: one whose
+    /// memory has the same identity (the same buffer, or for GPU memory the same allocation by
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`) and whose range holds this one. A new allocation at a
+    /// reused address is a new identity: it never finds a stale registration.
+    ///
+    /// GPU memory is registered through dma-buf or nvidia-peermem (automatic order); a VMM
+    /// buffer of several physical chunks only whole, through dma-buf. Memory that cannot be
+    /// registered (pool memory; a node without dma-buf or nvidia-peermem) is
+    /// [staged](super::MemoryPath::Staged) when [`EngineConfig::staging`](super::EngineConfig::staging)
+    /// allows.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotRdmaCapable`](crate::Error::NotRdmaCapable) naming the chunk for a VMM range of several chunks that dma-buf
+    /// cannot register whole; [`Error::NoGpuRegistrationPath`](crate::Error::NoGpuRegistrationPath) / [`Error::NotRdmaCapable`](crate::Error::NotRdmaCapable) when
+    /// staging is off; [`Error::Os`](crate::Error::Os) from `ibv_reg_mr` (`ENOMEM`: the memlock limit); errors of
+    /// the pointer-attribute query.
+    #[doc(alias = "ibv_reg_mr")]
+    #[doc(alias = "ibv_reg_dmabuf_mr")]
+    pub fn register(&self, buf: Buffer) -> Result<Region> {
+        Ok(registry::register(self, vec![buf], false)?
+            .pop()
+            .expect("one region"))
+    }
+
+    /// Register many buffers in one call: as [`register`](Self::register) for each, with the
+    /// cache lookups under one lock, the ranges of one memory identity that overlap or touch
+    /// coalesced into one registration (each rkey then reaches the whole coalesced range:
+    /// register separately to keep ranges apart), and the rails registered in parallel. All or
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`register`](Self::register), for the first buffer that fails (nothing is kept).
+    pub fn register_all(&self, bufs: Vec<Buffer>) -> Result<Vec<Region>> {
+        registry::register(self, bufs, true)
+    }
+
+    /// What the registration cache has done so far.
+    pub fn cache_stats(&self) -> CacheCounters {
+        registry::cache_stats(&self.inner)
+    }
+
+    /// Listen for endpoints on `addr` (`host:port`; port 0 picks one).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an address that does not resolve, or an engine without
+    /// rails; as [`Listener::bind`](crate::rdma::Listener::bind).
+    #[doc(alias = "rdma_listen")]
+    pub fn listen(&self, addr: &str) -> Result<TransferListener> {
+        Ok(TransferListener {
+            inner: rails::listen(self, addr)?,
+        })
+    }
+
+    /// Connect an endpoint: one rail to each of `peers` (`host:port`, names resolved), in rail
+    /// order, each through the local device rdma_cm routes it to (which must be one of the
+    /// engine's). The first message of each rail's connection carries `publish` (on rail 0) and
+    /// the peer's sends back its own ([`Endpoint::peer_descriptors`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an engine without rails, no peers, more than 16, a name
+    /// that does not resolve, a
+    /// route to a device that is not one of the engine's, or a first message that is not valid;
+    /// [`Error::Timeout`](crate::Error::Timeout) and [`Error::CmEvent`](crate::Error::CmEvent) from connecting; any verbs error.
+    #[doc(alias = "rdma_connect")]
+    pub fn connect(&self, peers: &[&str], publish: &[MemoryDescriptor]) -> Result<Endpoint> {
+        Ok(Endpoint::over_rails(rails::connect(self, peers, publish)?))
+    }
+
+    /// Listen for intra-node endpoints on the Unix domain socket at `path` (made here; it must
+    /// not exist). Works on an engine with or without rails.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`](crate::Error::Os) from `bind` (`EADDRINUSE` when the path exists: remove a stale socket
+    /// first) or `listen`.
+    #[doc(alias = "bind")]
+    #[cfg(feature = "p2p")]
+    pub fn listen_local(&self, path: impl AsRef<Path>) -> Result<LocalListener> {
+        Ok(LocalListener {
+            inner: local::listen(self, path.as_ref())?,
+        })
+    }
+
+    /// Connect an intra-node endpoint to the local listener at `path`: the first messages
+    /// carry `publish` and the peer's descriptors ([`Endpoint::peer_descriptors`](Endpoint::peer_descriptors)),
+    /// each followed by the file descriptors of the VMM memory and memory pools its descriptors
+    /// name (`SCM_RIGHTS`): VMM and pool memory are reachable only through descriptors
+    /// published here. It has no rails: its requests ([`Endpoint::write`](Endpoint::write),
+    /// [`read`](Endpoint::read), with the same options) map each remote allocation from
+    /// its descriptor's [`IpcPart`](super::IpcPart) (`cuIpcOpenMemHandle`; for VMM memory
+    /// `cuMemImportFromShareableHandle` of the file descriptor received and `cuMemMap`; on the
+    /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
+    /// until nothing holds it; for pool memory `cuMemPoolImportFromShareableHandle` of the
+    /// pool's file descriptor received, once per pool, and `cuMemPoolImportPointer`, once per
+    /// allocation) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path
+    /// is [`MemoryPath::CudaIpc`](super::MemoryPath::CudaIpc) with the link crossed.
+    ///
+    /// The owner of published pool memory keeps its region until the peer's endpoints are
+    /// closed: CUDA wants an imported pool pointer freed (here, when the last endpoint and
+    /// request holding it go) before its owner frees the allocation.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`](crate::Error::Os) from `connect` (`ENOENT`: nobody listens at `path`; `ECONNREFUSED`);
+    /// [`Error::Timeout`](crate::Error::Timeout) when the peer's first message or file descriptors do not come
+    /// within [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout);
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a first message that is not valid, file descriptors
+    /// that do not match the peer's descriptors (all of them closed again), too many
+    /// descriptors to publish, or a published VMM or pool descriptor whose region is gone or
+    /// that describes its export otherwise (refused before connecting).
+    #[doc(alias = "connect")]
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    #[doc(alias = "cuMemPoolImportFromShareableHandle")]
+    #[doc(alias = "cuMemPoolImportPointer")]
+    #[doc(alias = "SCM_RIGHTS")]
+    #[doc(alias = "cuMemcpyAsync")]
+    #[cfg(feature = "p2p")]
+    pub fn connect_local(
+        &self,
+        path: impl AsRef<Path>,
+        publish: &[MemoryDescriptor],
+    ) -> Result<Endpoint> {
+        Endpoint::inside_node(local::connect(self, path.as_ref(), publish)?)
+    }
+}
+
+/// An rdma_cm listener of a transfer [`Engine`]: accepts endpoints, grouping the rails of each.
+pub struct TransferListener {
+    inner: rails::Listener,
+}
+
+impl TransferListener {
+    /// The port listened on.
+    pub fn port(&self) -> u16 {
+        self.inner.port()
+    }
+
+    /// Accept the next endpoint: its rails' connections, whose first messages carry `publish`
+    /// (on rail 0) and the peer's descriptors. Rails of other endpoints arriving meanwhile are
+    /// kept for a later call.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`](crate::Error::Timeout) when no complete endpoint arrives within `timeout`; errors of
+    /// connecting and of the first messages (the failing connection is dropped).
+    #[doc(alias = "rdma_accept")]
+    pub fn accept(&self, publish: &[MemoryDescriptor], timeout: Duration) -> Result<Endpoint> {
+        Ok(Endpoint::over_rails(self.inner.accept(publish, timeout)?))
+    }
+}
+
+impl std::fmt::Debug for TransferListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferListener")
+            .field("port", &self.port())
+            .finish()
+    }
+}
+
+/// A listener for intra-node endpoints on a Unix domain socket ([`Engine::listen_local`]).
+/// Dropping it removes the socket file.
+#[cfg(feature = "p2p")]
+pub struct LocalListener {
+    inner: local::Listener,
+}
+
+#[cfg(feature = "p2p")]
+impl LocalListener {
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        self.inner.path()
+    }
+
+    /// Accept the next intra-node endpoint within `timeout`; the first messages carry
+    /// `publish` and the peer's descriptors, each followed by the file descriptors of the VMM
+    /// memory and memory pools its descriptors name (as [`Engine::connect_local`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`](crate::Error::Timeout) when nobody connects (or sends its first message and file
+    /// descriptors) in time; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a first message that is not valid,
+    /// file descriptors that do not match the peer's descriptors (all of them closed again), or
+    /// a published VMM or pool descriptor whose region is gone or that describes its export
+    /// otherwise; [`Error::Os`](crate::Error::Os) from `accept` or the socket.
+    pub fn accept(&self, publish: &[MemoryDescriptor], timeout: Duration) -> Result<Endpoint> {
+        Endpoint::inside_node(self.inner.accept(publish, timeout)?)
+    }
+}
+
+#[cfg(feature = "p2p")]
+impl std::fmt::Debug for LocalListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalListener")
+            .field("path", &self.inner.path())
+            .finish()
+    }
+}

@@ -1,0 +1,825 @@
+//! An intra-node request: every range checked, the peer's allocations mapped (once, held by the
+//! side), the copies queued on the endpoint's streams and handed to the worker; prepared once
+//! and posted many times; or queued on a caller's stream (stream-ordered).
+
+use super::copies::{Held, Keep, Parking, Piece, enqueue, path_of, queue_copies};
+use super::fds::{PeerFd, fd_said, what};
+use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
+use super::side::{Job, Side, lock};
+use super::state::State;
+use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
+use crate::cuda::Stream;
+use crate::error::{Error, Result};
+use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::descriptor::{IpcKind, IpcPart};
+use crate::transfer::engine::EngineInner;
+use crate::transfer::pending::{Finisher, Transfer};
+use crate::transfer::region::{FdOf, LocalRange, MemoryPath};
+use crate::transfer::request::{
+    Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
+};
+use crate::transfer::shared::EpInner;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// The side holds the imports a request used for as long as it lives (the next requests find
+/// them mapped). Called once the copies are queued: nothing here delays them.
+fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
+    let mut held = lock(&side.held);
+    for imp in imports {
+        if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
+            held.push(imp.clone());
+        }
+    }
+}
+
+/// A request checked and mapped, its copies not yet queued.
+struct Prepared {
+    copies: Vec<Piece>,
+    /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
+    gpus: Vec<(Option<usize>, usize)>,
+    imports: Vec<Arc<Import>>,
+    timeout: Duration,
+    started: Instant,
+    deadline: Instant,
+    epoch: u64,
+}
+
+/// Every range checked, the peer's allocations mapped (once, held by the side).
+fn prepare(
+    ep: &EpInner<State>,
+    side: &Side,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<Prepared> {
+    let e = &ep.engine.inner;
+    check_pairs(dir, pairs, opts)?;
+    check_same_engine(e.engine_id, pairs)?;
+    let epoch = side.epoch.load(Ordering::Acquire);
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    let any_fd = check_ipc_parts(pairs)?;
+    let (exporter, fds) = peer_fds(side, pairs, any_fd)?;
+    check_peer_fds(pairs, &fds)?;
+    refuse_own_process(exporter)?;
+    let timeout = opts.deadline.unwrap_or(e.config.deadline);
+    let started = Instant::now();
+    let deadline = deadline_after(started, timeout);
+    let Mapping {
+        copies,
+        gpus,
+        imports,
+    } = map_pairs(e, dir, pairs, exporter, &fds)?;
+    Ok(Prepared {
+        copies,
+        gpus,
+        imports,
+        timeout,
+        started,
+        deadline,
+        epoch,
+    })
+}
+
+/// Every remote range has a CUDA IPC part; returns whether any names an exported file
+/// descriptor (VMM or pool memory).
+fn check_ipc_parts(pairs: &[(LocalRange, RemoteRange)]) -> Result<bool> {
+    let mut any_fd = false;
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        let Some(ipc) = r.descriptor().ipc() else {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                "the remote memory has no CUDA IPC part: an intra-node endpoint reaches only GPU \
+                 memory its owner could export (cuMemAlloc memory such as a DeviceBuffer, by its \
+                 cuIpc handle; VMM memory inside one physical allocation such as a VmmBuffer, by \
+                 its file descriptor; an allocation of an exportable pool, an IpcPool's \
+                 PoolAlloc, by the pool's file descriptor and its pointer export data); host \
+                 memory and memory of a pool without a shareable handle type (the device's \
+                 default pool: cudarc's CudaSlice, a PoolBuffer) are not exported",
+            ));
+        };
+        any_fd |= fd_said(ipc).is_some();
+    }
+    Ok(any_fd)
+}
+
+/// The exported file descriptor a remote range's IPC part names, and what it says it is.
+fn said(r: &RemoteRange) -> Option<(u64, FdOf)> {
+    r.descriptor().ipc().and_then(fd_said)
+}
+
+/// Pair `i`'s file descriptor from the peer, if it sent one.
+fn fd_of(fds: &[Option<PeerFd>], i: usize) -> Option<&PeerFd> {
+    fds.get(i).and_then(Option::as_ref)
+}
+
+/// The peer's pid as the kernel gives it, and the file descriptor it sent for each pair (none
+/// looked up when `any_fd` is false).
+fn peer_fds(
+    side: &Side,
+    pairs: &[(LocalRange, RemoteRange)],
+    any_fd: bool,
+) -> Result<(u32, Vec<Option<PeerFd>>)> {
+    // Only VMM and pool memory need the peer's fds (cuIpc handles: none to look up, nothing
+    // allocated).
+    let wanted: Vec<Option<u64>> = if any_fd {
+        pairs
+            .iter()
+            .map(|(_, r)| said(r).map(|(id, _)| id))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    side.peer(&wanted).ok_or_else(|| Broken::Closed.to_error())
+}
+
+/// VMM and pool memory: mapped from the file descriptor the peer sent when the endpoints met,
+/// which the descriptor must describe as the peer's first message did. Checked before any
+/// CUDA call.
+fn check_peer_fds(pairs: &[(LocalRange, RemoteRange)], fds: &[Option<PeerFd>]) -> Result<()> {
+    for (i, (_, r)) in pairs.iter().enumerate() {
+        let (Some((id, of)), Some(ipc)) = (said(r), r.descriptor().ipc()) else {
+            continue;
+        };
+        let memory = match of {
+            FdOf::Vmm { .. } => "VMM memory",
+            FdOf::Pool => "pool memory",
+        };
+        match fd_of(fds, i) {
+            None => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote memory is {memory} (the peer's export {id}) whose file \
+                         descriptor did not come when this endpoint met its peer: {memory} \
+                         must be published when the endpoints meet (among the descriptors given \
+                         to connect_local or accept); a descriptor handed over otherwise cannot \
+                         be mapped"
+                    ),
+                ));
+            }
+            Some(f) if f.of != of || f.uuid != *ipc.gpu_uuid() => {
+                return Err(Error::invalid(
+                    "pairs",
+                    i,
+                    format!(
+                        "the remote descriptor says the peer's export {id} is {}; the peer \
+                         published it as {} (or on another GPU)",
+                        what(of),
+                        what(f.of)
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// The kernel's word, not the peer's first message: a peer that claims another pid is still
+/// this process.
+fn refuse_own_process(exporter: u32) -> Result<()> {
+    if exporter == std::process::id() {
+        return Err(Error::Unsupported {
+            what: "an intra-node transfer between two endpoints of one process".into(),
+            reason: "CUDA IPC maps no allocation in the process that exported it: copy between \
+                     the buffers directly"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// A request's pairs mapped: the copies, each pair's (local GPU, peer GPU), and the peer's
+/// allocations they reach.
+struct Mapping {
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    imports: Vec<Arc<Import>>,
+}
+
+/// Each pair's copy: the local address, the peer's allocation mapped (once per allocation of
+/// consecutive pairs), the remote range checked inside it. The imports taken are parked (not
+/// closed here) if a pair is refused.
+fn map_pairs(
+    e: &EngineInner,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    exporter: u32,
+    fds: &[Option<PeerFd>],
+) -> Result<Mapping> {
+    let mut copies = Vec::with_capacity(pairs.len());
+    let mut imports = Parking(Vec::new());
+    let mut gpus = Vec::with_capacity(pairs.len());
+    // The previous pair's peer allocation, local GPU, the peer's GPU and its import: pairs into
+    // one allocation (many small ranges of one buffer) look it up once.
+    let mut last: Option<(IpcPart, usize, usize, Arc<Import>)> = None;
+    for (i, (l, r)) in pairs.iter().enumerate() {
+        let ipc = r.descriptor().ipc().expect("checked above");
+        let (local_gpu, laddr) = local_address(l, i)?;
+        let device = local_gpu.unwrap_or(0);
+        let same = last
+            .as_ref()
+            .filter(|(p, d, ..)| p == ipc && *d == device)
+            .map(|(_, _, g, imp)| (*g, imp.clone()));
+        let peer_gpu = match &same {
+            Some((g, _)) => *g,
+            None => peer_gpu(ipc, i)?,
+        };
+        let (off, end) = remote_span(ipc, r, i)?;
+        let imp = match same {
+            Some((_, imp)) => imp,
+            None => {
+                let from = Exporter {
+                    pid: exporter,
+                    fd: fd_of(fds, i),
+                    gpu: peer_gpu,
+                };
+                map_allocation(e, ipc, device, &from, i)?
+            }
+        };
+        // Kept (and parked if the request is refused) before anything can fail.
+        if !imports.0.iter().any(|x| Arc::ptr_eq(x, &imp)) {
+            imports.0.push(imp.clone());
+        }
+        if end > imp.size {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                format!(
+                    "the remote range ends at byte {end} of an allocation mapped with {} bytes",
+                    imp.size
+                ),
+            ));
+        }
+        // off < end <= size, and base + size fits (a live mapping).
+        let raddr = imp.base + off;
+        let (dst, src) = match dir {
+            Direction::Write => (raddr, laddr),
+            Direction::Read => (laddr, raddr),
+        };
+        copies.push(Piece {
+            dst,
+            src,
+            len: r.len(),
+            device,
+        });
+        gpus.push((local_gpu, peer_gpu));
+        last = Some((*ipc, device, peer_gpu, imp));
+    }
+    drop(last);
+    let imports = std::mem::take(&mut imports.0);
+    Ok(Mapping {
+        copies,
+        gpus,
+        imports,
+    })
+}
+
+/// Pair `i`'s local memory: its GPU (`None`: host memory) and address.
+fn local_address(l: &LocalRange, i: usize) -> Result<(Option<usize>, u64)> {
+    Ok(match l.region.device_addr(l.offset) {
+        Some((o, a)) => (Some(o), a),
+        None => (
+            None,
+            l.region
+                .host_addr(l.offset)
+                .ok_or_else(|| Error::invalid("pairs", i, "local memory has no address"))?
+                as u64,
+        ),
+    })
+}
+
+/// The ordinal here of the GPU holding pair `i`'s remote memory (by its UUID).
+fn peer_gpu(ipc: &IpcPart, i: usize) -> Result<usize> {
+    ordinal_of_uuid(ipc.gpu_uuid())?.ok_or_else(|| Error::NoDevice {
+        what: "the peer's GPU",
+        reason: format!(
+            "no visible GPU has the UUID {} of pair {i}'s remote memory (another \
+         CUDA_VISIBLE_DEVICES?)",
+            ipc.gpu_uuid()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        ),
+    })
+}
+
+/// Where pair `i`'s remote range lies in the peer's allocation (offset, end): inside the length
+/// the peer claims, checked before anything is mapped (the mapping's real size is checked
+/// once it is mapped).
+fn remote_span(ipc: &IpcPart, r: &RemoteRange, i: usize) -> Result<(u64, u64)> {
+    let off = ipc.offset().checked_add(r.offset());
+    let end = off.and_then(|o| o.checked_add(r.len()));
+    let (Some(off), Some(end)) = (off, end) else {
+        return Err(Error::invalid("pairs", i, "the remote range overflows"));
+    };
+    if end > ipc.alloc_len() {
+        return Err(Error::invalid(
+            "pairs",
+            i,
+            format!(
+                "the remote range ends at byte {end} of an allocation the peer says holds {}",
+                ipc.alloc_len()
+            ),
+        ));
+    }
+    Ok((off, end))
+}
+
+/// Who exported a pair's memory: the peer's pid (the kernel's word), the file descriptor it
+/// sent for the pair (VMM, pool), and the GPU holding the memory.
+struct Exporter<'a> {
+    pid: u32,
+    fd: Option<&'a PeerFd>,
+    gpu: usize,
+}
+
+/// The peer's allocation behind `ipc` mapped for local GPU `device` (once per allocation and
+/// GPU in the process).
+fn map_allocation(
+    e: &EngineInner,
+    ipc: &IpcPart,
+    device: usize,
+    from: &Exporter<'_>,
+    i: usize,
+) -> Result<Arc<Import>> {
+    let peer_gpu = from.gpu;
+    let home = || crate::p2p::link::bus_id_of(peer_gpu).ok();
+    Ok(match (ipc.kind(), from.fd) {
+        (IpcKind::CudaIpcHandle { handle }, _) => {
+            import(handle, device, ipc.alloc_len(), home, &e.stats.imports)?
+        }
+        (IpcKind::VmmFd { export_id }, Some(f)) => import_vmm(
+            from.pid,
+            *export_id,
+            device,
+            &f.fd,
+            ipc.alloc_len(),
+            home,
+            &e.stats.imports,
+        )?,
+        (
+            IpcKind::PoolPtr {
+                pool_export_id,
+                ptr_data,
+            },
+            Some(f),
+        ) => {
+            // The pool is imported on the GPU that holds it (a refusal after a first
+            // import destroys it here, on the caller's thread: no pointer is in it yet).
+            let pool = import_pool(
+                from.pid,
+                *pool_export_id,
+                &f.fd,
+                peer_gpu,
+                device,
+                &e.stats.pool_imports,
+            )?;
+            import_pool_ptr(&pool, ptr_data, ipc.alloc_len(), &e.stats.imports)?
+        }
+        (IpcKind::VmmFd { .. } | IpcKind::PoolPtr { .. }, None) => {
+            return Err(Error::invalid(
+                "pairs",
+                i,
+                "no exported file descriptor (checked above)",
+            ));
+        }
+    })
+}
+
+/// The intra-node request: every range checked, the peer's allocations mapped (once), the
+/// copies queued on the endpoint's streams and handed to the worker.
+pub(super) fn request(
+    ep: &EpInner<State>,
+    side: &Side,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Transfer> {
+    let Prepared {
+        copies,
+        gpus,
+        imports,
+        timeout,
+        started,
+        deadline,
+        epoch,
+    } = prepare(ep, side, dir, &pairs, &opts)?;
+    let streams = streams_for(side, &copies)?;
+    let bytes = pairs_bytes(&pairs)?;
+    // The pairs themselves hold the regions: nothing to copy before the copies start.
+    let keep = Keep {
+        _pairs: pairs,
+        _regions: Vec::new(),
+        _imports: imports,
+        _held: None,
+    };
+    let report = report(dir, bytes, 0, Vec::new(), &opts);
+    let when = When {
+        started,
+        deadline,
+        timeout,
+        epoch,
+    };
+    let job = Issue {
+        streams: &streams,
+        copies: &copies,
+        gpus: &gpus,
+        keep,
+        report,
+        when,
+    };
+    issue(ep, side, job)
+}
+
+/// The streams of each local GPU the copies start from (one GPU, almost always).
+fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, Arc<[Stream]>)>> {
+    let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
+    for c in copies {
+        if !streams.iter().any(|(d, _)| *d == c.device) {
+            streams.push((c.device, side.streams_of(c.device)?));
+        }
+    }
+    Ok(streams)
+}
+
+/// When a request was made and must end, and the endpoint's epoch it belongs to.
+struct When {
+    started: Instant,
+    deadline: Instant,
+    timeout: Duration,
+    epoch: u64,
+}
+
+/// A checked request, its copies ready to queue ([`issue`]).
+struct Issue<'a> {
+    /// The streams of each local GPU the copies start from.
+    streams: &'a [(usize, Arc<[Stream]>)],
+    copies: &'a [Piece],
+    /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
+    gpus: &'a [(Option<usize>, usize)],
+    /// What the copies reach.
+    keep: Keep,
+    /// The report, with no paths and no message count yet: they are set when the copies are
+    /// queued.
+    report: TransferReport,
+    when: When,
+}
+
+/// Queue a checked request's copies and hand it to the worker.
+fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
+    let Issue {
+        streams,
+        copies,
+        gpus,
+        keep,
+        mut report,
+        when,
+    } = job;
+    let e = &ep.engine.inner;
+    let eager = report.notified.is_some();
+    // Under the issue lock, queued then pushed: the streams' order is the queue's, so
+    // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
+    let issue = lock(&side.issue);
+    let (fence, keep, messages) = enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
+    // From here on the copies run: what is left costs them nothing.
+    hold_imports(side, &keep._imports);
+    report.messages = messages;
+    report.paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+    // Made once the copies are queued: a request refused before has no transfer to end. What
+    // the copies reach is the job's to hold (`keep`), not the transfer's.
+    let (transfer, finish) = Transfer::pending(when.timeout, Vec::new());
+    // A caller waiting for it finishes what is done at the head of the queue itself. The
+    // worker is woken when the request is issued only if someone else sees it finish (its
+    // notification); otherwise when the transfer is looked at without a blocking wait, or goes
+    // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
+    // beside the caller's copies, which slow a small request: see docs/transfer.md).
+    let me: Weak<dyn Finisher> = side.me.clone();
+    transfer.set_finisher(me);
+    let mut q = lock(&side.queue);
+    q.jobs.push_back(Job {
+        fence: Arc::new(fence),
+        keep,
+        finish: Box::new(finish),
+        report,
+        started: when.started,
+        deadline: when.deadline,
+        timeout: when.timeout,
+        epoch: when.epoch,
+    });
+    let wake = eager && q.idle;
+    drop(q);
+    drop(issue);
+    if wake {
+        side.queue_cv.notify_all();
+    }
+    Ok(transfer)
+}
+
+/// An intra-node request checked and mapped once, to be posted many times ([`post`]).
+pub(crate) struct Ready {
+    side: Weak<Side>,
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    streams: Vec<(usize, Arc<[Stream]>)>,
+    /// The report every post starts from (no paths, no messages yet).
+    report: TransferReport,
+    held: Arc<Held>,
+    timeout: Duration,
+    epoch: u64,
+}
+
+/// Check and map a request of `bytes` bytes (its pairs' total, checked) once
+/// ([`Endpoint::prepare`](crate::transfer::Endpoint::prepare)): what [`request`] does before it queues
+/// anything, kept.
+pub(super) fn ready(
+    ep: &EpInner<State>,
+    side: &Side,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    bytes: u64,
+    opts: TransferOptions,
+) -> Result<Ready> {
+    let Prepared {
+        copies,
+        gpus,
+        imports,
+        timeout,
+        epoch,
+        ..
+    } = prepare(ep, side, dir, &pairs, &opts)?;
+    // Made first: refused below, its imports are parked, not closed here.
+    let held = Arc::new(Held {
+        _pairs: pairs,
+        _imports: imports,
+    });
+    let streams = streams_for(side, &copies)?;
+    // Held by the side from now on, as a request's are once queued: every post finds them.
+    hold_imports(side, &held._imports);
+    Ok(Ready {
+        side: side.me.clone(),
+        copies,
+        gpus,
+        streams,
+        report: report(dir, bytes, 0, Vec::new(), &opts),
+        held,
+        timeout,
+        epoch,
+    })
+}
+
+/// Post a prepared request: its copies queued as [`request`] queues them, with no check or
+/// lookup repeated. Refused when the endpoint failed, closed or reconnected since it was
+/// prepared (the peer's memory may have moved).
+pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
+    let side = current(ep, r)?;
+    let started = Instant::now();
+    let keep = Keep::posted(&r.held);
+    let when = When {
+        started,
+        deadline: deadline_after(started, r.timeout),
+        timeout: r.timeout,
+        epoch: r.epoch,
+    };
+    let job = Issue {
+        streams: &r.streams,
+        copies: &r.copies,
+        gpus: &r.gpus,
+        keep,
+        report: r.report.clone(),
+        when,
+    };
+    issue(ep, &side, job)
+}
+
+/// The side of a prepared request, refused when the endpoint failed, closed or reconnected since
+/// it was prepared (the peer's memory may have moved).
+fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
+    let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
+    if side.epoch.load(Ordering::Acquire) != r.epoch {
+        return Err(ep.failure().unwrap_or_else(|| {
+            Error::invalid(
+                "prepared",
+                "an earlier connection",
+                "the endpoint reconnected (or closed) since this transfer was prepared: the \
+                 peer's memory may have moved; prepare it again",
+            )
+        }));
+    }
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    Ok(side)
+}
+
+/// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take a few milliseconds on
+/// any GPU link, so a deadline of [`RUN_SYNC_MIN_DEADLINE`] cannot pass unseen unless the GPU
+/// stalls.
+const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
+
+/// The shortest deadline [`run`] waits for in `cuStreamSynchronize`.
+const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
+
+/// Post a prepared request and wait for it on this thread. With one stream, at most
+/// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing of the
+/// endpoint queued or being finished, and nothing earlier left running on the stream (a request
+/// that ended late leaves its copies there): the copies are queued and waited for with
+/// `cuStreamSynchronize`, holding the issue lock (no request is queued meanwhile) and the
+/// finishing lock (no earlier request is still sending its notification), with no job, transfer
+/// or worker in between. Otherwise `post(..).wait()`.
+pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
+    let lane = match &r.streams[..] {
+        [(_, s)]
+            if s.len() == 1
+                && r.report.bytes <= RUN_SYNC_MAX_BYTES
+                && r.timeout >= RUN_SYNC_MIN_DEADLINE =>
+        {
+            &s[0]
+        }
+        _ => return post(ep, r)?.wait(),
+    };
+    // What finished requests left parked goes here, on the caller's thread (as a wait does).
+    Tracker::global().reap();
+    let side = current(ep, r)?;
+    // Declared before the locks: the wake-ups of a failure run once they are let go.
+    let mut wakes = None;
+    let issue = lock(&side.issue);
+    // Requests finish (and notify) one at a time under `finishing`, after leaving the queue.
+    let order = lock(&side.finishing);
+    let timeline = lane.timeline();
+    if !lock(&side.queue).jobs.is_empty() || timeline.completed() < timeline.issued() {
+        drop((order, issue));
+        return post(ep, r)?.wait();
+    }
+    // The wait must neither fail nor break another thread's global-mode capture.
+    // SAFETY: the peer's allocations were mapped through CUDA when this was prepared: libcuda
+    // passed the presence check.
+    let Some(relaxed) = (unsafe { capture::Relaxed::new() }) else {
+        drop((order, issue));
+        return post(ep, r)?.wait();
+    };
+    let started = Instant::now();
+    let keep = Keep::posted(&r.held);
+    let (fence, keep, messages) = enqueue(
+        &r.streams,
+        &r.copies,
+        ep.engine.inner.config.copy_chunk as u64,
+        keep,
+    )?;
+    // Nobody else issues on this stream while `issue` is held: the newest epoch is this one.
+    let covered = timeline.issued();
+    // SAFETY: the endpoint's own live stream, whose context `enqueue` made current.
+    let synced = unsafe { crate::driver::stream::synchronize(lane.cu_stream()) };
+    drop(relaxed);
+    if let Err(e) = synced {
+        // A sticky error: the copies may never be seen done; what they reach stays.
+        Tracker::global().park(fence, keep);
+        wakes = side.fail_later(Broken::of(&e));
+        drop((order, issue));
+        drop(wakes);
+        return Err(e);
+    }
+    timeline.completed_through(covered);
+    drop((fence, keep));
+    let elapsed = started.elapsed();
+    // Done is done, as at the head of the queue: the deadline is not looked at once the copies
+    // are seen complete.
+    let result = if let Some(tag) = r.report.notified
+        && let Err(e) = side.notify(tag, r.epoch)
+    {
+        if let Error::Os { call, source } = &e {
+            wakes = side.fail_later(Broken::Os(call, source.raw_os_error().unwrap_or(0)));
+        }
+        Err(e)
+    } else if side.epoch.load(Ordering::Acquire) != r.epoch {
+        // Done, but the endpoint failed or reconnected meanwhile.
+        Err(side.ended())
+    } else {
+        let mut report = r.report.clone();
+        report.messages = messages;
+        report.paths = r.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+        report.elapsed = elapsed;
+        Ok(report)
+    };
+    drop((order, issue));
+    drop(wakes);
+    result
+}
+
+/// The report of an intra-node request (no rails; `elapsed` set when it finishes).
+pub(super) fn report(
+    direction: Direction,
+    bytes: u64,
+    messages: u64,
+    paths: Vec<MemoryPath>,
+    opts: &TransferOptions,
+) -> TransferReport {
+    TransferReport {
+        direction,
+        bytes,
+        messages,
+        rail_bytes: Vec::new(),
+        paths,
+        elapsed: Duration::ZERO,
+        notified: opts.notify,
+    }
+}
+
+/// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
+/// complete once the stream passed them. What they reach is held until the stream's event after
+/// them completes; dropped earlier, it is parked behind that event (never freed early).
+pub(crate) struct Queued {
+    hold: Option<(EventFence, Keep)>,
+    /// What the request did (its `elapsed` set when it is reported).
+    pub(crate) report: TransferReport,
+    pub(crate) started: Instant,
+    /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
+    epoch: u64,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if let Some((fence, keep)) = self.hold.take() {
+            if fence.is_complete() {
+                drop(keep);
+            } else {
+                Tracker::global().park(fence, keep);
+            }
+        }
+    }
+}
+
+/// Queue a request's copies on `stream` (through the capture-checked path), then an event after
+/// them. Checked and mapped as [`request`]; nothing is queued when a check fails.
+pub(super) fn on_stream(
+    ep: &EpInner<State>,
+    side: &Side,
+    stream: &Stream,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<Queued> {
+    let Prepared {
+        copies,
+        gpus,
+        imports,
+        started,
+        epoch,
+        ..
+    } = prepare(ep, side, dir, pairs, opts)?;
+    let keep = Keep {
+        _pairs: Vec::new(),
+        _regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
+        _imports: imports,
+        _held: None,
+    };
+    let bytes = pairs_bytes(pairs)?;
+    let messages = copies.len() as u64;
+    let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
+        // SAFETY: both ranges of every piece were checked: the local range inside its region,
+        // which `keep` holds; the remote range inside the peer's allocation and the mapping,
+        // which `keep` holds too. The event recorded after the copies tracks them, and `keep` is
+        // freed only once it completes (or leaked).
+        unsafe { queue_copies(&copies, raw) }
+    });
+    let keep = match r {
+        Ok(((), k)) => k,
+        Err(refused) => {
+            if let Some(k) = refused.kept {
+                match EventFence::record(stream.cuda()) {
+                    Ok(ev) => Tracker::global().park(ev, k),
+                    Err(_) => std::mem::forget(k),
+                }
+            }
+            return Err(refused.error);
+        }
+    };
+    let fence = match EventFence::record(stream.cuda()) {
+        Ok(f) => f,
+        Err(e) => {
+            // The copies may be queued and nothing tracks them: what they reach is leaked.
+            std::mem::forget(keep);
+            return Err(e);
+        }
+    };
+    hold_imports(side, &keep._imports);
+    let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+    Ok(Queued {
+        hold: Some((fence, keep)),
+        report: report(dir, bytes, messages, paths, opts),
+        started,
+        epoch,
+    })
+}
+
+/// Notify the peer of a stream-ordered request whose copies are done; refused when the endpoint
+/// failed or reconnected since they were queued (the socket may reach another peer).
+pub(super) fn notify_peer(side: &Side, q: &Queued, tag: u32) -> Result<()> {
+    side.notify(tag, q.epoch)
+}

@@ -1,0 +1,585 @@
+//! The intra-node side of an endpoint ([`Side`]): its socket and reader thread, its copy
+//! streams, and the worker that finishes requests in order (a caller blocked in a wait finishes
+//! what is done itself), sends their notifications, and ends the endpoint at a deadline.
+
+use super::copies::{Events, Keep, park_imports};
+use super::fds::{PeerFd, PeerFds};
+use super::import::Import;
+use super::meet::dial;
+use super::socket::{FRAME, NOTE, os, send_all};
+use super::state::{State, deliver, fail_later, restart};
+use crate::completion::{Fence, Tracker, deadline_after, thread::join_unless_current};
+use crate::cuda::Stream;
+use crate::error::{Error, Result};
+use crate::transfer::descriptor::MemoryDescriptor;
+use crate::transfer::engine::Engine;
+use crate::transfer::pending::{Finisher, Settled};
+use crate::transfer::request::{Broken, Notification, TransferReport};
+use crate::transfer::shared::{EpInner, Wakes};
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The longest a waiting worker sleeps before it looks at deadlines and failures again.
+const SLICE: Duration = Duration::from_millis(5);
+
+/// The live connection: the socket notifications are written to, the file descriptors (VMM,
+/// pool) the peer sent when the endpoints met and its pid as the kernel gives it, the reader.
+pub(super) struct Conn {
+    pub(super) stream: UnixStream,
+    peer_fds: PeerFds,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// A request whose copies are queued, waiting for its events.
+pub(super) struct Job {
+    /// Shared so that it can be asked outside the queue's lock.
+    pub(super) fence: Arc<Events>,
+    pub(super) keep: Keep,
+    /// Sets the result; the [`Settled`] returned wakes the waiters when dropped.
+    pub(super) finish: Box<dyn FnOnce(Result<TransferReport>) -> Settled + Send>,
+    pub(super) report: TransferReport,
+    pub(super) started: Instant,
+    pub(super) deadline: Instant,
+    pub(super) timeout: Duration,
+    pub(super) epoch: u64,
+}
+
+#[derive(Default)]
+pub(super) struct Queue {
+    pub(super) jobs: VecDeque<Job>,
+    pub(super) closing: bool,
+    /// The worker sleeps on the queue's condition variable (new work must wake it).
+    pub(super) idle: bool,
+}
+
+/// The intra-node side of an endpoint.
+pub(crate) struct Side {
+    engine: Engine,
+    /// The socket path and what to publish, for the dialing side (reconnect).
+    dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
+    pub(super) conn: Mutex<Option<Conn>>,
+    /// Bumped by every failure and close: requests of an older epoch are ended.
+    pub(super) epoch: AtomicU64,
+    /// Bumped when this side shuts its own socket: the reader of an older one ends quietly.
+    generation: AtomicU64,
+    closed: AtomicBool,
+    pub(super) queue: Mutex<Queue>,
+    pub(super) queue_cv: Condvar,
+    /// Piece streams per local GPU.
+    streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
+    /// The peer allocations this endpoint has used, held until it goes.
+    pub(super) held: Mutex<Vec<Arc<Import>>>,
+    ep: Mutex<Weak<EpInner<State>>>,
+    pub(super) worker: Mutex<Option<JoinHandle<()>>>,
+    /// Held while a request is finished: one at a time, in queue order.
+    pub(super) finishing: Mutex<()>,
+    /// Held while a request's copies are queued and the request pushed.
+    pub(super) issue: Mutex<()>,
+    /// Held for a whole reconnect.
+    reconnecting: Mutex<()>,
+    /// Itself, for the waits that help.
+    pub(super) me: Weak<Side>,
+    /// When a waiting caller last looked at the head (nanoseconds since `born`): the worker
+    /// leaves the looking to it meanwhile.
+    helped_at: AtomicU64,
+    born: Instant,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A worker waiting for the head request yields this many times, looking, before it sleeps.
+const WORKER_SPINS: u32 = 64;
+
+/// The worker's sleeps between looks grow from ten microseconds to this. (A host function after
+/// the copies could wake it, but it would hold back the next request's copies on the stream
+/// until CUDA's callback thread ran it: see docs/transfer.md.) A caller that waits blocking looks
+/// itself.
+const WORKER_NAP: Duration = Duration::from_micros(100);
+
+/// How often an idle worker looks at the queue anyway (requests that did not wake it).
+const IDLE_LOOK: Duration = Duration::from_millis(100);
+
+/// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`): a
+/// few yields, then sleeps growing to [`WORKER_NAP`].
+fn look_until(mut done: impl FnMut() -> bool, timeout: Duration) -> bool {
+    let end = deadline_after(Instant::now(), timeout);
+    for _ in 0..WORKER_SPINS {
+        if done() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    let mut nap = Duration::from_micros(10);
+    loop {
+        if done() {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= end {
+            return false;
+        }
+        std::thread::sleep(nap.min(end - now));
+        nap = (nap * 2).min(WORKER_NAP);
+    }
+}
+
+impl Side {
+    pub(super) fn new(
+        engine: Engine,
+        stream: UnixStream,
+        peer_fds: PeerFds,
+        dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
+    ) -> Arc<Side> {
+        Arc::new_cyclic(|me| Side {
+            me: me.clone(),
+            helped_at: AtomicU64::new(0),
+            born: Instant::now(),
+            engine,
+            dialed,
+            conn: Mutex::new(Some(Conn {
+                stream,
+                peer_fds,
+                reader: None,
+            })),
+            epoch: AtomicU64::new(1),
+            generation: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            streams: Mutex::new(HashMap::new()),
+            held: Mutex::new(Vec::new()),
+            ep: Mutex::new(Weak::new()),
+            worker: Mutex::new(None),
+            finishing: Mutex::new(()),
+            issue: Mutex::new(()),
+            reconnecting: Mutex::new(()),
+        })
+    }
+
+    fn ep(&self) -> Option<Arc<EpInner<State>>> {
+        lock(&self.ep).upgrade()
+    }
+
+    /// End the endpoint with `cause`: requests in flight are ended by the worker (what their
+    /// copies reach parked until the copies are done).
+    fn fail(&self, cause: Broken) {
+        drop(self.fail_later(cause));
+    }
+
+    /// [`fail`](Self::fail), the wake-ups it decides returned, to be dropped once the caller
+    /// let its own locks go.
+    pub(super) fn fail_later(&self, cause: Broken) -> Option<Wakes> {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let wakes = self.ep().map(|ep| fail_later(&ep, cause));
+        self.queue_cv.notify_all();
+        wakes
+    }
+
+    /// Start the reader of the current connection.
+    fn spawn_reader(self: &Arc<Self>) -> Result<()> {
+        let mut c = lock(&self.conn);
+        let Some(conn) = c.as_mut() else {
+            return Ok(());
+        };
+        let mut rd = conn
+            .stream
+            .try_clone()
+            .map_err(|e| os("dup (the local endpoint's Unix socket)", e))?;
+        let side = self.clone();
+        let generation = self.generation.load(Ordering::Acquire);
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-rx", move || {
+            side.read_loop(&mut rd, generation)
+        })?;
+        conn.reader = Some(t);
+        Ok(())
+    }
+
+    /// Deliver the peer's notifications in order until the socket closes.
+    fn read_loop(&self, rd: &mut UnixStream, generation: u64) {
+        let mut f = [0u8; FRAME];
+        loop {
+            let r = rd.read_exact(&mut f);
+            if self.generation.load(Ordering::Acquire) != generation {
+                return; // this side shut the socket (close, reconnect)
+            }
+            match r {
+                Ok(()) if f[0] == NOTE => {
+                    let tag = u32::from_le_bytes(f[1..5].try_into().expect("4 bytes"));
+                    match self.ep() {
+                        Some(ep) => deliver(&ep, Notification { tag }),
+                        None => return,
+                    }
+                }
+                Ok(()) => {
+                    self.fail(Broken::Protocol(format!(
+                        "a message of kind {} on the local endpoint's socket (only \
+                         notifications, kind 1, are sent)",
+                        f[0]
+                    )));
+                    return;
+                }
+                Err(e) => {
+                    let errno = e.raw_os_error().unwrap_or(libc::ECONNRESET);
+                    self.fail(Broken::Os(
+                        "recv on the local endpoint's Unix socket (the peer closed it, or its \
+                         process ended)",
+                        errno,
+                    ));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Shut this side's socket and join its reader.
+    fn hang_up(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let old = lock(&self.conn).take();
+        if let Some(mut c) = old {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            if let Some(t) = c.reader.take() {
+                join_unless_current(t);
+            }
+        }
+    }
+
+    /// The peer's pid as the kernel gives it (`SO_PEERCRED`, never what the peer says), and the
+    /// file descriptor (VMM, pool) it sent for each of `ids` (all of one connection).
+    pub(super) fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, Vec<Option<PeerFd>>)> {
+        let c = lock(&self.conn);
+        let c = c.as_ref()?;
+        let fds = ids
+            .iter()
+            .map(|id| id.and_then(|id| c.peer_fds.by_id.get(&id).cloned()))
+            .collect();
+        Some((c.peer_fds.pid, fds))
+    }
+
+    /// The error of a request whose endpoint failed, closed or reconnected under it: the
+    /// endpoint's failure, or that it closed.
+    pub(super) fn ended(&self) -> Error {
+        self.ep()
+            .and_then(|ep| ep.failure())
+            .unwrap_or_else(|| Broken::Closed.to_error())
+    }
+
+    /// Send a notification (after its request's copies are done) for a request of `epoch`:
+    /// refused when the endpoint failed or reconnected since (the socket may reach another
+    /// peer). The epoch is looked at with the connection held: a reconnect moves it on before it
+    /// puts in its new connection.
+    pub(super) fn notify(&self, tag: u32, epoch: u64) -> Result<()> {
+        let mut f = [0u8; FRAME];
+        f[0] = NOTE;
+        f[1..].copy_from_slice(&tag.to_le_bytes());
+        let mut c = lock(&self.conn);
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            drop(c);
+            return Err(self.ended());
+        }
+        let Some(conn) = c.as_mut() else {
+            return Err(Broken::Closed.to_error());
+        };
+        send_all(&conn.stream, &f).map_err(|e| os("send on the local endpoint's Unix socket", e))
+    }
+
+    /// The copy streams of GPU `ordinal` (made on first use).
+    pub(super) fn streams_of(&self, ordinal: usize) -> Result<Arc<[Stream]>> {
+        let mut m = lock(&self.streams);
+        if let Some(v) = m.get(&ordinal) {
+            return Ok(v.clone());
+        }
+        let ctx = crate::cuda::context(ordinal)?;
+        let n = self.engine.inner.config.copy_streams;
+        // Private (see `queue_on`): their fences' waits and event records ask no capture questions.
+        let v: Arc<[Stream]> = (0..n)
+            .map(|_| Stream::private(&ctx))
+            .collect::<Result<Vec<_>>>()?
+            .into();
+        m.insert(ordinal, v.clone());
+        Ok(v)
+    }
+
+    /// Wait for each request's events in order; finish it and send its notification.
+    fn work_loop(&self) {
+        loop {
+            while self.finish_head(true) {}
+            let deadline = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(j) = q.jobs.front() {
+                        break j.deadline;
+                    }
+                    if q.closing {
+                        return;
+                    }
+                    q.idle = true;
+                    // Timed: a request nobody waits for does not wake the worker, and its
+                    // deadline must still end the endpoint when its copies hang.
+                    q = self
+                        .queue_cv
+                        .wait_timeout(q, IDLE_LOOK)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                    q.idle = false;
+                }
+            };
+            // Until the head can be finished: its copies done, a failure, its
+            // deadline; looking at least every SLICE.
+            let left = deadline.saturating_duration_since(Instant::now());
+            look_until(
+                || !self.recently_helped() && self.head_ready(),
+                left.min(SLICE),
+            );
+            // A request queued behind the head whose deadline passed first ends the endpoint
+            // too (its copies run after the head's).
+            let now = Instant::now();
+            let late = lock(&self.queue)
+                .jobs
+                .iter()
+                .find(|j| now >= j.deadline)
+                .map(|j| j.timeout);
+            if let Some(t) = late {
+                self.fail(Broken::Deadline(t));
+            }
+        }
+    }
+
+    /// Wake the worker if it sleeps for want of work.
+    fn wake_worker(&self) {
+        let idle = lock(&self.queue).idle;
+        if idle {
+            self.queue_cv.notify_all();
+        }
+    }
+
+    /// Whether a waiting caller looked at the head in the last [`WORKER_NAP`].
+    fn recently_helped(&self) -> bool {
+        let at = self.helped_at.load(Ordering::Relaxed);
+        at != 0
+            && (self.born.elapsed().as_nanos() as u64).saturating_sub(at)
+                < WORKER_NAP.as_nanos() as u64
+    }
+
+    /// Whether the head request can be finished now (or there is none).
+    fn head_ready(&self) -> bool {
+        let (fence, epoch, deadline) = {
+            let q = lock(&self.queue);
+            match q.jobs.front() {
+                None => return true,
+                Some(j) => (j.fence.clone(), j.epoch, j.deadline),
+            }
+        };
+        // Asked outside the lock: requests are queued meanwhile.
+        !matches!(fence.check(), Ok(false))
+            || self.epoch.load(Ordering::Acquire) != epoch
+            || Instant::now() >= deadline
+    }
+
+    /// Finish the head request if it can be now: its copies done, or failed, its endpoint ended,
+    /// or its deadline passed. Requests finish in queue order (so notifications leave in request
+    /// order), by the worker or by a caller waiting for its transfer (`block` false: only when no
+    /// one else is finishing). Returns whether one was finished.
+    fn finish_head(&self, block: bool) -> bool {
+        let _order = if block {
+            lock(&self.finishing)
+        } else {
+            match self.finishing.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            }
+        };
+        let (fence, epoch, deadline) = {
+            let q = lock(&self.queue);
+            let Some(j) = q.jobs.front() else {
+                return false;
+            };
+            (j.fence.clone(), j.epoch, j.deadline)
+        };
+        // Asked outside the queue's lock; only a holder of `finishing` takes the head, so it is
+        // still this one after.
+        let end = match fence.check() {
+            Err(e) => End::Failed(e),
+            Ok(true) => End::Done,
+            Ok(false) if self.epoch.load(Ordering::Acquire) != epoch => End::Ended,
+            Ok(false) if Instant::now() >= deadline => End::Late,
+            Ok(false) => return false,
+        };
+        drop(fence);
+        let job = lock(&self.queue).jobs.pop_front().expect("the head stays");
+        let later = self.conclude(job, end, block);
+        // The waiters' wakers run with `finishing` let go: a waker may poll, wait or drop the
+        // last clone of the endpoint inline (whose close joins the worker, which may be
+        // waiting for `finishing`).
+        drop(_order);
+        drop(later);
+        true
+    }
+
+    /// End a request taken from the head. `on_worker`: this is the worker thread, which frees
+    /// nothing (a `cuMemFree` waits for the whole device, and a stream may wait on a word only
+    /// this thread can let through): what the request held is parked, its events done, for the
+    /// next reap on a caller's thread. Returns the wake-ups it decided, to be run (dropped) once
+    /// `finishing` is let go.
+    fn conclude(&self, job: Job, end: End, on_worker: bool) -> Later {
+        let Job {
+            fence,
+            keep,
+            finish,
+            mut report,
+            started,
+            timeout,
+            epoch,
+            ..
+        } = job;
+        // Its result set, with the wake-ups of the failure it caused (if any).
+        let end_with = move |r: Result<TransferReport>, failed: Option<Wakes>| Later {
+            _settled: finish(r),
+            _failed: failed,
+        };
+        match end {
+            End::Failed(e) => {
+                // A sticky error: the copy will never be seen done; what it reaches stays.
+                Tracker::global().park(fence, keep);
+                let failed = self.fail_later(Broken::of(&e));
+                end_with(Err(e), failed)
+            }
+            End::Ended => {
+                Tracker::global().park(fence, keep);
+                end_with(Err(self.ended()), None)
+            }
+            End::Late => {
+                Tracker::global().park(fence, keep);
+                let failed = self.fail_later(Broken::Deadline(timeout));
+                let e = Error::Timeout {
+                    what: "an intra-node transfer (its copies did not finish in time; the \
+                           endpoint was closed)",
+                    after: timeout,
+                };
+                end_with(Err(e), failed)
+            }
+            End::Done => {
+                if on_worker {
+                    Tracker::global().park(fence, keep);
+                } else {
+                    drop(keep);
+                }
+                if self.epoch.load(Ordering::Acquire) != epoch {
+                    // Done, but the endpoint failed or reconnected meanwhile: no notification
+                    // on a socket that may reach another peer.
+                    return end_with(Err(self.ended()), None);
+                }
+                if let Some(tag) = report.notified
+                    && let Err(e) = self.notify(tag, epoch)
+                {
+                    let failed = match &e {
+                        Error::Os { call, source } => {
+                            self.fail_later(Broken::Os(call, source.raw_os_error().unwrap_or(0)))
+                        }
+                        _ => None,
+                    };
+                    return end_with(Err(e), failed);
+                }
+                report.elapsed = started.elapsed();
+                end_with(Ok(report), None)
+            }
+        }
+    }
+}
+
+/// The wake-ups of a request ended at the head ([`Side::conclude`]): its own, and those of
+/// the endpoint's failure it caused. Run when dropped.
+struct Later {
+    _settled: Settled,
+    _failed: Option<Wakes>,
+}
+
+/// How a request ends ([`Side::finish_head`]).
+enum End {
+    Done,
+    Failed(Error),
+    Ended,
+    Late,
+}
+
+impl Finisher for Side {
+    fn help(&self) {
+        self.helped_at
+            .store(self.born.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        while self.finish_head(false) {}
+    }
+
+    fn wake(&self) {
+        self.wake_worker();
+    }
+}
+
+impl Side {
+    /// Start serving `ep` (its threads hold it weakly).
+    pub(super) fn attach(self: Arc<Self>, ep: &Arc<EpInner<State>>) -> Result<()> {
+        *lock(&self.ep) = Arc::downgrade(ep);
+        let side = self.clone();
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())?;
+        *lock(&self.worker) = Some(t);
+        self.spawn_reader()
+    }
+
+    /// End: the socket shut, the threads joined, requests still queued ended.
+    pub(super) fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        lock(&self.queue).closing = true;
+        self.queue_cv.notify_all();
+        self.hang_up();
+        if let Some(t) = lock(&self.worker).take() {
+            join_unless_current(t);
+        }
+        park_imports(std::mem::take(&mut *lock(&self.held)));
+    }
+
+    /// Dial again (the dialing side), as
+    /// [`Endpoint::reconnect`](crate::transfer::Endpoint::reconnect).
+    pub(super) fn reconnect(self: Arc<Self>, ep: &EpInner<State>) -> Result<()> {
+        let Some((path, publish)) = &self.dialed else {
+            return Err(Error::invalid(
+                "endpoint",
+                "accepted",
+                "only the side that connected can reconnect; the listener accepts the new endpoint",
+            ));
+        };
+        // Declared before the lock: the wake-ups the failures decide run once it is let go (a
+        // waker may call `reconnect` itself).
+        let mut wakes = Vec::with_capacity(2);
+        // One reconnect at a time: two would interleave hang-ups, dials and readers.
+        let _one = lock(&self.reconnecting);
+        wakes.extend(self.fail_later(Broken::Closed));
+        self.hang_up();
+        let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;
+        *lock(&self.conn) = Some(Conn {
+            stream,
+            peer_fds,
+            reader: None,
+        });
+        // The old peer's mappings: each request still running holds its own.
+        park_imports(std::mem::take(&mut *lock(&self.held)));
+        restart(ep, hello.descriptors);
+        // Without a reader the endpoint would look healthy and never hear of the peer's close:
+        // it ends instead.
+        if let Err(e) = self.spawn_reader() {
+            wakes.extend(self.fail_later(Broken::Closed));
+            self.hang_up();
+            return Err(e);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,452 @@
+//! A request in flight, whatever carries it: [`Transfer`] (waited for, awaited, or handed on
+//! as an `InFlight`), the state it shares with whoever finishes it ([`ReqShared`]), and the
+//! finisher a waiting caller can help ([`Finisher`]).
+
+use super::plan::deadline_after;
+use super::region::Region;
+use super::request::{Broken, FLUSH_WAIT, TransferReport};
+use crate::completion::{CompletionFlag, Fence, InFlight, Tracker};
+use crate::error::Result;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+pub(crate) struct ReqShared {
+    /// By when the request is surely finished: its deadline plus the flush wait and slack.
+    limit: Instant,
+    flag: CompletionFlag,
+    done: Mutex<Option<Result<TransferReport>>>,
+    cv: Condvar,
+    /// Threads asleep on `cv` (counted under `done`'s lock): finishing wakes only when some
+    /// are (a wake-up is a system call).
+    sleepers: AtomicUsize,
+    /// Who finishes the request, when a waiting caller can help (the intra-node path).
+    finisher: OnceLock<Weak<dyn Finisher>>,
+}
+
+/// Who finishes a request that a waiting caller can help with (the intra-node side).
+pub(crate) trait Finisher: Send + Sync {
+    /// Called by a blocking wait while it spins: finish what is done, in order, if no one else
+    /// is finishing.
+    fn help(&self);
+    /// Ask the thread that finishes requests when nobody waits blocking (the intra-node worker)
+    /// to look: a request nobody else can see finished (no notification) does not wake it when
+    /// issued, so that a caller that waits finishes it alone.
+    fn wake(&self);
+}
+
+impl ReqShared {
+    /// The state of a request that is surely finished by `limit` (its deadline plus the flush
+    /// wait and slack), not finished yet.
+    pub(crate) fn new(limit: Instant) -> Arc<ReqShared> {
+        Arc::new(ReqShared {
+            limit,
+            flag: CompletionFlag::new(),
+            done: Mutex::new(None),
+            cv: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
+            finisher: OnceLock::new(),
+        })
+    }
+
+    pub(crate) fn finish(self: Arc<Self>, r: Result<TransferReport>) {
+        drop(self.settle(r));
+    }
+
+    /// Store the result (the first one stays) and set the flag; its waiters are woken when
+    /// what is returned is dropped (once the caller let its own locks go).
+    fn settle(self: Arc<Self>, r: Result<TransferReport>) -> Settled {
+        let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(r);
+        }
+        // Set under the lock: whoever sees the result sees the flag set (`wait` takes the
+        // resources with a zero timeout once the result is there), and whoever is woken by the
+        // flag finds the result. Woken after it: a waker that polls the transfer takes it.
+        self.flag.mark();
+        drop(g);
+        Settled(self)
+    }
+}
+
+/// A finished request's wake-up ([`Transfer::pending`]): its futures and blocked waits are
+/// woken when this is dropped.
+pub(crate) struct Settled(Arc<ReqShared>);
+
+impl Drop for Settled {
+    fn drop(&mut self) {
+        // Set already: this wakes.
+        self.0.flag.set();
+        if self.0.sleepers.load(Ordering::Acquire) > 0 {
+            self.0.cv.notify_all();
+        }
+    }
+}
+
+/// A request in flight: wait for it ([`wait`](Self::wait)), or hand it on as an
+/// [`InFlight`] ([`into_in_flight`](Self::into_in_flight)) whose fence is the request's
+/// [`CompletionFlag`].
+#[must_use = "a transfer runs until it completes or fails; wait for it to see which"]
+pub struct Transfer {
+    op: InFlight<Transferred, CompletionFlag>,
+    shared: Arc<ReqShared>,
+    /// Wakes the finisher when the transfer goes unfinished (dropped, or made a future or an
+    /// `InFlight`).
+    _finisher: WakeFinisher,
+}
+
+/// Dropped with its [`Transfer`]: asks the finisher to look if the request is not finished.
+struct WakeFinisher(Arc<ReqShared>);
+
+impl WakeFinisher {
+    fn wake(&self) {
+        if !self.0.flag.is_complete()
+            && let Some(f) = self.0.finisher.get().and_then(Weak::upgrade)
+        {
+            f.wake();
+        }
+    }
+
+    /// Finish what is done, if the request has a finisher a caller can help.
+    fn help(&self) -> bool {
+        match self.0.finisher.get().and_then(Weak::upgrade) {
+            Some(f) => {
+                f.help();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for WakeFinisher {
+    fn drop(&mut self) {
+        self.wake();
+    }
+}
+
+/// What a finished transfer hands back: its result, and the regions it used.
+pub struct Transferred {
+    shared: Arc<ReqShared>,
+    _regions: Vec<Region>,
+}
+
+impl Transferred {
+    /// The transfer's result, leaving the regions held (the stream proxy hands them to a
+    /// thread that may free memory).
+    pub(crate) fn take_result(&self) -> Result<TransferReport> {
+        self.shared
+            .done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_else(|| Err(Broken::Closed.to_error()))
+    }
+
+    /// The transfer's result.
+    ///
+    /// # Errors
+    ///
+    /// What ended the transfer: [`Error::Timeout`](crate::Error::Timeout) when its deadline passed,
+    /// [`Error::WorkCompletion`](crate::Error::WorkCompletion) (a remote access error for a wrong rkey or range, flushed
+    /// messages), [`Error::CmEvent`](crate::Error::CmEvent) when the peer disconnected, [`Error::InvalidArgument`](crate::Error::InvalidArgument)
+    /// when the peer broke the protocol or the endpoint was closed (reconnected or dropped).
+    /// Inside a node: [`Error::Os`](crate::Error::Os) when the socket to the peer closed, [`Error::Cuda`](crate::Error::Cuda) when a
+    /// copy failed.
+    pub fn result(self) -> Result<TransferReport> {
+        self.take_result()
+    }
+}
+
+/// How long [`Transfer::wait`] looks for the end of a request that can be helped before it
+/// sleeps until its finisher wakes it.
+const HELP_SPIN: Duration = Duration::from_millis(10);
+
+/// While it looks, a waiting caller yields its CPU once in this many looks.
+const HELP_YIELD: u32 = 8;
+
+impl Transfer {
+    /// Let a blocking [`wait`](Self::wait) help `f` finish the request, and let the transfer
+    /// wake `f` whenever it is looked at without a blocking wait, or goes unfinished (once).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
+    pub(crate) fn set_finisher(&self, f: Weak<dyn Finisher>) {
+        let _ = self.shared.finisher.set(f);
+    }
+
+    /// A transfer finished by someone else (the staged path's worker): the transfer, and the
+    /// function that finishes it.
+    /// The function stores the result and sets the flag; the waiters are woken when the
+    /// [`Settled`] it returns is dropped (once the finisher let its own locks go).
+    pub(crate) fn pending(
+        timeout: Duration,
+        regions: Vec<Region>,
+    ) -> (
+        Transfer,
+        impl FnOnce(Result<TransferReport>) -> Settled + Send + 'static,
+    ) {
+        let limit = deadline_after(deadline_after(Instant::now(), timeout), timeout) + FLUSH_WAIT;
+        let shared = ReqShared::new(limit);
+        let s = shared.clone();
+        (
+            Transfer::started("staged transfer", shared, regions),
+            move |r| s.settle(r),
+        )
+    }
+
+    /// The transfer of a request whose state is `shared` (`what` names it in errors), holding
+    /// `regions` until it is taken.
+    pub(crate) fn started(
+        what: &'static str,
+        shared: Arc<ReqShared>,
+        regions: Vec<Region>,
+    ) -> Transfer {
+        Transfer {
+            op: InFlight::new(
+                what,
+                shared.flag.clone(),
+                Transferred {
+                    shared: shared.clone(),
+                    _regions: regions,
+                },
+            ),
+            _finisher: WakeFinisher(shared.clone()),
+            shared,
+        }
+    }
+
+    /// Whether it has finished.
+    pub fn is_complete(&self) -> bool {
+        if self.op.is_complete() {
+            return true;
+        }
+        // Someone polling: the finisher looks from now on. (No help here: a poll makes no CUDA
+        // call and never blocks, so it is fine in a host function or an executor's poll.)
+        self._finisher.wake();
+        false
+    }
+
+    /// The flag the progress thread sets when the request finishes.
+    pub(crate) fn flag(&self) -> &CompletionFlag {
+        &self.shared.flag
+    }
+
+    /// Block until it finishes (it always does by its deadline, plus the time the NIC takes to
+    /// flush after a failure) and give its result.
+    ///
+    /// # Errors
+    ///
+    /// As [`Transferred::result`].
+    pub fn wait(self) -> Result<TransferReport> {
+        // What finished requests left parked (their regions and imports) goes here, on the
+        // caller's thread.
+        Tracker::global().reap();
+        if self.shared.finisher.get().is_some() {
+            // Look for the end ourselves for a while (yielding), as a synchronize would: no
+            // hand-off from another thread when it comes soon.
+            // A look is a driver query (a few hundred ns); the thread yields once in
+            // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
+            // copy seen later than a stream synchronize sees it.
+            let until = Instant::now() + HELP_SPIN;
+            let mut looks = 0u32;
+            while !self.shared.flag.is_complete() && Instant::now() < until {
+                self._finisher.help();
+                if self.shared.flag.is_complete() {
+                    break;
+                }
+                looks = looks.wrapping_add(1);
+                if looks.is_multiple_of(HELP_YIELD) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        // Sleeping from now on: the finisher looks instead.
+        self._finisher.wake();
+        {
+            let mut g = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
+            while g.is_none() {
+                let left = self.shared.limit.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                // Counted under the lock, before sleeping: a finisher that sets the result
+                // after sees it.
+                self.shared.sleepers.fetch_add(1, Ordering::AcqRel);
+                g = self
+                    .shared
+                    .cv
+                    .wait_timeout(g, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                self.shared.sleepers.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        // Finished (its flag is set): at once. Otherwise (the progress thread is gone) the
+        // resources are parked, never freed early.
+        match self.op.wait_timeout(Duration::ZERO) {
+            Ok(t) => t.result(),
+            Err((e, op)) => {
+                drop(op);
+                Err(e)
+            }
+        }
+    }
+
+    /// The request as an [`InFlight`]: its fence is the [`CompletionFlag`] the progress thread
+    /// sets when the request finishes.
+    pub fn into_in_flight(self) -> InFlight<Transferred, CompletionFlag> {
+        self.op
+    }
+}
+
+/// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
+/// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
+/// Past that bound (the progress thread gone) it ends with [`Error::Timeout`](crate::Error::Timeout) and the resources
+/// stay parked in the completion tracker, never freed early.
+impl std::future::IntoFuture for Transfer {
+    type Output = Result<TransferReport>;
+    type IntoFuture =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let f = self.op.deadline(self.shared.limit);
+        Box::pin(async move { f.await?.result() })
+    }
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("complete", &self.is_complete())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Transferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transferred").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use crate::transfer::region::MemoryPath;
+    use crate::transfer::request::Direction;
+    use std::future::IntoFuture;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    fn report() -> TransferReport {
+        TransferReport {
+            direction: Direction::Write,
+            bytes: 42,
+            messages: 1,
+            rail_bytes: vec![42],
+            paths: vec![MemoryPath::Host],
+            elapsed: Duration::ZERO,
+            notified: None,
+        }
+    }
+
+    #[test]
+    fn a_transfer_is_awaitable_and_woken_by_its_completion() {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        assert!(f.as_mut().poll(&mut cx).is_pending());
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            done(Ok(report()));
+        });
+        let r = loop {
+            match f.as_mut().poll(&mut cx) {
+                Poll::Ready(r) => break r,
+                Poll::Pending => std::thread::park_timeout(Duration::from_secs(5)),
+            }
+        };
+        h.join().unwrap();
+        assert_eq!(r.unwrap().bytes, 42);
+    }
+
+    #[test]
+    fn a_finished_transfers_waker_runs_with_its_result_unlocked() {
+        use crate::completion::testing::WokenFree;
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let shared = t.shared.clone();
+        // A waker that polls the transfer inline takes the result's lock.
+        let probe = WokenFree::new(move || shared.done.try_lock().is_ok());
+        let mut f = t.into_future();
+        let waker = Waker::from(probe.clone());
+        assert!(
+            f.as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+        );
+        done(Ok(report()));
+        assert_eq!(probe.count(), 1, "woken once, the result unlocked");
+        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
+            Poll::Pending => panic!("finished"),
+        }
+    }
+
+    #[test]
+    fn an_awaited_transfer_nobody_finishes_ends_with_a_timeout_at_its_bound() {
+        let (t, _done) = Transfer::pending(Duration::from_millis(10), Vec::new());
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let r = loop {
+            match f.as_mut().poll(&mut cx) {
+                Poll::Ready(r) => break r,
+                Poll::Pending => std::thread::park_timeout(Duration::from_secs(10)),
+            }
+        };
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn a_transfer_finished_while_its_waiter_arrives_is_never_a_timeout() {
+        // `wait` found the result but not yet the flag ("timed out after 0ns") when the flag
+        // was set after the lock was let go.
+        for _ in 0..2000 {
+            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let h = std::thread::spawn(move || drop(done(Ok(report()))));
+            let r = t.wait();
+            h.join().unwrap();
+            assert_eq!(r.unwrap().bytes, 42);
+        }
+    }
+
+    #[test]
+    fn a_failed_transfer_gives_its_error_blocking_or_awaited() {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        done(Err(Broken::Deadline(Duration::from_secs(3)).to_error()));
+        assert!(matches!(t.wait(), Err(Error::Timeout { .. })));
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        done(Err(
+            Broken::Disconnected("RDMA_CM_EVENT_DISCONNECTED", 0).to_error()
+        ));
+        let mut f = t.into_future();
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(Err(Error::CmEvent { got, .. })) => {
+                assert_eq!(got, "RDMA_CM_EVENT_DISCONNECTED")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

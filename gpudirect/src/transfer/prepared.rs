@@ -1,0 +1,174 @@
+//! Prepared requests ([`PreparedTransfer`]): checked once ([`Endpoint::prepare`]), posted many
+//! times.
+
+use super::descriptor::RemoteRange;
+use super::endpoint::{Endpoint, WeakEndpoint};
+#[cfg(feature = "p2p")]
+use super::local::Ready;
+use super::pending::Transfer;
+use super::region::LocalRange;
+use super::request::{
+    Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
+};
+#[cfg(feature = "p2p")]
+use super::transport::Transport;
+use crate::error::Result;
+
+/// A request checked once, to be posted many times ([`Endpoint::prepare`]): the pattern of
+/// NIXL's prepared transfer handles, for the same ranges moved again and again (a layer's KV
+/// blocks, a gradient buffer every step).
+///
+/// Inside a node, posting repeats no check and no lookup: the ranges were checked, the peer's
+/// allocations mapped (and held) and the copy streams found when it was prepared. Across nodes
+/// a post is [`transfer`](Endpoint::transfer) of the same pairs (its checks included).
+///
+/// It does not keep the endpoint open: once every clone of the endpoint is gone, a post is
+/// refused.
+pub struct PreparedTransfer {
+    ep: WeakEndpoint,
+    dir: Direction,
+    opts: TransferOptions,
+    bytes: u64,
+    how: How,
+}
+
+enum How {
+    #[cfg(feature = "p2p")]
+    Local(Ready),
+    Pairs(Vec<(LocalRange, RemoteRange)>),
+}
+
+impl Endpoint {
+    /// Check `pairs` once for requests posted later with [`PreparedTransfer::post`], each as
+    /// [`transfer`](Self::transfer)`(dir, pairs, opts)` would make it (`opts.deadline` counts
+    /// from each post).
+    ///
+    /// # Errors
+    ///
+    /// The checks of [`transfer`](Self::transfer) that need no NIC: [`Error::InvalidArgument`]
+    /// for no pairs, lengths that differ, a local region of another engine, a notification on a
+    /// read, lengths adding up past 2^64; inside a node also everything `transfer` refuses
+    /// before it queues a copy (mapping the peer's allocations included).
+    ///
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    #[doc(alias = "prepXferDlist")]
+    #[doc(alias = "makeXferReq")]
+    pub fn prepare(
+        &self,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        opts: TransferOptions,
+    ) -> Result<PreparedTransfer> {
+        check_pairs(dir, &pairs, &opts)?;
+        check_same_engine(self.engine().inner.engine_id, &pairs)?;
+        let bytes = pairs_bytes(&pairs)?;
+        let made = |how| PreparedTransfer {
+            ep: self.downgrade(),
+            dir,
+            opts,
+            bytes,
+            how,
+        };
+        #[cfg(feature = "p2p")]
+        if let Transport::Local(local) = self.transport() {
+            let ready = local.ready(dir, pairs, bytes, opts)?;
+            return Ok(made(How::Local(ready)));
+        }
+        Ok(made(How::Pairs(pairs)))
+    }
+}
+
+impl PreparedTransfer {
+    /// Make the request again: a new [`Transfer`], as
+    /// [`transfer`](Endpoint::transfer) returns.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure (as [`Endpoint::failure`]) once it has failed;
+    /// [`Error::InvalidArgument`] once it closed (every clone dropped) or, inside a node,
+    /// reconnected since this was prepared (prepare again: the peer's memory may have moved);
+    /// [`Error::Cuda`] from queueing the copies. Across nodes, also what
+    /// [`transfer`](Endpoint::transfer) returns.
+    ///
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    /// [`Error::Cuda`]: crate::Error::Cuda
+    #[doc(alias = "postXferReq")]
+    pub fn post(&self) -> Result<Transfer> {
+        let ep = self.endpoint()?;
+        match &self.how {
+            #[cfg(feature = "p2p")]
+            How::Local(r) => match ep.transport() {
+                Transport::Local(local) => local.post(r),
+                _ => Err(Broken::Closed.to_error()),
+            },
+            How::Pairs(pairs) => ep.transfer(self.dir, pairs.clone(), self.opts),
+        }
+    }
+
+    /// Post it and wait for it on this thread: what `post()?.wait()` gives, sooner.
+    ///
+    /// Inside a node, when the request moves at most 64 MiB on one copy stream (the default
+    /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else of the
+    /// endpoint is queued, being finished or still running on that stream, its copies are
+    /// queued and waited for with `cuStreamSynchronize` on this thread, as a hand-written copy
+    /// would be: no completion tracking, no hand-off between threads. Meanwhile the endpoint
+    /// queues no other request (they wait to be queued). The deadline does not bound that wait:
+    /// 64 MiB take at most a few milliseconds on any GPU link, so only a stalled GPU makes it
+    /// long; copies seen done are done, as for any request. Otherwise, and across nodes, it is
+    /// `post()?.wait()`.
+    ///
+    /// # Errors
+    ///
+    /// As [`post`](Self::post) and [`Transfer::wait`].
+    ///
+    /// [`EngineConfig::copy_streams`]: super::EngineConfig::copy_streams
+    #[doc(alias = "cuStreamSynchronize")]
+    pub fn run(&self) -> Result<TransferReport> {
+        match &self.how {
+            #[cfg(feature = "p2p")]
+            How::Local(r) => match self.endpoint()?.transport() {
+                Transport::Local(local) => local.run(r),
+                _ => Err(Broken::Closed.to_error()),
+            },
+            How::Pairs(_) => self.post()?.wait(),
+        }
+    }
+
+    /// The endpoint, while some clone of it lives; closed otherwise.
+    fn endpoint(&self) -> Result<Endpoint> {
+        self.ep.upgrade().ok_or_else(|| Broken::Closed.to_error())
+    }
+
+    /// Its direction.
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+
+    /// Bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Its options (the deadline counts from each post).
+    pub fn options(&self) -> TransferOptions {
+        self.opts
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("direction", &self.dir)
+            .field("bytes", &self.bytes)
+            .field("options", &self.opts)
+            .field(
+                "inside_node",
+                &match self.how {
+                    #[cfg(feature = "p2p")]
+                    How::Local(_) => true,
+                    How::Pairs(_) => false,
+                },
+            )
+            .finish()
+    }
+}

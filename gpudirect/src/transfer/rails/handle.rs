@@ -1,0 +1,202 @@
+//! The verbs transport of one endpoint as the endpoint holds it ([`Rails`]): started with its
+//! progress thread; its requests (registered memory straight to the rails, staged memory
+//! through the bounce ring); reconnecting, closing, and its counters.
+
+use super::handshake::dial;
+use super::post::{check_request, direct, pump};
+use super::progress::{close, drain_after_close, poll_all, progress_loop};
+use super::rail::{Rail, RailStats, TICK};
+use super::staging::staged;
+use super::state::{Link, Origin, State, break_endpoint, force_finish, new_state};
+use crate::completion::thread::join_unless_current;
+use crate::error::{Error, Result};
+use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::engine::Engine;
+use crate::transfer::pending::Transfer;
+use crate::transfer::region::LocalRange;
+use crate::transfer::request::{Broken, Direction, FLUSH_WAIT, Notification, TransferOptions};
+use crate::transfer::shared::EpInner;
+use crate::transfer::wire::Hello;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// An endpoint's rails: what its requests, the progress thread and the endpoint share, and the
+/// progress thread.
+pub(crate) struct Rails {
+    link: Arc<Link>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Rails {
+    /// The verbs side of a new (or accepted) endpoint: its state from the rails and the peer's
+    /// first messages, and its progress thread.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for first messages that disagree; [`Error::Os`] from
+    /// `eventfd`; as [`spawn_thread`](crate::driver::ctx::spawn_thread).
+    pub(super) fn start(
+        engine: Engine,
+        rails: Vec<Rail>,
+        hellos: Vec<Hello>,
+        origin: Origin,
+    ) -> Result<Rails> {
+        let n = rails.len();
+        let state = new_state(&engine.inner, rails, &hellos)?;
+        let inner = Arc::new(Link::new(engine, state, n, origin)?);
+        let t = inner.clone();
+        let thread =
+            crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))?;
+        Ok(Rails {
+            link: inner,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// What the endpoint shares with its rails (notifications, failure, the peer's
+    /// descriptors).
+    pub(crate) fn shared(&self) -> &EpInner<State> {
+        &self.link.ep
+    }
+
+    /// A request: registered memory straight to the rails, staged memory through the bounce
+    /// ring on a worker that holds `keep` (the endpoint) until it ends.
+    pub(crate) fn transfer<K: Clone + Send + 'static>(
+        &self,
+        keep: &K,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        opts: TransferOptions,
+    ) -> Result<Transfer> {
+        if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
+            staged(&self.link, keep.clone(), dir, pairs, opts)
+        } else {
+            direct(&self.link, dir, pairs, opts)
+        }
+    }
+
+    /// The checks a request passes before anything is queued, queueing nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::transfer`](crate::transfer::Endpoint::transfer).
+    pub(crate) fn check_request(
+        &self,
+        dir: Direction,
+        pairs: &[(LocalRange, RemoteRange)],
+        opts: &TransferOptions,
+    ) -> Result<()> {
+        check_request(&self.link, dir, pairs, opts)
+    }
+
+    /// The next notification, waiting up to `timeout` (with the engine's `spin`, polling the
+    /// completion queues here first).
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure, once it has failed and no notification is left.
+    pub(crate) fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
+        let inner = &self.link;
+        inner.ep.next_notification(timeout, |st| {
+            if poll_all(inner, st) {
+                pump(inner, st);
+            }
+        })
+    }
+
+    /// Rails of the endpoint.
+    pub(crate) fn rails(&self) -> usize {
+        self.link.counters.len()
+    }
+
+    /// Per-rail counters (cumulative), in rail order.
+    pub(crate) fn rail_stats(&self) -> Vec<RailStats> {
+        let i = &self.link;
+        let st = i.lock();
+        i.counters
+            .iter()
+            .enumerate()
+            .map(|(r, c)| RailStats {
+                device: st
+                    .rails
+                    .get(r)
+                    .map(|x| i.ep.engine.inner.devices[x.device].name.clone())
+                    .unwrap_or_default(),
+                bytes_written: c.bytes_written.load(Ordering::Relaxed),
+                bytes_read: c.bytes_read.load(Ordering::Relaxed),
+                writes: c.writes.load(Ordering::Relaxed),
+                reads: c.reads.load(Ordering::Relaxed),
+                notifications_sent: c.notes_sent.load(Ordering::Relaxed),
+                notifications_received: c.notes_received.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    /// Rails, requests in flight, and why the endpoint stopped (for `Debug`).
+    pub(crate) fn describe(&self) -> (usize, usize, Option<Broken>) {
+        let st = self.link.lock();
+        (
+            st.rails.len(),
+            st.requests.len(),
+            st.broken.as_ref().map(|b| b.0.clone()),
+        )
+    }
+
+    /// Close the connections and connect the rails again (the side that connected only).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] on the accepting side; errors of connecting.
+    pub(crate) fn reconnect(&self) -> Result<()> {
+        let inner = &self.link;
+        if matches!(inner.origin, Origin::Accepted) {
+            return Err(Error::invalid(
+                "endpoint",
+                "accepted",
+                "only the side that connected can reconnect; the listener accepts the new endpoint",
+            ));
+        }
+        {
+            let mut st = inner.lock();
+            if st.broken.is_none() {
+                break_endpoint(inner, &mut st, Broken::Closed);
+            }
+        }
+        inner.poke();
+        // Wait (bounded) for the old requests to end.
+        let until = Instant::now() + FLUSH_WAIT + TICK * 4;
+        while Instant::now() < until && !inner.lock().requests.is_empty() {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let (rails, hellos) = dial(&inner.ep.engine.inner, &inner.origin)?;
+        if rails.len() != inner.counters.len() {
+            return Err(Error::invalid(
+                "rails",
+                rails.len(),
+                "the rail count changed",
+            ));
+        }
+        let fresh = new_state(&inner.ep.engine.inner, rails, &hellos)?;
+        let old = {
+            let mut st = inner.lock();
+            force_finish(&mut st);
+            std::mem::replace(&mut *st, fresh)
+        };
+        inner.poke();
+        drop(old);
+        Ok(())
+    }
+
+    /// Close: the endpoint broken (every queue pair to the error state), the progress thread
+    /// joined, then the flushed completions polled (bounded) and every request ended.
+    pub(crate) fn close(&self) {
+        close(&self.link);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // Dropped on the progress thread itself (a waker run there): it ends by itself.
+            join_unless_current(t);
+        }
+        drain_after_close(&self.link);
+    }
+}

@@ -1,0 +1,32 @@
+//! The verbs transport: an endpoint's rails, one reliable queue pair per rail to one peer,
+//! connected through rdma_cm, with a progress thread that waits on the rails' completion
+//! channels and finishes requests.
+//!
+//! # Where things live
+//!
+//! Bottom up, each file imports only those before it:
+//!
+//! - `rail`: one rail (queue pair, completion queues, rdma_cm link), its messages and counters.
+//! - `state`: the endpoint's verbs state under its lock ([`Link`](state::Link)), requests'
+//!   accounting, breaking the endpoint and finishing requests.
+//! - `post`: a request checked, planned and posted within each rail's window; notifications
+//!   against credits.
+//! - `progress`: the progress thread: completions, notifications delivered, deadlines.
+//! - `staging`: GPU memory the NIC cannot reach, through a ring of pinned bounce buffers.
+//! - `handshake`: a rail's connection resources and its first-message exchange.
+//! - `handle`: the rails as the endpoint holds them ([`Rails`]): start, requests, reconnect,
+//!   close.
+//! - `listen`: accepting endpoints (an rdma_cm listener) and connecting them.
+
+mod handle;
+mod handshake;
+mod listen;
+mod post;
+mod progress;
+mod rail;
+mod staging;
+mod state;
+
+pub(crate) use handle::Rails;
+pub(crate) use listen::{Listener, connect, listen};
+pub use rail::RailStats;

@@ -1,0 +1,301 @@
+//! Posting on the rails: a request checked, planned into messages (split and striped), queued
+//! and posted within each rail's window; notifications held until the other rails are done and
+//! sent against the peer's credits.
+
+use super::rail::{NOTIFY_RAIL, Posted, QpSlot, Wr};
+use super::state::{Link, Request, State, break_endpoint, check_rkeys};
+use crate::error::{Error, Result};
+use crate::rdma::{RemoteSlice, SendRequest};
+use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::pending::{ReqShared, Transfer};
+use crate::transfer::plan::{Chunk, PlanInput, deadline_after, plan};
+use crate::transfer::region::{LocalRange, Region};
+use crate::transfer::request::{
+    Broken, Direction, FLUSH_WAIT, TransferOptions, check_pairs, check_same_engine,
+};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// The request on registered memory (what
+/// [`Endpoint::transfer`](crate::transfer::Endpoint::transfer) does once no local range is
+/// staged): checked, planned, queued and posted within the windows.
+pub(crate) fn direct(
+    inner: &Link,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Transfer> {
+    let e = &inner.ep.engine.inner;
+    check_pairs(dir, &pairs, &opts)?;
+    check_same_engine(e.engine_id, &pairs)?;
+    if let Some(i) = pairs
+        .iter()
+        .position(|(l, _)| l.region.entry.mrs.is_empty())
+    {
+        return Err(Error::invalid(
+            "pairs",
+            i,
+            "staged memory goes through the staged path",
+        ));
+    }
+    let timeout = opts.deadline.unwrap_or(e.config.deadline);
+    let started = Instant::now();
+    let deadline = deadline_after(started, timeout);
+    let lens: Vec<u64> = pairs.iter().map(|(l, _)| l.len).collect();
+    let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
+    let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
+    let mut st = inner.lock();
+    if let Some((b, _)) = &st.broken {
+        return Err(b.to_error());
+    }
+    check_rkeys(&pairs, st.peer_devices)?;
+    // Rails nearest the first pair's memory, among the endpoint's.
+    let preferred = &pairs[0].0.region.entry.preferred;
+    let mut rails: Vec<usize> = (0..st.rails.len())
+        .filter(|&r| preferred.contains(&st.rails[r].device))
+        .collect();
+    if rails.is_empty() {
+        rails = (0..st.rails.len()).collect();
+    }
+    let turn = st.turn;
+    st.turn = st.turn.wrapping_add(1);
+    let chunks = plan(&PlanInput {
+        lens: &lens,
+        max_message: st.max_message,
+        rails: &rails,
+        stripe_min: e.config.stripe_min,
+        notify_rail: opts.notify.map(|_| NOTIFY_RAIL),
+        turn,
+    })?;
+    let mut wrs: Vec<(usize, Wr, bool)> = Vec::with_capacity(chunks.len());
+    for c in &chunks {
+        wrs.push((c.rail, build_wr(&st, dir, &pairs, c, opts.notify)?, c.imm));
+    }
+    let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+    let mut req = Request {
+        shared: shared.clone(),
+        dir,
+        unposted: wrs.len(),
+        posted: 0,
+        elsewhere: wrs.iter().filter(|w| w.0 != NOTIFY_RAIL).count(),
+        held: None,
+        notify: opts.notify,
+        timeout,
+        error: None,
+        rail_bytes: vec![0; st.rails.len()],
+        messages: wrs.len() as u64,
+        started,
+        paths: pairs
+            .iter()
+            .map(|(l, _)| l.region.entry.path.clone())
+            .collect(),
+        flush: if dir == Direction::Read {
+            let mut v: Vec<usize> = pairs
+                .iter()
+                .filter_map(|(l, _)| l.region.entry.ordinal)
+                .collect();
+            v.dedup();
+            v
+        } else {
+            Vec::new()
+        },
+    };
+    for (rail, wr, imm) in wrs {
+        if imm {
+            req.held = Some(wr);
+        } else {
+            st.rails[rail].pending.push_back((id, wr));
+        }
+    }
+    if req.held.is_some() {
+        st.notify_q.push_back(id);
+    }
+    st.requests.insert(id, req);
+    st.deadlines.push(std::cmp::Reverse((deadline, id)));
+    pump(inner, &mut st);
+    drop(st);
+    Ok(Transfer::started("transfer", shared, regions))
+}
+
+/// The checks [`direct`] or the staged path make before anything is queued, without
+/// queueing anything (stream-ordered requests make them before they are enqueued on a
+/// stream).
+///
+/// # Errors
+///
+/// As [`Endpoint::transfer`](crate::transfer::Endpoint::transfer).
+pub(crate) fn check_request(
+    inner: &Link,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<()> {
+    check_pairs(dir, pairs, opts)?;
+    let staged = pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty());
+    if staged {
+        if pairs.len() != 1 {
+            return Err(Error::invalid(
+                "pairs",
+                pairs.len(),
+                "a request with staged memory moves one range",
+            ));
+        }
+    } else {
+        check_same_engine(inner.ep.engine.inner.engine_id, pairs)?;
+    }
+    let st = inner.lock();
+    if let Some((b, _)) = &st.broken {
+        return Err(b.to_error());
+    }
+    check_rkeys(pairs, st.peer_devices)
+}
+
+fn build_wr(
+    st: &State,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    c: &Chunk,
+    notify: Option<u32>,
+) -> Result<Wr> {
+    let rail = &st.rails[c.rail];
+    let (l, r) = &pairs[c.pair];
+    let off = usize::try_from(l.region.at + l.offset + c.offset)
+        .map_err(|_| Error::invalid("offset", l.offset, "fits no usize"))?;
+    let local = l.region.entry.mrs[rail.device].slice(off, c.len as usize)?;
+    let remote = RemoteSlice {
+        addr: r.addr_at(c.offset),
+        rkey: r.descriptor().rkeys()[rail.peer_device],
+        len: c.len,
+    };
+    Ok(match dir {
+        Direction::Write => Wr::Write {
+            local,
+            remote,
+            imm: if c.imm { notify } else { None },
+            signaled: c.last_on_rail,
+        },
+        Direction::Read => Wr::Read {
+            local,
+            remote,
+            signaled: c.last_on_rail,
+        },
+    })
+}
+
+/// Post what fits: each rail's pending messages within its window, the notifications whose
+/// other rails are done (in order, against credits), and credit returns.
+pub(super) fn pump(inner: &Link, st: &mut State) {
+    if st.broken.is_some() {
+        return;
+    }
+    // Notifications, in request order.
+    while let Some(&id) = st.notify_q.front() {
+        let Some(req) = st.requests.get_mut(&id) else {
+            st.notify_q.pop_front();
+            continue;
+        };
+        if req.elsewhere > 0 || !st.credits.can_notify() {
+            break;
+        }
+        let wr = req.held.take().expect("held until released");
+        st.credits.take_notify();
+        st.rails[NOTIFY_RAIL].pending.push_back((id, wr));
+        st.notify_q.pop_front();
+    }
+    if let Some(n) = st.credits.take_return() {
+        st.rails[NOTIFY_RAIL].pending.push_back((0, Wr::Credits(n)));
+    }
+    for r in 0..st.rails.len() {
+        if let Err(e) = post_rail(inner, st, r) {
+            break_endpoint(inner, st, Broken::of(&e));
+            return;
+        }
+    }
+}
+
+/// Post rail `r`'s pending messages within its window, as one chain.
+fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
+    let State {
+        rails, requests, ..
+    } = st;
+    let rail = &mut rails[r];
+    let room = (rail.window as usize).saturating_sub(rail.outstanding());
+    let n = room.min(rail.pending.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let QpSlot::Rts(qp) = &mut rail.qp else {
+        return Ok(());
+    };
+    let mut chain = Vec::with_capacity(n);
+    let mut posted = Vec::with_capacity(n);
+    for (req, wr) in rail.pending.drain(..n) {
+        let seq = rail.next_seq;
+        rail.next_seq += 1;
+        let bytes = wr.bytes();
+        let (sr, dir, imm) = match wr {
+            Wr::Write {
+                local,
+                remote,
+                imm,
+                signaled,
+            } => {
+                let mut s = SendRequest::write(local, remote);
+                if let Some(i) = imm {
+                    s = s.with_imm(i);
+                }
+                let s = if signaled || imm.is_some() {
+                    s.signaled()
+                } else {
+                    s.unsignaled()
+                };
+                (s, Some(Direction::Write), imm.is_some())
+            }
+            Wr::Read {
+                local,
+                remote,
+                signaled,
+            } => {
+                let s = SendRequest::read(local, remote);
+                let s = if signaled {
+                    s.signaled()
+                } else {
+                    s.unsignaled()
+                };
+                (s, Some(Direction::Read), false)
+            }
+            Wr::Credits(k) => (
+                SendRequest::send_inline(&[]).with_imm(k).signaled(),
+                None,
+                false,
+            ),
+        };
+        chain.push(sr.tag(seq));
+        posted.push(Posted {
+            seq,
+            req,
+            bytes,
+            dir,
+            imm,
+        });
+    }
+    let res = qp.post_send(chain);
+    let ok = match &res {
+        Ok(k) => *k,
+        Err(_) => 0,
+    };
+    // Posted ones are in flight; the rest are dropped with the request failing below.
+    for (i, p) in posted.into_iter().enumerate() {
+        if let Some(q) = requests.get_mut(&p.req) {
+            q.unposted = q.unposted.saturating_sub(1);
+            if i < ok {
+                q.posted += 1;
+            }
+        }
+        if i < ok {
+            rail.inflight.push_back(p);
+        }
+    }
+    let _ = inner;
+    res.map(|_| ())
+}

@@ -1,0 +1,205 @@
+//! A request armed on a stream queue: the queue's words it shares, its outcome as the proxy
+//! leaves it, and [`StreamTransfer`], the request as users see it.
+
+use super::window::{DONE, geq_releases, trigger_slot};
+use super::words::WordMemory;
+use crate::completion::deferred::Woken;
+use crate::completion::{CompletionFlag, Fence, InFlight};
+use crate::cuda::{MemopFlags, Stream, WaitCondition};
+use crate::error::{Error, Result};
+use crate::transfer::request::TransferReport;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One queue's words.
+pub(crate) struct Queue {
+    pub(super) id: u64,
+    pub(super) words: Box<dyn WordMemory>,
+}
+
+/// A request's result as the proxy leaves it, with what it held (dropped by whoever takes the
+/// result, never by the proxy thread).
+pub(super) struct Outcome {
+    pub(super) flag: CompletionFlag,
+    pub(super) slot: Mutex<Option<(Result<TransferReport>, Option<Keep>)>>,
+}
+
+/// What a finished request still holds (its memory regions): dropped off the proxy thread.
+pub(crate) type Keep = Box<dyn Send>;
+
+impl Outcome {
+    /// Store the result; the flag goes to `woken`, set once the proxy's lock is let go.
+    pub(super) fn set(&self, r: Result<TransferReport>, keep: Option<Keep>, woken: &mut Woken) {
+        let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some((r, keep));
+        }
+        drop(g);
+        woken.push(self.flag.clone());
+    }
+}
+
+/// A request armed on a stream queue ([`Endpoint::write_on`](crate::transfer::Endpoint::write_on), [`Endpoint::read_on`](crate::transfer::Endpoint::read_on), or the
+/// host-triggered [`Endpoint::write_triggered`](crate::transfer::Endpoint::write_triggered), [`Endpoint::read_triggered`](crate::transfer::Endpoint::read_triggered)): its sequence
+/// number, the queue's completion word, and the host's view of its result.
+///
+/// It holds the queue's words (an `Arc` shared with the queue): the memory stays while any
+/// stream operation may still reach it, and leaks if this is leaked.
+#[must_use = "a stream transfer runs when its trigger fires; wait for it (on a stream or the host)"]
+pub struct StreamTransfer {
+    pub(super) queue: Arc<Queue>,
+    pub(super) seq: u64,
+    pub(super) outcome: Arc<Outcome>,
+    pub(super) host: bool,
+    pub(super) limit: Instant,
+}
+
+impl StreamTransfer {
+    /// The request's sequence number in its queue (from 1).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Fire the trigger from the host: what the stream's `cuStreamWriteValue64` does for a
+    /// request made with [`Endpoint::write_on`](crate::transfer::Endpoint::write_on). Only for host-triggered requests
+    /// ([`Endpoint::write_triggered`](crate::transfer::Endpoint::write_triggered), [`Endpoint::read_triggered`](crate::transfer::Endpoint::read_triggered)); firing twice is harmless.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a request a stream triggers.
+    pub fn trigger(&self) -> Result<()> {
+        if !self.host {
+            return Err(Error::invalid(
+                "trigger",
+                "a stream's request",
+                "the stream fires it when it reaches the trigger write",
+            ));
+        }
+        self.queue.words.store(trigger_slot(self.seq), self.seq);
+        Ok(())
+    }
+
+    /// `cuStreamWaitValue64(completion word, seq, GEQ)` on `stream`: its later work waits until
+    /// this request and every earlier one of its queue are done, or one failed (then the word
+    /// has [`STREAM_ERROR_BIT`](super::STREAM_ERROR_BIT): work after the wait must check it, see the module docs).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] when the queue's words are plain host memory (host-triggered
+    /// requests made before any stream request) or the device lacks 64-bit stream memory
+    /// operations; [`Error::StreamCapturing`] while the stream captures a graph (nothing is
+    /// enqueued); [`Error::Cuda`].
+    #[doc(alias = "cuStreamWaitValue64_v2")]
+    pub fn wait_on(&self, stream: &Stream) -> Result<()> {
+        let flags = self.cuda_words()?;
+        stream.wait_value64(flags, DONE, self.seq, WaitCondition::Geq)
+    }
+
+    /// The completion word for a kernel that polls it: its device address (8 bytes, aligned,
+    /// in pinned host memory mapped for the device) and the value to wait for (the request is
+    /// done when `word >= seq` or `word & STREAM_ERROR_BIT != 0`; see the module docs for what
+    /// the bit means).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] when the queue's words are plain host memory.
+    pub fn completion_word(&self) -> Result<(u64, u64)> {
+        Ok((self.cuda_words()?.device_ptr(DONE)?, self.seq))
+    }
+
+    /// The completion word now, as the host reads it.
+    pub fn completion_value(&self) -> u64 {
+        self.queue.words.load(DONE)
+    }
+
+    /// Whether the word releases a wait for this request now (done, or a failure in the
+    /// queue).
+    pub fn is_released(&self) -> bool {
+        geq_releases(self.completion_value(), self.seq)
+    }
+
+    fn cuda_words(&self) -> Result<&MemopFlags> {
+        self.queue.words.flags().ok_or_else(|| Error::Unsupported {
+            what: "a stream wait on a host-triggered queue".into(),
+            reason: "the endpoint's stream queue is in plain host memory (made for host \
+                     triggers without CUDA)"
+                .into(),
+        })
+    }
+
+    /// Whether the request has finished (the host's view; the word is written before).
+    pub fn is_complete(&self) -> bool {
+        self.outcome.flag.is_complete()
+    }
+
+    /// Wait on the host, up to `timeout`, for the request to finish, and take its result.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] when it has not finished within `timeout` (call again); what ended the
+    /// request (as [`Transfer::wait`](crate::transfer::Transfer::wait), plus [`Error::Timeout`] when the
+    /// stream never reached the trigger and [`Error::InvalidArgument`] when the endpoint was
+    /// closed first or an earlier request of the queue failed); [`Error::InvalidArgument`] once
+    /// the result was taken.
+    pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
+        if !self.outcome.flag.wait_timeout(timeout) {
+            return Err(Error::Timeout {
+                what: "a stream transfer",
+                after: timeout,
+            });
+        }
+        take(&self.outcome)
+    }
+}
+
+fn take(o: &Outcome) -> Result<TransferReport> {
+    let got = o.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    match got {
+        // What the request held is dropped here, on the caller's thread.
+        Some((r, keep)) => {
+            drop(keep);
+            r
+        }
+        None => Err(Error::invalid(
+            "stream transfer",
+            "its result",
+            "already taken",
+        )),
+    }
+}
+
+/// Awaiting a stream transfer awaits its completion flag (set by the proxy) up to the
+/// request's bound (twice its deadline from the call, plus the NIC's flush after a failure);
+/// past it the future ends with [`Error::Timeout`].
+impl std::future::IntoFuture for StreamTransfer {
+    type Output = Result<TransferReport>;
+    type IntoFuture =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let op = InFlight::new(
+            "stream transfer",
+            self.outcome.flag.clone(),
+            self.outcome.clone(),
+        );
+        let f = op.deadline(self.limit);
+        let keep = self.queue;
+        Box::pin(async move {
+            let o = f.await?;
+            let r = take(&o);
+            drop(keep);
+            r
+        })
+    }
+}
+
+impl std::fmt::Debug for StreamTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamTransfer")
+            .field("seq", &self.seq)
+            .field("queue", &self.queue.id)
+            .field("word", &self.completion_value())
+            .field("complete", &self.is_complete())
+            .finish()
+    }
+}
