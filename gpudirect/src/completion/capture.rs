@@ -75,11 +75,11 @@ pub(crate) trait Probe {
 }
 
 /// The driver's answers for a raw stream of the current context.
-pub(crate) struct Driver {
-    pub(crate) raw: sys::CUstream,
+struct Driver {
+    raw: sys::CUstream,
     /// Whether a capture found after queueing is invalidated (work) or left alone (an internal
     /// event record, which puts nothing into the graph).
-    pub(crate) invalidate: bool,
+    invalidate: bool,
 }
 
 impl Probe for Driver {
@@ -129,6 +129,22 @@ pub(crate) fn enqueue_raw<R, T>(
         invalidate: true,
     };
     enqueue_with(&probe, call, keep, |k| f(raw, k))
+}
+
+/// [`enqueue_raw`] for an event record of the library's own: checked like any work, but a
+/// capture found after the record is left alone (an internal event puts nothing into the
+/// user's graph).
+pub(crate) fn enqueue_record<R, T>(
+    raw: sys::CUstream,
+    call: &'static str,
+    keep: R,
+    f: impl FnOnce(&R) -> Result<T>,
+) -> Result<(T, R), Refused<R>> {
+    let probe = Driver {
+        raw,
+        invalidate: false,
+    };
+    enqueue_with(&probe, call, keep, f)
 }
 
 /// The calling thread in `CU_STREAM_CAPTURE_MODE_RELAXED` while this lives; its mode before is
@@ -308,9 +324,22 @@ impl PrivateStream {
     }
 }
 
-/// The capture protocol itself, over any [`Probe`].
+/// [`enqueue_with`] for tests, which answer the driver's questions themselves.
+#[cfg(test)]
+pub(crate) fn enqueue_probed<P: Probe, R, T>(
+    probe: &P,
+    call: &'static str,
+    keep: R,
+    f: impl FnOnce(&R) -> Result<T>,
+) -> Result<(T, R), Refused<R>> {
+    enqueue_with(probe, call, keep, f)
+}
+
+/// The capture protocol itself, over any [`Probe`]. Private: the crate queues work through
+/// [`enqueue`], [`enqueue_raw`], [`enqueue_record`] (which ask the driver) or
+/// [`PrivateStream::enqueue`] (the one path that does not).
 #[inline]
-pub(crate) fn enqueue_with<P: Probe, R, T>(
+fn enqueue_with<P: Probe, R, T>(
     probe: &P,
     call: &'static str,
     keep: R,

@@ -2,7 +2,7 @@
 //! work is queued, what the work uses is freed exactly once, or never when the work may sit in a
 //! graph. No GPU needed.
 
-use super::capture::{Probe, Refused, enqueue_with};
+use super::capture::{Probe, Refused, enqueue_probed as enqueue_with};
 use super::testing::Counted;
 use crate::Error;
 use proptest::prelude::*;

@@ -215,11 +215,7 @@ impl Timeline {
         let recorded = match &self.stream {
             Queue::Private(p) => p.enqueue("cuEventRecord", ev, |_, ev| record(ev)),
             Queue::Shared(s) => {
-                let probe = super::capture::Driver {
-                    raw: s.cu_stream(),
-                    invalidate: false,
-                };
-                super::capture::enqueue_with(&probe, "cuEventRecord", ev, record)
+                super::capture::enqueue_record(s.cu_stream(), "cuEventRecord", ev, record)
             }
         };
         match recorded {

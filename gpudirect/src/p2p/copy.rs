@@ -444,7 +444,7 @@ impl Copier {
             .into_iter()
             .zip(&jobs)
             .map(|((src, dst), &(_, _, bytes))| Copied {
-                path: self.lane.path_for(&Real, &src, &dst),
+                path: self.lane.path_for(&Real(&self.inner.stream), &src, &dst),
                 src,
                 dst,
                 bytes,
@@ -467,7 +467,10 @@ impl Copier {
             // SAFETY: every range is owned by `done` (validated: equal lengths, no wrap), which
             // goes into the InFlight (or the tracker) with a fence issued after the copies on
             // the lane's stream.
-            return match unsafe { self.lane.enqueue_batch(&Real, &jobs, own) } {
+            return match unsafe {
+                self.lane
+                    .enqueue_batch(&Real(&self.inner.stream), &jobs, own)
+            } {
                 Ok(()) => Ok(InFlight::new(
                     "peer copies",
                     self.inner.stream.fence(),
@@ -527,7 +530,7 @@ impl Copier {
         D: DeviceMemoryMut<Elem = S::Elem>,
     {
         let (s, d, bytes) = self.checked(&src, &dst)?;
-        let path = self.lane.path_for(&Real, &src, &dst);
+        let path = self.lane.path_for(&Real(&self.inner.stream), &src, &dst);
         let done = Copied {
             src,
             dst,
@@ -576,7 +579,10 @@ impl Copier {
     ) -> std::result::Result<Option<StreamFence>, (Error, Left)> {
         let Some(stager) = &self.inner.stager else {
             // SAFETY: the caller's.
-            return match unsafe { self.lane.enqueue(&Real, dst, src, bytes) } {
+            return match unsafe {
+                self.lane
+                    .enqueue(&Real(&self.inner.stream), dst, src, bytes)
+            } {
                 Ok(()) => Ok(None),
                 Err(r) if r.leaked() => Err((r.error, Left::Unprovable)),
                 // One driver call that failed queued nothing.
@@ -633,7 +639,7 @@ impl Copier {
         let (s, d, bytes) = self.checked(src, dst).map_err(|e| (e, Left::Nothing))?;
         // Grants pool and VMM memory the peer's access (or checks it), as every copy does; the
         // path itself is the copier's to report (`path`), not the scope's.
-        let _ = self.lane.path_for(&Real, src, dst);
+        let _ = self.lane.path_for(&Real(&self.inner.stream), src, dst);
         // SAFETY: the caller's, for the validated ranges (equal lengths, no wrap).
         unsafe { self.queue(d, s, bytes) }.map(drop)
     }

@@ -5,7 +5,7 @@
 //!
 //! | memory | path decided by | calls per copy (after the first) |
 //! | --- | --- | --- |
-//! | `cuMemAlloc` memory (and CUDA IPC imports mapped where they live) | its kind: peer access is enabled for the pair when the copier is made | `cuCtxGetCurrent`, the copy (the lane's stream is the copier's own: no `cuStreamIsCapturing`, see [`Real`]) |
+//! | `cuMemAlloc` memory (and CUDA IPC imports mapped where they live) | its kind: peer access is enabled for the pair when the copier is made | `cuCtxGetCurrent`, the copy (the lane's stream is the copier's own private stream: no `cuStreamIsCapturing`, see [`Real`]) |
 //! | pool memory | once per allocation (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), then remembered | plus one `cuPointerGetAttribute` per pool buffer |
 //! | VMM memory that knows its mappings | once per set of mappings (their buffer ids), then remembered | plus one `cuPointerGetAttribute` per mapping |
 //! | VMM memory that does not | every copy (`cuMemGetAddressRange`, `cuMemGetAccess` per mapping) | as before the cache |
@@ -25,7 +25,8 @@
 use super::access::{self, VmmRange};
 use super::home::{self, Home};
 use super::path::CopyPath;
-use crate::completion::capture::{self, Probe, Refused};
+use crate::completion::capture::{self, Refused};
+use crate::cuda::Stream;
 use crate::driver;
 use crate::error::Result;
 use crate::memory::{DeviceMemory, MemoryKind};
@@ -42,10 +43,15 @@ pub(crate) trait CopyDriver {
     ///
     /// `ctx` is a live context.
     unsafe fn bind(&self, ctx: sys::CUcontext) -> Result<()>;
-    /// `cuStreamIsCapturing`.
-    fn capturing(&self, stream: sys::CUstream) -> Result<bool>;
-    /// Make a capture the stream may be in produce no graph (`cuStreamQuery`).
-    fn invalidate(&self, stream: sys::CUstream);
+    /// Queue `queue` on `stream` behind the graph-capture protocol (`call` names the C function
+    /// in a refusal): `cuStreamIsCapturing` before and after, unless the stream is a
+    /// [`PrivateStream`](capture::PrivateStream).
+    fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        call: &'static str,
+        queue: impl FnOnce() -> Result<()>,
+    ) -> std::result::Result<(), Refused<()>>;
     /// `cuMemcpyDtoDAsync_v2` of `job`.
     ///
     /// # Safety
@@ -86,10 +92,10 @@ pub(crate) trait CopyDriver {
     ) -> std::result::Result<(), String>;
 }
 
-/// The driver itself.
-pub(crate) struct Real;
+/// The driver itself, for a lane over `0`: the copier's own stream.
+pub(crate) struct Real<'s>(pub(crate) &'s Stream);
 
-impl CopyDriver for Real {
+impl CopyDriver for Real<'_> {
     #[inline]
     unsafe fn bind(&self, ctx: sys::CUcontext) -> Result<()> {
         if driver::ctx::current()? == Some(ctx) {
@@ -100,23 +106,21 @@ impl CopyDriver for Real {
     }
 
     #[inline]
-    fn capturing(&self, _stream: sys::CUstream) -> Result<bool> {
-        // A lane's stream is the copier's own (`Copier::new` creates it): no safe API hands it
-        // out (the copier has no stream accessor and `StreamFence::timeline` is crate-private),
-        // so nobody can begin a capture on it; and a capture spreads to another stream only when
-        // that stream waits on an event recorded in the capturing one, which a lane never does
-        // (it waits only on the copier's own staging lanes). So it is never capturing, and the
-        // two `cuStreamIsCapturing` calls per copy (most of the fixed cost of a small pipelined
-        // copy: docs/p2p.md) are not made. `Real` serves only lanes over the copier's own
-        // streams; the check itself stays in the path (`capture::enqueue_with`), so a driver for
-        // another kind of stream answers through `capture::is_capturing`.
-        Ok(false)
-    }
-
-    fn invalidate(&self, stream: sys::CUstream) {
-        // SAFETY: a live stream. Querying a capturing stream is illegal in capture: the driver
-        // invalidates the capture.
-        let _ = unsafe { driver::stream::query(stream) };
+    fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        call: &'static str,
+        queue: impl FnOnce() -> Result<()>,
+    ) -> std::result::Result<(), Refused<()>> {
+        match self.0.as_private() {
+            // A lane's stream is the copier's own (`Copier::new` makes it with
+            // `Stream::private`): no safe API hands it out, so nobody can begin a capture on
+            // it, and it never waits on an event of a stream the library does not own. So the
+            // two `cuStreamIsCapturing` calls per copy (most of the fixed cost of a small
+            // pipelined copy: docs/p2p.md) are not made.
+            Some(p) if p.cu_stream() == stream => p.enqueue(call, (), |_, ()| queue()).map(drop),
+            _ => capture::enqueue_raw(stream, call, (), |_, ()| queue()).map(drop),
+        }
     }
 
     #[inline]
@@ -477,15 +481,11 @@ impl Lane {
                 kept: Some(()),
             });
         }
-        let probe = LaneProbe {
-            x,
-            stream: self.stream,
-        };
         let call = match self.route {
             Route::Same => "cuMemcpyDtoDAsync_v2",
             Route::Peer | Route::Staged => "cuMemcpyPeerAsync",
         };
-        capture::enqueue_with(&probe, call, (), |()| queue(x)).map(drop)
+        x.enqueue(self.stream, call, || queue(x))
     }
 
     /// Queue `jobs` (`(dst, src, bytes)`, none empty) in order behind one capture check: one
@@ -527,22 +527,6 @@ impl Lane {
                 Ok(())
             })
         }
-    }
-}
-
-/// The capture check's questions, asked of a [`CopyDriver`] about the lane's stream.
-struct LaneProbe<'a, X> {
-    x: &'a X,
-    stream: sys::CUstream,
-}
-
-impl<X: CopyDriver> Probe for LaneProbe<'_, X> {
-    fn capturing(&self) -> Result<bool> {
-        self.x.capturing(self.stream)
-    }
-
-    fn invalidate(&self) {
-        self.x.invalidate(self.stream);
     }
 }
 
@@ -589,12 +573,23 @@ mod tests {
             }
             Ok(())
         }
-        fn capturing(&self, _: sys::CUstream) -> Result<bool> {
-            self.count("cuStreamIsCapturing");
-            Ok(self.capturing.get())
-        }
-        fn invalidate(&self, _: sys::CUstream) {
-            self.count("cuStreamQuery");
+        fn enqueue(
+            &self,
+            _: sys::CUstream,
+            call: &'static str,
+            queue: impl FnOnce() -> Result<()>,
+        ) -> std::result::Result<(), Refused<()>> {
+            struct Asked<'a>(&'a Fake);
+            impl capture::Probe for Asked<'_> {
+                fn capturing(&self) -> Result<bool> {
+                    self.0.count("cuStreamIsCapturing");
+                    Ok(self.0.capturing.get())
+                }
+                fn invalidate(&self) {
+                    self.0.count("cuStreamQuery");
+                }
+            }
+            capture::enqueue_probed(&Asked(self), call, (), |()| queue()).map(drop)
         }
         unsafe fn copy_dtod(&self, _: Job) -> Result<()> {
             self.count("cuMemcpyDtoDAsync_v2");
