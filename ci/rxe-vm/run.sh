@@ -30,7 +30,8 @@
 #      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside),
 #      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs);
 #      the two-node transfer bench: BASE_TRANSFER (other builds of examples/transfer, benched beside
-#      it round by round, an A/B in one boot), PAIRS=0 (skip two-nodes.list, run only bench-pair).
+#      it round by round, an A/B in one boot), PAIRS=0 (skip two-nodes.list, run only bench-pair),
+#      BENCH_RUNS (its rounds per cell, default 5).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -121,7 +122,7 @@ if [ "$TWO_NODES" != 0 ]; then
     while read -r _ label bin _; do build_one "$bin"; done < <(grep -E '^pair ' "$HERE/two-nodes.list")
     grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
   fi
-  echo "bench-pair" >> "$W/tests.list"
+  echo "bench-pair ${BENCH_RUNS:-5}" >> "$W/tests.list"
 fi
 for b in "$BIN"/*; do
   if ldd "$b" | grep -qE 'libibverbs|librdmacm'; then die "$(basename "$b") links rdma-core at build time"; fi

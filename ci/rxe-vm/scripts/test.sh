@@ -3,7 +3,8 @@
 #   test NAME | example NAME | bench NAME   a project binary on rxe0, with GPUDIRECT_REQUIRE=rdma
 #   bench-loopback RUNS [SIZES...]   perftest baselines beside rdma_pingpong, on rxe0
 #   pair LABEL BIN SERVER-ARGS... -- CLIENT-ARGS...   BIN as two nodes (namespaces b and a)
-#   bench-pair         ib_write_bw and rdma_pingpong between the two nodes, on both rails
+#   bench-pair [RUNS]  ib_write_bw and rdma_pingpong between the two nodes, on both rails; then
+#                      the transfer engine beside perftest, RUNS rounds a cell (default 5)
 # Prints "RXE-RESULT name PASS|FAIL", "RXE-BENCH ..." lines and finally "N passed, N failed".
 export GPUDIRECT_REQUIRE=rdma RUST_BACKTRACE=1
 IP=/usr/sbin/ip      # iproute2 by full path: busybox's ip applet would shadow it
@@ -343,12 +344,13 @@ pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, ra
 }
 bench_transfer() {
   [ -x /usr/bin/transfer ] || return 0
+  reps=$(seq 1 "${1:-5}")
   tok=0; t=$(now)
   for sz in 4096 65536 1048576; do
     it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
     pws=; ows=
     bws=
-    for rep in 1 2 3 4 5; do
+    for rep in $reps; do
       v=$(pt_pair 0 $sz $it) || tok=1; pws="$pws $v"
       l=$(ours_transfer --size $sz --bytes $((sz * it))) || tok=1
       v=$(echo "$l" | sed -n 's/.* MBps=\([0-9.]*\).*/\1/p'); ows="$ows $v"; last=$v
@@ -359,7 +361,7 @@ bench_transfer() {
     base_summary "write_bw size=$sz"
   done
   pls=; ols=; bws=
-  for rep in 1 2 3 4 5; do
+  for rep in $reps; do
     v=$(pt_lat_pair 500) || tok=1; pls="$pls $v"
     l=$(ours_transfer --lat --iters 500) || tok=1
     v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); ols="$ols $v"; last=$v
@@ -371,7 +373,7 @@ bench_transfer() {
   # The same with the waiting thread polling for up to 5 ms first (EngineConfig::spin), as
   # ib_write_lat polls: the latency setting, not the default.
   sls=; TSPIN="--spin-us 5000"
-  for rep in 1 2 3 4 5; do
+  for rep in $reps; do
     l=$(ours_transfer --lat --iters 500) || tok=1
     v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); sls="$sls $v"
   done
@@ -406,7 +408,7 @@ bench_pair() {
   case "$b0$b1" in *fail*|'') ok=1;; esac
   echo "RXE-BENCH two-nodes rails=0+1 write_bw size=$sz perftest_MBps=$(awk -v a="$b0" -v b="$b1" 'BEGIN{printf "%.2f", a+b}') (rail0 ${b0:-?} + rail1 ${b1:-?}) traffic: $(traffic "$before" "$(sent_bytes)")time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result perftest-two-nodes $ok
-  bench_transfer
+  bench_transfer "$1"
 }
 
 while read -r kind name args; do
@@ -418,7 +420,7 @@ while read -r kind name args; do
     bench) timeout 600 /usr/bin/$name --test; result "$name" $? ;;
     bench-loopback) bench_loopback $name $args ;;
     pair) run_pair "$name" $args; result "pair:$name" $? ;;
-    bench-pair) bench_pair ;;
+    bench-pair) bench_pair $name ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
   esac
 done < /etc/gpudirect-tests
