@@ -1000,6 +1000,8 @@ mod tests {
             max_srq_sge: 1,
             atomic_cap: 0,
             phys_port_cnt: 1,
+            device_cap_flags: 0,
+            max_mw: 0,
         }
     }
 
