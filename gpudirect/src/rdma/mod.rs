@@ -86,7 +86,7 @@
 //! [`QueuePair::invalidate_window`] → [`PendingInvalidate`] → (its completion polled) an unbound
 //! [`MemoryWindow`] again. A window holds its range (so the region stays registered and its
 //! memory alive) until it is known unbound: its invalidation completed, or it was deallocated
-//! (dropped). docs/verbs-teardown.md says what this relies on and what Soft-RoCE does.
+//! (dropped). docs/memory-windows.md says what this relies on and what Soft-RoCE does.
 //!
 //! # GPU memory regions
 //!
