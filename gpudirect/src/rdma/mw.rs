@@ -159,32 +159,12 @@ impl ProtectionDomain {
     pub fn alloc_mw(&self) -> Result<MemoryWindow> {
         verbs()?;
         let ctx = self.context();
-        let attr = ctx.query_device()?;
-        let types = attr.memory_windows();
-        if !types.type_2() {
-            return Err(Error::Unsupported {
-                what: "type 2 memory windows".into(),
-                reason: format!(
-                    "device {} reports {types:?} (device_cap_flags {:#x}, max_mw {})",
-                    ctx.name(),
-                    attr.device_cap_flags,
-                    attr.max_mw
-                ),
-            });
+        if let Some(e) = no_type_2(ctx.name(), &ctx.query_device()?) {
+            return Err(e);
         }
         // SAFETY: a live PD.
         let p = unsafe { ibv::ibv_alloc_mw(self.as_raw(), ibv::IBV_MW_TYPE_2) };
-        let mw = nonnull("ibv_alloc_mw", p).map_err(|e| match e {
-            Error::Os { source, .. }
-                if matches!(source.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) =>
-            {
-                Error::Unsupported {
-                    what: "type 2 memory windows".into(),
-                    reason: format!("device {} answered {source}", ctx.name()),
-                }
-            }
-            e => e,
-        })?;
+        let mw = nonnull("ibv_alloc_mw", p).map_err(|e| alloc_error(e, ctx.name()))?;
         Ok(MemoryWindow {
             inner: Box::new(MwInner {
                 mw,
@@ -192,6 +172,34 @@ impl ProtectionDomain {
                 binding: ManuallyDrop::new(None),
             }),
         })
+    }
+}
+
+/// The refusal of `device`, whose attributes `attr` report no type 2 windows.
+fn no_type_2(device: &str, attr: &DeviceAttr) -> Option<Error> {
+    let types = attr.memory_windows();
+    (!types.type_2()).then(|| Error::Unsupported {
+        what: "type 2 memory windows".into(),
+        reason: format!(
+            "device {device} reports {types:?} (device_cap_flags {:#x}, max_mw {})",
+            attr.device_cap_flags, attr.max_mw
+        ),
+    })
+}
+
+/// An `ibv_alloc_mw` failure as the typed error: `EOPNOTSUPP` (the provider has no windows) and
+/// `ENOSYS` become [`Error::Unsupported`]; anything else stays [`Error::Os`].
+fn alloc_error(e: Error, device: &str) -> Error {
+    match e {
+        Error::Os { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) =>
+        {
+            Error::Unsupported {
+                what: "type 2 memory windows".into(),
+                reason: format!("device {device} answered {source}"),
+            }
+        }
+        e => e,
     }
 }
 
@@ -637,9 +645,34 @@ mod tests {
     use super::*;
     use crate::rdma::mr::fake_region;
 
+    /// A device without type 2 windows, or a provider without them, is a missing capability.
     #[test]
-    fn window_types_come_from_the_cap_flags() {
-        let mut a = DeviceAttr {
+    fn missing_windows_are_a_typed_capability_refusal() {
+        let mut a = attr(ibv::IBV_DEVICE_MEM_WINDOW, 16);
+        let e = no_type_2("rxe0", &a).expect("type 1 only: refused");
+        assert_eq!(e.absence(), Some(crate::Absence::Capability));
+        assert!(e.to_string().contains("TYPE_1"), "{e}");
+        a.device_cap_flags |= ibv::IBV_DEVICE_MEM_WINDOW_TYPE_2B;
+        assert!(no_type_2("rxe0", &a).is_none());
+        a.max_mw = 0;
+        assert!(no_type_2("rxe0", &a).is_some(), "no window at all");
+        let e = alloc_error(Error::errno("ibv_alloc_mw", libc::EOPNOTSUPP), "mlx5_0");
+        assert_eq!(e.absence(), Some(crate::Absence::Capability));
+        let e = alloc_error(Error::errno("ibv_alloc_mw", libc::ENOMEM), "mlx5_0");
+        assert!(
+            matches!(
+                e,
+                Error::Os {
+                    call: "ibv_alloc_mw",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    fn attr(device_cap_flags: u32, max_mw: u32) -> DeviceAttr {
+        DeviceAttr {
             fw_ver: String::new(),
             node_guid: 0,
             max_mr_size: 0,
@@ -658,11 +691,17 @@ mod tests {
             max_srq_sge: 1,
             atomic_cap: 0,
             phys_port_cnt: 1,
-            device_cap_flags: ibv::IBV_DEVICE_MEM_WINDOW
-                | ibv::IBV_DEVICE_MEM_WINDOW_TYPE_2B
-                | ibv::IBV_DEVICE_RC_RNR_NAK_GEN,
-            max_mw: 0,
-        };
+            device_cap_flags,
+            max_mw,
+        }
+    }
+
+    #[test]
+    fn window_types_come_from_the_cap_flags() {
+        let flags = ibv::IBV_DEVICE_MEM_WINDOW
+            | ibv::IBV_DEVICE_MEM_WINDOW_TYPE_2B
+            | ibv::IBV_DEVICE_RC_RNR_NAK_GEN;
+        let mut a = attr(flags, 0);
         assert_eq!(a.memory_windows(), MemoryWindowTypes::empty(), "max_mw 0");
         a.max_mw = 1 << 16;
         let t = a.memory_windows();
