@@ -339,7 +339,9 @@ impl QpInner {
 /// was unsignaled (its flushed completion proves that everything before it is done), drains the
 /// completions for up to [`DRAIN_TIMEOUT`], then destroys it; if the completions do not all
 /// arrive, the QP and the memory its requests hold are leaked rather than freed early
-/// ([`teardown_stats`](super::teardown_stats) counts both).
+/// ([`teardown_stats`](super::teardown_stats) counts both). A QP that memory windows are still
+/// bound through is leaked too, after the error state ended the peer's access through them (see
+/// [`bind_window`](QueuePair::bind_window)).
 #[doc(alias = "ibv_qp")]
 #[doc(alias = "ibv_destroy_qp")]
 pub struct QueuePair<S: QpState = Rts> {
