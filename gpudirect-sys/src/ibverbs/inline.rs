@@ -108,6 +108,56 @@ pub unsafe fn ibv_req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int
     }
 }
 
+/// `EOPNOTSUPP`, the errno `ibv_alloc_mw` leaves when the provider has no `alloc_mw` op.
+const EOPNOTSUPP: c_int = 95;
+
+/// `ibv_alloc_mw(pd, type)`: allocate an unbound memory window of `type` (`IBV_MW_TYPE_1`,
+/// `IBV_MW_TYPE_2`) in `pd`. Returns NULL with errno set on failure; `EOPNOTSUPP` when the
+/// provider has no memory windows, as the header does.
+///
+/// # Safety
+///
+/// `pd` is a live protection domain of an open context.
+#[inline]
+pub unsafe fn ibv_alloc_mw(pd: *mut ibv_pd, type_: ibv_mw_type) -> *mut ibv_mw {
+    // SAFETY: the caller guarantees a live PD; its context outlives it.
+    let op = unsafe { (*(*pd).context).ops.alloc_mw };
+    match op {
+        // SAFETY: the provider's op, called as the header does.
+        Some(f) => unsafe { f(pd, type_) },
+        None => {
+            // SAFETY: the calling thread's errno.
+            unsafe { *libc::__errno_location() = EOPNOTSUPP };
+            core::ptr::null_mut()
+        }
+    }
+}
+
+/// `ibv_dealloc_mw(mw)`: unbind (if bound) and free a memory window. Returns 0 or an errno
+/// (`ENOSYS` when the provider has no `dealloc_mw` op, where the header would call NULL).
+///
+/// # Safety
+///
+/// `mw` is a live window from [`ibv_alloc_mw`], not used again after success.
+#[inline]
+pub unsafe fn ibv_dealloc_mw(mw: *mut ibv_mw) -> c_int {
+    // SAFETY: the caller guarantees a live window; its context outlives it.
+    let op = unsafe { (*(*mw).context).ops.dealloc_mw };
+    match op {
+        // SAFETY: the provider's op.
+        Some(f) => unsafe { f(mw) },
+        None => ENOSYS,
+    }
+}
+
+/// `ibv_inc_rkey(rkey)`: the key a bind gives a window next: the low 8 bits (the key's tag)
+/// incremented, wrapping; the upper 24 (the window's index) unchanged.
+#[inline]
+pub const fn ibv_inc_rkey(rkey: u32) -> u32 {
+    const MASK: u32 = 0xff;
+    (rkey & !MASK) | (rkey.wrapping_add(1) & MASK)
+}
+
 /// The header's `__VERBS_ABI_IS_EXTENDED`: `abi_compat` of a context embedded in a
 /// `verbs_context`.
 const VERBS_ABI_IS_EXTENDED: usize = usize::MAX;
@@ -185,7 +235,22 @@ mod tests {
         assert_eq!(offset_of!(ibv_send_wr, send_flags), 32);
         assert_eq!(offset_of!(ibv_send_wr, __bindgen_anon_1), 36); // imm_data / invalidate_rkey
         assert_eq!(offset_of!(ibv_send_wr, wr), 40);
+        assert_eq!(offset_of!(ibv_send_wr, __bindgen_anon_2), 80); // bind_mw / tso
         assert_eq!(align_of::<ibv_send_wr>(), 8);
+        type BindMw = ibv_send_wr__bindgen_ty_4__bindgen_ty_1;
+        assert_eq!(offset_of!(BindMw, mw), 0);
+        assert_eq!(offset_of!(BindMw, rkey), 8);
+        assert_eq!(offset_of!(BindMw, bind_info), 16);
+        assert_eq!(size_of::<BindMw>(), 48);
+        assert_eq!(offset_of!(ibv_mw_bind_info, mr), 0);
+        assert_eq!(offset_of!(ibv_mw_bind_info, addr), 8);
+        assert_eq!(offset_of!(ibv_mw_bind_info, length), 16);
+        assert_eq!(offset_of!(ibv_mw_bind_info, mw_access_flags), 24);
+        assert_eq!(offset_of!(ibv_mw, context), 0);
+        assert_eq!(offset_of!(ibv_mw, pd), 8);
+        assert_eq!(offset_of!(ibv_mw, rkey), 16);
+        assert_eq!(offset_of!(ibv_mw, handle), 20);
+        assert_eq!(offset_of!(ibv_mw, type_), 24);
 
         assert_eq!(size_of::<ibv_recv_wr>(), 32);
         assert_eq!(offset_of!(ibv_recv_wr, sg_list), 16);
@@ -207,7 +272,11 @@ mod tests {
     fn ops_table_layout_matches_the_abi() {
         let p = size_of::<usize>();
         // struct ibv_context_ops, counting the _compat_ placeholders: poll_cq is the 12th
-        // pointer, post_srq_recv the 21st, post_send the 26th, post_recv the 27th.
+        // pointer, post_srq_recv the 21st, post_send the 26th, post_recv the 27th; alloc_mw,
+        // bind_mw and dealloc_mw the 8th to 10th.
+        assert_eq!(offset_of!(ibv_context_ops, alloc_mw), 7 * p);
+        assert_eq!(offset_of!(ibv_context_ops, bind_mw), 8 * p);
+        assert_eq!(offset_of!(ibv_context_ops, dealloc_mw), 9 * p);
         assert_eq!(offset_of!(ibv_context_ops, poll_cq), 11 * p);
         assert_eq!(offset_of!(ibv_context_ops, req_notify_cq), 12 * p);
         assert_eq!(offset_of!(ibv_context_ops, post_srq_recv), 20 * p);
@@ -275,5 +344,75 @@ mod tests {
         assert_eq!(r, ENOSYS);
         // SAFETY: as above.
         assert_eq!(unsafe { ibv_req_notify_cq(&mut cq, 0) }, ENOSYS);
+    }
+
+    /// The window verbs call the provider's ops; without them, `EOPNOTSUPP` (alloc, as the
+    /// header) and `ENOSYS` (dealloc), never a call through NULL.
+    #[test]
+    fn window_verbs_call_the_context_ops() {
+        unsafe extern "C" fn alloc_mw(pd: *mut ibv_pd, type_: ibv_mw_type) -> *mut ibv_mw {
+            let mw = Box::new(ibv_mw {
+                // SAFETY: the test's PD.
+                context: unsafe { (*pd).context },
+                pd,
+                rkey: 0x0004_01ff,
+                type_,
+                ..Default::default()
+            });
+            Box::into_raw(mw)
+        }
+        unsafe extern "C" fn dealloc_mw(mw: *mut ibv_mw) -> c_int {
+            // SAFETY: made by alloc_mw above.
+            drop(unsafe { Box::from_raw(mw) });
+            0
+        }
+        let mut ctx: ibv_context = Default::default();
+        let mut pd = ibv_pd {
+            context: &mut ctx,
+            ..Default::default()
+        };
+        // SAFETY: a fake PD that lives for the call.
+        let none = unsafe { ibv_alloc_mw(&mut pd, IBV_MW_TYPE_2) };
+        assert!(none.is_null());
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(EOPNOTSUPP)
+        );
+        // SAFETY: the fake context, written through the pointer the PD holds.
+        unsafe { (*pd.context).ops.alloc_mw = Some(alloc_mw) };
+        // SAFETY: as above.
+        let mw = unsafe { ibv_alloc_mw(&mut pd, IBV_MW_TYPE_2) };
+        assert!(!mw.is_null());
+        // SAFETY: the window just made.
+        let (rkey, ty) = unsafe { ((*mw).rkey, (*mw).type_) };
+        assert_eq!((ty, ibv_inc_rkey(rkey)), (IBV_MW_TYPE_2, 0x0004_0100));
+        // SAFETY: as above; no op yet: nothing is freed.
+        assert_eq!(unsafe { ibv_dealloc_mw(mw) }, ENOSYS);
+        // SAFETY: as above.
+        unsafe { (*pd.context).ops.dealloc_mw = Some(dealloc_mw) };
+        // SAFETY: as above; freed once.
+        assert_eq!(unsafe { ibv_dealloc_mw(mw) }, 0);
+    }
+
+    #[test]
+    fn inc_rkey_steps_the_tag_byte_only() {
+        assert_eq!(ibv_inc_rkey(0x1234_5600), 0x1234_5601);
+        assert_eq!(ibv_inc_rkey(0x1234_56ff), 0x1234_5600);
+        assert_eq!(ibv_inc_rkey(u32::MAX), 0xffff_ff00);
+        // The constants a bind and an invalidation use, as verbs.h numbers them.
+        assert_eq!(
+            (
+                IBV_WR_LOCAL_INV,
+                IBV_WR_BIND_MW,
+                IBV_WC_BIND_MW,
+                IBV_WC_LOCAL_INV
+            ),
+            (7, 8, 5, 6)
+        );
+        assert_eq!((IBV_ACCESS_MW_BIND, IBV_MW_TYPE_2), (16, 2));
+        assert_eq!(
+            (IBV_DEVICE_MEM_WINDOW_TYPE_2A, IBV_DEVICE_MEM_WINDOW_TYPE_2B),
+            (1 << 23, 1 << 24)
+        );
     }
 }

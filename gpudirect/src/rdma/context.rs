@@ -136,6 +136,8 @@ impl Context {
             max_srq_sge: n(a.max_srq_sge),
             atomic_cap: a.atomic_cap,
             phys_port_cnt: a.phys_port_cnt,
+            device_cap_flags: a.device_cap_flags,
+            max_mw: n(a.max_mw),
         })
     }
 
@@ -410,6 +412,11 @@ pub struct DeviceAttr {
     pub atomic_cap: u32,
     /// Physical ports (numbered from 1).
     pub phys_port_cnt: u8,
+    /// `enum ibv_device_cap_flags`, as reported (the memory window types:
+    /// `DeviceAttr::memory_windows`).
+    pub device_cap_flags: u32,
+    /// Memory windows (0: none).
+    pub max_mw: u32,
 }
 
 /// `struct ibv_port_attr`, the parts that matter here.

@@ -573,6 +573,12 @@ pub enum WcOpcode {
     RdmaRead,
     CompareSwap,
     FetchAdd,
+    /// `IBV_WC_BIND_MW`: a memory window was bound.
+    #[doc(alias = "IBV_WC_BIND_MW")]
+    BindMw,
+    /// `IBV_WC_LOCAL_INV`: a memory window (or region) was invalidated.
+    #[doc(alias = "IBV_WC_LOCAL_INV")]
+    LocalInv,
     Recv,
     RecvRdmaWithImm,
     Other(u32),
@@ -586,6 +592,8 @@ impl WcOpcode {
             ibv::IBV_WC_RDMA_READ => WcOpcode::RdmaRead,
             ibv::IBV_WC_COMP_SWAP => WcOpcode::CompareSwap,
             ibv::IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
+            ibv::IBV_WC_BIND_MW => WcOpcode::BindMw,
+            ibv::IBV_WC_LOCAL_INV => WcOpcode::LocalInv,
             ibv::IBV_WC_RECV => WcOpcode::Recv,
             ibv::IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
             o => WcOpcode::Other(o),
@@ -596,6 +604,16 @@ impl WcOpcode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn window_opcodes_are_named() {
+        assert_eq!(WcOpcode::from_raw(ibv::IBV_WC_BIND_MW), WcOpcode::BindMw);
+        assert_eq!(
+            WcOpcode::from_raw(ibv::IBV_WC_LOCAL_INV),
+            WcOpcode::LocalInv
+        );
+        assert_eq!(WcOpcode::from_raw(ibv::IBV_WC_TSO), WcOpcode::Other(7));
+    }
 
     #[test]
     fn immediate_is_big_endian_on_the_wire() {

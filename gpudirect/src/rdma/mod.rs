@@ -75,6 +75,19 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Memory windows
+//!
+//! A type 2 memory window ([`ProtectionDomain::alloc_mw`], where
+//! [`DeviceAttr::memory_windows`] reports them) gives the peer of one queue pair, and no other,
+//! access to a range of a region registered with [`AccessFlags::MW_BIND`], under an rkey of its
+//! own that can be revoked while the region stays registered for others. Its states are types:
+//! [`MemoryWindow`] (unbound) → [`QueuePair::bind_window`] → [`PendingBind`] → (the bind's
+//! completion polled) [`BoundWindow`], whose rkey alone is reachable →
+//! [`QueuePair::invalidate_window`] → [`PendingInvalidate`] → (its completion polled) an unbound
+//! [`MemoryWindow`] again. A window holds its range (so the region stays registered and its
+//! memory alive) until it is known unbound: its invalidation completed, or it was deallocated
+//! (dropped). docs/memory-windows.md says what this relies on and what Soft-RoCE does.
+//!
 //! # GPU memory regions
 //!
 //! [`ProtectionDomain::register_gpu`] registers device memory with the NIC one of two ways, or
@@ -127,8 +140,8 @@
 //! so the result is an ordinary [`QueuePair<Rts>`].
 
 // Bottom up, each module imports only those before it: ffi, teardown, device, context, pd, mr,
-// gpu_mr, wr, posted (the posted-request tables and CQ room), srq, cq, qp, cm, async_backlog,
-// async_qp.
+// gpu_mr, wr, posted (the posted-request tables and CQ room), mw (memory windows), srq, cq, qp,
+// cm, async_backlog, async_qp.
 mod async_backlog;
 mod async_qp;
 mod cm;
@@ -138,6 +151,7 @@ mod device;
 mod ffi;
 mod gpu_mr;
 mod mr;
+mod mw;
 mod pd;
 mod posted;
 mod qp;
@@ -166,6 +180,10 @@ pub use gpu_mr::{
 pub use mr::{
     AccessFlags, DmabufRegArgs, DmabufRegion, HostBuffer, HostMemory, Local, MemoryRegion, MrMode,
     MrSlice, Remote, RemoteMemory, RemoteSlice,
+};
+pub use mw::{
+    BindOutcome, BoundWindow, InvalidateOutcome, MemoryWindow, MemoryWindowTypes, PendingBind,
+    PendingInvalidate, WindowBind, WindowRefused,
 };
 pub use pd::ProtectionDomain;
 pub use qp::{

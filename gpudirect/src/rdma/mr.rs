@@ -27,6 +27,10 @@ bitflags::bitflags! {
         const REMOTE_READ = ibv::IBV_ACCESS_REMOTE_READ;
         /// `IBV_ACCESS_REMOTE_ATOMIC`: peers holding the rkey may run atomics on 8-byte words here.
         const REMOTE_ATOMIC = ibv::IBV_ACCESS_REMOTE_ATOMIC;
+        /// `IBV_ACCESS_MW_BIND`: memory windows may be bound to ranges of the region
+        /// ([`QueuePair::bind_window`](super::QueuePair::bind_window)).
+        #[doc(alias = "IBV_ACCESS_MW_BIND")]
+        const MW_BIND = ibv::IBV_ACCESS_MW_BIND;
         /// `IBV_ACCESS_RELAXED_ORDERING`: the NIC may reorder PCIe writes (a hint).
         const RELAXED_ORDERING = ibv::IBV_ACCESS_RELAXED_ORDERING;
     }

@@ -4,13 +4,13 @@
 //! from them when they poll.
 
 use super::wr::{RecvRequest, SendRequest, Sg};
-use crate::completion::CompletionFlag;
 use crate::completion::deferred::Woken;
+use crate::completion::{CompletionFlag, Fence};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 const KIND_SHIFT: u32 = 62;
 const KIND_SEND: u64 = 0;
@@ -113,6 +113,57 @@ impl Room {
     }
 }
 
+/// What the completion that released a request reported: its status, and whether it was the
+/// request's own completion or a later one that covered it (on RC, completions come in posting
+/// order: a later one means the request finished, but not how).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reported {
+    /// `enum ibv_wc_status` (`IBV_WC_SUCCESS` for a request covered by a successful completion).
+    pub(crate) status: u32,
+    pub(crate) vendor_err: u32,
+    pub(crate) qp_num: u32,
+    pub(crate) own: bool,
+}
+
+impl Reported {
+    fn of(wc: &ibv::ibv_wc, own: bool) -> Self {
+        Reported {
+            status: wc.status,
+            vendor_err: wc.vendor_err,
+            qp_num: wc.qp_num,
+            own,
+        }
+    }
+
+    pub(crate) fn is_ok(&self) -> bool {
+        self.status == ibv::IBV_WC_SUCCESS
+    }
+}
+
+/// Where the completion of a request that asks for it is written, once, when the request is
+/// released: memory-window binds and invalidations, whose effect on the NIC only their
+/// completion tells. Complete (as a [`Fence`]) from then on.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StatusSlot(Arc<OnceLock<Reported>>);
+
+impl StatusSlot {
+    /// What was reported, once the request was released.
+    pub(crate) fn get(&self) -> Option<Reported> {
+        self.0.get().copied()
+    }
+
+    fn set(&self, r: Reported) {
+        // Written once: a request is released once.
+        let _ = self.0.set(r);
+    }
+}
+
+impl Fence for StatusSlot {
+    fn is_complete(&self) -> bool {
+        self.0.get().is_some()
+    }
+}
+
 /// What one posted request holds until its completion.
 pub(crate) struct Entry {
     tag: u64,
@@ -125,6 +176,8 @@ pub(crate) struct Entry {
     cq_slot: bool,
     /// Whether the NIC reports its completion on success (receives always do).
     signaled: bool,
+    /// Where the releasing completion's status goes, for requests that ask.
+    status: Option<StatusSlot>,
 }
 
 impl Entry {
@@ -135,6 +188,7 @@ impl Entry {
             flag,
             cq_slot,
             signaled: true,
+            status: None,
         }
     }
 
@@ -250,7 +304,13 @@ impl SendTable {
 
     /// Release every request up to and including the one posted as `id` (its `wr_id` value);
     /// returns that request's tag and the CQ slots freed. An id no entry carries releases nothing.
-    fn complete_through(&mut self, id: u64, woken: &mut Woken) -> (u64, u32) {
+    /// `wc`, the completion polled, goes to the status slots of the requests released.
+    fn complete_through(
+        &mut self,
+        id: u64,
+        wc: Option<&ibv::ibv_wc>,
+        woken: &mut Woken,
+    ) -> (u64, u32) {
         let Some(k) = self
             .entries
             .iter()
@@ -260,6 +320,13 @@ impl SendTable {
         };
         let (mut tag, mut freed) = (0, 0u32);
         for (i, (_, e)) in self.entries.drain(..=k).enumerate() {
+            if let (Some(slot), Some(wc)) = (&e.status, wc) {
+                let mut r = Reported::of(wc, i == k);
+                if !r.own && r.is_ok() {
+                    r.status = ibv::IBV_WC_SUCCESS;
+                }
+                slot.set(r);
+            }
             let (t, f) = e.release(woken);
             freed += f;
             if i == k {
@@ -387,6 +454,45 @@ impl SendTable {
             return Err(Error::errno("ibv_post_send", r.unsigned_abs() as i32));
         }
         Ok(n)
+    }
+
+    /// Post one signaled request the caller built without SGEs (a memory-window bind or
+    /// invalidation) through `post`: it holds `held` until its completion, whose status goes to
+    /// `status`, and takes an entry of the send queue and of `room` (the send CQ) as every
+    /// request does. Nothing is kept when the post fails.
+    pub(crate) fn post_one(
+        &mut self,
+        mut wr: ibv::ibv_send_wr,
+        held: Sg,
+        tag: u64,
+        status: StatusSlot,
+        room: &Room,
+        post: impl FnOnce(*mut ibv::ibv_send_wr, *mut *mut ibv::ibv_send_wr) -> i32,
+    ) -> Result<()> {
+        if self.len() >= self.depth as usize {
+            return Err(Error::QueueFull {
+                queue: "send queue",
+                depth: self.depth,
+            });
+        }
+        room.reserve(1)?;
+        self.decide(true, false);
+        wr.wr_id = WrId::Send { seq: self.next_seq }.encode();
+        wr.send_flags |= ibv::IBV_SEND_SIGNALED;
+        wr.next = std::ptr::null_mut();
+        wr.sg_list = std::ptr::null_mut();
+        wr.num_sge = 0;
+        let mut e = Entry::new(tag, held, None, true);
+        e.status = Some(status);
+        self.push(e);
+        let mut bad = std::ptr::null_mut();
+        let r = post(&mut wr, &mut bad);
+        if r != 0 {
+            self.unpush(1);
+            room.release(1);
+            return Err(Error::errno("ibv_post_send", r.unsigned_abs() as i32));
+        }
+        Ok(())
     }
 
     /// For teardown in the error state: post one signaled, empty send through `post` after an
@@ -610,6 +716,8 @@ pub(crate) fn post_send_checked<'a>(
 pub(crate) struct PostedTables {
     sq: Mutex<SendTable>,
     rq: Mutex<RecvTable>,
+    /// Memory windows bound, or being bound or invalidated, through the queue pair.
+    windows: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -621,7 +729,23 @@ impl PostedTables {
         PostedTables {
             sq: Mutex::new(send),
             rq: Mutex::new(recv),
+            windows: AtomicUsize::new(0),
         }
+    }
+
+    /// Count a memory window bound (or being bound) through the queue pair.
+    pub(crate) fn window_linked(&self) {
+        self.windows.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A window counted by [`window_linked`](Self::window_linked) is unbound or deallocated.
+    pub(crate) fn window_unlinked(&self) {
+        self.windows.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Memory windows bound, or being bound or invalidated, through the queue pair.
+    pub(crate) fn windows(&self) -> usize {
+        self.windows.load(Ordering::Acquire)
     }
 
     pub(crate) fn send(&self) -> MutexGuard<'_, SendTable> {
@@ -636,7 +760,7 @@ impl PostedTables {
     /// to `woken`.
     pub(crate) fn complete(&self, wc: &ibv::ibv_wc, woken: &mut Woken) -> (u64, u32) {
         match WrId::decode(wc.wr_id) {
-            WrId::Send { seq } => self.send().complete_through(seq, woken),
+            WrId::Send { seq } => self.send().complete_through(seq, Some(wc), woken),
             WrId::Recv { slot } => self.recv().take(slot, woken),
             WrId::Srq { .. } | WrId::Other => (0, 0),
         }
@@ -776,17 +900,117 @@ mod tests {
             t.entries
                 .push_back((i as u64, entry(100 + i as u64, Some(f.clone()))));
         }
-        assert_eq!(t.complete_through(2, &mut Woken::default()), (102, 3));
+        assert_eq!(t.complete_through(2, None, &mut Woken::default()), (102, 3));
         assert_eq!(t.entries.len(), 2);
         assert!(flags[..3].iter().all(|f| f.is_complete()));
         assert!(!flags[3].is_complete());
         assert_eq!(
-            t.complete_through(9, &mut Woken::default()),
+            t.complete_through(9, None, &mut Woken::default()),
             (0, 0),
             "an unknown id releases nothing"
         );
-        assert_eq!(t.complete_through(4, &mut Woken::default()), (104, 2));
+        assert_eq!(t.complete_through(4, None, &mut Woken::default()), (104, 2));
         assert!(t.entries.is_empty());
+    }
+
+    /// A bind or an invalidation: one signaled request without SGEs that holds its slice until
+    /// its completion, which writes its status slot. A later completion that covers it writes
+    /// success only when that one succeeded, and says it was not the request's own.
+    #[test]
+    fn a_request_with_a_status_slot_hears_its_completion() {
+        let mr = crate::rdma::mr::fake_region(0x10_000, 4096, AccessFlags::MW_BIND);
+        let base = Arc::strong_count(&mr);
+        let mut t = SendTable::new(3, 3);
+        let room = Room::new(8);
+        let post = |t: &mut SendTable, held: Sg, slot: &StatusSlot, seen: &mut Vec<_>| {
+            let wr = ibv::ibv_send_wr {
+                opcode: ibv::IBV_WR_BIND_MW,
+                num_sge: 3,
+                ..Default::default()
+            };
+            t.post_one(wr, held, 9, slot.clone(), &room, |wr, _| {
+                // SAFETY: one request, alive for the call.
+                let w = unsafe { &*wr };
+                seen.push((w.wr_id, w.opcode, w.send_flags, w.num_sge));
+                assert!(w.next.is_null() && w.sg_list.is_null());
+                0
+            })
+        };
+        let (a, b, c) = (
+            StatusSlot::default(),
+            StatusSlot::default(),
+            StatusSlot::default(),
+        );
+        let mut seen = Vec::new();
+        let slice = MrSlice::of(&mr, 0..64).unwrap();
+        post(&mut t, Sg::One(slice), &a, &mut seen).unwrap();
+        post(&mut t, Sg::None, &b, &mut seen).unwrap();
+        let id = |seq| WrId::Send { seq }.encode();
+        let bind = (ibv::IBV_WR_BIND_MW, ibv::IBV_SEND_SIGNALED, 0);
+        assert_eq!(
+            seen,
+            vec![
+                (id(0), bind.0, bind.1, bind.2),
+                (id(1), bind.0, bind.1, bind.2)
+            ]
+        );
+        assert_eq!((t.len(), room.reserved()), (2, 2));
+        assert_eq!(Arc::strong_count(&mr), base + 1, "the slice is held");
+        assert!(!a.is_complete() && !b.is_complete());
+        // The second one's completion, failed: the first is covered, not told it failed.
+        let mut failed = wc(id(1));
+        (failed.status, failed.qp_num) = (ibv::IBV_WC_MW_BIND_ERR, 7);
+        assert_eq!(
+            t.complete_through(1, Some(&failed), &mut Woken::default()),
+            (9, 2)
+        );
+        room.release(2);
+        let r = |status, own| Reported {
+            status,
+            vendor_err: 0,
+            qp_num: 7,
+            own,
+        };
+        assert_eq!(a.get(), Some(r(ibv::IBV_WC_MW_BIND_ERR, false)));
+        assert_eq!(b.get(), Some(r(ibv::IBV_WC_MW_BIND_ERR, true)));
+        assert_eq!(Arc::strong_count(&mr), base, "released with the request");
+        // Covered by a success: success.
+        post(&mut t, Sg::None, &a, &mut seen).unwrap();
+        post(&mut t, Sg::None, &c, &mut seen).unwrap();
+        let mut ok = wc(id(3));
+        ok.qp_num = 7;
+        room.release(t.complete_through(3, Some(&ok), &mut Woken::default()).1);
+        assert_eq!(
+            a.get(),
+            Some(r(ibv::IBV_WC_MW_BIND_ERR, false)),
+            "written once"
+        );
+        assert_eq!(c.get(), Some(r(ibv::IBV_WC_SUCCESS, true)));
+        // A full queue, or a failed post, keeps nothing.
+        for _ in 0..3 {
+            post(&mut t, Sg::None, &StatusSlot::default(), &mut seen).unwrap();
+        }
+        let full = post(&mut t, Sg::None, &StatusSlot::default(), &mut seen);
+        assert!(matches!(
+            full,
+            Err(Error::QueueFull {
+                queue: "send queue",
+                depth: 3
+            })
+        ));
+        room.release(t.complete_through(6, None, &mut Woken::default()).1);
+        let wr = ibv::ibv_send_wr::default();
+        let r = t.post_one(wr, Sg::None, 0, StatusSlot::default(), &room, |_, _| {
+            libc::EINVAL
+        });
+        assert!(matches!(
+            r,
+            Err(Error::Os {
+                call: "ibv_post_send",
+                ..
+            })
+        ));
+        assert_eq!((t.len(), room.reserved()), (0, 0));
     }
 
     #[test]
@@ -800,7 +1024,7 @@ mod tests {
             .push_back((1, Entry::new(0, Sg::None, None, false)));
         assert!(!t.needs_marker());
         assert_eq!(
-            t.complete_through(1, &mut Woken::default()),
+            t.complete_through(1, None, &mut Woken::default()),
             (0, 1),
             "only the write's entry"
         );
@@ -1206,7 +1430,7 @@ mod tests {
         );
         assert_eq!((t.len(), room.reserved()), (3, 3));
         assert_eq!(
-            t.complete_through(WrId::Send { seq: 2 }.encode(), &mut Woken::default()),
+            t.complete_through(WrId::Send { seq: 2 }.encode(), None, &mut Woken::default()),
             (5, 3)
         );
 
@@ -1321,7 +1545,7 @@ mod tests {
                 prop_assert!(room.reserved() <= cap);
                 for _ in 0..(poll % 4) {
                     if let Some(seq) = hw.pop_front() {
-                        let (tag, freed) = t.complete_through(seq, &mut Woken::default());
+                        let (tag, freed) = t.complete_through(seq, None, &mut Woken::default());
                         prop_assert_eq!(tag, seq);
                         room.release(freed);
                     }
@@ -1330,7 +1554,7 @@ mod tests {
             // Everything reported is polled: what stays is an unsignaled tail left by chains
             // that kept both queues at most half full, so a chain of half fits again.
             while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq, &mut Woken::default());
+                let (_, freed) = t.complete_through(seq, None, &mut Woken::default());
                 room.release(freed);
             }
             prop_assert!(t.len() <= depth as usize / 2, "{} of {}", t.len(), depth);
@@ -1343,7 +1567,7 @@ mod tests {
             });
             prop_assert!(marked);
             while let Some(seq) = hw.pop_front() {
-                let (_, freed) = t.complete_through(seq, &mut Woken::default());
+                let (_, freed) = t.complete_through(seq, None, &mut Woken::default());
                 room.release(freed);
             }
             prop_assert_eq!(t.len(), 0);

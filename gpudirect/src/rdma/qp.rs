@@ -5,12 +5,18 @@ use super::context::{DeviceAttr, Gid, Mtu};
 use super::cq::{CompletionQueue, CqInner, WorkCompletion};
 use super::ffi::{free_in_parent, nonnull, rc, verbs};
 use super::mr::AccessFlags;
+use super::mw::{
+    BoundWindow, MemoryWindow, PendingBind, PendingInvalidate, WindowBind, WindowRefused, bind_wr,
+    check_bind, invalidate_wr,
+};
 use super::pd::{PdInner, ProtectionDomain};
 use super::posted::smallvec_lite::Small;
-use super::posted::{PostedTables, RecvTable, SendScratch, SendTable, WrId, post_send_checked};
+use super::posted::{
+    PostedTables, RecvTable, SendScratch, SendTable, StatusSlot, WrId, post_send_checked,
+};
 use super::srq::{SharedReceiveQueue, SrqInner};
 use super::teardown::{COUNTERS, Counters};
-use super::wr::{RecvRequest, SendRequest};
+use super::wr::{RecvRequest, SendRequest, Sg};
 use crate::completion::{Fence, Tracker};
 use crate::error::{Error, Result};
 use gpudirect_sys::ibverbs as ibv;
@@ -231,12 +237,16 @@ impl QpInner {
         //    posted request's completion (or one covering it) has been seen.
         // Nothing outstanding (never used, or every request covered by a polled completion):
         // the NIC holds none of our memory, so the QP is destroyed as it is (some providers,
-        // rxe among them, refuse RESET -> ERR).
-        let idle = self.posted.outstanding() == 0;
+        // rxe among them, refuse RESET -> ERR). With memory windows bound through it, the error
+        // state is what ends the peer's access through them.
+        let idle = self.posted.outstanding() == 0 && self.posted.windows() == 0;
         let drained = idle || (self.set_state(l, ibv::IBV_QPS_ERR) && self.quiesce(DRAIN_TIMEOUT));
-        // 3. Destroy, or leak everything the NIC might still touch.
+        // 3. Destroy, or leak everything the NIC might still touch. A QP that windows are still
+        //    bound through is leaked too: they hold it on the NIC (rxe's destroy would wait for
+        //    them, then free the QP they still point to).
+        let windows = self.posted.windows() > 0;
         // SAFETY: a live QP; after success the NIC no longer touches its requests' memory.
-        if drained && unsafe { (l.ibv_destroy_qp)(self.qp.as_ptr()) } == 0 {
+        if drained && !windows && unsafe { (l.ibv_destroy_qp)(self.qp.as_ptr()) } == 0 {
             self.send_cq.unregister(self.qp_num);
             self.recv_cq.unregister(self.qp_num);
             // The send-CQ entry kept for the teardown request.
@@ -329,7 +339,9 @@ impl QpInner {
 /// was unsignaled (its flushed completion proves that everything before it is done), drains the
 /// completions for up to [`DRAIN_TIMEOUT`], then destroys it; if the completions do not all
 /// arrive, the QP and the memory its requests hold are leaked rather than freed early
-/// ([`teardown_stats`](super::teardown_stats) counts both).
+/// ([`teardown_stats`](super::teardown_stats) counts both). A QP that memory windows are still
+/// bound through is leaked too, after the error state ended the peer's access through them (see
+/// [`bind_window`](QueuePair::bind_window)).
 #[doc(alias = "ibv_qp")]
 #[doc(alias = "ibv_destroy_qp")]
 pub struct QueuePair<S: QpState = Rts> {
@@ -557,11 +569,22 @@ impl QueuePair<ErrorState> {
     /// # Errors
     ///
     /// [`Error::Timeout`] when the completions do not all arrive (the QP is dropped, which waits
-    /// again and then leaks it with everything it holds); [`Error::Os`] naming `ibv_modify_qp`.
+    /// again and then leaks it with everything it holds); [`Error::InvalidArgument`] while memory
+    /// windows are bound through the QP (it is dropped, and leaked: see
+    /// [`bind_window`](QueuePair::bind_window)); [`Error::Os`] naming `ibv_modify_qp`.
     #[doc(alias = "IBV_QPS_RESET")]
     #[doc(alias = "ibv_modify_qp")]
     pub fn reset(self) -> Result<QueuePair<Reset>> {
         verbs()?;
+        let windows = self.inner.posted.windows();
+        if windows > 0 {
+            return Err(Error::invalid(
+                "qp",
+                format!("{} with {windows} memory windows bound", self.qp_num()),
+                "invalidate or drop the windows bound through a queue pair before resetting it: \
+                 it may be connected to another peer next",
+            ));
+        }
         if !self.inner.quiesce(DRAIN_TIMEOUT) {
             return Err(Error::Timeout {
                 what: "the flushed completions of a queue pair before IBV_QPS_RESET",
@@ -773,6 +796,121 @@ impl QueuePair<Rts> {
                 unsafe { ibv::ibv_post_send(qp, wr, bad) }
             },
         )
+    }
+}
+
+impl QueuePair<Rts> {
+    /// Post `IBV_WR_BIND_MW` (signaled): bind the type 2 `window` to `bind`'s range of a region
+    /// with its access, through this queue pair only: the peer connected to it reaches the range
+    /// with the window's new rkey (`ibv_inc_rkey` of the old one), no other queue pair does.
+    ///
+    /// The rkey is reachable once the bind's completion was polled from the send CQ and
+    /// [`PendingBind::finish`] says it succeeded ([`BoundWindow::rkey`]). The bind takes an entry
+    /// of the send queue and of the send CQ, as every request does, until its completion is
+    /// polled. From the post on, the window holds the range (so the region stays registered)
+    /// until it is known unbound: its invalidation ([`invalidate_window`](Self::invalidate_window))
+    /// completed, or it was deallocated (dropped).
+    ///
+    /// While windows are bound through it, a queue pair cannot be reset, and dropping it moves it
+    /// to the error state (which ends the peer's access) but leaks it rather than destroying it
+    /// ([`teardown_stats`](super::teardown_stats)): drop or invalidate the windows first.
+    ///
+    /// # Errors
+    ///
+    /// The window comes back in [`WindowRefused`], nothing posted, with
+    /// [`Error::InvalidArgument`] when the window, the QP and the region are not of one
+    /// protection domain, the region lacks [`AccessFlags::MW_BIND`], the access is not remote
+    /// read, write or atomics, or write and atomics meet a region without local write;
+    /// [`Error::QueueFull`] when the send queue or the send CQ is full; [`Error::Os`] naming
+    /// `ibv_post_send`.
+    #[doc(alias = "IBV_WR_BIND_MW")]
+    #[doc(alias = "ibv_bind_mw")]
+    #[doc(alias = "ibv_inc_rkey")]
+    pub fn bind_window(
+        &mut self,
+        window: MemoryWindow,
+        bind: WindowBind,
+    ) -> std::result::Result<PendingBind, WindowRefused<MemoryWindow>> {
+        let inner = &*self.inner;
+        let checked =
+            verbs().and_then(|_| check_bind(window.pd_ptr(), inner.pd.pd.as_ptr(), &bind));
+        if let Err(error) = checked {
+            return Err(WindowRefused { error, window });
+        }
+        let rkey = window.next_rkey();
+        let wr = bind_wr(window.as_raw(), rkey, &bind);
+        let status = StatusSlot::default();
+        let qp = inner.qp.as_ptr();
+        let posted = inner.posted.send().post_one(
+            wr,
+            Sg::One(bind.range().clone()),
+            bind.tag_value(),
+            status.clone(),
+            inner.send_cq.room(),
+            |wr, bad| {
+                // SAFETY: a live QP in RTS; one request without SGEs, living for the call; the
+                // window, the region and its slice stay alive until the completion is polled.
+                unsafe { ibv::ibv_post_send(qp, wr, bad) }
+            },
+        );
+        match posted {
+            Ok(()) => Ok(window.into_pending(bind, rkey, status, &inner.posted, inner.qp_num)),
+            Err(error) => Err(WindowRefused { error, window }),
+        }
+    }
+
+    /// Post `IBV_WR_LOCAL_INV` (signaled) of `window`'s rkey on this queue pair, the one it is
+    /// bound through: once its completion was polled and [`PendingInvalidate::finish`] says it
+    /// succeeded, the rkey is dead (a peer using it gets a remote access error) and the window
+    /// comes back unbound, its range let go. The window keeps its range until then.
+    ///
+    /// # Errors
+    ///
+    /// The window comes back in [`WindowRefused`], nothing posted, with
+    /// [`Error::InvalidArgument`] when it is bound through another queue pair;
+    /// [`Error::QueueFull`] when the send queue or the send CQ is full; [`Error::Os`] naming
+    /// `ibv_post_send`.
+    #[doc(alias = "IBV_WR_LOCAL_INV")]
+    pub fn invalidate_window(
+        &mut self,
+        window: BoundWindow,
+        tag: u64,
+    ) -> std::result::Result<PendingInvalidate, WindowRefused<BoundWindow>> {
+        let inner = &*self.inner;
+        if let Err(error) = verbs() {
+            return Err(WindowRefused { error, window });
+        }
+        let held = match window.range() {
+            Some(r) if window.bound_through(&inner.posted) => r.clone(),
+            _ => {
+                let error = Error::invalid(
+                    "window",
+                    format!("bound through QP {:#x}", window.qp_num()),
+                    format!(
+                        "a window is invalidated on the queue pair it is bound through, not QP {:#x}",
+                        inner.qp_num
+                    ),
+                );
+                return Err(WindowRefused { error, window });
+            }
+        };
+        let status = StatusSlot::default();
+        let qp = inner.qp.as_ptr();
+        let posted = inner.posted.send().post_one(
+            invalidate_wr(window.rkey()),
+            Sg::One(held),
+            tag,
+            status.clone(),
+            inner.send_cq.room(),
+            |wr, bad| {
+                // SAFETY: a live QP in RTS; one request without SGEs, living for the call.
+                unsafe { ibv::ibv_post_send(qp, wr, bad) }
+            },
+        );
+        match posted {
+            Ok(()) => Ok(window.into_pending(status)),
+            Err(error) => Err(WindowRefused { error, window }),
+        }
     }
 }
 
@@ -1000,6 +1138,8 @@ mod tests {
             max_srq_sge: 1,
             atomic_cap: 0,
             phys_port_cnt: 1,
+            device_cap_flags: 0,
+            max_mw: 0,
         }
     }
 

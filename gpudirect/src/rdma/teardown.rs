@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How this process's verbs objects were torn down: destroyed, or leaked because the library could
 /// not prove the NIC was done with them (a queue pair whose flushed completions did not arrive in
-/// time, a failing destroy or deregistration). Counts since the process started; leaking is the
-/// safe failure, and a growing leak count is worth a look.
+/// time, or that memory windows were still bound through; a failing destroy, deregistration or
+/// deallocation). Counts since the process started; leaking is the safe failure, and a growing
+/// leak count is worth a look.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TeardownStats {
@@ -21,6 +22,11 @@ pub struct TeardownStats {
     pub regions_deregistered: u64,
     /// Memory regions whose `ibv_dereg_mr` failed: registration and memory leaked.
     pub regions_leaked: u64,
+    /// Memory windows deallocated (`ibv_dealloc_mw` succeeded), and the region ranges they held
+    /// released.
+    pub windows_deallocated: u64,
+    /// Memory windows whose `ibv_dealloc_mw` failed: the window and the range it held leaked.
+    pub windows_leaked: u64,
 }
 
 pub(crate) struct Counters {
@@ -30,6 +36,8 @@ pub(crate) struct Counters {
     pub(crate) cq_leaked: AtomicU64,
     pub(crate) mr_deregistered: AtomicU64,
     pub(crate) mr_leaked: AtomicU64,
+    pub(crate) mw_deallocated: AtomicU64,
+    pub(crate) mw_leaked: AtomicU64,
 }
 
 pub(crate) static COUNTERS: Counters = Counters {
@@ -39,6 +47,8 @@ pub(crate) static COUNTERS: Counters = Counters {
     cq_leaked: AtomicU64::new(0),
     mr_deregistered: AtomicU64::new(0),
     mr_leaked: AtomicU64::new(0),
+    mw_deallocated: AtomicU64::new(0),
+    mw_leaked: AtomicU64::new(0),
 };
 
 impl Counters {
@@ -58,5 +68,7 @@ pub fn teardown_stats() -> TeardownStats {
         completion_queues_leaked: g(&c.cq_leaked),
         regions_deregistered: g(&c.mr_deregistered),
         regions_leaked: g(&c.mr_leaked),
+        windows_deallocated: g(&c.mw_deallocated),
+        windows_leaked: g(&c.mw_leaked),
     }
 }
