@@ -450,3 +450,77 @@ fn an_etcd_restart_loses_nothing() {
     }
     drop(p);
 }
+
+/// Clock ticks of CPU (user + system) process `pid` has used.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command's closing parenthesis: fields 3 onward; utime and stime are 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+    n(11) + n(12)
+}
+
+/// What publishing, keeping alive and looking up cost etcd (docs/transfer.md works etcd's load
+/// at 1,000 nodes out from these): wall time per operation seen by a client, and etcd's CPU
+/// per operation, on an etcd of this test's own.
+#[test]
+fn store_costs() {
+    let _addr = etcd!();
+    let Some(mut e) = OwnEtcd::new() else {
+        skip(
+            Hardware::Etcd,
+            "no etcd binary (GPUDIRECT_ETCD_BIN unset, none on the PATH)",
+        );
+        return;
+    };
+    e.start();
+    let pid = e.child.as_ref().unwrap().id();
+    let tick = 1e6 / 100.0; // µs per clock tick (USER_HZ is 100 on Linux)
+    let s = EtcdStore::connect(EtcdConfig::new([e.addr()]).namespace("/costs/")).unwrap();
+    const N: usize = 200;
+    let ttl = Duration::from_secs(3);
+    let (c0, t0) = (cpu_ticks(pid), Instant::now());
+    let pubs: Vec<_> = (0..N)
+        .map(|i| {
+            let mut r = record(&format!("node-{i:04}"));
+            r.ttl = ttl;
+            s.publish(&r).unwrap()
+        })
+        .collect();
+    let (publish_wall, publish_cpu) = (t0.elapsed(), cpu_ticks(pid) - c0);
+    let ops0 = s.ops();
+    let (c1, t1) = (cpu_ticks(pid), Instant::now());
+    std::thread::sleep(Duration::from_secs(12));
+    let held = t1.elapsed();
+    let ka = s.ops().keepalives - ops0.keepalives;
+    let ka_cpu = cpu_ticks(pid) - c1;
+    let (c2, t2) = (cpu_ticks(pid), Instant::now());
+    for i in 0..N {
+        let n = SegmentName::new(format!("node-{i:04}")).unwrap();
+        assert!(s.lookup(&n).unwrap().is_some());
+    }
+    let (lookup_wall, lookup_cpu) = (t2.elapsed(), cpu_ticks(pid) - c2);
+    let ops = s.ops();
+    drop(pubs);
+    let per = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n as f64;
+    println!(
+        "costs: {N} publishes: {:.0} µs each (client wall), etcd CPU {:.0} µs each; \
+         ops {} grants + {} puts",
+        per(publish_wall, N),
+        publish_cpu as f64 * tick / N as f64,
+        ops0.grants,
+        ops0.puts
+    );
+    println!(
+        "costs: {N} leases of TTL {ttl:?} held {held:.1?}: {ka} keep-alives ({:.1}/s), etcd CPU {:.0} µs each",
+        ka as f64 / held.as_secs_f64(),
+        ka_cpu as f64 * tick / ka.max(1) as f64
+    );
+    println!(
+        "costs: {N} lookups: {:.0} µs each (client wall), etcd CPU {:.0} µs each; ops {:?}",
+        per(lookup_wall, N),
+        lookup_cpu as f64 * tick / N as f64,
+        ops
+    );
+}
