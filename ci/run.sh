@@ -14,6 +14,29 @@ step() { printf '\n=== %s (%ss)\n' "$*" "$SECONDS"; }
 step "setup"
 bash ci/setup.sh
 
+# A real etcd on a loopback port with a data directory of its own, for the metadata store's
+# tests (tests/membership_etcd.rs finds it through GPUDIRECT_ETCD); stopped when this script ends.
+etcd_dir=$(mktemp -d)
+etcd_port=${GPUDIRECT_ETCD_PORT:-23790}
+stop_etcd() {
+  if [ -n "${etcd_pid:-}" ]; then kill "$etcd_pid" 2>/dev/null || true; wait "$etcd_pid" 2>/dev/null || true; etcd_pid=; fi
+  rm -rf "$etcd_dir"
+}
+trap stop_etcd EXIT
+start_etcd() {
+  etcd --name ci --data-dir "$etcd_dir/data" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$((etcd_port + 10))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((etcd_port + 10))" \
+    --initial-cluster "ci=http://127.0.0.1:$((etcd_port + 10))" >"$etcd_dir/log" 2>&1 &
+  etcd_pid=$!
+  for _ in $(seq 100); do
+    ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$etcd_port" endpoint health >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  cat "$etcd_dir/log"; echo "etcd did not start"; return 1
+}
+
 step "cargo fmt --check"
 cargo fmt --all --check
 
@@ -24,7 +47,7 @@ step "gpudirect's features: each path alone, and none (clippy of the library and
 # A program may build only the paths it uses (`default-features = false`). The CUDA version
 # feature stays: it only picks cudarc's bindings. gpudirect alone is checked again per set; its
 # dependencies come from the target directory above.
-for set in "" p2p rdma storage report serde tokio transfer transfer,p2p; do
+for set in "" p2p rdma storage report serde tokio transfer transfer,p2p etcd transfer,etcd; do
   echo "--- features: cuda-12080${set:+,$set}"
   cargo clippy -p gpudirect --all-targets --no-default-features \
     --features "cuda-12080${set:+,$set}" -- -D warnings
@@ -49,6 +72,16 @@ python3 scripts/check-source.py
 
 step "cargo test (README's test command)"
 cargo test
+
+step "the metadata store against a real etcd (tests/membership_etcd.rs, feature etcd)"
+# Keys, leases and keep-alives, watches, expiry of a SIGKILLed and a SIGSTOPped publisher, and
+# etcd killed and started again (the test starts that etcd itself, from GPUDIRECT_ETCD_BIN).
+# GPUDIRECT_REQUIRE=etcd: a skip here fails.
+cargo clippy --features etcd --test membership_etcd -- -D warnings
+start_etcd
+GPUDIRECT_ETCD="127.0.0.1:$etcd_port" GPUDIRECT_ETCD_BIN="$(command -v etcd)" GPUDIRECT_REQUIRE=etcd \
+  cargo test --features etcd --test membership_etcd -- --nocapture
+stop_etcd
 
 step "cargo test --release: gpudirect's unit and property tests with optimizations"
 # Overflow checks are off in release: the property tests show the arithmetic is checked there too.

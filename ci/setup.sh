@@ -1,5 +1,17 @@
 #!/usr/bin/env bash
-# Everything CI and a fresh development machine need beyond the Rust toolchain.
+# Everything CI and a fresh development machine need beyond the Rust toolchain: Debian's etcd
+# (the metadata store's tests run against a real server) and protoc (the `etcd` feature's
+# etcd-client compiles etcd's protobuf files; the plain build needs neither).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "ci/setup.sh: nothing extra needed yet"
+need=()
+command -v etcd >/dev/null || need+=(etcd-server)
+command -v etcdctl >/dev/null || need+=(etcd-client)
+command -v protoc >/dev/null || need+=(protobuf-compiler)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "ci/setup.sh: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+echo "ci/setup.sh: $(etcd --version | head -1); $(protoc --version)"

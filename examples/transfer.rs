@@ -9,7 +9,12 @@
 //!     --device mlx5_0 --device mlx5_1                                      # two rails
 //! cargo run --release --example transfer                                  # both in one process
 //! cargo run --release --example transfer -- --bench --register            # the bench (benches/transfer.rs)
+//! cargo run --release --example transfer -- --listen 7400 --metrics 127.0.0.1:9400
 //! ```
+//!
+//! With `--metrics ADDR` the engine's metrics (requests, bytes per rail and peer, failures,
+//! handshakes, membership events: docs/transfer.md) are served in Prometheus text at
+//! `http://ADDR/metrics` while the example runs.
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
 //! names `rdma`); 2 on a bad option; 1 when a byte differs or a transfer fails.
@@ -52,6 +57,10 @@ struct Args {
     /// Host memory even where there is a GPU.
     #[arg(long)]
     host: bool,
+    /// Serve the engine's metrics in Prometheus text on this address (`host:port`) while the
+    /// example runs.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
     /// Run the transfer bench (benches/transfer.rs) with the arguments that follow instead.
     #[arg(long, num_args = 0.., allow_hyphen_values = true, value_name = "BENCH-ARGS")]
     bench: Option<Vec<String>>,
@@ -223,10 +232,43 @@ fn device_ipv4(engine: &Engine) -> Option<std::net::Ipv4Addr> {
     None
 }
 
+/// Install a Prometheus recorder for the `metrics` facade and serve its text at `addr` from a
+/// thread (one request at a time: enough for a scraper).
+fn serve_metrics(addr: std::net::SocketAddr) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(std::io::Error::other)?;
+    let listener = std::net::TcpListener::bind(addr)?;
+    println!("metrics: http://{}/metrics", listener.local_addr()?);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut req = [0u8; 1024];
+            let _ = c.read(&mut req);
+            let body = handle.render();
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    Ok(())
+}
+
 fn main() {
     let args = Args::parse();
     if let Some(b) = &args.bench {
         std::process::exit(bench::run(b));
+    }
+    if let Some(addr) = args.metrics
+        && let Err(e) = serve_metrics(addr)
+    {
+        eprintln!("--metrics {addr}: {e}");
+        std::process::exit(2);
     }
     if let Err(e) = gpudirect::rdma::DeviceList::non_empty() {
         skip_example(Hardware::Rdma, e);

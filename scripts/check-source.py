@@ -6,7 +6,8 @@ Threads: every thread the crate starts goes through `driver::ctx::spawn_thread` 
 `spawn_scoped` (a `std::thread::spawn`, a `Builder`'s, a scope's; however it was imported, across
 lines) or a `thread::Builder` anywhere else in the crate's code fails. A file's code is what
 precedes its `#[cfg(test)]` / `mod tests {` block (rustfmt keeps it last); comments are left out.
-The one spawn that is not a thread (a task on the caller's tokio runtime) is named below.
+The spawns that are not threads (tokio tasks: on the caller's runtime, and on the etcd store's own
+runtime, whose one thread is started through spawn_thread) are named below.
 
 Build paths: no Rust code of the workspace (the crates, tests, benches, examples, their test
 modules included) bakes in a path of the build machine with `env!("CARGO_MANIFEST_DIR")` (or
@@ -32,8 +33,12 @@ DEFAULT_ROOT = os.path.join(HERE, "..")
 
 # Where spawning is the point: the helpers themselves.
 HELPER = ("driver", "ctx.rs")
-# A task on the caller's tokio runtime, not a thread: the line starting this way in this file.
-TOKIO_TASK = (("rdma", "async_qp.rs"), "rt.spawn(run(")
+# Tokio tasks, not threads: in each file, the lines starting this way. A task on the caller's
+# runtime (async_qp.rs); a task on the etcd store's own runtime (etcd.rs).
+TOKIO_TASKS = [
+    (("rdma", "async_qp.rs"), "rt.spawn(run("),
+    (("membership", "etcd.rs"), "rt.spawn(task"),
+]
 
 WHITESPACE = " \t\n\r\x0c"
 
@@ -103,7 +108,7 @@ def thread_starts(src, min_files=50):
             code = code_of(fh.read())
         parts = tuple(os.path.normpath(f).split(os.sep))
         helper = parts[-2:] == HELPER
-        tokio_task = parts[-2:] == TOKIO_TASK[0]
+        tasks = [start for where, start in TOKIO_TASKS if parts[-2:] == where]
 
         def line(at):
             return code.count("\n", 0, at) + 1
@@ -111,7 +116,7 @@ def thread_starts(src, min_files=50):
         for at in spawn_calls(code):
             start = code.rfind("\n", 0, at) + 1
             call = code[start:].split("\n", 1)[0].strip()
-            if helper or (tokio_task and call.startswith(TOKIO_TASK[1])):
+            if helper or any(call.startswith(t) for t in tasks):
                 continue
             found.append(f"{f}:{line(at)}: {call}")
         at = code.find("thread::Builder")
@@ -155,7 +160,8 @@ def main(argv):
     if threads or paths or figs:
         return 1
     print(f"threads ok: {n} files of gpudirect/src start threads only through driver::ctx::spawn_thread"
-          f" and spawn_scoped_thread (besides them: the tokio task `{TOKIO_TASK[1]}` in {'/'.join(TOKIO_TASK[0])})")
+          f" and spawn_scoped_thread (besides them, tokio tasks: "
+          + ", ".join(f"`{t}` in {'/'.join(w)}" for w, t in TOKIO_TASKS) + ")")
     print(f"build paths ok: none of the workspace's {m} .rs files bakes in CARGO_MANIFEST_DIR or the like")
     print(f"figures ok: no comment in the {k} files of gpudirect/src names a rate or a GPU model")
     return 0

@@ -214,11 +214,13 @@ class Source(TempTree):
             "d.rs:1: fn f() { scope.spawn   (|| 1); }",
         ])
 
-    def test_the_tokio_task_is_the_one_exception(self):
+    def test_the_tokio_tasks_are_the_only_exceptions(self):
         found = self.starts({"rdma/async_qp.rs": "fn f() {\n    rt.spawn(run(x));\n    rt.spawn(other());\n}\n"})
         self.assertEqual([f.split(os.sep)[-1] for f in found], ["async_qp.rs:3: rt.spawn(other());"])
         found = self.starts({"rdma/other.rs": "fn f() {\n    rt.spawn(run(x));\n}\n"})
         self.assertEqual(len(found), 1, found)
+        found = self.starts({"membership/etcd.rs": "fn f() {\n    rt.spawn(task);\n    rt.spawn(run(x));\n}\n"})
+        self.assertEqual([f.split(os.sep)[-1] for f in found], ["etcd.rs:3: rt.spawn(run(x));"])
 
     def test_comments_and_the_tests_module_are_left_out(self):
         found = self.starts({"a.rs": "// std::thread::spawn(f)\nfn f() {} // spawn(g)\n"

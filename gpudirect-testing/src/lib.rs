@@ -2,7 +2,7 @@
 //! failure when `GPUDIRECT_REQUIRE` names the missing hardware; and [`paired`], how a bench
 //! decides a cell from paired rounds against its baseline.
 //!
-//! `GPUDIRECT_REQUIRE` is a comma list of `gpu`, `cufile`, `rdma`, `multi-gpu`. This crate is
+//! `GPUDIRECT_REQUIRE` is a comma list of `gpu`, `cufile`, `rdma`, `multi-gpu`, `etcd`. This crate is
 //! a development dependency of the workspace's top-level package only (never published, never
 //! a dependency of `gpudirect`); docs/test-tiers.md says how the tiers use it.
 #![deny(missing_docs)]
@@ -22,6 +22,8 @@ pub enum Hardware {
     Rdma,
     /// Two or more CUDA GPUs.
     MultiGpu,
+    /// An etcd server (`GPUDIRECT_ETCD=host:port`) for the metadata store's tests.
+    Etcd,
 }
 
 impl Hardware {
@@ -32,6 +34,7 @@ impl Hardware {
             Hardware::Cufile => "cufile",
             Hardware::Rdma => "rdma",
             Hardware::MultiGpu => "multi-gpu",
+            Hardware::Etcd => "etcd",
         }
     }
 }
@@ -42,11 +45,12 @@ impl fmt::Display for Hardware {
     }
 }
 
-const ALL: [Hardware; 4] = [
+const ALL: [Hardware; 5] = [
     Hardware::Gpu,
     Hardware::Cufile,
     Hardware::Rdma,
     Hardware::MultiGpu,
+    Hardware::Etcd,
 ];
 
 /// Whether `GPUDIRECT_REQUIRE` names `hw` (names are case-insensitive).
@@ -54,13 +58,13 @@ const ALL: [Hardware; 4] = [
 /// # Panics
 ///
 /// When `GPUDIRECT_REQUIRE` holds a name that is not one of `gpu`, `cufile`, `rdma`,
-/// `multi-gpu`: a misspelled requirement must not turn into a silent skip.
+/// `multi-gpu`, `etcd`: a misspelled requirement must not turn into a silent skip.
 #[track_caller]
 pub fn required(hw: Hardware) -> bool {
     match required_in(&std::env::var("GPUDIRECT_REQUIRE").unwrap_or_default(), hw) {
         Ok(r) => r,
         Err(unknown) => panic!(
-            "GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu"
+            "GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu, etcd"
         ),
     }
 }
@@ -91,7 +95,7 @@ pub fn skip_example(hw: Hardware, reason: impl fmt::Display) -> ! {
     let list = std::env::var("GPUDIRECT_REQUIRE").unwrap_or_default();
     let required = required_in(&list, hw).unwrap_or_else(|unknown| {
         eprintln!(
-            "FAILED: GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu"
+            "FAILED: GPUDIRECT_REQUIRE names unknown hardware {unknown:?}; known: gpu, cufile, rdma, multi-gpu, etcd"
         );
         std::process::exit(2);
     });

@@ -257,6 +257,52 @@ pub enum Error {
         /// How long.
         after: Duration,
     },
+    /// A metadata store (named segments, membership) could not do an operation: unreachable,
+    /// refused, or it answered what it should not.
+    #[error("metadata store ({store}): {op} failed: {reason}")]
+    Store {
+        /// The store: `embedded`, `etcd`.
+        store: &'static str,
+        /// The operation, such as `publish` or `lookup`.
+        op: &'static str,
+        /// Why, as observed.
+        reason: String,
+    },
+    /// No live member publishes this segment name.
+    #[error("no member is named {name:?} in the metadata store")]
+    UnknownName {
+        /// The segment name looked up.
+        name: String,
+    },
+    /// Another live node publishes this segment name.
+    #[error("segment name {name:?} is taken by node {node}")]
+    NameTaken {
+        /// The segment name.
+        name: String,
+        /// The node holding it.
+        node: String,
+    },
+    /// The peer left the membership (its lease expired, or it withdrew its name): its
+    /// endpoints end.
+    #[error("peer {name:?} (node {node}) left the membership")]
+    PeerLeft {
+        /// The peer's segment name.
+        name: String,
+        /// Its node identity.
+        node: String,
+    },
+    /// Bytes in a format version this library does not read.
+    #[error("{what} version {found} is not one this library reads ({oldest} to {newest})")]
+    UnknownVersion {
+        /// What was read, such as `member record`.
+        what: &'static str,
+        /// The version found.
+        found: u32,
+        /// The oldest version read.
+        oldest: u32,
+        /// The newest version read.
+        newest: u32,
+    },
 }
 
 impl Error {

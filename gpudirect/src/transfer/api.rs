@@ -7,6 +7,8 @@ use super::endpoint::Endpoint;
 use super::engine::{self, Engine, EngineConfig};
 #[cfg(feature = "p2p")]
 use super::local;
+use super::membership::{Advertise, MemberRecord, MemberWatch, MetadataStore, StoreOps};
+use super::named;
 use super::rails;
 use super::region::{Buffer, CacheCounters, Region};
 use super::registry;
@@ -169,6 +171,116 @@ impl Engine {
         publish: &[MemoryDescriptor],
     ) -> Result<Endpoint> {
         Endpoint::inside_node(local::connect(self, path.as_ref(), publish)?)
+    }
+
+    /// Give the engine a metadata store to find peers by name in
+    /// ([`connect_name`](Self::connect_name), [`members`](Self::members)) without publishing
+    /// itself. An engine keeps the first store it is given; a thread of its own watches the
+    /// store's membership from then on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for another store than the
+    /// engine's; [`Error::Store`](crate::Error::Store) when the store cannot be reached.
+    pub fn use_store<S: MetadataStore + Clone>(&self, store: &S) -> Result<()> {
+        named::attach(self, store)
+    }
+
+    /// Publish the engine under segment `name` in `store` ([`use_store`](Self::use_store)),
+    /// reachable as `at` says (its rails' addresses, its local socket), with a lease kept
+    /// alive until [`unpublish`](Self::unpublish) or the engine's last clone goes. The record
+    /// carries a node identity drawn for this engine, never memory descriptors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a name or advertised
+    /// address that breaks its rule, more addresses than rails, a second name, another store;
+    /// [`Error::NameTaken`](crate::Error::NameTaken) when another live node holds `name`;
+    /// [`Error::Store`](crate::Error::Store) when the store cannot be reached.
+    pub fn publish_as<S: MetadataStore + Clone>(
+        &self,
+        name: &str,
+        store: &S,
+        at: Advertise,
+    ) -> Result<()> {
+        named::attach(self, store)?;
+        named::publish(self, name, &at)
+    }
+
+    /// The record the engine publishes, if it does.
+    pub fn published(&self) -> Option<MemberRecord> {
+        self.inner.roster.published()
+    }
+
+    /// Withdraw the engine's name (peers watching see it leave), waiting at most a second for
+    /// the store.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`](crate::Error::Store) when the store did not answer in time (the lease
+    /// then expires by itself within its TTL).
+    pub fn unpublish(&self) -> Result<()> {
+        self.inner.roster.unpublish(Duration::from_secs(1))
+    }
+
+    /// Connect an endpoint to segment `name`: its record is looked up in the engine's store
+    /// and dialled as [`connect_local`](Self::connect_local) does when the record says the
+    /// peer is on this host and listens locally (with the `p2p` feature), else as
+    /// [`connect`](Self::connect) does to its rails' addresses; `publish` as there. When the
+    /// peer's record leaves the store (its lease expired: killed, stopped, cut off; or it
+    /// withdrew) and does not come back within half its TTL, the endpoint ends: its requests
+    /// end, [`Endpoint::failure`] says [`Error::PeerLeft`](crate::Error::PeerLeft) — within
+    /// twice the peer's TTL of its last renewal.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a name that breaks the
+    /// rule or an engine without a store; [`Error::UnknownName`](crate::Error::UnknownName)
+    /// when no live member has it; the record's checks
+    /// ([`MemberRecord::from_bytes`]); [`Error::Store`](crate::Error::Store); errors of
+    /// connecting.
+    #[doc(alias = "rdma_connect")]
+    pub fn connect_name(&self, name: &str, publish: &[MemoryDescriptor]) -> Result<Endpoint> {
+        named::connect(self, name, publish)
+    }
+
+    /// End `ep` (an accepted endpoint, say) when the node now publishing segment `name` leaves,
+    /// as [`connect_name`](Self::connect_name)'s endpoints end.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect_name`](Self::connect_name)'s lookup.
+    pub fn watch_peer(&self, ep: &Endpoint, name: &str) -> Result<()> {
+        named::watch(self, ep, name)
+    }
+
+    /// Every live member of the engine's store.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) without a store;
+    /// [`Error::Store`](crate::Error::Store).
+    pub fn members(&self) -> Result<Vec<MemberRecord>> {
+        self.inner.roster.store()?.members()
+    }
+
+    /// Watch members join and leave: a [`Joined`](super::membership::MemberEvent::Joined)
+    /// for each live member first, then each change (a blocking iterator and a `Stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`members`](Self::members).
+    pub fn watch_members(&self) -> Result<MemberWatch> {
+        self.inner.roster.store()?.watch()
+    }
+
+    /// The operations the engine's store made so far.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) without a store.
+    pub fn store_ops(&self) -> Result<StoreOps> {
+        Ok(self.inner.roster.store()?.ops())
     }
 }
 

@@ -6,6 +6,7 @@ use super::descriptor::{MemoryDescriptor, RemoteRange};
 use super::engine::Engine;
 #[cfg(feature = "p2p")]
 use super::local::{Local, Queued};
+use super::meter::Meter;
 use super::pending::{Transfer, Transferred};
 use super::plan::deadline_after;
 use super::rails::{RailStats, Rails};
@@ -43,16 +44,34 @@ struct Handle {
     transport: Transport,
     /// The stream proxy, made by the first stream-ordered request.
     proxy: OnceLock<Proxy<Rdma>>,
+    /// The peer's segment name and node, once it left the membership (`transfer::membership`).
+    left: OnceLock<(String, String)>,
+    /// The peer's segment name, for an endpoint found by name (the metrics' `peer` label).
+    peer: OnceLock<String>,
+    /// Its metrics, registered at its first request.
+    meter: OnceLock<Meter>,
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        // Why it failed, if it did before this close (counted once, not as a peer's leave).
+        let failed = self
+            .meter
+            .get()
+            .filter(|_| self.left.get().is_none())
+            .and(self.transport.failure());
         if let Some(p) = self.proxy.get() {
             p.closing();
         }
         self.transport.close();
         if let Some(p) = self.proxy.get() {
             p.closed();
+        }
+        if let Some(m) = self.meter.get() {
+            m.rails(&self.transport.rail_stats());
+            if let Some(e) = failed {
+                m.ended(super::meter::kind(&e));
+            }
         }
     }
 }
@@ -75,6 +94,9 @@ impl Endpoint {
             handle: Arc::new(Handle {
                 transport,
                 proxy: OnceLock::new(),
+                left: OnceLock::new(),
+                peer: OnceLock::new(),
+                meter: OnceLock::new(),
             }),
         }
     }
@@ -125,9 +147,37 @@ impl Endpoint {
         self.transport().rail_stats()
     }
 
-    /// Why the endpoint stopped, if it has: the error its requests ended with.
+    /// Why the endpoint stopped, if it has: the error its requests ended with;
+    /// [`Error::PeerLeft`] once a peer found by name left the membership.
     pub fn failure(&self) -> Option<Error> {
-        self.transport().failure()
+        self.left().or_else(|| self.transport().failure())
+    }
+
+    /// The peer (segment `name`, node `node`) left the membership: the endpoint is closed
+    /// (its requests end) and later requests are refused with [`Error::PeerLeft`].
+    pub(crate) fn peer_left(&self, name: &str, node: &str) {
+        if self.handle.left.set((name.into(), node.into())).is_ok() {
+            self.transport().close();
+            self.meter().ended("peer_left");
+        }
+    }
+
+    /// The peer is segment `name` (the metrics' `peer` label; set before any request).
+    pub(crate) fn name_peer(&self, name: &str) {
+        let _ = self.handle.peer.set(name.to_string());
+    }
+
+    fn meter(&self) -> &Meter {
+        self.handle
+            .meter
+            .get_or_init(|| Meter::new(self.handle.peer.get().map_or("unnamed", String::as_str)))
+    }
+
+    fn left(&self) -> Option<Error> {
+        self.handle.left.get().map(|(name, node)| Error::PeerLeft {
+            name: name.clone(),
+            node: node.clone(),
+        })
     }
 
     /// This endpoint without keeping it open.
@@ -189,7 +239,17 @@ impl Endpoint {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     ) -> Result<Transfer> {
-        self.transport().transfer(self, dir, pairs, opts)
+        if let Some(e) = self.left() {
+            return Err(e);
+        }
+        let bytes = pairs.iter().map(|(l, _)| l.len()).sum();
+        let r = self.transport().transfer(self, dir, pairs, opts);
+        let m = self.meter();
+        m.request(dir, bytes, r.is_ok());
+        if m.rails_due() {
+            m.rails(&self.rail_stats());
+        }
+        r
     }
 
     /// The next notification from the peer, waiting up to `timeout`; `None` when none came.
@@ -198,7 +258,9 @@ impl Endpoint {
     ///
     /// The endpoint's failure, once it has failed and no notification is left.
     pub fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
-        self.transport().next_notification(timeout)
+        self.transport()
+            .next_notification(timeout)
+            .map_err(|e| self.left().unwrap_or(e))
     }
 
     /// The next notification from the peer, awaited up to `timeout`; `None` when none came.
@@ -246,6 +308,7 @@ impl Endpoint {
     ///
     /// [`Error::InvalidArgument`] on the accepting side; errors of connecting.
     pub fn reconnect(&self) -> Result<()> {
+        self.meter().reconnected();
         self.transport().reconnect()
     }
 

@@ -2,6 +2,7 @@
 //! settings every endpoint of it uses.
 
 use super::descriptor::MAX_RAILS;
+use super::membership::Roster;
 use super::plan::preferred_rails;
 use super::region::{Cache, CacheStats};
 use crate::error::{Error, Result};
@@ -202,6 +203,8 @@ pub(crate) struct EngineInner {
     next_id: AtomicU64,
     /// This engine among the process's engines (never reused): what its registrations carry.
     pub(crate) engine_id: u64,
+    /// Its metadata store, published name and named peers (`transfer::membership`).
+    pub(crate) roster: Roster,
 }
 
 /// Engines made so far in the process.
@@ -356,6 +359,7 @@ fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
             gpu_targets: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
+            roster: Roster::default(),
         }),
     }
 }

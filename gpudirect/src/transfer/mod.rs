@@ -169,6 +169,9 @@ mod engine;
 mod export;
 #[cfg(feature = "p2p")]
 mod local;
+pub mod membership;
+mod meter;
+mod named;
 mod pending;
 mod plan;
 mod prepared;

@@ -1,0 +1,764 @@
+//! The etcd store ([`EtcdStore`], feature `etcd`): records under `{namespace}members/{name}`,
+//! each put with its own lease in a transaction that checks who holds the name; a keep-alive
+//! every third of the TTL; a lease found gone (etcd restarted without its data, an outage
+//! longer than the TTL) granted again and the record put again; watches that list again after
+//! a lost connection and report only what changed. The client is async: the store owns a
+//! small tokio runtime on one thread of its own, and blocking calls wait for its tasks.
+
+use super::feed::{Sender, channel};
+use super::name::{NodeId, SegmentName};
+use super::record::{MAX_RECORD, MemberRecord};
+use super::store::{
+    Lease, MemberEvent, MemberWatch, MetadataStore, OpCounters, Publication, StoreOps,
+};
+use crate::error::{Error, Result};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse, WatchOptions,
+};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::runtime::Handle;
+use tokio::sync::watch;
+
+/// Records read per page of a list.
+const PAGE: i64 = 1000;
+/// The most members a list reads.
+const MAX_MEMBERS: usize = 1 << 16;
+/// How soon a lost connection is tried again.
+const RETRY: Duration = Duration::from_millis(250);
+
+/// How to reach etcd and where the records live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdConfig {
+    /// The cluster's client endpoints, `host:port` (or `http://host:port`).
+    pub endpoints: Vec<String>,
+    /// The prefix of every key (default `/gpudirect/v1/`): `/`, then letters, digits, `.`,
+    /// `_`, `-` and `/`, ending with `/`, at most 128 bytes.
+    pub namespace: String,
+    /// Bound on connecting (default 3 s).
+    pub connect_timeout: Duration,
+    /// Bound on each request (default 3 s).
+    pub op_timeout: Duration,
+}
+
+impl EtcdConfig {
+    /// The default settings for these endpoints.
+    pub fn new<S: AsRef<str>>(endpoints: impl IntoIterator<Item = S>) -> EtcdConfig {
+        EtcdConfig {
+            endpoints: endpoints
+                .into_iter()
+                .map(|e| e.as_ref().to_string())
+                .collect(),
+            namespace: "/gpudirect/v1/".into(),
+            connect_timeout: Duration::from_secs(3),
+            op_timeout: Duration::from_secs(3),
+        }
+    }
+
+    /// With this key namespace.
+    pub fn namespace(mut self, ns: impl Into<String>) -> EtcdConfig {
+        self.namespace = ns.into();
+        self
+    }
+
+    /// Check the settings.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        let ns = &self.namespace;
+        if ns.len() > 128
+            || !ns.starts_with('/')
+            || !ns.ends_with('/')
+            || ns.contains("//")
+            || !ns
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'/'))
+        {
+            return Err(Error::invalid(
+                "namespace",
+                format!("{ns:?}"),
+                "'/', then letters, digits, '.', '_', '-' and '/' (no '//'), ending with '/', at \
+                 most 128 bytes",
+            ));
+        }
+        if self.endpoints.is_empty() {
+            return Err(Error::invalid("endpoints", "none", "at least one endpoint"));
+        }
+        for (what, t) in [
+            ("connect_timeout", self.connect_timeout),
+            ("op_timeout", self.op_timeout),
+        ] {
+            if t.is_zero() || t > Duration::from_secs(300) {
+                return Err(Error::invalid(
+                    what,
+                    format!("{t:?}"),
+                    "above 0, at most 300 s",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn store_err(op: &'static str, reason: impl ToString) -> Error {
+    Error::Store {
+        store: "etcd",
+        op,
+        reason: reason.to_string(),
+    }
+}
+
+/// What the store's tasks share (never the store itself, so that it can be dropped).
+struct Ctx {
+    client: Client,
+    ops: OpCounters,
+    /// `{namespace}members/`.
+    prefix: String,
+    op_timeout: Duration,
+}
+
+impl Ctx {
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+}
+
+/// `fut` bounded by `t`, its error a store error naming `op`.
+async fn bounded<T>(
+    op: &'static str,
+    t: Duration,
+    fut: impl Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(t, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(store_err(op, e)),
+        Err(_) => Err(store_err(op, format!("no answer within {t:?}"))),
+    }
+}
+
+/// The runtime's thread, stopped and joined with the store.
+struct Runtime {
+    handle: Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Runtime {
+    fn start() -> Result<Runtime> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| Error::Os {
+                call: "tokio runtime",
+                source,
+            })?;
+        let handle = rt.handle().clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = crate::driver::ctx::spawn_thread("gpudirect-etcd", move || {
+            rt.block_on(async {
+                let _ = rx.await;
+            });
+            // Dropping the runtime ends its tasks (keep-alives, watches).
+            drop(rt);
+        })?;
+        Ok(Runtime {
+            handle,
+            stop: Some(tx),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Run `task` on the runtime.
+    fn detach(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let rt = &self.handle;
+        rt.spawn(task);
+    }
+
+    /// Run `fut` on the runtime and wait for it (from any thread, in or out of a runtime).
+    fn wait<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        t: Duration,
+        fut: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.detach(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv_timeout(t + Duration::from_secs(1))
+            .unwrap_or_else(|_| Err(store_err(op, format!("no answer within {t:?}"))))
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t {
+            crate::completion::thread::join_unless_current(t);
+        }
+    }
+}
+
+struct Inner {
+    ctx: Arc<Ctx>,
+    config: EtcdConfig,
+    // Dropped last: the tasks end with it.
+    rt: Runtime,
+}
+
+/// A metadata store on etcd (feature `etcd`): see the module's docs for the key layout and
+/// the leases. Cheap to clone: clones share one client and one runtime thread, which stop when
+/// the last clone and the last publication made through it go.
+#[derive(Clone)]
+pub struct EtcdStore {
+    inner: Arc<Inner>,
+}
+
+impl EtcdStore {
+    /// Connect to etcd (one request to check that it answers).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for settings out of range; [`Error::Store`] when etcd does
+    /// not answer within the connect timeout; [`Error::Os`] when its runtime or thread cannot
+    /// start.
+    pub fn connect(config: EtcdConfig) -> Result<EtcdStore> {
+        config.check()?;
+        let rt = Runtime::start()?;
+        let (eps, t) = (config.endpoints.clone(), config.connect_timeout);
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(t)
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let client = rt.wait("connect", t, async move {
+            let mut c = bounded("connect", t, Client::connect(eps, Some(opts))).await?;
+            bounded("connect", t, c.status()).await?;
+            Ok(c)
+        })?;
+        let ctx = Arc::new(Ctx {
+            client,
+            ops: OpCounters::default(),
+            prefix: format!("{}members/", config.namespace),
+            op_timeout: config.op_timeout,
+        });
+        Ok(EtcdStore {
+            inner: Arc::new(Inner { ctx, config, rt }),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
+    }
+
+    /// The key of segment `name`'s record.
+    pub fn key_of(&self, name: &SegmentName) -> String {
+        self.inner.ctx.key(name.as_str())
+    }
+
+    fn wait<T: Send + 'static>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> Result<T> {
+        self.inner.rt.wait(op, self.inner.ctx.op_timeout, fut)
+    }
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+/// Grant a lease of `ttl` and put `rec` under it, unless another node holds the name; the
+/// lease's id.
+async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> {
+    let (mut c, t) = (ctx.client.clone(), ctx.op_timeout);
+    let ttl = i64::try_from(rec.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+    OpCounters::count(&ctx.ops.grants);
+    let id = bounded("lease grant", t, c.lease_grant(ttl, None))
+        .await?
+        .id();
+    let key = ctx.key(rec.name.as_str());
+    let put = || {
+        TxnOp::put(
+            key.clone(),
+            bytes.to_vec(),
+            Some(PutOptions::new().with_lease(id)),
+        )
+    };
+    let mut taken = None;
+    // Absent: put. Present: ours (a lease lost and granted again) is put again under the same
+    // bytes' check; another node's is refused.
+    for _ in 0..2 {
+        OpCounters::count(&ctx.ops.puts);
+        let cond = match &taken {
+            None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            Some(old) => Compare::value(key.clone(), CompareOp::Equal, Vec::clone(old)),
+        };
+        let txn = Txn::new()
+            .when([cond])
+            .and_then([put()])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let r = bounded("publish", t, c.txn(txn)).await?;
+        if r.succeeded() {
+            return Ok(id);
+        }
+        let old: Option<Vec<u8>> = r.op_responses().into_iter().find_map(|o| match o {
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        let Some(old) = old else { continue };
+        match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
+            Ok(o) if o.node == rec.node => taken = Some(old),
+            other => {
+                let _ = bounded("lease revoke", t, c.lease_revoke(id)).await;
+                return Err(match other {
+                    Ok(o) => Error::NameTaken {
+                        name: rec.name.to_string(),
+                        node: o.node.to_string(),
+                    },
+                    Err(e) => store_err(
+                        "publish",
+                        format!("the key holds a record this library does not read: {e}"),
+                    ),
+                });
+            }
+        }
+    }
+    let _ = bounded("lease revoke", t, c.lease_revoke(id)).await;
+    Err(store_err("publish", "the name kept changing hands"))
+}
+
+/// What a publication's keeper shares with its [`EtcdLease`].
+struct Kept {
+    lease: AtomicI64,
+    republished: AtomicU64,
+}
+
+/// Keep `rec`'s lease alive (a keep-alive every third of its TTL); when etcd says the lease is
+/// gone, grant another and put the record again. Ends when `stop` says so.
+async fn keep(
+    ctx: Arc<Ctx>,
+    rec: MemberRecord,
+    bytes: Vec<u8>,
+    kept: Arc<Kept>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let period = rec.ttl / 3;
+    let t = ctx.op_timeout.min(period);
+    let mut c = ctx.client.clone();
+    loop {
+        let id = kept.lease.load(Ordering::Relaxed);
+        // Opening the stream is a keep-alive round trip (at once: after an outage the lease
+        // may be near its end); then one every period.
+        OpCounters::count(&ctx.ops.keepalives);
+        let lost = match tokio::time::timeout(t, c.lease_keep_alive(id)).await {
+            Ok(Ok((mut keeper, mut answers))) => loop {
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    _ = tokio::time::sleep(period) => {}
+                }
+                OpCounters::count(&ctx.ops.keepalives);
+                let one = async {
+                    keeper.keep_alive().await?;
+                    answers.message().await
+                };
+                match tokio::time::timeout(t, one).await {
+                    Ok(Ok(Some(a))) if a.ttl() > 0 => {}
+                    // etcd answers a TTL of 0 for a lease it does not have.
+                    Ok(Ok(Some(_))) => break true,
+                    // The connection broke or etcd did not answer: the same lease again.
+                    _ => break false,
+                }
+            },
+            // The client's name for etcd's TTL of 0 on the stream's first answer.
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) => why.contains("not found"),
+            _ => false,
+        };
+        if !lost {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = tokio::time::sleep(RETRY) => {}
+            }
+            continue;
+        }
+        // Published again as soon as etcd takes it (the name may be another node's by then:
+        // then tried again every TTL).
+        loop {
+            match put_record(&ctx, &rec, &bytes).await {
+                Ok(id) => {
+                    kept.lease.store(id, Ordering::Relaxed);
+                    kept.republished.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) => {
+                    let wait = if matches!(e, Error::NameTaken { .. }) {
+                        rec.ttl
+                    } else {
+                        RETRY
+                    };
+                    tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct EtcdLease {
+    store: Arc<Inner>,
+    kept: Arc<Kept>,
+    stop: watch::Sender<bool>,
+}
+
+impl Lease for EtcdLease {
+    fn id(&self) -> u64 {
+        self.kept.lease.load(Ordering::Relaxed) as u64
+    }
+
+    fn republished(&self) -> u64 {
+        self.kept.republished.load(Ordering::Relaxed)
+    }
+
+    fn revoke(&self, timeout: Duration) -> Result<()> {
+        let _ = self.stop.send(true);
+        let ctx = self.store.ctx.clone();
+        OpCounters::count(&ctx.ops.revokes);
+        let id = self.kept.lease.load(Ordering::Relaxed);
+        self.store.rt.wait("lease revoke", timeout, async move {
+            let mut c = ctx.client.clone();
+            bounded("lease revoke", timeout, c.lease_revoke(id))
+                .await
+                .map(drop)
+        })
+    }
+}
+
+/// Every valid record under the prefix (pages of [`PAGE`] at one revision), and that revision.
+async fn list(ctx: &Ctx) -> Result<(Vec<MemberRecord>, i64)> {
+    let (mut c, t) = (ctx.client.clone(), ctx.op_timeout);
+    let end = prefix_end(&ctx.prefix);
+    let mut from = ctx.prefix.clone().into_bytes();
+    let mut out = Vec::new();
+    let mut rev = 0;
+    loop {
+        OpCounters::count(&ctx.ops.lists);
+        let mut o = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+        if rev > 0 {
+            o = o.with_revision(rev);
+        }
+        let r = bounded("list", t, c.get(from.clone(), Some(o))).await?;
+        if rev == 0 {
+            rev = r.header().map_or(0, |h| h.revision());
+        }
+        for kv in r.kvs() {
+            if let Some(rec) = read_kv(&ctx.prefix, kv.key(), kv.value()) {
+                out.push(rec);
+            }
+        }
+        match r.kvs().last() {
+            Some(kv) if r.more() && out.len() < MAX_MEMBERS => {
+                from = kv.key().to_vec();
+                from.push(0);
+            }
+            _ => return Ok((out, rev)),
+        }
+    }
+}
+
+/// The first key after every key starting with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    // The prefix ends with '/': one more than it is '0', and nothing is between.
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+/// The segment name of a key under `prefix`, checked.
+fn name_of(prefix: &str, key: &[u8]) -> Option<SegmentName> {
+    let rest = key.strip_prefix(prefix.as_bytes())?;
+    SegmentName::new(std::str::from_utf8(rest).ok()?).ok()
+}
+
+/// A record read from a key and value: `None` when either is not valid.
+fn read_kv(prefix: &str, key: &[u8], value: &[u8]) -> Option<MemberRecord> {
+    let name = name_of(prefix, key)?;
+    if value.len() > MAX_RECORD {
+        return None;
+    }
+    MemberRecord::from_bytes_at(name.as_str(), value).ok()
+}
+
+/// Watch the prefix from revision `rev` on, `known` being who held each name at `rev`; on a
+/// lost connection, list again and report the difference.
+async fn watch_task(
+    ctx: Arc<Ctx>,
+    tx: Sender<MemberEvent>,
+    mut known: HashMap<SegmentName, NodeId>,
+    mut rev: i64,
+) {
+    let mut c = ctx.client.clone();
+    loop {
+        OpCounters::count(&ctx.ops.watches);
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(rev + 1)
+            .with_progress_notify();
+        if let Ok(mut ws) = bounded(
+            "watch",
+            ctx.op_timeout,
+            c.watch(ctx.prefix.clone(), Some(opts)),
+        )
+        .await
+        {
+            loop {
+                let msg = tokio::select! {
+                    m = ws.message() => m,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                        if tx.closed() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                let Ok(Some(resp)) = msg else { break };
+                if resp.canceled() || resp.compact_revision() > 0 {
+                    break;
+                }
+                let mut evs = Vec::new();
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let Some(name) = name_of(&ctx.prefix, kv.key()) else {
+                        continue;
+                    };
+                    match ev.event_type() {
+                        EventType::Put => {
+                            if let Some(r) = read_kv(&ctx.prefix, kv.key(), kv.value()) {
+                                joined(&mut known, r, &mut evs);
+                            }
+                        }
+                        EventType::Delete => {
+                            if let Some(node) = known.remove(&name) {
+                                evs.push(MemberEvent::Left { name, node });
+                            }
+                        }
+                    }
+                    rev = rev.max(kv.mod_revision());
+                }
+                if let Some(h) = resp.header() {
+                    rev = rev.max(h.revision());
+                }
+                if !tx.send_all(evs) {
+                    return;
+                }
+            }
+        }
+        // The watch broke: list again (etcd may have restarted, even without its data) and
+        // report what changed.
+        loop {
+            if tx.closed() {
+                return;
+            }
+            tokio::time::sleep(RETRY).await;
+            if let Ok((now, r)) = list(&ctx).await {
+                let evs = diff(&mut known, now);
+                rev = r;
+                if !tx.send_all(evs) {
+                    return;
+                }
+                break;
+            }
+        }
+    }
+}
+
+/// `r` published: a join (and the leave of the node that held the name before).
+fn joined(known: &mut HashMap<SegmentName, NodeId>, r: MemberRecord, evs: &mut Vec<MemberEvent>) {
+    match known.insert(r.name.clone(), r.node) {
+        Some(old) if old == r.node => {}
+        Some(old) => {
+            evs.push(MemberEvent::Left {
+                name: r.name.clone(),
+                node: old,
+            });
+            evs.push(MemberEvent::Joined(r));
+        }
+        None => evs.push(MemberEvent::Joined(r)),
+    }
+}
+
+/// The events that take `known` to `now`.
+fn diff(known: &mut HashMap<SegmentName, NodeId>, now: Vec<MemberRecord>) -> Vec<MemberEvent> {
+    let mut evs = Vec::new();
+    let live: HashMap<SegmentName, NodeId> = now.iter().map(|r| (r.name.clone(), r.node)).collect();
+    let gone: Vec<(SegmentName, NodeId)> = known
+        .iter()
+        .filter(|(n, _)| !live.contains_key(*n))
+        .map(|(n, id)| (n.clone(), *id))
+        .collect();
+    for (name, node) in gone {
+        known.remove(&name);
+        evs.push(MemberEvent::Left { name, node });
+    }
+    for r in now {
+        joined(known, r, &mut evs);
+    }
+    evs
+}
+
+impl MetadataStore for EtcdStore {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn publish(&self, record: &MemberRecord) -> Result<Publication> {
+        let bytes = record.to_bytes()?;
+        let ctx = self.inner.ctx.clone();
+        let (rec, b) = (record.clone(), bytes.clone());
+        let id = self.wait("publish", async move { put_record(&ctx, &rec, &b).await })?;
+        let kept = Arc::new(Kept {
+            lease: AtomicI64::new(id),
+            republished: AtomicU64::new(0),
+        });
+        let (stop, rx) = watch::channel(false);
+        self.inner.rt.detach(keep(
+            self.inner.ctx.clone(),
+            record.clone(),
+            bytes,
+            kept.clone(),
+            rx,
+        ));
+        Ok(Publication::new(
+            record.clone(),
+            Box::new(EtcdLease {
+                store: self.inner.clone(),
+                kept,
+                stop,
+            }),
+        ))
+    }
+
+    fn lookup(&self, name: &SegmentName) -> Result<Option<MemberRecord>> {
+        let ctx = self.inner.ctx.clone();
+        let key = ctx.key(name.as_str());
+        let n = name.clone();
+        OpCounters::count(&ctx.ops.gets);
+        self.wait("lookup", async move {
+            let mut c = ctx.client.clone();
+            let r = bounded("lookup", ctx.op_timeout, c.get(key, None)).await?;
+            r.kvs()
+                .first()
+                .map(|kv| MemberRecord::from_bytes_at(n.as_str(), kv.value()))
+                .transpose()
+        })
+    }
+
+    fn members(&self) -> Result<Vec<MemberRecord>> {
+        let ctx = self.inner.ctx.clone();
+        self.wait("list", async move { list(&ctx).await.map(|(m, _)| m) })
+    }
+
+    fn watch(&self) -> Result<MemberWatch> {
+        let ctx = self.inner.ctx.clone();
+        let (now, rev) = self.wait("watch", async move { list(&ctx).await })?;
+        let (tx, rx) = channel();
+        let mut known = HashMap::new();
+        tx.send_all(diff(&mut known, now));
+        self.inner
+            .rt
+            .detach(watch_task(self.inner.ctx.clone(), tx, known, rev));
+        Ok(MemberWatch::new(rx))
+    }
+
+    fn ops(&self) -> StoreOps {
+        self.inner.ctx.ops.snapshot()
+    }
+
+    fn instance(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::record::sample;
+    use super::*;
+
+    #[test]
+    fn namespaces_are_checked() {
+        assert!(EtcdConfig::new(["127.0.0.1:2379"]).check().is_ok());
+        for bad in [
+            "",
+            "/",
+            "x/",
+            "/a",
+            "/a//b/",
+            "/a b/",
+            &format!("/{}/", "a".repeat(130)),
+        ] {
+            let c = EtcdConfig::new(["127.0.0.1:2379"]).namespace(bad);
+            assert!(c.check().is_err() || bad == "/", "{bad:?}");
+        }
+        assert!(EtcdConfig::new(Vec::<String>::new()).check().is_err());
+    }
+
+    #[test]
+    fn keys_and_names() {
+        let p = "/gpudirect/v1/members/";
+        assert_eq!(prefix_end(p), b"/gpudirect/v1/members0".to_vec());
+        assert_eq!(
+            name_of(p, b"/gpudirect/v1/members/a-1").unwrap().as_str(),
+            "a-1"
+        );
+        assert!(name_of(p, b"/gpudirect/v1/members/a/b").is_none());
+        assert!(name_of(p, b"/other/a").is_none());
+        let r = sample("a");
+        assert!(read_kv(p, b"/gpudirect/v1/members/a", &r.to_bytes().unwrap()).is_some());
+        assert!(read_kv(p, b"/gpudirect/v1/members/b", &r.to_bytes().unwrap()).is_none());
+    }
+
+    #[test]
+    fn a_resync_reports_only_the_difference() {
+        let (a, b, c) = (sample("a"), sample("b"), sample("c"));
+        let mut known = HashMap::new();
+        assert_eq!(diff(&mut known, vec![a.clone(), b.clone()]).len(), 2);
+        assert!(diff(&mut known, vec![a.clone(), b.clone()]).is_empty());
+        let mut b2 = b.clone();
+        b2.node = NodeId::random().unwrap();
+        let evs = diff(&mut known, vec![b2.clone(), c.clone()]);
+        assert_eq!(
+            evs,
+            vec![
+                MemberEvent::Left {
+                    name: a.name.clone(),
+                    node: a.node
+                },
+                MemberEvent::Left {
+                    name: b.name.clone(),
+                    node: b.node
+                },
+                MemberEvent::Joined(b2),
+                MemberEvent::Joined(c),
+            ]
+        );
+    }
+}

@@ -1,0 +1,493 @@
+//! An engine's membership: the store it uses, the record it publishes ([`Advertise`]), and the
+//! peers its named endpoints reach. A thread watches the store; when a tracked peer's record
+//! leaves and does not come back within half its TTL (time for a node cut off from the store,
+//! not from its peers, to publish again), every endpoint to it ends with
+//! [`Error::PeerLeft`]. A peer that publishes again under a new node identity (it restarted)
+//! ends the old one's endpoints at once.
+
+use super::name::{HostId, NodeId, SegmentName};
+use super::record::MemberRecord;
+use super::store::{MemberEvent, MemberWatch, MetadataStore, Publication};
+use crate::completion::thread::join_unless_current;
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The lease TTL a publication has unless told otherwise.
+pub(super) const DEFAULT_TTL: Duration = Duration::from_secs(5);
+/// How often the watching thread looks at its deadlines and whether to stop.
+const TICK: Duration = Duration::from_millis(50);
+/// How long a departed node is remembered (an endpoint made to it meanwhile ends at once).
+const REMEMBER: Duration = Duration::from_secs(600);
+
+/// What an engine publishes about itself ([`Engine::publish_as`](crate::transfer::Engine::publish_as)):
+/// where peers reach it, and its lease's TTL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Advertise {
+    /// The rails' `host:port` addresses peers connect to, in rail order (where the engine's
+    /// [`TransferListener`](crate::transfer::TransferListener) listens, as reachable from
+    /// peers: not `0.0.0.0`).
+    pub rails: Vec<String>,
+    /// The Unix socket of the engine's
+    /// [`LocalListener`](crate::transfer::Engine::connect_local), for peers on this host.
+    pub local: Option<PathBuf>,
+    /// This host's identity; `None`: [`HostId::this_host`].
+    pub host: Option<HostId>,
+    /// The lease's TTL (default 5 s, 1 s to 1 h): a member is gone this long after it stopped
+    /// renewing it, and its peers' endpoints end within twice this.
+    pub ttl: Duration,
+}
+
+impl Advertise {
+    /// Reachable at these rail addresses (`host:port`, rail order).
+    pub fn rails<S: AsRef<str>>(addrs: impl IntoIterator<Item = S>) -> Advertise {
+        Advertise {
+            rails: addrs.into_iter().map(|a| a.as_ref().to_string()).collect(),
+            local: None,
+            host: None,
+            ttl: DEFAULT_TTL,
+        }
+    }
+
+    /// Reachable only inside this host, at the local listener's socket `path`.
+    pub fn local_only(path: impl Into<PathBuf>) -> Advertise {
+        Advertise {
+            local: Some(path.into()),
+            ..Advertise::rails(Vec::<String>::new())
+        }
+    }
+
+    /// Also reachable inside this host at the local listener's socket `path`.
+    pub fn local(mut self, path: impl Into<PathBuf>) -> Advertise {
+        self.local = Some(path.into());
+        self
+    }
+
+    /// With this lease TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Advertise {
+        self.ttl = ttl;
+        self
+    }
+
+    /// With this host identity.
+    pub fn host(mut self, host: HostId) -> Advertise {
+        self.host = Some(host);
+        self
+    }
+}
+
+/// An endpoint the roster ends when its peer leaves.
+pub(crate) trait Tracked: Send + Sync {
+    /// Whether the endpoint is still open somewhere.
+    fn alive(&self) -> bool;
+    /// The peer (segment `name`, node `node`) left: end the endpoint with
+    /// [`Error::PeerLeft`].
+    fn peer_left(&self, name: &SegmentName, node: NodeId);
+}
+
+struct Peer {
+    name: SegmentName,
+    ttl: Duration,
+    endpoints: Vec<Box<dyn Tracked>>,
+    /// Its record left: the endpoints end at this time unless it comes back.
+    leaving: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Peers {
+    by_node: HashMap<NodeId, Peer>,
+    /// Who holds each name, as the watch said.
+    view: HashMap<SegmentName, NodeId>,
+    /// Nodes whose record left, and when.
+    departed: HashMap<NodeId, Instant>,
+}
+
+#[derive(Default)]
+struct Shared {
+    peers: Mutex<Peers>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Peers> {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Default)]
+struct State {
+    store: Option<Arc<dyn MetadataStore>>,
+    own: Option<Publication>,
+    node: Option<NodeId>,
+    watcher: Option<JoinHandle<()>>,
+}
+
+/// An engine's membership (see the file's docs). Nothing runs until a store is attached.
+#[derive(Default)]
+pub(crate) struct Roster {
+    state: Mutex<State>,
+    shared: Arc<Shared>,
+}
+
+fn membership_event(event: &'static str) {
+    metrics::counter!("gpudirect_membership_events_total", "event" => event).increment(1);
+}
+
+impl Roster {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Use `store` (made by `make` unless one is attached): the first store attached stays;
+    /// the same store again is fine.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for another store; the store's errors from starting its
+    /// watch; as [`spawn_thread`](crate::driver::ctx::spawn_thread).
+    pub(crate) fn attach(
+        &self,
+        instance: usize,
+        make: impl FnOnce() -> Arc<dyn MetadataStore>,
+    ) -> Result<Arc<dyn MetadataStore>> {
+        let mut st = self.lock();
+        if let Some(s) = &st.store {
+            if s.instance() != instance {
+                return Err(Error::invalid(
+                    "store",
+                    s.kind(),
+                    "an engine uses one metadata store: the one it was first given",
+                ));
+            }
+            return Ok(s.clone());
+        }
+        let store = make();
+        let watch = store.watch()?;
+        let shared = self.shared.clone();
+        let s = store.clone();
+        st.watcher = Some(crate::driver::ctx::spawn_thread(
+            "gpudirect-membership",
+            move || watch_loop(&shared, &*s, watch),
+        )?);
+        st.store = Some(store.clone());
+        Ok(store)
+    }
+
+    /// The store attached.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when none is.
+    pub(crate) fn store(&self) -> Result<Arc<dyn MetadataStore>> {
+        self.lock().store.clone().ok_or_else(|| {
+            Error::invalid(
+                "store",
+                "none",
+                "give the engine a metadata store first (Engine::publish_as or Engine::use_store)",
+            )
+        })
+    }
+
+    /// This engine's node identity, drawn on first use.
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeId::random`].
+    pub(crate) fn node(&self) -> Result<NodeId> {
+        let mut st = self.lock();
+        if let Some(n) = st.node {
+            return Ok(n);
+        }
+        let n = NodeId::random()?;
+        st.node = Some(n);
+        Ok(n)
+    }
+
+    /// Publish `rec` in the attached store.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] when the engine already publishes a name; as
+    /// [`MetadataStore::publish`].
+    pub(crate) fn publish(&self, rec: &MemberRecord) -> Result<()> {
+        let store = self.store()?;
+        if let Some(p) = &self.lock().own {
+            return Err(Error::invalid(
+                "segment name",
+                rec.name.as_str(),
+                format!(
+                    "the engine publishes {:?} already: unpublish first",
+                    p.record().name.as_str()
+                ),
+            ));
+        }
+        let p = store.publish(rec)?;
+        let mut st = self.lock();
+        if st.own.is_some() {
+            drop(st);
+            drop(p);
+            return Err(Error::invalid(
+                "segment name",
+                rec.name.as_str(),
+                "published twice at once",
+            ));
+        }
+        st.own = Some(p);
+        Ok(())
+    }
+
+    /// The record published, if any.
+    pub(crate) fn published(&self) -> Option<MemberRecord> {
+        self.lock().own.as_ref().map(|p| p.record().clone())
+    }
+
+    /// Withdraw the published record (peers see it leave).
+    ///
+    /// # Errors
+    ///
+    /// As [`Publication::revoke`].
+    pub(crate) fn unpublish(&self, timeout: Duration) -> Result<()> {
+        let own = self.lock().own.take();
+        own.map_or(Ok(()), |p| p.revoke(timeout))
+    }
+
+    /// End `ep` when `rec`'s node leaves (at once if it left already).
+    pub(crate) fn track(&self, rec: &MemberRecord, ep: Box<dyn Tracked>) {
+        let mut p = self.shared.lock();
+        let gone = p.departed.get(&rec.node).copied();
+        let peer = p.by_node.entry(rec.node).or_insert_with(|| Peer {
+            name: rec.name.clone(),
+            ttl: rec.ttl,
+            endpoints: Vec::new(),
+            leaving: None,
+        });
+        peer.endpoints.retain(|e| e.alive());
+        peer.endpoints.push(ep);
+        if let Some(at) = gone {
+            peer.leaving.get_or_insert(at + rec.ttl / 2);
+        }
+    }
+}
+
+impl Drop for Roster {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = st.watcher.take() {
+            join_unless_current(t);
+        }
+        // Dropping the publication revokes it.
+        st.own = None;
+    }
+}
+
+/// Apply one event.
+fn apply(p: &mut Peers, ev: MemberEvent, now: Instant) {
+    match ev {
+        MemberEvent::Joined(r) => {
+            membership_event("joined");
+            if let Some(old) = p.view.insert(r.name.clone(), r.node)
+                && old != r.node
+            {
+                p.departed.insert(old, now);
+            }
+            // The name is held by another node now: any other node under it is gone.
+            for (n, peer) in &mut p.by_node {
+                if peer.name == r.name && *n != r.node {
+                    peer.leaving = Some(now);
+                }
+            }
+            p.departed.remove(&r.node);
+            if let Some(peer) = p.by_node.get_mut(&r.node) {
+                peer.leaving = None;
+                peer.ttl = r.ttl;
+            }
+        }
+        MemberEvent::Left { name, node } => {
+            membership_event("left");
+            if p.view.get(&name) == Some(&node) {
+                p.view.remove(&name);
+            }
+            p.departed.insert(node, now);
+            if let Some(peer) = p.by_node.get_mut(&node) {
+                peer.leaving.get_or_insert(now + peer.ttl / 2);
+            }
+        }
+    }
+}
+
+/// The peers whose time to leave has come, taken out; the earliest deadline left.
+fn due(p: &mut Peers, now: Instant) -> (Vec<(NodeId, Peer)>, Option<Instant>) {
+    let nodes: Vec<NodeId> = p
+        .by_node
+        .iter()
+        .filter(|(_, peer)| peer.leaving.is_some_and(|t| t <= now))
+        .map(|(n, _)| *n)
+        .collect();
+    let gone = nodes
+        .into_iter()
+        .filter_map(|n| p.by_node.remove(&n).map(|peer| (n, peer)))
+        .collect();
+    p.by_node.retain(|_, peer| {
+        peer.endpoints.retain(|e| e.alive());
+        !peer.endpoints.is_empty() || peer.leaving.is_some()
+    });
+    p.departed
+        .retain(|_, t| now.saturating_duration_since(*t) < REMEMBER);
+    let next = p.by_node.values().filter_map(|peer| peer.leaving).min();
+    (gone, next)
+}
+
+/// The watching thread: events in, endpoints of departed peers ended (outside the lock).
+fn watch_loop(shared: &Shared, store: &dyn MetadataStore, mut watch: MemberWatch) {
+    let mut next: Option<Instant> = None;
+    while !shared.stop.load(Ordering::Relaxed) {
+        let wait = next
+            .map(|t| t.saturating_duration_since(Instant::now()))
+            .unwrap_or(TICK)
+            .min(TICK);
+        match watch.next_timeout(wait) {
+            Ok(Some(ev)) => apply(&mut shared.lock(), ev, Instant::now()),
+            Ok(None) => {}
+            Err(_) => {
+                // The watch ended (it overflowed): watch again; what changed meanwhile comes
+                // as events of the new watch's first list.
+                std::thread::sleep(TICK);
+                if let Ok(w) = store.watch() {
+                    watch = w;
+                }
+            }
+        }
+        let (gone, n) = due(&mut shared.lock(), Instant::now());
+        next = n;
+        for (node, peer) in gone {
+            membership_event("peer_ended");
+            for ep in peer.endpoints {
+                ep.peer_left(&peer.name, node);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::embedded::EmbeddedStore;
+    use super::super::record::sample;
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[derive(Clone, Default)]
+    struct Probe(Arc<(AtomicUsize, Mutex<Option<Instant>>)>);
+
+    impl Tracked for Probe {
+        fn alive(&self) -> bool {
+            true
+        }
+        fn peer_left(&self, _: &SegmentName, _: NodeId) {
+            self.0.0.fetch_add(1, Ordering::Relaxed);
+            *self.0.1.lock().unwrap() = Some(Instant::now());
+        }
+    }
+
+    fn roster(store: &EmbeddedStore) -> Roster {
+        let r = Roster::default();
+        let s = store.clone();
+        r.attach(s.instance(), move || Arc::new(s)).unwrap();
+        r
+    }
+
+    fn wait_for(probe: &Probe, within: Duration) -> Option<Instant> {
+        let until = Instant::now() + within;
+        while Instant::now() < until {
+            if let Some(t) = *probe.0.1.lock().unwrap() {
+                return Some(t);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+
+    #[test]
+    fn a_peer_whose_lease_expires_ends_within_twice_its_ttl() {
+        let store = EmbeddedStore::new();
+        let mut rec = sample("peer");
+        rec.ttl = Duration::from_secs(1);
+        let _p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        let t0 = Instant::now();
+        store.suspend("peer").unwrap();
+        let ended = wait_for(&probe, Duration::from_secs(5)).expect("ended");
+        let took = ended - t0;
+        assert!(took >= rec.ttl && took <= 2 * rec.ttl, "{took:?}");
+        assert_eq!(probe.0.0.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_peer_back_within_the_grace_keeps_its_endpoints() {
+        let store = EmbeddedStore::new();
+        let mut rec = sample("peer");
+        rec.ttl = Duration::from_secs(2);
+        let _p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        // Cut off from the store just long enough to lose its lease, then back.
+        store.expire("peer");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(store.resume("peer"));
+        assert!(wait_for(&probe, Duration::from_secs(2)).is_none());
+    }
+
+    #[test]
+    fn a_restart_under_the_same_name_ends_the_old_node_at_once() {
+        let store = EmbeddedStore::new();
+        let rec = sample("peer");
+        let p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        // Revoked and published again by a new process: gone for half the TTL, then at once.
+        drop(p);
+        let mut again = sample("peer");
+        again.node = NodeId::random().unwrap();
+        let _p2 = store.publish(&again).unwrap();
+        assert!(wait_for(&probe, Duration::from_secs(1)).is_some());
+    }
+
+    #[test]
+    fn an_endpoint_made_to_a_departed_node_ends() {
+        let store = EmbeddedStore::new();
+        let mut rec = sample("peer");
+        rec.ttl = Duration::from_secs(1);
+        let p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        drop(p);
+        std::thread::sleep(Duration::from_millis(100));
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        assert!(wait_for(&probe, Duration::from_secs(2)).is_some());
+    }
+
+    #[test]
+    fn one_store_per_engine() {
+        let (a, b) = (EmbeddedStore::new(), EmbeddedStore::new());
+        let r = roster(&a);
+        let a2 = a.clone();
+        assert!(r.attach(a2.instance(), move || Arc::new(a2)).is_ok());
+        let b2 = b.clone();
+        assert!(r.attach(b2.instance(), move || Arc::new(b2)).is_err());
+        let mut rec = sample("me");
+        rec.node = r.node().unwrap();
+        r.publish(&rec).unwrap();
+        assert!(r.publish(&rec).is_err());
+        assert_eq!(r.published(), Some(rec.clone()));
+        r.unpublish(Duration::from_secs(1)).unwrap();
+        assert!(a.members().unwrap().is_empty());
+    }
+}
