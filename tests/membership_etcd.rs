@@ -150,6 +150,27 @@ fn a_watch_sees_joins_leaves_and_skips_bad_records() {
     }
 }
 
+/// A publication revoked (or dropped) while its keep-alive is in flight stays revoked: the
+/// keeper must not take the revoked lease for a lost one and publish the record again.
+#[test]
+fn a_revoke_during_a_keep_alive_stays_revoked() {
+    let addr = etcd!();
+    let s = store(&addr, "revoke");
+    for i in 0..100u64 {
+        let p = s.publish(&record(&format!("r{i}"))).unwrap();
+        // The keeper opens its keep-alive stream at once: revoke while that is in flight.
+        std::thread::sleep(Duration::from_micros(i * 37 % 3000));
+        if i % 2 == 0 {
+            p.revoke(Duration::from_secs(3)).unwrap();
+        } else {
+            drop(p);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let left = s.members().unwrap();
+    assert!(left.is_empty(), "published again after a revoke: {left:?}");
+}
+
 /// The child side: publish `name` with a local-only engine and wait to be killed.
 #[test]
 fn child_publisher() {

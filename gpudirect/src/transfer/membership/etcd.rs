@@ -348,6 +348,11 @@ async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> 
 struct Kept {
     lease: AtomicI64,
     republished: AtomicU64,
+    /// Held while the keeper publishes again and while a revoke runs: a revoke that set `stop`
+    /// before taking it sees the lease the keeper stored, and a keeper that takes it after the
+    /// revoke sees `stop` and publishes nothing (else a revoked lease, seen lost, would be
+    /// published again).
+    gate: tokio::sync::Mutex<()>,
 }
 
 /// Keep `rec`'s lease alive (a keep-alive every third of its TTL); when etcd says the lease is
@@ -398,7 +403,11 @@ async fn keep(
             continue;
         }
         // Published again as soon as etcd takes it (the name may be another node's by then:
-        // then tried again every TTL).
+        // then tried again every TTL); never after a revoke.
+        let _gate = kept.gate.lock().await;
+        if *stop.borrow() {
+            return;
+        }
         loop {
             match put_record(&ctx, &rec, &bytes).await {
                 Ok(id) => {
@@ -441,8 +450,10 @@ impl Lease for EtcdLease {
         let _ = self.stop.send(true);
         let ctx = self.store.ctx.clone();
         OpCounters::count(&ctx.ops.revokes);
-        let id = self.kept.lease.load(Ordering::Relaxed);
+        let kept = self.kept.clone();
         self.store.rt.wait("lease revoke", timeout, async move {
+            let _gate = kept.gate.lock().await;
+            let id = kept.lease.load(Ordering::Relaxed);
             let mut c = ctx.client.clone();
             bounded("lease revoke", timeout, c.lease_revoke(id))
                 .await
@@ -638,6 +649,7 @@ impl MetadataStore for EtcdStore {
         let kept = Arc::new(Kept {
             lease: AtomicI64::new(id),
             republished: AtomicU64::new(0),
+            gate: tokio::sync::Mutex::new(()),
         });
         let (stop, rx) = watch::channel(false);
         self.inner.rt.detach(keep(
