@@ -161,6 +161,7 @@
 //!   `prepared`: [`PreparedTransfer`]; `api`: the [`Engine`]'s methods and the listeners.
 
 mod api;
+mod auth;
 mod copy;
 mod descriptor;
 mod endpoint;
@@ -184,6 +185,7 @@ mod wire;
 #[cfg(feature = "p2p")]
 pub use api::LocalListener;
 pub use api::TransferListener;
+pub use auth::{AuthKey, Authentication, LocalPeers};
 pub use descriptor::{
     DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
@@ -192,7 +194,7 @@ pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig};
 pub use pending::{Transfer, Transferred};
 pub use prepared::PreparedTransfer;
-pub use rails::RailStats;
+pub use rails::{ListenerStats, RailStats};
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
 pub use request::{
     Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,
