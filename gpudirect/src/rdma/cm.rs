@@ -564,7 +564,9 @@ impl ConnectRequest {
     }
 
     /// [`accept_with`](Self::accept_with) by `deadline`, ended early (with
-    /// [`Error::Timeout`]) once `stop` is set.
+    /// [`Error::Timeout`]) once `stop` is set. The queue pair allows the peer exactly
+    /// `opts.access` (rdma_cm's defaults not added): widen it later with
+    /// [`Connection::set_remote_access`].
     pub(crate) fn accept_until(
         self,
         opts: &ConnectOptions,
@@ -587,7 +589,7 @@ impl ConnectRequest {
             .inner
             .as_ref()
             .expect("present until accepted or dropped");
-        let (parts, qp) = Parts::new(id, opts, home)?;
+        let (parts, qp) = Parts::new(id, opts, home, stop.is_some())?;
         let (qp, route) = id.to_rts(qp)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
@@ -697,7 +699,12 @@ impl Parts {
     /// INIT (with the access `opts` allows peers) with the descriptor exchange's receive posted.
     /// `home` gives the PD and CQs for the device's name; `None` opens the device and makes
     /// them here.
-    fn new(id: &Id, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<(Parts, QueuePair<Init>)> {
+    fn new(
+        id: &Id,
+        opts: &ConnectOptions,
+        home: HomeFn<'_>,
+        exact: bool,
+    ) -> Result<(Parts, QueuePair<Init>)> {
         let name = id.device_name()?;
         let (ctx, pd, send_cq, recv_cq, channel) = match home {
             Some(home) => {
@@ -741,7 +748,14 @@ impl Parts {
             .min(dev.max_qp_init_rd_atom)
             .max(1) as u8;
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
-        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        // rdma_cm's own choice (remote write, and read with responder resources) plus
+        // `opts.access`; or, for the crate's handshakes, `opts.access` alone.
+        let bits = opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        if exact {
+            a.qp_access_flags = bits;
+        } else {
+            a.qp_access_flags |= bits;
+        }
         let mut qp = qp.modify_raw::<Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
         qp.post_recv([RecvRequest::new(hs.slice(..HS_SLOT)?).tag(HS_TAG)])?;
         let parts = Parts {
@@ -968,7 +982,8 @@ impl Connection {
     }
 
     /// [`connect_with`](Self::connect_with), every step bounded by what is left before `until`
-    /// too (so the whole connection is).
+    /// too (so the whole connection is). The queue pair allows the peer exactly `opts.access`
+    /// (rdma_cm's defaults not added): widen it later with [`set_remote_access`](Self::set_remote_access).
     pub(crate) fn connect_until(
         addr: SocketAddr,
         opts: &ConnectOptions,
@@ -1032,7 +1047,7 @@ impl Connection {
             cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
             step(),
         )?;
-        let (parts, qp) = Parts::new(&id, opts, home)?;
+        let (parts, qp) = Parts::new(&id, opts, home, until.is_some())?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id with a resolved route and a valid parameter struct.
         rc("rdma_connect", unsafe {
@@ -1144,6 +1159,28 @@ impl Connection {
     /// The device context.
     pub fn context(&self) -> &Context {
         &self.parts.as_ref().expect("present until drop").link.ctx
+    }
+
+    /// What the peer may do through this queue pair from now on (remote read, write, atomic):
+    /// `ibv_modify_qp` of its access flags, in RTS. A handshake can thus keep a peer away from
+    /// every registration until it has said who it is.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_modify_qp`.
+    #[doc(alias = "ibv_modify_qp")]
+    #[doc(alias = "IBV_QP_ACCESS_FLAGS")]
+    pub fn set_remote_access(&mut self, access: AccessFlags) -> Result<()> {
+        let l = verbs()?;
+        let mut a = ibv::ibv_qp_attr {
+            qp_access_flags: access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE,
+            ..Default::default()
+        };
+        let qp = self.qp().as_raw();
+        // SAFETY: a live QP in RTS; the mask names the one field set (no state change).
+        rc("ibv_modify_qp", unsafe {
+            (l.ibv_modify_qp)(qp, &mut a, ibv::IBV_QP_ACCESS_FLAGS as i32)
+        })
     }
 
     /// What identifies this connection as this side sees it: both queue pair numbers and GIDs

@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 /// What the rails' proofs are made over, besides the transcript (the local transport's differs).
 const LABEL: &[u8] = b"gpudirect transfer rails v1";
 
+/// What an authenticated peer may do through a rail's queue pair.
+const PEER_ACCESS: AccessFlags = AccessFlags::REMOTE_READ.union(AccessFlags::REMOTE_WRITE);
+
 pub(super) fn resolve(peer: &str) -> Result<SocketAddr> {
     peer.to_socket_addrs()
         .map_err(|e| Error::invalid("peer", peer, format!("cannot be resolved: {e}")))?
@@ -44,7 +47,8 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
             max_inline_data: 64,
             signal_every: 0,
         },
-        access: AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+        // Nothing until the peer is authenticated: `greet` grants `PEER_ACCESS` then.
+        access: AccessFlags::empty(),
         timeout: e.config.connect_timeout,
         ..Default::default()
     }
@@ -170,8 +174,9 @@ fn binding(role: Role, b: &ConnectionBinding) -> Vec<u8> {
     v
 }
 
-/// A rail's handshake: greetings swapped and checked (a key on both sides or on neither); with
-/// a key, proofs swapped and checked; then, and only then, the notification receives posted
+/// A rail's handshake on a queue pair that lets the peer reach nothing yet: greetings swapped
+/// and checked (a key on both sides or on neither); with a key, proofs swapped and checked;
+/// then, and only then, remote read and write granted, the notification receives posted
 /// (rail 0), `publish` registered for the peer to read, the descriptor messages' addresses
 /// swapped and the peer's read. The peer's greeting is read into a fixed-size buffer and its
 /// descriptors only once it is authenticated.
@@ -207,6 +212,8 @@ pub(super) fn greet(
     if let Some(a) = g.authenticated {
         a.store(true, Ordering::Release);
     }
+    // Until here the queue pair let the peer reach no registration, whatever rkey it tried.
+    conn.set_remote_access(PEER_ACCESS)?;
     if mine.rail as usize == NOTIFY_RAIL {
         let n = e.config.notify_depth as usize;
         conn.qp()
