@@ -1283,7 +1283,8 @@ impl Connection {
         let one_cq = Arc::ptr_eq(&p.send_cq.inner, &p.recv_cq.inner);
         // Completions that are not the handshake's go back to their own CQ afterwards.
         let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
-        // Yields at first, then naps growing to 1 ms: a peer that takes long costs no CPU.
+        // Yields at first, then naps growing to 1 ms, and 5 ms once the round took 50 ms: a peer
+        // that takes long (or a listener's many silent ones) costs little CPU.
         let mut idle = 0u32;
         let res = (|| {
             while !(sent && got.is_some()) {
@@ -1304,16 +1305,23 @@ impl Connection {
                             others.push((from_send_cq, *w));
                             continue;
                         }
-                        w.result()?;
                         // One CQ for both queues: a successful completion's opcode says which.
+                        if one_cq {
+                            w.result()?;
+                        }
                         let is_send = if one_cq {
                             !matches!(w.opcode(), WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
                         } else {
                             from_send_cq
                         };
                         if is_send {
+                            w.result()?;
                             sent = true;
+                        } else if got.is_some() {
+                            // The peer's next round, already here: held for that round.
+                            others.push((from_send_cq, *w));
                         } else {
+                            w.result()?;
                             got = Some(w.byte_len());
                         }
                     }
@@ -1324,9 +1332,11 @@ impl Connection {
                     idle += 1;
                     if idle < 64 {
                         std::thread::yield_now();
-                    } else {
+                    } else if start.elapsed() < Duration::from_millis(50) {
                         let us = 10u64 << ((idle - 64) / 16).min(7);
                         std::thread::sleep(Duration::from_micros(us.min(1000)));
+                    } else {
+                        std::thread::sleep(Duration::from_millis(5));
                     }
                 }
             }

@@ -34,7 +34,9 @@ pub struct EngineConfig {
     pub max_message: u32,
     /// Requests of at least this many bytes are striped over the rails (default 512 KiB).
     pub stripe_min: u64,
-    /// Bound on connecting and on the first message (default 10 s).
+    /// Bound on [`Engine::connect`] as a whole (every rail's connection and handshake), and on
+    /// an intra-node meeting (default 10 s). A listener's handshakes have their own bound,
+    /// [`handshake_timeout`](Self::handshake_timeout).
     pub connect_timeout: Duration,
     /// A transfer's deadline when its options give none (default 30 s).
     pub deadline: Duration,
