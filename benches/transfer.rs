@@ -107,17 +107,21 @@ fn engine(a: &Args) -> gpudirect::Result<Engine> {
     Engine::new(c)
 }
 
-/// The peer of the connect bench: accepts `n` endpoints, each dropped at once.
+/// The peer of the connect bench: accepts `n` endpoints, each dropped once its peer's
+/// notification came (an endpoint dropped at once could leave the peer's last read of its
+/// handshake unanswered).
 fn serve_connects(e: &Engine, l: &TransferListener, n: u32) -> gpudirect::Result<()> {
     let target = e.register(Buffer::host(vec![0u8; 4096])?)?;
     for _ in 0..n {
-        drop(l.accept(&[target.descriptor()?], TIMEOUT)?);
+        let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
+        ep.next_notification(TIMEOUT)?;
     }
     std::thread::sleep(Duration::from_millis(300));
     Ok(())
 }
 
-/// `n` endpoints connected to `peer` and dropped one after another: the median connect time.
+/// `n` endpoints connected to `peer` one after another (each then sends one notification and
+/// is dropped): the median connect time.
 fn connects(e: &Engine, peer: &str, n: u32) -> gpudirect::Result<()> {
     let src = e.register(Buffer::host(vec![0u8; 4096])?)?;
     let mut samples = Vec::with_capacity(n as usize);
@@ -127,7 +131,13 @@ fn connects(e: &Engine, peer: &str, n: u32) -> gpudirect::Result<()> {
         match e.connect(&[peer], &[src.descriptor()?]) {
             Ok(ep) => {
                 samples.push(t0.elapsed());
-                drop(ep);
+                // Untimed: a notification, so the peer drops its side only after ours is done.
+                let dst = ep.peer_descriptors()[0];
+                ep.write(
+                    vec![(src.range(0, 8)?, dst.range(0, 8)?)],
+                    TransferOptions::notify(DONE),
+                )?
+                .wait()?;
             }
             // The first: the peer may not listen yet.
             Err(gpudirect::Error::CmEvent { .. })
