@@ -107,14 +107,20 @@ fn engine(a: &Args) -> gpudirect::Result<Engine> {
     Engine::new(c)
 }
 
-/// The peer of the connect bench: accepts `n` endpoints, each dropped once its peer's
-/// notification came (an endpoint dropped at once could leave the peer's last read of its
-/// handshake unanswered).
+/// The peer of the connect bench: accepts `n` endpoints; each takes the peer's notification
+/// and answers it before it is dropped (neither side goes while the other may still read the
+/// last message of its handshake).
 fn serve_connects(e: &Engine, l: &TransferListener, n: u32) -> gpudirect::Result<()> {
     let target = e.register(Buffer::host(vec![0u8; 4096])?)?;
     for _ in 0..n {
         let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
         ep.next_notification(TIMEOUT)?;
+        let peer = ep.peer_descriptors()[0];
+        ep.write(
+            vec![(target.range(0, 8)?, peer.range(0, 8)?)],
+            TransferOptions::notify(DONE),
+        )?
+        .wait()?;
     }
     std::thread::sleep(Duration::from_millis(300));
     Ok(())
@@ -131,13 +137,15 @@ fn connects(e: &Engine, peer: &str, n: u32) -> gpudirect::Result<()> {
         match e.connect(&[peer], &[src.descriptor()?]) {
             Ok(ep) => {
                 samples.push(t0.elapsed());
-                // Untimed: a notification, so the peer drops its side only after ours is done.
+                // Untimed: a notification each way, so neither side goes while the other may
+                // still read the last message of its handshake.
                 let dst = ep.peer_descriptors()[0];
                 ep.write(
                     vec![(src.range(0, 8)?, dst.range(0, 8)?)],
                     TransferOptions::notify(DONE),
                 )?
                 .wait()?;
+                ep.next_notification(TIMEOUT)?;
             }
             // The first: the peer may not listen yet.
             Err(gpudirect::Error::CmEvent { .. })
