@@ -7,6 +7,8 @@
 //! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --size 65536 --bytes 16777216
 //! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --lat --iters 2000
 //! transfer --bench --register --device rxe_a0 --device rxe_a1
+//! transfer --bench --listen 7480 --device rxe_b0 --connect-bench 50 --key-file /tmp/k
+//! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --connect-bench 50 --key-file /tmp/k
 //! ```
 //!
 //! - Write bandwidth (`TRANSFER-BENCH write_bw size=S MBps=X`, MB of 2^20 bytes as perftest
@@ -17,10 +19,16 @@
 //!   with a notification answered by one (`ib_write_lat` reports the same half round trip).
 //! - Registration (`TRANSFER-BENCH register ...`): 1,000 buffers registered one by one and in one
 //!   call, separate allocations and views of one allocation.
+//! - Connecting (`TRANSFER-BENCH connect key=yes|no usec=X`): the median time of
+//!   `Engine::connect` over N endpoints made and dropped one after another (the peer accepts N),
+//!   with the key of `--key-file` (or of the file `GPUDIRECT_TRANSFER_KEY_FILE` names) or
+//!   without one.
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0.
 
-use gpudirect::transfer::{Buffer, Engine, EngineConfig, TransferListener, TransferOptions};
+use gpudirect::transfer::{
+    AuthKey, Buffer, Engine, EngineConfig, TransferListener, TransferOptions,
+};
 use gpudirect_testing::{Hardware, skip_example};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -40,6 +48,8 @@ struct Args {
     iters: u32,
     register: bool,
     spin_us: u64,
+    key_file: Option<String>,
+    connect_bench: Option<u32>,
 }
 
 fn parse(argv: &[String]) -> Args {
@@ -53,6 +63,8 @@ fn parse(argv: &[String]) -> Args {
         iters: 2000,
         register: false,
         spin_us: 0,
+        key_file: None,
+        connect_bench: None,
     };
     let mut it = argv.iter().cloned();
     let bad = |w: &str| -> ! {
@@ -71,6 +83,10 @@ fn parse(argv: &[String]) -> Args {
             "--spin-us" => a.spin_us = val().parse().unwrap_or_else(|_| bad("--spin-us")),
             "--lat" => a.lat = true,
             "--register" => a.register = true,
+            "--key-file" => a.key_file = Some(val()),
+            "--connect-bench" => {
+                a.connect_bench = Some(val().parse().unwrap_or_else(|_| bad("--connect-bench")))
+            }
             // cargo bench passes --bench; criterion-style filters are ignored.
             _ => {}
         }
@@ -84,7 +100,75 @@ fn parse(argv: &[String]) -> Args {
 fn engine(a: &Args) -> gpudirect::Result<Engine> {
     let mut c = EngineConfig::with_devices(&a.devices);
     c.spin = Duration::from_micros(a.spin_us);
+    c.key = match &a.key_file {
+        Some(p) => Some(AuthKey::from_file(p)?),
+        None => AuthKey::from_env("GPUDIRECT_TRANSFER_KEY_FILE")?,
+    };
     Engine::new(c)
+}
+
+/// The peer of the connect bench: accepts `n` endpoints; each takes the peer's notification
+/// and answers it before it is dropped (neither side goes while the other may still read the
+/// last message of its handshake).
+fn serve_connects(e: &Engine, l: &TransferListener, n: u32) -> gpudirect::Result<()> {
+    let target = e.register(Buffer::host(vec![0u8; 4096])?)?;
+    for _ in 0..n {
+        let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
+        ep.next_notification(TIMEOUT)?;
+        let peer = ep.peer_descriptors()[0];
+        ep.write(
+            vec![(target.range(0, 8)?, peer.range(0, 8)?)],
+            TransferOptions::notify(DONE),
+        )?
+        .wait()?;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(())
+}
+
+/// `n` endpoints connected to `peer` one after another (each then sends one notification and
+/// is dropped): the median connect time.
+fn connects(e: &Engine, peer: &str, n: u32) -> gpudirect::Result<()> {
+    let src = e.register(Buffer::host(vec![0u8; 4096])?)?;
+    let mut samples = Vec::with_capacity(n as usize);
+    let until = Instant::now() + Duration::from_secs(60);
+    while samples.len() < n as usize {
+        let t0 = Instant::now();
+        match e.connect(&[peer], &[src.descriptor()?]) {
+            Ok(ep) => {
+                samples.push(t0.elapsed());
+                // Untimed: a notification each way, so neither side goes while the other may
+                // still read the last message of its handshake.
+                let dst = ep.peer_descriptors()[0];
+                ep.write(
+                    vec![(src.range(0, 8)?, dst.range(0, 8)?)],
+                    TransferOptions::notify(DONE),
+                )?
+                .wait()?;
+                ep.next_notification(TIMEOUT)?;
+            }
+            // The first: the peer may not listen yet.
+            Err(gpudirect::Error::CmEvent { .. })
+                if samples.is_empty() && Instant::now() < until =>
+            {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    samples.sort();
+    let key = if e.config().key.is_some() {
+        "yes"
+    } else {
+        "no"
+    };
+    println!(
+        "TRANSFER-BENCH connect key={key} usec={:.1} min_usec={:.1} max_usec={:.1} iters={n}",
+        samples[samples.len() / 2].as_secs_f64() * 1e6,
+        samples[0].as_secs_f64() * 1e6,
+        samples[samples.len() - 1].as_secs_f64() * 1e6,
+    );
+    Ok(())
 }
 
 /// The peer: a target buffer; answers latency pings, acknowledges the end of a run.
@@ -247,7 +331,13 @@ pub fn run(argv: &[String]) -> i32 {
         let e = engine(&a)?;
         if let Some(p) = a.listen {
             let l = e.listen(&format!("0.0.0.0:{p}"))?;
+            if let Some(n) = a.connect_bench {
+                return serve_connects(&e, &l, n);
+            }
             return serve(&e, &l);
+        }
+        if let (Some(peer), Some(n)) = (&a.connect, a.connect_bench) {
+            return connects(&e, peer, n);
         }
         if let Some(peer) = &a.connect {
             let until = Instant::now() + Duration::from_secs(60);

@@ -12,6 +12,8 @@
 //! Exits 0 wherever it runs (whatever is absent is reported with the reason), unless `--require`
 //! names a path that is unusable or degraded: then it exits 1 and says why on one line (stderr).
 //! A bad argument or environment setting exits 2. The JSON schema is in `docs/probe-schema.md`.
+//! The text ends with how the transfer engine's endpoints would be authenticated here: with the
+//! key of `--key-file` / `GPUDIRECT_TRANSFER_KEY_FILE`, or "unauthenticated".
 
 use clap::Parser;
 use gpudirect::report::{DataPath, GatherOptions, NodeReport, check_required};
@@ -31,6 +33,7 @@ on one line on stderr, the report still on stdout); 2 for a bad argument or envi
     after_help = "Environment:\n  \
 GPUDIRECT_TEST_DIR   directory for the storage read's temporary file (as --read-dir)\n  \
 GPUDIRECT_NVML_PATH  the NVML library to load (as --nvml-path)\n  \
+GPUDIRECT_TRANSFER_KEY_FILE  the transfer engine's key file (as --key-file)\n  \
 NCCL_P2P_LEVEL, NCCL_P2P_DISABLE, NCCL_IB_DISABLE, NCCL_MAX_NCHANNELS, CUDA_DEVICE_MAX_CONNECTIONS,\n  \
 CUFILE_ENV_PATH_JSON are reported and checked, never changed."
 )]
@@ -72,6 +75,32 @@ struct Args {
     /// of libcuda do not find it.
     #[arg(long, value_name = "FILE", env = "GPUDIRECT_NVML_PATH", value_parser = existing_file)]
     nvml_path: Option<PathBuf>,
+
+    /// The transfer engine's key file (`EngineConfig::key`): the text says whether its
+    /// endpoints would be authenticated with it, or unauthenticated without one.
+    #[arg(long, value_name = "FILE", env = "GPUDIRECT_TRANSFER_KEY_FILE")]
+    key_file: Option<PathBuf>,
+}
+
+/// How the transfer engine's endpoints would be authenticated with `key_file`.
+fn transfer_line(key_file: Option<&std::path::Path>) -> String {
+    match key_file {
+        None => "Transfer engine: endpoints unauthenticated (no key: --key-file PATH or \
+                 GPUDIRECT_TRANSFER_KEY_FILE; any process that reaches a listener's port is a peer)"
+            .into(),
+        Some(p) => match gpudirect::transfer::AuthKey::from_file(p) {
+            Ok(_) => format!(
+                "Transfer engine: endpoints authenticated with the key in {} (peers prove they \
+                 hold it before anything is published)",
+                p.display()
+            ),
+            Err(e) => format!(
+                "Transfer engine: the key file {} cannot be used ({e}): an engine with it is not \
+                 made",
+                p.display()
+            ),
+        },
+    }
 }
 
 fn parse_path(s: &str) -> Result<DataPath, String> {
@@ -148,7 +177,7 @@ fn main() {
             }
         }
     } else {
-        report.to_string()
+        format!("{report}\n{}\n", transfer_line(args.key_file.as_deref()))
     };
     // A closed pipe (`| head`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());

@@ -10,11 +10,16 @@
 //! cargo run --release --example transfer                                  # both in one process
 //! cargo run --release --example transfer -- --bench --register            # the bench (benches/transfer.rs)
 //! cargo run --release --example transfer -- --listen 7400 --metrics 127.0.0.1:9400
+//! cargo run --release --example transfer -- --listen 7400 --key-file key  # peers prove they hold the key
 //! ```
 //!
 //! With `--metrics ADDR` the engine's metrics (requests, bytes per rail and peer, failures,
 //! handshakes, membership events: docs/transfer.md) are served in Prometheus text at
 //! `http://ADDR/metrics` while the example runs.
+//!
+//! `--key-file PATH` (or the environment variable `GPUDIRECT_TRANSFER_KEY_FILE` naming the file;
+//! never the key itself) gives the engine a key (`EngineConfig::key`): both sides need the same
+//! one. Each side prints how its endpoint was authenticated ("unauthenticated" without a key).
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
 //! names `rdma`); 2 on a bad option; 1 when a byte differs or a transfer fails.
@@ -25,7 +30,7 @@ mod bench;
 
 use clap::Parser;
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, MemoryPath, Region, TransferOptions,
+    AuthKey, Buffer, Endpoint, Engine, EngineConfig, MemoryPath, Region, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip_example};
 use std::time::{Duration, Instant};
@@ -61,6 +66,10 @@ struct Args {
     /// example runs.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// A file holding the key both sides prove they hold (mode 0600; 16 to 1024 bytes, used
+    /// whole).
+    #[arg(long, value_name = "PATH", env = "GPUDIRECT_TRANSFER_KEY_FILE")]
+    key_file: Option<std::path::PathBuf>,
     /// Run the transfer bench (benches/transfer.rs) with the arguments that follow instead.
     #[arg(long, num_args = 0.., allow_hyphen_values = true, value_name = "BENCH-ARGS")]
     bench: Option<Vec<String>>,
@@ -116,8 +125,9 @@ fn serve(
     }
     let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
     println!(
-        "server: peer connected over {} rail(s); target is {}",
+        "server: peer connected over {} rail(s), {}; target is {}",
         ep.rails(),
+        ep.authentication(),
         target.path()
     );
     let tag = ep
@@ -168,6 +178,7 @@ fn client(engine: &Engine, peers: &[String], args: &Args) -> gpudirect::Result<b
             Err(e) => return Err(e),
         }
     };
+    println!("client: connected, {}", ep.authentication());
     let dst = ep.peer_descriptors()[0];
     if dst.len() < n as u64 {
         return Err(gpudirect::Error::InvalidArgument {
@@ -276,6 +287,9 @@ fn main() {
     let run = || -> gpudirect::Result<bool> {
         let mut cfg = EngineConfig::default();
         cfg.devices = args.devices.clone();
+        if let Some(p) = &args.key_file {
+            cfg.key = Some(AuthKey::from_file(p)?);
+        }
         let engine = Engine::new(cfg)?;
         println!("rails: {:?}", engine.devices());
         if let Some(port) = args.listen {

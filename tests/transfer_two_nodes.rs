@@ -8,14 +8,20 @@
 //! Data is random (a seed per test, printed) and compared byte for byte; the side that receives
 //! last answers with a notification, so no side leaves while a message to it is unacknowledged
 //! (rxe then retransmits it to a queue pair that is gone).
+//!
+//! With `GPUDIRECT_TRANSFER_KEY_FILE` naming a key file (the list's `transfer-tests-key`
+//! entry), every engine of the tests before `t9` has that key. `t9`, `t9b` and `t9c` (named to
+//! run last) try the endpoints as an attacker would (a peer without the key, with another, replaying a recorded handshake;
+//! 200 silent connections; a silent peer against an accept's deadline) and print
+//! `SECURITY-...` lines with what each got.
 
 mod support;
 
 use gpudirect::Error;
 use gpudirect::rdma::WcStatus;
 use gpudirect::transfer::{
-    Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, MemoryPath, Region, Transfer,
-    TransferOptions,
+    AuthKey, Authentication, Buffer, Direction, Endpoint, Engine, EngineConfig, MemoryDescriptor,
+    MemoryPath, Region, Transfer, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip};
 use std::collections::VecDeque;
@@ -71,7 +77,27 @@ impl Node {
         self.engine_with(EngineConfig::with_devices(&self.rails))
     }
 
-    fn engine_with(&self, c: EngineConfig) -> Engine {
+    /// An engine of `c`, with the key of `GPUDIRECT_TRANSFER_KEY_FILE` when `c` has none.
+    fn engine_with(&self, mut c: EngineConfig) -> Engine {
+        if c.key.is_none() {
+            c.key = AuthKey::from_env("GPUDIRECT_TRANSFER_KEY_FILE").expect("the key file");
+        }
+        let e = Engine::new(c).expect("engine on this node's rails");
+        println!(
+            "engine: {}",
+            if e.config().key.is_some() {
+                Authentication::Key
+            } else {
+                Authentication::Unauthenticated
+            }
+        );
+        e
+    }
+
+    /// An engine with exactly `key` (none: unauthenticated), whatever the environment says.
+    fn engine_keyed(&self, key: Option<AuthKey>) -> Engine {
+        let mut c = EngineConfig::with_devices(&self.rails);
+        c.key = key;
         Engine::new(c).expect("engine on this node's rails")
     }
 
@@ -866,5 +892,435 @@ fn t8_a_silent_peer_ends_at_the_deadline() {
         assert!(matches!(ep.failure(), Some(Error::Timeout { .. })));
         // Wait out the link's absence before the next test uses it.
         std::thread::sleep(Duration::from_secs(8));
+    }
+}
+
+/// The key of the security tests (both sides make the same).
+fn test_key() -> AuthKey {
+    AuthKey::from_bytes(b"gpudirect two-node test key, 32B".to_vec()).unwrap()
+}
+
+/// A hand-made rails handshake (the engine's wire format, spoken by an attacker through the
+/// crate's own `rdma::Connection`): greetings and proofs.
+mod hand {
+    use gpudirect::rdma::ConnectionBinding;
+    use hmac::{Hmac, KeyInit, Mac};
+
+    /// A dialer's greeting: `GDXA`, version 1, role 1, a key flag, the nonce, a group id, rail
+    /// 0 of 1, device 0 of 1, 64 credits, 1 MiB messages.
+    pub fn greeting(keyed: bool, nonce: [u8; 32]) -> Vec<u8> {
+        let mut b = b"GDXA".to_vec();
+        b.extend_from_slice(&1u16.to_le_bytes());
+        b.push(1);
+        b.push(u8::from(keyed));
+        b.extend_from_slice(&nonce);
+        b.extend_from_slice(&[0x77; 16]);
+        b.extend_from_slice(&[0, 1, 0, 1]);
+        b.extend_from_slice(&64u16.to_le_bytes());
+        b.extend_from_slice(&(1u32 << 20).to_le_bytes());
+        b
+    }
+
+    /// The dialer's proof over both greetings and the connection as the dialer sees it.
+    pub fn proof(key: &[u8], mine: &[u8], theirs: &[u8], b: &ConnectionBinding) -> Vec<u8> {
+        let mut binding = b.local_qpn.to_le_bytes().to_vec();
+        binding.extend_from_slice(&b.peer_qpn.to_le_bytes());
+        binding.extend_from_slice(&b.local_gid.0);
+        binding.extend_from_slice(&b.peer_gid.0);
+        let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key).unwrap();
+        m.update(b"gpudirect transfer rails v1");
+        m.update(&[1]);
+        for part in [mine, theirs, &binding[..]] {
+            m.update(&(part.len() as u32).to_le_bytes());
+            m.update(part);
+        }
+        let mut out = b"GDXM".to_vec();
+        out.extend_from_slice(&m.finalize().into_bytes());
+        out
+    }
+}
+
+/// A raw rdma_cm connection to `addr`, retried while nobody listens there yet.
+fn raw_connect(addr: &str) -> gpudirect::rdma::Connection {
+    use std::net::ToSocketAddrs;
+    let a = addr.to_socket_addrs().unwrap().next().unwrap();
+    let opts = gpudirect::rdma::ConnectOptions {
+        timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let until = Instant::now() + CONNECT;
+    loop {
+        match gpudirect::rdma::Connection::connect(a, &opts) {
+            Ok(c) => return c,
+            Err(e) if Instant::now() < until => {
+                eprintln!("raw connect {addr}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            Err(e) => panic!("raw connect {addr}: {e}"),
+        }
+    }
+}
+
+/// Peers without the key, with another key, and replaying a recorded handshake are refused,
+/// typed, on both sides, and never learn a descriptor; then a peer with the key connects and
+/// transfers, and `prepare` refuses a descriptor with the wrong rkey count.
+#[test]
+fn t9_peers_without_the_key_with_another_or_replaying_are_refused_typed() {
+    let n = two_nodes!();
+    let port = n.port + 8;
+    if n.server {
+        let e = n.engine_keyed(Some(test_key()));
+        let target = e.register(Buffer::host(vec![0u8; 4096]).unwrap()).unwrap();
+        let l = e.listen(&format!("0.0.0.0:{port}")).unwrap();
+        let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+        let refusals = l.take_refusals();
+        for r in &refusals {
+            println!("SECURITY-ATTACK server refused: {r}");
+        }
+        let auth = refusals
+            .iter()
+            .filter(|e| matches!(e, Error::Authentication { .. }))
+            .count();
+        println!("SECURITY-ATTACK server stats: {:?}", l.stats());
+        assert!(
+            auth >= 3,
+            "no key, another key, the replay: {auth} of {refusals:?}"
+        );
+        assert_eq!(ep.authentication(), Authentication::Key);
+        let s = note(&ep);
+        assert!(target.to_vec().unwrap() == pattern(u64::from(s), 4096));
+        let peer = ep.peer_descriptors()[0];
+        bye(&ep, &target, &peer);
+    } else {
+        let addr = format!("{}:{port}", n.peers[0]);
+        let scratch_of = |e: &Engine| e.register(Buffer::host(vec![0u8; 64]).unwrap()).unwrap();
+        // 1. Without a key (retried until the server listens).
+        let bare = n.engine_keyed(None);
+        let until = Instant::now() + CONNECT;
+        let r = loop {
+            match bare.connect(&[addr.as_str()], &[scratch_of(&bare).descriptor().unwrap()]) {
+                Err(Error::CmEvent { .. }) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(300))
+                }
+                r => break r,
+            }
+        };
+        println!("SECURITY-ATTACK no-key: {:?}", r.as_ref().err());
+        assert!(matches!(r, Err(Error::Authentication { .. })), "{r:?}");
+        // 2. Another key.
+        let other = n.engine_keyed(Some(
+            AuthKey::from_bytes(b"not the key of the two-node test".to_vec()).unwrap(),
+        ));
+        let r = other.connect(
+            &[addr.as_str()],
+            &[scratch_of(&other).descriptor().unwrap()],
+        );
+        println!("SECURITY-ATTACK wrong-key: {:?}", r.as_ref().err());
+        assert!(matches!(r, Err(Error::Authentication { .. })), "{r:?}");
+        // 3. A handshake recorded (here: made by hand with the key, then dropped after the
+        // proofs), replayed on a new connection without the key.
+        let key = b"gpudirect two-node test key, 32B";
+        let mut c = raw_connect(&addr);
+        let mine = hand::greeting(true, [0x42; 32]);
+        let theirs = c.exchange_bytes(&mine, Duration::from_secs(10)).unwrap();
+        let proof = hand::proof(key, &mine, &theirs, &c.binding());
+        let back = c.exchange_bytes(&proof, Duration::from_secs(10)).unwrap();
+        assert_eq!(back.len(), 36, "the server's proof");
+        drop(c);
+        let mut c = raw_connect(&addr);
+        let theirs2 = c.exchange_bytes(&mine, Duration::from_secs(10)).unwrap();
+        assert_ne!(theirs, theirs2, "the server's nonce is fresh");
+        let _ = c.exchange_bytes(&proof, Duration::from_secs(10));
+        // What a descriptor message's address would be: the server never sends it.
+        let mr = c
+            .pd()
+            .register(
+                gpudirect::rdma::HostBuffer::zeroed(64).unwrap(),
+                gpudirect::rdma::AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+        let r = c.exchange(mr.remote(), Duration::from_secs(8));
+        println!("SECURITY-ATTACK replay: the descriptor exchange gave {r:?}");
+        assert!(r.is_err(), "a replayed handshake learnt {r:?}");
+        drop(c);
+        // 4. The key: connected, and a transfer.
+        let e = n.engine_keyed(Some(test_key()));
+        let scratch = scratch_of(&e);
+        let ep = dial(&e, &[addr], &[scratch.descriptor().unwrap()]);
+        assert_eq!(ep.authentication(), Authentication::Key);
+        let dst = ep.peer_descriptors()[0];
+        // prepare: an rkey count that is not the peer's devices is refused there, not at post.
+        let keys: Vec<u32> = dst.rkeys().iter().chain(dst.rkeys()).copied().collect();
+        let bad = MemoryDescriptor::new(dst.addr(), dst.len(), dst.kind(), &keys).unwrap();
+        let src = host(&e, &pattern(9, 4096));
+        let p = ep.prepare(
+            Direction::Write,
+            vec![(src.all(), bad.all())],
+            TransferOptions::default(),
+        );
+        println!(
+            "SECURITY-PREPARE rkeys={} -> {:?}",
+            keys.len(),
+            p.as_ref().err()
+        );
+        assert!(matches!(
+            p,
+            Err(Error::InvalidArgument { arg: "pairs", .. })
+        ));
+        let step = ep
+            .prepare(
+                Direction::Write,
+                vec![(src.all(), dst.all())],
+                TransferOptions::notify(9),
+            )
+            .unwrap();
+        step.run().unwrap();
+        wait_bye(&ep);
+    }
+}
+
+/// Resident memory of this process (bytes), from `/proc/self/statm`.
+fn rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = s.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // SAFETY: no arguments.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+}
+
+/// Where this process's threads wait, and every task of the node in D state (kernel stacks).
+fn dump_tasks() {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    for t in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let d = t.path().display().to_string();
+        println!(
+            "TASK {} {} wchan={} stack:\n{}",
+            t.file_name().to_string_lossy(),
+            read(&format!("{d}/comm")).trim(),
+            read(&format!("{d}/wchan")),
+            read(&format!("{d}/stack"))
+        );
+    }
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let d = p.path().display().to_string();
+        let stat = read(&format!("{d}/stat"));
+        if stat.split(") ").nth(1).is_some_and(|r| r.starts_with('D')) {
+            println!("DTASK {stat}\n{}", read(&format!("{d}/stack")));
+        }
+    }
+}
+
+/// 200 connections that never say a word, while a good peer connects and transfers within its
+/// own deadline; the listener (`max_pending` 32) holds at most that many handshakes (each a
+/// queue pair and a little memory) meanwhile, ending the oldest to make room. Prints
+/// `SECURITY-FLOOD` lines.
+#[test]
+fn t9b_a_flood_of_silent_connections_delays_no_good_peer() {
+    let n = two_nodes!();
+    let port = n.port + 9;
+    const FLOOD: usize = 200;
+    if n.server {
+        // Fewer than the flood holds at once: the oldest unauthenticated ones make room.
+        let mut c = EngineConfig::with_devices(&n.rails);
+        c.max_pending = 32;
+        let e = n.engine_with(c);
+        let max = e.config().max_pending;
+        let target = e.register(Buffer::host(vec![0u8; 4096]).unwrap()).unwrap();
+        let l = std::sync::Arc::new(e.listen(&format!("0.0.0.0:{port}")).unwrap());
+        let before = rss();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (l2, stop2) = (l.clone(), stop.clone());
+        let sampler = std::thread::spawn(move || {
+            let (mut peak_rss, mut peak_pending) = (0u64, 0usize);
+            let (t0, mut dumped) = (Instant::now(), false);
+            while !stop2.load(std::sync::atomic::Ordering::Acquire) {
+                peak_rss = peak_rss.max(rss());
+                peak_pending = peak_pending.max(l2.stats().pending);
+                if !dumped && t0.elapsed() > Duration::from_secs(20) {
+                    // Still here after 20 s: say where every thread (and any task in D state)
+                    // waits.
+                    dumped = true;
+                    println!("SECURITY-FLOOD slow: {:?}", l2.stats());
+                    dump_tasks();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (peak_rss, peak_pending)
+        });
+        // Short accepts until the good peer's endpoint comes (the peers may start this test
+        // at different times): each returns by its own deadline, whatever the flood does.
+        let (t0, mut short) = (Instant::now(), 0);
+        let ep = loop {
+            let t = Instant::now();
+            match l.accept(&[target.descriptor().unwrap()], Duration::from_secs(2)) {
+                Ok(ep) => break ep,
+                Err(Error::Timeout { .. }) => short += 1,
+                Err(e) => panic!("accept: {e}"),
+            }
+            let dt = t.elapsed();
+            assert!(dt < Duration::from_secs(3), "a 2 s accept took {dt:?}");
+            assert!(t0.elapsed() < ACCEPT, "no good peer: {:?}", l.stats());
+        };
+        let took = t0.elapsed();
+        println!(
+            "SECURITY-FLOOD server: the good peer's endpoint after {short} 2 s accepts that timed out"
+        );
+        let s = note(&ep);
+        assert!(target.to_vec().unwrap() == pattern(u64::from(s), 4096));
+        let peer = ep.peer_descriptors()[0];
+        // The flood goes on after the good peer: keep taking its connections (a listener takes
+        // requests only while an accept runs) until the peer says it is over.
+        let until = Instant::now() + ACCEPT;
+        while ep.next_notification(Duration::ZERO).unwrap().is_none() {
+            assert!(
+                Instant::now() < until,
+                "the flood never ended: {:?}",
+                l.stats()
+            );
+            let t = Instant::now();
+            let r = l.accept(&[], Duration::from_secs(1));
+            assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+            assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        }
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let (peak_rss, peak_pending) = sampler.join().unwrap();
+        let st = l.stats();
+        let grew = peak_rss.saturating_sub(before);
+        println!(
+            "SECURITY-FLOOD server accept_ms={} rss_before_kib={} rss_peak_kib={} grew_kib={} \
+             peak_pending={} (sampled {peak_pending}) max_pending={max} per_pending_kib={} \
+             stats={st:?}",
+            took.as_millis(),
+            before >> 10,
+            peak_rss >> 10,
+            grew >> 10,
+            st.peak_pending,
+            (grew >> 10) / st.peak_pending.max(1) as u64,
+        );
+        assert!(st.peak_pending <= max, "{st:?}");
+        // Each pending handshake: one queue pair with its CQs (rxe maps their rings into the
+        // process), its thread (stack, malloc arena) and a few KiB; 512 KiB each covers them.
+        assert!(
+            grew <= max as u64 * (512 << 10),
+            "the listener grew {} KiB under the flood",
+            grew >> 10
+        );
+        bye(&ep, &target, &peer);
+        drop(ep);
+        let st = l.stats();
+        println!("SECURITY-FLOOD server after: {st:?}");
+    } else {
+        let addr = format!("{}:{port}", n.peers[0]);
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        let a2 = addr.clone();
+        let flood = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            let (mut ok, mut failed) = (0, 0);
+            for i in 0..FLOOD {
+                let c = if i == 0 {
+                    Ok(raw_connect(&a2))
+                } else {
+                    use std::net::ToSocketAddrs;
+                    let a = a2.to_socket_addrs().unwrap().next().unwrap();
+                    let opts = gpudirect::rdma::ConnectOptions {
+                        timeout: Duration::from_secs(5),
+                        ..Default::default()
+                    };
+                    gpudirect::rdma::Connection::connect(a, &opts)
+                };
+                match c {
+                    Ok(c) => {
+                        ok += 1;
+                        held.push(c);
+                    }
+                    Err(_) => failed += 1,
+                }
+                let _ = tx.send(i);
+            }
+            (ok, failed, held)
+        });
+        // The good peer comes once the flood is a quarter through.
+        while rx.recv().unwrap() < FLOOD / 4 {}
+        let e = n.engine();
+        let scratch = host(&e, &pattern(1, 64));
+        let t0 = Instant::now();
+        let ep = e
+            .connect(&[addr.as_str()], &[scratch.descriptor().unwrap()])
+            .expect("the good peer connects within its connect timeout");
+        let took = t0.elapsed();
+        let dst = ep.peer_descriptors()[0];
+        let s = seed() as u32;
+        let src = host(&e, &pattern(u64::from(s), 4096));
+        let t1 = Instant::now();
+        ep.write(
+            vec![(src.all(), dst.range(0, 4096).unwrap())],
+            TransferOptions::notify(s).deadline(Duration::from_secs(10)),
+        )
+        .unwrap()
+        .wait()
+        .expect("the good peer's transfer within its deadline");
+        println!(
+            "SECURITY-FLOOD client good_connect_ms={} transfer_ms={} connect_timeout_ms={}",
+            took.as_millis(),
+            t1.elapsed().as_millis(),
+            e.config().connect_timeout.as_millis()
+        );
+        assert!(took < e.config().connect_timeout);
+        let (ok, failed, held) = flood.join().unwrap();
+        println!(
+            "SECURITY-FLOOD client silent connections: {ok} made, {failed} refused or timed out"
+        );
+        drop(held);
+        // The flood is over.
+        say(&ep, &scratch, &dst, ACK);
+        wait_bye(&ep);
+    }
+}
+
+/// `accept(&[], 2 s)` while a silent peer's handshake is pending returns at its own deadline;
+/// the silent peer's handshake ends at `handshake_timeout`.
+#[test]
+fn t9c_accept_returns_by_its_own_deadline_whatever_a_silent_peer_does() {
+    let n = two_nodes!();
+    let port = n.port + 10;
+    if n.server {
+        let e = n.engine();
+        let l = e.listen(&format!("0.0.0.0:{port}")).unwrap();
+        let until = Instant::now() + ACCEPT;
+        while l.stats().pending == 0 {
+            assert!(Instant::now() < until, "the silent peer never came");
+            let _ = l.accept(&[], Duration::from_millis(200));
+        }
+        let t0 = Instant::now();
+        let r = l.accept(&[], Duration::from_secs(2));
+        let took = t0.elapsed();
+        println!(
+            "SECURITY-DEADLINE accept(&[], 2 s) with a silent peer pending: {:?} after {took:?}",
+            r.as_ref().err()
+        );
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+        // The silent peer's handshake ends by itself.
+        let t = Instant::now();
+        while l.stats().pending > 0 {
+            assert!(
+                t.elapsed() < e.config().handshake_timeout * 2,
+                "{:?}",
+                l.stats()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!("SECURITY-DEADLINE after: {:?}", l.stats());
+        assert!(l.stats().timed_out >= 1);
+    } else {
+        let c = raw_connect(&format!("{}:{port}", n.peers[0]));
+        std::thread::sleep(Duration::from_secs(8));
+        drop(c);
     }
 }

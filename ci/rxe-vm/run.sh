@@ -119,7 +119,11 @@ if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
   build_one transfer        # bench-pair's transfer bench
   if [ "${PAIRS:-1}" != 0 ]; then
-    while read -r _ label bin _; do build_one "$bin"; done < <(grep -E '^pair ' "$HERE/two-nodes.list")
+    # The binary: the first word after the label that is not a NAME=VALUE assignment.
+    while read -r _ label rest; do
+      for bin in $rest; do case $bin in *=*) ;; *) break;; esac; done
+      build_one "$bin"
+    done < <(grep -E '^pair ' "$HERE/two-nodes.list")
     grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
   fi
   echo "bench-pair ${BENCH_RUNS:-5}" >> "$W/tests.list"

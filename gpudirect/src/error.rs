@@ -303,6 +303,16 @@ pub enum Error {
         /// The newest version read.
         newest: u32,
     },
+    /// A peer of the transfer engine was refused by the handshake that says who it is: a key on
+    /// one side only, a wrong key, a replayed or relayed handshake, or (inside a node) a user
+    /// the configured rule does not admit. Nothing was published to it.
+    #[error("authentication with {peer} failed: {reason}")]
+    Authentication {
+        /// The peer, as far as it is known (an address, or a pid and user).
+        peer: String,
+        /// Why it was refused.
+        reason: String,
+    },
 }
 
 impl Error {
@@ -799,6 +809,10 @@ mod tests {
             Error::Timeout {
                 what: "x",
                 after: Duration::from_secs(1),
+            },
+            Error::Authentication {
+                peer: "10.0.0.1:7400".into(),
+                reason: "wrong key".into(),
             },
         ] {
             assert_eq!(e.absence(), None, "{e}");

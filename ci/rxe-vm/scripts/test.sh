@@ -2,7 +2,8 @@
 # Inside the VM: run what /etc/gpudirect-tests lists, one entry a line:
 #   test NAME | example NAME | bench NAME   a project binary on rxe0, with GPUDIRECT_REQUIRE=rdma
 #   bench-loopback RUNS [SIZES...]   perftest baselines beside rdma_pingpong, on rxe0
-#   pair LABEL BIN SERVER-ARGS... -- CLIENT-ARGS...   BIN as two nodes (namespaces b and a)
+#   pair LABEL [NAME=VALUE...] BIN SERVER-ARGS... -- CLIENT-ARGS...   BIN as two nodes
+#                      (namespaces b and a), with those environment variables on both sides
 #   bench-pair [RUNS]  ib_write_bw and rdma_pingpong between the two nodes, on both rails; then
 #                      the transfer engine beside perftest, RUNS rounds a cell (default 5)
 # Prints "RXE-RESULT name PASS|FAIL", "RXE-BENCH ..." lines and finally "N passed, N failed".
@@ -11,6 +12,8 @@ IP=/usr/sbin/ip      # iproute2 by full path: busybox's ip applet would shadow i
 pass=0; fail=0
 result() { if [ "$2" = 0 ]; then echo "RXE-RESULT $1 PASS"; pass=$((pass+1)); else echo "RXE-RESULT $1 FAIL (exit $2)"; fail=$((fail+1)); fi; }
 now() { cut -d' ' -f1 /proc/uptime; }
+# The transfer engine's key for the entries and benches that use one (owner-only, as it must be).
+head -c 32 /dev/urandom > /tmp/transfer.key && chmod 600 /tmp/transfer.key
 for g in 0 1 2 3; do
   f=/sys/class/infiniband/rxe0/ports/1/gids/$g; [ -r $f ] && echo "GID[$g] $(cat $f) $(cat /sys/class/infiniband/rxe0/ports/1/gid_attrs/types/$g 2>/dev/null)"
 done
@@ -70,7 +73,10 @@ pairs=0
 # run_pair LABEL BIN ARGS: the server side in namespace b, then the client side in namespace a;
 # both must exit 0. Each side is bounded by 300 s; the server gets 60 s after the client.
 run_pair() {
-  label=$1 bin=$2; shift 2
+  label=$1; shift
+  penv=
+  while case $1 in *=*) true;; *) false;; esac; do penv="$penv $1"; shift; done
+  bin=$1; shift
   sargs=; cargs=; side=s
   for w in "$@"; do
     if [ "$side" = s ] && [ "$w" = -- ]; then side=c; continue; fi
@@ -82,12 +88,13 @@ run_pair() {
   t=$(now); before=$(sent_bytes)
   sa=$(subst b server $port $sargs); ca=$(subst a client $port $cargs)
   echo "[b] $bin $sa"
-  (node_env b server $port; exec $IP netns exec b timeout 300 /usr/bin/$bin $sa) > /tmp/pair-b.log 2>&1 &
+  [ -n "$penv" ] && echo "[env]$penv"
+  (node_env b server $port; [ -z "$penv" ] || export $penv; exec $IP netns exec b timeout 300 /usr/bin/$bin $sa) > /tmp/pair-b.log 2>&1 &
   spid=$!
   wait_listen b $port $spid
   echo "[a] $bin $ca"
   rm -f /tmp/pair-a.rc
-  (node_env a client $port; $IP netns exec a timeout 300 /usr/bin/$bin $ca; echo $? > /tmp/pair-a.rc) 2>&1 | sed 's/^/[a] /'
+  (node_env a client $port; [ -z "$penv" ] || export $penv; $IP netns exec a timeout 300 /usr/bin/$bin $ca; echo $? > /tmp/pair-a.rc) 2>&1 | sed 's/^/[a] /'
   crc=$(cat /tmp/pair-a.rc 2>/dev/null || echo 1)
   ( sleep 60; kill $spid 2>/dev/null ) & wd=$!
   wait $spid; src=$?
@@ -313,6 +320,14 @@ ours_transfer() {  # ours_transfer ARGS... -> the client's TRANSFER-BENCH line
   [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench ($TBIN) $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
   grep -h '^TRANSFER-BENCH' /tmp/tcli.log
 }
+connect_bench() {  # connect_bench [--key-file F] -> the client's TRANSFER-BENCH connect line
+  $IP netns exec b timeout 120 transfer --bench --listen 7491 --device rxe_b0 --connect-bench 30 "$@" > /tmp/csrv.log 2>&1 &
+  p=$!; wait_listen b 7491 $p
+  $IP netns exec a timeout 120 transfer --bench --connect 10.77.1.2:7491 --device rxe_a0 --connect-bench 30 "$@" > /tmp/ccli.log 2>&1; c=$?
+  wait $p; s=$?
+  [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN connect bench $*: client $c, server $s: $(tail -2 /tmp/ccli.log /tmp/csrv.log | tr '\n' ' ')" >&2; return 1; }
+  grep -h '^TRANSFER-BENCH connect' /tmp/ccli.log
+}
 # base_runs FIELD ARGS...: each other build (BASE_TRANSFER) once, right after ours; appends
 # "base=value" words to $bws and, per base, ours over it (or it over ours, for latency) to $brs.
 tbases=$(cd /usr/bin && ls transfer_base* 2>/dev/null | tr '\n' ' ')
@@ -379,6 +394,17 @@ bench_transfer() {
   done
   TSPIN=; sm=$(echo "$sls" | median)
   echo "RXE-BENCH transfer rail=0 write_lat size=8 spin=5ms perftest_usec=${pm:-?} engine_usec=${sm:-?} ratio(perftest/engine)=$(ratio "$pm" "$sm") runs: engine[$sls ]"
+  # Connecting with the key and without, alternately: TRANSFER-BENCH connect medians of 30
+  # endpoints each.
+  cks=; cns=
+  for rep in $reps; do
+    l=$(connect_bench --key-file /tmp/transfer.key) || tok=1
+    cks="$cks $(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')"
+    l=$(connect_bench) || tok=1
+    cns="$cns $(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')"
+  done
+  km=$(echo "$cks" | median); nm=$(echo "$cns" | median)
+  echo "RXE-BENCH transfer rail=0 connect key=yes usec=${km:-?} key=no usec=${nm:-?} ratio(key/no)=$(ratio "$km" "$nm") runs: key[$cks ] no_key[$cns ]"
   $IP netns exec a timeout 300 transfer --bench --register --device rxe_a0 --device rxe_a1 > /tmp/treg.log 2>&1 || { cat /tmp/treg.log; tok=1; }
   sed -n 's/^TRANSFER-BENCH register/RXE-BENCH transfer register/p' /tmp/treg.log
   echo "TWO-NODES: transfer bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"

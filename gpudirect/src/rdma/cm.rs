@@ -1,6 +1,6 @@
 //! Connections through rdma_cm (described on the [`rdma`](super) module page).
 
-use super::context::Context;
+use super::context::{Context, Gid};
 use super::cq::{CompletionChannel, CompletionQueue, WcOpcode, WorkCompletion};
 use super::device::DeviceList;
 use super::ffi::{free_in_parent, nonnull, rc, verbs};
@@ -15,6 +15,7 @@ use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// `now + timeout`, for any timeout (see [`crate::completion::deadline_after`]).
@@ -222,6 +223,38 @@ impl Channel {
     }
 }
 
+impl Channel {
+    /// [`wait`](Self::wait) by `deadline`, looking at `stop` every 20 ms (set: a timeout).
+    fn wait_until(
+        &self,
+        call: &'static str,
+        expected: cm::rdma_cm_event_type,
+        deadline: Instant,
+        stop: Option<&AtomicBool>,
+    ) -> Result<Event> {
+        let start = Instant::now();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stopped = stop.is_some_and(|s| s.load(Ordering::Acquire));
+            if left.is_zero() || stopped {
+                return Err(Error::Timeout {
+                    what: call,
+                    after: start.elapsed(),
+                });
+            }
+            let slice = if stop.is_some() {
+                left.min(Duration::from_millis(20))
+            } else {
+                left
+            };
+            match self.wait(call, expected, slice) {
+                Err(Error::Timeout { .. }) => continue,
+                r => return r,
+            }
+        }
+    }
+}
+
 impl Drop for Channel {
     fn drop(&mut self) {
         free_in_parent(cm::lib, |l| {
@@ -306,12 +339,21 @@ impl Id {
         Ok(name.to_string_lossy().into_owned())
     }
 
-    /// INIT → RTR → RTS with the attributes rdma_cm gives for this id.
-    fn to_rts(&self, qp: QueuePair<Init>) -> Result<QueuePair<Rts>> {
+    /// INIT → RTR → RTS with the attributes rdma_cm gives for this id, and where they route
+    /// to (the peer's queue pair and GID).
+    fn to_rts(&self, qp: QueuePair<Init>) -> Result<(QueuePair<Rts>, Route)> {
         let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTR)?;
+        let route = Route {
+            peer_qpn: a.dest_qp_num,
+            global: a.ah_attr.is_global != 0,
+            // SAFETY: every bit pattern of the union is a valid byte array.
+            peer_gid: Gid(unsafe { a.ah_attr.grh.dgid.raw }),
+            sgid_index: a.ah_attr.grh.sgid_index,
+            port: a.ah_attr.port_num,
+        };
         let qp = qp.modify_raw::<Rtr>(&mut a, m)?;
         let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTS)?;
-        qp.modify_raw::<Rts>(&mut a, m)
+        Ok((qp.modify_raw::<Rts>(&mut a, m)?, route))
     }
 
     fn qp_attr(&self, state: u32) -> Result<(ibv::ibv_qp_attr, i32)> {
@@ -439,27 +481,146 @@ impl Listener {
     }
 
     fn accept_inner(&self, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<Connection> {
+        self.next_request(opts.timeout)?.accept_inner(
+            opts,
+            home,
+            deadline_after(opts.timeout),
+            None,
+        )
+    }
+
+    /// Wait for the next connection request, within `timeout`, without answering it: the
+    /// request can be accepted elsewhere ([`ConnectRequest::accept_with`], on another thread),
+    /// while this listener takes the next. The listener's fd ([`AsFd`](std::os::fd::AsFd)) is
+    /// readable while a request waits.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::CmEvent`] for another event.
+    #[doc(alias = "rdma_get_cm_event")]
+    #[doc(alias = "rdma_migrate_id")]
+    pub fn next_request(&self, timeout: Duration) -> Result<ConnectRequest> {
         let l = cmlib()?;
-        let ev = self.ch.wait(
-            "rdma_listen",
-            cm::RDMA_CM_EVENT_CONNECT_REQUEST,
-            opts.timeout,
-        )?;
-        let ch = Channel::new()?;
+        let ev = self
+            .ch
+            .wait("rdma_listen", cm::RDMA_CM_EVENT_CONNECT_REQUEST, timeout)?;
         let id = Id(nonnull("rdma_get_cm_event", ev.id)?);
+        let ch = match Channel::new() {
+            Ok(ch) => ch,
+            Err(e) => {
+                reject(&id);
+                return Err(e);
+            }
+        };
         // SAFETY: a new id whose events were acknowledged; moved to its own channel.
-        rc("rdma_migrate_id", unsafe {
+        let moved = rc("rdma_migrate_id", unsafe {
             (l.rdma_migrate_id)(id.0.as_ptr(), ch.0.as_ptr())
-        })?;
-        let (parts, qp) = Parts::new(&id, opts, home)?;
-        let qp = id.to_rts(qp)?;
+        });
+        let req = ConnectRequest {
+            inner: Some((id, ch)),
+        };
+        moved.map(|()| req)
+    }
+}
+
+impl std::os::fd::AsFd for Listener {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the channel owns its fd for as long as it lives; the borrow is tied to `self`.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.ch.0.as_ref().fd) }
+    }
+}
+
+/// A connection request taken from a [`Listener`] ([`Listener::next_request`]), on its own
+/// event channel, not answered yet. Dropping it rejects it (`rdma_reject`), so the peer does
+/// not wait.
+pub struct ConnectRequest {
+    /// The request's id and its own event channel, until accepted or dropped (the id goes
+    /// first).
+    inner: Option<(Id, Channel)>,
+}
+
+/// `rdma_reject` of a request not answered.
+fn reject(id: &Id) {
+    free_in_parent(cm::lib, |l| {
+        // SAFETY: a live id of a request not answered; rejected once.
+        unsafe { (l.rdma_reject)(id.0.as_ptr(), std::ptr::null(), 0) };
+    });
+}
+
+impl ConnectRequest {
+    /// Accept the request on the caller's protection domain and completion queues, as
+    /// [`Listener::accept_with`] does, within `opts.timeout`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Listener::accept_with`].
+    #[doc(alias = "rdma_accept")]
+    pub fn accept_with(
+        self,
+        opts: &ConnectOptions,
+        mut home: impl FnMut(&str) -> Result<QpResources>,
+    ) -> Result<Connection> {
+        self.accept_inner(opts, Some(&mut home), deadline_after(opts.timeout), None)
+    }
+
+    /// [`accept_with`](Self::accept_with) by `deadline`, ended early (with
+    /// [`Error::Timeout`]) once `stop` is set. The queue pair allows the peer exactly
+    /// `opts.access` (rdma_cm's defaults not added): widen it later with
+    /// [`Connection::set_remote_access`].
+    #[cfg_attr(not(feature = "transfer"), allow(dead_code))]
+    pub(crate) fn accept_until(
+        self,
+        opts: &ConnectOptions,
+        mut home: impl FnMut(&str) -> Result<QpResources>,
+        deadline: Instant,
+        stop: &AtomicBool,
+    ) -> Result<Connection> {
+        self.accept_inner(opts, Some(&mut home), deadline, Some(stop))
+    }
+
+    fn accept_inner(
+        mut self,
+        opts: &ConnectOptions,
+        home: HomeFn<'_>,
+        deadline: Instant,
+        stop: Option<&AtomicBool>,
+    ) -> Result<Connection> {
+        let l = cmlib()?;
+        let (id, _) = self
+            .inner
+            .as_ref()
+            .expect("present until accepted or dropped");
+        let (parts, qp) = Parts::new(id, opts, home, stop.is_some())?;
+        let (qp, route) = id.to_rts(qp)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
         rc("rdma_accept", unsafe {
             (l.rdma_accept)(id.0.as_ptr(), &mut param)
         })?;
-        ch.wait("rdma_accept", cm::RDMA_CM_EVENT_ESTABLISHED, opts.timeout)?;
-        Ok(parts.finish(qp, id, ch))
+        // Answered: from here the id is disconnected (not rejected) when it goes.
+        let (id, ch) = self.inner.take().expect("present");
+        let conn = parts.finish(qp, id, ch, route)?;
+        let p = conn.parts.as_ref().expect("present until drop");
+        p.link
+            .ch
+            .wait_until("rdma_accept", cm::RDMA_CM_EVENT_ESTABLISHED, deadline, stop)?;
+        Ok(conn)
+    }
+}
+
+impl Drop for ConnectRequest {
+    fn drop(&mut self) {
+        if let Some((id, ch)) = self.inner.take() {
+            reject(&id);
+            drop(id);
+            drop(ch);
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnectRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectRequest").finish_non_exhaustive()
     }
 }
 
@@ -472,7 +633,36 @@ impl std::fmt::Debug for Listener {
 }
 
 const HS_TAG: u64 = u64::MAX - 1;
-const HS_HALF: usize = 64;
+/// One slot of the handshake buffer: two for receiving (rounds alternate), one for sending.
+const HS_SLOT: usize = HANDSHAKE_BYTES;
+
+/// The largest message of [`Connection::exchange_bytes`].
+pub const HANDSHAKE_BYTES: usize = 256;
+
+/// What rdma_cm routed a connection to ([`Id::to_rts`]).
+struct Route {
+    peer_qpn: u32,
+    global: bool,
+    peer_gid: Gid,
+    sgid_index: u8,
+    port: u8,
+}
+
+/// What identifies a connection, as this side sees it ([`Connection::binding`]): both queue
+/// pair numbers and both GIDs (all zero without a global route, as on an InfiniBand subnet
+/// without GRH). A handshake that authenticates it makes a relay between two peers fail: each
+/// of them sees the relay's queue pair and GID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnectionBinding {
+    /// This side's queue pair number.
+    pub local_qpn: u32,
+    /// The peer's queue pair number, as rdma_cm gave it.
+    pub peer_qpn: u32,
+    /// This side's GID (the source GID of the route).
+    pub local_gid: Gid,
+    /// The peer's GID (the route's destination).
+    pub peer_gid: Gid,
+}
 
 /// What a connection's queue pair is built on when the caller brings it
 /// ([`Connection::connect_with`], [`Listener::accept_with`]): a protection domain whose
@@ -480,7 +670,8 @@ const HS_HALF: usize = 64;
 /// queues, which may report to a completion channel of the caller's.
 ///
 /// The queue pair takes one entry of `send_cq` for its teardown and one receive of its receive
-/// queue for the descriptor exchange (see [Capacity](super#capacity)).
+/// queue for the descriptor exchange, two while [`Connection::exchange_bytes`] rounds run (see
+/// [Capacity](super#capacity)).
 #[derive(Debug)]
 pub struct QpResources {
     /// The protection domain, on the device rdma_cm picked for the connection.
@@ -509,7 +700,12 @@ impl Parts {
     /// INIT (with the access `opts` allows peers) with the descriptor exchange's receive posted.
     /// `home` gives the PD and CQs for the device's name; `None` opens the device and makes
     /// them here.
-    fn new(id: &Id, opts: &ConnectOptions, home: HomeFn<'_>) -> Result<(Parts, QueuePair<Init>)> {
+    fn new(
+        id: &Id,
+        opts: &ConnectOptions,
+        home: HomeFn<'_>,
+        exact: bool,
+    ) -> Result<(Parts, QueuePair<Init>)> {
         let name = id.device_name()?;
         let (ctx, pd, send_cq, recv_cq, channel) = match home {
             Some(home) => {
@@ -547,15 +743,22 @@ impl Parts {
         };
         let dev = ctx.query_device()?;
         let qp: QueuePair<Reset> = QueuePair::create(&pd, &send_cq, &recv_cq, None, opts.caps)?;
-        let hs = pd.register(HostBuffer::zeroed(2 * HS_HALF)?, AccessFlags::LOCAL_WRITE)?;
+        let hs = pd.register(HostBuffer::zeroed(3 * HS_SLOT)?, AccessFlags::LOCAL_WRITE)?;
         let rd_atomic = (opts.rd_atomic as u32)
             .min(dev.max_qp_rd_atom)
             .min(dev.max_qp_init_rd_atom)
             .max(1) as u8;
         let (mut a, m) = id.qp_attr(ibv::IBV_QPS_INIT)?;
-        a.qp_access_flags |= opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        // rdma_cm's own choice (remote write, and read with responder resources) plus
+        // `opts.access`; or, for the crate's handshakes, `opts.access` alone.
+        let bits = opts.access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE;
+        if exact {
+            a.qp_access_flags = bits;
+        } else {
+            a.qp_access_flags |= bits;
+        }
         let mut qp = qp.modify_raw::<Init>(&mut a, m | ibv::IBV_QP_ACCESS_FLAGS as i32)?;
-        qp.post_recv([RecvRequest::new(hs.slice(..HS_HALF)?).tag(HS_TAG)])?;
+        qp.post_recv([RecvRequest::new(hs.slice(..HS_SLOT)?).tag(HS_TAG)])?;
         let parts = Parts {
             ctx,
             pd,
@@ -579,8 +782,23 @@ impl Parts {
         }
     }
 
-    fn finish(self, qp: QueuePair<Rts>, id: Id, ch: Channel) -> Connection {
-        Connection {
+    fn finish(self, qp: QueuePair<Rts>, id: Id, ch: Channel, route: Route) -> Result<Connection> {
+        let local_gid = if route.global {
+            self.ctx.gid(route.port, u32::from(route.sgid_index))?
+        } else {
+            Gid::default()
+        };
+        let binding = ConnectionBinding {
+            local_qpn: qp.qp_num(),
+            peer_qpn: route.peer_qpn,
+            local_gid,
+            peer_gid: if route.global {
+                route.peer_gid
+            } else {
+                Gid::default()
+            },
+        };
+        Ok(Connection {
             parts: Some(ConnectionParts {
                 qp,
                 send_cq: self.send_cq,
@@ -595,8 +813,10 @@ impl Parts {
                     ch,
                 },
             }),
-            hs_pending: true,
-        }
+            hs_round: 0,
+            hs_done: false,
+            binding,
+        })
     }
 }
 
@@ -605,7 +825,11 @@ impl Parts {
 pub struct Connection {
     /// Present until drop or [`Connection::into_parts`].
     parts: Option<ConnectionParts>,
-    hs_pending: bool,
+    /// Handshake rounds done: the next message arrives in receive slot `hs_round % 2`.
+    hs_round: u32,
+    /// [`Connection::exchange`] was called: no more rounds.
+    hs_done: bool,
+    binding: ConnectionBinding,
 }
 
 /// A connection taken apart ([`Connection::into_parts`]): the queue pair and its CQs for the
@@ -738,7 +962,7 @@ impl Connection {
     #[doc(alias = "rdma_resolve_route")]
     #[doc(alias = "rdma_establish")]
     pub fn connect(addr: SocketAddr, opts: &ConnectOptions) -> Result<Connection> {
-        Self::connect_inner(addr, opts, None)
+        Self::connect_inner(addr, opts, None, None)
     }
 
     /// [`connect`](Self::connect) on the caller's protection domain and completion queues:
@@ -755,14 +979,45 @@ impl Connection {
         opts: &ConnectOptions,
         mut home: impl FnMut(&str) -> Result<QpResources>,
     ) -> Result<Connection> {
-        Self::connect_inner(addr, opts, Some(&mut home))
+        Self::connect_inner(addr, opts, Some(&mut home), None)
+    }
+
+    /// [`connect_with`](Self::connect_with), every step bounded by what is left before `until`
+    /// too (so the whole connection is). The queue pair allows the peer exactly `opts.access`
+    /// (rdma_cm's defaults not added): widen it later with [`set_remote_access`](Self::set_remote_access).
+    #[cfg_attr(not(feature = "transfer"), allow(dead_code))]
+    pub(crate) fn connect_until(
+        addr: SocketAddr,
+        opts: &ConnectOptions,
+        mut home: impl FnMut(&str) -> Result<QpResources>,
+        until: Instant,
+    ) -> Result<Connection> {
+        let mut o = *opts;
+        o.timeout = until
+            .saturating_duration_since(Instant::now())
+            .min(opts.timeout);
+        if o.timeout.is_zero() {
+            return Err(Error::Timeout {
+                what: "rdma_connect",
+                after: opts.timeout,
+            });
+        }
+        Self::connect_inner(addr, &o, Some(&mut home), Some(until))
     }
 
     fn connect_inner(
         addr: SocketAddr,
         opts: &ConnectOptions,
         home: HomeFn<'_>,
+        until: Option<Instant>,
     ) -> Result<Connection> {
+        // Each step within `opts.timeout`, and all of them by `until` when given.
+        let step = || match until {
+            Some(u) => u
+                .saturating_duration_since(Instant::now())
+                .min(opts.timeout),
+            None => opts.timeout,
+        };
         let l = cmlib()?;
         let establish = l.rdma_establish.ok_or_else(|| Error::Unsupported {
             what: "rdma_cm with an application-created QP".into(),
@@ -784,11 +1039,7 @@ impl Connection {
                 ms,
             )
         })?;
-        ch.wait(
-            "rdma_resolve_addr",
-            cm::RDMA_CM_EVENT_ADDR_RESOLVED,
-            opts.timeout,
-        )?;
+        ch.wait("rdma_resolve_addr", cm::RDMA_CM_EVENT_ADDR_RESOLVED, step())?;
         // SAFETY: an id with a resolved address.
         rc("rdma_resolve_route", unsafe {
             (l.rdma_resolve_route)(id.0.as_ptr(), ms)
@@ -796,23 +1047,19 @@ impl Connection {
         ch.wait(
             "rdma_resolve_route",
             cm::RDMA_CM_EVENT_ROUTE_RESOLVED,
-            opts.timeout,
+            step(),
         )?;
-        let (parts, qp) = Parts::new(&id, opts, home)?;
+        let (parts, qp) = Parts::new(&id, opts, home, until.is_some())?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id with a resolved route and a valid parameter struct.
         rc("rdma_connect", unsafe {
             (l.rdma_connect)(id.0.as_ptr(), &mut param)
         })?;
-        ch.wait(
-            "rdma_connect",
-            cm::RDMA_CM_EVENT_CONNECT_RESPONSE,
-            opts.timeout,
-        )?;
-        let qp = id.to_rts(qp)?;
+        ch.wait("rdma_connect", cm::RDMA_CM_EVENT_CONNECT_RESPONSE, step())?;
+        let (qp, route) = id.to_rts(qp)?;
         // SAFETY: a live id whose QP is in RTS: sends the RTU.
         rc("rdma_establish", unsafe { establish(id.0.as_ptr()) })?;
-        Ok(parts.finish(qp, id, ch))
+        parts.finish(qp, id, ch, route)
     }
 
     fn p(&mut self) -> &mut ConnectionParts {
@@ -916,10 +1163,39 @@ impl Connection {
         &self.parts.as_ref().expect("present until drop").link.ctx
     }
 
+    /// What the peer may do through this queue pair from now on (remote read, write, atomic):
+    /// `ibv_modify_qp` of its access flags, in RTS. A handshake can thus keep a peer away from
+    /// every registration until it has said who it is.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Os`] naming `ibv_modify_qp`.
+    #[doc(alias = "ibv_modify_qp")]
+    #[doc(alias = "IBV_QP_ACCESS_FLAGS")]
+    pub fn set_remote_access(&mut self, access: AccessFlags) -> Result<()> {
+        let l = verbs()?;
+        let mut a = ibv::ibv_qp_attr {
+            qp_access_flags: access.bits() & !ibv::IBV_ACCESS_LOCAL_WRITE,
+            ..Default::default()
+        };
+        let qp = self.qp().as_raw();
+        // SAFETY: a live QP in RTS; the mask names the one field set (no state change).
+        rc("ibv_modify_qp", unsafe {
+            (l.ibv_modify_qp)(qp, &mut a, ibv::IBV_QP_ACCESS_FLAGS as i32)
+        })
+    }
+
+    /// What identifies this connection as this side sees it: both queue pair numbers and GIDs
+    /// (what an authenticated handshake binds, so that it cannot be relayed).
+    pub fn binding(&self) -> ConnectionBinding {
+        self.binding
+    }
+
     /// Send `mine` to the peer as the first message and return the peer's. Both sides call it
-    /// once, right after connecting and before posting anything else. The peer's descriptor is
-    /// untrusted: it is checked ([`RemoteMemory::validate`]) before it is returned, and every
-    /// slice of it is checked again.
+    /// once, right after connecting (and after any [`exchange_bytes`](Self::exchange_bytes)
+    /// rounds) and before posting anything else. The peer's descriptor is untrusted: it is
+    /// checked ([`RemoteMemory::validate`]) before it is returned, and every slice of it is
+    /// checked again.
     ///
     /// # Errors
     ///
@@ -927,52 +1203,142 @@ impl Connection {
     /// descriptor (short, empty, or its address plus length overflows); [`Error::Timeout`] after
     /// `timeout`; [`Error::WorkCompletion`] when the send or receive fails.
     pub fn exchange(&mut self, mine: RemoteMemory, timeout: Duration) -> Result<RemoteMemory> {
-        if !self.hs_pending {
+        self.exchange_until(mine, deadline_after(timeout), None)
+    }
+
+    /// [`exchange`](Self::exchange) by `deadline`, ended early (with [`Error::Timeout`]) once
+    /// `stop` is set.
+    pub(crate) fn exchange_until(
+        &mut self,
+        mine: RemoteMemory,
+        deadline: Instant,
+        stop: Option<&AtomicBool>,
+    ) -> Result<RemoteMemory> {
+        if self.hs_done {
             return Err(Error::invalid(
                 "exchange",
                 "second call",
                 "descriptors are exchanged once per connection",
             ));
         }
-        self.hs_pending = false;
+        self.hs_done = true;
+        let got = self.hs_round_trip(&mine.to_bytes(), false, deadline, stop)?;
+        RemoteMemory::from_bytes(&got[..decoded_len(got.len() as u32)])
+    }
+
+    /// A handshake round before [`exchange`](Self::exchange): send `mine` (1 to
+    /// [`HANDSHAKE_BYTES`] bytes) and return the peer's message of the same round (at most
+    /// [`HANDSHAKE_BYTES`]; longer ones are cut). Both sides make the same number of rounds,
+    /// then call [`exchange`](Self::exchange): each round posts the receive of the next one
+    /// before it sends, so the peer's next message, sent once it has this one, always finds it
+    /// (the receive queue needs room for that one receive more).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for an empty or longer message, or after
+    /// [`exchange`](Self::exchange); [`Error::Timeout`] after `timeout`; [`Error::QueueFull`]
+    /// without room for the next receive; [`Error::WorkCompletion`] when the send or receive
+    /// fails.
+    pub fn exchange_bytes(&mut self, mine: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        self.exchange_bytes_until(mine, deadline_after(timeout), None)
+    }
+
+    /// [`exchange_bytes`](Self::exchange_bytes) by `deadline`, ended early (with
+    /// [`Error::Timeout`]) once `stop` is set.
+    pub(crate) fn exchange_bytes_until(
+        &mut self,
+        mine: &[u8],
+        deadline: Instant,
+        stop: Option<&AtomicBool>,
+    ) -> Result<Vec<u8>> {
+        if self.hs_done || mine.is_empty() || mine.len() > HANDSHAKE_BYTES {
+            return Err(Error::invalid(
+                "exchange_bytes",
+                format!("{} bytes", mine.len()),
+                format!("1 to {HANDSHAKE_BYTES} bytes a round, before exchange"),
+            ));
+        }
+        self.hs_round_trip(mine, true, deadline, stop)
+    }
+
+    /// One round: (with `more`, the next round's receive posted, then) `mine` sent, and the
+    /// peer's message of this round received.
+    fn hs_round_trip(
+        &mut self,
+        mine: &[u8],
+        more: bool,
+        deadline: Instant,
+        stop: Option<&AtomicBool>,
+    ) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let slot = (self.hs_round % 2) as usize * HS_SLOT;
+        let next = ((self.hs_round + 1) % 2) as usize * HS_SLOT;
+        self.hs_round += 1;
         let p = self.parts.as_mut().expect("present until drop");
-        p.link.hs.write_at(HS_HALF, &mine.to_bytes())?;
-        let s = p.link.hs.slice(HS_HALF..HS_HALF + RemoteMemory::WIRE_LEN)?;
+        if more {
+            p.qp.post_recv([RecvRequest::new(p.link.hs.slice(next..next + HS_SLOT)?).tag(HS_TAG)])?;
+        }
+        p.link.hs.write_at(2 * HS_SLOT, mine)?;
+        let s = p.link.hs.slice(2 * HS_SLOT..2 * HS_SLOT + mine.len())?;
         p.qp.post_send([SendRequest::send(s).tag(HS_TAG)])?;
-        let deadline = deadline_after(timeout);
         let (mut sent, mut got) = (false, None);
         let one_cq = Arc::ptr_eq(&p.send_cq.inner, &p.recv_cq.inner);
         // Completions that are not the handshake's go back to their own CQ afterwards.
         let mut others: Vec<(bool, WorkCompletion)> = Vec::new();
+        // Yields at first, then naps growing to 1 ms, and 5 ms once the round took 50 ms: a peer
+        // that takes long (or a listener's many silent ones) costs little CPU.
+        let mut idle = 0u32;
         let res = (|| {
             while !(sent && got.is_some()) {
-                if Instant::now() >= deadline {
+                if Instant::now() >= deadline || stop.is_some_and(|s| s.load(Ordering::Acquire)) {
                     return Err(Error::Timeout {
                         what: "descriptor exchange",
-                        after: timeout,
+                        after: start.elapsed(),
                     });
                 }
+                let mut seen = false;
                 for (cq, from_send_cq) in [(&mut p.send_cq, true), (&mut p.recv_cq, false)] {
                     if one_cq && !from_send_cq {
                         break; // the same CQ: polled once
                     }
                     for w in cq.poll()? {
+                        seen = true;
                         if w.tag() != HS_TAG {
                             others.push((from_send_cq, *w));
                             continue;
                         }
-                        w.result()?;
                         // One CQ for both queues: a successful completion's opcode says which.
+                        if one_cq {
+                            w.result()?;
+                        }
                         let is_send = if one_cq {
                             !matches!(w.opcode(), WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
                         } else {
                             from_send_cq
                         };
                         if is_send {
+                            w.result()?;
                             sent = true;
+                        } else if got.is_some() {
+                            // The peer's next round, already here: held for that round.
+                            others.push((from_send_cq, *w));
                         } else {
+                            w.result()?;
                             got = Some(w.byte_len());
                         }
+                    }
+                }
+                if seen {
+                    idle = 0;
+                } else {
+                    idle += 1;
+                    if idle < 64 {
+                        std::thread::yield_now();
+                    } else if start.elapsed() < Duration::from_millis(50) {
+                        let us = 10u64 << ((idle - 64) / 16).min(7);
+                        std::thread::sleep(Duration::from_micros(us.min(1000)));
+                    } else {
+                        std::thread::sleep(Duration::from_millis(5));
                     }
                 }
             }
@@ -983,9 +1349,10 @@ impl Connection {
             cq.inner.hold(w);
         }
         res?;
-        let mut b = [0u8; RemoteMemory::WIRE_LEN];
-        p.link.hs.read_at(0, &mut b)?;
-        RemoteMemory::from_bytes(&b[..decoded_len(got.unwrap_or(0))])
+        let n = (got.unwrap_or(0) as usize).min(HS_SLOT);
+        let mut b = vec![0u8; n];
+        p.link.hs.read_at(slot, &mut b)?;
+        Ok(b)
     }
 }
 

@@ -162,7 +162,8 @@ mod wr;
 pub use crate::error::{GpuMrAttempts, GpuMrPath, GpuMrRefusal, WcStatus};
 pub use async_qp::{AsyncCq, AsyncQueuePair, Completed, Immediates, Messages, Received, WcFuture};
 pub use cm::{
-    CmLink, CmLinkEvent, ConnectOptions, Connection, ConnectionParts, Listener, QpResources,
+    CmLink, CmLinkEvent, ConnectOptions, ConnectRequest, Connection, ConnectionBinding,
+    ConnectionParts, HANDSHAKE_BYTES, Listener, QpResources,
 };
 pub use context::{
     AsyncEvent, AsyncEventKind, Context, DeviceAttr, Gid, GidEntry, GidType, LinkLayer, Mtu,

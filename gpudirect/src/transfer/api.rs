@@ -9,7 +9,7 @@ use super::engine::{self, Engine, EngineConfig};
 use super::local;
 use super::membership::{Advertise, MemberRecord, MemberWatch, MetadataStore, StoreOps};
 use super::named;
-use super::rails;
+use super::rails::{self, ListenerStats};
 use super::region::{Buffer, CacheCounters, Region};
 use super::registry;
 use crate::error::Result;
@@ -295,17 +295,41 @@ impl TransferListener {
         self.inner.port()
     }
 
-    /// Accept the next endpoint: its rails' connections, whose first messages carry `publish`
-    /// (on rail 0) and the peer's descriptors. Rails of other endpoints arriving meanwhile are
-    /// kept for a later call.
+    /// Accept the next endpoint, returning by `timeout`: its rails' connections, whose first
+    /// messages carry `publish` (on rail 0) and the peer's descriptors. Rails of other
+    /// endpoints arriving meanwhile are kept for a later call.
+    ///
+    /// Each connection's handshake runs on its own thread, bounded by
+    /// [`EngineConfig::handshake_timeout`], so a silent or slow peer delays no other; at most
+    /// [`EngineConfig::max_pending`] run at once (the oldest not yet authenticated is ended to
+    /// make room). With [`EngineConfig::key`], a peer proves it holds the key before anything
+    /// is published to it or its descriptors are read. A handshake that fails does not end the
+    /// call: it is counted ([`stats`](Self::stats)) and its error kept
+    /// ([`take_refusals`](Self::take_refusals)). Handshakes started by a call that returned go
+    /// on (with that call's `publish`) and are accepted by a later one.
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`](crate::Error::Timeout) when no complete endpoint arrives within `timeout`; errors of
-    /// connecting and of the first messages (the failing connection is dropped).
+    /// [`Error::Timeout`](crate::Error::Timeout) when no complete endpoint arrives within
+    /// `timeout`; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for rails whose
+    /// first messages disagree; [`Error::Os`](crate::Error::Os) from `poll`, `eventfd` or
+    /// starting the endpoint's thread.
     #[doc(alias = "rdma_accept")]
     pub fn accept(&self, publish: &[MemoryDescriptor], timeout: Duration) -> Result<Endpoint> {
         Ok(Endpoint::over_rails(self.inner.accept(publish, timeout)?))
+    }
+
+    /// What the listener has done and holds now: handshakes running (and the most at once),
+    /// endpoints partly or wholly connected, and the handshakes dropped, timed out or refused.
+    pub fn stats(&self) -> ListenerStats {
+        self.inner.stats()
+    }
+
+    /// Why handshakes were refused lately (at most the last 16, oldest first), taken: for
+    /// example [`Error::Authentication`](crate::Error::Authentication) for a peer without the
+    /// key, with another key, or replaying a recorded handshake.
+    pub fn take_refusals(&self) -> Vec<crate::Error> {
+        self.inner.take_refusals()
     }
 }
 

@@ -2,6 +2,7 @@
 //! request method a user calls on it. It owns its transport and its stream proxy, and closes
 //! both when the last clone goes.
 
+use super::auth::Authentication;
 use super::descriptor::{MemoryDescriptor, RemoteRange};
 use super::engine::Engine;
 #[cfg(feature = "p2p")]
@@ -145,6 +146,18 @@ impl Endpoint {
     /// Per-rail counters (cumulative), in rail order.
     pub fn rail_stats(&self) -> Vec<RailStats> {
         self.transport().rail_stats()
+    }
+
+    /// How the peer was authenticated: [`Authentication::Key`] when the engine has a key
+    /// ([`EngineConfig::key`](super::EngineConfig::key): the peer proved it holds the same one
+    /// on every rail, or on the socket inside a node, before anything was published), else
+    /// [`Authentication::Unauthenticated`] (`Display`: "unauthenticated").
+    pub fn authentication(&self) -> Authentication {
+        if self.engine().config().key.is_some() {
+            Authentication::Key
+        } else {
+            Authentication::Unauthenticated
+        }
     }
 
     /// Why the endpoint stopped, if it has: the error its requests ended with;

@@ -1,6 +1,7 @@
 //! The engine: the rails' devices and protection domains, the registration cache, and the
 //! settings every endpoint of it uses.
 
+use super::auth::{AuthKey, LocalPeers};
 use super::descriptor::MAX_RAILS;
 use super::membership::Roster;
 use super::plan::preferred_rails;
@@ -34,7 +35,9 @@ pub struct EngineConfig {
     pub max_message: u32,
     /// Requests of at least this many bytes are striped over the rails (default 512 KiB).
     pub stripe_min: u64,
-    /// Bound on connecting and on the first message (default 10 s).
+    /// Bound on [`Engine::connect`] as a whole (every rail's connection and handshake), and on
+    /// an intra-node meeting (default 10 s). A listener's handshakes have their own bound,
+    /// [`handshake_timeout`](Self::handshake_timeout).
     pub connect_timeout: Duration,
     /// A transfer's deadline when its options give none (default 30 s).
     pub deadline: Duration,
@@ -62,6 +65,23 @@ pub struct EngineConfig {
     /// Bytes of one chunk when [`copy_streams`](Self::copy_streams) is above 1 (default 16 MiB,
     /// at least 64 KiB).
     pub copy_chunk: usize,
+    /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
+    /// a node) before either side publishes anything (default `None`: peers are not
+    /// authenticated). Both sides need the same key: a key on one side only is refused on
+    /// both, with [`Error::Authentication`]. See `docs/security.md`.
+    pub key: Option<AuthKey>,
+    /// The users an intra-node peer may run as (default [`LocalPeers::SameUser`]), checked on
+    /// both sides from `SO_PEERCRED` before anything else.
+    pub local_peers: LocalPeers,
+    /// The most handshakes a listener runs at once, from rdma_cm's connection request to the
+    /// peer's descriptors (default 64, 1 to 4096). When a new request finds them all running,
+    /// the oldest one not authenticated yet is ended to make room (counted in
+    /// [`ListenerStats::dropped`](super::ListenerStats::dropped)); when all are authenticated,
+    /// the request is turned away.
+    pub max_pending: usize,
+    /// Bound on one handshake at a listener, from the connection request on (default 5 s, 1 ms
+    /// to 10 min): a peer that is silent or slow holds its queue pair no longer.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for EngineConfig {
@@ -82,6 +102,10 @@ impl Default for EngineConfig {
             local_only: false,
             copy_streams: 1,
             copy_chunk: 16 << 20,
+            key: None,
+            local_peers: LocalPeers::SameUser,
+            max_pending: 64,
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -170,6 +194,21 @@ impl EngineConfig {
         if self.copy_chunk < 64 << 10 {
             return bad("copy_chunk", self.copy_chunk.to_string(), "at least 64 KiB");
         }
+        if !(1..=4096).contains(&self.max_pending) {
+            return bad(
+                "max_pending",
+                self.max_pending.to_string(),
+                "1 to 4096 handshakes",
+            );
+        }
+        if !(Duration::from_millis(1)..=Duration::from_secs(600)).contains(&self.handshake_timeout)
+        {
+            return bad(
+                "handshake_timeout",
+                format!("{:?}", self.handshake_timeout),
+                "1 ms to 10 minutes",
+            );
+        }
         if self.staging_chunk.checked_mul(self.staging_slots).is_none() {
             return bad(
                 "staging_chunk",
@@ -200,7 +239,6 @@ pub(crate) struct EngineInner {
     /// GPUs whose memory this engine registered for peers to write: flushed before a
     /// notification is delivered.
     gpu_targets: Mutex<Vec<usize>>,
-    next_id: AtomicU64,
     /// This engine among the process's engines (never reused): what its registrations carry.
     pub(crate) engine_id: u64,
     /// Its metadata store, published name and named peers (`transfer::membership`).
@@ -237,11 +275,6 @@ impl EngineInner {
                 Err(_) => all(),
             })
             .clone()
-    }
-
-    /// A process-unique id (endpoint nonces, request ids).
-    pub(crate) fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// GPUs whose memory peers may have written (see `gpu_targets`).
@@ -357,7 +390,6 @@ fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
             stats: CacheStats::default(),
             prefer: Mutex::new(HashMap::new()),
             gpu_targets: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(1),
             engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
             roster: Roster::default(),
         }),
@@ -387,6 +419,13 @@ mod tests {
     #[test]
     fn settings_are_checked() {
         assert!(EngineConfig::default().check().is_ok());
+        // A key never shows in the settings' Debug.
+        let keyed = EngineConfig {
+            key: Some(AuthKey::from_bytes(b"secret key bytes 0123".to_vec()).unwrap()),
+            ..Default::default()
+        };
+        assert!(keyed.check().is_ok());
+        assert!(!format!("{keyed:?}").contains("secret"), "{keyed:?}");
         let bad = [
             EngineConfig {
                 queue_depth: 1,
@@ -421,6 +460,18 @@ mod tests {
             EngineConfig {
                 devices: vec!["mlx5_0".into()],
                 ..EngineConfig::local()
+            },
+            EngineConfig {
+                max_pending: 0,
+                ..Default::default()
+            },
+            EngineConfig {
+                handshake_timeout: Duration::ZERO,
+                ..Default::default()
+            },
+            EngineConfig {
+                handshake_timeout: Duration::from_secs(601),
+                ..Default::default()
             },
         ];
         for c in bad {

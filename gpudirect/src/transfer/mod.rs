@@ -115,6 +115,19 @@
 //! across physical allocations) has no IPC part and is refused as a remote target, saying why;
 //! so is VMM or pool memory whose descriptor was not published when the endpoints met.
 //!
+//! # Who may connect
+//!
+//! With [`EngineConfig::key`] (an [`AuthKey`]), both sides of every rail, and of the socket
+//! inside a node, prove they hold the key before anything is published: HMAC-SHA-256 over both
+//! sides' random challenges and what binds the connection (queue pairs and GIDs, or pids). A
+//! peer without it, with another key, or replaying or relaying a handshake is refused with
+//! [`Error::Authentication`](crate::Error::Authentication) and learns no descriptor; until it is
+//! authenticated its queue pair reaches no registration. Inside a node the peer's user must
+//! also pass [`EngineConfig::local_peers`]. [`Endpoint::authentication`] says how a peer was
+//! authenticated. A listener runs each handshake on its own thread, bounded by
+//! [`EngineConfig::handshake_timeout`], at most [`EngineConfig::max_pending`] at once
+//! ([`TransferListener::stats`]). Payloads are not encrypted: see `docs/security.md`.
+//!
 //! # Failure
 //!
 //! A request ends within its deadline: when it passes, the endpoint is closed (on a reliable
@@ -142,8 +155,10 @@
 //! Bottom up, each file or folder imports only those before it; the two transports never
 //! import each other.
 //!
-//! - What every transport shares: `descriptor` (memory descriptors and their bytes), `plan`
-//!   (splitting and striping, the window, credits), `wire` (the rails' first message), `copy`,
+//! - What every transport shares: `auth` (the key, the user rule, the handshake's challenge,
+//!   transcript and tags), `descriptor` (memory descriptors and their bytes), `plan`
+//!   (splitting and striping, the window, credits), `wire` (the rails' greeting and descriptor
+//!   message), `copy`,
 //!   `region` (buffers, regions, the cache's entries), `engine` (the engine, its config and
 //!   devices), `export` (CUDA IPC exports made at registration), `registry` (registering through
 //!   the cache), `request` (a request's types and checks, why an endpoint broke),
@@ -161,6 +176,7 @@
 //!   `prepared`: [`PreparedTransfer`]; `api`: the [`Engine`]'s methods and the listeners.
 
 mod api;
+mod auth;
 mod copy;
 mod descriptor;
 mod endpoint;
@@ -187,6 +203,7 @@ mod wire;
 #[cfg(feature = "p2p")]
 pub use api::LocalListener;
 pub use api::TransferListener;
+pub use auth::{AuthKey, Authentication, LocalPeers};
 pub use descriptor::{
     DESCRIPTOR_VERSION, DescribedKind, IpcKind, IpcPart, MAX_DESCRIPTORS, MAX_RAILS,
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
@@ -195,7 +212,7 @@ pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig};
 pub use pending::{Transfer, Transferred};
 pub use prepared::PreparedTransfer;
-pub use rails::RailStats;
+pub use rails::{ListenerStats, RailStats};
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
 pub use request::{
     Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,

@@ -47,7 +47,9 @@ impl Endpoint {
     ///
     /// The checks of [`transfer`](Self::transfer) that need no NIC: [`Error::InvalidArgument`]
     /// for no pairs, lengths that differ, a local region of another engine, a notification on a
-    /// read, lengths adding up past 2^64; inside a node also everything `transfer` refuses
+    /// read, lengths adding up past 2^64, across nodes a remote descriptor whose rkeys do not
+    /// match the peer's devices (one each) or more than one pair with staged memory; the
+    /// endpoint's failure once it failed; inside a node also everything `transfer` refuses
     /// before it queues a copy (mapping the peer's allocations included).
     ///
     /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
@@ -74,6 +76,9 @@ impl Endpoint {
             let ready = local.ready(dir, pairs, bytes, opts)?;
             return Ok(made(How::Local(ready)));
         }
+        // Across nodes, what a post checks before any NIC work (the rkeys against the peer's
+        // devices too), once here.
+        self.transport().check_request(dir, &pairs, &opts)?;
         Ok(made(How::Pairs(pairs)))
     }
 }

@@ -1,13 +1,24 @@
-//! The first message of each rail's connection (read by the peer with an RDMA read once the
-//! connection's exchange has given its address): who is connecting, which rail this is, the
-//! receive credits for notifications, and the descriptors the sender publishes.
+//! The rails' handshake messages. The greeting (the first round, through the connection's
+//! handshake buffer, fixed size): who is connecting (a random endpoint group id, the same on
+//! every rail of it), which rail this is, the sender's devices, its receive credits and largest
+//! message, with the authentication challenge. The descriptor message (read by the peer with
+//! an RDMA read once the greetings, and with a key the proofs, were checked): the descriptors
+//! the sender publishes.
 
+use super::auth::Challenge;
 use super::descriptor::{MAX_RAILS, MemoryDescriptor, decode_list, encode_list};
 use crate::error::{Error, Result};
 
 const MAGIC: [u8; 4] = *b"GDXH";
-const VERSION: u16 = 1;
-const FIXED: usize = 4 + 2 + 1 + 1 + 1 + 1 + 2 + 4 + 8;
+/// Version 2: the fields other than the descriptors moved to the greeting.
+const VERSION: u16 = 2;
+const FIXED: usize = 4 + 2;
+
+const GREETING_MAGIC: [u8; 4] = *b"GDXA";
+const GREETING_VERSION: u16 = 1;
+/// Bytes of a greeting: magic, version, challenge, group, rail, rails, device, devices,
+/// credits, largest message.
+pub(crate) const GREETING_LEN: usize = 4 + 2 + Challenge::LEN + 16 + 4 + 2 + 4;
 
 /// The largest first message read from a peer.
 pub(crate) const MAX_HELLO: u64 = 4 << 20;
@@ -44,10 +55,11 @@ pub(crate) fn header(b: &[u8], fixed: usize, magic: [u8; 4], version: u16) -> Re
     Ok(h)
 }
 
+/// What a rail's peer said: its greeting, and (once authenticated) its descriptors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Hello {
-    /// The connecting endpoint (the same on every rail of it).
-    pub(crate) nonce: u64,
+    /// The connecting endpoint (random, the same on every rail of it).
+    pub(crate) group: [u8; 16],
     pub(crate) rail: u8,
     pub(crate) rails: u8,
     /// The sender's engine device for this rail, and how many it has (its descriptors' rkeys).
@@ -60,28 +72,40 @@ pub(crate) struct Hello {
 }
 
 impl Hello {
-    pub(crate) fn encode(&self) -> Result<Vec<u8>> {
-        let list = encode_list(&self.descriptors)?;
-        let mut b = Vec::with_capacity(FIXED + list.len());
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+    /// The greeting: these fields (not the descriptors) and the challenge `c`.
+    pub(crate) fn greeting(&self, c: &Challenge) -> Vec<u8> {
+        let mut b = Vec::with_capacity(GREETING_LEN);
+        b.extend_from_slice(&GREETING_MAGIC);
+        b.extend_from_slice(&GREETING_VERSION.to_le_bytes());
+        c.put(&mut b);
+        b.extend_from_slice(&self.group);
         b.extend_from_slice(&[self.rail, self.rails, self.device, self.devices]);
         b.extend_from_slice(&self.credits.to_le_bytes());
         b.extend_from_slice(&self.max_message.to_le_bytes());
-        b.extend_from_slice(&self.nonce.to_le_bytes());
-        b.extend_from_slice(&list);
-        Ok(b)
+        debug_assert_eq!(b.len(), GREETING_LEN);
+        b
     }
 
-    /// Decode a peer's first message; every field is checked.
+    /// Decode a peer's greeting (no descriptors yet); every field is checked.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] naming the field.
-    pub(crate) fn decode(b: &[u8]) -> Result<Hello> {
+    pub(crate) fn from_greeting(b: &[u8]) -> Result<(Challenge, Hello)> {
         let bad = |arg: &'static str, v: String, rule: &str| Err(Error::invalid(arg, v, rule));
-        let h = header(b, FIXED, MAGIC, VERSION)?;
-        let (rail, rails, device, devices) = (h[6], h[7], h[8], h[9]);
+        let h = header(b, GREETING_LEN, GREETING_MAGIC, GREETING_VERSION)?;
+        if b.len() != GREETING_LEN {
+            return bad(
+                "hello",
+                format!("{} bytes", b.len()),
+                &format!("a greeting is {GREETING_LEN} bytes"),
+            );
+        }
+        let c = Challenge::take(&h[6..])?;
+        let at = 6 + Challenge::LEN;
+        let group: [u8; 16] = h[at..at + 16].try_into().expect("16 bytes");
+        let f = &h[at + 16..];
+        let (rail, rails, device, devices) = (f[0], f[1], f[2], f[3]);
         if rails == 0 || rails as usize > MAX_RAILS || rail >= rails {
             return bad(
                 "hello.rail",
@@ -96,11 +120,11 @@ impl Hello {
                 "a device index below a device count of 1 to 16",
             );
         }
-        let credits = u16::from_le_bytes([h[10], h[11]]);
+        let credits = u16::from_le_bytes([f[4], f[5]]);
         if !(4..=4096).contains(&credits) {
             return bad("hello.credits", credits.to_string(), "4 to 4096 receives");
         }
-        let max_message = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+        let max_message = u32::from_le_bytes(f[6..10].try_into().expect("4 bytes"));
         if max_message < 4096 {
             return bad(
                 "hello.max_message",
@@ -108,28 +132,51 @@ impl Hello {
                 "at least 4 KiB",
             );
         }
-        let nonce = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
+        Ok((
+            c,
+            Hello {
+                group,
+                rail,
+                rails,
+                device,
+                devices,
+                credits,
+                max_message,
+                descriptors: Vec::new(),
+            },
+        ))
+    }
+
+    /// The descriptor message of `publish`.
+    pub(crate) fn encode_descriptors(publish: &[MemoryDescriptor]) -> Result<Vec<u8>> {
+        let list = encode_list(publish)?;
+        let mut b = Vec::with_capacity(FIXED + list.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&list);
+        Ok(b)
+    }
+
+    /// Decode a peer's descriptor message; each descriptor must have one rkey per device of
+    /// the peer (`devices`, from its greeting).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub(crate) fn decode_descriptors(b: &[u8], devices: u8) -> Result<Vec<MemoryDescriptor>> {
+        header(b, FIXED, MAGIC, VERSION)?;
         let descriptors = decode_list(&b[FIXED..])?;
         if let Some(d) = descriptors
             .iter()
             .find(|d| d.rkeys().len() != devices as usize)
         {
-            return bad(
+            return Err(Error::invalid(
                 "hello.descriptors",
                 format!("{d:?}"),
                 "one rkey per device of the sender",
-            );
+            ));
         }
-        Ok(Hello {
-            nonce,
-            rail,
-            rails,
-            device,
-            devices,
-            credits,
-            max_message,
-            descriptors,
-        })
+        Ok(descriptors)
     }
 }
 
@@ -137,12 +184,13 @@ impl Hello {
 mod tests {
     use super::*;
     use crate::proptest_support::is_invalid;
+    use crate::transfer::auth::Role;
     use crate::transfer::descriptor::DescribedKind;
     use proptest::prelude::*;
 
     fn hello(n: usize) -> Hello {
         Hello {
-            nonce: 0x1234,
+            group: [0x12; 16],
             rail: 1,
             rails: 2,
             device: 0,
@@ -158,15 +206,30 @@ mod tests {
         }
     }
 
+    fn challenge() -> Challenge {
+        Challenge::new(Role::Dialer, true).unwrap()
+    }
+
     #[test]
-    fn a_first_message_round_trips() {
+    fn greetings_and_descriptor_messages_round_trip() {
+        let c = challenge();
         for n in [0, 1, 7] {
             let h = hello(n);
-            assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
+            let g = h.greeting(&c);
+            assert_eq!(g.len(), GREETING_LEN);
+            assert!(g.len() <= crate::rdma::HANDSHAKE_BYTES);
+            let (c2, mut h2) = Hello::from_greeting(&g).unwrap();
+            assert_eq!(c2, c);
+            h2.descriptors =
+                Hello::decode_descriptors(&Hello::encode_descriptors(&h.descriptors).unwrap(), 2)
+                    .unwrap();
+            assert_eq!(h2, h);
         }
-        let mut h = hello(1);
-        h.devices = 3;
-        let e = Hello::decode(&h.encode().unwrap()).unwrap_err();
+        let e = Hello::decode_descriptors(
+            &Hello::encode_descriptors(&hello(1).descriptors).unwrap(),
+            3,
+        )
+        .unwrap_err();
         assert!(
             matches!(
                 e,
@@ -177,25 +240,55 @@ mod tests {
             ),
             "{e}"
         );
+        // A greeting is exactly its size: one byte more or less is refused.
+        let g = hello(0).greeting(&c);
+        let mut long = g.clone();
+        long.push(0);
+        for b in [&g[..GREETING_LEN - 1], &long[..], b"GDXA", b""] {
+            assert!(is_invalid(&Hello::from_greeting(b).unwrap_err()));
+        }
     }
 
     proptest! {
-        /// Any corruption of a valid first message: decoded with every field in range, or a
-        /// typed refusal.
+        /// Any corruption of a valid greeting: decoded with every field in range, or a typed
+        /// refusal.
         #[test]
-        fn corrupted_first_messages_are_refused_or_sound(
-            n in 0usize..4, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(),
+        fn corrupted_greetings_are_refused_or_sound(
+            at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(),
         ) {
-            let mut b = hello(n).encode().unwrap();
+            let mut b = hello(0).greeting(&challenge());
             let i = at % b.len();
             b[i] = byte;
             b.truncate(b.len() - cut % 3);
-            match Hello::decode(&b) {
-                Ok(h) => {
+            match Hello::from_greeting(&b) {
+                Ok((_, h)) => {
                     prop_assert!(h.rail < h.rails && h.device < h.devices);
                     prop_assert!((4..=4096).contains(&h.credits));
-                    prop_assert!(h.descriptors.iter().all(|d| d.rkeys().len() == h.devices as usize));
                 }
+                Err(e) => prop_assert!(is_invalid(&e), "{}", e),
+            }
+        }
+
+        /// Any bytes at all as a greeting: a typed refusal or a sound greeting, never a panic.
+        #[test]
+        fn garbage_greetings_are_refused_typed(b in proptest::collection::vec(any::<u8>(), 0..80)) {
+            if let Err(e) = Hello::from_greeting(&b) {
+                prop_assert!(is_invalid(&e), "{}", e);
+            }
+        }
+
+        /// Any corruption of a valid descriptor message: decoded with one rkey per device, or a
+        /// typed refusal.
+        #[test]
+        fn corrupted_descriptor_messages_are_refused_or_sound(
+            n in 0usize..4, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(),
+        ) {
+            let mut b = Hello::encode_descriptors(&hello(n).descriptors).unwrap();
+            let i = at % b.len();
+            b[i] = byte;
+            b.truncate(b.len() - cut % 3);
+            match Hello::decode_descriptors(&b, 2) {
+                Ok(d) => prop_assert!(d.iter().all(|d| d.rkeys().len() == 2)),
                 Err(e) => prop_assert!(is_invalid(&e), "{}", e),
             }
         }

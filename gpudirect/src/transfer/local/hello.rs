@@ -1,7 +1,9 @@
-//! The first message of an intra-node endpoint, each way: magic, version, the sender's pid, the
-//! descriptors it publishes.
+//! The messages that meet an intra-node endpoint, each way: the greeting (magic, version, the
+//! authentication challenge), then the first message (magic, version, the sender's pid, the
+//! descriptors it publishes).
 
 use crate::error::{Error, Result};
+use crate::transfer::auth::Challenge;
 use crate::transfer::descriptor::{MemoryDescriptor, decode_list, encode_list};
 use crate::transfer::wire::header;
 
@@ -12,6 +14,37 @@ const VERSION: u16 = 2;
 
 /// Magic, version, flags (u16, 0), pid (u32).
 const FIXED: usize = 4 + 2 + 2 + 4;
+
+const GREETING_MAGIC: [u8; 4] = *b"GDXC";
+const GREETING_VERSION: u16 = 1;
+/// Bytes of a greeting: magic, version, challenge.
+pub(crate) const GREETING_LEN: usize = 4 + 2 + Challenge::LEN;
+
+/// The greeting of challenge `c`.
+pub(super) fn greeting(c: &Challenge) -> Vec<u8> {
+    let mut b = Vec::with_capacity(GREETING_LEN);
+    b.extend_from_slice(&GREETING_MAGIC);
+    b.extend_from_slice(&GREETING_VERSION.to_le_bytes());
+    c.put(&mut b);
+    b
+}
+
+/// The challenge of a peer's greeting.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] naming the field (`hello` for another length).
+pub(super) fn from_greeting(b: &[u8]) -> Result<Challenge> {
+    let h = header(b, GREETING_LEN, GREETING_MAGIC, GREETING_VERSION)?;
+    if b.len() != GREETING_LEN {
+        return Err(Error::invalid(
+            "hello",
+            format!("{} bytes", b.len()),
+            format!("a greeting is {GREETING_LEN} bytes"),
+        ));
+    }
+    Challenge::take(&h[6..])
+}
 
 /// The first message of an intra-node endpoint, each way.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,7 +150,33 @@ mod tests {
         assert!(LocalHello::decode(&good[..3]).is_err());
     }
 
+    #[test]
+    fn greetings_round_trip_and_garbage_is_refused_typed() {
+        use crate::transfer::auth::Role;
+        let c = Challenge::new(Role::Dialer, false).unwrap();
+        let g = greeting(&c);
+        assert_eq!(from_greeting(&g).unwrap(), c);
+        let mut long = g.clone();
+        long.push(0);
+        for b in [
+            &g[..GREETING_LEN - 1],
+            &long[..],
+            b"GDXL",
+            b"definitely not a greeting at all!!!!!!!!!",
+        ] {
+            assert!(is_invalid(&from_greeting(b).unwrap_err()));
+        }
+    }
+
     proptest! {
+        /// Any bytes as a greeting: a challenge or a typed refusal.
+        #[test]
+        fn garbage_greetings_are_refused_typed(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+            if let Err(e) = from_greeting(&b) {
+                prop_assert!(is_invalid(&e), "{}", e);
+            }
+        }
+
         /// Any corruption of a valid first message: decoded with every field sound, or refused
         /// with a typed error.
         #[test]

@@ -102,6 +102,7 @@ impl Listener {
             .min(self.engine.inner.config.connect_timeout);
         let (hello, fds) = greet(
             &mut s,
+            &self.engine.inner.config,
             publish,
             false,
             left,
@@ -143,12 +144,15 @@ mod tests {
     use super::super::copies::{Events, Keep};
     use super::super::fds::FD_MAGIC;
     use super::super::hello::{LocalHello, descs};
+    use super::super::meet::greet_bare;
     use super::super::request::report;
     use super::super::side::{Job, lock};
     use super::super::socket::{FRAME, NOTE, recv_msg, send_all, send_msg};
     use crate::transfer::descriptor::DescribedKind;
     use crate::transfer::transport::Transport;
-    use crate::transfer::{Buffer, EngineConfig, LocalListener};
+    use crate::transfer::{
+        AuthKey, Authentication, Buffer, EngineConfig, LocalListener, LocalPeers,
+    };
     use std::time::{Duration, Instant};
 
     use std::io::Write;
@@ -209,6 +213,161 @@ mod tests {
             matches!(e, Error::InvalidArgument { arg: "engine", .. }),
             "{e}"
         );
+    }
+
+    fn keyed(b: u8) -> EngineConfig {
+        EngineConfig {
+            key: Some(AuthKey::from_bytes(vec![b; 32]).unwrap()),
+            ..EngineConfig::local()
+        }
+    }
+
+    /// An endpoint of an engine of `dial` meeting a listener of an engine of `listen`
+    /// publishing `descs(2)`: (the dialer's result, the listener's).
+    fn try_meet(
+        listen: EngineConfig,
+        dial: EngineConfig,
+    ) -> (
+        Result<crate::transfer::Endpoint>,
+        Result<crate::transfer::Endpoint>,
+    ) {
+        let (le, de) = (Engine::new(listen).unwrap(), Engine::new(dial).unwrap());
+        let l = le.listen_local(socket("keyed")).unwrap();
+        let path = l.path().to_path_buf();
+        let acc = std::thread::spawn(move || l.accept(&descs(2), Duration::from_secs(10)));
+        let d = de.connect_local(&path, &[]);
+        (d, acc.join().unwrap())
+    }
+
+    fn refused(r: &Result<crate::transfer::Endpoint>) -> bool {
+        matches!(r, Err(Error::Authentication { .. }))
+    }
+
+    /// A greeting and a proof, as sent.
+    type Sent = (Vec<u8>, Vec<u8>);
+
+    /// A hand-made dialer: its greeting (and with `key`, its proof; with `replay`, that
+    /// greeting and proof instead of its own), then whatever the listener sends before it
+    /// hangs up. Returns (the greeting and proof sent, the listener's greeting, the bytes that
+    /// came after the proofs).
+    fn hand_dialer(
+        path: &Path,
+        key: Option<&AuthKey>,
+        replay: Option<Sent>,
+    ) -> (Sent, Vec<u8>, Vec<u8>) {
+        use crate::transfer::auth::{Challenge, Role, Transcript, tag, tag_message};
+        let mut s = UnixStream::connect(path).unwrap();
+        let mine = match &replay {
+            Some((g, _)) => g.clone(),
+            None => super::super::hello::greeting(
+                &Challenge::new(Role::Dialer, key.is_some() || replay.is_some()).unwrap(),
+            ),
+        };
+        send_msg(&mut s, &mine).unwrap();
+        let theirs = recv_msg(&mut s, Duration::from_secs(10)).unwrap();
+        let me = std::process::id();
+        let mut binding = me.to_le_bytes().to_vec();
+        binding.extend_from_slice(&me.to_le_bytes());
+        let proof = match (&replay, key) {
+            (Some((_, p)), _) => p.clone(),
+            (None, Some(k)) => {
+                let t = Transcript::new(&mine, &theirs, &binding);
+                tag_message(&tag(k, b"gpudirect transfer local v1", Role::Dialer, &t))
+            }
+            (None, None) => Vec::new(),
+        };
+        if !proof.is_empty() {
+            send_msg(&mut s, &proof).unwrap();
+        }
+        if key.is_some() {
+            // The first message (the dialer's goes first); the listener may have hung up.
+            let h = LocalHello {
+                pid: 77,
+                descriptors: Vec::new(),
+            };
+            let _ = send_msg(&mut s, &h.encode().unwrap());
+        }
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut after = Vec::new();
+        let _ = s.read_to_end(&mut after);
+        ((mine, proof), theirs, after)
+    }
+
+    #[test]
+    fn keys_and_users_decide_who_meets_and_a_refused_peer_learns_nothing() {
+        // The same key: met, and both say so.
+        let (d, l) = try_meet(keyed(1), keyed(1));
+        let (d, l) = (d.unwrap(), l.unwrap());
+        assert_eq!(d.authentication(), Authentication::Key);
+        assert_eq!(l.authentication(), Authentication::Key);
+        assert_eq!(d.peer_descriptors(), descs(2));
+        drop((d, l));
+        // Without keys: as before, unauthenticated.
+        let (d, l) = try_meet(EngineConfig::local(), EngineConfig::local());
+        assert_eq!(d.unwrap().authentication(), Authentication::Unauthenticated);
+        assert_eq!(l.unwrap().authentication().to_string(), "unauthenticated");
+        // Another key, or a key on one side only: refused on both sides, typed.
+        for (lc, dc, what) in [
+            (keyed(1), keyed(2), "another key"),
+            (keyed(1), EngineConfig::local(), "the dialer has none"),
+            (EngineConfig::local(), keyed(1), "the listener has none"),
+        ] {
+            let (d, l) = try_meet(lc, dc);
+            assert!(refused(&d) && refused(&l), "{what}: {d:?} / {l:?}");
+        }
+        // A user the listener's rule does not admit: refused there, before any greeting.
+        let rule = EngineConfig {
+            local_peers: LocalPeers::Users(Vec::new()),
+            ..EngineConfig::local()
+        };
+        let (d, l) = try_meet(rule, EngineConfig::local());
+        assert!(refused(&l), "{l:?}");
+        assert!(d.is_err());
+        let (d, l) = try_meet(
+            EngineConfig::local(),
+            EngineConfig {
+                local_peers: LocalPeers::Users(Vec::new()),
+                ..EngineConfig::local()
+            },
+        );
+        assert!(refused(&d), "{d:?}");
+        assert!(l.is_err());
+
+        // Hand-made peers of a keyed listener: with the right key, its first message follows
+        // the proofs; with another key, without one, or replaying a recorded meeting, it sends
+        // nothing after them (nothing published) and refuses typed.
+        let e = Engine::new(keyed(5)).unwrap();
+        let l = e.listen_local(socket("hand")).unwrap();
+        let run = |key: Option<AuthKey>, replay: Option<Sent>| {
+            let path = l.path().to_path_buf();
+            let peer = std::thread::spawn(move || hand_dialer(&path, key.as_ref(), replay));
+            let r = l.accept(&descs(3), Duration::from_secs(10));
+            (r, peer.join().unwrap())
+        };
+        let good = AuthKey::from_bytes(vec![5; 32]).unwrap();
+        let (r, (recorded, _, after)) = run(Some(good.clone()), None);
+        // The listener's proof and its first message came.
+        assert!(after.len() > 40, "{} bytes after the proofs", after.len());
+        assert_eq!(r.unwrap().peer_descriptors(), Vec::new());
+        let (r, (_, _, after)) = run(Some(AuthKey::from_bytes(vec![6; 32]).unwrap()), None);
+        assert!(refused(&r), "{r:?}");
+        assert!(
+            after.len() <= 4 + 36,
+            "only the listener's proof: {}",
+            after.len()
+        );
+        let (r, (_, _, after)) = run(None, None);
+        assert!(refused(&r), "{r:?}");
+        assert!(after.is_empty(), "{after:?}");
+        let (r, (_, theirs, after)) = run(None, Some(recorded));
+        assert!(refused(&r), "a replayed meeting: {r:?}");
+        assert!(
+            after.len() <= 4 + 36,
+            "only the listener's proof: {}",
+            after.len()
+        );
+        assert_eq!(theirs.len(), super::super::hello::GREETING_LEN);
+        assert!(e.cache_stats().imports_opened == 0);
     }
 
     #[test]
@@ -369,6 +528,7 @@ mod tests {
         // This very process, saying it is pid 4242 and publishing cuIpc memory.
         let theirs = descs(2);
         let mut s = UnixStream::connect(&path).unwrap();
+        greet_bare(&mut s);
         let h = LocalHello {
             pid: 4242,
             descriptors: theirs.clone(),
@@ -405,6 +565,7 @@ mod tests {
     /// A hand-made peer of a listener at `path`: connected, first messages swapped.
     fn greeted_peer(path: &std::path::Path, pid: u32) -> UnixStream {
         let mut s = UnixStream::connect(path).unwrap();
+        greet_bare(&mut s);
         let h = LocalHello {
             pid,
             descriptors: Vec::new(),
@@ -547,6 +708,7 @@ mod tests {
             let m = marked.clone();
             let peer = std::thread::spawn(move || {
                 let mut s = UnixStream::connect(&path).unwrap();
+                greet_bare(&mut s);
                 let h = LocalHello {
                     pid: 76,
                     descriptors,
@@ -1068,6 +1230,7 @@ mod tests {
         let path = l.path().to_path_buf();
         let peer = std::thread::spawn(move || {
             let mut s = UnixStream::connect(&path).unwrap();
+            greet_bare(&mut s);
             send_msg(&mut s, b"definitely not a first message").unwrap();
         });
         let e = l.accept(&[], Duration::from_secs(10)).unwrap_err();
@@ -1107,6 +1270,7 @@ mod tests {
         let halt = stop.clone();
         let peer = std::thread::spawn(move || {
             let mut s = UnixStream::connect(&path).unwrap();
+            greet_bare(&mut s);
             let h = LocalHello {
                 pid: 4242,
                 descriptors: Vec::new(),

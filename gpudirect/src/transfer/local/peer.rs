@@ -1,5 +1,6 @@
-//! Who the peer is: its pid as the kernel gives it (`SO_PEERCRED`), never what it says; what
-//! its imports are cached by, and what the same-process refusal decides by.
+//! Who the peer is: its pid and user as the kernel gives them (`SO_PEERCRED`), never what it
+//! says; what its imports are cached by, what the same-process refusal decides by, and what the
+//! user rule ([`LocalPeers`](crate::transfer::LocalPeers)) checks.
 
 use super::socket::os;
 use crate::error::Result;
@@ -23,7 +24,18 @@ pub(super) fn peer_process(s: &UnixStream) -> Result<u32> {
 }
 
 /// `getsockopt(SO_PEERCRED)`'s pid (0 for a process outside this pid namespace).
-fn kernel_pid(s: &UnixStream) -> Result<u32> {
+pub(super) fn kernel_pid(s: &UnixStream) -> Result<u32> {
+    Ok(cred(s)?.pid.max(0) as u32)
+}
+
+/// `getsockopt(SO_PEERCRED)`'s user (as seen from this process's user namespace).
+#[doc(alias = "SO_PEERCRED")]
+pub(super) fn peer_uid(s: &UnixStream) -> Result<u32> {
+    Ok(cred(s)?.uid)
+}
+
+/// `getsockopt(SO_PEERCRED)`.
+fn cred(s: &UnixStream) -> Result<libc::ucred> {
     // SAFETY: all-zero is a valid ucred.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -44,6 +56,5 @@ fn kernel_pid(s: &UnixStream) -> Result<u32> {
             std::io::Error::last_os_error(),
         ));
     }
-    // A pid is positive.
-    Ok(cred.pid.max(0) as u32)
+    Ok(cred)
 }

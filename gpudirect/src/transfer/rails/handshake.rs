@@ -1,21 +1,33 @@
 //! Connecting a rail: the queue pair's resources made once rdma_cm has picked the device, and
-//! the handshake on it (the notification receives posted, the first messages' addresses
-//! swapped, the peer's first message read).
+//! the handshake on it: greetings swapped (with the authentication challenges), with a key the
+//! proofs swapped and checked, and only then the notification receives posted, the descriptor
+//! messages' addresses swapped and the peer's read.
 
 use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, Rail};
 use super::state::Origin;
 use crate::error::{Error, Result};
 use crate::rdma::{
-    AccessFlags, CompletionChannel, ConnectOptions, Connection, HostBuffer, QpCaps, QpResources,
-    RecvRequest, SendRequest,
+    AccessFlags, CompletionChannel, ConnectOptions, Connection, ConnectionBinding, HostBuffer,
+    QpCaps, QpResources, RecvRequest, SendRequest,
 };
+use crate::transfer::auth::{
+    Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag, tag_message,
+};
+use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::EngineInner;
 use crate::transfer::plan::{deadline_after, send_window};
 use crate::transfer::wire::{Hello, MAX_HELLO};
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+/// What the rails' proofs are made over, besides the transcript (the local transport's differs).
+const LABEL: &[u8] = b"gpudirect transfer rails v1";
+
+/// What an authenticated peer may do through a rail's queue pair.
+const PEER_ACCESS: AccessFlags = AccessFlags::REMOTE_READ.union(AccessFlags::REMOTE_WRITE);
 
 pub(super) fn resolve(peer: &str) -> Result<SocketAddr> {
     peer.to_socket_addrs()
@@ -28,19 +40,22 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
     ConnectOptions {
         caps: QpCaps {
             max_send_wr: e.config.queue_depth,
-            max_recv_wr: e.config.notify_depth + 1,
+            // The notification receives, and two of the handshake's while its rounds run.
+            max_recv_wr: e.config.notify_depth + 2,
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 64,
             signal_every: 0,
         },
-        access: AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+        // Nothing until the peer is authenticated: `greet` grants `PEER_ACCESS` then.
+        access: AccessFlags::empty(),
         timeout: e.config.connect_timeout,
         ..Default::default()
     }
 }
 
-/// Connect every rail of `origin` (a dialed endpoint).
+/// Connect every rail of `origin` (a dialed endpoint), all within the engine's
+/// `connect_timeout`.
 pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, Vec<Hello>)> {
     let Origin::Dialed { peers, publish } = origin else {
         return Err(Error::invalid(
@@ -49,42 +64,42 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
             "only the side that connected can reconnect",
         ));
     };
-    let nonce = (e.next_id() << 32) ^ u64::from(std::process::id()) ^ now_nanos();
+    let deadline = deadline_after(Instant::now(), e.config.connect_timeout);
+    let group = random::<16>()?;
     let mut rails = Vec::new();
     let mut hellos = Vec::new();
     for (i, addr) in peers.iter().enumerate() {
         let mut home = Home::new(e, i);
-        let conn = Connection::connect_with(*addr, &conn_opts(e), |dev| home.resources(dev))?;
+        let conn =
+            Connection::connect_until(*addr, &conn_opts(e), |dev| home.resources(dev), deadline)?;
+        let none: &[MemoryDescriptor] = &[];
         let (rail, hello) = greet(
             e,
             conn,
             home,
             Hello {
-                nonce,
+                group,
                 rail: i as u8,
                 rails: peers.len() as u8,
                 device: 0,
                 devices: e.devices.len() as u8,
                 credits: e.config.notify_depth as u16,
                 max_message: e.max_message(),
-                descriptors: if i == NOTIFY_RAIL {
-                    publish.clone()
-                } else {
-                    Vec::new()
-                },
+                descriptors: Vec::new(),
+            },
+            if i == NOTIFY_RAIL { publish } else { none },
+            &Greet {
+                role: Role::Dialer,
+                peer: addr.to_string(),
+                deadline,
+                stop: None,
+                authenticated: None,
             },
         )?;
         rails.push(rail);
         hellos.push(hello);
     }
     Ok((rails, hellos))
-}
-
-fn now_nanos() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 /// The resources a rail's connection is built on, made once rdma_cm has picked the device.
@@ -119,11 +134,11 @@ impl<'a> Home<'a> {
         let ch = rd.ctx.create_comp_channel()?;
         ch.set_nonblocking(true)?;
         let depth = self.e.config.queue_depth;
-        // One entry for the teardown request, a few for the handshake's send and read.
+        // One entry for the teardown request, a few for the handshake's sends and read.
         let send_cq = rd.ctx.create_cq(depth + 4, Some(&ch))?;
         let recv_cq = rd
             .ctx
-            .create_cq(self.e.config.notify_depth + 2, Some(&ch))?;
+            .create_cq(self.e.config.notify_depth + 3, Some(&ch))?;
         let window = send_window(depth, send_cq.capacity().saturating_sub(2));
         self.made = Some((d, ch, window));
         Ok(QpResources {
@@ -134,19 +149,71 @@ impl<'a> Home<'a> {
     }
 }
 
-/// A rail's handshake: post the notification receives (rail 0), swap the first messages'
-/// addresses, read the peer's first message.
+/// How one rail's handshake goes: this side's role, the peer (for errors), the deadline, what
+/// ends it early (a listener making room), and where to say it is authenticated.
+pub(super) struct Greet<'a> {
+    pub(super) role: Role,
+    pub(super) peer: String,
+    pub(super) deadline: Instant,
+    pub(super) stop: Option<&'a AtomicBool>,
+    pub(super) authenticated: Option<&'a AtomicBool>,
+}
+
+/// The bytes both sides see alike of what binds the connection: the dialer's queue pair number,
+/// the listener's, the dialer's GID, the listener's (as `b`, seen from `role`, says).
+fn binding(role: Role, b: &ConnectionBinding) -> Vec<u8> {
+    let (dq, lq, dg, lg) = match role {
+        Role::Dialer => (b.local_qpn, b.peer_qpn, b.local_gid, b.peer_gid),
+        Role::Listener => (b.peer_qpn, b.local_qpn, b.peer_gid, b.local_gid),
+    };
+    let mut v = Vec::with_capacity(40);
+    v.extend_from_slice(&dq.to_le_bytes());
+    v.extend_from_slice(&lq.to_le_bytes());
+    v.extend_from_slice(&dg.0);
+    v.extend_from_slice(&lg.0);
+    v
+}
+
+/// A rail's handshake on a queue pair that lets the peer reach nothing yet: greetings swapped
+/// and checked (a key on both sides or on neither); with a key, proofs swapped and checked;
+/// then, and only then, remote read and write granted, the notification receives posted
+/// (rail 0), `publish` registered for the peer to read, the descriptor messages' addresses
+/// swapped and the peer's read. The peer's greeting is read into a fixed-size buffer and its
+/// descriptors only once it is authenticated.
 pub(super) fn greet(
     e: &EngineInner,
     mut conn: Connection,
     home: Home<'_>,
     mut mine: Hello,
+    publish: &[MemoryDescriptor],
+    g: &Greet<'_>,
 ) -> Result<(Rail, Hello)> {
     let (device, channel, window) = home
         .made
         .ok_or_else(|| Error::invalid("connection", "no device", "rdma_cm picked no device"))?;
     mine.device = device as u8;
-    let timeout = e.config.connect_timeout;
+    let key = e.config.key.as_ref();
+    let challenge = Challenge::new(g.role, key.is_some())?;
+    let my_first = mine.greeting(&challenge);
+    let their_first = conn.exchange_bytes_until(&my_first, g.deadline, g.stop)?;
+    let (their_challenge, mut theirs) = Hello::from_greeting(&their_first)?;
+    agree(&challenge, &their_challenge, &g.peer)?;
+    if let Some(key) = key {
+        let (d, l) = match g.role {
+            Role::Dialer => (&my_first, &their_first),
+            Role::Listener => (&their_first, &my_first),
+        };
+        let t = Transcript::new(d, l, &binding(g.role, &conn.binding()));
+        let proof = tag_message(&tag(key, LABEL, g.role, &t));
+        let got = conn.exchange_bytes_until(&proof, g.deadline, g.stop)?;
+        let got = read_tag_message(&got, &g.peer)?;
+        check_tag(key, LABEL, g.role.peer(), &t, got, &g.peer)?;
+    }
+    if let Some(a) = g.authenticated {
+        a.store(true, Ordering::Release);
+    }
+    // Until here the queue pair let the peer reach no registration, whatever rkey it tried.
+    conn.set_remote_access(PEER_ACCESS)?;
     if mine.rail as usize == NOTIFY_RAIL {
         let n = e.config.notify_depth as usize;
         conn.qp()
@@ -154,23 +221,23 @@ pub(super) fn greet(
     }
     let pd = conn.pd().clone();
     let hello_mr = pd.register(
-        HostBuffer::from_slice(&mine.encode()?)?,
+        HostBuffer::from_slice(&Hello::encode_descriptors(publish)?)?,
         AccessFlags::REMOTE_READ,
     )?;
-    let theirs = conn.exchange(hello_mr.remote(), timeout)?;
-    if theirs.len > MAX_HELLO {
+    let theirs_at = conn.exchange_until(hello_mr.remote(), g.deadline, g.stop)?;
+    if theirs_at.len > MAX_HELLO {
         return Err(Error::invalid(
             "peer",
-            theirs.len,
+            theirs_at.len,
             format!("a first message is at most {MAX_HELLO} bytes"),
         ));
     }
     // Bounded just above: fits usize and one message.
-    let len = theirs.len as usize;
+    let len = theirs_at.len as usize;
     let mut into = pd.register(HostBuffer::zeroed(len)?, AccessFlags::LOCAL_WRITE)?;
     conn.qp()
-        .post_send([SendRequest::read(into.slice(..)?, theirs.slice(0, len as u32)?).tag(1)])?;
-    let deadline = deadline_after(Instant::now(), timeout);
+        .post_send([SendRequest::read(into.slice(..)?, theirs_at.slice(0, len as u32)?).tag(1)])?;
+    let started = Instant::now();
     'wait: loop {
         for w in conn.send_cq().poll()? {
             if w.tag() == 1 {
@@ -178,19 +245,18 @@ pub(super) fn greet(
                 break 'wait;
             }
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= g.deadline || g.stop.is_some_and(|s| s.load(Ordering::Acquire)) {
             return Err(Error::Timeout {
                 what: "the peer's first message",
-                after: timeout,
+                after: started.elapsed(),
             });
         }
         std::thread::sleep(Duration::from_micros(200));
     }
     let bytes = into
         .as_slice()
-        .ok_or_else(|| Error::invalid("read", "region", "still in use"))?
-        .to_vec();
-    let hello = Hello::decode(&bytes)?;
+        .ok_or_else(|| Error::invalid("read", "region", "still in use"))?;
+    theirs.descriptors = Hello::decode_descriptors(bytes, theirs.devices)?;
     let parts = conn.into_parts();
     let rail = Rail {
         qp: QpSlot::Rts(parts.qp),
@@ -199,12 +265,12 @@ pub(super) fn greet(
         channel,
         link: parts.link,
         device,
-        peer_device: hello.device as usize,
+        peer_device: theirs.device as usize,
         window,
         next_seq: 1,
         inflight: VecDeque::new(),
         pending: VecDeque::new(),
         _hello: hello_mr,
     };
-    Ok((rail, hello))
+    Ok((rail, theirs))
 }

@@ -13,10 +13,12 @@
 //!   against credits.
 //! - `progress`: the progress thread: completions, notifications delivered, deadlines.
 //! - `staging`: GPU memory the NIC cannot reach, through a ring of pinned bounce buffers.
-//! - `handshake`: a rail's connection resources and its first-message exchange.
+//! - `handshake`: a rail's connection resources and its handshake (greetings, with a key the
+//!   proofs, then the descriptor messages).
 //! - `handle`: the rails as the endpoint holds them ([`Rails`]): start, requests, reconnect,
 //!   close.
-//! - `listen`: accepting endpoints (an rdma_cm listener) and connecting them.
+//! - `listen`: accepting endpoints (an rdma_cm listener; handshakes concurrent and bounded) and
+//!   connecting them.
 
 mod handle;
 mod handshake;
@@ -28,5 +30,6 @@ mod staging;
 mod state;
 
 pub(crate) use handle::Rails;
+pub use listen::ListenerStats;
 pub(crate) use listen::{Listener, connect, listen};
 pub use rail::RailStats;

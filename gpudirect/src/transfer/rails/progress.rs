@@ -212,6 +212,10 @@ fn progress(inner: &Link, st: &mut State) -> bool {
         }
     }
     if let Some(b) = cm {
+        // What completed before the peer went counts: a completion that came between the
+        // poll above and the event (a notification, the acknowledgement of a last write) is
+        // taken before the endpoint breaks.
+        poll_all(inner, st);
         break_endpoint(inner, st, b);
     }
     let now = Instant::now();

@@ -141,7 +141,7 @@ impl Link {
     }
 }
 
-fn eventfd() -> Result<OwnedFd> {
+pub(super) fn eventfd() -> Result<OwnedFd> {
     // SAFETY: no pointers.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {
@@ -305,5 +305,29 @@ pub(super) fn force_finish(st: &mut State) {
         }
         let r = Err(q.error.take().expect("set"));
         st.wakes.finished.push((q.shared, r));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::descriptor::DescribedKind;
+    use crate::transfer::{Buffer, Engine, EngineConfig};
+
+    /// The check `post()` and `prepare` share: one rkey per device of the peer, the pair named.
+    #[test]
+    fn a_remote_descriptor_needs_one_rkey_per_peer_device() {
+        let e = Engine::new(EngineConfig::local()).unwrap();
+        let r = e.register(Buffer::host(vec![0u8; 4096]).unwrap()).unwrap();
+        let two = MemoryDescriptor::new(0x1000, 4096, DescribedKind::Host, &[1, 2]).unwrap();
+        let one = MemoryDescriptor::new(0x1000, 4096, DescribedKind::Host, &[1]).unwrap();
+        let pairs = vec![(r.all(), two.all()), (r.all(), one.all())];
+        assert!(check_rkeys(&pairs[..1], 2).is_ok());
+        let e = check_rkeys(&pairs, 2).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { arg: "pairs", value, .. } if value == "1"),
+            "{e}"
+        );
+        assert!(check_rkeys(&pairs[..1], 1).is_err());
     }
 }
