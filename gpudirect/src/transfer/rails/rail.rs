@@ -17,6 +17,10 @@ pub(super) const RECV_TAG: u64 = u64::MAX - 7;
 pub(super) const NOTIFY_RAIL: usize = 0;
 /// The longest sleep of the progress thread between looks at the deadlines.
 pub(super) const TICK: Duration = Duration::from_millis(20);
+/// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
+/// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
+/// the progress thread then looks within this.
+pub(super) const LINGER: Duration = Duration::from_millis(1);
 
 /// Counters of one rail (cumulative over reconnects).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
