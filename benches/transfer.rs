@@ -50,7 +50,7 @@ struct Args {
     lat: bool,
     iters: u32,
     register: bool,
-    spin_us: u64,
+    spin_us: Option<u64>,
     batch: Option<usize>,
     threads: usize,
     seconds: f64,
@@ -67,7 +67,7 @@ fn parse(argv: &[String]) -> Args {
         lat: false,
         iters: 2000,
         register: false,
-        spin_us: 0,
+        spin_us: None,
         batch: None,
         threads: 1,
         seconds: 0.0,
@@ -87,7 +87,7 @@ fn parse(argv: &[String]) -> Args {
             "--size" => a.size = val().parse().unwrap_or_else(|_| bad("--size")),
             "--bytes" => a.bytes = val().parse().unwrap_or_else(|_| bad("--bytes")),
             "--iters" => a.iters = val().parse().unwrap_or_else(|_| bad("--iters")),
-            "--spin-us" => a.spin_us = val().parse().unwrap_or_else(|_| bad("--spin-us")),
+            "--spin-us" => a.spin_us = Some(val().parse().unwrap_or_else(|_| bad("--spin-us"))),
             "--batch" => a.batch = Some(val().parse().unwrap_or_else(|_| bad("--batch"))),
             "--threads" => a.threads = val().parse().unwrap_or_else(|_| bad("--threads")),
             "--seconds" => a.seconds = val().parse().unwrap_or_else(|_| bad("--seconds")),
@@ -118,7 +118,9 @@ fn parse(argv: &[String]) -> Args {
 
 fn engine(a: &Args) -> gpudirect::Result<Engine> {
     let mut c = EngineConfig::with_devices(&a.devices);
-    c.spin = Duration::from_micros(a.spin_us);
+    if let Some(us) = a.spin_us {
+        c.spin = Duration::from_micros(us);
+    }
     Engine::new(c)
 }
 
