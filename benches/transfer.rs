@@ -21,7 +21,10 @@
 //!   it, and again, for `--seconds` (or `--bytes` in all); MB/s over the time until every thread
 //!   stopped. The peer's target must hold `B * N * S` bytes (`--buffer` on the listening side).
 //! - Latency (`TRANSFER-BENCH write_lat size=8 usec=X`): half the round trip of an 8-byte write
-//!   with a notification answered by one (`ib_write_lat` reports the same half round trip).
+//!   with a notification answered by one (`ib_write_lat` reports the same half round trip);
+//!   medians of the client's `write` call (`post_usec`) and of its wait for the write once the
+//!   answer came (`wait_usec`); the listening side prints the medians of its turn (the answer
+//!   posted after the notification, `turn_usec`) and of its wait for the answer (`ack_usec`).
 //! - The listening side counts the bytes of its target that hold the client's pattern when the
 //!   run ends (`TRANSFER-BENCH target bytes_set=N`): the client's `span=` says how many it wrote.
 //! - Registration (`TRANSFER-BENCH register ...`): 1,000 buffers registered one by one and in one
@@ -132,12 +135,23 @@ fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<(
     let peer = ep.peer_descriptors()[0];
     // Answers carry the client's pattern: its source keeps it for the next write.
     let one = e.register(Buffer::host(vec![FILL; 8])?)?;
+    // Per latency ping: from its notification to the answer posted, and the answer's wait.
+    let (mut turn, mut ack) = (Vec::new(), Vec::new());
     loop {
         let Some(n) = ep.next_notification(TIMEOUT)? else {
             return Ok(());
         };
+        let seen = Instant::now();
         let back = if n.tag == LAT { LAT } else { DONE };
         if n.tag == DONE {
+            if !turn.is_empty() {
+                println!(
+                    "TRANSFER-BENCH serve pings={} turn_usec={:.2} ack_usec={:.2}",
+                    turn.len(),
+                    median_us(&mut turn),
+                    median_us(&mut ack)
+                );
+            }
             let mut set = 0usize;
             let mut chunk = vec![0u8; MAX];
             for at in (0..buffer).step_by(MAX) {
@@ -147,11 +161,16 @@ fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<(
             }
             println!("TRANSFER-BENCH target bytes_set={set}");
         }
-        ep.write(
+        let t = ep.write(
             vec![(one.range(0, 8)?, peer.range(0, 8)?)],
             TransferOptions::notify(back),
-        )?
-        .wait()?;
+        )?;
+        let posted = Instant::now();
+        t.wait()?;
+        if n.tag == LAT {
+            turn.push(posted - seen);
+            ack.push(posted.elapsed());
+        }
         if n.tag == DONE {
             // Let the peer's NIC acknowledge, then go.
             std::thread::sleep(Duration::from_millis(300));
@@ -176,15 +195,19 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         batches(&ep, &src, &dst, a, b)?;
     } else if a.lat {
         let mut samples = Vec::with_capacity(a.iters as usize);
+        let (mut post, mut done) = (Vec::new(), Vec::new());
         for _ in 0..a.iters {
             let t0 = Instant::now();
             let t = ep.write(
                 vec![(src.range(0, 8)?, dst.range(0, 8)?)],
                 TransferOptions::notify(LAT),
             )?;
+            post.push(t0.elapsed());
             let n = ep.next_notification(TIMEOUT)?;
-            samples.push(t0.elapsed());
+            let t1 = Instant::now();
+            samples.push(t1 - t0);
             t.wait()?;
+            done.push(t1.elapsed());
             if n.map(|n| n.tag) != Some(LAT) {
                 return Err(gpudirect::Error::Timeout {
                     what: "the latency answer",
@@ -195,10 +218,12 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         let avg = samples.iter().sum::<Duration>() / samples.len() as u32;
         samples.sort();
         println!(
-            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={} span=8",
+            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={} span=8 post_usec={:.2} wait_usec={:.2}",
             avg.as_secs_f64() * 1e6 / 2.0,
             samples[samples.len() / 2].as_secs_f64() * 1e6 / 2.0,
-            a.iters
+            a.iters,
+            median_us(&mut post),
+            median_us(&mut done)
         );
     } else {
         let size = a.size as u64;
@@ -248,6 +273,12 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
     // Linger so our NIC acknowledges the peer's answer before we go.
     std::thread::sleep(Duration::from_millis(300));
     Ok(())
+}
+
+/// The median of `v` in microseconds.
+fn median_us(v: &mut [Duration]) -> f64 {
+    v.sort();
+    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
 }
 
 /// Mooncake's bench loop: `a.threads` threads on `ep`, each writing one request of `batch`
