@@ -308,33 +308,35 @@ ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between
 # paired ratios). transfer-bench passes when every run completed and every moved-bytes check held.
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END { if (NR) print a[int((NR+1)/2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}'; }
-# ci "V1 V2 ..." -> "median lo hi n": the median of the positive numbers among them and the ranks
-# k, n+1-k around it, k the largest with P(Binomial(n, 1/2) < k) <= 2.5% (at least 1).
+# ci "V1 V2 ..." -> "median lo hi min max n" of the positive numbers among them, as
+# docs/benches.md decides a cell: [lo..hi] the 95% interval of the median from the order
+# statistics (ranks k and n+1-k, k the largest with 2 P(Bin(n, 1/2) < k) <= 0.05), "? ?" below
+# six rounds.
 ci() {
   echo "$1" | awk '{ n = 0
     for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$/ && $i + 0 > 0) v[++n] = $i + 0
-    if (!n) { print "? ? ? 0"; exit }
+    if (!n) { print "? ? ? ? ? 0"; exit }
     for (i = 2; i <= n; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
     m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
-    k = 1; c = 0; p = 1; for (i = 0; i < n; i++) p /= 2
+    k = 0; c = 0; p = 1; for (i = 0; i < n; i++) p /= 2
     for (j = 0; j < n; j++) { c += p; if (c > 0.025) break; k = j + 1; p = p * (n - j) / (j + 1) }
-    if (k > (n + 1) / 2) k = 1
-    printf "%.4f %.4f %.4f %d\n", m, v[k], v[n + 1 - k], n }'
+    if (k >= 1 && k <= (n + 1) / 2) printf "%.4f %.4f %.4f %.4f %.4f %d\n", m, v[k], v[n + 1 - k], v[1], v[n], n
+    else printf "%.4f ? ? %.4f %.4f %d\n", m, v[1], v[n], n }'
 }
 # per_round "A1 A2 .." "B1 B2 .." -> "A1/B1 A2/B2 ..." ("?" where either is missing)
 per_round() {
   awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, A, " "); split(b, B, " ")
     for (i = 1; i <= n; i++) printf "%s ", (A[i] + 0 > 0 && B[i] + 0 > 0) ? sprintf("%.4f", A[i] / B[i]) : "?" }'
 }
-# verdict "M LO HI N" TARGET -> the median and its interval against TARGET
+# verdict "CI" TARGET -> ok (the median meets TARGET), MISSES (the whole interval misses it) or
+# undecided (the median misses it and the interval reaches it, or fewer than six rounds)
 verdict() {
-  echo "$1" | awk -v t=$2 '{ if ($4 == 0) print "?"
-    else if ($2 >= t) print "meets " t
-    else if ($1 >= t) print "meets " t " by the median (the interval reaches " $2 ")"
-    else if ($3 >= t) print "below " t " by the median, within the interval (" $3 ")"
-    else print "BELOW " t " (the whole interval)" }'
+  echo "$1" | awk -v t=$2 '{ if ($6 == 0) print "?"; else if ($2 == "?") print "undecided"
+    else if ($1 >= t) print "ok"; else if ($3 < t) print "MISSES"; else print "undecided" }'
 }
-fmt_ci() { echo "$1" | awk '{ if ($4 == 0) print "?"; else printf "%.2f [%.2f-%.2f]", $1, $2, $3 }'; }
+# fmt_ci "CI" -> "median [lo..hi] (min..max) nN"
+fmt_ci() { echo "$1" | awk '{ if ($6 == 0) print "?"; else printf "%.2f [%s..%s] (%.2f..%.2f) n%d", $1, f($2), f($3), $4, $5, $6 }
+  function f(x) { return x == "?" ? "?" : sprintf("%.2f", x) }'; }
 TBIN=transfer   # which build of the transfer example ours_transfer runs (transfer_baseN: BASE_TRANSFER)
 echo 0 > /tmp/tcheck   # moved-bytes checks that failed (runs happen in subshells)
 checkfail() { echo $(( $(cat /tmp/tcheck) + 1 )) > /tmp/tcheck; echo "RXE-WARN moved-bytes check: $*" >&2; }
@@ -434,7 +436,7 @@ tcell() {
   for w in "$@"; do
     eval "v=\$V_$w r=\$R_$w"
     echo "RXE-RUNS transfer rail=0 $label $w:[$v ] ${w}_ratios:[$r ] perftest:[$V_pt ]"
-    line="$line ${w}_$unit=$(ci "$v" | awk '{ print ($4 == 0) ? "?" : sprintf("%.2f", $1) }') $w/perftest=$(fmt_ci "$(ci "$r")")"
+    line="$line ${w}_$unit=$(ci "$v" | awk '{ print ($6 == 0) ? "?" : sprintf("%.2f", $1) }') $w/perftest=$(fmt_ci "$(ci "$r")")"
   done
   for w in "$@"; do
     [ $w = ours ] && continue
@@ -442,7 +444,7 @@ tcell() {
     echo "RXE-RUNS transfer rail=0 $label ours/$w:[ $pr]"
     line="$line ours/$w=$(fmt_ci "$(ci "$pr")")"
   done
-  [ "$target" = - ] || line="$line verdict: ours/perftest $(verdict "$(ci "$R_ours")" $target)"
+  [ "$target" = - ] || line="$line ours/perftest_target=$target verdict: $(verdict "$(ci "$R_ours")" $target)"
   echo "RXE-BENCH transfer rail=0 $label $line"
 }
 tbases=$(cd /usr/bin && ls transfer_base* 2>/dev/null | sed 's/^transfer_//' | tr '\n' ' ')
@@ -515,7 +517,8 @@ bench_mooncake() {
       tchain $runs MBps ours mc $tbases
       # perftest keeps 128 writes in flight: the paired ratios only follow the host's load here.
       tcell "write_batch size=$sz batch=$b threads=$th" MBps - ours mc $tbases
-      echo "RXE-BENCH mooncake rail=0 write size=$sz batch=$b threads=$th ours/mc=$(fmt_ci "$(ci "$(per_round "$R_ours" "$R_mc")")") verdict: $(verdict "$(ci "$(per_round "$R_ours" "$R_mc")")" 1 | sed 's/meets 1/ours ahead/; s/BELOW 1/ours BEHIND/; s/below 1/ours behind/')"
+      om=$(ci "$(per_round "$R_ours" "$R_mc")")
+      echo "RXE-BENCH mooncake rail=0 write size=$sz batch=$b threads=$th ours/mc=$(fmt_ci "$om") target=1 verdict: $(verdict "$om" 1)"
     done
   done
   [ "$(cat /tmp/tcheck)" = 0 ] || tok=1
