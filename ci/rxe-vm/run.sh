@@ -35,7 +35,7 @@
 #      mooncake; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
 #      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
 #      README.md, "Mooncake beside"), MOONCAKE_CONFIGS ("BATCH:THREADS ...", default
-#      "1:1 64:1 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3).
+#      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -139,7 +139,7 @@ for n in names:
 os.chmod(os.path.join(sys.argv[2], "mooncake/transfer_engine_bench"), 0o755)
 PY
   fi
-  printf 'MC_CONFIGS="%s"\nMC_SIZES="%s"\nMC_SECONDS=%s\n' "${MOONCAKE_CONFIGS:-1:1 64:1 64:4}" \
+  printf 'MC_CONFIGS="%s"\nMC_SIZES="%s"\nMC_SECONDS=%s\n' "${MOONCAKE_CONFIGS:-1:1 64:1 1:4 64:4}" \
     "${MOONCAKE_SIZES:-4096 65536 1048576}" "${MOONCAKE_SECONDS:-3}" > "$W/mooncake.conf"
 fi
 if [ "$TWO_NODES" != 0 ]; then

@@ -499,7 +499,7 @@ bench_transfer() {
 # THREADS threads; ours the same (--batch --threads --seconds).
 bench_mooncake() {
   [ -x $MCB ] || { echo "no $MCB"; result mooncake-bench 1; return; }
-  MC_CONFIGS="1:1 64:1 64:4"; MC_SIZES="4096 65536 1048576"; MC_SECONDS=3
+  MC_CONFIGS="1:1 64:1 1:4 64:4"; MC_SIZES="4096 65536 1048576"; MC_SECONDS=3
   [ -r /etc/gpudirect-mooncake ] && . /etc/gpudirect-mooncake
   runs=${1:-5}
   tok=0; t=$(now); echo 0 > /tmp/tcheck
