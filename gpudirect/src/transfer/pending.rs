@@ -39,10 +39,12 @@ pub(crate) trait Finisher: Send + Sync {
         HELP_SPIN
     }
     /// One look of a blocking wait while it spins; `l` is that wait's own, kept between its
-    /// looks (by default: [`help`](Self::help)).
-    fn look(&self, l: &mut Looking) {
+    /// looks (by default: [`help`](Self::help)). Returns whether to go on looking (`false`:
+    /// sleep now, the wait is not worth a CPU).
+    fn look(&self, l: &mut Looking) -> bool {
         let _ = l;
         self.help();
+        true
     }
     /// The blocking wait stops looking (`done`: its request finished): let go of what its looks
     /// took.
@@ -285,8 +287,7 @@ impl Transfer {
                 let Some(f) = self._finisher.finisher() else {
                     break;
                 };
-                f.look(&mut l);
-                if self.shared.flag.is_complete() {
+                if !f.look(&mut l) || self.shared.flag.is_complete() {
                     break;
                 }
                 looks = looks.wrapping_add(1);

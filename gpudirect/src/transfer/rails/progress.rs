@@ -144,6 +144,9 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     }
     finish_touched(st);
     st.unarmed |= any;
+    if any {
+        inner.gauge(st);
+    }
     any
 }
 

@@ -2,7 +2,7 @@
 //! requests, deadlines, credits), the requests' accounting, and how the endpoint breaks and its
 //! requests finish.
 
-use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, Wr};
+use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr};
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
@@ -16,7 +16,7 @@ use crate::transfer::wire::Hello;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -119,6 +119,9 @@ pub(crate) struct Link {
     pub(super) polled: AtomicBool,
     /// Threads waiting in a spin (polling the CQs or ready to take them over).
     pub(super) spinners: AtomicUsize,
+    /// More than [`SPIN_DEPTH`](super::rail::SPIN_DEPTH) messages are in flight or queued:
+    /// waiting threads sleep instead of spinning. Set under the state lock ([`Link::gauge`]).
+    pub(super) deep: AtomicBool,
     /// This link, for the requests' finisher.
     pub(super) me: Weak<Link>,
 }
@@ -144,12 +147,25 @@ impl Link {
             next_req: AtomicU64::new(1),
             polled: AtomicBool::new(false),
             spinners: AtomicUsize::new(0),
+            deep: AtomicBool::new(false),
             me: me.clone(),
         }))
     }
 
     pub(super) fn lock(&self) -> Locked<'_, State> {
         self.ep.lock()
+    }
+
+    /// Note whether the rails hold more than [`SPIN_DEPTH`](super::rail::SPIN_DEPTH) messages
+    /// (in flight, queued, or held notifications). Under the state lock.
+    pub(super) fn gauge(&self, st: &State) {
+        let queued: usize = st
+            .rails
+            .iter()
+            .map(|r| r.inflight.len() + r.pending.len())
+            .sum();
+        self.deep
+            .store(queued + st.notify_q.len() > SPIN_DEPTH, Ordering::Relaxed);
     }
 
     pub(super) fn poke(&self) {

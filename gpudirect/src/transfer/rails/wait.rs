@@ -1,7 +1,8 @@
 //! A waiting thread doing the progress thread's work: a thread waiting for a request
 //! ([`Transfer::wait`], a poll of its future) or for a notification polls the rails' CQs itself
 //! when no other thread does, so what it waits for is seen without a hand-off from the progress
-//! thread. One waiter at a time polls ([`Link::polled`], taken and let go under the state lock:
+//! thread. A request waited for behind more than `SPIN_DEPTH` messages is left to the progress
+//! thread: the hand-off is hidden behind the work in flight. One waiter at a time polls ([`Link::polled`], taken and let go under the state lock:
 //! nothing is taken twice, and the progress thread leaves the CQs alone meanwhile); others
 //! spin, ready to take over. When the last waiter stops, the CQs are left watched: armed (a
 //! completion wakes the progress thread), or, when nothing is waited for any more and the
@@ -55,21 +56,27 @@ fn look_locked(inner: &Link, st: &mut State, l: &mut Looking) -> bool {
     true
 }
 
-/// One look ([`look_locked`]), the lock taken only to poll. Yields the CPU when it found
-/// nothing to do (a software NIC's kernel side needs it on a busy machine).
-fn look(inner: &Link, l: &mut Looking) {
+/// One look ([`look_locked`]) of a blocking wait for a request, the lock taken only to poll.
+/// Yields the CPU after it (a software NIC's kernel side needs it on a busy machine). Returns
+/// whether to go on: not while more than `SPIN_DEPTH` messages are in flight (the wait is
+/// behind that much work; the thread sleeps and the progress thread wakes it).
+fn look(inner: &Link, l: &mut Looking) -> bool {
+    if inner.deep.load(Ordering::Relaxed) {
+        return false;
+    }
     if *l != Looking::Polls && inner.polled.load(Ordering::Acquire) {
         if *l == Looking::Not {
             inner.spinners.fetch_add(1, Ordering::AcqRel);
             *l = Looking::Spins;
         }
         std::thread::yield_now();
-        return;
+        return true;
     }
     let mut st = inner.lock();
     look_locked(inner, &mut st, l);
     drop(st);
     std::thread::yield_now();
+    true
 }
 
 /// The waiter stops spinning (`done`: what it waited for came), under the lock: it lets the
@@ -118,8 +125,8 @@ impl Finisher for Link {
         self.ep.engine.inner.config.spin
     }
 
-    fn look(&self, l: &mut Looking) {
-        look(self, l);
+    fn look(&self, l: &mut Looking) -> bool {
+        look(self, l)
     }
 
     fn stop(&self, l: &mut Looking, done: bool) {
