@@ -6,6 +6,8 @@
 //! transfer --bench --listen 7480 --device rxe_b0          # the peer (node b)
 //! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --size 65536 --bytes 16777216
 //! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --lat --iters 2000
+//! transfer --bench --listen 7480 --device rxe_b0 --buffer 67108864
+//! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --size 4096 --batch 64 --threads 4 --seconds 3
 //! transfer --bench --register --device rxe_a0 --device rxe_a1
 //! transfer --bench --listen 7480 --device rxe_b0 --connect-bench 50 --key-file /tmp/k
 //! transfer --bench --connect 10.77.1.2:7480 --device rxe_a0 --connect-bench 50 --key-file /tmp/k
@@ -15,8 +17,18 @@
 //!   prints them): requests of S-byte messages, up to 128 messages outstanding (perftest's
 //!   `ib_write_bw` default depth), messages below 64 KiB batched 64 KiB to a request. The VM
 //!   script runs it alternately with `ib_write_bw` between the two nodes.
+//! - Batches (`--batch B`, `TRANSFER-BENCH write_batch ...`): as Mooncake's
+//!   `transfer_engine_bench` measures, each of `--threads N` threads (one endpoint) writes one
+//!   request of B S-byte blocks (thread t's block i at `(i * N + t) * S` on both sides), waits for
+//!   it, and again, for `--seconds` (or `--bytes` in all); MB/s over the time until every thread
+//!   stopped. The peer's target must hold `B * N * S` bytes (`--buffer` on the listening side).
 //! - Latency (`TRANSFER-BENCH write_lat size=8 usec=X`): half the round trip of an 8-byte write
-//!   with a notification answered by one (`ib_write_lat` reports the same half round trip).
+//!   with a notification answered by one (`ib_write_lat` reports the same half round trip);
+//!   medians of the client's `write` call (`post_usec`) and of its wait for the write once the
+//!   answer came (`wait_usec`); the listening side prints the medians of its turn (the answer
+//!   posted after the notification, `turn_usec`) and of its wait for the answer (`ack_usec`).
+//! - The listening side counts the bytes of its target that hold the client's pattern when the
+//!   run ends (`TRANSFER-BENCH target bytes_set=N`): the client's `span=` says how many it wrote.
 //! - Registration (`TRANSFER-BENCH register ...`): 1,000 buffers registered one by one and in one
 //!   call, separate allocations and views of one allocation.
 //! - Connecting (`TRANSFER-BENCH connect key=yes|no usec=X`): the median time of
@@ -37,6 +49,8 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 const DONE: u32 = 0xD0_0E;
 const LAT: u32 = 0x1A7;
 const MAX: usize = 1 << 20;
+/// What the client writes: the listening side counts these bytes at the end.
+const FILL: u8 = 0x5a;
 
 struct Args {
     listen: Option<u16>,
@@ -47,7 +61,11 @@ struct Args {
     lat: bool,
     iters: u32,
     register: bool,
-    spin_us: u64,
+    spin_us: Option<u64>,
+    batch: Option<usize>,
+    threads: usize,
+    seconds: f64,
+    buffer: usize,
     key_file: Option<String>,
     connect_bench: Option<u32>,
 }
@@ -62,7 +80,11 @@ fn parse(argv: &[String]) -> Args {
         lat: false,
         iters: 2000,
         register: false,
-        spin_us: 0,
+        spin_us: None,
+        batch: None,
+        threads: 1,
+        seconds: 0.0,
+        buffer: MAX,
         key_file: None,
         connect_bench: None,
     };
@@ -80,7 +102,11 @@ fn parse(argv: &[String]) -> Args {
             "--size" => a.size = val().parse().unwrap_or_else(|_| bad("--size")),
             "--bytes" => a.bytes = val().parse().unwrap_or_else(|_| bad("--bytes")),
             "--iters" => a.iters = val().parse().unwrap_or_else(|_| bad("--iters")),
-            "--spin-us" => a.spin_us = val().parse().unwrap_or_else(|_| bad("--spin-us")),
+            "--spin-us" => a.spin_us = Some(val().parse().unwrap_or_else(|_| bad("--spin-us"))),
+            "--batch" => a.batch = Some(val().parse().unwrap_or_else(|_| bad("--batch"))),
+            "--threads" => a.threads = val().parse().unwrap_or_else(|_| bad("--threads")),
+            "--seconds" => a.seconds = val().parse().unwrap_or_else(|_| bad("--seconds")),
+            "--buffer" => a.buffer = val().parse().unwrap_or_else(|_| bad("--buffer")),
             "--lat" => a.lat = true,
             "--register" => a.register = true,
             "--key-file" => a.key_file = Some(val()),
@@ -94,12 +120,26 @@ fn parse(argv: &[String]) -> Args {
     if a.size == 0 || a.size > MAX {
         bad("--size (1 to 1048576)");
     }
+    if a.batch == Some(0) || a.batch.is_some_and(|b| b > 4096) {
+        bad("--batch (1 to 4096)");
+    }
+    if !(1..=64).contains(&a.threads) {
+        bad("--threads (1 to 64)");
+    }
+    if !(a.seconds >= 0.0 && a.seconds <= 600.0) {
+        bad("--seconds (0 to 600)");
+    }
+    if a.buffer < MAX || a.buffer > 1 << 30 {
+        bad("--buffer (1048576 to 1073741824)");
+    }
     a
 }
 
 fn engine(a: &Args) -> gpudirect::Result<Engine> {
     let mut c = EngineConfig::with_devices(&a.devices);
-    c.spin = Duration::from_micros(a.spin_us);
+    if let Some(us) = a.spin_us {
+        c.spin = Duration::from_micros(us);
+    }
     c.key = match &a.key_file {
         Some(p) => Some(AuthKey::from_file(p)?),
         None => AuthKey::from_env("GPUDIRECT_TRANSFER_KEY_FILE")?,
@@ -171,22 +211,50 @@ fn connects(e: &Engine, peer: &str, n: u32) -> gpudirect::Result<()> {
     Ok(())
 }
 
-/// The peer: a target buffer; answers latency pings, acknowledges the end of a run.
-fn serve(e: &Engine, l: &TransferListener) -> gpudirect::Result<()> {
-    let target = e.register(Buffer::host(vec![0u8; MAX])?)?;
+/// The peer: a target buffer of `buffer` bytes; answers latency pings, acknowledges the end
+/// of a run after counting the target's bytes that hold the client's pattern.
+fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<()> {
+    let target = e.register(Buffer::host(vec![0u8; buffer])?)?;
     let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
     let peer = ep.peer_descriptors()[0];
-    let one = e.register(Buffer::host(vec![1u8; 8])?)?;
+    // Answers carry the client's pattern: its source keeps it for the next write.
+    let one = e.register(Buffer::host(vec![FILL; 8])?)?;
+    // Per latency ping: from its notification to the answer posted, and the answer's wait.
+    let (mut turn, mut ack) = (Vec::new(), Vec::new());
     loop {
         let Some(n) = ep.next_notification(TIMEOUT)? else {
             return Ok(());
         };
+        let seen = Instant::now();
         let back = if n.tag == LAT { LAT } else { DONE };
-        ep.write(
+        if n.tag == DONE {
+            if !turn.is_empty() {
+                println!(
+                    "TRANSFER-BENCH serve pings={} turn_usec={:.2} ack_usec={:.2}",
+                    turn.len(),
+                    median_us(&mut turn),
+                    median_us(&mut ack)
+                );
+            }
+            let mut set = 0usize;
+            let mut chunk = vec![0u8; MAX];
+            for at in (0..buffer).step_by(MAX) {
+                let k = MAX.min(buffer - at);
+                target.copy_to_host(at, &mut chunk[..k])?;
+                set += chunk[..k].iter().filter(|&&b| b == FILL).count();
+            }
+            println!("TRANSFER-BENCH target bytes_set={set}");
+        }
+        let t = ep.write(
             vec![(one.range(0, 8)?, peer.range(0, 8)?)],
             TransferOptions::notify(back),
-        )?
-        .wait()?;
+        )?;
+        let posted = Instant::now();
+        t.wait()?;
+        if n.tag == LAT {
+            turn.push(posted - seen);
+            ack.push(posted.elapsed());
+        }
         if n.tag == DONE {
             // Let the peer's NIC acknowledge, then go.
             std::thread::sleep(Duration::from_millis(300));
@@ -196,20 +264,34 @@ fn serve(e: &Engine, l: &TransferListener) -> gpudirect::Result<()> {
 }
 
 fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
-    let src = e.register(Buffer::host(vec![0x5au8; MAX])?)?;
+    let need = a.batch.map_or(MAX, |b| (b * a.threads * a.size).max(MAX));
+    let src = e.register(Buffer::host(vec![FILL; need])?)?;
     let ep = e.connect(&[peer], &[src.descriptor()?])?;
     let dst = ep.peer_descriptors()[0];
-    if a.lat {
+    if dst.len() < need as u64 {
+        return Err(gpudirect::Error::InvalidArgument {
+            arg: "--buffer",
+            value: dst.len().to_string(),
+            rule: format!("the peer's target must hold {need} bytes (--buffer on its side)"),
+        });
+    }
+    if let Some(b) = a.batch {
+        batches(&ep, &src, &dst, a, b)?;
+    } else if a.lat {
         let mut samples = Vec::with_capacity(a.iters as usize);
+        let (mut post, mut done) = (Vec::new(), Vec::new());
         for _ in 0..a.iters {
             let t0 = Instant::now();
             let t = ep.write(
                 vec![(src.range(0, 8)?, dst.range(0, 8)?)],
                 TransferOptions::notify(LAT),
             )?;
+            post.push(t0.elapsed());
             let n = ep.next_notification(TIMEOUT)?;
-            samples.push(t0.elapsed());
+            let t1 = Instant::now();
+            samples.push(t1 - t0);
             t.wait()?;
+            done.push(t1.elapsed());
             if n.map(|n| n.tag) != Some(LAT) {
                 return Err(gpudirect::Error::Timeout {
                     what: "the latency answer",
@@ -220,10 +302,12 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         let avg = samples.iter().sum::<Duration>() / samples.len() as u32;
         samples.sort();
         println!(
-            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={}",
+            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={} span=8 post_usec={:.2} wait_usec={:.2}",
             avg.as_secs_f64() * 1e6 / 2.0,
             samples[samples.len() / 2].as_secs_f64() * 1e6 / 2.0,
-            a.iters
+            a.iters,
+            median_us(&mut post),
+            median_us(&mut done)
         );
     } else {
         let size = a.size as u64;
@@ -255,12 +339,13 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         }
         let dt = t0.elapsed();
         println!(
-            "TRANSFER-BENCH write_bw size={} MBps={:.2} bytes={} requests={} seconds={:.3}",
+            "TRANSFER-BENCH write_bw size={} MBps={:.2} bytes={} requests={} seconds={:.3} span={}",
             size,
             sent as f64 / dt.as_secs_f64() / (1 << 20) as f64,
             sent,
             reqs,
-            dt.as_secs_f64()
+            dt.as_secs_f64(),
+            (msgs.min(slots) * size).max(8)
         );
     }
     ep.write(
@@ -271,6 +356,74 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
     let _ = ep.next_notification(TIMEOUT)?;
     // Linger so our NIC acknowledges the peer's answer before we go.
     std::thread::sleep(Duration::from_millis(300));
+    Ok(())
+}
+
+/// The median of `v` in microseconds.
+fn median_us(v: &mut [Duration]) -> f64 {
+    v.sort();
+    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+}
+
+/// Mooncake's bench loop: `a.threads` threads on `ep`, each writing one request of `batch`
+/// blocks and waiting for it, until `a.seconds` passed (or `a.bytes` were written in all).
+fn batches(
+    ep: &gpudirect::transfer::Endpoint,
+    src: &gpudirect::transfer::Region,
+    dst: &gpudirect::transfer::MemoryDescriptor,
+    a: &Args,
+    batch: usize,
+) -> gpudirect::Result<()> {
+    let (size, threads) = (a.size as u64, a.threads as u64);
+    let per_thread = (a.bytes / (size * batch as u64 * threads)).max(1);
+    let t0 = Instant::now();
+    let until = t0 + Duration::from_secs_f64(a.seconds);
+    let counts = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || -> gpudirect::Result<u64> {
+                    let mut done = 0u64;
+                    loop {
+                        // At least one request each: every block is written.
+                        let over = if a.seconds > 0.0 {
+                            done > 0 && Instant::now() >= until
+                        } else {
+                            done >= per_thread
+                        };
+                        if over {
+                            return Ok(done);
+                        }
+                        let pairs = (0..batch as u64)
+                            .map(|i| {
+                                let at = (i * threads + t) * size;
+                                Ok((src.range(at, size)?, dst.range(at, size)?))
+                            })
+                            .collect::<gpudirect::Result<Vec<_>>>()?;
+                        ep.write(pairs, TransferOptions::default())?.wait()?;
+                        done += 1;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a bench thread"))
+            .collect::<gpudirect::Result<Vec<u64>>>()
+    })?;
+    let dt = t0.elapsed();
+    let reqs: u64 = counts.iter().sum();
+    let sent = reqs * batch as u64 * size;
+    println!(
+        "TRANSFER-BENCH write_batch size={} batch={} threads={} MBps={:.2} bytes={} requests={} seconds={:.3} span={}",
+        size,
+        batch,
+        threads,
+        sent as f64 / dt.as_secs_f64() / (1 << 20) as f64,
+        sent,
+        reqs,
+        dt.as_secs_f64(),
+        (batch as u64 * threads * size).max(8)
+    );
     Ok(())
 }
 
@@ -334,7 +487,7 @@ pub fn run(argv: &[String]) -> i32 {
             if let Some(n) = a.connect_bench {
                 return serve_connects(&e, &l, n);
             }
-            return serve(&e, &l);
+            return serve(&e, &l, a.buffer);
         }
         if let (Some(peer), Some(n)) = (&a.connect, a.connect_bench) {
             return connects(&e, peer, n);
@@ -372,7 +525,7 @@ pub fn run(argv: &[String]) -> i32 {
             let l = e.listen(&format!("{ip}:0"))?;
             let peer = format!("{ip}:{}", l.port());
             let e2 = e.clone();
-            let srv = std::thread::spawn(move || serve(&e2, &l));
+            let srv = std::thread::spawn(move || serve(&e2, &l, MAX));
             let mut b = parse(argv);
             b.size = size;
             b.bytes = 8 << 20;

@@ -1324,3 +1324,129 @@ fn t9c_accept_returns_by_its_own_deadline_whatever_a_silent_peer_does() {
         drop(c);
     }
 }
+
+/// Several threads on one endpoint wait at once, blocking and awaited, while another waits for
+/// a notification, in both directions; waits spin briefly (200 µs, shorter than a round trip
+/// here), so the waiting threads poll the completion queues themselves, take that over from
+/// each other, and hand it back to the progress thread. Every request ends once with its bytes,
+/// every notification arrives once.
+#[test]
+fn t8b_many_waiting_threads_share_the_polling() {
+    let n = two_nodes!();
+    let mut c = EngineConfig::with_devices(&n.rails);
+    c.spin = Duration::from_micros(200);
+    let e = n.engine_with(c);
+    const THREADS: u32 = 4;
+    const WRITES: u64 = 150;
+    const SLOTS: u64 = 32;
+    const SLOT: u64 = 4096;
+    const BACK: u32 = 60;
+    let span = (THREADS as u64 * SLOTS * SLOT) as usize;
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; span]).unwrap()).unwrap();
+        let ep = n.accept(&e, 11, &[target.descriptor().unwrap()]);
+        let peer = ep.peer_descriptors()[0];
+        let base = note(&ep);
+        // One thread takes the client's notifications while this one writes back.
+        let rx = {
+            let ep = ep.clone();
+            std::thread::spawn(move || {
+                let mut tags: Vec<u32> = (0..THREADS).map(|_| note(&ep)).collect();
+                tags.sort_unstable();
+                tags
+            })
+        };
+        let back = host(&e, &pattern(u64::from(base), 4096));
+        for i in 0..BACK {
+            let opts = if i + 1 == BACK {
+                TransferOptions::notify(base ^ 0xFFFF)
+            } else {
+                TransferOptions::default()
+            };
+            ep.write(
+                vec![(
+                    back.range(0, 64).unwrap(),
+                    peer.range(u64::from(i % 8) * 64, 64).unwrap(),
+                )],
+                opts,
+            )
+            .unwrap()
+            .wait()
+            .expect("a write back");
+        }
+        let tags = rx.join().unwrap();
+        assert_eq!(
+            tags,
+            (0..THREADS).map(|t| base + 1 + t).collect::<Vec<_>>(),
+            "each thread's notification once"
+        );
+        let want: Vec<u8> = (0..THREADS)
+            .flat_map(|t| pattern(u64::from(base + 1 + t), (SLOTS * SLOT) as usize))
+            .collect();
+        assert!(
+            target.to_vec().unwrap() == want,
+            "the threads' bytes differ"
+        );
+        println!("server: {THREADS} threads' writes verified, {BACK} written back");
+        bye(&ep, &target, &peer);
+    } else {
+        let scratch = e.register(Buffer::host(vec![0u8; 4096]).unwrap()).unwrap();
+        let ep = n.connect(&e, 11, 1, &[scratch.descriptor().unwrap()]);
+        let peer = ep.peer_descriptors()[0];
+        let base = seed() as u32 & 0x0fff_ffff;
+        say(&ep, &scratch, &peer, base);
+        let srcs: Vec<Region> = (0..THREADS)
+            .map(|t| {
+                host(
+                    &e,
+                    &pattern(u64::from(base + 1 + t), (SLOTS * SLOT) as usize),
+                )
+            })
+            .collect();
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (ep, src) = (ep.clone(), srcs[t as usize].clone());
+                std::thread::spawn(move || {
+                    let rt = runtime();
+                    let at = u64::from(t) * SLOTS * SLOT;
+                    for k in 0..WRITES {
+                        let off = (k % SLOTS) * SLOT;
+                        // The last one of each thread goes after every slot of it was written.
+                        let opts = if k + 1 == WRITES {
+                            TransferOptions::notify(base + 1 + t)
+                        } else {
+                            TransferOptions::default()
+                        };
+                        let tr = ep
+                            .write(
+                                vec![(
+                                    src.range(off, SLOT).unwrap(),
+                                    peer.range(at + off, SLOT).unwrap(),
+                                )],
+                                opts,
+                            )
+                            .unwrap();
+                        let r = if (k + u64::from(t)) % 3 == 0 {
+                            rt.block_on(async { tr.await })
+                        } else {
+                            tr.wait()
+                        };
+                        assert_eq!(r.expect("a write").bytes, SLOT);
+                    }
+                })
+            })
+            .collect();
+        // Meanwhile this thread waits for the server's last write back.
+        assert_eq!(note(&ep), base ^ 0xFFFF);
+        for w in workers {
+            w.join().unwrap();
+        }
+        let st = ep.rail_stats();
+        assert_eq!(st[0].writes, u64::from(THREADS) * WRITES + 1);
+        println!(
+            "client: {THREADS} threads x {WRITES} writes, each waited for once; {} notifications received",
+            st[0].notifications_received
+        );
+        wait_bye(&ep);
+    }
+}

@@ -29,9 +29,13 @@
 #      BENCH_ONLY=1 (build rdma_pingpong and run only the bench), BENCH_SIZES (with BENCH_ONLY:
 #      some of 8 4096 65536 1048576), BASE_PINGPONG (other rdma_pingpong builds, benched beside),
 #      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs);
-#      the two-node transfer bench: BASE_TRANSFER (other builds of examples/transfer, benched beside
+#      the two-node bench: BASE_TRANSFER (other builds of examples/transfer, benched beside
 #      it round by round, an A/B in one boot), PAIRS=0 (skip two-nodes.list, run only bench-pair),
-#      BENCH_RUNS (its rounds per cell, default 5).
+#      BENCH_RUNS (its rounds per cell, default 5), BENCH_PARTS (some of pingpong transfer
+#      mooncake; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
+#      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
+#      README.md, "Mooncake beside"), MOONCAKE_CONFIGS ("BATCH:THREADS ...", default
+#      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -115,6 +119,29 @@ for b in ${BASE_TRANSFER:-}; do   # other builds of the transfer example, benche
   [ -x "$b" ] || die "BASE_TRANSFER: $b is not an executable"
   n=$((n + 1)); cp "$b" "$BIN/transfer_base$n"
 done
+MCDIR=
+if [ -n "${MOONCAKE_WHEEL:-}" ]; then
+  [ "$TWO_NODES" != 0 ] || die "MOONCAKE_WHEEL runs between the two nodes: set TWO_NODES"
+  [ -f "$MOONCAKE_WHEEL" ] || die "MOONCAKE_WHEEL: $MOONCAKE_WHEEL is not a file"
+  # Its bench and the libraries bundled beside it (RPATH \$ORIGIN/../<package>.libs: kept as laid out).
+  MCDIR=$W/mooncake/$(basename "$MOONCAKE_WHEEL" .whl)
+  if [ ! -x "$MCDIR/mooncake/transfer_engine_bench" ]; then
+    rm -rf "$MCDIR"; mkdir -p "$MCDIR"
+    python3 - "$MOONCAKE_WHEEL" "$MCDIR" <<'PY' || die "MOONCAKE_WHEEL: no mooncake/transfer_engine_bench in it"
+import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+names = [n for n in z.namelist() if n == "mooncake/transfer_engine_bench"
+         or (n.split("/")[0].endswith(".libs") and not n.endswith("/"))]
+if "mooncake/transfer_engine_bench" not in names:
+    sys.exit(1)
+for n in names:
+    z.extract(n, sys.argv[2])
+os.chmod(os.path.join(sys.argv[2], "mooncake/transfer_engine_bench"), 0o755)
+PY
+  fi
+  printf 'MC_CONFIGS="%s"\nMC_SIZES="%s"\nMC_SECONDS=%s\n' "${MOONCAKE_CONFIGS:-1:1 64:1 1:4 64:4}" \
+    "${MOONCAKE_SIZES:-4096 65536 1048576}" "${MOONCAKE_SECONDS:-3}" > "$W/mooncake.conf"
+fi
 if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
   build_one transfer        # bench-pair's transfer bench
@@ -126,7 +153,9 @@ if [ "$TWO_NODES" != 0 ]; then
     done < <(grep -E '^pair ' "$HERE/two-nodes.list")
     grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
   fi
-  echo "bench-pair ${BENCH_RUNS:-5}" >> "$W/tests.list"
+  parts=${BENCH_PARTS:-pingpong transfer${MCDIR:+ mooncake}}
+  case " $parts " in *" mooncake "*) [ -n "$MCDIR" ] || die "BENCH_PARTS names mooncake: set MOONCAKE_WHEEL";; esac
+  echo "bench-pair ${BENCH_RUNS:-5} $parts" >> "$W/tests.list"
 fi
 for b in "$BIN"/*; do
   if ldd "$b" | grep -qE 'libibverbs|librdmacm'; then die "$(basename "$b") links rdma-core at build time"; fi
@@ -200,6 +229,7 @@ stamp "kernel $KV ready"
 # --- 6. initramfs with the project binaries
 echo "${TWO_NODES_NETNS:-shared}" > "$W/netns"
 CPIO=$W/host/bin/cpio KV=$KV KROOT=$KROOT TEST_SH=$HERE/scripts/test.sh HERE=$HERE NETNS_FILE=$W/netns \
+  MOONCAKE_DIR=$MCDIR MOONCAKE_CONF=${MCDIR:+$W/mooncake.conf} \
   TEST_LIST=$W/tests.list EXTRA_BINS="$(ls -d "$BIN"/* | tr '\n' ' ')" \
   "$HERE/scripts/build-initramfs.sh" >/dev/null
 stamp "initramfs built"
@@ -210,7 +240,7 @@ if [ "$ACCEL" = auto ]; then
   if [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; else ACCEL=tcg; fi
 fi
 LOG=$W/vm-$KV-$ACCEL.log
-if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
+if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; elif [ -n "$MCDIR" ]; then VM_TIMEOUT=${VM_TIMEOUT:-5400}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
 # 7.x under TCG: with its default lazy preemption (and the CPU-bug mitigations) a kworker of rxe
 # waits for the tick behind a polling thread; these two bring its latency back to 6.12's.
 case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off};; esac

@@ -29,6 +29,16 @@ for b in ${EXTRA_BINS:-}; do cp "$b" "$R/usr/bin/"; copy_libs "$b"; done
 for lib in libibverbs.so.1 librdmacm.so.1; do
   f=$(find "$P" -name "$lib" | head -1); cp -L "$f" "$R/lib/x86_64-linux-gnu/"; copy_libs "$f"
 done
+# Mooncake's bench (run.sh's MOONCAKE_WHEEL) with its bundled libraries as the wheel lays them out,
+# and the system libraries it needs (libibverbs from the guest packages, the rest from here).
+if [ -n "${MOONCAKE_DIR:-}" ]; then
+  mkdir -p "$R/opt/mooncake"; cp -a "$MOONCAKE_DIR"/. "$R/opt/mooncake/"
+  ldd "$MOONCAKE_DIR/mooncake/transfer_engine_bench" | grep -q 'not found' \
+    && { echo "missing libs for Mooncake's bench" >&2; ldd "$MOONCAKE_DIR/mooncake/transfer_engine_bench" >&2; exit 1; }
+  ldd "$MOONCAKE_DIR/mooncake/transfer_engine_bench" | awk '$2=="=>" && $3 ~ /^\// && $3 !~ /\.libs\//{print $3}' \
+    | while read -r lib; do cp -Ln "$lib" "$R/lib/x86_64-linux-gnu/"; done
+  [ -n "${MOONCAKE_CONF:-}" ] && cp "$MOONCAKE_CONF" "$R/etc/gpudirect-mooncake"
+fi
 [ -n "${TEST_LIST:-}" ] && cp "$TEST_LIST" "$R/etc/gpudirect-tests"
 # kernel modules, decompressed, loaded by busybox insmod in the order modprobe --show-depends gives.
 # KROOT/lib/modules/$KV must have had depmod run (done by run.sh).

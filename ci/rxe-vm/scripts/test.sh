@@ -4,8 +4,10 @@
 #   bench-loopback RUNS [SIZES...]   perftest baselines beside rdma_pingpong, on rxe0
 #   pair LABEL [NAME=VALUE...] BIN SERVER-ARGS... -- CLIENT-ARGS...   BIN as two nodes
 #                      (namespaces b and a), with those environment variables on both sides
-#   bench-pair [RUNS]  ib_write_bw and rdma_pingpong between the two nodes, on both rails; then
-#                      the transfer engine beside perftest, RUNS rounds a cell (default 5)
+#   bench-pair RUNS [PARTS]  between the two nodes: pingpong (ib_write_bw and rdma_pingpong on
+#                      both rails), transfer (the transfer engine beside perftest; connect
+#                      time with the key and without), mooncake (Mooncake's bench beside both),
+#                      RUNS rounds a cell (default: pingpong transfer)
 # Prints "RXE-RESULT name PASS|FAIL", "RXE-BENCH ..." lines and finally "N passed, N failed".
 export GPUDIRECT_REQUIRE=rdma RUST_BACKTRACE=1
 IP=/usr/sbin/ip      # iproute2 by full path: busybox's ip applet would shadow it
@@ -304,21 +306,69 @@ ours_pair() {  # ours_pair RAIL SIZE ITERS -> rdma_pingpong's write MB/s between
   sed -n 's/^bandwidth: .* RDMA write \([0-9.]*\) MB\/s.*/\1/p' /tmp/one.log
 }
 # --- the transfer engine (examples/transfer.rs --bench, i.e. benches/transfer.rs) beside perftest
-# between the two nodes on rail 0: engine writes and ib_write_bw alternate, five runs each per size
-# (8 MiB per run), medians compared; 8-byte latency beside ib_write_lat (half the round trip,
-# five runs each); registration of 1,000 buffers one by one and in one call. transfer-bench passes
-# when every run of both completed.
+# between the two nodes on rail 0 (README.md, "The two-node transfer bench"). Per cell and round,
+# one chain with a perftest run between every two others:
+#   P ours P base1 P ... [P mc]  (the order rotating round by round)
+# Each run is divided by the mean of the two perftest runs beside it (for latency, that mean over
+# the run): its paired ratio. A cell gives each one's median figure and the median of its paired
+# ratios with the interval that holds the median with 95% (the order statistics of the rounds;
+# min-max below 6 rounds), and ours against each other subject round by round (the ratio of their
+# paired ratios). transfer-bench passes when every run completed and every moved-bytes check held.
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END { if (NR) print a[int((NR+1)/2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a>0 && b>0) printf "%.2f", a/b; else print "?"}'; }
-TSPIN=   # extra arguments of both sides of ours_transfer (the latency setting)
+# ci "V1 V2 ..." -> "median lo hi min max n" of the positive numbers among them, as
+# docs/benches.md decides a cell: [lo..hi] the 95% interval of the median from the order
+# statistics (ranks k and n+1-k, k the largest with 2 P(Bin(n, 1/2) < k) <= 0.05), "? ?" below
+# six rounds.
+ci() {
+  echo "$1" | awk '{ n = 0
+    for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$/ && $i + 0 > 0) v[++n] = $i + 0
+    if (!n) { print "? ? ? ? ? 0"; exit }
+    for (i = 2; i <= n; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
+    m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+    k = 0; c = 0; p = 1; for (i = 0; i < n; i++) p /= 2
+    for (j = 0; j < n; j++) { c += p; if (c > 0.025) break; k = j + 1; p = p * (n - j) / (j + 1) }
+    if (k >= 1 && k <= (n + 1) / 2) printf "%.4f %.4f %.4f %.4f %.4f %d\n", m, v[k], v[n + 1 - k], v[1], v[n], n
+    else printf "%.4f ? ? %.4f %.4f %d\n", m, v[1], v[n], n }'
+}
+# per_round "A1 A2 .." "B1 B2 .." -> "A1/B1 A2/B2 ..." ("?" where either is missing)
+per_round() {
+  awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, A, " "); split(b, B, " ")
+    for (i = 1; i <= n; i++) printf "%s ", (A[i] + 0 > 0 && B[i] + 0 > 0) ? sprintf("%.4f", A[i] / B[i]) : "?" }'
+}
+# verdict "CI" TARGET -> ok (the median meets TARGET), MISSES (the whole interval misses it) or
+# undecided (the median misses it and the interval reaches it, or fewer than six rounds)
+verdict() {
+  echo "$1" | awk -v t=$2 '{ if ($6 == 0) print "?"; else if ($2 == "?") print "undecided"
+    else if ($1 >= t) print "ok"; else if ($3 < t) print "MISSES"; else print "undecided" }'
+}
+# fmt_ci "CI" -> "median [lo..hi] (min..max) nN"
+fmt_ci() { echo "$1" | awk '{ if ($6 == 0) print "?"; else printf "%.2f [%s..%s] (%.2f..%.2f) n%d", $1, f($2), f($3), $4, $5, $6 }
+  function f(x) { return x == "?" ? "?" : sprintf("%.2f", x) }'; }
 TBIN=transfer   # which build of the transfer example ours_transfer runs (transfer_baseN: BASE_TRANSFER)
-ours_transfer() {  # ours_transfer ARGS... -> the client's TRANSFER-BENCH line
-  $IP netns exec b timeout 120 $TBIN --bench --listen 7490 --device rxe_b0 $TSPIN > /tmp/tsrv.log 2>&1 &
+echo 0 > /tmp/tcheck   # moved-bytes checks that failed (runs happen in subshells)
+checkfail() { echo $(( $(cat /tmp/tcheck) + 1 )) > /tmp/tcheck; echo "RXE-WARN moved-bytes check: $*" >&2; }
+# ours_transfer [--buffer BYTES] ARGS... -> the client's TRANSFER-BENCH line; checks that the
+# server's target holds the client's pattern on the span it wrote, and that rxe_a0 sent at least
+# the bytes the client counted.
+ours_transfer() {
+  sb=; [ "$1" = --buffer ] && { sb="--buffer $2"; shift 2; }
+  before=$(sent_bytes)
+  $IP netns exec b timeout 120 $TBIN --bench --listen 7490 --device rxe_b0 $sb > /tmp/tsrv.log 2>&1 &
   p=$!; wait_listen b 7490 $p
-  $IP netns exec a timeout 120 $TBIN --bench --connect 10.77.1.2:7490 --device rxe_a0 $TSPIN "$@" > /tmp/tcli.log 2>&1; c=$?
+  $IP netns exec a timeout 120 $TBIN --bench --connect 10.77.1.2:7490 --device rxe_a0 "$@" > /tmp/tcli.log 2>&1; c=$?
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN transfer bench ($TBIN) $*: client $c, server $s: $(tail -2 /tmp/tcli.log /tmp/tsrv.log | tr '\n' ' ')" >&2; return 1; }
-  grep -h '^TRANSFER-BENCH' /tmp/tcli.log
+  l=$(grep -h '^TRANSFER-BENCH' /tmp/tcli.log | head -1)
+  span=$(echo "$l" | sed -n 's/.* span=\([0-9]*\).*/\1/p')
+  nset=$(sed -n 's/^TRANSFER-BENCH target bytes_set=\([0-9]*\).*/\1/p' /tmp/tsrv.log)
+  bytes=$(echo "$l" | sed -n 's/.* bytes=\([0-9]*\).*/\1/p')
+  wire=$(traffic "$before" "$(sent_bytes)" | tr ' ' '\n' | sed -n 's/^rxe_a0=+//p')
+  # Older builds (BASE_TRANSFER) print no span: nothing to compare.
+  [ -z "$span" ] || [ "$nset" = "$span" ] || checkfail "$TBIN $*: the target holds $nset bytes of the pattern, the client wrote $span"
+  [ -z "$bytes" ] || [ "${wire:-0}" -ge "$bytes" ] || checkfail "$TBIN $*: rxe_a0 sent $wire bytes, the client counted $bytes"
+  # The listening side's figures of a latency run (its turn and its wait) join the line.
+  echo "$l $(sed -n 's/^TRANSFER-BENCH serve //p' /tmp/tsrv.log | head -1)"
 }
 connect_bench() {  # connect_bench [--key-file F] -> the client's TRANSFER-BENCH connect line
   $IP netns exec b timeout 120 transfer --bench --listen 7491 --device rxe_b0 --connect-bench 30 "$@" > /tmp/csrv.log 2>&1 &
@@ -327,26 +377,6 @@ connect_bench() {  # connect_bench [--key-file F] -> the client's TRANSFER-BENCH
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN connect bench $*: client $c, server $s: $(tail -2 /tmp/ccli.log /tmp/csrv.log | tr '\n' ' ')" >&2; return 1; }
   grep -h '^TRANSFER-BENCH connect' /tmp/ccli.log
-}
-# base_runs FIELD ARGS...: each other build (BASE_TRANSFER) once, right after ours; appends
-# "base=value" words to $bws and, per base, ours over it (or it over ours, for latency) to $brs.
-tbases=$(cd /usr/bin && ls transfer_base* 2>/dev/null | tr '\n' ' ')
-base_runs() {
-  f=$1; shift
-  for tb in $tbases; do
-    TBIN=$tb; l=$(ours_transfer "$@") || tok=1; TBIN=transfer
-    v=$(echo "$l" | sed -n "s/.* $f=\([0-9.]*\).*/\1/p")
-    bws="$bws ${tb#transfer_}=$v"
-    case $f in usec) r=$(ratio "$v" "$last");; *) r=$(ratio "$last" "$v");; esac
-    eval "brs_${tb#transfer_}=\"\$brs_${tb#transfer_} $r\""
-  done
-}
-base_summary() {  # one line per base: the median of ours' paired ratios against it
-  for tb in $tbases; do
-    b=${tb#transfer_}; eval "rs=\$brs_$b"
-    echo "RXE-BENCH transfer rail=0 $1 ours/$b paired_median=$(echo "$rs" | median) runs:[$rs ] (above 1: ours faster)"
-    eval "brs_$b="
-  done
 }
 pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, rail 0
   gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
@@ -357,58 +387,169 @@ pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, ra
   [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/lcli.log /tmp/lsrv.log >&2; return 1; }
   awk '$1==8 && NF>=6 {print $6; exit}' /tmp/lcli.log
 }
+# Mooncake's transfer_engine_bench (run.sh's MOONCAKE_WHEEL): target in b, initiator in a, rail 0.
+MCB=/opt/mooncake/mooncake/transfer_engine_bench
+# mc_run SIZE BATCH THREADS SECONDS -> its MiB/s; checks that rxe_a0 sent at least the bytes it
+# counted (it checks no bytes itself).
+mc_run() {
+  buf=$(( $1 * $2 * $3 )); [ $buf -lt 67108864 ] && buf=67108864
+  gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
+  common="--protocol=rdma --metadata_server=P2PHANDSHAKE --buffer_size=$buf --block_size=$1 --batch_size=$2 --threads=$3"
+  MC_GID_INDEX=$gb GLOG_logtostderr=1 $IP netns exec b timeout 150 $MCB --mode=target \
+    --local_server_name=10.77.1.2 --device_name=rxe_b0 $common > /tmp/mct.log 2>&1 &
+  p=$!; seg=
+  # Up once its RPC listens and its buffer is registered (an MR of the buffer's length).
+  for i in $(seq 1 120); do
+    kill -0 $p 2>/dev/null || break
+    seg=$(sed -n 's/.*listening on \([0-9.]*:[0-9]*\).*/\1/p' /tmp/mct.log | tail -1)
+    [ -n "$seg" ] && rdma resource show mr 2>/dev/null | grep -q "mrlen $buf " && break
+    sleep 0.5
+  done
+  if [ -z "$seg" ] || ! kill -0 $p 2>/dev/null; then
+    echo "RXE-WARN mooncake target did not come up: $(tail -5 /tmp/mct.log | tr '\n' ' ')" >&2
+    kill $p 2>/dev/null; wait $p; return 1
+  fi
+  sleep 0.5
+  before=$(sent_bytes)
+  MC_GID_INDEX=$ga GLOG_logtostderr=1 $IP netns exec a timeout 150 $MCB --mode=initiator \
+    --local_server_name=10.77.1.1 --device_name=rxe_a0 --segment_id=$seg --operation=write \
+    --duration=$4 --report_unit=MiB $common > /tmp/mci.log 2>&1; c=$?
+  wire=$(traffic "$before" "$(sent_bytes)" | tr ' ' '\n' | sed -n 's/^rxe_a0=+//p')
+  kill -TERM $p 2>/dev/null; wait $p
+  line=$(grep -a 'Test completed' /tmp/mci.log | tail -1)
+  v=$(echo "$line" | sed -n 's/.*throughput \([0-9.]*\) MiB\/s.*/\1/p')
+  n=$(echo "$line" | sed -n 's/.*batch count \([0-9]*\).*/\1/p')
+  if [ $c != 0 ] || [ -z "$v" ]; then
+    echo "RXE-WARN mooncake initiator (exit $c): $(grep -a -E 'ERROR|FAILED|Check failed' /tmp/mci.log | tail -3 | tr '\n' ' ') $(tail -3 /tmp/mci.log | tr '\n' ' ')" >&2
+    return 1
+  fi
+  claimed=$(( ${n:-0} * $1 * $2 ))
+  [ "${wire:-0}" -ge "$claimed" ] || checkfail "mooncake size=$1 batch=$2 threads=$3: rxe_a0 sent $wire bytes, it counted $claimed"
+  echo "$v"
+}
+# tchain RUNS UNIT SUBJECTS...: RUNS rounds of the chain; `tp` gives a perftest figure, `trun WHO`
+# a subject's. Sets V_pt, V_<who> (figures) and R_<who> (paired ratios), "?" where a run failed.
+tchain() {
+  runs=$1 unit=$2; shift 2; subs="$*"
+  V_pt=; for w in $subs; do eval "V_$w= R_$w="; done
+  prev=$(tp) || tok=1; V_pt=" ${prev:-?}"
+  for rep in $(seq 1 $runs); do
+    order=$(echo $subs | awk -v k=$rep '{ for (i = 0; i < NF; i++) printf "%s ", $((i + k - 1) % NF + 1) }')
+    for w in $order; do
+      v=$(trun $w) || tok=1
+      nxt=$(tp) || tok=1
+      r=$(paired "$v" "$prev" "$nxt" $unit)
+      eval "V_$w=\"\$V_$w ${v:-?}\" R_$w=\"\$R_$w ${r:-?}\""
+      V_pt="$V_pt ${nxt:-?}"; prev=$nxt
+    done
+  done
+}
+# tcell LABEL UNIT TARGET SUBJECTS...: the cell's RXE-RUNS and RXE-BENCH lines after tchain; ours
+# against perftest (TARGET: the ratio to reach, "-" for none) and against each other subject.
+tcell() {
+  label=$1 unit=$2 target=$3; shift 3
+  line="perftest_$unit=$(fmt_ci "$(ci "$V_pt")")"
+  for w in "$@"; do
+    eval "v=\$V_$w r=\$R_$w"
+    echo "RXE-RUNS transfer rail=0 $label $w:[$v ] ${w}_ratios:[$r ] perftest:[$V_pt ]"
+    line="$line ${w}_$unit=$(ci "$v" | awk '{ print ($6 == 0) ? "?" : sprintf("%.2f", $1) }') $w/perftest=$(fmt_ci "$(ci "$r")")"
+  done
+  for w in "$@"; do
+    [ $w = ours ] && continue
+    eval "rr=\$R_$w"; pr=$(per_round "$R_ours" "$rr")
+    echo "RXE-RUNS transfer rail=0 $label ours/$w:[ $pr]"
+    line="$line ours/$w=$(fmt_ci "$(ci "$pr")")"
+  done
+  [ "$target" = - ] || line="$line ours/perftest_target=$target verdict: $(verdict "$(ci "$R_ours")" $target)"
+  echo "RXE-BENCH transfer rail=0 $label $line"
+}
+tbases=$(cd /usr/bin && ls transfer_base* 2>/dev/null | sed 's/^transfer_//' | tr '\n' ' ')
+# trun WHO: one run of a subject of the current cell: Mooncake ($mcargs: SIZE BATCH THREADS
+# SECONDS), or a build of the transfer example ($targs: its arguments; $tkind $tfield: the line
+# and the figure in it; a build that ignores the arguments prints another line and gives none).
+trun() {
+  case $1 in
+    mc) mc_run $mcargs; return ;;
+    ours) TBIN=transfer ;;
+    *) TBIN=transfer_$1 ;;
+  esac
+  l=$(ours_transfer $targs) || return 1
+  echo "$l" | sed -n "s/^TRANSFER-BENCH $tkind .* $tfield=\([0-9.]*\).*/\1/p"
+  # Where a latency run's time went (medians, usec): the client's post and wait, the listening
+  # side's turn and wait.
+  [ $tkind = write_lat ] && echo "$l" | sed -n 's/.* post_usec=\([0-9.]*\) wait_usec=\([0-9.]*\).* turn_usec=\([0-9.]*\) ack_usec=\([0-9.]*\).*/\1 \2 \3 \4/p' >> /tmp/tparts_$1
+  return 0
+}
 bench_transfer() {
   [ -x /usr/bin/transfer ] || return 0
-  reps=$(seq 1 "${1:-5}")
-  tok=0; t=$(now)
+  runs=${1:-5}
+  tok=0; t=$(now); echo 0 > /tmp/tcheck
   for sz in 4096 65536 1048576; do
     it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
-    pws=; ows=
-    bws=
-    for rep in $reps; do
-      v=$(pt_pair 0 $sz $it) || tok=1; pws="$pws $v"
-      l=$(ours_transfer --size $sz --bytes $((sz * it))) || tok=1
-      v=$(echo "$l" | sed -n 's/.* MBps=\([0-9.]*\).*/\1/p'); ows="$ows $v"; last=$v
-      base_runs MBps --size $sz --bytes $((sz * it))
-    done
-    pm=$(echo "$pws" | median); om=$(echo "$ows" | median)
-    echo "RXE-BENCH transfer rail=0 write_bw size=$sz perftest_MBps=${pm:-?} engine_MBps=${om:-?} ratio=$(ratio "$om" "$pm") runs: perftest[$pws ] engine[$ows ]${bws:+ bases[$bws ]}"
-    base_summary "write_bw size=$sz"
+    tp() { pt_pair 0 $tsz $tit; }
+    tsz=$sz tit=$it targs="--size $sz --bytes $((sz * it))" tkind=write_bw tfield=MBps
+    tchain $runs MBps ours $tbases
+    tcell "write_bw size=$sz" MBps 0.95 ours $tbases
   done
-  pls=; ols=; bws=
-  for rep in $reps; do
-    v=$(pt_lat_pair 500) || tok=1; pls="$pls $v"
-    l=$(ours_transfer --lat --iters 500) || tok=1
-    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); ols="$ols $v"; last=$v
-    base_runs usec --lat --iters 500
+  tp() { pt_lat_pair 500; }
+  targs="--lat --iters 500" tkind=write_lat tfield=usec
+  rm -f /tmp/tparts_*
+  tchain $runs usec ours $tbases
+  tcell "write_lat size=8" usec 0.9 ours $tbases
+  for w in ours $tbases; do
+    [ -s /tmp/tparts_$w ] || continue
+    echo "RXE-BENCH transfer rail=0 write_lat parts $w: $(awk '{ for (i = 1; i <= 4; i++) v[i] = v[i] " " $i }
+      END { split("client_post client_wait server_turn server_wait", n, " ")
+        for (i = 1; i <= 4; i++) { c = split(v[i], a, " "); for (j = 2; j <= c; j++) { x = a[j]; k = j - 1; while (k > 0 && a[k] + 0 > x + 0) { a[k + 1] = a[k]; k-- } a[k + 1] = x }
+          printf "%s_usec=%s ", n[i], a[int((c + 1) / 2)] } }' /tmp/tparts_$w)(medians over the runs of each run's median)"
   done
-  pm=$(echo "$pls" | median); om=$(echo "$ols" | median)
-  echo "RXE-BENCH transfer rail=0 write_lat size=8 perftest_usec=${pm:-?} engine_usec=${om:-?} ratio(perftest/engine)=$(ratio "$pm" "$om") runs: perftest[$pls ] engine[$ols ]${bws:+ bases[$bws ]}"
-  base_summary "write_lat size=8"
-  # The same with the waiting thread polling for up to 5 ms first (EngineConfig::spin), as
-  # ib_write_lat polls: the latency setting, not the default.
-  sls=; TSPIN="--spin-us 5000"
-  for rep in $reps; do
-    l=$(ours_transfer --lat --iters 500) || tok=1
-    v=$(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p'); sls="$sls $v"
-  done
-  TSPIN=; sm=$(echo "$sls" | median)
-  echo "RXE-BENCH transfer rail=0 write_lat size=8 spin=5ms perftest_usec=${pm:-?} engine_usec=${sm:-?} ratio(perftest/engine)=$(ratio "$pm" "$sm") runs: engine[$sls ]"
   # Connecting with the key and without, alternately: TRANSFER-BENCH connect medians of 30
-  # endpoints each.
-  cks=; cns=
-  for rep in $reps; do
-    l=$(connect_bench --key-file /tmp/transfer.key) || tok=1
-    cks="$cks $(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')"
-    l=$(connect_bench) || tok=1
-    cns="$cns $(echo "$l" | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')"
+  # endpoints each, the key's cost as the paired ratio of each round.
+  cks=; cns=; crs=
+  for rep in $(seq $runs); do
+    k=$(connect_bench --key-file /tmp/transfer.key | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')
+    u=$(connect_bench | sed -n 's/.* usec=\([0-9.]*\) .*/\1/p')
+    [ -n "$k" ] && [ -n "$u" ] || tok=1
+    cks="$cks $k"; cns="$cns $u"; crs="$crs $(ratio "$k" "$u")"
   done
-  km=$(echo "$cks" | median); nm=$(echo "$cns" | median)
-  echo "RXE-BENCH transfer rail=0 connect key=yes usec=${km:-?} key=no usec=${nm:-?} ratio(key/no)=$(ratio "$km" "$nm") runs: key[$cks ] no_key[$cns ]"
+  echo "RXE-BENCH transfer rail=0 connect key=yes usec=$(echo "$cks" | median) key=no usec=$(echo "$cns" | median) paired_ratio(key/no)=$(echo "$crs" | median) runs: key[$cks ] no_key[$cns ] ratios[$crs ]"
   $IP netns exec a timeout 300 transfer --bench --register --device rxe_a0 --device rxe_a1 > /tmp/treg.log 2>&1 || { cat /tmp/treg.log; tok=1; }
   sed -n 's/^TRANSFER-BENCH register/RXE-BENCH transfer register/p' /tmp/treg.log
+  [ "$(cat /tmp/tcheck)" = 0 ] || tok=1
   echo "TWO-NODES: transfer bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result transfer-bench $tok
+}
+# bench_mooncake RUNS: Mooncake's write bench beside ours and perftest (ib_write_bw of the same
+# size) per configuration (/etc/gpudirect-mooncake: MC_CONFIGS "BATCH:THREADS ...", MC_SIZES,
+# MC_SECONDS): one batch of BATCH blocks a thread at a time, waited for, again for MC_SECONDS, on
+# THREADS threads; ours the same (--batch --threads --seconds).
+bench_mooncake() {
+  [ -x $MCB ] || { echo "no $MCB"; result mooncake-bench 1; return; }
+  MC_CONFIGS="1:1 64:1 1:4 64:4"; MC_SIZES="4096 65536 1048576"; MC_SECONDS=3
+  [ -r /etc/gpudirect-mooncake ] && . /etc/gpudirect-mooncake
+  runs=${1:-5}
+  tok=0; t=$(now); echo 0 > /tmp/tcheck
+  mcv=$(mc_run 65536 1 1 1) || { echo "RXE-WARN mooncake smoke run failed; its logs:"; tail -30 /tmp/mct.log /tmp/mci.log; result mooncake-bench 1; return; }
+  echo "TWO-NODES: mooncake smoke run: $mcv MiB/s ($(grep -a -c . /tmp/mci.log) log lines)"
+  for cfg in $MC_CONFIGS; do
+    b=${cfg%%:*}; th=${cfg#*:}
+    for sz in $MC_SIZES; do
+      it=$(awk -v s=$sz 'BEGIN{i=int(16777216/s); if(i<20)i=20; if(i>5000)i=5000; print i}')
+      tp() { pt_pair 0 $tsz $tit; }
+      buf=$(( sz * b * th )); [ $buf -lt 1048576 ] && buf=1048576
+      tsz=$sz tit=$it tkind=write_batch tfield=MBps
+      targs="--buffer $buf --size $sz --batch $b --threads $th --seconds $MC_SECONDS"
+      mcargs="$sz $b $th $MC_SECONDS"
+      tchain $runs MBps ours mc $tbases
+      # perftest keeps 128 writes in flight: the paired ratios only follow the host's load here.
+      tcell "write_batch size=$sz batch=$b threads=$th" MBps - ours mc $tbases
+      om=$(ci "$(per_round "$R_ours" "$R_mc")")
+      echo "RXE-BENCH mooncake rail=0 write size=$sz batch=$b threads=$th ours/mc=$(fmt_ci "$om") target=1 verdict: $(verdict "$om" 1)"
+    done
+  done
+  [ "$(cat /tmp/tcheck)" = 0 ] || tok=1
+  echo "TWO-NODES: mooncake bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
+  result mooncake-bench $tok
 }
 bench_pair() {
   ok=0
@@ -434,7 +575,6 @@ bench_pair() {
   case "$b0$b1" in *fail*|'') ok=1;; esac
   echo "RXE-BENCH two-nodes rails=0+1 write_bw size=$sz perftest_MBps=$(awk -v a="$b0" -v b="$b1" 'BEGIN{printf "%.2f", a+b}') (rail0 ${b0:-?} + rail1 ${b1:-?}) traffic: $(traffic "$before" "$(sent_bytes)")time=$(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result perftest-two-nodes $ok
-  bench_transfer "$1"
 }
 
 while read -r kind name args; do
@@ -446,7 +586,11 @@ while read -r kind name args; do
     bench) timeout 600 /usr/bin/$name --test; result "$name" $? ;;
     bench-loopback) bench_loopback $name $args ;;
     pair) run_pair "$name" $args; result "pair:$name" $? ;;
-    bench-pair) bench_pair $name ;;
+    bench-pair)  # bench-pair RUNS PARTS...: pingpong (ib_write_bw beside rdma_pingpong), transfer, mooncake
+      for part in ${args:-pingpong transfer}; do
+        nodes_up || { result two-node-bench 1; break; }
+        case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; mooncake) bench_mooncake $name ;; esac
+      done ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
   esac
 done < /etc/gpudirect-tests

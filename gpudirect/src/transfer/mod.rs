@@ -35,8 +35,10 @@
 //!   per rail, [`Engine::listen`] + [`TransferListener::accept`]): one reliable queue pair per
 //!   rail, each on its own device, and a progress thread that sleeps on the rails' completion
 //!   channels (a bounded `poll(2)`: it wakes for completions, the peer's disconnect, a deadline,
-//!   or a request that waits for room), never spinning; [`EngineConfig::spin`] lets a thread
-//!   waiting for a notification poll for a while first.
+//!   or a request that waits for room), never spinning. A thread waiting for a request or a
+//!   notification polls the completion queues itself for a while first
+//!   ([`EngineConfig::spin`]), when no other thread does: what it waits for is then seen
+//!   without a hand-off from the progress thread.
 //! - A request ([`Endpoint::write`], [`Endpoint::read`]) is a batch of (local range, remote
 //!   range) pairs; it returns a [`Transfer`] to wait on (with the request's deadline), to
 //!   `.await` (it is `IntoFuture`), or to hand on as an

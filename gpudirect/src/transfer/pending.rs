@@ -24,7 +24,8 @@ pub(crate) struct ReqShared {
     finisher: OnceLock<Weak<dyn Finisher>>,
 }
 
-/// Who finishes a request that a waiting caller can help with (the intra-node side).
+/// Who finishes a request that a waiting caller can help with (the intra-node side's queue,
+/// the verbs rails' completion queues).
 pub(crate) trait Finisher: Send + Sync {
     /// Called by a blocking wait while it spins: finish what is done, in order, if no one else
     /// is finishing.
@@ -33,6 +34,39 @@ pub(crate) trait Finisher: Send + Sync {
     /// to look: a request nobody else can see finished (no notification) does not wake it when
     /// issued, so that a caller that waits finishes it alone.
     fn wake(&self);
+    /// How long a blocking wait looks for the end before it sleeps until it is woken.
+    fn spin(&self) -> Duration {
+        HELP_SPIN
+    }
+    /// One look of a blocking wait while it spins; `l` is that wait's own, kept between its
+    /// looks (by default: [`help`](Self::help)). Returns whether to go on looking (`false`:
+    /// sleep now, the wait is not worth a CPU).
+    fn look(&self, l: &mut Looking) -> bool {
+        let _ = l;
+        self.help();
+        true
+    }
+    /// The blocking wait stops looking (`done`: its request finished): let go of what its looks
+    /// took.
+    fn stop(&self, l: &mut Looking, done: bool) {
+        let _ = (l, done);
+    }
+    /// A poll of the transfer's future, not finished: a look that makes no CUDA call and never
+    /// waits long (by default none).
+    fn poll_look(&self) {}
+}
+
+/// What a blocking wait holds while it looks ([`Finisher::look`]), kept by the wait and set by
+/// the finisher.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Looking {
+    /// Not looking.
+    #[default]
+    Not,
+    /// Looking, ready to take over what another waiter does for everyone.
+    Spins,
+    /// Looking, and doing it (the verbs rails: polling their completion queues).
+    Polls,
 }
 
 impl ReqShared {
@@ -107,15 +141,9 @@ impl WakeFinisher {
         }
     }
 
-    /// Finish what is done, if the request has a finisher a caller can help.
-    fn help(&self) -> bool {
-        match self.0.finisher.get().and_then(Weak::upgrade) {
-            Some(f) => {
-                f.help();
-                true
-            }
-            None => false,
-        }
+    /// The request's finisher, while it lives.
+    fn finisher(&self) -> Option<Arc<dyn Finisher>> {
+        self.0.finisher.get().and_then(Weak::upgrade)
     }
 }
 
@@ -159,19 +187,17 @@ impl Transferred {
 }
 
 /// How long [`Transfer::wait`] looks for the end of a request that can be helped before it
-/// sleeps until its finisher wakes it.
+/// sleeps until its finisher wakes it (the intra-node side's; the rails' is
+/// [`EngineConfig::spin`](crate::transfer::EngineConfig::spin)).
 const HELP_SPIN: Duration = Duration::from_millis(10);
 
 /// While it looks, a waiting caller yields its CPU once in this many looks.
 const HELP_YIELD: u32 = 8;
 
 impl Transfer {
-    /// Let a blocking [`wait`](Self::wait) help `f` finish the request, and let the transfer
-    /// wake `f` whenever it is looked at without a blocking wait, or goes unfinished (once).
-    #[cfg_attr(
-        not(feature = "p2p"),
-        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
-    )]
+    /// Let a blocking [`wait`](Self::wait) (and a poll of the transfer's future) help `f`
+    /// finish the request, and let the transfer wake `f` whenever it is looked at without a
+    /// blocking wait, or goes unfinished (once).
     pub(crate) fn set_finisher(&self, f: Weak<dyn Finisher>) {
         let _ = self.shared.finisher.set(f);
     }
@@ -248,12 +274,20 @@ impl Transfer {
             // hand-off from another thread when it comes soon.
             // A look is a driver query (a few hundred ns); the thread yields once in
             // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
-            // copy seen later than a stream synchronize sees it.
-            let until = Instant::now() + HELP_SPIN;
+            // copy seen later than a stream synchronize sees it. (The rails' look yields when
+            // it found nothing: a software NIC needs the CPU.)
+            let spin = self
+                ._finisher
+                .finisher()
+                .map_or(Duration::ZERO, |f| f.spin());
+            let until = Instant::now() + spin;
             let mut looks = 0u32;
+            let mut l = Looking::Not;
             while !self.shared.flag.is_complete() && Instant::now() < until {
-                self._finisher.help();
-                if self.shared.flag.is_complete() {
+                let Some(f) = self._finisher.finisher() else {
+                    break;
+                };
+                if !f.look(&mut l) || self.shared.flag.is_complete() {
                     break;
                 }
                 looks = looks.wrapping_add(1);
@@ -262,6 +296,9 @@ impl Transfer {
                 } else {
                     std::hint::spin_loop();
                 }
+            }
+            if let Some(f) = self._finisher.finisher() {
+                f.stop(&mut l, self.shared.flag.is_complete());
             }
         }
         // Sleeping from now on: the finisher looks instead.
@@ -305,7 +342,9 @@ impl Transfer {
 
 /// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
 /// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
-/// Past that bound (the progress thread gone) it ends with [`Error::Timeout`](crate::Error::Timeout) and the resources
+/// Each poll first looks for the end itself where that costs no CUDA call (the verbs rails:
+/// their completion queues, when no other thread polls them). Past that bound (the progress
+/// thread gone) it ends with [`Error::Timeout`](crate::Error::Timeout) and the resources
 /// stay parked in the completion tracker, never freed early.
 impl std::future::IntoFuture for Transfer {
     type Output = Result<TransferReport>;
@@ -313,8 +352,21 @@ impl std::future::IntoFuture for Transfer {
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
+        let shared = self.shared.clone();
         let f = self.op.deadline(self.shared.limit);
-        Box::pin(async move { f.await?.result() })
+        Box::pin(async move {
+            let mut f = std::pin::pin!(f);
+            std::future::poll_fn(|cx| {
+                if !shared.flag.is_complete()
+                    && let Some(h) = shared.finisher.get().and_then(Weak::upgrade)
+                {
+                    h.poll_look();
+                }
+                f.as_mut().poll(cx)
+            })
+            .await?
+            .result()
+        })
     }
 }
 

@@ -13,7 +13,7 @@ use crate::completion::deferred::{self, Defers, Locked, Woken};
 use crate::completion::{CompletionFlag, Fence};
 use crate::error::Result;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -78,6 +78,9 @@ pub(crate) struct EpInner<S> {
     /// The word counting delivered notifications, once someone asked for it. Set and told
     /// only under `state`.
     note_sink: OnceLock<Arc<Counter>>,
+    /// Threads asleep in [`next_notification`](Self::next_notification) (counted under
+    /// `state`).
+    note_sleepers: AtomicUsize,
 }
 
 impl<S: Mailbox> EpInner<S> {
@@ -90,6 +93,7 @@ impl<S: Mailbox> EpInner<S> {
             note_waiters: Mutex::new(Vec::new()),
             delivered: AtomicU64::new(0),
             note_sink: OnceLock::new(),
+            note_sleepers: AtomicUsize::new(0),
         }
     }
 
@@ -148,26 +152,50 @@ impl<S: Mailbox> EpInner<S> {
     /// # Errors
     ///
     /// The endpoint's failure, once it has failed and no notification is left.
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path (feature p2p) uses it")
+    )]
     pub(crate) fn next_notification(
         &self,
         timeout: Duration,
-        mut poll: impl FnMut(&mut S),
+        poll: impl FnMut(&mut S),
+    ) -> Result<Option<Notification>> {
+        let spin = self.engine.inner.config.spin;
+        self.next_notification_with(timeout, spin, poll, |_, _| {})
+    }
+
+    /// [`next_notification`](Self::next_notification) looking for `spin` first: `look` runs
+    /// under the lock at each look, and `stop` once when the looking ends (`true` when a
+    /// notification or the failure was found), under the lock.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint's failure, once it has failed and no notification is left.
+    pub(crate) fn next_notification_with(
+        &self,
+        timeout: Duration,
+        spin: Duration,
+        mut look: impl FnMut(&mut S),
+        stop: impl FnOnce(&mut S, bool),
     ) -> Result<Option<Notification>> {
         let deadline = deadline_after(Instant::now(), timeout);
         // With `spin`, poll the completion queues here first (the lock is let go between
         // polls): no thread hand-off for a notification that comes soon.
-        let spin = self.engine.inner.config.spin;
         if !spin.is_zero() {
             let until = deadline_after(Instant::now(), spin.min(timeout));
             loop {
                 let mut st = self.lock();
                 if let Some(n) = st.notes().pop_front() {
+                    stop(&mut st, true);
                     return Ok(Some(n));
                 }
-                if st.broken().is_some() || Instant::now() >= until {
+                let broken = st.broken().is_some();
+                if broken || Instant::now() >= until {
+                    stop(&mut st, broken);
                     break;
                 }
-                poll(&mut st);
+                look(&mut st);
                 drop(st);
                 // Let the kernel's side of a software NIC run on a busy CPU.
                 std::thread::yield_now();
@@ -185,8 +213,24 @@ impl<S: Mailbox> EpInner<S> {
             if left.is_zero() {
                 return Ok(None);
             }
+            // Counted under the lock, as the transport reads it.
+            self.note_sleepers.fetch_add(1, Ordering::AcqRel);
             st = st.wait_timeout(&self.notes_cv, left);
+            self.note_sleepers.fetch_sub(1, Ordering::AcqRel);
         }
+    }
+
+    /// Whether someone waits for a notification without looking for it: a thread asleep in
+    /// [`next_notification`](Self::next_notification), a future, the notification counter.
+    /// Under the state lock.
+    pub(crate) fn watched(&self) -> bool {
+        self.note_sleepers.load(Ordering::Acquire) > 0
+            || self.note_sink.get().is_some()
+            || !self
+                .note_waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
     }
 
     /// One look for a notification by `deadline`, for a future: the notification, the

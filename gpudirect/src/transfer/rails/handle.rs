@@ -3,11 +3,12 @@
 //! through the bounce ring); reconnecting, closing, and its counters.
 
 use super::handshake::dial;
-use super::post::{check_request, direct, pump};
-use super::progress::{close, drain_after_close, poll_all, progress_loop};
+use super::post::check_request;
+use super::progress::{close, drain_after_close, progress_loop};
 use super::rail::{Rail, RailStats, TICK};
 use super::staging::staged;
 use super::state::{Link, Origin, State, break_endpoint, force_finish, new_state};
+use super::wait::{look_for_note, next_notification, request};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
@@ -15,7 +16,7 @@ use crate::transfer::engine::Engine;
 use crate::transfer::pending::Transfer;
 use crate::transfer::region::LocalRange;
 use crate::transfer::request::{Broken, Direction, FLUSH_WAIT, Notification, TransferOptions};
-use crate::transfer::shared::EpInner;
+use crate::transfer::shared::{EpInner, Look};
 use crate::transfer::wire::Hello;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -45,7 +46,7 @@ impl Rails {
     ) -> Result<Rails> {
         let n = rails.len();
         let state = new_state(&engine.inner, rails, &hellos)?;
-        let inner = Arc::new(Link::new(engine, state, n, origin)?);
+        let inner = Link::new(engine, state, n, origin)?;
         let t = inner.clone();
         let thread =
             crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))?;
@@ -73,7 +74,7 @@ impl Rails {
         if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
             staged(&self.link, keep.clone(), dir, pairs, opts)
         } else {
-            direct(&self.link, dir, pairs, opts)
+            request(&self.link, dir, pairs, opts)
         }
     }
 
@@ -98,12 +99,13 @@ impl Rails {
     ///
     /// The endpoint's failure, once it has failed and no notification is left.
     pub(crate) fn next_notification(&self, timeout: Duration) -> Result<Option<Notification>> {
-        let inner = &self.link;
-        inner.ep.next_notification(timeout, |st| {
-            if poll_all(inner, st) {
-                pump(inner, st);
-            }
-        })
+        next_notification(&self.link, timeout)
+    }
+
+    /// One look for a notification by `deadline`, for a future (the completion queues polled
+    /// first when no other thread polls them).
+    pub(crate) fn look_for_note(&self, deadline: Instant) -> Look {
+        look_for_note(&self.link, deadline)
     }
 
     /// Rails of the endpoint.

@@ -1,6 +1,6 @@
 //! The verbs transport: an endpoint's rails, one reliable queue pair per rail to one peer,
 //! connected through rdma_cm, with a progress thread that waits on the rails' completion
-//! channels and finishes requests.
+//! channels and finishes requests, unless a thread waiting for one polls them itself.
 //!
 //! # Where things live
 //!
@@ -12,6 +12,8 @@
 //! - `post`: a request checked, planned and posted within each rail's window; notifications
 //!   against credits.
 //! - `progress`: the progress thread: completions, notifications delivered, deadlines.
+//! - `wait`: a waiting thread polling the completion queues itself (one at a time), and how it
+//!   hands them back to the progress thread.
 //! - `staging`: GPU memory the NIC cannot reach, through a ring of pinned bounce buffers.
 //! - `handshake`: a rail's connection resources and its handshake (greetings, with a key the
 //!   proofs, then the descriptor messages).
@@ -28,6 +30,7 @@ mod progress;
 mod rail;
 mod staging;
 mod state;
+mod wait;
 
 pub(crate) use handle::Rails;
 pub use listen::ListenerStats;

@@ -113,6 +113,7 @@ pub(crate) fn direct(
     st.requests.insert(id, req);
     st.deadlines.push(std::cmp::Reverse((deadline, id)));
     pump(inner, &mut st);
+    inner.gauge(&st);
     drop(st);
     Ok(Transfer::started("transfer", shared, regions))
 }

@@ -1,9 +1,11 @@
 //! The progress thread of an endpoint's rails: it sleeps on the rails' completion channels,
 //! rdma_cm links and eventfd (a bounded `poll(2)`), takes completions, delivers the peer's
 //! notifications, returns credits, ends requests at their deadlines, and posts what fits.
+//! While a waiting thread polls the CQs itself (`wait`), the progress thread leaves them to it
+//! and only looks at the links and the deadlines.
 
 use super::post::pump;
-use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, TICK};
+use super::rail::{LINGER, NOTIFY_RAIL, QpSlot, RECV_TAG, TICK};
 use super::state::{Link, State, break_endpoint, finish_touched, flush_gpu, force_finish};
 use crate::error::Result;
 use crate::rdma::{CompletionQueue, RecvRequest, WcOpcode, WorkCompletion};
@@ -141,6 +143,10 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
         inner.ep.deliver(st, notes, n);
     }
     finish_touched(st);
+    st.unarmed |= any;
+    if any {
+        inner.gauge(st);
+    }
     any
 }
 
@@ -196,13 +202,19 @@ fn on_send_completion(inner: &Link, st: &mut State, r: usize, seq: u64, ok: bool
     }
 }
 
-/// One pass: events, completions, the rdma_cm links, deadlines, posting. Returns whether any
-/// completion was found.
-fn progress(inner: &Link, st: &mut State) -> bool {
+/// One pass: events, completions (unless a waiting thread polls them: `waiter`), the rdma_cm
+/// links, deadlines, posting. Returns whether any completion was found.
+fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
     for rail in &st.rails {
         while rail.channel.get_event().is_ok() {}
     }
-    let any = poll_all(inner, st);
+    // A waiter that has not looked for a while (descheduled) is helped: polling is under the
+    // lock either way, so nothing is taken twice.
+    let any = if waiter && st.looked.elapsed() < LINGER {
+        false
+    } else {
+        poll_all(inner, st)
+    };
     let mut cm = None;
     for rail in &st.rails {
         while let Ok(Some(ev)) = rail.link.next_event() {
@@ -245,13 +257,20 @@ fn progress(inner: &Link, st: &mut State) -> bool {
     any
 }
 
-/// Arm every CQ, then look once more (a completion that raced the arming raises no event).
-/// Returns whether something was found (then do not sleep).
-fn arm(inner: &Link, st: &mut State) -> bool {
+/// Arm every CQ (the next completion on each raises an event); returns whether all are.
+pub(super) fn arm_all(st: &mut State) -> bool {
     let mut armed = true;
     for rail in &st.rails {
         armed &= rail.send_cq.req_notify(false).is_ok() && rail.recv_cq.req_notify(false).is_ok();
     }
+    st.unarmed = !armed;
+    armed
+}
+
+/// Arm every CQ, then look once more (a completion that raced the arming raises no event).
+/// Returns whether something was found (then do not sleep).
+fn arm(inner: &Link, st: &mut State) -> bool {
+    let armed = arm_all(st);
     let found = poll_all(inner, st);
     if found {
         pump(inner, st);
@@ -266,12 +285,15 @@ pub(super) fn progress_loop(inner: &Arc<Link>) {
             if st.closing {
                 return;
             }
-            if progress(inner, &mut st) {
+            // Under the lock: a waiter takes and lets go of the CQs under it too.
+            let waiter = inner.polled.load(Ordering::Relaxed);
+            if progress(inner, &mut st, waiter) {
                 continue;
             }
-            if arm(inner, &mut st) {
+            if !waiter && arm(inner, &mut st) {
                 continue;
             }
+            st.lingering = waiter;
             let mut fds = vec![inner.wake.as_raw_fd()];
             for r in &st.rails {
                 fds.push(r.channel.as_fd().as_raw_fd());
@@ -282,7 +304,7 @@ pub(super) fn progress_loop(inner: &Arc<Link>) {
                 .peek()
                 .map(|std::cmp::Reverse((d, _))| d.saturating_duration_since(Instant::now()))
                 .unwrap_or(TICK)
-                .min(TICK);
+                .min(if waiter { LINGER } else { TICK });
             (fds, next)
         };
         let mut p: Vec<libc::pollfd> = fds

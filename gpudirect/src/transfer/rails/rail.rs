@@ -17,6 +17,15 @@ pub(super) const RECV_TAG: u64 = u64::MAX - 7;
 pub(super) const NOTIFY_RAIL: usize = 0;
 /// The longest sleep of the progress thread between looks at the deadlines.
 pub(super) const TICK: Duration = Duration::from_millis(20);
+/// Messages in flight or queued on an endpoint's rails above which waiting threads do not spin
+/// (they sleep until the progress thread wakes them): a wait behind that much work is long
+/// next to a thread hand-off, and the CPU a spinning thread takes is better left to the NIC
+/// (on a software NIC, the NIC is the CPU).
+pub(super) const SPIN_DEPTH: usize = 16;
+/// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
+/// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
+/// the progress thread then looks within this.
+pub(super) const LINGER: Duration = Duration::from_millis(1);
 
 /// Counters of one rail (cumulative over reconnects).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

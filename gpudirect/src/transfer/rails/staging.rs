@@ -6,8 +6,8 @@
 //! GPU memory, the ring, its CUDA stream) until every copy and every network transfer of it has
 //! finished, so nothing is freed early whatever the caller does with the [`Transfer`].
 
-use super::post::direct;
 use super::state::Link;
+use super::wait::request;
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::memory::HostChunk;
@@ -212,7 +212,7 @@ fn run(
                         notify: if last { opts.notify } else { None },
                         deadline: Some(left()),
                     };
-                    inflight.push_back(direct(
+                    inflight.push_back(request(
                         ep,
                         Direction::Write,
                         vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],
@@ -223,7 +223,7 @@ fn run(
             Direction::Read => {
                 let issue = |i: usize| -> Result<Transfer> {
                     let (off, len) = chunk_at(i, ring.chunk, total);
-                    direct(
+                    request(
                         ep,
                         Direction::Read,
                         vec![(ring.range(i % ring.slots, len)?, sub(off, len)?)],

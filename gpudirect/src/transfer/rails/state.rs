@@ -2,7 +2,7 @@
 //! requests, deadlines, credits), the requests' accounting, and how the endpoint breaks and its
 //! requests finish.
 
-use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, Wr};
+use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr};
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
@@ -16,8 +16,8 @@ use crate::transfer::wire::Hello;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 pub(super) struct Request {
@@ -63,6 +63,13 @@ pub(crate) struct State {
     pub(super) max_message: u32,
     /// Requests whose messages completed since the last look (then finished if done).
     pub(super) touched: Vec<u64>,
+    /// A completion was taken since the CQs were last armed: one may have used up its arming.
+    pub(super) unarmed: bool,
+    /// The progress thread sleeps for at most [`LINGER`](super::rail::LINGER) and then looks
+    /// (it saw a waiter polling): CQs left unarmed are seen that soon.
+    pub(super) lingering: bool,
+    /// When the waiter polling the CQs last looked.
+    pub(super) looked: Instant,
     /// What to wake once the lock is let go ([`Locked`]).
     wakes: Wakes,
 }
@@ -99,14 +106,24 @@ pub(super) enum Origin {
 }
 
 /// The verbs side of one endpoint: the state its progress thread and requests share (under
-/// the endpoint's lock), the eventfd that wakes the thread, the rails' counters, and how the
-/// endpoint came about.
+/// the endpoint's lock), the eventfd that wakes the thread, the rails' counters, how the
+/// endpoint came about, and which waiting thread polls the CQs.
 pub(crate) struct Link {
     pub(super) ep: EpInner<State>,
     pub(super) wake: OwnedFd,
     pub(super) counters: Vec<RailCounters>,
     pub(super) origin: Origin,
     pub(super) next_req: AtomicU64,
+    /// A waiting thread polls the CQs (then the progress thread neither polls nor arms them).
+    /// Taken and let go under the state lock.
+    pub(super) polled: AtomicBool,
+    /// Threads waiting in a spin (polling the CQs or ready to take them over).
+    pub(super) spinners: AtomicUsize,
+    /// More than [`SPIN_DEPTH`](super::rail::SPIN_DEPTH) messages are in flight or queued:
+    /// waiting threads sleep instead of spinning. Set under the state lock ([`Link::gauge`]).
+    pub(super) deep: AtomicBool,
+    /// This link, for the requests' finisher.
+    pub(super) me: Weak<Link>,
 }
 
 impl Link {
@@ -120,18 +137,35 @@ impl Link {
         state: State,
         rails: usize,
         origin: Origin,
-    ) -> Result<Link> {
-        Ok(Link {
+    ) -> Result<Arc<Link>> {
+        let wake = eventfd()?;
+        Ok(Arc::new_cyclic(|me| Link {
             ep: EpInner::new(engine, state),
-            wake: eventfd()?,
+            wake,
             counters: (0..rails).map(|_| RailCounters::default()).collect(),
             origin,
             next_req: AtomicU64::new(1),
-        })
+            polled: AtomicBool::new(false),
+            spinners: AtomicUsize::new(0),
+            deep: AtomicBool::new(false),
+            me: me.clone(),
+        }))
     }
 
     pub(super) fn lock(&self) -> Locked<'_, State> {
         self.ep.lock()
+    }
+
+    /// Note whether the rails hold more than [`SPIN_DEPTH`](super::rail::SPIN_DEPTH) messages
+    /// (in flight, queued, or held notifications). Under the state lock.
+    pub(super) fn gauge(&self, st: &State) {
+        let queued: usize = st
+            .rails
+            .iter()
+            .map(|r| r.inflight.len() + r.pending.len())
+            .sum();
+        self.deep
+            .store(queued + st.notify_q.len() > SPIN_DEPTH, Ordering::Relaxed);
     }
 
     pub(super) fn poke(&self) {
@@ -180,6 +214,9 @@ pub(super) fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> 
         peer_devices,
         max_message,
         touched: Vec::new(),
+        unarmed: true,
+        lingering: false,
+        looked: Instant::now(),
         wakes: Wakes::default(),
     })
 }

@@ -1,0 +1,180 @@
+//! A waiting thread doing the progress thread's work: a thread waiting for a request
+//! ([`Transfer::wait`], a poll of its future) or for a notification polls the rails' CQs itself
+//! when no other thread does, so what it waits for is seen without a hand-off from the progress
+//! thread. A request waited for behind more than `SPIN_DEPTH` messages is left to the progress
+//! thread: the hand-off is hidden behind the work in flight. One waiter at a time polls ([`Link::polled`], taken and let go under the state lock:
+//! nothing is taken twice, and the progress thread leaves the CQs alone meanwhile); others
+//! spin, ready to take over. When the last waiter stops, the CQs are left watched: armed (a
+//! completion wakes the progress thread), or, when nothing is waited for any more and the
+//! progress thread looks within [`LINGER`](super::rail::LINGER) anyway, left as they are (no
+//! arming, and no wake-up of the progress thread at the next completion).
+
+use super::post::{direct, pump};
+use super::progress::{arm_all, poll_all};
+use super::state::{Link, State};
+use crate::error::Result;
+use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::pending::{Finisher, Looking, Transfer};
+use crate::transfer::region::LocalRange;
+use crate::transfer::request::{Direction, Notification, TransferOptions};
+use std::cell::Cell;
+use std::sync::Weak;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// A request on registered memory ([`direct`]) whose blocking wait polls the CQs itself.
+pub(super) fn request(
+    inner: &Link,
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+) -> Result<Transfer> {
+    let t = direct(inner, dir, pairs, opts)?;
+    let me: Weak<dyn Finisher> = inner.me.clone();
+    t.set_finisher(me);
+    Ok(t)
+}
+
+/// One look by a waiter, under the lock: it starts spinning, takes the polling when it is free,
+/// and, holding it, polls the CQs and posts what that made room for. Returns whether it
+/// polled.
+fn look_locked(inner: &Link, st: &mut State, l: &mut Looking) -> bool {
+    if *l == Looking::Not {
+        inner.spinners.fetch_add(1, Ordering::AcqRel);
+        *l = Looking::Spins;
+    }
+    if *l == Looking::Spins && !inner.polled.swap(true, Ordering::AcqRel) {
+        *l = Looking::Polls;
+    }
+    if *l != Looking::Polls {
+        return false;
+    }
+    st.looked = Instant::now();
+    if poll_all(inner, st) {
+        pump(inner, st);
+    }
+    true
+}
+
+/// One look ([`look_locked`]) of a blocking wait for a request, the lock taken only to poll.
+/// Yields the CPU after it (a software NIC's kernel side needs it on a busy machine). Returns
+/// whether to go on: not while more than `SPIN_DEPTH` messages are in flight (the wait is
+/// behind that much work; the thread sleeps and the progress thread wakes it).
+fn look(inner: &Link, l: &mut Looking) -> bool {
+    if inner.deep.load(Ordering::Relaxed) {
+        return false;
+    }
+    if *l != Looking::Polls && inner.polled.load(Ordering::Acquire) {
+        if *l == Looking::Not {
+            inner.spinners.fetch_add(1, Ordering::AcqRel);
+            *l = Looking::Spins;
+        }
+        std::thread::yield_now();
+        return true;
+    }
+    let mut st = inner.lock();
+    look_locked(inner, &mut st, l);
+    drop(st);
+    std::thread::yield_now();
+    true
+}
+
+/// The waiter stops spinning (`done`: what it waited for came), under the lock: it lets the
+/// polling go and leaves the CQs watched. They are armed (then looked at once more, as the
+/// progress thread does before it sleeps) unless another waiter polls or spins (it takes over),
+/// or the waiter got what it waited for, nothing else is waited for (no request in flight, no
+/// thread or future waiting for a notification, no notification counter) and the progress
+/// thread lingers (it looks within `LINGER`).
+fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
+    if *l == Looking::Not {
+        return;
+    }
+    let others = inner.spinners.fetch_sub(1, Ordering::AcqRel) - 1;
+    if *l == Looking::Polls {
+        inner.polled.store(false, Ordering::Release);
+    }
+    *l = Looking::Not;
+    if !st.unarmed || inner.polled.load(Ordering::Acquire) || others > 0 {
+        return;
+    }
+    if done && st.lingering && st.requests.is_empty() && !inner.ep.watched() {
+        return;
+    }
+    // Then one more look: a completion that came before the arming raises no event (one that
+    // came after it does, and the progress thread looks).
+    let armed = arm_all(st);
+    if poll_all(inner, st) {
+        pump(inner, st);
+    }
+    if !armed {
+        inner.poke();
+    }
+}
+
+impl Finisher for Link {
+    /// A poll of a transfer's future: one look when no other thread polls.
+    fn help(&self) {
+        self.poll_look();
+    }
+
+    /// Nothing to wake: whenever no waiter polls, the CQs are armed or the progress thread
+    /// lingers.
+    fn wake(&self) {}
+
+    fn spin(&self) -> Duration {
+        self.ep.engine.inner.config.spin
+    }
+
+    fn look(&self, l: &mut Looking) -> bool {
+        look(self, l)
+    }
+
+    fn stop(&self, l: &mut Looking, done: bool) {
+        if *l != Looking::Not {
+            let mut st = self.lock();
+            stop_locked(self, &mut st, l, done);
+        }
+    }
+
+    fn poll_look(&self) {
+        if self.polled.load(Ordering::Acquire) {
+            return;
+        }
+        let mut l = Looking::Not;
+        let mut st = self.lock();
+        look_locked(self, &mut st, &mut l);
+        stop_locked(self, &mut st, &mut l, false);
+    }
+}
+
+/// The next notification, waiting up to `timeout`: for the engine's `spin` this thread looks
+/// for it and polls the CQs itself (when no other thread does), then sleeps until the progress
+/// thread delivers one.
+///
+/// # Errors
+///
+/// The endpoint's failure, once it has failed and no notification is left.
+pub(super) fn next_notification(inner: &Link, timeout: Duration) -> Result<Option<Notification>> {
+    let l = Cell::new(Looking::Not);
+    inner.ep.next_notification_with(
+        timeout,
+        inner.ep.engine.inner.config.spin,
+        |st| {
+            let mut k = l.get();
+            look_locked(inner, st, &mut k);
+            l.set(k);
+        },
+        |st, got| {
+            let mut k = l.get();
+            stop_locked(inner, st, &mut k, got);
+            l.set(k);
+        },
+    )
+}
+
+/// One look for a notification by `deadline`, for a future: the CQs polled first when no
+/// other thread polls them.
+pub(super) fn look_for_note(inner: &Link, deadline: Instant) -> crate::transfer::shared::Look {
+    inner.poll_look();
+    inner.ep.look_for_note(deadline)
+}
