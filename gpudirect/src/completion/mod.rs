@@ -58,7 +58,9 @@
 //! its completion; after that it sleeps an eighth of the time waited so far between rounds, from
 //! 16 µs up to 1 ms, so a long one is seen at most about an eighth of its time late. With nothing
 //! to watch it sleeps until woken, using no CPU (`GPUDIRECT_COMPLETION_IDLE_SPIN_US` keeps it
-//! polling for new work that long first; none by default). Why both
+//! polling for new work that long first; none by default). A future the thread saw complete is not asked
+//! again when it wakes, and a future registered with the thread (or with its stream's list) does
+//! not query the driver a second time before it sleeps: the thread's next round does. Why both
 //! sources: a host function wakes its future from CUDA's callback thread, with no polling, but
 //! occupies the stream while it runs, costs a launch per operation, and waits for the driver to
 //! run it; events cost nothing per operation on a stream (one query answers for every future
