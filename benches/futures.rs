@@ -1,9 +1,12 @@
 //! What awaiting CUDA work costs against blocking on it, one GPU, all in the same run.
 //!
 //! The operation is tiny on purpose (a 4-byte device-to-device copy), so that what is measured
-//! is the wait, not the work. Each latency is the median of `FUTURES_BENCH_N` (default and
-//! minimum 10,000) round trips, the variants interleaved in blocks of 100 so that drift hits all
-//! alike:
+//! is the wait, not the work. `FUTURES_BENCH_N` round trips per variant (default and minimum
+//! 10,000), in rounds of blocks of 100: each round runs every variant's block with a block of the
+//! baseline before and after it, and a variant's round ratio is its block's median over the mean
+//! of those two baseline medians (paired rounds, docs/benches.md). A cell's figure is the median
+//! round ratio with its 95% interval; `ratio` is the plain ratio of the medians of all round
+//! trips, as earlier versions of this bench printed.
 //!
 //! - `cuEventSynchronize`: raw `cuMemcpyDtoDAsync_v2` + `cuEventRecord` + `cuEventSynchronize`
 //!   (the baseline every ratio is against);
@@ -11,24 +14,34 @@
 //! - `await stream fence`: `copy_async(..).await` (the completion thread queries the stream's
 //!   event);
 //! - `await event fence`: the raw copy, then an `EventFence` awaited (the completion thread
-//!   queries that event);
+//!   queries that event); target at most 1.2x;
 //! - `await host fn`: the raw copy, then a `HostFnFence` awaited (the host function wakes the
-//!   future).
+//!   future); target at most 1.2x;
+//! - three raw decompositions with no gpudirect code: `cuLaunchHostFunc` after the copy with the
+//!   caller spinning on the flag its callback sets (the driver's host-function path alone); the
+//!   same with the caller parked and the callback unparking it (that path and one thread
+//!   hand-off: the floor of any await woken by a host function); and the event recorded after
+//!   the copy, queried in a loop by another thread that unparks the parked caller (the floor of
+//!   any await woken by a thread that polls).
 //!
 //! Then the cost of each wake-up source per operation, paid when the operation is issued
 //! (median of N): a stream fence (an epoch: one atomic add), an event fence (`cuEventCreate` +
 //! `cuEventRecord`, and `cuEventDestroy` as it is dropped), a host function (`cuLaunchHostFunc`
-//! and its payload); and 1,000 tiny copies in flight at
-//! once, each awaited by its own task, against the same copies and one `cuStreamSynchronize`.
-//! The awaits run on a multi-threaded tokio runtime (2 workers). Without a GPU it prints
-//! `SKIPPED: reason`. A run takes a few seconds.
+//! and its payload); and 1,000 tiny copies in flight at once, each awaited by its own task,
+//! against the same copies and one `cuStreamSynchronize`, in `FUTURES_BENCH_ROUNDS` paired rounds
+//! (raw, awaited, raw; default 30); target at most 1.1x. The awaits run on a multi-threaded
+//! tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
+//! seconds.
 
 use gpudirect::completion::{EventFence, InFlight};
 use gpudirect::cuda::Stream;
 use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, copy_async};
+use gpudirect_testing::paired::{self, Summary};
 use gpudirect_testing::{Hardware, skip_example};
 use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 fn ok(call: &'static str, r: sys::CUresult) {
@@ -53,15 +66,93 @@ enum Variant {
     AwaitStream,
     AwaitEvent,
     AwaitHostFn,
+    RawHostFnSpin,
+    RawHostFnPark,
+    RawQueryPark,
 }
 
-const VARIANTS: [(Variant, &str); 5] = [
-    (Variant::EventSync, "cuEventSynchronize"),
-    (Variant::Wait, "InFlight::wait"),
-    (Variant::AwaitStream, "await stream fence"),
-    (Variant::AwaitEvent, "await event fence"),
-    (Variant::AwaitHostFn, "await host fn"),
+/// The variants, their names, and the target of those that have one (at most this ratio).
+const VARIANTS: [(Variant, &str, Option<f64>); 8] = [
+    (Variant::EventSync, "cuEventSynchronize", None),
+    (Variant::Wait, "InFlight::wait", None),
+    (Variant::AwaitStream, "await stream fence", None),
+    (Variant::AwaitEvent, "await event fence", Some(1.2)),
+    (Variant::AwaitHostFn, "await host fn", Some(1.2)),
+    (Variant::RawHostFnSpin, "raw: host fn, caller spins", None),
+    (Variant::RawHostFnPark, "raw: host fn unparks caller", None),
+    (Variant::RawQueryPark, "raw: query thread unparks", None),
 ];
+
+/// The target for 1,000 awaited copies: at most this ratio over the raw copies.
+const CONCURRENT_TARGET: f64 = 1.1;
+
+/// Set by the raw host functions; the caller parked in `RawHostFnPark` is `CALLER`.
+static CALLBACK_RAN: AtomicBool = AtomicBool::new(false);
+static CALLER: OnceLock<std::thread::Thread> = OnceLock::new();
+
+/// A raw host function: sets the flag (the caller spins on it).
+unsafe extern "C" fn set_flag(_: *mut std::ffi::c_void) {
+    CALLBACK_RAN.store(true, Ordering::Release);
+}
+
+/// A raw host function: sets the flag and unparks the caller.
+unsafe extern "C" fn set_flag_and_unpark(_: *mut std::ffi::c_void) {
+    CALLBACK_RAN.store(true, Ordering::Release);
+    if let Some(t) = CALLER.get() {
+        t.unpark();
+    }
+}
+
+/// What the query thread of `RawQueryPark` is asked to do.
+const IDLE: u8 = 0;
+const QUERY: u8 = 1;
+const DONE: u8 = 2;
+const QUIT: u8 = 3;
+
+/// A thread that, told to, queries `ev` until it completes, then unparks the caller: the raw
+/// shape of a completion thread (it spins between requests, as one does while work is pending).
+struct QueryThread {
+    state: Arc<AtomicU8>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl QueryThread {
+    fn start(ctx: &Arc<gpudirect::cudarc::driver::CudaContext>, ev: usize) -> Self {
+        let state = Arc::new(AtomicU8::new(IDLE));
+        let (st, ctx) = (state.clone(), ctx.clone());
+        let caller = std::thread::current();
+        let handle = std::thread::spawn(move || {
+            ctx.bind_to_thread().unwrap();
+            loop {
+                match st.load(Ordering::Acquire) {
+                    QUERY => {
+                        // SAFETY: a live event, its context current.
+                        while unsafe { sys::cuEventQuery(ev as sys::CUevent) }
+                            == sys::CUresult::CUDA_ERROR_NOT_READY
+                        {}
+                        st.store(DONE, Ordering::Release);
+                        caller.unpark();
+                    }
+                    QUIT => return,
+                    _ => std::hint::spin_loop(),
+                }
+            }
+        });
+        QueryThread {
+            state,
+            handle: Some(handle),
+        }
+    }
+}
+
+impl Drop for QueryThread {
+    fn drop(&mut self) {
+        self.state.store(QUIT, Ordering::Release);
+        if let Some(h) = self.handle.take() {
+            h.join().unwrap();
+        }
+    }
+}
 
 fn main() {
     let ctx = match gpudirect::cuda::context(0) {
@@ -75,6 +166,11 @@ fn main() {
         .max(10_000)
         .div_ceil(100)
         * 100;
+    let conc_rounds: usize = std::env::var("FUTURES_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30usize)
+        .max(6);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -94,6 +190,7 @@ fn main() {
     ok("cuEventCreate", unsafe {
         sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
     });
+    CALLER.set(std::thread::current()).unwrap();
     // SAFETY (for every raw copy below): two live 4-byte buffers, alive for the whole bench; the
     // gpudirect variants hold them in between, and each variant's copy has completed before the
     // next one starts.
@@ -102,8 +199,9 @@ fn main() {
             sys::cuMemcpyDtoDAsync_v2(pb, pa, 4, cs)
         })
     };
+    let mut query_thread: Option<QueryThread> = None;
 
-    let mut one = |v: Variant| -> f64 {
+    let mut one = |v: Variant, query_thread: &mut Option<QueryThread>| -> f64 {
         let t = Instant::now();
         match v {
             Variant::EventSync => {
@@ -136,21 +234,61 @@ fn main() {
                 let op = InFlight::new("host fn", stream.host_fence().unwrap(), ());
                 rt.block_on(op.into_future()).unwrap();
             }
+            Variant::RawHostFnSpin | Variant::RawHostFnPark => {
+                let park = v == Variant::RawHostFnPark;
+                CALLBACK_RAN.store(false, Ordering::Release);
+                raw_copy();
+                let f = if park { set_flag_and_unpark } else { set_flag };
+                // SAFETY: a live stream; the callback touches only statics.
+                ok("cuLaunchHostFunc", unsafe {
+                    sys::cuLaunchHostFunc(cs, Some(f), std::ptr::null_mut())
+                });
+                while !CALLBACK_RAN.load(Ordering::Acquire) {
+                    if park {
+                        std::thread::park();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+            Variant::RawQueryPark => {
+                let q = query_thread.get_or_insert_with(|| QueryThread::start(&ctx, ev as usize));
+                raw_copy();
+                // SAFETY: a live event and stream.
+                ok("cuEventRecord", unsafe { sys::cuEventRecord(ev, cs) });
+                q.state.store(QUERY, Ordering::Release);
+                while q.state.load(Ordering::Acquire) != DONE {
+                    std::thread::park();
+                }
+                q.state.store(IDLE, Ordering::Release);
+            }
         }
         t.elapsed().as_secs_f64()
     };
-    // Warm-up: one block of each (starts the completion thread, fills the event pools).
-    for (v, _) in VARIANTS {
-        for _ in 0..100 {
-            one(v);
+    // A block of 100 of `v`: its round trips are kept, its median returned. The query thread
+    // spins only during its own variant's blocks.
+    let mut block = |v: Variant, all: &mut Vec<f64>| -> f64 {
+        let mut t: Vec<f64> = (0..100).map(|_| one(v, &mut query_thread)).collect();
+        if v == Variant::RawQueryPark {
+            query_thread = None;
         }
+        all.extend_from_slice(&t);
+        median(&mut t)
+    };
+    // Warm-up: one block of each (starts the completion thread, fills the event pools).
+    let mut scratch = Vec::new();
+    for (v, _, _) in VARIANTS {
+        block(v, &mut scratch);
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(n); VARIANTS.len()];
-    for _block in 0..n / 100 {
-        for (vi, (v, _)) in VARIANTS.iter().enumerate() {
-            for _ in 0..100 {
-                times[vi].push(one(*v));
-            }
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::with_capacity(n / 100); VARIANTS.len()];
+    for _round in 0..n / 100 {
+        let mut before = block(Variant::EventSync, &mut times[0]);
+        for (vi, (v, _, _)) in VARIANTS.iter().enumerate().skip(1) {
+            let ours = block(*v, &mut times[vi]);
+            let after = block(Variant::EventSync, &mut times[0]);
+            rounds[vi].push(paired::ratio(before, ours, after));
+            before = after;
         }
     }
     let medians: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
@@ -191,9 +329,21 @@ fn main() {
     let src_ptrs: Vec<u64> = srcs.iter().map(|s| s.device_ptr()).collect();
     let dst_ptrs: Vec<u64> = dsts.iter().map(|d| d.device_ptr()).collect();
     let mut srcs = Some(srcs);
-    let mut conc_await = Vec::new();
-    let mut conc_raw = Vec::new();
-    for _ in 0..10 {
+    let raw_many = || {
+        let t = Instant::now();
+        for (s, d) in src_ptrs.iter().zip(&dst_ptrs) {
+            // SAFETY: live 4-byte buffers, no other work on them in flight.
+            ok("cuMemcpyDtoDAsync_v2", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(*d, *s, 4, cs)
+            });
+        }
+        // SAFETY: a live stream.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(cs)
+        });
+        t.elapsed().as_secs_f64()
+    };
+    let mut awaited_many = || {
         let ss = srcs.take().unwrap();
         let ds = std::mem::take(&mut dsts);
         let t = Instant::now();
@@ -212,22 +362,25 @@ fn main() {
             }
             back
         });
-        conc_await.push(t.elapsed().as_secs_f64());
+        let took = t.elapsed().as_secs_f64();
         let (ss, ds): (Vec<_>, Vec<_>) = back.into_iter().unzip();
         srcs = Some(ss);
         dsts = ds;
-        let t = Instant::now();
-        for (s, d) in src_ptrs.iter().zip(&dst_ptrs) {
-            // SAFETY: live 4-byte buffers, no other work on them in flight.
-            ok("cuMemcpyDtoDAsync_v2", unsafe {
-                sys::cuMemcpyDtoDAsync_v2(*d, *s, 4, cs)
-            });
-        }
-        // SAFETY: a live stream.
-        ok("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(cs)
-        });
-        conc_raw.push(t.elapsed().as_secs_f64());
+        took
+    };
+    awaited_many(); // warm-up
+    let mut conc_await = Vec::new();
+    let mut conc_raw = Vec::new();
+    let mut conc_rounds_ratio = Vec::new();
+    let mut before = raw_many();
+    conc_raw.push(before);
+    for _ in 0..conc_rounds {
+        let ours = awaited_many();
+        let after = raw_many();
+        conc_rounds_ratio.push(paired::ratio(before, ours, after));
+        conc_await.push(ours);
+        conc_raw.push(after);
+        before = after;
     }
     let (conc_await, conc_raw) = (median(&mut conc_await), median(&mut conc_raw));
     // SAFETY: the event is idle (its last record was synchronized).
@@ -235,11 +388,35 @@ fn main() {
 
     let base = medians[0];
     println!();
-    println!("awaiting a 4-byte copy, median of {n} (ratio against cuEventSynchronize)");
-    println!("{:<24} {:>13} {:>8}", "wait", "latency", "ratio");
-    for ((_, name), m) in VARIANTS.iter().zip(&medians) {
-        println!("{name:<24} {} {:>8.3}", us(*m), m / base);
+    println!(
+        "awaiting a 4-byte copy: {n} round trips per variant in {} paired rounds (ratio: of the \
+         medians; paired: each round's block median over the mean of cuEventSynchronize's blocks \
+         before and after it, median [95% interval] (lowest..highest) rounds)",
+        n / 100
+    );
+    println!(
+        "{:<28} {:>13} {:>7}  {:<34} {:>6} {:>9}",
+        "wait", "latency", "ratio", "paired", "target", "verdict"
+    );
+    for (((_, name, target), m), r) in VARIANTS.iter().zip(&medians).zip(&rounds) {
+        let paired = Summary::of(r);
+        println!(
+            "{name:<28} {} {:>7.3}  {:<34} {:>6} {:>9}",
+            us(*m),
+            m / base,
+            paired.map_or_else(|| "-".to_string(), |s| s.to_string()),
+            target.map_or_else(String::new, |t| format!("<={t:.2}")),
+            match (target, paired) {
+                (Some(t), Some(s)) => s.at_most(*t).to_string(),
+                _ => String::new(),
+            }
+        );
     }
+    println!(
+        "(raw rows: no gpudirect code; 'host fn, caller spins' is the driver's host-function path \
+         alone, 'host fn unparks caller' adds one thread hand-off, 'query thread unparks' is a \
+         thread polling the event and waking the parked caller)"
+    );
     println!();
     println!("wake-up source, issued per operation (median of {n})");
     println!("{:<24} {:>13}  woken by", "source", "issue");
@@ -263,6 +440,7 @@ fn main() {
         println!("{name:<24} {}  {by}", us(cost));
     }
     println!();
+    let conc = Summary::of(&conc_rounds_ratio).expect("rounds measured");
     println!(
         "{CONCURRENT} copies in flight, each awaited by a task: {} total ({:.2} us per op); raw copies + one cuStreamSynchronize: {} ({:.2} us per op); ratio {:.3}",
         us(conc_await),
@@ -270,6 +448,10 @@ fn main() {
         us(conc_raw),
         conc_raw / CONCURRENT as f64 * 1e6,
         conc_await / conc_raw
+    );
+    println!(
+        "{CONCURRENT} copies awaited, paired (awaited over the mean of the raw runs before and after it): {conc} against <={CONCURRENT_TARGET:.2}: {}",
+        conc.at_most(CONCURRENT_TARGET)
     );
     drop((srcs, dsts));
 }

@@ -4,7 +4,13 @@
 //! - H2D (pinned), D2H (pinned) and D2D bandwidth, 4 KiB to 1 GiB: `copy_async(..).wait()` against
 //!   `cuMemcpy*Async` + `cuStreamSynchronize`.
 //! - Issue cost of a small (4 KiB H2D) async copy including the tracker's bookkeeping (an `Arc`
-//!   source, an `InFlight` with a `StreamFence`) against a raw `cuMemcpyHtoDAsync_v2`.
+//!   source, an `InFlight` with a `StreamFence`) against a raw `cuMemcpyHtoDAsync_v2`; then decided
+//!   by paired rounds (`MEMORY_BENCH_ISSUE_ROUNDS`, default 301): each round times a batch of 256
+//!   raw copies, 256 raw copies each with the driver calls of gpudirect's checks (context and
+//!   capture), 256 `copy_async`, and 256 raw again (the stream synchronized between batches); its
+//!   figures are the time per copy of each minus the mean of the two raw ones; a cell is the
+//!   median over rounds with its 95% interval, gpudirect's against the target of at most 0.3 µs
+//!   over raw.
 //! - Stream wait/write value round trip host -> GPU -> host (issue both ops, store the flag,
 //!   spin until the GPU's write lands): median of 10,000 against the raw `_v2` calls.
 //!
@@ -16,6 +22,7 @@ use gpudirect::completion::{InFlight, StreamFence};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
 use gpudirect::cudarc::driver::{CudaContext, sys};
 use gpudirect::memory::{DeviceBuffer, DeviceMemory, HostAllocFlags, PinnedHostBuffer, copy_async};
+use gpudirect_testing::paired::Summary;
 use gpudirect_testing::{Hardware, skip_example};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -204,6 +211,89 @@ fn issue_cost(c: &mut Criterion, ctx: &Arc<CudaContext>, stream: &Stream) {
     g.finish();
 }
 
+/// The issue-cost target: at most this many microseconds per copy over raw.
+const ISSUE_TARGET_US: f64 = 0.3;
+
+/// The issue cost decided by paired rounds: per round, gpudirect's microseconds per copy over the
+/// mean of the raw batches before and after it; and the same for raw copies with the driver
+/// calls of gpudirect's checks (what those calls alone cost).
+fn issue_paired(ctx: &Arc<CudaContext>, stream: &Stream, rounds: usize) -> (Vec<f64>, Vec<f64>) {
+    let src =
+        Arc::new(PinnedHostBuffer::<u32>::alloc(ctx, SMALL, HostAllocFlags::empty()).unwrap());
+    let mut dsts: Vec<DeviceBuffer<u32>> = (0..QUEUE)
+        .map(|_| DeviceBuffer::alloc(ctx, SMALL).unwrap())
+        .collect();
+    let hp = src.host_ptr().unwrap();
+    let ptrs: Vec<u64> = dsts.iter().map(|d| d.device_ptr()).collect();
+    let cs = stream.cu_stream();
+    // `checked`: the driver calls a copy_async makes beside the copy (the context check and the
+    // capture check before and after), and nothing else.
+    let raw = |checked: bool| {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let t = Instant::now();
+        for &d in &ptrs {
+            // SAFETY: 4 KiB buffers alive for the bench, none in use by other work; valid
+            // out-pointers.
+            unsafe {
+                if checked {
+                    ok("cuCtxGetCurrent", sys::cuCtxGetCurrent(&mut cur));
+                    ok(
+                        "cuStreamIsCapturing",
+                        sys::cuStreamIsCapturing(cs, &mut status),
+                    );
+                }
+                ok(
+                    "cuMemcpyHtoDAsync_v2",
+                    sys::cuMemcpyHtoDAsync_v2(d, hp.cast(), SMALL * 4, cs),
+                );
+                if checked {
+                    ok(
+                        "cuStreamIsCapturing",
+                        sys::cuStreamIsCapturing(cs, &mut status),
+                    );
+                }
+            }
+        }
+        let took = t.elapsed().as_secs_f64() / QUEUE as f64;
+        // SAFETY: a live stream.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(cs)
+        });
+        took
+    };
+    let ours = |dsts: &mut Vec<DeviceBuffer<u32>>| {
+        let mut ops: Vec<InFlight<_, StreamFence>> = Vec::with_capacity(QUEUE);
+        let batch: Vec<_> = std::mem::take(dsts);
+        let t = Instant::now();
+        for d in batch {
+            ops.push(copy_async(stream, src.clone(), d).unwrap());
+        }
+        let took = t.elapsed().as_secs_f64() / QUEUE as f64;
+        for op in ops {
+            dsts.push(op.wait().unwrap().1);
+        }
+        took
+    };
+    // Warm-up.
+    raw(false);
+    raw(true);
+    ours(&mut dsts);
+    let mut extra = Vec::with_capacity(rounds);
+    let mut checks = Vec::with_capacity(rounds);
+    let mut before = raw(false);
+    for _ in 0..rounds {
+        let c = raw(true);
+        let g = ours(&mut dsts);
+        let after = raw(false);
+        let base = (before + after) / 2.0;
+        extra.push((g - base) * 1e6);
+        checks.push((c - base) * 1e6);
+        before = after;
+    }
+    (extra, checks)
+}
+
 const ROUND_TRIPS: usize = 10_000;
 
 fn spin_until(mut f: impl FnMut() -> bool) {
@@ -309,6 +399,12 @@ fn main() {
         .configure_from_args();
     bandwidth(&mut c, &ctx, &stream, &sizes);
     issue_cost(&mut c, &ctx, &stream);
+    let issue_rounds: usize = std::env::var("MEMORY_BENCH_ISSUE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(301usize)
+        .max(6);
+    let (issue_extra, issue_checks) = issue_paired(&ctx, &stream, issue_rounds);
     let (rt_ours, rt_raw) = memop_round_trip(&ctx, &stream);
     c.final_summary();
 
@@ -346,6 +442,18 @@ fn main() {
             (o - r) * 1e6
         );
     }
+    let paired = Summary::of(&issue_extra).expect("rounds measured");
+    let checks = Summary::of(&issue_checks).expect("rounds measured");
+    println!(
+        "{:<28} {paired} us over raw, paired rounds (median [95% interval] (lowest..highest) rounds): {} against <= {ISSUE_TARGET_US}",
+        "issue 4KiB H2D async",
+        paired.at_most(ISSUE_TARGET_US)
+    );
+    println!(
+        "{:<28} {checks} us over raw: raw copies with the driver calls of gpudirect's checks \
+         (cuCtxGetCurrent, cuStreamIsCapturing before and after), same rounds",
+        "  of which driver calls"
+    );
     println!(
         "{:<28} {:>11.3} us {:>11.3} us {:>8.3}  (median of {ROUND_TRIPS}, target within 5%)",
         "memop round trip",

@@ -18,6 +18,13 @@
 //!
 //! Prints each stage alone, the step, the overlap efficiency, and the fraction of the step the
 //! GPU computes; checks the received gradients' exact bytes. With one GPU both ranks share GPU 0.
+//!
+//! Stages alone: load and exchange are measured by one rank at a time, the other waiting at a
+//! barrier; compute by both ranks at once, as the pipelined run computes. Two processes on one
+//! GPU take turns on it (time slices), so a rank's exchange measured while the other rank's
+//! kernels run waits for its turn on the device, not for the copy (`--alone-together` measures
+//! every stage on both ranks at once, as earlier versions did; docs/benches.md). The stage
+//! windows printed (seconds on the clock both ranks share) show what ran beside what.
 //! Ranks on one node meet over a Unix domain socket and move bytes by CUDA IPC; across nodes
 //! (`--listen PORT` on one node, `--connect HOST:PORT` on the other) they use RDMA.
 //!
@@ -77,6 +84,10 @@ struct Args {
     /// Exit 1 when the step is over 1.1x the compute stage alone.
     #[arg(long)]
     check_overlap: bool,
+    /// Measure every stage alone on both ranks at once, without the barriers that give each
+    /// rank's load and exchange the device to itself.
+    #[arg(long)]
+    alone_together: bool,
     /// Across nodes: listen for the other rank on this TCP port (rdma_cm), as rank 0.
     #[arg(long, conflicts_with = "connect")]
     listen: Option<u16>,
@@ -292,17 +303,49 @@ fn main() {
         .map(|_| DeviceBuffer::alloc(&ctx, batch_len / 4).or_fail("cuMemAlloc"))
         .collect();
 
-    // Each stage alone.
+    // Each stage alone. Load and exchange one rank at a time (rank 0 first, rank 1 waiting at
+    // the barrier), so that neither shares the device with the other rank's work; compute on
+    // both at once, as the pipelined run computes. Every barrier is one notification each way.
+    let mut barriers = 0u64;
+    let mut sync = |me: &Rank, tag: u32| {
+        barrier(me, tag);
+        barriers += 1;
+    };
+    let epoch = std::time::SystemTime::UNIX_EPOCH;
+    let clock = || {
+        std::time::SystemTime::now()
+            .duration_since(epoch)
+            .map_or(0.0, |d| {
+                (d.as_secs() % 1000) as f64 + f64::from(d.subsec_nanos()) * 1e-9
+            })
+    };
+    let together = args.alone_together;
+    if !together {
+        sync(&me, 1);
+        if rank == 1 {
+            sync(&me, 2);
+        }
+    }
+    let w_load = clock();
     let t0 = Instant::now();
     for i in 0..steps {
         loader.read(i, &mut batches[i % 2]);
     }
     let t_load = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    let w_comm = clock();
     let (t_comm, comm_path) = exchange_alone(&me, &comm, steps);
+    let w_comm_end = clock();
     let slower = t_load.max(t_comm);
     let kernel_us = args
         .kernel_us
         .unwrap_or(((slower * 1.5 * 1000.0) as u64).clamp(100, 10_000_000));
+    if !together {
+        if rank == 0 {
+            sync(&me, 2);
+        }
+        sync(&me, 3);
+    }
+    let w_comp = clock();
     // Compute alone: the whole stage of a step (the batch kernel, the gradient produced, the
     // peer's consumed) without its waits.
     let t_comp = {
@@ -324,6 +367,7 @@ fn main() {
         comp.synchronize().or_fail("synchronize");
         ms_between(&a, &b) / steps as f64
     };
+    let w_comp_end = clock();
     // The alone run changed the gradients: seed them again, and wait for the peer to be done
     // with its alone runs (it writes into our scratch buffer only) before the pipelined run.
     for (s, g) in me.grads.iter().enumerate() {
@@ -332,7 +376,7 @@ fn main() {
             .collect();
         g.copy_from_host(0, &bytes).or_fail("seed the gradient");
     }
-    barrier(&me, 1_000_000);
+    sync(&me, 1_000_000);
 
     // Pipelined: the loader thread runs ahead by one batch.
     let (to_loader, loader_in) = mpsc::channel::<(usize, DeviceBuffer<u32>, Option<CudaEvent>)>();
@@ -356,15 +400,18 @@ fn main() {
     for (i, b) in batches.drain(..).enumerate() {
         to_loader.send((i, b, None)).or_fail("loader");
     }
-    // The peer sent one notification before the pipelined run (the barrier's), so its step i's
-    // gradient is there once the counter reaches i + 2.
-    let base = 1;
+    // The peer sent one notification per barrier before the pipelined run, so its step i's
+    // gradient is there once the counter reaches barriers + i + 1.
+    let base = barriers;
     let (start, end) = (timing_event(&ctx), timing_event(&ctx));
     comp.synchronize().or_fail("synchronize");
     start.record(comp.cuda()).or_fail("record");
     let mut sends: Vec<Option<StreamTransfer>> = (0..steps).map(|_| None).collect();
+    let mut loader_wait = Duration::ZERO;
     for i in 0..steps {
+        let waited = Instant::now();
         let (j, batch) = loaded.recv().or_fail("loader");
+        loader_wait += waited.elapsed();
         assert_eq!(i, j);
         // The load stream marks the batch loaded; compute waits for it.
         let ev = load.record_event().or_fail("record");
@@ -441,6 +488,14 @@ fn main() {
         gbs(grad_len, t_comm),
         comm_path
     );
+    println!(
+        "  {r} stage windows (s): load {w_load:.3}-{w_comm:.3}, exchange {w_comm:.3}-{w_comm_end:.3}, compute {w_comp:.3}-{w_comp_end:.3}{}",
+        if together {
+            " (--alone-together: both ranks at once)"
+        } else {
+            ""
+        }
+    );
     println!("  {r} serial sum      {serial:8.3} ms");
     println!(
         "  {r} step            {step_ms:8.3} ms = {:.3}x compute alone",
@@ -453,6 +508,10 @@ fn main() {
     println!(
         "  {r} GPU computes {:5.1}% of the step; received gradients checked",
         100.0 * (t_comp / step_ms).min(1.0)
+    );
+    println!(
+        "  {r} host waited for the loader {:.3} ms per step",
+        loader_wait.as_secs_f64() * 1e3 / steps as f64
     );
     if gpus < 2 && !across {
         println!(

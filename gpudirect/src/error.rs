@@ -433,6 +433,7 @@ fn cuda_cause(cu_err: i32, cu_name: &Option<String>) -> String {
 }
 
 /// Turn a `CUresult` from `call` into a `Result`.
+#[inline]
 pub(crate) fn cu(call: &'static str, r: cudarc::driver::sys::CUresult) -> Result<()> {
     if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         Ok(())

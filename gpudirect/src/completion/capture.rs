@@ -61,6 +61,7 @@ impl<R> From<Refused<R>> for Error {
 ///
 /// [`Error::Cuda`] naming `cuStreamIsCapturing` (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` for the
 /// legacy default stream while a blocking stream captures).
+#[inline]
 pub(crate) fn is_capturing(raw: sys::CUstream) -> Result<bool> {
     // SAFETY: a live stream handle (or the legacy stream) whose context the caller made current.
     unsafe { driver::stream::is_capturing(raw) }
@@ -83,6 +84,7 @@ struct Driver {
 }
 
 impl Probe for Driver {
+    #[inline]
     fn capturing(&self) -> Result<bool> {
         is_capturing(self.raw)
     }
@@ -102,6 +104,7 @@ impl Probe for Driver {
 /// On success returns `f`'s value and `keep`. On refusal or failure returns the error and `keep`
 /// back (`kept: Some`) when no work can be in a graph; when the stream was capturing after `f`
 /// ran (or that could not be checked), `keep` and `f`'s value are leaked (`kept: None`).
+#[inline]
 pub(crate) fn enqueue<R, T>(
     stream: &CudaStream,
     call: &'static str,
@@ -118,6 +121,7 @@ pub(crate) fn enqueue<R, T>(
 }
 
 /// [`enqueue`] on a raw stream whose context is current.
+#[inline]
 pub(crate) fn enqueue_raw<R, T>(
     raw: sys::CUstream,
     call: &'static str,

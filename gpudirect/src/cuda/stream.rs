@@ -98,6 +98,7 @@ impl Stream {
 
     /// Queue work on this stream through the capture-checked path (see [`capture`]): `f` gets
     /// the raw stream and `keep`, everything the work may touch.
+    #[inline]
     pub(crate) fn enqueue<R, T>(
         &self,
         call: &'static str,

@@ -14,6 +14,7 @@ use cudarc::driver::sys;
 ///
 /// On a thread the crate started ([`spawn_thread`]), the first bind also relaxes the
 /// thread's stream-capture mode for good.
+#[inline]
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     named("cuCtxSetCurrent", ctx.bind_to_thread())?;
     relax_library_thread();
@@ -90,6 +91,7 @@ where
         .map_err(pthread_create)
 }
 
+#[inline]
 fn relax_library_thread() {
     LIBRARY.with(|c| {
         if c.get() == 1 {

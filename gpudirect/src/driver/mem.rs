@@ -113,6 +113,7 @@ pub(crate) unsafe fn memset_d8_async(
 ///
 /// Both ranges stay valid until the copy completes; nobody reads or writes `dst`, or writes
 /// `src`, meanwhile; `stream` is live.
+#[inline]
 pub(crate) unsafe fn copy_htod_async(
     dst: sys::CUdeviceptr,
     src: *const c_void,
@@ -130,6 +131,7 @@ pub(crate) unsafe fn copy_htod_async(
 /// # Safety
 ///
 /// As [`copy_htod_async`].
+#[inline]
 pub(crate) unsafe fn copy_dtoh_async(
     dst: *mut c_void,
     src: sys::CUdeviceptr,
@@ -148,6 +150,7 @@ pub(crate) unsafe fn copy_dtoh_async(
 /// # Safety
 ///
 /// As [`copy_htod_async`].
+#[inline]
 pub(crate) unsafe fn copy_dtod_async(
     dst: sys::CUdeviceptr,
     src: sys::CUdeviceptr,
@@ -166,6 +169,7 @@ pub(crate) unsafe fn copy_dtod_async(
 /// # Safety
 ///
 /// As [`copy_htod_async`].
+#[inline]
 pub(crate) unsafe fn copy_async(
     dst: sys::CUdeviceptr,
     src: sys::CUdeviceptr,

@@ -104,6 +104,7 @@ pub(crate) unsafe fn wait_event(stream: sys::CUstream, event: sys::CUevent) -> R
 /// # Safety
 ///
 /// `stream` is live (or the legacy stream), its context current.
+#[inline]
 pub(crate) unsafe fn is_capturing(stream: sys::CUstream) -> Result<bool> {
     // SAFETY: forwarded from the caller.
     let status = named("cuStreamIsCapturing", unsafe {

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 /// What an asynchronous copy returns: both buffers, owned until the copy completes.
 pub type CopyInFlight<S, D> = InFlight<(S, D), StreamFence>;
 
+#[inline]
 fn check_device(stream: &Stream, arg: &'static str, m: &impl DeviceMemory) -> Result<()> {
     let ord = stream.context().ordinal();
     if m.kind().is_device() && m.ordinal() != ord {
@@ -23,6 +24,7 @@ fn check_device(stream: &Stream, arg: &'static str, m: &impl DeviceMemory) -> Re
     Ok(())
 }
 
+#[inline]
 pub(crate) fn check_len(src: usize, dst: usize) -> Result<()> {
     if src != dst {
         return Err(Error::invalid(
