@@ -1,19 +1,22 @@
-//! An async pipeline on tokio: a file is read into GPU memory in chunks with cuFile's
-//! stream-ordered reads (`FileHandle::read_async`, awaited), and while chunk `i + 1` is read,
-//! chunk `i` is processed: copied back to pinned host memory (`memory::copy_async`, awaited) and
-//! checked byte for byte against the file. Two device buffers take turns; every await has a
-//! deadline. Prints the pipeline's GB/s beside the same reads and copies one after the other.
+//! An async pipeline on tokio: a file is read into GPU memory in chunks with awaited reads, and
+//! while chunk `i + 1` is read, chunk `i` is processed: copied back to pinned host memory
+//! (`memory::copy_async`, awaited) and checked byte for byte against the file. Two device
+//! buffers take turns; every await has a deadline. Prints the pipeline's GB/s beside the same
+//! reads and copies one after the other.
 //!
 //! ```text
 //! cargo run --release --example async_pipeline
 //! cargo run --release --example async_pipeline -- --mib 1024 --chunk-mib 16 --dir /mnt/nvme/tmp
+//! cargo run --release --example async_pipeline -- --reads cufile   # cuFile's stream-ordered reads
 //! ```
 //!
-//! Where cuFile is missing or cannot register the file (no udev data for its device, tmpfs), the
-//! chunks are read by `GdsFile` in `Mode::Auto` (the library's POSIX path) on tokio's blocking
-//! pool, awaited the same way, and the example says so. Exits 0 with `SKIPPED: reason` without a
-//! GPU; 1 on wrong bytes or an error; 2 on a bad option. `--help` lists the options and their
-//! environment settings.
+//! By default the chunks are read by `GdsFile::read_async` in `Mode::Auto`: the path a blocking
+//! read takes (cuFile with GPUDirect Storage, the library's POSIX path where cuFile runs in
+//! compatibility mode or cannot register the file), awaited. `--reads cufile` reads with cuFile's
+//! stream-ordered `FileHandle::read_async` instead (it fails where cuFile cannot register the
+//! file: no udev data for its device, tmpfs). Exits 0 with `SKIPPED: reason` without a GPU; 1 on
+//! wrong bytes or an error; 2 on a bad option. `--help` lists the options and their environment
+//! settings.
 
 #[path = "support/cli.rs"]
 mod cli;
@@ -30,8 +33,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Read a random file into GPU memory chunk by chunk with awaited cuFile reads, processing each
-/// chunk (copy back, check) while the next one is read.
+/// Read a random file into GPU memory chunk by chunk with awaited reads, processing each chunk
+/// (copy back, check) while the next one is read.
 #[derive(Parser)]
 struct Args {
     /// File size in MiB (2^20 bytes); a multiple of --chunk-mib.
@@ -47,6 +50,10 @@ struct Args {
     /// files [default: target/gpudirect-storage-test]
     #[arg(long, env = "GPUDIRECT_TEST_DIR")]
     dir: Option<PathBuf>,
+    /// How chunks are read: `auto` (`GdsFile::read_async`, the automatic path) or `cufile`
+    /// (cuFile's stream-ordered `FileHandle::read_async`).
+    #[arg(long, env = "PIPELINE_READS", default_value = "auto", value_parser = ["auto", "cufile"])]
+    reads: String,
 }
 
 fn main() {
@@ -73,24 +80,32 @@ fn main() {
         eprintln!("FAILED: writing {}: {e}", path.display());
         std::process::exit(1);
     }
-    let reader =
+    let reader = if args.reads == "cufile" {
         match Driver::open().and_then(|d| FileHandle::open(&d, &path, &OpenOptions::read_only())) {
             Ok(f) => {
                 println!("reads: cuFileReadAsync on a stream, awaited");
-                Reader::CuFile(f)
+                Ok(Reader::CuFile(f))
             }
-            Err(e) => match GdsFile::open(&path, &OpenOptions::read_only(), Mode::Auto) {
-                Ok(g) => {
-                    println!("reads: GdsFile (Mode::Auto) on tokio's blocking pool, awaited ({e})");
-                    Reader::Auto(Arc::new(g))
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_file(&path);
-                    eprintln!("FAILED: opening {}: {e}", path.display());
-                    std::process::exit(1);
-                }
-            },
-        };
+            Err(e) => Err(e),
+        }
+    } else {
+        GdsFile::open(&path, &OpenOptions::read_only(), Mode::Auto).map(|g| {
+            let t = g.path_for_read(0, args.chunk_mib.bytes);
+            println!(
+                "reads: GdsFile::read_async (Mode::Auto), awaited: {:?} ({:?})",
+                t.path, t.reason
+            );
+            Reader::Auto(Arc::new(g))
+        })
+    };
+    let reader = match reader {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            eprintln!("FAILED: opening {}: {e}", path.display());
+            std::process::exit(1);
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -109,7 +124,7 @@ fn main() {
 enum Reader {
     /// cuFile's stream-ordered reads.
     CuFile(FileHandle),
-    /// The automatic path, blocking, on tokio's blocking pool.
+    /// The automatic path, awaited (`GdsFile::read_async`).
     Auto(Arc<GdsFile>),
 }
 
@@ -121,7 +136,7 @@ impl Reader {
     fn read(
         &self,
         io: &Stream,
-        mut buf: DeviceBuffer<u8>,
+        buf: DeviceBuffer<u8>,
         offset: u64,
         len: usize,
         deadline: Duration,
@@ -133,21 +148,10 @@ impl Reader {
                     .into_future(),
             )),
             Reader::Auto(g) => {
-                let g = g.clone();
-                let task = tokio::task::spawn_blocking(move || {
-                    let t = g.read_to_device(&mut buf, 0, offset, len)?;
-                    Ok((buf, t.bytes))
-                });
+                let read = g.read_async(buf, 0, offset, len)?.timeout(deadline);
                 Ok(Box::pin(async move {
-                    match tokio::time::timeout(deadline, task).await {
-                        Ok(Ok(r)) => r,
-                        Ok(Err(e)) => panic!("the read task failed: {e}"),
-                        // The buffer stays with the blocking read until it ends.
-                        Err(_) => Err(gpudirect::Error::Timeout {
-                            what: "GdsFile::read_to_device",
-                            after: deadline,
-                        }),
-                    }
+                    let (buf, t) = read.await?;
+                    Ok((buf, t.bytes))
                 }))
             }
         }

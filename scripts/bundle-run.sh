@@ -63,6 +63,7 @@ if [ $udev = 1 ]; then
     GPUDIRECT_BIG_TESTS=1 tests "udev: " "storage_*"
     example "udev: " cufile_roundtrip
     example "udev: " async_pipeline
+    example "udev: " async_pipeline --reads cufile
   else
     fail=$((fail+1)); failed+=("udev entry"); echo "--- FAILED: writing the udev entry"
   fi

@@ -452,3 +452,80 @@ fn reads_and_writes_leave_another_threads_global_capture_valid() {
     );
     std::fs::remove_file(&p).unwrap();
 }
+
+/// `GdsFile::read_async` takes the path a blocking read takes and gives the same bytes: many
+/// awaited at once on a tokio runtime, exact bytes at unaligned offsets into poisoned buffers,
+/// a read across the end of the file short with the rest untouched, bad ranges refused before
+/// any thread starts, and a deadline that passes first ends the await typed while the read
+/// finishes on its own thread.
+#[test]
+fn awaited_reads_take_the_blocking_path_and_give_its_bytes() {
+    let Some((_ctx, stream)) = setup() else {
+        return;
+    };
+    let n = (8 << 20) + 4097;
+    let data = pattern(n, 31);
+    let p = write_file("awaited", &data);
+    let f = Arc::new(GdsFile::open(&p, &OpenOptions::read_only(), Mode::Auto).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cases: Vec<(usize, u64, usize)> = vec![
+        (0, 0, 1 << 20),
+        (3, 4097, (2 << 20) + 5),
+        (4096, 1 << 20, 4 << 20),
+        (17, (n - 1000) as u64, 5000),
+        (0, n as u64 + 10, 4096),
+    ];
+    let results = rt.block_on(async {
+        let mut reads = Vec::new();
+        for &(off, fo, len) in &cases {
+            let dst = DeviceBuffer::from_slice(&stream, &vec![POISON; off + len + 4099]).unwrap();
+            let want = f.path_for_read(fo, len);
+            let r = f
+                .read_async(dst, off, fo, len)
+                .unwrap()
+                .timeout(std::time::Duration::from_secs(60));
+            reads.push(async move { (want, r.await) });
+        }
+        let mut out = Vec::new();
+        for r in reads {
+            out.push(r.await);
+        }
+        out
+    });
+    for ((want, r), &(off, fo, len)) in results.into_iter().zip(&cases) {
+        let (dst, t) = r.unwrap();
+        assert_eq!(t.path.path, want.path, "the blocking read's path");
+        let exp = len.min(data.len().saturating_sub(fo as usize));
+        assert_eq!(t.bytes, exp, "count at {fo}");
+        let host = dst.to_vec(&stream).unwrap();
+        let from = (fo as usize).min(data.len());
+        assert!(
+            host[off..off + exp] == data[from..from + exp],
+            "bytes at {fo}"
+        );
+        assert!(
+            host[..off].iter().all(|&b| b == POISON)
+                && host[off + exp..].iter().all(|&b| b == POISON),
+            "bytes outside the range changed at {fo}"
+        );
+    }
+    // A range outside the buffer: refused at once.
+    let small = DeviceBuffer::from_slice(&stream, &[0u8; 64]).unwrap();
+    assert!(matches!(
+        f.read_async(small, 0, 0, 65),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // A deadline that has passed: typed, and the read still ends on its thread.
+    let dst = DeviceBuffer::from_slice(&stream, &vec![POISON; n]).unwrap();
+    let r = rt.block_on(
+        f.read_async(dst, 0, 0, n)
+            .unwrap()
+            .deadline(std::time::Instant::now()),
+    );
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{:?}", r.err());
+    let _ = std::fs::remove_file(&p);
+}

@@ -64,6 +64,7 @@
 
 mod async_io;
 mod auto;
+mod awaited;
 mod batch;
 mod buffer;
 mod context;
@@ -76,6 +77,7 @@ mod status;
 
 pub use async_io::{AsyncIo, AsyncIoFuture, AsyncResources};
 pub use auto::{Durability, GdsFile, IoPath, Mode, PathReason, PathTaken, Transfer};
+pub use awaited::AutoReadFuture;
 pub use batch::{Batch, BatchFuture, BatchOp, BatchRequest, BatchResult, BatchStatus, run_batched};
 pub use buffer::BufRegistration;
 pub use driver::{BoolParam, Driver, DriverProperties, FsSupport, SizeParam, StringParam};
