@@ -21,6 +21,12 @@
 # between them; TWO_NODES=only runs just the two-node part. Needs the 7.x kernel (the default
 # then): 6.12's rxe does not follow network namespaces.
 #
+# N nodes (README.md, "N nodes"): NODES=4 runs only tests/membership_nodes.rs (feature etcd) with
+# etcd inside the VM (Debian's etcd-server, fetched as the guest's other packages): four network
+# namespaces on one bridge, an rxe device each; every node publishes itself by name, then
+# all-to-all writes found by name, one node SIGKILLed, one SIGSTOPped and resumed, etcd killed
+# and restarted; and the bench (connecting to 3 peers by name against by address). Kernel 7.
+#
 # Env: W (work dir, cached between runs; default <repo>/.vm/w), KERNEL=6.12|7 (default 6.12, 7 with
 #      TWO_NODES), TWO_NODES=0|1|only, TWO_NODES_NETNS=shared|exclusive (RDMA netns mode, default
 #      shared), VM_TIMEOUT (s, default 1500; 1800 with TWO_NODES), ACCEL=auto|kvm|tcg, SMP (default 2),
@@ -35,7 +41,9 @@
 #      mooncake; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
 #      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
 #      README.md, "Mooncake beside"), MOONCAKE_CONFIGS ("BATCH:THREADS ...", default
-#      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3).
+#      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3); the N-node mode:
+#      NODES (3-9, default 0: off), BENCH_RUNS (its bench's rounds, default 7), NODES_TTL_MS (the
+#      lease TTL, default 2000).
 # README.md (beside this script) says what was learned getting rxe to run here.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -49,7 +57,9 @@ for s in ${BENCH_SIZES:-}; do
   case $s in 8|4096|65536|1048576) ;; *) echo "HOST: BENCH_SIZES takes 8 4096 65536 1048576" >&2; exit 2;; esac
 done
 case $TWO_NODES in 0|1|only) ;; *) echo "HOST: TWO_NODES must be 0, 1 or only" >&2; exit 2;; esac
-if [ "$TWO_NODES" = 0 ]; then KERNEL=${KERNEL:-6.12}; else KERNEL=${KERNEL:-7}; fi
+NODES=${NODES:-0}
+case $NODES:$TWO_NODES:$BENCH_ONLY in 0:*|[3-9]:0:0) ;; *) echo "HOST: NODES takes 3 to 9, alone (no TWO_NODES, no BENCH_ONLY)" >&2; exit 2;; esac
+if [ "$TWO_NODES" = 0 ] && [ "$NODES" = 0 ]; then KERNEL=${KERNEL:-6.12}; else KERNEL=${KERNEL:-7}; fi
 t0=$(date +%s.%N); stamp() { printf 'HOST: %-28s %6.1fs\n' "$1" "$(echo "$(date +%s.%N) - $t0" | bc)"; }
 die() { echo "HOST: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
 command -v cargo >/dev/null || die "cargo not found"
@@ -58,6 +68,10 @@ command -v apt-get >/dev/null && command -v dpkg >/dev/null || die "apt-get and 
 case $TWO_NODES:$KERNEL in
   0:*|*:7*) ;;
   *) die "TWO_NODES needs KERNEL=7: the rxe of $KERNEL does not follow network namespaces (RDMA traffic between them times out)";;
+esac
+case $NODES:$KERNEL in
+  0:*|*:7*) ;;
+  *) die "NODES needs KERNEL=7: the rxe of $KERNEL does not follow network namespaces";;
 esac
 
 # --- 1. project binaries (release)
@@ -70,7 +84,7 @@ build_one() {  # build_one NAME: examples/NAME.rs or tests/NAME.rs, copied to $B
     cargo build --release --example "$1" 2>>"$W/build.log" || { tail -30 "$W/build.log"; die "building $1 failed"; }
     cp "target/release/examples/$1" "$BIN/$1"
   elif [ -f "tests/$1.rs" ]; then
-    cargo test --release --no-run --message-format=json --test "$1" > "$W/build1.json" 2>>"$W/build.log" \
+    cargo test --release --no-run ${FEATURES:+--features "$FEATURES"} --message-format=json --test "$1" > "$W/build1.json" 2>>"$W/build.log" \
       || { tail -30 "$W/build.log"; die "building $1 failed"; }
     exe=$(grep '"reason":"compiler-artifact"' "$W/build1.json" | grep '"executable":"/' \
       | sed -e 's/.*"executable":"\([^"]*\)".*/\1/' | tail -1)
@@ -80,7 +94,10 @@ build_one() {  # build_one NAME: examples/NAME.rs or tests/NAME.rs, copied to $B
     die "two-nodes.list names $1: no examples/$1.rs or tests/$1.rs"
   fi
 }
-if [ "$BENCH_ONLY" = 1 ]; then
+if [ "$NODES" != 0 ]; then   # the N-node mode alone
+  FEATURES=etcd build_one membership_nodes
+  echo "nodes $NODES membership_nodes ${BENCH_RUNS:-7} ${NODES_TTL_MS:-2000}" >> "$W/tests.list"
+elif [ "$BENCH_ONLY" = 1 ]; then
   build_one rdma_pingpong
   echo "bench-loopback ${BENCH_RUNS:-7} ${BENCH_SIZES:-8 4096 65536 1048576}" >> "$W/tests.list"
 elif [ "$TWO_NODES" != only ]; then
@@ -205,6 +222,10 @@ if [ ! -x "$W/gpkgs/usr/bin/ib_write_lat" ]; then
      libnl-3-200 libnl-route-3-200 librdmacm1 perftest libpci3)
   mkdir -p gpkgs && for d in debs/guest/*.deb; do dpkg -x "$d" gpkgs; done
 fi
+if [ "$NODES" != 0 ] && [ ! -x "$W/gpkgs/usr/bin/etcd" ]; then   # etcd inside the VM
+  mkdir -p debs/etcd && (cd debs/etcd && APT_CONFIG=$W/apt/apt.conf apt-get -qq download etcd-server)
+  for d in debs/etcd/*.deb; do dpkg -x "$d" gpkgs; done
+fi
 mkdir -p tools; for t in depmod modprobe modinfo; do ln -sf ../gpkgs/bin/kmod tools/$t; done
 stamp "guest packages ready"
 
@@ -228,7 +249,7 @@ stamp "kernel $KV ready"
 
 # --- 6. initramfs with the project binaries
 echo "${TWO_NODES_NETNS:-shared}" > "$W/netns"
-CPIO=$W/host/bin/cpio KV=$KV KROOT=$KROOT TEST_SH=$HERE/scripts/test.sh HERE=$HERE NETNS_FILE=$W/netns \
+CPIO=$W/host/bin/cpio KV=$KV KROOT=$KROOT TEST_SH=$HERE/scripts/test.sh HERE=$HERE NETNS_FILE=$W/netns NODES=$NODES \
   MOONCAKE_DIR=$MCDIR MOONCAKE_CONF=${MCDIR:+$W/mooncake.conf} \
   TEST_LIST=$W/tests.list EXTRA_BINS="$(ls -d "$BIN"/* | tr '\n' ' ')" \
   "$HERE/scripts/build-initramfs.sh" >/dev/null
@@ -240,7 +261,7 @@ if [ "$ACCEL" = auto ]; then
   if [ -w /dev/kvm ] && [ ! -d /sys/module/kvm_pvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo; then ACCEL=kvm; else ACCEL=tcg; fi
 fi
 LOG=$W/vm-$KV-$ACCEL.log
-if [ "$TWO_NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; elif [ -n "$MCDIR" ]; then VM_TIMEOUT=${VM_TIMEOUT:-5400}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
+if [ "$TWO_NODES" = 0 ] && [ "$NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; elif [ -n "$MCDIR" ]; then VM_TIMEOUT=${VM_TIMEOUT:-5400}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
 # 7.x under TCG: with its default lazy preemption (and the CPU-bug mitigations) a kworker of rxe
 # waits for the tick behind a polling thread; these two bring its latency back to 6.12's.
 case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off};; esac
@@ -249,7 +270,7 @@ VM_TIMEOUT=$VM_TIMEOUT MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG APP
   "$HERE/scripts/boot-vm.sh" > /dev/null 2>&1 || true
 stamp "vm finished"
 echo "HOST: load before: $load0; after: $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)"
-grep -a -E '^(RXE-|TWO-NODES|GID\[|test |running |SKIPPED|FAILED|REPORT|thread |rdma_pingpong|loopback|send/recv|RDMA |bandwidth|latency|server:|\[[ab]\] )|panicked|test result' "$LOG" || true
+grep -a -E '^(RXE-|TWO-NODES|N-NODES|NNODES|\[n[0-9]\] (NNODES-BENCH|node-[0-9]+: round)|GID\[|test |running |SKIPPED|FAILED|REPORT|thread |rdma_pingpong|loopback|send/recv|RDMA |bandwidth|latency|server:|\[[ab]\] )|panicked|test result' "$LOG" || true
 echo "HOST: full log: $LOG"
 summary=$(grep -a -E '^[0-9]+ passed, [0-9]+ failed' "$LOG" | tail -1 | tr -d '\r')
 if [ -z "$summary" ]; then

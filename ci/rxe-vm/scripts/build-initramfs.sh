@@ -46,6 +46,7 @@ fi
 # crc32_generic only exists (and is needed: rxe asks the crypto API for "crc32") on 6.x kernels.
 MODS="rdma_rxe ib_uverbs rdma_ucm dummy veth"   # rdma_ucm: /dev/infiniband/rdma_cm for librdmacm; veth: two nodes
 [ -n "$(find "$KROOT/lib/modules/$KV" -name 'crc32_generic.ko*' | head -1)" ] && MODS="crc32_generic $MODS"
+[ "${NODES:-0}" = 0 ] || MODS="$MODS bridge"   # the N-node mode's bridge
 : > "$R/etc/rxe-modules"
 for m in $MODS; do
   "$W/tools/modprobe" -d "$KROOT" -S "$KV" --show-depends "$m" | awk '$1=="insmod"{print $2}'
@@ -57,6 +58,10 @@ done
 cp "$HERE/scripts/guest-init.sh" "$R/init"; chmod +x "$R/init"
 [ -n "${TEST_SH:-}" ] && cp "$TEST_SH" "$R/test.sh" && chmod +x "$R/test.sh"
 cp "$HERE/scripts/two-nodes.sh" "$R/two-nodes.sh" && chmod +x "$R/two-nodes.sh"
+if [ "${NODES:-0}" != 0 ]; then   # the N-node mode: its script and etcd (from the guest packages)
+  cp "$HERE/scripts/n-nodes.sh" "$R/n-nodes.sh" && chmod +x "$R/n-nodes.sh"
+  cp "$P/usr/bin/etcd" "$R/usr/bin/etcd"; copy_libs "$P/usr/bin/etcd"
+fi
 [ -n "${NETNS_FILE:-}" ] && cp "$NETNS_FILE" "$R/etc/gpudirect-netns"
 [ -n "${EXTRA_TEST:-}" ] && cp "$EXTRA_TEST" "$R/extra-test.sh" && chmod +x "$R/extra-test.sh"
 (cd "$R" && find . -print0 | "${CPIO:-cpio}" --null -o -H newc --quiet | gzip -1) > "$W/initrd.cpio.gz"

@@ -8,6 +8,7 @@
 #                      both rails), transfer (the transfer engine beside perftest; connect
 #                      time with the key and without), mooncake (Mooncake's bench beside both),
 #                      RUNS rounds a cell (default: pingpong transfer)
+#   nodes N BIN [RUNS [TTL_MS]]   BIN as the conductor of N nodes with etcd (n-nodes.sh)
 # Prints "RXE-RESULT name PASS|FAIL", "RXE-BENCH ..." lines and finally "N passed, N failed".
 export GPUDIRECT_REQUIRE=rdma RUST_BACKTRACE=1
 IP=/usr/sbin/ip      # iproute2 by full path: busybox's ip applet would shadow it
@@ -591,6 +592,7 @@ while read -r kind name args; do
         nodes_up || { result two-node-bench 1; break; }
         case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; mooncake) bench_mooncake $name ;; esac
       done ;;
+    nodes) /n-nodes.sh $name $args; result "n-nodes" $? ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
   esac
 done < /etc/gpudirect-tests

@@ -12,7 +12,7 @@ use super::pending::{Transfer, Transferred};
 use super::plan::deadline_after;
 use super::rails::{RailStats, Rails};
 use super::region::LocalRange;
-use super::request::{Direction, Notification, TransferOptions, TransferReport};
+use super::request::{Broken, Direction, Notification, TransferOptions, TransferReport};
 use super::shared::{Look, SetOnDrop};
 use super::stream::{
     Backend, Counter, HostWords, Keep, Proxy, Running, StreamTransfer, StreamWord, Trigger,
@@ -166,11 +166,13 @@ impl Endpoint {
         self.left().or_else(|| self.transport().failure())
     }
 
-    /// The peer (segment `name`, node `node`) left the membership: the endpoint is closed
-    /// (its requests end) and later requests are refused with [`Error::PeerLeft`].
+    /// The peer (segment `name`, node `node`) left the membership: the endpoint is closed,
+    /// its requests in flight and later ones end with [`Error::PeerLeft`] (those in flight with
+    /// the transport's own error if it had failed before).
     pub(crate) fn peer_left(&self, name: &str, node: &str) {
         if self.handle.left.set((name.into(), node.into())).is_ok() {
-            self.transport().close();
+            self.transport()
+                .close_with(Broken::PeerLeft(name.into(), node.into()));
             self.meter().ended("peer_left");
         }
     }

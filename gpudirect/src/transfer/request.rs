@@ -102,6 +102,8 @@ pub(crate) enum Broken {
     Protocol(String),
     Closed,
     Os(&'static str, i32),
+    /// The peer (segment name, node) left the membership (`transfer::membership`).
+    PeerLeft(String, String),
 }
 
 impl Broken {
@@ -133,6 +135,10 @@ impl Broken {
                 "the endpoint was closed; reconnect or connect again",
             ),
             Broken::Os(call, errno) => Error::errno(call, *errno),
+            Broken::PeerLeft(name, node) => Error::PeerLeft {
+                name: name.clone(),
+                node: node.clone(),
+            },
         }
     }
 
@@ -236,6 +242,15 @@ pub(super) fn unread_overflow() -> String {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_peer_that_left_ends_requests_typed() {
+        let e = Broken::PeerLeft("decode-3".into(), "n1".into()).to_error();
+        assert!(
+            matches!(&e, Error::PeerLeft { name, node } if name == "decode-3" && node == "n1"),
+            "{e:?}"
+        );
+    }
 
     #[test]
     fn regions_of_another_engine_are_refused_before_anything_is_queued() {

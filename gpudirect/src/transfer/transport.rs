@@ -170,6 +170,16 @@ impl Transport {
         }
     }
 
+    /// Close, the endpoint ended with `cause` first (unless it already was): requests in
+    /// flight end with its error.
+    pub(crate) fn close_with(&self, cause: Broken) {
+        match self {
+            Transport::Rails(r) => r.close_with(cause),
+            #[cfg(feature = "p2p")]
+            Transport::Local(l) => l.close_with(cause),
+        }
+    }
+
     /// Close: every request ends, the threads are joined.
     pub(crate) fn close(&self) {
         match self {

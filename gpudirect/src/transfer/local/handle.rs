@@ -170,6 +170,13 @@ impl Local {
         self.side.clone().reconnect(&self.inner)
     }
 
+    /// [`close`](Self::close), the endpoint ended with `cause` first (unless it already was):
+    /// requests still running end with its error.
+    pub(crate) fn close_with(&self, cause: Broken) {
+        fail(&self.inner, &mut self.inner.lock(), cause);
+        self.close();
+    }
+
     /// Close: the endpoint ended (no more notifications), then the side's socket shut and its
     /// threads joined.
     pub(crate) fn close(&self) {

@@ -191,6 +191,13 @@ impl Rails {
         Ok(())
     }
 
+    /// [`close`](Self::close), the endpoint broken with `cause` first (unless it already
+    /// was): requests in flight end with its error.
+    pub(crate) fn close_with(&self, cause: Broken) {
+        break_endpoint(&self.link, &mut self.link.lock(), cause);
+        self.close();
+    }
+
     /// Close: the endpoint broken (every queue pair to the error state), the progress thread
     /// joined, then the flushed completions polled (bounded) and every request ended.
     pub(crate) fn close(&self) {
