@@ -1,5 +1,4 @@
-//! The back-off of blocking polls (`poll_until`, a fence's bounded wait). The completion thread,
-//! which polls for futures, has a pace of its own (`thread::Pace`).
+//! The one back-off for everything that polls for completion.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +10,7 @@ pub(crate) const LONG_WAIT: Duration = Duration::from_secs(3600);
 const YIELD_BELOW: Duration = Duration::from_micros(50);
 
 /// The longest pause.
-const MAX_NAP: Duration = Duration::from_millis(1);
+pub(crate) const MAX_NAP: Duration = Duration::from_millis(1);
 
 /// Pauses between polls that grow from 1 µs to 1 ms, doubling: below 50 µs the thread only
 /// yields, longer pauses sleep.
@@ -22,7 +21,7 @@ pub(crate) struct Backoff {
 
 /// One pause of a [`Backoff`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pause {
+pub(crate) enum Pause {
     /// Yield the thread once.
     Yield,
     /// Sleep this long (or less, when woken for new work).
@@ -37,8 +36,14 @@ impl Backoff {
         }
     }
 
-    /// The next pause, lengthening the one after it.
-    fn next(&mut self) -> Pause {
+    /// Start again from the shortest pause (progress was made: more is likely soon).
+    pub(crate) fn reset(&mut self) {
+        self.nap = Duration::from_micros(1);
+    }
+
+    /// The next pause, lengthening the one after it; for a caller that pauses its own way (the
+    /// completion thread sleeps on a condition variable so that new work wakes it).
+    pub(crate) fn next(&mut self) -> Pause {
         let pause = if self.nap < YIELD_BELOW {
             Pause::Yield
         } else {
@@ -95,13 +100,15 @@ mod tests {
     }
 
     #[test]
-    fn pauses_yield_first_then_sleep() {
+    fn pauses_yield_first_then_sleep_and_reset() {
         let mut b = Backoff::new();
         let pauses: Vec<Pause> = (0..12).map(|_| b.next()).collect();
         // 1, 2, 4, 8, 16, 32 µs yield; 64 µs on sleep, capped at 1 ms.
         assert!(pauses[..6].iter().all(|p| *p == Pause::Yield), "{pauses:?}");
         assert_eq!(pauses[6], Pause::Sleep(Duration::from_micros(64)));
         assert_eq!(pauses[11], Pause::Sleep(MAX_NAP));
+        b.reset();
+        assert_eq!(b.next(), Pause::Yield);
     }
 
     #[test]

@@ -3,7 +3,6 @@
 use super::fence::{Fence, Outcome};
 use super::in_flight::InFlight;
 use super::thread::{self, TimerKey, Watch, Watched};
-use super::timeline::StreamFence;
 use super::tracker::{Tracker, poll_caught};
 use crate::error::{Error, Result};
 use std::any::Any;
@@ -26,9 +25,6 @@ struct Polled<F> {
     abandoned: AtomicBool,
     /// The fence panicked on the completion thread: it proves nothing, ever.
     poisoned: AtomicBool,
-    /// The completion thread saw the fence complete (which it stays): the future need not ask
-    /// the fence again.
-    complete: AtomicBool,
     panic: Mutex<Option<Payload>>,
     waker: Mutex<Option<Waker>>,
 }
@@ -40,7 +36,6 @@ impl<F: Fence> Polled<F> {
             watched: AtomicBool::new(false),
             abandoned: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
-            complete: AtomicBool::new(false),
             panic: Mutex::new(None),
             waker: Mutex::new(None),
         }
@@ -74,10 +69,7 @@ impl<F: Fence> Watch for Polled<F> {
         }
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.fence.check())) {
             Ok(Ok(false)) => Watched::Pending,
-            Ok(r) => {
-                if r.is_ok() {
-                    self.complete.store(true, Ordering::Release);
-                }
+            Ok(_) => {
                 // Complete (or failed for good): the future checks again itself. The entry ends
                 // here; a future that still finds it incomplete registers it again.
                 self.watched.store(false, Ordering::Release);
@@ -216,15 +208,11 @@ impl<R: Send + 'static, F: Fence, O> InFlightFuture<R, F, O> {
 
     /// Complete, failed or still pending (`None`).
     fn step(&mut self) -> Option<Result<O>> {
-        if let Holder::Polled(p) = &self.fence {
-            if p.poisoned.load(Ordering::Acquire) {
-                let payload = p.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
-                self.leak_and_resume(payload.unwrap_or_else(|| Box::new("fence panicked")));
-            }
-            if p.complete.load(Ordering::Acquire) {
-                // Seen complete on the completion thread: no second query.
-                return Some(Ok(self.finish()));
-            }
+        if let Holder::Polled(p) = &self.fence
+            && p.poisoned.load(Ordering::Acquire)
+        {
+            let payload = p.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+            self.leak_and_resume(payload.unwrap_or_else(|| Box::new("fence panicked")));
         }
         let f = self.fence()?;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.check())) {
@@ -323,16 +311,6 @@ impl<R: Send + 'static, F: Fence, O> InFlightFuture<R, F, O> {
         Ok(())
     }
 
-    /// Whether the fence is checked after every registration without the future's help: the
-    /// completion thread polls a [`Polled`] fence at least once after it is registered (its entry
-    /// is polled every round until it ends, and a registration that finds none makes one), and
-    /// the stream's watch polls a [`StreamFence`]'s timeline the same way. Then the future's own
-    /// second look, a driver query, is left out.
-    fn polled_after_register(&self) -> bool {
-        matches!(self.fence, Holder::Polled(_))
-            || std::any::TypeId::of::<F>() == std::any::TypeId::of::<StreamFence>()
-    }
-
     /// Have the completion thread wake `waker` at `at`.
     fn arm_timer(&mut self, at: Instant, waker: &Waker) -> Result<()> {
         if self.timer.as_ref().is_some_and(|(_, w)| w.will_wake(waker)) {
@@ -375,11 +353,8 @@ impl<R: Send + 'static, F: Fence, O> Future for InFlightFuture<R, F, O> {
             this.park();
             return Poll::Ready(Err(e));
         }
-        // Completion between the first check and the registration has woken nobody: look again,
-        // unless something polls the fence after every registration anyway.
-        if !this.polled_after_register()
-            && let Some(out) = this.step()
-        {
+        // Completion between the first check and the registration has woken nobody: look again.
+        if let Some(out) = this.step() {
             return Poll::Ready(out);
         }
         if let Some(at) = this.deadline {

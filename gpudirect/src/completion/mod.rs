@@ -47,27 +47,21 @@
 //! | --- | --- | --- |
 //! | [`CompletionFlag`], [`Outcome`] | [`set`](CompletionFlag::set) / [`send`](OutcomeSender::send), on the setter's thread | a waker clone kept in the flag |
 //! | [`HostFnFence`] | the host function, on CUDA's callback thread, the moment the stream passes it | `cuLaunchHostFunc` and a small allocation at issue; the callback wakes by reference, makes no CUDA call and drops no waker |
-//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); at the first poll one `cuEventRecord` (recycled event) if none covers the epoch yet and fewer than two are in flight (while the thread watches the stream, a poll queries no event); a waker clone in the stream's list |
+//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); at the first poll one `cuEventRecord` (recycled event) if none covers the epoch yet; a waker clone in the stream's list |
 //! | [`EventFence`], your own fences | the completion thread: one [`Fence::check`] (`cuEventQuery`) per fence per round | an `Arc` for the fence; for an event fence `cuEventCreate` + `cuEventRecord` at issue |
 //!
 //! The **completion thread** is one thread per process, started by the first future that needs
 //! it. Each round it checks what it watches, wakes the futures whose work completed and fires
-//! due deadlines. While anything is pending it polls without sleeping (yielding the core between
-//! rounds) for 200 µs after the last registration or completion (`GPUDIRECT_COMPLETION_SPIN_US`,
-//! read once, changes that; 0 never spins), so a short operation is seen done within one poll of
-//! its completion; after that it sleeps an eighth of the time waited so far between rounds, from
-//! 16 µs up to 1 ms, so a long one is seen at most about an eighth of its time late. With nothing
-//! to watch it sleeps until woken, using no CPU (`GPUDIRECT_COMPLETION_IDLE_SPIN_US` keeps it
-//! polling for new work that long first; none by default). A future the thread saw complete is not asked
-//! again when it wakes, and a future registered with the thread (or with its stream's list) does
-//! not query the driver a second time before it sleeps: the thread's next round does. Why both
-//! sources: a host function wakes its future from CUDA's callback thread, with no polling, but
-//! occupies the stream while it runs, costs a launch per operation, and waits for the driver to
-//! run it; events cost nothing per operation on a stream (one query answers for every future
-//! waiting on it). `benches/futures.rs` measures both against `cuEventSynchronize`, beside raw
-//! host functions and a raw polling thread. A fence you implement yourself works unchanged: by
-//! default the completion thread polls its [`check`](Fence::check) (or
-//! [`is_complete`](Fence::is_complete)) at that pace; implement
+//! due deadlines; between rounds it yields (up to about 50 µs after anything new), then sleeps
+//! 64 µs, doubling up to 1 ms; a new registration or a completion starts it over from the
+//! shortest pause, and with nothing to watch it sleeps until woken. So an await on CUDA work
+//! costs at most the current pause in latency, and no CPU while nothing is pending. Why both
+//! sources: a host function wakes with the least latency but occupies the stream while it runs
+//! and costs a launch per operation; events cost nothing per operation on a stream (one query
+//! answers for every future waiting on it) but are checked at the thread's pace. `benches/futures.rs`
+//! measures both against `cuEventSynchronize`. A fence you implement yourself works unchanged:
+//! by default the completion thread polls its [`check`](Fence::check) (or
+//! [`is_complete`](Fence::is_complete)) with that back-off; implement
 //! [`register_waker`](Fence::register_waker) when your source can wake a waker itself.
 //!
 //! # Deadlines

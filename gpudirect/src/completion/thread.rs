@@ -1,25 +1,20 @@
 //! The shared completion thread.
 //!
-//! One thread per process, started by the first future that needs it. It polls whatever has no
-//! wake-up source of its own: the CUDA events of stream fences (one `cuEventQuery` per stream per
-//! round, whatever the number of futures waiting on that stream), [`EventFence`](super::EventFence)s
-//! and users' fences through their [`Fence::check`](super::Fence::check); and it fires the
-//! deadlines of awaits.
-//!
-//! Its pace ([`Pace`]): while anything is pending it polls without sleeping for [`spin`] after the
-//! last registration or completion (200 µs unless `GPUDIRECT_COMPLETION_SPIN_US` says otherwise),
-//! so that a short operation is seen done within a poll of its completion; after that it sleeps
-//! an eighth of the time waited so far between rounds, from 16 µs up to 1 ms, so that a long
-//! operation is seen late by at most about an eighth of its time. With nothing to watch and no
-//! deadline pending it sleeps until woken. Its timer slack is set to 1 µs (Linux), so short
-//! sleeps stay short.
+//! One thread per process, started by the first future that needs it. It polls, with the one
+//! back-off of this module, whatever has no wake-up source of its own: the CUDA events of
+//! stream fences (one `cuEventQuery` per stream per round, whatever the number of futures
+//! waiting on that stream), [`EventFence`](super::EventFence)s and users' fences through their
+//! [`Fence::check`](super::Fence::check); and it fires the deadlines of awaits. Between rounds it
+//! yields, then sleeps from 64 µs up to 1 ms, and a new registration or a completion starts the
+//! back-off again from the shortest pause. With nothing to watch and no deadline pending it
+//! sleeps until woken. Its timer slack is set to 1 µs (Linux), so short sleeps stay short.
 //!
 //! Whatever it polls is a [`Watch`]: a crate-internal trait, so that other completion sources
 //! that must be polled (cuFile batch status) plug into the same thread.
 
+use super::backoff::{Backoff, Pause};
 use crate::error::Result;
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
@@ -177,100 +172,21 @@ pub(crate) fn contained(f: impl FnOnce()) {
     }
 }
 
-/// How long the thread polls without sleeping after the last registration or completion while
-/// anything is pending: `GPUDIRECT_COMPLETION_SPIN_US` (microseconds, read once; 0 never spins),
-/// else [`DEFAULT_SPIN`]. A spinning thread keeps one core busy for that long after each
-/// completion, as a spinning `cuEventSynchronize` (CUDA's default scheduling) does while it
-/// waits.
-pub(crate) fn spin() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        std::env::var("GPUDIRECT_COMPLETION_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(DEFAULT_SPIN, Duration::from_micros)
-    })
-}
-
-/// The spin of [`spin`] when the environment sets none: longer than a small copy, a host
-/// function or an event takes to complete once queued.
-pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
-
-/// How long the thread keeps polling for new work after the last watch ended, before it sleeps
-/// until woken: `GPUDIRECT_COMPLETION_IDLE_SPIN_US` (microseconds, read once), else none. A
-/// registration then finds the thread awake (no wake-up of a sleeping thread before its first
-/// poll), at the price of a busy core for that long after every last completion.
-fn idle_spin() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        std::env::var("GPUDIRECT_COMPLETION_IDLE_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(Duration::ZERO, Duration::from_micros)
-    })
-}
-
-/// The shortest sleep once spinning is over.
-const MIN_NAP: Duration = Duration::from_micros(16);
-
-/// The longest sleep.
-const MAX_NAP: Duration = Duration::from_millis(1);
-
-/// What the thread does between two rounds while something is pending.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pause {
-    /// Poll again at once (yielding the core to anyone runnable).
-    Spin,
-    /// Sleep this long (or less, when woken for new work).
-    Sleep(Duration),
-}
-
-/// The thread's pace while something is pending: [`Pause::Spin`] for `spin` after the last
-/// activity (a registration or a completion), then sleeps of an eighth of the time waited since,
-/// between [`MIN_NAP`] and [`MAX_NAP`]: a completion is seen within a poll while spinning, and
-/// then late by at most about an eighth of the time it took.
-#[derive(Debug)]
-struct Pace {
-    spin: Duration,
-    since: Instant,
-}
-
-impl Pace {
-    fn new(spin: Duration, now: Instant) -> Self {
-        Pace { spin, since: now }
-    }
-
-    /// Something happened: spin again.
-    fn activity(&mut self, now: Instant) {
-        self.since = now;
-    }
-
-    fn next(&self, now: Instant) -> Pause {
-        let waited = now.saturating_duration_since(self.since);
-        if waited < self.spin {
-            Pause::Spin
-        } else {
-            Pause::Sleep((waited / 8).clamp(MIN_NAP, MAX_NAP))
-        }
-    }
-}
-
 fn run(shared: &'static Shared) {
     // Short sleeps stay short: the default timer slack (50 µs) would double the first naps.
     // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
     let mut active: Vec<Arc<dyn Watch>> = Vec::new();
     let mut due: Vec<Waker> = Vec::new();
-    let mut pace = Pace::new(spin(), Instant::now());
-    let idle_spin = idle_spin();
+    let mut backoff = Backoff::new();
     loop {
         {
             let mut st = shared.lock();
-            let now = Instant::now();
             if !st.incoming.is_empty() {
                 active.append(&mut st.incoming);
-                pace.activity(now);
+                backoff.reset();
             }
+            let now = Instant::now();
             while let Some(e) = st.timers.first_entry() {
                 if e.key().0 > now {
                     break;
@@ -308,9 +224,8 @@ fn run(shared: &'static Shared) {
                 }
             }
         }
-        let now = Instant::now();
         if progress {
-            pace.activity(now);
+            backoff.reset();
         }
         let mut st = shared.lock();
         if !st.incoming.is_empty() {
@@ -319,20 +234,15 @@ fn run(shared: &'static Shared) {
         let next_timer = st
             .timers
             .first_key_value()
-            .map(|(k, _)| k.0.saturating_duration_since(now));
+            .map(|(k, _)| k.0.saturating_duration_since(Instant::now()));
         if next_timer == Some(Duration::ZERO) {
             continue;
         }
         let sleep = if active.is_empty() {
-            if now.saturating_duration_since(pace.since) < idle_spin {
-                drop(st);
-                std::thread::yield_now();
-                continue;
-            }
             next_timer
         } else {
-            match pace.next(now) {
-                Pause::Spin => {
+            match backoff.next() {
+                Pause::Yield => {
                     drop(st);
                     std::thread::yield_now();
                     continue;
@@ -383,27 +293,6 @@ mod tests {
         });
         join_unless_current(other);
         assert!(ran.load(Ordering::SeqCst), "another thread is joined");
-    }
-
-    #[test]
-    fn the_pace_spins_then_sleeps_an_eighth_of_the_wait() {
-        let t0 = Instant::now();
-        let mut p = Pace::new(Duration::from_micros(200), t0);
-        assert_eq!(p.next(t0 + Duration::from_micros(199)), Pause::Spin);
-        assert_eq!(
-            p.next(t0 + Duration::from_micros(200)),
-            Pause::Sleep(Duration::from_micros(25))
-        );
-        assert_eq!(
-            p.next(t0 + Duration::from_millis(4)),
-            Pause::Sleep(Duration::from_micros(500))
-        );
-        assert_eq!(p.next(t0 + Duration::from_secs(1)), Pause::Sleep(MAX_NAP));
-        p.activity(t0 + Duration::from_secs(1));
-        assert_eq!(p.next(t0 + Duration::from_secs(1)), Pause::Spin);
-        // No spin at all: the shortest sleep first.
-        let p = Pace::new(Duration::ZERO, t0);
-        assert_eq!(p.next(t0), Pause::Sleep(MIN_NAP));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use super::thread::{self, Watch, Watched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaStream, sys};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
@@ -21,9 +21,7 @@ use std::time::Duration;
 ///
 /// Futures awaiting its fences wait in one list per stream: the shared completion thread polls
 /// the stream's oldest pending event (`cuEventQuery`) once per round, whatever the number of
-/// futures, and wakes every future whose epoch that event covers. At most two events are in
-/// flight per stream: many futures polled while the stream runs (a thousand copies, each
-/// awaited) share a few events instead of recording one each.
+/// futures, and wakes every future whose epoch that event covers.
 #[derive(Debug)]
 pub struct Timeline {
     stream: Queue,
@@ -31,14 +29,7 @@ pub struct Timeline {
     completed: Line<AtomicU64>,
     events: Mutex<Events>,
     waiters: Mutex<Waiters>,
-    /// `waiters.watched`, readable without the lock (a hint: set and cleared under it).
-    watched: AtomicBool,
 }
-
-/// Events recorded and not yet seen complete, per stream, at most. A poll that finds this many,
-/// none covering its epoch, records no other: a later poll does once the oldest has completed
-/// (the completion thread polls every round while futures wait).
-const MAX_PENDING: usize = 2;
 
 /// The stream of a [`Timeline`].
 #[derive(Debug)]
@@ -65,27 +56,12 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Line<T> {
 }
 
 /// Futures waiting on epochs of a timeline.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Waiters {
     /// Epoch and the waker to wake once it completes.
     list: Vec<(u64, Waker)>,
-    /// The lowest and the highest epoch in `list` (`u64::MAX` and 0 when empty; the highest may
-    /// stay above what is left after a registration is withdrawn).
-    lowest: u64,
-    newest: u64,
     /// Whether the completion thread watches the timeline.
     watched: bool,
-}
-
-impl Default for Waiters {
-    fn default() -> Self {
-        Waiters {
-            list: Vec::new(),
-            lowest: u64::MAX,
-            newest: 0,
-            watched: false,
-        }
-    }
 }
 
 #[derive(Debug, Default)]
@@ -123,7 +99,6 @@ impl Timeline {
             completed: Line(AtomicU64::new(0)),
             events: Mutex::new(Events::default()),
             waiters: Mutex::new(Waiters::default()),
-            watched: AtomicBool::new(false),
         })
     }
 
@@ -179,8 +154,8 @@ impl Timeline {
     }
 
     /// Retire completed events; make sure one covers `epoch`. Returns whether `epoch` is done,
-    /// and whether an event covers it or will once the pending ones complete (`false` when none
-    /// could be recorded: the stream is capturing a graph, or the driver refused).
+    /// and whether an event covers it (`false` when none could be recorded: the stream is
+    /// capturing a graph, or the driver refused).
     ///
     /// Never records while the stream captures a graph: an event recorded in a capture is a
     /// captured event, which completes with the capture rather than with the work (and which
@@ -188,13 +163,6 @@ impl Timeline {
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
     fn poll(&self, epoch: u64) -> (bool, bool) {
-        self.poll_with(epoch, true)
-    }
-
-    /// [`poll`](Self::poll), asking the driver about pending events only if `query` (else only
-    /// making sure an event covers `epoch`: the completion thread, which watches the stream,
-    /// does the asking).
-    fn poll_with(&self, epoch: u64, query: bool) -> (bool, bool) {
         // Queries and records need the stream's context current on this thread (a completion
         // or executor thread may never have had it); a query error is then the stream's own.
         let stream = self.stream();
@@ -202,7 +170,7 @@ impl Timeline {
             return (self.completed() >= epoch, false);
         }
         let mut g = self.lock();
-        while query && let Some((covered, ev)) = g.pending.front() {
+        while let Some((covered, ev)) = g.pending.front() {
             match ev.try_is_complete() {
                 Ok(true) => {
                     self.completed.0.fetch_max(*covered, Ordering::AcqRel);
@@ -225,7 +193,7 @@ impl Timeline {
         if self.completed() >= epoch {
             return (true, true);
         }
-        if g.pending.len() >= MAX_PENDING || g.pending.iter().any(|(c, _)| *c >= epoch) {
+        if g.pending.iter().any(|(c, _)| *c >= epoch) {
             return (false, true);
         }
         // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
@@ -279,25 +247,15 @@ impl Timeline {
         let start_watch = {
             let mut w = self.lock_waiters();
             w.list.push((epoch, waker.clone()));
-            w.lowest = w.lowest.min(epoch);
-            w.newest = w.newest.max(epoch);
-            self.watched.store(true, Ordering::Release);
             !std::mem::replace(&mut w.watched, true)
         };
         if start_watch && thread::watch(Arc::new(TimelineWatch(self.clone()))).is_err() {
             let mut w = self.lock_waiters();
             w.watched = false;
-            self.watched.store(false, Ordering::Release);
             w.list.retain(|(e, k)| !(*e == epoch && k.will_wake(waker)));
-            w.lowest = w.list.iter().map(|(e, _)| *e).min().unwrap_or(u64::MAX);
             return false;
         }
         true
-    }
-
-    /// Whether the completion thread watches the timeline now (a hint, read without the lock).
-    fn is_watched(&self) -> bool {
-        self.watched.load(Ordering::Acquire)
     }
 
     /// Whether the stream is capturing a graph (or that cannot be told).
@@ -318,32 +276,25 @@ struct TimelineWatch(Arc<Timeline>);
 impl Watch for TimelineWatch {
     fn poll(&self) -> Watched {
         let tl = &self.0;
-        let (lowest, newest) = {
+        let newest = {
             let mut w = tl.lock_waiters();
-            if w.list.is_empty() {
-                w.watched = false;
-                tl.watched.store(false, Ordering::Release);
-                w.newest = 0;
-                return Watched::Done;
+            match w.list.iter().map(|(e, _)| *e).max() {
+                Some(e) => e,
+                None => {
+                    w.watched = false;
+                    return Watched::Done;
+                }
             }
-            (w.lowest, w.newest)
         };
         // Retires completed events, and records one covering `newest` if none does yet.
         let _ = tl.poll(newest);
         let completed = tl.completed();
         let failed = tl.failed().is_some();
-        if !failed && completed < lowest {
-            return Watched::Pending;
-        }
-        let woken: Vec<(u64, Waker)> = {
-            let mut w = tl.lock_waiters();
-            let woken: Vec<(u64, Waker)> = w
-                .list
-                .extract_if(.., |(e, _)| failed || *e <= completed)
-                .collect();
-            w.lowest = w.list.iter().map(|(e, _)| *e).min().unwrap_or(u64::MAX);
-            woken
-        };
+        let woken: Vec<(u64, Waker)> = tl
+            .lock_waiters()
+            .list
+            .extract_if(.., |(e, _)| failed || *e <= completed)
+            .collect();
         if woken.is_empty() {
             return Watched::Pending;
         }
@@ -383,19 +334,8 @@ impl Fence for StreamFence {
 
     /// Complete, not yet, or [`Error::Cuda`] naming `cuEventQuery` once the stream's events
     /// answer an error (a sticky error: the work will never be seen complete).
-    ///
-    /// While the completion thread watches the stream (futures wait on it), this queries no
-    /// event (it only makes sure one covers the epoch): the thread queries the stream's events
-    /// every round and wakes whoever registers. Many futures polled at once (a thousand copies,
-    /// each awaited) then leave the queries to one thread.
     fn check(&self) -> Result<bool> {
-        let tl = &self.timeline;
-        let done = if tl.is_watched() {
-            tl.completed() >= self.epoch || tl.poll_with(self.epoch, false).0
-        } else {
-            self.is_complete()
-        };
-        if done {
+        if self.is_complete() {
             return Ok(true);
         }
         match self.timeline.failed() {

@@ -364,9 +364,9 @@ mod channel_task {
 /// acknowledged (`ibv_ack_cq_events`) at once. Cost: one event, one wake of that task and one
 /// re-arm per burst of completions, no CPU while nothing completes. Without a channel, without
 /// the feature or outside a runtime, the process's completion thread polls the CQ while anyone
-/// waits, at its pace (see [`completion`](crate::completion): without sleeping for a while after
-/// each completion, then sleeping up to 1 ms between empty polls): up to that pause in added
-/// latency, and a poll per round while work is pending. Every poll of a future or stream also polls the CQ first, so a
+/// waits, pausing 64 µs, doubling up to 1 ms, between empty polls (see
+/// [`completion`](crate::completion)): up to that pause in added latency, and a poll per pause
+/// while work is pending. Every poll of a future or stream also polls the CQ first, so a
 /// completion already there is seen without waiting for either source.
 ///
 /// Completions of queue pairs that use this CQ but were not attached are released (their

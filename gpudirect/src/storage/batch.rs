@@ -522,7 +522,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
 /// An awaited [`Batch`] (`batch.await`): the results once every request is final.
 ///
 /// The shared completion thread checks the batch with `cuFileBatchIOGetStatus` (without
-/// waiting) every round, at its pace while anything is pending (see
+/// waiting) between its pauses, 64 µs doubling up to 1 ms while anything is pending (see
 /// [`completion`](crate::completion)), and wakes the future when no request is outstanding; each
 /// poll of the future checks too. A deadline ([`deadline`](Self::deadline),
 /// [`timeout`](Self::timeout)) ends the await with [`Error::Timeout`]; the batch is not
