@@ -690,10 +690,12 @@ fn t6_wrong_rkey_is_typed_others_carry_on_and_reconnect_works() {
             ep1.write(vec![(src.all(), good.all())], TransferOptions::default())
                 .is_err()
         );
-        // The other endpoint carries on.
+        // The other endpoint carries on, with its own descriptor: with per-peer windows
+        // (`PeerAccess`) ep1's names a window that only ep1's queue pair reaches.
         let s = seed() as u32;
         let src2 = host(&e, &pattern(u64::from(s), SIZE));
-        ep2.write(vec![(src2.all(), good.all())], TransferOptions::notify(s))
+        let good2 = ep2.peer_descriptors()[0];
+        ep2.write(vec![(src2.all(), good2.all())], TransferOptions::notify(s))
             .unwrap()
             .wait()
             .expect("the other endpoint carries on");
