@@ -19,7 +19,8 @@
 //!
 //! `--key-file PATH` (or the environment variable `GPUDIRECT_TRANSFER_KEY_FILE` naming the file;
 //! never the key itself) gives the engine a key (`EngineConfig::key`): both sides need the same
-//! one. Each side prints how its endpoint was authenticated ("unauthenticated" without a key).
+//! one. Each side prints how its endpoint was authenticated ("unauthenticated" without a key);
+//! the server also what its peer reaches the target through (`Endpoint::peer_access`).
 //!
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0 (1 when `GPUDIRECT_REQUIRE`
 //! names `rdma`); 2 on a bad option; 1 when a byte differs or a transfer fails.
@@ -125,9 +126,11 @@ fn serve(
     }
     let ep = l.accept(&[target.descriptor()?], TIMEOUT)?;
     println!(
-        "server: peer connected over {} rail(s), {}; target is {}",
+        "server: peer connected over {} rail(s), {}, peer reaches the target through {}; target is {}",
         ep.rails(),
         ep.authentication(),
+        ep.peer_access()
+            .map_or("no rkeys".into(), |a| a.to_string()),
         target.path()
     );
     let tag = ep

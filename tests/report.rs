@@ -57,6 +57,7 @@ fn nic(name: &str, active: bool) -> VerbsDeviceSummary {
     VerbsDeviceSummary {
         name: name.into(),
         fw_ver: Some("28.39.1002".into()),
+        memory_windows: Some(true),
         pci_bus_id: Some("0000:06:00.0".into()),
         numa_node: Some(0),
         ports: vec![PortSummary {
@@ -271,6 +272,7 @@ fn json_shape_is_pinned() {
         [
             "error",
             "fw_ver",
+            "memory_windows",
             "name",
             "numa_node",
             "pci_bus_id",
@@ -518,6 +520,7 @@ fn text_rendering_has_a_section_and_verdict_per_path() {
         "0->1   yes    0    yes     NV18                 385.2 GB/s  peer  verified",
         "== RDMA (verbs)\n  verdict: ",
         "mlx5_0  fw 28.39.1002  pci 0000:06:00.0  numa 0",
+        "    memory windows type 2: yes (transfer engine: per-peer access possible)",
         "port 1: ACTIVE  Ethernet  MTU 1024 (max 4096)  speed 100 Gb/sec (4X EDR)",
         "GID[1] 0000:0000:0000:0000:0000:ffff:0a4d:0001  RoCE v2",
         "-> registration: dma-buf",

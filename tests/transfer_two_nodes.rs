@@ -21,7 +21,7 @@ use gpudirect::Error;
 use gpudirect::rdma::WcStatus;
 use gpudirect::transfer::{
     AuthKey, Authentication, Buffer, Direction, Endpoint, Engine, EngineConfig, MemoryDescriptor,
-    MemoryPath, Region, Transfer, TransferOptions,
+    MemoryPath, PeerAccess, Region, Transfer, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip};
 use std::collections::VecDeque;
@@ -690,10 +690,12 @@ fn t6_wrong_rkey_is_typed_others_carry_on_and_reconnect_works() {
             ep1.write(vec![(src.all(), good.all())], TransferOptions::default())
                 .is_err()
         );
-        // The other endpoint carries on.
+        // The other endpoint carries on, with its own descriptor: with per-peer windows
+        // (`PeerAccess`) ep1's names a window that only ep1's queue pair reaches.
         let s = seed() as u32;
         let src2 = host(&e, &pattern(u64::from(s), SIZE));
-        ep2.write(vec![(src2.all(), good.all())], TransferOptions::notify(s))
+        let good2 = ep2.peer_descriptors()[0];
+        ep2.write(vec![(src2.all(), good2.all())], TransferOptions::notify(s))
             .unwrap()
             .wait()
             .expect("the other endpoint carries on");
@@ -1448,5 +1450,123 @@ fn t8b_many_waiting_threads_share_the_polling() {
             st[0].notifications_received
         );
         wait_bye(&ep);
+    }
+}
+
+/// Per-peer windows, revoked at close: the server (`PeerAccess::Windows`) publishes a target to
+/// endpoint A, which writes through it; A closes. Then the client writes with A's old
+/// descriptor (its window's rkey) through endpoint B (another queue pair of the same engine) and
+/// through a fresh A': each gets a remote access error, and no byte of the target changes. B's
+/// own descriptor still writes.
+#[test]
+fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
+    let n = two_nodes!();
+    const SIZE: usize = 64 << 10;
+    let k = 12;
+    if n.server {
+        let mut c = EngineConfig::with_devices(&n.rails);
+        c.peer_access = PeerAccess::Windows;
+        let e = n.engine_with(c);
+        let target = host(&e, &pattern(seed(), SIZE));
+        let d = target.descriptor().unwrap();
+        let l = e
+            .listen(&format!("0.0.0.0:{}", n.port + k))
+            .expect("listen");
+        let a = l.accept(&[d], ACCEPT).expect("accept A");
+        assert_eq!(a.peer_access(), Some(PeerAccess::Windows));
+        let s = note(&a);
+        assert!(
+            target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+            "A's bytes differ"
+        );
+        say(&a, &target, &a.peer_descriptors()[0], ACK);
+        // A closes: its windows go with it.
+        let until = Instant::now() + NOTE;
+        while a.failure().is_none() {
+            assert!(Instant::now() < until, "A never ended");
+            let _ = a.next_notification(Duration::from_millis(100));
+        }
+        let stats = e.window_stats();
+        println!(
+            "SECURITY-WINDOWS after A closed: {stats:?}, A: {:?}",
+            a.failure()
+        );
+        assert!(stats.bound >= 1 && stats.revoked >= 1, "{stats:?}");
+        drop(a);
+        let b = l.accept(&[d], ACCEPT).expect("accept B");
+        let s = note(&b);
+        assert!(
+            target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+            "B's bytes differ"
+        );
+        let before = target.to_vec().unwrap();
+        say(&b, &target, &b.peer_descriptors()[0], ACK);
+        // The client's writes with A's old rkeys come now, through B and through A'.
+        let a2 = l.accept(&[d], ACCEPT).expect("accept A'");
+        let last = l.accept(&[d], ACCEPT).expect("accept the last endpoint");
+        let changed = target
+            .to_vec()
+            .unwrap()
+            .iter()
+            .zip(&before)
+            .filter(|(x, y)| x != y)
+            .count();
+        println!(
+            "SECURITY-WINDOWS old rkeys through B and A': {changed} byte(s) changed; B: {:?}; A': {:?}; {:?}",
+            b.failure(),
+            a2.failure(),
+            e.window_stats()
+        );
+        assert_eq!(changed, 0, "a revoked window's rkey changed bytes");
+        let peer = last.peer_descriptors()[0];
+        bye(&last, &target, &peer);
+        drop((b, a2));
+    } else {
+        let e = n.engine();
+        let scratch = e.register(Buffer::host(vec![0u8; 64]).unwrap()).unwrap();
+        let publish = [scratch.descriptor().unwrap()];
+        let refused = |ep: &Endpoint, src: &Region, old: &MemoryDescriptor, what: &str| {
+            let r = ep
+                .write(
+                    vec![(src.all(), old.all())],
+                    TransferOptions::default().deadline(Duration::from_secs(20)),
+                )
+                .unwrap()
+                .wait();
+            println!("SECURITY-WINDOWS client: A's old rkeys through {what}: {r:?}");
+            match r {
+                Err(Error::WorkCompletion { status, .. }) => {
+                    assert_eq!(status, WcStatus::RemoteAccess, "{what}")
+                }
+                other => panic!("A's old rkeys through {what} gave {other:?}"),
+            }
+        };
+        let a = n.connect(&e, k, 1, &publish);
+        let old = a.peer_descriptors()[0];
+        let s = seed() as u32;
+        let src = host(&e, &pattern(u64::from(s), SIZE));
+        a.write(vec![(src.all(), old.all())], TransferOptions::notify(s))
+            .unwrap()
+            .wait()
+            .expect("A writes through its window");
+        wait_ack(&a);
+        drop(a);
+        let b = n.connect(&e, k, 1, &publish);
+        let mine = b.peer_descriptors()[0];
+        assert_ne!(mine.rkeys(), old.rkeys(), "B got a window of its own");
+        let s = seed() as u32 ^ 1;
+        let src = host(&e, &pattern(u64::from(s), SIZE));
+        b.write(vec![(src.all(), mine.all())], TransferOptions::notify(s))
+            .unwrap()
+            .wait()
+            .expect("B writes through its own window");
+        wait_ack(&b);
+        let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
+        refused(&b, &evil, &old, "B");
+        let a2 = n.connect(&e, k, 1, &publish);
+        refused(&a2, &evil, &old, "a fresh A'");
+        let last = n.connect(&e, k, 1, &publish);
+        wait_bye(&last);
+        drop((b, a2));
     }
 }

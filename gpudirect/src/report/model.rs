@@ -200,6 +200,10 @@ pub struct VerbsDeviceSummary {
     pub numa_node: Option<i32>,
     /// Its ports.
     pub ports: Vec<PortSummary>,
+    /// Whether it has type 2 memory windows (`DeviceAttr::memory_windows`; what the transfer
+    /// engine's per-peer access needs); `null` when it could not be queried.
+    #[serde(default)]
+    pub memory_windows: Option<bool>,
     /// Why the device could not be opened or queried, when it could not.
     pub error: Option<String>,
 }

@@ -30,7 +30,7 @@ fn gid_type(t: GidType) -> &'static str {
 fn verbs_device(
     ctx: &Context,
     sysfs_root: &Path,
-) -> crate::Result<(Option<String>, Vec<PortSummary>)> {
+) -> crate::Result<(Option<String>, bool, Vec<PortSummary>)> {
     let attr = ctx.query_device()?;
     let mut ports = Vec::new();
     for port in 1..=attr.phys_port_cnt {
@@ -84,7 +84,8 @@ fn verbs_device(
         }
         ports.push(p);
     }
-    Ok((Some(attr.fw_ver), ports))
+    let windows = attr.memory_windows().type_2();
+    Ok((Some(attr.fw_ver), windows, ports))
 }
 
 /// Every verbs device with its ports (read under sysfs root `root`), or why there is none.
@@ -104,11 +105,13 @@ pub(crate) fn verbs_devices(root: &Path) -> Result<Vec<VerbsDeviceSummary>, Stri
                     name,
                     fw_ver: None,
                     ports: Vec::new(),
+                    memory_windows: None,
                     error: None,
                 };
                 match Context::open(&dev).and_then(|c| verbs_device(&c, root)) {
-                    Ok((fw, ports)) => {
+                    Ok((fw, windows, ports)) => {
                         d.fw_ver = fw;
+                        d.memory_windows = Some(windows);
                         d.ports = ports;
                     }
                     Err(e) => d.error = Some(e.to_string()),

@@ -261,6 +261,18 @@ impl NodeReport {
             if let Some(e) = &d.error {
                 writeln!(s, "    error: {e}")?;
             }
+            if let Some(w) = d.memory_windows {
+                writeln!(
+                    s,
+                    "    memory windows type 2: {} (transfer engine: per-peer access {})",
+                    yes(w),
+                    if w {
+                        "possible"
+                    } else {
+                        "falls back to region rkeys"
+                    }
+                )?;
+            }
             for p in &d.ports {
                 writeln!(
                     s,

@@ -4,7 +4,7 @@
 
 use super::descriptor::MemoryDescriptor;
 use super::endpoint::Endpoint;
-use super::engine::{self, Engine, EngineConfig};
+use super::engine::{self, Engine, EngineConfig, WindowStats};
 #[cfg(feature = "p2p")]
 use super::local;
 use super::membership::{Advertise, MemberRecord, MemberWatch, MetadataStore, StoreOps};
@@ -15,6 +15,7 @@ use super::registry;
 use crate::error::Result;
 #[cfg(feature = "p2p")]
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 impl Engine {
@@ -79,6 +80,16 @@ impl Engine {
     /// As [`register`](Self::register), for the first buffer that fails (nothing is kept).
     pub fn register_all(&self, bufs: Vec<Buffer>) -> Result<Vec<Region>> {
         registry::register(self, bufs, true)
+    }
+
+    /// Per-peer memory windows bound and revoked so far
+    /// ([`EngineConfig::peer_access`](super::EngineConfig::peer_access)).
+    pub fn window_stats(&self) -> WindowStats {
+        let c = &self.inner.window_counts;
+        WindowStats {
+            bound: c.bound.load(Ordering::Relaxed),
+            revoked: c.revoked.load(Ordering::Relaxed),
+        }
     }
 
     /// What the registration cache has done so far.

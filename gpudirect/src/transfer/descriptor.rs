@@ -574,6 +574,17 @@ impl MemoryDescriptor {
         })
     }
 
+    /// The same memory with `rkey` as device `dev`'s rkey and 0 (no key) for every other
+    /// device: what a peer reaching it through a window on `dev` receives.
+    pub(crate) fn only_rkey(&self, dev: usize, rkey: u32) -> MemoryDescriptor {
+        let mut d = *self;
+        d.rkeys = [0; MAX_RAILS];
+        if dev < d.rails as usize {
+            d.rkeys[dev] = rkey;
+        }
+        d
+    }
+
     /// How a process on the same node maps the memory through CUDA IPC, when it can be
     /// exported.
     pub fn ipc(&self) -> Option<&IpcPart> {
@@ -958,6 +969,18 @@ mod tests {
                     MemoryDescriptor::with_ipc(a, l, k, &r, resized(&i, alloc, off)).ok()
                 }
             })
+    }
+
+    #[test]
+    fn a_window_descriptor_carries_one_rkey_and_no_other() {
+        let d = MemoryDescriptor::new(0x1000, 64, DescribedKind::Host, &[7, 8, 9]).unwrap();
+        let w = d.only_rkey(1, 0xabcd);
+        assert_eq!(w.rkeys(), &[0, 0xabcd, 0]);
+        assert_eq!((w.addr(), w.len(), w.kind()), (d.addr(), d.len(), d.kind()));
+        // Through the wire as any other.
+        assert_eq!(MemoryDescriptor::from_bytes(&w.to_bytes()).unwrap(), w);
+        // A device it has no rkey for: none at all.
+        assert_eq!(d.only_rkey(5, 1).rkeys(), &[0, 0, 0]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use super::auth::Authentication;
 use super::descriptor::{MemoryDescriptor, RemoteRange};
-use super::engine::Engine;
+use super::engine::{Engine, PeerAccess};
 #[cfg(feature = "p2p")]
 use super::local::{Local, Queued};
 use super::meter::Meter;
@@ -158,6 +158,15 @@ impl Endpoint {
         } else {
             Authentication::Unauthenticated
         }
+    }
+
+    /// What the descriptors this endpoint published give its peer
+    /// ([`EngineConfig::peer_access`](super::EngineConfig::peer_access)):
+    /// [`PeerAccess::Windows`] (windows bound through this endpoint's queue pair, revoked when it
+    /// closes or breaks) or [`PeerAccess::Regions`] (the regions' rkeys, good until
+    /// deregistration); `None` inside a node (no rkeys: CUDA IPC).
+    pub fn peer_access(&self) -> Option<PeerAccess> {
+        self.transport().peer_access()
     }
 
     /// Why the endpoint stopped, if it has: the error its requests ended with;

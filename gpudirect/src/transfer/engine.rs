@@ -7,7 +7,7 @@ use super::membership::Roster;
 use super::plan::preferred_rails;
 use super::region::{Cache, CacheStats};
 use crate::error::{Error, Result};
-use crate::rdma::{Context, DeviceList, ProtectionDomain};
+use crate::rdma::{AccessFlags, Context, DeviceList, ProtectionDomain};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,6 +85,70 @@ pub struct EngineConfig {
     /// Bound on one handshake at a listener, from the connection request on (default 5 s, 1 ms
     /// to 10 min): a peer that is silent or slow holds its queue pair no longer.
     pub handshake_timeout: Duration,
+    /// What a peer's descriptors let it reach (default [`PeerAccess::Auto`]): windows bound to
+    /// that peer's queue pairs, or the regions' own rkeys. See `docs/security.md`.
+    pub peer_access: PeerAccess,
+}
+
+/// How the descriptors an endpoint's peer receives at connect give it access to the published
+/// memory ([`EngineConfig::peer_access`], [`Endpoint::peer_access`](super::Endpoint::peer_access)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PeerAccess {
+    /// Windows where [`Windows`](Self::Windows) is possible (every device of the engine has
+    /// type 2 memory windows, and the endpoint has one rail), else [`Regions`](Self::Regions).
+    #[default]
+    Auto,
+    /// Each descriptor published to a peer carries the rkey of a type 2 memory window bound at
+    /// connect through that peer's queue pair only, over the descriptor's range; the windows are
+    /// deallocated (their rkeys refused from then on) when the endpoint closes or breaks.
+    /// [`Engine::new`](super::Engine::new) refuses a device without type 2 windows, and
+    /// connecting refuses an endpoint of more than one rail.
+    Windows,
+    /// Each descriptor carries the regions' rkeys, shared by every peer and good until the
+    /// region is deregistered.
+    Regions,
+}
+
+impl std::fmt::Display for PeerAccess {
+    /// `auto`, `per-peer memory windows`, `region rkeys`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerAccess::Auto => "auto",
+            PeerAccess::Windows => "per-peer memory windows",
+            PeerAccess::Regions => "region rkeys",
+        })
+    }
+}
+
+/// Whether an endpoint of `rails` rails gets windows, under `policy` on an engine whose devices
+/// all have type 2 windows (`windows`).
+///
+/// # Errors
+///
+/// [`Error::Unsupported`] under [`PeerAccess::Windows`] when the engine's devices lack windows
+/// or the endpoint has more than one rail.
+pub(crate) fn endpoint_access(
+    policy: PeerAccess,
+    windows: bool,
+    rails: usize,
+) -> Result<PeerAccess> {
+    match policy {
+        PeerAccess::Regions => Ok(PeerAccess::Regions),
+        PeerAccess::Auto if windows && rails == 1 => Ok(PeerAccess::Windows),
+        PeerAccess::Auto => Ok(PeerAccess::Regions),
+        PeerAccess::Windows if !windows => Err(Error::Unsupported {
+            what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
+            reason: "a device of the engine has no type 2 memory windows".into(),
+        }),
+        // One rkey per device names one window, usable through one queue pair only.
+        PeerAccess::Windows if rails != 1 => Err(Error::Unsupported {
+            what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
+            reason: format!(
+                "an endpoint of {rails} rails: windows are bound on endpoints of one rail only"
+            ),
+        }),
+        PeerAccess::Windows => Ok(PeerAccess::Windows),
+    }
 }
 
 impl Default for EngineConfig {
@@ -109,6 +173,7 @@ impl Default for EngineConfig {
             local_peers: LocalPeers::SameUser,
             max_pending: 64,
             handshake_timeout: Duration::from_secs(5),
+            peer_access: PeerAccess::Auto,
         }
     }
 }
@@ -212,6 +277,13 @@ impl EngineConfig {
                 "1 ms to 10 minutes",
             );
         }
+        if self.local_only && self.peer_access == PeerAccess::Windows {
+            return bad(
+                "peer_access",
+                "Windows".into(),
+                "an engine without rails (local_only) binds no memory windows",
+            );
+        }
         if self.staging_chunk.checked_mul(self.staging_slots).is_none() {
             return bad(
                 "staging_chunk",
@@ -230,6 +302,25 @@ pub(crate) struct RailDevice {
     pub(crate) pd: ProtectionDomain,
     /// The port's largest message.
     pub(crate) max_msg: u32,
+    /// Whether it has type 2 memory windows.
+    pub(crate) windows: bool,
+}
+
+/// Memory windows bound and revoked for peers, over the engine's life.
+#[derive(Debug, Default)]
+pub(crate) struct WindowCounts {
+    pub(crate) bound: AtomicU64,
+    pub(crate) revoked: AtomicU64,
+}
+
+/// Per-peer memory windows of an engine's endpoints so far ([`Engine::window_stats`](super::Engine::window_stats)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct WindowStats {
+    /// Windows bound at connect, one per descriptor published to a peer.
+    pub bound: u64,
+    /// Windows deallocated (their rkeys refused from then on) as their endpoint closed or broke.
+    pub revoked: u64,
 }
 
 pub(crate) struct EngineInner {
@@ -246,6 +337,9 @@ pub(crate) struct EngineInner {
     pub(crate) engine_id: u64,
     /// Its metadata store, published name and named peers (`transfer::membership`).
     pub(crate) roster: Roster,
+    /// Whether endpoints may get per-peer windows: every device has them and the policy allows.
+    pub(crate) windows: bool,
+    pub(crate) window_counts: WindowCounts,
 }
 
 /// Engines made so far in the process.
@@ -307,6 +401,24 @@ impl EngineInner {
             ));
         }
         Ok(())
+    }
+
+    /// What an endpoint of `rails` rails gives its peer ([`endpoint_access`]).
+    pub(crate) fn peer_access(&self, rails: usize) -> Result<PeerAccess> {
+        endpoint_access(self.config.peer_access, self.windows, rails)
+    }
+
+    /// What every registration allows: the NIC writes it for local requests; with
+    /// [`PeerAccess::Windows`] peers reach it only through windows (`MW_BIND`, no remote
+    /// access: a region's own rkey reaches nothing); otherwise remote read and write under the
+    /// region's rkey, and `MW_BIND` too where windows may be bound.
+    pub(crate) fn access(&self) -> AccessFlags {
+        let remote = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        match (self.windows, self.config.peer_access) {
+            (true, PeerAccess::Windows) => AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+            (true, _) => AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND | remote,
+            (false, _) => AccessFlags::LOCAL_WRITE | remote,
+        }
     }
 
     pub(crate) fn device_index(&self, name: &str) -> Option<usize> {
@@ -374,17 +486,30 @@ pub(crate) fn open(config: EngineConfig) -> Result<Engine> {
             .ok()
             .filter(|&m| m > 0)
             .unwrap_or(u32::MAX);
+        let windows = ctx
+            .query_device()
+            .is_ok_and(|a| a.memory_windows().type_2());
+        if !windows && config.peer_access == PeerAccess::Windows {
+            return Err(Error::Unsupported {
+                what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
+                reason: format!("{n} has no type 2 memory windows"),
+            });
+        }
         devices.push(RailDevice {
             name: n.clone(),
             ctx,
             pd,
             max_msg,
+            windows,
         });
     }
     Ok(with_rails(config, devices))
 }
 
 fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
+    let windows = config.peer_access != PeerAccess::Regions
+        && !devices.is_empty()
+        && devices.iter().all(|d| d.windows);
     Engine {
         inner: Arc::new(EngineInner {
             config,
@@ -395,6 +520,8 @@ fn with_rails(config: EngineConfig, devices: Vec<RailDevice>) -> Engine {
             gpu_targets: Mutex::new(Vec::new()),
             engine_id: ENGINES.fetch_add(1, Ordering::Relaxed),
             roster: Roster::default(),
+            windows,
+            window_counts: WindowCounts::default(),
         }),
     }
 }
@@ -476,6 +603,10 @@ mod tests {
                 handshake_timeout: Duration::from_secs(601),
                 ..Default::default()
             },
+            EngineConfig {
+                peer_access: PeerAccess::Windows,
+                ..EngineConfig::local()
+            },
         ];
         for c in bad {
             assert!(
@@ -483,6 +614,54 @@ mod tests {
                 "{c:?}"
             );
         }
+    }
+
+    #[test]
+    fn peer_access_is_chosen_per_endpoint() {
+        use PeerAccess::{Auto, Regions, Windows};
+        assert_eq!(EngineConfig::default().peer_access, Auto);
+        let ok = |p, w, r| endpoint_access(p, w, r).unwrap();
+        // Auto: windows where the devices have them and the endpoint has one rail.
+        assert_eq!(ok(Auto, true, 1), Windows);
+        assert_eq!(ok(Auto, true, 2), Regions);
+        assert_eq!(ok(Auto, false, 1), Regions);
+        // Regions whatever the devices have.
+        assert_eq!(ok(Regions, true, 1), Regions);
+        assert_eq!(ok(Regions, false, 3), Regions);
+        assert_eq!(ok(Windows, true, 1), Windows);
+        // Windows never falls back: refused, typed.
+        for (w, r) in [(false, 1), (true, 2), (true, 16)] {
+            let e = endpoint_access(Windows, w, r).unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn registrations_grant_remote_access_only_without_windows_policy() {
+        let e = |p, windows| {
+            let mut c = EngineConfig::local();
+            c.peer_access = p;
+            let mut e = with_rails(c, Vec::new());
+            Arc::get_mut(&mut e.inner).unwrap().windows = windows;
+            e.inner.access()
+        };
+        let remote = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+        // Windows: only through windows, a region's own rkey reaches nothing.
+        let w = e(PeerAccess::Windows, true);
+        assert!(w.contains(AccessFlags::MW_BIND | AccessFlags::LOCAL_WRITE));
+        assert!(!w.intersects(remote), "{w:?}");
+        let a = e(PeerAccess::Auto, true);
+        assert!(a.contains(remote | AccessFlags::MW_BIND), "{a:?}");
+        // No windows on the devices: no MW_BIND (a device without them may refuse it).
+        for p in [PeerAccess::Auto, PeerAccess::Regions] {
+            let r = e(p, false);
+            assert!(
+                r.contains(remote) && !r.contains(AccessFlags::MW_BIND),
+                "{r:?}"
+            );
+        }
+        // An engine without rails binds no windows.
+        assert!(!with_rails(EngineConfig::local(), Vec::new()).inner.windows);
     }
 
     #[test]

@@ -211,7 +211,7 @@ pub use descriptor::{
     MemoryDescriptor, RemoteRange, decode_list, encode_list,
 };
 pub use endpoint::Endpoint;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, PeerAccess, WindowStats};
 pub use pending::{Transfer, Transferred};
 pub use prepared::PreparedTransfer;
 pub use rails::{ListenerStats, RailStats};

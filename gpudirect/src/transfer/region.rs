@@ -506,6 +506,22 @@ impl Cache {
         hit
     }
 
+    /// The live entry registered on engine device `dev` under `rkey` that covers `len` bytes
+    /// at `start`.
+    pub(crate) fn by_rkey(
+        &mut self,
+        dev: usize,
+        rkey: u32,
+        start: u64,
+        len: u64,
+    ) -> Option<Arc<Entry>> {
+        self.map
+            .values()
+            .flatten()
+            .filter_map(Weak::upgrade)
+            .find(|e| e.mrs.get(dev).is_some_and(|m| m.rkey() == rkey) && e.covers(start, len))
+    }
+
     pub(crate) fn insert(&mut self, e: &Arc<Entry>) {
         self.map.entry(e.id).or_default().push(Arc::downgrade(e));
     }

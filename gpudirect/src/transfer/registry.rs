@@ -8,15 +8,10 @@ use super::region::{
 };
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
-use crate::rdma::{AccessFlags, GpuRegistration};
+use crate::rdma::GpuRegistration;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-
-/// What every registration allows: the NIC reads and writes it for local and remote requests.
-fn access() -> AccessFlags {
-    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
-}
 
 /// A buffer's identity and address range, before registration.
 struct Want {
@@ -407,7 +402,7 @@ fn register_on(
                 ptr: *start as usize,
                 len,
             };
-            pd.register_remote(s, access()).map(RailMr::Host)
+            pd.register_remote(s, inner.access()).map(RailMr::Host)
         }
         Backing::Device(dev) => {
             let ordinal = w.ordinal.unwrap_or(0);
@@ -425,7 +420,7 @@ fn register_on(
                 ordinal,
                 kind,
             };
-            match pd.register_gpu(s, access(), how) {
+            match pd.register_gpu(s, inner.access(), how) {
                 Ok(r) => Ok(RailMr::Gpu(r)),
                 Err(e) if chunks.len() > 1 => Err(name_the_chunk(ordinal, &chunks, *start, e)),
                 Err(e) => Err(e),

@@ -3,7 +3,7 @@
 //! knows both.
 
 use super::descriptor::{MemoryDescriptor, RemoteRange};
-use super::engine::Engine;
+use super::engine::{Engine, PeerAccess};
 #[cfg(feature = "p2p")]
 use super::local::Local;
 use super::pending::Transfer;
@@ -102,6 +102,15 @@ impl Transport {
             Transport::Rails(r) => r.rails(),
             #[cfg(feature = "p2p")]
             Transport::Local(_) => 0,
+        }
+    }
+
+    /// What the peer's descriptors give it (none inside a node: no rkeys).
+    pub(crate) fn peer_access(&self) -> Option<PeerAccess> {
+        match self {
+            Transport::Rails(r) => Some(r.peer_access()),
+            #[cfg(feature = "p2p")]
+            Transport::Local(_) => None,
         }
     }
 

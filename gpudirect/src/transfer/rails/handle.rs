@@ -12,7 +12,7 @@ use super::wait::{look_for_note, next_notification, request};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
-use crate::transfer::engine::Engine;
+use crate::transfer::engine::{Engine, PeerAccess};
 use crate::transfer::pending::Transfer;
 use crate::transfer::region::LocalRange;
 use crate::transfer::request::{Broken, Direction, FLUSH_WAIT, Notification, TransferOptions};
@@ -111,6 +111,15 @@ impl Rails {
     /// Rails of the endpoint.
     pub(crate) fn rails(&self) -> usize {
         self.link.counters.len()
+    }
+
+    /// What the peer's descriptors give it (the same on every rail).
+    pub(crate) fn peer_access(&self) -> PeerAccess {
+        self.link
+            .lock()
+            .rails
+            .first()
+            .map_or(PeerAccess::Regions, |r| r.access)
     }
 
     /// Per-rail counters (cumulative), in rail order.

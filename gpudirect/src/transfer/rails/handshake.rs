@@ -5,6 +5,7 @@
 
 use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, Rail};
 use super::state::Origin;
+use super::windows::bind_for_peer;
 use crate::error::{Error, Result};
 use crate::rdma::{
     AccessFlags, CompletionChannel, ConnectOptions, Connection, ConnectionBinding, HostBuffer,
@@ -14,7 +15,7 @@ use crate::transfer::auth::{
     Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag, tag_message,
 };
 use crate::transfer::descriptor::MemoryDescriptor;
-use crate::transfer::engine::EngineInner;
+use crate::transfer::engine::{EngineInner, PeerAccess};
 use crate::transfer::plan::{deadline_after, send_window};
 use crate::transfer::wire::{Hello, MAX_HELLO};
 use std::collections::VecDeque;
@@ -219,6 +220,30 @@ pub(super) fn greet(
         conn.qp()
             .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
     }
+    // The rails of the endpoint: the dialer's own count, the listener's from the greeting.
+    let rails = match g.role {
+        Role::Dialer => mine.rails,
+        Role::Listener => theirs.rails,
+    };
+    let access = e.peer_access(rails as usize)?;
+    let mut windows = Vec::new();
+    let granted;
+    let publish = if access == PeerAccess::Windows && !publish.is_empty() {
+        let got = bind_for_peer(
+            e,
+            device,
+            &mut conn,
+            publish,
+            window as usize,
+            g.deadline,
+            g.stop,
+        )?;
+        windows = got.windows;
+        granted = got.descriptors;
+        &granted[..]
+    } else {
+        publish
+    };
     let pd = conn.pd().clone();
     let hello_mr = pd.register(
         HostBuffer::from_slice(&Hello::encode_descriptors(publish)?)?,
@@ -259,6 +284,8 @@ pub(super) fn greet(
     theirs.descriptors = Hello::decode_descriptors(bytes, theirs.devices)?;
     let parts = conn.into_parts();
     let rail = Rail {
+        windows,
+        access,
         qp: QpSlot::Rts(parts.qp),
         send_cq: parts.send_cq,
         recv_cq: parts.recv_cq,

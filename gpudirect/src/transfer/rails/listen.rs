@@ -249,6 +249,8 @@ pub(crate) fn connect(
             "one address per rail: 1 to 16",
         ));
     }
+    // Refused before connecting when the policy asks for windows this endpoint cannot have.
+    engine.inner.peer_access(peers.len())?;
     let peers: Vec<SocketAddr> = peers.iter().map(|p| resolve(p)).collect::<Result<_>>()?;
     let origin = Origin::Dialed {
         peers,

@@ -7,6 +7,8 @@
 //! Bottom up, each file imports only those before it:
 //!
 //! - `rail`: one rail (queue pair, completion queues, rdma_cm link), its messages and counters.
+//! - `windows`: per-peer memory windows, bound at connect over the published descriptors and
+//!   revoked when the endpoint closes or breaks.
 //! - `state`: the endpoint's verbs state under its lock ([`Link`](state::Link)), requests'
 //!   accounting, breaking the endpoint and finishing requests.
 //! - `post`: a request checked, planned and posted within each rail's window; notifications
@@ -31,6 +33,7 @@ mod rail;
 mod staging;
 mod state;
 mod wait;
+mod windows;
 
 pub(crate) use handle::Rails;
 pub use listen::ListenerStats;

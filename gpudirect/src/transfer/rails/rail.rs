@@ -2,9 +2,10 @@
 //! the messages queued and posted on it, and its counters.
 
 use crate::rdma::{
-    CmLink, CompletionChannel, CompletionQueue, ErrorState, Local, MemoryRegion, MrSlice,
-    QueuePair, RemoteSlice, Rts,
+    BoundWindow, CmLink, CompletionChannel, CompletionQueue, ErrorState, Local, MemoryRegion,
+    MrSlice, QueuePair, RemoteSlice, Rts,
 };
+use crate::transfer::engine::PeerAccess;
 use crate::transfer::request::Direction;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
@@ -102,6 +103,11 @@ pub(super) enum QpSlot {
 
 /// One rail: its queue pair, CQs, channel, the rdma_cm link, and its message queues.
 pub(super) struct Rail {
+    /// The peer's windows bound through `qp`: first, so they are deallocated before it goes (a
+    /// queue pair dropped with windows bound is leaked).
+    pub(super) windows: Vec<BoundWindow>,
+    /// What the peer's descriptors of this rail give it.
+    pub(super) access: PeerAccess,
     pub(super) qp: QpSlot,
     pub(super) send_cq: CompletionQueue,
     pub(super) recv_cq: CompletionQueue,

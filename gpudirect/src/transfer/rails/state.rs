@@ -3,6 +3,7 @@
 //! requests finish.
 
 use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr};
+use super::windows::revoke;
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
@@ -247,6 +248,9 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
     }
     st.broken = Some((cause.clone(), Instant::now()));
     for rail in &mut st.rails {
+        // The peer's windows first: their rkeys are refused from here on, and none is left
+        // bound through a queue pair that goes.
+        revoke(&inner.ep.engine.inner, &mut rail.windows);
         rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
             QpSlot::Rts(q) => match q.into_error() {
                 Ok(q) => QpSlot::Error { _qp: q },
