@@ -419,6 +419,36 @@ pub struct DeviceAttr {
     pub max_mw: u32,
 }
 
+#[cfg(test)]
+impl DeviceAttr {
+    /// A device of one of everything and no capability flags, for unit tests that set the
+    /// fields they test.
+    pub(crate) fn minimal() -> DeviceAttr {
+        DeviceAttr {
+            fw_ver: String::new(),
+            node_guid: 0,
+            max_mr_size: 0,
+            page_size_cap: 0,
+            max_qp: 1,
+            max_qp_wr: 1,
+            max_sge: 1,
+            max_cq: 1,
+            max_cqe: 1,
+            max_mr: 1,
+            max_pd: 1,
+            max_qp_rd_atom: 1,
+            max_qp_init_rd_atom: 1,
+            max_srq: 1,
+            max_srq_wr: 1,
+            max_srq_sge: 1,
+            atomic_cap: 0,
+            phys_port_cnt: 1,
+            device_cap_flags: 0,
+            max_mw: 0,
+        }
+    }
+}
+
 /// `struct ibv_port_attr`, the parts that matter here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

@@ -1120,26 +1120,9 @@ mod tests {
 
     fn dev(max_qp_wr: u32, max_sge: u32) -> DeviceAttr {
         DeviceAttr {
-            fw_ver: String::new(),
-            node_guid: 0,
-            max_mr_size: 0,
-            page_size_cap: 0,
-            max_qp: 1,
             max_qp_wr,
             max_sge,
-            max_cq: 1,
-            max_cqe: 1,
-            max_mr: 1,
-            max_pd: 1,
-            max_qp_rd_atom: 1,
-            max_qp_init_rd_atom: 1,
-            max_srq: 1,
-            max_srq_wr: 1,
-            max_srq_sge: 1,
-            atomic_cap: 0,
-            phys_port_cnt: 1,
-            device_cap_flags: 0,
-            max_mw: 0,
+            ..DeviceAttr::minimal()
         }
     }
 
