@@ -394,6 +394,19 @@ impl OwnEtcd {
     }
 }
 
+/// An etcd of this test's own, started; `None` (after `SKIPPED`) without an etcd binary.
+fn started_own_etcd() -> Option<OwnEtcd> {
+    let Some(mut e) = OwnEtcd::new() else {
+        skip(
+            Hardware::Etcd,
+            "no etcd binary (GPUDIRECT_ETCD_BIN unset, none on the PATH)",
+        );
+        return None;
+    };
+    e.start();
+    Some(e)
+}
+
 impl Drop for OwnEtcd {
     fn drop(&mut self) {
         self.kill();
@@ -404,14 +417,9 @@ impl Drop for OwnEtcd {
 #[test]
 fn an_etcd_restart_loses_nothing() {
     let _addr = etcd!();
-    let Some(mut e) = OwnEtcd::new() else {
-        skip(
-            Hardware::Etcd,
-            "no etcd binary (GPUDIRECT_ETCD_BIN unset, none on the PATH)",
-        );
+    let Some(mut e) = started_own_etcd() else {
         return;
     };
-    e.start();
     let s = EtcdStore::connect(EtcdConfig::new([e.addr()]).namespace("/restart/")).unwrap();
     let r = record("kept");
     let p = s.publish(&r).unwrap();
@@ -488,14 +496,9 @@ fn cpu_ticks(pid: u32) -> u64 {
 #[test]
 fn store_costs() {
     let _addr = etcd!();
-    let Some(mut e) = OwnEtcd::new() else {
-        skip(
-            Hardware::Etcd,
-            "no etcd binary (GPUDIRECT_ETCD_BIN unset, none on the PATH)",
-        );
+    let Some(e) = started_own_etcd() else {
         return;
     };
-    e.start();
     let pid = e.child.as_ref().unwrap().id();
     let tick = 1e6 / 100.0; // µs per clock tick (USER_HZ is 100 on Linux)
     let s = EtcdStore::connect(EtcdConfig::new([e.addr()]).namespace("/costs/")).unwrap();

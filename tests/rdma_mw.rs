@@ -301,19 +301,26 @@ fn a_window_gives_one_queue_pair_its_range_until_invalidated() {
     assert_eq!(&back.as_slice().unwrap()[..512], &again[..]);
 }
 
+/// A region of `REGION` bytes of `POISON` that windows may be bound over, reachable remotely
+/// only through them.
+fn poisoned_target(pd: &ProtectionDomain) -> MemoryRegion<Remote> {
+    let mut target = pd
+        .register_remote(
+            HostBuffer::zeroed(REGION).unwrap(),
+            AccessFlags::MW_BIND | AccessFlags::LOCAL_WRITE,
+        )
+        .unwrap();
+    target.fill(0, REGION, POISON).unwrap();
+    target
+}
+
 #[test]
 fn a_read_only_window_refuses_writes() {
     let mut p = require!(Hardware::Rdma, pair());
     if !type_2(&p.ctx) {
         return;
     }
-    let mut target =
-        p.pd.register_remote(
-            HostBuffer::zeroed(REGION).unwrap(),
-            AccessFlags::MW_BIND | AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    target.fill(0, REGION, POISON).unwrap();
+    let target = poisoned_target(&p.pd);
     let bound = bind(
         &mut p.b,
         &mut p.cq_b,
@@ -505,13 +512,7 @@ fn a_queue_pair_dropped_with_a_window_bound_is_leaked_in_the_error_state() {
     if !type_2(&p.ctx) {
         return;
     }
-    let mut target =
-        p.pd.register_remote(
-            HostBuffer::zeroed(REGION).unwrap(),
-            AccessFlags::MW_BIND | AccessFlags::LOCAL_WRITE,
-        )
-        .unwrap();
-    target.fill(0, REGION, POISON).unwrap();
+    let target = poisoned_target(&p.pd);
     let bound = bind(
         &mut p.b,
         &mut p.cq_b,
