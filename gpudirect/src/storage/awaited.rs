@@ -14,8 +14,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 /// What the reading thread sends back: the buffer and the transfer, or the read's error (the
-/// buffer is then dropped on that thread).
-type Sent<M> = Result<(M, Transfer)>;
+/// buffer is then dropped on that thread), or the read's panic (the buffer is then leaked).
+type Sent<M> = std::thread::Result<Result<(M, Transfer)>>;
 
 /// An awaited read of [`GdsFile::read_async`]: the destination buffer back and the
 /// [`Transfer`] (bytes read, path taken), or the read's error.
@@ -23,7 +23,9 @@ type Sent<M> = Result<(M, Transfer)>;
 /// The read runs on a thread of its own that owns the buffer until the read has ended: dropping
 /// the future, or its deadline passing ([`Error::Timeout`](crate::Error::Timeout)), lets the read
 /// finish there and the buffer be dropped after it, never earlier. Woken by that thread the
-/// moment the read ends; a deadline is kept by the crate's completion thread.
+/// moment the read ends; a deadline is kept by the crate's completion thread. Should the read
+/// panic, the panic reaches the task polling the future and the buffer is leaked, never freed
+/// while a transfer might still touch it.
 #[must_use = "futures do nothing unless awaited; the read runs on and its buffer is dropped after it"]
 pub struct AutoReadFuture<M: Send + 'static> {
     inner: InFlightFuture<(), Outcome<Sent<M>>, ((), Sent<M>)>,
@@ -49,9 +51,12 @@ impl<M: Send + 'static> Future for AutoReadFuture<M> {
     type Output = Result<(M, Transfer)>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.inner)
-            .poll(cx)
-            .map(|r| r.and_then(|((), sent)| sent))
+        Pin::new(&mut self.inner).poll(cx).map(|r| {
+            r.and_then(|((), sent)| match sent {
+                Ok(read) => read,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+        })
     }
 }
 
@@ -84,10 +89,18 @@ impl GdsFile {
         let (tx, rx) = Outcome::<Sent<M>>::pair();
         let file = self.clone();
         crate::driver::ctx::spawn_thread("gpudirect-read", move || {
-            let r = file
-                .read_to_device(&mut dst, dst_offset, file_offset, len)
-                .map(|t| (dst, t));
-            tx.send(r);
+            // A panic is sent on, not left to end the thread: an outcome never sent would leave
+            // an await without a deadline waiting forever.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                file.read_to_device(&mut dst, dst_offset, file_offset, len)
+            }));
+            tx.send(match r {
+                Ok(read) => Ok(read.map(|t| (dst, t))),
+                Err(panic) => {
+                    std::mem::forget(dst);
+                    Err(panic)
+                }
+            });
         })?;
         Ok(AutoReadFuture {
             inner: InFlight::new("GdsFile::read_async", rx, ()).with_outcome(),
