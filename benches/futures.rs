@@ -29,7 +29,8 @@
 //! `cuEventRecord`, and `cuEventDestroy` as it is dropped), a host function (`cuLaunchHostFunc`
 //! and its payload); and 1,000 tiny copies in flight at once, each awaited by its own task,
 //! against the same copies and one `cuStreamSynchronize`, in `FUTURES_BENCH_ROUNDS` paired rounds
-//! (raw, awaited, raw; default 30); target at most 1.1x. The awaits run on a multi-threaded
+//! (raw, awaited, raw; default 30); target at most 1.1x; beside it the raw copies with an empty
+//! task spawned and awaited per copy (the floor of a task per operation). The awaits run on a multi-threaded
 //! tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
 
@@ -343,6 +344,29 @@ fn main() {
         });
         t.elapsed().as_secs_f64()
     };
+    // The raw copies with one task spawned and awaited per copy (the tasks do nothing): the
+    // floor of any "a task awaits each operation" shape, with no gpudirect code.
+    let raw_tasks = || {
+        let t = Instant::now();
+        rt.block_on(async {
+            let mut tasks = Vec::with_capacity(CONCURRENT);
+            for (s, d) in src_ptrs.iter().zip(&dst_ptrs) {
+                // SAFETY: live 4-byte buffers, no other work on them in flight.
+                ok("cuMemcpyDtoDAsync_v2", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(*d, *s, 4, cs)
+                });
+                tasks.push(tokio::spawn(async {}));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+        // SAFETY: a live stream.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(cs)
+        });
+        t.elapsed().as_secs_f64()
+    };
     let mut awaited_many = || {
         let ss = srcs.take().unwrap();
         let ds = std::mem::take(&mut dsts);
@@ -372,6 +396,7 @@ fn main() {
     let mut conc_await = Vec::new();
     let mut conc_raw = Vec::new();
     let mut conc_rounds_ratio = Vec::new();
+    let mut tasks_rounds_ratio = Vec::new();
     let mut before = raw_many();
     conc_raw.push(before);
     for _ in 0..conc_rounds {
@@ -380,7 +405,11 @@ fn main() {
         conc_rounds_ratio.push(paired::ratio(before, ours, after));
         conc_await.push(ours);
         conc_raw.push(after);
-        before = after;
+        let tasks = raw_tasks();
+        let after2 = raw_many();
+        tasks_rounds_ratio.push(paired::ratio(after, tasks, after2));
+        conc_raw.push(after2);
+        before = after2;
     }
     let (conc_await, conc_raw) = (median(&mut conc_await), median(&mut conc_raw));
     // SAFETY: the event is idle (its last record was synchronized).
@@ -452,6 +481,10 @@ fn main() {
     println!(
         "{CONCURRENT} copies awaited, paired (awaited over the mean of the raw runs before and after it): {conc} against <={CONCURRENT_TARGET:.2}: {}",
         conc.at_most(CONCURRENT_TARGET)
+    );
+    println!(
+        "raw: the same copies with a task spawned and awaited per copy (no gpudirect code), paired the same way: {}",
+        Summary::of(&tasks_rounds_ratio).expect("rounds measured")
     );
     drop((srcs, dsts));
 }

@@ -6,16 +6,21 @@ use std::time::{Duration, Instant};
 /// instead of polling.
 pub(crate) const LONG_WAIT: Duration = Duration::from_secs(3600);
 
-/// Pauses below this only yield the thread; longer ones sleep.
-const YIELD_BELOW: Duration = Duration::from_micros(50);
+/// For this long after a start (or [`Backoff::reset`]) the pauses only yield the thread: a
+/// completion that comes within it is seen within a poll, not after a sleep.
+pub(crate) const YIELD_FOR: Duration = Duration::from_micros(64);
+
+/// The first sleep after the yielding phase; each next one doubles.
+const FIRST_NAP: Duration = Duration::from_micros(64);
 
 /// The longest pause.
 pub(crate) const MAX_NAP: Duration = Duration::from_millis(1);
 
-/// Pauses between polls that grow from 1 µs to 1 ms, doubling: below 50 µs the thread only
-/// yields, longer pauses sleep.
+/// Pauses between polls: only yields for the first [`YIELD_FOR`] of wall time, then sleeps that
+/// grow from 64 µs to 1 ms, doubling.
 #[derive(Debug)]
 pub(crate) struct Backoff {
+    since: Instant,
     nap: Duration,
 }
 
@@ -29,26 +34,32 @@ pub(crate) enum Pause {
 }
 
 impl Backoff {
-    /// The shortest pause first.
+    /// The yielding phase first.
     pub(crate) fn new() -> Self {
         Backoff {
-            nap: Duration::from_micros(1),
+            since: Instant::now(),
+            nap: FIRST_NAP,
         }
     }
 
-    /// Start again from the shortest pause (progress was made: more is likely soon).
+    /// Start again with the yielding phase (progress was made: more is likely soon).
     pub(crate) fn reset(&mut self) {
-        self.nap = Duration::from_micros(1);
+        *self = Backoff::new();
     }
 
-    /// The next pause, lengthening the one after it; for a caller that pauses its own way (the
-    /// completion thread sleeps on a condition variable so that new work wakes it).
+    /// Whether the yielding phase is still on.
+    pub(crate) fn yielding(&self) -> bool {
+        self.since.elapsed() < YIELD_FOR
+    }
+
+    /// The next pause, lengthening the one after it once the yielding phase is over; for a
+    /// caller that pauses its own way (the completion thread sleeps on a condition variable so
+    /// that new work wakes it).
     pub(crate) fn next(&mut self) -> Pause {
-        let pause = if self.nap < YIELD_BELOW {
-            Pause::Yield
-        } else {
-            Pause::Sleep(self.nap)
-        };
+        if self.yielding() {
+            return Pause::Yield;
+        }
+        let pause = Pause::Sleep(self.nap);
         self.nap = (self.nap * 2).min(MAX_NAP);
         pause
     }
@@ -96,17 +107,28 @@ mod tests {
         for _ in 0..20 {
             b.snooze();
         }
-        assert_eq!(b.nap, Duration::from_millis(1));
+        assert_eq!(b.nap, MAX_NAP);
     }
 
     #[test]
-    fn pauses_yield_first_then_sleep_and_reset() {
+    fn pauses_yield_for_a_while_then_sleep_and_reset() {
         let mut b = Backoff::new();
-        let pauses: Vec<Pause> = (0..12).map(|_| b.next()).collect();
-        // 1, 2, 4, 8, 16, 32 µs yield; 64 µs on sleep, capped at 1 ms.
-        assert!(pauses[..6].iter().all(|p| *p == Pause::Yield), "{pauses:?}");
-        assert_eq!(pauses[6], Pause::Sleep(Duration::from_micros(64)));
-        assert_eq!(pauses[11], Pause::Sleep(MAX_NAP));
+        let start = Instant::now();
+        let mut yields = 0;
+        while b.next() == Pause::Yield {
+            yields += 1;
+            std::thread::yield_now();
+        }
+        assert!(
+            start.elapsed() >= YIELD_FOR,
+            "yielded only {:?}",
+            start.elapsed()
+        );
+        assert!(yields > 0);
+        let pauses: Vec<Pause> = (0..5).map(|_| b.next()).collect();
+        // The first sleep was taken by the loop's last `next`: 128 µs on, capped at 1 ms.
+        assert_eq!(pauses[0], Pause::Sleep(Duration::from_micros(128)));
+        assert_eq!(pauses[4], Pause::Sleep(MAX_NAP));
         b.reset();
         assert_eq!(b.next(), Pause::Yield);
     }

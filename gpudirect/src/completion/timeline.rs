@@ -153,16 +153,19 @@ impl Timeline {
         self.events.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Retire completed events; make sure one covers `epoch`. Returns whether `epoch` is done,
-    /// and whether an event covers it (`false` when none could be recorded: the stream is
-    /// capturing a graph, or the driver refused).
+    /// Retire completed events; make sure one covers `epoch` (`eager`), or that one is pending
+    /// at all (not `eager`: a later one covers `epoch` once that one completed, so many futures
+    /// polled while work is still being queued record one event at a time, not one each).
+    /// Returns whether `epoch` is done, and whether an event covers it (`false` when none could
+    /// be recorded: the stream is capturing a graph, or the driver refused; or, not `eager`, when
+    /// an older one is pending).
     ///
     /// Never records while the stream captures a graph: an event recorded in a capture is a
     /// captured event, which completes with the capture rather than with the work (and which
     /// `cuEventQuery` refuses with `CUDA_ERROR_CAPTURED_EVENT`). One that was recorded anyway (a
     /// capture that began during the record) is dropped from the timeline and leaked, so later
     /// polls record a real one instead of waiting on it forever.
-    fn poll(&self, epoch: u64) -> (bool, bool) {
+    fn poll(&self, epoch: u64, eager: bool) -> (bool, bool) {
         // Queries and records need the stream's context current on this thread (a completion
         // or executor thread may never have had it); a query error is then the stream's own.
         let stream = self.stream();
@@ -195,6 +198,9 @@ impl Timeline {
         }
         if g.pending.iter().any(|(c, _)| *c >= epoch) {
             return (false, true);
+        }
+        if !eager && !g.pending.is_empty() {
+            return (false, false);
         }
         // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
         // handed out after their work is queued, so this record comes after that work.
@@ -286,8 +292,8 @@ impl Watch for TimelineWatch {
                 }
             }
         };
-        // Retires completed events, and records one covering `newest` if none does yet.
-        let _ = tl.poll(newest);
+        // Retires completed events, and records one covering `newest` once none is pending.
+        let _ = tl.poll(newest, false);
         let completed = tl.completed();
         let failed = tl.failed().is_some();
         let woken: Vec<(u64, Waker)> = tl
@@ -329,16 +335,30 @@ impl StreamFence {
 
 impl Fence for StreamFence {
     fn is_complete(&self) -> bool {
-        self.timeline.completed() >= self.epoch || self.timeline.poll(self.epoch).0
+        self.timeline.completed() >= self.epoch || self.timeline.poll(self.epoch, true).0
     }
 
     /// Complete, not yet, or [`Error::Cuda`] naming `cuEventQuery` once the stream's events
-    /// answer an error (a sticky error: the work will never be seen complete).
+    /// answer an error (a sticky error: the work will never be seen complete). Records an event
+    /// only when none is pending on the stream, so that asking again and again still ends.
     fn check(&self) -> Result<bool> {
-        if self.is_complete() {
+        let tl = &self.timeline;
+        if tl.completed() >= self.epoch {
             return Ok(true);
         }
-        match self.timeline.failed() {
+        if let Some(code) = tl.failed() {
+            return Err(Error::cuda("cuEventQuery", code));
+        }
+        // While the completion thread watches the stream it queries for every future waiting
+        // on it: a future's own poll adds no driver call (which would contend with the thread
+        // queueing work on the stream).
+        if tl.lock_waiters().watched {
+            return Ok(false);
+        }
+        if tl.poll(self.epoch, false).0 {
+            return Ok(true);
+        }
+        match tl.failed() {
             Some(code) => Err(Error::cuda("cuEventQuery", code)),
             None => Ok(false),
         }
@@ -371,7 +391,7 @@ impl StreamFence {
                 // may be holding open.
                 let mut backoff = Backoff::new();
                 loop {
-                    match tl.poll(self.epoch) {
+                    match tl.poll(self.epoch, true) {
                         (true, _) => return true,
                         (false, false) => return false,
                         (false, true) => {}
