@@ -46,6 +46,7 @@ impl Held {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn copies_awaited_concurrently_hand_back_exact_bytes() {
+    let _one = support::gpu::one_at_a_time_async().await;
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let seed = support::gpu::seed();
     let streams = [Stream::new(&ctx).unwrap(), Stream::new(&ctx).unwrap()];
@@ -89,6 +90,7 @@ async fn copies_awaited_concurrently_hand_back_exact_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_host_function_wakes_its_future() {
+    let _one = support::gpu::one_at_a_time_async().await;
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     for round in 0..20 {
@@ -119,6 +121,7 @@ async fn a_host_function_wakes_its_future() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn deadlines_on_a_held_stream_are_typed_and_park_until_it_passes() {
+    let _one = support::gpu::one_at_a_time_async().await;
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let seed = support::gpu::seed();
@@ -175,6 +178,7 @@ async fn deadlines_on_a_held_stream_are_typed_and_park_until_it_passes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancelled_awaits_park_until_the_stream_passes() {
+    let _one = support::gpu::one_at_a_time_async().await;
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let src = Arc::new(DeviceBuffer::from_slice(&stream, &[7u32; 1024]).unwrap());

@@ -2,6 +2,8 @@
 //!
 //! Without a GPU each test prints `SKIPPED: reason` and passes, unless `GPUDIRECT_REQUIRE=gpu`.
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::completion::{InFlight, Tracker};
 use gpudirect::cuda::{MemopFlags, Stream, WaitCondition};
@@ -18,13 +20,10 @@ use std::time::{Duration, Instant};
 
 const POISON: u32 = 0xDEAD_BEEF;
 
-/// These tests block streams on host flags ("gates"). `cuMemFree`/`cuMemFreeHost` synchronize
-/// the device, so a free on any thread while a gate is closed waits for that gate: the tests run
-/// one at a time and allocate before closing their gate.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
+/// These tests block streams on host flags ("gates"): they run one at a time
+/// (`support::gpu::one_at_a_time`) and allocate before closing their gate.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    support::gpu::one_at_a_time()
 }
 
 fn random(n: usize) -> Vec<u32> {

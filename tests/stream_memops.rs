@@ -1,6 +1,8 @@
 //! Stream memory operations on a GPU (tier 2), including a batch of 300
 //! operations is split into legal batches (255 is the limit seen on the H200).
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::completion::Fence;
 use gpudirect::cuda::{MAX_BATCH_MEM_OPS, MemOp, MemopFlags, Stream, WaitCondition};
@@ -21,6 +23,7 @@ fn spin_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn wait_and_write_32_and_64_bit_on_host_words() {
+    let _one = support::gpu::one_at_a_time();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let flags = Arc::new(MemopFlags::pinned_host(&ctx, 4).unwrap());
@@ -58,6 +61,7 @@ fn wait_and_write_32_and_64_bit_on_host_words() {
 
 #[test]
 fn batch_of_300_is_split_into_legal_batches() {
+    let _one = support::gpu::one_at_a_time();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     for flags in [
@@ -118,6 +122,7 @@ fn batch_of_300_is_split_into_legal_batches() {
 
 #[test]
 fn memop_arguments_are_checked_before_ffi() {
+    let _one = support::gpu::one_at_a_time();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let flags = MemopFlags::pinned_host(&ctx, 2).unwrap();
@@ -141,6 +146,7 @@ fn memop_arguments_are_checked_before_ffi() {
 
 #[test]
 fn round_trip_host_gpu_host() {
+    let _one = support::gpu::one_at_a_time();
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
     let stream = Stream::new(&ctx).unwrap();
     let flags = MemopFlags::pinned_host(&ctx, 2).unwrap();
@@ -181,6 +187,7 @@ fn returns_within<T: Send + 'static>(
 
 #[test]
 fn host_stores_to_device_words_release_a_waiting_stream() {
+    let _one = support::gpu::one_at_a_time();
     // A stream blocked in cuStreamWaitValue on a device word: blocking host-side helpers must
     // not wait for it (cuCtxSynchronize would, and deadlock until the store they are making).
     let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));

@@ -95,6 +95,7 @@ fn gate(ctx: &Arc<CudaContext>) -> Option<Arc<MemopFlags>> {
 
 #[test]
 fn a_stream_starts_a_write_and_another_stream_waits_for_its_word() {
+    let _one = support::gpu::one_at_a_time();
     const N: usize = 256 << 10;
     let Some(s) = setup(vec![0xA5; N]) else {
         return;
@@ -135,6 +136,7 @@ fn a_stream_starts_a_write_and_another_stream_waits_for_its_word() {
 
 #[test]
 fn a_stream_read_into_gpu_memory_is_visible_to_the_stream_that_waited() {
+    let _one = support::gpu::one_at_a_time();
     const N: usize = 256 << 10;
     let data = support::files::pattern(N, support::gpu::seed_from("STREAM_TEST_SEED"));
     let Some(s) = setup(data.clone()) else {
@@ -167,6 +169,7 @@ fn a_stream_read_into_gpu_memory_is_visible_to_the_stream_that_waited() {
 
 #[test]
 fn under_graph_capture_write_on_and_wait_on_are_refused_with_nothing_enqueued() {
+    let _one = support::gpu::one_at_a_time();
     let Some(s) = setup(vec![0; 4096]) else {
         return;
     };

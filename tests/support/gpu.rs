@@ -6,6 +6,22 @@ use gpudirect::cuda::Stream;
 use gpudirect::memory::DeviceBuffer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
+/// Tests that hold a stream on a host word (a "gate", `cuStreamWaitValue32/64`) run one at a
+/// time: `cuMemFree` and `cuMemFreeHost` synchronize the device, so a free on another test's
+/// thread while a gate is closed waits for that gate, and `cargo test` runs a binary's tests on
+/// several threads. Take this first and keep it to the test's end.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    GATES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`one_at_a_time`] for async tests (a guard that may be held across `.await`).
+pub async fn one_at_a_time_async() -> tokio::sync::MutexGuard<'static, ()> {
+    GATES_ASYNC.lock().await
+}
+
+static GATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static GATES_ASYNC: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The number of visible GPUs, or an error saying why there are none.
 pub fn gpus() -> gpudirect::Result<usize> {
     let n = gpudirect::cuda::device_count()?;
