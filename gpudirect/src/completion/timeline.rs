@@ -331,18 +331,6 @@ impl StreamFence {
     pub(crate) fn timeline(&self) -> &Arc<Timeline> {
         &self.timeline
     }
-
-    /// The error a query of the stream's events answered (a sticky error: its work will never
-    /// be seen complete), without asking the driver.
-    #[cfg_attr(
-        not(feature = "transfer"),
-        allow(dead_code, reason = "stream transfers")
-    )]
-    pub(crate) fn failure(&self) -> Option<Error> {
-        self.timeline
-            .failed()
-            .map(|code| Error::cuda("cuEventQuery", code))
-    }
 }
 
 impl Fence for StreamFence {

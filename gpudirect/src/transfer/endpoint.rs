@@ -19,7 +19,6 @@ use super::stream::{
     WordMemory,
 };
 use super::transport::Transport;
-use crate::completion::StreamFence;
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
@@ -342,7 +341,7 @@ impl Endpoint {
         let weak = self.downgrade();
         self.handle
             .proxy
-            .get_or_init(|| Proxy::new(Rdma { ep: weak }).spin(self.engine().inner.config.spin))
+            .get_or_init(|| Proxy::new(Rdma { ep: weak }))
     }
 
     /// A request armed on the endpoint's stream queue.
@@ -512,8 +511,8 @@ pub(crate) enum RdmaWork {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     },
-    /// Intra-node: the copies were queued on the stream; it starts (no trigger write) once the
-    /// stream's timeline shows them done, and only the notification is left.
+    /// Intra-node: the copies were queued on the stream before the trigger, so they are done
+    /// when it fires; only the notification is left.
     #[cfg(feature = "p2p")]
     Queued(Queued),
 }
@@ -566,7 +565,7 @@ impl Backend for Rdma {
             RdmaWork::Post { dir, pairs, opts } => (*dir, pairs, *opts),
             #[cfg(feature = "p2p")]
             RdmaWork::Queued(q) => {
-                // Started once `ready` saw the stream pass the copies: they are done.
+                // The stream passed the copies before it wrote the trigger: they are done.
                 let Transport::Local(local) = ep.transport() else {
                     return Err(closed_error());
                 };
@@ -587,14 +586,6 @@ impl Backend for Rdma {
             flag,
             op: Some(t.into_in_flight()),
         }))
-    }
-
-    fn fence(&self, w: &RdmaWork) -> Option<StreamFence> {
-        match w {
-            RdmaWork::Post { .. } => None,
-            #[cfg(feature = "p2p")]
-            RdmaWork::Queued(q) => q.fence(),
-        }
     }
 }
 

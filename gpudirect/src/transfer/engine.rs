@@ -41,14 +41,12 @@ pub struct EngineConfig {
     pub connect_timeout: Duration,
     /// A transfer's deadline when its options give none (default 30 s).
     pub deadline: Duration,
-    /// How long a thread waiting for a request ([`Transfer::wait`](super::Transfer::wait),
-    /// [`StreamTransfer::wait`](super::StreamTransfer::wait)) or a notification
-    /// ([`Endpoint::next_notification`](super::Endpoint::next_notification)) looks for it itself
-    /// before it sleeps until the progress (or stream proxy) thread wakes it (default 10 ms, as
-    /// the intra-node path's waits). Across nodes it polls the completion queues meanwhile (one
-    /// waiting thread at a time), and a stream request's waiter runs the proxy's rounds: no
-    /// thread hand-off for what comes soon, at the cost of a CPU while it lasts. 0: the
-    /// progress thread sees every completion and wakes the waiter.
+    /// How long a thread waiting for a request ([`Transfer::wait`](super::Transfer::wait)) or
+    /// a notification ([`Endpoint::next_notification`](super::Endpoint::next_notification))
+    /// looks for it itself before it sleeps until the progress thread wakes it (default 10 ms,
+    /// as the intra-node path's waits). Across nodes it polls the completion queues meanwhile
+    /// (one waiting thread at a time): no thread hand-off for what comes soon, at the cost of a
+    /// CPU while it lasts. 0: the progress thread sees every completion and wakes the waiter.
     pub spin: Duration,
     /// Whether GPU memory that cannot be registered with the NIC (pool memory; no dma-buf and
     /// no nvidia-peermem) moves through pinned host bounce buffers (default `true`); `false`

@@ -7,7 +7,7 @@ use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
 use super::side::{Job, Side, lock};
 use super::state::State;
-use crate::completion::{EventFence, Fence, StreamFence, Tracker, capture, deadline_after};
+use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
@@ -732,23 +732,15 @@ pub(super) fn report(
 }
 
 /// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
-/// complete once the stream passed them, as its completion timeline tells (an epoch taken right
-/// after the copies: no driver call per request). What they reach is held until then; dropped
-/// earlier, it is parked behind that fence (never freed early).
+/// complete once the stream passed them. What they reach is held until the stream's event after
+/// them completes; dropped earlier, it is parked behind that event (never freed early).
 pub(crate) struct Queued {
-    hold: Option<(StreamFence, Keep)>,
+    hold: Option<(EventFence, Keep)>,
     /// What the request did (its `elapsed` set when it is reported).
     pub(crate) report: TransferReport,
     pub(crate) started: Instant,
     /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
     epoch: u64,
-}
-
-impl Queued {
-    /// The fence that completes once the stream passed the copies.
-    pub(crate) fn fence(&self) -> Option<StreamFence> {
-        self.hold.as_ref().map(|(f, _)| f.clone())
-    }
 }
 
 impl Drop for Queued {
@@ -763,8 +755,8 @@ impl Drop for Queued {
     }
 }
 
-/// Queue a request's copies on `stream` (through the capture-checked path), then take an epoch
-/// of its timeline. Checked and mapped as [`request`]; nothing is queued when a check fails.
+/// Queue a request's copies on `stream` (through the capture-checked path), then an event after
+/// them. Checked and mapped as [`request`]; nothing is queued when a check fails.
 pub(super) fn on_stream(
     ep: &EpInner<State>,
     side: &Side,
@@ -808,8 +800,14 @@ pub(super) fn on_stream(
             return Err(refused.error);
         }
     };
-    // Taken after the copies were queued: it completes only once the stream passed them.
-    let fence = stream.fence();
+    let fence = match EventFence::record(stream.cuda()) {
+        Ok(f) => f,
+        Err(e) => {
+            // The copies may be queued and nothing tracks them: what they reach is leaked.
+            std::mem::forget(keep);
+            return Err(e);
+        }
+    };
     hold_imports(side, &keep._imports);
     let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {

@@ -27,13 +27,6 @@ pub(super) struct Outcome {
 /// What a finished request still holds (its memory regions): dropped off the proxy thread.
 pub(crate) type Keep = Box<dyn Send>;
 
-/// A queue's proxy, as a thread waiting for one of its requests drives it: one round on the
-/// caller's thread (fired triggers started, running requests polled, finished ones published).
-pub(super) trait Help: Send + Sync {
-    /// One round; whether anything moved.
-    fn help(&self) -> bool;
-}
-
 impl Outcome {
     /// Store the result; the flag goes to `woken`, set once the proxy's lock is let go.
     pub(super) fn set(&self, r: Result<TransferReport>, keep: Option<Keep>, woken: &mut Woken) {
@@ -59,9 +52,6 @@ pub struct StreamTransfer {
     pub(super) outcome: Arc<Outcome>,
     pub(super) host: bool,
     pub(super) limit: Instant,
-    /// The proxy, for a waiting thread to drive itself for up to `spin`.
-    pub(super) help: std::sync::Weak<dyn Help>,
-    pub(super) spin: Duration,
 }
 
 impl StreamTransfer {
@@ -151,28 +141,8 @@ impl StreamTransfer {
     /// stream never reached the trigger and [`Error::InvalidArgument`] when the endpoint was
     /// closed first or an earlier request of the queue failed); [`Error::InvalidArgument`] once
     /// the result was taken.
-    ///
-    /// For up to the engine's [`spin`](crate::transfer::EngineConfig::spin) the waiting thread
-    /// looks at the trigger words and finishes what fired itself (the proxy thread's work,
-    /// without its wake-up); then it sleeps until the proxy thread sets the request's flag.
     pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
-        let start = Instant::now();
-        let spin = self.spin.min(timeout);
-        let mut yields = 0u32;
-        while !self.outcome.flag.is_complete() && start.elapsed() < spin {
-            let Some(h) = self.help.upgrade() else {
-                break;
-            };
-            if !h.help() {
-                // Nothing moved: give the CPU away now and then, not every round.
-                yields += 1;
-                if yields.is_multiple_of(16) {
-                    std::thread::yield_now();
-                }
-            }
-        }
-        let left = timeout.saturating_sub(start.elapsed());
-        if !self.outcome.flag.is_complete() && !self.outcome.flag.wait_timeout(left) {
+        if !self.outcome.flag.wait_timeout(timeout) {
             return Err(Error::Timeout {
                 what: "a stream transfer",
                 after: timeout,

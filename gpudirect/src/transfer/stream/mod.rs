@@ -69,20 +69,6 @@
 //! nothing armed it sleeps on a condition variable: woken by a new request, by the completion
 //! of a request it posted (a waker on the request's completion flag), or at the endpoint's close.
 //!
-//! A thread waiting in [`StreamTransfer::wait`] runs the same rounds itself for up to the
-//! engine's [`spin`](crate::transfer::EngineConfig::spin) before it sleeps on the request's
-//! flag: what finishes soon is published without a hand-off to the proxy thread.
-//!
-//! # Intra-node requests need no trigger
-//!
-//! [`Endpoint::write_on`](crate::transfer::Endpoint::write_on) of an intra-node endpoint queues
-//! the copies on the stream itself and takes an epoch of the stream's completion timeline (no
-//! driver call). Such a request starts (its notification sent, its word published) once the
-//! timeline shows the stream passed the copies: each round asks the driver once per stream,
-//! outside the proxy's lock, for the newest armed epoch (an event is recorded only when none is
-//! pending on the stream). While the stream captures a graph no event can be recorded on it,
-//! so such a request is seen done once the capture ended, or fails at its deadline.
-//!
 //! # Deadlines
 //!
 //! A request's deadline ([`TransferOptions::deadline`](crate::transfer::TransferOptions::deadline), or the engine's) counts twice: the

@@ -2,11 +2,11 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Help, Keep, Outcome, Queue, StreamTransfer};
+use super::armed::{Keep, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
+use crate::completion::CompletionFlag;
 use crate::completion::deferred::{Defers, Locked, Woken};
-use crate::completion::{CompletionFlag, Fence, StreamFence};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
 use crate::transfer::plan::deadline_after;
@@ -41,14 +41,6 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ///
     /// Why it could not start (the request fails with it).
     fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
-
-    /// For work that needs no trigger write (it is queued on the stream already): the fence
-    /// of its stream's timeline that says when the stream passed it (then it may start).
-    /// `None` (the default): its trigger word says.
-    fn fence(&self, work: &Self::Work) -> Option<StreamFence> {
-        let _ = work;
-        None
-    }
 }
 
 /// Where a request's trigger comes from.
@@ -74,8 +66,6 @@ enum Stage<W> {
 struct Entry<W> {
     queue: Arc<Queue>,
     stage: Stage<W>,
-    /// Work the stream holds already: it starts once this completes (no trigger word).
-    fence: Option<StreamFence>,
     outcome: Arc<Outcome>,
     /// The request's deadline.
     timeout: Duration,
@@ -168,8 +158,6 @@ struct Core<B: Backend> {
 pub(crate) struct Proxy<B: Backend> {
     core: Arc<Core<B>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// How long a thread waiting for a request drives the proxy itself.
-    spin: Duration,
 }
 
 fn closed_error() -> Error {
@@ -303,51 +291,23 @@ impl<B: Backend> Core<B> {
     /// polled, passed trigger deadlines failed. Returns what fired and whether anything moved.
     #[allow(clippy::type_complexity)]
     fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool) {
-        // The driver is asked outside the lock (arming takes it too): once per stream, for the
-        // newest fence armed on it, which tells for every earlier one.
-        let mut newest: Vec<StreamFence> = Vec::new();
-        for e in self.lock().entries.values() {
-            if let (Stage::Armed(_), Some(f)) = (&e.stage, &e.fence) {
-                match newest
-                    .iter_mut()
-                    .find(|n| Arc::ptr_eq(n.timeline(), f.timeline()))
-                {
-                    Some(n) if n.epoch() < f.epoch() => *n = f.clone(),
-                    Some(_) => {}
-                    None => newest.push(f.clone()),
-                }
-            }
-        }
-        // Records an event only when none is pending on the stream. A stream that failed (a
-        // sticky error) fails its requests with that error.
-        newest.retain(|f| f.check().is_ok());
         let mut st = self.lock();
         let now = Instant::now();
         let mut fired = Vec::new();
         let mut late = Vec::new();
-        let mut broken = Vec::new();
         let mut done = Vec::new();
         let mut moved = false;
         for (k, e) in st.entries.iter_mut() {
             match &mut e.stage {
                 Stage::Armed(_) => {
-                    let go = match &e.fence {
-                        Some(f) => f.timeline().completed() >= f.epoch(),
-                        None => e.queue.words.load(trigger_slot(k.1)) == k.1,
-                    };
-                    if !go
-                        && let Some(f) = &e.fence
-                        && let Some(err) = f.failure()
-                    {
-                        broken.push((*k, err));
-                    } else if go {
+                    if e.queue.words.load(trigger_slot(k.1)) == k.1 {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
                         else {
                             unreachable!("matched above")
                         };
                         fired.push((*k, w));
                     } else if now >= e.until {
-                        late.push((*k, e.timeout, e.fence.is_some()));
+                        late.push((*k, e.timeout));
                     }
                 }
                 Stage::Running(_, run) => {
@@ -363,20 +323,13 @@ impl<B: Backend> Core<B> {
                 q.unfired.remove(&k.1);
             }
         }
-        moved |= !fired.is_empty() || !late.is_empty() || !done.is_empty() || !broken.is_empty();
+        moved |= !fired.is_empty() || !late.is_empty() || !done.is_empty();
         for (k, r, keep) in done {
             Self::finish(&mut st, k, r, Some(keep));
         }
-        for (k, err) in broken {
-            Self::finish(&mut st, k, Err(err), None);
-        }
-        for (k, after, fenced) in late {
+        for (k, after) in late {
             let e = Error::Timeout {
-                what: if fenced {
-                    "a stream transfer's copies (the stream did not pass them)"
-                } else {
-                    "a stream transfer's trigger (the stream did not reach it)"
-                },
+                what: "a stream transfer's trigger (the stream did not reach it)",
                 after,
             };
             Self::finish(&mut st, k, Err(e), None);
@@ -537,16 +490,6 @@ impl<B: Backend> Core<B> {
     }
 }
 
-impl<B: Backend> Help for Core<B> {
-    fn help(&self) -> bool {
-        let waker = Waker::from(self.bell.clone());
-        let (fired, moved) = self.round(&waker);
-        let started = !fired.is_empty();
-        self.start(fired);
-        moved || started
-    }
-}
-
 impl<B: Backend> Proxy<B> {
     pub(crate) fn new(backend: B) -> Self {
         Proxy {
@@ -564,15 +507,7 @@ impl<B: Backend> Proxy<B> {
                 bell: Arc::new(Bell::default()),
             }),
             thread: Mutex::new(None),
-            spin: Duration::ZERO,
         }
-    }
-
-    /// A thread waiting for a request ([`StreamTransfer::wait`]) runs the proxy's rounds itself
-    /// for up to `spin` before it sleeps.
-    pub(crate) fn spin(mut self, spin: Duration) -> Self {
-        self.spin = spin;
-        self
     }
 
     /// Drop what finished requests held (on the caller's thread).
@@ -629,9 +564,6 @@ impl<B: Backend> Proxy<B> {
             }
         }
         let work = make()?;
-        // Work the stream already holds starts once its fence completes: no trigger write.
-        let fence = self.core.backend.fence(&work);
-        let self_timed = fence.is_some();
         let now = Instant::now();
         let until = deadline_after(now, timeout);
         let limit = deadline_after(until, timeout) + HOST_SLACK;
@@ -657,15 +589,14 @@ impl<B: Backend> Proxy<B> {
             q.unfired.insert(seq);
             let queue = q.queue.clone();
             let stage = match trig {
-                Trigger::Stream(_) if !self_timed => Stage::Reserved(work),
-                _ => Stage::Armed(work),
+                Trigger::Host => Stage::Armed(work),
+                Trigger::Stream(_) => Stage::Reserved(work),
             };
             st.entries.insert(
                 (id, seq),
                 Entry {
                     queue: queue.clone(),
                     stage,
-                    fence,
                     outcome: outcome.clone(),
                     timeout,
                     until,
@@ -674,9 +605,7 @@ impl<B: Backend> Proxy<B> {
             (queue, seq)
         };
         let host = matches!(trig, Trigger::Host);
-        if let Trigger::Stream(stream) = trig
-            && !self_timed
-        {
+        if let Trigger::Stream(stream) = trig {
             let flags = queue
                 .words
                 .flags()
@@ -713,15 +642,12 @@ impl<B: Backend> Proxy<B> {
             }
         }
         self.core.bell.ring();
-        let help: std::sync::Weak<dyn Help> = Arc::downgrade(&self.core) as _;
         Ok(StreamTransfer {
             queue,
             seq,
             outcome,
             host,
             limit,
-            help,
-            spin: self.spin,
         })
     }
 
@@ -763,8 +689,6 @@ mod tests {
     #[derive(Default)]
     struct Fake {
         started: Mutex<Vec<u64>>,
-        /// The thread each request was started on.
-        started_on: Mutex<Vec<std::thread::ThreadId>>,
         /// Results the test released, by work id.
         release: Arc<Mutex<HashMap<u64, bool>>>,
     }
@@ -802,10 +726,6 @@ mod tests {
         type Work = u64;
         fn start(&self, w: &u64) -> Result<Box<dyn Running>> {
             self.started.lock().unwrap().push(*w);
-            self.started_on
-                .lock()
-                .unwrap()
-                .push(std::thread::current().id());
             Ok(Box::new(FakeRun {
                 id: *w,
                 release: self.release.clone(),
@@ -823,42 +743,6 @@ mod tests {
 
     fn finish(release: &Arc<Mutex<HashMap<u64, bool>>>, id: u64, ok: bool) {
         release.lock().unwrap().insert(id, ok);
-    }
-
-    #[test]
-    fn a_waiting_thread_starts_and_finishes_what_fired_itself() {
-        for spin in [Duration::ZERO, Duration::from_secs(1)] {
-            let p = Proxy::new(Fake::default()).spin(spin);
-            let rel = p.core.backend.release.clone();
-            for id in 0..20 {
-                let t = p.arm(Trigger::Host, id, Duration::from_secs(30)).unwrap();
-                // The proxy thread is in its longest naps by now.
-                std::thread::sleep(Duration::from_millis(2));
-                finish(&rel, id, true);
-                t.trigger().unwrap();
-                assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
-                assert_eq!(t.completion_value(), id + 1, "the word is set in order");
-            }
-            let me = std::thread::current().id();
-            let here = p
-                .core
-                .backend
-                .started_on
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|t| **t == me)
-                .count();
-            if spin.is_zero() {
-                assert_eq!(
-                    here, 0,
-                    "without a spin the proxy thread starts every request"
-                );
-            } else {
-                assert!(here >= 10, "the waiter started {here} of 20 itself");
-            }
-            p.closed();
-        }
     }
 
     #[test]
