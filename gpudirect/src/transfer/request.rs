@@ -104,6 +104,8 @@ pub(crate) enum Broken {
     Os(&'static str, i32),
     /// The peer (segment name, node) left the membership (`transfer::membership`).
     PeerLeft(String, String),
+    /// The peer gave up one rail (it found it failed first); never the endpoint's cause.
+    RailGivenUp,
 }
 
 impl Broken {
@@ -139,6 +141,7 @@ impl Broken {
                 name: name.clone(),
                 node: node.clone(),
             },
+            Broken::RailGivenUp => Error::invalid("rail", "given up", "the peer found it failed"),
         }
     }
 
