@@ -141,6 +141,8 @@ impl Rails {
                 },
                 failures: c.failures.load(Ordering::Relaxed),
                 reposted: c.reposted.load(Ordering::Relaxed),
+                notifications_in_doubt: c.in_doubt.load(Ordering::Relaxed),
+                notifications_resent: c.resent.load(Ordering::Relaxed),
                 bytes_written: c.bytes_written.load(Ordering::Relaxed),
                 bytes_read: c.bytes_read.load(Ordering::Relaxed),
                 writes: c.writes.load(Ordering::Relaxed),

@@ -106,6 +106,11 @@ pub struct RailStats {
     pub failures: u64,
     /// Messages it had not completed when it failed, posted again on the rails left.
     pub reposted: u64,
+    /// Notifications posted on it without a completion when it failed: the peer was asked
+    /// whether they arrived.
+    pub notifications_in_doubt: u64,
+    /// Of those, the ones the peer had not received: sent again on another rail.
+    pub notifications_resent: u64,
     /// Bytes written to the peer.
     pub bytes_written: u64,
     /// Bytes read from the peer.
@@ -130,6 +135,8 @@ pub(super) struct RailCounters {
     pub(super) notes_received: AtomicU64,
     pub(super) failures: AtomicU64,
     pub(super) reposted: AtomicU64,
+    pub(super) in_doubt: AtomicU64,
+    pub(super) resent: AtomicU64,
 }
 
 /// What an endpoint knows of one rail beyond its connection: whether it failed, its

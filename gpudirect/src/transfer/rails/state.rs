@@ -359,6 +359,7 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     for (id, wr, note) in &unsure {
         if let (Some(i), Some(q)) = (note, st.requests.get_mut(id)) {
             q.asking = Some((r, *i, wr.clone()));
+            inner.counters[r].in_doubt.fetch_add(1, Ordering::Relaxed);
         }
     }
     for (id, wr, note) in unsure {
@@ -467,6 +468,7 @@ pub(super) fn answered(inner: &Link, st: &mut State, r: usize, n: u32) {
             q.rail_bytes[r] += bytes;
             inner.counters[r].notes_sent.fetch_add(1, Ordering::Relaxed);
         } else {
+            inner.counters[r].resent.fetch_add(1, Ordering::Relaxed);
             q.unposted += 1 + parked.len();
             for w in parked {
                 move_to(inner, st, id, w, r, false);
