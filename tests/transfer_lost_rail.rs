@@ -1,0 +1,455 @@
+//! Tier 1, two nodes: a rail lost mid-request costs no request (the entry `transfer-lost-rail`
+//! of `ci/rxe-vm/two-nodes.list`). The client (node a) takes one of its own rails down (its
+//! veth, `ip link set vaR down`) at a random moment of a striped 64 MiB request over two rails,
+//! and up again once the request ended; it alternates rail 1 and rail 0 (the notification's).
+//! Every run must complete with exact bytes, or end typed within its deadline; a write's
+//! notification must arrive exactly once (the server counts them) and after every byte (it
+//! compares the target when it arrives). Then one run loses both rails: typed, in time.
+//!
+//! `GPUDIRECT_LOST_RAIL_RUNS` sets the runs of each kind (default 100). Each side tells the
+//! other how its run went with a notification (the tags below), on a fresh endpoint per run on
+//! `GPUDIRECT_TEST_PORT` + 20 (+ 21, + 22). Without the VM's environment every test prints
+//! `SKIPPED`.
+
+mod support;
+
+use gpudirect::Error;
+use gpudirect::transfer::{
+    AuthKey, Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, RailState, Region, Transfer,
+    TransferListener, TransferOptions,
+};
+use gpudirect_testing::{Hardware, skip};
+use std::time::{Duration, Instant};
+
+const ACCEPT: Duration = Duration::from_secs(120);
+const CONNECT: Duration = Duration::from_secs(90);
+const SIZE: usize = 64 << 20;
+/// Each request's deadline.
+const DEADLINE: Duration = Duration::from_secs(20);
+/// What a request may take past its deadline: the flush bound and the progress thread's tick.
+const SLACK: Duration = Duration::from_secs(4);
+/// A data notification's tag has this bit; the others below do not.
+const DATA: u32 = 1 << 31;
+/// The client's request completed / ended typed (then the server answers `ACK`).
+const DONE: u32 = 0xD0E;
+const TYPED: u32 = 0x7E0;
+const ACK: u32 = 0xACC;
+/// The rails' ACK timeout exponent: 4.096 µs × 2^16 ≈ 0.27 s a try, 7 tries before a rail
+/// whose link is down fails.
+const ACK_TIMEOUT: u8 = 16;
+
+struct Node {
+    server: bool,
+    rails: Vec<String>,
+    peers: Vec<String>,
+    port: u16,
+}
+
+fn node() -> Option<Node> {
+    let role = std::env::var("GPUDIRECT_TEST_ROLE").ok()?;
+    let list = |v: &str| -> Vec<String> {
+        std::env::var(v)
+            .unwrap_or_default()
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    Some(Node {
+        server: role == "server",
+        rails: list("GPUDIRECT_TEST_RAILS"),
+        peers: list("GPUDIRECT_TEST_PEER_ADDRS"),
+        port: std::env::var("GPUDIRECT_TEST_PORT").ok()?.parse().ok()?,
+    })
+}
+
+macro_rules! two_nodes {
+    () => {
+        match node() {
+            Some(n) if n.rails.len() >= 2 && n.peers.len() >= 2 => n,
+            _ => {
+                skip(
+                    Hardware::Rdma,
+                    "not one side of the two-node VM with two rails (GPUDIRECT_TEST_ROLE unset)",
+                );
+                return;
+            }
+        }
+    };
+}
+
+fn runs() -> usize {
+    std::env::var("GPUDIRECT_LOST_RAIL_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100)
+}
+
+impl Node {
+    fn engine(&self) -> Engine {
+        let mut c = EngineConfig::with_devices(&self.rails[..2]);
+        c.key = AuthKey::from_env("GPUDIRECT_TRANSFER_KEY_FILE").expect("the key file");
+        c.ack_timeout = Some(ACK_TIMEOUT);
+        Engine::new(c).expect("engine on this node's rails")
+    }
+
+    fn listen(&self, e: &Engine, k: u16) -> TransferListener {
+        e.listen(&format!("0.0.0.0:{}", self.port + k))
+            .expect("listen")
+    }
+
+    /// Connect over both rails on port + `k`, retrying while the server is not listening yet.
+    fn connect(&self, e: &Engine, k: u16, publish: &[MemoryDescriptor]) -> Endpoint {
+        let addrs: Vec<String> = self.peers[..2]
+            .iter()
+            .map(|a| format!("{a}:{}", self.port + k))
+            .collect();
+        let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+        let until = Instant::now() + CONNECT;
+        loop {
+            match e.connect(&addrs, publish) {
+                Ok(ep) => return ep,
+                Err(err) if Instant::now() < until => {
+                    eprintln!("connect {addrs:?}: {err}; retrying");
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                Err(err) => panic!("connect {addrs:?}: {err}"),
+            }
+        }
+    }
+}
+
+fn pattern(seed: u64, n: usize) -> Vec<u8> {
+    support::files::pattern(n, seed)
+}
+
+/// A random u32 (time and a counter: both sides need not agree).
+fn random() -> u32 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let mut x = t ^ N.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x as u32
+}
+
+/// This node's veth of rail `r` (node a: the client) up or down.
+fn link(r: usize, up: bool) {
+    let dev = format!("va{r}");
+    let state = if up { "up" } else { "down" };
+    let st = std::process::Command::new("/usr/sbin/ip")
+        .args(["link", "set", &dev, state])
+        .status()
+        .expect("ip");
+    assert!(st.success(), "ip link set {dev} {state}");
+}
+
+/// A one-byte write with notification `tag`, waited for; whether it went.
+fn say(ep: &Endpoint, scratch: &Region, peer: &MemoryDescriptor, tag: u32) -> bool {
+    ep.write(
+        vec![(scratch.range(0, 1).unwrap(), peer.range(0, 1).unwrap())],
+        TransferOptions::notify(tag).deadline(DEADLINE),
+    )
+    .and_then(Transfer::wait)
+    .map_err(|e| eprintln!("say {tag:#x}: {e}"))
+    .is_ok()
+}
+
+/// A typed end of a request that lost its rails.
+fn typed(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Timeout { .. }
+            | Error::WorkCompletion { .. }
+            | Error::CmEvent { .. }
+            | Error::InvalidArgument { .. }
+    )
+}
+
+/// What the client saw over its runs.
+#[derive(Default)]
+struct Tally {
+    completed: usize,
+    typed: usize,
+    max: Duration,
+    total: Duration,
+    failed_over: usize,
+    /// Notifications in doubt (their rail failed before their completion), and resent.
+    in_doubt: u64,
+    resent: u64,
+}
+
+impl Tally {
+    fn print(&self, what: &str, runs: usize) {
+        println!(
+            "LOST-RAIL {what}: runs={runs} completed={} typed={} rail_failed_mid_run={} notifications_in_doubt={} resent={} max_ms={} mean_ms={}",
+            self.completed,
+            self.typed,
+            self.failed_over,
+            self.in_doubt,
+            self.resent,
+            self.max.as_millis(),
+            (self.total / runs.max(1) as u32).as_millis()
+        );
+    }
+}
+
+/// One client run: `go` starts the request; rail `down` goes down after `delay`, and up again
+/// once the request ended. Returns whether it completed, and how long it took.
+fn lose_rail_during(
+    tally: &mut Tally,
+    ep: &Endpoint,
+    down: &[usize],
+    delay: Duration,
+    go: impl FnOnce() -> gpudirect::Result<Transfer>,
+) -> bool {
+    let rails = down.to_vec();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        for &r in &rails {
+            link(r, false);
+        }
+    });
+    let t0 = Instant::now();
+    let r = go().and_then(Transfer::wait);
+    let dt = t0.elapsed();
+    killer.join().unwrap();
+    for &r in down {
+        link(r, true);
+    }
+    assert!(dt < DEADLINE + SLACK, "a request took {dt:?}: {r:?}");
+    tally.max = tally.max.max(dt);
+    tally.total += dt;
+    let stats = ep.rail_stats();
+    if stats.iter().any(|s| s.state != RailState::Up) {
+        tally.failed_over += 1;
+    }
+    tally.in_doubt += stats.iter().map(|s| s.notifications_in_doubt).sum::<u64>();
+    tally.resent += stats.iter().map(|s| s.notifications_resent).sum::<u64>();
+    match r {
+        Ok(rep) => {
+            assert_eq!(rep.bytes, SIZE as u64, "{rep:?}");
+            tally.completed += 1;
+            true
+        }
+        Err(e) => {
+            println!("client: rails {down:?} down after {delay:?}: {e} after {dt:?}; {stats:?}");
+            assert!(typed(&e), "untyped: {e:?}");
+            tally.typed += 1;
+            false
+        }
+    }
+}
+
+/// The link's neighbour and rxe's port a moment after `ip link set up`.
+fn settle() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// Writes: the server counts each run's notifications until the client's word, and compares
+/// the target when the notification arrives.
+#[test]
+fn t1_striped_writes_lose_a_rail() {
+    let n = two_nodes!();
+    let e = n.engine();
+    let runs = runs();
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        let l = n.listen(&e, 20);
+        let (mut verified, mut none) = (0, 0);
+        for run in 0..=runs {
+            let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+            let peer = ep.peer_descriptors()[0];
+            let mut notes = 0;
+            let mut said = None;
+            while said.is_none() {
+                match ep.next_notification(DEADLINE + SLACK * 2) {
+                    Ok(Some(x)) if x.tag & DATA != 0 => {
+                        notes += 1;
+                        assert_eq!(notes, 1, "run {run}: a notification arrived twice");
+                        assert!(
+                            target.to_vec().unwrap() == pattern(u64::from(x.tag), SIZE),
+                            "run {run}: the notification came before every byte"
+                        );
+                        verified += 1;
+                    }
+                    Ok(Some(x)) if x.tag == DONE || x.tag == TYPED => said = Some(x.tag),
+                    Ok(Some(x)) => panic!("run {run}: tag {:#x}", x.tag),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            match said {
+                Some(DONE) => assert_eq!(notes, 1, "run {run}: completed, not notified"),
+                Some(_) => {}
+                None => {
+                    println!("server: run {run}: the client went without a word");
+                    none += 1;
+                }
+            }
+            if said.is_some() {
+                say(&ep, &target, &peer, ACK);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if run % 10 == 9 {
+                println!("server: write run {run}: rails {:?}", ep.rail_stats());
+            }
+        }
+        println!("LOST-RAIL write server: verified={verified} no_word={none} duplicates=0");
+    } else {
+        let mut tally = Tally::default();
+        let src = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        // One run with both rails up first: how long a request takes, for the random moments.
+        let mut clean = Duration::from_secs(1);
+        for run in 0..=runs {
+            let s = random() | DATA;
+            src.write_at(0, &pattern(u64::from(s), SIZE)).unwrap();
+            let ep = n.connect(&e, 20, &[src.descriptor().unwrap()]);
+            let peer = ep.peer_descriptors()[0];
+            let go = || {
+                ep.write(
+                    vec![(src.all(), peer.all())],
+                    TransferOptions::notify(s).deadline(DEADLINE),
+                )
+            };
+            let ok = if run == 0 {
+                let t0 = Instant::now();
+                go().and_then(Transfer::wait)
+                    .expect("a write with both rails up");
+                clean = t0.elapsed();
+                println!("client: a clean write took {clean:?}");
+                true
+            } else {
+                let down = [run % 2];
+                let delay = clean.mul_f64(f64::from(random() % 1000) / 1000.0);
+                lose_rail_during(&mut tally, &ep, &down, delay, go)
+            };
+            settle();
+            if say(&ep, &src, &peer, if ok { DONE } else { TYPED }) {
+                let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
+                assert_eq!(got, Some(ACK), "run {run}: the server's answer");
+            }
+            if run % 10 == 0 {
+                println!("client: write run {run}: rails {:?}", ep.rail_stats());
+            }
+        }
+        tally.print("write", runs);
+    }
+}
+
+/// Reads: the server fills its source with a new seed each run and says which; the client
+/// compares what it read.
+#[test]
+fn t2_striped_reads_lose_a_rail() {
+    let n = two_nodes!();
+    let e = n.engine();
+    let runs = runs();
+    if n.server {
+        let src = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        let l = n.listen(&e, 21);
+        for run in 0..=runs {
+            let s = random() | DATA;
+            src.write_at(0, &pattern(u64::from(s), SIZE)).unwrap();
+            let ep = l.accept(&[src.descriptor().unwrap()], ACCEPT).unwrap();
+            let peer = ep.peer_descriptors()[0];
+            assert!(say(&ep, &src, &peer, s), "run {run}: the seed");
+            match ep.next_notification(DEADLINE + SLACK * 2) {
+                Ok(Some(x)) if x.tag == DONE || x.tag == TYPED => {
+                    say(&ep, &src, &peer, ACK);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => println!("server: read run {run}: {other:?}"),
+            }
+        }
+        println!("LOST-RAIL read server: runs={runs}");
+    } else {
+        let mut tally = Tally::default();
+        let dst = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        let mut clean = Duration::from_secs(1);
+        for run in 0..=runs {
+            let ep = n.connect(&e, 21, &[dst.descriptor().unwrap()]);
+            let peer = ep.peer_descriptors()[0];
+            let s = ep
+                .next_notification(CONNECT)
+                .unwrap()
+                .expect("the seed")
+                .tag;
+            let go = || {
+                ep.read(
+                    vec![(dst.all(), peer.all())],
+                    TransferOptions::default().deadline(DEADLINE),
+                )
+            };
+            let ok = if run == 0 {
+                let t0 = Instant::now();
+                go().and_then(Transfer::wait)
+                    .expect("a read with both rails up");
+                clean = t0.elapsed();
+                println!("client: a clean read took {clean:?}");
+                true
+            } else {
+                let down = [run % 2];
+                let delay = clean.mul_f64(f64::from(random() % 1000) / 1000.0);
+                lose_rail_during(&mut tally, &ep, &down, delay, go)
+            };
+            if ok {
+                assert!(
+                    dst.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+                    "run {run}: the bytes read differ"
+                );
+            }
+            settle();
+            if say(&ep, &dst, &peer, if ok { DONE } else { TYPED }) {
+                let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
+                assert_eq!(got, Some(ACK), "run {run}: the server's answer");
+            }
+            if run % 10 == 0 {
+                println!("client: read run {run}: rails {:?}", ep.rail_stats());
+            }
+        }
+        tally.print("read", runs);
+    }
+}
+
+/// Both rails go down mid-write: the request ends typed within its deadline, and so does the
+/// endpoint.
+#[test]
+fn t3_both_rails_lost_is_typed_in_time() {
+    let n = two_nodes!();
+    let e = n.engine();
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        let l = n.listen(&e, 22);
+        let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+        // The client's links come back; this side hears of it or not: either way it ends.
+        let r = ep.next_notification(DEADLINE + SLACK * 2);
+        println!(
+            "server: both rails lost: {r:?}; rails {:?}",
+            ep.rail_stats()
+        );
+    } else {
+        let src = e.register(Buffer::host(vec![7u8; SIZE]).unwrap()).unwrap();
+        let ep = n.connect(&e, 22, &[]);
+        let peer = ep.peer_descriptors()[0];
+        let mut tally = Tally::default();
+        let ok = lose_rail_during(&mut tally, &ep, &[0, 1], Duration::from_millis(50), || {
+            ep.write(
+                vec![(src.all(), peer.all())],
+                TransferOptions::notify(DATA).deadline(DEADLINE),
+            )
+        });
+        let stats = ep.rail_stats();
+        println!(
+            "LOST-RAIL both: completed={} max_ms={} failure={:?} rails={stats:?}",
+            ok,
+            tally.max.as_millis(),
+            ep.failure()
+        );
+        assert!(!ok, "a write with both rails down completed");
+        settle();
+    }
+}
