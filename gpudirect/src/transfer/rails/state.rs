@@ -333,6 +333,7 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
         return;
     }
     let last = up_rails(st).len() <= 1;
+    let told = matches!(cause, Broken::RailGivenUp);
     st.lanes[r].failed = Some((cause.clone(), Instant::now()));
     st.lanes[r].ctl.clear();
     inner.counters[r].failures.fetch_add(1, Ordering::Relaxed);
@@ -383,12 +384,17 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
             ids.push(*id);
         }
     }
-    // Ask (again) about every rail with a notification in doubt: a query on this rail is lost.
+    // Ask about this rail, unless the peer gave it up first: the peer gives it up at once
+    // rather than after its own retries. And again about every rail with a notification in
+    // doubt: a query sent on this rail is lost.
     let mut about: Vec<usize> = st
         .requests
         .values()
         .filter_map(|q| q.asking.as_ref().map(|a| a.0))
         .collect();
+    if !told {
+        about.push(r);
+    }
     about.sort_unstable();
     about.dedup();
     for x in about {
