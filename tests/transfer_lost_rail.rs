@@ -453,3 +453,144 @@ fn t3_both_rails_lost_is_typed_in_time() {
         settle();
     }
 }
+
+/// The chunk the bench's bytes are made and compared in.
+const BENCH_CHUNK: usize = 64 << 20;
+
+/// The bench's size: `GPUDIRECT_LOST_RAIL_BENCH_MIB` MiB (default 1024; the VM's default 2 GiB
+/// of memory hold two of 512 MiB, not of 1 GiB).
+fn bench_size() -> usize {
+    std::env::var("GPUDIRECT_LOST_RAIL_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1024)
+        << 20
+}
+
+/// Fill `r` with the bytes of `seed`, chunk by chunk (each chunk its own seed).
+fn fill(r: &Region, seed: u32) {
+    for (k, at) in (0..r.len()).step_by(BENCH_CHUNK).enumerate() {
+        let n = BENCH_CHUNK.min(r.len() - at);
+        r.write_at(at, &pattern(u64::from(seed) ^ k as u64, n))
+            .unwrap();
+    }
+}
+
+/// Whether `r` holds the bytes of `seed` ([`fill`]).
+fn holds(r: &Region, seed: u32) -> bool {
+    let mut buf = vec![0u8; BENCH_CHUNK];
+    (0..r.len())
+        .step_by(BENCH_CHUNK)
+        .enumerate()
+        .all(|(k, at)| {
+            let n = BENCH_CHUNK.min(r.len() - at);
+            r.read_at(at, &mut buf[..n]).unwrap();
+            buf[..n] == pattern(u64::from(seed) ^ k as u64, n)[..]
+        })
+}
+
+/// The bench (`GPUDIRECT_LOST_RAIL_BENCH=1`, the list's `transfer-lost-rail-bench`): a 1 GiB
+/// write ([`bench_size`]) on one rail, striped on two, and striped on two with rail 1 lost halfway (at half the
+/// striped write's time), each verified by the server; `LOST-RAIL-BENCH` lines.
+#[test]
+fn t4_bench_one_rail_lost_halfway() {
+    let n = two_nodes!();
+    if std::env::var("GPUDIRECT_LOST_RAIL_BENCH").as_deref() != Ok("1") {
+        println!("SKIPPED: the bench runs with GPUDIRECT_LOST_RAIL_BENCH=1");
+        return;
+    }
+    let e = n.engine();
+    let size = bench_size();
+    let rounds = 3;
+    // Per round: one rail, two rails, two rails losing rail 1 halfway.
+    let kinds = ["one_rail", "two_rails", "lost_halfway"];
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; size]).unwrap()).unwrap();
+        let l = n.listen(&e, 23);
+        for round in 0..rounds {
+            for kind in kinds {
+                let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+                let peer = ep.peer_descriptors()[0];
+                let s = ep
+                    .next_notification(DEADLINE * 6)
+                    .unwrap()
+                    .expect("the write's notification")
+                    .tag;
+                assert!(holds(&target, s), "round {round} {kind}: the bytes differ");
+                say(&ep, &target, &peer, ACK);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        println!("server: bench: {} writes verified", rounds * kinds.len());
+    } else {
+        let src = e.register(Buffer::host(vec![0u8; size]).unwrap()).unwrap();
+        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); kinds.len()];
+        for round in 0..rounds {
+            for (i, kind) in kinds.iter().enumerate() {
+                let s = random() | DATA;
+                fill(&src, s);
+                let ep = if i == 0 {
+                    let a = format!("{}:{}", n.peers[0], n.port + 23);
+                    let until = Instant::now() + CONNECT;
+                    loop {
+                        match e.connect(&[a.as_str()], &[src.descriptor().unwrap()]) {
+                            Ok(ep) => break ep,
+                            Err(err) if Instant::now() < until => {
+                                eprintln!("connect {a}: {err}; retrying");
+                                std::thread::sleep(Duration::from_millis(300));
+                            }
+                            Err(err) => panic!("connect {a}: {err}"),
+                        }
+                    }
+                } else {
+                    n.connect(&e, 23, &[src.descriptor().unwrap()])
+                };
+                let peer = ep.peer_descriptors()[0];
+                let half = times[1].last().copied().unwrap_or(Duration::from_secs(4)) / 2;
+                let killer = (i == 2).then(|| {
+                    std::thread::spawn(move || {
+                        std::thread::sleep(half);
+                        link(1, false);
+                    })
+                });
+                let t0 = Instant::now();
+                let r = ep
+                    .write(
+                        vec![(src.all(), peer.all())],
+                        TransferOptions::notify(s).deadline(DEADLINE * 6),
+                    )
+                    .and_then(Transfer::wait);
+                let dt = t0.elapsed();
+                if let Some(k) = killer {
+                    k.join().unwrap();
+                    link(1, true);
+                }
+                let rep = r.unwrap_or_else(|e| panic!("round {round} {kind}: {e}"));
+                println!(
+                    "client: bench round {round} {kind}: {dt:?}, per rail {:?}, rails {:?}",
+                    rep.rail_bytes,
+                    ep.rail_stats()
+                        .iter()
+                        .map(|s| (&s.state, s.reposted))
+                        .collect::<Vec<_>>()
+                );
+                times[i].push(dt);
+                settle();
+                let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
+                assert_eq!(got, Some(ACK), "round {round} {kind}: the server's answer");
+            }
+        }
+        let median = |v: &mut Vec<Duration>| {
+            v.sort();
+            v[v.len() / 2]
+        };
+        let m: Vec<Duration> = times.iter_mut().map(median).collect();
+        println!(
+            "LOST-RAIL-BENCH size={size} rounds={rounds} median_ms one_rail={} two_rails={} lost_halfway={} lost_halfway/one_rail={:.2}",
+            m[0].as_millis(),
+            m[1].as_millis(),
+            m[2].as_millis(),
+            m[2].as_secs_f64() / m[0].as_secs_f64()
+        );
+    }
+}
