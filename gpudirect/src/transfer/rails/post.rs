@@ -225,8 +225,12 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
     if st.broken.is_some() {
         return;
     }
-    // Notifications, in request order.
-    while let Some(&id) = st.notify_q.front() {
+    // Notifications, in request order: none while one is in doubt (it may be sent again, and
+    // must arrive before those after it).
+    let doubt = st.requests.values().any(|q| q.asking.is_some());
+    while let Some(&id) = st.notify_q.front()
+        && !doubt
+    {
         let Some(req) = st.requests.get_mut(&id) else {
             st.notify_q.pop_front();
             continue;
