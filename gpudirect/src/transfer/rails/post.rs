@@ -371,17 +371,32 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
         Ok(k) => *k,
         Err(_) => 0,
     };
-    // Posted ones are in flight; the rest are dropped with the request failing below.
+    // Posted ones are in flight. The data of the rest goes back to the queue, to move to the
+    // rails left as the rail fails (an error); credit returns and control messages die with it.
+    let mut unsent = Vec::new();
+    let mut rewind = None;
     for (i, p) in posted.into_iter().enumerate() {
-        if let Some(q) = requests.get_mut(&p.req) {
-            q.unposted = q.unposted.saturating_sub(1);
-            if i < ok {
+        if i < ok {
+            if let Some(q) = requests.get_mut(&p.req) {
+                q.unposted = q.unposted.saturating_sub(1);
                 q.posted += 1;
             }
-        }
-        if i < ok {
             rail.inflight.push_back(p);
+        } else if let Some(w) = p.wr {
+            if let Some(n) = p.note {
+                rewind.get_or_insert(n);
+            }
+            unsent.push((p.req, w));
+        } else if let Some(q) = requests.get_mut(&p.req) {
+            q.unposted = q.unposted.saturating_sub(1);
         }
+    }
+    for x in unsent.into_iter().rev() {
+        rail.pending.push_front(x);
+    }
+    if let Some(n) = rewind {
+        // The first notification not posted: the next one posted here takes its index.
+        lane.notes_out = n;
     }
     let _ = inner;
     res.map(|_| ())
