@@ -4,12 +4,14 @@
 //! and up again once the request ended; it alternates rail 1 and rail 0 (the notification's).
 //! Every run must complete with exact bytes, or end typed within its deadline; a write's
 //! notification must arrive exactly once (the server counts them) and after every byte (it
-//! compares the target when it arrives). Then one run loses both rails: typed, in time.
+//! compares the target when it arrives). Then one run loses both rails: typed, in time. Then
+//! notifications put in doubt on purpose (`t5`), and the bench (`t4`, only with
+//! `GPUDIRECT_LOST_RAIL_BENCH=1`).
 //!
-//! `GPUDIRECT_LOST_RAIL_RUNS` sets the runs of each kind (default 100). Each side tells the
-//! other how its run went with a notification (the tags below), on a fresh endpoint per run on
-//! `GPUDIRECT_TEST_PORT` + 20 (+ 21, + 22). Without the VM's environment every test prints
-//! `SKIPPED`.
+//! `GPUDIRECT_LOST_RAIL_RUNS` sets the runs of each kind (default 100; `t5` a fifth). Each side
+//! tells the other how its run went with a notification (the tags below), on a fresh endpoint
+//! per run on `GPUDIRECT_TEST_PORT` + 20 (+ 21 reads, + 22 both rails, + 23 the bench, + 24
+//! `t5`). Without the VM's environment every test prints `SKIPPED`.
 
 mod support;
 
@@ -451,6 +453,85 @@ fn t3_both_rails_lost_is_typed_in_time() {
         );
         assert!(!ok, "a write with both rails down completed");
         settle();
+    }
+}
+
+/// The notification in doubt, on purpose: rail 0 (the notification's) goes down, then a small
+/// write with notification goes on it alone (below the striping size). The notification is
+/// posted and never completes: the client asks over rail 1 how many arrived on rail 0 and
+/// sends it again there if it had not. The server counts it exactly once, after every byte.
+#[test]
+fn t5_a_notification_in_doubt_arrives_once() {
+    let n = two_nodes!();
+    let e = n.engine();
+    let runs = (runs() / 5).max(2);
+    const SMALL: usize = 64 << 10;
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; SMALL]).unwrap()).unwrap();
+        let l = n.listen(&e, 24);
+        for run in 0..runs {
+            let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+            let peer = ep.peer_descriptors()[0];
+            let mut notes = 0;
+            loop {
+                match ep.next_notification(DEADLINE + SLACK * 2) {
+                    Ok(Some(x)) if x.tag & DATA != 0 => {
+                        notes += 1;
+                        assert_eq!(notes, 1, "run {run}: a notification arrived twice");
+                        assert!(
+                            target.to_vec().unwrap() == pattern(u64::from(x.tag), SMALL),
+                            "run {run}: the notification came before every byte"
+                        );
+                    }
+                    Ok(Some(x)) if x.tag == DONE => break,
+                    other => panic!("run {run}: {other:?}"),
+                }
+            }
+            assert_eq!(notes, 1, "run {run}: completed, not notified");
+            say(&ep, &target, &peer, ACK);
+            std::thread::sleep(Duration::from_millis(100));
+            println!("server: doubt run {run}: rails {:?}", ep.rail_stats());
+        }
+    } else {
+        let src = e.register(Buffer::host(vec![0u8; SMALL]).unwrap()).unwrap();
+        let (mut in_doubt, mut resent, mut max) = (0, 0, Duration::ZERO);
+        for run in 0..runs {
+            let s = random() | DATA;
+            src.write_at(0, &pattern(u64::from(s), SMALL)).unwrap();
+            let ep = n.connect(&e, 24, &[src.descriptor().unwrap()]);
+            let peer = ep.peer_descriptors()[0];
+            link(0, false);
+            let t0 = Instant::now();
+            let r = ep
+                .write(
+                    vec![(src.all(), peer.all())],
+                    TransferOptions::notify(s).deadline(DEADLINE),
+                )
+                .and_then(Transfer::wait);
+            let dt = t0.elapsed();
+            link(0, true);
+            let st = ep.rail_stats();
+            println!(
+                "client: doubt run {run}: {:?} after {dt:?}; rails {st:?}",
+                r.as_ref().map(|x| &x.rail_bytes)
+            );
+            r.unwrap_or_else(|e| panic!("run {run}: {e}"));
+            max = max.max(dt);
+            in_doubt += st[0].notifications_in_doubt;
+            resent += st[0].notifications_resent;
+            settle();
+            assert!(say(&ep, &src, &peer, DONE), "run {run}: the word");
+            let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
+            assert_eq!(got, Some(ACK), "run {run}: the server's answer");
+        }
+        println!(
+            "LOST-RAIL doubt: runs={runs} completed={runs} notifications_in_doubt={in_doubt} resent={resent} max_ms={}",
+            max.as_millis()
+        );
+        assert!(
+            in_doubt > 0,
+            "no notification was in doubt: the test did not test"
+        );
     }
 }
 
