@@ -65,6 +65,9 @@ pub struct TransferReport {
     pub elapsed: Duration,
     /// The notification tag sent, if any.
     pub notified: Option<u32>,
+    /// Messages posted again on another rail after theirs failed (0: no rail failed under
+    /// this request; `Endpoint::rail_stats` says which and why).
+    pub reposted: u64,
 }
 
 impl TransferReport {

@@ -111,6 +111,7 @@ pub(crate) fn direct(
         error: None,
         rail_bytes: vec![0; st.rails.len()],
         messages: wrs.len() as u64,
+        reposted: 0,
         started,
         paths: pairs
             .iter()

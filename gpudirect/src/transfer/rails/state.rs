@@ -48,6 +48,8 @@ pub(super) struct Request {
     pub(super) error: Option<Error>,
     pub(super) rail_bytes: Vec<u64>,
     pub(super) messages: u64,
+    /// Messages posted again on another rail after theirs failed.
+    pub(super) reposted: u64,
     pub(super) started: Instant,
     pub(super) paths: Vec<MemoryPath>,
     /// GPUs whose memory a read wrote: flushed before the read is reported done.
@@ -439,6 +441,7 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
     match wr.on(&st.rails[to]) {
         Some(Ok(w)) => {
             q.left[to] += 1;
+            q.reposted += 1;
             st.rails[to].pending.push_back((id, w));
             inner.counters[from]
                 .reposted
@@ -538,6 +541,7 @@ fn finish(st: &mut State, q: Request) {
                 paths: q.paths,
                 elapsed: q.started.elapsed(),
                 notified: q.notify,
+                reposted: q.reposted,
             })
         }
     };
