@@ -37,6 +37,8 @@
 #      BENCH_TWO_PROCS=1 (also ours as two processes, --server and --connect, as perftest runs);
 #      the two-node bench: BASE_TRANSFER (other builds of examples/transfer, benched beside
 #      it round by round, an A/B in one boot), PAIRS=0 (skip two-nodes.list, run only bench-pair),
+#      PAIR_ONLY (an extended regex: only the list's entries whose label matches; BENCH_PARTS=none
+#      then skips the bench too),
 #      BENCH_RUNS (its rounds per cell, default 5), BENCH_PARTS (some of pingpong transfer
 #      mooncake; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
 #      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
@@ -162,13 +164,17 @@ fi
 if [ "$TWO_NODES" != 0 ]; then
   build_one rdma_pingpong   # bench-pair
   build_one transfer        # bench-pair's transfer bench
+  # The list's pair entries, or those whose label PAIR_ONLY (an extended regex) matches.
+  pairs_listed() {
+    grep -E '^pair ' "$HERE/two-nodes.list" | awk -v re="${PAIR_ONLY:-.}" '$2 ~ re'
+  }
   if [ "${PAIRS:-1}" != 0 ]; then
     # The binary: the first word after the label that is not a NAME=VALUE assignment.
     while read -r _ label rest; do
       for bin in $rest; do case $bin in *=*) ;; *) break;; esac; done
       build_one "$bin"
-    done < <(grep -E '^pair ' "$HERE/two-nodes.list")
-    grep -E '^pair ' "$HERE/two-nodes.list" >> "$W/tests.list"
+    done < <(pairs_listed)
+    pairs_listed >> "$W/tests.list"
   fi
   parts=${BENCH_PARTS:-pingpong transfer${MCDIR:+ mooncake}}
   case " $parts " in *" mooncake "*) [ -n "$MCDIR" ] || die "BENCH_PARTS names mooncake: set MOONCAKE_WHEEL";; esac

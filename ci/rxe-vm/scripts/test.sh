@@ -74,7 +74,8 @@ wait_listen() {
 }
 pairs=0
 # run_pair LABEL BIN ARGS: the server side in namespace b, then the client side in namespace a;
-# both must exit 0. Each side is bounded by 300 s; the server gets 60 s after the client.
+# both must exit 0. Each side is bounded by 300 s (GPUDIRECT_PAIR_TIMEOUT=S among the entry's
+# NAME=VALUE words: S); the server gets 60 s after the client.
 run_pair() {
   label=$1; shift
   penv=
@@ -92,12 +93,12 @@ run_pair() {
   sa=$(subst b server $port $sargs); ca=$(subst a client $port $cargs)
   echo "[b] $bin $sa"
   [ -n "$penv" ] && echo "[env]$penv"
-  (node_env b server $port; [ -z "$penv" ] || export $penv; exec $IP netns exec b timeout 300 /usr/bin/$bin $sa) > /tmp/pair-b.log 2>&1 &
+  (node_env b server $port; [ -z "$penv" ] || export $penv; exec $IP netns exec b timeout ${GPUDIRECT_PAIR_TIMEOUT:-300} /usr/bin/$bin $sa) > /tmp/pair-b.log 2>&1 &
   spid=$!
   wait_listen b $port $spid
   echo "[a] $bin $ca"
   rm -f /tmp/pair-a.rc
-  (node_env a client $port; [ -z "$penv" ] || export $penv; $IP netns exec a timeout 300 /usr/bin/$bin $ca; echo $? > /tmp/pair-a.rc) 2>&1 | sed 's/^/[a] /'
+  (node_env a client $port; [ -z "$penv" ] || export $penv; $IP netns exec a timeout ${GPUDIRECT_PAIR_TIMEOUT:-300} /usr/bin/$bin $ca; echo $? > /tmp/pair-a.rc) 2>&1 | sed 's/^/[a] /'
   crc=$(cat /tmp/pair-a.rc 2>/dev/null || echo 1)
   ( sleep 60; kill $spid 2>/dev/null ) & wd=$!
   wait $spid; src=$?

@@ -51,6 +51,11 @@ pub struct ConnectOptions {
     /// ([`Connection::into_async`](Connection::into_async)). The CQ's entries are shared by both
     /// queues: posts beyond its room are refused.
     pub one_cq: bool,
+    /// The local ACK timeout's exponent: a message unacknowledged for 4.096 µs × 2^t is sent
+    /// again, up to 6 times, then fails (`IBV_WC_RETRY_EXC_ERR`); 1 to 31. `None`: rdma_cm's,
+    /// from the route (on RoCE about a second a try), and 7 retries, which rxe takes as
+    /// "without end".
+    pub ack_timeout: Option<u8>,
 }
 
 impl ConnectOptions {
@@ -85,6 +90,7 @@ impl Default for ConnectOptions {
             timeout: Duration::from_secs(10),
             recv_channel: false,
             one_cq: false,
+            ack_timeout: None,
         }
     }
 }
@@ -341,7 +347,11 @@ impl Id {
 
     /// INIT → RTR → RTS with the attributes rdma_cm gives for this id, and where they route
     /// to (the peer's queue pair and GID).
-    fn to_rts(&self, qp: QueuePair<Init>) -> Result<(QueuePair<Rts>, Route)> {
+    fn to_rts(
+        &self,
+        qp: QueuePair<Init>,
+        ack_timeout: Option<u8>,
+    ) -> Result<(QueuePair<Rts>, Route)> {
         let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTR)?;
         let route = Route {
             peer_qpn: a.dest_qp_num,
@@ -352,7 +362,20 @@ impl Id {
             port: a.ah_attr.port_num,
         };
         let qp = qp.modify_raw::<Rtr>(&mut a, m)?;
-        let (mut a, m) = self.qp_attr(ibv::IBV_QPS_RTS)?;
+        let (mut a, mut m) = self.qp_attr(ibv::IBV_QPS_RTS)?;
+        if let Some(t) = ack_timeout {
+            if !(1..=31).contains(&t) {
+                return Err(Error::invalid(
+                    "ack_timeout",
+                    t,
+                    "the ACK timeout exponent is 1 to 31",
+                ));
+            }
+            a.timeout = t;
+            // 7 is "retry without end" to rxe: a dead link would never be reported.
+            a.retry_cnt = 6;
+            m |= (ibv::IBV_QP_TIMEOUT | ibv::IBV_QP_RETRY_CNT) as i32;
+        }
         Ok((qp.modify_raw::<Rts>(&mut a, m)?, route))
     }
 
@@ -591,7 +614,7 @@ impl ConnectRequest {
             .as_ref()
             .expect("present until accepted or dropped");
         let (parts, qp) = Parts::new(id, opts, home, stop.is_some())?;
-        let (qp, route) = id.to_rts(qp)?;
+        let (qp, route) = id.to_rts(qp, opts.ack_timeout)?;
         let mut param = parts.conn_param(qp.qp_num());
         // SAFETY: a live id and a valid parameter struct.
         rc("rdma_accept", unsafe {
@@ -1056,7 +1079,7 @@ impl Connection {
             (l.rdma_connect)(id.0.as_ptr(), &mut param)
         })?;
         ch.wait("rdma_connect", cm::RDMA_CM_EVENT_CONNECT_RESPONSE, step())?;
-        let (qp, route) = id.to_rts(qp)?;
+        let (qp, route) = id.to_rts(qp, opts.ack_timeout)?;
         // SAFETY: a live id whose QP is in RTS: sends the RTU.
         rc("rdma_establish", unsafe { establish(id.0.as_ptr()) })?;
         parts.finish(qp, id, ch, route)

@@ -28,7 +28,7 @@ pub struct EngineConfig {
     /// Send-queue depth of each rail's queue pair (default 256, 2 to 32768): the most messages a
     /// rail has outstanding.
     pub queue_depth: u32,
-    /// Receives posted for notifications on the notification rail (default 64, 4 to 4096).
+    /// Receives posted for notifications on each rail (default 64, 4 to 4096).
     pub notify_depth: u32,
     /// The largest message in bytes (default 1 MiB, 4 KiB to 1 GiB); lowered to the port's
     /// `max_msg_sz`.
@@ -39,6 +39,12 @@ pub struct EngineConfig {
     /// an intra-node meeting (default 10 s). A listener's handshakes have their own bound,
     /// [`handshake_timeout`](Self::handshake_timeout).
     pub connect_timeout: Duration,
+    /// The rails' local ACK timeout exponent (`None`, the default: rdma_cm's, about a second a
+    /// try on RoCE, retried 7 times, which rxe takes as without end; else 1 to 31): a message
+    /// unacknowledged for 4.096 µs × 2^t is sent again, up to 6 times, and then fails its rail,
+    /// whose messages move to the rails left. Shorter finds a dead link sooner; too short
+    /// fails a rail that is only slow.
+    pub ack_timeout: Option<u8>,
     /// A transfer's deadline when its options give none (default 30 s).
     pub deadline: Duration,
     /// How long a thread waiting for a request ([`Transfer::wait`](super::Transfer::wait)) or
@@ -161,6 +167,7 @@ impl Default for EngineConfig {
             max_message: 1 << 20,
             stripe_min: 512 << 10,
             connect_timeout: Duration::from_secs(10),
+            ack_timeout: None,
             deadline: Duration::from_secs(30),
             spin: Duration::from_millis(10),
             staging: true,
@@ -215,6 +222,15 @@ impl EngineConfig {
                 "queue_depth",
                 self.queue_depth.to_string(),
                 "2 to 32768 messages",
+            );
+        }
+        if let Some(t) = self.ack_timeout
+            && !(1..=31).contains(&t)
+        {
+            return bad(
+                "ack_timeout",
+                t.to_string(),
+                "the ACK timeout exponent is 1 to 31",
             );
         }
         if !(4..=4096).contains(&self.notify_depth) {
@@ -559,6 +575,10 @@ mod tests {
         let bad = [
             EngineConfig {
                 queue_depth: 1,
+                ..Default::default()
+            },
+            EngineConfig {
+                ack_timeout: Some(0),
                 ..Default::default()
             },
             EngineConfig {

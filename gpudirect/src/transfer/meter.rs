@@ -24,6 +24,7 @@ struct Rail {
     reads: Counter,
     notes_sent: Counter,
     notes_received: Counter,
+    failures: Counter,
 }
 
 /// One endpoint's metrics.
@@ -98,6 +99,7 @@ impl Meter {
                 reads: c("gpudirect_rail_reads_total"),
                 notes_sent: c("gpudirect_rail_notifications_sent_total"),
                 notes_received: c("gpudirect_rail_notifications_received_total"),
+                failures: c("gpudirect_rail_failures_total"),
             });
         }
         for (m, s) in rails.iter().zip(stats) {
@@ -107,6 +109,7 @@ impl Meter {
             m.reads.absolute(s.reads);
             m.notes_sent.absolute(s.notifications_sent);
             m.notes_received.absolute(s.notifications_received);
+            m.failures.absolute(s.failures);
         }
     }
 

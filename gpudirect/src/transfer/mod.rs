@@ -214,7 +214,7 @@ pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig, PeerAccess, WindowStats};
 pub use pending::{Transfer, Transferred};
 pub use prepared::PreparedTransfer;
-pub use rails::{ListenerStats, RailStats};
+pub use rails::{ListenerStats, RailFailure, RailState, RailStats};
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};
 pub use request::{
     Direction, MAX_UNREAD_NOTIFICATIONS, Notification, TransferOptions, TransferReport,

@@ -409,6 +409,7 @@ mod tests {
             paths: vec![MemoryPath::Host],
             elapsed: Duration::ZERO,
             notified: None,
+            reposted: 0,
         }
     }
 

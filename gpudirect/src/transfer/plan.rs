@@ -236,6 +236,17 @@ impl Credits {
         }
     }
 
+    /// Spend a credit on a control message, if one is there (like a return, it may take the
+    /// last one).
+    pub(crate) fn take_control(&mut self) -> bool {
+        if self.peer >= 1 {
+            self.peer -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
     /// The peer returned `n` credits (an untrusted count).
     ///
     /// # Errors

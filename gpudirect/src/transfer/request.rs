@@ -65,6 +65,9 @@ pub struct TransferReport {
     pub elapsed: Duration,
     /// The notification tag sent, if any.
     pub notified: Option<u32>,
+    /// Messages posted again on another rail after theirs failed (0: no rail failed under
+    /// this request; `Endpoint::rail_stats` says which and why).
+    pub reposted: u64,
 }
 
 impl TransferReport {
@@ -104,6 +107,8 @@ pub(crate) enum Broken {
     Os(&'static str, i32),
     /// The peer (segment name, node) left the membership (`transfer::membership`).
     PeerLeft(String, String),
+    /// The peer gave up one rail (it found it failed first); never the endpoint's cause.
+    RailGivenUp,
 }
 
 impl Broken {
@@ -139,6 +144,7 @@ impl Broken {
                 name: name.clone(),
                 node: node.clone(),
             },
+            Broken::RailGivenUp => Error::invalid("rail", "given up", "the peer found it failed"),
         }
     }
 

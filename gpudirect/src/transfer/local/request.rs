@@ -728,6 +728,7 @@ pub(super) fn report(
         paths,
         elapsed: Duration::ZERO,
         notified: opts.notify,
+        reposted: 0,
     }
 }
 

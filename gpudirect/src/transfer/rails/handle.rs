@@ -5,7 +5,7 @@
 use super::handshake::dial;
 use super::post::check_request;
 use super::progress::{close, drain_after_close, progress_loop};
-use super::rail::{Rail, RailStats, TICK};
+use super::rail::{Rail, RailFailure, RailState, RailStats, TICK};
 use super::staging::staged;
 use super::state::{Link, Origin, State, break_endpoint, force_finish, new_state};
 use super::wait::{look_for_note, next_notification, request};
@@ -135,6 +135,14 @@ impl Rails {
                     .get(r)
                     .map(|x| i.ep.engine.inner.devices[x.device].name.clone())
                     .unwrap_or_default(),
+                state: match st.lanes.get(r).and_then(|l| l.failed.as_ref()) {
+                    Some((b, _)) => RailState::Failed(RailFailure::of(b)),
+                    None => RailState::Up,
+                },
+                failures: c.failures.load(Ordering::Relaxed),
+                reposted: c.reposted.load(Ordering::Relaxed),
+                notifications_in_doubt: c.in_doubt.load(Ordering::Relaxed),
+                notifications_resent: c.resent.load(Ordering::Relaxed),
                 bytes_written: c.bytes_written.load(Ordering::Relaxed),
                 bytes_read: c.bytes_read.load(Ordering::Relaxed),
                 writes: c.writes.load(Ordering::Relaxed),

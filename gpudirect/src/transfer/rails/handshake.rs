@@ -51,6 +51,7 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
         // Nothing until the peer is authenticated: `greet` grants `PEER_ACCESS` then.
         access: AccessFlags::empty(),
         timeout: e.config.connect_timeout,
+        ack_timeout: e.config.ack_timeout,
         ..Default::default()
     }
 }
@@ -215,11 +216,10 @@ pub(super) fn greet(
     }
     // Until here the queue pair let the peer reach no registration, whatever rkey it tried.
     conn.set_remote_access(PEER_ACCESS)?;
-    if mine.rail as usize == NOTIFY_RAIL {
-        let n = e.config.notify_depth as usize;
-        conn.qp()
-            .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
-    }
+    // Every rail's: notifications go on another rail when theirs fails.
+    let n = e.config.notify_depth as usize;
+    conn.qp()
+        .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
     // The rails of the endpoint: the dialer's own count, the listener's from the greeting.
     let rails = match g.role {
         Role::Dialer => mine.rails,

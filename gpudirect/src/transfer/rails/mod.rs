@@ -6,14 +6,17 @@
 //!
 //! Bottom up, each file imports only those before it:
 //!
-//! - `rail`: one rail (queue pair, completion queues, rdma_cm link), its messages and counters.
+//! - `rail`: one rail (queue pair, completion queues, rdma_cm link), its messages, counters and
+//!   lane (failed or up, credits, notification counts).
 //! - `windows`: per-peer memory windows, bound at connect over the published descriptors and
 //!   revoked when the endpoint closes or breaks.
 //! - `state`: the endpoint's verbs state under its lock ([`Link`](state::Link)), requests'
-//!   accounting, breaking the endpoint and finishing requests.
+//!   accounting, a rail failing (its messages moved to the rails left), breaking the endpoint
+//!   and finishing requests.
 //! - `post`: a request checked, planned and posted within each rail's window; notifications
 //!   against credits.
-//! - `progress`: the progress thread: completions, notifications delivered, deadlines.
+//! - `progress`: the progress thread: completions, notifications delivered, control messages
+//!   (how many notifications arrived on a failed rail), deadlines.
 //! - `wait`: a waiting thread polling the completion queues itself (one at a time), and how it
 //!   hands them back to the progress thread.
 //! - `staging`: GPU memory the NIC cannot reach, through a ring of pinned bounce buffers.
@@ -38,4 +41,4 @@ mod windows;
 pub(crate) use handle::Rails;
 pub use listen::ListenerStats;
 pub(crate) use listen::{Listener, connect, listen};
-pub use rail::RailStats;
+pub use rail::{RailFailure, RailState, RailStats};

@@ -2,8 +2,8 @@
 //! and posted within each rail's window; notifications held until the other rails are done and
 //! sent against the peer's credits.
 
-use super::rail::{NOTIFY_RAIL, Posted, QpSlot, Wr};
-use super::state::{Link, Request, State, break_endpoint, check_rkeys};
+use super::rail::{Again, NOTIFY_RAIL, Posted, QpSlot, Wr};
+use super::state::{Link, Request, State, check_rkeys, fail_rail, up_rails};
 use crate::error::{Error, Result};
 use crate::rdma::{RemoteSlice, SendRequest};
 use crate::transfer::descriptor::RemoteRange;
@@ -13,6 +13,7 @@ use crate::transfer::region::{LocalRange, Region};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, TransferOptions, check_pairs, check_same_engine,
 };
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -49,14 +50,22 @@ pub(crate) fn direct(
         return Err(b.to_error());
     }
     check_rkeys(&pairs, st.peer_devices)?;
-    // Rails nearest the first pair's memory, among the endpoint's.
+    // Rails up nearest the first pair's memory, among the endpoint's.
     let preferred = &pairs[0].0.region.entry.preferred;
-    let mut rails: Vec<usize> = (0..st.rails.len())
+    let up = up_rails(&st);
+    let mut rails: Vec<usize> = up
+        .iter()
+        .copied()
         .filter(|&r| preferred.contains(&st.rails[r].device))
         .collect();
     if rails.is_empty() {
-        rails = (0..st.rails.len()).collect();
+        rails = up.clone();
     }
+    let note_rail = if up.contains(&NOTIFY_RAIL) {
+        NOTIFY_RAIL
+    } else {
+        up[0]
+    };
     let turn = st.turn;
     st.turn = st.turn.wrapping_add(1);
     let chunks = plan(&PlanInput {
@@ -64,12 +73,27 @@ pub(crate) fn direct(
         max_message: st.max_message,
         rails: &rails,
         stripe_min: e.config.stripe_min,
-        notify_rail: opts.notify.map(|_| NOTIFY_RAIL),
+        notify_rail: opts.notify.map(|_| note_rail),
         turn,
     })?;
+    let rkeys: Vec<Arc<[u32]>> = pairs
+        .iter()
+        .map(|(_, r)| Arc::from(r.descriptor().rkeys()))
+        .collect();
     let mut wrs: Vec<(usize, Wr, bool)> = Vec::with_capacity(chunks.len());
+    let mut left = vec![0; st.rails.len()];
     for c in &chunks {
-        wrs.push((c.rail, build_wr(&st, dir, &pairs, c, opts.notify)?, c.imm));
+        let wr = build_wr(&st, dir, &pairs, &rkeys, c, opts.notify)?;
+        // Checked here for every rail up: a message moved to another rail fits there too.
+        for &r in &up {
+            if let Some(Err(e)) = wr.on(&st.rails[r]) {
+                return Err(e);
+            }
+        }
+        if !c.imm {
+            left[c.rail] += 1;
+        }
+        wrs.push((c.rail, wr, c.imm));
     }
     let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
     let mut req = Request {
@@ -77,13 +101,17 @@ pub(crate) fn direct(
         dir,
         unposted: wrs.len(),
         posted: 0,
-        elsewhere: wrs.iter().filter(|w| w.0 != NOTIFY_RAIL).count(),
+        left,
+        note_rail,
         held: None,
+        asking: None,
+        parked: Vec::new(),
         notify: opts.notify,
         timeout,
         error: None,
         rail_bytes: vec![0; st.rails.len()],
         messages: wrs.len() as u64,
+        reposted: 0,
         started,
         paths: pairs
             .iter()
@@ -155,6 +183,7 @@ fn build_wr(
     st: &State,
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
+    rkeys: &[Arc<[u32]>],
     c: &Chunk,
     notify: Option<u32>,
 ) -> Result<Wr> {
@@ -163,6 +192,11 @@ fn build_wr(
     let off = usize::try_from(l.region.at + l.offset + c.offset)
         .map_err(|_| Error::invalid("offset", l.offset, "fits no usize"))?;
     let local = l.region.entry.mrs[rail.device].slice(off, c.len as usize)?;
+    let again = Again {
+        entry: l.region.entry.clone(),
+        off,
+        rkeys: rkeys[c.pair].clone(),
+    };
     let remote = RemoteSlice {
         addr: r.addr_at(c.offset),
         rkey: r.descriptor().rkeys()[rail.peer_device],
@@ -174,42 +208,78 @@ fn build_wr(
             remote,
             imm: if c.imm { notify } else { None },
             signaled: c.last_on_rail,
+            again,
         },
         Direction::Read => Wr::Read {
             local,
             remote,
             signaled: c.last_on_rail,
+            again,
         },
     })
 }
 
 /// Post what fits: each rail's pending messages within its window, the notifications whose
-/// other rails are done (in order, against credits), and credit returns.
+/// other rails are done (in order, against their rail's credits), credit returns and control
+/// messages.
 pub(super) fn pump(inner: &Link, st: &mut State) {
     if st.broken.is_some() {
         return;
     }
-    // Notifications, in request order.
-    while let Some(&id) = st.notify_q.front() {
+    // Notifications, in request order: none while one is in doubt (it may be sent again, and
+    // must arrive before those after it).
+    let doubt = st.requests.values().any(|q| q.asking.is_some());
+    while let Some(&id) = st.notify_q.front()
+        && !doubt
+    {
         let Some(req) = st.requests.get_mut(&id) else {
             st.notify_q.pop_front();
             continue;
         };
-        if req.elsewhere > 0 || !st.credits.can_notify() {
+        let Some(held) = &req.held else {
+            st.notify_q.pop_front();
+            continue;
+        };
+        let r = req.note_rail;
+        if req.elsewhere() > 0 || !st.lanes[r].credits.can_notify() {
             break;
         }
-        let wr = req.held.take().expect("held until released");
-        st.credits.take_notify();
-        st.rails[NOTIFY_RAIL].pending.push_back((id, wr));
+        let wr = match held.on(&st.rails[r]) {
+            Some(Ok(w)) => w,
+            Some(Err(e)) => {
+                req.error.get_or_insert(e);
+                req.held = None;
+                req.unposted = req.unposted.saturating_sub(1);
+                st.touched.push(id);
+                st.notify_q.pop_front();
+                continue;
+            }
+            None => unreachable!("a notification is a write"),
+        };
+        req.held = None;
+        st.lanes[r].credits.take_notify();
+        st.rails[r].pending.push_back((id, wr));
         st.notify_q.pop_front();
     }
-    if let Some(n) = st.credits.take_return() {
-        st.rails[NOTIFY_RAIL].pending.push_back((0, Wr::Credits(n)));
+    for r in 0..st.rails.len() {
+        let lane = &mut st.lanes[r];
+        if !lane.up() {
+            continue;
+        }
+        if let Some(n) = lane.credits.take_return() {
+            st.rails[r].pending.push_back((0, Wr::Credits(n)));
+        }
+        while !lane.ctl.is_empty() && lane.credits.take_control() {
+            let c = lane.ctl.pop_front().expect("not empty");
+            st.rails[r].pending.push_back((0, Wr::Ctl(c)));
+        }
     }
     for r in 0..st.rails.len() {
         if let Err(e) = post_rail(inner, st, r) {
-            break_endpoint(inner, st, Broken::of(&e));
-            return;
+            fail_rail(inner, st, r, Broken::of(&e));
+            if st.broken.is_some() {
+                return;
+            }
         }
     }
 }
@@ -217,9 +287,16 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
 /// Post rail `r`'s pending messages within its window, as one chain.
 fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
     let State {
-        rails, requests, ..
+        rails,
+        requests,
+        lanes,
+        ..
     } = st;
     let rail = &mut rails[r];
+    let lane = &mut lanes[r];
+    if !lane.up() {
+        return Ok(());
+    }
     let room = (rail.window as usize).saturating_sub(rail.outstanding());
     let n = room.min(rail.pending.len());
     if n == 0 {
@@ -234,12 +311,19 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
         let seq = rail.next_seq;
         rail.next_seq += 1;
         let bytes = wr.bytes();
+        let keep = wr.is_data().then(|| wr.clone());
+        let note = wr.is_note().then(|| {
+            let i = lane.notes_out;
+            lane.notes_out = i.wrapping_add(1);
+            i
+        });
         let (sr, dir, imm) = match wr {
             Wr::Write {
                 local,
                 remote,
                 imm,
                 signaled,
+                ..
             } => {
                 let mut s = SendRequest::write(local, remote);
                 if let Some(i) = imm {
@@ -256,6 +340,7 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
                 local,
                 remote,
                 signaled,
+                ..
             } => {
                 let s = SendRequest::read(local, remote);
                 let s = if signaled {
@@ -265,7 +350,7 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
                 };
                 (s, Some(Direction::Read), false)
             }
-            Wr::Credits(k) => (
+            Wr::Credits(k) | Wr::Ctl(k) => (
                 SendRequest::send_inline(&[]).with_imm(k).signaled(),
                 None,
                 false,
@@ -278,6 +363,8 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
             bytes,
             dir,
             imm,
+            wr: keep,
+            note,
         });
     }
     let res = qp.post_send(chain);
@@ -285,17 +372,32 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
         Ok(k) => *k,
         Err(_) => 0,
     };
-    // Posted ones are in flight; the rest are dropped with the request failing below.
+    // Posted ones are in flight. The data of the rest goes back to the queue, to move to the
+    // rails left as the rail fails (an error); credit returns and control messages die with it.
+    let mut unsent = Vec::new();
+    let mut rewind = None;
     for (i, p) in posted.into_iter().enumerate() {
-        if let Some(q) = requests.get_mut(&p.req) {
-            q.unposted = q.unposted.saturating_sub(1);
-            if i < ok {
+        if i < ok {
+            if let Some(q) = requests.get_mut(&p.req) {
+                q.unposted = q.unposted.saturating_sub(1);
                 q.posted += 1;
             }
-        }
-        if i < ok {
             rail.inflight.push_back(p);
+        } else if let Some(w) = p.wr {
+            if let Some(n) = p.note {
+                rewind.get_or_insert(n);
+            }
+            unsent.push((p.req, w));
+        } else if let Some(q) = requests.get_mut(&p.req) {
+            q.unposted = q.unposted.saturating_sub(1);
         }
+    }
+    for x in unsent.into_iter().rev() {
+        rail.pending.push_front(x);
+    }
+    if let Some(n) = rewind {
+        // The first notification not posted: the next one posted here takes its index.
+        lane.notes_out = n;
     }
     let _ = inner;
     res.map(|_| ())

@@ -5,8 +5,10 @@
 //! and only looks at the links and the deadlines.
 
 use super::post::pump;
-use super::rail::{LINGER, NOTIFY_RAIL, QpSlot, RECV_TAG, TICK};
-use super::state::{Link, State, break_endpoint, finish_touched, flush_gpu, force_finish};
+use super::rail::{CTL, CTL_ANSWER, CTL_COUNT, LINGER, QpSlot, RECV_TAG, TICK};
+use super::state::{
+    Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
+};
 use crate::error::Result;
 use crate::rdma::{CompletionQueue, RecvRequest, WcOpcode, WorkCompletion};
 use crate::transfer::request::{
@@ -59,11 +61,14 @@ fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Re
 pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     let mut any = false;
     let mut notes: Vec<Notification> = Vec::new();
+    // Control messages (rail, immediate), taken once every CQ was looked at: an answer counts
+    // what the rail it names received, all of it.
+    let mut ctl: Vec<(usize, u32)> = Vec::new();
     for r in 0..st.rails.len() {
         match drain(&mut st.rails[r].send_cq, |w| {
             (w.tag(), w.is_ok(), w.result())
         }) {
-            Err(e) => break_endpoint(inner, st, Broken::of(&e)),
+            Err(e) => fail_rail(inner, st, r, Broken::of(&e)),
             Ok(got) => {
                 any |= !got.is_empty();
                 for (seq, ok, res) in got {
@@ -76,7 +81,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                 (w.result(), w.opcode(), w.imm())
             }) {
                 Err(e) => {
-                    break_endpoint(inner, st, Broken::of(&e));
+                    fail_rail(inner, st, r, Broken::of(&e));
                     continue;
                 }
                 Ok(got) => got,
@@ -86,20 +91,25 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
             for (res, op, imm) in got {
                 if let Err(e) = res {
                     // Flushed receives after a failure, or the failure itself.
-                    break_endpoint(inner, st, Broken::of(&e));
+                    fail_rail(inner, st, r, Broken::of(&e));
+                    continue;
+                }
+                let up = st.lanes[r].up();
+                if let (WcOpcode::RecvRdmaWithImm, Some(tag)) = (op, imm) {
+                    // Counted and delivered even on a rail given up: the peer saw it acknowledged
+                    // (or will ask, and the count says it arrived).
+                    note_in(inner, st, r, tag, &mut notes);
+                }
+                if !up {
                     continue;
                 }
                 repost += 1;
-                st.credits.on_received();
+                st.lanes[r].credits.on_received();
                 match (op, imm) {
-                    (WcOpcode::RecvRdmaWithImm, Some(tag)) => {
-                        inner.counters[r]
-                            .notes_received
-                            .fetch_add(1, Ordering::Relaxed);
-                        notes.push(Notification { tag });
-                    }
+                    (WcOpcode::RecvRdmaWithImm, Some(_)) => {}
+                    (WcOpcode::Recv, Some(c)) if c & CTL != 0 => ctl.push((r, c)),
                     (WcOpcode::Recv, Some(n)) => {
-                        if let Err(e) = st.credits.on_returned(n) {
+                        if let Err(e) = st.lanes[r].credits.on_returned(n) {
                             break_endpoint(inner, st, Broken::Protocol(e.to_string()));
                         }
                     }
@@ -118,10 +128,13 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                     && let Err(e) =
                         qp.post_recv((0..repost).map(|_| RecvRequest::empty().tag(RECV_TAG)))
                 {
-                    break_endpoint(inner, st, Broken::of(&e));
+                    fail_rail(inner, st, r, Broken::of(&e));
                 }
             }
         }
+    }
+    for (r, c) in ctl {
+        on_control(inner, st, r, c, &mut notes);
     }
     if !notes.is_empty() {
         // Visible before delivered: GPU memory a peer may have written is flushed first.
@@ -150,33 +163,89 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     any
 }
 
-/// A send completion tagged `seq` on rail `r`: every message up to it is done.
+/// A control message `c` from the peer on rail `r`: it asks how many notifications arrived on
+/// a rail it gave up (that rail is given up here too, then answered on `r`), or it answers.
+fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<Notification>) {
+    if st.broken.is_some() {
+        return;
+    }
+    let about = ((c >> 24) & 0x3f) as usize;
+    if about >= st.lanes.len() || about == r {
+        break_endpoint(
+            inner,
+            st,
+            Broken::Protocol(format!("a control message about rail {about} on rail {r}")),
+        );
+        return;
+    }
+    if c & CTL_ANSWER != 0 {
+        if st.lanes[about].up() {
+            break_endpoint(
+                inner,
+                st,
+                Broken::Protocol(format!("an answer about rail {about}, which is up")),
+            );
+            return;
+        }
+        answered(inner, st, about, c & CTL_COUNT);
+    } else {
+        fail_rail(inner, st, about, Broken::RailGivenUp);
+        // What arrived on it between the last look and its queue pair's error state counts.
+        if let Ok(late) = drain(&mut st.rails[about].recv_cq, |w| {
+            (w.is_ok(), w.opcode(), w.imm())
+        }) {
+            for (ok, op, imm) in late {
+                if let (true, WcOpcode::RecvRdmaWithImm, Some(tag)) = (ok, op, imm) {
+                    note_in(inner, st, about, tag, notes);
+                }
+            }
+        }
+        if st.broken.is_none() && st.lanes[r].up() {
+            let n = st.lanes[about].notes_in & CTL_COUNT;
+            st.lanes[r]
+                .ctl
+                .push_back(CTL | CTL_ANSWER | ((about as u32) << 24) | n);
+        }
+    }
+}
+
+/// A notification `tag` received on rail `r`: counted there, delivered with `notes`.
+fn note_in(inner: &Link, st: &mut State, r: usize, tag: u32, notes: &mut Vec<Notification>) {
+    inner.counters[r]
+        .notes_received
+        .fetch_add(1, Ordering::Relaxed);
+    let lane = &mut st.lanes[r];
+    lane.notes_in = lane.notes_in.wrapping_add(1);
+    notes.push(Notification { tag });
+}
+
+/// A send completion tagged `seq` on rail `r`: every message up to it is done (on a failed
+/// rail: flushed, its memory no longer the NIC's).
 fn on_send_completion(inner: &Link, st: &mut State, r: usize, seq: u64, ok: bool, res: Result<()>) {
-    let mut failed = None;
+    if !ok && st.lanes[r].up() {
+        // Those before it completed; it and those after it go to the rails left.
+        done_until(inner, st, r, seq.saturating_sub(1));
+        let cause = res.as_ref().err().map(Broken::of).unwrap_or(Broken::Closed);
+        fail_rail(inner, st, r, cause);
+    }
+    done_until(inner, st, r, seq);
+}
+
+/// Messages of rail `r` up to `seq` completed (flushed, on a failed rail or a broken endpoint).
+fn done_until(inner: &Link, st: &mut State, r: usize, seq: u64) {
+    let flushed = !st.lanes[r].up() || st.broken.is_some();
     while st.rails[r].inflight.front().is_some_and(|p| p.seq <= seq) {
         let p = st.rails[r].inflight.pop_front().expect("present");
-        let this = p.seq == seq;
         st.touched.push(p.req);
         let Some(q) = st.requests.get_mut(&p.req) else {
-            if this && !ok && st.broken.is_none() {
-                failed = Some(res.as_ref().err().map(Broken::of).unwrap_or(Broken::Closed));
-            }
             continue;
         };
         q.posted = q.posted.saturating_sub(1);
-        if r != NOTIFY_RAIL {
-            q.elsewhere = q.elsewhere.saturating_sub(1);
-        }
-        if this && !ok {
-            if q.error.is_none()
-                && let Err(e) = &res
-            {
-                q.error = Some(Broken::of(e).to_error());
-            }
-            if let Err(e) = &res {
-                failed = Some(Broken::of(e));
-            }
+        if flushed {
             continue;
+        }
+        if p.wr.is_some() && !p.imm {
+            q.left[r] = q.left[r].saturating_sub(1);
         }
         if q.error.is_none() {
             q.rail_bytes[r] += p.bytes;
@@ -197,8 +266,18 @@ fn on_send_completion(inner: &Link, st: &mut State, r: usize, seq: u64, ok: bool
             }
         }
     }
-    if let Some(b) = failed {
-        break_endpoint(inner, st, b);
+}
+
+/// Failed rails whose flushes did not all come within `FLUSH_WAIT`: their messages are given
+/// up (their requests may finish; the queue pair keeps what the NIC may still touch).
+fn give_up_flushes(inner: &Link, st: &mut State) {
+    for r in 0..st.rails.len() {
+        if let Some((_, at)) = &st.lanes[r].failed
+            && at.elapsed() >= FLUSH_WAIT
+            && let Some(last) = st.rails[r].inflight.back().map(|p| p.seq)
+        {
+            done_until(inner, st, r, last);
+        }
     }
 }
 
@@ -215,21 +294,25 @@ fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
     } else {
         poll_all(inner, st)
     };
-    let mut cm = None;
-    for rail in &st.rails {
+    let mut cm = Vec::new();
+    for (r, rail) in st.rails.iter().enumerate() {
         while let Ok(Some(ev)) = rail.link.next_event() {
             if ev.ends_connection() {
-                cm = Some(Broken::Disconnected(ev.name, ev.status));
+                cm.push((r, Broken::Disconnected(ev.name, ev.status)));
             }
         }
     }
-    if let Some(b) = cm {
+    if !cm.is_empty() {
         // What completed before the peer went counts: a completion that came between the
         // poll above and the event (a notification, the acknowledgement of a last write) is
-        // taken before the endpoint breaks.
+        // taken before the rail fails (the endpoint with its last rail).
         poll_all(inner, st);
-        break_endpoint(inner, st, b);
+        for (r, b) in cm {
+            fail_rail(inner, st, r, b);
+        }
     }
+    give_up_flushes(inner, st);
+    finish_touched(st);
     let now = Instant::now();
     while let Some(std::cmp::Reverse((d, id))) = st.deadlines.peek().copied() {
         if !st.requests.contains_key(&id) {

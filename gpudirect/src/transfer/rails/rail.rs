@@ -1,21 +1,33 @@
 //! One rail of an endpoint: its queue pair, completion queues and channel, its rdma_cm link,
 //! the messages queued and posted on it, and its counters.
 
+use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
     BoundWindow, CmLink, CompletionChannel, CompletionQueue, ErrorState, Local, MemoryRegion,
     MrSlice, QueuePair, RemoteSlice, Rts,
 };
 use crate::transfer::engine::PeerAccess;
-use crate::transfer::request::Direction;
+use crate::transfer::plan::Credits;
+use crate::transfer::region::Entry;
+use crate::transfer::request::{Broken, Direction};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Tag of the notification receives.
 pub(super) const RECV_TAG: u64 = u64::MAX - 7;
-/// The notification rail: notifications and credit returns travel on rail 0, so they arrive in
-/// the order they were sent.
+/// The notification rail while it is up: notifications travel on rail 0 (then the first rail
+/// up), so they arrive in the order they were sent.
 pub(super) const NOTIFY_RAIL: usize = 0;
+/// A control message's immediate (a send; a credit return's count never has this bit).
+pub(super) const CTL: u32 = 1 << 31;
+/// A control message that answers (else it asks).
+pub(super) const CTL_ANSWER: u32 = 1 << 30;
+/// Bits of a control message's count (notifications received on its rail, modulo).
+pub(super) const CTL_COUNT: u32 = (1 << 24) - 1;
+/// Rails a control message can name (6 bits).
+pub(super) const MAX_RAILS: usize = 64;
 /// The longest sleep of the progress thread between looks at the deadlines.
 pub(super) const TICK: Duration = Duration::from_millis(20);
 /// Messages in flight or queued on an endpoint's rails above which waiting threads do not spin
@@ -28,11 +40,77 @@ pub(super) const SPIN_DEPTH: usize = 16;
 /// the progress thread then looks within this.
 pub(super) const LINGER: Duration = Duration::from_millis(1);
 
+/// Whether a rail carries messages.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RailState {
+    /// Up since the endpoint connected (or reconnected).
+    #[default]
+    Up,
+    /// Failed: its messages went to the rails left (the endpoint fails with its last rail).
+    Failed(RailFailure),
+}
+
+/// Why a rail failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RailFailure {
+    /// A message completed in error: `RetryExceeded` when the link stopped answering for the
+    /// ACK timeout times 8 ([`EngineConfig::ack_timeout`](crate::transfer::EngineConfig::ack_timeout)).
+    Completion {
+        /// Its status.
+        status: WcStatus,
+        /// The device's own code.
+        vendor_err: u32,
+    },
+    /// rdma_cm ended the rail's connection.
+    Disconnected {
+        /// The event (`RDMA_CM_EVENT_DISCONNECTED`, `RDMA_CM_EVENT_DEVICE_REMOVAL`).
+        event: &'static str,
+        /// Its status.
+        status: i32,
+    },
+    /// The peer found it failed first and said so over another rail.
+    PeerGaveUp,
+    /// Another error (posting, polling), as text.
+    Other(String),
+}
+
+impl RailFailure {
+    pub(super) fn of(b: &Broken) -> RailFailure {
+        match b {
+            Broken::Completion {
+                status, vendor_err, ..
+            } => RailFailure::Completion {
+                status: *status,
+                vendor_err: *vendor_err,
+            },
+            Broken::Disconnected(event, status) => RailFailure::Disconnected {
+                event,
+                status: *status,
+            },
+            Broken::RailGivenUp => RailFailure::PeerGaveUp,
+            other => RailFailure::Other(other.to_error().to_string()),
+        }
+    }
+}
+
 /// Counters of one rail (cumulative over reconnects).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RailStats {
     /// The local verbs device.
     pub device: String,
+    /// Up, or failed and why.
+    pub state: RailState,
+    /// Times it failed (while another rail was up, or with the endpoint).
+    pub failures: u64,
+    /// Messages it had not completed when it failed, posted again on the rails left.
+    pub reposted: u64,
+    /// Notifications posted on it without a completion when it failed: the peer was asked
+    /// whether they arrived.
+    pub notifications_in_doubt: u64,
+    /// Of those, the ones the peer had not received: sent again on another rail.
+    pub notifications_resent: u64,
     /// Bytes written to the peer.
     pub bytes_written: u64,
     /// Bytes read from the peer.
@@ -55,31 +133,138 @@ pub(super) struct RailCounters {
     pub(super) reads: AtomicU64,
     pub(super) notes_sent: AtomicU64,
     pub(super) notes_received: AtomicU64,
+    pub(super) failures: AtomicU64,
+    pub(super) reposted: AtomicU64,
+    pub(super) in_doubt: AtomicU64,
+    pub(super) resent: AtomicU64,
+}
+
+/// What an endpoint knows of one rail beyond its connection: whether it failed, its
+/// notification credits, and its notifications counted each way since it connected.
+pub(super) struct Lane {
+    /// Failed: why, and when (its posted memory is released once flushed, or this plus
+    /// `FLUSH_WAIT`).
+    pub(super) failed: Option<(Broken, Instant)>,
+    pub(super) credits: Credits,
+    /// Notifications posted on this rail (the next one's index).
+    pub(super) notes_out: u32,
+    /// Notifications received on it.
+    pub(super) notes_in: u32,
+    /// Control messages to send on it ([`CTL`]), against its credits.
+    pub(super) ctl: VecDeque<u32>,
+}
+
+impl Lane {
+    pub(super) fn new(credits: Credits) -> Lane {
+        Lane {
+            failed: None,
+            credits,
+            notes_out: 0,
+            notes_in: 0,
+            ctl: VecDeque::new(),
+        }
+    }
+
+    pub(super) fn up(&self) -> bool {
+        self.failed.is_none()
+    }
+}
+
+/// Where a data message's bytes are, whatever the rail: what makes it again on another rail
+/// when its own fails.
+#[derive(Clone)]
+pub(super) struct Again {
+    pub(super) entry: Arc<Entry>,
+    /// Offset in the registration.
+    pub(super) off: usize,
+    /// The remote descriptor's rkeys, one per device of the peer.
+    pub(super) rkeys: Arc<[u32]>,
 }
 
 /// A message waiting to be posted.
+#[derive(Clone)]
 pub(super) enum Wr {
     Write {
         local: MrSlice,
         remote: RemoteSlice,
         imm: Option<u32>,
         signaled: bool,
+        again: Again,
     },
     Read {
         local: MrSlice,
         remote: RemoteSlice,
         signaled: bool,
+        again: Again,
     },
     /// Return notification credits (a send with immediate, no payload).
     Credits(u32),
+    /// A control message ([`CTL`]): a send with immediate, no payload.
+    Ctl(u32),
 }
 
 impl Wr {
     pub(super) fn bytes(&self) -> u64 {
         match self {
             Wr::Write { local, .. } | Wr::Read { local, .. } => local.len() as u64,
-            Wr::Credits(_) => 0,
+            Wr::Credits(_) | Wr::Ctl(_) => 0,
         }
+    }
+
+    /// A data message (a write or a read, with or without immediate).
+    pub(super) fn is_data(&self) -> bool {
+        matches!(self, Wr::Write { .. } | Wr::Read { .. })
+    }
+
+    /// A write carrying a notification.
+    pub(super) fn is_note(&self) -> bool {
+        matches!(self, Wr::Write { imm: Some(_), .. })
+    }
+
+    /// The same data message for `rail` (its device's registration, the peer device's rkey),
+    /// signaled: it may be a rail's last. `None` for other messages.
+    pub(super) fn on(&self, rail: &Rail) -> Option<Result<Wr>> {
+        let remake = |local: &MrSlice, remote: &RemoteSlice, again: &Again| -> Result<_> {
+            let mr = again.entry.mrs.get(rail.device).ok_or_else(|| {
+                Error::invalid("rail", rail.device, "the memory is not registered there")
+            })?;
+            let local = mr.slice(again.off, local.len() as usize)?;
+            let rkey = *again.rkeys.get(rail.peer_device).ok_or_else(|| {
+                Error::invalid(
+                    "rail",
+                    rail.peer_device,
+                    "the remote memory has no rkey there",
+                )
+            })?;
+            Ok((local, RemoteSlice { rkey, ..*remote }))
+        };
+        Some(match self {
+            Wr::Write {
+                local,
+                remote,
+                imm,
+                again,
+                ..
+            } => remake(local, remote, again).map(|(local, remote)| Wr::Write {
+                local,
+                remote,
+                imm: *imm,
+                signaled: true,
+                again: again.clone(),
+            }),
+            Wr::Read {
+                local,
+                remote,
+                again,
+                ..
+            } => remake(local, remote, again).map(|(local, remote)| Wr::Read {
+                local,
+                remote,
+                signaled: true,
+                again: again.clone(),
+            }),
+            Wr::Credits(_) | Wr::Ctl(_) => return None,
+        })
     }
 }
 
@@ -90,6 +275,11 @@ pub(super) struct Posted {
     pub(super) bytes: u64,
     pub(super) dir: Option<Direction>,
     pub(super) imm: bool,
+    /// A data message, kept to be posted again elsewhere if this rail fails before its
+    /// completion.
+    pub(super) wr: Option<Wr>,
+    /// A notification: its index among the rail's ([`Lane::notes_out`]).
+    pub(super) note: Option<u32>,
 }
 
 pub(super) enum QpSlot {

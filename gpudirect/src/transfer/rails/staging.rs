@@ -177,11 +177,13 @@ fn run(
     let n = chunks(total, ring.chunk);
     let mut rail_bytes: Vec<u64> = vec![0; ep.counters.len()];
     let mut messages = 0;
+    let mut reposted = 0;
     let mut account = |r: TransferReport| {
         for (a, b) in rail_bytes.iter_mut().zip(&r.rail_bytes) {
             *a += b;
         }
         messages += r.messages;
+        reposted += r.reposted;
     };
     let left = || {
         deadline
@@ -263,6 +265,7 @@ fn run(
         paths: vec![local.region.path().clone()],
         elapsed: started.elapsed(),
         notified: opts.notify,
+        reposted,
     })
 }
 

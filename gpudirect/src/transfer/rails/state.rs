@@ -2,7 +2,9 @@
 //! requests, deadlines, credits), the requests' accounting, and how the endpoint breaks and its
 //! requests finish.
 
-use super::rail::{NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr};
+use super::rail::{
+    CTL, CTL_COUNT, Lane, MAX_RAILS, NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr,
+};
 use super::windows::revoke;
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
@@ -28,15 +30,26 @@ pub(super) struct Request {
     pub(super) unposted: usize,
     /// Messages posted whose completion has not been seen.
     pub(super) posted: usize,
-    /// Messages on rails other than the notification rail not yet completed.
-    pub(super) elsewhere: usize,
-    /// The notification message, held until `elsewhere` is 0.
+    /// Data messages not yet completed, per rail (queued or posted there; not the
+    /// notification).
+    pub(super) left: Vec<usize>,
+    /// The rail its notification goes on (an up one while it is held).
+    pub(super) note_rail: usize,
+    /// The notification message, held until every data message on other rails completed.
     pub(super) held: Option<Wr>,
+    /// The notification was posted on a rail that failed before its completion: that rail, its
+    /// index there, the message; the peer is asked whether it arrived.
+    pub(super) asking: Option<(usize, u32, Wr)>,
+    /// Data messages of the failed rail of `asking`, parked until the answer: posted again only
+    /// if the notification did not arrive (else the peer may already use the bytes).
+    pub(super) parked: Vec<Wr>,
     pub(super) notify: Option<u32>,
     pub(super) timeout: Duration,
     pub(super) error: Option<Error>,
     pub(super) rail_bytes: Vec<u64>,
     pub(super) messages: u64,
+    /// Messages posted again on another rail after theirs failed.
+    pub(super) reposted: u64,
     pub(super) started: Instant,
     pub(super) paths: Vec<MemoryPath>,
     /// GPUs whose memory a read wrote: flushed before the read is reported done.
@@ -45,7 +58,21 @@ pub(super) struct Request {
 
 impl Request {
     fn finished(&self) -> bool {
-        self.unposted == 0 && self.posted == 0 && self.held.is_none()
+        self.unposted == 0
+            && self.posted == 0
+            && self.held.is_none()
+            && self.asking.is_none()
+            && self.parked.is_empty()
+    }
+
+    /// Data messages not yet completed on rails other than the notification's.
+    pub(super) fn elsewhere(&self) -> usize {
+        self.left
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != self.note_rail)
+            .map(|(_, n)| n)
+            .sum()
     }
 }
 
@@ -55,7 +82,8 @@ pub(crate) struct State {
     pub(super) requests: HashMap<u64, Request>,
     pub(super) deadlines: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
     pub(super) notify_q: VecDeque<u64>,
-    pub(super) credits: Credits,
+    /// Per rail: failed or up, its credits and notification counts.
+    pub(super) lanes: Vec<Lane>,
     pub(super) notes: VecDeque<Notification>,
     pub(super) closing: bool,
     pub(super) turn: usize,
@@ -188,6 +216,13 @@ pub(super) fn eventfd() -> Result<OwnedFd> {
 
 /// Rails, their peers' first messages: the state of a new (or reconnected) endpoint.
 pub(super) fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<State> {
+    if hellos.len() > MAX_RAILS {
+        return Err(Error::invalid(
+            "rails",
+            hellos.len(),
+            format!("an endpoint has at most {MAX_RAILS} rails"),
+        ));
+    }
     let h0 = &hellos[NOTIFY_RAIL];
     let peer_devices = h0.devices as usize;
     if hellos.iter().any(|h| h.devices as usize != peer_devices) {
@@ -207,7 +242,10 @@ pub(super) fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> 
         requests: HashMap::new(),
         deadlines: BinaryHeap::new(),
         notify_q: VecDeque::new(),
-        credits: Credits::new(h0.credits as u32, e.config.notify_depth),
+        lanes: hellos
+            .iter()
+            .map(|h| Lane::new(Credits::new(h.credits as u32, e.config.notify_depth)))
+            .collect(),
         notes: VecDeque::new(),
         closing: false,
         turn: 0,
@@ -265,16 +303,195 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
         }
     }
     st.notify_q.clear();
+    for l in &mut st.lanes {
+        l.ctl.clear();
+    }
     for q in st.requests.values_mut() {
         if q.held.take().is_some() {
             q.unposted = q.unposted.saturating_sub(1);
         }
+        q.asking = None;
+        q.parked.clear();
         if q.error.is_none() {
             q.error = Some(cause.to_error());
         }
     }
     finish_done(st);
     inner.ep.failed(st);
+}
+
+/// Rails up, in order.
+pub(super) fn up_rails(st: &State) -> Vec<usize> {
+    (0..st.lanes.len()).filter(|&r| st.lanes[r].up()).collect()
+}
+
+/// Rail `r` failed (`cause`): unless it was the last one up (then the endpoint breaks), it
+/// leaves posting, its queue pair goes to the error state (the NIC flushes what is posted;
+/// that memory stays held until the flushes are seen or `FLUSH_WAIT` ran out), and each of its
+/// data messages not seen completed goes to the rails left. A notification posted on it
+/// whose completion was not seen is in doubt: the peer is asked how many arrived there.
+pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
+    if st.broken.is_some() || !st.lanes[r].up() {
+        return;
+    }
+    let last = up_rails(st).len() <= 1;
+    let told = matches!(cause, Broken::RailGivenUp);
+    st.lanes[r].failed = Some((cause.clone(), Instant::now()));
+    st.lanes[r].ctl.clear();
+    inner.counters[r].failures.fetch_add(1, Ordering::Relaxed);
+    if last {
+        break_endpoint(inner, st, cause);
+        return;
+    }
+    let rail = &mut st.rails[r];
+    revoke(&inner.ep.engine.inner, &mut rail.windows);
+    rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
+        QpSlot::Rts(q) => match q.into_error() {
+            Ok(q) => QpSlot::Error { _qp: q },
+            Err(_) => QpSlot::Gone,
+        },
+        other => other,
+    };
+    // Posted: the notifications in doubt first, so their requests' data is parked.
+    let unsure: Vec<(u64, Wr, Option<u32>)> = rail
+        .inflight
+        .iter()
+        .filter_map(|p| p.wr.clone().map(|w| (p.req, w, p.note)))
+        .collect();
+    let queued: Vec<(u64, Wr)> = rail.pending.drain(..).collect();
+    for (id, wr, note) in &unsure {
+        if let (Some(i), Some(q)) = (note, st.requests.get_mut(id)) {
+            q.asking = Some((r, *i, wr.clone()));
+            inner.counters[r].in_doubt.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    for (id, wr, note) in unsure {
+        if note.is_none() {
+            move_to(inner, st, id, wr, r, true);
+        }
+    }
+    for (id, wr) in queued {
+        if wr.is_data() {
+            move_to(inner, st, id, wr, r, false);
+        }
+    }
+    // Held notifications of this rail go on another.
+    let to = up_rails(st)[0];
+    let mut ids = Vec::new();
+    for (id, q) in st.requests.iter_mut() {
+        if q.note_rail == r && q.asking.is_none() {
+            q.note_rail = to;
+        }
+        if q.asking.as_ref().is_some_and(|a| a.0 == r) {
+            ids.push(*id);
+        }
+    }
+    // Ask about this rail, unless the peer gave it up first: the peer gives it up at once
+    // rather than after its own retries. And again about every rail with a notification in
+    // doubt: a query sent on this rail is lost.
+    let mut about: Vec<usize> = st
+        .requests
+        .values()
+        .filter_map(|q| q.asking.as_ref().map(|a| a.0))
+        .collect();
+    if !told {
+        about.push(r);
+    }
+    about.sort_unstable();
+    about.dedup();
+    for x in about {
+        st.lanes[to].ctl.push_back(CTL | ((x as u32) << 24));
+    }
+    st.touched.extend(ids);
+}
+
+/// Data message `wr` of request `id`, of failed rail `from`, to a rail up (round robin);
+/// `posted`: it was posted there (a new message now). A notification (in `from`'s queue, never
+/// posted) is held again.
+pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize, posted: bool) {
+    let up = up_rails(st);
+    let Some(q) = st.requests.get_mut(&id) else {
+        return;
+    };
+    if up.is_empty() {
+        // The endpoint broke: its requests end with its cause.
+        return;
+    }
+    if posted {
+        q.unposted += 1;
+        q.messages += 1;
+    }
+    if wr.is_note() {
+        // Never posted: its request's other messages on `from` move before it is let go.
+        q.held = Some(wr);
+        q.note_rail = up[0];
+        if let Err(i) = st.notify_q.binary_search(&id) {
+            st.notify_q.insert(i, id);
+        }
+        return;
+    }
+    if q.asking.as_ref().is_some_and(|a| a.0 == from) {
+        q.unposted = q.unposted.saturating_sub(1);
+        q.parked.push(wr);
+        return;
+    }
+    let to = up[st.turn % up.len()];
+    st.turn = st.turn.wrapping_add(1);
+    q.left[from] = q.left[from].saturating_sub(1);
+    match wr.on(&st.rails[to]) {
+        Some(Ok(w)) => {
+            q.left[to] += 1;
+            q.reposted += 1;
+            st.rails[to].pending.push_back((id, w));
+            inner.counters[from]
+                .reposted
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Some(Err(e)) => {
+            q.unposted = q.unposted.saturating_sub(1);
+            q.error.get_or_insert(e);
+        }
+        None => q.unposted = q.unposted.saturating_sub(1),
+    }
+}
+
+/// The peer answered that `n` (modulo [`CTL_COUNT`](super::rail::CTL_COUNT) + 1) notifications
+/// arrived on failed rail `r`: those that did count as sent (with their requests' parked
+/// data: it arrived before them); the others are held again and their parked data posted
+/// again.
+pub(super) fn answered(inner: &Link, st: &mut State, r: usize, n: u32) {
+    let ids: Vec<u64> = st
+        .requests
+        .iter()
+        .filter(|(_, q)| q.asking.as_ref().is_some_and(|a| a.0 == r))
+        .map(|(id, _)| *id)
+        .collect();
+    for id in ids {
+        let q = st.requests.get_mut(&id).expect("present");
+        let (_, i, wr) = q.asking.take().expect("asking");
+        let arrived = arrived(i, n);
+        let parked = std::mem::take(&mut q.parked);
+        if arrived {
+            q.left[r] = q.left[r].saturating_sub(parked.len());
+            let bytes: u64 = parked.iter().map(Wr::bytes).sum::<u64>() + wr.bytes();
+            q.rail_bytes[r] += bytes;
+            inner.counters[r].notes_sent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            inner.counters[r].resent.fetch_add(1, Ordering::Relaxed);
+            q.unposted += 1 + parked.len();
+            for w in parked {
+                move_to(inner, st, id, w, r, false);
+            }
+            move_to(inner, st, id, wr, r, false);
+        }
+        st.touched.push(id);
+    }
+}
+
+/// Whether notification `i` (its index on its rail) is among the first `n` received there, `n`
+/// counted modulo 2^24: indices within 2^23 below it.
+fn arrived(i: u32, n: u32) -> bool {
+    n.wrapping_sub(i).wrapping_sub(1) & CTL_COUNT < CTL_COUNT / 2
 }
 
 /// Finish every request that has nothing left in flight.
@@ -324,6 +541,7 @@ fn finish(st: &mut State, q: Request) {
                 paths: q.paths,
                 elapsed: q.started.elapsed(),
                 notified: q.notify,
+                reposted: q.reposted,
             })
         }
     };
@@ -354,6 +572,19 @@ mod tests {
     use super::*;
     use crate::transfer::descriptor::DescribedKind;
     use crate::transfer::{Buffer, Engine, EngineConfig};
+
+    /// The answer about a failed rail: a notification arrived iff its index is below the count
+    /// received, the count modulo 2^24 and the indices wrapping.
+    #[test]
+    fn a_notification_arrived_iff_its_index_is_below_the_count() {
+        assert!(arrived(0, 1) && arrived(5, 6) && arrived(0, 6));
+        assert!(!arrived(0, 0) && !arrived(6, 6) && !arrived(7, 6));
+        // Past 2^24 notifications on the rail (the count is sent modulo 2^24).
+        let i = (1 << 24) + 3;
+        assert!(arrived(i, 4) && !arrived(i, 3));
+        // And past 2^32 (the index wraps).
+        assert!(arrived(u32::MAX, 0) && !arrived(u32::MAX, CTL_COUNT));
+    }
 
     /// The check `post()` and `prepare` share: one rkey per device of the peer, the pair named.
     #[test]

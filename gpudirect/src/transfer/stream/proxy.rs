@@ -707,6 +707,7 @@ mod tests {
             paths: vec![],
             elapsed: Duration::ZERO,
             notified: None,
+            reposted: 0,
         }
     }
 
