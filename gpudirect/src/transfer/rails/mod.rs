@@ -11,6 +11,8 @@
 //!   revoked when the endpoint closes or breaks.
 //! - `state`: the endpoint's verbs state under its lock ([`Link`](state::Link)), requests'
 //!   accounting, breaking the endpoint and finishing requests.
+//! - `grant`: windows over a region bound after connect through every rail (for a descriptor
+//!   handed to the peer out of band), revoked with the endpoint's others.
 //! - `post`: a request checked, planned and posted within each rail's window; notifications
 //!   against credits.
 //! - `progress`: the progress thread: completions, notifications delivered, deadlines.
@@ -24,6 +26,7 @@
 //! - `listen`: accepting endpoints (an rdma_cm listener; handshakes concurrent and bounded) and
 //!   connecting them.
 
+mod grant;
 mod handle;
 mod handshake;
 mod listen;
