@@ -4,14 +4,13 @@
 
 use super::rail::{Posted, QpSlot};
 use super::state::Link;
-use super::windows::WINDOW_ACCESS;
+use super::windows::{WINDOW_ACCESS, count_bound};
 use crate::error::{Error, Result};
 use crate::rdma::{BindOutcome, PendingBind, WindowBind};
 use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::PeerAccess;
 use crate::transfer::plan::deadline_after;
 use crate::transfer::region::Region;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Bind a window over `region` through every rail of `link` (its peer's descriptors give it
@@ -130,11 +129,10 @@ pub(super) fn grant(link: &Link, region: &Region) -> Result<MemoryDescriptor> {
             "the same connection throughout",
         ));
     }
-    let n = bound.len() as u64;
+    count_bound(e, bound.len());
     for (i, w) in bound {
         st.rails[i].windows.push(w);
     }
-    e.window_counts.bound.fetch_add(n, Ordering::Relaxed);
     Ok(granted)
 }
 

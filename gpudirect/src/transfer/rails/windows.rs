@@ -103,9 +103,7 @@ pub(super) fn bind_for_peer(
             }
         }
     }
-    e.window_counts
-        .bound
-        .fetch_add(windows.len() as u64, Ordering::Relaxed);
+    count_bound(e, windows.len());
     Ok(Granted {
         descriptors,
         windows,
@@ -121,6 +119,14 @@ pub(super) fn revoke(e: &EngineInner, windows: &mut Vec<BoundWindow>) {
     let n = windows.len() as u64;
     windows.clear();
     e.window_counts.revoked.fetch_add(n, Ordering::Relaxed);
+    metrics::counter!("gpudirect_windows_revoked_total").increment(n);
+}
+
+/// `n` windows bound for a peer: counted in the engine's
+/// [`WindowStats`](crate::transfer::WindowStats) and through the metrics facade.
+pub(super) fn count_bound(e: &EngineInner, n: usize) {
+    e.window_counts.bound.fetch_add(n as u64, Ordering::Relaxed);
+    metrics::counter!("gpudirect_windows_bound_total").increment(n as u64);
 }
 
 /// The peer's descriptors of an endpoint from its rails' descriptor messages: `per_rail[r]` is
