@@ -210,6 +210,14 @@ fn wait_ack(ep: &Endpoint) {
     assert_eq!(note(ep), ACK, "the server's \"checked\"");
 }
 
+/// The server's "checked", then a pause before this side breaks the connection (a write with a
+/// revoked rkey, a close): rxe completes the receive before it acknowledges the write, so a
+/// break at once can reach the server first and flush its write (as `wait_bye` lingers).
+fn wait_ack_then_linger(ep: &Endpoint) {
+    wait_ack(ep);
+    std::thread::sleep(Duration::from_millis(300));
+}
+
 fn wait_bye(ep: &Endpoint) {
     assert_eq!(note(ep), 0xB1E);
     std::thread::sleep(Duration::from_millis(500));
@@ -1549,7 +1557,7 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
             .unwrap()
             .wait()
             .expect("A writes through its window");
-        wait_ack(&a);
+        wait_ack_then_linger(&a);
         drop(a);
         let b = n.connect(&e, k, 1, &publish);
         let mine = b.peer_descriptors()[0];
@@ -1560,7 +1568,7 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
             .unwrap()
             .wait()
             .expect("B writes through its own window");
-        wait_ack(&b);
+        wait_ack_then_linger(&b);
         let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
         refused(&b, &evil, &old, "B");
         let a2 = n.connect(&e, k, 1, &publish);
@@ -1709,7 +1717,7 @@ fn t9e_windows_on_every_rail_and_a_granted_region_go_with_the_endpoint() {
         .unwrap()
         .wait()
         .expect("A writes through the granted windows");
-        wait_ack(&a);
+        wait_ack_then_linger(&a);
         drop(a);
         let b = n.connect(&e, k, 2, &publish);
         let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
