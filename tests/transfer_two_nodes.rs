@@ -1511,6 +1511,7 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
         say(&b, &target, &b.peer_descriptors()[0], ACK);
         // The client's writes with A's old rkeys come now, through B and through A'.
         let a2 = l.accept(&[d], ACCEPT).expect("accept A'");
+        say(&a2, &target, &a2.peer_descriptors()[0], ACK);
         let last = l.accept(&[d], ACCEPT).expect("accept the last endpoint");
         let changed = target
             .to_vec()
@@ -1572,6 +1573,9 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
         let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
         refused(&b, &evil, &old, "B");
         let a2 = n.connect(&e, k, 1, &publish);
+        // Only once the server has accepted it (a write that breaks the connection while the
+        // server still reads the client's descriptor message would end its handshake instead).
+        wait_ack_then_linger(&a2);
         refused(&a2, &evil, &old, "a fresh A'");
         let last = n.connect(&e, k, 1, &publish);
         wait_bye(&last);
@@ -1648,7 +1652,9 @@ fn t9e_windows_on_every_rail_and_a_granted_region_go_with_the_endpoint() {
         drop(a);
         let (before, before_g) = (target.to_vec().unwrap(), g.to_vec().unwrap());
         let b = l.accept(&[d], ACCEPT).expect("accept B");
+        say(&b, &target, &b.peer_descriptors()[0], ACK);
         let b2 = l.accept(&[d], ACCEPT).expect("accept B2");
+        say(&b2, &target, &b2.peer_descriptors()[0], ACK);
         let last = l.accept(&[d], ACCEPT).expect("accept the last endpoint");
         let changed =
             |now: Vec<u8>, was: &[u8]| now.iter().zip(was).filter(|(x, y)| x != y).count();
@@ -1720,9 +1726,12 @@ fn t9e_windows_on_every_rail_and_a_granted_region_go_with_the_endpoint() {
         wait_ack_then_linger(&a);
         drop(a);
         let b = n.connect(&e, k, 2, &publish);
+        // Only once the server has accepted it (as in t9d).
+        wait_ack_then_linger(&b);
         let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
         refused(&b, &evil, &old, "a fresh B");
         let b2 = n.connect(&e, k, 2, &publish);
+        wait_ack_then_linger(&b2);
         let evil = host(&e, &pattern(seed() ^ 0xbad2, GRANTED));
         refused(&b2, &evil, &granted, "a fresh B2 (the granted descriptor)");
         let last = n.connect(&e, k, 1, &publish);
