@@ -210,6 +210,14 @@ fn wait_ack(ep: &Endpoint) {
     assert_eq!(note(ep), ACK, "the server's \"checked\"");
 }
 
+/// The server's "checked", then a pause before this side breaks the connection (a write with a
+/// revoked rkey, a close): rxe completes the receive before it acknowledges the write, so a
+/// break at once can reach the server first and flush its write (as `wait_bye` lingers).
+fn wait_ack_then_linger(ep: &Endpoint) {
+    wait_ack(ep);
+    std::thread::sleep(Duration::from_millis(300));
+}
+
 fn wait_bye(ep: &Endpoint) {
     assert_eq!(note(ep), 0xB1E);
     std::thread::sleep(Duration::from_millis(500));
@@ -1503,6 +1511,7 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
         say(&b, &target, &b.peer_descriptors()[0], ACK);
         // The client's writes with A's old rkeys come now, through B and through A'.
         let a2 = l.accept(&[d], ACCEPT).expect("accept A'");
+        say(&a2, &target, &a2.peer_descriptors()[0], ACK);
         let last = l.accept(&[d], ACCEPT).expect("accept the last endpoint");
         let changed = target
             .to_vec()
@@ -1549,7 +1558,7 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
             .unwrap()
             .wait()
             .expect("A writes through its window");
-        wait_ack(&a);
+        wait_ack_then_linger(&a);
         drop(a);
         let b = n.connect(&e, k, 1, &publish);
         let mine = b.peer_descriptors()[0];
@@ -1560,13 +1569,173 @@ fn t9d_a_closed_peers_window_rkeys_reach_nothing() {
             .unwrap()
             .wait()
             .expect("B writes through its own window");
-        wait_ack(&b);
+        wait_ack_then_linger(&b);
         let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
         refused(&b, &evil, &old, "B");
         let a2 = n.connect(&e, k, 1, &publish);
+        // Only once the server has accepted it (a write that breaks the connection while the
+        // server still reads the client's descriptor message would end its handshake instead).
+        wait_ack_then_linger(&a2);
         refused(&a2, &evil, &old, "a fresh A'");
         let last = n.connect(&e, k, 1, &publish);
         wait_bye(&last);
         drop((b, a2));
+    }
+}
+
+/// Windows on both rails, and `Endpoint::grant`: the server (`PeerAccess::Windows`) publishes a
+/// target to a two-rail endpoint A (whose client, under `Auto`, gets windows too); a striped
+/// write lands exactly, both rails carrying bytes. The server grants A a second region and
+/// hands A the descriptor through a write; A writes through it. A closes. Then the client
+/// writes with A's old descriptor through a fresh two-rail endpoint, and with the granted one
+/// through another: each gets a remote access error, and no byte of either region changes.
+#[test]
+fn t9e_windows_on_every_rail_and_a_granted_region_go_with_the_endpoint() {
+    let n = two_nodes!();
+    const SIZE: usize = 4 << 20;
+    const GRANTED: usize = 64 << 10;
+    /// Where the granted descriptor's bytes land in the client's scratch (`say` writes byte 0).
+    const AT: u64 = 64;
+    let k = 13;
+    if n.server {
+        let mut c = EngineConfig::with_devices(&n.rails);
+        c.peer_access = PeerAccess::Windows;
+        let e = n.engine_with(c);
+        let target = host(&e, &pattern(seed(), SIZE));
+        let g = host(&e, &pattern(seed() ^ 0x77, GRANTED));
+        let d = target.descriptor().unwrap();
+        let l = e
+            .listen(&format!("0.0.0.0:{}", n.port + k))
+            .expect("listen");
+        let a = l.accept(&[d], ACCEPT).expect("accept A");
+        assert_eq!((a.rails(), a.peer_access()), (2, Some(PeerAccess::Windows)));
+        let s = note(&a);
+        assert!(
+            target.to_vec().unwrap() == pattern(u64::from(s), SIZE),
+            "the striped write's bytes differ"
+        );
+        let peer = a.peer_descriptors()[0];
+        let granted = a.grant(&g).expect("grant");
+        let own = g.descriptor().unwrap();
+        println!(
+            "SECURITY-WINDOWS t9e granted {:x?} over a region of rkeys {:x?}",
+            granted.rkeys(),
+            own.rkeys()
+        );
+        assert_eq!((granted.addr(), granted.len()), (own.addr(), own.len()));
+        assert!(granted.rkeys().iter().all(|&k| k != 0));
+        assert_ne!(granted.rkeys()[0], granted.rkeys()[1]);
+        let bytes = granted.to_bytes();
+        let m = host(&e, &bytes);
+        a.write(
+            vec![(m.all(), peer.range(AT, bytes.len() as u64).unwrap())],
+            TransferOptions::notify(bytes.len() as u32),
+        )
+        .unwrap()
+        .wait()
+        .expect("the granted descriptor sent");
+        let s = note(&a);
+        assert!(
+            g.to_vec().unwrap() == pattern(u64::from(s), GRANTED),
+            "the granted region's bytes differ"
+        );
+        say(&a, &target, &peer, ACK);
+        let until = Instant::now() + NOTE;
+        while a.failure().is_none() {
+            assert!(Instant::now() < until, "A never ended");
+            let _ = a.next_notification(Duration::from_millis(100));
+        }
+        let stats = e.window_stats();
+        println!("SECURITY-WINDOWS t9e after A closed: {stats:?}");
+        // Two rails: a window each for the published target and for the granted region.
+        assert!(stats.bound >= 4 && stats.revoked >= 4, "{stats:?}");
+        drop(a);
+        let (before, before_g) = (target.to_vec().unwrap(), g.to_vec().unwrap());
+        let b = l.accept(&[d], ACCEPT).expect("accept B");
+        say(&b, &target, &b.peer_descriptors()[0], ACK);
+        let b2 = l.accept(&[d], ACCEPT).expect("accept B2");
+        say(&b2, &target, &b2.peer_descriptors()[0], ACK);
+        let last = l.accept(&[d], ACCEPT).expect("accept the last endpoint");
+        let changed =
+            |now: Vec<u8>, was: &[u8]| now.iter().zip(was).filter(|(x, y)| x != y).count();
+        let (ct, cg) = (
+            changed(target.to_vec().unwrap(), &before),
+            changed(g.to_vec().unwrap(), &before_g),
+        );
+        println!(
+            "SECURITY-WINDOWS t9e old rkeys through B and B2: {ct} + {cg} byte(s) changed; B: {:?}; B2: {:?}; {:?}",
+            b.failure(),
+            b2.failure(),
+            e.window_stats()
+        );
+        assert_eq!((ct, cg), (0, 0), "a revoked window's rkey changed bytes");
+        let peer = last.peer_descriptors()[0];
+        bye(&last, &target, &peer);
+        drop((b, b2));
+    } else {
+        let e = n.engine();
+        let scratch = e.register(Buffer::host(vec![0u8; 256]).unwrap()).unwrap();
+        let publish = [scratch.descriptor().unwrap()];
+        let refused = |ep: &Endpoint, src: &Region, old: &MemoryDescriptor, what: &str| {
+            let r = ep
+                .write(
+                    vec![(src.all(), old.range(0, src.len() as u64).unwrap())],
+                    TransferOptions::default().deadline(Duration::from_secs(20)),
+                )
+                .unwrap()
+                .wait();
+            println!("SECURITY-WINDOWS t9e client: A's old rkeys through {what}: {r:?}");
+            match r {
+                Err(Error::WorkCompletion { status, .. }) => {
+                    assert_eq!(status, WcStatus::RemoteAccess, "{what}")
+                }
+                other => panic!("A's old rkeys through {what} gave {other:?}"),
+            }
+        };
+        let a = n.connect(&e, k, 2, &publish);
+        // Auto on two rails through two devices: windows.
+        assert_eq!(a.peer_access(), Some(PeerAccess::Windows));
+        let old = a.peer_descriptors()[0];
+        println!("client: A's descriptor rkeys {:x?}", old.rkeys());
+        assert!(old.rkeys().iter().all(|&k| k != 0));
+        assert_ne!(old.rkeys()[0], old.rkeys()[1], "a window per rail");
+        let s = seed() as u32;
+        let src = host(&e, &pattern(u64::from(s), SIZE));
+        let r = a
+            .write(vec![(src.all(), old.all())], TransferOptions::notify(s))
+            .unwrap()
+            .wait()
+            .expect("A writes through its windows on both rails");
+        let st = a.rail_stats();
+        println!("client: t9e striped per rail {:?}", r.rail_bytes);
+        assert_eq!(r.rails_used(), vec![0, 1], "both rails carry bytes");
+        assert!(st[0].bytes_written > 0 && st[1].bytes_written > 0);
+        let len = note(&a) as usize;
+        let got = scratch.to_vec().unwrap();
+        let granted = MemoryDescriptor::from_bytes(&got[AT as usize..AT as usize + len])
+            .expect("the granted descriptor");
+        let s = seed() as u32 ^ 1;
+        let gsrc = host(&e, &pattern(u64::from(s), GRANTED));
+        a.write(
+            vec![(gsrc.all(), granted.all())],
+            TransferOptions::notify(s),
+        )
+        .unwrap()
+        .wait()
+        .expect("A writes through the granted windows");
+        wait_ack_then_linger(&a);
+        drop(a);
+        let b = n.connect(&e, k, 2, &publish);
+        // Only once the server has accepted it (as in t9d).
+        wait_ack_then_linger(&b);
+        let evil = host(&e, &pattern(seed() ^ 0xbad, SIZE));
+        refused(&b, &evil, &old, "a fresh B");
+        let b2 = n.connect(&e, k, 2, &publish);
+        wait_ack_then_linger(&b2);
+        let evil = host(&e, &pattern(seed() ^ 0xbad2, GRANTED));
+        refused(&b2, &evil, &granted, "a fresh B2 (the granted descriptor)");
+        let last = n.connect(&e, k, 1, &publish);
+        wait_bye(&last);
+        drop((b, b2));
     }
 }

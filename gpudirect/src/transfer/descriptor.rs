@@ -585,6 +585,16 @@ impl MemoryDescriptor {
         d
     }
 
+    /// The same memory with `rkey` as device `dev`'s rkey, the others kept (no change for a
+    /// `dev` past the rkeys).
+    pub(crate) fn with_rkey(&self, dev: usize, rkey: u32) -> MemoryDescriptor {
+        let mut d = *self;
+        if dev < d.rails as usize {
+            d.rkeys[dev] = rkey;
+        }
+        d
+    }
+
     /// How a process on the same node maps the memory through CUDA IPC, when it can be
     /// exported.
     pub fn ipc(&self) -> Option<&IpcPart> {

@@ -11,7 +11,7 @@ use super::meter::Meter;
 use super::pending::{Transfer, Transferred};
 use super::plan::deadline_after;
 use super::rails::{RailStats, Rails};
-use super::region::LocalRange;
+use super::region::{LocalRange, Region};
 use super::request::{Broken, Direction, Notification, TransferOptions, TransferReport};
 use super::shared::{Look, SetOnDrop};
 use super::stream::{
@@ -167,6 +167,29 @@ impl Endpoint {
     /// deregistration); `None` inside a node (no rkeys: CUDA IPC).
     pub fn peer_access(&self) -> Option<PeerAccess> {
         self.transport().peer_access()
+    }
+
+    /// A descriptor of `region` for this endpoint's peer alone, to hand it out of band (the
+    /// descriptors published at connect are made the same way): under
+    /// [`PeerAccess::Windows`] one type 2 memory window per rail is bound over the region through
+    /// that rail's queue pair (each bind completed before this returns, within
+    /// [`EngineConfig::connect_timeout`](super::EngineConfig::connect_timeout)), and the
+    /// descriptor carries each window's rkey as the rkey of its rail's device (0 for the
+    /// others). The windows are revoked with the endpoint's others when it closes, is dropped or
+    /// breaks; a reconnect does not bring them back (grant again). Under
+    /// [`PeerAccess::Regions`] it is [`Region::descriptor`], good until deregistration.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for a region of another engine, or staged memory (no rail
+    /// reaches it); the endpoint's failure once it has failed or closed (also while binding);
+    /// [`Error::Timeout`] when the binds did not complete in time; a failed bind's
+    /// [`Error::WorkCompletion`]; [`Error::Unsupported`] inside a node (CUDA IPC maps the whole
+    /// allocation, which no window limits or revokes: hand out [`Region::descriptor`] there).
+    #[doc(alias = "ibv_bind_mw")]
+    #[doc(alias = "ibv_alloc_mw")]
+    pub fn grant(&self, region: &Region) -> Result<MemoryDescriptor> {
+        self.transport().grant(region)
     }
 
     /// Why the endpoint stopped, if it has: the error its requests ended with;

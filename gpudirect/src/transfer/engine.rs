@@ -101,14 +101,17 @@ pub struct EngineConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PeerAccess {
     /// Windows where [`Windows`](Self::Windows) is possible (every device of the engine has
-    /// type 2 memory windows, and the endpoint has one rail), else [`Regions`](Self::Regions).
+    /// type 2 memory windows, and no two rails of the endpoint go through one device), else
+    /// [`Regions`](Self::Regions).
     #[default]
     Auto,
     /// Each descriptor published to a peer carries the rkey of a type 2 memory window bound at
     /// connect through that peer's queue pair only, over the descriptor's range; the windows are
-    /// deallocated (their rkeys refused from then on) when the endpoint closes or breaks.
-    /// [`Engine::new`](super::Engine::new) refuses a device without type 2 windows, and
-    /// connecting refuses an endpoint of more than one rail.
+    /// deallocated (their rkeys refused from then on) when the endpoint closes or breaks. Each
+    /// rail binds its own windows, and its descriptors carry them as the rkey of its device.
+    /// [`Engine::new`](super::Engine::new) refuses a device without type 2 windows, and the
+    /// handshake refuses an endpoint two of whose rails go through one device of this engine
+    /// ([`Error::Unsupported`](crate::Error::Unsupported) naming it).
     Windows,
     /// Each descriptor carries the regions' rkeys, shared by every peer and good until the
     /// region is deregistered.
@@ -126,34 +129,42 @@ impl std::fmt::Display for PeerAccess {
     }
 }
 
-/// Whether an endpoint of `rails` rails gets windows, under `policy` on an engine whose devices
-/// all have type 2 windows (`windows`).
+/// Whether an endpoint whose rails go through the engine devices `rails` (by name, in rail
+/// order) gets windows, under `policy` on an engine whose devices all have type 2 windows
+/// (`windows`). A descriptor has one rkey per device and a window works through one queue pair
+/// only: two rails through one device cannot each have their own window under that rkey.
 ///
 /// # Errors
 ///
 /// [`Error::Unsupported`] under [`PeerAccess::Windows`] when the engine's devices lack windows
-/// or the endpoint has more than one rail.
+/// or two rails go through one device (named).
 pub(crate) fn endpoint_access(
     policy: PeerAccess,
     windows: bool,
-    rails: usize,
+    rails: &[&str],
 ) -> Result<PeerAccess> {
+    let shared = rails
+        .iter()
+        .enumerate()
+        .find_map(|(i, d)| rails[..i].contains(d).then_some(*d));
     match policy {
         PeerAccess::Regions => Ok(PeerAccess::Regions),
-        PeerAccess::Auto if windows && rails == 1 => Ok(PeerAccess::Windows),
+        PeerAccess::Auto if windows && shared.is_none() => Ok(PeerAccess::Windows),
         PeerAccess::Auto => Ok(PeerAccess::Regions),
         PeerAccess::Windows if !windows => Err(Error::Unsupported {
             what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
             reason: "a device of the engine has no type 2 memory windows".into(),
         }),
-        // One rkey per device names one window, usable through one queue pair only.
-        PeerAccess::Windows if rails != 1 => Err(Error::Unsupported {
-            what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
-            reason: format!(
-                "an endpoint of {rails} rails: windows are bound on endpoints of one rail only"
-            ),
-        }),
-        PeerAccess::Windows => Ok(PeerAccess::Windows),
+        PeerAccess::Windows => match shared {
+            Some(d) => Err(Error::Unsupported {
+                what: "per-peer memory windows (EngineConfig::peer_access = Windows)".into(),
+                reason: format!(
+                    "two rails of the endpoint go through device {d} (rails {rails:?}): its one \
+                     rkey per descriptor cannot name a window on each"
+                ),
+            }),
+            None => Ok(PeerAccess::Windows),
+        },
     }
 }
 
@@ -420,8 +431,12 @@ impl EngineInner {
     }
 
     /// What an endpoint of `rails` rails gives its peer ([`endpoint_access`]).
-    pub(crate) fn peer_access(&self, rails: usize) -> Result<PeerAccess> {
-        endpoint_access(self.config.peer_access, self.windows, rails)
+    pub(crate) fn peer_access(&self, rails: &[usize]) -> Result<PeerAccess> {
+        let names: Vec<&str> = rails
+            .iter()
+            .map(|&d| self.devices[d].name.as_str())
+            .collect();
+        endpoint_access(self.config.peer_access, self.windows, &names)
     }
 
     /// What every registration allows: the NIC writes it for local requests; with
@@ -640,20 +655,25 @@ mod tests {
     fn peer_access_is_chosen_per_endpoint() {
         use PeerAccess::{Auto, Regions, Windows};
         assert_eq!(EngineConfig::default().peer_access, Auto);
-        let ok = |p, w, r| endpoint_access(p, w, r).unwrap();
-        // Auto: windows where the devices have them and the endpoint has one rail.
-        assert_eq!(ok(Auto, true, 1), Windows);
-        assert_eq!(ok(Auto, true, 2), Regions);
-        assert_eq!(ok(Auto, false, 1), Regions);
+        let ok = |p, w, r: &[&str]| endpoint_access(p, w, r).unwrap();
+        let (one, two, same) = (&["a"][..], &["a", "b"][..], &["a", "b", "a"][..]);
+        // Auto: windows where the devices have them and no two rails share a device.
+        assert_eq!(ok(Auto, true, one), Windows);
+        assert_eq!(ok(Auto, true, two), Windows);
+        assert_eq!(ok(Auto, true, same), Regions);
+        assert_eq!(ok(Auto, false, one), Regions);
         // Regions whatever the devices have.
-        assert_eq!(ok(Regions, true, 1), Regions);
-        assert_eq!(ok(Regions, false, 3), Regions);
-        assert_eq!(ok(Windows, true, 1), Windows);
-        // Windows never falls back: refused, typed.
-        for (w, r) in [(false, 1), (true, 2), (true, 16)] {
+        assert_eq!(ok(Regions, true, one), Regions);
+        assert_eq!(ok(Regions, false, same), Regions);
+        assert_eq!(ok(Windows, true, one), Windows);
+        assert_eq!(ok(Windows, true, two), Windows);
+        // Windows never falls back: refused, typed, naming the shared device.
+        for (w, r) in [(false, one), (true, same)] {
             let e = endpoint_access(Windows, w, r).unwrap_err();
             assert!(matches!(e, Error::Unsupported { .. }), "{e}");
         }
+        let e = endpoint_access(Windows, true, same).unwrap_err();
+        assert!(e.to_string().contains("device a"), "{e}");
     }
 
     #[test]

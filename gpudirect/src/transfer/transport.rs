@@ -8,7 +8,7 @@ use super::engine::{Engine, PeerAccess};
 use super::local::Local;
 use super::pending::Transfer;
 use super::rails::{RailStats, Rails};
-use super::region::LocalRange;
+use super::region::{LocalRange, Region};
 use super::request::{Broken, Direction, Notification, TransferOptions};
 use super::shared::Look;
 use super::stream::Counter;
@@ -111,6 +111,24 @@ impl Transport {
             Transport::Rails(r) => Some(r.peer_access()),
             #[cfg(feature = "p2p")]
             Transport::Local(_) => None,
+        }
+    }
+
+    /// Windows over `region` for the peer (rails only).
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::grant`](super::Endpoint::grant).
+    pub(crate) fn grant(&self, region: &Region) -> Result<MemoryDescriptor> {
+        match self {
+            Transport::Rails(r) => r.grant(region),
+            #[cfg(feature = "p2p")]
+            Transport::Local(_) => Err(Error::Unsupported {
+                what: "Endpoint::grant".into(),
+                reason: "an endpoint inside a node reaches memory through CUDA IPC, which no \
+                         window limits or revokes"
+                    .into(),
+            }),
         }
     }
 

@@ -396,6 +396,9 @@ mod tests {
             .register(Buffer::host(vec![5u8; 4096]).unwrap())
             .unwrap();
         assert_eq!(region.path(), &MemoryPath::Unregistered);
+        // No window inside a node: grant is refused, typed.
+        let e = a.grant(&region).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
         let e = region.descriptor().unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument { arg: "region", .. }),

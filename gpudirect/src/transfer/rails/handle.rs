@@ -2,6 +2,7 @@
 //! progress thread; its requests (registered memory straight to the rails, staged memory
 //! through the bounce ring); reconnecting, closing, and its counters.
 
+use super::grant::grant;
 use super::handshake::dial;
 use super::post::check_request;
 use super::progress::{close, drain_after_close, progress_loop};
@@ -11,10 +12,10 @@ use super::state::{Link, Origin, State, break_endpoint, force_finish, new_state}
 use super::wait::{look_for_note, next_notification, request};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
-use crate::transfer::descriptor::RemoteRange;
+use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
 use crate::transfer::engine::{Engine, PeerAccess};
 use crate::transfer::pending::Transfer;
-use crate::transfer::region::LocalRange;
+use crate::transfer::region::{LocalRange, Region};
 use crate::transfer::request::{Broken, Direction, FLUSH_WAIT, Notification, TransferOptions};
 use crate::transfer::shared::{EpInner, Look};
 use crate::transfer::wire::Hello;
@@ -120,6 +121,15 @@ impl Rails {
             .rails
             .first()
             .map_or(PeerAccess::Regions, |r| r.access)
+    }
+
+    /// Windows over `region` for this endpoint's peer, one per rail.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::grant`](crate::transfer::Endpoint::grant).
+    pub(crate) fn grant(&self, region: &Region) -> Result<MemoryDescriptor> {
+        grant(&self.link, region)
     }
 
     /// Per-rail counters (cumulative), in rail order.

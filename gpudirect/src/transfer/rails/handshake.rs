@@ -1,11 +1,12 @@
 //! Connecting a rail: the queue pair's resources made once rdma_cm has picked the device, and
 //! the handshake on it: greetings swapped (with the authentication challenges), with a key the
-//! proofs swapped and checked, and only then the notification receives posted, the descriptor
-//! messages' addresses swapped and the peer's read.
+//! proofs swapped and checked, and only then the notification receives posted; once every
+//! rail of the endpoint is greeted, on each the windows bound, the descriptor messages'
+//! addresses swapped and the peer's read, and the peer's per-rail lists merged.
 
 use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, Rail};
 use super::state::Origin;
-use super::windows::bind_for_peer;
+use super::windows::{bind_for_peer, merge_descriptors};
 use crate::error::{Error, Result};
 use crate::rdma::{
     AccessFlags, CompletionChannel, ConnectOptions, Connection, ConnectionBinding, HostBuffer,
@@ -57,7 +58,8 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
 }
 
 /// Connect every rail of `origin` (a dialed endpoint), all within the engine's
-/// `connect_timeout`.
+/// `connect_timeout`: every rail greeted (and authenticated) first, then, once the devices of
+/// all are known, the descriptors published on each ([`publish_all`]).
 pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, Vec<Hello>)> {
     let Origin::Dialed { peers, publish } = origin else {
         return Err(Error::invalid(
@@ -68,14 +70,12 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
     };
     let deadline = deadline_after(Instant::now(), e.config.connect_timeout);
     let group = random::<16>()?;
-    let mut rails = Vec::new();
-    let mut hellos = Vec::new();
+    let mut greeted = Vec::new();
     for (i, addr) in peers.iter().enumerate() {
         let mut home = Home::new(e, i);
         let conn =
             Connection::connect_until(*addr, &conn_opts(e), |dev| home.resources(dev), deadline)?;
-        let none: &[MemoryDescriptor] = &[];
-        let (rail, hello) = greet(
+        greeted.push(greet(
             e,
             conn,
             home,
@@ -89,7 +89,6 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
                 max_message: e.max_message(),
                 descriptors: Vec::new(),
             },
-            if i == NOTIFY_RAIL { publish } else { none },
             &Greet {
                 role: Role::Dialer,
                 peer: addr.to_string(),
@@ -97,11 +96,9 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
                 stop: None,
                 authenticated: None,
             },
-        )?;
-        rails.push(rail);
-        hellos.push(hello);
+        )?);
     }
-    Ok((rails, hellos))
+    publish_all(e, greeted, publish, deadline, None)
 }
 
 /// The resources a rail's connection is built on, made once rdma_cm has picked the device.
@@ -176,20 +173,28 @@ fn binding(role: Role, b: &ConnectionBinding) -> Vec<u8> {
     v
 }
 
+/// A rail greeted and authenticated, its descriptors not published yet.
+pub(super) struct Greeted {
+    conn: Connection,
+    device: usize,
+    channel: CompletionChannel,
+    window: u32,
+    /// The peer's greeting (no descriptors yet).
+    pub(super) theirs: Hello,
+}
+
 /// A rail's handshake on a queue pair that lets the peer reach nothing yet: greetings swapped
 /// and checked (a key on both sides or on neither); with a key, proofs swapped and checked;
-/// then, and only then, remote read and write granted, the notification receives posted
-/// (rail 0), `publish` registered for the peer to read, the descriptor messages' addresses
-/// swapped and the peer's read. The peer's greeting is read into a fixed-size buffer and its
-/// descriptors only once it is authenticated.
+/// then, and only then, remote read and write granted and the notification receives posted
+/// (rail 0). The peer's greeting is read into a fixed-size buffer; its descriptors are read
+/// later, by [`publish_all`].
 pub(super) fn greet(
     e: &EngineInner,
     mut conn: Connection,
     home: Home<'_>,
     mut mine: Hello,
-    publish: &[MemoryDescriptor],
     g: &Greet<'_>,
-) -> Result<(Rail, Hello)> {
+) -> Result<Greeted> {
     let (device, channel, window) = home
         .made
         .ok_or_else(|| Error::invalid("connection", "no device", "rdma_cm picked no device"))?;
@@ -198,7 +203,7 @@ pub(super) fn greet(
     let challenge = Challenge::new(g.role, key.is_some())?;
     let my_first = mine.greeting(&challenge);
     let their_first = conn.exchange_bytes_until(&my_first, g.deadline, g.stop)?;
-    let (their_challenge, mut theirs) = Hello::from_greeting(&their_first)?;
+    let (their_challenge, theirs) = Hello::from_greeting(&their_first)?;
     agree(&challenge, &their_challenge, &g.peer)?;
     if let Some(key) = key {
         let (d, l) = match g.role {
@@ -220,12 +225,75 @@ pub(super) fn greet(
     let n = e.config.notify_depth as usize;
     conn.qp()
         .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
-    // The rails of the endpoint: the dialer's own count, the listener's from the greeting.
-    let rails = match g.role {
-        Role::Dialer => mine.rails,
-        Role::Listener => theirs.rails,
-    };
-    let access = e.peer_access(rails as usize)?;
+    Ok(Greeted {
+        conn,
+        device,
+        channel,
+        window,
+        theirs,
+    })
+}
+
+/// Publish on every rail of an endpoint, in rail order (both sides go in the same order: each
+/// rail's address swap waits for the peer's), by `deadline` (or `stop`): what the peer may
+/// reach decided from the devices of all the rails ([`EngineInner::peer_access`]), under
+/// windows a window bound per descriptor through each rail's queue pair, each rail's descriptor
+/// message registered and swapped, the peer's read, and the peer's lists merged into one
+/// ([`merge_descriptors`], in the first rail's [`Hello`]).
+///
+/// # Errors
+///
+/// [`Error::Unsupported`] under [`PeerAccess::Windows`] when two rails go through one device;
+/// [`Error::InvalidArgument`] for a peer's message that is not valid, or lists that differ
+/// between rails; as [`bind_for_peer`]; [`Error::Timeout`].
+pub(super) fn publish_all(
+    e: &EngineInner,
+    greeted: Vec<Greeted>,
+    publish: &[MemoryDescriptor],
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<(Vec<Rail>, Vec<Hello>)> {
+    let devices: Vec<usize> = greeted.iter().map(|g| g.device).collect();
+    let access = e.peer_access(&devices)?;
+    let mut rails = Vec::with_capacity(greeted.len());
+    let mut hellos = Vec::with_capacity(greeted.len());
+    for g in greeted {
+        let (rail, hello) = publish_rail(e, g, publish, access, deadline, stop)?;
+        rails.push(rail);
+        hellos.push(hello);
+    }
+    let per_rail: Vec<(usize, &[MemoryDescriptor])> = hellos
+        .iter()
+        .map(|h| (h.device as usize, &h.descriptors[..]))
+        .collect();
+    let merged = merge_descriptors(&per_rail)?;
+    for h in &mut hellos {
+        h.descriptors = Vec::new();
+    }
+    if let Some(h) = hellos.get_mut(NOTIFY_RAIL) {
+        h.descriptors = merged;
+    }
+    Ok((rails, hellos))
+}
+
+/// One rail's descriptors published under `access` (windows bound through its queue pair for
+/// the descriptors it sends), and the peer's read: the peer's descriptors are decoded only
+/// here, after it was authenticated.
+fn publish_rail(
+    e: &EngineInner,
+    g: Greeted,
+    publish: &[MemoryDescriptor],
+    access: PeerAccess,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<(Rail, Hello)> {
+    let Greeted {
+        mut conn,
+        device,
+        channel,
+        window,
+        mut theirs,
+    } = g;
     let mut windows = Vec::new();
     let granted;
     let publish = if access == PeerAccess::Windows && !publish.is_empty() {
@@ -235,8 +303,8 @@ pub(super) fn greet(
             &mut conn,
             publish,
             window as usize,
-            g.deadline,
-            g.stop,
+            deadline,
+            stop,
         )?;
         windows = got.windows;
         granted = got.descriptors;
@@ -249,7 +317,7 @@ pub(super) fn greet(
         HostBuffer::from_slice(&Hello::encode_descriptors(publish)?)?,
         AccessFlags::REMOTE_READ,
     )?;
-    let theirs_at = conn.exchange_until(hello_mr.remote(), g.deadline, g.stop)?;
+    let theirs_at = conn.exchange_until(hello_mr.remote(), deadline, stop)?;
     if theirs_at.len > MAX_HELLO {
         return Err(Error::invalid(
             "peer",
@@ -270,7 +338,7 @@ pub(super) fn greet(
                 break 'wait;
             }
         }
-        if Instant::now() >= g.deadline || g.stop.is_some_and(|s| s.load(Ordering::Acquire)) {
+        if Instant::now() >= deadline || stop.is_some_and(|s| s.load(Ordering::Acquire)) {
             return Err(Error::Timeout {
                 what: "the peer's first message",
                 after: started.elapsed(),

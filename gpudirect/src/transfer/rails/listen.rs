@@ -3,7 +3,7 @@
 //! authenticated), and connecting one rail to each of the peer's addresses.
 
 use super::handle::Rails;
-use super::handshake::{Greet, Home, conn_opts, dial, greet, resolve};
+use super::handshake::{Greet, Greeted, Home, conn_opts, dial, greet, publish_all, resolve};
 use super::rail::Rail;
 use super::state::{Origin, eventfd};
 use crate::error::{Error, Result};
@@ -52,8 +52,8 @@ struct HubState {
     running: HashMap<u64, Running>,
     next: u64,
     threads: Vec<JoinHandle<()>>,
-    /// Authenticated rails of endpoints not complete yet, by group, with when the group's first
-    /// rail came. Bounded (a peer that never completes a group must not hold QPs and memory
+    /// Authenticated rails of endpoints not complete yet (greeted, nothing published), by group,
+    /// with when the group's first rail came. Bounded (a peer that never completes a group must not hold QPs and memory
     /// forever): groups older than [`PARTIAL_AGE`] connect timeouts are dropped, and past
     /// [`MAX_PARTIAL`] groups the oldest goes.
     partial: HashMap<[u8; 16], (Instant, Vec<RailSetup>)>,
@@ -118,20 +118,29 @@ impl Hub {
         unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
     }
 
-    /// A handshake ended: its rail grouped (an endpoint complete goes to `ready`), or its error
-    /// counted and kept.
-    fn finish(&self, n: u64, r: Result<RailSetup>, connect_timeout: Duration) {
+    /// An authenticated rail joins its endpoint's group: the whole group when that completes
+    /// it (the caller publishes on its rails), else `None` (the rail is kept in the group).
+    fn join(&self, setup: RailSetup, connect_timeout: Duration) -> Result<Option<Vec<RailSetup>>> {
+        group(&mut self.lock(), setup, connect_timeout)
+    }
+
+    /// A handshake ended: its endpoint complete (to `ready`), its rail kept in a group (`None`),
+    /// or its error counted and kept.
+    fn finish(&self, n: u64, r: Result<Option<Ready>>) {
         let mut st = self.lock();
         let stopped = st
             .running
             .remove(&n)
             .is_some_and(|h| h.stop.load(Ordering::Acquire));
         match r {
-            Ok(setup) => {
-                if let Err(e) = group(&mut st, setup, connect_timeout) {
-                    refused(&mut st, e);
+            Ok(Some(ready)) => {
+                if st.ready.len() >= MAX_PARTIAL {
+                    st.ready.pop_front();
+                    st.stats.abandoned += 1;
                 }
+                st.ready.push_back(ready);
             }
+            Ok(None) => {}
             Err(_) if stopped => {}
             Err(Error::Timeout { .. }) => st.stats.timed_out += 1,
             Err(e) => refused(&mut st, e),
@@ -141,6 +150,9 @@ impl Hub {
     }
 }
 
+/// An endpoint's rails and the peer's messages, ready for an accept.
+type Ready = (Vec<Rail>, Vec<Hello>);
+
 fn refused(st: &mut HubState, e: Error) {
     st.stats.refused += 1;
     if st.refusals.len() == KEPT_REFUSALS {
@@ -149,9 +161,14 @@ fn refused(st: &mut HubState, e: Error) {
     st.refusals.push_back(e);
 }
 
-/// Add an authenticated rail to its endpoint's group; a complete group goes to `ready`.
-fn group(st: &mut HubState, setup: RailSetup, connect_timeout: Duration) -> Result<()> {
-    let key = setup.hello.group;
+/// Add an authenticated rail to its endpoint's group; a complete group is taken out and
+/// returned, in rail order.
+fn group(
+    st: &mut HubState,
+    setup: RailSetup,
+    connect_timeout: Duration,
+) -> Result<Option<Vec<RailSetup>>> {
+    let key = setup.hello().group;
     if !st.partial.contains_key(&key) {
         let age = connect_timeout.saturating_mul(PARTIAL_AGE);
         let stale = Instant::now().checked_sub(age);
@@ -161,29 +178,23 @@ fn group(st: &mut HubState, setup: RailSetup, connect_timeout: Duration) -> Resu
         .partial
         .entry(key)
         .or_insert_with(|| (Instant::now(), Vec::new()));
-    if group.iter().any(|r| r.hello.rail == setup.hello.rail)
-        || group
-            .first()
-            .is_some_and(|r| r.hello.rails != setup.hello.rails)
+    let h = setup.hello();
+    if group.iter().any(|r| r.hello().rail == h.rail)
+        || group.first().is_some_and(|r| r.hello().rails != h.rails)
     {
         return Err(Error::invalid(
             "peer",
-            format!("rail {} of {}", setup.hello.rail, setup.hello.rails),
+            format!("rail {} of {}", h.rail, h.rails),
             "a rail already connected, or a different rail count",
         ));
     }
     group.push(setup);
-    if group.len() == group[0].hello.rails as usize {
-        let (_, mut group) = st.partial.remove(&key).expect("present");
-        group.sort_by_key(|r| r.hello.rail);
-        if st.ready.len() >= MAX_PARTIAL {
-            st.ready.pop_front();
-            st.stats.abandoned += 1;
-        }
-        st.ready
-            .push_back(group.into_iter().map(|r| (r.rail, r.hello)).unzip());
+    if group.len() < group[0].hello().rails as usize {
+        return Ok(None);
     }
-    Ok(())
+    let (_, mut group) = st.partial.remove(&key).expect("present");
+    group.sort_by_key(|r| r.hello().rail);
+    Ok(Some(group))
 }
 
 /// Drop the groups that began before `stale` (none when `None`), then the oldest while `max` or
@@ -208,8 +219,13 @@ fn prune_partial<K: Copy + Eq + std::hash::Hash, T>(
 
 /// A rail connected, authenticated and greeted, not yet part of an endpoint.
 struct RailSetup {
-    rail: Rail,
-    hello: Hello,
+    greeted: Greeted,
+}
+
+impl RailSetup {
+    fn hello(&self) -> &Hello {
+        &self.greeted.theirs
+    }
 }
 
 /// Listen for endpoints on `addr` (`host:port`; port 0 picks one).
@@ -249,8 +265,6 @@ pub(crate) fn connect(
             "one address per rail: 1 to 16",
         ));
     }
-    // Refused before connecting when the policy asks for windows this endpoint cannot have.
-    engine.inner.peer_access(peers.len())?;
     let peers: Vec<SocketAddr> = peers.iter().map(|p| resolve(p)).collect::<Result<_>>()?;
     let origin = Origin::Dialed {
         peers,
@@ -272,31 +286,31 @@ fn describe(b: &ConnectionBinding) -> String {
     }
 }
 
-/// One handshake at the listener, on its own thread: the connection accepted and greeted,
-/// within `handshake_timeout`, ended early by `stop`.
+/// One handshake at the listener, on its own thread: the connection accepted, greeted and
+/// authenticated by `deadline`, ended early by `stop`; its rail then joins its endpoint's
+/// group, and the handshake completing a group publishes on all its rails.
 fn handshake(
     engine: &Engine,
+    hub: &Hub,
     req: ConnectRequest,
     publish: &[MemoryDescriptor],
-    id: [u8; 16],
+    deadline: Instant,
     stop: &AtomicBool,
     authenticated: &AtomicBool,
-) -> Result<RailSetup> {
+) -> Result<Option<Ready>> {
     let e = &engine.inner;
-    let deadline = deadline_after(Instant::now(), e.config.handshake_timeout);
     let mut opts = conn_opts(e);
     opts.timeout = e.config.handshake_timeout;
     let mut home = Home::new(e, 0);
     let conn = req.accept_until(&opts, |dev| home.resources(dev), deadline, stop)?;
     let peer = describe(&conn.binding());
-    // The rail's index is the peer's: known only from its greeting, so ours carries the
-    // descriptors on every rail (the peer reads what it needs).
-    let (rail, hello) = greet(
+    // The rail's index is the peer's: known only from its greeting.
+    let greeted = greet(
         e,
         conn,
         home,
         Hello {
-            group: id,
+            group: hub.id,
             rail: 0,
             rails: 1,
             device: 0,
@@ -305,7 +319,6 @@ fn handshake(
             max_message: e.max_message(),
             descriptors: Vec::new(),
         },
-        publish,
         &Greet {
             role: Role::Listener,
             peer,
@@ -314,7 +327,12 @@ fn handshake(
             authenticated: Some(authenticated),
         },
     )?;
-    Ok(RailSetup { rail, hello })
+    let Some(group) = hub.join(RailSetup { greeted }, e.config.connect_timeout)? else {
+        return Ok(None);
+    };
+    // Every rail of the endpoint is here: publish on each, in the dialer's rail order.
+    let greeted = group.into_iter().map(|r| r.greeted).collect();
+    publish_all(e, greeted, publish, deadline, Some(stop)).map(Some)
 }
 
 impl Listener {
@@ -454,11 +472,20 @@ impl Listener {
                     st.stats.peak_pending = st.stats.peak_pending.max(st.running.len());
                     let (engine, hub, publish) =
                         (self.engine.clone(), self.hub.clone(), publish.clone());
+                    let deadline =
+                        deadline_after(Instant::now(), self.engine.inner.config.handshake_timeout);
                     let spawned =
                         crate::driver::ctx::spawn_thread("gpudirect-handshake", move || {
-                            let r =
-                                handshake(&engine, req, &publish, hub.id, &stop, &authenticated);
-                            hub.finish(n, r, engine.inner.config.connect_timeout);
+                            let r = handshake(
+                                &engine,
+                                &hub,
+                                req,
+                                &publish,
+                                deadline,
+                                &stop,
+                                &authenticated,
+                            );
+                            hub.finish(n, r);
                         });
                     match spawned {
                         Ok(t) => st.threads.push(t),

@@ -13,6 +13,8 @@
 //! - `state`: the endpoint's verbs state under its lock ([`Link`](state::Link)), requests'
 //!   accounting, a rail failing (its messages moved to the rails left), breaking the endpoint
 //!   and finishing requests.
+//! - `grant`: windows over a region bound after connect through every rail (for a descriptor
+//!   handed to the peer out of band), revoked with the endpoint's others.
 //! - `post`: a request checked, planned and posted within each rail's window; notifications
 //!   against credits.
 //! - `progress`: the progress thread: completions, notifications delivered, control messages
@@ -27,6 +29,7 @@
 //! - `listen`: accepting endpoints (an rdma_cm listener; handshakes concurrent and bounded) and
 //!   connecting them.
 
+mod grant;
 mod handle;
 mod handshake;
 mod listen;
