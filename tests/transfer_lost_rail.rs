@@ -40,30 +40,7 @@ const ACK: u32 = 0xACC;
 /// whose link is down fails.
 const ACK_TIMEOUT: u8 = 16;
 
-struct Node {
-    server: bool,
-    rails: Vec<String>,
-    peers: Vec<String>,
-    port: u16,
-}
-
-fn node() -> Option<Node> {
-    let role = std::env::var("GPUDIRECT_TEST_ROLE").ok()?;
-    let list = |v: &str| -> Vec<String> {
-        std::env::var(v)
-            .unwrap_or_default()
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect()
-    };
-    Some(Node {
-        server: role == "server",
-        rails: list("GPUDIRECT_TEST_RAILS"),
-        peers: list("GPUDIRECT_TEST_PEER_ADDRS"),
-        port: std::env::var("GPUDIRECT_TEST_PORT").ok()?.parse().ok()?,
-    })
-}
+use support::rdma::{Node, node};
 
 macro_rules! two_nodes {
     () => {

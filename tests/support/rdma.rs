@@ -210,3 +210,31 @@ pub fn device_ipv4<S: AsRef<str>>(devices: &[S]) -> Option<std::net::Ipv4Addr> {
     }
     None
 }
+
+/// One side of the VM's two-node mode, from its environment (`GPUDIRECT_TEST_ROLE`, `_RAILS`,
+/// `_PEER_ADDRS`, `_PORT`; ci/rxe-vm/README.md, "Two nodes").
+pub struct Node {
+    pub server: bool,
+    pub rails: Vec<String>,
+    pub peers: Vec<String>,
+    pub port: u16,
+}
+
+/// This side, or `None` outside the two-node VM.
+pub fn node() -> Option<Node> {
+    let role = std::env::var("GPUDIRECT_TEST_ROLE").ok()?;
+    let list = |v: &str| -> Vec<String> {
+        std::env::var(v)
+            .unwrap_or_default()
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    Some(Node {
+        server: role == "server",
+        rails: list("GPUDIRECT_TEST_RAILS"),
+        peers: list("GPUDIRECT_TEST_PEER_ADDRS"),
+        port: std::env::var("GPUDIRECT_TEST_PORT").ok()?.parse().ok()?,
+    })
+}
