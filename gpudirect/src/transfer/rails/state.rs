@@ -278,6 +278,19 @@ pub(super) fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usi
     Ok(())
 }
 
+/// The peer's windows through `rail` revoked (their rkeys are refused from here on, and none is
+/// left bound through a queue pair that goes), then its queue pair to the error state.
+fn retire(inner: &Link, rail: &mut Rail) {
+    revoke(&inner.ep.engine.inner, &mut rail.windows);
+    rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
+        QpSlot::Rts(q) => match q.into_error() {
+            Ok(q) => QpSlot::Error { _qp: q },
+            Err(_) => QpSlot::Gone,
+        },
+        other => other,
+    };
+}
+
 /// Stop the endpoint: every queue pair to the error state (the NIC flushes what is posted),
 /// nothing more posted, every request ends with the cause's error.
 pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
@@ -286,16 +299,7 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
     }
     st.broken = Some((cause.clone(), Instant::now()));
     for rail in &mut st.rails {
-        // The peer's windows first: their rkeys are refused from here on, and none is left
-        // bound through a queue pair that goes.
-        revoke(&inner.ep.engine.inner, &mut rail.windows);
-        rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
-            QpSlot::Rts(q) => match q.into_error() {
-                Ok(q) => QpSlot::Error { _qp: q },
-                Err(_) => QpSlot::Gone,
-            },
-            other => other,
-        };
+        retire(inner, rail);
         for (id, _) in rail.pending.drain(..) {
             if let Some(q) = st.requests.get_mut(&id) {
                 q.unposted = q.unposted.saturating_sub(1);
@@ -344,14 +348,7 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
         return;
     }
     let rail = &mut st.rails[r];
-    revoke(&inner.ep.engine.inner, &mut rail.windows);
-    rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
-        QpSlot::Rts(q) => match q.into_error() {
-            Ok(q) => QpSlot::Error { _qp: q },
-            Err(_) => QpSlot::Gone,
-        },
-        other => other,
-    };
+    retire(inner, rail);
     // Posted: the notifications in doubt first, so their requests' data is parked.
     let unsure: Vec<(u64, Wr, Option<u32>)> = rail
         .inflight
