@@ -116,8 +116,9 @@ mod tests {
 
     #[test]
     fn pauses_yield_for_a_while_then_sleep_and_reset() {
-        let mut b = Backoff::new();
+        // Taken before the back-off starts its clock: it yields until its own 64 µs passed.
         let start = Instant::now();
+        let mut b = Backoff::new();
         let mut yields = 0;
         while b.next() == Pause::Yield {
             yields += 1;
