@@ -47,15 +47,16 @@
 //! | --- | --- | --- |
 //! | [`CompletionFlag`], [`Outcome`] | [`set`](CompletionFlag::set) / [`send`](OutcomeSender::send), on the setter's thread | a waker clone kept in the flag |
 //! | [`HostFnFence`] | the host function, on CUDA's callback thread, the moment the stream passes it | `cuLaunchHostFunc` and a small allocation at issue; the callback wakes by reference, makes no CUDA call and drops no waker |
-//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); at the first poll one `cuEventRecord` (recycled event) if none covers the epoch yet; a waker clone in the stream's list |
+//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); at the first poll one `cuEventRecord` (recycled event) if no event is pending on the stream (while the thread watches the stream, a poll asks the driver nothing); a waker clone in the stream's list |
 //! | [`EventFence`], your own fences | the completion thread: one [`Fence::check`] (`cuEventQuery`) per fence per round | an `Arc` for the fence; for an event fence `cuEventCreate` + `cuEventRecord` at issue |
 //!
 //! The **completion thread** is one thread per process, started by the first future that needs
 //! it. Each round it checks what it watches, wakes the futures whose work completed and fires
-//! due deadlines; between rounds it yields (up to about 50 µs after anything new), then sleeps
-//! 64 µs, doubling up to 1 ms; a new registration or a completion starts it over from the
-//! shortest pause, and with nothing to watch it sleeps until woken. So an await on CUDA work
-//! costs at most the current pause in latency, and no CPU while nothing is pending. Why both
+//! due deadlines; between rounds it only yields for 64 µs after anything new, then sleeps
+//! 64 µs, doubling up to 1 ms; a new registration or a completion starts it over, and with
+//! nothing left to watch it goes on yielding for the rest of those 64 µs (a next await finds it
+//! awake), then sleeps until woken. So an await on CUDA work costs at most the current pause in
+//! latency, and no CPU once nothing has been pending for 64 µs. Why both
 //! sources: a host function wakes with the least latency but occupies the stream while it runs
 //! and costs a launch per operation; events cost nothing per operation on a stream (one query
 //! answers for every future waiting on it) but are checked at the thread's pace. `benches/futures.rs`
