@@ -8,7 +8,7 @@ pub(crate) const LONG_WAIT: Duration = Duration::from_secs(3600);
 
 /// For this long after a start (or [`Backoff::reset`]) the pauses only yield the thread: a
 /// completion that comes within it is seen within a poll, not after a sleep.
-pub(crate) const YIELD_FOR: Duration = Duration::from_micros(64);
+const YIELD_FOR: Duration = Duration::from_micros(64);
 
 /// The first sleep after the yielding phase; each next one doubles.
 const FIRST_NAP: Duration = Duration::from_micros(64);
