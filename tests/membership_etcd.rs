@@ -6,6 +6,8 @@
 //! the PATH). Without `GPUDIRECT_ETCD` every test prints `SKIPPED` (a failure when
 //! `GPUDIRECT_REQUIRE` names `etcd`).
 
+mod support;
+
 use gpudirect::Error;
 use gpudirect::transfer::membership::{
     Advertise, EtcdConfig, EtcdStore, HostId, MemberEvent, MemberRecord, MemberWatch,
@@ -363,18 +365,7 @@ impl OwnEtcd {
     fn start(&mut self) {
         let c = format!("http://127.0.0.1:{}", self.client);
         let p = format!("http://127.0.0.1:{}", self.peer);
-        let child = Command::new(&self.bin)
-            .args(["--name", "restart", "--data-dir"])
-            .arg(&self.dir)
-            .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
-            .args([
-                "--listen-peer-urls",
-                &p,
-                "--initial-advertise-peer-urls",
-                &p,
-            ])
-            .args(["--initial-cluster", &format!("restart={p}")])
-            .stdout(Stdio::null())
+        let child = support::etcd::single_member(&self.bin, "restart", &self.dir, &c, &p)
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
@@ -387,10 +378,7 @@ impl OwnEtcd {
     }
 
     fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        support::etcd::stop(&mut self.child);
     }
 }
 

@@ -191,17 +191,7 @@ impl Etcd {
         let t = now();
         let c = format!("http://{}:{ETCD_PORT}", self.addr);
         let p = format!("http://127.0.0.1:{}", ETCD_PORT + 1);
-        let child = Command::new(&self.bin)
-            .args(["--name", "nnodes", "--data-dir", &self.dir])
-            .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
-            .args([
-                "--listen-peer-urls",
-                &p,
-                "--initial-advertise-peer-urls",
-                &p,
-            ])
-            .args(["--initial-cluster", &format!("nnodes={p}")])
-            .stdout(Stdio::null())
+        let child = support::etcd::single_member(&self.bin, "nnodes", &self.dir, &c, &p)
             .stderr(
                 std::fs::File::create(format!("{}.log", self.dir))
                     .map_or_else(|_| Stdio::null(), Stdio::from),
@@ -221,10 +211,7 @@ impl Etcd {
     }
 
     fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        support::etcd::stop(&mut self.child);
     }
 }
 

@@ -9,9 +9,11 @@
 //!   refuse (no udev data).
 //! - [`rdma`]: a loopback pair of connected RC queue pairs on the first verbs device, and bounded
 //!   completion waits.
+//! - [`etcd`]: a one-member etcd of a test's own (its command line, stopping it).
 //! - `cufile-wheel.sh`: fetches the cuFile wheels `storage_cufile_wheel` loads, by hand.
 #![allow(dead_code, unused_imports)]
 
+pub mod etcd;
 pub mod files;
 pub mod gpu;
 pub mod rdma;
