@@ -5,13 +5,14 @@
 //! Every run must complete with exact bytes, or end typed within its deadline; a write's
 //! notification must arrive exactly once (the server counts them) and after every byte (it
 //! compares the target when it arrives). Then one run loses both rails: typed, in time. Then
-//! notifications put in doubt on purpose (`t5`), and the bench (`t4`, only with
-//! `GPUDIRECT_LOST_RAIL_BENCH=1`).
+//! notifications put in doubt on purpose (`t5`), failed rails taken back (`t6`: each rail in
+//! turn down, then up, on one endpoint: it comes back by itself and carries bytes again), and
+//! the bench (`t4`, only with `GPUDIRECT_LOST_RAIL_BENCH=1`).
 //!
 //! `GPUDIRECT_LOST_RAIL_RUNS` sets the runs of each kind (default 100; `t5` a fifth). Each side
 //! tells the other how its run went with a notification (the tags below), on a fresh endpoint
 //! per run on `GPUDIRECT_TEST_PORT` + 20 (+ 21 reads, + 22 both rails, + 23 the bench, + 24
-//! `t5`). Without the VM's environment every test prints `SKIPPED`.
+//! `t5`, + 25 `t6`). Without the VM's environment every test prints `SKIPPED`.
 
 mod support;
 
@@ -650,5 +651,139 @@ fn t4_bench_one_rail_lost_halfway() {
             m[2].as_millis(),
             m[2].as_secs_f64() / m[0].as_secs_f64()
         );
+    }
+}
+
+/// How long a failed rail may take to come back once its link is up: the engine's retry
+/// period (1 s), the connection and its handshake, the server's next accept.
+const COME_BACK: Duration = Duration::from_secs(60);
+
+/// Failed rails taken back, on one endpoint: rail 1, then rail 0 (the notification's), goes
+/// down; a striped write with notification completes over the other rail; the link comes up and
+/// the rail comes back by itself (the client's engine retries, the server's listener routes it
+/// to the endpoint it accepted while it accepts); then a striped write moves bytes on it
+/// again. The server counts every notification once, after every byte, and sees each rail
+/// taken back once.
+#[test]
+fn t6_a_failed_rail_comes_back() {
+    let n = two_nodes!();
+    let e = n.engine();
+    const MID: usize = 8 << 20;
+    // Per rail taken down: the write while it is down, the write once it is back.
+    const WRITES: usize = 4;
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; MID]).unwrap()).unwrap();
+        let l = n.listen(&e, 25);
+        let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+        let peer = ep.peer_descriptors()[0];
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let mut seen = Vec::new();
+        std::thread::scope(|s| {
+            // Rails coming back are handshaken by accept: keep accepting meanwhile.
+            s.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match l.accept(&[], Duration::from_millis(200)) {
+                        Err(Error::Timeout { .. }) => {}
+                        Ok(_) => panic!("a rail coming back made an endpoint of its own"),
+                        Err(e) => panic!("accept: {e}"),
+                    }
+                }
+            });
+            loop {
+                match ep.next_notification(COME_BACK * 2) {
+                    Ok(Some(x)) if x.tag & DATA != 0 => {
+                        assert!(!seen.contains(&x.tag), "a notification arrived twice");
+                        assert!(
+                            target.to_vec().unwrap() == pattern(u64::from(x.tag), MID),
+                            "write {}: the notification came before every byte",
+                            seen.len()
+                        );
+                        seen.push(x.tag);
+                    }
+                    Ok(Some(x)) if x.tag == DONE => break,
+                    other => panic!("after {} writes: {other:?}", seen.len()),
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let stats = ep.rail_stats();
+        println!(
+            "server: rails back: {stats:?}; listener {:?}; refused {:?}",
+            l.stats(),
+            l.take_refusals()
+        );
+        assert_eq!(seen.len(), WRITES, "the writes' notifications");
+        for (r, st) in stats.iter().enumerate() {
+            assert_eq!(st.state, RailState::Up, "rail {r}");
+            assert!(st.restored >= 1, "rail {r} never came back here: {st:?}");
+        }
+        assert!(l.stats().rails_restored >= 2, "{:?}", l.stats());
+        say(&ep, &target, &peer, ACK);
+        std::thread::sleep(Duration::from_millis(100));
+    } else {
+        let src = e.register(Buffer::host(vec![0u8; MID]).unwrap()).unwrap();
+        let ep = n.connect(&e, 25, &[src.descriptor().unwrap()]);
+        let peer = ep.peer_descriptors()[0];
+        assert_eq!(
+            ep.restore_rails().unwrap(),
+            Vec::<usize>::new(),
+            "none failed"
+        );
+        let write = |what: &str| {
+            let s = random() | DATA;
+            src.write_at(0, &pattern(u64::from(s), MID)).unwrap();
+            let t0 = Instant::now();
+            let rep = ep
+                .write(
+                    vec![(src.all(), peer.all())],
+                    TransferOptions::notify(s).deadline(DEADLINE),
+                )
+                .and_then(Transfer::wait)
+                .unwrap_or_else(|e| panic!("{what}: {e}; rails {:?}", ep.rail_stats()));
+            assert_eq!(rep.bytes, MID as u64, "{what}");
+            println!(
+                "client: {what}: {:?} per rail {:?}",
+                t0.elapsed(),
+                rep.rail_bytes
+            );
+            rep
+        };
+        for (k, r) in [1usize, 0].into_iter().enumerate() {
+            link(r, false);
+            let rep = write(&format!("rail {r} down"));
+            let st = ep.rail_stats();
+            assert!(
+                matches!(st[r].state, RailState::Failed(_)),
+                "rail {r} did not fail: {st:?}; {rep:?}"
+            );
+            link(r, true);
+            let t0 = Instant::now();
+            while ep.rail_stats()[r].state != RailState::Up {
+                assert!(
+                    t0.elapsed() < COME_BACK,
+                    "rail {r} did not come back in {COME_BACK:?}: {:?}",
+                    ep.rail_stats()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let st = ep.rail_stats();
+            println!(
+                "client: rail {r} came back after {:?}: {st:?}",
+                t0.elapsed()
+            );
+            assert_eq!(st[r].restored, 1, "rail {r}");
+            let before = st[r].bytes_written;
+            let rep = write(&format!("rail {r} back"));
+            let after = ep.rail_stats()[r].bytes_written;
+            assert!(
+                rep.rail_bytes[r] > 0 && after > before,
+                "rail {r} carried nothing once back: {rep:?}"
+            );
+            assert_eq!(ep.rail_stats()[1 - r].restored, k as u64, "the other rail");
+        }
+        assert!(say(&ep, &src, &peer, DONE), "the word");
+        let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
+        assert_eq!(got, Some(ACK), "the server's answer");
+        println!("LOST-RAIL back: rails={:?}", ep.rail_stats());
     }
 }

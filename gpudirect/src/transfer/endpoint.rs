@@ -148,6 +148,27 @@ impl Endpoint {
         self.transport().rail_stats()
     }
 
+    /// Take back the failed rails that can come back now ([`RailStats::state`] says which
+    /// failed), on the side that connected: each is connected again alone to the peer's address
+    /// for it, with the same authentication as at connect (with a key, a proof of a secret only
+    /// the two ends of this endpoint derived from it), and its windows bound again; the peer's
+    /// listener routes it to the endpoint it accepted, while it accepts. A rail comes back only
+    /// once its flushes were seen and nothing sent on it is in doubt. The engine does this by
+    /// itself every [`EngineConfig::rail_retry`](super::EngineConfig::rail_retry); this is the
+    /// same, now. Returns the rails that came back (none inside a node, or with none failed).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] on the accepting side, or when a rail came back through
+    /// other devices than it went; when no failed rail came back, the first one's error:
+    /// connecting ([`Error::CmEvent`], [`Error::Timeout`]), [`Error::Authentication`],
+    /// [`Error::InvalidArgument`] while it cannot come back yet; the endpoint's failure once
+    /// it has failed or closed.
+    #[doc(alias = "rdma_connect")]
+    pub fn restore_rails(&self) -> Result<Vec<usize>> {
+        self.transport().restore_rails()
+    }
+
     /// How the peer was authenticated: [`Authentication::Key`] when the engine has a key
     /// ([`EngineConfig::key`](super::EngineConfig::key): the peer proved it holds the same one
     /// on every rail, or on the socket inside a node, before anything was published), else

@@ -94,6 +94,11 @@ pub struct EngineConfig {
     /// What a peer's descriptors let it reach (default [`PeerAccess::Auto`]): windows bound to
     /// that peer's queue pairs, or the regions' own rkeys. See `docs/security.md`.
     pub peer_access: PeerAccess,
+    /// How often an endpoint this side connected tries to take its failed rails back
+    /// ([`Endpoint::restore_rails`](super::Endpoint::restore_rails), on a thread of its own,
+    /// the first try this long after a rail failed; default 1 s, 10 ms to 1 h). `None`: only
+    /// when the application calls it.
+    pub rail_retry: Option<Duration>,
 }
 
 /// How the descriptors an endpoint's peer receives at connect give it access to the published
@@ -192,6 +197,7 @@ impl Default for EngineConfig {
             max_pending: 64,
             handshake_timeout: Duration::from_secs(5),
             peer_access: PeerAccess::Auto,
+            rail_retry: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -288,6 +294,11 @@ impl EngineConfig {
         }
         if self.copy_chunk < 64 << 10 {
             return bad("copy_chunk", self.copy_chunk.to_string(), "at least 64 KiB");
+        }
+        if let Some(t) = self.rail_retry
+            && !(Duration::from_millis(10)..=Duration::from_secs(3600)).contains(&t)
+        {
+            return bad("rail_retry", format!("{t:?}"), "10 ms to 1 h");
         }
         if !(1..=4096).contains(&self.max_pending) {
             return bad(

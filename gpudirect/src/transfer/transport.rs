@@ -184,6 +184,19 @@ impl Transport {
         }
     }
 
+    /// Take failed rails back (rails only; inside a node there are none).
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::restore_rails`](super::Endpoint::restore_rails).
+    pub(crate) fn restore_rails(&self) -> Result<Vec<usize>> {
+        match self {
+            Transport::Rails(r) => r.restore_rails(),
+            #[cfg(feature = "p2p")]
+            Transport::Local(_) => Ok(Vec::new()),
+        }
+    }
+
     /// Connect again (the side that connected).
     ///
     /// # Errors

@@ -1,9 +1,11 @@
 //! The rails' handshake messages. The greeting (the first round, through the connection's
 //! handshake buffer, fixed size): who is connecting (a random endpoint group id, the same on
-//! every rail of it), which rail this is, the sender's devices, its receive credits and largest
-//! message, with the authentication challenge. The descriptor message (read by the peer with
-//! an RDMA read once the greetings, and with a key the proofs, were checked): the descriptors
-//! the sender publishes.
+//! every rail of it), which rail this is, whether it takes a failed rail of a connected
+//! endpoint back, the sender's devices, its receive credits and largest message, with the
+//! authentication challenge. The descriptor message (read by the peer with an RDMA read once
+//! the greetings, and with a key the proofs, were checked): the descriptors the sender
+//! publishes. A rail taken back sends instead its window message: the rkeys of the windows it
+//! bound again, each beside the rkey the peer's descriptors name.
 
 use super::auth::Challenge;
 use super::descriptor::{MAX_RAILS, MemoryDescriptor, decode_list, encode_list};
@@ -15,10 +17,16 @@ const VERSION: u16 = 2;
 const FIXED: usize = 4 + 2;
 
 const GREETING_MAGIC: [u8; 4] = *b"GDXA";
-const GREETING_VERSION: u16 = 1;
+/// Version 2: the rail's generation, when it comes back.
+const GREETING_VERSION: u16 = 2;
 /// Bytes of a greeting: magic, version, challenge, group, rail, rails, device, devices,
-/// credits, largest message.
-pub(crate) const GREETING_LEN: usize = 4 + 2 + Challenge::LEN + 16 + 4 + 2 + 4;
+/// credits, largest message, generation.
+pub(crate) const GREETING_LEN: usize = 4 + 2 + Challenge::LEN + 16 + 4 + 2 + 4 + 4;
+
+const WINDOWS_MAGIC: [u8; 4] = *b"GDXW";
+const WINDOWS_VERSION: u16 = 1;
+/// The most rkey pairs in a window message (8 bytes each, within [`MAX_HELLO`]).
+pub(crate) const MAX_RENAMED: usize = (MAX_HELLO as usize - FIXED - 8) / 8;
 
 /// The largest first message read from a peer.
 pub(crate) const MAX_HELLO: u64 = 4 << 20;
@@ -62,6 +70,10 @@ pub(crate) struct Hello {
     pub(crate) group: [u8; 16],
     pub(crate) rail: u8,
     pub(crate) rails: u8,
+    /// 0 on a rail of a new endpoint. On a failed rail of endpoint `group` taken back (its
+    /// dialer connects it alone): one more than the sender's generation of that rail (how many
+    /// times it came back there); the rail's next generation is the larger of the two sides'.
+    pub(crate) back: u32,
     /// The sender's engine device for this rail, and how many it has (its descriptors' rkeys).
     pub(crate) device: u8,
     pub(crate) devices: u8,
@@ -82,6 +94,7 @@ impl Hello {
         b.extend_from_slice(&[self.rail, self.rails, self.device, self.devices]);
         b.extend_from_slice(&self.credits.to_le_bytes());
         b.extend_from_slice(&self.max_message.to_le_bytes());
+        b.extend_from_slice(&self.back.to_le_bytes());
         debug_assert_eq!(b.len(), GREETING_LEN);
         b
     }
@@ -125,6 +138,7 @@ impl Hello {
             return bad("hello.credits", credits.to_string(), "4 to 4096 receives");
         }
         let max_message = u32::from_le_bytes(f[6..10].try_into().expect("4 bytes"));
+        let back = u32::from_le_bytes(f[10..14].try_into().expect("4 bytes"));
         if max_message < 4096 {
             return bad(
                 "hello.max_message",
@@ -138,12 +152,76 @@ impl Hello {
                 group,
                 rail,
                 rails,
+                back,
                 device,
                 devices,
                 credits,
                 max_message,
                 descriptors: Vec::new(),
             },
+        ))
+    }
+
+    /// The window message of a rail taken back: the rail's next generation as the sender
+    /// proposes it (one more than its own), and per window bound again, the rkey the peer's
+    /// descriptors name (the first window's over that range) and the new window's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] for more than [`MAX_RENAMED`] pairs.
+    pub(crate) fn encode_renamed(generation: u32, pairs: &[(u32, u32)]) -> Result<Vec<u8>> {
+        if pairs.len() > MAX_RENAMED {
+            return Err(Error::invalid(
+                "windows",
+                pairs.len(),
+                format!("at most {MAX_RENAMED} windows are bound again"),
+            ));
+        }
+        let mut b = Vec::with_capacity(FIXED + 8 + 8 * pairs.len());
+        b.extend_from_slice(&WINDOWS_MAGIC);
+        b.extend_from_slice(&WINDOWS_VERSION.to_le_bytes());
+        b.extend_from_slice(&generation.to_le_bytes());
+        b.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+        for (old, new) in pairs {
+            b.extend_from_slice(&old.to_le_bytes());
+            b.extend_from_slice(&new.to_le_bytes());
+        }
+        Ok(b)
+    }
+
+    /// Decode a peer's window message (generation, pairs): its count must match its length.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the field.
+    pub(crate) fn decode_renamed(b: &[u8]) -> Result<(u32, Vec<(u32, u32)>)> {
+        header(b, FIXED, WINDOWS_MAGIC, WINDOWS_VERSION)?;
+        let rest = &b[FIXED..];
+        let Some((head, pairs)) = rest.split_first_chunk::<8>() else {
+            return Err(Error::invalid(
+                "hello.windows",
+                format!("{} bytes", b.len()),
+                "a generation and a count after the header",
+            ));
+        };
+        let generation = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+        let n = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+        if n > MAX_RENAMED || pairs.len() != n * 8 {
+            return Err(Error::invalid(
+                "hello.windows",
+                format!("{n} pairs in {} bytes", pairs.len()),
+                format!("at most {MAX_RENAMED} pairs of two 4-byte rkeys, nothing after them"),
+            ));
+        }
+        Ok((
+            generation,
+            pairs
+                .chunks_exact(8)
+                .map(|c| {
+                    let k = |i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
+                    (k(0), k(4))
+                })
+                .collect(),
         ))
     }
 
@@ -193,6 +271,7 @@ mod tests {
             group: [0x12; 16],
             rail: 1,
             rails: 2,
+            back: 0,
             device: 0,
             devices: 2,
             credits: 64,
@@ -214,7 +293,8 @@ mod tests {
     fn greetings_and_descriptor_messages_round_trip() {
         let c = challenge();
         for n in [0, 1, 7] {
-            let h = hello(n);
+            let mut h = hello(n);
+            h.back = if n == 1 { 3 } else { 0 };
             let g = h.greeting(&c);
             assert_eq!(g.len(), GREETING_LEN);
             assert!(g.len() <= crate::rdma::HANDSHAKE_BYTES);
@@ -249,7 +329,42 @@ mod tests {
         }
     }
 
+    #[test]
+    fn window_messages_round_trip_and_refuse_what_does_not_add_up() {
+        for pairs in [vec![], vec![(1, 2)], vec![(7, 0xdead_beef), (u32::MAX, 0)]] {
+            let b = Hello::encode_renamed(9, &pairs).unwrap();
+            assert_eq!(Hello::decode_renamed(&b).unwrap(), (9, pairs));
+            // A byte more or less, or a count one off: refused.
+            let mut long = b.clone();
+            long.push(0);
+            let mut more = b.clone();
+            more[10] = more[10].wrapping_add(1);
+            for x in [&b[..b.len() - 1], &long[..], &more[..], b"GDXW"] {
+                assert!(is_invalid(&Hello::decode_renamed(x).unwrap_err()));
+            }
+        }
+        // A descriptor message is no window message.
+        let d = Hello::encode_descriptors(&hello(1).descriptors).unwrap();
+        assert!(is_invalid(&Hello::decode_renamed(&d).unwrap_err()));
+        let e = Hello::encode_renamed(1, &vec![(0, 0); MAX_RENAMED + 1]).unwrap_err();
+        assert!(is_invalid(&e));
+    }
+
     proptest! {
+        /// Any bytes as a window message: a typed refusal or pairs that fill it exactly.
+        #[test]
+        fn garbage_window_messages_are_refused_typed(
+            b in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut m = WINDOWS_MAGIC.to_vec();
+            m.extend_from_slice(&WINDOWS_VERSION.to_le_bytes());
+            m.extend_from_slice(&b);
+            match Hello::decode_renamed(&m) {
+                Ok((_, p)) => prop_assert_eq!(p.len() * 8 + 8, b.len()),
+                Err(e) => prop_assert!(is_invalid(&e), "{}", e),
+            }
+        }
+
         /// Any corruption of a valid greeting: decoded with every field in range, or a typed
         /// refusal.
         #[test]

@@ -2,13 +2,14 @@
 //! progress thread; its requests (registered memory straight to the rails, staged memory
 //! through the bounce ring); reconnecting, closing, and its counters.
 
+use super::back::restore;
 use super::grant::grant;
 use super::handshake::dial;
 use super::post::check_request;
 use super::progress::{close, drain_after_close, progress_loop};
-use super::rail::{Rail, RailFailure, RailState, RailStats, TICK};
+use super::rail::{RailFailure, RailState, RailStats, TICK};
 use super::staging::staged;
-use super::state::{Link, Origin, State, break_endpoint, force_finish, new_state};
+use super::state::{Connected, Link, Origin, State, break_endpoint, force_finish, new_state};
 use super::wait::{look_for_note, next_notification, request};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
@@ -18,7 +19,6 @@ use crate::transfer::pending::Transfer;
 use crate::transfer::region::{LocalRange, Region};
 use crate::transfer::request::{Broken, Direction, FLUSH_WAIT, Notification, TransferOptions};
 use crate::transfer::shared::{EpInner, Look};
-use crate::transfer::wire::Hello;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -31,6 +31,29 @@ pub(crate) struct Rails {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Take `link`'s failed rails back on a thread of its own (the progress thread must not wait on
+/// a connection); then, while a rail is still failed, try again after `rail_retry`.
+fn retry(link: &Arc<Link>) {
+    let again = |l: &Link| {
+        let mut st = l.lock();
+        st.restoring = false;
+        if st.broken.is_none()
+            && st.lanes.iter().any(|x| !x.up())
+            && let Some(t) = l.ep.engine.inner.config.rail_retry
+        {
+            st.retry_at = Some(Instant::now() + t);
+        }
+    };
+    let l = link.clone();
+    let spawned = crate::driver::ctx::spawn_thread("gpudirect-rail-back", move || {
+        let _ = restore(&l);
+        again(&l);
+    });
+    if spawned.is_err() {
+        again(link);
+    }
+}
+
 impl Rails {
     /// The verbs side of a new (or accepted) endpoint: its state from the rails and the peer's
     /// first messages, and its progress thread.
@@ -39,22 +62,23 @@ impl Rails {
     ///
     /// [`Error::InvalidArgument`] for first messages that disagree; [`Error::Os`] from
     /// `eventfd`; as [`spawn_thread`](crate::driver::ctx::spawn_thread).
-    pub(super) fn start(
-        engine: Engine,
-        rails: Vec<Rail>,
-        hellos: Vec<Hello>,
-        origin: Origin,
-    ) -> Result<Rails> {
-        let n = rails.len();
-        let state = new_state(&engine.inner, rails, &hellos)?;
+    pub(super) fn start(engine: Engine, connected: Connected, origin: Origin) -> Result<Rails> {
+        let n = connected.rails.len();
+        let state = new_state(&engine.inner, connected)?;
         let inner = Link::new(engine, state, n, origin)?;
         let t = inner.clone();
-        let thread =
-            crate::driver::ctx::spawn_thread("gpudirect-transfer", move || progress_loop(&t))?;
+        let thread = crate::driver::ctx::spawn_thread("gpudirect-transfer", move || {
+            progress_loop(&t, retry)
+        })?;
         Ok(Rails {
             link: inner,
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// The verbs side of the endpoint (a listener routes rails coming back to it).
+    pub(super) fn link(&self) -> &Arc<Link> {
+        &self.link
     }
 
     /// What the endpoint shares with its rails (notifications, failure, the peer's
@@ -150,6 +174,7 @@ impl Rails {
                     None => RailState::Up,
                 },
                 failures: c.failures.load(Ordering::Relaxed),
+                restored: c.restored.load(Ordering::Relaxed),
                 reposted: c.reposted.load(Ordering::Relaxed),
                 notifications_in_doubt: c.in_doubt.load(Ordering::Relaxed),
                 notifications_resent: c.resent.load(Ordering::Relaxed),
@@ -199,15 +224,15 @@ impl Rails {
         while Instant::now() < until && !inner.lock().requests.is_empty() {
             std::thread::sleep(Duration::from_millis(2));
         }
-        let (rails, hellos) = dial(&inner.ep.engine.inner, &inner.origin)?;
-        if rails.len() != inner.counters.len() {
+        let connected = dial(&inner.ep.engine.inner, &inner.origin)?;
+        if connected.rails.len() != inner.counters.len() {
             return Err(Error::invalid(
                 "rails",
-                rails.len(),
+                connected.rails.len(),
                 "the rail count changed",
             ));
         }
-        let fresh = new_state(&inner.ep.engine.inner, rails, &hellos)?;
+        let fresh = new_state(&inner.ep.engine.inner, connected)?;
         let old = {
             let mut st = inner.lock();
             force_finish(&mut st);
@@ -216,6 +241,17 @@ impl Rails {
         inner.poke();
         drop(old);
         Ok(())
+    }
+
+    /// Take the failed rails back that can come back now (the side that connected only):
+    /// each connected again alone, with the same authentication as at connect. Returns those
+    /// that came back.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::restore_rails`](crate::transfer::Endpoint::restore_rails).
+    pub(crate) fn restore_rails(&self) -> Result<Vec<usize>> {
+        restore(&self.link)
     }
 
     /// [`close`](Self::close), the endpoint broken with `cause` first (unless it already

@@ -2,24 +2,27 @@
 //! the handshake on it: greetings swapped (with the authentication challenges), with a key the
 //! proofs swapped and checked, and only then the notification receives posted; once every
 //! rail of the endpoint is greeted, on each the windows bound, the descriptor messages'
-//! addresses swapped and the peer's read, and the peer's per-rail lists merged.
+//! addresses swapped and the peer's read, and the peer's per-rail lists merged. A failed rail
+//! taken back proves the endpoint's session secret instead of the key, and swaps window
+//! messages (the windows it had, bound again) instead of descriptors.
 
 use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, Rail};
-use super::state::Origin;
-use super::windows::{bind_for_peer, merge_descriptors};
+use super::state::{Connected, Origin};
+use super::windows::{bind_for_peer, bind_ranges, count_bound, merge_descriptors};
 use crate::error::{Error, Result};
 use crate::rdma::{
     AccessFlags, CompletionChannel, ConnectOptions, Connection, ConnectionBinding, HostBuffer,
-    QpCaps, QpResources, RecvRequest, SendRequest,
+    Local, MemoryRegion, MrSlice, QpCaps, QpResources, RecvRequest, SendRequest,
 };
 use crate::transfer::auth::{
-    Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag, tag_message,
+    AuthKey, Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag,
+    tag_message,
 };
 use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::{EngineInner, PeerAccess};
 use crate::transfer::plan::{deadline_after, send_window};
 use crate::transfer::wire::{Hello, MAX_HELLO};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +30,8 @@ use std::time::{Duration, Instant};
 
 /// What the rails' proofs are made over, besides the transcript (the local transport's differs).
 const LABEL: &[u8] = b"gpudirect transfer rails v1";
+/// What an endpoint's session secret is made over, besides its first rail's transcript.
+const SESSION_LABEL: &[u8] = b"gpudirect transfer rails session v1";
 
 /// What an authenticated peer may do through a rail's queue pair.
 const PEER_ACCESS: AccessFlags = AccessFlags::REMOTE_READ.union(AccessFlags::REMOTE_WRITE);
@@ -60,7 +65,7 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
 /// Connect every rail of `origin` (a dialed endpoint), all within the engine's
 /// `connect_timeout`: every rail greeted (and authenticated) first, then, once the devices of
 /// all are known, the descriptors published on each ([`publish_all`]).
-pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, Vec<Hello>)> {
+pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<Connected> {
     let Origin::Dialed { peers, publish } = origin else {
         return Err(Error::invalid(
             "endpoint",
@@ -83,6 +88,7 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
                 group,
                 rail: i as u8,
                 rails: peers.len() as u8,
+                back: 0,
                 device: 0,
                 devices: e.devices.len() as u8,
                 credits: e.config.notify_depth as u16,
@@ -95,10 +101,11 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<(Vec<Rail>, 
                 deadline,
                 stop: None,
                 authenticated: None,
+                back: Back::No,
             },
         )?);
     }
-    publish_all(e, greeted, publish, deadline, None)
+    publish_all(e, greeted, group, publish, deadline, None)
 }
 
 /// The resources a rail's connection is built on, made once rdma_cm has picked the device.
@@ -149,13 +156,28 @@ impl<'a> Home<'a> {
 }
 
 /// How one rail's handshake goes: this side's role, the peer (for errors), the deadline, what
-/// ends it early (a listener making room), and where to say it is authenticated.
+/// ends it early (a listener making room), where to say it is authenticated, and whether it
+/// takes a failed rail back.
 pub(super) struct Greet<'a> {
     pub(super) role: Role,
     pub(super) peer: String,
     pub(super) deadline: Instant,
     pub(super) stop: Option<&'a AtomicBool>,
     pub(super) authenticated: Option<&'a AtomicBool>,
+    pub(super) back: Back<'a>,
+}
+
+/// Whether a rail's handshake takes a failed rail of a connected endpoint back, and what its
+/// proofs use instead of the engine's key then (the endpoint's session secret).
+pub(super) enum Back<'a> {
+    /// A rail of a new endpoint (the dialer's, or the listener's that the peer's greeting
+    /// did not mark as coming back).
+    No,
+    /// The dialer takes a failed rail back; with a key, its endpoint's session secret.
+    Dial(Option<&'a AuthKey>),
+    /// The listener: for a greeting marked as coming back, the session secret of the endpoint
+    /// it names (an error when there is none to take the rail back into).
+    Accept(&'a dyn Fn(&Hello) -> Result<Option<AuthKey>>),
 }
 
 /// The bytes both sides see alike of what binds the connection: the dialer's queue pair number,
@@ -176,17 +198,21 @@ fn binding(role: Role, b: &ConnectionBinding) -> Vec<u8> {
 /// A rail greeted and authenticated, its descriptors not published yet.
 pub(super) struct Greeted {
     conn: Connection,
-    device: usize,
+    pub(super) device: usize,
     channel: CompletionChannel,
     window: u32,
     /// The peer's greeting (no descriptors yet).
     pub(super) theirs: Hello,
+    /// With a key, on a rail of a new endpoint: the endpoint's session secret (what a rail
+    /// taken back proves), from this rail's transcript.
+    session: Option<AuthKey>,
 }
 
 /// A rail's handshake on a queue pair that lets the peer reach nothing yet: greetings swapped
-/// and checked (a key on both sides or on neither); with a key, proofs swapped and checked;
-/// then, and only then, remote read and write granted and the notification receives posted
-/// (rail 0). The peer's greeting is read into a fixed-size buffer; its descriptors are read
+/// and checked (a key on both sides or on neither); with a key, proofs swapped and checked
+/// (made with the endpoint's session secret on a rail taken back); then, and only then, remote
+/// read and write granted and the notification receives posted (on a rail taken back, once it
+/// is back). The peer's greeting is read into a fixed-size buffer; its descriptors are read
 /// later, by [`publish_all`].
 pub(super) fn greet(
     e: &EngineInner,
@@ -199,12 +225,38 @@ pub(super) fn greet(
         .made
         .ok_or_else(|| Error::invalid("connection", "no device", "rdma_cm picked no device"))?;
     mine.device = device as u8;
-    let key = e.config.key.as_ref();
-    let challenge = Challenge::new(g.role, key.is_some())?;
+    let engine_key = e.config.key.as_ref();
+    let challenge = Challenge::new(g.role, engine_key.is_some())?;
     let my_first = mine.greeting(&challenge);
     let their_first = conn.exchange_bytes_until(&my_first, g.deadline, g.stop)?;
     let (their_challenge, theirs) = Hello::from_greeting(&their_first)?;
     agree(&challenge, &their_challenge, &g.peer)?;
+    let back = mine.back != 0 || theirs.back != 0;
+    let looked_up;
+    let key = match (&g.back, theirs.back) {
+        (Back::No, 0) => engine_key,
+        (Back::Dial(session), 0) => *session,
+        (Back::Accept(_), 0) => engine_key,
+        (Back::Accept(session_of), _) => {
+            looked_up = session_of(&theirs)?;
+            looked_up.as_ref()
+        }
+        _ => {
+            return Err(Error::invalid(
+                "hello.back",
+                theirs.back,
+                "0 from the listening side",
+            ));
+        }
+    };
+    if key.is_some() != engine_key.is_some() {
+        return Err(Error::invalid(
+            "hello.back",
+            theirs.back,
+            "an endpoint with a session secret exactly when the engine has a key",
+        ));
+    }
+    let mut session = None;
     if let Some(key) = key {
         let (d, l) = match g.role {
             Role::Dialer => (&my_first, &their_first),
@@ -215,22 +267,30 @@ pub(super) fn greet(
         let got = conn.exchange_bytes_until(&proof, g.deadline, g.stop)?;
         let got = read_tag_message(&got, &g.peer)?;
         check_tag(key, LABEL, g.role.peer(), &t, got, &g.peer)?;
+        if !back {
+            let s = tag(key, SESSION_LABEL, Role::Dialer, &t);
+            session = Some(AuthKey::from_bytes(s.to_vec())?);
+        }
     }
     if let Some(a) = g.authenticated {
         a.store(true, Ordering::Release);
     }
     // Until here the queue pair let the peer reach no registration, whatever rkey it tried.
     conn.set_remote_access(PEER_ACCESS)?;
-    // Every rail's: notifications go on another rail when theirs fails.
-    let n = e.config.notify_depth as usize;
-    conn.qp()
-        .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
+    // Every rail's: notifications go on another rail when theirs fails. A rail taken back
+    // posts them only once it is back (see `state::install`).
+    if !back {
+        let n = e.config.notify_depth as usize;
+        conn.qp()
+            .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
+    }
     Ok(Greeted {
         conn,
         device,
         channel,
         window,
         theirs,
+        session,
     })
 }
 
@@ -248,12 +308,14 @@ pub(super) fn greet(
 /// between rails; as [`bind_for_peer`]; [`Error::Timeout`].
 pub(super) fn publish_all(
     e: &EngineInner,
-    greeted: Vec<Greeted>,
+    mut greeted: Vec<Greeted>,
+    group: [u8; 16],
     publish: &[MemoryDescriptor],
     deadline: Instant,
     stop: Option<&AtomicBool>,
-) -> Result<(Vec<Rail>, Vec<Hello>)> {
+) -> Result<Connected> {
     let devices: Vec<usize> = greeted.iter().map(|g| g.device).collect();
+    let session = greeted.first_mut().and_then(|g| g.session.take());
     let access = e.peer_access(&devices)?;
     let mut rails = Vec::with_capacity(greeted.len());
     let mut hellos = Vec::with_capacity(greeted.len());
@@ -273,7 +335,12 @@ pub(super) fn publish_all(
     if let Some(h) = hellos.get_mut(NOTIFY_RAIL) {
         h.descriptors = merged;
     }
-    Ok((rails, hellos))
+    Ok(Connected {
+        rails,
+        hellos,
+        group,
+        session,
+    })
 }
 
 /// One rail's descriptors published under `access` (windows bound through its queue pair for
@@ -293,6 +360,7 @@ fn publish_rail(
         channel,
         window,
         mut theirs,
+        ..
     } = g;
     let mut windows = Vec::new();
     let granted;
@@ -312,11 +380,113 @@ fn publish_rail(
     } else {
         publish
     };
-    let pd = conn.pd().clone();
-    let hello_mr = pd.register(
-        HostBuffer::from_slice(&Hello::encode_descriptors(publish)?)?,
-        AccessFlags::REMOTE_READ,
+    let (bytes, hello_mr) = swap(
+        &mut conn,
+        &Hello::encode_descriptors(publish)?,
+        deadline,
+        stop,
     )?;
+    theirs.descriptors = Hello::decode_descriptors(&bytes, theirs.devices)?;
+    let parts = conn.into_parts();
+    let rail = Rail {
+        windows,
+        access,
+        qp: QpSlot::Rts(parts.qp),
+        send_cq: parts.send_cq,
+        recv_cq: parts.recv_cq,
+        channel,
+        link: parts.link,
+        device,
+        peer_device: theirs.device as usize,
+        window,
+        renamed: HashMap::new(),
+        firsts: HashMap::new(),
+        lost: Vec::new(),
+        next_seq: 1,
+        inflight: VecDeque::new(),
+        pending: VecDeque::new(),
+        _hello: hello_mr,
+    };
+    Ok((rail, theirs))
+}
+
+/// A rail taken back, once greeted: the windows it had bound for the peer (`lost`, under
+/// `access`) bound again through its new queue pair, the window messages swapped (each side's
+/// proposed generation, `proposed` here, and its rkeys renamed), by `deadline` (or `stop`).
+/// Returns the rail (ready to put in the failed one's place, its notification receives not
+/// posted yet), the generation both sides agree on (the larger proposal), and the peer's
+/// greeting.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for a peer's message that is not valid; as [`bind_ranges`];
+/// [`Error::Timeout`].
+pub(super) fn rebind(
+    e: &EngineInner,
+    g: Greeted,
+    lost: &[(MrSlice, u32)],
+    access: PeerAccess,
+    proposed: u32,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<(Rail, u32, Hello)> {
+    let Greeted {
+        mut conn,
+        device,
+        channel,
+        window,
+        theirs,
+        ..
+    } = g;
+    let ranges = lost.iter().map(|(r, _)| r.clone()).collect();
+    let windows = bind_ranges(&mut conn, ranges, window as usize, deadline, stop)?;
+    count_bound(e, windows.len());
+    let pairs: Vec<(u32, u32)> = lost
+        .iter()
+        .zip(&windows)
+        .map(|((_, first), w)| (*first, w.rkey()))
+        .collect();
+    let (bytes, mine_mr) = swap(
+        &mut conn,
+        &Hello::encode_renamed(proposed, &pairs)?,
+        deadline,
+        stop,
+    )?;
+    let (theirs_proposed, renamed) = Hello::decode_renamed(&bytes)?;
+    let parts = conn.into_parts();
+    let rail = Rail {
+        windows,
+        access,
+        qp: QpSlot::Rts(parts.qp),
+        send_cq: parts.send_cq,
+        recv_cq: parts.recv_cq,
+        channel,
+        link: parts.link,
+        device,
+        peer_device: theirs.device as usize,
+        window,
+        renamed: renamed.into_iter().collect(),
+        firsts: pairs.into_iter().map(|(first, now)| (now, first)).collect(),
+        lost: Vec::new(),
+        next_seq: 1,
+        inflight: VecDeque::new(),
+        pending: VecDeque::new(),
+        _hello: mine_mr,
+    };
+    Ok((rail, proposed.max(theirs_proposed), theirs))
+}
+
+/// Swap messages with the peer: `mine` registered for it to read, the addresses swapped, the
+/// peer's read (at most [`MAX_HELLO`] bytes), by `deadline` (or `stop`). Returns the peer's
+/// bytes and this side's registration (kept while the peer may read it).
+fn swap(
+    conn: &mut Connection,
+    mine: &[u8],
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<(Vec<u8>, MemoryRegion<Local>)> {
+    let pd = conn.pd().clone();
+    let hello_mr = pd.register(HostBuffer::from_slice(mine)?, AccessFlags::REMOTE_READ)?;
     let theirs_at = conn.exchange_until(hello_mr.remote(), deadline, stop)?;
     if theirs_at.len > MAX_HELLO {
         return Err(Error::invalid(
@@ -349,23 +519,5 @@ fn publish_rail(
     let bytes = into
         .as_slice()
         .ok_or_else(|| Error::invalid("read", "region", "still in use"))?;
-    theirs.descriptors = Hello::decode_descriptors(bytes, theirs.devices)?;
-    let parts = conn.into_parts();
-    let rail = Rail {
-        windows,
-        access,
-        qp: QpSlot::Rts(parts.qp),
-        send_cq: parts.send_cq,
-        recv_cq: parts.recv_cq,
-        channel,
-        link: parts.link,
-        device,
-        peer_device: theirs.device as usize,
-        window,
-        next_seq: 1,
-        inflight: VecDeque::new(),
-        pending: VecDeque::new(),
-        _hello: hello_mr,
-    };
-    Ok((rail, theirs))
+    Ok((bytes.to_vec(), hello_mr))
 }

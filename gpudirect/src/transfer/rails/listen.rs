@@ -1,14 +1,15 @@
 //! Making endpoints over the rails: an rdma_cm listener that accepts them (handshakes run
 //! concurrently, each on its own thread and bounded; the rails of each endpoint grouped once
-//! authenticated), and connecting one rail to each of the peer's addresses.
+//! authenticated; a failed rail coming back routed to the endpoint it accepted), and
+//! connecting one rail to each of the peer's addresses.
 
+use super::back::accept_back;
 use super::handle::Rails;
-use super::handshake::{Greet, Greeted, Home, conn_opts, dial, greet, publish_all, resolve};
-use super::rail::Rail;
-use super::state::{Origin, eventfd};
+use super::handshake::{Back, Greet, Greeted, Home, conn_opts, dial, greet, publish_all, resolve};
+use super::state::{Connected, Link, Origin, eventfd};
 use crate::error::{Error, Result};
 use crate::rdma::{ConnectRequest, ConnectionBinding, Listener as CmListener};
-use crate::transfer::auth::{Role, random};
+use crate::transfer::auth::{AuthKey, Role, random};
 use crate::transfer::descriptor::{MAX_RAILS, MemoryDescriptor};
 use crate::transfer::engine::Engine;
 use crate::transfer::plan::deadline_after;
@@ -17,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,7 +59,9 @@ struct HubState {
     /// [`MAX_PARTIAL`] groups the oldest goes.
     partial: HashMap<[u8; 16], (Instant, Vec<RailSetup>)>,
     /// Complete endpoints waiting for an accept (at most [`MAX_PARTIAL`]).
-    ready: VecDeque<(Vec<Rail>, Vec<Hello>)>,
+    ready: VecDeque<Connected>,
+    /// Endpoints accepted, by group id: where a failed rail coming back goes.
+    accepted: HashMap<[u8; 16], Weak<Link>>,
     refusals: VecDeque<Error>,
     stats: ListenerStats,
 }
@@ -99,6 +102,8 @@ pub struct ListenerStats {
     pub turned_away: u64,
     /// Rails or endpoints dropped unaccepted: a group that never completed, or past the bounds.
     pub abandoned: u64,
+    /// Failed rails of accepted endpoints taken back (their peer connected them again).
+    pub rails_restored: u64,
 }
 
 impl Hub {
@@ -151,7 +156,7 @@ impl Hub {
 }
 
 /// An endpoint's rails and the peer's messages, ready for an accept.
-type Ready = (Vec<Rail>, Vec<Hello>);
+type Ready = Connected;
 
 fn refused(st: &mut HubState, e: Error) {
     st.stats.refused += 1;
@@ -270,8 +275,8 @@ pub(crate) fn connect(
         peers,
         publish: publish.to_vec(),
     };
-    let (rails, hellos) = dial(&engine.inner, &origin)?;
-    Rails::start(engine.clone(), rails, hellos, origin)
+    let connected = dial(&engine.inner, &origin)?;
+    Rails::start(engine.clone(), connected, origin)
 }
 
 /// The peer of a connection, in words: its address (the GID's IPv4 form where it has one) and
@@ -302,6 +307,31 @@ fn handshake(
     let mut opts = conn_opts(e);
     opts.timeout = e.config.handshake_timeout;
     let mut home = Home::new(e, 0);
+    // A rail coming back: the endpoint its greeting names, whose session secret it proves.
+    let endpoint = Mutex::new(None);
+    let session_of = |h: &Hello| -> Result<Option<AuthKey>> {
+        let link = hub.lock().accepted.get(&h.group).and_then(Weak::upgrade);
+        let Some(link) = link else {
+            return Err(Error::invalid(
+                "hello.group",
+                "no endpoint",
+                "a rail comes back to an endpoint this listener accepted, still open",
+            ));
+        };
+        let session = {
+            let st = link.lock();
+            if st.lanes.len() != h.rails as usize {
+                return Err(Error::invalid(
+                    "hello.rail",
+                    format!("{} of {}", h.rail, h.rails),
+                    format!("a rail of the endpoint's {}", st.lanes.len()),
+                ));
+            }
+            st.session.clone()
+        };
+        *endpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
+        Ok(session)
+    };
     let conn = req.accept_until(&opts, |dev| home.resources(dev), deadline, stop)?;
     let peer = describe(&conn.binding());
     // The rail's index is the peer's: known only from its greeting.
@@ -313,6 +343,7 @@ fn handshake(
             group: hub.id,
             rail: 0,
             rails: 1,
+            back: 0,
             device: 0,
             devices: e.devices.len() as u8,
             credits: e.config.notify_depth as u16,
@@ -325,14 +356,23 @@ fn handshake(
             deadline,
             stop: Some(stop),
             authenticated: Some(authenticated),
+            back: Back::Accept(&session_of),
         },
     )?;
+    if greeted.theirs.back != 0 {
+        let link = endpoint.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let link = link.ok_or_else(|| Error::invalid("hello.group", "no endpoint", "looked up"))?;
+        accept_back(&link, greeted, deadline, stop)?;
+        hub.lock().stats.rails_restored += 1;
+        return Ok(None);
+    }
     let Some(group) = hub.join(RailSetup { greeted }, e.config.connect_timeout)? else {
         return Ok(None);
     };
     // Every rail of the endpoint is here: publish on each, in the dialer's rail order.
+    let id = group[0].hello().group;
     let greeted = group.into_iter().map(|r| r.greeted).collect();
-    publish_all(e, greeted, publish, deadline, Some(stop)).map(Some)
+    publish_all(e, greeted, id, publish, deadline, Some(stop)).map(Some)
 }
 
 impl Listener {
@@ -388,8 +428,13 @@ impl Listener {
                 }
                 r
             };
-            if let Some((rails, hellos)) = ready {
-                return Rails::start(self.engine.clone(), rails, hellos, Origin::Accepted);
+            if let Some(connected) = ready {
+                let group = connected.group;
+                let rails = Rails::start(self.engine.clone(), connected, Origin::Accepted)?;
+                let mut st = self.hub.lock();
+                st.accepted.retain(|_, l| l.strong_count() > 0);
+                st.accepted.insert(group, Arc::downgrade(rails.link()));
+                return Ok(rails);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -563,6 +608,7 @@ impl Drop for Listener {
         let mut st = self.hub.lock();
         st.partial.clear();
         st.ready.clear();
+        st.accepted.clear();
     }
 }
 

@@ -24,11 +24,14 @@
 //! - `staging`: GPU memory the NIC cannot reach, through a ring of pinned bounce buffers.
 //! - `handshake`: a rail's connection resources and its handshake (greetings, with a key the
 //!   proofs, then the descriptor messages).
+//! - `back`: a failed rail taken back (connected again alone, its windows bound again) at
+//!   the dialing side, and at the listener that accepted its endpoint.
 //! - `handle`: the rails as the endpoint holds them ([`Rails`]): start, requests, reconnect,
 //!   close.
 //! - `listen`: accepting endpoints (an rdma_cm listener; handshakes concurrent and bounded) and
 //!   connecting them.
 
+mod back;
 mod grant;
 mod handle;
 mod handshake;

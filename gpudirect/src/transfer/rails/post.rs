@@ -2,7 +2,7 @@
 //! and posted within each rail's window; notifications held until the other rails are done and
 //! sent against the peer's credits.
 
-use super::rail::{Again, NOTIFY_RAIL, Posted, QpSlot, Wr};
+use super::rail::{Again, Posted, QpSlot, Wr};
 use super::state::{Link, Request, State, check_rkeys, fail_rail, up_rails};
 use crate::error::{Error, Result};
 use crate::rdma::{RemoteSlice, SendRequest};
@@ -61,8 +61,8 @@ pub(crate) fn direct(
     if rails.is_empty() {
         rails = up.clone();
     }
-    let note_rail = if up.contains(&NOTIFY_RAIL) {
-        NOTIFY_RAIL
+    let note_rail = if st.lanes[st.note_rail].up() {
+        st.note_rail
     } else {
         up[0]
     };
@@ -199,7 +199,7 @@ fn build_wr(
     };
     let remote = RemoteSlice {
         addr: r.addr_at(c.offset),
-        rkey: r.descriptor().rkeys()[rail.peer_device],
+        rkey: rail.peer_rkey(r.descriptor().rkeys()[rail.peer_device]),
         len: c.len,
     };
     Ok(match dir {

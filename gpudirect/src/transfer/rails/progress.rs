@@ -5,7 +5,7 @@
 //! and only looks at the links and the deadlines.
 
 use super::post::pump;
-use super::rail::{CTL, CTL_ANSWER, CTL_COUNT, LINGER, QpSlot, RECV_TAG, TICK};
+use super::rail::{CTL, LINGER, QpSlot, RECV_TAG, TICK, ctl_answer, ctl_parts};
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
 };
@@ -165,11 +165,15 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
 
 /// A control message `c` from the peer on rail `r`: it asks how many notifications arrived on
 /// a rail it gave up (that rail is given up here too, then answered on `r`), or it answers.
+/// One about another connection of the rail named than its current one here (another
+/// generation) changes nothing here: an answer is dropped; a question is answered "none" (a
+/// connection the peer took back and this side never did had no receives here; one older is
+/// asked about only by a stale copy, whose answer the peer drops).
 fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<Notification>) {
     if st.broken.is_some() {
         return;
     }
-    let about = ((c >> 24) & 0x3f) as usize;
+    let (answer, about, generation, n) = ctl_parts(c);
     if about >= st.lanes.len() || about == r {
         break_endpoint(
             inner,
@@ -178,34 +182,33 @@ fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<No
         );
         return;
     }
-    if c & CTL_ANSWER != 0 {
-        if st.lanes[about].up() {
-            break_endpoint(
-                inner,
-                st,
-                Broken::Protocol(format!("an answer about rail {about}, which is up")),
-            );
-            return;
+    let current = generation == st.lanes[about].generation & 0xf;
+    if answer {
+        if current && !st.lanes[about].up() {
+            answered(inner, st, about, n);
         }
-        answered(inner, st, about, c & CTL_COUNT);
-    } else {
-        fail_rail(inner, st, about, Broken::RailGivenUp);
-        // What arrived on it between the last look and its queue pair's error state counts.
-        if let Ok(late) = drain(&mut st.rails[about].recv_cq, |w| {
-            (w.is_ok(), w.opcode(), w.imm())
-        }) {
-            for (ok, op, imm) in late {
-                if let (true, WcOpcode::RecvRdmaWithImm, Some(tag)) = (ok, op, imm) {
-                    note_in(inner, st, about, tag, notes);
-                }
+        return;
+    }
+    if !current {
+        if st.lanes[r].up() {
+            st.lanes[r].ctl.push_back(ctl_answer(about, generation, 0));
+        }
+        return;
+    }
+    fail_rail(inner, st, about, Broken::RailGivenUp);
+    // What arrived on it between the last look and its queue pair's error state counts.
+    if let Ok(late) = drain(&mut st.rails[about].recv_cq, |w| {
+        (w.is_ok(), w.opcode(), w.imm())
+    }) {
+        for (ok, op, imm) in late {
+            if let (true, WcOpcode::RecvRdmaWithImm, Some(tag)) = (ok, op, imm) {
+                note_in(inner, st, about, tag, notes);
             }
         }
-        if st.broken.is_none() && st.lanes[r].up() {
-            let n = st.lanes[about].notes_in & CTL_COUNT;
-            st.lanes[r]
-                .ctl
-                .push_back(CTL | CTL_ANSWER | ((about as u32) << 24) | n);
-        }
+    }
+    if st.broken.is_none() && st.lanes[r].up() {
+        let n = st.lanes[about].notes_in;
+        st.lanes[r].ctl.push_back(ctl_answer(about, generation, n));
     }
 }
 
@@ -361,12 +364,24 @@ fn arm(inner: &Link, st: &mut State) -> bool {
     found || !armed
 }
 
-pub(super) fn progress_loop(inner: &Arc<Link>) {
+/// The progress thread's loop, until the endpoint closes; `retry` starts taking failed rails
+/// back (on a thread of its own) when their time comes.
+pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
     loop {
         let (fds, timeout) = {
             let mut st = inner.lock();
             if st.closing {
                 return;
+            }
+            if st.broken.is_none()
+                && !st.restoring
+                && st.retry_at.is_some_and(|t| Instant::now() >= t)
+            {
+                st.retry_at = None;
+                st.restoring = true;
+                drop(st);
+                retry(inner);
+                continue;
             }
             // Under the lock: a waiter takes and lets go of the CQs under it too.
             let waiter = inner.polled.load(Ordering::Relaxed);

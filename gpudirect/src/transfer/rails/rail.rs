@@ -10,7 +10,7 @@ use crate::transfer::engine::PeerAccess;
 use crate::transfer::plan::Credits;
 use crate::transfer::region::Entry;
 use crate::transfer::request::{Broken, Direction};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
@@ -25,7 +25,31 @@ pub(super) const CTL: u32 = 1 << 31;
 /// A control message that answers (else it asks).
 pub(super) const CTL_ANSWER: u32 = 1 << 30;
 /// Bits of a control message's count (notifications received on its rail, modulo).
-pub(super) const CTL_COUNT: u32 = (1 << 24) - 1;
+pub(super) const CTL_COUNT: u32 = (1 << 20) - 1;
+/// Where a control message puts the generation of the rail it names (4 bits, modulo): a
+/// question or answer about another connection of that rail than the current one is stale.
+const CTL_GEN_SHIFT: u32 = 20;
+
+/// The question: how many notifications arrived on rail `about` (its generation `generation`)?
+pub(super) fn ctl_ask(about: usize, generation: u32) -> u32 {
+    CTL | ((about as u32) << 24) | ((generation & 0xf) << CTL_GEN_SHIFT)
+}
+
+/// The answer: `n` notifications arrived on rail `about` (generation `generation`).
+pub(super) fn ctl_answer(about: usize, generation: u32, n: u32) -> u32 {
+    ctl_ask(about, generation) | CTL_ANSWER | (n & CTL_COUNT)
+}
+
+/// A control message's parts: (answer, the rail it names, that rail's generation modulo 16,
+/// the count).
+pub(super) fn ctl_parts(c: u32) -> (bool, usize, u32, u32) {
+    (
+        c & CTL_ANSWER != 0,
+        ((c >> 24) & 0x3f) as usize,
+        (c >> CTL_GEN_SHIFT) & 0xf,
+        c & CTL_COUNT,
+    )
+}
 /// Rails a control message can name (6 bits).
 pub(super) const MAX_RAILS: usize = 64;
 /// The longest sleep of the progress thread between looks at the deadlines.
@@ -44,7 +68,7 @@ pub(super) const LINGER: Duration = Duration::from_millis(1);
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum RailState {
-    /// Up since the endpoint connected (or reconnected).
+    /// Up since the endpoint connected (or reconnected), or since the rail came back.
     #[default]
     Up,
     /// Failed: its messages went to the rails left (the endpoint fails with its last rail).
@@ -104,6 +128,8 @@ pub struct RailStats {
     pub state: RailState,
     /// Times it failed (while another rail was up, or with the endpoint).
     pub failures: u64,
+    /// Times it came back after failing (reconnected alone, authenticated as at connect).
+    pub restored: u64,
     /// Messages it had not completed when it failed, posted again on the rails left.
     pub reposted: u64,
     /// Notifications posted on it without a completion when it failed: the peer was asked
@@ -134,6 +160,7 @@ pub(super) struct RailCounters {
     pub(super) notes_sent: AtomicU64,
     pub(super) notes_received: AtomicU64,
     pub(super) failures: AtomicU64,
+    pub(super) restored: AtomicU64,
     pub(super) reposted: AtomicU64,
     pub(super) in_doubt: AtomicU64,
     pub(super) resent: AtomicU64,
@@ -152,6 +179,11 @@ pub(super) struct Lane {
     pub(super) notes_in: u32,
     /// Control messages to send on it ([`CTL`]), against its credits.
     pub(super) ctl: VecDeque<u32>,
+    /// This side asked (on another rail) how many notifications arrived on this failed rail
+    /// and has no answer yet: the rail does not come back before it has one.
+    pub(super) asked: bool,
+    /// Times the rail came back on this endpoint, as both sides agreed when it did.
+    pub(super) generation: u32,
 }
 
 impl Lane {
@@ -162,6 +194,8 @@ impl Lane {
             notes_out: 0,
             notes_in: 0,
             ctl: VecDeque::new(),
+            asked: false,
+            generation: 0,
         }
     }
 
@@ -229,13 +263,13 @@ impl Wr {
                 Error::invalid("rail", rail.device, "the memory is not registered there")
             })?;
             let local = mr.slice(again.off, local.len() as usize)?;
-            let rkey = *again.rkeys.get(rail.peer_device).ok_or_else(|| {
+            let rkey = rail.peer_rkey(*again.rkeys.get(rail.peer_device).ok_or_else(|| {
                 Error::invalid(
                     "rail",
                     rail.peer_device,
                     "the remote memory has no rkey there",
                 )
-            })?;
+            })?);
             Ok((local, RemoteSlice { rkey, ..*remote }))
         };
         Some(match self {
@@ -307,6 +341,15 @@ pub(super) struct Rail {
     pub(super) device: usize,
     pub(super) peer_device: usize,
     pub(super) window: u32,
+    /// A rail that came back under windows: the peer's windows through it, by the rkey its
+    /// descriptors name (the first window over that range), as the peer bound them again.
+    pub(super) renamed: HashMap<u32, u32>,
+    /// A rail that came back under windows: this side's windows through it (their rkeys), by
+    /// the rkey the peer's descriptors name for their range.
+    pub(super) firsts: HashMap<u32, u32>,
+    /// The windows revoked when the rail failed: each one's range and the rkey the peer's
+    /// descriptors name for it (bound again if the rail comes back).
+    pub(super) lost: Vec<(MrSlice, u32)>,
     pub(super) next_seq: u64,
     pub(super) inflight: VecDeque<Posted>,
     pub(super) pending: VecDeque<(u64, Wr)>,
@@ -317,5 +360,10 @@ pub(super) struct Rail {
 impl Rail {
     pub(super) fn outstanding(&self) -> usize {
         self.inflight.len()
+    }
+
+    /// The rkey to use through this rail for the peer's memory its descriptors name `k`.
+    pub(super) fn peer_rkey(&self, k: u32) -> u32 {
+        self.renamed.get(&k).copied().unwrap_or(k)
     }
 }

@@ -3,11 +3,13 @@
 //! requests finish.
 
 use super::rail::{
-    CTL, CTL_COUNT, Lane, MAX_RAILS, NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr,
+    CTL_COUNT, Lane, MAX_RAILS, NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr, ctl_ask,
 };
 use super::windows::revoke;
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
+use crate::rdma::RecvRequest;
+use crate::transfer::auth::AuthKey;
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
 use crate::transfer::engine::EngineInner;
 use crate::transfer::pending::ReqShared;
@@ -87,6 +89,18 @@ pub(crate) struct State {
     pub(super) notes: VecDeque<Notification>,
     pub(super) closing: bool,
     pub(super) turn: usize,
+    /// The rail notifications go on: rail 0, or the first rail up when it failed (one that
+    /// comes back does not take them back: those in flight elsewhere arrive first).
+    pub(super) note_rail: usize,
+    /// The endpoint's group id (the dialer's, on every rail's greeting).
+    pub(super) group: [u8; 16],
+    /// With a key: what a rail taken back proves instead of the key (derived from the key and
+    /// the first rail's handshake).
+    pub(super) session: Option<AuthKey>,
+    /// When the progress thread next tries to take failed rails back (the dialing side).
+    pub(super) retry_at: Option<Instant>,
+    /// A thread is taking failed rails back.
+    pub(super) restoring: bool,
     peer_descriptors: Vec<MemoryDescriptor>,
     pub(super) peer_devices: usize,
     pub(super) max_message: u32,
@@ -214,8 +228,24 @@ pub(super) fn eventfd() -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Rails, their peers' first messages: the state of a new (or reconnected) endpoint.
-pub(super) fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> Result<State> {
+/// An endpoint's rails connected: the rails, the peer's first messages (in rail order), the
+/// endpoint's group id and, with a key, the secret a rail taken back proves.
+pub(super) struct Connected {
+    pub(super) rails: Vec<Rail>,
+    pub(super) hellos: Vec<Hello>,
+    pub(super) group: [u8; 16],
+    pub(super) session: Option<AuthKey>,
+}
+
+/// The state of a new (or reconnected) endpoint.
+pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
+    let Connected {
+        rails,
+        hellos,
+        group,
+        session,
+    } = c;
+    let hellos = &hellos[..];
     if hellos.len() > MAX_RAILS {
         return Err(Error::invalid(
             "rails",
@@ -249,6 +279,11 @@ pub(super) fn new_state(e: &EngineInner, rails: Vec<Rail>, hellos: &[Hello]) -> 
         notes: VecDeque::new(),
         closing: false,
         turn: 0,
+        note_rail: NOTIFY_RAIL,
+        group,
+        session,
+        retry_at: None,
+        restoring: false,
         peer_descriptors: h0.descriptors.clone(),
         peer_devices,
         max_message,
@@ -279,8 +314,17 @@ pub(super) fn check_rkeys(pairs: &[(LocalRange, RemoteRange)], peer_devices: usi
 }
 
 /// The peer's windows through `rail` revoked (their rkeys are refused from here on, and none is
-/// left bound through a queue pair that goes), then its queue pair to the error state.
+/// left bound through a queue pair that goes; what they covered is kept in case the rail comes
+/// back), then its queue pair to the error state.
 fn retire(inner: &Link, rail: &mut Rail) {
+    rail.lost = rail
+        .windows
+        .iter()
+        .filter_map(|w| {
+            let first = rail.firsts.get(&w.rkey()).copied().unwrap_or(w.rkey());
+            Some((w.range()?.clone(), first))
+        })
+        .collect();
     revoke(&inner.ep.engine.inner, &mut rail.windows);
     rail.qp = match std::mem::replace(&mut rail.qp, QpSlot::Gone) {
         QpSlot::Rts(q) => match q.into_error() {
@@ -347,6 +391,11 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
         break_endpoint(inner, st, cause);
         return;
     }
+    if let (Origin::Dialed { .. }, Some(t)) =
+        (&inner.origin, inner.ep.engine.inner.config.rail_retry)
+    {
+        st.retry_at.get_or_insert(Instant::now() + t);
+    }
     let rail = &mut st.rails[r];
     retire(inner, rail);
     // Posted: the notifications in doubt first, so their requests' data is parked.
@@ -374,6 +423,9 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     }
     // Held notifications of this rail go on another.
     let to = up_rails(st)[0];
+    if st.note_rail == r {
+        st.note_rail = to;
+    }
     let mut ids = Vec::new();
     for (id, q) in st.requests.iter_mut() {
         if q.note_rail == r && q.asking.is_none() {
@@ -385,11 +437,12 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     }
     // Ask about this rail, unless the peer gave it up first: the peer gives it up at once
     // rather than after its own retries. And again about every rail with a notification in
-    // doubt: a query sent on this rail is lost.
+    // doubt or a question unanswered: a query sent on this rail is lost.
     let mut about: Vec<usize> = st
         .requests
         .values()
         .filter_map(|q| q.asking.as_ref().map(|a| a.0))
+        .chain((0..st.lanes.len()).filter(|&x| st.lanes[x].asked))
         .collect();
     if !told {
         about.push(r);
@@ -397,7 +450,9 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     about.sort_unstable();
     about.dedup();
     for x in about {
-        st.lanes[to].ctl.push_back(CTL | ((x as u32) << 24));
+        let generation = st.lanes[x].generation;
+        st.lanes[x].asked = true;
+        st.lanes[to].ctl.push_back(ctl_ask(x, generation));
     }
     st.touched.extend(ids);
 }
@@ -457,6 +512,7 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
 /// data: it arrived before them); the others are held again and their parked data posted
 /// again.
 pub(super) fn answered(inner: &Link, st: &mut State, r: usize, n: u32) {
+    st.lanes[r].asked = false;
     let ids: Vec<u64> = st
         .requests
         .iter()
@@ -485,8 +541,78 @@ pub(super) fn answered(inner: &Link, st: &mut State, r: usize, n: u32) {
     }
 }
 
+/// Why no rail of an endpoint can come back: it failed, or closed.
+pub(super) const ENDPOINT_FAILED: &str = "the endpoint failed or closed";
+
+/// Why failed rail `r` cannot come back yet, if it cannot: the endpoint failed; the rail is
+/// up; the NIC may still hold its posted memory (flushes not all seen, nor `FLUSH_WAIT` past);
+/// a notification posted on it is in doubt, or a question about it is unanswered (a count of
+/// its old connection must not meet the new one's).
+pub(super) fn not_free(st: &State, r: usize) -> Option<&'static str> {
+    let Some(lane) = st.lanes.get(r) else {
+        return Some(ENDPOINT_FAILED);
+    };
+    if st.broken.is_some() {
+        Some(ENDPOINT_FAILED)
+    } else if lane.up() {
+        Some("the rail is up")
+    } else if !st.rails[r].inflight.is_empty() || !st.rails[r].pending.is_empty() {
+        Some("its messages are not all flushed yet")
+    } else if lane.asked
+        || st
+            .requests
+            .values()
+            .any(|q| q.asking.as_ref().is_some_and(|a| a.0 == r) || q.left[r] > 0)
+    {
+        Some("a notification posted on it is still in doubt")
+    } else {
+        None
+    }
+}
+
+/// Put `rail` (connected and authenticated again, generation `generation`, the peer's credits
+/// `credits`) in failed rail `r`'s place: its notification receives posted, then its lane up
+/// afresh (credits, notification counts). Returns the old rail, to drop once the lock is let
+/// go.
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] when the rail cannot come back now ([`not_free`]); as
+/// [`QueuePair::post_recv`](crate::rdma::QueuePair::post_recv).
+pub(super) fn install(
+    inner: &Link,
+    st: &mut State,
+    r: usize,
+    mut rail: Rail,
+    generation: u32,
+    credits: u16,
+) -> Result<Rail> {
+    if let Some(why) = not_free(st, r) {
+        return Err(Error::invalid(
+            "rail",
+            r,
+            format!("cannot come back: {why}"),
+        ));
+    }
+    // Only now: a notification the peer sent on this connection before could not have
+    // been received here (the NIC had no receive for it), so a connection dropped before
+    // this point received none.
+    let n = inner.ep.engine.inner.config.notify_depth;
+    if let QpSlot::Rts(qp) = &mut rail.qp {
+        qp.post_recv((0..n).map(|_| RecvRequest::empty().tag(super::rail::RECV_TAG)))?;
+    }
+    let mut lane = Lane::new(Credits::new(credits as u32, n));
+    lane.generation = generation;
+    st.lanes[r] = lane;
+    inner.counters[r].restored.fetch_add(1, Ordering::Relaxed);
+    st.unarmed = true;
+    let old = std::mem::replace(&mut st.rails[r], rail);
+    inner.gauge(st);
+    Ok(old)
+}
+
 /// Whether notification `i` (its index on its rail) is among the first `n` received there, `n`
-/// counted modulo 2^24: indices within 2^23 below it.
+/// counted modulo 2^20: indices within 2^19 below it.
 fn arrived(i: u32, n: u32) -> bool {
     n.wrapping_sub(i).wrapping_sub(1) & CTL_COUNT < CTL_COUNT / 2
 }
@@ -576,8 +702,8 @@ mod tests {
     fn a_notification_arrived_iff_its_index_is_below_the_count() {
         assert!(arrived(0, 1) && arrived(5, 6) && arrived(0, 6));
         assert!(!arrived(0, 0) && !arrived(6, 6) && !arrived(7, 6));
-        // Past 2^24 notifications on the rail (the count is sent modulo 2^24).
-        let i = (1 << 24) + 3;
+        // Past 2^20 notifications on the rail (the count is sent modulo 2^20).
+        let i = (1 << 20) + 3;
         assert!(arrived(i, 4) && !arrived(i, 3));
         // And past 2^32 (the index wraps).
         assert!(arrived(u32::MAX, 0) && !arrived(u32::MAX, CTL_COUNT));

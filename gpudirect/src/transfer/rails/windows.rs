@@ -3,7 +3,9 @@
 //! receives, deallocated (which unbinds them) when the endpoint closes or breaks.
 
 use crate::error::{Error, Result};
-use crate::rdma::{AccessFlags, BindOutcome, BoundWindow, Connection, PendingBind, WindowBind};
+use crate::rdma::{
+    AccessFlags, BindOutcome, BoundWindow, Connection, MrSlice, PendingBind, WindowBind,
+};
 use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::EngineInner;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,11 +67,35 @@ pub(super) fn bind_for_peer(
             ranges.push(entry.mrs[dev].slice(at, len)?);
         }
     }
+    let windows = bind_ranges(conn, ranges, batch, deadline, stop)?;
+    let descriptors = publish
+        .iter()
+        .zip(&windows)
+        .map(|(d, w)| d.only_rkey(dev, w.rkey()))
+        .collect();
+    count_bound(e, windows.len());
+    Ok(Granted {
+        descriptors,
+        windows,
+    })
+}
+
+/// Bind a window through `conn`'s queue pair over each of `ranges`, in order, at most `batch`
+/// binds posted at a time, every bind completed by `deadline` (or `stop`). Not counted.
+///
+/// # Errors
+///
+/// As [`bind_for_peer`], but for the lookups.
+pub(super) fn bind_ranges(
+    conn: &mut Connection,
+    ranges: Vec<MrSlice>,
+    batch: usize,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<Vec<BoundWindow>> {
     let started = Instant::now();
-    let mut descriptors = Vec::with_capacity(publish.len());
-    let mut windows = Vec::with_capacity(publish.len());
-    let batch = batch.max(1);
-    for (ds, rs) in publish.chunks(batch).zip(ranges.chunks(batch)) {
+    let mut windows = Vec::with_capacity(ranges.len());
+    for rs in ranges.chunks(batch.max(1)) {
         let mut pending: Vec<PendingBind> = Vec::with_capacity(rs.len());
         for r in rs {
             let w = conn.pd().alloc_mw()?;
@@ -90,12 +116,9 @@ pub(super) fn bind_for_peer(
             }
             std::thread::sleep(Duration::from_micros(100));
         }
-        for (d, p) in ds.iter().zip(pending) {
+        for p in pending {
             match p.finish() {
-                BindOutcome::Bound(w) => {
-                    descriptors.push(d.only_rkey(dev, w.rkey()));
-                    windows.push(w);
-                }
+                BindOutcome::Bound(w) => windows.push(w),
                 BindOutcome::Failed { error, .. } => return Err(error),
                 BindOutcome::Pending(_) => {
                     return Err(Error::invalid("bind", "pending", "completion not seen"));
@@ -103,11 +126,7 @@ pub(super) fn bind_for_peer(
             }
         }
     }
-    count_bound(e, windows.len());
-    Ok(Granted {
-        descriptors,
-        windows,
-    })
+    Ok(windows)
 }
 
 /// Deallocate `windows` (each unbinds as it goes: its rkey is refused from then on), counted as
