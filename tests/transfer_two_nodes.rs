@@ -892,11 +892,11 @@ mod hand {
     use gpudirect::rdma::ConnectionBinding;
     use hmac::{Hmac, KeyInit, Mac};
 
-    /// A dialer's greeting: `GDXA`, version 1, role 1, a key flag, the nonce, a group id, rail
-    /// 0 of 1, device 0 of 1, 64 credits, 1 MiB messages.
+    /// A dialer's greeting: `GDXA`, version 2, role 1, a key flag, the nonce, a group id, rail
+    /// 0 of 1, device 0 of 1, 64 credits, 1 MiB messages, generation 0 (a new endpoint).
     pub fn greeting(keyed: bool, nonce: [u8; 32]) -> Vec<u8> {
         let mut b = b"GDXA".to_vec();
-        b.extend_from_slice(&1u16.to_le_bytes());
+        b.extend_from_slice(&2u16.to_le_bytes());
         b.push(1);
         b.push(u8::from(keyed));
         b.extend_from_slice(&nonce);
@@ -904,6 +904,8 @@ mod hand {
         b.extend_from_slice(&[0, 1, 0, 1]);
         b.extend_from_slice(&64u16.to_le_bytes());
         b.extend_from_slice(&(1u32 << 20).to_le_bytes());
+        // Not a rail coming back.
+        b.extend_from_slice(&0u32.to_le_bytes());
         b
     }
 
