@@ -6,13 +6,13 @@
 //! in the failed one's place once that one is free ([`not_free`]).
 
 use super::handshake::{Back, Greet, Greeted, Home, conn_opts, greet, rebind};
+use super::progress::poll_all;
 use super::rail::Rail;
-use super::state::{Link, Origin, fail_rail, install, not_free};
+use super::state::{ENDPOINT_FAILED, Link, Origin, install, not_free};
 use crate::error::{Error, Result};
 use crate::rdma::Connection;
 use crate::transfer::auth::Role;
 use crate::transfer::plan::deadline_after;
-use crate::transfer::request::Broken;
 use crate::transfer::wire::Hello;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] on the accepting side; when no failed rail came back, the first
-/// one's error (connecting, authentication, [`Error::InvalidArgument`] while it cannot come
-/// back yet: see [`not_free`]).
+/// [`Error::InvalidArgument`] on the accepting side, or while another thread takes this
+/// endpoint's rails back; when no failed rail came back, the first one's error (connecting,
+/// authentication, [`Error::InvalidArgument`] while it cannot come back yet: see
+/// [`not_free`]).
 pub(super) fn restore(link: &Link) -> Result<Vec<usize>> {
     let Origin::Dialed { peers, .. } = &link.origin else {
         return Err(Error::invalid(
@@ -33,6 +34,20 @@ pub(super) fn restore(link: &Link) -> Result<Vec<usize>> {
             "only the side that connected takes a rail back; the listener routes it",
         ));
     };
+    if link.restoring.swap(true, Ordering::AcqRel) {
+        return Err(Error::invalid(
+            "rails",
+            "being taken back",
+            "one thread at a time takes an endpoint's rails back",
+        ));
+    }
+    let r = restore_failed(link, peers);
+    link.restoring.store(false, Ordering::Release);
+    r
+}
+
+/// [`restore`]'s work, while this thread is the one taking rails back.
+fn restore_failed(link: &Link, peers: &[std::net::SocketAddr]) -> Result<Vec<usize>> {
     let failed: Vec<usize> = {
         let st = link.lock();
         if let Some((b, _)) = &st.broken {
@@ -63,8 +78,21 @@ fn snapshot(link: &Link, r: usize) -> Result<Snapshot> {
     if let Some(why) = not_free(&st, r) {
         return Err(not_yet(r, why));
     }
+    Ok(take(&st, r))
+}
+
+/// [`snapshot`] of rail `r` whether or not it is free (`InvalidArgument` for no such rail).
+fn snapshot_any(link: &Link, r: usize) -> Result<Snapshot> {
+    let st = link.lock();
+    if r >= st.rails.len() {
+        return Err(not_yet(r, "the endpoint has no such rail"));
+    }
+    Ok(take(&st, r))
+}
+
+fn take(st: &super::state::State, r: usize) -> Snapshot {
     let rail = &st.rails[r];
-    Ok(Snapshot {
+    Snapshot {
         lost: rail.lost.clone(),
         access: rail.access,
         device: rail.device,
@@ -75,7 +103,7 @@ fn snapshot(link: &Link, r: usize) -> Result<Snapshot> {
         session: st.session.clone(),
         peer_devices: st.peer_devices,
         max_message: st.max_message,
-    })
+    }
 }
 
 struct Snapshot {
@@ -96,14 +124,14 @@ fn not_yet(r: usize, why: &str) -> Error {
 }
 
 /// The rail came back the way it went: through the same device here and at the peer, the
-/// peer's device count and largest message as they were.
+/// peer's device count and largest message as they were. (The rail count is the dialer's: the
+/// listener checks it when it looks the endpoint up.)
 fn same_path(g: &Greeted, s: &Snapshot, r: usize) -> Result<()> {
     let h = &g.theirs;
     if g.device != s.device
         || h.device as usize != s.peer_device
         || h.devices as usize != s.peer_devices
         || h.max_message < s.max_message
-        || h.rails as usize != s.rails
     {
         return Err(Error::invalid(
             "rail",
@@ -152,18 +180,19 @@ fn restore_one(link: &Link, r: usize, addr: std::net::SocketAddr) -> Result<()> 
     )?;
     same_path(&g, &s, r)?;
     let (rail, generation, theirs) = rebind(e, g, &s.lost, s.access, proposed, deadline, None)?;
-    put_back(link, r, rail, generation, theirs.credits)
+    put_back(link, &s, r, rail, generation, theirs.credits)
 }
 
 /// At the listener: rail `g` (greeted, authenticated with the session secret of `link`'s
-/// endpoint) takes that endpoint's rail back. The rail is given up here first if it was still
-/// up (the peer dials it again: it gave the old one up); its flushes and any question about it
-/// are waited for, by `deadline` (or `stop`).
+/// endpoint) takes that endpoint's rail back, once the rail is free here ([`not_free`]): a
+/// rail still up here is not given up for it (the peer's question about it gives it up; a
+/// peer cannot end a rail by dialing), and its flushes and any question about it are waited
+/// for, by `deadline` (or `stop`).
 ///
 /// # Errors
 ///
 /// [`Error::Timeout`] when the rail is not free by `deadline`; [`Error::InvalidArgument`] when
-/// it came back another way than it went; as [`rebind`].
+/// it came back another way than it went, or the endpoint failed; as [`rebind`].
 pub(super) fn accept_back(
     link: &Link,
     g: Greeted,
@@ -172,17 +201,12 @@ pub(super) fn accept_back(
 ) -> Result<()> {
     let r = g.theirs.rail as usize;
     let started = Instant::now();
+    // Checked before anything waits: a rail that could never fit is refused at once.
+    same_path(&g, &snapshot_any(link, r)?, r)?;
     loop {
-        let why = {
-            let mut st = link.lock();
-            if st.lanes.get(r).is_some_and(|l| l.up()) && st.broken.is_none() {
-                fail_rail(link, &mut st, r, Broken::RailGivenUp);
-            }
-            not_free(&st, r)
-        };
-        match why {
+        match not_free(&link.lock(), r) {
             None => break,
-            Some(w) if st_final(w) => return Err(not_yet(r, w)),
+            Some(w) if w == ENDPOINT_FAILED => return Err(not_yet(r, w)),
             Some(_) => {}
         }
         link.poke();
@@ -195,7 +219,6 @@ pub(super) fn accept_back(
         std::thread::sleep(Duration::from_millis(2));
     }
     let s = snapshot(link, r)?;
-    same_path(&g, &s, r)?;
     let proposed = s.generation.wrapping_add(1).max(1);
     let (rail, generation, theirs) = rebind(
         &link.ep.engine.inner,
@@ -206,19 +229,28 @@ pub(super) fn accept_back(
         deadline,
         Some(stop),
     )?;
-    put_back(link, r, rail, generation, theirs.credits)
+    put_back(link, &s, r, rail, generation, theirs.credits)
 }
 
-/// Whether a rail that is not free never will be (the endpoint failed).
-fn st_final(why: &str) -> bool {
-    why == super::state::ENDPOINT_FAILED
-}
-
-/// Put `rail` in failed rail `r`'s place; the old one is dropped once the lock is let go, and
-/// the progress thread woken (it polls the new rail's channel and link from its next round).
-fn put_back(link: &Link, r: usize, rail: Rail, generation: u32, credits: u16) -> Result<()> {
+/// Put `rail` in failed rail `r`'s place, unless the endpoint is no longer the one `s` was
+/// taken from (a reconnect since); what the old rail's completion queues still hold is taken
+/// first (a notification received there is delivered). The old rail is dropped once the lock
+/// is let go, and the progress thread woken (it polls the new rail's channel and link from its
+/// next round).
+fn put_back(
+    link: &Link,
+    s: &Snapshot,
+    r: usize,
+    rail: Rail,
+    generation: u32,
+    credits: u16,
+) -> Result<()> {
     let old = {
         let mut st = link.lock();
+        if st.group != s.group {
+            return Err(not_yet(r, "the endpoint reconnected meanwhile"));
+        }
+        poll_all(link, &mut st);
         install(link, &mut st, r, rail, generation, credits)?
     };
     link.poke();

@@ -36,7 +36,6 @@ pub(crate) struct Rails {
 fn retry(link: &Arc<Link>) {
     let again = |l: &Link| {
         let mut st = l.lock();
-        st.restoring = false;
         if st.broken.is_none()
             && st.lanes.iter().any(|x| !x.up())
             && let Some(t) = l.ep.engine.inner.config.rail_retry

@@ -440,7 +440,6 @@ pub(super) fn rebind(
     } = g;
     let ranges = lost.iter().map(|(r, _)| r.clone()).collect();
     let windows = bind_ranges(&mut conn, ranges, window as usize, deadline, stop)?;
-    count_bound(e, windows.len());
     let pairs: Vec<(u32, u32)> = lost
         .iter()
         .zip(&windows)
@@ -453,6 +452,7 @@ pub(super) fn rebind(
         stop,
     )?;
     let (theirs_proposed, renamed) = Hello::decode_renamed(&bytes)?;
+    count_bound(e, windows.len());
     let parts = conn.into_parts();
     let rail = Rail {
         windows,

@@ -433,7 +433,11 @@ impl Listener {
                 let rails = Rails::start(self.engine.clone(), connected, Origin::Accepted)?;
                 let mut st = self.hub.lock();
                 st.accepted.retain(|_, l| l.strong_count() > 0);
-                st.accepted.insert(group, Arc::downgrade(rails.link()));
+                // A group id already taken by a live endpoint keeps routing there (a new
+                // endpoint naming it cannot take another's rails).
+                st.accepted
+                    .entry(group)
+                    .or_insert_with(|| Arc::downgrade(rails.link()));
                 return Ok(rails);
             }
             let left = deadline.saturating_duration_since(Instant::now());

@@ -373,12 +373,9 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
             if st.closing {
                 return;
             }
-            if st.broken.is_none()
-                && !st.restoring
-                && st.retry_at.is_some_and(|t| Instant::now() >= t)
-            {
+            if st.broken.is_none() && st.retry_at.is_some_and(|t| Instant::now() >= t) {
+                // The thread started sets the next time, if a rail is still failed then.
                 st.retry_at = None;
-                st.restoring = true;
                 drop(st);
                 retry(inner);
                 continue;
@@ -413,8 +410,9 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
                 revents: 0,
             })
             .collect();
-        // SAFETY: valid pollfds for the call; the fds stay open (the rails are replaced only by
-        // reconnect, which pokes the eventfd, and a stale fd number is only polled once).
+        // SAFETY: valid pollfds for the call; the fds stay open (a rail is replaced only by a
+        // reconnect or a rail taken back, each of which pokes the eventfd, and a stale fd
+        // number is only polled once).
         let _ = unsafe {
             libc::poll(
                 p.as_mut_ptr(),

@@ -99,8 +99,6 @@ pub(crate) struct State {
     pub(super) session: Option<AuthKey>,
     /// When the progress thread next tries to take failed rails back (the dialing side).
     pub(super) retry_at: Option<Instant>,
-    /// A thread is taking failed rails back.
-    pub(super) restoring: bool,
     peer_descriptors: Vec<MemoryDescriptor>,
     pub(super) peer_devices: usize,
     pub(super) max_message: u32,
@@ -167,6 +165,8 @@ pub(crate) struct Link {
     pub(super) deep: AtomicBool,
     /// This link, for the requests' finisher.
     pub(super) me: Weak<Link>,
+    /// A thread is taking failed rails back (one at a time; a reconnect does not reset it).
+    pub(super) restoring: AtomicBool,
 }
 
 impl Link {
@@ -192,6 +192,7 @@ impl Link {
             spinners: AtomicUsize::new(0),
             deep: AtomicBool::new(false),
             me: me.clone(),
+            restoring: AtomicBool::new(false),
         }))
     }
 
@@ -283,7 +284,6 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         group,
         session,
         retry_at: None,
-        restoring: false,
         peer_descriptors: h0.descriptors.clone(),
         peer_devices,
         max_message,
@@ -426,10 +426,11 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     if st.note_rail == r {
         st.note_rail = to;
     }
+    let note_rail = st.note_rail;
     let mut ids = Vec::new();
     for (id, q) in st.requests.iter_mut() {
         if q.note_rail == r && q.asking.is_none() {
-            q.note_rail = to;
+            q.note_rail = note_rail;
         }
         if q.asking.as_ref().is_some_and(|a| a.0 == r) {
             ids.push(*id);
@@ -474,9 +475,14 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
         q.messages += 1;
     }
     if wr.is_note() {
-        // Never posted: its request's other messages on `from` move before it is let go.
+        // Never posted: its request's other messages on `from` move before it is let go. On
+        // the notification rail, behind those sent before it.
         q.held = Some(wr);
-        q.note_rail = up[0];
+        q.note_rail = if st.lanes[st.note_rail].up() {
+            st.note_rail
+        } else {
+            up[0]
+        };
         if let Err(i) = st.notify_q.binary_search(&id) {
             st.notify_q.insert(i, id);
         }
