@@ -20,17 +20,37 @@
 //! The path each write took is printed (it must say CUDA IPC over NVLink between two H200s). The
 //! bytes are checked at the end: random bytes written to the peer, read back, compared.
 //!
+//! Beside Mooncake's transfer engine (`benches/baselines/mooncake.rs`), when
+//! `GPUDIRECT_MOONCAKE_DIR` names a wheel of it unpacked by `benches/baselines/mooncake.sh`:
+//! batches as its `transfer_engine_bench` measures them, batch 1 on 1 thread, batch 64 on 1
+//! and on 4 threads, each size whose blocks fit the buffers. Each of N threads writes one
+//! request of B blocks on the one endpoint, waits for it, and again (block i of thread t at
+//! `(i * N + t) * size` on both sides); GB/s over the time until every thread stopped. In paired
+//! rounds (`docs/benches.md`): the engine for half of Mooncake's window, Mooncake's bench, the
+//! engine again; a round's ratio is the engine's mean over Mooncake's. Mooncake's bytes are
+//! checked by a library preloaded into its processes (`mooncake_check.c`); without it the
+//! bench says they were not. Without the variable the part prints `SKIPPED: reason`.
+//!
 //! ```text
 //! cargo bench --bench transfer_local -- --quick
+//! bash benches/baselines/mooncake.sh WHEEL DIR
+//! GPUDIRECT_MOONCAKE_DIR=DIR cargo bench --bench transfer_local -- --quick
 //! ```
 //!
 //! With one GPU both processes use GPU 0. `GPUDIRECT_BENCH_PYTHON` is the Python that runs the
 //! NIXL baseline (default `python3`; `none` skips it); `TRANSFER_BENCH_MAX_MIB` caps the largest
-//! size (default 1024).
+//! size (default 1024) and the buffers. Against Mooncake: 9 rounds of a 2-second window per
+//! cell, 6 of 1 second with `--quick`.
+
+#[path = "baselines/mooncake.rs"]
+mod mooncake;
 
 use gpudirect::cudarc::driver::sys;
 use gpudirect::memory::{DeviceBuffer, DeviceMemory};
-use gpudirect::transfer::{Buffer, Endpoint, Engine, EngineConfig, Region, TransferOptions};
+use gpudirect::transfer::{
+    Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, Region, TransferOptions,
+};
+use gpudirect_testing::paired::Summary;
 use gpudirect_testing::{Hardware, skip_example};
 use rand::RngCore;
 use std::collections::BTreeMap;
@@ -45,6 +65,8 @@ const ROLE: &str = "GPUDIRECT_BENCH_ROLE";
 const SOCKET: &str = "GPUDIRECT_BENCH_SOCKET";
 const RAW_HANDLE: &str = "GPUDIRECT_BENCH_RAW_HANDLE";
 const DONE_TAG: u32 = 0xD0E;
+/// Mooncake's bench and ours in its shape: (batch, threads).
+const MOONCAKE_CONFIGS: [(usize, usize); 3] = [(1, 1), (64, 1), (64, 4)];
 
 fn check(r: sys::CUresult, call: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
@@ -244,6 +266,166 @@ fn nixl(sizes: &[usize], src: usize, dst: usize) -> BTreeMap<usize, f64> {
         Err(e) => println!("NIXL baseline: none ({py}: {e})"),
     }
     out
+}
+
+/// Mooncake's bench loop on the engine: `threads` threads on `ep`, each writing one request of
+/// `batch` blocks of `size` bytes and waiting for it, until `window` passed; GB/s over the
+/// time until every thread stopped.
+fn batches(
+    ep: &Endpoint,
+    src: &Region,
+    dst: &MemoryDescriptor,
+    (size, batch, threads): (usize, usize, usize),
+    window: Duration,
+) -> f64 {
+    let t0 = Instant::now();
+    let until = t0 + window;
+    let requests: usize = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut done = 0;
+                    while done == 0 || Instant::now() < until {
+                        let pairs = (0..batch)
+                            .map(|i| {
+                                let at = ((i * threads + t) * size) as u64;
+                                (
+                                    src.range(at, size as u64).expect("range"),
+                                    dst.range(at, size as u64).expect("range"),
+                                )
+                            })
+                            .collect();
+                        ep.write(pairs, TransferOptions::default().deadline(DEADLINE))
+                            .expect("write")
+                            .wait()
+                            .expect("wait");
+                        done += 1;
+                    }
+                    done
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a bench thread"))
+            .sum()
+    });
+    (requests * batch * size) as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+/// The size as the tables print it.
+fn label(n: usize) -> String {
+    if n >= MIB {
+        format!("{} MiB", n / MIB)
+    } else {
+        format!("{} KiB", n / KIB)
+    }
+}
+
+/// Our batches beside Mooncake's bench (`GPUDIRECT_MOONCAKE_DIR`), in paired rounds, for each
+/// of `MOONCAKE_CONFIGS` and `sizes` whose blocks fit `max` bytes; the table and the check of
+/// what Mooncake moved.
+fn beside_mooncake(
+    ep: &Endpoint,
+    src: &Region,
+    dst: &MemoryDescriptor,
+    sizes: &[usize],
+    max: usize,
+    (a, b): (usize, usize),
+    quick: bool,
+) {
+    let Some(dir) = std::env::var_os("GPUDIRECT_MOONCAKE_DIR") else {
+        println!(
+            "SKIPPED: Mooncake beside: GPUDIRECT_MOONCAKE_DIR is unset (a wheel of its \
+             transfer engine unpacked by benches/baselines/mooncake.sh)"
+        );
+        return;
+    };
+    let (cells, over): (Vec<_>, Vec<_>) = MOONCAKE_CONFIGS
+        .iter()
+        .flat_map(|&(batch, threads)| sizes.iter().map(move |&n| (n, batch, threads)))
+        .partition(|&(n, batch, threads)| n * batch * threads <= max);
+    let buffer = cells
+        .iter()
+        .map(|&(n, b, t)| n * b * t)
+        .max()
+        .unwrap_or(MIB);
+    let mut mc = match mooncake::Mooncake::start(std::path::Path::new(&dir), a, b, buffer) {
+        Ok(mc) => mc,
+        Err(e) => {
+            println!("SKIPPED: Mooncake beside: {e}");
+            return;
+        }
+    };
+    let (rounds, secs) = if quick { (6, 1) } else { (9, 2) };
+    let half = Duration::from_secs(secs) / 2;
+    let mut rows = Vec::new();
+    'cells: for &(n, batch, threads) in &cells {
+        let (mut ours, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let before = batches(ep, src, dst, (n, batch, threads), half);
+            let run = match mc.run(n, batch, threads, secs) {
+                Ok(r) => r,
+                Err(e) => {
+                    println!(
+                        "Mooncake beside: {} batch {batch} threads {threads}: {e}",
+                        label(n)
+                    );
+                    break 'cells;
+                }
+            };
+            let after = batches(ep, src, dst, (n, batch, threads), half);
+            let engine = (before + after) / 2.0;
+            ours.push(engine);
+            theirs.push(run);
+            ratios.push(engine / run);
+        }
+        rows.push((n, batch, threads, ours, theirs, ratios));
+    }
+    let bytes = mc.stop();
+    println!(
+        "beside Mooncake (transfer_engine_bench, --protocol=nvlink_intra, GPU {a} -> GPU {b}): \
+         {rounds} paired rounds of {secs} s, GB/s medians; ours/mc: per round the engine's mean \
+         of the half-windows before and after over Mooncake's, median [95% interval] \
+         (lowest..highest) nN; verdict against 1.00 (MISSES: the engine is behind)"
+    );
+    println!(
+        "{:>9} {:>5} {:>7} | {:>9} {:>9} | {:>38} {:>9}",
+        "size", "batch", "threads", "engine", "Mooncake", "ours/mc", "verdict"
+    );
+    for (n, batch, threads, ours, theirs, ratios) in rows {
+        let s = Summary::of(&ratios).expect("rounds measured");
+        println!(
+            "{:>9} {:>5} {:>7} | {:>9.3} {:>9.3} | {:>38} {:>9}",
+            label(n),
+            batch,
+            threads,
+            median(ours),
+            median(theirs),
+            s.to_string(),
+            s.at_least(1.0).to_string()
+        );
+    }
+    for (n, batch, threads) in over {
+        println!(
+            "{:>9} {:>5} {:>7} | skipped: {} MiB of blocks, over TRANSFER_BENCH_MAX_MIB",
+            label(n),
+            batch,
+            threads,
+            n * batch * threads / MIB
+        );
+    }
+    println!(
+        "Mooncake bytes: {}",
+        match bytes {
+            mooncake::Bytes::Checked { written } => format!(
+                "checked (its target's buffer read back at its exit: the {written} bytes written \
+                 hold their offsets' pattern, the rest zeros)"
+            ),
+            mooncake::Bytes::Wrong(e) => format!("WRONG: {e}"),
+            mooncake::Bytes::NotChecked(e) => format!("not checked: {e}"),
+        }
+    );
 }
 
 fn main() {
@@ -487,15 +669,10 @@ fn main() {
         "/batch"
     );
     for (n, r1, i1, g1, p1, q1, rp, ip, gp, gs, rb, gb) in rows {
-        let label = if n >= MIB {
-            format!("{} MiB", n / MIB)
-        } else {
-            format!("{} KiB", n / KIB)
-        };
         let nx = nixl.get(&n).copied();
         println!(
             "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
-            label,
+            label(n),
             gbs(n, r1),
             gbs(n, i1),
             gbs(n, g1),
@@ -544,6 +721,8 @@ fn main() {
             "WRONG"
         }
     );
+    // Mooncake's cells take minutes: after the table and the check of our bytes.
+    beside_mooncake(&ep, &src, &remote, &sizes, max, (a, b), quick);
     let _ = ep
         .write(
             vec![(
