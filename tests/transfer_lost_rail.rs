@@ -17,6 +17,7 @@
 mod support;
 
 use gpudirect::Error;
+use gpudirect::rdma::WcStatus;
 use gpudirect::transfer::{
     AuthKey, Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, RailState, Region, Transfer,
     TransferListener, TransferOptions,
@@ -662,15 +663,17 @@ const COME_BACK: Duration = Duration::from_secs(60);
 /// down; a striped write with notification completes over the other rail; the link comes up and
 /// the rail comes back by itself (the client's engine retries, the server's listener routes it
 /// to the endpoint it accepted while it accepts); then a striped write moves bytes on it
-/// again. The server counts every notification once, after every byte, and sees each rail
-/// taken back once.
+/// again. Then a request the peer refuses (a wrong rkey) ends typed without ending the
+/// endpoint, and a write after it goes through. The server counts every notification once,
+/// after every byte, and sees each rail taken back.
 #[test]
 fn t6_a_failed_rail_comes_back() {
     let n = two_nodes!();
     let e = n.engine();
     const MID: usize = 8 << 20;
-    // Per rail taken down: the write while it is down, the write once it is back.
-    const WRITES: usize = 4;
+    // Per rail taken down: the write while it is down, the write once it is back; then one
+    // after a refused request.
+    const WRITES: usize = 5;
     if n.server {
         let target = e.register(Buffer::host(vec![0u8; MID]).unwrap()).unwrap();
         let l = n.listen(&e, 25);
@@ -795,6 +798,42 @@ fn t6_a_failed_rail_comes_back() {
             );
             assert_eq!(ep.rail_stats()[1 - r].restored, k as u64, "the other rail");
         }
+        // A request the peer refuses (a wrong rkey; 64 KiB, on one rail: one striped over both
+        // would fail both, and the endpoint with its last) ends typed; the endpoint carries on,
+        // the rail it failed comes back, and a good write goes through.
+        let keys: Vec<u32> = peer.rkeys().iter().map(|k| k ^ 0x5a5a_0000).collect();
+        let bad = MemoryDescriptor::new(peer.addr(), peer.len(), peer.kind(), &keys).unwrap();
+        let r = ep
+            .write(
+                vec![(
+                    src.range(0, 64 << 10).unwrap(),
+                    bad.range(0, 64 << 10).unwrap(),
+                )],
+                TransferOptions::notify(DATA | 1).deadline(DEADLINE),
+            )
+            .and_then(Transfer::wait);
+        println!("client: a wrong rkey: {r:?}; rails {:?}", ep.rail_stats());
+        assert!(
+            matches!(
+                &r,
+                Err(Error::WorkCompletion {
+                    status: WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(ep.failure().is_none(), "one bad request ended the endpoint");
+        let t0 = Instant::now();
+        while ep.rail_stats().iter().any(|s| s.state != RailState::Up) {
+            assert!(
+                t0.elapsed() < COME_BACK,
+                "the rails did not come back after a refused request: {:?}",
+                ep.rail_stats()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        write("after a refused request");
         assert!(say(&ep, &src, &peer, DONE), "the word");
         let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
         assert_eq!(got, Some(ACK), "the server's answer");

@@ -240,6 +240,14 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
             st.notify_q.pop_front();
             continue;
         };
+        if req.error.is_some() {
+            // A failed request sends no notification.
+            req.held = None;
+            req.unposted = req.unposted.saturating_sub(1);
+            st.touched.push(id);
+            st.notify_q.pop_front();
+            continue;
+        }
         let r = req.note_rail;
         if req.elsewhere() > 0 || !st.lanes[r].credits.can_notify() {
             break;

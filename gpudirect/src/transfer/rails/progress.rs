@@ -9,7 +9,7 @@ use super::rail::{CTL, LINGER, QpSlot, RECV_TAG, TICK, ctl_answer, ctl_parts};
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
 };
-use crate::error::Result;
+use crate::error::{Result, WcStatus};
 use crate::rdma::{CompletionQueue, RecvRequest, WcOpcode, WorkCompletion};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, MAX_UNREAD_NOTIFICATIONS, Notification, unread_overflow,
@@ -229,9 +229,33 @@ fn on_send_completion(inner: &Link, st: &mut State, r: usize, seq: u64, ok: bool
         // Those before it completed; it and those after it go to the rails left.
         done_until(inner, st, r, seq.saturating_sub(1));
         let cause = res.as_ref().err().map(Broken::of).unwrap_or(Broken::Closed);
+        if refused_by_peer(&cause)
+            && let Some(id) = st.rails[r]
+                .inflight
+                .front()
+                .filter(|p| p.seq == seq)
+                .map(|p| p.req)
+            && let Some(q) = st.requests.get_mut(&id)
+        {
+            // The peer refused this request's memory: the request ends with that error, and
+            // its messages are not posted again elsewhere (they would fail every rail).
+            q.error.get_or_insert_with(|| cause.to_error());
+        }
         fail_rail(inner, st, r, cause);
     }
     done_until(inner, st, r, seq);
+}
+
+/// Whether a message failed because of its own request (a remote descriptor the peer refuses),
+/// not its rail.
+fn refused_by_peer(b: &Broken) -> bool {
+    matches!(
+        b,
+        Broken::Completion {
+            status: WcStatus::RemoteAccess | WcStatus::RemoteInvalidRequest,
+            ..
+        }
+    )
 }
 
 /// Messages of rail `r` up to `seq` completed (flushed, on a failed rail or a broken endpoint).

@@ -406,7 +406,11 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
         .collect();
     let queued: Vec<(u64, Wr)> = rail.pending.drain(..).collect();
     for (id, wr, note) in &unsure {
-        if let (Some(i), Some(q)) = (note, st.requests.get_mut(id)) {
+        // A request that failed (the peer refused its memory) asks nothing: its notification
+        // is not sent again.
+        if let (Some(i), Some(q)) = (note, st.requests.get_mut(id))
+            && q.error.is_none()
+        {
             q.asking = Some((r, *i, wr.clone()));
             inner.counters[r].in_doubt.fetch_add(1, Ordering::Relaxed);
         }
@@ -468,6 +472,17 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
     };
     if up.is_empty() {
         // The endpoint broke: its requests end with its cause.
+        return;
+    }
+    if q.error.is_some() {
+        // A failed request's messages go nowhere: one posted is done once its flush is seen,
+        // one queued is dropped here.
+        if wr.is_data() && !wr.is_note() {
+            q.left[from] = q.left[from].saturating_sub(1);
+        }
+        if !posted {
+            q.unposted = q.unposted.saturating_sub(1);
+        }
         return;
     }
     if posted {
@@ -713,6 +728,24 @@ mod tests {
         assert!(arrived(i, 4) && !arrived(i, 3));
         // And past 2^32 (the index wraps).
         assert!(arrived(u32::MAX, 0) && !arrived(u32::MAX, CTL_COUNT));
+    }
+
+    /// A control message carries its kind, the rail it names, that rail's generation modulo
+    /// 16 and a count modulo 2^20, none spilling into another; never a credit return's shape.
+    #[test]
+    fn control_messages_keep_rail_generation_and_count_apart() {
+        use super::super::rail::{CTL, ctl_answer, ctl_parts};
+        for about in [0usize, 1, 15, 63] {
+            for generation in [0u32, 1, 15, 16, 17, u32::MAX] {
+                let q = ctl_ask(about, generation);
+                assert_eq!(ctl_parts(q), (false, about, generation & 0xf, 0));
+                for n in [0u32, 1, CTL_COUNT, CTL_COUNT + 2] {
+                    let a = ctl_answer(about, generation, n);
+                    assert_eq!(ctl_parts(a), (true, about, generation & 0xf, n & CTL_COUNT));
+                    assert!(a & CTL != 0 && q & CTL != 0);
+                }
+            }
+        }
     }
 
     /// The check `post()` and `prepare` share: one rkey per device of the peer, the pair named.
