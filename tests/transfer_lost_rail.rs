@@ -23,6 +23,8 @@ use gpudirect::transfer::{
     TransferListener, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 const ACCEPT: Duration = Duration::from_secs(120);
@@ -141,6 +143,101 @@ fn say(ep: &Endpoint, scratch: &Region, peer: &MemoryDescriptor, tag: u32) -> bo
     .is_ok()
 }
 
+/// A listener that keeps accepting on a thread of its own (a rail coming back is handshaken by
+/// accept), publishing `publish` and handing each endpoint on; it stops when dropped. Refusals
+/// are printed as they come.
+struct Acceptor {
+    l: Arc<TransferListener>,
+    rx: mpsc::Receiver<Endpoint>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Acceptor {
+    fn new(l: TransferListener, publish: Vec<MemoryDescriptor>) -> Acceptor {
+        let l = Arc::new(l);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let (l2, stop2) = (l.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                match l2.accept(&publish, Duration::from_millis(200)) {
+                    Ok(ep) => {
+                        if tx.send(ep).is_err() {
+                            return;
+                        }
+                    }
+                    Err(Error::Timeout { .. }) => {}
+                    Err(e) => panic!("accept: {e}"),
+                }
+                for e in l2.take_refusals() {
+                    println!("server: a handshake refused: {e}");
+                }
+            }
+        });
+        Acceptor {
+            l,
+            rx,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The next endpoint accepted.
+    fn accept(&self) -> Endpoint {
+        self.rx.recv_timeout(ACCEPT).expect("an endpoint accepted")
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// After a run whose rail `r` was taken down and up again: once the rail failed, it comes back
+/// by itself within [`COME_BACK`] and a striped 1 MiB read from the peer moves bytes on it again
+/// (counted in the tally). A rail that never failed (the link flapped after the endpoint's last
+/// completion and nothing noticed yet) is counted apart.
+fn come_back(tally: &mut Tally, ep: &Endpoint, r: usize, local: &Region, peer: &MemoryDescriptor) {
+    if ep.rail_stats()[r].failures == 0 {
+        tally.never_failed += 1;
+        return;
+    }
+    let t0 = Instant::now();
+    while ep.rail_stats()[r].state != RailState::Up {
+        assert!(
+            t0.elapsed() < COME_BACK,
+            "rail {r} did not come back in {COME_BACK:?}: {:?}",
+            ep.rail_stats()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dt = t0.elapsed();
+    let before = ep.rail_stats()[r].bytes_read;
+    let rep = ep
+        .read(
+            vec![(
+                local.range(0, 1 << 20).unwrap(),
+                peer.range(0, 1 << 20).unwrap(),
+            )],
+            TransferOptions::default().deadline(DEADLINE),
+        )
+        .and_then(Transfer::wait)
+        .unwrap_or_else(|e| panic!("a read once rail {r} came back: {e}"));
+    let after = ep.rail_stats()[r].bytes_read;
+    assert!(
+        rep.rail_bytes[r] > 0 && after > before,
+        "rail {r} came back but carried nothing: {rep:?}"
+    );
+    tally.came_back += 1;
+    tally.back_max = tally.back_max.max(dt);
+    tally.back_total += dt;
+}
+
 /// A typed end of a request that lost its rails.
 fn typed(e: &Error) -> bool {
     matches!(
@@ -163,19 +260,29 @@ struct Tally {
     /// Notifications in doubt (their rail failed before their completion), and resent.
     in_doubt: u64,
     resent: u64,
+    /// Runs whose failed rail came back (and carried bytes), the longest and total wait; runs
+    /// whose rail never failed.
+    came_back: usize,
+    back_max: Duration,
+    back_total: Duration,
+    never_failed: usize,
 }
 
 impl Tally {
     fn print(&self, what: &str, runs: usize) {
         println!(
-            "LOST-RAIL {what}: runs={runs} completed={} typed={} rail_failed_mid_run={} notifications_in_doubt={} resent={} max_ms={} mean_ms={}",
+            "LOST-RAIL {what}: runs={runs} completed={} typed={} rail_failed_mid_run={} notifications_in_doubt={} resent={} max_ms={} mean_ms={} came_back={} back_max_ms={} back_mean_ms={} never_failed={}",
             self.completed,
             self.typed,
             self.failed_over,
             self.in_doubt,
             self.resent,
             self.max.as_millis(),
-            (self.total / runs.max(1) as u32).as_millis()
+            (self.total / runs.max(1) as u32).as_millis(),
+            self.came_back,
+            self.back_max.as_millis(),
+            (self.back_total / self.came_back.max(1) as u32).as_millis(),
+            self.never_failed
         );
     }
 }
@@ -241,10 +348,11 @@ fn t1_striped_writes_lose_a_rail() {
     let runs = runs();
     if n.server {
         let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
-        let l = n.listen(&e, 20);
+        let l = Acceptor::new(n.listen(&e, 20), vec![target.descriptor().unwrap()]);
         let (mut verified, mut none) = (0, 0);
         for run in 0..=runs {
-            let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+            let ep = l.accept();
+            eprintln!("server: write run {run}: accepted");
             let peer = ep.peer_descriptors()[0];
             let mut notes = 0;
             let mut said = None;
@@ -276,9 +384,12 @@ fn t1_striped_writes_lose_a_rail() {
                 say(&ep, &target, &peer, ACK);
                 std::thread::sleep(Duration::from_millis(100));
             }
+            eprintln!("server: write run {run}: answered {said:?}");
             if run % 10 == 9 {
                 println!("server: write run {run}: rails {:?}", ep.rail_stats());
             }
+            drop(ep);
+            eprintln!("server: write run {run}: endpoint dropped");
         }
         println!("LOST-RAIL write server: verified={verified} no_word={none} duplicates=0");
     } else {
@@ -310,6 +421,9 @@ fn t1_striped_writes_lose_a_rail() {
                 lose_rail_during(&mut tally, &ep, &down, delay, go)
             };
             settle();
+            if run > 0 && ok {
+                come_back(&mut tally, &ep, run % 2, &src, &peer);
+            }
             if say(&ep, &src, &peer, if ok { DONE } else { TYPED }) {
                 let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
                 assert_eq!(got, Some(ACK), "run {run}: the server's answer");
@@ -331,11 +445,11 @@ fn t2_striped_reads_lose_a_rail() {
     let runs = runs();
     if n.server {
         let src = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
-        let l = n.listen(&e, 21);
+        let l = Acceptor::new(n.listen(&e, 21), vec![src.descriptor().unwrap()]);
         for run in 0..=runs {
             let s = random() | DATA;
             src.write_at(0, &pattern(u64::from(s), SIZE)).unwrap();
-            let ep = l.accept(&[src.descriptor().unwrap()], ACCEPT).unwrap();
+            let ep = l.accept();
             let peer = ep.peer_descriptors()[0];
             assert!(say(&ep, &src, &peer, s), "run {run}: the seed");
             match ep.next_notification(DEADLINE + SLACK * 2) {
@@ -384,6 +498,9 @@ fn t2_striped_reads_lose_a_rail() {
                 );
             }
             settle();
+            if run > 0 && ok {
+                come_back(&mut tally, &ep, run % 2, &dst, &peer);
+            }
             if say(&ep, &dst, &peer, if ok { DONE } else { TYPED }) {
                 let got = ep.next_notification(DEADLINE).ok().flatten().map(|x| x.tag);
                 assert_eq!(got, Some(ACK), "run {run}: the server's answer");
@@ -676,54 +793,37 @@ fn t6_a_failed_rail_comes_back() {
     const WRITES: usize = 5;
     if n.server {
         let target = e.register(Buffer::host(vec![0u8; MID]).unwrap()).unwrap();
-        let l = n.listen(&e, 25);
-        let ep = l.accept(&[target.descriptor().unwrap()], ACCEPT).unwrap();
+        let l = Acceptor::new(n.listen(&e, 25), vec![target.descriptor().unwrap()]);
+        let ep = l.accept();
         let peer = ep.peer_descriptors()[0];
-        let stop = std::sync::atomic::AtomicBool::new(false);
         let mut seen = Vec::new();
-        std::thread::scope(|s| {
-            // Rails coming back are handshaken by accept: keep accepting meanwhile.
-            s.spawn(|| {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    match l.accept(&[], Duration::from_millis(200)) {
-                        Err(Error::Timeout { .. }) => {}
-                        Ok(_) => panic!("a rail coming back made an endpoint of its own"),
-                        Err(e) => panic!("accept: {e}"),
-                    }
-                    for e in l.take_refusals() {
-                        println!("server: a rail coming back refused: {e}");
-                    }
+        loop {
+            match ep.next_notification(COME_BACK * 2) {
+                Ok(Some(x)) if x.tag & DATA != 0 => {
+                    assert!(!seen.contains(&x.tag), "a notification arrived twice");
+                    assert!(
+                        target.to_vec().unwrap() == pattern(u64::from(x.tag), MID),
+                        "write {}: the notification came before every byte",
+                        seen.len()
+                    );
+                    seen.push(x.tag);
                 }
-            });
-            loop {
-                match ep.next_notification(COME_BACK * 2) {
-                    Ok(Some(x)) if x.tag & DATA != 0 => {
-                        assert!(!seen.contains(&x.tag), "a notification arrived twice");
-                        assert!(
-                            target.to_vec().unwrap() == pattern(u64::from(x.tag), MID),
-                            "write {}: the notification came before every byte",
-                            seen.len()
-                        );
-                        seen.push(x.tag);
-                    }
-                    Ok(Some(x)) if x.tag == DONE => break,
-                    other => panic!("after {} writes: {other:?}", seen.len()),
-                }
+                Ok(Some(x)) if x.tag == DONE => break,
+                other => panic!("after {} writes: {other:?}", seen.len()),
             }
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        });
-        let stats = ep.rail_stats();
-        println!(
-            "server: rails back: {stats:?}; listener {:?}; refused {:?}",
-            l.stats(),
-            l.take_refusals()
+        }
+        assert!(
+            l.rx.try_recv().is_err(),
+            "a rail coming back made an endpoint of its own"
         );
+        let stats = ep.rail_stats();
+        println!("server: rails back: {stats:?}; listener {:?}", l.l.stats());
         assert_eq!(seen.len(), WRITES, "the writes' notifications");
         for (r, st) in stats.iter().enumerate() {
             assert_eq!(st.state, RailState::Up, "rail {r}");
             assert!(st.restored >= 1, "rail {r} never came back here: {st:?}");
         }
-        assert!(l.stats().rails_restored >= 2, "{:?}", l.stats());
+        assert!(l.l.stats().rails_restored >= 2, "{:?}", l.l.stats());
         say(&ep, &target, &peer, ACK);
         std::thread::sleep(Duration::from_millis(100));
     } else {
