@@ -5,7 +5,7 @@
 //! bound through that rail, the window messages are swapped, and each side puts the new rail
 //! in the failed one's place once that one is free ([`not_free`]).
 
-use super::handshake::{Back, Greet, Greeted, Home, conn_opts, greet, rebind};
+use super::handshake::{Back, Greet, Greeted, Home, conn_opts, greet, greeting, rebind};
 use super::progress::poll_all;
 use super::rail::Rail;
 use super::state::{ENDPOINT_FAILED, Link, Origin, install, not_free};
@@ -13,7 +13,6 @@ use crate::error::{Error, Result};
 use crate::rdma::Connection;
 use crate::transfer::auth::Role;
 use crate::transfer::plan::deadline_after;
-use crate::transfer::wire::Hello;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -158,17 +157,7 @@ fn restore_one(link: &Link, r: usize, addr: std::net::SocketAddr) -> Result<()> 
         e,
         conn,
         home,
-        Hello {
-            group: s.group,
-            rail: r as u8,
-            rails: s.rails as u8,
-            back: proposed,
-            device: 0,
-            devices: e.devices.len() as u8,
-            credits: e.config.notify_depth as u16,
-            max_message: e.max_message(),
-            descriptors: Vec::new(),
-        },
+        greeting(e, s.group, r, s.rails, proposed),
         &Greet {
             role: Role::Dialer,
             peer: addr.to_string(),

@@ -11,8 +11,8 @@ use super::state::{Connected, Origin};
 use super::windows::{bind_for_peer, bind_ranges, count_bound, merge_descriptors};
 use crate::error::{Error, Result};
 use crate::rdma::{
-    AccessFlags, CompletionChannel, ConnectOptions, Connection, ConnectionBinding, HostBuffer,
-    Local, MemoryRegion, MrSlice, QpCaps, QpResources, RecvRequest, SendRequest,
+    AccessFlags, BoundWindow, CompletionChannel, ConnectOptions, Connection, ConnectionBinding,
+    HostBuffer, Local, MemoryRegion, MrSlice, QpCaps, QpResources, RecvRequest, SendRequest,
 };
 use crate::transfer::auth::{
     AuthKey, Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag,
@@ -84,17 +84,7 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<Connected> {
             e,
             conn,
             home,
-            Hello {
-                group,
-                rail: i as u8,
-                rails: peers.len() as u8,
-                back: 0,
-                device: 0,
-                devices: e.devices.len() as u8,
-                credits: e.config.notify_depth as u16,
-                max_message: e.max_message(),
-                descriptors: Vec::new(),
-            },
+            greeting(e, group, i, peers.len(), 0),
             &Greet {
                 role: Role::Dialer,
                 peer: addr.to_string(),
@@ -106,6 +96,28 @@ pub(super) fn dial(e: &Arc<EngineInner>, origin: &Origin) -> Result<Connected> {
         )?);
     }
     publish_all(e, greeted, group, publish, deadline, None)
+}
+
+/// This side's greeting on rail `rail` of `rails` of endpoint `group` (`back`: 0, or one more
+/// than the rail's generation when it comes back); its device is set once rdma_cm picked it.
+pub(super) fn greeting(
+    e: &EngineInner,
+    group: [u8; 16],
+    rail: usize,
+    rails: usize,
+    back: u32,
+) -> Hello {
+    Hello {
+        group,
+        rail: rail as u8,
+        rails: rails as u8,
+        back,
+        device: 0,
+        devices: e.devices.len() as u8,
+        credits: e.config.notify_depth as u16,
+        max_message: e.max_message(),
+        descriptors: Vec::new(),
+    }
 }
 
 /// The resources a rail's connection is built on, made once rdma_cm has picked the device.
@@ -387,26 +399,8 @@ fn publish_rail(
         stop,
     )?;
     theirs.descriptors = Hello::decode_descriptors(&bytes, theirs.devices)?;
-    let parts = conn.into_parts();
-    let rail = Rail {
-        windows,
-        access,
-        qp: QpSlot::Rts(parts.qp),
-        send_cq: parts.send_cq,
-        recv_cq: parts.recv_cq,
-        channel,
-        link: parts.link,
-        device,
-        peer_device: theirs.device as usize,
-        window,
-        renamed: HashMap::new(),
-        firsts: HashMap::new(),
-        lost: Vec::new(),
-        next_seq: 1,
-        inflight: VecDeque::new(),
-        pending: VecDeque::new(),
-        _hello: hello_mr,
-    };
+    let mut rail = rail_of(conn, windows, access, channel, device, window, hello_mr);
+    rail.peer_device = theirs.device as usize;
     Ok((rail, theirs))
 }
 
@@ -453,8 +447,26 @@ pub(super) fn rebind(
     )?;
     let (theirs_proposed, renamed) = Hello::decode_renamed(&bytes)?;
     count_bound(e, windows.len());
+    let mut rail = rail_of(conn, windows, access, channel, device, window, mine_mr);
+    rail.peer_device = theirs.device as usize;
+    rail.renamed = renamed.into_iter().collect();
+    rail.firsts = pairs.into_iter().map(|(first, now)| (now, first)).collect();
+    Ok((rail, proposed.max(theirs_proposed), theirs))
+}
+
+/// A rail of a connection whose handshake ended: nothing posted yet, no rkey renamed, its peer
+/// device 0 until set.
+fn rail_of(
+    conn: Connection,
+    windows: Vec<BoundWindow>,
+    access: PeerAccess,
+    channel: CompletionChannel,
+    device: usize,
+    window: u32,
+    hello: MemoryRegion<Local>,
+) -> Rail {
     let parts = conn.into_parts();
-    let rail = Rail {
+    Rail {
         windows,
         access,
         qp: QpSlot::Rts(parts.qp),
@@ -463,17 +475,16 @@ pub(super) fn rebind(
         channel,
         link: parts.link,
         device,
-        peer_device: theirs.device as usize,
+        peer_device: 0,
         window,
-        renamed: renamed.into_iter().collect(),
-        firsts: pairs.into_iter().map(|(first, now)| (now, first)).collect(),
+        renamed: HashMap::new(),
+        firsts: HashMap::new(),
         lost: Vec::new(),
         next_seq: 1,
         inflight: VecDeque::new(),
         pending: VecDeque::new(),
-        _hello: mine_mr,
-    };
-    Ok((rail, proposed.max(theirs_proposed), theirs))
+        _hello: hello,
+    }
 }
 
 /// Swap messages with the peer: `mine` registered for it to read, the addresses swapped, the

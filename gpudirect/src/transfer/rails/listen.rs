@@ -5,7 +5,9 @@
 
 use super::back::accept_back;
 use super::handle::Rails;
-use super::handshake::{Back, Greet, Greeted, Home, conn_opts, dial, greet, publish_all, resolve};
+use super::handshake::{
+    Back, Greet, Greeted, Home, conn_opts, dial, greet, greeting, publish_all, resolve,
+};
 use super::state::{Connected, Link, Origin, eventfd};
 use crate::error::{Error, Result};
 use crate::rdma::{ConnectRequest, ConnectionBinding, Listener as CmListener};
@@ -339,17 +341,7 @@ fn handshake(
         e,
         conn,
         home,
-        Hello {
-            group: hub.id,
-            rail: 0,
-            rails: 1,
-            back: 0,
-            device: 0,
-            devices: e.devices.len() as u8,
-            credits: e.config.notify_depth as u16,
-            max_message: e.max_message(),
-            descriptors: Vec::new(),
-        },
+        greeting(e, hub.id, 0, 1, 0),
         &Greet {
             role: Role::Listener,
             peer,
