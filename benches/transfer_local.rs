@@ -38,7 +38,8 @@
 //! ```
 //!
 //! With one GPU both processes use GPU 0. `GPUDIRECT_BENCH_PYTHON` is the Python that runs the
-//! NIXL baseline (default `python3`; `none` skips it); `TRANSFER_BENCH_MAX_MIB` caps the largest
+//! NIXL baseline (default `python3`; `none` skips it); `TRANSFER_BENCH_COPY_STREAMS` sets the
+//! submitting engine's `copy_streams` (default 1); `TRANSFER_BENCH_MAX_MIB` caps the largest
 //! size (default 1024) and the buffers. Against Mooncake: 9 rounds of a 2-second window per
 //! cell, 6 of 1 second with `--quick`.
 
@@ -70,6 +71,15 @@ const MOONCAKE_CONFIGS: [(usize, usize); 3] = [(1, 1), (64, 1), (64, 4)];
 
 fn check(r: sys::CUresult, call: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// The submitting side's `EngineConfig::copy_streams`: `TRANSFER_BENCH_COPY_STREAMS` (default
+/// 1, the engine's default).
+fn copy_streams() -> usize {
+    std::env::var("TRANSFER_BENCH_COPY_STREAMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -452,7 +462,10 @@ fn main() {
         .collect();
 
     let ctx = gpudirect::cuda::context(a).expect("context");
-    let engine = Engine::new(EngineConfig::local()).expect("engine");
+    let mut config = EngineConfig::local();
+    config.copy_streams = copy_streams();
+    println!("engine: copy_streams={}", config.copy_streams);
+    let engine = Engine::new(config).expect("engine");
     let src_buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");
     let src: Region = engine
         .register(Buffer::device(src_buf).expect("buffer"))
