@@ -947,9 +947,9 @@ fn t6_a_failed_rail_comes_back() {
                 "{r:?}"
             );
             if let Some(f) = ep.failure() {
-                // The known limit (docs/transfer.md, "A lost rail"): the peer's word about the
-                // refused request's rail came before the refusal's own completion; the request
-                // was taken as in doubt and sent again on the other rail, which refused it too.
+                // The known limit (docs/transfer.md, "A lost rail"): the refusal's own completion
+                // came more than the grace after the peer's word about its rail; the request was
+                // taken as unfinished and sent again on the other rail, which refused it too.
                 println!(
                     "LOST-RAIL back: a refused request came after the peer's word about its \
                      rail: the endpoint failed ({f}); rails {st:?}"

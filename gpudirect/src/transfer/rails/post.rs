@@ -61,7 +61,7 @@ pub(crate) fn direct(
     if rails.is_empty() {
         rails = up.clone();
     }
-    let note_rail = if st.lanes[st.note_rail].up() {
+    let note_rail = if st.lanes[st.note_rail].usable() {
         st.note_rail
     } else {
         up[0]
@@ -271,7 +271,7 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
     }
     for r in 0..st.rails.len() {
         let lane = &mut st.lanes[r];
-        if !lane.up() {
+        if !lane.usable() {
             continue;
         }
         if let Some(n) = lane.credits.take_return() {
@@ -302,7 +302,7 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
     } = st;
     let rail = &mut rails[r];
     let lane = &mut lanes[r];
-    if !lane.up() {
+    if !lane.usable() {
         return Ok(());
     }
     let room = (rail.window as usize).saturating_sub(rail.outstanding());

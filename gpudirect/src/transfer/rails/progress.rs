@@ -5,7 +5,7 @@
 //! and only looks at the links and the deadlines.
 
 use super::post::pump;
-use super::rail::{CTL, LINGER, QpSlot, RECV_TAG, TICK, ctl_answer, ctl_parts};
+use super::rail::{CTL, GIVEN_UP_GRACE, LINGER, QpSlot, RECV_TAG, TICK, ctl_answer, ctl_parts};
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
 };
@@ -136,6 +136,16 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     for (r, c) in ctl {
         on_control(inner, st, r, c, &mut notes);
     }
+    // Rails the peer gave up: failed once their messages' completions were seen, or after the
+    // grace.
+    for r in 0..st.lanes.len() {
+        if let Some(at) = st.lanes[r].given_up
+            && st.lanes[r].up()
+            && (st.rails[r].inflight.is_empty() || at.elapsed() >= GIVEN_UP_GRACE)
+        {
+            fail_rail(inner, st, r, Broken::RailGivenUp);
+        }
+    }
     if !notes.is_empty() {
         // Visible before delivered: GPU memory a peer may have written is flushed first.
         for o in inner.ep.engine.inner.gpu_targets() {
@@ -195,7 +205,15 @@ fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<No
         }
         return;
     }
-    fail_rail(inner, st, about, Broken::RailGivenUp);
+    if st.lanes[about].up() && !st.rails[about].inflight.is_empty() {
+        // Its unfinished messages wait for their own completions a little (one the peer
+        // refused completes in error): the rail fails in `poll_all` once they are seen or
+        // `GIVEN_UP_GRACE` passed. Nothing more arrives on it (the peer's side is in error), so
+        // the count below is final.
+        st.lanes[about].given_up.get_or_insert_with(Instant::now);
+    } else {
+        fail_rail(inner, st, about, Broken::RailGivenUp);
+    }
     // What arrived on it between the last look and its queue pair's error state counts.
     if let Ok(late) = drain(&mut st.rails[about].recv_cq, |w| {
         (w.is_ok(), w.opcode(), w.imm())

@@ -59,6 +59,11 @@ pub(super) const TICK: Duration = Duration::from_millis(20);
 /// next to a thread hand-off, and the CPU a spinning thread takes is better left to the NIC
 /// (on a software NIC, the NIC is the CPU).
 pub(super) const SPIN_DEPTH: usize = 16;
+/// How long a rail the peer gave up keeps its queue pair while messages posted on it are
+/// unfinished. The peer sees only its queue pair err, not which message did it: a message it
+/// refused (a wrong rkey) completes here in error a little after, and is then known to be its
+/// request's fault rather than posted again on the rails left (where it would be refused too).
+pub(super) const GIVEN_UP_GRACE: Duration = Duration::from_millis(50);
 /// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
 /// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
 /// the progress thread then looks within this.
@@ -184,6 +189,10 @@ pub(super) struct Lane {
     pub(super) asked: bool,
     /// Times the rail came back on this endpoint, as both sides agreed when it did.
     pub(super) generation: u32,
+    /// The peer gave this rail up while messages posted on it were unfinished (since then):
+    /// nothing more is posted on it, and it fails once their completions are seen or
+    /// [`GIVEN_UP_GRACE`] passed, whichever comes first.
+    pub(super) given_up: Option<Instant>,
 }
 
 impl Lane {
@@ -196,11 +205,17 @@ impl Lane {
             ctl: VecDeque::new(),
             asked: false,
             generation: 0,
+            given_up: None,
         }
     }
 
     pub(super) fn up(&self) -> bool {
         self.failed.is_none()
+    }
+
+    /// Up, and not given up by the peer: messages may go on it.
+    pub(super) fn usable(&self) -> bool {
+        self.up() && self.given_up.is_none()
     }
 }
 

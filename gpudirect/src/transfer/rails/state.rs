@@ -370,7 +370,9 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
 
 /// Rails up, in order.
 pub(super) fn up_rails(st: &State) -> Vec<usize> {
-    (0..st.lanes.len()).filter(|&r| st.lanes[r].up()).collect()
+    (0..st.lanes.len())
+        .filter(|&r| st.lanes[r].usable())
+        .collect()
 }
 
 /// Rail `r` failed (`cause`): unless it was the last one up (then the endpoint breaks), it
@@ -382,7 +384,7 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
     if st.broken.is_some() || !st.lanes[r].up() {
         return;
     }
-    let last = up_rails(st).len() <= 1;
+    let last = up_rails(st).iter().all(|&x| x == r);
     let told = matches!(cause, Broken::RailGivenUp);
     st.lanes[r].failed = Some((cause.clone(), Instant::now()));
     st.lanes[r].ctl.clear();
@@ -493,7 +495,7 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
         // Never posted: its request's other messages on `from` move before it is let go. On
         // the notification rail, behind those sent before it.
         q.held = Some(wr);
-        q.note_rail = if st.lanes[st.note_rail].up() {
+        q.note_rail = if st.lanes[st.note_rail].usable() {
             st.note_rail
         } else {
             up[0]
