@@ -159,8 +159,9 @@ impl Endpoint {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] on the accepting side, or when a rail came back through
-    /// other devices than it went; when no failed rail came back, the first one's error:
+    /// [`Error::InvalidArgument`] on the accepting side, while another thread (the engine's
+    /// own retry) takes this endpoint's rails back, or when a rail came back through other
+    /// devices than it went; when no failed rail came back, the first one's error:
     /// connecting ([`Error::CmEvent`], [`Error::Timeout`]), [`Error::Authentication`],
     /// [`Error::InvalidArgument`] while it cannot come back yet; the endpoint's failure once
     /// it has failed or closed.
