@@ -118,6 +118,14 @@ struct Snapshot {
     max_message: u32,
 }
 
+impl Snapshot {
+    /// The rail's next generation as this side proposes it: one more than its own (never 0,
+    /// which marks a rail of a new endpoint).
+    fn proposed(&self) -> u32 {
+        self.generation.wrapping_add(1).max(1)
+    }
+}
+
 fn not_yet(r: usize, why: &str) -> Error {
     Error::invalid("rail", r, format!("cannot come back now: {why}"))
 }
@@ -150,7 +158,7 @@ fn restore_one(link: &Link, r: usize, addr: std::net::SocketAddr) -> Result<()> 
     let e = &link.ep.engine.inner;
     let deadline = deadline_after(Instant::now(), e.config.connect_timeout);
     let s = snapshot(link, r)?;
-    let proposed = s.generation.wrapping_add(1).max(1);
+    let proposed = s.proposed();
     let mut home = Home::new(e, r);
     let conn = Connection::connect_until(addr, &conn_opts(e), |dev| home.resources(dev), deadline)?;
     let g = greet(
@@ -208,7 +216,7 @@ pub(super) fn accept_back(
         std::thread::sleep(Duration::from_millis(2));
     }
     let s = snapshot(link, r)?;
-    let proposed = s.generation.wrapping_add(1).max(1);
+    let proposed = s.proposed();
     let (rail, generation, theirs) = rebind(
         &link.ep.engine.inner,
         g,

@@ -6,13 +6,13 @@
 //! taken back proves the endpoint's session secret instead of the key, and swaps window
 //! messages (the windows it had, bound again) instead of descriptors.
 
-use super::rail::{NOTIFY_RAIL, QpSlot, RECV_TAG, Rail};
+use super::rail::{NOTIFY_RAIL, QpSlot, Rail, note_receives};
 use super::state::{Connected, Origin};
 use super::windows::{bind_for_peer, bind_ranges, count_bound, merge_descriptors};
 use crate::error::{Error, Result};
 use crate::rdma::{
     AccessFlags, BoundWindow, CompletionChannel, ConnectOptions, Connection, ConnectionBinding,
-    HostBuffer, Local, MemoryRegion, MrSlice, QpCaps, QpResources, RecvRequest, SendRequest,
+    HostBuffer, Local, MemoryRegion, MrSlice, QpCaps, QpResources, SendRequest,
 };
 use crate::transfer::auth::{
     AuthKey, Challenge, Role, Transcript, agree, check_tag, random, read_tag_message, tag,
@@ -293,8 +293,7 @@ pub(super) fn greet(
     // posts them only once it is back (see `state::install`).
     if !back {
         let n = e.config.notify_depth as usize;
-        conn.qp()
-            .post_recv((0..n).map(|_| RecvRequest::empty().tag(RECV_TAG)))?;
+        conn.qp().post_recv(note_receives(n))?;
     }
     Ok(Greeted {
         conn,

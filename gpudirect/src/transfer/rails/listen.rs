@@ -310,7 +310,7 @@ fn handshake(
     opts.timeout = e.config.handshake_timeout;
     let mut home = Home::new(e, 0);
     // A rail coming back: the endpoint its greeting names, whose session secret it proves.
-    let endpoint = Mutex::new(None);
+    let endpoint = std::cell::Cell::new(None);
     let session_of = |h: &Hello| -> Result<Option<AuthKey>> {
         let link = hub.lock().accepted.get(&h.group).and_then(Weak::upgrade);
         let Some(link) = link else {
@@ -331,7 +331,7 @@ fn handshake(
             }
             st.session.clone()
         };
-        *endpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
+        endpoint.set(Some(link));
         Ok(session)
     };
     let conn = req.accept_until(&opts, |dev| home.resources(dev), deadline, stop)?;
@@ -352,8 +352,9 @@ fn handshake(
         },
     )?;
     if greeted.theirs.back != 0 {
-        let link = endpoint.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let link = link.ok_or_else(|| Error::invalid("hello.group", "no endpoint", "looked up"))?;
+        let link = endpoint
+            .take()
+            .ok_or_else(|| Error::invalid("hello.group", "no endpoint", "looked up"))?;
         accept_back(&link, greeted, deadline, stop)?;
         hub.lock().stats.rails_restored += 1;
         return Ok(None);

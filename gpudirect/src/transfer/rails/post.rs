@@ -3,7 +3,7 @@
 //! sent against the peer's credits.
 
 use super::rail::{Again, Posted, QpSlot, Wr};
-use super::state::{Link, Request, State, check_rkeys, fail_rail, up_rails};
+use super::state::{Link, Request, State, check_rkeys, fail_rail, notify_rail, up_rails};
 use crate::error::{Error, Result};
 use crate::rdma::{RemoteSlice, SendRequest};
 use crate::transfer::descriptor::RemoteRange;
@@ -61,11 +61,7 @@ pub(crate) fn direct(
     if rails.is_empty() {
         rails = up.clone();
     }
-    let note_rail = if st.lanes[st.note_rail].usable() {
-        st.note_rail
-    } else {
-        up[0]
-    };
+    let note_rail = notify_rail(&st, &up);
     let turn = st.turn;
     st.turn = st.turn.wrapping_add(1);
     let chunks = plan(&PlanInput {

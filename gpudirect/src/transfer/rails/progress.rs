@@ -5,12 +5,14 @@
 //! and only looks at the links and the deadlines.
 
 use super::post::pump;
-use super::rail::{CTL, GIVEN_UP_GRACE, LINGER, QpSlot, RECV_TAG, TICK, ctl_answer, ctl_parts};
+use super::rail::{
+    CTL, GIVEN_UP_GRACE, LINGER, QpSlot, TICK, ctl_answer, ctl_parts, note_receives,
+};
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
 };
 use crate::error::{Result, WcStatus};
-use crate::rdma::{CompletionQueue, RecvRequest, WcOpcode, WorkCompletion};
+use crate::rdma::{CompletionQueue, WcOpcode, WorkCompletion};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, MAX_UNREAD_NOTIFICATIONS, Notification, unread_overflow,
 };
@@ -125,8 +127,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
             if repost > 0 && st.broken.is_none() {
                 let rail = &mut st.rails[r];
                 if let QpSlot::Rts(qp) = &mut rail.qp
-                    && let Err(e) =
-                        qp.post_recv((0..repost).map(|_| RecvRequest::empty().tag(RECV_TAG)))
+                    && let Err(e) = qp.post_recv(note_receives(repost))
                 {
                     fail_rail(inner, st, r, Broken::of(&e));
                 }

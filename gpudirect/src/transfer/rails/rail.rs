@@ -4,7 +4,7 @@
 use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{
     BoundWindow, CmLink, CompletionChannel, CompletionQueue, ErrorState, Local, MemoryRegion,
-    MrSlice, QueuePair, RemoteSlice, Rts,
+    MrSlice, QueuePair, RecvRequest, RemoteSlice, Rts,
 };
 use crate::transfer::engine::PeerAccess;
 use crate::transfer::plan::Credits;
@@ -30,6 +30,25 @@ pub(super) const CTL_COUNT: u32 = (1 << 20) - 1;
 /// question or answer about another connection of that rail than the current one is stale.
 const CTL_GEN_SHIFT: u32 = 20;
 
+/// Rails a control message can name (6 bits).
+pub(super) const MAX_RAILS: usize = 64;
+/// The longest sleep of the progress thread between looks at the deadlines.
+pub(super) const TICK: Duration = Duration::from_millis(20);
+/// Messages in flight or queued on an endpoint's rails above which waiting threads do not spin
+/// (they sleep until the progress thread wakes them): a wait behind that much work is long
+/// next to a thread hand-off, and the CPU a spinning thread takes is better left to the NIC
+/// (on a software NIC, the NIC is the CPU).
+pub(super) const SPIN_DEPTH: usize = 16;
+/// How long a rail the peer gave up keeps its queue pair while messages posted on it are
+/// unfinished. The peer sees only its queue pair err, not which message did it: a message it
+/// refused (a wrong rkey) completes here in error a little after, and is then known to be its
+/// request's fault rather than posted again on the rails left (where it would be refused too).
+pub(super) const GIVEN_UP_GRACE: Duration = Duration::from_millis(50);
+/// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
+/// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
+/// the progress thread then looks within this.
+pub(super) const LINGER: Duration = Duration::from_millis(1);
+
 /// The question: how many notifications arrived on rail `about` (its generation `generation`)?
 pub(super) fn ctl_ask(about: usize, generation: u32) -> u32 {
     CTL | ((about as u32) << 24) | ((generation & 0xf) << CTL_GEN_SHIFT)
@@ -50,24 +69,11 @@ pub(super) fn ctl_parts(c: u32) -> (bool, usize, u32, u32) {
         c & CTL_COUNT,
     )
 }
-/// Rails a control message can name (6 bits).
-pub(super) const MAX_RAILS: usize = 64;
-/// The longest sleep of the progress thread between looks at the deadlines.
-pub(super) const TICK: Duration = Duration::from_millis(20);
-/// Messages in flight or queued on an endpoint's rails above which waiting threads do not spin
-/// (they sleep until the progress thread wakes them): a wait behind that much work is long
-/// next to a thread hand-off, and the CPU a spinning thread takes is better left to the NIC
-/// (on a software NIC, the NIC is the CPU).
-pub(super) const SPIN_DEPTH: usize = 16;
-/// How long a rail the peer gave up keeps its queue pair while messages posted on it are
-/// unfinished. The peer sees only its queue pair err, not which message did it: a message it
-/// refused (a wrong rkey) completes here in error a little after, and is then known to be its
-/// request's fault rather than posted again on the rails left (where it would be refused too).
-pub(super) const GIVEN_UP_GRACE: Duration = Duration::from_millis(50);
-/// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
-/// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
-/// the progress thread then looks within this.
-pub(super) const LINGER: Duration = Duration::from_millis(1);
+
+/// `n` notification receives (tagged [`RECV_TAG`]), to post on a rail's queue pair.
+pub(super) fn note_receives(n: usize) -> impl Iterator<Item = RecvRequest> {
+    (0..n).map(|_| RecvRequest::empty().tag(RECV_TAG))
+}
 
 /// Whether a rail carries messages.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

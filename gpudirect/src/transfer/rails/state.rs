@@ -4,11 +4,11 @@
 
 use super::rail::{
     CTL_COUNT, Lane, MAX_RAILS, NOTIFY_RAIL, QpSlot, Rail, RailCounters, SPIN_DEPTH, Wr, ctl_ask,
+    note_receives,
 };
 use super::windows::revoke;
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
-use crate::rdma::RecvRequest;
 use crate::transfer::auth::AuthKey;
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
 use crate::transfer::engine::EngineInner;
@@ -368,6 +368,16 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
     inner.ep.failed(st);
 }
 
+/// The rail a notification goes on now: the notification rail while it takes messages, else
+/// the first of `up` (the rails up).
+pub(super) fn notify_rail(st: &State, up: &[usize]) -> usize {
+    if st.lanes[st.note_rail].usable() {
+        st.note_rail
+    } else {
+        up[0]
+    }
+}
+
 /// Rails up, in order.
 pub(super) fn up_rails(st: &State) -> Vec<usize> {
     (0..st.lanes.len())
@@ -469,13 +479,14 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
 /// posted) is held again.
 pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize, posted: bool) {
     let up = up_rails(st);
-    let Some(q) = st.requests.get_mut(&id) else {
-        return;
-    };
     if up.is_empty() {
         // The endpoint broke: its requests end with its cause.
         return;
     }
+    let note_to = notify_rail(st, &up);
+    let Some(q) = st.requests.get_mut(&id) else {
+        return;
+    };
     if q.error.is_some() {
         // A failed request's messages go nowhere: one posted is done once its flush is seen,
         // one queued is dropped here.
@@ -495,11 +506,7 @@ pub(super) fn move_to(inner: &Link, st: &mut State, id: u64, wr: Wr, from: usize
         // Never posted: its request's other messages on `from` move before it is let go. On
         // the notification rail, behind those sent before it.
         q.held = Some(wr);
-        q.note_rail = if st.lanes[st.note_rail].usable() {
-            st.note_rail
-        } else {
-            up[0]
-        };
+        q.note_rail = note_to;
         if let Err(i) = st.notify_q.binary_search(&id) {
             st.notify_q.insert(i, id);
         }
@@ -622,7 +629,7 @@ pub(super) fn install(
     // this point received none.
     let n = inner.ep.engine.inner.config.notify_depth;
     if let QpSlot::Rts(qp) = &mut rail.qp {
-        qp.post_recv((0..n).map(|_| RecvRequest::empty().tag(super::rail::RECV_TAG)))?;
+        qp.post_recv(note_receives(n as usize))?;
     }
     let mut lane = Lane::new(Credits::new(credits as u32, n));
     lane.generation = generation;
@@ -720,7 +727,7 @@ mod tests {
     use crate::transfer::{Buffer, Engine, EngineConfig};
 
     /// The answer about a failed rail: a notification arrived iff its index is below the count
-    /// received, the count modulo 2^24 and the indices wrapping.
+    /// received, the count modulo 2^20 and the indices wrapping.
     #[test]
     fn a_notification_arrived_iff_its_index_is_below_the_count() {
         assert!(arrived(0, 1) && arrived(5, 6) && arrived(0, 6));
