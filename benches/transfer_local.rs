@@ -39,7 +39,8 @@
 //!
 //! With one GPU both processes use GPU 0. `GPUDIRECT_BENCH_PYTHON` is the Python that runs the
 //! NIXL baseline (default `python3`; `none` skips it); `TRANSFER_BENCH_COPY_STREAMS` sets the
-//! submitting engine's `copy_streams` (default 1); `TRANSFER_BENCH_MAX_MIB` caps the largest
+//! submitting engine's `copy_streams` (default 1), `TRANSFER_BENCH_COPY_LANES` its
+//! `copy_lanes` (default 4); `TRANSFER_BENCH_MAX_MIB` caps the largest
 //! size (default 1024) and the buffers. Against Mooncake: 9 rounds of a 2-second window per
 //! cell, 6 of 1 second with `--quick`.
 
@@ -80,6 +81,14 @@ fn copy_streams() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1)
+}
+
+/// The submitting side's `EngineConfig::copy_lanes`: `TRANSFER_BENCH_COPY_LANES` (default: the
+/// engine's default).
+fn copy_lanes() -> Option<usize> {
+    std::env::var("TRANSFER_BENCH_COPY_LANES")
+        .ok()
+        .and_then(|v| v.parse().ok())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -464,7 +473,13 @@ fn main() {
     let ctx = gpudirect::cuda::context(a).expect("context");
     let mut config = EngineConfig::local();
     config.copy_streams = copy_streams();
-    println!("engine: copy_streams={}", config.copy_streams);
+    if let Some(n) = copy_lanes() {
+        config.copy_lanes = n;
+    }
+    println!(
+        "engine: copy_streams={} copy_lanes={}",
+        config.copy_streams, config.copy_lanes
+    );
     let engine = Engine::new(config).expect("engine");
     let src_buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");
     let src: Region = engine

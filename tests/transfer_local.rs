@@ -504,6 +504,10 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         "slots read in one request",
     );
 
+    // Four threads on the endpoint at once (each issues on a lane of its own): batches of reads
+    // of random ranges of the peer's random bytes into poisoned memory, every byte compared.
+    threads_reading(&engine, &ep, peer[5], seed);
+
     // A range past the peer's real allocation: the descriptor claims a longer one (so its own
     // checks pass), the mapping's real size refuses it before any copy.
     let d = peer[0];
@@ -589,6 +593,68 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     );
     let status = child.wait().unwrap();
     assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// Four threads reading from `src` (the peer's random bytes of [`SIZES`]`[2]`, seed
+/// `seed ^ 102`) on `ep` at once: each makes 24 requests of 8 pairs, random ranges into its own
+/// poisoned memory, waited (every third awaited as a future, every fourth prepared and run),
+/// and compares every byte.
+fn threads_reading(engine: &Engine, ep: &Endpoint, src: MemoryDescriptor, seed: u64) {
+    const PAIRS: usize = 8;
+    const MAX: usize = 64 << 10;
+    let want = bytes(SIZES[2], seed ^ 102);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let want = &want;
+            s.spawn(move || {
+                let dst = register(engine, poisoned_bytes(0, PAIRS * MAX, 0x3C));
+                let mut draws = random_u32(24 * PAIRS * 2, seed ^ (500 + t)).into_iter();
+                let mut draw = || draws.next().unwrap() as usize;
+                for k in 0..24 {
+                    let spans: Vec<(usize, usize)> = (0..PAIRS)
+                        .map(|_| {
+                            let len = 1 + draw() % MAX;
+                            (draw() % (SIZES[2] - len), len)
+                        })
+                        .collect();
+                    let pairs = spans
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(off, len))| {
+                            (
+                                dst.range((i * MAX) as u64, len as u64).unwrap(),
+                                src.range(off as u64, len as u64).unwrap(),
+                            )
+                        })
+                        .collect();
+                    let r = if k % 4 == 3 {
+                        ep.prepare(Direction::Read, pairs, TransferOptions::default())
+                            .unwrap()
+                            .run()
+                            .unwrap()
+                    } else {
+                        let tr = ep.read(pairs, TransferOptions::default()).unwrap();
+                        if k % 3 == 1 {
+                            futures_block_on(std::future::IntoFuture::into_future(tr)).unwrap()
+                        } else {
+                            tr.wait().unwrap()
+                        }
+                    };
+                    let total: usize = spans.iter().map(|s| s.1).sum();
+                    assert_eq!(r.bytes, total as u64);
+                    for (i, &(off, len)) in spans.iter().enumerate() {
+                        same(
+                            &host_copy(&dst, i * MAX, len),
+                            &want[off..off + len],
+                            &format!("thread {t}, request {k}, pair {i}"),
+                        );
+                    }
+                    dst.copy_from_host(0, &vec![0x3C; PAIRS * MAX]).unwrap();
+                }
+            });
+        }
+    });
+    println!("4 threads x 24 requests of {PAIRS} random reads: every byte exact");
 }
 
 /// The peer: publishes poisoned destinations, random sources and the slots, checks every

@@ -74,6 +74,13 @@ pub struct EngineConfig {
     /// Bytes of one chunk when [`copy_streams`](Self::copy_streams) is above 1 (default 16 MiB,
     /// at least 64 KiB).
     pub copy_chunk: usize,
+    /// Issue lanes of an intra-node endpoint (default 4, 1 to 64). Each thread that submits
+    /// requests issues on one lane (the lanes taken in turn by threads as they first submit),
+    /// with the lane's own streams and lock, so that threads submitting on one endpoint queue
+    /// their copies side by side. A lane's requests finish in the order they were made;
+    /// notifications leave in request order across lanes. With 1, every request of the
+    /// endpoint is queued on one set of streams and finishes in request order.
+    pub copy_lanes: usize,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not
     /// authenticated). Both sides need the same key: a key on one side only is refused on
@@ -192,6 +199,7 @@ impl Default for EngineConfig {
             local_only: false,
             copy_streams: 1,
             copy_chunk: 16 << 20,
+            copy_lanes: 4,
             key: None,
             local_peers: LocalPeers::SameUser,
             max_pending: 64,
@@ -294,6 +302,9 @@ impl EngineConfig {
         }
         if self.copy_chunk < 64 << 10 {
             return bad("copy_chunk", self.copy_chunk.to_string(), "at least 64 KiB");
+        }
+        if !(1..=64).contains(&self.copy_lanes) {
+            return bad("copy_lanes", self.copy_lanes.to_string(), "1 to 64 lanes");
         }
         if let Some(t) = self.rail_retry
             && !(Duration::from_millis(10)..=Duration::from_secs(3600)).contains(&t)
@@ -631,6 +642,14 @@ mod tests {
             },
             EngineConfig {
                 copy_chunk: 4096,
+                ..Default::default()
+            },
+            EngineConfig {
+                copy_lanes: 0,
+                ..Default::default()
+            },
+            EngineConfig {
+                copy_lanes: 65,
                 ..Default::default()
             },
             EngineConfig {

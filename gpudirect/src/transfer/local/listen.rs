@@ -1062,22 +1062,26 @@ mod tests {
                 notify,
                 deadline: None,
             };
-            lock(&side.queue).jobs.push_back(Job {
-                // No stream: done at once.
-                fence: Arc::new(Events(Vec::new())),
-                keep: Keep {
-                    _pairs: Vec::new(),
-                    _regions: Vec::new(),
-                    _imports: Vec::new(),
-                    _held: None,
+            lock(&side.queue).push(
+                0,
+                Job {
+                    // No stream: done at once.
+                    fence: Arc::new(Events(Vec::new())),
+                    keep: Keep {
+                        _pairs: Vec::new(),
+                        _regions: Vec::new(),
+                        _imports: Vec::new(),
+                        _held: None,
+                    },
+                    finish: Box::new(finish),
+                    report: report(Direction::Write, 8, 1, Vec::new(), &opts),
+                    started: now,
+                    deadline: now + Duration::from_secs(30),
+                    timeout: Duration::from_secs(30),
+                    epoch: side.epoch.load(Ordering::Acquire),
+                    seq: 0,
                 },
-                finish: Box::new(finish),
-                report: report(Direction::Write, 8, 1, Vec::new(), &opts),
-                started: now,
-                deadline: now + Duration::from_secs(30),
-                timeout: Duration::from_secs(30),
-                epoch: side.epoch.load(Ordering::Acquire),
-            });
+            );
         };
         let counts = || {
             (
@@ -1092,7 +1096,7 @@ mod tests {
             push(finish, None);
             ts.push(t);
         }
-        side.help();
+        side.lane(0).help();
         for t in ts {
             assert_eq!(t.wait().unwrap().bytes, 8);
         }
@@ -1112,7 +1116,7 @@ mod tests {
             c.stream.shutdown(std::net::Shutdown::Write).unwrap();
         }
         push(finish, Some(7));
-        side.help();
+        side.lane(0).help();
         assert!(t.wait().is_err());
         assert!(ep.failure().is_some());
         assert_eq!(

@@ -5,7 +5,7 @@
 use super::copies::{Held, Keep, Parking, Piece, enqueue, path_of, queue_copies};
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
-use super::side::{Job, Side, lock};
+use super::side::{Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
@@ -13,14 +13,14 @@ use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::descriptor::{IpcKind, IpcPart};
 use crate::transfer::engine::EngineInner;
-use crate::transfer::pending::{Finisher, Transfer};
+use crate::transfer::pending::Transfer;
 use crate::transfer::region::{FdOf, LocalRange, MemoryPath};
 use crate::transfer::request::{
     Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
 };
 use crate::transfer::shared::EpInner;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// The side holds the imports a request used for as long as it lives (the next requests find
@@ -411,7 +411,8 @@ pub(super) fn request(
         deadline,
         epoch,
     } = prepare(ep, side, dir, &pairs, &opts)?;
-    let streams = streams_for(side, &copies)?;
+    let lane = side.lane_here();
+    let streams = streams_for(lane, &copies)?;
     let bytes = pairs_bytes(&pairs)?;
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
@@ -435,15 +436,18 @@ pub(super) fn request(
         report,
         when,
     };
-    issue(ep, side, job)
+    issue(ep, side, lane, job)
 }
 
-/// The streams of each local GPU the copies start from (one GPU, almost always).
-fn streams_for(side: &Side, copies: &[Piece]) -> Result<Vec<(usize, Arc<[Stream]>)>> {
-    let mut streams: Vec<(usize, Arc<[Stream]>)> = Vec::with_capacity(1);
+/// The streams of each local GPU a request's copies start from: (ordinal, its streams).
+type GpuStreams = Vec<(usize, Arc<[Stream]>)>;
+
+/// The streams on `lane` of each local GPU the copies start from (one GPU, almost always).
+fn streams_for(lane: &Lane, copies: &[Piece]) -> Result<GpuStreams> {
+    let mut streams: GpuStreams = Vec::with_capacity(1);
     for c in copies {
         if !streams.iter().any(|(d, _)| *d == c.device) {
-            streams.push((c.device, side.streams_of(c.device)?));
+            streams.push((c.device, lane.streams_of(c.device)?));
         }
     }
     Ok(streams)
@@ -472,8 +476,9 @@ struct Issue<'a> {
     when: When,
 }
 
-/// Queue a checked request's copies and hand it to the worker.
-fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
+/// Queue a checked request's copies on `lane` (`job.streams` are its) and hand it to the
+/// worker.
+fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> Result<Transfer> {
     let Issue {
         streams,
         copies,
@@ -484,9 +489,9 @@ fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
     } = job;
     let e = &ep.engine.inner;
     let eager = report.notified.is_some();
-    // Under the issue lock, queued then pushed: the streams' order is the queue's, so
-    // notifications leave in request order. (The worker takes only the queue's lock, briefly.)
-    let issue = lock(&side.issue);
+    // Under the lane's issue lock, queued then pushed: the lane's streams' order is its queue's.
+    // (The worker takes only the queue's lock, briefly.)
+    let issue = lock(&lane.issue);
     let (fence, keep, messages) = enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
     // From here on the copies run: what is left costs them nothing.
     hold_imports(side, &keep._imports);
@@ -500,19 +505,22 @@ fn issue(ep: &EpInner<State>, side: &Side, job: Issue<'_>) -> Result<Transfer> {
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
     // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
     // beside the caller's copies, which slow a small request: see docs/transfer.md).
-    let me: Weak<dyn Finisher> = side.me.clone();
-    transfer.set_finisher(me);
+    transfer.set_finisher(lane.finisher());
     let mut q = lock(&side.queue);
-    q.jobs.push_back(Job {
-        fence: Arc::new(fence),
-        keep,
-        finish: Box::new(finish),
-        report,
-        started: when.started,
-        deadline: when.deadline,
-        timeout: when.timeout,
-        epoch: when.epoch,
-    });
+    q.push(
+        lane.index,
+        Job {
+            fence: Arc::new(fence),
+            keep,
+            finish: Box::new(finish),
+            report,
+            started: when.started,
+            deadline: when.deadline,
+            timeout: when.timeout,
+            epoch: when.epoch,
+            seq: 0,
+        },
+    );
     let wake = eager && q.idle;
     drop(q);
     drop(issue);
@@ -527,7 +535,9 @@ pub(crate) struct Ready {
     side: Weak<Side>,
     copies: Vec<Piece>,
     gpus: Vec<(Option<usize>, usize)>,
-    streams: Vec<(usize, Arc<[Stream]>)>,
+    /// Per lane of the side: the streams of each local GPU the copies start from, found at the
+    /// lane's first post.
+    streams: Box<[OnceLock<GpuStreams>]>,
     /// The report every post starts from (no paths, no messages yet).
     report: TransferReport,
     held: Arc<Held>,
@@ -559,7 +569,11 @@ pub(super) fn ready(
         _pairs: pairs,
         _imports: imports,
     });
-    let streams = streams_for(side, &copies)?;
+    // This thread's lane's streams found now (a refusal comes from `prepare`), the others'
+    // at their first post.
+    let lane = side.lane_here();
+    let streams: Box<[OnceLock<_>]> = (0..side.lanes()).map(|_| OnceLock::new()).collect();
+    let _ = streams[lane.index].set(streams_for(lane, &copies)?);
     // Held by the side from now on, as a request's are once queued: every post finds them.
     hold_imports(side, &held._imports);
     Ok(Ready {
@@ -579,6 +593,8 @@ pub(super) fn ready(
 /// prepared (the peer's memory may have moved).
 pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
     let side = current(ep, r)?;
+    let lane = side.lane_here();
+    let streams = r.streams_on(lane)?;
     let started = Instant::now();
     let keep = Keep::posted(&r.held);
     let when = When {
@@ -588,14 +604,27 @@ pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
         epoch: r.epoch,
     };
     let job = Issue {
-        streams: &r.streams,
+        streams,
         copies: &r.copies,
         gpus: &r.gpus,
         keep,
         report: r.report.clone(),
         when,
     };
-    issue(ep, &side, job)
+    issue(ep, &side, lane, job)
+}
+
+impl Ready {
+    /// The streams on `lane` of each local GPU the copies start from.
+    fn streams_on(&self, lane: &Lane) -> Result<&GpuStreams> {
+        let slot = &self.streams[lane.index];
+        if let Some(v) = slot.get() {
+            return Ok(v);
+        }
+        // Two threads of one lane may both look them up: the same streams either way.
+        let _ = slot.set(streams_for(lane, &self.copies)?);
+        Ok(slot.get().expect("set above"))
+    }
 }
 
 /// The side of a prepared request, refused when the endpoint failed, closed or reconnected since
@@ -627,14 +656,18 @@ const RUN_SYNC_MAX_BYTES: u64 = 64 << 20;
 const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 
 /// Post a prepared request and wait for it on this thread. With one stream, at most
-/// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing of the
-/// endpoint queued or being finished, and nothing earlier left running on the stream (a request
-/// that ended late leaves its copies there): the copies are queued and waited for with
-/// `cuStreamSynchronize`, holding the issue lock (no request is queued meanwhile) and the
-/// finishing lock (no earlier request is still sending its notification), with no job, transfer
-/// or worker in between. Otherwise `post(..).wait()`.
+/// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing queued on
+/// this thread's lane (and, for a request with a notification, no request with one queued or
+/// being finished), and nothing earlier left running on the lane's stream (a request that ended
+/// late leaves its copies there): the copies are queued and waited for with
+/// `cuStreamSynchronize`, holding the lane's issue lock (no request is queued on it meanwhile)
+/// and, with a notification, the finishing lock (no earlier request is still sending its
+/// notification), with no job, transfer or worker in between. Otherwise `post(..).wait()`.
 pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
-    let lane = match &r.streams[..] {
+    let side = current(ep, r)?;
+    let lane = side.lane_here();
+    let streams = r.streams_on(lane)?;
+    let stream = match &streams[..] {
         [(_, s)]
             if s.len() == 1
                 && r.report.bytes <= RUN_SYNC_MAX_BYTES
@@ -646,14 +679,19 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     };
     // What finished requests left parked goes here, on the caller's thread (as a wait does).
     Tracker::global().reap();
-    let side = current(ep, r)?;
     // Declared before the locks: the wake-ups of a failure run once they are let go.
     let mut wakes = None;
-    let issue = lock(&side.issue);
-    // Requests finish (and notify) one at a time under `finishing`, after leaving the queue.
-    let order = lock(&side.finishing);
-    let timeline = lane.timeline();
-    if !lock(&side.queue).jobs.is_empty() || timeline.completed() < timeline.issued() {
+    let issue = lock(&lane.issue);
+    // Requests with a notification finish (and notify) one at a time under `finishing`, after
+    // leaving the queue: one run here waits for none queued and holds it.
+    let notified = r.report.notified.is_some();
+    let order = notified.then(|| lock(&side.finishing));
+    let timeline = stream.timeline();
+    let busy = {
+        let q = lock(&side.queue);
+        !q.lane_empty(lane.index) || (notified && q.any_notified())
+    };
+    if busy || timeline.completed() < timeline.issued() {
         drop((order, issue));
         return post(ep, r)?.wait();
     }
@@ -667,15 +705,16 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     let started = Instant::now();
     let keep = Keep::posted(&r.held);
     let (fence, keep, messages) = enqueue(
-        &r.streams,
+        streams,
         &r.copies,
         ep.engine.inner.config.copy_chunk as u64,
         keep,
     )?;
-    // Nobody else issues on this stream while `issue` is held: the newest epoch is this one.
+    // Nobody else issues on this lane's stream while `issue` is held: the newest epoch is this
+    // one.
     let covered = timeline.issued();
     // SAFETY: the endpoint's own live stream, whose context `enqueue` made current.
-    let synced = unsafe { crate::driver::stream::synchronize(lane.cu_stream()) };
+    let synced = unsafe { crate::driver::stream::synchronize(stream.cu_stream()) };
     drop(relaxed);
     if let Err(e) = synced {
         // A sticky error: the copies may never be seen done; what they reach stays.
