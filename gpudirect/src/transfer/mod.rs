@@ -107,9 +107,11 @@
 //! `cuMemPoolImportPointer`; closed when no endpoint and no copy holds it),
 //! checks each range against the allocation
 //! length the peer claims and the mapping's real size, and copies with `cuMemcpyAsync` on a
-//! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]); a
-//! caller blocked in [`Transfer::wait`], or else the endpoint's worker thread, sees the copies
-//! done (an event recorded only when someone looks) and finishes the request. A notification
+//! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]), one set
+//! per issue lane: each thread that submits issues on its own lane
+//! ([`EngineConfig::copy_lanes`]), so threads sharing an endpoint copy side by side; a caller
+//! blocked in [`Transfer::wait`], or else the endpoint's worker thread, sees the copies done (an
+//! event recorded only when someone looks) and finishes the request. A notification
 //! leaves on the socket only then, so when the peer receives it the bytes are in its memory, visible to
 //! any work it queues afterwards. Each pair's path is [`MemoryPath::CudaIpc`] with the link
 //! ([`IpcLink`]: NVLink, PCIe, the same device). Memory that cannot be exported (host memory,

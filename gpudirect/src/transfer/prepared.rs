@@ -113,11 +113,13 @@ impl PreparedTransfer {
     /// Post it and wait for it on this thread: what `post()?.wait()` gives, sooner.
     ///
     /// Inside a node, when the request moves at most 64 MiB on one copy stream (the default
-    /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else of the
-    /// endpoint is queued, being finished or still running on that stream, its copies are
-    /// queued and waited for with `cuStreamSynchronize` on this thread, as a hand-written copy
-    /// would be: no completion tracking, no hand-off between threads. Meanwhile the endpoint
-    /// queues no other request (they wait to be queued). The deadline does not bound that wait:
+    /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else is
+    /// queued on this thread's issue lane ([`EngineConfig::copy_lanes`]) or still running on its
+    /// stream (and, with a notification, no request of the endpoint with one is queued or being
+    /// finished), its copies are queued and waited for with `cuStreamSynchronize` on this
+    /// thread, as a hand-written copy would be: no completion tracking, no hand-off between
+    /// threads. Meanwhile the lane queues no other request (they wait to be queued); other
+    /// threads' lanes go on. The deadline does not bound that wait:
     /// 64 MiB take at most a few milliseconds on any GPU link, so only a stalled GPU makes it
     /// long; copies seen done are done, as for any request. Otherwise, and across nodes, it is
     /// `post()?.wait()`.
@@ -127,6 +129,7 @@ impl PreparedTransfer {
     /// As [`post`](Self::post) and [`Transfer::wait`].
     ///
     /// [`EngineConfig::copy_streams`]: super::EngineConfig::copy_streams
+    /// [`EngineConfig::copy_lanes`]: super::EngineConfig::copy_lanes
     #[doc(alias = "cuStreamSynchronize")]
     pub fn run(&self) -> Result<TransferReport> {
         match &self.how {

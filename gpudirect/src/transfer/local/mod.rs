@@ -14,13 +14,15 @@
 //! pool, on the GPU holding it, with `cuMemPoolSetAccess` for each local GPU that copies) and
 //! `cuMemPoolImportPointer` of the allocation's export data (once per allocation; freed before
 //! its pool goes). It checks the range against the allocation length the peer claims and the
-//! mapping's real size, and queues `cuMemcpyAsync` on the endpoint's stream(s) of the local
-//! memory's GPU, then takes an epoch of each stream's completion timeline (no driver call: an
-//! event is recorded only when someone looks, covering every request queued before, and events
-//! are recycled). Requests finish in request order, each only once its epochs complete, and
-//! only then is its notification sent over the socket, so the peer sees a notification only
-//! once its bytes are in its memory. A caller blocked in [`Transfer::wait`](crate::transfer::Transfer::wait) finishes what is done
-//! itself; a worker thread does it for requests with a notification, and for the others once
+//! mapping's real size, and queues `cuMemcpyAsync` on the stream(s) of the local memory's GPU of
+//! the calling thread's issue lane (each lane its own streams and lock), then takes an epoch of
+//! each stream's completion timeline (no driver call: an event is recorded only when someone
+//! looks, covering every request queued before, and events are recycled). A lane's requests
+//! finish in the order they were made, each only once its epochs complete, and those with a
+//! notification in request order across lanes; only then is a notification sent over the
+//! socket, so the peer sees a notification only once its bytes are in its memory. A caller
+//! blocked in [`Transfer::wait`](crate::transfer::Transfer::wait) finishes what is done on its
+//! request's lane itself; a worker thread does it for requests with a notification, and for the others once
 //! they are polled, awaited, made an `InFlight` or dropped unfinished, or at its next look
 //! (at least every 100 ms), so that a waiting caller is not slowed by the worker's wake-up and
 //! queries beside its own copies. A reader thread
