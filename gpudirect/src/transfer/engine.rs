@@ -75,11 +75,15 @@ pub struct EngineConfig {
     /// at least 64 KiB).
     pub copy_chunk: usize,
     /// Issue lanes of an intra-node endpoint (default 4, 1 to 64). Each thread that submits
-    /// requests issues on one lane (the lanes taken in turn by threads as they first submit),
-    /// with the lane's own streams and lock, so that threads submitting on one endpoint queue
-    /// their copies side by side. A lane's requests finish in the order they were made;
-    /// notifications leave in request order across lanes. With 1, every request of the
-    /// endpoint is queued on one set of streams and finishes in request order.
+    /// requests on an endpoint issues on one of its lanes (given in turn as threads first
+    /// submit there, then always the same), with the lane's own streams and lock, so that
+    /// threads submitting on one endpoint queue their copies side by side. A lane's requests
+    /// finish in the order they were made; a request with a notification finishes only once
+    /// every request the endpoint queued before it has, so notifications leave in request order
+    /// and each tells the peer that every earlier request's bytes are there too. Requests of
+    /// different lanes are otherwise not ordered: a read of what another thread's write (not
+    /// waited for) puts there may run first. With 1, every request of the endpoint is queued
+    /// on one set of streams and finishes in request order.
     pub copy_lanes: usize,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not

@@ -24,7 +24,7 @@ pub(crate) struct ReqShared {
     finisher: OnceLock<Weak<dyn Finisher>>,
 }
 
-/// Who finishes a request that a waiting caller can help with (the intra-node side's queue,
+/// Who finishes a request that a waiting caller can help with (an intra-node endpoint's issue lane,
 /// the verbs rails' completion queues).
 pub(crate) trait Finisher: Send + Sync {
     /// Called by a blocking wait while it spins: finish what is done, in order, if no one else

@@ -115,11 +115,12 @@ impl PreparedTransfer {
     /// Inside a node, when the request moves at most 64 MiB on one copy stream (the default
     /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else is
     /// queued on this thread's issue lane ([`EngineConfig::copy_lanes`]) or still running on its
-    /// stream (and, with a notification, no request of the endpoint with one is queued or being
-    /// finished), its copies are queued and waited for with `cuStreamSynchronize` on this
-    /// thread, as a hand-written copy would be: no completion tracking, no hand-off between
-    /// threads. Meanwhile the lane queues no other request (they wait to be queued); other
-    /// threads' lanes go on. The deadline does not bound that wait:
+    /// stream (and, with a notification, nothing of the endpoint is queued or being finished),
+    /// its copies are queued and waited for with `cuStreamSynchronize` on this thread, as a
+    /// hand-written copy would be: no completion tracking, no hand-off between threads.
+    /// Meanwhile the lane queues no other request (they wait to be queued); other threads'
+    /// lanes go on (with a notification, their requests with one wait behind it). The deadline
+    /// does not bound that wait:
     /// 64 MiB take at most a few milliseconds on any GPU link, so only a stalled GPU makes it
     /// long; copies seen done are done, as for any request. Otherwise, and across nodes, it is
     /// `post()?.wait()`.

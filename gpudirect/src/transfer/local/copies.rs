@@ -1,6 +1,6 @@
-//! The copies of an intra-node request: pieces cut and spread over the endpoint's streams,
-//! queued (`cuMemcpyBatchAsync` or `cuMemcpyAsync`) with an epoch of each stream taken after
-//! them, and what they reach held until those epochs complete (parked, never freed early).
+//! The copies of an intra-node request: pieces cut and spread over the streams of the issuing
+//! lane, queued (`cuMemcpyBatchAsync` or `cuMemcpyAsync`) with an epoch of each stream taken
+//! after them, and what they reach held until those epochs complete (parked, never freed early).
 
 use super::import::{Import, link};
 use crate::completion::{CompletionFlag, Fence, StreamFence, Tracker, capture};
@@ -226,7 +226,7 @@ fn queue_on(
         return Err(e);
     }
     let k = keep.take().expect("kept between streams");
-    // The endpoint's streams are its own: made in `streams_of`, never handed out, and never
+    // A lane's streams are the endpoint's own: made in `streams_of`, never handed out, and never
     // made to wait on anyone's event, so no capture can reach them (the private protocol: no
     // driver questions).
     let copies = |raw, _: &Keep| {

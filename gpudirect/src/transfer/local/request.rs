@@ -1,5 +1,5 @@
 //! An intra-node request: every range checked, the peer's allocations mapped (once, held by the
-//! side), the copies queued on the endpoint's streams and handed to the worker; prepared once
+//! side), the copies queued on the calling thread's lane's streams and handed to the worker; prepared once
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
 use super::copies::{Held, Keep, Parking, Piece, enqueue, path_of, queue_copies};
@@ -20,7 +20,7 @@ use crate::transfer::request::{
 };
 use crate::transfer::shared::EpInner;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// The side holds the imports a request used for as long as it lives (the next requests find
@@ -394,7 +394,7 @@ fn map_allocation(
 }
 
 /// The intra-node request: every range checked, the peer's allocations mapped (once), the
-/// copies queued on the endpoint's streams and handed to the worker.
+/// copies queued on the calling thread's lane's streams and handed to the worker.
 pub(super) fn request(
     ep: &EpInner<State>,
     side: &Side,
@@ -500,7 +500,7 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     // Made once the copies are queued: a request refused before has no transfer to end. What
     // the copies reach is the job's to hold (`keep`), not the transfer's.
     let (transfer, finish) = Transfer::pending(when.timeout, Vec::new());
-    // A caller waiting for it finishes what is done at the head of the queue itself. The
+    // A caller waiting for it finishes what is done first on its lane itself. The
     // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes
     // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
@@ -535,9 +535,8 @@ pub(crate) struct Ready {
     side: Weak<Side>,
     copies: Vec<Piece>,
     gpus: Vec<(Option<usize>, usize)>,
-    /// Per lane of the side: the streams of each local GPU the copies start from, found at the
-    /// lane's first post.
-    streams: Box<[OnceLock<GpuStreams>]>,
+    /// Per lane of the side: the streams of each local GPU the copies start from.
+    streams: Box<[GpuStreams]>,
     /// The report every post starts from (no paths, no messages yet).
     report: TransferReport,
     held: Arc<Held>,
@@ -569,11 +568,10 @@ pub(super) fn ready(
         _pairs: pairs,
         _imports: imports,
     });
-    // This thread's lane's streams found now (a refusal comes from `prepare`), the others'
-    // at their first post.
-    let lane = side.lane_here();
-    let streams: Box<[OnceLock<_>]> = (0..side.lanes()).map(|_| OnceLock::new()).collect();
-    let _ = streams[lane.index].set(streams_for(lane, &copies)?);
+    // Every lane's streams found (made) now: a post only queues the copies.
+    let streams = (0..side.lanes())
+        .map(|i| streams_for(side.lane(i), &copies))
+        .collect::<Result<Box<[_]>>>()?;
     // Held by the side from now on, as a request's are once queued: every post finds them.
     hold_imports(side, &held._imports);
     Ok(Ready {
@@ -594,7 +592,7 @@ pub(super) fn ready(
 pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
     let side = current(ep, r)?;
     let lane = side.lane_here();
-    let streams = r.streams_on(lane)?;
+    let streams = r.streams_on(lane);
     let started = Instant::now();
     let keep = Keep::posted(&r.held);
     let when = When {
@@ -616,14 +614,8 @@ pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
 
 impl Ready {
     /// The streams on `lane` of each local GPU the copies start from.
-    fn streams_on(&self, lane: &Lane) -> Result<&GpuStreams> {
-        let slot = &self.streams[lane.index];
-        if let Some(v) = slot.get() {
-            return Ok(v);
-        }
-        // Two threads of one lane may both look them up: the same streams either way.
-        let _ = slot.set(streams_for(lane, &self.copies)?);
-        Ok(slot.get().expect("set above"))
+    fn streams_on(&self, lane: &Lane) -> &GpuStreams {
+        &self.streams[lane.index]
     }
 }
 
@@ -657,16 +649,17 @@ const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 
 /// Post a prepared request and wait for it on this thread. With one stream, at most
 /// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing queued on
-/// this thread's lane (and, for a request with a notification, no request with one queued or
-/// being finished), and nothing earlier left running on the lane's stream (a request that ended
-/// late leaves its copies there): the copies are queued and waited for with
-/// `cuStreamSynchronize`, holding the lane's issue lock (no request is queued on it meanwhile)
-/// and, with a notification, the finishing lock (no earlier request is still sending its
-/// notification), with no job, transfer or worker in between. Otherwise `post(..).wait()`.
+/// this thread's lane (and, for a request with a notification, nothing queued on any lane and
+/// no notification on its way or reserved), and nothing earlier left running on the lane's
+/// stream (a request that ended late leaves its copies there): the copies are queued and
+/// waited for with `cuStreamSynchronize`, holding the lane's issue lock (no request is queued
+/// on it meanwhile) and, with a notification, a place reserved in the notifications' order
+/// (later ones wait behind it; other lanes' requests without one go on), with no job, transfer
+/// or worker in between. Otherwise `post(..).wait()`.
 pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     let side = current(ep, r)?;
     let lane = side.lane_here();
-    let streams = r.streams_on(lane)?;
+    let streams = r.streams_on(lane);
     let stream = match &streams[..] {
         [(_, s)]
             if s.len() == 1
@@ -682,24 +675,35 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     // Declared before the locks: the wake-ups of a failure run once they are let go.
     let mut wakes = None;
     let issue = lock(&lane.issue);
-    // Requests with a notification finish (and notify) one at a time under `finishing`, after
-    // leaving the queue: one run here waits for none queued and holds it.
-    let notified = r.report.notified.is_some();
-    let order = notified.then(|| lock(&side.finishing));
     let timeline = stream.timeline();
-    let busy = {
-        let q = lock(&side.queue);
-        !q.lane_empty(lane.index) || (notified && q.any_notified())
-    };
-    if busy || timeline.completed() < timeline.issued() {
-        drop((order, issue));
+    if timeline.completed() < timeline.issued() {
+        drop(issue);
         return post(ep, r)?.wait();
     }
     // The wait must neither fail nor break another thread's global-mode capture.
     // SAFETY: the peer's allocations were mapped through CUDA when this was prepared: libcuda
     // passed the presence check.
     let Some(relaxed) = (unsafe { capture::Relaxed::new() }) else {
-        drop((order, issue));
+        drop(issue);
+        return post(ep, r)?.wait();
+    };
+    // Nothing queued on this lane; with a notification, nothing queued on any (every earlier
+    // request finished), none being finished (`finishing` held while looking) and a place
+    // reserved in the request order, which holds later notifications back until it is released.
+    let notified = r.report.notified.is_some();
+    let reserved = {
+        let _order = notified.then(|| lock(&side.finishing));
+        let mut q = lock(&side.queue);
+        let busy = !q.lane_empty(lane.index) || (notified && (!q.is_empty() || q.any_notified()));
+        (!busy).then(|| {
+            notified.then(|| Reserved {
+                side: &side,
+                seq: q.reserve(),
+            })
+        })
+    };
+    let Some(reserved) = reserved else {
+        drop((relaxed, issue));
         return post(ep, r)?.wait();
     };
     let started = Instant::now();
@@ -720,14 +724,14 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
         // A sticky error: the copies may never be seen done; what they reach stays.
         Tracker::global().park(fence, keep);
         wakes = side.fail_later(Broken::of(&e));
-        drop((order, issue));
+        drop((reserved, issue));
         drop(wakes);
         return Err(e);
     }
     timeline.completed_through(covered);
     drop((fence, keep));
     let elapsed = started.elapsed();
-    // Done is done, as at the head of the queue: the deadline is not looked at once the copies
+    // Done is done, as when finished from the queue: the deadline is not looked at once the copies
     // are seen complete.
     let result = if let Some(tag) = r.report.notified
         && let Err(e) = side.notify(tag, r.epoch)
@@ -746,9 +750,22 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
         report.elapsed = elapsed;
         Ok(report)
     };
-    drop((order, issue));
+    drop((reserved, issue));
     drop(wakes);
     result
+}
+
+/// A prepared run's place in the request order of notifications ([`run`]), given back when
+/// dropped.
+struct Reserved<'a> {
+    side: &'a Side,
+    seq: u64,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        lock(&self.side.queue).release(self.seq);
+    }
 }
 
 /// The report of an intra-node request (no rails; `elapsed` set when it finishes).

@@ -136,10 +136,31 @@ impl Queue {
 
     /// Whether `h` may finish before the requests still queued: one without a notification may
     /// (its lane's earlier requests finished before it, and their copies ran before its own on
-    /// the lane's streams); one with a notification only when no earlier request with one is
-    /// queued.
+    /// the lane's streams); one with a notification only once every request made before it, on
+    /// any lane, has finished (and no earlier notification is reserved), so that its
+    /// notification tells the peer every earlier request's bytes are there too.
     fn may_finish(&self, h: &Head) -> bool {
-        !h.notified || self.notified.front() == Some(&h.seq)
+        !h.notified
+            || (self.notified.front() == Some(&h.seq)
+                && self
+                    .lanes
+                    .iter()
+                    .filter_map(VecDeque::front)
+                    .all(|j| j.seq >= h.seq))
+    }
+
+    /// A place in the request order for a notification sent without a queued request (a
+    /// prepared run's): requests with a notification made later wait until it is released.
+    pub(super) fn reserve(&mut self) -> u64 {
+        let seq = self.next;
+        self.next += 1;
+        self.notified.push_back(seq);
+        seq
+    }
+
+    /// Give a reserved place back (its notification sent, or not to be sent).
+    pub(super) fn release(&mut self, seq: u64) {
+        self.notified.retain(|&s| s != seq);
     }
 
     /// The earliest deadline of the lanes' first requests (none queued: `None`).
@@ -163,12 +184,14 @@ impl Queue {
     }
 }
 
-/// The lane each thread issues on: threads are numbered as they first submit an intra-node
-/// request, and a thread's number picks its lane (modulo the endpoint's lanes).
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+/// Numbers the sides of the process, for the threads' lane cache.
+static NEXT_SIDE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
-    static THREAD_NUMBER: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+    /// This thread's lane on each side it submitted on that is still alive: (the side's
+    /// number, the side, the lane).
+    static LANES: std::cell::RefCell<Vec<(u64, Weak<Side>, usize)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// An issue lane of an endpoint ([`EngineConfig::copy_lanes`]): the streams its threads'
@@ -233,13 +256,18 @@ pub(crate) struct Side {
     ep: Mutex<Weak<EpInner<State>>>,
     pub(super) worker: Mutex<Option<JoinHandle<()>>>,
     /// Held while a request is finished: one at a time (each lane's in order, notifications
-    /// in request order).
+    /// in request order); and by a prepared run with a notification while it reserves its
+    /// place and while it sends it.
     pub(super) finishing: Mutex<()>,
     /// Held for a whole reconnect.
     reconnecting: Mutex<()>,
     /// Itself, for prepared requests.
     pub(super) me: Weak<Side>,
     born: Instant,
+    /// This side's number in the process (the threads' lanes).
+    number: u64,
+    /// The next lane given to a thread that first submits here (modulo the lanes).
+    next_lane: AtomicUsize,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -306,6 +334,8 @@ impl Side {
                 })
                 .collect(),
             born: Instant::now(),
+            number: NEXT_SIDE.fetch_add(1, Ordering::Relaxed),
+            next_lane: AtomicUsize::new(0),
             engine,
             dialed,
             conn: Mutex::new(Some(Conn {
@@ -457,16 +487,31 @@ impl Side {
         self.lanes.len()
     }
 
-    /// Lane `i` (tests).
-    #[cfg(test)]
+    /// Lane `i` (below [`lanes`](Self::lanes)).
     pub(super) fn lane(&self, i: usize) -> &Arc<Lane> {
         &self.lanes[i]
     }
 
-    /// The lane this thread issues on.
+    /// The lane this thread issues on: given when it first submits on this endpoint (the lanes
+    /// in turn), the same one every time after, so one thread's requests are in order.
+    /// (A thread whose thread-locals are gone, in their destructors, issues on lane 0.)
     pub(super) fn lane_here(&self) -> &Arc<Lane> {
-        let n = THREAD_NUMBER.with(|n| *n);
-        &self.lanes[n % self.lanes.len()]
+        let lane = LANES
+            .try_with(|l| {
+                let Ok(mut l) = l.try_borrow_mut() else {
+                    return 0;
+                };
+                if let Some(&(_, _, lane)) = l.iter().find(|(n, ..)| *n == self.number) {
+                    return lane;
+                }
+                // The sides this thread used that are gone leave the list first.
+                l.retain(|(_, side, _)| side.strong_count() > 0);
+                let lane = self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+                l.push((self.number, self.me.clone(), lane));
+                lane
+            })
+            .unwrap_or(0);
+        &self.lanes[lane]
     }
 
     /// Nanoseconds since this side was made (at least 1).
@@ -805,6 +850,34 @@ mod tests {
         (t, job)
     }
 
+    /// A place reserved for a prepared run's notification holds back a later request with one
+    /// until it is released; one without a notification goes on.
+    #[test]
+    fn a_reserved_place_holds_later_notifications_back() {
+        let mut q = Queue::new(2);
+        let seq = q.reserve();
+        let (t1, plain) = job(false);
+        let (t2, noted) = job(true);
+        q.push(0, plain);
+        q.push(1, noted);
+        let heads = q.heads();
+        assert_eq!(heads.len(), 2);
+        assert!(q.may_finish(&heads[0]), "no notification: not held");
+        assert!(!q.may_finish(&heads[1]), "held behind the reserved place");
+        for (t, j) in [(t1, q.pop(0, heads[0].seq))] {
+            drop((j.finish)(Ok(j.report.clone())));
+            t.wait().unwrap();
+        }
+        assert!(!q.may_finish(&q.head(1).unwrap()), "still reserved");
+        q.release(seq);
+        let h = q.head(1).unwrap();
+        assert!(q.may_finish(&h), "released");
+        let j = q.pop(1, h.seq);
+        drop((j.finish)(Ok(j.report.clone())));
+        t2.wait().unwrap();
+        assert!(q.is_empty() && !q.any_notified());
+    }
+
     proptest! {
         /// Requests on random lanes, some with a notification, their copies done at random
         /// steps (in order on each lane, as on a lane's streams): taken as the finishers take
@@ -855,6 +928,13 @@ mod tests {
             }
             let notes: Vec<u64> = out.iter().copied().filter(|&s| reqs[s as usize].1).collect();
             prop_assert!(notes.windows(2).all(|w| w[0] < w[1]), "notifications in order: {:?}", notes);
+            // A request with a notification comes out after every request made before it.
+            for (at, &s) in out.iter().enumerate() {
+                if reqs[s as usize].1 {
+                    let before = out[..at].iter().filter(|&&o| o < s).count();
+                    prop_assert_eq!(before, s as usize, "request {} came out early", s);
+                }
+            }
             for t in transfers {
                 prop_assert!(t.wait().is_ok());
             }
