@@ -77,18 +77,18 @@ fn check(r: sys::CUresult, call: &str) {
 /// The submitting side's `EngineConfig::copy_streams`: `TRANSFER_BENCH_COPY_STREAMS` (default
 /// 1, the engine's default).
 fn copy_streams() -> usize {
-    std::env::var("TRANSFER_BENCH_COPY_STREAMS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1)
+    env_count("TRANSFER_BENCH_COPY_STREAMS").unwrap_or(1)
 }
 
 /// The submitting side's `EngineConfig::copy_lanes`: `TRANSFER_BENCH_COPY_LANES` (default: the
 /// engine's default).
 fn copy_lanes() -> Option<usize> {
-    std::env::var("TRANSFER_BENCH_COPY_LANES")
-        .ok()
-        .and_then(|v| v.parse().ok())
+    env_count("TRANSFER_BENCH_COPY_LANES")
+}
+
+/// The number variable `name` holds, if set and a number.
+fn env_count(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -454,9 +454,7 @@ fn main() {
         Err(e) => skip_example(Hardware::Gpu, e),
     };
     let (a, b) = if gpus >= 2 { (0, 1) } else { (0, 0) };
-    let max_mib: usize = std::env::var("TRANSFER_BENCH_MAX_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
+    let max_mib = env_count("TRANSFER_BENCH_MAX_MIB")
         .unwrap_or(1024)
         .clamp(1, 4096);
     let max = max_mib * MIB;

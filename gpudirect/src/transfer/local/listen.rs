@@ -141,11 +141,9 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::{Arc, Mutex};
 
-    use super::super::copies::{Events, Keep};
     use super::super::fds::FD_MAGIC;
     use super::super::hello::{LocalHello, descs};
     use super::super::meet::greet_bare;
-    use super::super::request::report;
     use super::super::side::{Job, lock};
     use super::super::socket::{FRAME, NOTE, recv_msg, send_all, send_msg};
     use crate::transfer::descriptor::DescribedKind;
@@ -1057,31 +1055,8 @@ mod tests {
         lock(&side.worker).take().unwrap().join().unwrap();
         let probe = Arc::new(Probe(side.clone(), AtomicU32::new(0), AtomicU32::new(0)));
         let push = |finish, notify: Option<u32>| {
-            let now = Instant::now();
-            let opts = TransferOptions {
-                notify,
-                deadline: None,
-            };
-            lock(&side.queue).push(
-                0,
-                Job {
-                    // No stream: done at once.
-                    fence: Arc::new(Events(Vec::new())),
-                    keep: Keep {
-                        _pairs: Vec::new(),
-                        _regions: Vec::new(),
-                        _imports: Vec::new(),
-                        _held: None,
-                    },
-                    finish: Box::new(finish),
-                    report: report(Direction::Write, 8, 1, Vec::new(), &opts),
-                    started: now,
-                    deadline: now + Duration::from_secs(30),
-                    timeout: Duration::from_secs(30),
-                    epoch: side.epoch.load(Ordering::Acquire),
-                    seq: 0,
-                },
-            );
+            let epoch = side.epoch.load(Ordering::Acquire);
+            lock(&side.queue).push(0, Job::done_at_once(Box::new(finish), notify, epoch));
         };
         let counts = || {
             (
@@ -1096,7 +1071,7 @@ mod tests {
             push(finish, None);
             ts.push(t);
         }
-        side.lane(0).help();
+        side.lanes()[0].help();
         for t in ts {
             assert_eq!(t.wait().unwrap().bytes, 8);
         }
@@ -1116,7 +1091,7 @@ mod tests {
             c.stream.shutdown(std::net::Shutdown::Write).unwrap();
         }
         push(finish, Some(7));
-        side.lane(0).help();
+        side.lanes()[0].help();
         assert!(t.wait().is_err());
         assert!(ep.failure().is_some());
         assert_eq!(

@@ -569,8 +569,10 @@ pub(super) fn ready(
         _imports: imports,
     });
     // Every lane's streams found (made) now: a post only queues the copies.
-    let streams = (0..side.lanes())
-        .map(|i| streams_for(side.lane(i), &copies))
+    let streams = side
+        .lanes()
+        .iter()
+        .map(|lane| streams_for(lane, &copies))
         .collect::<Result<Box<[_]>>>()?;
     // Held by the side from now on, as a request's are once queued: every post finds them.
     hold_imports(side, &held._imports);

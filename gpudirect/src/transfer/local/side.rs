@@ -86,13 +86,20 @@ impl Queue {
         }
     }
 
+    /// The next number in request order; with a notification, also its place in the
+    /// notifications' order.
+    fn number(&mut self, notified: bool) -> u64 {
+        let seq = self.next;
+        self.next += 1;
+        if notified {
+            self.notified.push_back(seq);
+        }
+        seq
+    }
+
     /// Queue `job` last on `lane`, numbered in request order.
     pub(super) fn push(&mut self, lane: usize, mut job: Job) {
-        job.seq = self.next;
-        self.next += 1;
-        if job.report.notified.is_some() {
-            self.notified.push_back(job.seq);
-        }
+        job.seq = self.number(job.report.notified.is_some());
         self.lanes[lane].push_back(job);
     }
 
@@ -134,6 +141,13 @@ impl Queue {
         v
     }
 
+    /// The lanes' first requests that [`may_finish`](Self::may_finish), in request order.
+    fn finishable(&self) -> Vec<Head> {
+        let mut v = self.heads();
+        v.retain(|h| self.may_finish(h));
+        v
+    }
+
     /// Whether `h` may finish before the requests still queued: one without a notification may
     /// (its lane's earlier requests finished before it, and their copies ran before its own on
     /// the lane's streams); one with a notification only once every request made before it, on
@@ -152,10 +166,7 @@ impl Queue {
     /// A place in the request order for a notification sent without a queued request (a
     /// prepared run's): requests with a notification made later wait until it is released.
     pub(super) fn reserve(&mut self) -> u64 {
-        let seq = self.next;
-        self.next += 1;
-        self.notified.push_back(seq);
-        seq
+        self.number(true)
     }
 
     /// Give a reserved place back (its notification sent, or not to be sent).
@@ -482,14 +493,9 @@ impl Side {
         send_all(&conn.stream, &f).map_err(|e| os("send on the local endpoint's Unix socket", e))
     }
 
-    /// How many issue lanes the side has.
-    pub(super) fn lanes(&self) -> usize {
-        self.lanes.len()
-    }
-
-    /// Lane `i` (below [`lanes`](Self::lanes)).
-    pub(super) fn lane(&self, i: usize) -> &Arc<Lane> {
-        &self.lanes[i]
+    /// The issue lanes.
+    pub(super) fn lanes(&self) -> &[Arc<Lane>] {
+        &self.lanes
     }
 
     /// The lane this thread issues on: given when it first submits on this endpoint (the lanes
@@ -583,9 +589,7 @@ impl Side {
             if q.is_empty() {
                 return true;
             }
-            let mut heads = q.heads();
-            heads.retain(|h| q.may_finish(h));
-            heads
+            q.finishable()
         };
         // Asked outside the lock: requests are queued meanwhile.
         heads
@@ -625,13 +629,10 @@ impl Side {
         // One lane's first request, or every lane's (the worker); `Vec::new` allocates nothing.
         let (one, all) = {
             let q = lock(&self.queue);
-            let (one, mut all) = match only {
-                Some(lane) => (q.head(lane), Vec::new()),
-                None => (None, q.heads()),
-            };
-            let one = one.filter(|h| q.may_finish(h));
-            all.retain(|h| q.may_finish(h));
-            (one, all)
+            match only {
+                Some(lane) => (q.head(lane).filter(|h| q.may_finish(h)), Vec::new()),
+                None => (None, q.finishable()),
+            }
         };
         for h in one.into_iter().chain(all) {
             // Asked outside the queue's lock; only a holder of `finishing` takes a lane's first
@@ -817,21 +818,20 @@ impl Side {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transfer::pending::Transfer;
-    use crate::transfer::request::{Direction, TransferOptions};
-    use proptest::prelude::*;
-
-    /// A queued request on no stream (done as soon as asked), numbered by the queue.
-    fn job(notified: bool) -> (Transfer, Job) {
-        let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
-        let opts = TransferOptions {
-            notify: notified.then_some(7),
+impl Job {
+    /// An 8-byte write on no stream (done as soon as asked), of endpoint epoch `epoch`, with
+    /// notification `notify`; numbered when queued.
+    pub(super) fn done_at_once(
+        finish: Box<dyn FnOnce(Result<TransferReport>) -> Settled + Send>,
+        notify: Option<u32>,
+        epoch: u64,
+    ) -> Job {
+        let opts = crate::transfer::request::TransferOptions {
+            notify,
             deadline: None,
         };
         let now = Instant::now();
-        let job = Job {
+        Job {
             fence: Arc::new(Events(Vec::new())),
             keep: Keep {
                 _pairs: Vec::new(),
@@ -839,15 +839,36 @@ mod tests {
                 _imports: Vec::new(),
                 _held: None,
             },
-            finish: Box::new(finish),
-            report: super::super::request::report(Direction::Write, 8, 1, Vec::new(), &opts),
+            finish,
+            report: super::request::report(
+                crate::transfer::request::Direction::Write,
+                8,
+                1,
+                Vec::new(),
+                &opts,
+            ),
             started: now,
             deadline: now + Duration::from_secs(30),
             timeout: Duration::from_secs(30),
-            epoch: 1,
+            epoch,
             seq: u64::MAX,
-        };
-        (t, job)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::pending::Transfer;
+    use proptest::prelude::*;
+
+    /// A queued request on no stream (done as soon as asked), numbered by the queue.
+    fn job(notified: bool) -> (Transfer, Job) {
+        let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        (
+            t,
+            Job::done_at_once(Box::new(finish), notified.then_some(7), 1),
+        )
     }
 
     /// A place reserved for a prepared run's notification holds back a later request with one
