@@ -17,6 +17,9 @@
 //!   queries that event); target at most 1.2x;
 //! - `await host fn`: the raw copy, then a `HostFnFence` awaited (the host function wakes the
 //!   future); target at most 1.2x;
+//! - the three awaits again with `spin(100 µs)` (`InFlightFuture::spin`: the future asks its
+//!   fence in a loop before it registers for a wake-up, as `cuEventSynchronize` spins); target
+//!   at most 1.2x for the event and host-function ones;
 //! - three raw decompositions with no gpudirect code: `cuLaunchHostFunc` after the copy with the
 //!   caller spinning on the flag its callback sets (the driver's host-function path alone); the
 //!   same with the caller parked and the callback unparking it (that path and one thread
@@ -67,22 +70,35 @@ enum Variant {
     AwaitStream,
     AwaitEvent,
     AwaitHostFn,
+    AwaitStreamSpin,
+    AwaitEventSpin,
+    AwaitHostFnSpin,
     RawHostFnSpin,
     RawHostFnPark,
     RawQueryPark,
 }
 
 /// The variants, their names, and the target of those that have one (at most this ratio).
-const VARIANTS: [(Variant, &str, Option<f64>); 8] = [
+const VARIANTS: [(Variant, &str, Option<f64>); 11] = [
     (Variant::EventSync, "cuEventSynchronize", None),
     (Variant::Wait, "InFlight::wait", None),
     (Variant::AwaitStream, "await stream fence", None),
     (Variant::AwaitEvent, "await event fence", Some(1.2)),
     (Variant::AwaitHostFn, "await host fn", Some(1.2)),
+    (Variant::AwaitStreamSpin, "await stream fence, spin", None),
+    (
+        Variant::AwaitEventSpin,
+        "await event fence, spin",
+        Some(1.2),
+    ),
+    (Variant::AwaitHostFnSpin, "await host fn, spin", Some(1.2)),
     (Variant::RawHostFnSpin, "raw: host fn, caller spins", None),
     (Variant::RawHostFnPark, "raw: host fn unparks caller", None),
     (Variant::RawQueryPark, "raw: query thread unparks", None),
 ];
+
+/// The spin of the `, spin` variants ([`InFlightFuture::spin`](gpudirect::completion::InFlightFuture::spin)).
+const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// The target for 1,000 awaited copies: at most this ratio over the raw copies.
 const CONCURRENT_TARGET: f64 = 1.1;
@@ -234,6 +250,22 @@ fn main() {
                 raw_copy();
                 let op = InFlight::new("host fn", stream.host_fence().unwrap(), ());
                 rt.block_on(op.into_future()).unwrap();
+            }
+            Variant::AwaitStreamSpin => {
+                let op = copy_async(&stream, a.take().unwrap(), b.take().unwrap()).unwrap();
+                let (s, d) = rt.block_on(op.spin(SPIN)).unwrap();
+                a = Some(s);
+                b = Some(d);
+            }
+            Variant::AwaitEventSpin => {
+                raw_copy();
+                let op = InFlight::new("event", EventFence::record(stream.cuda()).unwrap(), ());
+                rt.block_on(op.spin(SPIN)).unwrap();
+            }
+            Variant::AwaitHostFnSpin => {
+                raw_copy();
+                let op = InFlight::new("host fn", stream.host_fence().unwrap(), ());
+                rt.block_on(op.spin(SPIN)).unwrap();
             }
             Variant::RawHostFnSpin | Variant::RawHostFnPark => {
                 let park = v == Variant::RawHostFnPark;

@@ -119,7 +119,18 @@ enum Holder<F> {
 /// [`Outcome`] or [`HostFnFence`](super::HostFnFence) wakes the future when it is set; a
 /// [`StreamFence`](super::StreamFence), an [`EventFence`](super::EventFence) and any fence
 /// without a source of its own are polled by the shared completion thread. A future never
-/// spins and never blocks.
+/// blocks, and spins only when told to ([`spin`](Self::spin)).
+///
+/// # Spinning
+///
+/// A wake-up from another thread costs the task a thread hand-off, which a blocking
+/// `cuEventSynchronize` (it spins) does not pay (`benches/futures.rs` measures both). With
+/// [`spin`](Self::spin) the future asks the fence itself, in a loop, for up to that long from
+/// its first poll before it registers for a wake-up: work that completes within it is seen
+/// within a fence check (`cuEventQuery` for an event fence, a load for a flag), as
+/// `cuEventSynchronize` sees it, at the cost of that much CPU of the polling thread (an
+/// executor's thread, which runs no other task meanwhile). A stream fence whose stream the
+/// completion thread already watches for other futures is left to that thread.
 ///
 /// # Deadlines
 ///
@@ -156,6 +167,10 @@ pub struct InFlightFuture<R: Send + 'static, F: Fence = Box<dyn Fence>, O = R> {
     /// The deadline's timer and the waker it wakes.
     timer: Option<(TimerKey, Waker)>,
     reaped: bool,
+    /// How long to ask the fence before registering ([`spin`](Self::spin)); zero: not at all.
+    spin: Duration,
+    /// The end of the spin, set at the first poll that spins.
+    spin_until: Option<Instant>,
 }
 
 // No field is pinned: the future moves freely between polls.
@@ -174,7 +189,43 @@ impl<R: Send + 'static, F: Fence, O> InFlightFuture<R, F, O> {
             registered: None,
             timer: None,
             reaped: false,
+            spin: Duration::ZERO,
+            spin_until: None,
         }
+    }
+
+    /// The longest [`spin`](Self::spin).
+    pub const MAX_SPIN: Duration = Duration::from_millis(1);
+
+    /// Before registering for a wake-up, ask the fence in a loop for up to `spin` (at most
+    /// [`MAX_SPIN`](Self::MAX_SPIN), 1 ms), counted from the first poll; default zero (no
+    /// spin). See "Spinning" above: completion within the spin is seen without a thread
+    /// hand-off, for that much CPU of the polling thread. A deadline ends the spin too.
+    pub fn spin(mut self, spin: Duration) -> Self {
+        self.spin = spin.min(Self::MAX_SPIN);
+        self.spin_until = None;
+        self
+    }
+
+    /// Ask the fence until it answers or the spin ends (`None`: still pending).
+    fn spin_step(&mut self) -> Option<Result<O>> {
+        if self.spin.is_zero() {
+            return None;
+        }
+        let now = Instant::now();
+        let mut end = *self
+            .spin_until
+            .get_or_insert_with(|| now.checked_add(self.spin).unwrap_or(now));
+        if let Some(at) = self.deadline {
+            end = end.min(at);
+        }
+        while Instant::now() < end {
+            std::hint::spin_loop();
+            if let Some(out) = self.step() {
+                return Some(out);
+            }
+        }
+        None
     }
 
     /// End with [`Error::Timeout`] if the operation has not completed by `at` (the resources are
@@ -349,6 +400,9 @@ impl<R: Send + 'static, F: Fence, O> Future for InFlightFuture<R, F, O> {
         if let Some(out) = this.step() {
             return Poll::Ready(out);
         }
+        if let Some(out) = this.spin_step() {
+            return Poll::Ready(out);
+        }
         if let Err(e) = this.register(cx.waker()) {
             this.park();
             return Poll::Ready(Err(e));
@@ -460,6 +514,12 @@ impl<R: Send + 'static, F: Fence> InFlight<R, F> {
     pub fn timeout(self, timeout: Duration) -> InFlightFuture<R, F> {
         self.into_future().timeout(timeout)
     }
+
+    /// Await, asking the fence in a loop for up to `spin` before registering for a wake-up
+    /// ([`InFlightFuture::spin`]).
+    pub fn spin(self, spin: Duration) -> InFlightFuture<R, F> {
+        self.into_future().spin(spin)
+    }
 }
 
 impl<R: Send + 'static, T: Send + 'static> InFlight<R, Outcome<T>> {
@@ -536,6 +596,78 @@ mod tests {
             wakes.0.load(Ordering::SeqCst) == 1
         });
         assert!(matches!(poll_once(&mut fut, &w), Poll::Ready(Ok(7))));
+    }
+
+    /// A user's fence that answers "complete" from its `n`th check on; counts its checks.
+    #[derive(Clone)]
+    struct NthCheck(Arc<AtomicUsize>, usize);
+    impl Fence for NthCheck {
+        fn is_complete(&self) -> bool {
+            self.0.fetch_add(1, Ordering::SeqCst) + 1 >= self.1
+        }
+    }
+
+    #[test]
+    fn a_spinning_future_sees_completion_without_a_wake_up() {
+        // Without a spin the first poll checks twice (before and after registering): pending.
+        let fence = NthCheck(Arc::new(AtomicUsize::new(0)), 50);
+        let mut fut = InFlight::new("plain", fence.clone(), 1u8).into_future();
+        let (_, w) = counting_waker();
+        assert!(poll_once(&mut fut, &w).is_pending());
+        drop(fut);
+        let (wakes, w) = counting_waker();
+        // With one, the first poll asks until the fence answers: no registration, no wake.
+        let fence = NthCheck(Arc::new(AtomicUsize::new(0)), 50);
+        let mut fut = InFlight::new("spun", fence.clone(), 2u8)
+            .spin(InFlightFuture::<u8, NthCheck>::MAX_SPIN);
+        let Poll::Ready(Ok(2)) = poll_once(&mut fut, &w) else {
+            panic!("seen complete within the spin")
+        };
+        assert_eq!(fence.0.load(Ordering::SeqCst), 50);
+        assert!(
+            matches!(fut.fence, Holder::Gone),
+            "never handed to the completion thread"
+        );
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_spin_is_spent_once_and_capped() {
+        let never = NthCheck(Arc::new(AtomicUsize::new(0)), usize::MAX);
+        let spin = Duration::from_micros(300);
+        let mut fut = InFlight::new("never", never.clone(), ()).spin(spin);
+        let (_, w) = counting_waker();
+        let t = Instant::now();
+        assert!(poll_once(&mut fut, &w).is_pending());
+        assert!(t.elapsed() >= spin, "spun for the whole spin");
+        assert!(matches!(fut.fence, Holder::Polled(_)), "then registered");
+        // A later poll does not spin again: it checks as a plain poll does (the completion
+        // thread's checks of the shared fence counted apart).
+        let before = never.0.load(Ordering::SeqCst);
+        let t = Instant::now();
+        assert!(poll_once(&mut fut, &w).is_pending());
+        let quick = t.elapsed() < spin;
+        let checks = never.0.load(Ordering::SeqCst) - before;
+        assert!(quick || checks < 1000, "no second spin ({checks} checks)");
+        drop(fut);
+        let capped = InFlight::new("capped", never, ()).spin(Duration::from_secs(60));
+        assert_eq!(capped.spin, InFlightFuture::<(), NthCheck>::MAX_SPIN);
+    }
+
+    #[test]
+    fn a_deadline_ends_the_spin_typed() {
+        let never = NthCheck(Arc::new(AtomicUsize::new(0)), usize::MAX);
+        let drops = Arc::new(AtomicUsize::new(0));
+        let mut fut = InFlight::new("spun past its deadline", never, Counted(drops.clone()))
+            .spin(InFlightFuture::<Counted, NthCheck>::MAX_SPIN)
+            .timeout(Duration::from_micros(200));
+        let (_, w) = counting_waker();
+        let Poll::Ready(Err(Error::Timeout { what, .. })) = poll_once(&mut fut, &w) else {
+            panic!("the deadline ends the first poll's spin")
+        };
+        assert_eq!(what, "spun past its deadline");
+        drop(fut);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "parked, not freed");
     }
 
     #[test]

@@ -41,7 +41,9 @@
 //! ```
 //!
 //! **Wake-up sources.** A future is woken by the completion source itself, never by a task
-//! that polls in a loop ([`Fence::register_waker`]):
+//! that polls in a loop ([`Fence::register_waker`]), unless it is told to spin first
+//! ([`InFlightFuture::spin`]: it asks its fence in a loop for up to that long, at most 1 ms,
+//! before it registers, and so sees quick work complete without a thread hand-off):
 //!
 //! | fence | woken by | cost per operation |
 //! | --- | --- | --- |
