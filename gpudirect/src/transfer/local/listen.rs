@@ -1020,6 +1020,42 @@ mod tests {
         }
     }
 
+    /// A notified request held behind a reserved place (a prepared run's, in progress) whose
+    /// deadline passes: the worker fails the endpoint once and waits, rather than spinning
+    /// and failing it again and again (found by a red-team read: 1,929 failures in 200 ms).
+    #[test]
+    fn a_held_late_request_ends_the_endpoint_once() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("rt-held-late")).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || greeted_peer(&path, 83));
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let _peer = peer.join().unwrap();
+        let Transport::Local(local) = ep.transport() else {
+            panic!("an intra-node endpoint")
+        };
+        let side = local.side.me.upgrade().unwrap();
+        // As `run` does with a notification: a place reserved, held while it synchronizes.
+        let seq = lock(&side.queue).reserve();
+        let (t, finish) =
+            crate::transfer::pending::Transfer::pending(Duration::from_millis(5), Vec::new());
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
+        j.deadline = Instant::now() + Duration::from_millis(5);
+        j.timeout = Duration::from_millis(5);
+        lock(&side.queue).push(1, j);
+        side.queue_cv.notify_all();
+        std::thread::sleep(Duration::from_millis(200));
+        let bumps = side.epoch.load(Ordering::Acquire) - epoch;
+        lock(&side.queue).release(seq);
+        let r = t.wait();
+        assert!(r.is_err(), "ended with the endpoint");
+        assert!(
+            bumps <= 2,
+            "the worker failed the endpoint {bumps} times (spinning)"
+        );
+    }
+
     #[test]
     fn a_request_finished_at_the_head_wakes_its_waker_with_finishing_let_go() {
         use std::sync::atomic::AtomicU32;

@@ -2,7 +2,7 @@
 //! side), the copies queued on the calling thread's lane's streams and handed to the worker; prepared once
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
-use super::copies::{Held, Keep, Parking, Piece, enqueue, path_of, queue_copies};
+use super::copies::{Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies};
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
 use super::side::{Job, Lane, Side, lock};
@@ -492,6 +492,11 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     // Under the lane's issue lock, queued then pushed: the lane's streams' order is its queue's.
     // (The worker takes only the queue's lock, briefly.)
     let issue = lock(&lane.issue);
+    if let Some(err) = ended_since(ep, side, when.epoch) {
+        // Nothing queued: the imports are parked, as a refused request's are.
+        park_imports(keep._imports);
+        return Err(err);
+    }
     let (fence, keep, messages) = enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
     // From here on the copies run: what is left costs them nothing.
     hold_imports(side, &keep._imports);
@@ -625,20 +630,30 @@ impl Ready {
 /// it was prepared (the peer's memory may have moved).
 fn current(ep: &EpInner<State>, r: &Ready) -> Result<Arc<Side>> {
     let side = r.side.upgrade().ok_or_else(|| Broken::Closed.to_error())?;
-    if side.epoch.load(Ordering::Acquire) != r.epoch {
-        return Err(ep.failure().unwrap_or_else(|| {
+    if let Some(err) = ended_since(ep, &side, r.epoch) {
+        return Err(err);
+    }
+    if let Some(err) = ep.failure() {
+        return Err(err);
+    }
+    Ok(side)
+}
+
+/// Why a request checked in endpoint epoch `epoch` may not be queued now (`None`: it may): the
+/// endpoint failed, closed or reconnected since (the peer's memory may have moved). Asked again
+/// under the lane's issue lock, which a reconnect takes to order the lanes' streams: a request
+/// queued after that would not be ordered behind the old connection's copies on other lanes.
+fn ended_since(ep: &EpInner<State>, side: &Side, epoch: u64) -> Option<Error> {
+    (side.epoch.load(Ordering::Acquire) != epoch).then(|| {
+        ep.failure().unwrap_or_else(|| {
             Error::invalid(
                 "prepared",
                 "an earlier connection",
                 "the endpoint reconnected (or closed) since this transfer was prepared: the \
                  peer's memory may have moved; prepare it again",
             )
-        }));
-    }
-    if let Some(err) = ep.failure() {
-        return Err(err);
-    }
-    Ok(side)
+        })
+    })
 }
 
 /// The most bytes [`run`] waits for in `cuStreamSynchronize`: 64 MiB take a few milliseconds on
@@ -677,6 +692,9 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     // Declared before the locks: the wake-ups of a failure run once they are let go.
     let mut wakes = None;
     let issue = lock(&lane.issue);
+    if let Some(err) = ended_since(ep, &side, r.epoch) {
+        return Err(err);
+    }
     let timeline = stream.timeline();
     if timeline.completed() < timeline.issued() {
         drop(issue);

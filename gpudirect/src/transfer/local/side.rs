@@ -174,13 +174,22 @@ impl Queue {
         self.notified.retain(|&s| s != seq);
     }
 
-    /// The earliest deadline of the lanes' first requests (none queued: `None`).
+    /// The earliest deadline of the lanes' first requests that may finish (none queued:
+    /// `None`; none of them may finish, held behind a reserved place: at most [`SLICE`] away).
+    /// A held request's deadline is not the worker's to wait for: it cannot end it, and the
+    /// late scan has ended its endpoint once already.
     fn first_deadline(&self) -> Option<Instant> {
-        self.lanes
-            .iter()
-            .filter_map(|l| l.front())
-            .map(|j| j.deadline)
-            .min()
+        if self.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        Some(
+            self.finishable()
+                .iter()
+                .map(|h| h.deadline)
+                .min()
+                .unwrap_or_else(|| deadline_after(now, SLICE)),
+        )
     }
 
     /// Take `lane`'s first request, which must be number `seq`.
@@ -520,6 +529,39 @@ impl Side {
         &self.lanes[lane]
     }
 
+    /// Order every lane's streams after everything queued so far on every other lane's (an
+    /// event recorded on each, waited on by the others: nothing blocks on the host). Each
+    /// lane's issue lock is held meanwhile, so a request issued on it is either queued before
+    /// its event or refused (the endpoint's epoch moved: [`super::request`] asks again under
+    /// the lock).
+    fn order_lanes(&self) -> Result<()> {
+        let _issuing: Vec<_> = self.lanes.iter().map(|l| lock(&l.issue)).collect();
+        let streams: Vec<(usize, Arc<[Stream]>)> = self
+            .lanes
+            .iter()
+            .flat_map(|l| {
+                lock(&l.streams)
+                    .values()
+                    .map(|v| (l.index, v.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut events = Vec::new();
+        for (lane, v) in &streams {
+            for s in v.iter() {
+                events.push((*lane, s.record_event()?));
+            }
+        }
+        for (lane, v) in &streams {
+            for s in v.iter() {
+                for (_, ev) in events.iter().filter(|(other, _)| other != lane) {
+                    s.wait(ev)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Nanoseconds since this side was made (at least 1).
     fn now_ns(&self) -> u64 {
         (self.born.elapsed().as_nanos() as u64).max(1)
@@ -554,12 +596,14 @@ impl Side {
             // deadline; looking at least every SLICE.
             let left = deadline.saturating_duration_since(Instant::now());
             look_until(|| self.any_ready(), left.min(SLICE));
-            // A request queued behind a lane's first whose deadline passed first ends the
-            // endpoint too (its copies run after the first's).
+            // A request queued behind a lane's first (or held behind a reserved place) whose
+            // deadline passed first ends the endpoint too (its copies run after the first's),
+            // once: a request of an earlier epoch has ended it already.
             let now = Instant::now();
+            let epoch = self.epoch.load(Ordering::Acquire);
             let late = lock(&self.queue)
                 .jobs()
-                .find(|j| now >= j.deadline)
+                .find(|j| j.epoch == epoch && now >= j.deadline)
                 .map(|j| j.timeout);
             if let Some(t) = late {
                 self.fail(Broken::Deadline(t));
@@ -805,6 +849,14 @@ impl Side {
         });
         // The old peer's mappings: each request still running holds its own.
         park_imports(std::mem::take(&mut *lock(&self.held)));
+        // Copies of requests that ended unfinished may still be queued on any lane's streams:
+        // what the new connection queues goes behind them on every lane, as it would on one
+        // stream, so that a notification never leaves before an older copy to the same bytes.
+        if let Err(e) = self.order_lanes() {
+            wakes.extend(self.fail_later(Broken::Closed));
+            self.hang_up();
+            return Err(e);
+        }
         restart(ep, hello.descriptors);
         // Without a reader the endpoint would look healthy and never hear of the peer's close:
         // it ends instead.
