@@ -32,7 +32,8 @@
 //! `cuEventRecord`, and `cuEventDestroy` as it is dropped), a host function (`cuLaunchHostFunc`
 //! and its payload); and 1,000 tiny copies in flight at once, each awaited by its own task,
 //! against the same copies and one `cuStreamSynchronize`, in `FUTURES_BENCH_ROUNDS` paired rounds
-//! (raw, awaited, raw; default 30); target at most 1.1x; beside it the raw copies with an empty
+//! (raw, awaited, raw; default 30); target at most 1.1x; the same with each await spinning
+//! 20 µs first (`InFlightFuture::spin`); beside them the raw copies with an empty
 //! task spawned and awaited per copy (the floor of a task per operation). The awaits run on a multi-threaded
 //! tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
@@ -99,6 +100,9 @@ const VARIANTS: [(Variant, &str, Option<f64>); 11] = [
 
 /// The spin of the `, spin` variants ([`InFlightFuture::spin`](gpudirect::completion::InFlightFuture::spin)).
 const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// The spin of each await in the second run of the 1,000 awaited copies.
+const CONCURRENT_SPIN: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// The target for 1,000 awaited copies: at most this ratio over the raw copies.
 const CONCURRENT_TARGET: f64 = 1.1;
@@ -399,7 +403,8 @@ fn main() {
         });
         t.elapsed().as_secs_f64()
     };
-    let mut awaited_many = || {
+    // `spin`: each task's await spins that long first (`InFlightFuture::spin`; zero: none).
+    let mut awaited_many = |spin: std::time::Duration| {
         let ss = srcs.take().unwrap();
         let ds = std::mem::take(&mut dsts);
         let t = Instant::now();
@@ -409,7 +414,7 @@ fn main() {
                 .zip(ds)
                 .map(|(s, d)| {
                     let op = copy_async(&stream, s, d).unwrap();
-                    tokio::spawn(async move { op.await.unwrap() })
+                    tokio::spawn(async move { op.spin(spin).await.unwrap() })
                 })
                 .collect();
             let mut back = Vec::with_capacity(CONCURRENT);
@@ -424,22 +429,27 @@ fn main() {
         dsts = ds;
         took
     };
-    awaited_many(); // warm-up
+    awaited_many(std::time::Duration::ZERO); // warm-up
     let mut conc_await = Vec::new();
     let mut conc_raw = Vec::new();
     let mut conc_rounds_ratio = Vec::new();
+    let mut spin_rounds_ratio = Vec::new();
     let mut tasks_rounds_ratio = Vec::new();
     let mut before = raw_many();
     conc_raw.push(before);
     for _ in 0..conc_rounds {
-        let ours = awaited_many();
+        let ours = awaited_many(std::time::Duration::ZERO);
         let after = raw_many();
         conc_rounds_ratio.push(paired::ratio(before, ours, after));
         conc_await.push(ours);
         conc_raw.push(after);
+        let spun = awaited_many(CONCURRENT_SPIN);
+        let after1 = raw_many();
+        spin_rounds_ratio.push(paired::ratio(after, spun, after1));
+        conc_raw.push(after1);
         let tasks = raw_tasks();
         let after2 = raw_many();
-        tasks_rounds_ratio.push(paired::ratio(after, tasks, after2));
+        tasks_rounds_ratio.push(paired::ratio(after1, tasks, after2));
         conc_raw.push(after2);
         before = after2;
     }
@@ -513,6 +523,12 @@ fn main() {
     println!(
         "{CONCURRENT} copies awaited, paired (awaited over the mean of the raw runs before and after it): {conc} against <={CONCURRENT_TARGET:.2}: {}",
         conc.at_most(CONCURRENT_TARGET)
+    );
+    let spun = Summary::of(&spin_rounds_ratio).expect("rounds measured");
+    println!(
+        "{CONCURRENT} copies awaited, each await with spin({} us), paired the same way: {spun} against <={CONCURRENT_TARGET:.2}: {}",
+        CONCURRENT_SPIN.as_micros(),
+        spun.at_most(CONCURRENT_TARGET)
     );
     println!(
         "raw: the same copies with a task spawned and awaited per copy (no gpudirect code), paired the same way: {}",

@@ -56,6 +56,7 @@ use gpudirect_testing::paired::Summary;
 use gpudirect_testing::{Hardware, skip_example};
 use rand::RngCore;
 use std::collections::BTreeMap;
+use std::future::IntoFuture;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -232,6 +233,9 @@ fn open_raw_handle(
 }
 
 /// Seconds per call of `f`, median over `reps` calls after two warm-ups.
+/// The spin of the awaited cells' `Transfer::spin`.
+const AWAIT_SPIN: Duration = Duration::from_micros(100);
+
 fn per_call(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     f();
@@ -514,6 +518,13 @@ fn main() {
     let stream = gpudirect::cuda::Stream::new(&ctx).expect("stream");
     let mut path = String::new();
     let mut rows = Vec::new();
+    // One request at a time awaited on a current-thread runtime: (size, raw, wait, await,
+    // await with a spin).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let mut awaited = Vec::new();
     for &n in &sizes {
         let reps = if quick { 30 } else { 200 }.min((8 << 30) / n).max(5);
         let depth = if n <= 16 * MIB { 32 } else { 4 };
@@ -554,6 +565,19 @@ fn main() {
         let run_one = per_call(reps, || {
             prepared.run().expect("run");
         });
+        let await_one = per_call(reps, || {
+            let t = ep
+                .write(pair(), TransferOptions::default().deadline(DEADLINE))
+                .expect("write");
+            rt.block_on(t.into_future()).expect("await");
+        });
+        let await_spin = per_call(reps, || {
+            let t = ep
+                .write(pair(), TransferOptions::default().deadline(DEADLINE))
+                .expect("write");
+            rt.block_on(t.spin(AWAIT_SPIN)).expect("await");
+        });
+        awaited.push((n, raw_one, gd_one, await_one, await_spin));
         let pipe_reps = reps.div_ceil(depth).max(3);
         let raw_pipe = per_call(pipe_reps, || {
             for _ in 0..depth {
@@ -747,6 +771,32 @@ fn main() {
             "WRONG"
         }
     );
+    println!();
+    println!(
+        "awaited one at a time (a current-thread tokio runtime's block_on), GB/s and ratio to raw 1x1:"
+    );
+    println!(
+        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6}",
+        "size", "raw 1x1", "wait", "ratio", "await", "ratio", "spin", "ratio"
+    );
+    for (n, r1, w, aw, sp) in awaited {
+        println!(
+            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2}",
+            label(n),
+            gbs(n, r1),
+            gbs(n, w),
+            r1 / w,
+            gbs(n, aw),
+            r1 / aw,
+            gbs(n, sp),
+            r1 / sp
+        );
+    }
+    println!(
+        "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does)",
+        AWAIT_SPIN.as_micros()
+    );
+    println!();
     // Mooncake's cells take minutes: after the table and the check of our bytes.
     beside_mooncake(&ep, &src, &remote, &sizes, max, (a, b), quick);
     let _ = ep

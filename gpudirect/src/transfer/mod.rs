@@ -214,7 +214,7 @@ pub use descriptor::{
 };
 pub use endpoint::Endpoint;
 pub use engine::{Engine, EngineConfig, PeerAccess, WindowStats};
-pub use pending::{Transfer, Transferred};
+pub use pending::{Transfer, TransferFuture, Transferred};
 pub use prepared::PreparedTransfer;
 pub use rails::{ListenerStats, RailFailure, RailState, RailStats};
 pub use region::{Buffer, CacheCounters, IpcLink, LocalRange, MemoryPath, Region};

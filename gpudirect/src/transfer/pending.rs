@@ -270,36 +270,13 @@ impl Transfer {
         // caller's thread.
         Tracker::global().reap();
         if self.shared.finisher.get().is_some() {
-            // Look for the end ourselves for a while (yielding), as a synchronize would: no
-            // hand-off from another thread when it comes soon.
-            // A look is a driver query (a few hundred ns); the thread yields once in
-            // `HELP_YIELD` looks, not after each: a yield at every look made the end of a short
-            // copy seen later than a stream synchronize sees it. (The rails' look yields when
-            // it found nothing: a software NIC needs the CPU.)
+            // Look for the end ourselves for a while, as a synchronize would: no hand-off from
+            // another thread when it comes soon.
             let spin = self
                 ._finisher
                 .finisher()
                 .map_or(Duration::ZERO, |f| f.spin());
-            let until = Instant::now() + spin;
-            let mut looks = 0u32;
-            let mut l = Looking::Not;
-            while !self.shared.flag.is_complete() && Instant::now() < until {
-                let Some(f) = self._finisher.finisher() else {
-                    break;
-                };
-                if !f.look(&mut l) || self.shared.flag.is_complete() {
-                    break;
-                }
-                looks = looks.wrapping_add(1);
-                if looks.is_multiple_of(HELP_YIELD) {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-            if let Some(f) = self._finisher.finisher() {
-                f.stop(&mut l, self.shared.flag.is_complete());
-            }
+            look_until(&self.shared, deadline_after(Instant::now(), spin));
         }
         // Sleeping from now on: the finisher looks instead.
         self._finisher.wake();
@@ -340,23 +317,63 @@ impl Transfer {
     }
 }
 
-/// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
-/// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
-/// Each poll first looks for the end itself where that costs no CUDA call (the verbs rails:
-/// their completion queues, when no other thread polls them). Past that bound (the progress
-/// thread gone) it ends with [`Error::Timeout`](crate::Error::Timeout) and the resources
-/// stay parked in the completion tracker, never freed early.
-impl std::future::IntoFuture for Transfer {
-    type Output = Result<TransferReport>;
-    type IntoFuture =
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
+/// Look for the end of the request of `shared` (helping its finisher) until it finished, the
+/// finisher is gone or says the look is not worth a CPU, or `until` passed; then let go of
+/// what the looks took. A look is a driver query or a completion-queue poll: the thread yields
+/// once in [`HELP_YIELD`] looks, not after each (a yield at every look made the end of a short
+/// copy seen later than a stream synchronize sees it; the rails' look yields itself when it
+/// found nothing, as a software NIC needs the CPU).
+fn look_until(shared: &ReqShared, until: Instant) {
+    let finisher = || shared.finisher.get().and_then(Weak::upgrade);
+    let mut looks = 0u32;
+    let mut l = Looking::Not;
+    while !shared.flag.is_complete() && Instant::now() < until {
+        let Some(f) = finisher() else {
+            break;
+        };
+        if !f.look(&mut l) || shared.flag.is_complete() {
+            break;
+        }
+        looks = looks.wrapping_add(1);
+        if looks.is_multiple_of(HELP_YIELD) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    if let Some(f) = finisher() {
+        f.stop(&mut l, shared.flag.is_complete());
+    }
+}
 
-    fn into_future(self) -> Self::IntoFuture {
+/// An awaited transfer ([`Transfer::spin`], `transfer.await`).
+pub type TransferFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
+
+impl Transfer {
+    /// Await the transfer, each poll first looking for the end itself for up to `spin` in all
+    /// (at most [`InFlightFuture::MAX_SPIN`](crate::completion::InFlightFuture::MAX_SPIN), 1 ms,
+    /// counted from the first poll), as [`wait`](Self::wait) looks before it sleeps: inside a
+    /// node it finishes what is done on its lane (driver queries), over verbs it polls the
+    /// rails' completion queues when no other thread does. A short request is then seen
+    /// finished without a hand-off from the finishing thread, for that much CPU of the
+    /// executor's thread. `transfer.await` is `spin(Duration::ZERO)`: one look per poll that
+    /// makes no driver call.
+    pub fn spin(self, spin: Duration) -> TransferFuture {
+        let spin = spin.min(crate::completion::InFlightFuture::<()>::MAX_SPIN);
         let shared = self.shared.clone();
         let f = self.op.deadline(self.shared.limit);
+        let mut until: Option<Instant> = None;
         Box::pin(async move {
             let mut f = std::pin::pin!(f);
             std::future::poll_fn(|cx| {
+                if !spin.is_zero() && !shared.flag.is_complete() {
+                    let now = Instant::now();
+                    let end = *until.get_or_insert_with(|| deadline_after(now, spin));
+                    if now < end {
+                        look_until(&shared, end);
+                    }
+                }
                 if !shared.flag.is_complete()
                     && let Some(h) = shared.finisher.get().and_then(Weak::upgrade)
                 {
@@ -367,6 +384,21 @@ impl std::future::IntoFuture for Transfer {
             .await?
             .result()
         })
+    }
+}
+
+/// Awaiting a transfer awaits its [`InFlight`] (woken by the [`CompletionFlag`] the progress
+/// thread sets) with the same bound as [`Transfer::wait`] as its deadline, then gives its result.
+/// Each poll first looks for the end itself where that costs no CUDA call (the verbs rails:
+/// their completion queues, when no other thread polls them). Past that bound (the progress
+/// thread gone) it ends with [`Error::Timeout`](crate::Error::Timeout) and the resources
+/// stay parked in the completion tracker, never freed early.
+impl std::future::IntoFuture for Transfer {
+    type Output = Result<TransferReport>;
+    type IntoFuture = TransferFuture;
+
+    fn into_future(self) -> TransferFuture {
+        self.spin(Duration::ZERO)
     }
 }
 
@@ -482,6 +514,103 @@ mod tests {
             h.join().unwrap();
             assert_eq!(r.unwrap().bytes, 42);
         }
+    }
+
+    /// A finisher that finishes its request at its `at`th look; counts looks, stops, wakes.
+    struct NthLook {
+        looks: AtomicUsize,
+        stops: AtomicUsize,
+        wakes: AtomicUsize,
+        at: usize,
+        finish: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+    impl Finisher for NthLook {
+        fn help(&self) {}
+        fn wake(&self) {
+            self.wakes.fetch_add(1, Ordering::SeqCst);
+        }
+        fn look(&self, l: &mut Looking) -> bool {
+            *l = Looking::Spins;
+            if self.looks.fetch_add(1, Ordering::SeqCst) + 1 == self.at
+                && let Some(f) = self.finish.lock().unwrap().take()
+            {
+                f();
+            }
+            true
+        }
+        fn stop(&self, l: &mut Looking, _done: bool) {
+            assert_eq!(*l, Looking::Spins, "stopped once, after looking");
+            *l = Looking::Not;
+            self.stops.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn finished_at_look(at: usize) -> (Transfer, Arc<NthLook>) {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let f = Arc::new(NthLook {
+            looks: AtomicUsize::new(0),
+            stops: AtomicUsize::new(0),
+            wakes: AtomicUsize::new(0),
+            at,
+            finish: Mutex::new(Some(Box::new(move || drop(done(Ok(report())))))),
+        });
+        let weak: Weak<NthLook> = Arc::downgrade(&f);
+        t.set_finisher(weak);
+        (t, f)
+    }
+
+    #[test]
+    fn a_spinning_await_looks_itself_and_finishes_without_a_wake_up() {
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        // A plain await looks once per poll with no driver call: no look, pending.
+        let (t, fin) = finished_at_look(5);
+        let mut f = t.into_future();
+        assert!(
+            f.as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+        );
+        assert_eq!(fin.looks.load(Ordering::SeqCst), 0);
+        drop(f);
+        // A spinning one looks until the finisher finished it, then lets go of its looks.
+        // (Fewer looks than make the thread yield: a yield on a loaded machine can outlast
+        // the spin.)
+        let (t, fin) = finished_at_look(5);
+        let mut f = t.spin(Duration::from_secs(60));
+        match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
+            Poll::Pending => panic!("finished within the spin"),
+        }
+        assert_eq!(fin.looks.load(Ordering::SeqCst), 5);
+        assert_eq!(fin.stops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_spinning_await_spends_its_spin_once() {
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let (t, fin) = finished_at_look(usize::MAX);
+        let spin = Duration::from_micros(300);
+        let mut f = t.spin(spin);
+        let t0 = Instant::now();
+        assert!(
+            f.as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+        );
+        assert!(t0.elapsed() >= spin);
+        let (looks, stops) = (
+            fin.looks.load(Ordering::SeqCst),
+            fin.stops.load(Ordering::SeqCst),
+        );
+        assert!(looks > 0);
+        assert_eq!(stops, 1);
+        // The next poll does not look again: the spin is spent.
+        assert!(
+            f.as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+        );
+        assert_eq!(fin.looks.load(Ordering::SeqCst), looks);
     }
 
     #[test]
