@@ -1020,6 +1020,37 @@ mod tests {
         }
     }
 
+    /// A request queued after the endpoint closed (its worker gone) is ended at once, not
+    /// left for a worker that will never look (found by a red-team read).
+    #[test]
+    fn a_request_queued_after_close_ends_at_once() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("after-close")).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || greeted_peer(&path, 84));
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let _peer = peer.join().unwrap();
+        let Transport::Local(local) = ep.transport() else {
+            panic!("an intra-node endpoint")
+        };
+        let side = local.side.me.upgrade().unwrap();
+        let epoch = side.epoch.load(Ordering::Acquire);
+        side.close();
+        assert!(lock(&side.worker).is_none(), "the worker is gone");
+        let (t, finish) =
+            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let job = Job::done_at_once(Box::new(finish), None, epoch);
+        let back = side.push_job(0, job, false).expect("refused once closed");
+        assert!(lock(&side.queue).is_empty());
+        side.end_unqueued(back);
+        let t0 = Instant::now();
+        assert!(t.wait().is_err(), "ended with the endpoint's error");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "at once, not at its limit"
+        );
+    }
+
     /// A notified request held behind a reserved place (a prepared run's, in progress) whose
     /// deadline passes: the worker fails the endpoint once and waits, rather than spinning
     /// and failing it again and again (found by a red-team read: 1,929 failures in 200 ms).

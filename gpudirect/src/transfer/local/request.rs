@@ -511,26 +511,21 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     // unfinished (a blocking wait finishes it alone, without the worker's wake-up and its polls
     // beside the caller's copies, which slow a small request: see docs/transfer.md).
     transfer.set_finisher(lane.finisher());
-    let mut q = lock(&side.queue);
-    q.push(
-        lane.index,
-        Job {
-            fence: Arc::new(fence),
-            keep,
-            finish: Box::new(finish),
-            report,
-            started: when.started,
-            deadline: when.deadline,
-            timeout: when.timeout,
-            epoch: when.epoch,
-            seq: 0,
-        },
-    );
-    let wake = eager && q.idle;
-    drop(q);
+    let job = Job {
+        fence: Arc::new(fence),
+        keep,
+        finish: Box::new(finish),
+        report,
+        started: when.started,
+        deadline: when.deadline,
+        timeout: when.timeout,
+        epoch: when.epoch,
+        seq: 0,
+    };
+    let refused = side.push_job(lane.index, job, eager);
     drop(issue);
-    if wake {
-        side.queue_cv.notify_all();
+    if let Some(job) = refused {
+        side.end_unqueued(job);
     }
     Ok(transfer)
 }

@@ -697,6 +697,31 @@ impl Side {
         false
     }
 
+    /// Queue `job` on `lane` for the finishers, waking the worker if it sleeps and `eager` (a
+    /// notification: someone else sees it finish). Once the endpoint closed (its worker may be
+    /// gone, so nobody would end it) the job comes back instead: end it with
+    /// [`end_unqueued`](Self::end_unqueued) once the caller's locks are let go.
+    pub(super) fn push_job(&self, lane: usize, job: Job, eager: bool) -> Option<Job> {
+        let mut q = lock(&self.queue);
+        if q.closing {
+            return Some(job);
+        }
+        q.push(lane, job);
+        let wake = eager && q.idle;
+        drop(q);
+        if wake {
+            self.queue_cv.notify_all();
+        }
+        None
+    }
+
+    /// End at once a request whose copies are queued but which the worker will never see (the
+    /// endpoint closed and its worker may be gone): what it reaches is parked behind its
+    /// epochs, its transfer ends with the endpoint's error. Call with no lock held.
+    pub(super) fn end_unqueued(&self, job: Job) {
+        drop(self.conclude(job, End::Ended, false));
+    }
+
     /// End a request taken from the head. `on_worker`: this is the worker thread, which frees
     /// nothing (a `cuMemFree` waits for the whole device, and a stream may wait on a word only
     /// this thread can let through): what the request held is parked, its events done, for the
