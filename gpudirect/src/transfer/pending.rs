@@ -516,19 +516,16 @@ mod tests {
         }
     }
 
-    /// A finisher that finishes its request at its `at`th look; counts looks, stops, wakes.
+    /// A finisher that finishes its request at its `at`th look; counts looks and stops.
     struct NthLook {
         looks: AtomicUsize,
         stops: AtomicUsize,
-        wakes: AtomicUsize,
         at: usize,
         finish: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     }
     impl Finisher for NthLook {
         fn help(&self) {}
-        fn wake(&self) {
-            self.wakes.fetch_add(1, Ordering::SeqCst);
-        }
+        fn wake(&self) {}
         fn look(&self, l: &mut Looking) -> bool {
             *l = Looking::Spins;
             if self.looks.fetch_add(1, Ordering::SeqCst) + 1 == self.at
@@ -550,7 +547,6 @@ mod tests {
         let f = Arc::new(NthLook {
             looks: AtomicUsize::new(0),
             stops: AtomicUsize::new(0),
-            wakes: AtomicUsize::new(0),
             at,
             finish: Mutex::new(Some(Box::new(move || drop(done(Ok(report())))))),
         });

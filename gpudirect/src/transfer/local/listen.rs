@@ -564,6 +564,30 @@ mod tests {
     }
 
     /// A hand-made peer of a listener at `path`: connected, first messages swapped.
+    /// An intra-node endpoint accepted from a bare peer (pid `pid`) on socket `name`: the
+    /// listener, the endpoint, the peer's socket (each kept for the test) and the side.
+    fn accepted_side(
+        name: &str,
+        pid: u32,
+    ) -> (
+        LocalListener,
+        crate::transfer::Endpoint,
+        UnixStream,
+        Arc<super::super::side::Side>,
+    ) {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket(name)).unwrap();
+        let path = l.path().to_path_buf();
+        let peer = std::thread::spawn(move || greeted_peer(&path, pid));
+        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
+        let peer = peer.join().unwrap();
+        let Transport::Local(local) = ep.transport() else {
+            panic!("an intra-node endpoint")
+        };
+        let side = local.side.me.upgrade().unwrap();
+        (l, ep, peer, side)
+    }
+
     fn greeted_peer(path: &std::path::Path, pid: u32) -> UnixStream {
         let mut s = UnixStream::connect(path).unwrap();
         greet_bare(&mut s);
@@ -1024,16 +1048,7 @@ mod tests {
     /// left for a worker that will never look (found by a red-team read).
     #[test]
     fn a_request_queued_after_close_ends_at_once() {
-        let engine = Engine::new(EngineConfig::local()).unwrap();
-        let l = engine.listen_local(socket("after-close")).unwrap();
-        let path = l.path().to_path_buf();
-        let peer = std::thread::spawn(move || greeted_peer(&path, 84));
-        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
-        let _peer = peer.join().unwrap();
-        let Transport::Local(local) = ep.transport() else {
-            panic!("an intra-node endpoint")
-        };
-        let side = local.side.me.upgrade().unwrap();
+        let (_l, _ep, _peer, side) = accepted_side("after-close", 84);
         let epoch = side.epoch.load(Ordering::Acquire);
         side.close();
         assert!(lock(&side.worker).is_none(), "the worker is gone");
@@ -1056,16 +1071,7 @@ mod tests {
     /// and failing it again and again (found by a red-team read: 1,929 failures in 200 ms).
     #[test]
     fn a_held_late_request_ends_the_endpoint_once() {
-        let engine = Engine::new(EngineConfig::local()).unwrap();
-        let l = engine.listen_local(socket("rt-held-late")).unwrap();
-        let path = l.path().to_path_buf();
-        let peer = std::thread::spawn(move || greeted_peer(&path, 83));
-        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
-        let _peer = peer.join().unwrap();
-        let Transport::Local(local) = ep.transport() else {
-            panic!("an intra-node endpoint")
-        };
-        let side = local.side.me.upgrade().unwrap();
+        let (_l, _ep, _peer, side) = accepted_side("rt-held-late", 83);
         // As `run` does with a notification: a place reserved, held while it synchronizes.
         let seq = lock(&side.queue).reserve();
         let (t, finish) =
@@ -1105,16 +1111,7 @@ mod tests {
                 }
             }
         }
-        let engine = Engine::new(EngineConfig::local()).unwrap();
-        let l = engine.listen_local(socket("finishing-let-go")).unwrap();
-        let path = l.path().to_path_buf();
-        let peer = std::thread::spawn(move || greeted_peer(&path, 82));
-        let ep = l.accept(&[], Duration::from_secs(10)).unwrap();
-        let _peer = peer.join().unwrap();
-        let Transport::Local(local) = ep.transport() else {
-            panic!("an intra-node endpoint")
-        };
-        let side = local.side.me.upgrade().unwrap();
+        let (_l, ep, _peer, side) = accepted_side("finishing-let-go", 82);
         // The worker stopped: the request is finished here, by a waiting caller's look, and
         // nobody else takes `finishing`.
         lock(&side.queue).closing = true;

@@ -877,15 +877,13 @@ impl Side {
         // Copies of requests that ended unfinished may still be queued on any lane's streams:
         // what the new connection queues goes behind them on every lane, as it would on one
         // stream, so that a notification never leaves before an older copy to the same bytes.
-        if let Err(e) = self.order_lanes() {
-            wakes.extend(self.fail_later(Broken::Closed));
-            self.hang_up();
-            return Err(e);
-        }
-        restart(ep, hello.descriptors);
-        // Without a reader the endpoint would look healthy and never hear of the peer's close:
-        // it ends instead.
-        if let Err(e) = self.spawn_reader() {
+        // Without a reader the endpoint would look healthy and never hear of the peer's close.
+        // If either cannot be had, the endpoint ends instead.
+        let started = self.order_lanes().and_then(|()| {
+            restart(ep, hello.descriptors);
+            self.spawn_reader()
+        });
+        if let Err(e) = started {
             wakes.extend(self.fail_later(Broken::Closed));
             self.hang_up();
             return Err(e);
