@@ -269,6 +269,9 @@ pub(crate) struct Side {
     closed: AtomicBool,
     pub(super) queue: Mutex<Queue>,
     pub(super) queue_cv: Condvar,
+    /// Set by whoever asks the worker to look ([`call_worker`](Side::call_worker)); taken by the
+    /// worker when it lingers or before it sleeps.
+    called: AtomicBool,
     /// The issue lanes.
     lanes: Box<[Arc<Lane>]>,
     /// The peer allocations this endpoint has used, held until it goes.
@@ -305,6 +308,12 @@ const WORKER_NAP: Duration = Duration::from_micros(100);
 
 /// How often an idle worker looks at the queue anyway (requests that did not wake it).
 const IDLE_LOOK: Duration = Duration::from_millis(100);
+
+/// How long a worker whose queue ran empty stays awake for a call (yielding) before it sleeps
+/// on the queue's condition variable: a program that awaits one request after another calls
+/// it again within microseconds, and a sleeping worker's wake-up would add a thread hand-off
+/// to every request (see docs/transfer.md). It makes no CUDA call meanwhile.
+const WORKER_LINGER: Duration = Duration::from_micros(100);
 
 /// Ask `done` until it answers `true` (then `true`) or `timeout` has passed (then `false`): a
 /// few yields, then sleeps growing to [`WORKER_NAP`].
@@ -368,6 +377,7 @@ impl Side {
             closed: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(lanes)),
             queue_cv: Condvar::new(),
+            called: AtomicBool::new(false),
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
@@ -391,7 +401,7 @@ impl Side {
     pub(super) fn fail_later(&self, cause: Broken) -> Option<Wakes> {
         self.epoch.fetch_add(1, Ordering::AcqRel);
         let wakes = self.ep().map(|ep| fail_later(&ep, cause));
-        self.queue_cv.notify_all();
+        self.rouse();
         wakes
     }
 
@@ -574,12 +584,31 @@ impl Side {
             while self.finish_next(None, true) {}
             let deadline = {
                 let mut q = lock(&self.queue);
+                let mut lingered = false;
                 loop {
                     if let Some(d) = q.first_deadline() {
+                        // Every call so far is about a request queued now, looked at next.
+                        self.called.store(false, Ordering::Relaxed);
                         break d;
                     }
                     if q.closing {
                         return;
+                    }
+                    // Awake a while first, for the next call; requests queued meanwhile without
+                    // one are left to their waiting callers (as when the worker sleeps).
+                    if !lingered {
+                        lingered = true;
+                        drop(q);
+                        let called = self.linger();
+                        q = lock(&self.queue);
+                        if called {
+                            continue;
+                        }
+                    }
+                    // A call since: look again (taken under the lock, so that one made after
+                    // this finds the worker asleep and wakes it).
+                    if self.called.swap(false, Ordering::AcqRel) {
+                        continue;
                     }
                     q.idle = true;
                     // Timed: a request nobody waits for does not wake the worker, and its
@@ -611,11 +640,35 @@ impl Side {
         }
     }
 
-    /// Wake the worker if it sleeps for want of work.
-    fn wake_worker(&self) {
+    /// Ask the worker to look: a lingering worker sees the call at once, a sleeping one is
+    /// woken.
+    pub(super) fn call_worker(&self) {
+        // Before the lock: a worker that takes the call under it does not sleep.
+        self.called.store(true, Ordering::Release);
         let idle = lock(&self.queue).idle;
         if idle {
             self.queue_cv.notify_all();
+        }
+    }
+
+    /// Have the worker look now, awake or asleep (a failure, a close, a test's push).
+    pub(super) fn rouse(&self) {
+        self.called.store(true, Ordering::Release);
+        self.queue_cv.notify_all();
+    }
+
+    /// Stay awake (yielding) until the worker is called (then `true`) or [`WORKER_LINGER`]
+    /// passed, taking the call.
+    fn linger(&self) -> bool {
+        let end = Instant::now() + WORKER_LINGER;
+        loop {
+            if self.called.swap(false, Ordering::AcqRel) {
+                return true;
+            }
+            if self.closed.load(Ordering::Acquire) || Instant::now() >= end {
+                return false;
+            }
+            std::thread::yield_now();
         }
     }
 
@@ -707,6 +760,10 @@ impl Side {
             return Some(job);
         }
         q.push(lane, job);
+        if eager {
+            // Under the lock: a worker about to sleep takes the call first.
+            self.called.store(true, Ordering::Release);
+        }
         let wake = eager && q.idle;
         drop(q);
         if wake {
@@ -819,7 +876,7 @@ impl Finisher for Lane {
 
     fn wake(&self) {
         if let Some(side) = self.side.upgrade() {
-            side.wake_worker();
+            side.call_worker();
         }
     }
 }
@@ -841,7 +898,7 @@ impl Side {
         }
         self.epoch.fetch_add(1, Ordering::AcqRel);
         lock(&self.queue).closing = true;
-        self.queue_cv.notify_all();
+        self.rouse();
         self.hang_up();
         if let Some(t) = lock(&self.worker).take() {
             join_unless_current(t);
