@@ -599,6 +599,91 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
     v
 }
 
+/// A KvikIO process serving one case at a time (`kvikio_bench.py --serve`), for the paired
+/// rounds.
+struct KvServer {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+    script: PathBuf,
+}
+
+impl KvServer {
+    fn start(input: &Path, output: &Path, len: usize) -> Result<KvServer, String> {
+        use std::io::BufRead;
+        let py = std::env::var("GPUDIRECT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+        let script =
+            std::env::temp_dir().join(format!("gpudirect-kvikio-serve-{}.py", std::process::id()));
+        std::fs::write(&script, KVIKIO_SCRIPT).map_err(|e| format!("writing the script: {e}"))?;
+        let mut child = std::process::Command::new(&py)
+            .arg(&script)
+            .arg("--serve")
+            .args(["--file", &input.display().to_string()])
+            .args(["--out", &output.display().to_string()])
+            .args(["--bytes", &len.to_string()])
+            .env(
+                "KVIKIO_COMPAT_MODE",
+                std::env::var("KVIKIO_COMPAT_MODE").unwrap_or_else(|_| "ON".into()),
+            )
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{py} not runnable: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let rest = l
+                    .strip_prefix("KV ")
+                    .or_else(|| l.starts_with("{\"fatal\"").then_some(l.as_str()));
+                if let Some(rest) = rest
+                    && tx.send(rest.to_string()).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        Ok(KvServer {
+            child,
+            stdin,
+            lines,
+            script,
+        })
+    }
+
+    /// One case, once untimed and once timed: the timed run's GB/s.
+    fn run(&mut self, op: &str, cache: &str, variant: &str, threads: usize) -> Result<f64, String> {
+        use std::io::Write;
+        writeln!(self.stdin, "{op} {cache} {variant} {threads}")
+            .and_then(|()| self.stdin.flush())
+            .map_err(|e| format!("KvikIO's process is gone: {e}"))?;
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(120))
+            .map_err(|_| "KvikIO gave no answer within 120 s".to_string())?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| format!("KvikIO's answer {line:?}: {e}"))?;
+        match (
+            v.get("gbps").and_then(|g| g.as_f64()),
+            v.get("error"),
+            v.get("fatal"),
+        ) {
+            (Some(g), _, _) => Ok(g),
+            (_, Some(e), _) | (_, _, Some(e)) => Err(format!("KvikIO: {e}")),
+            _ => Err(format!("KvikIO's answer {line:?}")),
+        }
+    }
+}
+
+impl Drop for KvServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.script);
+    }
+}
+
 /// One of KvikIO's figures: op, cache, variant, threads, GB/s of each repetition.
 type KvikioRow = (String, String, String, usize, Vec<f64>);
 
@@ -1176,15 +1261,78 @@ fn main() {
             if cold { "cold" } else { "hot" }
         );
     }
-    let Bench { dst, data, .. } = bench;
-    drop(data);
-
     let ops = match (groups.iter().any(|g| !g.0), groups.iter().any(|g| g.0)) {
         (true, true) => "read,write",
         (true, false) => "read",
         _ => "write",
     };
     let (kv, kv_note) = kvikio(&input, &kv_output, len, reps, ops);
+    // Paired rounds against KvikIO's best row of each group: KvikIO, gpudirect's automatic
+    // path, KvikIO again, in one KvikIO process that serves the cases (no start-up per run),
+    // on the same files as ours.
+    let kv_pairs = match std::env::var("GPUDIRECT_BENCH_KVIKIO_PAIRS") {
+        Ok(v) if v.trim() == "0" => 0,
+        _ => env_usize("GPUDIRECT_BENCH_KVIKIO_PAIRS", pairs),
+    };
+    let mut kv_decisions: Vec<Decision> = Vec::new();
+    let mut kv_pair_note = None;
+    if kv_pairs > 0 && !kv.is_empty() {
+        match KvServer::start(&input, &output, len) {
+            Err(e) => kv_pair_note = Some(format!("KvikIO paired rounds: {e}")),
+            Ok(mut server) => {
+                for &(write, cold) in &groups {
+                    let (op, cache) = (
+                        if write { "write" } else { "read" },
+                        if cold { "cold" } else { "hot" },
+                    );
+                    let best = kv
+                        .iter()
+                        .filter(|r| r.0 == op && r.1 == cache)
+                        .max_by(|a, b| median(&a.4).0.total_cmp(&median(&b.4).0));
+                    let ours = rows.iter().position(|r| {
+                        r.write == write
+                            && r.cold == cold
+                            && matches!(r.case, Case::Gd(Mode::Auto, None, _))
+                    });
+                    let (Some((_, _, variant, threads, _)), Some(g)) = (best, ours) else {
+                        continue;
+                    };
+                    if !write && !cold {
+                        warm(&input);
+                    }
+                    let mut d = Decision {
+                        write,
+                        cold,
+                        raw: format!("KvikIO {variant}, {threads} threads"),
+                        ours: rows[g].name.clone(),
+                        ratio: Vec::new(),
+                        noise: Vec::new(),
+                    };
+                    for _ in 0..kv_pairs {
+                        let k1 = server.run(op, cache, variant, *threads);
+                        if prime {
+                            bench.run(&mut rows[g]);
+                        }
+                        let x = gbps(bench.run(&mut rows[g]));
+                        let k2 = server.run(op, cache, variant, *threads);
+                        match (k1, k2) {
+                            (Ok(k1), Ok(k2)) => {
+                                d.ratio.push(paired::ratio(k1, x, k2));
+                                d.noise.push(k2 / k1);
+                            }
+                            (Err(e), _) | (_, Err(e)) => {
+                                kv_pair_note = Some(format!("KvikIO paired rounds: {e}"));
+                                break;
+                            }
+                        }
+                    }
+                    kv_decisions.push(d);
+                }
+            }
+        }
+    }
+    let Bench { dst, data, .. } = bench;
+    drop(data);
     for (op, cache, variant, threads, gbps) in kv {
         let (write, cold) = (op == "write", cache == "cold");
         let what = format!("{variant}, {threads} threads");
@@ -1306,6 +1454,45 @@ fn main() {
         };
         println!(
             "{op} {cache}: gpudirect {} / raw {}: {r}; raw / raw {n}: {verdict}",
+            d.ours, d.raw
+        );
+    }
+    if !kv_decisions.is_empty() || kv_pair_note.is_some() {
+        println!(
+            "\nPaired rounds against KvikIO ({kv_pairs} rounds of: KvikIO's best row, \
+             gpudirect, the same KvikIO row again, one KvikIO process serving them; each round's \
+             gpudirect / the mean of its two KvikIO runs, and KvikIO's second run / its first):"
+        );
+    }
+    if let Some(n) = &kv_pair_note {
+        println!("{n}");
+    }
+    for d in &kv_decisions {
+        let (op, cache, target) = match (d.write, d.cold) {
+            (false, false) => ("read", "hot", Some(1.10)),
+            (false, true) => ("read", "cold", None),
+            (true, false) => ("write", "cached", None),
+            (true, true) => ("write", "durable", Some(1.0)),
+        };
+        let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
+            println!("{op} {cache}: no round gave a finite figure");
+            continue;
+        };
+        let verdict = match target {
+            None => "(no target against KvikIO)".to_string(),
+            Some(t) => match r.at_least(t) {
+                Verdict::Meets => format!("meets {t:.2}x"),
+                Verdict::Misses => {
+                    format!("misses {t:.2}x: its whole interval is under it (a finding)")
+                }
+                Verdict::Undecided => format!(
+                    "below {t:.2}x, but its interval reaches it (or too few rounds): more \
+                     rounds (GPUDIRECT_BENCH_KVIKIO_PAIRS) decide"
+                ),
+            },
+        };
+        println!(
+            "{op} {cache}: gpudirect {} / {}: {r}; KvikIO / KvikIO {n}: {verdict}",
             d.ours, d.raw
         );
     }

@@ -61,6 +61,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", default="1,4,8,16,32")
     ap.add_argument("--ops", default="read,write")
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="run the cases standard input names, one a line (`op cache variant threads`), "
+        "each once untimed and once timed; answer each with a line `KV {\"gbps\": x}`",
+    )
     args = ap.parse_args()
     os.environ.setdefault("KVIKIO_COMPAT_MODE", "ON")
 
@@ -120,6 +126,9 @@ def main():
         got = f()
         cupy.cuda.runtime.deviceSynchronize()
         return got, time.perf_counter() - t0
+
+    if args.serve:
+        return serve(args, buf, set_threads, setting, timed)
 
     if "read" in ops:
         # Hot: one check of the bytes (first and last MiB) against the file.
@@ -191,6 +200,53 @@ def main():
             }
         )
     )
+    return 0
+
+
+def serve(args, buf, set_threads, setting, timed):
+    """One case at a time, as the bench's paired rounds ask for them (the same preparation as
+    the table's cases above); each run once untimed first, as the bench's own cases are."""
+    import kvikio
+
+    n = args.bytes
+    if not os.path.exists(args.out) or os.path.getsize(args.out) < n:
+        with open(args.out, "ab") as h:
+            h.truncate(n)
+
+    def once(op, cache, variant, t):
+        set_threads(t)
+        if op == "read":
+            if cache == "cold":
+                setting("auto_direct_io_read", variant == "direct")
+                drop_cache(args.file)
+            with kvikio.CuFile(args.file, "r") as f:
+                _, s = timed(lambda: f.read(buf))
+            setting("auto_direct_io_read", False)
+            return n / s / 1e9
+        if cache == "cold":
+            drop_cache(args.out)
+        else:
+            fdatasync_path(args.out)
+        with kvikio.CuFile(args.out, "r+") as f:
+            t0 = time.perf_counter()
+            got = f.write(buf)
+            if cache == "cold":
+                os.fdatasync(f.fileno())
+            s = time.perf_counter() - t0
+        if got != n:
+            raise RuntimeError(f"write returned {got} of {n} bytes")
+        return n / s / 1e9
+
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            op, cache, variant, t = parts[0], parts[1], parts[2], int(parts[3])
+            once(op, cache, variant, t)
+            print("KV " + json.dumps({"gbps": once(op, cache, variant, t)}), flush=True)
+        except Exception as e:
+            print("KV " + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
     return 0
 
 
