@@ -32,6 +32,11 @@
 //! (how far raw moves against itself), and a shortfall is called a finding only when the whole
 //! interval is under the target.
 //!
+//! `GPUDIRECT_BENCH_KVIKIO_PAIRS` (default `GPUDIRECT_BENCH_PAIRS`; `0` turns it off): when KvikIO
+//! ran, that many rounds per group of KvikIO's best row, gpudirect's automatic path and KvikIO's
+//! row again, in one KvikIO process serving the cases (`kvikio_bench.py --serve`) on the same
+//! files, decided the same way against the KvikIO targets (hot reads 1.10x, durable writes 1.0x).
+//!
 //! `GPUDIRECT_BENCH_SEQ` measures what one case leaves behind for the next: a `;` list of steps
 //! run in that order, repeated `GPUDIRECT_BENCH_REPS` times (after `GPUDIRECT_BENCH_WARMUP`
 //! unmeasured passes, at least one), with one group selected by `GPUDIRECT_BENCH_GROUPS`; the

@@ -23,7 +23,7 @@
 //! barrier; compute by both ranks at once, as the pipelined run computes. Two processes on one
 //! GPU take turns on it (time slices), so a rank's exchange measured while the other rank's
 //! kernels run waits for its turn on the device, not for the copy (`--alone-together` measures
-//! every stage on both ranks at once, as earlier versions did; docs/benches.md). The stage
+//! every stage on both ranks at once, as earlier versions did; docs/transfer.md). The stage
 //! windows printed (seconds on the clock both ranks share) show what ran beside what.
 //! Ranks on one node meet over a Unix domain socket and move bytes by CUDA IPC; across nodes
 //! (`--listen PORT` on one node, `--connect HOST:PORT` on the other) they use RDMA.
