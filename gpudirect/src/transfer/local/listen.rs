@@ -1103,6 +1103,100 @@ mod tests {
         }
     }
 
+    /// A rouse (a failure's) that lands as the worker leaves its linger and goes to sleep is not
+    /// lost: a request queued during the linger without a call is finished at the rouse, not
+    /// at the worker's 100 ms idle look (found by a red-team read: lost within about 1,000
+    /// tries). Rouses are swept across the linger's end.
+    #[test]
+    fn a_rouse_as_the_worker_falls_asleep_is_not_lost() {
+        let (_l, _ep, _peer, side) = accepted_side("rouse-race", 86);
+        let mut x = 0x1234_5678_u32;
+        let stop = Instant::now() + Duration::from_secs(3);
+        let spin_until = |at: Instant| {
+            while Instant::now() < at {
+                std::hint::spin_loop();
+            }
+        };
+        for n in 0..2000 {
+            if Instant::now() > stop {
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let epoch = side.epoch.load(Ordering::Acquire);
+            // A request the worker finishes: it lingers from here.
+            let (t0, f0) =
+                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+            let j0 = Job::done_at_once(Box::new(f0), None, epoch);
+            assert!(side.push_job(0, j0, false).is_none());
+            side.call_worker();
+            while !t0.flag().is_complete() {
+                std::hint::spin_loop();
+            }
+            let start = Instant::now();
+            // Queued inside the linger, with no call.
+            let (t, f) =
+                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+            spin_until(start + Duration::from_micros(40));
+            let j = Job::done_at_once(Box::new(f), None, epoch);
+            assert!(side.push_job(0, j, false).is_none());
+            // The rouse, around the linger's end.
+            let off = Duration::from_nanos(95_000 + u64::from(x % 30_000));
+            spin_until(start + off);
+            side.rouse();
+            let r = Instant::now();
+            while !t.flag().is_complete() {
+                assert!(
+                    r.elapsed() < Duration::from_millis(80),
+                    "try {n}: a rouse at +{off:?} into the linger was lost"
+                );
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            t0.wait().expect("finished");
+            t.wait().expect("finished");
+        }
+    }
+
+    /// A close while the worker lingers does not wait for the worker's 100 ms idle look (found
+    /// by a red-team read: `close` took 100.4 ms within about 700 tries).
+    #[test]
+    fn a_close_during_the_linger_is_prompt() {
+        let mut x = 0x2545_f491_u32;
+        let stop = Instant::now() + Duration::from_secs(3);
+        for n in 0..1500 {
+            if Instant::now() > stop {
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let (_l, _ep, _peer, side) = accepted_side("close-linger", 88);
+            let epoch = side.epoch.load(Ordering::Acquire);
+            let (t, f) =
+                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+            let j = Job::done_at_once(Box::new(f), None, epoch);
+            assert!(side.push_job(0, j, false).is_none());
+            side.call_worker();
+            while !t.flag().is_complete() {
+                std::hint::spin_loop();
+            }
+            let start = Instant::now();
+            let off = Duration::from_nanos(u64::from(x % 120_000));
+            while start.elapsed() < off {
+                std::hint::spin_loop();
+            }
+            let c = Instant::now();
+            side.close();
+            let took = c.elapsed();
+            assert!(
+                took < Duration::from_millis(80),
+                "try {n}: a close {off:?} into the linger took {took:?}"
+            );
+            t.wait().expect("finished");
+        }
+    }
+
     /// A notified request held behind a reserved place (a prepared run's, in progress) whose
     /// deadline passes: the worker fails the endpoint once and waits, rather than spinning
     /// and failing it again and again (found by a red-team read: 1,929 failures in 200 ms).

@@ -597,13 +597,16 @@ impl Side {
                     // Awake a while first, for the next call; requests queued meanwhile without
                     // one are left to their waiting callers (as when the worker sleeps).
                     if !lingered {
-                        lingered = true;
                         drop(q);
                         let called = self.linger();
                         q = lock(&self.queue);
                         if called {
+                            // Perhaps about a request finished meanwhile: with the queue still
+                            // empty, the worker lingers again (a call needs a transfer someone
+                            // holds unfinished, so this ends).
                             continue;
                         }
+                        lingered = true;
                     }
                     // A call since: look again (taken under the lock, so that one made after
                     // this finds the worker asleep and wakes it).
@@ -654,6 +657,10 @@ impl Side {
     /// Have the worker look now, awake or asleep (a failure, a close, a test's push).
     pub(super) fn rouse(&self) {
         self.called.store(true, Ordering::Release);
+        // Through the lock: a worker between taking `called` and sleeping holds it, so the
+        // notification below finds it asleep (found by a red-team read: a failure or a close
+        // left to the 100 ms idle look).
+        drop(lock(&self.queue));
         self.queue_cv.notify_all();
     }
 
