@@ -672,6 +672,9 @@ fn peer(job: Job) {
     if job.role == "pool-peer" {
         return pool_peer(job);
     }
+    if job.role == "reconnecting" {
+        return reconnecting_peer(job);
+    }
     let d = job.device;
     let engine = Engine::new(EngineConfig::local()).unwrap();
     let dsts: Vec<Region> = SIZES
@@ -757,6 +760,179 @@ fn a_peer_killed_mid_transfer_is_a_typed_error() {
         "{e2}"
     );
     assert!(ep.failure().is_some());
+}
+
+/// The big range the reconnect test's first requests overwrite again and again.
+const RECONNECT_BIG: usize = 256 << 20;
+/// The small writes of the reconnect test, and where each lands: the first request's bytes
+/// stay at `2 * RECONNECT_SMALL`.
+const RECONNECT_SMALL: usize = 4096;
+
+/// After a reconnect, notified writes of the same bytes that requests ended unfinished by it
+/// still overwrite land after those requests' copies: on a lane whose streams existed before
+/// the reconnect, and on a lane whose first request comes after it (its streams made then).
+/// The peer (the dialing side, which reconnects) queues 1,024 writes of 256 MiB over the whole
+/// range on one thread, reconnects while they run, then writes 4 KiB with notification 7 from
+/// a thread that wrote before the reconnect and with notification 8 from a thread new to the
+/// endpoint, and ends with a notified 8-byte write from the first thread (after its copies);
+/// this side checks each notified write's bytes at its notification and at the last, and that
+/// the long requests' bytes landed around them.
+#[test]
+fn a_reconnect_orders_later_writes_after_the_copies_it_ended() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let seed = 0x2c66;
+    let dst = register(&engine, poisoned_bytes(0, RECONNECT_BIG, 0xA5));
+    let path = socket("reconnect-order");
+    let _ = std::fs::remove_file(&path);
+    let listener = engine.listen_local(&path).unwrap();
+    let job = Job {
+        role: "reconnecting".into(),
+        socket: path,
+        seed,
+        device: if n > 1 { 1 } else { 0 },
+    };
+    let mut child = spawn_child(
+        "a_reconnect_orders_later_writes_after_the_copies_it_ended",
+        &job,
+    );
+    let d = [dst.descriptor().unwrap()];
+    let first = listener.accept(&d, WAIT).unwrap();
+    let ep = listener.accept(&d, WAIT).unwrap();
+    let small = |k: usize| bytes(RECONNECT_SMALL, seed ^ (10 + k as u64));
+    let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
+    assert_eq!(next(&ep).tag, 7);
+    same(
+        &host_copy(&dst, 0, RECONNECT_SMALL),
+        &small(0),
+        "a lane that wrote before the reconnect, at its notification",
+    );
+    assert_eq!(next(&ep).tag, 8);
+    same(
+        &host_copy(&dst, RECONNECT_SMALL, RECONNECT_SMALL),
+        &small(1),
+        "a lane new after the reconnect, at its notification",
+    );
+    assert_eq!(next(&ep).tag, 9);
+    same(
+        &host_copy(&dst, 0, 2 * RECONNECT_SMALL),
+        &[small(0), small(1)].concat(),
+        "both, once the ended requests' copies are done",
+    );
+    let big = bytes(RECONNECT_BIG, seed ^ 1);
+    same(
+        &host_copy(&dst, 2 * RECONNECT_SMALL, RECONNECT_SMALL),
+        &big[2 * RECONNECT_SMALL..3 * RECONNECT_SMALL],
+        "the ended requests' own bytes (their copies ran)",
+    );
+    same(
+        &host_copy(&dst, RECONNECT_BIG - 8, 8),
+        &bytes(8, seed ^ 9),
+        "the last write, after them",
+    );
+    drop((first, ep));
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// The dialing side of the reconnect test.
+fn reconnecting_peer(job: Job) {
+    use std::sync::mpsc::channel;
+    let d = job.device;
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let big = register(
+        &engine,
+        device_bytes(d, &bytes(RECONNECT_BIG, job.seed ^ 1)),
+    );
+    let smalls: Vec<Region> = (0..2)
+        .map(|k| {
+            register(
+                &engine,
+                device_bytes(d, &bytes(RECONNECT_SMALL, job.seed ^ (10 + k))),
+            )
+        })
+        .collect();
+    let last = register(&engine, device_bytes(d, &bytes(8, job.seed ^ 9)));
+    let ep = engine.connect_local(&job.socket, &[]).unwrap();
+    // The main thread's lane gets streams before the reconnect.
+    let p = ep.peer_descriptors()[0];
+    ep.write(
+        vec![(smalls[0].all(), p.range(0, RECONNECT_SMALL as u64).unwrap())],
+        TransferOptions::default(),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    let (go_tx, go_rx) = channel::<MemoryDescriptor>();
+    let (issued_tx, issued_rx) = channel::<Vec<gpudirect::transfer::Transfer>>();
+    let (ep, big, last) = (&ep, &big, &last);
+    std::thread::scope(|s| {
+        // The long requests, and later the last write, from one thread: one lane.
+        let long = s.spawn(move || {
+            let all: Vec<_> = (0..1024)
+                .map(|_| {
+                    ep.write(vec![(big.all(), p.all())], TransferOptions::default())
+                        .unwrap()
+                })
+                .collect();
+            issued_tx.send(all).unwrap();
+            let p2 = go_rx.recv().unwrap();
+            ep.write(
+                vec![(last.all(), p2.range(RECONNECT_BIG as u64 - 8, 8).unwrap())],
+                TransferOptions::notify(9),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        });
+        let ended = issued_rx.recv().unwrap();
+        let pending = ended.iter().filter(|t| !t.is_complete()).count();
+        ep.reconnect().unwrap();
+        println!("peer: reconnected with {pending} of 1024 long writes unfinished");
+        assert!(
+            pending > 0,
+            "the long writes ended before the reconnect: nothing tested"
+        );
+        let ended_with_error = ended
+            .into_iter()
+            .map(|t| t.wait())
+            .filter(Result::is_err)
+            .count();
+        println!("peer: {ended_with_error} ended with an error");
+        let p2 = ep.peer_descriptors()[0];
+        ep.write(
+            vec![(
+                smalls[0].all(),
+                p2.range(0, RECONNECT_SMALL as u64).unwrap(),
+            )],
+            TransferOptions::notify(7),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        let small1 = &smalls[1];
+        s.spawn(move || {
+            ep.write(
+                vec![(
+                    small1.all(),
+                    p2.range(RECONNECT_SMALL as u64, RECONNECT_SMALL as u64)
+                        .unwrap(),
+                )],
+                TransferOptions::notify(8),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        })
+        .join()
+        .unwrap();
+        go_tx.send(p2).unwrap();
+        long.join().unwrap();
+    });
+    until_hung_up(ep);
 }
 
 /// A peer that aborts at its third notification, while the writes go on.

@@ -11,6 +11,7 @@ use super::socket::{FRAME, NOTE, os, send_all};
 use super::state::{State, deliver, fail_later, restart};
 use crate::completion::{Fence, Tracker, deadline_after, thread::join_unless_current};
 use crate::cuda::Stream;
+use crate::cudarc::driver::CudaEvent;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::Engine;
@@ -245,6 +246,16 @@ impl Lane {
             .map(|_| Stream::private(&ctx))
             .collect::<Result<Vec<_>>>()?
             .into();
+        // Made after a reconnect: ordered after the copies of requests ended unfinished by it,
+        // as every stream that existed then is ([`Side::order_lanes`]; under this lane's
+        // streams lock, which that holds while it records the barrier).
+        if let Some(side) = self.side.upgrade() {
+            for ev in lock(&side.barrier).iter() {
+                for s in v.iter() {
+                    s.wait(ev)?;
+                }
+            }
+        }
         m.insert(ordinal, v.clone());
         Ok(v)
     }
@@ -274,6 +285,9 @@ pub(crate) struct Side {
     called: AtomicBool,
     /// The issue lanes.
     lanes: Box<[Arc<Lane>]>,
+    /// Events recorded by the last reconnect on every lane's streams (after the copies of the
+    /// requests it ended unfinished): a stream made later waits on them before its first copy.
+    barrier: Mutex<Vec<CudaEvent>>,
     /// The peer allocations this endpoint has used, held until it goes.
     pub(super) held: Mutex<Vec<Arc<Import>>>,
     ep: Mutex<Weak<EpInner<State>>>,
@@ -378,6 +392,7 @@ impl Side {
             queue: Mutex::new(Queue::new(lanes)),
             queue_cv: Condvar::new(),
             called: AtomicBool::new(false),
+            barrier: Mutex::new(Vec::new()),
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
@@ -544,17 +559,17 @@ impl Side {
     /// lane's issue lock is held meanwhile, so a request issued on it is either queued before
     /// its event or refused (the endpoint's epoch moved: [`super::request`] asks again under
     /// the lock).
+    /// A stream made later (a lane's first request after this, or its first on another GPU)
+    /// waits on every one of those events when it is made ([`Lane::streams_of`]): every lane's
+    /// streams lock is held while the events are recorded and kept, so a stream is made either
+    /// before (and waits here) or after (and waits there).
     fn order_lanes(&self) -> Result<()> {
         let _issuing: Vec<_> = self.lanes.iter().map(|l| lock(&l.issue)).collect();
-        let streams: Vec<(usize, Arc<[Stream]>)> = self
-            .lanes
+        let maps: Vec<_> = self.lanes.iter().map(|l| lock(&l.streams)).collect();
+        let streams: Vec<(usize, Arc<[Stream]>)> = maps
             .iter()
-            .flat_map(|l| {
-                lock(&l.streams)
-                    .values()
-                    .map(|v| (l.index, v.clone()))
-                    .collect::<Vec<_>>()
-            })
+            .enumerate()
+            .flat_map(|(lane, m)| m.values().map(move |v| (lane, v.clone())))
             .collect();
         let mut events = Vec::new();
         for (lane, v) in &streams {
@@ -569,6 +584,9 @@ impl Side {
                 }
             }
         }
+        // Every stream that exists now waited on what it had to (on its own lane, order holds
+        // by itself); a stream made later waits on all of them.
+        *lock(&self.barrier) = events.into_iter().map(|(_, ev)| ev).collect();
         Ok(())
     }
 
