@@ -17,6 +17,9 @@
 //! - a remote range past the peer's real allocation refused before any copy; a deadline that
 //!   passes ending the request with `Error::Timeout`;
 //! - a peer killed while writes run: a typed error, no hang;
+//! - a reconnect while 1,024 long writes run: later notified writes of the same bytes, from a
+//!   lane that existed and from one made after the reconnect, land after the ended writes'
+//!   copies (checked at each notification and at the end);
 //! - VMM memory (`VmmBuffer`): the peer publishes a one-chunk buffer and a range inside chunk 1
 //!   of a two-chunk one (their file descriptors cross the socket when the endpoints meet);
 //!   random bytes written into each (checked by the peer at each notification) and read back
