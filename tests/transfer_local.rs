@@ -776,8 +776,8 @@ const RECONNECT_SMALL: usize = 4096;
 /// the reconnect, and on a lane whose first request comes after it (its streams made then).
 /// The peer (the dialing side, which reconnects) queues 1,024 writes of 256 MiB over the whole
 /// range on one thread, reconnects while they run, then writes 4 KiB with notification 7 from
-/// a thread that wrote before the reconnect and with notification 8 from a thread new to the
-/// endpoint, and ends with a notified 8-byte write from the first thread (after its copies);
+/// a thread new to the endpoint and with notification 8 from a thread that wrote before the
+/// reconnect, and ends with a notified 8-byte write from the first thread (after its copies);
 /// this side checks each notified write's bytes at its notification and at the last, and that
 /// the long requests' bytes landed around them.
 #[test]
@@ -809,15 +809,15 @@ fn a_reconnect_orders_later_writes_after_the_copies_it_ended() {
     let next = |ep: &Endpoint| ep.next_notification(WAIT).unwrap().expect("a notification");
     assert_eq!(next(&ep).tag, 7);
     same(
-        &host_copy(&dst, 0, RECONNECT_SMALL),
-        &small(0),
-        "a lane that wrote before the reconnect, at its notification",
-    );
-    assert_eq!(next(&ep).tag, 8);
-    same(
         &host_copy(&dst, RECONNECT_SMALL, RECONNECT_SMALL),
         &small(1),
         "a lane new after the reconnect, at its notification",
+    );
+    assert_eq!(next(&ep).tag, 8);
+    same(
+        &host_copy(&dst, 0, RECONNECT_SMALL),
+        &small(0),
+        "a lane that wrote before the reconnect, at its notification",
     );
     assert_eq!(next(&ep).tag, 9);
     same(
@@ -899,23 +899,9 @@ fn reconnecting_peer(job: Job) {
             pending > 0,
             "the long writes ended before the reconnect: nothing tested"
         );
-        let ended_with_error = ended
-            .into_iter()
-            .map(|t| t.wait())
-            .filter(Result::is_err)
-            .count();
-        println!("peer: {ended_with_error} ended with an error");
         let p2 = ep.peer_descriptors()[0];
-        ep.write(
-            vec![(
-                smalls[0].all(),
-                p2.range(0, RECONNECT_SMALL as u64).unwrap(),
-            )],
-            TransferOptions::notify(7),
-        )
-        .unwrap()
-        .wait()
-        .unwrap();
+        // First from a thread new to the endpoint (its lane's streams made now), while the
+        // ended writes' copies still run; then from the thread that wrote before.
         let small1 = &smalls[1];
         s.spawn(move || {
             ep.write(
@@ -924,7 +910,7 @@ fn reconnecting_peer(job: Job) {
                     p2.range(RECONNECT_SMALL as u64, RECONNECT_SMALL as u64)
                         .unwrap(),
                 )],
-                TransferOptions::notify(8),
+                TransferOptions::notify(7),
             )
             .unwrap()
             .wait()
@@ -932,8 +918,26 @@ fn reconnecting_peer(job: Job) {
         })
         .join()
         .unwrap();
+        ep.write(
+            vec![(
+                smalls[0].all(),
+                p2.range(0, RECONNECT_SMALL as u64).unwrap(),
+            )],
+            TransferOptions::notify(8),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
         go_tx.send(p2).unwrap();
         long.join().unwrap();
+        // Waited for only now: a wait first closes what finished requests left (here the
+        // reconnect's old mappings), which waits for the device's queued copies.
+        let ended_with_error = ended
+            .into_iter()
+            .map(|t| t.wait())
+            .filter(Result::is_err)
+            .count();
+        println!("peer: {ended_with_error} ended with an error");
     });
     until_hung_up(ep);
 }
