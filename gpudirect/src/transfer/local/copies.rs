@@ -226,9 +226,9 @@ fn queue_on(
         return Err(e);
     }
     let k = keep.take().expect("kept between streams");
-    // A lane's streams are the endpoint's own: made in `streams_of`, never handed out, and never
-    // made to wait on anyone's event, so no capture can reach them (the private protocol: no
-    // driver questions).
+    // A lane's streams are the endpoint's own: made in `streams_of`, never handed out, and made
+    // to wait only on events of other lanes' streams (a reconnect's join), so no capture can
+    // reach them (the private protocol: no driver questions).
     let copies = |raw, _: &Keep| {
         // SAFETY: both ranges of every piece were checked: the local range inside its region,
         // which `keep` holds; the remote range inside the peer's allocation and the mapping,

@@ -690,8 +690,10 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     if let Some(err) = ended_since(ep, &side, r.epoch) {
         return Err(err);
     }
+    // The stream may wait (a reconnect's join) for copies its timeline does not count: the
+    // synchronize would wait for them, past the request's deadline.
     let timeline = stream.timeline();
-    if timeline.completed() < timeline.issued() {
+    if timeline.completed() < timeline.issued() || !side.barrier_done()? {
         drop(issue);
         return post(ep, r)?.wait();
     }
@@ -842,6 +844,8 @@ pub(super) fn on_stream(
         gpus,
         imports,
         started,
+        deadline,
+        timeout,
         epoch,
         ..
     } = prepare(ep, side, dir, pairs, opts)?;
@@ -851,6 +855,19 @@ pub(super) fn on_stream(
         _imports: imports,
         _held: None,
     };
+    // The caller's stream is not one of the lanes' (a reconnect cannot make it wait): copies of
+    // requests a reconnect ended unfinished, which may reach the same bytes, are let finish
+    // first, up to the request's deadline.
+    while !side.barrier_done()? {
+        if Instant::now() >= deadline {
+            park_imports(keep._imports);
+            return Err(Error::Timeout {
+                what: "the copies of requests a reconnect ended unfinished",
+                after: timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
     let bytes = pairs_bytes(pairs)?;
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {

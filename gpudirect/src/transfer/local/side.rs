@@ -11,7 +11,7 @@ use super::socket::{FRAME, NOTE, os, send_all};
 use super::state::{State, deliver, fail_later, restart};
 use crate::completion::{Fence, Tracker, deadline_after, thread::join_unless_current};
 use crate::cuda::Stream;
-use crate::cudarc::driver::CudaEvent;
+use crate::cudarc::driver::{CudaContext, CudaEvent};
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::MemoryDescriptor;
 use crate::transfer::engine::Engine;
@@ -249,11 +249,11 @@ impl Lane {
         // Made after a reconnect: ordered after the copies of requests ended unfinished by it,
         // as every stream that existed then is ([`Side::order_lanes`]; under this lane's
         // streams lock, which that holds while it records the barrier).
-        if let Some(side) = self.side.upgrade() {
-            for ev in lock(&side.barrier).iter() {
-                for s in v.iter() {
-                    s.wait(ev)?;
-                }
+        if let Some(side) = self.side.upgrade()
+            && let Some((_, ev)) = &*lock(&side.barrier)
+        {
+            for s in v.iter() {
+                s.wait(ev)?;
             }
         }
         m.insert(ordinal, v.clone());
@@ -285,9 +285,10 @@ pub(crate) struct Side {
     called: AtomicBool,
     /// The issue lanes.
     lanes: Box<[Arc<Lane>]>,
-    /// Events recorded by the last reconnect on every lane's streams (after the copies of the
-    /// requests it ended unfinished): a stream made later waits on them before its first copy.
-    barrier: Mutex<Vec<CudaEvent>>,
+    /// The last reconnect's join of every lane's streams (an event complete once the copies of
+    /// the requests it ended unfinished are), with its context: a stream made later waits on
+    /// it before its first copy. Let go once seen complete ([`Side::barrier_done`]).
+    barrier: Mutex<Option<(Arc<CudaContext>, CudaEvent)>>,
     /// The peer allocations this endpoint has used, held until it goes.
     pub(super) held: Mutex<Vec<Arc<Import>>>,
     ep: Mutex<Weak<EpInner<State>>>,
@@ -392,7 +393,7 @@ impl Side {
             queue: Mutex::new(Queue::new(lanes)),
             queue_cv: Condvar::new(),
             called: AtomicBool::new(false),
-            barrier: Mutex::new(Vec::new()),
+            barrier: Mutex::new(None),
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
             worker: Mutex::new(None),
@@ -559,35 +560,51 @@ impl Side {
     /// lane's issue lock is held meanwhile, so a request issued on it is either queued before
     /// its event or refused (the endpoint's epoch moved: [`super::request`] asks again under
     /// the lock).
-    /// A stream made later (a lane's first request after this, or its first on another GPU)
-    /// waits on every one of those events when it is made ([`Lane::streams_of`]): every lane's
-    /// streams lock is held while the events are recorded and kept, so a stream is made either
-    /// before (and waits here) or after (and waits there).
+    ///
+    /// Every stream is joined, its own lane's too: a lane's order comes from finishing its
+    /// requests in turn, which the ended requests no longer take part in, and a lane has
+    /// several streams (`copy_streams`, one set per GPU). One stream waits on an event of every
+    /// other, records the join, and every other stream waits on that (a number of driver calls
+    /// linear in the streams). The join is kept: a stream made later (a lane's first request
+    /// after this, or its first on another GPU) waits on it when it is made
+    /// ([`Lane::streams_of`]); every lane's streams lock is held meanwhile, so a stream is made
+    /// either before (and waits here) or after (and waits there).
     fn order_lanes(&self) -> Result<()> {
         let _issuing: Vec<_> = self.lanes.iter().map(|l| lock(&l.issue)).collect();
         let maps: Vec<_> = self.lanes.iter().map(|l| lock(&l.streams)).collect();
-        let streams: Vec<(usize, Arc<[Stream]>)> = maps
+        let streams: Vec<Stream> = maps
             .iter()
-            .enumerate()
-            .flat_map(|(lane, m)| m.values().map(move |v| (lane, v.clone())))
+            .flat_map(|m| m.values().flat_map(|v| v.iter().cloned()))
             .collect();
-        let mut events = Vec::new();
-        for (lane, v) in &streams {
-            for s in v.iter() {
-                events.push((*lane, s.record_event()?));
-            }
+        let Some((join, others)) = streams.split_first() else {
+            return Ok(());
+        };
+        for s in others {
+            join.wait(&s.record_event()?)?;
         }
-        for (lane, v) in &streams {
-            for s in v.iter() {
-                for (_, ev) in events.iter().filter(|(other, _)| other != lane) {
-                    s.wait(ev)?;
-                }
-            }
+        let joined = join.record_event()?;
+        for s in others {
+            s.wait(&joined)?;
         }
-        // Every stream that exists now waited on what it had to (on its own lane, order holds
-        // by itself); a stream made later waits on all of them.
-        *lock(&self.barrier) = events.into_iter().map(|(_, ev)| ev).collect();
+        *lock(&self.barrier) = Some((join.context().clone(), joined));
         Ok(())
+    }
+
+    /// Whether the copies the last reconnect ended unfinished are done (`true` when there was
+    /// none); once they are, the join is let go.
+    pub(super) fn barrier_done(&self) -> Result<bool> {
+        let mut b = lock(&self.barrier);
+        let Some((ctx, ev)) = &*b else {
+            return Ok(true);
+        };
+        crate::driver::ctx::bind(ctx)?;
+        let done = ev
+            .try_is_complete()
+            .map_err(|e| crate::error::from_driver("cuEventQuery", e))?;
+        if done {
+            *b = None;
+        }
+        Ok(done)
     }
 
     /// Nanoseconds since this side was made (at least 1).
