@@ -412,8 +412,16 @@ pub(super) fn request(
         epoch,
     } = prepare(ep, side, dir, &pairs, &opts)?;
     let lane = side.lane_here();
-    let streams = streams_for(lane, &copies)?;
-    let bytes = pairs_bytes(&pairs)?;
+    // Refused here, the imports are parked (as a refused request's are), not closed on this
+    // thread.
+    let (streams, bytes) =
+        match streams_for(lane, &copies).and_then(|s| Ok((s, pairs_bytes(&pairs)?))) {
+            Ok(v) => v,
+            Err(e) => {
+                park_imports(imports);
+                return Err(e);
+            }
+        };
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
         _pairs: pairs,
@@ -839,6 +847,8 @@ pub(super) fn on_stream(
     pairs: &[(LocalRange, RemoteRange)],
     opts: &TransferOptions,
 ) -> Result<Queued> {
+    // Before anything is mapped: a refusal takes nothing.
+    let bytes = pairs_bytes(pairs)?;
     let Prepared {
         copies,
         gpus,
@@ -868,7 +878,6 @@ pub(super) fn on_stream(
         }
         std::thread::sleep(Duration::from_micros(50));
     }
-    let bytes = pairs_bytes(pairs)?;
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
         // SAFETY: both ranges of every piece were checked: the local range inside its region,
