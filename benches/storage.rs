@@ -604,6 +604,24 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
     v
 }
 
+/// A paired decision's verdict against `target` (`none`: what to say without one); `knob` is
+/// the variable that sets the rounds.
+fn verdict(r: &Summary, target: Option<f64>, none: &str, knob: &str) -> String {
+    let Some(t) = target else {
+        return none.to_string();
+    };
+    match r.at_least(t) {
+        Verdict::Meets => format!("meets {t:.2}x"),
+        Verdict::Misses => format!("misses {t:.2}x: its whole interval is under it (a finding)"),
+        Verdict::Undecided if r.ci.is_none() => {
+            format!("below {t:.2}x in too few rounds for an interval (6 at least: {knob})")
+        }
+        Verdict::Undecided => {
+            format!("below {t:.2}x, but its interval reaches it: more rounds ({knob}) decide")
+        }
+    }
+}
+
 /// A KvikIO process serving one case at a time (`kvikio_bench.py --serve`), for the paired
 /// rounds.
 struct KvServer {
@@ -1440,23 +1458,12 @@ fn main() {
             println!("{op} {cache}: no round gave a finite figure");
             continue;
         };
-        let verdict = match target {
-            None => "(the hot target is against KvikIO, above)".to_string(),
-            Some(t) => match r.at_least(t) {
-                Verdict::Meets => format!("meets {t:.2}x"),
-                Verdict::Misses => {
-                    format!("misses {t:.2}x: its whole interval is under it (a finding)")
-                }
-                Verdict::Undecided if r.ci.is_none() => format!(
-                    "below {t:.2}x in too few rounds for an interval (6 at least: \
-                     GPUDIRECT_BENCH_PAIRS)"
-                ),
-                Verdict::Undecided => format!(
-                    "below {t:.2}x, but its interval reaches it: more rounds \
-                     (GPUDIRECT_BENCH_PAIRS) decide"
-                ),
-            },
-        };
+        let verdict = verdict(
+            &r,
+            target,
+            "(the hot target is against KvikIO, above)",
+            "GPUDIRECT_BENCH_PAIRS",
+        );
         println!(
             "{op} {cache}: gpudirect {} / raw {}: {r}; raw / raw {n}: {verdict}",
             d.ours, d.raw
@@ -1483,19 +1490,12 @@ fn main() {
             println!("{op} {cache}: no round gave a finite figure");
             continue;
         };
-        let verdict = match target {
-            None => "(no target against KvikIO)".to_string(),
-            Some(t) => match r.at_least(t) {
-                Verdict::Meets => format!("meets {t:.2}x"),
-                Verdict::Misses => {
-                    format!("misses {t:.2}x: its whole interval is under it (a finding)")
-                }
-                Verdict::Undecided => format!(
-                    "below {t:.2}x, but its interval reaches it (or too few rounds): more \
-                     rounds (GPUDIRECT_BENCH_KVIKIO_PAIRS) decide"
-                ),
-            },
-        };
+        let verdict = verdict(
+            &r,
+            target,
+            "(no target against KvikIO)",
+            "GPUDIRECT_BENCH_KVIKIO_PAIRS",
+        );
         println!(
             "{op} {cache}: gpudirect {} / {}: {r}; KvikIO / KvikIO {n}: {verdict}",
             d.ours, d.raw

@@ -53,6 +53,25 @@ def fdatasync_path(path):
         os.close(fd)
 
 
+def write_once(path, buf, cache):
+    """One timed write of `buf` over `path`: hot, its earlier writes flushed first (untimed);
+    cold, the file dropped from the page cache first and the time taken through fdatasync.
+    Returns the bytes written and the seconds."""
+    import kvikio
+
+    if cache == "cold":
+        drop_cache(path)
+    else:
+        fdatasync_path(path)
+    with kvikio.CuFile(path, "r+") as f:
+        t0 = time.perf_counter()
+        got = f.write(buf)
+        if cache == "cold":
+            os.fdatasync(f.fileno())
+        s = time.perf_counter() - t0
+    return got, s
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", required=True, help="file to read (at least --bytes long)")
@@ -174,16 +193,7 @@ def main():
             for cache in ("hot", "cold"):
                 for t in threads:
                     set_threads(t)
-                    if cache == "cold":
-                        drop_cache(args.out)
-                    else:
-                        fdatasync_path(args.out)
-                    with kvikio.CuFile(args.out, "r+") as f:
-                        t0 = time.perf_counter()
-                        got = f.write(buf)
-                        if cache == "cold":
-                            os.fdatasync(f.fileno())
-                        s = time.perf_counter() - t0
+                    got, s = write_once(args.out, buf, cache)
                     if got != n:
                         errors.append(f"write returned {got} of {n} bytes")
                     record("write", cache, variant, t, n / s / 1e9)
@@ -223,16 +233,7 @@ def serve(args, buf, set_threads, setting, timed):
                 _, s = timed(lambda: f.read(buf))
             setting("auto_direct_io_read", False)
             return n / s / 1e9
-        if cache == "cold":
-            drop_cache(args.out)
-        else:
-            fdatasync_path(args.out)
-        with kvikio.CuFile(args.out, "r+") as f:
-            t0 = time.perf_counter()
-            got = f.write(buf)
-            if cache == "cold":
-                os.fdatasync(f.fileno())
-            s = time.perf_counter() - t0
+        got, s = write_once(args.out, buf, cache)
         if got != n:
             raise RuntimeError(f"write returned {got} of {n} bytes")
         return n / s / 1e9

@@ -1066,6 +1066,38 @@ mod tests {
         );
     }
 
+    /// The next number of a xorshift sequence (test inputs).
+    fn xorshift(x: &mut u32) -> u32 {
+        *x ^= *x << 13;
+        *x ^= *x >> 17;
+        *x ^= *x << 5;
+        *x
+    }
+
+    /// A request whose copies are done, queued on lane 0 without a call to the worker (as one
+    /// a caller waits for blocking is): its transfer.
+    fn queue_done(side: &super::super::side::Side) -> crate::transfer::pending::Transfer {
+        let (t, finish) =
+            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let job = Job::done_at_once(Box::new(finish), None, epoch);
+        assert!(side.push_job(0, job, false).is_none());
+        t
+    }
+
+    /// A request queued and finished by the worker, called for it: the worker lingers from
+    /// when this returns.
+    fn finished_by_the_worker(
+        side: &super::super::side::Side,
+    ) -> crate::transfer::pending::Transfer {
+        let t = queue_done(side);
+        side.call_worker();
+        while !t.flag().is_complete() {
+            std::hint::spin_loop();
+        }
+        t
+    }
+
     /// A call to the worker is never lost, whether it lands while the worker lingers after
     /// its last request, as the linger ends, or while it sleeps: each request below (queued
     /// without waking the worker, as one a caller waits for is) is finished within 50 ms of
@@ -1076,20 +1108,14 @@ mod tests {
         // Gaps (µs) before each call: inside the 100 µs linger, around its end, past it.
         let mut x = 0x9e37_79b9_u32;
         for i in 0..120 {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
+            xorshift(&mut x);
             let gap = match i % 3 {
                 0 => u64::from(x % 80),
                 1 => 80 + u64::from(x % 60),
                 _ => 140 + u64::from(x % 400),
             };
             std::thread::sleep(Duration::from_micros(gap));
-            let (t, finish) =
-                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
-            let epoch = side.epoch.load(Ordering::Acquire);
-            let job = Job::done_at_once(Box::new(finish), None, epoch);
-            assert!(side.push_job(0, job, false).is_none());
+            let t = queue_done(&side);
             side.call_worker();
             let t0 = Instant::now();
             while !t.flag().is_complete() {
@@ -1121,26 +1147,13 @@ mod tests {
             if Instant::now() > stop {
                 break;
             }
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let epoch = side.epoch.load(Ordering::Acquire);
+            xorshift(&mut x);
             // A request the worker finishes: it lingers from here.
-            let (t0, f0) =
-                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
-            let j0 = Job::done_at_once(Box::new(f0), None, epoch);
-            assert!(side.push_job(0, j0, false).is_none());
-            side.call_worker();
-            while !t0.flag().is_complete() {
-                std::hint::spin_loop();
-            }
+            let t0 = finished_by_the_worker(&side);
             let start = Instant::now();
             // Queued inside the linger, with no call.
-            let (t, f) =
-                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
             spin_until(start + Duration::from_micros(40));
-            let j = Job::done_at_once(Box::new(f), None, epoch);
-            assert!(side.push_job(0, j, false).is_none());
+            let t = queue_done(&side);
             // The rouse, around the linger's end.
             let off = Duration::from_nanos(95_000 + u64::from(x % 30_000));
             spin_until(start + off);
@@ -1168,19 +1181,9 @@ mod tests {
             if Instant::now() > stop {
                 break;
             }
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
+            xorshift(&mut x);
             let (_l, _ep, _peer, side) = accepted_side("close-linger", 88);
-            let epoch = side.epoch.load(Ordering::Acquire);
-            let (t, f) =
-                crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
-            let j = Job::done_at_once(Box::new(f), None, epoch);
-            assert!(side.push_job(0, j, false).is_none());
-            side.call_worker();
-            while !t.flag().is_complete() {
-                std::hint::spin_loop();
-            }
+            let t = finished_by_the_worker(&side);
             let start = Instant::now();
             let off = Duration::from_nanos(u64::from(x % 120_000));
             while start.elapsed() < off {
