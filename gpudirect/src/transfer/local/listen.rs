@@ -1129,46 +1129,46 @@ mod tests {
         }
     }
 
-    /// A rouse (a failure's) that lands as the worker leaves its linger and goes to sleep is not
-    /// lost: a request queued during the linger without a call is finished at the rouse, not
-    /// at the worker's 100 ms idle look (found by a red-team read: lost within about 1,000
-    /// tries). Rouses are swept across the linger's end.
+    /// A rouse (a failure's, a close's) made while the worker holds the queue's lock between its
+    /// last look at the call flag and its sleep (held there by a test hook, which also queues a
+    /// request without a call, as one queued during the linger is) wakes it: the request is
+    /// finished at the rouse, not at the 100 ms idle look (found by a red-team read: a rouse
+    /// notified without the lock, and was lost there).
     #[test]
-    fn a_rouse_as_the_worker_falls_asleep_is_not_lost() {
-        let (_l, _ep, _peer, side) = accepted_side("rouse-race", 86);
-        let mut x = 0x1234_5678_u32;
-        let stop = Instant::now() + Duration::from_secs(3);
-        let spin_until = |at: Instant| {
-            while Instant::now() < at {
-                std::hint::spin_loop();
+    fn a_rouse_held_at_the_worker_s_sleep_wakes_it() {
+        use std::sync::mpsc::channel;
+        let (_l, _ep, _peer, side) = accepted_side("rouse-held", 89);
+        let (t, finish) =
+            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let mut job = Some(Job::done_at_once(Box::new(finish), None, epoch));
+        let (at_tx, at_rx) = channel::<()>();
+        let (go_tx, go_rx) = channel::<()>();
+        *lock(&side.before_sleep) = Some(Box::new(move |q| {
+            if let Some(j) = job.take() {
+                q.push(0, j);
+                at_tx.send(()).unwrap();
+                go_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+                // The rouse below has begun meanwhile.
+                std::thread::sleep(Duration::from_millis(5));
             }
-        };
-        for n in 0..2000 {
-            if Instant::now() > stop {
-                break;
-            }
-            xorshift(&mut x);
-            // A request the worker finishes: it lingers from here.
-            let t0 = finished_by_the_worker(&side);
-            let start = Instant::now();
-            // Queued inside the linger, with no call.
-            spin_until(start + Duration::from_micros(40));
-            let t = queue_done(&side);
-            // The rouse, around the linger's end.
-            let off = Duration::from_nanos(95_000 + u64::from(x % 30_000));
-            spin_until(start + off);
-            side.rouse();
-            let r = Instant::now();
-            while !t.flag().is_complete() {
-                assert!(
-                    r.elapsed() < Duration::from_millis(80),
-                    "try {n}: a rouse at +{off:?} into the linger was lost"
-                );
-                std::thread::sleep(Duration::from_micros(20));
-            }
-            t0.wait().expect("finished");
-            t.wait().expect("finished");
+        }));
+        // A request the worker finishes, so that it goes to sleep (and meets the hook) after.
+        finished_by_the_worker(&side).wait().expect("finished");
+        at_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the worker went to sleep");
+        go_tx.send(()).unwrap();
+        let r = Instant::now();
+        side.rouse();
+        while !t.flag().is_complete() {
+            assert!(
+                r.elapsed() < Duration::from_millis(60),
+                "the rouse was lost: the request waits for the idle look"
+            );
+            std::thread::sleep(Duration::from_micros(50));
         }
+        t.wait().expect("finished");
     }
 
     /// A close while the worker lingers does not wait for the worker's 100 ms idle look (found

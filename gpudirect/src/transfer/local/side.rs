@@ -38,6 +38,10 @@ pub(super) struct Conn {
     reader: Option<JoinHandle<()>>,
 }
 
+/// Tests: what the worker runs under the queue's lock right before it sleeps.
+#[cfg(test)]
+pub(super) type SleepHook = Box<dyn FnMut(&mut Queue) + Send>;
+
 /// A request whose copies are queued, waiting for its events.
 pub(super) struct Job {
     /// Shared so that it can be asked outside the queue's lock.
@@ -283,6 +287,9 @@ pub(crate) struct Side {
     /// Set by whoever asks the worker to look ([`call_worker`](Side::call_worker)); taken by the
     /// worker when it lingers or before it sleeps.
     called: AtomicBool,
+    /// Tests: run by the worker under the queue's lock right before it sleeps.
+    #[cfg(test)]
+    pub(super) before_sleep: Mutex<Option<SleepHook>>,
     /// The issue lanes.
     lanes: Box<[Arc<Lane>]>,
     /// The last reconnect's join of every lane's streams (an event complete once the copies of
@@ -393,6 +400,8 @@ impl Side {
             queue: Mutex::new(Queue::new(lanes)),
             queue_cv: Condvar::new(),
             called: AtomicBool::new(false),
+            #[cfg(test)]
+            before_sleep: Mutex::new(None),
             barrier: Mutex::new(None),
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
@@ -647,6 +656,10 @@ impl Side {
                     // this finds the worker asleep and wakes it).
                     if self.called.swap(false, Ordering::AcqRel) {
                         continue;
+                    }
+                    #[cfg(test)]
+                    if let Some(h) = lock(&self.before_sleep).as_mut() {
+                        h(&mut q);
                     }
                     q.idle = true;
                     // Timed: a request nobody waits for does not wake the worker, and its
