@@ -563,7 +563,6 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
-    /// A hand-made peer of a listener at `path`: connected, first messages swapped.
     /// An intra-node endpoint accepted from a bare peer (pid `pid`) on socket `name`: the
     /// listener, the endpoint, the peer's socket (each kept for the test) and the side.
     fn accepted_side(
@@ -588,6 +587,7 @@ mod tests {
         (l, ep, peer, side)
     }
 
+    /// A hand-made peer of a listener at `path`: connected, first messages swapped.
     fn greeted_peer(path: &std::path::Path, pid: u32) -> UnixStream {
         let mut s = UnixStream::connect(path).unwrap();
         greet_bare(&mut s);
@@ -1129,15 +1129,15 @@ mod tests {
         }
     }
 
-    /// A rouse (a failure's, a close's) made while the worker holds the queue's lock between its
+    /// A call (a failure's, a close's) made while the worker holds the queue's lock between its
     /// last look at the call flag and its sleep (held there by a test hook, which also queues a
     /// request without a call, as one queued during the linger is) wakes it: the request is
-    /// finished at the rouse, not at the 100 ms idle look (found by a red-team read: a rouse
+    /// finished at the call, not at the 100 ms idle look (found by a red-team read: a wake-up
     /// notified without the lock, and was lost there).
     #[test]
-    fn a_rouse_held_at_the_worker_s_sleep_wakes_it() {
+    fn a_call_held_at_the_worker_s_sleep_wakes_it() {
         use std::sync::mpsc::channel;
-        let (_l, _ep, _peer, side) = accepted_side("rouse-held", 89);
+        let (_l, _ep, _peer, side) = accepted_side("call-held", 89);
         let (t, finish) =
             crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
         let epoch = side.epoch.load(Ordering::Acquire);
@@ -1149,7 +1149,7 @@ mod tests {
                 q.push(0, j);
                 at_tx.send(()).unwrap();
                 go_rx.recv_timeout(Duration::from_secs(10)).unwrap();
-                // The rouse below has begun meanwhile.
+                // The call below has begun meanwhile.
                 std::thread::sleep(Duration::from_millis(5));
             }
         }));
@@ -1160,11 +1160,11 @@ mod tests {
             .expect("the worker went to sleep");
         go_tx.send(()).unwrap();
         let r = Instant::now();
-        side.rouse();
+        side.call_worker();
         while !t.flag().is_complete() {
             assert!(
                 r.elapsed() < Duration::from_millis(60),
-                "the rouse was lost: the request waits for the idle look"
+                "the call was lost: the request waits for the idle look"
             );
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -1215,7 +1215,7 @@ mod tests {
         j.deadline = Instant::now() + Duration::from_millis(5);
         j.timeout = Duration::from_millis(5);
         lock(&side.queue).push(1, j);
-        side.rouse();
+        side.call_worker();
         std::thread::sleep(Duration::from_millis(200));
         let bumps = side.epoch.load(Ordering::Acquire) - epoch;
         lock(&side.queue).release(seq);
@@ -1249,7 +1249,7 @@ mod tests {
         // The worker stopped: the request is finished here, by a waiting caller's look, and
         // nobody else takes `finishing`.
         lock(&side.queue).closing = true;
-        side.rouse();
+        side.call_worker();
         lock(&side.worker).take().unwrap().join().unwrap();
         let probe = Arc::new(Probe(side.clone(), AtomicU32::new(0), AtomicU32::new(0)));
         let push = |finish, notify: Option<u32>| {

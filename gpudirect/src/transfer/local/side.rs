@@ -426,7 +426,7 @@ impl Side {
     pub(super) fn fail_later(&self, cause: Broken) -> Option<Wakes> {
         self.epoch.fetch_add(1, Ordering::AcqRel);
         let wakes = self.ep().map(|ep| fail_later(&ep, cause));
-        self.rouse();
+        self.call_worker();
         wakes
     }
 
@@ -691,25 +691,18 @@ impl Side {
         }
     }
 
-    /// Ask the worker to look: a lingering worker sees the call at once, a sleeping one is
-    /// woken.
+    /// Ask the worker to look (a transfer looked at or dropped unfinished, a failure, a close):
+    /// a lingering worker sees the call at once, a sleeping one is woken.
     pub(super) fn call_worker(&self) {
-        // Before the lock: a worker that takes the call under it does not sleep.
+        // Before the lock: a worker that takes the call under it does not sleep. `idle` read
+        // under it: a worker between taking `called` and sleeping holds it, so this finds it
+        // asleep (a notification without the lock was lost there, found by a red-team read:
+        // a failure or a close left to the 100 ms idle look).
         self.called.store(true, Ordering::Release);
         let idle = lock(&self.queue).idle;
         if idle {
             self.queue_cv.notify_all();
         }
-    }
-
-    /// Have the worker look now, awake or asleep (a failure, a close, a test's push).
-    pub(super) fn rouse(&self) {
-        self.called.store(true, Ordering::Release);
-        // Through the lock: a worker between taking `called` and sleeping holds it, so the
-        // notification below finds it asleep (found by a red-team read: a failure or a close
-        // left to the 100 ms idle look).
-        drop(lock(&self.queue));
-        self.queue_cv.notify_all();
     }
 
     /// Stay awake (yielding) until the worker is called (then `true`) or [`WORKER_LINGER`]
@@ -953,7 +946,7 @@ impl Side {
         }
         self.epoch.fetch_add(1, Ordering::AcqRel);
         lock(&self.queue).closing = true;
-        self.rouse();
+        self.call_worker();
         self.hang_up();
         if let Some(t) = lock(&self.worker).take() {
             join_unless_current(t);
