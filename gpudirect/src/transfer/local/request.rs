@@ -402,6 +402,8 @@ pub(super) fn request(
     pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
 ) -> Result<Transfer> {
+    // Before anything is mapped: a refusal takes nothing.
+    let bytes = pairs_bytes(&pairs)?;
     let Prepared {
         copies,
         gpus,
@@ -414,14 +416,13 @@ pub(super) fn request(
     let lane = side.lane_here();
     // Refused here, the imports are parked (as a refused request's are), not closed on this
     // thread.
-    let (streams, bytes) =
-        match streams_for(lane, &copies).and_then(|s| Ok((s, pairs_bytes(&pairs)?))) {
-            Ok(v) => v,
-            Err(e) => {
-                park_imports(imports);
-                return Err(e);
-            }
-        };
+    let streams = match streams_for(lane, &copies) {
+        Ok(s) => s,
+        Err(e) => {
+            park_imports(imports);
+            return Err(e);
+        }
+    };
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
         _pairs: pairs,
@@ -868,15 +869,9 @@ pub(super) fn on_stream(
     // The caller's stream is not one of the lanes' (a reconnect cannot make it wait): copies of
     // requests a reconnect ended unfinished, which may reach the same bytes, are let finish
     // first, up to the request's deadline.
-    while !side.barrier_done()? {
-        if Instant::now() >= deadline {
-            park_imports(keep._imports);
-            return Err(Error::Timeout {
-                what: "the copies of requests a reconnect ended unfinished",
-                after: timeout,
-            });
-        }
-        std::thread::sleep(Duration::from_micros(50));
+    if let Err(e) = side.await_barrier(deadline, timeout) {
+        park_imports(keep._imports);
+        return Err(e);
     }
     let messages = copies.len() as u64;
     let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {

@@ -616,6 +616,29 @@ impl Side {
         Ok(done)
     }
 
+    /// Look (as the worker does) until the last reconnect's join is complete ([`barrier_done`](
+    /// Self::barrier_done)), up to `deadline`: [`Error::Timeout`] after `timeout` past it.
+    pub(super) fn await_barrier(&self, deadline: Instant, timeout: Duration) -> Result<()> {
+        let mut failed = None;
+        let done = look_until(
+            || {
+                self.barrier_done().unwrap_or_else(|e| {
+                    failed = Some(e);
+                    true
+                })
+            },
+            deadline.saturating_duration_since(Instant::now()),
+        );
+        match (failed, done) {
+            (Some(e), _) => Err(e),
+            (None, true) => Ok(()),
+            (None, false) => Err(Error::Timeout {
+                what: "the copies of requests a reconnect ended unfinished",
+                after: timeout,
+            }),
+        }
+    }
+
     /// Nanoseconds since this side was made (at least 1).
     fn now_ns(&self) -> u64 {
         (self.born.elapsed().as_nanos() as u64).max(1)
