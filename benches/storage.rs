@@ -604,6 +604,35 @@ fn posix_rows(len: usize, write: bool, cold: bool) -> Vec<(String, PosixConfig)>
     v
 }
 
+/// One line per paired decision: its ratio, the baseline against itself and the verdict against
+/// `target(write, cold)`; `label` is what precedes the baseline's name and what the noise is.
+fn print_decisions(
+    decisions: &[Decision],
+    target: impl Fn(bool, bool) -> Option<f64>,
+    none: &str,
+    knob: &str,
+    label: (&str, &str),
+) {
+    for d in decisions {
+        let op = if d.write { "write" } else { "read" };
+        let cache = match (d.write, d.cold) {
+            (false, false) => "hot",
+            (false, true) => "cold",
+            (true, false) => "cached",
+            (true, true) => "durable",
+        };
+        let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
+            println!("{op} {cache}: no round gave a finite figure");
+            continue;
+        };
+        let verdict = verdict(&r, target(d.write, d.cold), none, knob);
+        println!(
+            "{op} {cache}: gpudirect {} / {}{}: {r}; {} {n}: {verdict}",
+            d.ours, label.0, d.raw, label.1
+        );
+    }
+}
+
 /// A paired decision's verdict against `target` (`none`: what to say without one); `knob` is
 /// the variable that sets the rounds.
 fn verdict(r: &Summary, target: Option<f64>, none: &str, knob: &str) -> String {
@@ -1447,28 +1476,16 @@ fn main() {
              [95% interval of the median, from six rounds up] (lowest..highest) and rounds):"
         );
     }
-    for d in &decisions {
-        let (op, cache, target) = match (d.write, d.cold) {
-            (false, false) => ("read", "hot", None),
-            (false, true) => ("read", "cold", Some(0.95)),
-            (true, false) => ("write", "cached", Some(0.95)),
-            (true, true) => ("write", "durable", Some(0.95)),
-        };
-        let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
-            println!("{op} {cache}: no round gave a finite figure");
-            continue;
-        };
-        let verdict = verdict(
-            &r,
-            target,
-            "(the hot target is against KvikIO, above)",
-            "GPUDIRECT_BENCH_PAIRS",
-        );
-        println!(
-            "{op} {cache}: gpudirect {} / raw {}: {r}; raw / raw {n}: {verdict}",
-            d.ours, d.raw
-        );
-    }
+    print_decisions(
+        &decisions,
+        |write, cold| match (write, cold) {
+            (false, false) => None,
+            _ => Some(0.95),
+        },
+        "(the hot target is against KvikIO, above)",
+        "GPUDIRECT_BENCH_PAIRS",
+        ("raw ", "raw / raw"),
+    );
     if !kv_decisions.is_empty() || kv_pair_note.is_some() {
         println!(
             "\nPaired rounds against KvikIO ({kv_pairs} rounds of: KvikIO's best row, \
@@ -1479,28 +1496,17 @@ fn main() {
     if let Some(n) = &kv_pair_note {
         println!("{n}");
     }
-    for d in &kv_decisions {
-        let (op, cache, target) = match (d.write, d.cold) {
-            (false, false) => ("read", "hot", Some(1.10)),
-            (false, true) => ("read", "cold", None),
-            (true, false) => ("write", "cached", None),
-            (true, true) => ("write", "durable", Some(1.0)),
-        };
-        let (Some(r), Some(n)) = (Summary::of(&d.ratio), Summary::of(&d.noise)) else {
-            println!("{op} {cache}: no round gave a finite figure");
-            continue;
-        };
-        let verdict = verdict(
-            &r,
-            target,
-            "(no target against KvikIO)",
-            "GPUDIRECT_BENCH_KVIKIO_PAIRS",
-        );
-        println!(
-            "{op} {cache}: gpudirect {} / {}: {r}; KvikIO / KvikIO {n}: {verdict}",
-            d.ours, d.raw
-        );
-    }
+    print_decisions(
+        &kv_decisions,
+        |write, cold| match (write, cold) {
+            (false, false) => Some(1.10),
+            (true, true) => Some(1.0),
+            _ => None,
+        },
+        "(no target against KvikIO)",
+        "GPUDIRECT_BENCH_KVIKIO_PAIRS",
+        ("", "KvikIO / KvikIO"),
+    );
     println!("(bench took {:.0} s)", started.elapsed().as_secs_f64());
 
     if !quick {

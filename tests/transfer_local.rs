@@ -89,17 +89,16 @@ fn spawn_child(test: &str, job: &Job) -> std::process::Child {
         .unwrap()
 }
 
-/// A child process running `test` as `role` (with `seed`, on GPU `device`), met over the socket
-/// `name`: the listener (kept until the test ends, with its socket file), the endpoint it
-/// accepted and the child.
-fn meet_child(
+/// A child process running `test` as `role` (with `seed`, on GPU `device`), dialing the
+/// socket `name`: the listener (kept until the test ends, with its socket file) and the child.
+fn start_child(
     engine: &Engine,
     name: &str,
     test: &str,
     role: &str,
     seed: u64,
     device: usize,
-) -> (LocalListener, Endpoint, std::process::Child) {
+) -> (LocalListener, std::process::Child) {
     let path = socket(name);
     let _ = std::fs::remove_file(&path);
     let listener = engine.listen_local(&path).unwrap();
@@ -109,7 +108,19 @@ fn meet_child(
         seed,
         device,
     };
-    let child = spawn_child(test, &job);
+    (listener, spawn_child(test, &job))
+}
+
+/// [`start_child`], and the endpoint accepted from it (publishing nothing).
+fn meet_child(
+    engine: &Engine,
+    name: &str,
+    test: &str,
+    role: &str,
+    seed: u64,
+    device: usize,
+) -> (LocalListener, Endpoint, std::process::Child) {
+    let (listener, child) = start_child(engine, name, test, role, seed, device);
     let ep = listener.accept(&[], WAIT).unwrap();
     (listener, ep, child)
 }
@@ -789,18 +800,13 @@ fn a_reconnect_orders_later_writes_after_the_copies_it_ended() {
     let engine = Engine::new(EngineConfig::local()).unwrap();
     let seed = 0x2c66;
     let dst = register(&engine, poisoned_bytes(0, RECONNECT_BIG, 0xA5));
-    let path = socket("reconnect-order");
-    let _ = std::fs::remove_file(&path);
-    let listener = engine.listen_local(&path).unwrap();
-    let job = Job {
-        role: "reconnecting".into(),
-        socket: path,
-        seed,
-        device: if n > 1 { 1 } else { 0 },
-    };
-    let mut child = spawn_child(
+    let (listener, mut child) = start_child(
+        &engine,
+        "reconnect-order",
         "a_reconnect_orders_later_writes_after_the_copies_it_ended",
-        &job,
+        "reconnecting",
+        seed,
+        if n > 1 { 1 } else { 0 },
     );
     let d = [dst.descriptor().unwrap()];
     let first = listener.accept(&d, WAIT).unwrap();
