@@ -1129,6 +1129,33 @@ mod tests {
         }
     }
 
+    /// A failure is marked before the endpoint's epoch moves: whoever reads the moved epoch
+    /// (a request being prepared) sees the failure. Looked at by a test hook between the two
+    /// (found by a red-team read: the epoch moved first, and a request prepared in between
+    /// passed with the old connection's mappings).
+    #[test]
+    fn a_failure_is_seen_by_whoever_sees_the_epoch_move() {
+        use std::sync::mpsc::channel;
+        let (_l, ep, _peer, side) = accepted_side("fail-order", 90);
+        let before = side.epoch.load(Ordering::Acquire);
+        let (tx, rx) = channel();
+        let seen = ep.clone();
+        *lock(&side.between_fail) = Some(Box::new(move |s| {
+            let moved = s.epoch.load(Ordering::Acquire) != before;
+            tx.send((moved, seen.failure().is_some())).unwrap();
+        }));
+        drop(side.fail_later(crate::transfer::request::Broken::Closed));
+        drop(lock(&side.between_fail).take());
+        let (moved, failed) = rx.recv_timeout(Duration::from_secs(10)).expect("hook ran");
+        assert!(failed, "the failure is marked first");
+        assert!(!moved, "the epoch moves after the failure is marked");
+        assert_ne!(
+            side.epoch.load(Ordering::Acquire),
+            before,
+            "and then it moves"
+        );
+    }
+
     /// A call (a failure's, a close's) made while the worker holds the queue's lock between its
     /// last look at the call flag and its sleep (held there by a test hook, which also queues a
     /// request without a call, as one queued during the linger is) wakes it: the request is

@@ -42,6 +42,10 @@ pub(super) struct Conn {
 #[cfg(test)]
 pub(super) type SleepHook = Box<dyn FnMut(&mut Queue) + Send>;
 
+/// See `Side::between_fail`.
+#[cfg(test)]
+pub(super) type FailHook = Box<dyn FnMut(&Side) + Send>;
+
 /// A request whose copies are queued, waiting for its events.
 pub(super) struct Job {
     /// Shared so that it can be asked outside the queue's lock.
@@ -290,6 +294,10 @@ pub(crate) struct Side {
     /// Tests: run by the worker under the queue's lock right before it sleeps.
     #[cfg(test)]
     pub(super) before_sleep: Mutex<Option<SleepHook>>,
+    /// Tests: run by [`fail_later`](Side::fail_later) between marking the failure and moving
+    /// the epoch.
+    #[cfg(test)]
+    pub(super) between_fail: Mutex<Option<FailHook>>,
     /// The issue lanes.
     lanes: Box<[Arc<Lane>]>,
     /// The last reconnect's join of every lane's streams (an event complete once the copies of
@@ -402,6 +410,8 @@ impl Side {
             called: AtomicBool::new(false),
             #[cfg(test)]
             before_sleep: Mutex::new(None),
+            #[cfg(test)]
+            between_fail: Mutex::new(None),
             barrier: Mutex::new(None),
             held: Mutex::new(Vec::new()),
             ep: Mutex::new(Weak::new()),
@@ -423,9 +433,20 @@ impl Side {
 
     /// [`fail`](Self::fail), the wake-ups it decides returned, to be dropped once the caller
     /// let its own locks go.
+    ///
+    /// The failure is marked before the epoch moves: a request that reads the moved epoch
+    /// ([`super::request`]'s `prepare`, then the endpoint's failure) sees the failure and is
+    /// refused. The other way round, one that read it in between passed every check with the
+    /// old connection's mappings and, once a reconnect had started the new one, could send
+    /// the new peer a notification for bytes that went to the old peer's memory (found by a
+    /// red-team read).
     pub(super) fn fail_later(&self, cause: Broken) -> Option<Wakes> {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
         let wakes = self.ep().map(|ep| fail_later(&ep, cause));
+        #[cfg(test)]
+        if let Some(h) = lock(&self.between_fail).as_mut() {
+            h(self);
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         self.call_worker();
         wakes
     }
