@@ -34,7 +34,10 @@
 //! against the same copies and one `cuStreamSynchronize`, in `FUTURES_BENCH_ROUNDS` paired rounds
 //! (raw, awaited, raw; default 30); target at most 1.1x; the same with each await spinning
 //! 20 µs first (`InFlightFuture::spin`); beside them the raw copies with an empty
-//! task spawned and awaited per copy (the floor of a task per operation). The awaits run on a multi-threaded
+//! task spawned and awaited per copy (the floor of a task per operation), the copies through
+//! `copy_async` waited for once (the issue path alone), and the raw copies while another thread
+//! queries an event on their stream in a loop, does so sleeping 20 µs between queries, or only
+//! yields (what a thread that polls costs the thread queueing). The awaits run on a multi-threaded
 //! tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
 
@@ -103,6 +106,33 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// The spin of each await in the second run of the 1,000 awaited copies.
 const CONCURRENT_SPIN: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// `awaited_many`'s argument for the copies through `copy_async` without tasks or awaits.
+const NO_TASKS: std::time::Duration = std::time::Duration::MAX;
+
+/// What another thread does beside the raw 1,000 copies, with no gpudirect code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Beside {
+    /// Queries an event on the copies' stream in a loop, yielding between, and records it again
+    /// once it completed (what the completion thread does for the copies' futures).
+    Queries,
+    /// The same, sleeping 20 µs between queries.
+    QueriesSleeping,
+    /// Only yields in a loop (a busy thread that asks the driver nothing).
+    Yields,
+}
+
+const BESIDE: [(Beside, &str); 3] = [
+    (
+        Beside::Queries,
+        "another thread queries (and records again) an event on the stream in a loop",
+    ),
+    (
+        Beside::QueriesSleeping,
+        "the same, sleeping 20 us between queries",
+    ),
+    (Beside::Yields, "another thread only yields in a loop"),
+];
 
 /// The target for 1,000 awaited copies: at most this ratio over the raw copies.
 const CONCURRENT_TARGET: f64 = 1.1;
@@ -380,6 +410,53 @@ fn main() {
         });
         t.elapsed().as_secs_f64()
     };
+    // The raw copies with another thread busy beside them (its start and end not timed).
+    let raw_beside = |what: Beside| {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut qev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: context current on this thread; a valid out-pointer; a live stream.
+        unsafe {
+            ok(
+                "cuEventCreate",
+                sys::cuEventCreate(&mut qev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+            );
+            ok("cuEventRecord", sys::cuEventRecord(qev, cs));
+        }
+        let (st, c, qe, s) = (stop.clone(), ctx.clone(), qev as usize, cs as usize);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let helper = std::thread::spawn(move || {
+            c.bind_to_thread().unwrap();
+            ready_tx.send(()).unwrap();
+            while !st.load(Ordering::Acquire) {
+                if what != Beside::Yields {
+                    // SAFETY: a live event and stream, the context current.
+                    unsafe {
+                        if sys::cuEventQuery(qe as sys::CUevent) == sys::CUresult::CUDA_SUCCESS {
+                            ok(
+                                "cuEventRecord",
+                                sys::cuEventRecord(qe as sys::CUevent, s as sys::CUstream),
+                            );
+                        }
+                    }
+                }
+                if what == Beside::QueriesSleeping {
+                    std::thread::sleep(std::time::Duration::from_micros(20));
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        });
+        ready_rx.recv().unwrap();
+        let took = raw_many();
+        stop.store(true, Ordering::Release);
+        helper.join().unwrap();
+        // SAFETY: a live stream; then the event is idle.
+        unsafe {
+            ok("cuStreamSynchronize", sys::cuStreamSynchronize(cs));
+            sys::cuEventDestroy_v2(qev);
+        }
+        took
+    };
     // The raw copies with one task spawned and awaited per copy (the tasks do nothing): the
     // floor of any "a task awaits each operation" shape, with no gpudirect code.
     let raw_tasks = || {
@@ -408,6 +485,19 @@ fn main() {
         let ss = srcs.take().unwrap();
         let ds = std::mem::take(&mut dsts);
         let t = Instant::now();
+        if spin == NO_TASKS {
+            let ops: Vec<_> = ss
+                .into_iter()
+                .zip(ds)
+                .map(|(s, d)| copy_async(&stream, s, d).unwrap())
+                .collect();
+            let back: Vec<_> = ops.into_iter().map(|op| op.wait().unwrap()).collect();
+            let took = t.elapsed().as_secs_f64();
+            let (ss, ds): (Vec<_>, Vec<_>) = back.into_iter().unzip();
+            srcs = Some(ss);
+            dsts = ds;
+            return took;
+        }
         let back = rt.block_on(async {
             let tasks: Vec<_> = ss
                 .into_iter()
@@ -435,6 +525,8 @@ fn main() {
     let mut conc_rounds_ratio = Vec::new();
     let mut spin_rounds_ratio = Vec::new();
     let mut tasks_rounds_ratio = Vec::new();
+    let mut issue_ratio = Vec::new();
+    let mut beside_ratio: Vec<Vec<f64>> = vec![Vec::new(); BESIDE.len()];
     let mut before = raw_many();
     conc_raw.push(before);
     for _ in 0..conc_rounds {
@@ -451,7 +543,18 @@ fn main() {
         let after2 = raw_many();
         tasks_rounds_ratio.push(paired::ratio(after1, tasks, after2));
         conc_raw.push(after2);
-        before = after2;
+        let issued = awaited_many(NO_TASKS);
+        let mut prev = raw_many();
+        issue_ratio.push(paired::ratio(after2, issued, prev));
+        conc_raw.push(prev);
+        for (i, (what, _)) in BESIDE.iter().enumerate() {
+            let beside = raw_beside(*what);
+            let after = raw_many();
+            beside_ratio[i].push(paired::ratio(prev, beside, after));
+            conc_raw.push(after);
+            prev = after;
+        }
+        before = prev;
     }
     let (conc_await, conc_raw) = (median(&mut conc_await), median(&mut conc_raw));
     // SAFETY: the event is idle (its last record was synchronized).
@@ -534,5 +637,15 @@ fn main() {
         "raw: the same copies with a task spawned and awaited per copy (no gpudirect code), paired the same way: {}",
         Summary::of(&tasks_rounds_ratio).expect("rounds measured")
     );
+    println!(
+        "copy_async: the same copies, waited for once at the end (no task, no await), paired the same way: {}",
+        Summary::of(&issue_ratio).expect("rounds measured")
+    );
+    for ((_, name), r) in BESIDE.iter().zip(&beside_ratio) {
+        println!(
+            "raw: the same copies while {name} (no gpudirect code), paired the same way: {}",
+            Summary::of(r).expect("rounds measured")
+        );
+    }
     drop((srcs, dsts));
 }
