@@ -35,10 +35,11 @@
 //! (raw, awaited, raw; default 30); target at most 1.1x; the same with each await spinning
 //! 20 µs first (`InFlightFuture::spin`); beside them the raw copies with an empty
 //! task spawned and awaited per copy (the floor of a task per operation), the copies through
-//! `copy_async` waited for once (the issue path alone), and the raw copies while another thread
-//! queries an event on their stream in a loop, does so sleeping 20 µs between queries, or only
-//! yields (what a thread that polls costs the thread queueing). The awaits run on a multi-threaded
-//! tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
+//! `copy_async` waited for once (the issue path alone), the raw copies with a task per copy
+//! woken from another thread once the stream finished (the floor of a task per operation woken
+//! at completion), and the raw copies while another thread queries an event on their stream in
+//! a loop, does so sleeping 20 µs between queries, or only yields (what a thread that polls
+//! costs the thread queueing). The awaits run on a multi-threaded tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
 
 use gpudirect::completion::{EventFence, InFlight};
@@ -129,7 +130,7 @@ const BESIDE: [(Beside, &str); 3] = [
     ),
     (
         Beside::QueriesSleeping,
-        "the same, sleeping 20 us between queries",
+        "another thread does the same, sleeping 20 us between queries",
     ),
     (Beside::Yields, "another thread only yields in a loop"),
 ];
@@ -480,6 +481,41 @@ fn main() {
         });
         t.elapsed().as_secs_f64()
     };
+    // The raw copies, a task per copy awaiting a oneshot channel that another thread fires
+    // once the stream has finished (`cuStreamSynchronize`): the floor of any "a task per
+    // operation, woken from another thread at completion" shape, with no gpudirect code.
+    let raw_woken = || {
+        let t = Instant::now();
+        rt.block_on(async {
+            let mut tasks = Vec::with_capacity(CONCURRENT);
+            let mut fire = Vec::with_capacity(CONCURRENT);
+            for (s, d) in src_ptrs.iter().zip(&dst_ptrs) {
+                // SAFETY: live 4-byte buffers, no other work on them in flight.
+                ok("cuMemcpyDtoDAsync_v2", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(*d, *s, 4, cs)
+                });
+                let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                fire.push(tx);
+                tasks.push(tokio::spawn(async move { rx.await.unwrap() }));
+            }
+            let (c, s) = (ctx.clone(), cs as usize);
+            let firing = std::thread::spawn(move || {
+                c.bind_to_thread().unwrap();
+                // SAFETY: a live stream, its context current.
+                ok("cuStreamSynchronize", unsafe {
+                    sys::cuStreamSynchronize(s as sys::CUstream)
+                });
+                for tx in fire {
+                    tx.send(()).unwrap();
+                }
+            });
+            for t in tasks {
+                t.await.unwrap();
+            }
+            firing.join().unwrap();
+        });
+        t.elapsed().as_secs_f64()
+    };
     // `spin`: each task's await spins that long first (`InFlightFuture::spin`; zero: none).
     let mut awaited_many = |spin: std::time::Duration| {
         let ss = srcs.take().unwrap();
@@ -526,6 +562,7 @@ fn main() {
     let mut spin_rounds_ratio = Vec::new();
     let mut tasks_rounds_ratio = Vec::new();
     let mut issue_ratio = Vec::new();
+    let mut woken_ratio = Vec::new();
     let mut beside_ratio: Vec<Vec<f64>> = vec![Vec::new(); BESIDE.len()];
     let mut before = raw_many();
     conc_raw.push(before);
@@ -544,8 +581,12 @@ fn main() {
         tasks_rounds_ratio.push(paired::ratio(after1, tasks, after2));
         conc_raw.push(after2);
         let issued = awaited_many(NO_TASKS);
+        let after3 = raw_many();
+        issue_ratio.push(paired::ratio(after2, issued, after3));
+        conc_raw.push(after3);
+        let woken = raw_woken();
         let mut prev = raw_many();
-        issue_ratio.push(paired::ratio(after2, issued, prev));
+        woken_ratio.push(paired::ratio(after3, woken, prev));
         conc_raw.push(prev);
         for (i, (what, _)) in BESIDE.iter().enumerate() {
             let beside = raw_beside(*what);
@@ -640,6 +681,10 @@ fn main() {
     println!(
         "copy_async: the same copies, waited for once at the end (no task, no await), paired the same way: {}",
         Summary::of(&issue_ratio).expect("rounds measured")
+    );
+    println!(
+        "raw: the same copies with a task per copy woken from another thread when the stream has finished (no gpudirect code), paired the same way: {}",
+        Summary::of(&woken_ratio).expect("rounds measured")
     );
     for ((_, name), r) in BESIDE.iter().zip(&beside_ratio) {
         println!(
