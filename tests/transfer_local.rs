@@ -790,7 +790,9 @@ const RECONNECT_SMALL: usize = 4096;
 /// a thread new to the endpoint and with notification 8 from a thread that wrote before the
 /// reconnect, and ends with a notified 8-byte write from the first thread (after its copies);
 /// this side checks each notified write's bytes at its notification and at the last, and that
-/// the long requests' bytes landed around them.
+/// the long requests' bytes landed around them. On one GPU the copies run one after another
+/// whatever their streams, so this passes without the reconnect's join too (docs/transfer.md);
+/// across two GPUs a copy on another stream may overtake.
 #[test]
 fn a_reconnect_orders_later_writes_after_the_copies_it_ended() {
     if let Ok(job) = std::env::var(CHILD) {
