@@ -173,17 +173,15 @@ impl Local {
     /// [`close`](Self::close), the endpoint ended with `cause` first (unless it already was):
     /// requests still running end with its error.
     pub(crate) fn close_with(&self, cause: Broken) {
+        fail(&self.inner, &mut self.inner.lock(), cause.clone());
+        self.side.close();
+        // A reconnect that was under way started a fresh state: end that one too.
         fail(&self.inner, &mut self.inner.lock(), cause);
-        self.close();
     }
 
     /// Close: the endpoint ended (no more notifications), then the side's socket shut and its
     /// threads joined.
     pub(crate) fn close(&self) {
-        {
-            let mut st = self.inner.lock();
-            fail(&self.inner, &mut st, Broken::Closed);
-        }
-        self.side.close();
+        self.close_with(Broken::Closed);
     }
 }

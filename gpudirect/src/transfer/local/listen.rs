@@ -1129,31 +1129,67 @@ mod tests {
         }
     }
 
-    /// A failure is marked before the endpoint's epoch moves: whoever reads the moved epoch
-    /// (a request being prepared) sees the failure. Looked at by a test hook between the two
-    /// (found by a red-team read: the epoch moved first, and a request prepared in between
-    /// passed with the old connection's mappings).
+    /// A failure and its move of the endpoint's epoch are seen together: the failure is marked
+    /// first (whoever reads the moved epoch, a request being prepared, sees the failure) and
+    /// the epoch moves under the same lock (whoever reads the failure, a waiter that then
+    /// reconnects, reads the moved epoch). A test hook between the two, under the lock, starts
+    /// a reader of the failure and lets it try for 50 ms. (Found by red-team reads: the epoch
+    /// moved first; then, marked first, it moved after the lock was let go.)
     #[test]
-    fn a_failure_is_seen_by_whoever_sees_the_epoch_move() {
+    fn a_failure_and_its_epoch_move_are_seen_together() {
         use std::sync::mpsc::channel;
         let (_l, ep, _peer, side) = accepted_side("fail-order", 90);
         let before = side.epoch.load(Ordering::Acquire);
         let (tx, rx) = channel();
         let seen = ep.clone();
         *lock(&side.between_fail) = Some(Box::new(move |s| {
-            let moved = s.epoch.load(Ordering::Acquire) != before;
-            tx.send((moved, seen.failure().is_some())).unwrap();
+            let moved_now = s.epoch.load(Ordering::Acquire) != before;
+            let (ep, me, tx) = (seen.clone(), s.me.upgrade().unwrap(), tx.clone());
+            std::thread::spawn(move || {
+                let failed = ep.failure().is_some();
+                let moved = me.epoch.load(Ordering::Acquire) != before;
+                tx.send((moved_now, failed, moved)).unwrap();
+            });
+            std::thread::sleep(Duration::from_millis(50));
         }));
         drop(side.fail_later(crate::transfer::request::Broken::Closed));
         drop(lock(&side.between_fail).take());
-        let (moved, failed) = rx.recv_timeout(Duration::from_secs(10)).expect("hook ran");
-        assert!(failed, "the failure is marked first");
-        assert!(!moved, "the epoch moves after the failure is marked");
-        assert_ne!(
-            side.epoch.load(Ordering::Acquire),
-            before,
-            "and then it moves"
+        let (moved_first, failed, moved) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the reader ran");
+        assert!(!moved_first, "the failure is marked before the epoch moves");
+        assert!(failed, "the reader sees the failure");
+        assert!(moved, "and, with it, the moved epoch");
+    }
+
+    /// A side that closed never reconnects: a close (here the membership's, for a peer that
+    /// left) ends it for good, and a reconnect after it is refused with its cause, dialing
+    /// nothing (found by a red-team read: it dialed, and started a fresh state, socket and
+    /// reader on the closed side).
+    #[test]
+    fn a_closed_endpoint_does_not_reconnect() {
+        let engine = Engine::new(EngineConfig::local()).unwrap();
+        let l = engine.listen_local(socket("closed-redial")).unwrap();
+        let path = l.path().to_path_buf();
+        let acc = std::thread::spawn(move || {
+            (0..2)
+                .map(|_| l.accept(&[], Duration::from_secs(2)).is_ok())
+                .collect::<Vec<_>>()
+        });
+        let ep = engine.connect_local(&path, &[]).unwrap();
+        ep.peer_left("gone", "node-x");
+        let e = ep.reconnect().unwrap_err();
+        assert!(
+            e.to_string().contains("gone"),
+            "refused with its cause: {e}"
         );
+        assert!(ep.failure().is_some(), "still ended");
+        assert_eq!(
+            acc.join().unwrap(),
+            vec![true, false],
+            "nothing dialed again"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 
     /// A call (a failure's, a close's) made while the worker holds the queue's lock between its

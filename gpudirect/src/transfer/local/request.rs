@@ -63,6 +63,12 @@ fn prepare(
     }
     let any_fd = check_ipc_parts(pairs)?;
     let (exporter, fds) = peer_fds(side, pairs, any_fd)?;
+    // A reconnect moves the epoch before it puts in its new connection: the connection just
+    // read belongs to `epoch` only if the epoch has not moved (else a request checked against
+    // the old connection would map the new peer's memory at the old descriptors' places).
+    if let Some(err) = ended_since(ep, side, epoch) {
+        return Err(err);
+    }
     check_peer_fds(pairs, &fds)?;
     refuse_own_process(exporter)?;
     let timeout = opts.deadline.unwrap_or(e.config.deadline);

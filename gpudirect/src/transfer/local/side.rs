@@ -295,7 +295,7 @@ pub(crate) struct Side {
     #[cfg(test)]
     pub(super) before_sleep: Mutex<Option<SleepHook>>,
     /// Tests: run by [`fail_later`](Side::fail_later) between marking the failure and moving
-    /// the epoch.
+    /// the epoch, under the endpoint's lock.
     #[cfg(test)]
     pub(super) between_fail: Mutex<Option<FailHook>>,
     /// The issue lanes.
@@ -434,19 +434,31 @@ impl Side {
     /// [`fail`](Self::fail), the wake-ups it decides returned, to be dropped once the caller
     /// let its own locks go.
     ///
-    /// The failure is marked before the epoch moves: a request that reads the moved epoch
+    /// The epoch moves under the endpoint's lock that marks the failure: whoever reads the
+    /// failure reads the moved epoch, and a reconnect's fresh state (made under that lock
+    /// too) comes wholly before or after both. A request that reads the moved epoch
     /// ([`super::request`]'s `prepare`, then the endpoint's failure) sees the failure and is
-    /// refused. The other way round, one that read it in between passed every check with the
-    /// old connection's mappings and, once a reconnect had started the new one, could send
-    /// the new peer a notification for bytes that went to the old peer's memory (found by a
-    /// red-team read).
+    /// refused. With the epoch moved first, one that read it in between passed every check
+    /// with the old connection's mappings and, once a reconnect had started the new one,
+    /// could notify the new peer of bytes that went to the old peer's memory; with the
+    /// failure marked first and the epoch moved after the lock, a waiter woken by the failure
+    /// could reconnect in between, and the late move then ended the new connection's requests
+    /// (both found by red-team reads).
     pub(super) fn fail_later(&self, cause: Broken) -> Option<Wakes> {
-        let wakes = self.ep().map(|ep| fail_later(&ep, cause));
-        #[cfg(test)]
-        if let Some(h) = lock(&self.between_fail).as_mut() {
-            h(self);
-        }
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let bump = || {
+            #[cfg(test)]
+            if let Some(h) = lock(&self.between_fail).as_mut() {
+                h(self);
+            }
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        };
+        let wakes = match self.ep() {
+            Some(ep) => Some(fail_later(&ep, cause, bump)),
+            None => {
+                bump();
+                None
+            }
+        };
         self.call_worker();
         wakes
     }
@@ -988,6 +1000,8 @@ impl Side {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        // After a reconnect under way (see `reconnect`).
+        let _one = lock(&self.reconnecting);
         self.epoch.fetch_add(1, Ordering::AcqRel);
         lock(&self.queue).closing = true;
         self.call_worker();
@@ -1011,8 +1025,13 @@ impl Side {
         // Declared before the lock: the wake-ups the failures decide run once it is let go (a
         // waker may call `reconnect` itself).
         let mut wakes = Vec::with_capacity(2);
-        // One reconnect at a time: two would interleave hang-ups, dials and readers.
+        // One reconnect at a time: two would interleave hang-ups, dials and readers. A close
+        // takes it too: none begins once the side closed, and a close waits for one under way
+        // (which would otherwise start a fresh state, socket and reader on a closed side).
         let _one = lock(&self.reconnecting);
+        if self.closed.load(Ordering::Acquire) {
+            return Err(self.ended());
+        }
         wakes.extend(self.fail_later(Broken::Closed));
         self.hang_up();
         let (stream, hello, peer_fds) = dial(&self.engine, path, publish)?;

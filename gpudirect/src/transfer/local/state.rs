@@ -62,11 +62,12 @@ pub(super) fn fail(ep: &EpInner<State>, st: &mut State, cause: Broken) {
     ep.failed(st);
 }
 
-/// [`fail`], the wake-ups it decides returned, to be run (dropped) once the caller let its own
-/// locks go.
-pub(super) fn fail_later(ep: &EpInner<State>, cause: Broken) -> Wakes {
+/// [`fail`], then `under` with the lock still held; the wake-ups it decides returned, to be run
+/// (dropped) once the caller let its own locks go.
+pub(super) fn fail_later(ep: &EpInner<State>, cause: Broken, under: impl FnOnce()) -> Wakes {
     let mut st = ep.lock();
     fail(ep, &mut st, cause);
+    under();
     std::mem::take(&mut st.wakes)
 }
 
