@@ -211,8 +211,14 @@ impl Rails {
                 "only the side that connected can reconnect; the listener accepts the new endpoint",
             ));
         }
+        // A closed endpoint never reconnects (its progress thread is gone or going): refused
+        // here, and again where the fresh state would go in, under the lock a close sets
+        // `closing` under.
         {
             let mut st = inner.lock();
+            if st.closing {
+                return Err(ended(&st));
+            }
             if st.broken.is_none() {
                 break_endpoint(inner, &mut st, Broken::Closed);
             }
@@ -234,6 +240,9 @@ impl Rails {
         let fresh = new_state(&inner.ep.engine.inner, connected)?;
         let old = {
             let mut st = inner.lock();
+            if st.closing {
+                return Err(ended(&st));
+            }
             force_finish(&mut st);
             std::mem::replace(&mut *st, fresh)
         };
@@ -270,4 +279,11 @@ impl Rails {
         }
         drain_after_close(&self.link);
     }
+}
+
+/// The error of a closed endpoint: why it stopped.
+fn ended(st: &State) -> Error {
+    st.broken
+        .as_ref()
+        .map_or_else(|| Broken::Closed.to_error(), |b| b.0.to_error())
 }
