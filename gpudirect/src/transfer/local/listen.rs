@@ -1098,6 +1098,22 @@ mod tests {
         t
     }
 
+    /// `t` finishes within `limit` of `since` (looked at every `step`: `what` fails the test
+    /// otherwise), then is waited for.
+    fn finished_within(
+        t: crate::transfer::pending::Transfer,
+        since: Instant,
+        limit: Duration,
+        step: Duration,
+        what: &str,
+    ) {
+        while !t.flag().is_complete() {
+            assert!(since.elapsed() < limit, "{what}");
+            std::thread::sleep(step);
+        }
+        t.wait().expect("finished");
+    }
+
     /// A call to the worker is never lost, whether it lands while the worker lingers after
     /// its last request, as the linger ends, or while it sleeps: each request below (queued
     /// without waking the worker, as one a caller waits for is) is finished within 50 ms of
@@ -1117,15 +1133,13 @@ mod tests {
             std::thread::sleep(Duration::from_micros(gap));
             let t = queue_done(&side);
             side.call_worker();
-            let t0 = Instant::now();
-            while !t.flag().is_complete() {
-                assert!(
-                    t0.elapsed() < Duration::from_millis(50),
-                    "request {i} (gap {gap} µs) not finished 50 ms after the call"
-                );
-                std::thread::sleep(Duration::from_micros(20));
-            }
-            t.wait().expect("finished");
+            finished_within(
+                t,
+                Instant::now(),
+                Duration::from_millis(50),
+                Duration::from_micros(20),
+                &format!("request {i} (gap {gap} µs) not finished 50 ms after the call"),
+            );
         }
     }
 
@@ -1224,14 +1238,13 @@ mod tests {
         go_tx.send(()).unwrap();
         let r = Instant::now();
         side.call_worker();
-        while !t.flag().is_complete() {
-            assert!(
-                r.elapsed() < Duration::from_millis(60),
-                "the call was lost: the request waits for the idle look"
-            );
-            std::thread::sleep(Duration::from_micros(50));
-        }
-        t.wait().expect("finished");
+        finished_within(
+            t,
+            r,
+            Duration::from_millis(60),
+            Duration::from_micros(50),
+            "the call was lost: the request waits for the idle look",
+        );
     }
 
     /// A close while the worker lingers does not wait for the worker's 100 ms idle look (found
