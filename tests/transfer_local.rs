@@ -1135,6 +1135,50 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
         &swapped,
         "two pairs on the legacy stream",
     );
+    // Reads of many shapes on one stream, each into poisoned memory: the aligned ones with
+    // bytes are copied by the copy kernel (one launch that also stores the trigger), the others
+    // by the copy engines; every range lands exactly and nothing around it changes.
+    let shapes: [(u64, u64); 9] = [
+        (0, 1),
+        (16, 15),
+        (32, 16),
+        (48, 17),
+        (67, 4101),
+        (8192, 3 * 4096 + 5),
+        (1 << 20, 1 << 20),
+        ((2 << 20) + 5, (1 << 20) + 11),
+        (4 << 20, (4 << 20) + 3),
+    ];
+    let many = register(&engine, poisoned_bytes(0, STREAM_LEN, 0x5A));
+    let s = gpu::stream(0);
+    let ts: Vec<_> = shapes
+        .iter()
+        .map(|&(off, len)| {
+            ep.read_on(
+                &s,
+                vec![(
+                    many.range(off, len).unwrap(),
+                    peer[1].range(off, len).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+            .unwrap()
+        })
+        .collect();
+    s.synchronize().unwrap();
+    for (t, &(_, len)) in ts.iter().zip(&shapes) {
+        assert_eq!(t.wait(WAIT).unwrap().bytes, len);
+    }
+    let mut want_many = vec![0x5Au8; STREAM_LEN];
+    for &(off, len) in &shapes {
+        let (a, b) = (off as usize, (off + len) as usize);
+        want_many[a..b].copy_from_slice(&all[a..b]);
+    }
+    same(
+        &host_copy(&many, 0, STREAM_LEN),
+        &want_many,
+        "reads of many shapes on one stream",
+    );
     drop(ctx);
     // Done: the peer checked what its stream saw.
     ep.write(

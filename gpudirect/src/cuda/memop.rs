@@ -500,6 +500,37 @@ impl MemopFlags {
         Ok(())
     }
 
+    /// Queue work that writes word `slot` on `stream` through the capture-checked path (`f`
+    /// gets the raw stream, the word's device address and `keep`), remembered as a use of the
+    /// words as the memory operations are: a kernel that stores a word.
+    pub(crate) fn enqueue_writing<R, T>(
+        &self,
+        stream: &Stream,
+        slot: usize,
+        call: &'static str,
+        keep: R,
+        f: impl FnOnce(sys::CUstream, u64, &R) -> Result<T>,
+    ) -> Result<(T, R), Refused<R>> {
+        let checked = self
+            .validate(stream, &[])
+            .and_then(|()| self.device_ptr(slot));
+        let addr = match checked {
+            Ok(a) => a,
+            Err(error) => {
+                return Err(Refused {
+                    error,
+                    kept: Some(keep),
+                });
+            }
+        };
+        let r = stream.enqueue(call, keep, |s, k| f(s, addr, k));
+        match &r {
+            Err(refused) if refused.leaked() => self.captured.store(true, Ordering::Release),
+            _ => self.used_by(stream),
+        }
+        r
+    }
+
     /// After queueing on `stream`: remember the use, or (when the operations may sit in a CUDA
     /// graph) make sure the words are never freed.
     fn queued<T>(&self, stream: &Stream, r: Result<(T, ()), Refused<()>>) -> Result<T> {

@@ -27,6 +27,8 @@ mod init;
 pub(crate) mod ipc;
 pub(crate) mod mem;
 pub(crate) mod memop;
+#[cfg(feature = "p2p")]
+pub(crate) mod module;
 mod named;
 #[cfg(feature = "p2p")]
 pub(crate) mod peer;

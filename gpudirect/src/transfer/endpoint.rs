@@ -14,6 +14,8 @@ use super::rails::{RailStats, Rails};
 use super::region::{LocalRange, Region};
 use super::request::{Broken, Direction, Notification, TransferOptions, TransferReport};
 use super::shared::{Look, SetOnDrop};
+#[cfg(feature = "p2p")]
+use super::stream::Mark;
 use super::stream::{
     Backend, Counter, HostWords, Keep, Proxy, Running, StreamTransfer, StreamWord, Trigger,
     WordMemory,
@@ -405,10 +407,13 @@ impl Endpoint {
         if let Trigger::Stream(stream) = &trig
             && let Transport::Local(local) = self.transport()
         {
-            let make = || {
+            let make = |mark: Option<Mark<'_>>| {
+                let mark = mark.ok_or_else(|| {
+                    Error::invalid("stream", "no trigger", "a stream request has one")
+                })?;
                 local
-                    .on_stream(stream, dir, &pairs, &opts)
-                    .map(RdmaWork::Queued)
+                    .on_stream(stream, dir, &pairs, &opts, &mark)
+                    .map(|q| (RdmaWork::Queued(q), true))
             };
             return proxy.arm_with(trig, make, timeout);
         }

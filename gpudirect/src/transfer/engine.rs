@@ -85,6 +85,13 @@ pub struct EngineConfig {
     /// waited for) puts there may run first. With 1, every request of the endpoint is queued
     /// on one set of streams and finishes in request order.
     pub copy_lanes: usize,
+    /// Whether a stream-ordered intra-node request of one pair
+    /// ([`Endpoint::write_on`](super::Endpoint::write_on), `read_on`) whose ends are 16-byte
+    /// aligned and on the stream's GPU is copied by a kernel that then stores the request's
+    /// trigger word: one launch where copy-engine copies take a copy and a trigger write
+    /// (default `true`). The kernel runs on the stream's multiprocessors in stream order;
+    /// `false` keeps every copy on the copy engines.
+    pub copy_kernel: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not
     /// authenticated). Both sides need the same key: a key on one side only is refused on
@@ -204,6 +211,7 @@ impl Default for EngineConfig {
             copy_streams: 1,
             copy_chunk: 16 << 20,
             copy_lanes: 4,
+            copy_kernel: true,
             key: None,
             local_peers: LocalPeers::SameUser,
             max_pending: 64,

@@ -16,6 +16,7 @@ use crate::transfer::request::{
     check_same_engine,
 };
 use crate::transfer::shared::EpInner;
+use crate::transfer::stream::Mark;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,7 +121,7 @@ impl Local {
         run(&self.inner, r)
     }
 
-    /// A request's copies queued on `stream` (stream-ordered), then an event after them.
+    /// A request's copies queued on `stream` (stream-ordered), then its trigger at `mark`.
     ///
     /// # Errors
     ///
@@ -131,8 +132,9 @@ impl Local {
         dir: Direction,
         pairs: &[(LocalRange, RemoteRange)],
         opts: &TransferOptions,
+        mark: &Mark<'_>,
     ) -> Result<Queued> {
-        on_stream(&self.inner, &self.side, stream, dir, pairs, opts)
+        on_stream(&self.inner, &self.side, stream, dir, pairs, opts, mark)
     }
 
     /// Notify the peer of a stream-ordered request whose copies are done.

@@ -41,6 +41,7 @@
 //! - `meet`: the meeting (first messages and file descriptors, one deadline), dialing.
 //! - `state`: the endpoint's state under its lock; failing it, delivering a notification.
 //! - `copies`: pieces spread over the streams, queued, and what they reach held.
+//! - `kernel`: the copy kernel of stream-ordered requests (a copy and its trigger in one launch).
 //! - `side`: the socket, its reader, the copy streams and the worker that finishes requests.
 //! - `request`: a request checked, mapped and issued; prepared requests; stream-ordered copies.
 //! - `handle`: the transport as the endpoint holds it ([`Local`]).
@@ -54,6 +55,7 @@ mod fds;
 mod handle;
 mod hello;
 mod import;
+mod kernel;
 mod listen;
 mod meet;
 mod peer;

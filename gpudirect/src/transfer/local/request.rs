@@ -5,6 +5,7 @@
 use super::copies::{Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies};
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
+use super::kernel::{self, CopyKernel};
 use super::side::{Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
@@ -19,6 +20,7 @@ use crate::transfer::request::{
     Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
 };
 use crate::transfer::shared::EpInner;
+use crate::transfer::stream::{Mark, TriggerFence};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -821,10 +823,11 @@ pub(super) fn report(
 }
 
 /// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
-/// complete once the stream passed them. What they reach is held until the stream's event after
-/// them completes; dropped earlier, it is parked behind that event (never freed early).
+/// complete once the stream passed them. What they reach is held until the stream stored the
+/// request's trigger, which it does after them; dropped earlier, it is parked behind that
+/// (never freed early).
 pub(crate) struct Queued {
-    hold: Option<(EventFence, Keep)>,
+    hold: Option<(TriggerFence, Box<dyn Send>)>,
     /// What the request did (its `elapsed` set when it is reported).
     pub(crate) report: TransferReport,
     pub(crate) started: Instant,
@@ -844,8 +847,10 @@ impl Drop for Queued {
     }
 }
 
-/// Queue a request's copies on `stream` (through the capture-checked path), then an event after
-/// them. Checked and mapped as [`request`]; nothing is queued when a check fails.
+/// Queue a request's copies on `stream` (through the capture-checked path), then its trigger
+/// at `mark`: one pair the copy kernel can take is one launch that copies and then stores the
+/// trigger; anything else is copy-engine copies, then the trigger write. Checked and mapped as
+/// [`request`]; nothing is queued when a check fails.
 pub(super) fn on_stream(
     ep: &EpInner<State>,
     side: &Side,
@@ -853,9 +858,11 @@ pub(super) fn on_stream(
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
     opts: &TransferOptions,
+    mark: &Mark<'_>,
 ) -> Result<Queued> {
     // Before anything is mapped: a refusal takes nothing.
     let bytes = pairs_bytes(pairs)?;
+    let flags = mark.flags()?;
     let Prepared {
         copies,
         gpus,
@@ -880,41 +887,97 @@ pub(super) fn on_stream(
         return Err(e);
     }
     let messages = copies.len() as u64;
-    let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
-        // SAFETY: both ranges of every piece were checked: the local range inside its region,
-        // which `keep` holds; the remote range inside the peer's allocation and the mapping,
-        // which `keep` holds too. The event recorded after the copies tracks them, and `keep` is
-        // freed only once it completes (or leaked).
-        unsafe { queue_copies(&copies, raw) }
-    });
-    let keep = match r {
-        Ok(((), k)) => k,
-        Err(refused) => {
-            if let Some(k) = refused.kept {
-                match EventFence::record(stream.cuda()) {
-                    Ok(ev) => Tracker::global().park(ev, k),
-                    Err(_) => std::mem::forget(k),
+    let used = keep._imports.clone();
+    let ordinal = stream.context().ordinal();
+    let lease = match (&copies[..], &gpus[..]) {
+        ([c], [(Some(g), _)])
+            if ep.engine.inner.config.copy_kernel && *g == ordinal && kernel::fits(c) =>
+        {
+            CopyKernel::of(stream.context()).and_then(|k| k.lease())
+        }
+        _ => None,
+    };
+    let held: Box<dyn Send> = match lease {
+        Some(lease) => {
+            let c = copies[0];
+            let r = flags.enqueue_writing(
+                stream,
+                mark.slot(),
+                "cuLaunchKernel",
+                (keep, lease),
+                |raw, trigger, (_, lease)| {
+                    // SAFETY: the piece fits the kernel and runs on the stream's GPU, where its
+                    // local range lies and the peer's allocation is mapped; both ranges were
+                    // checked and `keep` holds them, the trigger word is held by the queue's
+                    // fence, and the lease is kept with them until the word holds the seq.
+                    unsafe { lease.launch(raw, &c, trigger, mark.seq) }
+                },
+            );
+            match r {
+                Ok(((), k)) => Box::new(k),
+                // Nothing was queued (a refused or failed launch): dropped here.
+                Err(refused) => return Err(refused.error),
+            }
+        }
+        None => {
+            let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
+                // SAFETY: both ranges of every piece were checked: the local range inside its
+                // region, which `keep` holds; the remote range inside the peer's allocation and
+                // the mapping, which `keep` holds too. The trigger stored after the copies
+                // tracks them, and `keep` is freed only once it is (or leaked).
+                unsafe { queue_copies(&copies, raw) }
+            });
+            let keep = match r {
+                Ok(((), k)) => k,
+                Err(refused) => {
+                    if let Some(k) = refused.kept {
+                        park_behind_event(stream, k);
+                    }
+                    return Err(refused.error);
+                }
+            };
+            let seq = mark.seq;
+            let r = flags.enqueue_writing(
+                stream,
+                mark.slot(),
+                "cuStreamWriteValue64_v2",
+                keep,
+                |raw, word, _| {
+                    // SAFETY: the queue's trigger word, live while its fence is (the words are
+                    // held by the queue and freed only once every stream that used them passed
+                    // its operations); the queue was made only where 64-bit operations work.
+                    unsafe { crate::driver::memop::write_value64(raw, word, seq) }
+                },
+            );
+            match r {
+                Ok(((), k)) => Box::new(k),
+                Err(refused) => {
+                    // The copies are queued and no trigger follows them.
+                    if let Some(k) = refused.kept {
+                        park_behind_event(stream, k);
+                    }
+                    return Err(refused.error);
                 }
             }
-            return Err(refused.error);
         }
     };
-    let fence = match EventFence::record(stream.cuda()) {
-        Ok(f) => f,
-        Err(e) => {
-            // The copies may be queued and nothing tracks them: what they reach is leaked.
-            std::mem::forget(keep);
-            return Err(e);
-        }
-    };
-    hold_imports(side, &keep._imports);
+    hold_imports(side, &used);
     let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
-        hold: Some((fence, keep)),
+        hold: Some((mark.fence(), held)),
         report: report(dir, bytes, messages, paths, opts),
         started,
         epoch,
     })
+}
+
+/// What queued copies reach, parked behind an event recorded after them (leaked when the event
+/// cannot be recorded).
+fn park_behind_event(stream: &Stream, keep: Keep) {
+    match EventFence::record(stream.cuda()) {
+        Ok(ev) => Tracker::global().park(ev, keep),
+        Err(_) => std::mem::forget(keep),
+    }
 }
 
 /// Notify the peer of a stream-ordered request whose copies are done; refused when the endpoint

@@ -39,6 +39,53 @@ impl Outcome {
     }
 }
 
+/// Where a stream request's trigger goes, given to the maker of its work once its sequence
+/// number is taken: work that queues its own copies on the stream may store the trigger itself
+/// (the intra-node copy kernel does, after its bytes).
+pub(crate) struct Mark<'a> {
+    pub(super) queue: &'a Arc<Queue>,
+    pub(crate) seq: u64,
+}
+
+impl Mark<'_> {
+    /// The queue's CUDA words (a stream's queue always has them).
+    pub(crate) fn flags(&self) -> Result<&MemopFlags> {
+        self.queue
+            .words
+            .flags()
+            .ok_or_else(|| Error::invalid("stream", "a host-triggered queue", "has no CUDA words"))
+    }
+
+    /// The slot of the trigger word.
+    pub(crate) fn slot(&self) -> usize {
+        trigger_slot(self.seq)
+    }
+
+    /// Complete once the stream has stored the trigger.
+    pub(crate) fn fence(&self) -> TriggerFence {
+        TriggerFence {
+            queue: self.queue.clone(),
+            seq: self.seq,
+        }
+    }
+}
+
+/// Complete once the request's trigger word was stored by its stream, so once the work queued
+/// before the trigger on that stream is done (no driver call: a load of the word). A later
+/// value in the slot counts too: a slot is taken again only after its trigger was seen, and
+/// never once its queue retired (which a request whose trigger was late retires). Only made
+/// for a trigger that was queued.
+pub(crate) struct TriggerFence {
+    queue: Arc<Queue>,
+    seq: u64,
+}
+
+impl Fence for TriggerFence {
+    fn is_complete(&self) -> bool {
+        self.queue.words.load(trigger_slot(self.seq)) >= self.seq
+    }
+}
+
 /// A request armed on a stream queue ([`Endpoint::write_on`](crate::transfer::Endpoint::write_on), [`Endpoint::read_on`](crate::transfer::Endpoint::read_on), or the
 /// host-triggered [`Endpoint::write_triggered`](crate::transfer::Endpoint::write_triggered), [`Endpoint::read_triggered`](crate::transfer::Endpoint::read_triggered)): its sequence
 /// number, the queue's completion word, and the host's view of its result.

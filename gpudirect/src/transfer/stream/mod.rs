@@ -119,8 +119,8 @@ mod proxy;
 mod window;
 mod words;
 
-pub(crate) use armed::Keep;
 pub use armed::StreamTransfer;
+pub(crate) use armed::{Keep, Mark, TriggerFence};
 pub(crate) use proxy::{Backend, Proxy, Running, Trigger};
 pub use window::{PROXY_NAP, TRIGGER_SLOTS};
 pub(crate) use words::{Counter, HostWords, WordMemory};

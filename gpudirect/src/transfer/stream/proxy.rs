@@ -2,7 +2,7 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Keep, Outcome, Queue, StreamTransfer};
+use super::armed::{Keep, Mark, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::CompletionFlag;
@@ -53,8 +53,8 @@ pub(crate) enum Trigger<'a> {
 }
 
 enum Stage<W> {
-    /// Its seq is taken; the stream write is being enqueued.
-    Reserved(W),
+    /// Its seq is taken; its work is being made (`None`) and its trigger queued.
+    Reserved(Option<W>),
     /// Waiting for its trigger word.
     Armed(W),
     /// Fired; being started outside the lock.
@@ -198,7 +198,8 @@ impl<B: Backend> Core<B> {
         }
         e.outcome.set(r, keep, &mut st.woken);
         let work = match e.stage {
-            Stage::Reserved(w) | Stage::Armed(w) | Stage::Running(w, _) => Some(w),
+            Stage::Armed(w) | Stage::Running(w, _) => Some(w),
+            Stage::Reserved(w) => w,
             Stage::Starting => None,
         };
         st.graveyard.push(Box::new((e.queue, work, e.outcome)));
@@ -251,7 +252,8 @@ impl<B: Backend> Core<B> {
             q.unfired.remove(&key.1);
         }
         let work = match e.stage {
-            Stage::Reserved(w) | Stage::Armed(w) | Stage::Running(w, _) => Some(w),
+            Stage::Armed(w) | Stage::Running(w, _) => Some(w),
+            Stage::Reserved(w) => w,
             Stage::Starting => None,
         };
         e.outcome.set(Err(closed_error()), None, &mut st.woken);
@@ -536,37 +538,22 @@ impl<B: Backend> Proxy<B> {
         work: B::Work,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
-        self.arm_with(trig, || Ok(work), timeout)
+        self.arm_with(trig, |_| Ok((work, false)), timeout)
     }
 
-    /// [`arm`](Self::arm) with the work made once the queue is chosen and has a free trigger
-    /// slot (work that queues copies on the stream makes them only when arming can go on).
+    /// [`arm`](Self::arm) with the work made once the request's seq is taken (work that queues
+    /// copies on the stream makes them only when arming can go on). For a stream, `make` gets
+    /// where the trigger goes and says whether it queued the trigger itself; else the trigger
+    /// write is queued after it.
     pub(crate) fn arm_with(
         &self,
         trig: Trigger<'_>,
-        make: impl FnOnce() -> Result<B::Work>,
+        make: impl FnOnce(Option<Mark<'_>>) -> Result<(B::Work, bool)>,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
         self.bury();
         self.ensure_thread()?;
         let id = self.core.queue_for(&trig)?;
-        {
-            let mut st = self.core.lock();
-            let q = st.queues.get_mut(&id).ok_or_else(closed_error)?;
-            if let Some(&low) = q.unfired.first()
-                && q.next_seq - low >= TRIGGER_SLOTS as u64
-            {
-                return Err(Error::invalid(
-                    "stream transfers",
-                    q.next_seq - low,
-                    format!("at most {TRIGGER_SLOTS} armed at once on one endpoint"),
-                ));
-            }
-        }
-        let work = make()?;
-        let now = Instant::now();
-        let until = deadline_after(now, timeout);
-        let limit = deadline_after(until, timeout) + HOST_SLACK;
         let outcome = Arc::new(Outcome {
             flag: CompletionFlag::new(),
             slot: Mutex::new(None),
@@ -588,65 +575,72 @@ impl<B: Backend> Proxy<B> {
             q.outstanding += 1;
             q.unfired.insert(seq);
             let queue = q.queue.clone();
-            let stage = match trig {
-                Trigger::Host => Stage::Armed(work),
-                Trigger::Stream(_) => Stage::Reserved(work),
-            };
+            let now = Instant::now();
             st.entries.insert(
                 (id, seq),
                 Entry {
                     queue: queue.clone(),
-                    stage,
+                    stage: Stage::Reserved(None),
                     outcome: outcome.clone(),
                     timeout,
-                    until,
+                    until: deadline_after(now, timeout),
                 },
             );
             (queue, seq)
         };
-        let host = matches!(trig, Trigger::Host);
-        if let Trigger::Stream(stream) = trig {
+        let stream = match trig {
+            Trigger::Stream(s) => Some(s),
+            Trigger::Host => None,
+        };
+        let mark = stream.map(|_| Mark { queue: &queue, seq });
+        let mut made = make(mark);
+        if let (Some(stream), Ok((_, false))) = (stream, &made) {
             let flags = queue
                 .words
                 .flags()
                 .expect("a stream's queue has CUDA words");
-            let r = stream.write_value64(flags, trigger_slot(seq), seq);
-            let mut st = self.core.lock();
-            match r {
-                Ok(()) => {
-                    if let Some(e) = st.entries.get_mut(&(id, seq))
-                        && let Stage::Reserved(_) = e.stage
-                    {
-                        let Stage::Reserved(w) = std::mem::replace(&mut e.stage, Stage::Starting)
-                        else {
-                            unreachable!("matched above")
-                        };
-                        e.stage = Stage::Armed(w);
-                    }
-                }
-                Err(e @ Error::StreamCapturing { enqueued: true, .. }) => {
-                    // The write may sit in a graph, whose launches write the slot at any time:
-                    // the queue is never used again (its words are never freed: see
+            if let Err(e) = stream.write_value64(flags, trigger_slot(seq), seq) {
+                made = Err(e);
+            }
+        }
+        let mut st = self.core.lock();
+        let work = match made {
+            Ok((work, _)) => work,
+            Err(e) => {
+                if let Error::StreamCapturing { enqueued: true, .. } = e {
+                    // The trigger may sit in a graph, whose launches write the slot at any
+                    // time: the queue is never used again (its words are never freed: see
                     // `MemopFlags`).
                     let err = Error::StreamCapturing {
                         call: "cuStreamWriteValue64_v2",
                         enqueued: true,
                     };
                     Core::<B>::finish(&mut st, (id, seq), Err(err), None);
-                    return Err(e);
-                }
-                Err(e) => {
+                } else {
                     Core::<B>::void(&mut st, (id, seq));
-                    return Err(e);
                 }
+                return Err(e);
             }
+        };
+        // The trigger deadline counts from here, as the request's own checks are done.
+        let until = deadline_after(Instant::now(), timeout);
+        let limit = deadline_after(until, timeout) + HOST_SLACK;
+        match st.entries.get_mut(&(id, seq)) {
+            Some(e) => {
+                e.stage = Stage::Armed(work);
+                e.until = until;
+            }
+            // Closed meanwhile: ended with the error; what the work holds is dropped by a
+            // caller's thread.
+            None => st.graveyard.push(Box::new(work)),
         }
+        drop(st);
         self.core.bell.ring();
         Ok(StreamTransfer {
             queue,
             seq,
             outcome,
-            host,
+            host: stream.is_none(),
             limit,
         })
     }
@@ -764,6 +758,77 @@ mod tests {
         assert_eq!(t.completion_value(), 1);
         assert!(t.wait(Duration::ZERO).is_err(), "taken once");
         p.closed();
+    }
+
+    #[test]
+    fn work_is_made_with_its_seq_taken_and_a_refused_make_counts_as_nothing() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let e = p
+            .arm_with(
+                Trigger::Host,
+                |mark| {
+                    assert!(mark.is_none(), "a host trigger has no mark");
+                    Err(Error::invalid("make", 1, "refused on purpose"))
+                },
+                Duration::from_secs(30),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("refused on purpose"), "{e}");
+        let t = p.arm(Trigger::Host, 5, Duration::from_secs(30)).unwrap();
+        assert_eq!(t.seq(), 2, "the refused request took seq 1");
+        t.trigger().unwrap();
+        until("started", || {
+            !p.core.backend.started.lock().unwrap().is_empty()
+        });
+        finish(&rel, 5, true);
+        t.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(t.completion_value(), 2, "seq 1 counted as nothing to do");
+        p.closed();
+    }
+
+    #[test]
+    fn a_close_while_work_is_made_ends_the_request_and_buries_the_work() {
+        let p = Proxy::new(Fake::default());
+        let core = p.core.clone();
+        let t = p
+            .arm_with(
+                Trigger::Host,
+                |_| {
+                    core.close();
+                    Ok((3, false))
+                },
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        let e = t.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        assert_eq!(p.pending(), 0);
+        assert!(
+            p.core.backend.started.lock().unwrap().is_empty(),
+            "never started"
+        );
+        let buried = p.core.lock().graveyard.len();
+        assert_eq!(buried, 3, "the entry's, the retired queue and the work");
+        p.closed();
+    }
+
+    #[test]
+    fn a_trigger_fence_completes_once_its_slot_holds_its_seq_or_later() {
+        let queue = Arc::new(Queue {
+            id: 1,
+            words: Box::new(HostWords::new(1 + TRIGGER_SLOTS)),
+        });
+        let seq = TRIGGER_SLOTS as u64 + 3;
+        let mark = Mark { queue: &queue, seq };
+        let (a, b) = (mark.fence(), mark.fence());
+        assert!(!a.is_complete());
+        queue.words.store(mark.slot(), seq - TRIGGER_SLOTS as u64);
+        assert!(!a.is_complete(), "the slot's earlier seq");
+        queue.words.store(mark.slot(), seq);
+        assert!(a.is_complete());
+        queue.words.store(mark.slot(), seq + TRIGGER_SLOTS as u64);
+        assert!(b.is_complete(), "the slot's later seq");
     }
 
     #[test]
