@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::transfer::plan::deadline_after;
 use crate::transfer::request::TransferReport;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
@@ -107,23 +108,53 @@ impl<W> Defers for PState<W> {
     }
 }
 
-/// Rung by new work, completions and the close.
+/// Rung by new work, completions and the close. A ring sets a flag the proxy takes before it
+/// looks at its state; it costs a wake-up (a system call) only while the proxy sleeps on the
+/// condition variable (a soft ring: only while it sleeps with nothing armed to look at).
 #[derive(Default)]
 struct Bell {
-    rung: Mutex<bool>,
+    rung: AtomicBool,
+    /// How the proxy sleeps now: [`AWAKE`], [`NAP`] or [`DEEP`] (set under `lock`).
+    sleeping: AtomicU8,
+    lock: Mutex<()>,
     cv: Condvar,
 }
 
+/// The proxy is not sleeping on the condition variable.
+const AWAKE: u8 = 0;
+/// It naps between looks at armed triggers (at most [`PROXY_NAP`]).
+const NAP: u8 = 1;
+/// It sleeps with nothing armed.
+const DEEP: u8 = 2;
+
 impl Bell {
     fn ring(&self) {
-        *self.rung.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.cv.notify_all();
+        self.ring_if(NAP);
     }
 
-    /// Sleep until rung or `timeout` passed (`None`: until rung).
-    fn sleep(&self, timeout: Option<Duration>) {
-        let mut g = self.rung.lock().unwrap_or_else(|e| e.into_inner());
-        if !*g {
+    /// Ring, waking the proxy only if it sleeps at least as deeply as `depth`.
+    fn ring_if(&self, depth: u8) {
+        // The flag, then the depth; a sleeper sets the depth, then looks at the flag (both
+        // SeqCst): one of the two sees the other's store. The lock is taken only to wake one,
+        // so the wake-up cannot fall between its look and its wait.
+        self.rung.store(true, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) >= depth {
+            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.cv.notify_all();
+        }
+    }
+
+    /// Take the ring, if any.
+    fn take(&self) -> bool {
+        self.rung.swap(false, Ordering::SeqCst)
+    }
+
+    /// Sleep as deeply as `depth` until rung or `timeout` passed (`None`: until rung);
+    /// whether it was rung (taken).
+    fn sleep(&self, timeout: Option<Duration>, depth: u8) -> bool {
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.sleeping.store(depth, Ordering::SeqCst);
+        if !self.rung.load(Ordering::SeqCst) {
             g = match timeout {
                 Some(t) => {
                     self.cv
@@ -134,7 +165,9 @@ impl Bell {
                 None => self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
             };
         }
-        *g = false;
+        self.sleeping.store(AWAKE, Ordering::SeqCst);
+        drop(g);
+        self.take()
     }
 }
 
@@ -144,6 +177,25 @@ impl Wake for Bell {
     }
     fn wake_by_ref(self: &Arc<Self>) {
         self.ring();
+    }
+}
+
+/// The armed triggers as a round left them, looked at without the lock until one fires or
+/// its deadline passes.
+struct Watch {
+    armed: Vec<(Arc<Queue>, u64)>,
+    /// The earliest trigger deadline.
+    until: Option<Instant>,
+    /// Entries of any stage.
+    any: bool,
+    closing: bool,
+}
+
+impl Watch {
+    fn fired(&self) -> bool {
+        self.armed
+            .iter()
+            .any(|(q, seq)| q.words.load(trigger_slot(*seq)) == *seq)
     }
 }
 
@@ -290,9 +342,10 @@ impl<B: Backend> Core<B> {
     }
 
     /// One round: fired triggers are taken (to start outside the lock), running requests
-    /// polled, passed trigger deadlines failed. Returns what fired and whether anything moved.
+    /// polled, passed trigger deadlines failed. Returns what fired, whether anything moved, and
+    /// the triggers still armed.
     #[allow(clippy::type_complexity)]
-    fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool) {
+    fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool, Watch) {
         let mut st = self.lock();
         let now = Instant::now();
         let mut fired = Vec::new();
@@ -348,7 +401,20 @@ impl<B: Backend> Core<B> {
                 Self::finish(&mut st, k, Err(e), None);
             }
         }
-        (fired, moved)
+        let mut watch = Watch {
+            armed: Vec::new(),
+            until: None,
+            any: !st.entries.is_empty(),
+            closing: st.closing.is_some(),
+        };
+        for e in st.entries.iter().filter_map(|(k, e)| match e.stage {
+            Stage::Armed(_) => Some((k.1, e)),
+            _ => None,
+        }) {
+            watch.armed.push((e.1.queue.clone(), e.0));
+            watch.until = Some(watch.until.map_or(e.1.until, |u| u.min(e.1.until)));
+        }
+        (fired, moved, watch)
     }
 
     /// Start what fired (outside the lock: the backend takes the endpoint's).
@@ -380,44 +446,51 @@ impl<B: Backend> Core<B> {
         let waker = Waker::from(self.bell.clone());
         let mut idle = 0u32;
         loop {
-            let (fired, moved) = self.round(&waker);
+            // Taken before the state is looked at: a ring after this is seen next time.
+            self.bell.take();
+            let (fired, moved, watch) = self.round(&waker);
             let started = !fired.is_empty();
             self.start(fired);
             if moved || started {
                 idle = 0;
                 continue;
             }
-            let (armed, any, closing) = {
-                let st = self.lock();
-                (
-                    st.entries
-                        .values()
-                        .any(|e| matches!(e.stage, Stage::Armed(_))),
-                    !st.entries.is_empty(),
-                    st.closing.is_some(),
-                )
-            };
-            if closing && !any {
+            if watch.closing && !watch.any {
                 return;
             }
-            if armed {
-                match proxy_pause(idle) {
-                    None => std::thread::yield_now(),
-                    Some(d) => self.bell.sleep(Some(d)),
+            if !watch.armed.is_empty() {
+                // While it yields, look at the armed words without the lock (which callers
+                // arming take) until one fires, a trigger deadline passes or the bell rings;
+                // after a nap, a whole round (running requests may rely on being polled).
+                loop {
+                    let rung = match proxy_pause(idle) {
+                        None => {
+                            std::thread::yield_now();
+                            self.bell.take()
+                        }
+                        Some(d) => {
+                            self.bell.sleep(Some(d), NAP);
+                            true
+                        }
+                    };
+                    idle = idle.saturating_add(1);
+                    if rung || watch.fired() || watch.until.is_some_and(|u| Instant::now() >= u) {
+                        break;
+                    }
                 }
-                idle = idle.saturating_add(1);
-            } else if any {
+            } else if watch.any {
                 // Running requests wake the bell when they finish; the bound covers trigger
                 // deadlines and the close.
-                self.bell.sleep(Some(Duration::from_millis(20)));
+                self.bell.sleep(Some(Duration::from_millis(20)), DEEP);
             } else {
-                self.bell.sleep(None);
+                self.bell.sleep(None, DEEP);
             }
         }
     }
 
-    /// The queue a new request goes to, made (outside the lock) when there is none that fits.
-    fn queue_for(&self, trig: &Trigger<'_>) -> Result<u64> {
+    /// The queue a new request goes to, made (outside the lock) when there is none that fits;
+    /// returned with the lock held.
+    fn queue_for(&self, trig: &Trigger<'_>) -> Result<(u64, Locked<'_, PState<B::Work>>)> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         loop {
             {
@@ -429,7 +502,7 @@ impl<B: Backend> Core<B> {
                     let q = st.queues.get_mut(&id).expect("current queue is kept");
                     let usable = q.next_seq < MAX_SEQ && !q.retired;
                     if usable && (q.cuda || !want_cuda) {
-                        return Ok(id);
+                        return Ok((id, st));
                     }
                     if usable && q.outstanding > 0 {
                         return Err(Error::invalid(
@@ -487,7 +560,7 @@ impl<B: Backend> Core<B> {
                 },
             );
             st.current = Some(id);
-            return Ok(id);
+            return Ok((id, st));
         }
     }
 }
@@ -551,15 +624,16 @@ impl<B: Backend> Proxy<B> {
         make: impl FnOnce(Option<Mark<'_>>) -> Result<(B::Work, bool)>,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
-        self.bury();
         self.ensure_thread()?;
-        let id = self.core.queue_for(&trig)?;
         let outcome = Arc::new(Outcome {
             flag: CompletionFlag::new(),
             slot: Mutex::new(None),
         });
-        let (queue, seq) = {
-            let mut st = self.core.lock();
+        let mut dead = Vec::new();
+        let (id, queue, seq) = {
+            let (id, mut st) = self.core.queue_for(&trig)?;
+            // What finished requests held, dropped below on this thread (as `bury` does).
+            std::mem::swap(&mut dead, &mut st.graveyard);
             let q = st.queues.get_mut(&id).ok_or_else(closed_error)?;
             let seq = q.next_seq;
             if let Some(&low) = q.unfired.first()
@@ -586,8 +660,9 @@ impl<B: Backend> Proxy<B> {
                     until: deadline_after(now, timeout),
                 },
             );
-            (queue, seq)
+            (id, queue, seq)
         };
+        drop(dead);
         let stream = match trig {
             Trigger::Stream(s) => Some(s),
             Trigger::Host => None,
@@ -619,6 +694,8 @@ impl<B: Backend> Proxy<B> {
                 } else {
                     Core::<B>::void(&mut st, (id, seq));
                 }
+                drop(st);
+                self.core.bell.ring_if(DEEP);
                 return Err(e);
             }
         };
@@ -635,7 +712,8 @@ impl<B: Backend> Proxy<B> {
             None => st.graveyard.push(Box::new(work)),
         }
         drop(st);
-        self.core.bell.ring();
+        // A proxy napping between looks at armed triggers finds this one at its next look.
+        self.core.bell.ring_if(DEEP);
         Ok(StreamTransfer {
             queue,
             seq,
@@ -811,6 +889,40 @@ mod tests {
         let buried = p.core.lock().graveyard.len();
         assert_eq!(buried, 3, "the entry's, the retired queue and the work");
         p.closed();
+    }
+
+    #[test]
+    fn a_soft_ring_wakes_a_deep_sleep_and_is_kept_for_a_nap() {
+        let bell = Arc::new(Bell::default());
+        // Rung before: the sleep returns at once, the ring taken.
+        bell.ring_if(DEEP);
+        assert!(bell.sleep(None, DEEP));
+        assert!(!bell.take());
+        // A deep sleep is woken by a soft ring.
+        let b = bell.clone();
+        let sleeper = std::thread::spawn(move || b.sleep(None, DEEP));
+        until("asleep", || bell.sleeping.load(Ordering::SeqCst) == DEEP);
+        bell.ring_if(DEEP);
+        assert!(sleeper.join().unwrap());
+        // A nap is not woken by a soft ring, which is still there when it ends.
+        let b = bell.clone();
+        let napper = std::thread::spawn(move || {
+            let t = Instant::now();
+            let rung = b.sleep(Some(Duration::from_millis(300)), NAP);
+            (rung, t.elapsed())
+        });
+        until("napping", || bell.sleeping.load(Ordering::SeqCst) == NAP);
+        bell.ring_if(DEEP);
+        let (rung, slept) = napper.join().unwrap();
+        assert!(rung && slept >= Duration::from_millis(250), "{slept:?}");
+        // A full ring wakes a nap.
+        let b = bell.clone();
+        let napper = std::thread::spawn(move || b.sleep(Some(Duration::from_secs(30)), NAP));
+        until("napping again", || {
+            bell.sleeping.load(Ordering::SeqCst) == NAP
+        });
+        bell.ring();
+        assert!(napper.join().unwrap());
     }
 
     #[test]
