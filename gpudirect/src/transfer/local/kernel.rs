@@ -44,9 +44,28 @@ impl CopyKernel {
     /// The kernel of `ctx`, loaded on its first use; `None` where it cannot be (a driver
     /// without the symbols, or one that refused the module: the copy engines then copy).
     pub(super) fn of(ctx: &Arc<CudaContext>) -> Option<Arc<CopyKernel>> {
+        type Found = Option<(usize, Option<Arc<CopyKernel>>)>;
+        thread_local! {
+            /// The last context this thread asked for, and its answer: no process-wide lock
+            /// per request.
+            static LAST: std::cell::RefCell<Found> = const { std::cell::RefCell::new(None) };
+        }
+        let key = ctx.cu_ctx() as usize;
+        if let Some(k) = LAST.with_borrow(|l| match l {
+            Some((c, k)) if *c == key => Some(k.clone()),
+            _ => None,
+        }) {
+            return k;
+        }
+        let k = Self::loaded(ctx, key);
+        LAST.with_borrow_mut(|l| *l = Some((key, k.clone())));
+        k
+    }
+
+    /// [`of`](Self::of) through the process-wide list (serialized: one load per context).
+    fn loaded(ctx: &Arc<CudaContext>, key: usize) -> Option<Arc<CopyKernel>> {
         type Loaded = Vec<(usize, Option<Arc<CopyKernel>>)>;
         static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
-        let key = ctx.cu_ctx() as usize;
         let mut g = LOADED.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, k)) = g.iter().find(|(c, _)| *c == key) {
             return k.clone();
