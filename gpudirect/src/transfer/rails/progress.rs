@@ -11,7 +11,7 @@ use super::rail::{
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
 };
-use crate::error::{Result, WcStatus};
+use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{CompletionQueue, WcOpcode, WorkCompletion};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, MAX_UNREAD_NOTIFICATIONS, Notification, unread_overflow,
@@ -59,6 +59,25 @@ fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Re
     }
 }
 
+/// Take every completion rail `r`'s send CQ holds now; whether there was any.
+fn drain_sends(inner: &Link, st: &mut State, r: usize) -> bool {
+    match drain(&mut st.rails[r].send_cq, |w| {
+        (w.tag(), w.is_ok(), w.result())
+    }) {
+        Err(e) => {
+            fail_rail(inner, st, r, Broken::of(&e));
+            false
+        }
+        Ok(got) => {
+            let any = !got.is_empty();
+            for (seq, ok, res) in got {
+                on_send_completion(inner, st, r, seq, ok, res);
+            }
+            any
+        }
+    }
+}
+
 /// Poll every rail's CQs until empty; returns whether anything was found.
 pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     let mut any = false;
@@ -67,17 +86,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     // what the rail it names received, all of it.
     let mut ctl: Vec<(usize, u32)> = Vec::new();
     for r in 0..st.rails.len() {
-        match drain(&mut st.rails[r].send_cq, |w| {
-            (w.tag(), w.is_ok(), w.result())
-        }) {
-            Err(e) => fail_rail(inner, st, r, Broken::of(&e)),
-            Ok(got) => {
-                any |= !got.is_empty();
-                for (seq, ok, res) in got {
-                    on_send_completion(inner, st, r, seq, ok, res);
-                }
-            }
-        }
+        any |= drain_sends(inner, st, r);
         {
             let got = match drain(&mut st.rails[r].recv_cq, |w| {
                 (w.result(), w.opcode(), w.imm())
@@ -92,7 +101,18 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
             let mut repost = 0;
             for (res, op, imm) in got {
                 if let Err(e) = res {
-                    // Flushed receives after a failure, or the failure itself.
+                    // Flushed receives after a failure, or the failure itself. A flush is a
+                    // consequence: the send that failed the queue pair may have completed
+                    // after its send queue was looked at above, and its error is the cause.
+                    if matches!(
+                        e,
+                        Error::WorkCompletion {
+                            status: WcStatus::Flushed,
+                            ..
+                        }
+                    ) {
+                        any |= drain_sends(inner, st, r);
+                    }
                     fail_rail(inner, st, r, Broken::of(&e));
                     continue;
                 }
