@@ -87,6 +87,12 @@ fn copy_lanes() -> Option<usize> {
     env_count("TRANSFER_BENCH_COPY_LANES")
 }
 
+/// The submitting side's `EngineConfig::copy_kernel`: `TRANSFER_BENCH_COPY_KERNEL=1` (default:
+/// the engine's default, the copy engines).
+fn copy_kernel() -> Option<bool> {
+    env_count("TRANSFER_BENCH_COPY_KERNEL").map(|n| n != 0)
+}
+
 /// The number variable `name` holds, if set and a number.
 fn env_count(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -478,9 +484,12 @@ fn main() {
     if let Some(n) = copy_lanes() {
         config.copy_lanes = n;
     }
+    if let Some(k) = copy_kernel() {
+        config.copy_kernel = k;
+    }
     println!(
-        "engine: copy_streams={} copy_lanes={}",
-        config.copy_streams, config.copy_lanes
+        "engine: copy_streams={} copy_lanes={} copy_kernel={}",
+        config.copy_streams, config.copy_lanes, config.copy_kernel
     );
     let engine = Engine::new(config).expect("engine");
     let src_buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");

@@ -1013,7 +1013,10 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let ctx = gpudirect::cuda::context(0).unwrap();
-    let engine = Engine::new(EngineConfig::local()).unwrap();
+    // The copy kernel on: one-pair aligned requests take it, the others the copy engines.
+    let mut config = EngineConfig::local();
+    config.copy_kernel = true;
+    let engine = Engine::new(config).unwrap();
     let (_listener, ep, mut child) = meet_child(
         &engine,
         "stream",

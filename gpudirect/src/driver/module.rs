@@ -45,6 +45,20 @@ pub(crate) unsafe fn function(module: sys::CUmodule, name: &CStr) -> Result<sys:
     Ok(f)
 }
 
+/// `cuFuncLoad`—Load `f` now where the driver loads modules lazily (CUDA 12.4 and later;
+/// nothing to do where the symbol is missing: every function is loaded with its module).
+///
+/// # Safety
+///
+/// As the module docs say; `f` is live.
+pub(crate) unsafe fn load_function(f: sys::CUfunction) -> Result<()> {
+    if gpudirect_sys::cuda::require_symbols(&["cuFuncLoad"]).is_err() {
+        return Ok(());
+    }
+    // SAFETY: a live function; the symbol was checked.
+    cu("cuFuncLoad", unsafe { sys::cuFuncLoad(f) })
+}
+
 /// `cuModuleGetGlobal_v2`—The device address and size in bytes of the global `name`.
 ///
 /// # Safety

@@ -407,12 +407,14 @@ impl Endpoint {
         if let Trigger::Stream(stream) = &trig
             && let Transport::Local(local) = self.transport()
         {
+            // Checked and mapped before its seq is taken: nothing slow between the two.
+            let staged = local.stage_on_stream(stream, dir, &pairs, &opts)?;
             let make = |mark: Option<Mark<'_>>| {
                 let mark = mark.ok_or_else(|| {
                     Error::invalid("stream", "no trigger", "a stream request has one")
                 })?;
                 local
-                    .on_stream(stream, dir, &pairs, &opts, &mark)
+                    .enqueue_staged(staged, stream, &mark)
                     .map(|q| (RdmaWork::Queued(q), true))
             };
             return proxy.arm_with(trig, make, timeout);

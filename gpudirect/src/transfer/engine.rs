@@ -88,9 +88,12 @@ pub struct EngineConfig {
     /// Whether a stream-ordered intra-node request of one pair
     /// ([`Endpoint::write_on`](super::Endpoint::write_on), `read_on`) whose ends are 16-byte
     /// aligned and on the stream's GPU is copied by a kernel that then stores the request's
-    /// trigger word: one launch where copy-engine copies take a copy and a trigger write
-    /// (default `true`). The kernel runs on the stream's multiprocessors in stream order;
-    /// `false` keeps every copy on the copy engines.
+    /// trigger word: one launch where copy-engine copies take a copy and a trigger write, about
+    /// 1.5x the requests a second on one H200 (default `false`: every copy on the copy
+    /// engines). The kernel needs a free block slot on the GPU's multiprocessors: a kernel
+    /// that fills them and spins on a completion word ([`StreamTransfer::completion_word`](super::StreamTransfer::completion_word),
+    /// [`StreamWord`](super::StreamWord)) until such a request is done waits until the
+    /// request's trigger deadline fails it, where copy engines would have made progress.
     pub copy_kernel: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not
@@ -211,7 +214,7 @@ impl Default for EngineConfig {
             copy_streams: 1,
             copy_chunk: 16 << 20,
             copy_lanes: 4,
-            copy_kernel: true,
+            copy_kernel: false,
             key: None,
             local_peers: LocalPeers::SameUser,
             max_pending: 64,

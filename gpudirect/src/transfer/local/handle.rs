@@ -2,7 +2,9 @@
 //! shares with the endpoint and its side; requests, prepared requests, stream-ordered copies,
 //! notifications, reconnecting and closing.
 
-use super::request::{Queued, Ready, notify_peer, on_stream, post, ready, request, run};
+use super::request::{
+    Queued, Ready, Staged, enqueue_staged, notify_peer, post, ready, request, run, stage,
+};
 use super::side::Side;
 use super::state::{State, fail};
 use crate::cuda::Stream;
@@ -16,7 +18,7 @@ use crate::transfer::request::{
     check_same_engine,
 };
 use crate::transfer::shared::EpInner;
-use crate::transfer::stream::Mark;
+use crate::transfer::stream::{Mark, Unmade};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,20 +123,34 @@ impl Local {
         run(&self.inner, r)
     }
 
-    /// A request's copies queued on `stream` (stream-ordered), then its trigger at `mark`.
+    /// A stream-ordered request for `stream` checked and mapped, nothing queued yet.
     ///
     /// # Errors
     ///
     /// As [`Endpoint::write_on`](crate::transfer::Endpoint::write_on).
-    pub(crate) fn on_stream(
+    pub(crate) fn stage_on_stream(
         &self,
         stream: &Stream,
         dir: Direction,
         pairs: &[(LocalRange, RemoteRange)],
         opts: &TransferOptions,
+    ) -> Result<Staged> {
+        stage(&self.inner, &self.side, stream, dir, pairs, opts)
+    }
+
+    /// A staged request's copies queued on `stream`, then its trigger at `mark`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::write_on`](crate::transfer::Endpoint::write_on), with whether something
+    /// may be queued anyway.
+    pub(crate) fn enqueue_staged(
+        &self,
+        staged: Staged,
+        stream: &Stream,
         mark: &Mark<'_>,
-    ) -> Result<Queued> {
-        on_stream(&self.inner, &self.side, stream, dir, pairs, opts, mark)
+    ) -> std::result::Result<Queued, Unmade> {
+        enqueue_staged(staged, &self.side, stream, mark)
     }
 
     /// Notify the peer of a stream-ordered request whose copies are done.

@@ -64,14 +64,16 @@ impl CopyKernel {
 
     /// [`of`](Self::of) through the process-wide list (serialized: one load per context).
     fn loaded(ctx: &Arc<CudaContext>, key: usize) -> Option<Arc<CopyKernel>> {
-        type Loaded = Vec<(usize, Option<Arc<CopyKernel>>)>;
+        // Each entry holds its context, so no other context can come at its address; a
+        // refusal is kept too (the copy engines copy for that context from then on).
+        type Loaded = Vec<(usize, Arc<CudaContext>, Option<Arc<CopyKernel>>)>;
         static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
         let mut g = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, k)) = g.iter().find(|(c, _)| *c == key) {
+        if let Some((_, _, k)) = g.iter().find(|(c, _, _)| *c == key) {
             return k.clone();
         }
         let k = Self::load(ctx).ok().map(Arc::new);
-        g.push((key, k.clone()));
+        g.push((key, ctx.clone(), k.clone()));
         k
     }
 
@@ -84,6 +86,9 @@ impl CopyKernel {
         let m = unsafe { module::load_data(&image) }?;
         // SAFETY: the module just loaded, never unloaded.
         let func = unsafe { module::function(m, c"copy_fire") }?;
+        // Loaded now, not at its first launch (lazy loading may wait for the context there).
+        // SAFETY: a function of the live module.
+        unsafe { module::load_function(func) }?;
         // SAFETY: as above.
         let (counters, bytes) = unsafe { module::global(m, c"copy_fire_counters") }?;
         let n = u32::try_from(bytes / 4).unwrap_or(0);

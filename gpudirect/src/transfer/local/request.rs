@@ -5,7 +5,7 @@
 use super::copies::{Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies};
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
-use super::kernel::{self, CopyKernel};
+use super::kernel::{self, CopyKernel, Lease};
 use super::side::{Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
@@ -20,7 +20,7 @@ use crate::transfer::request::{
     Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
 };
 use crate::transfer::shared::EpInner;
-use crate::transfer::stream::{Mark, TriggerFence};
+use crate::transfer::stream::{Mark, TriggerFence, Unmade};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -847,22 +847,43 @@ impl Drop for Queued {
     }
 }
 
-/// Queue a request's copies on `stream` (through the capture-checked path), then its trigger
-/// at `mark`: one pair the copy kernel can take is one launch that copies and then stores the
-/// trigger; anything else is copy-engine copies, then the trigger write. Checked and mapped as
-/// [`request`]; nothing is queued when a check fails.
-pub(super) fn on_stream(
+/// A stream-ordered request checked and mapped, its copies not yet queued ([`stage`]); its
+/// seq is taken only after this, so that nothing slow (mapping, the reconnect barrier, loading
+/// the copy kernel) comes between a seq and its trigger on the stream. Dropped unqueued, the
+/// imports it holds are parked (never closed on this thread).
+pub(crate) struct Staged {
+    copies: Vec<Piece>,
+    gpus: Vec<(Option<usize>, usize)>,
+    keep: Option<Keep>,
+    lease: Option<Lease>,
+    bytes: u64,
+    dir: Direction,
+    opts: TransferOptions,
+    started: Instant,
+    epoch: u64,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(k) = self.keep.take() {
+            park_imports(k._imports);
+        }
+    }
+}
+
+/// Check and map a stream-ordered request for `stream`, as [`request`] does, and let copies of
+/// requests a reconnect ended finish first; nothing is queued. One pair the copy kernel can
+/// take gets a counter of it (loading it on the context's first use).
+pub(super) fn stage(
     ep: &EpInner<State>,
     side: &Side,
     stream: &Stream,
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
     opts: &TransferOptions,
-    mark: &Mark<'_>,
-) -> Result<Queued> {
+) -> Result<Staged> {
     // Before anything is mapped: a refusal takes nothing.
     let bytes = pairs_bytes(pairs)?;
-    let flags = mark.flags()?;
     let Prepared {
         copies,
         gpus,
@@ -871,7 +892,6 @@ pub(super) fn on_stream(
         deadline,
         timeout,
         epoch,
-        ..
     } = prepare(ep, side, dir, pairs, opts)?;
     let keep = Keep {
         _pairs: Vec::new(),
@@ -886,8 +906,6 @@ pub(super) fn on_stream(
         park_imports(keep._imports);
         return Err(e);
     }
-    let messages = copies.len() as u64;
-    let used = keep._imports.clone();
     let ordinal = stream.context().ordinal();
     let lease = match (&copies[..], &gpus[..]) {
         ([c], [(Some(g), _)])
@@ -897,9 +915,34 @@ pub(super) fn on_stream(
         }
         _ => None,
     };
-    let held: Box<dyn Send> = match lease {
+    Ok(Staged {
+        copies,
+        gpus,
+        keep: Some(keep),
+        lease,
+        bytes,
+        dir,
+        opts: *opts,
+        started,
+        epoch,
+    })
+}
+
+/// Queue a staged request's copies on `stream` (through the capture-checked path), then its
+/// trigger at `mark`: with a counter of the copy kernel, one launch that copies and then stores
+/// the trigger; else copy-engine copies, then the trigger write.
+pub(super) fn enqueue_staged(
+    mut staged: Staged,
+    side: &Side,
+    stream: &Stream,
+    mark: &Mark<'_>,
+) -> std::result::Result<Queued, Unmade> {
+    let flags = mark.flags()?;
+    let keep = staged.keep.take().expect("a staged request holds its keep");
+    let used = keep._imports.clone();
+    let held: Box<dyn Send> = match staged.lease.take() {
         Some(lease) => {
-            let c = copies[0];
+            let c = staged.copies[0];
             let r = flags.enqueue_writing(
                 stream,
                 mark.slot(),
@@ -915,25 +958,37 @@ pub(super) fn on_stream(
             );
             match r {
                 Ok(((), k)) => Box::new(k),
-                // Nothing was queued (a refused or failed launch): dropped here.
-                Err(refused) => return Err(refused.error),
+                Err(refused) => {
+                    let queued = refused.leaked();
+                    if let Some((k, _lease)) = refused.kept {
+                        // Nothing was queued (a refused or failed launch): parked by the drop.
+                        staged.keep = Some(k);
+                    }
+                    return Err(Unmade {
+                        error: refused.error,
+                        queued,
+                    });
+                }
             }
         }
         None => {
+            let copies = &staged.copies;
             let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
                 // SAFETY: both ranges of every piece were checked: the local range inside its
                 // region, which `keep` holds; the remote range inside the peer's allocation and
                 // the mapping, which `keep` holds too. The trigger stored after the copies
                 // tracks them, and `keep` is freed only once it is (or leaked).
-                unsafe { queue_copies(&copies, raw) }
+                unsafe { queue_copies(copies, raw) }
             });
             let keep = match r {
                 Ok(((), k)) => k,
                 Err(refused) => {
+                    // Copies may be queued (a batch or loop that failed part way), but no
+                    // trigger: the seq counts as nothing to do.
                     if let Some(k) = refused.kept {
                         park_behind_event(stream, k);
                     }
-                    return Err(refused.error);
+                    return Err(refused.error.into());
                 }
             };
             let seq = mark.seq;
@@ -952,22 +1007,33 @@ pub(super) fn on_stream(
             match r {
                 Ok(((), k)) => Box::new(k),
                 Err(refused) => {
-                    // The copies are queued and no trigger follows them.
+                    let queued = refused.leaked();
+                    // The copies are queued; the trigger is not (parked behind an event after
+                    // them), or may be (leaked).
                     if let Some(k) = refused.kept {
                         park_behind_event(stream, k);
                     }
-                    return Err(refused.error);
+                    return Err(Unmade {
+                        error: refused.error,
+                        queued,
+                    });
                 }
             }
         }
     };
     hold_imports(side, &used);
-    let paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
+    let paths = staged.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
         hold: Some((mark.fence(), held)),
-        report: report(dir, bytes, messages, paths, opts),
-        started,
-        epoch,
+        report: report(
+            staged.dir,
+            staged.bytes,
+            staged.copies.len() as u64,
+            paths,
+            &staged.opts,
+        ),
+        started: staged.started,
+        epoch: staged.epoch,
     })
 }
 

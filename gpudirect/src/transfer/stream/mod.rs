@@ -121,7 +121,7 @@ mod words;
 
 pub use armed::StreamTransfer;
 pub(crate) use armed::{Keep, Mark, TriggerFence};
-pub(crate) use proxy::{Backend, Proxy, Running, Trigger};
+pub(crate) use proxy::{Backend, Proxy, Running, Trigger, Unmade};
 pub use window::{PROXY_NAP, TRIGGER_SLOTS};
 pub(crate) use words::{Counter, HostWords, WordMemory};
 pub use words::{STREAM_ERROR_BIT, StreamWord};

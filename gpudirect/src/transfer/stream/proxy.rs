@@ -13,7 +13,7 @@ use crate::transfer::plan::deadline_after;
 use crate::transfer::request::TransferReport;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
@@ -42,6 +42,21 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ///
     /// Why it could not start (the request fails with it).
     fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
+}
+
+/// Why a request's work was not made: the error, and whether something of it may be queued
+/// on the stream anyway (a trigger that may store its seq later: the queue must retire, as
+/// its slot could otherwise be taken again under that store).
+pub(crate) struct Unmade {
+    pub(crate) error: Error,
+    pub(crate) queued: bool,
+}
+
+impl From<Error> for Unmade {
+    fn from(error: Error) -> Unmade {
+        let queued = matches!(error, Error::StreamCapturing { enqueued: true, .. });
+        Unmade { error, queued }
+    }
 }
 
 /// Where a request's trigger comes from.
@@ -183,7 +198,9 @@ impl Wake for Bell {
 /// The armed triggers as a round left them, looked at without the lock until one fires or
 /// its deadline passes.
 struct Watch {
-    armed: Vec<(Arc<Queue>, u64)>,
+    /// Weak: the proxy thread never holds the last reference to a queue's words (freeing
+    /// them waits for streams).
+    armed: Vec<(Weak<Queue>, u64)>,
     /// The earliest trigger deadline.
     until: Option<Instant>,
     /// Entries of any stage.
@@ -193,9 +210,10 @@ struct Watch {
 
 impl Watch {
     fn fired(&self) -> bool {
-        self.armed
-            .iter()
-            .any(|(q, seq)| q.words.load(trigger_slot(*seq)) == *seq)
+        self.armed.iter().any(|(q, seq)| {
+            q.upgrade()
+                .is_none_or(|q| q.words.load(trigger_slot(*seq)) == *seq)
+        })
     }
 }
 
@@ -411,7 +429,7 @@ impl<B: Backend> Core<B> {
             Stage::Armed(_) => Some((k.1, e)),
             _ => None,
         }) {
-            watch.armed.push((e.1.queue.clone(), e.0));
+            watch.armed.push((Arc::downgrade(&e.1.queue), e.0));
             watch.until = Some(watch.until.map_or(e.1.until, |u| u.min(e.1.until)));
         }
         (fired, moved, watch)
@@ -621,7 +639,7 @@ impl<B: Backend> Proxy<B> {
     pub(crate) fn arm_with(
         &self,
         trig: Trigger<'_>,
-        make: impl FnOnce(Option<Mark<'_>>) -> Result<(B::Work, bool)>,
+        make: impl FnOnce(Option<Mark<'_>>) -> std::result::Result<(B::Work, bool), Unmade>,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
         self.ensure_thread()?;
@@ -675,21 +693,23 @@ impl<B: Backend> Proxy<B> {
                 .flags()
                 .expect("a stream's queue has CUDA words");
             if let Err(e) = stream.write_value64(flags, trigger_slot(seq), seq) {
-                made = Err(e);
+                made = Err(e.into());
             }
         }
         let mut st = self.core.lock();
         let work = match made {
             Ok((work, _)) => work,
-            Err(e) => {
-                if let Error::StreamCapturing { enqueued: true, .. } = e {
-                    // The trigger may sit in a graph, whose launches write the slot at any
-                    // time: the queue is never used again (its words are never freed: see
-                    // `MemopFlags`).
-                    let err = Error::StreamCapturing {
-                        call: "cuStreamWriteValue64_v2",
-                        enqueued: true,
-                    };
+            Err(Unmade { error: e, queued }) => {
+                if queued {
+                    // The trigger may be queued (in a graph, whose launches write the slot at
+                    // any time, or on the stream, which may still reach it): the queue is
+                    // never used again (its words are never freed while a graph may hold
+                    // them: see `MemopFlags`).
+                    let err = Error::invalid(
+                        "stream transfer",
+                        seq,
+                        format!("its trigger may be queued, but arming failed: {e}"),
+                    );
                     Core::<B>::finish(&mut st, (id, seq), Err(err), None);
                 } else {
                     Core::<B>::void(&mut st, (id, seq));
@@ -847,7 +867,7 @@ mod tests {
                 Trigger::Host,
                 |mark| {
                     assert!(mark.is_none(), "a host trigger has no mark");
-                    Err(Error::invalid("make", 1, "refused on purpose"))
+                    Err(Error::invalid("make", 1, "refused on purpose").into())
                 },
                 Duration::from_secs(30),
             )
