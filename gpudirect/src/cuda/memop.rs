@@ -503,6 +503,10 @@ impl MemopFlags {
     /// Queue work that writes word `slot` on `stream` through the capture-checked path (`f`
     /// gets the raw stream, the word's device address and `keep`), remembered as a use of the
     /// words as the memory operations are: a kernel that stores a word.
+    #[cfg_attr(
+        not(feature = "transfer"),
+        allow(dead_code, reason = "the transfer engine's stream proxy uses it")
+    )]
     pub(crate) fn enqueue_writing<R, T>(
         &self,
         stream: &Stream,

@@ -27,7 +27,7 @@ mod init;
 pub(crate) mod ipc;
 pub(crate) mod mem;
 pub(crate) mod memop;
-#[cfg(feature = "p2p")]
+#[cfg(all(feature = "p2p", feature = "transfer"))]
 pub(crate) mod module;
 mod named;
 #[cfg(feature = "p2p")]

@@ -88,9 +88,9 @@ pub struct EngineConfig {
     /// Whether a stream-ordered intra-node request of one pair
     /// ([`Endpoint::write_on`](super::Endpoint::write_on), `read_on`) whose ends are 16-byte
     /// aligned and on the stream's GPU is copied by a kernel that then stores the request's
-    /// trigger word: one launch where copy-engine copies take a copy and a trigger write, about
-    /// 1.5x the requests a second on one H200 (default `false`: every copy on the copy
-    /// engines). The kernel needs a free block slot on the GPU's multiprocessors: a kernel
+    /// trigger word: one launch where copy-engine copies take a copy and a trigger write, so
+    /// less host time per request (`docs/transfer.md` has the figures; default `false`: every
+    /// copy on the copy engines). The kernel needs a free block slot on the GPU's multiprocessors: a kernel
     /// that fills them and spins on a completion word ([`StreamTransfer::completion_word`](super::StreamTransfer::completion_word),
     /// [`StreamWord`](super::StreamWord)) until such a request is done waits until the
     /// request's trigger deadline fails it, where copy engines would have made progress.

@@ -42,11 +42,19 @@ impl Outcome {
 /// Where a stream request's trigger goes, given to the maker of its work once its sequence
 /// number is taken: work that queues its own copies on the stream may store the trigger itself
 /// (the intra-node copy kernel does, after its bytes).
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path stores its own triggers")
+)]
 pub(crate) struct Mark<'a> {
     pub(super) queue: &'a Arc<Queue>,
     pub(crate) seq: u64,
 }
 
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path stores its own triggers")
+)]
 impl Mark<'_> {
     /// The queue's CUDA words (a stream's queue always has them).
     pub(crate) fn flags(&self) -> Result<&MemopFlags> {
@@ -75,6 +83,10 @@ impl Mark<'_> {
 /// value in the slot counts too: a slot is taken again only after its trigger was seen, and
 /// never once its queue retired (which a request whose trigger was late retires). Only made
 /// for a trigger that was queued.
+#[cfg_attr(
+    not(feature = "p2p"),
+    allow(dead_code, reason = "the intra-node path stores its own triggers")
+)]
 pub(crate) struct TriggerFence {
     queue: Arc<Queue>,
     seq: u64,

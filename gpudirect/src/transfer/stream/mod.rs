@@ -119,9 +119,13 @@ mod proxy;
 mod window;
 mod words;
 
+pub(crate) use armed::Keep;
 pub use armed::StreamTransfer;
-pub(crate) use armed::{Keep, Mark, TriggerFence};
-pub(crate) use proxy::{Backend, Proxy, Running, Trigger, Unmade};
+#[cfg(feature = "p2p")]
+pub(crate) use armed::{Mark, TriggerFence};
+#[cfg(feature = "p2p")]
+pub(crate) use proxy::Unmade;
+pub(crate) use proxy::{Backend, Proxy, Running, Trigger};
 pub use window::{PROXY_NAP, TRIGGER_SLOTS};
 pub(crate) use words::{Counter, HostWords, WordMemory};
 pub use words::{STREAM_ERROR_BIT, StreamWord};

@@ -680,7 +680,6 @@ impl<B: Backend> Proxy<B> {
             );
             (id, queue, seq)
         };
-        drop(dead);
         let stream = match trig {
             Trigger::Stream(s) => Some(s),
             Trigger::Host => None,
@@ -692,8 +691,24 @@ impl<B: Backend> Proxy<B> {
                 .words
                 .flags()
                 .expect("a stream's queue has CUDA words");
-            if let Err(e) = stream.write_value64(flags, trigger_slot(seq), seq) {
-                made = Err(e.into());
+            let r = flags.enqueue_writing(
+                stream,
+                trigger_slot(seq),
+                "cuStreamWriteValue64_v2",
+                (),
+                |raw, word, ()| {
+                    // SAFETY: the queue's trigger word, live while the queue is (freed only
+                    // once every stream that used it passed its operations); the queue was
+                    // made only where 64-bit stream memory operations work.
+                    unsafe { crate::driver::memop::write_value64(raw, word, seq) }
+                },
+            );
+            if let Err(refused) = r {
+                let queued = refused.leaked();
+                made = Err(Unmade {
+                    error: refused.error,
+                    queued,
+                });
             }
         }
         let mut st = self.core.lock();
@@ -734,6 +749,9 @@ impl<B: Backend> Proxy<B> {
         drop(st);
         // A proxy napping between looks at armed triggers finds this one at its next look.
         self.core.bell.ring_if(DEEP);
+        // Last: dropping what finished requests held may wait for streams (a queue's words),
+        // which must not come between a seq and its trigger.
+        drop(dead);
         Ok(StreamTransfer {
             queue,
             seq,
