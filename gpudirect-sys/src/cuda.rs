@@ -24,6 +24,7 @@ pub struct Driver {
     version: i32,
     symbols: Mutex<HashMap<&'static str, bool>>,
     batch: OnceLock<Option<MemcpyBatch>>,
+    func_load: OnceLock<Option<FuncLoad>>,
 }
 
 impl Driver {
@@ -62,6 +63,15 @@ impl Driver {
                 })
                 .ok()
             }
+        })
+    }
+
+    /// `cuFuncLoad`, when the driver exports it (CUDA 12.4 and later); looked up once.
+    #[doc(alias = "cuFuncLoad")]
+    pub fn func_load(&self) -> Option<FuncLoad> {
+        *self.func_load.get_or_init(|| {
+            // SAFETY: the name is looked up with the signature CUDA declares for it.
+            unsafe { loader::symbol::<FuncLoad>("libcuda", &self.opened, "cuFuncLoad").ok() }
         })
     }
 
@@ -116,6 +126,9 @@ pub type MemcpyBatchAsyncV1 = unsafe extern "C" fn(
     fail_idx: *mut usize,
     stream: *mut std::ffi::c_void,
 ) -> i32;
+
+/// `CUresult cuFuncLoad(CUfunction function)`: load a function of a lazily loaded module now.
+pub type FuncLoad = unsafe extern "C" fn(function: *mut std::ffi::c_void) -> i32;
 
 /// `cuMemcpyBatchAsync_v2` (CUDA 13.0 and later: no `failIdx`).
 pub type MemcpyBatchAsyncV2 = unsafe extern "C" fn(
@@ -219,6 +232,7 @@ pub fn driver() -> Result<&'static Driver, LoadError> {
                 version,
                 symbols: Mutex::new(HashMap::new()),
                 batch: OnceLock::new(),
+                func_load: OnceLock::new(),
             })
         })
         .as_ref()

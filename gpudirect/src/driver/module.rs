@@ -45,18 +45,32 @@ pub(crate) unsafe fn function(module: sys::CUmodule, name: &CStr) -> Result<sys:
     Ok(f)
 }
 
-/// `cuFuncLoad`—Load `f` now where the driver loads modules lazily (CUDA 12.4 and later;
-/// nothing to do where the symbol is missing: every function is loaded with its module).
+/// `cuFuncLoad`—Load `f` now where the driver loads modules lazily (CUDA 12.4 and later,
+/// called through the crate's own loader: cudarc's bindings of older CUDA versions lack it;
+/// nothing to do where the driver lacks it: every function is loaded with its module).
 ///
 /// # Safety
 ///
 /// As the module docs say; `f` is live.
 pub(crate) unsafe fn load_function(f: sys::CUfunction) -> Result<()> {
-    if gpudirect_sys::cuda::require_symbols(&["cuFuncLoad"]).is_err() {
+    let Some(load) = gpudirect_sys::cuda::driver()
+        .ok()
+        .and_then(|d| d.func_load())
+    else {
         return Ok(());
+    };
+    // SAFETY: a live function handle, passed as the pointer it is.
+    let rc = unsafe { load(f.cast()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        // The raw code (called through our own loader, not cudarc's enum).
+        Err(crate::error::Error::Cuda {
+            call: "cuFuncLoad",
+            code: rc as u32,
+            name: format!("CUresult {rc}"),
+        })
     }
-    // SAFETY: a live function; the symbol was checked.
-    cu("cuFuncLoad", unsafe { sys::cuFuncLoad(f) })
 }
 
 /// `cuModuleGetGlobal_v2`—The device address and size in bytes of the global `name`.
