@@ -528,30 +528,23 @@ impl MemopFlags {
             }
         };
         let r = stream.enqueue(call, keep, |s, k| f(s, addr, k));
-        match &r {
-            Err(refused) if refused.leaked() => self.captured.store(true, Ordering::Release),
-            _ => self.used_by(stream),
-        }
+        self.note(stream, &r);
         r
     }
 
     /// After queueing on `stream`: remember the use, or (when the operations may sit in a CUDA
     /// graph) make sure the words are never freed.
     fn queued<T>(&self, stream: &Stream, r: Result<(T, ()), Refused<()>>) -> Result<T> {
+        self.note(stream, &r);
+        r.map(|(t, ())| t).map_err(|refused| refused.error)
+    }
+
+    /// [`queued`](Self::queued)'s bookkeeping, whatever the work was given to keep.
+    fn note<T, R>(&self, stream: &Stream, r: &Result<(T, R), Refused<R>>) {
         match r {
-            Ok((t, ())) => {
-                self.used_by(stream);
-                Ok(t)
-            }
-            Err(refused) => {
-                if refused.leaked() {
-                    self.captured.store(true, Ordering::Release);
-                } else {
-                    // A failed call may have queued part of a batch.
-                    self.used_by(stream);
-                }
-                Err(refused.error)
-            }
+            Err(refused) if refused.leaked() => self.captured.store(true, Ordering::Release),
+            // Done, or a failed call, which may have queued part of a batch.
+            _ => self.used_by(stream),
         }
     }
 

@@ -959,15 +959,12 @@ pub(super) fn enqueue_staged(
             match r {
                 Ok(((), k)) => Box::new(k),
                 Err(refused) => {
-                    let queued = refused.leaked();
-                    if let Some((k, _lease)) = refused.kept {
+                    let (unmade, kept) = Unmade::of(refused);
+                    if let Some((k, _lease)) = kept {
                         // Nothing was queued (a refused or failed launch): parked by the drop.
                         staged.keep = Some(k);
                     }
-                    return Err(Unmade {
-                        error: refused.error,
-                        queued,
-                    });
+                    return Err(unmade);
                 }
             }
         }
@@ -991,32 +988,16 @@ pub(super) fn enqueue_staged(
                     return Err(refused.error.into());
                 }
             };
-            let seq = mark.seq;
-            let r = flags.enqueue_writing(
-                stream,
-                mark.slot(),
-                "cuStreamWriteValue64_v2",
-                keep,
-                |raw, word, _| {
-                    // SAFETY: the queue's trigger word, live while its fence is (the words are
-                    // held by the queue and freed only once every stream that used them passed
-                    // its operations); the queue was made only where 64-bit operations work.
-                    unsafe { crate::driver::memop::write_value64(raw, word, seq) }
-                },
-            );
-            match r {
+            match mark.queue_trigger(stream, keep) {
                 Ok(((), k)) => Box::new(k),
                 Err(refused) => {
-                    let queued = refused.leaked();
                     // The copies are queued; the trigger is not (parked behind an event after
                     // them), or may be (leaked).
-                    if let Some(k) = refused.kept {
+                    let (unmade, kept) = Unmade::of(refused);
+                    if let Some(k) = kept {
                         park_behind_event(stream, k);
                     }
-                    return Err(Unmade {
-                        error: refused.error,
-                        queued,
-                    });
+                    return Err(unmade);
                 }
             }
         }

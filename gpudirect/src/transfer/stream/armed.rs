@@ -3,6 +3,7 @@
 
 use super::window::{DONE, geq_releases, trigger_slot};
 use super::words::WordMemory;
+use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
@@ -67,6 +68,38 @@ impl Mark<'_> {
     /// The slot of the trigger word.
     pub(crate) fn slot(&self) -> usize {
         trigger_slot(self.seq)
+    }
+
+    /// Queue `cuStreamWriteValue64(trigger, seq)` on `stream` (the capture-checked path, a use
+    /// of the queue's words), after whatever the stream has queued before: `keep` is what that
+    /// work reaches, given back as the enqueue path gives it.
+    pub(crate) fn queue_trigger<R>(
+        &self,
+        stream: &Stream,
+        keep: R,
+    ) -> std::result::Result<((), R), Refused<R>> {
+        let flags = match self.flags() {
+            Ok(f) => f,
+            Err(error) => {
+                return Err(Refused {
+                    error,
+                    kept: Some(keep),
+                });
+            }
+        };
+        let seq = self.seq;
+        flags.enqueue_writing(
+            stream,
+            self.slot(),
+            "cuStreamWriteValue64_v2",
+            keep,
+            |raw, word, _| {
+                // SAFETY: the queue's trigger word, live while the queue is (freed only once
+                // every stream that used it passed its operations); a stream's queue is made
+                // only where 64-bit stream memory operations work.
+                unsafe { crate::driver::memop::write_value64(raw, word, seq) }
+            },
+        )
     }
 
     /// Complete once the stream has stored the trigger.

@@ -6,6 +6,7 @@ use super::armed::{Keep, Mark, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::CompletionFlag;
+use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
@@ -52,6 +53,19 @@ pub(crate) struct Unmade {
     pub(crate) queued: bool,
 }
 
+impl Unmade {
+    /// A refused enqueue's error, queued when what it was given may have been (leaked), and
+    /// that back when not.
+    pub(crate) fn of<R>(refused: Refused<R>) -> (Unmade, Option<R>) {
+        let queued = refused.leaked();
+        let unmade = Unmade {
+            error: refused.error,
+            queued,
+        };
+        (unmade, refused.kept)
+    }
+}
+
 impl From<Error> for Unmade {
     fn from(error: Error) -> Unmade {
         let queued = matches!(error, Error::StreamCapturing { enqueued: true, .. });
@@ -69,8 +83,9 @@ pub(crate) enum Trigger<'a> {
 }
 
 enum Stage<W> {
-    /// Its seq is taken; its work is being made (`None`) and its trigger queued.
-    Reserved(Option<W>),
+    /// Its seq is taken; its work is being made and its trigger queued (the work comes with
+    /// `Armed`).
+    Reserved,
     /// Waiting for its trigger word.
     Armed(W),
     /// Fired; being started outside the lock.
@@ -269,8 +284,7 @@ impl<B: Backend> Core<B> {
         e.outcome.set(r, keep, &mut st.woken);
         let work = match e.stage {
             Stage::Armed(w) | Stage::Running(w, _) => Some(w),
-            Stage::Reserved(w) => w,
-            Stage::Starting => None,
+            Stage::Reserved | Stage::Starting => None,
         };
         st.graveyard.push(Box::new((e.queue, work, e.outcome)));
         if let Some(first) = poisoned {
@@ -280,7 +294,7 @@ impl<B: Backend> Core<B> {
             let armed: Vec<(u64, u64)> = st
                 .entries
                 .range((key.0, 0)..=(key.0, u64::MAX))
-                .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved(_)))
+                .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved))
                 .map(|(k, _)| *k)
                 .collect();
             for k in armed {
@@ -323,8 +337,7 @@ impl<B: Backend> Core<B> {
         }
         let work = match e.stage {
             Stage::Armed(w) | Stage::Running(w, _) => Some(w),
-            Stage::Reserved(w) => w,
-            Stage::Starting => None,
+            Stage::Reserved | Stage::Starting => None,
         };
         e.outcome.set(Err(closed_error()), None, &mut st.woken);
         st.graveyard.push(Box::new((e.queue, work, e.outcome)));
@@ -345,7 +358,7 @@ impl<B: Backend> Core<B> {
         let waiting: Vec<(u64, u64)> = st
             .entries
             .iter()
-            .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved(_)))
+            .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved))
             .map(|(k, _)| *k)
             .collect();
         for k in waiting {
@@ -388,7 +401,7 @@ impl<B: Backend> Core<B> {
                         done.push((*k, r, keep));
                     }
                 }
-                Stage::Reserved(_) | Stage::Starting => {}
+                Stage::Reserved | Stage::Starting => {}
             }
         }
         for (k, _) in &fired {
@@ -672,7 +685,7 @@ impl<B: Backend> Proxy<B> {
                 (id, seq),
                 Entry {
                     queue: queue.clone(),
-                    stage: Stage::Reserved(None),
+                    stage: Stage::Reserved,
                     outcome: outcome.clone(),
                     timeout,
                     until: deadline_after(now, timeout),
@@ -686,30 +699,10 @@ impl<B: Backend> Proxy<B> {
         };
         let mark = stream.map(|_| Mark { queue: &queue, seq });
         let mut made = make(mark);
-        if let (Some(stream), Ok((_, false))) = (stream, &made) {
-            let flags = queue
-                .words
-                .flags()
-                .expect("a stream's queue has CUDA words");
-            let r = flags.enqueue_writing(
-                stream,
-                trigger_slot(seq),
-                "cuStreamWriteValue64_v2",
-                (),
-                |raw, word, ()| {
-                    // SAFETY: the queue's trigger word, live while the queue is (freed only
-                    // once every stream that used it passed its operations); the queue was
-                    // made only where 64-bit stream memory operations work.
-                    unsafe { crate::driver::memop::write_value64(raw, word, seq) }
-                },
-            );
-            if let Err(refused) = r {
-                let queued = refused.leaked();
-                made = Err(Unmade {
-                    error: refused.error,
-                    queued,
-                });
-            }
+        if let (Some(stream), Ok((_, false))) = (stream, &made)
+            && let Err(refused) = (Mark { queue: &queue, seq }).queue_trigger(stream, ())
+        {
+            made = Err(Unmade::of(refused).0);
         }
         let mut st = self.core.lock();
         let work = match made {
