@@ -9,6 +9,7 @@ use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,19 @@ use std::time::{Duration, Instant};
 pub(crate) struct Queue {
     pub(super) id: u64,
     pub(super) words: Box<dyn WordMemory>,
+    /// At most the lowest seq whose trigger has not been seen (the proxy publishes it):
+    /// arming checks its window against it without the proxy's lock.
+    pub(super) low: AtomicU64,
+}
+
+impl Queue {
+    pub(super) fn new(id: u64, words: Box<dyn WordMemory>) -> Queue {
+        Queue {
+            id,
+            words,
+            low: AtomicU64::new(1),
+        }
+    }
 }
 
 /// A request's result as the proxy leaves it, with what it held (dropped by whoever takes the

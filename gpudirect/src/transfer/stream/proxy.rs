@@ -22,6 +22,9 @@ use std::time::{Duration, Instant};
 /// proxy's pace).
 const HOST_SLACK: Duration = Duration::from_secs(7);
 
+/// How long the proxy stays awake with nothing armed before it sleeps until rung.
+const PROXY_LINGER: Duration = Duration::from_micros(100);
+
 /// How long a closing proxy waits for requests already posted before it releases their words
 /// anyway (the engine ends them within its own flush bound first).
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -106,27 +109,75 @@ struct Entry<W> {
 
 struct QState {
     queue: Arc<Queue>,
-    cuda: bool,
     window: Window,
-    next_seq: u64,
     /// Requests of the queue not finished.
     outstanding: usize,
     /// Requests whose trigger has not been seen (their slots are not reusable).
     unfired: BTreeSet<u64>,
+    /// The highest seq reserved that the proxy's state knows of.
+    known: u64,
     /// No new requests (a request failed, or the words were given to a graph).
     retired: bool,
 }
 
+impl QState {
+    /// Tell callers the lowest seq whose trigger may not have fired ([`Queue::low`]): every
+    /// seq the state does not know of yet is above `known`.
+    fn publish_low(&self) {
+        let low = self.unfired.first().copied().unwrap_or(self.known + 1);
+        self.queue.low.store(low, Ordering::Release);
+    }
+}
+
+/// What a caller hands the proxy's state through [`Front::inbox`], applied in order before the
+/// state is looked at ([`Core::drain`]).
+enum Msg<W> {
+    /// A seq was taken on the current queue; its work is being made.
+    Reserved {
+        key: (u64, u64),
+        outcome: Arc<Outcome>,
+        timeout: Duration,
+        until: Instant,
+    },
+    /// Its work was made and its trigger queued.
+    Armed {
+        key: (u64, u64),
+        work: W,
+        until: Instant,
+    },
+}
+
+/// The queue new requests go to, as callers see it.
+struct Current {
+    id: u64,
+    queue: Arc<Queue>,
+    cuda: bool,
+    next_seq: u64,
+}
+
+/// What arming takes, under a lock of its own that the proxy takes only to collect what
+/// callers handed over: a request is armed without touching the state the proxy's rounds
+/// write (each of whose lines costs a cross-core miss).
+struct Front<W> {
+    /// The queue new requests go to (only while it is usable as far as callers know).
+    current: Option<Current>,
+    closing: bool,
+    next_queue: u64,
+    inbox: Vec<Msg<W>>,
+    /// What finished requests held, dropped by a caller's thread (never the proxy's).
+    graveyard: Vec<Box<dyn Send>>,
+}
+
+/// The proxy's state: every request it knows of, by queue.
 struct PState<W> {
     /// By (queue id, seq).
     entries: BTreeMap<(u64, u64), Entry<W>>,
     queues: HashMap<u64, QState>,
-    /// The queue new requests go to.
-    current: Option<u64>,
-    next_queue: u64,
     closing: Option<Instant>,
-    /// What finished requests held, dropped by a caller's thread (never the proxy's).
+    /// What finished requests held, handed to [`Front::graveyard`] at the next drain.
     graveyard: Vec<Box<dyn Send>>,
+    /// The inbox's buffer, swapped with the front's at each drain.
+    spare: Vec<Msg<W>>,
     /// The flags of requests finished under the lock, set once it is let go ([`Locked`]).
     woken: Woken,
 }
@@ -176,7 +227,8 @@ impl Bell {
 
     /// Take the ring, if any.
     fn take(&self) -> bool {
-        self.rung.swap(false, Ordering::SeqCst)
+        // Looked at first: a spinning proxy writes the line only when it was rung.
+        self.rung.load(Ordering::SeqCst) && self.rung.swap(false, Ordering::SeqCst)
     }
 
     /// Sleep as deeply as `depth` until rung or `timeout` passed (`None`: until rung);
@@ -234,7 +286,10 @@ impl Watch {
 
 struct Core<B: Backend> {
     backend: B,
+    /// The proxy's state; taken by callers only on the slow paths (a new queue, a refused
+    /// arm, a full window). Lock order: `state`, then `front`.
     state: Mutex<PState<B::Work>>,
+    front: Mutex<Front<B::Work>>,
     bell: Arc<Bell>,
 }
 
@@ -258,9 +313,103 @@ impl<B: Backend> Core<B> {
         Locked::new(&self.state)
     }
 
+    fn front(&self) -> std::sync::MutexGuard<'_, Front<B::Work>> {
+        self.front.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Apply what callers handed over, in order, and hand the front what finished requests
+    /// held; with `closing`, the front takes no more requests from then on (in the same
+    /// critical section: nothing reserved after the drain).
+    fn drain(&self, st: &mut PState<B::Work>, closing: bool) {
+        let mut msgs = std::mem::take(&mut st.spare);
+        {
+            let mut front = self.front();
+            std::mem::swap(&mut msgs, &mut front.inbox);
+            if !st.graveyard.is_empty() {
+                front.graveyard.append(&mut st.graveyard);
+            }
+            if closing {
+                front.closing = true;
+                front.current = None;
+            }
+        }
+        for m in msgs.drain(..) {
+            match m {
+                Msg::Reserved {
+                    key,
+                    outcome,
+                    timeout,
+                    until,
+                } => self.take_reserved(st, key, outcome, timeout, until),
+                Msg::Armed { key, work, until } => match st.entries.get_mut(&key) {
+                    Some(e) => {
+                        e.stage = Stage::Armed(work);
+                        e.until = until;
+                    }
+                    // Ended meanwhile (a close, an earlier failure): what the work holds is
+                    // dropped by a caller's thread.
+                    None => st.graveyard.push(Box::new(work)),
+                },
+            }
+        }
+        st.spare = msgs;
+    }
+
+    /// A seq a caller took: its entry, or its end when its queue can take nothing more.
+    fn take_reserved(
+        &self,
+        st: &mut PState<B::Work>,
+        key: (u64, u64),
+        outcome: Arc<Outcome>,
+        timeout: Duration,
+        until: Instant,
+    ) {
+        let Some(q) = st.queues.get_mut(&key.0) else {
+            // The queue ended (a failure, the close) and was let go before this seq was known:
+            // its word carries the failure already.
+            let err = Error::invalid(
+                "stream transfer",
+                key.1,
+                "its stream queue ended (a request failed, or the endpoint closed) before it \
+                 was armed",
+            );
+            outcome.set(Err(err), None, &mut st.woken);
+            st.graveyard.push(Box::new(outcome));
+            return;
+        };
+        q.outstanding += 1;
+        q.unfired.insert(key.1);
+        q.known = q.known.max(key.1);
+        let failed = if q.retired { q.window.failed() } else { None };
+        st.entries.insert(
+            key,
+            Entry {
+                queue: q.queue.clone(),
+                stage: Stage::Reserved,
+                outcome,
+                timeout,
+                until,
+            },
+        );
+        if st.closing.is_some() {
+            self.finish(st, key, Err(closed_error()), None);
+        } else if let Some(first) = failed {
+            let err = Error::invalid(
+                "stream transfer",
+                key.1,
+                format!(
+                    "request {first} of its stream queue failed first; a queue starts nothing \
+                     after a failure"
+                ),
+            );
+            self.finish(st, key, Err(err), None);
+        }
+    }
+
     /// End entry `key` with `r`: publish the queue's word, hand the result over, and put what
     /// it held in the graveyard. A failure retires the queue and fails its armed requests.
     fn finish(
+        &self,
         st: &mut PState<B::Work>,
         key: (u64, u64),
         r: Result<TransferReport>,
@@ -288,9 +437,12 @@ impl<B: Backend> Core<B> {
         };
         st.graveyard.push(Box::new((e.queue, work, e.outcome)));
         if let Some(first) = poisoned {
-            if st.current == Some(key.0) {
-                st.current = None;
+            // New requests go to a new queue (lock order: the state, then the front).
+            let mut front = self.front();
+            if front.current.as_ref().is_some_and(|c| c.id == key.0) {
+                front.current = None;
             }
+            drop(front);
             let armed: Vec<(u64, u64)> = st
                 .entries
                 .range((key.0, 0)..=(key.0, u64::MAX))
@@ -306,7 +458,7 @@ impl<B: Backend> Core<B> {
                          nothing after a failure"
                     ),
                 );
-                Self::finish(st, k, Err(err), None);
+                self.finish(st, k, Err(err), None);
             }
         }
         Self::forget_idle(st, key.0);
@@ -351,7 +503,8 @@ impl<B: Backend> Core<B> {
         if st.closing.is_none() {
             st.closing = Some(Instant::now());
         }
-        st.current = None;
+        // The front takes nothing more; what callers reserved before ends below.
+        self.drain(&mut st, true);
         for q in st.queues.values_mut() {
             q.retired = true;
         }
@@ -362,7 +515,7 @@ impl<B: Backend> Core<B> {
             .map(|(k, _)| *k)
             .collect();
         for k in waiting {
-            Self::finish(&mut st, k, Err(closed_error()), None);
+            self.finish(&mut st, k, Err(closed_error()), None);
         }
         let ids: Vec<u64> = st.queues.keys().copied().collect();
         for id in ids {
@@ -378,6 +531,7 @@ impl<B: Backend> Core<B> {
     #[allow(clippy::type_complexity)]
     fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool, Watch) {
         let mut st = self.lock();
+        self.drain(&mut st, false);
         let now = Instant::now();
         let mut fired = Vec::new();
         let mut late = Vec::new();
@@ -411,14 +565,14 @@ impl<B: Backend> Core<B> {
         }
         moved |= !fired.is_empty() || !late.is_empty() || !done.is_empty();
         for (k, r, keep) in done {
-            Self::finish(&mut st, k, r, Some(keep));
+            self.finish(&mut st, k, r, Some(keep));
         }
         for (k, after) in late {
             let e = Error::Timeout {
                 what: "a stream transfer's trigger (the stream did not reach it)",
                 after,
             };
-            Self::finish(&mut st, k, Err(e), None);
+            self.finish(&mut st, k, Err(e), None);
         }
         if let Some(since) = st.closing
             && since.elapsed() >= CLOSE_WAIT
@@ -429,8 +583,11 @@ impl<B: Backend> Core<B> {
                     what: "a stream transfer at the endpoint's close",
                     after: CLOSE_WAIT,
                 };
-                Self::finish(&mut st, k, Err(e), None);
+                self.finish(&mut st, k, Err(e), None);
             }
+        }
+        for q in st.queues.values() {
+            q.publish_low();
         }
         let mut watch = Watch {
             armed: Vec::new(),
@@ -448,26 +605,41 @@ impl<B: Backend> Core<B> {
         (fired, moved, watch)
     }
 
-    /// Start what fired (outside the lock: the backend takes the endpoint's).
-    fn start(&self, fired: Vec<((u64, u64), B::Work)>) {
-        for (k, w) in fired {
-            let r = self.backend.start(&w);
-            let mut st = self.lock();
+    /// Start what fired, and poll each once, outside the lock (the backend takes the
+    /// endpoint's); then one lock for all of them.
+    fn start(&self, fired: Vec<((u64, u64), B::Work)>, waker: &Waker) {
+        if fired.is_empty() {
+            return;
+        }
+        let started: Vec<_> = fired
+            .into_iter()
+            .map(|(k, w)| {
+                let r = self.backend.start(&w).map(|mut run| {
+                    let done = run.poll(waker);
+                    (run, done)
+                });
+                (k, w, r)
+            })
+            .collect();
+        let mut st = self.lock();
+        for (k, w, r) in started {
             match r {
-                Ok(run) => {
-                    if let Some(e) = st.entries.get_mut(&k) {
+                Ok((run, done)) => match st.entries.get_mut(&k) {
+                    Some(e) => {
                         e.stage = Stage::Running(w, run);
-                    } else {
-                        st.graveyard.push(Box::new((w, run)));
+                        if let Some((r, keep)) = done {
+                            self.finish(&mut st, k, r, Some(keep));
+                        }
                     }
-                }
+                    None => st.graveyard.push(Box::new((w, run, done.map(|(_, k)| k)))),
+                },
                 Err(e) => {
                     if let Some(entry) = st.entries.get_mut(&k) {
                         entry.stage = Stage::Armed(w);
                     } else {
                         st.graveyard.push(Box::new(w));
                     }
-                    Self::finish(&mut st, k, Err(e), None);
+                    self.finish(&mut st, k, Err(e), None);
                 }
             }
         }
@@ -481,7 +653,7 @@ impl<B: Backend> Core<B> {
             self.bell.take();
             let (fired, moved, watch) = self.round(&waker);
             let started = !fired.is_empty();
-            self.start(fired);
+            self.start(fired, &waker);
             if moved || started {
                 idle = 0;
                 continue;
@@ -509,6 +681,8 @@ impl<B: Backend> Core<B> {
                         break;
                     }
                 }
+            } else if self.linger() {
+                // Rung (a request armed) while it stayed awake: a round at once.
             } else if watch.any {
                 // Running requests wake the bell when they finish; the bound covers trigger
                 // deadlines and the close.
@@ -519,21 +693,109 @@ impl<B: Backend> Core<B> {
         }
     }
 
-    /// The queue a new request goes to, made (outside the lock) when there is none that fits;
-    /// returned with the lock held.
-    fn queue_for(&self, trig: &Trigger<'_>) -> Result<(u64, Locked<'_, PState<B::Work>>)> {
+    /// With nothing armed, stay awake (yielding, no lock taken) for [`PROXY_LINGER`] or until
+    /// rung (then `true`): a caller arming its next request meanwhile rings without a system
+    /// call, and its trigger is looked at without a wake-up.
+    fn linger(&self) -> bool {
+        let end = Instant::now() + PROXY_LINGER;
+        loop {
+            if self.bell.take() {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// A seq on the queue new requests go to, handed to the proxy's state through the inbox,
+    /// with what finished requests held (for the caller to drop). Only the front's lock
+    /// unless the current queue cannot take it as far as the front knows
+    /// ([`reserve_slow`](Self::reserve_slow)).
+    #[allow(clippy::type_complexity)]
+    fn reserve(
+        &self,
+        trig: &Trigger<'_>,
+        outcome: &Arc<Outcome>,
+        timeout: Duration,
+    ) -> Result<(u64, Arc<Queue>, u64, Vec<Box<dyn Send>>)> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
+        {
+            let mut guard = self.front();
+            let front = &mut *guard;
+            if front.closing {
+                return Err(closed_error());
+            }
+            if let Some(cur) = front.current.as_mut()
+                && cur.next_seq < MAX_SEQ
+                && (cur.cuda || !want_cuda)
+                && cur
+                    .next_seq
+                    .saturating_sub(cur.queue.low.load(Ordering::Acquire))
+                    < TRIGGER_SLOTS as u64
+            {
+                let seq = cur.next_seq;
+                cur.next_seq += 1;
+                let (id, queue) = (cur.id, cur.queue.clone());
+                front.inbox.push(Msg::Reserved {
+                    key: (id, seq),
+                    outcome: outcome.clone(),
+                    timeout,
+                    until: deadline_after(Instant::now(), timeout),
+                });
+                return Ok((id, queue, seq, std::mem::take(&mut front.graveyard)));
+            }
+        }
+        self.reserve_slow(trig, outcome, timeout)
+    }
+
+    /// [`reserve`](Self::reserve) with the proxy's state drained and locked: the current
+    /// queue retired when it cannot take the request, a new one made (its words allocated
+    /// outside the locks), the window checked exactly.
+    #[allow(clippy::type_complexity)]
+    fn reserve_slow(
+        &self,
+        trig: &Trigger<'_>,
+        outcome: &Arc<Outcome>,
+        timeout: Duration,
+    ) -> Result<(u64, Arc<Queue>, u64, Vec<Box<dyn Send>>)> {
+        let want_cuda = matches!(trig, Trigger::Stream(_));
+        let mut made: Option<Box<dyn WordMemory>> = None;
         loop {
             {
                 let mut st = self.lock();
-                if st.closing.is_some() {
+                self.drain(&mut st, false);
+                let mut guard = self.front();
+                let front = &mut *guard;
+                if front.closing {
                     return Err(closed_error());
                 }
-                if let Some(id) = st.current {
-                    let q = st.queues.get_mut(&id).expect("current queue is kept");
-                    let usable = q.next_seq < MAX_SEQ && !q.retired;
-                    if usable && (q.cuda || !want_cuda) {
-                        return Ok((id, st));
+                if let Some(cur) = front.current.as_mut() {
+                    let id = cur.id;
+                    let q = st.queues.get_mut(&id).expect("the current queue is kept");
+                    let usable = cur.next_seq < MAX_SEQ && !q.retired;
+                    if usable && (cur.cuda || !want_cuda) {
+                        let seq = cur.next_seq;
+                        if let Some(&low) = q.unfired.first()
+                            && seq - low >= TRIGGER_SLOTS as u64
+                        {
+                            return Err(Error::invalid(
+                                "stream transfers",
+                                seq - low,
+                                format!("at most {TRIGGER_SLOTS} armed at once on one endpoint"),
+                            ));
+                        }
+                        q.publish_low();
+                        cur.next_seq += 1;
+                        let queue = cur.queue.clone();
+                        front.inbox.push(Msg::Reserved {
+                            key: (id, seq),
+                            outcome: outcome.clone(),
+                            timeout,
+                            until: deadline_after(Instant::now(), timeout),
+                        });
+                        return Ok((id, queue, seq, std::mem::take(&mut front.graveyard)));
                     }
                     if usable && q.outstanding > 0 {
                         return Err(Error::invalid(
@@ -545,11 +807,34 @@ impl<B: Backend> Core<B> {
                         ));
                     }
                     q.retired = true;
-                    st.current = None;
+                    front.current = None;
                     Self::forget_idle(&mut st, id);
                 }
+                if let Some(words) = made.take() {
+                    let id = front.next_queue;
+                    front.next_queue += 1;
+                    let queue = Arc::new(Queue::new(id, words));
+                    st.queues.insert(
+                        id,
+                        QState {
+                            queue: queue.clone(),
+                            window: Window::default(),
+                            outstanding: 0,
+                            unfired: BTreeSet::new(),
+                            known: 0,
+                            retired: false,
+                        },
+                    );
+                    front.current = Some(Current {
+                        id,
+                        queue,
+                        cuda: want_cuda,
+                        next_seq: 1,
+                    });
+                    continue;
+                }
             }
-            let words: Box<dyn WordMemory> = match trig {
+            made = Some(match trig {
                 Trigger::Stream(s) => {
                     // Asked before allocating: an allocation during a capture may invalidate
                     // it (the enqueue path asks again, race-free).
@@ -571,27 +856,7 @@ impl<B: Backend> Core<B> {
                     Box::new(f)
                 }
                 Trigger::Host => Box::new(HostWords::new(1 + TRIGGER_SLOTS)),
-            };
-            let mut st = self.lock();
-            if st.current.is_some() {
-                continue; // another caller made one meanwhile; ours is dropped here
-            }
-            let id = st.next_queue;
-            st.next_queue += 1;
-            st.queues.insert(
-                id,
-                QState {
-                    queue: Arc::new(Queue { id, words }),
-                    cuda: want_cuda,
-                    window: Window::default(),
-                    next_seq: 1,
-                    outstanding: 0,
-                    unfired: BTreeSet::new(),
-                    retired: false,
-                },
-            );
-            st.current = Some(id);
-            return Ok((id, st));
+            });
         }
     }
 }
@@ -604,11 +869,17 @@ impl<B: Backend> Proxy<B> {
                 state: Mutex::new(PState {
                     entries: BTreeMap::new(),
                     queues: HashMap::new(),
-                    current: None,
-                    next_queue: 1,
                     closing: None,
                     graveyard: Vec::new(),
+                    spare: Vec::new(),
                     woken: Woken::default(),
+                }),
+                front: Mutex::new(Front {
+                    current: None,
+                    closing: false,
+                    next_queue: 1,
+                    inbox: Vec::new(),
+                    graveyard: Vec::new(),
                 }),
                 bell: Arc::new(Bell::default()),
             }),
@@ -618,7 +889,11 @@ impl<B: Backend> Proxy<B> {
 
     /// Drop what finished requests held (on the caller's thread).
     fn bury(&self) {
-        let dead = std::mem::take(&mut self.core.lock().graveyard);
+        let mut st = self.core.lock();
+        self.core.drain(&mut st, false);
+        let mut dead = std::mem::take(&mut st.graveyard);
+        drop(st);
+        dead.append(&mut self.core.front().graveyard);
         drop(dead);
     }
 
@@ -660,39 +935,8 @@ impl<B: Backend> Proxy<B> {
             flag: CompletionFlag::new(),
             slot: Mutex::new(None),
         });
-        let mut dead = Vec::new();
-        let (id, queue, seq) = {
-            let (id, mut st) = self.core.queue_for(&trig)?;
-            // What finished requests held, dropped below on this thread (as `bury` does).
-            std::mem::swap(&mut dead, &mut st.graveyard);
-            let q = st.queues.get_mut(&id).ok_or_else(closed_error)?;
-            let seq = q.next_seq;
-            if let Some(&low) = q.unfired.first()
-                && seq - low >= TRIGGER_SLOTS as u64
-            {
-                return Err(Error::invalid(
-                    "stream transfers",
-                    seq - low,
-                    format!("at most {TRIGGER_SLOTS} armed at once on one endpoint"),
-                ));
-            }
-            q.next_seq += 1;
-            q.outstanding += 1;
-            q.unfired.insert(seq);
-            let queue = q.queue.clone();
-            let now = Instant::now();
-            st.entries.insert(
-                (id, seq),
-                Entry {
-                    queue: queue.clone(),
-                    stage: Stage::Reserved,
-                    outcome: outcome.clone(),
-                    timeout,
-                    until: deadline_after(now, timeout),
-                },
-            );
-            (id, queue, seq)
-        };
+        // With what finished requests held, dropped below on this thread (as `bury` does).
+        let (id, queue, seq, dead) = self.core.reserve(&trig, &outcome, timeout)?;
         let stream = match trig {
             Trigger::Stream(s) => Some(s),
             Trigger::Host => None,
@@ -704,10 +948,11 @@ impl<B: Backend> Proxy<B> {
         {
             made = Err(Unmade::of(refused).0);
         }
-        let mut st = self.core.lock();
         let work = match made {
             Ok((work, _)) => work,
             Err(Unmade { error: e, queued }) => {
+                let mut st = self.core.lock();
+                self.core.drain(&mut st, false);
                 if queued {
                     // The trigger may be queued (in a graph, whose launches write the slot at
                     // any time, or on the stream, which may still reach it): the queue is
@@ -718,7 +963,7 @@ impl<B: Backend> Proxy<B> {
                         seq,
                         format!("its trigger may be queued, but arming failed: {e}"),
                     );
-                    Core::<B>::finish(&mut st, (id, seq), Err(err), None);
+                    self.core.finish(&mut st, (id, seq), Err(err), None);
                 } else {
                     Core::<B>::void(&mut st, (id, seq));
                 }
@@ -730,16 +975,13 @@ impl<B: Backend> Proxy<B> {
         // The trigger deadline counts from here, as the request's own checks are done.
         let until = deadline_after(Instant::now(), timeout);
         let limit = deadline_after(until, timeout) + HOST_SLACK;
-        match st.entries.get_mut(&(id, seq)) {
-            Some(e) => {
-                e.stage = Stage::Armed(work);
-                e.until = until;
-            }
-            // Closed meanwhile: ended with the error; what the work holds is dropped by a
-            // caller's thread.
-            None => st.graveyard.push(Box::new(work)),
-        }
-        drop(st);
+        // Handed over: the proxy's next round takes it (a close meanwhile: the work is
+        // dropped by a caller's thread).
+        self.core.front().inbox.push(Msg::Armed {
+            key: (id, seq),
+            work,
+            until,
+        });
         // A proxy napping between looks at armed triggers finds this one at its next look.
         self.core.bell.ring_if(DEEP);
         // Last: dropping what finished requests held may wait for streams (a queue's words),
@@ -757,7 +999,9 @@ impl<B: Backend> Proxy<B> {
     /// Requests not finished (armed, starting or running).
     #[cfg(test)]
     fn pending(&self) -> usize {
-        self.core.lock().entries.len()
+        let mut st = self.core.lock();
+        self.core.drain(&mut st, false);
+        st.entries.len()
     }
 
     /// The endpoint is closing: take no more work, release what waits on it. Called before
@@ -917,7 +1161,7 @@ mod tests {
             p.core.backend.started.lock().unwrap().is_empty(),
             "never started"
         );
-        let buried = p.core.lock().graveyard.len();
+        let buried = p.core.lock().graveyard.len() + p.core.front().graveyard.len();
         assert_eq!(buried, 3, "the entry's, the retired queue and the work");
         p.closed();
     }
@@ -958,10 +1202,7 @@ mod tests {
 
     #[test]
     fn a_trigger_fence_completes_once_its_slot_holds_its_seq_or_later() {
-        let queue = Arc::new(Queue {
-            id: 1,
-            words: Box::new(HostWords::new(1 + TRIGGER_SLOTS)),
-        });
+        let queue = Arc::new(Queue::new(1, Box::new(HostWords::new(1 + TRIGGER_SLOTS))));
         let seq = TRIGGER_SLOTS as u64 + 3;
         let mark = Mark { queue: &queue, seq };
         let (a, b) = (mark.fence(), mark.fence());
