@@ -45,7 +45,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// # Errors
     ///
     /// Why it could not start (the request fails with it).
-    fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
+    fn start(&self, work: &mut Self::Work) -> Result<Box<dyn Running>>;
 }
 
 /// Why a request's work was not made: the error, and whether something of it may be queued
@@ -165,7 +165,16 @@ struct Front<W> {
     next_queue: u64,
     inbox: Vec<Msg<W>>,
     /// What finished requests held, dropped by a caller's thread (never the proxy's).
-    graveyard: Vec<Box<dyn Send>>,
+    graveyard: Vec<Dead<W>>,
+}
+
+/// What a finished request held (its queue's words, its work, its outcome), or anything else
+/// a caller's thread must drop; unboxed for the one that comes with every request. Only
+/// dropped.
+#[allow(dead_code, reason = "held to be dropped, never read")]
+enum Dead<W> {
+    Ended(Arc<Queue>, Option<W>, Arc<Outcome>),
+    Other(Box<dyn Send>),
 }
 
 /// The proxy's state: every request it knows of, by queue.
@@ -175,7 +184,7 @@ struct PState<W> {
     queues: HashMap<u64, QState>,
     closing: Option<Instant>,
     /// What finished requests held, handed to [`Front::graveyard`] at the next drain.
-    graveyard: Vec<Box<dyn Send>>,
+    graveyard: Vec<Dead<W>>,
     /// The inbox's buffer, swapped with the front's at each drain.
     spare: Vec<Msg<W>>,
     /// The flags of requests finished under the lock, set once it is let go ([`Locked`]).
@@ -298,6 +307,8 @@ struct Core<B: Backend> {
 pub(crate) struct Proxy<B: Backend> {
     core: Arc<Core<B>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The thread was started (looked at without its lock on every arm).
+    started: AtomicBool,
 }
 
 fn closed_error() -> Error {
@@ -348,7 +359,7 @@ impl<B: Backend> Core<B> {
                     }
                     // Ended meanwhile (a close, an earlier failure): what the work holds is
                     // dropped by a caller's thread.
-                    None => st.graveyard.push(Box::new(work)),
+                    None => st.graveyard.push(Dead::Other(Box::new(work))),
                 },
             }
         }
@@ -374,7 +385,7 @@ impl<B: Backend> Core<B> {
                  was armed",
             );
             outcome.set(Err(err), None, &mut st.woken);
-            st.graveyard.push(Box::new(outcome));
+            st.graveyard.push(Dead::Other(Box::new(outcome)));
             return;
         };
         q.outstanding += 1;
@@ -435,7 +446,7 @@ impl<B: Backend> Core<B> {
             Stage::Armed(w) | Stage::Running(w, _) => Some(w),
             Stage::Reserved | Stage::Starting => None,
         };
-        st.graveyard.push(Box::new((e.queue, work, e.outcome)));
+        st.graveyard.push(Dead::Ended(e.queue, work, e.outcome));
         if let Some(first) = poisoned {
             // New requests go to a new queue (lock order: the state, then the front).
             let mut front = self.front();
@@ -472,7 +483,7 @@ impl<B: Backend> Core<B> {
             .is_some_and(|q| q.retired && q.outstanding == 0)
         {
             let q = st.queues.remove(&id).expect("present");
-            st.graveyard.push(Box::new(q.queue));
+            st.graveyard.push(Dead::Other(Box::new(q.queue)));
         }
     }
 
@@ -492,7 +503,7 @@ impl<B: Backend> Core<B> {
             Stage::Reserved | Stage::Starting => None,
         };
         e.outcome.set(Err(closed_error()), None, &mut st.woken);
-        st.graveyard.push(Box::new((e.queue, work, e.outcome)));
+        st.graveyard.push(Dead::Ended(e.queue, work, e.outcome));
         Self::forget_idle(st, key.0);
     }
 
@@ -613,8 +624,8 @@ impl<B: Backend> Core<B> {
         }
         let started: Vec<_> = fired
             .into_iter()
-            .map(|(k, w)| {
-                let r = self.backend.start(&w).map(|mut run| {
+            .map(|(k, mut w)| {
+                let r = self.backend.start(&mut w).map(|mut run| {
                     let done = run.poll(waker);
                     (run, done)
                 });
@@ -631,13 +642,16 @@ impl<B: Backend> Core<B> {
                             self.finish(&mut st, k, r, Some(keep));
                         }
                     }
-                    None => st.graveyard.push(Box::new((w, run, done.map(|(_, k)| k)))),
+                    None => {
+                        st.graveyard
+                            .push(Dead::Other(Box::new((w, run, done.map(|(_, k)| k)))))
+                    }
                 },
                 Err(e) => {
                     if let Some(entry) = st.entries.get_mut(&k) {
                         entry.stage = Stage::Armed(w);
                     } else {
-                        st.graveyard.push(Box::new(w));
+                        st.graveyard.push(Dead::Other(Box::new(w)));
                     }
                     self.finish(&mut st, k, Err(e), None);
                 }
@@ -719,7 +733,7 @@ impl<B: Backend> Core<B> {
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
-    ) -> Result<(u64, Arc<Queue>, u64, Vec<Box<dyn Send>>)> {
+    ) -> Result<(u64, Arc<Queue>, u64, Vec<Dead<B::Work>>)> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         {
             let mut guard = self.front();
@@ -759,7 +773,7 @@ impl<B: Backend> Core<B> {
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
-    ) -> Result<(u64, Arc<Queue>, u64, Vec<Box<dyn Send>>)> {
+    ) -> Result<(u64, Arc<Queue>, u64, Vec<Dead<B::Work>>)> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
         loop {
@@ -884,6 +898,7 @@ impl<B: Backend> Proxy<B> {
                 bell: Arc::new(Bell::default()),
             }),
             thread: Mutex::new(None),
+            started: AtomicBool::new(false),
         }
     }
 
@@ -898,13 +913,17 @@ impl<B: Backend> Proxy<B> {
     }
 
     fn ensure_thread(&self) -> Result<()> {
+        if self.started.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
-        if t.is_none() {
+        if t.is_none() && !self.started.load(Ordering::Acquire) {
             let core = self.core.clone();
             *t = Some(crate::driver::ctx::spawn_thread(
                 "gpudirect-stream-proxy",
                 move || core.run(),
             )?);
+            self.started.store(true, Ordering::Release);
         }
         Ok(())
     }
@@ -1072,7 +1091,7 @@ mod tests {
 
     impl Backend for Fake {
         type Work = u64;
-        fn start(&self, w: &u64) -> Result<Box<dyn Running>> {
+        fn start(&self, w: &mut u64) -> Result<Box<dyn Running>> {
             self.started.lock().unwrap().push(*w);
             Ok(Box::new(FakeRun {
                 id: *w,
@@ -1348,6 +1367,78 @@ mod tests {
             words.upgrade().is_some(),
             "leaked with the transfer, never freed"
         );
+    }
+
+    /// A backend whose requests finish as soon as they start.
+    struct AtOnce;
+
+    struct Over(Option<TransferReport>);
+
+    impl Running for Over {
+        fn poll(&mut self, _: &Waker) -> Option<(Result<TransferReport>, Keep)> {
+            self.0.take().map(|r| (Ok(r), Box::new(()) as Keep))
+        }
+    }
+
+    impl Backend for AtOnce {
+        type Work = u64;
+        fn start(&self, _: &mut u64) -> Result<Box<dyn Running>> {
+            Ok(Box::new(Over(Some(report()))))
+        }
+    }
+
+    #[test]
+    fn threads_arming_at_once_each_finish_once_and_the_word_counts_them_all() {
+        let p = Arc::new(Proxy::new(AtOnce));
+        let (threads, each) = (4u64, 400u64);
+        let seqs: Vec<Vec<u64>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let p = p.clone();
+                    s.spawn(move || {
+                        let (mut seqs, mut held) = (Vec::new(), None::<StreamTransfer>);
+                        let end = |x: StreamTransfer| {
+                            x.trigger().unwrap();
+                            assert_eq!(x.wait(Duration::from_secs(10)).unwrap().bytes, 8);
+                            assert!(x.wait(Duration::ZERO).is_err(), "taken once");
+                        };
+                        for i in 0..each {
+                            let x = p
+                                .arm(Trigger::Host, t * each + i, Duration::from_secs(30))
+                                .unwrap();
+                            seqs.push(x.seq());
+                            // Every other one fired only after the next is armed.
+                            if let Some(h) = held.take() {
+                                end(h);
+                            }
+                            if i % 2 == 0 {
+                                end(x);
+                            } else {
+                                held = Some(x);
+                            }
+                        }
+                        held.map(end);
+                        seqs
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut all: Vec<u64> = seqs.concat();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len() as u64, threads * each, "every seq taken once");
+        assert_eq!(all, (1..=threads * each).collect::<Vec<_>>());
+        until("every request finished", || p.pending() == 0);
+        let last = p.arm(Trigger::Host, 0, Duration::from_secs(30)).unwrap();
+        last.trigger().unwrap();
+        last.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            last.completion_value(),
+            threads * each + 1,
+            "the word counts them all"
+        );
+        p.closed();
     }
 
     #[test]
