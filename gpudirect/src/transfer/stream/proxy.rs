@@ -162,6 +162,9 @@ struct Front<W> {
     /// The queue new requests go to (only while it is usable as far as callers know).
     current: Option<Current>,
     closing: bool,
+    /// A slow path is making the state exact: new reservations wait for it (on the state
+    /// lock) instead of joining the inbox it drains.
+    slow: bool,
     next_queue: u64,
     inbox: Vec<Msg<W>>,
     /// What finished requests held, dropped by a caller's thread (never the proxy's).
@@ -173,7 +176,12 @@ struct Front<W> {
 /// dropped.
 #[allow(dead_code, reason = "held to be dropped, never read")]
 enum Dead<W> {
-    Ended(Arc<Queue>, Option<W>, Arc<Outcome>),
+    Ended(
+        Arc<Queue>,
+        Option<W>,
+        Option<Box<dyn Running>>,
+        Arc<Outcome>,
+    ),
     Other(Box<dyn Send>),
 }
 
@@ -442,11 +450,15 @@ impl<B: Backend> Core<B> {
             }
         }
         e.outcome.set(r, keep, &mut st.woken);
-        let work = match e.stage {
-            Stage::Armed(w) | Stage::Running(w, _) => Some(w),
-            Stage::Reserved | Stage::Starting => None,
+        // A running request's handle too (an RDMA request still in flight waits and frees
+        // when dropped): a caller's thread drops it.
+        let (work, run) = match e.stage {
+            Stage::Armed(w) => (Some(w), None),
+            Stage::Running(w, run) => (Some(w), Some(run)),
+            Stage::Reserved | Stage::Starting => (None, None),
         };
-        st.graveyard.push(Dead::Ended(e.queue, work, e.outcome));
+        st.graveyard
+            .push(Dead::Ended(e.queue, work, run, e.outcome));
         if let Some(first) = poisoned {
             // New requests go to a new queue (lock order: the state, then the front).
             let mut front = self.front();
@@ -498,12 +510,16 @@ impl<B: Backend> Core<B> {
             q.outstanding = q.outstanding.saturating_sub(1);
             q.unfired.remove(&key.1);
         }
-        let work = match e.stage {
-            Stage::Armed(w) | Stage::Running(w, _) => Some(w),
-            Stage::Reserved | Stage::Starting => None,
+        // A running request's handle too (an RDMA request still in flight waits and frees
+        // when dropped): a caller's thread drops it.
+        let (work, run) = match e.stage {
+            Stage::Armed(w) => (Some(w), None),
+            Stage::Running(w, run) => (Some(w), Some(run)),
+            Stage::Reserved | Stage::Starting => (None, None),
         };
         e.outcome.set(Err(closed_error()), None, &mut st.woken);
-        st.graveyard.push(Dead::Ended(e.queue, work, e.outcome));
+        st.graveyard
+            .push(Dead::Ended(e.queue, work, run, e.outcome));
         Self::forget_idle(st, key.0);
     }
 
@@ -741,7 +757,8 @@ impl<B: Backend> Core<B> {
             if front.closing {
                 return Err(closed_error());
             }
-            if let Some(cur) = front.current.as_mut()
+            if !front.slow
+                && let Some(cur) = front.current.as_mut()
                 && cur.next_seq < MAX_SEQ
                 && (cur.cuda || !want_cuda)
                 && cur
@@ -776,11 +793,28 @@ impl<B: Backend> Core<B> {
     ) -> Result<(u64, Arc<Queue>, u64, Vec<Dead<B::Work>>)> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
+        hook("slow_entry");
         loop {
             {
                 let mut st = self.lock();
-                self.drain(&mut st, false);
-                let mut guard = self.front();
+                // Drained until no reservation is left outside the state: what the fast path
+                // took between the drain and the front's lock would be missing from the
+                // window and the outstanding count (seen from the second look on, new ones
+                // wait for this).
+                let mut guard = loop {
+                    self.drain(&mut st, false);
+                    hook("slow_gap");
+                    let mut front = self.front();
+                    if !front
+                        .inbox
+                        .iter()
+                        .any(|m| matches!(m, Msg::Reserved { .. }))
+                    {
+                        front.slow = false;
+                        break front;
+                    }
+                    front.slow = true;
+                };
                 let front = &mut *guard;
                 if front.closing {
                     return Err(closed_error());
@@ -875,6 +909,28 @@ impl<B: Backend> Core<B> {
     }
 }
 
+/// Test-only pauses at named points of a thread: what a test runs there, once.
+#[cfg(test)]
+type Hooks = std::cell::RefCell<HashMap<&'static str, Box<dyn FnOnce()>>>;
+
+#[cfg(test)]
+thread_local! {
+    static HOOKS: Hooks = Default::default();
+}
+
+/// Run this thread's test hook at `at`, if any (nothing outside tests).
+#[cfg(test)]
+fn hook(at: &'static str) {
+    let f = HOOKS.with(|h| h.borrow_mut().remove(at));
+    if let Some(f) = f {
+        f();
+    }
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn hook(_: &'static str) {}
+
 impl<B: Backend> Proxy<B> {
     pub(crate) fn new(backend: B) -> Self {
         Proxy {
@@ -891,6 +947,7 @@ impl<B: Backend> Proxy<B> {
                 front: Mutex::new(Front {
                     current: None,
                     closing: false,
+                    slow: false,
                     next_queue: 1,
                     inbox: Vec::new(),
                     graveyard: Vec::new(),
@@ -1602,5 +1659,290 @@ mod tests {
         };
         assert_eq!(r.unwrap().bytes, 8);
         p.closed();
+    }
+
+    fn set_hook(at: &'static str, f: impl FnOnce() + 'static) {
+        HOOKS.with(|h| h.borrow_mut().insert(at, Box::new(f)));
+    }
+
+    /// A slow path's window check counts the seqs the fast path took after its drain (they
+    /// are drained before it looks): no new seq shares a trigger slot with an unfired one.
+    #[test]
+    fn a_slow_reservation_sees_the_seqs_taken_while_it_drained() {
+        let p = Arc::new(Proxy::new(Fake::default()));
+        let rel = p.core.backend.release.clone();
+        let n = TRIGGER_SLOTS as u64;
+        let first: Vec<StreamTransfer> = (1..=n)
+            .map(|i| p.arm(Trigger::Host, i, Duration::from_secs(30)).unwrap())
+            .collect();
+        let queue = first[0].queue.clone();
+        assert_eq!(queue.low.load(Ordering::Acquire), 1, "the window is full");
+        // This caller's fast check failed on low 1; before it takes the state, every trigger
+        // fires and the proxy publishes low = n + 1.
+        let q = queue.clone();
+        set_hook("slow_entry", move || {
+            for s in 1..=n {
+                q.words.store(trigger_slot(s), s);
+            }
+            until("low published", || q.low.load(Ordering::Acquire) == n + 1);
+        });
+        // Preempted after its drain, before the front lock: another thread arms n requests on
+        // the fast path (seqs n+1 ..= 2n, each within the window of low n + 1).
+        let gap: Arc<Mutex<Vec<StreamTransfer>>> = Default::default();
+        let (p2, g2) = (p.clone(), gap.clone());
+        set_hook("slow_gap", move || {
+            let ts = std::thread::spawn(move || {
+                (0..n)
+                    .map(|i| {
+                        p2.arm(Trigger::Host, 100_000 + i, Duration::from_secs(30))
+                            .unwrap()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .join()
+            .unwrap();
+            *g2.lock().unwrap() = ts;
+        });
+        let r = p.arm(Trigger::Host, 999_999, Duration::from_secs(30));
+        let gap = std::mem::take(&mut *gap.lock().unwrap());
+        assert_eq!(gap.len(), n as usize);
+        let clash = r.as_ref().ok().map(|t| (t.seq(), gap[0].seq()));
+        drop(r);
+        for i in 1..=n {
+            finish(&rel, i, true);
+        }
+        p.closing();
+        p.closed();
+        drop(first);
+        assert_eq!(
+            clash, None,
+            "(new seq, live unfired seq): both armed on one trigger slot"
+        );
+    }
+
+    /// Many threads arming (some refused makes, some failures), triggering, finishing and
+    /// waiting, with a close racing them: nothing hangs, every result is taken once, a
+    /// finished request's word releases it, and no two unfired seqs share a slot.
+    #[test]
+    fn threads_arming_and_failing_with_a_racing_close_end_each_request_once() {
+        use std::sync::atomic::AtomicU64;
+        let (batch_max, close_ms, batches) = (40u64, 50u64, 400u64);
+        for round in 0..4u64 {
+            let p = Arc::new(Proxy::new(Fake::default()));
+            let stop = Arc::new(AtomicBool::new(false));
+            let violations = Arc::new(AtomicU64::new(0));
+            let checker = {
+                let (p, stop, v) = (p.clone(), stop.clone(), violations.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        {
+                            let st = p.core.lock();
+                            for q in st.queues.values() {
+                                if let (Some(a), Some(b)) = (q.unfired.first(), q.unfired.last())
+                                    && b - a >= TRIGGER_SLOTS as u64
+                                {
+                                    v.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                        }
+                        std::thread::yield_now();
+                    }
+                })
+            };
+            let workers: Vec<_> = (0..6u64)
+                .map(|w| {
+                    let p = p.clone();
+                    std::thread::spawn(move || {
+                        let rel = p.core.backend.release.clone();
+                        let mut rng = w * 7919 + round * 104_729 + 1;
+                        let mut next = || {
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            rng
+                        };
+                        let (mut ok, mut err) = (0u64, 0u64);
+                        let mut kept = Vec::new();
+                        'outer: for b in 0..batches {
+                            let mut batch = Vec::new();
+                            for i in 0..(1 + next() % batch_max) {
+                                let id = (w << 40) | (b << 20) | i;
+                                let r = match next() % 200 {
+                                    0 => p.arm_with(
+                                        Trigger::Host,
+                                        |_| Err(Error::invalid("make", id, "refused").into()),
+                                        Duration::from_secs(30),
+                                    ),
+                                    1 => p.arm_with(
+                                        Trigger::Host,
+                                        |_| {
+                                            Err(Unmade {
+                                                error: Error::invalid("make", id, "queued"),
+                                                queued: true,
+                                            })
+                                        },
+                                        Duration::from_secs(30),
+                                    ),
+                                    _ => p.arm(Trigger::Host, id, Duration::from_secs(30)),
+                                };
+                                match r {
+                                    Ok(t) => batch.push((id, t)),
+                                    Err(e) if e.to_string().contains("closed") => break 'outer,
+                                    Err(_) => {}
+                                }
+                            }
+                            for (id, t) in &batch {
+                                finish(&rel, *id, next() % 300 != 0);
+                                t.trigger().unwrap();
+                            }
+                            for (_, t) in &batch {
+                                match t.wait(Duration::from_secs(20)) {
+                                    Ok(_) => ok += 1,
+                                    Err(Error::Timeout { .. }) => {
+                                        panic!("hung: seq {} word {:#x}", t.seq(), t.completion_value())
+                                    }
+                                    Err(e) => {
+                                        err += 1;
+                                        assert!(
+                                            t.is_released(),
+                                            "failed ({e}), but its word {:#x} does not release seq {}",
+                                            t.completion_value(),
+                                            t.seq()
+                                        );
+                                    }
+                                }
+                                assert!(t.wait(Duration::ZERO).is_err(), "taken twice");
+                            }
+                            kept.extend(batch.into_iter().map(|(_, t)| t));
+                        }
+                        (ok, err, kept)
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(close_ms + 100 * round));
+            p.closing();
+            let mut total = (0, 0);
+            let mut all = Vec::new();
+            for w in workers {
+                let (o, e, k) = w.join().unwrap();
+                total = (total.0 + o, total.1 + e);
+                all.extend(k);
+            }
+            for t in &all {
+                assert!(
+                    t.is_released(),
+                    "every request ended, but the word {:#x} does not release seq {}",
+                    t.completion_value(),
+                    t.seq()
+                );
+            }
+            stop.store(true, Ordering::Relaxed);
+            checker.join().unwrap();
+            p.closed();
+            assert_eq!(p.pending(), 0);
+            assert_eq!(
+                violations.load(Ordering::Relaxed),
+                0,
+                "two unfired seqs on one slot"
+            );
+            assert!(total.0 > 0, "round {round}: some requests finished");
+        }
+    }
+
+    /// What a request held, dropped where? (thread names)
+    #[derive(Clone, Default)]
+    struct Drops(Arc<Mutex<Vec<String>>>);
+    struct Tracked(Drops);
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            self.0.0.lock().unwrap().push(name);
+        }
+    }
+    struct Spy(Drops);
+    struct SpyRun(#[allow(dead_code)] Tracked);
+    impl Running for SpyRun {
+        fn poll(&mut self, _: &Waker) -> Option<(Result<TransferReport>, Keep)> {
+            None
+        }
+    }
+    impl Backend for Spy {
+        type Work = Tracked;
+        fn start(&self, _: &mut Tracked) -> Result<Box<dyn Running>> {
+            Ok(Box::new(SpyRun(Tracked(self.0.clone()))))
+        }
+    }
+
+    /// A running request the close's bound ends: its `Running` (for RDMA, the request still in
+    /// flight, whose drop waits and frees) and its work are dropped by a caller's thread, not
+    /// the proxy's.
+    #[test]
+    fn a_running_request_the_close_ends_is_dropped_off_the_proxy_thread() {
+        let drops = Drops::default();
+        let p = Proxy::new(Spy(drops.clone()));
+        let t = p
+            .arm(
+                Trigger::Host,
+                Tracked(drops.clone()),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        t.trigger().unwrap();
+        until("started", || {
+            p.pending() == 1 && {
+                let st = p.core.lock();
+                st.entries
+                    .values()
+                    .any(|e| matches!(e.stage, Stage::Running(..)))
+            }
+        });
+        p.closing();
+        assert!(t.wait(Duration::from_secs(15)).is_err());
+        p.closed();
+        let d = drops.0.lock().unwrap().clone();
+        assert!(
+            !d.iter().any(|n| n == "gpudirect-stream-proxy"),
+            "dropped on: {d:?}"
+        );
+    }
+
+    /// A host request the fast path takes while a stream request's slow path drains counts as
+    /// outstanding: the stream request is refused and the host queue kept, and the host
+    /// request finishes (a GPU: a stream request needs CUDA words).
+    #[test]
+    fn a_host_request_taken_while_a_stream_request_drains_counts_as_outstanding() {
+        let Ok(ctx) = crate::cuda::context(0) else {
+            crate::testing::skip(crate::testing::Hardware::Gpu, "no CUDA device");
+            return;
+        };
+        let s = Stream::new(&ctx).unwrap();
+        let p = Arc::new(Proxy::new(Fake::default()));
+        let rel = p.core.backend.release.clone();
+        let h1 = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        h1.trigger().unwrap();
+        finish(&rel, 1, true);
+        h1.wait(Duration::from_secs(10)).unwrap();
+        let got: Arc<Mutex<Option<StreamTransfer>>> = Default::default();
+        let (p2, g2) = (p.clone(), got.clone());
+        set_hook("slow_gap", move || {
+            let t = std::thread::spawn(move || {
+                p2.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap()
+            })
+            .join()
+            .unwrap();
+            *g2.lock().unwrap() = Some(t);
+        });
+        let r = p.arm(Trigger::Stream(&s), 3, Duration::from_secs(30));
+        let h2 = got.lock().unwrap().take().unwrap();
+        finish(&rel, 2, true);
+        finish(&rel, 3, true);
+        h2.trigger().unwrap();
+        let h2r = h2.wait(Duration::from_secs(10));
+        let word = h2.completion_value();
+        s.synchronize().unwrap();
+        drop(r.as_ref().map(|t| t.wait(Duration::from_secs(10))));
+        p.closed();
+        assert!(h2r.is_ok(), "{:?} (word {word:#x})", h2r.err());
+        assert!(r.is_err(), "a host-triggered request was outstanding");
     }
 }
