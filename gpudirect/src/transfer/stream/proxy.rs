@@ -843,7 +843,13 @@ impl<B: Backend> Core<B> {
                             timeout,
                             until: deadline_after(Instant::now(), timeout),
                         });
-                        return Ok((id, queue, seq, std::mem::take(&mut front.graveyard)));
+                        let mut dead = std::mem::take(&mut front.graveyard);
+                        // Words made for a queue another caller made first: dropped with the
+                        // rest, after this request's trigger is queued.
+                        if let Some(words) = made.take() {
+                            dead.push(Dead::Other(Box::new(words)));
+                        }
+                        return Ok((id, queue, seq, dead));
                     }
                     if usable && q.outstanding > 0 {
                         return Err(Error::invalid(
