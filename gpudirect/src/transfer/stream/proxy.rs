@@ -171,6 +171,28 @@ struct Front<W> {
     graveyard: Vec<Dead<W>>,
 }
 
+/// A seq taken: the queue's id, its words, the seq, and what finished requests held (for the
+/// caller to drop once its trigger is queued).
+type Reservation<W> = (u64, Arc<Queue>, u64, Vec<Dead<W>>);
+
+impl<W> Front<W> {
+    /// The current queue's next seq, handed to the proxy's state through the inbox (the
+    /// caller checked that the queue can take it).
+    fn take_seq(&mut self, outcome: &Arc<Outcome>, timeout: Duration) -> Reservation<W> {
+        let cur = self.current.as_mut().expect("checked by the caller");
+        let seq = cur.next_seq;
+        cur.next_seq += 1;
+        let (id, queue) = (cur.id, cur.queue.clone());
+        self.inbox.push(Msg::Reserved {
+            key: (id, seq),
+            outcome: outcome.clone(),
+            timeout,
+            until: deadline_after(Instant::now(), timeout),
+        });
+        (id, queue, seq, std::mem::take(&mut self.graveyard))
+    }
+}
+
 /// What a finished request held (its queue's words, its work, its outcome), or anything else
 /// a caller's thread must drop; unboxed for the one that comes with every request. Only
 /// dropped.
@@ -743,13 +765,12 @@ impl<B: Backend> Core<B> {
     /// with what finished requests held (for the caller to drop). Only the front's lock
     /// unless the current queue cannot take it as far as the front knows
     /// ([`reserve_slow`](Self::reserve_slow)).
-    #[allow(clippy::type_complexity)]
     fn reserve(
         &self,
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
-    ) -> Result<(u64, Arc<Queue>, u64, Vec<Dead<B::Work>>)> {
+    ) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         {
             let mut guard = self.front();
@@ -766,16 +787,7 @@ impl<B: Backend> Core<B> {
                     .saturating_sub(cur.queue.low.load(Ordering::Acquire))
                     < TRIGGER_SLOTS as u64
             {
-                let seq = cur.next_seq;
-                cur.next_seq += 1;
-                let (id, queue) = (cur.id, cur.queue.clone());
-                front.inbox.push(Msg::Reserved {
-                    key: (id, seq),
-                    outcome: outcome.clone(),
-                    timeout,
-                    until: deadline_after(Instant::now(), timeout),
-                });
-                return Ok((id, queue, seq, std::mem::take(&mut front.graveyard)));
+                return Ok(front.take_seq(outcome, timeout));
             }
         }
         self.reserve_slow(trig, outcome, timeout)
@@ -784,13 +796,12 @@ impl<B: Backend> Core<B> {
     /// [`reserve`](Self::reserve) with the proxy's state drained and locked: the current
     /// queue retired when it cannot take the request, a new one made (its words allocated
     /// outside the locks), the window checked exactly.
-    #[allow(clippy::type_complexity)]
     fn reserve_slow(
         &self,
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
-    ) -> Result<(u64, Arc<Queue>, u64, Vec<Dead<B::Work>>)> {
+    ) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
         hook("slow_entry");
@@ -835,21 +846,13 @@ impl<B: Backend> Core<B> {
                             ));
                         }
                         q.publish_low();
-                        cur.next_seq += 1;
-                        let queue = cur.queue.clone();
-                        front.inbox.push(Msg::Reserved {
-                            key: (id, seq),
-                            outcome: outcome.clone(),
-                            timeout,
-                            until: deadline_after(Instant::now(), timeout),
-                        });
-                        let mut dead = std::mem::take(&mut front.graveyard);
+                        let mut r = front.take_seq(outcome, timeout);
                         // Words made for a queue another caller made first: dropped with the
                         // rest, after this request's trigger is queued.
                         if let Some(words) = made.take() {
-                            dead.push(Dead::Other(Box::new(words)));
+                            r.3.push(Dead::Other(Box::new(words)));
                         }
-                        return Ok((id, queue, seq, dead));
+                        return Ok(r);
                     }
                     if usable && q.outstanding > 0 {
                         return Err(Error::invalid(
