@@ -315,10 +315,20 @@ struct Watch {
 }
 
 impl Watch {
-    fn fired(&self) -> bool {
+    /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
+    /// go while this looked is handed to `graveyard` (a caller's thread frees its words).
+    fn fired<W>(&self, graveyard: &Mutex<Front<W>>) -> bool {
         self.armed.iter().any(|(q, seq)| {
-            q.upgrade()
-                .is_none_or(|q| q.words.load(trigger_slot(*seq)) == *seq)
+            let Some(q) = q.upgrade() else {
+                return true;
+            };
+            let fired = q.words.load(trigger_slot(*seq)) == *seq;
+            if let Some(last) = Arc::into_inner(q) {
+                let mut front = graveyard.lock().unwrap_or_else(|e| e.into_inner());
+                front.graveyard.push(Dead::Other(Box::new(last)));
+                return true;
+            }
+            fired
         })
     }
 }
@@ -729,7 +739,10 @@ impl<B: Backend> Core<B> {
                         }
                     };
                     idle = idle.saturating_add(1);
-                    if rung || watch.fired() || watch.until.is_some_and(|u| Instant::now() >= u) {
+                    if rung
+                        || watch.fired(&self.front)
+                        || watch.until.is_some_and(|u| Instant::now() >= u)
+                    {
                         break;
                     }
                 }
