@@ -611,7 +611,7 @@ impl Running for RdmaRunning {
 impl Backend for Rdma {
     type Work = RdmaWork;
 
-    fn start(&self, w: &mut RdmaWork) -> Result<Box<dyn Running>> {
+    fn start(&self, w: &RdmaWork) -> Result<Box<dyn Running>> {
         let ep = self.ep.upgrade().ok_or_else(closed_error)?;
         let (dir, pairs, opts) = match w {
             RdmaWork::Post { dir, pairs, opts } => (*dir, pairs, *opts),
@@ -625,12 +625,7 @@ impl Backend for Rdma {
                     Some(tag) => local.notify_peer(q, tag),
                     None => Ok(()),
                 };
-                // Moved out, not cloned: a request starts once.
-                let rail_bytes = std::mem::take(&mut q.report.rail_bytes);
-                let paths = std::mem::take(&mut q.report.paths);
                 let mut report = q.report.clone();
-                report.rail_bytes = rail_bytes;
-                report.paths = paths;
                 report.elapsed = q.started.elapsed();
                 return Ok(Box::new(Finished(Some(r.map(|()| report)))));
             }

@@ -45,7 +45,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// # Errors
     ///
     /// Why it could not start (the request fails with it).
-    fn start(&self, work: &mut Self::Work) -> Result<Box<dyn Running>>;
+    fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
 }
 
 /// Why a request's work was not made: the error, and whether something of it may be queued
@@ -105,6 +105,19 @@ struct Entry<W> {
     timeout: Duration,
     /// The trigger must have fired by then.
     until: Instant,
+}
+
+impl<W> Entry<W> {
+    /// What the ended request held, for a caller's thread to drop: a running request's
+    /// handle too (an RDMA request still in flight waits and frees when dropped).
+    fn into_dead(self) -> Dead<W> {
+        let (work, run) = match self.stage {
+            Stage::Armed(w) => (Some(w), None),
+            Stage::Running(w, run) => (Some(w), Some(run)),
+            Stage::Reserved | Stage::Starting => (None, None),
+        };
+        Dead::Ended(self.queue, work, run, self.outcome)
+    }
 }
 
 struct QState {
@@ -351,6 +364,18 @@ pub(crate) struct Proxy<B: Backend> {
     started: AtomicBool,
 }
 
+/// Request `seq`'s error when request `first` of its queue failed before it started.
+fn failed_first(seq: u64, first: u64) -> Error {
+    Error::invalid(
+        "stream transfer",
+        seq,
+        format!(
+            "request {first} of its stream queue failed first; a queue starts nothing after a \
+             failure"
+        ),
+    )
+}
+
 fn closed_error() -> Error {
     Error::invalid(
         "endpoint",
@@ -445,15 +470,7 @@ impl<B: Backend> Core<B> {
         if st.closing.is_some() {
             self.finish(st, key, Err(closed_error()), None);
         } else if let Some(first) = failed {
-            let err = Error::invalid(
-                "stream transfer",
-                key.1,
-                format!(
-                    "request {first} of its stream queue failed first; a queue starts nothing \
-                     after a failure"
-                ),
-            );
-            self.finish(st, key, Err(err), None);
+            self.finish(st, key, Err(failed_first(key.1, first)), None);
         }
     }
 
@@ -482,15 +499,7 @@ impl<B: Backend> Core<B> {
             }
         }
         e.outcome.set(r, keep, &mut st.woken);
-        // A running request's handle too (an RDMA request still in flight waits and frees
-        // when dropped): a caller's thread drops it.
-        let (work, run) = match e.stage {
-            Stage::Armed(w) => (Some(w), None),
-            Stage::Running(w, run) => (Some(w), Some(run)),
-            Stage::Reserved | Stage::Starting => (None, None),
-        };
-        st.graveyard
-            .push(Dead::Ended(e.queue, work, run, e.outcome));
+        st.graveyard.push(e.into_dead());
         if let Some(first) = poisoned {
             // New requests go to a new queue (lock order: the state, then the front).
             let mut front = self.front();
@@ -505,15 +514,7 @@ impl<B: Backend> Core<B> {
                 .map(|(k, _)| *k)
                 .collect();
             for k in armed {
-                let err = Error::invalid(
-                    "stream transfer",
-                    k.1,
-                    format!(
-                        "request {first} of its stream queue failed first; a queue starts \
-                         nothing after a failure"
-                    ),
-                );
-                self.finish(st, k, Err(err), None);
+                self.finish(st, k, Err(failed_first(k.1, first)), None);
             }
         }
         Self::forget_idle(st, key.0);
@@ -542,16 +543,8 @@ impl<B: Backend> Core<B> {
             q.outstanding = q.outstanding.saturating_sub(1);
             q.unfired.remove(&key.1);
         }
-        // A running request's handle too (an RDMA request still in flight waits and frees
-        // when dropped): a caller's thread drops it.
-        let (work, run) = match e.stage {
-            Stage::Armed(w) => (Some(w), None),
-            Stage::Running(w, run) => (Some(w), Some(run)),
-            Stage::Reserved | Stage::Starting => (None, None),
-        };
         e.outcome.set(Err(closed_error()), None, &mut st.woken);
-        st.graveyard
-            .push(Dead::Ended(e.queue, work, run, e.outcome));
+        st.graveyard.push(e.into_dead());
         Self::forget_idle(st, key.0);
     }
 
@@ -672,8 +665,8 @@ impl<B: Backend> Core<B> {
         }
         let started: Vec<_> = fired
             .into_iter()
-            .map(|(k, mut w)| {
-                let r = self.backend.start(&mut w).map(|mut run| {
+            .map(|(k, w)| {
+                let r = self.backend.start(&w).map(|mut run| {
                     let done = run.poll(waker);
                     (run, done)
                 });
@@ -1170,7 +1163,7 @@ mod tests {
 
     impl Backend for Fake {
         type Work = u64;
-        fn start(&self, w: &mut u64) -> Result<Box<dyn Running>> {
+        fn start(&self, w: &u64) -> Result<Box<dyn Running>> {
             self.started.lock().unwrap().push(*w);
             Ok(Box::new(FakeRun {
                 id: *w,
@@ -1461,7 +1454,7 @@ mod tests {
 
     impl Backend for AtOnce {
         type Work = u64;
-        fn start(&self, _: &mut u64) -> Result<Box<dyn Running>> {
+        fn start(&self, _: &u64) -> Result<Box<dyn Running>> {
             Ok(Box::new(Over(Some(report()))))
         }
     }
@@ -1890,7 +1883,7 @@ mod tests {
     }
     impl Backend for Spy {
         type Work = Tracked;
-        fn start(&self, _: &mut Tracked) -> Result<Box<dyn Running>> {
+        fn start(&self, _: &Tracked) -> Result<Box<dyn Running>> {
             Ok(Box::new(SpyRun(Tracked(self.0.clone()))))
         }
     }
