@@ -55,6 +55,9 @@ pub(super) fn what(of: FdOf) -> String {
 #[derive(Debug)]
 pub(super) struct PeerFds {
     pub(super) pid: u32,
+    /// The peer is this process (`pid` is ours, asked once when the endpoints met: a request
+    /// would otherwise ask the kernel for our pid each time).
+    pub(super) this_process: bool,
     pub(super) by_id: HashMap<u64, PeerFd>,
 }
 
@@ -190,8 +193,10 @@ pub(super) fn recv_export_fds(
     timeout: Duration,
 ) -> Result<PeerFds> {
     let refuse = |why: String| Error::invalid("peer", "its exported file descriptors", why);
+    let pid = peer_process(s)?;
     let mut out = PeerFds {
-        pid: peer_process(s)?,
+        pid,
+        this_process: pid == std::process::id(),
         by_id: HashMap::with_capacity(want.len()),
     };
     let mut buf = vec![0u8; FD_HEAD + 8 * MAX_FDS_PER_MSG];

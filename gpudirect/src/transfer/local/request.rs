@@ -64,7 +64,7 @@ fn prepare(
         return Err(err);
     }
     let any_fd = check_ipc_parts(pairs)?;
-    let (exporter, fds) = peer_fds(side, pairs, any_fd)?;
+    let (exporter, this_process, fds) = peer_fds(side, pairs, any_fd)?;
     // A reconnect moves the epoch before it puts in its new connection: the connection just
     // read belongs to `epoch` only if the epoch has not moved (else a request checked against
     // the old connection would map the new peer's memory at the old descriptors' places).
@@ -72,7 +72,7 @@ fn prepare(
         return Err(err);
     }
     check_peer_fds(pairs, &fds)?;
-    refuse_own_process(exporter)?;
+    refuse_own_process(this_process)?;
     let timeout = opts.deadline.unwrap_or(e.config.deadline);
     let started = Instant::now();
     let deadline = deadline_after(started, timeout);
@@ -125,13 +125,13 @@ fn fd_of(fds: &[Option<PeerFd>], i: usize) -> Option<&PeerFd> {
     fds.get(i).and_then(Option::as_ref)
 }
 
-/// The peer's pid as the kernel gives it, and the file descriptor it sent for each pair (none
-/// looked up when `any_fd` is false).
+/// The peer's pid as the kernel gives it, whether that is this process, and the file
+/// descriptor it sent for each pair (none looked up when `any_fd` is false).
 fn peer_fds(
     side: &Side,
     pairs: &[(LocalRange, RemoteRange)],
     any_fd: bool,
-) -> Result<(u32, Vec<Option<PeerFd>>)> {
+) -> Result<(u32, bool, Vec<Option<PeerFd>>)> {
     // Only VMM and pool memory need the peer's fds (cuIpc handles: none to look up, nothing
     // allocated).
     let wanted: Vec<Option<u64>> = if any_fd {
@@ -191,8 +191,8 @@ fn check_peer_fds(pairs: &[(LocalRange, RemoteRange)], fds: &[Option<PeerFd>]) -
 
 /// The kernel's word, not the peer's first message: a peer that claims another pid is still
 /// this process.
-fn refuse_own_process(exporter: u32) -> Result<()> {
-    if exporter == std::process::id() {
+fn refuse_own_process(this_process: bool) -> Result<()> {
+    if this_process {
         return Err(Error::Unsupported {
             what: "an intra-node transfer between two endpoints of one process".into(),
             reason: "CUDA IPC maps no allocation in the process that exported it: copy between \

@@ -531,16 +531,17 @@ impl Side {
         }
     }
 
-    /// The peer's pid as the kernel gives it (`SO_PEERCRED`, never what the peer says), and the
-    /// file descriptor (VMM, pool) it sent for each of `ids` (all of one connection).
-    pub(super) fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, Vec<Option<PeerFd>>)> {
+    /// The peer's pid as the kernel gives it (`SO_PEERCRED`, never what the peer says), whether
+    /// that is this process, and the file descriptor (VMM, pool) it sent for each of `ids` (all
+    /// of one connection).
+    pub(super) fn peer(&self, ids: &[Option<u64>]) -> Option<(u32, bool, Vec<Option<PeerFd>>)> {
         let c = lock(&self.conn);
         let c = c.as_ref()?;
         let fds = ids
             .iter()
             .map(|id| id.and_then(|id| c.peer_fds.by_id.get(&id).cloned()))
             .collect();
-        Some((c.peer_fds.pid, fds))
+        Some((c.peer_fds.pid, c.peer_fds.this_process, fds))
     }
 
     /// The error of a request whose endpoint failed, closed or reconnected under it: the
