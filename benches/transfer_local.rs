@@ -12,7 +12,9 @@
 //!   NIXL's `transfer` polled to done;
 //! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
 //!   and one synchronize;
-//! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize;
+//! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize; beside
+//!   the least such a request queues on the copy engines: each raw IPC copy followed by a
+//!   `cuStreamWriteValue64` of a mapped host word ("copy + word");
 //! - batched: one request of `depth` pairs (distinct ranges), against `depth` raw IPC copies
 //!   queued by one `cuMemcpyBatchAsync` and one synchronize ("raw batch", where the driver has
 //!   it).
@@ -196,6 +198,33 @@ impl Raw {
         true
     }
 
+    /// `cuStreamWriteValue64` of `value` to `word` (a device address of mapped pinned host
+    /// memory): what a stream-ordered request queues after its copies on the copy engines.
+    fn write_word(&self, word: sys::CUdeviceptr, value: u64) {
+        // SAFETY: `word` is 8 bytes of pinned host memory mapped for the device, freed only
+        // after the stream is synchronized.
+        check(
+            unsafe {
+                sys::cuStreamWriteValue64_v2(
+                    self.stream.cu_stream(),
+                    word,
+                    value,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            },
+            "cuStreamWriteValue64_v2",
+        );
+    }
+
+    /// `cuEventRecord` of `event` on the stream.
+    fn record(&self, event: sys::CUevent) {
+        // SAFETY: a live event of the stream's context.
+        check(
+            unsafe { sys::cuEventRecord(event, self.stream.cu_stream()) },
+            "cuEventRecord",
+        );
+    }
+
     fn sync(&self) {
         // SAFETY: a live stream.
         check(
@@ -203,6 +232,24 @@ impl Raw {
             "cuStreamSynchronize",
         );
     }
+}
+
+/// 8 bytes of pinned host memory mapped for the current context's device (`cuMemHostAlloc`
+/// with `DEVICEMAP`), and their device address; never freed (one per run).
+fn mapped_word() -> sys::CUdeviceptr {
+    let mut host = std::ptr::null_mut();
+    // SAFETY: an out-pointer for 8 bytes; the context is current (the raw copies' stream's).
+    check(
+        unsafe { sys::cuMemHostAlloc(&mut host, 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) },
+        "cuMemHostAlloc",
+    );
+    let mut dev = 0;
+    // SAFETY: `host` was allocated above with DEVICEMAP.
+    check(
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
+        "cuMemHostGetDevicePointer",
+    );
+    dev
 }
 
 /// Map the peer's raw buffer (its `cuIpcGetMemHandle` handle in `file`) into `ctx`.
@@ -525,6 +572,24 @@ fn main() {
             .expect("cuMemAlloc"),
     };
     let stream = gpudirect::cuda::Stream::new(&ctx).expect("stream");
+    ctx.bind_to_thread().expect("cuCtxSetCurrent");
+    let word = mapped_word();
+    let events: Vec<sys::CUevent> = (0..32)
+        .map(|_| {
+            let mut ev = std::ptr::null_mut();
+            // SAFETY: an out-pointer; the context is current. Never destroyed (one set per run).
+            check(
+                unsafe {
+                    sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+                },
+                "cuEventCreate",
+            );
+            ev
+        })
+        .collect();
+    // Per size: raw IPC copies each followed by a word write, pipelined (the least a
+    // stream-ordered request on the copy engines queues), and `write_on`.
+    let mut floor = Vec::new();
     let mut path = String::new();
     let mut rows = Vec::new();
     // One request at a time awaited on a current-thread runtime: (size, raw, wait, await,
@@ -600,6 +665,22 @@ fn main() {
             }
             raw.sync();
         }) / depth as f64;
+        let mut value = 0u64;
+        let word_pipe = per_call(pipe_reps, || {
+            for _ in 0..depth {
+                raw.copy_to(raw_ipc, n);
+                value += 1;
+                raw.write_word(word, value);
+            }
+            raw.sync();
+        }) / depth as f64;
+        let event_pipe = per_call(pipe_reps, || {
+            for i in 0..depth {
+                raw.copy_to(raw_ipc, n);
+                raw.record(events[i % events.len()]);
+            }
+            raw.sync();
+        }) / depth as f64;
         let gd_pipe = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
@@ -655,6 +736,7 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
+        floor.push((n, ipc_pipe, word_pipe, event_pipe, gd_stream));
         rows.push((
             n, raw_one, ipc_one, gd_one, prep_one, run_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
             raw_batch, gd_batch,
@@ -804,6 +886,33 @@ fn main() {
     println!(
         "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does)",
         AWAIT_SPIN.as_micros()
+    );
+    println!();
+    println!(
+        "stream-ordered on the copy engines: a copy and a word written after it per request, pipelined:"
+    );
+    println!(
+        "{:>9} | {:>9} {:>11} {:>6} {:>12} {:>6} | {:>9} {:>6}",
+        "size", "IPC pipe", "copy + word", "/IPC", "copy + event", "/IPC", "write_on", "/floor"
+    );
+    for (n, ip, wp, ep, gs) in floor {
+        println!(
+            "{:>9} | {:>9.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} | {:>9.2} {:>6.2}",
+            label(n),
+            gbs(n, ip),
+            gbs(n, wp),
+            ip / wp,
+            gbs(n, ep),
+            ip / ep,
+            gbs(n, gs),
+            wp / gs
+        );
+    }
+    println!(
+        "copy + word: each raw IPC copy followed by cuStreamWriteValue64 of a mapped host word (the \
+         trigger a stream-ordered request writes after its copies), one synchronize per 32; \
+         copy + event: the same with cuEventRecord instead of the word; /IPC: a rate over raw IPC \
+         pipelined; /floor: write_on's rate over copy + word."
     );
     println!();
     // Mooncake's cells take minutes: after the table and the check of our bytes.
