@@ -347,7 +347,8 @@ fn unhex<const N: usize>(arg: &'static str, s: &str) -> Result<[u8; N]> {
             format!("{} hex digits", 2 * N),
         )
     };
-    if s.len() != 2 * N || !s.is_ascii() {
+    // Digits only: `from_str_radix` would also take a sign ("+f").
+    if s.len() != 2 * N || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
         return Err(bad());
     }
     let mut out = [0u8; N];
@@ -1074,6 +1075,26 @@ mod tests {
         let bad = j.replace("\"alloc_len\":4096", "\"alloc_len\":4000");
         assert_ne!(bad, j);
         assert!(serde_json::from_str::<MemoryDescriptor>(&bad).is_err());
+    }
+
+    #[test]
+    fn serde_hex_fields_take_hex_digits_only() {
+        let part = IpcPart::new([0x0f; 64], 4096, 0, [0x0f; 16]);
+        let d = MemoryDescriptor::with_ipc(0x1000, 4096, DescribedKind::Device, &[], part).unwrap();
+        let j = serde_json::to_string(&d).unwrap();
+        // `from_str_radix` takes a sign: "+f" would read as 0x0f.
+        for (good, bad) in [
+            ("0f".repeat(16), "+f".repeat(16)),
+            ("0f".repeat(64), "+f".repeat(64)),
+        ] {
+            let b = j.replace(&good, &bad);
+            assert_ne!(b, j);
+            let e = serde_json::from_str::<MemoryDescriptor>(&b).unwrap_err();
+            assert!(e.to_string().contains("hex digits"), "{e}");
+        }
+        assert!(unhex::<1>("x", "+f").is_err());
+        assert!(unhex::<1>("x", "-0").is_err());
+        assert_eq!(unhex::<2>("x", "0aFf").unwrap(), [0x0a, 0xff]);
     }
 
     #[test]

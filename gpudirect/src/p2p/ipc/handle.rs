@@ -22,11 +22,15 @@ pub(crate) mod hex64 {
     }
 
     pub(crate) fn parse(s: &str) -> Result<[u8; 64], String> {
-        if s.len() != 128 || !s.is_ascii() {
+        if s.len() != 128 {
             return Err(format!(
                 "an IPC handle is 128 hex digits, got {} characters",
                 s.len()
             ));
+        }
+        // Digits only: `from_str_radix` would also take a sign ("+f").
+        if let Some(at) = s.bytes().position(|c| !c.is_ascii_hexdigit()) {
+            return Err(format!("an IPC handle is 128 hex digits, not one at {at}"));
         }
         let mut out = [0u8; 64];
         for (i, o) in out.iter_mut().enumerate() {
@@ -196,6 +200,8 @@ mod tests {
         let back: IpcMemHandle = serde_json::from_str(&j).unwrap();
         assert_eq!(back, h);
         assert!(hex64::parse("zz").is_err());
+        // `from_str_radix` takes a sign: "+f" is no pair of hex digits.
+        assert!(hex64::parse(&"+f".repeat(64)).is_err());
         let bad = j.replace(&format!("{:02x}", b[0]), "g0");
         assert!(serde_json::from_str::<IpcMemHandle>(&bad).is_err());
         // A handle from a peer that names no PCI address still reads (and opens only with
