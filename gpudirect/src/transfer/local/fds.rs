@@ -61,13 +61,35 @@ pub(super) struct PeerFds {
     pub(super) by_id: HashMap<u64, PeerFd>,
 }
 
+/// The most file descriptor exports (VMM allocations, pools) one side's descriptors may name:
+/// each is a file descriptor the other side holds for as long as the endpoint lives, out of a
+/// per-process limit (often 1,024 open files), so a peer cannot take them all.
+pub(crate) const MAX_PEER_FDS: usize = 256;
+
+/// Refused when `n` exports are more than [`MAX_PEER_FDS`]; `arg` names whose descriptors.
+fn check_fd_count(arg: &'static str, n: usize) -> Result<()> {
+    if n > MAX_PEER_FDS {
+        return Err(Error::invalid(
+            arg,
+            n,
+            format!(
+                "the descriptors name {n} exported file descriptors (VMM allocations or pools); \
+                 an endpoint takes at most {MAX_PEER_FDS} from one side (publish views of fewer \
+                 allocations)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The file descriptor exports of this process (VMM allocations, pools) that `publish` names,
 /// once each, in the order first named; each must be alive and described as it is (what it
 /// is, for VMM memory its length, and its GPU).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] (`publish`) naming the descriptor.
+/// [`Error::InvalidArgument`] (`publish`) naming the descriptor, or for more than
+/// [`MAX_PEER_FDS`] exports.
 pub(super) fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<ExportFd>>> {
     let mut out: Vec<Arc<ExportFd>> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
@@ -105,6 +127,7 @@ pub(super) fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<ExportFd>
             ));
         }
     }
+    check_fd_count("publish", out.len())?;
     Ok(out)
 }
 
@@ -114,7 +137,8 @@ pub(super) fn outgoing(publish: &[MemoryDescriptor]) -> Result<Vec<Arc<ExportFd>
 ///
 /// # Errors
 ///
-/// [`Error::InvalidArgument`] (`peer`) naming the descriptor that disagrees.
+/// [`Error::InvalidArgument`] (`peer`) naming the descriptor that disagrees, or for more than
+/// [`MAX_PEER_FDS`] exports (before any is received).
 pub(super) fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, FdOf, [u8; 16])>> {
     let mut out: Vec<(u64, FdOf, [u8; 16])> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
@@ -139,6 +163,7 @@ pub(super) fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, FdOf, [u8
             None => {
                 seen.insert(id, out.len());
                 out.push(said);
+                check_fd_count("peer", out.len())?;
             }
         }
     }
@@ -296,4 +321,36 @@ pub(super) fn recv_export_fds(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::descriptor::{DescribedKind, IpcPart};
+
+    /// A descriptor of 4096 bytes of the VMM export `id`.
+    fn vmm_desc(id: u64) -> MemoryDescriptor {
+        MemoryDescriptor::with_ipc(
+            0x7f00_0000_0000,
+            4096,
+            DescribedKind::Device,
+            &[],
+            IpcPart::vmm_fd(id, 1 << 21, 0, [7; 16]),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_peer_names_at_most_max_peer_fds_exports() {
+        let at_most: Vec<_> = (1..=MAX_PEER_FDS as u64).map(vmm_desc).collect();
+        assert_eq!(expected(&at_most).unwrap().len(), MAX_PEER_FDS);
+        // Views of exports already named cost nothing more.
+        let mut views = at_most.clone();
+        views.extend((1..=8).map(vmm_desc));
+        assert_eq!(expected(&views).unwrap().len(), MAX_PEER_FDS);
+        let mut over = at_most;
+        over.push(vmm_desc(MAX_PEER_FDS as u64 + 1));
+        let e = expected(&over).unwrap_err();
+        assert!(e.to_string().contains("at most 256"), "{e}");
+    }
 }
