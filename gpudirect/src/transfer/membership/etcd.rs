@@ -519,6 +519,12 @@ fn read_kv(prefix: &str, key: &[u8], value: &[u8]) -> Option<MemberRecord> {
     MemberRecord::from_bytes_at(name.as_str(), value).ok()
 }
 
+/// The revision after `rev`, a revision the store reported (untrusted: its largest stays
+/// itself rather than wrapping to the smallest).
+fn after(rev: i64) -> i64 {
+    rev.saturating_add(1)
+}
+
 /// Watch the prefix from revision `rev` on, `known` being who held each name at `rev`; on a
 /// lost connection, list again and report the difference.
 async fn watch_task(
@@ -532,7 +538,7 @@ async fn watch_task(
         OpCounters::count(&ctx.ops.watches);
         let opts = WatchOptions::new()
             .with_prefix()
-            .with_start_revision(rev + 1)
+            .with_start_revision(after(rev))
             .with_progress_notify();
         if let Ok(mut ws) = bounded(
             "watch",
@@ -731,6 +737,15 @@ mod tests {
             assert!(c.check().is_err() || bad == "/", "{bad:?}");
         }
         assert!(EtcdConfig::new(Vec::<String>::new()).check().is_err());
+    }
+
+    #[test]
+    fn a_watch_starts_after_the_revision_without_wrapping() {
+        assert_eq!(after(0), 1);
+        assert_eq!(after(41), 42);
+        // A store that answers the largest revision: the watch starts there, never at the
+        // smallest (which would replay or refuse everything).
+        assert_eq!(after(i64::MAX), i64::MAX);
     }
 
     #[test]
