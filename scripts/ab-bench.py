@@ -2,6 +2,10 @@
 """A/B of two builds of the transfer_local bench in one call, paired round by round.
 
     ab-bench.py BEFORE_BIN AFTER_BIN [ROUNDS] [-- BENCH ARGS...]   # default 8 rounds, --quick
+    ab-bench.py --one BIN [ROUNDS] [-- BENCH ARGS...]
+
+With --one, one build run ROUNDS times: per cell, the median over runs of the library's rate
+over its own run's raw baseline, with the interval (each run pairs the two).
 
 Runs the two binaries alternately (A B, then B A, ...: who goes first rotates), each run printing
 its own table with its raw baselines measured beside it. For each cell (size x figure) it prints
@@ -69,9 +73,33 @@ def show(xs):
     return f"{m:.3f}" + (f" [{iv[0]:.3f}..{iv[1]:.3f}]" if iv else " [n<6]") + f" n{len(xs)}"
 
 
+def one(exe, rounds, args):
+    runs = []
+    for r in range(rounds):
+        p = subprocess.run([exe] + args, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"AB: round {r} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+            return 1
+        runs.append(parse(p.stdout))
+        if r == 0:
+            print(f"--- first run:\n{p.stdout}")
+    print("AB: library over its run's raw baseline, medians over runs [95% interval]")
+    print(f"{'size':>8} {'figure':>11} | {'over raw':>26} | {'raw':>8} GB/s")
+    for size in runs[0]:
+        for lib, raw in CELLS:
+            xs = [r[size][lib] / r[size][raw] for r in runs
+                  if lib in r.get(size, {}) and raw in r.get(size, {})]
+            if xs:
+                raws = [r[size][raw] for r in runs if raw in r.get(size, {})]
+                print(f"{size:>8} {lib:>11} | {show(xs):>26} | {raw:>8} {statistics.median(raws):.2f}")
+    return 0
+
+
 def main(argv):
     args = argv[argv.index("--") + 1:] if "--" in argv else ["--quick"]
     pos = argv[: argv.index("--")] if "--" in argv else argv
+    if pos and pos[0] == "--one":
+        return one(pos[1], int(pos[2]) if len(pos) > 2 else 8, args)
     before, after = pos[0], pos[1]
     rounds = int(pos[2]) if len(pos) > 2 else 8
     runs = {"before": [], "after": []}
