@@ -102,7 +102,8 @@ impl Engine {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an address that does not resolve, or an engine without
-    /// rails; as [`Listener::bind`](crate::rdma::Listener::bind).
+    /// rails; [`Error::Timeout`](crate::Error::Timeout) when resolving a name takes longer than
+    /// [`EngineConfig::connect_timeout`](crate::transfer::EngineConfig::connect_timeout); as [`Listener::bind`](crate::rdma::Listener::bind).
     #[doc(alias = "rdma_listen")]
     pub fn listen(&self, addr: &str) -> Result<TransferListener> {
         Ok(TransferListener {
@@ -110,7 +111,8 @@ impl Engine {
         })
     }
 
-    /// Connect an endpoint: one rail to each of `peers` (`host:port`, names resolved), in rail
+    /// Connect an endpoint: one rail to each of `peers` (`host:port`, names resolved, each within
+    /// [`EngineConfig::connect_timeout`](crate::transfer::EngineConfig::connect_timeout)), in rail
     /// order, each through the local device rdma_cm routes it to (which must be one of the
     /// engine's). The first message of each rail's connection carries `publish` (on rail 0) and
     /// the peer's sends back its own ([`Endpoint::peer_descriptors`]).
@@ -120,7 +122,8 @@ impl Engine {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an engine without rails, no peers, more than 16, a name
     /// that does not resolve, a
     /// route to a device that is not one of the engine's, or a first message that is not valid;
-    /// [`Error::Timeout`](crate::Error::Timeout) and [`Error::CmEvent`](crate::Error::CmEvent) from connecting; any verbs error.
+    /// [`Error::Timeout`](crate::Error::Timeout) from resolving a name or connecting;
+    /// [`Error::CmEvent`](crate::Error::CmEvent) from connecting; any verbs error.
     #[doc(alias = "rdma_connect")]
     pub fn connect(&self, peers: &[&str], publish: &[MemoryDescriptor]) -> Result<Endpoint> {
         Ok(Endpoint::over_rails(rails::connect(self, peers, publish)?))

@@ -36,9 +36,47 @@ const SESSION_LABEL: &[u8] = b"gpudirect transfer rails session v1";
 /// What an authenticated peer may do through a rail's queue pair.
 const PEER_ACCESS: AccessFlags = AccessFlags::REMOTE_READ.union(AccessFlags::REMOTE_WRITE);
 
-pub(super) fn resolve(peer: &str) -> Result<SocketAddr> {
-    peer.to_socket_addrs()
+/// `peer` (`host:port`) as a socket address, an IPv4 one where it has both. A literal address
+/// is taken as it is; a name is asked of the system's resolver for at most `timeout` (a peer's
+/// address may come from a metadata store: its name must not hold a connect past its bound).
+///
+/// # Errors
+///
+/// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Timeout`] when
+/// the resolver has not answered within `timeout` (it goes on in a thread of its own, its
+/// answer dropped); [`Error::Os`] when no thread can be had.
+pub(super) fn resolve(peer: &str, timeout: Duration) -> Result<SocketAddr> {
+    resolve_with(peer, timeout, |p| p.to_socket_addrs().map(|a| a.collect()))
+}
+
+/// [`resolve`] through `ask` (the resolver; a stand-in in tests).
+fn resolve_with(
+    peer: &str,
+    timeout: Duration,
+    ask: impl FnOnce(String) -> std::io::Result<Vec<SocketAddr>> + Send + 'static,
+) -> Result<SocketAddr> {
+    let found = match peer.parse::<SocketAddr>() {
+        Ok(a) => Ok(vec![a]),
+        Err(_) => {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            let name = peer.to_owned();
+            crate::driver::ctx::spawn_thread("gpudirect-resolve", move || {
+                let _ = tx.send(ask(name));
+            })?;
+            match rx.recv_timeout(timeout) {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        what: "resolving a peer's address",
+                        after: timeout,
+                    });
+                }
+            }
+        }
+    };
+    found
         .map_err(|e| Error::invalid("peer", peer, format!("cannot be resolved: {e}")))?
+        .into_iter()
         .min_by_key(|a| a.is_ipv6())
         .ok_or_else(|| Error::invalid("peer", peer, "resolves to no address"))
 }
@@ -530,4 +568,44 @@ fn swap(
         .as_slice()
         .ok_or_else(|| Error::invalid("read", "region", "still in use"))?;
     Ok((bytes.to_vec(), hello_mr))
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn a_literal_address_needs_no_resolver() {
+        let a = resolve_with("10.1.2.3:4791", Duration::ZERO, |_| {
+            panic!("asked the resolver for a literal address")
+        })
+        .unwrap();
+        assert_eq!(a, "10.1.2.3:4791".parse().unwrap());
+    }
+
+    #[test]
+    fn a_name_resolves_within_its_bound_or_times_out() {
+        let v4: SocketAddr = "192.0.2.7:4791".parse().unwrap();
+        let v6: SocketAddr = "[2001:db8::7]:4791".parse().unwrap();
+        let got = resolve_with("node-a:4791", Duration::from_secs(5), move |n| {
+            assert_eq!(n, "node-a:4791");
+            Ok(vec![v6, v4])
+        });
+        assert_eq!(got.unwrap(), v4, "IPv4 first");
+        // A resolver that does not answer: refused at the bound, not at its own pace.
+        let started = Instant::now();
+        let e = resolve_with("slow:4791", Duration::from_millis(100), |_| {
+            std::thread::sleep(Duration::from_secs(3));
+            Ok(vec![])
+        })
+        .unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        let e = resolve_with("none:4791", Duration::from_secs(5), |_| Ok(vec![])).unwrap_err();
+        assert!(e.to_string().contains("no address"), "{e}");
+    }
 }

@@ -240,12 +240,13 @@ impl RailSetup {
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for an address that does not resolve, or an engine without
-/// rails; as [`CmListener::bind`].
+/// rails; [`Error::Timeout`] when a name's resolver takes longer than the engine's
+/// `connect_timeout`; as [`CmListener::bind`].
 pub(crate) fn listen(engine: &Engine, addr: &str) -> Result<Listener> {
     engine.inner.require_rails()?;
     Ok(Listener {
         engine: engine.clone(),
-        cm: CmListener::bind(resolve(addr)?)?,
+        cm: CmListener::bind(resolve(addr, engine.inner.config.connect_timeout)?)?,
         hub: Arc::new(Hub {
             st: Mutex::new(HubState::default()),
             wake: eventfd()?,
@@ -272,7 +273,12 @@ pub(crate) fn connect(
             "one address per rail: 1 to 16",
         ));
     }
-    let peers: Vec<SocketAddr> = peers.iter().map(|p| resolve(p)).collect::<Result<_>>()?;
+    // Each name within the connect bound (a store's record may name hosts).
+    let bound = engine.inner.config.connect_timeout;
+    let peers: Vec<SocketAddr> = peers
+        .iter()
+        .map(|p| resolve(p, bound))
+        .collect::<Result<_>>()?;
     let origin = Origin::Dialed {
         peers,
         publish: publish.to_vec(),
