@@ -163,10 +163,10 @@ pub(super) fn expected(descs: &[MemoryDescriptor]) -> Result<Vec<(u64, FdOf, [u8
             None => {
                 seen.insert(id, out.len());
                 out.push(said);
-                check_fd_count("peer", out.len())?;
             }
         }
     }
+    check_fd_count("peer", out.len())?;
     Ok(out)
 }
 
@@ -351,6 +351,7 @@ mod tests {
         let mut over = at_most;
         over.push(vmm_desc(MAX_PEER_FDS as u64 + 1));
         let e = expected(&over).unwrap_err();
+        assert!(e.to_string().contains("name 257 exported"), "{e}");
         assert!(e.to_string().contains("at most 256"), "{e}");
     }
 }
