@@ -73,16 +73,25 @@ def show(xs):
     return f"{m:.3f}" + (f" [{iv[0]:.3f}..{iv[1]:.3f}]" if iv else " [n<6]") + f" n{len(xs)}"
 
 
+def run(exe, args, who, r):
+    """One run of the bench: its parsed table, or None after printing why it failed (its first
+    round's whole output is printed too)."""
+    p = subprocess.run([exe] + args, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"AB: {who} round {r} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        return None
+    if r == 0:
+        print(f"--- {who}, first run:\n{p.stdout}")
+    return parse(p.stdout)
+
+
 def one(exe, rounds, args):
     runs = []
     for r in range(rounds):
-        p = subprocess.run([exe] + args, capture_output=True, text=True)
-        if p.returncode != 0:
-            print(f"AB: round {r} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        t = run(exe, args, "the build", r)
+        if t is None:
             return 1
-        runs.append(parse(p.stdout))
-        if r == 0:
-            print(f"--- first run:\n{p.stdout}")
+        runs.append(t)
     print("AB: library over its run's raw baseline, medians over runs [95% interval]")
     print(f"{'size':>8} {'figure':>11} | {'over raw':>26} | {'raw':>8} GB/s")
     for size in runs[0]:
@@ -108,13 +117,10 @@ def main(argv):
         if r % 2:
             order.reverse()
         for who, exe in order:
-            p = subprocess.run([exe] + args, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"AB: {who} round {r} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+            t = run(exe, args, who, r)
+            if t is None:
                 return 1
-            runs[who].append(parse(p.stdout))
-            if r == 0:
-                print(f"--- {who}, first run:\n{p.stdout}")
+            runs[who].append(t)
     sizes = list(runs["after"][0])
     print("AB: after/before, medians over rounds [95% interval]; above 1 the after build is faster")
     print(f"{'size':>8} {'figure':>11} | {'rate':>26} | {'rate/raw of its run':>26} | before GB/s  after GB/s")
