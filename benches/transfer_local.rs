@@ -14,7 +14,8 @@
 //!   and one synchronize;
 //! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize; beside
 //!   the least such a request queues on the copy engines: each raw IPC copy followed by a
-//!   `cuStreamWriteValue64` of a mapped host word ("copy + word");
+//!   `cuStreamWriteValue64` of a mapped host word ("copy + word"), and each followed by a
+//!   `cuEventRecord` instead ("copy + event");
 //! - batched: one request of `depth` pairs (distinct ranges), against `depth` raw IPC copies
 //!   queued by one `cuMemcpyBatchAsync` and one synchronize ("raw batch", where the driver has
 //!   it).
