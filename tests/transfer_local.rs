@@ -370,6 +370,34 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     let in_flight = read(1).into_in_flight();
     in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
     drop(read(2));
+    // The same behind a read in flight on this thread's lane (each finished only after it, in
+    // order): polled, made an InFlight, dropped, then the first waited for.
+    let handed: Vec<Region> = SIZES
+        .iter()
+        .map(|&len| register(&engine, poisoned_bytes(0, len, 0x6B)))
+        .collect();
+    let read_behind = |i: usize| {
+        ep.read(
+            vec![(handed[i].all(), peer[3 + i].all())],
+            TransferOptions::default(),
+        )
+        .unwrap()
+    };
+    let first = read_behind(2);
+    let polled = read_behind(0);
+    let in_flight = read_behind(1).into_in_flight();
+    let until = std::time::Instant::now() + WAIT;
+    while !polled.is_complete() {
+        assert!(
+            std::time::Instant::now() < until,
+            "a polled read behind another never finished"
+        );
+        std::thread::yield_now();
+    }
+    polled.wait().unwrap();
+    in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
+    drop(read_behind(0));
+    first.wait().unwrap();
     // Prepared requests: a read posted once, then twice at once, each time into poisoned
     // memory; a write posted with fresh random bytes each time, read back exactly.
     let len = SIZES[1];
@@ -462,6 +490,11 @@ fn local_writes_reads_and_notifications_between_two_processes() {
             &host_copy(&dsts[i], 0, len),
             &bytes(len, seed ^ (100 + i as u64)),
             "unwaited read",
+        );
+        same(
+            &host_copy(&handed[i], 0, len),
+            &bytes(len, seed ^ (100 + i as u64)),
+            "unwaited read behind another",
         );
     }
     assert_eq!(
