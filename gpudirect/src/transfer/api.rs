@@ -103,7 +103,9 @@ impl Engine {
     ///
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an address that does not resolve, or an engine without
     /// rails; [`Error::Timeout`](crate::Error::Timeout) when resolving a name takes longer than
-    /// [`EngineConfig::connect_timeout`](crate::transfer::EngineConfig::connect_timeout); as [`Listener::bind`](crate::rdma::Listener::bind).
+    /// [`EngineConfig::connect_timeout`](crate::transfer::EngineConfig::connect_timeout) (also
+    /// when 16 names were being resolved throughout it: the process resolves at most 16 at
+    /// once); as [`Listener::bind`](crate::rdma::Listener::bind).
     #[doc(alias = "rdma_listen")]
     pub fn listen(&self, addr: &str) -> Result<TransferListener> {
         Ok(TransferListener {
@@ -122,7 +124,8 @@ impl Engine {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an engine without rails, no peers, more than 16, a name
     /// that does not resolve, a
     /// route to a device that is not one of the engine's, or a first message that is not valid;
-    /// [`Error::Timeout`](crate::Error::Timeout) from resolving a name or connecting;
+    /// [`Error::Timeout`](crate::Error::Timeout) from resolving a name (at most 16 at once in
+    /// the process, as [`listen`](Self::listen)) or connecting;
     /// [`Error::CmEvent`](crate::Error::CmEvent) from connecting; any verbs error.
     #[doc(alias = "rdma_connect")]
     pub fn connect(&self, peers: &[&str], publish: &[MemoryDescriptor]) -> Result<Endpoint> {

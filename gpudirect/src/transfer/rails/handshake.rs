@@ -24,8 +24,8 @@ use crate::transfer::plan::{deadline_after, send_window};
 use crate::transfer::wire::{Hello, MAX_HELLO};
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// What the rails' proofs are made over, besides the transcript (the local transport's differs).
@@ -36,34 +36,106 @@ const SESSION_LABEL: &[u8] = b"gpudirect transfer rails session v1";
 /// What an authenticated peer may do through a rail's queue pair.
 const PEER_ACCESS: AccessFlags = AccessFlags::REMOTE_READ.union(AccessFlags::REMOTE_WRITE);
 
+/// How many names the process resolves at once ([`resolve`]). The system's resolver cannot be
+/// cancelled: a name it does not answer holds its thread for as long as the resolver's own
+/// timeouts and retries run, whatever the connect's bound, so connects retried against such a
+/// name would otherwise start a thread each.
+const MAX_RESOLVING: usize = 16;
+
+/// The resolver threads running, at most `max`.
+struct Resolving {
+    running: Mutex<usize>,
+    freed: Condvar,
+    max: usize,
+}
+
+/// The process's resolver threads ([`MAX_RESOLVING`]).
+static RESOLVING: Resolving = Resolving::new(MAX_RESOLVING);
+
+impl Resolving {
+    const fn new(max: usize) -> Resolving {
+        Resolving {
+            running: Mutex::new(0),
+            freed: Condvar::new(),
+            max,
+        }
+    }
+
+    /// A place for one more resolver thread, waited for until `deadline` (`None`: none came
+    /// free by then).
+    fn take(&'static self, deadline: Instant) -> Option<ResolverPlace> {
+        let mut n = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        while *n >= self.max {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            n = self
+                .freed
+                .wait_timeout(n, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *n += 1;
+        Some(ResolverPlace(self))
+    }
+}
+
+/// One resolver thread's place, given back when it ends.
+struct ResolverPlace(&'static Resolving);
+
+impl Drop for ResolverPlace {
+    fn drop(&mut self) {
+        let mut n = self.0.running.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        drop(n);
+        self.0.freed.notify_one();
+    }
+}
+
 /// `peer` (`host:port`) as a socket address, an IPv4 one where it has both. A literal address
 /// is taken as it is; a name is asked of the system's resolver for at most `timeout` (a peer's
-/// address may come from a metadata store: its name must not hold a connect past its bound).
+/// address may come from a metadata store: its name must not hold a connect past its bound),
+/// on a thread of its own, at most [`MAX_RESOLVING`] at once in the process.
 ///
 /// # Errors
 ///
 /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Timeout`] when
-/// the resolver has not answered within `timeout` (it goes on in a thread of its own, its
-/// answer dropped); [`Error::Os`] when no thread can be had.
+/// the resolver has not answered within `timeout` (it goes on in its thread, its answer
+/// dropped), or when [`MAX_RESOLVING`] names were still being resolved throughout it;
+/// [`Error::Os`] when no thread can be had.
 pub(super) fn resolve(peer: &str, timeout: Duration) -> Result<SocketAddr> {
-    resolve_with(peer, timeout, |p| p.to_socket_addrs().map(|a| a.collect()))
+    resolve_with(peer, timeout, &RESOLVING, |p| {
+        p.to_socket_addrs().map(|a| a.collect())
+    })
 }
 
-/// [`resolve`] through `ask` (the resolver; a stand-in in tests).
+/// [`resolve`] through `ask` (the resolver; a stand-in in tests), its threads counted in
+/// `places`.
 fn resolve_with(
     peer: &str,
     timeout: Duration,
+    places: &'static Resolving,
     ask: impl FnOnce(String) -> std::io::Result<Vec<SocketAddr>> + Send + 'static,
 ) -> Result<SocketAddr> {
     let found = match peer.parse::<SocketAddr>() {
         Ok(a) => Ok(vec![a]),
         Err(_) => {
+            let deadline = deadline_after(Instant::now(), timeout);
+            let Some(place) = places.take(deadline) else {
+                return Err(Error::Timeout {
+                    what: "resolving a peer's address (every resolver thread still busy with \
+                           names that did not answer)",
+                    after: timeout,
+                });
+            };
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
             let name = peer.to_owned();
             crate::driver::ctx::spawn_thread("gpudirect-resolve", move || {
                 let _ = tx.send(ask(name));
+                drop(place);
             })?;
-            match rx.recv_timeout(timeout) {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(r) => r,
                 Err(_) => {
                     return Err(Error::Timeout {
@@ -576,7 +648,8 @@ mod resolve_tests {
 
     #[test]
     fn a_literal_address_needs_no_resolver() {
-        let a = resolve_with("10.1.2.3:4791", Duration::ZERO, |_| {
+        static PLACES: Resolving = Resolving::new(1);
+        let a = resolve_with("10.1.2.3:4791", Duration::ZERO, &PLACES, |_| {
             panic!("asked the resolver for a literal address")
         })
         .unwrap();
@@ -585,16 +658,17 @@ mod resolve_tests {
 
     #[test]
     fn a_name_resolves_within_its_bound_or_times_out() {
+        static PLACES: Resolving = Resolving::new(4);
         let v4: SocketAddr = "192.0.2.7:4791".parse().unwrap();
         let v6: SocketAddr = "[2001:db8::7]:4791".parse().unwrap();
-        let got = resolve_with("node-a:4791", Duration::from_secs(5), move |n| {
+        let got = resolve_with("node-a:4791", Duration::from_secs(5), &PLACES, move |n| {
             assert_eq!(n, "node-a:4791");
             Ok(vec![v6, v4])
         });
         assert_eq!(got.unwrap(), v4, "IPv4 first");
         // A resolver that does not answer: refused at the bound, not at its own pace.
         let started = Instant::now();
-        let e = resolve_with("slow:4791", Duration::from_millis(100), |_| {
+        let e = resolve_with("slow:4791", Duration::from_millis(100), &PLACES, |_| {
             std::thread::sleep(Duration::from_secs(3));
             Ok(vec![])
         })
@@ -605,7 +679,54 @@ mod resolve_tests {
             "{:?}",
             started.elapsed()
         );
-        let e = resolve_with("none:4791", Duration::from_secs(5), |_| Ok(vec![])).unwrap_err();
+        let e =
+            resolve_with("none:4791", Duration::from_secs(5), &PLACES, |_| Ok(vec![])).unwrap_err();
         assert!(e.to_string().contains("no address"), "{e}");
+    }
+
+    /// Names that never answer hold their threads; with every place taken, the next name waits
+    /// for one within its bound and is refused at it, starting no thread; a thread that ends
+    /// gives its place to the next name.
+    #[test]
+    fn resolver_threads_are_bounded() {
+        static PLACES: Resolving = Resolving::new(2);
+        let v4: SocketAddr = "192.0.2.9:4791".parse().unwrap();
+        let mut release = Vec::new();
+        for k in 0..2 {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            release.push(tx);
+            let e = resolve_with(
+                &format!("hung-{k}:4791"),
+                Duration::from_millis(20),
+                &PLACES,
+                move |_| {
+                    let _ = rx.recv();
+                    Ok(vec![])
+                },
+            )
+            .unwrap_err();
+            assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        }
+        let started = Instant::now();
+        let e = resolve_with("next:4791", Duration::from_millis(100), &PLACES, |_| {
+            panic!("a resolver thread started past the bound")
+        })
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::Timeout { what, .. } if what.contains("busy")),
+            "{e}"
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(100) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
+        // One hung name answers at last: its place serves the next name.
+        drop(release.remove(0));
+        let got = resolve_with("next:4791", Duration::from_secs(5), &PLACES, move |_| {
+            Ok(vec![v4])
+        });
+        assert_eq!(got.unwrap(), v4);
+        drop(release);
     }
 }
