@@ -350,53 +350,33 @@ fn local_writes_reads_and_notifications_between_two_processes() {
         .iter()
         .map(|&len| register(&engine, poisoned_bytes(0, len, 0x5A)))
         .collect();
-    let read = |i: usize| {
+    // Pair `i`'s read of the peer's random bytes into `into[i]`.
+    let read = |into: &[Region], i: usize| {
         ep.read(
-            vec![(dsts[i].all(), peer[3 + i].all())],
+            vec![(into[i].all(), peer[3 + i].all())],
             TransferOptions::default(),
         )
         .unwrap()
     };
-    let polled = read(0);
-    let until = std::time::Instant::now() + WAIT;
-    while !polled.is_complete() {
-        assert!(
-            std::time::Instant::now() < until,
-            "a polled read never finished"
-        );
-        std::thread::yield_now();
-    }
+    let polled = read(&dsts, 0);
+    poll_until_complete(&polled, "a polled read");
     polled.wait().unwrap();
-    let in_flight = read(1).into_in_flight();
+    let in_flight = read(&dsts, 1).into_in_flight();
     in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
-    drop(read(2));
+    drop(read(&dsts, 2));
     // The same behind a read in flight on this thread's lane (each finished only after it, in
     // order): polled, made an InFlight, dropped, then the first waited for.
-    let handed: Vec<Region> = SIZES
+    let behind: Vec<Region> = SIZES
         .iter()
         .map(|&len| register(&engine, poisoned_bytes(0, len, 0x6B)))
         .collect();
-    let read_behind = |i: usize| {
-        ep.read(
-            vec![(handed[i].all(), peer[3 + i].all())],
-            TransferOptions::default(),
-        )
-        .unwrap()
-    };
-    let first = read_behind(2);
-    let polled = read_behind(0);
-    let in_flight = read_behind(1).into_in_flight();
-    let until = std::time::Instant::now() + WAIT;
-    while !polled.is_complete() {
-        assert!(
-            std::time::Instant::now() < until,
-            "a polled read behind another never finished"
-        );
-        std::thread::yield_now();
-    }
+    let first = read(&behind, 2);
+    let polled = read(&behind, 0);
+    let in_flight = read(&behind, 1).into_in_flight();
+    poll_until_complete(&polled, "a polled read behind another");
     polled.wait().unwrap();
     in_flight.wait_timeout(WAIT).ok().unwrap().result().unwrap();
-    drop(read_behind(0));
+    drop(read(&behind, 0));
     first.wait().unwrap();
     // Prepared requests: a read posted once, then twice at once, each time into poisoned
     // memory; a write posted with fresh random bytes each time, read back exactly.
@@ -492,7 +472,7 @@ fn local_writes_reads_and_notifications_between_two_processes() {
             "unwaited read",
         );
         same(
-            &host_copy(&handed[i], 0, len),
+            &host_copy(&behind[i], 0, len),
             &bytes(len, seed ^ (100 + i as u64)),
             "unwaited read behind another",
         );
@@ -640,6 +620,16 @@ fn local_writes_reads_and_notifications_between_two_processes() {
     );
     let status = child.wait().unwrap();
     assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// Poll `t` (no blocking wait) until it is complete, failing after [`WAIT`] with `what` never
+/// finished.
+fn poll_until_complete(t: &gpudirect::transfer::Transfer, what: &str) {
+    let until = Instant::now() + WAIT;
+    while !t.is_complete() {
+        assert!(Instant::now() < until, "{what} never finished");
+        std::thread::yield_now();
+    }
 }
 
 /// Four threads reading from `src` (the peer's random bytes of [`SIZES`]`[2]`, seed
