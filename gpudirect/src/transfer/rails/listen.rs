@@ -241,7 +241,8 @@ impl RailSetup {
 ///
 /// [`Error::InvalidArgument`] for an address that does not resolve, or an engine without
 /// rails; [`Error::Timeout`] when a name's resolver takes longer than the engine's
-/// `connect_timeout`; as [`CmListener::bind`].
+/// `connect_timeout`, or the process's resolver threads stay busy that long (see
+/// `handshake::resolve`); as [`CmListener::bind`].
 pub(crate) fn listen(engine: &Engine, addr: &str) -> Result<Listener> {
     engine.inner.require_rails()?;
     Ok(Listener {
