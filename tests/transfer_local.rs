@@ -712,6 +712,9 @@ fn peer(job: Job) {
     if job.role == "reconnecting" {
         return reconnecting_peer(job);
     }
+    if job.role == "gather-peer" {
+        return gather_peer(job);
+    }
     let d = job.device;
     let engine = Engine::new(EngineConfig::local()).unwrap();
     let dsts: Vec<Region> = SIZES
@@ -751,6 +754,176 @@ fn peer(job: Job) {
         same(&host_copy(&slots, k * SLOT, SLOT), &slot(k), "slot");
     }
     assert_eq!(next(&ep).tag, 999);
+    until_hung_up(&ep);
+}
+
+/// Bytes of the peer's area in [`gathered_requests_between_two_processes`].
+const AREA: usize = 4 << 20;
+
+#[test]
+fn gathered_requests_between_two_processes() {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
+    let device = if n > 1 { 1 } else { 0 };
+    let mut config = EngineConfig::local();
+    config.copy_kernel = true;
+    let engine = Engine::new(config).unwrap();
+    let (_listener, ep, mut child) = meet_child(
+        &engine,
+        "gather",
+        "gathered_requests_between_two_processes",
+        "gather-peer",
+        seed,
+        device,
+    );
+    let area = ep.peer_descriptors()[0];
+    // What the peer's area and `back` hold, applied on the host in request order.
+    let mut model = vec![0xA5u8; AREA];
+    let mut back_model = vec![0x3Cu8; AREA];
+    let src_bytes = bytes(AREA, seed ^ 7);
+    let src = register(&engine, device_bytes(0, &src_bytes));
+    let back = register(&engine, poisoned_bytes(0, AREA, 0x3C));
+    let mut rng = StdRng::seed_from_u64(seed);
+    // 600 requests made at once on this thread, nothing waited: writes of random ranges of
+    // `src` over random ranges of the area and reads of the area into `back`, overlapping
+    // (the lane's order decides the bytes). Most are 16-byte aligned and small (they wait for a
+    // gather launch while the lane is busy); every seventh is not aligned and every 50th is
+    // 3 MiB (both go on the copy engines, after those waiting).
+    let mut ts = Vec::new();
+    for k in 0..600 {
+        let len = match k {
+            _ if k % 50 == 49 => 3 << 20,
+            _ => rng.random_range(1..=48 << 10),
+        };
+        let at = |rng: &mut StdRng| {
+            let o = rng.random_range(0..=AREA - len);
+            if k % 7 == 3 { o | 1 } else { o & !15 }.min(AREA - len)
+        };
+        let (a, b) = (at(&mut rng), at(&mut rng));
+        let t = if rng.random_range(0..10) < 7 {
+            model[b..b + len].copy_from_slice(&src_bytes[a..a + len]);
+            ep.write(
+                vec![(
+                    src.range(a as u64, len as u64).unwrap(),
+                    area.range(b as u64, len as u64).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+        } else {
+            back_model[a..a + len].copy_from_slice(&model[b..b + len]);
+            ep.read(
+                vec![(
+                    back.range(a as u64, len as u64).unwrap(),
+                    area.range(b as u64, len as u64).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+        };
+        ts.push(t.unwrap());
+    }
+    // Some dropped unwaited, some made InFlight, the rest waited last first.
+    let mut in_flight = Vec::new();
+    for (k, t) in ts.into_iter().enumerate().rev() {
+        match k % 5 {
+            0 => drop(t),
+            1 => in_flight.push(t.into_in_flight()),
+            _ => {
+                t.wait().unwrap();
+            }
+        }
+    }
+    for t in in_flight {
+        t.wait_timeout(WAIT).ok().unwrap().result().unwrap();
+    }
+    // A request that waits for a launch and is only polled: the worker lets it go.
+    let first = ep
+        .write(
+            vec![(src.range(0, 4096).unwrap(), area.range(0, 4096).unwrap())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    let polled = ep
+        .write(
+            vec![(
+                src.range(4096, 4096).unwrap(),
+                area.range(4096, 4096).unwrap(),
+            )],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    model[..8192].copy_from_slice(&src_bytes[..8192]);
+    poll_until_complete(&polled, "a gathered write only polled");
+    first.wait().unwrap();
+    // Every byte: what the reads brought, and the area read back whole (waited: the lane's
+    // requests before it are done or ended, and a dropped one still ran).
+    let whole = register(&engine, poisoned_bytes(0, AREA, 0x11));
+    ep.read(vec![(whole.all(), area.all())], TransferOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    same(
+        &host_copy(&whole, 0, AREA),
+        &model,
+        "the area after the requests",
+    );
+    same(
+        &host_copy(&back, 0, AREA),
+        &back_model,
+        "what the reads brought",
+    );
+    // The peer checks the area once notified.
+    let one = register(&engine, device_bytes(0, &model[..16]));
+    ep.write(
+        vec![(one.all(), area.range(0, 16).unwrap())],
+        TransferOptions::notify(1),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    // Requests left waiting for a launch when the endpoint goes: ended, nothing hangs.
+    let left: Vec<_> = (0..8u64)
+        .map(|k| {
+            ep.write(
+                vec![(
+                    src.range(k * 4096, 4096).unwrap(),
+                    area.range(k * 4096, 4096).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+            .unwrap()
+        })
+        .collect();
+    drop(ep);
+    for t in left {
+        // Done before the close, or ended by it.
+        assert!(
+            t.into_in_flight().wait_timeout(WAIT).is_ok(),
+            "ended, not hung"
+        );
+    }
+    let status = child.wait().unwrap();
+    assert!(status.success(), "peer failed: {status:?}");
+}
+
+/// The peer of [`gathered_requests_between_two_processes`]: publishes a poisoned area; at the
+/// notification its first bytes are the parent's `src` bytes.
+fn gather_peer(job: Job) {
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let area = register(&engine, poisoned_bytes(job.device, AREA, 0xA5));
+    let ep = engine
+        .connect_local(&job.socket, &[area.descriptor().unwrap()])
+        .unwrap();
+    let n = ep.next_notification(WAIT).unwrap().expect("a notification");
+    assert_eq!(n.tag, 1);
+    same(
+        &host_copy(&area, 0, 8192),
+        &bytes(AREA, job.seed ^ 7)[..8192],
+        "the polled writes before the notification",
+    );
     until_hung_up(&ep);
 }
 

@@ -103,11 +103,29 @@ pub(crate) unsafe fn launch(
     params: &mut [*mut c_void],
 ) -> Result<()> {
     // SAFETY: forwarded from the caller.
+    unsafe { launch_rows(f, blocks, 1, threads, stream, params) }
+}
+
+/// [`launch`] with a grid of `rows` rows of `blocks` blocks each (`gridDimY` = `rows`).
+///
+/// # Safety
+///
+/// As [`launch`].
+#[doc(alias = "cuLaunchKernel")]
+pub(crate) unsafe fn launch_rows(
+    f: sys::CUfunction,
+    blocks: u32,
+    rows: u32,
+    threads: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
     cu("cuLaunchKernel", unsafe {
         sys::cuLaunchKernel(
             f,
             blocks,
-            1,
+            rows,
             1,
             threads,
             1,

@@ -8,7 +8,7 @@ use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::region::{LocalRange, MemoryPath, Region};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// One copy: destination, source (unified addresses), bytes, the local GPU it runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +91,65 @@ impl Drop for Held {
 }
 
 /// The stream epochs of one request (one per stream it used): complete when all are.
-pub(super) struct Events(pub(super) Vec<StreamFence>);
+pub(super) struct Events(pub(super) Vec<StreamFence>, Option<Gathered>);
+
+/// The epoch of a request whose copies wait to go in a gather launch, set once they went:
+/// `None` when nothing was queued for it, the launch's failure when it failed.
+type Gathered = OnceLock<std::result::Result<Option<StreamFence>, Failed>>;
+
+/// A failed launch as its requests report it.
+#[derive(Debug, Clone)]
+pub(super) struct Failed {
+    call: &'static str,
+    code: u32,
+    name: String,
+}
+
+impl Failed {
+    fn of(e: &Error) -> Failed {
+        match e {
+            Error::Cuda { call, code, name } => Failed {
+                call,
+                code: *code,
+                name: name.clone(),
+            },
+            other => Failed {
+                call: "cuLaunchKernel",
+                code: u32::MAX,
+                name: other.to_string(),
+            },
+        }
+    }
+
+    fn error(&self) -> Error {
+        Error::Cuda {
+            call: self.call,
+            code: self.code,
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl Events {
+    /// The epochs taken after a request's copies.
+    pub(super) fn of(fences: Vec<StreamFence>) -> Events {
+        Events(fences, None)
+    }
+
+    /// For a request whose copies wait for a gather launch: incomplete until
+    /// [`gathered`](Self::gathered).
+    pub(super) fn later() -> Events {
+        Events(Vec::new(), Some(OnceLock::new()))
+    }
+
+    /// Its copies went (the epoch taken after them), nothing did (`Ok(None)`: complete), or
+    /// their launch failed. Once; later calls change nothing.
+    pub(super) fn gathered(&self, r: std::result::Result<Option<StreamFence>, &Error>) {
+        if let Some(cell) = &self.1 {
+            let _ = cell.set(r.map_err(Failed::of));
+        }
+    }
+}
 
 impl Fence for Arc<Events> {
     fn is_complete(&self) -> bool {
@@ -105,10 +163,26 @@ impl Fence for Arc<Events> {
 
 impl Fence for Events {
     fn is_complete(&self) -> bool {
-        self.0.iter().all(Fence::is_complete)
+        let later = match &self.1 {
+            None => true,
+            Some(cell) => match cell.get() {
+                Some(Ok(f)) => f.as_ref().is_none_or(Fence::is_complete),
+                // Not gone yet, or failed: what it reaches stays.
+                Some(Err(_)) | None => false,
+            },
+        };
+        later && self.0.iter().all(Fence::is_complete)
     }
 
     fn check(&self) -> Result<bool> {
+        if let Some(cell) = &self.1 {
+            match cell.get() {
+                None => return Ok(false),
+                Some(Err(f)) => return Err(f.error()),
+                Some(Ok(Some(f))) if !f.check()? => return Ok(false),
+                Some(Ok(_)) => {}
+            }
+        }
         for e in &self.0 {
             if !e.check()? {
                 return Ok(false);
@@ -199,7 +273,7 @@ pub(super) fn enqueue(
         }
     }
     Ok((
-        Events(fences),
+        Events::of(fences),
         keep.take().expect("kept to the end"),
         messages,
     ))
@@ -220,7 +294,7 @@ fn queue_on(
             if fences.is_empty() {
                 drop(k); // nothing queued yet
             } else {
-                Tracker::global().park(Events(std::mem::take(fences)), k);
+                Tracker::global().park(Events::of(std::mem::take(fences)), k);
             }
         }
         return Err(e);
@@ -251,7 +325,7 @@ fn queue_on(
         }
         Err(refused) => {
             if let Some(k) = refused.kept {
-                Tracker::global().park(Events(std::mem::take(fences)), k);
+                Tracker::global().park(Events::of(std::mem::take(fences)), k);
             }
             Err(refused.error)
         }
@@ -262,6 +336,41 @@ fn queue_on(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_gathered_request_is_complete_only_once_its_launch_is_known() {
+        let waiting = Events::later();
+        assert!(!waiting.is_complete());
+        assert!(!waiting.check().unwrap());
+        waiting.gathered(Ok(None));
+        assert!(waiting.is_complete() && waiting.check().unwrap());
+        // Set once: a later answer changes nothing.
+        waiting.gathered(Err(&Error::cuda(
+            "cuLaunchKernel",
+            cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+        )));
+        assert!(waiting.is_complete());
+
+        let failed = Events::later();
+        failed.gathered(Err(&Error::cuda(
+            "cuLaunchKernel",
+            cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+        )));
+        // Never complete (what it reaches stays), and the failure is the driver's.
+        assert!(!failed.is_complete());
+        let e = failed.check().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Cuda {
+                    call: "cuLaunchKernel",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(Events::of(Vec::new()).is_complete());
+    }
 
     proptest! {
         /// Copies spread over streams: every byte of every copy once, chunks at most `chunk`

@@ -1,9 +1,14 @@
-//! The copy kernel of stream-ordered requests (`kernels/copy_fire.ptx`): one launch copies a
-//! pair's bytes and then stores the request's trigger word, where copy-engine copies take a
-//! copy and a trigger write, two submissions to the stream of some microseconds of host time
-//! each. Loaded once per context (serialized, process-wide) and never unloaded.
+//! The copy kernels (`kernels/copy_fire.ptx`), with [`EngineConfig::copy_kernel`]: for a
+//! stream-ordered request, one launch copies a pair's bytes and then stores the request's
+//! trigger word, where copy-engine copies take a copy and a trigger write, two submissions to
+//! the stream of some microseconds of host time each; for requests queued on a busy lane, one
+//! launch copies the pieces of several ([`CopyKernel::gather`]), where the copy engines take a
+//! submission each. Loaded once per context (serialized, process-wide) and never unloaded.
+//!
+//! [`EngineConfig::copy_kernel`]: crate::transfer::EngineConfig::copy_kernel
 
-use super::copies::Piece;
+use super::copies::{Events, Piece};
+use crate::cuda::Stream;
 use crate::driver::ctx::bind;
 use crate::driver::module::{self, MODULE_SYMBOLS};
 use crate::error::{Error, Result, from_driver};
@@ -22,9 +27,19 @@ const BLOCK_BYTES: u64 = THREADS as u64 * 16 * 4;
 /// Blocks per multiprocessor at most.
 const BLOCKS_PER_SM: u32 = 8;
 
+/// Pieces one [`CopyKernel::gather`] launch copies at most (the kernel's parameter holds 24
+/// bytes each).
+pub(super) const GATHER_PIECES: usize = 32;
+
+/// The pieces of one gather launch as its parameter holds them: (dst, src, bytes) each.
+#[repr(C, align(8))]
+struct Table([u64; 3 * GATHER_PIECES]);
+
 /// The copy kernel of one context, and the counters its launches count their blocks in.
 pub(super) struct CopyKernel {
     func: sys::CUfunction,
+    /// `copy_gather`.
+    gather: sys::CUfunction,
     /// Device address of the module's counters (`u32` each).
     counters: u64,
     /// Counters no launch in flight holds.
@@ -86,9 +101,14 @@ impl CopyKernel {
         let m = unsafe { module::load_data(&image) }?;
         // SAFETY: the module just loaded, never unloaded.
         let func = unsafe { module::function(m, c"copy_fire") }?;
-        // Loaded now, not at its first launch (lazy loading may wait for the context there).
-        // SAFETY: a function of the live module.
-        unsafe { module::load_function(func) }?;
+        // SAFETY: as above.
+        let gather = unsafe { module::function(m, c"copy_gather") }?;
+        // Loaded now, not at their first launch (lazy loading may wait for the context there).
+        // SAFETY: functions of the live module.
+        unsafe {
+            module::load_function(func)?;
+            module::load_function(gather)?;
+        }
         // SAFETY: as above.
         let (counters, bytes) = unsafe { module::global(m, c"copy_fire_counters") }?;
         let n = u32::try_from(bytes / 4).unwrap_or(0);
@@ -97,11 +117,50 @@ impl CopyKernel {
             .map_err(|e| from_driver("cuDeviceGetAttribute", e))?;
         Ok(CopyKernel {
             func,
+            gather,
             counters,
             free: Mutex::new((0..n).rev().collect()),
             max_blocks: u32::try_from(sms).unwrap_or(1).max(1) * BLOCKS_PER_SM,
             _ctx: ctx.clone(),
         })
+    }
+
+    /// Queue on `stream` the copies of `pieces` (1 to [`GATHER_PIECES`]) in one launch: a row
+    /// of blocks per piece, as many in each as the longest piece takes.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is live in the kernel's context, which is current; every piece [`fits`]; both
+    /// ranges of each are memory the kernel's GPU reaches, valid until the stream has passed
+    /// the launch.
+    pub(super) unsafe fn gather(&self, stream: sys::CUstream, pieces: &[Piece]) -> Result<()> {
+        if pieces.is_empty() || pieces.len() > GATHER_PIECES {
+            return Err(Error::invalid(
+                "pieces",
+                pieces.len(),
+                format!("one gather launch copies 1 to {GATHER_PIECES}"),
+            ));
+        }
+        let mut table = Table([0; 3 * GATHER_PIECES]);
+        for (row, p) in table.0.chunks_exact_mut(3).zip(pieces) {
+            row.copy_from_slice(&[p.dst, p.src, p.len]);
+        }
+        let longest = pieces.iter().map(|p| p.len).max().unwrap_or(1);
+        // At most GATHER_PIECES: fits u32.
+        let mut count = pieces.len() as u32;
+        let mut params: [*mut c_void; 2] = [(&raw mut count).cast(), (&raw mut table).cast()];
+        // SAFETY: the kernel's parameters (a u32, then the 768-byte table), matched by
+        // `params`; the memory is the caller's promise.
+        unsafe {
+            module::launch_rows(
+                self.gather,
+                blocks(longest, self.max_blocks),
+                count,
+                THREADS,
+                stream,
+                &mut params,
+            )
+        }
     }
 
     /// A counter for one launch; `None` while every counter is held (the copy engines copy).
@@ -184,6 +243,131 @@ impl Lease {
     }
 }
 
+/// The most bytes a request may move and still wait for a gather launch; a larger one goes on
+/// the copy engines at once (its copies outlast a submission's host time).
+pub(super) const GATHER_REQUEST_BYTES: u64 = 2 << 20;
+
+/// The most bytes one gather launch waits for: past them, the launch goes at once.
+const GATHER_BYTES: u64 = 8 << 20;
+
+/// Whether a piece of `new` writes a byte a piece of `old` reads or writes, or reads one it
+/// writes (by address: the peer's allocations are mapped once in the process).
+fn clash(old: &[Piece], new: &[Piece]) -> bool {
+    let meet = |a: u64, b: u64, n: u64, m: u64| a < b.saturating_add(m) && b < a.saturating_add(n);
+    new.iter().any(|p| {
+        old.iter().any(|q| {
+            meet(p.dst, q.dst, p.len, q.len)
+                || meet(p.dst, q.src, p.len, q.len)
+                || meet(p.src, q.dst, p.len, q.len)
+        })
+    })
+}
+
+/// The requests of a busy lane whose copies wait to go in one gather launch: held under the
+/// lane's issue lock. They go when a request of the lane is queued that cannot wait here, when
+/// [`GATHER_PIECES`] or [`GATHER_BYTES`] are reached, when a waiting caller or the worker looks
+/// at the lane, and when the endpoint reconnects or closes.
+#[derive(Default)]
+pub(super) struct Gather {
+    pieces: Vec<Piece>,
+    /// Each waiting request's epochs, set when they go.
+    fences: Vec<Arc<Events>>,
+    bytes: u64,
+    /// Where they go: the lane's one stream of their GPU, and its kernel.
+    to: Option<(Stream, Arc<CopyKernel>)>,
+}
+
+impl Gather {
+    /// Whether no request waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.fences.is_empty()
+    }
+
+    /// Whether a request of `pieces` queued on `stream` can go in the same launch as those
+    /// waiting: room left, the same stream, and no byte that one of them writes and another
+    /// reads or writes (the pieces of one launch run at once; the lane's requests must land in
+    /// order).
+    pub(super) fn takes(&self, stream: &Stream, pieces: &[Piece]) -> bool {
+        self.pieces.len() + pieces.len() <= GATHER_PIECES
+            && self
+                .to
+                .as_ref()
+                .is_none_or(|(s, _)| s.cu_stream() == stream.cu_stream())
+            && !clash(&self.pieces, pieces)
+    }
+
+    /// Let a request's `pieces` wait (after [`takes`](Self::takes) said they can), its epochs
+    /// set in `fence` when they go; they go at once when the launch is full.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is one of the endpoint's private streams; `kernel` is its context's; every piece
+    /// [`fits`] and both its ranges are memory the stream's GPU reaches, held (by the request
+    /// `fence` belongs to) until `fence` is complete.
+    pub(super) unsafe fn add(
+        &mut self,
+        stream: &Stream,
+        kernel: Arc<CopyKernel>,
+        pieces: &[Piece],
+        fence: Arc<Events>,
+    ) {
+        self.to.get_or_insert_with(|| (stream.clone(), kernel));
+        self.pieces.extend_from_slice(pieces);
+        self.bytes = self
+            .bytes
+            .saturating_add(pieces.iter().map(|p| p.len).sum());
+        self.fences.push(fence);
+        if self.pieces.len() >= GATHER_PIECES || self.bytes >= GATHER_BYTES {
+            self.flush();
+        }
+    }
+
+    /// Let every waiting request go with nothing queued for it (its epochs complete at once):
+    /// for an endpoint that closed, whose requests have all ended.
+    pub(super) fn cancel(&mut self) {
+        self.pieces.clear();
+        self.bytes = 0;
+        self.to = None;
+        for f in self.fences.drain(..) {
+            f.gathered(Ok(None));
+        }
+    }
+
+    /// Queue every waiting request's copies in one launch and set their epochs (to the launch's
+    /// failure if it failed: what they reach then stays).
+    pub(super) fn flush(&mut self) {
+        let fences = std::mem::take(&mut self.fences);
+        let pieces = std::mem::take(&mut self.pieces);
+        self.bytes = 0;
+        let Some((stream, kernel)) = self.to.take() else {
+            return;
+        };
+        if fences.is_empty() {
+            return;
+        }
+        let launched = match stream.as_private() {
+            // SAFETY: `add`'s promises for every piece; the stream's context made current by
+            // `enqueue`, the kernel of that context.
+            Some(p) => p
+                .enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
+                    kernel.gather(raw, &pieces)
+                })
+                .map(|((), ())| ())
+                .map_err(|r| r.error),
+            None => Err(Error::invalid(
+                "stream",
+                "not the endpoint's own",
+                "only a lane's private stream gathers",
+            )),
+        };
+        // Taken after the launch: the epoch covers it.
+        let gone = launched.map(|()| Some(stream.timeline().issue()));
+        for f in fences {
+            f.gathered(gone.as_ref().map(Clone::clone));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,10 +397,39 @@ mod tests {
     }
 
     #[test]
+    fn pieces_that_share_a_written_byte_clash() {
+        let p = |dst, src, len| Piece {
+            dst,
+            src,
+            len,
+            device: 0,
+        };
+        let old = [p(0x1000, 0x9000, 0x100)];
+        // Apart, touching, or reading what the other reads: no clash.
+        assert!(!clash(&old, &[p(0x1100, 0xA000, 0x10)]));
+        assert!(!clash(&old, &[p(0x0F00, 0xA000, 0x100)]));
+        assert!(!clash(&old, &[p(0x5000, 0x9000, 0x100)]));
+        // A write over a write, over a read, and a read of a write.
+        assert!(clash(&old, &[p(0x10F0, 0xA000, 0x20)]));
+        assert!(clash(&old, &[p(0x90FF, 0xA000, 0x1)]));
+        assert!(clash(&old, &[p(0x5000, 0x0FFF, 0x2)]));
+        // Only the last of several.
+        assert!(clash(&old, &[p(0x5000, 0x6000, 8), p(0x1000, 0x6000, 8)]));
+        // At the top of the address space: no wrap.
+        let top = [p(u64::MAX - 0x10, 0x9000, 0x10)];
+        assert!(!clash(&top, &[p(0, 0xA000, 0x10)]));
+        assert!(clash(&top, &[p(u64::MAX - 1, 0xA000, 1)]));
+    }
+
+    #[test]
     fn the_kernel_text_names_what_the_host_asks_for() {
         assert!(PTX.contains(".visible .entry copy_fire("));
         assert!(PTX.contains("copy_fire_counters[65536]"));
         assert_eq!(PTX.matches(".param .u64").count(), 6);
+        assert!(PTX.contains(".visible .entry copy_gather("));
+        let table = 3 * 8 * GATHER_PIECES;
+        assert_eq!(std::mem::size_of::<Table>(), table);
+        assert!(PTX.contains(&format!(".param .align 8 .b8 copy_gather_pieces[{table}]")));
         assert!(!PTX.contains('\0'));
     }
 }

@@ -2,10 +2,12 @@
 //! side), the copies queued on the calling thread's lane's streams and handed to the worker; prepared once
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
-use super::copies::{Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies};
+use super::copies::{
+    Events, Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies,
+};
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
-use super::kernel::{self, CopyKernel, Lease};
+use super::kernel::{self, CopyKernel, Gather, Lease};
 use super::side::{Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
@@ -508,16 +510,34 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     let eager = report.notified.is_some();
     // Under the lane's issue lock, queued then pushed: the lane's streams' order is its queue's.
     // (The worker takes only the queue's lock, briefly.)
-    let issue = lock(&lane.issue);
+    let mut issue = lock(&lane.issue);
     if let Some(err) = ended_since(ep, side, when.epoch) {
         // Nothing queued: the imports are parked, as a refused request's are.
         park_imports(keep._imports);
         return Err(err);
     }
-    let (fence, keep, messages) = enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
-    // From here on the copies run: what is left costs them nothing.
+    let gather = gatherable(e, &issue, streams, copies, gpus, report.bytes);
+    let (gather, fence, keep) = match gather {
+        Some((stream, kernel)) => {
+            // Its pieces wait with the others for one launch: pushed first, so that a closed
+            // endpoint's refusal leaves nothing waiting.
+            let fence = Arc::new(Events::later());
+            report.messages = copies.len() as u64;
+            (Gathered::Waits(stream, kernel), fence, keep)
+        }
+        None => {
+            // Requests waiting for a launch go first: the stream keeps the lane's order.
+            issue.flush();
+            lane.gathering.store(false, Ordering::Release);
+            let (fence, keep, messages) =
+                enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
+            report.messages = messages;
+            (Gathered::No, Arc::new(fence), keep)
+        }
+    };
+    // From here on the copies run (or wait for the launch that holds the lane's order): what is
+    // left costs them nothing.
     hold_imports(side, &keep._imports);
-    report.messages = messages;
     report.paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     // Made once the copies are queued: a request refused before has no transfer to end. What
     // the copies reach is the job's to hold (`keep`), not the transfer's.
@@ -529,7 +549,7 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     // beside the caller's copies, which slow a small request: see docs/transfer.md).
     transfer.set_finisher(lane.finisher());
     let job = Job {
-        fence: Arc::new(fence),
+        fence: fence.clone(),
         keep,
         finish: Box::new(finish),
         report,
@@ -540,11 +560,70 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
         seq: 0,
     };
     let refused = side.push_job(lane.index, job, eager);
+    match gather {
+        Gathered::Waits(stream, kernel) if refused.is_none() => {
+            // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
+            // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
+            // both ranges checked by `prepare`); the job holds what they reach until `fence` is
+            // complete, and parks it behind `fence` if it ends first.
+            unsafe { issue.add(&stream, kernel, copies, fence) };
+            lane.gathering.store(!issue.is_empty(), Ordering::Release);
+        }
+        // Refused (the endpoint closed): nothing queued for it.
+        Gathered::Waits(..) => fence.gathered(Ok(None)),
+        Gathered::No => {}
+    }
     drop(issue);
     if let Some(job) = refused {
         side.end_unqueued(job);
     }
     Ok(transfer)
+}
+
+/// Whether a request's copies wait for a gather launch ([`issue`]).
+enum Gathered {
+    /// They wait, to go on this stream with this kernel.
+    Waits(Stream, Arc<CopyKernel>),
+    /// They were queued at once.
+    No,
+}
+
+/// Where a request's copies wait for a gather launch, if they may: with the copy kernel
+/// allowed ([`EngineConfig::copy_kernel`](crate::transfer::EngineConfig::copy_kernel)), its
+/// lane busy (requests wait already, or the stream has work not seen done), at most
+/// [`kernel::GATHER_REQUEST_BYTES`] on the lane's one stream of one GPU, every piece from or to
+/// that GPU's memory and 16-byte aligned, room left in the launch and no byte shared with a
+/// waiting piece that one of them writes (else they go at once, after those waiting).
+fn gatherable(
+    e: &EngineInner,
+    waiting: &Gather,
+    streams: &[(usize, Arc<[Stream]>)],
+    copies: &[Piece],
+    gpus: &[(Option<usize>, usize)],
+    bytes: u64,
+) -> Option<(Stream, Arc<CopyKernel>)> {
+    if !e.config.copy_kernel || bytes > kernel::GATHER_REQUEST_BYTES || copies.is_empty() {
+        return None;
+    }
+    let [(device, mine)] = streams else {
+        return None;
+    };
+    let [stream] = &mine[..] else {
+        return None;
+    };
+    stream.as_private()?;
+    let fit =
+        copies.iter().all(kernel::fits) && gpus.iter().all(|&(local, _)| local == Some(*device));
+    if !fit || !waiting.takes(stream, copies) {
+        return None;
+    }
+    let timeline = stream.timeline();
+    let busy = !waiting.is_empty() || timeline.completed() < timeline.issued();
+    if !busy {
+        return None;
+    }
+    let kernel = CopyKernel::of(stream.context())?;
+    Some((stream.clone(), kernel))
 }
 
 /// An intra-node request checked and mapped once, to be posted many times ([`post`]).

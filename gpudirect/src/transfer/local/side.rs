@@ -6,6 +6,7 @@
 use super::copies::{Events, Keep, park_imports};
 use super::fds::{PeerFd, PeerFds};
 use super::import::Import;
+use super::kernel::Gather;
 use super::meet::dial;
 use super::socket::{FRAME, NOTE, os, send_all};
 use super::state::{State, deliver, fail_later, restart};
@@ -231,8 +232,12 @@ thread_local! {
 pub(crate) struct Lane {
     pub(super) index: usize,
     side: Weak<Side>,
-    /// Held while a request's copies are queued on the lane's streams and the request pushed.
-    pub(super) issue: Mutex<()>,
+    /// Held while a request's copies are queued on the lane's streams and the request pushed;
+    /// holds the requests whose copies wait for a gather launch.
+    pub(super) issue: Mutex<Gather>,
+    /// Whether requests wait in `issue` (a hint, set and cleared under it): lookers take the lock
+    /// only then.
+    pub(super) gathering: AtomicBool,
     /// Piece streams per local GPU.
     streams: Mutex<HashMap<usize, Arc<[Stream]>>>,
     copy_streams: usize,
@@ -266,6 +271,21 @@ impl Lane {
         }
         m.insert(ordinal, v.clone());
         Ok(v)
+    }
+
+    /// Let the requests waiting for a gather launch go, unless another thread holds the issue
+    /// lock (it is queueing on the lane: a later look lets them go).
+    pub(super) fn let_gathered_go(&self) {
+        if !self.gathering.load(Ordering::Acquire) {
+            return;
+        }
+        let mut g = match self.issue.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        g.flush();
+        self.gathering.store(false, Ordering::Release);
     }
 
     /// This lane as the finisher of a request's waits.
@@ -385,7 +405,8 @@ impl Side {
                     Arc::new(Lane {
                         index,
                         side: me.clone(),
-                        issue: Mutex::new(()),
+                        issue: Mutex::new(Gather::default()),
+                        gathering: AtomicBool::new(false),
                         streams: Mutex::new(HashMap::new()),
                         copy_streams,
                         helped_at: AtomicU64::new(0),
@@ -613,7 +634,12 @@ impl Side {
     /// ([`Lane::streams_of`]); every lane's streams lock is held meanwhile, so a stream is made
     /// either before (and waits here) or after (and waits there).
     fn order_lanes(&self) -> Result<()> {
-        let _issuing: Vec<_> = self.lanes.iter().map(|l| lock(&l.issue)).collect();
+        let mut issuing: Vec<_> = self.lanes.iter().map(|l| lock(&l.issue)).collect();
+        // Requests waiting for a gather launch go first: the join covers them.
+        for (g, l) in issuing.iter_mut().zip(self.lanes.iter()) {
+            g.flush();
+            l.gathering.store(false, Ordering::Release);
+        }
         let maps: Vec<_> = self.lanes.iter().map(|l| lock(&l.streams)).collect();
         let streams: Vec<Stream> = maps
             .iter()
@@ -786,6 +812,9 @@ impl Side {
     /// Whether a lane's first request that no waiting caller looks at can be finished now (or
     /// none is queued).
     fn any_ready(&self) -> bool {
+        for l in self.lanes.iter() {
+            l.let_gathered_go();
+        }
         let heads = {
             let q = lock(&self.queue);
             if q.is_empty() {
@@ -976,6 +1005,7 @@ impl Finisher for Lane {
             return;
         };
         self.helped_at.store(side.now_ns(), Ordering::Relaxed);
+        self.let_gathered_go();
         while side.finish_next(Some(self.index), false) {}
     }
 
@@ -1009,6 +1039,12 @@ impl Side {
         self.hang_up();
         if let Some(t) = lock(&self.worker).take() {
             join_unless_current(t);
+        }
+        // Requests still waiting for a gather launch have ended (the epoch moved, and none is
+        // queued since): nothing is queued for them.
+        for l in self.lanes.iter() {
+            lock(&l.issue).cancel();
+            l.gathering.store(false, Ordering::Release);
         }
         park_imports(std::mem::take(&mut *lock(&self.held)));
     }
@@ -1076,7 +1112,7 @@ impl Job {
         };
         let now = Instant::now();
         Job {
-            fence: Arc::new(Events(Vec::new())),
+            fence: Arc::new(Events::of(Vec::new())),
             keep: Keep {
                 _pairs: Vec::new(),
                 _regions: Vec::new(),
