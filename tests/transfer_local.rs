@@ -790,11 +790,26 @@ fn gathered_requests_between_two_processes() {
     let mut rng = StdRng::seed_from_u64(seed);
     // 600 requests made at once on this thread, nothing waited: writes of random ranges of
     // `src` over random ranges of the area and reads of the area into `back`, overlapping
-    // (the lane's order decides the bytes). Most are 16-byte aligned and small (they wait for a
+    // (the lane's order decides the bytes), some writes made twice in a row. Most are 16-byte aligned and small (they wait for a
     // gather launch while the lane is busy); every seventh is not aligned and every 50th is
     // 3 MiB (both go on the copy engines, after those waiting).
     let mut ts = Vec::new();
+    let mut last_write = None;
     for k in 0..600 {
+        // Every 11th: the last write again (the same copy may go in one launch twice).
+        if k % 11 == 5
+            && let Some((a, b, len)) = last_write
+        {
+            let t = ep.write(
+                vec![(
+                    src.range(a as u64, len as u64).unwrap(),
+                    area.range(b as u64, len as u64).unwrap(),
+                )],
+                TransferOptions::default(),
+            );
+            ts.push(t.unwrap());
+            continue;
+        }
         let len = match k {
             _ if k % 50 == 49 => 3 << 20,
             _ => rng.random_range(1..=48 << 10),
@@ -806,6 +821,7 @@ fn gathered_requests_between_two_processes() {
         let (a, b) = (at(&mut rng), at(&mut rng));
         let t = if rng.random_range(0..10) < 7 {
             model[b..b + len].copy_from_slice(&src_bytes[a..a + len]);
+            last_write = Some((a, b, len));
             ep.write(
                 vec![(
                     src.range(a as u64, len as u64).unwrap(),

@@ -94,6 +94,13 @@ pub struct EngineConfig {
     /// that fills them and spins on a completion word ([`StreamTransfer::completion_word`](super::StreamTransfer::completion_word),
     /// [`StreamWord`](super::StreamWord)) until such a request is done waits until the
     /// request's trigger deadline fails it, where copy engines would have made progress.
+    ///
+    /// With it, intra-node requests of at most 2 MiB whose pieces are 16-byte aligned and on
+    /// their lane's one stream of the local memory's GPU, made while that lane is busy, wait to
+    /// go in one launch of a gather kernel (up to 32 pieces) instead of a copy-engine
+    /// submission each; they go when one of the lane's requests is waited for or polled, when
+    /// the lane's worker looks, or when a request that cannot wait is made
+    /// (`docs/transfer.md`, "Gathered requests").
     pub copy_kernel: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not

@@ -251,12 +251,14 @@ pub(super) const GATHER_REQUEST_BYTES: u64 = 2 << 20;
 const GATHER_BYTES: u64 = 8 << 20;
 
 /// Whether a piece of `new` writes a byte a piece of `old` reads or writes, or reads one it
-/// writes (by address: the peer's allocations are mapped once in the process).
+/// writes (by address: the peer's allocations are mapped once in the process). The same copy
+/// again does not clash: run at once, both write the same bytes, read from memory no piece of
+/// the launch writes.
 fn clash(old: &[Piece], new: &[Piece]) -> bool {
     let meet = |a: u64, b: u64, n: u64, m: u64| a < b.saturating_add(m) && b < a.saturating_add(n);
     new.iter().any(|p| {
         old.iter().any(|q| {
-            meet(p.dst, q.dst, p.len, q.len)
+            p != q && meet(p.dst, q.dst, p.len, q.len)
                 || meet(p.dst, q.src, p.len, q.len)
                 || meet(p.src, q.dst, p.len, q.len)
         })
@@ -413,6 +415,9 @@ mod tests {
         assert!(clash(&old, &[p(0x10F0, 0xA000, 0x20)]));
         assert!(clash(&old, &[p(0x90FF, 0xA000, 0x1)]));
         assert!(clash(&old, &[p(0x5000, 0x0FFF, 0x2)]));
+        // The same copy again: both may run at once; its source written, not.
+        assert!(!clash(&old, &old));
+        assert!(clash(&[old[0], p(0x9000, 0x4000, 0x10)], &old));
         // Only the last of several.
         assert!(clash(&old, &[p(0x5000, 0x6000, 8), p(0x1000, 0x6000, 8)]));
         // At the top of the address space: no wrap.
