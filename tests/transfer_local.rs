@@ -17,6 +17,12 @@
 //! - a remote range past the peer's real allocation refused before any copy; a deadline that
 //!   passes ending the request with `Error::Timeout`;
 //! - a peer killed while writes run: a typed error, no hang;
+//! - with the copy kernel, 600 requests made at once on one thread (writes and reads of random,
+//!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
+//!   gather launch, some not, some the same write twice), then dropped, made `InFlight` or
+//!   waited for: the area and what the reads brought compared exactly with the same requests
+//!   applied on the host in order; a gathered write only polled finishes; requests left waiting
+//!   when the endpoint goes end without a hang;
 //! - a reconnect while 1,024 long writes run: later notified writes of the same bytes, from a
 //!   lane that existed and from one made after the reconnect, land after the ended writes'
 //!   copies (checked at each notification and at the end);

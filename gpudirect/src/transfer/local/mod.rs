@@ -15,7 +15,8 @@
 //! `cuMemPoolImportPointer` of the allocation's export data (once per allocation; freed before
 //! its pool goes). It checks the range against the allocation length the peer claims and the
 //! mapping's real size, and queues `cuMemcpyAsync` on the stream(s) of the local memory's GPU of
-//! the calling thread's issue lane (each lane its own streams and lock), then takes an epoch of
+//! the calling thread's issue lane (each lane its own streams and lock; with the copy kernel, a
+//! small request on a busy lane waits to go with the next ones in one launch), then takes an epoch of
 //! each stream's completion timeline (no driver call: an event is recorded only when someone
 //! looks, covering every request queued before, and events are recycled). A lane's requests
 //! finish in the order they were made, each only once its epochs complete, and those with a
@@ -41,7 +42,8 @@
 //! - `meet`: the meeting (first messages and file descriptors, one deadline), dialing.
 //! - `state`: the endpoint's state under its lock; failing it, delivering a notification.
 //! - `copies`: pieces spread over the streams, queued, and what they reach held.
-//! - `kernel`: the copy kernel of stream-ordered requests (a copy and its trigger in one launch).
+//! - `kernel`: the copy kernels: a stream-ordered request's copy and trigger in one launch; the
+//!   copies of requests waiting on a busy lane gathered into one launch.
 //! - `side`: the socket, its reader, the copy streams and the worker that finishes requests.
 //! - `request`: a request checked, mapped and issued; prepared requests; stream-ordered copies.
 //! - `handle`: the transport as the endpoint holds it ([`Local`]).
