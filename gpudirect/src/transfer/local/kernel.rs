@@ -50,7 +50,8 @@ pub(super) struct CopyKernel {
 }
 
 // SAFETY: `func` is a driver handle of a module that is never unloaded; the driver takes it
-// from any thread where its context is current (`launch` binds it through the enqueue path).
+// from any thread where its context is current (`launch` binds it through the enqueue path,
+// `Gather::flush` itself).
 unsafe impl Send for CopyKernel {}
 // SAFETY: as above; the free list is behind its lock.
 unsafe impl Sync for CopyKernel {}
@@ -348,14 +349,16 @@ impl Gather {
             return;
         }
         let launched = match stream.as_private() {
-            // SAFETY: `add`'s promises for every piece; the stream's context made current by
-            // `enqueue`, the kernel of that context.
-            Some(p) => p
-                .enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
+            // The flushing thread may have any context current (a waiter's, the worker's).
+            Some(p) => bind(stream.context()).and_then(|()| {
+                // SAFETY: `add`'s promises for every piece; the stream's context made current
+                // above, the kernel of that context.
+                p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
                     kernel.gather(raw, &pieces)
                 })
                 .map(|((), ())| ())
-                .map_err(|r| r.error),
+                .map_err(|r| r.error)
+            }),
             None => Err(Error::invalid(
                 "stream",
                 "not the endpoint's own",

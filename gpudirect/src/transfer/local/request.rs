@@ -787,9 +787,10 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
         return Err(err);
     }
     // The stream may wait (a reconnect's join) for copies its timeline does not count: the
-    // synchronize would wait for them, past the request's deadline.
+    // synchronize would wait for them, past the request's deadline. Requests waiting for a
+    // gather launch come before this one.
     let timeline = stream.timeline();
-    if timeline.completed() < timeline.issued() || !side.barrier_done()? {
+    if !issue.is_empty() || timeline.completed() < timeline.issued() || !side.barrier_done()? {
         drop(issue);
         return post(ep, r)?.wait();
     }
