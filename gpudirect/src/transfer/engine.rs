@@ -100,7 +100,10 @@ pub struct EngineConfig {
     /// go in one launch of a gather kernel (up to 32 pieces) instead of a copy-engine
     /// submission each; they go when one of the lane's requests is waited for or polled, when
     /// the lane's worker looks, or when a request that cannot wait is made
-    /// (`docs/transfer.md`, "Gathered requests").
+    /// (`docs/transfer.md`, "Gathered requests"). That launch needs a free block slot too: a
+    /// kernel that fills the multiprocessors and spins until such a request's bytes arrive
+    /// waits until the request's deadline fails it. A failed launch ends its requests with
+    /// the driver's error, nothing queued for them; the endpoint goes on.
     pub copy_kernel: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not

@@ -94,7 +94,8 @@ impl Drop for Held {
 pub(super) struct Events(pub(super) Vec<StreamFence>, Option<Gathered>);
 
 /// The epoch of a request whose copies wait to go in a gather launch, set once they went:
-/// `None` when nothing was queued for it, the launch's failure when it failed.
+/// `None` when nothing was queued for it, the launch's failure when it failed (nothing queued
+/// either).
 type Gathered = OnceLock<std::result::Result<Option<StreamFence>, Failed>>;
 
 /// A failed launch as its requests report it.
@@ -143,10 +144,19 @@ impl Events {
     }
 
     /// Its copies went (the epoch taken after them), nothing did (`Ok(None)`: complete), or
-    /// their launch failed. Once; later calls change nothing.
+    /// their launch failed (complete too: nothing was queued). Once; later calls change
+    /// nothing.
     pub(super) fn gathered(&self, r: std::result::Result<Option<StreamFence>, &Error>) {
         if let Some(cell) = &self.1 {
             let _ = cell.set(r.map_err(Failed::of));
+        }
+    }
+
+    /// The failure of the launch its copies were to go in: nothing was queued for it.
+    pub(super) fn refused(&self) -> Option<Error> {
+        match self.1.as_ref()?.get()? {
+            Err(f) => Some(f.error()),
+            Ok(_) => None,
         }
     }
 }
@@ -167,8 +177,9 @@ impl Fence for Events {
             None => true,
             Some(cell) => match cell.get() {
                 Some(Ok(f)) => f.as_ref().is_none_or(Fence::is_complete),
-                // Not gone yet, or failed: what it reaches stays.
-                Some(Err(_)) | None => false,
+                // A failed launch queued nothing: what it would have reached may go.
+                Some(Err(_)) => true,
+                None => false,
             },
         };
         later && self.0.iter().all(Fence::is_complete)
@@ -356,8 +367,17 @@ mod tests {
             "cuLaunchKernel",
             cudarc::driver::sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
         )));
-        // Never complete (what it reaches stays), and the failure is the driver's.
-        assert!(!failed.is_complete());
+        // Complete (nothing was queued: what it reaches may go), and refused with the
+        // driver's failure.
+        assert!(failed.is_complete());
+        assert!(matches!(
+            failed.refused(),
+            Some(Error::Cuda {
+                call: "cuLaunchKernel",
+                ..
+            })
+        ));
+        assert!(waiting.refused().is_none() && Events::later().refused().is_none());
         let e = failed.check().unwrap_err();
         assert!(
             matches!(

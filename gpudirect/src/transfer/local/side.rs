@@ -832,6 +832,9 @@ impl Side {
     /// How `h` ends if it can end now: its copies done, or failed, its endpoint ended, or its
     /// deadline passed (`None`: not yet).
     fn end_of(&self, h: &Head) -> Option<End> {
+        if let Some(e) = h.fence.refused() {
+            return Some(End::Refused(e));
+        }
         match h.fence.check() {
             Err(e) => Some(End::Failed(e)),
             Ok(true) => Some(End::Done),
@@ -938,8 +941,23 @@ impl Side {
             End::Failed(e) => {
                 // A sticky error: the copy will never be seen done; what it reaches stays.
                 Tracker::global().park(fence, keep);
-                let failed = self.fail_later(Broken::of(&e));
+                // A request of an earlier connection does not end the current one.
+                let failed = if self.epoch.load(Ordering::Acquire) == epoch {
+                    self.fail_later(Broken::of(&e))
+                } else {
+                    None
+                };
                 end_with(Err(e), failed)
+            }
+            End::Refused(e) => {
+                // Its gather launch failed: nothing was queued for it, and the endpoint goes
+                // on (as when a request's copies cannot be queued at once).
+                if on_worker {
+                    Tracker::global().park(fence, keep);
+                } else {
+                    drop((fence, keep));
+                }
+                end_with(Err(e), None)
             }
             End::Ended => {
                 Tracker::global().park(fence, keep);
@@ -995,6 +1013,8 @@ struct Later {
 enum End {
     Done,
     Failed(Error),
+    /// Its gather launch failed: nothing queued.
+    Refused(Error),
     Ended,
     Late,
 }
