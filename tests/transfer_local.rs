@@ -21,8 +21,9 @@
 //!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
 //!   gather launch, some not, some the same write twice), then dropped, made `InFlight` or
 //!   waited for: the area and what the reads brought compared exactly with the same requests
-//!   applied on the host in order; a gathered write only polled finishes; requests left waiting
-//!   when the endpoint goes end without a hang;
+//!   applied on the host in order; a gathered write only polled finishes; a prepared write run
+//!   while writes of the same bytes wait lands after them (50 rounds, read back); requests
+//!   left waiting when the endpoint goes end without a hang;
 //! - a reconnect while 1,024 long writes run: later notified writes of the same bytes, from a
 //!   lane that existed and from one made after the reconnect, land after the ended writes'
 //!   copies (checked at each notification and at the end);
@@ -880,6 +881,54 @@ fn gathered_requests_between_two_processes() {
     model[..8192].copy_from_slice(&src_bytes[..8192]);
     poll_until_complete(&polled, "a gathered write only polled");
     first.wait().unwrap();
+    // A prepared write run while gathered writes of the same bytes wait for their launch: it
+    // lands after them (the run goes behind them on the lane, not before their launch).
+    let tail = AREA as u64 - 8192;
+    let last = ep
+        .prepare(
+            Direction::Write,
+            vec![(src.range(tail, 8192).unwrap(), area.range(0, 8192).unwrap())],
+            TransferOptions::default(),
+        )
+        .unwrap();
+    let seen = register(&engine, poisoned_bytes(0, 8192, 0x77));
+    for round in 0..50u64 {
+        let busy = ep
+            .write(
+                vec![(src.range(0, 4096).unwrap(), area.range(8192, 4096).unwrap())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        let waiting: Vec<_> = (0..4u64)
+            .map(|k| {
+                let from = (round * 4 + k) * 8192;
+                ep.write(
+                    vec![(src.range(from, 8192).unwrap(), area.range(0, 8192).unwrap())],
+                    TransferOptions::default(),
+                )
+                .unwrap()
+            })
+            .collect();
+        last.run().unwrap();
+        for t in waiting {
+            t.wait().unwrap();
+        }
+        busy.wait().unwrap();
+        ep.read(
+            vec![(seen.all(), area.range(0, 8192).unwrap())],
+            TransferOptions::default(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        same(
+            &host_copy(&seen, 0, 8192),
+            &src_bytes[tail as usize..],
+            "a run after waiting writes",
+        );
+    }
+    model[..8192].copy_from_slice(&src_bytes[AREA - 8192..]);
+    model[8192..12288].copy_from_slice(&src_bytes[..4096]);
     // Every byte: what the reads brought, and the area read back whole (waited: the lane's
     // requests before it are done or ended, and a dropped one still ran).
     let whole = register(&engine, poisoned_bytes(0, AREA, 0x11));
@@ -941,10 +990,13 @@ fn gather_peer(job: Job) {
         .unwrap();
     let n = ep.next_notification(WAIT).unwrap().expect("a notification");
     assert_eq!(n.tag, 1);
+    let src = bytes(AREA, job.seed ^ 7);
+    let mut want = src[AREA - 8192..].to_vec();
+    want.extend_from_slice(&src[..4096]);
     same(
-        &host_copy(&area, 0, 8192),
-        &bytes(AREA, job.seed ^ 7)[..8192],
-        "the polled writes before the notification",
+        &host_copy(&area, 0, 12288),
+        &want,
+        "the polled writes and the runs before the notification",
     );
     until_hung_up(&ep);
 }
