@@ -767,6 +767,9 @@ fn peer(job: Job) {
 /// Bytes of the peer's area in [`gathered_requests_between_two_processes`].
 const AREA: usize = 4 << 20;
 
+/// Where in the area that test's prepared runs write (past the writes it leaves waiting).
+const RUNS: usize = 1 << 20;
+
 #[test]
 fn gathered_requests_between_two_processes() {
     use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -882,12 +885,17 @@ fn gathered_requests_between_two_processes() {
     poll_until_complete(&polled, "a gathered write only polled");
     first.wait().unwrap();
     // A prepared write run while gathered writes of the same bytes wait for their launch: it
-    // lands after them (the run goes behind them on the lane, not before their launch).
+    // lands after them (the run goes behind them on the lane, not before their launch). At
+    // RUNS, which the writes left waiting at the end do not touch (the peer checks it).
     let tail = AREA as u64 - 8192;
+    let at = RUNS as u64;
     let last = ep
         .prepare(
             Direction::Write,
-            vec![(src.range(tail, 8192).unwrap(), area.range(0, 8192).unwrap())],
+            vec![(
+                src.range(tail, 8192).unwrap(),
+                area.range(at, 8192).unwrap(),
+            )],
             TransferOptions::default(),
         )
         .unwrap();
@@ -895,7 +903,10 @@ fn gathered_requests_between_two_processes() {
     for round in 0..50u64 {
         let busy = ep
             .write(
-                vec![(src.range(0, 4096).unwrap(), area.range(8192, 4096).unwrap())],
+                vec![(
+                    src.range(0, 4096).unwrap(),
+                    area.range(at + 8192, 4096).unwrap(),
+                )],
                 TransferOptions::default(),
             )
             .unwrap();
@@ -903,7 +914,10 @@ fn gathered_requests_between_two_processes() {
             .map(|k| {
                 let from = (round * 4 + k) * 8192;
                 ep.write(
-                    vec![(src.range(from, 8192).unwrap(), area.range(0, 8192).unwrap())],
+                    vec![(
+                        src.range(from, 8192).unwrap(),
+                        area.range(at, 8192).unwrap(),
+                    )],
                     TransferOptions::default(),
                 )
                 .unwrap()
@@ -915,7 +929,7 @@ fn gathered_requests_between_two_processes() {
         }
         busy.wait().unwrap();
         ep.read(
-            vec![(seen.all(), area.range(0, 8192).unwrap())],
+            vec![(seen.all(), area.range(at, 8192).unwrap())],
             TransferOptions::default(),
         )
         .unwrap()
@@ -927,8 +941,8 @@ fn gathered_requests_between_two_processes() {
             "a run after waiting writes",
         );
     }
-    model[..8192].copy_from_slice(&src_bytes[AREA - 8192..]);
-    model[8192..12288].copy_from_slice(&src_bytes[..4096]);
+    model[RUNS..RUNS + 8192].copy_from_slice(&src_bytes[AREA - 8192..]);
+    model[RUNS + 8192..RUNS + 12288].copy_from_slice(&src_bytes[..4096]);
     // Every byte: what the reads brought, and the area read back whole (waited: the lane's
     // requests before it are done or ended, and a dropped one still ran).
     let whole = register(&engine, poisoned_bytes(0, AREA, 0x11));
@@ -991,12 +1005,17 @@ fn gather_peer(job: Job) {
     let n = ep.next_notification(WAIT).unwrap().expect("a notification");
     assert_eq!(n.tag, 1);
     let src = bytes(AREA, job.seed ^ 7);
+    same(
+        &host_copy(&area, 0, 8192),
+        &src[..8192],
+        "the polled writes before the notification",
+    );
     let mut want = src[AREA - 8192..].to_vec();
     want.extend_from_slice(&src[..4096]);
     same(
-        &host_copy(&area, 0, 12288),
+        &host_copy(&area, RUNS, 12288),
         &want,
-        "the polled writes and the runs before the notification",
+        "the runs before the notification",
     );
     until_hung_up(&ep);
 }
