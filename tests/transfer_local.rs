@@ -19,7 +19,8 @@
 //! - a peer killed while writes run: a typed error, no hang;
 //! - with the copy kernel, 600 requests made at once on one thread (writes and reads of random,
 //!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
-//!   gather launch, some not, some the same write twice), then dropped, made `InFlight` or
+//!   gather launch, some not, some the same write twice, some of 2 to 80 pairs into disjoint
+//!   slots, queued in launches of their own), then dropped, made `InFlight` or
 //!   waited for: the area and what the reads brought compared exactly with the same requests
 //!   applied on the host in order; a gathered write only polled finishes; a prepared write run
 //!   while writes of the same bytes wait lands after them (50 rounds, read back); requests
@@ -817,6 +818,41 @@ fn gathered_requests_between_two_processes() {
                 )],
                 TransferOptions::default(),
             );
+            ts.push(t.unwrap());
+            continue;
+        }
+        // Every 13th: a request of 2 to 80 pairs into disjoint 16 KiB slots (more than 32 go
+        // in launches of their own at once, after those waiting).
+        if k % 13 == 6 {
+            const SLOT: usize = 16 << 10;
+            let n = rng.random_range(2..=80usize);
+            let first = rng.random_range(0..=AREA / SLOT - n);
+            let write = rng.random_range(0..2) == 0;
+            let pairs: Vec<_> = (0..n)
+                .map(|j| {
+                    let len = rng.random_range(1..=SLOT / 2);
+                    let near = (first + j) * SLOT + (rng.random_range(0..SLOT / 2) & !15);
+                    let far = rng.random_range(0..=AREA - len) & !15;
+                    if write {
+                        model[near..near + len].copy_from_slice(&src_bytes[far..far + len]);
+                        (
+                            src.range(far as u64, len as u64).unwrap(),
+                            area.range(near as u64, len as u64).unwrap(),
+                        )
+                    } else {
+                        back_model[near..near + len].copy_from_slice(&model[far..far + len]);
+                        (
+                            back.range(near as u64, len as u64).unwrap(),
+                            area.range(far as u64, len as u64).unwrap(),
+                        )
+                    }
+                })
+                .collect();
+            let t = if write {
+                ep.write(pairs, TransferOptions::default())
+            } else {
+                ep.read(pairs, TransferOptions::default())
+            };
             ts.push(t.unwrap());
             continue;
         }

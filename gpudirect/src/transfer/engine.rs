@@ -95,12 +95,13 @@ pub struct EngineConfig {
     /// [`StreamWord`](super::StreamWord)) until such a request is done waits until the
     /// request's trigger deadline fails it, where copy engines would have made progress.
     ///
-    /// With it, intra-node requests of at most 2 MiB whose pieces are 16-byte aligned and on
-    /// their lane's one stream of the local memory's GPU, made while that lane is busy, wait to
-    /// go in one launch of a gather kernel (up to 32 pieces) instead of a copy-engine
-    /// submission each; they go when one of the lane's requests is waited for or polled, when
-    /// the lane's worker looks, or when a request that cannot wait is made
-    /// (`docs/transfer.md`, "Gathered requests"). That launch needs a free block slot too: a
+    /// With it, an intra-node request of at most 64 MiB whose pieces are 16-byte aligned, at
+    /// most 2 MiB each and on its lane's one stream of the local memory's GPU is copied by a
+    /// gather kernel, up to 32 pieces a launch, instead of a copy-engine submission per piece.
+    /// Made while that lane is busy, such a request of at most 2 MiB waits to go in one launch
+    /// with the lane's next ones; they go when one of the lane's requests is waited for or
+    /// polled, when the lane's worker looks, or when a request that cannot wait is made
+    /// (`docs/transfer.md`, "Gathered requests"). A launch needs a free block slot too: a
     /// kernel that fills the multiprocessors and spins until such a request's bytes arrive
     /// waits until the request's deadline fails it. A failed launch ends its requests with
     /// the driver's error, nothing queued for them; the endpoint goes on.

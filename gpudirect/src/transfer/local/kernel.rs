@@ -1,13 +1,14 @@
 //! The copy kernels (`kernels/copy_fire.ptx`), with [`EngineConfig::copy_kernel`]: for a
 //! stream-ordered request, one launch copies a pair's bytes and then stores the request's
 //! trigger word, where copy-engine copies take a copy and a trigger write, two submissions to
-//! the stream of some microseconds of host time each; for requests queued on a busy lane, one
-//! launch copies the pieces of several ([`CopyKernel::gather`]), where the copy engines take a
+//! the stream of some microseconds of host time each; for small requests, one launch copies
+//! the pieces of one or of several ([`CopyKernel::gather`]), where the copy engines take a
 //! submission each. Loaded once per context (serialized, process-wide) and never unloaded.
 //!
 //! [`EngineConfig::copy_kernel`]: crate::transfer::EngineConfig::copy_kernel
 
-use super::copies::{Events, Piece};
+use super::copies::{Events, Keep, Piece};
+use crate::completion::Tracker;
 use crate::cuda::Stream;
 use crate::driver::ctx::bind;
 use crate::driver::module::{self, MODULE_SYMBOLS};
@@ -244,9 +245,57 @@ impl Lease {
     }
 }
 
-/// The most bytes a request may move and still wait for a gather launch; a larger one goes on
-/// the copy engines at once (its copies outlast a submission's host time).
+/// The most bytes a request may move and still wait for a gather launch; a larger one is
+/// queued at once (its copies outlast a submission's host time).
 pub(super) const GATHER_REQUEST_BYTES: u64 = 2 << 20;
+
+/// The longest piece a gather launch copies; a request with a longer one goes on the copy
+/// engines (they copy it as fast, off the multiprocessors).
+pub(super) const GATHER_PIECE_BYTES: u64 = 2 << 20;
+
+/// The most bytes a request may move in gather launches queued at once ([`launch_now`]).
+pub(super) const GATHER_NOW_BYTES: u64 = 64 << 20;
+
+/// Queue a request's `pieces` on `stream` at once, in launches of up to [`GATHER_PIECES`] (a
+/// launch's pieces run at once, the launches one after another): the request's epoch taken
+/// after the last. On a failure what `keep` holds is parked behind an epoch taken after the
+/// launches that went, and the driver's error returned.
+///
+/// # Safety
+///
+/// As [`Gather::add`]: `stream` is one of the endpoint's private streams, `kernel` its
+/// context's, every piece [`fits`] and both its ranges are memory the stream's GPU reaches,
+/// which `keep` holds.
+pub(super) unsafe fn launch_now(
+    stream: &Stream,
+    kernel: &CopyKernel,
+    pieces: &[Piece],
+    keep: Keep,
+) -> Result<(Events, Keep)> {
+    let Some(p) = stream.as_private() else {
+        return Err(Error::invalid(
+            "stream",
+            "not the endpoint's own",
+            "only a lane's private stream gathers",
+        ));
+    };
+    // The calling thread may have any context current.
+    bind(stream.context())?;
+    for chunk in pieces.chunks(GATHER_PIECES) {
+        // SAFETY: the caller's promises for every piece; the stream's context made current
+        // above, the kernel of that context.
+        let launched = p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
+            kernel.gather(raw, chunk)
+        });
+        if let Err(refused) = launched {
+            // Earlier launches may run: what they reach stays until they are done.
+            Tracker::global().park(Events::of(vec![stream.timeline().issue()]), keep);
+            return Err(refused.error);
+        }
+    }
+    // Taken after the launches: the epoch covers them.
+    Ok((Events::of(vec![stream.timeline().issue()]), keep))
+}
 
 /// The most bytes one gather launch waits for: past them, the launch goes at once.
 const GATHER_BYTES: u64 = 8 << 20;
@@ -337,7 +386,7 @@ impl Gather {
     }
 
     /// Queue every waiting request's copies in one launch and set their epochs (to the launch's
-    /// failure if it failed: what they reach then stays).
+    /// failure if it failed: nothing was queued for them).
     pub(super) fn flush(&mut self) {
         let fences = std::mem::take(&mut self.fences);
         let pieces = std::mem::take(&mut self.pieces);

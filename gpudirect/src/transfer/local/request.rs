@@ -518,7 +518,18 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     }
     let gather = gatherable(e, &issue, streams, copies, gpus, report.bytes);
     let (gather, fence, keep) = match gather {
-        Some((stream, kernel)) => {
+        Some((stream, kernel, false)) => {
+            // Requests waiting for a launch go first; this one's launches follow at once.
+            issue.flush();
+            lane.gathering.store(false, Ordering::Release);
+            // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
+            // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
+            // both ranges checked by `prepare`), which `keep` holds.
+            let (fence, keep) = unsafe { kernel::launch_now(&stream, &kernel, copies, keep)? };
+            report.messages = copies.len() as u64;
+            (Gathered::No, Arc::new(fence), keep)
+        }
+        Some((stream, kernel, true)) => {
             // Its pieces wait with the others for one launch: pushed first, so that a closed
             // endpoint's refusal leaves nothing waiting.
             let fence = Arc::new(Events::later());
@@ -588,12 +599,14 @@ enum Gathered {
     No,
 }
 
-/// Where a request's copies wait for a gather launch, if they may: with the copy kernel
-/// allowed ([`EngineConfig::copy_kernel`](crate::transfer::EngineConfig::copy_kernel)), its
-/// lane busy (requests wait already, or the stream has work not seen done), at most
-/// [`kernel::GATHER_REQUEST_BYTES`] on the lane's one stream of one GPU, every piece from or to
-/// that GPU's memory and 16-byte aligned, room left in the launch and no byte shared with a
-/// waiting piece that one of them writes (else they go at once, after those waiting).
+/// Where a request's copies go in gather launches, if they may, and whether they wait for the
+/// lane's next one (`true`) or go at once (after those waiting). They may with the copy kernel
+/// allowed ([`EngineConfig::copy_kernel`](crate::transfer::EngineConfig::copy_kernel)), at
+/// most [`kernel::GATHER_NOW_BYTES`] on the lane's one stream of one GPU, every piece from or
+/// to that GPU's memory, 16-byte aligned and at most [`kernel::GATHER_PIECE_BYTES`]. They wait
+/// with the lane busy (requests wait already, or the stream has work not seen done), at most
+/// [`kernel::GATHER_REQUEST_BYTES`], room left in the launch and no byte shared with a waiting
+/// piece that one of them writes.
 fn gatherable(
     e: &EngineInner,
     waiting: &Gather,
@@ -601,8 +614,8 @@ fn gatherable(
     copies: &[Piece],
     gpus: &[(Option<usize>, usize)],
     bytes: u64,
-) -> Option<(Stream, Arc<CopyKernel>)> {
-    if !e.config.copy_kernel || bytes > kernel::GATHER_REQUEST_BYTES || copies.is_empty() {
+) -> Option<(Stream, Arc<CopyKernel>, bool)> {
+    if !e.config.copy_kernel || bytes > kernel::GATHER_NOW_BYTES || copies.is_empty() {
         return None;
     }
     let [(device, mine)] = streams else {
@@ -612,18 +625,18 @@ fn gatherable(
         return None;
     };
     stream.as_private()?;
-    let fit =
-        copies.iter().all(kernel::fits) && gpus.iter().all(|&(local, _)| local == Some(*device));
-    if !fit || !waiting.takes(stream, copies) {
+    let fit = copies
+        .iter()
+        .all(|p| kernel::fits(p) && p.len <= kernel::GATHER_PIECE_BYTES)
+        && gpus.iter().all(|&(local, _)| local == Some(*device));
+    if !fit {
         return None;
     }
     let timeline = stream.timeline();
     let busy = !waiting.is_empty() || timeline.completed() < timeline.issued();
-    if !busy {
-        return None;
-    }
+    let waits = busy && bytes <= kernel::GATHER_REQUEST_BYTES && waiting.takes(stream, copies);
     let kernel = CopyKernel::of(stream.context())?;
-    Some((stream.clone(), kernel))
+    Some((stream.clone(), kernel, waits))
 }
 
 /// An intra-node request checked and mapped once, to be posted many times ([`post`]).
