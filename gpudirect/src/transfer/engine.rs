@@ -103,8 +103,9 @@ pub struct EngineConfig {
     /// polled, when the lane's worker looks, or when a request that cannot wait is made
     /// (`docs/transfer.md`, "Gathered requests"). A launch needs a free block slot too: a
     /// kernel that fills the multiprocessors and spins until such a request's bytes arrive
-    /// waits until the request's deadline fails it. A failed launch ends its requests with
-    /// the driver's error, nothing queued for them; the endpoint goes on.
+    /// waits until the request's deadline fails it. A failed launch of waiting requests ends
+    /// them with the driver's error, nothing queued for them, and fails the endpoint (their
+    /// callers were told they were made: a later notification must not vouch for them).
     pub copy_kernel: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not

@@ -357,7 +357,7 @@ const WORKER_SPINS: u32 = 64;
 const WORKER_NAP: Duration = Duration::from_micros(100);
 
 /// How often an idle worker looks at the queue anyway (requests that did not wake it).
-const IDLE_LOOK: Duration = Duration::from_millis(100);
+pub(super) const IDLE_LOOK: Duration = Duration::from_millis(100);
 
 /// How long a worker whose queue ran empty stays awake for a call (yielding) before it sleeps
 /// on the queue's condition variable: a program that awaits one request after another calls
@@ -950,14 +950,20 @@ impl Side {
                 end_with(Err(e), failed)
             }
             End::Refused(e) => {
-                // Its gather launch failed: nothing was queued for it, and the endpoint goes
-                // on (as when a request's copies cannot be queued at once).
+                // Its gather launch failed: nothing was queued for it, so what it holds may go.
                 if on_worker {
                     Tracker::global().park(fence, keep);
                 } else {
                     drop((fence, keep));
                 }
-                end_with(Err(e), None)
+                // Its caller was told it was made: a later notification would vouch for bytes
+                // that never came, so the connection ends (unless it already did).
+                let failed = if self.epoch.load(Ordering::Acquire) == epoch {
+                    self.fail_later(Broken::of(&e))
+                } else {
+                    None
+                };
+                end_with(Err(e), failed)
             }
             End::Ended => {
                 Tracker::global().park(fence, keep);
