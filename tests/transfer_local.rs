@@ -23,8 +23,9 @@
 //!   slots, queued in launches of their own), then dropped, made `InFlight` or
 //!   waited for: the area and what the reads brought compared exactly with the same requests
 //!   applied on the host in order; a gathered write only polled finishes; a prepared write run
-//!   while writes of the same bytes wait lands after them (50 rounds, read back); requests
-//!   left waiting when the endpoint goes end without a hang;
+//!   while writes of the same bytes wait lands after them (50 rounds, read back); one that
+//!   waits with a 30 ms deadline, left alone 150 ms, ends done; requests left waiting when the
+//!   endpoint goes end without a hang;
 //! - a reconnect while 1,024 long writes run: later notified writes of the same bytes, from a
 //!   lane that existed and from one made after the reconnect, land after the ended writes'
 //!   copies (checked at each notification and at the end);
@@ -979,6 +980,36 @@ fn gathered_requests_between_two_processes() {
     }
     model[RUNS..RUNS + 8192].copy_from_slice(&src_bytes[AREA - 8192..]);
     model[RUNS + 8192..RUNS + 12288].copy_from_slice(&src_bytes[..4096]);
+    // A write that waits for a launch with a deadline shorter than the idle worker's look (100
+    // ms), left alone past that deadline: the worker, woken when it was made, lets it go in
+    // time, and neither it nor the endpoint fails.
+    for round in 0..5 {
+        let busy = ep
+            .write(
+                vec![(
+                    src.range(0, 4096).unwrap(),
+                    area.range(at + 16384, 4096).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        let short = ep
+            .write(
+                vec![(
+                    src.range(8192, 4096).unwrap(),
+                    area.range(at + 20480, 4096).unwrap(),
+                )],
+                TransferOptions::default().deadline(Duration::from_millis(30)),
+            )
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+        short
+            .wait()
+            .unwrap_or_else(|e| panic!("round {round}: a short deadline, left alone: {e}"));
+        busy.wait().unwrap();
+    }
+    model[RUNS + 16384..RUNS + 20480].copy_from_slice(&src_bytes[..4096]);
+    model[RUNS + 20480..RUNS + 24576].copy_from_slice(&src_bytes[8192..12288]);
     // Every byte: what the reads brought, and the area read back whole (waited: the lane's
     // requests before it are done or ended, and a dropped one still ran).
     let whole = register(&engine, poisoned_bytes(0, AREA, 0x11));

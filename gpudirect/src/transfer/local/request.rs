@@ -8,7 +8,7 @@ use super::copies::{
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
 use super::kernel::{self, CopyKernel, Gather, Lease};
-use super::side::{Job, Lane, Side, lock};
+use super::side::{IDLE_LOOK, Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
@@ -570,6 +570,9 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
         epoch: when.epoch,
         seq: 0,
     };
+    // A request that waits for a launch with a deadline within the idle worker's look wakes
+    // it: left until that look, it would end late though its copies take microseconds.
+    let eager = eager || matches!(gather, Gathered::Waits(..)) && when.timeout <= IDLE_LOOK;
     let refused = side.push_job(lane.index, job, eager);
     match gather {
         Gathered::Waits(stream, kernel) if refused.is_none() => {
