@@ -812,6 +812,8 @@ fn gathered_requests_between_two_processes() {
         if k % 11 == 5
             && let Some((a, b, len)) = last_write
         {
+            // Requests of many pairs since may have written there.
+            model[b..b + len].copy_from_slice(&src_bytes[a..a + len]);
             let t = ep.write(
                 vec![(
                     src.range(a as u64, len as u64).unwrap(),
