@@ -51,8 +51,8 @@ pub(super) struct CopyKernel {
 }
 
 // SAFETY: `func` is a driver handle of a module that is never unloaded; the driver takes it
-// from any thread where its context is current (`launch` binds it through the enqueue path,
-// `Gather::flush` itself).
+// from any thread where its context is current (`Lease::launch` binds it through the
+// enqueue path, `launch_gathers` itself).
 unsafe impl Send for CopyKernel {}
 // SAFETY: as above; the free list is behind its lock.
 unsafe impl Sync for CopyKernel {}
@@ -272,6 +272,24 @@ pub(super) unsafe fn launch_now(
     pieces: &[Piece],
     keep: Keep,
 ) -> Result<(Events, Keep)> {
+    // SAFETY: the caller's promises.
+    if let Err(e) = unsafe { launch_gathers(stream, kernel, pieces) } {
+        // Earlier launches may run: what they reach stays until they are done.
+        Tracker::global().park(Events::of(vec![stream.timeline().issue()]), keep);
+        return Err(e);
+    }
+    // Taken after the launches: the epoch covers them.
+    Ok((Events::of(vec![stream.timeline().issue()]), keep))
+}
+
+/// Queue `pieces` on `stream` in launches of up to [`GATHER_PIECES`], one after another,
+/// binding the stream's context first (the calling thread may have any current: a waiter's,
+/// the worker's). A failure stops at the launch that failed; those before it went.
+///
+/// # Safety
+///
+/// As [`launch_now`]; the memory stays valid until the stream has passed the launches.
+unsafe fn launch_gathers(stream: &Stream, kernel: &CopyKernel, pieces: &[Piece]) -> Result<()> {
     let Some(p) = stream.as_private() else {
         return Err(Error::invalid(
             "stream",
@@ -279,22 +297,16 @@ pub(super) unsafe fn launch_now(
             "only a lane's private stream gathers",
         ));
     };
-    // The calling thread may have any context current.
     bind(stream.context())?;
     for chunk in pieces.chunks(GATHER_PIECES) {
         // SAFETY: the caller's promises for every piece; the stream's context made current
         // above, the kernel of that context.
-        let launched = p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
+        p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
             kernel.gather(raw, chunk)
-        });
-        if let Err(refused) = launched {
-            // Earlier launches may run: what they reach stays until they are done.
-            Tracker::global().park(Events::of(vec![stream.timeline().issue()]), keep);
-            return Err(refused.error);
-        }
+        })
+        .map_err(|r| r.error)?;
     }
-    // Taken after the launches: the epoch covers them.
-    Ok((Events::of(vec![stream.timeline().issue()]), keep))
+    Ok(())
 }
 
 /// The most bytes one gather launch waits for: past them, the launch goes at once.
@@ -397,23 +409,9 @@ impl Gather {
         if fences.is_empty() {
             return;
         }
-        let launched = match stream.as_private() {
-            // The flushing thread may have any context current (a waiter's, the worker's).
-            Some(p) => bind(stream.context()).and_then(|()| {
-                // SAFETY: `add`'s promises for every piece; the stream's context made current
-                // above, the kernel of that context.
-                p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
-                    kernel.gather(raw, &pieces)
-                })
-                .map(|((), ())| ())
-                .map_err(|r| r.error)
-            }),
-            None => Err(Error::invalid(
-                "stream",
-                "not the endpoint's own",
-                "only a lane's private stream gathers",
-            )),
-        };
+        // SAFETY: `add`'s promises for every piece (at most GATHER_PIECES: one launch, so a
+        // failure queued nothing).
+        let launched = unsafe { launch_gathers(&stream, &kernel, &pieces) };
         // Taken after the launch: the epoch covers it.
         let gone = launched.map(|()| Some(stream.timeline().issue()));
         for f in fences {

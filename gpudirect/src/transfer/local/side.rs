@@ -829,6 +829,14 @@ impl Side {
             .any(|h| self.end_of(h).is_some())
     }
 
+    /// Fail the endpoint for `e`, a request's of endpoint epoch `epoch`, if that is still the
+    /// current connection (one that ended already is not ended again, nor its successor).
+    fn fail_current(&self, epoch: u64, e: &Error) -> Option<Wakes> {
+        (self.epoch.load(Ordering::Acquire) == epoch)
+            .then(|| self.fail_later(Broken::of(e)))
+            .flatten()
+    }
+
     /// How `h` ends if it can end now: its copies done, or failed, its endpoint ended, or its
     /// deadline passed (`None`: not yet).
     fn end_of(&self, h: &Head) -> Option<End> {
@@ -941,12 +949,7 @@ impl Side {
             End::Failed(e) => {
                 // A sticky error: the copy will never be seen done; what it reaches stays.
                 Tracker::global().park(fence, keep);
-                // A request of an earlier connection does not end the current one.
-                let failed = if self.epoch.load(Ordering::Acquire) == epoch {
-                    self.fail_later(Broken::of(&e))
-                } else {
-                    None
-                };
+                let failed = self.fail_current(epoch, &e);
                 end_with(Err(e), failed)
             }
             End::Refused(e) => {
@@ -957,12 +960,8 @@ impl Side {
                     drop((fence, keep));
                 }
                 // Its caller was told it was made: a later notification would vouch for bytes
-                // that never came, so the connection ends (unless it already did).
-                let failed = if self.epoch.load(Ordering::Acquire) == epoch {
-                    self.fail_later(Broken::of(&e))
-                } else {
-                    None
-                };
+                // that never came, so the connection ends.
+                let failed = self.fail_current(epoch, &e);
                 end_with(Err(e), failed)
             }
             End::Ended => {
