@@ -50,7 +50,7 @@ use gpudirect::memory::{DeviceMemory, VmmBuffer};
 use gpudirect::p2p::{Interconnect, IpcPool, LinkMatrix};
 use gpudirect::transfer::{
     Buffer, Direction, Endpoint, Engine, EngineConfig, IpcKind, IpcLink, IpcPart, LocalListener,
-    MemoryDescriptor, MemoryPath, Region, TransferOptions,
+    LocalRange, MemoryDescriptor, MemoryPath, Region, RemoteRange, TransferOptions,
 };
 use gpudirect_testing::{Hardware, require};
 use std::path::PathBuf;
@@ -772,6 +772,20 @@ const AREA: usize = 4 << 20;
 /// Where in the area that test's prepared runs write (past the writes it leaves waiting).
 const RUNS: usize = 1 << 20;
 
+/// One pair: `len` bytes at `lo` in `local` and at `ro` in `remote`.
+fn pair(
+    local: &Region,
+    lo: u64,
+    remote: &MemoryDescriptor,
+    ro: u64,
+    len: u64,
+) -> Vec<(LocalRange, RemoteRange)> {
+    vec![(
+        local.range(lo, len).unwrap(),
+        remote.range(ro, len).unwrap(),
+    )]
+}
+
 #[test]
 fn gathered_requests_between_two_processes() {
     use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -815,10 +829,7 @@ fn gathered_requests_between_two_processes() {
             // Requests of many pairs since may have written there.
             model[b..b + len].copy_from_slice(&src_bytes[a..a + len]);
             let t = ep.write(
-                vec![(
-                    src.range(a as u64, len as u64).unwrap(),
-                    area.range(b as u64, len as u64).unwrap(),
-                )],
+                pair(&src, a as u64, &area, b as u64, len as u64),
                 TransferOptions::default(),
             );
             ts.push(t.unwrap());
@@ -872,19 +883,13 @@ fn gathered_requests_between_two_processes() {
             model[b..b + len].copy_from_slice(&src_bytes[a..a + len]);
             last_write = Some((a, b, len));
             ep.write(
-                vec![(
-                    src.range(a as u64, len as u64).unwrap(),
-                    area.range(b as u64, len as u64).unwrap(),
-                )],
+                pair(&src, a as u64, &area, b as u64, len as u64),
                 TransferOptions::default(),
             )
         } else {
             back_model[a..a + len].copy_from_slice(&model[b..b + len]);
             ep.read(
-                vec![(
-                    back.range(a as u64, len as u64).unwrap(),
-                    area.range(b as u64, len as u64).unwrap(),
-                )],
+                pair(&back, a as u64, &area, b as u64, len as u64),
                 TransferOptions::default(),
             )
         };
@@ -906,17 +911,11 @@ fn gathered_requests_between_two_processes() {
     }
     // A request that waits for a launch and is only polled: the worker lets it go.
     let first = ep
-        .write(
-            vec![(src.range(0, 4096).unwrap(), area.range(0, 4096).unwrap())],
-            TransferOptions::default(),
-        )
+        .write(pair(&src, 0, &area, 0, 4096), TransferOptions::default())
         .unwrap();
     let polled = ep
         .write(
-            vec![(
-                src.range(4096, 4096).unwrap(),
-                area.range(4096, 4096).unwrap(),
-            )],
+            pair(&src, 4096, &area, 4096, 4096),
             TransferOptions::default(),
         )
         .unwrap();
@@ -931,10 +930,7 @@ fn gathered_requests_between_two_processes() {
     let last = ep
         .prepare(
             Direction::Write,
-            vec![(
-                src.range(tail, 8192).unwrap(),
-                area.range(at, 8192).unwrap(),
-            )],
+            pair(&src, tail, &area, at, 8192),
             TransferOptions::default(),
         )
         .unwrap();
@@ -942,10 +938,7 @@ fn gathered_requests_between_two_processes() {
     for round in 0..50u64 {
         let busy = ep
             .write(
-                vec![(
-                    src.range(0, 4096).unwrap(),
-                    area.range(at + 8192, 4096).unwrap(),
-                )],
+                pair(&src, 0, &area, at + 8192, 4096),
                 TransferOptions::default(),
             )
             .unwrap();
@@ -953,10 +946,7 @@ fn gathered_requests_between_two_processes() {
             .map(|k| {
                 let from = (round * 4 + k) * 8192;
                 ep.write(
-                    vec![(
-                        src.range(from, 8192).unwrap(),
-                        area.range(at, 8192).unwrap(),
-                    )],
+                    pair(&src, from, &area, at, 8192),
                     TransferOptions::default(),
                 )
                 .unwrap()
@@ -988,19 +978,13 @@ fn gathered_requests_between_two_processes() {
     for round in 0..5 {
         let busy = ep
             .write(
-                vec![(
-                    src.range(0, 4096).unwrap(),
-                    area.range(at + 16384, 4096).unwrap(),
-                )],
+                pair(&src, 0, &area, at + 16384, 4096),
                 TransferOptions::default(),
             )
             .unwrap();
         let short = ep
             .write(
-                vec![(
-                    src.range(8192, 4096).unwrap(),
-                    area.range(at + 20480, 4096).unwrap(),
-                )],
+                pair(&src, 8192, &area, at + 20480, 4096),
                 TransferOptions::default().deadline(Duration::from_millis(30)),
             )
             .unwrap();
@@ -1042,10 +1026,7 @@ fn gathered_requests_between_two_processes() {
     let left: Vec<_> = (0..8u64)
         .map(|k| {
             ep.write(
-                vec![(
-                    src.range(k * 4096, 4096).unwrap(),
-                    area.range(k * 4096, 4096).unwrap(),
-                )],
+                pair(&src, k * 4096, &area, k * 4096, 4096),
                 TransferOptions::default(),
             )
             .unwrap()
