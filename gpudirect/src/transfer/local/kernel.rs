@@ -15,6 +15,7 @@ use crate::driver::module::{self, MODULE_SYMBOLS};
 use crate::error::{Error, Result, from_driver};
 use cudarc::driver::{CudaContext, sys};
 use std::ffi::{CString, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 const PTX: &str = include_str!("../../../kernels/copy_fire.ptx");
@@ -330,21 +331,44 @@ fn clash(old: &[Piece], new: &[Piece]) -> bool {
 /// The requests of a busy lane whose copies wait to go in one gather launch: held under the
 /// lane's issue lock. They go when a request of the lane is queued that cannot wait here, when
 /// [`GATHER_PIECES`] or [`GATHER_BYTES`] are reached, when a waiting caller or the worker looks
-/// at the lane, and when the endpoint reconnects or closes.
-#[derive(Default)]
+/// at the lane, and when the endpoint reconnects or closes. A request of an endpoint epoch that
+/// has ended (a failure, a reconnect, a close) never goes: it was ended already.
 pub(super) struct Gather {
     pieces: Vec<Piece>,
-    /// Each waiting request's epochs, set when they go.
-    fences: Vec<Arc<Events>>,
+    /// Each waiting request, in order.
+    waiting: Vec<Waiting>,
     bytes: u64,
     /// Where they go: the lane's one stream of their GPU, and its kernel.
     to: Option<(Stream, Arc<CopyKernel>)>,
+    /// The endpoint's epoch now.
+    epoch: Arc<AtomicU64>,
+}
+
+/// A request waiting in a [`Gather`].
+struct Waiting {
+    /// Its epochs, set when its pieces go (or once they never will).
+    fence: Arc<Events>,
+    /// The endpoint epoch it belongs to.
+    epoch: u64,
+    /// How many of the gather's pieces are its own (they follow the earlier requests').
+    pieces: usize,
 }
 
 impl Gather {
+    /// Nothing waiting, for the lanes of an endpoint whose epoch is `epoch`.
+    pub(super) fn new(epoch: Arc<AtomicU64>) -> Gather {
+        Gather {
+            pieces: Vec::new(),
+            waiting: Vec::new(),
+            bytes: 0,
+            to: None,
+            epoch,
+        }
+    }
+
     /// Whether no request waits.
     pub(super) fn is_empty(&self) -> bool {
-        self.fences.is_empty()
+        self.waiting.is_empty()
     }
 
     /// Whether a request of `pieces` queued on `stream` can go in the same launch as those
@@ -360,8 +384,9 @@ impl Gather {
             && !clash(&self.pieces, pieces)
     }
 
-    /// Let a request's `pieces` wait (after [`takes`](Self::takes) said they can), its epochs
-    /// set in `fence` when they go; they go at once when the launch is full.
+    /// Let a request of endpoint epoch `epoch` wait with its `pieces` (after
+    /// [`takes`](Self::takes) said they can), its epochs set in `fence` when they go; they go
+    /// at once when the launch is full.
     ///
     /// # Safety
     ///
@@ -374,13 +399,18 @@ impl Gather {
         kernel: Arc<CopyKernel>,
         pieces: &[Piece],
         fence: Arc<Events>,
+        epoch: u64,
     ) {
         self.to.get_or_insert_with(|| (stream.clone(), kernel));
         self.pieces.extend_from_slice(pieces);
         self.bytes = self
             .bytes
             .saturating_add(pieces.iter().map(|p| p.len).sum());
-        self.fences.push(fence);
+        self.waiting.push(Waiting {
+            fence,
+            epoch,
+            pieces: pieces.len(),
+        });
         if self.pieces.len() >= GATHER_PIECES || self.bytes >= GATHER_BYTES {
             self.flush();
         }
@@ -392,21 +422,26 @@ impl Gather {
         self.pieces.clear();
         self.bytes = 0;
         self.to = None;
-        for f in self.fences.drain(..) {
-            f.gathered(Ok(None));
+        for w in self.waiting.drain(..) {
+            w.fence.gathered(Ok(None));
         }
     }
 
-    /// Queue every waiting request's copies in one launch and set their epochs (to the launch's
-    /// failure if it failed: nothing was queued for them).
+    /// Queue the waiting requests' copies of the endpoint's current epoch in one launch and set
+    /// their epochs (to the launch's failure if it failed: nothing was queued for them). Those
+    /// of an older epoch ended already: nothing is queued for them (their bytes would land after
+    /// the request was reported ended, and in the memory of a peer since gone), and their
+    /// epochs complete at once.
     pub(super) fn flush(&mut self) {
-        let fences = std::mem::take(&mut self.fences);
+        let waiting = std::mem::take(&mut self.waiting);
         let pieces = std::mem::take(&mut self.pieces);
         self.bytes = 0;
-        let Some((stream, kernel)) = self.to.take() else {
+        let to = self.to.take();
+        let (pieces, current) = current_only(pieces, waiting, self.epoch.load(Ordering::Acquire));
+        let Some((stream, kernel)) = to else {
             return;
         };
-        if fences.is_empty() {
+        if current.is_empty() {
             return;
         }
         // SAFETY: `add`'s promises for every piece (at most GATHER_PIECES: one launch, so a
@@ -414,15 +449,42 @@ impl Gather {
         let launched = unsafe { launch_gathers(&stream, &kernel, &pieces) };
         // Taken after the launch: the epoch covers it.
         let gone = launched.map(|()| Some(stream.timeline().issue()));
-        for f in fences {
+        for f in current {
             f.gathered(gone.as_ref().map(Clone::clone));
         }
     }
 }
 
+/// The pieces and fences of the waiting requests of endpoint epoch `now`; the others' fences
+/// are set complete with nothing queued (`Ok(None)`).
+fn current_only(
+    pieces: Vec<Piece>,
+    waiting: Vec<Waiting>,
+    now: u64,
+) -> (Vec<Piece>, Vec<Arc<Events>>) {
+    if waiting.iter().all(|w| w.epoch == now) {
+        return (pieces, waiting.into_iter().map(|w| w.fence).collect());
+    }
+    let mut kept = Vec::with_capacity(pieces.len());
+    let mut fences = Vec::with_capacity(waiting.len());
+    let mut at = 0;
+    for w in waiting {
+        let end = (at + w.pieces).min(pieces.len());
+        if w.epoch == now {
+            kept.extend_from_slice(&pieces[at..end]);
+            fences.push(w.fence);
+        } else {
+            w.fence.gathered(Ok(None));
+        }
+        at = end;
+    }
+    (kept, fences)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::completion::Fence;
 
     #[test]
     fn blocks_cover_the_bytes_up_to_the_limit() {
@@ -474,6 +536,54 @@ mod tests {
         let top = [p(u64::MAX - 0x10, 0x9000, 0x10)];
         assert!(!clash(&top, &[p(0, 0xA000, 0x10)]));
         assert!(clash(&top, &[p(u64::MAX - 1, 0xA000, 1)]));
+    }
+
+    /// Requests of an ended endpoint epoch waiting for a launch: their pieces are left out and
+    /// their epochs complete with nothing queued; the current ones keep their pieces, in order.
+    #[test]
+    fn only_the_current_epoch_s_waiting_pieces_go() {
+        let p = |n: u64| Piece {
+            dst: 0x1000 * n,
+            src: 0x10_0000 + 0x1000 * n,
+            len: 16 * n,
+            device: 0,
+        };
+        let pieces: Vec<Piece> = (1..=6).map(p).collect();
+        // Three requests: two pieces of epoch 3, three of epoch 2 (ended), one of epoch 3.
+        let fences: Vec<Arc<Events>> = (0..3).map(|_| Arc::new(Events::later())).collect();
+        let waiting = |fences: &[Arc<Events>]| {
+            [(3, 2), (2, 3), (3, 1)]
+                .iter()
+                .zip(fences)
+                .map(|(&(epoch, pieces), f)| Waiting {
+                    fence: f.clone(),
+                    epoch,
+                    pieces,
+                })
+                .collect::<Vec<_>>()
+        };
+        let (kept, current) = current_only(pieces.clone(), waiting(&fences), 3);
+        assert_eq!(kept, vec![p(1), p(2), p(6)]);
+        assert_eq!(current.len(), 2);
+        assert!(Arc::ptr_eq(&current[0], &fences[0]) && Arc::ptr_eq(&current[1], &fences[2]));
+        assert!(
+            fences[1].is_complete(),
+            "the ended request's epochs complete"
+        );
+        assert!(matches!(fences[1].check(), Ok(true)) && fences[1].refused().is_none());
+        assert!(
+            !fences[0].is_complete() && !fences[2].is_complete(),
+            "still to go"
+        );
+        // All current: everything goes, as it came.
+        let fresh: Vec<Arc<Events>> = (0..3).map(|_| Arc::new(Events::later())).collect();
+        let all = waiting(&fresh)
+            .into_iter()
+            .map(|w| Waiting { epoch: 7, ..w })
+            .collect();
+        let (kept, current) = current_only(pieces.clone(), all, 7);
+        assert_eq!((kept, current.len()), (pieces, 3));
+        assert!(fresh.iter().all(|f| !f.is_complete()));
     }
 
     #[test]

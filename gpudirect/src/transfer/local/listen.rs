@@ -1288,6 +1288,9 @@ mod tests {
             crate::transfer::pending::Transfer::pending(Duration::from_millis(5), Vec::new());
         let epoch = side.epoch.load(Ordering::Acquire);
         let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
+        // Its copies not done (a done one is not late: see the test below).
+        let waits = Arc::new(super::super::copies::Events::later());
+        j.fence = waits.clone();
         j.deadline = Instant::now() + Duration::from_millis(5);
         j.timeout = Duration::from_millis(5);
         lock(&side.queue).push(1, j);
@@ -1295,12 +1298,69 @@ mod tests {
         std::thread::sleep(Duration::from_millis(200));
         let bumps = side.epoch.load(Ordering::Acquire) - epoch;
         lock(&side.queue).release(seq);
+        waits.gathered(Ok(None));
         let r = t.wait();
         assert!(r.is_err(), "ended with the endpoint");
         assert!(
             bumps <= 2,
             "the worker failed the endpoint {bumps} times (spinning)"
         );
+    }
+
+    /// The same request with its copies done: not late while it is held, it finishes once the
+    /// place is released, its notification sent (the endpoint goes on).
+    #[test]
+    fn a_held_done_request_finishes_once_released() {
+        let (_l, ep, _peer, side) = accepted_side("rt-held-done", 80);
+        let seq = lock(&side.queue).reserve();
+        let (t, finish) =
+            crate::transfer::pending::Transfer::pending(Duration::from_millis(5), Vec::new());
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
+        j.deadline = Instant::now() + Duration::from_millis(5);
+        j.timeout = Duration::from_millis(5);
+        lock(&side.queue).push(1, j);
+        side.call_worker();
+        std::thread::sleep(Duration::from_millis(60));
+        let (ended, held) = (ep.failure().is_some(), !t.flag().is_complete());
+        // Released before any assertion: a close with the place held would wait for it.
+        lock(&side.queue).release(seq);
+        assert!(!ended, "ended while held, done");
+        assert!(held, "held behind the reserved place");
+        side.call_worker();
+        let r = t.wait().expect("finished once released");
+        assert_eq!(r.notified, Some(9));
+        assert_eq!(side.epoch.load(Ordering::Acquire), epoch);
+    }
+
+    /// A request whose copies are done, its deadline passed while it waits behind its lane's
+    /// unfinished first request, is not late: the worker does not end the endpoint, and it
+    /// finishes in its turn (found by a red-team read: the worker's late scan ended the endpoint
+    /// for a request it had just seen done).
+    #[test]
+    fn a_done_request_behind_an_unfinished_one_is_not_late() {
+        let (_l, ep, _peer, side) = accepted_side("done-not-late", 81);
+        let epoch = side.epoch.load(Ordering::Acquire);
+        // The first: its copies wait (a gather launch not yet gone).
+        let (first, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        let waits = Arc::new(super::super::copies::Events::later());
+        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
+        j.fence = waits.clone();
+        lock(&side.queue).push(0, j);
+        // Behind it: done at once, its deadline already passed.
+        let (second, finish) = Transfer::pending(Duration::from_millis(1), Vec::new());
+        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
+        j.deadline = Instant::now();
+        j.timeout = Duration::from_millis(1);
+        lock(&side.queue).push(0, j);
+        side.call_worker();
+        // The worker looks every 5 ms while the first waits.
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(ep.failure().is_none(), "the endpoint was ended");
+        assert_eq!(side.epoch.load(Ordering::Acquire), epoch);
+        waits.gathered(Ok(None));
+        first.wait().expect("the first finished");
+        second.wait().expect("the second finished, not late");
     }
 
     #[test]

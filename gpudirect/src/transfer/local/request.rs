@@ -580,7 +580,7 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
             // both ranges checked by `prepare`); the job holds what they reach until `fence` is
             // complete, and parks it behind `fence` if it ends first.
-            unsafe { issue.add(&stream, kernel, copies, fence) };
+            unsafe { issue.add(&stream, kernel, copies, fence, when.epoch) };
             lane.gathering.store(!issue.is_empty(), Ordering::Release);
         }
         // Refused (the endpoint closed): nothing queued for it.

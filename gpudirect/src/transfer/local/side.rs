@@ -301,8 +301,9 @@ pub(crate) struct Side {
     /// The socket path and what to publish, for the dialing side (reconnect).
     dialed: Option<(PathBuf, Vec<MemoryDescriptor>)>,
     pub(super) conn: Mutex<Option<Conn>>,
-    /// Bumped by every failure and close: requests of an older epoch are ended.
-    pub(super) epoch: AtomicU64,
+    /// Bumped by every failure and close: requests of an older epoch are ended. Shared with the
+    /// lanes' gathers (a request of an older epoch waiting there never goes).
+    pub(super) epoch: Arc<AtomicU64>,
     /// Bumped when this side shuts its own socket: the reader of an older one ends quietly.
     generation: AtomicU64,
     closed: AtomicBool,
@@ -398,6 +399,7 @@ impl Side {
     ) -> Arc<Side> {
         let lanes = engine.inner.config.copy_lanes.max(1);
         let copy_streams = engine.inner.config.copy_streams;
+        let epoch = Arc::new(AtomicU64::new(1));
         Arc::new_cyclic(|me: &Weak<Side>| Side {
             me: me.clone(),
             lanes: (0..lanes)
@@ -405,7 +407,7 @@ impl Side {
                     Arc::new(Lane {
                         index,
                         side: me.clone(),
-                        issue: Mutex::new(Gather::default()),
+                        issue: Mutex::new(Gather::new(epoch.clone())),
                         gathering: AtomicBool::new(false),
                         streams: Mutex::new(HashMap::new()),
                         copy_streams,
@@ -423,7 +425,7 @@ impl Side {
                 peer_fds,
                 reader: None,
             })),
-            epoch: AtomicU64::new(1),
+            epoch,
             generation: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             queue: Mutex::new(Queue::new(lanes)),
@@ -721,6 +723,19 @@ impl Side {
                     if q.closing {
                         return;
                     }
+                    // With nothing queued, requests still waiting for a gather launch have
+                    // ended (a request is queued before it waits there): let go of them now
+                    // (nothing is launched for them), not at the lane's next request.
+                    if !lingered {
+                        drop(q);
+                        for l in self.lanes.iter() {
+                            l.let_gathered_go();
+                        }
+                        q = lock(&self.queue);
+                        if q.first_deadline().is_some() {
+                            continue;
+                        }
+                    }
                     // Awake a while first, for the next call; requests queued meanwhile without
                     // one are left to their waiting callers (as when the worker sleeps).
                     if !lingered {
@@ -762,14 +777,22 @@ impl Side {
             // A request queued behind a lane's first (or held behind a reserved place) whose
             // deadline passed first ends the endpoint too (its copies run after the first's),
             // once: a request of an earlier epoch has ended it already.
+            // One whose copies are done is not late: it finishes in its turn (found by a
+            // red-team read: a request seen done by the look above, its deadline passed while
+            // the worker looked, failed the endpoint).
             let now = Instant::now();
             let epoch = self.epoch.load(Ordering::Acquire);
-            let late = lock(&self.queue)
+            let late: Vec<(Arc<Events>, Duration)> = lock(&self.queue)
                 .jobs()
-                .find(|j| j.epoch == epoch && now >= j.deadline)
-                .map(|j| j.timeout);
-            if let Some(t) = late {
-                self.fail(Broken::Deadline(t));
+                .filter(|j| j.epoch == epoch && now >= j.deadline)
+                .map(|j| (j.fence.clone(), j.timeout))
+                .collect();
+            // Asked outside the lock (a driver query). A refused one ends the endpoint itself.
+            let late = late
+                .iter()
+                .find(|(f, _)| f.refused().is_none() && !matches!(f.check(), Ok(true)));
+            if let Some((_, t)) = late {
+                self.fail(Broken::Deadline(*t));
             }
         }
     }
