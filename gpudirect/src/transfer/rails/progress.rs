@@ -355,11 +355,8 @@ fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
     }
     // A waiter that has not looked for a while (descheduled) is helped: polling is under the
     // lock either way, so nothing is taken twice.
-    let any = if waiter && st.looked.elapsed() < LINGER {
-        false
-    } else {
-        poll_all(inner, st)
-    };
+    let polled = !(waiter && st.looked.elapsed() < LINGER);
+    let any = polled && poll_all(inner, st);
     let mut cm = Vec::new();
     for (r, rail) in st.rails.iter().enumerate() {
         while let Ok(Some(ev)) = rail.link.next_event() {
@@ -378,8 +375,13 @@ fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
         }
     }
     give_up_flushes(inner, st);
-    finish_touched(st);
     let now = Instant::now();
+    // A deadline due while a waiting thread polls: what completed meanwhile is taken first (a
+    // request whose completions wait in a queue is done, not late).
+    if !polled && st.deadlines.peek().is_some_and(|r| r.0.0 <= now) {
+        poll_all(inner, st);
+    }
+    finish_touched(st);
     while let Some(std::cmp::Reverse((d, id))) = st.deadlines.peek().copied() {
         if !st.requests.contains_key(&id) {
             st.deadlines.pop();
