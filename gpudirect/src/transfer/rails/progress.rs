@@ -445,8 +445,14 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
                 retry(inner);
                 continue;
             }
-            // Under the lock: a waiter takes and lets go of the CQs under it too.
-            let waiter = inner.polled.load(Ordering::Relaxed);
+            // Under the lock: a waiter takes and lets go of the CQs under it too. One that
+            // polled within LINGER and left them unarmed counts too: it is likely back soon (one
+            // request or notification after another, a ping-pong), and the CQs are left to it
+            // rather than armed between its waits (each completion then raising an event that
+            // wakes this thread). Without one for LINGER, or once they are armed (a waiter that
+            // went to sleep), this thread polls and arms them.
+            let waiter = inner.polled.load(Ordering::Relaxed)
+                || (st.unarmed && st.looked.elapsed() < LINGER);
             if progress(inner, &mut st, waiter) {
                 continue;
             }

@@ -290,7 +290,10 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         touched: Vec::new(),
         unarmed: true,
         lingering: false,
-        looked: Instant::now(),
+        // Never yet: the progress thread polls and arms from the start.
+        looked: Instant::now()
+            .checked_sub(super::rail::LINGER)
+            .unwrap_or_else(Instant::now),
         wakes: Wakes::default(),
     })
 }
