@@ -1314,11 +1314,12 @@ mod tests {
         let (_l, ep, _peer, side) = accepted_side("rt-held-done", 80);
         let seq = lock(&side.queue).reserve();
         let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_millis(5), Vec::new());
+            crate::transfer::pending::Transfer::pending(Duration::from_secs(10), Vec::new());
         let epoch = side.epoch.load(Ordering::Acquire);
         let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
-        j.deadline = Instant::now() + Duration::from_millis(5);
-        j.timeout = Duration::from_millis(5);
+        // Past its deadline, within a timeout of it.
+        j.deadline = Instant::now();
+        j.timeout = Duration::from_secs(10);
         lock(&side.queue).push(1, j);
         side.call_worker();
         std::thread::sleep(Duration::from_millis(60));
@@ -1347,11 +1348,12 @@ mod tests {
         let mut j = Job::done_at_once(Box::new(finish), None, epoch);
         j.fence = waits.clone();
         lock(&side.queue).push(0, j);
-        // Behind it: done at once, its deadline already passed.
-        let (second, finish) = Transfer::pending(Duration::from_millis(1), Vec::new());
+        // Behind it: done at once, its deadline already passed (its timeout long: it may wait
+        // that much longer before it counts as late, see the test below).
+        let (second, finish) = Transfer::pending(Duration::from_secs(10), Vec::new());
         let mut j = Job::done_at_once(Box::new(finish), None, epoch);
         j.deadline = Instant::now();
-        j.timeout = Duration::from_millis(1);
+        j.timeout = Duration::from_secs(10);
         lock(&side.queue).push(0, j);
         side.call_worker();
         // The worker looks every 5 ms while the first waits.
@@ -1361,6 +1363,37 @@ mod tests {
         waits.gathered(Ok(None));
         first.wait().expect("the first finished");
         second.wait().expect("the second finished, not late");
+    }
+
+    /// The same done request held a timeout past its deadline behind an unfinished first one
+    /// ends the endpoint: held longer, its waiter's bound would pass first (reporting a
+    /// failure) and the request be finished after, its notification sent (found by a red-team
+    /// read of the test above's fix).
+    #[test]
+    fn a_done_request_held_a_timeout_past_its_deadline_is_late() {
+        let (_l, ep, _peer, side) = accepted_side("done-held-late", 78);
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let (first, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        let waits = Arc::new(super::super::copies::Events::later());
+        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
+        j.fence = waits.clone();
+        lock(&side.queue).push(0, j);
+        let (second, finish) = Transfer::pending(Duration::from_millis(20), Vec::new());
+        let mut j = Job::done_at_once(Box::new(finish), Some(3), epoch);
+        j.deadline = Instant::now();
+        j.timeout = Duration::from_millis(20);
+        lock(&side.queue).push(0, j);
+        side.call_worker();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            ep.failure().is_some(),
+            "not ended a timeout past the deadline"
+        );
+        waits.gathered(Ok(None));
+        assert!(
+            first.wait().is_err() && second.wait().is_err(),
+            "both ended"
+        );
     }
 
     #[test]

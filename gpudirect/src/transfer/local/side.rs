@@ -187,7 +187,7 @@ impl Queue {
     /// The earliest deadline of the lanes' first requests that may finish (none queued:
     /// `None`; none of them may finish, held behind a reserved place: at most [`SLICE`] away).
     /// A held request's deadline is not the worker's to wait for: it cannot end it, and the
-    /// late scan has ended its endpoint once already.
+    /// late scan ends its endpoint (once its copies are done, a timeout later).
     fn first_deadline(&self) -> Option<Instant> {
         if self.is_empty() {
             return None;
@@ -777,21 +777,26 @@ impl Side {
             // A request queued behind a lane's first (or held behind a reserved place) whose
             // deadline passed first ends the endpoint too (its copies run after the first's),
             // once: a request of an earlier epoch has ended it already.
-            // One whose copies are done is not late: it finishes in its turn (found by a
+            // One whose copies are done is not late yet: it finishes in its turn (found by a
             // red-team read: a request seen done by the look above, its deadline passed while
-            // the worker looked, failed the endpoint).
+            // the worker looked, failed the endpoint). But only for one more timeout: held that
+            // long behind an unfinished request, it would outlast its waiter's bound (which
+            // then reports a failure) and be finished, its notification sent, after.
             let now = Instant::now();
             let epoch = self.epoch.load(Ordering::Acquire);
-            let late: Vec<(Arc<Events>, Duration)> = lock(&self.queue)
+            let late: Vec<(Arc<Events>, Duration, bool)> = lock(&self.queue)
                 .jobs()
                 .filter(|j| j.epoch == epoch && now >= j.deadline)
-                .map(|j| (j.fence.clone(), j.timeout))
+                .map(|j| {
+                    let held_too_long = now >= deadline_after(j.deadline, j.timeout);
+                    (j.fence.clone(), j.timeout, held_too_long)
+                })
                 .collect();
             // Asked outside the lock (a driver query). A refused one ends the endpoint itself.
-            let late = late
-                .iter()
-                .find(|(f, _)| f.refused().is_none() && !matches!(f.check(), Ok(true)));
-            if let Some((_, t)) = late {
+            let late = late.iter().find(|(f, _, too_long)| {
+                *too_long || f.refused().is_none() && !matches!(f.check(), Ok(true))
+            });
+            if let Some((_, t, _)) = late {
                 self.fail(Broken::Deadline(*t));
             }
         }
