@@ -291,9 +291,7 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         unarmed: true,
         lingering: false,
         // Never yet: the progress thread polls and arms from the start.
-        looked: Instant::now()
-            .checked_sub(super::rail::LINGER)
-            .unwrap_or_else(Instant::now),
+        looked: long_ago(),
         wakes: Wakes::default(),
     })
 }
@@ -721,6 +719,13 @@ pub(super) fn force_finish(st: &mut State) {
         let r = Err(q.error.take().expect("set"));
         st.wakes.finished.push((q.shared, r));
     }
+}
+
+/// A time `LINGER` ago: a waiter's last look then leaves the CQs to the progress thread.
+pub(super) fn long_ago() -> Instant {
+    Instant::now()
+        .checked_sub(super::rail::LINGER)
+        .unwrap_or_else(Instant::now)
 }
 
 #[cfg(test)]

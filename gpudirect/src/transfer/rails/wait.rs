@@ -11,7 +11,7 @@
 
 use super::post::{direct, pump};
 use super::progress::{arm_all, poll_all};
-use super::state::{Link, State};
+use super::state::{Link, State, long_ago};
 use crate::error::Result;
 use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::pending::{Finisher, Looking, Transfer};
@@ -103,6 +103,9 @@ fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
     // Then one more look: a completion that came before the arming raises no event (one that
     // came after it does, and the progress thread looks).
     let armed = arm_all(st);
+    // Armed, or to be (it goes to sleep, or left requests in flight): the progress thread is
+    // to watch the CQs from now on, not leave them to this waiter as one that polled lately.
+    st.looked = long_ago();
     if poll_all(inner, st) {
         pump(inner, st);
     }
