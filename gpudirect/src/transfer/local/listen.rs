@@ -1276,6 +1276,28 @@ mod tests {
         }
     }
 
+    /// Queue on `lane` a request of the side's current epoch, its copies done at once or, with
+    /// `waits`, once that is gathered; with `notify`, its deadline and timeout. Its transfer.
+    fn queue_request(
+        side: &Side,
+        lane: usize,
+        waits: Option<&Arc<super::super::copies::Events>>,
+        notify: Option<u32>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Transfer {
+        let (t, finish) = Transfer::pending(timeout, Vec::new());
+        let epoch = side.epoch.load(Ordering::Acquire);
+        let mut j = Job::done_at_once(Box::new(finish), notify, epoch);
+        if let Some(w) = waits {
+            j.fence = w.clone();
+        }
+        j.deadline = deadline;
+        j.timeout = timeout;
+        lock(&side.queue).push(lane, j);
+        t
+    }
+
     /// A notified request held behind a reserved place (a prepared run's, in progress) whose
     /// deadline passes: the worker fails the endpoint once and waits, rather than spinning
     /// and failing it again and again (found by a red-team read: 1,929 failures in 200 ms).
@@ -1284,16 +1306,17 @@ mod tests {
         let (_l, _ep, _peer, side) = accepted_side("rt-held-late", 83);
         // As `run` does with a notification: a place reserved, held while it synchronizes.
         let seq = lock(&side.queue).reserve();
-        let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_millis(5), Vec::new());
         let epoch = side.epoch.load(Ordering::Acquire);
-        let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
         // Its copies not done (a done one is not late: see the test below).
         let waits = Arc::new(super::super::copies::Events::later());
-        j.fence = waits.clone();
-        j.deadline = Instant::now() + Duration::from_millis(5);
-        j.timeout = Duration::from_millis(5);
-        lock(&side.queue).push(1, j);
+        let t = queue_request(
+            &side,
+            1,
+            Some(&waits),
+            Some(9),
+            Instant::now() + Duration::from_millis(5),
+            Duration::from_millis(5),
+        );
         side.call_worker();
         std::thread::sleep(Duration::from_millis(200));
         let bumps = side.epoch.load(Ordering::Acquire) - epoch;
@@ -1313,14 +1336,16 @@ mod tests {
     fn a_held_done_request_finishes_once_released() {
         let (_l, ep, _peer, side) = accepted_side("rt-held-done", 80);
         let seq = lock(&side.queue).reserve();
-        let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_secs(10), Vec::new());
         let epoch = side.epoch.load(Ordering::Acquire);
-        let mut j = Job::done_at_once(Box::new(finish), Some(9), epoch);
         // Past its deadline, within a timeout of it.
-        j.deadline = Instant::now();
-        j.timeout = Duration::from_secs(10);
-        lock(&side.queue).push(1, j);
+        let t = queue_request(
+            &side,
+            1,
+            None,
+            Some(9),
+            Instant::now(),
+            Duration::from_secs(10),
+        );
         side.call_worker();
         std::thread::sleep(Duration::from_millis(60));
         let (ended, held) = (ep.failure().is_some(), !t.flag().is_complete());
@@ -1334,6 +1359,15 @@ mod tests {
         assert_eq!(side.epoch.load(Ordering::Acquire), epoch);
     }
 
+    /// Lane 0's first request, its copies waiting (a gather launch not yet gone) until the
+    /// fence returned is gathered; its deadline 30 s away. The fence and its transfer.
+    fn unfinished_first(side: &Side) -> (Arc<super::super::copies::Events>, Transfer) {
+        let waits = Arc::new(super::super::copies::Events::later());
+        let t = Duration::from_secs(30);
+        let first = queue_request(side, 0, Some(&waits), None, Instant::now() + t, t);
+        (waits, first)
+    }
+
     /// A request whose copies are done, its deadline passed while it waits behind its lane's
     /// unfinished first request, is not late: the worker does not end the endpoint, and it
     /// finishes in its turn (found by a red-team read: the worker's late scan ended the endpoint
@@ -1342,19 +1376,11 @@ mod tests {
     fn a_done_request_behind_an_unfinished_one_is_not_late() {
         let (_l, ep, _peer, side) = accepted_side("done-not-late", 81);
         let epoch = side.epoch.load(Ordering::Acquire);
-        // The first: its copies wait (a gather launch not yet gone).
-        let (first, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
-        let waits = Arc::new(super::super::copies::Events::later());
-        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
-        j.fence = waits.clone();
-        lock(&side.queue).push(0, j);
+        let (waits, first) = unfinished_first(&side);
         // Behind it: done at once, its deadline already passed (its timeout long: it may wait
         // that much longer before it counts as late, see the test below).
-        let (second, finish) = Transfer::pending(Duration::from_secs(10), Vec::new());
-        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
-        j.deadline = Instant::now();
-        j.timeout = Duration::from_secs(10);
-        lock(&side.queue).push(0, j);
+        let now = Instant::now();
+        let second = queue_request(&side, 0, None, None, now, Duration::from_secs(10));
         side.call_worker();
         // The worker looks every 5 ms while the first waits.
         std::thread::sleep(Duration::from_millis(60));
@@ -1372,17 +1398,9 @@ mod tests {
     #[test]
     fn a_done_request_held_a_timeout_past_its_deadline_is_late() {
         let (_l, ep, _peer, side) = accepted_side("done-held-late", 78);
-        let epoch = side.epoch.load(Ordering::Acquire);
-        let (first, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
-        let waits = Arc::new(super::super::copies::Events::later());
-        let mut j = Job::done_at_once(Box::new(finish), None, epoch);
-        j.fence = waits.clone();
-        lock(&side.queue).push(0, j);
-        let (second, finish) = Transfer::pending(Duration::from_millis(20), Vec::new());
-        let mut j = Job::done_at_once(Box::new(finish), Some(3), epoch);
-        j.deadline = Instant::now();
-        j.timeout = Duration::from_millis(20);
-        lock(&side.queue).push(0, j);
+        let (waits, first) = unfinished_first(&side);
+        let now = Instant::now();
+        let second = queue_request(&side, 0, None, Some(3), now, Duration::from_millis(20));
         side.call_worker();
         std::thread::sleep(Duration::from_millis(100));
         assert!(
