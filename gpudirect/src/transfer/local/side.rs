@@ -723,23 +723,16 @@ impl Side {
                     if q.closing {
                         return;
                     }
-                    // With nothing queued, requests still waiting for a gather launch have
-                    // ended (a request is queued before it waits there): let go of them now
-                    // (nothing is launched for them), not at the lane's next request.
-                    if !lingered {
-                        drop(q);
-                        for l in self.lanes.iter() {
-                            l.let_gathered_go();
-                        }
-                        q = lock(&self.queue);
-                        if q.first_deadline().is_some() {
-                            continue;
-                        }
-                    }
                     // Awake a while first, for the next call; requests queued meanwhile without
                     // one are left to their waiting callers (as when the worker sleeps).
                     if !lingered {
                         drop(q);
+                        // With nothing queued, requests still waiting for a gather launch have
+                        // ended (a request is queued before it waits there): let go of them now
+                        // (nothing is launched for them), not at the lane's next request.
+                        for l in self.lanes.iter() {
+                            l.let_gathered_go();
+                        }
                         let called = self.linger();
                         q = lock(&self.queue);
                         if called {
