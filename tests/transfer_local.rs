@@ -17,6 +17,8 @@
 //! - a remote range past the peer's real allocation refused before any copy; a deadline that
 //!   passes ending the request with `Error::Timeout`;
 //! - a peer killed while writes run: a typed error, no hang;
+//! - 16 writes of 256 MiB queued at once: the first, waited for, is done while the last still
+//!   runs; the bytes read back exactly;
 //! - with the copy kernel, 600 requests made at once on one thread (writes and reads of random,
 //!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
 //!   gather launch, some not, some the same write twice, some of 2 to 80 pairs into disjoint
@@ -724,6 +726,9 @@ fn peer(job: Job) {
     if job.role == "gather-peer" {
         return gather_peer(job);
     }
+    if job.role == "long-peer" {
+        return long_peer(job);
+    }
     let d = job.device;
     let engine = Engine::new(EngineConfig::local()).unwrap();
     let dsts: Vec<Region> = SIZES
@@ -763,6 +768,76 @@ fn peer(job: Job) {
         same(&host_copy(&slots, k * SLOT, SLOT), &slot(k), "slot");
     }
     assert_eq!(next(&ep).tag, 999);
+    until_hung_up(&ep);
+}
+
+/// Bytes of each write in [`the_first_of_many_long_writes_is_seen_done_before_the_last`], and
+/// how many are queued at once.
+const LONG: usize = 256 << 20;
+const LONG_WRITES: usize = 16;
+
+/// Long writes queued one behind another are each seen done when their own copies are: the
+/// first of 16 writes of 256 MiB, waited for, returns while the last still runs (without an
+/// event behind each long request, the first wait's event covered all 16, and it finished them
+/// all at once). Then the peer's bytes read back into poisoned memory and compared.
+#[test]
+fn the_first_of_many_long_writes_is_seen_done_before_the_last() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let n = require!(Hardware::Gpu, gpu::gpus());
+    let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
+    let device = if n > 1 { 1 } else { 0 };
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let (_listener, ep, child) = meet_child(
+        &engine,
+        "long",
+        "the_first_of_many_long_writes_is_seen_done_before_the_last",
+        "long-peer",
+        seed,
+        device,
+    );
+    let peer = ep.peer_descriptors();
+    let want = bytes(LONG, seed ^ 700);
+    let src = register(&engine, device_bytes(0, &want));
+    let write = || {
+        ep.write(
+            vec![(src.all(), peer[0].range(0, LONG as u64).unwrap())],
+            TransferOptions::default(),
+        )
+        .unwrap()
+    };
+    let mut ts: Vec<_> = (0..LONG_WRITES).map(|_| write()).collect();
+    ts.remove(0).wait().unwrap();
+    assert!(
+        !ts.last().unwrap().is_complete(),
+        "the first long write was seen done only with the last"
+    );
+    for t in ts {
+        t.wait().unwrap();
+    }
+    let back = register(&engine, poisoned_bytes(0, LONG, 0x3C));
+    ep.read(
+        vec![(back.all(), peer[0].range(0, LONG as u64).unwrap())],
+        TransferOptions::default(),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    same(&host_copy(&back, 0, LONG), &want, "long writes read back");
+    done_with_peer(&engine, ep, &peer[0], want[..1].to_vec(), child);
+}
+
+/// The long-writes test's peer: publishes a poisoned buffer of [`LONG`] bytes and waits for the
+/// closing notification.
+fn long_peer(job: Job) {
+    let engine = Engine::new(EngineConfig::local()).unwrap();
+    let area = register(&engine, poisoned_bytes(job.device, LONG, 0xA5));
+    let ep = engine
+        .connect_local(&job.socket, &[area.descriptor().unwrap()])
+        .unwrap();
+    let n = ep.next_notification(WAIT).unwrap().expect("a notification");
+    assert_eq!(n.tag, 99);
     until_hung_up(&ep);
 }
 

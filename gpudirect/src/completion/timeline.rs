@@ -64,6 +64,10 @@ struct Waiters {
     watched: bool,
 }
 
+/// At most this many events pending on a stream for [`Timeline::mark`]: beyond, marks are
+/// skipped and a later poll's event covers more work at once.
+const MARKS: usize = 64;
+
 #[derive(Debug, Default)]
 struct Events {
     /// Recorded events and the last epoch each covers, oldest first.
@@ -202,14 +206,39 @@ impl Timeline {
         if !eager && !g.pending.is_empty() {
             return (false, false);
         }
-        // No event covers `epoch` yet: record one covering everything issued so far. Epochs are
-        // handed out after their work is queued, so this record comes after that work.
+        // No event covers `epoch` yet: record one covering everything issued so far.
+        (false, self.record(&mut g))
+    }
+
+    /// Record an event now, covering every epoch issued so far, unless the newest pending one
+    /// covers them already or [`MARKS`] are pending. For work that runs long on the stream
+    /// behind other work: a poll records only when asked, covering all issued by then, so a
+    /// wait for the first of many long requests would see it done only once the last is, and
+    /// then finish them all while the stream sits idle. Returns whether an event covers the
+    /// newest epoch. The stream's context must be current.
+    pub(crate) fn mark(&self) -> bool {
+        let mut g = self.lock();
+        let issued = self.issued();
+        if g.pending.back().is_some_and(|(c, _)| *c >= issued) {
+            return true;
+        }
+        if g.pending.len() >= MARKS {
+            return false;
+        }
+        self.record(&mut g)
+    }
+
+    /// Record one event covering everything issued so far (epochs are handed out after their
+    /// work is queued, so the record comes after that work); `false` when none could be
+    /// recorded.
+    fn record(&self, g: &mut std::sync::MutexGuard<'_, Events>) -> bool {
+        let stream = self.stream();
         let covered = self.issued.0.load(Ordering::Acquire);
         let ev = match g.free.pop() {
             Some(ev) => ev,
             None => match stream.context().new_event(None) {
                 Ok(ev) => ev,
-                Err(_) => return (false, false),
+                Err(_) => return false,
             },
         };
         // Checked like any work queued on the stream, but a capture found after the record is
@@ -227,13 +256,13 @@ impl Timeline {
         match recorded {
             Ok(((), ev)) => {
                 g.pending.push_back((covered, ev));
-                (false, true)
+                true
             }
             Err(r) => {
                 if let Some(ev) = r.kept {
                     g.free.push(ev); // not recorded: reusable
                 }
-                (false, false)
+                false
             }
         }
     }
@@ -426,6 +455,44 @@ impl StreamFence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A mark records one event per long piece of work (not when the newest covers it, not
+    /// past [`MARKS`]), so that each epoch is seen complete by its own event; without marks a
+    /// poll records one covering everything issued.
+    #[test]
+    fn a_mark_records_an_event_behind_each_piece_of_work() {
+        use crate::testing::Hardware;
+        let ctx = crate::require!(Hardware::Gpu, crate::cuda::context(0));
+        let stream = crate::require!(Hardware::Gpu, crate::cuda::Stream::new(&ctx));
+        crate::driver::ctx::bind(&ctx).unwrap();
+        let tl = stream.timeline();
+        let covered =
+            |tl: &Timeline| -> Vec<u64> { tl.lock().pending.iter().map(|(c, _)| *c).collect() };
+        let a = tl.issue();
+        assert!(tl.mark());
+        assert!(tl.mark(), "covered already");
+        let b = tl.issue();
+        assert!(tl.mark());
+        assert_eq!(covered(tl), [a.epoch(), b.epoch()]);
+        let more: Vec<StreamFence> = (0..2 * MARKS)
+            .map(|_| {
+                let f = tl.issue();
+                tl.mark();
+                f
+            })
+            .collect();
+        assert_eq!(covered(tl).len(), MARKS, "bounded");
+        let last = more.last().unwrap();
+        assert!(last.wait_timeout(Duration::from_secs(10)));
+        assert!(a.is_complete() && b.is_complete());
+
+        // Unmarked: one event, recorded by the poll, covers every epoch issued by then.
+        let plain = crate::require!(Hardware::Gpu, crate::cuda::Stream::new(&ctx));
+        let tl = plain.timeline();
+        let (a, _b) = (tl.issue(), tl.issue());
+        assert!(!tl.poll(a.epoch(), false).0 || tl.completed() >= 2);
+        assert!(covered(tl).iter().all(|&c| c == 2), "{:?}", covered(tl));
+    }
 
     #[test]
     fn a_padded_counter_prints_as_its_value() {

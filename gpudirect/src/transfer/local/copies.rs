@@ -7,7 +7,7 @@ use crate::completion::{CompletionFlag, Fence, StreamFence, Tracker, capture};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
-use crate::transfer::region::{LocalRange, MemoryPath, Region};
+use crate::transfer::region::{IpcLink, LocalRange, MemoryPath, Region};
 use std::sync::{Arc, OnceLock};
 
 /// One copy: destination, source (unified addresses), bytes, the local GPU it runs on.
@@ -25,6 +25,31 @@ pub(super) fn path_of(local_gpu: Option<usize>, peer_gpu: usize) -> MemoryPath {
         link: link(local_gpu, Some(peer_gpu)),
     }
 }
+
+/// Whether a request of `bytes` over the links of `gpus` (per pair: the local GPU, `None` for
+/// host memory, and the peer's) runs on its stream for about [`LONG_RUN_US`] or more, by a rough
+/// rate per link (bytes per microsecond, the slowest pair's; docs/transfer.md gives them). Then
+/// an event recorded behind its copies as they are queued costs the caller one driver call
+/// beside the copies' run, and lets a wait see the request done while later requests still
+/// run ([`Timeline::mark`](crate::completion::Timeline::mark)). Shorter requests are queued
+/// faster than they run only when the host is the limit, where an event each would cost the
+/// caller's time.
+pub(super) fn runs_long(bytes: u64, gpus: &[(Option<usize>, usize)]) -> bool {
+    let rate = gpus
+        .iter()
+        .map(|&(l, p)| match link(l, Some(p)) {
+            IpcLink::SameDevice => 2_000_000,
+            IpcLink::Nvlink { links } => 20_000 * u64::from(links.max(1)),
+            IpcLink::LocalHost => 50_000,
+            IpcLink::Pcie | IpcLink::Unknown { .. } => 25_000,
+        })
+        .min();
+    rate.is_some_and(|r| bytes / r >= LONG_RUN_US)
+}
+
+/// How long a request's run on its stream must be for [`runs_long`], in microseconds: about
+/// what queueing one costs the caller (docs/transfer.md).
+const LONG_RUN_US: u64 = 6;
 
 /// Cut copies into chunks of at most `chunk` bytes spread over `streams` streams, in turn;
 /// with one stream nothing is cut. Pure: the chunks of each copy cover it exactly, in order.
@@ -263,6 +288,7 @@ pub(super) fn enqueue(
     copies: &[Piece],
     chunk: u64,
     keep: Keep,
+    mark: bool,
 ) -> Result<(Events, Keep, u64)> {
     let mut keep = Some(keep);
     let mut fences = Vec::with_capacity(1);
@@ -270,7 +296,7 @@ pub(super) fn enqueue(
     for (d, mine) in streams {
         if let ([_], [s]) = (streams, &mine[..]) {
             // One GPU, one stream (the defaults): every copy goes there as it is.
-            queue_on(s, copies, &mut keep, &mut fences)?;
+            queue_on(s, copies, &mut keep, &mut fences, mark)?;
             messages += copies.len() as u64;
             continue;
         }
@@ -279,7 +305,7 @@ pub(super) fn enqueue(
             if work.is_empty() {
                 continue;
             }
-            queue_on(s, &work, &mut keep, &mut fences)?;
+            queue_on(s, &work, &mut keep, &mut fences, mark)?;
             messages += work.len() as u64;
         }
     }
@@ -290,14 +316,15 @@ pub(super) fn enqueue(
     ))
 }
 
-/// Queue `work` on `s` and take an epoch of it (after the copies: the epoch covers them). On a
-/// failure `keep` is parked behind the epochs taken so far (or dropped when nothing was
-/// queued), never freed early.
+/// Queue `work` on `s` and take an epoch of it (after the copies: the epoch covers them), with
+/// an event recorded behind it when `mark` ([`runs_long`]). On a failure `keep` is parked behind
+/// the epochs taken so far (or dropped when nothing was queued), never freed early.
 fn queue_on(
     s: &Stream,
     work: &[Piece],
     keep: &mut Option<Keep>,
     fences: &mut Vec<StreamFence>,
+    mark: bool,
 ) -> Result<()> {
     // The stream's context current for the copy (the caller's thread may have another).
     if let Err(e) = crate::driver::ctx::bind(s.cuda().context()) {
@@ -331,6 +358,10 @@ fn queue_on(
     fences.push(s.timeline().issue());
     match r {
         Ok(((), k)) => {
+            if mark {
+                // Not recorded (the driver refused): a later wait records one, as without.
+                s.timeline().mark();
+            }
             *keep = Some(k);
             Ok(())
         }
@@ -390,6 +421,20 @@ mod tests {
             "{e}"
         );
         assert!(Events::of(Vec::new()).is_complete());
+    }
+
+    #[test]
+    fn a_request_runs_long_by_its_slowest_link() {
+        const MIB: u64 = 1 << 20;
+        let same = [(Some(0), 0)];
+        assert!(runs_long(16 * MIB, &same));
+        assert!(!runs_long(4 * MIB, &same));
+        // Host memory.
+        assert!(runs_long(MIB, &[(None, 0)]));
+        assert!(!runs_long(64 << 10, &[(None, 0)]));
+        // The slowest pair decides.
+        assert!(runs_long(MIB, &[(Some(0), 0), (None, 0)]));
+        assert!(!runs_long(u64::MAX, &[]));
     }
 
     proptest! {

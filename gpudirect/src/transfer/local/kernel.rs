@@ -259,7 +259,8 @@ pub(super) const GATHER_NOW_BYTES: u64 = 64 << 20;
 
 /// Queue a request's `pieces` on `stream` at once, in launches of up to [`GATHER_PIECES`] (a
 /// launch's pieces run at once, the launches one after another): the request's epoch taken
-/// after the last. On a failure what `keep` holds is parked behind an epoch taken after the
+/// after the last, with an event recorded behind it when `mark` (as the copy engines' path
+/// does for a request that [`runs_long`](super::copies::runs_long)). On a failure what `keep` holds is parked behind an epoch taken after the
 /// launches that went, and the driver's error returned.
 ///
 /// # Safety
@@ -272,6 +273,7 @@ pub(super) unsafe fn launch_now(
     kernel: &CopyKernel,
     pieces: &[Piece],
     keep: Keep,
+    mark: bool,
 ) -> Result<(Events, Keep)> {
     // SAFETY: the caller's promises.
     if let Err(e) = unsafe { launch_gathers(stream, kernel, pieces) } {
@@ -280,7 +282,11 @@ pub(super) unsafe fn launch_now(
         return Err(e);
     }
     // Taken after the launches: the epoch covers them.
-    Ok((Events::of(vec![stream.timeline().issue()]), keep))
+    let epoch = stream.timeline().issue();
+    if mark {
+        stream.timeline().mark();
+    }
+    Ok((Events::of(vec![epoch]), keep))
 }
 
 /// Queue `pieces` on `stream` in launches of up to [`GATHER_PIECES`], one after another,

@@ -3,7 +3,7 @@
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
 use super::copies::{
-    Events, Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies,
+    Events, Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies, runs_long,
 };
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
@@ -522,10 +522,12 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             // Requests waiting for a launch go first; this one's launches follow at once.
             issue.flush();
             lane.gathering.store(false, Ordering::Release);
+            let mark = runs_long(report.bytes, gpus);
             // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
             // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
             // both ranges checked by `prepare`), which `keep` holds.
-            let (fence, keep) = unsafe { kernel::launch_now(&stream, &kernel, copies, keep)? };
+            let (fence, keep) =
+                unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark)? };
             report.messages = copies.len() as u64;
             (Gathered::No, Arc::new(fence), keep)
         }
@@ -540,8 +542,9 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             // Requests waiting for a launch go first: the stream keeps the lane's order.
             issue.flush();
             lane.gathering.store(false, Ordering::Release);
+            let mark = runs_long(report.bytes, gpus);
             let (fence, keep, messages) =
-                enqueue(streams, copies, e.config.copy_chunk as u64, keep)?;
+                enqueue(streams, copies, e.config.copy_chunk as u64, keep, mark)?;
             report.messages = messages;
             (Gathered::No, Arc::new(fence), keep)
         }
@@ -843,6 +846,8 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
         &r.copies,
         ep.engine.inner.config.copy_chunk as u64,
         keep,
+        // Synchronized below: no wait looks for an event.
+        false,
     )?;
     // Nobody else issues on this lane's stream while `issue` is held: the newest epoch is this
     // one.
