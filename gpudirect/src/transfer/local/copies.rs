@@ -35,6 +35,10 @@ pub(super) fn path_of(local_gpu: Option<usize>, peer_gpu: usize) -> MemoryPath {
 /// faster than they run only when the host is the limit, where an event each would cost the
 /// caller's time.
 pub(super) fn runs_long(bytes: u64, gpus: &[(Option<usize>, usize)]) -> bool {
+    // Short at the slowest rate below (one NVLink link): no link looked up.
+    if bytes < LONG_RUN_US * 20_000 {
+        return false;
+    }
     let rate = gpus
         .iter()
         .map(|&(l, p)| match link(l, Some(p)) {
@@ -435,6 +439,7 @@ mod tests {
         // The slowest pair decides.
         assert!(runs_long(MIB, &[(Some(0), 0), (None, 0)]));
         assert!(!runs_long(u64::MAX, &[]));
+        assert!(!runs_long(100_000, &[(None, 0)]));
     }
 
     proptest! {
