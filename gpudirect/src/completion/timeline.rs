@@ -66,6 +66,10 @@ struct Waiters {
 
 /// At most this many events pending on a stream for [`Timeline::mark`]: beyond, marks are
 /// skipped and a later poll's event covers more work at once.
+#[cfg_attr(
+    not(all(feature = "transfer", feature = "p2p")),
+    allow(dead_code, reason = "the intra-node endpoint's lanes")
+)]
 const MARKS: usize = 64;
 
 #[derive(Debug, Default)]
@@ -216,6 +220,10 @@ impl Timeline {
     /// wait for the first of many long requests would see it done only once the last is, and
     /// then finish them all while the stream sits idle. Returns whether an event covers the
     /// newest epoch. The stream's context must be current.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's lanes")
+    )]
     pub(crate) fn mark(&self) -> bool {
         let mut g = self.lock();
         let issued = self.issued();
@@ -460,6 +468,7 @@ mod tests {
     /// past [`MARKS`]), so that each epoch is seen complete by its own event; without marks a
     /// poll records one covering everything issued.
     #[test]
+    #[cfg(any(feature = "p2p", feature = "transfer"))]
     fn a_mark_records_an_event_behind_each_piece_of_work() {
         use crate::testing::Hardware;
         let ctx = crate::require!(Hardware::Gpu, crate::cuda::context(0));
