@@ -96,6 +96,12 @@ fn copy_kernel() -> Option<bool> {
     env_count("TRANSFER_BENCH_COPY_KERNEL").map(|n| n != 0)
 }
 
+/// The submitting side's `EngineConfig::copy_graphs`: `TRANSFER_BENCH_COPY_GRAPHS=0` turns it
+/// off (default: the engine's default, on).
+fn copy_graphs() -> Option<bool> {
+    env_count("TRANSFER_BENCH_COPY_GRAPHS").map(|n| n != 0)
+}
+
 /// The number variable `name` holds, if set and a number.
 fn env_count(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -535,9 +541,12 @@ fn main() {
     if let Some(k) = copy_kernel() {
         config.copy_kernel = k;
     }
+    if let Some(g) = copy_graphs() {
+        config.copy_graphs = g;
+    }
     println!(
-        "engine: copy_streams={} copy_lanes={} copy_kernel={}",
-        config.copy_streams, config.copy_lanes, config.copy_kernel
+        "engine: copy_streams={} copy_lanes={} copy_kernel={} copy_graphs={}",
+        config.copy_streams, config.copy_lanes, config.copy_kernel, config.copy_graphs
     );
     let engine = Engine::new(config).expect("engine");
     let src_buf = DeviceBuffer::<u8>::zeroed(&ctx, max).expect("cuMemAlloc");

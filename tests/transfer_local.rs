@@ -19,7 +19,7 @@
 //! - a peer killed while writes run: a typed error, no hang;
 //! - 16 writes of 256 MiB queued at once: the first, waited for, is done while the last still
 //!   runs; the bytes read back exactly;
-//! - with the copy kernel, 600 requests made at once on one thread (writes and reads of random,
+//! - with the copy kernel, and again with the copy graphs (the default), 600 requests made at once on one thread (writes and reads of random,
 //!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
 //!   gather launch, some not, some the same write twice, some of 2 to 80 pairs into disjoint
 //!   slots, queued in launches of their own), then dropped, made `InFlight` or
@@ -863,24 +863,37 @@ fn pair(
 
 #[test]
 fn gathered_requests_between_two_processes() {
-    use rand::{Rng, SeedableRng, rngs::StdRng};
     if let Ok(job) = std::env::var(CHILD) {
         return peer(serde_json::from_str(&job).unwrap());
     }
+    let mut config = EngineConfig::local();
+    config.copy_kernel = true;
+    gathered_requests(config, "gathered_requests_between_two_processes");
+}
+
+/// The same with the default copy graphs: the pieces gathered on the copy engines.
+#[test]
+fn gathered_requests_on_copy_graphs_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let config = EngineConfig::local();
+    assert!(config.copy_graphs && !config.copy_kernel, "the defaults");
+    gathered_requests(
+        config,
+        "gathered_requests_on_copy_graphs_between_two_processes",
+    );
+}
+
+/// The gathered-requests test with `config` (the copy kernel or the copy graphs), its child
+/// started as `test`.
+fn gathered_requests(config: EngineConfig, test: &str) {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
     let n = require!(Hardware::Gpu, gpu::gpus());
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
-    let mut config = EngineConfig::local();
-    config.copy_kernel = true;
     let engine = Engine::new(config).unwrap();
-    let (_listener, ep, mut child) = meet_child(
-        &engine,
-        "gather",
-        "gathered_requests_between_two_processes",
-        "gather-peer",
-        seed,
-        device,
-    );
+    let (_listener, ep, mut child) = meet_child(&engine, test, test, "gather-peer", seed, device);
     let area = ep.peer_descriptors()[0];
     // What the peer's area and `back` hold, applied on the host in request order.
     let mut model = vec![0xA5u8; AREA];

@@ -22,6 +22,8 @@ mod code;
 pub(crate) mod ctx;
 pub(crate) mod device;
 pub(crate) mod event;
+#[cfg(all(feature = "p2p", feature = "transfer"))]
+pub(crate) mod graph;
 mod init;
 #[cfg(feature = "p2p")]
 pub(crate) mod ipc;

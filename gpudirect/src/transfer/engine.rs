@@ -107,6 +107,20 @@ pub struct EngineConfig {
     /// them with the driver's error, nothing queued for them, and fails the endpoint (their
     /// callers were told they were made: a later notification must not vouch for them).
     pub copy_kernel: bool,
+    /// Whether an intra-node request's small copies are gathered on the copy engines through a
+    /// CUDA graph (default `true`; ignored with [`copy_kernel`](Self::copy_kernel), which
+    /// gathers them in its own launches).
+    ///
+    /// With it, a request of at most 64 MiB whose pieces are at most 2 MiB each, on its lane's
+    /// one stream of the local memory's GPU, goes as launches of a graph of up to 32 copy nodes
+    /// (`cuGraphLaunch`, each node's operands set with `cuGraphExecMemcpyNodeSetParams`) where
+    /// it took a copy-engine submission per piece; made while that lane is busy, such a request
+    /// of at most 2 MiB waits to go in one launch with the lane's next ones, as with the copy
+    /// kernel (`docs/transfer.md`, "Gathered requests"). The copies run on the copy engines,
+    /// whatever the multiprocessors do. A request of one piece on an idle lane is one copy, as
+    /// without. The pieces of one launch run in no order among themselves; requests whose
+    /// pieces share a byte one of them writes go in order.
+    pub copy_graphs: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not
     /// authenticated). Both sides need the same key: a key on one side only is refused on
@@ -227,6 +241,7 @@ impl Default for EngineConfig {
             copy_chunk: 16 << 20,
             copy_lanes: 4,
             copy_kernel: false,
+            copy_graphs: true,
             key: None,
             local_peers: LocalPeers::SameUser,
             max_pending: 64,

@@ -8,6 +8,7 @@
 //! [`EngineConfig::copy_kernel`]: crate::transfer::EngineConfig::copy_kernel
 
 use super::copies::{Events, Keep, Piece};
+use super::graphs::CopyGraphs;
 use crate::completion::Tracker;
 use crate::cuda::Stream;
 use crate::driver::ctx::bind;
@@ -246,6 +247,41 @@ impl Lease {
     }
 }
 
+/// What copies the pieces of a gather launch: the copy kernel (`EngineConfig::copy_kernel`), or
+/// a graph of copy nodes on the copy engines (`EngineConfig::copy_graphs`).
+#[derive(Clone)]
+pub(super) enum Launcher {
+    Kernel(Arc<CopyKernel>),
+    Graphs(Arc<CopyGraphs>),
+}
+
+impl Launcher {
+    /// The driver call a launch makes.
+    fn call(&self) -> &'static str {
+        match self {
+            Launcher::Kernel(_) => "cuLaunchKernel",
+            Launcher::Graphs(_) => "cuGraphLaunch",
+        }
+    }
+
+    /// Queue the copies of `pieces` (1 to [`GATHER_PIECES`]) in one launch; an error queued
+    /// nothing.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is live in the launcher's context, which is current; every piece has some
+    /// bytes (for the kernel, it [`fits`]), both its ranges memory the context's GPU reaches,
+    /// valid until the stream has passed the launch.
+    unsafe fn gather(&self, stream: sys::CUstream, pieces: &[Piece]) -> Result<()> {
+        match self {
+            // SAFETY: the caller's promises.
+            Launcher::Kernel(k) => unsafe { k.gather(stream, pieces) },
+            // SAFETY: the caller's promises.
+            Launcher::Graphs(g) => unsafe { g.gather(stream, pieces) },
+        }
+    }
+}
+
 /// The most bytes a request may move and still wait for a gather launch; a larger one is
 /// queued at once (its copies outlast a submission's host time).
 pub(super) const GATHER_REQUEST_BYTES: u64 = 2 << 20;
@@ -270,7 +306,7 @@ pub(super) const GATHER_NOW_BYTES: u64 = 64 << 20;
 /// which `keep` holds.
 pub(super) unsafe fn launch_now(
     stream: &Stream,
-    kernel: &CopyKernel,
+    kernel: &Launcher,
     pieces: &[Piece],
     keep: Keep,
     mark: bool,
@@ -296,7 +332,7 @@ pub(super) unsafe fn launch_now(
 /// # Safety
 ///
 /// As [`launch_now`]; the memory stays valid until the stream has passed the launches.
-unsafe fn launch_gathers(stream: &Stream, kernel: &CopyKernel, pieces: &[Piece]) -> Result<()> {
+unsafe fn launch_gathers(stream: &Stream, kernel: &Launcher, pieces: &[Piece]) -> Result<()> {
     let Some(p) = stream.as_private() else {
         return Err(Error::invalid(
             "stream",
@@ -308,7 +344,7 @@ unsafe fn launch_gathers(stream: &Stream, kernel: &CopyKernel, pieces: &[Piece])
     for chunk in pieces.chunks(GATHER_PIECES) {
         // SAFETY: the caller's promises for every piece; the stream's context made current
         // above, the kernel of that context.
-        p.enqueue("cuLaunchKernel", (), |raw, ()| unsafe {
+        p.enqueue(kernel.call(), (), |raw, ()| unsafe {
             kernel.gather(raw, chunk)
         })
         .map_err(|r| r.error)?;
@@ -344,10 +380,12 @@ pub(super) struct Gather {
     /// Each waiting request, in order.
     waiting: Vec<Waiting>,
     bytes: u64,
-    /// Where they go: the lane's one stream of their GPU, and its kernel.
-    to: Option<(Stream, Arc<CopyKernel>)>,
+    /// Where they go: the lane's one stream of their GPU, and what copies them.
+    to: Option<(Stream, Launcher)>,
     /// The endpoint's epoch now.
     epoch: Arc<AtomicU64>,
+    /// The lane's copy graphs, one per context it gathered on.
+    graphs: Vec<Arc<CopyGraphs>>,
 }
 
 /// A request waiting in a [`Gather`].
@@ -369,7 +407,20 @@ impl Gather {
             bytes: 0,
             to: None,
             epoch,
+            graphs: Vec::new(),
         }
+    }
+
+    /// The lane's copy graphs for `ctx`, made on first use; `None` where the driver has no
+    /// graph calls.
+    pub(super) fn graphs(&mut self, ctx: &Arc<CudaContext>) -> Option<Arc<CopyGraphs>> {
+        let key = ctx.cu_ctx();
+        if let Some(g) = self.graphs.iter().find(|g| g.context().cu_ctx() == key) {
+            return Some(g.clone());
+        }
+        let g = CopyGraphs::new(ctx, GATHER_PIECES)?;
+        self.graphs.push(g.clone());
+        Some(g)
     }
 
     /// Whether no request waits.
@@ -402,7 +453,7 @@ impl Gather {
     pub(super) unsafe fn add(
         &mut self,
         stream: &Stream,
-        kernel: Arc<CopyKernel>,
+        kernel: Launcher,
         pieces: &[Piece],
         fence: Arc<Events>,
         epoch: u64,

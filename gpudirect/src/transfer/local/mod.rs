@@ -54,6 +54,7 @@
 
 mod copies;
 mod fds;
+mod graphs;
 mod handle;
 mod hello;
 mod import;

@@ -7,7 +7,7 @@ use super::copies::{
 };
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
-use super::kernel::{self, CopyKernel, Gather, Lease};
+use super::kernel::{self, CopyKernel, Gather, Launcher, Lease};
 use super::side::{IDLE_LOOK, Job, Lane, Side, lock};
 use super::state::State;
 use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
@@ -516,7 +516,7 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
         park_imports(keep._imports);
         return Err(err);
     }
-    let gather = gatherable(e, &issue, streams, copies, gpus, report.bytes);
+    let gather = gatherable(e, &mut issue, streams, copies, gpus, report.bytes);
     let (gather, fence, keep) = match gather {
         Some((stream, kernel, false)) => {
             // Requests waiting for a launch go first; this one's launches follow at once.
@@ -600,28 +600,33 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
 /// Whether a request's copies wait for a gather launch ([`issue`]).
 enum Gathered {
     /// They wait, to go on this stream with this kernel.
-    Waits(Stream, Arc<CopyKernel>),
+    Waits(Stream, Launcher),
     /// They were queued at once.
     No,
 }
 
 /// Where a request's copies go in gather launches, if they may, and whether they wait for the
 /// lane's next one (`true`) or go at once (after those waiting). They may with the copy kernel
-/// allowed ([`EngineConfig::copy_kernel`](crate::transfer::EngineConfig::copy_kernel)), at
-/// most [`kernel::GATHER_NOW_BYTES`] on the lane's one stream of one GPU, every piece from or
-/// to that GPU's memory, 16-byte aligned and at most [`kernel::GATHER_PIECE_BYTES`]. They wait
-/// with the lane busy (requests wait already, or the stream has work not seen done), at most
-/// [`kernel::GATHER_REQUEST_BYTES`], room left in the launch and no byte shared with a waiting
-/// piece that one of them writes.
+/// allowed ([`EngineConfig::copy_kernel`](crate::transfer::EngineConfig::copy_kernel)) or,
+/// without it, with copy graphs
+/// ([`EngineConfig::copy_graphs`](crate::transfer::EngineConfig::copy_graphs)): at most
+/// [`kernel::GATHER_NOW_BYTES`] on the lane's one stream of one GPU, every piece from or to that
+/// GPU's memory, at most [`kernel::GATHER_PIECE_BYTES`] and one the launcher takes (16-byte
+/// aligned for the kernel, some bytes for a graph). They wait with the lane busy (requests wait
+/// already, or the stream has work not seen done), at most [`kernel::GATHER_REQUEST_BYTES`],
+/// room left in the launch and no byte shared with a waiting piece that one of them writes.
+/// On an idle lane a graph takes only a request of several pieces (one piece is one copy on
+/// the copy engines either way).
 fn gatherable(
     e: &EngineInner,
-    waiting: &Gather,
+    waiting: &mut Gather,
     streams: &[(usize, Arc<[Stream]>)],
     copies: &[Piece],
     gpus: &[(Option<usize>, usize)],
     bytes: u64,
-) -> Option<(Stream, Arc<CopyKernel>, bool)> {
-    if !e.config.copy_kernel || bytes > kernel::GATHER_NOW_BYTES || copies.is_empty() {
+) -> Option<(Stream, Launcher, bool)> {
+    let (by_kernel, by_graphs) = (e.config.copy_kernel, e.config.copy_graphs);
+    if !(by_kernel || by_graphs) || bytes > kernel::GATHER_NOW_BYTES || copies.is_empty() {
         return None;
     }
     let [(device, mine)] = streams else {
@@ -631,18 +636,24 @@ fn gatherable(
         return None;
     };
     stream.as_private()?;
-    let fit = copies
-        .iter()
-        .all(|p| kernel::fits(p) && p.len <= kernel::GATHER_PIECE_BYTES)
-        && gpus.iter().all(|&(local, _)| local == Some(*device));
+    let fit = copies.iter().all(|p| {
+        p.len > 0 && p.len <= kernel::GATHER_PIECE_BYTES && (!by_kernel || kernel::fits(p))
+    }) && gpus.iter().all(|&(local, _)| local == Some(*device));
     if !fit {
         return None;
     }
     let timeline = stream.timeline();
     let busy = !waiting.is_empty() || timeline.completed() < timeline.issued();
     let waits = busy && bytes <= kernel::GATHER_REQUEST_BYTES && waiting.takes(stream, copies);
-    let kernel = CopyKernel::of(stream.context())?;
-    Some((stream.clone(), kernel, waits))
+    let launcher = if by_kernel {
+        Launcher::Kernel(CopyKernel::of(stream.context())?)
+    } else {
+        if !waits && copies.len() == 1 {
+            return None;
+        }
+        Launcher::Graphs(waiting.graphs(stream.context())?)
+    };
+    Some((stream.clone(), launcher, waits))
 }
 
 /// An intra-node request checked and mapped once, to be posted many times ([`post`]).

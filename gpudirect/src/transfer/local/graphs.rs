@@ -1,0 +1,135 @@
+//! Gathered copies on the copy engines ([`EngineConfig::copy_graphs`]): the pieces of one or of
+//! several requests queued as one launch of an executable graph of copy nodes, where
+//! `cuMemcpyAsync` takes a submission of some microseconds of host time per piece. A lane keeps
+//! one graph per number of pieces (1 to the most a launch takes) per context, made at the first
+//! launch of that many and then launched again with each node's operands set anew
+//! (`cuGraphExecMemcpyNodeSetParams`, which changes later launches only).
+//!
+//! [`EngineConfig::copy_graphs`]: crate::transfer::EngineConfig::copy_graphs
+
+use super::copies::Piece;
+use crate::driver::graph;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, sys};
+use std::sync::{Arc, Mutex};
+
+/// The copy graphs of one lane on one context.
+pub(super) struct CopyGraphs {
+    /// By number of pieces less one: the graph made for that many, once launched.
+    made: Mutex<Vec<Option<Made>>>,
+    /// Holds the context the graphs live in.
+    ctx: Arc<CudaContext>,
+}
+
+/// A graph of copy nodes and its executable graph.
+struct Made {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    nodes: Vec<sys::CUgraphNode>,
+}
+
+// SAFETY: driver handles, used only under the `made` lock with their context current (graph
+// objects are not thread-safe; the lock serializes them).
+unsafe impl Send for Made {}
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        // SAFETY: live handles (the executable graph unless instantiating it failed), never
+        // used again; a launch in flight completes first (the driver frees the executable
+        // graph once it has).
+        unsafe { graph::destroy(self.exec, self.graph) };
+    }
+}
+
+impl CopyGraphs {
+    /// Graphs for `ctx`, of up to `most` pieces a launch; `None` where the driver lacks the
+    /// graph calls (the copy engines then copy each piece with a submission of its own).
+    pub(super) fn new(ctx: &Arc<CudaContext>, most: usize) -> Option<Arc<CopyGraphs>> {
+        gpudirect_sys::cuda::require_symbols(graph::GRAPH_SYMBOLS).ok()?;
+        Some(Arc::new(CopyGraphs {
+            made: Mutex::new((0..most).map(|_| None).collect()),
+            ctx: ctx.clone(),
+        }))
+    }
+
+    /// The context the graphs live in.
+    pub(super) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Queue on `stream` the copies of `pieces` (1 to the most a launch takes, each of some bytes) as
+    /// one graph launch: the graph of that many copies, its nodes set to these pieces (or made
+    /// anew from them, where the driver refuses a node's new operands). An error queued
+    /// nothing.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is live in the graphs' context, which is current; both ranges of each piece are
+    /// memory the context reaches, valid until the stream has passed the launch.
+    pub(super) unsafe fn gather(&self, stream: sys::CUstream, pieces: &[Piece]) -> Result<()> {
+        let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        let most = made.len();
+        if pieces.is_empty() || pieces.len() > most || pieces.iter().any(|p| p.len == 0) {
+            return Err(Error::invalid(
+                "pieces",
+                pieces.len(),
+                format!("one graph launch copies 1 to {most} pieces of some bytes"),
+            ));
+        }
+        let ctx = self.ctx.cu_ctx();
+        let slot = &mut made[pieces.len() - 1];
+        // SAFETY: the graph's handles are live (under the lock); the context is current.
+        let set = slot
+            .as_ref()
+            .is_some_and(|m| unsafe { set_all(m, pieces, ctx) }.is_ok());
+        if !set {
+            // None made yet, or a node refused its new operands (the nodes set before it change
+            // nothing until a launch, and none comes): made anew from these pieces.
+            *slot = None;
+            // SAFETY: the context is current; the pieces' memory is the caller's promise.
+            *slot = Some(unsafe { make(pieces, ctx) }?);
+        }
+        let m = slot.as_ref().expect("made above");
+        // SAFETY: a live executable graph whose every node copies one of `pieces`; the stream
+        // and the memory are the caller's promises.
+        unsafe { graph::launch(m.exec, stream) }
+    }
+}
+
+/// Set every node of `m` to copy its piece of `pieces` (as many as its nodes).
+///
+/// # Safety
+///
+/// `m`'s handles are live and used by no other thread; `ctx` is current.
+unsafe fn set_all(m: &Made, pieces: &[Piece], ctx: sys::CUcontext) -> Result<()> {
+    for (node, p) in m.nodes.iter().zip(pieces) {
+        let params = graph::copy_1d(p.dst, p.src, p.len);
+        // SAFETY: a node of the graph `m.exec` was made from.
+        unsafe { graph::set_copy(m.exec, *node, &params, ctx) }?;
+    }
+    Ok(())
+}
+
+/// A graph of one copy node per piece (no edges: they run in any order, at once), and its
+/// executable graph.
+///
+/// # Safety
+///
+/// `ctx` is current; the pieces' memory is live.
+unsafe fn make(pieces: &[Piece], ctx: sys::CUcontext) -> Result<Made> {
+    // SAFETY: the context is current.
+    let g = unsafe { graph::create() }?;
+    let mut m = Made {
+        graph: g,
+        exec: std::ptr::null_mut(),
+        nodes: Vec::with_capacity(pieces.len()),
+    };
+    for p in pieces {
+        let params = graph::copy_1d(p.dst, p.src, p.len);
+        // SAFETY: a live graph; the context is current.
+        m.nodes.push(unsafe { graph::add_copy(g, &params, ctx) }?);
+    }
+    // SAFETY: as above.
+    m.exec = unsafe { graph::instantiate(g) }?;
+    Ok(m)
+}
