@@ -17,7 +17,7 @@
 //! - a remote range past the peer's real allocation refused before any copy; a deadline that
 //!   passes ending the request with `Error::Timeout`;
 //! - a peer killed while writes run: a typed error, no hang;
-//! - 16 writes of 256 MiB queued at once: the first, waited for, is done while the last still
+//! - 32 writes of 256 MiB queued at once: the first, waited for, is done while the last still
 //!   runs; the bytes read back exactly;
 //! - with the copy kernel, and again with the copy graphs (the default), 600 requests made at once on one thread (writes and reads of random,
 //!   overlapping ranges of the peer's area, most small and aligned so that they wait for a
@@ -774,12 +774,12 @@ fn peer(job: Job) {
 /// Bytes of each write in [`the_first_of_many_long_writes_is_seen_done_before_the_last`], and
 /// how many are queued at once.
 const LONG: usize = 256 << 20;
-const LONG_WRITES: usize = 16;
+const LONG_WRITES: usize = 32;
 
 /// Long writes queued one behind another are each seen done when their own copies are: the
-/// first of 16 writes of 256 MiB, waited for, returns while the last still runs (without an
-/// event behind each long request, the first wait's event covered all 16, and it finished them
-/// all at once). Then the peer's bytes read back into poisoned memory and compared.
+/// first of 32 writes of 256 MiB, waited for, returns while the last still runs (without an
+/// event behind each long request, the first wait's event covered all 32, and it finished them
+/// all at once; the last runs 31 copies of 256 MiB after the first). Then the peer's bytes read back into poisoned memory and compared.
 #[test]
 fn the_first_of_many_long_writes_is_seen_done_before_the_last() {
     if let Ok(job) = std::env::var(CHILD) {
