@@ -779,7 +779,8 @@ const LONG_WRITES: usize = 32;
 /// Long writes queued one behind another are each seen done when their own copies are: the
 /// first of 32 writes of 256 MiB, waited for, returns while the last still runs (without an
 /// event behind each long request, the first wait's event covered all 32, and it finished them
-/// all at once; the last runs 31 copies of 256 MiB after the first). Then the peer's bytes read back into poisoned memory and compared.
+/// all at once; the last runs 31 copies of 256 MiB after the first). Then the peer's bytes
+/// read back into poisoned memory and compared.
 #[test]
 fn the_first_of_many_long_writes_is_seen_done_before_the_last() {
     if let Ok(job) = std::env::var(CHILD) {
