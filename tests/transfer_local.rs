@@ -869,7 +869,7 @@ fn gathered_requests_between_two_processes() {
     }
     let mut config = EngineConfig::local();
     config.copy_kernel = true;
-    gathered_requests(config, "gathered_requests_between_two_processes");
+    gathered_requests(config, "gathered_requests_between_two_processes", "gk");
 }
 
 /// The same with the default copy graphs: the pieces gathered on the copy engines.
@@ -883,18 +883,19 @@ fn gathered_requests_on_copy_graphs_between_two_processes() {
     gathered_requests(
         config,
         "gathered_requests_on_copy_graphs_between_two_processes",
+        "gg",
     );
 }
 
 /// The gathered-requests test with `config` (the copy kernel or the copy graphs), its child
-/// started as `test`.
-fn gathered_requests(config: EngineConfig, test: &str) {
+/// started as `test`, meeting it on the socket named `name`.
+fn gathered_requests(config: EngineConfig, test: &str, name: &str) {
     use rand::{Rng, SeedableRng, rngs::StdRng};
     let n = require!(Hardware::Gpu, gpu::gpus());
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let engine = Engine::new(config).unwrap();
-    let (_listener, ep, mut child) = meet_child(&engine, test, test, "gather-peer", seed, device);
+    let (_listener, ep, mut child) = meet_child(&engine, name, test, "gather-peer", seed, device);
     let area = ep.peer_descriptors()[0];
     // What the peer's area and `back` hold, applied on the host in request order.
     let mut model = vec![0xA5u8; AREA];
@@ -905,9 +906,11 @@ fn gathered_requests(config: EngineConfig, test: &str) {
     let mut rng = StdRng::seed_from_u64(seed);
     // 600 requests made at once on this thread, nothing waited: writes of random ranges of
     // `src` over random ranges of the area and reads of the area into `back`, overlapping
-    // (the lane's order decides the bytes), some writes made twice in a row. Most are 16-byte aligned and small (they wait for a
-    // gather launch while the lane is busy); every seventh is not aligned and every 50th is
-    // 3 MiB (both go on the copy engines, after those waiting).
+    // (the lane's order decides the bytes), some writes made twice in a row. Most are 16-byte
+    // aligned and small (they wait for a gather launch while the lane is busy); every seventh is
+    // not aligned (the kernel does not take it: it goes on the copy engines after those waiting;
+    // a graph takes it) and every 50th is 3 MiB (past what waits: it goes at once, after those
+    // waiting).
     let mut ts = Vec::new();
     let mut last_write = None;
     for k in 0..600 {

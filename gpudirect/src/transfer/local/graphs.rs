@@ -11,12 +11,16 @@ use super::copies::Piece;
 use crate::driver::graph;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, sys};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The copy graphs of one lane on one context.
 pub(super) struct CopyGraphs {
     /// By number of pieces less one: the graph made for that many, once launched.
     made: Mutex<Vec<Option<Made>>>,
+    /// A graph could not be made: the lane gathers no more here (the copy engines take each
+    /// piece with a submission of its own).
+    refused: AtomicBool,
     /// Holds the context the graphs live in.
     ctx: Arc<CudaContext>,
 }
@@ -28,15 +32,16 @@ struct Made {
     nodes: Vec<sys::CUgraphNode>,
 }
 
-// SAFETY: driver handles, used only under the `made` lock with their context current (graph
-// objects are not thread-safe; the lock serializes them).
+// SAFETY: driver handles, used only under the `made` lock (graph objects are not thread-safe;
+// the lock serializes them), with their context current, or dropped.
 unsafe impl Send for Made {}
 
 impl Drop for Made {
     fn drop(&mut self) {
         // SAFETY: live handles (the executable graph unless instantiating it failed), never
         // used again; a launch in flight completes first (the driver frees the executable
-        // graph once it has).
+        // graph once it has). The handles name their context: none need be current (a
+        // failure, which is ignored, leaks them at worst).
         unsafe { graph::destroy(self.exec, self.graph) };
     }
 }
@@ -48,6 +53,7 @@ impl CopyGraphs {
         gpudirect_sys::cuda::require_symbols(graph::GRAPH_SYMBOLS).ok()?;
         Some(Arc::new(CopyGraphs {
             made: Mutex::new((0..most).map(|_| None).collect()),
+            refused: AtomicBool::new(false),
             ctx: ctx.clone(),
         }))
     }
@@ -55,6 +61,11 @@ impl CopyGraphs {
     /// The context the graphs live in.
     pub(super) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Whether a graph could not be made here (nothing more is gathered with these).
+    pub(super) fn refused(&self) -> bool {
+        self.refused.load(Ordering::Acquire)
     }
 
     /// Queue on `stream` the copies of `pieces` (1 to the most a launch takes, each of some bytes) as
@@ -87,7 +98,14 @@ impl CopyGraphs {
             // nothing until a launch, and none comes): made anew from these pieces.
             *slot = None;
             // SAFETY: the context is current; the pieces' memory is the caller's promise.
-            *slot = Some(unsafe { make(pieces, ctx) }?);
+            match unsafe { make(pieces, ctx) } {
+                Ok(m) => *slot = Some(m),
+                Err(e) => {
+                    // This launch fails (nothing queued); later requests take the copy engines.
+                    self.refused.store(true, Ordering::Release);
+                    return Err(e);
+                }
+            }
         }
         let m = slot.as_ref().expect("made above");
         // SAFETY: a live executable graph whose every node copies one of `pieces`; the stream

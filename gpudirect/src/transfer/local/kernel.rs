@@ -412,11 +412,11 @@ impl Gather {
     }
 
     /// The lane's copy graphs for `ctx`, made on first use; `None` where the driver has no
-    /// graph calls.
+    /// graph calls or refused to make one of them.
     pub(super) fn graphs(&mut self, ctx: &Arc<CudaContext>) -> Option<Arc<CopyGraphs>> {
         let key = ctx.cu_ctx();
         if let Some(g) = self.graphs.iter().find(|g| g.context().cu_ctx() == key) {
-            return Some(g.clone());
+            return (!g.refused()).then(|| g.clone());
         }
         let g = CopyGraphs::new(ctx, GATHER_PIECES)?;
         self.graphs.push(g.clone());
