@@ -18,7 +18,7 @@ use std::time::Duration;
 /// add). Nothing is recorded per operation: when a fence is polled and no recorded event covers
 /// its epoch yet, one event is recorded then, covering every epoch issued so far (stream order
 /// makes a later event complete only after all earlier work). Events are recycled. The one
-/// exception is [`mark`](Self::mark): the intra-node lanes record an event right behind a long
+/// exception is the intra-node lanes, which record an event right behind a long
 /// request's copies.
 ///
 /// Futures awaiting its fences wait in one list per stream: the shared completion thread polls
