@@ -7,7 +7,8 @@
 // 4,000 copies of 4 KiB, 64 KiB and 1 MiB, 32 at a time, synchronizing after each 32: "issue"
 // is the host time per copy before the synchronize, "pipelined" the whole time per copy. It
 // tells whether one submission for many copies can take the copy engines past the per-call
-// floor that the engine's pipelined requests pay.
+// floor that the engine's pipelined requests pay. Last, one copy at a time (queued, then the
+// stream synchronized): cuMemcpyAsync against a one-node graph whose operands are set each time.
 //
 //   nvcc -O2 -o graph_cost benches/baselines/graph_cost.cu -lcuda && ./graph_cost
 #include <cuda.h>
@@ -80,6 +81,37 @@ int main() {
       if (x) CK(cuGraphExecDestroy(x));
       if (g) CK(cuGraphDestroy(g));
     }
+  }
+  // One copy at a time: queued, then the stream synchronized, as a single request is.
+  {
+    CUgraph g; CUgraphNode node; CUgraphExec x;
+    CK(cuGraphCreate(&g, 0));
+    CUDA_MEMCPY3D p0 = piece(b, a, 4096);
+    CK(cuGraphAddMemcpyNode(&node, g, NULL, 0, &p0, ctx));
+    CK(cuGraphInstantiate(&x, g, 0));
+    for (int k = 0; k < 3; k++) {
+      size_t n = sizes[k];
+      for (int way = 0; way < 2; way++) {
+        double issue = 0, t0 = now();
+        for (int r = 0; r < N / 2; r++) {
+          size_t shift = (r & 1) ? 0 : n;
+          double t1 = now();
+          if (way == 0) {
+            CK(cuMemcpyAsync(b + shift, a + shift, n, s));
+          } else {
+            CUDA_MEMCPY3D p = piece(b + shift, a + shift, n);
+            CK(cuGraphExecMemcpyNodeSetParams(x, node, &p, ctx));
+            CK(cuGraphLaunch(x, s));
+          }
+          issue += now() - t1;
+          CK(cuStreamSynchronize(s));
+        }
+        double total = now() - t0;
+        printf("%7zu B one at a time, %-24s issue %.2f us, whole %.2f us a copy\n", n,
+               way ? "a 1-node graph, set" : "cuMemcpyAsync", issue / (N / 2), total / (N / 2));
+      }
+    }
+    CK(cuGraphExecDestroy(x)); CK(cuGraphDestroy(g));
   }
   return 0;
 }

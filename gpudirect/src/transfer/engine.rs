@@ -111,15 +111,15 @@ pub struct EngineConfig {
     /// CUDA graph (default `true`; ignored with [`copy_kernel`](Self::copy_kernel), which
     /// gathers them in its own launches).
     ///
-    /// With it, a request of at most 64 MiB whose pieces are at most 2 MiB each, on its lane's
-    /// one stream of the local memory's GPU, goes as launches of a graph of up to 32 copy nodes
-    /// (`cuGraphLaunch`, each node's operands set with `cuGraphExecMemcpyNodeSetParams`) where
-    /// it took a copy-engine submission per piece; made while that lane is busy, such a request
-    /// of at most 2 MiB waits to go in one launch with the lane's next ones, as with the copy
-    /// kernel (`docs/transfer.md`, "Gathered requests"). The copies run on the copy engines,
-    /// whatever the multiprocessors do. A request of one piece on an idle lane is one copy, as
-    /// without. The pieces of one launch run in no order among themselves; requests whose
-    /// pieces share a byte one of them writes go in order.
+    /// With it, a request of at most 64 MiB on its lane's one stream of the local memory's GPU
+    /// goes as launches of a graph of up to 32 copy nodes (`cuGraphLaunch`, each node's
+    /// operands set with `cuGraphExecMemcpyNodeSetParams`) where it took a copy-engine
+    /// submission per piece (a launch, operands set, costs the caller less than one
+    /// submission, also for one piece); made while that lane is busy, such a request of at most
+    /// 2 MiB waits to go in one launch with the lane's next ones, as with the copy kernel
+    /// (`docs/transfer.md`, "Gathered requests"). The copies run on the copy engines, whatever
+    /// the multiprocessors do. The pieces of one launch run in no order among themselves;
+    /// requests whose pieces share a byte one of them writes go in order.
     pub copy_graphs: bool,
     /// The key every endpoint's peer must prove it holds, on each rail (or on the socket inside
     /// a node) before either side publishes anything (default `None`: peers are not

@@ -611,12 +611,12 @@ enum Gathered {
 /// without it, with copy graphs
 /// ([`EngineConfig::copy_graphs`](crate::transfer::EngineConfig::copy_graphs)): at most
 /// [`kernel::GATHER_NOW_BYTES`] on the lane's one stream of one GPU, every piece from or to that
-/// GPU's memory, at most [`kernel::GATHER_PIECE_BYTES`] and one the launcher takes (16-byte
-/// aligned for the kernel, some bytes for a graph). They wait with the lane busy (requests wait
-/// already, or the stream has work not seen done), at most [`kernel::GATHER_REQUEST_BYTES`],
-/// room left in the launch and no byte shared with a waiting piece that one of them writes.
-/// On an idle lane a graph takes only a request of several pieces (one piece is one copy on
-/// the copy engines either way).
+/// GPU's memory, of some bytes and, for the kernel, 16-byte aligned and at most
+/// [`kernel::GATHER_PIECE_BYTES`]. They wait with the lane busy (requests wait already, or the
+/// stream has work not seen done), at most [`kernel::GATHER_REQUEST_BYTES`], room left in the
+/// launch and no byte shared with a waiting piece that one of them writes. A graph takes a
+/// request of one piece too: its launch, operands set, costs the caller less than a copy's
+/// submission (docs/transfer.md).
 fn gatherable(
     e: &EngineInner,
     waiting: &mut Gather,
@@ -636,8 +636,9 @@ fn gatherable(
         return None;
     };
     stream.as_private()?;
+    // The kernel's rows copy pieces of at most GATHER_PIECE_BYTES; a graph's nodes any.
     let fit = copies.iter().all(|p| {
-        p.len > 0 && p.len <= kernel::GATHER_PIECE_BYTES && (!by_kernel || kernel::fits(p))
+        p.len > 0 && (!by_kernel || kernel::fits(p) && p.len <= kernel::GATHER_PIECE_BYTES)
     }) && gpus.iter().all(|&(local, _)| local == Some(*device));
     if !fit {
         return None;
@@ -648,9 +649,6 @@ fn gatherable(
     let launcher = if by_kernel {
         Launcher::Kernel(CopyKernel::of(stream.context())?)
     } else {
-        if !waits && copies.len() == 1 {
-            return None;
-        }
         Launcher::Graphs(waiting.graphs(stream.context())?)
     };
     Some((stream.clone(), launcher, waits))
