@@ -286,36 +286,45 @@ impl Launcher {
 /// queued at once (its copies outlast a submission's host time).
 pub(super) const GATHER_REQUEST_BYTES: u64 = 2 << 20;
 
-/// The longest piece a gather launch copies; a request with a longer one goes on the copy
-/// engines (they copy it as fast, off the multiprocessors).
+/// The longest piece the kernel's gather launch copies; a request with a longer one goes on the
+/// copy engines (they copy it as fast, off the multiprocessors). A graph's nodes take any.
 pub(super) const GATHER_PIECE_BYTES: u64 = 2 << 20;
 
 /// The most bytes a request may move in gather launches queued at once ([`launch_now`]).
 pub(super) const GATHER_NOW_BYTES: u64 = 64 << 20;
 
+/// A [`launch_now`] that failed: the driver's error, and what the request holds when nothing was
+/// queued by graphs.
+pub(super) type NotLaunched = (Error, Option<Box<Keep>>);
+
 /// Queue a request's `pieces` on `stream` at once, in launches of up to [`GATHER_PIECES`] (a
 /// launch's pieces run at once, the launches one after another): the request's epoch taken
 /// after the last, with an event recorded behind it when `mark` (as the copy engines' path
-/// does for a request that [`runs_long`](super::copies::runs_long)). On a failure what `keep` holds is parked behind an epoch taken after the
-/// launches that went, and the driver's error returned.
+/// does for a request that [`runs_long`](super::copies::runs_long)). On a failure the driver's
+/// error, and `keep` back when nothing was queued by graphs (the caller may queue the pieces on
+/// the copy engines instead); otherwise what `keep` holds is parked behind an epoch taken after
+/// the launches that went.
 ///
 /// # Safety
 ///
 /// As [`Gather::add`]: `stream` is one of the endpoint's private streams, `kernel` its
-/// context's, every piece [`fits`] and both its ranges are memory the stream's GPU reaches,
-/// which `keep` holds.
+/// context's, every piece has some bytes (for the kernel, it [`fits`]) and both its ranges are
+/// memory the stream's GPU reaches, which `keep` holds.
 pub(super) unsafe fn launch_now(
     stream: &Stream,
     kernel: &Launcher,
     pieces: &[Piece],
     keep: Keep,
     mark: bool,
-) -> Result<(Events, Keep)> {
+) -> std::result::Result<(Events, Keep), NotLaunched> {
     // SAFETY: the caller's promises.
-    if let Err(e) = unsafe { launch_gathers(stream, kernel, pieces) } {
+    if let Err((e, went)) = unsafe { launch_gathers(stream, kernel, pieces) } {
+        if went == 0 && matches!(kernel, Launcher::Graphs(_)) {
+            return Err((e, Some(Box::new(keep))));
+        }
         // Earlier launches may run: what they reach stays until they are done.
         Tracker::global().park(Events::of(vec![stream.timeline().issue()]), keep);
-        return Err(e);
+        return Err((e, None));
     }
     // Taken after the launches: the epoch covers them.
     let epoch = stream.timeline().issue();
@@ -327,27 +336,34 @@ pub(super) unsafe fn launch_now(
 
 /// Queue `pieces` on `stream` in launches of up to [`GATHER_PIECES`], one after another,
 /// binding the stream's context first (the calling thread may have any current: a waiter's,
-/// the worker's). A failure stops at the launch that failed; those before it went.
+/// the worker's). A failure stops at the launch that failed, and says how many went before it.
 ///
 /// # Safety
 ///
 /// As [`launch_now`]; the memory stays valid until the stream has passed the launches.
-unsafe fn launch_gathers(stream: &Stream, kernel: &Launcher, pieces: &[Piece]) -> Result<()> {
+unsafe fn launch_gathers(
+    stream: &Stream,
+    kernel: &Launcher,
+    pieces: &[Piece],
+) -> std::result::Result<(), (Error, usize)> {
     let Some(p) = stream.as_private() else {
-        return Err(Error::invalid(
-            "stream",
-            "not the endpoint's own",
-            "only a lane's private stream gathers",
+        return Err((
+            Error::invalid(
+                "stream",
+                "not the endpoint's own",
+                "only a lane's private stream gathers",
+            ),
+            0,
         ));
     };
-    bind(stream.context())?;
-    for chunk in pieces.chunks(GATHER_PIECES) {
+    bind(stream.context()).map_err(|e| (e, 0))?;
+    for (went, chunk) in pieces.chunks(GATHER_PIECES).enumerate() {
         // SAFETY: the caller's promises for every piece; the stream's context made current
         // above, the kernel of that context.
         p.enqueue(kernel.call(), (), |raw, ()| unsafe {
             kernel.gather(raw, chunk)
         })
-        .map_err(|r| r.error)?;
+        .map_err(|r| (r.error, went))?;
     }
     Ok(())
 }
@@ -448,8 +464,8 @@ impl Gather {
     /// # Safety
     ///
     /// `stream` is one of the endpoint's private streams; `kernel` is its context's; every piece
-    /// [`fits`] and both its ranges are memory the stream's GPU reaches, held (by the request
-    /// `fence` belongs to) until `fence` is complete.
+    /// has some bytes (for the kernel, it [`fits`]) and both its ranges are memory the stream's
+    /// GPU reaches, held (by the request `fence` belongs to) until `fence` is complete.
     pub(super) unsafe fn add(
         &mut self,
         stream: &Stream,
@@ -503,7 +519,7 @@ impl Gather {
         }
         // SAFETY: `add`'s promises for every piece (at most GATHER_PIECES: one launch, so a
         // failure queued nothing).
-        let launched = unsafe { launch_gathers(&stream, &kernel, &pieces) };
+        let launched = unsafe { launch_gathers(&stream, &kernel, &pieces) }.map_err(|(e, _)| e);
         // Taken after the launch: the epoch covers it.
         let gone = launched.map(|()| Some(stream.timeline().issue()));
         for f in current {

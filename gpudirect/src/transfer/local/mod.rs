@@ -14,9 +14,10 @@
 //! pool, on the GPU holding it, with `cuMemPoolSetAccess` for each local GPU that copies) and
 //! `cuMemPoolImportPointer` of the allocation's export data (once per allocation; freed before
 //! its pool goes). It checks the range against the allocation length the peer claims and the
-//! mapping's real size, and queues `cuMemcpyAsync` on the stream(s) of the local memory's GPU of
-//! the calling thread's issue lane (each lane its own streams and lock; with the copy kernel, a
-//! small request on a busy lane waits to go with the next ones in one launch), then takes an epoch of
+//! mapping's real size, and queues the copies (a launch of a CUDA graph of copy nodes by default,
+//! else `cuMemcpyAsync`) on the stream(s) of the local memory's GPU of the calling thread's issue
+//! lane (each lane its own streams and lock; a small request on a busy lane waits to go with the
+//! next ones in one launch), then takes an epoch of
 //! each stream's completion timeline (no driver call: an event is recorded only when someone
 //! looks, covering every request queued before, and events are recycled). A lane's requests
 //! finish in the order they were made, each only once its epochs complete, and those with a

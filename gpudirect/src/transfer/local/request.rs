@@ -524,12 +524,24 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             lane.gathering.store(false, Ordering::Release);
             let mark = runs_long(report.bytes, gpus);
             // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
-            // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
-            // both ranges checked by `prepare`), which `keep` holds.
-            let (fence, keep) =
-                unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark)? };
-            report.messages = copies.len() as u64;
-            (Gathered::No, Arc::new(fence), keep)
+            // GPU), the launcher (its context's) and every piece (some bytes, for the kernel
+            // it fits; local memory on that GPU; both ranges checked by `prepare`), which
+            // `keep` holds.
+            match unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark) } {
+                Ok((fence, keep)) => {
+                    report.messages = copies.len() as u64;
+                    (Gathered::No, Arc::new(fence), keep)
+                }
+                // No graph launched (the driver would not make one; the lane's graphs are
+                // refused from now on): the copy engines take the pieces, as without graphs.
+                Err((_, Some(keep))) => {
+                    let (fence, keep, messages) =
+                        enqueue(streams, copies, e.config.copy_chunk as u64, *keep, mark)?;
+                    report.messages = messages;
+                    (Gathered::No, Arc::new(fence), keep)
+                }
+                Err((err, None)) => return Err(err),
+            }
         }
         Some((stream, kernel, true)) => {
             // Its pieces wait with the others for one launch: pushed first, so that a closed
@@ -580,9 +592,10 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     match gather {
         Gathered::Waits(stream, kernel) if refused.is_none() => {
             // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
-            // GPU), the kernel (its context's) and every piece (fits, local memory on that GPU,
-            // both ranges checked by `prepare`); the job holds what they reach until `fence` is
-            // complete, and parks it behind `fence` if it ends first.
+            // GPU), the launcher (its context's) and every piece (some bytes, for the kernel it
+            // fits; local memory on that GPU; both ranges checked by `prepare`); the job holds
+            // what they reach until `fence` is complete, and parks it behind `fence` if it ends
+            // first.
             unsafe { issue.add(&stream, kernel, copies, fence, when.epoch) };
             lane.gathering.store(!issue.is_empty(), Ordering::Release);
         }
