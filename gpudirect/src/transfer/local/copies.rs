@@ -35,21 +35,28 @@ pub(super) fn path_of(local_gpu: Option<usize>, peer_gpu: usize) -> MemoryPath {
 /// faster than they run only when the host is the limit, where an event each would cost the
 /// caller's time.
 pub(super) fn runs_long(bytes: u64, gpus: &[(Option<usize>, usize)]) -> bool {
-    // Short at the slowest rate below (one NVLink link): no link looked up.
-    if bytes < LONG_RUN_US * 20_000 {
+    // Short even at the slowest rate (one NVLink link): no link looked up.
+    if bytes < LONG_RUN_US * PER_NVLINK {
         return false;
     }
     let rate = gpus
         .iter()
         .map(|&(l, p)| match link(l, Some(p)) {
-            IpcLink::SameDevice => 2_000_000,
-            IpcLink::Nvlink { links } => 20_000 * u64::from(links.max(1)),
-            IpcLink::LocalHost => 50_000,
-            IpcLink::Pcie | IpcLink::Unknown { .. } => 25_000,
+            IpcLink::SameDevice => SAME_DEVICE,
+            IpcLink::Nvlink { links } => PER_NVLINK * u64::from(links.max(1)),
+            IpcLink::LocalHost => HOST_LINK,
+            IpcLink::Pcie | IpcLink::Unknown { .. } => PCIE,
         })
         .min();
     rate.is_some_and(|r| bytes / r >= LONG_RUN_US)
 }
+
+/// [`runs_long`]'s rough rates, bytes per microsecond: a copy inside one GPU, one NVLink link (the
+/// slowest of them), the GPU's host link, PCIe (or a link that could not be told).
+const SAME_DEVICE: u64 = 2_000_000;
+const PER_NVLINK: u64 = 20_000;
+const HOST_LINK: u64 = 50_000;
+const PCIE: u64 = 25_000;
 
 /// How long a request's run on its stream must be for [`runs_long`], in microseconds: about
 /// what queueing one costs the caller (docs/transfer.md).

@@ -518,31 +518,6 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     }
     let gather = gatherable(e, &mut issue, streams, copies, gpus, report.bytes);
     let (gather, fence, keep) = match gather {
-        Some((stream, kernel, false)) => {
-            // Requests waiting for a launch go first; this one's launches follow at once.
-            issue.flush();
-            lane.gathering.store(false, Ordering::Release);
-            let mark = runs_long(report.bytes, gpus);
-            // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
-            // GPU), the launcher (its context's) and every piece (some bytes, for the kernel
-            // it fits; local memory on that GPU; both ranges checked by `prepare`), which
-            // `keep` holds.
-            match unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark) } {
-                Ok((fence, keep)) => {
-                    report.messages = copies.len() as u64;
-                    (Gathered::No, Arc::new(fence), keep)
-                }
-                // No graph launched (the driver would not make one; the lane's graphs are
-                // refused from now on): the copy engines take the pieces, as without graphs.
-                Err((_, Some(keep))) => {
-                    let (fence, keep, messages) =
-                        enqueue(streams, copies, e.config.copy_chunk as u64, *keep, mark)?;
-                    report.messages = messages;
-                    (Gathered::No, Arc::new(fence), keep)
-                }
-                Err((err, None)) => return Err(err),
-            }
-        }
         Some((stream, kernel, true)) => {
             // Its pieces wait with the others for one launch: pushed first, so that a closed
             // endpoint's refusal leaves nothing waiting.
@@ -550,13 +525,33 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             report.messages = copies.len() as u64;
             (Gathered::Waits(stream, kernel), fence, keep)
         }
-        None => {
-            // Requests waiting for a launch go first: the stream keeps the lane's order.
+        at_once => {
+            // Requests waiting for a launch go first: the stream keeps the lane's order, and
+            // this one's copies follow at once.
             issue.flush();
             lane.gathering.store(false, Ordering::Release);
             let mark = runs_long(report.bytes, gpus);
-            let (fence, keep, messages) =
-                enqueue(streams, copies, e.config.copy_chunk as u64, keep, mark)?;
+            let launched = match at_once {
+                Some((stream, kernel, _)) => {
+                    // SAFETY: `gatherable` checked the stream (the lane's private one of the
+                    // pieces' GPU), the launcher (its context's) and every piece (some bytes,
+                    // for the kernel it fits; local memory on that GPU; both ranges checked by
+                    // `prepare`), which `keep` holds.
+                    match unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark) } {
+                        Ok((fence, keep)) => Ok((fence, keep, copies.len() as u64)),
+                        // No graph launched (the driver would not make one; the lane's graphs
+                        // are refused from now on): the copy engines take the pieces, as
+                        // without graphs.
+                        Err((_, Some(keep))) => Err(*keep),
+                        Err((err, None)) => return Err(err),
+                    }
+                }
+                None => Err(keep),
+            };
+            let (fence, keep, messages) = match launched {
+                Ok(launched) => launched,
+                Err(keep) => enqueue(streams, copies, e.config.copy_chunk as u64, keep, mark)?,
+            };
             report.messages = messages;
             (Gathered::No, Arc::new(fence), keep)
         }
