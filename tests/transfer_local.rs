@@ -28,6 +28,10 @@
 //!   while writes of the same bytes wait lands after them (50 rounds, read back); one that
 //!   waits with a 30 ms deadline, left alone 150 ms, ends done; requests left waiting when the
 //!   endpoint goes end without a hang;
+//! - stream-ordered requests (`write_on`, `read_on`) with the copy kernel, with the copy graphs
+//!   (the default) and with a copy call per piece: a write behind the copies that fill its
+//!   source, a read released by its word on another stream, reads of many shapes, of 40 pairs
+//!   and on 20 streams, all into poisoned memory and compared exactly; refused under capture;
 //! - a reconnect while 1,024 long writes run: later notified writes of the same bytes, from a
 //!   lane that existed and from one made after the reconnect, land after the ended writes'
 //!   copies (checked at each notification and at the end);
@@ -1435,27 +1439,61 @@ fn stream_copy(stream: &gpudirect::cuda::Stream, dst: u64, src: u64, len: usize)
 /// released by its completion word then reading the peer's bytes back on that stream; the peer's
 /// stream waits on its notification counter before looking at what arrived. Under graph capture
 /// `write_on` is refused with nothing queued.
+///
+/// Three engines: with the copy kernel (one-pair aligned requests take it, the others the copy
+/// graphs); with the defaults (every request one launch of the stream's copy graphs, then an
+/// event); with neither (a `cuMemcpyAsync` per piece, then an event).
 #[test]
 fn stream_ordered_writes_and_reads_between_two_processes() {
     if let Ok(job) = std::env::var(CHILD) {
         return peer(serde_json::from_str(&job).unwrap());
     }
+    let mut config = EngineConfig::local();
+    config.copy_kernel = true;
+    stream_ordered(
+        config,
+        "stream_ordered_writes_and_reads_between_two_processes",
+        "stream",
+    );
+}
+
+/// The same on the copy graphs (the defaults).
+#[test]
+fn stream_ordered_requests_on_copy_graphs_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    stream_ordered(
+        EngineConfig::local(),
+        "stream_ordered_requests_on_copy_graphs_between_two_processes",
+        "stream-g",
+    );
+}
+
+/// The same with a copy-engine call per piece.
+#[test]
+fn stream_ordered_requests_on_copy_calls_between_two_processes() {
+    if let Ok(job) = std::env::var(CHILD) {
+        return peer(serde_json::from_str(&job).unwrap());
+    }
+    let mut config = EngineConfig::local();
+    config.copy_graphs = false;
+    stream_ordered(
+        config,
+        "stream_ordered_requests_on_copy_calls_between_two_processes",
+        "stream-c",
+    );
+}
+
+/// The stream-ordered test with `config`, its child started as `test`, meeting it on the
+/// socket named `name`.
+fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
     let n = require!(Hardware::Gpu, gpu::gpus());
     let seed = gpu::seed_from("TRANSFER_LOCAL_SEED");
     let device = if n > 1 { 1 } else { 0 };
     let ctx = gpudirect::cuda::context(0).unwrap();
-    // The copy kernel on: one-pair aligned requests take it, the others the copy engines.
-    let mut config = EngineConfig::local();
-    config.copy_kernel = true;
     let engine = Engine::new(config).unwrap();
-    let (_listener, ep, mut child) = meet_child(
-        &engine,
-        "stream",
-        "stream_ordered_writes_and_reads_between_two_processes",
-        "stream-peer",
-        seed,
-        device,
-    );
+    let (_listener, ep, mut child) = meet_child(&engine, name, test, "stream-peer", seed, device);
     let peer = ep.peer_descriptors();
     assert_eq!(peer.len(), 2, "a destination and a source");
     let want = bytes(STREAM_LEN, seed ^ 300);
@@ -1569,9 +1607,9 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
         &swapped,
         "two pairs on the legacy stream",
     );
-    // Reads of many shapes on one stream, each into poisoned memory: the aligned ones with
-    // bytes are copied by the copy kernel (one launch that also stores the trigger), the others
-    // by the copy engines; every range lands exactly and nothing around it changes.
+    // Reads of many shapes on one stream, each into poisoned memory (with the copy kernel, the
+    // aligned ones take it: one launch that also stores the trigger); every range lands
+    // exactly and nothing around it changes.
     let shapes: [(u64, u64); 9] = [
         (0, 1),
         (16, 15),
@@ -1612,6 +1650,46 @@ fn stream_ordered_writes_and_reads_between_two_processes() {
         &host_copy(&many, 0, STREAM_LEN),
         &want_many,
         "reads of many shapes on one stream",
+    );
+    // One read of 40 pairs (more than a copy graph takes: a call per piece), each a random
+    // range of the peer's source into a slot of its own; then 20 streams (more than an
+    // endpoint keeps graphs for) each reading one range, the last while the first streams'
+    // reads may still run. Into poisoned memory, compared exactly.
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    let mut rng = StdRng::seed_from_u64(seed ^ 302);
+    let slot = STREAM_LEN / 64;
+    let wide = register(&engine, poisoned_bytes(0, STREAM_LEN, 0x2B));
+    let mut want_wide = vec![0x2Bu8; STREAM_LEN];
+    let mut pick = |k: usize| {
+        let len = rng.random_range(1..=slot);
+        let far = rng.random_range(0..=STREAM_LEN - len);
+        let near = k * slot + rng.random_range(0..=slot - len);
+        want_wide[near..near + len].copy_from_slice(&all[far..far + len]);
+        (
+            wide.range(near as u64, len as u64).unwrap(),
+            peer[1].range(far as u64, len as u64).unwrap(),
+        )
+    };
+    let pairs: Vec<_> = (0..40).map(&mut pick).collect();
+    let s40 = gpu::stream(0);
+    let t40 = ep.read_on(&s40, pairs, TransferOptions::default()).unwrap();
+    let streams: Vec<_> = (0..20).map(|_| gpu::stream(0)).collect();
+    let ts: Vec<_> = streams
+        .iter()
+        .enumerate()
+        .map(|(k, st)| {
+            ep.read_on(st, vec![pick(40 + k)], TransferOptions::default())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(t40.wait(WAIT).unwrap().messages, 40);
+    for t in ts {
+        t.wait(WAIT).unwrap();
+    }
+    same(
+        &host_copy(&wide, 0, STREAM_LEN),
+        &want_wide,
+        "40 pairs on one stream, then one on each of 20 streams",
     );
     drop(ctx);
     // Done: the peer checked what its stream saw.

@@ -425,7 +425,9 @@ impl Endpoint {
     /// [`write`](Self::write) ordered on `stream`: the request starts when the stream reaches
     /// it, and its completion word is set when it finishes (see
     /// [`StreamTransfer::wait_on`]). Checked now, before anything is enqueued; posted by the
-    /// endpoint's proxy thread when the trigger fires.
+    /// endpoint's proxy thread when the trigger fires. Inside a node the copies go on `stream`
+    /// now (with the engine's copy graphs, one graph launch of the stream's own), followed by
+    /// an event that stands for the trigger.
     ///
     /// # Errors
     ///
@@ -436,6 +438,7 @@ impl Endpoint {
     /// armed or after host-triggered requests still outstanding in host memory; [`Error::Cuda`],
     /// [`Error::Load`].
     #[doc(alias = "cuStreamWriteValue64_v2")]
+    #[doc(alias = "cuGraphLaunch")]
     pub fn write_on(
         &self,
         stream: &Stream,
@@ -452,6 +455,7 @@ impl Endpoint {
     ///
     /// As [`write_on`](Self::write_on).
     #[doc(alias = "cuStreamWriteValue64_v2")]
+    #[doc(alias = "cuGraphLaunch")]
     pub fn read_on(
         &self,
         stream: &Stream,
@@ -610,6 +614,7 @@ impl Running for RdmaRunning {
 
 impl Backend for Rdma {
     type Work = RdmaWork;
+    type Fired = crate::completion::StreamFence;
 
     fn start(&self, w: &RdmaWork) -> Result<Box<dyn Running>> {
         let ep = self.ep.upgrade().ok_or_else(closed_error)?;
@@ -638,6 +643,14 @@ impl Backend for Rdma {
             flag,
             op: Some(t.into_in_flight()),
         }))
+    }
+
+    fn fired_by(&self, w: &RdmaWork) -> Option<crate::completion::StreamFence> {
+        match w {
+            RdmaWork::Post { .. } => None,
+            #[cfg(feature = "p2p")]
+            RdmaWork::Queued(q) => q.fired_by().cloned(),
+        }
     }
 }
 

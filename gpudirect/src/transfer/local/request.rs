@@ -10,7 +10,7 @@ use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, or
 use super::kernel::{self, CopyKernel, Gather, Launcher, Lease};
 use super::side::{IDLE_LOOK, Job, Lane, Side, lock};
 use super::state::State;
-use crate::completion::{EventFence, Fence, Tracker, capture, deadline_after};
+use crate::completion::{EventFence, Fence, StreamFence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
@@ -941,16 +941,46 @@ pub(super) fn report(
 }
 
 /// An intra-node request whose copies are queued on a caller's stream ([`Endpoint::write_on`]):
-/// complete once the stream passed them. What they reach is held until the stream stored the
-/// request's trigger, which it does after them; dropped earlier, it is parked behind that
-/// (never freed early).
+/// complete once the stream passed them. What they reach is held until then (the stream stored
+/// the request's trigger, or an event recorded after the copies completed); dropped earlier,
+/// it is parked behind that (never freed early).
 pub(crate) struct Queued {
-    hold: Option<(TriggerFence, Box<dyn Send>)>,
+    hold: Option<(Passed, Box<dyn Send>)>,
     /// What the request did (its `elapsed` set when it is reported).
     pub(crate) report: TransferReport,
     pub(crate) started: Instant,
     /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
     epoch: u64,
+}
+
+impl Queued {
+    /// The fence whose completion fires the request, where its stream stores no trigger word.
+    pub(crate) fn fired_by(&self) -> Option<&StreamFence> {
+        match &self.hold {
+            Some((Passed::Event(f), _)) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+/// How the host sees that a stream passed a request's copies.
+enum Passed {
+    /// The copy kernel stores the trigger word after the bytes.
+    Trigger(TriggerFence),
+    /// An event recorded on the stream after the copies (`Timeline::mark`). A trigger word
+    /// written by the stream (`cuStreamWriteValue64`, with its system-wide memory barrier)
+    /// would hold the stream's next copy back until the barrier is through: 3-4 µs a request
+    /// on an H200 (docs/transfer.md).
+    Event(StreamFence),
+}
+
+impl Fence for Passed {
+    fn is_complete(&self) -> bool {
+        match self {
+            Passed::Trigger(f) => f.is_complete(),
+            Passed::Event(f) => f.is_complete(),
+        }
+    }
 }
 
 impl Drop for Queued {
@@ -1046,20 +1076,27 @@ pub(super) fn stage(
     })
 }
 
-/// Queue a staged request's copies on `stream` (through the capture-checked path), then its
-/// trigger at `mark`: with a counter of the copy kernel, one launch that copies and then stores
-/// the trigger; else copy-engine copies, then the trigger write.
+/// Queue a staged request's copies on `stream` (through the capture-checked path): with a
+/// counter of the copy kernel, one launch that copies and then stores the trigger at `mark`;
+/// else copy-engine copies (one graph launch, or a call per piece), then an event, which fires
+/// the request in place of a trigger word ([`Queued::fired_by`]).
 pub(super) fn enqueue_staged(
     mut staged: Staged,
     side: &Side,
     stream: &Stream,
     mark: &Mark<'_>,
 ) -> std::result::Result<Queued, Unmade> {
-    let flags = mark.flags()?;
     let keep = staged.keep.take().expect("a staged request holds its keep");
     let used = keep._imports.clone();
-    let held: Box<dyn Send> = match staged.lease.take() {
+    let (passed, held): (Passed, Box<dyn Send>) = match staged.lease.take() {
         Some(lease) => {
+            let flags = match mark.flags() {
+                Ok(f) => f,
+                Err(e) => {
+                    staged.keep = Some(keep);
+                    return Err(e.into());
+                }
+            };
             let c = staged.copies[0];
             let r = flags.enqueue_writing(
                 stream,
@@ -1075,7 +1112,7 @@ pub(super) fn enqueue_staged(
                 },
             );
             match r {
-                Ok(((), k)) => Box::new(k),
+                Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
                 Err(refused) => {
                     let (unmade, kept) = Unmade::of(refused);
                     if let Some((k, _lease)) = kept {
@@ -1088,42 +1125,53 @@ pub(super) fn enqueue_staged(
         }
         None => {
             let copies = &staged.copies;
-            let r = stream.enqueue("cuMemcpyAsync", keep, |raw, _| {
-                // SAFETY: both ranges of every piece were checked: the local range inside its
-                // region, which `keep` holds; the remote range inside the peer's allocation and
-                // the mapping, which `keep` holds too. The trigger stored after the copies
-                // tracks them, and `keep` is freed only once it is (or leaked).
+            // One launch of a graph of copy nodes where the engine's copy graphs are on (a
+            // graph of this stream's own: launches of one graph are ordered behind each
+            // other, whatever their streams); else, or where the graph is not made, one
+            // `cuMemcpyAsync` per piece.
+            let graphs = side.stream_graphs(stream, copies.len());
+            let call = match graphs {
+                Some(_) => "cuGraphLaunch",
+                None => "cuMemcpyAsync",
+            };
+            // Both ranges of every piece were checked: the local range inside its region,
+            // which `keep` holds; the remote range inside the peer's allocation and the
+            // mapping, which `keep` holds too. The event recorded after the copies tracks
+            // them, and `keep` is freed only once it completed (or leaked).
+            let r = stream.enqueue(call, keep, |raw, _| {
+                if let Some(g) = &graphs
+                    // SAFETY: as above; the graphs are the stream's context's, which the
+                    // enqueue made current. A launch that fails queued nothing.
+                    && unsafe { g.gather(raw, copies) }.is_ok()
+                {
+                    return Ok(());
+                }
+                // SAFETY: as above.
                 unsafe { queue_copies(copies, raw) }
             });
             let keep = match r {
                 Ok(((), k)) => k,
                 Err(refused) => {
-                    // Copies may be queued (a batch or loop that failed part way), but no
-                    // trigger: the seq counts as nothing to do.
+                    // Copies may be queued (a batch or loop that failed part way), but nothing
+                    // fires the request: the seq counts as nothing to do.
                     if let Some(k) = refused.kept {
                         park_behind_event(stream, k);
                     }
                     return Err(refused.error.into());
                 }
             };
-            match mark.queue_trigger(stream, keep) {
-                Ok(((), k)) => Box::new(k),
-                Err(refused) => {
-                    // The copies are queued; the trigger is not (parked behind an event after
-                    // them), or may be (leaked).
-                    let (unmade, kept) = Unmade::of(refused);
-                    if let Some(k) = kept {
-                        park_behind_event(stream, k);
-                    }
-                    return Err(unmade);
-                }
-            }
+            // Its epoch comes after the copies; the event is recorded now, right behind them
+            // (where it cannot be, one is recorded when the proxy first looks).
+            let timeline = stream.timeline();
+            let fence = timeline.issue();
+            timeline.mark();
+            (Passed::Event(fence), Box::new(keep))
         }
     };
     hold_imports(side, &used);
     let paths = staged.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
-        hold: Some((mark.fence(), held)),
+        hold: Some((passed, held)),
         report: report(
             staged.dir,
             staged.bytes,

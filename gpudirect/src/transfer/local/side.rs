@@ -5,8 +5,9 @@
 
 use super::copies::{Events, Keep, park_imports};
 use super::fds::{PeerFd, PeerFds};
+use super::graphs::CopyGraphs;
 use super::import::Import;
-use super::kernel::Gather;
+use super::kernel::{GATHER_PIECES, Gather};
 use super::meet::dial;
 use super::socket::{FRAME, NOTE, os, send_all};
 use super::state::{State, deliver, fail_later, restart};
@@ -342,7 +343,13 @@ pub(crate) struct Side {
     number: u64,
     /// The next lane given to a thread that first submits here (modulo the lanes).
     next_lane: AtomicUsize,
+    /// Copy graphs for stream-ordered requests, one set per caller's stream (by its handle,
+    /// with its context), the most recently used last.
+    stream_graphs: Mutex<Vec<(usize, Arc<CopyGraphs>)>>,
 }
+
+/// The callers' streams whose copy graphs a side keeps; the least recently used go beyond.
+const STREAM_GRAPHS: usize = 16;
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -418,6 +425,7 @@ impl Side {
             born: Instant::now(),
             number: NEXT_SIDE.fetch_add(1, Ordering::Relaxed),
             next_lane: AtomicUsize::new(0),
+            stream_graphs: Mutex::new(Vec::new()),
             engine,
             dialed,
             conn: Mutex::new(Some(Conn {
@@ -446,6 +454,41 @@ impl Side {
 
     fn ep(&self) -> Option<Arc<EpInner<State>>> {
         lock(&self.ep).upgrade()
+    }
+
+    /// The copy graphs for a stream-ordered request of `pieces` on `stream`, made on its
+    /// first use; `None` without the engine's copy graphs, for more pieces than a graph takes,
+    /// or where the driver has no graph calls or refused one. A set of the stream's own:
+    /// launches of one executable graph are ordered behind each other whatever their streams,
+    /// so a set shared by two streams would make one wait for the other's work.
+    pub(super) fn stream_graphs(&self, stream: &Stream, pieces: usize) -> Option<Arc<CopyGraphs>> {
+        if !self.engine.inner.config.copy_graphs || pieces > GATHER_PIECES {
+            return None;
+        }
+        let key = stream.cu_stream() as usize;
+        let ctx = stream.context();
+        let mut g = lock(&self.stream_graphs);
+        let found = g
+            .iter()
+            .position(|(k, c)| *k == key && c.context().cu_ctx() == ctx.cu_ctx());
+        let graphs = match found {
+            Some(i) => {
+                let e = g.remove(i);
+                g.push(e);
+                g.last().expect("pushed").1.clone()
+            }
+            None => {
+                let c = CopyGraphs::new(ctx, GATHER_PIECES)?;
+                if g.len() >= STREAM_GRAPHS {
+                    // Dropped here: a launch in flight completes first (the driver frees
+                    // an executable graph once it has).
+                    g.remove(0);
+                }
+                g.push((key, c.clone()));
+                c
+            }
+        };
+        (!graphs.refused()).then_some(graphs)
     }
 
     /// End the endpoint with `cause`: requests in flight are ended by the worker (what their

@@ -96,9 +96,12 @@
 //! # A second backend
 //!
 //! The proxy is generic over what carries the data ([`Backend`]): the RDMA backend posts
-//! through the engine. A backend whose data moves on the stream itself (a copy enqueued before
-//! the trigger) plugs in the same way, with the proxy only sending what follows (a
-//! notification).
+//! through the engine. Inside a node the data moves on the stream itself: the copies are
+//! queued on it at the call, and the proxy only sends what follows (a notification). There
+//! the copy kernel stores the trigger after its bytes; copies on the copy engines are followed
+//! by an event instead of a trigger write (`Backend::fired_by`: the proxy queries the event),
+//! because `cuStreamWriteValue64`'s memory barrier holds the stream's next copy back for some
+//! microseconds (docs/transfer.md).
 //!
 //! # Not tested on these machines
 //!

@@ -5,9 +5,9 @@
 use super::armed::{Keep, Mark, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
-use crate::completion::CompletionFlag;
 use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
+use crate::completion::{CompletionFlag, Fence, StreamFence};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
 use crate::transfer::plan::deadline_after;
@@ -46,6 +46,27 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ///
     /// Why it could not start (the request fails with it).
     fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
+
+    /// What fires work whose stream stores no trigger word.
+    type Fired: FiredBy;
+    /// For work whose stream stores no trigger word (it recorded an event behind the work
+    /// instead): a fence complete once the stream passed the work, which then counts as its
+    /// trigger having fired. `None` (the default): the trigger word alone says so.
+    fn fired_by(&self, _work: &Self::Work) -> Option<Self::Fired> {
+        None
+    }
+}
+
+/// A fence that fires a request in place of its trigger word ([`Backend::fired_by`]).
+pub(crate) trait FiredBy: Fence + Clone {
+    /// Its stream, and its place there: fences of one stream complete in that order.
+    fn place(&self) -> (usize, u64);
+}
+
+impl FiredBy for StreamFence {
+    fn place(&self) -> (usize, u64) {
+        (Arc::as_ptr(self.timeline()) as usize, self.epoch())
+    }
 }
 
 /// Why a request's work was not made: the error, and whether something of it may be queued
@@ -316,10 +337,13 @@ impl Wake for Bell {
 
 /// The armed triggers as a round left them, looked at without the lock until one fires or
 /// its deadline passes.
-struct Watch {
+struct Watch<F> {
     /// Weak: the proxy thread never holds the last reference to a queue's words (freeing
     /// them waits for streams).
     armed: Vec<(Weak<Queue>, u64)>,
+    /// Of armed work whose stream stores no trigger ([`Backend::fired_by`]): per stream, a
+    /// fence of the earliest such request.
+    fences: Vec<F>,
     /// The earliest trigger deadline.
     until: Option<Instant>,
     /// Entries of any stage.
@@ -327,22 +351,23 @@ struct Watch {
     closing: bool,
 }
 
-impl Watch {
+impl<F: FiredBy> Watch<F> {
     /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
     /// go while this looked is handed to `graveyard` (a caller's thread frees its words).
     fn fired<W>(&self, graveyard: &Mutex<Front<W>>) -> bool {
-        self.armed.iter().any(|(q, seq)| {
-            let Some(q) = q.upgrade() else {
-                return true;
-            };
-            let fired = q.words.load(trigger_slot(*seq)) == *seq;
-            if let Some(last) = Arc::into_inner(q) {
-                let mut front = graveyard.lock().unwrap_or_else(|e| e.into_inner());
-                front.graveyard.push(Dead::Other(Box::new(last)));
-                return true;
-            }
-            fired
-        })
+        self.fences.iter().any(|f| f.is_complete())
+            || self.armed.iter().any(|(q, seq)| {
+                let Some(q) = q.upgrade() else {
+                    return true;
+                };
+                let fired = q.words.load(trigger_slot(*seq)) == *seq;
+                if let Some(last) = Arc::into_inner(q) {
+                    let mut front = graveyard.lock().unwrap_or_else(|e| e.into_inner());
+                    front.graveyard.push(Dead::Other(Box::new(last)));
+                    return true;
+                }
+                fired
+            })
     }
 }
 
@@ -581,7 +606,7 @@ impl<B: Backend> Core<B> {
     /// polled, passed trigger deadlines failed. Returns what fired, whether anything moved, and
     /// the triggers still armed.
     #[allow(clippy::type_complexity)]
-    fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool, Watch) {
+    fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool, Watch<B::Fired>) {
         let mut st = self.lock();
         self.drain(&mut st, false);
         let now = Instant::now();
@@ -591,8 +616,9 @@ impl<B: Backend> Core<B> {
         let mut moved = false;
         for (k, e) in st.entries.iter_mut() {
             match &mut e.stage {
-                Stage::Armed(_) => {
-                    if e.queue.words.load(trigger_slot(k.1)) == k.1 {
+                Stage::Armed(w) => {
+                    let by_fence = || self.backend.fired_by(w).is_some_and(|f| f.is_complete());
+                    if e.queue.words.load(trigger_slot(k.1)) == k.1 || by_fence() {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
                         else {
                             unreachable!("matched above")
@@ -641,17 +667,26 @@ impl<B: Backend> Core<B> {
         for q in st.queues.values() {
             q.publish_low();
         }
-        let mut watch = Watch {
+        let mut watch: Watch<B::Fired> = Watch {
             armed: Vec::new(),
+            fences: Vec::new(),
             until: None,
             any: !st.entries.is_empty(),
             closing: st.closing.is_some(),
         };
-        for e in st.entries.iter().filter_map(|(k, e)| match e.stage {
-            Stage::Armed(_) => Some((k.1, e)),
+        for e in st.entries.iter().filter_map(|(k, e)| match &e.stage {
+            Stage::Armed(w) => Some((k.1, e, w)),
             _ => None,
         }) {
-            watch.armed.push((Arc::downgrade(&e.1.queue), e.0));
+            match self.backend.fired_by(e.2) {
+                // One fence per stream: the earliest there (the first to complete).
+                Some(f) => match watch.fences.iter_mut().find(|g| g.place().0 == f.place().0) {
+                    Some(g) if f.place().1 < g.place().1 => *g = f,
+                    Some(_) => {}
+                    None => watch.fences.push(f),
+                },
+                None => watch.armed.push((Arc::downgrade(&e.1.queue), e.0)),
+            }
             watch.until = Some(watch.until.map_or(e.1.until, |u| u.min(e.1.until)));
         }
         (fired, moved, watch)
@@ -716,9 +751,9 @@ impl<B: Backend> Core<B> {
             if watch.closing && !watch.any {
                 return;
             }
-            if !watch.armed.is_empty() {
-                // While it yields, look at the armed words without the lock (which callers
-                // arming take) until one fires, a trigger deadline passes or the bell rings;
+            if !watch.armed.is_empty() || !watch.fences.is_empty() {
+                // While it yields, look at the armed words (and the fences that stand for
+                // some) without the lock (which callers arming take) until one fires, a trigger deadline passes or the bell rings;
                 // after a nap, a whole round (running requests may rely on being polled).
                 loop {
                     let rung = match proxy_pause(idle) {
@@ -1129,6 +1164,24 @@ mod tests {
         started: Mutex<Vec<u64>>,
         /// Results the test released, by work id.
         release: Arc<Mutex<HashMap<u64, bool>>>,
+        /// Work fired by a fence the test completes, by work id.
+        by_fence: Mutex<HashMap<u64, FakeFence>>,
+    }
+
+    /// A fence the test completes, in place of a trigger word.
+    #[derive(Clone, Default)]
+    struct FakeFence(Arc<AtomicBool>);
+
+    impl Fence for FakeFence {
+        fn is_complete(&self) -> bool {
+            self.0.load(Ordering::Acquire)
+        }
+    }
+
+    impl FiredBy for FakeFence {
+        fn place(&self) -> (usize, u64) {
+            (Arc::as_ptr(&self.0) as usize, 0)
+        }
     }
 
     struct FakeRun {
@@ -1163,12 +1216,16 @@ mod tests {
 
     impl Backend for Fake {
         type Work = u64;
+        type Fired = FakeFence;
         fn start(&self, w: &u64) -> Result<Box<dyn Running>> {
             self.started.lock().unwrap().push(*w);
             Ok(Box::new(FakeRun {
                 id: *w,
                 release: self.release.clone(),
             }))
+        }
+        fn fired_by(&self, w: &u64) -> Option<FakeFence> {
+            self.by_fence.lock().unwrap().get(w).cloned()
         }
     }
 
@@ -1201,6 +1258,47 @@ mod tests {
         assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         assert_eq!(t.completion_value(), 1);
         assert!(t.wait(Duration::ZERO).is_err(), "taken once");
+        p.closed();
+    }
+
+    /// Work whose stream stores no trigger (an event behind it instead) starts once its fence
+    /// completes, and the proxy keeps looking while it waits: it naps between looks, never
+    /// sleeping until rung (which would leave the fence unseen until the next request).
+    #[test]
+    fn work_fired_by_a_fence_starts_when_it_completes_and_the_proxy_keeps_looking() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let fence = FakeFence::default();
+        p.core
+            .backend
+            .by_fence
+            .lock()
+            .unwrap()
+            .insert(9, fence.clone());
+        let t = p.arm(Trigger::Host, 9, Duration::from_secs(30)).unwrap();
+        until("napping", || {
+            p.core.bell.sleeping.load(Ordering::SeqCst) == NAP
+        });
+        let look = Instant::now();
+        while look.elapsed() < Duration::from_millis(30) {
+            assert_ne!(
+                p.core.bell.sleeping.load(Ordering::SeqCst),
+                DEEP,
+                "asleep with work armed"
+            );
+            std::thread::yield_now();
+        }
+        assert!(
+            p.core.backend.started.lock().unwrap().is_empty(),
+            "no word, fence open"
+        );
+        fence.0.store(true, Ordering::Release);
+        until("started", || {
+            !p.core.backend.started.lock().unwrap().is_empty()
+        });
+        finish(&rel, 9, true);
+        assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
+        assert_eq!(t.completion_value(), 1);
         p.closed();
     }
 
@@ -1454,6 +1552,7 @@ mod tests {
 
     impl Backend for AtOnce {
         type Work = u64;
+        type Fired = StreamFence;
         fn start(&self, _: &u64) -> Result<Box<dyn Running>> {
             Ok(Box::new(Over(Some(report()))))
         }
@@ -1883,6 +1982,7 @@ mod tests {
     }
     impl Backend for Spy {
         type Work = Tracked;
+        type Fired = StreamFence;
         fn start(&self, _: &Tracked) -> Result<Box<dyn Running>> {
             Ok(Box::new(SpyRun(Tracked(self.0.clone()))))
         }
