@@ -116,8 +116,9 @@ impl PreparedTransfer {
     /// [`EngineConfig::copy_streams`]), its deadline is at least 100 ms, and nothing else is
     /// queued on this thread's issue lane ([`EngineConfig::copy_lanes`]) or still running on its
     /// stream (and, with a notification, nothing of the endpoint is queued or being finished),
-    /// its copies are queued and waited for with `cuStreamSynchronize` on this thread, as a
-    /// hand-written copy would be: no completion tracking, no hand-off between threads.
+    /// its copies are queued (with [`EngineConfig::copy_graphs`], in launches of the lane's
+    /// copy graphs) and waited for with `cuStreamSynchronize` on this thread, as a hand-written
+    /// copy would be: no completion tracking, no hand-off between threads.
     /// Meanwhile the lane queues no other request (they wait to be queued); other threads'
     /// lanes go on (with a notification, their requests with one wait behind it). The deadline
     /// does not bound that wait:
@@ -131,6 +132,7 @@ impl PreparedTransfer {
     ///
     /// [`EngineConfig::copy_streams`]: super::EngineConfig::copy_streams
     /// [`EngineConfig::copy_lanes`]: super::EngineConfig::copy_lanes
+    /// [`EngineConfig::copy_graphs`]: super::EngineConfig::copy_graphs
     #[doc(alias = "cuStreamSynchronize")]
     pub fn run(&self) -> Result<TransferReport> {
         match &self.how {

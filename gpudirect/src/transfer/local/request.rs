@@ -795,8 +795,9 @@ const RUN_SYNC_MIN_DEADLINE: Duration = Duration::from_millis(100);
 /// [`RUN_SYNC_MAX_BYTES`], a deadline of at least [`RUN_SYNC_MIN_DEADLINE`], nothing queued on
 /// this thread's lane (and, for a request with a notification, nothing queued on any lane and
 /// no notification on its way or reserved), and nothing earlier left running on the lane's
-/// stream (a request that ended late leaves its copies there): the copies are queued and
-/// waited for with `cuStreamSynchronize`, holding the lane's issue lock (no request is queued
+/// stream (a request that ended late leaves its copies there): the copies are queued (with
+/// the copy graphs, in the lane's graph launches) and waited for with `cuStreamSynchronize`,
+/// holding the lane's issue lock (no request is queued
 /// on it meanwhile) and, with a notification, a place reserved in the notifications' order
 /// (later ones wait behind it; other lanes' requests without one go on), with no job, transfer
 /// or worker in between. Otherwise `post(..).wait()`.
@@ -804,13 +805,13 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     let side = current(ep, r)?;
     let lane = side.lane_here();
     let streams = r.streams_on(lane);
-    let stream = match &streams[..] {
-        [(_, s)]
+    let (device, stream) = match &streams[..] {
+        [(d, s)]
             if s.len() == 1
                 && r.report.bytes <= RUN_SYNC_MAX_BYTES
                 && r.timeout >= RUN_SYNC_MIN_DEADLINE =>
         {
-            &s[0]
+            (*d, &s[0])
         }
         _ => return post(ep, r)?.wait(),
     };
@@ -818,7 +819,7 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     Tracker::global().reap();
     // Declared before the locks: the wake-ups of a failure run once they are let go.
     let mut wakes = None;
-    let issue = lock(&lane.issue);
+    let mut issue = lock(&lane.issue);
     if let Some(err) = ended_since(ep, &side, r.epoch) {
         return Err(err);
     }
@@ -858,14 +859,34 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     };
     let started = Instant::now();
     let keep = Keep::posted(&r.held);
-    let (fence, keep, messages) = enqueue(
-        streams,
-        &r.copies,
-        ep.engine.inner.config.copy_chunk as u64,
-        keep,
-        // Synchronized below: no wait looks for an event.
-        false,
-    )?;
+    // With the engine's copy graphs, the copies in launches of the lane's graphs where every
+    // piece starts or ends on the stream's GPU (a launch costs the caller less than a
+    // submission per piece); else, or where no graph launched, one submission per piece.
+    let config = &ep.engine.inner.config;
+    let graphs = (config.copy_graphs
+        && !config.copy_kernel
+        && r.copies.iter().all(|p| p.len > 0)
+        && r.gpus.iter().all(|&(local, _)| local == Some(device)))
+    .then(|| issue.graphs(stream.context()))
+    .flatten();
+    let launched = match graphs {
+        // SAFETY: the lane's private stream of the pieces' GPU, the graphs of its context, and
+        // pieces of some bytes from or to that GPU's memory, both ranges checked when the
+        // request was prepared, which `keep` holds. Synchronized below: no wait looks for an
+        // event.
+        Some(g) => match unsafe {
+            kernel::launch_now(stream, &Launcher::Graphs(g), &r.copies, keep, false)
+        } {
+            Ok((fence, keep)) => Ok((fence, keep, r.copies.len() as u64)),
+            Err((_, Some(keep))) => Err(*keep),
+            Err((err, None)) => return Err(err),
+        },
+        None => Err(keep),
+    };
+    let (fence, keep, messages) = match launched {
+        Ok(launched) => launched,
+        Err(keep) => enqueue(streams, &r.copies, config.copy_chunk as u64, keep, false)?,
+    };
     // Nobody else issues on this lane's stream while `issue` is held: the newest epoch is this
     // one.
     let covered = timeline.issued();
