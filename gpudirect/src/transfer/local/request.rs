@@ -990,8 +990,7 @@ enum Passed {
     Trigger(TriggerFence),
     /// An event recorded on the stream after the copies (`Timeline::mark`). A trigger word
     /// written by the stream (`cuStreamWriteValue64`, with its system-wide memory barrier)
-    /// would hold the stream's next copy back until the barrier is through: 3-4 µs a request
-    /// on an H200 (docs/transfer.md).
+    /// would hold the stream's next copy back until the barrier is through (docs/transfer.md).
     Event(StreamFence),
 }
 
