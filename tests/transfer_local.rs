@@ -1682,6 +1682,54 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
                 .unwrap()
         })
         .collect();
+    // 100 reads queued on one stream faster than they copy (more than a stream's timeline keeps
+    // events for otherwise), then the stream waits on the last one's completion word: each
+    // request's event is recorded behind its own copies, so the wait is released (an event
+    // left to the proxy would land behind the wait, and nothing would fire).
+    let burst = gpu::stream(0);
+    let bt: Vec<_> = (0..100u64)
+        .map(|k| {
+            let off = k * 4099 % (STREAM_LEN as u64 / 2);
+            ep.read_on(
+                &burst,
+                vec![(
+                    many.range(off, 4097).unwrap(),
+                    peer[1].range(off, 4097).unwrap(),
+                )],
+                TransferOptions::default(),
+            )
+            .unwrap()
+        })
+        .collect();
+    bt.last().unwrap().wait_on(&burst).unwrap();
+    burst.synchronize().unwrap();
+    for t in &bt {
+        t.wait(Duration::from_secs(5)).unwrap();
+    }
+    assert_eq!(
+        bt[99].completion_value() & gpudirect::transfer::STREAM_ERROR_BIT,
+        0
+    );
+    let got = host_copy(&many, 0, STREAM_LEN);
+    for k in 0..100usize {
+        let off = k * 4099 % (STREAM_LEN / 2);
+        same(
+            &got[off..off + 4097],
+            &all[off..off + 4097],
+            "a read of the burst",
+        );
+    }
+    // The per-thread default stream is refused (its handle names another stream on every
+    // thread), nothing queued.
+    let per_thread = gpudirect::cuda::Stream::wrap(ctx.per_thread_stream());
+    let e = ep
+        .write_on(
+            &per_thread,
+            vec![(src.all(), peer[0].all())],
+            TransferOptions::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     assert_eq!(t40.wait(WAIT).unwrap().messages, 40);
     for t in ts {
         t.wait(WAIT).unwrap();

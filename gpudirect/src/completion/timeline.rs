@@ -183,26 +183,7 @@ impl Timeline {
             return (self.completed() >= epoch, false);
         }
         let mut g = self.lock();
-        while let Some((covered, ev)) = g.pending.front() {
-            match ev.try_is_complete() {
-                Ok(true) => {
-                    self.completed.0.fetch_max(*covered, Ordering::AcqRel);
-                    let (_, ev) = g.pending.pop_front().expect("front exists");
-                    g.free.push(ev);
-                }
-                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
-                    // Proves nothing: forget it (destroying a captured event is not worth the
-                    // risk) and look at the next one.
-                    let (_, ev) = g.pending.pop_front().expect("front exists");
-                    std::mem::forget(ev);
-                }
-                Ok(false) => break,
-                Err(e) => {
-                    g.failed = Some(e.0);
-                    break;
-                }
-            }
-        }
+        self.retire(&mut g);
         if self.completed() >= epoch {
             return (true, true);
         }
@@ -236,6 +217,65 @@ impl Timeline {
             return false;
         }
         self.record(&mut g)
+    }
+
+    /// [`mark`](Self::mark) whatever the number of events pending: for work whose completion
+    /// nothing else may record (a poll records on the thread that polls, behind whatever the
+    /// stream took meanwhile). `false` when none could be recorded (the stream captures a
+    /// graph, or the driver refused). The stream's context must be current.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) fn mark_now(&self) -> bool {
+        let mut g = self.lock();
+        let issued = self.issued();
+        if g.pending.back().is_some_and(|(c, _)| *c >= issued) {
+            return true;
+        }
+        self.record(&mut g)
+    }
+
+    /// Whether `epoch` is seen complete, retiring completed events, recording none (a query
+    /// of the pending ones only).
+    #[cfg_attr(
+        not(feature = "transfer"),
+        allow(dead_code, reason = "the stream proxy's looks")
+    )]
+    pub(crate) fn query(&self, epoch: u64) -> bool {
+        if self.completed() >= epoch {
+            return true;
+        }
+        if crate::driver::ctx::bind(self.stream().context()).is_err() {
+            return false;
+        }
+        self.retire(&mut self.lock());
+        self.completed() >= epoch
+    }
+
+    /// Retire the completed events at the front of the pending ones (the stream's context
+    /// current).
+    fn retire(&self, g: &mut std::sync::MutexGuard<'_, Events>) {
+        while let Some((covered, ev)) = g.pending.front() {
+            match ev.try_is_complete() {
+                Ok(true) => {
+                    self.completed.0.fetch_max(*covered, Ordering::AcqRel);
+                    let (_, ev) = g.pending.pop_front().expect("front exists");
+                    g.free.push(ev);
+                }
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+                    // Proves nothing: forget it (destroying a captured event is not worth the
+                    // risk) and look at the next one.
+                    let (_, ev) = g.pending.pop_front().expect("front exists");
+                    std::mem::forget(ev);
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    g.failed = Some(e.0);
+                    break;
+                }
+            }
+        }
     }
 
     /// Record one event covering everything issued so far (epochs are handed out after their

@@ -399,6 +399,17 @@ impl Endpoint {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     ) -> Result<StreamTransfer> {
+        if let Trigger::Stream(s) = &trig
+            && s.cu_stream() as usize == crate::driver::stream::PER_THREAD
+        {
+            // Its handle names another stream on every thread: the proxy, which looks at the
+            // stream's events from its own thread, would look at its own.
+            return Err(Error::invalid(
+                "stream",
+                "the per-thread default stream (CU_STREAM_PER_THREAD)",
+                "a stream request needs a stream that is the same on every thread",
+            ));
+        }
         self.transport().check_request(dir, &pairs, &opts)?;
         let timeout = opts.deadline.unwrap_or(self.engine().inner.config.deadline);
         let proxy = self.proxy();
@@ -435,8 +446,9 @@ impl Endpoint {
     /// captures a graph (nothing enqueued; `enqueued: true` if a capture began meanwhile: the
     /// queue is then retired and its words never freed); [`Error::Unsupported`] without 64-bit
     /// stream memory operations; [`Error::InvalidArgument`] with [`TRIGGER_SLOTS`](super::TRIGGER_SLOTS) requests
-    /// armed or after host-triggered requests still outstanding in host memory; [`Error::Cuda`],
-    /// [`Error::Load`].
+    /// armed, after host-triggered requests still outstanding in host memory, or on the
+    /// per-thread default stream (`CU_STREAM_PER_THREAD`: another stream on every thread);
+    /// [`Error::Cuda`], [`Error::Load`].
     #[doc(alias = "cuStreamWriteValue64_v2")]
     #[doc(alias = "cuGraphLaunch")]
     pub fn write_on(

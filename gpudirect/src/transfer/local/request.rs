@@ -1149,7 +1149,13 @@ pub(super) fn enqueue_staged(
             // graph of this stream's own: launches of one graph are ordered behind each
             // other, whatever their streams); else, or where the graph is not made, one
             // `cuMemcpyAsync` per piece.
-            let graphs = side.stream_graphs(stream, copies.len());
+            let ordinal = stream.context().ordinal();
+            let graphs = staged
+                .gpus
+                .iter()
+                .all(|&(local, _)| local == Some(ordinal))
+                .then(|| side.stream_graphs(stream, copies.len()))
+                .flatten();
             let call = match graphs {
                 Some(_) => "cuGraphLaunch",
                 None => "cuMemcpyAsync",
@@ -1180,12 +1186,28 @@ pub(super) fn enqueue_staged(
                     return Err(refused.error.into());
                 }
             };
-            // Its epoch comes after the copies; the event is recorded now, right behind them
-            // (where it cannot be, one is recorded when the proxy first looks).
+            // Its epoch comes after the copies; the event is recorded now, right behind them,
+            // by this thread (a poll would record it later, behind whatever the stream took
+            // meanwhile: a wait on the completion word that this very request releases).
+            // Where it cannot be (a capture began since the copies), the trigger word.
             let timeline = stream.timeline();
             let fence = timeline.issue();
-            timeline.mark();
-            (Passed::Event(fence), Box::new(keep))
+            if timeline.mark_now() {
+                (Passed::Event(fence), Box::new(keep))
+            } else {
+                match mark.queue_trigger(stream, keep) {
+                    Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
+                    Err(refused) => {
+                        // The copies are queued; the trigger is not (parked behind an event
+                        // after them), or may be (leaked).
+                        let (unmade, kept) = Unmade::of(refused);
+                        if let Some(k) = kept {
+                            park_behind_event(stream, k);
+                        }
+                        return Err(unmade);
+                    }
+                }
+            }
         }
     };
     hold_imports(side, &used);

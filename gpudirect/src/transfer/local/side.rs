@@ -345,11 +345,17 @@ pub(crate) struct Side {
     next_lane: AtomicUsize,
     /// Copy graphs for stream-ordered requests, one set per caller's stream (by its handle,
     /// with its context), the most recently used last.
-    stream_graphs: Mutex<Vec<(usize, Arc<CopyGraphs>)>>,
+    stream_graphs: Mutex<Vec<(usize, Arc<CopyGraphs>, Instant)>>,
 }
 
-/// The callers' streams whose copy graphs a side keeps; the least recently used go beyond.
+/// The callers' streams whose copy graphs a side keeps; the least recently used go beyond,
+/// once unused for [`STREAM_GRAPHS_IDLE`].
 const STREAM_GRAPHS: usize = 16;
+
+/// How long a stream's copy graphs stay kept unused, when other streams want room: a program
+/// that turns over more streams than are kept would otherwise make every request's graphs anew
+/// (tens of microseconds), where copy calls cost a few.
+const STREAM_GRAPHS_IDLE: Duration = Duration::from_secs(1);
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -460,7 +466,8 @@ impl Side {
     /// first use; `None` without the engine's copy graphs, for more pieces than a graph takes,
     /// or where the driver has no graph calls or refused one. A set of the stream's own:
     /// launches of one executable graph are ordered behind each other whatever their streams,
-    /// so a set shared by two streams would make one wait for the other's work.
+    /// so a set shared by two streams would make one wait for the other's work. `None` too for
+    /// a stream not kept while all that are were used within [`STREAM_GRAPHS_IDLE`].
     pub(super) fn stream_graphs(&self, stream: &Stream, pieces: usize) -> Option<Arc<CopyGraphs>> {
         if !self.engine.inner.config.copy_graphs || pieces > GATHER_PIECES {
             return None;
@@ -470,21 +477,27 @@ impl Side {
         let mut g = lock(&self.stream_graphs);
         let found = g
             .iter()
-            .position(|(k, c)| *k == key && c.context().cu_ctx() == ctx.cu_ctx());
+            .position(|(k, c, _)| *k == key && c.context().cu_ctx() == ctx.cu_ctx());
+        let now = Instant::now();
         let graphs = match found {
             Some(i) => {
-                let e = g.remove(i);
+                let mut e = g.remove(i);
+                e.2 = now;
                 g.push(e);
                 g.last().expect("pushed").1.clone()
             }
             None => {
-                let c = CopyGraphs::new(ctx, GATHER_PIECES)?;
                 if g.len() >= STREAM_GRAPHS {
+                    if now.duration_since(g[0].2) < STREAM_GRAPHS_IDLE {
+                        // Every kept stream is in use: this one copies with calls.
+                        return None;
+                    }
                     // Dropped here: a launch in flight completes first (the driver frees
                     // an executable graph once it has).
                     g.remove(0);
                 }
-                g.push((key, c.clone()));
+                let c = CopyGraphs::new(ctx, GATHER_PIECES)?;
+                g.push((key, c.clone(), now));
                 c
             }
         };

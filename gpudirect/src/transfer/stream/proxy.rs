@@ -61,11 +61,17 @@ pub(crate) trait Backend: Send + Sync + 'static {
 pub(crate) trait FiredBy: Fence + Clone {
     /// Its stream, and its place there: fences of one stream complete in that order.
     fn place(&self) -> (usize, u64);
+    /// Whether it is seen complete, asking the driver without queueing anything on the stream
+    /// (the proxy looks under its lock, and from its own thread).
+    fn fired(&self) -> bool;
 }
 
 impl FiredBy for StreamFence {
     fn place(&self) -> (usize, u64) {
         (Arc::as_ptr(self.timeline()) as usize, self.epoch())
+    }
+    fn fired(&self) -> bool {
+        self.timeline().query(self.epoch())
     }
 }
 
@@ -355,7 +361,7 @@ impl<F: FiredBy> Watch<F> {
     /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
     /// go while this looked is handed to `graveyard` (a caller's thread frees its words).
     fn fired<W>(&self, graveyard: &Mutex<Front<W>>) -> bool {
-        self.fences.iter().any(|f| f.is_complete())
+        self.fences.iter().any(|f| f.fired())
             || self.armed.iter().any(|(q, seq)| {
                 let Some(q) = q.upgrade() else {
                     return true;
@@ -614,10 +620,22 @@ impl<B: Backend> Core<B> {
         let mut late = Vec::new();
         let mut done = Vec::new();
         let mut moved = false;
+        let mut open: Vec<usize> = Vec::new();
         for (k, e) in st.entries.iter_mut() {
             match &mut e.stage {
                 Stage::Armed(w) => {
-                    let by_fence = || self.backend.fired_by(w).is_some_and(|f| f.is_complete());
+                    // A stream whose earliest such request is not done: its later ones are not
+                    // asked (one query per stream a round).
+                    let mut by_fence = || match self.backend.fired_by(w) {
+                        Some(f) if !open.contains(&f.place().0) => {
+                            let done = f.fired();
+                            if !done {
+                                open.push(f.place().0);
+                            }
+                            done
+                        }
+                        _ => false,
+                    };
                     if e.queue.words.load(trigger_slot(k.1)) == k.1 || by_fence() {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
                         else {
@@ -1181,6 +1199,9 @@ mod tests {
     impl FiredBy for FakeFence {
         fn place(&self) -> (usize, u64) {
             (Arc::as_ptr(&self.0) as usize, 0)
+        }
+        fn fired(&self) -> bool {
+            self.is_complete()
         }
     }
 
