@@ -208,15 +208,7 @@ impl Timeline {
         allow(dead_code, reason = "the intra-node endpoint's lanes")
     )]
     pub(crate) fn mark(&self) -> bool {
-        let mut g = self.lock();
-        let issued = self.issued();
-        if g.pending.back().is_some_and(|(c, _)| *c >= issued) {
-            return true;
-        }
-        if g.pending.len() >= MARKS {
-            return false;
-        }
-        self.record(&mut g)
+        self.mark_within(MARKS)
     }
 
     /// [`mark`](Self::mark) whatever the number of events pending: for work whose completion
@@ -228,10 +220,26 @@ impl Timeline {
         allow(dead_code, reason = "the intra-node endpoint's stream requests")
     )]
     pub(crate) fn mark_now(&self) -> bool {
+        self.mark_within(usize::MAX)
+    }
+
+    /// Record an event covering everything issued so far unless the newest pending one does,
+    /// or `most` are pending; whether one covers the newest epoch.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(
+            dead_code,
+            reason = "the intra-node endpoint's lanes and stream requests"
+        )
+    )]
+    fn mark_within(&self, most: usize) -> bool {
         let mut g = self.lock();
         let issued = self.issued();
         if g.pending.back().is_some_and(|(c, _)| *c >= issued) {
             return true;
+        }
+        if g.pending.len() >= most {
+            return false;
         }
         self.record(&mut g)
     }

@@ -299,8 +299,8 @@ pub enum MemoryPath {
     /// A copy inside the node: the peer's GPU memory mapped here (`cuIpcOpenMemHandle`; for
     /// VMM memory the file descriptor it sent, imported and mapped; for pool memory its pool's
     /// file descriptor imported and the pointer imported into it) and copied over `link` (by
-    /// the copy engines: a graph launch of copy nodes or `cuMemcpyAsync`; or by the copy kernel). Which one is in the remote descriptor's
-    /// [`IpcPart::kind`].
+    /// the copy engines: a graph launch of copy nodes or `cuMemcpyAsync`; or by the copy
+    /// kernel). Which one is in the remote descriptor's [`IpcPart::kind`].
     CudaIpc {
         /// What the bytes cross.
         link: IpcLink,

@@ -51,6 +51,11 @@ pub(super) fn runs_long(bytes: u64, gpus: &[(Option<usize>, usize)]) -> bool {
     rate.is_some_and(|r| bytes / r >= LONG_RUN_US)
 }
 
+/// Whether every pair's local memory is on GPU `device` (none in host memory).
+pub(super) fn all_local_on(gpus: &[(Option<usize>, usize)], device: usize) -> bool {
+    gpus.iter().all(|&(local, _)| local == Some(device))
+}
+
 /// [`runs_long`]'s rough rates, bytes per microsecond: a copy inside one GPU, one NVLink link (the
 /// slowest of them), the GPU's host link, PCIe (or a link that could not be told).
 const SAME_DEVICE: u64 = 2_000_000;

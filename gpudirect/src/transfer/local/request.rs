@@ -3,7 +3,8 @@
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
 use super::copies::{
-    Events, Held, Keep, Parking, Piece, enqueue, park_imports, path_of, queue_copies, runs_long,
+    Events, Held, Keep, Parking, Piece, all_local_on, enqueue, park_imports, path_of, queue_copies,
+    runs_long,
 };
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
@@ -531,27 +532,14 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
             issue.flush();
             lane.gathering.store(false, Ordering::Release);
             let mark = runs_long(report.bytes, gpus);
-            let launched = match at_once {
-                Some((stream, kernel, _)) => {
-                    // SAFETY: `gatherable` checked the stream (the lane's private one of the
-                    // pieces' GPU), the launcher (its context's) and every piece (some bytes,
-                    // for the kernel it fits; local memory on that GPU; both ranges checked by
-                    // `prepare`), which `keep` holds.
-                    match unsafe { kernel::launch_now(&stream, &kernel, copies, keep, mark) } {
-                        Ok((fence, keep)) => Ok((fence, keep, copies.len() as u64)),
-                        // No graph launched (the driver would not make one; the lane's graphs
-                        // are refused from now on): the copy engines take the pieces, as
-                        // without graphs.
-                        Err((_, Some(keep))) => Err(*keep),
-                        Err((err, None)) => return Err(err),
-                    }
-                }
-                None => Err(keep),
-            };
-            let (fence, keep, messages) = match launched {
-                Ok(launched) => launched,
-                Err(keep) => enqueue(streams, copies, e.config.copy_chunk as u64, keep, mark)?,
-            };
+            let launch = at_once.as_ref().map(|(stream, kernel, _)| (stream, kernel));
+            // SAFETY: `gatherable` checked the stream (the lane's private one of the pieces'
+            // GPU), the launcher (its context's) and every piece (some bytes, for the kernel it
+            // fits; local memory on that GPU; both ranges checked by `prepare`), which `keep`
+            // holds.
+            let (fence, keep, messages) = unsafe {
+                launch_or_enqueue(launch, streams, copies, e.config.copy_chunk, keep, mark)
+            }?;
             report.messages = messages;
             (Gathered::No, Arc::new(fence), keep)
         }
@@ -605,6 +593,37 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     Ok(transfer)
 }
 
+/// Queue a request's `copies` at once: in launches of `launch`'s launcher on its stream
+/// ([`kernel::launch_now`]) or, without one or where no graph launched (the driver would not
+/// make one; the lane's graphs are refused from now on), on the copy engines ([`enqueue`], the
+/// pieces spread over `streams` in chunks of `chunk` bytes). The fence, what the request holds,
+/// and how many copies went; `mark` as both take it.
+///
+/// # Safety
+///
+/// As [`kernel::launch_now`] for `launch`.
+unsafe fn launch_or_enqueue(
+    launch: Option<(&Stream, &Launcher)>,
+    streams: &[(usize, Arc<[Stream]>)],
+    copies: &[Piece],
+    chunk: usize,
+    keep: Keep,
+    mark: bool,
+) -> Result<(Events, Keep, u64)> {
+    let keep = match launch {
+        Some((stream, kernel)) => {
+            // SAFETY: the caller's promises.
+            match unsafe { kernel::launch_now(stream, kernel, copies, keep, mark) } {
+                Ok((fence, keep)) => return Ok((fence, keep, copies.len() as u64)),
+                Err((_, Some(keep))) => *keep,
+                Err((err, None)) => return Err(err),
+            }
+        }
+        None => keep,
+    };
+    enqueue(streams, copies, chunk as u64, keep, mark)
+}
+
 /// Whether a request's copies wait for a gather launch ([`issue`]).
 enum Gathered {
     /// They wait, to go on this stream with this kernel.
@@ -647,7 +666,7 @@ fn gatherable(
     // The kernel's rows copy pieces of at most GATHER_PIECE_BYTES; a graph's nodes any.
     let fit = copies.iter().all(|p| {
         p.len > 0 && (!by_kernel || kernel::fits(p) && p.len <= kernel::GATHER_PIECE_BYTES)
-    }) && gpus.iter().all(|&(local, _)| local == Some(*device));
+    }) && all_local_on(gpus, *device);
     if !fit {
         return None;
     }
@@ -866,27 +885,23 @@ pub(super) fn run(ep: &EpInner<State>, r: &Ready) -> Result<TransferReport> {
     let graphs = (config.copy_graphs
         && !config.copy_kernel
         && r.copies.iter().all(|p| p.len > 0)
-        && r.gpus.iter().all(|&(local, _)| local == Some(device)))
+        && all_local_on(&r.gpus, device))
     .then(|| issue.graphs(stream.context()))
     .flatten();
-    let launched = match graphs {
-        // SAFETY: the lane's private stream of the pieces' GPU, the graphs of its context, and
-        // pieces of some bytes from or to that GPU's memory, both ranges checked when the
-        // request was prepared, which `keep` holds. Synchronized below: no wait looks for an
-        // event.
-        Some(g) => match unsafe {
-            kernel::launch_now(stream, &Launcher::Graphs(g), &r.copies, keep, false)
-        } {
-            Ok((fence, keep)) => Ok((fence, keep, r.copies.len() as u64)),
-            Err((_, Some(keep))) => Err(*keep),
-            Err((err, None)) => return Err(err),
-        },
-        None => Err(keep),
-    };
-    let (fence, keep, messages) = match launched {
-        Ok(launched) => launched,
-        Err(keep) => enqueue(streams, &r.copies, config.copy_chunk as u64, keep, false)?,
-    };
+    let launcher = graphs.map(Launcher::Graphs);
+    // SAFETY: the lane's private stream of the pieces' GPU, the graphs of its context, and
+    // pieces of some bytes from or to that GPU's memory, both ranges checked when the request
+    // was prepared, which `keep` holds. Synchronized below: no wait looks for an event.
+    let (fence, keep, messages) = unsafe {
+        launch_or_enqueue(
+            launcher.as_ref().map(|l| (stream, l)),
+            streams,
+            &r.copies,
+            config.copy_chunk,
+            keep,
+            false,
+        )
+    }?;
     // Nobody else issues on this lane's stream while `issue` is held: the newest epoch is this
     // one.
     let covered = timeline.issued();
@@ -1150,10 +1165,7 @@ pub(super) fn enqueue_staged(
             // other, whatever their streams); else, or where the graph is not made, one
             // `cuMemcpyAsync` per piece.
             let ordinal = stream.context().ordinal();
-            let graphs = staged
-                .gpus
-                .iter()
-                .all(|&(local, _)| local == Some(ordinal))
+            let graphs = all_local_on(&staged.gpus, ordinal)
                 .then(|| side.stream_graphs(stream, copies.len()))
                 .flatten();
             let call = match graphs {
