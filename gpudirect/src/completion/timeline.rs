@@ -182,11 +182,11 @@ impl Timeline {
         if crate::driver::ctx::bind(stream.context()).is_err() {
             return (self.completed() >= epoch, false);
         }
-        let mut g = self.lock();
-        self.retire(&mut g);
+        self.retire();
         if self.completed() >= epoch {
             return (true, true);
         }
+        let mut g = self.lock();
         if g.pending.iter().any(|(c, _)| *c >= epoch) {
             return (false, true);
         }
@@ -208,40 +208,52 @@ impl Timeline {
         allow(dead_code, reason = "the intra-node endpoint's lanes")
     )]
     pub(crate) fn mark(&self) -> bool {
-        self.mark_within(MARKS)
-    }
-
-    /// [`mark`](Self::mark) whatever the number of events pending: for work whose completion
-    /// nothing else may record (a poll records on the thread that polls, behind whatever the
-    /// stream took meanwhile). `false` when none could be recorded (the stream captures a
-    /// graph, or the driver refused). The stream's context must be current.
-    #[cfg_attr(
-        not(all(feature = "transfer", feature = "p2p")),
-        allow(dead_code, reason = "the intra-node endpoint's stream requests")
-    )]
-    pub(crate) fn mark_now(&self) -> bool {
-        self.mark_within(usize::MAX)
-    }
-
-    /// Record an event covering everything issued so far unless the newest pending one does,
-    /// or `most` are pending; whether one covers the newest epoch.
-    #[cfg_attr(
-        not(all(feature = "transfer", feature = "p2p")),
-        allow(
-            dead_code,
-            reason = "the intra-node endpoint's lanes and stream requests"
-        )
-    )]
-    fn mark_within(&self, most: usize) -> bool {
         let mut g = self.lock();
         let issued = self.issued();
         if g.pending.back().is_some_and(|(c, _)| *c >= issued) {
             return true;
         }
-        if g.pending.len() >= most {
+        if g.pending.len() >= MARKS {
             return false;
         }
         self.record(&mut g)
+    }
+
+    /// Issue the next epoch and record an event covering it on `raw`, this timeline's stream,
+    /// right behind the work the caller just queued there: for a caller inside its own
+    /// capture-checked enqueue (`capture::enqueue`), whose checks then cover the record too.
+    /// `None` when no event could be made or recorded (the epoch is issued all the same).
+    ///
+    /// # Safety
+    ///
+    /// `raw` is this timeline's stream, and its context is current.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) unsafe fn issue_recorded(
+        self: &Arc<Self>,
+        raw: sys::CUstream,
+    ) -> Option<StreamFence> {
+        let fence = self.issue();
+        let mut g = self.lock();
+        let ev = match g.free.pop() {
+            Some(ev) => ev,
+            None => self.stream().context().new_event(None).ok()?,
+        };
+        // SAFETY: a live event of this timeline; the stream and its context are the caller's.
+        match unsafe { crate::driver::event::record(ev.cu_event(), raw) } {
+            Ok(()) => {
+                // Everything issued so far was queued before this record.
+                let covered = self.issued();
+                g.pending.push_back((covered, ev));
+                Some(fence)
+            }
+            Err(_) => {
+                g.free.push(ev);
+                None
+            }
+        }
     }
 
     /// Whether `epoch` is seen complete, retiring completed events, recording none (a query
@@ -257,31 +269,65 @@ impl Timeline {
         if crate::driver::ctx::bind(self.stream().context()).is_err() {
             return false;
         }
-        self.retire(&mut self.lock());
+        self.retire();
         self.completed() >= epoch
     }
 
     /// Retire the completed events at the front of the pending ones (the stream's context
-    /// current).
-    fn retire(&self, g: &mut std::sync::MutexGuard<'_, Events>) {
-        while let Some((covered, ev)) = g.pending.front() {
-            match ev.try_is_complete() {
-                Ok(true) => {
-                    self.completed.0.fetch_max(*covered, Ordering::AcqRel);
-                    let (_, ev) = g.pending.pop_front().expect("front exists");
-                    g.free.push(ev);
-                }
-                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
-                    // Proves nothing: forget it (destroying a captured event is not worth the
-                    // risk) and look at the next one.
-                    let (_, ev) = g.pending.pop_front().expect("front exists");
-                    std::mem::forget(ev);
-                }
-                Ok(false) => break,
-                Err(e) => {
-                    g.failed = Some(e.0);
-                    break;
-                }
+    /// current), asking the driver without the lock held: a thread recording the next event
+    /// (the one queueing work on the stream) then never waits for a query. The
+    /// front is looked at under the lock, asked outside it, and retired only if it is still
+    /// the front (the same event covering the same epoch) once the lock is taken again. An
+    /// event retired and recorded again meanwhile covers a later epoch (epochs only grow), so
+    /// its answer is dropped; one recorded again covering the same epoch stands for the same
+    /// work, so either answer is true of it. Events are destroyed only with the timeline, so
+    /// the handle asked is live.
+    fn retire(&self) {
+        loop {
+            let (covered, raw) = match self.lock().pending.front() {
+                Some((c, ev)) => (*c, ev.cu_event()),
+                None => return,
+            };
+            // SAFETY: as above: a live event of this timeline.
+            let answer = unsafe { crate::driver::event::query_code(raw) };
+            let mut g = self.lock();
+            let same = g
+                .pending
+                .front()
+                .is_some_and(|(c, ev)| *c == covered && ev.cu_event() == raw);
+            if !same || !Self::apply(&mut g, covered, answer, &self.completed.0) {
+                return;
+            }
+        }
+    }
+
+    /// Apply the driver's answer about the front pending event (covering `covered`): retire it
+    /// when complete, or forget it when it was captured (both `true`: look at the next one);
+    /// record a sticky error.
+    fn apply(
+        g: &mut std::sync::MutexGuard<'_, Events>,
+        covered: u64,
+        answer: std::result::Result<bool, sys::CUresult>,
+        completed: &AtomicU64,
+    ) -> bool {
+        match answer {
+            Ok(true) => {
+                completed.fetch_max(covered, Ordering::AcqRel);
+                let (_, ev) = g.pending.pop_front().expect("front exists");
+                g.free.push(ev);
+                true
+            }
+            Err(sys::CUresult::CUDA_ERROR_CAPTURED_EVENT) => {
+                // Proves nothing: forget it (destroying a captured event is not worth the
+                // risk) and look at the next one.
+                let (_, ev) = g.pending.pop_front().expect("front exists");
+                std::mem::forget(ev);
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                g.failed = Some(e);
+                false
             }
         }
     }

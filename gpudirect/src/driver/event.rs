@@ -57,6 +57,21 @@ pub(crate) unsafe fn query(event: sys::CUevent) -> Result<bool> {
     }
 }
 
+/// [`query`] answering the driver's own code for an error (`CUDA_ERROR_NOT_READY` is
+/// `Ok(false)`).
+///
+/// # Safety
+///
+/// `event` is live.
+pub(crate) unsafe fn query_code(event: sys::CUevent) -> std::result::Result<bool, sys::CUresult> {
+    // SAFETY: forwarded from the caller.
+    match unsafe { sys::cuEventQuery(event) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => Err(r),
+    }
+}
+
 /// `cuEventSynchronize(event)`—Block until the work before the event's latest record has
 /// finished.
 ///
