@@ -1176,38 +1176,40 @@ pub(super) fn enqueue_staged(
             // which `keep` holds; the remote range inside the peer's allocation and the
             // mapping, which `keep` holds too. The event recorded after the copies tracks
             // them, and `keep` is freed only once it completed (or leaked).
+            //
+            // The event is recorded in the same capture-checked call, right behind the copies,
+            // by this thread (a poll would record it later, behind whatever the stream took
+            // meanwhile: a wait on the completion word that this very request releases). Where
+            // it cannot be (no event could be made or recorded), the trigger word.
+            let timeline = stream.timeline();
             let r = stream.enqueue(call, keep, |raw, _| {
-                if let Some(g) = &graphs
+                let launched = graphs
+                    .as_ref()
                     // SAFETY: as above; the graphs are the stream's context's, which the
                     // enqueue made current. A launch that fails queued nothing.
-                    && unsafe { g.gather(raw, copies) }.is_ok()
-                {
-                    return Ok(());
+                    .is_some_and(|g| unsafe { g.gather(raw, copies) }.is_ok());
+                if !launched {
+                    // SAFETY: as above.
+                    unsafe { queue_copies(copies, raw) }?;
                 }
-                // SAFETY: as above.
-                unsafe { queue_copies(copies, raw) }
+                // SAFETY: `raw` is the timeline's stream; the enqueue made its context current.
+                Ok(unsafe { timeline.issue_recorded(raw) })
             });
-            let keep = match r {
-                Ok(((), k)) => k,
+            let (fence, keep) = match r {
+                Ok(done) => done,
                 Err(refused) => {
-                    // Copies may be queued (a batch or loop that failed part way), but nothing
-                    // fires the request: the seq counts as nothing to do.
+                    // Copies may be queued (a batch or loop that failed part way, or a
+                    // capture began meanwhile), but nothing fires the request: the seq counts
+                    // as nothing to do.
                     if let Some(k) = refused.kept {
                         park_behind_event(stream, k);
                     }
                     return Err(refused.error.into());
                 }
             };
-            // Its epoch comes after the copies; the event is recorded now, right behind them,
-            // by this thread (a poll would record it later, behind whatever the stream took
-            // meanwhile: a wait on the completion word that this very request releases).
-            // Where it cannot be (a capture began since the copies), the trigger word.
-            let timeline = stream.timeline();
-            let fence = timeline.issue();
-            if timeline.mark_now() {
-                (Passed::Event(fence), Box::new(keep))
-            } else {
-                match mark.queue_trigger(stream, keep) {
+            match fence {
+                Some(fence) => (Passed::Event(fence), Box::new(keep)),
+                None => match mark.queue_trigger(stream, keep) {
                     Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
                     Err(refused) => {
                         // The copies are queued; the trigger is not (parked behind an event
@@ -1218,7 +1220,7 @@ pub(super) fn enqueue_staged(
                         }
                         return Err(unmade);
                     }
-                }
+                },
             }
         }
     };
