@@ -5,7 +5,7 @@ use super::window::{DONE, geq_releases, trigger_slot};
 use super::words::WordMemory;
 use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
-use crate::completion::{CompletionFlag, Fence, InFlight};
+use crate::completion::{CompletionFlag, Fence, InFlight, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
@@ -158,7 +158,19 @@ pub struct StreamTransfer {
     pub(super) outcome: Arc<Outcome>,
     pub(super) host: bool,
     pub(super) limit: Instant,
+    /// The proxy's bell, rung while the host waits ([`wait`](Self::wait)).
+    pub(super) bell: Arc<dyn Nudge>,
 }
+
+/// Wakes the proxy for a look at once, if it naps between looks at armed requests.
+pub(crate) trait Nudge: Send + Sync {
+    fn nudge(&self);
+}
+
+/// While the host waits for a request, the proxy is nudged at most this often: a nap of its
+/// (which a timer's slack stretches to tens of microseconds) then ends within about this much
+/// of the request's stream passing it.
+const NUDGE_EVERY: Duration = Duration::from_micros(8);
 
 impl StreamTransfer {
     /// The request's sequence number in its queue (from 1).
@@ -248,7 +260,24 @@ impl StreamTransfer {
     /// closed first or an earlier request of the queue failed); [`Error::InvalidArgument`] once
     /// the result was taken.
     pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
-        if !self.outcome.flag.wait_timeout(timeout) {
+        let flag = &self.outcome.flag;
+        let mut nudged: Option<Instant> = None;
+        let done = flag.is_complete()
+            || poll_until(
+                || {
+                    if flag.is_complete() {
+                        return true;
+                    }
+                    let now = Instant::now();
+                    if nudged.is_none_or(|t| now.duration_since(t) >= NUDGE_EVERY) {
+                        self.bell.nudge();
+                        nudged = Some(now);
+                    }
+                    false
+                },
+                timeout,
+            );
+        if !done {
             return Err(Error::Timeout {
                 what: "a stream transfer",
                 after: timeout,

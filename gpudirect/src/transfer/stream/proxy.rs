@@ -2,7 +2,7 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Keep, Mark, Outcome, Queue, StreamTransfer};
+use super::armed::{Keep, Mark, Nudge, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
@@ -286,6 +286,12 @@ const AWAKE: u8 = 0;
 const NAP: u8 = 1;
 /// It sleeps with nothing armed.
 const DEEP: u8 = 2;
+
+impl Nudge for Bell {
+    fn nudge(&self) {
+        self.ring_if(NAP);
+    }
+}
 
 impl Bell {
     fn ring(&self) {
@@ -1137,6 +1143,7 @@ impl<B: Backend> Proxy<B> {
             outcome,
             host: stream.is_none(),
             limit,
+            bell: self.core.bell.clone(),
         })
     }
 
