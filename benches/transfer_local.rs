@@ -662,7 +662,9 @@ fn main() {
             rt.block_on(t.spin(AWAIT_SPIN)).expect("await");
         });
         awaited.push((n, raw_one, gd_one, await_one, await_spin));
-        let pipe_reps = reps.div_ceil(depth).max(3);
+        // At least 9 bursts a pipelined cell: a median of 3 left the stream-ordered cell's
+        // paired intervals twice as wide as the others'.
+        let pipe_reps = reps.div_ceil(depth).max(9);
         let raw_pipe = per_call(pipe_reps, || {
             for _ in 0..depth {
                 raw.copy(n);
