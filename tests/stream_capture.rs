@@ -249,6 +249,103 @@ fn every_enqueueing_api_refuses_a_capturing_stream() {
     Tracker::global().reap();
 }
 
+/// `r` must be the per-thread default stream's refusal.
+#[track_caller]
+fn refused_per_thread<T: std::fmt::Debug>(what: &str, r: gpudirect::Result<T>) {
+    match r {
+        Err(e @ Error::InvalidArgument { .. })
+            if e.to_string().contains("CU_STREAM_PER_THREAD") =>
+        {
+            println!("{what}: refused")
+        }
+        other => panic!(
+            "{what} on the per-thread default stream: expected InvalidArgument, got {other:?}"
+        ),
+    }
+}
+
+/// The per-thread default stream (`CU_STREAM_PER_THREAD`, cudarc's `per_thread_stream`) names
+/// another stream on every thread: an event the completion thread records there, or a
+/// synchronize on another thread, would look at that thread's own stream, and a fence could
+/// complete while its work still runs. Every queueing API refuses it before queueing anything,
+/// and a fence of it never completes (no event of it can be recorded).
+#[test]
+fn every_enqueueing_api_refuses_the_per_thread_default_stream() {
+    let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
+    let pts = Stream::wrap(ctx.per_thread_stream());
+    let other = Stream::new(&ctx).unwrap();
+    let small: Vec<u32> = random_u32(1024);
+    let a = Arc::new(DeviceBuffer::from_slice(&other, &small).unwrap());
+    let b = Arc::new(DeviceBuffer::<u32>::zeroed(&ctx, 1024).unwrap());
+    let mut c = DeviceBuffer::from_slice(&other, &vec![0xC0FF_EE00u32; 1024]).unwrap();
+    let flags_h = MemopFlags::pinned_host(&ctx, 4).unwrap();
+    let other_event = other.record_event().unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    other.synchronize().unwrap();
+
+    refused_per_thread(
+        "copy_async",
+        memory::copy_async(&pts, a.clone(), Held(b.clone())),
+    );
+    assert_eq!(
+        Arc::strong_count(&a),
+        1,
+        "the refused copy dropped its source"
+    );
+    refused_per_thread("copy", memory::copy(&pts, &*a, &mut c));
+    refused_per_thread(
+        "copy_from_host",
+        memory::copy_from_host(&pts, &small, &mut c),
+    );
+    let mut back = vec![0x5A5A_5A5Au32; 1024];
+    refused_per_thread("copy_to_host", memory::copy_to_host(&pts, &*a, &mut back));
+    assert!(back.iter().all(|&w| w == 0x5A5A_5A5A), "nothing written");
+    refused_per_thread("write_value32", pts.write_value32(&flags_h, 0, 0xAB));
+    let r2 = runs.clone();
+    refused_per_thread(
+        "launch_host_fn",
+        pts.launch_host_fn(move || {
+            r2.fetch_add(1, Ordering::SeqCst);
+        }),
+    );
+    refused_per_thread("host_fence", pts.host_fence());
+    refused_per_thread("event_fence", pts.event_fence());
+    refused_per_thread("record_event", pts.record_event());
+    refused_per_thread("EventFence::record", EventFence::record(pts.cuda()));
+    refused_per_thread("wait", pts.wait(&other_event));
+    refused_per_thread("wait_for (records on it)", other.wait_for(&pts));
+
+    // A fence of it (the user's own work, queued some other way) is never proven complete.
+    let fence = pts.fence();
+    assert!(
+        !fence.is_complete(),
+        "a per-thread stream's fence completed"
+    );
+    assert!(
+        !fence.wait_timeout(Duration::from_millis(20)),
+        "a bounded wait proved a per-thread stream's fence complete"
+    );
+
+    ctx.synchronize().unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "a refused host function ran"
+    );
+    assert_eq!(flags_h.load_u32(0).unwrap(), 0, "a refused memop wrote");
+    assert_eq!(
+        c.to_vec(&other).unwrap(),
+        vec![0xC0FF_EE00u32; 1024],
+        "a refused copy wrote"
+    );
+    assert_eq!(
+        b.to_vec(&other).unwrap(),
+        vec![0u32; 1024],
+        "a refused copy wrote"
+    );
+    Tracker::global().reap();
+}
+
 /// cuFile's `cuFileReadAsync` on the capturing stream is refused the same way (skipped, with a
 /// note, where the cuFile driver or the file registration is not available). Returns what must
 /// outlive the capture (dropping the driver or the handle calls into cuFile).

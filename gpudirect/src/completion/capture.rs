@@ -57,14 +57,35 @@ impl<R> From<Refused<R>> for Error {
 /// `cuStreamIsCapturing(raw)`: whether the stream is in capture mode (an active capture, or an
 /// invalidated one not yet ended). The caller makes the stream's context current.
 ///
+/// Every queueing path asks this first, so the per-thread default stream is refused here,
+/// before anything is queued on it.
+///
 /// # Errors
 ///
-/// [`Error::Cuda`] naming `cuStreamIsCapturing` (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` for the
-/// legacy default stream while a blocking stream captures).
+/// [`Error::InvalidArgument`] for the per-thread default stream (`CU_STREAM_PER_THREAD`, as
+/// cudarc's `per_thread_stream`); [`Error::Cuda`] naming `cuStreamIsCapturing`
+/// (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` for the legacy default stream while a blocking stream
+/// captures).
 #[inline]
 pub(crate) fn is_capturing(raw: sys::CUstream) -> Result<bool> {
+    refuse_per_thread(raw)?;
     // SAFETY: a live stream handle (or the legacy stream) whose context the caller made current.
     unsafe { driver::stream::is_capturing(raw) }
+}
+
+/// Refuse the per-thread default stream. Its handle names another stream on every thread: an
+/// event the completion thread or a waiter records there, or a synchronize it calls, would
+/// look at that thread's own stream, and a fence could complete while the work it stands for
+/// still runs (what it holds then freed early).
+pub(crate) fn refuse_per_thread(raw: sys::CUstream) -> Result<()> {
+    if raw as usize == driver::stream::PER_THREAD {
+        return Err(Error::invalid(
+            "stream",
+            "the per-thread default stream (CU_STREAM_PER_THREAD)",
+            "another stream on every thread, where the library records its events; use a stream of its own",
+        ));
+    }
+    Ok(())
 }
 
 /// What [`enqueue_with`] asks of the driver; tests answer it without a GPU.

@@ -63,6 +63,11 @@ impl Stream {
 
     /// Track work on an existing cudarc stream. Each `wrap` makes its own timeline: fences of
     /// two wrappers of one stream are both correct, they just do not share events.
+    ///
+    /// The per-thread default stream (`CU_STREAM_PER_THREAD`, cudarc's `per_thread_stream`)
+    /// names another stream on every thread, where the library would record and wait for its
+    /// events from other threads: every call that queues work on it is refused with
+    /// [`crate::Error::InvalidArgument`], and its fences are never seen complete.
     pub fn wrap(stream: Arc<CudaStream>) -> Self {
         Stream {
             timeline: Timeline::new(stream),

@@ -6,10 +6,6 @@ use cudarc::driver::{result, sys};
 
 /// `CU_STREAM_PER_THREAD`: the handle of the calling thread's per-thread default stream (a
 /// different stream on every thread).
-#[cfg_attr(
-    not(feature = "transfer"),
-    allow(dead_code, reason = "the stream proxy refuses it")
-)]
 pub(crate) const PER_THREAD: usize = 0x2;
 
 /// `cuStreamCreate(flags)`—A new stream of the current context.

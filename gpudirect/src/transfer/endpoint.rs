@@ -399,16 +399,11 @@ impl Endpoint {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     ) -> Result<StreamTransfer> {
-        if let Trigger::Stream(s) = &trig
-            && s.cu_stream() as usize == crate::driver::stream::PER_THREAD
-        {
+        if let Trigger::Stream(s) = &trig {
             // Its handle names another stream on every thread: the proxy, which looks at the
-            // stream's events from its own thread, would look at its own.
-            return Err(Error::invalid(
-                "stream",
-                "the per-thread default stream (CU_STREAM_PER_THREAD)",
-                "a stream request needs a stream that is the same on every thread",
-            ));
+            // stream's events from its own thread, would look at its own. Refused before
+            // anything is checked or mapped (every queueing path refuses it too).
+            crate::completion::capture::refuse_per_thread(s.cu_stream())?;
         }
         self.transport().check_request(dir, &pairs, &opts)?;
         let timeout = opts.deadline.unwrap_or(self.engine().inner.config.deadline);
