@@ -222,7 +222,9 @@ impl Timeline {
     /// Issue the next epoch and record an event covering it on `raw`, this timeline's stream,
     /// right behind the work the caller just queued there: for a caller inside its own
     /// capture-checked enqueue (`capture::enqueue`), whose checks then cover the record too.
-    /// `None` when no event could be made or recorded (the epoch is issued all the same).
+    /// The epoch, or `None` when no event could be made or recorded (the epoch is issued all
+    /// the same). An epoch, not a fence: a capture found after the record leaks what the
+    /// closure returned, and a fence would hold the timeline (and the stream) forever.
     ///
     /// # Safety
     ///
@@ -231,12 +233,13 @@ impl Timeline {
         not(all(feature = "transfer", feature = "p2p")),
         allow(dead_code, reason = "the intra-node endpoint's stream requests")
     )]
-    pub(crate) unsafe fn issue_recorded(
-        self: &Arc<Self>,
-        raw: sys::CUstream,
-    ) -> Option<StreamFence> {
-        let fence = self.issue();
+    pub(crate) unsafe fn issue_recorded(&self, raw: sys::CUstream) -> Option<u64> {
+        let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
         let mut g = self.lock();
+        // Read before the record, as `record` does: every epoch issued by then had its work
+        // queued before it (epochs are issued after their work). Read after, it could cover
+        // another thread's work queued behind this event.
+        let covered = self.issued();
         let ev = match g.free.pop() {
             Some(ev) => ev,
             None => self.stream().context().new_event(None).ok()?,
@@ -244,15 +247,26 @@ impl Timeline {
         // SAFETY: a live event of this timeline; the stream and its context are the caller's.
         match unsafe { crate::driver::event::record(ev.cu_event(), raw) } {
             Ok(()) => {
-                // Everything issued so far was queued before this record.
-                let covered = self.issued();
                 g.pending.push_back((covered, ev));
-                Some(fence)
+                Some(epoch)
             }
             Err(_) => {
                 g.free.push(ev);
                 None
             }
+        }
+    }
+
+    /// The fence of `epoch`, an epoch this timeline issued.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) fn fence_at(self: &Arc<Self>, epoch: u64) -> StreamFence {
+        debug_assert!(epoch <= self.issued());
+        StreamFence {
+            timeline: self.clone(),
+            epoch,
         }
     }
 

@@ -1195,7 +1195,7 @@ pub(super) fn enqueue_staged(
                 // SAFETY: `raw` is the timeline's stream; the enqueue made its context current.
                 Ok(unsafe { timeline.issue_recorded(raw) })
             });
-            let (fence, keep) = match r {
+            let (epoch, keep) = match r {
                 Ok(done) => done,
                 Err(refused) => {
                     // Copies may be queued (a batch or loop that failed part way, or a
@@ -1207,8 +1207,8 @@ pub(super) fn enqueue_staged(
                     return Err(refused.error.into());
                 }
             };
-            match fence {
-                Some(fence) => (Passed::Event(fence), Box::new(keep)),
+            match epoch {
+                Some(epoch) => (Passed::Event(timeline.fence_at(epoch)), Box::new(keep)),
                 None => match mark.queue_trigger(stream, keep) {
                     Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
                     Err(refused) => {

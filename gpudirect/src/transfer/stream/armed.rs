@@ -162,7 +162,9 @@ pub struct StreamTransfer {
     pub(super) bell: Arc<dyn Nudge>,
 }
 
-/// Wakes the proxy for a look at once, if it naps between looks at armed requests.
+/// Wakes the proxy for a look at once, if it naps between looks at armed requests (not when
+/// it sleeps with nothing armed: a running request rings it when it ends), at most once every
+/// [`NUDGE_EVERY`] whoever asks (a loop of `wait(Duration::ZERO)` does not keep it busy).
 pub(crate) trait Nudge: Send + Sync {
     fn nudge(&self);
 }
@@ -170,7 +172,7 @@ pub(crate) trait Nudge: Send + Sync {
 /// While the host waits for a request, the proxy is nudged at most this often: a nap of its
 /// (which a timer's slack stretches to tens of microseconds) then ends within about this much
 /// of the request's stream passing it.
-const NUDGE_EVERY: Duration = Duration::from_micros(8);
+pub(crate) const NUDGE_EVERY: Duration = Duration::from_micros(8);
 
 impl StreamTransfer {
     /// The request's sequence number in its queue (from 1).
@@ -261,18 +263,13 @@ impl StreamTransfer {
     /// the result was taken.
     pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
         let flag = &self.outcome.flag;
-        let mut nudged: Option<Instant> = None;
         let done = flag.is_complete()
             || poll_until(
                 || {
                     if flag.is_complete() {
                         return true;
                     }
-                    let now = Instant::now();
-                    if nudged.is_none_or(|t| now.duration_since(t) >= NUDGE_EVERY) {
-                        self.bell.nudge();
-                        nudged = Some(now);
-                    }
+                    self.bell.nudge();
                     false
                 },
                 timeout,

@@ -2,7 +2,7 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Keep, Mark, Nudge, Outcome, Queue, StreamTransfer};
+use super::armed::{Keep, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::transfer::plan::deadline_after;
 use crate::transfer::request::TransferReport;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
@@ -278,6 +278,14 @@ struct Bell {
     sleeping: AtomicU8,
     lock: Mutex<()>,
     cv: Condvar,
+    /// When a waiter last nudged it ([`Nudge`]), in nanoseconds since [`nudge_clock`]'s start.
+    nudged: AtomicU64,
+}
+
+/// Nanoseconds since the first call (at least 1), for [`Bell::nudged`].
+fn nudge_clock() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    (START.get_or_init(Instant::now).elapsed().as_nanos() as u64).max(1)
 }
 
 /// The proxy is not sleeping on the condition variable.
@@ -289,6 +297,21 @@ const DEEP: u8 = 2;
 
 impl Nudge for Bell {
     fn nudge(&self) {
+        // Only a nap: a proxy that sleeps with nothing armed has nothing a waiter could hurry
+        // (a running request rings it when it ends), and one that is awake looks by itself.
+        if self.sleeping.load(Ordering::SeqCst) != NAP {
+            return;
+        }
+        let now = nudge_clock();
+        let last = self.nudged.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < NUDGE_EVERY.as_nanos() as u64
+            || self
+                .nudged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
         self.ring_if(NAP);
     }
 }
@@ -1415,6 +1438,51 @@ mod tests {
         });
         bell.ring();
         assert!(napper.join().unwrap());
+    }
+
+    #[test]
+    fn a_nudge_wakes_only_a_nap_and_at_most_once_every_few_microseconds() {
+        let bell = Arc::new(Bell::default());
+        // Awake: nothing is rung (the proxy looks by itself).
+        bell.nudge();
+        assert!(!bell.take(), "a nudge rang an awake proxy");
+        // A deep sleep (nothing armed) is not woken.
+        let b = bell.clone();
+        let sleeper = std::thread::spawn(move || b.sleep(Some(Duration::from_millis(200)), DEEP));
+        until("asleep", || bell.sleeping.load(Ordering::SeqCst) == DEEP);
+        for _ in 0..1000 {
+            bell.nudge();
+        }
+        assert!(!sleeper.join().unwrap(), "a nudge woke a deep sleep");
+        // A nap is woken.
+        let b = bell.clone();
+        let napper = std::thread::spawn(move || b.sleep(Some(Duration::from_secs(30)), NAP));
+        until("napping", || bell.sleeping.load(Ordering::SeqCst) == NAP);
+        let t = Instant::now();
+        while !napper.is_finished() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "a nudge did not wake a nap"
+            );
+            bell.nudge();
+            std::thread::yield_now();
+        }
+        assert!(napper.join().unwrap());
+        // Two nudges of one instant ring once: the second, within NUDGE_EVERY, leaves the
+        // stamp alone.
+        bell.sleeping.store(NAP, Ordering::SeqCst);
+        bell.nudged.store(nudge_clock(), Ordering::Relaxed);
+        let stamp = bell.nudged.load(Ordering::Relaxed);
+        bell.rung.store(false, Ordering::SeqCst);
+        bell.nudge();
+        assert!(
+            bell.nudged.load(Ordering::Relaxed) == stamp && !bell.take(),
+            "a nudge within {NUDGE_EVERY:?} of the last rang again"
+        );
+        std::thread::sleep(NUDGE_EVERY * 2);
+        bell.nudge();
+        assert!(bell.take(), "a nudge after {NUDGE_EVERY:?} did not ring");
+        bell.sleeping.store(AWAKE, Ordering::SeqCst);
     }
 
     #[test]
