@@ -649,21 +649,31 @@ impl<B: Backend> Core<B> {
         let mut late = Vec::new();
         let mut done = Vec::new();
         let mut moved = false;
-        let mut open: Vec<usize> = Vec::new();
+        // Per stream, the earliest place found not done this round: a request at or after it
+        // is not done either, and is not asked (about one query per stream a round). By place,
+        // not by seq: two threads on one stream may take seqs in the other order than their
+        // places.
+        let mut open: Vec<(usize, u64)> = Vec::new();
         for (k, e) in st.entries.iter_mut() {
             match &mut e.stage {
                 Stage::Armed(w) => {
-                    // A stream whose earliest such request is not done: its later ones are not
-                    // asked (one query per stream a round).
-                    let mut by_fence = || match self.backend.fired_by(w) {
-                        Some(f) if !open.contains(&f.place().0) => {
-                            let done = f.fired();
-                            if !done {
-                                open.push(f.place().0);
-                            }
-                            done
+                    let mut by_fence = || {
+                        let Some(f) = self.backend.fired_by(w) else {
+                            return false;
+                        };
+                        let (stream, at) = f.place();
+                        let seen = open.iter_mut().find(|(s, _)| *s == stream);
+                        if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
+                            return false;
                         }
-                        _ => false,
+                        let done = f.fired();
+                        if !done {
+                            match seen {
+                                Some(o) => o.1 = at,
+                                None => open.push((stream, at)),
+                            }
+                        }
+                        done
                     };
                     if e.queue.words.load(trigger_slot(k.1)) == k.1 || by_fence() {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
@@ -1216,9 +1226,10 @@ mod tests {
         by_fence: Mutex<HashMap<u64, FakeFence>>,
     }
 
-    /// A fence the test completes, in place of a trigger word.
+    /// A fence the test completes, in place of a trigger word; at a place the test sets (a
+    /// stream and a position there), or alone on a stream of its own.
     #[derive(Clone, Default)]
-    struct FakeFence(Arc<AtomicBool>);
+    struct FakeFence(Arc<AtomicBool>, Option<(usize, u64)>);
 
     impl Fence for FakeFence {
         fn is_complete(&self) -> bool {
@@ -1228,7 +1239,7 @@ mod tests {
 
     impl FiredBy for FakeFence {
         fn place(&self) -> (usize, u64) {
-            (Arc::as_ptr(&self.0) as usize, 0)
+            self.1.unwrap_or((Arc::as_ptr(&self.0) as usize, 0))
         }
         fn fired(&self) -> bool {
             self.is_complete()
@@ -1350,6 +1361,42 @@ mod tests {
         finish(&rel, 9, true);
         assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         assert_eq!(t.completion_value(), 1);
+        p.closed();
+    }
+
+    #[test]
+    fn a_fence_done_earlier_on_its_stream_fires_whatever_the_seqs_order() {
+        // Two threads on one stream can take seqs in the other order than their places: seq 1
+        // sits later on the stream than seq 2. Seq 2's fence is done, seq 1's is not.
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let late = FakeFence(Arc::default(), Some((7, 20)));
+        let early = FakeFence(Arc::default(), Some((7, 10)));
+        early.0.store(true, Ordering::Release);
+        {
+            let mut by = p.core.backend.by_fence.lock().unwrap();
+            by.insert(1, late.clone());
+            by.insert(2, early.clone());
+        }
+        let t1 = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        let t2 = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        assert_eq!((t1.seq(), t2.seq()), (1, 2));
+        until("the earlier place started", || {
+            p.core.backend.started.lock().unwrap().contains(&2)
+        });
+        finish(&rel, 2, true);
+        t2.wait(Duration::from_secs(10)).unwrap();
+        assert!(
+            !p.core.backend.started.lock().unwrap().contains(&1),
+            "its fence is open"
+        );
+        late.0.store(true, Ordering::Release);
+        until("the later place started", || {
+            p.core.backend.started.lock().unwrap().contains(&1)
+        });
+        finish(&rel, 1, true);
+        t1.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(t1.completion_value(), 2);
         p.closed();
     }
 
