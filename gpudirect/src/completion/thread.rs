@@ -175,9 +175,7 @@ pub(crate) fn contained(f: impl FnOnce()) {
 }
 
 fn run(shared: &'static Shared) {
-    // Short sleeps stay short: the default timer slack (50 µs) would double the first naps.
-    // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    // Its short sleeps stay short: `spawn_thread` set its timer slack.
     let mut active: Vec<Arc<dyn Watch>> = Vec::new();
     let mut due: Vec<Waker> = Vec::new();
     let mut backoff = Backoff::new();

@@ -51,10 +51,15 @@ where
         .map_err(pthread_create)
 }
 
-/// `f`, run on a thread marked as the crate's own.
+/// `f`, run on a thread marked as the crate's own, whose short sleeps stay short: the
+/// library's threads nap for microseconds between looks (the completion thread, the stream
+/// proxy, the local endpoint's worker), and the default timer slack of 50 µs would stretch
+/// each nap by that much.
 fn marked<F: FnOnce() -> T, T>(f: F) -> impl FnOnce() -> T {
     move || {
         LIBRARY.with(|c| c.set(1));
+        // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
         f()
     }
 }
@@ -158,6 +163,22 @@ pub(crate) unsafe fn set_current(ctx: sys::CUcontext) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_spawned_thread_sleeps_with_a_fine_timer_slack() {
+        // SAFETY: PR_GET_TIMERSLACK reads this thread's slack.
+        let slack = || unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+        assert!(slack() > 1, "a caller's thread keeps its own slack");
+        let h = spawn_thread("gpudirect-test", slack).unwrap();
+        assert_eq!(h.join().unwrap(), 1, "nanoseconds");
+        let scoped = std::thread::scope(|s| {
+            spawn_scoped_thread(s, "gpudirect-test-scoped", slack)
+                .unwrap()
+                .join()
+                .unwrap()
+        });
+        assert_eq!(scoped, 1);
+    }
 
     #[test]
     fn a_spawned_thread_is_marked_and_named() {
