@@ -17,9 +17,10 @@ use std::time::Duration;
 /// Every operation issued on the stream takes the next epoch ([`Timeline::issue`], one atomic
 /// add). Nothing is recorded per operation: when a fence is polled and no recorded event covers
 /// its epoch yet, one event is recorded then, covering every epoch issued so far (stream order
-/// makes a later event complete only after all earlier work). Events are recycled. The one
-/// exception is the intra-node lanes, which record an event right behind a long
-/// request's copies.
+/// makes a later event complete only after all earlier work). Events are recycled. The
+/// exceptions are the intra-node endpoint's: its lanes record an event right behind a long
+/// request's copies, and a stream-ordered request one right behind its copies on the caller's
+/// stream.
 ///
 /// Futures awaiting its fences wait in one list per stream: the shared completion thread polls
 /// the stream's oldest pending event (`cuEventQuery`) once per round, whatever the number of
