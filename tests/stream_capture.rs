@@ -343,6 +343,15 @@ fn every_enqueueing_api_refuses_the_per_thread_default_stream() {
         vec![0u32; 1024],
         "a refused copy wrote"
     );
+    // The refused memory operations left no use of the words behind: their drop waits for no
+    // fence of the per-thread stream (it would wait 5 s, then leak them).
+    let t = std::time::Instant::now();
+    drop(flags_h);
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "the words' drop waited {:?}",
+        t.elapsed()
+    );
     Tracker::global().reap();
 }
 

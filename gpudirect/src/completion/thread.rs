@@ -9,7 +9,7 @@
 //! up to 1 ms; a new registration or a completion starts that again. With nothing left to watch
 //! it keeps yielding for the rest of those 64 µs (a next await, common right after one ends,
 //! then costs no wake-up of the thread), then sleeps until woken or its next deadline. Its timer
-//! slack is set to 1 µs (Linux), so short sleeps stay short.
+//! slack is 1 ns (as every thread the crate starts), so short sleeps stay short.
 //!
 //! Whatever it polls is a [`Watch`]: a crate-internal trait, so that other completion sources
 //! that must be polled (cuFile batch status) plug into the same thread.

@@ -475,6 +475,10 @@ impl MemopFlags {
     }
 
     fn validate(&self, stream: &Stream, ops: &[MemOp]) -> Result<()> {
+        // Refused here, not only by the enqueue: a refused call still notes the stream as a
+        // user of the words (`note`), and a fence of this stream never completes, so the
+        // words' drop would wait for it, then leak them.
+        crate::completion::capture::refuse_per_thread(stream.cu_stream())?;
         if stream.context().cu_ctx() != self.ctx.cu_ctx() && !self.is_host() {
             return Err(Error::invalid(
                 "stream",
@@ -543,6 +547,15 @@ impl MemopFlags {
     fn note<T, R>(&self, stream: &Stream, r: &Result<(T, R), Refused<R>>) {
         match r {
             Err(refused) if refused.leaked() => self.captured.store(true, Ordering::Release),
+            // Refused before anything was queued: not a use (a fence of a capturing stream
+            // would hold the words' drop until the capture ends).
+            Err(Refused {
+                error:
+                    Error::StreamCapturing {
+                        enqueued: false, ..
+                    },
+                ..
+            }) => {}
             // Done, or a failed call, which may have queued part of a batch.
             _ => self.used_by(stream),
         }

@@ -169,9 +169,8 @@ pub(crate) trait Nudge: Send + Sync {
     fn nudge(&self);
 }
 
-/// While the host waits for a request, the proxy is nudged at most this often: a nap of its
-/// (which a timer's slack stretches to tens of microseconds) then ends within about this much
-/// of the request's stream passing it.
+/// While the host waits for a request, the proxy is nudged at most this often: a nap of its (up
+/// to 64 µs) then ends within about this much of the request's stream passing it.
 pub(crate) const NUDGE_EVERY: Duration = Duration::from_micros(8);
 
 impl StreamTransfer {

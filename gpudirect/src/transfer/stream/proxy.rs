@@ -303,8 +303,9 @@ impl Nudge for Bell {
             return;
         }
         let now = nudge_clock();
+        // 0: never nudged (the clock reads at least 1).
         let last = self.nudged.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < NUDGE_EVERY.as_nanos() as u64
+        if last != 0 && now.saturating_sub(last) < NUDGE_EVERY.as_nanos() as u64
             || self
                 .nudged
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
@@ -1489,6 +1490,11 @@ mod tests {
 
     #[test]
     fn a_nudge_wakes_only_a_nap_and_at_most_once_every_few_microseconds() {
+        // The first nudge of a bell rings (whenever the process's clock started).
+        let first = Bell::default();
+        first.sleeping.store(NAP, Ordering::SeqCst);
+        first.nudge();
+        assert!(first.take(), "a bell's first nudge was dropped");
         let bell = Arc::new(Bell::default());
         // Awake: nothing is rung (the proxy looks by itself).
         bell.nudge();
