@@ -241,10 +241,7 @@ impl Timeline {
         // queued before it (epochs are issued after their work). Read after, it could cover
         // another thread's work queued behind this event.
         let covered = self.issued();
-        let ev = match g.free.pop() {
-            Some(ev) => ev,
-            None => self.stream().context().new_event(None).ok()?,
-        };
+        let ev = self.pooled_event(&mut g)?;
         // SAFETY: a live event of this timeline; the stream and its context are the caller's.
         match unsafe { crate::driver::event::record(ev.cu_event(), raw) } {
             Ok(()) => {
@@ -353,12 +350,8 @@ impl Timeline {
     fn record(&self, g: &mut std::sync::MutexGuard<'_, Events>) -> bool {
         let stream = self.stream();
         let covered = self.issued.0.load(Ordering::Acquire);
-        let ev = match g.free.pop() {
-            Some(ev) => ev,
-            None => match stream.context().new_event(None) {
-                Ok(ev) => ev,
-                Err(_) => return false,
-            },
+        let Some(ev) = self.pooled_event(g) else {
+            return false;
         };
         // Checked like any work queued on the stream, but a capture found after the record is
         // left alone: an internal event puts nothing into the user's graph.
@@ -384,6 +377,13 @@ impl Timeline {
                 false
             }
         }
+    }
+
+    /// A completed event to record again, or a new one; `None` when none can be made.
+    fn pooled_event(&self, g: &mut std::sync::MutexGuard<'_, Events>) -> Option<CudaEvent> {
+        g.free
+            .pop()
+            .or_else(|| self.stream().context().new_event(None).ok())
     }
 
     /// The error that stops completion from ever being observed, if a query answered one.

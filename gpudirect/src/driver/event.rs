@@ -51,10 +51,7 @@ pub(crate) unsafe fn record(event: sys::CUevent, stream: sys::CUstream) -> Resul
 /// `event` is live.
 pub(crate) unsafe fn query(event: sys::CUevent) -> Result<bool> {
     // SAFETY: forwarded from the caller.
-    match unsafe { sys::cuEventQuery(event) } {
-        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        r => cu("cuEventQuery", r).map(|()| true),
-    }
+    unsafe { query_code(event) }.or_else(|r| cu("cuEventQuery", r).map(|()| true))
 }
 
 /// [`query`] answering the driver's own code for an error (`CUDA_ERROR_NOT_READY` is
