@@ -146,6 +146,45 @@ fn target(ordinal: usize, max: usize) {
     }
 }
 
+/// A one-node copy graph made by [`Raw::copy_graph`].
+struct RawGraph {
+    exec: sys::CUgraphExec,
+    node: sys::CUgraphNode,
+    params: sys::CUDA_MEMCPY3D,
+}
+
+/// A one-dimensional copy of `n` bytes between unified addresses.
+fn copy_params(dst: u64, src: u64, n: usize) -> sys::CUDA_MEMCPY3D {
+    let unified = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+    sys::CUDA_MEMCPY3D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcZ: 0,
+        srcLOD: 0,
+        srcMemoryType: unified,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        reserved0: std::ptr::null_mut(),
+        srcPitch: n,
+        srcHeight: 1,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstZ: 0,
+        dstLOD: 0,
+        dstMemoryType: unified,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        reserved1: std::ptr::null_mut(),
+        dstPitch: n,
+        dstHeight: 1,
+        WidthInBytes: n,
+        Height: 1,
+        Depth: 1,
+    }
+}
+
 struct Raw {
     src_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
     dst_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
@@ -203,6 +242,52 @@ impl Raw {
         let rc = unsafe { f.call(&mut dsts, &mut srcs, &mut sizes, s) };
         assert_eq!(rc, 0, "cuMemcpyBatchAsync");
         true
+    }
+
+    /// A graph of one copy node of `n` bytes from the source to `dst`, instantiated: what a
+    /// stream-ordered request launches with the engine's copy graphs. `None` where the driver
+    /// refuses it. Never destroyed (one per size and run).
+    fn copy_graph(&self, dst: sys::CUdeviceptr, n: usize) -> Option<RawGraph> {
+        self.src_ctx.bind_to_thread().ok()?;
+        let params = copy_params(dst, self.src.device_ptr(), n);
+        let ctx = self.src_ctx.cu_ctx();
+        let (mut g, mut node, mut exec) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        // SAFETY: out-pointers; the source's context is current (bound by the caller); the
+        // node copies inside both buffers.
+        let ok = unsafe {
+            sys::cuGraphCreate(&mut g, 0) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuGraphAddMemcpyNode(&mut node, g, std::ptr::null(), 0, &params, ctx)
+                    == sys::CUresult::CUDA_SUCCESS
+                && sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) == sys::CUresult::CUDA_SUCCESS
+        };
+        ok.then_some(RawGraph { exec, node, params })
+    }
+
+    /// What `write_on` queues per request with the copy graphs, by hand: the node's operands
+    /// set (`cuGraphExecMemcpyNodeSetParams`), the graph launched, an event recorded.
+    fn graph_then(&self, g: &RawGraph, event: sys::CUevent) {
+        // SAFETY: a live executable graph and node of the source's context; the stream is
+        // live; the event is a live event of the context.
+        unsafe {
+            check(
+                sys::cuGraphExecMemcpyNodeSetParams(
+                    g.exec,
+                    g.node,
+                    &g.params,
+                    self.src_ctx.cu_ctx(),
+                ),
+                "cuGraphExecMemcpyNodeSetParams",
+            );
+            check(
+                sys::cuGraphLaunch(g.exec, self.stream.cu_stream()),
+                "cuGraphLaunch",
+            );
+        }
+        self.record(event);
     }
 
     /// `cuStreamWriteValue64` of `value` to `word` (a device address of mapped pinned host
@@ -693,6 +778,16 @@ fn main() {
             }
             raw.sync();
         }) / depth as f64;
+        // The same through a one-node copy graph, its operands set at each launch: the floor
+        // of what `write_on` queues with the engine's copy graphs.
+        let graph_pipe = raw.copy_graph(raw_ipc, n).map(|g| {
+            per_call(pipe_reps, || {
+                for i in 0..depth {
+                    raw.graph_then(&g, events[i % events.len()]);
+                }
+                raw.sync();
+            }) / depth as f64
+        });
         let gd_pipe = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
@@ -748,7 +843,7 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
-        floor.push((n, ipc_pipe, word_pipe, event_pipe, gd_stream));
+        floor.push((n, ipc_pipe, word_pipe, event_pipe, graph_pipe, gd_stream));
         rows.push((
             n, raw_one, ipc_one, gd_one, prep_one, run_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
             raw_batch, gd_batch,
@@ -904,27 +999,46 @@ fn main() {
         "stream-ordered on the copy engines: a copy and a word written after it per request, pipelined:"
     );
     println!(
-        "{:>9} | {:>9} {:>11} {:>6} {:>12} {:>6} | {:>9} {:>6}",
-        "size", "IPC pipe", "copy + word", "/IPC", "copy + event", "/IPC", "write_on", "/floor"
+        "{:>9} | {:>9} {:>11} {:>6} {:>12} {:>6} {:>13} {:>6} | {:>9} {:>6} {:>6}",
+        "size",
+        "IPC pipe",
+        "copy + word",
+        "/IPC",
+        "copy + event",
+        "/IPC",
+        "graph + event",
+        "/IPC",
+        "write_on",
+        "/floor",
+        "/graph"
     );
-    for (n, ip, wp, ep, gs) in floor {
+    for (n, ip, wp, ep, gp, gs) in floor {
+        let (graph, per_graph) = match gp {
+            Some(gp) => (format!("{:.2}", gbs(n, gp)), format!("{:.2}", gp / gs)),
+            None => ("-".into(), "-".into()),
+        };
         println!(
-            "{:>9} | {:>9.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} | {:>9.2} {:>6.2}",
+            "{:>9} | {:>9.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} {:>13} {:>6} | {:>9.2} {:>6.2} {:>6}",
             label(n),
             gbs(n, ip),
             gbs(n, wp),
             ip / wp,
             gbs(n, ep),
             ip / ep,
+            graph,
+            gp.map_or("-".into(), |gp| format!("{:.2}", ip / gp)),
             gbs(n, gs),
-            wp / gs
+            wp / gs,
+            per_graph
         );
     }
     println!(
         "copy + word: each raw IPC copy followed by cuStreamWriteValue64 of a mapped host word (the \
          trigger a stream-ordered request writes after its copies), one synchronize per 32; \
-         copy + event: the same with cuEventRecord instead of the word; /IPC: a rate over raw IPC \
-         pipelined; /floor: write_on's rate over copy + word."
+         copy + event: the same with cuEventRecord instead of the word; graph + event: the copy \
+         as a one-node graph whose operands are set at each launch, then the event (what \
+         write_on queues with the engine's copy graphs); /IPC: a rate over raw IPC pipelined; \
+         /floor: write_on's rate over copy + word; /graph: over graph + event."
     );
     println!();
     // Mooncake's cells take minutes: after the table and the check of our bytes.
