@@ -580,17 +580,6 @@ pub(crate) enum RdmaWork {
     Queued(Queued),
 }
 
-/// A request that was finished when it started (queued copies).
-#[cfg(feature = "p2p")]
-struct Finished(Option<Result<TransferReport>>);
-
-#[cfg(feature = "p2p")]
-impl Running for Finished {
-    fn poll(&mut self, _: &Waker) -> Option<(Result<TransferReport>, Keep)> {
-        Some((self.0.take()?, Box::new(())))
-    }
-}
-
 struct RdmaRunning {
     flag: CompletionFlag,
     op: Option<InFlight<Transferred, CompletionFlag>>,
@@ -628,18 +617,9 @@ impl Backend for Rdma {
         let (dir, pairs, opts) = match w {
             RdmaWork::Post { dir, pairs, opts } => (*dir, pairs, *opts),
             #[cfg(feature = "p2p")]
-            RdmaWork::Queued(q) => {
-                // The stream passed the copies before it wrote the trigger: they are done.
-                let Transport::Local(local) = ep.transport() else {
-                    return Err(closed_error());
-                };
-                let r = match q.report.notified {
-                    Some(tag) => local.notify_peer(q, tag),
-                    None => Ok(()),
-                };
-                let mut report = q.report.clone();
-                report.elapsed = q.started.elapsed();
-                return Ok(Box::new(Finished(Some(r.map(|()| report)))));
+            RdmaWork::Queued(_) => {
+                // Taken by `done_at_fire` (which the proxy asks first).
+                return Err(closed_error());
             }
         };
         // Clones: the proxy keeps the originals until the request finished, so nothing the
@@ -650,6 +630,34 @@ impl Backend for Rdma {
             flag,
             op: Some(t.into_in_flight()),
         }))
+    }
+
+    #[cfg(feature = "p2p")]
+    fn done_at_fire(&self, w: &mut RdmaWork) -> Option<Result<TransferReport>> {
+        let RdmaWork::Queued(q) = w else {
+            return None;
+        };
+        // The stream passed the copies before it fired the request: they are done. The report
+        // is taken, not copied (the proxy's thread allocates nothing the caller frees).
+        let Some(ep) = self.ep.upgrade() else {
+            return Some(Err(closed_error()));
+        };
+        let Transport::Local(local) = ep.transport() else {
+            return Some(Err(closed_error()));
+        };
+        let Some(mut report) = q.report.take() else {
+            return Some(Err(Error::invalid(
+                "stream transfer",
+                "its report",
+                "already taken",
+            )));
+        };
+        let r = match report.notified {
+            Some(tag) => local.notify_peer(q, tag),
+            None => Ok(()),
+        };
+        report.elapsed = q.started.elapsed();
+        Some(r.map(|()| report))
     }
 
     fn fired_by(&self, w: &RdmaWork) -> Option<crate::completion::StreamFence> {

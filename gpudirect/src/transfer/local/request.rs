@@ -982,8 +982,8 @@ pub(super) fn report(
 /// it is parked behind that (never freed early).
 pub(crate) struct Queued {
     hold: Option<(Passed, Box<dyn Send>)>,
-    /// What the request did (its `elapsed` set when it is reported).
-    pub(crate) report: TransferReport,
+    /// What the request did (its `elapsed` set when it is reported), until the proxy takes it.
+    pub(crate) report: Option<TransferReport>,
     pub(crate) started: Instant,
     /// The endpoint's epoch when the copies were queued: a notification goes only to that peer.
     epoch: u64,
@@ -1228,13 +1228,13 @@ pub(super) fn enqueue_staged(
     let paths = staged.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
         hold: Some((passed, held)),
-        report: report(
+        report: Some(report(
             staged.dir,
             staged.bytes,
             staged.copies.len() as u64,
             paths,
             &staged.opts,
-        ),
+        )),
         started: staged.started,
         epoch: staged.epoch,
     })

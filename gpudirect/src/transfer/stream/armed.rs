@@ -17,17 +17,26 @@ use std::time::{Duration, Instant};
 pub(crate) struct Queue {
     pub(super) id: u64,
     pub(super) words: Box<dyn WordMemory>,
+    /// The proxy's bell, nudged while the host waits ([`StreamTransfer::wait`]).
+    pub(super) bell: Arc<dyn Nudge>,
     /// At most the lowest seq whose trigger has not been seen (the proxy publishes it):
-    /// arming checks its window against it without the proxy's lock.
-    pub(super) low: AtomicU64,
+    /// arming checks its window against it without the proxy's lock. On lines of its own: the
+    /// proxy stores it every round, and callers take and let go of the queue (its reference
+    /// count) at every request.
+    pub(super) low: Line<AtomicU64>,
 }
 
+/// A value on lines of its own (128 bytes: x86 fetches lines in adjacent pairs).
+#[repr(align(128))]
+pub(super) struct Line<T>(pub(super) T);
+
 impl Queue {
-    pub(super) fn new(id: u64, words: Box<dyn WordMemory>) -> Queue {
+    pub(super) fn new(id: u64, words: Box<dyn WordMemory>, bell: Arc<dyn Nudge>) -> Queue {
         Queue {
             id,
             words,
-            low: AtomicU64::new(1),
+            bell,
+            low: Line(AtomicU64::new(1)),
         }
     }
 }
@@ -158,8 +167,6 @@ pub struct StreamTransfer {
     pub(super) outcome: Arc<Outcome>,
     pub(super) host: bool,
     pub(super) limit: Instant,
-    /// The proxy's bell, rung while the host waits ([`wait`](Self::wait)).
-    pub(super) bell: Arc<dyn Nudge>,
 }
 
 /// Wakes the proxy for a look at once, if it naps between looks at armed requests (not when
@@ -268,7 +275,7 @@ impl StreamTransfer {
                     if flag.is_complete() {
                         return true;
                     }
-                    self.bell.nudge();
+                    self.queue.bell.nudge();
                     false
                 },
                 timeout,

@@ -47,6 +47,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Why it could not start (the request fails with it).
     fn start(&self, work: &Self::Work) -> Result<Box<dyn Running>>;
 
+    /// For work that is done once its trigger fired (copies queued before it): its result,
+    /// taken from it, in place of [`start`](Self::start). `None` (the default): started.
+    fn done_at_fire(&self, _work: &mut Self::Work) -> Option<Result<TransferReport>> {
+        None
+    }
+
     /// What fires work whose stream stores no trigger word.
     type Fired: FiredBy;
     /// For work whose stream stores no trigger word (it recorded an event behind the work
@@ -72,6 +78,15 @@ impl FiredBy for StreamFence {
     }
     fn fired(&self) -> bool {
         self.timeline().query(self.epoch())
+    }
+}
+
+/// The `Running` of work finished when it fired ([`Backend::done_at_fire`]): never polled.
+struct NoRun;
+
+impl Running for NoRun {
+    fn poll(&mut self, _: &Waker) -> Option<(Result<TransferReport>, Keep)> {
+        None
     }
 }
 
@@ -124,8 +139,10 @@ enum Stage<W> {
     Running(W, Box<dyn Running>),
 }
 
+/// A request the proxy knows of. Its queue's words are its [`QState`]'s (kept while any
+/// request of the queue is outstanding): an entry takes no reference of its own, whose count
+/// callers write at every request.
 struct Entry<W> {
-    queue: Arc<Queue>,
     stage: Stage<W>,
     outcome: Arc<Outcome>,
     /// The request's deadline.
@@ -143,7 +160,7 @@ impl<W> Entry<W> {
             Stage::Running(w, run) => (Some(w), Some(run)),
             Stage::Reserved | Stage::Starting => (None, None),
         };
-        Dead::Ended(self.queue, work, run, self.outcome)
+        Dead::Ended(work, run, self.outcome)
     }
 }
 
@@ -165,7 +182,7 @@ impl QState {
     /// seq the state does not know of yet is above `known`.
     fn publish_low(&self) {
         let low = self.unfired.first().copied().unwrap_or(self.known + 1);
-        self.queue.low.store(low, Ordering::Release);
+        self.queue.low.0.store(low, Ordering::Release);
     }
 }
 
@@ -238,12 +255,7 @@ impl<W> Front<W> {
 /// dropped.
 #[allow(dead_code, reason = "held to be dropped, never read")]
 enum Dead<W> {
-    Ended(
-        Arc<Queue>,
-        Option<W>,
-        Option<Box<dyn Running>>,
-        Arc<Outcome>,
-    ),
+    Ended(Option<W>, Option<Box<dyn Running>>, Arc<Outcome>),
     Other(Box<dyn Send>),
 }
 
@@ -521,7 +533,6 @@ impl<B: Backend> Core<B> {
         st.entries.insert(
             key,
             Entry {
-                queue: q.queue.clone(),
                 stage: Stage::Reserved,
                 outcome,
                 timeout,
@@ -551,7 +562,7 @@ impl<B: Backend> Core<B> {
         let mut poisoned = None;
         if let Some(q) = st.queues.get_mut(&key.0) {
             let word = q.window.finish(key.1, ok);
-            e.queue.words.store(DONE, word);
+            q.queue.words.store(DONE, word);
             q.outstanding = q.outstanding.saturating_sub(1);
             q.unfired.remove(&key.1);
             if !ok && !q.retired {
@@ -600,7 +611,7 @@ impl<B: Backend> Core<B> {
         };
         if let Some(q) = st.queues.get_mut(&key.0) {
             let word = q.window.finish(key.1, true);
-            e.queue.words.store(DONE, word);
+            q.queue.words.store(DONE, word);
             q.outstanding = q.outstanding.saturating_sub(1);
             q.unfired.remove(&key.1);
         }
@@ -655,7 +666,10 @@ impl<B: Backend> Core<B> {
         // not by seq: two threads on one stream may take seqs in the other order than their
         // places.
         let mut open: Vec<(usize, u64)> = Vec::new();
-        for (k, e) in st.entries.iter_mut() {
+        let PState {
+            entries, queues, ..
+        } = &mut *st;
+        for (k, e) in entries.iter_mut() {
             match &mut e.stage {
                 Stage::Armed(w) => {
                     let mut by_fence = || {
@@ -676,7 +690,11 @@ impl<B: Backend> Core<B> {
                         }
                         done
                     };
-                    if e.queue.words.load(trigger_slot(k.1)) == k.1 || by_fence() {
+                    // Every entry's queue is kept while the entry is (it counts as outstanding).
+                    let word = queues
+                        .get(&k.0)
+                        .map(|q| q.queue.words.load(trigger_slot(k.1)));
+                    if word == Some(k.1) || by_fence() {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
                         else {
                             unreachable!("matched above")
@@ -733,7 +751,7 @@ impl<B: Backend> Core<B> {
             closing: st.closing.is_some(),
         };
         for e in st.entries.iter().filter_map(|(k, e)| match &e.stage {
-            Stage::Armed(w) => Some((k.1, e, w)),
+            Stage::Armed(w) => Some((*k, e, w)),
             _ => None,
         }) {
             match self.backend.fired_by(e.2) {
@@ -743,7 +761,11 @@ impl<B: Backend> Core<B> {
                     Some(_) => {}
                     None => watch.fences.push(f),
                 },
-                None => watch.armed.push((Arc::downgrade(&e.1.queue), e.0)),
+                None => {
+                    if let Some(q) = st.queues.get(&e.0.0) {
+                        watch.armed.push((Arc::downgrade(&q.queue), e.0.1));
+                    }
+                }
             }
             watch.until = Some(watch.until.map_or(e.1.until, |u| u.min(e.1.until)));
         }
@@ -758,11 +780,18 @@ impl<B: Backend> Core<B> {
         }
         let started: Vec<_> = fired
             .into_iter()
-            .map(|(k, w)| {
-                let r = self.backend.start(&w).map(|mut run| {
-                    let done = run.poll(waker);
-                    (run, done)
-                });
+            .map(|(k, mut w)| {
+                let r = match self.backend.done_at_fire(&mut w) {
+                    // Nothing to poll: no `Running` made (nor allocated), the result at once.
+                    Some(r) => Ok((
+                        Box::new(NoRun) as Box<dyn Running>,
+                        Some((r, Box::new(()) as Keep)),
+                    )),
+                    None => self.backend.start(&w).map(|mut run| {
+                        let done = run.poll(waker);
+                        (run, done)
+                    }),
+                };
                 (k, w, r)
             })
             .collect();
@@ -883,7 +912,7 @@ impl<B: Backend> Core<B> {
                 && (cur.cuda || !want_cuda)
                 && cur
                     .next_seq
-                    .saturating_sub(cur.queue.low.load(Ordering::Acquire))
+                    .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
                     < TRIGGER_SLOTS as u64
             {
                 return Ok(front.take_seq(outcome, timeout));
@@ -969,7 +998,7 @@ impl<B: Backend> Core<B> {
                 if let Some(words) = made.take() {
                     let id = front.next_queue;
                     front.next_queue += 1;
-                    let queue = Arc::new(Queue::new(id, words));
+                    let queue = Arc::new(Queue::new(id, words, self.bell.clone()));
                     st.queues.insert(
                         id,
                         QState {
@@ -1177,7 +1206,6 @@ impl<B: Backend> Proxy<B> {
             outcome,
             host: stream.is_none(),
             limit,
-            bell: self.core.bell.clone(),
         })
     }
 
@@ -1540,7 +1568,11 @@ mod tests {
 
     #[test]
     fn a_trigger_fence_completes_once_its_slot_holds_its_seq_or_later() {
-        let queue = Arc::new(Queue::new(1, Box::new(HostWords::new(1 + TRIGGER_SLOTS))));
+        let queue = Arc::new(Queue::new(
+            1,
+            Box::new(HostWords::new(1 + TRIGGER_SLOTS)),
+            Arc::new(Bell::default()),
+        ));
         let seq = TRIGGER_SLOTS as u64 + 3;
         let mark = Mark { queue: &queue, seq };
         let (a, b) = (mark.fence(), mark.fence());
@@ -1939,7 +1971,7 @@ mod tests {
             .map(|i| p.arm(Trigger::Host, i, Duration::from_secs(30)).unwrap())
             .collect();
         let queue = first[0].queue.clone();
-        assert_eq!(queue.low.load(Ordering::Acquire), 1, "the window is full");
+        assert_eq!(queue.low.0.load(Ordering::Acquire), 1, "the window is full");
         // This caller's fast check failed on low 1; before it takes the state, every trigger
         // fires and the proxy publishes low = n + 1.
         let q = queue.clone();
@@ -1947,7 +1979,7 @@ mod tests {
             for s in 1..=n {
                 q.words.store(trigger_slot(s), s);
             }
-            until("low published", || q.low.load(Ordering::Acquire) == n + 1);
+            until("low published", || q.low.0.load(Ordering::Acquire) == n + 1);
         });
         // Preempted after its drain, before the front lock: another thread arms n requests on
         // the fast path (seqs n+1 ..= 2n, each within the window of low n + 1).
