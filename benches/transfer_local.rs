@@ -843,7 +843,28 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
-        floor.push((n, ipc_pipe, word_pipe, event_pipe, graph_pipe, gd_stream));
+        // The same blocks as one stream-ordered request of `depth` pairs (one launch, one
+        // event), then one synchronize, as many bursts.
+        let gd_stream_batch = per_call(pipe_reps, || {
+            let t = ep
+                .write_on(
+                    &stream,
+                    batch_pairs(),
+                    TransferOptions::default().deadline(DEADLINE),
+                )
+                .expect("write_on");
+            stream.synchronize().expect("synchronize");
+            t.wait(DEADLINE).expect("wait");
+        }) / depth as f64;
+        floor.push((
+            n,
+            ipc_pipe,
+            word_pipe,
+            event_pipe,
+            graph_pipe,
+            gd_stream,
+            gd_stream_batch,
+        ));
         rows.push((
             n, raw_one, ipc_one, gd_one, prep_one, run_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
             raw_batch, gd_batch,
@@ -999,7 +1020,7 @@ fn main() {
         "stream-ordered on the copy engines: a copy and a word written after it per request, pipelined:"
     );
     println!(
-        "{:>9} | {:>9} {:>11} {:>6} {:>12} {:>6} {:>13} {:>6} | {:>9} {:>6} {:>6}",
+        "{:>9} | {:>9} {:>11} {:>6} {:>12} {:>6} {:>13} {:>6} | {:>9} {:>6} {:>6} | {:>10} {:>6}",
         "size",
         "IPC pipe",
         "copy + word",
@@ -1010,15 +1031,17 @@ fn main() {
         "/IPC",
         "write_on",
         "/floor",
-        "/graph"
+        "/graph",
+        "1 x 32 on",
+        "/IPC"
     );
-    for (n, ip, wp, ep, gp, gs) in floor {
+    for (n, ip, wp, ep, gp, gs, gb) in floor {
         let (graph, per_graph) = match gp {
             Some(gp) => (format!("{:.2}", gbs(n, gp)), format!("{:.2}", gp / gs)),
             None => ("-".into(), "-".into()),
         };
         println!(
-            "{:>9} | {:>9.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} {:>13} {:>6} | {:>9.2} {:>6.2} {:>6}",
+            "{:>9} | {:>9.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} {:>13} {:>6} | {:>9.2} {:>6.2} {:>6} | {:>10.2} {:>6.2}",
             label(n),
             gbs(n, ip),
             gbs(n, wp),
@@ -1029,7 +1052,9 @@ fn main() {
             gp.map_or("-".into(), |gp| format!("{:.2}", ip / gp)),
             gbs(n, gs),
             wp / gs,
-            per_graph
+            per_graph,
+            gbs(n, gb),
+            ip / gb
         );
     }
     println!(
@@ -1038,7 +1063,8 @@ fn main() {
          copy + event: the same with cuEventRecord instead of the word; graph + event: the copy \
          as a one-node graph whose operands are set at each launch, then the event (what \
          write_on queues with the engine's copy graphs); /IPC: a rate over raw IPC pipelined; \
-         /floor: write_on's rate over copy + word; /graph: over graph + event."
+         /floor: write_on's rate over copy + word; /graph: over graph + event; 1 x 32 on: the \
+         same blocks as one write_on of 32 pairs (one launch, one event), then one synchronize."
     );
     println!();
     // Mooncake's cells take minutes: after the table and the check of our bytes.
