@@ -428,6 +428,44 @@ struct Core<B: Backend> {
     bell: Arc<Bell>,
 }
 
+thread_local! {
+    /// Whether this thread is a stream proxy's ([`Core::run`]).
+    static PROXY_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl<B: Backend> Drop for Core<B> {
+    /// Dropped on a proxy thread (an endpoint whose last holder let go there: the endpoint a
+    /// request's start upgraded), what requests held and the queues' words go to a thread of
+    /// their own: their drops may wait for streams, which a proxy thread never does (leaked
+    /// where no thread can be started).
+    fn drop(&mut self) {
+        if !PROXY_THREAD.with(std::cell::Cell::get) {
+            return;
+        }
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        let front = self.front.get_mut().unwrap_or_else(|e| e.into_inner());
+        let held: Box<dyn Send> = Box::new((
+            std::mem::take(&mut st.entries),
+            std::mem::take(&mut st.queues),
+            std::mem::take(&mut st.graveyard),
+            std::mem::take(&mut st.spare),
+            front.current.take(),
+            std::mem::take(&mut front.inbox),
+            std::mem::take(&mut front.graveyard),
+        ));
+        let slot = Arc::new(Mutex::new(Some(held)));
+        let theirs = slot.clone();
+        let spawned = crate::driver::ctx::spawn_thread("gpudirect-stream-drop", move || {
+            let held = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+            drop(held);
+        });
+        if spawned.is_err() {
+            let held = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            std::mem::forget(held);
+        }
+    }
+}
+
 /// The stream proxy of one endpoint over one backend: its queues, armed and running requests,
 /// and its thread (started by the first request).
 pub(crate) struct Proxy<B: Backend> {
@@ -823,6 +861,7 @@ impl<B: Backend> Core<B> {
     }
 
     fn run(self: &Arc<Self>) {
+        PROXY_THREAD.with(|p| p.set(true));
         let waker = Waker::from(self.bell.clone());
         let mut idle = 0u32;
         loop {
@@ -2240,5 +2279,177 @@ mod tests {
         p.closed();
         assert!(h2r.is_ok(), "{:?} (word {word:#x})", h2r.err());
         assert!(r.is_err(), "a host-triggered request was outstanding");
+    }
+
+    /// Work done at its fire (as intra-node queued copies): its report taken by `done_at_fire`.
+    struct AtFire {
+        started: AtomicU64,
+        taken: AtomicU64,
+        /// Work ids whose `done_at_fire` fails.
+        fail: Mutex<Vec<u64>>,
+        /// Run once at the next fire, on the proxy thread (as the last endpoint clone dropped
+        /// there: `Rdma::done_at_fire`'s upgraded `ep`).
+        on_fire: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+    struct AtFireWork(u64, Option<TransferReport>, #[allow(dead_code)] Tracked);
+    impl Backend for AtFire {
+        type Work = AtFireWork;
+        type Fired = StreamFence;
+        fn start(&self, _: &AtFireWork) -> Result<Box<dyn Running>> {
+            self.started.fetch_add(1, Ordering::SeqCst);
+            Err(closed_error())
+        }
+        fn done_at_fire(&self, w: &mut AtFireWork) -> Option<Result<TransferReport>> {
+            self.taken.fetch_add(1, Ordering::SeqCst);
+            let f = self.on_fire.lock().unwrap().take();
+            if let Some(f) = f {
+                f();
+            }
+            if self.fail.lock().unwrap().contains(&w.0) {
+                return Some(Err(Error::invalid("notify", w.0, "failed on purpose")));
+            }
+            Some(
+                w.1.take()
+                    .ok_or_else(|| Error::invalid("report", w.0, "taken twice")),
+            )
+        }
+    }
+
+    fn at_fire() -> (Proxy<AtFire>, Drops) {
+        let drops = Drops::default();
+        let p = Proxy::new(AtFire {
+            started: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
+            fail: Mutex::new(vec![]),
+            on_fire: Mutex::new(None),
+        });
+        (p, drops)
+    }
+
+    #[test]
+    fn a_request_done_at_its_fire_finishes_once_and_drops_off_the_proxy_thread() {
+        let (p, drops) = at_fire();
+        let n = 200u64;
+        let ts: Vec<_> = (1..=n)
+            .map(|i| {
+                let mut r = report();
+                r.bytes = i;
+                p.arm(
+                    Trigger::Host,
+                    AtFireWork(i, Some(r), Tracked(drops.clone())),
+                    Duration::from_secs(30),
+                )
+                .unwrap()
+            })
+            .collect();
+        for t in ts.iter().rev() {
+            t.trigger().unwrap();
+        }
+        for (i, t) in ts.iter().enumerate() {
+            assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, i as u64 + 1);
+            assert!(t.wait(Duration::ZERO).is_err(), "taken once");
+        }
+        assert_eq!(ts[0].completion_value(), n);
+        assert_eq!(p.pending(), 0);
+        assert_eq!(p.core.backend.started.load(Ordering::SeqCst), 0);
+        assert_eq!(p.core.backend.taken.load(Ordering::SeqCst), n);
+        p.closed();
+        let d = drops.0.lock().unwrap().clone();
+        assert_eq!(d.len() as u64, n);
+        assert!(!d.iter().any(|x| x == "gpudirect-stream-proxy"), "{d:?}");
+    }
+
+    #[test]
+    fn a_request_failed_at_its_fire_fails_its_queue_and_the_armed() {
+        let (p, drops) = at_fire();
+        p.core.backend.fail.lock().unwrap().push(1);
+        let t1 = p
+            .arm(
+                Trigger::Host,
+                AtFireWork(1, Some(report()), Tracked(drops.clone())),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        let t2 = p
+            .arm(
+                Trigger::Host,
+                AtFireWork(2, Some(report()), Tracked(drops.clone())),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        t1.trigger().unwrap();
+        let e = t1.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e.to_string().contains("on purpose"), "{e}");
+        let e2 = t2.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e2.to_string().contains("failed first"), "{e2}");
+        assert!(t2.is_released());
+        assert_ne!(t1.completion_value() & STREAM_ERROR_BIT, 0);
+        // a new queue serves the next
+        let t3 = p
+            .arm(
+                Trigger::Host,
+                AtFireWork(3, Some(report()), Tracked(drops.clone())),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        assert_eq!(t3.seq(), 1);
+        t3.trigger().unwrap();
+        t3.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(p.pending(), 0);
+        p.closed();
+        let d = drops.0.lock().unwrap().clone();
+        assert_eq!(d.len(), 3);
+        assert!(!d.iter().any(|x| x == "gpudirect-stream-proxy"), "{d:?}");
+        assert_eq!(p.core.backend.started.load(Ordering::SeqCst), 0);
+    }
+
+    /// The endpoint's last clone dropped on the proxy thread (the `ep` that `done_at_fire` or
+    /// `start` upgraded): `Handle::drop` runs `closing`/`closed` there, `closed` returns without
+    /// joining or burying, and the core (its graveyards: finished work, retired queues) is
+    /// dropped when the proxy thread ends, on that thread.
+    #[test]
+    fn an_endpoint_dropped_on_its_proxy_thread_drops_what_requests_held_elsewhere() {
+        let (p, drops) = at_fire();
+        let core = p.core.clone();
+        let t1 = p
+            .arm(
+                Trigger::Host,
+                AtFireWork(1, Some(report()), Tracked(drops.clone())),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        t1.trigger().unwrap();
+        t1.wait(Duration::from_secs(10)).unwrap();
+        let t2 = p
+            .arm(
+                Trigger::Host,
+                AtFireWork(2, Some(report()), Tracked(drops.clone())),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        let queue = Arc::downgrade(&t2.queue);
+        // The endpoint's last clone: handed to the proxy thread's fire, as an upgraded Weak.
+        let cell: Arc<Mutex<Option<Proxy<AtFire>>>> = Arc::new(Mutex::new(Some(p)));
+        let c2 = cell.clone();
+        *core.backend.on_fire.lock().unwrap() = Some(Box::new(move || {
+            let p = c2.lock().unwrap().take().unwrap();
+            p.closing();
+            p.closed();
+            drop(p);
+        }));
+        drop(cell);
+        drop(core); // as an endpoint: the proxy's only other holder is its thread
+        t2.trigger().unwrap();
+        let _ = t2.wait(Duration::from_secs(10));
+        drop((t1, t2));
+        until("the queue freed", || queue.upgrade().is_none());
+        until("what the requests held dropped", || {
+            drops.0.lock().unwrap().len() == 2
+        });
+        let d = drops.0.lock().unwrap().clone();
+        assert!(
+            !d.iter().any(|x| x == "gpudirect-stream-proxy"),
+            "dropped on: {d:?}"
+        );
     }
 }
