@@ -11,8 +11,8 @@
 #    through a private APT config made from this machine's own apt sources, unpacked with dpkg -x
 #    under the work dir; nothing is installed on the host.
 # 3. Boots the VM (TCG: KVM here is PVM), creates rxe0 on dummy0 (10.77.0.1), runs each binary
-#    with GPUDIRECT_REQUIRE=rdma, then perftest (ib_write_bw, ib_read_bw, ib_write_lat) beside
-#    `rdma_pingpong --report` in the same boot, printing the ratios.
+#    with GPUDIRECT_REQUIRE=rdma, then perftest (ib_write_bw, ib_read_bw, ib_write_lat,
+#    ib_send_lat) beside `rdma_pingpong --report` in the same boot, printing the ratios.
 # Exit 0 only if every binary and the baselines passed; the last line is "N passed, N failed".
 #
 # Two nodes (README.md, "Two nodes"): TWO_NODES=1 runs the test binaries and examples above
@@ -225,8 +225,12 @@ stamp "qemu ready"
 if [ ! -x "$W/gpkgs/usr/bin/ib_write_lat" ]; then
   mkdir -p debs/guest && (cd debs/guest && APT_CONFIG=$W/apt/apt.conf apt-get -qq download \
      busybox-static kmod iproute2 ibverbs-utils ibverbs-providers libibverbs1 libibverbs-dev \
-     libnl-3-200 libnl-route-3-200 librdmacm1 perftest libpci3)
+     libnl-3-200 libnl-route-3-200 librdmacm1 perftest libpci3 libibumad3)
   mkdir -p gpkgs && for d in debs/guest/*.deb; do dpkg -x "$d" gpkgs; done
+fi
+if ! ls "$W"/gpkgs/usr/lib/*/libibumad.so.3 >/dev/null 2>&1; then   # ib_send_lat needs it
+  mkdir -p debs/umad && (cd debs/umad && APT_CONFIG=$W/apt/apt.conf apt-get -qq download libibumad3)
+  for d in debs/umad/*.deb; do dpkg -x "$d" gpkgs; done
 fi
 if [ "$NODES" != 0 ] && [ ! -x "$W/gpkgs/usr/bin/etcd" ]; then   # etcd inside the VM
   mkdir -p debs/etcd && (cd debs/etcd && APT_CONFIG=$W/apt/apt.conf apt-get -qq download etcd-server)

@@ -16,7 +16,7 @@ copy_libs() {  # copy the shared libs an ELF needs, flattened into /lib/x86_64-l
 }
 cp "$P/bin/busybox" "$R/bin/busybox"
 # RDMA user space: iproute2's rdma tool, ibverbs-utils, perftest, the rxe provider + its .driver file
-for b in rdma ibv_devices ibv_devinfo ibv_rc_pingpong ibv_ud_pingpong ib_write_bw ib_read_bw ib_write_lat; do
+for b in rdma ibv_devices ibv_devinfo ibv_rc_pingpong ibv_ud_pingpong ib_write_bw ib_read_bw ib_write_lat ib_send_lat; do
   cp "$P/usr/bin/$b" "$R/usr/bin/"; copy_libs "$P/usr/bin/$b"
 done
 cp "$P/sbin/ip" "$R/usr/sbin/ip"; copy_libs "$P/sbin/ip"

@@ -389,6 +389,15 @@ pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, ra
   [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/lcli.log /tmp/lsrv.log >&2; return 1; }
   awk '$1==8 && NF>=6 {print $6; exit}' /tmp/lcli.log
 }
+pt_send_lat_pair() {  # pt_send_lat_pair ITERS -> ib_send_lat's t_avg (usec), 8 bytes, rail 0
+  gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
+  $IP netns exec b timeout 120 ib_send_lat -d rxe_b0 -x $gb -s 8 -n $1 -F -p 18531 > /tmp/ssrv.log 2>&1 &
+  p=$!; wait_tcp b 18531 $p
+  $IP netns exec a timeout 120 ib_send_lat -d rxe_a0 -x $ga -s 8 -n $1 -F -p 18531 10.77.1.2 > /tmp/scli.log 2>&1; c=$?
+  wait $p; s=$?
+  [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/scli.log /tmp/ssrv.log >&2; return 1; }
+  awk '$1==8 && NF>=6 {print $6; exit}' /tmp/scli.log
+}
 # Mooncake's transfer_engine_bench (run.sh's MOONCAKE_WHEEL): target in b, initiator in a, rail 0.
 MCB=/opt/mooncake/mooncake/transfer_engine_bench
 # mc_run SIZE BATCH THREADS SECONDS -> its MiB/s; checks that rxe_a0 sent at least the bytes it
@@ -505,6 +514,12 @@ bench_transfer() {
         for (i = 1; i <= 4; i++) { c = split(v[i], a, " "); for (j = 2; j <= c; j++) { x = a[j]; k = j - 1; while (k > 0 && a[k] + 0 > x + 0) { a[k + 1] = a[k]; k-- } a[k + 1] = x }
           printf "%s_usec=%s ", n[i], a[int((c + 1) / 2)] } }' /tmp/tparts_$w)(medians over the runs of each run's median)"
   done
+  # The same round trips beside ib_send_lat: the engine's notification is a write with
+  # immediate data, which lands at the peer as a receive completion (what ib_send_lat waits
+  # for); ib_write_lat polls the last byte written instead, with no receive to post again.
+  tp() { pt_send_lat_pair 500; }
+  tchain $runs usec ours $tbases
+  tcell "write_lat_vs_send_lat size=8" usec - ours $tbases
   # Connecting with the key and without, alternately: TRANSFER-BENCH connect medians of 30
   # endpoints each, the key's cost as the paired ratio of each round.
   cks=; cns=; crs=
