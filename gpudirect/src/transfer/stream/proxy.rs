@@ -1085,6 +1085,30 @@ impl<B: Backend> Core<B> {
     }
 }
 
+/// A seq taken whose work is being made: dropped only by an unwind (a panic while the work was
+/// made; on the normal path it is forgotten), it ends the seq as a failure that may have queued
+/// its trigger, so that the queue's completion word and window do not wait for it forever (the
+/// queue is not used again).
+struct Unwound<'a, B: Backend> {
+    core: &'a Core<B>,
+    key: (u64, u64),
+}
+
+impl<B: Backend> Drop for Unwound<'_, B> {
+    fn drop(&mut self) {
+        let mut st = self.core.lock();
+        self.core.drain(&mut st, false);
+        let err = Error::invalid(
+            "stream transfer",
+            self.key.1,
+            "arming it panicked (its trigger may be queued)",
+        );
+        self.core.finish(&mut st, self.key, Err(err), None);
+        drop(st);
+        self.core.bell.ring_if(DEEP);
+    }
+}
+
 /// Test-only pauses at named points of a thread: what a test runs there, once.
 #[cfg(test)]
 type Hooks = std::cell::RefCell<HashMap<&'static str, Box<dyn FnOnce()>>>;
@@ -1194,12 +1218,18 @@ impl<B: Backend> Proxy<B> {
             Trigger::Host => None,
         };
         let mark = stream.map(|_| Mark { queue: &queue, seq });
+        // Until the work is made and handed over, an unwind (a panic in making it) ends the seq.
+        let unwound = Unwound {
+            core: &self.core,
+            key: (id, seq),
+        };
         let mut made = make(mark);
         if let (Some(stream), Ok((_, false))) = (stream, &made)
             && let Err(refused) = (Mark { queue: &queue, seq }).queue_trigger(stream, ())
         {
             made = Err(Unmade::of(refused).0);
         }
+        std::mem::forget(unwound);
         let work = match made {
             Ok((work, _)) => work,
             Err(Unmade { error: e, queued }) => {
@@ -2451,5 +2481,31 @@ mod tests {
             !d.iter().any(|x| x == "gpudirect-stream-proxy"),
             "dropped on: {d:?}"
         );
+    }
+
+    /// A maker that panics after its seq was taken ends that seq: nothing stays reserved, and
+    /// the next request is served and released (a new queue: the old one is not used again).
+    #[test]
+    fn a_maker_that_panics_ends_its_seq() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.arm_with(
+                Trigger::Host,
+                |_| -> std::result::Result<(u64, bool), Unmade> { panic!("a maker that panics") },
+                Duration::from_secs(30),
+            )
+        }));
+        assert!(r.is_err(), "the panic went through");
+        assert_eq!(p.pending(), 0, "nothing stays reserved");
+        let t = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        t.trigger().unwrap();
+        until("started", || {
+            !p.core.backend.started.lock().unwrap().is_empty()
+        });
+        finish(&rel, 2, true);
+        t.wait(Duration::from_secs(10)).unwrap();
+        assert!(t.is_released(), "word {:#x}", t.completion_value());
+        p.closed();
     }
 }
