@@ -122,6 +122,8 @@ pub use fence::{CompletionFlag, Done, Fence, Outcome, OutcomeSender};
 pub use future::InFlightFuture;
 pub use host_fn::HostFnFence;
 pub use in_flight::{DROP_WAIT, InFlight};
+#[cfg(feature = "transfer")]
+pub(crate) use timeline::Line;
 pub use timeline::{StreamFence, Timeline};
 pub use tracker::Tracker;
 

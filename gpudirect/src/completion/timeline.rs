@@ -49,7 +49,7 @@ enum Queue {
 /// unrelated data the allocator put beside it. (The p2p bench, which issues and waits on one
 /// thread, showed no difference either way.)
 #[repr(align(128))]
-struct Line<T>(T);
+pub(crate) struct Line<T>(pub(crate) T);
 
 impl<T: std::fmt::Debug> std::fmt::Debug for Line<T> {
     /// As the value itself: the padding is no part of what a timeline shows.

@@ -5,7 +5,7 @@ use super::window::{DONE, geq_releases, trigger_slot};
 use super::words::WordMemory;
 use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
-use crate::completion::{CompletionFlag, Fence, InFlight, poll_until};
+use crate::completion::{CompletionFlag, Fence, InFlight, Line, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
@@ -25,10 +25,6 @@ pub(crate) struct Queue {
     /// count) at every request.
     pub(super) low: Line<AtomicU64>,
 }
-
-/// A value on lines of its own (128 bytes: x86 fetches lines in adjacent pairs).
-#[repr(align(128))]
-pub(super) struct Line<T>(pub(super) T);
 
 impl Queue {
     pub(super) fn new(id: u64, words: Box<dyn WordMemory>, bell: Arc<dyn Nudge>) -> Queue {
