@@ -2223,6 +2223,14 @@ mod tests {
             self.0.0.lock().unwrap().push(name);
         }
     }
+    /// None of what `d` lists was dropped on a proxy thread.
+    fn none_dropped_on_the_proxy(d: &[String]) {
+        assert!(
+            !d.iter().any(|n| n == "gpudirect-stream-proxy"),
+            "dropped on: {d:?}"
+        );
+    }
+
     struct Spy(Drops);
     struct SpyRun(#[allow(dead_code)] Tracked);
     impl Running for SpyRun {
@@ -2265,10 +2273,7 @@ mod tests {
         assert!(t.wait(Duration::from_secs(15)).is_err());
         p.closed();
         let d = drops.0.lock().unwrap().clone();
-        assert!(
-            !d.iter().any(|n| n == "gpudirect-stream-proxy"),
-            "dropped on: {d:?}"
-        );
+        none_dropped_on_the_proxy(&d);
     }
 
     /// A host request the fast path takes while a stream request's slow path drains counts as
@@ -2356,6 +2361,18 @@ mod tests {
         (p, drops)
     }
 
+    /// Work `id` armed on `p` for a host trigger, with `report` to be taken at its fire and its
+    /// drop tracked in `drops`.
+    fn arm_at_fire(
+        p: &Proxy<AtFire>,
+        drops: &Drops,
+        id: u64,
+        report: TransferReport,
+    ) -> StreamTransfer {
+        let work = AtFireWork(id, Some(report), Tracked(drops.clone()));
+        p.arm(Trigger::Host, work, Duration::from_secs(30)).unwrap()
+    }
+
     #[test]
     fn a_request_done_at_its_fire_finishes_once_and_drops_off_the_proxy_thread() {
         let (p, drops) = at_fire();
@@ -2364,12 +2381,7 @@ mod tests {
             .map(|i| {
                 let mut r = report();
                 r.bytes = i;
-                p.arm(
-                    Trigger::Host,
-                    AtFireWork(i, Some(r), Tracked(drops.clone())),
-                    Duration::from_secs(30),
-                )
-                .unwrap()
+                arm_at_fire(&p, &drops, i, r)
             })
             .collect();
         for t in ts.iter().rev() {
@@ -2386,27 +2398,15 @@ mod tests {
         p.closed();
         let d = drops.0.lock().unwrap().clone();
         assert_eq!(d.len() as u64, n);
-        assert!(!d.iter().any(|x| x == "gpudirect-stream-proxy"), "{d:?}");
+        none_dropped_on_the_proxy(&d);
     }
 
     #[test]
     fn a_request_failed_at_its_fire_fails_its_queue_and_the_armed() {
         let (p, drops) = at_fire();
         p.core.backend.fail.lock().unwrap().push(1);
-        let t1 = p
-            .arm(
-                Trigger::Host,
-                AtFireWork(1, Some(report()), Tracked(drops.clone())),
-                Duration::from_secs(30),
-            )
-            .unwrap();
-        let t2 = p
-            .arm(
-                Trigger::Host,
-                AtFireWork(2, Some(report()), Tracked(drops.clone())),
-                Duration::from_secs(30),
-            )
-            .unwrap();
+        let t1 = arm_at_fire(&p, &drops, 1, report());
+        let t2 = arm_at_fire(&p, &drops, 2, report());
         t1.trigger().unwrap();
         let e = t1.wait(Duration::from_secs(10)).unwrap_err();
         assert!(e.to_string().contains("on purpose"), "{e}");
@@ -2415,13 +2415,7 @@ mod tests {
         assert!(t2.is_released());
         assert_ne!(t1.completion_value() & STREAM_ERROR_BIT, 0);
         // a new queue serves the next
-        let t3 = p
-            .arm(
-                Trigger::Host,
-                AtFireWork(3, Some(report()), Tracked(drops.clone())),
-                Duration::from_secs(30),
-            )
-            .unwrap();
+        let t3 = arm_at_fire(&p, &drops, 3, report());
         assert_eq!(t3.seq(), 1);
         t3.trigger().unwrap();
         t3.wait(Duration::from_secs(10)).unwrap();
@@ -2429,7 +2423,7 @@ mod tests {
         p.closed();
         let d = drops.0.lock().unwrap().clone();
         assert_eq!(d.len(), 3);
-        assert!(!d.iter().any(|x| x == "gpudirect-stream-proxy"), "{d:?}");
+        none_dropped_on_the_proxy(&d);
         assert_eq!(p.core.backend.started.load(Ordering::SeqCst), 0);
     }
 
@@ -2441,22 +2435,10 @@ mod tests {
     fn an_endpoint_dropped_on_its_proxy_thread_drops_what_requests_held_elsewhere() {
         let (p, drops) = at_fire();
         let core = p.core.clone();
-        let t1 = p
-            .arm(
-                Trigger::Host,
-                AtFireWork(1, Some(report()), Tracked(drops.clone())),
-                Duration::from_secs(30),
-            )
-            .unwrap();
+        let t1 = arm_at_fire(&p, &drops, 1, report());
         t1.trigger().unwrap();
         t1.wait(Duration::from_secs(10)).unwrap();
-        let t2 = p
-            .arm(
-                Trigger::Host,
-                AtFireWork(2, Some(report()), Tracked(drops.clone())),
-                Duration::from_secs(30),
-            )
-            .unwrap();
+        let t2 = arm_at_fire(&p, &drops, 2, report());
         let queue = Arc::downgrade(&t2.queue);
         // The endpoint's last clone: handed to the proxy thread's fire, as an upgraded Weak.
         let cell: Arc<Mutex<Option<Proxy<AtFire>>>> = Arc::new(Mutex::new(Some(p)));
@@ -2477,10 +2459,7 @@ mod tests {
             drops.0.lock().unwrap().len() == 2
         });
         let d = drops.0.lock().unwrap().clone();
-        assert!(
-            !d.iter().any(|x| x == "gpudirect-stream-proxy"),
-            "dropped on: {d:?}"
-        );
+        none_dropped_on_the_proxy(&d);
     }
 
     /// A maker that panics after its seq was taken ends that seq: nothing stays reserved, and
