@@ -380,23 +380,15 @@ connect_bench() {  # connect_bench [--key-file F] -> the client's TRANSFER-BENCH
   [ $c = 0 ] && [ $s = 0 ] || { echo "RXE-WARN connect bench $*: client $c, server $s: $(tail -2 /tmp/ccli.log /tmp/csrv.log | tr '\n' ' ')" >&2; return 1; }
   grep -h '^TRANSFER-BENCH connect' /tmp/ccli.log
 }
-pt_lat_pair() {  # pt_lat_pair ITERS -> ib_write_lat's t_avg (usec), 8 bytes, rail 0
+pt_lat_pair() {  # pt_lat_pair ITERS [BIN] -> BIN's t_avg (usec; ib_write_lat, or ib_send_lat), 8 bytes, rail 0
+  bin=${2:-ib_write_lat}
   gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
-  $IP netns exec b timeout 120 ib_write_lat -d rxe_b0 -x $gb -s 8 -n $1 -F -p 18530 > /tmp/lsrv.log 2>&1 &
+  $IP netns exec b timeout 120 $bin -d rxe_b0 -x $gb -s 8 -n $1 -F -p 18530 > /tmp/lsrv.log 2>&1 &
   p=$!; wait_tcp b 18530 $p
-  $IP netns exec a timeout 120 ib_write_lat -d rxe_a0 -x $ga -s 8 -n $1 -F -p 18530 10.77.1.2 > /tmp/lcli.log 2>&1; c=$?
+  $IP netns exec a timeout 120 $bin -d rxe_a0 -x $ga -s 8 -n $1 -F -p 18530 10.77.1.2 > /tmp/lcli.log 2>&1; c=$?
   wait $p; s=$?
   [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/lcli.log /tmp/lsrv.log >&2; return 1; }
   awk '$1==8 && NF>=6 {print $6; exit}' /tmp/lcli.log
-}
-pt_send_lat_pair() {  # pt_send_lat_pair ITERS -> ib_send_lat's t_avg (usec), 8 bytes, rail 0
-  gb=$(gid_of b rxe_b0 "0a4d:0102"); ga=$(gid_of a rxe_a0 "0a4d:0101")
-  $IP netns exec b timeout 120 ib_send_lat -d rxe_b0 -x $gb -s 8 -n $1 -F -p 18531 > /tmp/ssrv.log 2>&1 &
-  p=$!; wait_tcp b 18531 $p
-  $IP netns exec a timeout 120 ib_send_lat -d rxe_a0 -x $ga -s 8 -n $1 -F -p 18531 10.77.1.2 > /tmp/scli.log 2>&1; c=$?
-  wait $p; s=$?
-  [ $c = 0 ] && [ $s = 0 ] || { cat /tmp/scli.log /tmp/ssrv.log >&2; return 1; }
-  awk '$1==8 && NF>=6 {print $6; exit}' /tmp/scli.log
 }
 # Mooncake's transfer_engine_bench (run.sh's MOONCAKE_WHEEL): target in b, initiator in a, rail 0.
 MCB=/opt/mooncake/mooncake/transfer_engine_bench
@@ -517,7 +509,7 @@ bench_transfer() {
   # The same round trips beside ib_send_lat: the engine's notification is a write with
   # immediate data, which lands at the peer as a receive completion (what ib_send_lat waits
   # for); ib_write_lat polls the last byte written instead, with no receive to post again.
-  tp() { pt_send_lat_pair 500; }
+  tp() { pt_lat_pair 500 ib_send_lat; }
   tchain $runs usec ours $tbases
   tcell "write_lat_vs_send_lat size=8" usec - ours $tbases
   # Connecting with the key and without, alternately: TRANSFER-BENCH connect medians of 30
