@@ -104,7 +104,11 @@ impl<S: Mailbox> EpInner<S> {
     /// Wake every thread and future waiting for a notification (one came, or the endpoint
     /// failed): the futures once `st`'s lock is let go.
     pub(crate) fn wake_notes(&self, st: &mut S) {
-        self.notes_cv.notify_all();
+        // Only when a thread sleeps on it (counted under the lock, held here): a wake-up is a
+        // system call, at every notification of a ping-pong otherwise.
+        if self.note_sleepers.load(Ordering::Acquire) > 0 {
+            self.notes_cv.notify_all();
+        }
         let waiters =
             std::mem::take(&mut *self.note_waiters.lock().unwrap_or_else(|e| e.into_inner()));
         st.wakes().notes.extend(waiters.into_iter().map(|(_, f)| f));

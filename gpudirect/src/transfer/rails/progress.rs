@@ -6,7 +6,7 @@
 
 use super::post::pump;
 use super::rail::{
-    CTL, GIVEN_UP_GRACE, LINGER, QpSlot, TICK, ctl_answer, ctl_parts, note_receives,
+    CTL, GIVEN_UP_GRACE, LINGER, LINGER_MAX, QpSlot, TICK, ctl_answer, ctl_parts, note_receives,
 };
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
@@ -451,8 +451,22 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
             // rather than armed between its waits (each completion then raising an event that
             // wakes this thread). Without one for LINGER, or once they are armed (a waiter that
             // went to sleep), this thread polls and arms them.
-            let waiter = inner.polled.load(Ordering::Relaxed)
-                || (st.unarmed && st.looked.elapsed() < LINGER);
+            let polling = inner.polled.load(Ordering::Relaxed);
+            let fresh = st.looks != st.looks_seen;
+            st.looks_seen = st.looks;
+            if fresh && polling {
+                // It looked since the last pass (its looks are counted, not timed).
+                st.looked = Instant::now();
+            }
+            let waiter = polling || (st.unarmed && st.looked.elapsed() < LINGER);
+            // Waiters that keep looking need nothing of this thread: each pass that finds
+            // them still at it doubles its sleep, up to LINGER_MAX (a wake-up is two context
+            // switches and the lock; in a software-NIC VM, a tenth of a CPU at every 1 ms).
+            st.linger = if waiter && fresh {
+                (st.linger * 2).min(LINGER_MAX)
+            } else {
+                LINGER
+            };
             if progress(inner, &mut st, waiter) {
                 continue;
             }
@@ -470,7 +484,7 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
                 .peek()
                 .map(|std::cmp::Reverse((d, _))| d.saturating_duration_since(Instant::now()))
                 .unwrap_or(TICK)
-                .min(if waiter { LINGER } else { TICK });
+                .min(if waiter { st.linger } else { TICK });
             (fds, next)
         };
         let mut p: Vec<libc::pollfd> = fds

@@ -48,6 +48,9 @@ pub(super) const GIVEN_UP_GRACE: Duration = Duration::from_millis(50);
 /// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
 /// the progress thread then looks within this.
 pub(super) const LINGER: Duration = Duration::from_millis(1);
+/// The longest the progress thread sleeps while waiters keep polling the CQs ([`LINGER`],
+/// doubled at each of its passes that finds them still looking).
+pub(super) const LINGER_MAX: Duration = Duration::from_millis(8);
 
 /// The question: how many notifications arrived on rail `about` (its generation `generation`)?
 pub(super) fn ctl_ask(about: usize, generation: u32) -> u32 {

@@ -106,11 +106,20 @@ pub(crate) struct State {
     pub(super) touched: Vec<u64>,
     /// A completion was taken since the CQs were last armed: one may have used up its arming.
     pub(super) unarmed: bool,
-    /// The progress thread sleeps for at most [`LINGER`](super::rail::LINGER) and then looks
-    /// (it saw a waiter polling): CQs left unarmed are seen that soon.
+    /// The progress thread sleeps for at most `linger` and then looks (it saw a waiter
+    /// polling): CQs left unarmed are seen that soon.
     pub(super) lingering: bool,
-    /// When the waiter polling the CQs last looked.
+    /// When a waiter polling the CQs was last seen looking: stamped when it stops, and by the
+    /// progress thread when it finds one polling that looked since its last pass (a look
+    /// itself reads no clock).
     pub(super) looked: Instant,
+    /// Looks by waiters polling the CQs, and as many as the progress thread has seen.
+    pub(super) looks: u64,
+    pub(super) looks_seen: u64,
+    /// How long the progress thread sleeps while waiters poll: [`LINGER`](super::rail::LINGER),
+    /// doubled at each pass that finds them still looking, up to
+    /// [`LINGER_MAX`](super::rail::LINGER_MAX).
+    pub(super) linger: Duration,
     /// What to wake once the lock is let go ([`Locked`]).
     wakes: Wakes,
 }
@@ -292,6 +301,9 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         lingering: false,
         // Never yet: the progress thread polls and arms from the start.
         looked: long_ago(),
+        looks: 0,
+        looks_seen: 0,
+        linger: super::rail::LINGER,
         wakes: Wakes::default(),
     })
 }

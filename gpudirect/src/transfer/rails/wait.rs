@@ -6,8 +6,9 @@
 //! nothing is taken twice, and the progress thread leaves the CQs alone meanwhile); others
 //! spin, ready to take over. When the last waiter stops, the CQs are left watched: armed (a
 //! completion wakes the progress thread), or, when nothing is waited for any more and the
-//! progress thread looks within [`LINGER`](super::rail::LINGER) anyway, left as they are (no
-//! arming, and no wake-up of the progress thread at the next completion).
+//! progress thread looks within its linger anyway ([`LINGER`](super::rail::LINGER) to
+//! [`LINGER_MAX`](super::rail::LINGER_MAX)), left as they are (no arming, and no wake-up of the
+//! progress thread at the next completion).
 
 use super::post::{direct, pump};
 use super::progress::{arm_all, poll_all};
@@ -49,7 +50,9 @@ fn look_locked(inner: &Link, st: &mut State, l: &mut Looking) -> bool {
     if *l != Looking::Polls {
         return false;
     }
-    st.looked = Instant::now();
+    // Counted, not timed: a clock read at every look costs a system call where the clock
+    // source has no vDSO (a VM's HPET).
+    st.looks = st.looks.wrapping_add(1);
     if poll_all(inner, st) {
         pump(inner, st);
     }
@@ -84,7 +87,7 @@ fn look(inner: &Link, l: &mut Looking) -> bool {
 /// progress thread does before it sleeps) unless another waiter polls or spins (it takes over),
 /// or the waiter got what it waited for, nothing else is waited for (no request in flight, no
 /// thread or future waiting for a notification, no notification counter) and the progress
-/// thread lingers (it looks within `LINGER`).
+/// thread lingers (it looks within its linger, `LINGER` to `LINGER_MAX`).
 fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
     if *l == Looking::Not {
         return;
@@ -92,6 +95,7 @@ fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
     let others = inner.spinners.fetch_sub(1, Ordering::AcqRel) - 1;
     if *l == Looking::Polls {
         inner.polled.store(false, Ordering::Release);
+        st.looked = Instant::now();
     }
     *l = Looking::Not;
     if !st.unarmed || inner.polled.load(Ordering::Acquire) || others > 0 {
