@@ -200,6 +200,11 @@ impl<S: Mailbox> EpInner<S> {
                     break;
                 }
                 look(&mut st);
+                // What the look delivered, before the lock is let go and the CPU yielded.
+                if let Some(n) = st.notes().pop_front() {
+                    stop(&mut st, true);
+                    return Ok(Some(n));
+                }
                 drop(st);
                 // Let the kernel's side of a software NIC run on a busy CPU.
                 std::thread::yield_now();

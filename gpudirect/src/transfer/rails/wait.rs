@@ -37,8 +37,8 @@ pub(super) fn request(
 }
 
 /// One look by a waiter, under the lock: it starts spinning, takes the polling when it is free,
-/// and, holding it, polls the CQs and posts what that made room for. Returns whether it
-/// polled.
+/// and, holding it, polls the CQs and posts what that made room for. Returns whether it found
+/// a completion.
 fn look_locked(inner: &Link, st: &mut State, l: &mut Looking) -> bool {
     if *l == Looking::Not {
         inner.spinners.fetch_add(1, Ordering::AcqRel);
@@ -53,14 +53,17 @@ fn look_locked(inner: &Link, st: &mut State, l: &mut Looking) -> bool {
     // Counted, not timed: a clock read at every look costs a system call where the clock
     // source has no vDSO (a VM's HPET).
     st.looks = st.looks.wrapping_add(1);
-    if poll_all(inner, st) {
+    let found = poll_all(inner, st);
+    if found {
         pump(inner, st);
     }
-    true
+    found
 }
 
 /// One look ([`look_locked`]) of a blocking wait for a request, the lock taken only to poll.
-/// Yields the CPU after it (a software NIC's kernel side needs it on a busy machine). Returns
+/// Yields the CPU after a look that found nothing (a software NIC's kernel side needs it on a
+/// busy machine; after one that found a completion, the caller sees at once whether it was
+/// its own). Returns
 /// whether to go on: not while more than `SPIN_DEPTH` messages are in flight (the wait is
 /// behind that much work; the thread sleeps and the progress thread wakes it).
 fn look(inner: &Link, l: &mut Looking) -> bool {
@@ -76,9 +79,11 @@ fn look(inner: &Link, l: &mut Looking) -> bool {
         return true;
     }
     let mut st = inner.lock();
-    look_locked(inner, &mut st, l);
+    let found = look_locked(inner, &mut st, l);
     drop(st);
-    std::thread::yield_now();
+    if !found {
+        std::thread::yield_now();
+    }
     true
 }
 
