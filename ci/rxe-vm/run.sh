@@ -40,7 +40,7 @@
 #      PAIR_ONLY (an extended regex: only the list's entries whose label matches; BENCH_PARTS=none
 #      then skips the bench too),
 #      BENCH_RUNS (its rounds per cell, default 5), BENCH_PARTS (some of pingpong transfer
-#      mooncake; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
+#      latency mooncake; latency: the transfer part's latency cells alone; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
 #      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
 #      README.md, "Mooncake beside"), MOONCAKE_CONFIGS ("BATCH:THREADS ...", default
 #      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3); the N-node mode:

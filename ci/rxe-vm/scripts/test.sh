@@ -483,17 +483,9 @@ trun() {
   [ $tkind = write_lat ] && echo "$l" | sed -n 's/.* post_usec=\([0-9.]*\) wait_usec=\([0-9.]*\).* turn_usec=\([0-9.]*\) ack_usec=\([0-9.]*\).*/\1 \2 \3 \4/p' >> /tmp/tparts_$1
   return 0
 }
-bench_transfer() {
-  [ -x /usr/bin/transfer ] || return 0
-  runs=${1:-5}
-  tok=0; t=$(now); echo 0 > /tmp/tcheck
-  for sz in 4096 65536 1048576; do
-    it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
-    tp() { pt_pair 0 $tsz $tit; }
-    tsz=$sz tit=$it targs="--size $sz --bytes $((sz * it))" tkind=write_bw tfield=MBps
-    tchain $runs MBps ours $tbases
-    tcell "write_bw size=$sz" MBps 0.95 ours $tbases
-  done
+# latency_cells RUNS: the 8-byte latency chains beside ib_write_lat, then beside ib_send_lat.
+latency_cells() {
+  runs=$1
   tp() { pt_lat_pair 500; }
   targs="--lat --iters 500" tkind=write_lat tfield=usec
   rm -f /tmp/tparts_*
@@ -512,6 +504,19 @@ bench_transfer() {
   tp() { pt_lat_pair 500 ib_send_lat; }
   tchain $runs usec ours $tbases
   tcell "write_lat_vs_send_lat size=8" usec - ours $tbases
+}
+bench_transfer() {
+  [ -x /usr/bin/transfer ] || return 0
+  runs=${1:-5}
+  tok=0; t=$(now); echo 0 > /tmp/tcheck
+  for sz in 4096 65536 1048576; do
+    it=$(awk -v s=$sz 'BEGIN{i=int(8388608/s); if(i<10)i=10; if(i>5000)i=5000; print i}')
+    tp() { pt_pair 0 $tsz $tit; }
+    tsz=$sz tit=$it targs="--size $sz --bytes $((sz * it))" tkind=write_bw tfield=MBps
+    tchain $runs MBps ours $tbases
+    tcell "write_bw size=$sz" MBps 0.95 ours $tbases
+  done
+  latency_cells $runs
   # Connecting with the key and without, alternately: TRANSFER-BENCH connect medians of 30
   # endpoints each, the key's cost as the paired ratio of each round.
   cks=; cns=; crs=
@@ -527,6 +532,15 @@ bench_transfer() {
   [ "$(cat /tmp/tcheck)" = 0 ] || tok=1
   echo "TWO-NODES: transfer bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result transfer-bench $tok
+}
+# bench_latency RUNS: only the latency cells of bench_transfer (BENCH_PARTS=latency).
+bench_latency() {
+  [ -x /usr/bin/transfer ] || return 0
+  tok=0; t=$(now); echo 0 > /tmp/tcheck
+  latency_cells ${1:-5}
+  [ "$(cat /tmp/tcheck)" = 0 ] || tok=1
+  echo "TWO-NODES: latency bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
+  result latency-bench $tok
 }
 # bench_mooncake RUNS: Mooncake's write bench beside ours and perftest (ib_write_bw of the same
 # size) per configuration (/etc/gpudirect-mooncake: MC_CONFIGS "BATCH:THREADS ...", MC_SIZES,
@@ -598,7 +612,7 @@ while read -r kind name args; do
     bench-pair)  # bench-pair RUNS PARTS...: pingpong (ib_write_bw beside rdma_pingpong), transfer, mooncake
       for part in ${args:-pingpong transfer}; do
         nodes_up || { result two-node-bench 1; break; }
-        case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; mooncake) bench_mooncake $name ;; esac
+        case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; latency) bench_latency $name ;; mooncake) bench_mooncake $name ;; esac
       done ;;
     nodes) /n-nodes.sh $name $args; result "n-nodes" $? ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
