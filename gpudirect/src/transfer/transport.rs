@@ -172,7 +172,16 @@ impl Transport {
         &self,
         make: impl FnOnce(u64) -> Result<Arc<Counter>>,
     ) -> Result<Arc<Counter>> {
-        shared!(self, s => s.counter(make))
+        match self {
+            Transport::Rails(r) => {
+                let c = r.shared().counter(make)?;
+                // The counter waits without polling: CQs a waiter left unarmed are watched now.
+                r.watch();
+                Ok(c)
+            }
+            #[cfg(feature = "p2p")]
+            Transport::Local(l) => l.shared().counter(make),
+        }
     }
 
     /// Rails, requests in flight, and why the endpoint stopped (for `Debug`).

@@ -132,6 +132,12 @@ impl Rails {
         look_for_note(&self.link, deadline)
     }
 
+    /// Something now waits for notifications without polling (the counter): see
+    /// [`Link::watch`](super::state::Link).
+    pub(crate) fn watch(&self) {
+        self.link.watch();
+    }
+
     /// Rails of the endpoint.
     pub(crate) fn rails(&self) -> usize {
         self.link.counters.len()

@@ -410,6 +410,7 @@ fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
 
 /// Arm every CQ (the next completion on each raises an event); returns whether all are.
 pub(super) fn arm_all(st: &mut State) -> bool {
+    // Whoever arms holds the state lock; `Link::left_unarmed` is cleared by the callers.
     let mut armed = true;
     for rail in &st.rails {
         armed &= rail.send_cq.req_notify(false).is_ok() && rail.recv_cq.req_notify(false).is_ok();
@@ -422,6 +423,7 @@ pub(super) fn arm_all(st: &mut State) -> bool {
 /// Returns whether something was found (then do not sleep).
 fn arm(inner: &Link, st: &mut State) -> bool {
     let armed = arm_all(st);
+    inner.left_unarmed.store(false, Ordering::Release);
     let found = poll_all(inner, st);
     if found {
         pump(inner, st);
@@ -458,11 +460,17 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
                 // It looked since the last pass (its looks are counted, not timed).
                 st.looked = Instant::now();
             }
-            let waiter = polling || (st.unarmed && st.looked.elapsed() < LINGER);
-            // Waiters that keep looking need nothing of this thread: each pass that finds
-            // them still at it doubles its sleep, up to LINGER_MAX (a wake-up is two context
+            // Asked to look (something waits without polling): it polls and arms, unless a
+            // waiter holds the polling.
+            let asked = inner.asked.swap(false, Ordering::AcqRel);
+            let waiter = polling || (!asked && st.unarmed && st.looked.elapsed() < LINGER);
+            // A waiter that keeps looking alone needs nothing of this thread: each pass that
+            // finds it still at it doubles the sleep, up to LINGER_MAX (a wake-up is two context
             // switches and the lock; in a software-NIC VM, a tenth of a CPU at every 1 ms).
-            st.linger = if waiter && fresh {
+            // Not while other threads wait beside it or something waits for a notification
+            // without polling: a poller descheduled is then helped within LINGER.
+            let alone = inner.spinners.load(Ordering::Acquire) <= 1 && !inner.ep.watched();
+            st.linger = if waiter && fresh && alone {
                 (st.linger * 2).min(LINGER_MAX)
             } else {
                 LINGER

@@ -44,9 +44,10 @@ pub(super) const SPIN_DEPTH: usize = 16;
 /// refused (a wrong rkey) completes here in error a little after, and is then known to be its
 /// request's fault rather than posted again on the rails left (where it would be refused too).
 pub(super) const GIVEN_UP_GRACE: Duration = Duration::from_millis(50);
-/// The longest sleep of the progress thread while a waiting thread polls the CQs: a waiter
-/// that stops may leave them unarmed (no event to wake anyone) when nothing else waits, and
-/// the progress thread then looks within this.
+/// The first sleep of the progress thread while a waiting thread polls the CQs (doubled while
+/// it keeps polling alone, up to [`LINGER_MAX`]): a waiter that stops may leave them unarmed
+/// (no event to wake anyone) when nothing else waits, and the progress thread then looks
+/// within its sleep; a waiter that stopped within this long counts as polling.
 pub(super) const LINGER: Duration = Duration::from_millis(1);
 /// The longest the progress thread sleeps while waiters keep polling the CQs ([`LINGER`],
 /// doubled at each of its passes that finds them still looking).

@@ -176,6 +176,13 @@ pub(crate) struct Link {
     pub(super) me: Weak<Link>,
     /// A thread is taking failed rails back (one at a time; a reconnect does not reset it).
     pub(super) restoring: AtomicBool,
+    /// The last waiter left the CQs unarmed to the lingering progress thread (nothing else
+    /// was waited for then): what starts waiting without polling asks it to look at once
+    /// ([`Link::watch`]). Set under the state lock; cleared when the CQs are armed.
+    pub(super) left_unarmed: AtomicBool,
+    /// Someone asked the progress thread to look ([`Link::watch`]): its next pass polls and
+    /// arms the CQs unless a waiter holds the polling.
+    pub(super) asked: AtomicBool,
 }
 
 impl Link {
@@ -202,7 +209,20 @@ impl Link {
             deep: AtomicBool::new(false),
             me: me.clone(),
             restoring: AtomicBool::new(false),
+            left_unarmed: AtomicBool::new(false),
+            asked: AtomicBool::new(false),
         }))
+    }
+
+    /// Something now waits without polling (a thread about to sleep, a future, an
+    /// `InFlight`, the notification counter): if the last waiter left the CQs unarmed to the
+    /// lingering progress thread, ask it to look and arm them now (one eventfd write), rather
+    /// than at the end of its linger.
+    pub(super) fn watch(&self) {
+        if self.left_unarmed.swap(false, Ordering::AcqRel) {
+            self.asked.store(true, Ordering::Release);
+            self.poke();
+        }
     }
 
     pub(super) fn lock(&self) -> Locked<'_, State> {

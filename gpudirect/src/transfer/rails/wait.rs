@@ -107,11 +107,14 @@ fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
         return;
     }
     if done && st.lingering && st.requests.is_empty() && !inner.ep.watched() {
+        // Whatever starts waiting without polling from now on asks the thread to look.
+        inner.left_unarmed.store(true, Ordering::Release);
         return;
     }
     // Then one more look: a completion that came before the arming raises no event (one that
     // came after it does, and the progress thread looks).
     let armed = arm_all(st);
+    inner.left_unarmed.store(false, Ordering::Release);
     // Armed, or to be (it goes to sleep, or left requests in flight): the progress thread is
     // to watch the CQs from now on, not leave them to this waiter as one that polled lately.
     st.looked = long_ago();
@@ -129,9 +132,11 @@ impl Finisher for Link {
         self.poll_look();
     }
 
-    /// Nothing to wake: whenever no waiter polls, the CQs are armed or the progress thread
-    /// lingers.
-    fn wake(&self) {}
+    /// Whenever no waiter polls, the CQs are armed or the progress thread lingers; when the
+    /// last waiter left them unarmed, the thread is asked to look now ([`Link::watch`]).
+    fn wake(&self) {
+        self.watch();
+    }
 
     fn spin(&self) -> Duration {
         self.ep.engine.inner.config.spin
@@ -188,5 +193,11 @@ pub(super) fn next_notification(inner: &Link, timeout: Duration) -> Result<Optio
 /// other thread polls them.
 pub(super) fn look_for_note(inner: &Link, deadline: Instant) -> crate::transfer::shared::Look {
     inner.poll_look();
-    inner.ep.look_for_note(deadline)
+    let look = inner.ep.look_for_note(deadline);
+    if matches!(look, crate::transfer::shared::Look::Wait(_)) {
+        // Registered: a waiter that stops from now on sees it watched; one that stopped
+        // before left the CQs unarmed, and the thread is asked to look.
+        inner.watch();
+    }
+    look
 }
