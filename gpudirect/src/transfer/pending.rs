@@ -34,6 +34,12 @@ pub(crate) trait Finisher: Send + Sync {
     /// to look: a request nobody else can see finished (no notification) does not wake it when
     /// issued, so that a caller that waits finishes it alone.
     fn wake(&self);
+    /// The transfer was made a future ([`Transfer::spin`], `.await`): by default as
+    /// [`wake`](Self::wake). A finisher whose future's polls look for the end themselves (and
+    /// leave the end watched when they stop) needs nothing here.
+    fn wake_for_future(&self) {
+        self.wake();
+    }
     /// How long a blocking wait looks for the end before it sleeps until it is woken.
     fn spin(&self) -> Duration {
         HELP_SPIN
@@ -144,6 +150,15 @@ impl WakeFinisher {
     /// The request's finisher, while it lives.
     fn finisher(&self) -> Option<Arc<dyn Finisher>> {
         self.0.finisher.get().and_then(Weak::upgrade)
+    }
+
+    /// The transfer was made a future: [`Finisher::wake_for_future`] if not finished.
+    fn wake_for_future(&self) {
+        if !self.0.flag.is_complete()
+            && let Some(f) = self.finisher()
+        {
+            f.wake_for_future();
+        }
     }
 }
 
@@ -327,11 +342,7 @@ fn look_until(shared: &ReqShared, until: Instant) {
     let finisher = || shared.finisher.get().and_then(Weak::upgrade);
     let mut looks = 0u32;
     let mut l = Looking::Not;
-    // The clock is read at the first look and once in HELP_YIELD after (a system call where
-    // it has no vDSO).
-    while !shared.flag.is_complete()
-        && (!looks.is_multiple_of(HELP_YIELD) || Instant::now() < until)
-    {
+    while !shared.flag.is_complete() && Instant::now() < until {
         let Some(f) = finisher() else {
             break;
         };
@@ -367,8 +378,12 @@ impl Transfer {
         let spin = spin.min(crate::completion::InFlightFuture::<()>::MAX_SPIN);
         let shared = self.shared.clone();
         let f = self.op.deadline(self.shared.limit);
+        // Kept by the future: dropped unfinished, it wakes the finisher then.
+        let finisher = self._finisher;
+        finisher.wake_for_future();
         let mut until: Option<Instant> = None;
         Box::pin(async move {
+            let _finisher = finisher;
             let mut f = std::pin::pin!(f);
             std::future::poll_fn(|cx| {
                 if !spin.is_zero() && !shared.flag.is_complete() {

@@ -166,12 +166,14 @@ impl<S: Mailbox> EpInner<S> {
         poll: impl FnMut(&mut S),
     ) -> Result<Option<Notification>> {
         let spin = self.engine.inner.config.spin;
-        self.next_notification_with(timeout, spin, poll, |_, _| {})
+        self.next_notification_with(timeout, spin, poll, |_, _| {}, || {})
     }
 
     /// [`next_notification`](Self::next_notification) looking for `spin` first: `look` runs
     /// under the lock at each look, and `stop` once when the looking ends (`true` when a
-    /// notification or the failure was found), under the lock.
+    /// notification or the failure was found), under the lock; `asleep` each time the thread
+    /// is about to sleep, counted as asleep (under the lock: a transport's waiter that stops
+    /// after sees it waiting; `asleep` covers one that stopped before).
     ///
     /// # Errors
     ///
@@ -182,6 +184,7 @@ impl<S: Mailbox> EpInner<S> {
         spin: Duration,
         mut look: impl FnMut(&mut S),
         stop: impl FnOnce(&mut S, bool),
+        asleep: impl Fn(),
     ) -> Result<Option<Notification>> {
         let deadline = deadline_after(Instant::now(), timeout);
         // With `spin`, poll the completion queues here first (the lock is let go between
@@ -190,9 +193,6 @@ impl<S: Mailbox> EpInner<S> {
             self.lock()
         } else {
             let until = deadline_after(Instant::now(), spin.min(timeout));
-            // The clock read once in this many looks (a system call where it has no vDSO).
-            const CLOCK_EVERY: u32 = 8;
-            let mut looks = 0u32;
             loop {
                 let mut st = self.lock();
                 if let Some(n) = st.notes().pop_front() {
@@ -200,8 +200,7 @@ impl<S: Mailbox> EpInner<S> {
                     return Ok(Some(n));
                 }
                 let broken = st.broken().is_some();
-                looks = looks.wrapping_add(1);
-                if broken || (looks % CLOCK_EVERY == 1 && Instant::now() >= until) {
+                if broken || Instant::now() >= until {
                     stop(&mut st, broken);
                     // Kept: this thread is counted asleep below before anyone else takes the
                     // lock, so a waiter that stops after sees it waiting.
@@ -231,6 +230,7 @@ impl<S: Mailbox> EpInner<S> {
             }
             // Counted under the lock, as the transport reads it.
             self.note_sleepers.fetch_add(1, Ordering::AcqRel);
+            asleep();
             st = st.wait_timeout(&self.notes_cv, left);
             self.note_sleepers.fetch_sub(1, Ordering::AcqRel);
         }

@@ -10,6 +10,7 @@ use super::rail::{
 };
 use super::state::{
     Link, State, answered, break_endpoint, fail_rail, finish_touched, flush_gpu, force_finish,
+    long_ago,
 };
 use crate::error::{Error, Result, WcStatus};
 use crate::rdma::{CompletionQueue, WcOpcode, WorkCompletion};
@@ -463,13 +464,20 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
             // Asked to look (something waits without polling): it polls and arms, unless a
             // waiter holds the polling.
             let asked = inner.asked.swap(false, Ordering::AcqRel);
-            let waiter = polling || (!asked && st.unarmed && st.looked.elapsed() < LINGER);
+            if asked && !polling {
+                // The last waiter's stop no longer counts as polling, also at the next pass
+                // (this one may find completions and go round before it arms).
+                st.looked = long_ago();
+            }
+            let waiter = polling || (st.unarmed && st.looked.elapsed() < LINGER);
             // A waiter that keeps looking alone needs nothing of this thread: each pass that
             // finds it still at it doubles the sleep, up to LINGER_MAX (a wake-up is two context
             // switches and the lock; in a software-NIC VM, a tenth of a CPU at every 1 ms).
             // Not while other threads wait beside it or something waits for a notification
             // without polling: a poller descheduled is then helped within LINGER.
-            let alone = inner.spinners.load(Ordering::Acquire) <= 1 && !inner.ep.watched();
+            let alone = inner.spinners.load(Ordering::Acquire) <= 1
+                && st.requests.len() <= 1
+                && !inner.ep.watched();
             st.linger = if waiter && fresh && alone {
                 (st.linger * 2).min(LINGER_MAX)
             } else {

@@ -138,6 +138,11 @@ impl Finisher for Link {
         self.watch();
     }
 
+    /// Nothing: the future's first poll looks ([`poll_look`](Finisher::poll_look)) and, as it
+    /// stops, arms the CQs (or the waiter polling them sees the request in flight and arms them
+    /// as it stops). Waking here cost an eventfd write per request in a loop of awaits.
+    fn wake_for_future(&self) {}
+
     fn spin(&self) -> Duration {
         self.ep.engine.inner.config.spin
     }
@@ -186,6 +191,8 @@ pub(super) fn next_notification(inner: &Link, timeout: Duration) -> Result<Optio
             stop_locked(inner, st, &mut k, got);
             l.set(k);
         },
+        // Counted asleep: a waiter that left the CQs unarmed before asks the thread to look.
+        || inner.watch(),
     )
 }
 
