@@ -600,6 +600,63 @@ mod tests {
         assert_eq!(fin.stops.load(Ordering::SeqCst), 1);
     }
 
+    /// A finisher counting its wakes; `for_future`: whether a future asks it to look.
+    struct Wakes {
+        wakes: AtomicUsize,
+        for_future: bool,
+    }
+    impl Finisher for Wakes {
+        fn help(&self) {}
+        fn wake(&self) {
+            self.wakes.fetch_add(1, Ordering::SeqCst);
+        }
+        fn wake_for_future(&self) {
+            if self.for_future {
+                self.wake();
+            }
+        }
+    }
+
+    #[test]
+    fn a_future_wakes_its_finisher_as_the_finisher_asks_and_again_if_dropped_unfinished() {
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        for for_future in [false, true] {
+            let at_start = usize::from(for_future);
+            // Dropped unfinished: woken once more then.
+            let fin = Arc::new(Wakes {
+                wakes: AtomicUsize::new(0),
+                for_future,
+            });
+            let (t, _done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            t.set_finisher(Arc::downgrade(&fin) as Weak<dyn Finisher>);
+            let mut f = t.into_future();
+            assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start, "made a future");
+            assert!(
+                f.as_mut()
+                    .poll(&mut Context::from_waker(&waker))
+                    .is_pending()
+            );
+            assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start, "polled");
+            drop(f);
+            assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start + 1, "dropped");
+            // Finished: nothing more when it ends.
+            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let fin = Arc::new(Wakes {
+                wakes: AtomicUsize::new(0),
+                for_future,
+            });
+            t.set_finisher(Arc::downgrade(&fin) as Weak<dyn Finisher>);
+            let mut f = t.into_future();
+            drop(done(Ok(report())));
+            match f.as_mut().poll(&mut Context::from_waker(&waker)) {
+                Poll::Ready(r) => assert_eq!(r.unwrap().bytes, 42),
+                Poll::Pending => panic!("finished"),
+            }
+            drop(f);
+            assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start, "finished");
+        }
+    }
+
     #[test]
     fn a_spinning_await_spends_its_spin_once() {
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
