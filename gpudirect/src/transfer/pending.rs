@@ -337,27 +337,33 @@ impl Transfer {
 /// what the looks took. A look is a driver query or a completion-queue poll: the thread yields
 /// once in [`HELP_YIELD`] looks, not after each (a yield at every look made the end of a short
 /// copy seen later than a stream synchronize sees it; the rails' look yields itself when it
-/// found nothing, as a software NIC needs the CPU).
+/// found nothing, as a software NIC needs the CPU). A look that panics is stopped too before
+/// the panic goes on (a rails waiter would otherwise keep the polling taken for good).
 fn look_until(shared: &ReqShared, until: Instant) {
     let finisher = || shared.finisher.get().and_then(Weak::upgrade);
-    let mut looks = 0u32;
     let mut l = Looking::Not;
-    while !shared.flag.is_complete() && Instant::now() < until {
-        let Some(f) = finisher() else {
-            break;
-        };
-        if !f.look(&mut l) || shared.flag.is_complete() {
-            break;
+    let looked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut looks = 0u32;
+        while !shared.flag.is_complete() && Instant::now() < until {
+            let Some(f) = finisher() else {
+                break;
+            };
+            if !f.look(&mut l) || shared.flag.is_complete() {
+                break;
+            }
+            looks = looks.wrapping_add(1);
+            if looks.is_multiple_of(HELP_YIELD) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
-        looks = looks.wrapping_add(1);
-        if looks.is_multiple_of(HELP_YIELD) {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
-    }
+    }));
     if let Some(f) = finisher() {
         f.stop(&mut l, shared.flag.is_complete());
+    }
+    if let Err(panic) = looked {
+        std::panic::resume_unwind(panic);
     }
 }
 
@@ -655,6 +661,46 @@ mod tests {
             drop(f);
             assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start, "finished");
         }
+    }
+
+    /// A finisher whose look finishes the request, then panics; counts stops.
+    struct PanicLook {
+        stops: AtomicUsize,
+        finish: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+    impl Finisher for PanicLook {
+        fn help(&self) {}
+        fn wake(&self) {}
+        fn look(&self, l: &mut Looking) -> bool {
+            *l = Looking::Polls;
+            // Finished first: the unwinding drop of the transfer does not wait for it.
+            if let Some(f) = self.finish.lock().unwrap().take() {
+                f();
+            }
+            panic!("a look that panics");
+        }
+        fn stop(&self, l: &mut Looking, _done: bool) {
+            assert_eq!(
+                *l,
+                Looking::Polls,
+                "stopped after the look took the polling"
+            );
+            *l = Looking::Not;
+            self.stops.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_look_that_panics_is_stopped_before_the_panic_goes_on() {
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let fin = Arc::new(PanicLook {
+            stops: AtomicUsize::new(0),
+            finish: Mutex::new(Some(Box::new(move || drop(done(Ok(report())))))),
+        });
+        t.set_finisher(Arc::downgrade(&fin) as Weak<dyn Finisher>);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.wait()));
+        assert!(r.is_err(), "the look's panic goes on");
+        assert_eq!(fin.stops.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -206,7 +206,15 @@ impl<S: Mailbox> EpInner<S> {
                     // lock, so a waiter that stops after sees it waiting.
                     break st;
                 }
-                look(&mut st);
+                // A look that panics is stopped before the panic goes on (a rails waiter would
+                // otherwise keep the polling taken for good).
+                if let Err(panic) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| look(&mut st)))
+                {
+                    stop(&mut st, false);
+                    drop(st);
+                    std::panic::resume_unwind(panic);
+                }
                 // What the look delivered, before the lock is let go and the CPU yielded.
                 if let Some(n) = st.notes().pop_front() {
                     stop(&mut st, true);

@@ -164,8 +164,15 @@ impl Finisher for Link {
         }
         let mut l = Looking::Not;
         let mut st = self.lock();
-        look_locked(self, &mut st, &mut l);
+        // Stopped even if the look panics: the polling is never left taken.
+        let looked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            look_locked(self, &mut st, &mut l)
+        }));
         stop_locked(self, &mut st, &mut l, false);
+        if let Err(panic) = looked {
+            drop(st);
+            std::panic::resume_unwind(panic);
+        }
     }
 }
 
@@ -183,8 +190,14 @@ pub(super) fn next_notification(inner: &Link, timeout: Duration) -> Result<Optio
         inner.ep.engine.inner.config.spin,
         |st| {
             let mut k = l.get();
-            look_locked(inner, st, &mut k);
+            // Kept even if the look panics: the stop that follows then lets go of what it took.
+            let looked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                look_locked(inner, st, &mut k)
+            }));
             l.set(k);
+            if let Err(panic) = looked {
+                std::panic::resume_unwind(panic);
+            }
         },
         |st, got| {
             let mut k = l.get();
