@@ -140,9 +140,7 @@ struct WakeFinisher(Arc<ReqShared>);
 
 impl WakeFinisher {
     fn wake(&self) {
-        if !self.0.flag.is_complete()
-            && let Some(f) = self.0.finisher.get().and_then(Weak::upgrade)
-        {
+        if let Some(f) = self.unfinished() {
             f.wake();
         }
     }
@@ -152,11 +150,18 @@ impl WakeFinisher {
         self.0.finisher.get().and_then(Weak::upgrade)
     }
 
+    /// The finisher, while it lives and the request is not finished.
+    fn unfinished(&self) -> Option<Arc<dyn Finisher>> {
+        if self.0.flag.is_complete() {
+            None
+        } else {
+            self.finisher()
+        }
+    }
+
     /// The transfer was made a future: [`Finisher::wake_for_future`] if not finished.
     fn wake_for_future(&self) {
-        if !self.0.flag.is_complete()
-            && let Some(f) = self.finisher()
-        {
+        if let Some(f) = self.unfinished() {
             f.wake_for_future();
         }
     }

@@ -409,9 +409,10 @@ fn progress(inner: &Link, st: &mut State, waiter: bool) -> bool {
     any
 }
 
-/// Arm every CQ (the next completion on each raises an event); returns whether all are.
-pub(super) fn arm_all(st: &mut State) -> bool {
-    // Whoever arms holds the state lock; `Link::left_unarmed` is cleared by the callers.
+/// Arm every CQ (the next completion on each raises an event); returns whether all are. No
+/// longer left unarmed to the lingering thread (`Link::left_unarmed`) from here on.
+pub(super) fn arm_all(inner: &Link, st: &mut State) -> bool {
+    inner.left_unarmed.store(false, Ordering::Release);
     let mut armed = true;
     for rail in &st.rails {
         armed &= rail.send_cq.req_notify(false).is_ok() && rail.recv_cq.req_notify(false).is_ok();
@@ -423,8 +424,7 @@ pub(super) fn arm_all(st: &mut State) -> bool {
 /// Arm every CQ, then look once more (a completion that raced the arming raises no event).
 /// Returns whether something was found (then do not sleep).
 fn arm(inner: &Link, st: &mut State) -> bool {
-    let armed = arm_all(st);
-    inner.left_unarmed.store(false, Ordering::Release);
+    let armed = arm_all(inner, st);
     let found = poll_all(inner, st);
     if found {
         pump(inner, st);

@@ -113,8 +113,7 @@ fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
     }
     // Then one more look: a completion that came before the arming raises no event (one that
     // came after it does, and the progress thread looks).
-    let armed = arm_all(st);
-    inner.left_unarmed.store(false, Ordering::Release);
+    let armed = arm_all(inner, st);
     // Armed, or to be (it goes to sleep, or left requests in flight): the progress thread is
     // to watch the CQs from now on, not leave them to this waiter as one that polled lately.
     st.looked = long_ago();
