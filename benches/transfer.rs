@@ -42,8 +42,46 @@ use gpudirect::transfer::{
     AuthKey, Buffer, Engine, EngineConfig, TransferListener, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip_example};
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// The system allocator, counting allocations (every thread's): the latency cell prints them
+/// per round trip.
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(p, l, n) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.load(Ordering::Relaxed)
+}
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 const DONE: u32 = 0xD0_0E;
@@ -229,19 +267,26 @@ fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<(
     let one = e.register(Buffer::host(vec![FILL; 8])?)?;
     // Per latency ping: from its notification to the answer posted, and the answer's wait.
     let (mut turn, mut ack) = (Vec::new(), Vec::new());
+    // Allocations (all threads) from the first ping's notification seen to the end's.
+    let mut first = None;
     loop {
         let Some(n) = ep.next_notification(TIMEOUT)? else {
             return Ok(());
         };
         let seen = Instant::now();
         let back = if n.tag == LAT { LAT } else { DONE };
+        if n.tag == LAT && first.is_none() {
+            first = Some(allocs());
+        }
         if n.tag == DONE {
             if !turn.is_empty() {
+                let spent = allocs() - first.unwrap_or(0);
                 println!(
-                    "TRANSFER-BENCH serve pings={} turn_usec={:.2} ack_usec={:.2}",
+                    "TRANSFER-BENCH serve pings={} turn_usec={:.2} ack_usec={:.2} allocs_per_ping={:.2}",
                     turn.len(),
                     median_us(&mut turn),
-                    median_us(&mut ack)
+                    median_us(&mut ack),
+                    spent as f64 / turn.len() as f64
                 );
             }
             let mut set = 0usize;
@@ -287,7 +332,9 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         batches(&ep, &src, &dst, a, b)?;
     } else if a.lat {
         let mut samples = Vec::with_capacity(a.iters as usize);
-        let (mut post, mut done) = (Vec::new(), Vec::new());
+        let n = a.iters as usize;
+        let (mut post, mut done) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let before = allocs();
         for _ in 0..a.iters {
             let t0 = Instant::now();
             let t = ep.write(
@@ -307,15 +354,17 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
                 });
             }
         }
+        let spent = allocs() - before;
         let avg = samples.iter().sum::<Duration>() / samples.len() as u32;
         samples.sort();
         println!(
-            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={} span=8 post_usec={:.2} wait_usec={:.2}",
+            "TRANSFER-BENCH write_lat size=8 usec={:.2} median_usec={:.2} iters={} span=8 post_usec={:.2} wait_usec={:.2} allocs_per_rt={:.2}",
             avg.as_secs_f64() * 1e6 / 2.0,
             samples[samples.len() / 2].as_secs_f64() * 1e6 / 2.0,
             a.iters,
             median_us(&mut post),
-            median_us(&mut done)
+            median_us(&mut done),
+            spent as f64 / a.iters as f64
         );
     } else {
         let size = a.size as u64;

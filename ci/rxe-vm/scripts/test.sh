@@ -481,6 +481,8 @@ trun() {
   # Where a latency run's time went (medians, usec): the client's post and wait, the listening
   # side's turn and wait.
   [ $tkind = write_lat ] && echo "$l" | sed -n 's/.* post_usec=\([0-9.]*\) wait_usec=\([0-9.]*\).* turn_usec=\([0-9.]*\) ack_usec=\([0-9.]*\).*/\1 \2 \3 \4/p' >> /tmp/tparts_$1
+  # Allocations (every thread's) per round trip on the client, per ping on the listening side.
+  [ $tkind = write_lat ] && echo "$l" | sed -n 's/.* allocs_per_rt=\([0-9.]*\).* allocs_per_ping=\([0-9.]*\).*/\1 \2/p' >> /tmp/tallocs_$1
   return 0
 }
 # latency_cells RUNS: the 8-byte latency chains beside ib_write_lat, then beside ib_send_lat.
@@ -488,7 +490,7 @@ latency_cells() {
   runs=$1
   tp() { pt_lat_pair 500; }
   targs="--lat --iters 500" tkind=write_lat tfield=usec
-  rm -f /tmp/tparts_*
+  rm -f /tmp/tparts_* /tmp/tallocs_*
   tchain $runs usec ours $tbases
   tcell "write_lat size=8" usec 0.9 ours $tbases
   for w in ours $tbases; do
@@ -497,6 +499,11 @@ latency_cells() {
       END { split("client_post client_wait server_turn server_wait", n, " ")
         for (i = 1; i <= 4; i++) { c = split(v[i], a, " "); for (j = 2; j <= c; j++) { x = a[j]; k = j - 1; while (k > 0 && a[k] + 0 > x + 0) { a[k + 1] = a[k]; k-- } a[k + 1] = x }
           printf "%s_usec=%s ", n[i], a[int((c + 1) / 2)] } }' /tmp/tparts_$w)(medians over the runs of each run's median)"
+  done
+  for w in ours $tbases; do
+    [ -s /tmp/tallocs_$w ] || continue
+    echo "RXE-BENCH transfer rail=0 write_lat allocs $w: $(awk 'NR == 1 { a = b = $1; c = d = $2 } { if ($1 < a) a = $1; if ($1 > b) b = $1; if ($2 < c) c = $2; if ($2 > d) d = $2 }
+      END { printf "client_per_rt=%s..%s server_per_ping=%s..%s", a, b, c, d }' /tmp/tallocs_$w) (all threads, lowest..highest over the runs)"
   done
   # The same round trips beside ib_send_lat: the engine's notification is a write with
   # immediate data, which lands at the peer as a receive completion (what ib_send_lat waits
