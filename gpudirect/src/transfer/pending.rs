@@ -3,7 +3,7 @@
 //! finisher a waiting caller can help ([`Finisher`]).
 
 use super::plan::deadline_after;
-use super::region::Region;
+use super::region::Regions;
 use super::request::{Broken, FLUSH_WAIT, TransferReport};
 use crate::completion::{CompletionFlag, Fence, InFlight, Tracker};
 use crate::error::Result;
@@ -176,7 +176,7 @@ impl Drop for WakeFinisher {
 /// What a finished transfer hands back: its result, and the regions it used.
 pub struct Transferred {
     shared: Arc<ReqShared>,
-    _regions: Vec<Region>,
+    _regions: Regions,
 }
 
 impl Transferred {
@@ -228,7 +228,7 @@ impl Transfer {
     /// [`Settled`] it returns is dropped (once the finisher let its own locks go).
     pub(crate) fn pending(
         timeout: Duration,
-        regions: Vec<Region>,
+        regions: Regions,
     ) -> (
         Transfer,
         impl FnOnce(Result<TransferReport>) -> Settled + Send + 'static,
@@ -247,7 +247,7 @@ impl Transfer {
     pub(crate) fn started(
         what: &'static str,
         shared: Arc<ReqShared>,
-        regions: Vec<Region>,
+        regions: Regions,
     ) -> Transfer {
         Transfer {
             op: InFlight::new(
@@ -477,7 +477,7 @@ mod tests {
 
     #[test]
     fn a_transfer_is_awaitable_and_woken_by_its_completion() {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         let mut f = t.into_future();
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = Context::from_waker(&waker);
@@ -499,7 +499,7 @@ mod tests {
     #[test]
     fn a_finished_transfers_waker_runs_with_its_result_unlocked() {
         use crate::completion::testing::WokenFree;
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         let shared = t.shared.clone();
         // A waker that polls the transfer inline takes the result's lock.
         let probe = WokenFree::new(move || shared.done.try_lock().is_ok());
@@ -520,7 +520,7 @@ mod tests {
 
     #[test]
     fn an_awaited_transfer_nobody_finishes_ends_with_a_timeout_at_its_bound() {
-        let (t, _done) = Transfer::pending(Duration::from_millis(10), Vec::new());
+        let (t, _done) = Transfer::pending(Duration::from_millis(10), Regions::new());
         let mut f = t.into_future();
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = Context::from_waker(&waker);
@@ -538,7 +538,7 @@ mod tests {
         // `wait` found the result but not yet the flag ("timed out after 0ns") when the flag
         // was set after the lock was let go.
         for _ in 0..2000 {
-            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
             let h = std::thread::spawn(move || drop(done(Ok(report()))));
             let r = t.wait();
             h.join().unwrap();
@@ -573,7 +573,7 @@ mod tests {
     }
 
     fn finished_at_look(at: usize) -> (Transfer, Arc<NthLook>) {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         let f = Arc::new(NthLook {
             looks: AtomicUsize::new(0),
             stops: AtomicUsize::new(0),
@@ -638,7 +638,7 @@ mod tests {
                 wakes: AtomicUsize::new(0),
                 for_future,
             });
-            let (t, _done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let (t, _done) = Transfer::pending(Duration::from_secs(5), Regions::new());
             t.set_finisher(Arc::downgrade(&fin) as Weak<dyn Finisher>);
             let mut f = t.into_future();
             assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start, "made a future");
@@ -651,7 +651,7 @@ mod tests {
             drop(f);
             assert_eq!(fin.wakes.load(Ordering::SeqCst), at_start + 1, "dropped");
             // Finished: nothing more when it ends.
-            let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+            let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
             let fin = Arc::new(Wakes {
                 wakes: AtomicUsize::new(0),
                 for_future,
@@ -697,7 +697,7 @@ mod tests {
 
     #[test]
     fn a_look_that_panics_is_stopped_before_the_panic_goes_on() {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         let fin = Arc::new(PanicLook {
             stops: AtomicUsize::new(0),
             finish: Mutex::new(Some(Box::new(move || drop(done(Ok(report())))))),
@@ -738,10 +738,10 @@ mod tests {
 
     #[test]
     fn a_failed_transfer_gives_its_error_blocking_or_awaited() {
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         done(Err(Broken::Deadline(Duration::from_secs(3)).to_error()));
         assert!(matches!(t.wait(), Err(Error::Timeout { .. })));
-        let (t, done) = Transfer::pending(Duration::from_secs(5), Vec::new());
+        let (t, done) = Transfer::pending(Duration::from_secs(5), Regions::new());
         done(Err(
             Broken::Disconnected("RDMA_CM_EVENT_DISCONNECTED", 0).to_error()
         ));

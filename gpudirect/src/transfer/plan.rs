@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::topology::Affinity;
+use smallvec::SmallVec;
 
 /// Stripe units are multiples of this many bytes.
 pub(crate) const STRIPE_ALIGN: u64 = 4096;
@@ -26,6 +27,9 @@ pub(crate) struct Chunk {
     /// notification rail, posted only once the messages on other rails have completed.
     pub(crate) imm: bool,
 }
+
+/// A request's messages, in order (a small request's on the stack).
+pub(crate) type Chunks = SmallVec<[Chunk; 4]>;
 
 /// What a request is planned from.
 #[derive(Debug, Clone)]
@@ -54,7 +58,7 @@ pub(crate) struct PlanInput<'a> {
 ///
 /// [`Error::InvalidArgument`] for no pairs, an empty pair, no rails, a zero `max_message`, or
 /// byte counts whose sum overflows.
-pub(crate) fn plan(inp: &PlanInput<'_>) -> Result<Vec<Chunk>> {
+pub(crate) fn plan(inp: &PlanInput<'_>) -> Result<Chunks> {
     if inp.lens.is_empty() {
         return Err(Error::invalid(
             "pairs",
@@ -111,7 +115,7 @@ pub(crate) fn plan(inp: &PlanInput<'_>) -> Result<Vec<Chunk>> {
         Some(r) => r,
         None => inp.rails[inp.turn % inp.rails.len()],
     };
-    let mut load = vec![0u64; inp.rails.len()];
+    let mut load: SmallVec<[u64; 8]> = smallvec::smallvec![0u64; inp.rails.len()];
     // A striped notification's last message goes to the notification rail: count it there
     // from the start, so the others balance around it.
     let pinned = match (striped, inp.notify_rail) {
@@ -123,7 +127,7 @@ pub(crate) fn plan(inp: &PlanInput<'_>) -> Result<Vec<Chunk>> {
     if let Some(k) = pinned {
         load[k] += last_len;
     }
-    let mut out = Vec::new();
+    let mut out = Chunks::new();
     for (pair, &l) in inp.lens.iter().enumerate() {
         let mut off = 0u64;
         while off < l {
@@ -160,7 +164,7 @@ pub(crate) fn plan(inp: &PlanInput<'_>) -> Result<Vec<Chunk>> {
         last.rail = r;
         last.imm = true;
     }
-    let mut seen = Vec::new();
+    let mut seen: SmallVec<[usize; 8]> = SmallVec::new();
     for c in out.iter_mut().rev() {
         if !seen.contains(&c.rail) {
             seen.push(c.rail);

@@ -555,6 +555,9 @@ pub(crate) fn coalesce(mut ranges: Vec<(u64, u64, usize)>) -> Vec<(u64, u64, Vec
     out
 }
 
+/// The regions a request holds until it is taken (one pair's on the stack).
+pub(crate) type Regions = smallvec::SmallVec<[Region; 1]>;
+
 /// Registered memory: a [`Buffer`] view with its registration on every rail (shared through the
 /// engine's cache with every other region inside the same registration). Cheap to clone; the
 /// registration and the memory go when the last region and transfer using them are gone.

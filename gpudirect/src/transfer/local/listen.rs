@@ -1052,8 +1052,10 @@ mod tests {
         let epoch = side.epoch.load(Ordering::Acquire);
         side.close();
         assert!(lock(&side.worker).is_none(), "the worker is gone");
-        let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let (t, finish) = crate::transfer::pending::Transfer::pending(
+            Duration::from_secs(30),
+            Default::default(),
+        );
         let job = Job::done_at_once(Box::new(finish), None, epoch);
         let back = side.push_job(0, job, false).expect("refused once closed");
         assert!(lock(&side.queue).is_empty());
@@ -1077,8 +1079,10 @@ mod tests {
     /// A request whose copies are done, queued on lane 0 without a call to the worker (as one
     /// a caller waits for blocking is): its transfer.
     fn queue_done(side: &super::super::side::Side) -> crate::transfer::pending::Transfer {
-        let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let (t, finish) = crate::transfer::pending::Transfer::pending(
+            Duration::from_secs(30),
+            Default::default(),
+        );
         let epoch = side.epoch.load(Ordering::Acquire);
         let job = Job::done_at_once(Box::new(finish), None, epoch);
         assert!(side.push_job(0, job, false).is_none());
@@ -1215,8 +1219,10 @@ mod tests {
     fn a_call_held_at_the_worker_s_sleep_wakes_it() {
         use std::sync::mpsc::channel;
         let (_l, _ep, _peer, side) = accepted_side("call-held", 89);
-        let (t, finish) =
-            crate::transfer::pending::Transfer::pending(Duration::from_secs(30), Vec::new());
+        let (t, finish) = crate::transfer::pending::Transfer::pending(
+            Duration::from_secs(30),
+            Default::default(),
+        );
         let epoch = side.epoch.load(Ordering::Acquire);
         let mut job = Some(Job::done_at_once(Box::new(finish), None, epoch));
         let (at_tx, at_rx) = channel::<()>();
@@ -1286,7 +1292,7 @@ mod tests {
         deadline: Instant,
         timeout: Duration,
     ) -> Transfer {
-        let (t, finish) = Transfer::pending(timeout, Vec::new());
+        let (t, finish) = Transfer::pending(timeout, Default::default());
         let epoch = side.epoch.load(Ordering::Acquire);
         let mut j = Job::done_at_once(Box::new(finish), notify, epoch);
         if let Some(w) = waits {
@@ -1451,7 +1457,7 @@ mod tests {
         };
         let mut ts = Vec::new();
         for _ in 0..2 {
-            let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+            let (t, finish) = Transfer::pending(Duration::from_secs(30), Default::default());
             assert!(t.flag().register_waker(&Waker::from(probe.clone())));
             push(finish, None);
             ts.push(t);
@@ -1464,7 +1470,7 @@ mod tests {
         // Its notification cannot be sent (the socket's sending side shut): the endpoint fails
         // while `finishing` is held. The request's waker and a notification waiter's run once
         // it is let go.
-        let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        let (t, finish) = Transfer::pending(Duration::from_secs(30), Default::default());
         assert!(t.flag().register_waker(&Waker::from(probe.clone())));
         let mut note = Box::pin(ep.notification(Duration::from_secs(30)));
         let w = Waker::from(probe.clone());

@@ -550,7 +550,8 @@ fn issue(ep: &EpInner<State>, side: &Side, lane: &Arc<Lane>, job: Issue<'_>) -> 
     report.paths = gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     // Made once the copies are queued: a request refused before has no transfer to end. What
     // the copies reach is the job's to hold (`keep`), not the transfer's.
-    let (transfer, finish) = Transfer::pending(when.timeout, Vec::new());
+    let (transfer, finish) =
+        Transfer::pending(when.timeout, crate::transfer::region::Regions::new());
     // A caller waiting for it finishes what is done first on its lane itself. The
     // worker is woken when the request is issued only if someone else sees it finish (its
     // notification); otherwise when the transfer is looked at without a blocking wait, or goes

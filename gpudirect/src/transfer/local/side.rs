@@ -1246,7 +1246,7 @@ mod tests {
 
     /// A queued request on no stream (done as soon as asked), numbered by the queue.
     fn job(notified: bool) -> (Transfer, Job) {
-        let (t, finish) = Transfer::pending(Duration::from_secs(30), Vec::new());
+        let (t, finish) = Transfer::pending(Duration::from_secs(30), Default::default());
         (
             t,
             Job::done_at_once(Box::new(finish), notified.then_some(7), 1),

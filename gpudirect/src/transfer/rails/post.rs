@@ -3,17 +3,19 @@
 //! sent against the peer's credits.
 
 use super::rail::{Again, Posted, QpSlot, Wr};
-use super::state::{Link, Request, State, check_rkeys, fail_rail, notify_rail, up_rails};
+use super::state::{
+    Link, RailCounts, RailList, Request, State, check_rkeys, fail_rail, notify_rail, up_rails,
+};
 use crate::error::{Error, Result};
 use crate::rdma::{RemoteSlice, SendRequest};
 use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::pending::{ReqShared, Transfer};
 use crate::transfer::plan::{Chunk, PlanInput, deadline_after, plan};
-use crate::transfer::region::{LocalRange, Region};
+use crate::transfer::region::LocalRange;
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, TransferOptions, check_pairs, check_same_engine,
 };
-use std::sync::Arc;
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -42,9 +44,8 @@ pub(crate) fn direct(
     let timeout = opts.deadline.unwrap_or(e.config.deadline);
     let started = Instant::now();
     let deadline = deadline_after(started, timeout);
-    let lens: Vec<u64> = pairs.iter().map(|(l, _)| l.len).collect();
+    let lens: SmallVec<[u64; 4]> = pairs.iter().map(|(l, _)| l.len).collect();
     let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
-    let regions: Vec<Region> = pairs.iter().map(|(l, _)| l.region.clone()).collect();
     let mut st = inner.lock();
     if let Some((b, _)) = &st.broken {
         return Err(b.to_error());
@@ -53,7 +54,7 @@ pub(crate) fn direct(
     // Rails up nearest the first pair's memory, among the endpoint's.
     let preferred = &pairs[0].0.region.entry.preferred;
     let up = up_rails(&st);
-    let mut rails: Vec<usize> = up
+    let mut rails: RailList = up
         .iter()
         .copied()
         .filter(|&r| preferred.contains(&st.rails[r].device))
@@ -72,14 +73,10 @@ pub(crate) fn direct(
         notify_rail: opts.notify.map(|_| note_rail),
         turn,
     })?;
-    let rkeys: Vec<Arc<[u32]>> = pairs
-        .iter()
-        .map(|(_, r)| Arc::from(r.descriptor().rkeys()))
-        .collect();
-    let mut wrs: Vec<(usize, Wr, bool)> = Vec::with_capacity(chunks.len());
-    let mut left = vec![0; st.rails.len()];
+    let mut wrs: SmallVec<[(usize, Wr, bool); 2]> = SmallVec::with_capacity(chunks.len());
+    let mut left: RailCounts = smallvec::smallvec![0; st.rails.len()];
     for c in &chunks {
-        let wr = build_wr(&st, dir, &pairs, &rkeys, c, opts.notify)?;
+        let wr = build_wr(&st, dir, &pairs, c, opts.notify)?;
         // Checked here for every rail up: a message moved to another rail fits there too.
         for &r in &up {
             if let Some(Err(e)) = wr.on(&st.rails[r]) {
@@ -139,6 +136,7 @@ pub(crate) fn direct(
     pump(inner, &mut st);
     inner.gauge(&st);
     drop(st);
+    let regions = pairs.into_iter().map(|(l, _)| l.region).collect();
     Ok(Transfer::started("transfer", shared, regions))
 }
 
@@ -179,7 +177,6 @@ fn build_wr(
     st: &State,
     dir: Direction,
     pairs: &[(LocalRange, RemoteRange)],
-    rkeys: &[Arc<[u32]>],
     c: &Chunk,
     notify: Option<u32>,
 ) -> Result<Wr> {
@@ -191,7 +188,7 @@ fn build_wr(
     let again = Again {
         entry: l.region.entry.clone(),
         off,
-        rkeys: rkeys[c.pair].clone(),
+        rkeys: SmallVec::from_slice(r.descriptor().rkeys()),
     };
     let remote = RemoteSlice {
         addr: r.addr_at(c.offset),
@@ -309,8 +306,8 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
     let QpSlot::Rts(qp) = &mut rail.qp else {
         return Ok(());
     };
-    let mut chain = Vec::with_capacity(n);
-    let mut posted = Vec::with_capacity(n);
+    let mut chain: SmallVec<[SendRequest<'_>; 4]> = SmallVec::with_capacity(n);
+    let mut posted: SmallVec<[Posted; 4]> = SmallVec::with_capacity(n);
     for (req, wr) in rail.pending.drain(..n) {
         let seq = rail.next_seq;
         rail.next_seq += 1;

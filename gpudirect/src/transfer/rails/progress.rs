@@ -17,6 +17,7 @@ use crate::rdma::{CompletionQueue, WcOpcode, WorkCompletion};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, MAX_UNREAD_NOTIFICATIONS, Notification, unread_overflow,
 };
+use smallvec::SmallVec;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -49,8 +50,11 @@ pub(super) fn drain_after_close(inner: &Link) {
 }
 
 /// Every completion `cq` holds now, as `read` takes each.
-fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Result<Vec<T>> {
-    let mut out = Vec::new();
+fn drain<T>(
+    cq: &mut CompletionQueue,
+    read: impl Fn(&WorkCompletion) -> T,
+) -> Result<SmallVec<[T; 8]>> {
+    let mut out = SmallVec::new();
     loop {
         let ws = cq.poll()?;
         if ws.len() == 0 {
@@ -59,6 +63,9 @@ fn drain<T>(cq: &mut CompletionQueue, read: impl Fn(&WorkCompletion) -> T) -> Re
         out.extend(ws.map(&read));
     }
 }
+
+/// Notifications taken in one look (delivered together).
+type Notes = SmallVec<[Notification; 8]>;
 
 /// Take every completion rail `r`'s send CQ holds now; whether there was any.
 fn drain_sends(inner: &Link, st: &mut State, r: usize) -> bool {
@@ -82,7 +89,7 @@ fn drain_sends(inner: &Link, st: &mut State, r: usize) -> bool {
 /// Poll every rail's CQs until empty; returns whether anything was found.
 pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     let mut any = false;
-    let mut notes: Vec<Notification> = Vec::new();
+    let mut notes = Notes::new();
     // Control messages (rail, immediate), taken once every CQ was looked at: an answer counts
     // what the rail it names received, all of it.
     let mut ctl: Vec<(usize, u32)> = Vec::new();
@@ -201,7 +208,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
 /// generation) changes nothing here: an answer is dropped; a question is answered "none" (a
 /// connection the peer took back and this side never did had no receives here; one older is
 /// asked about only by a stale copy, whose answer the peer drops).
-fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<Notification>) {
+fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Notes) {
     if st.broken.is_some() {
         return;
     }
@@ -253,7 +260,7 @@ fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Vec<No
 }
 
 /// A notification `tag` received on rail `r`: counted there, delivered with `notes`.
-fn note_in(inner: &Link, st: &mut State, r: usize, tag: u32, notes: &mut Vec<Notification>) {
+fn note_in(inner: &Link, st: &mut State, r: usize, tag: u32, notes: &mut Notes) {
     inner.counters[r]
         .notes_received
         .fetch_add(1, Ordering::Relaxed);
@@ -435,8 +442,10 @@ fn arm(inner: &Link, st: &mut State) -> bool {
 /// The progress thread's loop, until the endpoint closes; `retry` starts taking failed rails
 /// back (on a thread of its own) when their time comes.
 pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
+    // The fds polled, filled again at each pass (kept: no allocation per pass).
+    let mut p: Vec<libc::pollfd> = Vec::new();
     loop {
-        let (fds, timeout) = {
+        let timeout = {
             let mut st = inner.lock();
             if st.closing {
                 return;
@@ -490,27 +499,23 @@ pub(super) fn progress_loop(inner: &Arc<Link>, retry: fn(&Arc<Link>)) {
                 continue;
             }
             st.lingering = waiter;
-            let mut fds = vec![inner.wake.as_raw_fd()];
-            for r in &st.rails {
-                fds.push(r.channel.as_fd().as_raw_fd());
-                fds.push(r.link.as_fd().as_raw_fd());
-            }
-            let next = st
-                .deadlines
-                .peek()
-                .map(|std::cmp::Reverse((d, _))| d.saturating_duration_since(Instant::now()))
-                .unwrap_or(TICK)
-                .min(if waiter { st.linger } else { TICK });
-            (fds, next)
-        };
-        let mut p: Vec<libc::pollfd> = fds
-            .iter()
-            .map(|&fd| libc::pollfd {
+            let fd = |fd| libc::pollfd {
                 fd,
                 events: libc::POLLIN,
                 revents: 0,
-            })
-            .collect();
+            };
+            p.clear();
+            p.push(fd(inner.wake.as_raw_fd()));
+            for r in &st.rails {
+                p.push(fd(r.channel.as_fd().as_raw_fd()));
+                p.push(fd(r.link.as_fd().as_raw_fd()));
+            }
+            st.deadlines
+                .peek()
+                .map(|std::cmp::Reverse((d, _))| d.saturating_duration_since(Instant::now()))
+                .unwrap_or(TICK)
+                .min(if waiter { st.linger } else { TICK })
+        };
         // SAFETY: valid pollfds for the call; the fds stay open (a rail is replaced only by a
         // reconnect or a rail taken back, each of which pokes the eventfd, and a stale fd
         // number is only polled once).

@@ -10,6 +10,7 @@ use crate::transfer::engine::PeerAccess;
 use crate::transfer::plan::Credits;
 use crate::transfer::region::Entry;
 use crate::transfer::request::{Broken, Direction};
+use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -237,7 +238,7 @@ pub(super) struct Again {
     /// Offset in the registration.
     pub(super) off: usize,
     /// The remote descriptor's rkeys, one per device of the peer.
-    pub(super) rkeys: Arc<[u32]>,
+    pub(super) rkeys: SmallVec<[u32; 4]>,
 }
 
 /// A message waiting to be posted.

@@ -125,7 +125,7 @@ pub(crate) fn staged<K: Send + 'static>(
         cfg.staging_chunk,
         cfg.staging_slots,
     )?;
-    let (t, done) = Transfer::pending(timeout, vec![local.region.clone()]);
+    let (t, done) = Transfer::pending(timeout, smallvec::smallvec![local.region.clone()]);
     // Ends the transfer when dropped unused: when the thread cannot start, its closure goes
     // unrun and the transfer ends at once (instead of its drop waiting for a finish that never
     // comes). Not a safety argument: nothing is freed by it.

@@ -18,6 +18,7 @@ use crate::transfer::region::{LocalRange, MemoryPath};
 use crate::transfer::request::{Broken, Direction, Notification, TransferReport};
 use crate::transfer::shared::{EpInner, Mailbox, Wakes};
 use crate::transfer::wire::Hello;
+use smallvec::SmallVec;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -34,7 +35,7 @@ pub(super) struct Request {
     pub(super) posted: usize,
     /// Data messages not yet completed, per rail (queued or posted there; not the
     /// notification).
-    pub(super) left: Vec<usize>,
+    pub(super) left: RailCounts,
     /// The rail its notification goes on (an up one while it is held).
     pub(super) note_rail: usize,
     /// The notification message, held until every data message on other rails completed.
@@ -411,8 +412,14 @@ pub(super) fn notify_rail(st: &State, up: &[usize]) -> usize {
     }
 }
 
+/// Positions of rails (an endpoint's few on the stack).
+pub(super) type RailList = SmallVec<[usize; 8]>;
+
+/// A count per rail.
+pub(super) type RailCounts = SmallVec<[usize; 4]>;
+
 /// Rails up, in order.
-pub(super) fn up_rails(st: &State) -> Vec<usize> {
+pub(super) fn up_rails(st: &State) -> RailList {
     (0..st.lanes.len())
         .filter(|&r| st.lanes[r].usable())
         .collect()
