@@ -134,6 +134,10 @@ impl<T: Defers> Drop for Locked<'_, T> {
 
 /// Let `g` go, then run the wake-ups decided under it.
 fn let_go<T: Defers>(mut g: MutexGuard<'_, T>) {
+    // Most unlocks have nothing to run: nothing moved then.
+    if g.wakes().is_empty() {
+        return;
+    }
     let w = std::mem::take(g.wakes());
     drop(g);
     drop(w);

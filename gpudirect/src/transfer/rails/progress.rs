@@ -49,18 +49,15 @@ pub(super) fn drain_after_close(inner: &Link) {
     }
 }
 
-/// Every completion `cq` holds now, as `read` takes each.
-fn drain<T>(
-    cq: &mut CompletionQueue,
-    read: impl Fn(&WorkCompletion) -> T,
-) -> Result<SmallVec<[T; 8]>> {
-    let mut out = SmallVec::new();
+/// Every completion `cq` holds now, into `out` (emptied first).
+fn drain(cq: &mut CompletionQueue, out: &mut Vec<WorkCompletion>) -> Result<()> {
+    out.clear();
     loop {
         let ws = cq.poll()?;
         if ws.len() == 0 {
-            return Ok(out);
+            return Ok(());
         }
-        out.extend(ws.map(&read));
+        out.extend(ws.copied());
     }
 }
 
@@ -69,21 +66,22 @@ type Notes = SmallVec<[Notification; 8]>;
 
 /// Take every completion rail `r`'s send CQ holds now; whether there was any.
 fn drain_sends(inner: &Link, st: &mut State, r: usize) -> bool {
-    match drain(&mut st.rails[r].send_cq, |w| {
-        (w.tag(), w.is_ok(), w.result())
-    }) {
+    // The state's buffer, put back after (a nested look, on a failure, gets an empty one).
+    let mut got = std::mem::take(&mut st.wcs);
+    let any = match drain(&mut st.rails[r].send_cq, &mut got) {
         Err(e) => {
             fail_rail(inner, st, r, Broken::of(&e));
             false
         }
-        Ok(got) => {
-            let any = !got.is_empty();
-            for (seq, ok, res) in got {
-                on_send_completion(inner, st, r, seq, ok, res);
+        Ok(()) => {
+            for w in &got {
+                on_send_completion(inner, st, r, w.tag(), w.is_ok(), w.result());
             }
-            any
+            !got.is_empty()
         }
-    }
+    };
+    st.wcs = got;
+    any
 }
 
 /// Poll every rail's CQs until empty; returns whether anything was found.
@@ -96,18 +94,15 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     for r in 0..st.rails.len() {
         any |= drain_sends(inner, st, r);
         {
-            let got = match drain(&mut st.rails[r].recv_cq, |w| {
-                (w.result(), w.opcode(), w.imm())
-            }) {
-                Err(e) => {
-                    fail_rail(inner, st, r, Broken::of(&e));
-                    continue;
-                }
-                Ok(got) => got,
-            };
+            let mut got = std::mem::take(&mut st.wcs);
+            if let Err(e) = drain(&mut st.rails[r].recv_cq, &mut got) {
+                st.wcs = got;
+                fail_rail(inner, st, r, Broken::of(&e));
+                continue;
+            }
             any |= !got.is_empty();
             let mut repost = 0;
-            for (res, op, imm) in got {
+            for (res, op, imm) in got.iter().map(|w| (w.result(), w.opcode(), w.imm())) {
                 if let Err(e) = res {
                     // Flushed receives after a failure, or the failure itself. A flush is a
                     // consequence: the send that failed the queue pair may have completed
@@ -152,6 +147,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                     ),
                 }
             }
+            st.wcs = got;
             if repost > 0 && st.broken.is_none() {
                 let rail = &mut st.rails[r];
                 if let QpSlot::Rts(qp) = &mut rail.qp
@@ -244,15 +240,15 @@ fn on_control(inner: &Link, st: &mut State, r: usize, c: u32, notes: &mut Notes)
         fail_rail(inner, st, about, Broken::RailGivenUp);
     }
     // What arrived on it between the last look and its queue pair's error state counts.
-    if let Ok(late) = drain(&mut st.rails[about].recv_cq, |w| {
-        (w.is_ok(), w.opcode(), w.imm())
-    }) {
-        for (ok, op, imm) in late {
-            if let (true, WcOpcode::RecvRdmaWithImm, Some(tag)) = (ok, op, imm) {
+    let mut late = std::mem::take(&mut st.wcs);
+    if drain(&mut st.rails[about].recv_cq, &mut late).is_ok() {
+        for w in &late {
+            if let (true, WcOpcode::RecvRdmaWithImm, Some(tag)) = (w.is_ok(), w.opcode(), w.imm()) {
                 note_in(inner, st, about, tag, notes);
             }
         }
     }
+    st.wcs = late;
     if st.broken.is_none() && st.lanes[r].up() {
         let n = st.lanes[about].notes_in;
         st.lanes[r].ctl.push_back(ctl_answer(about, generation, n));

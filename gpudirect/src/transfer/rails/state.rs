@@ -9,6 +9,7 @@ use super::rail::{
 use super::windows::revoke;
 use crate::completion::deferred::{Defers, Locked};
 use crate::error::{Error, Result};
+use crate::rdma::WorkCompletion;
 use crate::transfer::auth::AuthKey;
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
 use crate::transfer::engine::EngineInner;
@@ -105,6 +106,8 @@ pub(crate) struct State {
     pub(super) max_message: u32,
     /// Requests whose messages completed since the last look (then finished if done).
     pub(super) touched: Vec<u64>,
+    /// Completions taken from a CQ, handled after (a buffer kept from look to look).
+    pub(super) wcs: Vec<WorkCompletion>,
     /// A completion was taken since the CQs were last armed: one may have used up its arming.
     pub(super) unarmed: bool,
     /// The progress thread sleeps for at most `linger` and then looks (it saw a waiter
@@ -318,6 +321,7 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         peer_devices,
         max_message,
         touched: Vec::new(),
+        wcs: Vec::new(),
         unarmed: true,
         lingering: false,
         // Never yet: the progress thread polls and arms from the start.
