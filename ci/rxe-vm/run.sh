@@ -40,7 +40,11 @@
 #      PAIR_ONLY (an extended regex: only the list's entries whose label matches; BENCH_PARTS=none
 #      then skips the bench too),
 #      BENCH_RUNS (its rounds per cell, default 5), BENCH_PARTS (some of pingpong transfer
-#      latency mooncake; latency: the transfer part's latency cells alone; default pingpong transfer, and mooncake with MOONCAKE_WHEEL), MOONCAKE_WHEEL (a
+#      latency trace mooncake; latency: the transfer part's latency cells alone; trace: one short
+#      latency run of ours and of ib_write_lat under ftrace, read by scripts/trace-rt.py; default
+#      pingpong transfer, and mooncake with MOONCAKE_WHEEL), GUEST_TOOLS (host programs copied
+#      into the guest with their libraries: /usr/bin/perf makes the trace part profile each side
+#      too), MOONCAKE_WHEEL (a
 #      wheel of Mooncake's transfer engine whose C++ transfer_engine_bench runs beside ours:
 #      README.md, "Mooncake beside"), MOONCAKE_CONFIGS ("BATCH:THREADS ...", default
 #      "1:1 64:1 1:4 64:4"), MOONCAKE_SIZES (default "4096 65536 1048576"), MOONCAKE_SECONDS (3); the N-node mode:
@@ -261,7 +265,7 @@ stamp "kernel $KV ready"
 echo "${TWO_NODES_NETNS:-shared}" > "$W/netns"
 CPIO=$W/host/bin/cpio KV=$KV KROOT=$KROOT TEST_SH=$HERE/scripts/test.sh HERE=$HERE NETNS_FILE=$W/netns NODES=$NODES \
   MOONCAKE_DIR=$MCDIR MOONCAKE_CONF=${MCDIR:+$W/mooncake.conf} \
-  TEST_LIST=$W/tests.list EXTRA_BINS="$(ls -d "$BIN"/* | tr '\n' ' ')" \
+  TEST_LIST=$W/tests.list EXTRA_BINS="$(ls -d "$BIN"/* | tr '\n' ' ') ${GUEST_TOOLS:-}" \
   "$HERE/scripts/build-initramfs.sh" >/dev/null
 stamp "initramfs built"
 
@@ -273,8 +277,12 @@ fi
 LOG=$W/vm-$KV-$ACCEL.log
 if [ "$TWO_NODES" = 0 ] && [ "$NODES" = 0 ]; then VM_TIMEOUT=${VM_TIMEOUT:-1500}; elif [ -n "$MCDIR" ]; then VM_TIMEOUT=${VM_TIMEOUT:-5400}; else VM_TIMEOUT=${VM_TIMEOUT:-1800}; fi
 # 7.x under TCG: with its default lazy preemption (and the CPU-bug mitigations) a kworker of rxe
-# waits for the tick behind a polling thread; these two bring its latency back to 6.12's.
-case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off};; esac
+# waits for the tick behind a polling thread; these two bring its latency back to 6.12's. And the
+# TSC stays the clock source: the watchdog may otherwise find it skewed under TCG and switch to the
+# HPET in the middle of a boot, where every clock read is a system call and an emulated device
+# read (costing programs that read the clock through clock_gettime, not perftest, which reads the
+# TSC itself).
+case $KERNEL in 7*) APPEND=${APPEND-preempt=full mitigations=off tsc=reliable};; esac
 load0=$(cut -d' ' -f1-3 /proc/loadavg)
 VM_TIMEOUT=$VM_TIMEOUT MEM=${MEM:-2G} ACCEL=$ACCEL VMLINUZ=$VMLINUZ LOG=$LOG APPEND=${APPEND:-} \
   "$HERE/scripts/boot-vm.sh" > /dev/null 2>&1 || true

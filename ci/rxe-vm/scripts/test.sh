@@ -549,6 +549,60 @@ bench_latency() {
   echo "TWO-NODES: latency bench took $(awk -v a=$t -v b=$(now) 'BEGIN{printf "%.1f", b-a}')s"
   result latency-bench $tok
 }
+# trace_latency: one short latency run of ours (60 round trips), then one of ib_write_lat, each
+# under ftrace (the scheduler's switches and wake-ups, every system call's entry, and Soft-RoCE's
+# protocol functions), the trace of each printed between RXE-TRACE-BEGIN and RXE-TRACE-END
+# (BENCH_PARTS=trace; ci/rxe-vm/scripts/trace-rt.py reads the log), and the guest's clock source
+# before and after.
+trace_latency() {
+  T=/sys/kernel/tracing
+  [ -w $T/trace ] || mount -t tracefs nodev $T 2>/dev/null || true
+  [ -w $T/trace ] || { echo "RXE-WARN no tracefs"; result latency-trace 1; return; }
+  echo 0 > $T/tracing_on
+  echo 8192 > $T/buffer_size_kb
+  echo > $T/set_ftrace_filter
+  for f in rxe_post_send rxe_post_recv rxe_requester rxe_completer rxe_responder rxe_receiver rxe_rcv \
+      rxe_cq_post rxe_sched_task rxe_run_task rxe_xmit_packet rxe_req_notify_cq ib_uverbs_comp_handler; do
+    echo $f >> $T/set_ftrace_filter 2>/dev/null || true
+  done
+  echo function > $T/current_tracer
+  echo 1 > $T/events/sched/sched_switch/enable
+  echo 1 > $T/events/sched/sched_wakeup/enable
+  echo "RXE-TRACE clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
+  echo 1 > $T/events/raw_syscalls/sys_enter/enable
+  for who in ours perftest; do
+    echo > $T/trace
+    echo 1 > $T/tracing_on
+    case $who in
+      ours) TBIN=transfer ours_transfer --lat --iters 60 >/dev/null ;;
+      perftest) pt_lat_pair 60 >/dev/null ;;
+    esac
+    echo 0 > $T/tracing_on
+    echo "RXE-TRACE-BEGIN $who"
+    cat $T/trace | grep -v '^#'
+    echo "RXE-TRACE-END $who"
+  done
+  echo nop > $T/current_tracer
+  echo 0 > $T/events/enable
+  # With perf in the guest (run.sh's GUEST_TOOLS=/usr/bin/perf): where each side's CPU time went
+  # in a run of 3,000 round trips, sampled on the CPU clock (TCG has no hardware counters).
+  if command -v perf >/dev/null; then
+    $IP netns exec b timeout 120 perf record -q -e cpu-clock -F 20000 -o /tmp/perf-b.data -- \
+      transfer --bench --listen 7490 --device rxe_b0 > /tmp/tsrv.log 2>&1 &
+    p=$!; wait_listen b 7490 $p
+    $IP netns exec a timeout 120 perf record -q -e cpu-clock -F 20000 -o /tmp/perf-a.data -- \
+      transfer --bench --connect 10.77.1.2:7490 --device rxe_a0 --lat --iters 3000 > /tmp/tcli.log 2>&1
+    wait $p
+    for s in a b; do
+      echo "RXE-PERF-BEGIN $s"
+      perf report -i /tmp/perf-$s.data --stdio --sort comm,dso,sym --percent-limit 0.25 2>/dev/null | grep -v '^#' | grep -v '^$' | head -100
+      echo "RXE-PERF-END $s"
+    done
+  fi
+  echo "RXE-TRACE clocksource at the end $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
+  dmesg | grep -i 'clocksource' | tail -3
+  result latency-trace 0
+}
 # bench_mooncake RUNS: Mooncake's write bench beside ours and perftest (ib_write_bw of the same
 # size) per configuration (/etc/gpudirect-mooncake: MC_CONFIGS "BATCH:THREADS ...", MC_SIZES,
 # MC_SECONDS): one batch of BATCH blocks a thread at a time, waited for, again for MC_SECONDS, on
@@ -619,7 +673,7 @@ while read -r kind name args; do
     bench-pair)  # bench-pair RUNS PARTS...: pingpong (ib_write_bw beside rdma_pingpong), transfer, mooncake
       for part in ${args:-pingpong transfer}; do
         nodes_up || { result two-node-bench 1; break; }
-        case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; latency) bench_latency $name ;; mooncake) bench_mooncake $name ;; esac
+        case $part in pingpong) bench_pair ;; transfer) bench_transfer $name ;; latency) bench_latency $name ;; trace) trace_latency ;; mooncake) bench_mooncake $name ;; esac
       done ;;
     nodes) /n-nodes.sh $name $args; result "n-nodes" $? ;;
     *) echo "unknown entry: $kind $name"; result "$kind" 1 ;;
