@@ -238,7 +238,7 @@ pub(super) struct Again {
     /// Offset in the registration.
     pub(super) off: usize,
     /// The remote descriptor's rkeys, one per device of the peer.
-    pub(super) rkeys: SmallVec<[u32; 4]>,
+    pub(super) rkeys: SmallVec<[u32; 8]>,
 }
 
 /// A message waiting to be posted.
