@@ -77,8 +77,9 @@ pub(crate) fn direct(
     let mut left: RailCounts = smallvec::smallvec![0; st.rails.len()];
     for c in &chunks {
         let wr = build_wr(&st, dir, &pairs, c, opts.notify)?;
-        // Checked here for every rail up: a message moved to another rail fits there too.
-        for &r in &up {
+        // Checked here for every other rail up: a message moved to another rail fits there too
+        // (its own rail's is the one just built).
+        for &r in up.iter().filter(|&&r| r != c.rail) {
             if let Some(Err(e)) = wr.on(&st.rails[r]) {
                 return Err(e);
             }
