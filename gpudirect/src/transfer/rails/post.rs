@@ -222,7 +222,11 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
     }
     // Notifications, in request order: none while one is in doubt (it may be sent again, and
     // must arrive before those after it).
-    let doubt = st.requests.values().any(|q| q.asking.is_some());
+    let doubt = st.in_doubt > 0;
+    debug_assert_eq!(
+        st.in_doubt,
+        st.requests.values().filter(|q| q.asking.is_some()).count()
+    );
     while let Some(&id) = st.notify_q.front()
         && !doubt
     {

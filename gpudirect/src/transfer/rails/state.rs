@@ -84,6 +84,9 @@ pub(crate) struct State {
     pub(super) rails: Vec<Rail>,
     pub(super) broken: Option<(Broken, Instant)>,
     pub(super) requests: HashMap<u64, Request>,
+    /// Requests whose notification is in doubt (`Request::asking` set): none are sent while
+    /// one is, and `pump` reads this instead of looking through every request.
+    pub(super) in_doubt: usize,
     pub(super) deadlines: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
     pub(super) notify_q: VecDeque<u64>,
     /// Per rail: failed or up, its credits and notification counts.
@@ -304,6 +307,7 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         rails,
         broken: None,
         requests: HashMap::new(),
+        in_doubt: 0,
         deadlines: BinaryHeap::new(),
         notify_q: VecDeque::new(),
         lanes: hellos
@@ -402,6 +406,7 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
             q.error = Some(cause.to_error());
         }
     }
+    st.in_doubt = 0;
     finish_done(st);
     inner.ep.failed(st);
 }
@@ -467,7 +472,9 @@ pub(super) fn fail_rail(inner: &Link, st: &mut State, r: usize, cause: Broken) {
         if let (Some(i), Some(q)) = (note, st.requests.get_mut(id))
             && q.error.is_none()
         {
-            q.asking = Some((r, *i, wr.clone()));
+            if q.asking.replace((r, *i, wr.clone())).is_none() {
+                st.in_doubt += 1;
+            }
             inner.counters[r].in_doubt.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -596,6 +603,7 @@ pub(super) fn answered(inner: &Link, st: &mut State, r: usize, n: u32) {
     for id in ids {
         let q = st.requests.get_mut(&id).expect("present");
         let (_, i, wr) = q.asking.take().expect("asking");
+        st.in_doubt = st.in_doubt.saturating_sub(1);
         let arrived = arrived(i, n);
         let parked = std::mem::take(&mut q.parked);
         if arrived {
@@ -754,6 +762,7 @@ pub(super) fn flush_gpu(ordinal: usize) -> Result<()> {
 /// After a failure: finish every request, flushed or not (the queue pairs keep what the NIC
 /// may still touch).
 pub(super) fn force_finish(st: &mut State) {
+    st.in_doubt = 0;
     for (_, mut q) in st.requests.drain() {
         q.posted = 0;
         if q.error.is_none() {
