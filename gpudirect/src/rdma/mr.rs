@@ -340,6 +340,15 @@ macro_rules! region_accessors {
         pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
             MrSlice::of(&self.inner, range)
         }
+
+        /// Whether [`slice`](Self::slice) of `range` would succeed, building nothing.
+        #[cfg_attr(
+            not(feature = "transfer"),
+            allow(dead_code, reason = "the transfer engine's check")
+        )]
+        pub(crate) fn check_slice(&self, range: impl RangeBounds<usize>) -> Result<()> {
+            MrSlice::check(&self.inner, range).map(|_| ())
+        }
     };
 }
 pub(crate) use region_accessors;
@@ -685,6 +694,16 @@ impl MrSlice {
     /// `range` of the region `mr` (checked: non-empty, in bounds, at most 2 GiB, and its
     /// addresses within 2^64).
     pub(crate) fn of(mr: &Arc<MrInner>, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+        let (start, end) = Self::check(mr, range)?;
+        Ok(MrSlice {
+            mr: mr.clone(),
+            offset: start,
+            len: (end - start) as u32,
+        })
+    }
+
+    /// The checks of [`of`](Self::of), building nothing: the range's start and end.
+    pub(crate) fn check(mr: &MrInner, range: impl RangeBounds<usize>) -> Result<(usize, usize)> {
         let (start, end) = bounds(range, mr.len)?;
         if (mr.addr as u64).checked_add(end as u64).is_none() {
             return Err(Error::invalid(
@@ -696,11 +715,7 @@ impl MrSlice {
                 ),
             ));
         }
-        Ok(MrSlice {
-            mr: mr.clone(),
-            offset: start,
-            len: (end - start) as u32,
-        })
+        Ok((start, end))
     }
 
     /// Offset in the region, in bytes.

@@ -338,13 +338,26 @@ pub(crate) enum RailMr {
 impl RailMr {
     /// `len` bytes at `offset` of the region, for a work request.
     pub(crate) fn slice(&self, offset: usize, len: usize) -> Result<MrSlice> {
-        let end = offset
-            .checked_add(len)
-            .ok_or_else(|| Error::invalid("range", offset, "offset plus length overflows"))?;
+        let end = Self::end(offset, len)?;
         match self {
             RailMr::Host(m) => m.slice(offset..end),
             RailMr::Gpu(m) => m.slice(offset..end),
         }
+    }
+
+    /// Whether [`slice`](Self::slice) would succeed, building nothing.
+    pub(crate) fn check_slice(&self, offset: usize, len: usize) -> Result<()> {
+        let end = Self::end(offset, len)?;
+        match self {
+            RailMr::Host(m) => m.check_slice(offset..end),
+            RailMr::Gpu(m) => m.check_slice(offset..end),
+        }
+    }
+
+    fn end(offset: usize, len: usize) -> Result<usize> {
+        offset
+            .checked_add(len)
+            .ok_or_else(|| Error::invalid("range", offset, "offset plus length overflows"))
     }
 
     pub(crate) fn rkey(&self) -> u32 {

@@ -80,9 +80,7 @@ pub(crate) fn direct(
         // Checked here for every other rail up: a message moved to another rail fits there too
         // (its own rail's is the one just built).
         for &r in up.iter().filter(|&&r| r != c.rail) {
-            if let Some(Err(e)) = wr.on(&st.rails[r]) {
-                return Err(e);
-            }
+            wr.fits(&st.rails[r])?;
         }
         if !c.imm {
             left[c.rail] += 1;

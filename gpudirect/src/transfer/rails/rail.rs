@@ -8,7 +8,7 @@ use crate::rdma::{
 };
 use crate::transfer::engine::PeerAccess;
 use crate::transfer::plan::Credits;
-use crate::transfer::region::Entry;
+use crate::transfer::region::{Entry, RailMr};
 use crate::transfer::request::{Broken, Direction};
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
@@ -241,6 +241,26 @@ pub(super) struct Again {
     pub(super) rkeys: SmallVec<[u32; 8]>,
 }
 
+impl Again {
+    /// The registration on `rail`'s device.
+    fn mr<'a>(&'a self, rail: &Rail) -> Result<&'a RailMr> {
+        self.entry.mrs.get(rail.device).ok_or_else(|| {
+            Error::invalid("rail", rail.device, "the memory is not registered there")
+        })
+    }
+
+    /// The remote memory's rkey on `rail`'s peer device (before the rail's renaming).
+    fn rkey(&self, rail: &Rail) -> Result<u32> {
+        self.rkeys.get(rail.peer_device).copied().ok_or_else(|| {
+            Error::invalid(
+                "rail",
+                rail.peer_device,
+                "the remote memory has no rkey there",
+            )
+        })
+    }
+}
+
 /// A message waiting to be posted.
 #[derive(Clone)]
 pub(super) enum Wr {
@@ -281,21 +301,25 @@ impl Wr {
         matches!(self, Wr::Write { imm: Some(_), .. })
     }
 
+    /// Whether [`on`](Self::on) would give the message for `rail`, building nothing.
+    pub(super) fn fits(&self, rail: &Rail) -> Result<()> {
+        match self {
+            Wr::Write { local, again, .. } | Wr::Read { local, again, .. } => {
+                again
+                    .mr(rail)?
+                    .check_slice(again.off, local.len() as usize)?;
+                again.rkey(rail).map(|_| ())
+            }
+            Wr::Credits(_) | Wr::Ctl(_) => Ok(()),
+        }
+    }
+
     /// The same data message for `rail` (its device's registration, the peer device's rkey),
     /// signaled: it may be a rail's last. `None` for other messages.
     pub(super) fn on(&self, rail: &Rail) -> Option<Result<Wr>> {
         let remake = |local: &MrSlice, remote: &RemoteSlice, again: &Again| -> Result<_> {
-            let mr = again.entry.mrs.get(rail.device).ok_or_else(|| {
-                Error::invalid("rail", rail.device, "the memory is not registered there")
-            })?;
-            let local = mr.slice(again.off, local.len() as usize)?;
-            let rkey = rail.peer_rkey(*again.rkeys.get(rail.peer_device).ok_or_else(|| {
-                Error::invalid(
-                    "rail",
-                    rail.peer_device,
-                    "the remote memory has no rkey there",
-                )
-            })?);
+            let local = again.mr(rail)?.slice(again.off, local.len() as usize)?;
+            let rkey = rail.peer_rkey(again.rkey(rail)?);
             Ok((local, RemoteSlice { rkey, ..*remote }))
         };
         Some(match self {
