@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 /// take the lock again. Run when dropped.
 #[derive(Default)]
 pub(crate) struct Wakes {
-    /// Requests finished, with their results (taken at every unlock: a few on the stack).
+    /// Requests finished, with their results (taken at the next unlock: a few on the stack).
     pub(crate) finished: smallvec::SmallVec<[(Arc<ReqShared>, Result<TransferReport>); 2]>,
     /// Notification waiters (a notification came, the endpoint failed, or their deadline
     /// passed).

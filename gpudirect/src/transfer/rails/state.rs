@@ -424,8 +424,8 @@ pub(super) fn notify_rail(st: &State, up: &[usize]) -> usize {
 /// Positions of rails (an endpoint's few on the stack).
 pub(super) type RailList = SmallVec<[usize; 8]>;
 
-/// A count per rail.
-pub(super) type RailCounts = SmallVec<[usize; 4]>;
+/// A count per rail (inline up to 8 rails, as [`RailList`]).
+pub(super) type RailCounts = SmallVec<[usize; 8]>;
 
 /// Rails up, in order.
 pub(super) fn up_rails(st: &State) -> RailList {
