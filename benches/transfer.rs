@@ -23,10 +23,12 @@
 //!   it, and again, for `--seconds` (or `--bytes` in all); MB/s over the time until every thread
 //!   stopped. The peer's target must hold `B * N * S` bytes (`--buffer` on the listening side).
 //! - Latency (`TRANSFER-BENCH write_lat size=8 usec=X`): half the round trip of an 8-byte write
-//!   with a notification answered by one (`ib_write_lat` reports the same half round trip);
-//!   medians of the client's `write` call (`post_usec`) and of its wait for the write once the
-//!   answer came (`wait_usec`); the listening side prints the medians of its turn (the answer
-//!   posted after the notification, `turn_usec`) and of its wait for the answer (`ack_usec`).
+//!   with a notification answered by one (`ib_write_lat` reports the same half round trip),
+//!   each side posting a request prepared once (`Endpoint::prepare`, as `ib_write_lat` builds
+//!   its work request once); medians of the client's post (`post_usec`) and of its wait for the
+//!   write once the answer came (`wait_usec`); the listening side prints the medians of its turn
+//!   (the answer posted after the notification, `turn_usec`) and of its wait for the answer
+//!   (`ack_usec`).
 //! - The listening side counts the bytes of its target that hold the client's pattern when the
 //!   run ends (`TRANSFER-BENCH target bytes_set=N`): the client's `span=` says how many it wrote.
 //! - Registration (`TRANSFER-BENCH register ...`): 1,000 buffers registered one by one and in one
@@ -39,7 +41,7 @@
 //! Without a verbs device it prints `SKIPPED: reason` and exits 0.
 
 use gpudirect::transfer::{
-    AuthKey, Buffer, Engine, EngineConfig, TransferListener, TransferOptions,
+    AuthKey, Buffer, Direction, Engine, EngineConfig, TransferListener, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip_example};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -265,6 +267,15 @@ fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<(
     let peer = ep.peer_descriptors()[0];
     // Answers carry the client's pattern: its source keeps it for the next write.
     let one = e.register(Buffer::host(vec![FILL; 8])?)?;
+    // Both answers checked once, posted at each ping.
+    let answer = |tag| {
+        ep.prepare(
+            Direction::Write,
+            vec![(one.range(0, 8)?, peer.range(0, 8)?)],
+            TransferOptions::notify(tag),
+        )
+    };
+    let (lat, done) = (answer(LAT)?, answer(DONE)?);
     // Per latency ping: from its notification to the answer posted, and the answer's wait.
     let (mut turn, mut ack) = (Vec::new(), Vec::new());
     // Allocations (all threads) from the first ping's notification seen to the end's.
@@ -298,10 +309,7 @@ fn serve(e: &Engine, l: &TransferListener, buffer: usize) -> gpudirect::Result<(
             }
             println!("TRANSFER-BENCH target bytes_set={set}");
         }
-        let t = ep.write(
-            vec![(one.range(0, 8)?, peer.range(0, 8)?)],
-            TransferOptions::notify(back),
-        )?;
+        let t = if back == LAT { &lat } else { &done }.post()?;
         let posted = Instant::now();
         t.wait()?;
         if n.tag == LAT {
@@ -334,13 +342,16 @@ fn client(e: &Engine, peer: &str, a: &Args) -> gpudirect::Result<()> {
         let mut samples = Vec::with_capacity(a.iters as usize);
         let n = a.iters as usize;
         let (mut post, mut done) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        // Checked once, posted at each round trip (as a caller after latency would).
+        let ping = ep.prepare(
+            Direction::Write,
+            vec![(src.range(0, 8)?, dst.range(0, 8)?)],
+            TransferOptions::notify(LAT),
+        )?;
         let before = allocs();
         for _ in 0..a.iters {
             let t0 = Instant::now();
-            let t = ep.write(
-                vec![(src.range(0, 8)?, dst.range(0, 8)?)],
-                TransferOptions::notify(LAT),
-            )?;
+            let t = ping.post()?;
             post.push(t0.elapsed());
             let n = ep.next_notification(TIMEOUT)?;
             let t1 = Instant::now();
