@@ -84,9 +84,34 @@ fn drain_sends(inner: &Link, st: &mut State, r: usize) -> bool {
     any
 }
 
-/// Poll every rail's CQs until empty; returns whether anything was found.
+/// Post again the receives earlier looks found used on rail `r`, then count them owed to
+/// the peer (its credits are returned only for receives posted); whether any were.
+fn repost(inner: &Link, st: &mut State, r: usize) -> bool {
+    let n = std::mem::take(&mut st.lanes[r].used);
+    if n == 0 || st.broken.is_some() || !st.lanes[r].up() {
+        return false;
+    }
+    let QpSlot::Rts(qp) = &mut st.rails[r].qp else {
+        return false;
+    };
+    if let Err(e) = qp.post_recv(note_receives(n)) {
+        fail_rail(inner, st, r, Broken::of(&e));
+        return false;
+    }
+    for _ in 0..n {
+        st.lanes[r].credits.on_received();
+    }
+    true
+}
+
+/// Poll every rail's CQs until empty; returns whether anything was found (or receives used
+/// before were posted again: their credits may now go back to the peer).
 pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
     let mut any = false;
+    // What earlier looks used: posted again here, after whatever the caller posted since.
+    for r in 0..st.rails.len() {
+        any |= repost(inner, st, r);
+    }
     let mut notes = Notes::new();
     // Control messages (rail, immediate), taken once every CQ was looked at: an answer counts
     // what the rail it names received, all of it.
@@ -101,7 +126,6 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                 continue;
             }
             any |= !got.is_empty();
-            let mut repost = 0;
             for (res, op, imm) in got.iter().map(|w| (w.result(), w.opcode(), w.imm())) {
                 if let Err(e) = res {
                     // Flushed receives after a failure, or the failure itself. A flush is a
@@ -128,8 +152,7 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                 if !up {
                     continue;
                 }
-                repost += 1;
-                st.lanes[r].credits.on_received();
+                st.lanes[r].used += 1;
                 match (op, imm) {
                     (WcOpcode::RecvRdmaWithImm, Some(_)) => {}
                     (WcOpcode::Recv, Some(c)) if c & CTL != 0 => ctl.push((r, c)),
@@ -148,14 +171,6 @@ pub(super) fn poll_all(inner: &Link, st: &mut State) -> bool {
                 }
             }
             st.wcs = got;
-            if repost > 0 && st.broken.is_none() {
-                let rail = &mut st.rails[r];
-                if let QpSlot::Rts(qp) = &mut rail.qp
-                    && let Err(e) = qp.post_recv(note_receives(repost))
-                {
-                    fail_rail(inner, st, r, Broken::of(&e));
-                }
-            }
         }
     }
     for (r, c) in ctl {

@@ -204,6 +204,10 @@ pub(super) struct Lane {
     /// nothing more is posted on it, and it fails once their completions are seen or
     /// [`GIVEN_UP_GRACE`] passed, whichever comes first.
     pub(super) given_up: Option<Instant>,
+    /// Receives the peer used here, to be posted again at the next look for completions
+    /// (not in the look that found them: a notification's answer goes first); owed to the
+    /// peer as credits only once posted.
+    pub(super) used: usize,
 }
 
 impl Lane {
@@ -217,6 +221,7 @@ impl Lane {
             asked: false,
             generation: 0,
             given_up: None,
+            used: 0,
         }
     }
 
