@@ -101,7 +101,7 @@ pub(crate) fn direct(
         notify: opts.notify,
         timeout,
         error: None,
-        rail_bytes: vec![0; st.rails.len()],
+        rail_bytes: smallvec::smallvec![0; st.rails.len()],
         messages: wrs.len() as u64,
         reposted: 0,
         started,
@@ -122,7 +122,23 @@ pub(crate) fn direct(
     };
     for (rail, wr, imm) in wrs {
         if imm {
-            req.held = Some(wr);
+            // Straight to its rail when `pump` would send it now (nothing in doubt or queued
+            // before it, no data on other rails to wait for, a credit): built for that rail
+            // just now, it is not made again.
+            debug_assert_eq!(
+                rail, note_rail,
+                "a notification goes on the notification rail"
+            );
+            if st.in_doubt == 0
+                && st.notify_q.is_empty()
+                && req.elsewhere() == 0
+                && st.lanes[note_rail].credits.can_notify()
+            {
+                st.lanes[note_rail].credits.take_notify();
+                st.rails[rail].pending.push_back((id, wr));
+            } else {
+                req.held = Some(wr);
+            }
         } else {
             st.rails[rail].pending.push_back((id, wr));
         }

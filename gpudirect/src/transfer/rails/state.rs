@@ -50,12 +50,13 @@ pub(super) struct Request {
     pub(super) notify: Option<u32>,
     pub(super) timeout: Duration,
     pub(super) error: Option<Error>,
-    pub(super) rail_bytes: Vec<u64>,
+    /// Inline up to 8 rails, as [`RailCounts`]; a `Vec` in the report.
+    pub(super) rail_bytes: SmallVec<[u64; 8]>,
     pub(super) messages: u64,
     /// Messages posted again on another rail after theirs failed.
     pub(super) reposted: u64,
     pub(super) started: Instant,
-    pub(super) paths: Vec<MemoryPath>,
+    pub(super) paths: SmallVec<[MemoryPath; 1]>,
     /// GPUs whose memory a read wrote: flushed before the read is reported done.
     pub(super) flush: Vec<usize>,
 }
@@ -742,8 +743,8 @@ fn finish(st: &mut State, q: Request) {
                 direction: q.dir,
                 bytes: q.rail_bytes.iter().sum(),
                 messages: q.messages,
-                rail_bytes: q.rail_bytes,
-                paths: q.paths,
+                rail_bytes: q.rail_bytes.into_vec(),
+                paths: q.paths.into_vec(),
                 elapsed: q.started.elapsed(),
                 notified: q.notify,
                 reposted: q.reposted,
