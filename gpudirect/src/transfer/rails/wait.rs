@@ -119,6 +119,11 @@ fn stop_locked(inner: &Link, st: &mut State, l: &mut Looking, done: bool) {
     st.looked = long_ago();
     if poll_all(inner, st) {
         pump(inner, st);
+        // Receives that look used are posted by the next one (their credits then go back):
+        // completions that came before the arming raise no event for the progress thread.
+        if poll_all(inner, st) {
+            pump(inner, st);
+        }
     }
     if !armed {
         inner.poke();
