@@ -4,7 +4,8 @@
 
 use super::rail::{Again, Posted, QpSlot, Wr};
 use super::state::{
-    Link, RailCounts, RailList, Request, State, check_rkeys, fail_rail, notify_rail, up_rails,
+    Link, RailCounts, RailList, Request, State, check_rkeys, fail_rail, notes_wait, notify_rail,
+    up_rails,
 };
 use crate::error::{Error, Result};
 use crate::rdma::{RemoteSlice, SendRequest};
@@ -122,20 +123,20 @@ pub(crate) fn direct(
     };
     for (rail, wr, imm) in wrs {
         if imm {
-            // Straight to its rail when `pump` would send it now (nothing in doubt or queued
-            // before it, no data on other rails to wait for, a credit): built for that rail
+            // Straight to its rail when `pump` would send it now (none queued before it, none
+            // waiting (`notes_wait`), no data on other rails to wait for, a credit): built for that rail
             // just now, it is not made again.
             debug_assert_eq!(
                 rail, note_rail,
                 "a notification goes on the notification rail"
             );
-            if st.in_doubt == 0
-                && st.notify_q.is_empty()
+            if st.notify_q.is_empty()
+                && !notes_wait(&st)
                 && req.elsewhere() == 0
                 && st.lanes[note_rail].credits.can_notify()
             {
                 st.lanes[note_rail].credits.take_notify();
-                st.rails[rail].pending.push_back((id, wr));
+                st.rails[note_rail].pending.push_back((id, wr));
             } else {
                 req.held = Some(wr);
             }
@@ -234,9 +235,9 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
     if st.broken.is_some() {
         return;
     }
-    // Notifications, in request order: none while one is in doubt (it may be sent again, and
-    // must arrive before those after it).
-    let doubt = st.in_doubt > 0;
+    // Notifications, in request order: none while one may be sent again (`notes_wait`): it
+    // must arrive before those after it.
+    let doubt = notes_wait(st);
     debug_assert_eq!(
         st.in_doubt,
         st.requests.values().filter(|q| q.asking.is_some()).count()
@@ -261,7 +262,9 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
             continue;
         }
         let r = req.note_rail;
-        if req.elsewhere() > 0 || !st.lanes[r].credits.can_notify() {
+        // A rail the peer gave up takes no more: the notification waits until the rail fails
+        // and it is moved (those after it wait too).
+        if req.elsewhere() > 0 || !st.lanes[r].usable() || !st.lanes[r].credits.can_notify() {
             break;
         }
         let wr = match held.on(&st.rails[r]) {

@@ -422,6 +422,19 @@ pub(super) fn notify_rail(st: &State, up: &[usize]) -> usize {
     }
 }
 
+/// Whether notifications wait to be sent: one is in doubt (it may be sent again), or one is
+/// posted or queued on a rail the peer gave up and not seen completed (it may yet fail, be in
+/// doubt and be sent again). Those after it must not arrive before it.
+pub(super) fn notes_wait(st: &State) -> bool {
+    st.in_doubt > 0
+        || st.lanes.iter().zip(&st.rails).any(|(lane, rail)| {
+            lane.given_up.is_some()
+                && lane.up()
+                && (rail.inflight.iter().any(|p| p.note.is_some())
+                    || rail.pending.iter().any(|(_, w)| w.is_note()))
+        })
+}
+
 /// Positions of rails (an endpoint's few on the stack).
 pub(super) type RailList = SmallVec<[usize; 8]>;
 
