@@ -124,17 +124,12 @@ pub(crate) fn direct(
     for (rail, wr, imm) in wrs {
         if imm {
             // Straight to its rail when `pump` would send it now (none queued before it, none
-            // waiting (`notes_wait`), no data on other rails to wait for, a credit): built for that rail
-            // just now, it is not made again.
+            // waiting, `note_can_go`): built for that rail just now, it is not made again.
             debug_assert_eq!(
                 rail, note_rail,
                 "a notification goes on the notification rail"
             );
-            if st.notify_q.is_empty()
-                && !notes_wait(&st)
-                && req.elsewhere() == 0
-                && st.lanes[note_rail].credits.can_notify()
-            {
+            if st.notify_q.is_empty() && !notes_wait(&st) && req.note_can_go(&st.lanes) {
                 st.lanes[note_rail].credits.take_notify();
                 st.rails[note_rail].pending.push_back((id, wr));
             } else {
@@ -262,9 +257,9 @@ pub(super) fn pump(inner: &Link, st: &mut State) {
             continue;
         }
         let r = req.note_rail;
-        // A rail the peer gave up takes no more: the notification waits until the rail fails
-        // and it is moved (those after it wait too).
-        if req.elsewhere() > 0 || !st.lanes[r].usable() || !st.lanes[r].credits.can_notify() {
+        // On a rail the peer gave up, it waits until the rail fails and moves it (those after
+        // it wait too).
+        if !req.note_can_go(&st.lanes) {
             break;
         }
         let wr = match held.on(&st.rails[r]) {

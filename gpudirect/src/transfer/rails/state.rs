@@ -79,6 +79,14 @@ impl Request {
             .map(|(_, n)| n)
             .sum()
     }
+
+    /// Whether its notification may go now, as far as the request itself goes: no data left
+    /// on other rails, its rail usable (one the peer gave up takes no more), a credit there.
+    /// The endpoint's own order comes first (`notes_wait`, earlier notifications queued).
+    pub(super) fn note_can_go(&self, lanes: &[Lane]) -> bool {
+        let lane = &lanes[self.note_rail];
+        self.elsewhere() == 0 && lane.usable() && lane.credits.can_notify()
+    }
 }
 
 pub(crate) struct State {
