@@ -609,6 +609,147 @@ fn t5_registration_cache_hits_and_no_stale_hit() {
     }
 }
 
+/// Prepared requests posted again and again, each post moving the bytes its source holds then
+/// (new random bytes every time, compared exactly): an 8-byte notified write (inline), a
+/// 4097-byte write without notification posted twice in a row (the round robin takes each rail
+/// once: a set of messages kept per slot), two pairs striped over both rails with a
+/// notification, and a read into a poisoned region.
+#[test]
+fn t5b_prepared_requests_move_new_bytes_at_every_post() {
+    let n = two_nodes!();
+    let e = n.engine();
+    const SIZE: usize = 1 << 20;
+    const STRIPE: u64 = 384 << 10;
+    const AT_C: u64 = 64 << 10;
+    const READ: usize = 100_000;
+    const ROUNDS: u64 = 12;
+    const PREP_A: u32 = 0xA11;
+    const PREP_B: u32 = 0xB22;
+    const PREP_C: u32 = 0xC33;
+    let k = 14;
+    if n.server {
+        let target = e.register(Buffer::host(vec![0u8; SIZE]).unwrap()).unwrap();
+        let sr = seed();
+        let readable = host(&e, &pattern(sr, READ));
+        let ep = n.accept(
+            &e,
+            k,
+            &[target.descriptor().unwrap(), readable.descriptor().unwrap()],
+        );
+        let peer = ep.peer_descriptors()[0];
+        say(&ep, &readable, &peer, sr as u32);
+        let base = u64::from(note(&ep));
+        let check = |at: u64, len: usize, s: u64, what: &str| {
+            let mut got = vec![0u8; len];
+            target.read_at(at as usize, &mut got).unwrap();
+            assert!(got == pattern(s, len), "{what}: the bytes differ");
+        };
+        for (tag, at, len, off) in [
+            (PREP_A, 8, 8, 0),
+            (PREP_B, 4096, 4097, 100),
+            (PREP_C, AT_C, 2 * STRIPE as usize, 200),
+        ] {
+            for i in 0..ROUNDS {
+                assert_eq!(note(&ep), tag, "round {i} of {tag:#x}");
+                check(at, len, base + off + i, &format!("{tag:#x} round {i}"));
+                say(&ep, &readable, &peer, ACK);
+            }
+            println!("server: {ROUNDS} posts of {tag:#x} ({len} bytes) verified");
+        }
+        wait_bye(&ep);
+    } else {
+        let scratch = e.register(Buffer::host(vec![0u8; 64]).unwrap()).unwrap();
+        let ep = n.connect(&e, k, 2, &[scratch.descriptor().unwrap()]);
+        let peer = ep.peer_descriptors();
+        let sr = u64::from(note(&ep));
+        let base = seed() as u32;
+        say(&ep, &scratch, &peer[0], base);
+        let base = u64::from(base);
+        let sa = host(&e, &[0u8; 8]);
+        let sb = host(&e, &[0u8; 4097]);
+        let sc = host(&e, &vec![0u8; 2 * STRIPE as usize]);
+        let a = ep
+            .prepare(
+                Direction::Write,
+                vec![(sa.all(), peer[0].range(8, 8).unwrap())],
+                TransferOptions::notify(PREP_A),
+            )
+            .unwrap();
+        let b = ep
+            .prepare(
+                Direction::Write,
+                vec![(sb.all(), peer[0].range(4096, 4097).unwrap())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        let c = ep
+            .prepare(
+                Direction::Write,
+                vec![
+                    (
+                        sc.range(0, STRIPE).unwrap(),
+                        peer[0].range(AT_C, STRIPE).unwrap(),
+                    ),
+                    (
+                        sc.range(STRIPE, STRIPE).unwrap(),
+                        peer[0].range(AT_C + STRIPE, STRIPE).unwrap(),
+                    ),
+                ],
+                TransferOptions::notify(PREP_C),
+            )
+            .unwrap();
+        for i in 0..ROUNDS {
+            sa.write_at(0, &pattern(base + i, 8)).unwrap();
+            let r = a.run().unwrap();
+            assert_eq!((r.bytes, r.messages), (8, 1));
+            wait_ack(&ep);
+        }
+        for i in 0..ROUNDS {
+            sb.write_at(0, &pattern(base + 100 + i, 4097)).unwrap();
+            // Twice in a row: consecutive requests take the rails in turn.
+            let mut rails = Vec::new();
+            for _ in 0..2 {
+                let r = b.run().unwrap();
+                assert_eq!(r.bytes, 4097);
+                rails.extend(r.rails_used());
+            }
+            rails.sort();
+            assert_eq!(rails, vec![0, 1], "post pair {i}: one post on each rail");
+            say(&ep, &scratch, &peer[0], PREP_B);
+            wait_ack(&ep);
+        }
+        for i in 0..ROUNDS {
+            sc.write_at(0, &pattern(base + 200 + i, 2 * STRIPE as usize))
+                .unwrap();
+            let r = c.run().unwrap();
+            assert_eq!(r.bytes, 2 * STRIPE);
+            assert_eq!(r.rails_used(), vec![0, 1], "striped over both rails");
+            wait_ack(&ep);
+        }
+        let into = e.register(Buffer::host(vec![0u8; READ]).unwrap()).unwrap();
+        let d = ep
+            .prepare(
+                Direction::Read,
+                vec![(into.all(), peer[1].all())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        for i in 0..ROUNDS {
+            into.write_at(0, &vec![0xEE; READ]).unwrap();
+            assert_eq!(d.run().unwrap().bytes, READ as u64);
+            assert!(
+                into.to_vec().unwrap() == pattern(sr, READ),
+                "read {i}: the bytes differ"
+            );
+        }
+        println!(
+            "client: {ROUNDS} posts each of four prepared requests verified; rails {:?}",
+            ep.rail_stats()
+        );
+        bye(&ep, &scratch, &peer[0]);
+    }
+}
+
 /// A wrong rkey ends that endpoint's transfer with a typed remote access error within its
 /// deadline; another endpoint to the same peer carries on; the broken one reconnects and works.
 #[test]

@@ -114,6 +114,10 @@ pub struct SendRequest<'a> {
     pub(crate) fence: bool,
     pub(crate) tag: u64,
     pub(crate) flag: Option<CompletionFlag>,
+    /// `IBV_SEND_INLINE` on a send or write of registered host memory ([`inline_host`]).
+    ///
+    /// [`inline_host`]: Self::inline_host
+    pub(crate) inline: bool,
 }
 
 impl<'a> SendRequest<'a> {
@@ -127,7 +131,21 @@ impl<'a> SendRequest<'a> {
             fence: false,
             tag: 0,
             flag: None,
+            inline: false,
         }
+    }
+
+    /// `IBV_SEND_INLINE` on a send or RDMA write of registered memory: the provider copies the
+    /// bytes into the request during the post, with CPU loads (as a NIC would read them), so
+    /// the NIC fetches nothing later. At most the QP's `max_inline_data` bytes (checked when
+    /// posted).
+    ///
+    /// Only for host memory: the caller makes sure no slice lies in GPU memory, which the CPU
+    /// cannot load from.
+    #[cfg_attr(not(feature = "transfer"), allow(dead_code))]
+    pub(crate) fn inline_host(mut self) -> Self {
+        self.inline = true;
+        self
     }
 
     /// `IBV_WR_SEND`: send `local` to the peer's next posted receive.
@@ -278,6 +296,16 @@ impl<'a> SendRequest<'a> {
                 "RDMA read and atomic results need a region with LOCAL_WRITE",
             ));
         }
+        if self.inline
+            && (!matches!(self.kind, Kind::Send | Kind::Write(_))
+                || self.sg.total_len() > max_inline as u64)
+        {
+            return Err(Error::invalid(
+                "inline",
+                format!("{} bytes", self.sg.total_len()),
+                format!("inline goes with sends and writes of at most {max_inline} bytes here"),
+            ));
+        }
         match self.kind {
             Kind::SendInline(d) | Kind::WriteInline(d, _) if d.len() as u64 > max_inline as u64 => {
                 return Err(Error::invalid(
@@ -354,6 +382,9 @@ impl<'a> SendRequest<'a> {
         }
         if self.fence {
             flags |= ibv::IBV_SEND_FENCE;
+        }
+        if self.inline {
+            flags |= ibv::IBV_SEND_INLINE;
         }
         if let Some(imm) = self.imm {
             wr.__bindgen_anon_1.imm_data = imm.to_be();
@@ -514,7 +545,7 @@ mod tests {
             kind in 0u8..7, r in remote(), max_sge in 0u32..4, max_inline in 0u32..300,
             cuts in proptest::collection::vec((0usize..4096, 1usize..4096), 0..4),
             inline_len in 0usize..400, write_access in any::<bool>(), imm in any::<bool>(),
-            cmp in any::<u64>(),
+            cmp in any::<u64>(), host_inline in any::<bool>(),
         ) {
             let access = if write_access { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
             let mr = fake_region(0x1000, 8192, access);
@@ -535,6 +566,7 @@ mod tests {
                     sl.first().cloned().unwrap_or_else(|| MrSlice::of(&mr, ..8).unwrap()), r, cmp),
             };
             let w = if imm { w.with_imm(5) } else { w };
+            let w = if host_inline { w.inline_host() } else { w };
             let n = w.sg.slices().len() as u32;
             let total: u64 = w.sg.slices().iter().map(|s| s.len() as u64).sum();
             let remote_ok = r.addr.checked_add(r.len as u64).is_some() && r.len as u64 <= 1 << 31;
@@ -550,7 +582,9 @@ mod tests {
                     _ => remote_ok && r.addr % 8 == 0 && r.len >= 8 && total == 8 && n == 1
                         && write_access,
                 }
-                && (!imm || kind <= 3);
+                && (!imm || kind <= 3)
+                // Inline registered memory: sends and writes of slices, within max_inline.
+                && (!host_inline || ((kind == 0 || kind == 2) && total <= max_inline as u64));
             match w.validate(max_sge, max_inline) {
                 Ok(()) => prop_assert!(ok, "accepted {:?}", w),
                 Err(Error::InvalidArgument { .. }) => prop_assert!(!ok, "refused {:?}", w),

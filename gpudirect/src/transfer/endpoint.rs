@@ -310,11 +310,24 @@ impl Endpoint {
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
     ) -> Result<Transfer> {
+        let bytes = pairs.iter().map(|(l, _)| l.len()).sum();
+        self.metered(dir, bytes, || {
+            self.transport().transfer(self, dir, pairs, opts)
+        })
+    }
+
+    /// A request of `bytes` made (or made and waited for) by `make`, refused once the peer
+    /// left, counted in the endpoint's metrics (queued or refused).
+    pub(crate) fn metered<T>(
+        &self,
+        dir: Direction,
+        bytes: u64,
+        make: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         if let Some(e) = self.left() {
             return Err(e);
         }
-        let bytes = pairs.iter().map(|(l, _)| l.len()).sum();
-        let r = self.transport().transfer(self, dir, pairs, opts);
+        let r = make();
         let m = self.meter();
         m.request(dir, bytes, r.is_ok());
         if m.rails_due() {

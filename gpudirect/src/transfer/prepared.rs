@@ -6,11 +6,11 @@ use super::endpoint::{Endpoint, WeakEndpoint};
 #[cfg(feature = "p2p")]
 use super::local::Ready;
 use super::pending::Transfer;
+use super::rails::Ready as RailsReady;
 use super::region::LocalRange;
 use super::request::{
     Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
 };
-#[cfg(feature = "p2p")]
 use super::transport::Transport;
 use crate::error::Result;
 
@@ -19,8 +19,11 @@ use crate::error::Result;
 /// blocks, a gradient buffer every step).
 ///
 /// Inside a node, posting repeats no check and no lookup: the ranges were checked, the peer's
-/// allocations mapped (and held) and the copy streams found when it was prepared. Across nodes
-/// a post is [`transfer`](Endpoint::transfer) of the same pairs (its checks included).
+/// allocations mapped (and held) and the copy streams found when it was prepared. Across nodes,
+/// on registered memory, the request's messages (work requests for each rail) are planned and
+/// built at its first post and posted as built while the rails stay as they were (the same
+/// rails usable, none taken back, no reconnect); otherwise they are built again. On staged
+/// memory a post is [`transfer`](Endpoint::transfer) of the same pairs.
 ///
 /// It does not keep the endpoint open: once every clone of the endpoint is gone, a post is
 /// refused.
@@ -35,6 +38,9 @@ pub struct PreparedTransfer {
 enum How {
     #[cfg(feature = "p2p")]
     Local(Ready),
+    /// Registered memory across nodes: its messages built once per layout of the rails.
+    Rails(Box<RailsReady>),
+    /// Staged memory across nodes: a new request each time.
     Pairs(Vec<(LocalRange, RemoteRange)>),
 }
 
@@ -71,15 +77,19 @@ impl Endpoint {
             bytes,
             how,
         };
-        #[cfg(feature = "p2p")]
-        if let Transport::Local(local) = self.transport() {
-            let ready = local.ready(dir, pairs, bytes, opts)?;
-            return Ok(made(How::Local(ready)));
+        match self.transport() {
+            #[cfg(feature = "p2p")]
+            Transport::Local(local) => {
+                let ready = local.ready(dir, pairs, bytes, opts)?;
+                Ok(made(How::Local(ready)))
+            }
+            // Across nodes, what a post checks before any NIC work (the rkeys against the
+            // peer's devices too), once here.
+            Transport::Rails(rails) => Ok(made(match rails.ready(dir, &pairs, opts)? {
+                Some(ready) => How::Rails(Box::new(ready)),
+                None => How::Pairs(pairs),
+            })),
         }
-        // Across nodes, what a post checks before any NIC work (the rkeys against the peer's
-        // devices too), once here.
-        self.transport().check_request(dir, &pairs, &opts)?;
-        Ok(made(How::Pairs(pairs)))
     }
 }
 
@@ -102,10 +112,15 @@ impl PreparedTransfer {
         let ep = self.endpoint()?;
         match &self.how {
             #[cfg(feature = "p2p")]
-            How::Local(r) => match ep.transport() {
+            How::Local(r) => ep.metered(self.dir, self.bytes, || match ep.transport() {
                 Transport::Local(local) => local.post(r),
                 _ => Err(Broken::Closed.to_error()),
-            },
+            }),
+            How::Rails(r) => ep.metered(self.dir, self.bytes, || match ep.transport() {
+                Transport::Rails(rails) => rails.post_ready(r),
+                #[cfg(feature = "p2p")]
+                _ => Err(Broken::Closed.to_error()),
+            }),
             How::Pairs(pairs) => ep.transfer(self.dir, pairs.clone(), self.opts),
         }
     }
@@ -137,11 +152,14 @@ impl PreparedTransfer {
     pub fn run(&self) -> Result<TransferReport> {
         match &self.how {
             #[cfg(feature = "p2p")]
-            How::Local(r) => match self.endpoint()?.transport() {
-                Transport::Local(local) => local.run(r),
-                _ => Err(Broken::Closed.to_error()),
-            },
-            How::Pairs(_) => self.post()?.wait(),
+            How::Local(r) => {
+                let ep = self.endpoint()?;
+                ep.metered(self.dir, self.bytes, || match ep.transport() {
+                    Transport::Local(local) => local.run(r),
+                    _ => Err(Broken::Closed.to_error()),
+                })
+            }
+            How::Rails(_) | How::Pairs(_) => self.post()?.wait(),
         }
     }
 
@@ -177,7 +195,7 @@ impl std::fmt::Debug for PreparedTransfer {
                 &match self.how {
                     #[cfg(feature = "p2p")]
                     How::Local(_) => true,
-                    How::Pairs(_) => false,
+                    How::Rails(_) | How::Pairs(_) => false,
                 },
             )
             .finish()

@@ -5,12 +5,12 @@
 use super::back::restore;
 use super::grant::grant;
 use super::handshake::dial;
-use super::post::check_request;
+use super::post::{Ready, check_request};
 use super::progress::{close, drain_after_close, progress_loop};
 use super::rail::{RailFailure, RailState, RailStats, TICK};
 use super::staging::staged;
 use super::state::{Connected, Link, Origin, State, break_endpoint, force_finish, new_state};
-use super::wait::{look_for_note, next_notification, request};
+use super::wait::{look_for_note, next_notification, request, request_ready};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::{MemoryDescriptor, RemoteRange};
@@ -100,6 +100,35 @@ impl Rails {
         } else {
             request(&self.link, dir, pairs, opts)
         }
+    }
+
+    /// A request on registered memory checked once, to be posted many times with its messages
+    /// built once per layout of the rails; `None` for staged memory (posted as a new request
+    /// each time).
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::prepare`](crate::transfer::Endpoint::prepare).
+    pub(crate) fn ready(
+        &self,
+        dir: Direction,
+        pairs: &[(LocalRange, RemoteRange)],
+        opts: TransferOptions,
+    ) -> Result<Option<Ready>> {
+        check_request(&self.link, dir, pairs, &opts)?;
+        if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
+            return Ok(None);
+        }
+        Ready::new(&self.link, dir, pairs.to_vec(), opts).map(Some)
+    }
+
+    /// Post a prepared request ([`ready`](Self::ready)) again.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::transfer`](crate::transfer::Endpoint::transfer).
+    pub(crate) fn post_ready(&self, ready: &Ready) -> Result<Transfer> {
+        request_ready(&self.link, ready)
     }
 
     /// The checks a request passes before anything is queued, queueing nothing.

@@ -6,7 +6,7 @@
 //! taken back proves the endpoint's session secret instead of the key, and swaps window
 //! messages (the windows it had, bound again) instead of descriptors.
 
-use super::rail::{NOTIFY_RAIL, QpSlot, Rail, note_receives};
+use super::rail::{INLINE_MAX, NOTIFY_RAIL, QpSlot, Rail, note_receives};
 use super::state::{Connected, Origin};
 use super::windows::{bind_for_peer, bind_ranges, count_bound, merge_descriptors};
 use crate::error::{Error, Result};
@@ -161,7 +161,7 @@ pub(super) fn conn_opts(e: &EngineInner) -> ConnectOptions {
             max_recv_wr: e.config.notify_depth + 2,
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: 64,
+            max_inline_data: INLINE_MAX,
             signal_every: 0,
         },
         // Nothing until the peer is authenticated: `greet` grants `PEER_ACCESS` then.

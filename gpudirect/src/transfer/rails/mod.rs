@@ -47,4 +47,5 @@ mod windows;
 pub(crate) use handle::Rails;
 pub use listen::ListenerStats;
 pub(crate) use listen::{Listener, connect, listen};
+pub(crate) use post::Ready;
 pub use rail::{RailFailure, RailState, RailStats};

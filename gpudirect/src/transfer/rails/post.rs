@@ -2,7 +2,7 @@
 //! and posted within each rail's window; notifications held until the other rails are done and
 //! sent against the peer's credits.
 
-use super::rail::{Again, Posted, QpSlot, Wr};
+use super::rail::{Again, INLINE_MAX, Posted, QpSlot, Wr};
 use super::state::{
     Link, RailCounts, RailList, Request, State, check_rkeys, fail_rail, notes_wait, notify_rail,
     up_rails,
@@ -12,12 +12,13 @@ use crate::rdma::{RemoteSlice, SendRequest};
 use crate::transfer::descriptor::RemoteRange;
 use crate::transfer::pending::{ReqShared, Transfer};
 use crate::transfer::plan::{Chunk, PlanInput, deadline_after, plan};
-use crate::transfer::region::LocalRange;
+use crate::transfer::region::{LocalRange, MemoryPath};
 use crate::transfer::request::{
     Broken, Direction, FLUSH_WAIT, TransferOptions, check_pairs, check_same_engine,
 };
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The request on registered memory (what
@@ -30,8 +31,45 @@ pub(crate) fn direct(
     opts: TransferOptions,
 ) -> Result<Transfer> {
     let e = &inner.ep.engine.inner;
-    check_pairs(dir, &pairs, &opts)?;
-    check_same_engine(e.engine_id, &pairs)?;
+    check_direct(e.engine_id, dir, &pairs, &opts)?;
+    let lens: SmallVec<[u64; 4]> = pairs.iter().map(|(l, _)| l.len).collect();
+    let (shared, started, timeout, deadline) = timing(inner, &opts);
+    let mut st = inner.lock();
+    if let Some((b, _)) = &st.broken {
+        return Err(b.to_error());
+    }
+    check_rkeys(&pairs, st.peer_devices)?;
+    let route = route(
+        &mut st,
+        &pairs,
+        &lens,
+        opts.notify.is_some(),
+        e.config.stripe_min,
+    );
+    let built = build(&st, inner, dir, &pairs, &lens, opts.notify, &route)?;
+    let job = Job {
+        shared: &shared,
+        dir,
+        notify: opts.notify,
+        started,
+        timeout,
+        deadline,
+    };
+    enqueue(inner, &mut st, &job, built);
+    drop(st);
+    let regions = pairs.into_iter().map(|(l, _)| l.region).collect();
+    Ok(Transfer::started("transfer", shared, regions))
+}
+
+/// What [`direct`] refuses before it takes the lock (a prepared request passed them once).
+fn check_direct(
+    engine: u64,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    opts: &TransferOptions,
+) -> Result<()> {
+    check_pairs(dir, pairs, opts)?;
+    check_same_engine(engine, pairs)?;
     if let Some(i) = pairs
         .iter()
         .position(|(l, _)| l.region.entry.mrs.is_empty())
@@ -42,19 +80,39 @@ pub(crate) fn direct(
             "staged memory goes through the staged path",
         ));
     }
-    let timeout = opts.deadline.unwrap_or(e.config.deadline);
+    Ok(())
+}
+
+/// A new request's shared state, when it started, its timeout and its deadline.
+fn timing(inner: &Link, opts: &TransferOptions) -> (Arc<ReqShared>, Instant, Duration, Instant) {
+    let timeout = opts
+        .deadline
+        .unwrap_or(inner.ep.engine.inner.config.deadline);
     let started = Instant::now();
     let deadline = deadline_after(started, timeout);
-    let lens: SmallVec<[u64; 4]> = pairs.iter().map(|(l, _)| l.len).collect();
     let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
-    let mut st = inner.lock();
-    if let Some((b, _)) = &st.broken {
-        return Err(b.to_error());
-    }
-    check_rkeys(&pairs, st.peer_devices)?;
-    // Rails up nearest the first pair's memory, among the endpoint's.
+    (shared, started, timeout, deadline)
+}
+
+/// Where a request goes: the rails up nearest its first pair's memory (among the endpoint's),
+/// the notification rail, and which of them an unstriped request without notification takes
+/// (the endpoint's round robin, advanced here; 0 where the plan does not ask).
+struct Route {
+    up: RailList,
+    rails: RailList,
+    note_rail: usize,
+    slot: usize,
+}
+
+fn route(
+    st: &mut State,
+    pairs: &[(LocalRange, RemoteRange)],
+    lens: &[u64],
+    notify: bool,
+    stripe_min: u64,
+) -> Route {
     let preferred = &pairs[0].0.region.entry.preferred;
-    let up = up_rails(&st);
+    let up = up_rails(st);
     let mut rails: RailList = up
         .iter()
         .copied()
@@ -63,24 +121,61 @@ pub(crate) fn direct(
     if rails.is_empty() {
         rails = up.clone();
     }
-    let note_rail = notify_rail(&st, &up);
+    let note_rail = notify_rail(st, &up);
     let turn = st.turn;
     st.turn = st.turn.wrapping_add(1);
+    // The plan reads the turn only for an unstriped request without notification on several
+    // rails (a sum that overflows is refused by the plan).
+    let total = lens.iter().fold(0u64, |a, &l| a.saturating_add(l));
+    let slot = if !notify && rails.len() > 1 && total < stripe_min {
+        turn % rails.len()
+    } else {
+        0
+    };
+    Route {
+        up,
+        rails,
+        note_rail,
+        slot,
+    }
+}
+
+/// A request's messages built for the rails as they are: each with its rail and whether it
+/// carries the notification; the data messages per rail; where the memory is; the GPUs a read
+/// flushes.
+#[derive(Clone)]
+pub(super) struct Built {
+    wrs: SmallVec<[(usize, Wr, bool); 2]>,
+    left: RailCounts,
+    note_rail: usize,
+    paths: SmallVec<[MemoryPath; 1]>,
+    flush: Vec<usize>,
+}
+
+fn build(
+    st: &State,
+    inner: &Link,
+    dir: Direction,
+    pairs: &[(LocalRange, RemoteRange)],
+    lens: &[u64],
+    notify: Option<u32>,
+    route: &Route,
+) -> Result<Built> {
     let chunks = plan(&PlanInput {
-        lens: &lens,
+        lens,
         max_message: st.max_message,
-        rails: &rails,
-        stripe_min: e.config.stripe_min,
-        notify_rail: opts.notify.map(|_| note_rail),
-        turn,
+        rails: &route.rails,
+        stripe_min: inner.ep.engine.inner.config.stripe_min,
+        notify_rail: notify.map(|_| route.note_rail),
+        turn: route.slot,
     })?;
     let mut wrs: SmallVec<[(usize, Wr, bool); 2]> = SmallVec::with_capacity(chunks.len());
     let mut left: RailCounts = smallvec::smallvec![0; st.rails.len()];
     for c in &chunks {
-        let wr = build_wr(&st, dir, &pairs, c, opts.notify)?;
+        let wr = build_wr(st, dir, pairs, c, notify)?;
         // Checked here for every other rail up: a message moved to another rail fits there too
         // (its own rail's is the one just built).
-        for &r in up.iter().filter(|&&r| r != c.rail) {
+        for &r in route.up.iter().filter(|&&r| r != c.rail) {
             wr.fits(&st.rails[r])?;
         }
         if !c.imm {
@@ -88,24 +183,10 @@ pub(crate) fn direct(
         }
         wrs.push((c.rail, wr, c.imm));
     }
-    let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
-    let mut req = Request {
-        shared: shared.clone(),
-        dir,
-        unposted: wrs.len(),
-        posted: 0,
+    Ok(Built {
+        wrs,
         left,
-        note_rail,
-        held: None,
-        asking: None,
-        parked: Vec::new(),
-        notify: opts.notify,
-        timeout,
-        error: None,
-        rail_bytes: smallvec::smallvec![0; st.rails.len()],
-        messages: wrs.len() as u64,
-        reposted: 0,
-        started,
+        note_rail: route.note_rail,
         paths: pairs
             .iter()
             .map(|(l, _)| l.region.entry.path.clone())
@@ -120,16 +201,58 @@ pub(crate) fn direct(
         } else {
             Vec::new()
         },
+    })
+}
+
+/// A request about to be queued: its shared state, direction, notification and times.
+struct Job<'a> {
+    shared: &'a Arc<ReqShared>,
+    dir: Direction,
+    notify: Option<u32>,
+    started: Instant,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+/// Queue `built` as a new request and post what fits.
+fn enqueue(inner: &Link, st: &mut State, job: &Job<'_>, built: Built) {
+    let Built {
+        wrs,
+        left,
+        note_rail,
+        paths,
+        flush,
+    } = built;
+    let id = inner.next_req.fetch_add(1, Ordering::Relaxed);
+    let mut req = Request {
+        shared: job.shared.clone(),
+        dir: job.dir,
+        unposted: wrs.len(),
+        posted: 0,
+        left,
+        note_rail,
+        held: None,
+        asking: None,
+        parked: Vec::new(),
+        notify: job.notify,
+        timeout: job.timeout,
+        error: None,
+        rail_bytes: smallvec::smallvec![0; st.rails.len()],
+        messages: wrs.len() as u64,
+        reposted: 0,
+        started: job.started,
+        paths,
+        flush,
     };
     for (rail, wr, imm) in wrs {
         if imm {
             // Straight to its rail when `pump` would send it now (none queued before it, none
-            // waiting, `note_can_go`): built for that rail just now, it is not made again.
+            // waiting, `note_can_go`): built for that rail, it is not made again.
             debug_assert_eq!(
                 rail, note_rail,
                 "a notification goes on the notification rail"
             );
-            if st.notify_q.is_empty() && !notes_wait(&st) && req.note_can_go(&st.lanes) {
+            if st.notify_q.is_empty() && !notes_wait(st) && req.note_can_go(&st.lanes) {
                 st.lanes[note_rail].credits.take_notify();
                 st.rails[note_rail].pending.push_back((id, wr));
             } else {
@@ -143,11 +266,124 @@ pub(crate) fn direct(
         st.notify_q.push_back(id);
     }
     st.requests.insert(id, req);
-    st.deadlines.push(std::cmp::Reverse((deadline, id)));
-    pump(inner, &mut st);
-    inner.gauge(&st);
+    st.deadlines.push(std::cmp::Reverse((job.deadline, id)));
+    pump(inner, st);
+    inner.gauge(st);
+}
+
+/// A request on registered memory checked once ([`Endpoint::prepare`]) and posted many times:
+/// its messages are planned and built once per layout of the rails and posted as built while
+/// that layout holds. A layout is the endpoint's state (a reconnect makes a new one), each
+/// rail usable or not and its generation (a rail taken back has new rkeys for the peer's
+/// memory), the notification rail, and the round-robin slot the plan took.
+///
+/// [`Endpoint::prepare`]: crate::transfer::Endpoint::prepare
+pub(crate) struct Ready {
+    dir: Direction,
+    pairs: Vec<(LocalRange, RemoteRange)>,
+    opts: TransferOptions,
+    lens: SmallVec<[u64; 4]>,
+    /// Built per layout: at most one per slot of the current layout.
+    built: Mutex<SmallVec<[(Layout, Built); 1]>>,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+struct Layout {
+    state: u64,
+    note_rail: usize,
+    slot: usize,
+    lanes: SmallVec<[(bool, u32); 8]>,
+}
+
+impl Layout {
+    /// The same rails, whatever the slot.
+    fn same_rails(&self, o: &Layout) -> bool {
+        self.state == o.state && self.note_rail == o.note_rail && self.lanes == o.lanes
+    }
+}
+
+impl Ready {
+    /// `pairs` checked as [`direct`] checks them before it takes the lock.
+    ///
+    /// # Errors
+    ///
+    /// As [`direct`]'s checks; [`Error::InvalidArgument`] for staged memory.
+    pub(crate) fn new(
+        inner: &Link,
+        dir: Direction,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+        opts: TransferOptions,
+    ) -> Result<Ready> {
+        check_direct(inner.ep.engine.inner.engine_id, dir, &pairs, &opts)?;
+        Ok(Ready {
+            dir,
+            lens: pairs.iter().map(|(l, _)| l.len).collect(),
+            pairs,
+            opts,
+            built: Mutex::new(SmallVec::new()),
+        })
+    }
+}
+
+/// Post `ready` again: [`direct`] with its messages as built for this layout of the rails
+/// (built now, and kept, when none was).
+pub(crate) fn post_ready(inner: &Link, ready: &Ready) -> Result<Transfer> {
+    let (shared, started, timeout, deadline) = timing(inner, &ready.opts);
+    let mut st = inner.lock();
+    if let Some((b, _)) = &st.broken {
+        return Err(b.to_error());
+    }
+    let notify = ready.opts.notify;
+    let stripe_min = inner.ep.engine.inner.config.stripe_min;
+    let route = route(
+        &mut st,
+        &ready.pairs,
+        &ready.lens,
+        notify.is_some(),
+        stripe_min,
+    );
+    let layout = Layout {
+        state: st.id,
+        note_rail: route.note_rail,
+        slot: route.slot,
+        lanes: st
+            .lanes
+            .iter()
+            .map(|l| (l.usable(), l.generation))
+            .collect(),
+    };
+    let built = {
+        let mut kept = ready.built.lock().unwrap_or_else(|e| e.into_inner());
+        match kept.iter().find(|(l, _)| *l == layout) {
+            Some((_, b)) => b.clone(),
+            None => {
+                check_rkeys(&ready.pairs, st.peer_devices)?;
+                let b = build(
+                    &st,
+                    inner,
+                    ready.dir,
+                    &ready.pairs,
+                    &ready.lens,
+                    notify,
+                    &route,
+                )?;
+                kept.retain(|(l, _)| l.same_rails(&layout));
+                kept.push((layout, b.clone()));
+                b
+            }
+        }
+    };
+    let job = Job {
+        shared: &shared,
+        dir: ready.dir,
+        notify,
+        started,
+        timeout,
+        deadline,
+    };
+    enqueue(inner, &mut st, &job, built);
     drop(st);
-    let regions = pairs.into_iter().map(|(l, _)| l.region).collect();
+    let regions = ready.pairs.iter().map(|(l, _)| l.region.clone()).collect();
     Ok(Transfer::started("transfer", shared, regions))
 }
 
@@ -341,9 +577,17 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
                 remote,
                 imm,
                 signaled,
-                ..
+                again,
             } => {
+                // A few bytes of host memory go inline, as perftest sends them: copied during
+                // the post, nothing for the NIC to fetch (GPU memory never: the CPU cannot load
+                // it).
+                let inline =
+                    local.len() <= INLINE_MAX && matches!(again.entry.path, MemoryPath::Host);
                 let mut s = SendRequest::write(local, remote);
+                if inline {
+                    s = s.inline_host();
+                }
                 if let Some(i) = imm {
                     s = s.with_imm(i);
                 }

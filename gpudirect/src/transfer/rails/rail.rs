@@ -27,6 +27,10 @@ pub(super) const CTL: u32 = 1 << 31;
 pub(super) const CTL_ANSWER: u32 = 1 << 30;
 /// Bits of a control message's count (notifications received on its rail, modulo).
 pub(super) const CTL_COUNT: u32 = (1 << 20) - 1;
+/// The most bytes a rail's queue pair sends inline (`max_inline_data`): small writes of host
+/// memory go that way.
+pub(super) const INLINE_MAX: u32 = 64;
+
 /// Where a control message puts the generation of the rail it names (4 bits, modulo): a
 /// question or answer about another connection of that rail than the current one is stale.
 const CTL_GEN_SHIFT: u32 = 20;

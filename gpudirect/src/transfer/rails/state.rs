@@ -90,9 +90,13 @@ impl Request {
 }
 
 pub(crate) struct State {
+    /// This state's own number (a reconnect makes a new state): what a prepared request's
+    /// messages were built under ([`Ready`](super::post::Ready)).
+    pub(super) id: u64,
     pub(super) rails: Vec<Rail>,
     pub(super) broken: Option<(Broken, Instant)>,
-    pub(super) requests: HashMap<u64, Request>,
+    /// By request id (the endpoint's own counter: a fast hash).
+    pub(super) requests: HashMap<u64, Request, foldhash::fast::RandomState>,
     /// Requests whose notification is in doubt (`Request::asking` set): none are sent while
     /// one is, and `pump` reads this instead of looking through every request.
     pub(super) in_doubt: usize,
@@ -312,10 +316,12 @@ pub(super) fn new_state(e: &EngineInner, c: Connected) -> Result<State> {
         .iter()
         .map(|h| h.max_message)
         .fold(e.max_message(), u32::min);
+    static STATES: AtomicU64 = AtomicU64::new(1);
     Ok(State {
+        id: STATES.fetch_add(1, Ordering::Relaxed),
         rails,
         broken: None,
-        requests: HashMap::new(),
+        requests: HashMap::default(),
         in_doubt: 0,
         deadlines: BinaryHeap::new(),
         notify_q: VecDeque::new(),

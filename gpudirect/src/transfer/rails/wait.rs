@@ -10,7 +10,7 @@
 //! [`LINGER_MAX`](super::rail::LINGER_MAX)), left as they are (no arming, and no wake-up of the
 //! progress thread at the next completion).
 
-use super::post::{direct, pump};
+use super::post::{Ready, direct, post_ready, pump};
 use super::progress::{arm_all, poll_all};
 use super::state::{Link, State, long_ago};
 use crate::error::Result;
@@ -30,10 +30,19 @@ pub(super) fn request(
     pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
 ) -> Result<Transfer> {
-    let t = direct(inner, dir, pairs, opts)?;
+    Ok(finished_by(inner, direct(inner, dir, pairs, opts)?))
+}
+
+/// A prepared request posted again ([`post_ready`]), waited for as [`request`]'s.
+pub(super) fn request_ready(inner: &Link, ready: &Ready) -> Result<Transfer> {
+    Ok(finished_by(inner, post_ready(inner, ready)?))
+}
+
+/// `t`, its blocking wait polling `inner`'s CQs itself.
+fn finished_by(inner: &Link, t: Transfer) -> Transfer {
     let me: Weak<dyn Finisher> = inner.me.clone();
     t.set_finisher(me);
-    Ok(t)
+    t
 }
 
 /// One look by a waiter, under the lock: it starts spinning, takes the polling when it is free,
