@@ -19,8 +19,8 @@ mod support;
 use gpudirect::Error;
 use gpudirect::rdma::WcStatus;
 use gpudirect::transfer::{
-    AuthKey, Buffer, Endpoint, Engine, EngineConfig, MemoryDescriptor, RailFailure, RailState,
-    Region, Transfer, TransferListener, TransferOptions,
+    AuthKey, Buffer, Direction, Endpoint, Engine, EngineConfig, MemoryDescriptor, RailFailure,
+    RailState, Region, Transfer, TransferListener, TransferOptions,
 };
 use gpudirect_testing::{Hardware, skip};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -782,17 +782,28 @@ const COME_BACK: Duration = Duration::from_secs(60);
 /// to the endpoint it accepted while it accepts); then a striped write moves bytes on it
 /// again. Then a request the peer refuses (a wrong rkey) ends typed without ending the
 /// endpoint, and a write after it goes through. The server counts every notification once,
-/// after every byte, and sees each rail taken back.
+/// after every byte, and sees each rail taken back. A prepared read, striped while both rails
+/// are up, runs before the first failure, with each rail down and after each came back (its
+/// messages built again for each layout of the rails), into a poisoned region, exact bytes.
 #[test]
 fn t6_a_failed_rail_comes_back() {
     let n = two_nodes!();
     let e = n.engine();
     const MID: usize = 8 << 20;
+    // What the prepared read reads: the same bytes on both sides from this seed.
+    const READ: usize = 1 << 20;
+    const READ_SEED: u64 = 0x5EED;
     // The client's word before DONE: how many notified writes it made (the low bits).
     const COUNT: u32 = 0xC0 << 16;
     if n.server {
         let target = e.register(Buffer::host(vec![0u8; MID]).unwrap()).unwrap();
-        let l = Acceptor::new(n.listen(&e, 25), vec![target.descriptor().unwrap()]);
+        let readable = e
+            .register(Buffer::host(pattern(READ_SEED, READ)).unwrap())
+            .unwrap();
+        let l = Acceptor::new(
+            n.listen(&e, 25),
+            vec![target.descriptor().unwrap(), readable.descriptor().unwrap()],
+        );
         let ep = l.accept();
         let peer = ep.peer_descriptors()[0];
         let mut seen = Vec::new();
@@ -845,6 +856,29 @@ fn t6_a_failed_rail_comes_back() {
             Vec::<usize>::new(),
             "none failed"
         );
+        let into = e.register(Buffer::host(vec![0u8; READ]).unwrap()).unwrap();
+        let prepared = ep
+            .prepare(
+                Direction::Read,
+                vec![(into.all(), ep.peer_descriptors()[1].all())],
+                TransferOptions::default().deadline(DEADLINE),
+            )
+            .unwrap();
+        let read_prepared = |what: &str| {
+            into.write_at(0, &vec![0xEE; READ]).unwrap();
+            let rep = prepared.run().unwrap_or_else(|e| {
+                panic!("prepared read, {what}: {e}; rails {:?}", ep.rail_stats())
+            });
+            assert!(
+                into.to_vec().unwrap() == pattern(READ_SEED, READ),
+                "prepared read, {what}: the bytes differ"
+            );
+            println!(
+                "client: prepared read, {what}: per rail {:?}",
+                rep.rail_bytes
+            );
+        };
+        read_prepared("both rails up");
         let write = |what: &str| {
             let s = random() | DATA;
             src.write_at(0, &pattern(u64::from(s), MID)).unwrap();
@@ -874,6 +908,7 @@ fn t6_a_failed_rail_comes_back() {
                 matches!(st[r].state, RailState::Failed(_)),
                 "rail {r} did not fail: {st:?}; {rep:?}"
             );
+            read_prepared(&format!("rail {r} down"));
             link(r, true);
             let t0 = Instant::now();
             while ep.rail_stats()[r].state != RailState::Up {
@@ -903,6 +938,7 @@ fn t6_a_failed_rail_comes_back() {
             assert_eq!(st[r].restored, 1, "rail {r}");
             let before = st[r].bytes_written;
             let rep = write(&format!("rail {r} back"));
+            read_prepared(&format!("rail {r} back"));
             let after = ep.rail_stats()[r].bytes_written;
             assert!(
                 rep.rail_bytes[r] > 0 && after > before,

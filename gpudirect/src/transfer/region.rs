@@ -51,6 +51,9 @@ pub(crate) enum Backing {
         _owner: Box<dyn Send + Sync>,
         ptr: usize,
         len: usize,
+        /// Ordinary memory the CPU reads through its caches (not CUDA host memory, which may
+        /// be write-combined): a few bytes of it may go inline in a work request.
+        cached: bool,
     },
     /// Device memory, reached only by the NIC and by CUDA copies.
     Device(Box<dyn DeviceBacking>),
@@ -90,6 +93,7 @@ impl Buffer {
             _owner: Box::new(mem),
             ptr,
             len,
+            cached: true,
         })
     }
 
@@ -118,6 +122,7 @@ impl Buffer {
             _owner: Box::new(mem),
             ptr: ptr as usize,
             len,
+            cached: false,
         })
     }
 
@@ -388,6 +393,9 @@ pub(crate) struct Entry {
     /// One per engine device; empty for staged memory.
     pub(crate) mrs: Vec<RailMr>,
     pub(crate) path: MemoryPath,
+    /// Host memory of [`Buffer::host`] only (ordinary, cached memory): small writes of it go
+    /// inline.
+    pub(crate) cached: bool,
     pub(crate) ordinal: Option<usize>,
     /// Engine devices nearest the memory.
     pub(crate) preferred: Vec<usize>,
@@ -958,6 +966,7 @@ mod tests {
             len: 0x100,
             mrs: Vec::new(),
             path: MemoryPath::Host,
+            cached: false,
             ordinal: None,
             preferred: vec![0],
             _keep: Vec::new(),

@@ -20,11 +20,13 @@ struct Want {
     len: u64,
     ordinal: Option<usize>,
     kind: Option<MemoryKind>,
+    /// Ordinary host memory (`Backing::Host { cached: true }`).
+    cached: bool,
 }
 
 fn want(b: &Buffer) -> Result<Want> {
     match &*b.backing {
-        Backing::Host { .. } => Ok(Want {
+        Backing::Host { cached, .. } => Ok(Want {
             id: Identity::Host {
                 backing: Arc::as_ptr(&b.backing) as usize,
             },
@@ -32,6 +34,7 @@ fn want(b: &Buffer) -> Result<Want> {
             len: b.len as u64,
             ordinal: None,
             kind: None,
+            cached: *cached,
         }),
         Backing::Device(d) => {
             let kind = d.kind();
@@ -54,6 +57,7 @@ fn want(b: &Buffer) -> Result<Want> {
                 len: b.len as u64,
                 ordinal: Some(ordinal),
                 kind: Some(kind),
+                cached: false,
             })
         }
     }
@@ -94,6 +98,7 @@ fn register_inner(engine: &Engine, bufs: Vec<Buffer>, batch: bool) -> Result<Vec
                 len: b.len as u64,
                 ordinal,
                 kind,
+                cached: matches!(*b.backing, Backing::Host { cached: true, .. }),
             },
             None => {
                 let w = want(b)?;
@@ -179,6 +184,7 @@ fn register_jobs(
                     len: job.1,
                     mrs: Vec::new(),
                     path: MemoryPath::Unregistered,
+                    cached: false,
                     ordinal: w.ordinal,
                     preferred: Vec::new(),
                     _keep: backings(bufs, &job.2),
@@ -256,6 +262,7 @@ fn register_jobs(
             },
             mrs,
             path,
+            cached: job.2.iter().all(|&i| wants[i].cached),
             ipc: exported(w, job, bufs),
         }));
     }

@@ -272,6 +272,7 @@ mod tests {
                     len: 64,
                     mrs: Vec::new(),
                     path: MemoryPath::Host,
+                    cached: false,
                     ordinal: None,
                     preferred: vec![0],
                     _keep: Vec::new(),

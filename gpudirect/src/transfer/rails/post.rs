@@ -559,6 +559,8 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
     let QpSlot::Rts(qp) = &mut rail.qp else {
         return Ok(());
     };
+    // What the provider granted, should it be less than asked.
+    let inline_max = INLINE_MAX.min(qp.caps().max_inline_data);
     let mut chain: SmallVec<[SendRequest<'_>; 4]> = SmallVec::with_capacity(n);
     let mut posted: SmallVec<[Posted; 4]> = SmallVec::with_capacity(n);
     for (req, wr) in rail.pending.drain(..n) {
@@ -579,11 +581,12 @@ fn post_rail(inner: &Link, st: &mut State, r: usize) -> Result<()> {
                 signaled,
                 again,
             } => {
-                // A few bytes of host memory go inline, as perftest sends them: copied during
-                // the post, nothing for the NIC to fetch (GPU memory never: the CPU cannot load
-                // it).
-                let inline =
-                    local.len() <= INLINE_MAX && matches!(again.entry.path, MemoryPath::Host);
+                // A few bytes of ordinary host memory go inline, as perftest sends them: copied
+                // during the post, nothing for the NIC to fetch (never GPU memory, which the
+                // CPU cannot load, nor CUDA host memory, which may be write-combined).
+                let inline = local.len() <= inline_max
+                    && again.entry.cached
+                    && matches!(again.entry.path, MemoryPath::Host);
                 let mut s = SendRequest::write(local, remote);
                 if inline {
                     s = s.inline_host();

@@ -427,12 +427,12 @@ pub(super) fn break_endpoint(inner: &Link, st: &mut State, cause: Broken) {
 }
 
 /// The rail a notification goes on now: the notification rail while it takes messages, else
-/// the first of `up` (the rails up).
+/// the first of `up` (the rails up; with none, every rail given up by the peer and none failed
+/// yet, the notification rail: the plan finds no rail and refuses the request).
 pub(super) fn notify_rail(st: &State, up: &[usize]) -> usize {
-    if st.lanes[st.note_rail].usable() {
-        st.note_rail
-    } else {
-        up[0]
+    match up.first() {
+        Some(&r) if !st.lanes[st.note_rail].usable() => r,
+        _ => st.note_rail,
     }
 }
 
