@@ -115,11 +115,12 @@ impl Rails {
         pairs: &[(LocalRange, RemoteRange)],
         opts: TransferOptions,
     ) -> Result<Option<Ready>> {
+        // A post's checks (`direct`'s among them: same engine, the rkeys), once here.
         check_request(&self.link, dir, pairs, &opts)?;
         if pairs.iter().any(|(l, _)| l.region.entry.mrs.is_empty()) {
             return Ok(None);
         }
-        Ready::new(&self.link, dir, pairs.to_vec(), opts).map(Some)
+        Ok(Some(Ready::new(dir, pairs.to_vec(), opts)))
     }
 
     /// Post a prepared request ([`ready`](Self::ready)) again.

@@ -30,23 +30,36 @@ pub(crate) fn direct(
     pairs: Vec<(LocalRange, RemoteRange)>,
     opts: TransferOptions,
 ) -> Result<Transfer> {
-    let e = &inner.ep.engine.inner;
-    check_direct(e.engine_id, dir, &pairs, &opts)?;
+    check_direct(inner.ep.engine.inner.engine_id, dir, &pairs, &opts)?;
     let lens: SmallVec<[u64; 4]> = pairs.iter().map(|(l, _)| l.len).collect();
-    let (shared, started, timeout, deadline) = timing(inner, &opts);
+    let shared = submit(inner, dir, &opts, |st| {
+        check_rkeys(&pairs, st.peer_devices)?;
+        let route = route(inner, st, &pairs, &lens, opts.notify.is_some());
+        build(st, inner, dir, &pairs, &lens, opts.notify, &route)
+    })?;
+    let regions = pairs.into_iter().map(|(l, _)| l.region).collect();
+    Ok(Transfer::started("transfer", shared, regions))
+}
+
+/// A new request under the endpoint's lock (refused once the endpoint broke): its messages
+/// from `make`, queued, and what fits posted. Returns its shared state.
+fn submit(
+    inner: &Link,
+    dir: Direction,
+    opts: &TransferOptions,
+    make: impl FnOnce(&mut State) -> Result<Built>,
+) -> Result<Arc<ReqShared>> {
+    let timeout = opts
+        .deadline
+        .unwrap_or(inner.ep.engine.inner.config.deadline);
+    let started = Instant::now();
+    let deadline = deadline_after(started, timeout);
+    let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
     let mut st = inner.lock();
     if let Some((b, _)) = &st.broken {
         return Err(b.to_error());
     }
-    check_rkeys(&pairs, st.peer_devices)?;
-    let route = route(
-        &mut st,
-        &pairs,
-        &lens,
-        opts.notify.is_some(),
-        e.config.stripe_min,
-    );
-    let built = build(&st, inner, dir, &pairs, &lens, opts.notify, &route)?;
+    let built = make(&mut st)?;
     let job = Job {
         shared: &shared,
         dir,
@@ -57,8 +70,7 @@ pub(crate) fn direct(
     };
     enqueue(inner, &mut st, &job, built);
     drop(st);
-    let regions = pairs.into_iter().map(|(l, _)| l.region).collect();
-    Ok(Transfer::started("transfer", shared, regions))
+    Ok(shared)
 }
 
 /// What [`direct`] refuses before it takes the lock (a prepared request passed them once).
@@ -83,17 +95,6 @@ fn check_direct(
     Ok(())
 }
 
-/// A new request's shared state, when it started, its timeout and its deadline.
-fn timing(inner: &Link, opts: &TransferOptions) -> (Arc<ReqShared>, Instant, Duration, Instant) {
-    let timeout = opts
-        .deadline
-        .unwrap_or(inner.ep.engine.inner.config.deadline);
-    let started = Instant::now();
-    let deadline = deadline_after(started, timeout);
-    let shared = ReqShared::new(deadline + FLUSH_WAIT + Duration::from_secs(5));
-    (shared, started, timeout, deadline)
-}
-
 /// Where a request goes: the rails up nearest its first pair's memory (among the endpoint's),
 /// the notification rail, and which of them an unstriped request without notification takes
 /// (the endpoint's round robin, advanced here; 0 where the plan does not ask).
@@ -105,12 +106,13 @@ struct Route {
 }
 
 fn route(
+    inner: &Link,
     st: &mut State,
     pairs: &[(LocalRange, RemoteRange)],
     lens: &[u64],
     notify: bool,
-    stripe_min: u64,
 ) -> Route {
+    let stripe_min = inner.ep.engine.inner.config.stripe_min;
     let preferred = &pairs[0].0.region.entry.preferred;
     let up = up_rails(st);
     let mut rails: RailList = up
@@ -303,86 +305,56 @@ impl Layout {
 }
 
 impl Ready {
-    /// `pairs` checked as [`direct`] checks them before it takes the lock.
-    ///
-    /// # Errors
-    ///
-    /// As [`direct`]'s checks; [`Error::InvalidArgument`] for staged memory.
+    /// `pairs` of registered memory, checked by the caller as a post would check them.
     pub(crate) fn new(
-        inner: &Link,
         dir: Direction,
         pairs: Vec<(LocalRange, RemoteRange)>,
         opts: TransferOptions,
-    ) -> Result<Ready> {
-        check_direct(inner.ep.engine.inner.engine_id, dir, &pairs, &opts)?;
-        Ok(Ready {
+    ) -> Ready {
+        Ready {
             dir,
             lens: pairs.iter().map(|(l, _)| l.len).collect(),
             pairs,
             opts,
             built: Mutex::new(SmallVec::new()),
-        })
+        }
     }
 }
 
 /// Post `ready` again: [`direct`] with its messages as built for this layout of the rails
 /// (built now, and kept, when none was).
 pub(crate) fn post_ready(inner: &Link, ready: &Ready) -> Result<Transfer> {
-    let (shared, started, timeout, deadline) = timing(inner, &ready.opts);
-    let mut st = inner.lock();
-    if let Some((b, _)) = &st.broken {
-        return Err(b.to_error());
-    }
     let notify = ready.opts.notify;
-    let stripe_min = inner.ep.engine.inner.config.stripe_min;
-    let route = route(
-        &mut st,
-        &ready.pairs,
-        &ready.lens,
-        notify.is_some(),
-        stripe_min,
-    );
-    let layout = Layout {
-        state: st.id,
-        note_rail: route.note_rail,
-        slot: route.slot,
-        lanes: st
-            .lanes
-            .iter()
-            .map(|l| (l.usable(), l.generation))
-            .collect(),
-    };
-    let built = {
+    let shared = submit(inner, ready.dir, &ready.opts, |st| {
+        let route = route(inner, st, &ready.pairs, &ready.lens, notify.is_some());
+        let layout = Layout {
+            state: st.id,
+            note_rail: route.note_rail,
+            slot: route.slot,
+            lanes: st
+                .lanes
+                .iter()
+                .map(|l| (l.usable(), l.generation))
+                .collect(),
+        };
         let mut kept = ready.built.lock().unwrap_or_else(|e| e.into_inner());
-        match kept.iter().find(|(l, _)| *l == layout) {
-            Some((_, b)) => b.clone(),
-            None => {
-                check_rkeys(&ready.pairs, st.peer_devices)?;
-                let b = build(
-                    &st,
-                    inner,
-                    ready.dir,
-                    &ready.pairs,
-                    &ready.lens,
-                    notify,
-                    &route,
-                )?;
-                kept.retain(|(l, _)| l.same_rails(&layout));
-                kept.push((layout, b.clone()));
-                b
-            }
+        if let Some((_, b)) = kept.iter().find(|(l, _)| *l == layout) {
+            return Ok(b.clone());
         }
-    };
-    let job = Job {
-        shared: &shared,
-        dir: ready.dir,
-        notify,
-        started,
-        timeout,
-        deadline,
-    };
-    enqueue(inner, &mut st, &job, built);
-    drop(st);
+        check_rkeys(&ready.pairs, st.peer_devices)?;
+        let b = build(
+            st,
+            inner,
+            ready.dir,
+            &ready.pairs,
+            &ready.lens,
+            notify,
+            &route,
+        )?;
+        kept.retain(|(l, _)| l.same_rails(&layout));
+        kept.push((layout, b.clone()));
+        Ok(b)
+    })?;
     let regions = ready.pairs.iter().map(|(l, _)| l.region.clone()).collect();
     Ok(Transfer::started("transfer", shared, regions))
 }
