@@ -86,23 +86,23 @@ pub(crate) fn register(engine: &Engine, bufs: Vec<Buffer>, batch: bool) -> Resul
 fn register_inner(engine: &Engine, bufs: Vec<Buffer>, batch: bool) -> Result<Vec<Region>> {
     let inner = &*engine.inner;
     // Identities: one attribute query per backing.
-    let mut by_backing: HashMap<usize, (Identity, Option<usize>, Option<MemoryKind>)> =
+    let mut by_backing: HashMap<usize, (Identity, Option<usize>, Option<MemoryKind>, bool)> =
         HashMap::new();
     let mut wants = Vec::with_capacity(bufs.len());
     for b in &bufs {
         let key = Arc::as_ptr(&b.backing) as usize;
         let w = match by_backing.get(&key) {
-            Some(&(id, ordinal, kind)) => Want {
+            Some(&(id, ordinal, kind, cached)) => Want {
                 id,
                 start: b.addr(),
                 len: b.len as u64,
                 ordinal,
                 kind,
-                cached: matches!(*b.backing, Backing::Host { cached: true, .. }),
+                cached,
             },
             None => {
                 let w = want(b)?;
-                by_backing.insert(key, (w.id, w.ordinal, w.kind));
+                by_backing.insert(key, (w.id, w.ordinal, w.kind, w.cached));
                 w
             }
         };
