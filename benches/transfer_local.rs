@@ -843,6 +843,23 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
+        // The same, one prepared request posted on the stream `depth` times a burst.
+        let prepared = ep
+            .prepare(
+                gpudirect::transfer::Direction::Write,
+                pair(),
+                TransferOptions::default().deadline(DEADLINE),
+            )
+            .expect("prepare");
+        let gd_stream_prep = per_call(pipe_reps, || {
+            let ts: Vec<_> = (0..depth)
+                .map(|_| prepared.post_on(&stream).expect("post_on"))
+                .collect();
+            stream.synchronize().expect("synchronize");
+            for t in ts {
+                t.wait(DEADLINE).expect("wait");
+            }
+        }) / depth as f64;
         // The same blocks as one stream-ordered request of `depth` pairs (one launch, one
         // event), then one synchronize, as many bursts.
         let gd_stream_batch = per_call(pipe_reps, || {
@@ -866,8 +883,19 @@ fn main() {
             gd_stream_batch,
         ));
         rows.push((
-            n, raw_one, ipc_one, gd_one, prep_one, run_one, raw_pipe, ipc_pipe, gd_pipe, gd_stream,
-            raw_batch, gd_batch,
+            n,
+            raw_one,
+            ipc_one,
+            gd_one,
+            prep_one,
+            run_one,
+            raw_pipe,
+            ipc_pipe,
+            gd_pipe,
+            gd_stream,
+            gd_stream_prep,
+            raw_batch,
+            gd_batch,
         ));
     }
     // NIXL needs the GPUs' memory: run it after ours, in the same run.
@@ -909,7 +937,7 @@ fn main() {
         }
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
+        "{:>9} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7} | {:>9} {:>6} | {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>6} {:>9} {:>6} | {:>9} {:>9} {:>6} {:>6}",
         "size",
         "raw 1x1",
         "raw IPC",
@@ -932,15 +960,17 @@ fn main() {
         "/IPC",
         "write_on",
         "ratio",
+        "post_on",
+        "ratio",
         "raw batch",
         "1 req",
         "ratio",
         "/batch"
     );
-    for (n, r1, i1, g1, p1, q1, rp, ip, gp, gs, rb, gb) in rows {
+    for (n, r1, i1, g1, p1, q1, rp, ip, gp, gs, gsp, rb, gb) in rows {
         let nx = nixl.get(&n).copied();
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
+            "{:>9} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.1} | {:>9} {:>6} | {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} | {:>9} {:>9.2} {:>6.2} {:>6}",
             label(n),
             gbs(n, r1),
             gbs(n, i1),
@@ -964,6 +994,8 @@ fn main() {
             ip / gp,
             gbs(n, gs),
             rp / gs,
+            gbs(n, gsp),
+            rp / gsp,
             rb.map(|b| format!("{:.2}", gbs(n, b)))
                 .unwrap_or_else(|| "-".into()),
             gbs(n, gb),
@@ -979,6 +1011,8 @@ fn main() {
          1 req: one Endpoint::write of {0} pairs, ratio against raw pipe; engine: Endpoint::write to another process's memory; \
          prepared: the same write made once with Endpoint::prepare, each time PreparedTransfer::post + wait; \
          run: PreparedTransfer::run (to 64 MiB: queued and synchronized on the caller's thread); \
+         write_on: {0} Endpoint::write_on on one stream, then one synchronize; post_on: the same \
+         with one prepared request, PreparedTransfer::post_on; ratios against raw pipe; \
          NIXL: UCX backend, one process per GPU, one transfer at a time; ours/N = engine one at a time / NIXL.",
         "32 (4 above 16 MiB)"
     );

@@ -13,12 +13,22 @@ the median over rounds of after/before, both for the rate itself (GB/s, adjacent
 rate over its own run's raw baseline (which takes the machine's drift between runs out), with
 the 95% order-statistic interval of the median from six rounds on (docs/benches.md, "Paired
 rounds"). Above 1: the after build is faster. Environment for the bench passes through
-(TRANSFER_BENCH_MAX_MIB, GPUDIRECT_BENCH_PYTHON).
+(TRANSFER_BENCH_MAX_MIB, GPUDIRECT_BENCH_PYTHON). AB_BUDGET_S: start no round after that many
+seconds (the rounds done so far are summarized).
 """
 import math
+import os
 import statistics
 import subprocess
 import sys
+import time
+
+START = time.monotonic()
+
+
+def over_budget():
+    budget = os.environ.get("AB_BUDGET_S")
+    return budget is not None and time.monotonic() - START > float(budget)
 
 # Column groups of transfer_local's table rows (separated by `|`): name, or None for a column
 # that is a ratio or a difference the bench derives itself.
@@ -26,12 +36,13 @@ GROUPS = [
     ["size"],
     ["raw1", "rawipc1", "engine1", None, None, None, "prepared1", None, None, "run1", None, None],
     ["nixl", None],
-    ["rawpipe", "ipcpipe", "enginepipe", None, None, "write_on", None],
+    ["rawpipe", "ipcpipe", "enginepipe", None, None, "write_on", None, "post_on", None],
     ["rawbatch", "batch1req", None, None],
 ]
 # Each library figure and the raw baseline of the same run it is divided by.
 CELLS = [("engine1", "raw1"), ("prepared1", "raw1"), ("run1", "raw1"),
-         ("enginepipe", "rawpipe"), ("write_on", "rawpipe"), ("batch1req", "rawpipe")]
+         ("enginepipe", "rawpipe"), ("write_on", "rawpipe"), ("post_on", "rawpipe"),
+         ("batch1req", "rawpipe")]
 
 
 def parse(out):
@@ -88,6 +99,9 @@ def run(exe, args, who, r):
 def one(exe, rounds, args):
     runs = []
     for r in range(rounds):
+        if runs and over_budget():
+            print(f"AB: out of time after {len(runs)} runs")
+            break
         t = run(exe, args, "the build", r)
         if t is None:
             return 1
@@ -113,6 +127,9 @@ def main(argv):
     rounds = int(pos[2]) if len(pos) > 2 else 8
     runs = {"before": [], "after": []}
     for r in range(rounds):
+        if runs["after"] and over_budget():
+            print(f"AB: out of time after {len(runs['after'])} rounds")
+            break
         order = [("before", before), ("after", after)]
         if r % 2:
             order.reverse()

@@ -1719,6 +1719,95 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
             "a read of the burst",
         );
     }
+    // Prepared reads posted on one stream: two of one size into the same local range from two
+    // places of the peer's source, posted A B A A B B A (the stream's graph set again only where
+    // the last launch differs), the range poisoned on the stream before each post and copied
+    // aside after it; each copy aside holds exactly its post's bytes.
+    let order = [0usize, 1, 0, 0, 1, 1, 0];
+    let len = 65_536 + 5;
+    let at = [3u64, (STREAM_LEN / 2) as u64 + 1];
+    let into = register(&engine, poisoned_bytes(0, len, 0x71));
+    let poison = device_bytes(0, &vec![0x93u8; len]);
+    let aside = poisoned_bytes(0, len * order.len(), 0x1F);
+    let prepared: Vec<_> = at
+        .iter()
+        .map(|&off| {
+            ep.prepare(
+                Direction::Read,
+                vec![(into.all(), peer[1].range(off, len as u64).unwrap())],
+                TransferOptions::default(),
+            )
+            .unwrap()
+        })
+        .collect();
+    let ps = gpu::stream(0);
+    let into_ptr = into.device_ptr().unwrap();
+    let posted: Vec<_> = order
+        .iter()
+        .enumerate()
+        .map(|(k, &which)| {
+            stream_copy(&ps, into_ptr, poison.device_ptr(), len);
+            let t = prepared[which].post_on(&ps).unwrap();
+            stream_copy(&ps, aside.device_ptr() + (k * len) as u64, into_ptr, len);
+            t
+        })
+        .collect();
+    ps.synchronize().unwrap();
+    for t in &posted {
+        assert_eq!(t.wait(WAIT).unwrap().bytes, len as u64);
+    }
+    let got = aside.to_host();
+    for (k, &which) in order.iter().enumerate() {
+        let off = at[which] as usize;
+        same(
+            &got[k * len..(k + 1) * len],
+            &all[off..off + len],
+            "a prepared read posted on a stream",
+        );
+    }
+    // Regions registered, read into and dropped in turn (the allocator tends to give the same
+    // addresses again, which the stream's graph was set to): each read lands in its own region.
+    for k in 0..3u8 {
+        let r = register(&engine, poisoned_bytes(0, len, 0x40 + k));
+        let t = ep
+            .read_on(
+                &ps,
+                vec![(r.all(), peer[1].range(at[0], len as u64).unwrap())],
+                TransferOptions::default(),
+            )
+            .unwrap();
+        ps.synchronize().unwrap();
+        t.wait(WAIT).unwrap();
+        let off = at[0] as usize;
+        same(
+            &host_copy(&r, 0, len),
+            &all[off..off + len],
+            "a read into a region registered anew",
+        );
+    }
+    // A post under capture is refused with nothing queued; on the per-thread default stream too.
+    let c = gpu::stream(0);
+    c.cuda()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let e = prepared[0].post_on(&c).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::StreamCapturing {
+                enqueued: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    c.cuda()
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .expect("the refusal did not invalidate the capture");
+    let e = prepared[0]
+        .post_on(&gpudirect::cuda::Stream::wrap(ctx.per_thread_stream()))
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     // The per-thread default stream is refused (its handle names another stream on every
     // thread), nothing queued.
     let per_thread = gpudirect::cuda::Stream::wrap(ctx.per_thread_stream());

@@ -6,7 +6,7 @@ use super::auth::Authentication;
 use super::descriptor::{MemoryDescriptor, RemoteRange};
 use super::engine::{Engine, PeerAccess};
 #[cfg(feature = "p2p")]
-use super::local::{Local, Queued};
+use super::local::{Local, Queued, Ready as LocalReady, Staged};
 use super::meter::Meter;
 use super::pending::{Transfer, Transferred};
 use super::plan::deadline_after;
@@ -418,27 +418,56 @@ impl Endpoint {
             // anything is checked or mapped (every queueing path refuses it too).
             crate::completion::capture::refuse_per_thread(s.cu_stream())?;
         }
-        self.transport().check_request(dir, &pairs, &opts)?;
         let timeout = opts.deadline.unwrap_or(self.engine().inner.config.deadline);
-        let proxy = self.proxy();
         // Intra-node on a stream: the copies go on the stream itself, before the trigger.
         #[cfg(feature = "p2p")]
         if let Trigger::Stream(stream) = &trig
             && let Transport::Local(local) = self.transport()
         {
-            // Checked and mapped before its seq is taken: nothing slow between the two.
+            // Checked (every check of `check_request` among them) and mapped before its seq is
+            // taken: nothing slow between the two.
             let staged = local.stage_on_stream(stream, dir, &pairs, &opts)?;
-            let make = |mark: Option<Mark<'_>>| {
-                let mark = mark.ok_or_else(|| {
-                    Error::invalid("stream", "no trigger", "a stream request has one")
-                })?;
-                local
-                    .enqueue_staged(staged, stream, &mark)
-                    .map(|q| (RdmaWork::Queued(q), true))
-            };
-            return proxy.arm_with(trig, make, timeout);
+            return self.arm_staged(local, stream, staged, timeout);
         }
-        proxy.arm(trig, RdmaWork::Post { dir, pairs, opts }, timeout)
+        self.transport().check_request(dir, &pairs, &opts)?;
+        self.proxy()
+            .arm(trig, RdmaWork::Post { dir, pairs, opts }, timeout)
+    }
+
+    /// An intra-node request staged for `stream` armed on the stream queue: its copies go on
+    /// the stream now, before the trigger.
+    #[cfg(feature = "p2p")]
+    fn arm_staged(
+        &self,
+        local: &Local,
+        stream: &Stream,
+        staged: Staged,
+        timeout: Duration,
+    ) -> Result<StreamTransfer> {
+        let make = |mark: Option<Mark<'_>>| {
+            let mark = mark.ok_or_else(|| {
+                Error::invalid("stream", "no trigger", "a stream request has one")
+            })?;
+            local
+                .enqueue_staged(staged, stream, &mark)
+                .map(|q| (RdmaWork::Queued(q), true))
+        };
+        self.proxy()
+            .arm_with(Trigger::Stream(stream), make, timeout)
+    }
+
+    /// A prepared intra-node request armed on `stream` ([`PreparedTransfer::post_on`]): no
+    /// check or lookup repeated.
+    ///
+    /// [`PreparedTransfer::post_on`]: super::PreparedTransfer::post_on
+    #[cfg(feature = "p2p")]
+    pub(crate) fn arm_prepared(&self, stream: &Stream, r: &LocalReady) -> Result<StreamTransfer> {
+        crate::completion::capture::refuse_per_thread(stream.cu_stream())?;
+        let Transport::Local(local) = self.transport() else {
+            return Err(Broken::Closed.to_error());
+        };
+        let staged = local.stage_ready_on_stream(stream, r)?;
+        self.arm_staged(local, stream, staged, r.timeout())
     }
 
     /// [`write`](Self::write) ordered on `stream`: the request starts when the stream reaches

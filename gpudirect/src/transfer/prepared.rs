@@ -11,7 +11,9 @@ use super::region::LocalRange;
 use super::request::{
     Broken, Direction, TransferOptions, TransferReport, check_pairs, check_same_engine, pairs_bytes,
 };
+use super::stream::StreamTransfer;
 use super::transport::Transport;
+use crate::cuda::Stream;
 use crate::error::Result;
 
 /// A request checked once, to be posted many times ([`Endpoint::prepare`]): the pattern of
@@ -37,7 +39,7 @@ pub struct PreparedTransfer {
 
 enum How {
     #[cfg(feature = "p2p")]
-    Local(Ready),
+    Local(Box<Ready>),
     /// Registered memory across nodes: its messages built once per layout of the rails.
     Rails(Box<RailsReady>),
     /// Staged memory across nodes: a new request each time.
@@ -81,7 +83,7 @@ impl Endpoint {
             #[cfg(feature = "p2p")]
             Transport::Local(local) => {
                 let ready = local.ready(dir, pairs, bytes, opts)?;
-                Ok(made(How::Local(ready)))
+                Ok(made(How::Local(Box::new(ready))))
             }
             // Across nodes, what a post checks before any NIC work (the rkeys against the
             // peer's devices too), once here.
@@ -122,6 +124,51 @@ impl PreparedTransfer {
                 _ => Err(Broken::Closed.to_error()),
             }),
             How::Pairs(pairs) => ep.transfer(self.dir, pairs.clone(), self.opts),
+        }
+    }
+
+    /// Post it ordered on `stream`, as [`Endpoint::write_on`] (or
+    /// [`read_on`](Endpoint::read_on)) of the same pairs: the request starts when the stream
+    /// reaches it, and its completion word is set when it finishes
+    /// ([`StreamTransfer::wait_on`]).
+    ///
+    /// Inside a node the copies go on `stream` now, with no check or lookup repeated (as
+    /// [`post`](Self::post)): with the engine's copy graphs, one launch of the stream's own copy
+    /// graph, whose operands are set only where they differ from that graph's last launch (so
+    /// posting the same request again and again on one stream launches it as it is). Across
+    /// nodes it is `write_on` (`read_on`) of the same pairs.
+    ///
+    /// # Errors
+    ///
+    /// As [`post`](Self::post) and [`Endpoint::write_on`]: [`Error::StreamCapturing`] while
+    /// `stream` captures a graph, [`Error::InvalidArgument`] on the per-thread default stream
+    /// or with [`TRIGGER_SLOTS`](super::TRIGGER_SLOTS) requests armed.
+    ///
+    /// [`Error::StreamCapturing`]: crate::Error::StreamCapturing
+    /// [`Error::InvalidArgument`]: crate::Error::InvalidArgument
+    /// [`StreamTransfer::wait_on`]: super::StreamTransfer::wait_on
+    #[doc(alias = "postXferReq")]
+    #[doc(alias = "cuGraphLaunch")]
+    pub fn post_on(&self, stream: &Stream) -> Result<StreamTransfer> {
+        let ep = self.endpoint()?;
+        match &self.how {
+            #[cfg(feature = "p2p")]
+            How::Local(r) => ep.arm_prepared(stream, r),
+            How::Rails(r) => self.on(&ep, stream, r.pairs().to_vec()),
+            How::Pairs(pairs) => self.on(&ep, stream, pairs.clone()),
+        }
+    }
+
+    /// `write_on` or `read_on` of `pairs`, by its direction.
+    fn on(
+        &self,
+        ep: &Endpoint,
+        stream: &Stream,
+        pairs: Vec<(LocalRange, RemoteRange)>,
+    ) -> Result<StreamTransfer> {
+        match self.dir {
+            Direction::Write => ep.write_on(stream, pairs, self.opts),
+            Direction::Read => ep.read_on(stream, pairs, self.opts),
         }
     }
 

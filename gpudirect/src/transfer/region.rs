@@ -59,6 +59,29 @@ pub(crate) enum Backing {
     Device(Box<dyn DeviceBacking>),
 }
 
+/// How many times memory that requests' copies may name went away: a [`Backing`] dropped (its
+/// memory freed with it) or a peer's allocation unmapped. A copy graph whose nodes were set to
+/// some addresses launches them again without setting them only while this has not moved
+/// (another allocation may since lie at the same addresses).
+static RELEASED: AtomicU64 = AtomicU64::new(0);
+
+/// Count memory going away; called before it is freed or unmapped.
+pub(crate) fn memory_released() {
+    RELEASED.fetch_add(1, Ordering::SeqCst);
+}
+
+/// How many times memory went away so far ([`memory_released`]).
+pub(crate) fn memory_released_count() -> u64 {
+    RELEASED.load(Ordering::SeqCst)
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        // Before the owner (its fields, dropped after this) frees the memory.
+        memory_released();
+    }
+}
+
 impl Backing {
     fn len(&self) -> usize {
         match self {
@@ -938,6 +961,32 @@ pub(crate) fn chunks_within(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn memory_going_away_is_counted_before_it_is_freed() {
+        struct Owner(Arc<AtomicU64>);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.0.store(memory_released_count(), Ordering::SeqCst);
+            }
+        }
+        let seen = Arc::new(AtomicU64::new(0));
+        let before = memory_released_count();
+        let b = Backing::Host {
+            _owner: Box::new(Owner(seen.clone())),
+            ptr: 0x1000,
+            len: 8,
+            cached: true,
+        };
+        let view = Buffer::new(b).unwrap();
+        let other = view.clone();
+        drop(view);
+        assert_eq!(seen.load(Ordering::SeqCst), 0, "a view is left");
+        drop(other);
+        // Other tests may count too: at least this one, before the owner was dropped.
+        assert!(seen.load(Ordering::SeqCst) > before);
+        assert!(memory_released_count() >= seen.load(Ordering::SeqCst));
+    }
 
     #[test]
     fn chunks_touched_by_a_range() {

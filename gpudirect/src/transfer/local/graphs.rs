@@ -3,13 +3,17 @@
 //! `cuMemcpyAsync` takes a submission of some microseconds of host time per piece. A lane keeps
 //! one graph per number of pieces (1 to the most a launch takes) per context, made at the first
 //! launch of that many and then launched again with each node's operands set anew
-//! (`cuGraphExecMemcpyNodeSetParams`, which changes later launches only).
+//! (`cuGraphExecMemcpyNodeSetParams`, which changes later launches only) where they differ from
+//! the node's last: the same pieces launched again (a prepared request, a block sent to the same
+//! place every step) are launched as they are, unless memory went away since they were set
+//! (another allocation may lie at the same addresses: every node is set again).
 //!
 //! [`EngineConfig::copy_graphs`]: crate::transfer::EngineConfig::copy_graphs
 
 use super::copies::Piece;
 use crate::driver::graph;
 use crate::error::{Error, Result};
+use crate::transfer::region::memory_released_count;
 use cudarc::driver::{CudaContext, sys};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +34,10 @@ struct Made {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     nodes: Vec<sys::CUgraphNode>,
+    /// The piece each node copies at its next launch (what it was made from or last set to).
+    set: Vec<Piece>,
+    /// [`memory_released_count`] when the nodes were last made or set.
+    released: u64,
 }
 
 // SAFETY: driver handles, used only under the `made` lock (graph objects are not thread-safe;
@@ -88,17 +96,19 @@ impl CopyGraphs {
             ));
         }
         let ctx = self.ctx.cu_ctx();
+        // Read before the nodes are set: memory that goes from here on moves it again.
+        let released = memory_released_count();
         let slot = &mut made[pieces.len() - 1];
         // SAFETY: the graph's handles are live (under the lock); the context is current.
         let set = slot
-            .as_ref()
-            .is_some_and(|m| unsafe { set_all(m, pieces, ctx) }.is_ok());
+            .as_mut()
+            .is_some_and(|m| unsafe { set_all(m, pieces, released, ctx) }.is_ok());
         if !set {
             // None made yet, or a node refused its new operands (the nodes set before it change
             // nothing until a launch, and none comes): made anew from these pieces.
             *slot = None;
             // SAFETY: the context is current; the pieces' memory is the caller's promise.
-            match unsafe { make(pieces, ctx) } {
+            match unsafe { make(pieces, released, ctx) } {
                 Ok(m) => *slot = Some(m),
                 Err(e) => {
                     // This launch fails (nothing queued); later requests take the copy engines.
@@ -114,17 +124,31 @@ impl CopyGraphs {
     }
 }
 
-/// Set every node of `m` to copy its piece of `pieces` (as many as its nodes).
+/// Set every node of `m` to copy its piece of `pieces` (as many as its nodes), skipping a node
+/// already set to it while no memory went away since (`released`, read before the pieces'
+/// memory was last checked alive, is [`memory_released_count`]'s value at the last set). On an
+/// error the caller makes the graph anew (the nodes set before it change nothing until a launch).
 ///
 /// # Safety
 ///
 /// `m`'s handles are live and used by no other thread; `ctx` is current.
-unsafe fn set_all(m: &Made, pieces: &[Piece], ctx: sys::CUcontext) -> Result<()> {
-    for (node, p) in m.nodes.iter().zip(pieces) {
+unsafe fn set_all(
+    m: &mut Made,
+    pieces: &[Piece],
+    released: u64,
+    ctx: sys::CUcontext,
+) -> Result<()> {
+    let fresh = m.released == released;
+    for ((node, was), p) in m.nodes.iter().zip(m.set.iter_mut()).zip(pieces) {
+        if fresh && was == p {
+            continue;
+        }
         let params = graph::copy_1d(p.dst, p.src, p.len);
         // SAFETY: a node of the graph `m.exec` was made from.
         unsafe { graph::set_copy(m.exec, *node, &params, ctx) }?;
+        *was = *p;
     }
+    m.released = released;
     Ok(())
 }
 
@@ -134,13 +158,15 @@ unsafe fn set_all(m: &Made, pieces: &[Piece], ctx: sys::CUcontext) -> Result<()>
 /// # Safety
 ///
 /// `ctx` is current; the pieces' memory is live.
-unsafe fn make(pieces: &[Piece], ctx: sys::CUcontext) -> Result<Made> {
+unsafe fn make(pieces: &[Piece], released: u64, ctx: sys::CUcontext) -> Result<Made> {
     // SAFETY: the context is current.
     let g = unsafe { graph::create() }?;
     let mut m = Made {
         graph: g,
         exec: std::ptr::null_mut(),
         nodes: Vec::with_capacity(pieces.len()),
+        set: pieces.to_vec(),
+        released,
     };
     for p in pieces {
         let params = graph::copy_1d(p.dst, p.src, p.len);

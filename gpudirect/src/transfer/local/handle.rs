@@ -4,6 +4,7 @@
 
 use super::request::{
     Queued, Ready, Staged, enqueue_staged, notify_peer, post, ready, request, run, stage,
+    stage_ready,
 };
 use super::side::Side;
 use super::state::{State, fail};
@@ -136,6 +137,15 @@ impl Local {
         opts: &TransferOptions,
     ) -> Result<Staged> {
         stage(&self.inner, &self.side, stream, dir, pairs, opts)
+    }
+
+    /// A prepared request staged for `stream`, nothing queued yet.
+    ///
+    /// # Errors
+    ///
+    /// As [`PreparedTransfer::post_on`](crate::transfer::PreparedTransfer::post_on).
+    pub(crate) fn stage_ready_on_stream(&self, stream: &Stream, r: &Ready) -> Result<Staged> {
+        stage_ready(&self.inner, stream, r)
     }
 
     /// A staged request's copies queued on `stream`, then its trigger at `mark`.

@@ -10,7 +10,7 @@ use crate::p2p::{
     VmmHandle, VmmImport,
 };
 use crate::transfer::export::uuid_of;
-use crate::transfer::region::IpcLink;
+use crate::transfer::region::{IpcLink, memory_released};
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -454,7 +454,9 @@ impl Drop for Import {
         // Closed outside the cache's lock: `cuIpcCloseMemHandle` (and unmapping) waits for the
         // work queued on the device, and every other import of the process would wait with it.
         // The dead entries stay in the map until the mapping is closed, so nobody opens the
-        // same handle meanwhile (`import` waits for them to go).
+        // same handle meanwhile (`import` waits for them to go). Counted first: a copy graph
+        // set to these addresses is set again before its next launch.
+        memory_released();
         drop(self.mem.take());
         let me: *const Import = self;
         // Every key this import answered to (its own, and those of aliases): no other import

@@ -70,4 +70,4 @@ mod state;
 
 pub(crate) use handle::Local;
 pub(crate) use listen::{Listener, connect, listen};
-pub(crate) use request::{Queued, Ready};
+pub(crate) use request::{Queued, Ready, Staged};

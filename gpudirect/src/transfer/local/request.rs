@@ -31,6 +31,9 @@ use std::time::{Duration, Instant};
 /// The side holds the imports a request used for as long as it lives (the next requests find
 /// them mapped). Called once the copies are queued: nothing here delays them.
 fn hold_imports(side: &Side, imports: &[Arc<Import>]) {
+    if imports.is_empty() {
+        return;
+    }
     let mut held = lock(&side.held);
     for imp in imports {
         if !held.iter().any(|x| Arc::ptr_eq(x, imp)) {
@@ -692,6 +695,8 @@ pub(crate) struct Ready {
     /// The report every post starts from (no paths, no messages yet).
     report: TransferReport,
     held: Arc<Held>,
+    /// Its options (a stream-ordered post reports its notification).
+    opts: TransferOptions,
     timeout: Duration,
     epoch: u64,
 }
@@ -735,6 +740,7 @@ pub(super) fn ready(
         streams,
         report: report(dir, bytes, 0, Vec::new(), &opts),
         held,
+        opts,
         timeout,
         epoch,
     })
@@ -767,6 +773,11 @@ pub(super) fn post(ep: &EpInner<State>, r: &Ready) -> Result<Transfer> {
 }
 
 impl Ready {
+    /// How long each post may take ([`TransferOptions::deadline`], else the engine's).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The streams on `lane` of each local GPU the copies start from.
     fn streams_on(&self, lane: &Lane) -> &GpuStreams {
         &self.streams[lane.index]
@@ -1090,15 +1101,7 @@ pub(super) fn stage(
         park_imports(keep._imports);
         return Err(e);
     }
-    let ordinal = stream.context().ordinal();
-    let lease = match (&copies[..], &gpus[..]) {
-        ([c], [(Some(g), _)])
-            if ep.engine.inner.config.copy_kernel && *g == ordinal && kernel::fits(c) =>
-        {
-            CopyKernel::of(stream.context()).and_then(|k| k.lease())
-        }
-        _ => None,
-    };
+    let lease = kernel_lease(ep, stream, &copies, &gpus);
     Ok(Staged {
         copies,
         gpus,
@@ -1109,6 +1112,47 @@ pub(super) fn stage(
         opts: *opts,
         started,
         epoch,
+    })
+}
+
+/// A counter of the copy kernel for one piece it can take on `stream`'s GPU (loading it on the
+/// context's first use), where the engine's config lets it.
+fn kernel_lease(
+    ep: &EpInner<State>,
+    stream: &Stream,
+    copies: &[Piece],
+    gpus: &[(Option<usize>, usize)],
+) -> Option<Lease> {
+    let ordinal = stream.context().ordinal();
+    match (copies, gpus) {
+        ([c], [(Some(g), _)])
+            if ep.engine.inner.config.copy_kernel && *g == ordinal && kernel::fits(c) =>
+        {
+            CopyKernel::of(stream.context()).and_then(|k| k.lease())
+        }
+        _ => None,
+    }
+}
+
+/// A prepared request staged for `stream` ([`PreparedTransfer::post_on`]): what [`stage`]
+/// makes, from what was checked and mapped when it was prepared; refused as [`post`] refuses.
+///
+/// [`PreparedTransfer::post_on`]: crate::transfer::PreparedTransfer::post_on
+pub(super) fn stage_ready(ep: &EpInner<State>, stream: &Stream, r: &Ready) -> Result<Staged> {
+    let side = current(ep, r)?;
+    let started = Instant::now();
+    // As `stage`: copies of requests a reconnect ended are let finish first.
+    side.await_barrier(deadline_after(started, r.timeout), r.timeout)?;
+    Ok(Staged {
+        copies: r.copies.clone(),
+        gpus: r.gpus.clone(),
+        keep: Some(Keep::posted(&r.held)),
+        lease: kernel_lease(ep, stream, &r.copies, &r.gpus),
+        bytes: r.report.bytes,
+        dir: r.report.direction,
+        opts: r.opts,
+        started,
+        epoch: r.epoch,
     })
 }
 

@@ -319,6 +319,11 @@ impl Ready {
             built: Mutex::new(SmallVec::new()),
         }
     }
+
+    /// Its pairs.
+    pub(crate) fn pairs(&self) -> &[(LocalRange, RemoteRange)] {
+        &self.pairs
+    }
 }
 
 /// Post `ready` again: [`direct`] with its messages as built for this layout of the rails
