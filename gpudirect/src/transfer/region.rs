@@ -71,6 +71,7 @@ pub(crate) fn memory_released() {
 }
 
 /// How many times memory went away so far ([`memory_released`]).
+#[cfg_attr(not(feature = "p2p"), allow(dead_code))]
 pub(crate) fn memory_released_count() -> u64 {
     RELEASED.load(Ordering::SeqCst)
 }
