@@ -1312,6 +1312,14 @@ fn reconnecting_peer(job: Job) {
     .unwrap()
     .wait()
     .unwrap();
+    // Prepared before the reconnect: refused after it (the peer's memory may have moved).
+    let before = ep
+        .prepare(
+            Direction::Write,
+            vec![(smalls[0].all(), p.range(0, RECONNECT_SMALL as u64).unwrap())],
+            TransferOptions::default(),
+        )
+        .unwrap();
     let (go_tx, go_rx) = channel::<MemoryDescriptor>();
     let (issued_tx, issued_rx) = channel::<Vec<gpudirect::transfer::Transfer>>();
     let (ep, big, last) = (&ep, &big, &last);
@@ -1343,6 +1351,21 @@ fn reconnecting_peer(job: Job) {
             "the long writes ended before the reconnect: nothing tested"
         );
         let p2 = ep.peer_descriptors()[0];
+        for e in [
+            before.post_on(&gpu::stream(d)).map(drop).unwrap_err(),
+            before.post().map(drop).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    &e,
+                    Error::InvalidArgument {
+                        arg: "prepared",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
         // First from a thread new to the endpoint (its lane's streams made now), while the
         // ended writes' copies still run; then from the thread that wrote before.
         let small1 = &smalls[1];

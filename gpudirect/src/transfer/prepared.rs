@@ -133,10 +133,14 @@ impl PreparedTransfer {
     /// ([`StreamTransfer::wait_on`]).
     ///
     /// Inside a node the copies go on `stream` now, with no check or lookup repeated (as
-    /// [`post`](Self::post)): with the engine's copy graphs, one launch of the stream's own copy
-    /// graph, whose operands are set only where they differ from that graph's last launch (so
-    /// posting the same request again and again on one stream launches it as it is). Across
-    /// nodes it is `write_on` (`read_on`) of the same pairs.
+    /// [`post`](Self::post)): as `write_on` queues them (the copy kernel for one piece it takes
+    /// where [`EngineConfig::copy_kernel`] is on; else, with the engine's copy graphs, one launch
+    /// of the stream's own copy graph, whose nodes are set only where they differ from its last
+    /// launch and no memory was freed in the process since). Across nodes it is `write_on`
+    /// (`read_on`) of the same pairs. Like `write_on`, it is not counted in the endpoint's
+    /// metrics.
+    ///
+    /// [`EngineConfig::copy_kernel`]: super::EngineConfig::copy_kernel
     ///
     /// # Errors
     ///

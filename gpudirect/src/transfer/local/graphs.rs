@@ -84,7 +84,12 @@ impl CopyGraphs {
     /// # Safety
     ///
     /// `stream` is live in the graphs' context, which is current; both ranges of each piece are
-    /// memory the context reaches, valid until the stream has passed the launch.
+    /// memory the context reaches, held (a registration's [`Backing`] or a peer's import, whose
+    /// drops count in [`memory_released`]) from before this call until the stream has passed
+    /// the launch.
+    ///
+    /// [`Backing`]: crate::transfer::region::Backing
+    /// [`memory_released`]: crate::transfer::region::memory_released
     pub(super) unsafe fn gather(&self, stream: sys::CUstream, pieces: &[Piece]) -> Result<()> {
         let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
         let most = made.len();
@@ -96,7 +101,7 @@ impl CopyGraphs {
             ));
         }
         let ctx = self.ctx.cu_ctx();
-        // Read before the nodes are set: memory that goes from here on moves it again.
+        // Read while the caller holds every piece's memory (see `stale`).
         let released = memory_released_count();
         let slot = &mut made[pieces.len() - 1];
         // SAFETY: the graph's handles are live (under the lock); the context is current.
@@ -124,10 +129,9 @@ impl CopyGraphs {
     }
 }
 
-/// Set every node of `m` to copy its piece of `pieces` (as many as its nodes), skipping a node
-/// already set to it while no memory went away since (`released`, read before the pieces'
-/// memory was last checked alive, is [`memory_released_count`]'s value at the last set). On an
-/// error the caller makes the graph anew (the nodes set before it change nothing until a launch).
+/// Set every node of `m` to copy its piece of `pieces` (as many as its nodes), only those
+/// [`stale`] names. On an error the caller makes the graph anew (the nodes set before it change
+/// nothing until a launch).
 ///
 /// # Safety
 ///
@@ -139,17 +143,27 @@ unsafe fn set_all(
     ctx: sys::CUcontext,
 ) -> Result<()> {
     let fresh = m.released == released;
-    for ((node, was), p) in m.nodes.iter().zip(m.set.iter_mut()).zip(pieces) {
-        if fresh && was == p {
+    for (i, p) in pieces.iter().enumerate().take(m.nodes.len()) {
+        if !stale(fresh, &m.set[i], p) {
             continue;
         }
         let params = graph::copy_1d(p.dst, p.src, p.len);
         // SAFETY: a node of the graph `m.exec` was made from.
-        unsafe { graph::set_copy(m.exec, *node, &params, ctx) }?;
-        *was = *p;
+        unsafe { graph::set_copy(m.exec, m.nodes[i], &params, ctx) }?;
+        m.set[i] = *p;
     }
     m.released = released;
     Ok(())
+}
+
+/// Whether a node set to `was` must be set to `p` before its next launch: where they differ,
+/// and always once memory went away since it was set (`fresh` false: another allocation may lie
+/// at the same addresses). `released` is read at the launch, while the caller holds the memory
+/// of every piece launched (from before the launch until the stream passes it): memory at a
+/// node's addresses that changed since its set was freed after that set's read, and moved the
+/// count.
+fn stale(fresh: bool, was: &Piece, p: &Piece) -> bool {
+    !fresh || was != p
 }
 
 /// A graph of one copy node per piece (no edges: they run in any order, at once), and its
@@ -176,4 +190,31 @@ unsafe fn make(pieces: &[Piece], released: u64, ctx: sys::CUcontext) -> Result<M
     // SAFETY: as above.
     m.exec = unsafe { graph::instantiate(g) }?;
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_set_again_only_when_its_piece_or_the_memory_changed() {
+        let p = |dst, src, len| Piece {
+            dst,
+            src,
+            len,
+            device: 0,
+        };
+        let was = p(0x1000, 0x2000, 64);
+        assert!(!stale(true, &was, &p(0x1000, 0x2000, 64)), "the same piece");
+        assert!(
+            stale(true, &was, &p(0x1008, 0x2000, 64)),
+            "another destination"
+        );
+        assert!(stale(true, &was, &p(0x1000, 0x2008, 64)), "another source");
+        assert!(stale(true, &was, &p(0x1000, 0x2000, 65)), "another length");
+        assert!(
+            stale(false, &was, &p(0x1000, 0x2000, 64)),
+            "memory went away"
+        );
+    }
 }

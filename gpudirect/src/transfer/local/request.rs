@@ -1097,7 +1097,11 @@ pub(super) fn stage(
     // The caller's stream is not one of the lanes' (a reconnect cannot make it wait): copies of
     // requests a reconnect ended unfinished, which may reach the same bytes, are let finish
     // first, up to the request's deadline.
-    if let Err(e) = side.await_barrier(deadline, timeout) {
+    // A reconnect while it waited would have the copies reach the old peer's memory.
+    if let Err(e) = side
+        .await_barrier(deadline, timeout)
+        .and_then(|()| ended_since(ep, side, epoch).map_or(Ok(()), Err))
+    {
         park_imports(keep._imports);
         return Err(e);
     }
@@ -1143,6 +1147,9 @@ pub(super) fn stage_ready(ep: &EpInner<State>, stream: &Stream, r: &Ready) -> Re
     let started = Instant::now();
     // As `stage`: copies of requests a reconnect ended are let finish first.
     side.await_barrier(deadline_after(started, r.timeout), r.timeout)?;
+    if let Some(err) = ended_since(ep, &side, r.epoch) {
+        return Err(err);
+    }
     Ok(Staged {
         copies: r.copies.clone(),
         gpus: r.gpus.clone(),
