@@ -1457,6 +1457,34 @@ fn stream_copy(stream: &gpudirect::cuda::Stream, dst: u64, src: u64, len: usize)
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoDAsync");
 }
 
+/// A stream-ordered request made by `post` on a stream capturing a graph: refused with nothing
+/// queued, and the capture still valid.
+fn refused_under_capture(
+    post: impl FnOnce(
+        &gpudirect::cuda::Stream,
+    ) -> gpudirect::Result<gpudirect::transfer::StreamTransfer>,
+) {
+    use gpudirect::cudarc::driver::sys;
+    let c = gpu::stream(0);
+    c.cuda()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let e = post(&c).map(drop).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::StreamCapturing {
+                enqueued: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    c.cuda()
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .expect("the refusal did not invalidate the capture");
+}
+
 /// Stream-ordered transfers between two processes: a write queued on a stream behind the copy
 /// that fills its source (so it must start only when the stream gets there), another stream
 /// released by its completion word then reading the peer's bytes back on that stream; the peer's
@@ -1575,31 +1603,13 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
         "read back on the stream",
     );
     // Under capture: refused, nothing queued, the capture still valid.
-    use gpudirect::cudarc::driver::sys;
-    let c = gpu::stream(0);
-    c.cuda()
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .unwrap();
-    let e = ep
-        .write_on(
-            &c,
+    refused_under_capture(|c| {
+        ep.write_on(
+            c,
             vec![(src.all(), peer[0].all())],
             TransferOptions::default(),
         )
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::StreamCapturing {
-                enqueued: false,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    c.cuda()
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .expect("the refusal did not invalidate the capture");
+    });
     // Two pairs on the legacy default stream (which cuMemcpyBatchAsync refuses: one copy each
     // there), each half into the other half of poisoned memory.
     let legacy = gpudirect::cuda::Stream::wrap(ctx.default_stream());
@@ -1811,24 +1821,7 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
         );
     }
     // A post under capture is refused with nothing queued; on the per-thread default stream too.
-    let c = gpu::stream(0);
-    c.cuda()
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .unwrap();
-    let e = prepared[0].post_on(&c).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::StreamCapturing {
-                enqueued: false,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    c.cuda()
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .expect("the refusal did not invalidate the capture");
+    refused_under_capture(|c| prepared[0].post_on(c));
     let e = prepared[0]
         .post_on(&gpudirect::cuda::Stream::wrap(ctx.per_thread_stream()))
         .unwrap_err();
