@@ -1757,7 +1757,8 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
     // Prepared reads posted on one stream: two of one size into the same local range from two
     // places of the peer's source, posted A B A A B B A (the stream's graph set again only where
     // the last launch differs), the range poisoned on the stream before each post and copied
-    // aside after it; each copy aside holds exactly its post's bytes.
+    // aside after it, and the prepared requests dropped before the stream synchronizes; each
+    // copy aside holds exactly its post's bytes.
     let order = [0usize, 1, 0, 0, 1, 1, 0];
     let len = 65_536 + 5;
     let at = [3u64, (STREAM_LEN / 2) as u64 + 1];
@@ -1775,6 +1776,12 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
             .unwrap()
         })
         .collect();
+    // A post under capture is refused with nothing queued; on the per-thread default stream too.
+    refused_under_capture(|c| prepared[0].post_on(c));
+    let e = prepared[0]
+        .post_on(&gpudirect::cuda::Stream::wrap(ctx.per_thread_stream()))
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     let ps = gpu::stream(0);
     let into_ptr = into.device_ptr().unwrap();
     let posted: Vec<_> = order
@@ -1787,6 +1794,9 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
             t
         })
         .collect();
+    // The prepared requests go before the stream gets to their copies: each post holds what
+    // its copies reach.
+    drop(prepared);
     ps.synchronize().unwrap();
     for t in &posted {
         assert_eq!(t.wait(WAIT).unwrap().bytes, len as u64);
@@ -1820,12 +1830,6 @@ fn stream_ordered(config: EngineConfig, test: &str, name: &str) {
             "a read into a region registered anew",
         );
     }
-    // A post under capture is refused with nothing queued; on the per-thread default stream too.
-    refused_under_capture(|c| prepared[0].post_on(c));
-    let e = prepared[0]
-        .post_on(&gpudirect::cuda::Stream::wrap(ctx.per_thread_stream()))
-        .unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     // The per-thread default stream is refused (its handle names another stream on every
     // thread), nothing queued.
     let per_thread = gpudirect::cuda::Stream::wrap(ctx.per_thread_stream());
