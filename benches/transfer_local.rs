@@ -843,14 +843,7 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
-        // The same, one prepared request posted on the stream `depth` times a burst.
-        let prepared = ep
-            .prepare(
-                gpudirect::transfer::Direction::Write,
-                pair(),
-                TransferOptions::default().deadline(DEADLINE),
-            )
-            .expect("prepare");
+        // The same, the prepared request above posted on the stream `depth` times a burst.
         let gd_stream_prep = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| prepared.post_on(&stream).expect("post_on"))

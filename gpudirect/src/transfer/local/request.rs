@@ -1097,11 +1097,7 @@ pub(super) fn stage(
     // The caller's stream is not one of the lanes' (a reconnect cannot make it wait): copies of
     // requests a reconnect ended unfinished, which may reach the same bytes, are let finish
     // first, up to the request's deadline.
-    // A reconnect while it waited would have the copies reach the old peer's memory.
-    if let Err(e) = side
-        .await_barrier(deadline, timeout)
-        .and_then(|()| ended_since(ep, side, epoch).map_or(Ok(()), Err))
-    {
+    if let Err(e) = barrier_passed(ep, side, epoch, deadline, timeout) {
         park_imports(keep._imports);
         return Err(e);
     }
@@ -1117,6 +1113,20 @@ pub(super) fn stage(
         started,
         epoch,
     })
+}
+
+/// Wait (up to `deadline`) for the copies of requests the last reconnect ended, then refuse a
+/// request checked in `epoch` if the endpoint reconnected meanwhile: its copies would reach the
+/// old peer's memory.
+fn barrier_passed(
+    ep: &EpInner<State>,
+    side: &Side,
+    epoch: u64,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    side.await_barrier(deadline, timeout)?;
+    ended_since(ep, side, epoch).map_or(Ok(()), Err)
 }
 
 /// A counter of the copy kernel for one piece it can take on `stream`'s GPU (loading it on the
@@ -1146,10 +1156,8 @@ pub(super) fn stage_ready(ep: &EpInner<State>, stream: &Stream, r: &Ready) -> Re
     let side = current(ep, r)?;
     let started = Instant::now();
     // As `stage`: copies of requests a reconnect ended are let finish first.
-    side.await_barrier(deadline_after(started, r.timeout), r.timeout)?;
-    if let Some(err) = ended_since(ep, &side, r.epoch) {
-        return Err(err);
-    }
+    let deadline = deadline_after(started, r.timeout);
+    barrier_passed(ep, &side, r.epoch, deadline, r.timeout)?;
     Ok(Staged {
         copies: r.copies.clone(),
         gpus: r.gpus.clone(),
