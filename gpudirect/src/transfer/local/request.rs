@@ -1182,7 +1182,9 @@ pub(super) fn enqueue_staged(
     mark: &Mark<'_>,
 ) -> std::result::Result<Queued, Unmade> {
     let keep = staged.keep.take().expect("a staged request holds its keep");
-    let used = keep._imports.clone();
+    // Held until the endpoint goes, whether or not the copies are queued below (a refused
+    // request's mappings then stay with the endpoint, as a queued one's do).
+    hold_imports(side, &keep._imports);
     let (passed, held): (Passed, Box<dyn Send>) = match staged.lease.take() {
         Some(lease) => {
             let flags = match mark.flags() {
@@ -1226,7 +1228,7 @@ pub(super) fn enqueue_staged(
             // `cuMemcpyAsync` per piece.
             let ordinal = stream.context().ordinal();
             let graphs = all_local_on(&staged.gpus, ordinal)
-                .then(|| side.stream_graphs(stream, copies.len()))
+                .then(|| side.stream_graphs(stream, copies.len(), staged.started))
                 .flatten();
             let call = match graphs {
                 Some(_) => "cuGraphLaunch",
@@ -1284,7 +1286,6 @@ pub(super) fn enqueue_staged(
             }
         }
     };
-    hold_imports(side, &used);
     let paths = staged.gpus.iter().map(|&(l, p)| path_of(l, p)).collect();
     Ok(Queued {
         hold: Some((passed, held)),

@@ -467,8 +467,14 @@ impl Side {
     /// or where the driver has no graph calls or refused one. A set of the stream's own:
     /// launches of one executable graph are ordered behind each other whatever their streams,
     /// so a set shared by two streams would make one wait for the other's work. `None` too for
-    /// a stream not kept while all that are were used within [`STREAM_GRAPHS_IDLE`].
-    pub(super) fn stream_graphs(&self, stream: &Stream, pieces: usize) -> Option<Arc<CopyGraphs>> {
+    /// a stream not kept while all that are were used within [`STREAM_GRAPHS_IDLE`]. `now`: the
+    /// request's start, as the caller read the clock.
+    pub(super) fn stream_graphs(
+        &self,
+        stream: &Stream,
+        pieces: usize,
+        now: Instant,
+    ) -> Option<Arc<CopyGraphs>> {
         if !self.engine.inner.config.copy_graphs || pieces > GATHER_PIECES {
             return None;
         }
@@ -478,13 +484,16 @@ impl Side {
         let found = g
             .iter()
             .position(|(k, c, _)| *k == key && c.context().cu_ctx() == ctx.cu_ctx());
-        let now = Instant::now();
         let graphs = match found {
             Some(i) => {
-                let mut e = g.remove(i);
-                e.2 = now;
-                g.push(e);
-                g.last().expect("pushed").1.clone()
+                // The most recent last (moved only when it was not already).
+                if i + 1 != g.len() {
+                    let e = g.remove(i);
+                    g.push(e);
+                }
+                let e = g.last_mut().expect("found");
+                e.2 = e.2.max(now);
+                e.1.clone()
             }
             None => {
                 if g.len() >= STREAM_GRAPHS {
@@ -737,6 +746,10 @@ impl Side {
     /// Look (as the worker does) until the last reconnect's join is complete ([`barrier_done`](
     /// Self::barrier_done)), up to `deadline`: [`Error::Timeout`] after `timeout` past it.
     pub(super) fn await_barrier(&self, deadline: Instant, timeout: Duration) -> Result<()> {
+        // Passed already (the usual case): no clock read, no wait.
+        if self.barrier_done()? {
+            return Ok(());
+        }
         let mut failed = None;
         let done = look_until(
             || {

@@ -235,7 +235,12 @@ type Reservation<W> = (u64, Arc<Queue>, u64, Vec<Dead<W>>);
 impl<W> Front<W> {
     /// The current queue's next seq, handed to the proxy's state through the inbox (the
     /// caller checked that the queue can take it).
-    fn take_seq(&mut self, outcome: &Arc<Outcome>, timeout: Duration) -> Reservation<W> {
+    fn take_seq(
+        &mut self,
+        outcome: &Arc<Outcome>,
+        timeout: Duration,
+        until: Instant,
+    ) -> Reservation<W> {
         let cur = self.current.as_mut().expect("checked by the caller");
         let seq = cur.next_seq;
         cur.next_seq += 1;
@@ -244,7 +249,7 @@ impl<W> Front<W> {
             key: (id, seq),
             outcome: outcome.clone(),
             timeout,
-            until: deadline_after(Instant::now(), timeout),
+            until,
         });
         (id, queue, seq, std::mem::take(&mut self.graveyard))
     }
@@ -937,6 +942,7 @@ impl<B: Backend> Core<B> {
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
+        until: Instant,
     ) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         {
@@ -954,10 +960,10 @@ impl<B: Backend> Core<B> {
                     .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
                     < TRIGGER_SLOTS as u64
             {
-                return Ok(front.take_seq(outcome, timeout));
+                return Ok(front.take_seq(outcome, timeout, until));
             }
         }
-        self.reserve_slow(trig, outcome, timeout)
+        self.reserve_slow(trig, outcome, timeout, until)
     }
 
     /// [`reserve`](Self::reserve) with the proxy's state drained and locked: the current
@@ -968,6 +974,7 @@ impl<B: Backend> Core<B> {
         trig: &Trigger<'_>,
         outcome: &Arc<Outcome>,
         timeout: Duration,
+        until: Instant,
     ) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
@@ -1013,7 +1020,7 @@ impl<B: Backend> Core<B> {
                             ));
                         }
                         q.publish_low();
-                        let mut r = front.take_seq(outcome, timeout);
+                        let mut r = front.take_seq(outcome, timeout, until);
                         // Words made for a queue another caller made first: dropped with the
                         // rest, after this request's trigger is queued.
                         if let Some(words) = made.take() {
@@ -1211,8 +1218,11 @@ impl<B: Backend> Proxy<B> {
             flag: CompletionFlag::new(),
             slot: Mutex::new(None),
         });
+        // The trigger deadline counts from here: the request's own checks are done. One read
+        // of the clock, outside the front's lock (making the work takes microseconds).
+        let until = deadline_after(Instant::now(), timeout);
         // With what finished requests held, dropped below on this thread (as `bury` does).
-        let (id, queue, seq, dead) = self.core.reserve(&trig, &outcome, timeout)?;
+        let (id, queue, seq, dead) = self.core.reserve(&trig, &outcome, timeout, until)?;
         let stream = match trig {
             Trigger::Stream(s) => Some(s),
             Trigger::Host => None,
@@ -1254,8 +1264,6 @@ impl<B: Backend> Proxy<B> {
                 return Err(e);
             }
         };
-        // The trigger deadline counts from here, as the request's own checks are done.
-        let until = deadline_after(Instant::now(), timeout);
         let limit = deadline_after(until, timeout) + HOST_SLACK;
         // Handed over: the proxy's next round takes it (a close meanwhile: the work is
         // dropped by a caller's thread).
