@@ -189,7 +189,8 @@ impl QState {
 /// What a caller hands the proxy's state through [`Front::inbox`], applied in order before the
 /// state is looked at ([`Core::drain`]).
 enum Msg<W> {
-    /// A seq was taken on the current queue; its work is being made.
+    /// A seq was taken on the current queue; its work is being made. `until`: when its
+    /// trigger must have fired (counted from the call, once its checks were done).
     Reserved {
         key: (u64, u64),
         outcome: Arc<Outcome>,
@@ -197,11 +198,7 @@ enum Msg<W> {
         until: Instant,
     },
     /// Its work was made and its trigger queued.
-    Armed {
-        key: (u64, u64),
-        work: W,
-        until: Instant,
-    },
+    Armed { key: (u64, u64), work: W },
 }
 
 /// The queue new requests go to, as callers see it.
@@ -533,11 +530,8 @@ impl<B: Backend> Core<B> {
                     timeout,
                     until,
                 } => self.take_reserved(st, key, outcome, timeout, until),
-                Msg::Armed { key, work, until } => match st.entries.get_mut(&key) {
-                    Some(e) => {
-                        e.stage = Stage::Armed(work);
-                        e.until = until;
-                    }
+                Msg::Armed { key, work } => match st.entries.get_mut(&key) {
+                    Some(e) => e.stage = Stage::Armed(work),
                     // Ended meanwhile (a close, an earlier failure): what the work holds is
                     // dropped by a caller's thread.
                     None => st.graveyard.push(Dead::Other(Box::new(work))),
@@ -1270,7 +1264,6 @@ impl<B: Backend> Proxy<B> {
         self.core.front().inbox.push(Msg::Armed {
             key: (id, seq),
             work,
-            until,
         });
         // A proxy napping between looks at armed triggers finds this one at its next look.
         self.core.bell.ring_if(DEEP);
