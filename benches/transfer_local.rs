@@ -12,6 +12,9 @@
 //!   NIXL's `transfer` polled to done;
 //! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
 //!   and one synchronize;
+//! - stream-ordered one at a time: `Endpoint::write_on`, `StreamTransfer::wait_on` on the same
+//!   stream and one synchronize, against raw copy + synchronize (what the stream proxy adds
+//!   between the copies' end and the completion word);
 //! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize; beside
 //!   the least such a request queues on the copy engines: each raw IPC copy followed by a
 //!   `cuStreamWriteValue64` of a mapped host word ("copy + word"), and each followed by a
@@ -688,7 +691,7 @@ fn main() {
     let mut path = String::new();
     let mut rows = Vec::new();
     // One request at a time awaited on a current-thread runtime: (size, raw, wait, await,
-    // await with a spin).
+    // await with a spin, stream-ordered with a stream wait).
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -746,7 +749,21 @@ fn main() {
                 .expect("write");
             rt.block_on(t.spin(AWAIT_SPIN)).expect("await");
         });
-        awaited.push((n, raw_one, gd_one, await_one, await_spin));
+        // Stream-ordered, one at a time: the request, a stream wait on its completion word,
+        // one synchronize. What the proxy takes to see the copies done and publish the word.
+        let on_one = per_call(reps, || {
+            let t = ep
+                .write_on(
+                    &stream,
+                    pair(),
+                    TransferOptions::default().deadline(DEADLINE),
+                )
+                .expect("write_on");
+            t.wait_on(&stream).expect("wait_on");
+            stream.synchronize().expect("synchronize");
+            t.wait(DEADLINE).expect("wait");
+        });
+        awaited.push((n, raw_one, gd_one, await_one, await_spin, on_one));
         // At least 9 bursts a pipelined cell: a median of 3 left the stream-ordered cell's
         // paired intervals twice as wide as the others'.
         let pipe_reps = reps.div_ceil(depth).max(9);
@@ -1022,12 +1039,22 @@ fn main() {
         "awaited one at a time (a current-thread tokio runtime's block_on), GB/s and ratio to raw 1x1:"
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6}",
-        "size", "raw 1x1", "wait", "ratio", "await", "ratio", "spin", "ratio"
+        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>7}",
+        "size",
+        "raw 1x1",
+        "wait",
+        "ratio",
+        "await",
+        "ratio",
+        "spin",
+        "ratio",
+        "on+wait",
+        "ratio",
+        "+us"
     );
-    for (n, r1, w, aw, sp) in awaited {
+    for (n, r1, w, aw, sp, on) in awaited {
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2}",
+            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>7.1}",
             label(n),
             gbs(n, r1),
             gbs(n, w),
@@ -1035,11 +1062,15 @@ fn main() {
             gbs(n, aw),
             r1 / aw,
             gbs(n, sp),
-            r1 / sp
+            r1 / sp,
+            gbs(n, on),
+            r1 / on,
+            (on - r1) * 1e6
         );
     }
     println!(
-        "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does)",
+        "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does); \
+         on+wait: Endpoint::write_on, StreamTransfer::wait_on on the same stream, one synchronize (the proxy sees the copies done and publishes the word)",
         AWAIT_SPIN.as_micros()
     );
     println!();
