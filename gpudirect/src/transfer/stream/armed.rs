@@ -9,7 +9,7 @@ use crate::completion::{CompletionFlag, Fence, InFlight, Line, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,10 @@ pub(crate) struct Queue {
     /// proxy stores it every round, and callers take and let go of the queue (its reference
     /// count) at every request.
     pub(super) low: Line<AtomicU64>,
+    /// The highest seq a waiter asked for ([`StreamTransfer::wait_on`], `.await`,
+    /// [`StreamTransfer::wait`]; 0: none): while a request up to it is armed behind a fence the
+    /// proxy looks without napping. Its own allocation: the proxy holds it, never the words.
+    pub(super) waited: Arc<AtomicU64>,
 }
 
 impl Queue {
@@ -33,6 +37,7 @@ impl Queue {
             words,
             bell,
             low: Line(AtomicU64::new(1)),
+            waited: Arc::new(AtomicU64::new(0)),
         }
     }
 }
@@ -170,6 +175,9 @@ pub struct StreamTransfer {
 /// [`NUDGE_EVERY`] whoever asks (a loop of `wait(Duration::ZERO)` does not keep it busy).
 pub(crate) trait Nudge: Send + Sync {
     fn nudge(&self);
+    /// A waiter came (its seq is in [`Queue::waited`]): a proxy napping over fences looks at
+    /// once, and without naps while the request is armed.
+    fn waiter(&self);
 }
 
 /// While the host waits for a request, the proxy is nudged at most this often: a nap of its (up
@@ -180,6 +188,14 @@ impl StreamTransfer {
     /// The request's sequence number in its queue (from 1).
     pub fn seq(&self) -> u64 {
         self.seq
+    }
+
+    /// Mark the request waited for (and every earlier one of its queue), ringing the proxy
+    /// the first time (a loop of `wait(Duration::ZERO)` rings once).
+    fn waited(&self) {
+        if self.queue.waited.fetch_max(self.seq, Ordering::SeqCst) < self.seq {
+            self.queue.bell.waiter();
+        }
     }
 
     /// Fire the trigger from the host: what the stream's `cuStreamWriteValue64` does for a
@@ -214,6 +230,8 @@ impl StreamTransfer {
     #[doc(alias = "cuStreamWaitValue64_v2")]
     pub fn wait_on(&self, stream: &Stream) -> Result<()> {
         let flags = self.cuda_words()?;
+        // Marked first: the proxy may see the request end while the wait is queued.
+        self.waited();
         stream.wait_value64(flags, DONE, self.seq, WaitCondition::Geq)
     }
 
@@ -265,6 +283,9 @@ impl StreamTransfer {
     /// the result was taken.
     pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
         let flag = &self.outcome.flag;
+        if !flag.is_complete() {
+            self.waited();
+        }
         let done = flag.is_complete()
             || poll_until(
                 || {
@@ -311,6 +332,7 @@ impl std::future::IntoFuture for StreamTransfer {
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
+        self.waited();
         let op = InFlight::new(
             "stream transfer",
             self.outcome.flag.clone(),

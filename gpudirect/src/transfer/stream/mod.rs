@@ -65,7 +65,10 @@
 //! One per endpoint, started by the first stream request. While a request is armed it polls
 //! the armed trigger words: a short run of yields, then sleeps that double from one microsecond
 //! to [`PROXY_NAP`], so an armed request costs at most about one nap of latency and the thread
-//! wakes about once a nap while the stream has not reached a trigger. With
+//! wakes about once a nap while the stream has not reached a trigger. Where all it watches are
+//! events behind copies the callers' streams run (inside a node), it naps from the first look
+//! unless a request is waited for ([`StreamTransfer::wait_on`], `.await`,
+//! [`StreamTransfer::wait`]) or its queue's last request was. With
 //! nothing armed it sleeps on a condition variable: woken by a new request, by the completion
 //! of a request it posted (a waker on the request's completion flag), or at the endpoint's close.
 //!

@@ -3,7 +3,7 @@
 //! queue's completion word as they finish.
 
 use super::armed::{Keep, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer};
-use super::window::{DONE, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
+use super::window::{DONE, FENCE_NAP, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
@@ -175,6 +175,10 @@ struct QState {
     known: u64,
     /// No new requests (a request failed, or the words were given to a graph).
     retired: bool,
+    /// The last request to finish was waited for before it did ([`Queue::waited`]): its
+    /// caller waits on each request, so the proxy looks for the next one's fence without
+    /// napping (a waiter waking a nap pays the wake-up).
+    eager: bool,
 }
 
 impl QState {
@@ -329,6 +333,11 @@ impl Nudge for Bell {
         }
         self.ring_if(NAP);
     }
+
+    fn waiter(&self) {
+        // Rung, not nudged: a proxy about to nap finds the ring (no lost wake-up).
+        self.ring_if(NAP);
+    }
 }
 
 impl Bell {
@@ -394,6 +403,9 @@ struct Watch<F> {
     /// Of armed work whose stream stores no trigger ([`Backend::fired_by`]): per stream, a
     /// fence of the earliest such request.
     fences: Vec<F>,
+    /// Per queue with requests armed behind fences: its waiter watermark
+    /// ([`Queue::waited`]), the lowest such seq, and whether its last request was waited for.
+    waits: Vec<(Arc<AtomicU64>, u64, bool)>,
     /// The earliest trigger deadline.
     until: Option<Instant>,
     /// Entries of any stage.
@@ -402,6 +414,14 @@ struct Watch<F> {
 }
 
 impl<F: FiredBy> Watch<F> {
+    /// Whether a request armed behind a fence is waited for, or likely to be (its queue's
+    /// last one was).
+    fn waited(&self) -> bool {
+        self.waits
+            .iter()
+            .any(|(w, low, eager)| *eager || w.load(Ordering::SeqCst) >= *low)
+    }
+
     /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
     /// go while this looked is handed to `graveyard` (a caller's thread frees its words).
     fn fired<W>(&self, graveyard: &Mutex<Front<W>>) -> bool {
@@ -600,6 +620,7 @@ impl<B: Backend> Core<B> {
         if let Some(q) = st.queues.get_mut(&key.0) {
             let word = q.window.finish(key.1, ok);
             q.queue.words.store(DONE, word);
+            q.eager = q.queue.waited.load(Ordering::SeqCst) >= key.1;
             q.outstanding = q.outstanding.saturating_sub(1);
             q.unfired.remove(&key.1);
             if !ok && !q.retired {
@@ -783,21 +804,33 @@ impl<B: Backend> Core<B> {
         let mut watch: Watch<B::Fired> = Watch {
             armed: Vec::new(),
             fences: Vec::new(),
+            waits: Vec::new(),
             until: None,
             any: !st.entries.is_empty(),
             closing: st.closing.is_some(),
         };
+        let mut last_queue = None;
         for e in st.entries.iter().filter_map(|(k, e)| match &e.stage {
             Stage::Armed(w) => Some((*k, e, w)),
             _ => None,
         }) {
             match self.backend.fired_by(e.2) {
-                // One fence per stream: the earliest there (the first to complete).
-                Some(f) => match watch.fences.iter_mut().find(|g| g.place().0 == f.place().0) {
-                    Some(g) if f.place().1 < g.place().1 => *g = f,
-                    Some(_) => {}
-                    None => watch.fences.push(f),
-                },
+                // One fence per stream: the earliest there (the first to complete), and
+                // whether another request waits behind it.
+                Some(f) => {
+                    match watch.fences.iter_mut().find(|g| g.place().0 == f.place().0) {
+                        Some(g) if f.place().1 < g.place().1 => *g = f,
+                        Some(_) => {}
+                        None => watch.fences.push(f),
+                    }
+                    // Entries go by (queue, seq): a queue's first is its lowest.
+                    if last_queue != Some(e.0.0)
+                        && let Some(q) = st.queues.get(&e.0.0)
+                    {
+                        watch.waits.push((q.queue.waited.clone(), e.0.1, q.eager));
+                    }
+                    last_queue = Some(e.0.0);
+                }
                 None => {
                     if let Some(q) = st.queues.get(&e.0.0) {
                         watch.armed.push((Arc::downgrade(&q.queue), e.0.1));
@@ -878,10 +911,17 @@ impl<B: Backend> Core<B> {
             }
             if !watch.armed.is_empty() || !watch.fences.is_empty() {
                 // While it yields, look at the armed words (and the fences that stand for
-                // some) without the lock (which callers arming take) until one fires, a trigger deadline passes or the bell rings;
-                // after a nap, a whole round (running requests may rely on being polled).
+                // some) without the lock (which callers arming take) until one fires, a
+                // trigger deadline passes or the bell rings; after a nap, a whole round
+                // (running requests may rely on being polled). Watching only fences nobody
+                // waits on, it naps from the first look: their copies are already queued on
+                // the callers' streams, whose submissions a busy look slows; a waiter rings.
+                let fences_only = watch.armed.is_empty();
                 loop {
                     let rung = match proxy_pause(idle) {
+                        None if fences_only && !watch.waited() => {
+                            self.bell.sleep(Some(FENCE_NAP), NAP)
+                        }
                         None => {
                             std::thread::yield_now();
                             self.bell.take()
@@ -1048,6 +1088,7 @@ impl<B: Backend> Core<B> {
                             unfired: BTreeSet::new(),
                             known: 0,
                             retired: false,
+                            eager: false,
                         },
                     );
                     front.current = Some(Current {
@@ -1460,6 +1501,117 @@ mod tests {
         finish(&rel, 9, true);
         assert_eq!(t.wait(Duration::from_secs(10)).unwrap().bytes, 8);
         assert_eq!(t.completion_value(), 1);
+        p.closed();
+    }
+
+    /// A waiter ([`StreamTransfer::wait`], `.await`, `wait_on`) raises its queue's watermark
+    /// and rings the proxy once per raise: a loop of `wait(Duration::ZERO)` rings once.
+    #[test]
+    fn a_waiter_marks_its_seq_and_rings_once_per_raise() {
+        #[derive(Default)]
+        struct Count(
+            std::sync::atomic::AtomicUsize,
+            std::sync::atomic::AtomicUsize,
+        );
+        impl Nudge for Count {
+            fn nudge(&self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+            fn waiter(&self) {
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let bell = Arc::new(Count::default());
+        let queue = Arc::new(Queue::new(1, Box::new(HostWords::new(8)), bell.clone()));
+        let transfer = |seq| StreamTransfer {
+            queue: queue.clone(),
+            seq,
+            outcome: Arc::new(Outcome {
+                flag: CompletionFlag::new(),
+                slot: Mutex::new(None),
+            }),
+            host: true,
+            limit: Instant::now() + Duration::from_secs(30),
+        };
+        let t3 = transfer(3);
+        for _ in 0..5 {
+            assert!(matches!(
+                t3.wait(Duration::ZERO),
+                Err(Error::Timeout { .. })
+            ));
+        }
+        assert_eq!(queue.waited.load(Ordering::SeqCst), 3);
+        assert_eq!(bell.1.load(Ordering::SeqCst), 1, "rung once for seq 3");
+        // An earlier request is covered by the watermark already: no ring.
+        let t2 = transfer(2);
+        assert!(t2.wait(Duration::ZERO).is_err());
+        assert_eq!(bell.1.load(Ordering::SeqCst), 1);
+        assert_eq!(queue.waited.load(Ordering::SeqCst), 3, "never lowered");
+        // A later one raises it; so does awaiting one (at once, before any poll).
+        let _f = transfer(5).into_future();
+        assert_eq!(queue.waited.load(Ordering::SeqCst), 5);
+        assert_eq!(bell.1.load(Ordering::SeqCst), 2);
+    }
+
+    /// What decides the proxy's pace over fences: a queue's watermark at or past its lowest
+    /// request armed behind a fence, or its last request waited for.
+    #[test]
+    fn a_watch_over_fences_is_waited_when_a_waiter_reaches_its_lowest_seq_or_the_last_was() {
+        let w = Arc::new(AtomicU64::new(0));
+        let watch = |waits: Vec<(Arc<AtomicU64>, u64, bool)>| Watch::<FakeFence> {
+            armed: Vec::new(),
+            fences: vec![FakeFence::default()],
+            waits,
+            until: None,
+            any: true,
+            closing: false,
+        };
+        assert!(!watch(vec![(w.clone(), 4, false)]).waited(), "nobody waits");
+        w.store(3, Ordering::SeqCst);
+        assert!(
+            !watch(vec![(w.clone(), 4, false)]).waited(),
+            "a wait below seq 4"
+        );
+        w.store(4, Ordering::SeqCst);
+        assert!(watch(vec![(w.clone(), 4, false)]).waited());
+        let other = Arc::new(AtomicU64::new(0));
+        assert!(
+            watch(vec![(other.clone(), 1, true)]).waited(),
+            "its last one was waited"
+        );
+        assert!(
+            watch(vec![(other, 1, false), (w, 4, false)]).waited(),
+            "any queue"
+        );
+    }
+
+    /// The proxy remembers whether a queue's last request was waited for before it finished
+    /// (its caller waits on each: the next fence is looked for without naps), and forgets it
+    /// when one finishes unwaited (a burst).
+    #[test]
+    fn a_queue_is_eager_after_a_waited_request_and_not_after_an_unwaited_one() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let eager = |p: &Proxy<Fake>| p.core.lock().queues.values().any(|q| q.eager);
+        let (f1, f2) = (FakeFence::default(), FakeFence::default());
+        {
+            let mut by = p.core.backend.by_fence.lock().unwrap();
+            by.insert(1, f1.clone());
+            by.insert(2, f2.clone());
+        }
+        let t1 = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        // Waited for while its fence is open.
+        assert!(t1.wait(Duration::ZERO).is_err());
+        f1.0.store(true, Ordering::Release);
+        finish(&rel, 1, true);
+        t1.wait(Duration::from_secs(10)).unwrap();
+        assert!(eager(&p), "the last request was waited for");
+        let t2 = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        f2.0.store(true, Ordering::Release);
+        finish(&rel, 2, true);
+        until("finished unwaited", || t2.is_complete());
+        assert!(!eager(&p), "the last request finished with nobody waiting");
+        t2.wait(Duration::from_secs(10)).unwrap();
         p.closed();
     }
 

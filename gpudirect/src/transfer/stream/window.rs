@@ -11,6 +11,12 @@ pub const TRIGGER_SLOTS: usize = 4096;
 /// The longest sleep of the proxy thread between looks at armed trigger words.
 pub const PROXY_NAP: Duration = Duration::from_micros(64);
 
+/// The proxy's nap between looks while what it watches is only fences (events recorded after
+/// copies the caller's own stream runs) and nobody waits on them: it starts no bytes then, and
+/// a thread busy looking slowed the caller's own submissions (docs/transfer.md). A waiter
+/// rings it.
+pub(super) const FENCE_NAP: Duration = Duration::from_micros(10);
+
 /// Rounds of the proxy's poll that only yield before it sleeps.
 pub(super) const SPIN_ROUNDS: u32 = 32;
 
