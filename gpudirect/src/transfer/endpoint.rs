@@ -713,6 +713,14 @@ impl Backend for Rdma {
             RdmaWork::Queued(q) => q.fired_by().cloned(),
         }
     }
+
+    fn notifies(&self, w: &RdmaWork) -> bool {
+        match w {
+            RdmaWork::Post { .. } => false,
+            #[cfg(feature = "p2p")]
+            RdmaWork::Queued(q) => q.report.as_ref().is_some_and(|r| r.notified.is_some()),
+        }
+    }
 }
 
 /// A stream request's error when its endpoint closed before it finished.

@@ -230,7 +230,8 @@ impl StreamTransfer {
     #[doc(alias = "cuStreamWaitValue64_v2")]
     pub fn wait_on(&self, stream: &Stream) -> Result<()> {
         let flags = self.cuda_words()?;
-        // Marked first: the proxy may see the request end while the wait is queued.
+        // Marked first: the proxy may see the request end while the wait is queued. (A
+        // refused enqueue leaves it marked: the proxy looks a little harder for nothing.)
         self.waited();
         stream.wait_value64(flags, DONE, self.seq, WaitCondition::Geq)
     }
@@ -244,7 +245,10 @@ impl StreamTransfer {
     ///
     /// [`Error::Unsupported`] when the queue's words are plain host memory.
     pub fn completion_word(&self) -> Result<(u64, u64)> {
-        Ok((self.cuda_words()?.device_ptr(DONE)?, self.seq))
+        let word = self.cuda_words()?.device_ptr(DONE)?;
+        // A kernel will poll it: waited for, as by `wait_on`.
+        self.waited();
+        Ok((word, self.seq))
     }
 
     /// The completion word now, as the host reads it.

@@ -61,6 +61,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn fired_by(&self, _work: &Self::Work) -> Option<Self::Fired> {
         None
     }
+
+    /// Whether work fired by a fence tells the peer when it ends (a waiter in another
+    /// process): the proxy then looks for its fence without napping. `false` by default.
+    fn notifies(&self, _work: &Self::Work) -> bool {
+        false
+    }
 }
 
 /// A fence that fires a request in place of its trigger word ([`Backend::fired_by`]).
@@ -335,8 +341,14 @@ impl Nudge for Bell {
     }
 
     fn waiter(&self) {
-        // Rung, not nudged: a proxy about to nap finds the ring (no lost wake-up).
-        self.ring_if(NAP);
+        // Rung, not nudged: a proxy about to nap finds the ring (no lost wake-up). Woken only
+        // from a nap, as a nudge: one asleep with nothing armed, or only running requests,
+        // is rung by their ends.
+        self.rung.store(true, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) == NAP {
+            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.cv.notify_all();
+        }
     }
 }
 
@@ -406,6 +418,8 @@ struct Watch<F> {
     /// Per queue with requests armed behind fences: its waiter watermark
     /// ([`Queue::waited`]), the lowest such seq, and whether its last request was waited for.
     waits: Vec<(Arc<AtomicU64>, u64, bool)>,
+    /// A request armed behind a fence notifies the peer when it ends ([`Backend::notifies`]).
+    notified: bool,
     /// The earliest trigger deadline.
     until: Option<Instant>,
     /// Entries of any stage.
@@ -414,12 +428,14 @@ struct Watch<F> {
 }
 
 impl<F: FiredBy> Watch<F> {
-    /// Whether a request armed behind a fence is waited for, or likely to be (its queue's
-    /// last one was).
+    /// Whether a request armed behind a fence is waited for (here or by the peer), or likely
+    /// to be (its queue's last one was).
     fn waited(&self) -> bool {
-        self.waits
-            .iter()
-            .any(|(w, low, eager)| *eager || w.load(Ordering::SeqCst) >= *low)
+        self.notified
+            || self
+                .waits
+                .iter()
+                .any(|(w, low, eager)| *eager || w.load(Ordering::SeqCst) >= *low)
     }
 
     /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
@@ -448,6 +464,9 @@ struct Core<B: Backend> {
     state: Mutex<PState<B::Work>>,
     front: Mutex<Front<B::Work>>,
     bell: Arc<Bell>,
+    /// Naps over unwaited fences taken so far.
+    #[cfg(test)]
+    fence_naps: AtomicU64,
 }
 
 thread_local! {
@@ -805,6 +824,7 @@ impl<B: Backend> Core<B> {
             armed: Vec::new(),
             fences: Vec::new(),
             waits: Vec::new(),
+            notified: false,
             until: None,
             any: !st.entries.is_empty(),
             closing: st.closing.is_some(),
@@ -830,6 +850,7 @@ impl<B: Backend> Core<B> {
                         watch.waits.push((q.queue.waited.clone(), e.0.1, q.eager));
                     }
                     last_queue = Some(e.0.0);
+                    watch.notified |= self.backend.notifies(e.2);
                 }
                 None => {
                     if let Some(q) = st.queues.get(&e.0.0) {
@@ -918,15 +939,20 @@ impl<B: Backend> Core<B> {
                 // the callers' streams, whose submissions a busy look slows; a waiter rings.
                 let fences_only = watch.armed.is_empty();
                 loop {
+                    let napping = fences_only && !watch.waited();
+                    #[cfg(test)]
+                    if napping {
+                        self.fence_naps.fetch_add(1, Ordering::Relaxed);
+                    }
                     let rung = match proxy_pause(idle) {
-                        None if fences_only && !watch.waited() => {
-                            self.bell.sleep(Some(FENCE_NAP), NAP)
-                        }
+                        None if napping => self.bell.sleep(Some(FENCE_NAP), NAP),
                         None => {
                             std::thread::yield_now();
                             self.bell.take()
                         }
                         Some(d) => {
+                            // Over unwaited fences, never shorter than their nap.
+                            let d = if napping { d.max(FENCE_NAP) } else { d };
                             self.bell.sleep(Some(d), NAP);
                             true
                         }
@@ -1195,6 +1221,8 @@ impl<B: Backend> Proxy<B> {
                     graveyard: Vec::new(),
                 }),
                 bell: Arc::new(Bell::default()),
+                #[cfg(test)]
+                fence_naps: AtomicU64::new(0),
             }),
             thread: Mutex::new(None),
             started: AtomicBool::new(false),
@@ -1553,6 +1581,69 @@ mod tests {
         assert_eq!(bell.1.load(Ordering::SeqCst), 2);
     }
 
+    /// A waiter wakes a proxy napping between looks, not one asleep with nothing armed (a
+    /// running request rings that one when it ends); the sleep's end finds the ring either
+    /// way.
+    #[test]
+    fn a_waiter_wakes_a_nap_but_not_a_deep_sleep() {
+        for (depth, wakes) in [(NAP, true), (DEEP, false)] {
+            let bell = Arc::new(Bell::default());
+            let b = bell.clone();
+            let sleeper = std::thread::spawn(move || {
+                let t = Instant::now();
+                let rung = b.sleep(Some(Duration::from_millis(500)), depth);
+                (t.elapsed(), rung)
+            });
+            until("asleep", || bell.sleeping.load(Ordering::SeqCst) == depth);
+            bell.waiter();
+            let (slept, rung) = sleeper.join().unwrap();
+            assert_eq!(
+                slept < Duration::from_millis(400),
+                wakes,
+                "depth {depth}: slept {slept:?}"
+            );
+            assert!(rung, "the sleep's end finds the ring");
+        }
+    }
+
+    /// Over a fence nobody waits on the proxy naps between looks; once the request is waited
+    /// for it looks without those naps (until it would nap over armed work anyway).
+    #[test]
+    fn the_proxy_naps_over_an_unwaited_fence_and_stops_once_it_is_waited() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let fence = FakeFence::default();
+        p.core
+            .backend
+            .by_fence
+            .lock()
+            .unwrap()
+            .insert(4, fence.clone());
+        let t = p.arm(Trigger::Host, 4, Duration::from_secs(30)).unwrap();
+        until("naps over the fence", || {
+            p.core.fence_naps.load(Ordering::Relaxed) >= 5
+        });
+        assert!(t.wait(Duration::ZERO).is_err(), "its fence is open");
+        // The nap in progress ends; then no more of them.
+        let naps = || p.core.fence_naps.load(Ordering::Relaxed);
+        until("stops napping", || {
+            let before = naps();
+            std::thread::sleep(Duration::from_millis(5));
+            naps() == before
+        });
+        let naps = naps();
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(
+            p.core.fence_naps.load(Ordering::Relaxed),
+            naps,
+            "napped over a waited fence"
+        );
+        fence.0.store(true, Ordering::Release);
+        finish(&rel, 4, true);
+        t.wait(Duration::from_secs(10)).unwrap();
+        p.closed();
+    }
+
     /// What decides the proxy's pace over fences: a queue's watermark at or past its lowest
     /// request armed behind a fence, or its last request waited for.
     #[test]
@@ -1562,6 +1653,7 @@ mod tests {
             armed: Vec::new(),
             fences: vec![FakeFence::default()],
             waits,
+            notified: false,
             until: None,
             any: true,
             closing: false,
@@ -1580,9 +1672,13 @@ mod tests {
             "its last one was waited"
         );
         assert!(
-            watch(vec![(other, 1, false), (w, 4, false)]).waited(),
+            watch(vec![(other.clone(), 1, false), (w, 4, false)]).waited(),
             "any queue"
         );
+        let mut told = watch(vec![(other, 1, false)]);
+        assert!(!told.waited());
+        told.notified = true;
+        assert!(told.waited(), "the peer waits for a notification");
     }
 
     /// The proxy remembers whether a queue's last request was waited for before it finished
