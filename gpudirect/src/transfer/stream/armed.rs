@@ -25,8 +25,9 @@ pub(crate) struct Queue {
     /// count) at every request.
     pub(super) low: Line<AtomicU64>,
     /// The highest seq a waiter asked for ([`StreamTransfer::wait_on`], `.await`,
-    /// [`StreamTransfer::wait`]; 0: none): while a request up to it is armed behind a fence the
-    /// proxy looks without napping. Its own allocation: the proxy holds it, never the words.
+    /// [`StreamTransfer::wait`], [`StreamTransfer::completion_word`]; 0: none): while a request
+    /// up to it is armed behind a fence the proxy looks without napping. Its own allocation:
+    /// the proxy holds it, never the words.
     pub(super) waited: Arc<AtomicU64>,
 }
 
