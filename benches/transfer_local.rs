@@ -13,8 +13,9 @@
 //! - pipelined: `depth` writes in flight, then every one waited for, against `depth` raw copies
 //!   and one synchronize;
 //! - stream-ordered one at a time: `Endpoint::write_on`, `StreamTransfer::wait_on` on the same
-//!   stream and one synchronize, against raw copy + synchronize (what the stream proxy adds
-//!   between the copies' end and the completion word);
+//!   stream and one synchronize, against raw copy + synchronize and against the same hand-off
+//!   by hand (raw IPC copy, an event, a stream wait on a mapped host word that this thread
+//!   stores once the event completed);
 //! - stream-ordered: `depth` `Endpoint::write_on` on one stream, then one synchronize; beside
 //!   the least such a request queues on the copy engines: each raw IPC copy followed by a
 //!   `cuStreamWriteValue64` of a mapped host word ("copy + word"), and each followed by a
@@ -320,6 +321,38 @@ impl Raw {
         );
     }
 
+    /// One request handed off by hand, as `write_on` + `wait_on` do: the copy, an event, a
+    /// stream wait on a mapped host word; the host spins on the event, stores the word, then
+    /// synchronizes.
+    fn hand_off(&self, dst: sys::CUdeviceptr, n: usize, event: sys::CUevent, word: &MappedWord) {
+        let value = word.next();
+        self.copy_to(dst, n);
+        self.record(event);
+        // SAFETY: `word.dev` is 8 bytes of pinned host memory mapped for the device, never
+        // freed; the stream is live.
+        check(
+            unsafe {
+                sys::cuStreamWaitValue64_v2(
+                    self.stream.cu_stream(),
+                    word.dev,
+                    value,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            "cuStreamWaitValue64_v2",
+        );
+        loop {
+            // SAFETY: a live event of the context.
+            match unsafe { sys::cuEventQuery(event) } {
+                sys::CUresult::CUDA_SUCCESS => break,
+                sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
+                r => check(r, "cuEventQuery"),
+            }
+        }
+        word.store(value);
+        self.sync();
+    }
+
     fn sync(&self) {
         // SAFETY: a live stream.
         check(
@@ -329,9 +362,43 @@ impl Raw {
     }
 }
 
+/// A word the host stores and a stream waits on: 8 bytes of pinned host memory mapped for the
+/// device, never freed (one per run), and the last value handed out.
+struct MappedWord {
+    host: *const std::sync::atomic::AtomicU64,
+    dev: sys::CUdeviceptr,
+    last: std::cell::Cell<u64>,
+}
+
+impl MappedWord {
+    fn new() -> MappedWord {
+        let (host, dev) = mapped_word_both();
+        MappedWord {
+            host: host.cast(),
+            dev,
+            last: std::cell::Cell::new(0),
+        }
+    }
+
+    fn next(&self) -> u64 {
+        self.last.set(self.last.get() + 1);
+        self.last.get()
+    }
+
+    fn store(&self, value: u64) {
+        // SAFETY: 8 aligned bytes of pinned host memory, never freed; the device only reads it.
+        unsafe { &*self.host }.store(value, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// 8 bytes of pinned host memory mapped for the current context's device (`cuMemHostAlloc`
 /// with `DEVICEMAP`), and their device address; never freed (one per run).
 fn mapped_word() -> sys::CUdeviceptr {
+    mapped_word_both().1
+}
+
+/// [`mapped_word`]'s host and device addresses.
+fn mapped_word_both() -> (*mut std::ffi::c_void, sys::CUdeviceptr) {
     let mut host = std::ptr::null_mut();
     // SAFETY: an out-pointer for 8 bytes; the context is current (the raw copies' stream's).
     check(
@@ -344,7 +411,7 @@ fn mapped_word() -> sys::CUdeviceptr {
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
         "cuMemHostGetDevicePointer",
     );
-    dev
+    (host, dev)
 }
 
 /// Map the peer's raw buffer (its `cuIpcGetMemHandle` handle in `file`) into `ctx`.
@@ -672,6 +739,7 @@ fn main() {
     let stream = gpudirect::cuda::Stream::new(&ctx).expect("stream");
     ctx.bind_to_thread().expect("cuCtxSetCurrent");
     let word = mapped_word();
+    let handed = MappedWord::new();
     let events: Vec<sys::CUevent> = (0..32)
         .map(|_| {
             let mut ev = std::ptr::null_mut();
@@ -763,7 +831,10 @@ fn main() {
             stream.synchronize().expect("synchronize");
             t.wait(DEADLINE).expect("wait");
         });
-        awaited.push((n, raw_one, gd_one, await_one, await_spin, on_one));
+        // The same hand-off by hand (raw IPC copy, event, stream wait on a host word the host
+        // stores once it sees the event).
+        let hand_one = per_call(reps, || raw.hand_off(raw_ipc, n, events[0], &handed));
+        awaited.push((n, raw_one, gd_one, await_one, await_spin, on_one, hand_one));
         // At least 9 bursts a pipelined cell: a median of 3 left the stream-ordered cell's
         // paired intervals twice as wide as the others'.
         let pipe_reps = reps.div_ceil(depth).max(9);
@@ -1039,7 +1110,7 @@ fn main() {
         "awaited one at a time (a current-thread tokio runtime's block_on), GB/s and ratio to raw 1x1:"
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>7}",
+        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7}",
         "size",
         "raw 1x1",
         "wait",
@@ -1050,11 +1121,14 @@ fn main() {
         "ratio",
         "on+wait",
         "ratio",
-        "+us"
+        "+us",
+        "hand-off",
+        "ratio",
+        "/hand"
     );
-    for (n, r1, w, aw, sp, on) in awaited {
+    for (n, r1, w, aw, sp, on, ho) in awaited {
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>7.1}",
+            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.2}",
             label(n),
             gbs(n, r1),
             gbs(n, w),
@@ -1065,12 +1139,16 @@ fn main() {
             r1 / sp,
             gbs(n, on),
             r1 / on,
-            (on - r1) * 1e6
+            (on - r1) * 1e6,
+            gbs(n, ho),
+            r1 / ho,
+            ho / on
         );
     }
     println!(
         "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does); \
-         on+wait: Endpoint::write_on, StreamTransfer::wait_on on the same stream, one synchronize (the proxy sees the copies done and publishes the word)",
+         on+wait: Endpoint::write_on, StreamTransfer::wait_on on the same stream, one synchronize (the proxy sees the copies done and publishes the word); \
+         hand-off: the same by hand (raw IPC copy, cuEventRecord, cuStreamWaitValue64 on a mapped host word, the host spinning on cuEventQuery then storing the word, cuStreamSynchronize); /hand = on+wait's rate over it",
         AWAIT_SPIN.as_micros()
     );
     println!();
