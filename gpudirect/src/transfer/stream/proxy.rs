@@ -1471,6 +1471,19 @@ mod tests {
         release.lock().unwrap().insert(id, ok);
     }
 
+    /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
+    fn armed_behind_a_fence(p: &Proxy<Fake>, id: u64) -> (FakeFence, StreamTransfer) {
+        let fence = FakeFence::default();
+        p.core
+            .backend
+            .by_fence
+            .lock()
+            .unwrap()
+            .insert(id, fence.clone());
+        let t = p.arm(Trigger::Host, id, Duration::from_secs(30)).unwrap();
+        (fence, t)
+    }
+
     #[test]
     fn a_late_trigger_starts_the_request_then_the_word_is_set() {
         let p = Proxy::new(Fake::default());
@@ -1498,14 +1511,7 @@ mod tests {
     fn work_fired_by_a_fence_starts_when_it_completes_and_the_proxy_keeps_looking() {
         let p = Proxy::new(Fake::default());
         let rel = p.core.backend.release.clone();
-        let fence = FakeFence::default();
-        p.core
-            .backend
-            .by_fence
-            .lock()
-            .unwrap()
-            .insert(9, fence.clone());
-        let t = p.arm(Trigger::Host, 9, Duration::from_secs(30)).unwrap();
+        let (fence, t) = armed_behind_a_fence(&p, 9);
         until("napping", || {
             p.core.bell.sleeping.load(Ordering::SeqCst) == NAP
         });
@@ -1612,14 +1618,7 @@ mod tests {
     fn the_proxy_naps_over_an_unwaited_fence_and_stops_once_it_is_waited() {
         let p = Proxy::new(Fake::default());
         let rel = p.core.backend.release.clone();
-        let fence = FakeFence::default();
-        p.core
-            .backend
-            .by_fence
-            .lock()
-            .unwrap()
-            .insert(4, fence.clone());
-        let t = p.arm(Trigger::Host, 4, Duration::from_secs(30)).unwrap();
+        let (fence, t) = armed_behind_a_fence(&p, 4);
         until("naps over the fence", || {
             p.core.fence_naps.load(Ordering::Relaxed) >= 5
         });
