@@ -344,11 +344,7 @@ impl Nudge for Bell {
         // Rung, not nudged: a proxy about to nap finds the ring (no lost wake-up). Woken only
         // from a nap, as a nudge: one asleep with nothing armed, or only running requests,
         // is rung by their ends.
-        self.rung.store(true, Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) == NAP {
-            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.cv.notify_all();
-        }
+        self.ring_when(|sleeping| sleeping == NAP);
     }
 }
 
@@ -359,11 +355,16 @@ impl Bell {
 
     /// Ring, waking the proxy only if it sleeps at least as deeply as `depth`.
     fn ring_if(&self, depth: u8) {
+        self.ring_when(|sleeping| sleeping >= depth);
+    }
+
+    /// Ring, waking the proxy only if how it sleeps now passes `wakes`.
+    fn ring_when(&self, wakes: impl FnOnce(u8) -> bool) {
         // The flag, then the depth; a sleeper sets the depth, then looks at the flag (both
         // SeqCst): one of the two sees the other's store. The lock is taken only to wake one,
         // so the wake-up cannot fall between its look and its wait.
         self.rung.store(true, Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) >= depth {
+        if wakes(self.sleeping.load(Ordering::SeqCst)) {
             let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
             self.cv.notify_all();
         }
@@ -835,8 +836,7 @@ impl<B: Backend> Core<B> {
             _ => None,
         }) {
             match self.backend.fired_by(e.2) {
-                // One fence per stream: the earliest there (the first to complete), and
-                // whether another request waits behind it.
+                // One fence per stream: the earliest there (the first to complete).
                 Some(f) => {
                     match watch.fences.iter_mut().find(|g| g.place().0 == f.place().0) {
                         Some(g) if f.place().1 < g.place().1 => *g = f,
