@@ -362,8 +362,9 @@ impl Raw {
     }
 }
 
-/// A word the host stores and a stream waits on: 8 bytes of pinned host memory mapped for the
-/// device, never freed (one per run), and the last value handed out.
+/// A word a stream writes or waits on and the host stores: 8 bytes of pinned host memory mapped
+/// for the current context's device (`cuMemHostAlloc` with `DEVICEMAP`), never freed (one per
+/// run), and the last value handed out.
 struct MappedWord {
     host: *const std::sync::atomic::AtomicU64,
     dev: sys::CUdeviceptr,
@@ -372,7 +373,18 @@ struct MappedWord {
 
 impl MappedWord {
     fn new() -> MappedWord {
-        let (host, dev) = mapped_word_both();
+        let mut host = std::ptr::null_mut();
+        // SAFETY: an out-pointer for 8 bytes; the context is current (the raw copies' stream's).
+        check(
+            unsafe { sys::cuMemHostAlloc(&mut host, 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) },
+            "cuMemHostAlloc",
+        );
+        let mut dev = 0;
+        // SAFETY: `host` was allocated above with DEVICEMAP.
+        check(
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
+            "cuMemHostGetDevicePointer",
+        );
         MappedWord {
             host: host.cast(),
             dev,
@@ -389,29 +401,6 @@ impl MappedWord {
         // SAFETY: 8 aligned bytes of pinned host memory, never freed; the device only reads it.
         unsafe { &*self.host }.store(value, std::sync::atomic::Ordering::SeqCst);
     }
-}
-
-/// 8 bytes of pinned host memory mapped for the current context's device (`cuMemHostAlloc`
-/// with `DEVICEMAP`), and their device address; never freed (one per run).
-fn mapped_word() -> sys::CUdeviceptr {
-    mapped_word_both().1
-}
-
-/// [`mapped_word`]'s host and device addresses.
-fn mapped_word_both() -> (*mut std::ffi::c_void, sys::CUdeviceptr) {
-    let mut host = std::ptr::null_mut();
-    // SAFETY: an out-pointer for 8 bytes; the context is current (the raw copies' stream's).
-    check(
-        unsafe { sys::cuMemHostAlloc(&mut host, 8, sys::CU_MEMHOSTALLOC_DEVICEMAP) },
-        "cuMemHostAlloc",
-    );
-    let mut dev = 0;
-    // SAFETY: `host` was allocated above with DEVICEMAP.
-    check(
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
-        "cuMemHostGetDevicePointer",
-    );
-    (host, dev)
 }
 
 /// Map the peer's raw buffer (its `cuIpcGetMemHandle` handle in `file`) into `ctx`.
@@ -738,7 +727,7 @@ fn main() {
     };
     let stream = gpudirect::cuda::Stream::new(&ctx).expect("stream");
     ctx.bind_to_thread().expect("cuCtxSetCurrent");
-    let word = mapped_word();
+    let word = MappedWord::new();
     let handed = MappedWord::new();
     let events: Vec<sys::CUevent> = (0..32)
         .map(|_| {
@@ -855,7 +844,7 @@ fn main() {
             for _ in 0..depth {
                 raw.copy_to(raw_ipc, n);
                 value += 1;
-                raw.write_word(word, value);
+                raw.write_word(word.dev, value);
             }
             raw.sync();
         }) / depth as f64;
