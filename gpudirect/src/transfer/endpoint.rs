@@ -426,7 +426,7 @@ impl Endpoint {
         {
             // Checked (every check of `check_request` among them) and mapped before its seq is
             // taken: nothing slow between the two.
-            let staged = local.stage_on_stream(stream, dir, &pairs, &opts)?;
+            let staged = local.stage_on_stream(stream, dir, pairs, &opts)?;
             return self.arm_staged(local, stream, staged, timeout);
         }
         self.transport().check_request(dir, &pairs, &opts)?;
@@ -444,6 +444,7 @@ impl Endpoint {
         staged: Staged,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
+        let started = staged.started();
         let make = |mark: Option<Mark<'_>>| {
             let mark = mark.ok_or_else(|| {
                 Error::invalid("stream", "no trigger", "a stream request has one")
@@ -453,7 +454,7 @@ impl Endpoint {
                 .map(|q| (RdmaWork::Queued(q), true))
         };
         self.proxy()
-            .arm_with(Trigger::Stream(stream), make, timeout)
+            .arm_with(Trigger::Stream(stream), make, timeout, started)
     }
 
     /// A prepared intra-node request armed on `stream` ([`PreparedTransfer::post_on`]): no

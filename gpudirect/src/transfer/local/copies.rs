@@ -7,7 +7,7 @@ use crate::completion::{CompletionFlag, Fence, StreamFence, Tracker, capture};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
-use crate::transfer::region::{IpcLink, LocalRange, MemoryPath, Region};
+use crate::transfer::region::{IpcLink, LocalRange, MemoryPath};
 use std::sync::{Arc, OnceLock};
 
 /// One copy: destination, source (unified addresses), bytes, the local GPU it runs on.
@@ -95,12 +95,14 @@ fn spread(copies: &[Piece], streams: usize, chunk: u64) -> Vec<Vec<Piece>> {
     out
 }
 
-/// What a copy in flight reaches: the local regions (by the request's own pairs, or a list of
-/// them) and the peer's imports (its streams are held by the stream epochs that track it).
+/// The peer's allocations a request reaches: one or two for most (inline, nothing allocated).
+pub(super) type Imports = smallvec::SmallVec<[Arc<Import>; 2]>;
+
+/// What a copy in flight reaches: the local regions (by the request's own pairs) and the
+/// peer's imports (its streams are held by the stream epochs that track it).
 pub(super) struct Keep {
     pub(super) _pairs: Vec<(LocalRange, RemoteRange)>,
-    pub(super) _regions: Vec<Region>,
-    pub(super) _imports: Vec<Arc<Import>>,
+    pub(super) _imports: Imports,
     /// A prepared request's pairs and imports, shared by every post of it.
     pub(super) _held: Option<Arc<Held>>,
 }
@@ -108,7 +110,7 @@ pub(super) struct Keep {
 /// What a prepared request's copies reach: its pairs (their regions) and the peer's imports.
 pub(super) struct Held {
     pub(super) _pairs: Vec<(LocalRange, RemoteRange)>,
-    pub(super) _imports: Vec<Arc<Import>>,
+    pub(super) _imports: Imports,
 }
 
 impl Keep {
@@ -116,8 +118,7 @@ impl Keep {
     pub(super) fn posted(held: &Arc<Held>) -> Keep {
         Keep {
             _pairs: Vec::new(),
-            _regions: Vec::new(),
-            _imports: Vec::new(),
+            _imports: Imports::new(),
             _held: Some(held.clone()),
         }
     }
@@ -248,7 +249,7 @@ impl Fence for Events {
 /// instead of here: `cuIpcCloseMemHandle` waits for the work queued on the device (see
 /// docs/transfer.md), which may wait on a word only this thread (the proxy, the worker) lets
 /// through.
-pub(super) fn park_imports(v: Vec<Arc<Import>>) {
+pub(super) fn park_imports(v: Imports) {
     if !v.is_empty() {
         let done = CompletionFlag::new();
         done.set();
@@ -257,7 +258,7 @@ pub(super) fn park_imports(v: Vec<Arc<Import>>) {
 }
 
 /// Imports taken while a request is prepared: parked (not closed here) if it is refused.
-pub(super) struct Parking(pub(super) Vec<Arc<Import>>);
+pub(super) struct Parking(pub(super) Imports);
 
 impl Drop for Parking {
     fn drop(&mut self) {

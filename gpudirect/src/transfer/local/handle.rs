@@ -133,7 +133,7 @@ impl Local {
         &self,
         stream: &Stream,
         dir: Direction,
-        pairs: &[(LocalRange, RemoteRange)],
+        pairs: Vec<(LocalRange, RemoteRange)>,
         opts: &TransferOptions,
     ) -> Result<Staged> {
         stage(&self.inner, &self.side, stream, dir, pairs, opts)

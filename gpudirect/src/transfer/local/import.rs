@@ -115,9 +115,12 @@ impl Drop for Mapped {
 }
 
 /// Every import alive in the process, by key. An entry whose import can no longer be upgraded
-/// is being closed by its last holder, which removes it once the mapping is closed.
-fn cache() -> MutexGuard<'static, HashMap<Key, Weak<Import>>> {
-    static C: OnceLock<Mutex<HashMap<Key, Weak<Import>>>> = OnceLock::new();
+/// is being closed by its last holder, which removes it once the mapping is closed. Looked up
+/// on every request's path: hashed with foldhash (seeded per process) rather than SipHash.
+type Cache = HashMap<Key, Weak<Import>, foldhash::fast::RandomState>;
+
+fn cache() -> MutexGuard<'static, Cache> {
+    static C: OnceLock<Mutex<Cache>> = OnceLock::new();
     C.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())

@@ -3,8 +3,8 @@
 //! and posted many times; or queued on a caller's stream (stream-ordered).
 
 use super::copies::{
-    Events, Held, Keep, Parking, Piece, all_local_on, enqueue, park_imports, path_of, queue_copies,
-    runs_long,
+    Events, Held, Imports, Keep, Parking, Piece, all_local_on, enqueue, park_imports, path_of,
+    queue_copies, runs_long,
 };
 use super::fds::{PeerFd, fd_said, what};
 use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, ordinal_of_uuid};
@@ -47,7 +47,7 @@ struct Prepared {
     copies: Vec<Piece>,
     /// Per pair: the local GPU (`None`: host memory) and the peer's GPU, for its path.
     gpus: Vec<(Option<usize>, usize)>,
-    imports: Vec<Arc<Import>>,
+    imports: Imports,
     timeout: Duration,
     started: Instant,
     deadline: Instant,
@@ -214,7 +214,7 @@ fn refuse_own_process(this_process: bool) -> Result<()> {
 struct Mapping {
     copies: Vec<Piece>,
     gpus: Vec<(Option<usize>, usize)>,
-    imports: Vec<Arc<Import>>,
+    imports: Imports,
 }
 
 /// Each pair's copy: the local address, the peer's allocation mapped (once per allocation of
@@ -228,7 +228,7 @@ fn map_pairs(
     fds: &[Option<PeerFd>],
 ) -> Result<Mapping> {
     let mut copies = Vec::with_capacity(pairs.len());
-    let mut imports = Parking(Vec::new());
+    let mut imports = Parking(Imports::new());
     let mut gpus = Vec::with_capacity(pairs.len());
     // The previous pair's peer allocation, local GPU, the peer's GPU and its import: pairs into
     // one allocation (many small ranges of one buffer) look it up once.
@@ -440,7 +440,6 @@ pub(super) fn request(
     // The pairs themselves hold the regions: nothing to copy before the copies start.
     let keep = Keep {
         _pairs: pairs,
-        _regions: Vec::new(),
         _imports: imports,
         _held: None,
     };
@@ -1058,6 +1057,13 @@ pub(crate) struct Staged {
     epoch: u64,
 }
 
+impl Staged {
+    /// When the request began: its deadline counts from here.
+    pub(crate) fn started(&self) -> Instant {
+        self.started
+    }
+}
+
 impl Drop for Staged {
     fn drop(&mut self) {
         if let Some(k) = self.keep.take() {
@@ -1074,11 +1080,11 @@ pub(super) fn stage(
     side: &Side,
     stream: &Stream,
     dir: Direction,
-    pairs: &[(LocalRange, RemoteRange)],
+    pairs: Vec<(LocalRange, RemoteRange)>,
     opts: &TransferOptions,
 ) -> Result<Staged> {
     // Before anything is mapped: a refusal takes nothing.
-    let bytes = pairs_bytes(pairs)?;
+    let bytes = pairs_bytes(&pairs)?;
     let Prepared {
         copies,
         gpus,
@@ -1087,10 +1093,10 @@ pub(super) fn stage(
         deadline,
         timeout,
         epoch,
-    } = prepare(ep, side, dir, pairs, opts)?;
+    } = prepare(ep, side, dir, &pairs, opts)?;
+    // The pairs themselves hold the regions, as a request's do.
     let keep = Keep {
-        _pairs: Vec::new(),
-        _regions: pairs.iter().map(|(l, _)| l.region.clone()).collect(),
+        _pairs: pairs,
         _imports: imports,
         _held: None,
     };

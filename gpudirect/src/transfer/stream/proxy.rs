@@ -1256,34 +1256,34 @@ impl<B: Backend> Proxy<B> {
     }
 
     /// Arm `work`: a seq on the endpoint's queue, then (for a stream) the trigger write
-    /// enqueued on it. `timeout` is the request's deadline.
+    /// enqueued on it. `timeout` is the request's deadline, counted from now.
     pub(crate) fn arm(
         &self,
         trig: Trigger<'_>,
         work: B::Work,
         timeout: Duration,
     ) -> Result<StreamTransfer> {
-        self.arm_with(trig, |_| Ok((work, false)), timeout)
+        self.arm_with(trig, |_| Ok((work, false)), timeout, Instant::now())
     }
 
     /// [`arm`](Self::arm) with the work made once the request's seq is taken (work that queues
     /// copies on the stream makes them only when arming can go on). For a stream, `make` gets
     /// where the trigger goes and says whether it queued the trigger itself; else the trigger
-    /// write is queued after it.
+    /// write is queued after it. The trigger deadline counts from `started`, when the request
+    /// began (its caller read the clock already: this reads it no more).
     pub(crate) fn arm_with(
         &self,
         trig: Trigger<'_>,
         make: impl FnOnce(Option<Mark<'_>>) -> std::result::Result<(B::Work, bool), Unmade>,
         timeout: Duration,
+        started: Instant,
     ) -> Result<StreamTransfer> {
         self.ensure_thread()?;
         let outcome = Arc::new(Outcome {
             flag: CompletionFlag::new(),
             slot: Mutex::new(None),
         });
-        // The trigger deadline counts from here: the request's own checks are done. One read
-        // of the clock, outside the front's lock (making the work takes microseconds).
-        let until = deadline_after(Instant::now(), timeout);
+        let until = deadline_after(started, timeout);
         // With what finished requests held, dropped below on this thread (as `bury` does).
         let (id, queue, seq, dead) = self.core.reserve(&trig, &outcome, timeout, until)?;
         let stream = match trig {
@@ -1758,6 +1758,7 @@ mod tests {
                     Err(Error::invalid("make", 1, "refused on purpose").into())
                 },
                 Duration::from_secs(30),
+                Instant::now(),
             )
             .unwrap_err();
         assert!(e.to_string().contains("refused on purpose"), "{e}");
@@ -1785,6 +1786,7 @@ mod tests {
                     Ok((3, false))
                 },
                 Duration::from_secs(30),
+                Instant::now(),
             )
             .unwrap();
         let e = t.wait(Duration::from_secs(10)).unwrap_err();
@@ -2384,6 +2386,7 @@ mod tests {
                                         Trigger::Host,
                                         |_| Err(Error::invalid("make", id, "refused").into()),
                                         Duration::from_secs(30),
+                                        Instant::now(),
                                     ),
                                     1 => p.arm_with(
                                         Trigger::Host,
@@ -2394,6 +2397,7 @@ mod tests {
                                             })
                                         },
                                         Duration::from_secs(30),
+                                        Instant::now(),
                                     ),
                                     _ => p.arm(Trigger::Host, id, Duration::from_secs(30)),
                                 };
@@ -2721,6 +2725,7 @@ mod tests {
                 Trigger::Host,
                 |_| -> std::result::Result<(u64, bool), Unmade> { panic!("a maker that panics") },
                 Duration::from_secs(30),
+                Instant::now(),
             )
         }));
         assert!(r.is_err(), "the panic went through");
