@@ -139,7 +139,7 @@ impl Timeline {
         let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
         StreamFence {
             timeline: self.clone(),
-            epoch,
+            state: AtomicU64::new(epoch),
         }
     }
 
@@ -264,16 +264,12 @@ impl Timeline {
         debug_assert!(epoch <= self.issued());
         StreamFence {
             timeline: self.clone(),
-            epoch,
+            state: AtomicU64::new(epoch),
         }
     }
 
     /// Whether `epoch` is seen complete, retiring completed events, recording none (a query
     /// of the pending ones only).
-    #[cfg_attr(
-        not(feature = "transfer"),
-        allow(dead_code, reason = "the stream proxy's looks")
-    )]
     pub(crate) fn query(&self, epoch: u64) -> bool {
         if self.completed() >= epoch {
             return true;
@@ -461,16 +457,32 @@ impl Watch for TimelineWatch {
 
 /// A fence on an epoch of a stream's [`Timeline`]: complete once all work queued on the stream
 /// before the fence was made has finished. Cheap to make (no driver call) and to clone.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct StreamFence {
     timeline: Arc<Timeline>,
-    epoch: u64,
+    /// The epoch, and [`ASKED`] once [`check`](Fence::check) was asked (it may then record an
+    /// event): one word, so that a fence stays two words (futures move it often).
+    state: AtomicU64,
+}
+
+/// [`StreamFence::state`]'s bit for a fence asked before. Epochs never reach it: one a
+/// nanosecond would take 292 years.
+const ASKED: u64 = 1 << 63;
+
+impl Clone for StreamFence {
+    /// The same epoch; the clone has not been asked yet.
+    fn clone(&self) -> Self {
+        StreamFence {
+            timeline: self.timeline.clone(),
+            state: AtomicU64::new(self.epoch()),
+        }
+    }
 }
 
 impl StreamFence {
     /// The epoch this fence waits for.
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.state.load(Ordering::Relaxed) & !ASKED
     }
 
     /// The stream's timeline. Crate-private: a fence of a stream the library owns (a copier's
@@ -483,15 +495,44 @@ impl StreamFence {
 
 impl Fence for StreamFence {
     fn is_complete(&self) -> bool {
-        self.timeline.completed() >= self.epoch || self.timeline.poll(self.epoch, true).0
+        self.timeline.completed() >= self.epoch() || self.timeline.poll(self.epoch(), true).0
     }
 
     /// Complete, not yet, or [`Error::Cuda`] naming `cuEventQuery` once the stream's events
     /// answer an error (a sticky error: the work will never be seen complete). Records an event
-    /// only when none is pending on the stream, so that asking again and again still ends.
+    /// only when none is pending on the stream, and not at the first ask, so that asking again
+    /// and again still ends. A future asks once before it registers, and the completion
+    /// thread then records for every future waiting on the stream: an event recorded at each
+    /// future's first poll contends with the thread queueing work on the stream.
     fn check(&self) -> Result<bool> {
+        let state = self.state.load(Ordering::Relaxed);
+        if state & ASKED == 0 {
+            self.state.store(state | ASKED, Ordering::Relaxed);
+        }
+        self.check_recording(state & ASKED != 0)
+    }
+
+    /// Joins the stream's list of waiting futures, which the completion thread serves with one
+    /// event query per round.
+    fn register_waker(&self, waker: &Waker) -> bool {
+        self.timeline.register(self.epoch(), waker)
+    }
+
+    #[inline]
+    fn wait_timeout(&self, timeout: Duration) -> bool {
+        // Every wait after the one that synchronized the stream ends here.
+        self.timeline.completed() >= self.epoch() || self.wait_slow(timeout)
+    }
+}
+
+impl StreamFence {
+    /// [`check`](Fence::check), recording an event when none is pending (`record`) or only
+    /// asking the pending ones: for a caller that looks again and again with nothing else
+    /// watching the stream (the intra-node endpoint's worker), which must record from the first
+    /// look.
+    pub(crate) fn check_recording(&self, record: bool) -> Result<bool> {
         let tl = &self.timeline;
-        if tl.completed() >= self.epoch {
+        if tl.completed() >= self.epoch() {
             return Ok(true);
         }
         if let Some(code) = tl.failed() {
@@ -503,7 +544,12 @@ impl Fence for StreamFence {
         if tl.lock_waiters().watched {
             return Ok(false);
         }
-        if tl.poll(self.epoch, false).0 {
+        let done = if record {
+            tl.poll(self.epoch(), false).0
+        } else {
+            tl.query(self.epoch())
+        };
+        if done {
             return Ok(true);
         }
         match tl.failed() {
@@ -512,20 +558,6 @@ impl Fence for StreamFence {
         }
     }
 
-    /// Joins the stream's list of waiting futures, which the completion thread serves with one
-    /// event query per round.
-    fn register_waker(&self, waker: &Waker) -> bool {
-        self.timeline.register(self.epoch, waker)
-    }
-
-    #[inline]
-    fn wait_timeout(&self, timeout: Duration) -> bool {
-        // Every wait after the one that synchronized the stream ends here.
-        self.timeline.completed() >= self.epoch || self.wait_slow(timeout)
-    }
-}
-
-impl StreamFence {
     #[cold]
     fn wait_slow(&self, timeout: Duration) -> bool {
         if timeout >= LONG_WAIT {
@@ -539,7 +571,7 @@ impl StreamFence {
                 // may be holding open.
                 let mut backoff = Backoff::new();
                 loop {
-                    match tl.poll(self.epoch, true) {
+                    match tl.poll(self.epoch(), true) {
                         (true, _) => return true,
                         (false, false) => return false,
                         (false, true) => {}
@@ -557,7 +589,7 @@ impl StreamFence {
             // instead of polling forever.
             let covered = self.timeline.issued.0.load(Ordering::Acquire);
             if crate::driver::ctx::bind(tl.stream().context()).is_err() {
-                return tl.completed() >= self.epoch;
+                return tl.completed() >= self.epoch();
             }
             // SAFETY: a live stream (the timeline holds it), its context current.
             let r = unsafe { crate::driver::stream::synchronize(tl.stream().cu_stream()) };
@@ -565,7 +597,7 @@ impl StreamFence {
                 tl.completed_through(covered);
                 return true;
             }
-            return tl.completed() >= self.epoch;
+            return tl.completed() >= self.epoch();
         }
         poll_until(|| self.is_complete(), timeout)
     }
@@ -612,6 +644,29 @@ mod tests {
         let (a, _b) = (tl.issue(), tl.issue());
         assert!(!tl.poll(a.epoch(), false).0 || tl.completed() >= 2);
         assert!(covered(tl).iter().all(|&c| c == 2), "{:?}", covered(tl));
+    }
+
+    /// A fence's first check records no event (a future registers right after it, and the
+    /// completion thread records); from the second on it records one when none is pending, so
+    /// that checking in a loop ends. A clone has not been asked.
+    #[test]
+    fn a_first_check_records_nothing_and_a_second_does() {
+        use crate::testing::Hardware;
+        let ctx = crate::require!(Hardware::Gpu, crate::cuda::context(0));
+        let stream = crate::require!(Hardware::Gpu, crate::cuda::Stream::new(&ctx));
+        let tl = stream.timeline();
+        let pending = |tl: &Timeline| tl.lock().pending.len();
+        let f = tl.issue();
+        assert!(!f.check().unwrap(), "no event covers it yet");
+        assert_eq!(pending(tl), 0, "the first check recorded");
+        assert!(!f.clone().check().unwrap(), "a clone's first check");
+        assert_eq!(pending(tl), 0, "a clone's first check recorded");
+        let start = std::time::Instant::now();
+        while !f.check().unwrap() {
+            assert!(start.elapsed() < Duration::from_secs(10), "never complete");
+        }
+        assert_eq!(f.epoch(), 1);
+        assert!(f.is_complete());
     }
 
     #[test]
