@@ -41,6 +41,11 @@
 //! a loop, does so sleeping 20 µs between queries, or only yields (what a thread that polls
 //! costs the thread queueing). The awaits run on a multi-threaded tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
+//!
+//! `FUTURES_BENCH_LOOP=awaited` (or `woken`: the raw copies with a task per copy woken at
+//! completion) instead runs the 1,000 awaited copies alone, again and again for 4 seconds once
+//! the round trips above are done, prints the microseconds a run and exits: a loop for a
+//! profiler (docs/benches.md profiles it with `perf record -e cpu-clock -g`).
 
 use gpudirect::completion::{EventFence, InFlight};
 use gpudirect::cuda::Stream;
@@ -555,6 +560,20 @@ fn main() {
         dsts = ds;
         took
     };
+    if let Ok(what) = std::env::var("FUTURES_BENCH_LOOP") {
+        let t0 = Instant::now();
+        let (mut runs, mut took) = (0usize, 0.0);
+        while t0.elapsed().as_secs_f64() < 4.0 {
+            took += match what.as_str() {
+                "woken" => raw_woken(),
+                _ => awaited_many(std::time::Duration::ZERO),
+            };
+            runs += 1;
+        }
+        let us = took * 1e6 / runs as f64;
+        println!("{what} in a loop: {us:.1} us a run of {CONCURRENT} copies");
+        return;
+    }
     awaited_many(std::time::Duration::ZERO); // warm-up
     let mut conc_await = Vec::new();
     let mut conc_raw = Vec::new();

@@ -50,6 +50,10 @@
 //! `copy_lanes` (default 4); `TRANSFER_BENCH_MAX_MIB` caps the largest
 //! size (default 1024) and the buffers. Against Mooncake: 9 rounds of a 2-second window per
 //! cell, 6 of 1 second with `--quick`.
+//!
+//! `TRANSFER_BENCH_LOOP=write_on` (or `post_on`) instead runs that cell alone at 1 MiB, 32 in
+//! flight, for 4 seconds, prints its microseconds a call and exits: a loop for a profiler
+//! (docs/transfer.md profiles it with `perf record -e cpu-clock -g`).
 
 #[path = "baselines/mooncake.rs"]
 mod mooncake;
@@ -930,6 +934,36 @@ fn main() {
                 t.wait(DEADLINE).expect("wait");
             }
         }) / depth as f64;
+        if n == MIB
+            && let Ok(cell) = std::env::var("TRANSFER_BENCH_LOOP")
+        {
+            let t0 = Instant::now();
+            let mut calls = 0usize;
+            while t0.elapsed().as_secs_f64() < 4.0 {
+                let ts: Vec<_> = (0..depth)
+                    .map(|_| match cell.as_str() {
+                        "post_on" => prepared.post_on(&stream).expect("post_on"),
+                        _ => ep
+                            .write_on(
+                                &stream,
+                                pair(),
+                                TransferOptions::default().deadline(DEADLINE),
+                            )
+                            .expect("write_on"),
+                    })
+                    .collect();
+                stream.synchronize().expect("synchronize");
+                for t in ts {
+                    t.wait(DEADLINE).expect("wait");
+                }
+                calls += depth;
+            }
+            let us = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
+            println!("{cell} in a loop at 1 MiB, {depth} in flight: {us:.3} us a call");
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        }
         // The same blocks as one stream-ordered request of `depth` pairs (one launch, one
         // event), then one synchronize, as many bursts.
         let gd_stream_batch = per_call(pipe_reps, || {
