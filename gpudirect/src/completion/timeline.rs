@@ -650,6 +650,7 @@ mod tests {
     /// completion thread records); from the second on it records one when none is pending, so
     /// that checking in a loop ends. A clone has not been asked.
     #[test]
+    #[cfg(any(feature = "p2p", feature = "transfer"))]
     fn a_first_check_records_nothing_and_a_second_does() {
         use crate::testing::Hardware;
         let ctx = crate::require!(Hardware::Gpu, crate::cuda::context(0));
