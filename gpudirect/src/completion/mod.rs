@@ -49,7 +49,7 @@
 //! | --- | --- | --- |
 //! | [`CompletionFlag`], [`Outcome`] | [`set`](CompletionFlag::set) / [`send`](OutcomeSender::send), on the setter's thread | a waker clone kept in the flag |
 //! | [`HostFnFence`] | the host function, on CUDA's callback thread, the moment the stream passes it | `cuLaunchHostFunc` and a small allocation at issue; the callback wakes by reference, makes no CUDA call and drops no waker |
-//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); at the first poll one `cuEventRecord` (recycled event) if no event is pending on the stream (while the thread watches the stream, a poll asks the driver nothing); a waker clone in the stream's list |
+//! | [`StreamFence`] | the completion thread: one `cuEventQuery` per stream per round, however many futures wait on that stream | nothing at issue (an epoch); the completion thread records one `cuEventRecord` (recycled event) when no event is pending on the stream (a future's first poll only asks the pending events, and while the thread watches the stream a poll asks the driver nothing); a waker clone in the stream's list |
 //! | [`EventFence`], your own fences | the completion thread: one [`Fence::check`] (`cuEventQuery`) per fence per round | an `Arc` for the fence; for an event fence `cuEventCreate` + `cuEventRecord` at issue |
 //!
 //! The **completion thread** is one thread per process, started by the first future that needs

@@ -75,7 +75,8 @@
 //! # Deadlines
 //!
 //! A request's deadline ([`TransferOptions::deadline`](crate::transfer::TransferOptions::deadline), or the engine's) counts twice: the
-//! stream must reach the trigger within it of the call (else the request fails with
+//! stream must reach the trigger within it of the call, whatever the call waited for (a
+//! reconnect's barrier, loading the copy kernel) counted in (else the request fails with
 //! [`Error::Timeout`](crate::Error::Timeout) and its word is released with the error bit), and the transfer then has
 //! its deadline again from the moment the trigger fired (the engine's bound: a deadline that
 //! passes ends the endpoint). So every request ends within twice its deadline plus the NIC's
