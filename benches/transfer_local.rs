@@ -908,54 +908,37 @@ fn main() {
                 .wait()
                 .expect("wait");
         }) / depth as f64;
-        let gd_stream = per_call(pipe_reps, || {
+        // A burst of `depth` stream-ordered requests on one stream, then one synchronize:
+        // `write_on` of the pair, or (`prepared_post`) the prepared request above posted.
+        let stream_burst = |prepared_post: bool| {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
-                    ep.write_on(
-                        &stream,
-                        pair(),
-                        TransferOptions::default().deadline(DEADLINE),
-                    )
-                    .expect("write_on")
+                    if prepared_post {
+                        prepared.post_on(&stream).expect("post_on")
+                    } else {
+                        ep.write_on(
+                            &stream,
+                            pair(),
+                            TransferOptions::default().deadline(DEADLINE),
+                        )
+                        .expect("write_on")
+                    }
                 })
                 .collect();
             stream.synchronize().expect("synchronize");
             for t in ts {
                 t.wait(DEADLINE).expect("wait");
             }
-        }) / depth as f64;
-        // The same, the prepared request above posted on the stream `depth` times a burst.
-        let gd_stream_prep = per_call(pipe_reps, || {
-            let ts: Vec<_> = (0..depth)
-                .map(|_| prepared.post_on(&stream).expect("post_on"))
-                .collect();
-            stream.synchronize().expect("synchronize");
-            for t in ts {
-                t.wait(DEADLINE).expect("wait");
-            }
-        }) / depth as f64;
+        };
+        let gd_stream = per_call(pipe_reps, || stream_burst(false)) / depth as f64;
+        let gd_stream_prep = per_call(pipe_reps, || stream_burst(true)) / depth as f64;
         if n == MIB
             && let Ok(cell) = std::env::var("TRANSFER_BENCH_LOOP")
         {
             let t0 = Instant::now();
             let mut calls = 0usize;
             while t0.elapsed().as_secs_f64() < 4.0 {
-                let ts: Vec<_> = (0..depth)
-                    .map(|_| match cell.as_str() {
-                        "post_on" => prepared.post_on(&stream).expect("post_on"),
-                        _ => ep
-                            .write_on(
-                                &stream,
-                                pair(),
-                                TransferOptions::default().deadline(DEADLINE),
-                            )
-                            .expect("write_on"),
-                    })
-                    .collect();
-                stream.synchronize().expect("synchronize");
-                for t in ts {
-                    t.wait(DEADLINE).expect("wait");
-                }
+                stream_burst(cell == "post_on");
                 calls += depth;
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;

@@ -250,7 +250,8 @@ impl Fence for Events {
 /// instead of here: `cuIpcCloseMemHandle` waits for the work queued on the device (see
 /// docs/transfer.md), which may wait on a word only this thread (the proxy, the worker) lets
 /// through.
-pub(super) fn park_imports(v: Imports) {
+pub(super) fn park_imports(v: impl Into<Imports>) {
+    let v = v.into();
     if !v.is_empty() {
         let done = CompletionFlag::new();
         done.set();

@@ -3,7 +3,7 @@
 //! order, notifications in request order; a caller blocked in a wait finishes what is done on
 //! its lane itself), sends their notifications, and ends the endpoint at a deadline.
 
-use super::copies::{Events, Imports, Keep, park_imports};
+use super::copies::{Events, Keep, park_imports};
 use super::fds::{PeerFd, PeerFds};
 use super::graphs::CopyGraphs;
 use super::import::Import;
@@ -1161,7 +1161,7 @@ impl Side {
             lock(&l.issue).cancel();
             l.gathering.store(false, Ordering::Release);
         }
-        park_imports(Imports::from_vec(std::mem::take(&mut *lock(&self.held))));
+        park_imports(std::mem::take(&mut *lock(&self.held)));
     }
 
     /// Dial again (the dialing side), as
@@ -1193,7 +1193,7 @@ impl Side {
             reader: None,
         });
         // The old peer's mappings: each request still running holds its own.
-        park_imports(Imports::from_vec(std::mem::take(&mut *lock(&self.held))));
+        park_imports(std::mem::take(&mut *lock(&self.held)));
         // Copies of requests that ended unfinished may still be queued on any lane's streams:
         // what the new connection queues goes behind them on every lane, as it would on one
         // stream, so that a notification never leaves before an older copy to the same bytes.
@@ -1230,7 +1230,7 @@ impl Job {
             fence: Arc::new(Events::of(Vec::new())),
             keep: Keep {
                 _pairs: Vec::new(),
-                _imports: Imports::new(),
+                _imports: super::copies::Imports::new(),
                 _held: None,
             },
             finish,

@@ -1688,20 +1688,14 @@ mod tests {
         let p = Proxy::new(Fake::default());
         let rel = p.core.backend.release.clone();
         let eager = |p: &Proxy<Fake>| p.core.lock().queues.values().any(|q| q.eager);
-        let (f1, f2) = (FakeFence::default(), FakeFence::default());
-        {
-            let mut by = p.core.backend.by_fence.lock().unwrap();
-            by.insert(1, f1.clone());
-            by.insert(2, f2.clone());
-        }
-        let t1 = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        let (f1, t1) = armed_behind_a_fence(&p, 1);
         // Waited for while its fence is open.
         assert!(t1.wait(Duration::ZERO).is_err());
         f1.0.store(true, Ordering::Release);
         finish(&rel, 1, true);
         t1.wait(Duration::from_secs(10)).unwrap();
         assert!(eager(&p), "the last request was waited for");
-        let t2 = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        let (f2, t2) = armed_behind_a_fence(&p, 2);
         f2.0.store(true, Ordering::Release);
         finish(&rel, 2, true);
         until("finished unwaited", || t2.is_complete());
