@@ -179,3 +179,37 @@ fn an_endpoint_ends_when_its_peer_lease_expires() {
             .any(|r| r.name.as_str() == "server")
     );
 }
+
+/// Two threads publishing one name on one engine at once: one wins, and the name stays
+/// published (the loser's publication, dropped, must not withdraw the winner's record).
+#[test]
+fn publishing_a_name_twice_at_once_keeps_it_published() {
+    for t in 0..20 {
+        let store = EmbeddedStore::new();
+        let e = engine();
+        let path = socket(&format!("twice-{t}"));
+        let go = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let tries: Vec<_> = (0..2)
+            .map(|_| {
+                let (e, s, p, go) = (e.clone(), store.clone(), path.clone(), go.clone());
+                std::thread::spawn(move || {
+                    go.wait();
+                    e.publish_as("twice", &s, Advertise::local_only(p)).is_ok()
+                })
+            })
+            .collect();
+        let won = tries
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .filter(|ok| *ok)
+            .count();
+        assert_eq!(won, 1, "trial {t}");
+        let listed = store.lookup(&SegmentName::new("twice").unwrap()).unwrap();
+        assert_eq!(
+            listed.map(|r| r.node),
+            e.published().map(|r| r.node),
+            "trial {t}: the store lost the name the engine says it publishes"
+        );
+        assert!(e.published().is_some());
+    }
+}

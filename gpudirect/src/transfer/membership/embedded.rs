@@ -319,7 +319,7 @@ impl MetadataStore for EmbeddedStore {
             .filter_map(|(k, e)| read(k, e).ok())
             .map(MemberEvent::Joined)
             .collect();
-        tx.send_all(now);
+        tx.start(now);
         st.watchers.push(tx);
         Ok(MemberWatch::new(rx))
     }

@@ -1,9 +1,12 @@
 //! The etcd store ([`EtcdStore`], feature `etcd`): records under `{namespace}members/{name}`,
 //! each put with its own lease in a transaction that checks who holds the name; a keep-alive
-//! every third of the TTL; a lease found gone (etcd restarted without its data, an outage
-//! longer than the TTL) granted again and the record put again; watches that list again after
-//! a lost connection and report only what changed. The client is async: the store owns a
-//! small tokio runtime on one thread of its own, and blocking calls wait for its tasks.
+//! every third of the TTL, and a watch of the publication's own key; a lease found gone (etcd
+//! restarted without its data, an outage longer than the TTL) or a record removed or changed
+//! by someone else: a lease granted again and the record put again; watches that list again
+//! after a lost connection and report only what changed. Whatever is read is untrusted (other
+//! jobs may share the etcd): records are checked, a record under no lease is no member's,
+//! lists step over values too large to decode. The client is async: the store owns a small
+//! tokio runtime on one thread of its own, and blocking calls wait for its tasks.
 
 use super::feed::{Sender, channel};
 use super::name::{NodeId, SegmentName};
@@ -18,7 +21,7 @@ use etcd_client::{
 };
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -27,6 +30,9 @@ use tokio::sync::watch;
 
 /// Records read per page of a list.
 const PAGE: i64 = 1000;
+/// The largest answer a list decodes: a page of [`PAGE`] records of at most
+/// [`MAX_RECORD`] bytes, and room.
+const PAGE_BYTES: usize = 16 << 20;
 /// The most members a list reads.
 const MAX_MEMBERS: usize = 1 << 16;
 /// How soon a lost connection is tried again.
@@ -285,14 +291,64 @@ impl std::fmt::Debug for EtcdStore {
 }
 
 /// Grant a lease of `ttl` and put `rec` under it, unless another node holds the name; the
-/// lease's id.
-async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> {
+/// lease's id. On any failure after the grant the lease is revoked: a transaction the client
+/// gave up on may still be applied by etcd, and must not leave a record that nobody keeps (it
+/// would be listed until the lease expired). When etcd did not answer that revoke either, the
+/// lease is left in `left`, for [`revoke_left`] once the caller has answered.
+async fn put_record(
+    ctx: &Ctx,
+    rec: &MemberRecord,
+    bytes: &[u8],
+    left: &mut Option<i64>,
+) -> Result<i64> {
     let (mut c, t) = (ctx.client.clone(), ctx.op_timeout);
     let ttl = i64::try_from(rec.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
     OpCounters::count(&ctx.ops.grants);
     let id = bounded("lease grant", t, c.lease_grant(ttl, None))
         .await?
         .id();
+    let put = put_under(ctx, &mut c, rec, bytes, id).await;
+    if put.is_err() && !revoked(ctx, &mut c, id).await {
+        *left = Some(id);
+    }
+    put.map(|()| id)
+}
+
+/// Revoke lease `id`: whether etcd answered (revoked, or it had no such lease).
+async fn revoked(ctx: &Ctx, c: &mut Client, id: i64) -> bool {
+    OpCounters::count(&ctx.ops.revokes);
+    match tokio::time::timeout(ctx.op_timeout, c.lease_revoke(id)).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => e.to_string().contains("lease not found"),
+        Err(_) => false,
+    }
+}
+
+/// A lease that a failed put left ([`put_record`]), revoked again every 250 ms until etcd
+/// answers, for at most `ttl` (it has expired by then): a revoke sent while etcd stalled may be
+/// dropped with the stream that carried it, and the put applied after all.
+async fn revoke_left(ctx: &Ctx, id: i64, ttl: Duration) {
+    let mut c = ctx.client.clone();
+    let until = tokio::time::Instant::now() + ttl;
+    while tokio::time::Instant::now() < until {
+        tokio::time::sleep(RETRY).await;
+        if revoked(ctx, &mut c, id).await {
+            return;
+        }
+    }
+}
+
+/// Put `rec` under lease `id` in a transaction: when the key is absent; when it holds a
+/// record of this node (a lease lost and granted again), under the check that it still holds
+/// the same bytes. Another node's record, or one this library does not read, is refused.
+async fn put_under(
+    ctx: &Ctx,
+    c: &mut Client,
+    rec: &MemberRecord,
+    bytes: &[u8],
+    id: i64,
+) -> Result<()> {
+    let t = ctx.op_timeout;
     let key = ctx.key(rec.name.as_str());
     let put = || {
         TxnOp::put(
@@ -302,8 +358,6 @@ async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> 
         )
     };
     let mut taken = None;
-    // Absent: put. Present: ours (a lease lost and granted again) is put again under the same
-    // bytes' check; another node's is refused.
     for _ in 0..2 {
         OpCounters::count(&ctx.ops.puts);
         let cond = match &taken {
@@ -316,7 +370,7 @@ async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> 
             .or_else([TxnOp::get(key.clone(), None)]);
         let r = bounded("publish", t, c.txn(txn)).await?;
         if r.succeeded() {
-            return Ok(id);
+            return Ok(());
         }
         let old: Option<Vec<u8>> = r.op_responses().into_iter().find_map(|o| match o {
             TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
@@ -325,22 +379,20 @@ async fn put_record(ctx: &Ctx, rec: &MemberRecord, bytes: &[u8]) -> Result<i64> 
         let Some(old) = old else { continue };
         match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
             Ok(o) if o.node == rec.node => taken = Some(old),
-            other => {
-                let _ = bounded("lease revoke", t, c.lease_revoke(id)).await;
-                return Err(match other {
-                    Ok(o) => Error::NameTaken {
-                        name: rec.name.to_string(),
-                        node: o.node.to_string(),
-                    },
-                    Err(e) => store_err(
-                        "publish",
-                        format!("the key holds a record this library does not read: {e}"),
-                    ),
+            Ok(o) => {
+                return Err(Error::NameTaken {
+                    name: rec.name.to_string(),
+                    node: o.node.to_string(),
                 });
+            }
+            Err(e) => {
+                return Err(store_err(
+                    "publish",
+                    format!("the key holds a record this library does not read: {e}"),
+                ));
             }
         }
     }
-    let _ = bounded("lease revoke", t, c.lease_revoke(id)).await;
     Err(store_err("publish", "the name kept changing hands"))
 }
 
@@ -355,8 +407,75 @@ struct Kept {
     gate: tokio::sync::Mutex<()>,
 }
 
-/// Keep `rec`'s lease alive (a keep-alive every third of its TTL); when etcd says the lease is
-/// gone, grant another and put the record again. Ends when `stop` says so.
+/// Whether the key holds `bytes` under lease `id` (and `true` when etcd does not answer:
+/// nothing is known then, and a lost connection is the keep-alive's to find).
+async fn holds(ctx: &Ctx, c: &mut Client, key: &str, id: i64, bytes: &[u8], t: Duration) -> bool {
+    OpCounters::count(&ctx.ops.gets);
+    match tokio::time::timeout(t, c.get(key, None)).await {
+        Ok(Ok(r)) => r
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.lease() == id && kv.value() == bytes),
+        _ => true,
+    }
+}
+
+/// A publication's watch of its own key, and what it said last.
+enum Own {
+    /// Watching (dropping the stream ends the watch).
+    Watching(Box<etcd_client::WatchStream>),
+    /// No watch (it could not start, or it broke): the key is read back at each keep-alive,
+    /// and the watch started again.
+    Reading,
+}
+
+impl Own {
+    /// Watch `key`, then read it once (a change before the watch began comes as no event):
+    /// `None` when it no longer holds `bytes` under lease `id`.
+    async fn start(
+        ctx: &Ctx,
+        c: &mut Client,
+        key: &str,
+        id: i64,
+        bytes: &[u8],
+        t: Duration,
+    ) -> Option<Own> {
+        OpCounters::count(&ctx.ops.watches);
+        let own = match tokio::time::timeout(t, c.watch(key, None)).await {
+            Ok(Ok(s)) => Own::Watching(Box::new(s)),
+            _ => Own::Reading,
+        };
+        holds(ctx, c, key, id, bytes, t).await.then_some(own)
+    }
+
+    /// The next change to the key: `true` once it no longer holds `bytes` under lease `id`
+    /// (deleted, overwritten, put again without the lease). A broken watch falls back to
+    /// [`Own::Reading`] and waits forever (the keep-alive reads instead).
+    async fn changed(&mut self, id: i64, bytes: &[u8]) -> bool {
+        let Own::Watching(s) = self else {
+            return std::future::pending().await;
+        };
+        match s.message().await {
+            Ok(Some(r)) if !r.canceled() => r.events().iter().any(|ev| {
+                ev.event_type() == EventType::Delete
+                    || ev
+                        .kv()
+                        .is_some_and(|kv| kv.lease() != id || kv.value() != bytes)
+            }),
+            _ => {
+                *self = Own::Reading;
+                false
+            }
+        }
+    }
+}
+
+/// Keep `rec`'s lease alive (a keep-alive every third of its TTL) and its record in place (a
+/// watch on its own key; where that cannot run, the key read back after each keep-alive);
+/// when etcd says the lease is gone, or the key no longer holds the record under it (deleted,
+/// overwritten, put again without the lease), grant another lease and put the record again. A
+/// put that fails is tried again after 250 ms, doubling up to the TTL (every TTL while another
+/// node holds the name). Ends when `stop` says so.
 async fn keep(
     ctx: Arc<Ctx>,
     rec: MemberRecord,
@@ -366,6 +485,7 @@ async fn keep(
 ) {
     let period = rec.ttl / 3;
     let t = ctx.op_timeout.min(period);
+    let key = ctx.key(rec.name.as_str());
     let mut c = ctx.client.clone();
     loop {
         let id = kept.lease.load(Ordering::Relaxed);
@@ -373,24 +493,44 @@ async fn keep(
         // may be near its end); then one every period.
         OpCounters::count(&ctx.ops.keepalives);
         let lost = match tokio::time::timeout(t, c.lease_keep_alive(id)).await {
-            Ok(Ok((mut keeper, mut answers))) => loop {
-                tokio::select! {
-                    _ = stop.changed() => return,
-                    _ = tokio::time::sleep(period) => {}
+            Ok(Ok((mut keeper, mut answers))) => {
+                match Own::start(&ctx, &mut c, &key, id, &bytes, t).await {
+                    // The lease lives on, unused, until it expires.
+                    None => true,
+                    Some(mut own) => loop {
+                        tokio::select! {
+                            _ = stop.changed() => return,
+                            moved = own.changed(id, &bytes) => {
+                                if moved {
+                                    break true;
+                                }
+                                continue;
+                            }
+                            _ = tokio::time::sleep(period) => {}
+                        }
+                        OpCounters::count(&ctx.ops.keepalives);
+                        let one = async {
+                            keeper.keep_alive().await?;
+                            answers.message().await
+                        };
+                        match tokio::time::timeout(t, one).await {
+                            Ok(Ok(Some(a))) if a.ttl() > 0 => {
+                                if matches!(own, Own::Reading) {
+                                    match Own::start(&ctx, &mut c, &key, id, &bytes, t).await {
+                                        Some(o) => own = o,
+                                        None => break true,
+                                    }
+                                }
+                            }
+                            // etcd answers a TTL of 0 for a lease it does not have.
+                            Ok(Ok(Some(_))) => break true,
+                            // The connection broke or etcd did not answer: the same lease
+                            // again.
+                            _ => break false,
+                        }
+                    },
                 }
-                OpCounters::count(&ctx.ops.keepalives);
-                let one = async {
-                    keeper.keep_alive().await?;
-                    answers.message().await
-                };
-                match tokio::time::timeout(t, one).await {
-                    Ok(Ok(Some(a))) if a.ttl() > 0 => {}
-                    // etcd answers a TTL of 0 for a lease it does not have.
-                    Ok(Ok(Some(_))) => break true,
-                    // The connection broke or etcd did not answer: the same lease again.
-                    _ => break false,
-                }
-            },
+            }
             // The client's name for etcd's TTL of 0 on the stream's first answer.
             Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) => why.contains("not found"),
             _ => false,
@@ -408,22 +548,31 @@ async fn keep(
         if *stop.borrow() {
             return;
         }
+        let mut wait = RETRY;
         loop {
-            match put_record(&ctx, &rec, &bytes).await {
+            let mut left = None;
+            let put = put_record(&ctx, &rec, &bytes, &mut left).await;
+            if let Some(id) = left {
+                revoke_left(&ctx, id, rec.ttl).await;
+            }
+            match put {
                 Ok(id) => {
                     kept.lease.store(id, Ordering::Relaxed);
                     kept.republished.fetch_add(1, Ordering::Relaxed);
                     break;
                 }
                 Err(e) => {
-                    let wait = if matches!(e, Error::NameTaken { .. }) {
+                    let w = if matches!(e, Error::NameTaken { .. }) {
                         rec.ttl
                     } else {
-                        RETRY
+                        wait
                     };
+                    // Each try is a grant, a transaction and a revoke: a key that holds what
+                    // this library does not read is not tried four times a second.
+                    wait = (wait * 2).min(rec.ttl);
                     tokio::select! {
                         _ = stop.changed() => return,
-                        _ = tokio::time::sleep(wait) => {}
+                        _ = tokio::time::sleep(w) => {}
                     }
                 }
             }
@@ -455,41 +604,128 @@ impl Lease for EtcdLease {
             let _gate = kept.gate.lock().await;
             let id = kept.lease.load(Ordering::Relaxed);
             let mut c = ctx.client.clone();
-            bounded("lease revoke", timeout, c.lease_revoke(id))
-                .await
-                .map(drop)
+            match tokio::time::timeout(timeout, c.lease_revoke(id)).await {
+                Ok(Ok(_)) => Ok(()),
+                // Expired or revoked already (lost while its keeper waited to publish
+                // again): the record went with it.
+                Ok(Err(e)) if e.to_string().contains("lease not found") => Ok(()),
+                Ok(Err(e)) => Err(store_err("lease revoke", e)),
+                Err(_) => Err(store_err(
+                    "lease revoke",
+                    format!("no answer within {timeout:?}"),
+                )),
+            }
         })
     }
 }
 
-/// Every valid record under the prefix (pages of [`PAGE`] at one revision), and that revision.
-async fn list(ctx: &Ctx) -> Result<(Vec<MemberRecord>, i64)> {
-    let (mut c, t) = (ctx.client.clone(), ctx.op_timeout);
+/// A list of the prefix at one revision.
+struct Listed {
+    /// The valid records of live members (under a lease), in key order.
+    records: Vec<MemberRecord>,
+    /// The revision read.
+    rev: i64,
+    /// Cut at [`MAX_MEMBERS`]: the last name looked at (names after it were not).
+    cut: Option<Vec<u8>>,
+}
+
+/// Whether etcd's answer was larger than the client decodes (tonic's own message: etcd itself
+/// answers OUT_OF_RANGE for a compacted revision too, so the code alone does not tell).
+fn too_large(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s) if s.message().contains("message length too large"))
+}
+
+/// Every valid record under the prefix (pages of up to [`PAGE`] at one revision, at most
+/// [`MAX_MEMBERS`]), and that revision. A page larger than the client decodes (values that no
+/// record is, put by someone else) is read again in halves, down to one key; a single key
+/// whose value alone is too large is stepped over (it is no record).
+async fn list(ctx: &Ctx) -> Result<Listed> {
+    let t = ctx.op_timeout;
+    let mut kv = ctx.client.kv_client().max_decoding_message_size(PAGE_BYTES);
     let end = prefix_end(&ctx.prefix);
     let mut from = ctx.prefix.clone().into_bytes();
     let mut out = Vec::new();
     let mut rev = 0;
+    let mut page = PAGE;
     loop {
+        let room = i64::try_from(MAX_MEMBERS - out.len()).unwrap_or(PAGE);
         OpCounters::count(&ctx.ops.lists);
-        let mut o = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+        let mut o = GetOptions::new()
+            .with_range(end.clone())
+            .with_limit(page.min(room).max(1));
         if rev > 0 {
             o = o.with_revision(rev);
         }
-        let r = bounded("list", t, c.get(from.clone(), Some(o))).await?;
+        let r = match tokio::time::timeout(t, kv.get(from.clone(), Some(o))).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) if too_large(&e) && page > 1 => {
+                page /= 2;
+                continue;
+            }
+            Ok(Err(e)) if too_large(&e) => {
+                // One key's value alone: step over the key.
+                OpCounters::count(&ctx.ops.lists);
+                let mut o = GetOptions::new()
+                    .with_range(end.clone())
+                    .with_limit(1)
+                    .with_keys_only();
+                if rev > 0 {
+                    o = o.with_revision(rev);
+                }
+                let r = bounded("list", t, kv.get(from.clone(), Some(o))).await?;
+                if rev == 0 {
+                    rev = r.header().map_or(0, |h| h.revision());
+                }
+                match r.kvs().first() {
+                    Some(k) => {
+                        from = k.key().to_vec();
+                        from.push(0);
+                        continue;
+                    }
+                    None => {
+                        return Ok(Listed {
+                            records: out,
+                            rev,
+                            cut: None,
+                        });
+                    }
+                }
+            }
+            Ok(Err(e)) => return Err(store_err("list", e)),
+            Err(_) => return Err(store_err("list", format!("no answer within {t:?}"))),
+        };
         if rev == 0 {
             rev = r.header().map_or(0, |h| h.revision());
         }
         for kv in r.kvs() {
-            if let Some(rec) = read_kv(&ctx.prefix, kv.key(), kv.value()) {
+            if let Some(rec) = read_kv(&ctx.prefix, kv.key(), kv.value(), kv.lease()) {
                 out.push(rec);
             }
         }
+        page = (page * 2).min(PAGE);
         match r.kvs().last() {
-            Some(kv) if r.more() && out.len() < MAX_MEMBERS => {
+            Some(kv) if r.more() => {
+                if out.len() >= MAX_MEMBERS {
+                    let cut = kv
+                        .key()
+                        .strip_prefix(ctx.prefix.as_bytes())
+                        .map(<[u8]>::to_vec);
+                    return Ok(Listed {
+                        records: out,
+                        rev,
+                        cut: Some(cut.unwrap_or_default()),
+                    });
+                }
                 from = kv.key().to_vec();
                 from.push(0);
             }
-            _ => return Ok((out, rev)),
+            _ => {
+                return Ok(Listed {
+                    records: out,
+                    rev,
+                    cut: None,
+                });
+            }
         }
     }
 }
@@ -510,10 +746,11 @@ fn name_of(prefix: &str, key: &[u8]) -> Option<SegmentName> {
     SegmentName::new(std::str::from_utf8(rest).ok()?).ok()
 }
 
-/// A record read from a key and value: `None` when either is not valid.
-fn read_kv(prefix: &str, key: &[u8], value: &[u8]) -> Option<MemberRecord> {
+/// A record read from a key, its value and its lease: `None` when either is not valid, or
+/// when no lease holds it (nothing would ever expire it: it is no live member's).
+fn read_kv(prefix: &str, key: &[u8], value: &[u8], lease: i64) -> Option<MemberRecord> {
     let name = name_of(prefix, key)?;
-    if value.len() > MAX_RECORD {
+    if lease == 0 || value.len() > MAX_RECORD {
         return None;
     }
     MemberRecord::from_bytes_at(name.as_str(), value).ok()
@@ -536,10 +773,13 @@ async fn watch_task(
     let mut c = ctx.client.clone();
     loop {
         OpCounters::count(&ctx.ops.watches);
+        // Fragments: a revision that changes many large values comes in answers the client
+        // decodes, not one past its limit.
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(after(rev))
-            .with_progress_notify();
+            .with_progress_notify()
+            .with_fragment();
         if let Ok(mut ws) = bounded(
             "watch",
             ctx.op_timeout,
@@ -569,8 +809,15 @@ async fn watch_task(
                     };
                     match ev.event_type() {
                         EventType::Put => {
-                            if let Some(r) = read_kv(&ctx.prefix, kv.key(), kv.value()) {
-                                joined(&mut known, r, &mut evs);
+                            match read_kv(&ctx.prefix, kv.key(), kv.value(), kv.lease()) {
+                                Some(r) => joined(&mut known, r, &mut evs),
+                                // Its record overwritten by one that is not valid or has no
+                                // lease: gone, as a list would say.
+                                None => {
+                                    if let Some(node) = known.remove(&name) {
+                                        evs.push(MemberEvent::Left { name, node });
+                                    }
+                                }
                             }
                         }
                         EventType::Delete => {
@@ -596,9 +843,9 @@ async fn watch_task(
                 return;
             }
             tokio::time::sleep(RETRY).await;
-            if let Ok((now, r)) = list(&ctx).await {
-                let evs = diff(&mut known, now);
-                rev = r;
+            if let Ok(now) = list(&ctx).await {
+                let evs = diff(&mut known, now.records, now.cut.as_deref());
+                rev = now.rev;
                 if !tx.send_all(evs) {
                     return;
                 }
@@ -623,13 +870,19 @@ fn joined(known: &mut HashMap<SegmentName, NodeId>, r: MemberRecord, evs: &mut V
     }
 }
 
-/// The events that take `known` to `now`.
-fn diff(known: &mut HashMap<SegmentName, NodeId>, now: Vec<MemberRecord>) -> Vec<MemberEvent> {
+/// The events that take `known` to `now`, a list cut after name `cut` (when it is): a name
+/// after the cut was not looked at, so it is not reported gone.
+fn diff(
+    known: &mut HashMap<SegmentName, NodeId>,
+    now: Vec<MemberRecord>,
+    cut: Option<&[u8]>,
+) -> Vec<MemberEvent> {
     let mut evs = Vec::new();
     let live: HashMap<SegmentName, NodeId> = now.iter().map(|r| (r.name.clone(), r.node)).collect();
     let gone: Vec<(SegmentName, NodeId)> = known
         .iter()
         .filter(|(n, _)| !live.contains_key(*n))
+        .filter(|(n, _)| cut.is_none_or(|c| n.as_str().as_bytes() <= c))
         .map(|(n, id)| (n.clone(), *id))
         .collect();
     for (name, node) in gone {
@@ -651,7 +904,37 @@ impl MetadataStore for EtcdStore {
         let bytes = record.to_bytes()?;
         let ctx = self.inner.ctx.clone();
         let (rec, b) = (record.clone(), bytes.clone());
-        let id = self.wait("publish", async move { put_record(&ctx, &rec, &b).await })?;
+        // Whoever sets it first owns the outcome: the task, handing over the lease it put; or
+        // the caller, giving up waiting, so that a put that lands after that is revoked.
+        let claimed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let late = claimed.clone();
+        self.inner.rt.detach(async move {
+            let mut left = None;
+            let r = put_record(&ctx, &rec, &b, &mut left).await;
+            if let Ok(id) = r
+                && late.swap(true, Ordering::AcqRel)
+            {
+                left = Some(id);
+            } else {
+                let _ = tx.send(r);
+            }
+            if let Some(id) = left {
+                revoke_left(&ctx, id, rec.ttl).await;
+            }
+        });
+        // At most a grant, two transactions and a revoke, each bounded.
+        let bound = self.inner.ctx.op_timeout * 4 + Duration::from_secs(1);
+        let id = match rx.recv_timeout(bound) {
+            Ok(r) => r?,
+            Err(_) if !claimed.swap(true, Ordering::AcqRel) => {
+                return Err(store_err("publish", format!("no answer within {bound:?}")));
+            }
+            // The task claimed it first: its answer is on the way.
+            Err(_) => rx
+                .recv()
+                .unwrap_or_else(|_| Err(store_err("publish", "the store's runtime ended")))?,
+        };
         let kept = Arc::new(Kept {
             lease: AtomicI64::new(id),
             republished: AtomicU64::new(0),
@@ -683,27 +966,30 @@ impl MetadataStore for EtcdStore {
         self.wait("lookup", async move {
             let mut c = ctx.client.clone();
             let r = bounded("lookup", ctx.op_timeout, c.get(key, None)).await?;
-            r.kvs()
-                .first()
-                .map(|kv| MemberRecord::from_bytes_at(n.as_str(), kv.value()))
-                .transpose()
+            // A valid record under no lease is no live member's (nothing would ever expire
+            // it); one that is not valid says why.
+            let found = r.kvs().first().map(|kv| {
+                MemberRecord::from_bytes_at(n.as_str(), kv.value())
+                    .map(|rec| (kv.lease() != 0).then_some(rec))
+            });
+            found.transpose().map(Option::flatten)
         })
     }
 
     fn members(&self) -> Result<Vec<MemberRecord>> {
         let ctx = self.inner.ctx.clone();
-        self.wait("list", async move { list(&ctx).await.map(|(m, _)| m) })
+        self.wait("list", async move { list(&ctx).await.map(|l| l.records) })
     }
 
     fn watch(&self) -> Result<MemberWatch> {
         let ctx = self.inner.ctx.clone();
-        let (now, rev) = self.wait("watch", async move { list(&ctx).await })?;
+        let now = self.wait("watch", async move { list(&ctx).await })?;
         let (tx, rx) = channel();
         let mut known = HashMap::new();
-        tx.send_all(diff(&mut known, now));
+        tx.start(diff(&mut known, now.records, None));
         self.inner
             .rt
-            .detach(watch_task(self.inner.ctx.clone(), tx, known, rev));
+            .detach(watch_task(self.inner.ctx.clone(), tx, known, now.rev));
         Ok(MemberWatch::new(rx))
     }
 
@@ -759,19 +1045,22 @@ mod tests {
         assert!(name_of(p, b"/gpudirect/v1/members/a/b").is_none());
         assert!(name_of(p, b"/other/a").is_none());
         let r = sample("a");
-        assert!(read_kv(p, b"/gpudirect/v1/members/a", &r.to_bytes().unwrap()).is_some());
-        assert!(read_kv(p, b"/gpudirect/v1/members/b", &r.to_bytes().unwrap()).is_none());
+        let b = r.to_bytes().unwrap();
+        assert!(read_kv(p, b"/gpudirect/v1/members/a", &b, 7).is_some());
+        assert!(read_kv(p, b"/gpudirect/v1/members/b", &b, 7).is_none());
+        // Under no lease: no live member's.
+        assert!(read_kv(p, b"/gpudirect/v1/members/a", &b, 0).is_none());
     }
 
     #[test]
     fn a_resync_reports_only_the_difference() {
         let (a, b, c) = (sample("a"), sample("b"), sample("c"));
         let mut known = HashMap::new();
-        assert_eq!(diff(&mut known, vec![a.clone(), b.clone()]).len(), 2);
-        assert!(diff(&mut known, vec![a.clone(), b.clone()]).is_empty());
+        assert_eq!(diff(&mut known, vec![a.clone(), b.clone()], None).len(), 2);
+        assert!(diff(&mut known, vec![a.clone(), b.clone()], None).is_empty());
         let mut b2 = b.clone();
         b2.node = NodeId::random().unwrap();
-        let evs = diff(&mut known, vec![b2.clone(), c.clone()]);
+        let evs = diff(&mut known, vec![b2.clone(), c.clone()], None);
         assert_eq!(
             evs,
             vec![
@@ -787,5 +1076,22 @@ mod tests {
                 MemberEvent::Joined(c),
             ]
         );
+    }
+
+    #[test]
+    fn a_cut_list_reports_no_leave_past_its_cut() {
+        let (a, m, z) = (sample("a"), sample("m"), sample("z"));
+        let mut known = HashMap::new();
+        diff(&mut known, vec![a.clone(), m.clone(), z.clone()], None);
+        // Listed up to "m" only: "m" is gone, "z" was not looked at.
+        let evs = diff(&mut known, vec![a.clone()], Some(b"m"));
+        assert_eq!(
+            evs,
+            vec![MemberEvent::Left {
+                name: m.name.clone(),
+                node: m.node
+            }]
+        );
+        assert_eq!(known.get(&z.name), Some(&z.node));
     }
 }

@@ -9,11 +9,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-/// Events kept for a consumer that does not read: past this the watch ends with an error.
+/// Events kept for a consumer that does not read (beyond a watch's first list, which
+/// [`Sender::start`] queues): past this the watch ends with an error.
 pub(super) const MAX_QUEUED: usize = 1 << 16;
 
 struct State<T> {
     items: VecDeque<T>,
+    /// Items held before the queue overflows: [`MAX_QUEUED`] past the first list.
+    room: usize,
     waker: Option<Waker>,
     /// The consumer is gone.
     dropped: bool,
@@ -47,6 +50,7 @@ pub(super) fn channel<T>() -> (Sender<T>, Receiver<T>) {
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             items: VecDeque::new(),
+            room: MAX_QUEUED,
             waker: None,
             dropped: false,
             ended: None,
@@ -70,7 +74,7 @@ impl<T> Sender<T> {
                 return false;
             }
             st.items.extend(items);
-            if st.items.len() > MAX_QUEUED {
+            if st.items.len() > st.room {
                 st.items.clear();
                 st.ended = Some(overflow());
             }
@@ -81,6 +85,16 @@ impl<T> Sender<T> {
             w.wake();
         }
         true
+    }
+
+    /// Queue a watch's first list (every live member, as many as the store holds): the queue
+    /// then holds [`MAX_QUEUED`] events more than it before it overflows.
+    pub(super) fn start(&self, items: Vec<T>) -> bool {
+        {
+            let mut st = self.shared.lock();
+            st.room = MAX_QUEUED.saturating_add(items.len());
+        }
+        self.send_all(items)
     }
 
     /// Queue `item`; as [`send_all`](Self::send_all).
@@ -237,6 +251,17 @@ mod tests {
             rx.recv(Duration::ZERO),
             Got::Ended(Error::Store { .. })
         ));
+    }
+
+    #[test]
+    fn a_first_list_larger_than_the_queue_does_not_overflow_it() {
+        let (tx, rx) = channel();
+        assert!(tx.start((0..MAX_QUEUED + 10).collect()));
+        assert!(tx.send_all(0..MAX_QUEUED - 10));
+        assert!(matches!(rx.recv(Duration::ZERO), Got::Item(0)));
+        // Past the first list and MAX_QUEUED more unread: the end.
+        assert!(tx.send_all(0..30));
+        assert!(matches!(rx.recv(Duration::ZERO), Got::Ended(_)));
     }
 
     #[test]

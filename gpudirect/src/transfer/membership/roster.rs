@@ -10,7 +10,7 @@ use super::record::MemberRecord;
 use super::store::{MemberEvent, MemberWatch, MetadataStore, Publication};
 use crate::completion::thread::join_unless_current;
 use crate::error::{Error, Result};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +23,11 @@ pub(super) const DEFAULT_TTL: Duration = Duration::from_secs(5);
 const TICK: Duration = Duration::from_millis(50);
 /// How long a departed node is remembered (an endpoint made to it meanwhile ends at once).
 const REMEMBER: Duration = Duration::from_secs(600);
+/// The most departed nodes remembered: past it the oldest are forgotten first (a churn of
+/// node identities by another job costs bounded memory).
+const REMEMBER_MAX: usize = 1 << 16;
+/// The longest wait before watching again after a watch ended (it doubles from [`TICK`]).
+const REWATCH_MAX: Duration = Duration::from_secs(5);
 
 /// What an engine publishes about itself ([`Engine::publish_as`](crate::transfer::Engine::publish_as)):
 /// where peers reach it, and its lease's TTL.
@@ -104,6 +109,43 @@ struct Peers {
     view: HashMap<SegmentName, NodeId>,
     /// Nodes whose record left, and when.
     departed: HashMap<NodeId, Instant>,
+    /// `departed` in the order they left (an entry whose time differs from the map's is stale:
+    /// the node left again later), for forgetting the oldest.
+    departures: VecDeque<(Instant, NodeId)>,
+    /// When `departed` was last pruned.
+    pruned: Option<Instant>,
+}
+
+impl Peers {
+    /// `node` left at `at`.
+    fn depart(&mut self, node: NodeId, at: Instant) {
+        self.departed.insert(node, at);
+        self.departures.push_back((at, node));
+    }
+
+    /// Forget departures older than [`REMEMBER`], and the oldest past [`REMEMBER_MAX`]: at
+    /// most once a [`TICK`], not at every event.
+    fn prune(&mut self, now: Instant) {
+        if self
+            .pruned
+            .is_some_and(|t| now.saturating_duration_since(t) < TICK)
+            && self.departures.len() <= 2 * REMEMBER_MAX
+        {
+            return;
+        }
+        self.pruned = Some(now);
+        while let Some(&(at, node)) = self.departures.front() {
+            let live = self.departed.get(&node) == Some(&at);
+            let old = now.saturating_duration_since(at) >= REMEMBER;
+            if live && !old && self.departed.len() <= REMEMBER_MAX {
+                break;
+            }
+            self.departures.pop_front();
+            if live {
+                self.departed.remove(&node);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -122,6 +164,8 @@ impl Shared {
 struct State {
     store: Option<Arc<dyn MetadataStore>>,
     own: Option<Publication>,
+    /// A publish is under way (outside the lock): another is refused, as once `own` is set.
+    publishing: bool,
     node: Option<NodeId>,
     watcher: Option<JoinHandle<()>>,
 }
@@ -215,28 +259,40 @@ impl Roster {
     /// [`MetadataStore::publish`].
     pub(crate) fn publish(&self, rec: &MemberRecord) -> Result<()> {
         let store = self.store()?;
-        if let Some(p) = &self.lock().own {
-            return Err(Error::invalid(
-                "segment name",
-                rec.name.as_str(),
-                format!(
-                    "the engine publishes {:?} already: unpublish first",
-                    p.record().name.as_str()
-                ),
-            ));
+        {
+            let mut st = self.lock();
+            if let Some(p) = &st.own {
+                return Err(Error::invalid(
+                    "segment name",
+                    rec.name.as_str(),
+                    format!(
+                        "the engine publishes {:?} already: unpublish first",
+                        p.record().name.as_str()
+                    ),
+                ));
+            }
+            // Two publishes at once would both put the record (the same node may), and the
+            // one that lost, dropped, would withdraw the other's.
+            if st.publishing {
+                return Err(Error::invalid(
+                    "segment name",
+                    rec.name.as_str(),
+                    "the engine is publishing a name already (another thread's publish_as)",
+                ));
+            }
+            st.publishing = true;
         }
+        // Let go of the mark whatever happens in the store, a panic included.
+        struct Done<'a>(&'a Roster);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.lock().publishing = false;
+            }
+        }
+        let done = Done(self);
         let p = store.publish(rec)?;
-        let mut st = self.lock();
-        if st.own.is_some() {
-            drop(st);
-            drop(p);
-            return Err(Error::invalid(
-                "segment name",
-                rec.name.as_str(),
-                "published twice at once",
-            ));
-        }
-        st.own = Some(p);
+        self.lock().own = Some(p);
+        drop(done);
         Ok(())
     }
 
@@ -293,7 +349,7 @@ fn apply(p: &mut Peers, ev: MemberEvent, now: Instant) {
             if let Some(old) = p.view.insert(r.name.clone(), r.node)
                 && old != r.node
             {
-                p.departed.insert(old, now);
+                p.depart(old, now);
             }
             // The name is held by another node now: any other node under it is gone.
             for (n, peer) in &mut p.by_node {
@@ -312,7 +368,7 @@ fn apply(p: &mut Peers, ev: MemberEvent, now: Instant) {
             if p.view.get(&name) == Some(&node) {
                 p.view.remove(&name);
             }
-            p.departed.insert(node, now);
+            p.depart(node, now);
             if let Some(peer) = p.by_node.get_mut(&node) {
                 peer.leaving.get_or_insert(now + peer.ttl / 2);
             }
@@ -336,15 +392,46 @@ fn due(p: &mut Peers, now: Instant) -> (Vec<(NodeId, Peer)>, Option<Instant>) {
         peer.endpoints.retain(|e| e.alive());
         !peer.endpoints.is_empty() || peer.leaving.is_some()
     });
-    p.departed
-        .retain(|_, t| now.saturating_duration_since(*t) < REMEMBER);
+    p.prune(now);
     let next = p.by_node.values().filter_map(|peer| peer.leaving).min();
     (gone, next)
 }
 
-/// The watching thread: events in, endpoints of departed peers ended (outside the lock).
+/// The tracked peers whose record is gone (or another node's) after a watch ended and a new
+/// one began: the events between the two watches are lost, and the new watch's first list
+/// says only who is there. Looked up one by one, after the new watch listed (a leave after
+/// that comes as its event). `false` when the store did not answer (asked again later).
+fn recheck(shared: &Shared, store: &dyn MetadataStore, now: Instant) -> bool {
+    let tracked: Vec<(SegmentName, NodeId)> = shared
+        .lock()
+        .by_node
+        .iter()
+        .filter(|(_, peer)| peer.leaving.is_none())
+        .map(|(n, peer)| (peer.name.clone(), *n))
+        .collect();
+    let mut gone = Vec::new();
+    for (name, node) in tracked {
+        match store.lookup(&name) {
+            Ok(Some(r)) if r.node == node => {}
+            Ok(_) => gone.push((name, node)),
+            Err(_) => return false,
+        }
+    }
+    let mut p = shared.lock();
+    for (name, node) in gone {
+        apply(&mut p, MemberEvent::Left { name, node }, now);
+    }
+    true
+}
+
+/// The watching thread: events in, endpoints of departed peers ended (outside the lock). A
+/// watch that ends (its events left unread past its queue) is watched again after a pause
+/// that doubles, from [`TICK`] to [`REWATCH_MAX`], while watches keep ending, and the tracked
+/// peers are looked up ([`recheck`]).
 fn watch_loop(shared: &Shared, store: &dyn MetadataStore, mut watch: MemberWatch) {
     let mut next: Option<Instant> = None;
+    let mut pause = TICK;
+    let mut stale = false;
     while !shared.stop.load(Ordering::Relaxed) {
         let wait = next
             .map(|t| t.saturating_duration_since(Instant::now()))
@@ -352,15 +439,22 @@ fn watch_loop(shared: &Shared, store: &dyn MetadataStore, mut watch: MemberWatch
             .min(TICK);
         match watch.next_timeout(wait) {
             Ok(Some(ev)) => apply(&mut shared.lock(), ev, Instant::now()),
-            Ok(None) => {}
+            // Caught up: a watch that ends after this is watched again soon.
+            Ok(None) => pause = TICK,
             Err(_) => {
-                // The watch ended (it overflowed): watch again; what changed meanwhile comes
-                // as events of the new watch's first list.
-                std::thread::sleep(TICK);
+                let until = Instant::now() + pause;
+                while Instant::now() < until && !shared.stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(TICK.min(until.saturating_duration_since(Instant::now())));
+                }
+                pause = (pause * 2).min(REWATCH_MAX);
                 if let Ok(w) = store.watch() {
                     watch = w;
+                    stale = true;
                 }
             }
+        }
+        if stale {
+            stale = !recheck(shared, store, Instant::now());
         }
         let (gone, n) = due(&mut shared.lock(), Instant::now());
         next = n;
@@ -472,6 +566,51 @@ mod tests {
         let probe = Probe::default();
         me.track(&rec, Box::new(probe.clone()));
         assert!(wait_for(&probe, Duration::from_secs(2)).is_some());
+    }
+
+    #[test]
+    fn a_leave_while_the_watch_overflowed_still_ends_the_endpoints() {
+        let store = EmbeddedStore::new();
+        let mut rec = sample("peer");
+        rec.ttl = Duration::from_secs(1);
+        let p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        {
+            // The watching thread held up (here on its lock) while other members come and go,
+            // past what its watch holds unread: the watch ends, and the peer leaves meanwhile.
+            let _held = me.shared.lock();
+            for i in 0..=super::super::feed::MAX_QUEUED / 2 {
+                drop(store.publish(&sample(&format!("churn-{i}"))).unwrap());
+            }
+            drop(p);
+        }
+        assert!(wait_for(&probe, Duration::from_secs(5)).is_some());
+        assert_eq!(probe.0.0.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn departed_nodes_are_remembered_within_a_bound() {
+        let mut p = Peers::default();
+        let t0 = Instant::now();
+        let nodes: Vec<NodeId> = (0..REMEMBER_MAX + 100)
+            .map(|_| NodeId::random().unwrap())
+            .collect();
+        for (i, n) in nodes.iter().enumerate() {
+            p.depart(*n, t0 + Duration::from_micros(i as u64));
+        }
+        // A node that left twice: its first departure is stale.
+        p.depart(nodes[0], t0 + Duration::from_secs(1));
+        p.prune(t0 + Duration::from_secs(2));
+        assert_eq!(p.departed.len(), REMEMBER_MAX);
+        // The oldest went first; the one that left again stays.
+        assert!(!p.departed.contains_key(&nodes[1]));
+        assert!(p.departed.contains_key(&nodes[0]));
+        assert!(p.departed.contains_key(&nodes[REMEMBER_MAX + 99]));
+        // And all of them once REMEMBER has passed.
+        p.prune(t0 + REMEMBER + Duration::from_secs(3));
+        assert!(p.departed.is_empty() && p.departures.is_empty());
     }
 
     #[test]

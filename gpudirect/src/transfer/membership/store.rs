@@ -31,15 +31,18 @@ pub enum MemberEvent {
 ///
 /// Everything an implementation reads from its backend is checked
 /// ([`MemberRecord::from_bytes`]) before it is handed on; a record that fails is left out of
-/// [`members`](Self::members) and the watch, and is an error from [`lookup`](Self::lookup).
+/// [`members`](Self::members) and the watch, and is an error from [`lookup`](Self::lookup). A
+/// valid record that no lease holds (put by hand, or copied by a tool) would never expire: it
+/// is no live member's, left out of all three.
 pub trait MetadataStore: Send + Sync + 'static {
     /// The store's kind, for errors and metrics: `embedded`, `etcd`.
     fn kind(&self) -> &'static str;
 
     /// Publish `record` under its segment name with a lease of `record.ttl`, kept alive until
     /// the returned [`Publication`] is revoked or dropped. When the lease is lost (the store
-    /// restarted without its data, the node was cut off for longer than the TTL) the
-    /// publication grants a new one and publishes again.
+    /// restarted without its data, the node was cut off for longer than the TTL), or the
+    /// record was removed or changed under it by someone else, the publication grants a new
+    /// one and publishes again. A publish that fails leaves no record behind.
     ///
     /// # Errors
     ///
@@ -65,7 +68,8 @@ pub trait MetadataStore: Send + Sync + 'static {
     /// Watch the membership: first a [`MemberEvent::Joined`] for every live member, then each
     /// change as it happens. A watch that loses its connection to the store connects again and
     /// reports what changed meanwhile; it reports a member as gone only when its record is
-    /// (never because the store was unreachable).
+    /// (never because the store was unreachable). It ends once more than 65,536 events past
+    /// its first list are left unread: a new watch starts with the live members again.
     ///
     /// # Errors
     ///
@@ -122,7 +126,8 @@ impl Publication {
         self.lease.as_ref().map_or(0, |l| l.id())
     }
 
-    /// How many times the record was published again after its lease was lost.
+    /// How many times the record was published again after its lease was lost (or the record
+    /// was removed or changed under it).
     pub fn republished(&self) -> u64 {
         self.lease.as_ref().map_or(0, |l| l.republished())
     }
@@ -177,7 +182,7 @@ impl MemberWatch {
     /// # Errors
     ///
     /// [`Error::Store`] once the watch has ended (the store was dropped, or more than 65,536
-    /// events were left unread).
+    /// events past the first list were left unread).
     pub fn next_timeout(&mut self, timeout: Duration) -> Result<Option<MemberEvent>> {
         match self.rx.recv(timeout) {
             Got::Item(e) => Ok(Some(e)),
@@ -235,7 +240,8 @@ impl std::fmt::Debug for MemberWatch {
 /// round trips.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StoreOps {
-    /// Reads of one key (lookups).
+    /// Reads of one key (lookups; a publication's read of its own key as its watch of it
+    /// starts).
     pub gets: u64,
     /// Reads of every member (a list; a watch's start and resync).
     pub lists: u64,
@@ -247,7 +253,8 @@ pub struct StoreOps {
     pub keepalives: u64,
     /// Leases revoked.
     pub revokes: u64,
-    /// Watches started (again after a lost connection, too).
+    /// Watches started (again after a lost connection, too; a publication's watch of its own
+    /// key).
     pub watches: u64,
 }
 
