@@ -284,16 +284,28 @@ fn main() {
         eprintln!("--metrics {addr}: {e}");
         std::process::exit(2);
     }
+    // The options first: a bad one is refused (exit 2) on any machine, not skipped with the
+    // hardware.
+    let mut cfg = EngineConfig::default();
+    cfg.devices = args.devices.clone();
+    if let Some(p) = &args.key_file {
+        match AuthKey::from_file(p) {
+            Ok(k) => cfg.key = Some(k),
+            Err(e) => {
+                eprintln!("--key-file {}: {e}", p.display());
+                std::process::exit(2);
+            }
+        }
+    }
+    if let Err(e) = cfg.check() {
+        eprintln!("transfer: {e}");
+        std::process::exit(2);
+    }
     if let Err(e) = gpudirect::rdma::DeviceList::non_empty() {
         skip_example(Hardware::Rdma, e);
     }
     let run = || -> gpudirect::Result<bool> {
-        let mut cfg = EngineConfig::default();
-        cfg.devices = args.devices.clone();
-        if let Some(p) = &args.key_file {
-            cfg.key = Some(AuthKey::from_file(p)?);
-        }
-        let engine = Engine::new(cfg)?;
+        let engine = Engine::new(cfg.clone())?;
         println!("rails: {:?}", engine.devices());
         if let Some(port) = args.listen {
             let l = engine.listen(&format!("0.0.0.0:{port}"))?;

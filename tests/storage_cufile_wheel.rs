@@ -2,11 +2,13 @@
 //! without a GPU. Each check runs in a child process (the library may abort or hang without
 //! libcuda: 1.20's `cuFileDriverOpen` hangs), with a time limit.
 //!
-//! Under cargo the wheels are fetched with pip into the checkout's `target/cufile-wheels/` when
-//! absent (`tests/support/cufile-wheel.sh` does the same by hand), in one quick try; without pip
-//! (or a network) the test prints `SKIPPED: reason`. `GPUDIRECT_CUFILE_WHEEL_DIR` points at an
-//! already unpacked set. Outside cargo (the GPU bundle) there is no checkout: without that
-//! variable the test skips at once, fetching nothing.
+//! Under cargo the wheels are fetched with pip into `cufile-wheels/` of the target directory
+//! (`CARGO_TARGET_DIR`, else the checkout's `target/`) when absent
+//! (`tests/support/cufile-wheel.sh` does the same by hand), in one quick try; without pip (or a
+//! network) the test prints `SKIPPED: reason`; `GPUDIRECT_CUFILE_WHEEL_FETCH=0` skips it
+//! without trying. `GPUDIRECT_CUFILE_WHEEL_DIR` points at an already unpacked set. Outside cargo
+//! (the GPU bundle) there is no checkout: without that variable the test skips at once,
+//! fetching nothing.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -14,15 +16,18 @@ use std::time::{Duration, Instant};
 
 const CHILD_ENV: &str = "GPUDIRECT_WHEEL_TEST_CHILD";
 
-/// `GPUDIRECT_CUFILE_WHEEL_DIR`, else `target/cufile-wheels` of the checkout cargo runs this test
-/// from (cargo sets `CARGO_MANIFEST_DIR` for the tests it runs). The path the checkout had at
-/// build time means nothing where the binary is carried to (the GPU bundle).
+/// `GPUDIRECT_CUFILE_WHEEL_DIR`, else `cufile-wheels` in the target directory of the checkout
+/// cargo runs this test from (cargo sets `CARGO_MANIFEST_DIR` for the tests it runs;
+/// `CARGO_TARGET_DIR` when the caller set one). The path the checkout had at build time means
+/// nothing where the binary is carried to (the GPU bundle).
 fn wheel_dir() -> Result<PathBuf, String> {
     if let Some(d) = std::env::var_os("GPUDIRECT_CUFILE_WHEEL_DIR") {
         return Ok(PathBuf::from(d));
     }
     match std::env::var_os("CARGO_MANIFEST_DIR") {
-        Some(d) => Ok(Path::new(&d).join("target/cufile-wheels")),
+        Some(d) => Ok(std::env::var_os("CARGO_TARGET_DIR")
+            .map_or_else(|| Path::new(&d).join("target"), PathBuf::from)
+            .join("cufile-wheels")),
         None => Err(
             "not run by cargo (no checkout to fetch them into), and GPUDIRECT_CUFILE_WHEEL_DIR is \
              not set"
@@ -52,6 +57,12 @@ fn libraries() -> Result<Vec<PathBuf>, String> {
     find(&dir, "libcufile.so.0", &mut libs);
     if libs.len() >= 2 {
         return Ok(libs);
+    }
+    if std::env::var_os("GPUDIRECT_CUFILE_WHEEL_FETCH").is_some_and(|v| v == "0") {
+        return Err(format!(
+            "not in {} and GPUDIRECT_CUFILE_WHEEL_FETCH=0 (no fetch)",
+            dir.display()
+        ));
     }
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     for pkg in ["nvidia-cufile", "nvidia-cufile-cu12"] {

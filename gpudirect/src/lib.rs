@@ -23,8 +23,10 @@
 //! `serde`) is the transfer engine over the rdma path. A program that uses only some paths builds
 //! only those: `default-features = false, features = ["rdma", ...]`. [`completion`], [`cuda`],
 //! [`memory`] and [`topology`] are always built. `tokio` (off by default) adds file-descriptor
-//! readiness through tokio's reactor. The CUDA version features (`cuda-12000` ... `cuda-13040`)
-//! only forward to cudarc.
+//! readiness through tokio's reactor. `etcd` (off by default; it turns on `transfer`) adds the
+//! etcd store of named segments (`transfer::membership::EtcdStore`); building it needs `protoc`.
+//! The CUDA version features (`cuda-12000` ... `cuda-13040`) only forward to cudarc;
+//! `dynamic-linking` links libcuda at build time instead of opening it at run time.
 #![deny(missing_docs, unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(clippy::undocumented_unsafe_blocks)]

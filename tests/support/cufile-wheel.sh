@@ -6,7 +6,7 @@
 # Needs python3 with pip and network access to the Python package index.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-dir=${GPUDIRECT_CUFILE_WHEEL_DIR:-$root/target/cufile-wheels}
+dir=${GPUDIRECT_CUFILE_WHEEL_DIR:-${CARGO_TARGET_DIR:-$root/target}/cufile-wheels}
 mkdir -p "$dir"
 python3 -m pip download --no-deps --quiet nvidia-cufile nvidia-cufile-cu12 -d "$dir"
 for w in "$dir"/*.whl; do

@@ -105,7 +105,9 @@ impl OpenOptions {
     ///
     /// # Errors
     ///
-    /// [`Error::Os`] from `open` (with `O_DIRECT` under [`DirectIo::Require`]).
+    /// [`Error::Os`] from `open` (with `O_DIRECT` under [`DirectIo::Require`]) or `fstat`;
+    /// [`Error::InvalidArgument`] for what is neither a regular file nor a block device (a
+    /// directory opens for reading, and would fail only at the first read).
     pub fn open(&self, path: impl AsRef<Path>) -> Result<(OwnedFd, bool)> {
         let path = path.as_ref();
         let c = CString::new(path.as_os_str().as_encoded_bytes())
@@ -115,10 +117,21 @@ impl OpenOptions {
             // SAFETY: a NUL-terminated path; mode is read only with O_CREAT.
             let fd = unsafe { libc::open(c.as_ptr(), flags, 0o644 as libc::c_uint) };
             if fd < 0 {
-                Err(Error::last_os("open"))
-            } else {
-                // SAFETY: a fresh descriptor we own.
-                Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+                return Err(Error::last_os("open"));
+            }
+            // SAFETY: a fresh descriptor we own.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            match super::range::fstat(fd.as_fd())?.st_mode & libc::S_IFMT {
+                libc::S_IFREG | libc::S_IFBLK => Ok(fd),
+                kind => Err(Error::invalid(
+                    "path",
+                    path.display(),
+                    if kind == libc::S_IFDIR {
+                        "is a directory: a regular file or a block device"
+                    } else {
+                        "is neither a regular file nor a block device"
+                    },
+                )),
             }
         };
         match self.direct {
@@ -329,6 +342,26 @@ mod tests {
             .unwrap_err();
         assert!(
             matches!(&e, Error::Os { call: "open", source } if source.raw_os_error() == Some(libc::ENOENT))
+        );
+        // A directory opens for reading: refused at open, not at the first read.
+        for d in [
+            OpenOptions::read_only(),
+            OpenOptions::read_only().direct(DirectIo::Off),
+        ] {
+            let e = d.open(std::env::temp_dir()).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument { arg: "path", rule, .. } if rule.contains("directory")),
+                "{e:?}"
+            );
+        }
+        // So is what is neither a file nor a block device.
+        let e = OpenOptions::read_only()
+            .direct(DirectIo::Off)
+            .open("/dev/null")
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "path", .. }),
+            "{e:?}"
         );
     }
 }

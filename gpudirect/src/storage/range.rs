@@ -98,6 +98,16 @@ pub(crate) fn read_outcome(
 ///
 /// [`Error::Os`] from `fstat` or `ioctl`.
 pub(crate) fn file_size(fd: std::os::fd::BorrowedFd<'_>) -> Result<Option<u64>> {
+    let st = fstat(fd)?;
+    match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => Ok(Some(u64::try_from(st.st_size).unwrap_or(0))),
+        libc::S_IFBLK => block_device_size(fd),
+        _ => Ok(None),
+    }
+}
+
+/// `fstat(fd)`.
+pub(crate) fn fstat(fd: std::os::fd::BorrowedFd<'_>) -> Result<libc::stat> {
     use std::os::fd::AsRawFd;
     // SAFETY: zeroed stat is valid; fstat fills it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -105,11 +115,7 @@ pub(crate) fn file_size(fd: std::os::fd::BorrowedFd<'_>) -> Result<Option<u64>> 
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(Error::last_os("fstat"));
     }
-    match st.st_mode & libc::S_IFMT {
-        libc::S_IFREG => Ok(Some(u64::try_from(st.st_size).unwrap_or(0))),
-        libc::S_IFBLK => block_device_size(fd),
-        _ => Ok(None),
-    }
+    Ok(st)
 }
 
 /// `ioctl(fd, BLKGETSIZE64)`: a block device's size in bytes.

@@ -206,7 +206,10 @@ impl Engine {
     /// Publish the engine under segment `name` in `store` ([`use_store`](Self::use_store)),
     /// reachable as `at` says (its rails' addresses, its local socket), with a lease kept
     /// alive until [`unpublish`](Self::unpublish) or the engine's last clone goes. The record
-    /// carries a node identity drawn for this engine, never memory descriptors.
+    /// carries a node identity drawn for this engine, never memory descriptors. What `at` says
+    /// is published as given, not checked against the engine's listeners: listen there
+    /// ([`listen`](Self::listen), or `listen_local` with `p2p`) before peers look the
+    /// name up, or their connects find nobody.
     ///
     /// # Errors
     ///

@@ -36,8 +36,8 @@ pub struct EngineConfig {
     /// Requests of at least this many bytes are striped over the rails (default 512 KiB).
     pub stripe_min: u64,
     /// Bound on [`Engine::connect`] as a whole (every rail's connection and handshake), and on
-    /// an intra-node meeting (default 10 s). A listener's handshakes have their own bound,
-    /// [`handshake_timeout`](Self::handshake_timeout).
+    /// an intra-node meeting (default 10 s; 1 ms to 1 h). A listener's handshakes have their
+    /// own bound, [`handshake_timeout`](Self::handshake_timeout).
     pub connect_timeout: Duration,
     /// The rails' local ACK timeout exponent (`None`, the default: rdma_cm's, about a second a
     /// try on RoCE, retried 7 times, which rxe takes as without end; else 1 to 31): a message
@@ -45,14 +45,15 @@ pub struct EngineConfig {
     /// whose messages move to the rails left. Shorter finds a dead link sooner; too short
     /// fails a rail that is only slow.
     pub ack_timeout: Option<u8>,
-    /// A transfer's deadline when its options give none (default 30 s).
+    /// A transfer's deadline when its options give none (default 30 s; above 0).
     pub deadline: Duration,
     /// How long a thread waiting for a request ([`Transfer::wait`](super::Transfer::wait)) or
     /// a notification ([`Endpoint::next_notification`](super::Endpoint::next_notification))
     /// looks for it itself before it sleeps until the progress thread wakes it (default 10 ms,
     /// as the intra-node path's waits). Across nodes it polls the completion queues meanwhile
     /// (one waiting thread at a time): no thread hand-off for what comes soon, at the cost of a
-    /// CPU while it lasts. 0: the progress thread sees every completion and wakes the waiter.
+    /// CPU while it lasts (at most 1 s). 0: the progress thread sees every completion and
+    /// wakes the waiter.
     pub spin: Duration,
     /// Whether GPU memory that cannot be registered with the NIC (pool memory; no dma-buf and
     /// no nvidia-peermem) moves through pinned host bounce buffers (default `true`); `false`
@@ -366,6 +367,27 @@ impl EngineConfig {
                 "handshake_timeout",
                 format!("{:?}", self.handshake_timeout),
                 "1 ms to 10 minutes",
+            );
+        }
+        if !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&self.connect_timeout) {
+            return bad(
+                "connect_timeout",
+                format!("{:?}", self.connect_timeout),
+                "1 ms to 1 h",
+            );
+        }
+        if self.deadline.is_zero() {
+            return bad(
+                "deadline",
+                format!("{:?}", self.deadline),
+                "above 0 (a request without its own deadline would end at once)",
+            );
+        }
+        if self.spin > Duration::from_secs(1) {
+            return bad(
+                "spin",
+                format!("{:?}", self.spin),
+                "at most 1 s (a waiting thread polls for that long)",
             );
         }
         if self.local_only && self.peer_access == PeerAccess::Windows {
@@ -713,6 +735,22 @@ mod tests {
             EngineConfig {
                 peer_access: PeerAccess::Windows,
                 ..EngineConfig::local()
+            },
+            EngineConfig {
+                connect_timeout: Duration::ZERO,
+                ..EngineConfig::local()
+            },
+            EngineConfig {
+                connect_timeout: Duration::from_secs(3601),
+                ..Default::default()
+            },
+            EngineConfig {
+                deadline: Duration::ZERO,
+                ..Default::default()
+            },
+            EngineConfig {
+                spin: Duration::from_secs(2),
+                ..Default::default()
             },
         ];
         for c in bad {

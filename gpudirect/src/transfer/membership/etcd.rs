@@ -42,7 +42,7 @@ const RETRY: Duration = Duration::from_millis(250);
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EtcdConfig {
-    /// The cluster's client endpoints, `host:port` (or `http://host:port`).
+    /// The cluster's client endpoints, `host:port` (or `http://host:port`; no TLS).
     pub endpoints: Vec<String>,
     /// The prefix of every key (default `/gpudirect/v1/`): `/`, then letters, digits, `.`,
     /// `_`, `-` and `/`, ending with `/`, at most 128 bytes.
@@ -97,6 +97,26 @@ impl EtcdConfig {
         }
         if self.endpoints.is_empty() {
             return Err(Error::invalid("endpoints", "none", "at least one endpoint"));
+        }
+        for e in &self.endpoints {
+            if e.starts_with("https://") {
+                return Err(Error::invalid(
+                    "endpoints",
+                    e,
+                    "TLS is not supported by this store: `http://host:port` or `host:port`",
+                ));
+            }
+            let hostport = e.strip_prefix("http://").unwrap_or(e);
+            let port = hostport
+                .rsplit_once(':')
+                .map(|(h, p)| (h, p.parse::<u16>()));
+            if !matches!(port, Some((h, Ok(p))) if !h.is_empty() && p > 0) {
+                return Err(Error::invalid(
+                    "endpoints",
+                    e,
+                    "`host:port` or `http://host:port`, the port given (etcd's clients use 2379)",
+                ));
+            }
         }
         for (what, t) in [
             ("connect_timeout", self.connect_timeout),
@@ -1023,6 +1043,19 @@ mod tests {
             assert!(c.check().is_err() || bad == "/", "{bad:?}");
         }
         assert!(EtcdConfig::new(Vec::<String>::new()).check().is_err());
+        for ok in ["etcd-0:2379", "http://10.0.0.1:2379", "[::1]:2379"] {
+            assert!(EtcdConfig::new([ok]).check().is_ok(), "{ok}");
+        }
+        for bad in [
+            "127.0.0.1",
+            "https://etcd:2379",
+            "etcd:",
+            ":2379",
+            "etcd:0",
+            "etcd:70000",
+        ] {
+            assert!(EtcdConfig::new([bad]).check().is_err(), "{bad}");
+        }
     }
 
     #[test]
