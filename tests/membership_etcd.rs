@@ -788,3 +788,116 @@ fn a_failed_publish_leaves_no_record() {
     println!("{failed} of 8 publishes failed; {ghosts} left a record");
     assert_eq!(ghosts, 0);
 }
+
+/// One record published twice: through one store handle the second is refused; through two
+/// handles (the same node's record) neither puts it back over the other (a record under a
+/// lease with the publication's bytes is held), and when one goes the other puts it back.
+#[test]
+fn a_record_published_twice_is_kept_once() {
+    let addr = etcd!();
+    let (s1, s2) = (store(&addr, "twice"), store(&addr, "twice"));
+    let a = record("a");
+    let p1 = s1.publish(&a).unwrap();
+    assert!(matches!(s1.publish(&a), Err(Error::InvalidArgument { .. })));
+    let p2 = s2.publish(&a).unwrap();
+    let grants = s1.ops().grants + s2.ops().grants;
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        s1.ops().grants + s2.ops().grants,
+        grants,
+        "the two keepers put the record back over each other"
+    );
+    // The one that holds the key goes: the other puts the record back under its lease.
+    drop(p2);
+    assert!(until(TTL * 2, || s1.lookup(&a.name).unwrap() == Some(a.clone())));
+    std::thread::sleep(TTL);
+    assert_eq!(s1.lookup(&a.name).unwrap(), Some(a.clone()));
+    drop(p1);
+    // Refused no more once the first is revoked.
+    let again = s1.publish(&a).unwrap();
+    drop(again);
+    etcdctl(&addr, &["del", "--prefix", &ns("twice")]);
+}
+
+/// A record deleted again and again is put back under the same lease each time: no lease is
+/// granted (and left to expire) per put-back. (Put-backs in quick succession pause, doubling
+/// to a third of the TTL: 1 s here.)
+#[test]
+fn put_backs_grant_no_lease() {
+    let addr = etcd!();
+    let s = store(&addr, "sameleases");
+    let mut a = record("a");
+    a.ttl = Duration::from_secs(3);
+    let p = s.publish(&a).unwrap();
+    let key = s.key_of(&a.name);
+    let (lease, grants) = (p.lease_id(), s.ops().grants);
+    for _ in 0..6 {
+        let before = p.republished();
+        if !etcdctl(&addr, &["del", &key]) {
+            println!("(etcdctl not found: left out)");
+            return;
+        }
+        assert!(until(TTL * 2, || p.republished() > before));
+    }
+    assert_eq!(s.ops().grants, grants);
+    assert_eq!(p.lease_id(), lease);
+    assert_eq!(s.lookup(&a.name).unwrap(), Some(a.clone()));
+    drop(p);
+}
+
+/// Someone puts the publication's own bytes under its own lease, again and again (nothing
+/// changes for any reader): the keep-alives keep their times, the lease never lapses, and no
+/// watcher sees a leave.
+#[test]
+fn puts_that_change_nothing_do_not_delay_keep_alives() {
+    let addr = etcd!();
+    let s = store(&addr, "samebytes");
+    let a = record("a");
+    let p = s.publish(&a).unwrap();
+    let key = s.key_of(&a.name);
+    let bytes = a.to_bytes().unwrap();
+    let mut w = s.watch().unwrap();
+    assert_eq!(next(&mut w, TTL), Some(MemberEvent::Joined(a.clone())));
+    let t0 = Instant::now();
+    let mut left = 0;
+    while t0.elapsed() < TTL * 4 {
+        let lease = format!("--lease={:x}", p.lease_id());
+        if !etcdctl_in(&addr, &["put", &lease, &key], &bytes) {
+            println!("(etcdctl not found: left out)");
+            return;
+        }
+        while let Some(ev) = next(&mut w, Duration::from_millis(300)) {
+            left += matches!(ev, MemberEvent::Left { .. }) as usize;
+        }
+    }
+    drop(p);
+    etcdctl(&addr, &["del", "--prefix", &ns("samebytes")]);
+    assert_eq!(left, 0, "a kept member was seen leaving");
+}
+
+/// A record of another node under no lease is no member's: it does not hold the name against
+/// a publish (which overwrites it), nor against a publication putting its record back.
+#[test]
+fn a_record_under_no_lease_holds_no_name() {
+    let addr = etcd!();
+    let s = store(&addr, "ghostname");
+    let ghost = record("a");
+    let key = s.key_of(&ghost.name);
+    if !etcdctl_in(&addr, &["put", &key], &ghost.to_bytes().unwrap()) {
+        println!("(etcdctl not found: left out)");
+        return;
+    }
+    let mine = record("a");
+    let p = s.publish(&mine).unwrap();
+    assert_eq!(s.lookup(&mine.name).unwrap(), Some(mine.clone()));
+    // Put over it again, under no lease: the publication takes it back.
+    assert!(etcdctl_in(
+        &addr,
+        &["put", &key],
+        &ghost.to_bytes().unwrap()
+    ));
+    assert!(until(TTL * 2, || s.lookup(&mine.name).unwrap()
+        == Some(mine.clone())));
+    drop(p);
+    etcdctl(&addr, &["del", "--prefix", &ns("ghostname")]);
+}

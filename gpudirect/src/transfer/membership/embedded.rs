@@ -270,6 +270,25 @@ impl MetadataStore for EmbeddedStore {
             revoked: AtomicBool::new(false),
         });
         let mut st = self.inner.lock();
+        let name = record.name.as_str();
+        // One publication of a name per store (two of one record would each hold it, and the
+        // one dropped would withdraw the other's).
+        let live = |q: &Arc<Publisher>| !q.revoked.load(Ordering::Relaxed);
+        if st
+            .entries
+            .get(name)
+            .is_some_and(|e| e.node == record.node && live(&e.publisher))
+            || st
+                .lost
+                .get(name)
+                .is_some_and(|q| q.record.node == record.node && live(q))
+        {
+            return Err(Error::invalid(
+                "record",
+                name,
+                "this store publishes the name already: revoke that publication first",
+            ));
+        }
         OpCounters::count(&self.inner.ops.grants);
         OpCounters::count(&self.inner.ops.puts);
         if !st.put(&p) {

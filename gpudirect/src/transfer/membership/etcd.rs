@@ -19,7 +19,7 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
     TxnOpResponse, WatchOptions,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -239,8 +239,21 @@ impl Drop for Runtime {
 struct Inner {
     ctx: Arc<Ctx>,
     config: EtcdConfig,
+    /// The names this store publishes (one publication each: two keepers of one record would
+    /// each put it back under its own lease).
+    published: Mutex<HashSet<String>>,
     // Dropped last: the tasks end with it.
     rt: Runtime,
+}
+
+impl Inner {
+    fn listed(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.published.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unlist(&self, name: &str) {
+        self.listed().remove(name);
+    }
 }
 
 /// A metadata store on etcd (feature `etcd`): see the module's docs for the key layout and
@@ -279,7 +292,12 @@ impl EtcdStore {
             op_timeout: config.op_timeout,
         });
         Ok(EtcdStore {
-            inner: Arc::new(Inner { ctx, config, rt }),
+            inner: Arc::new(Inner {
+                ctx,
+                config,
+                published: Mutex::default(),
+                rt,
+            }),
         })
     }
 
@@ -360,7 +378,9 @@ async fn revoke_left(ctx: &Ctx, id: i64, ttl: Duration) {
 
 /// Put `rec` under lease `id` in a transaction: when the key is absent; when it holds a
 /// record of this node (a lease lost and granted again), under the check that it still holds
-/// the same bytes. Another node's record, or one this library does not read, is refused.
+/// the same bytes; when no lease holds it (no member's, whatever it says: it would never
+/// expire), under the check that it was not written since. Another node's record under a lease
+/// is refused ([`Error::NameTaken`]), as is a value this library does not read under one.
 async fn put_under(
     ctx: &Ctx,
     c: &mut Client,
@@ -368,6 +388,12 @@ async fn put_under(
     bytes: &[u8],
     id: i64,
 ) -> Result<()> {
+    /// What the key held at the last look, and so the transaction's condition.
+    enum Held {
+        Absent,
+        Ours(Vec<u8>),
+        Unleased(i64),
+    }
     let t = ctx.op_timeout;
     let key = ctx.key(rec.name.as_str());
     let put = || {
@@ -377,12 +403,13 @@ async fn put_under(
             Some(PutOptions::new().with_lease(id)),
         )
     };
-    let mut taken = None;
-    for _ in 0..2 {
+    let mut held = Held::Absent;
+    for _ in 0..3 {
         OpCounters::count(&ctx.ops.puts);
-        let cond = match &taken {
-            None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-            Some(old) => Compare::value(key.clone(), CompareOp::Equal, Vec::clone(old)),
+        let cond = match &held {
+            Held::Absent => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            Held::Ours(old) => Compare::value(key.clone(), CompareOp::Equal, old.clone()),
+            Held::Unleased(rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, *rev),
         };
         let txn = Txn::new()
             .when([cond])
@@ -392,26 +419,32 @@ async fn put_under(
         if r.succeeded() {
             return Ok(());
         }
-        let old: Option<Vec<u8>> = r.op_responses().into_iter().find_map(|o| match o {
-            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+        let now = r.op_responses().into_iter().find_map(|o| match o {
+            TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .map(|kv| (kv.value().to_vec(), kv.lease(), kv.mod_revision())),
             _ => None,
         });
-        let Some(old) = old else { continue };
-        match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
-            Ok(o) if o.node == rec.node => taken = Some(old),
-            Ok(o) => {
-                return Err(Error::NameTaken {
-                    name: rec.name.to_string(),
-                    node: o.node.to_string(),
-                });
-            }
-            Err(e) => {
-                return Err(store_err(
-                    "publish",
-                    format!("the key holds a record this library does not read: {e}"),
-                ));
-            }
-        }
+        held = match now {
+            None => Held::Absent,
+            Some((_, 0, rev)) => Held::Unleased(rev),
+            Some((old, _, _)) => match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
+                Ok(o) if o.node == rec.node => Held::Ours(old),
+                Ok(o) => {
+                    return Err(Error::NameTaken {
+                        name: rec.name.to_string(),
+                        node: o.node.to_string(),
+                    });
+                }
+                Err(e) => {
+                    return Err(store_err(
+                        "publish",
+                        format!("the key holds a record this library does not read: {e}"),
+                    ));
+                }
+            },
+        };
     }
     Err(store_err("publish", "the name kept changing hands"))
 }
@@ -427,15 +460,16 @@ struct Kept {
     gate: tokio::sync::Mutex<()>,
 }
 
-/// Whether the key holds `bytes` under lease `id` (and `true` when etcd does not answer:
-/// nothing is known then, and a lost connection is the keep-alive's to find).
-async fn holds(ctx: &Ctx, c: &mut Client, key: &str, id: i64, bytes: &[u8], t: Duration) -> bool {
+/// Whether the key holds `bytes` under a lease (ours, `id`, or another publication's of the
+/// same record); `true` when etcd does not answer: nothing is known then, and a lost
+/// connection is the keep-alive's to find.
+async fn holds(ctx: &Ctx, c: &mut Client, key: &str, bytes: &[u8], t: Duration) -> bool {
     OpCounters::count(&ctx.ops.gets);
     match tokio::time::timeout(t, c.get(key, None)).await {
         Ok(Ok(r)) => r
             .kvs()
             .first()
-            .is_some_and(|kv| kv.lease() == id && kv.value() == bytes),
+            .is_some_and(|kv| kv.lease() != 0 && kv.value() == bytes),
         _ => true,
     }
 }
@@ -451,27 +485,20 @@ enum Own {
 
 impl Own {
     /// Watch `key`, then read it once (a change before the watch began comes as no event):
-    /// `None` when it no longer holds `bytes` under lease `id`.
-    async fn start(
-        ctx: &Ctx,
-        c: &mut Client,
-        key: &str,
-        id: i64,
-        bytes: &[u8],
-        t: Duration,
-    ) -> Option<Own> {
+    /// `None` when it no longer holds `bytes` under a lease.
+    async fn start(ctx: &Ctx, c: &mut Client, key: &str, bytes: &[u8], t: Duration) -> Option<Own> {
         OpCounters::count(&ctx.ops.watches);
         let own = match tokio::time::timeout(t, c.watch(key, None)).await {
             Ok(Ok(s)) => Own::Watching(Box::new(s)),
             _ => Own::Reading,
         };
-        holds(ctx, c, key, id, bytes, t).await.then_some(own)
+        holds(ctx, c, key, bytes, t).await.then_some(own)
     }
 
-    /// The next change to the key: `true` once it no longer holds `bytes` under lease `id`
-    /// (deleted, overwritten, put again without the lease). A broken watch falls back to
+    /// The next change to the key: `true` once it no longer holds `bytes` under a lease
+    /// (deleted, overwritten, put again without one). A broken watch falls back to
     /// [`Own::Reading`] and waits forever (the keep-alive reads instead).
-    async fn changed(&mut self, id: i64, bytes: &[u8]) -> bool {
+    async fn changed(&mut self, bytes: &[u8]) -> bool {
         let Own::Watching(s) = self else {
             return std::future::pending().await;
         };
@@ -480,7 +507,7 @@ impl Own {
                 ev.event_type() == EventType::Delete
                     || ev
                         .kv()
-                        .is_some_and(|kv| kv.lease() != id || kv.value() != bytes)
+                        .is_some_and(|kv| kv.lease() == 0 || kv.value() != bytes)
             }),
             _ => {
                 *self = Own::Reading;
@@ -490,12 +517,23 @@ impl Own {
     }
 }
 
-/// Keep `rec`'s lease alive (a keep-alive every third of its TTL) and its record in place (a
-/// watch on its own key; where that cannot run, the key read back after each keep-alive);
-/// when etcd says the lease is gone, or the key no longer holds the record under it (deleted,
-/// overwritten, put again without the lease), grant another lease and put the record again. A
-/// put that fails is tried again after 250 ms, doubling up to the TTL (every TTL while another
-/// node holds the name). Ends when `stop` says so.
+/// Why a keeper's watch over its lease and key ended.
+enum Ended {
+    /// etcd says the lease is gone.
+    Lost,
+    /// The lease lives, but the key no longer holds the record.
+    Moved,
+    /// The connection broke, or etcd did not answer.
+    Broken,
+}
+
+/// Keep `rec`'s lease alive (a keep-alive every third of its TTL, on a fixed schedule) and
+/// its record in place (a watch of its own key; where that cannot run, the key read back after
+/// each keep-alive). A record deleted, overwritten or put again without a lease is put back
+/// under the same lease (put-backs that follow each other within a third of the TTL pause 250
+/// ms, doubling to that third); a lease that etcd says is gone is granted again and the record
+/// put again (a failed put is tried again after 250 ms, doubling to the TTL; every TTL while
+/// another node holds the name). Ends when `stop` says so.
 async fn keep(
     ctx: Arc<Ctx>,
     rec: MemberRecord,
@@ -507,95 +545,141 @@ async fn keep(
     let t = ctx.op_timeout.min(period);
     let key = ctx.key(rec.name.as_str());
     let mut c = ctx.client.clone();
+    let mut pause = RETRY;
+    let mut last_back: Option<tokio::time::Instant> = None;
     loop {
         let id = kept.lease.load(Ordering::Relaxed);
         // Opening the stream is a keep-alive round trip (at once: after an outage the lease
         // may be near its end); then one every period.
         OpCounters::count(&ctx.ops.keepalives);
-        let lost = match tokio::time::timeout(t, c.lease_keep_alive(id)).await {
+        let ended = match tokio::time::timeout(t, c.lease_keep_alive(id)).await {
             Ok(Ok((mut keeper, mut answers))) => {
-                match Own::start(&ctx, &mut c, &key, id, &bytes, t).await {
-                    // The lease lives on, unused, until it expires.
-                    None => true,
-                    Some(mut own) => loop {
-                        tokio::select! {
-                            _ = stop.changed() => return,
-                            moved = own.changed(id, &bytes) => {
-                                if moved {
-                                    break true;
+                match Own::start(&ctx, &mut c, &key, &bytes, t).await {
+                    None => Ended::Moved,
+                    Some(mut own) => {
+                        // Fixed times: events on the key do not put the keep-alives off.
+                        let mut due = tokio::time::Instant::now() + period;
+                        loop {
+                            tokio::select! {
+                                _ = stop.changed() => return,
+                                moved = own.changed(&bytes) => {
+                                    if moved {
+                                        break Ended::Moved;
+                                    }
+                                    continue;
                                 }
-                                continue;
+                                _ = tokio::time::sleep_until(due) => {}
                             }
-                            _ = tokio::time::sleep(period) => {}
-                        }
-                        OpCounters::count(&ctx.ops.keepalives);
-                        let one = async {
-                            keeper.keep_alive().await?;
-                            answers.message().await
-                        };
-                        match tokio::time::timeout(t, one).await {
-                            Ok(Ok(Some(a))) if a.ttl() > 0 => {
-                                if matches!(own, Own::Reading) {
-                                    match Own::start(&ctx, &mut c, &key, id, &bytes, t).await {
-                                        Some(o) => own = o,
-                                        None => break true,
+                            due = (due + period).max(tokio::time::Instant::now());
+                            OpCounters::count(&ctx.ops.keepalives);
+                            let one = async {
+                                keeper.keep_alive().await?;
+                                answers.message().await
+                            };
+                            match tokio::time::timeout(t, one).await {
+                                Ok(Ok(Some(a))) if a.ttl() > 0 => {
+                                    if matches!(own, Own::Reading) {
+                                        match Own::start(&ctx, &mut c, &key, &bytes, t).await {
+                                            Some(o) => own = o,
+                                            None => break Ended::Moved,
+                                        }
                                     }
                                 }
+                                // etcd answers a TTL of 0 for a lease it does not have.
+                                Ok(Ok(Some(_))) => break Ended::Lost,
+                                _ => break Ended::Broken,
                             }
-                            // etcd answers a TTL of 0 for a lease it does not have.
-                            Ok(Ok(Some(_))) => break true,
-                            // The connection broke or etcd did not answer: the same lease
-                            // again.
-                            _ => break false,
                         }
-                    },
-                }
-            }
-            // The client's name for etcd's TTL of 0 on the stream's first answer.
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) => why.contains("not found"),
-            _ => false,
-        };
-        if !lost {
-            tokio::select! {
-                _ = stop.changed() => return,
-                _ = tokio::time::sleep(RETRY) => {}
-            }
-            continue;
-        }
-        // Published again as soon as etcd takes it (the name may be another node's by then:
-        // then tried again every TTL); never after a revoke.
-        let _gate = kept.gate.lock().await;
-        if *stop.borrow() {
-            return;
-        }
-        let mut wait = RETRY;
-        loop {
-            let mut left = None;
-            let put = put_record(&ctx, &rec, &bytes, &mut left).await;
-            if let Some(id) = left {
-                revoke_left(&ctx, id, rec.ttl).await;
-            }
-            match put {
-                Ok(id) => {
-                    kept.lease.store(id, Ordering::Relaxed);
-                    kept.republished.fetch_add(1, Ordering::Relaxed);
-                    break;
-                }
-                Err(e) => {
-                    let w = if matches!(e, Error::NameTaken { .. }) {
-                        rec.ttl
-                    } else {
-                        wait
-                    };
-                    // Each try is a grant, a transaction and a revoke: a key that holds what
-                    // this library does not read is not tried four times a second.
-                    wait = (wait * 2).min(rec.ttl);
-                    tokio::select! {
-                        _ = stop.changed() => return,
-                        _ = tokio::time::sleep(w) => {}
                     }
                 }
             }
+            // The client's name for etcd's TTL of 0 on the stream's first answer.
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) if why.contains("not found") => {
+                Ended::Lost
+            }
+            _ => Ended::Broken,
+        };
+        let wait = match ended {
+            // The same lease again.
+            Ended::Broken => RETRY,
+            Ended::Moved => {
+                if last_back.is_some_and(|at| at.elapsed() < period) {
+                    tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(period);
+                } else {
+                    pause = RETRY;
+                }
+                // Never after a revoke (the gate: see `Kept`).
+                let gate = kept.gate.lock().await;
+                if *stop.borrow() {
+                    return;
+                }
+                let put = put_under(&ctx, &mut c, &rec, &bytes, id).await;
+                drop(gate);
+                last_back = Some(tokio::time::Instant::now());
+                match put {
+                    Ok(()) => {
+                        kept.republished.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    Err(Error::NameTaken { .. }) => rec.ttl,
+                    Err(_) => pause,
+                }
+            }
+            Ended::Lost => {
+                republish(&ctx, &rec, &bytes, &kept, &mut stop).await;
+                continue;
+            }
+        };
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// A lost lease: grant another and put the record again, as soon as etcd takes it (after 250
+/// ms, doubling to the TTL, when a put fails; every TTL while another node holds the name);
+/// never after a revoke. Returns once it is put, or when `stop` says so.
+async fn republish(
+    ctx: &Ctx,
+    rec: &MemberRecord,
+    bytes: &[u8],
+    kept: &Kept,
+    stop: &mut watch::Receiver<bool>,
+) {
+    let mut wait = RETRY;
+    loop {
+        let gate = kept.gate.lock().await;
+        if *stop.borrow() {
+            return;
+        }
+        let mut left = None;
+        let put = put_record(ctx, rec, bytes, &mut left).await;
+        if let Ok(id) = put {
+            kept.lease.store(id, Ordering::Relaxed);
+            kept.republished.fetch_add(1, Ordering::Relaxed);
+        }
+        // The gate is not held while a lease left by a failed put is revoked again: a revoke
+        // of the publication does not wait for it.
+        drop(gate);
+        if let Some(id) = left {
+            revoke_left(ctx, id, rec.ttl).await;
+        }
+        let w = match put {
+            Ok(_) => return,
+            Err(Error::NameTaken { .. }) => rec.ttl,
+            // Each try is a grant, a transaction and a revoke: a key that holds what this
+            // library does not read is not tried four times a second.
+            Err(_) => wait,
+        };
+        wait = (wait * 2).min(rec.ttl);
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(w) => {}
         }
     }
 }
@@ -604,6 +688,8 @@ struct EtcdLease {
     store: Arc<Inner>,
     kept: Arc<Kept>,
     stop: watch::Sender<bool>,
+    /// The name published (listed in the store's `published` until the revoke).
+    name: String,
 }
 
 impl Lease for EtcdLease {
@@ -617,6 +703,7 @@ impl Lease for EtcdLease {
 
     fn revoke(&self, timeout: Duration) -> Result<()> {
         let _ = self.stop.send(true);
+        self.store.unlist(&self.name);
         let ctx = self.store.ctx.clone();
         OpCounters::count(&ctx.ops.revokes);
         let kept = self.kept.clone();
@@ -922,6 +1009,24 @@ impl MetadataStore for EtcdStore {
 
     fn publish(&self, record: &MemberRecord) -> Result<Publication> {
         let bytes = record.to_bytes()?;
+        let name = record.name.to_string();
+        if !self.inner.listed().insert(name.clone()) {
+            return Err(Error::invalid(
+                "record",
+                name,
+                "this store publishes the name already: revoke that publication first",
+            ));
+        }
+        // Unlisted again unless the publication is made (its revoke unlists it then).
+        struct Listed<'a>(&'a Inner, Option<String>);
+        impl Drop for Listed<'_> {
+            fn drop(&mut self) {
+                if let Some(n) = self.1.take() {
+                    self.0.unlist(&n);
+                }
+            }
+        }
+        let mut listed = Listed(&self.inner, Some(name.clone()));
         let ctx = self.inner.ctx.clone();
         let (rec, b) = (record.clone(), bytes.clone());
         // Whoever sets it first owns the outcome: the task, handing over the lease it put; or
@@ -974,6 +1079,7 @@ impl MetadataStore for EtcdStore {
                 store: self.inner.clone(),
                 kept,
                 stop,
+                name: listed.1.take().unwrap_or(name),
             }),
         ))
     }

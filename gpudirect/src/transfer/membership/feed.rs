@@ -15,7 +15,8 @@ pub(super) const MAX_QUEUED: usize = 1 << 16;
 
 struct State<T> {
     items: VecDeque<T>,
-    /// Items held before the queue overflows: [`MAX_QUEUED`] past the first list.
+    /// Items held before the queue overflows: [`MAX_QUEUED`], and the first list's items not
+    /// yet read.
     room: usize,
     waker: Option<Waker>,
     /// The consumer is gone.
@@ -165,6 +166,8 @@ pub(super) enum Got<T> {
 impl<T> Receiver<T> {
     fn take(st: &mut State<T>) -> Got<T> {
         if let Some(i) = st.items.pop_front() {
+            // The room the first list made goes as it is read.
+            st.room = st.room.saturating_sub(1).max(MAX_QUEUED);
             return Got::Item(i);
         }
         match st.ended.take() {
@@ -261,6 +264,14 @@ mod tests {
         assert!(matches!(rx.recv(Duration::ZERO), Got::Item(0)));
         // Past the first list and MAX_QUEUED more unread: the end.
         assert!(tx.send_all(0..30));
+        assert!(matches!(rx.recv(Duration::ZERO), Got::Ended(_)));
+        // Once the first list is read, the bound is MAX_QUEUED again.
+        let (tx, rx) = channel();
+        assert!(tx.start((0..100).collect()));
+        for _ in 0..100 {
+            assert!(matches!(rx.recv(Duration::ZERO), Got::Item(_)));
+        }
+        assert!(tx.send_all(0..=MAX_QUEUED));
         assert!(matches!(rx.recv(Duration::ZERO), Got::Ended(_)));
     }
 

@@ -126,6 +126,13 @@ impl Peers {
     /// Forget departures older than [`REMEMBER`], and the oldest past [`REMEMBER_MAX`]: at
     /// most once a [`TICK`], not at every event.
     fn prune(&mut self, now: Instant) {
+        // Stale entries (nodes that left again, or came back) behind a front that stays: kept
+        // no more than about twice the map.
+        if self.departures.len() > 2 * self.departed.len() + 1024 {
+            let departed = &self.departed;
+            self.departures
+                .retain(|(at, n)| departed.get(n) == Some(at));
+        }
         if self
             .pruned
             .is_some_and(|t| now.saturating_duration_since(t) < TICK)
@@ -397,41 +404,76 @@ fn due(p: &mut Peers, now: Instant) -> (Vec<(NodeId, Peer)>, Option<Instant>) {
     (gone, next)
 }
 
-/// The tracked peers whose record is gone (or another node's) after a watch ended and a new
-/// one began: the events between the two watches are lost, and the new watch's first list
-/// says only who is there. Looked up one by one, after the new watch listed (a leave after
-/// that comes as its event). `false` when the store did not answer (asked again later).
-fn recheck(shared: &Shared, store: &dyn MetadataStore, now: Instant) -> bool {
-    let tracked: Vec<(SegmentName, NodeId)> = shared
-        .lock()
-        .by_node
-        .iter()
-        .filter(|(_, peer)| peer.leaving.is_none())
-        .map(|(n, peer)| (peer.name.clone(), *n))
-        .collect();
-    let mut gone = Vec::new();
-    for (name, node) in tracked {
-        match store.lookup(&name) {
-            Ok(Some(r)) if r.node == node => {}
-            Ok(_) => gone.push((name, node)),
-            Err(_) => return false,
+/// Lookups of at most this many tracked peers per round of the watching thread (the rest
+/// wait for the next round: events and deadlines are not held up by a long recheck).
+const RECHECK_BATCH: usize = 64;
+
+/// The tracked peers to look up after a watch ended and a new one began: the events between
+/// the two watches are lost, and the new watch's first list says only who is there. Looked up
+/// after the new watch listed (a leave after that comes as its event).
+struct Recheck {
+    pending: Vec<(SegmentName, NodeId)>,
+    /// Not before this (after a store error: a pause that doubles to [`REWATCH_MAX`]).
+    at: Instant,
+    pause: Duration,
+}
+
+impl Recheck {
+    /// Every tracked peer not already leaving.
+    fn of(shared: &Shared, now: Instant) -> Recheck {
+        let pending = shared
+            .lock()
+            .by_node
+            .iter()
+            .filter(|(_, peer)| peer.leaving.is_none())
+            .map(|(n, peer)| (peer.name.clone(), *n))
+            .collect();
+        Recheck {
+            pending,
+            at: now,
+            pause: TICK,
         }
     }
-    let mut p = shared.lock();
-    for (name, node) in gone {
-        apply(&mut p, MemberEvent::Left { name, node }, now);
+
+    /// Look up the next [`RECHECK_BATCH`] peers: one whose record is gone, another node's, or
+    /// not a record this library reads (as a list would leave it out) counts as left. A store
+    /// error puts the rest off. Returns whether every peer was looked up.
+    fn round(&mut self, shared: &Shared, store: &dyn MetadataStore, now: Instant) -> bool {
+        if now < self.at {
+            return false;
+        }
+        let mut gone = Vec::new();
+        for _ in 0..RECHECK_BATCH {
+            let Some((name, node)) = self.pending.pop() else {
+                break;
+            };
+            match store.lookup(&name) {
+                Ok(Some(r)) if r.node == node => {}
+                Err(Error::Store { .. }) => {
+                    self.pending.push((name, node));
+                    self.at = now + self.pause;
+                    self.pause = (self.pause * 2).min(REWATCH_MAX);
+                    break;
+                }
+                _ => gone.push((name, node)),
+            }
+        }
+        let mut p = shared.lock();
+        for (name, node) in gone {
+            apply(&mut p, MemberEvent::Left { name, node }, now);
+        }
+        self.pending.is_empty()
     }
-    true
 }
 
 /// The watching thread: events in, endpoints of departed peers ended (outside the lock). A
 /// watch that ends (its events left unread past its queue) is watched again after a pause
 /// that doubles, from [`TICK`] to [`REWATCH_MAX`], while watches keep ending, and the tracked
-/// peers are looked up ([`recheck`]).
+/// peers are looked up ([`Recheck`]).
 fn watch_loop(shared: &Shared, store: &dyn MetadataStore, mut watch: MemberWatch) {
     let mut next: Option<Instant> = None;
     let mut pause = TICK;
-    let mut stale = false;
+    let mut recheck: Option<Recheck> = None;
     while !shared.stop.load(Ordering::Relaxed) {
         let wait = next
             .map(|t| t.saturating_duration_since(Instant::now()))
@@ -449,12 +491,14 @@ fn watch_loop(shared: &Shared, store: &dyn MetadataStore, mut watch: MemberWatch
                 pause = (pause * 2).min(REWATCH_MAX);
                 if let Ok(w) = store.watch() {
                     watch = w;
-                    stale = true;
+                    recheck = Some(Recheck::of(shared, Instant::now()));
                 }
             }
         }
-        if stale {
-            stale = !recheck(shared, store, Instant::now());
+        if let Some(r) = &mut recheck
+            && r.round(shared, store, Instant::now())
+        {
+            recheck = None;
         }
         let (gone, n) = due(&mut shared.lock(), Instant::now());
         next = n;
@@ -588,6 +632,51 @@ mod tests {
         }
         assert!(wait_for(&probe, Duration::from_secs(5)).is_some());
         assert_eq!(probe.0.0.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_peer_whose_name_turned_unreadable_while_the_watch_overflowed_ends() {
+        let store = EmbeddedStore::new();
+        let mut rec = sample("peer");
+        rec.ttl = Duration::from_secs(1);
+        let p = store.publish(&rec).unwrap();
+        let me = roster(&store);
+        let probe = Probe::default();
+        me.track(&rec, Box::new(probe.clone()));
+        {
+            let _held = me.shared.lock();
+            for i in 0..=super::super::feed::MAX_QUEUED / 2 {
+                drop(store.publish(&sample(&format!("churn-{i}"))).unwrap());
+            }
+            drop(p);
+            // Another format version under the name now: no record this library reads.
+            store.put_raw("peer", b"gpudirect-member/2\nname=peer\n");
+        }
+        let gets = store.ops().gets;
+        assert!(wait_for(&probe, Duration::from_secs(5)).is_some());
+        // Looked up once, not at every round.
+        assert_eq!(store.ops().gets - gets, 1);
+    }
+
+    #[test]
+    fn stale_departures_stay_within_a_bound() {
+        let mut p = Peers::default();
+        let t0 = Instant::now();
+        let (a, b) = (NodeId::random().unwrap(), NodeId::random().unwrap());
+        // One node gone at the front; another leaving and coming back behind it.
+        p.depart(a, t0);
+        for i in 0..(4 * REMEMBER_MAX) {
+            let at = t0 + Duration::from_millis(i as u64);
+            p.depart(b, at);
+            p.departed.remove(&b);
+            p.prune(at);
+        }
+        assert_eq!(p.departed.len(), 1);
+        assert!(
+            p.departures.len() <= 2 * p.departed.len() + 1025,
+            "{}",
+            p.departures.len()
+        );
     }
 
     #[test]
