@@ -214,7 +214,9 @@ impl Engine {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a name or advertised
-    /// address that breaks its rule, more addresses than rails, a second name, another store;
+    /// address that breaks its rule, more addresses than rails, a second name (or one being
+    /// published on another thread), another store, an [`unpublish`](Self::unpublish) while it
+    /// was under way (what it made is withdrawn);
     /// [`Error::NameTaken`](crate::Error::NameTaken) when another live node holds `name`;
     /// [`Error::Store`](crate::Error::Store) when the store cannot be reached.
     pub fn publish_as<S: MetadataStore + Clone>(
@@ -233,7 +235,8 @@ impl Engine {
     }
 
     /// Withdraw the engine's name (peers watching see it leave), waiting at most a second for
-    /// the store.
+    /// the store. A [`publish_as`](Self::publish_as) under way on another thread withdraws
+    /// what it made as soon as the store answers it, and fails.
     ///
     /// # Errors
     ///

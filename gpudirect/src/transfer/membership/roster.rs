@@ -173,6 +173,8 @@ struct State {
     own: Option<Publication>,
     /// A publish is under way (outside the lock): another is refused, as once `own` is set.
     publishing: bool,
+    /// An unpublish came while a publish was under way: that publish withdraws what it made.
+    withdraw: bool,
     node: Option<NodeId>,
     watcher: Option<JoinHandle<()>>,
 }
@@ -293,12 +295,27 @@ impl Roster {
         struct Done<'a>(&'a Roster);
         impl Drop for Done<'_> {
             fn drop(&mut self) {
-                self.0.lock().publishing = false;
+                let mut st = self.0.lock();
+                st.publishing = false;
+                st.withdraw = false;
             }
         }
         let done = Done(self);
         let p = store.publish(rec)?;
-        self.lock().own = Some(p);
+        let mut st = self.lock();
+        if st.withdraw {
+            drop(st);
+            drop(done);
+            // Withdrawn as an unpublish would (dropping it revokes it).
+            drop(p);
+            return Err(Error::invalid(
+                "segment name",
+                rec.name.as_str(),
+                "unpublished while it was being published",
+            ));
+        }
+        st.own = Some(p);
+        drop(st);
         drop(done);
         Ok(())
     }
@@ -308,13 +325,21 @@ impl Roster {
         self.lock().own.as_ref().map(|p| p.record().clone())
     }
 
-    /// Withdraw the published record (peers see it leave).
+    /// Withdraw the published record (peers see it leave). A publish under way on another
+    /// thread withdraws what it made as soon as the store answers it (and fails).
     ///
     /// # Errors
     ///
     /// As [`Publication::revoke`].
     pub(crate) fn unpublish(&self, timeout: Duration) -> Result<()> {
-        let own = self.lock().own.take();
+        let own = {
+            let mut st = self.lock();
+            if st.publishing {
+                st.withdraw = true;
+                return Ok(());
+            }
+            st.own.take()
+        };
         own.map_or(Ok(()), |p| p.revoke(timeout))
     }
 
@@ -697,6 +722,59 @@ mod tests {
         // And all of them once REMEMBER has passed.
         p.prune(t0 + REMEMBER + Duration::from_secs(3));
         assert!(p.departed.is_empty() && p.departures.is_empty());
+    }
+
+    /// The embedded store, its publishes taking 200 ms.
+    #[derive(Clone)]
+    struct Slow(EmbeddedStore);
+
+    impl MetadataStore for Slow {
+        fn kind(&self) -> &'static str {
+            "slow"
+        }
+        fn publish(&self, r: &MemberRecord) -> Result<Publication> {
+            std::thread::sleep(Duration::from_millis(200));
+            self.0.publish(r)
+        }
+        fn lookup(&self, n: &SegmentName) -> Result<Option<MemberRecord>> {
+            self.0.lookup(n)
+        }
+        fn members(&self) -> Result<Vec<MemberRecord>> {
+            self.0.members()
+        }
+        fn watch(&self) -> Result<MemberWatch> {
+            self.0.watch()
+        }
+        fn ops(&self) -> super::super::store::StoreOps {
+            self.0.ops()
+        }
+        fn instance(&self) -> usize {
+            self.0.instance()
+        }
+    }
+
+    #[test]
+    fn an_unpublish_during_a_publish_withdraws_it() {
+        let store = Slow(EmbeddedStore::new());
+        let r = Arc::new(Roster::default());
+        let s = store.clone();
+        r.attach(s.instance(), move || Arc::new(s)).unwrap();
+        let mut rec = sample("me");
+        rec.node = r.node().unwrap();
+        let (r2, rec2) = (r.clone(), rec.clone());
+        let publishing = std::thread::spawn(move || r2.publish(&rec2));
+        std::thread::sleep(Duration::from_millis(50));
+        r.unpublish(Duration::from_secs(1)).unwrap();
+        // The publish withdraws what it made, and says so.
+        assert!(matches!(
+            publishing.join().unwrap(),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert_eq!(r.published(), None);
+        assert_eq!(store.lookup(&rec.name).unwrap(), None);
+        // And the name can be published again.
+        r.publish(&rec).unwrap();
+        assert_eq!(store.lookup(&rec.name).unwrap(), Some(rec.clone()));
     }
 
     #[test]
