@@ -241,17 +241,17 @@ struct Inner {
     config: EtcdConfig,
     /// The names this store publishes (one publication each: two keepers of one record would
     /// each put it back under its own lease).
-    published: Mutex<HashSet<String>>,
+    published: Mutex<HashSet<(String, NodeId)>>,
     // Dropped last: the tasks end with it.
     rt: Runtime,
 }
 
 impl Inner {
-    fn listed(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    fn listed(&self) -> std::sync::MutexGuard<'_, HashSet<(String, NodeId)>> {
         self.published.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn unlist(&self, name: &str) {
+    fn unlist(&self, name: &(String, NodeId)) {
         self.listed().remove(name);
     }
 }
@@ -411,42 +411,73 @@ async fn put_under(
             Held::Ours(old) => Compare::value(key.clone(), CompareOp::Equal, old.clone()),
             Held::Unleased(rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, *rev),
         };
+        // What holds the key, without its value (which may be too large to decode)...
         let txn = Txn::new()
             .when([cond])
             .and_then([put()])
-            .or_else([TxnOp::get(key.clone(), None)]);
+            .or_else([TxnOp::get(
+                key.clone(),
+                Some(GetOptions::new().with_keys_only()),
+            )]);
         let r = bounded("publish", t, c.txn(txn)).await?;
         if r.succeeded() {
             return Ok(());
         }
         let now = r.op_responses().into_iter().find_map(|o| match o {
-            TxnOpResponse::Get(g) => g
-                .kvs()
-                .first()
-                .map(|kv| (kv.value().to_vec(), kv.lease(), kv.mod_revision())),
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.lease(), kv.mod_revision())),
             _ => None,
         });
         held = match now {
             None => Held::Absent,
-            Some((_, 0, rev)) => Held::Unleased(rev),
-            Some((old, _, _)) => match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
-                Ok(o) if o.node == rec.node => Held::Ours(old),
-                Ok(o) => {
-                    return Err(Error::NameTaken {
-                        name: rec.name.to_string(),
-                        node: o.node.to_string(),
-                    });
-                }
-                Err(e) => {
-                    return Err(store_err(
-                        "publish",
-                        format!("the key holds a record this library does not read: {e}"),
-                    ));
-                }
+            Some((0, rev)) => Held::Unleased(rev),
+            // ... and, under a lease, its value (at most a record's size is read).
+            Some((_, rev)) => match leased_value(ctx, c, &key, rev).await? {
+                None => continue,
+                Some(old) => match MemberRecord::from_bytes_at(rec.name.as_str(), &old) {
+                    Ok(o) if o.node == rec.node => Held::Ours(old),
+                    Ok(o) => {
+                        return Err(Error::NameTaken {
+                            name: rec.name.to_string(),
+                            node: o.node.to_string(),
+                        });
+                    }
+                    Err(e) => {
+                        return Err(store_err(
+                            "publish",
+                            format!("the key holds a record this library does not read: {e}"),
+                        ));
+                    }
+                },
             },
         };
     }
     Err(store_err("publish", "the name kept changing hands"))
+}
+
+/// The value of `key` at revision `rev` (`None` when it changed since), refused when larger
+/// than a record can be.
+async fn leased_value(ctx: &Ctx, c: &mut Client, key: &str, rev: i64) -> Result<Option<Vec<u8>>> {
+    let mut kv = c.kv_client().max_decoding_message_size(PAGE_BYTES);
+    let r = match tokio::time::timeout(ctx.op_timeout, kv.get(key, None)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) if too_large(&e) => {
+            return Err(store_err(
+                "publish",
+                "the key holds a value larger than any record, under a lease",
+            ));
+        }
+        Ok(Err(e)) => return Err(store_err("publish", e)),
+        Err(_) => {
+            return Err(store_err(
+                "publish",
+                format!("no answer within {:?}", ctx.op_timeout),
+            ));
+        }
+    };
+    Ok(r.kvs()
+        .first()
+        .filter(|kv| kv.mod_revision() == rev)
+        .map(|kv| kv.value().to_vec()))
 }
 
 /// What a publication's keeper shares with its [`EtcdLease`].
@@ -460,17 +491,18 @@ struct Kept {
     gate: tokio::sync::Mutex<()>,
 }
 
-/// Whether the key holds `bytes` under a lease (ours, `id`, or another publication's of the
-/// same record); `true` when etcd does not answer: nothing is known then, and a lost
-/// connection is the keep-alive's to find.
-async fn holds(ctx: &Ctx, c: &mut Client, key: &str, bytes: &[u8], t: Duration) -> bool {
+/// Whether the key holds `bytes` under a lease (ours, or another publication's of the same
+/// record): asked as a transaction's comparison, so that no value is read back (one too large
+/// to decode says "not held" like any other); `None` when etcd did not answer.
+async fn holds(ctx: &Ctx, c: &mut Client, key: &str, bytes: &[u8], t: Duration) -> Option<bool> {
     OpCounters::count(&ctx.ops.gets);
-    match tokio::time::timeout(t, c.get(key, None)).await {
-        Ok(Ok(r)) => r
-            .kvs()
-            .first()
-            .is_some_and(|kv| kv.lease() != 0 && kv.value() == bytes),
-        _ => true,
+    let txn = Txn::new().when([
+        Compare::value(key, CompareOp::Equal, bytes.to_vec()),
+        Compare::lease(key, CompareOp::NotEqual, 0),
+    ]);
+    match tokio::time::timeout(t, c.txn(txn)).await {
+        Ok(Ok(r)) => Some(r.succeeded()),
+        _ => None,
     }
 }
 
@@ -484,15 +516,21 @@ enum Own {
 }
 
 impl Own {
-    /// Watch `key`, then read it once (a change before the watch began comes as no event):
-    /// `None` when it no longer holds `bytes` under a lease.
+    /// Watch `key`, then ask once whether it holds the record (a change before the watch
+    /// began comes as no event): `None` when it no longer holds `bytes` under a lease. When
+    /// etcd did not answer that, the watch is not trusted: [`Own::Reading`], asked again at the
+    /// next keep-alive.
     async fn start(ctx: &Ctx, c: &mut Client, key: &str, bytes: &[u8], t: Duration) -> Option<Own> {
         OpCounters::count(&ctx.ops.watches);
         let own = match tokio::time::timeout(t, c.watch(key, None)).await {
             Ok(Ok(s)) => Own::Watching(Box::new(s)),
             _ => Own::Reading,
         };
-        holds(ctx, c, key, bytes, t).await.then_some(own)
+        match holds(ctx, c, key, bytes, t).await {
+            Some(true) => Some(own),
+            Some(false) => None,
+            None => Some(Own::Reading),
+        }
     }
 
     /// The next change to the key: `true` once it no longer holds `bytes` under a lease
@@ -528,11 +566,12 @@ enum Ended {
 }
 
 /// Keep `rec`'s lease alive (a keep-alive every third of its TTL, on a fixed schedule) and
-/// its record in place (a watch of its own key; where that cannot run, the key read back after
-/// each keep-alive). A record deleted, overwritten or put again without a lease is put back
-/// under the same lease (put-backs that follow each other within a third of the TTL pause 250
-/// ms, doubling to that third); a lease that etcd says is gone is granted again and the record
-/// put again (a failed put is tried again after 250 ms, doubling to the TTL; every TTL while
+/// its record in place (a watch of its own key; where that cannot run, the key asked about
+/// after each keep-alive). A record deleted, overwritten or put again without a lease is put
+/// back under the same lease (put-backs that follow each other within a third of the TTL pause
+/// 250 ms, doubling to that third; another node's record under a lease there: asked again
+/// every third of the TTL); a lease that etcd says is gone is granted again and the record put
+/// again (a failed put is tried again after 250 ms, doubling to the TTL; every TTL while
 /// another node holds the name). Ends when `stop` says so.
 async fn keep(
     ctx: Arc<Ctx>,
@@ -625,7 +664,8 @@ async fn keep(
                         kept.republished.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
-                    Err(Error::NameTaken { .. }) => rec.ttl,
+                    // Asked again a third of the TTL later, the lease kept alive meanwhile.
+                    Err(Error::NameTaken { .. }) => period,
                     Err(_) => pause,
                 }
             }
@@ -688,8 +728,8 @@ struct EtcdLease {
     store: Arc<Inner>,
     kept: Arc<Kept>,
     stop: watch::Sender<bool>,
-    /// The name published (listed in the store's `published` until the revoke).
-    name: String,
+    /// The name and node published (listed in the store's `published` until the revoke).
+    name: (String, NodeId),
 }
 
 impl Lease for EtcdLease {
@@ -1009,16 +1049,17 @@ impl MetadataStore for EtcdStore {
 
     fn publish(&self, record: &MemberRecord) -> Result<Publication> {
         let bytes = record.to_bytes()?;
-        let name = record.name.to_string();
+        let name = (record.name.to_string(), record.node);
         if !self.inner.listed().insert(name.clone()) {
             return Err(Error::invalid(
                 "record",
-                name,
-                "this store publishes the name already: revoke that publication first",
+                name.0,
+                "this store publishes the name already, for this node: revoke that publication \
+                 first",
             ));
         }
         // Unlisted again unless the publication is made (its revoke unlists it then).
-        struct Listed<'a>(&'a Inner, Option<String>);
+        struct Listed<'a>(&'a Inner, Option<(String, NodeId)>);
         impl Drop for Listed<'_> {
             fn drop(&mut self) {
                 if let Some(n) = self.1.take() {
@@ -1090,8 +1131,25 @@ impl MetadataStore for EtcdStore {
         let n = name.clone();
         OpCounters::count(&ctx.ops.gets);
         self.wait("lookup", async move {
-            let mut c = ctx.client.clone();
-            let r = bounded("lookup", ctx.op_timeout, c.get(key, None)).await?;
+            let mut kv = ctx.client.kv_client().max_decoding_message_size(PAGE_BYTES);
+            let r = match tokio::time::timeout(ctx.op_timeout, kv.get(key, None)).await {
+                Ok(Ok(r)) => r,
+                // No record is that large: not a store that failed, a value that is no record.
+                Ok(Err(e)) if too_large(&e) => {
+                    return Err(Error::invalid(
+                        "record",
+                        n.as_str(),
+                        "the key holds a value larger than any record",
+                    ));
+                }
+                Ok(Err(e)) => return Err(store_err("lookup", e)),
+                Err(_) => {
+                    return Err(store_err(
+                        "lookup",
+                        format!("no answer within {:?}", ctx.op_timeout),
+                    ));
+                }
+            };
             // A valid record under no lease is no live member's (nothing would ever expire
             // it); one that is not valid says why.
             let found = r.kvs().first().map(|kv| {

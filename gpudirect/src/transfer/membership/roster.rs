@@ -305,9 +305,10 @@ impl Roster {
         let mut st = self.lock();
         if st.withdraw {
             drop(st);
-            drop(done);
-            // Withdrawn as an unpublish would (dropping it revokes it).
+            // Withdrawn as an unpublish would (dropping it revokes it), before the mark goes:
+            // a publish or unpublish meanwhile still sees this one under way.
             drop(p);
+            drop(done);
             return Err(Error::invalid(
                 "segment name",
                 rec.name.as_str(),
@@ -475,7 +476,8 @@ impl Recheck {
             match store.lookup(&name) {
                 Ok(Some(r)) if r.node == node => {}
                 Err(Error::Store { .. }) => {
-                    self.pending.push((name, node));
+                    // Last in line (the next round starts with the others), after a pause.
+                    self.pending.insert(0, (name, node));
                     self.at = now + self.pause;
                     self.pause = (self.pause * 2).min(REWATCH_MAX);
                     break;
@@ -724,7 +726,8 @@ mod tests {
         assert!(p.departed.is_empty() && p.departures.is_empty());
     }
 
-    /// The embedded store, its publishes taking 200 ms.
+    /// The embedded store, its publishes taking 200 ms, its lookups of the name "bad" failing
+    /// as a store that cannot be reached.
     #[derive(Clone)]
     struct Slow(EmbeddedStore);
 
@@ -737,6 +740,13 @@ mod tests {
             self.0.publish(r)
         }
         fn lookup(&self, n: &SegmentName) -> Result<Option<MemberRecord>> {
+            if n.as_str() == "bad" {
+                return Err(Error::Store {
+                    store: "slow",
+                    op: "lookup",
+                    reason: "no answer".into(),
+                });
+            }
             self.0.lookup(n)
         }
         fn members(&self) -> Result<Vec<MemberRecord>> {
@@ -775,6 +785,36 @@ mod tests {
         // And the name can be published again.
         r.publish(&rec).unwrap();
         assert_eq!(store.lookup(&rec.name).unwrap(), Some(rec.clone()));
+    }
+
+    #[test]
+    fn one_failing_lookup_does_not_hold_up_the_others() {
+        let store = Slow(EmbeddedStore::new());
+        let me = Roster::default();
+        let s = store.clone();
+        me.attach(s.instance(), move || Arc::new(s)).unwrap();
+        let (mut pubs, mut probes) = (Vec::new(), Vec::new());
+        for name in std::iter::once("bad".to_string()).chain((0..16).map(|i| format!("p{i}"))) {
+            let mut rec = sample(&name);
+            rec.ttl = Duration::from_secs(1);
+            pubs.push(store.0.publish(&rec).unwrap());
+            let probe = Probe::default();
+            me.track(&rec, Box::new(probe.clone()));
+            if name != "bad" {
+                probes.push(probe);
+            }
+        }
+        {
+            // All of them leave while the watch overflows.
+            let _held = me.shared.lock();
+            for i in 0..=super::super::feed::MAX_QUEUED / 2 {
+                drop(store.0.publish(&sample(&format!("churn-{i}"))).unwrap());
+            }
+            pubs.clear();
+        }
+        for p in &probes {
+            assert!(wait_for(p, Duration::from_secs(8)).is_some());
+        }
     }
 
     #[test]
