@@ -456,28 +456,37 @@ async fn put_under(
 
 /// The value of `key` at revision `rev` (`None` when it changed since), refused when larger
 /// than a record can be.
-async fn leased_value(ctx: &Ctx, c: &mut Client, key: &str, rev: i64) -> Result<Option<Vec<u8>>> {
-    let mut kv = c.kv_client().max_decoding_message_size(PAGE_BYTES);
-    let r = match tokio::time::timeout(ctx.op_timeout, kv.get(key, None)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) if too_large(&e) => {
-            return Err(store_err(
-                "publish",
-                "the key holds a value larger than any record, under a lease",
-            ));
-        }
-        Ok(Err(e)) => return Err(store_err("publish", e)),
-        Err(_) => {
-            return Err(store_err(
-                "publish",
-                format!("no answer within {:?}", ctx.op_timeout),
-            ));
-        }
+async fn leased_value(ctx: &Ctx, c: &Client, key: &str, rev: i64) -> Result<Option<Vec<u8>>> {
+    let Some(r) = get_one(ctx, c, "publish", key).await? else {
+        return Err(store_err(
+            "publish",
+            "the key holds a value larger than any record, under a lease",
+        ));
     };
     Ok(r.kvs()
         .first()
         .filter(|kv| kv.mod_revision() == rev)
         .map(|kv| kv.value().to_vec()))
+}
+
+/// `key` read with a list page's decode limit, bounded by the op timeout; `None` when its
+/// value is larger even than that (no record is).
+async fn get_one(
+    ctx: &Ctx,
+    c: &Client,
+    op: &'static str,
+    key: &str,
+) -> Result<Option<etcd_client::GetResponse>> {
+    let mut kv = c.kv_client().max_decoding_message_size(PAGE_BYTES);
+    match tokio::time::timeout(ctx.op_timeout, kv.get(key, None)).await {
+        Ok(Ok(r)) => Ok(Some(r)),
+        Ok(Err(e)) if too_large(&e) => Ok(None),
+        Ok(Err(e)) => Err(store_err(op, e)),
+        Err(_) => Err(store_err(
+            op,
+            format!("no answer within {:?}", ctx.op_timeout),
+        )),
+    }
 }
 
 /// What a publication's keeper shares with its [`EtcdLease`].
@@ -1131,24 +1140,13 @@ impl MetadataStore for EtcdStore {
         let n = name.clone();
         OpCounters::count(&ctx.ops.gets);
         self.wait("lookup", async move {
-            let mut kv = ctx.client.kv_client().max_decoding_message_size(PAGE_BYTES);
-            let r = match tokio::time::timeout(ctx.op_timeout, kv.get(key, None)).await {
-                Ok(Ok(r)) => r,
-                // No record is that large: not a store that failed, a value that is no record.
-                Ok(Err(e)) if too_large(&e) => {
-                    return Err(Error::invalid(
-                        "record",
-                        n.as_str(),
-                        "the key holds a value larger than any record",
-                    ));
-                }
-                Ok(Err(e)) => return Err(store_err("lookup", e)),
-                Err(_) => {
-                    return Err(store_err(
-                        "lookup",
-                        format!("no answer within {:?}", ctx.op_timeout),
-                    ));
-                }
+            // No record is that large: not a store that failed, a value that is no record.
+            let Some(r) = get_one(&ctx, &ctx.client, "lookup", &key).await? else {
+                return Err(Error::invalid(
+                    "record",
+                    n.as_str(),
+                    "the key holds a value larger than any record",
+                ));
             };
             // A valid record under no lease is no live member's (nothing would ever expire
             // it); one that is not valid says why.
