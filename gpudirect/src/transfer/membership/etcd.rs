@@ -357,7 +357,7 @@ async fn revoked(ctx: &Ctx, c: &mut Client, id: i64) -> bool {
     OpCounters::count(&ctx.ops.revokes);
     match tokio::time::timeout(ctx.op_timeout, c.lease_revoke(id)).await {
         Ok(Ok(_)) => true,
-        Ok(Err(e)) => e.to_string().contains("lease not found"),
+        Ok(Err(e)) => lease_not_found(&e),
         Err(_) => false,
     }
 }
@@ -764,7 +764,7 @@ impl Lease for EtcdLease {
                 Ok(Ok(_)) => Ok(()),
                 // Expired or revoked already (lost while its keeper waited to publish
                 // again): the record went with it.
-                Ok(Err(e)) if e.to_string().contains("lease not found") => Ok(()),
+                Ok(Err(e)) if lease_not_found(&e) => Ok(()),
                 Ok(Err(e)) => Err(store_err("lease revoke", e)),
                 Err(_) => Err(store_err(
                     "lease revoke",
@@ -789,6 +789,11 @@ struct Listed {
 /// answers OUT_OF_RANGE for a compacted revision too, so the code alone does not tell).
 fn too_large(e: &etcd_client::Error) -> bool {
     matches!(e, etcd_client::Error::GRpcStatus(s) if s.message().contains("message length too large"))
+}
+
+/// Whether etcd answered that it has no such lease (expired, or revoked already).
+fn lease_not_found(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("lease not found")
 }
 
 /// Every valid record under the prefix (pages of up to [`PAGE`] at one revision, at most
@@ -1068,15 +1073,15 @@ impl MetadataStore for EtcdStore {
             ));
         }
         // Unlisted again unless the publication is made (its revoke unlists it then).
-        struct Listed<'a>(&'a Inner, Option<(String, NodeId)>);
-        impl Drop for Listed<'_> {
+        struct Unlist<'a>(&'a Inner, Option<(String, NodeId)>);
+        impl Drop for Unlist<'_> {
             fn drop(&mut self) {
                 if let Some(n) = self.1.take() {
                     self.0.unlist(&n);
                 }
             }
         }
-        let mut listed = Listed(&self.inner, Some(name.clone()));
+        let mut unlist = Unlist(&self.inner, Some(name.clone()));
         let ctx = self.inner.ctx.clone();
         let (rec, b) = (record.clone(), bytes.clone());
         // Whoever sets it first owns the outcome: the task, handing over the lease it put; or
@@ -1129,7 +1134,7 @@ impl MetadataStore for EtcdStore {
                 store: self.inner.clone(),
                 kept,
                 stop,
-                name: listed.1.take().unwrap_or(name),
+                name: unlist.1.take().unwrap_or(name),
             }),
         ))
     }

@@ -438,7 +438,7 @@ const RECHECK_BATCH: usize = 64;
 /// the two watches are lost, and the new watch's first list says only who is there. Looked up
 /// after the new watch listed (a leave after that comes as its event).
 struct Recheck {
-    pending: Vec<(SegmentName, NodeId)>,
+    pending: VecDeque<(SegmentName, NodeId)>,
     /// Not before this (after a store error: a pause that doubles to [`REWATCH_MAX`]).
     at: Instant,
     pause: Duration,
@@ -470,14 +470,14 @@ impl Recheck {
         }
         let mut gone = Vec::new();
         for _ in 0..RECHECK_BATCH {
-            let Some((name, node)) = self.pending.pop() else {
+            let Some((name, node)) = self.pending.pop_front() else {
                 break;
             };
             match store.lookup(&name) {
                 Ok(Some(r)) if r.node == node => {}
                 Err(Error::Store { .. }) => {
                     // Last in line (the next round starts with the others), after a pause.
-                    self.pending.insert(0, (name, node));
+                    self.pending.push_back((name, node));
                     self.at = now + self.pause;
                     self.pause = (self.pause * 2).min(REWATCH_MAX);
                     break;
@@ -639,6 +639,14 @@ mod tests {
         assert!(wait_for(&probe, Duration::from_secs(2)).is_some());
     }
 
+    /// Other members come and go, one more than half of what a watch holds unread each: a
+    /// watch not read meanwhile ends.
+    fn churn(store: &EmbeddedStore) {
+        for i in 0..=super::super::feed::MAX_QUEUED / 2 {
+            drop(store.publish(&sample(&format!("churn-{i}"))).unwrap());
+        }
+    }
+
     /// A tracked peer (TTL 1 s) that leaves while the watching thread is held up (here on its
     /// lock) and other members come and go past what its watch holds unread: the watch ends.
     /// `then` runs before the thread goes on.
@@ -652,9 +660,7 @@ mod tests {
         me.track(&rec, Box::new(probe.clone()));
         {
             let _held = me.shared.lock();
-            for i in 0..=super::super::feed::MAX_QUEUED / 2 {
-                drop(store.publish(&sample(&format!("churn-{i}"))).unwrap());
-            }
+            churn(&store);
             drop(p);
             then(&store);
         }
@@ -807,9 +813,7 @@ mod tests {
         {
             // All of them leave while the watch overflows.
             let _held = me.shared.lock();
-            for i in 0..=super::super::feed::MAX_QUEUED / 2 {
-                drop(store.0.publish(&sample(&format!("churn-{i}"))).unwrap());
-            }
+            churn(&store.0);
             pubs.clear();
         }
         for p in &probes {
