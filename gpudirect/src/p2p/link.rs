@@ -197,16 +197,20 @@ pub(crate) fn ordinal_of_bus_id(bus: &str) -> Result<Option<usize>> {
     Ok(None)
 }
 
-/// A PCI address as `(domain, bus, device)`, parsed from `dddd:bb:dd.f` or `dddddddd:bb:dd.f`.
+/// A PCI address as `(domain, bus, device)`, parsed from `dddd:bb:dd.f` or `dddddddd:bb:dd.f`
+/// (a peer's word too: every field hex digits, nothing after the function).
 pub(crate) fn parse_bus_id(s: &str) -> Option<(u32, u32, u32)> {
-    let mut parts = s.trim().split(':');
-    let (dom, bus, rest) = (parts.next()?, parts.next()?, parts.next()?);
-    let dev = rest.split('.').next()?;
-    Some((
-        u32::from_str_radix(dom, 16).ok()?,
-        u32::from_str_radix(bus, 16).ok()?,
-        u32::from_str_radix(dev, 16).ok()?,
-    ))
+    // Digits only: `from_str_radix` would also take a sign ("+19").
+    let hex = |p: &str| {
+        (!p.is_empty() && p.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(p, 16).ok())
+            .flatten()
+    };
+    let (dom, rest) = s.trim().split_once(':')?;
+    let (bus, rest) = rest.split_once(':')?;
+    let (dev, func) = rest.split_once('.')?;
+    hex(func)?;
+    Some((hex(dom)?, hex(bus)?, hex(dev)?))
 }
 
 /// Per device: NVML's view of its active links.

@@ -238,4 +238,102 @@ mod tests {
         let h = IpcMemHandle::from_parts([1; 64], 0, 16, 4, 0, Some("x".into()));
         assert!(h.check(4).is_err());
     }
+
+    #[test]
+    fn a_peers_pci_address_is_hex_digits_and_nothing_more() {
+        // `from_str_radix` takes a sign ("+19"); a fourth field, or a function that is missing
+        // or no digit, went unread.
+        for bad in [
+            "+000:19:00.0",
+            "0000:+19:00.0",
+            "0000:19:+0.0",
+            "0000:19:00.+0",
+            "0000:19:00.0:7",
+            "0000:19:00",
+            "0000:19:00.",
+            "0000:19:00.z",
+            "0000::00.0",
+        ] {
+            assert!(check_bus_id(Some(bad)).is_err(), "{bad:?}");
+        }
+    }
+
+    use proptest::prelude::*;
+
+    /// Whether `s` is `hex:hex:hex.hex`, every field 1 or more hex digits of a u32.
+    fn pci_shape(s: &str) -> bool {
+        let field = |p: &str| {
+            !p.is_empty()
+                && p.bytes().all(|b| b.is_ascii_hexdigit())
+                && u64::from_str_radix(p, 16).is_ok_and(|v| v <= u32::MAX as u64)
+        };
+        let f: Vec<&str> = s.split(':').collect();
+        f.len() == 3
+            && field(f[0])
+            && field(f[1])
+            && f[2]
+                .split_once('.')
+                .is_some_and(|(d, x)| field(d) && field(x))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any 64 bytes read back from their hex digits exactly (either case); one character
+        /// changed reads as the new digit or is refused; every strict prefix is refused.
+        #[cfg(feature = "serde")]
+        #[test]
+        fn handle_hex_is_read_exactly_or_refused(
+            b in proptest::collection::vec(any::<u8>(), 64), at in 0usize..128, c in any::<char>(),
+        ) {
+            let b: [u8; 64] = b.try_into().expect("64");
+            let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+            prop_assert_eq!(hex64::parse(&h), Ok(b));
+            prop_assert_eq!(hex64::parse(&h.to_uppercase()), Ok(b));
+            let mut s = h.clone();
+            s.replace_range(at..at + 1, c.encode_utf8(&mut [0; 4]));
+            match hex64::parse(&s) {
+                Ok(got) => {
+                    let mut want = b;
+                    let k = at / 2;
+                    want[k] = u8::from_str_radix(&s[2 * k..2 * k + 2], 16).unwrap();
+                    prop_assert_eq!(got, want);
+                }
+                Err(_) => prop_assert!(!c.is_ascii_hexdigit()),
+            }
+            prop_assert!(hex64::parse(&h[..at]).is_err());
+        }
+
+        /// A PCI address written out reads back exactly; any string is taken exactly when it
+        /// is `hex:hex:hex.hex` (digits only, no sign, nothing after the function).
+        #[test]
+        fn pci_addresses_are_read_exactly_or_refused(
+            dom in any::<u32>(), bus in any::<u8>(), dev in 0u8..32, func in 0u8..8,
+            s in prop_oneof![
+                "[0-9a-fA-F:.+ -]{0,20}",
+                // Near the shape: fields that may hold a sign, separators that may be wrong,
+                // something after the function.
+                (
+                    "[+ ]?[0-9a-fA-F]{0,3}", "[:.]", "[+]?[0-9a-f]{0,3}", "[:.]",
+                    "[+]?[0-9a-f]{0,3}", "[:.]", "[+]?[0-9a-z]{0,2}", "(:[0-9a-z]{0,2})? ?",
+                )
+                    .prop_map(|(a, b, c, d, e, f, g, h)| [a, b, c, d, e, f, g, h].concat()),
+            ],
+        ) {
+            for id in [
+                format!("{dom:04x}:{bus:02x}:{dev:02x}.{func}"),
+                format!("{dom:08X}:{bus:02X}:{dev:02x}.{func}"),
+            ] {
+                let want = (dom, u32::from(bus), u32::from(dev));
+                prop_assert_eq!(crate::p2p::link::parse_bus_id(&id), Some(want));
+                prop_assert!(check_bus_id(Some(&id)).is_ok());
+            }
+            let r = check_bus_id(Some(&s));
+            prop_assert_eq!(r.is_ok(), pci_shape(s.trim()), "{:?}", s);
+            if let Err(e) = r {
+                let typed = matches!(e, crate::Error::InvalidArgument { arg: "handle.pci_bus_id", .. });
+                prop_assert!(typed);
+            }
+        }
+    }
 }
