@@ -1407,6 +1407,22 @@ mod tests {
             }
         }
 
+        /// Any 20 bytes or more: the first 20 read as address, length and rkey exactly (what
+        /// follows is not read, as documented), checked as `new` checks them; fewer are refused.
+        #[test]
+        fn descriptor_bytes_read_exactly(b in proptest::collection::vec(any::<u8>(), 0..48)) {
+            let r = RemoteMemory::from_bytes(&b);
+            if b.len() < RemoteMemory::WIRE_LEN {
+                prop_assert!(matches!(r, Err(Error::InvalidArgument { arg: "bytes", .. })), "{:?}", r);
+            } else {
+                let u = |at: usize, n: usize| {
+                    b[at..at + n].iter().rev().fold(0u64, |v, &x| (v << 8) | u64::from(x))
+                };
+                let (addr, len, rkey) = (u(0, 8), u(8, 8), u(16, 4) as u32);
+                prop_assert_eq!(r.ok(), RemoteMemory::new(addr, rkey, len).ok());
+            }
+        }
+
         /// Hand-built remote slices: checked like the ones `slice` makes.
         #[test]
         fn remote_slices_are_checked(addr in remote_addr(), len in any::<u32>()) {

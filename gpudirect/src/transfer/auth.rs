@@ -409,6 +409,43 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any bytes as the second round: exactly `GDXM` and 32 bytes give those 32 bytes,
+        /// anything else is refused as [`Error::Authentication`]. Any bytes of a challenge's
+        /// length: its role and flags are checked, its nonce read exactly.
+        #[test]
+        fn second_rounds_and_challenges_are_read_exactly(
+            b in proptest::collection::vec(any::<u8>(), 0..40), gdxm in any::<bool>(),
+            c in proptest::collection::vec(any::<u8>(), Challenge::LEN),
+        ) {
+            let mut m = b.clone();
+            if gdxm && m.len() >= 4 {
+                m[..4].copy_from_slice(&TAG_MAGIC);
+            }
+            let ok = m.len() == TAG_MSG_LEN && m[..4] == TAG_MAGIC;
+            match read_tag_message(&m, &"peer") {
+                Ok(t) => prop_assert!(ok && t == &m[4..]),
+                Err(e) => prop_assert!(!ok && matches!(e, Error::Authentication { .. }), "{}", e),
+            }
+            match Challenge::take(&c) {
+                Ok(ch) => {
+                    prop_assert!(matches!(c[0], 1 | 2) && c[1] <= 1);
+                    let mut again = Vec::new();
+                    ch.put(&mut again);
+                    prop_assert_eq!(again, c);
+                }
+                Err(e) => prop_assert!(
+                    (!matches!(c[0], 1 | 2) || c[1] > 1) && matches!(e, Error::InvalidArgument { .. }),
+                    "{}",
+                    e
+                ),
+            }
+        }
+    }
 
     const LABEL: &[u8] = b"test-v1";
 

@@ -1474,4 +1474,69 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Every strict prefix of a descriptor's bytes is refused, typed, and so is a byte
+        /// more (nothing may follow one descriptor).
+        #[test]
+        fn every_cut_of_a_descriptor_is_refused(d in desc(), extra in any::<u8>()) {
+            let b = d.to_bytes();
+            for cut in 0..b.len() {
+                let r = MemoryDescriptor::from_bytes(&b[..cut]);
+                prop_assert!(matches!(&r, Err(e) if is_invalid(e)), "{} of {}: {:?}", cut, b.len(), r);
+            }
+            let mut longer = b;
+            longer.push(extra);
+            let r = MemoryDescriptor::from_bytes(&longer);
+            prop_assert!(matches!(r, Err(Error::InvalidArgument { arg: "descriptor", .. })), "{:?}", r);
+        }
+
+        /// One byte of a descriptor changed: a typed refusal, or a descriptor whose every rule
+        /// holds and whose bytes are exactly the changed ones (the version aside: version 2 is
+        /// read, and written back as the newest).
+        #[test]
+        fn a_changed_byte_is_refused_or_read_exactly(
+            d in desc(), at in any::<usize>(), byte in any::<u8>(),
+        ) {
+            let mut b = d.to_bytes();
+            let i = at % b.len();
+            b[i] = byte;
+            match MemoryDescriptor::from_bytes(&b) {
+                Ok(got) => {
+                    prop_assert_ne!(got.len(), 0);
+                    prop_assert!(got.addr().checked_add(got.len()).is_some());
+                    if let Some(p) = got.ipc() {
+                        let end = p.offset().checked_add(got.len());
+                        prop_assert!(end.is_some_and(|e| e <= p.alloc_len()));
+                    }
+                    let mut again = got.to_bytes();
+                    again[4..6].copy_from_slice(&b[4..6]);
+                    prop_assert_eq!(again, b);
+                }
+                Err(e) => prop_assert!(is_invalid(&e), "{}", e),
+            }
+        }
+
+        /// A list's count is the peer's word: past MAX_DESCRIPTORS it is refused on its own;
+        /// any other count in front of fewer bytes than one descriptor (29) is refused, typed,
+        /// without reserving room for the count.
+        #[test]
+        fn a_lists_count_is_checked_against_its_bytes(
+            n in prop_oneof![0u32..8, Just(u32::MAX), any::<u32>()],
+            tail in proptest::collection::vec(any::<u8>(), 0..29),
+        ) {
+            let mut b = n.to_le_bytes().to_vec();
+            b.extend_from_slice(&tail);
+            let r = decode_list(&b);
+            if n == 0 && tail.is_empty() {
+                prop_assert_eq!(r.unwrap(), Vec::new());
+            } else if n as usize > MAX_DESCRIPTORS {
+                prop_assert!(matches!(r, Err(Error::InvalidArgument { arg: "descriptors", .. })), "{:?}", r);
+            } else {
+                prop_assert!(matches!(&r, Err(e) if is_invalid(e)), "{:?}", r);
+            }
+        }
+    }
 }

@@ -408,4 +408,90 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any generation and pairs: the window message gives them back exactly; every strict
+        /// prefix, and any other count, is refused, typed.
+        #[test]
+        fn window_messages_round_trip_exactly(
+            generation in any::<u32>(),
+            pairs in proptest::collection::vec((any::<u32>(), any::<u32>()), 0..40),
+            count in prop_oneof![0u32..48, Just(u32::MAX), any::<u32>()],
+        ) {
+            let b = Hello::encode_renamed(generation, &pairs).unwrap();
+            prop_assert_eq!(Hello::decode_renamed(&b).unwrap(), (generation, pairs.clone()));
+            for cut in 0..b.len() {
+                prop_assert!(is_invalid(&Hello::decode_renamed(&b[..cut]).unwrap_err()));
+            }
+            let mut other = b.clone();
+            other[10..14].copy_from_slice(&count.to_le_bytes());
+            match Hello::decode_renamed(&other) {
+                Ok(got) => {
+                    prop_assert_eq!(count as usize, pairs.len());
+                    prop_assert_eq!(got, (generation, pairs));
+                }
+                Err(e) => {
+                    prop_assert_ne!(count as usize, pairs.len());
+                    prop_assert!(is_invalid(&e));
+                }
+            }
+        }
+
+        /// Any descriptors with one rkey per device: the descriptor message gives them back
+        /// exactly, for that device count only; every strict prefix is refused, typed.
+        #[test]
+        fn descriptor_messages_round_trip_exactly(
+            devices in 1u8..=16, other in 0u8..=17,
+            list in proptest::collection::vec((any::<u32>(), 1u64..1 << 40, any::<u32>()), 0..5),
+        ) {
+            let list: Vec<_> = list
+                .into_iter()
+                .map(|(a, l, k)| {
+                    let keys = vec![k; devices as usize];
+                    MemoryDescriptor::new(u64::from(a), l, DescribedKind::Device, &keys).unwrap()
+                })
+                .collect();
+            let b = Hello::encode_descriptors(&list).unwrap();
+            prop_assert_eq!(Hello::decode_descriptors(&b, devices).unwrap(), list.clone());
+            match Hello::decode_descriptors(&b, other) {
+                Ok(got) => {
+                    prop_assert!(other == devices || list.is_empty());
+                    prop_assert_eq!(got, list);
+                }
+                Err(e) => prop_assert!(other != devices && is_invalid(&e)),
+            }
+            for cut in 0..b.len() {
+                prop_assert!(is_invalid(&Hello::decode_descriptors(&b[..cut], devices).unwrap_err()));
+            }
+        }
+
+        /// Any sound greeting's fields come back exactly with the challenge; every strict
+        /// prefix is refused, typed.
+        #[test]
+        fn greetings_round_trip_exactly(
+            group in any::<[u8; 16]>(), rails in 1u8..=16, rail in any::<u8>(),
+            devices in 1u8..=16, device in any::<u8>(), credits in 4u16..=4096,
+            max_message in 4096u32.., back in any::<u32>(),
+        ) {
+            let h = Hello {
+                group,
+                rail: rail % rails,
+                rails,
+                back,
+                device: device % devices,
+                devices,
+                credits,
+                max_message,
+                descriptors: Vec::new(),
+            };
+            let c = challenge();
+            let g = h.greeting(&c);
+            prop_assert_eq!(Hello::from_greeting(&g).unwrap(), (c, h));
+            for cut in 0..g.len() {
+                prop_assert!(is_invalid(&Hello::from_greeting(&g[..cut]).unwrap_err()));
+            }
+        }
+    }
 }

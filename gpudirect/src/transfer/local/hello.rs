@@ -196,4 +196,30 @@ mod tests {
             }
         }
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any pid but 0 and any descriptors: the first message gives them back exactly; every
+        /// strict prefix is refused, typed, and so is any count but the true one (a huge one
+        /// in front of the few bytes there are included).
+        #[test]
+        fn first_messages_round_trip_exactly(
+            pid in 1u32.., n in 0usize..4,
+            count in prop_oneof![0u32..8, Just(u32::MAX), any::<u32>()],
+        ) {
+            let h = LocalHello { pid, descriptors: descs(n) };
+            let b = h.encode().unwrap();
+            prop_assert_eq!(LocalHello::decode(&b).unwrap(), h.clone());
+            for cut in 0..b.len() {
+                prop_assert!(is_invalid(&LocalHello::decode(&b[..cut]).unwrap_err()));
+            }
+            let mut other = b.clone();
+            other[12..16].copy_from_slice(&count.to_le_bytes());
+            match LocalHello::decode(&other) {
+                Ok(got) => prop_assert!(count as usize == n && got == h),
+                Err(e) => prop_assert!(count as usize != n && is_invalid(&e), "{}", e),
+            }
+        }
+    }
 }

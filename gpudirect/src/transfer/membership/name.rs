@@ -352,4 +352,44 @@ mod tests {
         let h = HostId::this_host().unwrap();
         assert_eq!(h, HostId::this_host().unwrap());
     }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any id reads back from its 32 lowercase hex digits exactly; any other string is
+        /// refused, typed (a sign, upper case, another length).
+        #[test]
+        fn node_ids_are_32_lowercase_hex_digits_exactly(
+            x in any::<u128>(), s in "[0-9a-fA-F+ -]{30,34}",
+        ) {
+            let id = NodeId::parse(&format!("{x:032x}")).unwrap();
+            prop_assert_eq!(id.0, x);
+            prop_assert_eq!(NodeId::parse(&id.to_string()).unwrap(), id);
+            let ok = s.len() == 32 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            match NodeId::parse(&s) {
+                Ok(n) => prop_assert!(ok && n.0 == u128::from_str_radix(&s, 16).unwrap()),
+                Err(e) => prop_assert!(!ok && matches!(e, Error::InvalidArgument { .. }), "{}", e),
+            }
+        }
+
+        /// Rail addresses: an IPv4 or IPv6 address with a port is taken exactly when the port
+        /// is not 0; any string at all is taken or refused, typed, never more than 261 bytes.
+        #[test]
+        fn rail_addresses_are_checked(
+            v4 in any::<[u8; 4]>(), v6 in any::<[u16; 8]>(), port in any::<u16>(),
+            s in "[a-z0-9.:\\[\\]+-]{0,24}", long in 255usize..300,
+        ) {
+            let a4 = format!("{}:{port}", std::net::Ipv4Addr::from(v4));
+            let a6 = format!("[{}]:{port}", std::net::Ipv6Addr::from(v6));
+            prop_assert_eq!(check_rail_addr(&a4).is_ok(), port > 0);
+            prop_assert_eq!(check_rail_addr(&a6).is_ok(), port > 0);
+            if let Err(e) = check_rail_addr(&s) {
+                prop_assert!(matches!(e, Error::InvalidArgument { .. }), "{}", e);
+            }
+            let name = format!("{}:1", "a".repeat(long));
+            prop_assert_eq!(check_rail_addr(&name).is_ok(), name.len() <= MAX_ADDR && long <= 63);
+        }
+    }
 }

@@ -306,4 +306,98 @@ mod tests {
         r.rails = vec!["10.0.0.1:1".into(); 17];
         assert!(r.to_bytes().is_err());
     }
+
+    use proptest::prelude::*;
+
+    /// Sound records of any fields.
+    fn record() -> impl Strategy<Value = MemberRecord> {
+        (
+            "[a-z0-9][a-z0-9._-]{0,20}",
+            any::<u128>(),
+            "[A-Za-z0-9][A-Za-z0-9._-]{0,30}",
+            proptest::collection::vec((any::<[u8; 4]>(), 1u16..), 0..=MAX_RAILS),
+            proptest::option::of("/[a-z0-9/._=-]{0,40}"),
+            1_000u64..=3_600_000,
+        )
+            .prop_filter_map(
+                "rails or a local socket",
+                |(name, node, host, rails, local, ttl)| {
+                    let r = MemberRecord {
+                        name: SegmentName::new(name).ok()?,
+                        node: NodeId::parse(&format!("{node:032x}")).ok()?,
+                        host: HostId::new(host).ok()?,
+                        rails: rails
+                            .iter()
+                            .map(|(ip, port)| format!("{}:{port}", std::net::Ipv4Addr::from(*ip)))
+                            .collect(),
+                        local: local.map(PathBuf::from),
+                        ttl: Duration::from_millis(ttl),
+                    };
+                    r.check().ok().map(|()| r)
+                },
+            )
+    }
+
+    /// A store's answer: a sound record, or a typed refusal.
+    fn sound_or_typed(r: Result<MemberRecord>) -> std::result::Result<(), TestCaseError> {
+        match r {
+            Ok(got) => {
+                prop_assert!(got.check().is_ok());
+                let again = MemberRecord::from_bytes(&got.to_bytes().unwrap()).unwrap();
+                prop_assert_eq!(again, got);
+            }
+            Err(e) => prop_assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument { .. } | Error::UnknownVersion { .. }
+                ),
+                "{}",
+                e
+            ),
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any sound record comes back exactly, under its own name only.
+        #[test]
+        fn records_round_trip_exactly(r in record(), other in "[a-z0-9]{1,21}") {
+            let b = r.to_bytes().unwrap();
+            prop_assert_eq!(MemberRecord::from_bytes(&b).unwrap(), r.clone());
+            prop_assert_eq!(MemberRecord::from_bytes_at(r.name.as_str(), &b).unwrap(), r.clone());
+            let at = MemberRecord::from_bytes_at(&other, &b);
+            prop_assert_eq!(at.is_ok(), other == r.name.as_str());
+        }
+
+        /// A cut record: refused, or (the format has no end mark: a store's value arrives whole)
+        /// a sound record; the same one only when the cut took the last line break alone.
+        #[test]
+        fn cut_records_are_refused_or_sound(r in record(), cut in any::<usize>()) {
+            let b = r.to_bytes().unwrap();
+            let c = cut % b.len();
+            let got = MemberRecord::from_bytes(&b[..c]);
+            if got.as_ref().is_ok_and(|g| *g == r) {
+                prop_assert_eq!(c, b.len() - 1);
+            }
+            sound_or_typed(got)?;
+        }
+
+        /// One byte of a record changed, or any bytes at all: a sound record or a typed refusal.
+        #[test]
+        fn changed_records_are_refused_or_sound(
+            r in record(), at in any::<usize>(), byte in any::<u8>(),
+            junk in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut b = r.to_bytes().unwrap();
+            let i = at % b.len();
+            b[i] = byte;
+            sound_or_typed(MemberRecord::from_bytes(&b))?;
+            let mut tail = r.to_bytes().unwrap();
+            tail.extend_from_slice(&junk);
+            sound_or_typed(MemberRecord::from_bytes(&tail))?;
+            sound_or_typed(MemberRecord::from_bytes(&junk))?;
+        }
+    }
 }
