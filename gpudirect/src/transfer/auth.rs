@@ -241,12 +241,20 @@ impl Challenge {
         b.extend_from_slice(&self.nonce);
     }
 
-    /// The challenge at the start of `b` (at least [`LEN`](Self::LEN) bytes).
+    /// The challenge at the start of `b`.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] (`greeting.role`, `greeting.flags`).
+    /// [`Error::InvalidArgument`] (`greeting.challenge`: fewer than [`LEN`](Self::LEN) bytes;
+    /// `greeting.role`, `greeting.flags`).
     pub(crate) fn take(b: &[u8]) -> Result<Challenge> {
+        let Some(b) = b.get(..Self::LEN) else {
+            return Err(Error::invalid(
+                "greeting.challenge",
+                b.len(),
+                format!("{} bytes", Self::LEN),
+            ));
+        };
         let role = match b[0] {
             1 => Role::Dialer,
             2 => Role::Listener,
@@ -548,6 +556,20 @@ mod tests {
             assert!(
                 matches!(&e, Error::InvalidArgument { arg: a, .. } if *a == arg),
                 "{e}"
+            );
+        }
+        // Short of a whole challenge: refused, not indexed past its end.
+        for n in 0..Challenge::LEN {
+            let e = Challenge::take(&b[..n]).unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    Error::InvalidArgument {
+                        arg: "greeting.challenge",
+                        ..
+                    }
+                ),
+                "{n}: {e}"
             );
         }
         let l = Challenge::new(Role::Listener, true).unwrap();

@@ -213,16 +213,24 @@ impl Hello {
                 format!("at most {MAX_RENAMED} pairs of two 4-byte rkeys, nothing after them"),
             ));
         }
-        Ok((
-            generation,
-            pairs
-                .chunks_exact(8)
-                .map(|c| {
-                    let k = |i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
-                    (k(0), k(4))
-                })
-                .collect(),
-        ))
+        let pairs: Vec<(u32, u32)> = pairs
+            .chunks_exact(8)
+            .map(|c| {
+                let k = |i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
+                (k(0), k(4))
+            })
+            .collect();
+        // One new name per old rkey: a second would be taken silently in place of the first.
+        let mut olds: Vec<u32> = pairs.iter().map(|p| p.0).collect();
+        olds.sort_unstable();
+        if let Some(w) = olds.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::invalid(
+                "hello.windows",
+                format!("rkey {:#x} renamed twice", w[0]),
+                "each old rkey once",
+            ));
+        }
+        Ok((generation, pairs))
     }
 
     /// The descriptor message of `publish`.
@@ -348,6 +356,10 @@ mod tests {
         assert!(is_invalid(&Hello::decode_renamed(&d).unwrap_err()));
         let e = Hello::encode_renamed(1, &vec![(0, 0); MAX_RENAMED + 1]).unwrap_err();
         assert!(is_invalid(&e));
+        // An old rkey renamed twice: refused, not the last name taken.
+        let b = Hello::encode_renamed(3, &[(5, 1), (6, 2), (5, 3)]).unwrap();
+        let e = Hello::decode_renamed(&b).unwrap_err();
+        assert!(e.to_string().contains("renamed twice"), "{e}");
     }
 
     proptest! {
@@ -417,9 +429,10 @@ mod tests {
         #[test]
         fn window_messages_round_trip_exactly(
             generation in any::<u32>(),
-            pairs in proptest::collection::vec((any::<u32>(), any::<u32>()), 0..40),
+            pairs in proptest::collection::btree_map(any::<u32>(), any::<u32>(), 0..40),
             count in prop_oneof![0u32..48, Just(u32::MAX), any::<u32>()],
         ) {
+            let pairs: Vec<(u32, u32)> = pairs.into_iter().collect();
             let b = Hello::encode_renamed(generation, &pairs).unwrap();
             prop_assert_eq!(Hello::decode_renamed(&b).unwrap(), (generation, pairs.clone()));
             for cut in 0..b.len() {
