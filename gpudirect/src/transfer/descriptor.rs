@@ -891,7 +891,8 @@ pub fn decode_list(b: &[u8]) -> Result<Vec<MemoryDescriptor>> {
         ));
     }
     let mut at = 4;
-    let mut out = Vec::with_capacity(n.min(1024));
+    // Room for what the bytes can hold (no descriptor is under 16 bytes), not what the count says.
+    let mut out = Vec::with_capacity(n.min(b.len() / 16));
     for _ in 0..n {
         let (d, used) = MemoryDescriptor::read_from(&b[at..])?;
         out.push(d);
