@@ -385,3 +385,58 @@ fn cufile_read_async_is_refused(
     let _ = std::fs::remove_file(&path);
     Some(Box::new((handle, driver)))
 }
+
+/// The blocking copies borrow their buffers, so they must not return before the copy has
+/// completed. A synchronize on this thread while another thread captures in global mode is
+/// refused by the driver (and breaks that capture): the copies wait with the thread relaxed, so
+/// they return only once the bytes are there, and the other thread's graph survives.
+#[test]
+fn blocking_copies_wait_through_another_threads_global_capture() {
+    let ctx = require!(Hardware::Gpu, gpudirect::cuda::context(0));
+    // Alone: the global capture would fail the tests beside it (`gpu::alone`).
+    if !support::gpu::alone("blocking_copies_wait_through_another_threads_global_capture") {
+        return;
+    }
+    let stream = Stream::new(&ctx).unwrap();
+    // Large enough that the copy is still running when a refused synchronize would return.
+    let len = 64 << 20;
+    let data = random_u32(len);
+    let src = DeviceBuffer::from_slice(&stream, &data).unwrap();
+    let mut dst = PinnedHostBuffer::<u32>::alloc(&ctx, len, HostAllocFlags::empty()).unwrap();
+    let mut back = PinnedHostBuffer::<u32>::alloc(&ctx, len, HostAllocFlags::empty()).unwrap();
+    let mut dev = DeviceBuffer::<u32>::zeroed(&ctx, len).unwrap();
+    stream.synchronize().unwrap();
+
+    let (copied, captured) =
+        support::gpu::during_a_global_capture(&ctx, || memory::copy(&stream, &src, &mut dst));
+    copied.expect("a blocking copy during another thread's global capture");
+    assert!(
+        dst.as_slice() == data,
+        "the bytes are there when copy returns"
+    );
+    assert_eq!(
+        captured,
+        Ok(true),
+        "a blocking copy broke another thread's global capture"
+    );
+
+    let (copied, captured) = support::gpu::during_a_global_capture(&ctx, || {
+        memory::copy_to_host(&stream, &src, back.as_mut_slice())
+    });
+    copied.expect("copy_to_host during another thread's global capture");
+    assert!(
+        back.as_slice() == data,
+        "the bytes are there when copy_to_host returns"
+    );
+    assert_eq!(captured, Ok(true), "copy_to_host broke the capture");
+
+    let (copied, captured) = support::gpu::during_a_global_capture(&ctx, || {
+        memory::copy_from_host(&stream, dst.as_slice(), &mut dev)
+    });
+    copied.expect("copy_from_host during another thread's global capture");
+    assert_eq!(captured, Ok(true), "copy_from_host broke the capture");
+    assert!(
+        dev.to_vec(&stream).unwrap() == data,
+        "copy_from_host's bytes"
+    );
+}

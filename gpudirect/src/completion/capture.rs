@@ -176,10 +176,8 @@ pub(crate) fn enqueue_record<R, T>(
 /// put back when dropped. A blocking call on a library-private stream made meanwhile (a
 /// `cuStreamSynchronize`) is then neither refused nor invalidates a capture that another thread
 /// began in global mode. (Leaked, the thread stays relaxed: less checking, nothing unsound.)
-#[cfg(any(feature = "storage", feature = "p2p"))]
 pub(crate) struct Relaxed(Option<sys::CUstreamCaptureMode>);
 
-#[cfg(any(feature = "storage", feature = "p2p"))]
 impl Relaxed {
     /// Relax the calling thread; `None` when the driver refuses (nothing changed).
     ///
@@ -198,7 +196,6 @@ impl Relaxed {
     }
 }
 
-#[cfg(any(feature = "storage", feature = "p2p"))]
 impl Drop for Relaxed {
     fn drop(&mut self) {
         if let Some(m) = self.0.take() {

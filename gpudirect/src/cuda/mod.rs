@@ -40,3 +40,4 @@ pub use stream::Stream;
 
 pub(crate) use location::mem_location;
 pub(crate) use private::on_private_stream;
+pub(crate) use stream::unprovable;

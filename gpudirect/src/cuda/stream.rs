@@ -6,6 +6,7 @@ use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
 
 /// A CUDA stream (cudarc's [`CudaStream`]) with the completion [`Timeline`] that gpudirect's
 /// asynchronous operations use to track what they own. Cheap to clone (two `Arc`s).
@@ -256,6 +257,43 @@ impl Stream {
         }
     }
 
+    /// Wait until everything queued on this stream so far has completed, for work on memory
+    /// the caller borrowed and gets back when it returns (a blocking copy, a copy scope): a
+    /// fence of the stream waited for with the calling thread relaxed to
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED` (so a graph another thread captures in global mode is
+    /// neither refused nor invalidated by the wait), then a refusal asked again with
+    /// `cuStreamSynchronize` six times, over about 0.6 s, before it is believed.
+    ///
+    /// # Errors
+    ///
+    /// The driver's last answer when completion could not be proven (a sticky error, a call
+    /// from a CUDA host function, the driver shutting down, a capture begun on the stream):
+    /// the work may still be running, so the caller must not let the borrows end
+    /// ([`unprovable`]).
+    pub(crate) fn settle(&self) -> Result<()> {
+        let last = self.fence();
+        // SAFETY: the stream exists, so libcuda passed the crate's presence check.
+        let _relaxed = unsafe { capture::Relaxed::new() };
+        let mut attempt = 0;
+        loop {
+            if crate::completion::Fence::wait_timeout(&last, Duration::MAX) {
+                return Ok(());
+            }
+            // Refused: ask once more, directly, to learn why.
+            let again = crate::driver::ctx::bind(self.context())
+                // SAFETY: a live stream, its context current.
+                .and_then(|()| unsafe { crate::driver::stream::synchronize(self.cu_stream()) });
+            match again {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt >= 6 => return Err(e),
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10 << attempt));
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
     /// A [`HostFnFence`] for the work queued so far: a host callback that only sets a flag.
     ///
     /// # Errors
@@ -324,6 +362,21 @@ unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
         }
         Err(_) => {} // LEAKED meanwhile: never freed
     }
+}
+
+/// Abort: work queued on memory `what` borrowed cannot be proven complete (`why`), and the
+/// borrows cannot be kept from their owners the way owned buffers are parked, so returning could
+/// let the work write memory its owner reads, reuses or frees. The message is written without
+/// any step that could panic (a closed standard error is ignored).
+#[cold]
+pub(crate) fn unprovable(what: &str, why: &str) -> ! {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "gpudirect: {what} cannot prove that its copies have completed ({why}); the buffers it \
+         borrowed could still be written, so the process aborts"
+    );
+    std::process::abort()
 }
 
 impl From<Arc<CudaStream>> for Stream {

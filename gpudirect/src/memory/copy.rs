@@ -3,6 +3,7 @@
 
 use super::kind::{DeviceMemory, DeviceMemoryMut};
 use super::pod::Pod;
+use crate::completion::capture::Refused;
 use crate::completion::{InFlight, StreamFence};
 use crate::cuda::Stream;
 use crate::driver::mem;
@@ -94,11 +95,7 @@ impl Plan {
 /// # Safety
 ///
 /// Both ranges valid for `bytes` bytes until the copy completes; `dst` not referenced meanwhile.
-unsafe fn issue<R>(
-    stream: &Stream,
-    plan: Plan,
-    keep: R,
-) -> Result<R, crate::completion::capture::Refused<R>> {
+unsafe fn issue<R>(stream: &Stream, plan: Plan, keep: R) -> Result<R, Refused<R>> {
     let ((), keep) = stream.enqueue(plan.call(), keep, |s, _| {
         let Plan { src, dst, bytes } = plan;
         // SAFETY: forwarded from the caller.
@@ -114,16 +111,36 @@ unsafe fn issue<R>(
     Ok(keep)
 }
 
-/// Queue `plan` and wait for it (`cuStreamSynchronize`). A capture that began during the call
-/// was invalidated by [`issue`], so no graph holds the copy.
+/// Queue `plan` and wait for it. Returns only once the copy has completed or was never queued:
+/// the borrows end when this returns, and nothing can park them. The wait runs with the calling
+/// thread relaxed ([`Stream::settle`]), so a graph another thread captures in global mode
+/// neither refuses it (which would return while the copy still runs) nor is broken by it. Where
+/// completion cannot be proven (a capture began on the stream while the copy was queued; the
+/// stream cannot be synchronized: a sticky error, a call from a host function), the process
+/// aborts, as the peer copier's scope does.
 ///
 /// # Safety
 ///
 /// Both ranges valid for `bytes` bytes until this returns; `dst` not referenced meanwhile.
 unsafe fn blocking(stream: &Stream, plan: Plan) -> Result<()> {
     // SAFETY: forwarded from the caller: the copy has completed when this returns.
-    unsafe { issue(stream, plan, ()) }?;
-    stream.synchronize()
+    match unsafe { issue(stream, plan, ()) } {
+        Ok(()) => {}
+        Err(Refused {
+            error,
+            kept: Some(()),
+        }) => return Err(error),
+        Err(Refused { error, kept: None }) => {
+            crate::cuda::unprovable("a blocking copy", &error.to_string())
+        }
+    }
+    if let Err(e) = stream.settle() {
+        crate::cuda::unprovable(
+            "a blocking copy",
+            &format!("the stream cannot be synchronized: {e}"),
+        );
+    }
+    Ok(())
 }
 
 /// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a
@@ -171,11 +188,23 @@ where
     Ok(InFlight::new("async copy", stream.fence(), (src, dst)))
 }
 
-/// Copy all of `src` into `dst` on `stream` and wait for it (`cuStreamSynchronize`).
+/// Copy all of `src` into `dst` on `stream` and wait for it (`cuStreamSynchronize`), with the
+/// calling thread relaxed to `CU_STREAM_CAPTURE_MODE_RELAXED` for the wait (its mode is put back
+/// after), so a graph another thread captures in global mode is neither refused nor invalidated
+/// by it.
 ///
 /// # Errors
 ///
-/// As [`copy_async`]; plus [`Error::Cuda`] from the synchronization.
+/// As [`copy_async`], before anything was queued.
+///
+/// # Aborts
+///
+/// When the copy, once queued, cannot be proven complete: the stream cannot be synchronized
+/// after retries over about 0.6 s (a sticky error, a call from a CUDA host function, the driver
+/// shutting down), or a capture began on the stream while the copy was being queued. The
+/// borrowed buffers cannot be parked the way [`copy_async`]'s owned ones are, so the process
+/// aborts (with a message on standard error) rather than return while the copy might still
+/// read or write them.
 pub fn copy<S, D>(stream: &Stream, src: &S, dst: &mut D) -> Result<()>
 where
     S: DeviceMemory,
@@ -193,6 +222,10 @@ where
 /// Copy host elements `src` (any host memory, pageable or pinned) into `dst`, blocking.
 ///
 /// # Errors
+///
+/// As [`copy`].
+///
+/// # Aborts
 ///
 /// As [`copy`].
 #[doc(alias = "cuMemcpyHtoD_v2")]
@@ -215,6 +248,10 @@ where
 /// Copy `src` into host elements `dst`, blocking.
 ///
 /// # Errors
+///
+/// As [`copy`].
+///
+/// # Aborts
 ///
 /// As [`copy`].
 #[doc(alias = "cuMemcpyDtoH_v2")]

@@ -2,15 +2,11 @@
 //! returns.
 
 use super::copy::{Copier, Left};
-use crate::completion::Fence;
-use crate::completion::capture::Relaxed;
-use crate::driver;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::{DeviceMemory, DeviceMemoryMut};
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 /// Copies between borrowed buffers through one [`Copier`], made inside
 /// [`Copier::scope`]: every copy the scope queued has completed before `scope` returns.
@@ -176,49 +172,14 @@ impl<'scope> CopyScope<'scope, '_> {
         if !self.queued.load(Ordering::Acquire) {
             return;
         }
-        if let Err(e) = self.settle() {
+        if let Err(e) = self.copier.stream().settle() {
             unprovable(&format!("the copier's stream cannot be synchronized: {e}"));
-        }
-    }
-
-    /// Synchronize the copier's stream, with the calling thread relaxed to
-    /// `CU_STREAM_CAPTURE_MODE_RELAXED`; a refusal is tried again six times, over about 0.6 s,
-    /// before it is believed.
-    fn settle(&self) -> std::result::Result<(), Error> {
-        let stream = self.copier.stream();
-        let last = stream.fence();
-        // SAFETY: the copier exists, so libcuda passed the crate's presence check.
-        let _relaxed = unsafe { Relaxed::new() };
-        let mut attempt = 0;
-        loop {
-            if last.wait_timeout(Duration::MAX) {
-                return Ok(());
-            }
-            // Refused: ask once more, directly, to learn why.
-            let again = driver::ctx::bind(stream.context())
-                // SAFETY: the copier's live stream, its context current.
-                .and_then(|()| unsafe { driver::stream::synchronize(stream.cu_stream()) });
-            match again {
-                Ok(()) => return Ok(()),
-                Err(e) if attempt >= 6 => return Err(e),
-                Err(_) => {
-                    std::thread::sleep(Duration::from_millis(10 << attempt));
-                    attempt += 1;
-                }
-            }
         }
     }
 }
 
-/// Abort: the copies may still write the borrowed buffers. The message is written without any
-/// step that could panic (a closed standard error is ignored).
+/// Abort: the copies may still write the borrowed buffers.
 #[cold]
 fn unprovable(why: &str) -> ! {
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "gpudirect: a copy scope cannot prove that its copies have completed ({why}); the \
-         buffers it borrowed could still be written, so the process aborts"
-    );
-    std::process::abort()
+    crate::cuda::unprovable("a copy scope", why)
 }

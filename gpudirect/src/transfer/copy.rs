@@ -1,6 +1,7 @@
 //! Copies between device memory and host memory the engine holds, on a stream of the device
 //! (through the crate's graph-capture check), waited for.
 
+use crate::completion::capture::Refused;
 use crate::cuda::Stream;
 use crate::error::Result;
 
@@ -20,7 +21,9 @@ pub(crate) fn copy_sync(
     unsafe { copy_on(&stream, dev, host, len, to_host) }
 }
 
-/// Queue a copy on `stream` (through the graph-capture check) and wait for it.
+/// Queue a copy on `stream` (through the graph-capture check) and wait for it, with the calling
+/// thread relaxed ([`Stream::settle`]). Aborts the process when the copy, once queued, cannot be
+/// proven complete: the ranges are borrowed, nothing can park them.
 ///
 /// # Safety
 ///
@@ -48,8 +51,23 @@ pub(crate) unsafe fn copy_on(
             }
         }
     });
-    if let Err(refused) = r {
-        return Err(refused.error);
+    match r {
+        Ok(((), ())) => {}
+        Err(Refused {
+            error,
+            kept: Some(()),
+        }) => return Err(error),
+        // A capture began on the stream while the copy was queued: it may still run.
+        Err(Refused { error, kept: None }) => {
+            crate::cuda::unprovable("a blocking copy", &error.to_string())
+        }
     }
-    stream.synchronize()
+    // The ranges are the caller's until this returns: never return while the copy may run.
+    if let Err(e) = stream.settle() {
+        crate::cuda::unprovable(
+            "a blocking copy",
+            &format!("the stream cannot be synchronized: {e}"),
+        );
+    }
+    Ok(())
 }

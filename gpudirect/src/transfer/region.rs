@@ -790,6 +790,11 @@ impl Region {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a range past the end; [`Error::Cuda`] from the copy.
+    ///
+    /// # Aborts
+    ///
+    /// As [`memory::copy`](crate::memory::copy): when the copy, once queued, cannot be proven
+    /// complete (`dst` is borrowed: it cannot be parked).
     #[doc(alias = "cuMemcpyDtoHAsync")]
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         match &*self.buf.backing {
@@ -806,6 +811,10 @@ impl Region {
     /// host regions are written as [`write_at`](Self::write_at).
     ///
     /// # Errors
+    ///
+    /// As [`copy_to_host`](Self::copy_to_host).
+    ///
+    /// # Aborts
     ///
     /// As [`copy_to_host`](Self::copy_to_host).
     #[doc(alias = "cuMemcpyHtoDAsync")]
