@@ -372,13 +372,14 @@ mod tests {
         }
 
         /// A cut record: refused, or (the format has no end mark: a store's value arrives whole)
-        /// a sound record; the same one only when the cut took the last line break alone.
+        /// a sound record; one that writes the same bytes only when the cut took the last line
+        /// break alone. (Bytes, not equality: paths compare without a trailing `/`.)
         #[test]
         fn cut_records_are_refused_or_sound(r in record(), cut in any::<usize>()) {
             let b = r.to_bytes().unwrap();
             let c = cut % b.len();
             let got = MemberRecord::from_bytes(&b[..c]);
-            if got.as_ref().is_ok_and(|g| *g == r) {
+            if got.as_ref().is_ok_and(|g| g.to_bytes().is_ok_and(|x| x == b)) {
                 prop_assert_eq!(c, b.len() - 1);
             }
             sound_or_typed(got)?;
