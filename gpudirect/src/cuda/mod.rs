@@ -40,4 +40,5 @@ pub use stream::Stream;
 
 pub(crate) use location::mem_location;
 pub(crate) use private::on_private_stream;
+#[cfg(feature = "p2p")]
 pub(crate) use stream::unprovable;

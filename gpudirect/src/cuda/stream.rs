@@ -294,6 +294,30 @@ impl Stream {
         }
     }
 
+    /// After work on borrowed memory was queued (`queued`, the enqueue's answer), wait until it
+    /// has completed ([`settle`](Self::settle)). A refusal that queued nothing is returned;
+    /// where completion cannot be proven (a capture began on the stream while the work was
+    /// queued, or the stream cannot be synchronized), [`unprovable`] aborts: the borrows end
+    /// when this returns.
+    pub(crate) fn settle_borrowed(
+        &self,
+        what: &str,
+        queued: std::result::Result<(), Refused<()>>,
+    ) -> Result<()> {
+        match queued {
+            Ok(()) => {}
+            Err(Refused {
+                error,
+                kept: Some(()),
+            }) => return Err(error),
+            Err(Refused { error, kept: None }) => unprovable(what, &error.to_string()),
+        }
+        if let Err(e) = self.settle() {
+            unprovable(what, &format!("the stream cannot be synchronized: {e}"));
+        }
+        Ok(())
+    }
+
     /// A [`HostFnFence`] for the work queued so far: a host callback that only sets a flag.
     ///
     /// # Errors

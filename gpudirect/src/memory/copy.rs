@@ -124,23 +124,8 @@ unsafe fn issue<R>(stream: &Stream, plan: Plan, keep: R) -> Result<R, Refused<R>
 /// Both ranges valid for `bytes` bytes until this returns; `dst` not referenced meanwhile.
 unsafe fn blocking(stream: &Stream, plan: Plan) -> Result<()> {
     // SAFETY: forwarded from the caller: the copy has completed when this returns.
-    match unsafe { issue(stream, plan, ()) } {
-        Ok(()) => {}
-        Err(Refused {
-            error,
-            kept: Some(()),
-        }) => return Err(error),
-        Err(Refused { error, kept: None }) => {
-            crate::cuda::unprovable("a blocking copy", &error.to_string())
-        }
-    }
-    if let Err(e) = stream.settle() {
-        crate::cuda::unprovable(
-            "a blocking copy",
-            &format!("the stream cannot be synchronized: {e}"),
-        );
-    }
-    Ok(())
+    let queued = unsafe { issue(stream, plan, ()) };
+    stream.settle_borrowed("a blocking copy", queued)
 }
 
 /// The byte count of `len` elements of `T`, checked (a buffer's own `byte_len` may come from a

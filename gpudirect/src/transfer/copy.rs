@@ -1,7 +1,6 @@
 //! Copies between device memory and host memory the engine holds, on a stream of the device
 //! (through the crate's graph-capture check), waited for.
 
-use crate::completion::capture::Refused;
 use crate::cuda::Stream;
 use crate::error::Result;
 
@@ -51,23 +50,6 @@ pub(crate) unsafe fn copy_on(
             }
         }
     });
-    match r {
-        Ok(((), ())) => {}
-        Err(Refused {
-            error,
-            kept: Some(()),
-        }) => return Err(error),
-        // A capture began on the stream while the copy was queued: it may still run.
-        Err(Refused { error, kept: None }) => {
-            crate::cuda::unprovable("a blocking copy", &error.to_string())
-        }
-    }
     // The ranges are the caller's until this returns: never return while the copy may run.
-    if let Err(e) = stream.settle() {
-        crate::cuda::unprovable(
-            "a blocking copy",
-            &format!("the stream cannot be synchronized: {e}"),
-        );
-    }
-    Ok(())
+    stream.settle_borrowed("a blocking copy", r.map(|_| ()))
 }
