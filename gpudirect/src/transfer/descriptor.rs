@@ -891,8 +891,9 @@ pub fn decode_list(b: &[u8]) -> Result<Vec<MemoryDescriptor>> {
         ));
     }
     let mut at = 4;
-    // Room for what the bytes can hold (no descriptor is under 16 bytes), not what the count says.
-    let mut out = Vec::with_capacity(n.min(b.len() / 16));
+    // Room for what the bytes can hold (no descriptor is shorter than its header), not what
+    // the count says.
+    let mut out = Vec::with_capacity(n.min(b.len() / HEADER));
     for _ in 0..n {
         let (d, used) = MemoryDescriptor::read_from(&b[at..])?;
         out.push(d);
