@@ -193,6 +193,24 @@ fn copy_params(dst: u64, src: u64, n: usize) -> sys::CUDA_MEMCPY3D {
     }
 }
 
+/// A 64-bit write of `value` to `word` as a memory operation.
+fn write_op(word: sys::CUdeviceptr, value: u64) -> sys::CUstreamBatchMemOpParams {
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as Write;
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as WriteV;
+    let mut p = std::mem::MaybeUninit::<sys::CUstreamBatchMemOpParams>::zeroed();
+    // SAFETY: one member of a zeroed C union written through a valid pointer.
+    unsafe {
+        (*p.as_mut_ptr()).writeValue = Write {
+            operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+            address: word,
+            __bindgen_anon_1: WriteV { value64: value },
+            flags: 0,
+            alias: 0,
+        };
+        p.assume_init()
+    }
+}
+
 struct Raw {
     src_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
     dst_ctx: std::sync::Arc<gpudirect::cudarc::driver::CudaContext>,
@@ -295,6 +313,136 @@ impl Raw {
                 "cuGraphLaunch",
             );
         }
+        self.record(event);
+    }
+
+    /// A graph of one copy node of `n` bytes to `dst` followed by `tail`, a second node made by
+    /// the closure (given the graph and the copy node), instantiated: `None` where the driver
+    /// refuses it. Never destroyed (one per size and run).
+    fn copy_graph_then(
+        &self,
+        dst: sys::CUdeviceptr,
+        n: usize,
+        tail: impl FnOnce(sys::CUgraph, sys::CUgraphNode) -> Option<sys::CUgraphNode>,
+    ) -> Option<(sys::CUgraphExec, sys::CUgraphNode)> {
+        self.src_ctx.bind_to_thread().ok()?;
+        let params = copy_params(dst, self.src.device_ptr(), n);
+        let ctx = self.src_ctx.cu_ctx();
+        let (mut g, mut node, mut exec) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        // SAFETY: out-pointers; the source's context is current; the node copies inside both
+        // buffers.
+        let made = unsafe {
+            sys::cuGraphCreate(&mut g, 0) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuGraphAddMemcpyNode(&mut node, g, std::ptr::null(), 0, &params, ctx)
+                    == sys::CUresult::CUDA_SUCCESS
+        };
+        if !made {
+            return None;
+        }
+        let last = tail(g, node)?;
+        // SAFETY: a live graph whose nodes were made above.
+        let ok = unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) == sys::CUresult::CUDA_SUCCESS
+        };
+        ok.then_some((exec, last))
+    }
+
+    /// The copy then an event record node (of `event`, set anew at each launch).
+    fn event_graph(
+        &self,
+        dst: sys::CUdeviceptr,
+        n: usize,
+        event: sys::CUevent,
+    ) -> Option<(sys::CUgraphExec, sys::CUgraphNode)> {
+        self.copy_graph_then(dst, n, |g, copy| {
+            let mut node = std::ptr::null_mut();
+            // SAFETY: a live graph and node; a live event of the current context.
+            let rc = unsafe { sys::cuGraphAddEventRecordNode(&mut node, g, &copy, 1, event) };
+            (rc == sys::CUresult::CUDA_SUCCESS).then_some(node)
+        })
+    }
+
+    /// The copy then a memory operation node writing a 64-bit value to `word` (a device
+    /// address of mapped pinned host memory), its value set anew at each launch.
+    fn word_graph(
+        &self,
+        dst: sys::CUdeviceptr,
+        n: usize,
+        word: sys::CUdeviceptr,
+    ) -> Option<(sys::CUgraphExec, sys::CUgraphNode)> {
+        let ctx = self.src_ctx.cu_ctx();
+        self.copy_graph_then(dst, n, |g, copy| {
+            let mut op = write_op(word, 0);
+            let params = sys::CUDA_BATCH_MEM_OP_NODE_PARAMS {
+                ctx,
+                count: 1,
+                paramArray: &mut op,
+                flags: 0,
+            };
+            let mut node = std::ptr::null_mut();
+            // SAFETY: a live graph and node; the operation writes 8 bytes of mapped pinned host
+            // memory, freed only with the process.
+            let rc = unsafe { sys::cuGraphAddBatchMemOpNode(&mut node, g, &copy, 1, &params) };
+            (rc == sys::CUresult::CUDA_SUCCESS).then_some(node)
+        })
+    }
+
+    /// Launch a graph made by [`event_graph`](Self::event_graph), its event node set to
+    /// `event` first.
+    fn event_graph_launch(&self, g: (sys::CUgraphExec, sys::CUgraphNode), event: sys::CUevent) {
+        // SAFETY: a live executable graph and its event node; a live event of the context.
+        unsafe {
+            check(
+                sys::cuGraphExecEventRecordNodeSetEvent(g.0, g.1, event),
+                "cuGraphExecEventRecordNodeSetEvent",
+            );
+            check(
+                sys::cuGraphLaunch(g.0, self.stream.cu_stream()),
+                "cuGraphLaunch",
+            );
+        }
+    }
+
+    /// Launch a graph made by [`word_graph`](Self::word_graph), its word node set to write
+    /// `value` to `word` first.
+    fn word_graph_launch(
+        &self,
+        g: (sys::CUgraphExec, sys::CUgraphNode),
+        word: sys::CUdeviceptr,
+        value: u64,
+    ) {
+        let mut op = write_op(word, value);
+        let params = sys::CUDA_BATCH_MEM_OP_NODE_PARAMS {
+            ctx: self.src_ctx.cu_ctx(),
+            count: 1,
+            paramArray: &mut op,
+            flags: 0,
+        };
+        // SAFETY: a live executable graph and its memory operation node; the word as above.
+        unsafe {
+            check(
+                sys::cuGraphExecBatchMemOpNodeSetParams(g.0, g.1, &params),
+                "cuGraphExecBatchMemOpNodeSetParams",
+            );
+            check(
+                sys::cuGraphLaunch(g.0, self.stream.cu_stream()),
+                "cuGraphLaunch",
+            );
+        }
+    }
+
+    /// Launch a graph as it is (what `write_on` does when its pieces are the node's last),
+    /// then record `event`.
+    fn graph_launch_then(&self, exec: sys::CUgraphExec, event: sys::CUevent) {
+        // SAFETY: a live executable graph of the stream's context.
+        check(
+            unsafe { sys::cuGraphLaunch(exec, self.stream.cu_stream()) },
+            "cuGraphLaunch",
+        );
         self.record(event);
     }
 
@@ -869,6 +1017,51 @@ fn main() {
                 raw.sync();
             }) / depth as f64
         });
+        // Other ways to queue a copy and what fires it, by hand (`TRANSFER_BENCH_FLOORS=1`): the
+        // graph launched as it is then an event; the copy graph with an event node (its event
+        // set at each launch); with a node writing the trigger word (its value set at each
+        // launch). Per call, microseconds.
+        if env_count("TRANSFER_BENCH_FLOORS").is_some_and(|v| v != 0) {
+            let f = |c: Option<f64>| c.map_or("-".to_string(), |c| format!("{:.3}", c * 1e6));
+            let launch = raw.copy_graph(raw_ipc, n).map(|g| {
+                per_call(pipe_reps, || {
+                    for i in 0..depth {
+                        raw.graph_launch_then(g.exec, events[i % events.len()]);
+                    }
+                    raw.sync();
+                }) / depth as f64
+            });
+            let ev = raw.event_graph(raw_ipc, n, events[0]).map(|g| {
+                per_call(pipe_reps, || {
+                    for i in 0..depth {
+                        raw.event_graph_launch(g, events[i % events.len()]);
+                    }
+                    raw.sync();
+                }) / depth as f64
+            });
+            let mut v = 0u64;
+            let wd = raw.word_graph(raw_ipc, n, word.dev).map(|g| {
+                per_call(pipe_reps, || {
+                    for _ in 0..depth {
+                        v += 1;
+                        raw.word_graph_launch(g, word.dev, v);
+                    }
+                    raw.sync();
+                }) / depth as f64
+            });
+            println!(
+                "floors at {}: IPC pipe {} us, graph set + event {}, graph + event {}, \
+                 graph with event node {}, graph with word node {}, copy + word {}, copy + event {}",
+                label(n),
+                f(Some(ipc_pipe)),
+                f(graph_pipe),
+                f(launch),
+                f(ev),
+                f(wd),
+                f(Some(word_pipe)),
+                f(Some(event_pipe)),
+            );
+        }
         let gd_pipe = per_call(pipe_reps, || {
             let ts: Vec<_> = (0..depth)
                 .map(|_| {
