@@ -430,6 +430,34 @@ impl MemopFlags {
         }
     }
 
+    /// Raise slot `slot` to `value` if it holds less (one atomic `fetch_max` on host memory;
+    /// on device memory a read then a write, not atomic against the device).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_u64`](Self::load_u64).
+    #[cfg_attr(
+        not(feature = "transfer"),
+        allow(dead_code, reason = "the transfer engine's stream proxy uses it")
+    )]
+    pub(crate) fn raise_u64(&self, slot: usize, value: u64) -> Result<()> {
+        self.check_slot(slot)?;
+        match self.backing {
+            Backing::Host(p) => {
+                // SAFETY: as in `load_u64`.
+                let a = unsafe { AtomicU64::from_ptr(p.add(slot)) };
+                a.fetch_max(value, Ordering::AcqRel);
+                Ok(())
+            }
+            Backing::Device => {
+                if self.load_u64(slot)? < value {
+                    self.store_u64(slot, value)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Read the low 32 bits of slot `slot` (the word 32-bit operations use).
     ///
     /// # Errors

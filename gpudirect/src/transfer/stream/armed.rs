@@ -202,6 +202,9 @@ impl StreamTransfer {
     /// Fire the trigger from the host: what the stream's `cuStreamWriteValue64` does for a
     /// request made with [`Endpoint::write_on`](crate::transfer::Endpoint::write_on). Only for host-triggered requests
     /// ([`Endpoint::write_triggered`](crate::transfer::Endpoint::write_triggered), [`Endpoint::read_triggered`](crate::transfer::Endpoint::read_triggered)); firing twice is harmless.
+    /// The slot is only ever raised: once the request fired, its slot may hold a later request's
+    /// seq (`seq + TRIGGER_SLOTS`, stored by a stream), which a late second fire must not
+    /// overwrite.
     ///
     /// # Errors
     ///
@@ -214,7 +217,7 @@ impl StreamTransfer {
                 "the stream fires it when it reaches the trigger write",
             ));
         }
-        self.queue.words.store(trigger_slot(self.seq), self.seq);
+        self.queue.words.raise(trigger_slot(self.seq), self.seq);
         Ok(())
     }
 

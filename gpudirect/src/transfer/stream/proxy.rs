@@ -1898,6 +1898,31 @@ mod tests {
         assert!(b.is_complete(), "the slot's later seq");
     }
 
+    /// A host request fired again after it finished leaves its slot alone once a later
+    /// request of the slot stored its seq there: that request's trigger (and the fence of an
+    /// intra-node request's copies) stays seen.
+    #[test]
+    fn a_second_fire_never_lowers_a_later_requests_trigger() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let t = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        t.trigger().unwrap();
+        finish(&rel, 1, true);
+        t.wait(Duration::from_secs(10)).unwrap();
+        // The stream of request `seq + TRIGGER_SLOTS` reached its trigger in the same slot.
+        let later = t.seq() + TRIGGER_SLOTS as u64;
+        let mark = Mark {
+            queue: &t.queue,
+            seq: later,
+        };
+        t.queue.words.store(mark.slot(), later);
+        let fence = mark.fence();
+        t.trigger().unwrap();
+        assert_eq!(t.queue.words.load(mark.slot()), later);
+        assert!(fence.is_complete(), "the later trigger stays seen");
+        p.closed();
+    }
+
     #[test]
     fn a_finished_requests_waker_runs_with_the_proxy_unlocked() {
         use crate::completion::testing::WokenFree;

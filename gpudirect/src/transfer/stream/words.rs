@@ -22,6 +22,8 @@ pub(crate) trait WordMemory: Send + Sync + 'static {
     fn load(&self, slot: usize) -> u64;
     /// Set word `slot` (Release).
     fn store(&self, slot: usize, value: u64);
+    /// Raise word `slot` to `value` if it holds less (atomically).
+    fn raise(&self, slot: usize, value: u64);
     /// The CUDA words, when a stream can reach them.
     fn flags(&self) -> Option<&MemopFlags>;
 }
@@ -42,6 +44,9 @@ impl WordMemory for HostWords {
     fn store(&self, slot: usize, value: u64) {
         self.0[slot].store(value, Ordering::Release)
     }
+    fn raise(&self, slot: usize, value: u64) {
+        self.0[slot].fetch_max(value, Ordering::AcqRel);
+    }
     fn flags(&self) -> Option<&MemopFlags> {
         None
     }
@@ -56,6 +61,9 @@ impl WordMemory for MemopFlags {
     }
     fn store(&self, slot: usize, value: u64) {
         let _ = self.store_u64(slot, value);
+    }
+    fn raise(&self, slot: usize, value: u64) {
+        let _ = self.raise_u64(slot, value);
     }
     fn flags(&self) -> Option<&MemopFlags> {
         Some(self)
