@@ -202,8 +202,10 @@ impl CqInner {
         self.lock().qps.insert(qp_num, posted);
     }
 
-    pub(crate) fn unregister(&self, qp_num: u32) {
-        self.lock().qps.remove(&qp_num);
+    /// Forget the tables `posted` registered under `qp_num`: a queue pair made since the
+    /// destroy may hold that number already, and its own tables stay.
+    pub(crate) fn unregister(&self, qp_num: u32, posted: &Arc<PostedTables>) {
+        forget_qp(&mut self.lock().qps, qp_num, posted);
     }
 
     pub(crate) fn room(&self) -> &Room {
@@ -292,6 +294,13 @@ impl CqInner {
     /// Hold back completions polled for someone else.
     pub(crate) fn hold(&self, w: WorkCompletion) {
         self.lock().pending.push_back(w);
+    }
+}
+
+/// Remove `qp_num`'s entry of `qps` if it is `posted`.
+fn forget_qp(qps: &mut HashMap<u32, Arc<PostedTables>>, qp_num: u32, posted: &Arc<PostedTables>) {
+    if qps.get(&qp_num).is_some_and(|p| Arc::ptr_eq(p, posted)) {
+        qps.remove(&qp_num);
     }
 }
 
@@ -604,6 +613,26 @@ impl WcOpcode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tables() -> Arc<PostedTables> {
+        use super::super::posted::{RecvTable, SendTable};
+        Arc::new(PostedTables::new(SendTable::new(4, 1), RecvTable::new(4)))
+    }
+
+    /// A destroyed queue pair's number may go to a new one (on this CQ) before the old one
+    /// unregisters: the new one's tables stay, so its completions still release its requests.
+    #[test]
+    fn a_destroyed_qp_unregisters_only_its_own_tables() {
+        let (old, new) = (tables(), tables());
+        let mut qps = HashMap::new();
+        qps.insert(5, old.clone());
+        // Destroyed; number 5 is taken again by a new queue pair, which registers.
+        qps.insert(5, new.clone());
+        forget_qp(&mut qps, 5, &old);
+        assert!(qps.get(&5).is_some_and(|p| Arc::ptr_eq(p, &new)));
+        forget_qp(&mut qps, 5, &new);
+        assert!(qps.is_empty());
+    }
 
     #[test]
     fn window_opcodes_are_named() {

@@ -247,8 +247,8 @@ impl QpInner {
         let windows = self.posted.windows() > 0;
         // SAFETY: a live QP; after success the NIC no longer touches its requests' memory.
         if drained && !windows && unsafe { (l.ibv_destroy_qp)(self.qp.as_ptr()) } == 0 {
-            self.send_cq.unregister(self.qp_num);
-            self.recv_cq.unregister(self.qp_num);
+            self.send_cq.unregister(self.qp_num, &self.posted);
+            self.recv_cq.unregister(self.qp_num, &self.posted);
             // The send-CQ entry kept for the teardown request.
             self.send_cq.room().release(1);
             Counters::count(&COUNTERS.qp_destroyed);
