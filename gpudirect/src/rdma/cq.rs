@@ -247,9 +247,26 @@ impl CqInner {
         out: &mut [WorkCompletion],
         woken: &mut Woken,
     ) -> Result<usize> {
+        self.poll_from(out, woken, true)
+    }
+
+    /// Poll the CQ itself, leaving the completions held back where they are (a drain that
+    /// holds back what it polls for others would otherwise take them again, and only them).
+    pub(crate) fn poll_fresh(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut woken = Woken::default();
+        self.poll_from(out, &mut woken, false)
+    }
+
+    /// Poll up to `out.len()` completions: those held back first when `held`, then the CQ's.
+    fn poll_from(
+        &self,
+        out: &mut [WorkCompletion],
+        woken: &mut Woken,
+        held: bool,
+    ) -> Result<usize> {
         let mut st = self.lock();
         let mut n = 0;
-        while n < out.len() {
+        while held && n < out.len() {
             match st.pending.pop_front() {
                 Some(w) => {
                     out[n] = w;
@@ -294,6 +311,46 @@ impl CqInner {
     /// Hold back completions polled for someone else.
     pub(crate) fn hold(&self, w: WorkCompletion) {
         self.lock().pending.push_back(w);
+    }
+}
+
+#[cfg(test)]
+impl CqInner {
+    /// A CQ over `cq` (a fake provider's), with `qps` registered and completions of the QPs
+    /// `held` held back (tagged with their index); it must be leaked (`mem::forget`): its drop
+    /// would destroy `cq`.
+    pub(crate) fn fake(
+        cq: NonNull<ibv::ibv_cq>,
+        qps: HashMap<u32, Arc<PostedTables>>,
+        held: &[u32],
+    ) -> Arc<CqInner> {
+        let pending = held
+            .iter()
+            .enumerate()
+            .map(|(i, &qp_num)| {
+                let mut w = WorkCompletion::default();
+                w.0.qp_num = qp_num;
+                w.0.wr_id = i as u64;
+                w
+            })
+            .collect();
+        Arc::new(CqInner {
+            cq,
+            _channel: None,
+            _ctx: super::context::CtxInner::fake(),
+            state: Mutex::new(CqState {
+                qps,
+                srqs: HashMap::new(),
+                pending,
+            }),
+            room: Room::new(64),
+        })
+    }
+
+    /// The completions held back: their QP numbers and tags, in order.
+    pub(crate) fn held(&self) -> Vec<(u32, u64)> {
+        let st = self.lock();
+        st.pending.iter().map(|w| (w.0.qp_num, w.0.wr_id)).collect()
     }
 }
 

@@ -297,33 +297,45 @@ impl QpInner {
     /// Poll this QP's CQs until every request it posted has been released (completions of
     /// other QPs found on a shared CQ are held for their next poll), or `timeout` passes.
     fn drain(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut buf = [WorkCompletion::default(); 16];
-        loop {
-            if self.posted.outstanding() == 0 {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            let mut any = false;
-            for cq in [&self.send_cq, &self.recv_cq] {
-                let Ok(n) = cq.poll_into(&mut buf) else {
-                    continue;
-                };
-                any |= n > 0;
-                for w in &buf[..n] {
-                    if w.qp_num() != self.qp_num {
-                        cq.hold(*w); // someone else's: returned by their next poll
-                    }
+        drain(
+            &self.posted,
+            [&self.send_cq, &self.recv_cq],
+            self.qp_num,
+            timeout,
+        )
+    }
+}
+
+/// Poll the CQs of queue pair `qp_num` until every request in `posted` has been released, or
+/// `timeout` passes. Completions of other QPs are held back for their next poll; those held
+/// back already are left alone (the releases they stand for were made when they were polled).
+fn drain(posted: &PostedTables, cqs: [&Arc<CqInner>; 2], qp_num: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut buf = [WorkCompletion::default(); 16];
+    loop {
+        if posted.outstanding() == 0 {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        let mut any = false;
+        for cq in cqs {
+            let Ok(n) = cq.poll_fresh(&mut buf) else {
+                continue;
+            };
+            any |= n > 0;
+            for w in &buf[..n] {
+                if w.qp_num() != qp_num {
+                    cq.hold(*w); // someone else's: returned by their next poll
                 }
-                if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-                    break;
-                }
             }
-            if !any {
-                std::thread::sleep(Duration::from_micros(200));
+            if Arc::ptr_eq(cqs[0], cqs[1]) {
+                break;
             }
+        }
+        if !any {
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }
@@ -1109,6 +1121,64 @@ impl RtrAttr {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// The fake provider's CQ has one completion to give: request 0 of QP 9.
+    static ONE_LEFT: AtomicBool = AtomicBool::new(false);
+
+    unsafe extern "C" fn poll_one(_cq: *mut ibv::ibv_cq, n: i32, wc: *mut ibv::ibv_wc) -> i32 {
+        if n < 1 || !ONE_LEFT.swap(false, Ordering::SeqCst) {
+            return 0;
+        }
+        // SAFETY: the caller gives room for `n` entries.
+        unsafe {
+            *wc = ibv::ibv_wc {
+                wr_id: WrId::Send { seq: 0 }.encode(),
+                status: ibv::IBV_WC_SUCCESS,
+                qp_num: 9,
+                ..Default::default()
+            };
+        }
+        1
+    }
+
+    /// A QP's drain while a full poll's worth of another QP's completions is held back on its
+    /// CQ: it polls the CQ for its own, and leaves the others' held, in their order.
+    #[test]
+    fn a_drain_reaches_its_own_completions_past_others_held_back() {
+        let ctx = Box::leak(Box::new(ibv::ibv_context::default()));
+        ctx.ops.poll_cq = Some(poll_one);
+        let raw = Box::leak(Box::new(ibv::ibv_cq {
+            context: ctx,
+            ..Default::default()
+        }));
+        let posted = Arc::new(PostedTables::new(SendTable::new(4, 1), RecvTable::new(4)));
+        let room = super::super::posted::Room::new(4);
+        posted
+            .send()
+            .post_one(
+                ibv::ibv_send_wr::default(),
+                Sg::None,
+                0,
+                StatusSlot::default(),
+                &room,
+                |_, _| 0,
+            )
+            .unwrap();
+        let held = [7u32; 20];
+        let cq = CqInner::fake(
+            NonNull::from(raw),
+            [(9, posted.clone())].into_iter().collect(),
+            &held,
+        );
+        ONE_LEFT.store(true, Ordering::SeqCst);
+        assert!(drain(&posted, [&cq, &cq], 9, Duration::from_millis(300)));
+        assert_eq!(posted.outstanding(), 0);
+        let expect: Vec<(u32, u64)> = (0..held.len() as u64).map(|i| (7, i)).collect();
+        assert_eq!(cq.held(), expect, "held back, in their order");
+        // Its drop would destroy the fake CQ.
+        std::mem::forget(cq);
+    }
 
     #[test]
     fn state_kinds_match_the_types() {
