@@ -245,6 +245,11 @@ impl StreamTransfer {
     /// done when `word >= seq` or `word & STREAM_ERROR_BIT != 0`; see the module docs for what
     /// the bit means).
     ///
+    /// The address stays valid only while `self` lives: the words' drop waits for the streams
+    /// that used them through this crate, not for a kernel given the address. Keep `self` until
+    /// every such kernel has finished (launching it is `unsafe`, and this is part of its
+    /// contract).
+    ///
     /// # Errors
     ///
     /// [`Error::Unsupported`] when the queue's words are plain host memory.

@@ -135,6 +135,11 @@ impl StreamWord {
     /// The counter's device address (8 bytes in pinned host memory mapped for the device), for
     /// a kernel that polls it.
     ///
+    /// The address stays valid only while `self` (or a clone) lives: the word's drop waits for
+    /// the streams that used it through this crate, not for a kernel given the address. Keep a
+    /// clone until every such kernel has finished (launching it is `unsafe`, and this is part of
+    /// its contract).
+    ///
     /// # Errors
     ///
     /// [`Error::Unsupported`] for a counter in plain host memory.
