@@ -87,7 +87,9 @@ impl SharedReceiveQueue {
     /// # Errors
     ///
     /// [`Error::InvalidArgument`] for a zero depth or sizes over the device's limits;
-    /// [`Error::Os`] naming `ibv_create_srq` (`EOPNOTSUPP`/`ENOSYS` where the device has no SRQs).
+    /// [`Error::LimitExceeded`] once the process has made 2^30 - 1 SRQs (their ids in `wr_id`
+    /// are never reused); [`Error::Os`] naming `ibv_create_srq` (`EOPNOTSUPP`/`ENOSYS` where
+    /// the device has no SRQs).
     #[doc(alias = "ibv_create_srq")]
     pub fn new(pd: &ProtectionDomain, max_wr: u32, max_sge: u32) -> Result<Self> {
         let dev = pd.context().query_device().ok();
@@ -97,6 +99,8 @@ impl SharedReceiveQueue {
             dev.as_ref().map(|d| (d.max_srq_wr, d.max_srq_sge)),
         )?;
         let l = verbs()?;
+        static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+        let id = next_srq_id(&NEXT_ID)?;
         let mut a = ibv::ibv_srq_init_attr {
             attr: ibv::ibv_srq_attr {
                 max_wr,
@@ -109,8 +113,6 @@ impl SharedReceiveQueue {
         let srq = nonnull("ibv_create_srq", unsafe {
             (l.ibv_create_srq)(pd.as_raw(), &mut a)
         })?;
-        static NEXT_ID: AtomicU32 = AtomicU32::new(1);
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed) & SRQ_ID_MASK;
         // The larger of asked and granted: CQ room is reserved for all of it.
         let depth = a.attr.max_wr.max(max_wr);
         Ok(SharedReceiveQueue {
@@ -208,10 +210,43 @@ fn check_srq(max_wr: u32, max_sge: u32, dev: Option<(u32, u32)>) -> Result<()> {
     Ok(())
 }
 
+/// The id of the next SRQ, from `next`: never one given before, since a live SRQ's receives are
+/// told apart by it in `wr_id` (a CQ would release another SRQ's receives by a repeated one),
+/// and a CQ may still hold completions of a destroyed SRQ. Past [`SRQ_ID_MASK`] SRQs, refused.
+fn next_srq_id(next: &AtomicU32) -> Result<u32> {
+    next.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+        (n <= SRQ_ID_MASK).then(|| n + 1)
+    })
+    .map_err(|n| Error::LimitExceeded {
+        what: "shared receive queues made by one process",
+        requested: n as usize,
+        limit: SRQ_ID_MASK as usize,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Ids are never given twice: past the last one that fits `wr_id`, SRQs are refused.
+    #[test]
+    fn srq_ids_are_never_reused() {
+        let next = AtomicU32::new(SRQ_ID_MASK - 1);
+        let mut seen = vec![next_srq_id(&next).unwrap(), next_srq_id(&next).unwrap()];
+        assert_eq!(seen, [SRQ_ID_MASK - 1, SRQ_ID_MASK]);
+        for _ in 0..3 {
+            match next_srq_id(&next) {
+                Ok(id) => seen.push(id),
+                Err(e) => assert!(matches!(e, Error::LimitExceeded { .. }), "{e}"),
+            }
+        }
+        let mut unique = seen.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), seen.len(), "{seen:?}");
+        assert_eq!(seen.len(), 2);
+    }
 
     proptest! {
         /// Any sizes against any limits: refused or accepted exactly by the rules.
