@@ -468,7 +468,6 @@ impl AsyncCq {
                 side: SendSide::new(backlog),
             }),
             recv: Mutex::new(RecvState::default()),
-            next_id: AtomicU64::new(1),
         });
         lock(&self.disp.qps).insert(qp_num, Arc::downgrade(&shared));
         Ok(AsyncQueuePair { shared })
@@ -533,7 +532,6 @@ struct QpShared {
     qp_num: u32,
     send: Mutex<SendState>,
     recv: Mutex<RecvState>,
-    next_id: AtomicU64,
 }
 
 impl Drop for QpShared {
@@ -582,11 +580,15 @@ fn wc_error(w: &WorkCompletion) -> Error {
     }
 }
 
-impl QpShared {
-    fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed) & !RECV_BIT
-    }
+/// The tag of a new request (send or receive), unique in the process: a completion that reaches
+/// a queue pair other than its own (one that got a destroyed queue pair's number) matches none
+/// of its requests.
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed) & !RECV_BIT
+}
 
+impl QpShared {
     fn send_done(&self, mut w: WorkCompletion, wakers: &mut Wakers) {
         let sender = lock(&self.send).side.complete(w.tag());
         if let Some((slot, tag)) = sender {
@@ -695,7 +697,7 @@ impl AsyncQueuePair {
         {
             let mut st = lock(&s.send);
             st.qp.check_send(&req)?;
-            let id = s.next_id();
+            let id = next_id();
             let user_tag = req.tag;
             let SendState { qp, side } = &mut *st;
             side.submit(id, req, (slot.clone(), user_tag), |id, req| {
@@ -750,7 +752,7 @@ impl AsyncQueuePair {
     #[doc(alias = "ibv_post_recv")]
     pub fn post_recv(&self, buf: MrSlice) -> Result<()> {
         let s = &self.shared;
-        let id = s.next_id() | RECV_BIT;
+        let id = next_id() | RECV_BIT;
         let mut st = lock(&s.send);
         lock(&s.recv).posted.insert(id, buf.clone());
         let _room = lock(&s.disp.room_lock);

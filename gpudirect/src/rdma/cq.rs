@@ -202,10 +202,11 @@ impl CqInner {
         self.lock().qps.insert(qp_num, posted);
     }
 
-    /// Forget the tables `posted` registered under `qp_num`: a queue pair made since the
-    /// destroy may hold that number already, and its own tables stay.
+    /// Forget the tables `posted` registered under `qp_num`, and the destroyed queue pair's
+    /// completions held back here: a queue pair made since may get that number, and they are
+    /// not its own (a queue pair made since the destroy that holds it already keeps its tables).
     pub(crate) fn unregister(&self, qp_num: u32, posted: &Arc<PostedTables>) {
-        forget_qp(&mut self.lock().qps, qp_num, posted);
+        forget_qp(&mut self.lock(), qp_num, posted);
     }
 
     pub(crate) fn room(&self) -> &Room {
@@ -354,10 +355,12 @@ impl CqInner {
     }
 }
 
-/// Remove `qp_num`'s entry of `qps` if it is `posted`.
-fn forget_qp(qps: &mut HashMap<u32, Arc<PostedTables>>, qp_num: u32, posted: &Arc<PostedTables>) {
-    if qps.get(&qp_num).is_some_and(|p| Arc::ptr_eq(p, posted)) {
-        qps.remove(&qp_num);
+/// Remove `qp_num`'s entry if it is `posted`, with the completions of `qp_num` held back (what
+/// they released was released when they were polled).
+fn forget_qp(st: &mut CqState, qp_num: u32, posted: &Arc<PostedTables>) {
+    if st.qps.get(&qp_num).is_some_and(|p| Arc::ptr_eq(p, posted)) {
+        st.qps.remove(&qp_num);
+        st.pending.retain(|w| w.0.qp_num != qp_num);
     }
 }
 
@@ -676,19 +679,50 @@ mod tests {
         Arc::new(PostedTables::new(SendTable::new(4, 1), RecvTable::new(4)))
     }
 
+    fn state(held: &[u32]) -> CqState {
+        CqState {
+            qps: HashMap::new(),
+            srqs: HashMap::new(),
+            pending: held
+                .iter()
+                .map(|&qp_num| {
+                    let mut w = WorkCompletion::default();
+                    w.0.qp_num = qp_num;
+                    w
+                })
+                .collect(),
+        }
+    }
+
+    fn held(st: &CqState) -> Vec<u32> {
+        st.pending.iter().map(|w| w.0.qp_num).collect()
+    }
+
     /// A destroyed queue pair's number may go to a new one (on this CQ) before the old one
     /// unregisters: the new one's tables stay, so its completions still release its requests.
     #[test]
     fn a_destroyed_qp_unregisters_only_its_own_tables() {
         let (old, new) = (tables(), tables());
-        let mut qps = HashMap::new();
-        qps.insert(5, old.clone());
+        let mut st = state(&[]);
+        st.qps.insert(5, old.clone());
         // Destroyed; number 5 is taken again by a new queue pair, which registers.
-        qps.insert(5, new.clone());
-        forget_qp(&mut qps, 5, &old);
-        assert!(qps.get(&5).is_some_and(|p| Arc::ptr_eq(p, &new)));
-        forget_qp(&mut qps, 5, &new);
-        assert!(qps.is_empty());
+        st.qps.insert(5, new.clone());
+        forget_qp(&mut st, 5, &old);
+        assert!(st.qps.get(&5).is_some_and(|p| Arc::ptr_eq(p, &new)));
+        forget_qp(&mut st, 5, &new);
+        assert!(st.qps.is_empty());
+    }
+
+    /// Completions of a destroyed queue pair held back for its next poll (by another's drain)
+    /// go with it: a queue pair that gets its number must not be handed them.
+    #[test]
+    fn a_destroyed_qps_held_completions_go_with_it() {
+        let (five, six) = (tables(), tables());
+        let mut st = state(&[5, 6, 5, 6]);
+        st.qps.insert(5, five.clone());
+        st.qps.insert(6, six.clone());
+        forget_qp(&mut st, 5, &five);
+        assert_eq!(held(&st), [6, 6]);
     }
 
     #[test]
