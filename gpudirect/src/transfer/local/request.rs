@@ -11,7 +11,9 @@ use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, or
 use super::kernel::{self, CopyKernel, Gather, Launcher, Lease};
 use super::side::{IDLE_LOOK, Job, Lane, Side, lock};
 use super::state::State;
-use crate::completion::{EventFence, Fence, StreamFence, Tracker, capture, deadline_after};
+use crate::completion::{
+    EventFence, EventMark, Fence, OwnedEvent, Tracker, capture, deadline_after,
+};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
@@ -1001,11 +1003,18 @@ pub(crate) struct Queued {
 }
 
 impl Queued {
-    /// The fence whose completion fires the request, where its stream stores no trigger word.
-    pub(crate) fn fired_by(&self) -> Option<&StreamFence> {
+    /// The event whose completion fires the request, where its stream stores no trigger word.
+    pub(crate) fn fired_by(&self) -> Option<EventMark> {
         match &self.hold {
-            Some((Passed::Event(f), _)) => Some(f),
+            Some((Passed::Event(e), _)) => Some(e.mark()),
             _ => None,
+        }
+    }
+
+    /// The request fired: its event, if it has one, was seen complete.
+    pub(crate) fn passed(&self) {
+        if let Some((Passed::Event(e), _)) = &self.hold {
+            e.set_done();
         }
     }
 }
@@ -1014,10 +1023,11 @@ impl Queued {
 enum Passed {
     /// The copy kernel stores the trigger word after the bytes.
     Trigger(TriggerFence),
-    /// An event recorded on the stream after the copies (`Timeline::mark`). A trigger word
-    /// written by the stream (`cuStreamWriteValue64`, with its system-wide memory barrier)
-    /// would hold the stream's next copy back until the barrier is through (docs/transfer.md).
-    Event(StreamFence),
+    /// An event of the request's own recorded on the stream after the copies
+    /// (`Timeline::issue_owned`). A trigger word written by the stream (`cuStreamWriteValue64`,
+    /// with its system-wide memory barrier) would hold the stream's next copy back until the
+    /// barrier is through (docs/transfer.md).
+    Event(OwnedEvent),
 }
 
 impl Fence for Passed {
@@ -1261,9 +1271,9 @@ pub(super) fn enqueue_staged(
                     unsafe { queue_copies(copies, raw) }?;
                 }
                 // SAFETY: `raw` is the timeline's stream; the enqueue made its context current.
-                Ok(unsafe { timeline.issue_recorded(raw) })
+                Ok(unsafe { timeline.issue_owned(raw) })
             });
-            let (epoch, keep) = match r {
+            let (event, keep) = match r {
                 Ok(done) => done,
                 Err(refused) => {
                     // Copies may be queued (a batch or loop that failed part way, or a
@@ -1275,8 +1285,8 @@ pub(super) fn enqueue_staged(
                     return Err(refused.error.into());
                 }
             };
-            match epoch {
-                Some(epoch) => (Passed::Event(timeline.fence_at(epoch)), Box::new(keep)),
+            match event {
+                Some(e) => (Passed::Event(e), Box::new(keep)),
                 None => match mark.queue_trigger(stream, keep) {
                     Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
                     Err(refused) => {
