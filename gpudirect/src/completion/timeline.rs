@@ -226,45 +226,67 @@ impl Timeline {
         self.record(&mut g)
     }
 
-    /// Issue the next epoch and record an event of its own on `raw`, this timeline's stream,
-    /// right behind the work the caller just queued there: for a caller inside its own
-    /// capture-checked enqueue (`capture::enqueue`), whose checks then cover the record too.
-    /// The event is the request's ([`OwnedEvent`]), not one of the timeline's pending ones:
-    /// whoever looks for the request asks it directly, with no lock the queueing thread takes.
-    /// `None` when no event could be made or recorded (the epoch is issued all the same). A
-    /// capture found after the record leaks what the closure returned: the event is then
-    /// never destroyed, nor recorded again.
-    ///
-    /// # Safety
-    ///
-    /// `raw` is this timeline's stream, and its context is current.
+    /// An event to record with [`record_owned`](Self::record_owned): a spare one, or a new one
+    /// (`None` when none can be made). Taken before the caller's capture-checked enqueue, so that
+    /// a capture found after the record leaks only the event, never the timeline.
     #[cfg_attr(
         not(all(feature = "transfer", feature = "p2p")),
         allow(dead_code, reason = "the intra-node endpoint's stream requests")
     )]
-    pub(crate) unsafe fn issue_owned(self: &Arc<Self>, raw: sys::CUstream) -> Option<OwnedEvent> {
-        let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
+    pub(crate) fn spare_event(&self) -> Option<CudaEvent> {
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let ev = spare.or_else(|| self.stream().context().new_event(None).ok())?;
+        spare.or_else(|| self.stream().context().new_event(None).ok())
+    }
+
+    /// Issue the next epoch and record `ev` on `raw`, this timeline's stream, right behind the
+    /// work the caller just queued there: for a caller inside its own capture-checked enqueue
+    /// (`capture::enqueue`), whose checks then cover the record too. The epoch (`None` when the
+    /// record failed; the epoch is issued all the same), for [`owned`](Self::owned) once the
+    /// enqueue stood. Epochs and records are taken under one lock, so that on this stream a
+    /// later epoch's event is recorded after an earlier one's and completes after it: the
+    /// proxy asks only the earliest open one.
+    ///
+    /// # Safety
+    ///
+    /// `raw` is this timeline's stream, and its context is current; `ev` is an event of its
+    /// context.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) unsafe fn record_owned(&self, ev: &CudaEvent, raw: sys::CUstream) -> Option<u64> {
+        let _order = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
         // SAFETY: a live event of this timeline's context; the stream and its context are the
         // caller's.
-        match unsafe { crate::driver::event::record(ev.cu_event(), raw) } {
-            Ok(()) => Some(OwnedEvent {
-                timeline: self.clone(),
-                epoch,
-                event: Some(ev),
-                done: AtomicBool::new(false),
-            }),
-            Err(_) => {
-                self.give_back(ev);
-                None
-            }
+        unsafe { crate::driver::event::record(ev.cu_event(), raw) }
+            .ok()
+            .map(|()| epoch)
+    }
+
+    /// The request's own event ([`OwnedEvent`]), recorded at `epoch` by
+    /// [`record_owned`](Self::record_owned): whoever looks for the request asks it directly,
+    /// with no lock the queueing thread takes.
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) fn owned(self: &Arc<Self>, ev: CudaEvent, epoch: u64) -> OwnedEvent {
+        OwnedEvent {
+            timeline: self.clone(),
+            epoch,
+            event: Some(ev),
+            done: AtomicBool::new(false),
         }
     }
 
     /// An event of an [`OwnedEvent`] seen complete (or never recorded), to record again. Spare
     /// events are destroyed only with the timeline: an [`EventMark`] of one may still be asked.
-    fn give_back(&self, ev: CudaEvent) {
+    #[cfg_attr(
+        not(all(feature = "transfer", feature = "p2p")),
+        allow(dead_code, reason = "the intra-node endpoint's stream requests")
+    )]
+    pub(crate) fn give_back(&self, ev: CudaEvent) {
         self.spare
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -629,7 +651,9 @@ impl Fence for EventMark {
 }
 
 /// `cuEventQuery` of `raw`, an event of `timeline`'s context, with that context bound; `false`
-/// on any error or a null handle.
+/// on any error or a null handle. An event recorded into a capture that began and ended between
+/// the enqueue's two checks answers `CUDA_ERROR_CAPTURED_EVENT` for good: its request then ends
+/// at its deadline and what it held stays parked (the graph may run its copies later).
 fn ask(timeline: &Timeline, raw: sys::CUevent) -> bool {
     if raw.is_null() || crate::driver::ctx::bind(timeline.stream().context()).is_err() {
         return false;

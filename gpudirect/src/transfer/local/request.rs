@@ -1260,6 +1260,7 @@ pub(super) fn enqueue_staged(
             // meanwhile: a wait on the completion word that this very request releases). Where
             // it cannot be (no event could be made or recorded), the trigger word.
             let timeline = stream.timeline();
+            let event = timeline.spare_event();
             let r = stream.enqueue(call, keep, |raw, _| {
                 let launched = graphs
                     .as_ref()
@@ -1270,35 +1271,53 @@ pub(super) fn enqueue_staged(
                     // SAFETY: as above.
                     unsafe { queue_copies(copies, raw) }?;
                 }
-                // SAFETY: `raw` is the timeline's stream; the enqueue made its context current.
-                Ok(unsafe { timeline.issue_owned(raw) })
+                // SAFETY: `raw` is the timeline's stream; the enqueue made its context current;
+                // the event is of its context.
+                Ok(event
+                    .as_ref()
+                    .and_then(|ev| unsafe { timeline.record_owned(ev, raw) }))
             });
-            let (event, keep) = match r {
+            let (epoch, keep) = match r {
                 Ok(done) => done,
                 Err(refused) => {
                     // Copies may be queued (a batch or loop that failed part way, or a
                     // capture began meanwhile), but nothing fires the request: the seq counts
-                    // as nothing to do.
-                    if let Some(k) = refused.kept {
-                        park_behind_event(stream, k);
+                    // as nothing to do. The event was not recorded, or may be in a graph (never
+                    // recorded again nor destroyed).
+                    match refused.kept {
+                        Some(k) => {
+                            if let Some(ev) = event {
+                                timeline.give_back(ev);
+                            }
+                            park_behind_event(stream, k);
+                        }
+                        None => std::mem::forget(event),
                     }
                     return Err(refused.error.into());
                 }
             };
-            match event {
-                Some(e) => (Passed::Event(e), Box::new(keep)),
-                None => match mark.queue_trigger(stream, keep) {
-                    Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
-                    Err(refused) => {
-                        // The copies are queued; the trigger is not (parked behind an event
-                        // after them), or may be (leaked).
-                        let (unmade, kept) = Unmade::of(refused);
-                        if let Some(k) = kept {
-                            park_behind_event(stream, k);
-                        }
-                        return Err(unmade);
+            match (epoch, event) {
+                (Some(epoch), Some(ev)) => {
+                    (Passed::Event(timeline.owned(ev, epoch)), Box::new(keep))
+                }
+                (_, unrecorded) => {
+                    // Not recorded: spare again.
+                    if let Some(ev) = unrecorded {
+                        timeline.give_back(ev);
                     }
-                },
+                    match mark.queue_trigger(stream, keep) {
+                        Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
+                        Err(refused) => {
+                            // The copies are queued; the trigger is not (parked behind an event
+                            // after them), or may be (leaked).
+                            let (unmade, kept) = Unmade::of(refused);
+                            if let Some(k) = kept {
+                                park_behind_event(stream, k);
+                            }
+                            return Err(unmade);
+                        }
+                    }
+                }
             }
         }
     };
