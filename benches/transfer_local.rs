@@ -274,23 +274,12 @@ impl Raw {
     /// stream-ordered request launches with the engine's copy graphs. `None` where the driver
     /// refuses it. Never destroyed (one per size and run).
     fn copy_graph(&self, dst: sys::CUdeviceptr, n: usize) -> Option<RawGraph> {
-        self.src_ctx.bind_to_thread().ok()?;
-        let params = copy_params(dst, self.src.device_ptr(), n);
-        let ctx = self.src_ctx.cu_ctx();
-        let (mut g, mut node, mut exec) = (
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
-        // SAFETY: out-pointers; the source's context is current (bound by the caller); the
-        // node copies inside both buffers.
-        let ok = unsafe {
-            sys::cuGraphCreate(&mut g, 0) == sys::CUresult::CUDA_SUCCESS
-                && sys::cuGraphAddMemcpyNode(&mut node, g, std::ptr::null(), 0, &params, ctx)
-                    == sys::CUresult::CUDA_SUCCESS
-                && sys::cuGraphInstantiateWithFlags(&mut exec, g, 0) == sys::CUresult::CUDA_SUCCESS
-        };
-        ok.then_some(RawGraph { exec, node, params })
+        let (exec, node) = self.copy_graph_then(dst, n, |_, copy| Some(copy))?;
+        Some(RawGraph {
+            exec,
+            node,
+            params: copy_params(dst, self.src.device_ptr(), n),
+        })
     }
 
     /// What `write_on` queues per request with the copy graphs, by hand: the node's operands
@@ -316,9 +305,9 @@ impl Raw {
         self.record(event);
     }
 
-    /// A graph of one copy node of `n` bytes to `dst` followed by `tail`, a second node made by
-    /// the closure (given the graph and the copy node), instantiated: `None` where the driver
-    /// refuses it. Never destroyed (one per size and run).
+    /// A graph of one copy node of `n` bytes to `dst` and whatever `tail` adds (given the graph
+    /// and the copy node; it returns the node the caller sets at each launch), instantiated:
+    /// `None` where the driver refuses it. Never destroyed (one per size and run).
     fn copy_graph_then(
         &self,
         dst: sys::CUdeviceptr,
