@@ -124,11 +124,6 @@ pub use host_fn::HostFnFence;
 pub use in_flight::{DROP_WAIT, InFlight};
 #[cfg(feature = "transfer")]
 pub(crate) use timeline::Line;
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(unused_imports, reason = "the intra-node endpoint's stream requests")
-)]
-pub(crate) use timeline::{EventMark, OwnedEvent};
 pub use timeline::{StreamFence, Timeline};
 pub use tracker::Tracker;
 

@@ -7,7 +7,7 @@ use super::thread::{self, Watch, Watched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaStream, sys};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
@@ -18,10 +18,10 @@ use std::time::Duration;
 /// add). Nothing is recorded per operation: when a fence is asked again (or waited for, or
 /// watched by the completion thread) and no recorded event covers its epoch yet, one event is
 /// recorded then, covering every epoch issued so far (stream order makes a later event complete
-/// only after all earlier work). Events are recycled. The exceptions are the intra-node
-/// endpoint's: its lanes record an event right behind a long request's copies, and a
-/// stream-ordered request records an event of its own right behind its copies on
-/// the caller's stream.
+/// only after all earlier work). Events are recycled. The
+/// exceptions are the intra-node endpoint's: its lanes record an event right behind a long
+/// request's copies, and a stream-ordered request one right behind its copies on the caller's
+/// stream.
 ///
 /// Futures awaiting its fences wait in one list per stream: the shared completion thread polls
 /// the stream's oldest pending event (`cuEventQuery`) once per round, whatever the number of
@@ -33,10 +33,6 @@ pub struct Timeline {
     completed: Line<AtomicU64>,
     events: Mutex<Events>,
     waiters: Mutex<Waiters>,
-    /// Events of [`OwnedEvent`]s seen complete, to record again: apart from `events`, which
-    /// the completion thread and the proxy lock to retire what they asked, so that a thread
-    /// queueing requests takes and gives back lines no other thread writes.
-    spare: Mutex<Vec<CudaEvent>>,
 }
 
 /// The stream of a [`Timeline`].
@@ -115,7 +111,6 @@ impl Timeline {
             completed: Line(AtomicU64::new(0)),
             events: Mutex::new(Events::default()),
             waiters: Mutex::new(Waiters::default()),
-            spare: Mutex::new(Vec::new()),
         })
     }
 
@@ -226,71 +221,52 @@ impl Timeline {
         self.record(&mut g)
     }
 
-    /// An event to record with [`record_owned`](Self::record_owned): a spare one, or a new one
-    /// (`None` when none can be made). Taken before the caller's capture-checked enqueue, so that
-    /// a capture found after the record leaks only the event, never the timeline.
-    #[cfg_attr(
-        not(all(feature = "transfer", feature = "p2p")),
-        allow(dead_code, reason = "the intra-node endpoint's stream requests")
-    )]
-    pub(crate) fn spare_event(&self) -> Option<CudaEvent> {
-        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        spare.or_else(|| self.stream().context().new_event(None).ok())
-    }
-
-    /// Issue the next epoch and record `ev` on `raw`, this timeline's stream, right behind the
-    /// work the caller just queued there: for a caller inside its own capture-checked enqueue
-    /// (`capture::enqueue`), whose checks then cover the record too. The epoch (`None` when the
-    /// record failed; the epoch is issued all the same), for [`owned`](Self::owned) once the
-    /// enqueue stood. Epochs and records are taken under one lock, so that on this stream a
-    /// later epoch's event is recorded after an earlier one's and completes after it: the
-    /// proxy asks only the earliest open one.
+    /// Issue the next epoch and record an event covering it on `raw`, this timeline's stream,
+    /// right behind the work the caller just queued there: for a caller inside its own
+    /// capture-checked enqueue (`capture::enqueue`), whose checks then cover the record too.
+    /// The epoch, or `None` when no event could be made or recorded (the epoch is issued all
+    /// the same). An epoch, not a fence: a capture found after the record leaks what the
+    /// closure returned, and a fence would hold the timeline (and the stream) forever.
     ///
     /// # Safety
     ///
-    /// `raw` is this timeline's stream, and its context is current; `ev` is an event of its
-    /// context.
+    /// `raw` is this timeline's stream, and its context is current.
     #[cfg_attr(
         not(all(feature = "transfer", feature = "p2p")),
         allow(dead_code, reason = "the intra-node endpoint's stream requests")
     )]
-    pub(crate) unsafe fn record_owned(&self, ev: &CudaEvent, raw: sys::CUstream) -> Option<u64> {
-        let _order = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+    pub(crate) unsafe fn issue_recorded(&self, raw: sys::CUstream) -> Option<u64> {
         let epoch = self.issued.0.fetch_add(1, Ordering::AcqRel) + 1;
-        // SAFETY: a live event of this timeline's context; the stream and its context are the
-        // caller's.
-        unsafe { crate::driver::event::record(ev.cu_event(), raw) }
-            .ok()
-            .map(|()| epoch)
-    }
-
-    /// The request's own event ([`OwnedEvent`]), recorded at `epoch` by
-    /// [`record_owned`](Self::record_owned): whoever looks for the request asks it directly,
-    /// with no lock the queueing thread takes.
-    #[cfg_attr(
-        not(all(feature = "transfer", feature = "p2p")),
-        allow(dead_code, reason = "the intra-node endpoint's stream requests")
-    )]
-    pub(crate) fn owned(self: &Arc<Self>, ev: CudaEvent, epoch: u64) -> OwnedEvent {
-        OwnedEvent {
-            timeline: self.clone(),
-            epoch,
-            event: Some(ev),
-            done: AtomicBool::new(false),
+        let mut g = self.lock();
+        // Read before the record, as `record` does: every epoch issued by then had its work
+        // queued before it (epochs are issued after their work). Read after, it could cover
+        // another thread's work queued behind this event.
+        let covered = self.issued();
+        let ev = self.pooled_event(&mut g)?;
+        // SAFETY: a live event of this timeline; the stream and its context are the caller's.
+        match unsafe { crate::driver::event::record(ev.cu_event(), raw) } {
+            Ok(()) => {
+                g.pending.push_back((covered, ev));
+                Some(epoch)
+            }
+            Err(_) => {
+                g.free.push(ev);
+                None
+            }
         }
     }
 
-    /// An event of an [`OwnedEvent`] seen complete (or never recorded), to record again. Spare
-    /// events are destroyed only with the timeline: an [`EventMark`] of one may still be asked.
+    /// The fence of `epoch`, an epoch this timeline issued.
     #[cfg_attr(
         not(all(feature = "transfer", feature = "p2p")),
         allow(dead_code, reason = "the intra-node endpoint's stream requests")
     )]
-    pub(crate) fn give_back(&self, ev: CudaEvent) {
-        self.spare
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(ev);
+    pub(crate) fn fence_at(self: &Arc<Self>, epoch: u64) -> StreamFence {
+        debug_assert!(epoch <= self.issued());
+        StreamFence {
+            timeline: self.clone(),
+            state: AtomicU64::new(epoch),
+        }
     }
 
     /// Whether `epoch` is seen complete, retiring completed events, recording none (a query
@@ -526,140 +502,6 @@ impl StreamFence {
     pub(crate) fn timeline(&self) -> &Arc<Timeline> {
         &self.timeline
     }
-}
-
-/// An event recorded on a timeline's stream right behind one request's work
-/// ([`Timeline::issue_owned`]), held by that request: complete once the stream passed the
-/// event. Asked directly (`cuEventQuery`), with none of the timeline's locks; given back to the
-/// timeline's spare events when dropped once seen complete, else leaked.
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node endpoint's stream requests")
-)]
-#[derive(Debug)]
-pub(crate) struct OwnedEvent {
-    timeline: Arc<Timeline>,
-    epoch: u64,
-    /// `None` only once dropped.
-    event: Option<CudaEvent>,
-    /// Seen complete, here or by whoever asked an [`EventMark`] of it and said so
-    /// ([`set_done`](Self::set_done)).
-    done: AtomicBool,
-}
-
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node endpoint's stream requests")
-)]
-impl OwnedEvent {
-    /// What another thread asks: the same event, without the ownership.
-    pub(crate) fn mark(&self) -> EventMark {
-        EventMark {
-            timeline: self.timeline.clone(),
-            epoch: self.epoch,
-            raw: self.raw(),
-        }
-    }
-
-    fn raw(&self) -> sys::CUevent {
-        self.event
-            .as_ref()
-            .map_or(std::ptr::null_mut(), CudaEvent::cu_event)
-    }
-
-    /// The event was seen complete (a mark of it answered so).
-    pub(crate) fn set_done(&self) {
-        self.done.store(true, Ordering::Release);
-    }
-}
-
-impl Fence for OwnedEvent {
-    fn is_complete(&self) -> bool {
-        if self.done.load(Ordering::Acquire) {
-            return true;
-        }
-        let done = ask(&self.timeline, self.raw());
-        if done {
-            self.set_done();
-        }
-        done
-    }
-}
-
-impl Drop for OwnedEvent {
-    fn drop(&mut self) {
-        if let Some(ev) = self.event.take() {
-            if self.done.load(Ordering::Acquire) {
-                self.timeline.give_back(ev);
-            } else {
-                // Never seen complete (a sticky error, or dropped unasked): leaked, as a mark
-                // of it may still be asked.
-                std::mem::forget(ev);
-            }
-        }
-    }
-}
-
-/// An [`OwnedEvent`] as another thread asks it: its timeline (which keeps every event it
-/// handed out alive), its epoch there, and its handle. Asked after its owner gave the event
-/// back, it answers for whatever the event was recorded for since: only a look that decides
-/// nothing may use a mark that outlived its request.
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node endpoint's stream requests")
-)]
-#[derive(Debug, Clone)]
-pub(crate) struct EventMark {
-    timeline: Arc<Timeline>,
-    epoch: u64,
-    raw: sys::CUevent,
-}
-
-// SAFETY: a driver handle, asked from any thread with its context current (`ask` binds it);
-// the timeline the mark holds keeps the event alive (spare events are destroyed only with it,
-// and an owned one only once its owner saw it complete or it was never recorded).
-unsafe impl Send for EventMark {}
-// SAFETY: as above; the mark is never written.
-unsafe impl Sync for EventMark {}
-
-#[cfg_attr(
-    not(all(feature = "transfer", feature = "p2p")),
-    allow(dead_code, reason = "the intra-node endpoint's stream requests")
-)]
-impl EventMark {
-    /// The timeline, as an address: marks of one stream complete in epoch order.
-    pub(crate) fn stream_key(&self) -> usize {
-        Arc::as_ptr(&self.timeline) as usize
-    }
-
-    /// Its epoch on the stream.
-    pub(crate) fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// Whether the stream passed the event (`false` on any error: the request then waits for
-    /// its deadline).
-    pub(crate) fn fired(&self) -> bool {
-        ask(&self.timeline, self.raw)
-    }
-}
-
-impl Fence for EventMark {
-    fn is_complete(&self) -> bool {
-        self.fired()
-    }
-}
-
-/// `cuEventQuery` of `raw`, an event of `timeline`'s context, with that context bound; `false`
-/// on any error or a null handle. An event recorded into a capture that began and ended between
-/// the enqueue's two checks answers `CUDA_ERROR_CAPTURED_EVENT` for good: its request then ends
-/// at its deadline and what it held stays parked (the graph may run its copies later).
-fn ask(timeline: &Timeline, raw: sys::CUevent) -> bool {
-    if raw.is_null() || crate::driver::ctx::bind(timeline.stream().context()).is_err() {
-        return false;
-    }
-    // SAFETY: a live event (see `EventMark`), its context current.
-    matches!(unsafe { crate::driver::event::query_code(raw) }, Ok(true))
 }
 
 impl Fence for StreamFence {

@@ -451,7 +451,7 @@ impl Endpoint {
             })?;
             local
                 .enqueue_staged(staged, stream, &mark)
-                .map(|q| (RdmaWork::Queued(Box::new(q)), true))
+                .map(|q| (RdmaWork::Queued(q), true))
         };
         self.proxy()
             .arm_with(Trigger::Stream(stream), make, timeout, started)
@@ -622,11 +622,9 @@ pub(crate) enum RdmaWork {
         opts: TransferOptions,
     },
     /// Intra-node: the copies were queued on the stream before the trigger, so they are done
-    /// when it fires; only the notification is left. Boxed: the work moves from the caller to
-    /// the proxy's state and back to a caller to be dropped, and every line it spans is a
-    /// line the other thread must fetch.
+    /// when it fires; only the notification is left.
     #[cfg(feature = "p2p")]
-    Queued(Box<Queued>),
+    Queued(Queued),
 }
 
 struct RdmaRunning {
@@ -659,7 +657,7 @@ impl Running for RdmaRunning {
 
 impl Backend for Rdma {
     type Work = RdmaWork;
-    type Fired = crate::completion::EventMark;
+    type Fired = crate::completion::StreamFence;
 
     fn start(&self, w: &RdmaWork) -> Result<Box<dyn Running>> {
         let ep = self.ep.upgrade().ok_or_else(closed_error)?;
@@ -701,8 +699,6 @@ impl Backend for Rdma {
                 "already taken",
             )));
         };
-        // Its event, if any, answered complete: given back when the work is dropped.
-        q.passed();
         let r = match report.notified {
             Some(tag) => local.notify_peer(q, tag),
             None => Ok(()),
@@ -711,11 +707,11 @@ impl Backend for Rdma {
         Some(r.map(|()| report))
     }
 
-    fn fired_by(&self, w: &RdmaWork) -> Option<crate::completion::EventMark> {
+    fn fired_by(&self, w: &RdmaWork) -> Option<crate::completion::StreamFence> {
         match w {
             RdmaWork::Post { .. } => None,
             #[cfg(feature = "p2p")]
-            RdmaWork::Queued(q) => q.fired_by(),
+            RdmaWork::Queued(q) => q.fired_by().cloned(),
         }
     }
 

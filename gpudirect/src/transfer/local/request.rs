@@ -11,9 +11,7 @@ use super::import::{Import, import, import_pool, import_pool_ptr, import_vmm, or
 use super::kernel::{self, CopyKernel, Gather, Launcher, Lease};
 use super::side::{IDLE_LOOK, Job, Lane, Side, lock};
 use super::state::State;
-use crate::completion::{
-    EventFence, EventMark, Fence, OwnedEvent, Tracker, capture, deadline_after,
-};
+use crate::completion::{EventFence, Fence, StreamFence, Tracker, capture, deadline_after};
 use crate::cuda::Stream;
 use crate::error::{Error, Result};
 use crate::transfer::descriptor::RemoteRange;
@@ -1003,18 +1001,11 @@ pub(crate) struct Queued {
 }
 
 impl Queued {
-    /// The event whose completion fires the request, where its stream stores no trigger word.
-    pub(crate) fn fired_by(&self) -> Option<EventMark> {
+    /// The fence whose completion fires the request, where its stream stores no trigger word.
+    pub(crate) fn fired_by(&self) -> Option<&StreamFence> {
         match &self.hold {
-            Some((Passed::Event(e), _)) => Some(e.mark()),
+            Some((Passed::Event(f), _)) => Some(f),
             _ => None,
-        }
-    }
-
-    /// The request fired: its event, if it has one, was seen complete.
-    pub(crate) fn passed(&self) {
-        if let Some((Passed::Event(e), _)) = &self.hold {
-            e.set_done();
         }
     }
 }
@@ -1023,11 +1014,10 @@ impl Queued {
 enum Passed {
     /// The copy kernel stores the trigger word after the bytes.
     Trigger(TriggerFence),
-    /// An event of the request's own recorded on the stream after the copies
-    /// (`Timeline::issue_owned`). A trigger word written by the stream (`cuStreamWriteValue64`,
-    /// with its system-wide memory barrier) would hold the stream's next copy back until the
-    /// barrier is through (docs/transfer.md).
-    Event(OwnedEvent),
+    /// An event recorded on the stream after the copies (`Timeline::mark`). A trigger word
+    /// written by the stream (`cuStreamWriteValue64`, with its system-wide memory barrier)
+    /// would hold the stream's next copy back until the barrier is through (docs/transfer.md).
+    Event(StreamFence),
 }
 
 impl Fence for Passed {
@@ -1260,7 +1250,6 @@ pub(super) fn enqueue_staged(
             // meanwhile: a wait on the completion word that this very request releases). Where
             // it cannot be (no event could be made or recorded), the trigger word.
             let timeline = stream.timeline();
-            let event = timeline.spare_event();
             let r = stream.enqueue(call, keep, |raw, _| {
                 let launched = graphs
                     .as_ref()
@@ -1271,53 +1260,35 @@ pub(super) fn enqueue_staged(
                     // SAFETY: as above.
                     unsafe { queue_copies(copies, raw) }?;
                 }
-                // SAFETY: `raw` is the timeline's stream; the enqueue made its context current;
-                // the event is of its context.
-                Ok(event
-                    .as_ref()
-                    .and_then(|ev| unsafe { timeline.record_owned(ev, raw) }))
+                // SAFETY: `raw` is the timeline's stream; the enqueue made its context current.
+                Ok(unsafe { timeline.issue_recorded(raw) })
             });
             let (epoch, keep) = match r {
                 Ok(done) => done,
                 Err(refused) => {
                     // Copies may be queued (a batch or loop that failed part way, or a
                     // capture began meanwhile), but nothing fires the request: the seq counts
-                    // as nothing to do. The event was not recorded, or may be in a graph (never
-                    // recorded again nor destroyed).
-                    match refused.kept {
-                        Some(k) => {
-                            if let Some(ev) = event {
-                                timeline.give_back(ev);
-                            }
-                            park_behind_event(stream, k);
-                        }
-                        None => std::mem::forget(event),
+                    // as nothing to do.
+                    if let Some(k) = refused.kept {
+                        park_behind_event(stream, k);
                     }
                     return Err(refused.error.into());
                 }
             };
-            match (epoch, event) {
-                (Some(epoch), Some(ev)) => {
-                    (Passed::Event(timeline.owned(ev, epoch)), Box::new(keep))
-                }
-                (_, unrecorded) => {
-                    // Not recorded: spare again.
-                    if let Some(ev) = unrecorded {
-                        timeline.give_back(ev);
-                    }
-                    match mark.queue_trigger(stream, keep) {
-                        Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
-                        Err(refused) => {
-                            // The copies are queued; the trigger is not (parked behind an event
-                            // after them), or may be (leaked).
-                            let (unmade, kept) = Unmade::of(refused);
-                            if let Some(k) = kept {
-                                park_behind_event(stream, k);
-                            }
-                            return Err(unmade);
+            match epoch {
+                Some(epoch) => (Passed::Event(timeline.fence_at(epoch)), Box::new(keep)),
+                None => match mark.queue_trigger(stream, keep) {
+                    Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
+                    Err(refused) => {
+                        // The copies are queued; the trigger is not (parked behind an event
+                        // after them), or may be (leaked).
+                        let (unmade, kept) = Unmade::of(refused);
+                        if let Some(k) = kept {
+                            park_behind_event(stream, k);
                         }
+                        return Err(unmade);
                     }
-                }
+                },
             }
         }
     };

@@ -7,7 +7,7 @@ use super::window::{DONE, FENCE_NAP, TRIGGER_SLOTS, Window, proxy_pause, trigger
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
-use crate::completion::{CompletionFlag, EventMark, Fence};
+use crate::completion::{CompletionFlag, Fence, StreamFence};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
 use crate::transfer::plan::deadline_after;
@@ -57,9 +57,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     type Fired: FiredBy;
     /// For work whose stream stores no trigger word (it recorded an event behind the work
     /// instead): a fence complete once the stream passed the work, which then counts as its
-    /// trigger having fired, and is then the only thing that fires it (its slot is not looked
-    /// at: the work may take the fence's answer as its own, see `done_at_fire`). `None` (the
-    /// default): the trigger word alone says so.
+    /// trigger having fired. `None` (the default): the trigger word alone says so.
     fn fired_by(&self, _work: &Self::Work) -> Option<Self::Fired> {
         None
     }
@@ -80,12 +78,12 @@ pub(crate) trait FiredBy: Fence + Clone {
     fn fired(&self) -> bool;
 }
 
-impl FiredBy for EventMark {
+impl FiredBy for StreamFence {
     fn place(&self) -> (usize, u64) {
-        (self.stream_key(), self.epoch())
+        (Arc::as_ptr(self.timeline()) as usize, self.epoch())
     }
     fn fired(&self) -> bool {
-        EventMark::fired(self)
+        self.timeline().query(self.epoch())
     }
 }
 
@@ -752,7 +750,10 @@ impl<B: Backend> Core<B> {
         for (k, e) in entries.iter_mut() {
             match &mut e.stage {
                 Stage::Armed(w) => {
-                    let by_fence = |f: B::Fired, open: &mut Vec<(usize, u64)>| {
+                    let mut by_fence = || {
+                        let Some(f) = self.backend.fired_by(w) else {
+                            return false;
+                        };
                         let (stream, at) = f.place();
                         let seen = open.iter_mut().find(|(s, _)| *s == stream);
                         if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
@@ -768,13 +769,10 @@ impl<B: Backend> Core<B> {
                         done
                     };
                     // Every entry's queue is kept while the entry is (it counts as outstanding).
-                    let now_fired = match self.backend.fired_by(w) {
-                        Some(f) => by_fence(f, &mut open),
-                        None => queues
-                            .get(&k.0)
-                            .is_some_and(|q| q.queue.words.load(trigger_slot(k.1)) == k.1),
-                    };
-                    if now_fired {
+                    let word = queues
+                        .get(&k.0)
+                        .map(|q| q.queue.words.load(trigger_slot(k.1)));
+                    if word == Some(k.1) || by_fence() {
                         let Stage::Armed(w) = std::mem::replace(&mut e.stage, Stage::Starting)
                         else {
                             unreachable!("matched above")
@@ -1506,32 +1504,6 @@ mod tests {
         p.closed();
     }
 
-    /// Work fired by a fence is fired by nothing else: its seq in its trigger slot (which no
-    /// stream of its writes) starts nothing while the fence is open, so the work may take the
-    /// fence's answer as its own when it fires (an intra-node request gives its event back).
-    #[test]
-    fn work_fired_by_a_fence_ignores_its_trigger_slot() {
-        let p = Proxy::new(Fake::default());
-        let rel = p.core.backend.release.clone();
-        let (fence, t) = armed_behind_a_fence(&p, 5);
-        t.trigger().unwrap();
-        let look = Instant::now();
-        while look.elapsed() < Duration::from_millis(50) {
-            assert!(
-                p.core.backend.started.lock().unwrap().is_empty(),
-                "started by its slot with its fence open"
-            );
-            std::thread::yield_now();
-        }
-        fence.0.store(true, Ordering::Release);
-        until("started", || {
-            !p.core.backend.started.lock().unwrap().is_empty()
-        });
-        finish(&rel, 5, true);
-        assert!(t.wait(Duration::from_secs(10)).is_ok());
-        p.closed();
-    }
-
     /// Work whose stream stores no trigger (an event behind it instead) starts once its fence
     /// completes, and the proxy keeps looking while it waits: it naps between looks, never
     /// sleeping until rung (which would leave the fence unseen until the next request).
@@ -2099,7 +2071,7 @@ mod tests {
 
     impl Backend for AtOnce {
         type Work = u64;
-        type Fired = EventMark;
+        type Fired = StreamFence;
         fn start(&self, _: &u64) -> Result<Box<dyn Running>> {
             Ok(Box::new(Over(Some(report()))))
         }
@@ -2539,7 +2511,7 @@ mod tests {
     }
     impl Backend for Spy {
         type Work = Tracked;
-        type Fired = EventMark;
+        type Fired = StreamFence;
         fn start(&self, _: &Tracked) -> Result<Box<dyn Running>> {
             Ok(Box::new(SpyRun(Tracked(self.0.clone()))))
         }
@@ -2628,7 +2600,7 @@ mod tests {
     struct AtFireWork(u64, Option<TransferReport>, #[allow(dead_code)] Tracked);
     impl Backend for AtFire {
         type Work = AtFireWork;
-        type Fired = EventMark;
+        type Fired = StreamFence;
         fn start(&self, _: &AtFireWork) -> Result<Box<dyn Running>> {
             self.started.fetch_add(1, Ordering::SeqCst);
             Err(closed_error())
