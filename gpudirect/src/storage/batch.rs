@@ -169,6 +169,10 @@ pub struct Batch<M: DeviceMemoryMut> {
     /// Requests could not be proven final within the bounded wait: their buffers, handles and
     /// params were leaked, and the batch is never destroyed or reused.
     leaked: bool,
+    /// `cuFileBatchIOSubmit` was called on the handle, even if it failed: a failed submit that
+    /// settled may still have events cuFile reports later, whose 1-based cookies would name
+    /// another submission's requests, so the handle takes no second one.
+    spent: bool,
 }
 
 // SAFETY: the batch handle may be used from any thread; all access goes through &mut self.
@@ -214,6 +218,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
             expected: Vec::new(),
             outstanding: 0,
             leaked: false,
+            spent: false,
         })
     }
 
@@ -226,18 +231,19 @@ impl<M: DeviceMemoryMut> Batch<M> {
     ///
     /// # Errors
     ///
-    /// [`Error::LimitExceeded`] over capacity; [`Error::InvalidArgument`] for a second submit, a
-    /// range outside a buffer or past `off_t`, or buffers on different devices; [`Error::Os`]
+    /// [`Error::LimitExceeded`] over capacity; [`Error::InvalidArgument`] for a second submit
+    /// (after a failed one too: the handle may still report its events), a range outside a
+    /// buffer or past `off_t`, or buffers on different devices; [`Error::Os`]
     /// from `fstat`; [`Error::CuFile`] from `cuFileBatchIOSubmit`. cuFile does not promise that a failed submit enqueued nothing, so
     /// the batch is then canceled and polled for a bounded time (as on drop): the requests are
     /// dropped only if every one is proven final, else they are leaked with the batch.
     #[doc(alias = "cuFileBatchIOSubmit")]
     pub fn submit(&mut self, requests: Vec<BatchRequest<M>>) -> Result<()> {
-        if !self.requests.is_empty() || self.leaked {
+        if second_submission(!self.requests.is_empty(), self.leaked, self.spent) {
             return Err(Error::invalid(
                 "requests",
                 "a second submission",
-                "a Batch is submitted once",
+                "a Batch is submitted once (a failed submit too: make another Batch)",
             ));
         }
         let shapes: Vec<Shape> = requests
@@ -302,6 +308,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
         if n == 0 {
             return Ok(());
         }
+        self.spent = true;
         // SAFETY: `params` and every buffer and handle stay owned by `self` until each request
         // reaches a final status.
         let r = check("cuFileBatchIOSubmit", unsafe {
@@ -662,9 +669,24 @@ pub fn run_batched<M: DeviceMemoryMut>(
     Ok(out)
 }
 
+/// Whether a submit is a second one: requests are held from an earlier one, the batch was
+/// leaked, or the handle was given a submission before (one that failed included).
+fn second_submission(holding: bool, leaked: bool, spent: bool) -> bool {
+    holding || leaked || spent
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_handle_given_a_submission_takes_no_second_even_after_a_failed_one() {
+        // A failed submit that settled holds no requests, but its handle was given them.
+        assert!(second_submission(false, false, true));
+        assert!(second_submission(true, false, false));
+        assert!(second_submission(false, true, false));
+        assert!(!second_submission(false, false, false), "a fresh batch");
+    }
 
     #[test]
     fn poll_timeouts_clamp_instead_of_going_negative() {
