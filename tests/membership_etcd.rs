@@ -380,17 +380,37 @@ impl OwnEtcd {
     fn start(&mut self) {
         let c = format!("http://127.0.0.1:{}", self.client);
         let p = format!("http://127.0.0.1:{}", self.peer);
-        let child = support::etcd::single_member(&self.bin, "restart", &self.dir, &c, &p)
-            .args(&self.extra)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let until = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(self.addr()).is_err() {
-            assert!(Instant::now() < until, "etcd did not start");
-            std::thread::sleep(Duration::from_millis(50));
+        // A port picked free may be taken again before etcd binds it (by another test's
+        // outgoing connection): etcd then exits, perhaps after it listened on the other one.
+        // Started again on the same ports (a restart keeps its data and its member's URLs).
+        for _ in 0..5 {
+            let mut child = support::etcd::single_member(&self.bin, "restart", &self.dir, &c, &p)
+                .args(&self.extra)
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let until = Instant::now() + Duration::from_secs(20);
+            let exited = |child: &mut std::process::Child| !matches!(child.try_wait(), Ok(None));
+            let up = loop {
+                if exited(&mut child) {
+                    break false;
+                }
+                if std::net::TcpStream::connect(self.addr()).is_ok() {
+                    // Still running a moment after it listened.
+                    std::thread::sleep(Duration::from_millis(200));
+                    break !exited(&mut child);
+                }
+                assert!(Instant::now() < until, "etcd did not start");
+                std::thread::sleep(Duration::from_millis(50));
+            };
+            self.child = Some(child);
+            if up {
+                return;
+            }
+            self.kill();
+            std::thread::sleep(Duration::from_millis(200));
         }
+        panic!("etcd exited at each of 5 starts on {}", self.addr());
     }
 
     fn kill(&mut self) {
