@@ -173,10 +173,10 @@ where
     Ok(InFlight::new("async copy", stream.fence(), (src, dst)))
 }
 
-/// Copy all of `src` into `dst` on `stream` and wait for it (`cuStreamSynchronize`), with the
-/// calling thread relaxed to `CU_STREAM_CAPTURE_MODE_RELAXED` for the wait (its mode is put back
-/// after), so a graph another thread captures in global mode is neither refused nor invalidated
-/// by it.
+/// Copy all of `src` into `dst` on `stream` and wait for it (a fence of the stream, then
+/// `cuStreamSynchronize` where the driver refused that wait), with the calling thread relaxed to
+/// `CU_STREAM_CAPTURE_MODE_RELAXED` for the wait (its mode is put back after), so a graph
+/// another thread captures in global mode is neither refused nor invalidated by it.
 ///
 /// # Errors
 ///
