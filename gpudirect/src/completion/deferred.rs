@@ -91,6 +91,16 @@ impl<'a, T: Defers> Locked<'a, T> {
         Locked { mutex, g: Some(g) }
     }
 
+    /// Lock `mutex` if no other thread holds it (a poisoned lock is taken as it is).
+    pub(crate) fn try_new(mutex: &'a Mutex<T>) -> Option<Self> {
+        let g = match mutex.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Locked { mutex, g: Some(g) })
+    }
+
     /// Wait on `cv` up to `left` with the lock let go, as [`Condvar::wait_timeout`]. When
     /// wake-ups are pending they run instead, the lock let go and taken again: the caller looks
     /// again before it waits, as after any spurious wake-up.

@@ -10,7 +10,7 @@ use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// One queue's words.
@@ -29,6 +29,9 @@ pub(crate) struct Queue {
     /// up to it is armed behind a fence the proxy looks without napping. Its own allocation:
     /// the proxy holds it, never the words.
     pub(super) waited: Arc<AtomicU64>,
+    /// The proxy whose round a host waiter runs itself ([`Helper`]); weak: the proxy's words
+    /// must not keep it.
+    pub(super) helper: Weak<dyn Helper>,
 }
 
 impl Queue {
@@ -39,7 +42,31 @@ impl Queue {
             bell,
             low: Line(AtomicU64::new(1)),
             waited: Arc::new(AtomicU64::new(0)),
+            helper: Weak::<NoHelper>::new(),
         }
+    }
+
+    /// The same queue, its host waiters running `helper`'s rounds.
+    pub(super) fn helped_by(mut self, helper: Weak<dyn Helper>) -> Queue {
+        self.helper = helper;
+        self
+    }
+}
+
+/// A proxy whose round a caller's thread can run: a host that waits for (or looks at) a request
+/// finishes what is done itself, without waking the proxy thread.
+pub(crate) trait Helper: Send + Sync {
+    /// One round on this thread, unless another thread is in one (or this is a proxy thread):
+    /// what fired is started, what finished ended. Whether it ran.
+    fn help(&self) -> bool;
+}
+
+/// No proxy to help (a queue made alone, in tests).
+struct NoHelper;
+
+impl Helper for NoHelper {
+    fn help(&self) -> bool {
+        false
     }
 }
 
@@ -191,6 +218,16 @@ impl StreamTransfer {
         self.seq
     }
 
+    /// Run the proxy's round on this thread (see [`Helper`]); whether it ran.
+    fn help(&self) -> bool {
+        self.queue.helper.upgrade().is_some_and(|h| h.help())
+    }
+
+    /// Whether the request finished, after a round of the proxy's run here if not.
+    fn finished(&self) -> bool {
+        self.outcome.flag.is_complete() || (self.help() && self.outcome.flag.is_complete())
+    }
+
     /// Mark the request waited for (and every earlier one of its queue), ringing the proxy
     /// the first time (a loop of `wait(Duration::ZERO)` rings once).
     fn waited(&self) {
@@ -266,9 +303,11 @@ impl StreamTransfer {
     }
 
     /// Whether the word releases a wait for this request now (done, or a failure in the
-    /// queue).
+    /// queue). When it does not, this thread first runs a round of the proxy's (what the stream
+    /// passed is ended here) and looks again.
     pub fn is_released(&self) -> bool {
-        geq_releases(self.completion_value(), self.seq)
+        let released = || geq_releases(self.completion_value(), self.seq);
+        released() || (self.help() && released())
     }
 
     fn cuda_words(&self) -> Result<&MemopFlags> {
@@ -280,9 +319,10 @@ impl StreamTransfer {
         })
     }
 
-    /// Whether the request has finished (the host's view; the word is written before).
+    /// Whether the request has finished (the host's view; the word is written before). When
+    /// it has not, this thread first runs a round of the proxy's, as [`wait`](Self::wait) does.
     pub fn is_complete(&self) -> bool {
-        self.outcome.flag.is_complete()
+        self.finished()
     }
 
     /// Wait on the host, up to `timeout`, for the request to finish, and take its result.
@@ -295,21 +335,23 @@ impl StreamTransfer {
     /// closed first or an earlier request of the queue failed); [`Error::InvalidArgument`] once
     /// the result was taken.
     pub fn wait(&self, timeout: Duration) -> Result<TransferReport> {
-        let flag = &self.outcome.flag;
-        if !flag.is_complete() {
+        // This thread ends what is done itself (a round of the proxy's, when no other thread is
+        // in one): the proxy thread, napping over requests nobody waited for, need not wake.
+        // Only a request not done yet marks the queue waited, so that the proxy then looks
+        // without napping while this thread sleeps between looks.
+        let done = self.finished() || {
             self.waited();
-        }
-        let done = flag.is_complete()
-            || poll_until(
+            poll_until(
                 || {
-                    if flag.is_complete() {
+                    if self.finished() {
                         return true;
                     }
                     self.queue.bell.nudge();
                     false
                 },
                 timeout,
-            );
+            )
+        };
         if !done {
             return Err(Error::Timeout {
                 what: "a stream transfer",
@@ -345,7 +387,10 @@ impl std::future::IntoFuture for StreamTransfer {
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferReport>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        self.waited();
+        // Done already (ended here, if the stream passed it): no waiter to mark.
+        if !self.finished() {
+            self.waited();
+        }
         let op = InFlight::new(
             "stream transfer",
             self.outcome.flag.clone(),
@@ -368,7 +413,7 @@ impl std::fmt::Debug for StreamTransfer {
             .field("seq", &self.seq)
             .field("queue", &self.queue.id)
             .field("word", &self.completion_value())
-            .field("complete", &self.is_complete())
+            .field("complete", &self.outcome.flag.is_complete())
             .finish()
     }
 }

@@ -2,7 +2,7 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Keep, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer};
+use super::armed::{Helper, Keep, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer};
 use super::window::{DONE, FENCE_NAP, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
@@ -459,12 +459,16 @@ impl<F: FiredBy> Watch<F> {
 }
 
 struct Core<B: Backend> {
+    /// Itself, for the queues' host waiters ([`Helper`]).
+    me: Weak<Core<B>>,
     backend: B,
     /// The proxy's state; taken by callers only on the slow paths (a new queue, a refused
     /// arm, a full window). Lock order: `state`, then `front`.
     state: Mutex<PState<B::Work>>,
     front: Mutex<Front<B::Work>>,
     bell: Arc<Bell>,
+    /// The bell as a waker, for running requests (whichever thread polls them).
+    waker: Waker,
     /// Naps over unwaited fences taken so far.
     #[cfg(test)]
     fence_naps: AtomicU64,
@@ -727,12 +731,16 @@ impl<B: Backend> Core<B> {
         self.bell.ring();
     }
 
-    /// One round: fired triggers are taken (to start outside the lock), running requests
-    /// polled, passed trigger deadlines failed. Returns what fired, whether anything moved, and
-    /// the triggers still armed.
+    /// One round under `st` (the proxy thread's, or a host waiter's: [`Helper`]): fired
+    /// triggers are taken (to start outside the lock), running requests polled, passed trigger
+    /// deadlines failed. Returns what fired, whether anything moved, and the triggers still
+    /// armed.
     #[allow(clippy::type_complexity)]
-    fn round(&self, waker: &Waker) -> (Vec<((u64, u64), B::Work)>, bool, Watch<B::Fired>) {
-        let mut st = self.lock();
+    fn round(
+        &self,
+        mut st: Locked<'_, PState<B::Work>>,
+    ) -> (Vec<((u64, u64), B::Work)>, bool, Watch<B::Fired>) {
+        let waker = &self.waker;
         self.drain(&mut st, false);
         let now = Instant::now();
         let mut fired = Vec::new();
@@ -865,10 +873,11 @@ impl<B: Backend> Core<B> {
 
     /// Start what fired, and poll each once, outside the lock (the backend takes the
     /// endpoint's); then one lock for all of them.
-    fn start(&self, fired: Vec<((u64, u64), B::Work)>, waker: &Waker) {
+    fn start(&self, fired: Vec<((u64, u64), B::Work)>) {
         if fired.is_empty() {
             return;
         }
+        let waker = &self.waker;
         let started: Vec<_> = fired
             .into_iter()
             .map(|(k, mut w)| {
@@ -915,14 +924,13 @@ impl<B: Backend> Core<B> {
 
     fn run(self: &Arc<Self>) {
         PROXY_THREAD.with(|p| p.set(true));
-        let waker = Waker::from(self.bell.clone());
         let mut idle = 0u32;
         loop {
             // Taken before the state is looked at: a ring after this is seen next time.
             self.bell.take();
-            let (fired, moved, watch) = self.round(&waker);
+            let (fired, moved, watch) = self.round(self.lock());
             let started = !fired.is_empty();
-            self.start(fired, &waker);
+            self.start(fired);
             if moved || started {
                 idle = 0;
                 continue;
@@ -1104,7 +1112,9 @@ impl<B: Backend> Core<B> {
                 if let Some(words) = made.take() {
                     let id = front.next_queue;
                     front.next_queue += 1;
-                    let queue = Arc::new(Queue::new(id, words, self.bell.clone()));
+                    let queue = Arc::new(
+                        Queue::new(id, words, self.bell.clone()).helped_by(self.me.clone()),
+                    );
                     st.queues.insert(
                         id,
                         QState {
@@ -1199,10 +1209,27 @@ fn hook(at: &'static str) {
 #[inline(always)]
 fn hook(_: &'static str) {}
 
+impl<B: Backend> Helper for Core<B> {
+    fn help(&self) -> bool {
+        // A proxy thread (a waker's code run there) leaves rounds to its own loop.
+        if PROXY_THREAD.with(std::cell::Cell::get) {
+            return false;
+        }
+        let Some(st) = Locked::try_new(&self.state) else {
+            return false;
+        };
+        let (fired, _, _) = self.round(st);
+        self.start(fired);
+        true
+    }
+}
+
 impl<B: Backend> Proxy<B> {
     pub(crate) fn new(backend: B) -> Self {
+        let bell = Arc::new(Bell::default());
         Proxy {
-            core: Arc::new(Core {
+            core: Arc::new_cyclic(|me| Core {
+                me: me.clone(),
                 backend,
                 state: Mutex::new(PState {
                     entries: BTreeMap::new(),
@@ -1220,7 +1247,8 @@ impl<B: Backend> Proxy<B> {
                     inbox: Vec::new(),
                     graveyard: Vec::new(),
                 }),
-                bell: Arc::new(Bell::default()),
+                waker: Waker::from(bell.clone()),
+                bell,
                 #[cfg(test)]
                 fence_naps: AtomicU64::new(0),
             }),
