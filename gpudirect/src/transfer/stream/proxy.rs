@@ -275,7 +275,7 @@ enum Dead<W> {
 struct PState<W> {
     /// By (queue id, seq).
     entries: BTreeMap<(u64, u64), Entry<W>>,
-    queues: HashMap<u64, QState>,
+    queues: HashMap<u64, QState, foldhash::fast::RandomState>,
     closing: Option<Instant>,
     /// What finished requests held, handed to [`Front::graveyard`] at the next drain.
     graveyard: Vec<Dead<W>>,
@@ -1233,7 +1233,7 @@ impl<B: Backend> Proxy<B> {
                 backend,
                 state: Mutex::new(PState {
                     entries: BTreeMap::new(),
-                    queues: HashMap::new(),
+                    queues: HashMap::default(),
                     closing: None,
                     graveyard: Vec::new(),
                     spare: Vec::new(),
@@ -1497,6 +1497,90 @@ mod tests {
 
     fn finish(release: &Arc<Mutex<HashMap<u64, bool>>>, id: u64, ok: bool) {
         release.lock().unwrap().insert(id, ok);
+    }
+
+    /// A backend whose work is done at once: fired by a fence complete from the start, done
+    /// when it fires (the shape of an intra-node stream request), for the bookkeeping's cost.
+    struct Quick(FakeFence);
+
+    impl Backend for Quick {
+        type Work = u64;
+        type Fired = FakeFence;
+        fn start(&self, _: &u64) -> Result<Box<dyn Running>> {
+            Ok(Box::new(NoRun))
+        }
+        fn done_at_fire(&self, _: &mut u64) -> Option<Result<TransferReport>> {
+            Some(Ok(report()))
+        }
+        fn fired_by(&self, _: &u64) -> Option<FakeFence> {
+            Some(self.0.clone())
+        }
+    }
+
+    /// The proxy's own cost per request: bursts of 32 armed, then each waited for (as the
+    /// `transfer_local` bench's stream-ordered cells, without CUDA). `cargo test --release --lib
+    /// bookkeeping -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement"]
+    fn bookkeeping_per_request() {
+        let fence = FakeFence::default();
+        fence.0.store(true, Ordering::Release);
+        let p = Proxy::new(Quick(fence));
+        let burst = || {
+            let ts: Vec<_> = (0..32)
+                .map(|i| p.arm(Trigger::Host, i, Duration::from_secs(30)).unwrap())
+                .collect();
+            for t in ts {
+                t.wait(Duration::from_secs(10)).unwrap();
+            }
+        };
+        for _ in 0..1000 {
+            burst();
+        }
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let n = 20_000;
+            for _ in 0..n {
+                burst();
+            }
+            let ns = t0.elapsed().as_nanos() as f64 / (n * 32) as f64;
+            println!("bookkeeping: {ns:.0} ns a request");
+        }
+        p.closed();
+    }
+
+    /// A host waiter runs the proxy's round itself: with no proxy thread at all (never
+    /// started), waits, looks and futures still end what fired, in order, and only what fired.
+    #[test]
+    fn a_host_waiter_ends_requests_without_the_proxy_thread() {
+        let p = Proxy::new(Fake::default());
+        p.started.store(true, Ordering::Release); // no thread
+        let rel = p.core.backend.release.clone();
+        let (f1, t1) = armed_behind_a_fence(&p, 1);
+        let (f2, t2) = armed_behind_a_fence(&p, 2);
+        let (f3, t3) = armed_behind_a_fence(&p, 3);
+        assert!(!t1.is_complete() && !t2.is_released());
+        assert!(
+            t1.wait(Duration::from_millis(5)).is_err(),
+            "its fence is open"
+        );
+        for (f, id) in [(&f1, 1), (&f2, 2)] {
+            f.0.store(true, Ordering::Release);
+            finish(&rel, id, true);
+        }
+        assert_eq!(t2.wait(Duration::from_secs(10)).unwrap().bytes, 8);
+        assert!(t1.is_complete() && t1.is_released() && t2.is_released());
+        assert_eq!(t1.completion_value(), 2);
+        assert!(!t3.is_complete(), "its fence is still open");
+        assert_eq!(*p.core.backend.started.lock().unwrap(), vec![1, 2]);
+        f3.0.store(true, Ordering::Release);
+        finish(&rel, 3, true);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert_eq!(rt.block_on(t3.into_future()).unwrap().bytes, 8);
+        assert_eq!(p.pending(), 0);
+        p.closed();
     }
 
     /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
