@@ -101,6 +101,7 @@ mod backoff;
 pub(crate) mod capture;
 #[cfg(feature = "rdma")]
 pub(crate) mod deferred;
+pub(crate) mod elsewhere;
 mod event_fence;
 #[cfg(feature = "tokio")]
 pub(crate) mod fd;

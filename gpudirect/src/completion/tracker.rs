@@ -43,7 +43,9 @@ impl Tracker {
     }
 
     /// Drop parked resources whose fence has completed; returns how many were released. In a
-    /// forked child nothing is released (no FFI frees after fork).
+    /// forked child nothing is released (no FFI frees after fork). On one of the crate's threads
+    /// that free nothing (a stream proxy's, an endpoint's progress thread: a waker may run code
+    /// there that reaps), they are dropped on another thread of the crate's.
     ///
     /// Fences are polled outside the lock (polling may call the driver), so a host callback
     /// parking what it owned never waits behind a driver call. A fence whose poll panics (a
@@ -81,7 +83,9 @@ impl Tracker {
         let n = done.len();
         self.count.fetch_sub(n + leaked, Ordering::AcqRel);
         // Dropped outside the lock: resources' destructors may call into CUDA or verbs.
-        drop(done);
+        if !done.is_empty() {
+            super::elsewhere::drop_freely(done);
+        }
         n
     }
 
@@ -189,5 +193,34 @@ mod tests {
         assert_eq!(t.reap(), 1);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
         assert_eq!(t.parked(), 0);
+    }
+
+    /// A reap on a thread that frees nothing (a waker's code on a stream proxy) releases what
+    /// completed on the crate's drop thread, never there.
+    #[test]
+    fn a_reap_on_a_thread_that_frees_nothing_frees_elsewhere() {
+        struct Where(Arc<std::sync::Mutex<Option<String>>>);
+        impl Drop for Where {
+            fn drop(&mut self) {
+                let name = std::thread::current().name().map(str::to_string);
+                *self.0.lock().unwrap() = name;
+            }
+        }
+        let t = Arc::new(Tracker::new());
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        t.park(Done, Where(seen.clone()));
+        let t2 = t.clone();
+        let reaped = std::thread::Builder::new()
+            .name("frees-nothing".into())
+            .spawn(move || {
+                crate::completion::elsewhere::frees_nothing();
+                t2.reap()
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!((reaped, t.parked()), (1, 0), "released");
+        crate::completion::testing::until("dropped", || seen.lock().unwrap().is_some());
+        assert_eq!(seen.lock().unwrap().as_deref(), Some("gpudirect-drop"));
     }
 }

@@ -2,9 +2,10 @@
 //! leaves it, and [`StreamTransfer`], the request as users see it.
 
 use super::window::{DONE, geq_releases, trigger_slot};
-use super::words::WordMemory;
+use super::words::{HostWords, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
+use crate::completion::elsewhere::{drop_elsewhere, drop_freely, frees_nothing_here};
 use crate::completion::{CompletionFlag, Fence, InFlight, Line, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
@@ -70,11 +71,32 @@ impl Helper for NoHelper {
     }
 }
 
+impl Drop for Queue {
+    /// Let go of on a thread that frees nothing (its last handle dropped by code a waker ran on
+    /// a stream proxy), the words go to a thread that may wait for the streams that used them.
+    fn drop(&mut self) {
+        if frees_nothing_here() {
+            let words = std::mem::replace(&mut self.words, Box::new(HostWords::new(0)));
+            drop_elsewhere(Box::new(words));
+        }
+    }
+}
+
 /// A request's result as the proxy leaves it, with what it held (dropped by whoever takes the
-/// result, never by the proxy thread).
+/// result, or with the outcome; never on a thread that frees nothing, as the proxy's).
 pub(super) struct Outcome {
     pub(super) flag: CompletionFlag,
     pub(super) slot: Mutex<Option<(Result<TransferReport>, Option<Keep>)>>,
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        // A result never taken: what the request held goes with it.
+        let slot = self.slot.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, Some(keep))) = slot.take() {
+            drop_freely(keep);
+        }
+    }
 }
 
 /// What a finished request still holds (its memory regions): dropped off the proxy thread.
@@ -365,9 +387,12 @@ impl StreamTransfer {
 fn take(o: &Outcome) -> Result<TransferReport> {
     let got = o.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
     match got {
-        // What the request held is dropped here, on the caller's thread.
+        // What the request held is dropped here, on the caller's thread (a waker's code on the
+        // proxy thread hands it to another).
         Some((r, keep)) => {
-            drop(keep);
+            if let Some(keep) = keep {
+                drop_freely(keep);
+            }
             r
         }
         None => Err(Error::invalid(

@@ -94,8 +94,10 @@
 //! frees CUDA memory while a stream waits on a word only that thread sets never returns. The
 //! proxy thread therefore frees nothing: what finished requests held (their memory regions, the
 //! queue's words) is dropped by the endpoint's next stream request, by
-//! [`StreamTransfer::wait`], or when the endpoint goes. Your own threads: do not free CUDA memory
-//! on the thread that must make progress for a stream wait to pass.
+//! [`StreamTransfer::wait`], or when the endpoint goes; what code a waker runs there lets go of
+//! (a transfer's last handle, the result it takes) is freed on another of the crate's threads.
+//! Your own threads, and your wakers' code on the crate's: do not free CUDA memory on the thread
+//! that must make progress for a stream wait to pass.
 //!
 //! # A second backend
 //!

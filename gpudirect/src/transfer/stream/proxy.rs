@@ -7,6 +7,9 @@ use super::window::{DONE, FENCE_NAP, TRIGGER_SLOTS, Window, proxy_pause, trigger
 use super::words::{HostWords, MAX_SEQ, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
+use crate::completion::elsewhere::{
+    drop_elsewhere, drop_freely, frees_nothing, frees_nothing_here,
+};
 use crate::completion::{CompletionFlag, Fence, StreamFence};
 use crate::cuda::{MemopFlags, Stream};
 use crate::error::{Error, Result};
@@ -474,18 +477,13 @@ struct Core<B: Backend> {
     fence_naps: AtomicU64,
 }
 
-thread_local! {
-    /// Whether this thread is a stream proxy's ([`Core::run`]).
-    static PROXY_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 impl<B: Backend> Drop for Core<B> {
-    /// Dropped on a proxy thread (an endpoint whose last holder let go there: the endpoint a
-    /// request's start upgraded), what requests held and the queues' words go to a thread of
-    /// their own: their drops may wait for streams, which a proxy thread never does (leaked
-    /// where no thread can be started).
+    /// Dropped on a thread that frees nothing (a proxy thread: an endpoint whose last holder
+    /// let go there, the endpoint a request's start upgraded or a waker's code), what requests
+    /// held and the queues' words go to the crate's drop thread: their drops may wait for
+    /// streams, which a proxy thread never does.
     fn drop(&mut self) {
-        if !PROXY_THREAD.with(std::cell::Cell::get) {
+        if !frees_nothing_here() {
             return;
         }
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -499,16 +497,7 @@ impl<B: Backend> Drop for Core<B> {
             std::mem::take(&mut front.inbox),
             std::mem::take(&mut front.graveyard),
         ));
-        let slot = Arc::new(Mutex::new(Some(held)));
-        let theirs = slot.clone();
-        let spawned = crate::driver::ctx::spawn_thread("gpudirect-stream-drop", move || {
-            let held = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
-            drop(held);
-        });
-        if spawned.is_err() {
-            let held = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-            std::mem::forget(held);
-        }
+        drop_elsewhere(held);
     }
 }
 
@@ -923,7 +912,8 @@ impl<B: Backend> Core<B> {
     }
 
     fn run(self: &Arc<Self>) {
-        PROXY_THREAD.with(|p| p.set(true));
+        // Streams wait for this thread: what code run here lets go of is freed elsewhere.
+        frees_nothing();
         let mut idle = 0u32;
         loop {
             // Taken before the state is looked at: a ring after this is seen next time.
@@ -1157,7 +1147,7 @@ impl<B: Backend> Core<B> {
                     }
                     Box::new(f)
                 }
-                Trigger::Host => Box::new(HostWords::new(1 + TRIGGER_SLOTS)),
+                Trigger::Host => host_words(),
             });
         }
     }
@@ -1211,8 +1201,9 @@ fn hook(_: &'static str) {}
 
 impl<B: Backend> Helper for Core<B> {
     fn help(&self) -> bool {
-        // A proxy thread (a waker's code run there) leaves rounds to its own loop.
-        if PROXY_THREAD.with(std::cell::Cell::get) {
+        // A thread streams wait for (the proxy's own, where a waker's code runs) leaves rounds
+        // to the proxy's loop.
+        if frees_nothing_here() {
             return false;
         }
         let Some(st) = Locked::try_new(&self.state) else {
@@ -1222,6 +1213,21 @@ impl<B: Backend> Helper for Core<B> {
         self.start(fired);
         true
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The words of this thread's next host-triggered queue, if a test gives them.
+    static TEST_WORDS: std::cell::RefCell<Option<Box<dyn WordMemory>>> = Default::default();
+}
+
+/// The words of a new host-triggered queue (a test may give its own).
+fn host_words() -> Box<dyn WordMemory> {
+    #[cfg(test)]
+    if let Some(w) = TEST_WORDS.with(|w| w.borrow_mut().take()) {
+        return w;
+    }
+    Box::new(HostWords::new(1 + TRIGGER_SLOTS))
 }
 
 impl<B: Backend> Proxy<B> {
@@ -1264,7 +1270,10 @@ impl<B: Backend> Proxy<B> {
         let mut dead = std::mem::take(&mut st.graveyard);
         drop(st);
         dead.append(&mut self.core.front().graveyard);
-        drop(dead);
+        // On a proxy thread (another endpoint's, whose waker's code closed this one): elsewhere.
+        if !dead.is_empty() {
+            drop_freely(dead);
+        }
     }
 
     fn ensure_thread(&self) -> Result<()> {
@@ -1365,8 +1374,11 @@ impl<B: Backend> Proxy<B> {
         // A proxy napping between looks at armed triggers finds this one at its next look.
         self.core.bell.ring_if(DEEP);
         // Last: dropping what finished requests held may wait for streams (a queue's words),
-        // which must not come between a seq and its trigger.
-        drop(dead);
+        // which must not come between a seq and its trigger; and not on a proxy thread (a
+        // waker's code arming there), which the streams wait for.
+        if !dead.is_empty() {
+            drop_freely(dead);
+        }
         Ok(StreamTransfer {
             queue,
             seq,
@@ -1420,6 +1432,8 @@ mod tests {
         release: Arc<Mutex<HashMap<u64, bool>>>,
         /// Work fired by a fence the test completes, by work id.
         by_fence: Mutex<HashMap<u64, FakeFence>>,
+        /// Where what finished requests held (their keeps) was dropped.
+        drops: Drops,
     }
 
     /// A fence the test completes, in place of a trigger word; at a place the test sets (a
@@ -1445,6 +1459,7 @@ mod tests {
     struct FakeRun {
         id: u64,
         release: Arc<Mutex<HashMap<u64, bool>>>,
+        drops: Drops,
     }
 
     fn report() -> TransferReport {
@@ -1468,7 +1483,7 @@ mod tests {
             } else {
                 Err(Error::invalid("fake", self.id, "failed on purpose"))
             };
-            Some((r, Box::new(())))
+            Some((r, Box::new(Tracked(self.drops.clone()))))
         }
     }
 
@@ -1480,6 +1495,7 @@ mod tests {
             Ok(Box::new(FakeRun {
                 id: *w,
                 release: self.release.clone(),
+                drops: self.drops.clone(),
             }))
         }
         fn fired_by(&self, w: &u64) -> Option<FakeFence> {
@@ -2869,6 +2885,207 @@ mod tests {
         finish(&rel, 2, true);
         t.wait(Duration::from_secs(10)).unwrap();
         assert!(t.is_released(), "word {:#x}", t.completion_value());
+        p.closed();
+    }
+
+    /// A queue's words whose drop waits, as freeing stream words waits for the streams that
+    /// used them (which may wait for the proxy): until `until` holds a flag that is set, at most
+    /// 5 s. They record where they were dropped, and whether the wait ended by the flag.
+    struct WaitingWords {
+        words: HostWords,
+        until: Arc<Mutex<Option<CompletionFlag>>>,
+        seen: Arc<Mutex<Option<(String, bool)>>>,
+    }
+    impl WordMemory for WaitingWords {
+        fn load(&self, slot: usize) -> u64 {
+            self.words.load(slot)
+        }
+        fn store(&self, slot: usize, value: u64) {
+            self.words.store(slot, value)
+        }
+        fn raise(&self, slot: usize, value: u64) {
+            self.words.raise(slot, value)
+        }
+        fn flags(&self) -> Option<&MemopFlags> {
+            None
+        }
+    }
+    impl Drop for WaitingWords {
+        fn drop(&mut self) {
+            let t = Instant::now();
+            let released = loop {
+                let f = self.until.lock().unwrap().clone();
+                if f.is_some_and(|f| f.is_complete()) {
+                    break true;
+                }
+                if t.elapsed() >= Duration::from_secs(5) {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            *self.seen.lock().unwrap() = Some((name, released));
+        }
+    }
+
+    /// A waker that drops what it holds when woken (a task that let go of a transfer once
+    /// another one finished, run inline: a callback-style executor).
+    struct DropsOnWake(Mutex<Option<StreamTransfer>>);
+    impl Wake for DropsOnWake {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            let t = self.0.lock().unwrap().take();
+            drop(t);
+        }
+    }
+
+    /// Code a waker runs on the proxy thread lets go of the last handle of a retired queue and
+    /// of a result never taken: the words and what the request held are dropped on another
+    /// thread. Dropped on the proxy, the words' drop would wait for the proxy itself (here
+    /// bounded: the next request's finish).
+    #[test]
+    fn what_a_wakers_code_lets_go_of_on_the_proxy_thread_is_dropped_elsewhere() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let until_flag: Arc<Mutex<Option<CompletionFlag>>> = Default::default();
+        let seen: Arc<Mutex<Option<(String, bool)>>> = Default::default();
+        let words = WaitingWords {
+            words: HostWords::new(1 + TRIGGER_SLOTS),
+            until: until_flag.clone(),
+            seen: seen.clone(),
+        };
+        TEST_WORDS.with(|w| *w.borrow_mut() = Some(Box::new(words)));
+        // Fails: its queue retires, and is let go by the next request's caller (the graveyard).
+        let a = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        a.trigger().unwrap();
+        finish(&rel, 1, false);
+        until("the first request failed", || a.is_complete());
+        let b = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        assert!(!Arc::ptr_eq(&a.queue, &b.queue), "a new queue");
+        assert_eq!(
+            (Arc::strong_count(&a.queue), Arc::strong_count(&a.outcome)),
+            (1, 1),
+            "the first request holds the last handles of its queue and outcome"
+        );
+        let w = Arc::new(DropsOnWake(Mutex::new(Some(a))));
+        assert!(b.outcome.flag.register_waker(&Waker::from(w.clone())));
+        b.trigger().unwrap();
+        finish(&rel, 2, true);
+        until("the waker ran", || w.0.lock().unwrap().is_none());
+        // The proxy goes on: the next request finishes (which the words' drop waits for).
+        let c = p.arm(Trigger::Host, 3, Duration::from_secs(30)).unwrap();
+        *until_flag.lock().unwrap() = Some(c.outcome.flag.clone());
+        c.trigger().unwrap();
+        finish(&rel, 3, true);
+        let r = c.wait(Duration::from_secs(3));
+        assert!(
+            r.is_ok(),
+            "the proxy hung: a queue's words let go of by a waker's code were dropped on the \
+             proxy thread, waiting for it ({:?})",
+            r.err()
+        );
+        until("the words dropped", || seen.lock().unwrap().is_some());
+        let (at, released) = seen.lock().unwrap().clone().unwrap();
+        assert_ne!(
+            at, "gpudirect-stream-proxy",
+            "the words were dropped on the proxy"
+        );
+        assert!(
+            released,
+            "the words' drop waited for nothing (dropped on {at})"
+        );
+        // The first request's keep (never taken) and the third's (taken here).
+        until("the untaken keep dropped", || {
+            p.core.backend.drops.0.lock().unwrap().len() == 2
+        });
+        none_dropped_on_the_proxy(&p.core.backend.drops.0.lock().unwrap());
+        b.wait(Duration::from_secs(10)).unwrap();
+        p.closed();
+    }
+
+    /// The notification counter's last handle let go on a thread that frees nothing (a
+    /// waker's code on an endpoint's progress thread): its word is dropped on another thread.
+    #[test]
+    fn a_counter_let_go_on_a_thread_that_frees_nothing_drops_its_word_elsewhere() {
+        let set = CompletionFlag::new();
+        set.set();
+        let seen: Arc<Mutex<Option<(String, bool)>>> = Default::default();
+        let words = WaitingWords {
+            words: HostWords::new(1),
+            until: Arc::new(Mutex::new(Some(set))),
+            seen: seen.clone(),
+        };
+        let counter = Arc::new(super::super::words::Counter::new(Box::new(words), 0));
+        std::thread::Builder::new()
+            .name("frees-nothing".into())
+            .spawn(move || {
+                frees_nothing();
+                drop(counter);
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        until("the word dropped", || seen.lock().unwrap().is_some());
+        let at = seen.lock().unwrap().clone().unwrap().0;
+        assert_eq!(at, "gpudirect-drop");
+    }
+
+    /// An awaited transfer whose waker polls it inline on the proxy thread: the future ends
+    /// there, and what the request held is dropped on another thread.
+    #[test]
+    fn an_awaited_transfer_finished_on_the_proxy_thread_drops_its_keep_elsewhere() {
+        use std::future::{Future, IntoFuture};
+        use std::task::{Context, Poll};
+        type Fut = std::pin::Pin<Box<dyn Future<Output = Result<TransferReport>> + Send>>;
+        /// Polls the future when woken, on the waking thread.
+        struct PollsOnWake {
+            fut: Mutex<Option<Fut>>,
+            out: Mutex<Option<(Result<TransferReport>, String)>>,
+        }
+        impl Wake for PollsOnWake {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref();
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                let waker = Waker::from(self.clone());
+                let mut g = self.fut.lock().unwrap();
+                let Some(f) = g.as_mut() else {
+                    return;
+                };
+                if let Poll::Ready(r) = f.as_mut().poll(&mut Context::from_waker(&waker)) {
+                    let f = g.take();
+                    drop(g);
+                    drop(f);
+                    let name = std::thread::current().name().unwrap_or("?").to_string();
+                    *self.out.lock().unwrap() = Some((r, name));
+                }
+            }
+        }
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let t = p.arm(Trigger::Host, 1, Duration::from_secs(30)).unwrap();
+        t.trigger().unwrap();
+        let w = Arc::new(PollsOnWake {
+            fut: Mutex::new(Some(t.into_future())),
+            out: Mutex::new(None),
+        });
+        // The first poll: pending, its waker registered.
+        w.wake_by_ref();
+        assert!(w.out.lock().unwrap().is_none(), "not released yet");
+        finish(&rel, 1, true);
+        until("the future ended", || w.out.lock().unwrap().is_some());
+        let (r, on) = w.out.lock().unwrap().take().unwrap();
+        assert_eq!(r.unwrap().bytes, 8);
+        assert_eq!(
+            on, "gpudirect-stream-proxy",
+            "polled inline by the proxy's wake-up"
+        );
+        until("the keep dropped", || {
+            p.core.backend.drops.0.lock().unwrap().len() == 1
+        });
+        none_dropped_on_the_proxy(&p.core.backend.drops.0.lock().unwrap());
         p.closed();
     }
 }

@@ -2,6 +2,7 @@
 //! notification counter live ([`WordMemory`]), the counter itself, and [`StreamWord`], the
 //! counter as users see it.
 
+use crate::completion::elsewhere::{drop_elsewhere, frees_nothing_here};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use std::sync::Arc;
@@ -103,6 +104,18 @@ impl Counter {
     pub(crate) fn failed(&self) {
         self.failed.store(true, Ordering::Release);
         self.words.store(0, self.words.load(0) | STREAM_ERROR_BIT);
+    }
+}
+
+impl Drop for Counter {
+    /// Let go of on a thread that frees nothing (its last handle dropped by code a waker ran on
+    /// one of the crate's threads), the word goes to a thread that may wait for the streams that
+    /// used it.
+    fn drop(&mut self) {
+        if frees_nothing_here() {
+            let words = std::mem::replace(&mut self.words, Box::new(HostWords::new(0)));
+            drop_elsewhere(Box::new(words));
+        }
     }
 }
 
