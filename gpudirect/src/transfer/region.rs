@@ -80,6 +80,38 @@ impl Drop for Backing {
     fn drop(&mut self) {
         // Before the owner (its fields, dropped after this) frees the memory.
         memory_released();
+        // On a thread that frees nothing (a waker's code on a progress thread or a stream
+        // proxy took a transfer's result, the memory's last holder), the memory goes to a
+        // thread that may free it: `cuMemFree` waits for the device, whose streams may wait
+        // for this thread.
+        if crate::completion::elsewhere::frees_nothing_here() {
+            let owner: Box<dyn Send> = match self {
+                Backing::Host { _owner, .. } => Box::new(std::mem::replace(_owner, Box::new(()))),
+                Backing::Device(d) => Box::new(std::mem::replace(d, Box::new(Gone))),
+            };
+            crate::completion::elsewhere::drop_elsewhere(owner);
+        }
+    }
+}
+
+/// What a [`Backing`] holds once its memory went to be freed elsewhere (only dropped).
+struct Gone;
+
+impl DeviceBacking for Gone {
+    fn ptr(&self) -> u64 {
+        0
+    }
+    fn bytes(&self) -> usize {
+        0
+    }
+    fn ordinal(&self) -> usize {
+        0
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+    fn mappings(&self) -> Option<Vec<(u64, usize)>> {
+        None
     }
 }
 
@@ -971,6 +1003,63 @@ pub(crate) fn chunks_within(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The last handle of a buffer's memory let go on a thread that frees nothing (a waker's
+    /// code that took a transfer's result on a progress thread): the memory is freed on
+    /// another thread, host and device alike.
+    #[test]
+    fn memory_let_go_on_a_thread_that_frees_nothing_is_freed_elsewhere() {
+        type Seen = Arc<std::sync::Mutex<Vec<String>>>;
+        struct Owner(Seen);
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                let name = std::thread::current().name().unwrap_or("?").to_string();
+                self.0.lock().unwrap().push(name);
+            }
+        }
+        struct Gpu(#[allow(dead_code)] Owner);
+        impl DeviceBacking for Gpu {
+            fn ptr(&self) -> u64 {
+                0x1000
+            }
+            fn bytes(&self) -> usize {
+                8
+            }
+            fn ordinal(&self) -> usize {
+                0
+            }
+            fn kind(&self) -> MemoryKind {
+                MemoryKind::Device
+            }
+            fn mappings(&self) -> Option<Vec<(u64, usize)>> {
+                None
+            }
+        }
+        let seen: Seen = Default::default();
+        let host = Buffer::new(Backing::Host {
+            _owner: Box::new(Owner(seen.clone())),
+            ptr: 0x1000,
+            len: 8,
+            cached: true,
+        })
+        .unwrap();
+        let gpu = Buffer::new(Backing::Device(Box::new(Gpu(Owner(seen.clone()))))).unwrap();
+        std::thread::Builder::new()
+            .name("frees-nothing".into())
+            .spawn(move || {
+                crate::completion::elsewhere::frees_nothing();
+                drop((host, gpu));
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        crate::completion::testing::until("both freed", || seen.lock().unwrap().len() == 2);
+        let seen = seen.lock().unwrap().clone();
+        assert!(
+            seen.iter().all(|n| n == "gpudirect-drop"),
+            "freed on {seen:?}"
+        );
+    }
 
     #[test]
     fn memory_going_away_is_counted_before_it_is_freed() {

@@ -564,6 +564,8 @@ impl Side {
         let side = self.clone();
         let generation = self.generation.load(Ordering::Acquire);
         let t = crate::driver::ctx::spawn_thread("gpudirect-local-rx", move || {
+            // Streams wait on the notification counter it counts into: it frees nothing.
+            crate::completion::elsewhere::frees_nothing();
             side.read_loop(&mut rd, generation)
         })?;
         conn.reader = Some(t);
@@ -1136,7 +1138,12 @@ impl Side {
     pub(super) fn attach(self: Arc<Self>, ep: &Arc<EpInner<State>>) -> Result<()> {
         *lock(&self.ep) = Arc::downgrade(ep);
         let side = self.clone();
-        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || side.work_loop())?;
+        let t = crate::driver::ctx::spawn_thread("gpudirect-local-copy", move || {
+            // Streams wait for the requests it ends (see `conclude`): it frees nothing, nor
+            // does code a waker runs here.
+            crate::completion::elsewhere::frees_nothing();
+            side.work_loop()
+        })?;
         *lock(&self.worker) = Some(t);
         self.spawn_reader()
     }

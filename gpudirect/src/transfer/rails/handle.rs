@@ -67,6 +67,9 @@ impl Rails {
         let inner = Link::new(engine, state, n, origin)?;
         let t = inner.clone();
         let thread = crate::driver::ctx::spawn_thread("gpudirect-transfer", move || {
+            // Streams wait for its notifications and for the requests it ends: what code run
+            // here lets go of (a waker's) is freed elsewhere.
+            crate::completion::elsewhere::frees_nothing();
             progress_loop(&t, retry)
         })?;
         Ok(Rails {
