@@ -53,8 +53,10 @@ pub trait Fence: Send + Sync + 'static {
     /// dropped. The waker may be woken from any thread (including CUDA's host-function thread
     /// for [`HostFnFence`](super::HostFnFence)). The crate's own fences and requests wake with
     /// none of the locks held that a poll of theirs, a post or a call on the same endpoint
-    /// takes, so a waker may call back into the library inline; a fence you write may wake
-    /// while it holds a lock of its own, and then its waker should only schedule its task.
+    /// takes, so a waker may call back into the library inline (on the crate's threads that
+    /// streams wait for, a stream queue's words or a transfer's memory it lets go of are freed
+    /// on another thread; CUDA memory of your own is not); a fence you write may wake while it
+    /// holds a lock of its own, and then its waker should only schedule its task.
     fn register_waker(&self, waker: &Waker) -> bool {
         let _ = waker;
         false
