@@ -2806,6 +2806,9 @@ mod tests {
         p.core.backend.fail.lock().unwrap().push(1);
         let t1 = arm_at_fire(&p, &drops, 1, report());
         let t2 = arm_at_fire(&p, &drops, 2, report());
+        // Both known to the proxy before the first fails (else the second's seq, drained after
+        // its queue was let go, ends as "its stream queue ended").
+        assert_eq!(p.pending(), 2);
         t1.trigger().unwrap();
         let e = t1.wait(Duration::from_secs(10)).unwrap_err();
         assert!(e.to_string().contains("on purpose"), "{e}");
