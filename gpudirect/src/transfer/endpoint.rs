@@ -685,13 +685,8 @@ impl Backend for Rdma {
             return None;
         };
         // The stream passed the copies before it fired the request: they are done. The report
-        // is taken, not copied (the proxy's thread allocates nothing the caller frees).
-        let Some(ep) = self.ep.upgrade() else {
-            return Some(Err(closed_error()));
-        };
-        let Transport::Local(local) = ep.transport() else {
-            return Some(Err(closed_error()));
-        };
+        // is taken, not copied (the proxy's thread allocates nothing the caller frees). The
+        // endpoint is taken only to notify (its count is a line every caller writes too).
         let Some(mut report) = q.report.take() else {
             return Some(Err(Error::invalid(
                 "stream transfer",
@@ -700,7 +695,13 @@ impl Backend for Rdma {
             )));
         };
         let r = match report.notified {
-            Some(tag) => local.notify_peer(q, tag),
+            Some(tag) => match self.ep.upgrade() {
+                Some(ep) => match ep.transport() {
+                    Transport::Local(local) => local.notify_peer(q, tag),
+                    _ => Err(closed_error()),
+                },
+                None => Err(closed_error()),
+            },
             None => Ok(()),
         };
         report.elapsed = q.started.elapsed();
@@ -708,10 +709,21 @@ impl Backend for Rdma {
     }
 
     fn fired_by(&self, w: &RdmaWork) -> Option<crate::completion::StreamFence> {
+        self.with_fence(w, Clone::clone)
+    }
+
+    fn with_fence<R>(
+        &self,
+        w: &RdmaWork,
+        f: impl FnOnce(&crate::completion::StreamFence) -> R,
+    ) -> Option<R> {
         match w {
-            RdmaWork::Post { .. } => None,
+            RdmaWork::Post { .. } => {
+                let _ = f;
+                None
+            }
             #[cfg(feature = "p2p")]
-            RdmaWork::Queued(q) => q.fired_by().cloned(),
+            RdmaWork::Queued(q) => q.fired_by().map(f),
         }
     }
 

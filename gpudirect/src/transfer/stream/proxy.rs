@@ -65,6 +65,13 @@ pub(crate) trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// `f` of [`fired_by`](Self::fired_by)'s fence, where a backend can lend it without a clone
+    /// (the proxy looks at every armed request's fence each round; a clone writes a count the
+    /// caller's thread writes too).
+    fn with_fence<R>(&self, work: &Self::Work, f: impl FnOnce(&Self::Fired) -> R) -> Option<R> {
+        self.fired_by(work).map(|x| f(&x))
+    }
+
     /// Whether work fired by a fence tells the peer when it ends (a waiter in another
     /// process): the proxy then looks for its fence without napping. `false` by default.
     fn notifies(&self, _work: &Self::Work) -> bool {
@@ -748,22 +755,23 @@ impl<B: Backend> Core<B> {
             match &mut e.stage {
                 Stage::Armed(w) => {
                     let mut by_fence = || {
-                        let Some(f) = self.backend.fired_by(w) else {
-                            return false;
-                        };
-                        let (stream, at) = f.place();
-                        let seen = open.iter_mut().find(|(s, _)| *s == stream);
-                        if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
-                            return false;
-                        }
-                        let done = f.fired();
-                        if !done {
-                            match seen {
-                                Some(o) => o.1 = at,
-                                None => open.push((stream, at)),
-                            }
-                        }
-                        done
+                        self.backend
+                            .with_fence(w, |f| {
+                                let (stream, at) = f.place();
+                                let seen = open.iter_mut().find(|(s, _)| *s == stream);
+                                if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
+                                    return false;
+                                }
+                                let done = f.fired();
+                                if !done {
+                                    match seen {
+                                        Some(o) => o.1 = at,
+                                        None => open.push((stream, at)),
+                                    }
+                                }
+                                done
+                            })
+                            .unwrap_or(false)
                     };
                     // Every entry's queue is kept while the entry is (it counts as outstanding).
                     let word = queues
@@ -832,14 +840,19 @@ impl<B: Backend> Core<B> {
             Stage::Armed(w) => Some((*k, e, w)),
             _ => None,
         }) {
-            match self.backend.fired_by(e.2) {
-                // One fence per stream: the earliest there (the first to complete).
-                Some(f) => {
-                    match watch.fences.iter_mut().find(|g| g.place().0 == f.place().0) {
-                        Some(g) if f.place().1 < g.place().1 => *g = f,
-                        Some(_) => {}
-                        None => watch.fences.push(f),
-                    }
+            // One fence per stream: the earliest there (the first to complete), cloned only
+            // when kept.
+            let fences = &mut watch.fences;
+            let by_fence = self.backend.with_fence(e.2, |f| {
+                let (stream, at) = f.place();
+                match fences.iter_mut().find(|g| g.place().0 == stream) {
+                    Some(g) if at < g.place().1 => *g = f.clone(),
+                    Some(_) => {}
+                    None => fences.push(f.clone()),
+                }
+            });
+            match by_fence {
+                Some(()) => {
                     // Entries go by (queue, seq): a queue's first is its lowest.
                     if last_queue != Some(e.0.0)
                         && let Some(q) = st.queues.get(&e.0.0)
