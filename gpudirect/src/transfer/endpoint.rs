@@ -445,12 +445,29 @@ impl Endpoint {
         timeout: Duration,
     ) -> Result<StreamTransfer> {
         let started = staged.started();
+        if staged.lean() {
+            // Lean: its copies and the event behind them queued first, then only its place in
+            // the queue's word is the proxy's (no seq is needed before).
+            let q = local
+                .enqueue_staged(staged, stream, None)
+                .map_err(|u| u.error)?;
+            let (fence, report, keep) = q.into_lean().ok_or_else(|| {
+                Error::invalid("stream", "no event", "a lean request has its event")
+            })?;
+            return self.proxy().arm_lean(
+                Trigger::Stream(stream),
+                fence,
+                (report, keep),
+                timeout,
+                started,
+            );
+        }
         let make = |mark: Option<Mark<'_>>| {
             let mark = mark.ok_or_else(|| {
                 Error::invalid("stream", "no trigger", "a stream request has one")
             })?;
             local
-                .enqueue_staged(staged, stream, &mark)
+                .enqueue_staged(staged, stream, Some(&mark))
                 .map(|q| (RdmaWork::Queued(q), true))
         };
         self.proxy()

@@ -148,7 +148,8 @@ impl Local {
         stage_ready(&self.inner, stream, r)
     }
 
-    /// A staged request's copies queued on `stream`, then its trigger at `mark`.
+    /// A staged request's copies queued on `stream`, then its trigger at `mark` (a lean
+    /// request, [`Staged::lean`], has none: the event behind its copies stands for it).
     ///
     /// # Errors
     ///
@@ -158,7 +159,7 @@ impl Local {
         &self,
         staged: Staged,
         stream: &Stream,
-        mark: &Mark<'_>,
+        mark: Option<&Mark<'_>>,
     ) -> std::result::Result<Queued, Unmade> {
         enqueue_staged(staged, &self.side, stream, mark)
     }

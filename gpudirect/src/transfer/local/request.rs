@@ -1008,6 +1008,14 @@ impl Queued {
             _ => None,
         }
     }
+
+    /// A lean request's parts: the fence after its copies, its report, and itself (what the
+    /// copies reach, freed once the fence completed, parked behind it if dropped before).
+    pub(crate) fn into_lean(mut self) -> Option<(StreamFence, TransferReport, Box<dyn Send>)> {
+        let fence = self.fired_by()?.clone();
+        let report = self.report.take()?;
+        Some((fence, report, Box::new(self)))
+    }
 }
 
 /// How the host sees that a stream passed a request's copies.
@@ -1061,6 +1069,12 @@ impl Staged {
     /// When the request began: its deadline counts from here.
     pub(crate) fn started(&self) -> Instant {
         self.started
+    }
+
+    /// Whether it can go lean: on the copy engines (an event behind the copies stands for its
+    /// trigger) and telling the peer nothing (nothing left to do once the copies are done).
+    pub(crate) fn lean(&self) -> bool {
+        self.lease.is_none() && self.opts.notify.is_none()
     }
 }
 
@@ -1185,7 +1199,7 @@ pub(super) fn enqueue_staged(
     mut staged: Staged,
     side: &Side,
     stream: &Stream,
-    mark: &Mark<'_>,
+    mark: Option<&Mark<'_>>,
 ) -> std::result::Result<Queued, Unmade> {
     let keep = staged.keep.take().expect("a staged request holds its keep");
     // Held until the endpoint goes, whether or not the copies are queued below (a refused
@@ -1193,6 +1207,13 @@ pub(super) fn enqueue_staged(
     hold_imports(side, &keep._imports);
     let (passed, held): (Passed, Box<dyn Send>) = match staged.lease.take() {
         Some(lease) => {
+            let Some(mark) = mark else {
+                staged.lease = Some(lease);
+                staged.keep = Some(keep);
+                return Err(
+                    Error::invalid("stream", "no trigger", "the copy kernel stores one").into(),
+                );
+            };
             let flags = match mark.flags() {
                 Ok(f) => f,
                 Err(e) => {
@@ -1275,9 +1296,20 @@ pub(super) fn enqueue_staged(
                     return Err(refused.error.into());
                 }
             };
-            match epoch {
-                Some(epoch) => (Passed::Event(timeline.fence_at(epoch)), Box::new(keep)),
-                None => match mark.queue_trigger(stream, keep) {
+            match (epoch, mark) {
+                (Some(epoch), _) => (Passed::Event(timeline.fence_at(epoch)), Box::new(keep)),
+                (None, None) => {
+                    // A lean request has no trigger to fall back on: the copies stay queued,
+                    // what they reach parked behind them.
+                    park_behind_event(stream, keep);
+                    return Err(Error::invalid(
+                        "stream",
+                        "no event",
+                        "no event could be recorded behind the copies",
+                    )
+                    .into());
+                }
+                (None, Some(mark)) => match mark.queue_trigger(stream, keep) {
                     Ok(((), k)) => (Passed::Trigger(mark.fence()), Box::new(k)),
                     Err(refused) => {
                         // The copies are queued; the trigger is not (parked behind an event

@@ -2,7 +2,7 @@
 //! leaves it, and [`StreamTransfer`], the request as users see it.
 
 use super::window::{DONE, geq_releases, trigger_slot};
-use super::words::{HostWords, WordMemory};
+use super::words::{HostWords, STREAM_ERROR_BIT, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
 use crate::completion::elsewhere::{drop_elsewhere, drop_freely, frees_nothing_here};
@@ -10,6 +10,7 @@ use crate::completion::{CompletionFlag, Fence, InFlight, Line, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
 use crate::transfer::request::TransferReport;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -33,6 +34,10 @@ pub(crate) struct Queue {
     /// The proxy whose round a host waiter runs itself ([`Helper`]); weak: the proxy's words
     /// must not keep it.
     pub(super) helper: Weak<dyn Helper>,
+    /// How the proxy ended lean requests ([`End::Lean`]) that the word does not tell: failed
+    /// ones, and successes past the word's prefix (dropped once the prefix covers them). Taken
+    /// by their hosts.
+    pub(super) decided: Mutex<BTreeMap<u64, Result<()>>>,
 }
 
 impl Queue {
@@ -44,7 +49,17 @@ impl Queue {
             low: Line(AtomicU64::new(1)),
             waited: Arc::new(AtomicU64::new(0)),
             helper: Weak::<NoHelper>::new(),
+            decided: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Whether the word's prefix covers `seq` (it and every earlier request succeeded).
+    pub(super) fn covers(&self, seq: u64) -> bool {
+        geq_releases(self.words.load(DONE) & !STREAM_ERROR_BIT, seq)
+    }
+
+    fn decided(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Result<()>>> {
+        self.decided.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The same queue, its host waiters running `helper`'s rounds.
@@ -60,6 +75,10 @@ pub(crate) trait Helper: Send + Sync {
     /// One round on this thread, unless another thread is in one (or this is a proxy thread):
     /// what fired is started, what finished ended. Whether it ran.
     fn help(&self) -> bool;
+    /// Decide the lean requests of queue `id` that can be now (their fences completed, their
+    /// deadlines passed), waiting for the proxy's lock; whether the proxy still knows the
+    /// queue (a queue it let go of decided everything it knew).
+    fn decide(&self, id: u64) -> bool;
 }
 
 /// No proxy to help (a queue made alone, in tests).
@@ -67,6 +86,9 @@ struct NoHelper;
 
 impl Helper for NoHelper {
     fn help(&self) -> bool {
+        false
+    }
+    fn decide(&self, _: u64) -> bool {
         false
     }
 }
@@ -215,9 +237,120 @@ impl Fence for TriggerFence {
 pub struct StreamTransfer {
     pub(super) queue: Arc<Queue>,
     pub(super) seq: u64,
-    pub(super) outcome: Arc<Outcome>,
+    pub(super) end: End,
     pub(super) host: bool,
     pub(super) limit: Instant,
+}
+
+/// How the host learns a request's end.
+pub(super) enum End {
+    /// The proxy ends it and leaves the result.
+    Proxy(Arc<Outcome>),
+    /// A lean request: its result was known when it was queued, and it is done once its fence
+    /// completes. The proxy only decides its place in the queue's word: the word's prefix,
+    /// or the queue's record of decisions the word does not tell ([`Queue::decided`]).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path makes lean requests")
+    )]
+    Lean(Lean),
+}
+
+/// A lean request's own part ([`End::Lean`]).
+pub(super) struct Lean {
+    /// Complete once the stream passed the request's work.
+    pub(super) fence: Box<dyn Fence>,
+    /// The report and what the work reaches (freed once the fence completed: see the work's
+    /// own drop), until taken.
+    pub(super) held: Mutex<Option<(TransferReport, Keep)>>,
+    /// When the request began (its report's `elapsed` counts from here).
+    pub(super) started: Instant,
+}
+
+/// How a lean request stands, as its host sees it.
+enum Seen {
+    /// Succeeded: the word's prefix covers it.
+    Done,
+    /// Succeeded, as the record says (taken with the result).
+    Recorded,
+    /// Failed, as the record says (taken with the result).
+    Failed,
+    /// Ended without a record: the proxy or its queue is gone.
+    Ended(Error),
+}
+
+impl Lean {
+    /// How it stands now, `None` while undecided; asks the proxy (waiting for its lock) only
+    /// once its fence completed or the queue failed.
+    fn seen(&self, queue: &Queue, seq: u64) -> Option<Seen> {
+        let recorded = || {
+            if queue.covers(seq) {
+                return Some(Seen::Done);
+            }
+            queue.decided().get(&seq).map(|r| match r {
+                Ok(()) => Seen::Recorded,
+                Err(_) => Seen::Failed,
+            })
+        };
+        if let Some(s) = recorded() {
+            return Some(s);
+        }
+        if !self.fence.is_complete() && queue.words.load(DONE) & STREAM_ERROR_BIT == 0 {
+            return None;
+        }
+        let Some(h) = queue.helper.upgrade() else {
+            return recorded().or_else(|| Some(Seen::Ended(closed_error())));
+        };
+        let known = h.decide(queue.id);
+        recorded().or_else(|| {
+            (!known).then(|| {
+                Seen::Ended(Error::invalid(
+                    "stream transfer",
+                    seq,
+                    "its stream queue ended (a request failed, or the endpoint closed) before \
+                     it was known",
+                ))
+            })
+        })
+    }
+
+    /// Take the result as `seen` tells it.
+    fn take(&self, queue: &Queue, seq: u64, seen: Seen) -> Result<TransferReport> {
+        let Some((mut report, keep)) = self.held.lock().unwrap_or_else(|e| e.into_inner()).take()
+        else {
+            return Err(Error::invalid(
+                "stream transfer",
+                "its result",
+                "already taken",
+            ));
+        };
+        // Freed here unless its fence is still open (then parked behind it), on the caller's
+        // thread (a waker's code on the proxy thread hands it to another).
+        drop_freely(keep);
+        match seen {
+            Seen::Done | Seen::Recorded => {
+                if matches!(seen, Seen::Recorded) {
+                    queue.decided().remove(&seq);
+                }
+                report.elapsed = self.started.elapsed();
+                Ok(report)
+            }
+            Seen::Failed => match queue.decided().remove(&seq) {
+                Some(Err(e)) => Err(e),
+                _ => Err(Error::invalid("stream transfer", seq, "failed")),
+            },
+            Seen::Ended(e) => Err(e),
+        }
+    }
+}
+
+/// A stream request's error when its endpoint (its proxy) closed before it was seen done.
+fn closed_error() -> Error {
+    Error::invalid(
+        "endpoint",
+        "closed",
+        "the endpoint was closed before the stream transfer finished",
+    )
 }
 
 /// Wakes the proxy for a look at once, if it naps between looks at armed requests (not when
@@ -240,6 +373,15 @@ impl StreamTransfer {
         self.seq
     }
 
+    /// The outcome the proxy leaves (a request that is not lean).
+    #[cfg(test)]
+    pub(super) fn outcome(&self) -> &Arc<Outcome> {
+        match &self.end {
+            End::Proxy(o) => o,
+            End::Lean(_) => panic!("a lean request has no outcome"),
+        }
+    }
+
     /// Run the proxy's round on this thread (see [`Helper`]); whether it ran.
     fn help(&self) -> bool {
         self.queue.helper.upgrade().is_some_and(|h| h.help())
@@ -247,7 +389,10 @@ impl StreamTransfer {
 
     /// Whether the request finished, after a round of the proxy's run here if not.
     fn finished(&self) -> bool {
-        self.outcome.flag.is_complete() || (self.help() && self.outcome.flag.is_complete())
+        match &self.end {
+            End::Proxy(o) => o.flag.is_complete() || (self.help() && o.flag.is_complete()),
+            End::Lean(l) => l.seen(&self.queue, self.seq).is_some(),
+        }
     }
 
     /// Mark the request waited for (and every earlier one of its queue), ringing the proxy
@@ -380,7 +525,13 @@ impl StreamTransfer {
                 after: timeout,
             });
         }
-        take(&self.outcome)
+        match &self.end {
+            End::Proxy(o) => take(o),
+            End::Lean(l) => match l.seen(&self.queue, self.seq) {
+                Some(seen) => l.take(&self.queue, self.seq, seen),
+                None => Err(Error::invalid("stream transfer", self.seq, "not seen done")),
+            },
+        }
     }
 }
 
@@ -416,19 +567,51 @@ impl std::future::IntoFuture for StreamTransfer {
         if !self.finished() {
             self.waited();
         }
-        let op = InFlight::new(
-            "stream transfer",
-            self.outcome.flag.clone(),
-            self.outcome.clone(),
-        );
-        let f = op.deadline(self.limit);
-        let keep = self.queue;
-        Box::pin(async move {
-            let o = f.await?;
-            let r = take(&o);
-            drop(keep);
-            r
-        })
+        let StreamTransfer {
+            queue,
+            seq,
+            end,
+            limit,
+            ..
+        } = self;
+        match end {
+            End::Proxy(outcome) => {
+                let op = InFlight::new("stream transfer", outcome.flag.clone(), outcome);
+                let f = op.deadline(limit);
+                Box::pin(async move {
+                    let o = f.await?;
+                    let r = take(&o);
+                    drop(queue);
+                    r
+                })
+            }
+            End::Lean(Lean {
+                fence,
+                held,
+                started,
+            }) => {
+                // Awaits its fence (the completion thread's looks), then how the proxy
+                // placed it (the fence done, the proxy decides it at once).
+                let f = InFlight::new("stream transfer", fence, ()).deadline(limit);
+                Box::pin(async move {
+                    let lean = Lean {
+                        fence: Box::new(crate::completion::Done),
+                        held,
+                        started,
+                    };
+                    let r = match f.await {
+                        Ok(()) => match lean.seen(&queue, seq) {
+                            Some(seen) => lean.take(&queue, seq, seen),
+                            None => Err(Error::invalid("stream transfer", seq, "not seen done")),
+                        },
+                        Err(e) => Err(e),
+                    };
+                    drop(lean);
+                    drop(queue);
+                    r
+                })
+            }
+        }
     }
 }
 
@@ -438,7 +621,13 @@ impl std::fmt::Debug for StreamTransfer {
             .field("seq", &self.seq)
             .field("queue", &self.queue.id)
             .field("word", &self.completion_value())
-            .field("complete", &self.outcome.flag.is_complete())
+            .field(
+                "complete",
+                &match &self.end {
+                    End::Proxy(o) => o.flag.is_complete(),
+                    End::Lean(l) => l.fence.is_complete(),
+                },
+            )
             .finish()
     }
 }

@@ -2,9 +2,13 @@
 //! words, starts each through its [`Backend`] when the stream reaches it, and publishes the
 //! queue's completion word as they finish.
 
-use super::armed::{Helper, Keep, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer};
-use super::window::{DONE, FENCE_NAP, TRIGGER_SLOTS, Window, proxy_pause, trigger_slot};
-use super::words::{HostWords, MAX_SEQ, WordMemory};
+use super::armed::{
+    End, Helper, Keep, Lean, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer,
+};
+use super::window::{
+    DONE, FENCE_NAP, TRIGGER_SLOTS, Window, geq_releases, proxy_pause, trigger_slot,
+};
+use super::words::{HostWords, MAX_SEQ, STREAM_ERROR_BIT, WordMemory};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::{Defers, Locked, Woken};
 use crate::completion::elsewhere::{
@@ -195,9 +199,26 @@ struct QState {
     /// caller waits on each request, so the proxy looks for the next one's fence without
     /// napping (a waiter waking a nap pays the wake-up).
     eager: bool,
+    /// Lean successes are in [`Queue::decided`] (past the word's prefix when placed).
+    recorded: bool,
 }
 
 impl QState {
+    /// Request `seq` finished with `ok`: the word published, the waiter rule updated.
+    fn finished(&mut self, seq: u64, ok: bool) {
+        let word = self.window.finish(seq, ok);
+        self.queue.words.store(DONE, word);
+        self.eager = self.queue.waited.load(Ordering::SeqCst) >= seq;
+        self.outstanding = self.outstanding.saturating_sub(1);
+        if self.recorded {
+            // Successes the prefix now covers need no record.
+            let prefix = word & !STREAM_ERROR_BIT;
+            let mut d = self.queue.decided.lock().unwrap_or_else(|e| e.into_inner());
+            d.retain(|&k, r| r.is_err() || !geq_releases(prefix, k));
+            self.recorded = d.values().any(Result::is_ok);
+        }
+    }
+
     /// Tell callers the lowest seq whose trigger may not have fired ([`Queue::low`]): every
     /// seq the state does not know of yet is above `known`.
     fn publish_low(&self) {
@@ -208,7 +229,7 @@ impl QState {
 
 /// What a caller hands the proxy's state through [`Front::inbox`], applied in order before the
 /// state is looked at ([`Core::drain`]).
-enum Msg<W> {
+enum Msg<W, F> {
     /// A seq was taken on the current queue; its work is being made. `until`: when its
     /// trigger must have fired (counted from the call, once its checks were done).
     Reserved {
@@ -219,6 +240,39 @@ enum Msg<W> {
     },
     /// Its work was made and its trigger queued.
     Armed { key: (u64, u64), work: W },
+    /// A lean request ([`End::Lean`]): its work is queued, done once `fence` completes.
+    Lean {
+        key: (u64, u64),
+        fence: F,
+        timeout: Duration,
+        until: Instant,
+    },
+}
+
+/// What a caller asks of a seq: a request the proxy ends, or a lean one.
+enum Ask<F> {
+    Reserve {
+        outcome: Arc<Outcome>,
+        timeout: Duration,
+        until: Instant,
+    },
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path makes lean requests")
+    )]
+    Lean {
+        fence: F,
+        timeout: Duration,
+        until: Instant,
+    },
+}
+
+/// A lean request the proxy has not placed yet: done once its fence completes, failed if its
+/// deadline passes first.
+struct LeanEntry<F> {
+    fence: F,
+    timeout: Duration,
+    until: Instant,
 }
 
 /// The queue new requests go to, as callers see it.
@@ -232,7 +286,7 @@ struct Current {
 /// What arming takes, under a lock of its own that the proxy takes only to collect what
 /// callers handed over: a request is armed without touching the state the proxy's rounds
 /// write (each of whose lines costs a cross-core miss).
-struct Front<W> {
+struct Front<W, F> {
     /// The queue new requests go to (only while it is usable as far as callers know).
     current: Option<Current>,
     closing: bool,
@@ -240,7 +294,7 @@ struct Front<W> {
     /// lock) instead of joining the inbox it drains.
     slow: bool,
     next_queue: u64,
-    inbox: Vec<Msg<W>>,
+    inbox: Vec<Msg<W, F>>,
     /// What finished requests held, dropped by a caller's thread (never the proxy's).
     graveyard: Vec<Dead<W>>,
 }
@@ -249,24 +303,36 @@ struct Front<W> {
 /// caller to drop once its trigger is queued).
 type Reservation<W> = (u64, Arc<Queue>, u64, Vec<Dead<W>>);
 
-impl<W> Front<W> {
+impl<W, F> Front<W, F> {
     /// The current queue's next seq, handed to the proxy's state through the inbox (the
     /// caller checked that the queue can take it).
-    fn take_seq(
-        &mut self,
-        outcome: &Arc<Outcome>,
-        timeout: Duration,
-        until: Instant,
-    ) -> Reservation<W> {
+    fn take_seq(&mut self, ask: Ask<F>) -> Reservation<W> {
         let cur = self.current.as_mut().expect("checked by the caller");
         let seq = cur.next_seq;
         cur.next_seq += 1;
         let (id, queue) = (cur.id, cur.queue.clone());
-        self.inbox.push(Msg::Reserved {
-            key: (id, seq),
-            outcome: outcome.clone(),
-            timeout,
-            until,
+        let key = (id, seq);
+        self.inbox.push(match ask {
+            Ask::Reserve {
+                outcome,
+                timeout,
+                until,
+            } => Msg::Reserved {
+                key,
+                outcome,
+                timeout,
+                until,
+            },
+            Ask::Lean {
+                fence,
+                timeout,
+                until,
+            } => Msg::Lean {
+                key,
+                fence,
+                timeout,
+                until,
+            },
         });
         (id, queue, seq, std::mem::take(&mut self.graveyard))
     }
@@ -282,20 +348,22 @@ enum Dead<W> {
 }
 
 /// The proxy's state: every request it knows of, by queue.
-struct PState<W> {
+struct PState<W, F> {
     /// By (queue id, seq).
     entries: BTreeMap<(u64, u64), Entry<W>>,
+    /// Lean requests not placed yet, by (queue id, seq).
+    lean: BTreeMap<(u64, u64), LeanEntry<F>>,
     queues: HashMap<u64, QState, foldhash::fast::RandomState>,
     closing: Option<Instant>,
     /// What finished requests held, handed to [`Front::graveyard`] at the next drain.
     graveyard: Vec<Dead<W>>,
     /// The inbox's buffer, swapped with the front's at each drain.
-    spare: Vec<Msg<W>>,
+    spare: Vec<Msg<W, F>>,
     /// The flags of requests finished under the lock, set once it is let go ([`Locked`]).
     woken: Woken,
 }
 
-impl<W> Defers for PState<W> {
+impl<W, F> Defers for PState<W, F> {
     type Wakes = Woken;
     fn wakes(&mut self) -> &mut Woken {
         &mut self.woken
@@ -451,7 +519,7 @@ impl<F: FiredBy> Watch<F> {
 
     /// Whether a trigger fired (or its queue is gone). A queue whose last other holder let it
     /// go while this looked is handed to `graveyard` (a caller's thread frees its words).
-    fn fired<W>(&self, graveyard: &Mutex<Front<W>>) -> bool {
+    fn fired<W, G>(&self, graveyard: &Mutex<Front<W, G>>) -> bool {
         self.fences.iter().any(|f| f.fired())
             || self.armed.iter().any(|(q, seq)| {
                 let Some(q) = q.upgrade() else {
@@ -474,8 +542,8 @@ struct Core<B: Backend> {
     backend: B,
     /// The proxy's state; taken by callers only on the slow paths (a new queue, a refused
     /// arm, a full window). Lock order: `state`, then `front`.
-    state: Mutex<PState<B::Work>>,
-    front: Mutex<Front<B::Work>>,
+    state: Mutex<PState<B::Work, B::Fired>>,
+    front: Mutex<Front<B::Work, B::Fired>>,
     bell: Arc<Bell>,
     /// The bell as a waker, for running requests (whichever thread polls them).
     waker: Waker,
@@ -497,6 +565,7 @@ impl<B: Backend> Drop for Core<B> {
         let front = self.front.get_mut().unwrap_or_else(|e| e.into_inner());
         let held: Box<dyn Send> = Box::new((
             std::mem::take(&mut st.entries),
+            std::mem::take(&mut st.lean),
             std::mem::take(&mut st.queues),
             std::mem::take(&mut st.graveyard),
             std::mem::take(&mut st.spare),
@@ -538,18 +607,18 @@ fn closed_error() -> Error {
 }
 
 impl<B: Backend> Core<B> {
-    fn lock(&self) -> Locked<'_, PState<B::Work>> {
+    fn lock(&self) -> Locked<'_, PState<B::Work, B::Fired>> {
         Locked::new(&self.state)
     }
 
-    fn front(&self) -> std::sync::MutexGuard<'_, Front<B::Work>> {
+    fn front(&self) -> std::sync::MutexGuard<'_, Front<B::Work, B::Fired>> {
         self.front.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Apply what callers handed over, in order, and hand the front what finished requests
     /// held; with `closing`, the front takes no more requests from then on (in the same
     /// critical section: nothing reserved after the drain).
-    fn drain(&self, st: &mut PState<B::Work>, closing: bool) {
+    fn drain(&self, st: &mut PState<B::Work, B::Fired>, closing: bool) {
         let mut msgs = std::mem::take(&mut st.spare);
         {
             let mut front = self.front();
@@ -576,15 +645,127 @@ impl<B: Backend> Core<B> {
                     // dropped by a caller's thread.
                     None => st.graveyard.push(Dead::Other(Box::new(work))),
                 },
+                Msg::Lean {
+                    key,
+                    fence,
+                    timeout,
+                    until,
+                } => self.take_lean(
+                    st,
+                    key,
+                    LeanEntry {
+                        fence,
+                        timeout,
+                        until,
+                    },
+                ),
             }
         }
         st.spare = msgs;
     }
 
+    /// A lean request a caller queued: kept until placed. A queue let go of meanwhile placed
+    /// nothing more: its host learns so from [`Helper::decide`].
+    fn take_lean(
+        &self,
+        st: &mut PState<B::Work, B::Fired>,
+        key: (u64, u64),
+        entry: LeanEntry<B::Fired>,
+    ) {
+        let Some(q) = st.queues.get_mut(&key.0) else {
+            return;
+        };
+        q.outstanding += 1;
+        q.known = q.known.max(key.1);
+        let failed = if q.retired { q.window.failed() } else { None };
+        st.lean.insert(key, entry);
+        if st.closing.is_some() {
+            self.end_lean(st, key, Err(closed_error()));
+        } else if let Some(first) = failed {
+            self.end_lean(st, key, Err(failed_first(key.1, first)));
+        }
+    }
+
+    /// Place lean request `key` with `r`: the word published, a decision the word does not
+    /// tell recorded for its host. A failure retires the queue, as [`finish`](Self::finish).
+    fn end_lean(&self, st: &mut PState<B::Work, B::Fired>, key: (u64, u64), r: Result<()>) {
+        if st.lean.remove(&key).is_none() {
+            return;
+        }
+        let ok = r.is_ok();
+        let mut poisoned = None;
+        if let Some(q) = st.queues.get_mut(&key.0) {
+            q.finished(key.1, ok);
+            if !q.queue.covers(key.1) {
+                q.recorded |= ok;
+                q.queue
+                    .decided
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key.1, r);
+            }
+            if !ok && !q.retired {
+                q.retired = true;
+                poisoned = q.window.failed();
+            }
+        }
+        if let Some(first) = poisoned {
+            self.poison(st, key.0, first);
+        }
+        Self::forget_idle(st, key.0);
+    }
+
+    /// Place every lean request that can be: done where its fence completed, failed where its
+    /// deadline passed first. `open`: per stream, the earliest place seen not done (later
+    /// ones there are not done either). Whether any was placed.
+    fn settle_lean(
+        &self,
+        st: &mut PState<B::Work, B::Fired>,
+        open: &mut Vec<(usize, u64)>,
+        now: Instant,
+    ) -> bool {
+        if st.lean.is_empty() {
+            return false;
+        }
+        let mut done = Vec::new();
+        let mut late = Vec::new();
+        for (k, l) in &st.lean {
+            let (stream, at) = l.fence.place();
+            let seen = open.iter_mut().find(|(s, _)| *s == stream);
+            let fired = seen.as_ref().is_none_or(|(_, first)| at < *first) && {
+                let fired = l.fence.fired();
+                if !fired {
+                    match seen {
+                        Some(o) => o.1 = at,
+                        None => open.push((stream, at)),
+                    }
+                }
+                fired
+            };
+            if fired {
+                done.push(*k);
+            } else if now >= l.until {
+                late.push((*k, l.timeout));
+            }
+        }
+        let moved = !done.is_empty() || !late.is_empty();
+        for k in done {
+            self.end_lean(st, k, Ok(()));
+        }
+        for (k, after) in late {
+            let e = Error::Timeout {
+                what: "a stream transfer's trigger (the stream did not reach it)",
+                after,
+            };
+            self.end_lean(st, k, Err(e));
+        }
+        moved
+    }
+
     /// A seq a caller took: its entry, or its end when its queue can take nothing more.
     fn take_reserved(
         &self,
-        st: &mut PState<B::Work>,
+        st: &mut PState<B::Work, B::Fired>,
         key: (u64, u64),
         outcome: Arc<Outcome>,
         timeout: Duration,
@@ -627,7 +808,7 @@ impl<B: Backend> Core<B> {
     /// it held in the graveyard. A failure retires the queue and fails its armed requests.
     fn finish(
         &self,
-        st: &mut PState<B::Work>,
+        st: &mut PState<B::Work, B::Fired>,
         key: (u64, u64),
         r: Result<TransferReport>,
         keep: Option<Keep>,
@@ -638,10 +819,7 @@ impl<B: Backend> Core<B> {
         let ok = r.is_ok();
         let mut poisoned = None;
         if let Some(q) = st.queues.get_mut(&key.0) {
-            let word = q.window.finish(key.1, ok);
-            q.queue.words.store(DONE, word);
-            q.eager = q.queue.waited.load(Ordering::SeqCst) >= key.1;
-            q.outstanding = q.outstanding.saturating_sub(1);
+            q.finished(key.1, ok);
             q.unfired.remove(&key.1);
             if !ok && !q.retired {
                 q.retired = true;
@@ -651,27 +829,41 @@ impl<B: Backend> Core<B> {
         e.outcome.set(r, keep, &mut st.woken);
         st.graveyard.push(e.into_dead());
         if let Some(first) = poisoned {
-            // New requests go to a new queue (lock order: the state, then the front).
-            let mut front = self.front();
-            if front.current.as_ref().is_some_and(|c| c.id == key.0) {
-                front.current = None;
-            }
-            drop(front);
-            let armed: Vec<(u64, u64)> = st
-                .entries
-                .range((key.0, 0)..=(key.0, u64::MAX))
-                .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved))
-                .map(|(k, _)| *k)
-                .collect();
-            for k in armed {
-                self.finish(st, k, Err(failed_first(k.1, first)), None);
-            }
+            self.poison(st, key.0, first);
         }
         Self::forget_idle(st, key.0);
     }
 
+    /// Request `first` of queue `id` failed: new requests go to a new queue, and the queue's
+    /// requests not started (armed, reserved, lean not placed) fail with it.
+    fn poison(&self, st: &mut PState<B::Work, B::Fired>, id: u64, first: u64) {
+        // Lock order: the state, then the front.
+        let mut front = self.front();
+        if front.current.as_ref().is_some_and(|c| c.id == id) {
+            front.current = None;
+        }
+        drop(front);
+        let armed: Vec<(u64, u64)> = st
+            .entries
+            .range((id, 0)..=(id, u64::MAX))
+            .filter(|(_, e)| matches!(e.stage, Stage::Armed(_) | Stage::Reserved))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in armed {
+            self.finish(st, k, Err(failed_first(k.1, first)), None);
+        }
+        let lean: Vec<(u64, u64)> = st
+            .lean
+            .range((id, 0)..=(id, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in lean {
+            self.end_lean(st, k, Err(failed_first(k.1, first)));
+        }
+    }
+
     /// A retired queue with nothing outstanding goes to the graveyard.
-    fn forget_idle(st: &mut PState<B::Work>, id: u64) {
+    fn forget_idle(st: &mut PState<B::Work, B::Fired>, id: u64) {
         if st
             .queues
             .get(&id)
@@ -683,7 +875,7 @@ impl<B: Backend> Core<B> {
     }
 
     /// Entry `key` was never enqueued: its seq completes as nothing to do.
-    fn void(st: &mut PState<B::Work>, key: (u64, u64)) {
+    fn void(st: &mut PState<B::Work, B::Fired>, key: (u64, u64)) {
         let Some(e) = st.entries.remove(&key) else {
             return;
         };
@@ -719,6 +911,10 @@ impl<B: Backend> Core<B> {
         for k in waiting {
             self.finish(&mut st, k, Err(closed_error()), None);
         }
+        let lean: Vec<(u64, u64)> = st.lean.keys().copied().collect();
+        for k in lean {
+            self.end_lean(&mut st, k, Err(closed_error()));
+        }
         let ids: Vec<u64> = st.queues.keys().copied().collect();
         for id in ids {
             Self::forget_idle(&mut st, id);
@@ -734,7 +930,7 @@ impl<B: Backend> Core<B> {
     #[allow(clippy::type_complexity)]
     fn round(
         &self,
-        mut st: Locked<'_, PState<B::Work>>,
+        mut st: Locked<'_, PState<B::Work, B::Fired>>,
     ) -> (Vec<((u64, u64), B::Work)>, bool, Watch<B::Fired>) {
         let waker = &self.waker;
         self.drain(&mut st, false);
@@ -801,6 +997,7 @@ impl<B: Backend> Core<B> {
             }
         }
         moved |= !fired.is_empty() || !late.is_empty() || !done.is_empty();
+        moved |= self.settle_lean(&mut st, &mut open, now);
         for (k, r, keep) in done {
             self.finish(&mut st, k, r, Some(keep));
         }
@@ -832,7 +1029,7 @@ impl<B: Backend> Core<B> {
             waits: Vec::new(),
             notified: false,
             until: None,
-            any: !st.entries.is_empty(),
+            any: !st.entries.is_empty() || !st.lean.is_empty(),
             closing: st.closing.is_some(),
         };
         let mut last_queue = None;
@@ -869,6 +1066,23 @@ impl<B: Backend> Core<B> {
                 }
             }
             watch.until = Some(watch.until.map_or(e.1.until, |u| u.min(e.1.until)));
+        }
+        // Lean requests not placed: their fences, as armed work fired by one.
+        let mut last_queue = None;
+        for (k, l) in &st.lean {
+            let (stream, at) = l.fence.place();
+            match watch.fences.iter_mut().find(|g| g.place().0 == stream) {
+                Some(g) if at < g.place().1 => *g = l.fence.clone(),
+                Some(_) => {}
+                None => watch.fences.push(l.fence.clone()),
+            }
+            if last_queue != Some(k.0)
+                && let Some(q) = st.queues.get(&k.0)
+            {
+                watch.waits.push((q.queue.waited.clone(), k.1, q.eager));
+            }
+            last_queue = Some(k.0);
+            watch.until = Some(watch.until.map_or(l.until, |u| u.min(l.until)));
         }
         (fired, moved, watch)
     }
@@ -1008,13 +1222,7 @@ impl<B: Backend> Core<B> {
     /// with what finished requests held (for the caller to drop). Only the front's lock
     /// unless the current queue cannot take it as far as the front knows
     /// ([`reserve_slow`](Self::reserve_slow)).
-    fn reserve(
-        &self,
-        trig: &Trigger<'_>,
-        outcome: &Arc<Outcome>,
-        timeout: Duration,
-        until: Instant,
-    ) -> Result<Reservation<B::Work>> {
+    fn reserve(&self, trig: &Trigger<'_>, ask: Ask<B::Fired>) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         {
             let mut guard = self.front();
@@ -1031,22 +1239,16 @@ impl<B: Backend> Core<B> {
                     .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
                     < TRIGGER_SLOTS as u64
             {
-                return Ok(front.take_seq(outcome, timeout, until));
+                return Ok(front.take_seq(ask));
             }
         }
-        self.reserve_slow(trig, outcome, timeout, until)
+        self.reserve_slow(trig, ask)
     }
 
     /// [`reserve`](Self::reserve) with the proxy's state drained and locked: the current
     /// queue retired when it cannot take the request, a new one made (its words allocated
     /// outside the locks), the window checked exactly.
-    fn reserve_slow(
-        &self,
-        trig: &Trigger<'_>,
-        outcome: &Arc<Outcome>,
-        timeout: Duration,
-        until: Instant,
-    ) -> Result<Reservation<B::Work>> {
+    fn reserve_slow(&self, trig: &Trigger<'_>, ask: Ask<B::Fired>) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
         hook("slow_entry");
@@ -1091,7 +1293,7 @@ impl<B: Backend> Core<B> {
                             ));
                         }
                         q.publish_low();
-                        let mut r = front.take_seq(outcome, timeout, until);
+                        let mut r = front.take_seq(ask);
                         // Words made for a queue another caller made first: dropped with the
                         // rest, after this request's trigger is queued.
                         if let Some(words) = made.take() {
@@ -1128,6 +1330,7 @@ impl<B: Backend> Core<B> {
                             known: 0,
                             retired: false,
                             eager: false,
+                            recorded: false,
                         },
                     );
                     front.current = Some(Current {
@@ -1226,6 +1429,13 @@ impl<B: Backend> Helper for Core<B> {
         self.start(fired);
         true
     }
+
+    fn decide(&self, id: u64) -> bool {
+        let mut st = self.lock();
+        self.drain(&mut st, false);
+        self.settle_lean(&mut st, &mut Vec::new(), Instant::now());
+        st.queues.contains_key(&id)
+    }
 }
 
 #[cfg(test)]
@@ -1252,6 +1462,7 @@ impl<B: Backend> Proxy<B> {
                 backend,
                 state: Mutex::new(PState {
                     entries: BTreeMap::new(),
+                    lean: BTreeMap::new(),
                     queues: HashMap::default(),
                     closing: None,
                     graveyard: Vec::new(),
@@ -1335,7 +1546,12 @@ impl<B: Backend> Proxy<B> {
         });
         let until = deadline_after(started, timeout);
         // With what finished requests held, dropped below on this thread (as `bury` does).
-        let (id, queue, seq, dead) = self.core.reserve(&trig, &outcome, timeout, until)?;
+        let ask = Ask::Reserve {
+            outcome: outcome.clone(),
+            timeout,
+            until,
+        };
+        let (id, queue, seq, dead) = self.core.reserve(&trig, ask)?;
         let stream = match trig {
             Trigger::Stream(s) => Some(s),
             Trigger::Host => None,
@@ -1395,18 +1611,61 @@ impl<B: Backend> Proxy<B> {
         Ok(StreamTransfer {
             queue,
             seq,
-            outcome,
+            end: End::Proxy(outcome),
             host: stream.is_none(),
             limit,
         })
     }
 
-    /// Requests not finished (armed, starting or running).
+    /// A lean request: its work is queued on the stream of `trig` already (a host trigger:
+    /// tests, in plain host words), done once `fence` completes, with `held` (its report, and
+    /// what the work reaches) its result. The proxy only places it in the queue's word (see
+    /// [`End::Lean`]); `timeout` is its deadline, counted from `started`.
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path makes lean requests")
+    )]
+    pub(crate) fn arm_lean(
+        &self,
+        trig: Trigger<'_>,
+        fence: B::Fired,
+        held: (TransferReport, Keep),
+        timeout: Duration,
+        started: Instant,
+    ) -> Result<StreamTransfer> {
+        self.ensure_thread()?;
+        let until = deadline_after(started, timeout);
+        let ask = Ask::Lean {
+            fence: fence.clone(),
+            timeout,
+            until,
+        };
+        let (_, queue, seq, dead) = self.core.reserve(&trig, ask)?;
+        // A proxy asleep with nothing armed learns of it (its deadline, a stream's wait).
+        self.core.bell.ring_if(DEEP);
+        // Not on a proxy thread (a waker's code arming there), which the streams wait for.
+        if !dead.is_empty() {
+            drop_freely(dead);
+        }
+        Ok(StreamTransfer {
+            queue,
+            seq,
+            end: End::Lean(Lean {
+                fence: Box::new(fence),
+                held: Mutex::new(Some(held)),
+                started,
+            }),
+            host: false,
+            limit: deadline_after(until, timeout) + HOST_SLACK,
+        })
+    }
+
+    /// Requests not finished (armed, starting or running, lean not placed).
     #[cfg(test)]
     fn pending(&self) -> usize {
         let mut st = self.core.lock();
         self.core.drain(&mut st, false);
-        st.entries.len()
+        st.entries.len() + st.lean.len()
     }
 
     /// The endpoint is closing: take no more work, release what waits on it. Called before
@@ -1612,6 +1871,119 @@ mod tests {
         p.closed();
     }
 
+    /// A lean request done once `fence` completes (its report: `bytes` = `id`).
+    fn lean(p: &Proxy<Fake>, id: u64, fence: &FakeFence, timeout: Duration) -> StreamTransfer {
+        let mut r = report();
+        r.bytes = id;
+        p.arm_lean(
+            Trigger::Host,
+            fence.clone(),
+            (r, Box::new(())),
+            timeout,
+            Instant::now(),
+        )
+        .unwrap()
+    }
+
+    fn decided(t: &StreamTransfer) -> usize {
+        t.queue.decided.lock().unwrap().len()
+    }
+
+    /// Lean requests are placed in the word in order, whichever fence completes first; one
+    /// done past the prefix is told by the queue's record until the prefix covers it; the host
+    /// takes each result once, the future too.
+    #[test]
+    fn lean_requests_take_their_place_in_the_word_in_order() {
+        let p = Proxy::new(Fake::default());
+        let f: Vec<FakeFence> = (0..3).map(|_| FakeFence::default()).collect();
+        let t: Vec<StreamTransfer> = (0..3)
+            .map(|i| lean(&p, 10 + i as u64, &f[i], Duration::from_secs(30)))
+            .collect();
+        assert_eq!(
+            t.iter().map(StreamTransfer::seq).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        assert!(
+            t[0].wait(Duration::from_millis(5)).is_err(),
+            "its fence is open"
+        );
+        f[1].0.store(true, Ordering::Release);
+        assert_eq!(t[1].wait(Duration::from_secs(10)).unwrap().bytes, 11);
+        assert!(!t[1].is_released(), "request 1 is not done");
+        assert!(t[1].wait(Duration::ZERO).is_err(), "taken once");
+        f[0].0.store(true, Ordering::Release);
+        assert!(t[0].is_complete());
+        until("the prefix", || t[0].completion_value() == 2);
+        assert!(t[1].is_released());
+        assert_eq!(decided(&t[0]), 0, "the prefix covers what the record told");
+        assert_eq!(t[0].wait(Duration::from_secs(10)).unwrap().bytes, 10);
+        f[2].0.store(true, Ordering::Release);
+        let mut t = t;
+        let last = t.pop().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        assert_eq!(rt.block_on(last.into_future()).unwrap().bytes, 12);
+        assert_eq!(t[0].completion_value(), 3);
+        assert_eq!(p.pending(), 0);
+        p.closed();
+    }
+
+    /// A lean request whose fence stays open past its deadline fails, with the error bit in
+    /// the word; the queue's later requests, lean or not, fail with it, and new requests go to a
+    /// new queue.
+    #[test]
+    fn a_late_lean_request_fails_its_queue() {
+        let p = Proxy::new(Fake::default());
+        let never = FakeFence::default();
+        let late = lean(&p, 1, &never, Duration::from_millis(20));
+        let later_fence = FakeFence::default();
+        let later = lean(&p, 2, &later_fence, Duration::from_secs(30));
+        let (f3, armed) = armed_behind_a_fence(&p, 3);
+        let e = late.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(late.is_released() && later.is_released() && armed.is_released());
+        assert_ne!(late.completion_value() & STREAM_ERROR_BIT, 0);
+        later_fence.0.store(true, Ordering::Release);
+        f3.0.store(true, Ordering::Release);
+        let e = later.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e.to_string().contains("failed first"), "{e}");
+        let e = armed.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e.to_string().contains("failed first"), "{e}");
+        let ok = FakeFence::default();
+        ok.0.store(true, Ordering::Release);
+        let next = lean(&p, 4, &ok, Duration::from_secs(30));
+        assert_ne!(next.queue.id, late.queue.id, "a new queue");
+        assert_eq!(next.wait(Duration::from_secs(10)).unwrap().bytes, 4);
+        p.closed();
+    }
+
+    /// Lean requests and requests the proxy ends share one word; a lean one not placed at the
+    /// close fails with it; with no proxy thread, the host places them itself.
+    #[test]
+    fn lean_and_proxy_requests_share_the_word_and_the_close() {
+        let p = Proxy::new(Fake::default());
+        p.started.store(true, Ordering::Release); // no thread: the host places them
+        let rel = p.core.backend.release.clone();
+        let (f1, t1) = armed_behind_a_fence(&p, 1);
+        let f2 = FakeFence::default();
+        let t2 = lean(&p, 2, &f2, Duration::from_secs(30));
+        f2.0.store(true, Ordering::Release);
+        assert_eq!(t2.wait(Duration::from_secs(10)).unwrap().bytes, 2);
+        assert_eq!(t2.completion_value(), 0, "request 1 runs");
+        f1.0.store(true, Ordering::Release);
+        finish(&rel, 1, true);
+        t1.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(t1.completion_value(), 2);
+        let open = FakeFence::default();
+        let t3 = lean(&p, 3, &open, Duration::from_secs(30));
+        p.closing();
+        let e = t3.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        assert!(t3.is_released());
+        p.closed();
+    }
+
     /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
     fn armed_behind_a_fence(p: &Proxy<Fake>, id: u64) -> (FakeFence, StreamTransfer) {
         let fence = FakeFence::default();
@@ -1701,10 +2073,10 @@ mod tests {
         let transfer = |seq| StreamTransfer {
             queue: queue.clone(),
             seq,
-            outcome: Arc::new(Outcome {
+            end: End::Proxy(Arc::new(Outcome {
                 flag: CompletionFlag::new(),
                 slot: Mutex::new(None),
-            }),
+            })),
             host: true,
             limit: Instant::now() + Duration::from_secs(30),
         };
@@ -2073,7 +2445,7 @@ mod tests {
         // A waker that calls back into the proxy inline takes its lock.
         let probe = WokenFree::new(move || core.state.try_lock().is_ok());
         let t = p.arm(Trigger::Host, 9, Duration::from_secs(30)).unwrap();
-        assert!(t.outcome.flag.register_waker(&Waker::from(probe.clone())));
+        assert!(t.outcome().flag.register_waker(&Waker::from(probe.clone())));
         t.trigger().unwrap();
         finish(&rel, 9, true);
         until("woken", || probe.count() > 0 || t.is_complete());
@@ -2981,18 +3353,18 @@ mod tests {
         let b = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
         assert!(!Arc::ptr_eq(&a.queue, &b.queue), "a new queue");
         assert_eq!(
-            (Arc::strong_count(&a.queue), Arc::strong_count(&a.outcome)),
+            (Arc::strong_count(&a.queue), Arc::strong_count(a.outcome())),
             (1, 1),
             "the first request holds the last handles of its queue and outcome"
         );
         let w = Arc::new(DropsOnWake(Mutex::new(Some(a))));
-        assert!(b.outcome.flag.register_waker(&Waker::from(w.clone())));
+        assert!(b.outcome().flag.register_waker(&Waker::from(w.clone())));
         b.trigger().unwrap();
         finish(&rel, 2, true);
         until("the waker ran", || w.0.lock().unwrap().is_none());
         // The proxy goes on: the next request finishes (which the words' drop waits for).
         let c = p.arm(Trigger::Host, 3, Duration::from_secs(30)).unwrap();
-        *until_flag.lock().unwrap() = Some(c.outcome.flag.clone());
+        *until_flag.lock().unwrap() = Some(c.outcome().flag.clone());
         c.trigger().unwrap();
         finish(&rel, 3, true);
         let r = c.wait(Duration::from_secs(3));
