@@ -109,6 +109,17 @@
 //! because `cuStreamWriteValue64`'s memory barrier holds the stream's next copy back for some
 //! microseconds (docs/transfer.md).
 //!
+//! Such a request that tells the peer nothing is *lean*: its result is known when its copies
+//! are queued, and it is done once the event behind them completes. Its copies and event are
+//! queued first, then it takes its `seq` and hands the proxy only the event and its deadline.
+//! The proxy places it in the completion word once the event completed (or fails it at its
+//! deadline, at the close or after an earlier failure of the queue, as any request); the host
+//! reads its end off the event and its place off the word, or off the queue's record of what
+//! the word does not tell (a failure, a success past a request still running), asking the
+//! proxy (under its lock) only once the event completed or the word carries the error bit.
+//! Where no event can be recorded behind the copies, a lean request fails with the driver's
+//! reason (its copies stay queued, what they reach held behind them).
+//!
 //! # Not tested on these machines
 //!
 //! The GPU half (stream write and wait, capture refusal) is tested on a GPU without a NIC, and
