@@ -283,6 +283,16 @@ impl Lean {
     /// How it stands now, `None` while undecided; asks the proxy (waiting for its lock) only
     /// once its fence completed or the queue failed.
     fn seen(&self, queue: &Queue, seq: u64) -> Option<Seen> {
+        // Taken: its record is gone, and the word may never cover it (a failure, a success
+        // past a gap). It stays complete, and a second take says it was taken.
+        if self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            return Some(Seen::Ended(taken_error()));
+        }
         let recorded = || {
             if queue.covers(seq) {
                 return Some(Seen::Done);
@@ -318,11 +328,7 @@ impl Lean {
     fn take(&self, queue: &Queue, seq: u64, seen: Seen) -> Result<TransferReport> {
         let Some((mut report, keep)) = self.held.lock().unwrap_or_else(|e| e.into_inner()).take()
         else {
-            return Err(Error::invalid(
-                "stream transfer",
-                "its result",
-                "already taken",
-            ));
+            return Err(taken_error());
         };
         // Freed here unless its fence is still open (then parked behind it), on the caller's
         // thread (a waker's code on the proxy thread hands it to another).
@@ -342,6 +348,11 @@ impl Lean {
             Seen::Ended(e) => Err(e),
         }
     }
+}
+
+/// A stream request's error once its result was taken.
+fn taken_error() -> Error {
+    Error::invalid("stream transfer", "its result", "already taken")
 }
 
 /// A stream request's error when its endpoint (its proxy) closed before it was seen done.

@@ -1984,6 +1984,44 @@ mod tests {
         p.closed();
     }
 
+    /// A lean request's result taken (a success the record told, a failure the record told):
+    /// it stays complete, and a second wait says at once that it was taken (not a timeout
+    /// after asking the proxy again and again).
+    #[test]
+    fn a_lean_result_taken_stays_complete_and_a_second_wait_says_so() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        // A request the proxy runs keeps the queue known after the failure below.
+        let (f1, running) = armed_behind_a_fence(&p, 1);
+        f1.0.store(true, Ordering::Release);
+        until("started", || {
+            p.core.backend.started.lock().unwrap().contains(&1)
+        });
+        let f2 = FakeFence::default();
+        let f3 = FakeFence::default();
+        let gap = lean(&p, 2, &f2, Duration::from_millis(300));
+        let ok = lean(&p, 3, &f3, Duration::from_secs(30));
+        f3.0.store(true, Ordering::Release);
+        // Done past the prefix (request 1 runs): told by the record.
+        assert_eq!(ok.wait(Duration::from_secs(10)).unwrap().bytes, 3);
+        assert!(ok.is_complete(), "taken, still complete");
+        let at = Instant::now();
+        let e = ok.wait(Duration::from_secs(2)).unwrap_err();
+        assert!(e.to_string().contains("already taken"), "{e}");
+        assert!(at.elapsed() < Duration::from_secs(1), "{:?}", at.elapsed());
+        // Late: failed, told by the record; the queue is still known (request 1 runs).
+        let e = gap.wait(Duration::from_secs(10)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(gap.is_complete(), "taken, still complete");
+        let at = Instant::now();
+        let e = gap.wait(Duration::from_secs(2)).unwrap_err();
+        assert!(e.to_string().contains("already taken"), "{e}");
+        assert!(at.elapsed() < Duration::from_secs(1), "{:?}", at.elapsed());
+        finish(&rel, 1, true);
+        running.wait(Duration::from_secs(10)).unwrap();
+        p.closed();
+    }
+
     /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
     fn armed_behind_a_fence(p: &Proxy<Fake>, id: u64) -> (FakeFence, StreamTransfer) {
         let fence = FakeFence::default();
