@@ -267,6 +267,17 @@ pub(super) struct Lean {
     pub(super) started: Instant,
 }
 
+impl Drop for Lean {
+    /// A result never taken: what the copies reach goes as an [`Outcome`]'s does, never freed
+    /// on a thread that frees nothing (a waker's code on the proxy thread letting go of it).
+    fn drop(&mut self) {
+        let held = self.held.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, keep)) = held.take() {
+            drop_freely(keep);
+        }
+    }
+}
+
 /// How a lean request stands, as its host sees it.
 enum Seen {
     /// Succeeded: the word's prefix covers it.
@@ -596,20 +607,12 @@ impl std::future::IntoFuture for StreamTransfer {
                     r
                 })
             }
-            End::Lean(Lean {
-                fence,
-                held,
-                started,
-            }) => {
+            End::Lean(mut lean) => {
                 // Awaits its fence (the completion thread's looks), then how the proxy
                 // placed it (the fence done, the proxy decides it at once).
+                let fence = std::mem::replace(&mut lean.fence, Box::new(crate::completion::Done));
                 let f = InFlight::new("stream transfer", fence, ()).deadline(limit);
                 Box::pin(async move {
-                    let lean = Lean {
-                        fence: Box::new(crate::completion::Done),
-                        held,
-                        started,
-                    };
                     let r = match f.await {
                         Ok(()) => match lean.seen(&queue, seq) {
                             Some(seen) => lean.take(&queue, seq, seen),

@@ -2022,6 +2022,35 @@ mod tests {
         p.closed();
     }
 
+    /// A lean request let go of untaken by code a waker runs on the proxy thread: what its
+    /// copies reach is dropped on another thread (as a full request's outcome does).
+    #[test]
+    fn a_lean_request_let_go_of_on_the_proxy_thread_drops_what_it_holds_elsewhere() {
+        let p = Proxy::new(Fake::default());
+        let rel = p.core.backend.release.clone();
+        let drops = Drops::default();
+        let f = FakeFence::default();
+        let a = p
+            .arm_lean(
+                Trigger::Host,
+                f.clone(),
+                (report(), Box::new(Tracked(drops.clone()))),
+                Duration::from_secs(30),
+                Instant::now(),
+            )
+            .unwrap();
+        let b = p.arm(Trigger::Host, 2, Duration::from_secs(30)).unwrap();
+        let w = Arc::new(DropsOnWake(Mutex::new(Some(a))));
+        assert!(b.outcome().flag.register_waker(&Waker::from(w.clone())));
+        f.0.store(true, Ordering::Release);
+        b.trigger().unwrap();
+        finish(&rel, 2, true);
+        until("the waker ran", || w.0.lock().unwrap().is_none());
+        until("dropped", || !drops.0.lock().unwrap().is_empty());
+        none_dropped_on_the_proxy(&drops.0.lock().unwrap());
+        p.closed();
+    }
+
     /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
     fn armed_behind_a_fence(p: &Proxy<Fake>, id: u64) -> (FakeFence, StreamTransfer) {
         let fence = FakeFence::default();
