@@ -1263,10 +1263,11 @@ impl<B: Backend> Core<B> {
                     self.drain(&mut st, false);
                     hook("slow_gap");
                     let mut front = self.front();
+                    // A lean seq counts too: its queue is kept only once it is outstanding.
                     if !front
                         .inbox
                         .iter()
-                        .any(|m| matches!(m, Msg::Reserved { .. }))
+                        .any(|m| matches!(m, Msg::Reserved { .. } | Msg::Lean { .. }))
                     {
                         front.slow = false;
                         break front;
@@ -2048,6 +2049,47 @@ mod tests {
         until("the waker ran", || w.0.lock().unwrap().is_none());
         until("dropped", || !drops.0.lock().unwrap().is_empty());
         none_dropped_on_the_proxy(&drops.0.lock().unwrap());
+        p.closed();
+    }
+
+    /// A lean seq the fast path takes while a slow reservation drains is drained before the
+    /// slow path looks: the queue it retires (its last seq taken) is kept until the lean
+    /// request is placed, and its host gets its success.
+    #[test]
+    fn a_lean_seq_taken_while_a_slow_reservation_drains_is_kept() {
+        let p = Arc::new(Proxy::new(Fake::default()));
+        p.started.store(true, Ordering::Release); // no thread: only callers drain
+        let done = FakeFence::default();
+        done.0.store(true, Ordering::Release);
+        let first = lean(&p, 1, &done, Duration::from_secs(30));
+        first.wait(Duration::from_secs(10)).unwrap();
+        // The next caller goes slow; after its drain, before the front's lock, another thread
+        // takes the queue's last seq on the fast path.
+        p.core.front().slow = true;
+        let f = FakeFence::default();
+        let got: Arc<Mutex<Option<StreamTransfer>>> = Default::default();
+        let (p2, g2, f2) = (p.clone(), got.clone(), f.clone());
+        set_hook("slow_gap", move || {
+            {
+                let mut front = p2.core.front();
+                front.slow = false;
+                let cur = front.current.as_mut().unwrap();
+                cur.next_seq = MAX_SEQ - 1;
+                cur.queue.low.0.store(MAX_SEQ - 1, Ordering::Release);
+            }
+            let t = std::thread::spawn(move || lean(&p2, 2, &f2, Duration::from_secs(30)))
+                .join()
+                .unwrap();
+            *g2.lock().unwrap() = Some(t);
+        });
+        let next = lean(&p, 3, &done, Duration::from_secs(30));
+        let last = got.lock().unwrap().take().expect("the hook ran");
+        assert_eq!(last.seq(), MAX_SEQ - 1);
+        assert_ne!(next.queue.id, last.queue.id, "the full queue retired");
+        f.0.store(true, Ordering::Release);
+        let r = last.wait(Duration::from_secs(10));
+        assert_eq!(r.map(|r| r.bytes).map_err(|e| e.to_string()), Ok(2));
+        assert_eq!(next.wait(Duration::from_secs(10)).unwrap().bytes, 3);
         p.closed();
     }
 
