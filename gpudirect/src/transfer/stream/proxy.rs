@@ -2093,6 +2093,184 @@ mod tests {
         p.closed();
     }
 
+    /// Threads arming lean and full requests on one proxy, completing their fences in random
+    /// orders, some late (deadline) or failing, with a close racing them: every wait ends,
+    /// every result is taken once (and stays complete), each queue's word only grows, a seq
+    /// its prefix covers was Ok, a failure shows the error bit, and a queue without the bit
+    /// has every request in its prefix.
+    #[test]
+    fn threads_mixing_lean_and_full_requests_with_failures_and_a_close_agree_with_the_word() {
+        for round in 0..6u64 {
+            let p = Arc::new(Proxy::new(Fake::default()));
+            let rel = p.core.backend.release.clone();
+            let stop = Arc::new(AtomicBool::new(false));
+            // Each queue's words sampled while the workers run: never smaller, bit never lost.
+            let watcher = {
+                let (p, stop) = (p.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut seen: HashMap<u64, (Arc<Queue>, u64)> = HashMap::new();
+                    let mut bad = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        for (id, q) in p.core.lock().queues.iter() {
+                            seen.entry(*id).or_insert((q.queue.clone(), 0));
+                        }
+                        for (id, (q, last)) in seen.iter_mut() {
+                            let w = q.words.load(DONE);
+                            let grew = (w & !STREAM_ERROR_BIT) >= (*last & !STREAM_ERROR_BIT)
+                                && (w & STREAM_ERROR_BIT) >= (*last & STREAM_ERROR_BIT);
+                            if !grew {
+                                bad.push((*id, *last, w));
+                            }
+                            *last = w;
+                        }
+                        std::thread::yield_now();
+                    }
+                    bad
+                })
+            };
+            let workers: Vec<_> = (0..4u64)
+                .map(|w| {
+                    let (p, rel) = (p.clone(), rel.clone());
+                    std::thread::spawn(move || {
+                        let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ (round * 131 + w + 1);
+                        let mut next = move |n: u64| {
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            rng % n
+                        };
+                        let mut out = Vec::new();
+                        for b in 0..30u64 {
+                            // (transfer, fence, full request's id and result)
+                            let mut batch = Vec::new();
+                            for i in 0..(1 + next(6)) {
+                                let id = 1 + (w << 32) + (b << 8) + i;
+                                if next(4) == 0 {
+                                    let fence = FakeFence::default();
+                                    p.core
+                                        .backend
+                                        .by_fence
+                                        .lock()
+                                        .unwrap()
+                                        .insert(id, fence.clone());
+                                    if let Ok(t) = p.arm(Trigger::Host, id, Duration::from_secs(30))
+                                    {
+                                        batch.push((t, fence, Some((id, next(8) != 0))));
+                                    }
+                                } else {
+                                    let fence = FakeFence::default();
+                                    let timeout = if next(16) == 0 {
+                                        Duration::from_millis(1)
+                                    } else {
+                                        Duration::from_secs(30)
+                                    };
+                                    let mut r = report();
+                                    r.bytes = id;
+                                    if let Ok(t) = p.arm_lean(
+                                        Trigger::Host,
+                                        fence.clone(),
+                                        (r, Box::new(())),
+                                        timeout,
+                                        Instant::now(),
+                                    ) {
+                                        batch.push((t, fence, None));
+                                    }
+                                }
+                            }
+                            // Fences complete in a random order (a late one maybe never).
+                            let mut order: Vec<usize> = (0..batch.len()).collect();
+                            for k in (1..order.len()).rev() {
+                                order.swap(k, next(k as u64 + 1) as usize);
+                            }
+                            for &k in &order {
+                                let (_, f, full) = &batch[k];
+                                if next(20) != 0 {
+                                    f.0.store(true, Ordering::Release);
+                                }
+                                if let Some((id, ok)) = full {
+                                    finish(&rel, *id, *ok);
+                                }
+                                if next(3) == 0 {
+                                    std::thread::yield_now();
+                                }
+                            }
+                            for (t, f, _) in batch {
+                                let r = t.wait(Duration::from_secs(10));
+                                let done = t.is_complete();
+                                let again = t.wait(Duration::from_millis(500));
+                                f.0.store(true, Ordering::Release);
+                                out.push((
+                                    t,
+                                    r.map(|_| ()).map_err(|e| e.to_string()),
+                                    done,
+                                    again,
+                                ));
+                            }
+                        }
+                        out
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(5 + round * 7));
+            p.closing();
+            let got: Vec<_> = workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap())
+                .collect();
+            stop.store(true, Ordering::Relaxed);
+            let bad = watcher.join().unwrap();
+            assert!(bad.is_empty(), "round {round}: words that shrank: {bad:?}");
+            let mut by_queue: HashMap<u64, Vec<(u64, bool)>> = HashMap::new();
+            for (t, r, done, again) in &got {
+                let word = t.completion_value();
+                let tag = format!(
+                    "round {round}: queue {} seq {} word {word:#x}",
+                    t.queue.id,
+                    t.seq()
+                );
+                assert!(
+                    !matches!(r, Err(e) if e.ends_with("waiting for a stream transfer")),
+                    "{tag}: the wait did not end: {r:?}"
+                );
+                assert!(*done, "{tag}: taken, not complete");
+                let again = again.as_ref().map(|_| ()).map_err(|e| e.to_string());
+                assert!(
+                    matches!(&again, Err(e) if e.contains("already taken")),
+                    "{tag}: a second wait: {again:?}"
+                );
+                if t.queue.covers(t.seq()) {
+                    assert!(r.is_ok(), "{tag}: in the prefix, yet {r:?}");
+                }
+                if r.is_err() {
+                    assert_ne!(
+                        word & STREAM_ERROR_BIT,
+                        0,
+                        "{tag}: failed ({r:?}) without the bit"
+                    );
+                }
+                by_queue
+                    .entry(t.queue.id)
+                    .or_default()
+                    .push((t.seq(), r.is_ok()));
+            }
+            for (t, _, _, _) in &got {
+                let word = t.completion_value();
+                if word & STREAM_ERROR_BIT == 0 {
+                    let all = &by_queue[&t.queue.id];
+                    assert!(
+                        all.iter().all(|&(s, ok)| ok && geq_releases(word, s)),
+                        "round {round}: queue {} word {word:#x} without the bit: {all:?}",
+                        t.queue.id
+                    );
+                }
+            }
+            let oks = got.iter().filter(|g| g.1.is_ok()).count();
+            assert!(oks > 0, "round {round}: some requests succeeded");
+            drop(got);
+            p.closed();
+        }
+    }
+
     /// Work `id` armed with a host trigger and fired by a fence of its own, still open.
     fn armed_behind_a_fence(p: &Proxy<Fake>, id: u64) -> (FakeFence, StreamTransfer) {
         let fence = FakeFence::default();
