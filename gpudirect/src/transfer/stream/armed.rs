@@ -608,10 +608,14 @@ impl std::future::IntoFuture for StreamTransfer {
                 })
             }
             End::Lean(mut lean) => {
-                // Awaits its fence (the completion thread's looks), then how the proxy
-                // placed it (the fence done, the proxy decides it at once).
+                // Awaits its fence, or a failure in its queue (the word's bit; the completion
+                // thread looks at both), then how the proxy placed it (asked at once).
                 let fence = std::mem::replace(&mut lean.fence, Box::new(crate::completion::Done));
-                let f = InFlight::new("stream transfer", fence, ()).deadline(limit);
+                let ended = FenceOrFailure {
+                    fence,
+                    queue: queue.clone(),
+                };
+                let f = InFlight::new("stream transfer", ended, ()).deadline(limit);
                 Box::pin(async move {
                     let r = match f.await {
                         Ok(()) => match lean.seen(&queue, seq) {
@@ -626,6 +630,19 @@ impl std::future::IntoFuture for StreamTransfer {
                 })
             }
         }
+    }
+}
+
+/// Complete once a lean request's fence completes or its queue's word carries the error bit
+/// (a failure there places the request at once, a failure too if it was not done).
+struct FenceOrFailure {
+    fence: Box<dyn Fence>,
+    queue: Arc<Queue>,
+}
+
+impl Fence for FenceOrFailure {
+    fn is_complete(&self) -> bool {
+        self.fence.is_complete() || self.queue.words.load(DONE) & STREAM_ERROR_BIT != 0
     }
 }
 

@@ -1959,6 +1959,31 @@ mod tests {
         p.closed();
     }
 
+    /// An awaited lean request whose queue fails while its fence stays open ends with that
+    /// failure at once, not at its bound.
+    #[test]
+    fn an_awaited_lean_request_ends_with_its_queues_failure() {
+        let p = Proxy::new(Fake::default());
+        let open = FakeFence::default();
+        let t = lean(&p, 1, &open, Duration::from_secs(30));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let _ = tx.send(rt.block_on(t.into_future()));
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        p.closing();
+        let r = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the future ends with the close, not at its bound");
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        waiter.join().unwrap();
+        p.closed();
+    }
+
     /// Lean requests and requests the proxy ends share one word; a lean one not placed at the
     /// close fails with it; with no proxy thread, the host places them itself.
     #[test]
