@@ -447,7 +447,9 @@ impl Endpoint {
         let started = staged.started();
         if staged.lean() {
             // Lean: its copies and the event behind them queued first, then only its place in
-            // the queue's word is the proxy's (no seq is needed before).
+            // the queue's word is the proxy's (no seq is needed before). What its seq would
+            // refuse is refused before anything is queued.
+            self.proxy().ready_lean(Trigger::Stream(stream))?;
             let q = local
                 .enqueue_staged(staged, stream, None)
                 .map_err(|u| u.error)?;

@@ -1242,13 +1242,20 @@ impl<B: Backend> Core<B> {
                 return Ok(front.take_seq(ask));
             }
         }
-        self.reserve_slow(trig, ask)
+        self.reserve_slow(trig, Some(ask))
+            .map(|r| r.expect("a seq was asked for"))
     }
 
     /// [`reserve`](Self::reserve) with the proxy's state drained and locked: the current
     /// queue retired when it cannot take the request, a new one made (its words allocated
     /// outside the locks), the window checked exactly.
-    fn reserve_slow(&self, trig: &Trigger<'_>, ask: Ask<B::Fired>) -> Result<Reservation<B::Work>> {
+    /// With `ask` `None`, no seq is taken: the current queue is made ready for `trig` (the
+    /// errors a reservation would give, given before a lean request queues its work).
+    fn reserve_slow(
+        &self,
+        trig: &Trigger<'_>,
+        ask: Option<Ask<B::Fired>>,
+    ) -> Result<Option<Reservation<B::Work>>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         let mut made: Option<Box<dyn WordMemory>> = None;
         hook("slow_entry");
@@ -1294,13 +1301,18 @@ impl<B: Backend> Core<B> {
                             ));
                         }
                         q.publish_low();
+                        let Some(ask) = ask else {
+                            // Words made for a queue another caller made first are dropped
+                            // after the locks.
+                            return Ok(None);
+                        };
                         let mut r = front.take_seq(ask);
                         // Words made for a queue another caller made first: dropped with the
                         // rest, after this request's trigger is queued.
                         if let Some(words) = made.take() {
                             r.3.push(Dead::Other(Box::new(words)));
                         }
-                        return Ok(r);
+                        return Ok(Some(r));
                     }
                     if usable && q.outstanding > 0 {
                         return Err(Error::invalid(
@@ -1616,6 +1628,42 @@ impl<B: Backend> Proxy<B> {
             host: stream.is_none(),
             limit,
         })
+    }
+
+    /// Before a lean request queues its work: the errors its seq would meet (the endpoint
+    /// closed, a queue in host memory with host-triggered requests outstanding, the window of
+    /// armed requests full, a capturing stream, the queue's words not made), with the queue
+    /// made ready for it. Only a close or a failure racing the work then fails the request
+    /// after its work is queued.
+    ///
+    /// # Errors
+    ///
+    /// As [`arm_lean`](Self::arm_lean).
+    #[cfg_attr(
+        not(feature = "p2p"),
+        allow(dead_code, reason = "the intra-node path makes lean requests")
+    )]
+    pub(crate) fn ready_lean(&self, trig: Trigger<'_>) -> Result<()> {
+        self.ensure_thread()?;
+        let want_cuda = matches!(trig, Trigger::Stream(_));
+        {
+            let front = self.core.front();
+            if front.closing {
+                return Err(closed_error());
+            }
+            if !front.slow
+                && let Some(cur) = front.current.as_ref()
+                && cur.next_seq < MAX_SEQ
+                && (cur.cuda || !want_cuda)
+                && cur
+                    .next_seq
+                    .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
+                    < TRIGGER_SLOTS as u64
+            {
+                return Ok(());
+            }
+        }
+        self.core.reserve_slow(&trig, None).map(|_| ())
     }
 
     /// A lean request: its work is queued on the stream of `trig` already (a host trigger:
@@ -1956,6 +2004,23 @@ mod tests {
         let next = lean(&p, 4, &ok, Duration::from_secs(30));
         assert_ne!(next.queue.id, late.queue.id, "a new queue");
         assert_eq!(next.wait(Duration::from_secs(10)).unwrap().bytes, 4);
+        p.closed();
+    }
+
+    /// The errors a lean request's seq would meet come before its work is queued: a closed
+    /// proxy, a window of armed requests full.
+    #[test]
+    fn a_lean_request_is_refused_before_its_work_is_queued() {
+        let p = Proxy::new(Fake::default());
+        let held: Vec<StreamTransfer> = (0..TRIGGER_SLOTS as u64)
+            .map(|i| p.arm(Trigger::Host, i, Duration::from_secs(30)).unwrap())
+            .collect();
+        let e = p.ready_lean(Trigger::Host).unwrap_err();
+        assert!(e.to_string().contains("armed at once"), "{e}");
+        p.closing();
+        let e = p.ready_lean(Trigger::Host).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+        drop(held);
         p.closed();
     }
 
