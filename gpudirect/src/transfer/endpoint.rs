@@ -14,12 +14,12 @@ use super::rails::{RailStats, Rails};
 use super::region::{LocalRange, Region};
 use super::request::{Broken, Direction, Notification, TransferOptions, TransferReport};
 use super::shared::{Look, SetOnDrop};
-#[cfg(feature = "p2p")]
-use super::stream::Mark;
 use super::stream::{
     Backend, Counter, HostWords, Keep, Proxy, Running, StreamTransfer, StreamWord, Trigger,
     WordMemory,
 };
+#[cfg(feature = "p2p")]
+use super::stream::{Mark, closed_error};
 use super::transport::Transport;
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream};
@@ -753,13 +753,4 @@ impl Backend for Rdma {
             RdmaWork::Queued(q) => q.report.as_ref().is_some_and(|r| r.notified.is_some()),
         }
     }
-}
-
-/// A stream request's error when its endpoint closed before it finished.
-fn closed_error() -> Error {
-    Error::invalid(
-        "endpoint",
-        "closed",
-        "the endpoint was closed before the stream transfer finished",
-    )
 }

@@ -335,6 +335,14 @@ impl Lean {
         })
     }
 
+    /// Its result, once seen placed ([`seen`](Self::seen); an error while it is not).
+    fn result(&self, queue: &Queue, seq: u64) -> Result<TransferReport> {
+        match self.seen(queue, seq) {
+            Some(seen) => self.take(queue, seq, seen),
+            None => Err(Error::invalid("stream transfer", seq, "not seen done")),
+        }
+    }
+
     /// Take the result as `seen` tells it.
     fn take(&self, queue: &Queue, seq: u64, seen: Seen) -> Result<TransferReport> {
         let Some((mut report, keep)) = self.held.lock().unwrap_or_else(|e| e.into_inner()).take()
@@ -366,8 +374,8 @@ fn taken_error() -> Error {
     Error::invalid("stream transfer", "its result", "already taken")
 }
 
-/// A stream request's error when its endpoint (its proxy) closed before it was seen done.
-fn closed_error() -> Error {
+/// A stream request's error when its endpoint (its proxy) closed before it finished.
+pub(crate) fn closed_error() -> Error {
     Error::invalid(
         "endpoint",
         "closed",
@@ -549,10 +557,7 @@ impl StreamTransfer {
         }
         match &self.end {
             End::Proxy(o) => take(o),
-            End::Lean(l) => match l.seen(&self.queue, self.seq) {
-                Some(seen) => l.take(&self.queue, self.seq, seen),
-                None => Err(Error::invalid("stream transfer", self.seq, "not seen done")),
-            },
+            End::Lean(l) => l.result(&self.queue, self.seq),
         }
     }
 }
@@ -568,11 +573,7 @@ fn take(o: &Outcome) -> Result<TransferReport> {
             }
             r
         }
-        None => Err(Error::invalid(
-            "stream transfer",
-            "its result",
-            "already taken",
-        )),
+        None => Err(taken_error()),
     }
 }
 
@@ -618,10 +619,7 @@ impl std::future::IntoFuture for StreamTransfer {
                 let f = InFlight::new("stream transfer", ended, ()).deadline(limit);
                 Box::pin(async move {
                     let r = match f.await {
-                        Ok(()) => match lean.seen(&queue, seq) {
-                            Some(seen) => lean.take(&queue, seq, seen),
-                            None => Err(Error::invalid("stream transfer", seq, "not seen done")),
-                        },
+                        Ok(()) => lean.result(&queue, seq),
                         Err(e) => Err(e),
                     };
                     drop(lean);

@@ -142,7 +142,7 @@ mod words;
 pub(crate) use armed::Keep;
 pub use armed::StreamTransfer;
 #[cfg(feature = "p2p")]
-pub(crate) use armed::{Mark, TriggerFence};
+pub(crate) use armed::{Mark, TriggerFence, closed_error};
 #[cfg(feature = "p2p")]
 pub(crate) use proxy::Unmade;
 pub(crate) use proxy::{Backend, Proxy, Running, Trigger};

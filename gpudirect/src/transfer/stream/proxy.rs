@@ -3,7 +3,7 @@
 //! queue's completion word as they finish.
 
 use super::armed::{
-    End, Helper, Keep, Lean, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer,
+    End, Helper, Keep, Lean, Mark, NUDGE_EVERY, Nudge, Outcome, Queue, StreamTransfer, closed_error,
 };
 use super::window::{
     DONE, FENCE_NAP, TRIGGER_SLOTS, Window, geq_releases, proxy_pause, trigger_slot,
@@ -595,14 +595,6 @@ fn failed_first(seq: u64, first: u64) -> Error {
             "request {first} of its stream queue failed first; a queue starts nothing after a \
              failure"
         ),
-    )
-}
-
-fn closed_error() -> Error {
-    Error::invalid(
-        "endpoint",
-        "closed",
-        "the endpoint was closed before the stream transfer finished",
     )
 }
 
