@@ -92,6 +92,36 @@ pub(crate) trait FiredBy: Fence + Clone {
     fn fired(&self) -> bool;
 }
 
+/// Whether `f` fired, looked at once per stream: `open` holds, per stream, the earliest place
+/// seen not fired (one at or after it is not fired either, and is not asked), and learns `f`'s
+/// place when it has not fired.
+fn looked_fired<F: FiredBy>(f: &F, open: &mut Vec<(usize, u64)>) -> bool {
+    let (stream, at) = f.place();
+    let seen = open.iter_mut().find(|(s, _)| *s == stream);
+    if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
+        return false;
+    }
+    let fired = f.fired();
+    if !fired {
+        match seen {
+            Some(o) => o.1 = at,
+            None => open.push((stream, at)),
+        }
+    }
+    fired
+}
+
+/// Keep in `fences` one fence per stream, the earliest there (the first to complete): `f`
+/// cloned only when kept.
+fn keep_earliest<F: FiredBy>(fences: &mut Vec<F>, f: &F) {
+    let (stream, at) = f.place();
+    match fences.iter_mut().find(|g| g.place().0 == stream) {
+        Some(g) if at < g.place().1 => *g = f.clone(),
+        Some(_) => {}
+        None => fences.push(f.clone()),
+    }
+}
+
 impl FiredBy for StreamFence {
     fn place(&self) -> (usize, u64) {
         (Arc::as_ptr(self.timeline()) as usize, self.epoch())
@@ -204,8 +234,10 @@ struct QState {
 }
 
 impl QState {
-    /// Request `seq` finished with `ok`: the word published, the waiter rule updated.
-    fn finished(&mut self, seq: u64, ok: bool) {
+    /// Request `seq` finished with `ok`: the word published, the waiter rule updated. A
+    /// failure retires the queue; the queue's first failure is returned when this retired it
+    /// (its requests not started are to fail with it).
+    fn finished(&mut self, seq: u64, ok: bool) -> Option<u64> {
         let word = self.window.finish(seq, ok);
         self.queue.words.store(DONE, word);
         self.eager = self.queue.waited.load(Ordering::SeqCst) >= seq;
@@ -217,6 +249,11 @@ impl QState {
             d.retain(|&k, r| r.is_err() || !geq_releases(prefix, k));
             self.recorded = d.values().any(Result::is_ok);
         }
+        if ok || self.retired {
+            return None;
+        }
+        self.retired = true;
+        self.window.failed()
     }
 
     /// Tell callers the lowest seq whose trigger may not have fired ([`Queue::low`]): every
@@ -304,6 +341,27 @@ struct Front<W, F> {
 type Reservation<W> = (u64, Arc<Queue>, u64, Vec<Dead<W>>);
 
 impl<W, F> Front<W, F> {
+    /// Whether the current queue takes a request (on a stream: `want_cuda`) as far as callers
+    /// know: no slow path running, a seq left, the right words, a trigger slot in the window.
+    ///
+    /// # Errors
+    ///
+    /// The endpoint is closing.
+    fn fast(&self, want_cuda: bool) -> Result<bool> {
+        if self.closing {
+            return Err(closed_error());
+        }
+        Ok(!self.slow
+            && self.current.as_ref().is_some_and(|cur| {
+                cur.next_seq < MAX_SEQ
+                    && (cur.cuda || !want_cuda)
+                    && cur
+                        .next_seq
+                        .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
+                        < (TRIGGER_SLOTS as u64)
+            }))
+    }
+
     /// The current queue's next seq, handed to the proxy's state through the inbox (the
     /// caller checked that the queue can take it).
     fn take_seq(&mut self, ask: Ask<F>) -> Reservation<W> {
@@ -687,7 +745,7 @@ impl<B: Backend> Core<B> {
         let ok = r.is_ok();
         let mut poisoned = None;
         if let Some(q) = st.queues.get_mut(&key.0) {
-            q.finished(key.1, ok);
+            poisoned = q.finished(key.1, ok);
             if !q.queue.covers(key.1) {
                 q.recorded |= ok;
                 q.queue
@@ -695,10 +753,6 @@ impl<B: Backend> Core<B> {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(key.1, r);
-            }
-            if !ok && !q.retired {
-                q.retired = true;
-                poisoned = q.window.failed();
             }
         }
         if let Some(first) = poisoned {
@@ -722,19 +776,7 @@ impl<B: Backend> Core<B> {
         let mut done = Vec::new();
         let mut late = Vec::new();
         for (k, l) in &st.lean {
-            let (stream, at) = l.fence.place();
-            let seen = open.iter_mut().find(|(s, _)| *s == stream);
-            let fired = seen.as_ref().is_none_or(|(_, first)| at < *first) && {
-                let fired = l.fence.fired();
-                if !fired {
-                    match seen {
-                        Some(o) => o.1 = at,
-                        None => open.push((stream, at)),
-                    }
-                }
-                fired
-            };
-            if fired {
+            if looked_fired(&l.fence, open) {
                 done.push(*k);
             } else if now >= l.until {
                 late.push((*k, l.timeout));
@@ -808,15 +850,10 @@ impl<B: Backend> Core<B> {
         let Some(e) = st.entries.remove(&key) else {
             return;
         };
-        let ok = r.is_ok();
         let mut poisoned = None;
         if let Some(q) = st.queues.get_mut(&key.0) {
-            q.finished(key.1, ok);
+            poisoned = q.finished(key.1, r.is_ok());
             q.unfired.remove(&key.1);
-            if !ok && !q.retired {
-                q.retired = true;
-                poisoned = q.window.failed();
-            }
         }
         e.outcome.set(r, keep, &mut st.woken);
         st.graveyard.push(e.into_dead());
@@ -944,21 +981,7 @@ impl<B: Backend> Core<B> {
                 Stage::Armed(w) => {
                     let mut by_fence = || {
                         self.backend
-                            .with_fence(w, |f| {
-                                let (stream, at) = f.place();
-                                let seen = open.iter_mut().find(|(s, _)| *s == stream);
-                                if seen.as_ref().is_some_and(|(_, first)| at >= *first) {
-                                    return false;
-                                }
-                                let done = f.fired();
-                                if !done {
-                                    match seen {
-                                        Some(o) => o.1 = at,
-                                        None => open.push((stream, at)),
-                                    }
-                                }
-                                done
-                            })
+                            .with_fence(w, |f| looked_fired(f, &mut open))
                             .unwrap_or(false)
                     };
                     // Every entry's queue is kept while the entry is (it counts as outstanding).
@@ -1029,17 +1052,8 @@ impl<B: Backend> Core<B> {
             Stage::Armed(w) => Some((*k, e, w)),
             _ => None,
         }) {
-            // One fence per stream: the earliest there (the first to complete), cloned only
-            // when kept.
             let fences = &mut watch.fences;
-            let by_fence = self.backend.with_fence(e.2, |f| {
-                let (stream, at) = f.place();
-                match fences.iter_mut().find(|g| g.place().0 == stream) {
-                    Some(g) if at < g.place().1 => *g = f.clone(),
-                    Some(_) => {}
-                    None => fences.push(f.clone()),
-                }
-            });
+            let by_fence = self.backend.with_fence(e.2, |f| keep_earliest(fences, f));
             match by_fence {
                 Some(()) => {
                     // Entries go by (queue, seq): a queue's first is its lowest.
@@ -1062,12 +1076,7 @@ impl<B: Backend> Core<B> {
         // Lean requests not placed: their fences, as armed work fired by one.
         let mut last_queue = None;
         for (k, l) in &st.lean {
-            let (stream, at) = l.fence.place();
-            match watch.fences.iter_mut().find(|g| g.place().0 == stream) {
-                Some(g) if at < g.place().1 => *g = l.fence.clone(),
-                Some(_) => {}
-                None => watch.fences.push(l.fence.clone()),
-            }
+            keep_earliest(&mut watch.fences, &l.fence);
             if last_queue != Some(k.0)
                 && let Some(q) = st.queues.get(&k.0)
             {
@@ -1217,20 +1226,8 @@ impl<B: Backend> Core<B> {
     fn reserve(&self, trig: &Trigger<'_>, ask: Ask<B::Fired>) -> Result<Reservation<B::Work>> {
         let want_cuda = matches!(trig, Trigger::Stream(_));
         {
-            let mut guard = self.front();
-            let front = &mut *guard;
-            if front.closing {
-                return Err(closed_error());
-            }
-            if !front.slow
-                && let Some(cur) = front.current.as_mut()
-                && cur.next_seq < MAX_SEQ
-                && (cur.cuda || !want_cuda)
-                && cur
-                    .next_seq
-                    .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
-                    < TRIGGER_SLOTS as u64
-            {
+            let mut front = self.front();
+            if front.fast(want_cuda)? {
                 return Ok(front.take_seq(ask));
             }
         }
@@ -1638,22 +1635,8 @@ impl<B: Backend> Proxy<B> {
     pub(crate) fn ready_lean(&self, trig: Trigger<'_>) -> Result<()> {
         self.ensure_thread()?;
         let want_cuda = matches!(trig, Trigger::Stream(_));
-        {
-            let front = self.core.front();
-            if front.closing {
-                return Err(closed_error());
-            }
-            if !front.slow
-                && let Some(cur) = front.current.as_ref()
-                && cur.next_seq < MAX_SEQ
-                && (cur.cuda || !want_cuda)
-                && cur
-                    .next_seq
-                    .saturating_sub(cur.queue.low.0.load(Ordering::Acquire))
-                    < TRIGGER_SLOTS as u64
-            {
-                return Ok(());
-            }
+        if self.core.front().fast(want_cuda)? {
+            return Ok(());
         }
         self.core.reserve_slow(&trig, None).map(|_| ())
     }
