@@ -14,12 +14,12 @@ use super::rails::{RailStats, Rails};
 use super::region::{LocalRange, Region};
 use super::request::{Broken, Direction, Notification, TransferOptions, TransferReport};
 use super::shared::{Look, SetOnDrop};
+#[cfg(feature = "p2p")]
+use super::stream::Mark;
 use super::stream::{
     Backend, Counter, HostWords, Keep, Proxy, Running, StreamTransfer, StreamWord, Trigger,
-    WordMemory,
+    WordMemory, closed_error,
 };
-#[cfg(feature = "p2p")]
-use super::stream::{Mark, closed_error};
 use super::transport::Transport;
 use crate::completion::{CompletionFlag, Fence, InFlight};
 use crate::cuda::{MemopFlags, Stream};

@@ -139,10 +139,10 @@ mod proxy;
 mod window;
 mod words;
 
-pub(crate) use armed::Keep;
 pub use armed::StreamTransfer;
+pub(crate) use armed::{Keep, closed_error};
 #[cfg(feature = "p2p")]
-pub(crate) use armed::{Mark, TriggerFence, closed_error};
+pub(crate) use armed::{Mark, TriggerFence};
 #[cfg(feature = "p2p")]
 pub(crate) use proxy::Unmade;
 pub(crate) use proxy::{Backend, Proxy, Running, Trigger};
