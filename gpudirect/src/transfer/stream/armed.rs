@@ -2,10 +2,10 @@
 //! leaves it, and [`StreamTransfer`], the request as users see it.
 
 use super::window::{DONE, geq_releases, trigger_slot};
-use super::words::{HostWords, STREAM_ERROR_BIT, WordMemory};
+use super::words::{STREAM_ERROR_BIT, WordMemory, drop_words_freely};
 use crate::completion::capture::Refused;
 use crate::completion::deferred::Woken;
-use crate::completion::elsewhere::{drop_elsewhere, drop_freely, frees_nothing_here};
+use crate::completion::elsewhere::drop_freely;
 use crate::completion::{CompletionFlag, Fence, InFlight, Line, poll_until};
 use crate::cuda::{MemopFlags, Stream, WaitCondition};
 use crate::error::{Error, Result};
@@ -97,10 +97,7 @@ impl Drop for Queue {
     /// Let go of on a thread that frees nothing (its last handle dropped by code a waker ran on
     /// a stream proxy), the words go to a thread that may wait for the streams that used them.
     fn drop(&mut self) {
-        if frees_nothing_here() {
-            let words = std::mem::replace(&mut self.words, Box::new(HostWords::new(0)));
-            drop_elsewhere(Box::new(words));
-        }
+        drop_words_freely(&mut self.words);
     }
 }
 

@@ -112,10 +112,17 @@ impl Drop for Counter {
     /// one of the crate's threads), the word goes to a thread that may wait for the streams that
     /// used it.
     fn drop(&mut self) {
-        if frees_nothing_here() {
-            let words = std::mem::replace(&mut self.words, Box::new(HostWords::new(0)));
-            drop_elsewhere(Box::new(words));
-        }
+        drop_words_freely(&mut self.words);
+    }
+}
+
+/// On a thread that frees nothing, hand `words` (their owner being dropped) to the crate's drop
+/// thread: their drop waits for the streams that used them. Elsewhere nothing: they go with
+/// their owner.
+pub(crate) fn drop_words_freely(words: &mut Box<dyn WordMemory>) {
+    if frees_nothing_here() {
+        let words = std::mem::replace(words, Box::new(HostWords::new(0)));
+        drop_elsewhere(Box::new(words));
     }
 }
 
