@@ -26,6 +26,16 @@ pub(crate) fn frees_nothing() {
     FREES_NOTHING.with(|c| c.set(true));
 }
 
+/// Run `f` with this thread marked as one that frees nothing, then restore its mark: for a
+/// callback on a thread the crate does not own (CUDA's host-function thread, where no CUDA call
+/// is allowed), whose wakers may run a user's code inline.
+pub(crate) fn freeing_nothing<T>(f: impl FnOnce() -> T) -> T {
+    let was = FREES_NOTHING.with(|c| c.replace(true));
+    let out = f();
+    FREES_NOTHING.with(|c| c.set(was));
+    out
+}
+
 /// Whether this thread frees nothing ([`frees_nothing`]).
 #[inline]
 pub(crate) fn frees_nothing_here() -> bool {

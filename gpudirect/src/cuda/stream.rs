@@ -1,6 +1,7 @@
 //! Streams with a completion timeline, cross-stream events and host callbacks.
 
 use crate::completion::capture::{self, PrivateStream, Refused};
+use crate::completion::elsewhere::freeing_nothing;
 use crate::completion::{Done, EventFence, HostFnFence, StreamFence, Timeline, Tracker};
 use crate::error::{Result, from_driver};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
@@ -357,20 +358,27 @@ unsafe extern "C" fn host_fn_trampoline(user: *mut std::ffi::c_void) {
     if payload.state.load(Ordering::Acquire) == LEAKED {
         return; // possibly a graph launch: run nothing, free nothing
     }
-    let panicked = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (payload.f)())) {
-        Ok(()) => false,
-        Err(p) => {
-            // Dropping the payload here could run a destructor that panics, and unwinding out
-            // of this extern "C" function aborts: leak it (the fence records the panic).
-            std::mem::forget(p);
-            true
-        }
-    };
-    // Complete the fence through the payload's own handle, before the mark below hands the
-    // payload over: no handle of the fence (nor any waker it keeps) is dropped on this thread.
-    // The fence wakes its futures' wakers by reference. If the payload was marked LEAKED
-    // meanwhile, the fence was never handed out, so completing it tells nobody anything.
-    payload.fence.complete(panicked);
+    // `f` and the wakers run with the thread marked as freeing nothing: what the crate lets go
+    // of there (in code a waker runs inline) is dropped on the crate's drop thread.
+    freeing_nothing(|| {
+        let panicked =
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (payload.f)())) {
+                Ok(()) => false,
+                Err(p) => {
+                    // Dropping the payload here could run a destructor that panics, and
+                    // unwinding out of this extern "C" function aborts: leak it (the fence
+                    // records the panic).
+                    std::mem::forget(p);
+                    true
+                }
+            };
+        // Complete the fence through the payload's own handle, before the mark below hands the
+        // payload over: no handle of the fence (nor any waker it keeps) is dropped on this
+        // thread. The fence wakes its futures' wakers by reference. If the payload was marked
+        // LEAKED meanwhile, the fence was never handed out, so completing it tells nobody
+        // anything.
+        payload.fence.complete(panicked);
+    });
     // The last access to the payload: from here on the queueing thread may free it.
     match payload
         .state
@@ -514,6 +522,44 @@ mod tests {
         assert_eq!(
             (runs.load(Ordering::SeqCst), drops.load(Ordering::SeqCst)),
             (0, 0)
+        );
+    }
+
+    /// A waker that notes whether the thread waking it was marked as freeing nothing.
+    struct NotesMark(std::sync::Mutex<Vec<bool>>);
+    impl std::task::Wake for NotesMark {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            let here = crate::completion::elsewhere::frees_nothing_here();
+            self.0.lock().unwrap().push(here);
+        }
+    }
+
+    #[test]
+    fn the_callback_and_its_wakers_run_marked_as_freeing_nothing() {
+        let seen = Arc::new(NotesMark(std::sync::Mutex::new(Vec::new())));
+        let fence = HostFnFence::new();
+        let waker = std::task::Waker::from(seen.clone());
+        assert!(crate::completion::Fence::register_waker(&fence, &waker));
+        let in_f = Arc::new(NotesMark(std::sync::Mutex::new(Vec::new())));
+        let noted = in_f.clone();
+        let raw = Box::into_raw(Box::new(HostFnPayload {
+            f: Box::new(move || std::task::Wake::wake_by_ref(&noted)),
+            fence: fence.clone(),
+            state: AtomicU8::new(PENDING),
+        }));
+        assert!(!crate::completion::elsewhere::frees_nothing_here());
+        // SAFETY: the leaked payload, handed to the callback as cuLaunchHostFunc would.
+        unsafe { host_fn_trampoline(raw.cast()) };
+        // SAFETY: the callback marked RAN: the queueing side frees it.
+        drop(unsafe { Box::from_raw(raw) });
+        assert_eq!(*in_f.0.lock().unwrap(), [true], "f ran marked");
+        assert_eq!(*seen.0.lock().unwrap(), [true], "the waker ran marked");
+        assert!(
+            !crate::completion::elsewhere::frees_nothing_here(),
+            "the thread's own mark is back"
         );
     }
 
