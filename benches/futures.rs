@@ -37,7 +37,10 @@
 //! task spawned and awaited per copy (the floor of a task per operation), the copies through
 //! `copy_async` waited for once (the issue path alone), the raw copies with a task per copy
 //! woken from another thread once the stream finished (the floor of a task per operation woken
-//! at completion), and the raw copies while another thread queries an event on their stream in
+//! at completion), the same woken while the copies are still being queued (each as soon as it
+//! is queued, or once an event that another thread records and queries in a loop completed
+//! behind it: the library's method with no gpudirect code), and the raw copies while another
+//! thread queries an event on their stream in
 //! a loop, does so sleeping 20 µs between queries, or only yields (what a thread that polls
 //! costs the thread queueing). The awaits run on a multi-threaded tokio runtime (2 workers). Without a GPU it prints `SKIPPED: reason`. A run takes a few
 //! seconds.
@@ -521,6 +524,90 @@ fn main() {
         });
         t.elapsed().as_secs_f64()
     };
+    // The raw copies, a task per copy awaiting a oneshot channel that another thread fires as
+    // the copies are still being queued: `polled` false, each as soon as it is queued (no
+    // driver call on that thread: what the wake-ups alone cost the queueing thread); `polled`
+    // true, once an event recorded after it completed (the thread queries the event in a loop
+    // and records it again once complete, as the completion thread does: the library's method
+    // with no gpudirect code).
+    let raw_woken_live = |polled: bool| {
+        let t = Instant::now();
+        rt.block_on(async {
+            let mut tasks = Vec::with_capacity(CONCURRENT);
+            let (fire_tx, fire_rx) = std::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>();
+            let (c, s) = (ctx.clone(), cs as usize);
+            let firing = std::thread::spawn(move || {
+                c.bind_to_thread().unwrap();
+                let mut qev: sys::CUevent = std::ptr::null_mut();
+                // SAFETY: the context is current; a valid out-pointer.
+                ok("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut qev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+                });
+                let (mut queued, mut covered) = (Vec::new(), 0usize);
+                let mut open = true;
+                while open || !queued.is_empty() {
+                    loop {
+                        match fire_rx.try_recv() {
+                            Ok(tx) => queued.push(tx),
+                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                                open = false;
+                                break;
+                            }
+                        }
+                    }
+                    if !polled {
+                        for tx in queued.drain(..) {
+                            let _ = tx.send(());
+                        }
+                    } else if covered == 0 {
+                        if !queued.is_empty() {
+                            // Every copy of those received was queued before its sender was sent.
+                            covered = queued.len();
+                            // SAFETY: a live event and stream, the context current.
+                            ok("cuEventRecord", unsafe {
+                                sys::cuEventRecord(qev, s as sys::CUstream)
+                            });
+                        }
+                    // SAFETY: a live event, the context current.
+                    } else if unsafe { sys::cuEventQuery(qev) } == sys::CUresult::CUDA_SUCCESS {
+                        for tx in queued.drain(..covered) {
+                            let _ = tx.send(());
+                        }
+                        covered = 0;
+                    }
+                    std::thread::yield_now();
+                }
+                // SAFETY: idle: its last record completed (or it was never recorded).
+                unsafe {
+                    ok(
+                        "cuStreamSynchronize",
+                        sys::cuStreamSynchronize(s as sys::CUstream),
+                    );
+                    sys::cuEventDestroy_v2(qev);
+                }
+            });
+            for (s, d) in src_ptrs.iter().zip(&dst_ptrs) {
+                // SAFETY: live 4-byte buffers, no other work on them in flight.
+                ok("cuMemcpyDtoDAsync_v2", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(*d, *s, 4, cs)
+                });
+                let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                fire_tx.send(tx).unwrap();
+                tasks.push(tokio::spawn(async move { rx.await.unwrap() }));
+            }
+            drop(fire_tx);
+            for t in tasks {
+                t.await.unwrap();
+            }
+            firing.join().unwrap();
+        });
+        // SAFETY: a live stream.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(cs)
+        });
+        t.elapsed().as_secs_f64()
+    };
     // `spin`: each task's await spins that long first (`InFlightFuture::spin`; zero: none).
     let mut awaited_many = |spin: std::time::Duration| {
         let ss = srcs.take().unwrap();
@@ -582,6 +669,7 @@ fn main() {
     let mut tasks_rounds_ratio = Vec::new();
     let mut issue_ratio = Vec::new();
     let mut woken_ratio = Vec::new();
+    let mut live_ratio = [Vec::new(), Vec::new()];
     let mut beside_ratio: Vec<Vec<f64>> = vec![Vec::new(); BESIDE.len()];
     let mut before = raw_many();
     conc_raw.push(before);
@@ -607,6 +695,13 @@ fn main() {
         let mut prev = raw_many();
         woken_ratio.push(paired::ratio(after3, woken, prev));
         conc_raw.push(prev);
+        for (i, polled) in [false, true].into_iter().enumerate() {
+            let live = raw_woken_live(polled);
+            let after = raw_many();
+            live_ratio[i].push(paired::ratio(prev, live, after));
+            conc_raw.push(after);
+            prev = after;
+        }
         for (i, (what, _)) in BESIDE.iter().enumerate() {
             let beside = raw_beside(*what);
             let after = raw_many();
@@ -705,6 +800,18 @@ fn main() {
         "raw: the same copies with a task per copy woken from another thread when the stream has finished (no gpudirect code), paired the same way: {}",
         Summary::of(&woken_ratio).expect("rounds measured")
     );
+    for (name, r) in [
+        "woken from another thread as each is queued, while the rest are queued (no driver call on that thread)",
+        "woken from another thread that queries an event in a loop and records it again once complete, once one recorded after the copy completed (the library's method)",
+    ]
+    .iter()
+    .zip(&live_ratio)
+    {
+        println!(
+            "raw: the same copies with a task per copy {name} (no gpudirect code), paired the same way: {}",
+            Summary::of(r).expect("rounds measured")
+        );
+    }
     for ((_, name), r) in BESIDE.iter().zip(&beside_ratio) {
         println!(
             "raw: the same copies while {name} (no gpudirect code), paired the same way: {}",
