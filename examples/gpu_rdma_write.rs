@@ -7,8 +7,9 @@
 //! cargo run --release --example gpu_rdma_write -- 65536     # BYTES
 //! ```
 //!
-//! Where no path exists it prints `SKIPPED: <reason>` and exits 0: no GPU, no verbs device, or
-//! neither dma-buf nor nvidia-peermem (with each path's refusal). It exits 1 instead when
+//! Where no path exists it prints `SKIPPED: <reason>` and exits 0: no GPU, a GPU that says it
+//! cannot do GPUDirect RDMA, no verbs device, or neither dma-buf nor nvidia-peermem (with each
+//! path's refusal). It exits 1 instead when
 //! `GPUDIRECT_REQUIRE` names the missing hardware (`gpu`, `rdma`); 2 on a bad argument.
 
 #[path = "support/cli.rs"]
@@ -60,7 +61,15 @@ fn run(n: usize) -> gpudirect::Result<()> {
         .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
         .collect();
     let buf = DeviceBuffer::from_slice(&stream, &pattern)?;
-    check_rdma_capable(&buf)?;
+    match check_rdma_capable(&buf) {
+        Ok(_) => {}
+        // The GPU says it cannot take part in GPUDirect RDMA: a missing capability, as no NIC.
+        Err(e) if e.absence().is_some() => skip_example(
+            Hardware::Rdma,
+            format!("this GPU cannot do GPUDirect RDMA ({e}). {gpu_side}"),
+        ),
+        Err(e) => return Err(e),
+    }
 
     let vctx = match Context::open_by_name(None) {
         Ok(c) => c,
