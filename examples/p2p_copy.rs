@@ -1,5 +1,5 @@
 //! P2P smoke test: the link matrix, then a verified copy for every ordered device pair (each device
-//! with itself too) with GB/s and the path that ran; with one GPU also the staged path to itself;
+//! with itself too) with GB/s and the path that ran; for each device also the staged path to itself;
 //! then CUDA IPC between two processes (this binary re-executed as the importer, on the last GPU):
 //! the exported memory copied into the importer's GPU, once mapped where it lives (a peer copy
 //! from there) and once mapped on the importer's GPU (pulled across the link), each with its path

@@ -116,8 +116,9 @@ impl Engine {
     /// Connect an endpoint: one rail to each of `peers` (`host:port`, names resolved, each within
     /// [`EngineConfig::connect_timeout`](crate::transfer::EngineConfig::connect_timeout)), in rail
     /// order, each through the local device rdma_cm routes it to (which must be one of the
-    /// engine's). The first message of each rail's connection carries `publish` (on rail 0) and
-    /// the peer's sends back its own ([`Endpoint::peer_descriptors`]).
+    /// engine's). The first message of each rail's connection carries `publish` (on every rail,
+    /// each with that rail's rkeys) and the peer's sends back its own
+    /// ([`Endpoint::peer_descriptors`]; every rail's list must be the same).
     ///
     /// # Errors
     ///
@@ -158,7 +159,9 @@ impl Engine {
     /// local memory's GPU, or GPU 0 for host memory; once per allocation and GPU in the process,
     /// until nothing holds it; for pool memory `cuMemPoolImportFromShareableHandle` of the
     /// pool's file descriptor received, once per pool, and `cuMemPoolImportPointer`, once per
-    /// allocation) and copy with `cuMemcpyAsync` on the endpoint's streams; each report's path
+    /// allocation) and copy by a graph launch of copy nodes
+    /// ([`EngineConfig::copy_graphs`](crate::transfer::EngineConfig::copy_graphs), on by
+    /// default), else with `cuMemcpyAsync`, on the endpoint's streams; each report's path
     /// is [`MemoryPath::CudaIpc`](super::MemoryPath::CudaIpc) with the link crossed.
     ///
     /// The owner of published pool memory keeps its region until the peer's endpoints are
@@ -319,7 +322,7 @@ impl TransferListener {
     }
 
     /// Accept the next endpoint, returning by `timeout`: its rails' connections, whose first
-    /// messages carry `publish` (on rail 0) and the peer's descriptors. Rails of other
+    /// messages carry `publish` (on every rail) and the peer's descriptors. Rails of other
     /// endpoints arriving meanwhile are kept for a later call.
     ///
     /// Each connection's handshake runs on its own thread, bounded by

@@ -71,8 +71,8 @@
 //! [`Endpoint::notification`]) only after flushing the GPUs whose memory it registered for peers
 //! (`cuFlushGPUDirectRDMAWrites`, skipped where the device already orders such writes).
 //!
-//! A write with immediate consumes a receive at the peer. Each side posts receives on rail 0 and
-//! tells the other how many; a notification is sent only against a credit, and credits come back
+//! A write with immediate consumes a receive at the peer. Each side posts `notify_depth` receives
+//! on every rail and tells the other how many (credits are per rail); a notification is sent only against a credit, and credits come back
 //! in a send with immediate once half are used (one credit is always kept for that message), so
 //! the peer never finds no receive posted: no receiver-not-ready retries.
 //!
@@ -106,7 +106,8 @@
 //! with `cuMemPoolImportFromShareableHandle` and the pointer once with
 //! `cuMemPoolImportPointer`; closed when no endpoint and no copy holds it),
 //! checks each range against the allocation
-//! length the peer claims and the mapping's real size, and copies with `cuMemcpyAsync` on a
+//! length the peer claims and the mapping's real size, and copies by a graph launch of copy nodes
+//! ([`EngineConfig::copy_graphs`], on by default), else with `cuMemcpyAsync`, on a
 //! stream the endpoint owns on the local memory's GPU ([`EngineConfig::copy_streams`]), one set
 //! per issue lane: each thread that submits issues on its own lane
 //! ([`EngineConfig::copy_lanes`]), so threads sharing an endpoint copy side by side; a caller
