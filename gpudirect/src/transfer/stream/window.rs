@@ -13,9 +13,10 @@ pub const PROXY_NAP: Duration = Duration::from_micros(64);
 
 /// The proxy's nap between looks while what it watches is only fences (events recorded after
 /// copies the caller's own stream runs) and nobody waits on them: it starts no bytes then, and
-/// a thread busy looking slowed the caller's own submissions (docs/transfer.md). A waiter
-/// rings it.
-pub(super) const FENCE_NAP: Duration = Duration::from_micros(10);
+/// each look (a driver query) slows the caller's own submissions, which take the driver's locks
+/// it takes (docs/transfer.md: 200 µs against 10 µs). A waiter rings it; a waiter's thread
+/// finds a lean request's end itself.
+pub(super) const FENCE_NAP: Duration = Duration::from_micros(200);
 
 /// Rounds of the proxy's poll that only yield before it sleeps.
 pub(super) const SPIN_ROUNDS: u32 = 32;
