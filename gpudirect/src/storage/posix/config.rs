@@ -112,8 +112,9 @@ impl PosixConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] naming the variable when one is not a whole number, or when
-    /// the result breaks a bound of [`validate`](Self::validate).
+    /// [`Error::InvalidArgument`] naming the variable when one is not a whole number, or naming
+    /// the field (`config.threads`, ...) when the result breaks a bound of
+    /// [`validate`](Self::validate).
     pub fn automatic(len: usize) -> Result<PosixConfig> {
         static ENV: OnceLock<[Option<String>; 6]> = OnceLock::new();
         let env = ENV.get_or_init(|| POSIX_ENV.map(|k| std::env::var(k).ok()));
