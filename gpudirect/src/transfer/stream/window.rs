@@ -14,9 +14,9 @@ pub const PROXY_NAP: Duration = Duration::from_micros(64);
 /// The proxy's nap between looks while what it watches is only fences (events recorded after
 /// copies the caller's own stream runs) and nobody waits on them: it starts no bytes then, and
 /// each look (a driver query) slows the caller's own submissions, which take the driver's locks
-/// it takes (docs/transfer.md: 200 µs against 10 µs). A waiter rings it; a waiter's thread
+/// it takes (docs/transfer.md: 100 µs against 10 µs). A waiter rings it; a waiter's thread
 /// finds a lean request's end itself.
-pub(super) const FENCE_NAP: Duration = Duration::from_micros(200);
+pub(super) const FENCE_NAP: Duration = Duration::from_micros(100);
 
 /// Rounds of the proxy's poll that only yield before it sleeps.
 pub(super) const SPIN_ROUNDS: u32 = 32;
