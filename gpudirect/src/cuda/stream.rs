@@ -177,6 +177,8 @@ impl Stream {
     /// # Errors
     ///
     /// As [`record_event`](Self::record_event) and [`wait`](Self::wait).
+    #[doc(alias = "cuEventRecord")]
+    #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_for(&self, other: &Stream) -> Result<()> {
         let ev = other.record_event()?;
         self.wait(&ev)
@@ -324,6 +326,7 @@ impl Stream {
     /// # Errors
     ///
     /// As [`launch_host_fn`](Self::launch_host_fn).
+    #[doc(alias = "cuLaunchHostFunc")]
     pub fn host_fence(&self) -> Result<HostFnFence> {
         self.launch_host_fn(|| {})
     }

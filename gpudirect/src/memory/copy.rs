@@ -190,6 +190,8 @@ where
 /// borrowed buffers cannot be parked the way [`copy_async`]'s owned ones are, so the process
 /// aborts (with a message on standard error) rather than return while the copy might still
 /// read or write them.
+#[doc(alias = "cuMemcpyDtoDAsync_v2")]
+#[doc(alias = "cuMemcpyAsync")]
 pub fn copy<S, D>(stream: &Stream, src: &S, dst: &mut D) -> Result<()>
 where
     S: DeviceMemory,
@@ -214,6 +216,7 @@ where
 ///
 /// As [`copy`].
 #[doc(alias = "cuMemcpyHtoD_v2")]
+#[doc(alias = "cuMemcpyHtoDAsync_v2")]
 pub fn copy_from_host<D>(stream: &Stream, src: &[D::Elem], dst: &mut D) -> Result<()>
 where
     D: DeviceMemoryMut,
@@ -240,6 +243,7 @@ where
 ///
 /// As [`copy`].
 #[doc(alias = "cuMemcpyDtoH_v2")]
+#[doc(alias = "cuMemcpyDtoHAsync_v2")]
 pub fn copy_to_host<S>(stream: &Stream, src: &S, dst: &mut [S::Elem]) -> Result<()>
 where
     S: DeviceMemory,

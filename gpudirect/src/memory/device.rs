@@ -75,7 +75,7 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// As [`alloc`](Self::alloc); [`crate::Error::Cuda`] from the memset or its synchronization
     /// (the buffer is then freed).
-    #[doc(alias = "cuMemsetD8_v2")]
+    #[doc(alias = "cuMemsetD8Async")]
     pub fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         let b = Self::alloc(ctx, len)?;
         crate::cuda::on_private_stream(ctx, |stream| {

@@ -43,6 +43,7 @@ impl<T: Pod> PoolBuffer<T> {
     ///
     /// [`crate::Error::Cuda`] from `cuStreamSynchronize` (the slice is then dropped).
     #[doc(alias = "cuMemAllocAsync")]
+    #[doc(alias = "cuStreamSynchronize")]
     pub fn new(slice: CudaSlice<T>) -> Result<Self> {
         let stream = slice.stream().clone();
         let ptr = {

@@ -719,6 +719,7 @@ impl AsyncQueuePair {
     /// # Errors
     ///
     /// As [`post`](Self::post).
+    #[doc(alias = "ibv_post_send")]
     pub fn send(&self, local: MrSlice) -> Result<WcFuture> {
         self.post(SendRequest::send(local))
     }
@@ -728,6 +729,7 @@ impl AsyncQueuePair {
     /// # Errors
     ///
     /// As [`post`](Self::post).
+    #[doc(alias = "ibv_post_send")]
     pub fn write(&self, local: MrSlice, remote: RemoteSlice) -> Result<WcFuture> {
         self.post(SendRequest::write(local, remote))
     }
@@ -737,6 +739,7 @@ impl AsyncQueuePair {
     /// # Errors
     ///
     /// As [`post`](Self::post).
+    #[doc(alias = "ibv_post_send")]
     pub fn read(&self, local: MrSlice, remote: RemoteSlice) -> Result<WcFuture> {
         self.post(SendRequest::read(local, remote))
     }

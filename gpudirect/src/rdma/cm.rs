@@ -495,6 +495,9 @@ impl Listener {
     ///
     /// As [`accept`](Self::accept); whatever `home` returns; [`Error::InvalidArgument`] when the
     /// protection domain is on another device.
+    #[doc(alias = "rdma_accept")]
+    #[doc(alias = "rdma_get_cm_event")]
+    #[doc(alias = "rdma_migrate_id")]
     pub fn accept_with(
         &self,
         opts: &ConnectOptions,
@@ -997,6 +1000,9 @@ impl Connection {
     ///
     /// As [`connect`](Self::connect); whatever `home` returns; [`Error::InvalidArgument`] when
     /// the protection domain is on another device.
+    #[doc(alias = "rdma_connect")]
+    #[doc(alias = "rdma_resolve_addr")]
+    #[doc(alias = "rdma_resolve_route")]
     pub fn connect_with(
         addr: SocketAddr,
         opts: &ConnectOptions,

@@ -78,6 +78,8 @@ impl Context {
     /// # Errors
     ///
     /// [`Error::NoDevice`] when there is no (such) device; see also [`Context::open`].
+    #[doc(alias = "ibv_get_device_list")]
+    #[doc(alias = "ibv_open_device")]
     pub fn open_by_name(name: Option<&str>) -> Result<Context> {
         let list = DeviceList::non_empty()?;
         match name {
@@ -265,6 +267,8 @@ impl Context {
     /// # Errors
     ///
     /// As [`Context::query_port`].
+    #[doc(alias = "ibv_query_port")]
+    #[doc(alias = "ibv_query_gid_ex")]
     pub fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>> {
         let p = self.query_port(port)?;
         Ok((0..p.gid_tbl_len)

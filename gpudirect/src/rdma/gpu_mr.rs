@@ -102,6 +102,7 @@ pub unsafe trait GpuMrSource: Send + 'static {
 /// [`Error::NotRdmaCapable`] for pool memory or memory whose attribute is 0; [`Error::Cuda`] /
 /// [`Error::Load`] when the attributes cannot be read.
 #[doc(alias = "CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE")]
+#[doc(alias = "cuPointerGetAttributes")]
 pub fn check_rdma_capable<M: DeviceMemory>(mem: &M) -> Result<PointerAttributes> {
     let kind = mem.kind();
     if !kind.is_device() {

@@ -838,6 +838,7 @@ impl QueuePair<Rts> {
     #[doc(alias = "IBV_WR_BIND_MW")]
     #[doc(alias = "ibv_bind_mw")]
     #[doc(alias = "ibv_inc_rkey")]
+    #[doc(alias = "ibv_post_send")]
     pub fn bind_window(
         &mut self,
         window: MemoryWindow,
@@ -883,6 +884,7 @@ impl QueuePair<Rts> {
     /// [`Error::QueueFull`] when the send queue or the send CQ is full; [`Error::Os`] naming
     /// `ibv_post_send`.
     #[doc(alias = "IBV_WR_LOCAL_INV")]
+    #[doc(alias = "ibv_post_send")]
     pub fn invalidate_window(
         &mut self,
         window: BoundWindow,

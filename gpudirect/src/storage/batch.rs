@@ -400,6 +400,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
     ///
     /// [`Error::CuFile`] from `cuFileBatchIOGetStatus`; the batch is then dropped (cancel and a
     /// bounded wait, else leak).
+    #[doc(alias = "cuFileBatchIOGetStatus")]
     #[doc(alias = "cuFileBatchIODestroy")]
     pub fn wait(self) -> Result<Vec<BatchResult<M>>> {
         self.wait_timeout(Duration::MAX)
@@ -411,6 +412,7 @@ impl<M: DeviceMemoryMut> Batch<M> {
     /// # Errors
     ///
     /// [`Error::Timeout`]; [`Error::CuFile`] from `cuFileBatchIOGetStatus`.
+    #[doc(alias = "cuFileBatchIOGetStatus")]
     #[doc(alias = "cuFileBatchIODestroy")]
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<Vec<BatchResult<M>>> {
         let start = Instant::now();

@@ -273,6 +273,7 @@ impl Driver {
 
     /// The largest number of requests one [`Batch`](super::Batch) may hold: the driver's
     /// `max_batch_io_size`, or 128 where it reports 0.
+    #[doc(alias = "cuFileDriverGetProperties")]
     pub fn max_batch_entries(&self) -> usize {
         match self.properties() {
             Ok(p) if p.max_batch_io_size > 0 => p.max_batch_io_size as usize,
