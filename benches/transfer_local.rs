@@ -889,7 +889,8 @@ fn main() {
     let mut path = String::new();
     let mut rows = Vec::new();
     // One request at a time awaited on a current-thread runtime: (size, raw, wait, await,
-    // await with a spin, stream-ordered with a stream wait).
+    // await with a spin, stream-ordered with a stream wait, the raw hand-off, the raw await
+    // woken by a polling thread).
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -964,7 +965,47 @@ fn main() {
         // The same hand-off by hand (raw IPC copy, event, stream wait on a host word the host
         // stores once it sees the event).
         let hand_one = per_call(reps, || raw.hand_off(raw_ipc, n, events[0], &handed));
-        awaited.push((n, raw_one, gd_one, await_one, await_spin, on_one, hand_one));
+        // The floor of an await woken by a thread that polls: the raw IPC copy and an event,
+        // another thread asking the event in a loop (yielding between asks, as the engine's
+        // worker looks) and firing a oneshot channel the caller's task awaits.
+        let woken_one = {
+            let (jobs, rx) =
+                std::sync::mpsc::channel::<(usize, tokio::sync::oneshot::Sender<()>)>();
+            let pctx = ctx.clone();
+            let poller = std::thread::spawn(move || {
+                pctx.bind_to_thread().expect("cuCtxSetCurrent");
+                loop {
+                    match rx.try_recv() {
+                        Ok((ev, tx)) => {
+                            loop {
+                                // SAFETY: a live event of the context, current on this thread.
+                                match unsafe { sys::cuEventQuery(ev as sys::CUevent) } {
+                                    sys::CUresult::CUDA_SUCCESS => break,
+                                    sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
+                                    r => check(r, "cuEventQuery"),
+                                }
+                            }
+                            let _ = tx.send(());
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                    }
+                }
+            });
+            let took = per_call(reps, || {
+                raw.copy_to(raw_ipc, n);
+                raw.record(events[0]);
+                let (tx, done) = tokio::sync::oneshot::channel();
+                jobs.send((events[0] as usize, tx)).expect("poller");
+                rt.block_on(done).expect("woken");
+            });
+            drop(jobs);
+            poller.join().expect("poller");
+            took
+        };
+        awaited.push((
+            n, raw_one, gd_one, await_one, await_spin, on_one, hand_one, woken_one,
+        ));
         // At least 9 bursts a pipelined cell: a median of 3 left the stream-ordered cell's
         // paired intervals twice as wide as the others'.
         let pipe_reps = reps.div_ceil(depth).max(9);
@@ -1298,7 +1339,7 @@ fn main() {
         "awaited one at a time (a current-thread tokio runtime's block_on), GB/s and ratio to raw 1x1:"
     );
     println!(
-        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7}",
+        "{:>9} | {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7} {:>9} {:>6} {:>7}",
         "size",
         "raw 1x1",
         "wait",
@@ -1312,11 +1353,14 @@ fn main() {
         "+us",
         "hand-off",
         "ratio",
-        "/hand"
+        "/hand",
+        "woken",
+        "ratio",
+        "/woken"
     );
-    for (n, r1, w, aw, sp, on, ho) in awaited {
+    for (n, r1, w, aw, sp, on, ho, wk) in awaited {
         println!(
-            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.2}",
+            "{:>9} | {:>9.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>9.2} {:>6.2} {:>7.1} {:>9.2} {:>6.2} {:>7.2} {:>9.2} {:>6.2} {:>7.2}",
             label(n),
             gbs(n, r1),
             gbs(n, w),
@@ -1330,13 +1374,17 @@ fn main() {
             (on - r1) * 1e6,
             gbs(n, ho),
             r1 / ho,
-            ho / on
+            ho / on,
+            gbs(n, wk),
+            r1 / wk,
+            wk / aw
         );
     }
     println!(
         "wait: Transfer::wait; await: transfer.await; spin: transfer.spin({} us).await (it looks for the end itself first, as wait does); \
          on+wait: Endpoint::write_on, StreamTransfer::wait_on on the same stream, one synchronize (the proxy sees the copies done and publishes the word); \
-         hand-off: the same by hand (raw IPC copy, cuEventRecord, cuStreamWaitValue64 on a mapped host word, the host spinning on cuEventQuery then storing the word, cuStreamSynchronize); /hand = on+wait's rate over it",
+         hand-off: the same by hand (raw IPC copy, cuEventRecord, cuStreamWaitValue64 on a mapped host word, the host spinning on cuEventQuery then storing the word, cuStreamSynchronize); /hand = on+wait's rate over it; \
+         woken: raw IPC copy and cuEventRecord, another thread asking the event in a loop then firing a oneshot the caller's task awaits (the floor of an await woken by a polling thread); /woken = await's rate over it",
         AWAIT_SPIN.as_micros()
     );
     println!();
