@@ -67,6 +67,16 @@ fn ok(call: &'static str, r: sys::CUresult) {
         .unwrap();
 }
 
+/// A new event without timing, in the context current on this thread (the caller's to destroy).
+fn new_event() -> sys::CUevent {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the caller made the context current.
+    ok("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    });
+    ev
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -244,12 +254,8 @@ fn main() {
         a.as_ref().unwrap().device_ptr(),
         b.as_ref().unwrap().device_ptr(),
     );
-    let mut ev: sys::CUevent = std::ptr::null_mut();
     ctx.bind_to_thread().unwrap();
-    // SAFETY: context current; a valid out-pointer.
-    ok("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-    });
+    let ev = new_event();
     CALLER.set(std::thread::current()).unwrap();
     // SAFETY (for every raw copy below): two live 4-byte buffers, alive for the whole bench; the
     // gpudirect variants hold them in between, and each variant's copy has completed before the
@@ -422,15 +428,9 @@ fn main() {
     // The raw copies with another thread busy beside them (its start and end not timed).
     let raw_beside = |what: Beside| {
         let stop = Arc::new(AtomicBool::new(false));
-        let mut qev: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: context current on this thread; a valid out-pointer; a live stream.
-        unsafe {
-            ok(
-                "cuEventCreate",
-                sys::cuEventCreate(&mut qev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
-            );
-            ok("cuEventRecord", sys::cuEventRecord(qev, cs));
-        }
+        let qev = new_event();
+        // SAFETY: a live event of the context current on this thread; a live stream.
+        ok("cuEventRecord", unsafe { sys::cuEventRecord(qev, cs) });
         let (st, c, qe, s) = (stop.clone(), ctx.clone(), qev as usize, cs as usize);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let helper = std::thread::spawn(move || {
@@ -538,11 +538,7 @@ fn main() {
             let (c, s) = (ctx.clone(), cs as usize);
             let firing = std::thread::spawn(move || {
                 c.bind_to_thread().unwrap();
-                let mut qev: sys::CUevent = std::ptr::null_mut();
-                // SAFETY: the context is current; a valid out-pointer.
-                ok("cuEventCreate", unsafe {
-                    sys::cuEventCreate(&mut qev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-                });
+                let qev = new_event();
                 let (mut queued, mut covered) = (Vec::new(), 0usize);
                 let mut open = true;
                 while open || !queued.is_empty() {

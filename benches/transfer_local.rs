@@ -82,6 +82,19 @@ const DONE_TAG: u32 = 0xD0E;
 /// Mooncake's bench and ours in its shape: (batch, threads).
 const MOONCAKE_CONFIGS: [(usize, usize); 3] = [(1, 1), (64, 1), (64, 4)];
 
+/// Ask `event` (live, of the context current on this thread) in a loop, yielding between
+/// asks, until it completed.
+fn spin_on_event(event: sys::CUevent) {
+    loop {
+        // SAFETY: a live event of the current context, as the caller promises.
+        match unsafe { sys::cuEventQuery(event) } {
+            sys::CUresult::CUDA_SUCCESS => return,
+            sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
+            r => check(r, "cuEventQuery"),
+        }
+    }
+}
+
 fn check(r: sys::CUresult, call: &str) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
 }
@@ -482,14 +495,7 @@ impl Raw {
             },
             "cuStreamWaitValue64_v2",
         );
-        loop {
-            // SAFETY: a live event of the context.
-            match unsafe { sys::cuEventQuery(event) } {
-                sys::CUresult::CUDA_SUCCESS => break,
-                sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
-                r => check(r, "cuEventQuery"),
-            }
-        }
+        spin_on_event(event);
         word.store(value);
         self.sync();
     }
@@ -977,14 +983,7 @@ fn main() {
                 loop {
                     match rx.try_recv() {
                         Ok((ev, tx)) => {
-                            loop {
-                                // SAFETY: a live event of the context, current on this thread.
-                                match unsafe { sys::cuEventQuery(ev as sys::CUevent) } {
-                                    sys::CUresult::CUDA_SUCCESS => break,
-                                    sys::CUresult::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
-                                    r => check(r, "cuEventQuery"),
-                                }
-                            }
+                            spin_on_event(ev as sys::CUevent);
                             let _ = tx.send(());
                         }
                         Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
